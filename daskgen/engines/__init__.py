@@ -1,0 +1,83 @@
+"""Engine registry: implementations are found by name in the ``daskgen.engines`` entry-point group."""
+
+from __future__ import annotations
+
+from importlib import import_module
+from importlib.metadata import entry_points
+from typing import Any
+
+from daskgen.engines.base import (
+    Engine,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+)
+from daskgen.errors import EngineNotFoundError
+
+__all__ = [
+    "Engine",
+    "FinishReason",
+    "GenerationRequest",
+    "GenerationResult",
+    "SamplingParams",
+    "available_engines",
+    "create_engine",
+    "get_engine_class",
+]
+
+GROUP = "daskgen.engines"
+
+# Built-ins, so a source checkout that was not pip-installed still finds them.
+_BUILTIN = {
+    "transformers": "daskgen.engines.transformers:TransformersEngine",
+    "simulated": "daskgen.engines.simulated:SimulatedEngine",
+    "sglang": "daskgen.engines.sglang:SGLangEngine",
+    "openai": "daskgen.engines.openai:OpenAIEngine",
+}
+
+
+def _targets() -> dict[str, str]:
+    targets = dict(_BUILTIN)
+    for ep in entry_points(group=GROUP):
+        targets[ep.name] = ep.value
+    return targets
+
+
+def available_engines() -> list[str]:
+    """Names of every registered engine whose module exists."""
+    names = []
+    for name, target in sorted(_targets().items()):
+        module = target.split(":")[0]
+        try:
+            from importlib.util import find_spec
+
+            if find_spec(module) is not None:
+                names.append(name)
+        except ModuleNotFoundError:
+            continue
+    return names
+
+
+def get_engine_class(name: str) -> type[Engine]:
+    """Return the engine class registered as ``name`` (imports it lazily)."""
+    targets = _targets()
+    if name not in targets:
+        raise EngineNotFoundError(
+            f"unknown engine {name!r}; registered engines are {sorted(targets)}. "
+            f"Third-party engines register under the entry-point group {GROUP!r}."
+        )
+    module_name, _, attr = targets[name].partition(":")
+    try:
+        module = import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise EngineNotFoundError(
+            f"engine {name!r} needs the module {exc.name!r}, which is not installed; "
+            f"install it (e.g. `pip install daskgen[{name}]`)."
+        ) from exc
+    return getattr(module, attr)
+
+
+def create_engine(name: str, model: str, **engine_args: Any) -> Engine:
+    """Instantiate the engine ``name`` for ``model`` (does not start it)."""
+    return get_engine_class(name)(model, **engine_args)

@@ -1,0 +1,35 @@
+"""Typed errors.  Every message says what was expected, what was found and how to fix it."""
+
+from __future__ import annotations
+
+
+class DaskgenError(Exception):
+    """Base class of every error daskgen raises on purpose."""
+
+
+class ConfigError(DaskgenError, ValueError):
+    """Invalid run configuration (unknown keys, wrong types, bad engine options)."""
+
+
+class InputError(DaskgenError, ValueError):
+    """The prompt file is malformed; the message names the row and column."""
+
+
+class StoreError(DaskgenError):
+    """The store cannot be created or opened."""
+
+
+class StoreMismatchError(StoreError):
+    """A rerun's settings or input differ from the store's."""
+
+
+class StoreLockedError(StoreError):
+    """Another live client is running against the store."""
+
+
+class EngineError(DaskgenError, RuntimeError):
+    """The engine failed to start, crashed or failed its health check."""
+
+
+class EngineNotFoundError(ConfigError):
+    """No engine registered under the requested name."""
