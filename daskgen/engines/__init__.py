@@ -24,6 +24,7 @@ __all__ = [
     "available_engines",
     "create_engine",
     "get_engine_class",
+    "resolve_engine_class",
 ]
 
 GROUP = "daskgen.engines"
@@ -78,6 +79,20 @@ def get_engine_class(name: str) -> type[Engine]:
     return getattr(module, attr)
 
 
+def resolve_engine_class(spec: str) -> type[Engine]:
+    """A registered engine name, or ``package.module:Class`` for a user engine."""
+    if ":" not in spec:
+        return get_engine_class(spec)
+    module_name, _, attr = spec.partition(":")
+    try:
+        cls = getattr(import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise EngineNotFoundError(f"cannot import engine {spec!r} ({exc}); expected 'package.module:Class'.") from exc
+    if not (isinstance(cls, type) and issubclass(cls, Engine)):
+        raise EngineNotFoundError(f"{spec!r} is not a daskgen.engines.Engine subclass.")
+    return cls
+
+
 def create_engine(name: str, model: str, **engine_args: Any) -> Engine:
     """Instantiate the engine ``name`` for ``model`` (does not start it)."""
-    return get_engine_class(name)(model, **engine_args)
+    return resolve_engine_class(name)(model, **engine_args)

@@ -1,0 +1,27 @@
+"""daskgen: distributed LLM generation on Dask with resumable Zarr stores.
+
+Importing ``daskgen`` is cheap: torch, transformers and engine backends load only where used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["RunConfig", "generate", "open_store", "run"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("generate", "run"):
+        from daskgen import runner
+
+        return getattr(runner, name)
+    if name == "open_store":
+        from daskgen.store import open_store
+
+        return open_store
+    if name == "RunConfig":
+        from daskgen.config import RunConfig
+
+        return RunConfig
+    raise AttributeError(f"module 'daskgen' has no attribute {name!r}")

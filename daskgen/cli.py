@@ -1,0 +1,106 @@
+"""``daskgen`` command line (typer)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from daskgen.errors import DaskgenError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Distributed LLM generation on Dask with resumable Zarr stores.")
+
+Opt = typer.Option
+
+
+def _engine_args(pairs: list[str] | None) -> dict[str, Any] | None:
+    import yaml
+
+    if not pairs:
+        return None
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise DaskgenError(f"--engine-arg expects KEY=VALUE, found {pair!r}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+@app.command()
+def run(
+    prompts: Annotated[Path | None, Opt(help="JSONL or Parquet file of prompts.")] = None,
+    model: Annotated[str | None, Opt(help="Local model folder (or name the engine understands).")] = None,
+    store: Annotated[Path | None, Opt(help="Output Zarr store; rerun against it to resume.")] = None,
+    config: Annotated[Path | None, Opt(help="YAML file with the same keys; flags override it.")] = None,
+    engine: Annotated[str | None, Opt(help="Engine name (transformers, sglang, simulated, ...) or module:Class.")] = None,
+    engine_arg: Annotated[list[str] | None, Opt(help="Engine option KEY=VALUE (repeatable).")] = None,
+    n_samples: Annotated[int | None, Opt(help="Samples per prompt.")] = None,
+    max_new_tokens: Annotated[int | None, Opt(help="Response token limit.")] = None,
+    max_prompt_tokens: Annotated[int | None, Opt(help="Prompt token limit (longer prompts are an error).")] = None,
+    temperature: Annotated[float | None, Opt(help="Sampling temperature; 0 = greedy.")] = None,
+    top_p: Annotated[float | None, Opt()] = None,
+    top_k: Annotated[int | None, Opt()] = None,
+    seed: Annotated[int | None, Opt(help="Run seed; per-sample seeds derive from it.")] = None,
+    logprobs: Annotated[bool | None, Opt("--logprobs/--no-logprobs", help="Store per-token logprobs.")] = None,
+    partition_size: Annotated[int | None, Opt(help="Prompts per task = store chunk rows.")] = None,
+    scheduler_address: Annotated[str | None, Opt(help="Use this Dask scheduler instead of a LocalCluster.")] = None,
+    cluster: Annotated[str | None, Opt(help="local, slurm or pbs (details in the config's cluster: section).")] = None,
+    n_workers: Annotated[int | None, Opt(help="LocalCluster workers (default: per GPU, else cores/4).")] = None,
+    min_workers: Annotated[int | None, Opt(help="Adaptive scaling lower bound.")] = None,
+    max_workers: Annotated[int | None, Opt(help="Adaptive scaling upper bound.")] = None,
+    window: Annotated[int | None, Opt(help="Partitions in flight per worker.")] = None,
+    max_retries: Annotated[int | None, Opt(help="Retries of a failed partition before its prompts fail.")] = None,
+    skip_overlong: Annotated[bool, Opt(help="Record overlong prompts as failed instead of stopping.")] = False,
+    retry_failed: Annotated[bool, Opt(help="Regenerate prompts that failed in earlier runs.")] = False,
+    progress: Annotated[bool, Opt("--progress/--no-progress")] = True,
+    show: Annotated[int, Opt(help="Print this many decoded answers at the end.")] = 0,
+) -> None:
+    """Generate (or resume) responses for every prompt into a Zarr store."""
+    from daskgen.config import RunConfig
+    from daskgen.runner import run as run_generation
+
+    overrides = {k: v for k, v in locals().items() if k not in ("config", "engine_arg", "show", "cluster")}
+    overrides["engine_args"] = _engine_args(engine_arg)
+    overrides = {k: (str(v) if isinstance(v, Path) else v) for k, v in overrides.items()}
+    overrides["skip_overlong"] = skip_overlong or None
+    overrides["retry_failed"] = retry_failed or None
+    cfg = RunConfig.load(config, **overrides)
+    if cluster:
+        cfg.cluster = {**(cfg.cluster or {}), "kind": cluster}
+    summary = run_generation(cfg)
+    if show:
+        from daskgen.summary import print_answers
+
+        print_answers(str(cfg.store), show)
+    typer.echo(summary.line())
+    raise typer.Exit(0 if summary.failed == 0 else 1)
+
+
+@app.command()
+def status(store: Annotated[Path, typer.Argument(help="A daskgen store.")]) -> None:
+    """Print done / pending / failed counts, tokens generated and the run's settings."""
+    from daskgen.summary import status_report
+
+    typer.echo(status_report(str(store)))
+
+
+def main() -> None:
+    """Entry point: typed daskgen errors become a clear message and exit status 2."""
+    try:
+        app(standalone_mode=False)
+    except DaskgenError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except Exception as exc:  # click usage errors
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        raise

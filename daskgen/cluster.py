@@ -1,0 +1,87 @@
+"""Getting a Dask client for a run and starting one engine per worker on it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from daskgen.config import RunConfig
+from daskgen.errors import EngineError
+from daskgen.plugin import RESOURCE, EnginePlugin, plugin_status
+
+logger = logging.getLogger(__name__)
+
+#: How long to wait for the first engine to pass its health check.
+ENGINE_START_TIMEOUT_S = float(os.environ.get("DASKGEN_ENGINE_START_TIMEOUT", "900"))
+
+
+def default_local_workers() -> int:
+    """One worker per visible GPU, else one per 4 CPU cores (at least one)."""
+    from daskgen.gpu import count_visible_gpus
+
+    gpus = count_visible_gpus()
+    return gpus if gpus else max(1, (os.cpu_count() or 1) // 4)
+
+
+@contextlib.contextmanager
+def connect(config: RunConfig) -> Iterator[Any]:
+    """Yield a ``distributed.Client``: existing scheduler, HPC cluster spec, or a LocalCluster."""
+    import dask
+    from distributed import Client
+
+    # Engines such as SGLang start subprocesses: worker processes must not be daemonic.
+    with dask.config.set({"distributed.worker.daemon": False}):
+        if config.scheduler_address:
+            with Client(config.scheduler_address) as client:
+                yield client
+            return
+        with _make_cluster(config) as cluster, Client(cluster) as client:
+            yield client
+
+
+def _make_cluster(config: RunConfig) -> Any:
+    from daskgen.deploy import make_cluster
+
+    spec = dict(config.cluster or {"kind": "local"})
+    if spec.get("kind", "local") == "local" and config.n_workers:
+        spec.setdefault("n_workers", config.n_workers)
+    for key in ("min_workers", "max_workers"):
+        if getattr(config, key) is not None:
+            spec.setdefault(key, getattr(config, key))
+    spec.setdefault("threads_per_worker", config.window + 1)
+    cluster, description = make_cluster(spec)
+    logger.info("started %s", description)
+    return cluster
+
+
+def start_engines(client: Any, config: RunConfig) -> int:
+    """Register the engine plugin and wait until at least one engine is ready.
+
+    Returns the number of workers with a ready engine.  Raises :class:`EngineError` with every
+    worker's error when all engines failed, or when none is ready within the timeout.
+    """
+    plugin = EnginePlugin(config.engine, str(config.model), config.engine_args, window=config.window)
+    client.register_plugin(plugin, name=plugin.name)
+    deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
+    while True:
+        states = client.run(plugin_status)
+        ready = [w for w, s in states.items() if s["state"] == "ready"]
+        if ready and _resource_visible(client):
+            return len(ready)
+        failed = {w: s["error"] for w, s in states.items() if s["state"] == "failed"}
+        if states and len(failed) == len(states):
+            details = "\n  ".join(f"{w}: {e}" for w, e in failed.items())
+            raise EngineError(f"the {config.engine!r} engine failed to start on every worker:\n  {details}")
+        if time.monotonic() > deadline:
+            raise EngineError(f"no engine became ready within {ENGINE_START_TIMEOUT_S:.0f} s; worker states: "
+                              f"{states}. Raise DASKGEN_ENGINE_START_TIMEOUT or check the worker logs.")
+        time.sleep(0.25)
+
+
+def _resource_visible(client: Any) -> bool:
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    return any(w.get("resources", {}).get(RESOURCE, 0) > 0 for w in info.values())

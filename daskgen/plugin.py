@@ -1,0 +1,128 @@
+"""``EnginePlugin``: one persistent inference engine per Dask worker.
+
+The engine loads in the background so the worker's event loop (heartbeats) keeps running.
+Only when it has started and passed a health check that really generates does the worker
+advertise the ``daskgen-engine`` resource; partition tasks require that resource, so a
+worker whose engine failed takes no partitions.  The amount advertised is the per-worker
+in-flight window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import traceback
+from typing import Any
+
+from distributed import WorkerPlugin
+
+from daskgen.errors import EngineError
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "daskgen-engine"
+RESOURCE = "daskgen-engine"
+
+
+class EnginePlugin(WorkerPlugin):
+    """Hold one engine per worker for the whole run.
+
+    Parameters
+    ----------
+    engine, model, engine_args:
+        Which engine to build (registry name or ``module:Class``) and its options.
+    window:
+        Partitions this worker may run at once (advertised as the resource amount).
+    """
+
+    name = PLUGIN_NAME
+
+    def __init__(self, engine: str, model: str, engine_args: dict[str, Any] | None = None, window: int = 2):
+        self.engine_name = engine
+        self.model = model
+        self.engine_args = dict(engine_args or {})
+        self.window = window
+        self.engine: Any = None
+        self.state = "new"
+        self.error: str | None = None
+        self.gpu: str | None = None
+        self._worker: Any = None
+        self._ready: asyncio.Event | None = None
+        self._starter: asyncio.Task | None = None
+
+    async def setup(self, worker: Any) -> None:
+        """Start loading the engine in the background and return at once."""
+        self._worker = worker
+        self._ready = asyncio.Event()
+        self.gpu = _pin_gpu(worker.name)
+        self._starter = asyncio.create_task(self._start())
+
+    async def _start(self) -> None:
+        from daskgen.engines import resolve_engine_class
+
+        self.state, self.error = "starting", None
+        try:
+            self.engine = resolve_engine_class(self.engine_name)(self.model, **self.engine_args)
+            await self.engine.start()
+            await self.engine.health()
+        except Exception as exc:  # recorded and shown to the client; the worker takes no partitions
+            self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            logger.error("daskgen engine failed to start on %s:\n%s", self._worker.address, traceback.format_exc())
+            return
+        finally:
+            self._ready.set()
+        self.state = "ready"
+        await self._worker.set_resources(**{RESOURCE: float(self.window)})
+
+    async def get_engine(self) -> Any:
+        """The started engine; raises :class:`EngineError` when it failed or is restarting."""
+        await self._ready.wait()
+        if self.state != "ready":
+            raise EngineError(f"engine on worker {self._worker.address} is {self.state}: {self.error}")
+        return self.engine
+
+    async def mark_broken(self, reason: str) -> None:
+        """Stop taking partitions and restart the engine (after a crash or failed health check)."""
+        if self.state != "ready":
+            return
+        logger.error("daskgen engine on %s is broken (%s); restarting it", self._worker.address, reason)
+        self.state, self.error = "restarting", reason
+        await self._worker.set_resources(**{RESOURCE: 0.0})
+        self._ready.clear()
+        await _quietly_shutdown(self.engine)
+        self._starter = asyncio.create_task(self._start())
+
+    def status(self) -> dict[str, Any]:
+        """Small summary for the client."""
+        return {"state": self.state, "error": self.error, "gpu": self.gpu, "engine": self.engine_name}
+
+    async def teardown(self, worker: Any) -> None:
+        """Shut the engine down when the worker closes or the plugin is replaced."""
+        if self._starter is not None and not self._starter.done():
+            self._starter.cancel()
+        await _quietly_shutdown(self.engine)
+        self.state = "closed"
+
+
+async def _quietly_shutdown(engine: Any) -> None:
+    if engine is None:
+        return
+    try:
+        await engine.shutdown()
+    except Exception:  # shutting down a broken engine may fail; never mask the original problem
+        logger.warning("engine shutdown raised", exc_info=True)
+
+
+def _pin_gpu(worker_name: Any) -> str | None:
+    """Give this worker one GPU when several are visible (before any CUDA initialisation)."""
+    try:
+        from daskgen.gpu import pin_worker_gpu
+    except ImportError:
+        return None
+    return pin_worker_gpu(str(worker_name))
+
+
+def plugin_status(dask_worker: Any) -> dict[str, Any]:
+    """Run on a worker via ``client.run`` to report the plugin's state."""
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    return {"state": "missing", "error": None} if plugin is None else plugin.status()

@@ -1,0 +1,34 @@
+"""Progress bar for a run: prompts done, prompts/s, generated tokens/s, ETA (tqdm)."""
+
+from __future__ import annotations
+
+import time
+from types import TracebackType
+
+from tqdm.auto import tqdm
+
+
+class Progress:
+    """A tqdm bar over prompts with generated tokens/s and failures in its postfix."""
+
+    def __init__(self, total: int, *, enabled: bool = True) -> None:
+        self._bar = tqdm(total=total, unit="prompt", desc="daskgen", disable=not enabled, dynamic_ncols=True,
+                         smoothing=0.1)
+        self._t0 = time.perf_counter()
+        self.tokens = 0
+        self.failed = 0
+
+    def update(self, prompts: int, tokens: int, failed: int = 0) -> None:
+        """Record a committed partition."""
+        self.tokens += tokens
+        self.failed += failed
+        elapsed = max(time.perf_counter() - self._t0, 1e-9)
+        self._bar.set_postfix(tok_s=f"{self.tokens / elapsed:.0f}", failed=self.failed, refresh=False)
+        self._bar.update(prompts)
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._bar.close()

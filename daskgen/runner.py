@@ -1,0 +1,244 @@
+"""The client side of a run: validate input, prepare the store, drive partitions, commit.
+
+Partitions stream through ``as_completed`` with a bounded in-flight window; each finished
+partition is committed (``status`` written after its data) and its future released.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from daskgen import store
+from daskgen.config import RunConfig
+from daskgen.data import PromptSet, load_prompts
+from daskgen.partition import PartitionResult, PartitionTask, run_partition
+from daskgen.progress import Progress
+from daskgen.tokenizer import load_tokenizer, tokenizer_identity
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunSummary:
+    """Outcome of a run (counts cover the whole store, not only this invocation)."""
+
+    store: str
+    total: int
+    done: int
+    failed: int
+    pending: int
+    generated_prompts: int = 0
+    response_tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when every prompt is done."""
+        return self.failed == 0 and self.pending == 0
+
+    def line(self) -> str:
+        """The closing summary line."""
+        rate = self.generated_prompts / self.seconds if self.seconds else 0.0
+        tps = self.response_tokens / self.seconds if self.seconds else 0.0
+        text = (f"daskgen: {self.done} done, {self.failed} failed, {self.pending} pending of {self.total} prompts; "
+                f"this run generated {self.generated_prompts} prompts in {self.seconds:.1f} s "
+                f"({rate:.2f} prompts/s, {tps:.0f} tokens/s) -> {self.store}")
+        if self.failed:
+            text += (f"\n{self.failed} prompt(s) failed: `daskgen status {self.store}` shows why; rerun the same "
+                     "command with --retry-failed to retry them.")
+        return text
+
+
+@dataclass
+class Plan:
+    """What the client knows before any engine starts."""
+
+    config: RunConfig
+    prompts: PromptSet
+    layout: store.Layout
+    status: np.ndarray
+    stop_ids: tuple[int, ...] = ()
+
+
+def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) -> Plan:
+    """Validate input and settings, create or check the store, record overlong prompts as failed."""
+    config.require("model", "store")
+    source = prompts if prompts is not None else config.prompts
+    if source is None:
+        config.require("prompts")
+    tokenizer = load_tokenizer(config.model, config.engine)
+    pset = load_prompts(source, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
+                        skip_overlong=config.skip_overlong)
+    wanted = _store_attrs(config, pset, tokenizer)
+    layout = store.Layout(len(pset), config.n_samples, config.max_prompt_tokens, config.max_new_tokens,
+                          config.partition_size, int(tokenizer.pad_token_id))
+    stored = store.read_attrs(config.store)
+    if stored is None:
+        store.create(config.store, layout, wanted, pset.ids)
+    else:
+        store.check_compatible(config.store, stored, wanted)
+    eos = tokenizer.eos_token_id
+    plan = Plan(config, pset, layout, store.read_status(config.store), () if eos is None else (int(eos),))
+    _commit_overlong(plan)
+    return plan
+
+
+def _store_attrs(config: RunConfig, pset: PromptSet, tokenizer: Any) -> dict[str, Any]:
+    from daskgen.versions import package_versions
+
+    return {
+        "identity": config.identity(),
+        "input": {"fingerprint": pset.fingerprint, "n_prompts": len(pset)},
+        "tokenizer": tokenizer_identity(tokenizer),
+        "config": redact(config.to_dict()),
+        "simulated": config.engine == "simulated",
+        "versions": package_versions(),
+    }
+
+
+SECRET_MARKERS = ("key", "token", "secret", "password", "auth")
+
+
+def redact(obj: Any) -> Any:
+    """Replace values whose key looks secret with ``"***"`` (recursively)."""
+    if isinstance(obj, dict):
+        return {k: "***" if any(m in str(k).lower() for m in SECRET_MARKERS) and v else redact(v)
+                for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [redact(v) for v in obj]
+    return obj
+
+
+def _commit_overlong(plan: Plan) -> None:
+    pending = [i for i in plan.prompts.overlong if plan.status[i] == store.PENDING]
+    for start in sorted({i - i % plan.layout.partition_size for i in pending}):
+        stop = min(start + plan.layout.partition_size, plan.layout.n_prompts)
+        rows = [i for i in pending if start <= i < stop]
+        _commit(plan, start, stop, {i: plan.prompts.overlong[i] for i in rows})
+
+
+def _commit(plan: Plan, start: int, stop: int, failed: dict[int, str], done: Sequence[int] = ()) -> None:
+    """Write error then status for rows of one partition; update the in-memory mask."""
+    new = plan.status[start:stop].copy()
+    for i in done:
+        new[i - start] = store.DONE
+    for i in failed:
+        new[i - start] = store.FAILED
+    errors = None
+    if failed or np.any(plan.status[start:stop] == store.FAILED):
+        errors = [str(e) for e in store.read_region(plan.config.store, start, stop, ("error",))["error"]]
+        for i in done:
+            errors[i - start] = ""
+        for i, msg in failed.items():
+            errors[i - start] = msg
+    store.commit(plan.config.store, start, new, errors)
+    plan.status[start:stop] = new
+
+
+def pending_tasks(plan: Plan) -> list[PartitionTask]:
+    """One task per partition that still has rows to generate."""
+    from daskgen.engines.base import SamplingParams
+
+    cfg, layout = plan.config, plan.layout
+    todo = plan.status == store.PENDING
+    if cfg.retry_failed:
+        todo |= plan.status == store.FAILED
+        todo[list(plan.prompts.overlong)] = False
+    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                            top_k=cfg.top_k, logprobs=cfg.logprobs, stop_token_ids=plan.stop_ids)
+    tasks = []
+    for start in layout.partitions():
+        stop = min(start + layout.partition_size, layout.n_prompts)
+        rows = [int(i) for i in np.flatnonzero(todo[start:stop]) + start]
+        if rows:
+            tasks.append(PartitionTask(str(cfg.store), start, stop, rows,
+                                       [plan.prompts.token_ids[i] for i in rows],  # type: ignore[misc]
+                                       cfg.n_samples, params, cfg.seed, layout))
+    return tasks
+
+
+def run(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) -> RunSummary:
+    """Run (or resume) generation for ``config``; returns the summary of the whole store."""
+    from daskgen.cluster import connect
+
+    t0 = time.perf_counter()
+    plan = prepare(config, prompts)
+    tasks = pending_tasks(plan)
+    generated, tokens = 0, 0
+    if tasks:
+        with connect(config) as client:
+            generated, tokens = drive(client, plan, tasks)
+    summary = summarize(plan, generated, tokens, time.perf_counter() - t0)
+    store.append_run(config.store, summary.__dict__)
+    return summary
+
+
+def drive(client: Any, plan: Plan, tasks: list[PartitionTask]) -> tuple[int, int]:
+    """Stream partitions through the cluster and commit each as it finishes."""
+    from distributed import as_completed
+
+    from daskgen.cluster import start_engines
+
+    n_workers = start_engines(client, plan.config)
+    in_flight_cap = max(1, plan.config.window * n_workers)
+    queue = list(reversed(tasks))
+    ac = as_completed()
+    futures: dict[Any, PartitionTask] = {}
+    generated = tokens = 0
+    with Progress(sum(len(t.rows) for t in tasks), enabled=plan.config.progress) as bar:
+        while queue or futures:
+            while queue and len(futures) < in_flight_cap:
+                task = queue.pop()
+                fut = client.submit(run_partition, task, pure=False, retries=plan.config.max_retries,
+                                    resources={"daskgen-engine": 1}, key=f"daskgen-partition-{task.start}-{time.time_ns()}")
+                futures[fut] = task
+                ac.add(fut)
+            fut = next(ac)
+            task = futures.pop(fut)
+            result = _collect(fut, task)
+            _commit(plan, task.start, task.stop, result.failed,
+                    done=[r for r in result.rows if r not in result.failed])
+            fut.release()
+            generated += len(result.rows)
+            tokens += result.response_tokens
+            bar.update(len(result.rows), result.response_tokens, len(result.failed))
+    return generated, tokens
+
+
+def _collect(fut: Any, task: PartitionTask) -> PartitionResult:
+    """The partition's result, or every row failed with the task's error after Dask's retries."""
+    try:
+        return fut.result()
+    except Exception as exc:
+        logger.error("partition %d-%d failed after retries: %s", task.start, task.stop, exc)
+        msg = f"partition failed after retries: {type(exc).__name__}: {exc}"
+        return PartitionResult(task.start, task.stop, list(task.rows), failed={r: msg for r in task.rows})
+
+
+def summarize(plan: Plan, generated: int, tokens: int, seconds: float) -> RunSummary:
+    """Counts over the whole store."""
+    s = plan.status
+    return RunSummary(str(plan.config.store), len(s), int((s == store.DONE).sum()), int((s == store.FAILED).sum()),
+                      int((s == store.PENDING).sum()), generated, tokens, seconds)
+
+
+def generate(prompts: str | Path | Sequence[Any], *, model: str, store: str | Path, **options: Any):
+    """Generate (or resume) into ``store`` and return it as an ``xarray.Dataset``.
+
+    ``prompts`` is a JSONL/Parquet path or a list of rows (dicts with ``messages`` or
+    ``prompt``, or plain strings).  ``options`` are :class:`RunConfig` fields.
+    """
+    from daskgen.store import open_store
+
+    source = None if isinstance(prompts, (str, Path)) else prompts
+    config = RunConfig.from_dict({**options, "model": str(model), "store": str(store),
+                                  "prompts": str(prompts) if source is None else None}, source="generate()")
+    run(config, source)
+    return open_store(store)
