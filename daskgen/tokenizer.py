@@ -34,8 +34,8 @@ class ByteTokenizer:
         return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", errors="replace")
 
 
-def load_tokenizer(model: str, engine: str) -> Any:
-    """Load the model's Hugging Face tokenizer (offline), or a byte tokenizer for simulations."""
+def load_tokenizer(model: str, engine: str, *, simulated: bool | None = None) -> Any:
+    """Load the model's Hugging Face tokenizer (offline), or a byte tokenizer for simulated engines."""
     if Path(model).is_dir() and any(Path(model).glob("tokenizer*")):
         from transformers import AutoTokenizer
 
@@ -43,7 +43,11 @@ def load_tokenizer(model: str, engine: str) -> Any:
         if tok.pad_token_id is None:
             tok.pad_token = tok.eos_token
         return tok
-    if engine == "simulated":
+    if simulated is None:
+        from daskgen.engines import resolve_engine_class
+
+        simulated = resolve_engine_class(engine).simulated
+    if simulated:
         return ByteTokenizer()
     raise ConfigError(
         f"model {model!r} is not a folder with tokenizer files; engine {engine!r} needs a local Hugging Face "

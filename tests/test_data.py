@@ -1,0 +1,79 @@
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from daskgen.data import check_lengths, fingerprint, load_prompts, read_rows, validate_rows
+from daskgen.errors import InputError
+from daskgen.tokenizer import ByteTokenizer
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_jsonl_and_parquet_read_the_same(tmp_path):
+    rows = [{"prompt": "hi", "id": "a"}, {"messages": [{"role": "user", "content": "yo"}], "id": "b"}]
+    jl = read_rows(write_jsonl(tmp_path / "p.jsonl", rows))
+    pq.write_table(pa.Table.from_pylist([{"prompt": "hi", "id": "a"}, {"prompt": "yo", "id": "b"}]),
+                   tmp_path / "p.parquet")
+    pa_rows = read_rows(tmp_path / "p.parquet")
+    assert jl == rows
+    assert [r["id"] for r in pa_rows] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("rows", "fragment"),
+    [
+        (['{"prompt": "ok"}', '{"prompt": '], "row 2: not valid JSON"),
+        ([{"prompt": 5}], "row 1: column 'prompt': expected a string, found int"),
+        ([{"text": "x"}], "row 1: missing column 'messages' or 'prompt'"),
+        ([{"messages": []}], "row 1: column 'messages': empty conversation"),
+        ([{"messages": [{"role": "robot", "content": "x"}]}], "role 'robot' is not one of"),
+        ([{"messages": [{"role": "user", "content": 3}]}], "'content' must be a string"),
+        ([{"prompt": "a", "id": 1}, {"prompt": "b", "id": 1}], "row 2: column 'id': duplicate id '1'"),
+        ([{"prompt": "  "}], "empty string"),
+        ([{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}], "has both"),
+    ],
+)
+def test_bad_rows_are_reported_with_row_and_column(tmp_path, rows, fragment):
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    with pytest.raises(InputError) as err:
+        validate_rows(read_rows(path), str(path))
+    assert fragment in str(err.value)
+
+
+def test_empty_and_missing_files(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(InputError, match="empty"):
+        read_rows(tmp_path / "empty.jsonl")
+    with pytest.raises(InputError, match="does not exist"):
+        read_rows(tmp_path / "nope.jsonl")
+    (tmp_path / "p.csv").write_text("a\n")
+    with pytest.raises(InputError, match="expected .jsonl"):
+        read_rows(tmp_path / "p.csv")
+
+
+def test_all_errors_reported_together(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": 1}, {"prompt": "ok"}, {"x": 1}])
+    with pytest.raises(InputError) as err:
+        validate_rows(read_rows(path), str(path))
+    assert "2 problem(s)" in str(err.value) and "row 1" in str(err.value) and "row 3" in str(err.value)
+
+
+def test_overlong_error_or_skip():
+    ids = [[1] * 5, [1] * 50]
+    with pytest.raises(InputError, match=r"(?s)row 2: .*50 tokens.*--skip-overlong"):
+        check_lengths(ids, 10, skip=False)
+    assert list(check_lengths(ids, 10, skip=True)) == [1]
+
+
+def test_load_prompts_tokenizes_and_fingerprints(tmp_path):
+    rows = [{"prompt": "abc"}, {"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "x" * 100}]
+    pset = load_prompts(rows, ByteTokenizer(), max_prompt_tokens=20, skip_overlong=True)
+    assert pset.token_ids[0] == [1, 97 + 3, 98 + 3, 99 + 3]
+    assert pset.token_ids[2] is None and 2 in pset.overlong
+    assert pset.fingerprint == fingerprint(rows)
+    assert fingerprint(rows) != fingerprint(rows[:2])
