@@ -1,0 +1,5 @@
+"""``python -m daskgen`` = the ``daskgen`` command."""
+
+from daskgen.cli import main
+
+main()

@@ -1,0 +1,50 @@
+"""Shared fixtures: a tiny real model, prompt files, and a helper that runs the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny random Llama with the real SmolLM2 tokenizer and chat template (built locally)."""
+    from daskgen.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "model", seed=0)
+
+
+def write_prompts(path: Path, n: int, *, chat: bool = True) -> Path:
+    """``n`` prompt rows with ids; chat rows by default."""
+    with path.open("w") as fh:
+        for i in range(n):
+            text = f"Question {i}: what is {i} plus {i % 7}?"
+            row = {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
+            fh.write(json.dumps({**row, "id": f"q{i}"}) + "\n")
+    return path
+
+
+def cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1", TQDM_DISABLE="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+def run_cli(*args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    """Run ``python -m daskgen ARGS`` and capture its output."""
+    return subprocess.run([sys.executable, "-m", "daskgen", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=cli_env(), **kwargs)
+
+
+def popen_cli(*args: str, **kwargs) -> subprocess.Popen:
+    """Start ``python -m daskgen ARGS`` in its own process group (so a test can kill the whole tree)."""
+    return subprocess.Popen([sys.executable, "-m", "daskgen", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=cli_env(), start_new_session=True, **kwargs)
