@@ -60,10 +60,10 @@ def run(
     show: Annotated[int, Opt(help="Print this many decoded answers at the end.")] = 0,
 ) -> None:
     """Generate (or resume) responses for every prompt into a Zarr store."""
+    overrides = {k: v for k, v in locals().items() if k not in ("config", "engine_arg", "show", "cluster")}
     from daskgen.config import RunConfig
     from daskgen.runner import run as run_generation
 
-    overrides = {k: v for k, v in locals().items() if k not in ("config", "engine_arg", "show", "cluster")}
     overrides["engine_args"] = _engine_args(engine_arg)
     overrides = {k: (str(v) if isinstance(v, Path) else v) for k, v in overrides.items()}
     overrides["skip_overlong"] = skip_overlong or None
@@ -91,7 +91,7 @@ def status(store: Annotated[Path, typer.Argument(help="A daskgen store.")]) -> N
 def main() -> None:
     """Entry point: typed daskgen errors become a clear message and exit status 2."""
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)
     except DaskgenError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -104,3 +104,4 @@ def main() -> None:
             exc.show()
             sys.exit(exc.exit_code)
         raise
+    sys.exit(code if isinstance(code, int) else 0)

@@ -73,7 +73,7 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     source = prompts if prompts is not None else config.prompts
     if source is None:
         config.require("prompts")
-    tokenizer = load_tokenizer(config.model, config.engine)
+    tokenizer = load_tokenizer(config.model, config.engine, config.engine_args)
     pset = load_prompts(source, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
                         skip_overlong=config.skip_overlong)
     wanted = _store_attrs(config, pset, tokenizer)
@@ -91,6 +91,7 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
 
 
 def _store_attrs(config: RunConfig, pset: PromptSet, tokenizer: Any) -> dict[str, Any]:
+    from daskgen.engines import resolve_engine_class
     from daskgen.versions import package_versions
 
     return {
@@ -98,7 +99,7 @@ def _store_attrs(config: RunConfig, pset: PromptSet, tokenizer: Any) -> dict[str
         "input": {"fingerprint": pset.fingerprint, "n_prompts": len(pset)},
         "tokenizer": tokenizer_identity(tokenizer),
         "config": redact(config.to_dict()),
-        "simulated": config.engine == "simulated",
+        "simulated": resolve_engine_class(config.engine).is_simulated(config.engine_args),
         "versions": package_versions(),
     }
 

@@ -43,7 +43,8 @@ def print_answers(path: str, n: int) -> None:
 
     attrs = store.read_attrs(path) or {}
     identity = attrs.get("identity", {})
-    tok = load_tokenizer(identity.get("model", ""), identity.get("engine", ""))
+    tok = load_tokenizer(identity.get("model", ""), identity.get("engine", ""),
+                         attrs.get("config", {}).get("engine_args"))
     status = store.read_status(path)
     for i in np.flatnonzero(status == store.DONE)[:n]:
         data = store.read_region(path, int(i), int(i) + 1,

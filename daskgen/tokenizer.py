@@ -34,7 +34,7 @@ class ByteTokenizer:
         return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", errors="replace")
 
 
-def load_tokenizer(model: str, engine: str, *, simulated: bool | None = None) -> Any:
+def load_tokenizer(model: str, engine: str, engine_args: dict[str, Any] | None = None) -> Any:
     """Load the model's Hugging Face tokenizer (offline), or a byte tokenizer for simulated engines."""
     if Path(model).is_dir() and any(Path(model).glob("tokenizer*")):
         from transformers import AutoTokenizer
@@ -43,11 +43,9 @@ def load_tokenizer(model: str, engine: str, *, simulated: bool | None = None) ->
         if tok.pad_token_id is None:
             tok.pad_token = tok.eos_token
         return tok
-    if simulated is None:
-        from daskgen.engines import resolve_engine_class
+    from daskgen.engines import resolve_engine_class
 
-        simulated = resolve_engine_class(engine).simulated
-    if simulated:
+    if resolve_engine_class(engine).is_simulated(engine_args or {}):
         return ByteTokenizer()
     raise ConfigError(
         f"model {model!r} is not a folder with tokenizer files; engine {engine!r} needs a local Hugging Face "

@@ -74,7 +74,7 @@ def test_resume_after_sigkill_regenerates_nothing_finished(tmp_path):
     assert ref.returncode == 0, ref.stdout + ref.stderr
 
     out = tmp_path / "out.zarr"
-    proc = popen_cli("run", *sim_args(tmp_path, out, *common, log="first.log", step=0.02))
+    proc = popen_cli("run", *sim_args(tmp_path, out, *common, log="first.log", step=1.0))
     done_at_kill = _wait_for_some_done(out, proc, minimum=8)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -107,7 +107,7 @@ def test_reading_while_a_run_writes_shows_finished_rows(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", 40)
     out = tmp_path / "out.zarr"
     proc = popen_cli("run", "--prompts", prompts, *sim_args(tmp_path, out, "--partition-size", "4", "--window",
-                                                           "1", "--no-progress", step=0.02))
+                                                           "1", "--no-progress", step=1.0))
     try:
         done = _wait_for_some_done(out, proc, minimum=4)
         ds = store.open_store(out)

@@ -8,10 +8,14 @@ blocking backend run it in their own thread.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+_ArgsT = TypeVar("_ArgsT")
 
 
 class FinishReason(enum.IntEnum):
@@ -116,6 +120,21 @@ def error_result(request: GenerationRequest, message: str) -> GenerationResult:
     return GenerationResult(request.request_id, [], FinishReason.ERROR, None, error=message)
 
 
+def parse_engine_args(engine: str, args_class: type[_ArgsT], args: Mapping[str, Any]) -> _ArgsT:
+    """Build the dataclass ``args_class`` from ``args``.
+
+    Unknown keys raise :class:`daskgen.errors.ConfigError` naming them and the valid ones; the
+    dataclass's ``__post_init__`` checks the values.
+    """
+    from daskgen.errors import ConfigError
+
+    valid = [f.name for f in dataclasses.fields(args_class)]  # type: ignore[arg-type]
+    unknown = sorted(set(args) - set(valid))
+    if unknown:
+        raise ConfigError(f"engine {engine!r} has no option(s) {unknown}; valid engine_args are {valid}")
+    return args_class(**args)
+
+
 class Engine(abc.ABC):
     """Abstract inference engine.
 
@@ -157,9 +176,8 @@ class Engine(abc.ABC):
 
     async def health(self) -> None:
         """Raise unless the engine can really generate (generates one token)."""
-        result = await self.generate(
-            GenerationRequest("daskgen-health", [self.health_token_id()], SamplingParams(max_new_tokens=1, temperature=0.0))
-        )
+        params = SamplingParams(max_new_tokens=1, temperature=0.0)
+        result = await self.generate(GenerationRequest("daskgen-health", [self.health_token_id()], params))
         if result.error is not None or len(result.output_ids) != 1:
             from daskgen.errors import EngineError
 
@@ -174,6 +192,11 @@ class Engine(abc.ABC):
 
     async def wake(self) -> None:  # noqa: B027 - optional hook
         """Undo :meth:`sleep`."""
+
+    @classmethod
+    def is_simulated(cls, engine_args: dict[str, Any]) -> bool:
+        """Whether an engine built with ``engine_args`` produces simulated (not model) output."""
+        return cls.simulated
 
     def describe(self) -> dict[str, Any]:
         """Identity recorded in the store attrs (no secrets)."""

@@ -34,6 +34,10 @@ class RecordingEngine(Engine):
         self.log_path = log_path
         self.poison = {f"p{r}-" for r in (poison_rows or [])}
 
+    @classmethod
+    def is_simulated(cls, engine_args: dict[str, Any]) -> bool:
+        return resolve_engine_class(engine_args.get("inner", "simulated")).is_simulated(engine_args)
+
     async def start(self) -> None:
         await self.inner.start()
 
