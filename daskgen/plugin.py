@@ -54,7 +54,6 @@ class EnginePlugin(WorkerPlugin):
         """Start loading the engine in the background and return at once."""
         self._worker = worker
         self._ready = asyncio.Event()
-        self.gpu = _pin_gpu(worker.name)
         self._starter = asyncio.create_task(self._start())
 
     async def _start(self) -> None:
@@ -62,6 +61,8 @@ class EnginePlugin(WorkerPlugin):
 
         self.state, self.error = "starting", None
         try:
+            if self.gpu is None:
+                self.gpu = _pin_gpu(self._worker.name)
             self.engine = resolve_engine_class(self.engine_name)(self.model, **self.engine_args)
             await self.engine.start()
             await self.engine.health()
@@ -113,13 +114,13 @@ async def _quietly_shutdown(engine: Any) -> None:
         logger.warning("engine shutdown raised", exc_info=True)
 
 
-def _pin_gpu(worker_name: Any) -> str | None:
-    """Give this worker one GPU when several are visible (before any CUDA initialisation)."""
-    try:
-        from daskgen.gpu import pin_worker_gpu
-    except ImportError:
-        return None
-    return pin_worker_gpu(str(worker_name))
+def _pin_gpu(worker_name: Any) -> str:
+    """Give this worker its own GPU when several are visible (before any CUDA initialisation)."""
+    from daskgen.gpu import pin_gpu
+
+    description = pin_gpu(worker_name).describe()
+    logger.info(description)
+    return description
 
 
 def plugin_status(dask_worker: Any) -> dict[str, Any]:
