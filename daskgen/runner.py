@@ -65,6 +65,12 @@ class Plan:
     layout: store.Layout
     status: np.ndarray
     stop_ids: tuple[int, ...] = ()
+    committed_at: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.committed_at is None:
+            self.committed_at = store.read_region(self.config.store, 0, self.layout.n_prompts,
+                                                  ("committed_at",))["committed_at"]
 
 
 def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) -> Plan:
@@ -139,7 +145,8 @@ def _commit(plan: Plan, start: int, stop: int, failed: dict[int, str], done: Seq
             errors[i - start] = ""
         for i, msg in failed.items():
             errors[i - start] = msg
-    store.commit(plan.config.store, start, new, errors)
+    plan.committed_at[[*done, *failed]] = time.time()
+    store.commit(plan.config.store, start, new, errors, plan.committed_at[start:stop])
     plan.status[start:stop] = new
 
 

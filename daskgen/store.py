@@ -63,6 +63,7 @@ class Layout:
             "prompt_id": ((n,), coarse, "str", "", ["prompt"]),
             "status": ((n,), coarse, "int8", PENDING, ["prompt"]),
             "error": ((n,), coarse, "str", "", ["prompt"]),
+            "committed_at": ((n,), coarse, "float64", float("nan"), ["prompt"]),
             "prompt_ids": ((n, p), (rows, p), "int32", self.pad_token_id, ["prompt", "prompt_position"]),
             "prompt_length": ((n,), (rows,), "int32", 0, ["prompt"]),
             "response_ids": ((n, s, r), (rows, s, r), "int32", self.pad_token_id,
@@ -82,6 +83,7 @@ _VARIABLE_ATTRS: dict[str, dict[str, Any]] = {
     "status": {"flag_values": [PENDING, DONE, FAILED], "flag_meanings": "pending done failed",
                "long_name": "checkpoint: written by the client after the row's data landed"},
     "error": {"long_name": "last error of a failed prompt"},
+    "committed_at": {"long_name": "when the client committed the row", "units": "seconds since 1970-01-01", "calendar": "proleptic_gregorian"},
     "prompt_ids": {"long_name": "prompt tokens after the chat template, right-padded"},
     "prompt_length": {"long_name": "valid prompt tokens"},
     "response_ids": {"long_name": "response tokens, right-padded"},
@@ -180,10 +182,13 @@ def read_status(path: str | Path) -> np.ndarray:
     return np.asarray(_zarr().open_array(str(Path(path) / "status"), mode="r")[:])
 
 
-def commit(path: str | Path, start: int, status: np.ndarray, errors: list[str] | None) -> None:
-    """Client-only: record a partition's outcome.  ``error`` first, then ``status`` (the commit)."""
+def commit(path: str | Path, start: int, status: np.ndarray, errors: list[str] | None,
+           committed_at: np.ndarray | None = None) -> None:
+    """Client-only: record a partition's outcome.  ``error`` and times first, then ``status`` (the commit)."""
     zarr = _zarr()
     stop = start + len(status)
+    if committed_at is not None:
+        zarr.open_array(str(Path(path) / "committed_at"), mode="r+")[start:stop] = committed_at
     if errors is not None:
         zarr.open_array(str(Path(path) / "error"), mode="r+")[start:stop] = np.array(errors, dtype=object).astype(str)
     zarr.open_array(str(Path(path) / "status"), mode="r+")[start:stop] = status.astype("int8")
