@@ -1,0 +1,473 @@
+"""``simulated`` engine: a timing model of a continuous-batching server.
+
+**Not a model.**  Its tokens are pseudo-random ids and its logprobs are made up; stores it
+writes are marked ``simulated``.  It exists for benchmarks of the pipeline around the engine
+(Dask scheduling, storage, resume) and for capacity planning.
+
+The model
+---------
+* Up to ``max_batch`` requests run at once; the rest wait in FIFO order and join at the next
+  step boundary when a slot frees up.
+* One asyncio step loop advances every running request by one token per step (that is what
+  makes it continuous batching: requests join and leave between steps).  A step costs
+  ``step_time_base_s + step_time_per_seq_s * running`` model seconds; wall time is model time
+  times ``time_scale`` (``0`` = instant: the loop jumps from one finish to the next and
+  thousands of requests per second go through).
+* A request's natural length is drawn from ``length_dist`` (``"fixed"``: ``length_mean``;
+  ``"uniform"``: integers 1 .. ``2 * length_mean - 1``; ``"lognormal"``: mean ``length_mean``,
+  log-space standard deviation ``length_sigma``).  A length within ``max_new_tokens`` ends with
+  ``eos_token_id`` (``STOP``); a longer one is cut at ``max_new_tokens`` (``LENGTH``).  A token in
+  ``stop_token_ids`` also ends the request (``STOP``).
+* Everything is a pure function of the prompt ids and the seed (greedy requests ignore the seed;
+  sampled requests without a seed get a random one), so reruns reproduce outputs whatever the
+  batching.  ``temperature``, ``top_p`` and ``top_k`` otherwise have no effect.
+* Logprobs, when asked, are deterministic fake values in (-5, 0] (**simulated**, not model
+  probabilities).
+
+:meth:`SimulatedEngine.stats` reports steps, busy time, busy fraction and per-step batch sizes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import heapq
+import itertools
+import math
+import secrets
+import time
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from daskgen.engines.base import (
+    Engine,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    error_result,
+    parse_engine_args,
+    request_error,
+)
+from daskgen.errors import ConfigError
+
+__all__ = ["SimulatedArgs", "SimulatedEngine"]
+
+_LENGTH_DISTS = ("fixed", "uniform", "lognormal")
+
+
+@dataclass
+class SimulatedArgs:
+    """Options of the ``simulated`` engine (see the module docstring for the timing model).
+
+    Attributes
+    ----------
+    max_batch:
+        Requests running at once; the others queue.
+    step_time_base_s, step_time_per_seq_s:
+        One decode step costs ``base + per_seq * running`` model seconds.
+    time_scale:
+        Wall seconds per model second; ``0`` runs instantly.
+    length_dist, length_mean, length_sigma:
+        Natural output length: ``"fixed"``, ``"uniform"`` or ``"lognormal"`` (sigma in log space).
+    vocab_size, eos_token_id:
+        Token ids are drawn from ``[0, vocab_size)``; prompts must use ids in that range.
+    """
+
+    max_batch: int = 256
+    step_time_base_s: float = 0.02
+    step_time_per_seq_s: float = 0.0002
+    time_scale: float = 1.0
+    length_dist: str = "lognormal"
+    length_mean: float = 256.0
+    length_sigma: float = 0.6
+    vocab_size: int = 32000
+    eos_token_id: int = 2
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.max_batch, int) and self.max_batch >= 1, "max_batch", "an integer >= 1",
+                 self.max_batch)
+        for name in ("step_time_base_s", "step_time_per_seq_s", "time_scale", "length_sigma"):
+            value = getattr(self, name)
+            _require(_is_number(value) and value >= 0, name, "a finite number >= 0", value)
+        _require(_is_number(self.length_mean) and self.length_mean >= 1, "length_mean", "a number >= 1",
+                 self.length_mean)
+        _require(self.length_dist in _LENGTH_DISTS, "length_dist", f"one of {list(_LENGTH_DISTS)}",
+                 self.length_dist)
+        _require(isinstance(self.vocab_size, int) and self.vocab_size >= 2, "vocab_size", "an integer >= 2",
+                 self.vocab_size)
+        _require(isinstance(self.eos_token_id, int) and 0 <= self.eos_token_id < self.vocab_size,
+                 "eos_token_id", f"an integer in [0, vocab_size={self.vocab_size})", self.eos_token_id)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _require(ok: bool, name: str, expected: str, got: Any) -> None:
+    if not ok:
+        raise ConfigError(f"simulated engine: {name} must be {expected}, got {got!r}")
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+@dataclass
+class _Plan:
+    """What a request will produce: its tokens, finish reason and (fake) logprobs."""
+
+    tokens: list[int]
+    finish: FinishReason
+    logprobs: list[float] | None
+
+
+def _prompt_digest(prompt_ids: list[int]) -> int:
+    data = np.asarray(prompt_ids, dtype=np.int64).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def _natural_length(rng: np.random.Generator, args: SimulatedArgs) -> int:
+    if args.length_dist == "fixed":
+        return max(1, round(args.length_mean))
+    if args.length_dist == "uniform":
+        return int(rng.integers(1, max(2, round(2 * args.length_mean))))
+    mu = math.log(args.length_mean) - args.length_sigma**2 / 2
+    return max(1, math.ceil(rng.lognormal(mu, args.length_sigma)))
+
+
+def plan_output(request: GenerationRequest, args: SimulatedArgs) -> _Plan:
+    """The deterministic output of ``request`` under ``args`` (seed drawn at random if unset)."""
+    params = request.params
+    if params.temperature == 0:
+        key = [_prompt_digest(request.prompt_ids), 0]
+    else:
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        key = [_prompt_digest(request.prompt_ids), 1, int(seed < 0), abs(seed)]
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(key)))
+    natural = _natural_length(rng, args)
+    n = min(natural, params.max_new_tokens)
+    tokens = rng.integers(0, args.vocab_size, size=n)
+    tokens[tokens == args.eos_token_id] = (args.eos_token_id + 1) % args.vocab_size
+    finish = FinishReason.LENGTH
+    if natural <= params.max_new_tokens:
+        tokens[-1], finish = args.eos_token_id, FinishReason.STOP
+    out = tokens.tolist()
+    stops = set(params.stop_token_ids)
+    cut = next((i for i, t in enumerate(out) if t in stops), None)
+    if cut is not None:
+        out, finish = out[: cut + 1], FinishReason.STOP
+    logprobs = None
+    if params.logprobs:
+        fake = np.random.Generator(np.random.PCG64(np.random.SeedSequence([*key, 2])))
+        logprobs = (-5.0 * fake.random(len(out))).tolist()
+    return _Plan(out, finish, logprobs)
+
+
+# --------------------------------------------------------------------------- requests in flight
+
+
+@dataclass(eq=False)
+class _Sim:
+    """A request in the simulator: its plan, the future its caller awaits and its timing."""
+
+    request: GenerationRequest
+    plan: _Plan
+    future: asyncio.Future
+    start_step: int = -1
+    done: bool = False
+
+    @property
+    def finish_step(self) -> int:
+        return self.start_step + len(self.plan.tokens)
+
+    def resolve(self, tokens_done: int | None = None) -> None:
+        """Finish the caller's ``generate``: fully, or as ``ABORT`` after ``tokens_done`` tokens."""
+        plan, request = self.plan, self.request
+        if tokens_done is None:
+            result = GenerationResult(request.request_id, plan.tokens, plan.finish, plan.logprobs,
+                                      meta={"simulated": True})
+        else:
+            n = max(0, min(tokens_done, len(plan.tokens) - 1))
+            logprobs = None if plan.logprobs is None else plan.logprobs[:n]
+            result = GenerationResult(request.request_id, plan.tokens[:n], FinishReason.ABORT, logprobs,
+                                      meta={"simulated": True})
+        self.done = True
+        _set_result(self.future, result)
+
+
+def _set_result(future: asyncio.Future, result: GenerationResult) -> None:
+    loop = future.get_loop()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if loop is running:
+        if not future.done():
+            future.set_result(result)
+        return
+    with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits any more
+        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+
+
+@dataclass
+class _Stats:
+    """Counters since start or :meth:`SimulatedEngine.reset_stats`."""
+
+    since: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    busy_s: float = 0.0
+    batch_steps: Counter = field(default_factory=Counter)
+    finished: int = 0
+    aborted: int = 0
+    tokens: int = 0
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class SimulatedEngine(Engine):
+    """Timing model of a continuous-batching server (see the module docstring)."""
+
+    name = "simulated"
+    simulated = True
+    supports_seed = True
+
+    def __init__(self, model: str = "simulated", **engine_args: Any) -> None:
+        super().__init__(model, **engine_args)
+        self.args = parse_engine_args(self.name, SimulatedArgs, engine_args)
+        self._state = "new"
+        self._waiting: deque[_Sim] = deque()
+        self._finishing: list[tuple[int, int, _Sim]] = []  # heap of (finish_step, order, sim)
+        self._running = 0
+        self._order = itertools.count()
+        self._by_id: dict[str, list[_Sim]] = {}
+        self._step = 0
+        self._boundary_wall = 0.0  # wall time of the last step boundary (time_scale > 0)
+        self._wall_per_step = 0.0  # of the step(s) in progress
+        self._stats = _Stats()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._wakeup: asyncio.Event | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Nothing to load; marks the engine ready and starts the statistics clock."""
+        if self._state == "closed":
+            from daskgen.errors import EngineError
+
+            raise EngineError("simulated engine was shut down; create a new one")
+        self._state = "running"
+        self._stats = _Stats()
+
+    async def shutdown(self) -> None:
+        """Stop the step loop; requests in flight end with ``ABORT`` (idempotent)."""
+        if self._state == "closed":
+            return
+        self._state = "closed"
+        for sims in list(self._by_id.values()):
+            for sim in list(sims):
+                self._drop(sim, aborted=True)
+        if self._task is not None and not self._task.done():
+            if self._loop is asyncio.get_running_loop():
+                self._task.cancel()
+            else:
+                with contextlib.suppress(RuntimeError):
+                    self._loop.call_soon_threadsafe(self._task.cancel)
+        self._task = None
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Queue the request and await its simulated completion."""
+        if self._state != "running":
+            return error_result(request, f"simulated engine is {self._state}, not running")
+        problem = request_error(request, vocab_size=self.args.vocab_size)
+        if problem is not None:
+            return error_result(request, problem)
+        loop = asyncio.get_running_loop()
+        sim = _Sim(request, plan_output(request, self.args), loop.create_future())
+        self._by_id.setdefault(request.request_id, []).append(sim)
+        self._waiting.append(sim)
+        self._ensure_stepper(loop)
+        self._wake()
+        try:
+            return await sim.future
+        except asyncio.CancelledError:
+            self._drop(sim, aborted=False)
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        """End the request(s) with this id at once with ``ABORT`` and the tokens produced so far."""
+        for sim in list(self._by_id.get(request_id, ())):
+            self._drop(sim, aborted=True)
+        self._wake()
+
+    def _drop(self, sim: _Sim, aborted: bool) -> None:
+        """Remove ``sim`` from the queue or the batch; resolve it as aborted when asked."""
+        if sim.done:
+            return
+        if sim.start_step < 0:
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(sim)
+            done = 0
+        else:
+            self._running -= 1
+            done = self._current_step() - sim.start_step
+        self._forget(sim)
+        if aborted:
+            self._stats.aborted += 1
+            sim.resolve(tokens_done=done)
+        sim.done = True
+
+    def _forget(self, sim: _Sim) -> None:
+        sims = self._by_id.get(sim.request.request_id)
+        if sims is not None:
+            with contextlib.suppress(ValueError):
+                sims.remove(sim)
+            if not sims:
+                del self._by_id[sim.request.request_id]
+
+    def _current_step(self) -> int:
+        """Steps completed by now, counting those elapsed inside the current (scaled) sleep."""
+        if self._wall_per_step <= 0:
+            return self._step
+        return self._step + int((time.perf_counter() - self._boundary_wall) / self._wall_per_step)
+
+    # ------------------------------------------------------------------ the step loop
+
+    def _ensure_stepper(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Run the step loop on ``loop`` unless it already runs on a live loop."""
+        alive = self._task is not None and not self._task.done() and not self._loop.is_closed()
+        if alive:
+            return
+        self._loop, self._wakeup = loop, asyncio.Event()
+        self._task = loop.create_task(self._run(), name="daskgen-simulated-steps")
+
+    def _wake(self) -> None:
+        if self._wakeup is None or self._loop is None:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            self._wakeup.set()
+        else:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._wakeup.set)
+
+    async def _run(self) -> None:
+        self._boundary_wall = time.perf_counter()
+        while self._state == "running":
+            self._admit()
+            if self._running == 0:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                self._boundary_wall = time.perf_counter()
+                continue
+            if not await self._advance():
+                await asyncio.sleep(0)  # instant mode: let callers queue more requests
+
+    def _admit(self) -> None:
+        while self._waiting and self._running < self.args.max_batch:
+            sim = self._waiting.popleft()
+            sim.start_step = self._step
+            self._running += 1
+            heapq.heappush(self._finishing, (sim.finish_step, next(self._order), sim))
+
+    def _next_finish(self) -> int:
+        while self._finishing[0][2].done:
+            heapq.heappop(self._finishing)
+        return self._finishing[0][0]
+
+    async def _advance(self) -> bool:
+        """Run steps with the current batch until the next finish (or a wake-up); account them.
+
+        Returns whether it slept (``False`` in instant mode).
+        """
+        batch = self._running
+        step_s = self.args.step_time_base_s + self.args.step_time_per_seq_s * batch
+        steps = self._next_finish() - self._step
+        slept = self.args.time_scale > 0 and step_s > 0
+        if slept:
+            steps = await self._sleep_steps(steps, step_s * self.args.time_scale)
+        self._step += steps
+        stats = self._stats
+        stats.steps += steps
+        stats.busy_s += steps * step_s
+        stats.batch_steps[batch] += steps
+        self._finish_due()
+        return slept
+
+    async def _sleep_steps(self, steps: int, wall_per_step: float) -> int:
+        """Sleep through up to ``steps`` steps; on a wake-up stop at the end of the step in progress."""
+        self._wall_per_step = wall_per_step
+        self._wakeup.clear()
+        deadline = self._boundary_wall + steps * wall_per_step
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wakeup.wait(), timeout=max(0.0, deadline - time.perf_counter()))
+            elapsed = time.perf_counter() - self._boundary_wall
+            steps = min(steps, max(1, math.ceil(elapsed / wall_per_step)))
+            await asyncio.sleep(max(0.0, self._boundary_wall + steps * wall_per_step - time.perf_counter()))
+        self._boundary_wall += steps * wall_per_step
+        self._wall_per_step = 0.0
+        return steps
+
+    def _finish_due(self) -> None:
+        while self._finishing and self._finishing[0][0] <= self._step:
+            _, _, sim = heapq.heappop(self._finishing)
+            if sim.done:
+                continue
+            self._running -= 1
+            self._forget(sim)
+            self._stats.finished += 1
+            self._stats.tokens += len(sim.plan.tokens)
+            sim.resolve()
+
+    # ------------------------------------------------------------------ introspection
+
+    def stats(self) -> dict[str, Any]:
+        """Steps, busy time and per-step batch sizes since start (or :meth:`reset_stats`).
+
+        ``busy_s`` and ``elapsed_s`` are model seconds (wall seconds / ``time_scale``);
+        ``busy_fraction = busy_s / elapsed_s`` is ``None`` when ``time_scale == 0``.
+        ``batch_size_hist`` maps a batch size to the number of steps run at that size.
+        """
+        s = self._stats
+        elapsed = None
+        if self.args.time_scale > 0:
+            elapsed = (time.perf_counter() - s.since) / self.args.time_scale
+        weighted = sum(size * n for size, n in s.batch_steps.items())
+        return {
+            "simulated": True,
+            "steps": s.steps,
+            "busy_s": s.busy_s,
+            "elapsed_s": elapsed,
+            "busy_fraction": None if not elapsed else min(1.0, s.busy_s / elapsed),
+            "mean_batch_size": weighted / s.steps if s.steps else 0.0,
+            "batch_size_hist": dict(sorted(s.batch_steps.items())),
+            "requests_finished": s.finished,
+            "requests_aborted": s.aborted,
+            "tokens_generated": s.tokens,
+            "running": self._running,
+            "waiting": len(self._waiting),
+        }
+
+    def reset_stats(self) -> None:
+        """Start a new statistics window (e.g. after a benchmark's warm-up)."""
+        self._stats = _Stats()
+
+    def health_token_id(self) -> int:
+        """Token 0 (valid for any vocabulary)."""
+        return 0
+
+    def describe(self) -> dict[str, Any]:
+        """Engine name, ``simulated: True``, the model label and the timing model's options."""
+        info = super().describe()
+        info["model"] = self.model
+        info["engine_args"] = asdict(self.args)
+        return info

@@ -1,0 +1,702 @@
+"""``transformers`` engine: a Hugging Face causal LM on CPU (or GPU) with continuous batching.
+
+How it works
+------------
+* **Backend.**  transformers' continuous-batching manager (``model.init_continuous_batching``)
+  owns the model in its own background thread.  Every step packs the prefill chunks and decode
+  tokens of all running requests into one forward pass over a paged KV cache, so each request
+  finishes independently: there is no static batch waiting for its longest member.
+* **Results.**  A reader thread owned by this engine takes finished outputs from the manager's
+  queue and resolves the awaiting coroutine on that coroutine's own event loop
+  (``call_soon_threadsafe``).  :meth:`TransformersEngine.generate` only enqueues and awaits, so
+  it never blocks the Dask worker's event loop; :meth:`~TransformersEngine.start` loads the
+  model in a thread (``asyncio.to_thread``).
+* **Sampling and seeds.**  The manager samples with a single global ``torch.multinomial`` and
+  one generation config for all requests, so it can do neither per-request seeds nor (without
+  extra processors) per-request temperature/top-k/top-p.  The engine therefore installs its own
+  sampler as the manager's only logits processor and runs the manager greedily: for each row it
+  picks the token itself and returns scores that are ``-inf`` everywhere but that token, which
+  the manager's argmax then selects.  A sampled token is the Gumbel-max of the filtered scores
+  (``logits / temperature``, then top-k, then top-p): ``argmax(scores + g)`` with one Gumbel
+  value per token id from a ``torch.Generator`` reseeded for every step with
+  ``splitmix64(seed, step)``.  The noise depends only on the request's seed and the token's
+  position, not on the batch, the other requests or their order, so a resumed run that batches
+  differently reproduces the same tokens.  Gumbel-max rather than an inverse CDF because it is
+  robust to the last-bit differences a forward pass shows in a different batch: a draw changes
+  only if the two best noisy scores are within ~1e-6 (an inverse CDF over 50k tokens accumulates
+  those differences and, measured here, changed about 1 sample in 60).  Greedy
+  (``temperature == 0``) is a plain argmax of the logits.  Unseeded sampled requests get a
+  random seed.  The noise comes from torch's generator, so samples are reproducible for a given
+  torch version and device type (both recorded by :meth:`~TransformersEngine.describe`).
+* **Logprobs.**  ``log_softmax`` of the raw float32 logits at the chosen token: the model's
+  untempered, unfiltered distribution, as :class:`~daskgen.engines.base.SamplingParams` says.
+* **Stops.**  The model's EOS ids plus ``stop_token_ids`` end a request (``STOP``; the stop
+  token is kept in the output); reaching ``max_new_tokens`` is ``LENGTH``.
+* **Errors.**  A bad request inside a batch would crash the manager's loop for everyone, so the
+  engine validates every request before submitting it (prompt ids within the vocabulary, prompt
+  plus ``max_new_tokens`` within the context and cache, sane sampling params) and returns
+  ``GenerationResult.error`` instead.  If the manager's thread dies, pending and new requests
+  get an error and :meth:`~TransformersEngine.health` raises.
+* **Abort.**  ``manager.cancel_request``; the engine resolves the request at once with
+  ``ABORT`` and the tokens sampled so far.
+
+Limits: the engine uses transformers' continuous-batching internals (the manager's
+``logit_processor`` and ``output_router``, ``ContinuousBatchingLogitsProcessor``); it is tested
+with transformers 5.23.  Because the sampler runs Python each step, CUDA graphs, ``torch.compile``
+and async double-buffering stay off: on a GPU this engine is correct but slower than ``sglang``.
+
+Engine args (``engine_args``): see :class:`TransformersArgs`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import hashlib
+import itertools
+import logging
+import math
+import queue
+import secrets
+import threading
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from daskgen.engines.base import (
+    Engine,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    error_result,
+    parse_engine_args,
+    request_error,
+)
+from daskgen.errors import ConfigError, EngineError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["TransformersArgs", "TransformersEngine"]
+
+logger = logging.getLogger(__name__)
+
+_MASK64 = (1 << 64) - 1
+_DEVICES = ("auto", "cpu", "cuda")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: Defaults that keep a CPU worker's memory small; on a GPU, ``None`` lets transformers size from free memory.
+_CPU_DEFAULTS = {"max_batch_tokens": 512, "max_requests_per_batch": 64, "kv_cache_tokens": 16384}
+
+
+# --------------------------------------------------------------------------- engine args
+
+
+@dataclass
+class TransformersArgs:
+    """Options of the ``transformers`` engine.
+
+    Attributes
+    ----------
+    device:
+        ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+    dtype:
+        ``"auto"`` (float32 on CPU, bfloat16 on GPU), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+    max_batch_tokens:
+        Tokens per forward step (prefill chunks plus one per decoding request).  Default 512 on
+        CPU, sized by transformers on GPU.
+    max_requests_per_batch:
+        Requests per forward step.  Default 64 on CPU.
+    kv_cache_tokens:
+        KV-cache capacity in tokens (all requests together).  Default 16384 on CPU; on GPU
+        sized from free memory (``max_memory_percent``).
+    page_size:
+        Tokens per KV-cache page.
+    max_memory_percent:
+        Fraction of free accelerator memory for the cache when ``kv_cache_tokens`` is unset.
+    prefix_sharing:
+        Reuse the KV cache of shared prompt prefixes (the n samples of one prompt).
+    attn_implementation:
+        Passed to ``from_pretrained`` (``"sdpa"``, ``"eager"``, a flash implementation...).
+    num_threads:
+        ``torch.set_num_threads`` for CPU inference (process-wide); default: torch's choice.
+    max_model_len:
+        Cap on prompt plus new tokens; default the model's ``max_position_embeddings``.
+    revision, trust_remote_code:
+        Passed to ``from_pretrained``.
+    """
+
+    device: str = "auto"
+    dtype: str = "auto"
+    max_batch_tokens: int | None = None
+    max_requests_per_batch: int | None = None
+    kv_cache_tokens: int | None = None
+    page_size: int = 128
+    max_memory_percent: float | None = None
+    prefix_sharing: bool = True
+    attn_implementation: str | None = None
+    num_threads: int | None = None
+    max_model_len: int | None = None
+    revision: str | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or (self.device not in _DEVICES and not self.device.startswith("cuda:")):
+            raise ConfigError(f"transformers engine: device must be one of {list(_DEVICES)} or 'cuda:N', "
+                              f"got {self.device!r}")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"transformers engine: dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
+        for name in ("max_batch_tokens", "max_requests_per_batch", "kv_cache_tokens", "page_size",
+                     "num_threads", "max_model_len"):
+            _check_positive_int(name, getattr(self, name))
+        if self.max_memory_percent is not None and not 0 < self.max_memory_percent <= 1:
+            raise ConfigError(f"transformers engine: max_memory_percent must be in (0, 1], "
+                              f"got {self.max_memory_percent!r}")
+        for name in ("prefix_sharing", "trust_remote_code"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"transformers engine: {name} must be true or false, got {getattr(self, name)!r}")
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ConfigError(f"transformers engine: {name} must be a positive integer or null, got {value!r}")
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _seed64(seed: int) -> int:
+    """``seed`` itself when it fits in 64 unsigned bits, else a 64-bit hash of it."""
+    if 0 <= seed <= _MASK64:
+        return seed
+    digest = hashlib.blake2b(str(seed).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The generator seed for token ``step`` of a request seeded with ``seed`` (counter-based)."""
+    return _splitmix64(_splitmix64(_seed64(seed)) ^ (step & _MASK64))
+
+
+@dataclass
+class _Sequence:
+    """Per-request sampling settings and what the sampler picked so far (written by the backend thread)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    want_logprobs: bool
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    generator: Any = None
+
+    @classmethod
+    def from_params(cls, params: SamplingParams) -> _Sequence:
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        return cls(params.temperature, params.top_p, params.top_k, seed, params.logprobs)
+
+    def pick(self, row: torch.Tensor) -> int:
+        """Choose the next token from the float32 logits ``row`` and record it."""
+        import torch
+
+        if self.temperature == 0:
+            token = int(torch.argmax(row))
+        else:
+            token = int(torch.argmax(_filtered(row / self.temperature, self) + self._gumbel(row)))
+        if self.want_logprobs:
+            self.logprobs.append(float(row[token] - torch.logsumexp(row, dim=0)))
+        self.tokens.append(token)
+        return token
+
+    def _gumbel(self, row: torch.Tensor) -> torch.Tensor:
+        """Gumbel noise for this step, one value per token id, from a generator reseeded per step."""
+        import torch
+
+        if self.generator is None:
+            self.generator = torch.Generator(device=row.device)
+        self.generator.manual_seed(step_seed(self.seed, len(self.tokens)))
+        uniform = torch.rand(row.shape, generator=self.generator, device=row.device, dtype=row.dtype)
+        return -torch.log(-torch.log(uniform))
+
+
+def _filtered(scores: torch.Tensor, seq: _Sequence) -> torch.Tensor:
+    """``scores`` with tokens outside top-k and then outside the top-p nucleus set to ``-inf``."""
+    import torch
+
+    if 0 < seq.top_k < scores.numel():
+        kth = torch.topk(scores, seq.top_k, sorted=False).values.min()
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if seq.top_p < 1:
+        probs = torch.softmax(scores, dim=0)
+        scores = scores.masked_fill(probs < _nucleus_threshold(probs, seq.top_p), float("-inf"))
+    return scores
+
+
+def _nucleus_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Smallest probability inside the top-p nucleus (searches the largest 256, 2048, ... first)."""
+    import torch
+
+    k = min(probs.numel(), 256)
+    while True:
+        top = torch.topk(probs, k).values
+        cumulative = torch.cumsum(top, 0)
+        if cumulative[-1] >= top_p or k == probs.numel():
+            break
+        k = min(probs.numel(), k * 8)
+    keep = max(1, int(((cumulative - top) < top_p).sum()))
+    return top[keep - 1]
+
+
+class _SamplerTable:
+    """The engine's sampler: maps backend request ids to :class:`_Sequence` and picks tokens.
+
+    Driven by the manager's thread through a ``ContinuousBatchingLogitsProcessor`` adapter:
+    ``prepare`` receives the ids of the rows of the next forward pass, ``process`` their logits.
+    """
+
+    def __init__(self) -> None:
+        self.sequences: dict[str, _Sequence] = {}
+        self._rows: list[str] = []
+
+    def prepare(self, request_ids: list[str]) -> None:
+        self._rows = request_ids
+
+    def process(self, scores: torch.Tensor) -> torch.Tensor:
+        """Pick one token per row; return scores whose argmax is that token."""
+        import torch
+
+        picked = []
+        for i, rid in enumerate(self._rows[: scores.size(0)]):
+            seq = self.sequences.get(rid)  # None for warmup rows or requests aborted meanwhile
+            picked.append(seq.pick(scores[i]) if seq is not None else int(torch.argmax(scores[i])))
+        out = torch.full_like(scores, float("-inf"))
+        rows = torch.arange(len(picked), device=scores.device)
+        out[rows, torch.tensor(picked, device=scores.device)] = 0.0
+        return out
+
+
+def _processor_list(table: _SamplerTable) -> Any:
+    """Wrap ``table`` as the manager's (only) logits processor."""
+    import torch
+    from transformers.generation.continuous_batching.cb_logits_processors import (
+        ContinuousBatchingLogitsProcessor,
+        ContinuousBatchingLogitsProcessorList,
+    )
+    from transformers.generation.logits_process import LogitsProcessorList
+
+    class DaskgenSampler(ContinuousBatchingLogitsProcessor):
+        supported_kwargs: dict[str, type] = {}
+        ignored_kwargs: tuple[str, ...] = ()
+
+        def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+            int32_tensor.fill_(0)
+
+        def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> torch.Tensor:
+            table.prepare([r.state.request_id for r in requests_with_new_token])
+            return torch.zeros(len(requests_with_new_token), dtype=torch.int32)
+
+        def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+            return table.process(scores)
+
+    processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([DaskgenSampler()]))
+    processors.tensors_required = 1  # one (unused) row of per-request tensor args
+    return processors
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+@dataclass
+class _Job:
+    """One submitted request, awaited on ``loop``."""
+
+    request: GenerationRequest
+    backend_id: str
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    sequence: _Sequence
+    stop_ids: frozenset[int]
+
+    def resolve(self, result: GenerationResult) -> None:
+        """Hand ``result`` to the awaiting coroutine (from any thread)."""
+        with contextlib.suppress(RuntimeError):  # the awaiting loop is closed: nobody is waiting
+            self.loop.call_soon_threadsafe(_set_result, self.future, result)
+
+    def partial(self, finish: FinishReason, error: str | None = None) -> GenerationResult:
+        """A result from what the sampler picked so far (for aborts and failures)."""
+        tokens = list(self.sequence.tokens)
+        return self.result(tokens, finish, error)
+
+    def result(self, tokens: list[int], finish: FinishReason, error: str | None = None) -> GenerationResult:
+        logprobs = None
+        if self.request.params.logprobs:
+            logprobs = list(self.sequence.logprobs[: len(tokens)])
+            tokens = tokens[: len(logprobs)]
+        meta = {"prompt_tokens": len(self.request.prompt_ids)}
+        return GenerationResult(self.request.request_id, tokens, finish, logprobs, error, meta)
+
+
+def _set_result(future: asyncio.Future, result: GenerationResult) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class TransformersEngine(Engine):
+    """A Hugging Face causal LM driven by transformers' continuous batching (see the module docstring)."""
+
+    name = "transformers"
+    simulated = False
+    supports_seed = True
+
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        super().__init__(model, **engine_args)
+        self.args = parse_engine_args(self.name, TransformersArgs, engine_args)
+        self._model: Any = None
+        self._manager: Any = None
+        self._table = _SamplerTable()
+        self._jobs: dict[str, _Job] = {}
+        self._by_request: dict[str, set[str]] = defaultdict(set)
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._reader: threading.Thread | None = None
+        self._identity: dict[str, Any] = {}
+        self._eos_ids: frozenset[int] = frozenset()
+        self._vocab_size = 0
+        self._max_total_tokens = 0
+        self._state = "new"
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Load the model and start the continuous-batching thread (in a worker thread)."""
+        if self._state != "new":
+            raise EngineError(f"transformers engine is {self._state}; create a new engine to start again")
+        self._state = "starting"
+        try:
+            await asyncio.to_thread(self._load)
+        except BaseException:
+            self._state = "failed"
+            await asyncio.to_thread(self._stop_backend)
+            raise
+        self._state = "running"
+
+    def _load(self) -> None:
+        import torch
+
+        args = self.args
+        if args.num_threads is not None:
+            torch.set_num_threads(args.num_threads)
+        device = _resolve_device(args.device)
+        dtype = _resolve_dtype(args.dtype, device)
+        self._model = _load_model(self.model, args, device, dtype)
+        config = self._model.config.get_text_config()
+        self._eos_ids = _eos_ids(self._model)
+        self._vocab_size = int(self._model.get_input_embeddings().num_embeddings)
+        self._manager = _create_manager(self._model, self._table, args, device)
+        self._max_total_tokens = _max_total_tokens(self._manager, config, args)
+        self._identity = _identity(self._model, args, device, dtype, self._eos_ids)
+        self._manager.start()
+        self._reader = threading.Thread(target=self._read_outputs, name="daskgen-transformers-reader", daemon=True)
+        self._reader.start()
+        logger.info("transformers engine ready: %s", self._identity)
+
+    async def shutdown(self) -> None:
+        """Stop the backend thread, fail pending requests and free the model (idempotent)."""
+        if self._state in ("new", "closed"):
+            self._state = "closed"
+            return
+        self._state = "closed"
+        self._fail_all(FinishReason.ABORT, "the engine was shut down")
+        await asyncio.to_thread(self._stop_backend)
+
+    def _stop_backend(self) -> None:
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            try:
+                manager.stop(block=True, timeout=60, hard_stop=True)
+                manager.destroy()
+            except Exception:  # a crashed manager may fail to stop; the model is released anyway
+                logger.warning("stopping the continuous-batching manager failed", exc_info=True)
+            manager.output_router.output_queue.put(None)  # wakes and ends the reader
+        if self._reader is not None:
+            self._reader.join(timeout=10)
+            self._reader = None
+        self._model = None
+        gc.collect()
+        _empty_device_cache()
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Generate one sample; errors come back in ``GenerationResult.error``."""
+        if self._state != "running":
+            return error_result(request, f"transformers engine is {self._state}, not running")
+        problem = request_error(request, vocab_size=self._vocab_size, max_total_tokens=self._max_total_tokens)
+        if problem is not None:
+            return error_result(request, problem)
+        job = self._submit(request, asyncio.get_running_loop())
+        if isinstance(job, GenerationResult):
+            return job
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            self._cancel(job.backend_id)
+            raise
+
+    def _submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> _Job | GenerationResult:
+        backend_id = f"{request.request_id}#{next(self._ids)}"
+        job = _Job(request, backend_id, loop, loop.create_future(), _Sequence.from_params(request.params),
+                   self._eos_ids | frozenset(request.params.stop_token_ids))
+        with self._lock:
+            self._jobs[backend_id] = job
+            self._by_request[request.request_id].add(backend_id)
+            self._table.sequences[backend_id] = job.sequence
+        added = self._manager.add_request(
+            list(request.prompt_ids), request_id=backend_id, max_new_tokens=request.params.max_new_tokens,
+            eos_token_id=sorted(job.stop_ids),
+        )
+        if added is None:
+            self._pop_job(backend_id)
+            return error_result(request, f"transformers engine is not accepting requests: {self._backend_problem()}")
+        return job
+
+    async def abort(self, request_id: str) -> None:
+        """End every in-flight request with this id; each returns ``ABORT`` with its tokens so far."""
+        with self._lock:
+            backend_ids = list(self._by_request.get(request_id, ()))
+        for backend_id in backend_ids:
+            job = self._cancel(backend_id)
+            if job is not None:
+                job.resolve(job.partial(FinishReason.ABORT))
+
+    def _cancel(self, backend_id: str) -> _Job | None:
+        job = self._pop_job(backend_id)
+        if job is not None and self._manager is not None:
+            self._manager.cancel_request(backend_id)
+        return job
+
+    def _pop_job(self, backend_id: str) -> _Job | None:
+        with self._lock:
+            job = self._jobs.pop(backend_id, None)
+            self._table.sequences.pop(backend_id, None)
+            if job is not None:
+                ids = self._by_request.get(job.request.request_id)
+                if ids is not None:
+                    ids.discard(backend_id)
+                    if not ids:
+                        del self._by_request[job.request.request_id]
+        return job
+
+    def _fail_all(self, finish: FinishReason, message: str) -> None:
+        with self._lock:
+            backend_ids = list(self._jobs)
+        for backend_id in backend_ids:
+            job = self._pop_job(backend_id)
+            if job is not None:
+                job.resolve(job.partial(finish, message if finish == FinishReason.ERROR else None))
+
+    # ------------------------------------------------------------------ backend thread side
+
+    def _read_outputs(self) -> None:
+        """Reader thread: route finished outputs to their jobs; notice a dead backend."""
+        output_queue = self._manager.output_router.output_queue
+        while True:
+            try:
+                output = output_queue.get(timeout=0.5)
+            except queue.Empty:
+                self._check_backend()
+                continue
+            if output is None:
+                return
+            if output.is_finished():
+                job = self._pop_job(output.request_id)
+                if job is not None:
+                    job.resolve(self._to_result(job, output))
+
+    def _to_result(self, job: _Job, output: Any) -> GenerationResult:
+        tokens = list(output.generated_tokens)
+        if output.error is not None:
+            return job.result(tokens, FinishReason.ERROR, f"generation failed: {output.error}")
+        finish = FinishReason.STOP if tokens and tokens[-1] in job.stop_ids else FinishReason.LENGTH
+        return job.result(tokens, finish)
+
+    def _check_backend(self) -> None:
+        if self._state == "running" and self._backend_problem() is not None:
+            self._state = "crashed"
+            self._fail_all(FinishReason.ERROR, f"the generation thread stopped: {self._backend_problem()}")
+
+    def _backend_problem(self) -> str | None:
+        manager = self._manager
+        if manager is None:
+            return "the backend is stopped"
+        status = manager.background_thread_status
+        if status.fatal_error is not None:
+            return f"{type(status.fatal_error).__name__}: {status.fatal_error}"
+        if not manager.is_running():
+            return "the generation thread is not running"
+        return None
+
+    # ------------------------------------------------------------------ introspection
+
+    async def health(self) -> None:
+        """Raise unless the backend thread is alive and really generates a token."""
+        if self._state != "running" or self._backend_problem() is not None:
+            raise EngineError(f"transformers engine is {self._state}: {self._backend_problem()}")
+        await super().health()
+
+    def health_token_id(self) -> int:
+        """The model's BOS token (or 0)."""
+        bos = self._identity.get("bos_token_id")
+        return bos if isinstance(bos, int) and 0 <= bos < self._vocab_size else 0
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Token ids that end every request (the model's EOS ids); known after :meth:`start`."""
+        return self._eos_ids
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Largest prompt plus ``max_new_tokens`` one request may have; known after :meth:`start`."""
+        return self._max_total_tokens
+
+    def describe(self) -> dict[str, Any]:
+        """Engine, model identity (path, type, revision, dtype, device, vocabulary) and options."""
+        info = super().describe()
+        info["model"] = self.model
+        info["engine_args"] = asdict(self.args)
+        info.update(self._identity)
+        return info
+
+
+# --------------------------------------------------------------------------- loading helpers
+
+
+def _resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"transformers engine: device {device!r} requested but CUDA is not available; "
+                          "use device='cpu' or 'auto'")
+    return device
+
+
+def _resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    import torch
+
+    if dtype == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    return getattr(torch, dtype)
+
+
+def _load_model(path: str, args: TransformersArgs, device: str, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": args.trust_remote_code}
+    if args.revision is not None:
+        kwargs["revision"] = args.revision
+    if args.attn_implementation is not None:
+        kwargs["attn_implementation"] = args.attn_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"transformers engine could not load model {path!r}: {exc}") from exc
+    return model.to(device).eval()
+
+
+def _eos_ids(model: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config.get_text_config()):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif value is not None:
+            ids.update(int(v) for v in value)
+    return frozenset(i for i in ids if i >= 0)
+
+
+def _cb_defaults(args: TransformersArgs, device: str) -> dict[str, Any]:
+    """Batch and cache limits: the user's, else the CPU defaults (on CPU) or transformers' own."""
+    values = {key: getattr(args, key) for key in _CPU_DEFAULTS}
+    if device == "cpu":
+        values = {key: _CPU_DEFAULTS[key] if value is None else value for key, value in values.items()}
+    return values
+
+
+def _create_manager(model: Any, table: _SamplerTable, args: TransformersArgs, device: str) -> Any:
+    """Create the continuous-batching manager with the engine's sampler; allocate its cache."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    limits = _cb_defaults(args, device)
+    tokens = limits["kv_cache_tokens"]
+    cb_config = ContinuousBatchingConfig(
+        page_size=args.page_size,
+        num_blocks=None if tokens is None else math.ceil(tokens / args.page_size),
+        max_batch_tokens=limits["max_batch_tokens"],
+        max_requests_per_batch=limits["max_requests_per_batch"],
+        max_memory_percent=args.max_memory_percent,
+        allow_block_sharing=args.prefix_sharing,
+        use_async_batching=False,  # the sampler runs Python per step: no async double-buffering,
+        use_cuda_graph=False,  # no CUDA graphs and no compile
+        default_compile_level=0,
+        return_logprobs=False,
+    )
+    generation_config = GenerationConfig(do_sample=False, eos_token_id=-1)
+    manager = model.init_continuous_batching(generation_config=generation_config,
+                                             continuous_batching_config=cb_config)
+    manager.logit_processor = _processor_list(table)
+    manager.warmup()  # creates the paged cache now, so sizing errors surface in start()
+    return manager
+
+
+def _max_total_tokens(manager: Any, config: Any, args: TransformersArgs) -> int:
+    from transformers.generation.continuous_batching.model_runner import infer_max_single_request_tokens
+
+    limits = [infer_max_single_request_tokens(manager.batch_processor.cache)]
+    context = getattr(config, "max_position_embeddings", None)
+    limits += [v for v in (context, args.max_model_len) if isinstance(v, int) and v > 0]
+    return min(limits)
+
+
+def _identity(model: Any, args: TransformersArgs, device: str, dtype: Any, eos: frozenset[int]) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    config = model.config
+    return {
+        "model_type": getattr(config, "model_type", None),
+        "architectures": list(getattr(config, "architectures", None) or []),
+        "name_or_path": getattr(config, "_name_or_path", None),
+        "commit_hash": getattr(config, "_commit_hash", None),
+        "revision": args.revision,
+        "num_parameters": int(sum(p.numel() for p in model.parameters())),
+        "vocab_size": int(model.get_input_embeddings().num_embeddings),
+        "bos_token_id": getattr(config.get_text_config(), "bos_token_id", None),
+        "eos_token_ids": sorted(eos),
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": device,
+        "sampler": "daskgen-gumbel-v1",
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+    }
+
+
+def _empty_device_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,426 @@
+"""The engine conformance suite: the behaviour every daskgen engine must show.
+
+Use it from pytest by subclassing :class:`EngineConformance` in a ``test_*.py`` module::
+
+    from daskgen.testing.conformance import EngineConformance
+
+    class TestMyEngine(EngineConformance):
+        engine_class = MyEngine
+        model = "/path/to/model"
+        engine_args = {"device": "cpu"}
+
+pytest collects the ``test_*`` methods.  One engine is started per class (``setup_class``) on
+a background event loop that lives as long as the class, as an engine lives on a Dask
+worker's loop, and is shut down in ``teardown_class``.  Every engine call runs under a timeout,
+so a hung engine fails instead of hanging.  Tunables (class attributes) let an engine adapt
+prompts, lengths and timeouts; see :class:`EngineConformance`.
+
+Without pytest, :func:`run_conformance` runs the same checks and returns a report.  This
+module imports neither pytest nor torch; skips raise :class:`unittest.SkipTest`, which pytest
+reports as skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import math
+import threading
+import time
+import traceback
+import unittest
+from collections.abc import Awaitable, Coroutine, Sequence
+from typing import Any, ClassVar, TypeVar
+
+from daskgen.engines.base import Engine, FinishReason, GenerationRequest, GenerationResult, SamplingParams
+from daskgen.errors import ConfigError, EngineError
+
+__all__ = ["EngineConformance", "EventLoopThread", "run_conformance"]
+
+_T = TypeVar("_T")
+GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0)
+
+
+class EventLoopThread:
+    """An asyncio event loop running in a daemon thread; :meth:`run` executes coroutines on it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="daskgen-conformance-loop", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, _T], timeout: float) -> _T:
+        """Run ``coro`` on the loop; raise ``TimeoutError`` after ``timeout`` seconds."""
+        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self.loop)
+        try:
+            return future.result(timeout + 10)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise
+
+    def close(self) -> None:
+        """Cancel what still runs on the loop, stop it and join the thread."""
+        if self.loop.is_closed():
+            return
+        with contextlib.suppress(Exception):
+            self.run(_cancel_other_tasks(), timeout=10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+async def _cancel_other_tasks() -> None:
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class EngineConformance:
+    """Base class of the conformance tests; subclasses set the engine to test.
+
+    Required class attributes: ``engine_class``, ``model`` (and ``engine_args``).  Tunables:
+
+    ``timeout_s``
+        Limit for one engine call (generation of a batch of requests counts as one).
+    ``start_timeout_s``
+        Limit for ``start()`` plus the first health check.
+    ``prompt_vocab``
+        Prompt token ids are drawn from ``[3, prompt_vocab)``.
+    ``probe_max_new_tokens``, ``probe_prompts``
+        Greedy length used to find prompts that do not stop early (abort and ordering checks),
+        and how many prompts to try.
+    ``long_max_new_tokens``
+        Cap of the "long" requests that get aborted; must fit the engine's context.
+    ``abort_delay_s``, ``abort_timeout_s``
+        How long the long requests run before ``abort``, and how soon they must return.
+    ``concurrency``
+        Requests in the many-concurrent-requests check.
+    """
+
+    engine_class: ClassVar[type[Engine]]
+    model: ClassVar[str] = ""
+    engine_args: ClassVar[dict[str, Any]] = {}
+
+    timeout_s: ClassVar[float] = 120.0
+    start_timeout_s: ClassVar[float] = 600.0
+    prompt_vocab: ClassVar[int] = 1000
+    probe_max_new_tokens: ClassVar[int] = 128
+    probe_prompts: ClassVar[int] = 16
+    long_max_new_tokens: ClassVar[int] = 1024
+    abort_delay_s: ClassVar[float] = 0.05
+    abort_timeout_s: ClassVar[float] = 10.0
+    concurrency: ClassVar[int] = 32
+
+    runner: ClassVar[EventLoopThread]
+    engine: ClassVar[Engine]
+
+    # ------------------------------------------------------------------ fixtures (xunit style)
+
+    @classmethod
+    def make_engine(cls, **extra_args: Any) -> Engine:
+        """A new, unstarted engine (``engine_args`` plus ``extra_args``)."""
+        return cls.engine_class(cls.model, **{**cls.engine_args, **extra_args})
+
+    @classmethod
+    def setup_class(cls) -> None:
+        """Start the shared engine on a background loop."""
+        cls.runner = EventLoopThread()
+        cls.engine = cls.make_engine()
+        try:
+            cls.runner.run(cls._start_and_check(cls.engine), cls.start_timeout_s)
+        except BaseException:
+            cls.teardown_class()
+            raise
+
+    @staticmethod
+    async def _start_and_check(engine: Engine) -> None:
+        await engine.start()
+        await engine.health()
+
+    @classmethod
+    def teardown_class(cls) -> None:
+        """Shut the shared engine down and stop the loop."""
+        runner = getattr(cls, "runner", None)
+        engine = getattr(cls, "engine", None)
+        if runner is None:
+            return
+        try:
+            if engine is not None:
+                runner.run(engine.shutdown(), cls.timeout_s)
+        finally:
+            runner.close()
+
+    # ------------------------------------------------------------------ helpers
+
+    def run(self, coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
+        """Run ``coro`` on the engine's loop with a timeout."""
+        return self.runner.run(coro, self.timeout_s if timeout is None else timeout)
+
+    def prompt(self, index: int, length: int = 8) -> list[int]:
+        """A deterministic prompt, different for each ``index``."""
+        span = self.prompt_vocab - 3
+        return [3 + (index * 7919 + j * 104729 + j * j * 31) % span for j in range(length)]
+
+    def request(self, rid: str, index: int, **params: Any) -> GenerationRequest:
+        """A request for prompt ``index`` with greedy defaults overridden by ``params``."""
+        base = {"max_new_tokens": 16, "temperature": 0.0, **params}
+        return GenerationRequest(rid, self.prompt(index), SamplingParams(**base))
+
+    async def generate_all(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Submit ``requests`` in order (each after the previous was submitted) and gather results."""
+        tasks = []
+        for request in requests:
+            tasks.append(asyncio.ensure_future(self.engine.generate(request)))
+            await asyncio.sleep(0)
+        return list(await asyncio.gather(*tasks))
+
+    async def one(self, request: GenerationRequest) -> GenerationResult:
+        """Generate ``request`` alone and check the result is well formed."""
+        result = await self.engine.generate(request)
+        _check_result(request, result)
+        return result
+
+    async def _long_candidates(self, count: int) -> list[tuple[GenerationRequest, list[int]]]:
+        """Greedy prompts that do not stop within ``probe_max_new_tokens``, with their outputs."""
+        probes = [self.request(f"probe-{i}", 1000 + i, max_new_tokens=self.probe_max_new_tokens)
+                  for i in range(max(self.probe_prompts, count))]
+        found = []
+        for request, result in zip(probes, await self.generate_all(probes), strict=True):
+            _check_result(request, result)
+            if result.finish_reason == FinishReason.LENGTH:
+                found.append((request, result.output_ids))
+        if not found:
+            raise AssertionError(f"no greedy prompt ran for {self.probe_max_new_tokens} tokens without stopping; "
+                                 "lower probe_max_new_tokens or override prompt()")
+        return found[:count]
+
+    # ------------------------------------------------------------------ the checks
+
+    def test_start_and_health(self) -> None:
+        """start() (in setup) worked; health() really generates, also twice at once."""
+        self.run(self.engine.health())
+        self.run(_gather(self.engine.health(), self.engine.health()))
+
+    def test_describe(self) -> None:
+        """describe() names the engine, says whether it is simulated and is JSON-serialisable."""
+        info = self.engine.describe()
+        assert info["engine"] == self.engine.name, info
+        assert info["simulated"] is self.engine.simulated, info
+        json.dumps(info)
+
+    def test_length_cap(self) -> None:
+        """Outputs never exceed max_new_tokens; hitting the cap without a stop token is LENGTH."""
+        cap = 4
+        requests = [self.request(f"cap-g{i}", i, max_new_tokens=cap) for i in range(8)]
+        requests += [self.request(f"cap-s{i}", i, max_new_tokens=cap, temperature=1.0, seed=i) for i in range(8)]
+        results = self.run(self.generate_all(requests))
+        for request, result in zip(requests, results, strict=True):
+            _check_result(request, result)
+            assert result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH), result
+            if result.finish_reason == FinishReason.LENGTH:
+                assert len(result.output_ids) == cap, result
+        assert any(r.finish_reason == FinishReason.LENGTH for r in results), "no request reached the length cap"
+
+    def test_stop_token(self) -> None:
+        """A stop token ends the output (kept as its last token) with STOP."""
+        request = self.request("stop-probe", 3, max_new_tokens=16)
+        base = self.run(self.one(request))
+        assert base.output_ids, base
+        token = base.output_ids[min(2, len(base.output_ids) - 1)]
+        expected = base.output_ids[: base.output_ids.index(token) + 1]
+        stopped = self.run(self.one(self.request("stop", 3, max_new_tokens=16, stop_token_ids=(token,))))
+        assert stopped.output_ids == expected, (stopped.output_ids, expected)
+        assert stopped.finish_reason == FinishReason.STOP, stopped
+
+    def test_logprobs(self) -> None:
+        """One finite logprob <= 0 per output token when asked; None when not; same tokens either way."""
+        variants = [{"temperature": 0.0}]
+        if self.engine.supports_seed:
+            variants.append({"temperature": 1.0, "seed": 7})
+        for params in variants:
+            plain = self.run(self.one(self.request("lp-off", 5, max_new_tokens=12, **params)))
+            with_lp = self.run(self.one(self.request("lp-on", 5, max_new_tokens=12, logprobs=True, **params)))
+            assert plain.logprobs is None, plain
+            assert with_lp.logprobs is not None and len(with_lp.logprobs) == len(with_lp.output_ids), with_lp
+            assert all(math.isfinite(x) and x <= 1e-6 for x in with_lp.logprobs), with_lp.logprobs
+            assert with_lp.output_ids == plain.output_ids, (params, with_lp.output_ids, plain.output_ids)
+
+    def test_greedy_deterministic(self) -> None:
+        """Greedy output is the same twice alone and inside a batch of other requests."""
+        target = self.request("greedy", 11, max_new_tokens=20)
+        first = self.run(self.one(target)).output_ids
+        assert self.run(self.one(target)).output_ids == first
+        others = [self.request(f"greedy-other-{i}", 20 + i, max_new_tokens=24, temperature=1.0, seed=i)
+                  for i in range(6)]
+        results = self.run(self.generate_all([*others, target]))
+        assert results[-1].output_ids == first, (results[-1].output_ids, first)
+
+    def test_seeded_reproducible(self) -> None:
+        """A seeded sample is the same alone, in a batch, and in another submission order."""
+        if not self.engine.supports_seed:
+            raise unittest.SkipTest(f"{self.engine.name} does not support seeds")
+        for extra in ({}, {"top_k": 20, "top_p": 0.9, "temperature": 0.8}):
+            params = {"temperature": 1.0, "seed": 1234, "max_new_tokens": 24, **extra}
+            target = self.request("seeded", 12, **params)
+            alone = self.run(self.one(target)).output_ids
+            others = [self.request(f"seeded-other-{i}", 30 + i, max_new_tokens=16 + 4 * i, temperature=1.0,
+                                   seed=100 + i) for i in range(6)]
+            batched = self.run(self.generate_all([*others, target]))[-1].output_ids
+            reordered = self.run(self.generate_all([target, *reversed(others)]))[0].output_ids
+            assert batched == alone, (extra, batched, alone)
+            assert reordered == alone, (extra, reordered, alone)
+        seeds = [self.request(f"seed-{s}", 12, max_new_tokens=8, temperature=1.0, seed=s) for s in range(8)]
+        outputs = {tuple(r.output_ids) for r in self.run(self.generate_all(seeds))}
+        assert len(outputs) > 1, "eight different seeds gave identical samples"
+
+    def test_many_concurrent_requests(self) -> None:
+        """Many concurrent requests all complete, each with its own request id and cap."""
+        requests = [
+            self.request(f"many-{i}", 40 + i, max_new_tokens=1 + i % 24,
+                         **({"temperature": 1.0, "seed": i} if i % 2 else {}))
+            for i in range(self.concurrency)
+        ]
+        results = self.run(self.generate_all(requests))
+        for request, result in zip(requests, results, strict=True):
+            _check_result(request, result)
+            assert result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH), result
+
+    def test_results_arrive_as_each_finishes(self) -> None:
+        """A short request submitted after a long one comes back first (no static batch barrier)."""
+        long_request = self.run(self._long_candidates(1))[0][0]
+        order: list[str] = []
+
+        async def timed(request: GenerationRequest) -> GenerationResult:
+            result = await self.engine.generate(request)
+            order.append(request.request_id)
+            return result
+
+        async def both() -> list[GenerationResult]:
+            first = asyncio.ensure_future(timed(long_request))
+            await asyncio.sleep(0)
+            second = asyncio.ensure_future(timed(self.request("short", 2, max_new_tokens=1)))
+            return list(await asyncio.gather(first, second))
+
+        long_result, short_result = self.run(both())
+        _check_result(long_request, long_result)
+        assert len(short_result.output_ids) == 1, short_result
+        assert order == ["short", long_request.request_id], order
+
+    def test_abort(self) -> None:
+        """abort() ends long requests promptly with ABORT and a prefix of their output."""
+        candidates = self.run(self._long_candidates(2))
+        longs = [GenerationRequest(f"long-{i}", request.prompt_ids,
+                                   SamplingParams(max_new_tokens=self.long_max_new_tokens, temperature=0.0))
+                 for i, (request, _) in enumerate(candidates)]
+        results, waited = self.run(self._abort_after_delay(longs))
+        assert waited < self.abort_timeout_s, f"aborted requests took {waited:.1f} s to return"
+        for request, (_, probe), result in zip(longs, candidates, results, strict=True):
+            _check_result(request, result)
+            assert result.finish_reason == FinishReason.ABORT, result
+            n = len(result.output_ids)
+            assert n < self.long_max_new_tokens and result.output_ids == probe[:n], (result.output_ids, probe[:n])
+        self.run(self.engine.abort("no-such-request"))
+        assert self.run(self.one(self.request("after-abort", 4, max_new_tokens=4))).error is None
+
+    async def _abort_after_delay(self, requests: list[GenerationRequest]) -> tuple[list[GenerationResult], float]:
+        tasks = [asyncio.ensure_future(self.engine.generate(r)) for r in requests]
+        await asyncio.sleep(self.abort_delay_s)
+        started = time.perf_counter()
+        for request in requests:
+            await self.engine.abort(request.request_id)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), self.abort_timeout_s)
+        return list(results), time.perf_counter() - started
+
+    def test_request_errors_are_returned(self) -> None:
+        """Bad requests come back with ``error`` set (not raised) and the engine keeps working."""
+        bad = [
+            GenerationRequest("empty", [], SamplingParams(max_new_tokens=4)),
+            GenerationRequest("negative-id", [5, -1], SamplingParams(max_new_tokens=4)),
+            GenerationRequest("huge-id", [5, 10**9], SamplingParams(max_new_tokens=4)),
+            GenerationRequest("zero-tokens", [5, 6], SamplingParams(max_new_tokens=0)),
+            GenerationRequest("bad-temperature", [5, 6], SamplingParams(max_new_tokens=4, temperature=-1.0)),
+        ]
+        for request in bad:
+            result = self.run(self.engine.generate(request))
+            assert result.request_id == request.request_id, result
+            assert isinstance(result.error, str) and result.error, (request, result)
+            assert result.finish_reason == FinishReason.ERROR, result
+        self.run(self.engine.health())
+        assert self.run(self.one(self.request("after-errors", 6, max_new_tokens=4))).error is None
+
+    def test_unknown_engine_arg(self) -> None:
+        """An unknown engine option raises ConfigError naming it."""
+        key = "no_such_option_xyz"
+        try:
+            engine = self.make_engine(**{key: 1})
+        except ConfigError as exc:
+            assert key in str(exc), exc
+            return
+        try:
+            self.run(engine.start())
+        except ConfigError as exc:
+            assert key in str(exc), exc
+        else:
+            raise AssertionError(f"{self.engine_class.__name__} accepted the unknown option {key!r}")
+        finally:
+            self.run(engine.shutdown())
+
+    def test_shutdown_is_idempotent(self) -> None:
+        """shutdown() works unstarted, twice, and generate() afterwards fails cleanly."""
+        self.run(self.make_engine().shutdown())
+        engine = self.make_engine()
+        self.run(engine.start(), self.start_timeout_s)
+        request = self.request("before-shutdown", 1, max_new_tokens=2)
+        assert self.run(engine.generate(request)).error is None
+        self.run(engine.shutdown())
+        self.run(engine.shutdown())
+        try:
+            late = self.run(engine.generate(request))
+        except EngineError:
+            return
+        assert late.error is not None and late.finish_reason == FinishReason.ERROR, late
+
+
+def _check_result(request: GenerationRequest, result: GenerationResult) -> None:
+    """Shape checks every successful result must pass."""
+    assert isinstance(result, GenerationResult), result
+    assert result.request_id == request.request_id, (result.request_id, request.request_id)
+    assert result.error is None, result.error
+    assert all(isinstance(t, int) for t in result.output_ids), result.output_ids
+    assert len(result.output_ids) <= request.params.max_new_tokens, (len(result.output_ids), request.params)
+    if request.params.logprobs:
+        assert result.logprobs is not None and len(result.logprobs) == len(result.output_ids), result
+    else:
+        assert result.logprobs is None, result
+
+
+async def _gather(*aws: Awaitable[Any]) -> list[Any]:
+    return list(await asyncio.gather(*aws))
+
+
+def run_conformance(
+    engine_class: type[Engine], model: str, engine_args: dict[str, Any] | None = None, **tunables: Any
+) -> dict[str, str]:
+    """Run every check outside pytest; returns ``{check: "passed" | "skipped: ..." | "failed: ..."}``."""
+    suite = type("Conformance", (EngineConformance,),
+                 {"engine_class": engine_class, "model": model, "engine_args": dict(engine_args or {}), **tunables})
+    report: dict[str, str] = {}
+    suite.setup_class()
+    try:
+        instance = suite()
+        for name in sorted(n for n in dir(suite) if n.startswith("test_")):
+            try:
+                getattr(instance, name)()
+                report[name] = "passed"
+            except unittest.SkipTest as exc:
+                report[name] = f"skipped: {exc}"
+            except Exception as exc:  # a report, not a crash: every check runs
+                report[name] = f"failed: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
+    finally:
+        suite.teardown_class()
+    return report

@@ -1,0 +1,232 @@
+"""The simulated engine: conformance suite plus its timing model."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from daskgen.engines import create_engine
+from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
+from daskgen.engines.simulated import SimulatedEngine, plan_output
+from daskgen.errors import ConfigError
+from daskgen.testing.conformance import EngineConformance
+
+
+class TestSimulatedConformance(EngineConformance):
+    """The shared suite, with a real-time step loop so that aborts catch requests in flight."""
+
+    engine_class = SimulatedEngine
+    model = "simulated-test"
+    engine_args = {"time_scale": 1.0, "step_time_base_s": 0.002, "step_time_per_seq_s": 0.0,
+                   "length_dist": "lognormal", "length_mean": 300, "length_sigma": 0.8, "max_batch": 64}
+    timeout_s = 60.0
+
+
+def run(coro, timeout: float = 60.0):
+    """Run ``coro`` in a fresh event loop with a timeout."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def req(rid: str, prompt: list[int], **params) -> GenerationRequest:
+    return GenerationRequest(rid, prompt, SamplingParams(**params))
+
+
+async def _started(**args) -> SimulatedEngine:
+    engine = SimulatedEngine("sim", **args)
+    await engine.start()
+    return engine
+
+
+def test_registered_and_labelled() -> None:
+    engine = create_engine("simulated", "m", time_scale=0)
+    assert isinstance(engine, SimulatedEngine)
+    assert engine.simulated and engine.supports_seed
+    assert engine.describe()["simulated"] is True
+
+
+@pytest.mark.parametrize(
+    "args",
+    [{"max_batch": 0}, {"time_scale": -1}, {"length_dist": "zipf"}, {"length_mean": 0},
+     {"vocab_size": 1}, {"eos_token_id": 50, "vocab_size": 10}, {"step_time_base_s": float("nan")}],
+)
+def test_invalid_args(args) -> None:
+    with pytest.raises(ConfigError):
+        SimulatedEngine("sim", **args)
+
+
+def test_unknown_arg_lists_valid_ones() -> None:
+    with pytest.raises(ConfigError, match="max_batch"):
+        SimulatedEngine("sim", batch=3)
+
+
+@pytest.mark.parametrize("dist", ["fixed", "uniform", "lognormal"])
+def test_lengths_and_finish_reasons(dist: str) -> None:
+    args = SimulatedEngine("sim", length_dist=dist, length_mean=20, length_sigma=0.5, time_scale=0).args
+    plans = [plan_output(req(f"r{i}", [i, 1], max_new_tokens=25, seed=i), args) for i in range(300)]
+    for plan in plans:
+        assert 1 <= len(plan.tokens) <= 25
+        if plan.finish == FinishReason.STOP:
+            assert plan.tokens[-1] == args.eos_token_id
+            assert args.eos_token_id not in plan.tokens[:-1]
+        else:
+            assert len(plan.tokens) == 25 and args.eos_token_id not in plan.tokens
+    mean = sum(len(p.tokens) for p in plans) / len(plans)
+    assert 14 < mean < 21, mean
+    if dist == "fixed":
+        assert {len(p.tokens) for p in plans} == {20}
+
+
+def test_outputs_are_deterministic_and_prefix_consistent() -> None:
+    args = SimulatedEngine("sim", length_dist="fixed", length_mean=50, time_scale=0).args
+    long = plan_output(req("a", [1, 2, 3], max_new_tokens=40, seed=5, logprobs=True), args)
+    short = plan_output(req("b", [1, 2, 3], max_new_tokens=10, seed=5, logprobs=True), args)
+    assert short.tokens == long.tokens[:10] and short.logprobs == long.logprobs[:10]
+    assert all(-5 < x <= 0 for x in long.logprobs)
+    other_seed = plan_output(req("c", [1, 2, 3], max_new_tokens=40, seed=6), args)
+    assert other_seed.tokens != long.tokens
+    greedy = [plan_output(req("g", [1, 2, 3], max_new_tokens=40, temperature=0, seed=s), args) for s in (1, 2)]
+    assert greedy[0].tokens == greedy[1].tokens
+
+
+def test_instant_mode_is_fast() -> None:
+    async def main() -> float:
+        engine = await _started(time_scale=0, length_mean=64)
+        requests = [req(f"r{i}", [1, i % 50, 7], max_new_tokens=128, seed=i) for i in range(5000)]
+        start = time.perf_counter()
+        results = await asyncio.gather(*(engine.generate(r) for r in requests))
+        elapsed = time.perf_counter() - start
+        assert [r.request_id for r in results] == [r.request_id for r in requests]
+        stats = engine.stats()
+        assert stats["requests_finished"] == 5000 and stats["busy_fraction"] is None
+        assert stats["tokens_generated"] == sum(len(r.output_ids) for r in results)
+        await engine.shutdown()
+        return len(requests) / elapsed
+
+    assert run(main()) > 1000
+
+
+def test_makespan_follows_step_model() -> None:
+    """8 requests of 20 tokens, 3 at a time: waves of 3, 3 and 2 requests."""
+    base, per_seq = 0.01, 0.001
+
+    async def main() -> tuple[float, dict]:
+        engine = await _started(time_scale=1.0, step_time_base_s=base, step_time_per_seq_s=per_seq,
+                                length_dist="fixed", length_mean=20, max_batch=3)
+        start = time.perf_counter()
+        await asyncio.gather(*(engine.generate(req(f"r{i}", [1, 2], max_new_tokens=100, seed=i)) for i in range(8)))
+        makespan = time.perf_counter() - start
+        stats = engine.stats()
+        await engine.shutdown()
+        return makespan, stats
+
+    makespan, stats = run(main())
+    expected = 20 * (base + 3 * per_seq) * 2 + 20 * (base + 2 * per_seq)
+    assert stats["busy_s"] == pytest.approx(expected)
+    assert stats["batch_size_hist"] == {3: 40, 2: 20}
+    assert stats["steps"] == 60 and stats["mean_batch_size"] == pytest.approx(160 / 60)
+    assert expected * 0.95 < makespan < expected * 1.3, (makespan, expected)
+    assert 0.6 < stats["busy_fraction"] <= 1.0
+
+
+def test_time_scale_shrinks_wall_time() -> None:
+    async def main() -> float:
+        engine = await _started(time_scale=0.1, step_time_base_s=0.05, step_time_per_seq_s=0.0,
+                                length_dist="fixed", length_mean=20)
+        start = time.perf_counter()
+        await engine.generate(req("r", [1], max_new_tokens=100))
+        elapsed = time.perf_counter() - start
+        assert engine.stats()["busy_s"] == pytest.approx(1.0)  # 20 steps of 50 ms model time
+        await engine.shutdown()
+        return elapsed
+
+    assert 0.09 < run(main()) < 0.3
+
+
+def test_busy_fraction_counts_idle_time() -> None:
+    async def main() -> dict:
+        engine = await _started(time_scale=1.0, step_time_base_s=0.005, step_time_per_seq_s=0.0,
+                                length_dist="fixed", length_mean=20)
+        await engine.generate(req("a", [1], max_new_tokens=50))
+        await asyncio.sleep(0.1)
+        stats = engine.stats()
+        await engine.shutdown()
+        return stats
+
+    stats = run(main())
+    assert stats["busy_s"] == pytest.approx(0.1)
+    assert 0.3 < stats["busy_fraction"] < 0.6, stats
+
+
+def test_late_request_joins_running_batch() -> None:
+    """A request arriving mid-run starts at the next step, not after the running ones finish."""
+
+    async def main() -> tuple[float, float]:
+        engine = await _started(time_scale=1.0, step_time_base_s=0.005, step_time_per_seq_s=0.0,
+                                length_dist="fixed", length_mean=1000, max_batch=8)
+        start = time.perf_counter()
+        long = asyncio.ensure_future(engine.generate(req("long", [1], max_new_tokens=100)))
+        await asyncio.sleep(0.1)
+        await engine.generate(req("short", [2], max_new_tokens=4))
+        short_done = time.perf_counter() - start
+        await long
+        total = time.perf_counter() - start
+        await engine.shutdown()
+        return short_done, total
+
+    short_done, total = run(main())
+    assert 0.1 < short_done < 0.16 and 0.45 < total < 0.65, (short_done, total)
+
+
+def test_abort_waiting_and_running() -> None:
+    async def main() -> list:
+        engine = await _started(time_scale=1.0, step_time_base_s=0.002, step_time_per_seq_s=0.0,
+                                length_dist="fixed", length_mean=1000, max_batch=1)
+        tasks = [asyncio.ensure_future(engine.generate(req(r, [1], max_new_tokens=500, logprobs=True)))
+                 for r in ("running", "waiting")]
+        await asyncio.sleep(0.05)
+        await engine.abort("waiting")
+        await engine.abort("running")
+        results = await asyncio.gather(*tasks)
+        assert engine.stats()["requests_aborted"] == 2
+        await engine.shutdown()
+        return results
+
+    running, waiting = run(main(), timeout=5)
+    assert running.finish_reason == waiting.finish_reason == FinishReason.ABORT
+    assert 10 < len(running.output_ids) < 40 and len(running.logprobs) == len(running.output_ids)
+    assert waiting.output_ids == []
+
+
+def test_cancelled_caller_frees_its_slot() -> None:
+    async def main() -> None:
+        engine = await _started(time_scale=1.0, step_time_base_s=0.002, length_dist="fixed",
+                                length_mean=1000, max_batch=1)
+        first = asyncio.ensure_future(engine.generate(req("first", [1], max_new_tokens=1000)))
+        await asyncio.sleep(0.02)
+        first.cancel()
+        result = await engine.generate(req("second", [2], max_new_tokens=3))
+        assert len(result.output_ids) == 3
+        await engine.shutdown()
+
+    run(main(), timeout=5)
+
+
+def test_shutdown_aborts_in_flight() -> None:
+    async def main():
+        engine = await _started(time_scale=1.0, step_time_base_s=0.01, length_dist="fixed", length_mean=1000)
+        task = asyncio.ensure_future(engine.generate(req("r", [1], max_new_tokens=1000)))
+        await asyncio.sleep(0.05)
+        await engine.shutdown()
+        return await task
+
+    assert run(main(), timeout=5).finish_reason == FinishReason.ABORT
+
+
+def test_engine_survives_a_new_event_loop() -> None:
+    """Started under one loop, used under another (as after a closed test loop)."""
+    engine = run(_started(time_scale=0))
+    assert run(engine.generate(req("a", [1], max_new_tokens=3))).error is None
+    assert run(engine.generate(req("b", [1], max_new_tokens=3))).error is None
+    run(engine.shutdown())

