@@ -19,17 +19,12 @@ logger = logging.getLogger(__name__)
 ENGINE_START_TIMEOUT_S = float(os.environ.get("DASKGEN_ENGINE_START_TIMEOUT", "900"))
 
 
-def default_local_workers() -> int:
-    """One worker per visible GPU, else one per 4 CPU cores (at least one)."""
-    from daskgen.gpu import count_visible_gpus
-
-    gpus = count_visible_gpus()
-    return gpus if gpus else max(1, (os.cpu_count() or 1) // 4)
-
-
 @contextlib.contextmanager
-def connect(config: RunConfig) -> Iterator[Any]:
-    """Yield a ``distributed.Client``: existing scheduler, HPC cluster spec, or a LocalCluster."""
+def connect(config: RunConfig) -> Iterator[tuple[Any, Any]]:
+    """Yield ``(client, info)``: an existing scheduler (``info`` None), an HPC cluster or a LocalCluster.
+
+    ``info`` is the :class:`daskgen.deploy.ClusterInfo` of a cluster daskgen started.
+    """
     import dask
     from distributed import Client
 
@@ -37,25 +32,24 @@ def connect(config: RunConfig) -> Iterator[Any]:
     with dask.config.set({"distributed.worker.daemon": False}):
         if config.scheduler_address:
             with Client(config.scheduler_address) as client:
-                yield client
+                yield client, None
             return
-        with _make_cluster(config) as cluster, Client(cluster) as client:
-            yield client
+        cluster, info = _make_cluster(config)
+        with cluster, Client(cluster) as client:
+            yield client, info
 
 
-def _make_cluster(config: RunConfig) -> Any:
-    from daskgen.deploy import make_cluster
+def _make_cluster(config: RunConfig) -> tuple[Any, Any]:
+    from daskgen.deploy import apply_cli_overrides, make_cluster
 
-    spec = dict(config.cluster or {"kind": "local"})
+    spec = apply_cli_overrides(config.cluster or {"kind": "local"}, min_workers=config.min_workers,
+                               max_workers=config.max_workers)
     if spec.get("kind", "local") == "local" and config.n_workers:
-        spec.setdefault("n_workers", config.n_workers)
-    for key in ("min_workers", "max_workers"):
-        if getattr(config, key) is not None:
-            spec.setdefault(key, getattr(config, key))
+        spec["n_workers"] = config.n_workers
     spec.setdefault("threads_per_worker", config.window + 1)
-    cluster, description = make_cluster(spec)
-    logger.info("started %s", description)
-    return cluster
+    cluster, info = make_cluster(spec)
+    logger.info("started %s", info)
+    return cluster, info
 
 
 def start_engines(client: Any, config: RunConfig) -> int:
@@ -80,6 +74,16 @@ def start_engines(client: Any, config: RunConfig) -> int:
             raise EngineError(f"no engine became ready within {ENGINE_START_TIMEOUT_S:.0f} s; worker states: "
                               f"{states}. Raise DASKGEN_ENGINE_START_TIMEOUT or check the worker logs.")
         time.sleep(0.25)
+
+
+def check_engines(client: Any, config: RunConfig) -> None:
+    """Raise :class:`EngineError` when every worker's engine has failed (nothing can progress)."""
+    states = client.run(plugin_status)
+    failed = {w: s["error"] for w, s in states.items() if s["state"] in ("failed", "missing")}
+    if states and len(failed) == len(states):
+        details = "\n  ".join(f"{w}: {e}" for w, e in failed.items())
+        raise EngineError(f"the {config.engine!r} engine has failed on every worker; finished work is saved, "
+                          f"rerun the same command to resume once fixed:\n  {details}")
 
 
 def _resource_visible(client: Any) -> bool:

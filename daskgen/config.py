@@ -50,7 +50,11 @@ class RunConfig:
     window:
         Partitions in flight per worker.
     max_retries:
-        Retries of a failed partition task before its prompts are marked failed.
+        Retries of a failed partition task; then its rows are retried one by one and only
+        the rows that still fail are marked failed.
+    partition_timeout_s:
+        A partition whose generation takes longer counts as hung: its requests are aborted,
+        the engine's health is checked (restarted if it fails) and the task is retried.
     skip_overlong, retry_failed:
         Record overlong prompts as failed instead of stopping; regenerate failed prompts.
     progress:
@@ -78,6 +82,7 @@ class RunConfig:
     max_workers: int | None = None
     window: int = 2
     max_retries: int = 2
+    partition_timeout_s: float | None = None
     skip_overlong: bool = False
     retry_failed: bool = False
     progress: bool = True

@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from daskgen import store
-from daskgen.engines.base import FinishReason, GenerationRequest, GenerationResult, SamplingParams
+from daskgen.engines.base import FinishReason, GenerationRequest, GenerationResult, SamplingParams, error_result
+from daskgen.errors import EngineError
 
 
 @dataclass
@@ -31,6 +33,8 @@ class PartitionTask:
     seed: int
     layout: store.Layout
     plugin_name: str = "daskgen-engine"
+    timeout_s: float | None = None
+    isolate: bool = False
 
 
 @dataclass
@@ -111,26 +115,63 @@ def _place_sample(region: dict[str, np.ndarray], r: int, s: int, res: Generation
 
 
 async def run_partition(task: PartitionTask) -> PartitionResult:
-    """Dask task body (``async``: runs on the worker's event loop, engine calls are awaited)."""
+    """Dask task body (``async``: runs on the worker's event loop, engine calls are awaited).
+
+    Normal mode generates every request of the partition at once; an engine exception or a
+    timeout fails the task (Dask retries it).  ``isolate`` mode (used after those retries)
+    generates row by row and records a failing row as failed, so one poison prompt cannot
+    take the rest of its partition down.
+    """
     from distributed import get_worker
 
     t0 = time.perf_counter()
     worker = get_worker()
     plugin = worker.plugins[task.plugin_name]
-    engine = await plugin.get_engine()
     region = await asyncio.to_thread(_initial_region, task)
-    try:
-        results = await asyncio.gather(*(engine.generate(req) for req in build_requests(task)))
-    except Exception as exc:
-        await plugin.mark_broken(f"{type(exc).__name__}: {exc}")
-        raise
-    outcome = fill_region(region, task, list(results))
+    requests = build_requests(task)
+    if task.isolate:
+        results = await _generate_isolated(plugin, task, requests)
+    else:
+        results = await _generate(plugin, task, requests)
+    outcome = fill_region(region, task, results)
     if not task.params.logprobs:
         region.pop("logprobs")
     await asyncio.to_thread(store.write_region, task.store_path, task.start, region)
     outcome.seconds = time.perf_counter() - t0
     outcome.worker = worker.address
     return outcome
+
+
+async def _generate(plugin: Any, task: PartitionTask, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    """All requests at once; a crash or hang marks the engine broken (it restarts) and raises."""
+    engine = await plugin.get_engine()
+    calls = asyncio.gather(*(engine.generate(req) for req in requests))
+    try:
+        return list(await asyncio.wait_for(calls, task.timeout_s))
+    except asyncio.TimeoutError:
+        for req in requests:
+            await engine.abort(req.request_id)
+        await plugin.check_health()
+        raise EngineError(f"{len(requests)} request(s) of rows {task.rows[0]}..{task.rows[-1]} did not finish "
+                          f"within partition_timeout_s={task.timeout_s}") from None
+    except Exception as exc:
+        await plugin.mark_broken(f"{type(exc).__name__}: {exc}")
+        raise
+
+
+async def _generate_isolated(plugin: Any, task: PartitionTask,
+                             requests: list[GenerationRequest]) -> list[GenerationResult]:
+    """Row by row; a row whose generation raises gets error results instead of failing the task."""
+    results: list[GenerationResult] = []
+    n = task.n_samples
+    for i in range(len(task.rows)):
+        row_requests = requests[i * n : (i + 1) * n]
+        try:
+            results += await _generate(plugin, task, row_requests)
+        except Exception as exc:
+            message = f"{type(exc).__name__}: {exc} (failed again when retried alone)"
+            results += [error_result(req, message) for req in row_requests]
+    return results
 
 
 def _initial_region(task: PartitionTask) -> dict[str, np.ndarray]:

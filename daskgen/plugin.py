@@ -3,14 +3,16 @@
 The engine loads in the background so the worker's event loop (heartbeats) keeps running.
 Only when it has started and passed a health check that really generates does the worker
 advertise the ``daskgen-engine`` resource; partition tasks require that resource, so a
-worker whose engine failed takes no partitions.  The amount advertised is the per-worker
-in-flight window.
+worker whose engine failed to start takes no partitions.  The amount advertised is the
+per-worker in-flight window.  A crashed or hung engine is restarted in place; a worker whose
+restart fails withdraws the resource.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import traceback
 from typing import Any
 
@@ -22,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "daskgen-engine"
 RESOURCE = "daskgen-engine"
+#: Seconds a health check (one generated token) may take before the engine counts as hung.
+HEALTH_TIMEOUT_S = float(os.environ.get("DASKGEN_HEALTH_TIMEOUT", "60"))
 
 
 class EnginePlugin(WorkerPlugin):
@@ -49,6 +53,7 @@ class EnginePlugin(WorkerPlugin):
         self._worker: Any = None
         self._ready: asyncio.Event | None = None
         self._starter: asyncio.Task | None = None
+        self._advertised = False
 
     async def setup(self, worker: Any) -> None:
         """Start loading the engine in the background and return at once."""
@@ -65,15 +70,19 @@ class EnginePlugin(WorkerPlugin):
                 self.gpu = _pin_gpu(self._worker.name)
             self.engine = resolve_engine_class(self.engine_name)(self.model, **self.engine_args)
             await self.engine.start()
-            await self.engine.health()
+            await asyncio.wait_for(self.engine.health(), HEALTH_TIMEOUT_S)
         except Exception as exc:  # recorded and shown to the client; the worker takes no partitions
             self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
             logger.error("daskgen engine failed to start on %s:\n%s", self._worker.address, traceback.format_exc())
+            if self._advertised:  # a restart failed: stop taking partitions for good
+                await self._worker.set_resources(**{RESOURCE: 0.0})
             return
         finally:
             self._ready.set()
         self.state = "ready"
-        await self._worker.set_resources(**{RESOURCE: float(self.window)})
+        if not self._advertised:
+            await self._worker.set_resources(**{RESOURCE: float(self.window)})
+            self._advertised = True
 
     async def get_engine(self) -> Any:
         """The started engine; raises :class:`EngineError` when it failed or is restarting."""
@@ -87,11 +96,23 @@ class EnginePlugin(WorkerPlugin):
         if self.state != "ready":
             return
         logger.error("daskgen engine on %s is broken (%s); restarting it", self._worker.address, reason)
+        # Partitions that arrive meanwhile wait in get_engine().  (Dropping the resource to 0
+        # here would strand retried tasks: the scheduler does not revisit them when it returns.)
         self.state, self.error = "restarting", reason
-        await self._worker.set_resources(**{RESOURCE: 0.0})
         self._ready.clear()
         await _quietly_shutdown(self.engine)
         self._starter = asyncio.create_task(self._start())
+
+    async def check_health(self, timeout: float = HEALTH_TIMEOUT_S) -> bool:
+        """Generate one token; on failure or timeout mark the engine broken (it restarts)."""
+        if self.state != "ready":
+            return False
+        try:
+            await asyncio.wait_for(self.engine.health(), timeout)
+        except Exception as exc:
+            await self.mark_broken(f"health check failed: {type(exc).__name__}: {exc}")
+            return False
+        return True
 
     def status(self) -> dict[str, Any]:
         """Small summary for the client."""

@@ -6,6 +6,7 @@ partition is committed (``status`` written after its data) and its future releas
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from daskgen import store
 from daskgen.config import RunConfig
 from daskgen.data import PromptSet, load_prompts
 from daskgen.partition import PartitionResult, PartitionTask, run_partition
+from daskgen.plugin import RESOURCE
 from daskgen.progress import Progress
 from daskgen.tokenizer import load_tokenizer, tokenizer_identity
 
@@ -168,7 +170,8 @@ def pending_tasks(plan: Plan) -> list[PartitionTask]:
         if rows:
             tasks.append(PartitionTask(str(cfg.store), start, stop, rows,
                                        [plan.prompts.token_ids[i] for i in rows],  # type: ignore[misc]
-                                       cfg.n_samples, params, cfg.seed, layout))
+                                       cfg.n_samples, params, cfg.seed, layout,
+                                       timeout_s=cfg.partition_timeout_s))
     return tasks
 
 
@@ -181,21 +184,27 @@ def run(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) ->
     tasks = pending_tasks(plan)
     generated, tokens = 0, 0
     if tasks:
-        with connect(config) as client:
-            generated, tokens = drive(client, plan, tasks)
+        with connect(config) as (client, info):
+            generated, tokens = drive(client, plan, tasks, info)
     summary = summarize(plan, generated, tokens, time.perf_counter() - t0)
     store.append_run(config.store, summary.__dict__)
     return summary
 
 
-def drive(client: Any, plan: Plan, tasks: list[PartitionTask]) -> tuple[int, int]:
-    """Stream partitions through the cluster and commit each as it finishes."""
+def drive(client: Any, plan: Plan, tasks: list[PartitionTask], info: Any = None) -> tuple[int, int]:
+    """Stream partitions through the cluster and commit each as it finishes.
+
+    At most ``window`` partitions per ready worker are in flight (or, on an adaptive cluster,
+    enough to keep ``max_workers`` busy so the cluster scales up).
+    """
     from distributed import as_completed
 
     from daskgen.cluster import start_engines
 
     n_workers = start_engines(client, plan.config)
     in_flight_cap = max(1, plan.config.window * n_workers)
+    if info is not None and info.adaptive:
+        in_flight_cap = max(in_flight_cap, info.in_flight_window)
     queue = list(reversed(tasks))
     ac = as_completed()
     futures: dict[Any, PartitionTask] = {}
@@ -204,28 +213,55 @@ def drive(client: Any, plan: Plan, tasks: list[PartitionTask]) -> tuple[int, int
         while queue or futures:
             while queue and len(futures) < in_flight_cap:
                 task = queue.pop()
-                fut = client.submit(run_partition, task, pure=False, retries=plan.config.max_retries,
-                                    resources={"daskgen-engine": 1}, key=f"daskgen-partition-{task.start}-{time.time_ns()}")
+                fut = _submit(client, task, plan.config.max_retries)
                 futures[fut] = task
                 ac.add(fut)
-            fut = next(ac)
+            fut = _next_finished(ac, client, plan.config)
             task = futures.pop(fut)
             result = _collect(fut, task)
+            fut.release()
+            if result is None:  # retried enough as a whole: retry its rows one by one
+                queue.append(dataclasses.replace(task, isolate=True))
+                continue
             _commit(plan, task.start, task.stop, result.failed,
                     done=[r for r in result.rows if r not in result.failed])
-            fut.release()
             generated += len(result.rows)
             tokens += result.response_tokens
             bar.update(len(result.rows), result.response_tokens, len(result.failed))
     return generated, tokens
 
 
-def _collect(fut: Any, task: PartitionTask) -> PartitionResult:
-    """The partition's result, or every row failed with the task's error after Dask's retries."""
+def _next_finished(ac: Any, client: Any, config: RunConfig) -> Any:
+    """Next finished future; meanwhile check every 30 s that some engine can still take work."""
+    from daskgen.cluster import check_engines
+
+    last = time.monotonic()
+    while not ac.has_ready():
+        time.sleep(0.02)
+        if time.monotonic() - last > ENGINE_CHECK_INTERVAL_S:
+            check_engines(client, config)
+            last = time.monotonic()
+    return next(ac)
+
+
+ENGINE_CHECK_INTERVAL_S = 30.0
+
+
+def _submit(client: Any, task: PartitionTask, retries: int) -> Any:
+    mode = "isolated" if task.isolate else "partition"
+    return client.submit(run_partition, task, pure=False, retries=0 if task.isolate else retries,
+                         resources={RESOURCE: 1}, key=f"daskgen-{mode}-{task.start}-{time.time_ns()}")
+
+
+def _collect(fut: Any, task: PartitionTask) -> PartitionResult | None:
+    """The partition's result; ``None`` to retry it row by row; all rows failed if that failed too."""
     try:
         return fut.result()
     except Exception as exc:
-        logger.error("partition %d-%d failed after retries: %s", task.start, task.stop, exc)
+        logger.error("partition %d-%d failed%s: %s", task.start, task.stop,
+                     " in isolated mode" if task.isolate else " after retries", exc)
+        if not task.isolate and len(task.rows) > 1:
+            return None
         msg = f"partition failed after retries: {type(exc).__name__}: {exc}"
         return PartitionResult(task.start, task.stop, list(task.rows), failed={r: msg for r in task.rows})
 

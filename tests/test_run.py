@@ -121,19 +121,21 @@ def test_reading_while_a_run_writes_shows_finished_rows(tmp_path):
     assert proc.returncode == 0
 
 
-def test_failed_prompts_exit_nonzero_and_retry_failed(tmp_path):
+def test_poison_prompt_fails_alone_exit_nonzero_and_retry_failed(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", 12)
     out = tmp_path / "out.zarr"
     base = ["--prompts", prompts, "--partition-size", "4", "--max-retries", "1", "--no-progress"]
     res = run_cli("run", *sim_args(tmp_path, out, *base), "--engine-arg", "poison_rows=[5]")
     assert res.returncode == 1, res.stdout + res.stderr
-    assert "8 done, 4 failed, 0 pending of 12" in res.stdout and "--retry-failed" in res.stdout
+    # the poison row is isolated: the rest of its partition is done
+    assert "11 done, 1 failed, 0 pending of 12" in res.stdout and "--retry-failed" in res.stdout
     status = run_cli("status", out)
-    assert "failed 4" in status.stdout and "poison prompt crashed" in status.stdout
+    assert "failed 1" in status.stdout and "row 5: " in status.stdout and "poison prompt crashed" in status.stdout
+    assert calls(tmp_path / "calls.log")["p4-s0"] >= 2, "partition retried as a whole first"
     retry = run_cli("run", *sim_args(tmp_path, out, *base, log="retry.log"), "--retry-failed")
     assert retry.returncode == 0, retry.stdout + retry.stderr
     assert "12 done, 0 failed" in retry.stdout
-    assert sorted(calls(tmp_path / "retry.log")) == [f"p{r}-s0" for r in range(4, 8)]
+    assert sorted(calls(tmp_path / "retry.log")) == ["p5-s0"]
 
 
 def test_rerun_with_other_settings_or_input_is_refused(tmp_path):

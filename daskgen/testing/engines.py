@@ -2,12 +2,17 @@
 
 ``RecordingEngine`` delegates every request to a real registered engine and appends the
 request id of each ``generate`` call to a log file, so a test can count how often a prompt
-was generated across processes and crashes.  It can also be told to fail on chosen prompts
-(``poison_rows``), to exercise failure handling.  Never use these for real runs.
+was generated across processes and crashes.  It can also be told to misbehave, to exercise
+failure handling: raise on chosen prompts (``poison_rows``), never answer chosen prompts
+(``hang_rows``), or hang completely — health checks included — until it is restarted
+(``hang_once_flag``: the first engine instance that finds no file at that path creates it and
+hangs).  It accepts and ignores an ``api_key`` (for secret-leak tests).  Never use these for
+real runs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -26,13 +31,19 @@ class RecordingEngine(Engine):
     name = "recording"
 
     def __init__(self, model: str, inner: str = "simulated", log_path: str | None = None,
-                 poison_rows: list[int] | None = None, **inner_args: Any) -> None:
+                 poison_rows: list[int] | None = None, hang_rows: list[int] | None = None,
+                 hang_once_flag: str | None = None, api_key: str | None = None, **inner_args: Any) -> None:
         super().__init__(model, inner=inner, log_path=log_path, poison_rows=poison_rows, **inner_args)
         self.inner = resolve_engine_class(inner)(model, **inner_args)
         self.simulated = self.inner.simulated
         self.supports_seed = self.inner.supports_seed
         self.log_path = log_path
         self.poison = {f"p{r}-" for r in (poison_rows or [])}
+        self.hang = {f"p{r}-" for r in (hang_rows or [])}
+        self.hang_all = False
+        if hang_once_flag and not os.path.exists(hang_once_flag):
+            open(hang_once_flag, "w").close()
+            self.hang_all = True
 
     @classmethod
     def is_simulated(cls, engine_args: dict[str, Any]) -> bool:
@@ -47,6 +58,8 @@ class RecordingEngine(Engine):
                 fh.write(f"{request.request_id} {os.getpid()}\n")
         if any(request.request_id.startswith(p) for p in self.poison):
             raise RuntimeError(f"poison prompt crashed the engine ({request.request_id})")
+        if self.hang_all or any(request.request_id.startswith(p) for p in self.hang):
+            await asyncio.Event().wait()  # never answers
         return await self.inner.generate(request)
 
     async def abort(self, request_id: str) -> None:

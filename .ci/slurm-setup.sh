@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Single-node SLURM on loopback for daskgen's end-to-end test (tests/test_slurm_e2e.py).
+#
+# Installs Debian's slurmctld + slurmd + munge, writes a minimal slurm.conf for this host with
+# 4 *fake* GPUs (gres backed by /dev/tty0-3, so SLURM sets CUDA_VISIBLE_DEVICES for jobs that
+# ask --gres=gpu:N, while no CUDA exists), and starts munged, slurmctld and slurmd in the
+# background.  Needs root.  Takes ~30 s.  Stop with: .ci/slurm-setup.sh stop
+set -euo pipefail
+
+RUN=/run/daskgen-slurm
+NODE=$(hostname -s)
+
+stop() {
+    for name in slurmd slurmctld munged; do
+        if [[ -f $RUN/$name.pid ]]; then
+            kill "$(cat "$RUN/$name.pid")" 2>/dev/null || true
+            rm -f "$RUN/$name.pid"
+        fi
+    done
+}
+
+if [[ ${1:-start} == stop ]]; then
+    stop
+    exit 0
+fi
+
+if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        slurmctld slurmd slurm-client munge >/dev/null
+fi
+
+mkdir -p "$RUN" /var/spool/slurmctld /var/spool/slurmd /var/log/slurm /run/munge /var/lib/munge /var/log/munge
+[[ -s /etc/munge/munge.key ]] || dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
+chmod 0400 /etc/munge/munge.key
+chmod 0700 /etc/munge /var/lib/munge /var/log/munge
+chmod 0755 /run/munge
+
+# Resources of this machine as slurmd sees them (CPUs, sockets, memory).
+HW=$(slurmd -C | head -1 | sed "s/^NodeName=[^ ]*//")
+
+cat >/etc/slurm/slurm.conf <<EOF
+ClusterName=daskgen-ci
+SlurmctldHost=$NODE(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+StateSaveLocation=/var/spool/slurmctld
+SlurmdSpoolDir=/var/spool/slurmd
+SlurmctldPidFile=$RUN/slurmctld.pid
+SlurmdPidFile=$RUN/slurmd.pid
+SlurmctldLogFile=/var/log/slurm/slurmctld.log
+SlurmdLogFile=/var/log/slurm/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+GresTypes=gpu
+ReturnToService=2
+SchedulerType=sched/backfill
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SlurmctldTimeout=30
+SlurmdTimeout=30
+InactiveLimit=0
+KillWait=5
+MinJobAge=30
+NodeName=$NODE NodeAddr=127.0.0.1 $HW Gres=gpu:4 State=UNKNOWN
+PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+EOF
+
+cat >/etc/slurm/gres.conf <<EOF
+AutoDetect=off
+NodeName=$NODE Name=gpu File=/dev/tty[0-3]
+EOF
+
+stop
+munged --force --pid-file="$RUN/munged.pid" 2>/dev/null || munged --force
+slurmctld -i
+slurmd
+
+for _ in $(seq 60); do
+    if sinfo -h -o %t 2>/dev/null | grep -qE '^(idle|mix|alloc)'; then
+        sinfo
+        exit 0
+    fi
+    scontrol update nodename="$NODE" state=resume >/dev/null 2>&1 || true
+    sleep 1
+done
+echo "SLURM did not come up; see /var/log/slurm/*.log" >&2
+exit 1

@@ -1,0 +1,136 @@
+"""End to end through a real SLURM (``.ci/slurm-setup.sh``: slurmctld + slurmd on loopback, 4 fake GPUs).
+
+``make_cluster`` submits daskgen worker jobs with ``sbatch`` through dask-jobqueue; the workers
+join, pin one (fake) GPU each from SLURM's ``CUDA_VISIBLE_DEVICES``, run tasks that start
+subprocesses, and a job that reaches its lifetime is replaced by a new SLURM job.
+Skipped when ``sinfo`` is absent or SLURM is not answering.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+import sys
+import time
+
+import dask
+import pytest
+
+pytest.importorskip("dask_jobqueue")
+
+
+def _slurm_up() -> bool:
+    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
+        return False
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0 and any(s.strip() in ("idle", "mix", "alloc") for s in out.stdout.splitlines())
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not _slurm_up(), reason="needs a running SLURM (run .ci/slurm-setup.sh as root)"),
+]
+
+
+@pytest.fixture(autouse=True)
+def restore_dask_config():
+    saved = copy.deepcopy(dask.config.config)
+    yield
+    dask.config.config.clear()
+    dask.config.config.update(saved)
+
+
+def _spec(tmp_path, **extra):
+    return {
+        "kind": "slurm",
+        "gpus_per_node": 4,
+        "cores": 2,  # this test node has 2 CPUs; 4 workers share them
+        "memory": "4GB",
+        "walltime": "00:10:00",
+        "threads_per_worker": 1,
+        "dashboard_address": ":0",
+        "log_directory": str(tmp_path / "logs"),
+        "python": sys.executable,
+        **extra,
+    }
+
+
+@pytest.mark.timeout(240)
+def test_slurm_job_runs_one_pinned_worker_per_gpu(tmp_path):
+    from distributed import Client
+
+    from daskgen.deploy import make_cluster
+
+    def pin(dask_worker):
+        import multiprocessing
+        import os
+
+        from daskgen.gpu import pin_worker_gpu
+
+        devices = pin_worker_gpu(dask_worker.name)
+        return {
+            "devices": devices,
+            "job": os.environ.get("SLURM_JOB_ID"),
+            "daemon": multiprocessing.current_process().daemon,
+            "workers_per_node": os.environ.get("DASKGEN_WORKERS_PER_NODE"),
+        }
+
+    def start_child():
+        import multiprocessing
+        import time
+
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(0.01,))
+        child.start()
+        child.join(10)
+        return child.exitcode
+
+    cluster, info = make_cluster(_spec(tmp_path))
+    try:
+        assert info.workers_per_node == 4
+        with Client(cluster) as client:
+            client.wait_for_workers(4, timeout=180)
+            workers = client.scheduler_info(n_workers=-1)["workers"].values()
+            assert sorted(str(w["name"]) for w in workers) == [f"SLURMCluster-0-{i}" for i in range(4)]
+            assert all(w["resources"] == {"GPU": 1} for w in workers)
+            assert all(w["nthreads"] == 1 for w in workers)
+            pinned = client.run(pin)
+            assert sorted(p["devices"] for p in pinned.values()) == ["0", "1", "2", "3"]
+            assert len({p["job"] for p in pinned.values()}) == 1  # one SLURM job holds all 4 workers
+            assert all(p["daemon"] is False and p["workers_per_node"] == "4" for p in pinned.values())
+            futures = [client.submit(start_child, pure=False, resources={"GPU": 1}) for _ in range(8)]
+            assert client.gather(futures) == [0] * 8
+    finally:
+        cluster.close()
+
+
+@pytest.mark.timeout(300)
+def test_slurm_job_retires_before_walltime_and_is_replaced(tmp_path):
+    from distributed import Client
+
+    from daskgen.deploy import make_cluster
+
+    def job_id():
+        import os
+
+        return os.environ.get("SLURM_JOB_ID")
+
+    with dask.config.set({"distributed.deploy.lost-worker-timeout": "1s", "distributed.adaptive.interval": "500ms"}):
+        cluster, info = make_cluster(_spec(tmp_path, gpus_per_node=2, lifetime="25s", lifetime_stagger=0))
+        try:
+            with Client(cluster) as client:
+                client.wait_for_workers(2, timeout=180)
+                first = set(client.run(job_id).values())
+                assert len(first) == 1
+                jobs = set(first)
+                deadline = time.monotonic() + 200
+                while len(jobs) < 2 and time.monotonic() < deadline:
+                    time.sleep(1)
+                    jobs.update(j for j in client.run(job_id).values() if j)
+                assert len(jobs) >= 2, f"no replacement job after the first retired: {jobs}"
+                client.wait_for_workers(2, timeout=60)
+        finally:
+            cluster.close()
