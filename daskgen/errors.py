@@ -19,6 +19,10 @@ class StoreError(DaskgenError):
     """The store cannot be created or opened."""
 
 
+class StoreWriteError(StoreError):
+    """Writing to the store failed (disk full, permissions, ...); the run stops, finished work stays."""
+
+
 class StoreMismatchError(StoreError):
     """A rerun's settings or input differ from the store's."""
 
@@ -33,3 +37,11 @@ class EngineError(DaskgenError, RuntimeError):
 
 class EngineNotFoundError(ConfigError):
     """No engine registered under the requested name."""
+
+
+class ExportError(DaskgenError, ValueError):
+    """An export or report cannot be made (unknown format, missing optional package, failed upload)."""
+
+
+class OutputExistsError(ExportError, FileExistsError):
+    """The output path of an export or report exists; pass ``overwrite=True`` (``--overwrite``)."""

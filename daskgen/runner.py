@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import numpy as np
 from daskgen import store
 from daskgen.config import RunConfig
 from daskgen.data import PromptSet, load_prompts
+from daskgen.errors import StoreWriteError
 from daskgen.partition import PartitionResult, PartitionTask, run_partition
 from daskgen.plugin import RESOURCE
 from daskgen.progress import Progress
@@ -68,6 +70,7 @@ class Plan:
     status: np.ndarray
     stop_ids: tuple[int, ...] = ()
     committed_at: np.ndarray | None = None
+    lock: Any = None
 
     def __post_init__(self) -> None:
         if self.committed_at is None:
@@ -93,9 +96,7 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     else:
         store.check_compatible(config.store, stored, wanted)
     eos = tokenizer.eos_token_id
-    plan = Plan(config, pset, layout, store.read_status(config.store), () if eos is None else (int(eos),))
-    _commit_overlong(plan)
-    return plan
+    return Plan(config, pset, layout, store.read_status(config.store), () if eos is None else (int(eos),))
 
 
 def _store_attrs(config: RunConfig, pset: PromptSet, tokenizer: Any) -> dict[str, Any]:
@@ -148,8 +149,16 @@ def _commit(plan: Plan, start: int, stop: int, failed: dict[int, str], done: Seq
         for i, msg in failed.items():
             errors[i - start] = msg
     plan.committed_at[[*done, *failed]] = time.time()
+    _maybe_pause_before_commit()
     store.commit(plan.config.store, start, new, errors, plan.committed_at[start:stop])
     plan.status[start:stop] = new
+
+
+def _maybe_pause_before_commit() -> None:
+    """Fault injection for tests only: widen the window between a partition's data write and its commit."""
+    delay = float(os.environ.get("DASKGEN_TEST_COMMIT_DELAY_S", "0") or 0)
+    if delay:
+        time.sleep(delay)
 
 
 def pending_tasks(plan: Plan) -> list[PartitionTask]:
@@ -178,16 +187,24 @@ def pending_tasks(plan: Plan) -> list[PartitionTask]:
 def run(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) -> RunSummary:
     """Run (or resume) generation for ``config``; returns the summary of the whole store."""
     from daskgen.cluster import connect
+    from daskgen.lock import StoreLock
 
     t0 = time.perf_counter()
     plan = prepare(config, prompts)
-    tasks = pending_tasks(plan)
-    generated, tokens = 0, 0
-    if tasks:
-        with connect(config) as (client, info):
-            generated, tokens = drive(client, plan, tasks, info)
-    summary = summarize(plan, generated, tokens, time.perf_counter() - t0)
-    store.append_run(config.store, summary.__dict__)
+    with StoreLock(config.store) as lock:
+        if lock.took_over:
+            logger.warning("took over the stale lock of a dead run: %s", lock.took_over)
+        plan.status = store.read_status(config.store)  # re-read under the lock
+        plan.committed_at = store.read_region(config.store, 0, plan.layout.n_prompts, ("committed_at",))["committed_at"]
+        plan.lock = lock
+        _commit_overlong(plan)
+        tasks = pending_tasks(plan)
+        generated, tokens = 0, 0
+        if tasks:
+            with connect(config) as (client, info):
+                generated, tokens = drive(client, plan, tasks, info)
+        summary = summarize(plan, generated, tokens, time.perf_counter() - t0)
+        store.append_run(config.store, summary.__dict__)
     return summary
 
 
@@ -216,7 +233,7 @@ def drive(client: Any, plan: Plan, tasks: list[PartitionTask], info: Any = None)
                 fut = _submit(client, task, plan.config.max_retries)
                 futures[fut] = task
                 ac.add(fut)
-            fut = _next_finished(ac, client, plan.config)
+            fut = _next_finished(ac, client, plan.config, plan.lock)
             task = futures.pop(fut)
             result = _collect(fut, task)
             fut.release()
@@ -231,13 +248,15 @@ def drive(client: Any, plan: Plan, tasks: list[PartitionTask], info: Any = None)
     return generated, tokens
 
 
-def _next_finished(ac: Any, client: Any, config: RunConfig) -> Any:
+def _next_finished(ac: Any, client: Any, config: RunConfig, lock: Any = None) -> Any:
     """Next finished future; meanwhile check every 30 s that some engine can still take work."""
     from daskgen.cluster import check_engines
 
     last = time.monotonic()
     while not ac.has_ready():
         time.sleep(0.02)
+        if lock is not None:
+            lock.heartbeat()
         if time.monotonic() - last > ENGINE_CHECK_INTERVAL_S:
             check_engines(client, config)
             last = time.monotonic()
@@ -257,6 +276,8 @@ def _collect(fut: Any, task: PartitionTask) -> PartitionResult | None:
     """The partition's result; ``None`` to retry it row by row; all rows failed if that failed too."""
     try:
         return fut.result()
+    except StoreWriteError:
+        raise  # the disk is the problem, not the prompts: stop the run, keep what is committed
     except Exception as exc:
         logger.error("partition %d-%d failed%s: %s", task.start, task.stop,
                      " in isolated mode" if task.isolate else " after retries", exc)

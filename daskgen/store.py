@@ -6,9 +6,11 @@ Workers write whole chunk-aligned regions of the data arrays; only the client wr
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from daskgen.engines.base import FINISH_FLAG_MEANINGS, FINISH_FLAG_VALUES
-from daskgen.errors import StoreError, StoreMismatchError
+from daskgen.errors import StoreError, StoreMismatchError, StoreWriteError
 
 SCHEMA_VERSION = 1
 PENDING, DONE, FAILED = 0, 1, 2
@@ -83,7 +85,8 @@ _VARIABLE_ATTRS: dict[str, dict[str, Any]] = {
     "status": {"flag_values": [PENDING, DONE, FAILED], "flag_meanings": "pending done failed",
                "long_name": "checkpoint: written by the client after the row's data landed"},
     "error": {"long_name": "last error of a failed prompt"},
-    "committed_at": {"long_name": "when the client committed the row", "units": "seconds since 1970-01-01", "calendar": "proleptic_gregorian"},
+    "committed_at": {"long_name": "when the client committed the row", "units": "seconds since 1970-01-01",
+                     "calendar": "proleptic_gregorian"},
     "prompt_ids": {"long_name": "prompt tokens after the chat template, right-padded"},
     "prompt_length": {"long_name": "valid prompt tokens"},
     "response_ids": {"long_name": "response tokens, right-padded"},
@@ -187,11 +190,13 @@ def commit(path: str | Path, start: int, status: np.ndarray, errors: list[str] |
     """Client-only: record a partition's outcome.  ``error`` and times first, then ``status`` (the commit)."""
     zarr = _zarr()
     stop = start + len(status)
-    if committed_at is not None:
-        zarr.open_array(str(Path(path) / "committed_at"), mode="r+")[start:stop] = committed_at
-    if errors is not None:
-        zarr.open_array(str(Path(path) / "error"), mode="r+")[start:stop] = np.array(errors, dtype=object).astype(str)
-    zarr.open_array(str(Path(path) / "status"), mode="r+")[start:stop] = status.astype("int8")
+    with _write_errors(path, f"committing rows {start}..{stop - 1}"):
+        if committed_at is not None:
+            zarr.open_array(str(Path(path) / "committed_at"), mode="r+")[start:stop] = committed_at
+        if errors is not None:
+            values = np.array(errors, dtype=object).astype(str)
+            zarr.open_array(str(Path(path) / "error"), mode="r+")[start:stop] = values
+        zarr.open_array(str(Path(path) / "status"), mode="r+")[start:stop] = status.astype("int8")
 
 
 def write_region(path: str | Path, start: int, arrays: dict[str, np.ndarray]) -> None:
@@ -200,7 +205,20 @@ def write_region(path: str | Path, start: int, arrays: dict[str, np.ndarray]) ->
     for name, values in arrays.items():
         if name not in DATA_ARRAYS:
             raise StoreError(f"workers may only write data arrays {DATA_ARRAYS}, not {name!r}")
-        zarr.open_array(str(Path(path) / name), mode="r+")[start : start + len(values)] = values
+        with _write_errors(path, f"writing {name} rows {start}..{start + len(values) - 1}"):
+            zarr.open_array(str(Path(path) / name), mode="r+")[start : start + len(values)] = values
+
+
+@contextlib.contextmanager
+def _write_errors(path: str | Path, what: str) -> Iterator[None]:
+    """Turn OS-level write failures into :class:`StoreWriteError` naming the store and the fix."""
+    try:
+        yield
+    except OSError as exc:
+        raise StoreWriteError(
+            f"{what} of store {str(path)!r} failed: {exc}. Finished work is saved (each chunk is replaced "
+            "atomically); free disk space or fix permissions, then rerun the same command to resume."
+        ) from exc
 
 
 def read_region(path: str | Path, start: int, stop: int,
@@ -229,8 +247,14 @@ def append_run(path: str | Path, record: dict[str, Any]) -> None:
 
 
 def open_store(path: str | Path):
-    """Open a store lazily as an ``xarray.Dataset`` (also while a run is writing it)."""
+    """Open a store lazily as an ``xarray.Dataset`` (also while a run is writing it).
+
+    Registers the ``ds.daskgen`` accessor (:mod:`daskgen.analysis`) and adds a lazy ``finish_label``
+    variable (``finish_reason`` decoded to ``stop``/``length``/``abort``/``error``/``not_generated``).
+    """
     import xarray as xr
+
+    import daskgen.analysis  # noqa: F401 - registers ds.daskgen
 
     if read_attrs(path) is None:
         raise StoreError(
@@ -239,4 +263,5 @@ def open_store(path: str | Path):
         )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return xr.open_zarr(str(path))
+        ds = xr.open_zarr(str(path))
+    return ds.daskgen.labelled()

@@ -38,13 +38,14 @@ def cli_env() -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
-    """Run ``python -m daskgen ARGS`` and capture its output."""
+def run_cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m daskgen ARGS`` (extra environment in ``env``) and capture its output."""
     return subprocess.run([sys.executable, "-m", "daskgen", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=cli_env(), **kwargs)
+                          timeout=timeout, env={**cli_env(), **(env or {})})
 
 
-def popen_cli(*args: str, **kwargs) -> subprocess.Popen:
+def popen_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start ``python -m daskgen ARGS`` in its own process group (so a test can kill the whole tree)."""
     return subprocess.Popen([sys.executable, "-m", "daskgen", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=cli_env(), start_new_session=True, **kwargs)
+                            stderr=subprocess.STDOUT, text=True, env={**cli_env(), **(env or {})},
+                            start_new_session=True)

@@ -5,9 +5,9 @@ request id of each ``generate`` call to a log file, so a test can count how ofte
 was generated across processes and crashes.  It can also be told to misbehave, to exercise
 failure handling: raise on chosen prompts (``poison_rows``), never answer chosen prompts
 (``hang_rows``), or hang completely — health checks included — until it is restarted
-(``hang_once_flag``: the first engine instance that finds no file at that path creates it and
-hangs).  It accepts and ignores an ``api_key`` (for secret-leak tests).  Never use these for
-real runs.
+(``hang_once_flag``: after ``hang_after`` generate calls, the first engine instance that finds
+no file at that path creates it and hangs).  It accepts and ignores an ``api_key`` (for
+secret-leak tests).  Never use these for real runs.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ class RecordingEngine(Engine):
 
     def __init__(self, model: str, inner: str = "simulated", log_path: str | None = None,
                  poison_rows: list[int] | None = None, hang_rows: list[int] | None = None,
-                 hang_once_flag: str | None = None, api_key: str | None = None, **inner_args: Any) -> None:
+                 hang_once_flag: str | None = None, hang_after: int = 0, api_key: str | None = None,
+                 **inner_args: Any) -> None:
         super().__init__(model, inner=inner, log_path=log_path, poison_rows=poison_rows, **inner_args)
         self.inner = resolve_engine_class(inner)(model, **inner_args)
         self.simulated = self.inner.simulated
@@ -41,9 +42,7 @@ class RecordingEngine(Engine):
         self.poison = {f"p{r}-" for r in (poison_rows or [])}
         self.hang = {f"p{r}-" for r in (hang_rows or [])}
         self.hang_all = False
-        if hang_once_flag and not os.path.exists(hang_once_flag):
-            open(hang_once_flag, "w").close()
-            self.hang_all = True
+        self.hang_once_flag, self.hang_after, self.calls = hang_once_flag, hang_after, 0
 
     @classmethod
     def is_simulated(cls, engine_args: dict[str, Any]) -> bool:
@@ -56,6 +55,11 @@ class RecordingEngine(Engine):
         if request.request_id != "daskgen-health" and self.log_path:
             with open(self.log_path, "a") as fh:
                 fh.write(f"{request.request_id} {os.getpid()}\n")
+        if request.request_id != "daskgen-health":
+            self.calls += 1
+        if self.hang_once_flag and self.calls > self.hang_after and not os.path.exists(self.hang_once_flag):
+            open(self.hang_once_flag, "w").close()
+            self.hang_all = True
         if any(request.request_id.startswith(p) for p in self.poison):
             raise RuntimeError(f"poison prompt crashed the engine ({request.request_id})")
         if self.hang_all or any(request.request_id.startswith(p) for p in self.hang):

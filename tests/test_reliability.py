@@ -1,0 +1,188 @@
+"""Reliability suite (docs/reliability.md): real worker processes, subprocess clients, real stores."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xarray as xr
+
+from daskgen import store
+from daskgen.errors import StoreLockedError
+from daskgen.lock import LOCK_NAME, StoreLock
+from tests.conftest import popen_cli, run_cli, write_prompts
+from tests.test_run import _wait_for_some_done, calls, sim_args
+
+pytestmark = pytest.mark.timeout(300)
+
+COMPARED = ("status", "response_ids", "response_length", "finish_reason", "prompt_ids", "response_mask")
+
+
+def assert_same_store(a: Path, b: Path) -> None:
+    x, y = xr.open_zarr(a), xr.open_zarr(b)
+    for name in COMPARED:
+        np.testing.assert_array_equal(x[name].values, y[name].values, err_msg=name)
+
+
+def reference(tmp_path: Path, common: list) -> Path:
+    ref = tmp_path / "ref.zarr"
+    res = run_cli("run", *sim_args(tmp_path, ref, *common, log="ref.log"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    return ref
+
+
+@pytest.fixture
+def cluster():
+    """Two nanny-managed worker processes (a killed worker is restarted by its nanny)."""
+    import dask
+    from distributed import Client, LocalCluster
+
+    with (dask.config.set({"distributed.worker.daemon": False}),
+          LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0") as lc,
+          Client(lc) as client):
+        yield lc, client
+
+
+def test_worker_sigkill_mid_run_completes_exactly_once(tmp_path, cluster):
+    lc, client = cluster
+    prompts = write_prompts(tmp_path / "p.jsonl", 96)
+    common = ["--prompts", prompts, "--n-samples", "2", "--partition-size", "4", "--seed", "11", "--window", "1",
+              "--no-progress"]
+    ref = reference(tmp_path, common)
+    out = tmp_path / "out.zarr"
+    proc = popen_cli("run", *sim_args(tmp_path, out, *common, "--scheduler-address", lc.scheduler_address,
+                                      log="run.log", step=1.0))
+    _wait_for_some_done(out, proc, minimum=8)
+    pids = client.run(os.getpid)
+    victim_addr, victim_pid = sorted(pids.items())[0]
+    os.kill(victim_pid, signal.SIGKILL)
+    assert proc.wait(timeout=240) == 0, proc.stdout.read()
+    assert_same_store(ref, out)
+    assert (store.read_status(out) == store.DONE).all()
+    # the nanny's replacement worker got the engine plugin
+    client.wait_for_workers(2, timeout=60)
+    from daskgen.plugin import plugin_status
+
+    states = client.run(plugin_status)
+    assert all(s["state"] == "ready" for s in states.values()), states
+    new_pids = set(client.run(os.getpid).values())
+    assert victim_pid not in new_pids and len(new_pids) == 2
+
+
+def test_client_killed_between_data_write_and_commit(tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 16)
+    common = ["--prompts", prompts, "--partition-size", "4", "--seed", "5", "--window", "1", "--no-progress"]
+    ref = reference(tmp_path, common)
+    out = tmp_path / "out.zarr"
+    env = {"DASKGEN_TEST_COMMIT_DELAY_S": "30"}
+    proc = popen_cli("run", *sim_args(tmp_path, out, *common, log="first.log"), env=env)
+    chunk = out / "response_length" / "c" / "0" / "0"
+    deadline = time.monotonic() + 120
+    while not chunk.exists():  # the worker wrote partition 0's data; the client now sleeps before committing
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (store.read_status(out) == store.PENDING).all(), "no row may be done without its commit"
+    res = run_cli("run", *sim_args(tmp_path, out, *common, log="second.log"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert_same_store(ref, out)
+
+
+def test_hung_engine_is_detected_restarted_and_the_run_completes(tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 16)
+    flag = tmp_path / "hung-once"
+    args = sim_args(tmp_path, tmp_path / "out.zarr", "--prompts", prompts, "--partition-size", "4",
+                    "--engine-arg", f"hang_once_flag={flag}", "--engine-arg", "hang_after=10",
+                    "--config", _yaml(tmp_path, "partition_timeout_s: 3.0\n"), "--no-progress")
+    res = run_cli("run", *args, env={"DASKGEN_HEALTH_TIMEOUT": "2"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert flag.exists(), "the engine must really have hung"
+    assert "16 done, 0 failed" in res.stdout
+    assert "health check failed" in res.stderr and "restarting it" in res.stderr
+
+
+def test_second_client_is_refused_and_a_stale_lock_is_taken_over(tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 40)
+    out = tmp_path / "out.zarr"
+    common = ["--prompts", prompts, "--partition-size", "4", "--window", "1", "--no-progress"]
+    first = popen_cli("run", *sim_args(tmp_path, out, *common, step=1.0))
+    _wait_for_some_done(out, first, minimum=4)
+    second = run_cli("run", *sim_args(tmp_path, out, *common))
+    assert second.returncode == 2
+    assert "in use by another daskgen run" in second.stderr and f"pid {first.pid}" in second.stderr
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    assert (out / LOCK_NAME).exists(), "a killed client leaves its lock behind"
+    third = run_cli("run", *sim_args(tmp_path, out, *common))
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert "40 done" in third.stdout and not (out / LOCK_NAME).exists()
+
+
+def test_lock_from_another_host_expires_by_heartbeat(tmp_path):
+    import json
+
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": "elsewhere", "pid": 1, "heartbeat": time.time()}))
+    with pytest.raises(StoreLockedError, match="host elsewhere"):
+        StoreLock(tmp_path).acquire()
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": "elsewhere", "pid": 1, "heartbeat": time.time() - 999}))
+    lock = StoreLock(tmp_path).acquire()
+    assert lock.took_over["host"] == "elsewhere"
+    lock.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_secrets_never_reach_store_logs_or_output(tmp_path):
+    secret = "sk-PLANTED-0123456789abcdef"
+    prompts = write_prompts(tmp_path / "p.jsonl", 8)
+    out = tmp_path / "out.zarr"
+    res = run_cli("run", *sim_args(tmp_path, out, "--prompts", prompts, "--partition-size", "4"),
+                  "--engine-arg", f"api_key={secret}")
+    assert res.returncode == 0, res.stdout + res.stderr
+    status = run_cli("status", out)
+    leaks = [p for p in out.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert leaks == []
+    assert secret not in res.stdout + res.stderr + status.stdout + status.stderr
+    assert store.read_attrs(out)["config"]["engine_args"]["api_key"] == "***"
+
+
+def test_full_disk_stops_the_run_clearly_and_the_store_resumes(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("needs permission to mount a small tmpfs (root)")
+    try:
+        prompts = write_prompts(tmp_path / "p.jsonl", 400)
+        common = ["--prompts", prompts, "--partition-size", "8", "--max-new-tokens", "256",
+                  "--engine-arg", "length_dist=fixed", "--engine-arg", "length_mean=256", "--no-progress"]
+        args = [*SIM_BIG, *common, "--store", mnt / "out.zarr", "--engine-arg", f"log_path={tmp_path / 'a.log'}"]
+        res = run_cli("run", *args)
+        assert res.returncode == 2, res.stdout + res.stderr
+        assert "No space left on device" in res.stderr and "rerun the same command to resume" in res.stderr
+        done_before = store.read_status(mnt / "out.zarr") == store.DONE
+        assert 0 < done_before.sum() < 400
+        ds = store.open_store(mnt / "out.zarr")
+        assert (ds.response_length.values[done_before] == 256).all(), "every done row has its data"
+        subprocess.run(["mount", "-o", "remount,size=64m", str(mnt)], check=True)
+        res = run_cli("run", *args[:-2], "--engine-arg", f"log_path={tmp_path / 'b.log'}")
+        assert res.returncode == 0, res.stdout + res.stderr
+        regenerated = {int(k[1:].split("-")[0]) for k in calls(tmp_path / "b.log")}
+        assert not any(done_before[sorted(regenerated)])
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
+SIM_BIG = ["--engine", "daskgen.testing.engines:RecordingEngine", "--engine-arg", "inner=simulated", "--model", "sim",
+           "--max-prompt-tokens", "128", "--engine-arg", "time_scale=0"]
+
+
+def _yaml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
