@@ -16,7 +16,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 Opt = typer.Option
 
 
-def _engine_args(pairs: list[str] | None) -> dict[str, Any] | None:
+def _key_values(pairs: list[str] | None, flag: str) -> dict[str, Any] | None:
     import yaml
 
     if not pairs:
@@ -25,7 +25,7 @@ def _engine_args(pairs: list[str] | None) -> dict[str, Any] | None:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise DaskgenError(f"--engine-arg expects KEY=VALUE, found {pair!r}")
+            raise DaskgenError(f"{flag} expects KEY=VALUE, found {pair!r}")
         out[key] = yaml.safe_load(value)
     return out
 
@@ -36,8 +36,10 @@ def run(
     model: Annotated[str | None, Opt(help="Local model folder (or name the engine understands).")] = None,
     store: Annotated[Path | None, Opt(help="Output Zarr store; rerun against it to resume.")] = None,
     config: Annotated[Path | None, Opt(help="YAML file with the same keys; flags override it.")] = None,
-    engine: Annotated[str | None, Opt(help="Engine name (transformers, sglang, simulated, ...) or module:Class.")] = None,
+    engine: Annotated[str | None, Opt(help="Engine name (transformers, sglang, simulated) or module:Class.")] = None,
     engine_arg: Annotated[list[str] | None, Opt(help="Engine option KEY=VALUE (repeatable).")] = None,
+    agent: Annotated[str | None, Opt(help="Agent loop: single_turn, tool, or module:Class.")] = None,
+    agent_arg: Annotated[list[str] | None, Opt(help="Agent option KEY=VALUE (repeatable).")] = None,
     n_samples: Annotated[int | None, Opt(help="Samples per prompt.")] = None,
     max_new_tokens: Annotated[int | None, Opt(help="Response token limit.")] = None,
     max_prompt_tokens: Annotated[int | None, Opt(help="Prompt token limit (longer prompts are an error).")] = None,
@@ -60,11 +62,12 @@ def run(
     show: Annotated[int, Opt(help="Print this many decoded answers at the end.")] = 0,
 ) -> None:
     """Generate (or resume) responses for every prompt into a Zarr store."""
-    overrides = {k: v for k, v in locals().items() if k not in ("config", "engine_arg", "show", "cluster")}
+    overrides = {k: v for k, v in locals().items() if k not in ("config", "engine_arg", "agent_arg", "show", "cluster")}
     from daskgen.config import RunConfig
     from daskgen.runner import run as run_generation
 
-    overrides["engine_args"] = _engine_args(engine_arg)
+    overrides["engine_args"] = _key_values(engine_arg, "--engine-arg")
+    overrides["agent_args"] = _key_values(agent_arg, "--agent-arg")
     overrides = {k: (str(v) if isinstance(v, Path) else v) for k, v in overrides.items()}
     overrides["skip_overlong"] = skip_overlong or None
     overrides["retry_failed"] = retry_failed or None

@@ -23,6 +23,8 @@ IDENTITY_KEYS = (
     "seed",
     "logprobs",
     "partition_size",
+    "agent",
+    "agent_args",
 )
 
 
@@ -36,6 +38,8 @@ class RunConfig:
         Input file (JSONL or Parquet), model path/name, output Zarr store path.
     engine, engine_args:
         Registered engine name (or ``module:Class``) and its backend options.
+    agent, agent_args:
+        Agent loop (``single_turn``, ``tool`` or ``module:Class``) and its options.
     n_samples:
         Samples per prompt; all samples of a prompt stay in one partition.
     max_new_tokens, max_prompt_tokens:
@@ -66,6 +70,8 @@ class RunConfig:
     store: str | None = None
     engine: str = "transformers"
     engine_args: dict[str, Any] = field(default_factory=dict)
+    agent: str = "single_turn"
+    agent_args: dict[str, Any] = field(default_factory=dict)
     n_samples: int = 1
     max_new_tokens: int = 256
     max_prompt_tokens: int = 1024

@@ -1,8 +1,10 @@
 """The Dask task: generate one partition on a worker and write its chunk-aligned region.
 
-A partition covers store rows ``[start, stop)`` (one chunk along ``prompt``).  Rows that are
-already done stay untouched: their data is read back and rewritten unchanged, so a rerun of
-the task (Dask reschedules tasks of dead workers) is idempotent.
+A partition covers store rows ``[start, stop)`` (one chunk along ``prompt``).  Each (row,
+sample) runs through the run's agent loop (``single_turn`` by default), which returns one or
+more trajectories.  Rows that are already done stay untouched: their data is read back and
+rewritten unchanged, so a rerun of the task (Dask reschedules tasks of dead workers) is
+idempotent.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from daskgen import store
-from daskgen.engines.base import FinishReason, GenerationRequest, GenerationResult, SamplingParams, error_result
+from daskgen.agents import AgentLoop, EngineHandle, Trajectory, create_agent
+from daskgen.engines.base import FinishReason, SamplingParams
 from daskgen.errors import EngineError
 
 
@@ -35,6 +38,9 @@ class PartitionTask:
     plugin_name: str = "daskgen-engine"
     timeout_s: float | None = None
     isolate: bool = False
+    agent: str = "single_turn"
+    agent_args: dict[str, Any] = field(default_factory=dict)
+    model: str = ""
 
 
 @dataclass
@@ -61,79 +67,70 @@ def empty_region(layout: store.Layout, n_rows: int) -> dict[str, np.ndarray]:
     """Fill-valued arrays for ``n_rows`` rows of every data array."""
     specs = layout.array_specs()
     out = {}
-    for name in store.DATA_ARRAYS:
+    for name in layout.data_arrays():
         shape, _, dtype, fill, _ = specs[name]
         out[name] = np.full((n_rows, *shape[1:]), fill, dtype=dtype)
     return out
 
 
-def build_requests(task: PartitionTask) -> list[GenerationRequest]:
-    """n requests per pending row, each with its own derived seed."""
-    requests = []
-    for row, prompt in zip(task.rows, task.prompts, strict=True):
-        for s in range(task.n_samples):
-            params = SamplingParams(**{**task.params.__dict__, "seed": sample_seed(task.seed, row, s)})
-            requests.append(GenerationRequest(f"p{row}-s{s}", list(prompt), params))
-    return requests
-
-
 def fill_region(region: dict[str, np.ndarray], task: PartitionTask,
-                results: list[GenerationResult]) -> PartitionResult:
-    """Place prompts and results into the region arrays; collect per-row failures."""
+                samples: list[list[Trajectory]]) -> PartitionResult:
+    """Place prompts and trajectories into the region arrays; collect per-row failures."""
     out = PartitionResult(task.start, task.stop, list(task.rows))
+    layout = task.layout
     for i, (row, prompt) in enumerate(zip(task.rows, task.prompts, strict=True)):
         r = row - task.start
-        region["prompt_ids"][r] = task.layout.pad_token_id
+        region["prompt_ids"][r] = layout.pad_token_id
         region["prompt_ids"][r, : len(prompt)] = prompt
         region["prompt_length"][r] = len(prompt)
         out.prompt_tokens += len(prompt)
         for s in range(task.n_samples):
-            res = results[i * task.n_samples + s]
-            out.response_tokens += _place_sample(region, r, s, res, task.layout.max_new_tokens,
-                                                 task.layout.pad_token_id)
-            if res.error is not None:
-                out.failed.setdefault(row, f"sample {s}: {res.error}")
+            trajectories = samples[i * task.n_samples + s][: layout.n_trajectories]
+            if layout.n_trajectories > 1:
+                region["num_trajectories"][r, s] = len(trajectories)
+            for t, traj in enumerate(trajectories):
+                index = (r, s, t) if layout.n_trajectories > 1 else (r, s)
+                out.response_tokens += _place(region, index, traj, layout)
+                if traj.error is not None:
+                    out.failed.setdefault(row, f"sample {s}: {traj.error}")
     return out
 
 
-def _place_sample(region: dict[str, np.ndarray], r: int, s: int, res: GenerationResult, width: int,
-                  pad: int) -> int:
-    ids = res.output_ids[:width]
-    n = len(ids)
-    region["response_ids"][r, s] = pad
-    region["response_ids"][r, s, :n] = ids
-    region["response_length"][r, s] = n
-    region["response_mask"][r, s] = 0
-    region["response_mask"][r, s, :n] = 1
-    region["logprobs"][r, s] = np.nan
-    if res.logprobs is not None:
-        region["logprobs"][r, s, : min(n, len(res.logprobs))] = res.logprobs[:n]
-    reason = FinishReason.ERROR if res.error is not None else res.finish_reason
-    region["finish_reason"][r, s] = int(reason)
-    region["num_turns"][r, s] = 1
-    return n
+def _place(region: dict[str, np.ndarray], index: tuple[int, ...], traj: Trajectory, layout: store.Layout) -> int:
+    n = min(len(traj.response_ids), layout.max_new_tokens)
+    region["response_ids"][index] = layout.pad_token_id
+    region["response_ids"][index][:n] = traj.response_ids[:n]
+    region["response_length"][index] = n
+    region["response_mask"][index] = 0
+    region["response_mask"][index][:n] = traj.response_mask[:n]
+    region["logprobs"][index] = np.nan
+    if traj.logprobs is not None:
+        region["logprobs"][index][: min(n, len(traj.logprobs))] = traj.logprobs[:n]
+    reason = FinishReason.ERROR if traj.error is not None else traj.finish_reason
+    region["finish_reason"][index] = int(reason)
+    region["num_turns"][index] = traj.num_turns
+    return int(sum(traj.response_mask[:n]))
 
 
 async def run_partition(task: PartitionTask) -> PartitionResult:
     """Dask task body (``async``: runs on the worker's event loop, engine calls are awaited).
 
-    Normal mode generates every request of the partition at once; an engine exception or a
-    timeout fails the task (Dask retries it).  ``isolate`` mode (used after those retries)
-    generates row by row and records a failing row as failed, so one poison prompt cannot
-    take the rest of its partition down.
+    Normal mode runs every (row, sample) at once; an engine exception or a timeout fails the
+    task (Dask retries it).  ``isolate`` mode (used after those retries) goes row by row and
+    records a failing row as failed, so one poison prompt cannot take its partition down.
     """
     from distributed import get_worker
 
     t0 = time.perf_counter()
     worker = get_worker()
     plugin = worker.plugins[task.plugin_name]
+    agent = create_agent(task.agent, task.model, task.agent_args)
     region = await asyncio.to_thread(_initial_region, task)
-    requests = build_requests(task)
     if task.isolate:
-        results = await _generate_isolated(plugin, task, requests)
+        samples = await _run_isolated(plugin, agent, task)
     else:
-        results = await _generate(plugin, task, requests)
-    outcome = fill_region(region, task, results)
+        samples = await _run_rows(plugin, agent, task, range(len(task.rows)))
+    outcome = fill_region(region, task, samples)
     if not task.params.logprobs:
         region.pop("logprobs")
     await asyncio.to_thread(store.write_region, task.store_path, task.start, region)
@@ -142,40 +139,41 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
     return outcome
 
 
-async def _generate(plugin: Any, task: PartitionTask, requests: list[GenerationRequest]) -> list[GenerationResult]:
-    """All requests at once; a crash or hang marks the engine broken (it restarts) and raises."""
-    engine = await plugin.get_engine()
-    calls = asyncio.gather(*(engine.generate(req) for req in requests))
+async def _run_rows(plugin: Any, agent: AgentLoop, task: PartitionTask, indices: range) -> list[list[Trajectory]]:
+    """All samples of the given rows at once; a crash or hang marks the engine broken and raises."""
+    handle = EngineHandle(await plugin.get_engine())
+    calls = []
+    for i in indices:
+        row = task.rows[i]
+        for s in range(task.n_samples):
+            params = SamplingParams(**{**task.params.__dict__, "seed": sample_seed(task.seed, row, s)})
+            calls.append(agent.run(handle, f"p{row}-s{s}", list(task.prompts[i]), params))
     try:
-        return list(await asyncio.wait_for(calls, task.timeout_s))
+        return list(await asyncio.wait_for(asyncio.gather(*calls), task.timeout_s))
     except asyncio.TimeoutError:
-        for req in requests:
-            await engine.abort(req.request_id)
+        await handle.abort_all()
         await plugin.check_health()
-        raise EngineError(f"{len(requests)} request(s) of rows {task.rows[0]}..{task.rows[-1]} did not finish "
-                          f"within partition_timeout_s={task.timeout_s}") from None
+        raise EngineError(f"rows {task.rows[indices[0]]}..{task.rows[indices[-1]]} did not finish within "
+                          f"partition_timeout_s={task.timeout_s}") from None
     except Exception as exc:
         await plugin.mark_broken(f"{type(exc).__name__}: {exc}")
         raise
 
 
-async def _generate_isolated(plugin: Any, task: PartitionTask,
-                             requests: list[GenerationRequest]) -> list[GenerationResult]:
-    """Row by row; a row whose generation raises gets error results instead of failing the task."""
-    results: list[GenerationResult] = []
-    n = task.n_samples
+async def _run_isolated(plugin: Any, agent: AgentLoop, task: PartitionTask) -> list[list[Trajectory]]:
+    """Row by row; a row whose generation raises gets error trajectories instead of failing the task."""
+    samples: list[list[Trajectory]] = []
     for i in range(len(task.rows)):
-        row_requests = requests[i * n : (i + 1) * n]
         try:
-            results += await _generate(plugin, task, row_requests)
+            samples += await _run_rows(plugin, agent, task, range(i, i + 1))
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc} (failed again when retried alone)"
-            results += [error_result(req, message) for req in row_requests]
-    return results
+            samples += [[Trajectory(error=message, finish_reason=FinishReason.ERROR)] for _ in range(task.n_samples)]
+    return samples
 
 
 def _initial_region(task: PartitionTask) -> dict[str, np.ndarray]:
     """Existing data when some rows of the region are kept, otherwise fill values."""
     if len(task.rows) == task.stop - task.start:
         return empty_region(task.layout, task.stop - task.start)
-    return store.read_region(task.store_path, task.start, task.stop)
+    return store.read_region(task.store_path, task.start, task.stop, task.layout.data_arrays())

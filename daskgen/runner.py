@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from daskgen import store
+from daskgen.agents import create_agent
 from daskgen.config import RunConfig
 from daskgen.data import PromptSet, load_prompts
 from daskgen.errors import StoreWriteError
@@ -88,8 +89,9 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     pset = load_prompts(source, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
                         skip_overlong=config.skip_overlong)
     wanted = _store_attrs(config, pset, tokenizer)
+    agent = create_agent(config.agent, str(config.model), config.agent_args)
     layout = store.Layout(len(pset), config.n_samples, config.max_prompt_tokens, config.max_new_tokens,
-                          config.partition_size, int(tokenizer.pad_token_id))
+                          config.partition_size, int(tokenizer.pad_token_id), agent.max_trajectories)
     stored = store.read_attrs(config.store)
     if stored is None:
         store.create(config.store, layout, wanted, pset.ids)
@@ -180,7 +182,8 @@ def pending_tasks(plan: Plan) -> list[PartitionTask]:
             tasks.append(PartitionTask(str(cfg.store), start, stop, rows,
                                        [plan.prompts.token_ids[i] for i in rows],  # type: ignore[misc]
                                        cfg.n_samples, params, cfg.seed, layout,
-                                       timeout_s=cfg.partition_timeout_s))
+                                       timeout_s=cfg.partition_timeout_s, agent=cfg.agent,
+                                       agent_args=dict(cfg.agent_args), model=str(cfg.model)))
     return tasks
 
 

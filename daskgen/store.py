@@ -21,6 +21,9 @@ from daskgen.engines.base import FINISH_FLAG_MEANINGS, FINISH_FLAG_VALUES
 from daskgen.errors import StoreError, StoreMismatchError, StoreWriteError
 
 SCHEMA_VERSION = 1
+#: Stores with a ``trajectory`` axis (agent loops that return several trajectories per sample).
+SCHEMA_VERSION_TRAJECTORIES = 2
+SCHEMA_VERSIONS = (SCHEMA_VERSION, SCHEMA_VERSION_TRAJECTORIES)
 PENDING, DONE, FAILED = 0, 1, 2
 #: Rows per chunk of the client-written, per-prompt arrays (status, error, coordinates).
 COARSE_CHUNK = 65536
@@ -50,6 +53,16 @@ class Layout:
     max_new_tokens: int
     partition_size: int
     pad_token_id: int
+    n_trajectories: int = 1
+
+    @property
+    def schema_version(self) -> int:
+        """1 for the plain layout, 2 when responses carry a ``trajectory`` axis."""
+        return SCHEMA_VERSION if self.n_trajectories == 1 else SCHEMA_VERSION_TRAJECTORIES
+
+    def data_arrays(self) -> tuple[str, ...]:
+        """Worker-written arrays of this layout."""
+        return DATA_ARRAYS + (("num_trajectories",) if self.n_trajectories > 1 else ())
 
     def partitions(self) -> range:
         """Start rows of every partition."""
@@ -60,7 +73,7 @@ class Layout:
         n, s, p, r, rows = (self.n_prompts, self.n_samples, self.max_prompt_tokens, self.max_new_tokens,
                             self.partition_size)
         coarse = (min(COARSE_CHUNK, n),)
-        return {
+        specs = {
             "prompt_index": ((n,), coarse, "int64", -1, ["prompt"]),
             "prompt_id": ((n,), coarse, "str", "", ["prompt"]),
             "status": ((n,), coarse, "int8", PENDING, ["prompt"]),
@@ -77,6 +90,19 @@ class Layout:
             "finish_reason": ((n, s), (rows, s), "int8", -1, ["prompt", "sample"]),
             "num_turns": ((n, s), (rows, s), "int16", 0, ["prompt", "sample"]),
         }
+        return self._with_trajectories(specs) if self.n_trajectories > 1 else specs
+
+    def _with_trajectories(self, specs: dict[str, Any]) -> dict[str, Any]:
+        """Insert a ``trajectory`` axis after ``sample`` in every per-sample array (schema v2)."""
+        t, out = self.n_trajectories, {}
+        for name, (shape, chunks, dtype, fill, dims) in specs.items():
+            if "sample" in dims:
+                shape, chunks, dims = (*shape[:2], t, *shape[2:]), (*chunks[:2], t, *chunks[2:]), \
+                    [*dims[:2], "trajectory", *dims[2:]]
+            out[name] = (shape, chunks, dtype, fill, dims)
+        n, s, rows = self.n_prompts, self.n_samples, self.partition_size
+        out["num_trajectories"] = ((n, s), (rows, s), "int16", 0, ["prompt", "sample"])
+        return out
 
 
 _VARIABLE_ATTRS: dict[str, dict[str, Any]] = {
@@ -96,6 +122,7 @@ _VARIABLE_ATTRS: dict[str, dict[str, Any]] = {
     "finish_reason": {"flag_values": FINISH_FLAG_VALUES, "flag_meanings": FINISH_FLAG_MEANINGS,
                       "long_name": "why the sample ended (-1: not generated)"},
     "num_turns": {"long_name": "assistant turns in the trajectory"},
+    "num_trajectories": {"long_name": "trajectories of the sample (the rest of the trajectory axis is padding)"},
 }
 
 
@@ -133,7 +160,7 @@ def create(path: str | Path, layout: Layout, attrs: dict[str, Any], prompt_ids: 
         )
     group["prompt_index"][:] = np.arange(layout.n_prompts, dtype="int64")
     group["prompt_id"][:] = np.array(prompt_ids, dtype=object).astype(str)
-    group.attrs[ATTRS_KEY] = _jsonable({**attrs, "schema_version": SCHEMA_VERSION, "layout": asdict(layout),
+    group.attrs[ATTRS_KEY] = _jsonable({**attrs, "schema_version": layout.schema_version, "layout": asdict(layout),
                                         "created": _dt.datetime.now(_dt.timezone.utc).isoformat()})
     zarr.consolidate_metadata(str(path))
 
@@ -161,10 +188,10 @@ def layout_of(attrs: dict[str, Any]) -> Layout:
 
 def check_compatible(path: str | Path, stored: dict[str, Any], wanted: dict[str, Any]) -> None:
     """Refuse a resume whose identity (settings, input, tokenizer) differs from the store's."""
-    if stored.get("schema_version") != SCHEMA_VERSION:
+    if stored.get("schema_version") not in SCHEMA_VERSIONS:
         raise StoreMismatchError(
-            f"store {str(path)!r} has schema_version {stored.get('schema_version')!r}; this daskgen writes "
-            f"{SCHEMA_VERSION}. Use a new --store path."
+            f"store {str(path)!r} has schema_version {stored.get('schema_version')!r}; this daskgen reads "
+            f"{list(SCHEMA_VERSIONS)}. Use a new --store path (or the daskgen version that wrote it)."
         )
     diffs = []
     for section in ("identity", "input", "tokenizer"):
@@ -203,7 +230,7 @@ def write_region(path: str | Path, start: int, arrays: dict[str, np.ndarray]) ->
     """Worker side: overwrite one chunk-aligned row region of each given data array."""
     zarr = _zarr()
     for name, values in arrays.items():
-        if name not in DATA_ARRAYS:
+        if name not in DATA_ARRAYS + ("num_trajectories",):
             raise StoreError(f"workers may only write data arrays {DATA_ARRAYS}, not {name!r}")
         with _write_errors(path, f"writing {name} rows {start}..{start + len(values) - 1}"):
             zarr.open_array(str(Path(path) / name), mode="r+")[start : start + len(values)] = values

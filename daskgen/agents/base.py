@@ -1,0 +1,118 @@
+"""Agent-loop interface: how one (prompt, sample) becomes one or more trajectories.
+
+A loop receives the prompt's token ids, the sampling params and an :class:`EngineHandle`, and
+returns trajectories.  ``single_turn`` (one engine call) is the default; ``tool`` runs a
+multi-turn tool-calling loop (:mod:`daskgen.agents.tool`); users plug in their own class by
+import path (``package.module:Class``).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from daskgen.engines.base import Engine, FinishReason, GenerationRequest, GenerationResult, SamplingParams
+
+
+@dataclass
+class Trajectory:
+    """Token-exact record of one trajectory.
+
+    ``response_ids`` hold model tokens and tool/observation tokens in order; ``response_mask``
+    is 1 exactly for model tokens; ``logprobs`` (when requested) has one entry per response
+    token, NaN for non-model tokens.
+    """
+
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    finish_reason: FinishReason = FinishReason.STOP
+    num_turns: int = 0
+    error: str | None = None
+
+    def add_model_tokens(self, result: GenerationResult) -> None:
+        """Append one engine result as model tokens."""
+        self.response_ids += result.output_ids
+        self.response_mask += [1] * len(result.output_ids)
+        if result.logprobs is not None:
+            self.logprobs = (self.logprobs or [math.nan] * (len(self.response_ids) - len(result.output_ids)))
+            self.logprobs += list(result.logprobs[: len(result.output_ids)])
+            self.logprobs += [math.nan] * (len(result.output_ids) - len(result.logprobs))
+        elif self.logprobs is not None:
+            self.logprobs += [math.nan] * len(result.output_ids)
+        self.num_turns += 1
+        self.finish_reason = result.finish_reason
+        if result.error is not None:
+            self.error, self.finish_reason = result.error, FinishReason.ERROR
+
+    def add_observation_tokens(self, ids: list[int]) -> None:
+        """Append tool/observation tokens (mask 0, no logprobs)."""
+        self.response_ids += ids
+        self.response_mask += [0] * len(ids)
+        if self.logprobs is not None:
+            self.logprobs += [math.nan] * len(ids)
+
+
+class EngineHandle:
+    """What a loop sees of the engine: ``generate`` with in-flight tracking, so a hung partition
+    can abort every request of its loops."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.in_flight: set[str] = set()
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        """Generate one turn."""
+        self.in_flight.add(request_id)
+        try:
+            return await self.engine.generate(GenerationRequest(request_id, list(prompt_ids), params))
+        finally:
+            self.in_flight.discard(request_id)
+
+    async def abort_all(self) -> None:
+        """Abort every request still in flight."""
+        for request_id in list(self.in_flight):
+            await self.engine.abort(request_id)
+
+
+class AgentLoop(abc.ABC):
+    """Turns one (prompt, sample) into trajectories.
+
+    Parameters
+    ----------
+    model:
+        The run's model path (loops that render chat templates load its tokenizer).
+    **agent_args:
+        Loop options from the run config's ``agent_args``.
+    """
+
+    #: Most trajectories one sample may produce (sizes the store's ``trajectory`` axis).
+    max_trajectories: int = 1
+
+    def __init__(self, model: str, **agent_args: Any) -> None:
+        self.model = model
+        self.agent_args = agent_args
+
+    @abc.abstractmethod
+    async def run(self, engine: EngineHandle, request_id: str, prompt_ids: list[int],
+                  params: SamplingParams) -> list[Trajectory]:
+        """Produce at least one trajectory; per-request failures go into ``Trajectory.error``."""
+
+
+class SingleTurn(AgentLoop):
+    """One engine call per sample: today's plain generation."""
+
+    def __init__(self, model: str, **agent_args: Any) -> None:
+        if agent_args:
+            from daskgen.errors import ConfigError
+
+            raise ConfigError(f"agent 'single_turn' takes no agent_args, found {sorted(agent_args)}")
+        super().__init__(model)
+
+    async def run(self, engine: EngineHandle, request_id: str, prompt_ids: list[int],
+                  params: SamplingParams) -> list[Trajectory]:
+        trajectory = Trajectory(logprobs=[] if params.logprobs else None)
+        trajectory.add_model_tokens(await engine.generate(request_id, prompt_ids, params))
+        return [trajectory]

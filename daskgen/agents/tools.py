@@ -1,0 +1,73 @@
+"""Tools for the tool loop: Python callables (sync or async) registered by name, run with a timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from collections.abc import Callable, Mapping, Sequence
+from importlib import import_module
+from typing import Any
+
+from daskgen.agents.parsers import ToolCall
+from daskgen.errors import ConfigError
+
+_REGISTRY: dict[str, Callable[..., Any]] = {}
+
+
+def register_tool(name: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: make a callable available to ``agent_args: {tools: [name]}``."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        _REGISTRY[name or fn.__name__] = fn
+        return fn
+
+    return wrap
+
+
+def load_tools(spec: Sequence[str] | Mapping[str, str] | None) -> dict[str, Callable[..., Any]]:
+    """Resolve tools given as registered names or ``package.module:function`` paths.
+
+    A mapping gives explicit names: ``{"calc": "mytools:calculator"}``.
+    """
+    items = spec.items() if isinstance(spec, Mapping) else ((None, s) for s in (spec or []))
+    tools = {}
+    for name, target in items:
+        fn = _resolve(target)
+        tools[name or target.rpartition(":")[2]] = fn
+    return tools
+
+
+def _resolve(target: str) -> Callable[..., Any]:
+    if target in _REGISTRY:
+        return _REGISTRY[target]
+    if ":" not in target:
+        raise ConfigError(f"unknown tool {target!r}; registered tools are {sorted(_REGISTRY)}; "
+                          "or give 'package.module:function'.")
+    module, _, attr = target.partition(":")
+    try:
+        fn = getattr(import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"cannot import tool {target!r}: {exc}") from exc
+    if not callable(fn):
+        raise ConfigError(f"tool {target!r} is not callable")
+    return fn
+
+
+async def call_tool(tools: Mapping[str, Callable[..., Any]], call: ToolCall, timeout_s: float) -> str:
+    """Run one call; failures (unknown tool, bad JSON, exception, timeout) become an error text for the model."""
+    if call.error is not None:
+        return f"Error: {call.error}"
+    fn = tools.get(call.name or "")
+    if fn is None:
+        return f"Error: unknown tool {call.name!r}; available tools: {sorted(tools)}"
+    try:
+        if inspect.iscoroutinefunction(fn):
+            result = await asyncio.wait_for(fn(**call.arguments), timeout_s)
+        else:
+            result = await asyncio.wait_for(asyncio.to_thread(fn, **call.arguments), timeout_s)
+    except asyncio.TimeoutError:
+        return f"Error: tool {call.name!r} timed out after {timeout_s:g} s"
+    except Exception as exc:
+        return f"Error: tool {call.name!r} raised {type(exc).__name__}: {exc}"
+    return result if isinstance(result, str) else json.dumps(result, default=str)
