@@ -53,6 +53,9 @@ class RunConfig:
         ``cluster`` spec for :mod:`daskgen.deploy` (SLURM/PBS via dask-jobqueue).
     window:
         Partitions in flight per worker.
+    max_prompts_in_memory:
+        Cap on prompts held anywhere (client, scheduler, workers) at once; the input is
+        streamed, so memory does not grow with its size.
     max_retries:
         Retries of a failed partition task; then its rows are retried one by one and only
         the rows that still fail are marked failed.
@@ -87,6 +90,7 @@ class RunConfig:
     min_workers: int | None = None
     max_workers: int | None = None
     window: int = 2
+    max_prompts_in_memory: int = 65536
     max_retries: int = 2
     partition_timeout_s: float | None = None
     skip_overlong: bool = False
@@ -156,7 +160,8 @@ class RunConfig:
                 )
 
     def _check_ranges(self) -> None:
-        positive = ("n_samples", "max_new_tokens", "max_prompt_tokens", "partition_size", "window")
+        positive = ("n_samples", "max_new_tokens", "max_prompt_tokens", "partition_size", "window",
+                    "max_prompts_in_memory")
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"setting {key!r} must be >= 1, found {getattr(self, key)}.")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,77 +19,70 @@ ROLES = ("system", "user", "assistant", "tool")
 MAX_REPORTED = 20
 
 
-@dataclass
-class PromptSet:
-    """Validated, tokenized prompts ready to partition.
-
-    ``token_ids[i]`` is ``None`` for rows recorded as failed before generation
-    (``overlong[i]`` holds the reason).
-    """
-
-    rows: list[dict[str, Any]]
-    ids: list[str]
-    token_ids: list[list[int] | None]
-    fingerprint: str
-    overlong: dict[int, str] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-
 def read_rows(source: str | Path | Sequence[Any]) -> list[dict[str, Any]]:
-    """Read prompt rows from a ``.jsonl``/``.json``/``.parquet`` file or a Python sequence.
+    """All prompt rows of a ``.jsonl``/``.parquet`` file or a Python sequence (small inputs, tests)."""
+    return [row for _, row in iter_rows(source)]
 
-    Strings in a Python sequence become ``{"prompt": s}``.
+
+def iter_rows(source: str | Path | Sequence[Any]) -> Iterator[tuple[int, Any]]:
+    """Stream ``(row_number, row)`` (1-based) without holding the input in memory.
+
+    Strings in a Python sequence become ``{"prompt": s}``.  Unparseable JSONL lines raise
+    :class:`InputError` naming every bad line.
     """
-    if isinstance(source, (str, Path)):
-        return _read_file(Path(source))
-    return [{"prompt": r} if isinstance(r, str) else r for r in source]
+    if not isinstance(source, (str, Path)):
+        yield from ((i, {"prompt": r} if isinstance(r, str) else r) for i, r in enumerate(source, start=1))
+        return
+    path = _check_path(Path(source))
+    reader = _iter_parquet if path.suffix.lower() in (".parquet", ".pq") else _iter_jsonl
+    count = 0
+    for item in reader(path):
+        count += 1
+        yield item
+    if count == 0:
+        raise InputError(f"prompt file {str(path)!r} is empty; expected at least one prompt row.")
 
 
-def _read_file(path: Path) -> list[dict[str, Any]]:
+def _check_path(path: Path) -> Path:
     if not path.exists():
         raise InputError(f"prompt file {str(path)!r} does not exist; pass a JSONL or Parquet file.")
     if path.is_dir():
         raise InputError(f"prompt path {str(path)!r} is a directory; pass a JSONL or Parquet file.")
-    suffix = path.suffix.lower()
-    if suffix in (".parquet", ".pq"):
-        return _read_parquet(path)
-    if suffix in (".jsonl", ".json", ".ndjson"):
-        return _read_jsonl(path)
-    raise InputError(
-        f"prompt file {str(path)!r} has extension {suffix!r}; expected .jsonl (one JSON object per line) "
-        "or .parquet."
-    )
+    if path.suffix.lower() not in (".parquet", ".pq", ".jsonl", ".json", ".ndjson"):
+        raise InputError(f"prompt file {str(path)!r} has extension {path.suffix.lower()!r}; expected .jsonl "
+                         "(one JSON object per line) or .parquet.")
+    return path
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows, errors = [], []
+def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    errors = []
     with path.open("r", encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
                 errors.append(f"row {lineno}: empty line (expected one JSON object per line)")
                 continue
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError as exc:
                 errors.append(f"row {lineno}: not valid JSON ({exc.msg} at column {exc.colno})")
+                continue
+            if not errors:
+                yield lineno, row
     _raise_if(errors, path)
-    if not rows:
-        raise InputError(f"prompt file {str(path)!r} is empty; expected at least one prompt row.")
-    return rows
 
 
-def _read_parquet(path: Path) -> list[dict[str, Any]]:
+def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
+        parquet = pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises several types for corrupt files
         raise InputError(f"prompt file {str(path)!r} is not a readable Parquet file: {exc}") from exc
-    if table.num_rows == 0:
-        raise InputError(f"prompt file {str(path)!r} is empty; expected at least one prompt row.")
-    return table.to_pylist()
+    number = 0
+    for batch in parquet.iter_batches(batch_size=4096):
+        for row in batch.to_pylist():
+            number += 1
+            yield number, row
 
 
 def validate_rows(rows: Sequence[Any], source: str = "input") -> None:
@@ -191,13 +184,10 @@ def _chat_ids(tokenizer: Any, messages: list[dict[str, str]], number: int) -> li
     return list(ids)
 
 
-def check_lengths(token_ids: Sequence[list[int]], limit: int, *, skip: bool) -> dict[int, str]:
-    """Find prompts longer than ``limit``; raise unless ``skip`` (then return row -> reason)."""
-    overlong = {
-        i: f"prompt has {len(ids)} tokens, more than max_prompt_tokens={limit}"
-        for i, ids in enumerate(token_ids)
-        if len(ids) > limit
-    }
+def check_lengths(lengths: dict[int, int], limit: int, *, skip: bool) -> dict[int, str]:
+    """Given 0-based row -> token count, find prompts over ``limit``; raise unless ``skip``."""
+    overlong = {i: f"prompt has {n} tokens, more than max_prompt_tokens={limit}"
+                for i, n in lengths.items() if n > limit}
     if overlong and not skip:
         errors = [f"row {i + 1}: column 'messages'/'prompt': {why}" for i, why in overlong.items()]
         errors.append(
@@ -207,14 +197,60 @@ def check_lengths(token_ids: Sequence[list[int]], limit: int, *, skip: bool) -> 
     return overlong
 
 
-def load_prompts(source: str | Path | Sequence[Any], tokenizer: Any, *, max_prompt_tokens: int,
-                 skip_overlong: bool = False) -> PromptSet:
-    """Read, validate, fingerprint and tokenize prompts; nothing is dropped silently."""
-    rows = read_rows(source)
-    validate_rows(rows, str(source) if isinstance(source, (str, Path)) else "input")
-    ids = [str(r["id"]) if r.get("id") is not None else "" for r in rows]
-    token_ids: list[list[int] | None] = list(tokenize_rows(rows, tokenizer))
-    overlong = check_lengths(token_ids, max_prompt_tokens, skip=skip_overlong)  # type: ignore[arg-type]
-    for i in overlong:
-        token_ids[i] = None
-    return PromptSet(rows=rows, ids=ids, token_ids=token_ids, fingerprint=fingerprint(rows), overlong=overlong)
+@dataclass
+class InputScan:
+    """What one streaming pass over the input learned; no prompt text or tokens are kept."""
+
+    source: Any
+    n_rows: int
+    ids: list[str]
+    fingerprint: str
+    overlong: dict[int, str] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.n_rows
+
+
+def scan_prompts(source: str | Path | Sequence[Any], tokenizer: Any, *, max_prompt_tokens: int,
+                 skip_overlong: bool = False) -> InputScan:
+    """Validate, fingerprint and length-check every row in one streaming pass.
+
+    Raises :class:`InputError` listing every bad row (row number and column); overlong prompts
+    are an error unless ``skip_overlong`` (then they are returned to be recorded as failed).
+    """
+    name = str(source) if isinstance(source, (str, Path)) else "input"
+    digest = hashlib.blake2b(digest_size=16)
+    errors: list[str] = []
+    ids: list[str] = []
+    seen: dict[str, int] = {}
+    lengths: dict[int, int] = {}
+    for number, row in iter_rows(source):
+        errors += [f"row {number}: {msg}" for msg in _row_errors(row)]
+        digest.update(json.dumps(row, sort_keys=True, ensure_ascii=False, default=str).encode() + b"\n")
+        key = str(row["id"]) if isinstance(row, dict) and row.get("id") is not None else ""
+        if key and key in seen:
+            errors.append(f"row {number}: column 'id': duplicate id {key!r} (first at row {seen[key]})")
+        if key:
+            seen.setdefault(key, number)
+        ids.append(key)
+        if not errors:
+            n_tokens = len(tokenize_rows([row], tokenizer)[0])
+            if n_tokens > max_prompt_tokens:
+                lengths[len(ids) - 1] = n_tokens
+    _raise_if(errors, name)
+    if not ids:
+        raise InputError(f"{name} has no prompts; expected at least one row.")
+    overlong = check_lengths({i: n for i, n in lengths.items()}, max_prompt_tokens, skip=skip_overlong)
+    return InputScan(source, len(ids), ids, f"blake2b:{digest.hexdigest()}:{len(ids)}", overlong)
+
+
+def iter_token_ids(source: str | Path | Sequence[Any], tokenizer: Any, wanted: Iterator[int]) -> Iterator[
+        tuple[int, list[int]]]:
+    """Token ids of the rows whose 0-based indices ``wanted`` yields (ascending), streaming the input."""
+    rows = iter_rows(source)
+    index = -1
+    for target in wanted:
+        while index < target:
+            _, row = next(rows)
+            index += 1
+        yield target, tokenize_rows([row], tokenizer)[0]

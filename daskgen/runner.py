@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ import numpy as np
 from daskgen import store
 from daskgen.agents import create_agent
 from daskgen.config import RunConfig
-from daskgen.data import PromptSet, load_prompts
+from daskgen.data import InputScan, iter_token_ids, scan_prompts
 from daskgen.errors import StoreWriteError
 from daskgen.partition import PartitionResult, PartitionTask, run_partition
 from daskgen.plugin import RESOURCE
@@ -66,12 +66,14 @@ class Plan:
     """What the client knows before any engine starts."""
 
     config: RunConfig
-    prompts: PromptSet
+    prompts: InputScan
     layout: store.Layout
     status: np.ndarray
     stop_ids: tuple[int, ...] = ()
     committed_at: np.ndarray | None = None
     lock: Any = None
+    tokenizer: Any = None
+    peak_prompts: int = 0
 
     def __post_init__(self) -> None:
         if self.committed_at is None:
@@ -86,7 +88,7 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     if source is None:
         config.require("prompts")
     tokenizer = load_tokenizer(config.model, config.engine, config.engine_args)
-    pset = load_prompts(source, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
+    pset = scan_prompts(source, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
                         skip_overlong=config.skip_overlong)
     wanted = _store_attrs(config, pset, tokenizer)
     agent = create_agent(config.agent, str(config.model), config.agent_args)
@@ -98,10 +100,11 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     else:
         store.check_compatible(config.store, stored, wanted)
     eos = tokenizer.eos_token_id
-    return Plan(config, pset, layout, store.read_status(config.store), () if eos is None else (int(eos),))
+    return Plan(config, pset, layout, store.read_status(config.store), () if eos is None else (int(eos),),
+                tokenizer=tokenizer)
 
 
-def _store_attrs(config: RunConfig, pset: PromptSet, tokenizer: Any) -> dict[str, Any]:
+def _store_attrs(config: RunConfig, pset: InputScan, tokenizer: Any) -> dict[str, Any]:
     from daskgen.engines import resolve_engine_class
     from daskgen.versions import package_versions
 
@@ -163,28 +166,35 @@ def _maybe_pause_before_commit() -> None:
         time.sleep(delay)
 
 
-def pending_tasks(plan: Plan) -> list[PartitionTask]:
-    """One task per partition that still has rows to generate."""
+def pending_rows(plan: Plan) -> np.ndarray:
+    """Mask of rows this run generates."""
+    todo = plan.status == store.PENDING
+    if plan.config.retry_failed:
+        todo |= plan.status == store.FAILED
+    todo[list(plan.prompts.overlong)] = False
+    return todo
+
+
+def pending_tasks(plan: Plan) -> Iterator[PartitionTask]:
+    """One task per partition with rows to generate, built lazily while streaming the input.
+
+    Only the prompts of tasks the caller holds are in memory (the input is re-read, not kept).
+    """
     from daskgen.engines.base import SamplingParams
 
     cfg, layout = plan.config, plan.layout
-    todo = plan.status == store.PENDING
-    if cfg.retry_failed:
-        todo |= plan.status == store.FAILED
-        todo[list(plan.prompts.overlong)] = False
+    todo = pending_rows(plan)
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                             top_k=cfg.top_k, logprobs=cfg.logprobs, stop_token_ids=plan.stop_ids)
-    tasks = []
+    tokens = iter_token_ids(plan.prompts.source, plan.tokenizer, iter(np.flatnonzero(todo).tolist()))
     for start in layout.partitions():
         stop = min(start + layout.partition_size, layout.n_prompts)
         rows = [int(i) for i in np.flatnonzero(todo[start:stop]) + start]
         if rows:
-            tasks.append(PartitionTask(str(cfg.store), start, stop, rows,
-                                       [plan.prompts.token_ids[i] for i in rows],  # type: ignore[misc]
-                                       cfg.n_samples, params, cfg.seed, layout,
-                                       timeout_s=cfg.partition_timeout_s, agent=cfg.agent,
-                                       agent_args=dict(cfg.agent_args), model=str(cfg.model)))
-    return tasks
+            prompts = [next(tokens)[1] for _ in rows]
+            yield PartitionTask(str(cfg.store), start, stop, rows, prompts, cfg.n_samples, params, cfg.seed, layout,
+                                timeout_s=cfg.partition_timeout_s, agent=cfg.agent, agent_args=dict(cfg.agent_args),
+                                model=str(cfg.model))
 
 
 def run(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) -> RunSummary:
@@ -201,17 +211,18 @@ def run(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) ->
         plan.committed_at = store.read_region(config.store, 0, plan.layout.n_prompts, ("committed_at",))["committed_at"]
         plan.lock = lock
         _commit_overlong(plan)
-        tasks = pending_tasks(plan)
         generated, tokens = 0, 0
-        if tasks:
+        n_pending = int(pending_rows(plan).sum())
+        if n_pending:
             with connect(config) as (client, info):
-                generated, tokens = drive(client, plan, tasks, info)
+                generated, tokens = drive(client, plan, pending_tasks(plan), info, n_pending)
         summary = summarize(plan, generated, tokens, time.perf_counter() - t0)
         store.append_run(config.store, summary.__dict__)
     return summary
 
 
-def drive(client: Any, plan: Plan, tasks: list[PartitionTask], info: Any = None) -> tuple[int, int]:
+def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = None,
+          n_pending: int = 0) -> tuple[int, int]:
     """Stream partitions through the cluster and commit each as it finishes.
 
     At most ``window`` partitions per ready worker are in flight (or, on an adaptive cluster,
@@ -225,23 +236,29 @@ def drive(client: Any, plan: Plan, tasks: list[PartitionTask], info: Any = None)
     in_flight_cap = max(1, plan.config.window * n_workers)
     if info is not None and info.adaptive:
         in_flight_cap = max(in_flight_cap, info.in_flight_window)
-    queue = list(reversed(tasks))
+    in_flight_cap = max(1, min(in_flight_cap, plan.config.max_prompts_in_memory // plan.layout.partition_size))
+    retry: list[PartitionTask] = []
     ac = as_completed()
     futures: dict[Any, PartitionTask] = {}
     generated = tokens = 0
-    with Progress(sum(len(t.rows) for t in tasks), enabled=plan.config.progress) as bar:
-        while queue or futures:
-            while queue and len(futures) < in_flight_cap:
-                task = queue.pop()
+    with Progress(n_pending, enabled=plan.config.progress) as bar:
+        while True:
+            while len(futures) < in_flight_cap:
+                task = retry.pop() if retry else next(tasks, None)
+                if task is None:
+                    break
                 fut = _submit(client, task, plan.config.max_retries)
                 futures[fut] = task
                 ac.add(fut)
+            if not futures:
+                break
+            plan.peak_prompts = max(plan.peak_prompts, sum(len(t.rows) for t in futures.values()))
             fut = _next_finished(ac, client, plan.config, plan.lock)
             task = futures.pop(fut)
             result = _collect(fut, task)
             fut.release()
             if result is None:  # retried enough as a whole: retry its rows one by one
-                queue.append(dataclasses.replace(task, isolate=True))
+                retry.append(dataclasses.replace(task, isolate=True))
                 continue
             _commit(plan, task.start, task.stop, result.failed,
                     done=[r for r in result.rows if r not in result.failed])

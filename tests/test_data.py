@@ -4,7 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from daskgen.data import check_lengths, fingerprint, load_prompts, read_rows, validate_rows
+from daskgen.data import check_lengths, fingerprint, iter_token_ids, read_rows, scan_prompts, validate_rows
 from daskgen.errors import InputError
 from daskgen.tokenizer import ByteTokenizer
 
@@ -64,16 +64,26 @@ def test_all_errors_reported_together(tmp_path):
 
 
 def test_overlong_error_or_skip():
-    ids = [[1] * 5, [1] * 50]
+    ids = {0: 5, 1: 50}
     with pytest.raises(InputError, match=r"(?s)row 2: .*50 tokens.*--skip-overlong"):
         check_lengths(ids, 10, skip=False)
     assert list(check_lengths(ids, 10, skip=True)) == [1]
 
 
-def test_load_prompts_tokenizes_and_fingerprints(tmp_path):
+def test_scan_streams_validates_fingerprints_and_finds_overlong(tmp_path):
     rows = [{"prompt": "abc"}, {"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "x" * 100}]
-    pset = load_prompts(rows, ByteTokenizer(), max_prompt_tokens=20, skip_overlong=True)
-    assert pset.token_ids[0] == [1, 97 + 3, 98 + 3, 99 + 3]
-    assert pset.token_ids[2] is None and 2 in pset.overlong
-    assert pset.fingerprint == fingerprint(rows)
+    scan = scan_prompts(rows, ByteTokenizer(), max_prompt_tokens=30, skip_overlong=True)
+    assert (scan.n_rows, list(scan.overlong)) == (3, [2])
+    assert scan.fingerprint == fingerprint(rows)
     assert fingerprint(rows) != fingerprint(rows[:2])
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    assert scan_prompts(path, ByteTokenizer(), max_prompt_tokens=200).fingerprint == scan.fingerprint
+    tokens = dict(iter_token_ids(path, ByteTokenizer(), iter([0, 2])))
+    assert tokens[0] == [1, 97 + 3, 98 + 3, 99 + 3] and len(tokens[2]) == 101
+
+
+def test_scan_reports_duplicate_ids_and_bad_rows_together():
+    rows = [{"prompt": "a", "id": 1}, {"prompt": 5}, {"prompt": "b", "id": 1}]
+    with pytest.raises(InputError) as err:
+        scan_prompts(rows, ByteTokenizer(), max_prompt_tokens=20)
+    assert "row 2: column 'prompt'" in str(err.value) and "row 3: column 'id': duplicate id '1'" in str(err.value)
