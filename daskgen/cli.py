@@ -56,6 +56,12 @@ def run(
     max_workers: Annotated[int | None, Opt(help="Adaptive scaling upper bound.")] = None,
     window: Annotated[int | None, Opt(help="Partitions in flight per worker.")] = None,
     max_retries: Annotated[int | None, Opt(help="Retries of a failed partition before its prompts fail.")] = None,
+    partition_timeout_s: Annotated[float | None, Opt(help="Treat a partition running longer as hung.")] = None,
+    max_prompts_in_memory: Annotated[int | None, Opt(help="Cap on prompts held in memory at once.")] = None,
+    target_done: Annotated[int | None, Opt(help="Stop once this many prompts are done.")] = None,
+    token_budget: Annotated[int | None, Opt(help="Stop once this run generated this many tokens.")] = None,
+    deadline: Annotated[str | None, Opt(help="Stop at this time (ISO 8601) or after 90m / 2h / 3600s.")] = None,
+    keep_partial: Annotated[bool, Opt(help="Keep aborted partial responses; continue them next run.")] = False,
     skip_overlong: Annotated[bool, Opt(help="Record overlong prompts as failed instead of stopping.")] = False,
     retry_failed: Annotated[bool, Opt(help="Regenerate prompts that failed in earlier runs.")] = False,
     progress: Annotated[bool, Opt("--progress/--no-progress")] = True,
@@ -71,6 +77,7 @@ def run(
     overrides = {k: (str(v) if isinstance(v, Path) else v) for k, v in overrides.items()}
     overrides["skip_overlong"] = skip_overlong or None
     overrides["retry_failed"] = retry_failed or None
+    overrides["keep_partial"] = keep_partial or None
     cfg = RunConfig.load(config, **overrides)
     if cluster:
         cfg.cluster = {**(cfg.cluster or {}), "kind": cluster}
@@ -90,6 +97,42 @@ def status(store: Annotated[Path, typer.Argument(help="A daskgen store.")]) -> N
 
     typer.echo(status_report(str(store)))
 
+
+
+@app.command()
+def export(
+    store: Annotated[Path, typer.Argument(help="A daskgen store.")],
+    format: Annotated[str, Opt("--format", "-f", help="parquet, jsonl, tensordict or zip.")] = "parquet",
+    out: Annotated[Path | None, Opt(help="Output path (default: STORE with the format's suffix).")] = None,
+    overwrite: Annotated[bool, Opt(help="Replace an existing output.")] = False,
+    text: Annotated[bool, Opt("--text/--no-text", help="Add decoded prompt and response text.")] = True,
+    tokenizer: Annotated[str | None, Opt(help="Model folder to decode with (default: the run's model).")] = None,
+    prompts: Annotated[Path | None, Opt(help="The run's input file, for raw prompts (default: recorded path).")] = None,
+    wandb_project: Annotated[str | None, Opt(help="Upload the zip export as a W&B artifact to this project.")] = None,
+) -> None:
+    """Export done samples (parquet, jsonl, verl-layout tensordict) or the whole store as one zip."""
+    from daskgen.export import DEFAULT_SUFFIX
+    from daskgen.export import export as run_export
+
+    target = out or store.with_suffix(DEFAULT_SUFFIX.get(format, f".{format}"))
+    result = run_export(store, target, format, overwrite=overwrite, text=text, tokenizer=tokenizer, prompts=prompts,
+                        wandb_project=wandb_project)
+    typer.echo(result.line())
+    if wandb_project:
+        typer.echo(f"uploaded {target} to W&B project {wandb_project!r}")
+
+
+@app.command()
+def report(
+    store: Annotated[Path, typer.Argument(help="A daskgen store.")],
+    out: Annotated[Path | None, Opt(help="report.html or report.png (default: STORE.report.html).")] = None,
+    overwrite: Annotated[bool, Opt(help="Replace an existing report.")] = False,
+) -> None:
+    """Write an HTML or PNG report: status counts, response lengths, throughput over time, settings."""
+    from daskgen.report import write_report
+
+    target = out or store.with_suffix(".report.html")
+    typer.echo(f"daskgen: report written to {write_report(store, target, overwrite=overwrite)}")
 
 def main() -> None:
     """Entry point: typed daskgen errors become a clear message and exit status 2."""

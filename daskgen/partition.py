@@ -41,6 +41,7 @@ class PartitionTask:
     agent: str = "single_turn"
     agent_args: dict[str, Any] = field(default_factory=dict)
     model: str = ""
+    continue_partial: bool = False
 
 
 @dataclass
@@ -51,6 +52,7 @@ class PartitionResult:
     stop: int
     rows: list[int]
     failed: dict[int, str] = field(default_factory=dict)
+    aborted: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     response_tokens: int = 0
     seconds: float = 0.0
@@ -93,6 +95,8 @@ def fill_region(region: dict[str, np.ndarray], task: PartitionTask,
                 out.response_tokens += _place(region, index, traj, layout)
                 if traj.error is not None:
                     out.failed.setdefault(row, f"sample {s}: {traj.error}")
+                if traj.finish_reason == FinishReason.ABORT and row not in out.aborted:
+                    out.aborted.append(row)
     return out
 
 
@@ -126,10 +130,18 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
     plugin = worker.plugins[task.plugin_name]
     agent = create_agent(task.agent, task.model, task.agent_args)
     region = await asyncio.to_thread(_initial_region, task)
-    if task.isolate:
-        samples = await _run_isolated(plugin, agent, task)
-    else:
-        samples = await _run_rows(plugin, agent, task, range(len(task.rows)))
+    prefixes = partial_prefixes(region, task) if task.continue_partial else {}
+    handle = EngineHandle(await plugin.get_engine())
+    plugin.handles.add(handle)
+    if plugin.stopping:
+        await handle.abort_all()
+    try:
+        if task.isolate:
+            samples = await _run_isolated(plugin, handle, agent, task, prefixes)
+        else:
+            samples = await _run_rows(plugin, handle, agent, task, range(len(task.rows)), prefixes)
+    finally:
+        plugin.handles.discard(handle)
     outcome = fill_region(region, task, samples)
     if not task.params.logprobs:
         region.pop("logprobs")
@@ -139,15 +151,51 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
     return outcome
 
 
-async def _run_rows(plugin: Any, agent: AgentLoop, task: PartitionTask, indices: range) -> list[list[Trajectory]]:
+def partial_prefixes(region: dict[str, np.ndarray], task: PartitionTask) -> dict[tuple[int, int], Trajectory]:
+    """Stored samples of pending rows to keep: finished ones as they are, aborted ones as prefixes."""
+    out = {}
+    for row in task.rows:
+        r = row - task.start
+        for s in range(task.n_samples):
+            reason = int(region["finish_reason"][r, s])
+            if reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT):
+                n = int(region["response_length"][r, s])
+                lp = region["logprobs"][r, s, :n].tolist() if task.params.logprobs else None
+                out[row, s] = Trajectory(region["response_ids"][r, s, :n].tolist(),
+                                         region["response_mask"][r, s, :n].tolist(), lp, FinishReason(reason),
+                                         int(region["num_turns"][r, s]))
+    return out
+
+
+async def _sample(agent: AgentLoop, handle: EngineHandle, request_id: str, prompt: list[int],
+                  params: SamplingParams, prefix: Trajectory | None) -> list[Trajectory]:
+    """One sample through the agent loop, continuing a stored aborted prefix when given."""
+    if prefix is None:
+        return await agent.run(handle, request_id, prompt, params)
+    if prefix.finish_reason != FinishReason.ABORT:
+        return [prefix]
+    budget = params.max_new_tokens - len(prefix.response_ids)
+    if budget <= 0:
+        prefix.finish_reason = FinishReason.LENGTH
+        return [prefix]
+    rest = params.__class__(**{**params.__dict__, "max_new_tokens": budget})
+    (tail,) = await agent.run(handle, request_id, prompt + prefix.response_ids, rest)
+    merged = Trajectory(prefix.response_ids + tail.response_ids, prefix.response_mask + tail.response_mask,
+                        None if prefix.logprobs is None else prefix.logprobs + (tail.logprobs or []),
+                        tail.finish_reason, max(prefix.num_turns, tail.num_turns), tail.error)
+    return [merged]
+
+
+async def _run_rows(plugin: Any, handle: EngineHandle, agent: AgentLoop, task: PartitionTask, indices: range,
+                    prefixes: dict[tuple[int, int], Trajectory]) -> list[list[Trajectory]]:
     """All samples of the given rows at once; a crash or hang marks the engine broken and raises."""
-    handle = EngineHandle(await plugin.get_engine())
+    handle.engine = await plugin.get_engine()  # the engine may have been restarted meanwhile
     calls = []
     for i in indices:
         row = task.rows[i]
         for s in range(task.n_samples):
             params = SamplingParams(**{**task.params.__dict__, "seed": sample_seed(task.seed, row, s)})
-            calls.append(agent.run(handle, f"p{row}-s{s}", list(task.prompts[i]), params))
+            calls.append(_sample(agent, handle, f"p{row}-s{s}", list(task.prompts[i]), params, prefixes.get((row, s))))
     try:
         return list(await asyncio.wait_for(asyncio.gather(*calls), task.timeout_s))
     except asyncio.TimeoutError:
@@ -160,12 +208,13 @@ async def _run_rows(plugin: Any, agent: AgentLoop, task: PartitionTask, indices:
         raise
 
 
-async def _run_isolated(plugin: Any, agent: AgentLoop, task: PartitionTask) -> list[list[Trajectory]]:
+async def _run_isolated(plugin: Any, handle: EngineHandle, agent: AgentLoop, task: PartitionTask,
+                        prefixes: dict[tuple[int, int], Trajectory]) -> list[list[Trajectory]]:
     """Row by row; a row whose generation raises gets error trajectories instead of failing the task."""
     samples: list[list[Trajectory]] = []
     for i in range(len(task.rows)):
         try:
-            samples += await _run_rows(plugin, agent, task, range(i, i + 1))
+            samples += await _run_rows(plugin, handle, agent, task, range(i, i + 1), prefixes)
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc} (failed again when retried alone)"
             samples += [[Trajectory(error=message, finish_reason=FinishReason.ERROR)] for _ in range(task.n_samples)]
@@ -173,7 +222,7 @@ async def _run_isolated(plugin: Any, agent: AgentLoop, task: PartitionTask) -> l
 
 
 def _initial_region(task: PartitionTask) -> dict[str, np.ndarray]:
-    """Existing data when some rows of the region are kept, otherwise fill values."""
-    if len(task.rows) == task.stop - task.start:
+    """Existing data when some rows of the region are kept (or continued), otherwise fill values."""
+    if len(task.rows) == task.stop - task.start and not task.continue_partial:
         return empty_region(task.layout, task.stop - task.start)
     return store.read_region(task.store_path, task.start, task.stop, task.layout.data_arrays())

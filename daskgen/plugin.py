@@ -54,6 +54,8 @@ class EnginePlugin(WorkerPlugin):
         self._ready: asyncio.Event | None = None
         self._starter: asyncio.Task | None = None
         self._advertised = False
+        self.stopping = False
+        self.handles: set[Any] = set()
 
     async def setup(self, worker: Any) -> None:
         """Start loading the engine in the background and return at once."""
@@ -114,6 +116,19 @@ class EnginePlugin(WorkerPlugin):
             return False
         return True
 
+    async def stop_run(self) -> int:
+        """Run-level stop (target/budget/deadline reached): abort every request in flight.
+
+        Partitions already running finish at once with ``abort`` samples; partitions that
+        start afterwards generate nothing.  Returns the number of requests aborted.
+        """
+        self.stopping = True
+        aborted = 0
+        for handle in list(self.handles):
+            aborted += len(handle.in_flight)
+            await handle.abort_all()
+        return aborted
+
     def status(self) -> dict[str, Any]:
         """Small summary for the client."""
         return {"state": self.state, "error": self.error, "gpu": self.gpu, "engine": self.engine_name}
@@ -142,6 +157,12 @@ def _pin_gpu(worker_name: Any) -> str:
     description = pin_gpu(worker_name).describe()
     logger.info(description)
     return description
+
+
+async def stop_run_on_worker(dask_worker: Any) -> int:
+    """Run on every worker via ``client.run`` when the client stops the run early."""
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    return 0 if plugin is None else await plugin.stop_run()
 
 
 def plugin_status(dask_worker: Any) -> dict[str, Any]:

@@ -42,6 +42,7 @@ class RunSummary:
     generated_prompts: int = 0
     response_tokens: int = 0
     seconds: float = 0.0
+    stopped: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -55,6 +56,9 @@ class RunSummary:
         text = (f"daskgen: {self.done} done, {self.failed} failed, {self.pending} pending of {self.total} prompts; "
                 f"this run generated {self.generated_prompts} prompts in {self.seconds:.1f} s "
                 f"({rate:.2f} prompts/s, {tps:.0f} tokens/s) -> {self.store}")
+        if self.stopped:
+            text += (f"\nstopped early: {self.stopped}; in-flight prompts were aborted and stay pending — rerun "
+                     "the same command (without the stop condition) to finish them.")
         if self.failed:
             text += (f"\n{self.failed} prompt(s) failed: `daskgen status {self.store}` shows why; rerun the same "
                      "command with --retry-failed to retry them.")
@@ -74,6 +78,8 @@ class Plan:
     lock: Any = None
     tokenizer: Any = None
     peak_prompts: int = 0
+    stopped: str | None = None
+    started: float = dataclasses.field(default_factory=time.time)
 
     def __post_init__(self) -> None:
         if self.committed_at is None:
@@ -194,7 +200,7 @@ def pending_tasks(plan: Plan) -> Iterator[PartitionTask]:
             prompts = [next(tokens)[1] for _ in rows]
             yield PartitionTask(str(cfg.store), start, stop, rows, prompts, cfg.n_samples, params, cfg.seed, layout,
                                 timeout_s=cfg.partition_timeout_s, agent=cfg.agent, agent_args=dict(cfg.agent_args),
-                                model=str(cfg.model))
+                                model=str(cfg.model), continue_partial=cfg.keep_partial)
 
 
 def run(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) -> RunSummary:
@@ -217,6 +223,7 @@ def run(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) ->
             with connect(config) as (client, info):
                 generated, tokens = drive(client, plan, pending_tasks(plan), info, n_pending)
         summary = summarize(plan, generated, tokens, time.perf_counter() - t0)
+        summary.stopped = plan.stopped
         store.append_run(config.store, summary.__dict__)
     return summary
 
@@ -244,7 +251,7 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
     with Progress(n_pending, enabled=plan.config.progress) as bar:
         while True:
             while len(futures) < in_flight_cap:
-                task = retry.pop() if retry else next(tasks, None)
+                task = None if plan.stopped else retry.pop() if retry else next(tasks, None)
                 if task is None:
                     break
                 fut = _submit(client, task, plan.config.max_retries)
@@ -253,22 +260,56 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
             if not futures:
                 break
             plan.peak_prompts = max(plan.peak_prompts, sum(len(t.rows) for t in futures.values()))
-            fut = _next_finished(ac, client, plan.config, plan.lock)
+            fut = _next_finished(ac, client, plan.config, plan.lock,
+                                 lambda: _check_deadline(client, plan, tasks, retry))
             task = futures.pop(fut)
             result = _collect(fut, task)
             fut.release()
             if result is None:  # retried enough as a whole: retry its rows one by one
                 retry.append(dataclasses.replace(task, isolate=True))
                 continue
-            _commit(plan, task.start, task.stop, result.failed,
-                    done=[r for r in result.rows if r not in result.failed])
-            generated += len(result.rows)
+            finished = [r for r in result.rows if r not in result.failed and r not in result.aborted]
+            failed = {r: m for r, m in result.failed.items() if r not in result.aborted}
+            _commit(plan, task.start, task.stop, failed, done=finished)
+            generated += len(finished) + len(failed)
             tokens += result.response_tokens
-            bar.update(len(result.rows), result.response_tokens, len(result.failed))
+            bar.update(len(finished) + len(failed), result.response_tokens, len(failed))
+            if plan.stopped is None and (reason := stop_reason(plan, tokens)):
+                _stop(client, plan, reason, tasks, retry)
     return generated, tokens
 
 
-def _next_finished(ac: Any, client: Any, config: RunConfig, lock: Any = None) -> Any:
+def _check_deadline(client: Any, plan: Plan, tasks: Iterator[PartitionTask], retry: list) -> None:
+    """While waiting for partitions: stop the run the moment the deadline passes."""
+    deadline = plan.config.deadline_timestamp(plan.started)
+    if plan.stopped is None and deadline is not None and time.time() >= deadline:
+        _stop(client, plan, f"deadline {plan.config.deadline} reached", tasks, retry)
+
+
+def stop_reason(plan: Plan, tokens: int) -> str | None:
+    """Why the run should stop now (target, token budget or deadline reached), or ``None``."""
+    cfg = plan.config
+    if cfg.target_done is not None and int((plan.status == store.DONE).sum()) >= cfg.target_done:
+        return f"target of {cfg.target_done} done prompts reached"
+    if cfg.token_budget is not None and tokens >= cfg.token_budget:
+        return f"token budget of {cfg.token_budget} reached ({tokens} generated)"
+    deadline = cfg.deadline_timestamp(plan.started)
+    if deadline is not None and time.time() >= deadline:
+        return f"deadline {cfg.deadline} reached"
+    return None
+
+
+def _stop(client: Any, plan: Plan, reason: str, tasks: Iterator[PartitionTask], retry: list) -> None:
+    """Submit nothing more and abort every request in flight on every worker."""
+    from daskgen.plugin import stop_run_on_worker
+
+    logger.warning("stopping early: %s", reason)
+    plan.stopped = reason
+    retry.clear()  # and the lazy task stream is no longer pulled (see drive)
+    client.run(stop_run_on_worker)
+
+
+def _next_finished(ac: Any, client: Any, config: RunConfig, lock: Any = None, deadline_hit: Any = None) -> Any:
     """Next finished future; meanwhile check every 30 s that some engine can still take work."""
     from daskgen.cluster import check_engines
 
@@ -277,6 +318,8 @@ def _next_finished(ac: Any, client: Any, config: RunConfig, lock: Any = None) ->
         time.sleep(0.02)
         if lock is not None:
             lock.heartbeat()
+        if deadline_hit is not None:
+            deadline_hit()
         if time.monotonic() - last > ENGINE_CHECK_INTERVAL_S:
             check_engines(client, config)
             last = time.monotonic()

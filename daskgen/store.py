@@ -130,6 +130,7 @@ def _zarr():
     import zarr
 
     warnings.filterwarnings("ignore", message=".*Consolidated metadata.*")
+    warnings.filterwarnings("ignore", message=".*daskgen.lock is not recognized.*")
     return zarr
 
 

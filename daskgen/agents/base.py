@@ -62,9 +62,12 @@ class EngineHandle:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.in_flight: set[str] = set()
+        self.stopped = False
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
-        """Generate one turn."""
+        """Generate one turn (after :meth:`abort_all`, returns ``abort`` without calling the engine)."""
+        if self.stopped:
+            return GenerationResult(request_id, [], FinishReason.ABORT, [] if params.logprobs else None)
         self.in_flight.add(request_id)
         try:
             return await self.engine.generate(GenerationRequest(request_id, list(prompt_ids), params))
@@ -72,7 +75,8 @@ class EngineHandle:
             self.in_flight.discard(request_id)
 
     async def abort_all(self) -> None:
-        """Abort every request still in flight."""
+        """Abort every request still in flight; later turns are not started."""
+        self.stopped = True
         for request_id in list(self.in_flight):
             await self.engine.abort(request_id)
 
