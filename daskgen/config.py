@@ -25,6 +25,12 @@ IDENTITY_KEYS = (
     "partition_size",
     "agent",
     "agent_args",
+    "verifier",
+    "round_size",
+    "until_correct",
+    "correct_threshold",
+    "stop_when",
+    "count_truncated",
 )
 
 
@@ -40,6 +46,11 @@ class RunConfig:
         Registered engine name (or ``module:Class``) and its backend options.
     agent, agent_args:
         Agent loop (``single_turn``, ``tool`` or ``module:Class``) and its options.
+    verifier, round_size, until_correct, correct_threshold, stop_when, count_truncated:
+        Multi-round sampling (:mod:`daskgen.verify`): score each response with ``verifier``
+        (``module:function``), sample ``round_size`` at a time up to ``n_samples``, stop a
+        prompt early once ``until_correct`` responses scored >= ``correct_threshold`` (or
+        ``stop_when(scores)`` is true); truncated responses count only with ``count_truncated``.
     n_samples:
         Samples per prompt; all samples of a prompt stay in one partition.
     max_new_tokens, max_prompt_tokens:
@@ -83,6 +94,12 @@ class RunConfig:
     engine_args: dict[str, Any] = field(default_factory=dict)
     agent: str = "single_turn"
     agent_args: dict[str, Any] = field(default_factory=dict)
+    verifier: str | None = None
+    round_size: int = 1
+    until_correct: int | None = None
+    correct_threshold: float = 1.0
+    stop_when: str | None = None
+    count_truncated: bool = False
     n_samples: int = 1
     max_new_tokens: int = 256
     max_prompt_tokens: int = 1024
@@ -151,6 +168,19 @@ class RunConfig:
         if missing:
             flags = ", ".join("--" + k.replace("_", "-") for k in missing)
             raise ConfigError(f"missing required setting(s) {missing}: pass {flags} or set them in --config.")
+
+    def verify_policy(self) -> Any:
+        """The :class:`daskgen.verify.VerifyPolicy`, or ``None`` without a verifier."""
+        if self.verifier is None:
+            if self.until_correct is not None or self.stop_when is not None:
+                raise ConfigError("until_correct/stop_when need a verifier: set verifier: 'package.module:function'.")
+            return None
+        from daskgen.verify import VerifyPolicy
+
+        policy = VerifyPolicy(self.verifier, self.round_size, self.until_correct, self.correct_threshold,
+                              self.stop_when, self.count_truncated)
+        policy.check(self.n_samples)
+        return policy
 
     def deadline_timestamp(self, start: float) -> float | None:
         """The deadline as a Unix time (``start`` anchors durations like ``90m``)."""

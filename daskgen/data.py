@@ -245,12 +245,12 @@ def scan_prompts(source: str | Path | Sequence[Any], tokenizer: Any, *, max_prom
 
 
 def iter_token_ids(source: str | Path | Sequence[Any], tokenizer: Any, wanted: Iterator[int]) -> Iterator[
-        tuple[int, list[int]]]:
-    """Token ids of the rows whose 0-based indices ``wanted`` yields (ascending), streaming the input."""
+        tuple[int, list[int], dict[str, Any]]]:
+    """``(index, token ids, row)`` of the rows whose 0-based indices ``wanted`` yields (ascending), streaming."""
     rows = iter_rows(source)
     index = -1
     for target in wanted:
         while index < target:
             _, row = next(rows)
             index += 1
-        yield target, tokenize_rows([row], tokenizer)[0]
+        yield target, tokenize_rows([row], tokenizer)[0], row

@@ -10,6 +10,7 @@ idempotent.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from daskgen import store
 from daskgen.agents import AgentLoop, EngineHandle, Trajectory, create_agent
 from daskgen.engines.base import FinishReason, SamplingParams
 from daskgen.errors import EngineError
+from daskgen.verify import RowOutcome, sample_in_rounds
 
 
 @dataclass
@@ -42,6 +44,8 @@ class PartitionTask:
     agent_args: dict[str, Any] = field(default_factory=dict)
     model: str = ""
     continue_partial: bool = False
+    verify: Any = None
+    rows_meta: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -53,6 +57,7 @@ class PartitionResult:
     rows: list[int]
     failed: dict[int, str] = field(default_factory=dict)
     aborted: list[int] = field(default_factory=list)
+    notes: dict[int, str] = field(default_factory=dict)
     prompt_tokens: int = 0
     response_tokens: int = 0
     seconds: float = 0.0
@@ -75,10 +80,16 @@ def empty_region(layout: store.Layout, n_rows: int) -> dict[str, np.ndarray]:
     return out
 
 
-def fill_region(region: dict[str, np.ndarray], task: PartitionTask,
-                samples: list[list[Trajectory]]) -> PartitionResult:
-    """Place prompts and trajectories into the region arrays; collect per-row failures."""
+def fill_region(region: dict[str, np.ndarray], task: PartitionTask, samples: list[list[Trajectory]],
+                rounds: list[RowOutcome] | None = None) -> PartitionResult:
+    """Place prompts and trajectories (and verifier scores) into the region; collect per-row failures."""
     out = PartitionResult(task.start, task.stop, list(task.rows))
+    for i, outcome in enumerate(rounds or []):
+        r = task.rows[i] - task.start
+        region["score"][r] = outcome.scores
+        region["samples_used"][r] = outcome.used
+        if outcome.notes:
+            out.notes[task.rows[i]] = "; ".join(outcome.notes)
     layout = task.layout
     for i, (row, prompt) in enumerate(zip(task.rows, task.prompts, strict=True)):
         r = row - task.start
@@ -90,6 +101,8 @@ def fill_region(region: dict[str, np.ndarray], task: PartitionTask,
             trajectories = samples[i * task.n_samples + s][: layout.n_trajectories]
             if layout.n_trajectories > 1:
                 region["num_trajectories"][r, s] = len(trajectories)
+            if not trajectories:  # not needed: the verifier was satisfied earlier
+                _clear(region, (r, s), layout)
             for t, traj in enumerate(trajectories):
                 index = (r, s, t) if layout.n_trajectories > 1 else (r, s)
                 out.response_tokens += _place(region, index, traj, layout)
@@ -98,6 +111,13 @@ def fill_region(region: dict[str, np.ndarray], task: PartitionTask,
                 if traj.finish_reason == FinishReason.ABORT and row not in out.aborted:
                     out.aborted.append(row)
     return out
+
+
+def _clear(region: dict[str, np.ndarray], index: tuple[int, int], layout: store.Layout) -> None:
+    fills = {"response_ids": layout.pad_token_id, "response_length": 0, "response_mask": 0, "logprobs": np.nan,
+             "finish_reason": -1, "num_turns": 0}
+    for name, fill in fills.items():
+        region[name][index] = fill
 
 
 def _place(region: dict[str, np.ndarray], index: tuple[int, ...], traj: Trajectory, layout: store.Layout) -> int:
@@ -137,12 +157,14 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
         await handle.abort_all()
     try:
         if task.isolate:
-            samples = await _run_isolated(plugin, handle, agent, task, prefixes)
+            results = await _run_isolated(plugin, handle, agent, task, prefixes)
         else:
-            samples = await _run_rows(plugin, handle, agent, task, range(len(task.rows)), prefixes)
+            results = await _run_rows(plugin, handle, agent, task, range(len(task.rows)), prefixes)
     finally:
         plugin.handles.discard(handle)
-    outcome = fill_region(region, task, samples)
+    rounds = results if task.verify is not None else None
+    samples = [t for o in results for t in o.samples] if rounds is not None else results
+    outcome = fill_region(region, task, samples, rounds)
     if not task.params.logprobs:
         region.pop("logprobs")
     await asyncio.to_thread(store.write_region, task.store_path, task.start, region)
@@ -190,12 +212,17 @@ async def _run_rows(plugin: Any, handle: EngineHandle, agent: AgentLoop, task: P
                     prefixes: dict[tuple[int, int], Trajectory]) -> list[list[Trajectory]]:
     """All samples of the given rows at once; a crash or hang marks the engine broken and raises."""
     handle.engine = await plugin.get_engine()  # the engine may have been restarted meanwhile
-    calls = []
-    for i in indices:
+    def one(i: int, s: int) -> Any:
         row = task.rows[i]
-        for s in range(task.n_samples):
-            params = SamplingParams(**{**task.params.__dict__, "seed": sample_seed(task.seed, row, s)})
-            calls.append(_sample(agent, handle, f"p{row}-s{s}", list(task.prompts[i]), params, prefixes.get((row, s))))
+        params = SamplingParams(**{**task.params.__dict__, "seed": sample_seed(task.seed, row, s)})
+        return _sample(agent, handle, f"p{row}-s{s}", list(task.prompts[i]), params, prefixes.get((row, s)))
+
+    if task.verify is not None:
+        decode = plugin.tokenizer().decode
+        calls = [sample_in_rounds(task.verify, task.n_samples, task.rows_meta[i], decode,
+                                  functools.partial(one, i)) for i in indices]
+    else:
+        calls = [one(i, s) for i in indices for s in range(task.n_samples)]
     try:
         return list(await asyncio.wait_for(asyncio.gather(*calls), task.timeout_s))
     except asyncio.TimeoutError:
@@ -217,7 +244,9 @@ async def _run_isolated(plugin: Any, handle: EngineHandle, agent: AgentLoop, tas
             samples += await _run_rows(plugin, handle, agent, task, range(i, i + 1), prefixes)
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc} (failed again when retried alone)"
-            samples += [[Trajectory(error=message, finish_reason=FinishReason.ERROR)] for _ in range(task.n_samples)]
+            failed = [[Trajectory(error=message, finish_reason=FinishReason.ERROR)] for _ in range(task.n_samples)]
+            samples += ([RowOutcome(failed, [np.nan] * task.n_samples, task.n_samples)] if task.verify is not None
+                        else failed)
     return samples
 
 

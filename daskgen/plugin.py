@@ -116,6 +116,14 @@ class EnginePlugin(WorkerPlugin):
             return False
         return True
 
+    def tokenizer(self) -> Any:
+        """The model's tokenizer on this worker (loaded once), e.g. to decode for verifiers."""
+        if getattr(self, "_tokenizer", None) is None:
+            from daskgen.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.model, self.engine_name, self.engine_args)
+        return self._tokenizer
+
     async def stop_run(self) -> int:
         """Run-level stop (target/budget/deadline reached): abort every request in flight.
 

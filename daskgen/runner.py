@@ -99,7 +99,8 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     wanted = _store_attrs(config, pset, tokenizer)
     agent = create_agent(config.agent, str(config.model), config.agent_args)
     layout = store.Layout(len(pset), config.n_samples, config.max_prompt_tokens, config.max_new_tokens,
-                          config.partition_size, int(tokenizer.pad_token_id), agent.max_trajectories)
+                          config.partition_size, int(tokenizer.pad_token_id), agent.max_trajectories,
+                          scored=config.verify_policy() is not None)
     stored = store.read_attrs(config.store)
     if stored is None:
         store.create(config.store, layout, wanted, pset.ids)
@@ -145,18 +146,22 @@ def _commit_overlong(plan: Plan) -> None:
         _commit(plan, start, stop, {i: plan.prompts.overlong[i] for i in rows})
 
 
-def _commit(plan: Plan, start: int, stop: int, failed: dict[int, str], done: Sequence[int] = ()) -> None:
-    """Write error then status for rows of one partition; update the in-memory mask."""
+def _commit(plan: Plan, start: int, stop: int, failed: dict[int, str], done: Sequence[int] = (),
+            notes: dict[int, str] | None = None) -> None:
+    """Write error then status for rows of one partition; update the in-memory mask.
+
+    ``notes`` (e.g. verifier exceptions) go into ``error`` of rows that are nevertheless done.
+    """
     new = plan.status[start:stop].copy()
     for i in done:
         new[i - start] = store.DONE
     for i in failed:
         new[i - start] = store.FAILED
     errors = None
-    if failed or np.any(plan.status[start:stop] == store.FAILED):
+    if failed or notes or np.any(plan.status[start:stop] == store.FAILED):
         errors = [str(e) for e in store.read_region(plan.config.store, start, stop, ("error",))["error"]]
         for i in done:
-            errors[i - start] = ""
+            errors[i - start] = (notes or {}).get(i, "")
         for i, msg in failed.items():
             errors[i - start] = msg
     plan.committed_at[[*done, *failed]] = time.time()
@@ -190,6 +195,7 @@ def pending_tasks(plan: Plan) -> Iterator[PartitionTask]:
 
     cfg, layout = plan.config, plan.layout
     todo = pending_rows(plan)
+    verify = cfg.verify_policy()
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                             top_k=cfg.top_k, logprobs=cfg.logprobs, stop_token_ids=plan.stop_ids)
     tokens = iter_token_ids(plan.prompts.source, plan.tokenizer, iter(np.flatnonzero(todo).tolist()))
@@ -197,10 +203,13 @@ def pending_tasks(plan: Plan) -> Iterator[PartitionTask]:
         stop = min(start + layout.partition_size, layout.n_prompts)
         rows = [int(i) for i in np.flatnonzero(todo[start:stop]) + start]
         if rows:
-            prompts = [next(tokens)[1] for _ in rows]
+            items = [next(tokens) for _ in rows]
+            prompts = [ids for _, ids, _ in items]
+            meta = [row for _, _, row in items] if verify is not None else None
             yield PartitionTask(str(cfg.store), start, stop, rows, prompts, cfg.n_samples, params, cfg.seed, layout,
                                 timeout_s=cfg.partition_timeout_s, agent=cfg.agent, agent_args=dict(cfg.agent_args),
-                                model=str(cfg.model), continue_partial=cfg.keep_partial)
+                                model=str(cfg.model), continue_partial=cfg.keep_partial, verify=verify,
+                                rows_meta=meta)
 
 
 def run(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) -> RunSummary:
@@ -270,7 +279,7 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
                 continue
             finished = [r for r in result.rows if r not in result.failed and r not in result.aborted]
             failed = {r: m for r, m in result.failed.items() if r not in result.aborted}
-            _commit(plan, task.start, task.stop, failed, done=finished)
+            _commit(plan, task.start, task.stop, failed, done=finished, notes=result.notes)
             generated += len(finished) + len(failed)
             tokens += result.response_tokens
             bar.update(len(finished) + len(failed), result.response_tokens, len(failed))

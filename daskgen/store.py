@@ -30,6 +30,8 @@ COARSE_CHUNK = 65536
 ATTRS_KEY = "daskgen"
 COORDS = "prompt_index prompt_id"
 
+#: Extra worker-written arrays of runs with a verifier.
+SCORE_ARRAYS = ("score", "samples_used")
 # Arrays written by workers, one region per partition.
 DATA_ARRAYS = (
     "prompt_ids",
@@ -54,6 +56,7 @@ class Layout:
     partition_size: int
     pad_token_id: int
     n_trajectories: int = 1
+    scored: bool = False
 
     @property
     def schema_version(self) -> int:
@@ -62,7 +65,8 @@ class Layout:
 
     def data_arrays(self) -> tuple[str, ...]:
         """Worker-written arrays of this layout."""
-        return DATA_ARRAYS + (("num_trajectories",) if self.n_trajectories > 1 else ())
+        return (DATA_ARRAYS + (("num_trajectories",) if self.n_trajectories > 1 else ())
+                + (SCORE_ARRAYS if self.scored else ()))
 
     def partitions(self) -> range:
         """Start rows of every partition."""
@@ -90,13 +94,16 @@ class Layout:
             "finish_reason": ((n, s), (rows, s), "int8", -1, ["prompt", "sample"]),
             "num_turns": ((n, s), (rows, s), "int16", 0, ["prompt", "sample"]),
         }
+        if self.scored:
+            specs["score"] = ((n, s), (rows, s), "float32", float("nan"), ["prompt", "sample"])
+            specs["samples_used"] = ((n,), (rows,), "int16", 0, ["prompt"])
         return self._with_trajectories(specs) if self.n_trajectories > 1 else specs
 
     def _with_trajectories(self, specs: dict[str, Any]) -> dict[str, Any]:
         """Insert a ``trajectory`` axis after ``sample`` in every per-sample array (schema v2)."""
         t, out = self.n_trajectories, {}
         for name, (shape, chunks, dtype, fill, dims) in specs.items():
-            if "sample" in dims:
+            if "sample" in dims and name != "score":
                 shape, chunks, dims = (*shape[:2], t, *shape[2:]), (*chunks[:2], t, *chunks[2:]), \
                     [*dims[:2], "trajectory", *dims[2:]]
             out[name] = (shape, chunks, dtype, fill, dims)
@@ -122,6 +129,8 @@ _VARIABLE_ATTRS: dict[str, dict[str, Any]] = {
     "finish_reason": {"flag_values": FINISH_FLAG_VALUES, "flag_meanings": FINISH_FLAG_MEANINGS,
                       "long_name": "why the sample ended (-1: not generated)"},
     "num_turns": {"long_name": "assistant turns in the trajectory"},
+    "score": {"long_name": "verifier score of the sample (NaN: not generated, or the verifier raised)"},
+    "samples_used": {"long_name": "samples generated for the prompt before it was satisfied"},
     "num_trajectories": {"long_name": "trajectories of the sample (the rest of the trajectory axis is padding)"},
 }
 
@@ -231,7 +240,7 @@ def write_region(path: str | Path, start: int, arrays: dict[str, np.ndarray]) ->
     """Worker side: overwrite one chunk-aligned row region of each given data array."""
     zarr = _zarr()
     for name, values in arrays.items():
-        if name not in DATA_ARRAYS + ("num_trajectories",):
+        if name not in DATA_ARRAYS + ("num_trajectories",) + SCORE_ARRAYS:
             raise StoreError(f"workers may only write data arrays {DATA_ARRAYS}, not {name!r}")
         with _write_errors(path, f"writing {name} rows {start}..{start + len(values) - 1}"):
             zarr.open_array(str(Path(path) / name), mode="r+")[start : start + len(values)] = values

@@ -31,7 +31,7 @@ class ByteTokenizer:
         return self(text + ("assistant: " if add_generation_prompt else ""))["input_ids"]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", errors="replace")
+        return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
 
 
 def load_tokenizer(model: str, engine: str, engine_args: dict[str, Any] | None = None) -> Any:

@@ -78,7 +78,7 @@ def test_scan_streams_validates_fingerprints_and_finds_overlong(tmp_path):
     assert fingerprint(rows) != fingerprint(rows[:2])
     path = write_jsonl(tmp_path / "p.jsonl", rows)
     assert scan_prompts(path, ByteTokenizer(), max_prompt_tokens=200).fingerprint == scan.fingerprint
-    tokens = dict(iter_token_ids(path, ByteTokenizer(), iter([0, 2])))
+    tokens = {i: ids for i, ids, _ in iter_token_ids(path, ByteTokenizer(), iter([0, 2]))}
     assert tokens[0] == [1, 97 + 3, 98 + 3, 99 + 3] and len(tokens[2]) == 101
 
 

@@ -63,24 +63,26 @@ def test_target_done_stops_early_and_keeps_groups_pending(tmp_path):
 def test_deadline_aborts_in_flight_and_keep_partial_continues_the_prefix(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", 8)
     out = tmp_path / "out.zarr"
-    # long responses (fixed 200 tokens at ~0.02 s/step) so the deadline lands mid-generation
-    common = ["--prompts", prompts, "--partition-size", "4", "--max-new-tokens", "200", "--no-progress",
-              "--engine-arg", "length_dist=fixed", "--engine-arg", "length_mean=200", "--keep-partial"]
-    res = run_cli("run", *sim_args(tmp_path, out, *common, step=1.0), "--deadline", "3s")
+    # long responses (fixed 500 tokens at ~0.02 s/step: ~10 s) so the deadline lands mid-generation
+    common = ["--prompts", prompts, "--partition-size", "4", "--max-new-tokens", "500", "--no-progress",
+              "--engine-arg", "length_dist=fixed", "--engine-arg", "length_mean=500", "--keep-partial"]
+    res = run_cli("run", *sim_args(tmp_path, out, *common, step=1.0), "--deadline", "7s")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "stopped early: deadline 3s reached" in res.stdout
+    assert "stopped early: deadline 7s reached" in res.stdout
     ds = xr.open_zarr(out)
-    assert (ds.status.values == store.PENDING).all()
-    partial = ds.response_length.values[:, 0]
-    assert (ds.finish_reason.values[:, 0] == 2).all() and ((partial > 0) & (partial < 200)).all()
-    prefix = [ds.response_ids.values[i, 0, : partial[i]].copy() for i in range(8)]
+    assert (ds.status.values == store.PENDING).all(), "aborted prompts stay pending"
+    partial, reason = ds.response_length.values[:, 0], ds.finish_reason.values[:, 0]
+    started = reason == 2
+    assert started.any() and ((partial[started] > 0) & (partial[started] < 500)).all()
+    assert (reason[~started] == -1).all()
+    prefix = {i: ds.response_ids.values[i, 0, : partial[i]].copy() for i in np.flatnonzero(started)}
     res = run_cli("run", *sim_args(tmp_path, out, *common))
     assert res.returncode == 0 and "8 done" in res.stdout, res.stdout + res.stderr
     ds = xr.open_zarr(out)
-    # continued to the full budget (the simulated natural length is 200 from the start, so the tail hits length)
-    assert (ds.response_length.values[:, 0] == 200).all() and (ds.finish_reason.values[:, 0] == 1).all()
-    for i in range(8):
-        np.testing.assert_array_equal(ds.response_ids.values[i, 0, : partial[i]], prefix[i])
+    # continued to the full budget (the simulated natural length is 500 from the start, so the tail hits length)
+    assert (ds.response_length.values[:, 0] == 500).all() and (ds.finish_reason.values[:, 0] >= 0).all()
+    for i, ids in prefix.items():
+        np.testing.assert_array_equal(ds.response_ids.values[i, 0, : len(ids)], ids)
 
 
 def test_policy_settings_are_validated():
@@ -90,3 +92,49 @@ def test_policy_settings_are_validated():
         RunConfig(deadline="tomorrow")
     assert RunConfig(deadline="90m").deadline_timestamp(1000.0) == 1000.0 + 5400
     assert RunConfig(deadline=30).deadline_timestamp(0.0) == 30.0
+
+
+def test_multi_round_verifier_stops_satisfied_prompts_early(tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 24)
+    out = tmp_path / "out.zarr"
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("verifier: tests.verifiers:even_first_token\nround_size: 2\nuntil_correct: 1\n")
+    res = run_cli("run", *sim_args(tmp_path, out, "--prompts", prompts, "--partition-size", "4", "--n-samples", "8",
+                                   "--config", cfg, "--temperature", "1.0", "--no-progress",
+                                   "--engine-arg", "length_mean=6"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    ds = xr.open_zarr(out)
+    used, score, reason = ds.samples_used.values, ds.score.values, ds.finish_reason.values
+    assert set(np.unique(used)) <= {2, 4, 6, 8} and (used < 8).any()
+    log = calls(tmp_path / "calls.log")
+    for i in range(24):
+        assert sum(1 for k in log if k.startswith(f"p{i}-")) == used[i], "satisfied prompts stop consuming"
+        assert np.isfinite(score[i, : used[i]]).all() and np.isnan(score[i, used[i]:]).all()
+        assert (reason[i, used[i]:] == -1).all()
+        if used[i] < 8:
+            truncated = reason[i, : used[i]] == 1
+            assert (score[i, used[i] - 2 : used[i]] >= 1).any() or truncated.all()
+    assert ds.attrs["daskgen"]["identity"]["verifier"] == "tests.verifiers:even_first_token"
+
+
+def test_verifier_exceptions_are_recorded_not_fatal(tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 8)
+    out = tmp_path / "out.zarr"
+    res = run_cli("run", *sim_args(tmp_path, out, "--prompts", prompts, "--partition-size", "4", "--n-samples", "2",
+                                   "--no-progress",
+                                   "--config", _yaml(tmp_path, PICKY)))
+    assert res.returncode == 0, res.stdout + res.stderr
+    ds = xr.open_zarr(out)
+    assert (ds.status.values == store.DONE).all()
+    assert np.isnan(ds.score.values[3]).all()
+    assert "verifier raised ValueError: cannot grade q3" in str(ds.error.values[3])
+    assert (ds.score.values[0, :1] == 1.0).all() and ds.samples_used.values[0] == 1
+
+
+PICKY = "verifier: tests.verifiers:picky\nuntil_correct: 1\ncount_truncated: true\n"
+
+
+def _yaml(tmp_path, text):
+    path = tmp_path / "v.yaml"
+    path.write_text(text)
+    return path
