@@ -108,6 +108,7 @@ def export(
     text: Annotated[bool, Opt("--text/--no-text", help="Add decoded prompt and response text.")] = True,
     tokenizer: Annotated[str | None, Opt(help="Model folder to decode with (default: the run's model).")] = None,
     prompts: Annotated[Path | None, Opt(help="The run's input file, for raw prompts (default: recorded path).")] = None,
+    raw_prompts: Annotated[bool, Opt("--raw-prompts/--no-raw-prompts", help="Add the input's raw prompts.")] = True,
     wandb_project: Annotated[str | None, Opt(help="Upload the zip export as a W&B artifact to this project.")] = None,
 ) -> None:
     """Export done samples (parquet, jsonl, verl-layout tensordict) or the whole store as one zip."""
@@ -116,7 +117,7 @@ def export(
 
     target = out or store.with_suffix(DEFAULT_SUFFIX.get(format, f".{format}"))
     result = run_export(store, target, format, overwrite=overwrite, text=text, tokenizer=tokenizer, prompts=prompts,
-                        wandb_project=wandb_project)
+                        raw=raw_prompts, wandb_project=wandb_project)
     typer.echo(result.line())
     if wandb_project:
         typer.echo(f"uploaded {target} to W&B project {wandb_project!r}")

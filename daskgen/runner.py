@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -125,14 +126,13 @@ def _store_attrs(config: RunConfig, pset: InputScan, tokenizer: Any) -> dict[str
     }
 
 
-SECRET_MARKERS = ("key", "token", "secret", "password", "auth")
+SECRET_KEY = re.compile(r"(^|[_-])(api[_-]?key|key|token|secret|password|passwd|auth|authorization|credentials?)$")
 
 
 def redact(obj: Any) -> Any:
-    """Replace values whose key looks secret with ``"***"`` (recursively)."""
+    """Replace values whose key looks secret (``api_key``, ``hf_token``, ...) with ``"***"`` (recursively)."""
     if isinstance(obj, dict):
-        return {k: "***" if any(m in str(k).lower() for m in SECRET_MARKERS) and v else redact(v)
-                for k, v in obj.items()}
+        return {k: "***" if SECRET_KEY.search(str(k).lower()) and v else redact(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [redact(v) for v in obj]
     return obj
@@ -277,6 +277,8 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
             if result is None:  # retried enough as a whole: retry its rows one by one
                 retry.append(dataclasses.replace(task, isolate=True))
                 continue
+            if result.aborted and plan.stopped is None:  # aborted by an engine restart, not by a stop
+                retry.append(_only_rows(task, result.aborted))
             finished = [r for r in result.rows if r not in result.failed and r not in result.aborted]
             failed = {r: m for r, m in result.failed.items() if r not in result.aborted}
             _commit(plan, task.start, task.stop, failed, done=finished, notes=result.notes)
@@ -293,6 +295,14 @@ def _check_deadline(client: Any, plan: Plan, tasks: Iterator[PartitionTask], ret
     deadline = plan.config.deadline_timestamp(plan.started)
     if plan.stopped is None and deadline is not None and time.time() >= deadline:
         _stop(client, plan, f"deadline {plan.config.deadline} reached", tasks, retry)
+
+
+def _only_rows(task: PartitionTask, rows: list[int]) -> PartitionTask:
+    """The same partition restricted to ``rows`` (the other rows' stored data is kept)."""
+    keep = [i for i, r in enumerate(task.rows) if r in set(rows)]
+    meta = None if task.rows_meta is None else [task.rows_meta[i] for i in keep]
+    return dataclasses.replace(task, rows=[task.rows[i] for i in keep], prompts=[task.prompts[i] for i in keep],
+                               rows_meta=meta)
 
 
 def stop_reason(plan: Plan, tokens: int) -> str | None:

@@ -25,7 +25,7 @@ def status_report(path: str) -> str:
         f"prompts:  {len(status)}  done {int(done.sum())}  pending {int((status == store.PENDING).sum())}  "
         f"failed {int((status == store.FAILED).sum())}",
         f"tokens generated (done prompts): {tokens}",
-        f"created:  {attrs.get('created')}" + ("   [SIMULATED engine: not model output]" if attrs.get("simulated") else ""),
+        f"created:  {attrs.get('created')}" + ("  [SIMULATED: not model output]" * bool(attrs.get("simulated"))),
         "settings: " + json.dumps(attrs.get("identity", {}), sort_keys=True),
         "input:    " + json.dumps(attrs.get("input", {}), sort_keys=True),
     ]

@@ -125,7 +125,9 @@ def test_poison_prompt_fails_alone_exit_nonzero_and_retry_failed(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", 12)
     out = tmp_path / "out.zarr"
     base = ["--prompts", prompts, "--partition-size", "4", "--max-retries", "1", "--no-progress"]
-    res = run_cli("run", *sim_args(tmp_path, out, *base), "--engine-arg", "poison_rows=[5]")
+    # time_scale 1: other partitions are in flight when the poison restarts the engine; their aborted
+    # requests must be retried, not left pending
+    res = run_cli("run", *sim_args(tmp_path, out, *base, step=1.0), "--engine-arg", "poison_rows=[5]")
     assert res.returncode == 1, res.stdout + res.stderr
     # the poison row is isolated: the rest of its partition is done
     assert "11 done, 1 failed, 0 pending of 12" in res.stdout and "--retry-failed" in res.stdout

@@ -1,0 +1,418 @@
+"""Analysis of daskgen stores: the ``ds.daskgen`` xarray accessor, statistics and decoding.
+
+Importing this module registers the accessor on every :class:`xarray.Dataset`::
+
+    import daskgen
+    ds = daskgen.open_store("out.zarr")       # registers ds.daskgen, adds finish_label
+    ds.daskgen.counts()                       # {'pending': .., 'done': .., 'failed': .., 'total': ..}
+    done = ds.daskgen.done()                  # lazy: the done rows only
+    ds.daskgen.length_stats()                 # response lengths per finish reason (pandas)
+    ds.daskgen.texts(limit=3)                 # decoded prompts and responses (pandas)
+
+Everything works on stores larger than memory and while a run writes the store: the checkpoint
+mask ``status`` (one byte per prompt) is read first and held in memory, so only rows that were
+done at that moment count, and their data (written before the mask) is complete.  Statistics
+are dask reductions over the chunked arrays; only small results are materialised.
+
+This module imports numpy, pandas, dask and xarray only (no torch, transformers or matplotlib).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import xarray as xr
+
+from daskgen.engines.base import FinishReason
+from daskgen.errors import ConfigError, StoreError, StoreMismatchError
+from daskgen.store import ATTRS_KEY, DONE, FAILED, PENDING
+
+__all__ = ["FINISH_LABELS", "DaskgenAccessor", "decode_many", "decode_prompts", "finish_labels",
+           "iter_raw_prompts", "flatten_samples"]
+
+#: Labels of the ``finish_reason`` codes, indexed by ``code + 1`` (code -1: the sample was not generated).
+FINISH_LABELS: tuple[str, ...] = ("not_generated", *(r.name.lower() for r in FinishReason))
+STATUS_NAMES = {"pending": PENDING, "done": DONE, "failed": FAILED}
+#: Tokenizer identity keys that must match the store's for decoding to be trusted.
+IDENTITY_KEYS = ("vocab_size", "eos_token_id", "pad_token_id", "chat_template_sha256")
+_NICE_BINS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400, 43200, 86400)
+
+
+def finish_labels(codes: Any) -> np.ndarray:
+    """String labels (``stop``, ``length``, ``abort``, ``error``, ``not_generated``) of finish codes."""
+    table = np.array([*FINISH_LABELS, "unknown"])
+    idx = np.asarray(codes).astype(np.int64) + 1
+    return table[np.where((idx >= 0) & (idx < len(FINISH_LABELS)), idx, len(FINISH_LABELS))]
+
+
+def decode_many(tokenizer: Any, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+    """Decode token-id sequences to text (batched where the tokenizer supports it)."""
+    seqs = [[int(t) for t in s] for s in sequences]
+    batch = getattr(tokenizer, "batch_decode", None)
+    if batch is not None:
+        return list(batch(seqs, skip_special_tokens=skip_special_tokens))
+    return [tokenizer.decode(s, skip_special_tokens=skip_special_tokens) for s in seqs]
+
+
+def iter_raw_prompts(path: str | Path, rows: Iterable[int]) -> Iterator[str]:
+    """Stream the JSON of the input's ``messages`` or ``prompt`` for the increasing 0-based ``rows``."""
+    from daskgen.data import iter_rows
+
+    wanted = iter(rows)
+    target = next(wanted, None)
+    for number, row in iter_rows(Path(path)):
+        while target is not None and target == number - 1:
+            yield json.dumps(row["messages"] if row.get("messages") is not None else row["prompt"], ensure_ascii=False)
+            target = next(wanted, None)
+        if target is None:
+            return
+
+
+def decode_prompts(tokenizer: Any, sub: xr.Dataset, skip_special_tokens: bool = True) -> list[str]:
+    """Decoded prompt of each row of a computed block (``prompt_ids`` cut at ``prompt_length``)."""
+    ids, lengths = sub["prompt_ids"].values, sub["prompt_length"].values
+    return decode_many(tokenizer, [row[:n] for row, n in zip(ids, lengths, strict=True)], skip_special_tokens)
+
+
+def flatten_samples(sub: xr.Dataset) -> dict[str, np.ndarray]:
+    """Numpy arrays with one entry per (prompt, sample[, trajectory]) of a computed block of rows.
+
+    Per-sample variables are flattened, per-prompt ones (``prompt_ids``, ``prompt_length``,
+    ``prompt_index``, ``prompt_id``) repeated; ``sample`` (and ``trajectory`` in schema-v2 stores)
+    number the entries.  Only generated entries are kept (``finish_reason >= 0``): samples a verifier
+    run never needed and padding trajectories are left out.  Needs ``finish_reason`` in ``sub``.
+    """
+    n, s = sub.sizes["prompt"], sub.sizes["sample"]
+    t = sub.sizes.get("trajectory", 1)
+    lead = ["prompt", "sample", "trajectory"][: 3 if "trajectory" in sub.dims else 2]
+    out: dict[str, np.ndarray] = {}
+    for name, var in sub.variables.items():
+        if set(lead) <= set(var.dims) and name != "num_trajectories":
+            values = var.transpose(*lead, ...).values
+            out[str(name)] = values.reshape(n * s * t, *values.shape[len(lead):])
+        elif var.dims and var.dims[0] == "prompt" and "sample" not in var.dims:
+            values = var.values.astype(object) if var.dtype.kind in "TUO" else var.values
+            out[str(name)] = np.repeat(values, s * t, axis=0)
+    out["sample"] = np.tile(np.repeat(np.arange(s), t), n)
+    if "trajectory" in sub.dims:
+        out["trajectory"] = np.tile(np.arange(t), n * s)
+    keep = out["finish_reason"] >= 0
+    return {k: v[keep] for k, v in out.items()}
+
+
+def epoch_seconds(times: xr.DataArray) -> xr.DataArray:
+    """Seconds since 1970 as floats (NaN where unset), from decoded datetimes or raw floats."""
+    if np.issubdtype(times.dtype, np.datetime64):
+        return (times - np.datetime64("1970-01-01T00:00:00", "ns")) / np.timedelta64(1, "s")
+    return times.astype("float64")
+
+
+def nice_bin_seconds(span: float, target_bins: int = 30) -> float:
+    """A round bin width (1 s, 2 s, 5 s, ... 1 day) giving about ``target_bins`` bins over ``span``."""
+    want = max(span / target_bins, 1.0)
+    return float(next((b for b in _NICE_BINS if b >= want), math.ceil(want / 86400) * 86400))
+
+
+def _bincount(keys: xr.DataArray, length: int, weights: xr.DataArray | None = None) -> np.ndarray:
+    """Counts (or weight sums) of the integer ``keys`` in ``[0, length)``, computed chunk by chunk."""
+    import dask.array as da
+
+    if weights is not None:
+        keys, weights = xr.broadcast(keys, weights)
+        keys, weights = xr.unify_chunks(keys, weights)
+    k = da.asarray(keys.data).astype("int64").ravel()
+    w = None if weights is None else da.asarray(weights.data).astype("float64").ravel()
+    return np.asarray(da.bincount(k, weights=w, minlength=length).compute())[:length]
+
+
+def _quantile(cumulative: np.ndarray, total: int, q: float) -> int:
+    """Lower ("inverted CDF") quantile of a histogram given its cumulative counts."""
+    return int(np.searchsorted(cumulative, max(math.ceil(q * total), 1)))
+
+
+def _per_sample(flags: xr.DataArray) -> xr.DataArray:
+    """Reduce a per-sample flag over any axis beyond (prompt, sample), e.g. ``trajectory``: any."""
+    extra = [d for d in flags.dims if d not in ("prompt", "sample")]
+    return flags.any(extra) if extra else flags
+
+
+def _pass_at_k(used: np.ndarray, hits: np.ndarray, k: int) -> float:
+    """Mean unbiased pass@k, 1 - C(n-c, k) / C(n, k), over prompts with n >= k generated samples."""
+    ok = used >= k
+    if not ok.any():
+        return float("nan")
+    pairs, inverse = np.unique(np.stack([used[ok], hits[ok]]), axis=1, return_inverse=True)
+    values = np.array([1 - math.comb(int(n) - int(c), k) / math.comb(int(n), k) for n, c in pairs.T])
+    return float(values[inverse.ravel()].mean())
+
+
+def _histogram_row(counts: np.ndarray, quantiles: Sequence[float]) -> dict[str, float]:
+    total = int(counts.sum())
+    lengths = np.arange(len(counts))
+    present = np.flatnonzero(counts)
+    cumulative = np.cumsum(counts)
+    row: dict[str, float] = {"samples": total, "mean": float((lengths * counts).sum() / total),
+                             "min": int(present[0]), "max": int(present[-1])}
+    for q in quantiles:
+        row[f"p{q * 100:g}"] = _quantile(cumulative, total, q)
+    return row
+
+
+@xr.register_dataset_accessor("daskgen")
+class DaskgenAccessor:
+    """``ds.daskgen``: selections, statistics and decoding for a daskgen store opened with xarray."""
+
+    def __init__(self, ds: xr.Dataset) -> None:
+        self._ds = ds
+        self._tokenizer: Any = None
+
+    # -- store identity and selections -------------------------------------------------------
+    @property
+    def attrs(self) -> dict[str, Any]:
+        """The store's ``daskgen`` attrs (settings, input fingerprint, tokenizer identity, runs)."""
+        attrs = self._ds.attrs.get(ATTRS_KEY)
+        if not isinstance(attrs, dict):
+            raise StoreError(f"this dataset has no {ATTRS_KEY!r} attrs; open a daskgen store with "
+                             "daskgen.open_store(path) or xarray.open_zarr(path)")
+        return attrs
+
+    def status(self) -> np.ndarray:
+        """The checkpoint mask as it is on disk now (0 pending, 1 done, 2 failed)."""
+        return np.asarray(self._ds["status"].values)
+
+    def counts(self) -> dict[str, int]:
+        """Prompts pending, done and failed, and the total."""
+        status = self.status()
+        out = {name: int((status == code).sum()) for name, code in STATUS_NAMES.items()}
+        return {**out, "total": int(status.size)}
+
+    def rows(self, which: str = "done") -> np.ndarray:
+        """Positions along ``prompt`` of the rows whose status is ``which`` (pending, done, failed)."""
+        if which not in STATUS_NAMES:
+            raise ValueError(f"which must be one of {sorted(STATUS_NAMES)}, got {which!r}")
+        return np.flatnonzero(self.status() == STATUS_NAMES[which])
+
+    def select(self, which: str = "done") -> xr.Dataset:
+        """The rows with status ``which``, lazily (the data is read only when computed)."""
+        return self._ds.isel(prompt=self.rows(which))
+
+    def done(self) -> xr.Dataset:
+        """The done rows, lazily."""
+        return self.select("done")
+
+    def done_mask(self) -> xr.DataArray:
+        """Boolean mask over ``prompt`` of the rows done now (held in memory: a consistent snapshot)."""
+        return xr.DataArray(self.status() == DONE, dims=("prompt",), name="done")
+
+    def sample_mask(self) -> xr.DataArray:
+        """Mask of the generated samples (trajectories) of done rows: ``finish_reason >= 0``, lazily.
+
+        Leaves out samples a verifier run never needed and padding trajectories of schema-v2 stores.
+        """
+        return self.done_mask() & (self._ds["finish_reason"] >= 0)
+
+    def finish_labels(self) -> xr.DataArray:
+        """``finish_reason`` as string labels, lazily (same dims and chunks)."""
+        codes = self._ds["finish_reason"]
+        labels = xr.apply_ufunc(finish_labels, codes, dask="parallelized",
+                                output_dtypes=[finish_labels(np.zeros(0)).dtype])
+        return labels.rename("finish_label").assign_attrs(long_name="why the sample ended")
+
+    def labelled(self) -> xr.Dataset:
+        """The dataset plus a lazy ``finish_label`` variable (``finish_reason`` decoded to labels)."""
+        if "finish_reason" not in self._ds:
+            return self._ds
+        return self._ds.assign(finish_label=self.finish_labels())
+
+    # -- statistics ---------------------------------------------------------------------------
+    def length_histogram(self) -> xr.DataArray:
+        """Done samples (v2: trajectories) counted by finish reason and response length."""
+        width = self._ds.sizes["response_position"] + 1
+        labels = len(FINISH_LABELS)
+        code = (self._ds["finish_reason"].astype("int64") + 1).clip(0, labels - 1)
+        length = self._ds["response_length"].astype("int64").clip(0, width - 1)
+        keys = xr.where(self.sample_mask(), code * width + length, labels * width)
+        counts = _bincount(keys, (labels + 1) * width)[: labels * width].reshape(labels, width)
+        return xr.DataArray(counts.astype("int64"), dims=("finish_reason", "length"), name="samples",
+                            coords={"finish_reason": list(FINISH_LABELS), "length": np.arange(width)})
+
+    def length_stats(self, quantiles: Sequence[float] = (0.5, 0.9, 0.99)) -> pd.DataFrame:
+        """Response-length statistics of done samples per finish reason, plus an ``all`` row."""
+        hist = self.length_histogram()
+        rows = {label: hist.sel(finish_reason=label).values for label in FINISH_LABELS}
+        rows = {label: counts for label, counts in rows.items() if counts.sum()}
+        if rows:
+            rows["all"] = hist.values.sum(axis=0)
+        table = {label: _histogram_row(counts, quantiles) for label, counts in rows.items()}
+        frame = pd.DataFrame.from_dict(table, orient="index")
+        if len(frame):
+            frame.insert(1, "share", frame["samples"] / frame.loc["all", "samples"])
+        frame.index.name = "finish_reason"
+        return frame
+
+    def tokens_per_prompt(self) -> xr.DataArray:
+        """Response tokens of each prompt (all samples), lazily; NaN for rows not done."""
+        return self._prompt_tokens().where(self.done_mask()).rename("response_tokens")
+
+    def _prompt_tokens(self) -> xr.DataArray:
+        lengths = self._ds["response_length"]
+        return lengths.sum([d for d in lengths.dims if d != "prompt"])
+
+    def totals(self) -> dict[str, int]:
+        """Counts, samples (done prompts × n_samples), generated samples/trajectories and tokens of done rows."""
+        import dask
+
+        done = self.done_mask()
+        prompt = xr.where(done, self._ds["prompt_length"].astype("int64"), 0).sum()
+        response = xr.where(done, self._ds["response_length"].astype("int64"), 0).sum()
+        prompt, response, generated = dask.compute(prompt, response, self.sample_mask().sum())
+        counts = self.counts()
+        return {**counts, "samples": counts["done"] * self._ds.sizes["sample"], "generated": int(generated),
+                "prompt_tokens": int(prompt), "response_tokens": int(response)}
+
+    def throughput(self, bin_seconds: float | None = None) -> pd.DataFrame:
+        """Done prompts and response tokens per time bin of ``committed_at`` (with per-minute rates).
+
+        ``bin_seconds`` defaults to a round width giving about 30 bins; ``df.attrs['bin_seconds']``
+        holds the width used.  Empty when nothing is done.
+        """
+        import dask
+
+        columns = ["start", "prompts", "tokens", "prompts_per_min", "tokens_per_min"]
+        if "committed_at" not in self._ds:  # stores written before commit times were recorded
+            return pd.DataFrame(columns=columns)
+        done = self.done_mask()
+        times = epoch_seconds(self._ds["committed_at"]).where(done)
+        lo, hi = (float(v) for v in dask.compute(times.min(), times.max()))
+        if math.isnan(lo):
+            return pd.DataFrame(columns=columns)
+        width = float(bin_seconds) if bin_seconds else nice_bin_seconds(hi - lo)
+        nbins = int((hi - lo) // width) + 1
+        keys = ((times - lo) // width).fillna(nbins)
+        tokens = self._prompt_tokens()
+        prompts = _bincount(keys, nbins + 1)[:nbins]
+        token_sums = _bincount(keys, nbins + 1, weights=tokens)[:nbins]
+        frame = pd.DataFrame({
+            "start": pd.to_datetime(lo + width * np.arange(nbins), unit="s", utc=True),
+            "prompts": prompts.astype("int64"), "tokens": np.rint(token_sums).astype("int64"),
+        })
+        frame["prompts_per_min"] = frame["prompts"] * 60.0 / width
+        frame["tokens_per_min"] = frame["tokens"] * 60.0 / width
+        frame.attrs["bin_seconds"] = width
+        return frame[columns]
+
+    def pass_rates(self, scores: str | xr.DataArray = "score", *, threshold: float = 0.5,
+                   ks: Sequence[int] = (1,)) -> xr.Dataset:
+        """Per-prompt pass rate and the unbiased pass@k (Chen et al. 2021) over done prompts.
+
+        ``scores`` names a per-sample variable (a verifier run's ``score``, or one you added:
+        ``ds["score"] = (("prompt", "sample"), values)``) or is such a DataArray; a sample passes when
+        its score is ``>= threshold`` (booleans as they are).  Only generated samples count (a
+        verifier run may stop a prompt early); pass@k uses the prompts with at least k of them.
+        """
+        import dask
+
+        if isinstance(scores, str):
+            if scores not in self._ds:
+                raise ValueError(f"no variable {scores!r} in the dataset; add per-sample scores first, e.g. "
+                                 f"ds[{scores!r}] = (('prompt', 'sample'), values)")
+            scores = self._ds[scores]
+        n = self._ds.sizes["sample"]
+        bad = [k for k in ks if not 1 <= k <= n]
+        if bad:
+            raise ValueError(f"pass@k needs 1 <= k <= n_samples={n}, got {bad}")
+        rows = self.rows("done")
+        passed = _per_sample(scores if scores.dtype == bool else scores >= threshold).isel(prompt=rows)
+        used = _per_sample(self._ds["finish_reason"] >= 0).isel(prompt=rows)
+        hits, used = (np.asarray(v.values, dtype=np.int64) for v in
+                      dask.compute((passed & used).sum("sample"), used.sum("sample")))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out = xr.Dataset({"pass_rate": ("prompt", hits / used), "samples": ("prompt", used)},
+                             coords={"prompt_index": ("prompt", rows)})
+        out["pass_at_k"] = ("k", [_pass_at_k(used, hits, k) for k in ks])
+        out["pass_at_k_prompts"] = ("k", [int((used >= k).sum()) for k in ks])
+        return out.assign_coords(k=list(ks)).assign_attrs(threshold=threshold, done_prompts=len(rows))
+
+    # -- decoding -----------------------------------------------------------------------------
+    def input_path(self, path: str | Path | None = None) -> Path | None:
+        """The run's input file if it still holds the store's input (same fingerprint), else ``None``.
+
+        ``path`` defaults to the recorded ``prompts`` path; a ``path`` you give must match (else
+        :class:`StoreMismatchError`).  The file is streamed, never held in memory.
+        """
+        from daskgen.data import fingerprint, iter_rows
+
+        source = path or self.attrs.get("config", {}).get("prompts")
+        if not source or (path is None and not Path(source).is_file()):
+            return None
+        if fingerprint(row for _, row in iter_rows(Path(source))) == self.attrs.get("input", {}).get("fingerprint"):
+            return Path(source)
+        if path is not None:
+            raise StoreMismatchError(f"prompt file {str(path)!r} is not the input this store was made from (its "
+                                     "fingerprint differs); pass the run's --prompts file.")
+        return None
+
+    def raw_prompts(self, rows: Sequence[int] | None = None, path: str | Path | None = None) -> list[str] | None:
+        """JSON of the input's ``messages`` or ``prompt`` per row (default: all), ``None`` without the input.
+
+        The input file is found as in :meth:`input_path`; ``rows`` are returned in increasing order.
+        """
+        source = self.input_path(path)
+        if source is None:
+            return None
+        wanted = range(self._ds.sizes["prompt"]) if rows is None else sorted(int(r) for r in rows)
+        return list(iter_raw_prompts(source, wanted))
+
+    def tokenizer(self, path: str | None = None) -> Any:
+        """The run's tokenizer (from the model folder in the attrs, or ``path``), checked against the store."""
+        if self._tokenizer is not None and path is None:
+            return self._tokenizer
+        from daskgen.tokenizer import load_tokenizer, tokenizer_identity
+
+        attrs = self.attrs
+        identity = attrs.get("identity", {})
+        model = str(path or identity.get("model", ""))
+        try:
+            tok = load_tokenizer(model, identity.get("engine", ""), attrs.get("config", {}).get("engine_args"))
+        except ConfigError as exc:
+            raise StoreError(f"cannot load this store's tokenizer: {exc} Pass the model folder as "
+                             "tokenizer=PATH (--tokenizer PATH), or export without text (--no-text).") from exc
+        _check_identity(tokenizer_identity(tok), attrs.get("tokenizer", {}), model)
+        if path is None:
+            self._tokenizer = tok
+        return tok
+
+    def texts(self, rows: Sequence[int] | None = None, *, limit: int | None = None, tokenizer: Any = None,
+              skip_special_tokens: bool = True) -> pd.DataFrame:
+        """Decoded prompt and response text per (prompt, sample[, trajectory]) of ``rows`` (default: done rows).
+
+        ``tokenizer`` is a tokenizer object or a model folder; by default the store's own is loaded.
+        """
+        tok = tokenizer if tokenizer is not None and not isinstance(tokenizer, str) else self.tokenizer(tokenizer)
+        picked = self.rows("done") if rows is None else np.asarray(rows, dtype=np.int64)
+        picked = picked[:limit] if limit is not None else picked
+        names = ["prompt_ids", "prompt_length", "response_ids", "response_length", "finish_reason"]
+        sub = self._ds[names].isel(prompt=picked).compute()
+        flat = flatten_samples(sub)
+        prompts = np.array(decode_prompts(tok, sub, skip_special_tokens), dtype=object)
+        prompts = prompts[np.searchsorted(sub["prompt_index"].values, flat["prompt_index"])]
+        responses = decode_many(tok, [ids[:n] for ids, n in zip(flat["response_ids"], flat["response_length"],
+                                                                 strict=True)], skip_special_tokens)
+        columns = ["prompt_index", "prompt_id", "sample", "trajectory", "response_length"]
+        frame = pd.DataFrame({c: flat[c] for c in columns if c in flat})
+        frame.insert(len(frame.columns) - 1, "finish_reason", finish_labels(flat["finish_reason"]))
+        return frame.assign(prompt=prompts, response=responses)
+
+
+def _check_identity(found: dict[str, Any], stored: dict[str, Any], model: str) -> None:
+    diffs = [f"{k}: store has {stored.get(k)!r}, tokenizer at {model!r} has {found.get(k)!r}"
+             for k in IDENTITY_KEYS if k in stored and stored.get(k) != found.get(k)]
+    if diffs:
+        raise StoreMismatchError("the tokenizer differs from the one the store was made with:\n  "
+                                 + "\n  ".join(diffs) + "\nPass the run's model folder as tokenizer=PATH.")

@@ -1,0 +1,419 @@
+"""Exports of a daskgen store: Parquet, JSONL, TensorDict (verl DataProto field names) and zip.
+
+Rows are the generated (prompt, sample[, trajectory]) entries of prompts that were done when the
+export started (the checkpoint mask is read first; data of done rows is final), streamed block by
+block, so a store larger than memory exports in bounded memory, also while a run writes it.
+
+* ``parquet`` / ``jsonl``: one record per row with token lists, finish reason,
+  turns, optional decoded text and the raw input prompt (see :func:`arrow_block`).
+* ``tensordict``: verl's DataProto batch fields (see :func:`verl_block`) plus metadata, saved as a
+  memory-mapped TensorDict folder (``TensorDict.load_memmap(path)``; :func:`load_tensordict`).
+* ``zip``: the whole store as one uncompressed zip that ``zarr.storage.ZipStore`` opens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from daskgen import store
+from daskgen.analysis import decode_many, decode_prompts, finish_labels, flatten_samples, iter_raw_prompts
+from daskgen.errors import ExportError, OutputExistsError, StoreError
+from daskgen.lock import LOCK_NAME
+
+__all__ = ["DEFAULT_SUFFIX", "FORMATS", "VERL_KEYS", "ExportResult", "check_output", "export", "load_tensordict",
+           "staged_output", "to_tensordict", "upload_wandb", "verl_parts", "zip_store"]
+
+FORMATS = ("parquet", "jsonl", "tensordict", "zip")
+#: Suffix of the default output path per format (``out.zarr`` -> ``out.parquet``, ``out.td``, ...).
+DEFAULT_SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl", "tensordict": ".td", "zip": ".zarr.zip"}
+#: Keys of the verl DataProto ``batch`` written by the tensordict export.
+VERL_KEYS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
+             "rollout_log_probs")
+_READ = ("prompt_ids", "prompt_length", "response_ids", "response_length", "response_mask", "logprobs",
+         "finish_reason", "num_turns")
+_BLOCK_BYTES = 16 * 2**20
+# Written first into a zip: with status before the data, every row done in the zip is complete.
+_ZIP_FIRST = ("zarr.json", "status", "error", "committed_at")
+
+
+@dataclass
+class ExportResult:
+    """What an export wrote."""
+
+    path: Path
+    format: str
+    rows: int
+    seconds: float
+    bytes: int
+
+    def line(self) -> str:
+        """One-line summary for the command line."""
+        rate = self.rows / self.seconds if self.seconds > 0 else float("inf")
+        return (f"daskgen: exported {self.rows} samples as {self.format} to {self.path} "
+                f"({self.bytes / 2**20:.1f} MiB in {self.seconds:.1f} s, {rate:.0f} samples/s)")
+
+
+# -- output paths -------------------------------------------------------------------------------
+def check_output(out: str | Path, *, overwrite: bool = False, protect: str | Path | None = None) -> None:
+    """Refuse an existing ``out`` (unless ``overwrite``) and any ``out`` overlapping the store ``protect``."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise OutputExistsError(f"output {str(out)!r} exists; pass --overwrite (overwrite=True) to replace it, "
+                                "or choose another --out path.")
+    if protect is not None:
+        guarded, target = Path(protect).resolve(), out.resolve()
+        if target == guarded or guarded in target.parents or target in guarded.parents:
+            raise ExportError(f"output {str(out)!r} overlaps the store {str(protect)!r}; choose a path outside it.")
+
+
+@contextmanager
+def staged_output(out: str | Path, *, overwrite: bool = False, protect: str | Path | None = None) -> Iterator[Path]:
+    """Yield a temporary path beside ``out``; on success it replaces ``out`` (atomically for files)."""
+    out = Path(out)
+    check_output(out, overwrite=overwrite, protect=protect)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        yield tmp
+        _remove(out)
+        os.replace(tmp, out)
+    finally:
+        _remove(tmp)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+# -- reading done rows block by block -----------------------------------------------------------
+class Source:
+    """A store opened for export: the dataset, its attrs, the done rows (snapshot) and extras."""
+
+    def __init__(self, path: str | Path, *, text: bool = False, tokenizer: str | None = None,
+                 prompts: str | Path | None = None, raw: bool = True) -> None:
+        self.path = Path(path)
+        self.ds = store.open_store(path)
+        self.attrs = self.ds.daskgen.attrs
+        self.rows = self.ds.daskgen.rows("done")
+        self.total = _units(self.ds, self.rows)
+        self.pad = int(self.attrs.get("layout", {}).get("pad_token_id", 0))
+        self.has_logprobs = bool(self.attrs.get("identity", {}).get("logprobs", False))
+        self.tokenizer = self.ds.daskgen.tokenizer(tokenizer) if text else None
+        source = self.ds.daskgen.input_path(prompts) if raw or prompts else None
+        self.raw = None if source is None else iter_raw_prompts(source, self.rows)  # consumed block by block
+
+    def blocks(self, block_bytes: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+        """Per-sample numpy arrays of the done rows, in chunk-aligned blocks of about ``block_bytes``."""
+        block_bytes = block_bytes or _BLOCK_BYTES
+        chunk = int(self.attrs.get("layout", {}).get("partition_size", 1))
+        per_row = sum(self.ds[v].dtype.itemsize * int(np.prod(self.ds[v].shape[1:])) for v in _READ)
+        span = chunk * max(1, block_bytes // max(per_row * chunk, 1))
+        keys = self.rows // span
+        for part in np.split(self.rows, np.flatnonzero(np.diff(keys)) + 1):  # one empty part when none is done
+            yield self._flatten(part, self.ds[list(_READ)].isel(prompt=part).compute())
+
+    def _flatten(self, rows: np.ndarray, sub: Any) -> dict[str, np.ndarray]:
+        out = flatten_samples(sub)
+        where = np.searchsorted(sub["prompt_index"].values, out["prompt_index"])
+        if self.tokenizer is not None:
+            out["prompt_text"] = np.array(decode_prompts(self.tokenizer, sub), dtype=object)[where]
+            pairs = zip(out["response_ids"], out["response_length"], strict=True)
+            out["response_text"] = np.array(decode_many(self.tokenizer, [ids[:n] for ids, n in pairs]), dtype=object)
+        if self.raw is not None:
+            out["raw_prompt"] = np.array([next(self.raw) for _ in rows], dtype=object)[where]
+        return out
+
+
+def _units(ds: Any, rows: np.ndarray) -> int:
+    """Export rows of the done ``rows``: their generated samples (trajectories), ``finish_reason >= 0``."""
+    return int((ds["finish_reason"].isel(prompt=rows) >= 0).sum())
+
+
+# -- Parquet and JSONL --------------------------------------------------------------------------
+def _ragged(values: np.ndarray, lengths: np.ndarray) -> Any:
+    """A pyarrow list array of ``values[i, :lengths[i]]``."""
+    import pyarrow as pa
+
+    valid = np.arange(values.shape[1])[None, :] < lengths[:, None]
+    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values[valid]))
+
+
+def arrow_block(block: dict[str, np.ndarray], has_logprobs: bool) -> Any:
+    """A pyarrow table: ids, lengths, ``finish_reason`` label, token lists, optional text and raw prompt."""
+    import pyarrow as pa
+
+    plen, rlen = block["prompt_length"], block["response_length"]
+    columns = {"prompt_index": pa.array(block["prompt_index"]), "prompt_id": pa.array(block["prompt_id"].tolist())}
+    for name in ("sample", "trajectory") if "trajectory" in block else ("sample",):
+        columns[name] = pa.array(block[name].astype(np.int32))
+    columns |= {
+        "finish_reason": pa.array(finish_labels(block["finish_reason"]).tolist()),
+        "num_turns": pa.array(block["num_turns"]), "prompt_length": pa.array(plen),
+        "response_length": pa.array(rlen), "prompt_ids": _ragged(block["prompt_ids"], plen),
+        "response_ids": _ragged(block["response_ids"], rlen), "response_mask": _ragged(block["response_mask"], rlen),
+    }
+    if has_logprobs:
+        columns["logprobs"] = _ragged(block["logprobs"], rlen)
+    for name in ("prompt_text", "response_text", "raw_prompt"):
+        if name in block:
+            columns[name] = pa.array(block[name].tolist(), type=pa.string())
+    return pa.table(columns)
+
+
+def _write_parquet(src: Source, path: Path) -> int:
+    import pyarrow.parquet as pq
+
+    rows, writer = 0, None
+    try:
+        for block in src.blocks():
+            table = arrow_block(block, src.has_logprobs)
+            writer = writer or pq.ParquetWriter(path, table.schema, compression="zstd")
+            writer.write_table(table)
+            rows += table.num_rows
+    finally:
+        if writer is not None:
+            writer.close()
+    return rows
+
+
+def _write_jsonl(src: Source, path: Path) -> int:
+    rows = 0
+    with path.open("w", encoding="utf-8") as fh:
+        for block in src.blocks():
+            for record in arrow_block(block, src.has_logprobs).to_pylist():
+                if "logprobs" in record:
+                    record["logprobs"] = [None if v != v else v for v in record["logprobs"]]
+                if "raw_prompt" in record:
+                    record["raw_prompt"] = json.loads(record["raw_prompt"])
+                fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+                rows += 1
+    return rows
+
+
+# -- TensorDict (verl DataProto layout) ---------------------------------------------------------
+def verl_block(block: dict[str, np.ndarray], prompt_width: int, response_width: int, pad: int,
+               has_logprobs: bool) -> dict[str, np.ndarray]:
+    """verl batch fields of one block: left-padded ``prompts``, right-padded ``responses``, masks, positions.
+
+    ``attention_mask`` is 1 on prompt tokens and on every response token (model or tool), 0 on
+    padding; ``response_mask`` is 1 only on model-generated tokens; ``position_ids`` count attended
+    tokens from 0.  Token fields are int64 as in verl; ``rollout_log_probs`` is float32, 0 where unset.
+    """
+    plen, rlen = block["prompt_length"].astype(np.int64), block["response_length"].astype(np.int64)
+    shift = np.arange(prompt_width)[None, :] - (prompt_width - plen)[:, None]
+    prompt_attn = shift >= 0
+    src = block["prompt_ids"][:, :prompt_width]
+    prompts = np.where(prompt_attn, np.take_along_axis(src, np.clip(shift, 0, None), axis=1), pad)
+    response_attn = np.arange(response_width)[None, :] < rlen[:, None]
+    responses = np.where(response_attn, block["response_ids"][:, :response_width], pad)
+    attention = np.concatenate([prompt_attn, response_attn], axis=1).astype(np.int64)
+    out = {
+        "prompts": prompts.astype(np.int64), "responses": responses.astype(np.int64),
+        "response_mask": (block["response_mask"][:, :response_width] * response_attn).astype(np.int64),
+        "input_ids": np.concatenate([prompts, responses], axis=1).astype(np.int64),
+        "attention_mask": attention, "position_ids": np.clip(np.cumsum(attention, axis=1) - 1, 0, None),
+    }
+    if has_logprobs:
+        logprobs = block["logprobs"][:, :response_width].astype(np.float32)
+        out["rollout_log_probs"] = np.where(response_attn & np.isfinite(logprobs), logprobs, 0.0).astype(np.float32)
+    for name in ("prompt_index", "sample", "trajectory", "num_turns", "finish_reason", "prompt_length",
+                 "response_length"):
+        if name in block:
+            out[name] = block[name].astype(np.int64)
+    return out
+
+
+_NON_TENSOR = ("prompt_id", "raw_prompt", "prompt_text", "response_text")
+
+
+def _widths(src: Source) -> tuple[int, int]:
+    """Prompt and response widths: the longest done prompt and response (at least 1)."""
+    if not len(src.rows):
+        return 1, 1
+    done = src.ds[["prompt_length", "response_length"]].isel(prompt=src.rows).max().compute()
+    return max(int(done["prompt_length"]), 1), max(int(done["response_length"]), 1)
+
+
+def _tensor_blocks(src: Source) -> Iterator[tuple[Any, dict[str, list[Any]]]]:
+    """(TensorDict of tensor fields, lists of non-tensor fields) per block."""
+    import torch
+    from tensordict import TensorDict
+
+    width = _widths(src)
+    for block in src.blocks():
+        fields = verl_block(block, *width, src.pad, src.has_logprobs)
+        tensors = TensorDict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in fields.items()},
+                             batch_size=[len(block["sample"])])
+        yield tensors, {k: [str(v) for v in block[k]] for k in _NON_TENSOR if k in block}
+
+
+def _attach(td: Any, non_tensor: dict[str, list[Any]]) -> Any:
+    from tensordict import NonTensorStack
+
+    for key, values in non_tensor.items():
+        if values:
+            td.set(key, NonTensorStack.from_list(values))
+    return td
+
+
+def to_tensordict(path: str | Path, *, text: bool = False, tokenizer: str | None = None,
+                  prompts: str | Path | None = None, raw: bool = True) -> Any:
+    """The done samples of a store as an in-memory ``tensordict.TensorDict`` (verl field names).
+
+    One row per (prompt, sample[, trajectory]) of done prompts: the :data:`VERL_KEYS` batch fields
+    (logprobs only when the run recorded them), int64 metadata (``prompt_index``, ``sample``,
+    ``num_turns``, ``finish_reason``, lengths) and non-tensor ``prompt_id``, ``raw_prompt`` (JSON of the
+    input's messages or prompt, when the input file is found) and, with ``text``, decoded text.
+    """
+    import torch
+
+    parts = list(_tensor_blocks(Source(path, text=text, tokenizer=tokenizer, prompts=prompts, raw=raw)))
+    td = torch.cat([p[0] for p in parts], dim=0)
+    return _attach(td, {k: [v for p in parts for v in p[1][k]] for k in parts[0][1]})
+
+
+def _write_tensordict(src: Source, path: Path) -> int:
+    """Stream blocks into a memory-mapped TensorDict folder (bounded memory)."""
+    total = src.total
+    out, rows, non_tensor = None, 0, {}
+    for tensors, strings in _tensor_blocks(src):
+        if out is None:
+            out = tensors[:1].expand(total).memmap_like(str(path), num_threads=0) if total else tensors
+        if len(tensors):
+            out[rows : rows + len(tensors)] = tensors
+        rows += len(tensors)
+        for key, values in strings.items():
+            non_tensor.setdefault(key, []).extend(values)
+    out.unlock_()
+    _attach(out, non_tensor).memmap_(str(path), num_threads=0)
+    return rows
+
+
+def load_tensordict(path: str | Path) -> Any:
+    """Open a tensordict export (memory-mapped: nothing is read until used)."""
+    from tensordict import TensorDict
+
+    return TensorDict.load_memmap(str(path))
+
+
+def verl_parts(td: Any) -> tuple[Any, dict[str, np.ndarray]]:
+    """Split an export into verl's ``DataProto(batch=..., non_tensor_batch=...)`` parts.
+
+    ``batch`` holds the :data:`VERL_KEYS` tensors; ``non_tensor_batch`` holds numpy arrays of the
+    per-sample metadata (``num_turns``, ``prompt_index``, ``sample``, ``prompt_id``, ``raw_prompt``, ...).
+    """
+    keys = set(td.keys())
+    batch = td.select(*[k for k in VERL_KEYS if k in keys])
+    extra = {k: np.asarray(td.get(k).numpy()) for k in keys if k not in VERL_KEYS and k not in _NON_TENSOR}
+    for key in _NON_TENSOR:
+        if key in keys:
+            extra[key] = np.array(td.get(key).tolist(), dtype=object)
+    return batch, extra
+
+
+# -- zip and W&B ----------------------------------------------------------------------------------
+def zip_store(path: str | Path, out: str | Path) -> None:
+    """Write the whole store into one uncompressed zip (chunks are already compressed) and verify it."""
+    root = Path(path)
+    files = sorted((p for p in root.rglob("*") if p.is_file() and p.name != LOCK_NAME),
+                   key=lambda p: (p.relative_to(root).parts[0] not in _ZIP_FIRST, str(p)))
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for file in files:
+            zf.write(file, file.relative_to(root).as_posix())
+    import zarr
+
+    with zarr.storage.ZipStore(str(out), mode="r") as zs:
+        group = zarr.open_group(zs, mode="r")
+        if store.ATTRS_KEY not in group.attrs or "status" not in group:
+            raise ExportError(f"the zip {str(out)!r} does not open as a daskgen store")
+
+
+def _wandb() -> Any:
+    try:
+        import wandb
+    except ImportError:
+        raise ExportError("--wandb-project needs the optional package 'wandb', which is not installed: pip install "
+                          "wandb, then `wandb login` (or set WANDB_API_KEY). Nothing was exported.") from None
+    return wandb
+
+
+def upload_wandb(zip_path: str | Path, project: str, attrs: dict[str, Any]) -> str:
+    """Log ``zip_path`` as a W&B ``dataset`` artifact in ``project``; returns the artifact name."""
+    import re
+
+    wandb = _wandb()
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(zip_path).stem) or "daskgen-store"
+    try:
+        run = wandb.init(project=project, job_type="daskgen-export")
+        artifact = wandb.Artifact(name, type="dataset", metadata={k: attrs.get(k) for k in ("identity", "input")})
+        artifact.add_file(str(zip_path))
+        run.log_artifact(artifact)
+        run.finish()
+    except Exception as exc:  # wandb raises many types (not logged in, network, permissions)
+        raise ExportError(f"W&B upload to project {project!r} failed: {exc}. Is wandb configured (`wandb login` "
+                          f"or WANDB_API_KEY)? The zip is at {str(zip_path)!r}.") from exc
+    return f"{project}/{name}"
+
+
+# -- entry point ----------------------------------------------------------------------------------
+def export(path: str | Path, out: str | Path, fmt: str, *, overwrite: bool = False, text: bool = True,
+           tokenizer: str | None = None, prompts: str | Path | None = None, raw: bool = True,
+           wandb_project: str | None = None) -> ExportResult:
+    """Export a store to ``out`` as ``parquet``, ``jsonl``, ``tensordict`` or ``zip``.
+
+    ``text`` decodes prompts and responses with the store's tokenizer (``tokenizer`` overrides the
+    model folder) for parquet/jsonl/tensordict.  ``prompts`` is the run's input file, to include raw
+    prompts (by default the recorded input path is used when it still holds the same input; ``raw=False``
+    skips that).
+    ``wandb_project`` uploads a zip export as a W&B artifact.
+    """
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}.")
+    if wandb_project and fmt != "zip":
+        raise ExportError("--wandb-project uploads the whole store as a zip; use it with --format zip.")
+    if store.read_attrs(path) is None:
+        raise StoreError(f"{str(path)!r} is not a daskgen store (no zarr.json with daskgen attrs); "
+                         "pass the --store path of a daskgen run.")
+    check_output(out, overwrite=overwrite, protect=path)
+    if wandb_project:
+        _wandb()
+    t0 = time.perf_counter()
+    with staged_output(out, overwrite=overwrite, protect=path) as tmp:
+        rows = _write(path, tmp, fmt, text=text, tokenizer=tokenizer, prompts=prompts, raw=raw)
+    result = ExportResult(Path(out), fmt, rows, time.perf_counter() - t0, _size(Path(out)))
+    if wandb_project:
+        upload_wandb(out, wandb_project, store.read_attrs(path) or {})
+    return result
+
+
+def _write(path: str | Path, tmp: Path, fmt: str, **options: Any) -> int:
+    if fmt == "zip":
+        ds = store.open_store(path)
+        rows = _units(ds, ds.daskgen.rows("done"))  # before zipping: at least these rows are complete in it
+        zip_store(path, tmp)
+        return rows
+    src = Source(path, **options)
+    writer = {"parquet": _write_parquet, "jsonl": _write_jsonl, "tensordict": _write_tensordict}[fmt]
+    return writer(src, tmp)

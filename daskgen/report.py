@@ -1,0 +1,249 @@
+"""A report of a store as one HTML page (self-contained) or one PNG.
+
+Panels: prompts by status, response length by finish reason, throughput over time (done
+prompts and response tokens per minute, from the per-prompt ``committed_at`` commit times) and
+the run's settings; the HTML adds length statistics, the run history and the first errors.
+Drawn with matplotlib's Agg backend (no display needed); statistics come from
+:mod:`daskgen.analysis`, so the report also works while a run writes the store.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from daskgen import store
+from daskgen.errors import ExportError, StoreError
+
+__all__ = ["PANELS", "ReportData", "collect", "write_report"]
+
+#: Panel titles, in the order they appear (the tests look for them).
+PANELS = ("Prompts by status", "Response length by finish reason", "Prompts per minute", "Tokens per minute",
+          "Settings")
+_COLORS = {"stop": "#2e7d32", "length": "#ef6c00", "abort": "#757575", "error": "#c62828",
+           "not_generated": "#bdbdbd", "pending": "#90a4ae", "done": "#2e7d32", "failed": "#c62828"}
+_MAX_BARS = 60
+
+
+@dataclass
+class ReportData:
+    """Everything a report shows, computed once from the store."""
+
+    path: str
+    attrs: dict[str, Any]
+    counts: dict[str, int]
+    totals: dict[str, int]
+    histogram: Any  # xarray.DataArray (finish_reason, length)
+    stats: Any  # pandas.DataFrame
+    rate: Any  # pandas.DataFrame
+    errors: list[tuple[int, str]]
+
+
+def collect(path: str | Path) -> ReportData:
+    """Read the statistics a report needs (status first: a consistent snapshot during a run)."""
+    ds = store.open_store(path)
+    acc = ds.daskgen
+    failed = acc.rows("failed")[:5]
+    errors = [(int(i), str(e)) for i, e in zip(failed, ds["error"].isel(prompt=failed).values, strict=True)]
+    totals = acc.totals()
+    return ReportData(str(path), acc.attrs, {k: totals[k] for k in ("done", "pending", "failed")}, totals,
+                      acc.length_histogram(), acc.length_stats(), acc.throughput(), errors)
+
+
+# -- panels ---------------------------------------------------------------------------------------
+def draw_counts(ax: Any, data: ReportData) -> None:
+    """Bar chart of prompts done / pending / failed."""
+    names = list(data.counts)
+    values = [data.counts[n] for n in names]
+    bars = ax.bar(names, values, color=[_COLORS[n] for n in names])
+    ax.bar_label(bars, labels=[f"{v:,}" for v in values], padding=2)
+    ax.set_ylim(0, max(max(values), 1) * 1.15)
+    ax.set_ylabel("prompts")
+    ax.set_title(f"{PANELS[0]} (of {data.totals['total']:,})")
+
+
+def draw_lengths(ax: Any, data: ReportData) -> None:
+    """Stacked histogram of response lengths of done samples, one colour per finish reason."""
+    hist = data.histogram
+    lengths = hist["length"].values
+    step = max(1, int(np.ceil(len(lengths) / _MAX_BARS)))
+    edges = lengths[::step]
+    bottom = np.zeros(len(edges))
+    for label in hist["finish_reason"].values:
+        counts = hist.sel(finish_reason=label).values
+        if not counts.sum():
+            continue
+        binned = np.add.reduceat(counts, np.arange(0, len(counts), step))
+        ax.bar(edges, binned, width=step, align="edge", bottom=bottom, color=_COLORS.get(str(label), "#5c6bc0"),
+               label=f"{label} ({int(counts.sum()):,})", edgecolor="white", linewidth=0.3)
+        bottom += binned
+    ax.set_xlabel("response tokens" + (f" (bins of {step})" if step > 1 else ""))
+    ax.set_ylabel("samples")
+    ax.set_title(PANELS[1])
+    if bottom.sum():
+        ax.legend(title="finish reason", fontsize=8, title_fontsize=8)
+    else:
+        _empty(ax, "no done samples yet")
+
+
+def draw_rate(ax: Any, data: ReportData, column: str) -> None:
+    """Done prompts (or response tokens) per minute over commit time."""
+    import matplotlib.dates as mdates
+
+    title = PANELS[2] if column == "prompts" else PANELS[3]
+    ax.set_title(title)
+    rate = data.rate
+    if not len(rate):
+        _empty(ax, "nothing committed yet")
+        return
+    width = rate.attrs.get("bin_seconds", 60.0)
+    starts = mdates.date2num(rate["start"].dt.tz_localize(None).to_numpy())
+    per_min = rate[f"{column}_per_min"].to_numpy()
+    ax.bar(starts, per_min, width=width / 86400, align="edge", color="#1565c0" if column == "prompts" else "#6a1b9a")
+    total = int(rate[column].sum())
+    ax.set_ylabel(f"{column} / min")
+    ax.yaxis.set_major_formatter(lambda value, _pos: f"{value:,.0f}")
+    day = rate["start"].iloc[0].strftime("%Y-%m-%d")
+    ax.set_xlabel(f"commit time (UTC, from {day})\nbins of {width:g} s; {total:,} {column} in all")
+    ax.xaxis.set_major_locator(mdates.AutoDateLocator(maxticks=6))
+    ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S" if len(rate) * width < 86400 else "%m-%d %H:%M"))
+    ax.set_xlim(starts[0], starts[-1] + width / 86400)
+
+
+def _empty(ax: Any, message: str) -> None:
+    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, color="#757575")
+
+
+def settings_rows(data: ReportData) -> list[tuple[str, str]]:
+    """(name, value) rows: model, engine, sampling settings, input, tokenizer, versions, runs."""
+    attrs = data.attrs
+    rows = [("store", data.path), ("created", str(attrs.get("created", "")))]
+    if attrs.get("simulated"):
+        rows.append(("SIMULATED", "engine output is simulated, not model output"))
+    identity, source = attrs.get("identity", {}), attrs.get("input", {})
+    rows += [(k, json.dumps(v) if isinstance(v, (dict, list)) else str(v)) for k, v in identity.items()]
+    rows.append(("input", f"{source.get('n_prompts')} prompts, {source.get('fingerprint')}"))
+    tok = attrs.get("tokenizer", {})
+    rows.append(("tokenizer", f"{tok.get('name')} (vocab {tok.get('vocab_size')}, pad {tok.get('pad_token_id')}, "
+                              f"eos {tok.get('eos_token_id')})"))
+    versions = attrs.get("versions", {})
+    rows.append(("versions", ", ".join(f"{k} {v}" for k, v in versions.items() if v)))
+    rows.append(("runs", str(len(attrs.get("runs", [])))))
+    totals = data.totals
+    rows.append(("tokens (done)", f"{totals['prompt_tokens']:,} prompt, {totals['response_tokens']:,} response"))
+    return rows
+
+
+def draw_settings(ax: Any, data: ReportData) -> None:
+    """The settings as a compact table: two (name, value) column pairs."""
+    ax.axis("off")
+    ax.set_title(PANELS[4], loc="left")
+    rows = [(k, v if len(v) <= 62 else v[:59] + "...") for k, v in settings_rows(data)]
+    half = (len(rows) + 1) // 2
+    left, right = rows[:half], rows[half:] + [("", "")] * (2 * half - len(rows))
+    cells = [[*a, *b] for a, b in zip(left, right, strict=True)]
+    table = ax.table(cellText=cells, colWidths=[0.11, 0.39, 0.11, 0.39], loc="upper center", cellLoc="left",
+                     edges="horizontal")
+    table.auto_set_font_size(False)
+    table.set_fontsize(8.5)
+    for (_, col), cell in table.get_celld().items():
+        cell.set_edgecolor("#dddddd")
+        if col in (0, 2):
+            cell.get_text().set_fontweight("bold")
+
+
+# -- output ---------------------------------------------------------------------------------------
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise ExportError("reports need matplotlib: pip install 'daskgen[analysis]' (or: pip install matplotlib)") \
+            from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _headline(data: ReportData) -> str:
+    identity = data.attrs.get("identity", {})
+    warn = "   [SIMULATED engine: not model output]" if data.attrs.get("simulated") else ""
+    return f"daskgen store {Path(data.path).name}: {identity.get('model')} via {identity.get('engine')}{warn}"
+
+
+def render_png(data: ReportData, out: Path) -> None:
+    """All panels in one PNG."""
+    plt = _pyplot()
+    fig = plt.figure(figsize=(15, 11), dpi=110, layout="constrained")
+    grid = fig.add_gridspec(3, 3, height_ratios=[1, 1, 0.75])
+    draw_counts(fig.add_subplot(grid[0, 0]), data)
+    draw_lengths(fig.add_subplot(grid[0, 1:]), data)
+    draw_rate(fig.add_subplot(grid[1, :2]), data, "prompts")
+    draw_rate(fig.add_subplot(grid[1, 2]), data, "tokens")
+    draw_settings(fig.add_subplot(grid[2, :]), data)
+    fig.suptitle(_headline(data), fontsize=13)
+    fig.savefig(out, format="png")
+    plt.close(fig)
+
+
+def _panel_png(draw: Any, data: ReportData, *args: Any, size: tuple[float, float] = (9, 4)) -> str:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=size, dpi=100, layout="constrained")
+    draw(ax, data, *args)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def render_html(data: ReportData, out: Path) -> None:
+    """A self-contained HTML page: one embedded PNG per plot, tables for numbers and settings."""
+    esc = html.escape
+    images = [(PANELS[0], _panel_png(draw_counts, data, size=(6, 3.5))),
+              (PANELS[1], _panel_png(draw_lengths, data)),
+              (PANELS[2], _panel_png(draw_rate, data, "prompts")),
+              (PANELS[3], _panel_png(draw_rate, data, "tokens"))]
+    parts = [f"<h1>{esc(_headline(data))}</h1>"]
+    for title, png in images:
+        img = f'<img alt="{esc(title)}" src="data:image/png;base64,{png}">'
+        parts.append(f"<section><h2>{esc(title)}</h2>{img}</section>")
+    stats = data.stats.to_html(float_format="%.2f")
+    parts.append(f"<section><h2>Response length statistics</h2>{stats}</section>")
+    rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in settings_rows(data))
+    parts.append(f"<section><h2>{PANELS[4]}</h2><table>{rows}</table></section>")
+    runs = data.attrs.get("runs", [])
+    if runs:
+        parts.append("<section><h2>Runs</h2><pre>" + esc("\n".join(json.dumps(r) for r in runs)) + "</pre></section>")
+    if data.errors:
+        items = "".join(f"<li>row {i}: {esc(msg)}</li>" for i, msg in data.errors)
+        parts.append(f"<section><h2>First errors</h2><ul>{items}</ul></section>")
+    style = ("body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}"
+             "table{border-collapse:collapse}th,td{border-bottom:1px solid #ddd;padding:3px 8px;text-align:left}"
+             "img{max-width:100%}")
+    out.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>daskgen report</title>"
+                   f"<style>{style}</style></head><body>{''.join(parts)}</body></html>", encoding="utf-8")
+
+
+def write_report(path: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
+    """Write the report of the store at ``path`` to ``out`` (``.html`` or ``.png``, by suffix)."""
+    from daskgen.export import check_output, staged_output
+
+    out = Path(out)
+    kind = out.suffix.lower()
+    if kind not in (".html", ".htm", ".png"):
+        raise ExportError(f"report output {str(out)!r} must end in .html or .png")
+    if store.read_attrs(path) is None:
+        raise StoreError(f"{str(path)!r} is not a daskgen store; pass the --store path of a daskgen run.")
+    check_output(out, overwrite=overwrite, protect=path)
+    _pyplot()
+    data = collect(path)
+    with staged_output(out, overwrite=overwrite, protect=path) as tmp:
+        (render_png if kind == ".png" else render_html)(data, tmp)
+    return out
