@@ -173,6 +173,14 @@ async def stop_run_on_worker(dask_worker: Any) -> int:
     return 0 if plugin is None else await plugin.stop_run()
 
 
+def engine_description(dask_worker: Any) -> dict[str, Any] | None:
+    """Run on a worker via ``client.run``: the ready engine's ``describe()`` (no secrets)."""
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    if plugin is None or plugin.state != "ready":
+        return None
+    return plugin.engine.describe()
+
+
 def plugin_status(dask_worker: Any) -> dict[str, Any]:
     """Run on a worker via ``client.run`` to report the plugin's state."""
     plugin = dask_worker.plugins.get(PLUGIN_NAME)

@@ -249,6 +249,7 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
     from daskgen.cluster import start_engines
 
     n_workers = start_engines(client, plan.config)
+    _record_engine(client, plan)
     in_flight_cap = max(1, plan.config.window * n_workers)
     if info is not None and info.adaptive:
         in_flight_cap = max(in_flight_cap, info.in_flight_window)
@@ -326,6 +327,15 @@ def _stop(client: Any, plan: Plan, reason: str, tasks: Iterator[PartitionTask], 
     plan.stopped = reason
     retry.clear()  # and the lazy task stream is no longer pulled (see drive)
     client.run(stop_run_on_worker)
+
+
+def _record_engine(client: Any, plan: Plan) -> None:
+    """Store what the engine says about itself (e.g. ``retokenized`` for chat/completions servers)."""
+    from daskgen.plugin import engine_description
+
+    described = [d for d in client.run(engine_description).values() if d]
+    if described:
+        store.update_attrs(plan.config.store, engine=redact(described[0]))
 
 
 def _next_finished(ac: Any, client: Any, config: RunConfig, lock: Any = None, deadline_hit: Any = None) -> Any:

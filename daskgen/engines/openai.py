@@ -1,0 +1,531 @@
+"""``openai`` engine: an SGLang-native or OpenAI-compatible HTTP server, optionally one per worker.
+
+* ``api="sglang"``: SGLang's native ``POST /generate``, token ids in, ``output_ids`` and
+  ``meta_info.output_token_logprobs`` out (token-exact).  Each attempt carries
+  ``rid = "<request_id>#<random>"``; :meth:`OpenAIEngine.abort` posts ``/abort_request``.
+* ``api="completions"``/``"chat"``: prompt ids are decoded to text, streamed through
+  ``/v1/completions`` (or ``/v1/chat/completions``, as one user message), and the returned text
+  is re-tokenized: ``meta["retokenized"] = True``, ``describe()["retokenized"] = True``.  Stop
+  token ids and ``max_new_tokens`` are applied to the re-tokenized output; logprobs are the
+  server's where its tokens line up, else NaN (``meta["logprobs"] = "unavailable"``).
+* ``api="auto"`` takes the native path when ``GET /get_model_info`` answers like SGLang.
+* :meth:`~OpenAIEngine.start` fails fast (:class:`~daskgen.errors.EngineError`) when the server
+  is unreachable, the key is refused, or the model is not served.  429, 408, 5xx and connection
+  errors are retried (tenacity, exponential backoff with jitter); then the request returns
+  ``error``.
+* ``managed=True`` starts one sglang server subprocess per engine
+  (:class:`~daskgen.engines.http_server.ManagedServer`); when it dies, ``generate`` raises (the
+  partition is retried after the plugin restarts the engine) and ``health`` fails.
+* The API key comes from the environment variable named by ``api_key_env`` and never appears in
+  logs, ``describe()`` or messages.
+
+Details, limits and the tested servers: ``docs/engines.md`` (HTTP engines).  Engine args:
+:class:`OpenAIArgs`.  Needs ``httpx`` and ``tenacity`` (``pip install 'daskgen[http]'``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import re
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from daskgen.engines.base import (
+    Engine,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    error_result,
+    parse_engine_args,
+    request_error,
+)
+from daskgen.engines.http_server import HTTPClient, ManagedServer, RequestFailed, check_server_args, redact_url
+from daskgen.errors import ConfigError, EngineError
+
+__all__ = ["OpenAIArgs", "OpenAIEngine", "native_payload", "native_result", "openai_payload"]
+
+logger = logging.getLogger(__name__)
+
+APIS = ("auto", "sglang", "chat", "completions")
+_FINISH = {"stop": FinishReason.STOP, "eos": FinishReason.STOP, "tool_calls": FinishReason.STOP,
+           "function_call": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+#: Seconds an aborted native request may take to come back before its connection is closed.
+ABORT_GRACE_S = 2.0
+_PING = SamplingParams(max_new_tokens=1, temperature=0.0)
+
+
+@dataclass
+class OpenAIArgs:
+    """Options of the ``openai`` engine (the table in ``docs/engines.md`` says more).
+
+    Attributes
+    ----------
+    base_url:
+        Server address, e.g. ``http://127.0.0.1:30000`` (``.../v1`` too); required unless ``managed``.
+    model_name:
+        Model for OpenAI requests, checked against ``/v1/models``; default the only served one, else ``model``.
+    api_key_env:
+        NAME of the environment variable holding the API key.
+    api:
+        ``"auto"``, ``"sglang"`` (native, token-exact), ``"completions"`` or ``"chat"``.
+    extra_body:
+        Merged into every request body (native: ``sampling_params`` into the sampling parameters).
+    max_concurrency, timeout_s:
+        Requests in flight at once; read timeout (seconds without data from the server).
+    max_retries, backoff_s:
+        Retries after 429/408/5xx/connection errors, and the first backoff (doubling, plus jitter).
+    managed, server_args, server_start_timeout_s:
+        Start one sglang server per engine, its ``launch_server`` options, and how long to wait for it.
+    tokenizer:
+        Tokenizer for decoding prompts and re-tokenizing text; default ``model``.
+    """
+
+    base_url: str | None = None
+    model_name: str | None = None
+    api_key_env: str | None = None
+    api: str = "auto"
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    max_concurrency: int = 128
+    timeout_s: float = 600.0
+    max_retries: int = 3
+    backoff_s: float = 0.5
+    managed: bool = False
+    server_args: dict[str, Any] = field(default_factory=dict)
+    server_start_timeout_s: float = 600.0
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.api not in APIS:
+            raise ConfigError(f"openai engine: api must be one of {list(APIS)}, got {self.api!r}")
+        if not isinstance(self.managed, bool):
+            raise ConfigError(f"openai engine: managed must be true or false, got {self.managed!r}")
+        for name in ("extra_body", "server_args"):
+            if not isinstance(getattr(self, name), dict):
+                raise ConfigError(f"openai engine: {name} must be a mapping, got {getattr(self, name)!r}")
+        for name, low, integer in (("max_concurrency", 1, True), ("max_retries", 0, True), ("backoff_s", 0, False),
+                                   ("timeout_s", None, False), ("server_start_timeout_s", None, False)):
+            _check_number(name, getattr(self, name), low, integer)
+        key_env = self.api_key_env
+        if key_env is not None and not (isinstance(key_env, str) and _ENV_NAME.match(key_env)):
+            raise ConfigError("openai engine: api_key_env must be the NAME of an environment variable holding the "
+                              "key (e.g. OPENAI_API_KEY), not the key itself")
+        self._check_target()
+
+    def _check_target(self) -> None:
+        if self.managed:
+            if self.base_url is not None:
+                raise ConfigError("openai engine: give either base_url (an existing server) or managed=true "
+                                  "(a server started per worker), not both")
+            if self.api_key_env is not None:
+                raise ConfigError("openai engine: a managed server listens on loopback only and takes no API key; "
+                                  "drop api_key_env")
+            check_server_args(self.server_args)
+        elif not isinstance(self.base_url, str) or not self.base_url.startswith(("http://", "https://")):
+            raise ConfigError(f"openai engine: base_url must be an http(s) URL such as http://127.0.0.1:30000 "
+                              f"(or set managed=true), got {self.base_url!r}")
+        elif self.server_args:
+            raise ConfigError("openai engine: server_args apply to managed servers only (managed=true)")
+
+
+def _check_number(name: str, value: Any, low: float | None, integer: bool) -> None:
+    """``value`` must be a number (an integer if ``integer``) >= ``low``, or > 0 when ``low`` is None."""
+    kinds = (int,) if integer else (int, float)
+    ok = isinstance(value, kinds) and not isinstance(value, bool) and (value > 0 if low is None else value >= low)
+    if not ok:
+        bound = "> 0" if low is None else f">= {low}"
+        raise ConfigError(f"openai engine: {name} must be {'an integer' if integer else 'a number'} {bound}, "
+                          f"got {value!r}")
+
+
+@dataclass
+class _Flight:
+    """One generate() call in progress: what abort() needs and what was streamed so far."""
+
+    rid: str | None = None
+    task: asyncio.Task | None = None
+    aborted: bool = False
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    tokens: list[str] = field(default_factory=list)
+
+    def reset(self) -> None:
+        """Forget partial output (a retry starts over)."""
+        self.text, self.logprobs, self.tokens = "", [], []
+
+    def cancel(self) -> None:
+        """Close the connection of the request (the server stops generating)."""
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+
+class OpenAIEngine(Engine):
+    """Generate through an SGLang-native or OpenAI-compatible HTTP server (see the module docstring)."""
+
+    name = "openai"
+
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        super().__init__(model, **engine_args)
+        self.args = parse_engine_args("openai", OpenAIArgs, engine_args)
+        self.supports_seed = False
+        self.protocol: str | None = None
+        self.model_name: str | None = self.args.model_name
+        self.vocab_size: int | None = None
+        self.max_total_tokens: int | None = None
+        self._tokenizer: Any = None
+        self._http: HTTPClient | None = None
+        self._server: ManagedServer | None = None
+        self._state = "new"
+        self._flights: dict[str, list[_Flight]] = {}
+        self._limit = asyncio.Semaphore(self.args.max_concurrency)
+
+    @property
+    def retokenized(self) -> bool:
+        """True when outputs are re-tokenized text (OpenAI protocols), False when token-exact."""
+        return self.protocol in ("chat", "completions")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Start the managed server (if any), ping the server and load the tokenizer."""
+        try:
+            base_url = await self._start_server() if self.args.managed else self.args.base_url
+            self._http = HTTPClient(base_url, api_key_env=self.args.api_key_env, timeout_s=self.args.timeout_s,
+                                    max_connections=self.args.max_concurrency, max_retries=self.args.max_retries,
+                                    backoff_s=self.args.backoff_s, on_retry=_log_retry,
+                                    give_up=self._server_died, trust_env=not self.args.managed)
+            self.protocol = await self._detect_protocol()
+            await self._check_model()
+            await self._load_tokenizer()
+            if self.protocol == "sglang":
+                self.supports_seed = await self._deterministic_server()
+            else:
+                await self._ping_generate()
+        except BaseException:
+            await self.shutdown()
+            raise
+        self._state = "running"
+        logger.info("openai engine: %s protocol on %s (model %s)", self.protocol, self._http.where, self.model_name)
+
+    async def _start_server(self) -> str:
+        self._server = ManagedServer(self.model, self.args.server_args,
+                                     start_timeout_s=self.args.server_start_timeout_s)
+        await self._server.start()
+        return self._server.url
+
+    async def _detect_protocol(self) -> str:
+        if self.args.api in ("chat", "completions"):
+            return self.args.api
+        status, info = await self._http.probe_json("/get_model_info", allow_status=(404, 405))
+        if status == 200 and isinstance(info, dict) and "model_path" in info:
+            return "sglang"
+        if self.args.api == "sglang":
+            raise EngineError(f"{self._http.where} is not an SGLang server (GET /get_model_info answered "
+                              f"HTTP {status}); use api='completions' or 'chat' for OpenAI-compatible servers")
+        return "completions"
+
+    async def _check_model(self) -> None:
+        status, listing = await self._http.probe_json("/v1/models", allow_status=(404, 405, 500, 501))
+        cards = listing.get("data") if status == 200 and isinstance(listing, dict) else None
+        if not isinstance(cards, list) or not cards:
+            logger.warning("openai engine: %s lists no models (GET /v1/models: HTTP %s); the model name is "
+                           "checked by the first request instead", self._http.where, status)
+            self.model_name = self.model_name or self.model
+            return
+        served = [str(card.get("id")) for card in cards]
+        if self.model_name is not None and self.model_name not in served:
+            raise EngineError(f"model_name {self.model_name!r} is not served by {self._http.where}; "
+                              f"it serves {served}")
+        if self.model_name is None:
+            if len(served) > 1 and self.model not in served:
+                raise EngineError(f"{self._http.where} serves several models {served}; choose one with model_name")
+            self.model_name = self.model if self.model in served else served[0]
+        length = cards[served.index(self.model_name)].get("max_model_len")
+        self.max_total_tokens = int(length) if isinstance(length, int) and length > 0 else None
+
+    async def _load_tokenizer(self) -> None:
+        path = self.args.tokenizer or self.model
+        try:
+            self._tokenizer = await asyncio.to_thread(_load_tokenizer, path)
+        except Exception as exc:
+            if self.protocol != "sglang":
+                raise EngineError(f"openai engine: cannot load the tokenizer {path!r} that decodes prompts and "
+                                  f"re-tokenizes outputs ({type(exc).__name__}: {exc}); set tokenizer=PATH") from exc
+            logger.warning("openai engine: no tokenizer at %r (%s); prompt ids are not checked against the "
+                           "vocabulary", path, exc)
+            return
+        self.vocab_size = len(self._tokenizer)
+
+    async def _deterministic_server(self) -> bool:
+        status, info = await self._http.probe_json("/get_server_info", allow_status=(404, 405))
+        return bool(status == 200 and isinstance(info, dict) and info.get("enable_deterministic_inference"))
+
+    async def _ping_generate(self) -> None:
+        request = GenerationRequest("daskgen-ping", [self.health_token_id()], _PING)
+        try:
+            await self._stream(request, _Flight())
+        except RequestFailed as exc:
+            raise EngineError(f"openai engine: a one-token request to {self._http.where} failed: {exc}") from None
+
+    async def shutdown(self) -> None:
+        """Fail requests in flight, close the client and stop the managed server (idempotent)."""
+        self._state = "closed"
+        for flights in list(self._flights.values()):
+            for flight in flights:
+                flight.cancel()
+        if self._http is not None:
+            await self._http.close()
+        if self._server is not None:
+            await self._server.stop()
+
+    async def health(self) -> None:
+        """Raise unless the server process (managed) is alive and one token can be generated.
+
+        Re-tokenized protocols only need an answer: one generated token's text may re-tokenize to
+        zero (a stripped EOS) or several tokens.
+        """
+        self._check_server()
+        if self._state != "running":
+            raise EngineError(f"openai engine is {self._state}, not running")
+        if not self.retokenized:
+            return await super().health()
+        result = await self.generate(GenerationRequest("daskgen-health", [self.health_token_id()], _PING))
+        if result.error is not None:
+            raise EngineError(f"engine 'openai' failed its health check: {result.error}")
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Generate one sample; failures come back as ``error`` (a dead managed server raises)."""
+        if self._state != "running":
+            return error_result(request, f"openai engine is {self._state}, not running (start() first)")
+        problem = request_error(request, vocab_size=self.vocab_size, max_total_tokens=self.max_total_tokens)
+        if problem is not None:
+            return error_result(request, problem)
+        self._check_server()
+        flight = _Flight()
+        self._flights.setdefault(request.request_id, []).append(flight)
+        try:
+            async with self._limit:
+                return await self._run(request, flight)
+        finally:
+            self._forget(request.request_id, flight)
+
+    async def _run(self, request: GenerationRequest, flight: _Flight) -> GenerationResult:
+        if flight.aborted:
+            return _empty_abort(request)
+        call = self._native(request, flight) if self.protocol == "sglang" else self._stream(request, flight)
+        flight.task = asyncio.ensure_future(call)
+        try:
+            await asyncio.wait({flight.task})
+        except asyncio.CancelledError:  # the caller gave up: stop the request on the server too
+            flight.cancel()
+            if flight.rid is not None:
+                asyncio.ensure_future(self._post_abort(flight.rid))
+            raise
+        if flight.task.cancelled():
+            return self._aborted(request, flight)
+        try:
+            return flight.task.result()
+        except RequestFailed as exc:
+            self._check_server()
+            return error_result(request, str(exc))
+
+    def _server_died(self) -> bool:
+        return self._server is not None and self._state == "running" and not self._server.alive
+
+    def _check_server(self) -> None:
+        if self._server_died():
+            raise EngineError(f"the managed sglang server {self._server.exit_description()}")
+
+    def _forget(self, request_id: str, flight: _Flight) -> None:
+        flights = self._flights.get(request_id, [])
+        with contextlib.suppress(ValueError):
+            flights.remove(flight)
+        if not flights:
+            self._flights.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort every in-flight request with this id (unknown ids are ignored)."""
+        for flight in list(self._flights.get(request_id, [])):
+            flight.aborted = True
+            if self.protocol == "sglang" and flight.rid is not None:
+                await self._post_abort(flight.rid)
+                asyncio.get_running_loop().call_later(ABORT_GRACE_S, flight.cancel)
+            else:
+                flight.cancel()
+
+    async def _post_abort(self, rid: str) -> None:
+        with contextlib.suppress(RequestFailed):
+            await self._http.post_json("/abort_request", {"rid": rid}, retry=False)
+
+    # ------------------------------------------------------------------ SGLang native
+
+    async def _native(self, request: GenerationRequest, flight: _Flight) -> GenerationResult:
+        flight.rid = f"{request.request_id}#{uuid.uuid4().hex[:12]}"
+        payload = native_payload(request, flight.rid, self.args.extra_body)
+        out = await self._http.post_json("/generate", payload)
+        return native_result(request, out)
+
+    # ------------------------------------------------------------------ OpenAI streaming
+
+    async def _stream(self, request: GenerationRequest, flight: _Flight, retry: bool = True) -> GenerationResult:
+        prompt = self._tokenizer.decode(request.prompt_ids, skip_special_tokens=False,
+                                        clean_up_tokenization_spaces=False)
+        path, payload = openai_payload(self.protocol or "completions", self.model_name, prompt, request,
+                                       self.args.extra_body)
+        finish = await self._http.stream(path, payload, lambda event: _take_event(event, flight),
+                                         on_attempt=flight.reset, retry=retry)
+        return self._retokenized_result(request, flight, finish)
+
+    def _retokenized_result(self, request: GenerationRequest, flight: _Flight, finish: str | None,
+                            partial: bool = False) -> GenerationResult:
+        ids = self._tokenizer.encode(flight.text, add_special_tokens=False)
+        if partial:
+            ids = ids[:-1]
+        logprobs = self._aligned_logprobs(ids, flight) if request.params.logprobs else None
+        reason, error = _finish_reason(finish) if not partial else (FinishReason.ABORT, None)
+        ids, logprobs, reason = _apply_limits(ids, logprobs, reason, request)
+        meta: dict[str, Any] = {"retokenized": True, "server_finish_reason": finish}
+        if request.params.logprobs and logprobs is not None and any(math.isnan(x) for x in logprobs):
+            meta["logprobs"] = "unavailable"
+        return GenerationResult(request.request_id, ids, reason, logprobs, error=error, meta=meta)
+
+    def _aligned_logprobs(self, ids: list[int], flight: _Flight) -> list[float]:
+        pieces = [self._tokenizer.decode([i]) for i in ids]
+        if len(flight.logprobs) >= len(ids) and flight.tokens[: len(ids)] == pieces:
+            return flight.logprobs[: len(ids)]
+        return [math.nan] * len(ids)
+
+    def _aborted(self, request: GenerationRequest, flight: _Flight) -> GenerationResult:
+        if self.protocol == "sglang":
+            return _empty_abort(request)
+        return self._retokenized_result(request, flight, None, partial=True)
+
+    # ------------------------------------------------------------------ misc
+
+    def describe(self) -> dict[str, Any]:
+        """Engine identity for the store attrs: protocol, server, model, ``retokenized`` (no secrets)."""
+        info = super().describe()
+        args = asdict(self.args)
+        args["base_url"] = None if self.args.managed else redact_url(self.args.base_url)
+        info.update(api=self.protocol or self.args.api, retokenized=self.retokenized, model=self.model,
+                    model_name=self.model_name, supports_seed=self.supports_seed,
+                    tokenizer=self.args.tokenizer or self.model, engine_args=args)
+        return info
+
+
+# ---------------------------------------------------------------------- request and response mapping
+
+
+def native_payload(request: GenerationRequest, rid: str, extra_body: dict[str, Any]) -> dict[str, Any]:
+    """The body of SGLang's ``POST /generate`` for ``request``."""
+    params = request.params
+    sampling: dict[str, Any] = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
+                                "top_p": params.top_p, "top_k": params.top_k if params.top_k > 0 else -1}
+    if params.stop_token_ids:
+        sampling["stop_token_ids"] = sorted(set(params.stop_token_ids))
+    if params.seed is not None:
+        sampling["sampling_seed"] = params.seed
+    extra = dict(extra_body)
+    sampling.update(extra.pop("sampling_params", None) or {})
+    return {"input_ids": list(request.prompt_ids), "sampling_params": sampling, "rid": rid,
+            "return_logprob": params.logprobs, "stream": False, **extra}
+
+
+def native_result(request: GenerationRequest, out: Any) -> GenerationResult:
+    """Map SGLang's ``/generate`` answer to a :class:`GenerationResult` (token-exact)."""
+    if not isinstance(out, dict) or not isinstance(out.get("output_ids"), list):
+        return error_result(request, f"unexpected answer from /generate: {str(out)[:300]}")
+    meta = out.get("meta_info") or {}
+    kind = (meta.get("finish_reason") or {}).get("type")
+    reason = _FINISH.get(kind, FinishReason.ERROR)
+    error = None if reason != FinishReason.ERROR else f"server finished with {meta.get('finish_reason')!r}"
+    ids = [int(t) for t in out["output_ids"]]
+    logprobs = None
+    if request.params.logprobs:
+        logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
+        if len(logprobs) != len(ids):
+            return error_result(request, f"server returned {len(logprobs)} logprobs for {len(ids)} tokens")
+    extra = {k: meta[k] for k in ("prompt_tokens", "cached_tokens") if k in meta}
+    return GenerationResult(request.request_id, ids, reason, logprobs, error=error, meta=extra)
+
+
+def openai_payload(api: str, model_name: str | None, prompt: str, request: GenerationRequest,
+                   extra_body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Path and streaming body of an OpenAI completions or chat request for ``prompt``."""
+    params = request.params
+    body: dict[str, Any] = {"model": model_name, "max_tokens": params.max_new_tokens,
+                            "temperature": params.temperature, "top_p": params.top_p, "stream": True}
+    if params.top_k > 0:
+        body["top_k"] = params.top_k
+    if params.seed is not None:
+        body["seed"] = params.seed
+    if api == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+        if params.logprobs:
+            body["logprobs"] = True
+    else:
+        body["prompt"] = prompt
+        if params.logprobs:
+            body["logprobs"] = 1
+    path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
+    return path, {**body, **extra_body}
+
+
+def _take_event(event: dict[str, Any], flight: _Flight) -> str | None:
+    """Add one streamed chunk to ``flight``; return its finish reason, if it has one."""
+    choices = event.get("choices") or []
+    if not choices:
+        return None
+    choice = choices[0]
+    delta = choice.get("delta") or choice.get("message")  # a stream chunk, or a whole chat answer
+    flight.text += (delta.get("content") or "") if isinstance(delta, dict) else (choice.get("text") or "")
+    logprobs = choice.get("logprobs") or {}
+    if isinstance(logprobs.get("content"), list):  # chat
+        for item in logprobs["content"]:
+            flight.tokens.append(item.get("token", ""))
+            flight.logprobs.append(float(item.get("logprob", math.nan)))
+    elif isinstance(logprobs.get("token_logprobs"), list):  # completions
+        flight.tokens += [str(t) for t in logprobs.get("tokens") or []]
+        flight.logprobs += [math.nan if x is None else float(x) for x in logprobs["token_logprobs"]]
+    return choice.get("finish_reason")
+
+
+def _empty_abort(request: GenerationRequest) -> GenerationResult:
+    return GenerationResult(request.request_id, [], FinishReason.ABORT, [] if request.params.logprobs else None)
+
+
+def _finish_reason(finish: str | None) -> tuple[FinishReason, str | None]:
+    reason = _FINISH.get(finish or "", FinishReason.ERROR)
+    return reason, None if reason != FinishReason.ERROR else f"server finished with {finish!r}"
+
+
+def _apply_limits(ids: list[int], logprobs: list[float] | None, reason: FinishReason,
+                  request: GenerationRequest) -> tuple[list[int], list[float] | None, FinishReason]:
+    """Cut re-tokenized output at the first stop token (kept) or at ``max_new_tokens``."""
+    stops = set(request.params.stop_token_ids)
+    cut = next((i + 1 for i, t in enumerate(ids) if t in stops), None)
+    if cut is not None and cut <= request.params.max_new_tokens and reason != FinishReason.ERROR:
+        reason = FinishReason.STOP
+    else:
+        cut = len(ids)
+    if cut > request.params.max_new_tokens:
+        cut = request.params.max_new_tokens
+        reason = FinishReason.LENGTH if reason != FinishReason.ERROR else reason
+    return ids[:cut], None if logprobs is None else logprobs[:cut], reason
+
+
+def _log_retry(what: str, attempt: int, wait: float) -> None:
+    logger.warning("openai engine: %s; retry %d in %.1f s", what, attempt, wait)
+
+
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

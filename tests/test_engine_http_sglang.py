@@ -1,0 +1,366 @@
+"""The ``openai`` engine against the real sglang HTTP server (the sglang CPU lane).
+
+Everything here needs the pinned sglang (``.ci/sglang-lane``: ``SGLANG_USE_CPU_ENGINE=1`` and the
+import-only ``sgl_kernel`` shim on ``PYTHONPATH``, both inherited by the server subprocesses).
+Servers are real ``python -m sglang.launch_server`` processes on loopback:
+
+* one external server started by this module with ``--api-key`` (shared by the native conformance
+  suite, the completions path, model-name and API-key checks);
+* managed servers started by the engine itself (``managed=True``), including a full
+  ``daskgen run`` whose server is killed mid-run.
+
+A launch costs ~20-60 s on 2 cores, hence the sharing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import functools
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import tempfile
+import time
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
+from daskgen.errors import EngineError
+from daskgen.testing.conformance import EngineConformance, EventLoopThread
+
+MISSING = [name for name in ("sglang", "soundfile", "httpx", "tenacity") if find_spec(name) is None]
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.skipif(bool(MISSING), reason=f"needs {MISSING} (the sglang lane: .ci/sglang-lane; sglang's HTTP "
+                                             "server imports soundfile, the openai engine needs httpx and tenacity)"),
+]
+
+SECRET = "sk-daskgen-sglang-planted-4b7e2a"
+KEY_ENV = "DASKGEN_TEST_SGLANG_KEY"
+PROMPT = [1, 504, 3458, 282, 4649, 314]
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_model() -> str:
+    """The project's tiny Llama in a temporary folder whose name is unique to this session."""
+    from daskgen.models import build_tiny_model
+
+    folder = tempfile.mkdtemp(prefix="daskgen-http-sglang-tiny-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return str(build_tiny_model(Path(folder) / "tiny", seed=0))
+
+
+def request(rid: str, prompt: list[int] | None = None, **params: Any) -> GenerationRequest:
+    return GenerationRequest(rid, list(prompt or PROMPT), SamplingParams(**{"max_new_tokens": 16,
+                                                                           "temperature": 0.0, **params}))
+
+
+def keyed_server() -> Any:
+    """A real sglang server that requires ``SECRET`` as its API key (the test's own server)."""
+    from daskgen.engines.http_server import ManagedServer
+
+    class KeyedServer(ManagedServer):
+        def command(self, port: int, cuda_available: bool) -> list[str]:
+            return [*super().command(port, cuda_available), "--api-key", SECRET]
+
+    return KeyedServer(tiny_model(), start_timeout_s=600)
+
+
+@functools.lru_cache(maxsize=1)
+def external_server() -> Any:
+    """The module's keyed server, started on first use (stopped by the module fixture)."""
+    server = keyed_server()
+    asyncio.run(server.start())
+    atexit.register(_kill_group, server)
+    return server
+
+
+def _kill_group(server: Any) -> None:
+    """Last resort at interpreter exit (the module fixture normally stops the server)."""
+    if server.process is not None and server.process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.process.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_external_server():
+    yield
+    if external_server.cache_info().currsize:
+        asyncio.run(external_server().stop())
+        external_server.cache_clear()
+
+
+def engine_on(runner: EventLoopThread, **engine_args: Any) -> Any:
+    from daskgen.engines.openai import OpenAIEngine
+
+    engine = OpenAIEngine(tiny_model(), **engine_args)
+    runner.run(engine.start(), 900)
+    return engine
+
+
+# --------------------------------------------------------------------------- native protocol: the shared suite
+
+
+class TestSGLangNativeConformance(EngineConformance):
+    """The shared suite through SGLang's native ``/generate`` (token ids in and out), with an API key."""
+
+    timeout_s = 300.0
+    probe_max_new_tokens = 64
+    long_max_new_tokens = 1500
+    abort_timeout_s = 30.0
+    concurrency = 24
+
+    @classmethod
+    def setup_class(cls) -> None:
+        from daskgen.engines.openai import OpenAIEngine
+
+        os.environ[KEY_ENV] = SECRET
+        cls.engine_class = OpenAIEngine
+        cls.model = tiny_model()
+        cls.engine_args = {"base_url": external_server().url, "api_key_env": KEY_ENV}
+        super().setup_class()
+
+    def test_native_and_token_exact(self) -> None:
+        """Auto-detected as SGLang; logprobs are the model's own log-softmax at the returned ids."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        info = self.engine.describe()
+        assert info["api"] == "sglang" and info["retokenized"] is False, info
+        sampled = self.run(self.one(request("exact", max_new_tokens=12, temperature=1.3, logprobs=True)))
+        assert "retokenized" not in sampled.meta
+        model = AutoModelForCausalLM.from_pretrained(self.model, dtype=torch.float32)
+        ids = torch.tensor([PROMPT + sampled.output_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(PROMPT) - 1 : -1].float()
+        expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(sampled.output_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(sampled.logprobs), expected, atol=2e-3), (sampled.logprobs, expected)
+
+    def test_eos_is_kept_and_reported_as_stop(self) -> None:
+        results = self.run(self.generate_all([
+            request(f"eos-{i}", self.prompt(200 + i), max_new_tokens=32, temperature=1.0) for i in range(16)]))
+        stopped = [r for r in results if r.finish_reason == FinishReason.STOP]
+        assert stopped, "no sample reached EOS (the tiny model ends about half of them)"
+        assert all(r.output_ids[-1] == 2 for r in stopped), stopped
+
+    def test_abort_right_after_submit(self) -> None:
+        async def submit_then_abort() -> Any:
+            task = asyncio.ensure_future(self.engine.generate(request("abort-now", max_new_tokens=1500)))
+            await asyncio.sleep(0)
+            await self.engine.abort("abort-now")
+            return await task
+
+        started = time.monotonic()
+        result = self.run(submit_then_abort())
+        assert result.finish_reason == FinishReason.ABORT and len(result.output_ids) < 1500, result
+        assert time.monotonic() - started < 15
+
+    def test_bad_prompts_are_refused_before_they_reach_the_server(self) -> None:
+        """An out-of-vocabulary id would crash sglang's scheduler; an overlong prompt is refused by length."""
+        oov = self.run(self.engine.generate(request("oov", [1, 10**7])))
+        assert oov.finish_reason == FinishReason.ERROR and "vocabulary" in oov.error, oov
+        long = self.run(self.engine.generate(request("too-long", [5] * 2100, max_new_tokens=4)))
+        assert long.finish_reason == FinishReason.ERROR and "2048" in long.error, long
+        assert self.run(self.one(request("still-alive", max_new_tokens=2))).error is None
+
+    def test_completions_path_on_the_same_server(self) -> None:
+        """api='completions' re-tokenizes; sglang returns logprobs, used where the tokens line up."""
+        runner = EventLoopThread()
+        engine = engine_on(runner, base_url=external_server().url + "/v1", api="completions", api_key_env=KEY_ENV)
+        try:
+            assert engine.describe()["retokenized"] is True
+            results = runner.run(_gather(engine, [request(f"c{i}", self.prompt(300 + i), max_new_tokens=6,
+                                                          logprobs=True) for i in range(8)]), 300)
+            assert all(r.error is None and r.meta["retokenized"] for r in results), results
+            aligned = [r for r in results if "logprobs" not in r.meta]
+            assert aligned and all(math.isfinite(x) and x <= 0 for r in aligned for x in r.logprobs), results
+            order = runner.run(_short_overtakes_long(engine), 300)
+            assert order == ["short", "long"], order
+        finally:
+            runner.run(engine.shutdown(), 60)
+            runner.close()
+
+    def test_wrong_model_name_lists_the_served_models(self) -> None:
+        runner = EventLoopThread()
+        try:
+            with pytest.raises(EngineError) as info:
+                engine_on(runner, base_url=external_server().url, api_key_env=KEY_ENV, model_name="other")
+            assert "'other' is not served" in str(info.value) and tiny_model() in str(info.value)
+        finally:
+            runner.close()
+
+    def test_api_key_checks_and_no_leak(self, caplog: pytest.LogCaptureFixture,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+        caplog.set_level(logging.DEBUG)
+        runner = EventLoopThread()
+        try:
+            with pytest.raises(EngineError, match="needs an API key"):
+                engine_on(runner, base_url=external_server().url)
+            monkeypatch.setenv("DASKGEN_TEST_WRONG_KEY", "sk-wrong-key-123")
+            with pytest.raises(EngineError) as wrong:
+                engine_on(runner, base_url=external_server().url, api_key_env="DASKGEN_TEST_WRONG_KEY")
+            assert "HTTP 401" in str(wrong.value) and "DASKGEN_TEST_WRONG_KEY" in str(wrong.value)
+            assert "sk-wrong-key-123" not in str(wrong.value)
+            engine = engine_on(runner, base_url=external_server().url, api_key_env=KEY_ENV)
+            runner.run(engine.health(), 120)
+            assert SECRET not in json.dumps(engine.describe())
+            runner.run(engine.shutdown(), 60)
+        finally:
+            runner.close()
+        assert SECRET not in caplog.text and "sk-wrong-key-123" not in caplog.text
+
+
+async def _gather(engine: Any, requests: list[GenerationRequest]) -> list[Any]:
+    return list(await asyncio.gather(*(engine.generate(r) for r in requests)))
+
+
+async def _short_overtakes_long(engine: Any) -> list[str]:
+    """Submit a long greedy request, then a one-token one; return the order in which they come back."""
+    probes = [request(f"probe-{i}", [1, 700 + i, 3458, 282], max_new_tokens=64) for i in range(16)]
+    results = await _gather(engine, probes)
+    long_prompt = next(p.prompt_ids for p, r in zip(probes, results, strict=True)
+                       if r.finish_reason == FinishReason.LENGTH)  # greedy, does not stop early
+    order: list[str] = []
+
+    async def timed(name: str, req: GenerationRequest) -> None:
+        await engine.generate(req)
+        order.append(name)
+
+    long = asyncio.ensure_future(timed("long", request("long", long_prompt, max_new_tokens=400)))
+    await asyncio.sleep(0.2)
+    await timed("short", request("short", max_new_tokens=1))
+    await long
+    return order
+
+
+# --------------------------------------------------------------------------- managed mode
+
+
+class TestManagedServer:
+    """One engine with its own sglang server subprocess."""
+
+    @classmethod
+    def setup_class(cls) -> None:
+        cls.runner = EventLoopThread()
+        cls.engine = engine_on(cls.runner, managed=True, server_start_timeout_s=600)
+
+    @classmethod
+    def teardown_class(cls) -> None:
+        try:
+            cls.runner.run(cls.engine.shutdown(), 120)
+        finally:
+            cls.runner.close()
+
+    def test_managed_server_serves_natively(self) -> None:
+        info = self.engine.describe()
+        assert info["api"] == "sglang" and info["engine_args"]["managed"] is True, info
+        assert self.engine._server.url.startswith("http://127.0.0.1:")
+        result = self.runner.run(self.engine.generate(request("managed", logprobs=True)), 120)
+        assert result.error is None and len(result.logprobs) == len(result.output_ids) > 0
+        self.runner.run(self.engine.health(), 120)
+
+    def test_zz_server_death_fails_health_and_shutdown_stops_the_group(self) -> None:
+        server = self.engine._server
+        group = server.process.pid
+        os.kill(server.process.pid, signal.SIGKILL)  # the server leader dies (its children may linger)
+        deadline = time.monotonic() + 30
+        while server.alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(EngineError, match="exited with code"):
+            self.runner.run(self.engine.health(), 60)
+        with pytest.raises(EngineError, match="exited with code"):  # raised: the partition task is retried
+            self.runner.run(self.engine.generate(request("after-death")), 60)
+        self.runner.run(self.engine.shutdown(), 120)  # returns once the whole group is gone
+        with pytest.raises(ProcessLookupError):
+            os.killpg(group, 0)
+        assert server.log_path.exists()  # a server that died keeps its log (messages point to it)
+        server.log_path.unlink()
+
+
+def test_managed_launch_failure_quotes_the_server_log() -> None:
+    from daskgen.engines.openai import OpenAIEngine
+
+    engine = OpenAIEngine("/nonexistent/daskgen-model", managed=True, server_start_timeout_s=300)
+    with pytest.raises(EngineError) as info:
+        asyncio.run(engine.start())
+    message = str(info.value)
+    assert "exited with code" in message and "last lines of its log" in message, message
+    assert "/nonexistent/daskgen-model" in message, message
+    engine._server.log_path.unlink()  # kept on failure for the user to read
+
+
+# --------------------------------------------------------------------------- a whole run, server killed mid-run
+
+
+def _server_processes(model: str) -> list[Any]:
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = proc.info.get("cmdline") or []
+        if "sglang.launch_server" in cmdline and model in cmdline:
+            found.append(proc)
+    return found
+
+
+def _wait_for_server(model: str, exclude: set[int], timeout: float = 600) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fresh = [p for p in _server_processes(model) if p.pid not in exclude]
+        if fresh:
+            return fresh[0]
+        time.sleep(0.5)
+    raise AssertionError("no managed sglang server appeared")
+
+
+def _wait_for_commits(store: Path, at_least: int, timeout: float = 900) -> None:
+    """Wait until the run has committed ``at_least`` prompts (read while it writes)."""
+    import xarray as xr
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):  # not created yet, or being written
+            if int((xr.open_zarr(store).status.values == 1).sum()) >= at_least:
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"the run committed fewer than {at_least} prompts within {timeout} s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_run_with_managed_server_survives_its_death(tmp_path: Path) -> None:
+    """``daskgen run --engine openai`` (managed): the server is killed mid-run, the plugin restarts the
+    engine (a new server), the partition is retried, and the run ends with every prompt done."""
+    import xarray as xr
+
+    from tests.conftest import popen_cli, write_prompts
+
+    model = str(shutil.copytree(tiny_model(), tmp_path / "model"))  # its own path: other servers here use tiny_model()
+    prompts = write_prompts(tmp_path / "p.jsonl", 16)
+    out = tmp_path / "out.zarr"
+    run = popen_cli("run", "--prompts", prompts, "--model", model, "--store", out, "--engine", "openai",
+                    "--engine-arg", "managed=true", "--n-samples", "2", "--max-new-tokens", "192",
+                    "--temperature", "0", "--partition-size", "4", "--max-retries", "3",
+                    env={"TMPDIR": str(tmp_path)})  # the killed server's log stays in tmp_path
+    try:
+        first = _wait_for_server(model, set())
+        assert first.parent().pid != os.getpid(), "found a server of this test process, not of the run"
+        _wait_for_commits(out, 4)  # the first partition is done, the next ones are being generated
+        first.kill()
+        second = _wait_for_server(model, {first.pid})
+        output, _ = run.communicate(timeout=900)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode == 0, output[-5000:]
+    assert "16 done, 0 failed, 0 pending of 16 prompts" in output, output[-5000:]
+    assert (xr.open_zarr(out).status.values == 1).all()
+    assert second.pid != first.pid and not second.is_running(), "the restarted server outlived the run"

@@ -1,0 +1,508 @@
+"""The ``openai`` engine against a real OpenAI-compatible server: ``transformers serve`` on loopback.
+
+``transformers serve`` (transformers 5.23, FastAPI + uvicorn) runs the project's tiny Llama on the
+CPU, offline, from a local folder.  It has no token endpoints, so the engine takes the
+re-tokenizing completions path.  One server is shared by the whole module; the tests that kill
+a server start their own.
+
+Two tests put a **test double** in front of the real server: :class:`FlakyProxy`, a tiny stdlib
+reverse proxy that answers 429 a given number of times and checks the bearer token (``transformers
+serve`` has no API-key option).  Everything it does not refuse reaches the real server unchanged.
+
+The SGLang-native path and managed mode are tested against the real sglang server in
+``tests/test_engine_http_sglang.py`` (the sglang lane).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import functools
+import http.server
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("httpx")
+pytest.importorskip("tenacity")
+pytest.importorskip("transformers")
+for _module in ("fastapi", "uvicorn", "openai"):  # what `transformers serve` needs (transformers[serving])
+    pytest.importorskip(_module, reason="`transformers serve` needs transformers[serving] (fastapi, uvicorn, openai)")
+
+from daskgen.engines import create_engine  # noqa: E402
+from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams  # noqa: E402
+from daskgen.engines.http_server import free_port, redact_url, server_flags, split_base_url  # noqa: E402
+from daskgen.engines.openai import (  # noqa: E402
+    OpenAIEngine,
+    _apply_limits,
+    native_payload,
+    native_result,
+    openai_payload,
+)
+from daskgen.errors import ConfigError, EngineError  # noqa: E402
+from daskgen.testing.conformance import EngineConformance, EventLoopThread  # noqa: E402
+
+SECRET = "sk-daskgen-planted-secret-8d1f0c"
+KEY_ENV = "DASKGEN_TEST_OPENAI_KEY"
+PROMPT = [1, 504, 3458, 282, 4649, 314]
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_model() -> str:
+    """The project's tiny Llama with the real SmolLM2 tokenizer, in a temporary folder."""
+    from daskgen.models import build_tiny_model
+
+    folder = tempfile.mkdtemp(prefix="daskgen-openai-tiny-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return str(build_tiny_model(Path(folder) / "tiny", seed=0))
+
+
+def request(rid: str, prompt: list[int] | None = None, **params: Any) -> GenerationRequest:
+    return GenerationRequest(rid, list(prompt or PROMPT), SamplingParams(**{"max_new_tokens": 8,
+                                                                           "temperature": 0.0, **params}))
+
+
+# --------------------------------------------------------------------------- servers
+
+
+class ServeProcess:
+    """``transformers serve MODEL`` on a loopback port, in its own process group."""
+
+    def __init__(self, model: str, port: int | None = None) -> None:
+        self.model = model
+        self.port = port or free_port()
+        self.process: subprocess.Popen | None = None
+        self.log = Path(tiny_model()).parent / f"transformers-serve-{self.port}.log"  # removed with the model
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 240.0) -> ServeProcess:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", self.model, "--host", "127.0.0.1",
+               "--port", str(self.port), "--device", "cpu", "--log-level", "warning"]
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.3)
+        self.stop()
+        raise AssertionError(f"transformers serve did not start within {timeout} s:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop (or with SIGKILL: kill) the server's process group and reap it."""
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, sig)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+        self.process = None
+
+
+@functools.lru_cache(maxsize=1)
+def shared_server() -> ServeProcess:
+    """The module's ``transformers serve`` (stopped by the module fixture below, or at exit)."""
+    server = ServeProcess(tiny_model()).start()
+    atexit.register(server.stop)
+    return server
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_shared_server():
+    yield
+    if shared_server.cache_info().currsize:
+        shared_server().stop()
+        shared_server.cache_clear()
+
+
+class FlakyProxy:
+    """TEST DOUBLE: a stdlib reverse proxy in front of a real server.
+
+    It answers ``429 Too Many Requests`` (``Retry-After: 0``) to the next ``fail_next`` POSTs and,
+    with ``require_key``, ``401`` to requests whose bearer token is not that key; everything
+    else is forwarded to ``upstream`` unchanged (bodies are buffered, streams included).
+    """
+
+    def __init__(self, upstream: str, require_key: str | None = None) -> None:
+        self.upstream = upstream
+        self.require_key = require_key
+        self.fail_next = 0
+        self.refused = 0
+        self.forwarded = 0
+        self.seen_auth: list[str | None] = []
+        self._lock = threading.Lock()
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _verdict(self, method: str, auth: str | None) -> int | None:
+        with self._lock:
+            self.seen_auth.append(auth)
+            if self.require_key is not None and auth != f"Bearer {self.require_key}":
+                return 401
+            if method == "POST" and self.fail_next > 0:
+                self.fail_next -= 1
+                self.refused += 1
+                return 429
+            self.forwarded += 1
+            return None
+
+    def _handler(self) -> type[http.server.BaseHTTPRequestHandler]:
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:  # quiet
+                pass
+
+            def do_GET(self) -> None:
+                self._relay("GET")
+
+            def do_POST(self) -> None:
+                self._relay("POST")
+
+            def _relay(self, method: str) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length") or 0)) if method == "POST" else None
+                status = proxy._verdict(method, self.headers.get("authorization"))
+                if status is not None:
+                    payload = json.dumps({"error": {"message": "refused by the test proxy"}}).encode()
+                    self._send(status, "application/json", payload, {"Retry-After": "0"} if status == 429 else {})
+                    return
+                forward = urllib.request.Request(proxy.upstream + self.path, data=body, method=method,
+                                                 headers={"content-type": "application/json"})
+                try:
+                    with urllib.request.urlopen(forward, timeout=120) as response:
+                        self._send(response.status, response.headers.get("content-type", ""), response.read())
+                except urllib.error.HTTPError as exc:
+                    self._send(exc.code, exc.headers.get("content-type", ""), exc.read())
+
+            def _send(self, status: int, content_type: str, payload: bytes, extra: dict | None = None) -> None:
+                self.send_response(status)
+                self.send_header("content-type", content_type)
+                self.send_header("content-length", str(len(payload)))
+                for key, value in (extra or {}).items():
+                    self.send_header(key, value)
+                self.end_headers()
+                self.wfile.write(payload)
+
+        return Handler
+
+
+def started(**engine_args: Any) -> tuple[OpenAIEngine, EventLoopThread]:
+    """A started engine (and the loop it lives on) for the tiny model."""
+    runner = EventLoopThread()
+    engine = OpenAIEngine(tiny_model(), **engine_args)
+    try:
+        runner.run(engine.start(), 300)
+    except BaseException:
+        runner.close()
+        raise
+    return engine, runner
+
+
+def stop(engine: OpenAIEngine, runner: EventLoopThread) -> None:
+    try:
+        runner.run(engine.shutdown(), 60)
+    finally:
+        runner.close()
+
+
+# --------------------------------------------------------------------------- pure unit tests
+
+
+def test_registered_and_args_are_checked() -> None:
+    engine = create_engine("openai", "/m", base_url="http://127.0.0.1:1/v1")
+    assert isinstance(engine, OpenAIEngine) and not engine.supports_seed
+    h = "http://h"
+    bad = [
+        ({}, "base_url"),
+        ({"base_url": "localhost:80"}, "base_url"),
+        ({"base_url": h, "api": "x"}, "api"),
+        ({"base_url": h, "managed": True}, "not both"),
+        ({"managed": True, "server_args": {"port": 1}}, "port"),
+        ({"managed": True, "server_args": {"api_key": "x"}}, "api_key"),
+        ({"managed": True, "api_key_env": "K"}, "no API key"),
+        ({"base_url": h, "server_args": {"tp_size": 2}}, "managed"),
+        ({"base_url": h, "max_retries": -1}, "max_retries"),
+        ({"base_url": h, "timeout_s": 0}, "timeout_s"),
+        ({"base_url": h, "bogus": 1}, "bogus"),
+    ]
+    for args, needle in bad:
+        with pytest.raises(ConfigError, match=needle):
+            OpenAIEngine("/m", **args)
+
+
+def test_a_key_given_as_api_key_env_is_not_echoed() -> None:
+    with pytest.raises(ConfigError) as info:
+        OpenAIEngine("/m", base_url="http://h", api_key_env=SECRET)
+    assert SECRET not in str(info.value) and "NAME of an environment variable" in str(info.value)
+
+
+def test_native_payload_and_result_mapping() -> None:
+    req = request("r", max_new_tokens=5, top_k=0, stop_token_ids=(9, 3, 9), seed=7, logprobs=True)
+    body = native_payload(req, "r#1", {"sampling_params": {"min_p": 0.1}, "custom": 1})
+    assert body == {"input_ids": PROMPT, "rid": "r#1", "return_logprob": True, "stream": False, "custom": 1,
+                    "sampling_params": {"max_new_tokens": 5, "temperature": 0.0, "top_p": 1.0, "top_k": -1,
+                                        "stop_token_ids": [3, 9], "sampling_seed": 7, "min_p": 0.1}}
+    for kind, reason in [("stop", FinishReason.STOP), ("length", FinishReason.LENGTH), ("abort", FinishReason.ABORT),
+                         ("weird", FinishReason.ERROR)]:
+        out = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": kind}, "prompt_tokens": 6,
+                                                   "output_token_logprobs": [[-0.5, 5, None], [-1.5, 6, None]]}}
+        result = native_result(req, out)
+        assert (result.output_ids, result.finish_reason, result.logprobs) == ([5, 6], reason, [-0.5, -1.5])
+        assert (result.error is None) == (reason != FinishReason.ERROR)
+    assert native_result(req, {"output_ids": [5], "meta_info": {}}).finish_reason == FinishReason.ERROR
+    assert native_result(req, {"detail": "nope"}).error
+
+
+def test_openai_payload() -> None:
+    req = request("r", max_new_tokens=5, top_k=20, seed=3, logprobs=True)
+    path, body = openai_payload("completions", "m", "hi", req, {"skip_special_tokens": False})
+    assert path == "/v1/completions" and body["prompt"] == "hi" and body["logprobs"] == 1
+    assert body["max_tokens"] == 5 and body["top_k"] == 20 and body["seed"] == 3 and body["stream"] is True
+    assert body["skip_special_tokens"] is False
+    path, body = openai_payload("chat", "m", "hi", request("r"), {})
+    assert path == "/v1/chat/completions" and body["messages"] == [{"role": "user", "content": "hi"}]
+    assert "logprobs" not in body and "top_k" not in body and "seed" not in body
+
+
+def test_retokenized_limits() -> None:
+    stop = request("r", max_new_tokens=4, stop_token_ids=(7,))
+    assert _apply_limits([5, 7, 8], [-1.0, -2.0, -3.0], FinishReason.LENGTH, stop) == (
+        [5, 7], [-1.0, -2.0], FinishReason.STOP)
+    assert _apply_limits([5, 6, 8, 9, 10], None, FinishReason.LENGTH, stop) == ([5, 6, 8, 9], None,
+                                                                                 FinishReason.LENGTH)
+    assert _apply_limits([5, 6], None, FinishReason.STOP, stop) == ([5, 6], None, FinishReason.STOP)
+
+
+def test_url_helpers() -> None:
+    assert split_base_url("http://h:1/v1/") == ("http://h:1", "http://h:1/v1")
+    assert split_base_url("https://h") == ("https://h", "https://h/v1")
+    assert redact_url("http://user:pw@h:1/v1") == "http://h:1/v1"
+    assert server_flags({"tp_size": 2, "enable_x": True, "off": False, "none": None, "ids": [1, 2],
+                         "cfg": {"a": 1}}) == ["--tp-size", "2", "--enable-x", "--ids", "1", "2", "--cfg", '{"a": 1}']
+
+
+def test_server_down_at_start_is_a_clear_error() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    engine = OpenAIEngine("/m", base_url=url)
+    started_at = time.monotonic()
+    with pytest.raises(EngineError) as info:
+        asyncio.run(engine.start())
+    message = str(info.value)
+    assert url in message and "Check that it is running" in message, message
+    assert time.monotonic() - started_at < 30
+    result = asyncio.run(engine.generate(request("late")))
+    assert result.finish_reason == FinishReason.ERROR and "not running" in result.error
+
+
+# --------------------------------------------------------------------------- the real server: conformance
+
+
+class TestTransformersServeConformance(EngineConformance):
+    """The shared suite through the completions path of ``transformers serve`` (re-tokenized).
+
+    Checks that cannot apply to such a server are overridden below, each saying why.
+    """
+
+    engine_class = OpenAIEngine
+    timeout_s = 180.0
+    probe_max_new_tokens = 32
+    probe_prompts = 8
+    long_max_new_tokens = 512
+    concurrency = 16
+
+    @classmethod
+    def setup_class(cls) -> None:
+        cls.model = tiny_model()
+        cls.engine_args = {"base_url": shared_server().url, "max_retries": 1, "backoff_s": 0.1}
+        super().setup_class()
+
+    def test_detects_completions_and_says_retokenized(self) -> None:
+        info = self.engine.describe()
+        assert info["api"] == "completions" and info["retokenized"] is True, info
+        result = self.run(self.one(self.request("meta", 1, max_new_tokens=4)))
+        assert result.meta["retokenized"] is True
+
+    def test_logprobs(self) -> None:
+        """Not applicable as written: ``transformers serve`` returns no logprobs.
+
+        What the engine guarantees instead: one NaN per token, flagged in ``meta``, same tokens.
+        """
+        plain = self.run(self.one(self.request("lp-off", 5, max_new_tokens=12)))
+        with_lp = self.run(self.one(self.request("lp-on", 5, max_new_tokens=12, logprobs=True)))
+        assert plain.logprobs is None and with_lp.output_ids == plain.output_ids
+        assert len(with_lp.logprobs) == len(with_lp.output_ids) and all(math.isnan(x) for x in with_lp.logprobs)
+        assert with_lp.meta["logprobs"] == "unavailable"
+
+    def test_length_cap(self) -> None:
+        """Weakened: re-tokenizing N generated tokens' text can give fewer than N tokens.
+
+        So a ``LENGTH`` result may be shorter than ``max_new_tokens``; it is never longer.
+        """
+        requests = [self.request(f"cap-{i}", i, max_new_tokens=4) for i in range(8)]
+        results = self.run(self.generate_all(requests))
+        for result in results:
+            assert result.error is None and len(result.output_ids) <= 4, result
+            assert result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH), result
+        assert any(r.finish_reason == FinishReason.LENGTH for r in results)
+
+    def test_results_arrive_as_each_finishes(self) -> None:
+        """Not applicable: ``transformers serve`` (without --continuous-batching) runs one request at a
+        time, so a short request waits behind a long one on the server.  The engine's side (concurrent
+        requests, each returning when its own stream ends) is checked against sglang."""
+        pytest.skip("transformers serve generates one request at a time (server property)")
+
+
+def test_chat_api_round_trip() -> None:
+    engine, runner = started(base_url=shared_server().url + "/v1", api="chat")
+    try:
+        assert engine.describe()["api"] == "chat"
+        result = runner.run(engine.generate(request("chat", max_new_tokens=6)), 120)
+        assert result.error is None and 0 < len(result.output_ids) <= 6 and result.meta["retokenized"]
+    finally:
+        stop(engine, runner)
+
+
+def test_wrong_model_name_fails_at_start() -> None:
+    with pytest.raises(EngineError) as info:
+        started(base_url=shared_server().url, model_name="no-such-model")
+    assert "no-such-model" in str(info.value) and "pinned" in str(info.value), info.value
+
+
+@pytest.mark.slow
+def test_daskgen_run_through_transformers_serve(tmp_path: Path) -> None:
+    """The real CLI on a LocalCluster, every worker's engine talking to the shared server."""
+    import xarray as xr
+
+    from tests.conftest import run_cli, write_prompts
+
+    out = tmp_path / "out.zarr"
+    res = run_cli("run", "--prompts", write_prompts(tmp_path / "p.jsonl", 6), "--model", tiny_model(),
+                  "--store", out, "--engine", "openai", "--engine-arg", f"base_url={shared_server().url}/v1",
+                  "--n-samples", "2", "--max-new-tokens", "12", "--partition-size", "3", timeout=400)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "6 done, 0 failed, 0 pending of 6 prompts" in res.stdout, res.stdout
+    ds = xr.open_zarr(out)
+    assert (ds.status.values == 1).all() and (ds.response_length.values >= 1).all()
+    assert (ds.response_length.values <= 12).all()
+
+
+# --------------------------------------------------------------------------- 429, API keys, secrets
+
+
+def test_429_is_retried_then_returned_as_error() -> None:
+    proxy = FlakyProxy(shared_server().url)  # TEST DOUBLE in front of the real server
+    engine, runner = started(base_url=proxy.url, max_retries=3, backoff_s=0.05)
+    try:
+        proxy.fail_next = 3
+        ok = runner.run(engine.generate(request("after-429s")), 120)
+        assert ok.error is None and ok.output_ids and proxy.refused == 3
+        proxy.fail_next = 10
+        failed = runner.run(engine.generate(request("too-many-429s")), 120)
+        assert failed.finish_reason == FinishReason.ERROR and "HTTP 429" in failed.error
+        assert "4 attempts" in failed.error and proxy.refused == 7
+    finally:
+        proxy.fail_next = 0
+        stop(engine, runner)
+        proxy.close()
+
+
+def test_api_key_from_env_and_bad_key(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    proxy = FlakyProxy(shared_server().url, require_key=SECRET)  # TEST DOUBLE checking the bearer token
+    try:
+        monkeypatch.setenv(KEY_ENV, SECRET)
+        engine, runner = started(base_url=proxy.url, api_key_env=KEY_ENV)
+        try:
+            assert runner.run(engine.generate(request("keyed")), 120).error is None
+            runner.run(engine.health(), 120)
+            described = json.dumps(engine.describe())
+            assert KEY_ENV in described and SECRET not in described and SECRET not in repr(engine.engine_args)
+        finally:
+            stop(engine, runner)
+        assert set(proxy.seen_auth) == {f"Bearer {SECRET}"}
+        monkeypatch.setenv(KEY_ENV, "sk-wrong-" + SECRET[::-1])
+        with pytest.raises(EngineError) as wrong:
+            started(base_url=proxy.url, api_key_env=KEY_ENV)
+        assert "HTTP 401" in str(wrong.value) and KEY_ENV in str(wrong.value)
+        assert SECRET not in str(wrong.value) and SECRET[::-1] not in str(wrong.value)
+        monkeypatch.delenv(KEY_ENV)
+        with pytest.raises(EngineError, match=f"{KEY_ENV} .*not set"):
+            started(base_url=proxy.url, api_key_env=KEY_ENV)
+        with pytest.raises(EngineError, match="needs an API key"):
+            started(base_url=proxy.url)
+    finally:
+        proxy.close()
+    assert caplog.records and SECRET not in caplog.text and SECRET[::-1] not in caplog.text
+
+
+# --------------------------------------------------------------------------- a server that dies
+
+
+async def _gather_burst(engine: OpenAIEngine, n: int, tag: str) -> list[Any]:
+    requests = [request(f"{tag}-{i}", [1, 504 + i, 3458, 282], max_new_tokens=48) for i in range(n)]
+    return list(await asyncio.gather(*(engine.generate(r) for r in requests)))
+
+
+def test_zz_server_killed_mid_run() -> None:
+    """Killed mid-run and restarted during the backoff: every request completes after retries.
+
+    Killed for good: requests come back with errors after their retries (nothing is raised) and
+    health() fails, so the plugin would restart the engine.  Runs last: it kills the shared server.
+    """
+    server = shared_server()
+    patient, runner = started(base_url=server.url, max_retries=6, backoff_s=1.0)
+    quick = OpenAIEngine(tiny_model(), base_url=server.url, max_retries=1, backoff_s=0.1)
+    try:
+        runner.run(quick.start(), 120)
+        future = asyncio.run_coroutine_threadsafe(_gather_burst(patient, 8, "survive"), runner.loop)
+        time.sleep(1.0)
+        server.stop(signal.SIGKILL)
+        server.start()  # same port; the retries (after about 1, 2, 4, 8, ... s) span the restart
+        results = future.result(timeout=300)
+        assert all(r.error is None and r.output_ids for r in results), [r.error for r in results]
+        server.stop(signal.SIGKILL)
+        doomed = runner.run(_gather_burst(quick, 4, "doomed"), 120)
+        assert all(r.finish_reason == FinishReason.ERROR and "cannot reach" in r.error and "2 attempts" in r.error
+                   for r in doomed), doomed
+        with pytest.raises(EngineError):
+            runner.run(quick.health(), 120)
+    finally:
+        runner.run(quick.shutdown(), 60)
+        stop(patient, runner)
+        server.stop(signal.SIGKILL)
