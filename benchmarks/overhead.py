@@ -1,0 +1,301 @@
+"""Benchmark 2: pipeline overhead of daskgen around the engine.
+
+Part ``zarr`` — daskgen with an instant engine (``simulated``, ``time_scale=0``) on a LocalCluster vs
+writing the very same arrays straight into a Zarr store with the same layout (same shapes, chunks and
+codecs) from the same number of processes, arrays already in memory.  Rate = generated rows (prompt ×
+sample) per second; MiB/s counts the uncompressed bytes of the data arrays.  daskgen's time runs from
+engines ready to the last commit and includes the instant engine's own CPU work (planning fake tokens),
+the worker-side region building, the Zarr writes, Dask scheduling and the client's commits.
+
+Part ``engine`` — daskgen with the real ``transformers`` engine (one worker) vs the same engine class,
+same settings, driven directly in this process with every request submitted at once: generated tokens
+per second, model load excluded on both sides.  Seeded sampling in this engine does not depend on the
+batch, so both sides generate the same tokens.
+
+    python benchmarks/overhead.py                       # both parts, ~4 minutes on 2 cores
+    python benchmarks/overhead.py --part zarr --prompts 512 --no-record
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import multiprocessing as mp
+import time
+from pathlib import Path
+from typing import Any
+
+import _bench
+import numpy as np
+
+from daskgen.config import RunConfig
+
+MIB = 2**20
+
+
+# --------------------------------------------------------------------------- part zarr
+
+
+def zarr_config(a: argparse.Namespace, store: Path) -> RunConfig:
+    """daskgen settings of the instant-engine run."""
+    return RunConfig(model="simulated-overhead", engine="simulated", store=str(store),
+                     engine_args={"time_scale": 0.0, "length_dist": "lognormal", "length_mean": a.length_mean,
+                                  "length_sigma": 0.8, "max_batch": 256},
+                     n_samples=a.n_samples, max_new_tokens=a.max_new_tokens, max_prompt_tokens=64,
+                     temperature=1.0, seed=0, logprobs=True, partition_size=a.partition_size,
+                     n_workers=a.workers, window=a.window, progress=False)
+
+
+def run_daskgen(config: RunConfig, prompts: list[Any]) -> dict[str, Any]:
+    """``runner.run``; timed from engines ready to the last commit."""
+    from daskgen.runner import run
+
+    with _bench.instrument_run() as marks:
+        summary = run(config, prompts)
+    if not summary.ok:
+        raise SystemExit(f"daskgen run did not finish: {summary.line()}")
+    return {"seconds": marks["generate_s"], "prompts": summary.generated_prompts, "tokens": summary.response_tokens,
+            "partitions": -(-summary.generated_prompts // config.partition_size)}
+
+
+def _direct_writer(src: str, dst: str, starts: list[int], barrier: Any) -> tuple[float, float]:
+    """Child process: load its partitions from ``src`` into memory, wait, then write them into ``dst``."""
+    import zarr
+
+    from daskgen import store
+
+    layout = store.layout_of(store.read_attrs(src))
+    src_group = zarr.open_group(src, mode="r")
+    data = []
+    for start in starts:
+        stop = min(start + layout.partition_size, layout.n_prompts)
+        data.append((start, {name: np.asarray(src_group[name][start:stop]) for name in layout.data_arrays()}))
+    group = zarr.open_group(dst, mode="r+")
+    arrays = {name: group[name] for name in layout.data_arrays()}
+    barrier.wait()
+    t0 = time.perf_counter()
+    for start, region in data:
+        for name, values in region.items():
+            arrays[name][start:start + len(values)] = values
+    return t0, time.perf_counter()
+
+
+def run_direct(src: Path, dst: Path, processes: int) -> dict[str, Any]:
+    """Write every partition of ``src`` into a fresh store of the same layout from ``processes`` processes."""
+    from daskgen import store
+
+    attrs = store.read_attrs(src)
+    layout = store.layout_of(attrs)
+    ids = [str(x) for x in store.read_region(src, 0, layout.n_prompts, ("prompt_id",))["prompt_id"]]
+    store.create(dst, layout, {"benchmark": "direct zarr writes"}, ids)
+    starts = list(layout.partitions())
+    shares = [starts[i::processes] for i in range(processes)]
+    ctx = mp.get_context("spawn")
+    with mp.Manager() as manager:
+        barrier = manager.Barrier(processes)
+        with ctx.Pool(processes) as pool:
+            spans = pool.starmap(_direct_writer, [(str(src), str(dst), s, barrier) for s in shares])
+    seconds = max(e for _, e in spans) - min(s for s, _ in spans)
+    return {"seconds": seconds}
+
+
+def data_bytes(path: Path) -> int:
+    """Uncompressed bytes of the data arrays of a store (what a partition task writes)."""
+    import zarr
+
+    from daskgen import store
+
+    group = zarr.open_group(str(path), mode="r")
+    names = store.layout_of(store.read_attrs(path)).data_arrays()
+    return sum(int(np.prod(group[n].shape)) * group[n].dtype.itemsize for n in names)
+
+
+def engine_cpu_seconds(config: RunConfig, prompts: list[str]) -> float:
+    """CPU seconds the instant simulated engine itself spends planning these requests (in this process)."""
+    from daskgen.engines.simulated import SimulatedArgs, plan_output
+
+    requests = _bench.run_requests(config, prompts)
+    args = SimulatedArgs(**config.engine_args)
+    t0 = time.process_time()
+    for req in requests:
+        plan_output(req, args)
+    return time.process_time() - t0
+
+
+def part_zarr(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
+    """daskgen with an instant engine vs direct Zarr writes of the same arrays."""
+    prompts = [f"Row {i}: summarise document {i * 31 % 997}." for i in range(a.prompts)]
+    config = zarr_config(a, work / "daskgen.zarr")
+    runs = []
+    for rep in range(a.repeats):
+        cfg = zarr_config(a, work / f"daskgen-{rep}.zarr")
+        dg = run_daskgen(cfg, prompts)
+        direct = run_direct(Path(cfg.store), work / f"direct-{rep}.zarr", a.workers)
+        direct1 = run_direct(Path(cfg.store), work / f"direct1-{rep}.zarr", 1)
+        runs.append((dg, direct, direct1))
+        config = cfg
+    rows_total = a.prompts * a.n_samples
+    nbytes = data_bytes(Path(config.store))
+    eng_cpu = engine_cpu_seconds(zarr_config(a, work / "plan.zarr"), prompts)
+    table = []
+    for rep, (dg, direct, direct1) in enumerate(runs):
+        for name, res in ((f"daskgen, {a.workers} workers, instant engine", dg),
+                          (f"direct zarr, {a.workers} processes", direct), ("direct zarr, 1 process", direct1)):
+            table.append([rep + 1, name, res["seconds"], rows_total / res["seconds"], nbytes / MIB / res["seconds"],
+                          direct["seconds"] / res["seconds"]])
+    ratios = [direct["seconds"] / dg["seconds"] for dg, direct, _ in runs]
+    rec.note(f"Part zarr: {a.prompts:,} prompts × {a.n_samples} samples, max_new_tokens {a.max_new_tokens}, "
+             f"lognormal lengths mean {a.length_mean:g}, logprobs on; partitions of {a.partition_size}, window "
+             f"{a.window}; {nbytes / MIB:,.0f} MiB of uncompressed data arrays per store "
+             f"({runs[0][0]['partitions']} partition regions). The instant engine's own CPU work for these requests "
+             f"is {eng_cpu:.1f} s (in daskgen's time, not in the direct writes).")
+    rec.table(["repeat", "writer", "seconds", "rows/s", "MiB/s (uncompressed)", "rate vs direct (same procs)"], table)
+    rec.note(f"**daskgen / direct write rate: {', '.join(f'{r:.2f}' for r in ratios)} (median "
+             f"{float(np.median(ratios)):.2f}; target ≥ 0.8).**")
+
+
+# --------------------------------------------------------------------------- part engine
+
+
+def engine_config(a: argparse.Namespace, model: str, store: Path) -> RunConfig:
+    """daskgen settings of the real-engine run."""
+    in_flight = 2 * a.max_requests
+    window = max(1, -(-in_flight // (a.engine_partition_size * a.engine_samples)))
+    return RunConfig(model=model, engine="transformers", store=str(store), n_samples=a.engine_samples,
+                     engine_args={"device": "cpu", "dtype": "float32", "max_requests_per_batch": a.max_requests,
+                                  "num_threads": a.threads},
+                     max_new_tokens=a.engine_max_new_tokens, max_prompt_tokens=256, temperature=0.7, seed=0,
+                     partition_size=a.engine_partition_size, n_workers=1, window=window, progress=False)
+
+
+async def _direct_engine(model: str, engine_args: dict[str, Any], requests: list[Any]) -> dict[str, Any]:
+    from daskgen.engines.transformers import TransformersEngine
+
+    engine = TransformersEngine(model, **engine_args)
+    await engine.start()
+    await engine.health()
+    try:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(engine.generate(r) for r in requests))
+        seconds = time.perf_counter() - t0
+    finally:
+        await engine.shutdown()
+    errors = [r.error for r in results if r.error]
+    if errors:
+        raise RuntimeError(f"direct engine run failed: {errors[0]}")
+    return {"seconds": seconds, "tokens": sum(len(r.output_ids) for r in results)}
+
+
+def _engine_on_worker(config: RunConfig, requests: list[Any]) -> dict[str, Any]:
+    """The same engine on a daskgen worker (plugin), every request in one Dask task, no runner or store."""
+    from daskgen.cluster import connect, start_engines
+
+    with connect(config) as connection:
+        client = _bench.as_client(connection)
+        start_engines(client, config)
+        t0 = time.perf_counter()
+        lengths = client.submit(_bench.generate_on_worker, requests, pure=False).result()
+        seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "tokens": sum(lengths)}
+
+
+ENGINE_DRIVERS = {
+    "direct": "engine driven directly in this process (all requests at once)",
+    "worker": "same engine on a Dask worker, all requests in one task (no runner, no store)",
+    "daskgen": "daskgen runner, 1 worker",
+}
+
+
+def part_engine(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
+    """daskgen + transformers engine vs the same engine driven directly."""
+    from longtail_real import builtin_prompts
+
+    drivers = [d.strip() for d in a.engine_drivers.split(",") if d.strip()]
+    if drivers[:1] != ["direct"] or set(drivers) - set(ENGINE_DRIVERS):
+        raise SystemExit(f"--engine-drivers must start with 'direct' and use {list(ENGINE_DRIVERS)}")
+    model = a.model or str(__import__("daskgen.models", fromlist=["smollm2_instruct"]).smollm2_instruct())
+    rows = builtin_prompts(a.engine_prompts, seed=1)
+    results: list[dict[str, dict[str, Any]]] = []
+    for rep in range(a.engine_repeats or a.repeats):
+        cfg = engine_config(a, model, work / f"engine-{rep}.zarr")
+        requests = _bench.run_requests(engine_config(a, model, work / f"engine-req-{rep}.zarr"), rows)
+        out: dict[str, dict[str, Any]] = {}
+        for driver in drivers:
+            if driver == "direct":
+                out[driver] = asyncio.run(_direct_engine(model, cfg.engine_args, requests))
+                gc.collect()
+            elif driver == "worker":
+                out[driver] = _engine_on_worker(cfg, requests)
+            else:
+                out[driver] = run_daskgen(cfg, rows)
+        results.append(out)
+    table = []
+    for rep, out in enumerate(results):
+        direct = out["direct"]["tokens"] / out["direct"]["seconds"]
+        for driver, res in out.items():
+            rate = res["tokens"] / res["seconds"]
+            table.append([rep + 1, ENGINE_DRIVERS[driver], res["seconds"], res["tokens"], rate, rate / direct])
+    cfg = engine_config(a, model, work / "x.zarr")
+    rec.note(f"Part engine: {Path(model).name}, {a.engine_prompts} prompts × {a.engine_samples} samples, "
+             f"temperature 0.7 seeded, max_new_tokens {a.engine_max_new_tokens}, float32 CPU, {a.threads} torch "
+             f"thread(s), max_requests_per_batch {a.max_requests}; daskgen partitions of {a.engine_partition_size}, "
+             f"window {cfg.window} (≥ 2 × max_requests_per_batch requests in flight). Model load excluded; drivers "
+             "run one after the other in each repeat.")
+    rec.table(["repeat", "driver", "seconds", "tokens", "tokens/s", "tokens/s vs direct"], table)
+    if "daskgen" in drivers:
+        ratios = [(o["daskgen"]["tokens"] / o["daskgen"]["seconds"]) / (o["direct"]["tokens"] / o["direct"]["seconds"])
+                  for o in results]
+        rec.note(f"**daskgen / direct tokens/s: {', '.join(f'{r:.2f}' for r in ratios)} (median "
+                 f"{float(np.median(ratios)):.2f}; target ≥ 0.95).**")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--part", default="zarr,engine", help="comma-separated: zarr, engine")
+    p.add_argument("--repeats", type=int, default=2, help="side-by-side repeats of each comparison")
+    p.add_argument("--engine-repeats", type=int, default=None, help="repeats of the engine part (default --repeats)")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=8192)
+    p.add_argument("--n-samples", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--length-mean", type=float, default=128.0)
+    p.add_argument("--partition-size", type=int, default=64)
+    p.add_argument("--window", type=int, default=2, help="daskgen partitions in flight per worker")
+    p.add_argument("--model", default=None, help="local HF model folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--engine-prompts", type=int, default=16)
+    p.add_argument("--engine-samples", type=int, default=2)
+    p.add_argument("--engine-max-new-tokens", type=int, default=96)
+    p.add_argument("--engine-partition-size", type=int, default=4)
+    p.add_argument("--max-requests", type=int, default=16, help="engine max_requests_per_batch")
+    p.add_argument("--engine-drivers", default="direct,daskgen",
+                   help="comma-separated, starting with direct: direct, worker (engine on a Dask worker, one task), "
+                        "daskgen")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads, both sides (more than 1 on a shared machine can be many times slower)")
+    _bench.add_common_args(p)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the selected parts, print the tables, append them to the README."""
+    a = parse_args(argv)
+    _bench.quiet_logs()
+    parts = {p.strip() for p in a.part.split(",") if p.strip()}
+    unknown = parts - {"zarr", "engine"}
+    if unknown:
+        raise SystemExit(f"unknown part(s) {sorted(unknown)}; choose from zarr, engine")
+    rec = _bench.Record("Pipeline overhead: daskgen vs direct Zarr writes and vs the engine alone")
+    with _bench.workdir(a.workdir) as work:
+        if "zarr" in parts:
+            part_zarr(a, work, rec)
+        if "engine" in parts:
+            part_engine(a, work, rec)
+    rec.finish(None if a.no_record else a.readme)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,177 @@
+"""Validate the sglang engine on a GPU: raw ``sglang.Engine`` vs daskgen's ``SGLangEngine``.
+
+Both sides get the same token-id prompts and greedy decoding; each side's generated tokens per
+second (model load and a warm-up batch excluded) and their ratio are printed, plus how many
+outputs agree token for token.  The raw side submits all prompts in one ``Engine.generate``
+call (sglang's best case); the daskgen side submits each prompt as its own request through
+:class:`daskgen.engines.sglang.SGLangEngine` (the path a Dask worker uses), all at once.
+The engines run one after the other in this process, so they never share the GPU.
+
+    python benchmarks/validate_gpu.py --model /path/to/hf-model
+    python benchmarks/validate_gpu.py --model M --n-prompts 512 --max-new-tokens 256 \\
+        --engine-arg mem_fraction_static=0.8 --json result.json
+
+``--device cpu`` runs the same comparison on a CPU (for a smoke test of the script only; the
+numbers mean nothing for GPUs).  Exit code 2 when no CUDA GPU is visible and ``--device cuda``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+@dataclass
+class Side:
+    """Measured throughput of one side."""
+
+    name: str
+    requests: int
+    output_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="Hugging Face model folder")
+    parser.add_argument("--n-prompts", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="sglang.Engine option for both sides (VALUE parsed as JSON when it can be)")
+    parser.add_argument("--json", type=Path, help="also write the results to this file")
+    return parser.parse_args(argv)
+
+
+def engine_args(pairs: list[str], device: str) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs as sglang options (VALUE as JSON if it parses), plus the device."""
+    out: dict[str, Any] = {"device": device}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--engine-arg expects KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def make_prompts(model: str, n: int, length: int) -> list[list[int]]:
+    """``n`` deterministic prompts of ``length`` token ids within the model's vocabulary."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    vocab = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size"))
+    low, span = 100, max(1, min(vocab, 32000) - 100)
+    return [[low + (i * 7919 + j * 104729) % span for j in range(length)] for i in range(n)]
+
+
+def full_launch_args(model: str, args: dict[str, Any]) -> dict[str, Any]:
+    """The raw side's ``sglang.Engine`` kwargs: exactly what daskgen would pass."""
+    from daskgen.engines.sglang import check_engine_args, launch_kwargs
+
+    kwargs = launch_kwargs(model, args, cuda_available=args["device"] == "cuda")
+    check_engine_args({k: v for k, v in kwargs.items() if k != "model_path"})
+    return kwargs
+
+
+def run_raw(model: str, args: dict[str, Any], prompts: list[list[int]], warmup: list[list[int]],
+            max_new: int) -> tuple[Side, list[list[int]]]:
+    """Raw ``sglang.Engine``: one batched ``generate`` call."""
+    import sglang
+
+    engine = sglang.Engine(**full_launch_args(model, args))
+    try:
+        params = {"max_new_tokens": max_new, "temperature": 0.0}
+        engine.generate(input_ids=warmup, sampling_params=params)
+        start = time.perf_counter()
+        outputs = engine.generate(input_ids=prompts, sampling_params=params)
+        seconds = time.perf_counter() - start
+    finally:
+        engine.shutdown()
+    tokens = [list(o["output_ids"]) for o in outputs]
+    return Side("raw sglang.Engine", len(prompts), sum(map(len, tokens)), seconds), tokens
+
+
+async def run_daskgen(model: str, args: dict[str, Any], prompts: list[list[int]], warmup: list[list[int]],
+                      max_new: int) -> tuple[Side, list[list[int]]]:
+    """daskgen's ``SGLangEngine``: one request per prompt, all submitted at once."""
+    from daskgen.engines.base import GenerationRequest, SamplingParams
+    from daskgen.engines.sglang import SGLangEngine
+
+    engine = SGLangEngine(model, **args)
+    params = SamplingParams(max_new_tokens=max_new, temperature=0.0)
+
+    async def batch(tag: str, batch_prompts: list[list[int]]) -> list[Any]:
+        requests = [GenerationRequest(f"{tag}-{i}", p, params) for i, p in enumerate(batch_prompts)]
+        return list(await asyncio.gather(*(engine.generate(r) for r in requests)))
+
+    await engine.start()
+    try:
+        await batch("warmup", warmup)
+        start = time.perf_counter()
+        results = await batch("p", prompts)
+        seconds = time.perf_counter() - start
+    finally:
+        await engine.shutdown()
+    errors = [r.error for r in results if r.error]
+    if errors:
+        raise SystemExit(f"daskgen side: {len(errors)} requests failed, e.g. {errors[0]}")
+    tokens = [r.output_ids for r in results]
+    return Side("daskgen SGLangEngine", len(prompts), sum(map(len, tokens)), seconds), tokens
+
+
+def report(raw: Side, ours: Side, agree: int, n: int) -> dict[str, Any]:
+    """Print the comparison and return it as a dict."""
+    ratio = ours.tokens_per_s / raw.tokens_per_s
+    print(f"{'side':<24}{'requests':>10}{'out tokens':>12}{'seconds':>10}{'tok/s':>10}")
+    for side in (raw, ours):
+        print(f"{side.name:<24}{side.requests:>10}{side.output_tokens:>12}{side.seconds:>10.2f}"
+              f"{side.tokens_per_s:>10.1f}")
+    print(f"ratio daskgen/raw tok/s: {ratio:.3f}")
+    print(f"greedy outputs identical on both sides: {agree}/{n}")
+    return {"raw": {**asdict(raw), "tokens_per_s": raw.tokens_per_s},
+            "daskgen": {**asdict(ours), "tokens_per_s": ours.tokens_per_s},
+            "ratio": ratio, "identical_outputs": agree, "prompts": n}
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.device == "cpu":
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("validate_gpu: no CUDA GPU visible (use --device cpu for a smoke test)", file=sys.stderr)
+            return 2
+    args = engine_args(a.engine_arg, a.device)
+    prompts = make_prompts(a.model, a.n_prompts, a.prompt_len)
+    warmup = make_prompts(a.model, a.n_prompts + 8, a.prompt_len)[-8:]
+    raw, raw_tokens = run_raw(a.model, args, prompts, warmup, a.max_new_tokens)
+    ours, our_tokens = asyncio.run(run_daskgen(a.model, args, prompts, warmup, a.max_new_tokens))
+    agree = sum(x == y for x, y in zip(raw_tokens, our_tokens, strict=True))
+    result = report(raw, ours, agree, len(prompts))
+    result.update(model=a.model, max_new_tokens=a.max_new_tokens, prompt_len=a.prompt_len, engine_args=args)
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
