@@ -149,7 +149,10 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
     worker = get_worker()
     plugin = worker.plugins[task.plugin_name]
     agent = create_agent(task.agent, task.model, task.agent_args)
-    region = await asyncio.to_thread(_initial_region, task)
+    # Only a continued partition needs its stored rows before generating; otherwise the padded region
+    # (rows x samples x max_new_tokens, for every data array) is allocated once the results are in,
+    # so partitions waiting in a large in-flight window do not each hold one.
+    region = await asyncio.to_thread(_initial_region, task) if task.continue_partial else None
     prefixes = partial_prefixes(region, task) if task.continue_partial else {}
     handle = EngineHandle(await plugin.get_engine())
     plugin.handles.add(handle)
@@ -164,6 +167,8 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
         plugin.handles.discard(handle)
     rounds = results if task.verify is not None else None
     samples = [t for o in results for t in o.samples] if rounds is not None else results
+    if region is None:
+        region = await asyncio.to_thread(_initial_region, task)
     outcome = fill_region(region, task, samples, rounds)
     if not task.params.logprobs:
         region.pop("logprobs")
