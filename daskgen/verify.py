@@ -18,12 +18,12 @@ import inspect
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from importlib import import_module
 from typing import Any
 
 from daskgen.agents import Trajectory
 from daskgen.engines.base import FinishReason
 from daskgen.errors import ConfigError
+from daskgen.importing import import_object
 
 
 @dataclass(frozen=True)
@@ -60,11 +60,7 @@ class RowOutcome:
 @functools.lru_cache(maxsize=16)
 def load_callable(target: str, what: str) -> Callable[..., Any]:
     """Import ``package.module:function``."""
-    module, _, attr = target.partition(":")
-    try:
-        fn = getattr(import_module(module), attr) if attr else None
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"cannot import {what} {target!r}: {exc}") from exc
+    fn = import_object(target, what)
     if not callable(fn):
         raise ConfigError(f"{what} {target!r} must be 'package.module:function' naming a callable")
     return fn

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from importlib import import_module
 from typing import Any
 
 from daskgen.agents.base import AgentLoop, EngineHandle, SingleTurn, Trajectory
 from daskgen.errors import ConfigError
+from daskgen.importing import import_object
 
 __all__ = ["AgentLoop", "EngineHandle", "SingleTurn", "Trajectory", "create_agent", "resolve_agent_class"]
 
@@ -18,11 +18,7 @@ def resolve_agent_class(spec: str) -> type[AgentLoop]:
     target = _BUILTIN.get(spec, spec)
     if ":" not in target:
         raise ConfigError(f"unknown agent {spec!r}; use one of {sorted(_BUILTIN)} or 'package.module:Class'.")
-    module_name, _, attr = target.partition(":")
-    try:
-        cls = getattr(import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"cannot import agent loop {spec!r}: {exc}") from exc
+    cls = import_object(target, "agent loop")
     if not (isinstance(cls, type) and issubclass(cls, AgentLoop)):
         raise ConfigError(f"agent {spec!r} is not a daskgen.agents.AgentLoop subclass.")
     return cls

@@ -62,8 +62,7 @@ def resolve_parser(spec: str) -> ToolCallParser:
     if spec in PARSERS:
         return PARSERS[spec]()
     if ":" in spec:
-        from importlib import import_module
+        from daskgen.importing import import_object
 
-        module, _, attr = spec.partition(":")
-        return getattr(import_module(module), attr)()
+        return import_object(spec, "tool-call parser")()
     raise ConfigError(f"unknown tool-call parser {spec!r}; use one of {sorted(PARSERS)} or 'package.module:Class'.")

@@ -6,11 +6,11 @@ import asyncio
 import inspect
 import json
 from collections.abc import Callable, Mapping, Sequence
-from importlib import import_module
 from typing import Any
 
 from daskgen.agents.parsers import ToolCall
 from daskgen.errors import ConfigError
+from daskgen.importing import import_object
 
 _REGISTRY: dict[str, Callable[..., Any]] = {}
 
@@ -44,11 +44,7 @@ def _resolve(target: str) -> Callable[..., Any]:
     if ":" not in target:
         raise ConfigError(f"unknown tool {target!r}; registered tools are {sorted(_REGISTRY)}; "
                           "or give 'package.module:function'.")
-    module, _, attr = target.partition(":")
-    try:
-        fn = getattr(import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"cannot import tool {target!r}: {exc}") from exc
+    fn = import_object(target, "tool")
     if not callable(fn):
         raise ConfigError(f"tool {target!r} is not callable")
     return fn

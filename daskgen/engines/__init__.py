@@ -83,11 +83,9 @@ def resolve_engine_class(spec: str) -> type[Engine]:
     """A registered engine name, or ``package.module:Class`` for a user engine."""
     if ":" not in spec:
         return get_engine_class(spec)
-    module_name, _, attr = spec.partition(":")
-    try:
-        cls = getattr(import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise EngineNotFoundError(f"cannot import engine {spec!r} ({exc}); expected 'package.module:Class'.") from exc
+    from daskgen.importing import import_object
+
+    cls = import_object(spec, "engine", EngineNotFoundError)
     if not (isinstance(cls, type) and issubclass(cls, Engine)):
         raise EngineNotFoundError(f"{spec!r} is not a daskgen.engines.Engine subclass.")
     return cls
