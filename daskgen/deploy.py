@@ -635,6 +635,20 @@ def _local_workers(s: ClusterSpec, gpus: int) -> tuple[int, int]:
     return s.get("n_workers", max(1, min(4, cpus // 4))), 0
 
 
+def _keep_glibc_malloc_defaults() -> None:
+    """Stop the nanny from exporting ``MALLOC_TRIM_THRESHOLD_`` to engine workers.
+
+    Dask's default ``distributed.nanny.pre-spawn-environ`` sets ``MALLOC_TRIM_THRESHOLD_=65536``. A fixed
+    threshold turns off glibc's dynamic mmap threshold, so every large tensor buffer of an inference
+    step is mmap'ed and unmapped again: the ``transformers`` engine generated 1.6-1.8x fewer tokens per
+    second on CPU with it (benchmarks/overhead.py, engine part).  Like the daemon setting, nannies read
+    this whenever they (re)start a worker, so it is changed process-wide.
+    """
+    environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ", None) or {})
+    if environ.pop("MALLOC_TRIM_THRESHOLD_", None) is not None:
+        dask.config.set({"distributed.nanny.pre-spawn-environ": environ})
+
+
 def _make_local_cluster(s: ClusterSpec) -> tuple[Any, ClusterInfo]:
     from distributed import LocalCluster
 
@@ -645,6 +659,7 @@ def _make_local_cluster(s: ClusterSpec) -> tuple[Any, ClusterInfo]:
     threads = s.get("threads_per_worker", DEFAULT_THREADS_PER_WORKER if gpus else 2)
     # Read by each Nanny whenever it (re)starts a worker process, so it must stay set globally.
     dask.config.set({"distributed.worker.daemon": False})
+    _keep_glibc_malloc_defaults()
     intra_op = str(max(1, (os.cpu_count() or 1) // n))  # undo the nanny's OMP_NUM_THREADS=1 for CPU engines
     kwargs: dict[str, Any] = {
         "n_workers": n,
