@@ -176,6 +176,7 @@ def plot(path: Path, static: dict[str, Any], dg: dict[str, Any], a: argparse.Nam
     x = np.arange(len(batches))
     ax2.bar(x - 0.2, [b.max() for b in batches], 0.4, label="longest answer (decode steps run)", color="tab:red")
     ax2.bar(x + 0.2, [b.mean() for b in batches], 0.4, label="mean answer", color="tab:blue")
+    ax2.set_xticks(x)
     ax2.set_xlabel("static batch")
     ax2.set_ylabel("tokens")
     ax2.set_title(f"static batches of {a.batch_size}: each runs as long as its longest answer")
