@@ -85,22 +85,6 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
             yield number, row
 
 
-def validate_rows(rows: Sequence[Any], source: str = "input") -> None:
-    """Raise :class:`InputError` listing every malformed row (up to 20)."""
-    if not rows:
-        raise InputError(f"{source} has no prompts; expected at least one row.")
-    errors: list[str] = []
-    seen_ids: dict[str, int] = {}
-    for number, row in enumerate(rows, start=1):
-        errors.extend(f"row {number}: {msg}" for msg in _row_errors(row))
-        if isinstance(row, dict) and row.get("id") is not None:
-            key = str(row["id"])
-            if key in seen_ids:
-                errors.append(f"row {number}: column 'id': duplicate id {key!r} (first at row {seen_ids[key]})")
-            seen_ids.setdefault(key, number)
-    _raise_if(errors, source)
-
-
 def _row_errors(row: Any) -> list[str]:
     if not isinstance(row, dict):
         return [f"expected a JSON object with 'messages' or 'prompt', found {type(row).__name__}"]
@@ -150,15 +134,27 @@ def _raise_if(errors: list[str], source: Any) -> None:
     raise InputError(f"{len(errors)} problem(s) in {source}:\n  {shown}{more}\nFix these rows and rerun.")
 
 
+class _Fingerprint:
+    """Order-sensitive hash of rows, fed one row at a time (one pass over a streamed input)."""
+
+    def __init__(self) -> None:
+        self._digest = hashlib.blake2b(digest_size=16)
+        self.count = 0
+
+    def add(self, row: Any) -> None:
+        self._digest.update(json.dumps(row, sort_keys=True, ensure_ascii=False, default=str).encode() + b"\n")
+        self.count += 1
+
+    def value(self) -> str:
+        return f"blake2b:{self._digest.hexdigest()}:{self.count}"
+
+
 def fingerprint(rows: Iterable[dict[str, Any]]) -> str:
-    """Stable hash of the input's content (order-sensitive)."""
-    digest = hashlib.blake2b(digest_size=16)
-    count = 0
+    """Stable hash of the input's content (order-sensitive); what a resume compares."""
+    digest = _Fingerprint()
     for row in rows:
-        digest.update(json.dumps(row, sort_keys=True, ensure_ascii=False, default=str).encode())
-        digest.update(b"\n")
-        count += 1
-    return f"blake2b:{digest.hexdigest()}:{count}"
+        digest.add(row)
+    return digest.value()
 
 
 def tokenize_rows(rows: Sequence[dict[str, Any]], tokenizer: Any) -> list[list[int]]:
@@ -219,14 +215,14 @@ def scan_prompts(source: str | Path | Sequence[Any], tokenizer: Any, *, max_prom
     are an error unless ``skip_overlong`` (then they are returned to be recorded as failed).
     """
     name = str(source) if isinstance(source, (str, Path)) else "input"
-    digest = hashlib.blake2b(digest_size=16)
+    digest = _Fingerprint()
     errors: list[str] = []
     ids: list[str] = []
     seen: dict[str, int] = {}
     lengths: dict[int, int] = {}
     for number, row in iter_rows(source):
         errors += [f"row {number}: {msg}" for msg in _row_errors(row)]
-        digest.update(json.dumps(row, sort_keys=True, ensure_ascii=False, default=str).encode() + b"\n")
+        digest.add(row)
         key = str(row["id"]) if isinstance(row, dict) and row.get("id") is not None else ""
         if key and key in seen:
             errors.append(f"row {number}: column 'id': duplicate id {key!r} (first at row {seen[key]})")
@@ -241,7 +237,7 @@ def scan_prompts(source: str | Path | Sequence[Any], tokenizer: Any, *, max_prom
     if not ids:
         raise InputError(f"{name} has no prompts; expected at least one row.")
     overlong = check_lengths({i: n for i, n in lengths.items()}, max_prompt_tokens, skip=skip_overlong)
-    return InputScan(source, len(ids), ids, f"blake2b:{digest.hexdigest()}:{len(ids)}", overlong)
+    return InputScan(source, len(ids), ids, digest.value(), overlong)
 
 
 def iter_token_ids(source: str | Path | Sequence[Any], tokenizer: Any, wanted: Iterator[int]) -> Iterator[

@@ -82,11 +82,6 @@ class Plan:
     stopped: str | None = None
     started: float = dataclasses.field(default_factory=time.time)
 
-    def __post_init__(self) -> None:
-        if self.committed_at is None:
-            self.committed_at = store.read_region(self.config.store, 0, self.layout.n_prompts,
-                                                  ("committed_at",))["committed_at"]
-
 
 def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) -> Plan:
     """Validate input and settings, create or check the store, record overlong prompts as failed."""

@@ -149,11 +149,6 @@ def _compressors():
     return [ZstdCodec(level=3)]
 
 
-def exists(path: str | Path) -> bool:
-    """True when ``path`` holds a daskgen store."""
-    return (Path(path) / "zarr.json").is_file() and read_attrs(path) is not None
-
-
 def create(path: str | Path, layout: Layout, attrs: dict[str, Any], prompt_ids: list[str]) -> None:
     """Create an empty store: all arrays, coordinates, attrs and consolidated metadata."""
     zarr = _zarr()

@@ -4,7 +4,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from daskgen.data import check_lengths, fingerprint, iter_token_ids, read_rows, scan_prompts, validate_rows
+from daskgen.data import check_lengths, fingerprint, iter_token_ids, read_rows, scan_prompts
 from daskgen.errors import InputError
 from daskgen.tokenizer import ByteTokenizer
 
@@ -41,7 +41,7 @@ def test_jsonl_and_parquet_read_the_same(tmp_path):
 def test_bad_rows_are_reported_with_row_and_column(tmp_path, rows, fragment):
     path = write_jsonl(tmp_path / "p.jsonl", rows)
     with pytest.raises(InputError) as err:
-        validate_rows(read_rows(path), str(path))
+        scan_prompts(path, ByteTokenizer(), max_prompt_tokens=1000)
     assert fragment in str(err.value)
 
 
@@ -59,7 +59,7 @@ def test_empty_and_missing_files(tmp_path):
 def test_all_errors_reported_together(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": 1}, {"prompt": "ok"}, {"x": 1}])
     with pytest.raises(InputError) as err:
-        validate_rows(read_rows(path), str(path))
+        scan_prompts(path, ByteTokenizer(), max_prompt_tokens=1000)
     assert "2 problem(s)" in str(err.value) and "row 1" in str(err.value) and "row 3" in str(err.value)
 
 

@@ -20,7 +20,22 @@ from daskgen.engines import resolve_engine_class
 from daskgen.engines.base import Engine, GenerationRequest, GenerationResult
 
 
-class RecordingEngine(Engine):
+class _Wrapper(Engine):
+    """Delegates abort/shutdown/health token to the real ``inner`` engine."""
+
+    inner: Engine
+
+    async def abort(self, request_id: str) -> None:
+        await self.inner.abort(request_id)
+
+    async def shutdown(self) -> None:
+        await self.inner.shutdown()
+
+    def health_token_id(self) -> int:
+        return self.inner.health_token_id()
+
+
+class RecordingEngine(_Wrapper):
     """Test double: a real inner engine plus a per-call log and optional poison rows.
 
     Engine args: ``inner`` (engine name), ``log_path`` (file to append request ids to),
@@ -66,17 +81,9 @@ class RecordingEngine(Engine):
             await asyncio.Event().wait()  # never answers
         return await self.inner.generate(request)
 
-    async def abort(self, request_id: str) -> None:
-        await self.inner.abort(request_id)
-
-    async def shutdown(self) -> None:
-        await self.inner.shutdown()
-
-    def health_token_id(self) -> int:
-        return self.inner.health_token_id()
 
 
-class ScriptedToolEngine(Engine):
+class ScriptedToolEngine(_Wrapper):
     """Test double: scripted model text on chosen turns, the real inner engine otherwise.
 
     A tiny random model never emits tool calls, so tests script the assistant text of chosen
@@ -114,11 +121,3 @@ class ScriptedToolEngine(Engine):
         logprobs = [-0.5] * len(ids) if request.params.logprobs else None
         return GenerationResult(request.request_id, ids, finish, logprobs)
 
-    async def abort(self, request_id: str) -> None:
-        await self.inner.abort(request_id)
-
-    async def shutdown(self) -> None:
-        await self.inner.shutdown()
-
-    def health_token_id(self) -> int:
-        return self.inner.health_token_id()
