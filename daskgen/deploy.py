@@ -419,6 +419,8 @@ def _worker_args(s: ClusterSpec, layout: _Layout, lifetime: tuple[int, int] | No
     args = _config_list(s.kind, "worker-extra-args") + s.get("worker_extra_args", [])
     if layout.gpus_per_node and not _has_flag(args, "--resources"):
         args += ["--resources", f"GPU={layout.gpus_per_worker}"]
+    if "daskgen.nanny_preload" not in args:
+        args += ["--preload-nanny", "daskgen.nanny_preload"]  # see daskgen/nanny_preload.py
     if lifetime is not None and not _has_flag(args, "--lifetime"):
         value = f"${{{_LIFETIME_VAR}}}s" if lifetime[1] > 0 else f"{lifetime[0]}s"
         args += ["--lifetime", value]

@@ -116,6 +116,7 @@ def test_slurm_job_script_line_by_line():
     assert arg(cmd, "--local-directory") == "$TMPDIR"
     assert arg(cmd, "--memory-limit") == "111.76GiB"  # job memory split between the 4 workers
     assert "--nanny" in cmd
+    assert arg(cmd, "--preload-nanny") == "daskgen.nanny_preload"  # keeps glibc's malloc defaults
     assert "--lifetime-stagger" not in cmd  # stagger is drawn once per job, in the prologue
 
 
@@ -553,3 +554,30 @@ def test_workers_join_and_retire_mid_run_without_losing_prompts(tmp_path):
     assert (summary.done, summary.failed, summary.pending) == (120, 0, 0)
     pids = {line.split()[1] for line in log.read_text().splitlines()}
     assert len(pids) == 2  # both workers generated
+
+
+@pytest.mark.timeout(180)
+def test_nanny_preload_keeps_glibc_malloc_defaults_in_a_real_worker():
+    """A real nanny started with the preload spawns a worker without ``MALLOC_TRIM_THRESHOLD_``
+    (Dask's default exports it) and with the rest of ``pre-spawn-environ``."""
+    import asyncio
+
+    from distributed import Client, Nanny, Scheduler
+
+    def env() -> tuple[str | None, str | None]:
+        return os.environ.get("MALLOC_TRIM_THRESHOLD_"), os.environ.get("OMP_NUM_THREADS")
+
+    async def main() -> dict:
+        async with Scheduler(dashboard_address=":0") as scheduler:
+            address = scheduler.address
+            async with Nanny(address, nthreads=1, preload_nanny=["daskgen.nanny_preload"]), \
+                    Nanny(address, nthreads=1) as plain, Client(address, asynchronous=True) as client:
+                await client.wait_for_workers(2)
+                found = await client.run(env)
+                return {addr: (v, addr == plain.worker_address) for addr, v in found.items()}
+
+    dask_default = {"MALLOC_TRIM_THRESHOLD_": 65536, "OMP_NUM_THREADS": 1}  # local runs change it process-wide
+    with dask.config.set({"distributed.nanny.pre-spawn-environ": dask_default}):
+        found = asyncio.run(asyncio.wait_for(main(), 120))
+    by_kind = {"plain" if plain else "preloaded": v for v, plain in found.values()}
+    assert by_kind == {"plain": ("65536", "1"), "preloaded": (None, "1")}, found

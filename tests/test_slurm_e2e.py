@@ -77,6 +77,8 @@ def test_slurm_job_runs_one_pinned_worker_per_gpu(tmp_path):
             "job": os.environ.get("SLURM_JOB_ID"),
             "daemon": multiprocessing.current_process().daemon,
             "workers_per_node": os.environ.get("DASKGEN_WORKERS_PER_NODE"),
+            "malloc_trim": os.environ.get("MALLOC_TRIM_THRESHOLD_"),
+            "omp": os.environ.get("OMP_NUM_THREADS"),
         }
 
     def start_child():
@@ -101,6 +103,8 @@ def test_slurm_job_runs_one_pinned_worker_per_gpu(tmp_path):
             assert sorted(p["devices"] for p in pinned.values()) == ["0", "1", "2", "3"]
             assert len({p["job"] for p in pinned.values()}) == 1  # one SLURM job holds all 4 workers
             assert all(p["daemon"] is False and p["workers_per_node"] == "4" for p in pinned.values())
+            # the nanny preload dropped Dask's malloc trim threshold and kept the rest of pre-spawn-environ
+            assert all(p["malloc_trim"] is None and p["omp"] == "1" for p in pinned.values()), pinned
             futures = [client.submit(start_child, pure=False, resources={"GPU": 1}) for _ in range(8)]
             assert client.gather(futures) == [0] * 8
     finally:
