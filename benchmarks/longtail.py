@@ -75,8 +75,10 @@ def prompt_rows(n: int) -> list[str]:
 
 
 def auto_window(a: argparse.Namespace) -> int:
-    """Partitions in flight per worker so that ``in_flight_factor × max_batch`` requests are queued."""
-    return max(1, math.ceil(a.in_flight_factor * a.max_batch / (a.partition_size * a.n_samples)))
+    """The window daskgen's ``window: auto`` picks for this engine (capacity = ``max_batch``)."""
+    from daskgen.plugin import AUTO_MAX_WINDOW, resolve_window
+
+    return resolve_window("auto", a.max_batch, a.partition_size * a.n_samples, AUTO_MAX_WINDOW)
 
 
 def make_config(a: argparse.Namespace, store: Path, window: int) -> RunConfig:
@@ -318,9 +320,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time-scale", type=float, default=0.0115, help="wall seconds per model second")
     p.add_argument("--partition-size", type=int, default=64, help="prompts per daskgen partition")
     p.add_argument("--window", default="auto",
-                   help="daskgen partitions in flight per worker; 'auto' = enough for in_flight_factor × max_batch "
-                        "requests; comma-separated for several streaming runs (e.g. 2,auto)")
-    p.add_argument("--in-flight-factor", type=float, default=8.0)
+                   help="daskgen partitions in flight per worker; 'auto' = daskgen's default (about 8 × max_batch "
+                        "requests); comma-separated for several streaming runs (e.g. 2,auto)")
     p.add_argument("--emulate-windows", default="1,2,4,8,16,32,64",
                    help="windows for the zero-overhead emulation of streaming (cheap)")
     p.add_argument("--sample-period", type=float, default=0.05, help="wall seconds between utilisation samples")

@@ -54,7 +54,8 @@ def run(
     n_workers: Annotated[int | None, Opt(help="LocalCluster workers (default: per GPU, else cores/4).")] = None,
     min_workers: Annotated[int | None, Opt(help="Adaptive scaling lower bound.")] = None,
     max_workers: Annotated[int | None, Opt(help="Adaptive scaling upper bound.")] = None,
-    window: Annotated[int | None, Opt(help="Partitions in flight per worker.")] = None,
+    window: Annotated[str | None, Opt(help="Partitions in flight per worker, or 'auto' (sized from the "
+                                           "engine's batch slots; the default).")] = None,
     max_retries: Annotated[int | None, Opt(help="Retries of a failed partition before its prompts fail.")] = None,
     partition_timeout_s: Annotated[float | None, Opt(help="Treat a partition running longer as hung.")] = None,
     max_prompts_in_memory: Annotated[int | None, Opt(help="Cap on prompts held in memory at once.")] = None,

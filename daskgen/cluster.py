@@ -11,7 +11,7 @@ from typing import Any
 
 from daskgen.config import RunConfig
 from daskgen.errors import EngineError
-from daskgen.plugin import RESOURCE, EnginePlugin, plugin_status
+from daskgen.plugin import AUTO_MAX_WINDOW, RESOURCE, EnginePlugin, plugin_status
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,8 @@ def _make_cluster(config: RunConfig) -> tuple[Any, Any]:
                                max_workers=config.max_workers)
     if spec.get("kind", "local") == "local" and config.n_workers:
         spec["n_workers"] = config.n_workers
-    spec.setdefault("threads_per_worker", config.window + 1)
+    # Task slots per worker: the window (partition tasks are async, an idle slot costs nothing) + 1.
+    spec.setdefault("threads_per_worker", (AUTO_MAX_WINDOW if config.window == "auto" else config.window) + 1)
     cluster, info = make_cluster(spec)
     logger.info("started %s", info)
     return cluster, info
@@ -58,7 +59,8 @@ def start_engines(client: Any, config: RunConfig) -> int:
     Returns the number of workers with a ready engine.  Raises :class:`EngineError` with every
     worker's error when all engines failed, or when none is ready within the timeout.
     """
-    plugin = EnginePlugin(config.engine, str(config.model), config.engine_args, window=config.window)
+    plugin = EnginePlugin(config.engine, str(config.model), config.engine_args, window=config.window,
+                          requests_per_partition=config.partition_size * config.n_samples)
     client.register_plugin(plugin, name=plugin.name)
     deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
     while True:

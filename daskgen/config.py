@@ -63,7 +63,9 @@ class RunConfig:
         Where to run: an existing scheduler, a LocalCluster of ``n_workers``, or a
         ``cluster`` spec for :mod:`daskgen.deploy` (SLURM/PBS via dask-jobqueue).
     window:
-        Partitions in flight per worker.
+        Partitions in flight per worker, or ``"auto"`` (default): enough partitions to keep
+        about 8x the engine's batch slots (:attr:`Engine.capacity`) queued, at least 2 and at
+        most 16 (see :func:`daskgen.plugin.resolve_window`).
     max_prompts_in_memory:
         Cap on prompts held anywhere (client, scheduler, workers) at once; the input is
         streamed, so memory does not grow with its size.
@@ -114,7 +116,7 @@ class RunConfig:
     cluster: dict[str, Any] | None = None
     min_workers: int | None = None
     max_workers: int | None = None
-    window: int = 2
+    window: int | str = "auto"
     max_prompts_in_memory: int = 65536
     max_retries: int = 2
     partition_timeout_s: float | None = None
@@ -129,6 +131,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if isinstance(self.deadline, (int, float)) and not isinstance(self.deadline, bool):
             self.deadline = f"{self.deadline}s"
+        if isinstance(self.window, str) and self.window.strip().isdigit():  # from a CLI flag or YAML string
+            self.window = int(self.window)
         self._check_types()
         self._check_ranges()
         self.deadline_timestamp(0.0)
@@ -211,7 +215,7 @@ class RunConfig:
     def _check_types(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            expected = _expected_type(f.type)
+            expected = None if f.name == "window" else _expected_type(f.type)  # int or "auto": _check_ranges
             if value is None or expected is None:
                 continue
             if expected is float and isinstance(value, int) and not isinstance(value, bool):
@@ -223,8 +227,10 @@ class RunConfig:
                 )
 
     def _check_ranges(self) -> None:
-        positive = ("n_samples", "max_new_tokens", "max_prompt_tokens", "partition_size", "window",
-                    "max_prompts_in_memory")
+        positive = ("n_samples", "max_new_tokens", "max_prompt_tokens", "partition_size", "max_prompts_in_memory")
+        if self.window != "auto" and (not isinstance(self.window, int) or isinstance(self.window, bool)
+                                      or self.window < 1):
+            raise ConfigError(f"setting 'window' must be 'auto' or an integer >= 1, found {self.window!r}.")
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"setting {key!r} must be >= 1, found {getattr(self, key)}.")

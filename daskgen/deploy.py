@@ -372,6 +372,9 @@ def _layout(s: ClusterSpec) -> _Layout:
         workers = s.get("workers_per_node") or dask.config.get(f"jobqueue.{s.kind}.processes", None) or 1
     per_gpu = s.get("cpus_per_gpu") if gpus else None
     cpus = per_gpu * gpus if per_gpu else s.get("cores") or _config_cpus(s.kind)
+    # Task slots are not CPUs (partition tasks are async and wait on the engine): by default a
+    # job asks for at most DEFAULT_THREADS_PER_WORKER CPUs per worker however many slots it runs.
+    cpus = cpus or int(workers) * min(threads, DEFAULT_THREADS_PER_WORKER)
     return _Layout(gpus, per_worker if gpus else 0, int(workers), threads, cpus)
 
 

@@ -243,18 +243,17 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
 
     from daskgen.cluster import start_engines
 
-    n_workers = start_engines(client, plan.config)
+    start_engines(client, plan.config)
     _record_engine(client, plan)
-    in_flight_cap = max(1, plan.config.window * n_workers)
-    if info is not None and info.adaptive:
-        in_flight_cap = max(in_flight_cap, info.in_flight_window)
-    in_flight_cap = max(1, min(in_flight_cap, plan.config.max_prompts_in_memory // plan.layout.partition_size))
+    in_flight_cap, sized_at = in_flight_target(client, plan, info), time.monotonic()
     retry: list[PartitionTask] = []
     ac = as_completed()
     futures: dict[Any, PartitionTask] = {}
     generated = tokens = 0
     with Progress(n_pending, enabled=plan.config.progress) as bar:
         while True:
+            if time.monotonic() - sized_at > CAP_REFRESH_S:  # workers joined, left or restarted
+                in_flight_cap, sized_at = in_flight_target(client, plan, info), time.monotonic()
             while len(futures) < in_flight_cap:
                 task = None if plan.stopped else retry.pop() if retry else next(tasks, None)
                 if task is None:
@@ -284,6 +283,21 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
             if plan.stopped is None and (reason := stop_reason(plan, tokens)):
                 _stop(client, plan, reason, tasks, retry)
     return generated, tokens
+
+
+def in_flight_target(client: Any, plan: Plan, info: Any = None) -> int:
+    """Partitions to keep submitted: the sum of the windows the ready workers advertise (on an
+    adaptive cluster at least enough to make it scale to ``max_workers``), capped by
+    ``max_prompts_in_memory``."""
+    workers = client.scheduler_info(n_workers=-1)["workers"].values()
+    cap = int(sum(w.get("resources", {}).get(RESOURCE, 0) for w in workers))
+    if info is not None and info.adaptive:
+        cap = max(cap, info.in_flight_window)
+    return max(1, min(cap, plan.config.max_prompts_in_memory // plan.layout.partition_size))
+
+
+#: Seconds between re-reading the workers' windows while a run streams.
+CAP_REFRESH_S = 5.0
 
 
 def _check_deadline(client: Any, plan: Plan, tasks: Iterator[PartitionTask], retry: list) -> None:

@@ -174,6 +174,14 @@ class Engine(abc.ABC):
     async def shutdown(self) -> None:
         """Release the model and any processes or threads the engine started."""
 
+    @property
+    def capacity(self) -> int | None:
+        """Requests the engine works on at once (its batch slots), when known after :meth:`start`.
+
+        ``window: auto`` sizes the per-worker in-flight window from it; ``None`` means unknown.
+        """
+        return None
+
     async def health(self) -> None:
         """Raise unless the engine can really generate (generates one token)."""
         params = SamplingParams(max_new_tokens=1, temperature=0.0)

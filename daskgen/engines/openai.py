@@ -409,6 +409,11 @@ class OpenAIEngine(Engine):
 
     # ------------------------------------------------------------------ misc
 
+    @property
+    def capacity(self) -> int:
+        """``max_concurrency``: requests this client keeps open against the server."""
+        return self.args.max_concurrency
+
     def describe(self) -> dict[str, Any]:
         """Engine identity for the store attrs: protocol, server, model, ``retokenized`` (no secrets)."""
         info = super().describe()

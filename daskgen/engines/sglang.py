@@ -819,6 +819,12 @@ class SGLangEngine(Engine):
         context, pool = self._info("context_length"), self._info("max_total_num_tokens")
         return None if context is None else min(context, pool or context)
 
+    @property
+    def capacity(self) -> int | None:
+        """``max_running_requests`` when given in ``engine_args`` (sglang sizes it from its KV pool otherwise)."""
+        value = self.engine_args.get("max_running_requests")
+        return int(value) if isinstance(value, int) and value > 0 else None
+
     def describe(self) -> dict[str, Any]:
         """Engine, model, the ``sglang.Engine`` options used and the model's identity."""
         info = super().describe()

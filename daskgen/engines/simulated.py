@@ -254,6 +254,11 @@ class SimulatedEngine(Engine):
 
     # ------------------------------------------------------------------ lifecycle
 
+    @property
+    def capacity(self) -> int:
+        """``max_batch``: requests stepped together."""
+        return self.args.max_batch
+
     async def start(self) -> None:
         """Nothing to load; marks the engine ready and starts the statistics clock."""
         if self._state == "closed":

@@ -375,9 +375,15 @@ class TransformersEngine(Engine):
         self._eos_ids: frozenset[int] = frozenset()
         self._vocab_size = 0
         self._max_total_tokens = 0
+        self._capacity: int | None = None
         self._state = "new"
 
     # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def capacity(self) -> int | None:
+        """``max_requests_per_batch`` (64 on CPU unless set; transformers decides on GPU: unknown)."""
+        return self._capacity
 
     async def start(self) -> None:
         """Load the model and start the continuous-batching thread (in a worker thread)."""
@@ -405,6 +411,7 @@ class TransformersEngine(Engine):
         self._eos_ids = _eos_ids(self._model)
         self._vocab_size = int(self._model.get_input_embeddings().num_embeddings)
         self._manager = _create_manager(self._model, self._table, args, device)
+        self._capacity = _cb_defaults(args, device)["max_requests_per_batch"]
         self._max_total_tokens = _max_total_tokens(self._manager, config, args)
         self._identity = _identity(self._model, args, device, dtype, self._eos_ids)
         self._manager.start()

@@ -206,6 +206,11 @@ class EngineConformance:
         self.run(self.engine.health())
         self.run(_gather(self.engine.health(), self.engine.health()))
 
+    def test_capacity(self) -> None:
+        """capacity (batch slots, sizes ``window: auto``) is unknown (None) or a positive int."""
+        capacity = self.engine.capacity
+        assert capacity is None or (isinstance(capacity, int) and capacity >= 1), capacity
+
     def test_describe(self) -> None:
         """describe() names the engine, says whether it is simulated and is JSON-serialisable."""
         info = self.engine.describe()
