@@ -263,7 +263,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--length-mean", type=float, default=128.0)
     p.add_argument("--partition-size", type=int, default=64)
-    p.add_argument("--window", type=int, default=2, help="daskgen partitions in flight per worker")
+    p.add_argument("--window", default="auto", help="daskgen partitions in flight per worker (default: daskgen's auto)")
     p.add_argument("--model", default=None, help="local HF model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--engine-prompts", type=int, default=16)
     p.add_argument("--engine-samples", type=int, default=2)

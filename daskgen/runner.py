@@ -141,6 +141,33 @@ def _commit_overlong(plan: Plan) -> None:
         _commit(plan, start, stop, {i: plan.prompts.overlong[i] for i in rows})
 
 
+@dataclass
+class _Outcome:
+    """Rows of one finished partition to commit."""
+
+    start: int
+    stop: int
+    done: list[int]
+    failed: dict[int, str]
+    notes: dict[int, str]
+
+
+def _commit_outcomes(plan: Plan, outcomes: list[_Outcome]) -> None:
+    """Commit finished partitions with one write of ``status`` (and ``error``/``committed_at``) per
+    coarse chunk they fall in, instead of one per partition.
+
+    Rows in between keep their in-memory status (the client is the only writer of ``status``).
+    """
+    groups: dict[int, list[_Outcome]] = {}
+    for o in outcomes:
+        groups.setdefault(o.start // store.COARSE_CHUNK, []).append(o)
+    for group in groups.values():
+        start, stop = min(o.start for o in group), max(o.stop for o in group)
+        failed = {r: m for o in group for r, m in o.failed.items()}
+        notes = {r: m for o in group for r, m in o.notes.items()}
+        _commit(plan, start, stop, failed, done=[r for o in group for r in o.done], notes=notes)
+
+
 def _commit(plan: Plan, start: int, stop: int, failed: dict[int, str], done: Sequence[int] = (),
             notes: dict[int, str] | None = None) -> None:
     """Write error then status for rows of one partition; update the in-memory mask.
@@ -247,7 +274,9 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
     _record_engine(client, plan)
     in_flight_cap, sized_at = in_flight_target(client, plan, info), time.monotonic()
     retry: list[PartitionTask] = []
-    ac = as_completed()
+    # with_results: each result is fetched in the background as its task finishes (fetching it here
+    # with fut.result() cost one worker round trip per partition on the client's critical path).
+    ac = as_completed(with_results=True, raise_errors=False)
     futures: dict[Any, PartitionTask] = {}
     generated = tokens = 0
     with Progress(n_pending, enabled=plan.config.progress) as bar:
@@ -264,22 +293,25 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
             if not futures:
                 break
             plan.peak_prompts = max(plan.peak_prompts, sum(len(t.rows) for t in futures.values()))
-            fut = _next_finished(ac, client, plan.config, plan.lock,
-                                 lambda: _check_deadline(client, plan, tasks, retry))
-            task = futures.pop(fut)
-            result = _collect(fut, task)
-            fut.release()
-            if result is None:  # retried enough as a whole: retry its rows one by one
-                retry.append(dataclasses.replace(task, isolate=True))
-                continue
-            if result.aborted and plan.stopped is None:  # aborted by an engine restart, not by a stop
-                retry.append(_only_rows(task, result.aborted))
-            finished = [r for r in result.rows if r not in result.failed and r not in result.aborted]
-            failed = {r: m for r, m in result.failed.items() if r not in result.aborted}
-            _commit(plan, task.start, task.stop, failed, done=finished, notes=result.notes)
-            generated += len(finished) + len(failed)
-            tokens += result.response_tokens
-            bar.update(len(finished) + len(failed), result.response_tokens, len(failed))
+            first = _next_finished(ac, client, plan.config, plan.lock,
+                                   lambda: _check_deadline(client, plan, tasks, retry))
+            outcomes = []
+            for fut, value in [first, *ac.next_batch(block=False)]:  # commit everything that is ready at once
+                task = futures.pop(fut)
+                result = _collect(fut, value, task)
+                fut.release()
+                if result is None:  # retried enough as a whole: retry its rows one by one
+                    retry.append(dataclasses.replace(task, isolate=True))
+                    continue
+                if result.aborted and plan.stopped is None:  # aborted by an engine restart, not by a stop
+                    retry.append(_only_rows(task, result.aborted))
+                finished = [r for r in result.rows if r not in result.failed and r not in result.aborted]
+                failed = {r: m for r, m in result.failed.items() if r not in result.aborted}
+                outcomes.append(_Outcome(task.start, task.stop, finished, failed, result.notes))
+                generated += len(finished) + len(failed)
+                tokens += result.response_tokens
+                bar.update(len(finished) + len(failed), result.response_tokens, len(failed))
+            _commit_outcomes(plan, outcomes)
             if plan.stopped is None and (reason := stop_reason(plan, tokens)):
                 _stop(client, plan, reason, tasks, retry)
     return generated, tokens
@@ -352,8 +384,13 @@ def _next_finished(ac: Any, client: Any, config: RunConfig, lock: Any = None, de
     from daskgen.cluster import check_engines
 
     last = time.monotonic()
+    wake = getattr(ac, "thread_condition", None)  # notified by as_completed when a future finishes
     while not ac.has_ready():
-        time.sleep(0.02)
+        if wake is None:
+            time.sleep(WAIT_S)
+        else:
+            with wake:
+                wake.wait(WAIT_S)
         if lock is not None:
             lock.heartbeat()
         if deadline_hit is not None:
@@ -365,6 +402,8 @@ def _next_finished(ac: Any, client: Any, config: RunConfig, lock: Any = None, de
 
 
 ENGINE_CHECK_INTERVAL_S = 30.0
+#: Longest wait for a finished partition between lock heartbeats and deadline checks.
+WAIT_S = 0.02
 
 
 def _submit(client: Any, task: PartitionTask, retries: int) -> Any:
@@ -373,10 +412,18 @@ def _submit(client: Any, task: PartitionTask, retries: int) -> Any:
                          resources={RESOURCE: 1}, key=f"daskgen-{mode}-{task.start}-{time.time_ns()}")
 
 
-def _collect(fut: Any, task: PartitionTask) -> PartitionResult | None:
-    """The partition's result; ``None`` to retry it row by row; all rows failed if that failed too."""
+def _collect(fut: Any, value: Any, task: PartitionTask) -> PartitionResult | None:
+    """The partition's result; ``None`` to retry it row by row; all rows failed if that failed too.
+
+    ``value`` is what ``as_completed(with_results=True, raise_errors=False)`` gave: the result, the
+    ``(type, exception, traceback)`` of a failed task, or the exception of a cancelled one.
+    """
     try:
-        return fut.result()
+        if fut.status == "error":
+            raise value[1]
+        if not isinstance(value, PartitionResult):
+            raise RuntimeError(f"task ended {fut.status!r}: {value!r}")
+        return value
     except StoreWriteError:
         raise  # the disk is the problem, not the prompts: stop the run, keep what is committed
     except Exception as exc:

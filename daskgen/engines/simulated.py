@@ -146,7 +146,7 @@ def plan_output(request: GenerationRequest, args: SimulatedArgs) -> _Plan:
     else:
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         key = [_prompt_digest(request.prompt_ids), 1, int(seed < 0), abs(seed)]
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(key)))
+    rng = np.random.default_rng(key)
     natural = _natural_length(rng, args)
     n = min(natural, params.max_new_tokens)
     tokens = rng.integers(0, args.vocab_size, size=n)
@@ -161,7 +161,7 @@ def plan_output(request: GenerationRequest, args: SimulatedArgs) -> _Plan:
         out, finish = out[: cut + 1], FinishReason.STOP
     logprobs = None
     if params.logprobs:
-        fake = np.random.Generator(np.random.PCG64(np.random.SeedSequence([*key, 2])))
+        fake = np.random.default_rng([*key, 2])  # its own stream: a shorter cap gives a prefix
         logprobs = (-5.0 * fake.random(len(out))).tolist()
     return _Plan(out, finish, logprobs)
 

@@ -1,0 +1,522 @@
+"""Launching and owning the in-process ``sglang.Engine`` behind :class:`~daskgen.engines.sglang.SGLangEngine`.
+
+:mod:`daskgen.engines.sglang` is the public engine module (its docstring explains the design);
+this module holds the machinery underneath:
+
+* the ``sglang.Engine`` keyword arguments (:func:`launch_kwargs`, :data:`CPU_DEFAULTS`) and
+  their validation against sglang's ``ServerArgs`` (:func:`check_engine_args`);
+* :class:`_Backend`: the ``sglang.Engine`` created on, and driven from, its own thread and event
+  loop (``daskgen-sglang``), the monitor of sglang's subprocesses, request bookkeeping (rids,
+  abort), and a shutdown that kills exactly the processes this engine launched, stops sglang's
+  watchdog, closes its ZeroMQ sockets and removes its ``atexit`` hook;
+* the process-wide ``SIGQUIT`` handler (:func:`install_sigquit_handler`) that turns a failing
+  sglang subprocess's signal into a crash check of every live backend instead of process death.
+
+Import the public names (and ``_BACKENDS``) from :mod:`daskgen.engines.sglang`, which
+re-exports them.  Records are logged under ``daskgen.engines.sglang``.  Heavy imports (sglang,
+torch, psutil, zmq) happen inside functions only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
+import difflib
+import itertools
+import logging
+import os
+import signal
+import threading
+import weakref
+from collections.abc import Coroutine, Mapping
+from typing import Any, TypeVar
+
+from daskgen.errors import ConfigError
+
+__all__ = [
+    "CPU_DEFAULTS",
+    "check_engine_args",
+    "install_sigquit_handler",
+    "launch_kwargs",
+    "server_arg_names",
+]
+
+# The engine's logger, so log configuration and records are the same as before the module split.
+logger = logging.getLogger("daskgen.engines.sglang")
+
+_T = TypeVar("_T")
+
+#: ``sglang.Engine`` options filled in on CPU when ``engine_args`` does not set them.  float32
+#: matches the ``transformers`` engine's CPU default (sglang's ``auto`` would pick float16).
+CPU_DEFAULTS: dict[str, Any] = {"attention_backend": "torch_native", "dtype": "float32", "max_total_tokens": 16384}
+
+_MODEL_PATH_ERROR = "sglang engine: give the model as daskgen's `model`, not as engine_args['model_path']"
+_MONITOR_INTERVAL = 0.5
+_ABORT_WAIT = 2.0
+_STOP_TIMEOUT = 60.0
+_LAUNCH_WAIT = 900.0
+
+
+# --------------------------------------------------------------------------- engine args
+
+
+def server_arg_names() -> list[str]:
+    """Names of the keyword arguments ``sglang.Engine`` accepts (its ``ServerArgs`` fields).
+
+    Imports sglang (a few seconds); set ``SGLANG_USE_CPU_ENGINE`` before calling on a CPU.
+    """
+    import msgspec
+    from sglang.srt.server_args import ServerArgs
+
+    return sorted(f.name for f in msgspec.structs.fields(ServerArgs) if not f.name.startswith("_"))
+
+
+def check_engine_args(engine_args: Mapping[str, Any], valid: list[str] | None = None) -> None:
+    """Raise :class:`ConfigError` for keys of ``engine_args`` that sglang does not know.
+
+    ``valid`` defaults to :func:`server_arg_names` (which imports sglang).  The message suggests
+    close matches and lists every valid name.
+    """
+    if "model_path" in engine_args:
+        raise ConfigError(_MODEL_PATH_ERROR)
+    names = server_arg_names() if valid is None else valid
+    unknown = sorted(set(engine_args) - set(names))
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
+        hints.append(f"{key!r} (did you mean {' or '.join(map(repr, close))}?)" if close else repr(key))
+    raise ConfigError(
+        f"sglang engine: unknown engine_args {', '.join(hints)}. engine_args are passed to "
+        f"sglang.Engine(...) and must be sglang ServerArgs fields; valid names are: {', '.join(names)}"
+    )
+
+
+def launch_kwargs(model: str, engine_args: Mapping[str, Any], cuda_available: bool) -> dict[str, Any]:
+    """The keyword arguments for ``sglang.Engine``: ``engine_args`` plus daskgen's defaults.
+
+    The device is ``engine_args['device']`` or, when absent, ``cuda`` if available else
+    ``cpu``; on CPU the :data:`CPU_DEFAULTS` fill options ``engine_args`` leaves unset.
+    """
+    kwargs = dict(engine_args)
+    kwargs["model_path"] = model
+    device = kwargs.get("device") or ("cuda" if cuda_available else "cpu")
+    kwargs["device"] = device
+    if _is_cpu(device):
+        for key, value in CPU_DEFAULTS.items():
+            kwargs.setdefault(key, value)
+    return kwargs
+
+
+def _is_cpu(device: str) -> bool:
+    return str(device).split(":", 1)[0] == "cpu"
+
+
+# --------------------------------------------------------------------------- SIGQUIT from sglang children
+
+_BACKENDS: weakref.WeakSet[_Backend] = weakref.WeakSet()
+_previous_sigquit: Any = None
+_sigquit_installed = False
+
+
+def _on_sigquit(signum: int, frame: Any) -> None:
+    """Handle the SIGQUIT a failing sglang subprocess sends its parent: check, do not die."""
+    logger.error("SIGQUIT received (an sglang subprocess reports a failure); checking the sglang engines")
+    for backend in list(_BACKENDS):
+        backend.poke()
+
+
+def install_sigquit_handler() -> bool:
+    """Make SIGQUIT from a failing sglang subprocess mark the engine crashed instead of killing us.
+
+    Installed once per process; only possible on the main thread (returns False elsewhere).
+    :meth:`SGLangEngine.start` calls it; call it yourself from the main thread when engines are
+    started on another thread (e.g. a test's background event loop).
+    """
+    global _previous_sigquit, _sigquit_installed
+    if _sigquit_installed:
+        return True
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    _previous_sigquit = signal.signal(signal.SIGQUIT, _on_sigquit)
+    _sigquit_installed = True
+    return True
+
+
+def _restore_sigquit_handler() -> None:
+    """Give SIGQUIT back its previous handler once no engine is alive (main thread only)."""
+    global _sigquit_installed
+    if not _sigquit_installed or len(_BACKENDS) or threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGQUIT, _previous_sigquit if _previous_sigquit is not None else signal.SIG_DFL)
+    _sigquit_installed = False
+
+
+# --------------------------------------------------------------------------- the engine's thread
+
+
+class _Crashed(Exception):
+    """The sglang engine's subprocesses died."""
+
+
+class _Closed(Exception):
+    """The engine was shut down while the request was in flight."""
+
+
+class _Backend:
+    """A ``sglang.Engine`` plus the thread and event loop that own it."""
+
+    def __init__(self, kwargs: dict[str, Any]) -> None:
+        self.kwargs = kwargs
+        self.engine: Any = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.problem: str | None = None
+        self.closing = False
+        self.info: dict[str, Any] = {}
+        self.tasks: dict[str, asyncio.Task[Any]] = {}
+        self.rids: dict[str, set[str]] = {}
+        self._ids = itertools.count()
+        self._children: list[Any] = []
+        self._submitted: set[concurrent.futures.Future[Any]] = set()
+        self._lock = threading.Lock()
+        self._launched: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._launch_done = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="daskgen-sglang", daemon=True)
+
+    # ---- lifecycle (called from outside the engine's thread)
+
+    def launch(self) -> concurrent.futures.Future[None]:
+        """Start the thread; the future resolves once ``sglang.Engine`` is up."""
+        self._thread.start()
+        return self._launched
+
+    def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
+        """Run ``coro`` on the engine's loop; shutdown resolves it with :class:`_Closed` if it never ran."""
+        with self._lock:
+            if self.closing or self.loop is None or self.loop.is_closed():
+                coro.close()
+                raise _Closed("the sglang engine is shut down")
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            self._submitted.add(future)
+        future.add_done_callback(self._forget)
+        return future
+
+    def _forget(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._submitted.discard(future)
+
+    def poke(self) -> None:
+        """Ask the monitor to check the subprocesses now (thread- and signal-safe enough)."""
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._check_children)
+
+    def stop(self) -> None:
+        """Blocking: stop the loop and thread, kill exactly this engine's processes."""
+        with self._lock:
+            self.closing = True
+        _BACKENDS.discard(self)
+        if self._thread.is_alive():
+            self._launch_done.wait(_LAUNCH_WAIT)
+        engine = self.engine
+        if engine is not None:
+            _stop_watchdog(engine)
+        loop = self.loop
+        if loop is not None and self._thread.is_alive():
+            try:
+                loop.call_soon_threadsafe(self._cancel_all)
+                loop.call_soon_threadsafe(loop.stop)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+            self._thread.join(timeout=_STOP_TIMEOUT)
+        self._fail_unstarted()
+        _kill(self._children)
+        self._children = []
+        self.engine = None
+        if engine is not None:
+            _release(engine)
+
+    def _fail_unstarted(self) -> None:
+        """Resolve submissions the stopped loop never ran, so no caller waits forever."""
+        with self._lock:
+            pending = list(self._submitted)
+        for future in pending:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                future.set_exception(_Closed("the sglang engine was shut down"))
+
+    # ---- the engine's thread
+
+    def _main(self) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self.loop = loop
+        try:
+            self._create_engine()
+        except BaseException as exc:
+            _drain(loop)
+            _close_sockets(self.engine)
+            loop.close()
+            self._launch_done.set()
+            _settle(self._launched, exc)
+            return
+        self._launch_done.set()
+        monitor = loop.create_task(self._monitor())
+        _settle(self._launched, None)
+        try:
+            if not self.closing:
+                loop.run_forever()
+        finally:
+            monitor.cancel()
+            _drain(loop)  # cancels sglang's own tasks too, before their sockets close under them
+            _close_sockets(self.engine)
+            loop.close()
+
+    def _create_engine(self) -> None:
+        import psutil
+
+        _prepare_environment(self.kwargs["device"])
+        import sglang
+
+        check_engine_args({k: v for k, v in self.kwargs.items() if k != "model_path"})
+        before = {p.pid for p in psutil.Process().children()}
+        try:
+            self.engine = sglang.Engine(**self.kwargs)
+        except BaseException:
+            _kill(_new_sglang_children(before, []))
+            raise
+        self._children = _new_sglang_children(before, _child_pids(self.engine))
+        self.info = _engine_info(self.engine, sglang.__version__)
+
+    async def _monitor(self) -> None:
+        while self.problem is None:
+            await asyncio.sleep(_MONITOR_INTERVAL)
+            self._check_children()
+
+    def _check_children(self) -> None:
+        if self.problem is not None or self.closing or self.engine is None:
+            return
+        problem = _dead_child(self._children)
+        if problem is None:
+            return
+        self.problem = problem
+        logger.error("sglang engine crashed: %s", problem)
+        self._cancel_all()
+
+    def _cancel_all(self) -> None:
+        for task in list(self.tasks.values()):
+            task.cancel()
+
+    # ---- coroutines that run on the engine's loop
+
+    async def generate(self, request_id: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``async_generate`` for one request, tracked so that a crash, abort or shutdown can end it.
+
+        sglang's ``rid`` is ``request_id`` plus a counter: the same daskgen request id may be in
+        flight twice (e.g. two concurrent health checks), and sglang refuses duplicate rids.
+        """
+        self._raise_if_unusable()
+        rid = f"{request_id}#{next(self._ids)}"
+        task = asyncio.ensure_future(self.engine.async_generate(rid=rid, **kwargs))
+        self.tasks[rid] = task
+        self.rids.setdefault(request_id, set()).add(rid)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            self._raise_if_unusable()
+            self._abort_now(rid)  # the caller gave up: stop the request inside sglang too
+            raise
+        finally:
+            self.tasks.pop(rid, None)
+            self._forget_rid(request_id, rid)
+
+    def _forget_rid(self, request_id: str, rid: str) -> None:
+        rids = self.rids.get(request_id)
+        if rids is not None:
+            rids.discard(rid)
+            if not rids:
+                del self.rids[request_id]
+
+    def _raise_if_unusable(self) -> None:
+        if self.closing:
+            raise _Closed("the sglang engine was shut down")
+        if self.problem is not None:
+            raise _Crashed(self.problem)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort every in-flight request of ``request_id``, waiting briefly for new ones to register."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _ABORT_WAIT
+        pending = set(self.rids.get(request_id, ()))
+        while pending and self.engine is not None:
+            for rid in list(pending):
+                if rid not in self.tasks:
+                    pending.discard(rid)
+                elif rid in self.engine.tokenizer_manager.rid_to_state:
+                    self._abort_now(rid)
+                    pending.discard(rid)
+            if not pending or loop.time() > deadline:
+                return
+            await asyncio.sleep(0.005)
+
+    def _abort_now(self, rid: str) -> None:
+        if self.engine is not None and self.problem is None and not self.closing:
+            self.engine.tokenizer_manager.abort_request(rid=rid)
+
+    async def memory(self, release: bool) -> None:
+        """Release (``True``) or resume GPU memory occupation."""
+        from sglang.srt.managers.io_struct import (
+            ReleaseMemoryOccupationReqInput,
+            ResumeMemoryOccupationReqInput,
+        )
+
+        manager = self.engine.tokenizer_manager
+        if release:
+            await manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(), None)
+        else:
+            await manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(), None)
+
+
+def _settle(future: concurrent.futures.Future[None], exc: BaseException | None) -> None:
+    """Resolve ``future`` unless the caller already cancelled it."""
+    try:
+        if exc is None:
+            future.set_result(None)
+        else:
+            future.set_exception(exc)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+def _prepare_environment(device: str) -> None:
+    """Environment sglang reads at import and passes to its subprocesses."""
+    os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+    if _is_cpu(device):
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+
+
+def _child_pids(engine: Any) -> list[int]:
+    try:
+        return list(engine.get_all_child_pids())
+    except Exception:  # an attribute of sglang's internals; the process names suffice
+        return []
+
+
+def _new_sglang_children(before: set[int], known: list[int]) -> list[Any]:
+    """Children of this process started by sglang since ``before`` (not Python's helpers)."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process().children():
+        try:
+            if proc.pid not in before and (proc.pid in known or proc.name().startswith("sglang")):
+                found.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _dead_child(children: list[Any]) -> str | None:
+    import psutil
+
+    for proc in children:
+        try:
+            alive = proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            alive = False
+        if not alive:
+            return f"sglang subprocess {proc.pid} exited"
+    return None
+
+
+def _kill(children: list[Any]) -> None:
+    """SIGKILL ``children`` and their descendants and wait for them."""
+    import psutil
+
+    victims = []
+    for proc in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            victims.extend(proc.children(recursive=True))
+        victims.append(proc)
+    for proc in victims:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    _, alive = psutil.wait_procs(victims, timeout=_STOP_TIMEOUT)
+    if alive:
+        logger.warning("sglang processes still alive after SIGKILL: %s", [p.pid for p in alive])
+
+
+def _stop_watchdog(engine: Any) -> None:
+    """Stop sglang's subprocess watchdog so killing the children does not SIGQUIT us."""
+    watchdog = getattr(getattr(engine, "tokenizer_manager", None), "_subprocess_watchdog", None)
+    if watchdog is not None:
+        try:
+            watchdog.stop()
+        except Exception:
+            logger.warning("stopping sglang's subprocess watchdog failed", exc_info=True)
+
+
+def _release(engine: Any) -> None:
+    """Drop sglang's atexit hook: it would kill every child of this process at exit."""
+    atexit.unregister(engine.shutdown)
+
+
+def _close_sockets(engine: Any) -> None:
+    """Close the ZeroMQ sockets of ``engine`` and its tokenizer manager without lingering.
+
+    With sglang's subprocesses gone, a socket holding unsent messages would make the garbage
+    collection of its context (``zmq.Context.term``) block forever, e.g. at interpreter exit.
+    """
+    if engine is None:
+        return
+    import zmq
+
+    owners = [engine, getattr(engine, "tokenizer_manager", None)]
+    for owner in owners:
+        for value in list(vars(owner).values()) if owner is not None else ():
+            if isinstance(value, zmq.Socket) and not value.closed:
+                try:
+                    value.close(linger=0)
+                except Exception:
+                    logger.debug("closing an sglang socket failed", exc_info=True)
+
+
+def _drain(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel what is left on the engine's loop and let it finish."""
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+
+
+def _engine_info(engine: Any, version: str) -> dict[str, Any]:
+    """Model limits and identity read from a launched ``sglang.Engine``."""
+    import torch
+
+    config = engine.tokenizer_manager.model_config
+    context = int(config.context_len)
+    try:  # the scheduler's report (KV pool size, longest prompt); private in sglang 0.5.23
+        scheduler = dict(engine._scheduler_init_result.scheduler_infos[0])
+    except (AttributeError, IndexError, TypeError):
+        scheduler = {}
+    eos = getattr(config, "hf_eos_token_id", None) or set()
+    return {
+        "context_length": context,
+        "vocab_size": int(config.vocab_size),
+        "max_total_num_tokens": int(scheduler.get("max_total_num_tokens") or context),
+        "max_req_input_len": int(scheduler.get("max_req_input_len") or context),
+        "eos_token_ids": sorted(int(t) for t in eos),
+        "bos_token_id": getattr(getattr(config, "hf_text_config", None), "bos_token_id", None),
+        "dtype": str(config.dtype).removeprefix("torch."),
+        "sglang_version": version,
+        "torch_version": torch.__version__,
+    }
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())

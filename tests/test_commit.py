@@ -1,0 +1,47 @@
+"""Batched commits: every partition that is ready is committed with one write per coarse chunk."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from daskgen import store
+from daskgen.config import RunConfig
+from daskgen.runner import Plan, _commit_outcomes, _Outcome
+
+
+@pytest.fixture
+def plan(tmp_path, monkeypatch):
+    monkeypatch.setattr(store, "COARSE_CHUNK", 16)  # small coarse chunks: 4 partitions of 4 rows each
+    layout = store.Layout(n_prompts=40, n_samples=1, max_prompt_tokens=4, max_new_tokens=4, partition_size=4,
+                          pad_token_id=0)
+    path = tmp_path / "s.zarr"
+    store.create(path, layout, {}, [f"r{i}" for i in range(40)])
+    config = RunConfig(model="m", store=str(path))
+    return Plan(config, None, layout, store.read_status(path), committed_at=np.full(40, np.nan))
+
+
+def test_outcomes_in_one_or_several_coarse_chunks_are_committed_exactly(plan):
+    path = plan.config.store
+    plan.status[8] = store.FAILED  # failed in an earlier run; not in this batch: kept with its message
+    store.commit(path, 8, plan.status[8:9], ["old failure"], None)
+    outcomes = [
+        _Outcome(0, 4, done=[0, 1, 3], failed={2: "bad prompt"}, notes={}),
+        _Outcome(12, 16, done=[12, 13, 14, 15], failed={}, notes={13: "verifier raised"}),
+        _Outcome(20, 24, done=[21], failed={}, notes={}),  # rows 20, 22, 23 aborted: stay pending
+        _Outcome(36, 40, done=[36, 37, 38, 39], failed={}, notes={}),
+    ]
+    _commit_outcomes(plan, outcomes)
+    status = store.read_status(path)
+    expected = np.full(40, store.PENDING, dtype=status.dtype)
+    expected[[0, 1, 3, 12, 13, 14, 15, 21, 36, 37, 38, 39]] = store.DONE
+    expected[[2, 8]] = store.FAILED
+    np.testing.assert_array_equal(status, expected)
+    np.testing.assert_array_equal(plan.status, expected)
+    errors = [str(e) for e in store.read_region(path, 0, 40, ("error",))["error"]]
+    assert errors[2] == "bad prompt" and errors[8] == "old failure" and errors[13] == "verifier raised"
+    assert all(errors[i] == "" for i in range(40) if i not in (2, 8, 13))
+    committed = store.read_region(path, 0, 40, ("committed_at",))["committed_at"]
+    now = expected != store.PENDING
+    now[8] = False  # committed earlier (without a time): untouched
+    assert np.isfinite(committed[now]).all() and np.isnan(committed[~now]).all()
