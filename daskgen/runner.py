@@ -26,6 +26,7 @@ from daskgen.errors import StoreWriteError
 from daskgen.partition import PartitionResult, PartitionTask, run_partition
 from daskgen.plugin import RESOURCE
 from daskgen.progress import Progress
+from daskgen.scan_cache import load_scan, save_scan, scan_key
 from daskgen.tokenizer import load_tokenizer, tokenizer_identity
 
 logger = logging.getLogger(__name__)
@@ -90,18 +91,22 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     if source is None:
         config.require("prompts")
     tokenizer = load_tokenizer(config.model, config.engine, config.engine_args)
-    pset = scan_prompts(source, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
-                        skip_overlong=config.skip_overlong)
+    stored = store.read_attrs(config.store)
+    key = scan_key(source, tokenizer_identity(tokenizer), config.max_prompt_tokens, config.skip_overlong)
+    pset = load_scan(config.store, key, source) if stored is not None else None
+    if pset is None:
+        pset = scan_prompts(source, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
+                            skip_overlong=config.skip_overlong)
     wanted = _store_attrs(config, pset, tokenizer)
     agent = create_agent(config.agent, str(config.model), config.agent_args)
     layout = store.Layout(len(pset), config.n_samples, config.max_prompt_tokens, config.max_new_tokens,
                           config.partition_size, int(tokenizer.pad_token_id), agent.max_trajectories,
                           scored=config.verify_policy() is not None)
-    stored = store.read_attrs(config.store)
     if stored is None:
         store.create(config.store, layout, wanted, pset.ids)
     else:
         store.check_compatible(config.store, stored, wanted)
+    save_scan(config.store, key, pset)
     eos = tokenizer.eos_token_id
     return Plan(config, pset, layout, store.read_status(config.store), () if eos is None else (int(eos),),
                 tokenizer=tokenizer)

@@ -1,0 +1,83 @@
+"""A resumed run reuses the input scan of an unchanged file; any change makes it scan again."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from daskgen import runner
+from daskgen.config import RunConfig
+from daskgen.errors import StoreMismatchError
+from daskgen.scan_cache import CACHE_NAME
+from tests.conftest import write_prompts
+
+
+def _config(tmp_path, prompts, **extra):
+    return RunConfig(model="sim", engine="simulated", prompts=str(prompts), store=str(tmp_path / "s.zarr"),
+                     max_new_tokens=8, max_prompt_tokens=64, partition_size=4, **extra)
+
+
+@pytest.fixture
+def scans(monkeypatch):
+    """Count real scans of the input."""
+    calls = []
+    real = runner.scan_prompts
+
+    def counting(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "scan_prompts", counting)
+    return calls
+
+
+def test_unchanged_input_is_not_scanned_again(tmp_path, scans):
+    prompts = write_prompts(tmp_path / "p.jsonl", 10)
+    first = runner.prepare(_config(tmp_path, prompts))
+    assert len(scans) == 1 and (tmp_path / "s.zarr" / CACHE_NAME).is_file()
+    second = runner.prepare(_config(tmp_path, prompts))
+    assert len(scans) == 1  # reused
+    assert (second.prompts.n_rows, second.prompts.fingerprint) == (first.prompts.n_rows, first.prompts.fingerprint)
+    assert list(runner.pending_rows(second)) == list(runner.pending_rows(first))
+
+
+def test_a_changed_file_is_scanned_and_still_refused(tmp_path, scans):
+    prompts = write_prompts(tmp_path / "p.jsonl", 10)
+    runner.prepare(_config(tmp_path, prompts))
+    text = prompts.read_text()
+    prompts.write_text(text.replace("Question 3:", "Question 9:"))  # same size, other content
+    os.utime(prompts, ns=(os.stat(prompts).st_atime_ns, os.stat(prompts).st_mtime_ns + 10**9))
+    with pytest.raises(StoreMismatchError, match="fingerprint"):
+        runner.prepare(_config(tmp_path, prompts))
+    assert len(scans) == 2
+
+
+def test_other_scan_settings_or_in_memory_input_scan_again(tmp_path, scans):
+    prompts = write_prompts(tmp_path / "p.jsonl", 10)
+    runner.prepare(_config(tmp_path, prompts, skip_overlong=True))
+    runner.prepare(_config(tmp_path, prompts))  # skip_overlong is part of the key
+    assert len(scans) == 2
+    rows = [json.loads(line) for line in prompts.read_text().splitlines()]
+    runner.prepare(_config(tmp_path, prompts), rows)
+    runner.prepare(_config(tmp_path, prompts), rows)
+    assert len(scans) == 4
+
+
+def test_overlong_rows_survive_the_cache(tmp_path, scans):
+    prompts = write_prompts(tmp_path / "p.jsonl", 6)
+    with prompts.open("a") as fh:
+        fh.write(json.dumps({"prompt": "word " * 200, "id": "long"}) + "\n")
+    first = runner.prepare(_config(tmp_path, prompts, skip_overlong=True))
+    second = runner.prepare(_config(tmp_path, prompts, skip_overlong=True))
+    assert len(scans) == 1 and list(first.prompts.overlong) == [6]
+    assert second.prompts.overlong == first.prompts.overlong
+
+
+def test_a_corrupt_cache_file_means_a_rescan(tmp_path, scans):
+    prompts = write_prompts(tmp_path / "p.jsonl", 5)
+    runner.prepare(_config(tmp_path, prompts))
+    (tmp_path / "s.zarr" / CACHE_NAME).write_text("{not json")
+    runner.prepare(_config(tmp_path, prompts))
+    assert len(scans) == 2
