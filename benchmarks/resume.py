@@ -9,8 +9,9 @@ by 11k client commits, and data chunks stay unwritten: finding the pending set r
 * **store level** — what a resume needs from the store: read the attrs, compare them with the run's,
   read the ``status`` mask, list the pending rows and the partitions that have any;
 * **xarray** — ``daskgen.open_store(path).status`` loaded and counted (a user checking progress);
-* **runner level** — ``runner.prepare`` on the same input (reads, validates and tokenizes every prompt,
-  fingerprints the input, then the store part) and ``runner.pending_tasks``.
+* **runner level** — ``runner.prepare`` on the same, unchanged input (reuses the scan the first run stored),
+  and again after ``touch``-ing it (reads, validates and tokenizes every prompt, fingerprints the input,
+  then the store part), and ``runner.pending_tasks``.
 
 Part ``crash`` — the real CLI (``python -m daskgen run``) with the ``simulated`` engine wrapped in
 daskgen's labelled test double ``RecordingEngine`` (it logs every generate call), killed with SIGKILL
@@ -129,8 +130,12 @@ def part_pending(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     med, first, (n_pending, n_parts) = median_time(lambda: store_level_pending(store_path, wanted), a.repeats)
     xmed, xfirst, x_pending = median_time(lambda: xarray_pending(store_path), a.repeats)
     t0 = time.perf_counter()
-    plan = prepare(config)
+    prepare(config)  # unchanged input: the scan stored by the first prepare is reused
     t_prepare = time.perf_counter() - t0
+    os.utime(prompts)  # a touched input is scanned again
+    t0 = time.perf_counter()
+    plan = prepare(config)
+    t_rescan = time.perf_counter() - t0
     t0 = time.perf_counter()
     next(iter(pending_tasks(plan)))
     t_first = time.perf_counter() - t0
@@ -149,8 +154,10 @@ def part_pending(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     rec.table(["step", "median s", "first call s", f"target ≤ {a.target_ms:g} ms"], [
         ["store level: attrs check + status read + pending rows/partitions", med, first, med * 1000 <= a.target_ms],
         ["xarray: open_store(path).status == 0", xmed, xfirst, xmed * 1000 <= a.target_ms],
-        [f"runner.prepare on the {a.prompts:,}-row input (reads, validates, tokenizes, fingerprints it; "
-         "then the store part)", t_prepare, t_prepare, t_prepare * 1000 <= a.target_ms],
+        [f"runner.prepare, unchanged {a.prompts:,}-row input (stored scan reused; then the store part)",
+         t_prepare, t_prepare, t_prepare * 1000 <= a.target_ms],
+        ["runner.prepare after `touch`-ing the input (reads, validates, tokenizes, fingerprints it; then the store "
+         "part)", t_rescan, t_rescan, t_rescan * 1000 <= a.target_ms],
         ["runner.pending_tasks: first partition task ready", t_first, t_first, None],
         ["runner.pending_tasks: all partition tasks built (re-reads and tokenizes pending rows)", t_tasks, t_tasks,
          None],

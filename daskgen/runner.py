@@ -20,6 +20,7 @@ import numpy as np
 
 from daskgen import store
 from daskgen.agents import create_agent
+from daskgen.completions import Completions
 from daskgen.config import RunConfig
 from daskgen.data import InputScan, iter_token_ids, scan_prompts
 from daskgen.errors import StoreWriteError
@@ -106,7 +107,7 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
         store.create(config.store, layout, wanted, pset.ids)
     else:
         store.check_compatible(config.store, stored, wanted)
-    save_scan(config.store, key, pset)
+    save_scan(config.store, key, pset, source)
     eos = tokenizer.eos_token_id
     return Plan(config, pset, layout, store.read_status(config.store), () if eos is None else (int(eos),),
                 tokenizer=tokenizer)
@@ -271,19 +272,17 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
     At most ``window`` partitions per ready worker are in flight (or, on an adaptive cluster,
     enough to keep ``max_workers`` busy so the cluster scales up).
     """
-    from distributed import as_completed
-
-    from daskgen.cluster import start_engines
+    from daskgen.cluster import check_engines, start_engines
 
     start_engines(client, plan.config)
     _record_engine(client, plan)
-    in_flight_cap, sized_at = in_flight_target(client, plan, info), time.monotonic()
+    in_flight_cap = in_flight_target(client, plan, info)
     retry: list[PartitionTask] = []
-    # with_results: each result is fetched in the background as its task finishes (fetching it here
-    # with fut.result() cost one worker round trip per partition on the client's critical path).
-    ac = as_completed(with_results=True, raise_errors=False)
+    done = Completions(on_wait=lambda: _housekeeping(client, plan, tasks, retry),
+                       check_engines=lambda: check_engines(client, plan.config))
     futures: dict[Any, PartitionTask] = {}
     generated = tokens = 0
+    sized_at = time.monotonic()
     with Progress(n_pending, enabled=plan.config.progress) as bar:
         while True:
             if time.monotonic() - sized_at > CAP_REFRESH_S:  # workers joined, left or restarted
@@ -294,29 +293,31 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
                     break
                 fut = _submit(client, task, plan.config.max_retries)
                 futures[fut] = task
-                ac.add(fut)
+                done.add(fut)
             if not futures:
                 break
             plan.peak_prompts = max(plan.peak_prompts, sum(len(t.rows) for t in futures.values()))
-            first = _next_finished(ac, client, plan.config, plan.lock,
-                                   lambda: _check_deadline(client, plan, tasks, retry))
-            outcomes = []
-            for fut, value in [first, *ac.next_batch(block=False)]:  # commit everything that is ready at once
-                task = futures.pop(fut)
-                result = _collect(fut, value, task)
-                fut.release()
-                if result is None:  # retried enough as a whole: retry its rows one by one
-                    retry.append(dataclasses.replace(task, isolate=True))
-                    continue
-                if result.aborted and plan.stopped is None:  # aborted by an engine restart, not by a stop
-                    retry.append(_only_rows(task, result.aborted))
-                finished = [r for r in result.rows if r not in result.failed and r not in result.aborted]
-                failed = {r: m for r, m in result.failed.items() if r not in result.aborted}
-                outcomes.append(_Outcome(task.start, task.stop, finished, failed, result.notes))
-                generated += len(finished) + len(failed)
-                tokens += result.response_tokens
-                bar.update(len(finished) + len(failed), result.response_tokens, len(failed))
-            _commit_outcomes(plan, outcomes)
+            outcomes: list[_Outcome] = []
+            try:
+                for fut, value in done.wait(list(futures), CAP_REFRESH_S):  # all that are ready: one commit
+                    task = futures.pop(fut, None)
+                    if task is None:  # delivered late after being fetched directly
+                        continue
+                    result = _collect(fut, value, task)
+                    fut.release()
+                    if result is None:  # retried enough as a whole: retry its rows one by one
+                        retry.append(dataclasses.replace(task, isolate=True))
+                        continue
+                    if result.aborted and plan.stopped is None:  # aborted by an engine restart, not by a stop
+                        retry.append(_only_rows(task, result.aborted))
+                    finished = [r for r in result.rows if r not in result.failed and r not in result.aborted]
+                    failed = {r: m for r, m in result.failed.items() if r not in result.aborted}
+                    outcomes.append(_Outcome(task.start, task.stop, finished, failed, result.notes))
+                    generated += len(finished) + len(failed)
+                    tokens += result.response_tokens
+                    bar.update(len(finished) + len(failed), result.response_tokens, len(failed))
+            finally:  # a StoreWriteError stops the run: what finished before it is still committed
+                _commit_outcomes(plan, outcomes)
             if plan.stopped is None and (reason := stop_reason(plan, tokens)):
                 _stop(client, plan, reason, tasks, retry)
     return generated, tokens
@@ -337,8 +338,10 @@ def in_flight_target(client: Any, plan: Plan, info: Any = None) -> int:
 CAP_REFRESH_S = 5.0
 
 
-def _check_deadline(client: Any, plan: Plan, tasks: Iterator[PartitionTask], retry: list) -> None:
-    """While waiting for partitions: stop the run the moment the deadline passes."""
+def _housekeeping(client: Any, plan: Plan, tasks: Iterator[PartitionTask], retry: list) -> None:
+    """While waiting for partitions: renew the store lock; stop the run the moment the deadline passes."""
+    if plan.lock is not None:
+        plan.lock.heartbeat()
     deadline = plan.config.deadline_timestamp(plan.started)
     if plan.stopped is None and deadline is not None and time.time() >= deadline:
         _stop(client, plan, f"deadline {plan.config.deadline} reached", tasks, retry)
@@ -384,33 +387,6 @@ def _record_engine(client: Any, plan: Plan) -> None:
         store.update_attrs(plan.config.store, engine=redact(described[0]))
 
 
-def _next_finished(ac: Any, client: Any, config: RunConfig, lock: Any = None, deadline_hit: Any = None) -> Any:
-    """Next finished future; meanwhile check every 30 s that some engine can still take work."""
-    from daskgen.cluster import check_engines
-
-    last = time.monotonic()
-    wake = getattr(ac, "thread_condition", None)  # notified by as_completed when a future finishes
-    while not ac.has_ready():
-        if wake is None:
-            time.sleep(WAIT_S)
-        else:
-            with wake:
-                wake.wait(WAIT_S)
-        if lock is not None:
-            lock.heartbeat()
-        if deadline_hit is not None:
-            deadline_hit()
-        if time.monotonic() - last > ENGINE_CHECK_INTERVAL_S:
-            check_engines(client, config)
-            last = time.monotonic()
-    return next(ac)
-
-
-ENGINE_CHECK_INTERVAL_S = 30.0
-#: Longest wait for a finished partition between lock heartbeats and deadline checks.
-WAIT_S = 0.02
-
-
 def _submit(client: Any, task: PartitionTask, retries: int) -> Any:
     mode = "isolated" if task.isolate else "partition"
     return client.submit(run_partition, task, pure=False, retries=0 if task.isolate else retries,
@@ -424,8 +400,10 @@ def _collect(fut: Any, value: Any, task: PartitionTask) -> PartitionResult | Non
     ``(type, exception, traceback)`` of a failed task, or the exception of a cancelled one.
     """
     try:
-        if fut.status == "error":
+        if fut.status == "error" and isinstance(value, tuple):
             raise value[1]
+        if isinstance(value, Exception):
+            raise value
         if not isinstance(value, PartitionResult):
             raise RuntimeError(f"task ended {fut.status!r}: {value!r}")
         return value

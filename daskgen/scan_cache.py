@@ -3,9 +3,11 @@
 Starting a run reads, validates, tokenizes and fingerprints every prompt (``data.scan_prompts``):
 about 15 s per million short prompts, all before any engine works.  A resumed run on the same
 file needs none of it: the scan's result (row count, fingerprint, overlong rows) is written next
-to the store's metadata, keyed by the file's path, size, modification time and inode, the
-tokenizer's identity and the settings that change the scan.  Any change to the file (or
-``touch``-ing it) makes the next run scan it again.  In-memory inputs are always scanned.
+to the store's metadata, keyed by the file's path, size, modification and change times, inode and
+device, the tokenizer's identity and the settings that change the scan.  Any write to the file
+(even one that restores its modification time) or ``touch``-ing it makes the next run scan it
+again; a file that changed while it was being scanned is not recorded.  In-memory inputs are
+always scanned.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ def scan_key(source: Any, tokenizer_id: dict[str, Any], max_prompt_tokens: int, 
         st = os.stat(source)
     except OSError:
         return None  # the scan itself reports a missing file
+    # ctime cannot be set back by users (touch -r, os.utime and rsync restore mtime, not ctime)
     return {"path": str(Path(source).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "inode": st.st_ino, "tokenizer": tokenizer_id, "max_prompt_tokens": max_prompt_tokens,
-            "skip_overlong": skip_overlong}
+            "ctime_ns": st.st_ctime_ns, "inode": st.st_ino, "device": st.st_dev, "tokenizer": tokenizer_id,
+            "max_prompt_tokens": max_prompt_tokens, "skip_overlong": skip_overlong}
 
 
 def load_scan(store_path: str | Path, key: dict[str, Any] | None, source: Any) -> InputScan | None:
@@ -48,18 +51,22 @@ def load_scan(store_path: str | Path, key: dict[str, Any] | None, source: Any) -
         return None
     try:
         doc = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+        if doc.get("key") != key:
+            return None
+        overlong = {int(row): str(why) for row, why in doc["overlong"].items()}
+        n_rows, fingerprint = int(doc["n_rows"]), str(doc["fingerprint"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # unreadable or another format: rescan
         return None
-    if doc.get("key") != key:
-        return None
-    overlong = {int(row): why for row, why in doc["overlong"].items()}
-    logger.info("input %s is unchanged since the last run: reusing its scan (%d rows)", key["path"], doc["n_rows"])
-    return InputScan(source, int(doc["n_rows"]), [], str(doc["fingerprint"]), overlong)
+    logger.info("input %s is unchanged since the last run: reusing its scan (%d rows)", key["path"], n_rows)
+    return InputScan(source, n_rows, [], fingerprint, overlong)
 
 
-def save_scan(store_path: str | Path, key: dict[str, Any] | None, scan: InputScan) -> None:
-    """Write the scan for the next run (atomically; a failure only costs that run a rescan)."""
-    if key is None:
+def save_scan(store_path: str | Path, key: dict[str, Any] | None, scan: InputScan, source: Any) -> None:
+    """Write the scan for the next run (atomically; a failure only costs that run a rescan).
+
+    ``key`` is the one taken before the scan: when the file changed since, nothing is written.
+    """
+    if key is None or scan_key(source, key["tokenizer"], key["max_prompt_tokens"], key["skip_overlong"]) != key:
         return
     path = Path(store_path) / CACHE_NAME
     doc = {"key": key, "n_rows": scan.n_rows, "fingerprint": scan.fingerprint,

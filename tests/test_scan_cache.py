@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -79,5 +80,28 @@ def test_a_corrupt_cache_file_means_a_rescan(tmp_path, scans):
     prompts = write_prompts(tmp_path / "p.jsonl", 5)
     runner.prepare(_config(tmp_path, prompts))
     (tmp_path / "s.zarr" / CACHE_NAME).write_text("{not json")
+    runner.prepare(_config(tmp_path, prompts))
+    assert len(scans) == 2
+
+
+def test_a_rewrite_that_restores_the_modification_time_is_still_seen(tmp_path, scans):
+    """Same size, same mtime (``touch -r``/``rsync``-style restore): the change time differs."""
+    prompts = write_prompts(tmp_path / "p.jsonl", 10)
+    runner.prepare(_config(tmp_path, prompts))
+    before = os.stat(prompts)
+    time.sleep(0.01)
+    prompts.write_text(prompts.read_text().replace("Question 3:", "Question 9:"))
+    os.utime(prompts, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(StoreMismatchError, match="fingerprint"):
+        runner.prepare(_config(tmp_path, prompts))
+    assert len(scans) == 2
+
+
+def test_a_cache_file_of_another_format_means_a_rescan(tmp_path, scans):
+    prompts = write_prompts(tmp_path / "p.jsonl", 5)
+    runner.prepare(_config(tmp_path, prompts))
+    cache = tmp_path / "s.zarr" / CACHE_NAME
+    doc = json.loads(cache.read_text())
+    cache.write_text(json.dumps({"key": doc["key"]}))  # e.g. written by another version
     runner.prepare(_config(tmp_path, prompts))
     assert len(scans) == 2

@@ -1,0 +1,97 @@
+"""Finished partitions as they finish: ``as_completed`` with results fetched in the background.
+
+While it waits, the runner's housekeeping runs: the store lock's heartbeat, the deadline check,
+and every 30 s a check that some engine can still take work.  ``as_completed(with_results=True)``
+fetches each result in the client's event loop as soon as its task finishes, so the runner never
+pays one worker round trip per partition; a fetch that fails there (a worker lost while its result
+was being fetched, then a failed recomputation) would leave the future undelivered for ever, so
+futures finished long ago but never delivered are fetched here directly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+#: Longest sleep between housekeeping rounds while nothing finishes.
+WAIT_S = 0.02
+#: Seconds between checks that some engine can still take work.
+ENGINE_CHECK_INTERVAL_S = 30.0
+#: A future finished this long ago but not delivered by ``as_completed`` is fetched directly.
+UNDELIVERED_S = 30.0
+#: How long such a direct fetch may take before it counts as failed.
+FETCH_TIMEOUT_S = 120.0
+
+
+class Completions:
+    """Futures of submitted partitions, handed back with their results once finished.
+
+    Parameters
+    ----------
+    on_wait:
+        Called every :data:`WAIT_S` while waiting (heartbeat, deadline).
+    check_engines:
+        Called every :data:`ENGINE_CHECK_INTERVAL_S` while waiting; raises when no engine is left.
+    """
+
+    def __init__(self, on_wait: Callable[[], None] | None = None,
+                 check_engines: Callable[[], None] | None = None) -> None:
+        from distributed import as_completed
+
+        self._ac = as_completed(with_results=True, raise_errors=False)
+        self._on_wait = on_wait
+        self._check_engines = check_engines
+        self._checked = time.monotonic()
+        self._finished_at: dict[Any, float] = {}
+
+    def add(self, future: Any) -> None:
+        """Track a submitted future."""
+        self._ac.add(future)
+
+    def wait(self, outstanding: Iterable[Any], max_wait_s: float) -> list[tuple[Any, Any]]:
+        """Every ``(future, value)`` ready now, waiting up to ``max_wait_s`` for the first.
+
+        ``value`` is the result, or ``(type, exception, traceback)`` for a failed task, or an
+        exception.  Returns ``[]`` after ``max_wait_s`` without any (the caller may submit more).
+        ``outstanding`` are the futures the caller still waits for (to find undelivered ones).
+        """
+        start = time.monotonic()
+        wake = getattr(self._ac, "thread_condition", None)  # notified when a result is queued
+        while not self._ac.has_ready():
+            if time.monotonic() - start > max_wait_s:
+                return self._undelivered(outstanding)
+            if wake is None:
+                time.sleep(WAIT_S)
+            else:
+                with wake:
+                    wake.wait(WAIT_S)
+            if self._on_wait is not None:
+                self._on_wait()
+            if self._check_engines is not None and time.monotonic() - self._checked > ENGINE_CHECK_INTERVAL_S:
+                self._check_engines()
+                self._checked = time.monotonic()
+        ready = [next(self._ac), *self._ac.next_batch(block=False)]
+        for future, _ in ready:
+            self._finished_at.pop(future, None)
+        return ready
+
+    def _undelivered(self, outstanding: Iterable[Any]) -> list[tuple[Any, Any]]:
+        """Futures finished more than :data:`UNDELIVERED_S` ago that ``as_completed`` never delivered."""
+        now, out = time.monotonic(), []
+        for future in outstanding:
+            if not future.done():
+                continue
+            since = self._finished_at.setdefault(future, now)
+            if now - since > UNDELIVERED_S:
+                del self._finished_at[future]
+                out.append((future, _fetch(future)))
+        return out
+
+
+def _fetch(future: Any) -> Any:
+    """The future's result, or the exception fetching it raised."""
+    try:
+        return future.result(timeout=FETCH_TIMEOUT_S)
+    except Exception as exc:
+        return exc

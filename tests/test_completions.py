@@ -1,0 +1,63 @@
+"""``Completions``: finished partitions with their results, housekeeping while waiting."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from daskgen import completions
+from daskgen.completions import Completions
+
+
+@pytest.fixture(scope="module")
+def client():
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0") as lc, \
+            Client(lc) as c:
+        yield c
+
+
+def _boom() -> None:
+    raise ValueError("poison")
+
+
+@pytest.mark.timeout(60)
+def test_results_and_failures_come_back_with_their_futures(client):
+    ticks = []
+    done = Completions(on_wait=lambda: ticks.append(1))
+    futures = [client.submit(time.sleep, 0.3, pure=False), client.submit(_boom, pure=False),
+               client.submit(sum, [1, 2], pure=False)]
+    for f in futures:
+        done.add(f)
+    got: dict = {}
+    while len(got) < 3:
+        got.update(done.wait(futures, 10))
+    assert got[futures[2]] == 3 and got[futures[0]] is None
+    typ, exc, _ = got[futures[1]]
+    assert typ is ValueError and "poison" in str(exc) and futures[1].status == "error"
+    assert ticks  # housekeeping ran while the slow task was running
+
+
+@pytest.mark.timeout(60)
+def test_nothing_ready_returns_empty_after_the_wait_and_checks_engines(client, monkeypatch):
+    monkeypatch.setattr(completions, "ENGINE_CHECK_INTERVAL_S", 0.0)
+    checks = []
+    done = Completions(check_engines=lambda: checks.append(1))
+    slow = client.submit(time.sleep, 5, pure=False)
+    done.add(slow)
+    t0 = time.monotonic()
+    assert done.wait([slow], 0.3) == []
+    assert 0.3 <= time.monotonic() - t0 < 3 and checks
+
+
+@pytest.mark.timeout(60)
+def test_a_finished_future_never_delivered_is_fetched_directly(client, monkeypatch):
+    """As when as_completed's background fetch failed: the future is done but never queued."""
+    monkeypatch.setattr(completions, "UNDELIVERED_S", 0.0)
+    done = Completions()
+    lost = client.submit(sum, [2, 3], pure=False)  # not added: as_completed will never deliver it
+    lost.result()
+    assert done.wait([lost], 0.05) == []  # first seen finished now
+    assert done.wait([lost], 0.05) == [(lost, 5)]
