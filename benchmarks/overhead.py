@@ -44,7 +44,7 @@ def zarr_config(a: argparse.Namespace, store: Path) -> RunConfig:
                                   "length_sigma": 0.8, "max_batch": 256},
                      n_samples=a.n_samples, max_new_tokens=a.max_new_tokens, max_prompt_tokens=64,
                      temperature=1.0, seed=0, logprobs=True, partition_size=a.partition_size,
-                     n_workers=a.workers, window=a.window, progress=False)
+                     n_workers=a.workers, window=int(a.window) if a.window.isdigit() else a.window, progress=False)
 
 
 def run_daskgen(config: RunConfig, prompts: list[Any]) -> dict[str, Any]:
