@@ -201,6 +201,12 @@ class TestSGLangConformance(_SharedSGLang, EngineConformance):
 
             assert getattr(sgl_kernel, "IS_DASKGEN_SHIM", False), sgl_kernel.__file__
 
+    def test_capacity_is_the_schedulers_max_running_requests(self) -> None:
+        """sglang sizes max_running_requests itself; the engine reads it back for ``window: auto``."""
+        capacity = self.engine.capacity
+        assert isinstance(capacity, int) and capacity >= 1, capacity
+        assert self.engine.describe()["max_running_requests"] == capacity
+
     def test_eos_is_kept_and_reported_as_stop(self) -> None:
         results = self.run(self.generate_all([
             request(f"eos-{i}", self.prompt(200 + i), max_new_tokens=32, temperature=1.0) for i in range(16)]))

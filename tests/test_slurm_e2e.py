@@ -60,7 +60,10 @@ def _spec(tmp_path, **extra):
 
 
 @pytest.mark.timeout(240)
-def test_slurm_job_runs_one_pinned_worker_per_gpu(tmp_path):
+def test_slurm_job_runs_one_pinned_worker_per_gpu(tmp_path, monkeypatch):
+    # sbatch exports this process's environment to the job; a LocalCluster started earlier in this
+    # process (other tests) left Dask's pre-spawn variables in it (distributed sets them in the parent).
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
     from distributed import Client
 
     from daskgen.deploy import make_cluster

@@ -360,8 +360,9 @@ class SGLangEngine(Engine):
 
     @property
     def capacity(self) -> int | None:
-        """``max_running_requests`` when given in ``engine_args`` (sglang sizes it from its KV pool otherwise)."""
-        value = self.engine_args.get("max_running_requests")
+        """The scheduler's ``max_running_requests`` (set in ``engine_args`` or sized by sglang from its
+        KV pool), read after :meth:`start`; ``None`` when sglang did not report it."""
+        value = self._info("max_running_requests") or self.engine_args.get("max_running_requests")
         return int(value) if isinstance(value, int) and value > 0 else None
 
     def describe(self) -> dict[str, Any]:
