@@ -101,6 +101,7 @@ from daskgen.engines.sglang_backend import (
     check_engine_args,
     install_sigquit_handler,
     launch_kwargs,
+    read_max_running_requests,
     server_arg_names,
 )
 from daskgen.errors import ConfigError, EngineError
@@ -219,6 +220,7 @@ class SGLangEngine(Engine):
             self._backend = backend
             _BACKENDS.add(backend)
             await asyncio.wrap_future(backend.launch())
+            backend.info["max_running_requests"] = await read_max_running_requests(backend)
         except BaseException as exc:
             self._state = "failed"
             await self._stop_backend()

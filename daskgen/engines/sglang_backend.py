@@ -289,7 +289,6 @@ class _Backend:
             raise
         self._children = _new_sglang_children(before, _child_pids(self.engine))
         self.info = _engine_info(self.engine, sglang.__version__)
-        self.info["max_running_requests"] = _max_running_requests(self.engine)
 
     async def _monitor(self) -> None:
         while self.problem is None:
@@ -517,17 +516,18 @@ def _engine_info(engine: Any, version: str) -> dict[str, Any]:
     }
 
 
-def _max_running_requests(engine: Any) -> int | None:
+async def read_max_running_requests(backend: _Backend, timeout_s: float = 60.0) -> int | None:
     """Requests the scheduler runs at once (sized from its KV pool unless set), or ``None``.
 
-    Asked from the scheduler's internal state (``effective_max_running_requests_per_dp`` times the
-    data-parallel size, sglang 0.5.23); runs on the engine's thread before its loop runs.
+    Asked on the engine's running loop from the scheduler's internal state
+    (``effective_max_running_requests_per_dp`` times the data-parallel size, sglang 0.5.23).
     """
     try:
-        states = engine.get_server_info()["internal_states"]
+        future = backend.submit(backend.engine.tokenizer_manager.get_internal_state())
+        states = await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
         per_dp = int(states[0]["effective_max_running_requests_per_dp"])
         return per_dp * int(states[0].get("dp_size") or 1)
-    except Exception as exc:  # an older/newer sglang without it: window auto assumes a default
+    except Exception as exc:  # another sglang version, or no answer: window auto assumes a default
         logger.info("sglang did not report max_running_requests (%s: %s)", type(exc).__name__, exc)
         return None
 
