@@ -18,12 +18,15 @@ class Progress:
         self.tokens = 0
         self.failed = 0
 
-    def update(self, prompts: int, tokens: int, failed: int = 0) -> None:
-        """Record a committed partition."""
+    def update(self, prompts: int, tokens: int, failed: int = 0, in_flight: str | None = None) -> None:
+        """Record a committed partition; ``in_flight`` is shown as is (e.g. ``"14/16"`` partitions)."""
         self.tokens += tokens
         self.failed += failed
         elapsed = max(time.perf_counter() - self._t0, 1e-9)
-        self._bar.set_postfix(tok_s=f"{self.tokens / elapsed:.0f}", failed=self.failed, refresh=False)
+        postfix = {"tok_s": f"{self.tokens / elapsed:.0f}", "failed": self.failed}
+        if in_flight is not None:
+            postfix["in_flight"] = in_flight
+        self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(prompts)
 
     def __enter__(self) -> Progress:

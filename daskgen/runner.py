@@ -315,7 +315,8 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
                     outcomes.append(_Outcome(task.start, task.stop, finished, failed, result.notes))
                     generated += len(finished) + len(failed)
                     tokens += result.response_tokens
-                    bar.update(len(finished) + len(failed), result.response_tokens, len(failed))
+                    bar.update(len(finished) + len(failed), result.response_tokens, len(failed),
+                               in_flight=f"{len(futures)}/{in_flight_cap}")
             finally:  # a StoreWriteError stops the run: what finished before it is still committed
                 _commit_outcomes(plan, outcomes)
             if plan.stopped is None and (reason := stop_reason(plan, tokens)):
