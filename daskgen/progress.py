@@ -17,15 +17,17 @@ class Progress:
         self._t0 = time.perf_counter()
         self.tokens = 0
         self.failed = 0
+        #: Partitions in flight after the last top-up, against the target (e.g. ``"16/16"``).
+        self.in_flight: str | None = None
 
-    def update(self, prompts: int, tokens: int, failed: int = 0, in_flight: str | None = None) -> None:
-        """Record a committed partition; ``in_flight`` is shown as is (e.g. ``"14/16"`` partitions)."""
+    def update(self, prompts: int, tokens: int, failed: int = 0) -> None:
+        """Record a committed partition (the postfix also shows :attr:`in_flight` when set)."""
         self.tokens += tokens
         self.failed += failed
         elapsed = max(time.perf_counter() - self._t0, 1e-9)
         postfix = {"tok_s": f"{self.tokens / elapsed:.0f}", "failed": self.failed}
-        if in_flight is not None:
-            postfix["in_flight"] = in_flight
+        if self.in_flight is not None:
+            postfix["in_flight"] = self.in_flight
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(prompts)
 

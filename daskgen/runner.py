@@ -27,7 +27,7 @@ from daskgen.errors import StoreWriteError
 from daskgen.partition import PartitionResult, PartitionTask, run_partition
 from daskgen.plugin import RESOURCE
 from daskgen.progress import Progress
-from daskgen.scan_cache import load_scan, save_scan, scan_key
+from daskgen.scan_cache import ATTR, load_scan, scan_key, scan_record
 from daskgen.tokenizer import load_tokenizer, tokenizer_identity
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class Plan:
     lock: Any = None
     tokenizer: Any = None
     peak_prompts: int = 0
+    scan_record: dict[str, Any] | None = None  # input scan to keep in the attrs (under the lock)
     stopped: str | None = None
     started: float = dataclasses.field(default_factory=time.time)
 
@@ -94,7 +95,8 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     tokenizer = load_tokenizer(config.model, config.engine, config.engine_args)
     stored = store.read_attrs(config.store)
     key = scan_key(source, tokenizer_identity(tokenizer), config.max_prompt_tokens, config.skip_overlong)
-    pset = load_scan(config.store, key, source) if stored is not None else None
+    pset = load_scan(stored, key, source)
+    reused = pset is not None
     if pset is None:
         pset = scan_prompts(source, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
                             skip_overlong=config.skip_overlong)
@@ -103,14 +105,22 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     layout = store.Layout(len(pset), config.n_samples, config.max_prompt_tokens, config.max_new_tokens,
                           config.partition_size, int(tokenizer.pad_token_id), agent.max_trajectories,
                           scored=config.verify_policy() is not None)
+    record = None if reused else scan_record(key, pset, source)
     if stored is None:
-        store.create(config.store, layout, wanted, pset.ids)
+        store.create(config.store, layout, {**wanted, **({ATTR: record} if record else {})}, pset.ids)
+        record = None
     else:
         store.check_compatible(config.store, stored, wanted)
-    save_scan(config.store, key, pset, source)
     eos = tokenizer.eos_token_id
     return Plan(config, pset, layout, store.read_status(config.store), () if eos is None else (int(eos),),
-                tokenizer=tokenizer)
+                tokenizer=tokenizer, scan_record=record)
+
+
+def keep_scan(plan: Plan) -> None:
+    """Keep a fresh input scan of an existing store in its attrs (client holding the lock only)."""
+    if plan.scan_record is not None:
+        store.update_attrs(plan.config.store, **{ATTR: plan.scan_record})
+        plan.scan_record = None
 
 
 def _store_attrs(config: RunConfig, pset: InputScan, tokenizer: Any) -> dict[str, Any]:
@@ -253,6 +263,7 @@ def run(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) ->
         plan.status = store.read_status(config.store)  # re-read under the lock
         plan.committed_at = store.read_region(config.store, 0, plan.layout.n_prompts, ("committed_at",))["committed_at"]
         plan.lock = lock
+        keep_scan(plan)
         _commit_overlong(plan)
         generated, tokens = 0, 0
         n_pending = int(pending_rows(plan).sum())
@@ -296,6 +307,7 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
                 done.add(fut)
             if not futures:
                 break
+            bar.in_flight = f"{len(futures)}/{in_flight_cap}"
             plan.peak_prompts = max(plan.peak_prompts, sum(len(t.rows) for t in futures.values()))
             outcomes: list[_Outcome] = []
             try:
@@ -315,8 +327,7 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
                     outcomes.append(_Outcome(task.start, task.stop, finished, failed, result.notes))
                     generated += len(finished) + len(failed)
                     tokens += result.response_tokens
-                    bar.update(len(finished) + len(failed), result.response_tokens, len(failed),
-                               in_flight=f"{len(futures)}/{in_flight_cap}")
+                    bar.update(len(finished) + len(failed), result.response_tokens, len(failed))
             finally:  # a StoreWriteError stops the run: what finished before it is still committed
                 _commit_outcomes(plan, outcomes)
             if plan.stopped is None and (reason := stop_reason(plan, tokens)):

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from daskgen import runner
+from daskgen import runner, store
 from daskgen.config import RunConfig
 from daskgen.errors import StoreMismatchError
-from daskgen.scan_cache import CACHE_NAME
+from daskgen.scan_cache import ATTR
 from tests.conftest import write_prompts
 
 
@@ -37,11 +37,12 @@ def scans(monkeypatch):
 def test_unchanged_input_is_not_scanned_again(tmp_path, scans):
     prompts = write_prompts(tmp_path / "p.jsonl", 10)
     first = runner.prepare(_config(tmp_path, prompts))
-    assert len(scans) == 1 and (tmp_path / "s.zarr" / CACHE_NAME).is_file()
+    assert len(scans) == 1 and store.read_attrs(tmp_path / "s.zarr")[ATTR]["n_rows"] == 10
     second = runner.prepare(_config(tmp_path, prompts))
     assert len(scans) == 1  # reused
     assert (second.prompts.n_rows, second.prompts.fingerprint) == (first.prompts.n_rows, first.prompts.fingerprint)
     assert list(runner.pending_rows(second)) == list(runner.pending_rows(first))
+    assert not [p.name for p in (tmp_path / "s.zarr").iterdir() if p.is_file() and p.name != "zarr.json"]
 
 
 def test_a_changed_file_is_scanned_and_still_refused(tmp_path, scans):
@@ -53,6 +54,32 @@ def test_a_changed_file_is_scanned_and_still_refused(tmp_path, scans):
     with pytest.raises(StoreMismatchError, match="fingerprint"):
         runner.prepare(_config(tmp_path, prompts))
     assert len(scans) == 2
+
+
+def test_a_rewrite_that_restores_the_modification_time_is_still_seen(tmp_path, scans):
+    """Same size, same mtime (``touch -r``/``rsync``-style restore): the change time differs."""
+    prompts = write_prompts(tmp_path / "p.jsonl", 10)
+    runner.prepare(_config(tmp_path, prompts))
+    before = os.stat(prompts)
+    time.sleep(0.01)
+    prompts.write_text(prompts.read_text().replace("Question 3:", "Question 9:"))
+    os.utime(prompts, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(StoreMismatchError, match="fingerprint"):
+        runner.prepare(_config(tmp_path, prompts))
+    assert len(scans) == 2
+
+
+def test_a_touched_file_is_scanned_again_and_the_new_scan_kept_under_the_lock(tmp_path, scans):
+    prompts = write_prompts(tmp_path / "p.jsonl", 10)
+    runner.prepare(_config(tmp_path, prompts))
+    os.utime(prompts)
+    plan = runner.prepare(_config(tmp_path, prompts))
+    assert len(scans) == 2 and plan.scan_record is not None
+    runner.prepare(_config(tmp_path, prompts))
+    assert len(scans) == 3  # not kept yet: only a run holding the lock writes the attrs
+    runner.keep_scan(plan)
+    runner.prepare(_config(tmp_path, prompts))
+    assert len(scans) == 3
 
 
 def test_other_scan_settings_or_in_memory_input_scan_again(tmp_path, scans):
@@ -76,32 +103,13 @@ def test_overlong_rows_survive_the_cache(tmp_path, scans):
     assert second.prompts.overlong == first.prompts.overlong
 
 
-def test_a_corrupt_cache_file_means_a_rescan(tmp_path, scans):
+@pytest.mark.parametrize("kept", ["garbage", {"key": None}, "key-only"])
+def test_a_kept_scan_of_another_format_means_a_rescan(tmp_path, scans, kept):
     prompts = write_prompts(tmp_path / "p.jsonl", 5)
     runner.prepare(_config(tmp_path, prompts))
-    (tmp_path / "s.zarr" / CACHE_NAME).write_text("{not json")
-    runner.prepare(_config(tmp_path, prompts))
-    assert len(scans) == 2
-
-
-def test_a_rewrite_that_restores_the_modification_time_is_still_seen(tmp_path, scans):
-    """Same size, same mtime (``touch -r``/``rsync``-style restore): the change time differs."""
-    prompts = write_prompts(tmp_path / "p.jsonl", 10)
-    runner.prepare(_config(tmp_path, prompts))
-    before = os.stat(prompts)
-    time.sleep(0.01)
-    prompts.write_text(prompts.read_text().replace("Question 3:", "Question 9:"))
-    os.utime(prompts, ns=(before.st_atime_ns, before.st_mtime_ns))
-    with pytest.raises(StoreMismatchError, match="fingerprint"):
-        runner.prepare(_config(tmp_path, prompts))
-    assert len(scans) == 2
-
-
-def test_a_cache_file_of_another_format_means_a_rescan(tmp_path, scans):
-    prompts = write_prompts(tmp_path / "p.jsonl", 5)
-    runner.prepare(_config(tmp_path, prompts))
-    cache = tmp_path / "s.zarr" / CACHE_NAME
-    doc = json.loads(cache.read_text())
-    cache.write_text(json.dumps({"key": doc["key"]}))  # e.g. written by another version
+    path = tmp_path / "s.zarr"
+    if kept == "key-only":  # e.g. written by another version
+        kept = {"key": store.read_attrs(path)[ATTR]["key"]}
+    store.update_attrs(path, **{ATTR: kept})
     runner.prepare(_config(tmp_path, prompts))
     assert len(scans) == 2
