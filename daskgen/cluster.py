@@ -9,6 +9,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from daskgen.config import RunConfig
 from daskgen.errors import EngineError
 from daskgen.plugin import AUTO_MAX_WINDOW, RESOURCE, EnginePlugin, plugin_status
@@ -63,19 +65,29 @@ def start_engines(client: Any, config: RunConfig) -> int:
                           requests_per_partition=config.partition_size * config.n_samples)
     client.register_plugin(plugin, name=plugin.name)
     deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
-    while True:
-        states = client.run(plugin_status)
-        ready = [w for w, s in states.items() if s["state"] == "ready"]
-        if ready and _resource_visible(client):
-            return len(ready)
-        failed = {w: s["error"] for w, s in states.items() if s["state"] == "failed"}
-        if states and len(failed) == len(states):
-            details = "\n  ".join(f"{w}: {e}" for w, e in failed.items())
-            raise EngineError(f"the {config.engine!r} engine failed to start on every worker:\n  {details}")
-        if time.monotonic() > deadline:
-            raise EngineError(f"no engine became ready within {ENGINE_START_TIMEOUT_S:.0f} s; worker states: "
-                              f"{states}. Raise DASKGEN_ENGINE_START_TIMEOUT or check the worker logs.")
-        time.sleep(0.25)
+    with tqdm(total=0, desc="engines ready", disable=not config.progress,
+              bar_format="{desc}: {n_fmt}/{total_fmt} workers [{elapsed}]") as bar:
+        delay = 0.25
+        while True:
+            states = client.run(plugin_status)
+            ready = [w for w, s in states.items() if s["state"] == "ready"]
+            bar.total = len(states)
+            bar.update(len(ready) - bar.n)
+            if ready and _resource_visible(client):
+                return len(ready)
+            _raise_if_all_failed(config, states, deadline)
+            time.sleep(delay)
+            delay = min(2.0, delay * 1.5)  # model loads take seconds to minutes; spare big clusters
+
+
+def _raise_if_all_failed(config: RunConfig, states: dict[str, Any], deadline: float) -> None:
+    failed = {w: s["error"] for w, s in states.items() if s["state"] == "failed"}
+    if states and len(failed) == len(states):
+        details = "\n  ".join(f"{w}: {e}" for w, e in failed.items())
+        raise EngineError(f"the {config.engine!r} engine failed to start on every worker:\n  {details}")
+    if time.monotonic() > deadline:
+        raise EngineError(f"no engine became ready within {ENGINE_START_TIMEOUT_S:.0f} s; worker states: "
+                          f"{states}. Raise DASKGEN_ENGINE_START_TIMEOUT or check the worker logs.")
 
 
 def check_engines(client: Any, config: RunConfig) -> None:
