@@ -267,6 +267,16 @@ class TestManagedServer:
         assert result.error is None and len(result.logprobs) == len(result.output_ids) > 0
         self.runner.run(self.engine.health(), 120)
 
+    def test_capacity_is_the_servers_and_its_queue_is_kept_fed(self) -> None:
+        """The server's max_running_requests sizes ``window: auto``; the client keeps twice that in flight."""
+        import httpx
+
+        info = httpx.get(self.engine._server.url + "/get_server_info", timeout=60).json()
+        running = int(info["internal_states"][0]["effective_max_running_requests_per_dp"])
+        assert self.engine.capacity == running >= 1
+        assert self.engine.concurrency == max(128, 2 * running)
+        assert self.engine.describe()["server_max_running_requests"] == running
+
     def test_zz_server_death_fails_health_and_shutdown_stops_the_group(self) -> None:
         server = self.engine._server
         group = server.process.pid

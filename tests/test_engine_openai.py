@@ -506,3 +506,13 @@ def test_zz_server_killed_mid_run() -> None:
         runner.run(quick.shutdown(), 60)
         stop(patient, runner)
         server.stop(signal.SIGKILL)
+
+
+def test_server_capacity_is_read_from_sglang_server_info() -> None:
+    from daskgen.engines.openai import _max_running_requests
+
+    state = {"effective_max_running_requests_per_dp": 48, "dp_size": 2}
+    assert _max_running_requests({"internal_states": [state]}) == 96
+    assert _max_running_requests({"internal_states": [{"effective_max_running_requests_per_dp": 7}]}) == 7
+    assert _max_running_requests({}) is None  # not an SGLang server, or another version
+    assert _max_running_requests({"internal_states": []}) is None

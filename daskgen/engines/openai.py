@@ -77,7 +77,9 @@ class OpenAIArgs:
     extra_body:
         Merged into every request body (native: ``sampling_params`` into the sampling parameters).
     max_concurrency, timeout_s:
-        Requests in flight at once; read timeout (seconds without data from the server).
+        Requests in flight at once (default 128; against an SGLang server, unless set, twice the
+        server's ``max_running_requests`` when that is more, so its queue never runs dry); read
+        timeout (seconds without data from the server).
     max_retries, backoff_s:
         Retries after 429/408/5xx/connection errors, and the first backoff (doubling, plus jitter).
     managed, server_args, server_start_timeout_s:
@@ -183,6 +185,8 @@ class OpenAIEngine(Engine):
         self._state = "new"
         self._flights: dict[str, list[_Flight]] = {}
         self._limit = asyncio.Semaphore(self.args.max_concurrency)
+        self.concurrency = self.args.max_concurrency
+        self.server_capacity: int | None = None
 
     @property
     def retokenized(self) -> bool:
@@ -195,15 +199,12 @@ class OpenAIEngine(Engine):
         """Start the managed server (if any), ping the server and load the tokenizer."""
         try:
             base_url = await self._start_server() if self.args.managed else self.args.base_url
-            self._http = HTTPClient(base_url, api_key_env=self.args.api_key_env, timeout_s=self.args.timeout_s,
-                                    max_connections=self.args.max_concurrency, max_retries=self.args.max_retries,
-                                    backoff_s=self.args.backoff_s, on_retry=_log_retry,
-                                    give_up=self._server_died, trust_env=not self.args.managed)
+            self._http = self._client(base_url)
             self.protocol = await self._detect_protocol()
             await self._check_model()
             await self._load_tokenizer()
             if self.protocol == "sglang":
-                self.supports_seed = await self._deterministic_server()
+                await self._read_server_info(base_url)
             else:
                 await self._ping_generate()
         except BaseException:
@@ -211,6 +212,12 @@ class OpenAIEngine(Engine):
             raise
         self._state = "running"
         logger.info("openai engine: %s protocol on %s (model %s)", self.protocol, self._http.where, self.model_name)
+
+    def _client(self, base_url: str) -> HTTPClient:
+        return HTTPClient(base_url, api_key_env=self.args.api_key_env, timeout_s=self.args.timeout_s,
+                          max_connections=self.concurrency, max_retries=self.args.max_retries,
+                          backoff_s=self.args.backoff_s, on_retry=_log_retry, give_up=self._server_died,
+                          trust_env=not self.args.managed)
 
     async def _start_server(self) -> str:
         self._server = ManagedServer(self.model, self.args.server_args,
@@ -261,9 +268,21 @@ class OpenAIEngine(Engine):
             return
         self.vocab_size = len(self._tokenizer)
 
-    async def _deterministic_server(self) -> bool:
+    async def _read_server_info(self, base_url: str) -> None:
+        """Seeds (deterministic inference) and batch slots of an SGLang server; widen the client's
+        concurrency to keep the server's queue fed unless ``max_concurrency`` was given."""
         status, info = await self._http.probe_json("/get_server_info", allow_status=(404, 405))
-        return bool(status == 200 and isinstance(info, dict) and info.get("enable_deterministic_inference"))
+        info = info if status == 200 and isinstance(info, dict) else {}
+        self.supports_seed = bool(info.get("enable_deterministic_inference"))
+        self.server_capacity = _max_running_requests(info)
+        wanted = 2 * (self.server_capacity or 0)
+        if "max_concurrency" not in self.engine_args and wanted > self.concurrency:
+            self.concurrency = wanted
+            self._limit = asyncio.Semaphore(wanted)
+            old, self._http = self._http, self._client(base_url)
+            await old.close()
+            logger.info("openai engine: the server runs %d requests at once; keeping up to %d in flight",
+                        self.server_capacity, wanted)
 
     async def _ping_generate(self) -> None:
         request = GenerationRequest("daskgen-ping", [self.health_token_id()], _PING)
@@ -411,8 +430,8 @@ class OpenAIEngine(Engine):
 
     @property
     def capacity(self) -> int:
-        """``max_concurrency``: requests this client keeps open against the server."""
-        return self.args.max_concurrency
+        """The SGLang server's ``max_running_requests`` when it reports one, else ``max_concurrency``."""
+        return self.server_capacity or self.concurrency
 
     def describe(self) -> dict[str, Any]:
         """Engine identity for the store attrs: protocol, server, model, ``retokenized`` (no secrets)."""
@@ -421,7 +440,8 @@ class OpenAIEngine(Engine):
         args["base_url"] = None if self.args.managed else redact_url(self.args.base_url)
         info.update(api=self.protocol or self.args.api, retokenized=self.retokenized, model=self.model,
                     model_name=self.model_name, supports_seed=self.supports_seed,
-                    tokenizer=self.args.tokenizer or self.model, engine_args=args)
+                    tokenizer=self.args.tokenizer or self.model, engine_args=args, concurrency=self.concurrency,
+                    server_max_running_requests=self.server_capacity)
         return info
 
 
@@ -534,3 +554,12 @@ def _load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def _max_running_requests(info: dict[str, Any]) -> int | None:
+    """Requests an SGLang server runs at once, from ``GET /get_server_info`` (sglang 0.5.23), or ``None``."""
+    try:
+        state = info["internal_states"][0]
+        return int(state["effective_max_running_requests_per_dp"]) * int(state.get("dp_size") or 1)
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
