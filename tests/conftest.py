@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,6 +23,20 @@ def tiny_model(tmp_path_factory) -> Path:
     from daskgen.models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "model", seed=0)
+
+
+@functools.cache
+def tiny_model_once(prefix: str) -> str:
+    """The same tiny Llama, built once per ``prefix`` into a temporary folder removed at exit.
+
+    For class-level setup (``setup_class``) where fixtures are not available; a distinct prefix
+    gives a folder name unique to the module (tests find server processes by the model path).
+    """
+    from daskgen.models import build_tiny_model
+
+    folder = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return str(build_tiny_model(Path(folder) / "tiny", seed=0))
 
 
 def write_prompts(path: Path, n: int, *, chat: bool = True) -> Path:

@@ -24,7 +24,6 @@ import math
 import os
 import shutil
 import signal
-import tempfile
 import time
 from importlib.util import find_spec
 from pathlib import Path
@@ -35,6 +34,7 @@ import pytest
 from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
 from daskgen.errors import EngineError
 from daskgen.testing.conformance import EngineConformance, EventLoopThread
+from tests.conftest import tiny_model_once
 
 MISSING = [name for name in ("sglang", "soundfile", "httpx", "tenacity") if find_spec(name) is None]
 pytestmark = [
@@ -48,14 +48,9 @@ KEY_ENV = "DASKGEN_TEST_SGLANG_KEY"
 PROMPT = [1, 504, 3458, 282, 4649, 314]
 
 
-@functools.lru_cache(maxsize=1)
 def tiny_model() -> str:
-    """The project's tiny Llama in a temporary folder whose name is unique to this session."""
-    from daskgen.models import build_tiny_model
-
-    folder = tempfile.mkdtemp(prefix="daskgen-http-sglang-tiny-")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    return str(build_tiny_model(Path(folder) / "tiny", seed=0))
+    """The project's tiny Llama (``daskgen.models.build_tiny_model``), one folder for this module."""
+    return tiny_model_once("daskgen-http-sglang-tiny-")
 
 
 def request(rid: str, prompt: list[int] | None = None, **params: Any) -> GenerationRequest:

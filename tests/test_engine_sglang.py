@@ -10,15 +10,11 @@ CPU, so each class shares one engine.
 from __future__ import annotations
 
 import asyncio
-import atexit
-import functools
 import json
 import multiprocessing
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from importlib.util import find_spec
 from pathlib import Path
@@ -40,7 +36,7 @@ from daskgen.engines.sglang import (
 )
 from daskgen.errors import ConfigError, EngineError
 from daskgen.testing.conformance import EngineConformance, EventLoopThread
-from tests.conftest import run_cli, write_prompts
+from tests.conftest import run_cli, tiny_model_once, write_prompts
 
 HAVE_SGLANG = find_spec("sglang") is not None
 HAVE_CUDA = HAVE_SGLANG and find_spec("torch") is not None and __import__("torch").cuda.is_available()
@@ -48,14 +44,9 @@ SHIM_LOG_ENV = "DASKGEN_SGL_KERNEL_SHIM_LOG"
 PROMPT = [1, 504, 3458, 282, 4649, 314]
 
 
-@functools.lru_cache(maxsize=1)
 def tiny_model_path() -> str:
-    """The project's tiny Llama (``daskgen.models.build_tiny_model``) in a temporary folder."""
-    from daskgen.models import build_tiny_model
-
-    folder = tempfile.mkdtemp(prefix="daskgen-sglang-tiny-")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    return str(build_tiny_model(Path(folder) / "tiny", seed=0))
+    """The project's tiny Llama (``daskgen.models.build_tiny_model``), one folder for this module."""
+    return tiny_model_once("daskgen-sglang-tiny-")
 
 
 def request(rid: str, prompt: list[int] | None = None, **params: Any) -> GenerationRequest:
