@@ -218,6 +218,22 @@ def add_common_args(parser: Any) -> None:
                         help="scratch directory for stores (default: a fresh temporary directory)")
 
 
+def run_parts(a: Any, title: str, parts: dict[str, Callable[[Any, Path, Record], Any]]) -> int:
+    """The ``main`` of a script with ``--part``: run the chosen parts in order into one record, print
+    it and append it to the README (unless ``--no-record``)."""
+    quiet_logs()
+    chosen = {p.strip() for p in a.part.split(",") if p.strip()}
+    if chosen - set(parts):
+        raise SystemExit(f"unknown part(s) {sorted(chosen - set(parts))}; choose from {', '.join(parts)}")
+    rec = Record(title)
+    with workdir(a.workdir) as work:
+        for name, run_part in parts.items():
+            if name in chosen:
+                run_part(a, work, rec)
+    rec.finish(None if a.no_record else a.readme)
+    return 0
+
+
 @contextlib.contextmanager
 def workdir(path: Path | None) -> Iterator[Path]:
     """``path`` (created) or a temporary directory removed afterwards."""

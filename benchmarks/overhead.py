@@ -281,20 +281,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the selected parts, print the tables, append them to the README."""
-    a = parse_args(argv)
-    _bench.quiet_logs()
-    parts = {p.strip() for p in a.part.split(",") if p.strip()}
-    unknown = parts - {"zarr", "engine"}
-    if unknown:
-        raise SystemExit(f"unknown part(s) {sorted(unknown)}; choose from zarr, engine")
-    rec = _bench.Record("Pipeline overhead: daskgen vs direct Zarr writes and vs the engine alone")
-    with _bench.workdir(a.workdir) as work:
-        if "zarr" in parts:
-            part_zarr(a, work, rec)
-        if "engine" in parts:
-            part_engine(a, work, rec)
-    rec.finish(None if a.no_record else a.readme)
-    return 0
+    title = "Pipeline overhead: daskgen vs direct Zarr writes and vs the engine alone"
+    return _bench.run_parts(parse_args(argv), title, {"zarr": part_zarr, "engine": part_engine})
 
 
 if __name__ == "__main__":

@@ -279,19 +279,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the selected parts, print the tables, append them to the README."""
-    a = parse_args(argv)
-    _bench.quiet_logs()
-    parts = {p.strip() for p in a.part.split(",") if p.strip()}
-    if parts - {"pending", "crash"}:
-        raise SystemExit(f"unknown part(s) {sorted(parts - {'pending', 'crash'})}; choose from pending, crash")
-    rec = _bench.Record("Resume: pending set of a 1M-prompt store, crash and resume")
-    with _bench.workdir(a.workdir) as work:
-        if "pending" in parts:
-            part_pending(a, work, rec)
-        if "crash" in parts:
-            part_crash(a, work, rec)
-    rec.finish(None if a.no_record else a.readme)
-    return 0
+    return _bench.run_parts(parse_args(argv), "Resume: pending set of a 1M-prompt store, crash and resume",
+                            {"pending": part_pending, "crash": part_crash})
 
 
 if __name__ == "__main__":

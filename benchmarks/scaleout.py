@@ -153,30 +153,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def part_client_and_commit(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
+    """The client part plus the commit latency, and the client-saturation estimate from both."""
+    client = part_client(a, work, rec)
+    med, p90 = commit_latency(a, work)
+    worst = max(r["client_cpu"] / r["partitions"] for r in client)
+    rec.note(f"`store.commit` of one {a.partition_size}-row partition on a {a.commit_rows:,}-row store: median "
+             f"{med * 1000:.1f} ms, p90 {p90 * 1000:.1f} ms (rewrites one 65,536-row chunk of `status` and "
+             f"of `committed_at`). **Client saturation estimate: one core of commit + scheduling per "
+             f"{worst * 1000:.0f} ms per partition → about {a.partition_size / worst:,.0f} prompts/s "
+             f"({1 / worst:.0f} partitions/s) with partitions of {a.partition_size}; the commit alone "
+             f"would allow {a.partition_size / med:,.0f} prompts/s.**")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the parts, print the tables and the client-bottleneck estimate, append to the README."""
-    a = parse_args(argv)
-    _bench.quiet_logs()
-    parts = {p.strip() for p in a.part.split(",") if p.strip()}
-    if parts - {"longtail", "client"}:
-        raise SystemExit(f"unknown part(s) {sorted(parts - {'longtail', 'client'})}; choose from longtail, client")
-    rec = _bench.Record("Scale-out: 1, 2, 4 workers and the client bottleneck")
-    with _bench.workdir(a.workdir) as work:
-        if "longtail" in parts:
-            part_longtail(a, work, rec)
-        if "client" in parts:
-            client = part_client(a, work, rec)
-            med, p90 = commit_latency(a, work)
-            worst = max(r["client_cpu"] / r["partitions"] for r in client)
-            rec.note(f"`store.commit` of one {a.partition_size}-row partition on a {a.commit_rows:,}-row store: median "
-                     f"{med * 1000:.1f} ms, p90 {p90 * 1000:.1f} ms (rewrites one 65,536-row chunk of `status` and "
-                     f"of `committed_at`). **Client saturation estimate: one core of commit + scheduling per "
-                     f"{worst * 1000:.0f} ms per partition → about {a.partition_size / worst:,.0f} prompts/s "
-                     f"({1 / worst:.0f} partitions/s) with partitions of {a.partition_size}; the commit alone "
-                     f"would allow {a.partition_size / med:,.0f} prompts/s.**")
-    rec.finish(None if a.no_record else a.readme)
-    return 0
-
+    return _bench.run_parts(parse_args(argv), "Scale-out: 1, 2, 4 workers and the client bottleneck",
+                            {"longtail": part_longtail, "client": part_client_and_commit})
 
 if __name__ == "__main__":
     raise SystemExit(main())
