@@ -94,6 +94,7 @@ def test_slurm_job_script_line_by_line():
         "#SBATCH -t 04:00:00",
         "#SBATCH --exclusive",
         "#SBATCH --gres=gpu:4",
+        "#SBATCH --signal=B:TERM@120",  # the exec'd `dask worker` drains its workers before walltime
     ]
     body = [line for line in lines(script) if not line.startswith("#")]
     # 4h walltime: keep 10 min free, spread retirements over 10 min -> 3h40..3h50 after start.
@@ -107,7 +108,8 @@ def test_slurm_job_script_line_by_line():
         "source ~/miniforge3/bin/activate daskgen",
     ]
     cmd = worker_command(script)
-    assert cmd[1:4] == ["-m", "distributed.cli.dask_worker", ADDRESS]
+    assert cmd[0] == "exec", "the batch shell must become `dask worker` so that SLURM's signal reaches it"
+    assert cmd[2:5] == ["-m", "distributed.cli.dask_worker", ADDRESS]
     assert arg(cmd, "--name") == "daskgen-${SLURM_JOB_ID}"
     assert arg(cmd, "--nworkers") == "4"  # one worker process per GPU
     assert arg(cmd, "--nthreads") == "4"  # partitions in flight per worker

@@ -237,3 +237,42 @@ def test_subprocess_helper_is_real():  # the CLI exists and documents the new op
     res = subprocess.run(["python", "-m", "daskgen", "run", "--help"], capture_output=True, text=True,
                          env={**os.environ, "COLUMNS": "200"})
     assert "--grace" in res.stdout and "--no-keep-partial" in res.stdout
+
+
+def _dask_worker(address: str, name: str, log: Path) -> subprocess.Popen:
+    """A real ``dask worker`` CLI with a nanny and daskgen's nanny preload, as HPC jobs start it."""
+    import sys
+
+    from tests.conftest import cli_env
+
+    return subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address, "--name", name,
+                             "--nthreads", "4", "--nanny", "--preload-nanny", "daskgen.nanny_preload"],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=cli_env(), start_new_session=True)
+
+
+def test_sigterm_to_a_dask_worker_job_hands_its_partial_responses_back(tmp_path):
+    """The batch shell of a worker job (``exec dask worker``) gets SIGTERM: its nanny drains the worker first."""
+    from distributed import Client, LocalCluster
+
+    prompts = write_prompts(tmp_path / "p.jsonl", 24)
+    out = tmp_path / "out.zarr"
+    common = ["--prompts", prompts, "--partition-size", "2", "--seed", "4", "--window", "3", *LONG]
+    with (LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as lc, Client(lc) as client):
+        jobs = [_dask_worker(lc.scheduler_address, f"job-{i}", tmp_path / f"job-{i}.log") for i in range(2)]
+        try:
+            client.wait_for_workers(2, timeout=120)
+            proc = popen_cli("run", *sim_args(tmp_path, out, *common, "--scheduler-address", lc.scheduler_address,
+                                              log="run.log", step=1.0))
+            _wait_for_some_done(out, proc, minimum=2)
+            os.kill(jobs[0].pid, signal.SIGTERM)
+            assert jobs[0].wait(timeout=60) == 0, (tmp_path / "job-0.log").read_text()
+            output, _ = proc.communicate(timeout=240)
+        finally:
+            for job in jobs:
+                if job.poll() is None:
+                    os.killpg(job.pid, signal.SIGKILL)
+    assert proc.returncode == 0, output
+    assert "24 done, 0 failed, 0 pending" in output
+    assert "draining worker" in (tmp_path / "job-0.log").read_text()
+    continued = xr.open_zarr(out).continued_tokens.values
+    assert (continued > 0).any(), "the stopped job's in-flight responses must be continued, not restarted"
