@@ -269,9 +269,16 @@ def test_spec_overrides_config():
 
 def test_unset_keys_are_left_to_dask_jobqueue():
     kwargs = jobqueue_kwargs({"kind": "slurm", "gpus_per_node": 2, "memory": "100GB"})
-    for key in ("walltime", "queue", "account", "local_directory", "interface", "python", "job_name"):
+    for key in ("walltime", "queue", "account", "local_directory", "interface", "job_name"):
         assert key not in kwargs
     assert kwargs["processes"] == 2 and kwargs["cores"] == 8
+    # the python is jobqueue's (config, else this interpreter), exec'd so the batch shell's signal reaches it
+    import sys
+
+    assert kwargs["python"] == f"exec {sys.executable}"
+    with dask.config.set({"jobqueue.slurm.python": "/opt/env/bin/python"}):
+        assert jobqueue_kwargs({"kind": "slurm", "memory": "4GB"})["python"] == "exec /opt/env/bin/python"
+    assert "python" not in jobqueue_kwargs({"kind": "pbs", "memory": "4GB"})
 
 
 def test_lifetime_from_dask_jobqueue_default_walltime_in_a_fresh_process():
@@ -414,7 +421,7 @@ def test_make_cluster_slurm_submits_one_job_per_node(fake_batch):
         for script in scripts:
             assert "#SBATCH --gres=gpu:4" in lines(script)
             assert arg(worker_command(script), "--nworkers") == "4"
-            assert worker_command(script)[3] == cluster.scheduler_address
+            assert worker_command(script)[4] == cluster.scheduler_address
         durations = dask.config.get("distributed.scheduler.default-task-durations")
         assert durations["daskgen-partition"] == "60s"
     finally:
