@@ -24,13 +24,15 @@ from daskgen.commit import Outcome, commit_outcomes, commit_overlong
 from daskgen.completions import Completions
 from daskgen.config import RunConfig
 from daskgen.data import InputScan, iter_token_ids, scan_prompts
+from daskgen.dispatch import ATTR as DISPATCH_ATTR
+from daskgen.dispatch import dispatch_order, still_partial, tail_share
 from daskgen.errors import RunInterrupted, StoreWriteError
 from daskgen.interrupt import Interrupt, allocation_end
 from daskgen.partition import PartitionResult, PartitionTask, run_partition
 from daskgen.plugin import RESOURCE
 from daskgen.progress import Progress
 from daskgen.scan_cache import ATTR, load_scan, scan_key, scan_record
-from daskgen.stopping import CAP_REFRESH_S, abandon, check_interrupt, housekeeping, stop, stop_reason, wait_s
+from daskgen.stopping import CAP_REFRESH_S, abandon, begin_stop, check_interrupt, housekeeping, stop_reason, wait_s
 from daskgen.tokenizer import load_tokenizer, tokenizer_identity
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ class RunSummary:
     partial_samples: int = 0
     partial_tokens: int = 0
     carried_tokens: int = 0
+    tail_share: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -66,6 +69,8 @@ class RunSummary:
         text = (f"daskgen: {self.done} done, {self.failed} failed, {self.pending} pending of {self.total} prompts; "
                 f"this run generated {self.generated_prompts} prompts in {self.seconds:.1f} s "
                 f"({rate:.2f} prompts/s, {tps:.0f} tokens/s) -> {self.store}")
+        if self.tail_share is not None:
+            text += f"; the last 10% of prompts took {100 * self.tail_share:.0f}% of the generating time"
         if self.carried_tokens:
             text += f"\nkept {self.carried_tokens} tokens stored by interrupted attempts instead of regenerating them"
         if self.interrupted:
@@ -104,6 +109,9 @@ class Plan:
     partial_samples: int = 0
     partial_tokens: int = 0
     carried_tokens: int = 0
+    first_partitions: list[int] = dataclasses.field(default_factory=list)  # dispatched first (dispatch.py)
+    partial_starts: set[int] = dataclasses.field(default_factory=set)  # partitions left with partial responses
+    generating_since: float | None = None
 
 
 def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) -> Plan:
@@ -132,8 +140,9 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     else:
         store.check_compatible(config.store, stored, wanted)
     eos = tokenizer.eos_token_id
+    first = list((stored or {}).get(DISPATCH_ATTR, []))
     return Plan(config, pset, layout, store.read_status(config.store), () if eos is None else (int(eos),),
-                tokenizer=tokenizer, scan_record=record)
+                tokenizer=tokenizer, scan_record=record, first_partitions=first)
 
 
 def keep_scan(plan: Plan) -> None:
@@ -181,27 +190,36 @@ def pending_rows(plan: Plan) -> np.ndarray:
 def pending_tasks(plan: Plan) -> Iterator[PartitionTask]:
     """One task per partition with rows to generate, built lazily while streaming the input.
 
-    Only the prompts of tasks the caller holds are in memory (the input is re-read, not kept).
+    Partitions that hold partial responses of an interrupted earlier run (the likely-long ones,
+    :mod:`daskgen.dispatch`) come first, then the others in order.  Only the prompts of tasks the
+    caller holds are in memory (the input is re-read, not kept).
     """
+    layout, todo = plan.layout, pending_rows(plan)
+    starts = [s for s in layout.partitions() if todo[s:s + layout.partition_size].any()]
+    for group in dispatch_order(starts, plan.first_partitions):
+        yield from _tasks_for(plan, group, todo)
+
+
+def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[PartitionTask]:
+    """Tasks of the partitions at ``starts`` (ascending), reading their prompts in one pass over the input."""
     from daskgen.engines.base import SamplingParams
 
     cfg, layout = plan.config, plan.layout
-    todo = pending_rows(plan)
     verify = cfg.verify_policy()
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                             top_k=cfg.top_k, logprobs=cfg.logprobs, stop_token_ids=plan.stop_ids)
-    tokens = iter_token_ids(plan.prompts.source, plan.tokenizer, iter(np.flatnonzero(todo).tolist()))
-    for start in layout.partitions():
-        stop = min(start + layout.partition_size, layout.n_prompts)
+    ranges = [(start, min(start + layout.partition_size, layout.n_prompts)) for start in starts]
+    wanted = (int(i) for start, stop in ranges for i in np.flatnonzero(todo[start:stop]) + start)
+    tokens = iter_token_ids(plan.prompts.source, plan.tokenizer, wanted)
+    for start, stop in ranges:
         rows = [int(i) for i in np.flatnonzero(todo[start:stop]) + start]
-        if rows:
-            items = [next(tokens) for _ in rows]
-            prompts = [ids for _, ids, _ in items]
-            meta = [row for _, _, row in items] if verify is not None else None
-            yield PartitionTask(str(cfg.store), start, stop, rows, prompts, cfg.n_samples, params, cfg.seed, layout,
-                                timeout_s=cfg.partition_timeout_s, agent=cfg.agent, agent_args=dict(cfg.agent_args),
-                                model=str(cfg.model), continue_partial=cfg.continues_partial(), verify=verify,
-                                rows_meta=meta)
+        items = [next(tokens) for _ in rows]
+        prompts = [ids for _, ids, _ in items]
+        meta = [row for _, _, row in items] if verify is not None else None
+        yield PartitionTask(str(cfg.store), start, stop, rows, prompts, cfg.n_samples, params, cfg.seed, layout,
+                            timeout_s=cfg.partition_timeout_s, agent=cfg.agent, agent_args=dict(cfg.agent_args),
+                            model=str(cfg.model), continue_partial=cfg.continues_partial(), verify=verify,
+                            rows_meta=meta)
 
 
 def run(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None, *,
@@ -242,9 +260,19 @@ def _run_locked(plan: Plan, t0: float) -> RunSummary:
                     generated, tokens = drive(client, plan, pending_tasks(plan), info, n_pending)
         except RunInterrupted:  # stopped while the engines were starting: nothing was in flight
             pass
+        _record_partial_partitions(plan)
         summary = summarize(plan, generated, tokens, time.perf_counter() - t0)
         store.append_run(config.store, summary.__dict__)
     return summary
+
+
+def _record_partial_partitions(plan: Plan) -> None:
+    """Keep the partitions that hold partial responses in the attrs, for the next run to start with."""
+    size = plan.layout.partition_size
+    pending = {int(r) - int(r) % size for r in np.flatnonzero(plan.status == store.PENDING)}
+    keep = still_partial(plan.first_partitions, plan.partial_starts, pending)
+    if keep != sorted(plan.first_partitions):
+        store.update_attrs(plan.config.store, **{DISPATCH_ATTR: keep})
 
 
 def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = None,
@@ -265,6 +293,7 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
 
     start_engines(client, plan.config, plan.interrupt)
     _record_engine(client, plan)
+    plan.generating_since = time.time()
     board = WindowBoard(client, RESOURCE)
     board.refresh()
     cap = in_flight_target(plan, board, info)
@@ -292,7 +321,7 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
                 g, t = _collect_ready(plan, done, futures, retry, bar)
                 generated, tokens = generated + g, tokens + t
                 if plan.stopped is None and (reason := stop_reason(plan, tokens)):
-                    stop(client, plan, reason, tasks, retry)
+                    begin_stop(client, plan, reason, tasks, retry)
                 check_interrupt(client, plan, tasks, retry)
     finally:
         board.close()
@@ -345,6 +374,8 @@ def _collect_ready(plan: Plan, done: Completions, futures: dict[Any, PartitionTa
 
 def _count_partial(plan: Plan, result: PartitionResult) -> None:
     plan.carried_tokens += result.carried_tokens
+    if result.partial_samples:
+        plan.partial_starts.add(result.start)
     if plan.stopped is not None:  # only a stop leaves partial responses in the store until the next run
         plan.partial_samples += result.partial_samples
         plan.partial_tokens += result.partial_tokens
@@ -414,7 +445,9 @@ def summarize(plan: Plan, generated: int, tokens: int, seconds: float) -> RunSum
     return RunSummary(str(plan.config.store), len(s), int((s == store.DONE).sum()), int((s == store.FAILED).sum()),
                       int((s == store.PENDING).sum()), generated, tokens, seconds, stopped=plan.stopped,
                       interrupted=interrupted, partial_samples=plan.partial_samples,
-                      partial_tokens=plan.partial_tokens, carried_tokens=plan.carried_tokens)
+                      partial_tokens=plan.partial_tokens, carried_tokens=plan.carried_tokens,
+                      tail_share=None if plan.generating_since is None else tail_share(plan.committed_at,
+                                                                                         plan.generating_since))
 
 
 def generate(prompts: str | Path | Sequence[Any], *, model: str, store: str | Path, **options: Any):

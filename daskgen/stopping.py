@@ -47,7 +47,7 @@ def housekeeping(client: Any, plan: Plan, tasks: Iterator[PartitionTask], retry:
         plan.lock.heartbeat()
     deadline = plan.config.deadline_timestamp(plan.started)
     if plan.stopped is None and deadline is not None and time.time() >= deadline:
-        stop(client, plan, f"deadline {plan.config.deadline} reached", tasks, retry)
+        begin_stop(client, plan, f"deadline {plan.config.deadline} reached", tasks, retry)
         return True
     if check_interrupt(client, plan, tasks, retry):
         return True
@@ -64,7 +64,7 @@ def check_interrupt(client: Any, plan: Plan, tasks: Iterator[PartitionTask], ret
         interrupt.request(f"the batch allocation ends in {max(0.0, plan.allocation_end - time.time()):.0f} s")
     if not interrupt.requested:
         return False
-    stop(client, plan, interrupt.reason, tasks, retry)
+    begin_stop(client, plan, interrupt.reason, tasks, retry)
     plan.collect_until = interrupt.collect_until()
     return True
 
@@ -82,7 +82,7 @@ def stop_reason(plan: Plan, tokens: int) -> str | None:
     return None
 
 
-def stop(client: Any, plan: Plan, reason: str, tasks: Iterator[PartitionTask], retry: list) -> None:
+def begin_stop(client: Any, plan: Plan, reason: str, tasks: Iterator[PartitionTask], retry: list) -> None:
     """Submit nothing more and abort every request in flight on every worker."""
     from daskgen.plugin import stop_run_on_worker
 
