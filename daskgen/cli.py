@@ -34,7 +34,8 @@ def _key_values(pairs: list[str] | None, flag: str) -> dict[str, Any] | None:
 def run(
     prompts: Annotated[Path | None, Opt(help="JSONL or Parquet file of prompts.")] = None,
     model: Annotated[str | None, Opt(help="Local model folder (or name the engine understands).")] = None,
-    store: Annotated[Path | None, Opt(help="Output Zarr store; rerun against it to resume.")] = None,
+    store: Annotated[str | None, Opt(help="Output Zarr store (folder or s3://, gs://, az:// URL); rerun against "
+                                          "it to resume.")] = None,
     config: Annotated[Path | None, Opt(help="YAML file with the same keys; flags override it.")] = None,
     engine: Annotated[str | None, Opt(help="Engine: transformers, sglang, openai, simulated, or module:Class.")] = None,
     engine_arg: Annotated[list[str] | None, Opt(help="Engine option KEY=VALUE (repeatable).")] = None,
@@ -92,7 +93,7 @@ def run(
 
 
 @app.command()
-def status(store: Annotated[Path, typer.Argument(help="A daskgen store.")]) -> None:
+def status(store: Annotated[str, typer.Argument(help="A daskgen store (folder or URL).")]) -> None:
     """Print done / pending / failed counts, tokens generated and the run's settings."""
     from daskgen.summary import status_report
 
@@ -102,7 +103,7 @@ def status(store: Annotated[Path, typer.Argument(help="A daskgen store.")]) -> N
 
 @app.command()
 def export(
-    store: Annotated[Path, typer.Argument(help="A daskgen store.")],
+    store: Annotated[str, typer.Argument(help="A daskgen store (folder or URL).")],
     format: Annotated[str, Opt("--format", "-f", help="parquet, jsonl, tensordict or zip.")] = "parquet",
     out: Annotated[Path | None, Opt(help="Output path (default: STORE with the format's suffix).")] = None,
     overwrite: Annotated[bool, Opt(help="Replace an existing output.")] = False,
@@ -115,8 +116,9 @@ def export(
     """Export done samples (parquet, jsonl, verl-layout tensordict) or the whole store as one zip."""
     from daskgen.export import DEFAULT_SUFFIX
     from daskgen.export import export as run_export
+    from daskgen.storage import default_output
 
-    target = out or store.with_suffix(DEFAULT_SUFFIX.get(format, f".{format}"))
+    target = out or default_output(store, DEFAULT_SUFFIX.get(format, f".{format}"))
     result = run_export(store, target, format, overwrite=overwrite, text=text, tokenizer=tokenizer, prompts=prompts,
                         raw=raw_prompts, wandb_project=wandb_project)
     typer.echo(result.line())
@@ -126,14 +128,15 @@ def export(
 
 @app.command()
 def report(
-    store: Annotated[Path, typer.Argument(help="A daskgen store.")],
+    store: Annotated[str, typer.Argument(help="A daskgen store (folder or URL).")],
     out: Annotated[Path | None, Opt(help="report.html or report.png (default: STORE.report.html).")] = None,
     overwrite: Annotated[bool, Opt(help="Replace an existing report.")] = False,
 ) -> None:
     """Write an HTML or PNG report: status counts, response lengths, throughput over time, settings."""
     from daskgen.report import write_report
+    from daskgen.storage import default_output
 
-    target = out or store.with_suffix(".report.html")
+    target = out or default_output(store, ".report.html")
     typer.echo(f"daskgen: report written to {write_report(store, target, overwrite=overwrite)}")
 
 def main() -> None:

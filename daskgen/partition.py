@@ -28,7 +28,7 @@ from daskgen.verify import RowOutcome, sample_in_rounds
 class PartitionTask:
     """Everything a worker needs for one partition (small: token ids of pending rows only)."""
 
-    store_path: str
+    store_path: store.Where  # a path, URL or StoreLocation (carries storage_options to workers)
     start: int
     stop: int
     rows: list[int]

@@ -93,7 +93,7 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     if source is None:
         config.require("prompts")
     tokenizer = load_tokenizer(config.model, config.engine, config.engine_args)
-    stored = store.read_attrs(config.store)
+    stored = store.read_attrs(config.location())
     key = scan_key(source, tokenizer_identity(tokenizer), config.max_prompt_tokens, config.skip_overlong)
     pset = load_scan(stored, key, source)
     reused = pset is not None
@@ -107,19 +107,19 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
                           scored=config.verify_policy() is not None)
     record = None if reused else scan_record(key, pset, source)
     if stored is None:
-        store.create(config.store, layout, {**wanted, **({ATTR: record} if record else {})}, pset.ids)
+        store.create(config.location(), layout, {**wanted, **({ATTR: record} if record else {})}, pset.ids)
         record = None
     else:
-        store.check_compatible(config.store, stored, wanted)
+        store.check_compatible(config.location(), stored, wanted)
     eos = tokenizer.eos_token_id
-    return Plan(config, pset, layout, store.read_status(config.store), () if eos is None else (int(eos),),
+    return Plan(config, pset, layout, store.read_status(config.location()), () if eos is None else (int(eos),),
                 tokenizer=tokenizer, scan_record=record)
 
 
 def keep_scan(plan: Plan) -> None:
     """Keep a fresh input scan of an existing store in its attrs (client holding the lock only)."""
     if plan.scan_record is not None:
-        store.update_attrs(plan.config.store, **{ATTR: plan.scan_record})
+        store.update_attrs(plan.config.location(), **{ATTR: plan.scan_record})
         plan.scan_record = None
 
 
@@ -197,14 +197,14 @@ def _commit(plan: Plan, start: int, stop: int, failed: dict[int, str], done: Seq
         new[i - start] = store.FAILED
     errors = None
     if failed or notes or np.any(plan.status[start:stop] == store.FAILED):
-        errors = [str(e) for e in store.read_region(plan.config.store, start, stop, ("error",))["error"]]
+        errors = [str(e) for e in store.read_region(plan.config.location(), start, stop, ("error",))["error"]]
         for i in done:
             errors[i - start] = (notes or {}).get(i, "")
         for i, msg in failed.items():
             errors[i - start] = msg
     plan.committed_at[[*done, *failed]] = time.time()
     _maybe_pause_before_commit()
-    store.commit(plan.config.store, start, new, errors, plan.committed_at[start:stop])
+    store.commit(plan.config.location(), start, new, errors, plan.committed_at[start:stop])
     plan.status[start:stop] = new
 
 
@@ -244,7 +244,7 @@ def pending_tasks(plan: Plan) -> Iterator[PartitionTask]:
             items = [next(tokens) for _ in rows]
             prompts = [ids for _, ids, _ in items]
             meta = [row for _, _, row in items] if verify is not None else None
-            yield PartitionTask(str(cfg.store), start, stop, rows, prompts, cfg.n_samples, params, cfg.seed, layout,
+            yield PartitionTask(cfg.location(), start, stop, rows, prompts, cfg.n_samples, params, cfg.seed, layout,
                                 timeout_s=cfg.partition_timeout_s, agent=cfg.agent, agent_args=dict(cfg.agent_args),
                                 model=str(cfg.model), continue_partial=cfg.keep_partial, verify=verify,
                                 rows_meta=meta)
@@ -257,11 +257,12 @@ def run(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) ->
 
     t0 = time.perf_counter()
     plan = prepare(config, prompts)
-    with StoreLock(config.store) as lock:
+    with StoreLock(config.location()) as lock:
         if lock.took_over:
             logger.warning("took over the stale lock of a dead run: %s", lock.took_over)
-        plan.status = store.read_status(config.store)  # re-read under the lock
-        plan.committed_at = store.read_region(config.store, 0, plan.layout.n_prompts, ("committed_at",))["committed_at"]
+        plan.status = store.read_status(config.location())  # re-read under the lock
+        plan.committed_at = store.read_region(config.location(), 0, plan.layout.n_prompts,
+                                              ("committed_at",))["committed_at"]
         plan.lock = lock
         keep_scan(plan)
         _commit_overlong(plan)
@@ -272,7 +273,7 @@ def run(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) ->
                 generated, tokens = drive(client, plan, pending_tasks(plan), info, n_pending)
         summary = summarize(plan, generated, tokens, time.perf_counter() - t0)
         summary.stopped = plan.stopped
-        store.append_run(config.store, summary.__dict__)
+        store.append_run(config.location(), summary.__dict__)
     return summary
 
 
@@ -396,7 +397,7 @@ def _record_engine(client: Any, plan: Plan) -> None:
 
     described = [d for d in client.run(engine_description).values() if d]
     if described:
-        store.update_attrs(plan.config.store, engine=redact(described[0]))
+        store.update_attrs(plan.config.location(), engine=redact(described[0]))
 
 
 def _submit(client: Any, task: PartitionTask, retries: int) -> Any:
@@ -449,4 +450,4 @@ def generate(prompts: str | Path | Sequence[Any], *, model: str, store: str | Pa
     config = RunConfig.from_dict({**options, "model": str(model), "store": str(store),
                                   "prompts": str(prompts) if source is None else None}, source="generate()")
     run(config, source)
-    return open_store(store)
+    return open_store(config.location())
