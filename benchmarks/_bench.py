@@ -342,9 +342,9 @@ def instrument_run(on_ready: Callable[[Any], None] | None = None,
     original_start, original_drive = cluster.start_engines, runner.drive
     marks: dict[str, Any] = {}
 
-    def start_engines(client: Any, config: Any) -> int:
+    def start_engines(client: Any, config: Any, *args: Any) -> int:
         t0 = time.perf_counter()
-        n = original_start(client, config)
+        n = original_start(client, config, *args)
         if on_ready is not None:
             on_ready(client)
         marks.update(start_s=time.perf_counter() - t0, ready=time.perf_counter(), ready_wall=time.time())

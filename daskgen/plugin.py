@@ -72,7 +72,7 @@ class EnginePlugin(WorkerPlugin):
     name = PLUGIN_NAME
 
     def __init__(self, engine: str, model: str, engine_args: dict[str, Any] | None = None,
-                 window: int | str = "auto", requests_per_partition: int = 1):
+                 window: int | str = "auto", requests_per_partition: int = 1, drain_timeout_s: float = 20.0):
         self.engine_name = engine
         self.model = model
         self.engine_args = dict(engine_args or {})
@@ -88,13 +88,26 @@ class EnginePlugin(WorkerPlugin):
         self._starter: asyncio.Task | None = None
         self._advertised = False
         self.stopping = False
+        self.draining = False
+        self.drain_timeout_s = drain_timeout_s
         self.handles: set[Any] = set()
+        self.running = 0  # partition tasks executing on this worker
+        self._leaving: asyncio.Task | None = None
 
     async def setup(self, worker: Any) -> None:
-        """Start loading the engine in the background and return at once."""
+        """Start loading the engine in the background and return at once.
+
+        Also makes the worker hand back its in-flight work before it goes: the scheduler-side
+        :class:`daskgen.drain.DrainBeforeRetire` and a nanny closing its worker call the
+        ``daskgen_drain`` handler; a SIGTERM to a nanny-spawned worker process drains it and
+        retires it (:mod:`daskgen.drain`).
+        """
+        from daskgen.drain import install_worker_hooks
+
         self._worker = worker
         self._ready = asyncio.Event()
         self._starter = asyncio.create_task(self._start())
+        install_worker_hooks(worker, self)
 
     async def _start(self) -> None:
         from daskgen.engines import resolve_engine_class
@@ -174,6 +187,29 @@ class EnginePlugin(WorkerPlugin):
             aborted += len(handle.in_flight)
             await handle.abort_all()
         return aborted
+
+    async def drain(self, timeout: float | None = None) -> dict[str, int]:
+        """Hand back this worker's work before it goes away (retirement, SIGTERM, allocation end).
+
+        Takes no new partitions (the resource drops to 0), aborts every in-flight request keeping
+        the tokens generated so far, and waits up to ``timeout`` seconds until the running
+        partitions have written their regions (finished samples and partial responses) and
+        returned; the client commits the finished rows and continues the partial ones elsewhere.
+        Idempotent.  Returns ``{"aborted": requests aborted, "running": partitions still running}``.
+        """
+        timeout = self.drain_timeout_s if timeout is None else timeout
+        if not self.draining:
+            self.draining = True
+            logger.warning("daskgen: draining worker %s: aborting in-flight requests (partial responses are kept)",
+                           getattr(self._worker, "address", "?"))
+            if self._advertised and self._worker is not None:
+                await self._worker.set_resources(**{RESOURCE: 0.0})
+        aborted = await self.stop_run()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.running and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return {"aborted": aborted, "running": self.running}
 
     def status(self) -> dict[str, Any]:
         """Small summary for the client."""

@@ -23,7 +23,8 @@ from daskgen.agents import create_agent
 from daskgen.completions import Completions
 from daskgen.config import RunConfig
 from daskgen.data import InputScan, iter_token_ids, scan_prompts
-from daskgen.errors import StoreWriteError
+from daskgen.errors import RunInterrupted, StoreWriteError
+from daskgen.interrupt import Interrupt, allocation_end
 from daskgen.partition import PartitionResult, PartitionTask, run_partition
 from daskgen.plugin import RESOURCE
 from daskgen.progress import Progress
@@ -46,6 +47,10 @@ class RunSummary:
     response_tokens: int = 0
     seconds: float = 0.0
     stopped: str | None = None
+    interrupted: str | None = None
+    partial_samples: int = 0
+    partial_tokens: int = 0
+    carried_tokens: int = 0
 
     @property
     def ok(self) -> bool:
@@ -59,8 +64,15 @@ class RunSummary:
         text = (f"daskgen: {self.done} done, {self.failed} failed, {self.pending} pending of {self.total} prompts; "
                 f"this run generated {self.generated_prompts} prompts in {self.seconds:.1f} s "
                 f"({rate:.2f} prompts/s, {tps:.0f} tokens/s) -> {self.store}")
-        if self.stopped:
-            text += (f"\nstopped early: {self.stopped}; in-flight prompts were aborted and stay pending — rerun "
+        if self.carried_tokens:
+            text += f"\nkept {self.carried_tokens} tokens stored by interrupted attempts instead of regenerating them"
+        if self.interrupted:
+            text += (f"\ninterrupted ({self.interrupted}): kept {self.done} done prompts and saved "
+                     f"{self.partial_samples} partial responses ({self.partial_tokens} tokens); rerun the same "
+                     "command to resume — they continue where they stopped.")
+        elif self.stopped:
+            text += (f"\nstopped early: {self.stopped}; in-flight prompts were aborted and stay pending "
+                     f"({self.partial_samples} partial responses, {self.partial_tokens} tokens saved) — rerun "
                      "the same command (without the stop condition) to finish them.")
         if self.failed:
             text += (f"\n{self.failed} prompt(s) failed: `daskgen status {self.store}` shows why; rerun the same "
@@ -84,6 +96,12 @@ class Plan:
     scan_record: dict[str, Any] | None = None  # input scan to keep in the attrs (under the lock)
     stopped: str | None = None
     started: float = dataclasses.field(default_factory=time.time)
+    interrupt: Interrupt | None = None
+    allocation_end: float | None = None
+    collect_until: float | None = None  # time.monotonic() by which a stopped run stops waiting
+    partial_samples: int = 0
+    partial_tokens: int = 0
+    carried_tokens: int = 0
 
 
 def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) -> Plan:
@@ -246,17 +264,31 @@ def pending_tasks(plan: Plan) -> Iterator[PartitionTask]:
             meta = [row for _, _, row in items] if verify is not None else None
             yield PartitionTask(cfg.location(), start, stop, rows, prompts, cfg.n_samples, params, cfg.seed, layout,
                                 timeout_s=cfg.partition_timeout_s, agent=cfg.agent, agent_args=dict(cfg.agent_args),
-                                model=str(cfg.model), continue_partial=cfg.keep_partial, verify=verify,
+                                model=str(cfg.model), continue_partial=cfg.continues_partial(), verify=verify,
                                 rows_meta=meta)
 
 
-def run(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) -> RunSummary:
-    """Run (or resume) generation for ``config``; returns the summary of the whole store."""
+def run(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None, *,
+        handle_signals: bool = True) -> RunSummary:
+    """Run (or resume) generation for ``config``; returns the summary of the whole store.
+
+    With ``handle_signals`` (main thread only) SIGTERM/SIGINT and the end of the SLURM allocation
+    stop the run gracefully within ``config.grace`` (see :mod:`daskgen.interrupt`); the summary's
+    ``interrupted`` then says why.
+    """
+    t0 = time.perf_counter()
+    with Interrupt(config.grace_seconds(), install=handle_signals) as interrupt:
+        plan = prepare(config, prompts)
+        plan.interrupt = interrupt
+        plan.allocation_end = allocation_end() if handle_signals else None
+        return _run_locked(plan, t0)
+
+
+def _run_locked(plan: Plan, t0: float) -> RunSummary:
     from daskgen.cluster import connect
     from daskgen.lock import StoreLock
 
-    t0 = time.perf_counter()
-    plan = prepare(config, prompts)
+    config = plan.config
     with StoreLock(config.location()) as lock:
         if lock.took_over:
             logger.warning("took over the stale lock of a dead run: %s", lock.took_over)
@@ -264,15 +296,18 @@ def run(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) ->
         plan.committed_at = store.read_region(config.location(), 0, plan.layout.n_prompts,
                                               ("committed_at",))["committed_at"]
         plan.lock = lock
+        store.add_missing_arrays(config.location(), plan.layout)
         keep_scan(plan)
         _commit_overlong(plan)
         generated, tokens = 0, 0
         n_pending = int(pending_rows(plan).sum())
-        if n_pending:
-            with connect(config) as (client, info):
-                generated, tokens = drive(client, plan, pending_tasks(plan), info, n_pending)
+        try:
+            if n_pending and not plan.interrupt.requested:
+                with connect(config) as (client, info):
+                    generated, tokens = drive(client, plan, pending_tasks(plan), info, n_pending)
+        except RunInterrupted:  # stopped while the engines were starting: nothing was in flight
+            pass
         summary = summarize(plan, generated, tokens, time.perf_counter() - t0)
-        summary.stopped = plan.stopped
         store.append_run(config.location(), summary.__dict__)
     return summary
 
@@ -286,11 +321,11 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
     """
     from daskgen.cluster import check_engines, start_engines
 
-    start_engines(client, plan.config)
+    start_engines(client, plan.config, plan.interrupt)
     _record_engine(client, plan)
     in_flight_cap = in_flight_target(client, plan, info)
     retry: list[PartitionTask] = []
-    done = Completions(on_wait=lambda: _housekeeping(client, plan, tasks, retry),
+    done = Completions(on_wait=lambda: _housekeeping(client, plan, tasks, retry, futures),
                        check_engines=lambda: check_engines(client, plan.config))
     futures: dict[Any, PartitionTask] = {}
     generated = tokens = 0
@@ -308,11 +343,14 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
                 done.add(fut)
             if not futures:
                 break
+            if plan.collect_until is not None and time.monotonic() >= plan.collect_until:
+                _abandon(client, plan, futures)
+                break
             bar.in_flight = f"{len(futures)}/{in_flight_cap}"
             plan.peak_prompts = max(plan.peak_prompts, sum(len(t.rows) for t in futures.values()))
             outcomes: list[_Outcome] = []
             try:
-                for fut, value in done.wait(list(futures), CAP_REFRESH_S):  # all that are ready: one commit
+                for fut, value in done.wait(list(futures), _wait_s(plan)):  # all that are ready: one commit
                     task = futures.pop(fut, None)
                     if task is None:  # delivered late after being fetched directly
                         continue
@@ -328,12 +366,36 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
                     outcomes.append(_Outcome(task.start, task.stop, finished, failed, result.notes))
                     generated += len(finished) + len(failed)
                     tokens += result.response_tokens
+                    _count_partial(plan, result)
                     bar.update(len(finished) + len(failed), result.response_tokens, len(failed))
             finally:  # a StoreWriteError stops the run: what finished before it is still committed
                 _commit_outcomes(plan, outcomes)
             if plan.stopped is None and (reason := stop_reason(plan, tokens)):
                 _stop(client, plan, reason, tasks, retry)
+            _check_interrupt(client, plan, tasks, retry)
     return generated, tokens
+
+
+def _wait_s(plan: Plan) -> float:
+    """How long one wait for finished partitions may block."""
+    if plan.collect_until is None:
+        return CAP_REFRESH_S
+    return max(0.0, min(CAP_REFRESH_S, plan.collect_until - time.monotonic()))
+
+
+def _count_partial(plan: Plan, result: PartitionResult) -> None:
+    plan.carried_tokens += result.carried_tokens
+    if plan.stopped is not None:  # only a stop leaves partial responses in the store until the next run
+        plan.partial_samples += result.partial_samples
+        plan.partial_tokens += result.partial_tokens
+
+
+def _abandon(client: Any, plan: Plan, futures: dict[Any, PartitionTask]) -> None:
+    """The grace period is over: stop waiting for partitions still running (their rows stay pending)."""
+    logger.warning("grace period over: %d partition(s) did not hand back in time; their rows stay pending "
+                   "(any data they wrote is kept and continued by the next run)", len(futures))
+    client.cancel(list(futures))
+    futures.clear()
 
 
 def in_flight_target(client: Any, plan: Plan, info: Any = None) -> int:
@@ -351,13 +413,35 @@ def in_flight_target(client: Any, plan: Plan, info: Any = None) -> int:
 CAP_REFRESH_S = 5.0
 
 
-def _housekeeping(client: Any, plan: Plan, tasks: Iterator[PartitionTask], retry: list) -> None:
-    """While waiting for partitions: renew the store lock; stop the run the moment the deadline passes."""
+def _housekeeping(client: Any, plan: Plan, tasks: Iterator[PartitionTask], retry: list,
+                  futures: dict[Any, PartitionTask]) -> bool:
+    """While waiting for partitions: renew the store lock; stop the run the moment the deadline passes,
+    a signal arrives or the allocation ends.  True tells the wait to return now (a stop began or the
+    grace period is over)."""
     if plan.lock is not None:
         plan.lock.heartbeat()
     deadline = plan.config.deadline_timestamp(plan.started)
     if plan.stopped is None and deadline is not None and time.time() >= deadline:
         _stop(client, plan, f"deadline {plan.config.deadline} reached", tasks, retry)
+        return True
+    if _check_interrupt(client, plan, tasks, retry):
+        return True
+    return plan.collect_until is not None and time.monotonic() >= plan.collect_until
+
+
+def _check_interrupt(client: Any, plan: Plan, tasks: Iterator[PartitionTask], retry: list) -> bool:
+    """Begin the graceful stop when a signal arrived or the allocation is about to end; True if it began now."""
+    interrupt = plan.interrupt
+    if interrupt is None or plan.stopped is not None:
+        return False
+    if (not interrupt.requested and plan.allocation_end is not None
+            and time.time() >= plan.allocation_end - interrupt.grace_s):
+        interrupt.request(f"the batch allocation ends in {max(0.0, plan.allocation_end - time.time()):.0f} s")
+    if not interrupt.requested:
+        return False
+    _stop(client, plan, interrupt.reason, tasks, retry)
+    plan.collect_until = interrupt.collect_until()
+    return True
 
 
 def _only_rows(task: PartitionTask, rows: list[int]) -> PartitionTask:
@@ -387,6 +471,8 @@ def _stop(client: Any, plan: Plan, reason: str, tasks: Iterator[PartitionTask], 
 
     logger.warning("stopping early: %s", reason)
     plan.stopped = reason
+    if plan.collect_until is None:
+        plan.collect_until = time.monotonic() + plan.config.grace_seconds()
     retry.clear()  # and the lazy task stream is no longer pulled (see drive)
     client.run(stop_run_on_worker)
 
@@ -434,8 +520,11 @@ def _collect(fut: Any, value: Any, task: PartitionTask) -> PartitionResult | Non
 def summarize(plan: Plan, generated: int, tokens: int, seconds: float) -> RunSummary:
     """Counts over the whole store."""
     s = plan.status
+    interrupted = plan.interrupt.reason if plan.interrupt is not None and plan.interrupt.requested else None
     return RunSummary(str(plan.config.store), len(s), int((s == store.DONE).sum()), int((s == store.FAILED).sum()),
-                      int((s == store.PENDING).sum()), generated, tokens, seconds)
+                      int((s == store.PENDING).sum()), generated, tokens, seconds, stopped=plan.stopped,
+                      interrupted=interrupted, partial_samples=plan.partial_samples,
+                      partial_tokens=plan.partial_tokens, carried_tokens=plan.carried_tokens)
 
 
 def generate(prompts: str | Path | Sequence[Any], *, model: str, store: str | Path, **options: Any):
@@ -449,5 +538,7 @@ def generate(prompts: str | Path | Sequence[Any], *, model: str, store: str | Pa
     source = None if isinstance(prompts, (str, Path)) else prompts
     config = RunConfig.from_dict({**options, "model": str(model), "store": str(store),
                                   "prompts": str(prompts) if source is None else None}, source="generate()")
-    run(config, source)
+    summary = run(config, source)
+    if summary.interrupted:
+        raise RunInterrupted(f"{summary.line()}")
     return open_store(config.location())
