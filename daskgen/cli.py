@@ -152,6 +152,34 @@ def report(
     target = out or default_output(store, ".report.html")
     typer.echo(f"daskgen: report written to {write_report(store, target, overwrite=overwrite)}")
 
+
+@app.command()
+def pack(
+    store: Annotated[str, typer.Argument(help="A daskgen store (folder or URL).")],
+    out: Annotated[str | None, Opt(help="Write the packed copy here and keep STORE (default: replace STORE; "
+                                        "required on object storage).")] = None,
+    scheduler_address: Annotated[str | None, Opt(help="Copy on this Dask scheduler's workers.")] = None,
+    n_workers: Annotated[int | None, Opt(help="LocalCluster workers when no scheduler is given.")] = None,
+) -> None:
+    """Rewrite a store into few files (Zarr sharding, ~64k prompts per shard); rerun to resume an interrupted pack."""
+    from daskgen.pack import pack as run_pack
+
+    typer.echo(run_pack(store, out, scheduler_address=scheduler_address, n_workers=n_workers).line())
+
+
+@app.command()
+def unpack(
+    store: Annotated[str, typer.Argument(help="A packed daskgen store (folder or URL).")],
+    out: Annotated[str | None, Opt(help="Write the unpacked copy here and keep STORE.")] = None,
+    scheduler_address: Annotated[str | None, Opt(help="Copy on this Dask scheduler's workers.")] = None,
+    n_workers: Annotated[int | None, Opt(help="LocalCluster workers when no scheduler is given.")] = None,
+) -> None:
+    """Rewrite a packed store back to one file per partition, so that a run can resume it."""
+    from daskgen.pack import pack as run_pack
+
+    typer.echo(run_pack(store, out, unpack=True, scheduler_address=scheduler_address, n_workers=n_workers).line())
+
+
 def main() -> None:
     """Entry point: typed daskgen errors become a clear message and exit status 2."""
     try:

@@ -241,6 +241,21 @@ def check_compatible(path: Where, stored: dict[str, Any], wanted: dict[str, Any]
             + "\n  ".join(diffs)
             + "\nRerun with the store's settings and input to resume, or pass a new --store path to start a new run."
         )
+    _check_not_packed(path, stored)
+
+
+def _check_not_packed(path: Where, stored: dict[str, Any]) -> None:
+    """Refuse to resume a packed store with rows left: partitions share its shards (writers would lose data)."""
+    if not stored.get("packed"):
+        return
+    left = int((read_status(path) != DONE).sum())
+    if left:
+        loc = locate(path)
+        raise StoreMismatchError(
+            f"cannot resume {loc.url!r}: it is packed (daskgen pack: many partitions share each shard file, and "
+            f"workers writing one shard at once lose data), and {left} row(s) are not done. Run `daskgen unpack "
+            f"{loc.url}` first (then rerun; pack again when it is finished), or rerun into a new --store."
+        )
 
 
 def _array(path: Where, name: str, mode: str) -> Any:

@@ -220,3 +220,20 @@ def _wait_done(url: str, proc, minimum: int, timeout: float = 120.0) -> None:
             return
         time.sleep(0.1)
     raise AssertionError("no partition finished in time")
+
+
+def test_pack_on_object_storage_needs_out_and_reads_the_same(tmp_path, s3):
+    from daskgen.errors import PackError
+    from daskgen.pack import pack
+
+    bucket, env = s3
+    prompts = write_prompts(tmp_path / "p.jsonl", 24)
+    url = f"s3://{bucket}/src.zarr"
+    res = run_cli("run", *sim_args(tmp_path, url, "--prompts", prompts, "--partition-size", "4"), env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    with pytest.raises(PackError, match="cannot rename: pass --out"):
+        pack(url, n_workers=1)
+    result = pack(url, f"s3://{bucket}/packed.zarr", n_workers=1)
+    assert result.files_after < result.files_before
+    _same(url, f"s3://{bucket}/packed.zarr")
+    assert store.read_attrs(f"s3://{bucket}/packed.zarr")["packed"]
