@@ -179,7 +179,8 @@ def _finish(src: StoreLocation, dst: StoreLocation, plans: dict[str, dict[str, A
         raise PackError(f"the checkpoint of {dst.url!r} differs from {src.url!r}; rerun the {mode}.")
     attrs = dict(attrs)
     if mode == "pack":
-        attrs["packed"] = {"shard_rows": {n: p["shards"][0] for n, p in plans.items()},
+        shards = {n: p["shards"][0] for n, p in plans.items()}
+        attrs["packed"] = {"shard_rows": shards, "read_rows": min(shards.values()),
                            "packed": _dt.datetime.now(_dt.timezone.utc).isoformat()}
     else:
         attrs.pop("packed", None)

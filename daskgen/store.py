@@ -339,12 +339,15 @@ def open_store(path: Where):
     import daskgen.analysis  # noqa: F401 - registers ds.daskgen
 
     loc = locate(path)
-    if read_attrs(loc) is None:
+    attrs = read_attrs(loc)
+    if attrs is None:
         raise StoreError(
             f"{loc.url!r} is not a daskgen store (no {ATTRS_KEY!r} attrs in its zarr.json); "
             "pass the --store path of a daskgen run."
         )
+    # packed stores (daskgen pack): one dask chunk per shard reads each shard file once
+    rows = (attrs.get("packed") or {}).get("read_rows")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ds = xr.open_zarr(loc.zarr_store(read_only=True))
+        ds = xr.open_zarr(loc.zarr_store(read_only=True), chunks={"prompt": rows} if rows else {})
     return ds.daskgen.labelled()
