@@ -91,7 +91,7 @@ def run(
     if show:
         from daskgen.summary import print_answers
 
-        print_answers(str(cfg.store), show)
+        print_answers(cfg.location(), show)
     typer.echo(summary.line())
     raise typer.Exit(exit_status(summary))
 

@@ -17,7 +17,8 @@ How it stays safe:
   ``out`` the copy is written to ``out`` and the source is left alone (the only way on object
   storage, which cannot rename);
 * **resumable**: the shards already copied are recorded (``daskgen_pack`` attrs of the copy); an
-  interrupted pack reruns only the rest, and a swap interrupted between its renames is finished;
+  interrupted pack rewrites only the rest (and any recorded shard that no longer equals the source,
+  e.g. after a run on the source in between), and a swap interrupted between its renames is finished;
 * the store's lock (:mod:`daskgen.lock`) is held throughout: no run can write the store meanwhile.
 
 A packed store that still has pending or failed rows cannot be resumed as it is (partitions
@@ -80,21 +81,29 @@ def shard_rows(chunk_rows: int, row_bytes: int, n_rows: int, *, coarse: bool) ->
     return min(rows, cap, whole)
 
 
-def copy_block(src: StoreLocation, dst: StoreLocation, name: str, start: int, stop: int) -> int:
+def copy_block(src: StoreLocation, dst: StoreLocation, name: str, start: int, stop: int,
+               copied_before: bool = False) -> int:
     """Copy rows ``[start, stop)`` (whole shards of the target) of array ``name``, then verify them.
 
-    Runs on a Dask worker; returns the bytes copied (uncompressed).
+    ``copied_before``: an interrupted pack recorded this block; it is only rewritten if it differs
+    from the source now (a run may have changed the source in between).  Runs on a Dask worker;
+    returns the bytes written (uncompressed).
     """
     zarr = store._zarr()
-    values = zarr.open_array(src.zarr_store(read_only=True), path=name, mode="r")[start:stop]
+    values = np.asarray(zarr.open_array(src.zarr_store(read_only=True), path=name, mode="r")[start:stop])
     target = zarr.open_array(dst.zarr_store(), path=name, mode="r+")
+    if copied_before and _same(values, target[start:stop]):
+        return 0
     target[start:stop] = values
-    back = target[start:stop]
-    equal_nan = np.asarray(values).dtype.kind in "fc"
-    if not np.array_equal(np.asarray(values), np.asarray(back), equal_nan=equal_nan):
+    if not _same(values, target[start:stop]):
         raise PackError(f"verification failed: rows {start}..{stop - 1} of {name!r} in {dst.url!r} differ from "
                         f"the source after copying. The source is untouched; rerun to retry.")
-    return int(np.asarray(values).nbytes)
+    return int(values.nbytes)
+
+
+def _same(a: np.ndarray, b: Any) -> bool:
+    b = np.asarray(b)
+    return a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
 
 
 def _array_plans(src: StoreLocation, packing: bool) -> dict[str, dict[str, Any]]:
@@ -154,9 +163,8 @@ def _copy_all(client: Any, src: StoreLocation, dst: StoreLocation, tasks: list[t
               done: set[str], mode: str) -> None:
     from distributed import as_completed
 
-    todo = [t for t in tasks if f"{t[0]}/{t[1]}" not in done]
-    futures = {client.submit(copy_block, src, dst, *t, pure=False, key=f"daskgen-{mode}-{t[0]}-{t[1]}"): t
-               for t in todo}
+    futures = {client.submit(copy_block, src, dst, *t, f"{t[0]}/{t[1]}" in done, pure=False,
+                             key=f"daskgen-{mode}-{t[0]}-{t[1]}"): t for t in tasks}
     last = time.monotonic()
     for future in as_completed(futures):
         future.result()

@@ -87,3 +87,16 @@ def test_scaleout(tmp_path):
                         "0.002", "--partition-size", "8", "--client-prompts", "128", "--commit-rows", "10000",
                         "--commit-samples", "5")
     assert "scaling efficiency" in out and "Client saturation estimate" in out
+
+
+@pytest.mark.timeout(300)
+def test_pack(tmp_path):
+    out, _ = run_script("pack.py", tmp_path, "--prompts", "2000", "--repeats", "1", "--workers", "1")
+    assert "| files |" in out and "values of the first 4,096 rows identical after packing: yes" in out
+
+
+@pytest.mark.timeout(300)
+def test_object_store(tmp_path):
+    out, _ = run_script("object_store.py", tmp_path, "--prompts", "256", "--run-prompts", "64", "--n-samples", "2",
+                        "--max-new-tokens", "16", "--partition-size", "32", "--workers", "1")
+    assert "s3:// (moto_server, loopback)" in out and "commit (per partition)" in out and "run wall s" in out

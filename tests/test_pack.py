@@ -106,10 +106,14 @@ def test_interrupted_pack_and_interrupted_swap_resume(tmp_path, small_shards):
     plans = packing._array_plans(src, packing=True)
     tasks = packing._tasks(plans)
     packing._prepare_target(src, work, plans, "pack")  # a pack that copied a third of its blocks, then died
-    for task in tasks[: len(tasks) // 3]:
+    copied = [*tasks[: len(tasks) // 3], ("response_length", 0, 8)]
+    for task in copied:
         packing.copy_block(src, work, *task)
-    packing._record(work, {f"{n}/{s}" for n, s, _ in tasks[: len(tasks) // 3]}, src, "pack")
+    packing._record(work, {f"{n}/{s}" for n, s, _ in copied}, src, "pack")
     assert store.read_attrs(work) is None, "an unfinished copy is not a daskgen store"
+    # then the source changed (as a run would change it) in a block the interrupted pack had copied
+    store.write_region(out, 0, {"response_length": before["response_length"][:4] + 1})
+    before["response_length"][:4] += 1
     packing.pack(out, n_workers=1)
     _assert_same(before, _values(out))
     # a swap that stopped between its renames is finished by the next pack
