@@ -15,7 +15,7 @@ distribution.  The *preempted* job gets SIGTERM once half of its prompts are com
 
 Each invocation is a child process of this script (``--child``) so that it can receive a real SIGTERM.
 
-    python benchmarks/preemption.py                      # defaults: ~2-3 minutes on 2 cores
+    python benchmarks/preemption.py                      # defaults: ~2 minutes on 2 cores
     python benchmarks/preemption.py --prompts 64 --no-record
 """
 
@@ -139,7 +139,7 @@ def main() -> int:
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", type=int, default=256)
+    p.add_argument("--prompts", type=int, default=512)
     p.add_argument("--n-samples", type=int, default=2)
     p.add_argument("--length-mean", type=float, default=300.0)
     p.add_argument("--sigma", type=float, default=1.0)
@@ -147,7 +147,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--partition-size", type=int, default=8)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--time-scale", type=float, default=0.05)
+    p.add_argument("--time-scale", type=float, default=0.2)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--store", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)

@@ -27,6 +27,7 @@ import asyncio
 import logging
 import multiprocessing
 import signal
+import time
 from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
@@ -123,6 +124,7 @@ class DrainBeforeRetire(SchedulerPlugin):
 
         scheduler.retire_workers = retire_workers
         scheduler.handlers["retire_workers"] = retire_workers
+        _schedule_unrunnable_on_new_resources(scheduler)
 
     async def drain(self, scheduler: Any, addresses: list[str]) -> None:
         """Drain every worker in ``addresses`` at once (workers without daskgen answer with an error)."""
@@ -135,6 +137,29 @@ class DrainBeforeRetire(SchedulerPlugin):
                 logger.info("daskgen: %s not drained before retiring it: %s", address, exc)
 
         await asyncio.gather(*(one(a) for a in addresses))
+
+
+def _schedule_unrunnable_on_new_resources(scheduler: Any) -> None:
+    """Let tasks waiting for a resource run once a worker advertises it.
+
+    A partition rescheduled while no worker offered ``daskgen-engine`` (e.g. every worker of a job
+    left at once and the replacement job's engines are still loading) sits in the scheduler's
+    ``no-worker`` state; the scheduler revisits those tasks when a worker joins, not when a worker
+    sets its resources later (which our workers do once their engine is ready), so the run would
+    wait for ever.  This wraps the ``set_resources`` handler to revisit them.
+    """
+    original = getattr(scheduler, "_daskgen_add_resources", None) or scheduler.handlers["set_resources"]
+    scheduler._daskgen_add_resources = original
+
+    def set_resources(worker: str, resources: dict | None = None) -> str:
+        result = original(worker=worker, resources=resources)
+        ws = scheduler.workers.get(worker)
+        if ws is not None and ws in scheduler.running and scheduler.unrunnable:
+            stimulus = f"daskgen-resources-{time.time()}"
+            scheduler.transitions(scheduler.bulk_schedule_unrunnable_after_adding_worker(ws), stimulus)
+        return result
+
+    scheduler.handlers["set_resources"] = set_resources
 
 
 def _targets(scheduler: Any, workers: list[str] | None, names: list | None, kwargs: dict[str, Any]) -> list[str]:
