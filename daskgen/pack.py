@@ -142,6 +142,10 @@ def _prepare_target(src: StoreLocation, dst: StoreLocation, plans: dict[str, dic
             import json
 
             progress = (json.loads(raw).get("attributes") or {}).get(PROGRESS_KEY)
+        finished = store.read_attrs(dst) if progress is None and dst == src.sibling(WORK_SUFFIX) else None
+        if finished is not None and bool(finished.get("packed")) == (mode == "pack"):
+            logger.info("%s is a finished %s of %s that was not swapped in: re-checking it", dst.url, mode, src.url)
+            return {f"{name}/{start}" for name, start, _ in _tasks(plans)}  # every block re-checked, then swap
         if not progress or progress.get("source") != src.url or progress.get("mode") != mode:
             raise PackError(f"the output {dst.url!r} exists and is not an interrupted {mode} of {src.url!r}; "
                             "remove it or choose another --out.")
@@ -193,7 +197,8 @@ def _finish(src: StoreLocation, dst: StoreLocation, plans: dict[str, dict[str, A
     else:
         attrs.pop("packed", None)
     group.attrs.update({store.ATTRS_KEY: attrs})
-    del group.attrs[PROGRESS_KEY]
+    if PROGRESS_KEY in group.attrs:
+        del group.attrs[PROGRESS_KEY]
     zarr.consolidate_metadata(dst.zarr_store())
 
 

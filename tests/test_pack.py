@@ -116,6 +116,12 @@ def test_interrupted_pack_and_interrupted_swap_resume(tmp_path, small_shards):
     before["response_length"][:4] += 1
     packing.pack(out, n_workers=1)
     _assert_same(before, _values(out))
+    # a pack that finished its copy but stopped before the swap: the next pack re-checks it and swaps
+    packing.pack(out, out=tmp_path / "out.zarr.packing", unpack=True, n_workers=1)
+    packing.pack(out, unpack=True, n_workers=1)
+    assert "packed" not in store.read_attrs(out) and not (tmp_path / "out.zarr.packing").exists()
+    _assert_same(before, _values(out))
+    packing.pack(out, n_workers=1)
     # a swap that stopped between its renames is finished by the next pack
     packing.pack(out, out=tmp_path / "copy.zarr", unpack=True, n_workers=1)
     shutil.move(out, tmp_path / "out.zarr.unpacked-old")
