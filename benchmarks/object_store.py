@@ -120,6 +120,8 @@ def store_calls(a: argparse.Namespace, where: Any) -> dict[str, float]:
 
 def part_store(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     """The store calls on a local folder, memory:// and S3 (moto)."""
+    warm = argparse.Namespace(**{**vars(a), "prompts": 2 * a.partition_size})
+    store_calls(warm, work / "warm-up.zarr")  # first imports and zarr/xarray caches: not part of any side
     results = {"local folder": store_calls(a, work / "local.zarr"),
                "memory:// (obstore)": store_calls(a, f"memory:///{uuid.uuid4().hex}")}
     with moto_server() as endpoint:
