@@ -97,6 +97,8 @@ class WindowBoard:
 
         self.client, self.resource = client, resource
         self.windows: dict[str, int] = {}
+        self.assigned: dict[object, str] = {}  # future -> the worker it was sent to
+        self.load: dict[str, int] = {}  # worker -> partitions sent to it and not collected yet
         self.changed = threading.Event()
         client.subscribe_topic(WINDOW_TOPIC, self._on_event)  # type: ignore[attr-defined]
 
@@ -109,6 +111,30 @@ class WindowBoard:
         """Re-read every worker's advertised amount from the scheduler."""
         workers = self.client.scheduler_info(n_workers=-1)["workers"]  # type: ignore[attr-defined]
         self.windows = {addr: int(w.get("resources", {}).get(self.resource, 0)) for addr, w in workers.items()}
+
+    def pick(self) -> str | None:
+        """The worker with the most free admitted slots, or ``None`` when every worker is full.
+
+        Partitions go to the worker that asked for them: left to itself the scheduler would send
+        them to the least busy worker, which under ``window: auto`` is the one that admits the least.
+        """
+        best, free = None, 0
+        for worker, window in self.windows.items():
+            if window - self.load.get(worker, 0) > free:
+                best, free = worker, window - self.load.get(worker, 0)
+        return best
+
+    def assign(self, future: object, worker: str | None) -> None:
+        """Record that ``future`` was sent to ``worker`` (``None``: anywhere)."""
+        if worker is not None:
+            self.assigned[future] = worker
+            self.load[worker] = self.load.get(worker, 0) + 1
+
+    def release(self, future: object) -> None:
+        """``future`` was collected: its worker has a slot again."""
+        worker = self.assigned.pop(future, None)
+        if worker is not None:
+            self.load[worker] -= 1
 
     def total(self) -> int:
         """Partitions all workers admit together."""

@@ -39,6 +39,12 @@ class Outcome:
     notes: dict[int, str]
 
 
+#: Seconds the client gathers finished partitions before committing them together (one write per
+#: coarse chunk per commit).  A crash loses at most these commits, not the data: the rows stay pending
+#: and the next run keeps their stored samples instead of regenerating them.
+COMMIT_INTERVAL_S = 0.1
+
+
 def commit_outcomes(plan: Plan, outcomes: list[Outcome]) -> None:
     """Commit finished partitions with one write of ``status`` (and ``error``/``committed_at``) per
     coarse chunk they fall in, instead of one per partition.
@@ -48,8 +54,9 @@ def commit_outcomes(plan: Plan, outcomes: list[Outcome]) -> None:
     groups: dict[int, list[Outcome]] = {}
     for o in outcomes:
         groups.setdefault(o.start // store.COARSE_CHUNK, []).append(o)
-    for group in groups.values():
-        start, stop = min(o.start for o in group), max(o.stop for o in group)
+    for chunk, group in groups.items():
+        start = chunk * store.COARSE_CHUNK  # the whole coarse chunk: written without reading it back
+        stop = min(start + store.COARSE_CHUNK, plan.layout.n_prompts)
         failed = {r: m for o in group for r, m in o.failed.items()}
         notes = {r: m for o in group for r, m in o.notes.items()}
         commit_rows(plan, start, stop, failed, done=[r for o in group for r in o.done], notes=notes)
@@ -57,9 +64,11 @@ def commit_outcomes(plan: Plan, outcomes: list[Outcome]) -> None:
 
 def commit_rows(plan: Plan, start: int, stop: int, failed: dict[int, str], done: Sequence[int] = (),
             notes: dict[int, str] | None = None) -> None:
-    """Write error then status for rows of one partition; update the in-memory mask.
+    """Write error, commit times, then status of rows ``[start, stop)``; update the in-memory mask.
 
-    ``notes`` (e.g. verifier exceptions) go into ``error`` of rows that are nevertheless done.
+    The in-memory ``plan.status``/``plan.committed_at`` are authoritative (the client is the only
+    writer), so the rows in between are written back unchanged.  ``notes`` (e.g. verifier
+    exceptions) go into ``error`` of rows that are nevertheless done.
     """
     new = plan.status[start:stop].copy()
     for i in done:
@@ -67,7 +76,7 @@ def commit_rows(plan: Plan, start: int, stop: int, failed: dict[int, str], done:
     for i in failed:
         new[i - start] = store.FAILED
     errors = None
-    if failed or notes or np.any(plan.status[start:stop] == store.FAILED):
+    if failed or notes or np.any(plan.status[list(done)] == store.FAILED):  # else `error` stays as it is
         errors = [str(e) for e in store.read_region(plan.config.location(), start, stop, ("error",))["error"]]
         for i in done:
             errors[i - start] = (notes or {}).get(i, "")
@@ -75,7 +84,9 @@ def commit_rows(plan: Plan, start: int, stop: int, failed: dict[int, str], done:
             errors[i - start] = msg
     plan.committed_at[[*done, *failed]] = time.time()
     _maybe_pause_before_commit()
-    store.commit(plan.config.location(), start, new, errors, plan.committed_at[start:stop])
+    if plan.writer is None:
+        plan.writer = store.StatusWriter(plan.config.location())
+    plan.writer.commit(start, new, errors, plan.committed_at[start:stop])
     plan.status[start:stop] = new
 
 
@@ -84,3 +95,30 @@ def _maybe_pause_before_commit() -> None:
     delay = float(os.environ.get("DASKGEN_TEST_COMMIT_DELAY_S", "0") or 0)
     if delay:
         time.sleep(delay)
+
+
+class CommitBatch:
+    """Finished partitions waiting to be committed together, at most :data:`COMMIT_INTERVAL_S` after the first."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.outcomes: list[Outcome] = []
+        self.since: float | None = None
+
+    def add(self, outcomes: list[Outcome]) -> None:
+        """Queue finished partitions."""
+        if outcomes and self.since is None:
+            self.since = time.monotonic()
+        self.outcomes += outcomes
+
+    def due_in(self) -> float:
+        """Seconds until the queued partitions must be committed (``inf`` when none are queued)."""
+        if self.since is None:
+            return float("inf")
+        return max(0.0, self.since + COMMIT_INTERVAL_S - time.monotonic())
+
+    def flush(self, force: bool = False) -> None:
+        """Commit the queued partitions if they are due (or ``force``)."""
+        if self.outcomes and (force or self.due_in() == 0.0):
+            outcomes, self.outcomes, self.since = self.outcomes, [], None
+            commit_outcomes(self.plan, outcomes)

@@ -20,7 +20,7 @@ import numpy as np
 from daskgen import store
 from daskgen.admission import WindowBoard
 from daskgen.agents import create_agent
-from daskgen.commit import Outcome, commit_outcomes, commit_overlong
+from daskgen.commit import CommitBatch, Outcome, commit_overlong
 from daskgen.completions import Completions
 from daskgen.config import RunConfig
 from daskgen.data import InputScan, iter_token_ids, scan_prompts
@@ -109,6 +109,7 @@ class Plan:
     partial_samples: int = 0
     partial_tokens: int = 0
     carried_tokens: int = 0
+    writer: Any = None  # store.StatusWriter, opened at the first commit
     first_partitions: list[int] = dataclasses.field(default_factory=list)  # dispatched first (dispatch.py)
     partial_starts: set[int] = dataclasses.field(default_factory=set)  # partitions left with partial responses
     generating_since: float | None = None
@@ -304,6 +305,7 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
     futures: dict[Any, PartitionTask] = {}
     generated = tokens = 0
     refreshed = time.monotonic()
+    batch = CommitBatch(plan)
     try:
         with Progress(n_pending, enabled=plan.config.progress) as bar:
             while True:
@@ -311,7 +313,7 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
                     board.refresh()
                     refreshed = time.monotonic()
                 cap = in_flight_target(plan, board, info)
-                _submit_up_to(client, plan, cap, tasks, retry, futures, done)
+                _submit_up_to(client, plan, cap, tasks, retry, futures, done, board)
                 if not futures:
                     break
                 if plan.collect_until is not None and time.monotonic() >= plan.collect_until:
@@ -319,41 +321,49 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
                     break
                 bar.in_flight = f"{len(futures)}/{cap}"
                 plan.peak_prompts = max(plan.peak_prompts, sum(len(t.rows) for t in futures.values()))
-                g, t = _collect_ready(plan, done, futures, retry, bar)
+                g, t = _collect_ready(plan, done, futures, retry, bar, batch, board)
                 generated, tokens = generated + g, tokens + t
+                batch.flush(force=plan.stopped is not None or not futures)
                 if plan.stopped is None and (reason := stop_reason(plan, tokens)):
                     begin_stop(client, plan, reason, tasks, retry)
                 check_interrupt(client, plan, tasks, retry)
-    finally:
+    finally:  # a StoreWriteError stops the run: what finished before it is still committed
+        batch.flush(force=True)
         board.close()
     return generated, tokens
 
 
 def _submit_up_to(client: Any, plan: Plan, cap: int, tasks: Iterator[PartitionTask], retry: list,
-                  futures: dict[Any, PartitionTask], done: Completions) -> None:
-    """Submit partitions (retries first) until ``cap`` are in flight or none is left."""
+                  futures: dict[Any, PartitionTask], done: Completions, board: WindowBoard) -> None:
+    """Submit partitions (retries first) to the workers with free admitted slots, at most ``cap`` in
+    flight; beyond the workers' slots (an adaptive cluster scaling up) to any worker."""
     while len(futures) < cap:
+        worker = board.pick()
+        if worker is None and len(futures) >= board.total():
+            return
         task = None if plan.stopped else retry.pop() if retry else next(tasks, None)
         if task is None:
             return
-        fut = _submit(client, task, plan.config.max_retries)
+        fut = _submit(client, task, plan.config.max_retries, worker)
+        board.assign(fut, worker)
         futures[fut] = task
         done.add(fut)
 
 
 def _collect_ready(plan: Plan, done: Completions, futures: dict[Any, PartitionTask], retry: list,
-                   bar: Progress) -> tuple[int, int]:
-    """Wait for finished partitions and commit all that are ready with one write per coarse chunk.
+                   bar: Progress, batch: CommitBatch, board: WindowBoard) -> tuple[int, int]:
+    """Wait for finished partitions and queue all that are ready for the next commit.
 
     Returns the prompts and response tokens they generated.
     """
     generated = tokens = 0
     outcomes: list[Outcome] = []
     try:
-        for fut, value in done.wait(list(futures), wait_s(plan)):
+        for fut, value in done.wait(list(futures), min(wait_s(plan), batch.due_in())):
             task = futures.pop(fut, None)
             if task is None:  # delivered late after being fetched directly
                 continue
+            board.release(fut)
             result = _collect(fut, value, task)
             fut.release()
             if result is None:  # retried enough as a whole: retry its rows one by one
@@ -368,8 +378,8 @@ def _collect_ready(plan: Plan, done: Completions, futures: dict[Any, PartitionTa
             tokens += result.response_tokens
             _count_partial(plan, result)
             bar.update(len(finished) + len(failed), result.response_tokens, len(failed))
-    finally:  # a StoreWriteError stops the run: what finished before it is still committed
-        commit_outcomes(plan, outcomes)
+    finally:
+        batch.add(outcomes)
     return generated, tokens
 
 
@@ -408,10 +418,12 @@ def _record_engine(client: Any, plan: Plan) -> None:
         store.update_attrs(plan.config.location(), engine=redact(described[0]))
 
 
-def _submit(client: Any, task: PartitionTask, retries: int) -> Any:
+def _submit(client: Any, task: PartitionTask, retries: int, worker: str | None = None) -> Any:
+    """Submit one partition; to ``worker`` when given (loosely: elsewhere if that worker is gone)."""
     mode = "isolated" if task.isolate else "partition"
+    where = {} if worker is None else {"workers": [worker], "allow_other_workers": True}
     return client.submit(run_partition, task, pure=False, retries=0 if task.isolate else retries,
-                         resources={RESOURCE: 1}, key=f"daskgen-{mode}-{task.start}-{time.time_ns()}")
+                         resources={RESOURCE: 1}, key=f"daskgen-{mode}-{task.start}-{time.time_ns()}", **where)
 
 
 def _collect(fut: Any, value: Any, task: PartitionTask) -> PartitionResult | None:
