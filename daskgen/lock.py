@@ -20,7 +20,7 @@ from types import TracebackType
 from typing import Any
 
 from daskgen.errors import StoreLockedError
-from daskgen.storage import StoreLocation, locate
+from daskgen.storage import StoreLocation, locate, write_failures
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,11 @@ class StoreLock:
         """
         if time.monotonic() - self._last_beat < HEARTBEAT_EVERY_S:
             return
-        version = self.location.replace_object(LOCK_NAME, self._doc(), self._version)
+        try:
+            version = self.location.replace_object(LOCK_NAME, self._doc(), self._version)
+        except write_failures() as exc:  # storage unreachable for now: the run goes on, the next beat retries
+            logger.warning("could not refresh the lock %s (%s); retrying at the next heartbeat", self.path, exc)
+            return
         if version is None:
             current = self.location.read_versioned(LOCK_NAME)
             holder = _parse(current[0]) if current else {}

@@ -226,7 +226,7 @@ def check_compatible(path: Where, stored: dict[str, Any], wanted: dict[str, Any]
     """Refuse a resume whose identity (settings, input, tokenizer) differs from the store's."""
     if stored.get("schema_version") not in SCHEMA_VERSIONS:
         raise StoreMismatchError(
-            f"store {str(path)!r} has schema_version {stored.get('schema_version')!r}; this daskgen reads "
+            f"store {str(locate(path))!r} has schema_version {stored.get('schema_version')!r}; this daskgen reads "
             f"{list(SCHEMA_VERSIONS)}. Use a new --store path (or the daskgen version that wrote it)."
         )
     diffs = []
@@ -237,7 +237,7 @@ def check_compatible(path: Where, stored: dict[str, Any], wanted: dict[str, Any]
                 diffs.append(f"{key}: store has {old.get(key)!r}, this run has {new.get(key)!r}")
     if diffs:
         raise StoreMismatchError(
-            f"cannot resume {str(path)!r}: this run differs from the one that created the store:\n  "
+            f"cannot resume {str(locate(path))!r}: this run differs from the one that created the store:\n  "
             + "\n  ".join(diffs)
             + "\nRerun with the store's settings and input to resume, or pass a new --store path to start a new run."
         )
@@ -317,8 +317,9 @@ def _write_errors(path: Where, what: str) -> Iterator[None]:
         yield
     except write_failures() as exc:
         raise StoreWriteError(
-            f"{what} of store {str(path)!r} failed: {exc}. Finished work is saved (each chunk is replaced "
-            "atomically); free disk space or fix permissions, then rerun the same command to resume."
+            f"{what} of store {str(locate(path))!r} failed: {exc}. Finished work is saved (each chunk is replaced "
+            "atomically); free disk space, fix permissions (or the object store's credentials or connection), "
+            "then rerun the same command to resume."
         ) from exc
 
 

@@ -86,7 +86,8 @@ def test_packed_unfinished_store_is_refused_then_unpack_and_resume(tmp_path, sma
     out = tmp_path / "out.zarr"
     _run(tmp_path, out, log="first.log")
     store.commit(out, 12, np.full(28, store.PENDING, "int8"), None)  # as if the run had stopped after 12 rows
-    packing.pack(out, n_workers=1)
+    packed = run_cli("pack", out, "--n-workers", "1")  # the CLI: one shard per array here (40 rows)
+    assert packed.returncode == 0 and "packed" in packed.stdout and "files" in packed.stdout, packed.stderr
     refused = _run(tmp_path, out, log="second.log", expect=2)
     assert "it is packed" in refused.stderr and f"daskgen unpack {out}" in refused.stderr
     res = run_cli("unpack", out, "--n-workers", "1")
