@@ -67,6 +67,8 @@ def test_pack_in_place_same_values_fewer_files_exports_the_same(tmp_path, small_
     assert again.read_text() == jsonl.read_text()
     status = run_cli("status", out)
     assert status.returncode == 0 and "done 40" in status.stdout
+    report = run_cli("report", out, "--out", tmp_path / "r.html")
+    assert report.returncode == 0 and (tmp_path / "r.html").stat().st_size > 1000, report.stderr
     with pytest.raises(PackError, match="already packed"):
         packing.pack(out, n_workers=1)
 
