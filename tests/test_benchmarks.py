@@ -89,6 +89,20 @@ def test_scaleout(tmp_path):
     assert "scaling efficiency" in out and "Client saturation estimate" in out
 
 
+@pytest.mark.timeout(240)
+def test_tail(tmp_path):
+    out, _ = run_script("tail.py", tmp_path, "--prompts", "64", "--n-samples", "2", "--max-batch", "16",
+                        "--partition-size", "8", "--max-new-tokens", "512", "--time-scale", "0.002")
+    assert "best emulated / measured" in out and out.count("| long tail") == 2 and "| light tail" in out
+
+
+@pytest.mark.timeout(240)
+def test_preemption(tmp_path):
+    out, _ = run_script("preemption.py", tmp_path, "--prompts", "48", "--n-samples", "1", "--max-new-tokens", "256",
+                        "--partition-size", "4", "--time-scale", "0.05", "--length-mean", "100")
+    assert "tokens regenerated" in out and "| SIGTERM at 50 % + resume |" in out
+
+
 @pytest.mark.timeout(300)
 def test_pack(tmp_path):
     out, _ = run_script("pack.py", tmp_path, "--prompts", "2000", "--repeats", "1", "--workers", "1")
