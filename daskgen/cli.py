@@ -34,7 +34,8 @@ def _key_values(pairs: list[str] | None, flag: str) -> dict[str, Any] | None:
 def run(
     prompts: Annotated[Path | None, Opt(help="JSONL or Parquet file of prompts.")] = None,
     model: Annotated[str | None, Opt(help="Local model folder (or name the engine understands).")] = None,
-    store: Annotated[Path | None, Opt(help="Output Zarr store; rerun against it to resume.")] = None,
+    store: Annotated[str | None, Opt(help="Output Zarr store (folder or s3://, gs://, az:// URL); rerun against "
+                                          "it to resume.")] = None,
     config: Annotated[Path | None, Opt(help="YAML file with the same keys; flags override it.")] = None,
     engine: Annotated[str | None, Opt(help="Engine: transformers, sglang, openai, simulated, or module:Class.")] = None,
     engine_arg: Annotated[list[str] | None, Opt(help="Engine option KEY=VALUE (repeatable).")] = None,
@@ -90,7 +91,7 @@ def run(
     if show:
         from daskgen.summary import print_answers
 
-        print_answers(str(cfg.store), show)
+        print_answers(cfg.location(), show)
     typer.echo(summary.line())
     raise typer.Exit(exit_status(summary))
 
@@ -105,7 +106,7 @@ def exit_status(summary: Any) -> int:
 
 
 @app.command()
-def status(store: Annotated[Path, typer.Argument(help="A daskgen store.")]) -> None:
+def status(store: Annotated[str, typer.Argument(help="A daskgen store (folder or URL).")]) -> None:
     """Print done / pending / failed counts, tokens generated and the run's settings."""
     from daskgen.summary import status_report
 
@@ -115,7 +116,7 @@ def status(store: Annotated[Path, typer.Argument(help="A daskgen store.")]) -> N
 
 @app.command()
 def export(
-    store: Annotated[Path, typer.Argument(help="A daskgen store.")],
+    store: Annotated[str, typer.Argument(help="A daskgen store (folder or URL).")],
     format: Annotated[str, Opt("--format", "-f", help="parquet, jsonl, tensordict or zip.")] = "parquet",
     out: Annotated[Path | None, Opt(help="Output path (default: STORE with the format's suffix).")] = None,
     overwrite: Annotated[bool, Opt(help="Replace an existing output.")] = False,
@@ -128,8 +129,9 @@ def export(
     """Export done samples (parquet, jsonl, verl-layout tensordict) or the whole store as one zip."""
     from daskgen.export import DEFAULT_SUFFIX
     from daskgen.export import export as run_export
+    from daskgen.storage import default_output
 
-    target = out or store.with_suffix(DEFAULT_SUFFIX.get(format, f".{format}"))
+    target = out or default_output(store, DEFAULT_SUFFIX.get(format, f".{format}"))
     result = run_export(store, target, format, overwrite=overwrite, text=text, tokenizer=tokenizer, prompts=prompts,
                         raw=raw_prompts, wandb_project=wandb_project)
     typer.echo(result.line())
@@ -139,15 +141,44 @@ def export(
 
 @app.command()
 def report(
-    store: Annotated[Path, typer.Argument(help="A daskgen store.")],
+    store: Annotated[str, typer.Argument(help="A daskgen store (folder or URL).")],
     out: Annotated[Path | None, Opt(help="report.html or report.png (default: STORE.report.html).")] = None,
     overwrite: Annotated[bool, Opt(help="Replace an existing report.")] = False,
 ) -> None:
     """Write an HTML or PNG report: status counts, response lengths, throughput over time, settings."""
     from daskgen.report import write_report
+    from daskgen.storage import default_output
 
-    target = out or store.with_suffix(".report.html")
+    target = out or default_output(store, ".report.html")
     typer.echo(f"daskgen: report written to {write_report(store, target, overwrite=overwrite)}")
+
+
+@app.command()
+def pack(
+    store: Annotated[str, typer.Argument(help="A daskgen store (folder or URL).")],
+    out: Annotated[str | None, Opt(help="Write the packed copy here and keep STORE (default: replace STORE; "
+                                        "required on object storage).")] = None,
+    scheduler_address: Annotated[str | None, Opt(help="Copy on this Dask scheduler's workers.")] = None,
+    n_workers: Annotated[int | None, Opt(help="LocalCluster workers when no scheduler is given.")] = None,
+) -> None:
+    """Rewrite a store into few files (Zarr sharding, ~64k prompts per shard); rerun to resume an interrupted pack."""
+    from daskgen.pack import pack as run_pack
+
+    typer.echo(run_pack(store, out, scheduler_address=scheduler_address, n_workers=n_workers).line())
+
+
+@app.command()
+def unpack(
+    store: Annotated[str, typer.Argument(help="A packed daskgen store (folder or URL).")],
+    out: Annotated[str | None, Opt(help="Write the unpacked copy here and keep STORE.")] = None,
+    scheduler_address: Annotated[str | None, Opt(help="Copy on this Dask scheduler's workers.")] = None,
+    n_workers: Annotated[int | None, Opt(help="LocalCluster workers when no scheduler is given.")] = None,
+) -> None:
+    """Rewrite a packed store back to one file per partition, so that a run can resume it."""
+    from daskgen.pack import pack as run_pack
+
+    typer.echo(run_pack(store, out, unpack=True, scheduler_address=scheduler_address, n_workers=n_workers).line())
+
 
 def main() -> None:
     """Entry point: typed daskgen errors become a clear message and exit status 2."""

@@ -77,7 +77,7 @@ def commit_rows(plan: Plan, start: int, stop: int, failed: dict[int, str], done:
         new[i - start] = store.FAILED
     errors = None
     if failed or notes or np.any(plan.status[list(done)] == store.FAILED):  # else `error` stays as it is
-        errors = [str(e) for e in store.read_region(plan.config.store, start, stop, ("error",))["error"]]
+        errors = [str(e) for e in store.read_region(plan.config.location(), start, stop, ("error",))["error"]]
         for i in done:
             errors[i - start] = (notes or {}).get(i, "")
         for i, msg in failed.items():
@@ -85,7 +85,7 @@ def commit_rows(plan: Plan, start: int, stop: int, failed: dict[int, str], done:
     plan.committed_at[[*done, *failed]] = time.time()
     _maybe_pause_before_commit()
     if plan.writer is None:
-        plan.writer = store.StatusWriter(plan.config.store)
+        plan.writer = store.StatusWriter(plan.config.location())
     plan.writer.commit(start, new, errors, plan.committed_at[start:stop])
     plan.status[start:stop] = new
 

@@ -41,7 +41,12 @@ class RunConfig:
     Attributes
     ----------
     prompts, model, store:
-        Input file (JSONL or Parquet), model path/name, output Zarr store path.
+        Input file (JSONL or Parquet), model path/name, output Zarr store: a folder, or an
+        object-storage URL (``s3://bucket/run.zarr``, ``gs://``, ``az://``; see :mod:`daskgen.storage`).
+    storage_options:
+        Options of an object-storage store (endpoint, region, credentials, ``client_options``), passed to
+        ``obstore.store.from_url``; by default they come from the environment (``AWS_*``...).  Never
+        written to the store.
     engine, engine_args:
         Registered engine name (or ``module:Class``) and its backend options.
     agent, agent_args:
@@ -99,6 +104,7 @@ class RunConfig:
     prompts: str | None = None
     model: str | None = None
     store: str | None = None
+    storage_options: dict[str, Any] | None = None
     engine: str = "transformers"
     engine_args: dict[str, Any] = field(default_factory=dict)
     agent: str = "single_turn"
@@ -233,9 +239,18 @@ class RunConfig:
         """The settings a resumed run must share with the store."""
         return {k: getattr(self, k) for k in IDENTITY_KEYS}
 
+    def location(self) -> Any:
+        """The :class:`daskgen.storage.StoreLocation` of :attr:`store` (with :attr:`storage_options`)."""
+        from daskgen.storage import locate
+
+        return locate(self.store, self.storage_options)
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain-dict form (for store attrs; engine args are redacted by the caller)."""
-        return dataclasses.asdict(self)
+        """Plain-dict form (for store attrs; engine args are redacted by the caller).
+
+        ``storage_options`` (endpoints, credentials) are left out: they never reach the store.
+        """
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "storage_options"}
 
     def _check_types(self) -> None:
         for f in dataclasses.fields(self):

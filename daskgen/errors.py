@@ -52,3 +52,7 @@ class RunInterrupted(DaskgenError):
 
     Finished work and partial responses are committed; rerun the same command to resume.
     """
+
+
+class PackError(StoreError):
+    """A store cannot be packed or unpacked (not a store, already packed, output in the way, verify failed)."""

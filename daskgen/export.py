@@ -31,6 +31,7 @@ from daskgen import store
 from daskgen.analysis import decode_many, decode_prompts, finish_labels, flatten_samples, iter_raw_prompts
 from daskgen.errors import ExportError, OutputExistsError, StoreError
 from daskgen.lock import LOCK_NAME
+from daskgen.storage import locate
 
 __all__ = ["DEFAULT_SUFFIX", "FORMATS", "VERL_KEYS", "ExportResult", "check_output", "export", "load_tensordict",
            "staged_output", "to_tensordict", "upload_wandb", "verl_parts", "zip_store"]
@@ -72,8 +73,8 @@ def check_output(out: str | Path, *, overwrite: bool = False, protect: str | Pat
     if out.exists() and not overwrite:
         raise OutputExistsError(f"output {str(out)!r} exists; pass --overwrite (overwrite=True) to replace it, "
                                 "or choose another --out path.")
-    if protect is not None:
-        guarded, target = Path(protect).resolve(), out.resolve()
+    if protect is not None and locate(protect).is_local:
+        guarded, target = Path(str(locate(protect))).resolve(), out.resolve()
         if target == guarded or guarded in target.parents or target in guarded.parents:
             raise ExportError(f"output {str(out)!r} overlaps the store {str(protect)!r}; choose a path outside it.")
 
@@ -112,7 +113,7 @@ class Source:
 
     def __init__(self, path: str | Path, *, text: bool = False, tokenizer: str | None = None,
                  prompts: str | Path | None = None, raw: bool = True) -> None:
-        self.path = Path(path)
+        self.path = locate(path)
         self.ds = store.open_store(path)
         self.attrs = self.ds.daskgen.attrs
         self.rows = self.ds.daskgen.rows("done")
@@ -334,14 +335,16 @@ def verl_parts(td: Any) -> tuple[Any, dict[str, np.ndarray]]:
 
 
 # -- zip and W&B ----------------------------------------------------------------------------------
-def zip_store(path: str | Path, out: str | Path) -> None:
+def zip_store(path: store.Where, out: str | Path) -> None:
     """Write the whole store into one uncompressed zip (chunks are already compressed) and verify it."""
-    root = Path(path)
-    files = sorted((p for p in root.rglob("*") if p.is_file() and p.name != LOCK_NAME),
-                   key=lambda p: (p.relative_to(root).parts[0] not in _ZIP_FIRST, str(p)))
+    loc = locate(path)
+    keys = sorted((key for key, _ in loc.files() if key.rsplit("/", 1)[-1] != LOCK_NAME),
+                  key=lambda key: (key.split("/", 1)[0] not in _ZIP_FIRST, key))
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-        for file in files:
-            zf.write(file, file.relative_to(root).as_posix())
+        for key in keys:
+            data = loc.read_bytes(key)
+            if data is not None:  # deleted meanwhile (a running client's temporary file)
+                zf.writestr(key, data)
     import zarr
 
     with zarr.storage.ZipStore(str(out), mode="r") as zs:
@@ -378,7 +381,7 @@ def upload_wandb(zip_path: str | Path, project: str, attrs: dict[str, Any]) -> s
 
 
 # -- entry point ----------------------------------------------------------------------------------
-def export(path: str | Path, out: str | Path, fmt: str, *, overwrite: bool = False, text: bool = True,
+def export(path: store.Where, out: str | Path, fmt: str, *, overwrite: bool = False, text: bool = True,
            tokenizer: str | None = None, prompts: str | Path | None = None, raw: bool = True,
            wandb_project: str | None = None) -> ExportResult:
     """Export a store to ``out`` as ``parquet``, ``jsonl``, ``tensordict`` or ``zip``.
@@ -394,7 +397,7 @@ def export(path: str | Path, out: str | Path, fmt: str, *, overwrite: bool = Fal
     if wandb_project and fmt != "zip":
         raise ExportError("--wandb-project uploads the whole store as a zip; use it with --format zip.")
     if store.read_attrs(path) is None:
-        raise StoreError(f"{str(path)!r} is not a daskgen store (no zarr.json with daskgen attrs); "
+        raise StoreError(f"{str(locate(path))!r} is not a daskgen store (no zarr.json with daskgen attrs); "
                          "pass the --store path of a daskgen run.")
     check_output(out, overwrite=overwrite, protect=path)
     if wandb_project:

@@ -1,7 +1,8 @@
-"""One live client per store: a lock file with owner, start time and a heartbeat.
+"""One live client per store: a lock object with owner, start time and a heartbeat.
 
-The lock is ``<store>/daskgen.lock`` (JSON: host, pid, started, heartbeat).  It is taken with
-``O_CREAT|O_EXCL``; a second client is refused with the owner's details.  A lock is stale —
+The lock is ``<store>/daskgen.lock`` (JSON: host, pid, started, heartbeat).  It is created only if
+absent (``O_CREAT|O_EXCL`` in a folder, a conditional PUT on object storage); a second client is
+refused with the owner's details.  A lock is stale —
 and taken over — when its owner is a dead process on this host, or when its heartbeat (refreshed
 by the running client) is older than ``stale_after`` seconds (owner on another host).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import os
 import socket
 import time
@@ -18,10 +20,21 @@ from types import TracebackType
 from typing import Any
 
 from daskgen.errors import StoreLockedError
+from daskgen.storage import StoreLocation, locate, write_failures
+
+logger = logging.getLogger(__name__)
 
 LOCK_NAME = "daskgen.lock"
 STALE_AFTER_S = 300.0
 HEARTBEAT_EVERY_S = 30.0
+
+
+def _parse(data: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}  # half-written by a killed client: stale by definition (no pid)
+    return doc if isinstance(doc, dict) else {}
 
 
 def _pid_alive(pid: int) -> bool:
@@ -35,56 +48,86 @@ def _pid_alive(pid: int) -> bool:
 
 
 class StoreLock:
-    """Context manager holding the store's lock for the duration of a run."""
+    """Context manager holding the store's lock for the duration of a run.
 
-    def __init__(self, store_path: str | Path, *, stale_after: float = STALE_AFTER_S) -> None:
-        self.path = Path(store_path) / LOCK_NAME
+    The lock is one object written through the store's :class:`~daskgen.storage.StoreLocation`:
+    created only if absent (``O_EXCL`` on a folder; ``If-None-Match: *`` on S3, the equivalent
+    preconditions on GCS/Azure), and replaced only if unchanged since it was read (take-over of a
+    stale lock, heartbeats: compare-then-rename on a folder; ``If-Match: <ETag>`` on object storage).
+    """
+
+    def __init__(self, store_path: str | Path | StoreLocation, *, stale_after: float = STALE_AFTER_S) -> None:
+        self.location = locate(store_path)
+        self.path = f"{self.location.url}/{LOCK_NAME}"
         self.stale_after = stale_after
         self.owner = {"host": socket.gethostname(), "pid": os.getpid(),
                       "started": _dt.datetime.now(_dt.timezone.utc).isoformat()}
         self._last_beat = 0.0
+        self._version: Any = None
         self.took_over: dict[str, Any] | None = None
+
+    def _doc(self) -> bytes:
+        return json.dumps({**self.owner, "heartbeat": time.time()}).encode()
 
     def acquire(self) -> StoreLock:
         """Take the lock, taking over a stale one; raise :class:`StoreLockedError` if it is live."""
         for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                holder = self._read()
-                if holder is not None and not self._is_stale(holder):
-                    raise StoreLockedError(self._refusal(holder)) from None
-                self.took_over = holder
-                self._remove_if_unchanged(holder)
-                continue
-            with os.fdopen(fd, "w") as fh:
-                json.dump({**self.owner, "heartbeat": time.time()}, fh)
-            self._last_beat = time.monotonic()
-            return self
-        raise StoreLockedError(f"could not take the lock {str(self.path)!r}: another client keeps taking it")
+            doc = self._doc()
+            if self.location.create_object(LOCK_NAME, doc):
+                self._taken(doc)
+                return self
+            current = self.location.read_versioned(LOCK_NAME)
+            if current is None:
+                continue  # released meanwhile
+            holder = _parse(current[0])
+            if not self._is_stale(holder):
+                raise StoreLockedError(self._refusal(holder))
+            self.took_over = holder
+            version = self.location.replace_object(LOCK_NAME, doc, current[1])
+            if version is not None:  # nobody else took it over between our read and write
+                self._version = version
+                self._last_beat = time.monotonic()
+                return self
+        raise StoreLockedError(f"could not take the lock {self.path!r}: another client keeps taking it")
+
+    def _taken(self, doc: bytes) -> None:
+        current = self.location.read_versioned(LOCK_NAME)
+        self._version = None if current is None else current[1]
+        self._last_beat = time.monotonic()
+        if not self.location.is_local and self.location.create_object(LOCK_NAME, doc):
+            logger.warning("the object store at %s ignores conditional writes (If-None-Match): the lock cannot "
+                           "keep a second client out; run one client per store yourself", self.location.url)
 
     def heartbeat(self) -> None:
-        """Refresh the heartbeat (cheap; writes at most every 30 s)."""
+        """Refresh the heartbeat (cheap; writes at most every 30 s).
+
+        Raises :class:`StoreLockedError` when another client took the lock over meanwhile (this run's
+        heartbeat had stopped for longer than ``stale_after``): two clients must not commit to one store.
+        """
         if time.monotonic() - self._last_beat < HEARTBEAT_EVERY_S:
             return
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**self.owner, "heartbeat": time.time()}))
-        os.replace(tmp, self.path)
+        try:
+            version = self.location.replace_object(LOCK_NAME, self._doc(), self._version)
+        except write_failures() as exc:  # storage unreachable for now: the run goes on, the next beat retries
+            logger.warning("could not refresh the lock %s (%s); retrying at the next heartbeat", self.path, exc)
+            return
+        if version is None:
+            current = self.location.read_versioned(LOCK_NAME)
+            holder = _parse(current[0]) if current else {}
+            raise StoreLockedError(f"lost the lock {self.path!r}: it was taken over by host {holder.get('host')}, "
+                                   f"pid {holder.get('pid')} after this run's heartbeat stopped for more than "
+                                   f"{self.stale_after:.0f} s. Stop one of the two runs; rerun to resume.")
+        self._version = version
         self._last_beat = time.monotonic()
 
     def release(self) -> None:
         """Remove the lock if it is still ours."""
-        holder = self._read()
-        if holder is not None and holder.get("pid") == self.owner["pid"] and holder.get("host") == self.owner["host"]:
-            self.path.unlink(missing_ok=True)
-
-    def _read(self) -> dict[str, Any] | None:
-        try:
-            return json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return None
-        except (json.JSONDecodeError, OSError):
-            return {}  # half-written by a killed client: stale by definition below
+        current = self.location.read_versioned(LOCK_NAME)
+        if current is None:
+            return
+        holder = _parse(current[0])
+        if holder.get("pid") == self.owner["pid"] and holder.get("host") == self.owner["host"]:
+            self.location.delete_object(LOCK_NAME)
 
     def _is_stale(self, holder: dict[str, Any]) -> bool:
         if not holder.get("pid"):
@@ -93,15 +136,11 @@ class StoreLock:
             return not _pid_alive(int(holder["pid"]))
         return time.time() - float(holder.get("heartbeat", 0)) > self.stale_after
 
-    def _remove_if_unchanged(self, holder: dict[str, Any] | None) -> None:
-        if self._read() == holder:
-            self.path.unlink(missing_ok=True)
-
     def _refusal(self, holder: dict[str, Any]) -> str:
-        return (f"store {str(self.path.parent)!r} is in use by another daskgen run (host {holder.get('host')}, "
+        return (f"store {self.location.url!r} is in use by another daskgen run (host {holder.get('host')}, "
                 f"pid {holder.get('pid')}, started {holder.get('started')}). Wait for it to finish or stop it; "
                 f"if that run is dead on another host, its lock expires {self.stale_after:.0f} s after its last "
-                f"heartbeat, or delete {str(self.path)!r}.")
+                f"heartbeat, or delete {self.path!r}.")
 
     def __enter__(self) -> StoreLock:
         return self.acquire()

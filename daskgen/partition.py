@@ -34,7 +34,7 @@ class PartitionTask:
     whole cluster — never spends its CPU on tokenizing.  ``prompts`` may also be given directly.
     """
 
-    store_path: str
+    store_path: store.Where  # a path, URL or StoreLocation (carries storage_options to workers)
     start: int
     stop: int
     rows: list[int]

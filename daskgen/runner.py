@@ -123,7 +123,7 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     if source is None:
         config.require("prompts")
     tokenizer = load_tokenizer(config.model, config.engine, config.engine_args)
-    stored = store.read_attrs(config.store)
+    stored = store.read_attrs(config.location())
     key = scan_key(source, tokenizer_identity(tokenizer), config.max_prompt_tokens, config.skip_overlong)
     pset = load_scan(stored, key, source)
     reused = pset is not None
@@ -137,20 +137,20 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
                           scored=config.verify_policy() is not None)
     record = None if reused else scan_record(key, pset, source)
     if stored is None:
-        store.create(config.store, layout, {**wanted, **({ATTR: record} if record else {})}, pset.ids)
+        store.create(config.location(), layout, {**wanted, **({ATTR: record} if record else {})}, pset.ids)
         record = None
     else:
-        store.check_compatible(config.store, stored, wanted)
+        store.check_compatible(config.location(), stored, wanted)
     eos = tokenizer.eos_token_id
     first = list((stored or {}).get(DISPATCH_ATTR, []))
-    return Plan(config, pset, layout, store.read_status(config.store), () if eos is None else (int(eos),),
+    return Plan(config, pset, layout, store.read_status(config.location()), () if eos is None else (int(eos),),
                 tokenizer=tokenizer, scan_record=record, first_partitions=first)
 
 
 def keep_scan(plan: Plan) -> None:
     """Keep a fresh input scan of an existing store in its attrs (client holding the lock only)."""
     if plan.scan_record is not None:
-        store.update_attrs(plan.config.store, **{ATTR: plan.scan_record})
+        store.update_attrs(plan.config.location(), **{ATTR: plan.scan_record})
         plan.scan_record = None
 
 
@@ -216,7 +216,7 @@ def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[Part
     for start, stop in ranges:
         rows = [int(i) for i in np.flatnonzero(todo[start:stop]) + start]
         full = [next(selected)[1] for _ in rows]
-        yield PartitionTask(str(cfg.store), start, stop, rows, None, cfg.n_samples, params, cfg.seed, layout,
+        yield PartitionTask(cfg.location(), start, stop, rows, None, cfg.n_samples, params, cfg.seed, layout,
                             timeout_s=cfg.partition_timeout_s, agent=cfg.agent, agent_args=dict(cfg.agent_args),
                             model=str(cfg.model), continue_partial=cfg.continues_partial(), verify=verify,
                             rows_meta=full if verify is not None else None, inputs=[_to_tokenize(r) for r in full])
@@ -249,13 +249,14 @@ def _run_locked(plan: Plan, t0: float) -> RunSummary:
     from daskgen.lock import StoreLock
 
     config = plan.config
-    with StoreLock(config.store) as lock:
+    with StoreLock(config.location()) as lock:
         if lock.took_over:
             logger.warning("took over the stale lock of a dead run: %s", lock.took_over)
-        plan.status = store.read_status(config.store)  # re-read under the lock
-        plan.committed_at = store.read_region(config.store, 0, plan.layout.n_prompts, ("committed_at",))["committed_at"]
+        plan.status = store.read_status(config.location())  # re-read under the lock
+        plan.committed_at = store.read_region(config.location(), 0, plan.layout.n_prompts,
+                                              ("committed_at",))["committed_at"]
         plan.lock = lock
-        store.add_missing_arrays(config.store, plan.layout)
+        store.add_missing_arrays(config.location(), plan.layout)
         keep_scan(plan)
         commit_overlong(plan)
         generated, tokens = 0, 0
@@ -268,7 +269,7 @@ def _run_locked(plan: Plan, t0: float) -> RunSummary:
             pass
         _record_partial_partitions(plan)
         summary = summarize(plan, generated, tokens, time.perf_counter() - t0)
-        store.append_run(config.store, summary.__dict__)
+        store.append_run(config.location(), summary.__dict__)
     return summary
 
 
@@ -278,7 +279,7 @@ def _record_partial_partitions(plan: Plan) -> None:
     pending = {int(r) - int(r) % size for r in np.flatnonzero(plan.status == store.PENDING)}
     keep = still_partial(plan.first_partitions, plan.partial_starts, pending)
     if keep != sorted(plan.first_partitions):
-        store.update_attrs(plan.config.store, **{DISPATCH_ATTR: keep})
+        store.update_attrs(plan.config.location(), **{DISPATCH_ATTR: keep})
 
 
 def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = None,
@@ -420,7 +421,7 @@ def _record_engine(client: Any, plan: Plan) -> None:
 
     described = [d for d in client.run(engine_description).values() if d]
     if described:
-        store.update_attrs(plan.config.store, engine=redact(described[0]))
+        store.update_attrs(plan.config.location(), engine=redact(described[0]))
 
 
 def _submit(client: Any, task: PartitionTask, retries: int, worker: str | None = None) -> Any:
@@ -483,4 +484,4 @@ def generate(prompts: str | Path | Sequence[Any], *, model: str, store: str | Pa
     summary = run(config, source)
     if summary.interrupted:
         raise RunInterrupted(f"{summary.line()}")
-    return open_store(store)
+    return open_store(config.location())

@@ -19,6 +19,7 @@ import numpy as np
 
 from daskgen.engines.base import FINISH_FLAG_MEANINGS, FINISH_FLAG_VALUES
 from daskgen.errors import StoreError, StoreMismatchError, StoreWriteError
+from daskgen.storage import StoreLocation, locate, write_failures
 
 SCHEMA_VERSION = 1
 #: Stores with a ``trajectory`` axis (agent loops that return several trajectories per sample).
@@ -29,6 +30,8 @@ PENDING, DONE, FAILED = 0, 1, 2
 COARSE_CHUNK = 65536
 ATTRS_KEY = "daskgen"
 COORDS = "prompt_index prompt_id"
+#: A store: a local path, an object-storage URL (``s3://bucket/run.zarr``) or a :class:`StoreLocation`.
+Where = str | Path | StoreLocation
 
 #: Extra worker-written arrays of runs with a verifier.
 SCORE_ARRAYS = ("score", "samples_used")
@@ -153,36 +156,38 @@ def _compressors():
     return [ZstdCodec(level=3)]
 
 
-def create(path: str | Path, layout: Layout, attrs: dict[str, Any], prompt_ids: list[str]) -> None:
+def create(path: Where, layout: Layout, attrs: dict[str, Any], prompt_ids: list[str]) -> None:
     """Create an empty store: all arrays, coordinates, attrs and consolidated metadata."""
     zarr = _zarr()
-    path = Path(path)
-    if path.is_file() or (path.is_dir() and any(path.iterdir())):
-        kind = "a file" if path.is_file() else "a non-empty directory that is not a daskgen store"
-        raise StoreError(f"cannot create a store at {str(path)!r}: it is {kind}. Pass a new --store path.")
-    group = zarr.open_group(str(path), mode="w-", zarr_format=3)
+    loc = locate(path)
+    if not loc.is_empty():
+        kind = ("a file" if loc.is_local and loc.path.is_file()  # type: ignore[attr-defined]
+                else "a non-empty location that is not a daskgen store")
+        raise StoreError(f"cannot create a store at {loc.url!r}: it is {kind}. Pass a new --store path.")
+    group = zarr.open_group(loc.zarr_store(), mode="w-", zarr_format=3)
     for name, spec in layout.array_specs().items():
         _create_array(group, name, spec)
     group["prompt_index"][:] = np.arange(layout.n_prompts, dtype="int64")
     group["prompt_id"][:] = np.array(prompt_ids, dtype=object).astype(str)
     group.attrs[ATTRS_KEY] = _jsonable({**attrs, "schema_version": layout.schema_version, "layout": asdict(layout),
                                         "created": _dt.datetime.now(_dt.timezone.utc).isoformat()})
-    zarr.consolidate_metadata(str(path))
+    zarr.consolidate_metadata(loc.zarr_store())
 
 
-def add_missing_arrays(path: str | Path, layout: Layout) -> list[str]:
+def add_missing_arrays(path: Where, layout: Layout) -> list[str]:
     """Create arrays of ``layout`` that an older store lacks (client only, under the lock).
 
     Stores written before ``continued_tokens`` existed gain it (all zeros) when a run resumes them.
     Returns the names added.
     """
     zarr = _zarr()
-    group = zarr.open_group(str(path), mode="r+")
+    target = locate(path).zarr_store()
+    group = zarr.open_group(target, mode="r+")
     missing = [name for name in layout.array_specs() if name not in group]
     for name in missing:
         _create_array(group, name, layout.array_specs()[name])
     if missing:
-        zarr.consolidate_metadata(str(path))
+        zarr.consolidate_metadata(target)
     return missing
 
 
@@ -199,15 +204,16 @@ def _jsonable(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=str))
 
 
-def read_attrs(path: str | Path) -> dict[str, Any] | None:
+def read_attrs(path: Where) -> dict[str, Any] | None:
     """The store's ``daskgen`` attrs, or ``None`` when the path is not a daskgen store."""
-    meta = Path(path) / "zarr.json"
-    if not meta.is_file():
-        return None
+    loc = locate(path)
     try:
-        doc = json.loads(meta.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise StoreError(f"{str(meta)!r} is not readable Zarr metadata: {exc}") from exc
+        raw = loc.read_bytes("zarr.json")
+        if raw is None:
+            return None
+        doc = json.loads(raw)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise StoreError(f"{loc.url + '/zarr.json'!r} is not readable Zarr metadata: {exc}") from exc
     return (doc.get("attributes") or {}).get(ATTRS_KEY)
 
 
@@ -216,11 +222,11 @@ def layout_of(attrs: dict[str, Any]) -> Layout:
     return Layout(**attrs["layout"])
 
 
-def check_compatible(path: str | Path, stored: dict[str, Any], wanted: dict[str, Any]) -> None:
+def check_compatible(path: Where, stored: dict[str, Any], wanted: dict[str, Any]) -> None:
     """Refuse a resume whose identity (settings, input, tokenizer) differs from the store's."""
     if stored.get("schema_version") not in SCHEMA_VERSIONS:
         raise StoreMismatchError(
-            f"store {str(path)!r} has schema_version {stored.get('schema_version')!r}; this daskgen reads "
+            f"store {str(locate(path))!r} has schema_version {stored.get('schema_version')!r}; this daskgen reads "
             f"{list(SCHEMA_VERSIONS)}. Use a new --store path (or the daskgen version that wrote it)."
         )
     diffs = []
@@ -231,39 +237,57 @@ def check_compatible(path: str | Path, stored: dict[str, Any], wanted: dict[str,
                 diffs.append(f"{key}: store has {old.get(key)!r}, this run has {new.get(key)!r}")
     if diffs:
         raise StoreMismatchError(
-            f"cannot resume {str(path)!r}: this run differs from the one that created the store:\n  "
+            f"cannot resume {str(locate(path))!r}: this run differs from the one that created the store:\n  "
             + "\n  ".join(diffs)
             + "\nRerun with the store's settings and input to resume, or pass a new --store path to start a new run."
         )
+    _check_not_packed(path, stored)
 
 
-def read_status(path: str | Path) -> np.ndarray:
+def _check_not_packed(path: Where, stored: dict[str, Any]) -> None:
+    """Refuse to resume a packed store with rows left: partitions share its shards (writers would lose data)."""
+    if not stored.get("packed"):
+        return
+    left = int((read_status(path) != DONE).sum())
+    if left:
+        loc = locate(path)
+        raise StoreMismatchError(
+            f"cannot resume {loc.url!r}: it is packed (daskgen pack: many partitions share each shard file, and "
+            f"workers writing one shard at once lose data), and {left} row(s) are not done. Run `daskgen unpack "
+            f"{loc.url}` first (then rerun; pack again when it is finished), or rerun into a new --store."
+        )
+
+
+def _array(path: Where, name: str, mode: str) -> Any:
+    """The array ``name`` of the store at ``path``, opened through its location."""
+    loc = locate(path)
+    return _zarr().open_array(loc.zarr_store(read_only=mode == "r"), path=name, mode=mode)
+
+
+def read_status(path: Where) -> np.ndarray:
     """The whole checkpoint mask (coarse chunks: fast even for millions of rows)."""
-    return np.asarray(_zarr().open_array(str(Path(path) / "status"), mode="r")[:])
+    return np.asarray(_array(path, "status", "r")[:])
 
 
-def commit(path: str | Path, start: int, status: np.ndarray, errors: list[str] | None,
+def commit(path: Where, start: int, status: np.ndarray, errors: list[str] | None,
            committed_at: np.ndarray | None = None) -> None:
     """Client-only: record a partition's outcome.  ``error`` and times first, then ``status`` (the commit)."""
-    zarr = _zarr()
     stop = start + len(status)
     with _write_errors(path, f"committing rows {start}..{stop - 1}"):
         if committed_at is not None:
-            zarr.open_array(str(Path(path) / "committed_at"), mode="r+")[start:stop] = committed_at
+            _array(path, "committed_at", "r+")[start:stop] = committed_at
         if errors is not None:
             values = np.array(errors, dtype=object).astype(str)
-            zarr.open_array(str(Path(path) / "error"), mode="r+")[start:stop] = values
-        zarr.open_array(str(Path(path) / "status"), mode="r+")[start:stop] = status.astype("int8")
+            _array(path, "error", "r+")[start:stop] = values
+        _array(path, "status", "r+")[start:stop] = status.astype("int8")
 
 
 class StatusWriter:
     """Client-only: :func:`commit` with the three client-written arrays opened once for a whole run."""
 
-    def __init__(self, path: str | Path) -> None:
-        zarr = _zarr()
+    def __init__(self, path: Where) -> None:
         self.path = path
-        self.arrays = {name: zarr.open_array(str(Path(path) / name), mode="r+")
-                       for name in ("committed_at", "error", "status")}
+        self.arrays = {name: _array(path, name, "r+") for name in ("committed_at", "error", "status")}
 
     def commit(self, start: int, status: np.ndarray, errors: list[str] | None,
                committed_at: np.ndarray | None = None) -> None:
@@ -277,46 +301,46 @@ class StatusWriter:
             self.arrays["status"][start:stop] = status.astype("int8")
 
 
-def write_region(path: str | Path, start: int, arrays: dict[str, np.ndarray]) -> None:
+def write_region(path: Where, start: int, arrays: dict[str, np.ndarray]) -> None:
     """Worker side: overwrite one chunk-aligned row region of each given data array."""
-    zarr = _zarr()
     for name, values in arrays.items():
         if name not in DATA_ARRAYS + ("num_trajectories",) + SCORE_ARRAYS:
             raise StoreError(f"workers may only write data arrays {DATA_ARRAYS}, not {name!r}")
         with _write_errors(path, f"writing {name} rows {start}..{start + len(values) - 1}"):
-            zarr.open_array(str(Path(path) / name), mode="r+")[start : start + len(values)] = values
+            _array(path, name, "r+")[start : start + len(values)] = values
 
 
 @contextlib.contextmanager
-def _write_errors(path: str | Path, what: str) -> Iterator[None]:
+def _write_errors(path: Where, what: str) -> Iterator[None]:
     """Turn OS-level write failures into :class:`StoreWriteError` naming the store and the fix."""
     try:
         yield
-    except OSError as exc:
+    except write_failures() as exc:
         raise StoreWriteError(
-            f"{what} of store {str(path)!r} failed: {exc}. Finished work is saved (each chunk is replaced "
-            "atomically); free disk space or fix permissions, then rerun the same command to resume."
+            f"{what} of store {str(locate(path))!r} failed: {exc}. Finished work is saved (each chunk is replaced "
+            "atomically); free disk space, fix permissions (or the object store's credentials or connection), "
+            "then rerun the same command to resume."
         ) from exc
 
 
-def read_region(path: str | Path, start: int, stop: int,
+def read_region(path: Where, start: int, stop: int,
                 names: tuple[str, ...] = DATA_ARRAYS) -> dict[str, np.ndarray]:
     """Read the rows ``[start, stop)`` of the named arrays (e.g. rows a partition must keep)."""
-    zarr = _zarr()
-    return {name: np.asarray(zarr.open_array(str(Path(path) / name), mode="r")[start:stop]) for name in names}
+    return {name: np.asarray(_array(path, name, "r")[start:stop]) for name in names}
 
 
-def update_attrs(path: str | Path, **updates: Any) -> None:
+def update_attrs(path: Where, **updates: Any) -> None:
     """Merge keys into the ``daskgen`` attrs and re-consolidate metadata (client only)."""
     zarr = _zarr()
-    group = zarr.open_group(str(path), mode="r+")
+    target = locate(path).zarr_store()
+    group = zarr.open_group(target, mode="r+")
     attrs = dict(group.attrs.get(ATTRS_KEY, {}))
     attrs.update(_jsonable(updates))
     group.attrs[ATTRS_KEY] = attrs
-    zarr.consolidate_metadata(str(path))
+    zarr.consolidate_metadata(target)
 
 
-def append_run(path: str | Path, record: dict[str, Any]) -> None:
+def append_run(path: Where, record: dict[str, Any]) -> None:
     """Append one invocation's summary to the ``runs`` history in the attrs."""
     attrs = read_attrs(path) or {}
     runs = list(attrs.get("runs", []))
@@ -324,7 +348,7 @@ def append_run(path: str | Path, record: dict[str, Any]) -> None:
     update_attrs(path, runs=runs)
 
 
-def open_store(path: str | Path):
+def open_store(path: Where):
     """Open a store lazily as an ``xarray.Dataset`` (also while a run is writing it).
 
     Registers the ``ds.daskgen`` accessor (:mod:`daskgen.analysis`) and adds a lazy ``finish_label``
@@ -334,12 +358,16 @@ def open_store(path: str | Path):
 
     import daskgen.analysis  # noqa: F401 - registers ds.daskgen
 
-    if read_attrs(path) is None:
+    loc = locate(path)
+    attrs = read_attrs(loc)
+    if attrs is None:
         raise StoreError(
-            f"{str(path)!r} is not a daskgen store (no {ATTRS_KEY!r} attrs in its zarr.json); "
+            f"{loc.url!r} is not a daskgen store (no {ATTRS_KEY!r} attrs in its zarr.json); "
             "pass the --store path of a daskgen run."
         )
+    # packed stores (daskgen pack): one dask chunk per shard reads each shard file once
+    rows = (attrs.get("packed") or {}).get("read_rows")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ds = xr.open_zarr(str(path))
+        ds = xr.open_zarr(loc.zarr_store(read_only=True), chunks={"prompt": rows} if rows else {})
     return ds.daskgen.labelled()

@@ -9,7 +9,7 @@ import numpy as np
 from daskgen import store
 
 
-def status_report(path: str) -> str:
+def status_report(path: store.Where) -> str:
     """Counts, tokens generated and settings of a store, as text."""
     attrs = store.read_attrs(path)
     if attrs is None:
@@ -37,7 +37,7 @@ def status_report(path: str) -> str:
     return "\n".join(lines)
 
 
-def print_answers(path: str, n: int) -> None:
+def print_answers(path: store.Where, n: int) -> None:
     """Print the first ``n`` done prompts with their first sample, decoded with the model's tokenizer."""
     from daskgen.tokenizer import load_tokenizer
 

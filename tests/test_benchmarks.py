@@ -101,3 +101,16 @@ def test_preemption(tmp_path):
     out, _ = run_script("preemption.py", tmp_path, "--prompts", "48", "--n-samples", "1", "--max-new-tokens", "256",
                         "--partition-size", "4", "--time-scale", "0.05", "--length-mean", "100")
     assert "tokens regenerated" in out and "| SIGTERM at 50 % + resume |" in out
+
+
+@pytest.mark.timeout(300)
+def test_pack(tmp_path):
+    out, _ = run_script("pack.py", tmp_path, "--prompts", "2000", "--repeats", "1", "--workers", "1")
+    assert "| files |" in out and "values of the first 4,096 rows identical after packing: yes" in out
+
+
+@pytest.mark.timeout(300)
+def test_object_store(tmp_path):
+    out, _ = run_script("object_store.py", tmp_path, "--prompts", "256", "--run-prompts", "64", "--n-samples", "2",
+                        "--max-new-tokens", "16", "--partition-size", "32", "--workers", "1")
+    assert "s3:// (moto_server, loopback)" in out and "commit (per partition)" in out and "run wall s" in out

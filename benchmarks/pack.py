@@ -1,0 +1,184 @@
+"""Benchmark: ``daskgen pack`` on a 1M-prompt store — files and bytes before/after, read times.
+
+The store is made by ``daskgen.store.create`` (the layout a run creates) and its data arrays are filled
+directly, as finished partitions leave them: lognormal response lengths (mean ``--length-mean``), random
+token ids up to the length then padding, the matching mask, lengths, finish reasons and turns; ``status``
+done for ``--done-fraction`` of the partitions (the rest stay pending and unwritten, like a partly
+finished run).  Writing the arrays directly instead of running generation is what makes a 1M-prompt
+store take minutes; the files are the same ones workers write (one per partition per array).
+
+Then ``daskgen.pack.pack`` rewrites it in place on a LocalCluster of ``--workers`` workers.  Before and
+after: file count, bytes, and read times (medians of ``--repeats``, warm page cache):
+
+* ``open_store`` + count of done rows (``status``);
+* all ``response_length`` values (a column for statistics);
+* the ``response_ids`` of one partition (``store.read_region``, and sliced from an open ``open_store``
+  dataset; random partitions);
+* a full scan of ``response_mask`` summed per prompt (xarray + dask, every chunk).
+
+    python benchmarks/pack.py                                  # ~10-15 minutes on 2 cores
+    python benchmarks/pack.py --prompts 100000 --no-record     # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import _bench
+import numpy as np
+
+
+def build_store(a: argparse.Namespace, path: Path) -> dict[str, Any]:
+    """Create a store of ``a.prompts`` rows and fill the done partitions' data arrays."""
+    import zarr
+
+    from daskgen import store
+
+    layout = store.Layout(a.prompts, a.n_samples, a.max_prompt_tokens, a.max_new_tokens, a.partition_size, 0)
+    attrs = {"identity": {"model": "bench-pack", "engine": "simulated"}, "input": {"n_prompts": a.prompts},
+             "simulated": True}
+    t0 = time.perf_counter()
+    store.create(path, layout, attrs, [f"r{i}" for i in range(a.prompts)])
+    rng = np.random.default_rng(0)
+    n_parts = -(-a.prompts // a.partition_size)
+    done = rng.random(n_parts) < a.done_fraction
+    status = np.repeat(done.astype("int8"), a.partition_size)[: a.prompts]
+    arrays = {name: zarr.open_array(str(path), path=name, mode="r+") for name in layout.data_arrays()}
+    block = a.partition_size * max(1, 8192 // a.partition_size)
+    for start in range(0, a.prompts, block):
+        stop = min(start + block, a.prompts)
+        rows = np.flatnonzero(status[start:stop]) + start
+        if not len(rows):
+            continue
+        for name, values in _partition_data(rng, a, stop - start).items():
+            keep = np.zeros(stop - start, dtype=bool)
+            keep[rows - start] = True
+            fill = arrays[name].fill_value
+            values[~keep] = fill  # pending rows stay at the fill value (their chunks are not written)
+            arrays[name][start:stop] = values
+    zarr.open_array(str(path), path="status", mode="r+")[:] = status
+    zarr.open_array(str(path), path="committed_at", mode="r+")[:] = np.where(status == 1, time.time(), np.nan)
+    return {"seconds": time.perf_counter() - t0, "done_rows": int(status.sum()), "partitions": n_parts}
+
+
+def _partition_data(rng: np.random.Generator, a: argparse.Namespace, n: int) -> dict[str, np.ndarray]:
+    s, r, p = a.n_samples, a.max_new_tokens, a.max_prompt_tokens
+    lengths = np.clip(rng.lognormal(np.log(a.length_mean), 0.8, size=(n, s)), 1, r).astype("int32")
+    positions = np.arange(r)
+    mask = positions[None, None, :] < lengths[..., None]
+    ids = np.where(mask, rng.integers(1, 32000, size=(n, s, r), dtype="int32"), 0).astype("int32")
+    plen = rng.integers(8, p, size=n).astype("int32")
+    prompt_ids = np.where(np.arange(p)[None, :] < plen[:, None], rng.integers(1, 32000, size=(n, p)), 0)
+    return {"prompt_ids": prompt_ids.astype("int32"), "prompt_length": plen, "response_ids": ids,
+            "response_length": lengths, "response_mask": mask.astype("uint8"),
+            "logprobs": np.full((n, s, r), np.nan, "float32"),
+            "finish_reason": np.where(lengths == r, 1, 0).astype("int8"), "num_turns": np.ones((n, s), "int16")}
+
+
+def files_and_bytes(path: Path) -> tuple[int, int]:
+    """Files and their bytes under ``path``."""
+    sizes = [p.stat().st_size for p in path.rglob("*") if p.is_file()]
+    return len(sizes), sum(sizes)
+
+
+def read_times(a: argparse.Namespace, path: Path) -> dict[str, float]:
+    """Median seconds of each read (see the module docstring)."""
+    from daskgen import store
+
+    rng = np.random.default_rng(1)
+    status = store.read_status(path)
+    ds = store.open_store(path)
+    done_parts = np.unique(np.flatnonzero(status == store.DONE) // a.partition_size)
+
+    def open_count() -> None:
+        int((store.open_store(path).status == store.DONE).sum())
+
+    def lengths() -> None:
+        np.asarray(store.open_store(path).response_length)
+
+    def one_partition() -> None:
+        start = int(rng.choice(done_parts)) * a.partition_size
+        store.read_region(path, start, start + a.partition_size, ("response_ids",))
+
+    def one_partition_xarray() -> None:
+        start = int(rng.choice(done_parts)) * a.partition_size
+        np.asarray(ds.response_ids[start:start + a.partition_size])
+
+    def scan() -> None:
+        np.asarray(store.open_store(path).response_mask.sum(("sample", "response_position")))
+
+    reads: dict[str, Callable[[], None]] = {"open_store + count done": open_count,
+                                            "all response_length": lengths,
+                                            "one partition's response_ids": one_partition,
+                                            "one partition's response_ids via open_store": one_partition_xarray,
+                                            "full scan: response_mask summed per prompt": scan}
+    out = {}
+    for name, fn in reads.items():
+        repeats = a.repeats if "scan" not in name else max(1, a.repeats // 2)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times)
+    return out
+
+
+def part_pack(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
+    """Build, measure, pack, measure again, check the values are unchanged."""
+    from daskgen import store
+    from daskgen.pack import pack
+
+    path = work / "big.zarr"
+    built = build_store(a, path)
+    files_before, bytes_before = files_and_bytes(path)
+    reads_before = read_times(a, path)
+    sample = store.read_region(path, 0, min(a.prompts, 4096), ("response_ids", "response_length", "status"))
+    result = pack(path, n_workers=a.workers)
+    files_after, bytes_after = files_and_bytes(path)
+    reads_after = read_times(a, path)
+    again = store.read_region(path, 0, min(a.prompts, 4096), ("response_ids", "response_length", "status"))
+    same = all(np.array_equal(sample[k], again[k]) for k in sample)
+    rec.note(f"Store: {a.prompts:,} prompts x {a.n_samples} sample(s), max {a.max_new_tokens} new tokens (lognormal "
+             f"lengths, mean {a.length_mean}), partitions of {a.partition_size} ({built['partitions']:,}), "
+             f"{built['done_rows']:,} rows done ({a.done_fraction:.0%} of partitions), logprobs off; built in "
+             f"{built['seconds']:.0f} s. Packed in place on a LocalCluster of {a.workers} worker(s) in "
+             f"{result.seconds:.0f} s; values of the first 4,096 rows identical after packing: {_bench.fmt(same)}.")
+    rec.table(["", "before (one file per partition per array)", "after `daskgen pack`", "after / before"], [
+        ["files", files_before, files_after, files_after / files_before],
+        ["MiB", bytes_before / 2**20, bytes_after / 2**20, bytes_after / bytes_before],
+        *[[f"{name} (s)", reads_before[name], reads_after[name], reads_after[name] / reads_before[name]]
+          for name in reads_before],
+    ])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--part", default="pack", help="pack")
+    p.add_argument("--prompts", type=int, default=1_000_000)
+    p.add_argument("--n-samples", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-prompt-tokens", type=int, default=64)
+    p.add_argument("--length-mean", type=float, default=40.0)
+    p.add_argument("--partition-size", type=int, default=64)
+    p.add_argument("--done-fraction", type=float, default=0.9)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    _bench.add_common_args(p)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run, print, append to the README."""
+    return _bench.run_parts(parse_args(argv), "Pack: files, bytes and read times of a 1M-prompt store",
+                            {"pack": part_pack})
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

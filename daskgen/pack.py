@@ -1,0 +1,283 @@
+"""``daskgen pack``: rewrite a store into few files (Zarr v3 sharding), and ``daskgen unpack`` back.
+
+A run writes one file per partition per array (a 1M-prompt store has ~140k files), which HPC
+inode quotas and Lustre metadata servers punish.  Packing rewrites every array into shards of
+about :data:`SHARD_ROWS` prompts (the per-prompt arrays the client writes into shards of
+:data:`COARSE_SHARD_ROWS`), keeping the inner chunks partition-sized so a partition still reads
+as one small piece.  Packed arrays hold the same values; ``open_store``, xarray, export and
+report read them unchanged.
+
+How it stays safe:
+
+* **one writer per shard**: every task copies whole shards (writers sharing a shard lose data,
+  see DESIGN.md), reads them back and compares them with the source;
+* **write beside, verify, swap**: the copy goes to ``STORE.packing`` and only becomes a daskgen
+  store (its ``daskgen`` attrs are written) after every shard verified; then ``STORE`` is renamed
+  to ``STORE.unpacked-old``, ``STORE.packing`` to ``STORE``, and the old copy is deleted.  With
+  ``out`` the copy is written to ``out`` and the source is left alone (the only way on object
+  storage, which cannot rename);
+* **resumable**: the shards already copied are recorded (``daskgen_pack`` attrs of the copy); an
+  interrupted pack rewrites only the rest (and any recorded shard that no longer equals the source,
+  e.g. after a run on the source in between), and a swap interrupted between its renames is finished;
+* the store's lock (:mod:`daskgen.lock`) is held throughout: no run can write the store meanwhile.
+
+A packed store that still has pending or failed rows cannot be resumed as it is (partitions
+share shards): runs refuse it and name the fix, ``daskgen unpack STORE`` (see
+:func:`daskgen.store.check_compatible`).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from daskgen import store
+from daskgen.errors import PackError
+from daskgen.lock import LOCK_NAME, StoreLock
+from daskgen.storage import LocalLocation, StoreLocation, locate
+
+logger = logging.getLogger(__name__)
+
+#: Rows per shard of the partition-chunked (worker-written) arrays, rounded down to whole partitions.
+SHARD_ROWS = 65536
+#: Rows per shard of the coarse, client-written arrays (``status``, ``error``, coordinates).
+COARSE_SHARD_ROWS = 4 * store.COARSE_CHUNK
+#: Upper bound on a shard's uncompressed size: a task holds one shard in memory.
+MAX_SHARD_BYTES = 1 << 30
+PROGRESS_KEY = "daskgen_pack"
+WORK_SUFFIX, OLD_SUFFIX = ".packing", ".unpacked-old"
+
+
+@dataclass
+class PackResult:
+    """What a pack or unpack did."""
+
+    path: str
+    mode: str
+    files_before: int
+    bytes_before: int
+    files_after: int
+    bytes_after: int
+    seconds: float
+
+    def line(self) -> str:
+        """One-line summary for the command line."""
+        return (f"daskgen: {self.mode}ed {self.path}: {self.files_before} files ({self.bytes_before / 2**20:.1f} MiB) "
+                f"-> {self.files_after} files ({self.bytes_after / 2**20:.1f} MiB) in {self.seconds:.1f} s")
+
+
+def shard_rows(chunk_rows: int, row_bytes: int, n_rows: int, *, coarse: bool) -> int:
+    """Rows per shard: whole inner chunks, about :data:`SHARD_ROWS` (or the coarse size), within the byte cap."""
+    target = COARSE_SHARD_ROWS if coarse else SHARD_ROWS
+    rows = max(chunk_rows, target // chunk_rows * chunk_rows)
+    cap = max(chunk_rows, MAX_SHARD_BYTES // max(row_bytes, 1) // chunk_rows * chunk_rows)
+    whole = -(-n_rows // chunk_rows) * chunk_rows  # no shard larger than the array needs
+    return min(rows, cap, whole)
+
+
+def copy_block(src: StoreLocation, dst: StoreLocation, name: str, start: int, stop: int,
+               copied_before: bool = False) -> int:
+    """Copy rows ``[start, stop)`` (whole shards of the target) of array ``name``, then verify them.
+
+    ``copied_before``: an interrupted pack recorded this block; it is only rewritten if it differs
+    from the source now (a run may have changed the source in between).  Runs on a Dask worker;
+    returns the bytes written (uncompressed).
+    """
+    zarr = store._zarr()
+    values = np.asarray(zarr.open_array(src.zarr_store(read_only=True), path=name, mode="r")[start:stop])
+    target = zarr.open_array(dst.zarr_store(), path=name, mode="r+")
+    if copied_before and _same(values, target[start:stop]):
+        return 0
+    target[start:stop] = values
+    if not _same(values, target[start:stop]):
+        raise PackError(f"verification failed: rows {start}..{stop - 1} of {name!r} in {dst.url!r} differ from "
+                        f"the source after copying. The source is untouched; rerun to retry.")
+    return int(values.nbytes)
+
+
+def _same(a: np.ndarray, b: Any) -> bool:
+    b = np.asarray(b)
+    return a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
+
+
+def _array_plans(src: StoreLocation, packing: bool) -> dict[str, dict[str, Any]]:
+    """name -> create_array arguments of the target (same values, sharded or not)."""
+    zarr = store._zarr()
+    group = zarr.open_group(src.zarr_store(read_only=True), mode="r")
+    plans = {}
+    for name, arr in group.arrays():
+        inner = arr.chunks
+        n, rows = arr.shape[0], inner[0]
+        row_bytes = int(np.prod(arr.shape[1:], dtype=np.int64)) * max(arr.dtype.itemsize, 8)
+        coarse = rows >= min(store.COARSE_CHUNK, n)
+        shards = None
+        if packing:
+            shards = (shard_rows(rows, row_bytes, n, coarse=coarse), *arr.shape[1:])
+        plans[name] = {"shape": arr.shape, "chunks": inner, "shards": shards, "dtype": arr.metadata.data_type,
+                       "fill_value": arr.metadata.fill_value, "dimension_names": arr.metadata.dimension_names,
+                       "compressors": arr.compressors, "attributes": arr.attrs.asdict(),
+                       "step": shards[0] if shards else (arr.shards or inner)[0]}
+    return plans
+
+
+def _tasks(plans: dict[str, dict[str, Any]]) -> list[tuple[str, int, int]]:
+    return [(name, start, min(start + p["step"], p["shape"][0]))
+            for name, p in plans.items() for start in range(0, p["shape"][0], p["step"])]
+
+
+def _prepare_target(src: StoreLocation, dst: StoreLocation, plans: dict[str, dict[str, Any]],
+                    mode: str) -> set[str]:
+    """Create the target's arrays (or reopen a pack in progress); returns the blocks already copied."""
+    zarr = store._zarr()
+    if not dst.is_empty():
+        raw = dst.read_bytes("zarr.json")
+        progress = None
+        if raw is not None:
+            import json
+
+            progress = (json.loads(raw).get("attributes") or {}).get(PROGRESS_KEY)
+        finished = store.read_attrs(dst) if progress is None and dst == src.sibling(WORK_SUFFIX) else None
+        if finished is not None and bool(finished.get("packed")) == (mode == "pack"):
+            logger.info("%s is a finished %s of %s that was not swapped in: re-checking it", dst.url, mode, src.url)
+            return {f"{name}/{start}" for name, start, _ in _tasks(plans)}  # every block re-checked, then swap
+        if not progress or progress.get("source") != src.url or progress.get("mode") != mode:
+            raise PackError(f"the output {dst.url!r} exists and is not an interrupted {mode} of {src.url!r}; "
+                            "remove it or choose another --out.")
+        logger.info("resuming the %s into %s: %d blocks already copied", mode, dst.url, len(progress["done"]))
+        return set(progress["done"])
+    group = zarr.open_group(dst.zarr_store(), mode="w-", zarr_format=3)
+    for name, p in plans.items():
+        group.create_array(name, **{k: v for k, v in p.items() if k != "step"})
+    group.attrs[PROGRESS_KEY] = {"source": src.url, "mode": mode, "done": []}
+    return set()
+
+
+def _record(dst: StoreLocation, done: set[str], src: StoreLocation, mode: str) -> None:
+    group = store._zarr().open_group(dst.zarr_store(), mode="r+")
+    group.attrs[PROGRESS_KEY] = {"source": src.url, "mode": mode, "done": sorted(done)}
+
+
+def _copy_all(client: Any, src: StoreLocation, dst: StoreLocation, tasks: list[tuple[str, int, int]],
+              done: set[str], mode: str) -> None:
+    from distributed import as_completed
+
+    futures = {client.submit(copy_block, src, dst, *t, f"{t[0]}/{t[1]}" in done, pure=False,
+                             key=f"daskgen-{mode}-{t[0]}-{t[1]}"): t for t in tasks}
+    last = time.monotonic()
+    for future in as_completed(futures):
+        future.result()
+        name, start, _ = futures.pop(future)
+        done.add(f"{name}/{start}")
+        if time.monotonic() - last > 2.0 or not futures:
+            _record(dst, done, src, mode)
+            last = time.monotonic()
+
+
+def _finish(src: StoreLocation, dst: StoreLocation, plans: dict[str, dict[str, Any]], mode: str,
+            attrs: dict[str, Any]) -> None:
+    """Check the copy as a whole, then make it a daskgen store (its attrs are written last)."""
+    zarr = store._zarr()
+    group = zarr.open_group(dst.zarr_store(), mode="r+")
+    for name, p in plans.items():
+        if group[name].shape != p["shape"]:
+            raise PackError(f"array {name!r} of {dst.url!r} has shape {group[name].shape}, expected {p['shape']}")
+    if not np.array_equal(store.read_status(src), np.asarray(group["status"][:])):
+        raise PackError(f"the checkpoint of {dst.url!r} differs from {src.url!r}; rerun the {mode}.")
+    attrs = dict(attrs)
+    if mode == "pack":
+        shards = {n: p["shards"][0] for n, p in plans.items()}
+        attrs["packed"] = {"shard_rows": shards, "read_rows": min(shards.values()),
+                           "packed": _dt.datetime.now(_dt.timezone.utc).isoformat()}
+    else:
+        attrs.pop("packed", None)
+    group.attrs.update({store.ATTRS_KEY: attrs})
+    if PROGRESS_KEY in group.attrs:
+        del group.attrs[PROGRESS_KEY]
+    zarr.consolidate_metadata(dst.zarr_store())
+
+
+def _swap(src: LocalLocation, work: LocalLocation) -> None:
+    """``src`` -> ``src.unpacked-old``, ``work`` -> ``src``, delete the old copy (each step resumable)."""
+    old = src.sibling(OLD_SUFFIX)
+    if src.path.exists():
+        src.path.rename(old.path)
+    work.path.rename(src.path)
+    shutil.rmtree(old.path)
+
+
+def _finish_interrupted_swap(src: StoreLocation) -> bool:
+    """Complete a swap that stopped between its renames; True when there was one."""
+    if not isinstance(src, LocalLocation) or src.path.exists():
+        return False
+    work, old = src.sibling(WORK_SUFFIX), src.sibling(OLD_SUFFIX)
+    if old.path.is_dir() and store.read_attrs(work) is not None:
+        _swap(src, work)
+        return True
+    return False
+
+
+def _size(loc: StoreLocation) -> tuple[int, int]:
+    sizes = [s for k, s in loc.files() if not k.endswith(LOCK_NAME)]
+    return len(sizes), sum(sizes)
+
+
+def pack(path: store.Where, out: store.Where | None = None, *, unpack: bool = False,
+         scheduler_address: str | None = None, n_workers: int | None = None,
+         storage_options: dict[str, Any] | None = None) -> PackResult:
+    """Pack (or with ``unpack`` unpack) the store at ``path``, in place or into ``out``.
+
+    Copies run as Dask tasks on ``scheduler_address`` or on a LocalCluster of ``n_workers``.
+    """
+    mode = "unpack" if unpack else "pack"
+    t0 = time.perf_counter()
+    src = locate(path, storage_options)
+    if _finish_interrupted_swap(src):
+        files, size = _size(src)
+        return PackResult(src.url, mode, files, size, files, size, time.perf_counter() - t0)
+    attrs = store.read_attrs(src)
+    if attrs is None:
+        raise PackError(f"{src.url!r} is not a daskgen store; pass the --store path of a daskgen run.")
+    if bool(attrs.get("packed")) != unpack:
+        state = "already packed" if not unpack else "not packed"
+        raise PackError(f"{src.url!r} is {state}; nothing to {mode}.")
+    if out is None and not src.is_local:
+        raise PackError(f"{src.url!r} is on object storage, which cannot rename: pass --out with a new location "
+                        f"(e.g. {src.url}.packed) to {mode} into it.")
+    dst = src.sibling(WORK_SUFFIX) if out is None else locate(out, storage_options)
+    files_before, bytes_before = _size(src)
+    with StoreLock(src):
+        plans = _array_plans(src, packing=not unpack)
+        done = _prepare_target(src, dst, plans, mode)
+        with _client(scheduler_address, n_workers) as client:
+            _copy_all(client, src, dst, _tasks(plans), done, mode)
+        _finish(src, dst, plans, mode, attrs)
+        if out is None:
+            _swap(src, dst)  # type: ignore[arg-type]
+    final = src if out is None else dst
+    files_after, bytes_after = _size(final)
+    return PackResult(final.url, mode, files_before, bytes_before, files_after, bytes_after, time.perf_counter() - t0)
+
+
+def _client(scheduler_address: str | None, n_workers: int | None) -> Any:
+    import contextlib
+    import os
+
+    from distributed import Client, LocalCluster
+
+    if scheduler_address:
+        return Client(scheduler_address)
+
+    @contextlib.contextmanager
+    def local() -> Any:
+        workers = n_workers or max(1, min(4, os.cpu_count() or 1))
+        with (LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=":0") as lc,
+              Client(lc) as client):
+            yield client
+
+    return local()

@@ -1,0 +1,304 @@
+"""Where a store lives: a local folder or a prefix on object storage (S3, GCS, Azure, memory).
+
+Every module reaches the store through a :class:`StoreLocation` (:func:`locate`), never through
+``pathlib`` directly: it hands zarr its store object and offers the few whole-object operations
+daskgen needs outside zarr (read ``zarr.json``, the run lock's conditional writes, listing files).
+
+Object storage goes through :class:`zarr.storage.ObjectStore` on top of ``obstore`` (chosen over
+fsspec/s3fs because obstore exposes *conditional writes* — create-if-absent and replace-if-ETag-matches
+— the same way on S3, GCS and Azure, which the one-client lock (:mod:`daskgen.lock`) needs; s3fs
+has no public API for them).  Credentials and endpoint come from the standard environment
+(``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_ENDPOINT_URL``,
+``AWS_REGION``, ``AWS_ALLOW_HTTP``; ``GOOGLE_*``; ``AZURE_*``) or from ``storage_options`` (the run
+config's key of that name, passed to :func:`obstore.store.from_url`).  Options are never written to
+the store.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from daskgen.errors import StoreError
+
+#: URL schemes served by object storage (``file://`` is a local folder).
+OBJECT_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "memory", "http", "https")
+
+
+def is_url(store: str | Path) -> bool:
+    """True when ``store`` names object storage (``scheme://...``) rather than a local path."""
+    text = str(store)
+    scheme, sep, _ = text.partition("://")
+    return bool(sep) and scheme.lower() != "file"
+
+
+class StoreLocation:
+    """A store's place. Subclasses: :class:`LocalLocation`, :class:`ObjectLocation`.
+
+    Keys are ``/``-separated paths inside the store (``zarr.json``, ``status/c/0``, ``daskgen.lock``).
+    ``version`` values are opaque tokens of :meth:`read_versioned` for :meth:`replace_object`.
+    """
+
+    url: str
+    is_local: bool = False
+
+    def __str__(self) -> str:
+        return self.url
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StoreLocation) and type(other) is type(self) and other.url == self.url
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.url))
+
+    def zarr_store(self, read_only: bool = False) -> Any:
+        """What to pass to ``zarr.open_*``/``xarray.open_zarr`` as the store."""
+        raise NotImplementedError
+
+    def read_bytes(self, key: str) -> bytes | None:
+        """The object ``key``, or ``None`` when it does not exist."""
+        raise NotImplementedError
+
+    def is_empty(self) -> bool:
+        """True when nothing is stored at this location yet."""
+        raise NotImplementedError
+
+    def create_object(self, key: str, data: bytes) -> bool:
+        """Write ``key`` only if it does not exist; False when it does."""
+        raise NotImplementedError
+
+    def read_versioned(self, key: str) -> tuple[bytes, Any] | None:
+        """``(data, version)`` of ``key``, or ``None`` when it does not exist."""
+        raise NotImplementedError
+
+    def replace_object(self, key: str, data: bytes, version: Any) -> Any | None:
+        """Overwrite ``key`` only if it is still at ``version``; the new version, or ``None`` when it changed."""
+        raise NotImplementedError
+
+    def delete_object(self, key: str) -> None:
+        """Delete ``key`` (no error when it is gone)."""
+        raise NotImplementedError
+
+    def files(self) -> Iterator[tuple[str, int]]:
+        """Every stored object as ``(key, size in bytes)``."""
+        raise NotImplementedError
+
+    def sibling(self, suffix: str) -> StoreLocation:
+        """The location named like this one plus ``suffix`` (e.g. ``run.zarr`` -> ``run.zarr.packing``)."""
+        raise NotImplementedError
+
+    @property
+    def name(self) -> str:
+        """Last component of the location (``run.zarr``)."""
+        return self.url.rstrip("/").rsplit("/", 1)[-1]
+
+
+class LocalLocation(StoreLocation):
+    """A store in a local (or shared POSIX) folder."""
+
+    is_local = True
+
+    def __init__(self, path: str | Path) -> None:
+        text = str(path)
+        self.path = Path(text[len("file://"):] if text.startswith("file://") else text)
+        self.url = str(self.path)
+
+    def zarr_store(self, read_only: bool = False) -> Any:
+        return str(self.path)
+
+    def read_bytes(self, key: str) -> bytes | None:
+        try:
+            return (self.path / key).read_bytes()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+
+    def is_empty(self) -> bool:
+        if self.path.is_file():
+            return False
+        return not (self.path.is_dir() and any(self.path.iterdir()))
+
+    def create_object(self, key: str, data: bytes) -> bool:
+        try:
+            fd = os.open(self.path / key, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        return True
+
+    def read_versioned(self, key: str) -> tuple[bytes, Any] | None:
+        data = self.read_bytes(key)
+        return None if data is None else (data, data)  # the content is the version (compare-then-replace)
+
+    def replace_object(self, key: str, data: bytes, version: Any) -> Any | None:
+        current = self.read_bytes(key)
+        if current != version:
+            return None
+        tmp = self.path / f"{key}.tmp-{os.getpid()}"
+        tmp.write_bytes(data)
+        os.replace(tmp, self.path / key)
+        return data
+
+    def delete_object(self, key: str) -> None:
+        (self.path / key).unlink(missing_ok=True)
+
+    def files(self) -> Iterator[tuple[str, int]]:
+        for p in sorted(self.path.rglob("*")):
+            if p.is_file():
+                yield p.relative_to(self.path).as_posix(), p.stat().st_size
+
+    def sibling(self, suffix: str) -> LocalLocation:
+        return LocalLocation(self.path.with_name(self.path.name + suffix))
+
+
+class ObjectLocation(StoreLocation):
+    """A store under a prefix of object storage, reached through ``obstore``.
+
+    Picklable (workers rebuild the client from the URL and options); the client is built lazily.
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self._store: Any = None
+        self._zarr: dict[bool, Any] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self.url, "storage_options": self.storage_options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["url"], state["storage_options"])
+
+    @property
+    def store(self) -> Any:
+        """The ``obstore`` store of this prefix (built on first use)."""
+        if self._store is None:
+            self._store = _from_url(self.url, self.storage_options)
+        return self._store
+
+    def zarr_store(self, read_only: bool = False) -> Any:
+        if read_only not in self._zarr:
+            from zarr.storage import ObjectStore
+
+            self._zarr[read_only] = ObjectStore(self.store, read_only=read_only)
+        return self._zarr[read_only]
+
+    def read_bytes(self, key: str) -> bytes | None:
+        got = self.read_versioned(key)
+        return None if got is None else got[0]
+
+    def is_empty(self) -> bool:
+        import obstore
+
+        for _batch in obstore.list(self.store, chunk_size=1):
+            return False
+        return True
+
+    def create_object(self, key: str, data: bytes) -> bool:
+        import obstore
+        from obstore.exceptions import AlreadyExistsError
+
+        try:
+            obstore.put(self.store, key, data, mode="create")
+        except AlreadyExistsError:
+            return False
+        return True
+
+    def read_versioned(self, key: str) -> tuple[bytes, Any] | None:
+        import obstore
+        from obstore.exceptions import NotFoundError
+
+        try:
+            got = obstore.get(self.store, key)
+        except (NotFoundError, FileNotFoundError):
+            return None
+        return bytes(got.bytes()), _version(got.meta)
+
+    def replace_object(self, key: str, data: bytes, version: Any) -> Any | None:
+        import obstore
+        from obstore.exceptions import PreconditionError
+
+        try:
+            result = obstore.put(self.store, key, data, mode=version)
+        except PreconditionError:
+            return None
+        return _version(result)
+
+    def delete_object(self, key: str) -> None:
+        import obstore
+
+        obstore.delete(self.store, key)
+
+    def files(self) -> Iterator[tuple[str, int]]:
+        import obstore
+
+        for batch in obstore.list(self.store):
+            for meta in batch:
+                yield meta["path"], int(meta["size"])
+
+    def sibling(self, suffix: str) -> ObjectLocation:
+        return ObjectLocation(self.url + suffix, self.storage_options)
+
+
+def _version(meta: Any) -> dict[str, str]:
+    return {k: meta[k] for k in ("e_tag", "version") if meta.get(k) is not None}
+
+
+#: One client per (URL, options) per process: ``memory://`` stores live in it; S3 clients pool connections.
+_STORES: dict[tuple[str, str], Any] = {}
+
+
+def _from_url(url: str, options: dict[str, Any]) -> Any:
+    import json
+
+    key = (url, json.dumps(options, sort_keys=True, default=str))
+    if key not in _STORES:
+        _STORES[key] = _build(url, options)
+    return _STORES[key]
+
+
+def _build(url: str, options: dict[str, Any]) -> Any:
+    from obstore.store import from_url
+
+    opts = dict(options)
+    client = dict(opts.pop("client_options", {}) or {})
+    endpoint = opts.get("endpoint") or opts.get("aws_endpoint") or os.environ.get("AWS_ENDPOINT_URL", "")
+    if endpoint.startswith("http://"):
+        client.setdefault("allow_http", True)  # a plain-HTTP endpoint (MinIO, moto, a local gateway)
+    try:
+        return from_url(url, client_options=client or None, **opts)
+    except Exception as exc:  # obstore raises several types for bad URLs/options
+        raise StoreError(f"cannot open the object store {url!r}: {exc}. Check the URL (s3://bucket/path, gs://, "
+                         "az://, memory:///) and the credentials in the environment or storage_options.") from exc
+
+
+def default_output(store: str | Path | StoreLocation, suffix: str) -> Path:
+    """A local output path named after the store: beside a local store, in the current folder for a URL."""
+    loc = locate(store)
+    return (loc.path if isinstance(loc, LocalLocation) else Path(loc.name)).with_suffix(suffix)
+
+
+def write_failures() -> tuple[type[BaseException], ...]:
+    """Exception types of a failed write: OS errors, and object storage errors (network, permissions)."""
+    from obstore.exceptions import BaseError
+
+    return (OSError, BaseError)
+
+
+def locate(store: str | Path | StoreLocation, storage_options: dict[str, Any] | None = None) -> StoreLocation:
+    """The :class:`StoreLocation` of ``store``: a local path, a ``scheme://`` URL, or a location already."""
+    if isinstance(store, StoreLocation):
+        return store
+    if store is None or str(store) == "":
+        raise StoreError("no store given: pass --store PATH (a folder, or s3://bucket/prefix, gs://, az://).")
+    if is_url(store):
+        return ObjectLocation(str(store), storage_options)
+    if storage_options:
+        raise StoreError(f"storage_options apply to object storage URLs (s3://, gs://, az://); the store "
+                         f"{str(store)!r} is a local path. Remove storage_options or use a URL.")
+    return LocalLocation(store)

@@ -1,0 +1,146 @@
+"""``daskgen pack`` / ``unpack``: real stores written by real runs, copies on a real LocalCluster."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import zarr
+
+from daskgen import pack as packing
+from daskgen import store
+from daskgen.errors import PackError
+from daskgen.storage import locate
+from tests.conftest import run_cli, write_prompts
+from tests.test_reliability import COMPARED
+from tests.test_run import sim_args
+
+pytestmark = pytest.mark.timeout(300)
+
+COMMON = ["--n-samples", "2", "--partition-size", "4", "--seed", "5", "--no-progress"]
+
+
+@pytest.fixture
+def small_shards(monkeypatch):
+    """Shards of 8 rows (2 partitions) so that a 40-row store has several shards per array."""
+    monkeypatch.setattr(packing, "SHARD_ROWS", 8)
+    monkeypatch.setattr(packing, "COARSE_SHARD_ROWS", 16)
+
+
+def _run(tmp_path, out, *extra, log="calls.log", expect=0):
+    prompts = write_prompts(tmp_path / "p.jsonl", 40)
+    res = run_cli("run", *sim_args(tmp_path, out, "--prompts", prompts, *COMMON, *extra, log=log))
+    assert res.returncode == expect, res.stdout + res.stderr
+    return res
+
+
+def _values(path) -> dict[str, np.ndarray]:
+    ds = store.open_store(path)
+    return {name: ds[name].values for name in (*COMPARED, "logprobs", "prompt_id", "error")}
+
+
+def _assert_same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def _files(path) -> int:
+    return sum(1 for p in path.rglob("*") if p.is_file())
+
+
+def test_pack_in_place_same_values_fewer_files_exports_the_same(tmp_path, small_shards):
+    out = tmp_path / "out.zarr"
+    _run(tmp_path, out)
+    before, files_before = _values(out), _files(out)
+    jsonl = tmp_path / "before.jsonl"
+    assert run_cli("export", out, "-f", "jsonl", "--out", jsonl, "--no-text").returncode == 0
+    result = packing.pack(out, n_workers=1)
+    assert result.files_before == files_before and result.files_after == _files(out) < files_before
+    assert not (tmp_path / "out.zarr.packing").exists() and not (tmp_path / "out.zarr.unpacked-old").exists()
+    _assert_same(before, _values(out))
+    arr = zarr.open_array(str(out), path="response_ids", mode="r")
+    assert arr.shards[0] == 8 and arr.chunks[0] == 4, "shards of 2 partitions, partition-sized inner chunks"
+    assert store.read_attrs(out)["packed"]["shard_rows"]["response_ids"] == 8
+    again = tmp_path / "after.jsonl"
+    assert run_cli("export", out, "-f", "jsonl", "--out", again, "--no-text").returncode == 0
+    assert again.read_text() == jsonl.read_text()
+    status = run_cli("status", out)
+    assert status.returncode == 0 and "done 40" in status.stdout
+    report = run_cli("report", out, "--out", tmp_path / "r.html")
+    assert report.returncode == 0 and (tmp_path / "r.html").stat().st_size > 1000, report.stderr
+    with pytest.raises(PackError, match="already packed"):
+        packing.pack(out, n_workers=1)
+
+
+def test_every_copy_task_owns_whole_target_shards(tmp_path, small_shards):
+    out = tmp_path / "out.zarr"
+    _run(tmp_path, out)
+    plans = packing._array_plans(locate(out), packing=True)
+    for name, start, stop in packing._tasks(plans):
+        shard = plans[name]["shards"][0]
+        assert start % shard == 0 and (stop - start == shard or stop == plans[name]["shape"][0]), (name, start)
+
+
+def test_packed_unfinished_store_is_refused_then_unpack_and_resume(tmp_path, small_shards):
+    ref = tmp_path / "ref.zarr"
+    _run(tmp_path, ref, log="ref.log")
+    out = tmp_path / "out.zarr"
+    _run(tmp_path, out, log="first.log")
+    store.commit(out, 12, np.full(28, store.PENDING, "int8"), None)  # as if the run had stopped after 12 rows
+    packed = run_cli("pack", out, "--n-workers", "1")  # the CLI: one shard per array here (40 rows)
+    assert packed.returncode == 0 and "packed" in packed.stdout and "files" in packed.stdout, packed.stderr
+    refused = _run(tmp_path, out, log="second.log", expect=2)
+    assert "it is packed" in refused.stderr and f"daskgen unpack {out}" in refused.stderr
+    res = run_cli("unpack", out, "--n-workers", "1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "packed" not in store.read_attrs(out)
+    assert zarr.open_array(str(out), path="response_ids", mode="r").shards is None
+    resumed = _run(tmp_path, out, log="third.log")
+    assert "40 done" in resumed.stdout, resumed.stdout
+    _assert_same(_values(ref), _values(out))
+
+
+def test_interrupted_pack_and_interrupted_swap_resume(tmp_path, small_shards):
+    out = tmp_path / "out.zarr"
+    _run(tmp_path, out)
+    before = _values(out)
+    src, work = locate(out), locate(tmp_path / "out.zarr.packing")
+    plans = packing._array_plans(src, packing=True)
+    tasks = packing._tasks(plans)
+    packing._prepare_target(src, work, plans, "pack")  # a pack that copied a third of its blocks, then died
+    copied = [*tasks[: len(tasks) // 3], ("response_length", 0, 8)]
+    for task in copied:
+        packing.copy_block(src, work, *task)
+    packing._record(work, {f"{n}/{s}" for n, s, _ in copied}, src, "pack")
+    assert store.read_attrs(work) is None, "an unfinished copy is not a daskgen store"
+    # then the source changed (as a run would change it) in a block the interrupted pack had copied
+    store.write_region(out, 0, {"response_length": before["response_length"][:4] + 1})
+    before["response_length"][:4] += 1
+    packing.pack(out, n_workers=1)
+    _assert_same(before, _values(out))
+    # a pack that finished its copy but stopped before the swap: the next pack re-checks it and swaps
+    packing.pack(out, out=tmp_path / "out.zarr.packing", unpack=True, n_workers=1)
+    packing.pack(out, unpack=True, n_workers=1)
+    assert "packed" not in store.read_attrs(out) and not (tmp_path / "out.zarr.packing").exists()
+    _assert_same(before, _values(out))
+    packing.pack(out, n_workers=1)
+    # a swap that stopped between its renames is finished by the next pack
+    packing.pack(out, out=tmp_path / "copy.zarr", unpack=True, n_workers=1)
+    shutil.move(out, tmp_path / "out.zarr.unpacked-old")
+    shutil.move(tmp_path / "copy.zarr", tmp_path / "out.zarr.packing")
+    packing.pack(out, unpack=True, n_workers=1)
+    assert not (tmp_path / "out.zarr.unpacked-old").exists() and "packed" not in store.read_attrs(out)
+    _assert_same(before, _values(out))
+
+
+def test_output_in_the_way_is_refused(tmp_path):
+    out = tmp_path / "out.zarr"
+    _run(tmp_path, out)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "x").write_text("x")
+    with pytest.raises(PackError, match="is not an interrupted pack"):
+        packing.pack(out, out=other, n_workers=1)
+    with pytest.raises(PackError, match="not a daskgen store"):
+        packing.pack(other, n_workers=1)
