@@ -344,8 +344,8 @@ def _submit_up_to(client: Any, plan: Plan, cap: int, tasks: Iterator[PartitionTa
     flight; beyond the workers' slots (an adaptive cluster scaling up) to any worker."""
     while len(futures) < cap:
         worker = board.pick()
-        if worker is None and len(futures) >= board.total():
-            return
+        if worker is None and len(futures) >= max(1, board.total()):  # one always goes: the run must not end
+            return  # while no worker admits anything (every worker draining, a replacement job starting)
         task = None if plan.stopped else retry.pop() if retry else next(tasks, None)
         if task is None:
             return
