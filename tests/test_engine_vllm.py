@@ -164,7 +164,8 @@ class TestVLLMConformance(_SharedVLLM, EngineConformance):
     def test_capacity_is_max_num_seqs(self) -> None:
         capacity = self.engine.capacity
         assert isinstance(capacity, int) and capacity >= 1, capacity
-        assert self.engine.describe()["max_num_seqs"] == capacity == self.engine._llm.vllm_config.scheduler_config.max_num_seqs
+        scheduler = self.engine._llm.vllm_config.scheduler_config
+        assert self.engine.describe()["max_num_seqs"] == capacity == scheduler.max_num_seqs
 
     def test_eos_is_kept_and_reported_as_stop(self) -> None:
         results = self.run(self.generate_all([
