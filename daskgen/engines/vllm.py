@@ -77,8 +77,8 @@ _T = TypeVar("_T")
 #: The vllm release this engine is tested against (CPU lane, ``.ci/vllm-env.sh``).
 TESTED_VLLM_VERSION = "0.32.0"
 #: Defaults on machines without CUDA (any of them can be overridden in ``engine_args``): eager
-#: mode (no torch.compile of the model at start) and the model in the EngineCore process.
-CPU_DEFAULTS: dict[str, Any] = {"enforce_eager": True, "distributed_executor_backend": "uni"}
+#: mode (no torch.compile of the model at start; vLLM runs its CPU worker in a process of its own).
+CPU_DEFAULTS: dict[str, Any] = {"enforce_eager": True}
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
