@@ -46,8 +46,7 @@ def server_url() -> str:
 
     port = _free_port()
     cmd = [str(Path(sys.executable).parent / "vllm"), "serve", tiny_model_path(), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
-           "--distributed-executor-backend", "uni"]
+           "--port", str(port), "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager"]
     log = open(Path(tiny_model_path()).parent / "vllm-serve.log", "w")  # noqa: SIM115 - closed with the server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     _SERVER.update(proc=proc, log=log)

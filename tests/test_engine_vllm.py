@@ -67,8 +67,6 @@ def test_registered_under_vllm() -> None:
     engine = create_engine("vllm", "/some/model", tensor_parallel_size=2)
     assert isinstance(engine, VLLMEngine) and engine.name == "vllm"
     assert engine.supports_seed and not engine.simulated
-    with pytest.raises(ConfigError, match="--model"):
-        VLLMEngine("/m", model="/other")
 
 
 def test_sampling_params_mapping() -> None:
@@ -115,6 +113,31 @@ def test_result_from_deltas(kind: str, finish: FinishReason) -> None:
     assert result.logprobs == [-0.25, -0.5, -0.75] and result.meta == {"cached_tokens": 3}
     assert (result.error is None) == (finish != FinishReason.ERROR)
     assert result_from_collected(request("r"), acc).logprobs is None
+
+
+def test_openai_vllm_protocol_mapping() -> None:
+    """The openai engine's token-exact vLLM protocol: request body and streamed chunks."""
+    from daskgen.engines.openai_vllm import is_vllm_version, take_vllm_event, vllm_completions_payload, vllm_result
+
+    req = request("r", max_new_tokens=5, temperature=0.5, top_k=7, seed=3, stop_token_ids=(9, 2), logprobs=True)
+    body = vllm_completions_payload("m", req, {"min_p": 0.1})
+    assert body == {"model": "m", "prompt": PROMPT, "stream": True, "max_tokens": 5, "temperature": 0.5,
+                    "top_p": 1.0, "top_k": 7, "return_token_ids": True, "seed": 3, "stop_token_ids": [2, 9],
+                    "logprobs": 1, "min_p": 0.1}
+    ids: list[int] = []
+    lps: list[float] = []
+    chunk = {"choices": [{"token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.5, None]}, "finish_reason": None}]}
+    assert take_vllm_event(chunk, ids, lps) is None
+    last = {"choices": [{"token_ids": [2], "logprobs": {"token_logprobs": [-1.0]}, "finish_reason": "stop"}]}
+    assert take_vllm_event(last, ids, lps) == "stop" and take_vllm_event({"choices": []}, ids, lps) is None
+    assert ids == [5, 6, 2] and lps[0] == -0.5 and lps[2] == -1.0 and lps[1] != lps[1]  # NaN for None
+    done = vllm_result(req, ids, lps, "stop")
+    assert done.output_ids == [5, 6, 2] and done.finish_reason == FinishReason.STOP and done.error is None
+    assert vllm_result(req, ids[:2], lps[:2], None, aborted=True).finish_reason == FinishReason.ABORT
+    assert vllm_result(req, ids, lps[:1], "stop").finish_reason == FinishReason.ERROR
+    assert vllm_result(request("q"), ids, [], "content_filter").error
+    assert is_vllm_version(200, {"version": "0.32.0"}) and not is_vllm_version(404, None)
+    assert not is_vllm_version(200, {"model_path": "/m"})
 
 
 def test_generate_before_start_is_an_error() -> None:
@@ -288,6 +311,28 @@ def _cli_stores(tmp_path: Path, n: int, extra: list[str]) -> dict[str, Any]:
     assert stores["vllm"].attrs["daskgen"]["identity"]["engine"] == "vllm"
     assert (stores["vllm"].prompt_ids.values == stores["transformers"].prompt_ids.values).all()
     return stores
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+@NEEDS_VLLM
+def test_validate_gpu_script_runs(tmp_path: Path) -> None:
+    """benchmarks/validate_gpu.py --engine vllm end to end (on the CPU here: a smoke test; on a GPU: the real thing)."""
+    import json
+
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "validate_gpu.py"),
+           "--engine", "vllm", "--model", tiny_model_path(), "--device", "cuda" if HAVE_CUDA else "cpu",
+           "--n-prompts", "16", "--max-new-tokens", "16", "--prompt-len", "16", "--engine-arg", "dtype=float32",
+           "--engine-arg", "max_model_len=2048", "--json", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=2800)
+    assert res.returncode == 0, res.stdout + res.stderr[-4000:]
+    result = json.loads(out.read_text())
+    print(res.stdout)
+    assert result["engine"] == "vllm" and result["raw"]["name"] == "raw vllm.LLM"
+    assert result["raw"]["output_tokens"] > 0 and result["daskgen"]["output_tokens"] > 0
+    assert result["ratio"] > 0 and result["identical_outputs"] >= 15, result
 
 
 @pytest.mark.vllm

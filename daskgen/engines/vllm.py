@@ -226,8 +226,6 @@ class VLLMEngine(Engine):
 
     def __init__(self, model: str, **engine_args: Any) -> None:
         super().__init__(model, **engine_args)
-        if "model" in engine_args:
-            raise ConfigError("engine 'vllm': give the model as --model (the engine's `model`), not in engine_args")
         self._state = "new"
         self._thread: _LoopThread | None = None
         self._llm: Any = None
