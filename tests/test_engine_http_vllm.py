@@ -85,6 +85,7 @@ class TestVLLMServerConformance(EngineConformance):
     timeout_s = 300.0
     start_timeout_s = 900.0
     probe_max_new_tokens = 64
+    probe_prompts = 64  # see tests.test_engine_vllm.tiny_model_path
     long_max_new_tokens = 1500
     abort_timeout_s = 30.0
     concurrency = 24
