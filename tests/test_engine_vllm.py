@@ -217,13 +217,13 @@ class TestVLLMConformance(_SharedVLLM, EngineConformance):
         assert torch.allclose(torch.tensor(sampled.logprobs), expected, atol=2e-3), (sampled.logprobs, expected)
 
     def test_samples_of_a_prompt_share_its_prefix(self) -> None:
-        """n samples of one prompt: the later ones reuse the prompt's cached KV blocks."""
-        prompt = self.prompt(300, length=96)
+        """n samples of one prompt: the later ones reuse the prompt's cached KV blocks (128 tokens each on CPU)."""
+        prompt = self.prompt(300, length=300)
         first = self.run(self.one(request("prefix-0", prompt, max_new_tokens=4, temperature=1.0, seed=0)))
         rest = self.run(self.generate_all([request(f"prefix-{i}", prompt, max_new_tokens=4, temperature=1.0, seed=i)
                                            for i in range(1, 4)]))
         assert first.error is None and all(r.error is None for r in rest)
-        assert all(r.meta.get("cached_tokens", 0) >= 32 for r in rest), [r.meta for r in rest]
+        assert all(r.meta.get("cached_tokens", 0) >= 128 for r in rest), [r.meta for r in rest]
 
     def test_abort_right_after_submit(self) -> None:
         prompt = self.run(self._long_candidates(1))[0][0].prompt_ids
