@@ -35,7 +35,7 @@ from daskgen.engines.vllm import (
     vllm_sampling_kwargs,
 )
 from daskgen.errors import ConfigError, EngineError
-from daskgen.testing.conformance import EngineConformance, EventLoopThread
+from daskgen.testing.conformance import EngineConformance
 from tests.conftest import run_cli, write_prompts
 
 HAVE_VLLM = find_spec("vllm") is not None
@@ -242,6 +242,30 @@ class TestVLLMConformance(_SharedVLLM, EngineConformance):
         result = self.run(self.engine.generate(request("too-long", [5] * 2100, max_new_tokens=4)))
         assert result.finish_reason == FinishReason.ERROR and "2048" in result.error, result
 
+    def test_shutdown_is_idempotent(self) -> None:
+        """The suite's check, plus: the engine it starts and stops leaves no process behind, and a
+        process vLLM did not start survives."""
+        import psutil
+
+        bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(900)"])
+        try:
+            before = {p.pid for p in psutil.Process().children(recursive=True)}
+            super().test_shutdown_is_idempotent()
+            left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+            psutil.wait_procs(left, timeout=30)
+            assert not [p for p in left if p.is_running()], left
+            assert bystander.poll() is None, "shutdown killed a process vllm did not start"
+        finally:
+            bystander.kill()
+            bystander.wait()
+
+    def test_engine_runs_in_subprocesses(self) -> None:
+        """The shared engine's model runs in vLLM's own processes (what shutdown must end)."""
+        import psutil
+
+        names = " ".join(p.name() for p in psutil.Process().children(recursive=True))
+        assert "VLLM::EngineCor" in names, names
+
     def test_sleep_and_wake_are_noops_on_cpu(self) -> None:
         if HAVE_CUDA:
             pytest.skip("CPU behaviour")
@@ -249,33 +273,6 @@ class TestVLLMConformance(_SharedVLLM, EngineConformance):
         self.run(self.engine.sleep())
         self.run(self.engine.wake())
         assert self.run(self.one(request("after-sleep", max_new_tokens=2))).error is None
-
-
-@pytest.mark.vllm
-@NEEDS_VLLM
-def test_shutdown_leaves_no_process_and_spares_others() -> None:
-    """shutdown() ends every process vLLM started, and only those."""
-    import psutil
-
-    runner = EventLoopThread()
-    engine = VLLMEngine(tiny_model_path(), dtype="float32", max_model_len=2048)
-    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    try:
-        before = {p.pid for p in psutil.Process().children(recursive=True)}
-        runner.run(engine.start(), 900)
-        started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-        assert started, "vllm started no process (expected its EngineCore)"
-        assert runner.run(engine.generate(request("one", max_new_tokens=2)), 300).error is None
-        runner.run(engine.shutdown(), 300)
-        psutil.wait_procs(started, timeout=30)
-        assert all(not p.is_running() for p in started), started
-        assert bystander.poll() is None, "shutdown killed a process vllm did not start"
-        assert not [t for t in __import__("threading").enumerate() if t.name == "daskgen-vllm"]
-    finally:
-        bystander.kill()
-        bystander.wait()
-        runner.run(engine.shutdown(), 300)
-        runner.close()
 
 
 @pytest.mark.gpu
