@@ -62,7 +62,12 @@ def run(
     target_done: Annotated[int | None, Opt(help="Stop once this many prompts are done.")] = None,
     token_budget: Annotated[int | None, Opt(help="Stop once this run generated this many tokens.")] = None,
     deadline: Annotated[str | None, Opt(help="Stop at this time (ISO 8601) or after 90m / 2h / 3600s.")] = None,
-    keep_partial: Annotated[bool, Opt(help="Keep aborted partial responses; continue them next run.")] = False,
+    keep_partial: Annotated[bool | None, Opt("--keep-partial/--no-keep-partial",
+                                             help="Store aborted partial responses and continue them next attempt "
+                                                  "(default: on for the single_turn agent).")] = None,
+    grace: Annotated[str | None, Opt(help="On SIGTERM/SIGINT or at the end of the SLURM allocation: seconds to "
+                                          "abort, save partial responses and commit before exiting with status 3 "
+                                          "(default 25s).")] = None,
     skip_overlong: Annotated[bool, Opt(help="Record overlong prompts as failed instead of stopping.")] = False,
     retry_failed: Annotated[bool, Opt(help="Regenerate prompts that failed in earlier runs.")] = False,
     progress: Annotated[bool, Opt("--progress/--no-progress")] = True,
@@ -78,7 +83,6 @@ def run(
     overrides = {k: (str(v) if isinstance(v, Path) else v) for k, v in overrides.items()}
     overrides["skip_overlong"] = skip_overlong or None
     overrides["retry_failed"] = retry_failed or None
-    overrides["keep_partial"] = keep_partial or None
     cfg = RunConfig.load(config, **overrides)
     if cluster:
         cfg.cluster = {**(cfg.cluster or {}), "kind": cluster}
@@ -88,7 +92,16 @@ def run(
 
         print_answers(str(cfg.store), show)
     typer.echo(summary.line())
-    raise typer.Exit(0 if summary.failed == 0 else 1)
+    raise typer.Exit(exit_status(summary))
+
+
+def exit_status(summary: Any) -> int:
+    """0 all done (or stopped early by a stop condition), 1 some prompt failed, 3 interrupted (resumable)."""
+    from daskgen.interrupt import EXIT_INTERRUPTED
+
+    if summary.interrupted:
+        return EXIT_INTERRUPTED
+    return 0 if summary.failed == 0 else 1
 
 
 @app.command()
@@ -145,9 +158,13 @@ def main() -> None:
         sys.exit(2)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
+    except KeyboardInterrupt:  # a second SIGTERM/SIGINT: stopped at once, committed work is kept
+        sys.exit(130)
     except Exception as exc:  # click usage errors
         import click
 
+        if isinstance(exc, click.exceptions.Abort):  # click's form of KeyboardInterrupt
+            sys.exit(130)
         if isinstance(exc, click.ClickException):
             exc.show()
             sys.exit(exc.exit_code)

@@ -12,7 +12,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from daskgen.config import RunConfig
-from daskgen.errors import EngineError
+from daskgen.errors import EngineError, RunInterrupted
 from daskgen.plugin import AUTO_MAX_WINDOW, RESOURCE, EnginePlugin, plugin_status
 
 logger = logging.getLogger(__name__)
@@ -55,15 +55,18 @@ def _make_cluster(config: RunConfig) -> tuple[Any, Any]:
     return cluster, info
 
 
-def start_engines(client: Any, config: RunConfig) -> int:
+def start_engines(client: Any, config: RunConfig, interrupt: Any = None) -> int:
     """Register the engine plugin and wait until at least one engine is ready.
 
     Returns the number of workers with a ready engine.  Raises :class:`EngineError` with every
-    worker's error when all engines failed, or when none is ready within the timeout.
+    worker's error when all engines failed, or when none is ready within the timeout, and
+    :class:`RunInterrupted` when ``interrupt`` (a :class:`daskgen.interrupt.Interrupt`) is requested.
     """
+    drain_s = config.grace_seconds() * 0.5  # a drained worker hands back within half the grace period
     plugin = EnginePlugin(config.engine, str(config.model), config.engine_args, window=config.window,
-                          requests_per_partition=config.partition_size * config.n_samples)
+                          requests_per_partition=config.partition_size * config.n_samples, drain_timeout_s=drain_s)
     client.register_plugin(plugin, name=plugin.name)
+    _drain_before_retire(client, drain_s)
     deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
     with tqdm(total=0, desc="engines ready", disable=not config.progress,
               bar_format="{desc}: {n_fmt}/{total_fmt} workers [{elapsed}]") as bar:
@@ -75,9 +78,23 @@ def start_engines(client: Any, config: RunConfig) -> int:
             bar.update(len(ready) - bar.n)
             if ready and _resource_visible(client):
                 return len(ready)
+            if interrupt is not None and interrupt.requested:
+                raise RunInterrupted(f"{interrupt.reason} while the engines were starting")
             _raise_if_all_failed(config, states, deadline)
             time.sleep(delay)
             delay = min(2.0, delay * 1.5)  # model loads take seconds to minutes; spare big clusters
+
+
+def _drain_before_retire(client: Any, timeout: float) -> None:
+    """Make the scheduler drain daskgen workers before retiring them (:mod:`daskgen.drain`)."""
+    from daskgen.drain import DrainBeforeRetire
+
+    try:
+        client.register_plugin(DrainBeforeRetire(timeout), name=DrainBeforeRetire.name)
+    except Exception as exc:  # e.g. a scheduler without daskgen installed
+        logger.warning("could not install daskgen's drain-before-retire plugin on the scheduler (%s): retiring a "
+                       "worker will restart its in-flight partitions elsewhere (finished work is safe). Install "
+                       "daskgen where the scheduler runs to hand back partial responses instead.", exc)
 
 
 def _raise_if_all_failed(config: RunConfig, states: dict[str, Any], deadline: float) -> None:

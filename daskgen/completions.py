@@ -30,12 +30,13 @@ class Completions:
     Parameters
     ----------
     on_wait:
-        Called every :data:`WAIT_S` while waiting (heartbeat, deadline).
+        Called every :data:`WAIT_S` while waiting (heartbeat, deadline, signals); a true return
+        value ends the wait at once.
     check_engines:
         Called every :data:`ENGINE_CHECK_INTERVAL_S` while waiting; raises when no engine is left.
     """
 
-    def __init__(self, on_wait: Callable[[], None] | None = None,
+    def __init__(self, on_wait: Callable[[], bool | None] | None = None,
                  check_engines: Callable[[], None] | None = None) -> None:
         from distributed import as_completed
 
@@ -66,8 +67,8 @@ class Completions:
             else:
                 with wake:
                     wake.wait(WAIT_S)
-            if self._on_wait is not None:
-                self._on_wait()
+            if self._on_wait is not None and self._on_wait():
+                return []  # the caller has something to do now (e.g. a stop began)
             if self._check_engines is not None and time.monotonic() - self._checked > ENGINE_CHECK_INTERVAL_S:
                 self._check_engines()
                 self._checked = time.monotonic()

@@ -63,9 +63,10 @@ class RunConfig:
         Where to run: an existing scheduler, a LocalCluster of ``n_workers``, or a
         ``cluster`` spec for :mod:`daskgen.deploy` (SLURM/PBS via dask-jobqueue).
     window:
-        Partitions in flight per worker, or ``"auto"`` (default): enough partitions to keep
-        about 8x the engine's batch slots (:attr:`Engine.capacity`) queued, at least 2 and at
-        most 16 (see :func:`daskgen.plugin.resolve_window`).
+        Partitions in flight per worker, or ``"auto"`` (default): each worker starts at about
+        8x the engine's batch slots (:attr:`Engine.capacity`) of requests and then admits
+        partitions while its engine holds fewer than 2x its slots of unfinished requests, 2 to
+        64 partitions (:mod:`daskgen.admission`).
     max_prompts_in_memory:
         Cap on prompts held anywhere (client, scheduler, workers) at once; the input is
         streamed, so memory does not grow with its size.
@@ -81,8 +82,14 @@ class RunConfig:
         ``90m``/``2h``/``3600s`` from the start).  In-flight requests are aborted; their prompts
         stay pending, groups of samples together.
     keep_partial:
-        Keep aborted partial responses (finish reason ``abort``) and continue them from the
-        stored prefix in the next run (``single_turn`` agent only).
+        Keep aborted partial responses (finish reason ``abort``) and continue them token-exactly
+        from the stored prefix in the next attempt or run.  ``None`` (default): on for the
+        ``single_turn`` agent; other agent loops restart an interrupted sample (their loop state
+        cannot be resumed), and setting it ``True`` for them is an error.
+    grace:
+        Seconds (or ``30s``/``2m``) between a SIGTERM/SIGINT (or the end of the SLURM allocation
+        minus this) and the exit: in-flight requests are aborted keeping their tokens, finished
+        and partial work is committed, the run exits with status 3.
     skip_overlong, retry_failed:
         Record overlong prompts as failed instead of stopping; regenerate failed prompts.
     progress:
@@ -123,7 +130,8 @@ class RunConfig:
     target_done: int | None = None
     token_budget: int | None = None
     deadline: str | None = None
-    keep_partial: bool = False
+    keep_partial: bool | None = None
+    grace: str = "25s"
     skip_overlong: bool = False
     retry_failed: bool = False
     progress: bool = True
@@ -131,11 +139,14 @@ class RunConfig:
     def __post_init__(self) -> None:
         if isinstance(self.deadline, (int, float)) and not isinstance(self.deadline, bool):
             self.deadline = f"{self.deadline}s"
+        if isinstance(self.grace, (int, float)) and not isinstance(self.grace, bool):
+            self.grace = f"{self.grace}s"
         if isinstance(self.window, str) and self.window.strip().isdigit():  # from a CLI flag or YAML string
             self.window = int(self.window)
         self._check_types()
         self._check_ranges()
         self.deadline_timestamp(0.0)
+        self.grace_seconds()
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -204,6 +215,20 @@ class RunConfig:
                               "nor an ISO 8601 time.") from None
         return (when if when.tzinfo else when.astimezone()).timestamp()
 
+    def grace_seconds(self) -> float:
+        """The grace period in seconds (``grace`` is a number of seconds or ``30s``/``2m``/``1h``)."""
+        import re
+
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([smh]?)", str(self.grace).strip())
+        if not match or float(match[1]) <= 0:
+            raise ConfigError(f"grace {self.grace!r} must be a positive duration such as 25s, 90s or 2m "
+                              "(the time between SIGTERM and the exit).")
+        return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[match[2]]
+
+    def continues_partial(self) -> bool:
+        """Whether aborted samples are stored and continued (``keep_partial``, default on for single_turn)."""
+        return self.agent == "single_turn" if self.keep_partial is None else bool(self.keep_partial)
+
     def identity(self) -> dict[str, Any]:
         """The settings a resumed run must share with the store."""
         return {k: getattr(self, k) for k in IDENTITY_KEYS}
@@ -241,7 +266,8 @@ class RunConfig:
         if self.top_k < 0 or self.max_retries < 0:
             raise ConfigError("top_k and max_retries must be >= 0.")
         if self.keep_partial and self.agent != "single_turn":
-            raise ConfigError(f"keep_partial continues single-turn responses only; agent is {self.agent!r}.")
+            raise ConfigError(f"keep_partial continues single-turn responses only; agent is {self.agent!r}. "
+                              "Leave keep_partial unset: other agent loops restart an interrupted sample.")
         for key in ("target_done", "token_budget"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, found {getattr(self, key)}.")

@@ -440,7 +440,22 @@ def _directives(s: ClusterSpec, layout: _Layout) -> list[str]:
     gpu_given = any(re.match(r"^\s*(--gres|--gpus|-G\b)", d) for d in directives)
     if s.kind == "slurm" and layout.gpus_per_node and not gpu_given:
         directives.append(f"--gres=gpu:{layout.gpus_per_node}")
+    if s.kind == "slurm" and not any(re.match(r"^\s*--signal", d) for d in directives):
+        directives.append(f"--signal=B:TERM@{SIGNAL_LEAD_S}")
     return directives
+
+
+#: SLURM signals a worker job's batch shell (the ``dask worker`` command, exec'd) this many seconds
+#: before its walltime, so its workers drain (hand back in-flight work) before SLURM kills the job.
+SIGNAL_LEAD_S = 120
+
+
+def _exec_python(s: ClusterSpec, given: str | None) -> str:
+    """The job's python prefixed with ``exec``: the batch shell becomes ``dask worker`` and gets SIGTERM."""
+    import sys
+
+    python = given or dask.config.get(f"jobqueue.{s.kind}.python", None) or sys.executable
+    return python if python.lstrip().startswith("exec ") else f"exec {python}"
 
 
 def _pbs_resource_spec(s: ClusterSpec, layout: _Layout, memory: str) -> str | None:
@@ -488,6 +503,8 @@ def jobqueue_kwargs(spec: Mapping[str, Any] | ClusterSpec) -> dict[str, Any]:
     for key in ("walltime", "account", "local_directory", "interface", "log_directory", "python", "job_name"):
         if s.get(key) is not None:
             kwargs[key] = s.get(key)
+    if s.kind == "slurm":
+        kwargs["python"] = _exec_python(s, kwargs.get("python"))
     queue = s.get("queue") or s.get("partition")
     if queue:
         kwargs["queue"] = queue

@@ -45,3 +45,10 @@ class ExportError(DaskgenError, ValueError):
 
 class OutputExistsError(ExportError, FileExistsError):
     """The output path of an export or report exists; pass ``overwrite=True`` (``--overwrite``)."""
+
+
+class RunInterrupted(DaskgenError):
+    """The run was stopped from outside (SIGTERM/SIGINT, end of the allocation) before it finished.
+
+    Finished work and partial responses are committed; rerun the same command to resume.
+    """

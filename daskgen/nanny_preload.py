@@ -1,4 +1,4 @@
-"""Nanny preload for dask-jobqueue workers: keep glibc's dynamic malloc threshold.
+"""Nanny preload for dask-jobqueue workers: keep glibc's dynamic malloc threshold; drain before stopping.
 
 Dask's default ``distributed.nanny.pre-spawn-environ`` exports ``MALLOC_TRIM_THRESHOLD_=65536`` to the
 worker process.  A fixed threshold switches off glibc's dynamic mmap threshold, so an inference engine
@@ -20,3 +20,10 @@ def dask_setup(nanny: Any) -> None:
     for name in DROPPED:
         nanny.pre_spawn_env.pop(name, None)
         nanny.env.pop(name, None)
+
+
+async def dask_teardown(nanny: Any) -> None:
+    """Before the nanny stops its worker (e.g. ``dask worker`` got SIGTERM), let it hand back its work."""
+    from daskgen.drain import drain_from_nanny
+
+    await drain_from_nanny(nanny)

@@ -19,6 +19,7 @@ import numpy as np
 
 from daskgen import store
 from daskgen.agents import AgentLoop, EngineHandle, Trajectory, create_agent
+from daskgen.data import tokenize_rows
 from daskgen.engines.base import FinishReason, SamplingParams
 from daskgen.errors import EngineError
 from daskgen.verify import RowOutcome, sample_in_rounds
@@ -26,13 +27,18 @@ from daskgen.verify import RowOutcome, sample_in_rounds
 
 @dataclass
 class PartitionTask:
-    """Everything a worker needs for one partition (small: token ids of pending rows only)."""
+    """Everything a worker needs for one partition (small: the pending rows only).
+
+    ``inputs`` are the pending rows as read from the input (``messages`` or ``prompt``); the worker
+    tokenizes them (chat template included) into ``prompts``, so the client — one process for the
+    whole cluster — never spends its CPU on tokenizing.  ``prompts`` may also be given directly.
+    """
 
     store_path: str
     start: int
     stop: int
     rows: list[int]
-    prompts: list[list[int]]
+    prompts: list[list[int]] | None
     n_samples: int
     params: SamplingParams
     seed: int
@@ -46,6 +52,7 @@ class PartitionTask:
     continue_partial: bool = False
     verify: Any = None
     rows_meta: list[dict[str, Any]] | None = None
+    inputs: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -60,6 +67,11 @@ class PartitionResult:
     notes: dict[int, str] = field(default_factory=dict)
     prompt_tokens: int = 0
     response_tokens: int = 0
+    #: Aborted samples whose tokens so far were stored (continued by the next attempt), and those tokens.
+    partial_samples: int = 0
+    partial_tokens: int = 0
+    #: Response tokens of this partition's samples that earlier attempts generated (kept, not regenerated).
+    carried_tokens: int = 0
     seconds: float = 0.0
     worker: str = ""
 
@@ -105,17 +117,23 @@ def fill_region(region: dict[str, np.ndarray], task: PartitionTask, samples: lis
                 _clear(region, (r, s), layout)
             for t, traj in enumerate(trajectories):
                 index = (r, s, t) if layout.n_trajectories > 1 else (r, s)
-                out.response_tokens += _place(region, index, traj, layout)
+                tokens = _place(region, index, traj, layout)
+                out.response_tokens += max(0, tokens - traj.carried)
+                out.carried_tokens += min(traj.carried, tokens)
                 if traj.error is not None:
                     out.failed.setdefault(row, f"sample {s}: {traj.error}")
-                if traj.finish_reason == FinishReason.ABORT and row not in out.aborted:
-                    out.aborted.append(row)
+                if traj.finish_reason == FinishReason.ABORT:
+                    if row not in out.aborted:
+                        out.aborted.append(row)
+                    if tokens:
+                        out.partial_samples += 1
+                        out.partial_tokens += tokens
     return out
 
 
 def _clear(region: dict[str, np.ndarray], index: tuple[int, int], layout: store.Layout) -> None:
     fills = {"response_ids": layout.pad_token_id, "response_length": 0, "response_mask": 0, "logprobs": np.nan,
-             "finish_reason": -1, "num_turns": 0}
+             "finish_reason": -1, "num_turns": 0, "continued_tokens": 0}
     for name, fill in fills.items():
         region[name][index] = fill
 
@@ -133,6 +151,7 @@ def _place(region: dict[str, np.ndarray], index: tuple[int, ...], traj: Trajecto
     reason = FinishReason.ERROR if traj.error is not None else traj.finish_reason
     region["finish_reason"][index] = int(reason)
     region["num_turns"][index] = traj.num_turns
+    region["continued_tokens"][index] = min(traj.continued, n)
     return int(sum(traj.response_mask[:n]))
 
 
@@ -149,22 +168,58 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
     worker = get_worker()
     plugin = worker.plugins[task.plugin_name]
     agent = create_agent(task.agent, task.model, task.agent_args)
-    # Only a continued partition needs its stored rows before generating; otherwise the padded region
-    # (rows x samples x max_new_tokens, for every data array) is allocated once the results are in,
-    # so partitions waiting in a large in-flight window do not each hold one.
-    region = await asyncio.to_thread(_initial_region, task) if task.continue_partial else None
-    prefixes = partial_prefixes(region, task) if task.continue_partial else {}
-    handle = EngineHandle(await plugin.get_engine())
-    plugin.handles.add(handle)
-    if plugin.stopping:
-        await handle.abort_all()
+    plugin.running += 1
+    tally = _Tally(plugin, len(task.rows) * task.n_samples)
     try:
-        if task.isolate:
-            results = await _run_isolated(plugin, handle, agent, task, prefixes)
-        else:
-            results = await _run_rows(plugin, handle, agent, task, range(len(task.rows)), prefixes)
+        if task.prompts is None:
+            task.prompts = await asyncio.to_thread(tokenize_rows, task.inputs or [], plugin.tokenizer())
+        # Only a partition with stored samples of its pending rows (an earlier attempt was interrupted)
+        # reads its region before generating; otherwise the padded region is allocated once the results
+        # are in, so partitions waiting in a large in-flight window do not each hold one.
+        region = await asyncio.to_thread(_stored_region, task) if task.continue_partial else None
+        prefixes = partial_prefixes(region, task) if region is not None else {}
+        handle = EngineHandle(await plugin.get_engine())
+        plugin.handles.add(handle)
+        if plugin.stopping:
+            await handle.abort_all()
+        try:
+            if task.isolate:
+                results = await _run_isolated(plugin, handle, agent, task, prefixes, tally)
+            else:
+                results = await _run_rows(plugin, handle, agent, task, range(len(task.rows)), prefixes, tally)
+        finally:
+            plugin.handles.discard(handle)
+        return await _finish(task, region, results, worker.address, t0)
     finally:
-        plugin.handles.discard(handle)
+        plugin.running -= 1
+        tally.close()
+
+
+class _Tally:
+    """Counts a partition's samples outstanding on the worker's plugin (``window: auto`` reads the sum)."""
+
+    def __init__(self, plugin: Any, samples: int) -> None:
+        self.plugin, self.left = plugin, samples
+        plugin.outstanding += samples
+
+    async def counted(self, sample: Any) -> Any:
+        """Await one sample and count it finished however it ends."""
+        try:
+            return await sample
+        finally:
+            if self.left > 0:
+                self.left -= 1
+                self.plugin.outstanding -= 1
+
+    def close(self) -> None:
+        """The partition is over: whatever it did not generate (e.g. a satisfied verifier) is not outstanding."""
+        self.plugin.outstanding -= self.left
+        self.left = 0
+
+
+async def _finish(task: PartitionTask, region: dict[str, np.ndarray] | None, results: list, worker: str,
+                  t0: float) -> PartitionResult:
+    """Place the results into the region and write it; the task finishes only after its data landed."""
     rounds = results if task.verify is not None else None
     samples = [t for o in results for t in o.samples] if rounds is not None else results
     if region is None:
@@ -174,29 +229,41 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
         region.pop("logprobs")
     await asyncio.to_thread(store.write_region, task.store_path, task.start, region)
     outcome.seconds = time.perf_counter() - t0
-    outcome.worker = worker.address
+    outcome.worker = worker
     return outcome
 
 
 def partial_prefixes(region: dict[str, np.ndarray], task: PartitionTask) -> dict[tuple[int, int], Trajectory]:
-    """Stored samples of pending rows to keep: finished ones as they are, aborted ones as prefixes."""
+    """Stored samples of pending rows to keep: finished ones as they are, aborted ones as prefixes.
+
+    An aborted prefix that already ends with a stop token is finished (``stop``), not continued.
+    """
     out = {}
+    stops = set(task.params.stop_token_ids)
     for row in task.rows:
         r = row - task.start
         for s in range(task.n_samples):
             reason = int(region["finish_reason"][r, s])
-            if reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT):
-                n = int(region["response_length"][r, s])
-                lp = region["logprobs"][r, s, :n].tolist() if task.params.logprobs else None
-                out[row, s] = Trajectory(region["response_ids"][r, s, :n].tolist(),
-                                         region["response_mask"][r, s, :n].tolist(), lp, FinishReason(reason),
-                                         int(region["num_turns"][r, s]))
+            if reason not in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT):
+                continue
+            n = int(region["response_length"][r, s])
+            ids = region["response_ids"][r, s, :n].tolist()
+            if reason == FinishReason.ABORT and ids and ids[-1] in stops:
+                reason = FinishReason.STOP
+            lp = region["logprobs"][r, s, :n].tolist() if task.params.logprobs else None
+            continued = int(region["continued_tokens"][r, s]) if "continued_tokens" in region else 0
+            out[row, s] = Trajectory(ids, region["response_mask"][r, s, :n].tolist(), lp, FinishReason(reason),
+                                     int(region["num_turns"][r, s]), continued=continued, carried=n)
     return out
 
 
 async def _sample(agent: AgentLoop, handle: EngineHandle, request_id: str, prompt: list[int],
                   params: SamplingParams, prefix: Trajectory | None) -> list[Trajectory]:
-    """One sample through the agent loop, continuing a stored aborted prefix when given."""
+    """One sample through the agent loop, continuing a stored aborted prefix when given.
+
+    The continuation is token-exact: the stored ids (and logprobs) followed by what the engine
+    generates after ``prompt + prefix``, with the remaining token budget.
+    """
     if prefix is None:
         return await agent.run(handle, request_id, prompt, params)
     if prefix.finish_reason != FinishReason.ABORT:
@@ -205,22 +272,26 @@ async def _sample(agent: AgentLoop, handle: EngineHandle, request_id: str, promp
     if budget <= 0:
         prefix.finish_reason = FinishReason.LENGTH
         return [prefix]
+    if not prefix.response_ids:
+        return await agent.run(handle, request_id, prompt, params)
     rest = params.__class__(**{**params.__dict__, "max_new_tokens": budget})
     (tail,) = await agent.run(handle, request_id, prompt + prefix.response_ids, rest)
     merged = Trajectory(prefix.response_ids + tail.response_ids, prefix.response_mask + tail.response_mask,
                         None if prefix.logprobs is None else prefix.logprobs + (tail.logprobs or []),
-                        tail.finish_reason, max(prefix.num_turns, tail.num_turns), tail.error)
+                        tail.finish_reason, max(prefix.num_turns, tail.num_turns), tail.error,
+                        continued=len(prefix.response_ids), carried=len(prefix.response_ids))
     return [merged]
 
 
 async def _run_rows(plugin: Any, handle: EngineHandle, agent: AgentLoop, task: PartitionTask, indices: range,
-                    prefixes: dict[tuple[int, int], Trajectory]) -> list[list[Trajectory]]:
+                    prefixes: dict[tuple[int, int], Trajectory], tally: _Tally) -> list[list[Trajectory]]:
     """All samples of the given rows at once; a crash or hang marks the engine broken and raises."""
     handle.engine = await plugin.get_engine()  # the engine may have been restarted meanwhile
     def one(i: int, s: int) -> Any:
         row = task.rows[i]
         params = SamplingParams(**{**task.params.__dict__, "seed": sample_seed(task.seed, row, s)})
-        return _sample(agent, handle, f"p{row}-s{s}", list(task.prompts[i]), params, prefixes.get((row, s)))
+        return tally.counted(_sample(agent, handle, f"p{row}-s{s}", list(task.prompts[i]), params,
+                                     prefixes.get((row, s))))
 
     if task.verify is not None:
         decode = plugin.tokenizer().decode
@@ -241,12 +312,12 @@ async def _run_rows(plugin: Any, handle: EngineHandle, agent: AgentLoop, task: P
 
 
 async def _run_isolated(plugin: Any, handle: EngineHandle, agent: AgentLoop, task: PartitionTask,
-                        prefixes: dict[tuple[int, int], Trajectory]) -> list[list[Trajectory]]:
+                        prefixes: dict[tuple[int, int], Trajectory], tally: _Tally) -> list[list[Trajectory]]:
     """Row by row; a row whose generation raises gets error trajectories instead of failing the task."""
     samples: list[list[Trajectory]] = []
     for i in range(len(task.rows)):
         try:
-            samples += await _run_rows(plugin, handle, agent, task, range(i, i + 1), prefixes)
+            samples += await _run_rows(plugin, handle, agent, task, range(i, i + 1), prefixes, tally)
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc} (failed again when retried alone)"
             failed = [[Trajectory(error=message, finish_reason=FinishReason.ERROR)] for _ in range(task.n_samples)]
@@ -255,8 +326,21 @@ async def _run_isolated(plugin: Any, handle: EngineHandle, agent: AgentLoop, tas
     return samples
 
 
+def _stored_region(task: PartitionTask) -> dict[str, np.ndarray] | None:
+    """The partition's stored data when some pending row has stored samples to keep, else ``None``.
+
+    Reads ``finish_reason`` (one small chunk) first; the whole region only when needed.
+    """
+    reasons = store.read_region(task.store_path, task.start, task.stop, ("finish_reason",))["finish_reason"]
+    pending = np.asarray(task.rows) - task.start
+    kept = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT)
+    if not np.isin(reasons[pending], kept).any():
+        return None
+    return store.read_region(task.store_path, task.start, task.stop, task.layout.data_arrays())
+
+
 def _initial_region(task: PartitionTask) -> dict[str, np.ndarray]:
     """Existing data when some rows of the region are kept (or continued), otherwise fill values."""
-    if len(task.rows) == task.stop - task.start and not task.continue_partial:
+    if len(task.rows) == task.stop - task.start:
         return empty_region(task.layout, task.stop - task.start)
     return store.read_region(task.store_path, task.start, task.stop, task.layout.data_arrays())

@@ -12,13 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import traceback
 from typing import Any
 
 from distributed import WorkerPlugin
 
+from daskgen.admission import (  # noqa: F401 - resolve_window and the bounds are part of this module's API
+    ADMISSION_PERIOD_S,
+    AUTO_MAX_WINDOW,
+    AUTO_MIN_WINDOW,
+    WINDOW_TOPIC,
+    Admission,
+    resolve_window,
+)
 from daskgen.errors import EngineError
 
 logger = logging.getLogger(__name__)
@@ -27,32 +34,6 @@ PLUGIN_NAME = "daskgen-engine"
 RESOURCE = "daskgen-engine"
 #: Seconds a health check (one generated token) may take before the engine counts as hung.
 HEALTH_TIMEOUT_S = float(os.environ.get("DASKGEN_HEALTH_TIMEOUT", "60"))
-
-
-#: ``window: auto`` keeps about this many times the engine's batch slots requested per worker: a
-#: partition ends with its slowest sample, so fewer leave the batch half empty on long-tailed
-#: lengths (8x reached 94% of the ideal makespan, 2x 51%: benchmarks/README.md, long tail).
-AUTO_FILL = 8
-#: Capacity assumed for engines that do not report one (``Engine.capacity`` is ``None``).
-AUTO_DEFAULT_CAPACITY = 256
-AUTO_MIN_WINDOW, AUTO_MAX_WINDOW = 2, 16
-
-
-def resolve_window(window: int | str, capacity: int | None, requests_per_partition: int, nthreads: int) -> int:
-    """Partitions in flight on one worker.
-
-    An integer ``window`` is used as given.  ``"auto"`` is ``AUTO_FILL x capacity`` requests
-    divided by ``requests_per_partition``, rounded up and clipped to ``[2, 16]`` partitions.  Both
-    are capped by the worker's task slots (``nthreads``; partition tasks are async but still take one).
-    """
-    if window == "auto":
-        wanted = math.ceil(AUTO_FILL * (capacity or AUTO_DEFAULT_CAPACITY) / max(1, requests_per_partition))
-        window = min(AUTO_MAX_WINDOW, max(AUTO_MIN_WINDOW, wanted))
-    if window > nthreads:
-        logger.warning("window %d is more than this worker's %d task slots; using %d. Give workers more threads "
-                       "(cluster.threads_per_worker, dask worker --nthreads) to keep more partitions in flight.",
-                       window, nthreads, nthreads)
-    return max(1, min(int(window), nthreads))
 
 
 class EnginePlugin(WorkerPlugin):
@@ -72,7 +53,7 @@ class EnginePlugin(WorkerPlugin):
     name = PLUGIN_NAME
 
     def __init__(self, engine: str, model: str, engine_args: dict[str, Any] | None = None,
-                 window: int | str = "auto", requests_per_partition: int = 1):
+                 window: int | str = "auto", requests_per_partition: int = 1, drain_timeout_s: float = 20.0):
         self.engine_name = engine
         self.model = model
         self.engine_args = dict(engine_args or {})
@@ -88,13 +69,28 @@ class EnginePlugin(WorkerPlugin):
         self._starter: asyncio.Task | None = None
         self._advertised = False
         self.stopping = False
+        self.draining = False
+        self.drain_timeout_s = drain_timeout_s
         self.handles: set[Any] = set()
+        self.running = 0  # partition tasks executing on this worker
+        self.outstanding = 0  # their samples not finished yet (requests running or queued in the engine)
+        self._leaving: asyncio.Task | None = None
+        self._admitter: asyncio.Task | None = None
 
     async def setup(self, worker: Any) -> None:
-        """Start loading the engine in the background and return at once."""
+        """Start loading the engine in the background and return at once.
+
+        Also makes the worker hand back its in-flight work before it goes: the scheduler-side
+        :class:`daskgen.drain.DrainBeforeRetire` and a nanny closing its worker call the
+        ``daskgen_drain`` handler; a SIGTERM to a nanny-spawned worker process drains it and
+        retires it (:mod:`daskgen.drain`).
+        """
+        from daskgen.drain import install_worker_hooks
+
         self._worker = worker
         self._ready = asyncio.Event()
         self._starter = asyncio.create_task(self._start())
+        install_worker_hooks(worker, self)
 
     async def _start(self) -> None:
         from daskgen.engines import resolve_engine_class
@@ -123,6 +119,27 @@ class EnginePlugin(WorkerPlugin):
                         self.engine.capacity, self.requests_per_partition)
             await self._worker.set_resources(**{RESOURCE: float(self.resolved_window)})
             self._advertised = True
+            self._announce_window()
+            if self.window == "auto":
+                admission = Admission.for_engine(self.engine.capacity, self.requests_per_partition,
+                                                 self._worker.state.nthreads)
+                self._admitter = asyncio.create_task(self._follow_occupancy(admission))
+
+    async def _follow_occupancy(self, admission: Admission) -> None:
+        """``window: auto``: re-size the window from the engine's occupancy (:mod:`daskgen.admission`)."""
+        while True:
+            await asyncio.sleep(ADMISSION_PERIOD_S)
+            if self.state != "ready" or self.draining or self.stopping or not self.running:
+                continue  # idle: nothing measured, keep the window
+            wanted = admission.window(self.running, self.outstanding)
+            if wanted != self.resolved_window:
+                self.resolved_window = wanted
+                await self._worker.set_resources(**{RESOURCE: float(wanted)})
+                self._announce_window()
+
+    def _announce_window(self) -> None:
+        """Tell the client (subscribed to :data:`WINDOW_TOPIC`) how many partitions this worker admits."""
+        self._worker.log_event(WINDOW_TOPIC, {"worker": self._worker.address, "window": self.resolved_window})
 
     async def get_engine(self) -> Any:
         """The started engine; raises :class:`EngineError` when it failed or is restarting."""
@@ -175,6 +192,29 @@ class EnginePlugin(WorkerPlugin):
             await handle.abort_all()
         return aborted
 
+    async def drain(self, timeout: float | None = None) -> dict[str, int]:
+        """Hand back this worker's work before it goes away (retirement, SIGTERM, allocation end).
+
+        Takes no new partitions (the resource drops to 0), aborts every in-flight request keeping
+        the tokens generated so far, and waits up to ``timeout`` seconds until the running
+        partitions have written their regions (finished samples and partial responses) and
+        returned; the client commits the finished rows and continues the partial ones elsewhere.
+        Idempotent.  Returns ``{"aborted": requests aborted, "running": partitions still running}``.
+        """
+        timeout = self.drain_timeout_s if timeout is None else timeout
+        if not self.draining:
+            self.draining = True
+            logger.warning("daskgen: draining worker %s: aborting in-flight requests (partial responses are kept)",
+                           getattr(self._worker, "address", "?"))
+            if self._advertised and self._worker is not None:
+                await self._worker.set_resources(**{RESOURCE: 0.0})
+        aborted = await self.stop_run()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.running and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return {"aborted": aborted, "running": self.running}
+
     def status(self) -> dict[str, Any]:
         """Small summary for the client."""
         return {"state": self.state, "error": self.error, "gpu": self.gpu, "engine": self.engine_name,
@@ -182,8 +222,9 @@ class EnginePlugin(WorkerPlugin):
 
     async def teardown(self, worker: Any) -> None:
         """Shut the engine down when the worker closes or the plugin is replaced."""
-        if self._starter is not None and not self._starter.done():
-            self._starter.cancel()
+        for task in (self._starter, self._admitter):
+            if task is not None and not task.done():
+                task.cancel()
         await _quietly_shutdown(self.engine)
         self.state = "closed"
 

@@ -94,6 +94,7 @@ def test_slurm_job_script_line_by_line():
         "#SBATCH -t 04:00:00",
         "#SBATCH --exclusive",
         "#SBATCH --gres=gpu:4",
+        "#SBATCH --signal=B:TERM@120",  # the exec'd `dask worker` drains its workers before walltime
     ]
     body = [line for line in lines(script) if not line.startswith("#")]
     # 4h walltime: keep 10 min free, spread retirements over 10 min -> 3h40..3h50 after start.
@@ -107,7 +108,8 @@ def test_slurm_job_script_line_by_line():
         "source ~/miniforge3/bin/activate daskgen",
     ]
     cmd = worker_command(script)
-    assert cmd[1:4] == ["-m", "distributed.cli.dask_worker", ADDRESS]
+    assert cmd[0] == "exec", "the batch shell must become `dask worker` so that SLURM's signal reaches it"
+    assert cmd[2:5] == ["-m", "distributed.cli.dask_worker", ADDRESS]
     assert arg(cmd, "--name") == "daskgen-${SLURM_JOB_ID}"
     assert arg(cmd, "--nworkers") == "4"  # one worker process per GPU
     assert arg(cmd, "--nthreads") == "4"  # partitions in flight per worker
@@ -267,9 +269,16 @@ def test_spec_overrides_config():
 
 def test_unset_keys_are_left_to_dask_jobqueue():
     kwargs = jobqueue_kwargs({"kind": "slurm", "gpus_per_node": 2, "memory": "100GB"})
-    for key in ("walltime", "queue", "account", "local_directory", "interface", "python", "job_name"):
+    for key in ("walltime", "queue", "account", "local_directory", "interface", "job_name"):
         assert key not in kwargs
     assert kwargs["processes"] == 2 and kwargs["cores"] == 8
+    # the python is jobqueue's (config, else this interpreter), exec'd so the batch shell's signal reaches it
+    import sys
+
+    assert kwargs["python"] == f"exec {sys.executable}"
+    with dask.config.set({"jobqueue.slurm.python": "/opt/env/bin/python"}):
+        assert jobqueue_kwargs({"kind": "slurm", "memory": "4GB"})["python"] == "exec /opt/env/bin/python"
+    assert "python" not in jobqueue_kwargs({"kind": "pbs", "memory": "4GB"})
 
 
 def test_lifetime_from_dask_jobqueue_default_walltime_in_a_fresh_process():
@@ -412,7 +421,7 @@ def test_make_cluster_slurm_submits_one_job_per_node(fake_batch):
         for script in scripts:
             assert "#SBATCH --gres=gpu:4" in lines(script)
             assert arg(worker_command(script), "--nworkers") == "4"
-            assert worker_command(script)[3] == cluster.scheduler_address
+            assert worker_command(script)[4] == cluster.scheduler_address
         durations = dask.config.get("distributed.scheduler.default-task-durations")
         assert durations["daskgen-partition"] == "60s"
     finally:

@@ -141,3 +141,45 @@ def test_slurm_job_retires_before_walltime_and_is_replaced(tmp_path):
                 client.wait_for_workers(2, timeout=60)
         finally:
             cluster.close()
+
+
+@pytest.mark.timeout(420)
+def test_slurm_worker_job_signalled_hands_back_its_partial_responses(tmp_path, monkeypatch):
+    """``scancel --signal=TERM --batch`` (what ``#SBATCH --signal=B:TERM@120`` does before walltime): the job's
+    exec'd ``dask worker`` drains its workers through the nanny preload; a replacement job continues their
+    partial responses token-exactly and the run completes."""
+    import os
+
+    import numpy as np
+    import xarray as xr
+    import yaml
+
+    from tests.conftest import popen_cli, write_prompts
+    from tests.test_run import _wait_for_some_done
+
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    prompts = write_prompts(tmp_path / "p.jsonl", 24)
+    out = tmp_path / "out.zarr"
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"cluster": _spec(tmp_path, gpus_per_node=2)}))
+    env = {"DASK_DISTRIBUTED__DEPLOY__LOST_WORKER_TIMEOUT": "1s", "DASK_DISTRIBUTED__ADAPTIVE__INTERVAL": "500ms"}
+    proc = popen_cli("run", "--config", config, "--cluster", "slurm", "--engine", "simulated", "--model", "sim",
+                     "--prompts", prompts, "--store", out, "--partition-size", "2", "--max-new-tokens", "600",
+                     "--max-prompt-tokens", "128", "--engine-arg", "length_dist=uniform", "--engine-arg",
+                     "length_mean=300", "--engine-arg", "time_scale=1.0", "--logprobs", "--no-progress", env=env)
+    try:
+        _wait_for_some_done(out, proc, minimum=2, timeout=240)
+        jobs = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30).stdout.split()
+        assert len(jobs) == 1, jobs
+        subprocess.run(["scancel", "--signal=TERM", "--batch", jobs[0]], check=True, timeout=30)
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    assert proc.returncode == 0, output
+    assert "24 done, 0 failed, 0 pending" in output
+    continued = xr.open_zarr(out).continued_tokens.values
+    assert (continued > 0).any(), "the signalled job's in-flight responses must be continued, not restarted"
+    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").glob("*"))
+    assert "draining worker" in logs
+    assert np.isin(xr.open_zarr(out).finish_reason.values[continued > 0], (0, 1)).all()

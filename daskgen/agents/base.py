@@ -31,6 +31,10 @@ class Trajectory:
     finish_reason: FinishReason = FinishReason.STOP
     num_turns: int = 0
     error: str | None = None
+    #: Leading response tokens that an interrupted earlier attempt generated (continued, not regenerated).
+    continued: int = 0
+    #: Tokens of this trajectory taken from the store rather than generated now (accounting only).
+    carried: int = 0
 
     def add_model_tokens(self, result: GenerationResult) -> None:
         """Append one engine result as model tokens."""

@@ -323,6 +323,8 @@ class SimulatedEngine(Engine):
             self._running -= 1
             done = self._current_step() - sim.start_step
         self._forget(sim)
+        if sim.start_step >= 0:  # the tokens it produced before it was dropped count as generated
+            self._stats.tokens += max(0, min(done, len(sim.plan.tokens) - 1))
         if aborted:
             self._stats.aborted += 1
             sim.resolve(tokens_done=done)

@@ -1,0 +1,115 @@
+"""Stopping a run from outside: SIGTERM / SIGINT, and the end of the batch allocation.
+
+The first signal asks the run to stop gracefully (nothing more is submitted, every in-flight
+request is aborted keeping its tokens, finished partitions and partial responses are committed
+within the grace period, the lock is released) and the run exits with :data:`EXIT_INTERRUPTED`.
+A second signal stops at once (what was committed stays committed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import FrameType, TracebackType
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: Exit status of a run stopped from outside before it finished (resumable: rerun the same command).
+EXIT_INTERRUPTED = 3
+#: Signals that stop a run gracefully.
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: Part of the grace period kept for closing the cluster and releasing the lock after collecting.
+CLOSE_RESERVE_FRACTION = 0.25
+
+
+class Interrupt:
+    """Context manager that turns SIGTERM/SIGINT into a graceful stop request.
+
+    Parameters
+    ----------
+    grace_s:
+        Seconds from the request until the process should have exited.
+    install:
+        Install signal handlers (only possible, and only done, in the main thread).
+    """
+
+    def __init__(self, grace_s: float, install: bool = True) -> None:
+        self.grace_s = float(grace_s)
+        self.reason: str | None = None
+        self.requested_at: float | None = None
+        self._install = install and threading.current_thread() is threading.main_thread()
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Interrupt:
+        if self._install:
+            for sig in SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.reason is not None:
+            print(f"daskgen: {name} again: stopping now (committed work is kept; rerun the same command to resume)",
+                  file=sys.stderr, flush=True)
+            raise KeyboardInterrupt(f"{name} received twice")
+        self.request(f"{name} received")
+        print(f"daskgen: {name} received: stopping — aborting in-flight requests, committing finished work and "
+              f"saving partial responses (up to {self.grace_s:.0f} s; send it again to stop at once)",
+              file=sys.stderr, flush=True)
+
+    def request(self, reason: str) -> None:
+        """Ask the run to stop gracefully (the first request wins)."""
+        if self.reason is None:
+            self.reason, self.requested_at = reason, time.monotonic()
+            logger.warning("stopping: %s", reason)
+
+    @property
+    def requested(self) -> bool:
+        """True once a stop was requested."""
+        return self.reason is not None
+
+    def collect_until(self) -> float | None:
+        """``time.monotonic()`` by which in-flight partitions must have been collected."""
+        if self.requested_at is None:
+            return None
+        return self.requested_at + self.grace_s * (1 - CLOSE_RESERVE_FRACTION)
+
+
+def allocation_end() -> float | None:
+    """Unix time at which the batch allocation running this process ends, when known.
+
+    SLURM: ``SLURM_JOB_END_TIME`` (set by newer SLURM releases), else ``squeue``'s end time of
+    ``SLURM_JOB_ID``.  ``None`` outside an allocation or when the end is unknown (no time limit).
+    """
+    end = os.environ.get("SLURM_JOB_END_TIME")
+    if end and end.strip().isdigit():
+        return float(end)
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%e"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return _parse_slurm_time(out.stdout.strip())
+
+
+def _parse_slurm_time(text: str) -> float | None:
+    """``2026-11-22T20:00:00`` (local time) as a Unix time; ``None`` for N/A, Unknown or garbage."""
+    import datetime as dt
+
+    try:
+        return dt.datetime.fromisoformat(text).astimezone().timestamp()
+    except ValueError:
+        return None

@@ -1,0 +1,328 @@
+"""Preemption (docs/reliability.md, cases 10-12): a run stopped from outside keeps finished work and
+in-flight partial responses, and the next run continues each partial response token-exactly.
+
+Real parts throughout: the CLI in a subprocess, LocalCluster worker processes, real Zarr stores,
+the simulated engine (long, varied lengths so a stop lands mid-generation) and the real tiny model.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xarray as xr
+
+from daskgen import store
+from daskgen.engines.base import FinishReason
+from daskgen.interrupt import EXIT_INTERRUPTED, Interrupt, _parse_slurm_time
+from tests.conftest import popen_cli, run_cli, write_prompts
+from tests.test_run import _wait_for_some_done, sim_args
+
+pytestmark = pytest.mark.timeout(300)
+
+#: Long, varied responses (1..599 tokens at 0.02 s per step): some partitions finish early, many are in flight.
+LONG = ["--max-new-tokens", "600", "--engine-arg", "length_dist=uniform", "--engine-arg", "length_mean=300",
+        "--logprobs", "--no-progress"]
+
+
+def _group_gone(pgid: int, timeout: float = 30.0) -> bool:
+    """True once no process of the process group ``pgid`` is left (zombies of reaped children don't count)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = []
+        for p in psutil.process_iter(["pid", "status"]):
+            try:
+                if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    alive.append(p.pid)
+            except (ProcessLookupError, psutil.Error):
+                continue
+        if not alive:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _partials(path: Path) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
+    """(row, sample) -> (response ids, logprobs) of every stored partial response of a pending row."""
+    ds = xr.open_zarr(path)
+    reason, length, status = ds.finish_reason.values, ds.response_length.values, ds.status.values
+    out = {}
+    for r, s in zip(*np.nonzero(reason == FinishReason.ABORT), strict=True):
+        if status[r] == store.PENDING and length[r, s] > 0:
+            n = length[r, s]
+            out[int(r), int(s)] = (ds.response_ids.values[r, s, :n].copy(), ds.logprobs.values[r, s, :n].copy())
+    return out
+
+
+def _stop_mid_run(tmp_path: Path, out: Path, common: list, sig: int = signal.SIGTERM, minimum: int = 4):
+    proc = popen_cli("run", *sim_args(tmp_path, out, *common, log="first.log", step=1.0))
+    done_before = _wait_for_some_done(out, proc, minimum=minimum)
+    os.kill(proc.pid, sig)
+    output, _ = proc.communicate(timeout=120)
+    return proc, output, done_before
+
+
+def test_sigterm_keeps_finished_and_partial_work_and_the_rerun_continues_it_token_exactly(tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 24)
+    out = tmp_path / "out.zarr"
+    common = ["--prompts", prompts, "--partition-size", "2", "--n-samples", "2", "--seed", "3", "--grace", "20s",
+              "--n-workers", "2", *LONG]
+    proc, output, done_before = _stop_mid_run(tmp_path, out, common)
+    assert proc.returncode == EXIT_INTERRUPTED, output
+    assert "SIGTERM received" in output and "interrupted (SIGTERM received)" in output, output
+    assert _group_gone(proc.pid), "a process of the interrupted run was left behind"
+    assert not (out / "daskgen.lock").exists(), "the lock must be released"
+
+    status = store.read_status(out)
+    assert (status[done_before] == store.DONE).all(), "every committed row stays committed"
+    assert (status == store.PENDING).any(), "the stop must have landed mid-run"
+    ds = xr.open_zarr(out)
+    assert (ds.finish_reason.values[status == store.DONE] >= 0).all()
+    saved = _partials(out)
+    assert saved, "in-flight responses must be saved as partial responses"
+    assert f"saved {len(saved)} partial responses" in output, output
+    partial_partitions = sorted({r - r % 2 for r, _ in saved})
+    assert store.read_attrs(out)["partial_partitions"] == partial_partitions
+
+    res = run_cli("run", *sim_args(tmp_path, out, *common, log="second.log"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "24 done, 0 failed, 0 pending" in res.stdout
+    # length-aware dispatch: the partitions holding partial responses (the long ones) went first
+    first_row = int((tmp_path / "second.log").read_text().split()[0][1:].split("-")[0])
+    assert first_row - first_row % 2 in partial_partitions
+    assert store.read_attrs(out)["partial_partitions"] == []
+    ds = xr.open_zarr(out)
+    for (r, s), (ids, logprobs) in saved.items():
+        n = len(ids)
+        np.testing.assert_array_equal(ds.response_ids.values[r, s, :n], ids, err_msg=f"row {r} sample {s}")
+        np.testing.assert_array_equal(ds.logprobs.values[r, s, :n], logprobs, err_msg=f"row {r} sample {s}")
+        assert ds.continued_tokens.values[r, s] == n, "the store records how many tokens were continued"
+        assert ds.finish_reason.values[r, s] in (FinishReason.STOP, FinishReason.LENGTH)
+        assert ds.response_length.values[r, s] >= n
+    untouched = np.ones(ds.continued_tokens.shape, bool)
+    for key in saved:
+        untouched[key] = False
+    assert (ds.continued_tokens.values[untouched] == 0).all()
+    assert "kept " in res.stdout and "tokens stored by interrupted attempts" in res.stdout
+
+
+def test_a_second_signal_stops_at_once_and_keeps_what_was_committed(tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 16)
+    out = tmp_path / "out.zarr"
+    common = ["--prompts", prompts, "--partition-size", "2", "--grace", "120s", "--n-workers", "1", *LONG]
+    # the test fault hook holds every commit for 8 s, so the second signal lands while the stop is under way
+    proc = popen_cli("run", *sim_args(tmp_path, out, *common, log="first.log", step=1.0),
+                     env={"DASKGEN_TEST_COMMIT_DELAY_S": "8"})
+    done_before = _wait_for_some_done(out, proc, minimum=2)
+    os.kill(proc.pid, signal.SIGINT)
+    time.sleep(1.0)
+    os.kill(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output
+    assert "again: stopping now" in output
+    assert (store.read_status(out)[done_before] == store.DONE).all()
+    assert _group_gone(proc.pid)
+    res = run_cli("run", *sim_args(tmp_path, out, *common, log="second.log"))
+    assert res.returncode == 0 and "16 done" in res.stdout, res.stdout + res.stderr
+
+
+def test_retiring_one_of_two_workers_hands_its_partial_responses_back(tmp_path):
+    import dask
+    from distributed import Client, LocalCluster
+
+    prompts = write_prompts(tmp_path / "p.jsonl", 24)
+    out = tmp_path / "out.zarr"
+    common = ["--prompts", prompts, "--partition-size", "2", "--seed", "4", "--window", "3", *LONG]
+    with (dask.config.set({"distributed.worker.daemon": False}),
+          LocalCluster(n_workers=2, threads_per_worker=4, processes=True, dashboard_address=":0") as lc,
+          Client(lc) as client):
+        proc = popen_cli("run", *sim_args(tmp_path, out, *common, "--scheduler-address", lc.scheduler_address,
+                                          log="run.log", step=1.0))
+        _wait_for_some_done(out, proc, minimum=2)
+        victim = sorted(client.scheduler_info()["workers"])[0]
+        client.retire_workers([victim], close_workers=True)
+        output, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, output
+        assert victim not in client.scheduler_info()["workers"]
+    assert "24 done, 0 failed, 0 pending" in output
+    ds = xr.open_zarr(out)
+    continued = ds.continued_tokens.values
+    assert (continued > 0).any(), "the retired worker's in-flight responses must be continued, not restarted"
+    assert "tokens stored by interrupted attempts" in output, output
+    # a continued response is whole: its length covers what was continued and it finished normally
+    rows, samples = np.nonzero(continued > 0)
+    assert (ds.response_length.values[rows, samples] >= continued[rows, samples]).all()
+    assert np.isin(ds.finish_reason.values[rows, samples], (FinishReason.STOP, FinishReason.LENGTH)).all()
+
+
+@pytest.mark.slow
+def test_sigterm_on_the_real_tiny_model_continues_exactly(tmp_path, tiny_model):
+    prompts = write_prompts(tmp_path / "p.jsonl", 12)
+    out = tmp_path / "out.zarr"
+    common = ["run", "--prompts", prompts, "--model", tiny_model, "--store", out, "--partition-size", "2",
+              "--max-new-tokens", "160", "--temperature", "0", "--logprobs", "--no-progress", "--n-workers", "1",
+              "--grace", "60s"]
+    proc = popen_cli(*common)
+    done_before = _wait_for_some_done(out, proc, minimum=2, timeout=240)
+    os.kill(proc.pid, signal.SIGTERM)
+    output, _ = proc.communicate(timeout=180)
+    assert proc.returncode == EXIT_INTERRUPTED, output
+    assert (store.read_status(out)[done_before] == store.DONE).all()
+    saved = _partials(out)
+    assert _group_gone(proc.pid)
+    res = run_cli(*common, timeout=600)
+    assert res.returncode == 0 and "12 done" in res.stdout, res.stdout + res.stderr
+    ds = xr.open_zarr(out)
+    for (r, s), (ids, logprobs) in saved.items():
+        np.testing.assert_array_equal(ds.response_ids.values[r, s, : len(ids)], ids)
+        np.testing.assert_array_equal(ds.logprobs.values[r, s, : len(ids)], logprobs)
+        assert ds.continued_tokens.values[r, s] == len(ids)
+
+
+def test_interrupt_turns_the_first_signal_into_a_request_and_the_second_into_an_exit():
+    with Interrupt(10.0) as interrupt:
+        assert not interrupt.requested and interrupt.collect_until() is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert interrupt.requested and interrupt.reason == "SIGTERM received"
+        assert interrupt.collect_until() is not None
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "handlers are restored"
+
+
+def test_allocation_end_from_slurm(monkeypatch):
+    from daskgen.interrupt import allocation_end
+
+    monkeypatch.setenv("SLURM_JOB_END_TIME", "1900000000")
+    assert allocation_end() == 1900000000.0
+    monkeypatch.delenv("SLURM_JOB_END_TIME")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert allocation_end() is None
+    assert _parse_slurm_time("Unknown") is None and _parse_slurm_time("N/A") is None
+    assert _parse_slurm_time("2030-01-01T00:00:00") is not None
+
+
+def test_allocation_end_stops_the_run_gracefully(tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 16)
+    out = tmp_path / "out.zarr"
+    end = int(time.time()) + 8  # the allocation "ends" 8 s from now; grace 5 s: the stop begins after ~3 s
+    res = run_cli("run", *sim_args(tmp_path, out, "--prompts", prompts, "--partition-size", "2", "--grace", "5s",
+                                   *LONG, step=1.0), env={"SLURM_JOB_END_TIME": str(end)})
+    assert res.returncode == EXIT_INTERRUPTED, res.stdout + res.stderr
+    assert "the batch allocation ends in" in res.stdout
+    assert (store.read_status(out) == store.PENDING).any()
+
+
+def test_exit_status_mapping():
+    from daskgen.cli import exit_status
+    from daskgen.runner import RunSummary
+
+    assert exit_status(RunSummary("s", 4, 4, 0, 0)) == 0
+    assert exit_status(RunSummary("s", 4, 3, 1, 0)) == 1
+    assert exit_status(RunSummary("s", 4, 2, 1, 1, interrupted="SIGTERM received")) == EXIT_INTERRUPTED
+
+
+def test_grace_is_validated():
+    from daskgen.config import RunConfig
+    from daskgen.errors import ConfigError
+
+    assert RunConfig(grace="2m").grace_seconds() == 120
+    assert RunConfig(grace=30).grace_seconds() == 30
+    with pytest.raises(ConfigError, match="positive duration"):
+        RunConfig(grace="soon")
+
+
+def test_subprocess_helper_is_real():  # the CLI exists and documents the new options
+    res = subprocess.run(["python", "-m", "daskgen", "run", "--help"], capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": "200"})
+    assert "--grace" in res.stdout and "--no-keep-partial" in res.stdout
+
+
+def _dask_worker(address: str, name: str, log: Path) -> subprocess.Popen:
+    """A real ``dask worker`` CLI with a nanny and daskgen's nanny preload, as HPC jobs start it."""
+    import sys
+
+    from tests.conftest import cli_env
+
+    return subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address, "--name", name,
+                             "--nthreads", "4", "--nanny", "--preload-nanny", "daskgen.nanny_preload"],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=cli_env(), start_new_session=True)
+
+
+def test_sigterm_to_a_dask_worker_job_hands_its_partial_responses_back(tmp_path):
+    """The batch shell of a worker job (``exec dask worker``) gets SIGTERM: its nanny drains the worker first."""
+    from distributed import Client, LocalCluster
+
+    prompts = write_prompts(tmp_path / "p.jsonl", 24)
+    out = tmp_path / "out.zarr"
+    common = ["--prompts", prompts, "--partition-size", "2", "--seed", "4", "--window", "3", *LONG]
+    with (LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as lc, Client(lc) as client):
+        jobs = [_dask_worker(lc.scheduler_address, f"job-{i}", tmp_path / f"job-{i}.log") for i in range(2)]
+        try:
+            client.wait_for_workers(2, timeout=120)
+            proc = popen_cli("run", *sim_args(tmp_path, out, *common, "--scheduler-address", lc.scheduler_address,
+                                              log="run.log", step=1.0))
+            _wait_for_some_done(out, proc, minimum=2)
+            os.kill(jobs[0].pid, signal.SIGTERM)
+            assert jobs[0].wait(timeout=60) == 0, (tmp_path / "job-0.log").read_text()
+            output, _ = proc.communicate(timeout=240)
+        finally:
+            for job in jobs:
+                if job.poll() is None:
+                    os.killpg(job.pid, signal.SIGKILL)
+    assert proc.returncode == 0, output
+    assert "24 done, 0 failed, 0 pending" in output
+    assert "draining worker" in (tmp_path / "job-0.log").read_text()
+    continued = xr.open_zarr(out).continued_tokens.values
+    assert (continued > 0).any(), "the stopped job's in-flight responses must be continued, not restarted"
+
+
+def test_sigterm_to_a_worker_process_drains_it_and_it_leaves(tmp_path):
+    """SLURM signals every process of a job: a nanny-spawned worker process that gets SIGTERM drains itself."""
+    import dask
+    from distributed import Client, LocalCluster
+
+    prompts = write_prompts(tmp_path / "p.jsonl", 24)
+    out = tmp_path / "out.zarr"
+    common = ["--prompts", prompts, "--partition-size", "2", "--seed", "4", "--window", "3", *LONG]
+    with (dask.config.set({"distributed.worker.daemon": False}),
+          LocalCluster(n_workers=2, threads_per_worker=4, processes=True, dashboard_address=":0") as lc,
+          Client(lc) as client):
+        proc = popen_cli("run", *sim_args(tmp_path, out, *common, "--scheduler-address", lc.scheduler_address,
+                                          log="run.log", step=1.0))
+        _wait_for_some_done(out, proc, minimum=2)
+        victim, pid = sorted(client.run(os.getpid).items())[0]
+        os.kill(pid, signal.SIGTERM)
+        output, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, output
+        assert victim not in client.scheduler_info()["workers"], "the signalled worker retires"
+    assert "24 done, 0 failed, 0 pending" in output
+    assert (xr.open_zarr(out).continued_tokens.values > 0).any()
+
+
+def test_drain_before_retire_keeps_every_way_of_choosing_workers():
+    """The scheduler wrapper resolves targets as the scheduler does: addresses, names, or workers_to_close."""
+    from distributed import Client, LocalCluster
+
+    from daskgen.drain import DrainBeforeRetire
+
+    with (LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=":0") as lc,
+          Client(lc) as client):
+        client.register_plugin(DrainBeforeRetire(timeout=5), name=DrainBeforeRetire.name)
+        client.wait_for_workers(4, timeout=60)
+        workers = client.scheduler_info()["workers"]
+        first = sorted(workers)[0]
+        assert list(client.retire_workers([first])) == [first]
+        name = next(w["name"] for a, w in client.scheduler_info()["workers"].items())
+        assert len(client.retire_workers(names=[name])) == 1
+        assert len(client.retire_workers(n=1)) == 1
+        assert len(client.scheduler_info()["workers"]) == 1
+        with pytest.raises(TypeError, match="mutually exclusive"):
+            client.retire_workers(workers=[first], names=[name])
