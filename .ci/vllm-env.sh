@@ -86,8 +86,9 @@ PY
 )
 pip_install "${requirements[@]}"
 # 3. daskgen's dependencies and test tools, then daskgen itself (editable, no dependency resolution).
+# (gguf, dask-jobqueue: daskgen's models/hpc extras, imported by test modules that pytest collects here too.)
 pip_install 'dask[distributed]' zarr numcodecs xarray numpy pyarrow pyyaml tqdm typer accelerate httpx \
-  tenacity scipy psutil pytest pytest-timeout
+  tenacity scipy psutil gguf dask-jobqueue pytest pytest-timeout
 pip_install --no-deps -e "$REPO"
 
 smoke_test
