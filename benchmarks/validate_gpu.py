@@ -179,8 +179,9 @@ def report(raw: Side, ours: Side, agree: int, n: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    if a.device == "cpu" and a.engine == "sglang":
-        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    if a.device == "cpu":
+        if a.engine == "sglang":
+            os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
     else:
         import torch
 
