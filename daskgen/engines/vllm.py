@@ -77,8 +77,11 @@ _T = TypeVar("_T")
 #: The vllm release this engine is tested against (CPU lane, ``.ci/vllm-env.sh``).
 TESTED_VLLM_VERSION = "0.32.0"
 #: Defaults on machines without CUDA (any of them can be overridden in ``engine_args``): eager
-#: mode (no torch.compile of the model at start; vLLM runs its CPU worker in a process of its own).
-CPU_DEFAULTS: dict[str, Any] = {"enforce_eager": True}
+#: mode (no torch.compile of the model at start; vLLM runs its CPU worker in a process of its own),
+#: and no chunked prefill: with it, vllm 0.32.0 on CPU rewinds the generator of a seeded request
+#: whose sampled token it discards (a partly prefilled prompt) with ``Generator.set_offset``, which
+#: CPU generators refuse ("RuntimeError: CPU Generator does not use offset"), and its EngineCore dies.
+CPU_DEFAULTS: dict[str, Any] = {"enforce_eager": True, "enable_chunked_prefill": False}
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
