@@ -89,6 +89,7 @@ def test_launch_kwargs_cpu_defaults() -> None:
     assert launch_kwargs("/m", {"tensor_parallel_size": 2}, cuda_available=True) == {
         "model": "/m", "tensor_parallel_size": 2}
     assert launch_kwargs("/m", {"enforce_eager": False}, cuda_available=False)["enforce_eager"] is False
+    assert CPU_DEFAULTS == {"enforce_eager": True, "enable_chunked_prefill": False}
 
 
 def test_unknown_engine_args_suggest_close_matches() -> None:
@@ -224,6 +225,14 @@ class TestVLLMConformance(_SharedVLLM, EngineConformance):
                                            for i in range(1, 4)]))
         assert first.error is None and all(r.error is None for r in rest)
         assert all(r.meta.get("cached_tokens", 0) >= 128 for r in rest), [r.meta for r in rest]
+
+    def test_seeded_requests_with_long_prompts_in_one_batch(self) -> None:
+        """More seeded prompt tokens than one step takes (vllm 0.32.0's CPU crash with chunked prefill)."""
+        requests = [request(f"seeded-long-{i}", self.prompt(400 + i, length=600), max_new_tokens=4,
+                            temperature=1.0, seed=i) for i in range(8)]
+        for result in self.run(self.generate_all(requests)):
+            assert result.error is None and result.finish_reason != FinishReason.ERROR, result
+        self.run(self.engine.health())
 
     def test_abort_right_after_submit(self) -> None:
         prompt = self.run(self._long_candidates(1))[0][0].prompt_ids
