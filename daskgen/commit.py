@@ -98,12 +98,14 @@ def _maybe_pause_before_commit() -> None:
 
 
 class CommitBatch:
-    """Finished partitions waiting to be committed together, at most :data:`COMMIT_INTERVAL_S` after the first."""
+    """Finished partitions waiting to be committed together: at most one commit per
+    :data:`COMMIT_INTERVAL_S` (the first at once), each covering everything that finished since."""
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.outcomes: list[Outcome] = []
         self.since: float | None = None
+        self.last = float("-inf")  # time.monotonic() of the last commit
 
     def add(self, outcomes: list[Outcome]) -> None:
         """Queue finished partitions."""
@@ -115,10 +117,11 @@ class CommitBatch:
         """Seconds until the queued partitions must be committed (``inf`` when none are queued)."""
         if self.since is None:
             return float("inf")
-        return max(0.0, self.since + COMMIT_INTERVAL_S - time.monotonic())
+        return max(0.0, self.last + COMMIT_INTERVAL_S - time.monotonic())  # at most one commit per interval
 
     def flush(self, force: bool = False) -> None:
         """Commit the queued partitions if they are due (or ``force``)."""
         if self.outcomes and (force or self.due_in() == 0.0):
             outcomes, self.outcomes, self.since = self.outcomes, [], None
+            self.last = time.monotonic()
             commit_outcomes(self.plan, outcomes)

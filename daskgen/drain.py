@@ -155,8 +155,10 @@ def _schedule_unrunnable_on_new_resources(scheduler: Any) -> None:
         result = original(worker=worker, resources=resources)
         ws = scheduler.workers.get(worker)
         if ws is not None and ws in scheduler.running and scheduler.unrunnable:
+            # every waiting task goes through the scheduler's own placement again (loose worker
+            # restrictions included); a task no worker can take stays where it was
             stimulus = f"daskgen-resources-{time.time()}"
-            scheduler.transitions(scheduler.bulk_schedule_unrunnable_after_adding_worker(ws), stimulus)
+            scheduler.transitions({ts.key: "processing" for ts in list(scheduler.unrunnable)}, stimulus)
         return result
 
     scheduler.handlers["set_resources"] = set_resources

@@ -208,6 +208,8 @@ class EnginePlugin(WorkerPlugin):
                            getattr(self._worker, "address", "?"))
             if self._advertised and self._worker is not None:
                 await self._worker.set_resources(**{RESOURCE: 0.0})
+                self.resolved_window = 0
+                self._announce_window()
         aborted = await self.stop_run()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout

@@ -93,9 +93,10 @@ def test_workers_advertise_the_auto_window_and_the_runner_sums_it(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_auto_window_grows_on_a_heavy_tail_and_the_run_completes(tmp_path):
-    """A heavy tail leaves partitions holding one long sample each: the workers admit more partitions
-    than the starting window (announced to the client, which submits them), and the run completes."""
+def test_auto_window_follows_occupancy_and_the_run_completes(tmp_path):
+    """On a heavy tail the window leaves its starting value as the engine's occupancy changes (announced
+    to the client, which submits accordingly), and the run completes.  (How far it moves depends on
+    timing; the rule itself is checked exactly by ``test_admission_follows_occupancy``.)"""
     from daskgen import store
     from daskgen.runner import run
 
@@ -120,4 +121,4 @@ def test_auto_window_grows_on_a_heavy_tail_and_the_run_completes(tmp_path):
         admission.WindowBoard.total = original
     assert summary.done == 200 and (store.read_status(config.store) == store.DONE).all()
     start = resolve_window("auto", 16, 8, AUTO_MAX_WINDOW + 1)
-    assert max(seen) > start, f"the window never grew past the starting {start}: {sorted(set(seen))}"
+    assert seen[0] == start and len(set(seen)) > 1, f"the window never moved from {start}: {sorted(set(seen))}"
