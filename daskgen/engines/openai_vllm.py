@@ -1,0 +1,67 @@
+"""The ``openai`` engine's token-exact protocol for vLLM servers (``api="vllm"``).
+
+vLLM's OpenAI-compatible ``POST /v1/completions`` takes the prompt as a list of token ids and,
+with ``return_token_ids: true``, streams the generated ids (``choices[0].token_ids``, one delta
+per chunk) next to the text; with ``logprobs: 1`` each chunk's ``token_logprobs`` line up with
+its ``token_ids``.  vLLM-specific sampling fields (``top_k``, ``seed``, ``stop_token_ids``) are
+accepted in the same body.  Nothing is re-tokenized.  Tested against ``vllm serve`` 0.32.0.
+
+A server is recognised as vLLM by ``GET /version`` answering ``{"version": ...}``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from daskgen.engines.base import FinishReason, GenerationRequest, GenerationResult, error_result
+
+__all__ = ["is_vllm_version", "vllm_completions_payload", "vllm_result", "take_vllm_event"]
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+def is_vllm_version(status: int, info: Any) -> bool:
+    """Whether ``GET /version`` answered like a vLLM server."""
+    return status == 200 and isinstance(info, dict) and isinstance(info.get("version"), str)
+
+
+def vllm_completions_payload(model_name: str | None, request: GenerationRequest,
+                             extra_body: dict[str, Any]) -> dict[str, Any]:
+    """The streaming ``/v1/completions`` body for ``request`` (prompt as token ids)."""
+    params = request.params
+    body: dict[str, Any] = {"model": model_name, "prompt": list(request.prompt_ids), "stream": True,
+                            "max_tokens": params.max_new_tokens, "temperature": params.temperature,
+                            "top_p": params.top_p, "top_k": params.top_k, "return_token_ids": True}
+    if params.seed is not None:
+        body["seed"] = params.seed
+    if params.stop_token_ids:
+        body["stop_token_ids"] = sorted(set(params.stop_token_ids))
+    if params.logprobs:
+        body["logprobs"] = 1
+    return {**body, **extra_body}
+
+
+def take_vllm_event(event: dict[str, Any], ids: list[int], logprobs: list[float]) -> str | None:
+    """Append one streamed chunk's token ids (and logprobs) to ``ids``/``logprobs``; return its finish reason."""
+    choices = event.get("choices") or []
+    if not choices:
+        return None
+    choice = choices[0]
+    new = [int(t) for t in choice.get("token_ids") or []]
+    ids += new
+    values = (choice.get("logprobs") or {}).get("token_logprobs")
+    if isinstance(values, list):
+        logprobs += [math.nan if x is None else float(x) for x in values[-len(new):]] if new else []
+    return choice.get("finish_reason")
+
+
+def vllm_result(request: GenerationRequest, ids: list[int], logprobs: list[float], finish: str | None,
+                aborted: bool = False) -> GenerationResult:
+    """The :class:`GenerationResult` of a (finished or aborted) vLLM stream."""
+    reason = FinishReason.ABORT if aborted else _FINISH.get(finish or "", FinishReason.ERROR)
+    lps = list(logprobs) if request.params.logprobs else None
+    if lps is not None and len(lps) != len(ids):
+        return error_result(request, f"server returned {len(lps)} logprobs for {len(ids)} tokens")
+    error = None if reason != FinishReason.ERROR else f"server finished with {finish!r}"
+    return GenerationResult(request.request_id, list(ids), reason, lps, error=error)

