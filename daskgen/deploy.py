@@ -9,6 +9,8 @@ so that adaptive scaling submits a replacement job in time.  Anything the spec l
 from dask's ``jobqueue.<kind>.*`` configuration (``~/.config/dask/jobqueue.yaml``), as with
 plain dask-jobqueue; list settings (prologue, directives, worker arguments) extend the
 configured ones.  ``dask_jobqueue`` is optional (extra ``[hpc]``) and imported lazily.
+SLURM/PBS clusters use TLS with a per-run certificate unless ``cluster.tls`` is false
+(:mod:`daskgen.security`).
 """
 
 from __future__ import annotations
