@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,13 @@ def fake_batch(tmp_path, monkeypatch):
     tls = str(tmp_path / "tls")  # per-run certificates of make_cluster go here instead of ~/.daskgen/tls
     with dask.config.set({"jobqueue.slurm.shared-temp-directory": tls, "jobqueue.pbs.shared-temp-directory": tls}):
         yield spool
+
+
+def wait_for_jobs(spool: Path, n: int, timeout: float = 30) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = sorted(spool.glob("job-*.sh"))
+        if len(files) >= n:
+            return [f.read_text() for f in files]
+        time.sleep(0.2)
+    raise AssertionError(f"expected {n} submitted jobs, found {len(list(spool.iterdir()))}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import os
 import time
-from pathlib import Path
 
 import dask
 import pytest
@@ -26,6 +25,7 @@ from daskgen.deploy import (
     worker_lifetime,
 )
 from daskgen.errors import ConfigError
+from tests.conftest import wait_for_jobs
 
 pytest.importorskip("dask_jobqueue")
 
@@ -374,16 +374,6 @@ def test_in_flight_window():
 
 
 # --------------------------------------------------------------------------- make_cluster with a fake batch system
-
-
-def wait_for_jobs(spool: Path, n: int, timeout: float = 30) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        files = sorted(spool.glob("job-*.sh"))
-        if len(files) >= n:
-            return [f.read_text() for f in files]
-        time.sleep(0.2)
-    raise AssertionError(f"expected {n} submitted jobs, found {len(list(spool.iterdir()))}")
 
 
 @pytest.mark.timeout(60)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import socket
 import ssl
 import stat
@@ -24,19 +25,22 @@ from daskgen import store
 from daskgen.deploy import make_cluster, render_job_script
 from daskgen.errors import ConfigError
 from daskgen.security import TLSFiles, client_security, cluster_tls, temporary_security, tls_directory
-from tests.conftest import run_cli, write_prompts
-from tests.test_deploy import wait_for_jobs
+from tests.conftest import run_cli, wait_for_jobs, write_prompts
 from tests.test_run import sim_args
 
 SLURM = {"kind": "slurm", "memory": "4GB", "cores": 2, "walltime": "00:30:00"}
 
 
 @pytest.fixture(autouse=True)
-def restore_dask_config():
-    saved = copy.deepcopy(dask.config.config)
+def restore_dask_config_and_environ():
+    """Clusters started in this process change dask config and os.environ (Dask's pre-spawn variables such
+    as MALLOC_TRIM_THRESHOLD_, which later worker processes of other tests would inherit): put both back."""
+    saved, environ = copy.deepcopy(dask.config.config), dict(os.environ)
     yield
     dask.config.config.clear()
     dask.config.config.update(saved)
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 def worker_command(script: str) -> list[str]:
