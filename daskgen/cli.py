@@ -50,7 +50,12 @@ def run(
     seed: Annotated[int | None, Opt(help="Run seed; per-sample seeds derive from it.")] = None,
     logprobs: Annotated[bool | None, Opt("--logprobs/--no-logprobs", help="Store per-token logprobs.")] = None,
     partition_size: Annotated[int | None, Opt(help="Prompts per task = store chunk rows.")] = None,
-    scheduler_address: Annotated[str | None, Opt(help="Use this Dask scheduler instead of a LocalCluster.")] = None,
+    scheduler_address: Annotated[str | None, Opt(help="Use this Dask scheduler instead of a LocalCluster "
+                                                      "(tls://HOST:PORT with --tls-*).")] = None,
+    tls_ca: Annotated[Path | None, Opt(help="CA file of a tls:// --scheduler-address.")] = None,
+    tls_cert: Annotated[Path | None, Opt(help="Client certificate for a tls:// --scheduler-address.")] = None,
+    tls_key: Annotated[Path | None, Opt(help="Client key for a tls:// --scheduler-address.")] = None,
+    insecure: Annotated[bool, Opt(help="No TLS on the SLURM/PBS cluster daskgen starts (not recommended).")] = False,
     cluster: Annotated[str | None, Opt(help="local, slurm or pbs (details in the config's cluster: section).")] = None,
     n_workers: Annotated[int | None, Opt(help="LocalCluster workers (default: per GPU, else cores/4).")] = None,
     min_workers: Annotated[int | None, Opt(help="Adaptive scaling lower bound.")] = None,
@@ -75,7 +80,8 @@ def run(
     show: Annotated[int, Opt(help="Print this many decoded answers at the end.")] = 0,
 ) -> None:
     """Generate (or resume) responses for every prompt into a Zarr store."""
-    overrides = {k: v for k, v in locals().items() if k not in ("config", "engine_arg", "agent_arg", "show", "cluster")}
+    overrides = {k: v for k, v in locals().items()
+                 if k not in ("config", "engine_arg", "agent_arg", "show", "cluster", "insecure")}
     from daskgen.config import RunConfig
     from daskgen.runner import run as run_generation
 
@@ -87,6 +93,8 @@ def run(
     cfg = RunConfig.load(config, **overrides)
     if cluster:
         cfg.cluster = {**(cfg.cluster or {}), "kind": cluster}
+    if insecure:
+        cfg.cluster = {**(cfg.cluster or {}), "tls": False}
     summary = run_generation(cfg)
     if show:
         from daskgen.summary import print_answers

@@ -33,7 +33,10 @@ def connect(config: RunConfig) -> Iterator[tuple[Any, Any]]:
     # Engines such as SGLang start subprocesses: worker processes must not be daemonic.
     with dask.config.set({"distributed.worker.daemon": False}):
         if config.scheduler_address:
-            with Client(config.scheduler_address) as client:
+            from daskgen.security import client_security
+
+            security = client_security(config.scheduler_address, config.tls_ca, config.tls_cert, config.tls_key)
+            with Client(config.scheduler_address, security=security) as client:
                 yield client, None
             return
         cluster, info = _make_cluster(config)

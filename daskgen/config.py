@@ -67,6 +67,9 @@ class RunConfig:
     scheduler_address, n_workers, cluster, min_workers, max_workers:
         Where to run: an existing scheduler, a LocalCluster of ``n_workers``, or a
         ``cluster`` spec for :mod:`daskgen.deploy` (SLURM/PBS via dask-jobqueue).
+    tls_ca, tls_cert, tls_key:
+        For a ``tls://`` ``scheduler_address``: the CA file that signed the scheduler's certificate,
+        and this client's certificate and key (default: Dask's ``distributed.comm.tls.*`` config).
     window:
         Partitions in flight per worker, or ``"auto"`` (default): each worker starts at about
         8x the engine's batch slots (:attr:`Engine.capacity`) of requests and then admits
@@ -125,6 +128,9 @@ class RunConfig:
     logprobs: bool = False
     partition_size: int = 64
     scheduler_address: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
     n_workers: int | None = None
     cluster: dict[str, Any] | None = None
     min_workers: int | None = None
@@ -286,6 +292,10 @@ class RunConfig:
         for key in ("target_done", "token_budget"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, found {getattr(self, key)}.")
+        if (self.tls_ca or self.tls_cert or self.tls_key) and not self.scheduler_address:
+            raise ConfigError("tls_ca/tls_cert/tls_key (--tls-ca/--tls-cert/--tls-key) are for joining an existing "
+                              "scheduler: give scheduler_address tls://HOST:PORT too (clusters daskgen starts make "
+                              "their own certificate)")
         if self.n_workers is not None and self.n_workers < 1:
             raise ConfigError(f"n_workers must be >= 1, found {self.n_workers}.")
 

@@ -9,6 +9,8 @@ so that adaptive scaling submits a replacement job in time.  Anything the spec l
 from dask's ``jobqueue.<kind>.*`` configuration (``~/.config/dask/jobqueue.yaml``), as with
 plain dask-jobqueue; list settings (prologue, directives, worker arguments) extend the
 configured ones.  ``dask_jobqueue`` is optional (extra ``[hpc]``) and imported lazily.
+SLURM/PBS clusters use TLS with a per-run certificate unless ``cluster.tls`` is false
+(:mod:`daskgen.security`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,15 @@ from dask.utils import parse_bytes, parse_timedelta
 
 from daskgen.errors import ConfigError
 from daskgen.gpu import ENV_GPUS_PER_WORKER, ENV_LOCAL_RANK, ENV_WORKERS_PER_NODE, count_visible_gpus
+from daskgen.security import (
+    RemoveTLSFilesOnClose,
+    TLSFiles,
+    cluster_tls,
+    job_script_security,
+    temporary_security,
+    tls_directory,
+    warn_insecure,
+)
 
 __all__ = [
     "CLUSTER_KEYS",
@@ -84,12 +95,15 @@ CLUSTER_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
     "log_directory": (("slurm", "pbs"), "directory for the jobs' stdout/stderr"),
     "python": (("slurm", "pbs"), "python executable on the compute nodes"),
     "resource_spec": (("pbs",), "full '#PBS -l' resource line (replaces the generated select=...)"),
+    "tls": (KINDS, "TLS with a per-run certificate (default true for slurm/pbs, false for local)"),
+    "tls_directory": (("slurm", "pbs"), "where the per-run certificate files go; shared with the nodes "
+                                        "(default ~/.daskgen/tls)"),
 }
 
 _LIST_KEYS = ("job_script_prologue", "job_extra_directives", "job_directives_skip", "worker_extra_args")
 _STR_KEYS = (
     "local_directory", "dashboard_address", "memory", "queue", "partition", "account", "job_name",
-    "interface", "log_directory", "python", "resource_spec", "memory_limit",
+    "interface", "log_directory", "python", "resource_spec", "memory_limit", "tls_directory",
 )
 _INT_KEYS = {  # key -> smallest accepted value
     "threads_per_worker": 1, "gpus_per_worker": 1, "min_workers": 0, "max_workers": 1, "n_workers": 1,
@@ -209,6 +223,8 @@ def _check_value(key: str, value: Any) -> Any:
         )
     if key in ("lifetime", "lifetime_margin", "lifetime_stagger"):
         _check_duration(key, value)
+    if key == "tls":
+        cluster_tls("local", value)  # raises unless a boolean
     return value
 
 
@@ -522,15 +538,26 @@ def _job_class(kind: str) -> type:
     return {"slurm": SLURMJob, "pbs": PBSJob}[kind]
 
 
-def render_job_script(spec: Mapping[str, Any] | ClusterSpec, scheduler_address: str) -> str:
+def render_job_script(spec: Mapping[str, Any] | ClusterSpec, scheduler_address: str, security: Any = None) -> str:
     """The batch script of one worker job, for a scheduler you started yourself.
 
     Submit it with ``sbatch``/``qsub`` as many times as you want nodes.  Workers are named
     ``daskgen-$SLURM_JOB_ID-<i>`` (``$PBS_JOBID`` on PBS) so that several jobs never clash.
-    No scheduler is started.
+    No scheduler is started.  For a ``tls://`` scheduler the workers get ``--protocol tls://``
+    and ``--tls-ca-file``/``--tls-cert``/``--tls-key``: the files of ``security`` (a
+    :class:`distributed.security.Security` naming files), by default those of Dask's
+    ``distributed.comm.tls.ca-file`` and ``distributed.comm.tls.worker.*`` configuration.
+
+    Raises
+    ------
+    ConfigError
+        A bad spec, or a ``tls://`` scheduler without worker certificate files.
     """
     s = spec if isinstance(spec, ClusterSpec) else parse_cluster_spec(spec)
     kwargs = jobqueue_kwargs(s)
+    security = job_script_security(scheduler_address, security)
+    if security is not None:
+        kwargs.update(security=security, protocol="tls://")
     job_id = "${SLURM_JOB_ID}" if s.kind == "slurm" else "${PBS_JOBID}"
     job = _job_class(s.kind)(scheduler=scheduler_address, name=f"daskgen-{job_id}", **kwargs)
     return job.job_script()
@@ -591,7 +618,7 @@ def _cluster_class(kind: str) -> type:
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ConfigError(f"cluster kind {kind!r} needs dask-jobqueue: pip install 'daskgen[hpc]'") from exc
     base = {"slurm": SLURMCluster, "pbs": PBSCluster}[kind]
-    return type(base.__name__, (_JobReaperMixin, base), {"__module__": __name__})
+    return type(base.__name__, (RemoveTLSFilesOnClose, _JobReaperMixin, base), {"__module__": __name__})
 
 
 def _scaling(s: ClusterSpec, workers_per_node: int) -> tuple[int, int, bool]:
@@ -627,7 +654,11 @@ def _make_hpc_cluster(s: ClusterSpec) -> tuple[Any, ClusterInfo]:
     if s.get("dashboard_address"):
         options = dict(dask.config.get(f"jobqueue.{s.kind}.scheduler-options", None) or {})
         kwargs["scheduler_options"] = {**options, "dashboard_address": s.get("dashboard_address")}
+    files = _hpc_tls_files(s)
+    if files is not None:
+        kwargs["security"] = files.security  # dask-jobqueue adds --protocol tls:// and the --tls-* files
     cluster = _cluster_class(s.kind)(**kwargs)
+    cluster.tls_files = files
     lo, hi, adaptive = _scaling(s, layout.workers_per_node)
     # Always adaptive: with min == max the cluster still resubmits jobs that hit their walltime.
     key = {"worker_key": job_of_worker} if layout.workers_per_node > 1 else {}
@@ -637,9 +668,23 @@ def _make_hpc_cluster(s: ClusterSpec) -> tuple[Any, ClusterInfo]:
         life = f"workers retire {lifetime[0] - lifetime[1]}-{lifetime[0]}s after start (before walltime)"
     info = ClusterInfo(
         s.kind, layout.workers_per_node, layout.threads_per_worker, layout.gpus_per_worker,
-        lo, hi, adaptive, life, _ignored_notes(s), _dashboard(cluster),
+        lo, hi, adaptive, life, _tls_notes(files) + _ignored_notes(s), _dashboard(cluster),
     )
     return cluster, info
+
+
+def _hpc_tls_files(s: ClusterSpec) -> TLSFiles | None:
+    """A per-run certificate in files the worker jobs can read, or ``None`` (with a warning) without TLS."""
+    if not cluster_tls(s.kind, s.get("tls")):
+        warn_insecure(s.kind)
+        return None
+    return TLSFiles(temporary_security(), tls_directory(s.kind, s.get("tls_directory")))
+
+
+def _tls_notes(files: TLSFiles | None) -> tuple[str, ...]:
+    if files is None:
+        return ("TLS off (--insecure)",)
+    return (f"TLS with a per-run certificate in {files.directory}",)
 
 
 def _local_workers(s: ClusterSpec, gpus: int) -> tuple[int, int]:
@@ -701,6 +746,9 @@ def _make_local_cluster(s: ClusterSpec) -> tuple[Any, ClusterInfo]:
     for key in ("memory_limit", "local_directory"):
         if s.get(key) is not None:
             kwargs[key] = s.get(key)
+    tls = cluster_tls("local", s.get("tls"))
+    if tls:
+        kwargs["security"] = temporary_security()  # in memory: the nannies pass it to their workers
     cluster = LocalCluster(**kwargs)
     lo, hi, adaptive = n, n, False
     if s.get("min_workers") is not None or s.get("max_workers") is not None:
@@ -710,7 +758,8 @@ def _make_local_cluster(s: ClusterSpec) -> tuple[Any, ClusterInfo]:
         _declare_partition_duration()
         cluster.adapt(minimum=lo, maximum=hi)
         adaptive = True
-    info = ClusterInfo("local", n, threads, per_worker, lo, hi, adaptive, None, _ignored_notes(s), _dashboard(cluster))
+    notes = (("TLS with a per-run certificate",) if tls else ()) + _ignored_notes(s)
+    info = ClusterInfo("local", n, threads, per_worker, lo, hi, adaptive, None, notes, _dashboard(cluster))
     return cluster, info
 
 

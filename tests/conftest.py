@@ -7,9 +7,11 @@ import functools
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,39 @@ def popen_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen
     return subprocess.Popen([sys.executable, "-m", "daskgen", *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env={**cli_env(), **(env or {})},
                             start_new_session=True)
+
+
+@pytest.fixture
+def fake_batch(tmp_path, monkeypatch):
+    """sbatch/qsub that store the submitted script and print a job id; scancel/qdel that succeed."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    submit = f'#!/bin/sh\ncp "$1" {spool}/job-$$.sh\necho "%s"\n'  # $$: unique per submission
+    scripts = {
+        "sbatch": submit % "Submitted batch job $$",
+        "qsub": submit % "$$.pbs-server",
+        "scancel": "#!/bin/sh\nexit 0\n",
+        "qdel": "#!/bin/sh\nexit 0\n",
+    }
+    for name, text in scripts.items():
+        path = bindir / name
+        path.write_text(text)
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    import dask
+
+    tls = str(tmp_path / "tls")  # per-run certificates of make_cluster go here instead of ~/.daskgen/tls
+    with dask.config.set({"jobqueue.slurm.shared-temp-directory": tls, "jobqueue.pbs.shared-temp-directory": tls}):
+        yield spool
+
+
+def wait_for_jobs(spool: Path, n: int, timeout: float = 30) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = sorted(spool.glob("job-*.sh"))
+        if len(files) >= n:
+            return [f.read_text() for f in files]
+        time.sleep(0.2)
+    raise AssertionError(f"expected {n} submitted jobs, found {len(list(spool.iterdir()))}")

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
-import stat
 import time
-from pathlib import Path
 
 import dask
 import pytest
@@ -27,6 +25,7 @@ from daskgen.deploy import (
     worker_lifetime,
 )
 from daskgen.errors import ConfigError
+from tests.conftest import wait_for_jobs
 
 pytest.importorskip("dask_jobqueue")
 
@@ -377,38 +376,6 @@ def test_in_flight_window():
 # --------------------------------------------------------------------------- make_cluster with a fake batch system
 
 
-@pytest.fixture
-def fake_batch(tmp_path, monkeypatch):
-    """sbatch/qsub that store the submitted script and print a job id; scancel/qdel that succeed."""
-    spool = tmp_path / "spool"
-    spool.mkdir()
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    submit = f'#!/bin/sh\ncp "$1" {spool}/job-$$.sh\necho "%s"\n'  # $$: unique per submission
-    scripts = {
-        "sbatch": submit % "Submitted batch job $$",
-        "qsub": submit % "$$.pbs-server",
-        "scancel": "#!/bin/sh\nexit 0\n",
-        "qdel": "#!/bin/sh\nexit 0\n",
-    }
-    for name, text in scripts.items():
-        path = bindir / name
-        path.write_text(text)
-        path.chmod(path.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
-    return spool
-
-
-def wait_for_jobs(spool: Path, n: int, timeout: float = 30) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        files = sorted(spool.glob("job-*.sh"))
-        if len(files) >= n:
-            return [f.read_text() for f in files]
-        time.sleep(0.2)
-    raise AssertionError(f"expected {n} submitted jobs, found {len(list(spool.iterdir()))}")
-
-
 @pytest.mark.timeout(60)
 def test_make_cluster_slurm_submits_one_job_per_node(fake_batch):
     cluster, info = make_cluster({**SLURM, "dashboard_address": ":0"})
@@ -418,12 +385,33 @@ def test_make_cluster_slurm_submits_one_job_per_node(fake_batch):
         scripts = wait_for_jobs(fake_batch, 2)
         names = sorted(arg(worker_command(s), "--name") for s in scripts)
         assert names == ["SLURMCluster-0", "SLURMCluster-1"]  # workers become SLURMCluster-<job>-<gpu>
+        assert cluster.scheduler_address.startswith("tls://") and "TLS with a per-run certificate" in str(info)
+        (run_dir,) = (fake_batch.parent / "tls").iterdir()  # private per-run folder: cert.pem, key.pem
         for script in scripts:
             assert "#SBATCH --gres=gpu:4" in lines(script)
-            assert arg(worker_command(script), "--nworkers") == "4"
-            assert worker_command(script)[4] == cluster.scheduler_address
+            cmd = worker_command(script)
+            assert arg(cmd, "--nworkers") == "4"
+            assert cmd[4] == cluster.scheduler_address
+            assert arg(cmd, "--protocol") == "tls://"
+            assert (arg(cmd, "--tls-ca-file"), arg(cmd, "--tls-cert"), arg(cmd, "--tls-key")) == (
+                str(run_dir / "cert.pem"), str(run_dir / "cert.pem"), str(run_dir / "key.pem"))
         durations = dask.config.get("distributed.scheduler.default-task-durations")
         assert durations["daskgen-partition"] == "60s"
+    finally:
+        cluster.close()
+    assert not run_dir.exists()  # the certificate is removed with the cluster
+
+
+@pytest.mark.timeout(60)
+def test_make_cluster_insecure_warns_and_has_no_tls(fake_batch, caplog):
+    with caplog.at_level("WARNING", logger="daskgen.security"):
+        cluster, info = make_cluster({**SLURM, "nodes": 1, "tls": False, "dashboard_address": ":0"})
+    try:
+        assert "anyone who can reach its scheduler" in caplog.text and "TLS off" in str(info)
+        assert cluster.scheduler_address.startswith("tcp://")
+        (script,) = wait_for_jobs(fake_batch, 1)
+        assert not any(flag.startswith(("--tls", "--protocol")) for flag in worker_command(script))
+        assert not (fake_batch.parent / "tls").exists()
     finally:
         cluster.close()
 

@@ -62,11 +62,7 @@ def keyed_server() -> Any:
     """A real sglang server that requires ``SECRET`` as its API key (the test's own server)."""
     from daskgen.engines.http_server import ManagedServer
 
-    class KeyedServer(ManagedServer):
-        def command(self, port: int, cuda_available: bool) -> list[str]:
-            return [*super().command(port, cuda_available), "--api-key", SECRET]
-
-    return KeyedServer(tiny_model(), start_timeout_s=600)
+    return ManagedServer(tiny_model(), start_timeout_s=600, api_key=SECRET)
 
 
 @functools.lru_cache(maxsize=1)
@@ -266,11 +262,32 @@ class TestManagedServer:
         """The server's max_running_requests sizes ``window: auto``; the client keeps twice that in flight."""
         import httpx
 
-        info = httpx.get(self.engine._server.url + "/get_server_info", timeout=60).json()
+        server = self.engine._server
+        info = httpx.get(server.url + "/get_server_info", timeout=60,
+                         headers={"Authorization": f"Bearer {server.api_key}"}).json()
         running = int(info["internal_states"][0]["effective_max_running_requests_per_dp"])
         assert self.engine.capacity == running >= 1
         assert self.engine.concurrency == max(128, 2 * running)
         assert self.engine.describe()["server_max_running_requests"] == running
+
+    def test_managed_server_requires_its_key(self) -> None:
+        """Loopback is open to every user of the node: the server refuses requests without its random key."""
+        import httpx
+
+        server = self.engine._server
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
+        anonymous = httpx.post(server.url + "/generate", json=body, timeout=120)
+        assert anonymous.status_code == 401, anonymous.text
+        wrong = httpx.post(server.url + "/generate", json=body, timeout=120,
+                           headers={"Authorization": "Bearer daskgen-not-the-key"})
+        assert wrong.status_code == 401, wrong.text
+        keyed = httpx.post(server.url + "/generate", json=body, timeout=120,
+                           headers={"Authorization": f"Bearer {server.api_key}"})
+        assert keyed.status_code == 200 and len(keyed.json()["output_ids"]) == 2, keyed.text
+        assert httpx.get(server.url + "/health", timeout=60).status_code == 200  # probes stay open
+        cmdline = Path(f"/proc/{server.process.pid}/cmdline").read_bytes().decode()
+        assert server.api_key not in cmdline and server.config_dir is None  # not in `ps`; key file removed
+        assert server.api_key not in json.dumps(self.engine.describe())
 
     def test_zz_server_death_fails_health_and_shutdown_stops_the_group(self) -> None:
         server = self.engine._server

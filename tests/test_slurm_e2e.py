@@ -1,5 +1,7 @@
 """End to end through a real SLURM (``.ci/slurm-setup.sh``: slurmctld + slurmd on loopback, 4 fake GPUs).
 
+Every cluster here uses TLS with a per-run certificate (daskgen's default for SLURM): the worker
+jobs read it from files in the test's folder.
 ``make_cluster`` submits daskgen worker jobs with ``sbatch`` through dask-jobqueue; the workers
 join, pin one (fake) GPU each from SLURM's ``CUDA_VISIBLE_DEVICES``, run tasks that start
 subprocesses, and a job that reaches its lifetime is replaced by a new SLURM job.
@@ -55,6 +57,7 @@ def _spec(tmp_path, **extra):
         "dashboard_address": ":0",
         "log_directory": str(tmp_path / "logs"),
         "python": sys.executable,
+        "tls_directory": str(tmp_path / "tls"),  # TLS is on by default: the per-run certificate goes here
         **extra,
     }
 
@@ -96,8 +99,16 @@ def test_slurm_job_runs_one_pinned_worker_per_gpu(tmp_path, monkeypatch):
     cluster, info = make_cluster(_spec(tmp_path))
     try:
         assert info.workers_per_node == 4
+        assert cluster.scheduler_address.startswith("tls://")
         with Client(cluster) as client:
             client.wait_for_workers(4, timeout=180)
+            assert all(a.startswith("tls://") for a in client.scheduler_info(n_workers=-1)["workers"])
+            from distributed.security import Security
+
+            with pytest.raises(OSError, match="TLS certificate does not match"):  # another run's certificate
+                Client(cluster.scheduler_address, security=Security.temporary(), timeout="10s")
+            with pytest.raises(OSError):  # plain TCP
+                Client(cluster.scheduler_address.replace("tls://", "tcp://"), timeout="10s")
             workers = client.scheduler_info(n_workers=-1)["workers"].values()
             assert sorted(str(w["name"]) for w in workers) == [f"SLURMCluster-0-{i}" for i in range(4)]
             assert all(w["resources"] == {"GPU": 1} for w in workers)

@@ -11,6 +11,11 @@ the scheduler and detokenizer processes it spawns), waits until ``/health_genera
 200, and stops the whole group on :meth:`~ManagedServer.stop`.  The server's output goes to a
 log file whose last lines are quoted by every error, so a failed launch says why.
 
+Loopback is reachable by every user of a shared node, so each managed server gets a random API
+key of its own (``--api-key``), which the engine's client sends.  The key travels in a private
+``--config`` YAML file (mode 0600, removed once the server answers), never on the command line
+(visible to all users in ``ps``), in logs, messages or store attributes.
+
 A server subprocess (unlike an in-process ``sglang.Engine``) also starts from a daemonic Dask
 worker process: ``subprocess`` is allowed where ``multiprocessing`` children are not.
 """
@@ -23,6 +28,8 @@ import json
 import logging
 import os
 import re
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -44,14 +51,14 @@ except ModuleNotFoundError as _missing:  # an optional extra; the engine says ho
 else:
     MISSING_HTTP = None
 
-__all__ = ["HTTPClient", "ManagedServer", "RequestFailed", "free_port", "redact_url", "server_flags",
+__all__ = ["HTTPClient", "ManagedServer", "RequestFailed", "free_port", "new_api_key", "redact_url", "server_flags",
            "require_http", "split_base_url", "stream_events"]
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 #: ``server_args`` keys refused because their values are secrets (they would show in ``ps``).
-SECRET_SERVER_ARGS = ("api_key", "admin_api_key")
+SECRET_SERVER_ARGS = frozenset({"api_key", "admin_api_key"})
 _POLL_S = 1.0
 #: Seconds sglang gets to exit on SIGTERM, then to have no process left after SIGKILL.
 _STOP_GRACE_S = 5.0
@@ -130,6 +137,8 @@ class HTTPClient:
         The server (``/v1`` paths go to its OpenAI base, others to its root).
     api_key_env:
         Name of the environment variable holding the API key (sent as a bearer token).
+    api_key:
+        The key itself, for servers daskgen started (:attr:`ManagedServer.api_key`); wins over ``api_key_env``.
     timeout_s, max_connections, max_retries, backoff_s:
         Read timeout, connection pool size, retries per request and the first backoff.
     on_retry:
@@ -140,7 +149,8 @@ class HTTPClient:
         Use proxy settings from the environment (off for loopback servers).
     """
 
-    def __init__(self, base_url: str, *, api_key_env: str | None = None, timeout_s: float = 600.0,
+    def __init__(self, base_url: str, *, api_key_env: str | None = None, api_key: str | None = None,
+                 timeout_s: float = 600.0,
                  max_connections: int = 128, max_retries: int = 3, backoff_s: float = 0.5,
                  on_retry: Callable[[str, int, float], None] | None = None,
                  give_up: Callable[[], bool] = lambda: False, trust_env: bool = True) -> None:
@@ -148,7 +158,8 @@ class HTTPClient:
         self.root, self.openai_base = split_base_url(base_url)
         self.where = redact_url(self.root)
         self.api_key_env, self.timeout_s = api_key_env, timeout_s
-        self._secret = self._read_key(api_key_env)
+        self._secret = api_key or self._read_key(api_key_env)
+        self._own_key = api_key is not None
         self.max_retries, self.on_retry, self.give_up = max_retries, on_retry, give_up
         self._backoff = (tenacity.wait_exponential(multiplier=backoff_s, max=_MAX_WAIT_S)
                          + tenacity.wait_random(0, backoff_s))
@@ -192,8 +203,12 @@ class HTTPClient:
     def status_message(self, what: str, response: httpx.Response) -> str:
         """Message for an error status (API-key problems explained)."""
         if response.status_code in (401, 403):
-            hint = (f"check the key in the environment variable {self.api_key_env}" if self.api_key_env
-                    else "the server needs an API key: set api_key_env to the name of the variable holding it")
+            if self._own_key:
+                hint = "the server did not accept the API key daskgen gave it"
+            elif self.api_key_env:
+                hint = f"check the key in the environment variable {self.api_key_env}"
+            else:
+                hint = "the server needs an API key: set api_key_env to the name of the variable holding it"
             return f"{what} on {self.where}: HTTP {response.status_code}, the server refused the request; {hint}"
         body = response.text.strip().replace("\n", " ")[:_EXCERPT]
         return self.redact(f"{what} on {self.where}: HTTP {response.status_code}: {body}")
@@ -330,15 +345,16 @@ def server_flags(kwargs: Mapping[str, Any]) -> list[str]:
 
 
 def check_server_args(server_args: Mapping[str, Any]) -> None:
-    """Refuse options daskgen sets itself (model, host, port) and secrets."""
-    own = sorted(set(server_args) & {"model_path", "host", "port"})
+    """Refuse options daskgen sets itself (model, host, port, the key's config file) and secrets."""
+    own = sorted(set(server_args) & {"model_path", "host", "port", "config"})
     if own:
         raise ConfigError(f"openai engine: server_args must not set {own}; daskgen sets the model (its `model`), "
-                          f"host ({LOOPBACK}) and a free port itself")
-    secret = sorted(set(server_args) & set(SECRET_SERVER_ARGS))
+                          f"host ({LOOPBACK}), a free port and a --config file with the server's API key itself")
+    secret = sorted(set(server_args) & SECRET_SERVER_ARGS)
     if secret:
-        raise ConfigError(f"openai engine: server_args must not contain {secret}: a managed server listens on "
-                          f"{LOOPBACK} only and its command line is visible to every local user")
+        raise ConfigError(f"openai engine: server_args must not contain {secret}: daskgen gives every managed "
+                          "server a random API key of its own (in a private file; a command line is visible to "
+                          "every local user)")
 
 
 def _cuda_available() -> bool:
@@ -365,19 +381,28 @@ class ManagedServer:
         How long :meth:`start` waits for the server to answer ``/health_generate``.
     python:
         The interpreter that runs sglang (default: this one).
+    api_key:
+        The server's API key (default: a fresh random one, :func:`new_api_key`); requests without
+        it are refused (``/health*`` stays open).  Never logged: error messages and log tails
+        show ``***`` instead.
     """
 
     def __init__(self, model: str, server_args: Mapping[str, Any] | None = None, *,
-                 start_timeout_s: float = 600.0, python: str | None = None) -> None:
+                 start_timeout_s: float = 600.0, python: str | None = None, api_key: str | None = None) -> None:
         self.model = model
         self.server_args = dict(server_args or {})
         check_server_args(self.server_args)
         self.start_timeout_s = start_timeout_s
         self.python = python or sys.executable
+        self.api_key = api_key or new_api_key()
         self.port: int | None = None
         self.process: subprocess.Popen | None = None
         self.log_path: Path | None = None
+        self.config_dir: Path | None = None
         self.healthy = False
+
+    def __repr__(self) -> str:  # the key stays out of reprs (and so out of tracebacks and logs)
+        return f"ManagedServer(model={self.model!r}, port={self.port}, api_key=***)"
 
     @property
     def url(self) -> str:
@@ -390,7 +415,23 @@ class ManagedServer:
 
         kwargs = launch_kwargs(self.model, self.server_args, cuda_available)
         kwargs.update(host=LOOPBACK, port=port)
+        if self.config_dir is not None:  # the API key, read by sglang as if given as --api-key
+            kwargs["config"] = str(self.config_dir / "server.yaml")
         return [self.python, "-m", "sglang.launch_server", *server_flags(kwargs)]
+
+    def _write_key_file(self) -> None:
+        """The ``--config`` file holding the API key: a private directory (0700) and file (0600)."""
+        import yaml
+
+        self.config_dir = Path(tempfile.mkdtemp(prefix="daskgen-sglang-key-"))
+        fd = os.open(self.config_dir / "server.yaml", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as stream:
+            yaml.safe_dump({"api-key": self.api_key}, stream)
+
+    def _remove_key_file(self) -> None:
+        if self.config_dir is not None:
+            shutil.rmtree(self.config_dir, ignore_errors=True)
+            self.config_dir = None
 
     @property
     def alive(self) -> bool:
@@ -401,6 +442,7 @@ class ManagedServer:
         """Launch the server and wait until it generates; raise :class:`EngineError` otherwise."""
         require_http()
         self.port, self.healthy = free_port(), False
+        self._write_key_file()
         command = self.command(self.port, await asyncio.to_thread(_cuda_available))
         fd, name = tempfile.mkstemp(prefix="daskgen-sglang-server-", suffix=".log")
         self.log_path = Path(name)
@@ -414,6 +456,8 @@ class ManagedServer:
         except BaseException:
             await self.stop()
             raise
+        finally:
+            self._remove_key_file()  # read at launch; a healthy server no longer needs it
         self.healthy = True
 
     async def _wait_healthy(self) -> None:
@@ -444,7 +488,7 @@ class ManagedServer:
         with self.log_path.open("rb") as stream:
             stream.seek(max(0, self.log_path.stat().st_size - 64 * 1024))
             text = stream.read().decode("utf-8", errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
+        return "\n".join(text.splitlines()[-lines:]).replace(self.api_key, "***")  # sglang logs its server_args
 
     async def stop(self) -> None:
         """Stop the server's whole process group (SIGTERM, then SIGKILL); idempotent.
@@ -453,6 +497,7 @@ class ManagedServer:
         error messages point to it; otherwise it is removed first, so a worker killed while
         waiting leaves none behind.
         """
+        self._remove_key_file()
         failed = self.process is not None and (not self.healthy or self.process.poll() is not None)
         if not failed and self.process is not None and self.log_path is not None:
             self.log_path.unlink(missing_ok=True)
@@ -461,6 +506,12 @@ class ManagedServer:
             await asyncio.to_thread(_stop_group, process)
             logger.info("stopped sglang server pid %d", process.pid)
             self.process = process  # keep the exit code for messages
+
+
+def new_api_key() -> str:
+    """A random API key for one managed server (256 bits; a letter prefix keeps YAML and argparse from
+    reading it as a number or an option)."""
+    return "daskgen-" + secrets.token_hex(32)
 
 
 def server_env() -> dict[str, str]:

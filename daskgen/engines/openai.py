@@ -17,8 +17,9 @@
   errors are retried (tenacity, exponential backoff with jitter); then the request returns
   ``error``.
 * ``managed=True`` starts one sglang server subprocess per engine
-  (:class:`~daskgen.engines.http_server.ManagedServer`); when it dies, ``generate`` raises (the
-  partition is retried after the plugin restarts the engine) and ``health`` fails.
+  (:class:`~daskgen.engines.http_server.ManagedServer`) with a random API key of its own; when it
+  dies, ``generate`` raises (the partition is retried after the plugin restarts the engine) and
+  ``health`` fails.
 * The API key comes from the environment variable named by ``api_key_env`` and never appears in
   logs, ``describe()`` or messages.
 
@@ -130,7 +131,7 @@ class OpenAIArgs:
                 raise ConfigError("openai engine: give either base_url (an existing server) or managed=true "
                                   "(a server started per worker), not both")
             if self.api_key_env is not None:
-                raise ConfigError("openai engine: a managed server listens on loopback only and takes no API key; "
+                raise ConfigError("openai engine: daskgen gives every managed server a random API key of its own; "
                                   "drop api_key_env")
             check_server_args(self.server_args)
         elif not isinstance(self.base_url, str) or not self.base_url.startswith(("http://", "https://")):
@@ -221,7 +222,8 @@ class OpenAIEngine(Engine):
         logger.info("openai engine: %s protocol on %s (model %s)", self.protocol, self._http.where, self.model_name)
 
     def _client(self, base_url: str) -> HTTPClient:
-        return HTTPClient(base_url, api_key_env=self.args.api_key_env, timeout_s=self.args.timeout_s,
+        own_key = self._server.api_key if self._server is not None else None
+        return HTTPClient(base_url, api_key_env=self.args.api_key_env, api_key=own_key, timeout_s=self.args.timeout_s,
                           max_connections=self.concurrency, max_retries=self.args.max_retries,
                           backoff_s=self.args.backoff_s, on_retry=_log_retry, give_up=self._server_died,
                           trust_env=not self.args.managed)
