@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import dask
+import dask_jobqueue  # noqa: F401 - installed by .[hpc]; make_cluster imports it
 import pytest
 
 from daskgen.deploy import (
@@ -27,8 +28,6 @@ from daskgen.deploy import (
     worker_lifetime,
 )
 from daskgen.errors import ConfigError
-
-pytest.importorskip("dask_jobqueue")
 
 ADDRESS = "tcp://10.1.2.3:8786"
 SLURM = {

@@ -112,6 +112,8 @@ class TestSGLangNativeConformance(EngineConformance):
     long_max_new_tokens = 1500
     abort_timeout_s = 30.0
     concurrency = 24
+    not_applicable = {"test_seeded_reproducible": "the CPU sglang server runs without enable_deterministic_inference "
+                                                  "(GPU attention backends only), so it does not honour seeds"}
 
     @classmethod
     def setup_class(cls) -> None:
@@ -130,6 +132,7 @@ class TestSGLangNativeConformance(EngineConformance):
 
         info = self.engine.describe()
         assert info["api"] == "sglang" and info["retokenized"] is False, info
+        assert self.engine.supports_seed is False  # why test_seeded_reproducible is not applicable
         sampled = self.run(self.one(request("exact", max_new_tokens=12, temperature=1.3, logprobs=True)))
         assert "retokenized" not in sampled.meta
         model = AutoModelForCausalLM.from_pretrained(self.model, dtype=torch.float32)

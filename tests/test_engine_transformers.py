@@ -13,15 +13,13 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from daskgen.engines import create_engine  # noqa: E402
-from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams  # noqa: E402
-from daskgen.engines.transformers import TransformersEngine, step_seed  # noqa: E402
-from daskgen.errors import ConfigError, EngineError  # noqa: E402
-from daskgen.testing.conformance import EngineConformance, EventLoopThread  # noqa: E402
+from daskgen.engines import create_engine
+from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
+from daskgen.engines.transformers import TransformersEngine, step_seed
+from daskgen.errors import ConfigError, EngineError
+from daskgen.testing.conformance import EngineConformance, EventLoopThread
 
 ENGINE_ARGS = {"device": "cpu", "kv_cache_tokens": 8192, "max_batch_tokens": 256, "max_requests_per_batch": 32}
 

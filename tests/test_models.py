@@ -13,14 +13,12 @@ import sys
 import time
 from pathlib import Path
 
+import gguf  # noqa: F401 - installed by .[dev] (daskgen[models]); the SmolLM2 conversion needs it
 import pytest
+import torch
 
 from daskgen.errors import DaskgenError
 from daskgen.models import SMOLLM2_NAME, build_tiny_model, smollm2_instruct
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("gguf")
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 GENERATION_PROMPT = "<|im_start|>assistant\n"

@@ -16,8 +16,12 @@ so a hung engine fails instead of hanging.  Tunables (class attributes) let an e
 prompts, lengths and timeouts; see :class:`EngineConformance`.
 
 Without pytest, :func:`run_conformance` runs the same checks and returns a report.  This
-module imports neither pytest nor torch; skips raise :class:`unittest.SkipTest`, which pytest
-reports as skipped.
+module imports neither pytest nor torch.  A check that cannot apply to an engine (e.g. seeds on
+an engine without seed support) is declared in the subclass's ``not_applicable`` mapping with the
+reason: the project's ``tests/conftest.py`` deselects it and lists the reason, and
+:func:`run_conformance` reports it as ``"not applicable: <reason>"``.  A check that meets an engine
+it does not apply to *without* such a declaration raises :class:`unittest.SkipTest` (pytest: skipped),
+which the CI lanes count as a failure.
 """
 
 from __future__ import annotations
@@ -100,6 +104,8 @@ class EngineConformance:
         How long the long requests run before ``abort``, and how soon they must return.
     ``concurrency``
         Requests in the many-concurrent-requests check.
+    ``not_applicable``
+        ``{check name: reason}`` for checks that do not apply to this engine (deselected, reported).
     """
 
     engine_class: ClassVar[type[Engine]]
@@ -115,6 +121,7 @@ class EngineConformance:
     abort_delay_s: ClassVar[float] = 0.05
     abort_timeout_s: ClassVar[float] = 10.0
     concurrency: ClassVar[int] = 32
+    not_applicable: ClassVar[dict[str, str]] = {}
 
     runner: ClassVar[EventLoopThread]
     engine: ClassVar[Engine]
@@ -411,7 +418,10 @@ async def _gather(*aws: Awaitable[Any]) -> list[Any]:
 def run_conformance(
     engine_class: type[Engine], model: str, engine_args: dict[str, Any] | None = None, **tunables: Any
 ) -> dict[str, str]:
-    """Run every check outside pytest; returns ``{check: "passed" | "skipped: ..." | "failed: ..."}``."""
+    """Run every check outside pytest.
+
+    Returns ``{check: "passed" | "not applicable: ..." | "skipped: ..." | "failed: ..."}``.
+    """
     suite = type("Conformance", (EngineConformance,),
                  {"engine_class": engine_class, "model": model, "engine_args": dict(engine_args or {}), **tunables})
     report: dict[str, str] = {}
@@ -419,6 +429,9 @@ def run_conformance(
     try:
         instance = suite()
         for name in sorted(n for n in dir(suite) if n.startswith("test_")):
+            if name in suite.not_applicable:
+                report[name] = f"not applicable: {suite.not_applicable[name]}"
+                continue
             try:
                 getattr(instance, name)()
                 report[name] = "passed"
