@@ -334,12 +334,16 @@ def _wait_for_commits(store: Path, at_least: int, timeout: float = 900) -> None:
     import xarray as xr
 
     deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
     while time.monotonic() < deadline:
-        with contextlib.suppress(Exception):  # not created yet, or being written
+        try:
             if int((xr.open_zarr(store).status.values == 1).sum()) >= at_least:
                 return
+        except (FileNotFoundError, KeyError, ValueError) as exc:  # not created yet, or being written
+            last_error = exc
         time.sleep(0.5)
-    raise AssertionError(f"the run committed fewer than {at_least} prompts within {timeout} s")
+    raise AssertionError(f"the run committed fewer than {at_least} prompts within {timeout} s "
+                         f"(last error reading the store: {last_error!r})")
 
 
 @pytest.mark.slow

