@@ -186,6 +186,7 @@ def test_too_long_request_is_an_error(loop, engine) -> None:
 
 
 def test_duplicate_request_ids_run_independently(loop, engine) -> None:
+    """Three concurrent requests sharing one id each get their own result (the one they get alone)."""
     requests = [GenerationRequest("same", [1, 2, 3 + i], SamplingParams(max_new_tokens=4 + i, temperature=0.0))
                 for i in range(3)]
 
@@ -193,26 +194,59 @@ def test_duplicate_request_ids_run_independently(loop, engine) -> None:
         return await asyncio.gather(*(engine.generate(r) for r in requests))
 
     results = loop.run(all_three(), 60)
-    assert [len(r.output_ids) <= 4 + i for i, r in enumerate(results)] == [True] * 3
     assert all(r.error is None and r.request_id == "same" for r in results)
+    alone = [loop.run(engine.generate(r), 60).output_ids for r in requests]
+    assert len({tuple(ids) for ids in alone}) == 3, alone  # distinct, so a mix-up would show
+    assert [r.output_ids for r in results] == alone
 
 
 def test_small_cache_queues_and_reproduces(loop, engine) -> None:
-    """With a KV cache too small for all requests at once, requests wait or are re-prefilled
-    (soft reset) and still reproduce the big-cache engine's seeded samples."""
+    """With a KV cache too small for all requests at once, requests wait and some are re-prefilled
+    (soft reset), and they still reproduce the big-cache engine's seeded samples.
+
+    Both happenings are observed by counting spies around transformers' own scheduler and request
+    methods (they call the real code and record; they change nothing).
+    """
+    from transformers.generation.continuous_batching import requests as cb_requests
+    from transformers.generation.continuous_batching import scheduler as cb_scheduler
+
     small = TransformersEngine(tiny_model(), device="cpu", kv_cache_tokens=512, page_size=32, max_batch_tokens=128)
     loop.run(small.start(), 600)
     requests = [GenerationRequest(f"r{i}", [1] + [5 + i] * 40, SamplingParams(max_new_tokens=100, temperature=1.0,
                                                                               seed=i, logprobs=True))
                 for i in range(12)]
+    steps: list[tuple[int, int]] = []  # (active, waiting) after each scheduling step of the small engine
+    soft_resets: list[str] = []
+
+    def counting_schedule(original):
+        def schedule_batch(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            steps.append((len(self.active_requests), len(self.waiting_requests)))
+            return out
+        return schedule_batch
+
+    original_reset = cb_requests.RequestState.create_equivalent_initial_request
+
+    def counting_reset(self):  # the soft reset: a request's cache is freed and it is requeued from its prompt
+        soft_resets.append(self.request_id)
+        return original_reset(self)
 
     async def on(eng):
         return await asyncio.gather(*(eng.generate(r) for r in requests))
 
     try:
-        tight, roomy = loop.run(on(small), 300), loop.run(on(engine), 300)
+        with pytest.MonkeyPatch.context() as patch:
+            for cls in cb_scheduler.Scheduler.__subclasses__():
+                patch.setattr(cls, "schedule_batch", counting_schedule(cls.schedule_batch))
+            patch.setattr(cb_requests.RequestState, "create_equivalent_initial_request", counting_reset)
+            tight = loop.run(on(small), 300)
+        roomy = loop.run(on(engine), 300)
     finally:
         loop.run(small.shutdown(), 60)
+    assert steps, "the spy saw no scheduling step"
+    assert max(active for active, _ in steps) < len(requests), "all requests fit at once: nothing queued"
+    assert any(active and waiting for active, waiting in steps), "no request waited while others ran"
+    assert soft_resets, "no request was soft reset (re-prefilled)"
     assert [r.error for r in tight] == [None] * len(requests)
     assert [r.output_ids for r in tight] == [r.output_ids for r in roomy]
     assert all(len(r.logprobs) == len(r.output_ids) for r in tight)

@@ -57,13 +57,24 @@ def test_worker_sigkill_mid_run_completes_exactly_once(tmp_path, cluster):
     out = tmp_path / "out.zarr"
     proc = popen_cli("run", *sim_args(tmp_path, out, *common, "--scheduler-address", lc.scheduler_address,
                                       log="run.log", step=1.0))
-    _wait_for_some_done(out, proc, minimum=8)
+    done_at_kill = _wait_for_some_done(out, proc, minimum=8)
     pids = client.run(os.getpid)
     victim_addr, victim_pid = sorted(pids.items())[0]
     os.kill(victim_pid, signal.SIGKILL)
     assert proc.wait(timeout=240) == 0, proc.stdout.read()
     assert_same_store(ref, out)
     assert (store.read_status(out) == store.DONE).all()
+    # count generations: every sample generated; a repeat only for work lost with the killed worker
+    log = [line.split() for line in (tmp_path / "run.log").read_text().splitlines()]
+    per_sample: dict[str, list[int]] = {}
+    for request_id, pid in log:
+        per_sample.setdefault(request_id, []).append(int(pid))
+    assert set(per_sample) == {f"p{row}-s{s}" for row in range(96) for s in range(2)}
+    repeated = {rid: pids_ for rid, pids_ in per_sample.items() if len(pids_) > 1}
+    assert all(victim_pid in pids_[:-1] for pids_ in repeated.values()), repeated
+    assert all(pids_.count(p) == 1 for pids_ in per_sample.values() for p in set(pids_)), "a worker repeated itself"
+    committed_then_redone = {rid for rid in repeated if done_at_kill[int(rid[1:].split("-")[0])]}
+    assert committed_then_redone == set(), f"committed samples generated again: {sorted(committed_then_redone)}"
     # the nanny's replacement worker got the engine plugin
     client.wait_for_workers(2, timeout=60)
     from daskgen.plugin import plugin_status
