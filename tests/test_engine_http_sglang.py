@@ -156,10 +156,8 @@ class TestSGLangNativeConformance(EngineConformance):
             await self.engine.abort("abort-now")
             return await task
 
-        started = time.monotonic()
         result = self.run(submit_then_abort())
         assert result.finish_reason == FinishReason.ABORT and len(result.output_ids) < 1500, result
-        assert time.monotonic() - started < 15
 
     def test_bad_prompts_are_refused_before_they_reach_the_server(self) -> None:
         """An out-of-vocabulary id would crash sglang's scheduler; an overlong prompt is refused by length."""

@@ -314,12 +314,10 @@ def test_url_helpers() -> None:
 def test_server_down_at_start_is_a_clear_error() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     engine = OpenAIEngine("/m", base_url=url)
-    started_at = time.monotonic()
     with pytest.raises(EngineError) as info:
         asyncio.run(engine.start())
     message = str(info.value)
     assert url in message and "Check that it is running" in message, message
-    assert time.monotonic() - started_at < 30
     result = asyncio.run(engine.generate(request("late")))
     assert result.finish_reason == FinishReason.ERROR and "not running" in result.error
 
