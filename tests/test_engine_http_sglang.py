@@ -44,6 +44,7 @@ pytestmark = [
 ]
 
 SECRET = "sk-daskgen-sglang-planted-4b7e2a"
+MANAGED_RUNNING = 4  # the managed server's max_running_requests (TestManagedServer)
 KEY_ENV = "DASKGEN_TEST_SGLANG_KEY"
 PROMPT = [1, 504, 3458, 282, 4649, 314]
 
@@ -246,7 +247,9 @@ class TestManagedServer:
     @classmethod
     def setup_class(cls) -> None:
         cls.runner = EventLoopThread()
-        cls.engine = engine_on(cls.runner, managed=True, server_start_timeout_s=600)
+        # a small max_running_requests, so that more requests than the server runs at once are cheap
+        cls.engine = engine_on(cls.runner, managed=True, server_start_timeout_s=600,
+                               server_args={"max_running_requests": MANAGED_RUNNING})
 
     @classmethod
     def teardown_class(cls) -> None:
@@ -264,14 +267,20 @@ class TestManagedServer:
         self.runner.run(self.engine.health(), 120)
 
     def test_capacity_is_the_servers_and_its_queue_is_kept_fed(self) -> None:
-        """The server's max_running_requests sizes ``window: auto``; the client keeps twice that in flight."""
+        """The server's max_running_requests sizes ``window: auto``; the client keeps twice that in flight,
+        so the server holds a queue: seen in its own load report (``/v1/loads``) while requests run."""
         import httpx
 
-        info = httpx.get(self.engine._server.url + "/get_server_info", timeout=60).json()
+        url = self.engine._server.url
+        info = httpx.get(url + "/get_server_info", timeout=60).json()
         running = int(info["internal_states"][0]["effective_max_running_requests_per_dp"])
-        assert self.engine.capacity == running >= 1
+        assert self.engine.capacity == running == MANAGED_RUNNING
         assert self.engine.concurrency == max(128, 2 * running)
         assert self.engine.describe()["server_max_running_requests"] == running
+        requests = [request(f"fed-{i}", [1, 700 + i, 3458, 282], max_new_tokens=48) for i in range(3 * running)]
+        loads = self.runner.run(_loads_while_generating(self.engine, url, requests), 600)
+        assert max(load["num_running_reqs"] for load in loads) == running, loads
+        assert max(load["num_waiting_reqs"] for load in loads) > 0, f"the server never held a queue: {loads}"
 
     def test_zz_server_death_fails_health_and_shutdown_stops_the_group(self) -> None:
         server = self.engine._server
@@ -289,6 +298,22 @@ class TestManagedServer:
             os.killpg(group, 0)
         assert server.log_path.exists()  # a server that died keeps its log (messages point to it)
         server.log_path.unlink()
+
+
+async def _loads_while_generating(engine: Any, url: str, requests: list[GenerationRequest]) -> list[dict]:
+    """Generate ``requests`` at once through ``engine``; meanwhile poll the server's ``/v1/loads``."""
+    import httpx
+
+    tasks = asyncio.gather(*(engine.generate(r) for r in requests))
+    loads: list[dict] = []
+    async with httpx.AsyncClient(timeout=30) as client:
+        while not tasks.done():
+            response = await client.get(url + "/v1/loads", params={"include": "core"})
+            loads.extend(response.json()["loads"])
+            await asyncio.sleep(0.05)
+    results = await tasks
+    assert all(r.error is None for r in results), results
+    return loads
 
 
 def test_managed_launch_failure_quotes_the_server_log() -> None:
