@@ -88,10 +88,16 @@ def test_sigterm_keeps_finished_and_partial_work_and_the_rerun_continues_it_toke
     saved = _partials(out)
     assert saved, "in-flight responses must be saved as partial responses"
     assert f"saved {len(saved)} partial responses" in output, output
+    partial_partitions = sorted({r - r % 2 for r, _ in saved})
+    assert store.read_attrs(out)["partial_partitions"] == partial_partitions
 
     res = run_cli("run", *sim_args(tmp_path, out, *common, log="second.log"))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "24 done, 0 failed, 0 pending" in res.stdout
+    # length-aware dispatch: the partitions holding partial responses (the long ones) went first
+    first_row = int((tmp_path / "second.log").read_text().split()[0][1:].split("-")[0])
+    assert first_row - first_row % 2 in partial_partitions
+    assert store.read_attrs(out)["partial_partitions"] == []
     ds = xr.open_zarr(out)
     for (r, s), (ids, logprobs) in saved.items():
         n = len(ids)
@@ -276,3 +282,47 @@ def test_sigterm_to_a_dask_worker_job_hands_its_partial_responses_back(tmp_path)
     assert "draining worker" in (tmp_path / "job-0.log").read_text()
     continued = xr.open_zarr(out).continued_tokens.values
     assert (continued > 0).any(), "the stopped job's in-flight responses must be continued, not restarted"
+
+
+def test_sigterm_to_a_worker_process_drains_it_and_it_leaves(tmp_path):
+    """SLURM signals every process of a job: a nanny-spawned worker process that gets SIGTERM drains itself."""
+    import dask
+    from distributed import Client, LocalCluster
+
+    prompts = write_prompts(tmp_path / "p.jsonl", 24)
+    out = tmp_path / "out.zarr"
+    common = ["--prompts", prompts, "--partition-size", "2", "--seed", "4", "--window", "3", *LONG]
+    with (dask.config.set({"distributed.worker.daemon": False}),
+          LocalCluster(n_workers=2, threads_per_worker=4, processes=True, dashboard_address=":0") as lc,
+          Client(lc) as client):
+        proc = popen_cli("run", *sim_args(tmp_path, out, *common, "--scheduler-address", lc.scheduler_address,
+                                          log="run.log", step=1.0))
+        _wait_for_some_done(out, proc, minimum=2)
+        victim, pid = sorted(client.run(os.getpid).items())[0]
+        os.kill(pid, signal.SIGTERM)
+        output, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, output
+        assert victim not in client.scheduler_info()["workers"], "the signalled worker retires"
+    assert "24 done, 0 failed, 0 pending" in output
+    assert (xr.open_zarr(out).continued_tokens.values > 0).any()
+
+
+def test_drain_before_retire_keeps_every_way_of_choosing_workers():
+    """The scheduler wrapper resolves targets as the scheduler does: addresses, names, or workers_to_close."""
+    from distributed import Client, LocalCluster
+
+    from daskgen.drain import DrainBeforeRetire
+
+    with (LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=":0") as lc,
+          Client(lc) as client):
+        client.register_plugin(DrainBeforeRetire(timeout=5), name=DrainBeforeRetire.name)
+        client.wait_for_workers(4, timeout=60)
+        workers = client.scheduler_info()["workers"]
+        first = sorted(workers)[0]
+        assert list(client.retire_workers([first])) == [first]
+        name = next(w["name"] for a, w in client.scheduler_info()["workers"].items())
+        assert len(client.retire_workers(names=[name])) == 1
+        assert len(client.retire_workers(n=1)) == 1
+        assert len(client.scheduler_info()["workers"]) == 1
+        with pytest.raises(TypeError, match="mutually exclusive"):
+            client.retire_workers(workers=[first], names=[name])
