@@ -4,6 +4,10 @@ The lane check (``--lane-expects N``, used by ``.ci/run`` and ``.ci/sglang-lane`
 when fewer than ``N`` tests ran, when a selected test did not run (skipped, xfailed, or never reached),
 or when anything was skipped at all: a test that cannot run in a lane is deselected by marker
 (``gpu``, ``sglang``, ``not_applicable``), which the summary lists with the reason.
+
+Test modules import what ``.[dev,hpc]`` installs plainly, never with ``importorskip``; a package only
+some tests need (dask-jobqueue, gguf) is imported inside the code under test, so a lane without it
+(the sglang lane's venv) still collects every module and a test that needs it fails loudly.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import dask
-import dask_jobqueue  # noqa: F401 - installed by .[hpc]; make_cluster imports it
 import pytest
 
 from daskgen.deploy import (

@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gguf  # noqa: F401 - installed by .[dev] (daskgen[models]); the SmolLM2 conversion needs it
 import pytest
 import torch
 

@@ -19,7 +19,6 @@ import sys
 import time
 
 import dask
-import dask_jobqueue  # noqa: F401 - installed by .[hpc]; make_cluster submits through it
 import pytest
 
 pytestmark = pytest.mark.slow
