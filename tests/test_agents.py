@@ -141,7 +141,7 @@ def test_context_reset_gives_several_trajectories(loop_env):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)  # a hang guard: two runs (partial, then the resume), each with its own cluster
 def test_tool_run_end_to_end_with_trajectory_axis_and_resume(tmp_path, tiny_model):
     prompts = write_prompts(tmp_path / "p.jsonl", 6)
     cfg = tmp_path / "run.yaml"
