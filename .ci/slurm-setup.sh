@@ -5,6 +5,11 @@
 # 4 *fake* GPUs (gres backed by /dev/tty0-3, so SLURM sets CUDA_VISIBLE_DEVICES for jobs that
 # ask --gres=gpu:N, while no CUDA exists), and starts munged, slurmctld and slurmd in the
 # background.  Needs root.  Takes ~30 s.  Stop with: .ci/slurm-setup.sh stop
+#
+# It succeeds only when the node is usable: state exactly idle, mix or alloc.  A node that is
+# down, drained, failing or not responding (`idle*`, `down*`, ...) fails CI here with the state,
+# SLURM's reason and the daemons' last log lines, instead of letting tests/test_slurm_e2e.py skip.
+# `.ci/slurm-setup.sh check` runs only that check (no install, no restart, no resume).
 set -euo pipefail
 
 RUN=/run/daskgen-slurm
@@ -19,10 +24,38 @@ stop() {
     done
 }
 
-if [[ ${1:-start} == stop ]]; then
-    stop
-    exit 0
-fi
+# The node's compact state (sinfo %t): idle, mix, alloc, or with a suffix when something is wrong
+# (* not responding, ~ powered off, # powering up, ! % power down, $ maintenance, @ ^ reboot, - planned).
+node_state() {
+    sinfo -h -n "$NODE" -o %t 2>/dev/null | head -1
+}
+
+usable() {
+    [[ $(node_state) =~ ^(idle|mix|alloc)$ ]]
+}
+
+refuse() {
+    local state
+    state=$(node_state)
+    {
+        echo "::: FAIL: SLURM node $NODE is not usable: state '${state:-unknown (sinfo did not answer)}'"
+        echo "    (usable: idle, mix or alloc; a '*' suffix means slurmd is not responding)"
+        sinfo -R 2>&1 || true
+        scontrol show node "$NODE" 2>&1 | grep -E 'State=|Reason=' || true
+        for log in /var/log/slurm/slurmctld.log /var/log/slurm/slurmd.log; do
+            echo "--- last lines of $log"
+            tail -n 15 "$log" 2>/dev/null || true
+        done
+    } >&2
+    exit 1
+}
+
+case ${1:-start} in
+    stop) stop; exit 0 ;;
+    check) usable && { sinfo; exit 0; }; refuse ;;
+    start) ;;
+    *) echo "usage: $0 [start|stop|check]" >&2; exit 2 ;;
+esac
 
 if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
     apt-get update -qq
@@ -80,13 +113,13 @@ munged --force --pid-file="$RUN/munged.pid" 2>/dev/null || munged --force
 slurmctld -i
 slurmd
 
+# A fresh node registers as down/unknown until slurmd answers; resume it while waiting.
 for _ in $(seq 60); do
-    if sinfo -h -o %t 2>/dev/null | grep -qE '^(idle|mix|alloc)'; then
+    if usable; then
         sinfo
         exit 0
     fi
     scontrol update nodename="$NODE" state=resume >/dev/null 2>&1 || true
     sleep 1
 done
-echo "SLURM did not come up; see /var/log/slurm/*.log" >&2
-exit 1
+refuse

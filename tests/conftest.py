@@ -1,4 +1,14 @@
-"""Shared fixtures: a tiny real model, prompt files, and a helper that runs the real CLI."""
+"""Shared fixtures (a tiny real model, prompt files, a helper that runs the real CLI) and the lane check.
+
+The lane check (``--lane-expects N``, used by ``.ci/run`` and ``.ci/sglang-lane``) fails the session
+when fewer than ``N`` tests ran, when a selected test did not run (skipped, xfailed, or never reached),
+or when anything was skipped at all: a test that cannot run in a lane is deselected by marker
+(``gpu``, ``sglang``, ``not_applicable``), which the summary lists with the reason.
+
+Test modules import what ``.[dev,hpc]`` installs plainly, never with ``importorskip``; a package only
+some tests need (dask-jobqueue, gguf) is imported inside the code under test, so a lane without it
+(the sglang lane's venv) still collects every module and a test that needs it fails loudly.
+"""
 
 from __future__ import annotations
 
@@ -105,3 +115,72 @@ def wait_for_jobs(spool: Path, n: int, timeout: float = 30) -> list[str]:
             return [f.read_text() for f in files]
         time.sleep(0.2)
     raise AssertionError(f"expected {n} submitted jobs, found {len(list(spool.iterdir()))}")
+
+
+# --------------------------------------------------------------------------- lane check (CI)
+
+NOT_APPLICABLE = "not_applicable"
+_NOT_APPLICABLE_KEY = pytest.StashKey[list]()
+_LANE_PROBLEMS_KEY = pytest.StashKey[list]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--lane-expects", type=int, default=None, metavar="N",
+                     help="fail unless at least N tests ran and every selected test ran (no skips); for CI lanes")
+
+
+@pytest.hookimpl(trylast=True)  # after `-m`, so only checks the lane would have run are listed
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the checks a conformance class declares not applicable (``not_applicable = {name: reason}``)."""
+    keep, dropped = [], []
+    for item in items:
+        declared = getattr(getattr(item, "cls", None), NOT_APPLICABLE, None) or {}
+        if item.name in declared:
+            item.add_marker(pytest.mark.not_applicable(declared[item.name]))
+        marker = item.get_closest_marker(NOT_APPLICABLE)
+        (dropped if marker else keep).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+        config.stash[_NOT_APPLICABLE_KEY] = [(i.nodeid, i.get_closest_marker(NOT_APPLICABLE).args[0])
+                                             for i in dropped]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    expected = session.config.getoption("--lane-expects")
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if expected is None or reporter is None or exitstatus in (pytest.ExitCode.NO_TESTS_COLLECTED,
+                                                               pytest.ExitCode.INTERRUPTED):
+        return
+    stats = reporter.stats
+    ran = {r.nodeid for key in ("passed", "failed") for r in stats.get(key, []) if r.when == "call"}
+    selected = [item.nodeid for item in session.items]
+    problems = []
+    if len(ran) < expected:
+        problems.append(f"{len(ran)} tests ran, this lane expects at least {expected} (--lane-expects)")
+    for key in ("skipped", "xfailed", "xpassed"):
+        for report in stats.get(key, []):
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else getattr(report, "wasxfail", "")
+            problems.append(f"{key}: {report.nodeid} ({reason}); deselect it by marker instead")
+    missing = [nodeid for nodeid in selected if nodeid not in ran]
+    if missing:
+        problems.append(f"{len(missing)} selected test(s) did not run: {', '.join(missing[:20])}")
+    session.config.stash[_LANE_PROBLEMS_KEY] = [f"lane check: {len(selected)} selected, {len(ran)} ran"
+                                                f" (at least {expected} expected)", *problems]
+    if problems and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    not_applicable = config.stash.get(_NOT_APPLICABLE_KEY, [])
+    if not_applicable:
+        terminalreporter.section("deselected: not applicable")
+        for nodeid, reason in not_applicable:
+            terminalreporter.line(f"{nodeid}: {reason}")
+    lines = config.stash.get(_LANE_PROBLEMS_KEY, [])
+    if lines:
+        terminalreporter.section("lane check", red=len(lines) > 1, green=len(lines) == 1)
+        for line in lines:
+            terminalreporter.line(line)
+        if len(lines) > 1:
+            terminalreporter.line("lane check FAILED", red=True)

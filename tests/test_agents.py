@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import xarray as xr
 
+from daskgen import store
 from daskgen.agents import EngineHandle, SingleTurn, create_agent
 from daskgen.agents.parsers import HermesParser, ToolCall
 from daskgen.agents.tools import call_tool, load_tools
@@ -140,7 +141,7 @@ def test_context_reset_gives_several_trajectories(loop_env):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)  # a hang guard: two runs (partial, then the resume), each with its own cluster
 def test_tool_run_end_to_end_with_trajectory_axis_and_resume(tmp_path, tiny_model):
     prompts = write_prompts(tmp_path / "p.jsonl", 6)
     cfg = tmp_path / "run.yaml"
@@ -149,13 +150,22 @@ def test_tool_run_end_to_end_with_trajectory_axis_and_resume(tmp_path, tiny_mode
         "engine": "daskgen.testing.engines:ScriptedToolEngine",
         "engine_args": {"inner": "transformers", "script": script},
         "agent": "tool", "agent_args": {"tools": TOOLS, "max_turns": 4, "max_trajectories": 2},
-        "max_new_tokens": 128, "partition_size": 3, "n_samples": 2, "temperature": 0.0, "logprobs": True,
+        "max_new_tokens": 128, "partition_size": 2, "n_samples": 2, "temperature": 0.0, "logprobs": True,
     }))
     out = tmp_path / "out.zarr"
     args = ["run", "--config", cfg, "--prompts", prompts, "--model", tiny_model, "--store", out, "--no-progress"]
-    res = run_cli(*args, timeout=380)
+    first = run_cli(*args, "--window", "1", "--target-done", "2", timeout=380)  # stops early: a partial store
+    assert first.returncode == 0, first.stdout + first.stderr
+    status = store.read_status(out)
+    done_first = status == store.DONE
+    assert 0 < done_first.sum() < 6 and (status == store.PENDING).any(), status
+    kept = xr.open_zarr(out).response_ids.values[done_first]
+    res = run_cli(*args, timeout=380)  # the resume
     assert res.returncode == 0, res.stdout + res.stderr
+    assert f"this run generated {6 - int(done_first.sum())} prompts" in res.stdout, res.stdout
     ds = xr.open_zarr(out)
+    assert (ds.status.values == store.DONE).all()
+    np.testing.assert_array_equal(ds.response_ids.values[done_first], kept)  # done rows untouched
     assert ds.attrs["daskgen"]["schema_version"] == 2
     assert ds.response_ids.dims == ("prompt", "sample", "trajectory", "response_position")
     assert (ds.num_trajectories.values == 2).all()

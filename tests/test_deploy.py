@@ -27,8 +27,6 @@ from daskgen.deploy import (
 from daskgen.errors import ConfigError
 from tests.conftest import wait_for_jobs
 
-pytest.importorskip("dask_jobqueue")
-
 ADDRESS = "tcp://10.1.2.3:8786"
 SLURM = {
     "kind": "slurm",

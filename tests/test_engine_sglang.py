@@ -177,6 +177,8 @@ class TestSGLangConformance(_SharedSGLang, EngineConformance):
     long_max_new_tokens = 1500
     abort_timeout_s = 30.0
     concurrency = 24
+    not_applicable = {"test_seeded_reproducible": "sglang honours seeds only with enable_deterministic_inference, "
+                                                  "which needs a GPU attention backend (TestSGLangConformanceCUDA)"}
 
     def test_sglang_and_shim_are_real(self) -> None:
         """The lane runs the pinned sglang; sgl_kernel (on CPU) is the import-only shim."""
@@ -187,6 +189,8 @@ class TestSGLangConformance(_SharedSGLang, EngineConformance):
         assert sglang.__version__ == TESTED_SGLANG_VERSION
         info = self.engine.describe()
         assert info["sglang_version"] == TESTED_SGLANG_VERSION and info["dtype"]
+        # the seeded check is declared not applicable exactly when the engine says it ignores seeds
+        assert self.engine.supports_seed is ("test_seeded_reproducible" not in self.not_applicable)
         if not HAVE_CUDA:
             import sgl_kernel
 
@@ -334,6 +338,7 @@ class TestSGLangConformanceCUDA(TestSGLangConformance):
 
     engine_args = {"enable_deterministic_inference": True, "attention_backend": "triton",
                    "mem_fraction_static": 0.5}
+    not_applicable = {}
 
 
 @pytest.mark.sglang

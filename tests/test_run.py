@@ -78,14 +78,22 @@ def test_resume_after_sigkill_regenerates_nothing_finished(tmp_path):
     done_at_kill = _wait_for_some_done(out, proc, minimum=8)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert 0 < done_at_kill.sum() < 48, "kill must land mid-run"
+    done_before = store.read_status(out) == store.DONE  # the store the resume starts from
+    assert done_at_kill.sum() <= done_before.sum() and not (done_at_kill & ~done_before).any()
+    assert 0 < done_before.sum() < 48, "the resume must start from a partial store (done and pending rows)"
 
     res = run_cli("run", *sim_args(tmp_path, out, *common, log="second.log"))
     assert res.returncode == 0, res.stdout + res.stderr
     second = calls(tmp_path / "second.log")
-    regenerated = {k for k in second if done_at_kill[int(k[1:].split("-")[0])]}
+    rows_second = {int(k[1:].split("-")[0]) for k in second}
+    regenerated = {k for k in second if done_before[int(k[1:].split("-")[0])]}
     assert regenerated == set(), f"finished prompts were generated again: {sorted(regenerated)[:5]}"
-    assert max(second.values()) == 1
+    assert max(second.values()) == 1, "a sample was generated twice in the resumed run"
+    rows_first = {int(k[1:].split("-")[0]) for k in calls(tmp_path / "first.log")}
+    pending = set(np.flatnonzero(~done_before).tolist())
+    assert rows_second and rows_second <= pending
+    assert pending - rows_second <= rows_first, "a pending row was neither generated before nor by the resume"
+    assert (store.read_status(out) == store.DONE).all()
     a, b = xr.open_zarr(tmp_path / "ref.zarr"), xr.open_zarr(out)
     for name in ("status", "response_ids", "response_length", "finish_reason", "prompt_ids"):
         np.testing.assert_array_equal(a[name].values, b[name].values, err_msg=name)

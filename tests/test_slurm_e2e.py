@@ -5,12 +5,16 @@ jobs read it from files in the test's folder.
 ``make_cluster`` submits daskgen worker jobs with ``sbatch`` through dask-jobqueue; the workers
 join, pin one (fake) GPU each from SLURM's ``CUDA_VISIBLE_DEVICES``, run tasks that start
 subprocesses, and a job that reaches its lifetime is replaced by a new SLURM job.
-Skipped when ``sinfo`` is absent or SLURM is not answering.
+Without a usable SLURM node (no ``sinfo``/``sbatch``, or no node ``idle``/``mix``/``alloc``) these
+tests skip on a developer machine and **fail** under ``CI=true`` (``.ci/slurm-setup.sh`` already
+refuses to hand CI a node that is down, drained or not responding).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import os
 import shutil
 import subprocess
 import sys
@@ -19,23 +23,35 @@ import time
 import dask
 import pytest
 
-pytest.importorskip("dask_jobqueue")
+pytestmark = pytest.mark.slow
 
 
-def _slurm_up() -> bool:
+@functools.cache
+def _slurm_problem() -> str | None:
+    """Why SLURM cannot run these tests here, or None when a node is usable."""
     if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
-        return False
+        return "sinfo/sbatch not found"
     try:
-        out = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return out.returncode == 0 and any(s.strip() in ("idle", "mix", "alloc") for s in out.stdout.splitlines())
+        out = subprocess.run(["sinfo", "-h", "-o", "%n %t"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"sinfo failed: {exc}"
+    if out.returncode != 0:
+        return f"sinfo exited with {out.returncode}: {out.stderr.strip()}"
+    if not any(line.split()[-1] in ("idle", "mix", "alloc") for line in out.stdout.splitlines() if line.strip()):
+        return f"no SLURM node is idle, mix or alloc (node states: {out.stdout.strip() or 'none'})"
+    return None
 
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not _slurm_up(), reason="needs a running SLURM (run .ci/slurm-setup.sh as root)"),
-]
+@pytest.fixture(autouse=True)
+def slurm_available():
+    """Skip on a developer machine without SLURM; fail in CI (``CI=true``), where SLURM must be up."""
+    problem = _slurm_problem()
+    if problem is None:
+        return
+    message = f"needs a running SLURM (run .ci/slurm-setup.sh as root): {problem}"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI=true: {message}", pytrace=False)
+    pytest.skip(message)
 
 
 @pytest.fixture(autouse=True)

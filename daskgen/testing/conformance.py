@@ -16,8 +16,12 @@ so a hung engine fails instead of hanging.  Tunables (class attributes) let an e
 prompts, lengths and timeouts; see :class:`EngineConformance`.
 
 Without pytest, :func:`run_conformance` runs the same checks and returns a report.  This
-module imports neither pytest nor torch; skips raise :class:`unittest.SkipTest`, which pytest
-reports as skipped.
+module imports neither pytest nor torch.  A check that cannot apply to an engine (e.g. seeds on
+an engine without seed support) is declared in the subclass's ``not_applicable`` mapping with the
+reason: the project's ``tests/conftest.py`` deselects it and lists the reason, and
+:func:`run_conformance` reports it as ``"not applicable: <reason>"``.  A check that meets an engine
+it does not apply to *without* such a declaration raises :class:`unittest.SkipTest` (pytest: skipped),
+which the CI lanes count as a failure.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ import contextlib
 import json
 import math
 import threading
-import time
 import traceback
 import unittest
 from collections.abc import Awaitable, Coroutine, Sequence
@@ -97,9 +100,12 @@ class EngineConformance:
     ``long_max_new_tokens``
         Cap of the "long" requests that get aborted; must fit the engine's context.
     ``abort_delay_s``, ``abort_timeout_s``
-        How long the long requests run before ``abort``, and how soon they must return.
+        How long the long requests run before ``abort``, and how long to wait for them afterwards
+        (a hang guard; the check is that they return ``ABORT`` before their cap).
     ``concurrency``
         Requests in the many-concurrent-requests check.
+    ``not_applicable``
+        ``{check name: reason}`` for checks that do not apply to this engine (deselected, reported).
     """
 
     engine_class: ClassVar[type[Engine]]
@@ -115,6 +121,7 @@ class EngineConformance:
     abort_delay_s: ClassVar[float] = 0.05
     abort_timeout_s: ClassVar[float] = 10.0
     concurrency: ClassVar[int] = 32
+    not_applicable: ClassVar[dict[str, str]] = {}
 
     runner: ClassVar[EventLoopThread]
     engine: ClassVar[Engine]
@@ -284,7 +291,11 @@ class EngineConformance:
         assert len(outputs) > 1, "eight different seeds gave identical samples"
 
     def test_many_concurrent_requests(self) -> None:
-        """Many concurrent requests all complete, each with its own request id and cap."""
+        """Many concurrent requests all complete, each with its own request id, cap and output.
+
+        The greedy ones with the longest caps are generated again alone: each concurrent result must be
+        the output of its own request (a result handed to the wrong request would differ).
+        """
         requests = [
             self.request(f"many-{i}", 40 + i, max_new_tokens=1 + i % 24,
                          **({"temperature": 1.0, "seed": i} if i % 2 else {}))
@@ -294,6 +305,12 @@ class EngineConformance:
         for request, result in zip(requests, results, strict=True):
             _check_result(request, result)
             assert result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH), result
+        greedy = [(q, r) for q, r in zip(requests, results, strict=True) if q.params.temperature == 0.0]
+        checked = sorted(greedy, key=lambda pair: -pair[0].params.max_new_tokens)[:6]
+        for request, result in checked:
+            alone = self.run(self.one(request))
+            assert result.output_ids == alone.output_ids, (request.request_id, result.output_ids, alone.output_ids)
+        assert len({tuple(r.output_ids) for _, r in checked}) > 1, "the checked outputs are all equal: no evidence"
 
     def test_results_arrive_as_each_finishes(self) -> None:
         """A short request submitted after a long one comes back first (no static batch barrier)."""
@@ -317,13 +334,12 @@ class EngineConformance:
         assert order == ["short", long_request.request_id], order
 
     def test_abort(self) -> None:
-        """abort() ends long requests promptly with ABORT and a prefix of their output."""
+        """abort() ends long requests before their cap with ABORT and a prefix of their output."""
         candidates = self.run(self._long_candidates(2))
         longs = [GenerationRequest(f"long-{i}", request.prompt_ids,
                                    SamplingParams(max_new_tokens=self.long_max_new_tokens, temperature=0.0))
                  for i, (request, _) in enumerate(candidates)]
-        results, waited = self.run(self._abort_after_delay(longs))
-        assert waited < self.abort_timeout_s, f"aborted requests took {waited:.1f} s to return"
+        results = self.run(self._abort_after_delay(longs))
         for request, (_, probe), result in zip(longs, candidates, results, strict=True):
             _check_result(request, result)
             assert result.finish_reason == FinishReason.ABORT, result
@@ -332,14 +348,13 @@ class EngineConformance:
         self.run(self.engine.abort("no-such-request"))
         assert self.run(self.one(self.request("after-abort", 4, max_new_tokens=4))).error is None
 
-    async def _abort_after_delay(self, requests: list[GenerationRequest]) -> tuple[list[GenerationResult], float]:
+    async def _abort_after_delay(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         tasks = [asyncio.ensure_future(self.engine.generate(r)) for r in requests]
         await asyncio.sleep(self.abort_delay_s)
-        started = time.perf_counter()
         for request in requests:
             await self.engine.abort(request.request_id)
-        results = await asyncio.wait_for(asyncio.gather(*tasks), self.abort_timeout_s)
-        return list(results), time.perf_counter() - started
+        # a hang guard, not a timing check: the check is that each returns ABORT with a prefix
+        return list(await asyncio.wait_for(asyncio.gather(*tasks), self.abort_timeout_s))
 
     def test_request_errors_are_returned(self) -> None:
         """Bad requests come back with ``error`` set (not raised) and the engine keeps working."""
@@ -411,7 +426,10 @@ async def _gather(*aws: Awaitable[Any]) -> list[Any]:
 def run_conformance(
     engine_class: type[Engine], model: str, engine_args: dict[str, Any] | None = None, **tunables: Any
 ) -> dict[str, str]:
-    """Run every check outside pytest; returns ``{check: "passed" | "skipped: ..." | "failed: ..."}``."""
+    """Run every check outside pytest.
+
+    Returns ``{check: "passed" | "not applicable: ..." | "skipped: ..." | "failed: ..."}``.
+    """
     suite = type("Conformance", (EngineConformance,),
                  {"engine_class": engine_class, "model": model, "engine_args": dict(engine_args or {}), **tunables})
     report: dict[str, str] = {}
@@ -419,6 +437,9 @@ def run_conformance(
     try:
         instance = suite()
         for name in sorted(n for n in dir(suite) if n.startswith("test_")):
+            if name in suite.not_applicable:
+                report[name] = f"not applicable: {suite.not_applicable[name]}"
+                continue
             try:
                 getattr(instance, name)()
                 report[name] = "passed"
