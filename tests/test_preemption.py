@@ -133,7 +133,9 @@ def test_a_second_signal_stops_at_once_and_keeps_what_was_committed(tmp_path):
     assert res.returncode == 0 and "16 done" in res.stdout, res.stdout + res.stderr
 
 
-def test_retiring_one_of_two_workers_hands_its_partial_responses_back(tmp_path):
+def _lose_one_of_two_workers(tmp_path: Path, lose) -> tuple[Path, str]:
+    """Run 24 long prompts on two worker processes; once some are done call ``lose(client)`` (it returns the
+    address of the worker it made leave); the run must complete without that worker.  Returns (store, output)."""
     import dask
     from distributed import Client, LocalCluster
 
@@ -146,12 +148,21 @@ def test_retiring_one_of_two_workers_hands_its_partial_responses_back(tmp_path):
         proc = popen_cli("run", *sim_args(tmp_path, out, *common, "--scheduler-address", lc.scheduler_address,
                                           log="run.log", step=1.0))
         _wait_for_some_done(out, proc, minimum=2)
-        victim = sorted(client.scheduler_info()["workers"])[0]
-        client.retire_workers([victim], close_workers=True)
+        victim = lose(client)
         output, _ = proc.communicate(timeout=240)
         assert proc.returncode == 0, output
-        assert victim not in client.scheduler_info()["workers"]
+        assert victim not in client.scheduler_info()["workers"], "the worker left"
     assert "24 done, 0 failed, 0 pending" in output
+    return out, output
+
+
+def test_retiring_one_of_two_workers_hands_its_partial_responses_back(tmp_path):
+    def retire(client):
+        victim = sorted(client.scheduler_info()["workers"])[0]
+        client.retire_workers([victim], close_workers=True)
+        return victim
+
+    out, output = _lose_one_of_two_workers(tmp_path, retire)
     ds = xr.open_zarr(out)
     continued = ds.continued_tokens.values
     assert (continued > 0).any(), "the retired worker's in-flight responses must be continued, not restarted"
@@ -286,24 +297,12 @@ def test_sigterm_to_a_dask_worker_job_hands_its_partial_responses_back(tmp_path)
 
 def test_sigterm_to_a_worker_process_drains_it_and_it_leaves(tmp_path):
     """SLURM signals every process of a job: a nanny-spawned worker process that gets SIGTERM drains itself."""
-    import dask
-    from distributed import Client, LocalCluster
-
-    prompts = write_prompts(tmp_path / "p.jsonl", 24)
-    out = tmp_path / "out.zarr"
-    common = ["--prompts", prompts, "--partition-size", "2", "--seed", "4", "--window", "3", *LONG]
-    with (dask.config.set({"distributed.worker.daemon": False}),
-          LocalCluster(n_workers=2, threads_per_worker=4, processes=True, dashboard_address=":0") as lc,
-          Client(lc) as client):
-        proc = popen_cli("run", *sim_args(tmp_path, out, *common, "--scheduler-address", lc.scheduler_address,
-                                          log="run.log", step=1.0))
-        _wait_for_some_done(out, proc, minimum=2)
+    def terminate(client):
         victim, pid = sorted(client.run(os.getpid).items())[0]
         os.kill(pid, signal.SIGTERM)
-        output, _ = proc.communicate(timeout=240)
-        assert proc.returncode == 0, output
-        assert victim not in client.scheduler_info()["workers"], "the signalled worker retires"
-    assert "24 done, 0 failed, 0 pending" in output
+        return victim
+
+    out, _ = _lose_one_of_two_workers(tmp_path, terminate)
     assert (xr.open_zarr(out).continued_tokens.values > 0).any()
 
 
