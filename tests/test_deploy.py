@@ -56,6 +56,8 @@ PBS = {
 @pytest.fixture(autouse=True)
 def restore_dask_config():
     """make_cluster sets a few process-wide dask settings; give every test a clean copy back."""
+    import dask_jobqueue  # noqa: F401 - its config defaults load on first import: take them into the snapshot
+
     saved = copy.deepcopy(dask.config.config)
     yield
     dask.config.config.clear()

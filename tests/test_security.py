@@ -35,6 +35,8 @@ SLURM = {"kind": "slurm", "memory": "4GB", "cores": 2, "walltime": "00:30:00"}
 def restore_dask_config_and_environ():
     """Clusters started in this process change dask config and os.environ (Dask's pre-spawn variables such
     as MALLOC_TRIM_THRESHOLD_, which later worker processes of other tests would inherit): put both back."""
+    import dask_jobqueue  # noqa: F401 - its config defaults load on first import: take them into the snapshot
+
     saved, environ = copy.deepcopy(dask.config.config), dict(os.environ)
     yield
     dask.config.config.clear()

@@ -56,6 +56,8 @@ def slurm_available():
 
 @pytest.fixture(autouse=True)
 def restore_dask_config():
+    import dask_jobqueue  # noqa: F401 - its config defaults load on first import: take them into the snapshot
+
     saved = copy.deepcopy(dask.config.config)
     yield
     dask.config.config.clear()
