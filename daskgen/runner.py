@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from daskgen.interrupt import Interrupt, allocation_end
 from daskgen.partition import PartitionResult, PartitionTask, run_partition
 from daskgen.plugin import RESOURCE
 from daskgen.progress import Progress
+from daskgen.redaction import redact
 from daskgen.scan_cache import ATTR, load_scan, scan_key, scan_record
 from daskgen.tokenizer import load_tokenizer, tokenizer_identity
 
@@ -153,18 +153,6 @@ def _store_attrs(config: RunConfig, pset: InputScan, tokenizer: Any) -> dict[str
         "simulated": resolve_engine_class(config.engine).is_simulated(config.engine_args),
         "versions": package_versions(),
     }
-
-
-SECRET_KEY = re.compile(r"(^|[_-])(api[_-]?key|key|token|secret|password|passwd|auth|authorization|credentials?)$")
-
-
-def redact(obj: Any) -> Any:
-    """Replace values whose key looks secret (``api_key``, ``hf_token``, ...) with ``"***"`` (recursively)."""
-    if isinstance(obj, dict):
-        return {k: "***" if SECRET_KEY.search(str(k).lower()) and v else redact(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [redact(v) for v in obj]
-    return obj
 
 
 def _commit_overlong(plan: Plan) -> None:

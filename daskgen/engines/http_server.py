@@ -22,7 +22,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -33,7 +32,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from daskgen.engines.common import cuda_available
 from daskgen.errors import ConfigError, EngineError
+from daskgen.redaction import redact_url
 
 try:
     import httpx
@@ -82,11 +83,6 @@ def require_http() -> None:
     """Raise :class:`EngineError` with the install hint when ``httpx`` or ``tenacity`` is missing."""
     if MISSING_HTTP is not None:
         raise EngineError(f"the openai engine needs the package {MISSING_HTTP!r}: pip install 'daskgen[http]'")
-
-
-def redact_url(url: str | None) -> str | None:
-    """``url`` without user info (``http://user:pw@host`` -> ``http://host``)."""
-    return None if url is None else re.sub(r"//[^/@]*@", "//", url)
 
 
 def split_base_url(base_url: str) -> tuple[str, str]:
@@ -341,16 +337,6 @@ def check_server_args(server_args: Mapping[str, Any]) -> None:
                           f"{LOOPBACK} only and its command line is visible to every local user")
 
 
-def _cuda_available() -> bool:
-    from importlib.util import find_spec
-
-    if find_spec("torch") is None:
-        return False
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
 class ManagedServer:
     """One sglang HTTP server subprocess on a free loopback port.
 
@@ -401,7 +387,7 @@ class ManagedServer:
         """Launch the server and wait until it generates; raise :class:`EngineError` otherwise."""
         require_http()
         self.port, self.healthy = free_port(), False
-        command = self.command(self.port, await asyncio.to_thread(_cuda_available))
+        command = self.command(self.port, await asyncio.to_thread(cuda_available))
         fd, name = tempfile.mkstemp(prefix="daskgen-sglang-server-", suffix=".log")
         self.log_path = Path(name)
         with os.fdopen(fd, "wb") as log:  # Popen on the calling (event loop) thread: see _die_with_parent

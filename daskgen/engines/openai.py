@@ -44,16 +44,21 @@ from daskgen.engines.base import (
     parse_engine_args,
     request_error,
 )
-from daskgen.engines.http_server import HTTPClient, ManagedServer, RequestFailed, check_server_args, redact_url
+from daskgen.engines.common import check_number
+from daskgen.engines.http_server import HTTPClient, ManagedServer, RequestFailed, check_server_args
+from daskgen.engines.sglang_mapping import FINISH as SGLANG_FINISH
+from daskgen.engines.sglang_mapping import result_from_output, sampling_params_for
 from daskgen.errors import ConfigError, EngineError
+from daskgen.redaction import redact_url
 
 __all__ = ["OpenAIArgs", "OpenAIEngine", "native_payload", "native_result", "openai_payload"]
 
 logger = logging.getLogger(__name__)
 
 APIS = ("auto", "sglang", "chat", "completions")
-_FINISH = {"stop": FinishReason.STOP, "eos": FinishReason.STOP, "tool_calls": FinishReason.STOP,
-           "function_call": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+#: OpenAI ``finish_reason`` values (plus SGLang's) and daskgen's reasons.
+_FINISH = {**SGLANG_FINISH, "eos": FinishReason.STOP, "tool_calls": FinishReason.STOP,
+           "function_call": FinishReason.STOP}
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 #: Seconds an aborted native request may take to come back before its connection is closed.
 ABORT_GRACE_S = 2.0
@@ -112,7 +117,7 @@ class OpenAIArgs:
                 raise ConfigError(f"openai engine: {name} must be a mapping, got {getattr(self, name)!r}")
         for name, low, integer in (("max_concurrency", 1, True), ("max_retries", 0, True), ("backoff_s", 0, False),
                                    ("timeout_s", None, False), ("server_start_timeout_s", None, False)):
-            _check_number(name, getattr(self, name), low, integer)
+            check_number("openai", name, getattr(self, name), low, integer)
         key_env = self.api_key_env
         if key_env is not None and not (isinstance(key_env, str) and _ENV_NAME.match(key_env)):
             raise ConfigError("openai engine: api_key_env must be the NAME of an environment variable holding the "
@@ -133,16 +138,6 @@ class OpenAIArgs:
                               f"(or set managed=true), got {self.base_url!r}")
         elif self.server_args:
             raise ConfigError("openai engine: server_args apply to managed servers only (managed=true)")
-
-
-def _check_number(name: str, value: Any, low: float | None, integer: bool) -> None:
-    """``value`` must be a number (an integer if ``integer``) >= ``low``, or > 0 when ``low`` is None."""
-    kinds = (int,) if integer else (int, float)
-    ok = isinstance(value, kinds) and not isinstance(value, bool) and (value > 0 if low is None else value >= low)
-    if not ok:
-        bound = "> 0" if low is None else f">= {low}"
-        raise ConfigError(f"openai engine: {name} must be {'an integer' if integer else 'a number'} {bound}, "
-                          f"got {value!r}")
 
 
 @dataclass
@@ -450,35 +445,22 @@ class OpenAIEngine(Engine):
 
 def native_payload(request: GenerationRequest, rid: str, extra_body: dict[str, Any]) -> dict[str, Any]:
     """The body of SGLang's ``POST /generate`` for ``request``."""
-    params = request.params
-    sampling: dict[str, Any] = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
-                                "top_p": params.top_p, "top_k": params.top_k if params.top_k > 0 else -1}
-    if params.stop_token_ids:
-        sampling["stop_token_ids"] = sorted(set(params.stop_token_ids))
-    if params.seed is not None:
-        sampling["sampling_seed"] = params.seed
+    sampling = sampling_params_for(request.params)
     extra = dict(extra_body)
     sampling.update(extra.pop("sampling_params", None) or {})
     return {"input_ids": list(request.prompt_ids), "sampling_params": sampling, "rid": rid,
-            "return_logprob": params.logprobs, "stream": False, **extra}
+            "return_logprob": request.params.logprobs, "stream": False, **extra}
 
 
 def native_result(request: GenerationRequest, out: Any) -> GenerationResult:
     """Map SGLang's ``/generate`` answer to a :class:`GenerationResult` (token-exact)."""
     if not isinstance(out, dict) or not isinstance(out.get("output_ids"), list):
         return error_result(request, f"unexpected answer from /generate: {str(out)[:300]}")
-    meta = out.get("meta_info") or {}
-    kind = (meta.get("finish_reason") or {}).get("type")
-    reason = _FINISH.get(kind, FinishReason.ERROR)
-    error = None if reason != FinishReason.ERROR else f"server finished with {meta.get('finish_reason')!r}"
-    ids = [int(t) for t in out["output_ids"]]
-    logprobs = None
-    if request.params.logprobs:
-        logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
-        if len(logprobs) != len(ids):
-            return error_result(request, f"server returned {len(logprobs)} logprobs for {len(ids)} tokens")
-    extra = {k: meta[k] for k in ("prompt_tokens", "cached_tokens") if k in meta}
-    return GenerationResult(request.request_id, ids, reason, logprobs, error=error, meta=extra)
+    result = result_from_output(request, out, error_prefix="server finished with")
+    if result.logprobs is not None and len(result.logprobs) != len(result.output_ids):
+        return error_result(request, f"server returned {len(result.logprobs)} logprobs for "
+                                     f"{len(result.output_ids)} tokens")
+    return result
 
 
 def openai_payload(api: str, model_name: str | None, prompt: str, request: GenerationRequest,

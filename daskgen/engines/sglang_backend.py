@@ -531,8 +531,3 @@ async def read_max_running_requests(backend: _Backend, timeout_s: float = 60.0) 
         logger.info("sglang did not report max_running_requests (%s: %s)", type(exc).__name__, exc)
         return None
 
-
-def _cuda_available() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())

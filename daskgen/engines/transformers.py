@@ -74,6 +74,7 @@ from daskgen.engines.base import (
     parse_engine_args,
     request_error,
 )
+from daskgen.engines.common import bos_or_zero, check_positive_int, cuda_available, set_result
 from daskgen.errors import ConfigError, EngineError
 
 if TYPE_CHECKING:
@@ -149,18 +150,13 @@ class TransformersArgs:
             raise ConfigError(f"transformers engine: dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
         for name in ("max_batch_tokens", "max_requests_per_batch", "kv_cache_tokens", "page_size",
                      "num_threads", "max_model_len"):
-            _check_positive_int(name, getattr(self, name))
+            check_positive_int("transformers", name, getattr(self, name))
         if self.max_memory_percent is not None and not 0 < self.max_memory_percent <= 1:
             raise ConfigError(f"transformers engine: max_memory_percent must be in (0, 1], "
                               f"got {self.max_memory_percent!r}")
         for name in ("prefix_sharing", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"transformers engine: {name} must be true or false, got {getattr(self, name)!r}")
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ConfigError(f"transformers engine: {name} must be a positive integer or null, got {value!r}")
 
 
 # --------------------------------------------------------------------------- sampling
@@ -329,7 +325,7 @@ class _Job:
     def resolve(self, result: GenerationResult) -> None:
         """Hand ``result`` to the awaiting coroutine (from any thread)."""
         with contextlib.suppress(RuntimeError):  # the awaiting loop is closed: nobody is waiting
-            self.loop.call_soon_threadsafe(_set_result, self.future, result)
+            self.loop.call_soon_threadsafe(set_result, self.future, result)
 
     def partial(self, finish: FinishReason, error: str | None = None) -> GenerationResult:
         """A result from what the sampler picked so far (for aborts and failures)."""
@@ -343,11 +339,6 @@ class _Job:
             tokens = tokens[: len(logprobs)]
         meta = {"prompt_tokens": len(self.request.prompt_ids)}
         return GenerationResult(self.request.request_id, tokens, finish, logprobs, error, meta)
-
-
-def _set_result(future: asyncio.Future, result: GenerationResult) -> None:
-    if not future.done():
-        future.set_result(result)
 
 
 # --------------------------------------------------------------------------- engine
@@ -565,8 +556,7 @@ class TransformersEngine(Engine):
 
     def health_token_id(self) -> int:
         """The model's BOS token (or 0)."""
-        bos = self._identity.get("bos_token_id")
-        return bos if isinstance(bos, int) and 0 <= bos < self._vocab_size else 0
+        return bos_or_zero(self._identity.get("bos_token_id"), self._vocab_size)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -591,11 +581,10 @@ class TransformersEngine(Engine):
 
 
 def _resolve_device(device: str) -> str:
-    import torch
 
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
+        return "cuda" if cuda_available() else "cpu"
+    if device.startswith("cuda") and not cuda_available():
         raise ConfigError(f"transformers engine: device {device!r} requested but CUDA is not available; "
                           "use device='cpu' or 'auto'")
     return device
