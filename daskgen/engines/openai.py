@@ -45,7 +45,8 @@ from daskgen.engines.base import (
     request_error,
 )
 from daskgen.engines.common import check_number
-from daskgen.engines.http_server import HTTPClient, ManagedServer, RequestFailed, check_server_args
+from daskgen.engines.http_client import HTTPClient, RequestFailed
+from daskgen.engines.http_server import ManagedServer, check_server_args
 from daskgen.engines.sglang_mapping import FINISH as SGLANG_FINISH
 from daskgen.engines.sglang_mapping import result_from_output, sampling_params_for
 from daskgen.errors import ConfigError, EngineError
