@@ -17,7 +17,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(runner, name)
     if name == "open_store":
-        from daskgen.store import open_store
+        from daskgen.analysis import open_store
 
         return open_store
     if name == "RunConfig":

@@ -520,7 +520,7 @@ def generate(prompts: str | Path | Sequence[Any], *, model: str, store: str | Pa
     ``prompts`` is a JSONL/Parquet path or a list of rows (dicts with ``messages`` or
     ``prompt``, or plain strings).  ``options`` are :class:`RunConfig` fields.
     """
-    from daskgen.store import open_store
+    from daskgen.analysis import open_store
 
     source = None if isinstance(prompts, (str, Path)) else prompts
     config = RunConfig.from_dict({**options, "model": str(model), "store": str(store),

@@ -13,6 +13,7 @@ import pytest
 import xarray as xr
 
 from daskgen import store
+from daskgen.analysis import open_store
 from daskgen.errors import StoreLockedError
 from daskgen.lock import LOCK_NAME, StoreLock
 from tests.conftest import popen_cli, run_cli, write_prompts
@@ -166,7 +167,7 @@ def test_full_disk_stops_the_run_clearly_and_the_store_resumes(tmp_path):
         assert "No space left on device" in res.stderr and "rerun the same command to resume" in res.stderr
         done_before = store.read_status(mnt / "out.zarr") == store.DONE
         assert 0 < done_before.sum() < 400
-        ds = store.open_store(mnt / "out.zarr")
+        ds = open_store(mnt / "out.zarr")
         assert (ds.response_length.values[done_before] == 256).all(), "every done row has its data"
         subprocess.run(["mount", "-o", "remount,size=64m", str(mnt)], check=True)
         res = run_cli("run", *args[:-2], "--engine-arg", f"log_path={tmp_path / 'b.log'}")
