@@ -170,11 +170,8 @@ class OpenAIEngine(Engine):
     def __init__(self, model: str, **engine_args: Any) -> None:
         super().__init__(model, **engine_args)
         self.args = parse_engine_args("openai", OpenAIArgs, engine_args)
-        self.supports_seed = False
         self.protocol: str | None = None
         self.model_name: str | None = self.args.model_name
-        self.vocab_size: int | None = None
-        self.max_total_tokens: int | None = None
         self._tokenizer: Any = None
         self._http: HTTPClient | None = None
         self._server: ManagedServer | None = None

@@ -309,6 +309,11 @@ class SGLangEngine(Engine):
         return frozenset(self._info("eos_token_ids") or ())
 
     @property
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary size; known after :meth:`start`."""
+        return self._info("vocab_size")
+
+    @property
     def max_total_tokens(self) -> int | None:
         """Largest prompt plus ``max_new_tokens`` of one request; known after :meth:`start`."""
         context, pool = self._info("context_length"), self._info("max_total_num_tokens")

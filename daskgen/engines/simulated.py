@@ -449,6 +449,16 @@ class SimulatedEngine(Engine):
         """Token 0 (valid for any vocabulary)."""
         return 0
 
+    @property
+    def vocab_size(self) -> int:
+        """``engine_args['vocab_size']``: generated ids are drawn below it."""
+        return self.args.vocab_size
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """``engine_args['eos_token_id']``, which ends every naturally finished output."""
+        return frozenset({self.args.eos_token_id})
+
     def describe(self) -> dict[str, Any]:
         """Engine name, ``simulated: True``, the model label and the timing model's options."""
         info = super().describe()

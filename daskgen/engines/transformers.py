@@ -564,6 +564,11 @@ class TransformersEngine(Engine):
         return self._eos_ids
 
     @property
+    def vocab_size(self) -> int | None:
+        """Rows of the model's input embedding; known after :meth:`start`."""
+        return self._vocab_size or None
+
+    @property
     def max_total_tokens(self) -> int:
         """Largest prompt plus ``max_new_tokens`` one request may have; known after :meth:`start`."""
         return self._max_total_tokens
