@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import daskgen.tunables  # noqa: F401 - merges the `daskgen:` defaults into Dask's config
+
 __version__ = "0.1.0"
 __all__ = ["RunConfig", "generate", "open_store", "run"]
 

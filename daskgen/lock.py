@@ -17,11 +17,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from daskgen import tunables
 from daskgen.errors import StoreLockedError
 
 LOCK_NAME = "daskgen.lock"
-STALE_AFTER_S = 300.0
-HEARTBEAT_EVERY_S = 30.0
 
 
 def _pid_alive(pid: int) -> bool:
@@ -37,9 +36,9 @@ def _pid_alive(pid: int) -> bool:
 class StoreLock:
     """Context manager holding the store's lock for the duration of a run."""
 
-    def __init__(self, store_path: str | Path, *, stale_after: float = STALE_AFTER_S) -> None:
+    def __init__(self, store_path: str | Path, *, stale_after: float | None = None) -> None:
         self.path = Path(store_path) / LOCK_NAME
-        self.stale_after = stale_after
+        self.stale_after = tunables.seconds("lock.stale-after") if stale_after is None else stale_after
         self.owner = {"host": socket.gethostname(), "pid": os.getpid(),
                       "started": _dt.datetime.now(_dt.timezone.utc).isoformat()}
         self._last_beat = 0.0
@@ -64,8 +63,8 @@ class StoreLock:
         raise StoreLockedError(f"could not take the lock {str(self.path)!r}: another client keeps taking it")
 
     def heartbeat(self) -> None:
-        """Refresh the heartbeat (cheap; writes at most every 30 s)."""
-        if time.monotonic() - self._last_beat < HEARTBEAT_EVERY_S:
+        """Refresh the heartbeat (cheap; writes at most every ``daskgen.lock.heartbeat-interval``, 30 s)."""
+        if time.monotonic() - self._last_beat < tunables.seconds("lock.heartbeat-interval"):
             return
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({**self.owner, "heartbeat": time.time()}))

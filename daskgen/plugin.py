@@ -13,20 +13,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import traceback
 from typing import Any
 
 from distributed import WorkerPlugin
 
+from daskgen import tunables
 from daskgen.errors import EngineError
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "daskgen-engine"
 RESOURCE = "daskgen-engine"
-#: Seconds a health check (one generated token) may take before the engine counts as hung.
-HEALTH_TIMEOUT_S = float(os.environ.get("DASKGEN_HEALTH_TIMEOUT", "60"))
 
 
 #: ``window: auto`` keeps about this many times the engine's batch slots requested per worker: a
@@ -118,7 +116,7 @@ class EnginePlugin(WorkerPlugin):
                 self.gpu = _pin_gpu(self._worker.name)
             self.engine = resolve_engine_class(self.engine_name)(self.model, **self.engine_args)
             await self.engine.start()
-            await asyncio.wait_for(self.engine.health(), HEALTH_TIMEOUT_S)
+            await asyncio.wait_for(self.engine.health(), tunables.seconds("health-timeout"))
         except Exception as exc:  # recorded and shown to the client; the worker takes no partitions
             self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
             logger.error("daskgen engine failed to start on %s:\n%s", self._worker.address, traceback.format_exc())
@@ -156,12 +154,14 @@ class EnginePlugin(WorkerPlugin):
         await _quietly_shutdown(self.engine)
         self._starter = asyncio.create_task(self._start())
 
-    async def check_health(self, timeout: float = HEALTH_TIMEOUT_S) -> bool:
-        """Generate one token; on failure or timeout mark the engine broken (it restarts)."""
+    async def check_health(self, timeout: float | None = None) -> bool:
+        """Generate one token; on failure or timeout (default ``daskgen.health-timeout``) mark the engine
+        broken (it restarts)."""
         if self.state != "ready":
             return False
         try:
-            await asyncio.wait_for(self.engine.health(), timeout)
+            await asyncio.wait_for(self.engine.health(), tunables.seconds("health-timeout") if timeout is None
+                                   else timeout)
         except Exception as exc:
             await self.mark_broken(f"health check failed: {type(exc).__name__}: {exc}")
             return False

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from daskgen import store
+from daskgen import store, tunables
 from daskgen.agents import create_agent
 from daskgen.completions import Completions
 from daskgen.config import RunConfig
@@ -181,8 +181,9 @@ def _commit_outcomes(plan: Plan, outcomes: list[_Outcome]) -> None:
     Rows in between keep their in-memory status (the client is the only writer of ``status``).
     """
     groups: dict[int, list[_Outcome]] = {}
+    chunk = store.coarse_chunk()
     for o in outcomes:
-        groups.setdefault(o.start // store.COARSE_CHUNK, []).append(o)
+        groups.setdefault(o.start // chunk, []).append(o)
     for group in groups.values():
         start, stop = min(o.start for o in group), max(o.stop for o in group)
         failed = {r: m for o in group for r, m in o.failed.items()}
@@ -214,9 +215,14 @@ def _commit(plan: Plan, start: int, stop: int, failed: dict[int, str], done: Seq
     plan.status[start:stop] = new
 
 
+#: Test fault hook, not a tunable: seconds to sleep between a partition's data write and its commit
+#: (tests kill the client in that window).  Never set it in production.
+TEST_COMMIT_DELAY_ENV = "DASKGEN_TEST_COMMIT_DELAY_S"
+
+
 def _maybe_pause_before_commit() -> None:
-    """Fault injection for tests only: widen the window between a partition's data write and its commit."""
-    delay = float(os.environ.get("DASKGEN_TEST_COMMIT_DELAY_S", "0") or 0)
+    """Test fault hook (not a tunable): widen the window between a partition's data write and its commit."""
+    delay = float(os.environ.get(TEST_COMMIT_DELAY_ENV, "0") or 0)
     if delay:
         time.sleep(delay)
 
@@ -319,7 +325,8 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
     sized_at = time.monotonic()
     with Progress(n_pending, enabled=plan.config.progress) as bar:
         while True:
-            if time.monotonic() - sized_at > CAP_REFRESH_S:  # workers joined, left or restarted
+            # workers joined, left or restarted
+            if time.monotonic() - sized_at > tunables.seconds("cap-refresh-interval"):
                 in_flight_cap, sized_at = in_flight_target(client, plan, info), time.monotonic()
             while len(futures) < in_flight_cap:
                 task = None if plan.stopped else retry.pop() if retry else next(tasks, None)
@@ -366,8 +373,8 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
 def _wait_s(plan: Plan) -> float:
     """How long one wait for finished partitions may block."""
     if plan.collect_until is None:
-        return CAP_REFRESH_S
-    return max(0.0, min(CAP_REFRESH_S, plan.collect_until - time.monotonic()))
+        return tunables.seconds("cap-refresh-interval")
+    return max(0.0, min(tunables.seconds("cap-refresh-interval"), plan.collect_until - time.monotonic()))
 
 
 def _count_partial(plan: Plan, result: PartitionResult) -> None:
@@ -396,8 +403,6 @@ def in_flight_target(client: Any, plan: Plan, info: Any = None) -> int:
     return max(1, min(cap, plan.config.max_prompts_in_memory // plan.layout.partition_size))
 
 
-#: Seconds between re-reading the workers' windows while a run streams.
-CAP_REFRESH_S = 5.0
 
 
 def _housekeeping(client: Any, plan: Plan, tasks: Iterator[PartitionTask], retry: list,

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from daskgen import tunables
 from daskgen.engines.base import FINISH_FLAG_MEANINGS, FINISH_FLAG_VALUES
 from daskgen.errors import StoreError, StoreMismatchError, StoreWriteError
 
@@ -31,10 +32,14 @@ SCHEMA_VERSION = 1
 SCHEMA_VERSION_TRAJECTORIES = 2
 SCHEMA_VERSIONS = (SCHEMA_VERSION, SCHEMA_VERSION_TRAJECTORIES)
 PENDING, DONE, FAILED = 0, 1, 2
-#: Rows per chunk of the client-written, per-prompt arrays (status, error, coordinates).
-COARSE_CHUNK = 65536
 ATTRS_KEY = "daskgen"
 COORDS = "prompt_index prompt_id"
+
+def coarse_chunk() -> int:
+    """Rows per chunk of the client-written, per-prompt arrays (status, error, coordinates) of new
+    stores: the Dask config ``daskgen.coarse-chunk``."""
+    return int(tunables.get("coarse-chunk"))
+
 
 #: Fill value of ``finish_reason`` for a sample that was not generated.
 NOT_GENERATED = -1
@@ -104,7 +109,7 @@ class Layout:
         """Every array of the layout, by name."""
         n, s, p, r, rows = (self.n_prompts, self.n_samples, self.max_prompt_tokens, self.max_new_tokens,
                             self.partition_size)
-        coarse = (min(COARSE_CHUNK, n),)
+        coarse = (min(coarse_chunk(), n),)
         per_prompt, per_sample = ("prompt",), ("prompt", "sample")
         per_token = ("prompt", "sample", "response_position")
         specs = {

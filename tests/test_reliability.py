@@ -101,7 +101,7 @@ def test_hung_engine_is_detected_restarted_and_the_run_completes(tmp_path):
     args = sim_args(tmp_path, tmp_path / "out.zarr", "--prompts", prompts, "--partition-size", "4",
                     "--engine-arg", f"hang_once_flag={flag}", "--engine-arg", "hang_after=10",
                     "--config", _yaml(tmp_path, "partition_timeout_s: 3.0\n"), "--no-progress")
-    res = run_cli("run", *args, env={"DASKGEN_HEALTH_TIMEOUT": "2"})
+    res = run_cli("run", *args, env={"DASK_DASKGEN__HEALTH_TIMEOUT": "2s"})
     assert res.returncode == 0, res.stdout + res.stderr
     assert flag.exists(), "the engine must really have hung"
     assert "16 done, 0 failed" in res.stdout

@@ -15,6 +15,7 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from daskgen import tunables
 from daskgen.errors import EngineError
 from daskgen.redaction import redact_url
 
@@ -32,9 +33,12 @@ __all__ = ["HTTPClient", "RequestFailed", "require_http", "split_base_url", "str
 logger = logging.getLogger(__name__)
 
 _EXCERPT = 300
-_CONNECT_TIMEOUT_S = 10.0
-_MAX_WAIT_S = 60.0
 _TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+def _max_wait() -> float:
+    """Longest wait between retries (also caps ``Retry-After``): ``daskgen.http.max-retry-wait``."""
+    return tunables.seconds("http.max-retry-wait")
 
 
 class RequestFailed(Exception):
@@ -84,7 +88,7 @@ def _transient(exc: BaseException) -> bool:
 
 def _retry_after(response: httpx.Response) -> float | None:
     with contextlib.suppress(TypeError, ValueError):
-        return min(_MAX_WAIT_S, max(0.0, float(response.headers.get("retry-after"))))
+        return min(_max_wait(), max(0.0, float(response.headers.get("retry-after"))))
     return None
 
 
@@ -117,12 +121,12 @@ class HTTPClient:
         self.api_key_env, self.timeout_s = api_key_env, timeout_s
         self._secret = self._read_key(api_key_env)
         self.max_retries, self.on_retry, self.give_up = max_retries, on_retry, give_up
-        self._backoff = (tenacity.wait_exponential(multiplier=backoff_s, max=_MAX_WAIT_S)
+        self._backoff = (tenacity.wait_exponential(multiplier=backoff_s, max=_max_wait())
                          + tenacity.wait_random(0, backoff_s))
         headers = {"Authorization": f"Bearer {self._secret}"} if self._secret else {}
         self._client = httpx.AsyncClient(
             headers=headers, trust_env=trust_env,
-            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, _CONNECT_TIMEOUT_S)),
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, tunables.seconds("http.connect-timeout"))),
             limits=httpx.Limits(max_connections=max_connections + 8, max_keepalive_connections=max_connections))
 
     @staticmethod
@@ -251,7 +255,7 @@ class HTTPClient:
     def _wait(self, state: tenacity.RetryCallState) -> float:
         """Exponential backoff with jitter, or the server's ``Retry-After`` when that is longer."""
         server = getattr(state.outcome.exception(), "retry_after", None) if state.outcome else None
-        return min(_MAX_WAIT_S, max(server or 0.0, self._backoff(state)))
+        return min(_max_wait(), max(server or 0.0, self._backoff(state)))
 
     def _before_sleep(self, what: str) -> Callable[[tenacity.RetryCallState], None]:
         def log(state: tenacity.RetryCallState) -> None:

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from daskgen import tunables
 from daskgen.engines.common import cuda_available
 from daskgen.engines.http_client import httpx, require_http
 from daskgen.engines.http_client import split_base_url as split_base_url  # re-exported for pre-split callers
@@ -41,9 +42,6 @@ logger = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
 #: ``server_args`` keys refused because their values are secrets (they would show in ``ps``).
 SECRET_SERVER_ARGS = ("api_key", "admin_api_key")
-_POLL_S = 1.0
-#: Seconds sglang gets to exit on SIGTERM, then to have no process left after SIGKILL.
-_STOP_GRACE_S = 5.0
 _TAIL_LINES = 30
 
 
@@ -166,7 +164,7 @@ class ManagedServer:
                     raise EngineError(f"the managed sglang server did not become healthy within "
                                       f"{self.start_timeout_s:.0f} s (server_start_timeout_s); "
                                       f"last lines of its log ({self.log_path}):\n{self.log_tail()}")
-                await asyncio.sleep(_POLL_S)
+                await asyncio.sleep(tunables.seconds("http.server-poll-interval"))
 
     def exit_description(self) -> str:
         """``"(pid N) exited with code C; last lines of its log ...: ..."`` for error messages."""
@@ -224,12 +222,13 @@ def _die_with_parent() -> None:
 def _stop_group(process: subprocess.Popen) -> None:
     """SIGTERM the process group of ``process``, SIGKILL what is left after a grace period, and
     wait (up to the grace period) until no process of the group remains."""
+    grace = tunables.seconds("http.server-stop-grace")  # to exit on SIGTERM, then to be gone after SIGKILL
     _signal_group(process.pid, signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=_STOP_GRACE_S)
+        process.wait(timeout=grace)
     _signal_group(process.pid, signal.SIGKILL)  # children may outlive the leader
     process.wait()
-    deadline = time.monotonic() + 2 * _STOP_GRACE_S
+    deadline = time.monotonic() + 2 * grace
     while _signal_group(process.pid, 0) and time.monotonic() < deadline:
         time.sleep(0.1)
 

@@ -34,6 +34,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from daskgen import tunables
 from daskgen.engines.base import (
     Engine,
     FinishReason,
@@ -61,8 +62,6 @@ APIS = ("auto", "sglang", "chat", "completions")
 _FINISH = {**SGLANG_FINISH, "eos": FinishReason.STOP, "tool_calls": FinishReason.STOP,
            "function_call": FinishReason.STOP}
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-#: Seconds an aborted native request may take to come back before its connection is closed.
-ABORT_GRACE_S = 2.0
 _PING = SamplingParams(max_new_tokens=1, temperature=0.0)
 
 
@@ -368,7 +367,7 @@ class OpenAIEngine(Engine):
             flight.aborted = True
             if self.protocol == "sglang" and flight.rid is not None:
                 await self._post_abort(flight.rid)
-                asyncio.get_running_loop().call_later(ABORT_GRACE_S, flight.cancel)
+                asyncio.get_running_loop().call_later(tunables.seconds("http.abort-grace"), flight.cancel)
             else:
                 flight.cancel()
 

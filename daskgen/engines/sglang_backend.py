@@ -33,6 +33,7 @@ import weakref
 from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
 
+from daskgen import tunables
 from daskgen.errors import ConfigError
 
 __all__ = [
@@ -53,10 +54,6 @@ _T = TypeVar("_T")
 CPU_DEFAULTS: dict[str, Any] = {"attention_backend": "torch_native", "dtype": "float32", "max_total_tokens": 16384}
 
 _MODEL_PATH_ERROR = "sglang engine: give the model as daskgen's `model`, not as engine_args['model_path']"
-_MONITOR_INTERVAL = 0.5
-_ABORT_WAIT = 2.0
-_STOP_TIMEOUT = 60.0
-_LAUNCH_WAIT = 900.0
 
 
 # --------------------------------------------------------------------------- engine args
@@ -220,7 +217,7 @@ class _Backend:
             self.closing = True
         _BACKENDS.discard(self)
         if self._thread.is_alive():
-            self._launch_done.wait(_LAUNCH_WAIT)
+            self._launch_done.wait(tunables.seconds("sglang.launch-wait"))
         engine = self.engine
         if engine is not None:
             _stop_watchdog(engine)
@@ -231,7 +228,7 @@ class _Backend:
                 loop.call_soon_threadsafe(loop.stop)
             except RuntimeError:  # the loop closed meanwhile
                 pass
-            self._thread.join(timeout=_STOP_TIMEOUT)
+            self._thread.join(timeout=tunables.seconds("sglang.stop-timeout"))
         self._fail_unstarted()
         _kill(self._children)
         self._children = []
@@ -292,7 +289,7 @@ class _Backend:
 
     async def _monitor(self) -> None:
         while self.problem is None:
-            await asyncio.sleep(_MONITOR_INTERVAL)
+            await asyncio.sleep(tunables.seconds("sglang.monitor-interval"))
             self._check_children()
 
     def _check_children(self) -> None:
@@ -348,7 +345,7 @@ class _Backend:
     async def abort(self, request_id: str) -> None:
         """Abort every in-flight request of ``request_id``, waiting briefly for new ones to register."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + _ABORT_WAIT
+        deadline = loop.time() + tunables.seconds("sglang.abort-wait")
         pending = set(self.rids.get(request_id, ()))
         while pending and self.engine is not None:
             for rid in list(pending):
@@ -443,7 +440,7 @@ def _kill(children: list[Any]) -> None:
     for proc in victims:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
-    _, alive = psutil.wait_procs(victims, timeout=_STOP_TIMEOUT)
+    _, alive = psutil.wait_procs(victims, timeout=tunables.seconds("sglang.stop-timeout"))
     if alive:
         logger.warning("sglang processes still alive after SIGKILL: %s", [p.pid for p in alive])
 
