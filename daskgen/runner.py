@@ -2,6 +2,35 @@
 
 Partitions stream through ``as_completed`` with a bounded in-flight window; each finished
 partition is committed (``status`` written after its data) and its future released.
+
+Retry and failure policy
+------------------------
+This module implements it (with :mod:`daskgen.partition` and :mod:`daskgen.plugin`); the steps,
+from the first response to a failure to the last:
+
+1. **Task retries.**  A partition task that raises (an engine exception, or rows not finished
+   within ``partition_timeout_s``) is retried by Dask up to ``max_retries`` times (default 2;
+   :func:`_submit`), possibly on another worker.  Rewriting the partition's chunk-aligned region
+   is idempotent.
+2. **Row isolation.**  A partition that still fails is resubmitted once in ``isolate`` mode
+   (no Dask retries): row by row, and a row that fails alone is committed ``failed`` with its
+   error, so one poison prompt cannot sink its partition (:func:`_collect`).  A sample the engine
+   answers with an error (bad request) fails its row without any retry.
+3. **Engine restart.**  Before the task fails, the worker's :class:`~daskgen.plugin.EnginePlugin`
+   restarts the engine in place: after an engine exception (``mark_broken``), or after a timeout
+   when a one-token health check fails (``check_health``).  A worker whose restart fails
+   withdraws its ``daskgen-engine`` resource and takes no more partitions; when every worker's
+   engine has failed the run stops with each worker's error (:func:`daskgen.cluster.check_engines`).
+4. **Requeue of aborted rows.**  Rows that came back ``abort`` while the run was not stopping
+   (their engine was restarted under them) are requeued at once, restricted to those rows
+   (:func:`_only_rows`); the stored tokens of their aborted samples are kept and continued.
+   There is **no attempt limit**: a row is requeued each time it is aborted.  During a stop
+   (target, budget, deadline, SIGTERM) aborted rows are not requeued; they stay pending.
+5. **``--retry-failed``.**  Rows committed ``failed`` stay failed on resume unless the run is
+   started again with ``--retry-failed`` (:func:`pending_rows`).
+
+A store write error (:class:`~daskgen.errors.StoreWriteError`) is not retried: the run stops,
+keeping every partition committed before it.  See ``docs/reliability.md`` for the tested cases.
 """
 
 from __future__ import annotations
