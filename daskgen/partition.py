@@ -145,6 +145,7 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
     plugin = worker.plugins[task.plugin_name]
     agent = create_agent(task.agent, task.model, task.agent_args)
     plugin.running += 1
+    tally = _Tally(plugin, len(task.rows) * task.n_samples)
     try:
         # Only a partition with stored samples of its pending rows (an earlier attempt was interrupted)
         # reads its region before generating; otherwise the padded region is allocated once the results
@@ -157,14 +158,37 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
             await handle.abort_all()
         try:
             if task.isolate:
-                results = await _run_isolated(plugin, handle, agent, task, prefixes)
+                results = await _run_isolated(plugin, handle, agent, task, prefixes, tally)
             else:
-                results = await _run_rows(plugin, handle, agent, task, range(len(task.rows)), prefixes)
+                results = await _run_rows(plugin, handle, agent, task, range(len(task.rows)), prefixes, tally)
         finally:
             plugin.handles.discard(handle)
         return await _finish(task, region, results, worker.address, t0)
     finally:
         plugin.running -= 1
+        tally.close()
+
+
+class _Tally:
+    """Counts a partition's samples outstanding on the worker's plugin (``window: auto`` reads the sum)."""
+
+    def __init__(self, plugin: Any, samples: int) -> None:
+        self.plugin, self.left = plugin, samples
+        plugin.outstanding += samples
+
+    async def counted(self, sample: Any) -> Any:
+        """Await one sample and count it finished however it ends."""
+        try:
+            return await sample
+        finally:
+            if self.left > 0:
+                self.left -= 1
+                self.plugin.outstanding -= 1
+
+    def close(self) -> None:
+        """The partition is over: whatever it did not generate (e.g. a satisfied verifier) is not outstanding."""
+        self.plugin.outstanding -= self.left
+        self.left = 0
 
 
 async def _finish(task: PartitionTask, region: dict[str, np.ndarray] | None, results: list, worker: str,
@@ -234,13 +258,14 @@ async def _sample(agent: AgentLoop, handle: EngineHandle, request_id: str, promp
 
 
 async def _run_rows(plugin: Any, handle: EngineHandle, agent: AgentLoop, task: PartitionTask, indices: range,
-                    prefixes: dict[tuple[int, int], Trajectory]) -> list[list[Trajectory]]:
+                    prefixes: dict[tuple[int, int], Trajectory], tally: _Tally) -> list[list[Trajectory]]:
     """All samples of the given rows at once; a crash or hang marks the engine broken and raises."""
     handle.engine = await plugin.get_engine()  # the engine may have been restarted meanwhile
     def one(i: int, s: int) -> Any:
         row = task.rows[i]
         params = SamplingParams(**{**task.params.__dict__, "seed": sample_seed(task.seed, row, s)})
-        return _sample(agent, handle, f"p{row}-s{s}", list(task.prompts[i]), params, prefixes.get((row, s)))
+        return tally.counted(_sample(agent, handle, f"p{row}-s{s}", list(task.prompts[i]), params,
+                                     prefixes.get((row, s))))
 
     if task.verify is not None:
         decode = plugin.tokenizer().decode
@@ -261,12 +286,12 @@ async def _run_rows(plugin: Any, handle: EngineHandle, agent: AgentLoop, task: P
 
 
 async def _run_isolated(plugin: Any, handle: EngineHandle, agent: AgentLoop, task: PartitionTask,
-                        prefixes: dict[tuple[int, int], Trajectory]) -> list[list[Trajectory]]:
+                        prefixes: dict[tuple[int, int], Trajectory], tally: _Tally) -> list[list[Trajectory]]:
     """Row by row; a row whose generation raises gets error trajectories instead of failing the task."""
     samples: list[list[Trajectory]] = []
     for i in range(len(task.rows)):
         try:
-            samples += await _run_rows(plugin, handle, agent, task, range(i, i + 1), prefixes)
+            samples += await _run_rows(plugin, handle, agent, task, range(i, i + 1), prefixes, tally)
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc} (failed again when retried alone)"
             failed = [[Trajectory(error=message, finish_reason=FinishReason.ERROR)] for _ in range(task.n_samples)]

@@ -12,45 +12,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import traceback
 from typing import Any
 
 from distributed import WorkerPlugin
 
 from daskgen import tunables
+from daskgen.admission import (  # noqa: F401 - resolve_window and the bounds are part of this module's API
+    ADMISSION_PERIOD_S,
+    AUTO_MAX_WINDOW,
+    AUTO_MIN_WINDOW,
+    WINDOW_TOPIC,
+    Admission,
+    resolve_window,
+)
 from daskgen.errors import EngineError
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "daskgen-engine"
 RESOURCE = "daskgen-engine"
-
-
-#: ``window: auto`` keeps about this many times the engine's batch slots requested per worker: a
-#: partition ends with its slowest sample, so fewer leave the batch half empty on long-tailed
-#: lengths (8x reached 94% of the ideal makespan, 2x 51%: benchmarks/README.md, long tail).
-AUTO_FILL = 8
-#: Capacity assumed for engines that do not report one (``Engine.capacity`` is ``None``).
-AUTO_DEFAULT_CAPACITY = 256
-AUTO_MIN_WINDOW, AUTO_MAX_WINDOW = 2, 16
-
-
-def resolve_window(window: int | str, capacity: int | None, requests_per_partition: int, nthreads: int) -> int:
-    """Partitions in flight on one worker.
-
-    An integer ``window`` is used as given.  ``"auto"`` is ``AUTO_FILL x capacity`` requests
-    divided by ``requests_per_partition``, rounded up and clipped to ``[2, 16]`` partitions.  Both
-    are capped by the worker's task slots (``nthreads``; partition tasks are async but still take one).
-    """
-    if window == "auto":
-        wanted = math.ceil(AUTO_FILL * (capacity or AUTO_DEFAULT_CAPACITY) / max(1, requests_per_partition))
-        window = min(AUTO_MAX_WINDOW, max(AUTO_MIN_WINDOW, wanted))
-    if window > nthreads:
-        logger.warning("window %d is more than this worker's %d task slots; using %d. Give workers more threads "
-                       "(cluster.threads_per_worker, dask worker --nthreads) to keep more partitions in flight.",
-                       window, nthreads, nthreads)
-    return max(1, min(int(window), nthreads))
 
 
 class EnginePlugin(WorkerPlugin):
@@ -90,7 +71,9 @@ class EnginePlugin(WorkerPlugin):
         self.drain_timeout_s = drain_timeout_s
         self.handles: set[Any] = set()
         self.running = 0  # partition tasks executing on this worker
+        self.outstanding = 0  # their samples not finished yet (requests running or queued in the engine)
         self._leaving: asyncio.Task | None = None
+        self._admitter: asyncio.Task | None = None
 
     async def setup(self, worker: Any) -> None:
         """Start loading the engine in the background and return at once.
@@ -134,6 +117,27 @@ class EnginePlugin(WorkerPlugin):
                         self.engine.capacity, self.requests_per_partition)
             await self._worker.set_resources(**{RESOURCE: float(self.resolved_window)})
             self._advertised = True
+            self._announce_window()
+            if self.window == "auto":
+                admission = Admission.for_engine(self.engine.capacity, self.requests_per_partition,
+                                                 self._worker.state.nthreads)
+                self._admitter = asyncio.create_task(self._follow_occupancy(admission))
+
+    async def _follow_occupancy(self, admission: Admission) -> None:
+        """``window: auto``: re-size the window from the engine's occupancy (:mod:`daskgen.admission`)."""
+        while True:
+            await asyncio.sleep(ADMISSION_PERIOD_S)
+            if self.state != "ready" or self.draining or self.stopping or not self.running:
+                continue  # idle: nothing measured, keep the window
+            wanted = admission.window(self.running, self.outstanding)
+            if wanted != self.resolved_window:
+                self.resolved_window = wanted
+                await self._worker.set_resources(**{RESOURCE: float(wanted)})
+                self._announce_window()
+
+    def _announce_window(self) -> None:
+        """Tell the client (subscribed to :data:`WINDOW_TOPIC`) how many partitions this worker admits."""
+        self._worker.log_event(WINDOW_TOPIC, {"worker": self._worker.address, "window": self.resolved_window})
 
     async def get_engine(self) -> Any:
         """The started engine; raises :class:`EngineError` when it failed or is restarting."""
@@ -218,8 +222,9 @@ class EnginePlugin(WorkerPlugin):
 
     async def teardown(self, worker: Any) -> None:
         """Shut the engine down when the worker closes or the plugin is replaced."""
-        if self._starter is not None and not self._starter.done():
-            self._starter.cancel()
+        for task in (self._starter, self._admitter):
+            if task is not None and not task.done():
+                task.cancel()
         await _quietly_shutdown(self.engine)
         self.state = "closed"
 

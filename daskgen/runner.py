@@ -1,43 +1,44 @@
 """The client side of a run: validate input, prepare the store, drive partitions, commit.
 
 Partitions stream through ``as_completed`` with a bounded in-flight window; each finished
-partition is committed (``status`` written after its data) and its future released.
+partition is committed (``status`` written after its data, :mod:`daskgen.commit`) and its future
+released.
 
 Retry and failure policy
 ------------------------
-This module implements it (with :mod:`daskgen.partition` and :mod:`daskgen.plugin`); the steps,
-from the first response to a failure to the last:
+Implemented here (:func:`drive` and its helpers) with :mod:`daskgen.partition` and
+:mod:`daskgen.plugin`; from the first response to a failure to the last:
 
 1. **Task retries.**  A partition task that raises (an engine exception, or rows not finished
    within ``partition_timeout_s``) is retried by Dask up to ``max_retries`` times (default 2;
    :func:`_submit`), possibly on another worker.  Rewriting the partition's chunk-aligned region
-   is idempotent.
-2. **Row isolation.**  A partition that still fails is resubmitted once in ``isolate`` mode
-   (no Dask retries): row by row, and a row that fails alone is committed ``failed`` with its
-   error, so one poison prompt cannot sink its partition (:func:`_collect`).  A sample the engine
-   answers with an error (bad request) fails its row without any retry.
+   is idempotent.  A sample the engine answers with an error (a bad request) fails its row at
+   once, without a retry.
+2. **Row isolation.**  A partition that still fails is resubmitted once in ``isolate`` mode (no
+   Dask retries): row by row, and a row that fails alone is committed ``failed`` with its error,
+   so one poison prompt cannot sink its partition (:func:`_collect`).
 3. **Engine restart.**  Before the task fails, the worker's :class:`~daskgen.plugin.EnginePlugin`
    restarts the engine in place: after an engine exception (``mark_broken``), or after a timeout
-   when a one-token health check fails (``check_health``).  A worker whose restart fails
-   withdraws its ``daskgen-engine`` resource and takes no more partitions; when every worker's
-   engine has failed the run stops with each worker's error (:func:`daskgen.cluster.check_engines`).
-4. **Requeue of aborted rows.**  Rows that came back ``abort`` while the run was not stopping
-   (their engine was restarted under them) are requeued at once, restricted to those rows
-   (:func:`_only_rows`); the stored tokens of their aborted samples are kept and continued.
-   There is **no attempt limit**: a row is requeued each time it is aborted.  During a stop
-   (target, budget, deadline, SIGTERM) aborted rows are not requeued; they stay pending.
+   when a one-token health check fails (``check_health``).  A worker whose restart fails withdraws
+   its ``daskgen-engine`` resource and takes no more partitions; when every worker's engine has
+   failed the run stops with each worker's error (:func:`daskgen.cluster.check_engines`).
+4. **Requeue of aborted rows.**  Rows that came back ``abort`` while the run is not stopping
+   (their engine was restarted under them, or their worker was drained before leaving) are
+   requeued at once, restricted to those rows (:func:`_only_rows`); the stored tokens of their
+   aborted samples are kept and continued.  There is **no attempt limit**: a row is requeued
+   each time it is aborted.  During a stop (target, budget, deadline, SIGTERM) aborted rows are
+   not requeued: they stay pending for the next run.
 5. **``--retry-failed``.**  Rows committed ``failed`` stay failed on resume unless the run is
    started again with ``--retry-failed`` (:func:`pending_rows`).
 
 A store write error (:class:`~daskgen.errors.StoreWriteError`) is not retried: the run stops,
-keeping every partition committed before it.  See ``docs/reliability.md`` for the tested cases.
+keeping every partition committed before it.  The tested cases: ``docs/reliability.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -47,10 +48,14 @@ from typing import Any
 import numpy as np
 
 from daskgen import store, tunables
+from daskgen.admission import WindowBoard
 from daskgen.agents import create_agent
+from daskgen.commit import CommitBatch, Outcome, commit_overlong
 from daskgen.completions import Completions
 from daskgen.config import RunConfig
 from daskgen.data import InputScan, iter_token_ids, scan_prompts
+from daskgen.dispatch import ATTR as DISPATCH_ATTR
+from daskgen.dispatch import dispatch_order, still_partial, tail_share
 from daskgen.errors import RunInterrupted, StoreWriteError
 from daskgen.interrupt import Interrupt, allocation_end
 from daskgen.partition import PartitionResult, PartitionTask, run_partition
@@ -58,6 +63,7 @@ from daskgen.plugin import RESOURCE
 from daskgen.progress import Progress
 from daskgen.redaction import redact
 from daskgen.scan_cache import ATTR, load_scan, scan_key, scan_record
+from daskgen.stopping import abandon, begin_stop, check_interrupt, housekeeping, stop_reason, wait_s
 from daskgen.tokenizer import load_tokenizer, tokenizer_identity
 
 logger = logging.getLogger(__name__)
@@ -80,6 +86,7 @@ class RunSummary:
     partial_samples: int = 0
     partial_tokens: int = 0
     carried_tokens: int = 0
+    tail_share: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -93,6 +100,8 @@ class RunSummary:
         text = (f"daskgen: {self.done} done, {self.failed} failed, {self.pending} pending of {self.total} prompts; "
                 f"this run generated {self.generated_prompts} prompts in {self.seconds:.1f} s "
                 f"({rate:.2f} prompts/s, {tps:.0f} tokens/s) -> {self.store}")
+        if self.tail_share is not None:
+            text += f"; the last 10% of prompts took {100 * self.tail_share:.0f}% of the generating time"
         if self.carried_tokens:
             text += f"\nkept {self.carried_tokens} tokens stored by interrupted attempts instead of regenerating them"
         if self.interrupted:
@@ -131,6 +140,10 @@ class Plan:
     partial_samples: int = 0
     partial_tokens: int = 0
     carried_tokens: int = 0
+    writer: Any = None  # store.StatusWriter, opened at the first commit
+    first_partitions: list[int] = dataclasses.field(default_factory=list)  # dispatched first (dispatch.py)
+    partial_starts: set[int] = dataclasses.field(default_factory=set)  # partitions left with partial responses
+    generating_since: float | None = None
 
 
 def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) -> Plan:
@@ -159,8 +172,9 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     else:
         store.check_compatible(config.store, stored, wanted)
     eos = tokenizer.eos_token_id
+    first = list((stored or {}).get(DISPATCH_ATTR, []))
     return Plan(config, pset, layout, store.read_status(config.store), () if eos is None else (int(eos),),
-                tokenizer=tokenizer, scan_record=record)
+                tokenizer=tokenizer, scan_record=record, first_partitions=first)
 
 
 def keep_scan(plan: Plan) -> None:
@@ -184,78 +198,6 @@ def _store_attrs(config: RunConfig, pset: InputScan, tokenizer: Any) -> dict[str
     }
 
 
-def _commit_overlong(plan: Plan) -> None:
-    pending = [i for i in plan.prompts.overlong if plan.status[i] == store.PENDING]
-    for start in sorted({i - i % plan.layout.partition_size for i in pending}):
-        stop = min(start + plan.layout.partition_size, plan.layout.n_prompts)
-        rows = [i for i in pending if start <= i < stop]
-        _commit(plan, start, stop, {i: plan.prompts.overlong[i] for i in rows})
-
-
-@dataclass
-class _Outcome:
-    """Rows of one finished partition to commit."""
-
-    start: int
-    stop: int
-    done: list[int]
-    failed: dict[int, str]
-    notes: dict[int, str]
-
-
-def _commit_outcomes(plan: Plan, outcomes: list[_Outcome]) -> None:
-    """Commit finished partitions with one write of ``status`` (and ``error``/``committed_at``) per
-    coarse chunk they fall in, instead of one per partition.
-
-    Rows in between keep their in-memory status (the client is the only writer of ``status``).
-    """
-    groups: dict[int, list[_Outcome]] = {}
-    chunk = store.coarse_chunk()
-    for o in outcomes:
-        groups.setdefault(o.start // chunk, []).append(o)
-    for group in groups.values():
-        start, stop = min(o.start for o in group), max(o.stop for o in group)
-        failed = {r: m for o in group for r, m in o.failed.items()}
-        notes = {r: m for o in group for r, m in o.notes.items()}
-        _commit(plan, start, stop, failed, done=[r for o in group for r in o.done], notes=notes)
-
-
-def _commit(plan: Plan, start: int, stop: int, failed: dict[int, str], done: Sequence[int] = (),
-            notes: dict[int, str] | None = None) -> None:
-    """Write error then status for rows of one partition; update the in-memory mask.
-
-    ``notes`` (e.g. verifier exceptions) go into ``error`` of rows that are nevertheless done.
-    """
-    new = plan.status[start:stop].copy()
-    for i in done:
-        new[i - start] = store.DONE
-    for i in failed:
-        new[i - start] = store.FAILED
-    errors = None
-    if failed or notes or np.any(plan.status[start:stop] == store.FAILED):
-        errors = [str(e) for e in store.read_region(plan.config.store, start, stop, ("error",))["error"]]
-        for i in done:
-            errors[i - start] = (notes or {}).get(i, "")
-        for i, msg in failed.items():
-            errors[i - start] = msg
-    plan.committed_at[[*done, *failed]] = time.time()
-    _maybe_pause_before_commit()
-    store.commit(plan.config.store, start, new, errors, plan.committed_at[start:stop])
-    plan.status[start:stop] = new
-
-
-#: Test fault hook, not a tunable: seconds to sleep between a partition's data write and its commit
-#: (tests kill the client in that window).  Never set it in production.
-TEST_COMMIT_DELAY_ENV = "DASKGEN_TEST_COMMIT_DELAY_S"
-
-
-def _maybe_pause_before_commit() -> None:
-    """Test fault hook (not a tunable): widen the window between a partition's data write and its commit."""
-    delay = float(os.environ.get(TEST_COMMIT_DELAY_ENV, "0") or 0)
-    if delay:
-        time.sleep(delay)
-
-
 def pending_rows(plan: Plan) -> np.ndarray:
     """Mask of rows this run generates."""
     todo = plan.status == store.PENDING
@@ -268,27 +210,36 @@ def pending_rows(plan: Plan) -> np.ndarray:
 def pending_tasks(plan: Plan) -> Iterator[PartitionTask]:
     """One task per partition with rows to generate, built lazily while streaming the input.
 
-    Only the prompts of tasks the caller holds are in memory (the input is re-read, not kept).
+    Partitions that hold partial responses of an interrupted earlier run (the likely-long ones,
+    :mod:`daskgen.dispatch`) come first, then the others in order.  Only the prompts of tasks the
+    caller holds are in memory (the input is re-read, not kept).
     """
+    layout, todo = plan.layout, pending_rows(plan)
+    starts = [s for s in layout.partitions() if todo[s:s + layout.partition_size].any()]
+    for group in dispatch_order(starts, plan.first_partitions):
+        yield from _tasks_for(plan, group, todo)
+
+
+def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[PartitionTask]:
+    """Tasks of the partitions at ``starts`` (ascending), reading their prompts in one pass over the input."""
     from daskgen.engines.base import SamplingParams
 
     cfg, layout = plan.config, plan.layout
-    todo = pending_rows(plan)
     verify = cfg.verify_policy()
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                             top_k=cfg.top_k, logprobs=cfg.logprobs, stop_token_ids=plan.stop_ids)
-    tokens = iter_token_ids(plan.prompts.source, plan.tokenizer, iter(np.flatnonzero(todo).tolist()))
-    for start in layout.partitions():
-        stop = min(start + layout.partition_size, layout.n_prompts)
+    ranges = [(start, min(start + layout.partition_size, layout.n_prompts)) for start in starts]
+    wanted = (int(i) for start, stop in ranges for i in np.flatnonzero(todo[start:stop]) + start)
+    tokens = iter_token_ids(plan.prompts.source, plan.tokenizer, wanted)
+    for start, stop in ranges:
         rows = [int(i) for i in np.flatnonzero(todo[start:stop]) + start]
-        if rows:
-            items = [next(tokens) for _ in rows]
-            prompts = [ids for _, ids, _ in items]
-            meta = [row for _, _, row in items] if verify is not None else None
-            yield PartitionTask(str(cfg.store), start, stop, rows, prompts, cfg.n_samples, params, cfg.seed, layout,
-                                timeout_s=cfg.partition_timeout_s, agent=cfg.agent, agent_args=dict(cfg.agent_args),
-                                model=str(cfg.model), continue_partial=cfg.continues_partial(), verify=verify,
-                                rows_meta=meta)
+        items = [next(tokens) for _ in rows]
+        prompts = [ids for _, ids, _ in items]
+        meta = [row for _, _, row in items] if verify is not None else None
+        yield PartitionTask(str(cfg.store), start, stop, rows, prompts, cfg.n_samples, params, cfg.seed, layout,
+                            timeout_s=cfg.partition_timeout_s, agent=cfg.agent, agent_args=dict(cfg.agent_args),
+                            model=str(cfg.model), continue_partial=cfg.continues_partial(), verify=verify,
+                            rows_meta=meta)
 
 
 def run(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None, *,
@@ -320,7 +271,7 @@ def _run_locked(plan: Plan, t0: float) -> RunSummary:
         plan.lock = lock
         store.add_missing_arrays(config.store, plan.layout)
         keep_scan(plan)
-        _commit_overlong(plan)
+        commit_overlong(plan)
         generated, tokens = 0, 0
         n_pending = int(pending_rows(plan).sum())
         try:
@@ -329,140 +280,139 @@ def _run_locked(plan: Plan, t0: float) -> RunSummary:
                     generated, tokens = drive(client, plan, pending_tasks(plan), info, n_pending)
         except RunInterrupted:  # stopped while the engines were starting: nothing was in flight
             pass
+        _record_partial_partitions(plan)
         summary = summarize(plan, generated, tokens, time.perf_counter() - t0)
         store.append_run(config.store, summary.__dict__)
     return summary
+
+
+def _record_partial_partitions(plan: Plan) -> None:
+    """Keep the partitions that hold partial responses in the attrs, for the next run to start with."""
+    size = plan.layout.partition_size
+    pending = {int(r) - int(r) % size for r in np.flatnonzero(plan.status == store.PENDING)}
+    keep = still_partial(plan.first_partitions, plan.partial_starts, pending)
+    if keep != sorted(plan.first_partitions):
+        store.update_attrs(plan.config.store, **{DISPATCH_ATTR: keep})
 
 
 def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = None,
           n_pending: int = 0) -> tuple[int, int]:
     """Stream partitions through the cluster and commit each as it finishes.
 
-    At most ``window`` partitions per ready worker are in flight (or, on an adaptive cluster,
-    enough to keep ``max_workers`` busy so the cluster scales up).
+    As many partitions are in flight as the ready workers admit together (their windows,
+    :mod:`daskgen.admission`; on an adaptive cluster at least enough to keep ``max_workers`` busy so
+    the cluster scales up), at most ``max_prompts_in_memory`` prompts' worth.
+
+    Failures are handled as the module docstring's retry and failure policy says.
     """
     from daskgen.cluster import check_engines, start_engines
 
     start_engines(client, plan.config, plan.interrupt)
     _record_engine(client, plan)
-    in_flight_cap = in_flight_target(client, plan, info)
+    plan.generating_since = time.time()
+    board = WindowBoard(client, RESOURCE)
+    board.refresh()
+    cap = in_flight_target(plan, board, info)
     retry: list[PartitionTask] = []
-    done = Completions(on_wait=lambda: _housekeeping(client, plan, tasks, retry, futures),
+    done = Completions(on_wait=lambda: housekeeping(client, plan, tasks, retry) or board.changed.is_set(),
                        check_engines=lambda: check_engines(client, plan.config))
     futures: dict[Any, PartitionTask] = {}
     generated = tokens = 0
-    sized_at = time.monotonic()
-    with Progress(n_pending, enabled=plan.config.progress) as bar:
-        while True:
-            # workers joined, left or restarted
-            if time.monotonic() - sized_at > tunables.seconds("cap-refresh-interval"):
-                in_flight_cap, sized_at = in_flight_target(client, plan, info), time.monotonic()
-            while len(futures) < in_flight_cap:
-                task = None if plan.stopped else retry.pop() if retry else next(tasks, None)
-                if task is None:
+    refreshed = time.monotonic()
+    batch = CommitBatch(plan)
+    try:
+        with Progress(n_pending, enabled=plan.config.progress) as bar:
+            while True:
+                if time.monotonic() - refreshed > tunables.seconds("cap-refresh-interval"):  # workers joined/left
+                    board.refresh()
+                    refreshed = time.monotonic()
+                cap = in_flight_target(plan, board, info)
+                _submit_up_to(client, plan, cap, tasks, retry, futures, done, board)
+                if not futures:
                     break
-                fut = _submit(client, task, plan.config.max_retries)
-                futures[fut] = task
-                done.add(fut)
-            if not futures:
-                break
-            if plan.collect_until is not None and time.monotonic() >= plan.collect_until:
-                _abandon(client, plan, futures)
-                break
-            bar.in_flight = f"{len(futures)}/{in_flight_cap}"
-            plan.peak_prompts = max(plan.peak_prompts, sum(len(t.rows) for t in futures.values()))
-            outcomes: list[_Outcome] = []
-            try:
-                for fut, value in done.wait(list(futures), _wait_s(plan)):  # all that are ready: one commit
-                    task = futures.pop(fut, None)
-                    if task is None:  # delivered late after being fetched directly
-                        continue
-                    result = _collect(fut, value, task)
-                    fut.release()
-                    if result is None:  # retried enough as a whole: retry its rows one by one
-                        retry.append(dataclasses.replace(task, isolate=True))
-                        continue
-                    if result.aborted and plan.stopped is None:  # aborted by an engine restart, not by a stop
-                        retry.append(_only_rows(task, result.aborted))
-                    finished = [r for r in result.rows if r not in result.failed and r not in result.aborted]
-                    failed = {r: m for r, m in result.failed.items() if r not in result.aborted}
-                    outcomes.append(_Outcome(task.start, task.stop, finished, failed, result.notes))
-                    generated += len(finished) + len(failed)
-                    tokens += result.response_tokens
-                    _count_partial(plan, result)
-                    bar.update(len(finished) + len(failed), result.response_tokens, len(failed))
-            finally:  # a StoreWriteError stops the run: what finished before it is still committed
-                _commit_outcomes(plan, outcomes)
-            if plan.stopped is None and (reason := stop_reason(plan, tokens)):
-                _stop(client, plan, reason, tasks, retry)
-            _check_interrupt(client, plan, tasks, retry)
+                if plan.collect_until is not None and time.monotonic() >= plan.collect_until:
+                    abandon(client, plan, futures)
+                    break
+                bar.in_flight = f"{len(futures)}/{cap}"
+                plan.peak_prompts = max(plan.peak_prompts, sum(len(t.rows) for t in futures.values()))
+                g, t = _collect_ready(plan, done, futures, retry, bar, batch, board)
+                generated, tokens = generated + g, tokens + t
+                batch.flush(force=plan.stopped is not None or not futures)
+                if plan.stopped is None and (reason := stop_reason(plan, tokens)):
+                    begin_stop(client, plan, reason, tasks, retry)
+                check_interrupt(client, plan, tasks, retry)
+    finally:  # a StoreWriteError stops the run: what finished before it is still committed
+        batch.flush(force=True)
+        board.close()
     return generated, tokens
 
 
-def _wait_s(plan: Plan) -> float:
-    """How long one wait for finished partitions may block."""
-    if plan.collect_until is None:
-        return tunables.seconds("cap-refresh-interval")
-    return max(0.0, min(tunables.seconds("cap-refresh-interval"), plan.collect_until - time.monotonic()))
+def _submit_up_to(client: Any, plan: Plan, cap: int, tasks: Iterator[PartitionTask], retry: list,
+                  futures: dict[Any, PartitionTask], done: Completions, board: WindowBoard) -> None:
+    """Submit partitions (retries first) to the workers with free admitted slots, at most ``cap`` in
+    flight; beyond the workers' slots (an adaptive cluster scaling up) to any worker."""
+    while len(futures) < cap:
+        worker = board.pick()
+        if worker is None and len(futures) >= board.total():
+            return
+        task = None if plan.stopped else retry.pop() if retry else next(tasks, None)
+        if task is None:
+            return
+        fut = _submit(client, task, plan.config.max_retries, worker)
+        board.assign(fut, worker)
+        futures[fut] = task
+        done.add(fut)
+
+
+def _collect_ready(plan: Plan, done: Completions, futures: dict[Any, PartitionTask], retry: list,
+                   bar: Progress, batch: CommitBatch, board: WindowBoard) -> tuple[int, int]:
+    """Wait for finished partitions and queue all that are ready for the next commit.
+
+    Returns the prompts and response tokens they generated.
+    """
+    generated = tokens = 0
+    outcomes: list[Outcome] = []
+    try:
+        for fut, value in done.wait(list(futures), min(wait_s(plan), batch.due_in())):
+            task = futures.pop(fut, None)
+            if task is None:  # delivered late after being fetched directly
+                continue
+            board.release(fut)
+            result = _collect(fut, value, task)
+            fut.release()
+            if result is None:  # retried enough as a whole: retry its rows one by one
+                retry.append(dataclasses.replace(task, isolate=True))
+                continue
+            if result.aborted and plan.stopped is None:  # aborted by an engine restart or a drain, not a stop
+                retry.append(_only_rows(task, result.aborted))
+            finished = [r for r in result.rows if r not in result.failed and r not in result.aborted]
+            failed = {r: m for r, m in result.failed.items() if r not in result.aborted}
+            outcomes.append(Outcome(task.start, task.stop, finished, failed, result.notes))
+            generated += len(finished) + len(failed)
+            tokens += result.response_tokens
+            _count_partial(plan, result)
+            bar.update(len(finished) + len(failed), result.response_tokens, len(failed))
+    finally:
+        batch.add(outcomes)
+    return generated, tokens
 
 
 def _count_partial(plan: Plan, result: PartitionResult) -> None:
     plan.carried_tokens += result.carried_tokens
+    if result.partial_samples:
+        plan.partial_starts.add(result.start)
     if plan.stopped is not None:  # only a stop leaves partial responses in the store until the next run
         plan.partial_samples += result.partial_samples
         plan.partial_tokens += result.partial_tokens
 
 
-def _abandon(client: Any, plan: Plan, futures: dict[Any, PartitionTask]) -> None:
-    """The grace period is over: stop waiting for partitions still running (their rows stay pending)."""
-    logger.warning("grace period over: %d partition(s) did not hand back in time; their rows stay pending "
-                   "(any data they wrote is kept and continued by the next run)", len(futures))
-    client.cancel(list(futures))
-    futures.clear()
-
-
-def in_flight_target(client: Any, plan: Plan, info: Any = None) -> int:
-    """Partitions to keep submitted: the sum of the windows the ready workers advertise (on an
-    adaptive cluster at least enough to make it scale to ``max_workers``), capped by
-    ``max_prompts_in_memory``."""
-    workers = client.scheduler_info(n_workers=-1)["workers"].values()
-    cap = int(sum(w.get("resources", {}).get(RESOURCE, 0) for w in workers))
+def in_flight_target(plan: Plan, board: WindowBoard, info: Any = None) -> int:
+    """Partitions to keep submitted: the sum of the windows the workers admit (on an adaptive
+    cluster at least enough to make it scale to ``max_workers``), capped by ``max_prompts_in_memory``."""
+    cap = board.total()
     if info is not None and info.adaptive:
         cap = max(cap, info.in_flight_window)
     return max(1, min(cap, plan.config.max_prompts_in_memory // plan.layout.partition_size))
-
-
-
-
-def _housekeeping(client: Any, plan: Plan, tasks: Iterator[PartitionTask], retry: list,
-                  futures: dict[Any, PartitionTask]) -> bool:
-    """While waiting for partitions: renew the store lock; stop the run the moment the deadline passes,
-    a signal arrives or the allocation ends.  True tells the wait to return now (a stop began or the
-    grace period is over)."""
-    if plan.lock is not None:
-        plan.lock.heartbeat()
-    deadline = plan.config.deadline_timestamp(plan.started)
-    if plan.stopped is None and deadline is not None and time.time() >= deadline:
-        _stop(client, plan, f"deadline {plan.config.deadline} reached", tasks, retry)
-        return True
-    if _check_interrupt(client, plan, tasks, retry):
-        return True
-    return plan.collect_until is not None and time.monotonic() >= plan.collect_until
-
-
-def _check_interrupt(client: Any, plan: Plan, tasks: Iterator[PartitionTask], retry: list) -> bool:
-    """Begin the graceful stop when a signal arrived or the allocation is about to end; True if it began now."""
-    interrupt = plan.interrupt
-    if interrupt is None or plan.stopped is not None:
-        return False
-    if (not interrupt.requested and plan.allocation_end is not None
-            and time.time() >= plan.allocation_end - interrupt.grace_s):
-        interrupt.request(f"the batch allocation ends in {max(0.0, plan.allocation_end - time.time()):.0f} s")
-    if not interrupt.requested:
-        return False
-    _stop(client, plan, interrupt.reason, tasks, retry)
-    plan.collect_until = interrupt.collect_until()
-    return True
 
 
 def _only_rows(task: PartitionTask, rows: list[int]) -> PartitionTask:
@@ -471,31 +421,6 @@ def _only_rows(task: PartitionTask, rows: list[int]) -> PartitionTask:
     meta = None if task.rows_meta is None else [task.rows_meta[i] for i in keep]
     return dataclasses.replace(task, rows=[task.rows[i] for i in keep], prompts=[task.prompts[i] for i in keep],
                                rows_meta=meta)
-
-
-def stop_reason(plan: Plan, tokens: int) -> str | None:
-    """Why the run should stop now (target, token budget or deadline reached), or ``None``."""
-    cfg = plan.config
-    if cfg.target_done is not None and int((plan.status == store.DONE).sum()) >= cfg.target_done:
-        return f"target of {cfg.target_done} done prompts reached"
-    if cfg.token_budget is not None and tokens >= cfg.token_budget:
-        return f"token budget of {cfg.token_budget} reached ({tokens} generated)"
-    deadline = cfg.deadline_timestamp(plan.started)
-    if deadline is not None and time.time() >= deadline:
-        return f"deadline {cfg.deadline} reached"
-    return None
-
-
-def _stop(client: Any, plan: Plan, reason: str, tasks: Iterator[PartitionTask], retry: list) -> None:
-    """Submit nothing more and abort every request in flight on every worker."""
-    from daskgen.plugin import stop_run_on_worker
-
-    logger.warning("stopping early: %s", reason)
-    plan.stopped = reason
-    if plan.collect_until is None:
-        plan.collect_until = time.monotonic() + plan.config.grace_seconds()
-    retry.clear()  # and the lazy task stream is no longer pulled (see drive)
-    client.run(stop_run_on_worker)
 
 
 def _record_engine(client: Any, plan: Plan) -> None:
@@ -507,10 +432,12 @@ def _record_engine(client: Any, plan: Plan) -> None:
         store.update_attrs(plan.config.store, engine=redact(described[0]))
 
 
-def _submit(client: Any, task: PartitionTask, retries: int) -> Any:
+def _submit(client: Any, task: PartitionTask, retries: int, worker: str | None = None) -> Any:
+    """Submit one partition; to ``worker`` when given (loosely: elsewhere if that worker is gone)."""
     mode = "isolated" if task.isolate else "partition"
+    where = {} if worker is None else {"workers": [worker], "allow_other_workers": True}
     return client.submit(run_partition, task, pure=False, retries=0 if task.isolate else retries,
-                         resources={RESOURCE: 1}, key=f"daskgen-{mode}-{task.start}-{time.time_ns()}")
+                         resources={RESOURCE: 1}, key=f"daskgen-{mode}-{task.start}-{time.time_ns()}", **where)
 
 
 def _collect(fut: Any, value: Any, task: PartitionTask) -> PartitionResult | None:
@@ -545,7 +472,9 @@ def summarize(plan: Plan, generated: int, tokens: int, seconds: float) -> RunSum
     return RunSummary(str(plan.config.store), len(s), int((s == store.DONE).sum()), int((s == store.FAILED).sum()),
                       int((s == store.PENDING).sum()), generated, tokens, seconds, stopped=plan.stopped,
                       interrupted=interrupted, partial_samples=plan.partial_samples,
-                      partial_tokens=plan.partial_tokens, carried_tokens=plan.carried_tokens)
+                      partial_tokens=plan.partial_tokens, carried_tokens=plan.carried_tokens,
+                      tail_share=None if plan.generating_since is None else tail_share(plan.committed_at,
+                                                                                         plan.generating_since))
 
 
 def generate(prompts: str | Path | Sequence[Any], *, model: str, store: str | Path, **options: Any):

@@ -312,6 +312,27 @@ def commit(path: str | Path, start: int, status: np.ndarray, errors: list[str] |
         zarr.open_array(str(Path(path) / "status"), mode="r+")[start:stop] = status.astype("int8")
 
 
+class StatusWriter:
+    """Client-only: :func:`commit` with the three client-written arrays opened once for a whole run."""
+
+    def __init__(self, path: str | Path) -> None:
+        zarr = _zarr()
+        self.path = path
+        self.arrays = {name: zarr.open_array(str(Path(path) / name), mode="r+")
+                       for name in ("committed_at", "error", "status")}
+
+    def commit(self, start: int, status: np.ndarray, errors: list[str] | None,
+               committed_at: np.ndarray | None = None) -> None:
+        """Like :func:`commit`; a range covering whole coarse chunks is written without reading them."""
+        stop = start + len(status)
+        with _write_errors(self.path, f"committing rows {start}..{stop - 1}"):
+            if committed_at is not None:
+                self.arrays["committed_at"][start:stop] = committed_at
+            if errors is not None:
+                self.arrays["error"][start:stop] = np.array(errors, dtype=object).astype(str)
+            self.arrays["status"][start:stop] = status.astype("int8")
+
+
 def write_region(path: str | Path, start: int, arrays: dict[str, np.ndarray]) -> None:
     """Worker side: overwrite one chunk-aligned row region of each given data array."""
     zarr = _zarr()

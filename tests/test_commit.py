@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from daskgen import store
+from daskgen.commit import Outcome, commit_outcomes
 from daskgen.config import RunConfig
-from daskgen.runner import Plan, _commit_outcomes, _Outcome
+from daskgen.runner import Plan
 
 
 @pytest.fixture
@@ -28,12 +29,12 @@ def test_outcomes_in_one_or_several_coarse_chunks_are_committed_exactly(plan):
     plan.status[8] = store.FAILED  # failed in an earlier run; not in this batch: kept with its message
     store.commit(path, 8, plan.status[8:9], ["old failure"], None)
     outcomes = [
-        _Outcome(0, 4, done=[0, 1, 3], failed={2: "bad prompt"}, notes={}),
-        _Outcome(12, 16, done=[12, 13, 14, 15], failed={}, notes={13: "verifier raised"}),
-        _Outcome(20, 24, done=[21], failed={}, notes={}),  # rows 20, 22, 23 aborted: stay pending
-        _Outcome(36, 40, done=[36, 37, 38, 39], failed={}, notes={}),
+        Outcome(0, 4, done=[0, 1, 3], failed={2: "bad prompt"}, notes={}),
+        Outcome(12, 16, done=[12, 13, 14, 15], failed={}, notes={13: "verifier raised"}),
+        Outcome(20, 24, done=[21], failed={}, notes={}),  # rows 20, 22, 23 aborted: stay pending
+        Outcome(36, 40, done=[36, 37, 38, 39], failed={}, notes={}),
     ]
-    _commit_outcomes(plan, outcomes)
+    commit_outcomes(plan, outcomes)
     status = store.read_status(path)
     expected = np.full(40, store.PENDING, dtype=status.dtype)
     expected[[0, 1, 3, 12, 13, 14, 15, 21, 36, 37, 38, 39]] = store.DONE

@@ -88,10 +88,16 @@ def test_sigterm_keeps_finished_and_partial_work_and_the_rerun_continues_it_toke
     saved = _partials(out)
     assert saved, "in-flight responses must be saved as partial responses"
     assert f"saved {len(saved)} partial responses" in output, output
+    partial_partitions = sorted({r - r % 2 for r, _ in saved})
+    assert store.read_attrs(out)["partial_partitions"] == partial_partitions
 
     res = run_cli("run", *sim_args(tmp_path, out, *common, log="second.log"))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "24 done, 0 failed, 0 pending" in res.stdout
+    # length-aware dispatch: the partitions holding partial responses (the long ones) went first
+    first_row = int((tmp_path / "second.log").read_text().split()[0][1:].split("-")[0])
+    assert first_row - first_row % 2 in partial_partitions
+    assert store.read_attrs(out)["partial_partitions"] == []
     ds = xr.open_zarr(out)
     for (r, s), (ids, logprobs) in saved.items():
         n = len(ids)

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from daskgen.admission import START_MAX_WINDOW, Admission
 from daskgen.config import RunConfig
 from daskgen.errors import ConfigError
 from daskgen.plugin import AUTO_MAX_WINDOW, AUTO_MIN_WINDOW, resolve_window
@@ -14,7 +15,7 @@ from daskgen.plugin import AUTO_MAX_WINDOW, AUTO_MIN_WINDOW, resolve_window
 
 @pytest.mark.parametrize(("capacity", "per_partition", "nthreads", "expected"), [
     (256, 64 * 4, 17, 8),  # 8 x 256 requests in partitions of 256
-    (256, 64 * 1, 17, AUTO_MAX_WINDOW),  # would be 32: clipped
+    (256, 64 * 1, 17, START_MAX_WINDOW),  # would be 32: the starting window is clipped to 16
     (4, 64 * 4, 17, AUTO_MIN_WINDOW),  # one partition already fills the engine: still 2
     (None, 64 * 4, 17, 8),  # unknown capacity: 256 assumed
     (256, 64 * 4, 5, 5),  # no more than the worker's task slots
@@ -23,6 +24,17 @@ from daskgen.plugin import AUTO_MAX_WINDOW, AUTO_MIN_WINDOW, resolve_window
 ])
 def test_auto_window(capacity, per_partition, nthreads, expected):
     assert resolve_window("auto", capacity, per_partition, nthreads) == expected
+
+
+def test_admission_follows_occupancy():
+    rule = Admission.for_engine(capacity=100, requests_per_partition=40, nthreads=65)
+    assert rule.window(running_partitions=1, outstanding_requests=40) == 5  # 160 missing of 200: 4 more
+    assert rule.window(running_partitions=5, outstanding_requests=200) == 5  # full: no more
+    # a heavy tail: 12 partitions running, only 30 requests left in them (mostly finished samples)
+    assert rule.window(running_partitions=12, outstanding_requests=30) == 12 + 5
+    assert rule.window(running_partitions=0, outstanding_requests=0) == 5
+    assert rule.window(running_partitions=60, outstanding_requests=10) == AUTO_MAX_WINDOW  # bounded
+    assert Admission.for_engine(None, 40, 8).window(1, 0) == 8  # task slots bound it; unknown capacity: 256
 
 
 def test_integer_window_is_kept_but_capped_by_task_slots(caplog):
@@ -51,6 +63,7 @@ def test_workers_advertise_the_auto_window_and_the_runner_sums_it(tmp_path):
     import dask
     from distributed import Client, LocalCluster
 
+    from daskgen.admission import WindowBoard
     from daskgen.cluster import start_engines
     from daskgen.plugin import RESOURCE, plugin_status
     from daskgen.runner import in_flight_target
@@ -72,6 +85,39 @@ def test_workers_advertise_the_auto_window_and_the_runner_sums_it(tmp_path):
         resources = [w["resources"] for w in client.scheduler_info(n_workers=-1)["workers"].values()]
         assert resources == [{RESOURCE: 12}, {RESOURCE: 12}]
         plan = SimpleNamespace(config=config, layout=SimpleNamespace(partition_size=16))
-        assert in_flight_target(client, plan) == 24
+        board = WindowBoard(client, RESOURCE)
+        board.refresh()
+        assert in_flight_target(plan, board) == 24
         plan.config = RunConfig(model="sim", store="s", partition_size=16, max_prompts_in_memory=100)
-        assert in_flight_target(client, plan) == 6  # 100 prompts // 16
+        assert in_flight_target(plan, board) == 6  # 100 prompts // 16
+
+
+@pytest.mark.timeout(240)
+def test_auto_window_grows_on_a_heavy_tail_and_the_run_completes(tmp_path):
+    """A heavy tail leaves partitions holding one long sample each: the workers admit more partitions
+    than the starting window (announced to the client, which submits them), and the run completes."""
+    from daskgen import store
+    from daskgen.runner import run
+
+    rows = [f"prompt {i}" for i in range(400)]
+    config = RunConfig(model="sim", store=str(tmp_path / "s.zarr"), engine="simulated", n_samples=2,
+                       partition_size=4, max_new_tokens=4000, max_prompt_tokens=64, n_workers=1, progress=False,
+                       engine_args={"max_batch": 16, "time_scale": 0.002, "length_dist": "lognormal",
+                                    "length_mean": 300, "length_sigma": 1.6})
+    seen: list[int] = []
+    from daskgen import admission
+
+    original = admission.WindowBoard.total
+
+    def spy(self):
+        seen.append(original(self))
+        return seen[-1]
+
+    admission.WindowBoard.total = spy
+    try:
+        summary = run(config, rows, handle_signals=False)
+    finally:
+        admission.WindowBoard.total = original
+    assert summary.done == 400 and (store.read_status(config.store) == store.DONE).all()
+    start = resolve_window("auto", 16, 8, AUTO_MAX_WINDOW + 1)
+    assert max(seen) > start, f"the window never grew past the starting {start}: {sorted(set(seen))}"

@@ -1,0 +1,149 @@
+"""How many partitions a worker admits at once: sized from its engine's occupancy.
+
+A partition ends with its slowest sample, so the number of partitions that keeps an engine's batch
+full depends on the length distribution, which nobody knows in advance.  With ``window: auto`` each
+worker measures it instead: it counts the requests its engine holds (running or queued, i.e. every
+sample of its running partitions that has not finished) and admits more partitions whenever that is
+below :data:`OCCUPANCY_TARGET` × the engine's batch slots — so a heavy tail, whose partitions are mostly
+finished samples waiting for one long one, gets many partitions in flight, and a light one few.
+The amount is advertised as the worker's ``daskgen-engine`` resource (the scheduler then hands it
+that many partitions at once) and announced to the client, which keeps the sum of all advertised
+amounts submitted.  ``window: N`` fixes it at ``N``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+#: Requests kept outstanding per batch slot: one batch running and about one batch queued behind it,
+#: so a slot that frees up is refilled at the next step.
+OCCUPANCY_TARGET = 2.0
+#: Capacity assumed for engines that do not report one (``Engine.capacity`` is ``None``).
+AUTO_DEFAULT_CAPACITY = 256
+#: The starting window (before the engine reports anything) is ``AUTO_FILL x capacity`` requests.
+AUTO_FILL = 8
+#: Bounds of an automatic window, in partitions per worker (the upper one also bounds memory:
+#: a partition in flight holds its prompts; the client's ``max_prompts_in_memory`` caps the total).
+AUTO_MIN_WINDOW, AUTO_MAX_WINDOW = 2, 64
+#: Bounds of the starting window.
+START_MAX_WINDOW = 16
+#: Seconds between two occupancy readings on a worker.
+ADMISSION_PERIOD_S = 0.05
+#: Topic of the events by which workers announce their window to the client.
+WINDOW_TOPIC = "daskgen-window"
+
+
+def resolve_window(window: int | str, capacity: int | None, requests_per_partition: int, nthreads: int) -> int:
+    """Partitions a worker admits when its engine starts.
+
+    An integer ``window`` is used as given.  ``"auto"`` starts at ``AUTO_FILL x capacity`` requests
+    divided by ``requests_per_partition``, rounded up and clipped to ``[2, 16]`` partitions; from
+    then on :class:`Admission` follows the engine's occupancy.  Both are capped by the worker's task
+    slots (``nthreads``; partition tasks are async but still take one).
+    """
+    if window == "auto":
+        wanted = math.ceil(AUTO_FILL * (capacity or AUTO_DEFAULT_CAPACITY) / max(1, requests_per_partition))
+        window = min(START_MAX_WINDOW, max(AUTO_MIN_WINDOW, wanted))
+    if window > nthreads:
+        logger.warning("window %d is more than this worker's %d task slots; using %d. Give workers more threads "
+                       "(cluster.threads_per_worker, dask worker --nthreads) to keep more partitions in flight.",
+                       window, nthreads, nthreads)
+    return max(1, min(int(window), nthreads))
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The occupancy rule of one worker.
+
+    Attributes:
+        capacity: the engine's batch slots (``Engine.capacity``, or :data:`AUTO_DEFAULT_CAPACITY`).
+        requests_per_partition: engine requests one partition makes (prompts x samples).
+        max_window: most partitions at once (task slots, :data:`AUTO_MAX_WINDOW`).
+    """
+
+    capacity: int
+    requests_per_partition: int
+    max_window: int
+
+    @classmethod
+    def for_engine(cls, capacity: int | None, requests_per_partition: int, nthreads: int) -> Admission:
+        """The rule for an engine with ``capacity`` slots on a worker with ``nthreads`` task slots."""
+        return cls(capacity or AUTO_DEFAULT_CAPACITY, max(1, requests_per_partition),
+                   max(1, min(AUTO_MAX_WINDOW, nthreads)))
+
+    def window(self, running_partitions: int, outstanding_requests: int) -> int:
+        """Partitions to admit now: the running ones plus enough new ones to bring the engine's
+        outstanding requests up to :data:`OCCUPANCY_TARGET` x its capacity."""
+        deficit = OCCUPANCY_TARGET * self.capacity - outstanding_requests
+        extra = math.ceil(max(0.0, deficit) / self.requests_per_partition)
+        return max(min(AUTO_MIN_WINDOW, self.max_window), min(self.max_window, running_partitions + extra))
+
+
+class WindowBoard:
+    """Client side: the partitions every worker admits, kept current by the workers' announcements.
+
+    Workers announce their window on :data:`WINDOW_TOPIC` whenever it changes; the client keeps the
+    sum of the announced windows submitted.  :meth:`refresh` re-reads every worker's advertised
+    resource from the scheduler (workers that joined or left).  ``changed`` is set by each
+    announcement so that a waiting client submits at once.
+    """
+
+    def __init__(self, client: object, resource: str) -> None:
+        import threading
+
+        self.client, self.resource = client, resource
+        self.windows: dict[str, int] = {}
+        self.assigned: dict[object, str] = {}  # future -> the worker it was sent to
+        self.load: dict[str, int] = {}  # worker -> partitions sent to it and not collected yet
+        self.changed = threading.Event()
+        client.subscribe_topic(WINDOW_TOPIC, self._on_event)  # type: ignore[attr-defined]
+
+    def _on_event(self, event: tuple[float, dict]) -> None:
+        _, msg = event
+        self.windows[msg["worker"]] = int(msg["window"])
+        self.changed.set()
+
+    def refresh(self) -> None:
+        """Re-read every worker's advertised amount from the scheduler."""
+        workers = self.client.scheduler_info(n_workers=-1)["workers"]  # type: ignore[attr-defined]
+        self.windows = {addr: int(w.get("resources", {}).get(self.resource, 0)) for addr, w in workers.items()}
+
+    def pick(self) -> str | None:
+        """The worker with the most free admitted slots, or ``None`` when every worker is full.
+
+        Partitions go to the worker that asked for them: left to itself the scheduler would send
+        them to the least busy worker, which under ``window: auto`` is the one that admits the least.
+        """
+        best, free = None, 0
+        for worker, window in self.windows.items():
+            if window - self.load.get(worker, 0) > free:
+                best, free = worker, window - self.load.get(worker, 0)
+        return best
+
+    def assign(self, future: object, worker: str | None) -> None:
+        """Record that ``future`` was sent to ``worker`` (``None``: anywhere)."""
+        if worker is not None:
+            self.assigned[future] = worker
+            self.load[worker] = self.load.get(worker, 0) + 1
+
+    def release(self, future: object) -> None:
+        """``future`` was collected: its worker has a slot again."""
+        worker = self.assigned.pop(future, None)
+        if worker is not None:
+            self.load[worker] -= 1
+
+    def total(self) -> int:
+        """Partitions all workers admit together."""
+        self.changed.clear()
+        return sum(self.windows.values())
+
+    def close(self) -> None:
+        """Stop listening."""
+        try:
+            self.client.unsubscribe_topic(WINDOW_TOPIC)  # type: ignore[attr-defined]
+        except Exception:  # the client may be closing
+            logger.debug("unsubscribe from %s failed", WINDOW_TOPIC, exc_info=True)

@@ -1,0 +1,130 @@
+"""Client-side commits: ``error``, ``committed_at``, then ``status`` (the checkpoint) of finished rows.
+
+The client is the only writer of ``status``; it writes a row's status only after the row's data
+landed (the partition task returned), so a row marked done always has its data.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from daskgen import store
+
+if TYPE_CHECKING:
+    from daskgen.runner import Plan
+
+
+def commit_overlong(plan: Plan) -> None:
+    pending = [i for i in plan.prompts.overlong if plan.status[i] == store.PENDING]
+    for start in sorted({i - i % plan.layout.partition_size for i in pending}):
+        stop = min(start + plan.layout.partition_size, plan.layout.n_prompts)
+        rows = [i for i in pending if start <= i < stop]
+        commit_rows(plan, start, stop, {i: plan.prompts.overlong[i] for i in rows})
+
+
+@dataclass
+class Outcome:
+    """Rows of one finished partition to commit."""
+
+    start: int
+    stop: int
+    done: list[int]
+    failed: dict[int, str]
+    notes: dict[int, str]
+
+
+#: Seconds the client gathers finished partitions before committing them together (one write per
+#: coarse chunk per commit).  A crash loses at most these commits, not the data: the rows stay pending
+#: and the next run keeps their stored samples instead of regenerating them.
+COMMIT_INTERVAL_S = 0.1
+
+
+def commit_outcomes(plan: Plan, outcomes: list[Outcome]) -> None:
+    """Commit finished partitions with one write of ``status`` (and ``error``/``committed_at``) per
+    coarse chunk they fall in, instead of one per partition.
+
+    Rows in between keep their in-memory status (the client is the only writer of ``status``).
+    """
+    groups: dict[int, list[Outcome]] = {}
+    rows = store.coarse_chunk()
+    for o in outcomes:
+        groups.setdefault(o.start // rows, []).append(o)
+    for chunk, group in groups.items():
+        start = chunk * rows  # the whole coarse chunk: written without reading it back
+        stop = min(start + rows, plan.layout.n_prompts)
+        failed = {r: m for o in group for r, m in o.failed.items()}
+        notes = {r: m for o in group for r, m in o.notes.items()}
+        commit_rows(plan, start, stop, failed, done=[r for o in group for r in o.done], notes=notes)
+
+
+def commit_rows(plan: Plan, start: int, stop: int, failed: dict[int, str], done: Sequence[int] = (),
+            notes: dict[int, str] | None = None) -> None:
+    """Write error, commit times, then status of rows ``[start, stop)``; update the in-memory mask.
+
+    The in-memory ``plan.status``/``plan.committed_at`` are authoritative (the client is the only
+    writer), so the rows in between are written back unchanged.  ``notes`` (e.g. verifier
+    exceptions) go into ``error`` of rows that are nevertheless done.
+    """
+    new = plan.status[start:stop].copy()
+    for i in done:
+        new[i - start] = store.DONE
+    for i in failed:
+        new[i - start] = store.FAILED
+    errors = None
+    if failed or notes or np.any(plan.status[list(done)] == store.FAILED):  # else `error` stays as it is
+        errors = [str(e) for e in store.read_region(plan.config.store, start, stop, ("error",))["error"]]
+        for i in done:
+            errors[i - start] = (notes or {}).get(i, "")
+        for i, msg in failed.items():
+            errors[i - start] = msg
+    plan.committed_at[[*done, *failed]] = time.time()
+    _maybe_pause_before_commit()
+    if plan.writer is None:
+        plan.writer = store.StatusWriter(plan.config.store)
+    plan.writer.commit(start, new, errors, plan.committed_at[start:stop])
+    plan.status[start:stop] = new
+
+
+#: Test fault hook, not a tunable: seconds to sleep between a partition's data write and its commit
+#: (tests kill the client in that window).  Never set it in production.
+TEST_COMMIT_DELAY_ENV = "DASKGEN_TEST_COMMIT_DELAY_S"
+
+
+def _maybe_pause_before_commit() -> None:
+    """Test fault hook (not a tunable): widen the window between a partition's data write and its commit."""
+    delay = float(os.environ.get(TEST_COMMIT_DELAY_ENV, "0") or 0)
+    if delay:
+        time.sleep(delay)
+
+
+class CommitBatch:
+    """Finished partitions waiting to be committed together, at most :data:`COMMIT_INTERVAL_S` after the first."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.outcomes: list[Outcome] = []
+        self.since: float | None = None
+
+    def add(self, outcomes: list[Outcome]) -> None:
+        """Queue finished partitions."""
+        if outcomes and self.since is None:
+            self.since = time.monotonic()
+        self.outcomes += outcomes
+
+    def due_in(self) -> float:
+        """Seconds until the queued partitions must be committed (``inf`` when none are queued)."""
+        if self.since is None:
+            return float("inf")
+        return max(0.0, self.since + COMMIT_INTERVAL_S - time.monotonic())
+
+    def flush(self, force: bool = False) -> None:
+        """Commit the queued partitions if they are due (or ``force``)."""
+        if self.outcomes and (force or self.due_in() == 0.0):
+            outcomes, self.outcomes, self.since = self.outcomes, [], None
+            commit_outcomes(self.plan, outcomes)
