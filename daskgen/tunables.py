@@ -29,8 +29,13 @@ dask.config.update_defaults(DEFAULTS)
 
 
 def get(key: str) -> Any:
-    """``dask.config.get("daskgen.<key>")``."""
-    return dask.config.get(f"daskgen.{key}")
+    """``dask.config.get("daskgen.<key>")``, or the shipped default when the config lacks it.
+
+    The fallback covers code that replaced Dask's config after daskgen was imported (e.g.
+    ``distributed.utils_test`` restores the config it saw when it was imported).
+    """
+    name = f"daskgen.{key}"
+    return dask.config.get(name, default=dask.config.get(name, config=DEFAULTS))
 
 
 def seconds(key: str) -> float:
