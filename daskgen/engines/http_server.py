@@ -32,6 +32,7 @@ from daskgen import tunables
 from daskgen.engines.common import cuda_available
 from daskgen.engines.http_client import httpx, require_http
 from daskgen.engines.http_client import split_base_url as split_base_url  # re-exported for pre-split callers
+from daskgen.engines.sglang_args import launch_kwargs
 from daskgen.errors import ConfigError, EngineError
 from daskgen.redaction import redact_url as redact_url  # re-exported for pre-split callers
 
@@ -121,8 +122,6 @@ class ManagedServer:
 
     def command(self, port: int, cuda_available: bool) -> list[str]:
         """The ``launch_server`` command line for ``port``."""
-        from daskgen.engines.sglang import launch_kwargs
-
         kwargs = launch_kwargs(self.model, self.server_args, cuda_available)
         kwargs.update(host=LOOPBACK, port=port)
         return [self.python, "-m", "sglang.launch_server", *server_flags(kwargs)]

@@ -66,7 +66,8 @@ happen inside methods only.
 
 Module layout: this module is the engine (daskgen's contract);
 :mod:`daskgen.engines.sglang_mapping` translates requests and outputs (shared with the HTTP
-engine's native protocol); :mod:`daskgen.engines.sglang_backend` launches and owns the ``sglang.Engine`` (engine args,
+engine's native protocol); :mod:`daskgen.engines.sglang_args` holds the engine args (shared with
+the managed HTTP server); :mod:`daskgen.engines.sglang_backend` launches and owns the ``sglang.Engine`` (engine args,
 the engine's thread and loop, subprocess monitoring, shutdown, the ``SIGQUIT`` handler).  Its
 public names are re-exported here.
 """
@@ -88,20 +89,22 @@ from daskgen.engines.base import (
     request_error,
 )
 from daskgen.engines.common import bos_or_zero, cuda_available
-from daskgen.engines.sglang_backend import (
-    _BACKENDS,
+from daskgen.engines.sglang_args import (
     _MODEL_PATH_ERROR,
     CPU_DEFAULTS,
+    _is_cpu,
+    check_engine_args,
+    launch_kwargs,
+    server_arg_names,
+)
+from daskgen.engines.sglang_backend import (
+    _BACKENDS,
     _Backend,
     _Closed,
     _Crashed,
-    _is_cpu,
     _restore_sigquit_handler,
-    check_engine_args,
     install_sigquit_handler,
-    launch_kwargs,
     read_max_running_requests,
-    server_arg_names,
 )
 from daskgen.engines.sglang_mapping import result_from_output, sampling_params_for
 from daskgen.errors import ConfigError, EngineError
