@@ -34,6 +34,7 @@ from daskgen.engines.http_client import httpx, require_http
 from daskgen.engines.http_client import split_base_url as split_base_url  # re-exported for pre-split callers
 from daskgen.engines.sglang_args import launch_kwargs
 from daskgen.errors import ConfigError, EngineError
+from daskgen.redaction import is_secret_key
 from daskgen.redaction import redact_url as redact_url  # re-exported for pre-split callers
 
 __all__ = ["ManagedServer", "check_server_args", "free_port", "server_env", "server_flags"]
@@ -41,8 +42,6 @@ __all__ = ["ManagedServer", "check_server_args", "free_port", "server_env", "ser
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
-#: ``server_args`` keys refused because their values are secrets (they would show in ``ps``).
-SECRET_SERVER_ARGS = ("api_key", "admin_api_key")
 _TAIL_LINES = 30
 
 
@@ -81,7 +80,7 @@ def check_server_args(server_args: Mapping[str, Any]) -> None:
     if own:
         raise ConfigError(f"openai engine: server_args must not set {own}; daskgen sets the model (its `model`), "
                           f"host ({LOOPBACK}) and a free port itself")
-    secret = sorted(set(server_args) & set(SECRET_SERVER_ARGS))
+    secret = sorted(k for k in server_args if is_secret_key(k))  # they would show in `ps`
     if secret:
         raise ConfigError(f"openai engine: server_args must not contain {secret}: a managed server listens on "
                           f"{LOOPBACK} only and its command line is visible to every local user")
