@@ -140,7 +140,7 @@ class _EngineState:
 
 
 def emulate_streaming(partitions: list[np.ndarray], workers: int, window: int, max_batch: int, base_s: float,
-                      per_seq_s: float) -> dict[str, float]:
+                      per_seq_s: float, occupancy: bool = False) -> dict[str, float]:
     """Model-time makespan of windowed partition streaming under the simulated engine's step model.
 
     An exact event simulation with **zero** pipeline overhead: each worker holds up to ``window``
@@ -148,17 +148,29 @@ def emulate_streaming(partitions: list[np.ndarray], workers: int, window: int, m
     ``max_batch`` requests, each step advancing all of them by one token at ``base_s + per_seq_s ×
     running`` model seconds; when a partition's last request finishes, the next partition of the job
     goes to that worker at that instant.  It isolates what the partition barrier and the window cost,
-    separately from Dask and time-compression overheads.
+    separately from Dask and time-compression overheads.  With ``occupancy`` the window is daskgen's
+    ``window: auto`` rule (:class:`daskgen.admission.Admission`) applied at every event, starting at
+    ``window``: more partitions while the engine's unfinished requests are below its target.
     """
     import heapq
+
+    from daskgen.admission import Admission
 
     todo = list(range(len(partitions)))[::-1]
     left = {p: len(partitions[p]) for p in range(len(partitions))}
     engines = [_EngineState() for _ in range(workers)]
+    rule = Admission.for_engine(max_batch, max(len(p) for p in partitions), 10**6) if occupancy else None
+    held = [0] * workers  # partitions each engine holds
 
     def give(e: _EngineState) -> None:
         p = todo.pop()
         e.waiting.extend((int(n), p) for n in partitions[p])
+        held[next(i for i, x in enumerate(engines) if x is e)] += 1
+
+    def top_up(w: int) -> None:
+        e = engines[w]
+        while rule is not None and todo and held[w] < rule.window(held[w], len(e.remaining) + len(e.waiting)):
+            give(e)
 
     def admit(e: _EngineState) -> None:
         free = max_batch - len(e.remaining)
@@ -173,6 +185,7 @@ def emulate_streaming(partitions: list[np.ndarray], workers: int, window: int, m
                 give(e)
     heap = []
     for w, e in enumerate(engines):
+        top_up(w)
         admit(e)
         if len(e.remaining):
             heap.append((e.clock + int(e.remaining.min()) * (base_s + per_seq_s * len(e.remaining)), w))
@@ -187,9 +200,12 @@ def emulate_streaming(partitions: list[np.ndarray], workers: int, window: int, m
         done = e.remaining == 0
         for p in e.partition[done].tolist():
             left[p] -= 1
-            if left[p] == 0 and todo:
-                give(e)
+            if left[p] == 0:
+                held[w] -= 1
+                if todo and rule is None:
+                    give(e)
         e.remaining, e.partition = e.remaining[~done], e.partition[~done]
+        top_up(w)
         admit(e)
         if len(e.remaining):
             heapq.heappush(heap, (e.clock + int(e.remaining.min()) * (base_s + per_seq_s * len(e.remaining)), w))

@@ -87,6 +87,7 @@ class RunSummary:
     partial_tokens: int = 0
     carried_tokens: int = 0
     tail_share: float | None = None
+    peak_prompts_in_flight: int = 0
 
     @property
     def ok(self) -> bool:
@@ -474,7 +475,8 @@ def summarize(plan: Plan, generated: int, tokens: int, seconds: float) -> RunSum
                       interrupted=interrupted, partial_samples=plan.partial_samples,
                       partial_tokens=plan.partial_tokens, carried_tokens=plan.carried_tokens,
                       tail_share=None if plan.generating_since is None else tail_share(plan.committed_at,
-                                                                                         plan.generating_since))
+                                                                                         plan.generating_since),
+                      peak_prompts_in_flight=plan.peak_prompts)
 
 
 def generate(prompts: str | Path | Sequence[Any], *, model: str, store: str | Path, **options: Any):

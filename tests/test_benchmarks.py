@@ -87,3 +87,17 @@ def test_scaleout(tmp_path):
                         "0.002", "--partition-size", "8", "--client-prompts", "128", "--commit-rows", "10000",
                         "--commit-samples", "5")
     assert "scaling efficiency" in out and "Client saturation estimate" in out
+
+
+@pytest.mark.timeout(240)
+def test_tail(tmp_path):
+    out, _ = run_script("tail.py", tmp_path, "--prompts", "64", "--n-samples", "2", "--max-batch", "16",
+                        "--partition-size", "8", "--max-new-tokens", "512", "--time-scale", "0.002")
+    assert "best emulated / measured" in out and out.count("| long tail") == 2 and "| light tail" in out
+
+
+@pytest.mark.timeout(240)
+def test_preemption(tmp_path):
+    out, _ = run_script("preemption.py", tmp_path, "--prompts", "48", "--n-samples", "1", "--max-new-tokens", "256",
+                        "--partition-size", "4", "--time-scale", "0.05", "--length-mean", "100")
+    assert "tokens regenerated" in out and "| SIGTERM at 50 % + resume |" in out
