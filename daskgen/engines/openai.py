@@ -157,6 +157,7 @@ class OpenAIEngine(Engine):
         super().__init__(model, **engine_args)
         self.args = parse_engine_args("openai", OpenAIArgs, engine_args)
         self.protocol: str | None = None
+        self._server_seeds = False
         self.model_name: str | None = self.args.model_name
         self._tokenizer: Any = None
         self._http: HTTPClient | None = None
@@ -166,6 +167,11 @@ class OpenAIEngine(Engine):
         self._limit = asyncio.Semaphore(self.args.max_concurrency)
         self.concurrency = self.args.max_concurrency
         self.server_capacity: int | None = None
+
+    @property
+    def supports_seed(self) -> bool:
+        """True against an SGLang server with deterministic inference on (known after :meth:`start`)."""
+        return self._server_seeds
 
     @property
     def retokenized(self) -> bool:
@@ -252,7 +258,7 @@ class OpenAIEngine(Engine):
         concurrency to keep the server's queue fed unless ``max_concurrency`` was given."""
         status, info = await self._http.probe_json("/get_server_info", allow_status=(404, 405))
         info = info if status == 200 and isinstance(info, dict) else {}
-        self.supports_seed = bool(info.get("enable_deterministic_inference"))
+        self._server_seeds = bool(info.get("enable_deterministic_inference"))
         self.server_capacity = _max_running_requests(info)
         wanted = 2 * (self.server_capacity or 0)
         if "max_concurrency" not in self.engine_args and wanted > self.concurrency:

@@ -154,7 +154,6 @@ class SGLangEngine(Engine):
         super().__init__(model, **engine_args)
         if "model_path" in engine_args:
             raise ConfigError(_MODEL_PATH_ERROR)
-        self.supports_seed = bool(engine_args.get("enable_deterministic_inference", False))
         self._state = "new"
         self._backend: _Backend | None = None
         self._kwargs: dict[str, Any] = {}
@@ -277,6 +276,11 @@ class SGLangEngine(Engine):
     def health_token_id(self) -> int:
         """The model's BOS token (or 0)."""
         return bos_or_zero(self._info("bos_token_id"), self._info("vocab_size"))
+
+    @property
+    def supports_seed(self) -> bool:
+        """sglang honours ``sampling_seed`` only with ``enable_deterministic_inference=True``."""
+        return bool(self.engine_args.get("enable_deterministic_inference", False))
 
     @property
     def sleep_supported(self) -> bool:
