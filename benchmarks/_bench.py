@@ -378,6 +378,7 @@ def run_requests(config: Any, prompts: Any) -> list[Any]:
     """
     import dataclasses
 
+    from daskgen.data import tokenize_rows
     from daskgen.engines.base import GenerationRequest
     from daskgen.partition import sample_seed
     from daskgen.runner import pending_tasks, prepare
@@ -385,7 +386,8 @@ def run_requests(config: Any, prompts: Any) -> list[Any]:
     plan = prepare(config, prompts)
     out = []
     for task in pending_tasks(plan):
-        for row, prompt in zip(task.rows, task.prompts, strict=True):
+        ids = task.prompts if task.prompts is not None else tokenize_rows(task.inputs, plan.tokenizer)
+        for row, prompt in zip(task.rows, ids, strict=True):
             for s in range(task.n_samples):
                 params = dataclasses.replace(task.params, seed=sample_seed(task.seed, row, s))
                 out.append(GenerationRequest(f"p{row}-s{s}", list(prompt), params))

@@ -63,9 +63,10 @@ class RunConfig:
         Where to run: an existing scheduler, a LocalCluster of ``n_workers``, or a
         ``cluster`` spec for :mod:`daskgen.deploy` (SLURM/PBS via dask-jobqueue).
     window:
-        Partitions in flight per worker, or ``"auto"`` (default): enough partitions to keep
-        about 8x the engine's batch slots (:attr:`Engine.capacity`) queued, at least 2 and at
-        most 16 (see :func:`daskgen.plugin.resolve_window`).
+        Partitions in flight per worker, or ``"auto"`` (default): each worker starts at about
+        8x the engine's batch slots (:attr:`Engine.capacity`) of requests and then admits
+        partitions while its engine holds fewer than 2x its slots of unfinished requests, 2 to
+        64 partitions (:mod:`daskgen.admission`).
     max_prompts_in_memory:
         Cap on prompts held anywhere (client, scheduler, workers) at once; the input is
         streamed, so memory does not grow with its size.

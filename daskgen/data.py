@@ -240,13 +240,19 @@ def scan_prompts(source: str | Path | Sequence[Any], tokenizer: Any, *, max_prom
     return InputScan(source, len(ids), ids, digest.value(), overlong)
 
 
-def iter_token_ids(source: str | Path | Sequence[Any], tokenizer: Any, wanted: Iterator[int]) -> Iterator[
-        tuple[int, list[int], dict[str, Any]]]:
-    """``(index, token ids, row)`` of the rows whose 0-based indices ``wanted`` yields (ascending), streaming."""
+def iter_selected_rows(source: str | Path | Sequence[Any], wanted: Iterator[int]) -> Iterator[tuple[int, Any]]:
+    """``(index, row)`` of the rows whose 0-based indices ``wanted`` yields (ascending), streaming."""
     rows = iter_rows(source)
     index = -1
     for target in wanted:
         while index < target:
             _, row = next(rows)
             index += 1
-        yield target, tokenize_rows([row], tokenizer)[0], row
+        yield target, row
+
+
+def iter_token_ids(source: str | Path | Sequence[Any], tokenizer: Any, wanted: Iterator[int]) -> Iterator[
+        tuple[int, list[int], dict[str, Any]]]:
+    """``(index, token ids, row)`` of the rows whose 0-based indices ``wanted`` yields (ascending), streaming."""
+    for index, row in iter_selected_rows(source, wanted):
+        yield index, tokenize_rows([row], tokenizer)[0], row

@@ -19,6 +19,7 @@ import numpy as np
 
 from daskgen import store
 from daskgen.agents import AgentLoop, EngineHandle, Trajectory, create_agent
+from daskgen.data import tokenize_rows
 from daskgen.engines.base import FinishReason, SamplingParams
 from daskgen.errors import EngineError
 from daskgen.verify import RowOutcome, sample_in_rounds
@@ -26,13 +27,18 @@ from daskgen.verify import RowOutcome, sample_in_rounds
 
 @dataclass
 class PartitionTask:
-    """Everything a worker needs for one partition (small: token ids of pending rows only)."""
+    """Everything a worker needs for one partition (small: the pending rows only).
+
+    ``inputs`` are the pending rows as read from the input (``messages`` or ``prompt``); the worker
+    tokenizes them (chat template included) into ``prompts``, so the client — one process for the
+    whole cluster — never spends its CPU on tokenizing.  ``prompts`` may also be given directly.
+    """
 
     store_path: str
     start: int
     stop: int
     rows: list[int]
-    prompts: list[list[int]]
+    prompts: list[list[int]] | None
     n_samples: int
     params: SamplingParams
     seed: int
@@ -46,6 +52,7 @@ class PartitionTask:
     continue_partial: bool = False
     verify: Any = None
     rows_meta: list[dict[str, Any]] | None = None
+    inputs: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -147,6 +154,8 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
     plugin.running += 1
     tally = _Tally(plugin, len(task.rows) * task.n_samples)
     try:
+        if task.prompts is None:
+            task.prompts = await asyncio.to_thread(tokenize_rows, task.inputs or [], plugin.tokenizer())
         # Only a partition with stored samples of its pending rows (an earlier attempt was interrupted)
         # reads its region before generating; otherwise the padded region is allocated once the results
         # are in, so partitions waiting in a large in-flight window do not each hold one.

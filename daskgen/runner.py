@@ -53,7 +53,7 @@ from daskgen.agents import create_agent
 from daskgen.commit import CommitBatch, Outcome, commit_overlong
 from daskgen.completions import Completions
 from daskgen.config import RunConfig
-from daskgen.data import InputScan, iter_token_ids, scan_prompts
+from daskgen.data import InputScan, iter_selected_rows, scan_prompts
 from daskgen.dispatch import ATTR as DISPATCH_ATTR
 from daskgen.dispatch import dispatch_order, still_partial, tail_share
 from daskgen.errors import RunInterrupted, StoreWriteError
@@ -231,16 +231,20 @@ def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[Part
                             top_k=cfg.top_k, logprobs=cfg.logprobs, stop_token_ids=plan.stop_ids)
     ranges = [(start, min(start + layout.partition_size, layout.n_prompts)) for start in starts]
     wanted = (int(i) for start, stop in ranges for i in np.flatnonzero(todo[start:stop]) + start)
-    tokens = iter_token_ids(plan.prompts.source, plan.tokenizer, wanted)
+    selected = iter_selected_rows(plan.prompts.source, wanted)
     for start, stop in ranges:
         rows = [int(i) for i in np.flatnonzero(todo[start:stop]) + start]
-        items = [next(tokens) for _ in rows]
-        prompts = [ids for _, ids, _ in items]
-        meta = [row for _, _, row in items] if verify is not None else None
-        yield PartitionTask(str(cfg.store), start, stop, rows, prompts, cfg.n_samples, params, cfg.seed, layout,
+        full = [next(selected)[1] for _ in rows]
+        yield PartitionTask(str(cfg.store), start, stop, rows, None, cfg.n_samples, params, cfg.seed, layout,
                             timeout_s=cfg.partition_timeout_s, agent=cfg.agent, agent_args=dict(cfg.agent_args),
                             model=str(cfg.model), continue_partial=cfg.continues_partial(), verify=verify,
-                            rows_meta=meta)
+                            rows_meta=full if verify is not None else None, inputs=[_to_tokenize(r) for r in full])
+
+
+def _to_tokenize(row: dict[str, Any]) -> dict[str, Any]:
+    """The part of an input row the worker tokenizes (other columns stay on the client)."""
+    key = "messages" if row.get("messages") is not None else "prompt"
+    return {key: row[key]}
 
 
 def run(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None, *,
@@ -420,8 +424,9 @@ def _only_rows(task: PartitionTask, rows: list[int]) -> PartitionTask:
     """The same partition restricted to ``rows`` (the other rows' stored data is kept)."""
     keep = [i for i, r in enumerate(task.rows) if r in set(rows)]
     meta = None if task.rows_meta is None else [task.rows_meta[i] for i in keep]
-    return dataclasses.replace(task, rows=[task.rows[i] for i in keep], prompts=[task.prompts[i] for i in keep],
-                               rows_meta=meta)
+    pick = (lambda items: None if items is None else [items[i] for i in keep])  # noqa: E731
+    return dataclasses.replace(task, rows=pick(task.rows), prompts=pick(task.prompts), rows_meta=meta,
+                               inputs=pick(task.inputs))
 
 
 def _record_engine(client: Any, plan: Plan) -> None:

@@ -99,10 +99,10 @@ def test_auto_window_grows_on_a_heavy_tail_and_the_run_completes(tmp_path):
     from daskgen import store
     from daskgen.runner import run
 
-    rows = [f"prompt {i}" for i in range(400)]
+    rows = [f"prompt {i}" for i in range(200)]
     config = RunConfig(model="sim", store=str(tmp_path / "s.zarr"), engine="simulated", n_samples=2,
                        partition_size=4, max_new_tokens=4000, max_prompt_tokens=64, n_workers=1, progress=False,
-                       engine_args={"max_batch": 16, "time_scale": 0.002, "length_dist": "lognormal",
+                       engine_args={"max_batch": 16, "time_scale": 0.02, "length_dist": "lognormal",
                                     "length_mean": 300, "length_sigma": 1.6})
     seen: list[int] = []
     from daskgen import admission
@@ -118,6 +118,6 @@ def test_auto_window_grows_on_a_heavy_tail_and_the_run_completes(tmp_path):
         summary = run(config, rows, handle_signals=False)
     finally:
         admission.WindowBoard.total = original
-    assert summary.done == 400 and (store.read_status(config.store) == store.DONE).all()
+    assert summary.done == 200 and (store.read_status(config.store) == store.DONE).all()
     start = resolve_window("auto", 16, 8, AUTO_MAX_WINDOW + 1)
     assert max(seen) > start, f"the window never grew past the starting {start}: {sorted(set(seen))}"
