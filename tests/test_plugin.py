@@ -9,9 +9,11 @@ with the resource withdrawn when the restart fails.  The hung engine is the labe
 from __future__ import annotations
 
 import asyncio
+import copy
 import tempfile
 from pathlib import Path
 
+import dask
 import pytest
 from distributed.utils_test import gen_cluster
 
@@ -22,6 +24,16 @@ from daskgen.plugin import PLUGIN_NAME, RESOURCE, EnginePlugin
 
 SIM = {"time_scale": 0.0, "length_mean": 4, "length_dist": "fixed"}
 ONE_WORKER = [("127.0.0.1", 4)]
+
+
+@pytest.fixture(autouse=True)
+def _restore_dask_config():
+    """gen_cluster resets Dask's config to what it was when distributed.utils_test was imported,
+    dropping defaults added later (daskgen's, dask-jobqueue's): put them back for later tests."""
+    saved = copy.deepcopy(dask.config.config)
+    yield
+    dask.config.config.clear()
+    dask.config.config.update(saved)
 
 
 async def _until(predicate, what: str, timeout: float = 30.0) -> None:
