@@ -92,6 +92,7 @@ def partition_data(rng: np.random.Generator, layout: Any) -> dict[str, np.ndarra
 def store_calls(a: argparse.Namespace, where: Any) -> dict[str, float]:
     """Seconds of each store call on ``where`` (per-partition calls: median per call)."""
     from daskgen import store
+    from daskgen.analysis import open_store
 
     layout = store.Layout(a.prompts, a.n_samples, 64, a.max_new_tokens, a.partition_size, 0)
     rng = np.random.default_rng(0)
@@ -113,7 +114,7 @@ def store_calls(a: argparse.Namespace, where: Any) -> dict[str, float]:
     store.read_status(where)
     out["read_status"] = time.perf_counter() - t
     t = time.perf_counter()
-    np.asarray(store.open_store(where).response_length)
+    np.asarray(open_store(where).response_length)
     out["open_store + all response_length"] = time.perf_counter() - t
     return out
 

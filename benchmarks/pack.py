@@ -89,17 +89,18 @@ def files_and_bytes(path: Path) -> tuple[int, int]:
 def read_times(a: argparse.Namespace, path: Path) -> dict[str, float]:
     """Median seconds of each read (see the module docstring)."""
     from daskgen import store
+    from daskgen.analysis import open_store
 
     rng = np.random.default_rng(1)
     status = store.read_status(path)
-    ds = store.open_store(path)
+    ds = open_store(path)
     done_parts = np.unique(np.flatnonzero(status == store.DONE) // a.partition_size)
 
     def open_count() -> None:
-        int((store.open_store(path).status == store.DONE).sum())
+        int((open_store(path).status == store.DONE).sum())
 
     def lengths() -> None:
-        np.asarray(store.open_store(path).response_length)
+        np.asarray(open_store(path).response_length)
 
     def one_partition() -> None:
         start = int(rng.choice(done_parts)) * a.partition_size
@@ -110,7 +111,7 @@ def read_times(a: argparse.Namespace, path: Path) -> dict[str, float]:
         np.asarray(ds.response_ids[start:start + a.partition_size])
 
     def scan() -> None:
-        np.asarray(store.open_store(path).response_mask.sum(("sample", "response_position")))
+        np.asarray(open_store(path).response_mask.sum(("sample", "response_position")))
 
     reads: dict[str, Callable[[], None]] = {"open_store + count done": open_count,
                                             "all response_length": lengths,

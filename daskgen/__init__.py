@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import daskgen.tunables  # noqa: F401 - merges the `daskgen:` defaults into Dask's config
+
 __version__ = "0.1.0"
 __all__ = ["RunConfig", "generate", "open_store", "run"]
 
@@ -17,7 +19,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(runner, name)
     if name == "open_store":
-        from daskgen.store import open_store
+        from daskgen.analysis import open_store
 
         return open_store
     if name == "RunConfig":

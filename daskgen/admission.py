@@ -31,8 +31,6 @@ AUTO_FILL = 8
 AUTO_MIN_WINDOW, AUTO_MAX_WINDOW = 2, 64
 #: Bounds of the starting window.
 START_MAX_WINDOW = 16
-#: Seconds between two occupancy readings on a worker.
-ADMISSION_PERIOD_S = 0.05
 #: Topic of the events by which workers announce their window to the client.
 WINDOW_TOPIC = "daskgen-window"
 

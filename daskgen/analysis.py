@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,10 +32,11 @@ import xarray as xr
 
 from daskgen.engines.base import FinishReason
 from daskgen.errors import ConfigError, StoreError, StoreMismatchError
-from daskgen.store import ATTRS_KEY, DONE, FAILED, PENDING
+from daskgen.storage import StoreLocation, locate
+from daskgen.store import ATTRS_KEY, DONE, FAILED, PENDING, read_attrs
 
 __all__ = ["FINISH_LABELS", "DaskgenAccessor", "decode_many", "decode_prompts", "finish_labels",
-           "iter_raw_prompts", "flatten_samples"]
+           "iter_raw_prompts", "flatten_samples", "open_store"]
 
 #: Labels of the ``finish_reason`` codes, indexed by ``code + 1`` (code -1: the sample was not generated).
 FINISH_LABELS: tuple[str, ...] = ("not_generated", *(r.name.lower() for r in FinishReason))
@@ -42,6 +44,29 @@ STATUS_NAMES = {"pending": PENDING, "done": DONE, "failed": FAILED}
 #: Tokenizer identity keys that must match the store's for decoding to be trusted.
 IDENTITY_KEYS = ("vocab_size", "eos_token_id", "pad_token_id", "chat_template_sha256")
 _NICE_BINS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400, 43200, 86400)
+
+
+def open_store(path: str | Path | StoreLocation) -> xr.Dataset:
+    """Open a store lazily as an ``xarray.Dataset`` (also while a run is writing it).
+
+    ``path`` is a folder, an object-storage URL (``s3://…``) or a
+    :class:`~daskgen.storage.StoreLocation`.  Registers the ``ds.daskgen`` accessor (this module)
+    and adds a lazy ``finish_label`` variable (``finish_reason`` decoded to
+    ``stop``/``length``/``abort``/``error``/``not_generated``).
+    """
+    loc = locate(path)
+    attrs = read_attrs(loc)
+    if attrs is None:
+        raise StoreError(
+            f"{loc.url!r} is not a daskgen store (no {ATTRS_KEY!r} attrs in its zarr.json); "
+            "pass the --store path of a daskgen run."
+        )
+    # packed stores (daskgen pack): one dask chunk per shard reads each shard file once
+    rows = (attrs.get("packed") or {}).get("read_rows")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds = xr.open_zarr(loc.zarr_store(read_only=True), chunks={"prompt": rows} if rows else {})
+    return ds.daskgen.labelled()
 
 
 def finish_labels(codes: Any) -> np.ndarray:

@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from daskgen import tunables
 from daskgen.config import RunConfig
 from daskgen.errors import EngineError, RunInterrupted
 from daskgen.plugin import AUTO_MAX_WINDOW, RESOURCE, EnginePlugin, plugin_status
 
 logger = logging.getLogger(__name__)
 
-#: How long to wait for the first engine to pass its health check.
-ENGINE_START_TIMEOUT_S = float(os.environ.get("DASKGEN_ENGINE_START_TIMEOUT", "900"))
 
 
 @contextlib.contextmanager
@@ -70,7 +68,7 @@ def start_engines(client: Any, config: RunConfig, interrupt: Any = None) -> int:
                           requests_per_partition=config.partition_size * config.n_samples, drain_timeout_s=drain_s)
     client.register_plugin(plugin, name=plugin.name)
     _drain_before_retire(client, drain_s)
-    deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
+    deadline = time.monotonic() + tunables.seconds("engine-start-timeout")
     with tqdm(total=0, desc="engines ready", disable=not config.progress,
               bar_format="{desc}: {n_fmt}/{total_fmt} workers [{elapsed}]") as bar:
         delay = 0.25
@@ -106,8 +104,9 @@ def _raise_if_all_failed(config: RunConfig, states: dict[str, Any], deadline: fl
         details = "\n  ".join(f"{w}: {e}" for w, e in failed.items())
         raise EngineError(f"the {config.engine!r} engine failed to start on every worker:\n  {details}")
     if time.monotonic() > deadline:
-        raise EngineError(f"no engine became ready within {ENGINE_START_TIMEOUT_S:.0f} s; worker states: "
-                          f"{states}. Raise DASKGEN_ENGINE_START_TIMEOUT or check the worker logs.")
+        raise EngineError(f"no engine became ready within {tunables.seconds('engine-start-timeout'):.0f} s; "
+                          f"worker states: {states}. Raise the Dask config daskgen.engine-start-timeout "
+                          f"(e.g. DASK_DASKGEN__ENGINE_START_TIMEOUT=30m) or check the worker logs.")
 
 
 def check_engines(client: Any, config: RunConfig) -> None:

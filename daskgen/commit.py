@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from daskgen import store
+from daskgen import store, tunables
 
 if TYPE_CHECKING:
     from daskgen.runner import Plan
@@ -39,10 +39,6 @@ class Outcome:
     notes: dict[int, str]
 
 
-#: Seconds the client gathers finished partitions before committing them together (one write per
-#: coarse chunk per commit).  A crash loses at most these commits, not the data: the rows stay pending
-#: and the next run keeps their stored samples instead of regenerating them.
-COMMIT_INTERVAL_S = 0.1
 
 
 def commit_outcomes(plan: Plan, outcomes: list[Outcome]) -> None:
@@ -52,11 +48,12 @@ def commit_outcomes(plan: Plan, outcomes: list[Outcome]) -> None:
     Rows in between keep their in-memory status (the client is the only writer of ``status``).
     """
     groups: dict[int, list[Outcome]] = {}
+    rows = status_writer(plan).chunk_rows
     for o in outcomes:
-        groups.setdefault(o.start // store.COARSE_CHUNK, []).append(o)
+        groups.setdefault(o.start // rows, []).append(o)
     for chunk, group in groups.items():
-        start = chunk * store.COARSE_CHUNK  # the whole coarse chunk: written without reading it back
-        stop = min(start + store.COARSE_CHUNK, plan.layout.n_prompts)
+        start = chunk * rows  # the whole coarse chunk: written without reading it back
+        stop = min(start + rows, plan.layout.n_prompts)
         failed = {r: m for o in group for r, m in o.failed.items()}
         notes = {r: m for o in group for r, m in o.notes.items()}
         commit_rows(plan, start, stop, failed, done=[r for o in group for r in o.done], notes=notes)
@@ -84,22 +81,28 @@ def commit_rows(plan: Plan, start: int, stop: int, failed: dict[int, str], done:
             errors[i - start] = msg
     plan.committed_at[[*done, *failed]] = time.time()
     _maybe_pause_before_commit()
-    if plan.writer is None:
-        plan.writer = store.StatusWriter(plan.config.location())
-    plan.writer.commit(start, new, errors, plan.committed_at[start:stop])
+    status_writer(plan).commit(start, new, errors, plan.committed_at[start:stop])
     plan.status[start:stop] = new
 
 
+#: Test fault hook, not a tunable: seconds to sleep between a partition's data write and its commit
+#: (tests kill the client in that window).  Never set it in production.
+TEST_COMMIT_DELAY_ENV = "DASKGEN_TEST_COMMIT_DELAY_S"
+
+
 def _maybe_pause_before_commit() -> None:
-    """Fault injection for tests only: widen the window between a partition's data write and its commit."""
-    delay = float(os.environ.get("DASKGEN_TEST_COMMIT_DELAY_S", "0") or 0)
+    """Test fault hook (not a tunable): widen the window between a partition's data write and its commit."""
+    delay = float(os.environ.get(TEST_COMMIT_DELAY_ENV, "0") or 0)
     if delay:
         time.sleep(delay)
 
 
 class CommitBatch:
     """Finished partitions waiting to be committed together: at most one commit per
-    :data:`COMMIT_INTERVAL_S` (the first at once), each covering everything that finished since."""
+    ``daskgen.commit-interval`` (0.1 s; the first at once), each covering everything that finished since.
+
+    A crash loses at most the commits of one interval, not the data: those rows stay pending and
+    the next run keeps their stored samples instead of regenerating them."""
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
@@ -117,7 +120,7 @@ class CommitBatch:
         """Seconds until the queued partitions must be committed (``inf`` when none are queued)."""
         if self.since is None:
             return float("inf")
-        return max(0.0, self.last + COMMIT_INTERVAL_S - time.monotonic())  # at most one commit per interval
+        return max(0.0, self.last + tunables.seconds("commit-interval") - time.monotonic())
 
     def flush(self, force: bool = False) -> None:
         """Commit the queued partitions if they are due (or ``force``)."""
@@ -125,3 +128,10 @@ class CommitBatch:
             outcomes, self.outcomes, self.since = self.outcomes, [], None
             self.last = time.monotonic()
             commit_outcomes(self.plan, outcomes)
+
+
+def status_writer(plan: Plan) -> store.StatusWriter:
+    """The run's :class:`~daskgen.store.StatusWriter`, opened at the first commit."""
+    if plan.writer is None:
+        plan.writer = store.StatusWriter(plan.config.location())
+    return plan.writer

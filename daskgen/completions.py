@@ -14,14 +14,13 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from daskgen import tunables
+
 #: Longest sleep between housekeeping rounds while nothing finishes.
 WAIT_S = 0.02
-#: Seconds between checks that some engine can still take work.
-ENGINE_CHECK_INTERVAL_S = 30.0
-#: A future finished this long ago but not delivered by ``as_completed`` is fetched directly.
-UNDELIVERED_S = 30.0
-#: How long such a direct fetch may take before it counts as failed.
-FETCH_TIMEOUT_S = 120.0
+# Tunables (Dask config, daskgen/daskgen.yaml): daskgen.engine-check-interval (checks that some engine
+# can still take work), daskgen.undelivered-after (a future finished this long ago but not delivered
+# by ``as_completed`` is fetched directly) and daskgen.fetch-timeout (how long that fetch may take).
 
 
 class Completions:
@@ -33,7 +32,7 @@ class Completions:
         Called every :data:`WAIT_S` while waiting (heartbeat, deadline, signals); a true return
         value ends the wait at once.
     check_engines:
-        Called every :data:`ENGINE_CHECK_INTERVAL_S` while waiting; raises when no engine is left.
+        Called every ``daskgen.engine-check-interval`` (Dask config) while waiting; raises when no engine is left.
     """
 
     def __init__(self, on_wait: Callable[[], bool | None] | None = None,
@@ -45,6 +44,8 @@ class Completions:
         self._check_engines = check_engines
         self._checked = time.monotonic()
         self._finished_at: dict[Any, float] = {}
+        self._check_every = tunables.seconds("engine-check-interval")
+        self._undelivered_after = tunables.seconds("undelivered-after")
 
     def add(self, future: Any) -> None:
         """Track a submitted future."""
@@ -69,7 +70,7 @@ class Completions:
                     wake.wait(WAIT_S)
             if self._on_wait is not None and self._on_wait():
                 return []  # the caller has something to do now (e.g. a stop began)
-            if self._check_engines is not None and time.monotonic() - self._checked > ENGINE_CHECK_INTERVAL_S:
+            if self._check_engines is not None and time.monotonic() - self._checked > self._check_every:
                 self._check_engines()
                 self._checked = time.monotonic()
         ready = [next(self._ac), *self._ac.next_batch(block=False)]
@@ -78,13 +79,13 @@ class Completions:
         return ready
 
     def _undelivered(self, outstanding: Iterable[Any]) -> list[tuple[Any, Any]]:
-        """Futures finished more than :data:`UNDELIVERED_S` ago that ``as_completed`` never delivered."""
+        """Futures finished more than ``daskgen.undelivered-after`` ago that ``as_completed`` never delivered."""
         now, out = time.monotonic(), []
         for future in outstanding:
             if not future.done():
                 continue
             since = self._finished_at.setdefault(future, now)
-            if now - since > UNDELIVERED_S:
+            if now - since > self._undelivered_after:
                 del self._finished_at[future]
                 out.append((future, _fetch(future)))
         return out
@@ -93,6 +94,6 @@ class Completions:
 def _fetch(future: Any) -> Any:
     """The future's result, or the exception fetching it raised."""
     try:
-        return future.result(timeout=FETCH_TIMEOUT_S)
+        return future.result(timeout=tunables.seconds("fetch-timeout"))
     except Exception as exc:
         return exc

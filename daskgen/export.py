@@ -28,7 +28,14 @@ from typing import Any
 import numpy as np
 
 from daskgen import store
-from daskgen.analysis import decode_many, decode_prompts, finish_labels, flatten_samples, iter_raw_prompts
+from daskgen.analysis import (
+    decode_many,
+    decode_prompts,
+    finish_labels,
+    flatten_samples,
+    iter_raw_prompts,
+    open_store,
+)
 from daskgen.errors import ExportError, OutputExistsError, StoreError
 from daskgen.lock import LOCK_NAME
 from daskgen.storage import locate
@@ -114,7 +121,7 @@ class Source:
     def __init__(self, path: str | Path, *, text: bool = False, tokenizer: str | None = None,
                  prompts: str | Path | None = None, raw: bool = True) -> None:
         self.path = locate(path)
-        self.ds = store.open_store(path)
+        self.ds = open_store(path)
         self.attrs = self.ds.daskgen.attrs
         self.rows = self.ds.daskgen.rows("done")
         self.total = _units(self.ds, self.rows)
@@ -413,7 +420,7 @@ def export(path: store.Where, out: str | Path, fmt: str, *, overwrite: bool = Fa
 
 def _write(path: str | Path, tmp: Path, fmt: str, **options: Any) -> int:
     if fmt == "zip":
-        ds = store.open_store(path)
+        ds = open_store(path)
         rows = _units(ds, ds.daskgen.rows("done"))  # before zipping: at least these rows are complete in it
         zip_store(path, tmp)
         return rows

@@ -19,14 +19,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from daskgen import tunables
 from daskgen.errors import StoreLockedError
 from daskgen.storage import StoreLocation, locate, write_failures
 
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = "daskgen.lock"
-STALE_AFTER_S = 300.0
-HEARTBEAT_EVERY_S = 30.0
 
 
 def _parse(data: bytes) -> dict[str, Any]:
@@ -56,10 +55,10 @@ class StoreLock:
     stale lock, heartbeats: compare-then-rename on a folder; ``If-Match: <ETag>`` on object storage).
     """
 
-    def __init__(self, store_path: str | Path | StoreLocation, *, stale_after: float = STALE_AFTER_S) -> None:
+    def __init__(self, store_path: str | Path | StoreLocation, *, stale_after: float | None = None) -> None:
         self.location = locate(store_path)
         self.path = f"{self.location.url}/{LOCK_NAME}"
-        self.stale_after = stale_after
+        self.stale_after = tunables.seconds("lock.stale-after") if stale_after is None else stale_after
         self.owner = {"host": socket.gethostname(), "pid": os.getpid(),
                       "started": _dt.datetime.now(_dt.timezone.utc).isoformat()}
         self._last_beat = 0.0
@@ -99,12 +98,12 @@ class StoreLock:
                            "keep a second client out; run one client per store yourself", self.location.url)
 
     def heartbeat(self) -> None:
-        """Refresh the heartbeat (cheap; writes at most every 30 s).
+        """Refresh the heartbeat (cheap; writes at most every ``daskgen.lock.heartbeat-interval``, 30 s).
 
         Raises :class:`StoreLockedError` when another client took the lock over meanwhile (this run's
         heartbeat had stopped for longer than ``stale_after``): two clients must not commit to one store.
         """
-        if time.monotonic() - self._last_beat < HEARTBEAT_EVERY_S:
+        if time.monotonic() - self._last_beat < tunables.seconds("lock.heartbeat-interval"):
             return
         try:
             version = self.location.replace_object(LOCK_NAME, self._doc(), self._version)

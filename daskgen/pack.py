@@ -46,8 +46,9 @@ logger = logging.getLogger(__name__)
 
 #: Rows per shard of the partition-chunked (worker-written) arrays, rounded down to whole partitions.
 SHARD_ROWS = 65536
-#: Rows per shard of the coarse, client-written arrays (``status``, ``error``, coordinates).
-COARSE_SHARD_ROWS = 4 * store.COARSE_CHUNK
+#: Rows per shard of the coarse, client-written arrays (``status``, ``error``, coordinates): four
+#: chunks of the default ``daskgen.coarse-chunk``.
+COARSE_SHARD_ROWS = 4 * 65536
 #: Upper bound on a shard's uncompressed size: a task holds one shard in memory.
 MAX_SHARD_BYTES = 1 << 30
 PROGRESS_KEY = "daskgen_pack"
@@ -110,12 +111,13 @@ def _array_plans(src: StoreLocation, packing: bool) -> dict[str, dict[str, Any]]
     """name -> create_array arguments of the target (same values, sharded or not)."""
     zarr = store._zarr()
     group = zarr.open_group(src.zarr_store(read_only=True), mode="r")
+    client_written = store.client_written_arrays()
     plans = {}
     for name, arr in group.arrays():
         inner = arr.chunks
         n, rows = arr.shape[0], inner[0]
         row_bytes = int(np.prod(arr.shape[1:], dtype=np.int64)) * max(arr.dtype.itemsize, 8)
-        coarse = rows >= min(store.COARSE_CHUNK, n)
+        coarse = name in client_written
         shards = None
         if packing:
             shards = (shard_rows(rows, row_bytes, n, coarse=coarse), *arr.shape[1:])

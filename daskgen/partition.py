@@ -82,16 +82,6 @@ def sample_seed(seed: int, row: int, sample: int) -> int:
     return int(state) & 0x7FFFFFFF
 
 
-def empty_region(layout: store.Layout, n_rows: int) -> dict[str, np.ndarray]:
-    """Fill-valued arrays for ``n_rows`` rows of every data array."""
-    specs = layout.array_specs()
-    out = {}
-    for name in layout.data_arrays():
-        shape, _, dtype, fill, _ = specs[name]
-        out[name] = np.full((n_rows, *shape[1:]), fill, dtype=dtype)
-    return out
-
-
 def fill_region(region: dict[str, np.ndarray], task: PartitionTask, samples: list[list[Trajectory]],
                 rounds: list[RowOutcome] | None = None) -> PartitionResult:
     """Place prompts and trajectories (and verifier scores) into the region; collect per-row failures."""
@@ -114,7 +104,7 @@ def fill_region(region: dict[str, np.ndarray], task: PartitionTask, samples: lis
             if layout.n_trajectories > 1:
                 region["num_trajectories"][r, s] = len(trajectories)
             if not trajectories:  # not needed: the verifier was satisfied earlier
-                _clear(region, (r, s), layout)
+                store.clear_response(region, (r, s), layout)
             for t, traj in enumerate(trajectories):
                 index = (r, s, t) if layout.n_trajectories > 1 else (r, s)
                 tokens = _place(region, index, traj, layout)
@@ -129,13 +119,6 @@ def fill_region(region: dict[str, np.ndarray], task: PartitionTask, samples: lis
                         out.partial_samples += 1
                         out.partial_tokens += tokens
     return out
-
-
-def _clear(region: dict[str, np.ndarray], index: tuple[int, int], layout: store.Layout) -> None:
-    fills = {"response_ids": layout.pad_token_id, "response_length": 0, "response_mask": 0, "logprobs": np.nan,
-             "finish_reason": -1, "num_turns": 0, "continued_tokens": 0}
-    for name, fill in fills.items():
-        region[name][index] = fill
 
 
 def _place(region: dict[str, np.ndarray], index: tuple[int, ...], traj: Trajectory, layout: store.Layout) -> int:
@@ -342,5 +325,5 @@ def _stored_region(task: PartitionTask) -> dict[str, np.ndarray] | None:
 def _initial_region(task: PartitionTask) -> dict[str, np.ndarray]:
     """Existing data when some rows of the region are kept (or continued), otherwise fill values."""
     if len(task.rows) == task.stop - task.start:
-        return empty_region(task.layout, task.stop - task.start)
+        return store.empty_region(task.layout, task.stop - task.start)
     return store.read_region(task.store_path, task.start, task.stop, task.layout.data_arrays())

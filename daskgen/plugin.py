@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import traceback
 from typing import Any
 
 from distributed import WorkerPlugin
 
+from daskgen import tunables
 from daskgen.admission import (  # noqa: F401 - resolve_window and the bounds are part of this module's API
-    ADMISSION_PERIOD_S,
     AUTO_MAX_WINDOW,
     AUTO_MIN_WINDOW,
     WINDOW_TOPIC,
@@ -32,8 +31,6 @@ logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "daskgen-engine"
 RESOURCE = "daskgen-engine"
-#: Seconds a health check (one generated token) may take before the engine counts as hung.
-HEALTH_TIMEOUT_S = float(os.environ.get("DASKGEN_HEALTH_TIMEOUT", "60"))
 
 
 class EnginePlugin(WorkerPlugin):
@@ -101,7 +98,7 @@ class EnginePlugin(WorkerPlugin):
                 self.gpu = _pin_gpu(self._worker.name)
             self.engine = resolve_engine_class(self.engine_name)(self.model, **self.engine_args)
             await self.engine.start()
-            await asyncio.wait_for(self.engine.health(), HEALTH_TIMEOUT_S)
+            await asyncio.wait_for(self.engine.health(), tunables.seconds("health-timeout"))
         except Exception as exc:  # recorded and shown to the client; the worker takes no partitions
             self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
             logger.error("daskgen engine failed to start on %s:\n%s", self._worker.address, traceback.format_exc())
@@ -128,7 +125,7 @@ class EnginePlugin(WorkerPlugin):
     async def _follow_occupancy(self, admission: Admission) -> None:
         """``window: auto``: re-size the window from the engine's occupancy (:mod:`daskgen.admission`)."""
         while True:
-            await asyncio.sleep(ADMISSION_PERIOD_S)
+            await asyncio.sleep(tunables.seconds("admission-interval"))
             if self.state != "ready" or self.draining or self.stopping or not self.running:
                 continue  # idle: nothing measured, keep the window
             wanted = admission.window(self.running, self.outstanding)
@@ -160,12 +157,14 @@ class EnginePlugin(WorkerPlugin):
         await _quietly_shutdown(self.engine)
         self._starter = asyncio.create_task(self._start())
 
-    async def check_health(self, timeout: float = HEALTH_TIMEOUT_S) -> bool:
-        """Generate one token; on failure or timeout mark the engine broken (it restarts)."""
+    async def check_health(self, timeout: float | None = None) -> bool:
+        """Generate one token; on failure or timeout (default ``daskgen.health-timeout``) mark the engine
+        broken (it restarts)."""
         if self.state != "ready":
             return False
         try:
-            await asyncio.wait_for(self.engine.health(), timeout)
+            await asyncio.wait_for(self.engine.health(), tunables.seconds("health-timeout") if timeout is None
+                                   else timeout)
         except Exception as exc:
             await self.mark_broken(f"health check failed: {type(exc).__name__}: {exc}")
             return False

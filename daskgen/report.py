@@ -48,7 +48,9 @@ class ReportData:
 
 def collect(path: str | Path) -> ReportData:
     """Read the statistics a report needs (status first: a consistent snapshot during a run)."""
-    ds = store.open_store(path)
+    from daskgen.analysis import open_store
+
+    ds = open_store(path)
     acc = ds.daskgen
     failed = acc.rows("failed")[:5]
     errors = [(int(i), str(e)) for i, e in zip(failed, ds["error"].isel(prompt=failed).values, strict=True)]

@@ -1,14 +1,45 @@
 """The client side of a run: validate input, prepare the store, drive partitions, commit.
 
 Partitions stream through ``as_completed`` with a bounded in-flight window; each finished
-partition is committed (``status`` written after its data) and its future released.
+partition is committed (``status`` written after its data, :mod:`daskgen.commit`) and its future
+released.
+
+Retry and failure policy
+------------------------
+Implemented here (:func:`drive` and its helpers) with :mod:`daskgen.partition` and
+:mod:`daskgen.plugin`; from the first response to a failure to the last:
+
+1. **Task retries.**  A partition task that raises (an engine exception, or rows not finished
+   within ``partition_timeout_s``) is retried by Dask up to ``max_retries`` times (default 2;
+   :func:`_submit`), possibly on another worker.  Rewriting the partition's chunk-aligned region
+   is idempotent.  A sample the engine answers with an error (a bad request) fails its row at
+   once, without a retry.
+2. **Row isolation.**  A partition that still fails is resubmitted once in ``isolate`` mode (no
+   Dask retries): row by row, and a row that fails alone is committed ``failed`` with its error,
+   so one poison prompt cannot sink its partition (:func:`_collect`).
+3. **Engine restart.**  Before the task fails, the worker's :class:`~daskgen.plugin.EnginePlugin`
+   restarts the engine in place: after an engine exception (``mark_broken``), or after a timeout
+   when a one-token health check fails (``check_health``).  A worker whose restart fails withdraws
+   its ``daskgen-engine`` resource and takes no more partitions; when every worker's engine has
+   failed the run stops with each worker's error (:func:`daskgen.cluster.check_engines`).
+4. **Requeue of aborted rows.**  Rows that came back ``abort`` while the run is not stopping
+   (their engine was restarted under them, or their worker was drained before leaving) are
+   requeued at once, restricted to those rows (:func:`_only_rows`); the stored tokens of their
+   aborted samples are kept and continued.  A row aborted more than ``daskgen.abort-requeue-limit``
+   times (default 10) in one run is committed ``failed`` with a message saying so
+   (:func:`_requeue_aborted`); its stored tokens stay, and ``--retry-failed`` continues it.  During a
+   stop (target, budget, deadline, SIGTERM) aborted rows are not requeued: they stay pending for the next run.
+5. **``--retry-failed``.**  Rows committed ``failed`` stay failed on resume unless the run is
+   started again with ``--retry-failed`` (:func:`pending_rows`).
+
+A store write error (:class:`~daskgen.errors.StoreWriteError`) is not retried: the run stops,
+keeping every partition committed before it.  The tested cases: ``docs/reliability.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -17,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from daskgen import store
+from daskgen import store, tunables
 from daskgen.admission import WindowBoard
 from daskgen.agents import create_agent
 from daskgen.commit import CommitBatch, Outcome, commit_overlong
@@ -31,8 +62,9 @@ from daskgen.interrupt import Interrupt, allocation_end
 from daskgen.partition import PartitionResult, PartitionTask, run_partition
 from daskgen.plugin import RESOURCE
 from daskgen.progress import Progress
+from daskgen.redaction import redact
 from daskgen.scan_cache import ATTR, load_scan, scan_key, scan_record
-from daskgen.stopping import CAP_REFRESH_S, abandon, begin_stop, check_interrupt, housekeeping, stop_reason, wait_s
+from daskgen.stopping import abandon, begin_stop, check_interrupt, housekeeping, stop_reason, wait_s
 from daskgen.tokenizer import load_tokenizer, tokenizer_identity
 
 logger = logging.getLogger(__name__)
@@ -114,6 +146,7 @@ class Plan:
     first_partitions: list[int] = dataclasses.field(default_factory=list)  # dispatched first (dispatch.py)
     partial_starts: set[int] = dataclasses.field(default_factory=set)  # partitions left with partial responses
     generating_since: float | None = None
+    aborts: dict[int, int] = dataclasses.field(default_factory=dict)  # row -> times requeued after an abort
 
 
 def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) -> Plan:
@@ -166,18 +199,6 @@ def _store_attrs(config: RunConfig, pset: InputScan, tokenizer: Any) -> dict[str
         "simulated": resolve_engine_class(config.engine).is_simulated(config.engine_args),
         "versions": package_versions(),
     }
-
-
-SECRET_KEY = re.compile(r"(^|[_-])(api[_-]?key|key|token|secret|password|passwd|auth|authorization|credentials?)$")
-
-
-def redact(obj: Any) -> Any:
-    """Replace values whose key looks secret (``api_key``, ``hf_token``, ...) with ``"***"`` (recursively)."""
-    if isinstance(obj, dict):
-        return {k: "***" if SECRET_KEY.search(str(k).lower()) and v else redact(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [redact(v) for v in obj]
-    return obj
 
 
 def pending_rows(plan: Plan) -> np.ndarray:
@@ -290,11 +311,7 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
     :mod:`daskgen.admission`; on an adaptive cluster at least enough to keep ``max_workers`` busy so
     the cluster scales up), at most ``max_prompts_in_memory`` prompts' worth.
 
-    Retry and failure policy, in order: a failed partition task is retried by Dask
-    (``max_retries``); then its rows are retried one at a time (``isolate``) and only rows that still
-    fail are marked failed; a crashed or hung engine is restarted in place by its plugin and the rows
-    it aborted are requeued (continuing their stored partial responses); failed rows are regenerated
-    only by a later run with ``--retry-failed``.
+    Failures are handled as the module docstring's retry and failure policy says.
     """
     from daskgen.cluster import check_engines, start_engines
 
@@ -314,7 +331,7 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
     try:
         with Progress(n_pending, enabled=plan.config.progress) as bar:
             while True:
-                if time.monotonic() - refreshed > CAP_REFRESH_S:  # workers joined, left or restarted
+                if time.monotonic() - refreshed > tunables.seconds("cap-refresh-interval"):  # workers joined/left
                     board.refresh()
                     refreshed = time.monotonic()
                 cap = in_flight_target(plan, board, info)
@@ -374,10 +391,13 @@ def _collect_ready(plan: Plan, done: Completions, futures: dict[Any, PartitionTa
             if result is None:  # retried enough as a whole: retry its rows one by one
                 retry.append(dataclasses.replace(task, isolate=True))
                 continue
+            given_up: dict[int, str] = {}
             if result.aborted and plan.stopped is None:  # aborted by an engine restart or a drain, not a stop
-                retry.append(_only_rows(task, result.aborted))
+                again, given_up = _requeue_aborted(plan, result.aborted)
+                if again:
+                    retry.append(_only_rows(task, again))
             finished = [r for r in result.rows if r not in result.failed and r not in result.aborted]
-            failed = {r: m for r, m in result.failed.items() if r not in result.aborted}
+            failed = {r: m for r, m in result.failed.items() if r not in result.aborted} | given_up
             outcomes.append(Outcome(task.start, task.stop, finished, failed, result.notes))
             generated += len(finished) + len(failed)
             tokens += result.response_tokens
@@ -386,6 +406,24 @@ def _collect_ready(plan: Plan, done: Completions, futures: dict[Any, PartitionTa
     finally:
         batch.add(outcomes)
     return generated, tokens
+
+
+def _requeue_aborted(plan: Plan, rows: list[int]) -> tuple[list[int], dict[int, str]]:
+    """Split aborted rows into those requeued again and those aborted too often (row -> error)."""
+    limit = int(tunables.get("abort-requeue-limit"))
+    again, given_up = [], {}
+    for r in rows:
+        plan.aborts[r] = plan.aborts.get(r, 0) + 1
+        if plan.aborts[r] <= limit:
+            again.append(r)
+        else:
+            given_up[r] = (f"aborted {plan.aborts[r]} times in this run (its engine restarted or its worker left "
+                           f"each time; daskgen.abort-requeue-limit is {limit}); its stored tokens are kept: "
+                           "rerun with --retry-failed to continue it")
+    if given_up:
+        logger.warning("%d row(s) aborted more than %d times are committed failed (first: row %d)",
+                       len(given_up), limit, min(given_up))
+    return again, given_up
 
 
 def _count_partial(plan: Plan, result: PartitionResult) -> None:
@@ -476,7 +514,7 @@ def generate(prompts: str | Path | Sequence[Any], *, model: str, store: str | Pa
     ``prompts`` is a JSONL/Parquet path or a list of rows (dicts with ``messages`` or
     ``prompt``, or plain strings).  ``options`` are :class:`RunConfig` fields.
     """
-    from daskgen.store import open_store
+    from daskgen.analysis import open_store
 
     source = None if isinstance(prompts, (str, Path)) else prompts
     config = RunConfig.from_dict({**options, "model": str(model), "store": str(store),

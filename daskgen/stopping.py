@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from daskgen import store
+from daskgen import store, tunables
 
 if TYPE_CHECKING:
     from daskgen.partition import PartitionTask
@@ -20,15 +20,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Longest single wait for finished partitions before the runner looks again (seconds).
-CAP_REFRESH_S = 5.0
-
-
 def wait_s(plan: Plan) -> float:
-    """How long one wait for finished partitions may block."""
+    """How long one wait for finished partitions may block (at most ``daskgen.cap-refresh-interval``)."""
+    refresh = tunables.seconds("cap-refresh-interval")
     if plan.collect_until is None:
-        return CAP_REFRESH_S
-    return max(0.0, min(CAP_REFRESH_S, plan.collect_until - time.monotonic()))
+        return refresh
+    return max(0.0, min(refresh, plan.collect_until - time.monotonic()))
 
 
 def abandon(client: Any, plan: Plan, futures: dict[Any, PartitionTask]) -> None:

@@ -1,4 +1,10 @@
-"""The Zarr v3 store (layout v1, see DESIGN.md): creation, compatibility, region writes, commits.
+"""The Zarr v3 store: its layout, creation, compatibility, region writes, commits.
+
+This module alone owns the layout (``docs/architecture.md``): every array's shape, chunks,
+dtype, fill value, dimensions and writer (:class:`ArraySpec`, :meth:`Layout.array_specs`), the
+worker-writable arrays derived from it (:meth:`Layout.data_arrays`) and the fill rules
+(:func:`empty_region`, :func:`clear_response`).  Opening a store for analysis
+(:func:`daskgen.analysis.open_store`) lives with the xarray accessor.
 
 Workers write whole chunk-aligned regions of the data arrays; only the client writes
 ``status`` and ``error`` (coarse chunks), after the data landed.  ``status`` is the checkpoint.
@@ -11,12 +17,13 @@ import datetime as _dt
 import json
 import warnings
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from daskgen import tunables
 from daskgen.engines.base import FINISH_FLAG_MEANINGS, FINISH_FLAG_VALUES
 from daskgen.errors import StoreError, StoreMismatchError, StoreWriteError
 from daskgen.storage import StoreLocation, locate, write_failures
@@ -26,27 +33,59 @@ SCHEMA_VERSION = 1
 SCHEMA_VERSION_TRAJECTORIES = 2
 SCHEMA_VERSIONS = (SCHEMA_VERSION, SCHEMA_VERSION_TRAJECTORIES)
 PENDING, DONE, FAILED = 0, 1, 2
-#: Rows per chunk of the client-written, per-prompt arrays (status, error, coordinates).
-COARSE_CHUNK = 65536
 ATTRS_KEY = "daskgen"
 COORDS = "prompt_index prompt_id"
 #: A store: a local path, an object-storage URL (``s3://bucket/run.zarr``) or a :class:`StoreLocation`.
 Where = str | Path | StoreLocation
 
-#: Extra worker-written arrays of runs with a verifier.
-SCORE_ARRAYS = ("score", "samples_used")
-# Arrays written by workers, one region per partition.
-DATA_ARRAYS = (
-    "prompt_ids",
-    "prompt_length",
-    "response_ids",
-    "response_length",
-    "response_mask",
-    "logprobs",
-    "finish_reason",
-    "num_turns",
-    "continued_tokens",
-)
+def coarse_chunk() -> int:
+    """Rows per chunk of the client-written, per-prompt arrays (status, error, coordinates) of new
+    stores: the Dask config ``daskgen.coarse-chunk``."""
+    return int(tunables.get("coarse-chunk"))
+
+
+def client_written_arrays() -> frozenset[str]:
+    """Names of the arrays only the client writes (coordinates and the commit record), in every layout."""
+    layout = Layout(1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True)
+    return frozenset(name for name, spec in layout.array_specs().items() if not spec.worker_written)
+
+
+#: Fill value of ``finish_reason`` for a sample that was not generated.
+NOT_GENERATED = -1
+#: Who writes an array, by :attr:`ArraySpec.role`: the client (at creation, or when committing) or
+#: the workers (one chunk-aligned region per partition).
+CLIENT_ROLES = ("coordinate", "commit")
+WORKER_ROLES = ("prompt", "response", "sample")
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """One array of the store layout.
+
+    Attributes
+    ----------
+    shape, chunks, dtype, fill, dims:
+        Zarr shape, chunk shape, dtype (``"str"`` for variable-length strings), fill value and
+        dimension names.
+    role:
+        ``"coordinate"`` (``prompt_index``, ``prompt_id``: written at creation), ``"commit"``
+        (``status``, ``error``, ``committed_at``: the client's commit record), ``"prompt"`` (per
+        prompt, worker-written), ``"response"`` (one trajectory's response: cleared together, and
+        given a ``trajectory`` axis in schema v2) or ``"sample"`` (per-sample extras: verifier
+        scores, trajectory counts).
+    """
+
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    dtype: str
+    fill: Any
+    dims: tuple[str, ...]
+    role: str
+
+    @property
+    def worker_written(self) -> bool:
+        """Whether workers write this array (one region per partition); else only the client does."""
+        return self.role in WORKER_ROLES
 
 
 @dataclass(frozen=True)
@@ -68,53 +107,76 @@ class Layout:
         return SCHEMA_VERSION if self.n_trajectories == 1 else SCHEMA_VERSION_TRAJECTORIES
 
     def data_arrays(self) -> tuple[str, ...]:
-        """Worker-written arrays of this layout."""
-        return (DATA_ARRAYS + (("num_trajectories",) if self.n_trajectories > 1 else ())
-                + (SCORE_ARRAYS if self.scored else ()))
+        """Worker-written arrays of this layout (from :meth:`array_specs`)."""
+        return tuple(name for name, spec in self.array_specs().items() if spec.worker_written)
 
     def partitions(self) -> range:
         """Start rows of every partition."""
         return range(0, self.n_prompts, self.partition_size)
 
-    def array_specs(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], str, Any, list[str]]]:
-        """name -> (shape, chunks, dtype, fill_value, dimension_names)."""
+    def array_specs(self) -> dict[str, ArraySpec]:
+        """Every array of the layout, by name."""
         n, s, p, r, rows = (self.n_prompts, self.n_samples, self.max_prompt_tokens, self.max_new_tokens,
                             self.partition_size)
-        coarse = (min(COARSE_CHUNK, n),)
+        coarse = (min(coarse_chunk(), n),)
+        per_prompt, per_sample = ("prompt",), ("prompt", "sample")
+        per_token = ("prompt", "sample", "response_position")
         specs = {
-            "prompt_index": ((n,), coarse, "int64", -1, ["prompt"]),
-            "prompt_id": ((n,), coarse, "str", "", ["prompt"]),
-            "status": ((n,), coarse, "int8", PENDING, ["prompt"]),
-            "error": ((n,), coarse, "str", "", ["prompt"]),
-            "committed_at": ((n,), coarse, "float64", float("nan"), ["prompt"]),
-            "prompt_ids": ((n, p), (rows, p), "int32", self.pad_token_id, ["prompt", "prompt_position"]),
-            "prompt_length": ((n,), (rows,), "int32", 0, ["prompt"]),
-            "response_ids": ((n, s, r), (rows, s, r), "int32", self.pad_token_id,
-                             ["prompt", "sample", "response_position"]),
-            "response_length": ((n, s), (rows, s), "int32", 0, ["prompt", "sample"]),
-            "response_mask": ((n, s, r), (rows, s, r), "uint8", 0, ["prompt", "sample", "response_position"]),
-            "logprobs": ((n, s, r), (rows, s, r), "float32", float("nan"),
-                         ["prompt", "sample", "response_position"]),
-            "finish_reason": ((n, s), (rows, s), "int8", -1, ["prompt", "sample"]),
-            "num_turns": ((n, s), (rows, s), "int16", 0, ["prompt", "sample"]),
-            "continued_tokens": ((n, s), (rows, s), "int32", 0, ["prompt", "sample"]),
+            "prompt_index": ArraySpec((n,), coarse, "int64", -1, per_prompt, "coordinate"),
+            "prompt_id": ArraySpec((n,), coarse, "str", "", per_prompt, "coordinate"),
+            "status": ArraySpec((n,), coarse, "int8", PENDING, per_prompt, "commit"),
+            "error": ArraySpec((n,), coarse, "str", "", per_prompt, "commit"),
+            "committed_at": ArraySpec((n,), coarse, "float64", float("nan"), per_prompt, "commit"),
+            "prompt_ids": ArraySpec((n, p), (rows, p), "int32", self.pad_token_id, ("prompt", "prompt_position"),
+                                    "prompt"),
+            "prompt_length": ArraySpec((n,), (rows,), "int32", 0, per_prompt, "prompt"),
+            "response_ids": ArraySpec((n, s, r), (rows, s, r), "int32", self.pad_token_id, per_token, "response"),
+            "response_length": ArraySpec((n, s), (rows, s), "int32", 0, per_sample, "response"),
+            "response_mask": ArraySpec((n, s, r), (rows, s, r), "uint8", 0, per_token, "response"),
+            "logprobs": ArraySpec((n, s, r), (rows, s, r), "float32", float("nan"), per_token, "response"),
+            "finish_reason": ArraySpec((n, s), (rows, s), "int8", NOT_GENERATED, per_sample, "response"),
+            "num_turns": ArraySpec((n, s), (rows, s), "int16", 0, per_sample, "response"),
+            "continued_tokens": ArraySpec((n, s), (rows, s), "int32", 0, per_sample, "response"),
         }
         if self.scored:
-            specs["score"] = ((n, s), (rows, s), "float32", float("nan"), ["prompt", "sample"])
-            specs["samples_used"] = ((n,), (rows,), "int16", 0, ["prompt"])
+            specs["score"] = ArraySpec((n, s), (rows, s), "float32", float("nan"), per_sample, "sample")
+            specs["samples_used"] = ArraySpec((n,), (rows,), "int16", 0, per_prompt, "sample")
         return self._with_trajectories(specs) if self.n_trajectories > 1 else specs
 
-    def _with_trajectories(self, specs: dict[str, Any]) -> dict[str, Any]:
-        """Insert a ``trajectory`` axis after ``sample`` in every per-sample array (schema v2)."""
+    def _with_trajectories(self, specs: dict[str, ArraySpec]) -> dict[str, ArraySpec]:
+        """Insert a ``trajectory`` axis after ``sample`` in every response array (schema v2)."""
         t, out = self.n_trajectories, {}
-        for name, (shape, chunks, dtype, fill, dims) in specs.items():
-            if "sample" in dims and name != "score":
-                shape, chunks, dims = (*shape[:2], t, *shape[2:]), (*chunks[:2], t, *chunks[2:]), \
-                    [*dims[:2], "trajectory", *dims[2:]]
-            out[name] = (shape, chunks, dtype, fill, dims)
+        for name, spec in specs.items():
+            if spec.role == "response":
+                spec = replace(spec, shape=(*spec.shape[:2], t, *spec.shape[2:]),
+                               chunks=(*spec.chunks[:2], t, *spec.chunks[2:]),
+                               dims=(*spec.dims[:2], "trajectory", *spec.dims[2:]))
+            out[name] = spec
         n, s, rows = self.n_prompts, self.n_samples, self.partition_size
-        out["num_trajectories"] = ((n, s), (rows, s), "int16", 0, ["prompt", "sample"])
+        out["num_trajectories"] = ArraySpec((n, s), (rows, s), "int16", 0, ("prompt", "sample"), "sample")
         return out
+
+
+#: Worker-written arrays of the plain layout (v1, no verifier).
+DATA_ARRAYS = Layout(1, 1, 1, 1, 1, 0).data_arrays()
+#: Every array a worker may write, in any layout.
+WORKER_ARRAYS = Layout(1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True).data_arrays()
+#: Extra worker-written arrays of runs with a verifier.
+SCORE_ARRAYS = ("score", "samples_used")
+
+
+def empty_region(layout: Layout, n_rows: int) -> dict[str, np.ndarray]:
+    """Fill-valued arrays for ``n_rows`` rows of every data array."""
+    specs = layout.array_specs()
+    return {name: np.full((n_rows, *specs[name].shape[1:]), specs[name].fill, dtype=specs[name].dtype)
+            for name in layout.data_arrays()}
+
+
+def clear_response(region: dict[str, np.ndarray], index: tuple[int, ...], layout: Layout) -> None:
+    """Reset one sample's (or trajectory's) response arrays in ``region`` to their fill values."""
+    for name, spec in layout.array_specs().items():
+        if spec.role == "response":
+            region[name][index] = spec.fill
 
 
 _VARIABLE_ATTRS: dict[str, dict[str, Any]] = {
@@ -191,12 +253,12 @@ def add_missing_arrays(path: Where, layout: Layout) -> list[str]:
     return missing
 
 
-def _create_array(group: Any, name: str, spec: tuple) -> None:
-    shape, chunks, dtype, fill, dims = spec
-    extra = {} if name in ("prompt_index", "prompt_id") else {"coordinates": COORDS}
+def _create_array(group: Any, name: str, spec: ArraySpec) -> None:
+    extra = {} if spec.role == "coordinate" else {"coordinates": COORDS}
     group.create_array(
-        name, shape=shape, chunks=chunks, dtype=str if dtype == "str" else dtype, fill_value=fill,
-        dimension_names=dims, compressors=_compressors(), attributes={**_VARIABLE_ATTRS[name], **extra},
+        name, shape=spec.shape, chunks=spec.chunks, dtype=str if spec.dtype == "str" else spec.dtype,
+        fill_value=spec.fill, dimension_names=list(spec.dims), compressors=_compressors(),
+        attributes={**_VARIABLE_ATTRS[name], **extra},
     )
 
 
@@ -289,6 +351,11 @@ class StatusWriter:
         self.path = path
         self.arrays = {name: _array(path, name, "r+") for name in ("committed_at", "error", "status")}
 
+    @property
+    def chunk_rows(self) -> int:
+        """Rows per chunk of this store's ``status`` (``daskgen.coarse-chunk`` when it was created)."""
+        return int(self.arrays["status"].chunks[0])
+
     def commit(self, start: int, status: np.ndarray, errors: list[str] | None,
                committed_at: np.ndarray | None = None) -> None:
         """Like :func:`commit`; a range covering whole coarse chunks is written without reading them."""
@@ -304,8 +371,8 @@ class StatusWriter:
 def write_region(path: Where, start: int, arrays: dict[str, np.ndarray]) -> None:
     """Worker side: overwrite one chunk-aligned row region of each given data array."""
     for name, values in arrays.items():
-        if name not in DATA_ARRAYS + ("num_trajectories",) + SCORE_ARRAYS:
-            raise StoreError(f"workers may only write data arrays {DATA_ARRAYS}, not {name!r}")
+        if name not in WORKER_ARRAYS:
+            raise StoreError(f"workers may only write data arrays {WORKER_ARRAYS}, not {name!r}")
         with _write_errors(path, f"writing {name} rows {start}..{start + len(values) - 1}"):
             _array(path, name, "r+")[start : start + len(values)] = values
 
@@ -347,27 +414,3 @@ def append_run(path: Where, record: dict[str, Any]) -> None:
     runs.append({**record, "finished": _dt.datetime.now(_dt.timezone.utc).isoformat()})
     update_attrs(path, runs=runs)
 
-
-def open_store(path: Where):
-    """Open a store lazily as an ``xarray.Dataset`` (also while a run is writing it).
-
-    Registers the ``ds.daskgen`` accessor (:mod:`daskgen.analysis`) and adds a lazy ``finish_label``
-    variable (``finish_reason`` decoded to ``stop``/``length``/``abort``/``error``/``not_generated``).
-    """
-    import xarray as xr
-
-    import daskgen.analysis  # noqa: F401 - registers ds.daskgen
-
-    loc = locate(path)
-    attrs = read_attrs(loc)
-    if attrs is None:
-        raise StoreError(
-            f"{loc.url!r} is not a daskgen store (no {ATTRS_KEY!r} attrs in its zarr.json); "
-            "pass the --store path of a daskgen run."
-        )
-    # packed stores (daskgen pack): one dask chunk per shard reads each shard file once
-    rows = (attrs.get("packed") or {}).get("read_rows")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ds = xr.open_zarr(loc.zarr_store(read_only=True), chunks={"prompt": rows} if rows else {})
-    return ds.daskgen.labelled()

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import xarray as xr
 
-import daskgen.analysis  # noqa: F401 - registers ds.daskgen
 from daskgen import store
+from daskgen.analysis import open_store
 from daskgen.data import fingerprint, tokenize_rows
 from daskgen.engines.base import FinishReason
 from daskgen.errors import StoreError, StoreMismatchError
@@ -146,7 +146,7 @@ def test_importing_analysis_loads_no_torch_or_matplotlib():
 
 
 def test_open_store_adds_labels_and_plain_xarray_still_opens(truth):
-    ds = store.open_store(truth.path)
+    ds = open_store(truth.path)
     labels = ds.finish_label.values
     assert labels[1, 0] == "error" and set(np.unique(labels)) <= {"stop", "length", "error", "not_generated"}
     codes = truth.arrays["finish_reason"]
@@ -154,11 +154,11 @@ def test_open_store_adds_labels_and_plain_xarray_still_opens(truth):
     plain = xr.open_zarr(truth.path)
     assert "finish_label" not in plain and plain.daskgen.counts() == ds.daskgen.counts()
     with pytest.raises(StoreError, match="not a daskgen store"):
-        store.open_store(truth.path / "status")
+        open_store(truth.path / "status")
 
 
 def test_counts_and_done_rows_are_a_lazy_selection(truth):
-    acc = store.open_store(truth.path).daskgen
+    acc = open_store(truth.path).daskgen
     assert acc.counts() == {"pending": 2, "done": 7, "failed": 1, "total": 10}
     assert acc.rows("done").tolist() == [0, 1, 2, 3, 4, 6, 7] and acc.rows("failed").tolist() == [5]
     done = acc.done()
@@ -176,7 +176,7 @@ def _expected_lengths(truth: Truth) -> dict[str, np.ndarray]:
 
 
 def test_length_histogram_and_stats_count_done_rows_only(truth):
-    acc = store.open_store(truth.path).daskgen
+    acc = open_store(truth.path).daskgen
     hist = acc.length_histogram()
     expected = _expected_lengths(truth)
     for label, values in expected.items():
@@ -195,7 +195,7 @@ def test_length_histogram_and_stats_count_done_rows_only(truth):
 
 
 def test_totals_and_tokens_per_prompt(truth):
-    acc = store.open_store(truth.path).daskgen
+    acc = open_store(truth.path).daskgen
     done = truth.status == store.DONE
     totals = acc.totals()
     assert totals["samples"] == 21 and totals["generated"] == 20
@@ -207,25 +207,25 @@ def test_totals_and_tokens_per_prompt(truth):
 
 
 def test_throughput_bins_commit_times(truth):
-    frame = store.open_store(truth.path).daskgen.throughput(bin_seconds=60)
+    frame = open_store(truth.path).daskgen.throughput(bin_seconds=60)
     tokens = truth.arrays["response_length"].sum(axis=1)
     first, second = [0, 1, 2, 3], [4, 6, 7]
     assert frame["prompts"].tolist() == [4, 3]
     assert frame["tokens"].tolist() == [tokens[first].sum(), tokens[second].sum()]
     assert frame["prompts_per_min"].tolist() == [4.0, 3.0] and frame.attrs["bin_seconds"] == 60
     assert frame["start"][0].timestamp() == pytest.approx(T0)
-    auto = store.open_store(truth.path).daskgen.throughput()
+    auto = open_store(truth.path).daskgen.throughput()
     assert auto["prompts"].sum() == 7 and auto.attrs["bin_seconds"] in (2.0, 5.0)
 
 
 def test_nothing_done_gives_empty_statistics(tmp_path):
-    acc = store.open_store(build_store(tmp_path, done={}).path).daskgen
+    acc = open_store(build_store(tmp_path, done={}).path).daskgen
     assert acc.counts()["done"] == 0 and acc.length_histogram().sum() == 0
     assert acc.length_stats().empty and acc.throughput().empty
 
 
 def test_pass_rates_count_generated_samples_and_unbiased_pass_at_k(truth):
-    ds = store.open_store(truth.path)
+    ds = open_store(truth.path)
     scores = np.random.default_rng(1).random((10, 3))
     ds["score"] = (("prompt", "sample"), scores)
     out = ds.daskgen.pass_rates(threshold=0.5, ks=(1, 2, 3))
@@ -246,20 +246,20 @@ def test_pass_rates_count_generated_samples_and_unbiased_pass_at_k(truth):
 
 
 def test_texts_decode_with_the_stores_tokenizer(truth):
-    frame = store.open_store(truth.path).daskgen.texts()
+    frame = open_store(truth.path).daskgen.texts()
     assert len(frame) == 20 and frame["prompt_index"].tolist() == [k[0] for k in truth.units()]
     for row in frame.itertuples():
         assert row.prompt == truth.prompt_texts[row.prompt_index]
         assert row.response == truth.response_texts[(row.prompt_index, row.sample)]
     assert frame.loc[(frame.prompt_index == 1) & (frame["sample"] == 0), "finish_reason"].item() == "error"
-    assert len(store.open_store(truth.path).daskgen.texts(rows=[8], limit=1)) == 3
+    assert len(open_store(truth.path).daskgen.texts(rows=[8], limit=1)) == 3
 
 
 def test_decoding_refuses_a_different_tokenizer(truth):
     attrs = store.read_attrs(truth.path)
     store.update_attrs(truth.path, tokenizer={**attrs["tokenizer"], "vocab_size": 32000})
     with pytest.raises(StoreMismatchError, match="vocab_size: store has 32000"):
-        store.open_store(truth.path).daskgen.texts(limit=1)
+        open_store(truth.path).daskgen.texts(limit=1)
 
 
 def test_texts_with_a_real_hugging_face_tokenizer(tmp_path, tiny_model):
@@ -267,10 +267,10 @@ def test_texts_with_a_real_hugging_face_tokenizer(tmp_path, tiny_model):
 
     hf = AutoTokenizer.from_pretrained(tiny_model)
     truth = build_store(tmp_path)
-    ds = store.open_store(truth.path)
+    ds = open_store(truth.path)
     store.update_attrs(truth.path, tokenizer=tokenizer_identity(hf),
                        identity={**ds.daskgen.attrs["identity"], "model": str(tiny_model), "engine": "transformers"})
-    frame = store.open_store(truth.path).daskgen.texts(limit=2, skip_special_tokens=False)
+    frame = open_store(truth.path).daskgen.texts(limit=2, skip_special_tokens=False)
     ids = truth.arrays["response_ids"][0, 0, : truth.arrays["response_length"][0, 0]]
     prompt = truth.arrays["prompt_ids"][0, : truth.arrays["prompt_length"][0]]
     assert frame.response[0] == hf.decode(ids) and frame.prompt[0] == hf.decode(prompt)
@@ -278,7 +278,7 @@ def test_texts_with_a_real_hugging_face_tokenizer(tmp_path, tiny_model):
 
 def test_trajectory_axis_counts_only_real_trajectories(tmp_path):
     truth = build_store(tmp_path, trajectories=3)
-    ds = store.open_store(truth.path)
+    ds = open_store(truth.path)
     assert ds.attrs["daskgen"]["schema_version"] == 2 and "trajectory" in ds.response_ids.dims
     real = int(truth.arrays["num_trajectories"][truth.status == store.DONE].sum())
     assert ds.daskgen.totals()["generated"] == real == len(truth.units())
@@ -290,7 +290,7 @@ def test_trajectory_axis_counts_only_real_trajectories(tmp_path):
 
 
 def test_raw_prompts_stream_from_the_matching_input(truth, tmp_path):
-    acc = store.open_store(truth.path).daskgen
+    acc = open_store(truth.path).daskgen
     assert acc.input_path() == truth.input_path
     assert [json.loads(p)[0]["content"] for p in acc.raw_prompts(rows=[3, 1])] == ["prompt 1", "prompt 3"]
     other = tmp_path / "other.jsonl"

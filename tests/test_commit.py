@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dask
 import numpy as np
 import pytest
 
@@ -13,7 +14,8 @@ from daskgen.runner import Plan
 
 @pytest.fixture
 def plan(tmp_path, monkeypatch):
-    monkeypatch.setattr(store, "COARSE_CHUNK", 16)  # small coarse chunks: 4 partitions of 4 rows each
+    # small coarse chunks: 4 partitions of 4 rows each
+    monkeypatch.setitem(dask.config.config["daskgen"], "coarse-chunk", 16)
     layout = store.Layout(n_prompts=40, n_samples=1, max_prompt_tokens=4, max_new_tokens=4, partition_size=4,
                           pad_token_id=0)
     path = tmp_path / "s.zarr"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
+import dask
 import pytest
 
-from daskgen import completions
 from daskgen.completions import Completions
 
 
@@ -42,7 +42,7 @@ def test_results_and_failures_come_back_with_their_futures(client):
 
 @pytest.mark.timeout(60)
 def test_nothing_ready_returns_empty_after_the_wait_and_checks_engines(client, monkeypatch):
-    monkeypatch.setattr(completions, "ENGINE_CHECK_INTERVAL_S", 0.0)
+    monkeypatch.setitem(dask.config.config["daskgen"], "engine-check-interval", 0.0)
     checks = []
     done = Completions(check_engines=lambda: checks.append(1))
     slow = client.submit(time.sleep, 5, pure=False)
@@ -55,7 +55,7 @@ def test_nothing_ready_returns_empty_after_the_wait_and_checks_engines(client, m
 @pytest.mark.timeout(60)
 def test_a_finished_future_never_delivered_is_fetched_directly(client, monkeypatch):
     """As when as_completed's background fetch failed: the future is done but never queued."""
-    monkeypatch.setattr(completions, "UNDELIVERED_S", 0.0)
+    monkeypatch.setitem(dask.config.config["daskgen"], "undelivered-after", 0.0)
     done = Completions()
     lost = client.submit(sum, [2, 3], pure=False)  # not added: as_completed will never deliver it
     lost.result()

@@ -40,7 +40,8 @@ import pytest
 
 from daskgen.engines import create_engine
 from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
-from daskgen.engines.http_server import free_port, redact_url, server_flags, split_base_url
+from daskgen.engines.http_client import split_base_url
+from daskgen.engines.http_server import free_port, server_flags
 from daskgen.engines.openai import (
     OpenAIEngine,
     _apply_limits,
@@ -49,6 +50,7 @@ from daskgen.engines.openai import (
     openai_payload,
 )
 from daskgen.errors import ConfigError, EngineError
+from daskgen.redaction import redact_url
 from daskgen.testing.conformance import EngineConformance, EventLoopThread
 
 SECRET = "sk-daskgen-planted-secret-8d1f0c"

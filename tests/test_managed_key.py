@@ -20,7 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from daskgen.engines.http_server import HTTPClient, ManagedServer, new_api_key
+from daskgen.engines.http_client import HTTPClient
+from daskgen.engines.http_server import ManagedServer, new_api_key
 from daskgen.errors import ConfigError
 
 DOUBLE = '''#!{python}

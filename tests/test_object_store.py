@@ -19,6 +19,7 @@ import xarray as xr
 import zarr
 
 from daskgen import store
+from daskgen.analysis import open_store
 from daskgen.errors import StoreLockedError
 from daskgen.lock import LOCK_NAME, StoreLock
 from daskgen.storage import LocalLocation, ObjectLocation, locate
@@ -70,7 +71,7 @@ def _objects(bucket: str, endpoint: str) -> dict[str, bytes]:
 
 
 def _same(a, b) -> None:
-    x, y = store.open_store(a), store.open_store(b)
+    x, y = open_store(a), open_store(b)
     for name in COMPARED:
         np.testing.assert_array_equal(x[name].values, y[name].values, err_msg=name)
 
@@ -90,7 +91,7 @@ def test_memory_store_create_commit_read_and_xarray():
     assert store.read_attrs(locate(loc.url))["identity"] == {"model": "m"}, "one process, one memory store per URL"
     store.write_region(loc, 5, {"response_length": np.full((5, 2), 3, "int32")})
     store.commit(loc, 5, np.full(5, store.DONE, "int8"), None)
-    ds = store.open_store(loc)
+    ds = open_store(loc)
     assert ds.status.values.tolist() == [0] * 5 + [1] * 5
     assert int(ds.response_length.sum()) == 30
     with pytest.raises(Exception, match="non-empty location"):

@@ -10,6 +10,7 @@ import zarr
 
 from daskgen import pack as packing
 from daskgen import store
+from daskgen.analysis import open_store
 from daskgen.errors import PackError
 from daskgen.storage import locate
 from tests.conftest import run_cli, write_prompts
@@ -36,7 +37,7 @@ def _run(tmp_path, out, *extra, log="calls.log", expect=0):
 
 
 def _values(path) -> dict[str, np.ndarray]:
-    ds = store.open_store(path)
+    ds = open_store(path)
     return {name: ds[name].values for name in (*COMPARED, "logprobs", "prompt_id", "error")}
 
 

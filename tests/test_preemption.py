@@ -133,9 +133,11 @@ def test_a_second_signal_stops_at_once_and_keeps_what_was_committed(tmp_path):
     assert res.returncode == 0 and "16 done" in res.stdout, res.stdout + res.stderr
 
 
-def _lose_one_of_two_workers(tmp_path: Path, lose) -> tuple[Path, str]:
+def _lose_one_of_two_workers(tmp_path: Path, lose, env: dict[str, str] | None = None,
+                             expect: str = "24 done, 0 failed, 0 pending") -> tuple[Path, str]:
     """Run 24 long prompts on two worker processes; once some are done call ``lose(client)`` (it returns the
-    address of the worker it made leave); the run must complete without that worker.  Returns (store, output)."""
+    address of the worker it made leave); the run must end as ``expect`` without that worker.  Returns
+    (store, output)."""
     import dask
     from distributed import Client, LocalCluster
 
@@ -146,23 +148,18 @@ def _lose_one_of_two_workers(tmp_path: Path, lose) -> tuple[Path, str]:
           LocalCluster(n_workers=2, threads_per_worker=4, processes=True, dashboard_address=":0") as lc,
           Client(lc) as client):
         proc = popen_cli("run", *sim_args(tmp_path, out, *common, "--scheduler-address", lc.scheduler_address,
-                                          log="run.log", step=1.0))
+                                          log="run.log", step=1.0), env=env)
         _wait_for_some_done(out, proc, minimum=2)
         victim = lose(client)
         output, _ = proc.communicate(timeout=240)
-        assert proc.returncode == 0, output
+        assert proc.returncode == (0 if " 0 failed" in expect else 1), output
         assert victim not in client.scheduler_info()["workers"], "the worker left"
-    assert "24 done, 0 failed, 0 pending" in output
+    assert expect in output, output
     return out, output
 
 
 def test_retiring_one_of_two_workers_hands_its_partial_responses_back(tmp_path):
-    def retire(client):
-        victim = sorted(client.scheduler_info()["workers"])[0]
-        client.retire_workers([victim], close_workers=True)
-        return victim
-
-    out, output = _lose_one_of_two_workers(tmp_path, retire)
+    out, output = _lose_one_of_two_workers(tmp_path, _retire_first)
     ds = xr.open_zarr(out)
     continued = ds.continued_tokens.values
     assert (continued > 0).any(), "the retired worker's in-flight responses must be continued, not restarted"
@@ -171,6 +168,30 @@ def test_retiring_one_of_two_workers_hands_its_partial_responses_back(tmp_path):
     rows, samples = np.nonzero(continued > 0)
     assert (ds.response_length.values[rows, samples] >= continued[rows, samples]).all()
     assert np.isin(ds.finish_reason.values[rows, samples], (FinishReason.STOP, FinishReason.LENGTH)).all()
+
+
+def _retire_first(client) -> str:
+    victim = sorted(client.scheduler_info()["workers"])[0]
+    client.retire_workers([victim], close_workers=True)
+    return victim
+
+
+def test_rows_aborted_more_often_than_the_limit_fail_and_retry_failed_continues_them(tmp_path):
+    """daskgen.abort-requeue-limit = 0: the retired worker's aborted rows are committed failed at once (the
+    message says why), and ``--retry-failed`` continues their stored tokens instead of starting over."""
+    out, output = _lose_one_of_two_workers(tmp_path, _retire_first, env={"DASK_DASKGEN__ABORT_REQUEUE_LIMIT": "0"},
+                                           expect="0 pending")
+    status, errors = store.read_status(out), xr.open_zarr(out).error.values
+    failed = np.flatnonzero(status == store.FAILED)
+    assert len(failed) > 0, output
+    assert all("aborted 1 times in this run" in errors[r] and "--retry-failed" in errors[r] for r in failed)
+    kept = xr.open_zarr(out).response_length.values[failed].sum()
+    assert kept > 0, "the aborted rows' tokens stay stored"
+    prompts = tmp_path / "p.jsonl"
+    res = run_cli("run", *sim_args(tmp_path, out, "--prompts", prompts, "--partition-size", "2", "--seed", "4",
+                                   "--window", "3", *LONG, "--retry-failed", log="again.log", step=1.0))
+    assert res.returncode == 0 and "0 failed, 0 pending" in res.stdout, res.stdout + res.stderr
+    assert (xr.open_zarr(out).continued_tokens.values[failed] > 0).any(), "continued, not regenerated"
 
 
 @pytest.mark.slow

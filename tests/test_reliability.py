@@ -13,6 +13,7 @@ import pytest
 import xarray as xr
 
 from daskgen import store
+from daskgen.analysis import open_store
 from daskgen.errors import StoreLockedError
 from daskgen.lock import LOCK_NAME, StoreLock
 from tests.conftest import popen_cli, run_cli, write_prompts
@@ -111,7 +112,7 @@ def test_hung_engine_is_detected_restarted_and_the_run_completes(tmp_path):
     args = sim_args(tmp_path, tmp_path / "out.zarr", "--prompts", prompts, "--partition-size", "4",
                     "--engine-arg", f"hang_once_flag={flag}", "--engine-arg", "hang_after=10",
                     "--config", _yaml(tmp_path, "partition_timeout_s: 3.0\n"), "--no-progress")
-    res = run_cli("run", *args, env={"DASKGEN_HEALTH_TIMEOUT": "2"})
+    res = run_cli("run", *args, env={"DASK_DASKGEN__HEALTH_TIMEOUT": "2s"})
     assert res.returncode == 0, res.stdout + res.stderr
     assert flag.exists(), "the engine must really have hung"
     assert "16 done, 0 failed" in res.stdout
@@ -183,7 +184,7 @@ def test_full_disk_stops_the_run_clearly_and_the_store_resumes(tmp_path):
         assert "No space left on device" in res.stderr and "rerun the same command to resume" in res.stderr
         done_before = store.read_status(mnt / "out.zarr") == store.DONE
         assert 0 < done_before.sum() < 400
-        ds = store.open_store(mnt / "out.zarr")
+        ds = open_store(mnt / "out.zarr")
         assert (ds.response_length.values[done_before] == 256).all(), "every done row has its data"
         subprocess.run(["mount", "-o", "remount,size=64m", str(mnt)], check=True)
         res = run_cli("run", *args[:-2], "--engine-arg", f"log_path={tmp_path / 'b.log'}")
@@ -194,7 +195,7 @@ def test_full_disk_stops_the_run_clearly_and_the_store_resumes(tmp_path):
         kept = set(np.flatnonzero(~done_before).tolist()) - regenerated
         assert kept <= first, "a pending row not regenerated must have been generated (and stored) before"
         assert (store.read_status(mnt / "out.zarr") == store.DONE).all()
-        assert (store.open_store(mnt / "out.zarr").response_length.values == 256).all()
+        assert (open_store(mnt / "out.zarr").response_length.values == 256).all()
     finally:
         subprocess.run(["umount", "-l", str(mnt)])
 

@@ -12,6 +12,7 @@ import pytest
 import xarray as xr
 
 from daskgen import store
+from daskgen.analysis import open_store
 from tests.conftest import popen_cli, run_cli, write_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -118,7 +119,7 @@ def test_reading_while_a_run_writes_shows_finished_rows(tmp_path):
                                                            "1", "--no-progress", step=1.0))
     try:
         done = _wait_for_some_done(out, proc, minimum=4)
-        ds = store.open_store(out)
+        ds = open_store(out)
         status = ds.status.values
         lengths = ds.response_length.values
         assert (status == store.DONE).sum() >= done.sum()
@@ -184,5 +185,5 @@ def test_overlong_prompts_error_or_are_recorded_failed(tmp_path):
     assert res.returncode == 2 and "row 2" in res.stderr and "--skip-overlong" in res.stderr
     res = run_cli("run", *args, "--skip-overlong")
     assert res.returncode == 1 and "1 done, 1 failed" in res.stdout
-    ds = store.open_store(tmp_path / "out.zarr")
+    ds = open_store(tmp_path / "out.zarr")
     assert "more than max_prompt_tokens=128" in str(ds.error.values[1])

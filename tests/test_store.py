@@ -5,6 +5,7 @@ import pytest
 import xarray as xr
 
 from daskgen import store
+from daskgen.analysis import open_store
 from daskgen.errors import StoreError, StoreMismatchError
 
 LAYOUT = store.Layout(n_prompts=10, n_samples=2, max_prompt_tokens=8, max_new_tokens=6, partition_size=4,
@@ -36,7 +37,7 @@ def test_region_write_then_commit(path):
     region = {"response_length": np.full((4, 2), 3, dtype="int32")}
     store.write_region(path, 4, region)
     store.commit(path, 4, np.array([1, 1, 2, 1], dtype="int8"), ["", "", "boom", ""])
-    ds = store.open_store(path)
+    ds = open_store(path)
     assert ds.response_length.values[4:8].tolist() == [[3, 3]] * 4
     assert ds.status.values.tolist() == [0] * 4 + [1, 1, 2, 1] + [0, 0]
     assert ds.error.values[6] == "boom"
@@ -63,7 +64,7 @@ def test_refuses_file_and_foreign_directory(tmp_path):
     with pytest.raises(StoreError, match="not a daskgen store"):
         store.create(tmp_path / "other", LAYOUT, ATTRS, [""] * 10)
     with pytest.raises(StoreError, match="not a daskgen store"):
-        store.open_store(tmp_path / "other")
+        open_store(tmp_path / "other")
 
 
 def test_status_of_a_million_rows_is_coarse_chunked(tmp_path):
@@ -75,3 +76,35 @@ def test_status_of_a_million_rows_is_coarse_chunked(tmp_path):
     assert (status == 1).sum() == 700_000
     # the checkpoint must stay a handful of objects (reopen time is measured in benchmarks/)
     assert 1 <= len(list((p / "status" / "c").iterdir())) <= 16
+
+
+def test_layout_owns_writers_and_fill_rules():
+    v2 = store.Layout(n_prompts=10, n_samples=2, max_prompt_tokens=8, max_new_tokens=6, partition_size=4,
+                      pad_token_id=7, n_trajectories=3, scored=True)
+    specs = v2.array_specs()
+    assert all(isinstance(spec, store.ArraySpec) for spec in specs.values())
+    # the writable list is the layout's worker-written arrays, nothing client-written
+    assert set(v2.data_arrays()) == {n for n, s in specs.items() if s.role in store.WORKER_ROLES}
+    assert not {"status", "error", "committed_at", "prompt_index", "prompt_id"} & set(v2.data_arrays())
+    assert {"score", "samples_used", "num_trajectories"} <= set(v2.data_arrays()) <= set(store.WORKER_ARRAYS)
+    assert set(LAYOUT.data_arrays()) == set(store.DATA_ARRAYS)
+    # schema v2: response arrays gain the trajectory axis, the per-sample score does not
+    assert specs["response_ids"].dims == ("prompt", "sample", "trajectory", "response_position")
+    assert specs["response_ids"].shape == (10, 2, 3, 6) and specs["score"].shape == (10, 2)
+    region = store.empty_region(v2, 4)
+    assert region["response_ids"].shape == (4, 2, 3, 6) and (region["response_ids"] == 7).all()
+    assert (region["finish_reason"] == store.NOT_GENERATED).all() and np.isnan(region["logprobs"]).all()
+    region["response_ids"][1, 0] = 3
+    region["finish_reason"][1, 0] = 0
+    region["num_trajectories"][1, 0] = 2
+    store.clear_response(region, (1, 0), v2)
+    assert (region["response_ids"][1, 0] == 7).all() and (region["finish_reason"][1, 0] == -1).all()
+    assert region["num_trajectories"][1, 0] == 2  # not a response array: kept
+
+
+def test_store_module_does_not_import_analysis():
+    import subprocess
+    import sys
+
+    code = "import sys, daskgen.store; assert 'daskgen.analysis' not in sys.modules and 'xarray' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,7 +1,15 @@
-"""Engine registry: implementations are found by name in the ``daskgen.engines`` entry-point group."""
+"""Engine registry: implementations are found by name in the ``daskgen.engines`` entry-point group.
+
+The built-in engines (``transformers``, ``simulated``, ``sglang``, ``openai``) are registered
+once, as entry points in daskgen's ``pyproject.toml``, exactly like third-party engines; so
+daskgen must be installed (``pip install -e .`` in a source checkout) for them to be found.
+Two distributions registering the same name give a :class:`RuntimeWarning`; the first one found
+(in ``sys.path`` order) is used.
+"""
 
 from __future__ import annotations
 
+import warnings
 from importlib import import_module
 from importlib.metadata import entry_points
 from typing import Any
@@ -29,19 +37,18 @@ __all__ = [
 
 GROUP = "daskgen.engines"
 
-# Built-ins, so a source checkout that was not pip-installed still finds them.
-_BUILTIN = {
-    "transformers": "daskgen.engines.transformers:TransformersEngine",
-    "simulated": "daskgen.engines.simulated:SimulatedEngine",
-    "sglang": "daskgen.engines.sglang:SGLangEngine",
-    "openai": "daskgen.engines.openai:OpenAIEngine",
-}
-
 
 def _targets() -> dict[str, str]:
-    targets = dict(_BUILTIN)
+    """``name -> "module:attr"`` of every registered engine (the first registration of a name wins)."""
+    targets: dict[str, str] = {}
     for ep in entry_points(group=GROUP):
-        targets[ep.name] = ep.value
+        known = targets.get(ep.name)
+        if known is None:
+            targets[ep.name] = ep.value
+        elif known != ep.value:
+            dist = getattr(ep.dist, "name", "an unknown distribution")
+            warnings.warn(f"engine {ep.name!r} is registered twice in the {GROUP!r} entry-point group: using "
+                          f"{known!r}, ignoring {ep.value!r} (from {dist})", RuntimeWarning, stacklevel=3)
     return targets
 
 
@@ -67,6 +74,7 @@ def get_engine_class(name: str) -> type[Engine]:
         raise EngineNotFoundError(
             f"unknown engine {name!r}; registered engines are {sorted(targets)}. "
             f"Third-party engines register under the entry-point group {GROUP!r}."
+            + ("" if targets else " None is registered: install daskgen (`pip install -e .` in a source checkout).")
         )
     module_name, _, attr = targets[name].partition(":")
     try:

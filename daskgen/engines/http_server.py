@@ -1,12 +1,7 @@
-"""HTTP plumbing of the ``openai`` engine: a retrying client and a managed SGLang server.
+"""The managed SGLang server of the ``openai`` engine (``managed=True``): one subprocess per engine.
 
-:class:`HTTPClient` sends JSON and streaming (SSE) requests with retries on 429, 5xx and
-connection errors (``tenacity``: exponential backoff with jitter, ``Retry-After`` honoured) and
-turns failures into messages that never contain the API key.
-
-:class:`ManagedServer` is one ``python -m sglang.launch_server`` subprocess per engine, used by
-the ``openai`` engine with ``managed=True``.  :class:`ManagedServer` picks a free
-loopback port, starts the server in its own process group (so that stopping it also stops
+:class:`ManagedServer` is one ``python -m sglang.launch_server`` subprocess per engine.  It picks
+a free loopback port, starts the server in its own process group (so that stopping it also stops
 the scheduler and detokenizer processes it spawns), waits until ``/health_generate`` answers
 200, and stops the whole group on :meth:`~ManagedServer.stop`.  The server's output goes to a
 log file whose last lines are quoted by every error, so a failed launch says why.
@@ -17,7 +12,8 @@ key of its own (``--api-key``), which the engine's client sends.  The key travel
 (visible to all users in ``ps``), in logs, messages or store attributes.
 
 A server subprocess (unlike an in-process ``sglang.Engine``) also starts from a daemonic Dask
-worker process: ``subprocess`` is allowed where ``multiprocessing`` children are not.
+worker process: ``subprocess`` is allowed where ``multiprocessing`` children are not.  The HTTP
+client that talks to it lives in :mod:`daskgen.engines.http_client`.
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -36,283 +31,23 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from daskgen import tunables
+from daskgen.engines.common import cuda_available
+from daskgen.engines.http_client import httpx, require_http
+from daskgen.engines.sglang_args import launch_kwargs
 from daskgen.errors import ConfigError, EngineError
+from daskgen.redaction import is_secret_key
 
-try:
-    import httpx
-    import tenacity
-except ModuleNotFoundError as _missing:  # an optional extra; the engine says how to install it
-    httpx = tenacity = None  # type: ignore[assignment]
-    MISSING_HTTP = _missing.name
-else:
-    MISSING_HTTP = None
-
-__all__ = ["HTTPClient", "ManagedServer", "RequestFailed", "free_port", "new_api_key", "redact_url", "server_flags",
-           "require_http", "split_base_url", "stream_events"]
+__all__ = ["ManagedServer", "check_server_args", "free_port", "new_api_key", "server_env", "server_flags"]
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
-#: ``server_args`` keys refused because their values are secrets (they would show in ``ps``).
-SECRET_SERVER_ARGS = frozenset({"api_key", "admin_api_key"})
-_POLL_S = 1.0
-#: Seconds sglang gets to exit on SIGTERM, then to have no process left after SIGKILL.
-_STOP_GRACE_S = 5.0
 _TAIL_LINES = 30
-
-# --------------------------------------------------------------------------- HTTP client
-
-_EXCERPT = 300
-_CONNECT_TIMEOUT_S = 10.0
-_MAX_WAIT_S = 60.0
-_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-
-
-class RequestFailed(Exception):
-    """A request failed for good (after any retries); the message holds no secret."""
-
-
-class StatusFailure(RequestFailed):
-    """The server answered with an HTTP error status."""
-
-    def __init__(self, message: str, status: int, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.retry_after = retry_after
-
-
-def require_http() -> None:
-    """Raise :class:`EngineError` with the install hint when ``httpx`` or ``tenacity`` is missing."""
-    if MISSING_HTTP is not None:
-        raise EngineError(f"the openai engine needs the package {MISSING_HTTP!r}: pip install 'daskgen[http]'")
-
-
-def redact_url(url: str | None) -> str | None:
-    """``url`` without user info (``http://user:pw@host`` -> ``http://host``)."""
-    return None if url is None else re.sub(r"//[^/@]*@", "//", url)
-
-
-def split_base_url(base_url: str) -> tuple[str, str]:
-    """``(root, openai_base)``: ``http://h:1/v1`` and ``http://h:1`` both give ``("http://h:1", "http://h:1/v1")``."""
-    root = base_url.rstrip("/")
-    root = root[: -len("/v1")] if root.endswith("/v1") else root
-    return root, root + "/v1"
-
-
-async def stream_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    """The JSON objects of a server-sent-event stream (``data: {...}`` lines) up to ``[DONE]``."""
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[len("data:"):].strip()
-        if data == "[DONE]":
-            return
-        if data:
-            yield json.loads(data)
-
-
-def _transient(exc: BaseException) -> bool:
-    """429, 5xx-style statuses and transport errors (refused, reset, timed out) are worth retrying."""
-    if isinstance(exc, StatusFailure):
-        return exc.status in _TRANSIENT_STATUS
-    return isinstance(exc, httpx.TransportError)
-
-
-def _retry_after(response: httpx.Response) -> float | None:
-    with contextlib.suppress(TypeError, ValueError):
-        return min(_MAX_WAIT_S, max(0.0, float(response.headers.get("retry-after"))))
-    return None
-
-
-class HTTPClient:
-    """JSON and SSE requests to one server, with retries; failures raise :class:`RequestFailed`.
-
-    Parameters
-    ----------
-    base_url:
-        The server (``/v1`` paths go to its OpenAI base, others to its root).
-    api_key_env:
-        Name of the environment variable holding the API key (sent as a bearer token).
-    api_key:
-        The key itself, for servers daskgen started (:attr:`ManagedServer.api_key`); wins over ``api_key_env``.
-    timeout_s, max_connections, max_retries, backoff_s:
-        Read timeout, connection pool size, retries per request and the first backoff.
-    on_retry:
-        Called as ``on_retry(what_failed, retry_number, wait_s)`` before each retry.
-    give_up:
-        Called before each retry; ``True`` stops retrying (e.g. the managed server has died).
-    trust_env:
-        Use proxy settings from the environment (off for loopback servers).
-    """
-
-    def __init__(self, base_url: str, *, api_key_env: str | None = None, api_key: str | None = None,
-                 timeout_s: float = 600.0,
-                 max_connections: int = 128, max_retries: int = 3, backoff_s: float = 0.5,
-                 on_retry: Callable[[str, int, float], None] | None = None,
-                 give_up: Callable[[], bool] = lambda: False, trust_env: bool = True) -> None:
-        require_http()
-        self.root, self.openai_base = split_base_url(base_url)
-        self.where = redact_url(self.root)
-        self.api_key_env, self.timeout_s = api_key_env, timeout_s
-        self._secret = api_key or self._read_key(api_key_env)
-        self._own_key = api_key is not None
-        self.max_retries, self.on_retry, self.give_up = max_retries, on_retry, give_up
-        self._backoff = (tenacity.wait_exponential(multiplier=backoff_s, max=_MAX_WAIT_S)
-                         + tenacity.wait_random(0, backoff_s))
-        headers = {"Authorization": f"Bearer {self._secret}"} if self._secret else {}
-        self._client = httpx.AsyncClient(
-            headers=headers, trust_env=trust_env,
-            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, _CONNECT_TIMEOUT_S)),
-            limits=httpx.Limits(max_connections=max_connections + 8, max_keepalive_connections=max_connections))
-
-    @staticmethod
-    def _read_key(name: str | None) -> str | None:
-        if name is None:
-            return None
-        key = os.environ.get(name, "")
-        if not key.strip():
-            raise EngineError(f"the environment variable {name} (api_key_env) is not set or empty; "
-                              f"export the API key in it on every worker")
-        return key.strip()
-
-    def url(self, path: str) -> str:
-        """Absolute URL of ``path`` (``/v1/...`` relative to the OpenAI base)."""
-        return self.openai_base + path[3:] if path.startswith("/v1/") else self.root + path
-
-    def redact(self, text: str) -> str:
-        """``text`` with the API key (should a server echo it) replaced by ``***``."""
-        return text.replace(self._secret, "***") if self._secret else text
-
-    async def close(self) -> None:
-        """Close the connection pool."""
-        await self._client.aclose()
-
-    # ------------------------------------------------------------------ messages
-
-    def unreachable(self, exc: BaseException) -> str:
-        """Why the server could not be reached, and what to check."""
-        detail = f"{type(exc).__name__}: {str(exc) or 'no detail'}"
-        return self.redact(f"cannot reach the server at {self.where} ({detail}). "
-                           "Check that it is running and listening there, that base_url has the right scheme, "
-                           "host and port, and that this worker can reach it (firewall, proxy settings)")
-
-    def status_message(self, what: str, response: httpx.Response) -> str:
-        """Message for an error status (API-key problems explained)."""
-        if response.status_code in (401, 403):
-            if self._own_key:
-                hint = "the server did not accept the API key daskgen gave it"
-            elif self.api_key_env:
-                hint = f"check the key in the environment variable {self.api_key_env}"
-            else:
-                hint = "the server needs an API key: set api_key_env to the name of the variable holding it"
-            return f"{what} on {self.where}: HTTP {response.status_code}, the server refused the request; {hint}"
-        body = response.text.strip().replace("\n", " ")[:_EXCERPT]
-        return self.redact(f"{what} on {self.where}: HTTP {response.status_code}: {body}")
-
-    # ------------------------------------------------------------------ requests
-
-    async def probe_json(self, path: str, allow_status: tuple[int, ...] = ()) -> tuple[int, Any]:
-        """``GET path`` once, for start-up checks: ``(status, json or None)``; problems raise EngineError."""
-        try:
-            response = await self._client.get(self.url(path))
-        except httpx.HTTPError as exc:
-            raise EngineError(self.unreachable(exc)) from None
-        if response.status_code == 200:
-            with contextlib.suppress(ValueError):
-                return 200, response.json()
-            return 200, None
-        if response.status_code in allow_status:
-            return response.status_code, None
-        raise EngineError(self.status_message(f"GET {path}", response))
-
-    async def post_json(self, path: str, body: dict[str, Any], retry: bool = True) -> Any:
-        """``POST`` ``body`` and return the JSON answer."""
-
-        async def attempt() -> Any:
-            response = await self._client.post(self.url(path), json=body)
-            self._raise_for_status(f"POST {path}", response)
-            return response.json()
-
-        return await self._with_retries(f"POST {path}", attempt, retry)
-
-    async def stream(self, path: str, body: dict[str, Any], on_event: Callable[[dict[str, Any]], str | None],
-                     on_attempt: Callable[[], None] = lambda: None, retry: bool = True) -> str | None:
-        """``POST`` a streaming request; feed each event to ``on_event``; return the last finish reason.
-
-        ``on_attempt`` runs before every attempt (a retry starts over).  A server that answers
-        with plain JSON instead of a stream is handled as a single event.
-        """
-        what = f"POST {path}"
-
-        async def attempt() -> str | None:
-            on_attempt()
-            async with self._client.stream("POST", self.url(path), json=body) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    self._raise_for_status(what, response)
-                if response.headers.get("content-type", "").startswith("application/json"):
-                    await response.aread()
-                    return self._event(what, response.json(), on_event)
-                finish = None
-                async for event in stream_events(response):
-                    finish = self._event(what, event, on_event) or finish
-                return finish
-
-        return await self._with_retries(what, attempt, retry)
-
-    def _event(self, what: str, event: Any, on_event: Callable[[dict[str, Any]], str | None]) -> str | None:
-        if not isinstance(event, dict):
-            raise RequestFailed(self.redact(f"{what} on {self.where}: unexpected event {str(event)[:_EXCERPT]}"))
-        if event.get("error"):
-            error = event["error"]
-            message = error.get("message", error) if isinstance(error, dict) else error
-            raise RequestFailed(self.redact(f"{what} on {self.where}: the server reported: {str(message)[:_EXCERPT]}"))
-        return on_event(event)
-
-    def _raise_for_status(self, what: str, response: httpx.Response) -> None:
-        if response.status_code != 200:
-            raise StatusFailure(self.status_message(what, response), response.status_code, _retry_after(response))
-
-    async def _with_retries(self, what: str, attempt: Callable[[], Awaitable[Any]], retry: bool) -> Any:
-        retries = self.max_retries if retry else 0
-        retrying = tenacity.AsyncRetrying(
-            stop=tenacity.stop_after_attempt(retries + 1), wait=self._wait, reraise=True,
-            retry=tenacity.retry_if_exception(lambda exc: _transient(exc) and not self.give_up()),
-            before_sleep=self._before_sleep(what))
-        try:
-            return await retrying(attempt)
-        except StatusFailure as exc:
-            raise RequestFailed(f"{exc} ({retrying.statistics.get('attempt_number', 1)} attempts)") from None
-        except httpx.HTTPError as exc:
-            attempts = retrying.statistics.get("attempt_number", 1)
-            if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
-                raise RequestFailed(f"{what} on {self.where}: the server sent nothing for {self.timeout_s} s "
-                                    f"(timeout_s; {type(exc).__name__}) ({attempts} attempts)") from None
-            raise RequestFailed(f"{what}: {self.unreachable(exc)} ({attempts} attempts)") from None
-        except (ValueError, KeyError) as exc:  # a malformed answer
-            raise RequestFailed(self.redact(f"{what} on {self.where}: malformed answer ({exc})")) from None
-
-    def _wait(self, state: tenacity.RetryCallState) -> float:
-        """Exponential backoff with jitter, or the server's ``Retry-After`` when that is longer."""
-        server = getattr(state.outcome.exception(), "retry_after", None) if state.outcome else None
-        return min(_MAX_WAIT_S, max(server or 0.0, self._backoff(state)))
-
-    def _before_sleep(self, what: str) -> Callable[[tenacity.RetryCallState], None]:
-        def log(state: tenacity.RetryCallState) -> None:
-            exc = state.outcome.exception() if state.outcome else None
-            reason = str(exc) if isinstance(exc, RequestFailed) else f"{type(exc).__name__}: {exc}"
-            if self.on_retry is not None:
-                wait = state.next_action.sleep if state.next_action else 0.0
-                self.on_retry(self.redact(f"{what} failed ({reason})"), state.attempt_number, wait)
-
-        return log
-
-
-# --------------------------------------------------------------------------- the managed server
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -350,21 +85,11 @@ def check_server_args(server_args: Mapping[str, Any]) -> None:
     if own:
         raise ConfigError(f"openai engine: server_args must not set {own}; daskgen sets the model (its `model`), "
                           f"host ({LOOPBACK}), a free port and a --config file with the server's API key itself")
-    secret = sorted(set(server_args) & SECRET_SERVER_ARGS)
+    secret = sorted(k for k in server_args if is_secret_key(k))  # they would show in `ps`
     if secret:
         raise ConfigError(f"openai engine: server_args must not contain {secret}: daskgen gives every managed "
-                          "server a random API key of its own (in a private file; a command line is visible to "
-                          "every local user)")
-
-
-def _cuda_available() -> bool:
-    from importlib.util import find_spec
-
-    if find_spec("torch") is None:
-        return False
-    import torch
-
-    return bool(torch.cuda.is_available())
+                          "server a random API key of its own (in a private file), and a command line is visible "
+                          "to every local user")
 
 
 class ManagedServer:
@@ -411,8 +136,6 @@ class ManagedServer:
 
     def command(self, port: int, cuda_available: bool) -> list[str]:
         """The ``launch_server`` command line for ``port``."""
-        from daskgen.engines.sglang import launch_kwargs
-
         kwargs = launch_kwargs(self.model, self.server_args, cuda_available)
         kwargs.update(host=LOOPBACK, port=port)
         if self.config_dir is not None:  # the API key, read by sglang as if given as --api-key
@@ -443,7 +166,7 @@ class ManagedServer:
         require_http()
         self.port, self.healthy = free_port(), False
         self._write_key_file()
-        command = self.command(self.port, await asyncio.to_thread(_cuda_available))
+        command = self.command(self.port, await asyncio.to_thread(cuda_available))
         fd, name = tempfile.mkstemp(prefix="daskgen-sglang-server-", suffix=".log")
         self.log_path = Path(name)
         with os.fdopen(fd, "wb") as log:  # Popen on the calling (event loop) thread: see _die_with_parent
@@ -473,7 +196,7 @@ class ManagedServer:
                     raise EngineError(f"the managed sglang server did not become healthy within "
                                       f"{self.start_timeout_s:.0f} s (server_start_timeout_s); "
                                       f"last lines of its log ({self.log_path}):\n{self.log_tail()}")
-                await asyncio.sleep(_POLL_S)
+                await asyncio.sleep(tunables.seconds("http.server-poll-interval"))
 
     def exit_description(self) -> str:
         """``"(pid N) exited with code C; last lines of its log ...: ..."`` for error messages."""
@@ -538,12 +261,13 @@ def _die_with_parent() -> None:
 def _stop_group(process: subprocess.Popen) -> None:
     """SIGTERM the process group of ``process``, SIGKILL what is left after a grace period, and
     wait (up to the grace period) until no process of the group remains."""
+    grace = tunables.seconds("http.server-stop-grace")  # to exit on SIGTERM, then to be gone after SIGKILL
     _signal_group(process.pid, signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=_STOP_GRACE_S)
+        process.wait(timeout=grace)
     _signal_group(process.pid, signal.SIGKILL)  # children may outlive the leader
     process.wait()
-    deadline = time.monotonic() + 2 * _STOP_GRACE_S
+    deadline = time.monotonic() + 2 * grace
     while _signal_group(process.pid, 0) and time.monotonic() < deadline:
         time.sleep(0.1)
 

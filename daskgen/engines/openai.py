@@ -23,6 +23,9 @@
 * The API key comes from the environment variable named by ``api_key_env`` and never appears in
   logs, ``describe()`` or messages.
 
+Wire formats (payloads, answers, streamed events, limits on re-tokenized output) live in
+:mod:`daskgen.engines.openai_protocol`; the HTTP client and the managed server in
+:mod:`daskgen.engines.http_client` and :mod:`daskgen.engines.http_server`.
 Details, limits and the tested servers: ``docs/engines.md`` (HTTP engines).  Engine args:
 :class:`OpenAIArgs`.  Needs ``httpx`` and ``tenacity`` (``pip install 'daskgen[http]'``).
 """
@@ -38,6 +41,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from daskgen import tunables
 from daskgen.engines.base import (
     Engine,
     FinishReason,
@@ -48,20 +52,29 @@ from daskgen.engines.base import (
     parse_engine_args,
     request_error,
 )
-from daskgen.engines.http_server import HTTPClient, ManagedServer, RequestFailed, check_server_args, redact_url
+from daskgen.engines.common import check_number
+from daskgen.engines.http_client import HTTPClient, RequestFailed
+from daskgen.engines.http_server import ManagedServer, check_server_args
+from daskgen.engines.openai_protocol import (
+    _apply_limits,
+    _empty_abort,
+    _finish_reason,
+    _Flight,
+    _take_event,
+    native_payload,
+    native_result,
+    openai_payload,
+)
 from daskgen.engines.openai_vllm import is_vllm_version, take_vllm_event, vllm_completions_payload, vllm_result
 from daskgen.errors import ConfigError, EngineError
+from daskgen.redaction import redact_url
 
 __all__ = ["OpenAIArgs", "OpenAIEngine", "native_payload", "native_result", "openai_payload"]
 
 logger = logging.getLogger(__name__)
 
 APIS = ("auto", "sglang", "vllm", "chat", "completions")
-_FINISH = {"stop": FinishReason.STOP, "eos": FinishReason.STOP, "tool_calls": FinishReason.STOP,
-           "function_call": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-#: Seconds an aborted native request may take to come back before its connection is closed.
-ABORT_GRACE_S = 2.0
 _PING = SamplingParams(max_new_tokens=1, temperature=0.0)
 
 
@@ -118,7 +131,7 @@ class OpenAIArgs:
                 raise ConfigError(f"openai engine: {name} must be a mapping, got {getattr(self, name)!r}")
         for name, low, integer in (("max_concurrency", 1, True), ("max_retries", 0, True), ("backoff_s", 0, False),
                                    ("timeout_s", None, False), ("server_start_timeout_s", None, False)):
-            _check_number(name, getattr(self, name), low, integer)
+            check_number("openai", name, getattr(self, name), low, integer)
         key_env = self.api_key_env
         if key_env is not None and not (isinstance(key_env, str) and _ENV_NAME.match(key_env)):
             raise ConfigError("openai engine: api_key_env must be the NAME of an environment variable holding the "
@@ -141,38 +154,6 @@ class OpenAIArgs:
             raise ConfigError("openai engine: server_args apply to managed servers only (managed=true)")
 
 
-def _check_number(name: str, value: Any, low: float | None, integer: bool) -> None:
-    """``value`` must be a number (an integer if ``integer``) >= ``low``, or > 0 when ``low`` is None."""
-    kinds = (int,) if integer else (int, float)
-    ok = isinstance(value, kinds) and not isinstance(value, bool) and (value > 0 if low is None else value >= low)
-    if not ok:
-        bound = "> 0" if low is None else f">= {low}"
-        raise ConfigError(f"openai engine: {name} must be {'an integer' if integer else 'a number'} {bound}, "
-                          f"got {value!r}")
-
-
-@dataclass
-class _Flight:
-    """One generate() call in progress: what abort() needs and what was streamed so far."""
-
-    rid: str | None = None
-    task: asyncio.Task | None = None
-    aborted: bool = False
-    text: str = ""
-    logprobs: list[float] = field(default_factory=list)
-    tokens: list[str] = field(default_factory=list)
-    ids: list[int] = field(default_factory=list)
-
-    def reset(self) -> None:
-        """Forget partial output (a retry starts over)."""
-        self.text, self.logprobs, self.tokens, self.ids = "", [], [], []
-
-    def cancel(self) -> None:
-        """Close the connection of the request (the server stops generating)."""
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
-
-
 class OpenAIEngine(Engine):
     """Generate through an SGLang-native or OpenAI-compatible HTTP server (see the module docstring)."""
 
@@ -181,11 +162,9 @@ class OpenAIEngine(Engine):
     def __init__(self, model: str, **engine_args: Any) -> None:
         super().__init__(model, **engine_args)
         self.args = parse_engine_args("openai", OpenAIArgs, engine_args)
-        self.supports_seed = False
         self.protocol: str | None = None
+        self._server_seeds = False
         self.model_name: str | None = self.args.model_name
-        self.vocab_size: int | None = None
-        self.max_total_tokens: int | None = None
         self._tokenizer: Any = None
         self._http: HTTPClient | None = None
         self._server: ManagedServer | None = None
@@ -194,6 +173,11 @@ class OpenAIEngine(Engine):
         self._limit = asyncio.Semaphore(self.args.max_concurrency)
         self.concurrency = self.args.max_concurrency
         self.server_capacity: int | None = None
+
+    @property
+    def supports_seed(self) -> bool:
+        """True against vLLM, or an SGLang server with deterministic inference on (known after :meth:`start`)."""
+        return self._server_seeds or self.protocol == "vllm"  # vLLM seeds each request's sampler
 
     @property
     def retokenized(self) -> bool:
@@ -208,7 +192,6 @@ class OpenAIEngine(Engine):
             base_url = await self._start_server() if self.args.managed else self.args.base_url
             self._http = self._client(base_url)
             self.protocol = await self._detect_protocol()
-            self.supports_seed = self.protocol == "vllm"  # vLLM seeds each request's sampler
             await self._check_model()
             await self._load_tokenizer()
             if self.protocol == "sglang":
@@ -286,7 +269,7 @@ class OpenAIEngine(Engine):
         concurrency to keep the server's queue fed unless ``max_concurrency`` was given."""
         status, info = await self._http.probe_json("/get_server_info", allow_status=(404, 405))
         info = info if status == 200 and isinstance(info, dict) else {}
-        self.supports_seed = bool(info.get("enable_deterministic_inference"))
+        self._server_seeds = bool(info.get("enable_deterministic_inference"))
         self.server_capacity = _max_running_requests(info)
         wanted = 2 * (self.server_capacity or 0)
         if "max_concurrency" not in self.engine_args and wanted > self.concurrency:
@@ -388,7 +371,7 @@ class OpenAIEngine(Engine):
             flight.aborted = True
             if self.protocol == "sglang" and flight.rid is not None:
                 await self._post_abort(flight.rid)
-                asyncio.get_running_loop().call_later(ABORT_GRACE_S, flight.cancel)
+                asyncio.get_running_loop().call_later(tunables.seconds("http.abort-grace"), flight.cancel)
             else:
                 flight.cancel()
 
@@ -467,107 +450,6 @@ class OpenAIEngine(Engine):
                     tokenizer=self.args.tokenizer or self.model, engine_args=args, concurrency=self.concurrency,
                     server_max_running_requests=self.server_capacity)
         return info
-
-
-# ---------------------------------------------------------------------- request and response mapping
-
-
-def native_payload(request: GenerationRequest, rid: str, extra_body: dict[str, Any]) -> dict[str, Any]:
-    """The body of SGLang's ``POST /generate`` for ``request``."""
-    params = request.params
-    sampling: dict[str, Any] = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
-                                "top_p": params.top_p, "top_k": params.top_k if params.top_k > 0 else -1}
-    if params.stop_token_ids:
-        sampling["stop_token_ids"] = sorted(set(params.stop_token_ids))
-    if params.seed is not None:
-        sampling["sampling_seed"] = params.seed
-    extra = dict(extra_body)
-    sampling.update(extra.pop("sampling_params", None) or {})
-    return {"input_ids": list(request.prompt_ids), "sampling_params": sampling, "rid": rid,
-            "return_logprob": params.logprobs, "stream": False, **extra}
-
-
-def native_result(request: GenerationRequest, out: Any) -> GenerationResult:
-    """Map SGLang's ``/generate`` answer to a :class:`GenerationResult` (token-exact)."""
-    if not isinstance(out, dict) or not isinstance(out.get("output_ids"), list):
-        return error_result(request, f"unexpected answer from /generate: {str(out)[:300]}")
-    meta = out.get("meta_info") or {}
-    kind = (meta.get("finish_reason") or {}).get("type")
-    reason = _FINISH.get(kind, FinishReason.ERROR)
-    error = None if reason != FinishReason.ERROR else f"server finished with {meta.get('finish_reason')!r}"
-    ids = [int(t) for t in out["output_ids"]]
-    logprobs = None
-    if request.params.logprobs:
-        logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
-        if len(logprobs) != len(ids):
-            return error_result(request, f"server returned {len(logprobs)} logprobs for {len(ids)} tokens")
-    extra = {k: meta[k] for k in ("prompt_tokens", "cached_tokens") if k in meta}
-    return GenerationResult(request.request_id, ids, reason, logprobs, error=error, meta=extra)
-
-
-def openai_payload(api: str, model_name: str | None, prompt: str, request: GenerationRequest,
-                   extra_body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """Path and streaming body of an OpenAI completions or chat request for ``prompt``."""
-    params = request.params
-    body: dict[str, Any] = {"model": model_name, "max_tokens": params.max_new_tokens,
-                            "temperature": params.temperature, "top_p": params.top_p, "stream": True}
-    if params.top_k > 0:
-        body["top_k"] = params.top_k
-    if params.seed is not None:
-        body["seed"] = params.seed
-    if api == "chat":
-        body["messages"] = [{"role": "user", "content": prompt}]
-        if params.logprobs:
-            body["logprobs"] = True
-    else:
-        body["prompt"] = prompt
-        if params.logprobs:
-            body["logprobs"] = 1
-    path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
-    return path, {**body, **extra_body}
-
-
-def _take_event(event: dict[str, Any], flight: _Flight) -> str | None:
-    """Add one streamed chunk to ``flight``; return its finish reason, if it has one."""
-    choices = event.get("choices") or []
-    if not choices:
-        return None
-    choice = choices[0]
-    delta = choice.get("delta") or choice.get("message")  # a stream chunk, or a whole chat answer
-    flight.text += (delta.get("content") or "") if isinstance(delta, dict) else (choice.get("text") or "")
-    logprobs = choice.get("logprobs") or {}
-    if isinstance(logprobs.get("content"), list):  # chat
-        for item in logprobs["content"]:
-            flight.tokens.append(item.get("token", ""))
-            flight.logprobs.append(float(item.get("logprob", math.nan)))
-    elif isinstance(logprobs.get("token_logprobs"), list):  # completions
-        flight.tokens += [str(t) for t in logprobs.get("tokens") or []]
-        flight.logprobs += [math.nan if x is None else float(x) for x in logprobs["token_logprobs"]]
-    return choice.get("finish_reason")
-
-
-def _empty_abort(request: GenerationRequest) -> GenerationResult:
-    return GenerationResult(request.request_id, [], FinishReason.ABORT, [] if request.params.logprobs else None)
-
-
-def _finish_reason(finish: str | None) -> tuple[FinishReason, str | None]:
-    reason = _FINISH.get(finish or "", FinishReason.ERROR)
-    return reason, None if reason != FinishReason.ERROR else f"server finished with {finish!r}"
-
-
-def _apply_limits(ids: list[int], logprobs: list[float] | None, reason: FinishReason,
-                  request: GenerationRequest) -> tuple[list[int], list[float] | None, FinishReason]:
-    """Cut re-tokenized output at the first stop token (kept) or at ``max_new_tokens``."""
-    stops = set(request.params.stop_token_ids)
-    cut = next((i + 1 for i, t in enumerate(ids) if t in stops), None)
-    if cut is not None and cut <= request.params.max_new_tokens and reason != FinishReason.ERROR:
-        reason = FinishReason.STOP
-    else:
-        cut = len(ids)
-    if cut > request.params.max_new_tokens:
-        cut = request.params.max_new_tokens
-        reason = FinishReason.LENGTH if reason != FinishReason.ERROR else reason
-    return ids[:cut], None if logprobs is None else logprobs[:cut], reason
 
 
 def _log_retry(what: str, attempt: int, wait: float) -> None:

@@ -16,9 +16,10 @@ from typing import Any
 
 from daskgen.engines.base import FinishReason, GenerationRequest, GenerationResult, error_result
 
-__all__ = ["is_vllm_version", "vllm_completions_payload", "vllm_result", "take_vllm_event"]
+__all__ = ["FINISH", "is_vllm_version", "vllm_completions_payload", "vllm_result", "take_vllm_event"]
 
-_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+#: vLLM finish reasons (in-process ``RequestOutput`` and the HTTP server alike) -> daskgen's.
+FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
 def is_vllm_version(status: int, info: Any) -> bool:
@@ -59,7 +60,7 @@ def take_vllm_event(event: dict[str, Any], ids: list[int], logprobs: list[float]
 def vllm_result(request: GenerationRequest, ids: list[int], logprobs: list[float], finish: str | None,
                 aborted: bool = False) -> GenerationResult:
     """The :class:`GenerationResult` of a (finished or aborted) vLLM stream."""
-    reason = FinishReason.ABORT if aborted else _FINISH.get(finish or "", FinishReason.ERROR)
+    reason = FinishReason.ABORT if aborted else FINISH.get(finish or "", FinishReason.ERROR)
     lps = list(logprobs) if request.params.logprobs else None
     if lps is not None and len(lps) != len(ids):
         return error_result(request, f"server returned {len(lps)} logprobs for {len(ids)} tokens")

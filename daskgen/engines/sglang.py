@@ -64,8 +64,10 @@ through unchanged (``tp_size``, ``mem_fraction_static``, ``context_length``,
 :class:`~daskgen.errors.ConfigError` listing the valid ones.  Heavy imports (sglang, torch)
 happen inside methods only.
 
-Module layout: this module is the engine (daskgen's contract, request and result translation);
-:mod:`daskgen.engines.sglang_backend` launches and owns the ``sglang.Engine`` (engine args,
+Module layout: this module is the engine (daskgen's contract);
+:mod:`daskgen.engines.sglang_mapping` translates requests and outputs (shared with the HTTP
+engine's native protocol); :mod:`daskgen.engines.sglang_args` holds the engine args (shared with
+the managed HTTP server); :mod:`daskgen.engines.sglang_backend` launches and owns the ``sglang.Engine`` (engine args,
 the engine's thread and loop, subprocess monitoring, shutdown, the ``SIGQUIT`` handler).  Its
 public names are re-exported here.
 """
@@ -76,7 +78,6 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
-from collections.abc import Mapping
 from typing import Any
 
 from daskgen.engines.base import (
@@ -84,27 +85,30 @@ from daskgen.engines.base import (
     FinishReason,
     GenerationRequest,
     GenerationResult,
-    SamplingParams,
     error_result,
     request_error,
 )
-from daskgen.engines.sglang_backend import (
-    _BACKENDS,
+from daskgen.engines.common import bos_or_zero, cuda_available
+from daskgen.engines.sglang_args import (
     _MODEL_PATH_ERROR,
     CPU_DEFAULTS,
+    _is_cpu,
+    check_engine_args,
+    launch_kwargs,
+    server_arg_names,
+)
+from daskgen.engines.sglang_backend import (
+    _BACKENDS,
     _Backend,
     _Closed,
     _Crashed,
-    _cuda_available,
-    _is_cpu,
     _restore_sigquit_handler,
-    check_engine_args,
     install_sigquit_handler,
-    launch_kwargs,
     read_max_running_requests,
-    server_arg_names,
 )
+from daskgen.engines.sglang_mapping import result_from_output, sampling_params_for
 from daskgen.errors import ConfigError, EngineError
+from daskgen.redaction import redact
 
 __all__ = [
     "CPU_DEFAULTS",
@@ -130,51 +134,6 @@ DAEMON_FIX = (
     "or run workers without a nanny (`dask worker --no-nanny`)"
 )
 
-_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
-_SECRET_SUFFIXES = ("key", "key_b", "password", "secret")
-
-
-def _redacted(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """``kwargs`` with values of secret-looking keys replaced (for logs and store attrs)."""
-    return {k: ("<redacted>" if k.endswith(_SECRET_SUFFIXES) and v else v) for k, v in kwargs.items()}
-
-
-# --------------------------------------------------------------------------- requests and results
-
-
-def sampling_params_for(params: SamplingParams) -> dict[str, Any]:
-    """sglang's ``sampling_params`` dict for daskgen's :class:`SamplingParams`.
-
-    ``top_k == 0`` (off) becomes sglang's ``-1``; ``temperature == 0`` is greedy in both.
-    """
-    out: dict[str, Any] = {
-        "max_new_tokens": params.max_new_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k if params.top_k > 0 else -1,
-    }
-    if params.stop_token_ids:
-        out["stop_token_ids"] = sorted(set(params.stop_token_ids))
-    if params.seed is not None:
-        out["sampling_seed"] = params.seed
-    return out
-
-
-def result_from_output(request: GenerationRequest, output: Mapping[str, Any]) -> GenerationResult:
-    """Turn one ``async_generate`` output dict into a :class:`GenerationResult`."""
-    meta = output.get("meta_info") or {}
-    reason = meta.get("finish_reason") or {}
-    kind = reason.get("type") if isinstance(reason, Mapping) else None
-    finish = _FINISH.get(kind, FinishReason.ERROR)
-    tokens = [int(t) for t in output.get("output_ids") or []]
-    logprobs = None
-    if request.params.logprobs:
-        logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
-    error = None if finish != FinishReason.ERROR else f"sglang returned finish_reason {reason!r}"
-    extra = {k: meta[k] for k in ("prompt_tokens", "cached_tokens") if k in meta}
-    return GenerationResult(request.request_id, tokens, finish, logprobs, error=error, meta=extra)
-
-
 # --------------------------------------------------------------------------- the engine
 
 
@@ -195,7 +154,6 @@ class SGLangEngine(Engine):
         super().__init__(model, **engine_args)
         if "model_path" in engine_args:
             raise ConfigError(_MODEL_PATH_ERROR)
-        self.supports_seed = bool(engine_args.get("enable_deterministic_inference", False))
         self._state = "new"
         self._backend: _Backend | None = None
         self._kwargs: dict[str, Any] = {}
@@ -215,7 +173,7 @@ class SGLangEngine(Engine):
                 "crashing sglang subprocess will terminate this process (SIGQUIT's default action)"
             )
         try:
-            self._kwargs = launch_kwargs(self.model, self.engine_args, await asyncio.to_thread(_cuda_available))
+            self._kwargs = launch_kwargs(self.model, self.engine_args, await asyncio.to_thread(cuda_available))
             backend = _Backend(self._kwargs)
             self._backend = backend
             _BACKENDS.add(backend)
@@ -225,7 +183,7 @@ class SGLangEngine(Engine):
             self._state = "failed"
             await self._stop_backend()
             if isinstance(exc, Exception) and not isinstance(exc, (ConfigError, EngineError)):
-                raise EngineError(f"sglang.Engine({_redacted(self._kwargs)}) failed to start: {exc}") from exc
+                raise EngineError(f"sglang.Engine({redact(self._kwargs)}) failed to start: {exc}") from exc
             raise
         self._state = "running"
         logger.info("sglang engine ready: %s", self._backend.info)
@@ -317,9 +275,12 @@ class SGLangEngine(Engine):
 
     def health_token_id(self) -> int:
         """The model's BOS token (or 0)."""
-        bos = self._info("bos_token_id")
-        vocab = self._info("vocab_size") or 1
-        return bos if isinstance(bos, int) and 0 <= bos < vocab else 0
+        return bos_or_zero(self._info("bos_token_id"), self._info("vocab_size"))
+
+    @property
+    def supports_seed(self) -> bool:
+        """sglang honours ``sampling_seed`` only with ``enable_deterministic_inference=True``."""
+        return bool(self.engine_args.get("enable_deterministic_inference", False))
 
     @property
     def sleep_supported(self) -> bool:
@@ -355,6 +316,11 @@ class SGLangEngine(Engine):
         return frozenset(self._info("eos_token_ids") or ())
 
     @property
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary size; known after :meth:`start`."""
+        return self._info("vocab_size")
+
+    @property
     def max_total_tokens(self) -> int | None:
         """Largest prompt plus ``max_new_tokens`` of one request; known after :meth:`start`."""
         context, pool = self._info("context_length"), self._info("max_total_num_tokens")
@@ -372,7 +338,7 @@ class SGLangEngine(Engine):
         info = super().describe()
         info["model"] = self.model
         info["supports_seed"] = self.supports_seed
-        info["engine_args"] = _redacted(self._kwargs or self.engine_args)
+        info["engine_args"] = redact(self._kwargs or self.engine_args)
         if self._backend is not None:
             info.update(self._backend.info)
         return info

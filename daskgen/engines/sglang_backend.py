@@ -3,8 +3,6 @@
 :mod:`daskgen.engines.sglang` is the public engine module (its docstring explains the design);
 this module holds the machinery underneath:
 
-* the ``sglang.Engine`` keyword arguments (:func:`launch_kwargs`, :data:`CPU_DEFAULTS`) and
-  their validation against sglang's ``ServerArgs`` (:func:`check_engine_args`);
 * :class:`_Backend`: the ``sglang.Engine`` created on, and driven from, its own thread and event
   loop (``daskgen-sglang``), the monitor of sglang's subprocesses, request bookkeeping (rids,
   abort), and a shutdown that kills exactly the processes this engine launched, stops sglang's
@@ -23,97 +21,24 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
-import difflib
 import itertools
 import logging
 import os
 import signal
 import threading
 import weakref
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from daskgen.errors import ConfigError
+from daskgen import tunables
+from daskgen.engines.sglang_args import _is_cpu, check_engine_args
 
-__all__ = [
-    "CPU_DEFAULTS",
-    "check_engine_args",
-    "install_sigquit_handler",
-    "launch_kwargs",
-    "server_arg_names",
-]
+__all__ = ["install_sigquit_handler", "read_max_running_requests"]
 
 # The engine's logger, so log configuration and records are the same as before the module split.
 logger = logging.getLogger("daskgen.engines.sglang")
 
 _T = TypeVar("_T")
-
-#: ``sglang.Engine`` options filled in on CPU when ``engine_args`` does not set them.  float32
-#: matches the ``transformers`` engine's CPU default (sglang's ``auto`` would pick float16).
-CPU_DEFAULTS: dict[str, Any] = {"attention_backend": "torch_native", "dtype": "float32", "max_total_tokens": 16384}
-
-_MODEL_PATH_ERROR = "sglang engine: give the model as daskgen's `model`, not as engine_args['model_path']"
-_MONITOR_INTERVAL = 0.5
-_ABORT_WAIT = 2.0
-_STOP_TIMEOUT = 60.0
-_LAUNCH_WAIT = 900.0
-
-
-# --------------------------------------------------------------------------- engine args
-
-
-def server_arg_names() -> list[str]:
-    """Names of the keyword arguments ``sglang.Engine`` accepts (its ``ServerArgs`` fields).
-
-    Imports sglang (a few seconds); set ``SGLANG_USE_CPU_ENGINE`` before calling on a CPU.
-    """
-    import msgspec
-    from sglang.srt.server_args import ServerArgs
-
-    return sorted(f.name for f in msgspec.structs.fields(ServerArgs) if not f.name.startswith("_"))
-
-
-def check_engine_args(engine_args: Mapping[str, Any], valid: list[str] | None = None) -> None:
-    """Raise :class:`ConfigError` for keys of ``engine_args`` that sglang does not know.
-
-    ``valid`` defaults to :func:`server_arg_names` (which imports sglang).  The message suggests
-    close matches and lists every valid name.
-    """
-    if "model_path" in engine_args:
-        raise ConfigError(_MODEL_PATH_ERROR)
-    names = server_arg_names() if valid is None else valid
-    unknown = sorted(set(engine_args) - set(names))
-    if not unknown:
-        return
-    hints = []
-    for key in unknown:
-        close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
-        hints.append(f"{key!r} (did you mean {' or '.join(map(repr, close))}?)" if close else repr(key))
-    raise ConfigError(
-        f"sglang engine: unknown engine_args {', '.join(hints)}. engine_args are passed to "
-        f"sglang.Engine(...) and must be sglang ServerArgs fields; valid names are: {', '.join(names)}"
-    )
-
-
-def launch_kwargs(model: str, engine_args: Mapping[str, Any], cuda_available: bool) -> dict[str, Any]:
-    """The keyword arguments for ``sglang.Engine``: ``engine_args`` plus daskgen's defaults.
-
-    The device is ``engine_args['device']`` or, when absent, ``cuda`` if available else
-    ``cpu``; on CPU the :data:`CPU_DEFAULTS` fill options ``engine_args`` leaves unset.
-    """
-    kwargs = dict(engine_args)
-    kwargs["model_path"] = model
-    device = kwargs.get("device") or ("cuda" if cuda_available else "cpu")
-    kwargs["device"] = device
-    if _is_cpu(device):
-        for key, value in CPU_DEFAULTS.items():
-            kwargs.setdefault(key, value)
-    return kwargs
-
-
-def _is_cpu(device: str) -> bool:
-    return str(device).split(":", 1)[0] == "cpu"
-
 
 # --------------------------------------------------------------------------- SIGQUIT from sglang children
 
@@ -220,7 +145,7 @@ class _Backend:
             self.closing = True
         _BACKENDS.discard(self)
         if self._thread.is_alive():
-            self._launch_done.wait(_LAUNCH_WAIT)
+            self._launch_done.wait(tunables.seconds("sglang.launch-wait"))
         engine = self.engine
         if engine is not None:
             _stop_watchdog(engine)
@@ -231,7 +156,7 @@ class _Backend:
                 loop.call_soon_threadsafe(loop.stop)
             except RuntimeError:  # the loop closed meanwhile
                 pass
-            self._thread.join(timeout=_STOP_TIMEOUT)
+            self._thread.join(timeout=tunables.seconds("sglang.stop-timeout"))
         self._fail_unstarted()
         _kill(self._children)
         self._children = []
@@ -292,7 +217,7 @@ class _Backend:
 
     async def _monitor(self) -> None:
         while self.problem is None:
-            await asyncio.sleep(_MONITOR_INTERVAL)
+            await asyncio.sleep(tunables.seconds("sglang.monitor-interval"))
             self._check_children()
 
     def _check_children(self) -> None:
@@ -348,7 +273,7 @@ class _Backend:
     async def abort(self, request_id: str) -> None:
         """Abort every in-flight request of ``request_id``, waiting briefly for new ones to register."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + _ABORT_WAIT
+        deadline = loop.time() + tunables.seconds("sglang.abort-wait")
         pending = set(self.rids.get(request_id, ()))
         while pending and self.engine is not None:
             for rid in list(pending):
@@ -443,7 +368,7 @@ def _kill(children: list[Any]) -> None:
     for proc in victims:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
-    _, alive = psutil.wait_procs(victims, timeout=_STOP_TIMEOUT)
+    _, alive = psutil.wait_procs(victims, timeout=tunables.seconds("sglang.stop-timeout"))
     if alive:
         logger.warning("sglang processes still alive after SIGKILL: %s", [p.pid for p in alive])
 
@@ -531,8 +456,3 @@ async def read_max_running_requests(backend: _Backend, timeout_s: float = 60.0) 
         logger.info("sglang did not report max_running_requests (%s: %s)", type(exc).__name__, exc)
         return None
 
-
-def _cuda_available() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())

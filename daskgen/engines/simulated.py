@@ -52,7 +52,7 @@ from daskgen.engines.base import (
     parse_engine_args,
     request_error,
 )
-from daskgen.errors import ConfigError
+from daskgen.engines.common import is_number, require, set_result
 
 __all__ = ["SimulatedArgs", "SimulatedEngine"]
 
@@ -88,28 +88,19 @@ class SimulatedArgs:
     eos_token_id: int = 2
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.max_batch, int) and self.max_batch >= 1, "max_batch", "an integer >= 1",
+        require("simulated", isinstance(self.max_batch, int) and self.max_batch >= 1, "max_batch", "an integer >= 1",
                  self.max_batch)
         for name in ("step_time_base_s", "step_time_per_seq_s", "time_scale", "length_sigma"):
             value = getattr(self, name)
-            _require(_is_number(value) and value >= 0, name, "a finite number >= 0", value)
-        _require(_is_number(self.length_mean) and self.length_mean >= 1, "length_mean", "a number >= 1",
+            require("simulated", is_number(value) and value >= 0, name, "a finite number >= 0", value)
+        require("simulated", is_number(self.length_mean) and self.length_mean >= 1, "length_mean", "a number >= 1",
                  self.length_mean)
-        _require(self.length_dist in _LENGTH_DISTS, "length_dist", f"one of {list(_LENGTH_DISTS)}",
+        require("simulated", self.length_dist in _LENGTH_DISTS, "length_dist", f"one of {list(_LENGTH_DISTS)}",
                  self.length_dist)
-        _require(isinstance(self.vocab_size, int) and self.vocab_size >= 2, "vocab_size", "an integer >= 2",
+        require("simulated", isinstance(self.vocab_size, int) and self.vocab_size >= 2, "vocab_size", "an integer >= 2",
                  self.vocab_size)
-        _require(isinstance(self.eos_token_id, int) and 0 <= self.eos_token_id < self.vocab_size,
+        require("simulated", isinstance(self.eos_token_id, int) and 0 <= self.eos_token_id < self.vocab_size,
                  "eos_token_id", f"an integer in [0, vocab_size={self.vocab_size})", self.eos_token_id)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _require(ok: bool, name: str, expected: str, got: Any) -> None:
-    if not ok:
-        raise ConfigError(f"simulated engine: {name} must be {expected}, got {got!r}")
 
 
 # --------------------------------------------------------------------------- outputs
@@ -195,21 +186,7 @@ class _Sim:
             result = GenerationResult(request.request_id, plan.tokens[:n], FinishReason.ABORT, logprobs,
                                       meta={"simulated": True})
         self.done = True
-        _set_result(self.future, result)
-
-
-def _set_result(future: asyncio.Future, result: GenerationResult) -> None:
-    loop = future.get_loop()
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    if loop is running:
-        if not future.done():
-            future.set_result(result)
-        return
-    with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits any more
-        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+        set_result(self.future, result)
 
 
 @dataclass
@@ -471,6 +448,16 @@ class SimulatedEngine(Engine):
     def health_token_id(self) -> int:
         """Token 0 (valid for any vocabulary)."""
         return 0
+
+    @property
+    def vocab_size(self) -> int:
+        """``engine_args['vocab_size']``: generated ids are drawn below it."""
+        return self.args.vocab_size
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """``engine_args['eos_token_id']``, which ends every naturally finished output."""
+        return frozenset({self.args.eos_token_id})
 
     def describe(self) -> dict[str, Any]:
         """Engine name, ``simulated: True``, the model label and the timing model's options."""

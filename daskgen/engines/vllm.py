@@ -50,7 +50,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import difflib
 import logging
 import multiprocessing
 import threading
@@ -66,6 +65,8 @@ from daskgen.engines.base import (
     error_result,
     request_error,
 )
+from daskgen.engines.common import bos_or_zero, check_known_args, cuda_available
+from daskgen.engines.openai_vllm import FINISH as _FINISH
 from daskgen.errors import ConfigError, EngineError
 
 __all__ = ["CPU_DEFAULTS", "TESTED_VLLM_VERSION", "VLLMEngine", "check_engine_args", "collect_output",
@@ -82,7 +83,6 @@ TESTED_VLLM_VERSION = "0.32.0"
 #: whose sampled token it discards (a partly prefilled prompt) with ``Generator.set_offset``, which
 #: CPU generators refuse ("RuntimeError: CPU Generator does not use offset"), and its EngineCore dies.
 CPU_DEFAULTS: dict[str, Any] = {"enforce_eager": True, "enable_chunked_prefill": False}
-_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -90,15 +90,7 @@ _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": Fi
 
 def check_engine_args(args: Mapping[str, Any], valid: list[str]) -> None:
     """Raise :class:`ConfigError` for keys of ``args`` not in ``valid`` (with close matches)."""
-    unknown = sorted(set(args) - set(valid))
-    if not unknown:
-        return
-    described = []
-    for key in unknown:
-        close = difflib.get_close_matches(key, valid, n=1)
-        described.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
-    raise ConfigError(f"engine 'vllm' has no option(s) {', '.join(described)}; engine_args are "
-                      f"vllm.AsyncEngineArgs fields: {sorted(valid)}")
+    check_known_args("vllm", args, valid, "vllm.AsyncEngineArgs fields")
 
 
 def launch_kwargs(model: str, engine_args: Mapping[str, Any], cuda_available: bool) -> dict[str, Any]:
@@ -181,12 +173,6 @@ class _LoopThread:
             self.loop.close()
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
 def _create_async_llm(kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """Build the ``AsyncLLM`` (on the engine's loop) and read what daskgen needs from its config."""
     import vllm
@@ -253,7 +239,7 @@ class VLLMEngine(Engine):
         self._state = "starting"
         self._thread = _LoopThread()
         try:
-            self._kwargs = launch_kwargs(self.model, self.engine_args, await asyncio.to_thread(_cuda_available))
+            self._kwargs = launch_kwargs(self.model, self.engine_args, await asyncio.to_thread(cuda_available))
             self._llm, self._info = await asyncio.wrap_future(self._thread.submit(self._create()))
         except BaseException as exc:
             self._state = "failed"
@@ -370,8 +356,7 @@ class VLLMEngine(Engine):
 
     def health_token_id(self) -> int:
         """The model's BOS token (or 0)."""
-        bos, vocab = self._info.get("bos_token_id"), self._info.get("vocab_size") or 1
-        return bos if isinstance(bos, int) and 0 <= bos < vocab else 0
+        return bos_or_zero(self._info.get("bos_token_id"), self._info.get("vocab_size"))
 
     @property
     def sleep_supported(self) -> bool:

@@ -1,14 +1,12 @@
-"""Build the Dask cluster a run executes on: a local cluster, or SLURM/PBS jobs via dask-jobqueue.
+"""SLURM/PBS clusters through dask-jobqueue: job layout, job scripts, walltime and worker lifetimes.
 
-The ``cluster:`` section of a run config (see ``docs/hpc.md``) is a flat mapping; ``kind`` picks
-the backend.  On GPU nodes every job starts one Dask worker process per GPU (``--nworkers``),
-each advertising ``--resources GPU=<gpus_per_worker>`` and running ``threads_per_worker`` task
-slots (the in-flight window of partitions).  Worker processes are non-daemonic so engines can
-start subprocesses, and every worker retires shortly before the job's walltime (``--lifetime``)
-so that adaptive scaling submits a replacement job in time.  Anything the spec leaves out comes
-from dask's ``jobqueue.<kind>.*`` configuration (``~/.config/dask/jobqueue.yaml``), as with
-plain dask-jobqueue; list settings (prologue, directives, worker arguments) extend the
-configured ones.  ``dask_jobqueue`` is optional (extra ``[hpc]``) and imported lazily.
+On GPU nodes every job starts one Dask worker process per GPU (``--nworkers``), each advertising
+``--resources GPU=<gpus_per_worker>`` and running ``threads_per_worker`` task slots.  Worker
+processes are non-daemonic so engines can start subprocesses, and every worker retires shortly
+before the job's walltime (``--lifetime``) so that adaptive scaling submits a replacement job in
+time.  Anything the spec leaves out comes from dask's ``jobqueue.<kind>.*`` configuration, as with
+plain dask-jobqueue; list settings (prologue, directives, worker arguments) extend the configured
+ones.  ``dask_jobqueue`` is optional (extra ``[hpc]``) and imported lazily.
 SLURM/PBS clusters use TLS with a per-run certificate unless ``cluster.tls`` is false
 (:mod:`daskgen.security`).
 """
@@ -16,17 +14,25 @@ SLURM/PBS clusters use TLS with a per-run certificate unless ``cluster.tls`` is 
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import dask
 from dask.utils import parse_bytes, parse_timedelta
 
+from daskgen.deploy.spec import (
+    DEFAULT_THREADS_PER_WORKER,
+    ClusterInfo,
+    ClusterSpec,
+    _dashboard,
+    _declare_partition_duration,
+    _ignored_notes,
+    parse_cluster_spec,
+)
 from daskgen.errors import ConfigError
-from daskgen.gpu import ENV_GPUS_PER_WORKER, ENV_LOCAL_RANK, ENV_WORKERS_PER_NODE, count_visible_gpus
+from daskgen.gpu import ENV_GPUS_PER_WORKER, ENV_LOCAL_RANK, ENV_WORKERS_PER_NODE
 from daskgen.security import (
     RemoveTLSFilesOnClose,
     TLSFiles,
@@ -37,236 +43,8 @@ from daskgen.security import (
     warn_insecure,
 )
 
-__all__ = [
-    "CLUSTER_KEYS",
-    "DEFAULT_THREADS_PER_WORKER",
-    "KINDS",
-    "ClusterInfo",
-    "ClusterSpec",
-    "apply_cli_overrides",
-    "jobqueue_kwargs",
-    "make_cluster",
-    "parse_cluster_spec",
-    "parse_walltime",
-    "render_job_script",
-    "worker_lifetime",
-]
-
-KINDS = ("local", "slurm", "pbs")
-#: Task slots per worker: how many partitions one engine has in flight at once.
-DEFAULT_THREADS_PER_WORKER = 4
 DAEMON_ENV = "DASK_DISTRIBUTED__WORKER__DAEMON"
-#: Key prefix of the runner's partition tasks (``daskgen-partition-<start>-<ns>``).
-PARTITION_TASK_PREFIX = "daskgen-partition"
-#: First guess of a partition's duration for adaptive scaling, until real ones are measured.
-DEFAULT_PARTITION_DURATION = "60s"
 _LIFETIME_VAR = "DASKGEN_WORKER_LIFETIME"
-
-#: Every accepted key of the ``cluster:`` section, with the kinds it applies to and its meaning.
-CLUSTER_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
-    "kind": (KINDS, "local | slurm | pbs (default local)"),
-    "threads_per_worker": (KINDS, f"partitions in flight per worker (default {DEFAULT_THREADS_PER_WORKER})"),
-    "gpus_per_worker": (KINDS, "GPUs per worker/engine, >1 for tensor parallelism (default 1)"),
-    "min_workers": (KINDS, "adaptive scaling lower bound, in workers"),
-    "max_workers": (KINDS, "adaptive scaling upper bound, in workers"),
-    "local_directory": (KINDS, "worker scratch directory (e.g. $TMPDIR, /scratch/$USER)"),
-    "dashboard_address": (KINDS, "scheduler dashboard address (default :8787)"),
-    "n_workers": (("local",), "worker processes (default: visible GPUs, else a CPU-based count)"),
-    "memory_limit": (("local",), "memory limit per worker (default: machine memory / workers)"),
-    "nodes": (("slurm", "pbs"), "jobs (nodes) of a fixed-size cluster (default 1)"),
-    "gpus_per_node": (("slurm", "pbs"), "GPUs per job; one worker per gpus_per_worker of them (default 0)"),
-    "workers_per_node": (("slurm", "pbs"), "worker processes per job on CPU-only nodes"),
-    "cpus_per_gpu": (("slurm", "pbs"), "CPUs requested per GPU"),
-    "cores": (("slurm", "pbs"), "CPUs requested per job (alternative to cpus_per_gpu)"),
-    "memory": (("slurm", "pbs"), "memory per job, e.g. '480GB' (split evenly between workers)"),
-    "walltime": (("slurm", "pbs"), "job time limit, a quoted string like '04:00:00'"),
-    "queue": (("slurm", "pbs"), "queue / partition"),
-    "partition": (("slurm",), "alias of queue"),
-    "account": (("slurm", "pbs"), "account / project to charge"),
-    "job_name": (("slurm", "pbs"), "batch job name"),
-    "job_script_prologue": (("slurm", "pbs"), "shell lines run before the workers (module load, conda)"),
-    "job_extra_directives": (("slurm", "pbs"), "extra #SBATCH / #PBS directives"),
-    "job_directives_skip": (("slurm", "pbs"), "generated directives to drop (substring match)"),
-    "worker_extra_args": (("slurm", "pbs"), "extra `dask worker` arguments"),
-    "lifetime": (("slurm", "pbs"), "'auto' (from walltime, default), a duration, or false"),
-    "lifetime_margin": (("slurm", "pbs"), "time kept free before walltime (default 10%, 2-10 min)"),
-    "lifetime_stagger": (("slurm", "pbs"), "random spread of job retirements (default 5%, 1-10 min)"),
-    "interface": (("slurm", "pbs"), "network interface of scheduler and workers (e.g. ib0)"),
-    "log_directory": (("slurm", "pbs"), "directory for the jobs' stdout/stderr"),
-    "python": (("slurm", "pbs"), "python executable on the compute nodes"),
-    "resource_spec": (("pbs",), "full '#PBS -l' resource line (replaces the generated select=...)"),
-    "tls": (KINDS, "TLS with a per-run certificate (default true for slurm/pbs, false for local)"),
-    "tls_directory": (("slurm", "pbs"), "where the per-run certificate files go; shared with the nodes "
-                                        "(default ~/.daskgen/tls)"),
-}
-
-_LIST_KEYS = ("job_script_prologue", "job_extra_directives", "job_directives_skip", "worker_extra_args")
-_STR_KEYS = (
-    "local_directory", "dashboard_address", "memory", "queue", "partition", "account", "job_name",
-    "interface", "log_directory", "python", "resource_spec", "memory_limit", "tls_directory",
-)
-_INT_KEYS = {  # key -> smallest accepted value
-    "threads_per_worker": 1, "gpus_per_worker": 1, "min_workers": 0, "max_workers": 1, "n_workers": 1,
-    "nodes": 1, "gpus_per_node": 0, "workers_per_node": 1, "cpus_per_gpu": 1, "cores": 1,
-}
-
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    """A validated ``cluster:`` section.  ``None`` means "not given": defaults apply later."""
-
-    kind: str = "local"
-    values: Mapping[str, Any] = field(default_factory=dict)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """The value of ``key``, or ``default`` when the spec does not set it."""
-        value = self.values.get(key)
-        return default if value is None else value
-
-
-@dataclass(frozen=True)
-class ClusterInfo:
-    """What :func:`make_cluster` built, for logs and for sizing the runner's submission window."""
-
-    kind: str
-    workers_per_node: int
-    threads_per_worker: int
-    gpus_per_worker: int
-    min_workers: int
-    max_workers: int
-    adaptive: bool
-    lifetime: str | None = None
-    notes: tuple[str, ...] = ()
-    dashboard: str | None = None
-
-    @property
-    def in_flight_window(self) -> int:
-        """Partitions to keep submitted so every worker slot is busy and adaptivity scales up.
-
-        The scheduler's adaptive target is roughly (queued + running tasks) / threads per
-        worker, so the client must keep at least ``max_workers * threads_per_worker`` tasks
-        submitted for the cluster to grow to ``max_workers``.
-        """
-        return self.max_workers * self.threads_per_worker
-
-    def __str__(self) -> str:
-        gpus = f", {self.gpus_per_worker} GPU(s) each" if self.gpus_per_worker else ""
-        size = (
-            f"adaptive {self.min_workers}..{self.max_workers} workers"
-            if self.adaptive
-            else f"{self.max_workers} workers"
-        )
-        text = (
-            f"{self.kind} cluster: {size}, {self.workers_per_node} per node{gpus}, "
-            f"{self.threads_per_worker} partitions in flight per worker"
-        )
-        if self.lifetime:
-            text += f"; {self.lifetime}"
-        if self.dashboard:
-            text += f"; dashboard {self.dashboard}"
-        return "; ".join([text, *self.notes])
-
-
-# --------------------------------------------------------------------------------------------
-# validation
-
-
-def parse_cluster_spec(spec: Mapping[str, Any] | None) -> ClusterSpec:
-    """Validate a ``cluster:`` section.
-
-    Parameters
-    ----------
-    spec
-        The mapping from the run config (``None`` or empty means a local cluster).
-
-    Returns
-    -------
-    ClusterSpec
-        The kind and the given values, type-checked.  Keys valid for another kind are kept (so
-        ``--cluster local`` works with a SLURM config) and ignored when building.
-
-    Raises
-    ------
-    ConfigError
-        For an unknown key (the message lists the valid ones) or a wrongly typed value.
-    """
-    spec = dict(spec or {})
-    unknown = sorted(set(spec) - set(CLUSTER_KEYS))
-    if unknown:
-        valid = "\n".join(f"  {k}: {doc} [{', '.join(kinds)}]" for k, (kinds, doc) in CLUSTER_KEYS.items())
-        raise ConfigError(f"unknown key(s) in the cluster section: {', '.join(unknown)}. Valid keys:\n{valid}")
-    kind = str(spec.pop("kind", None) or "local").lower()
-    if kind not in KINDS:
-        raise ConfigError(f"cluster kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    values = {key: _check_value(key, value) for key, value in spec.items() if value is not None}
-    if "queue" in values and "partition" in values and values["queue"] != values["partition"]:
-        raise ConfigError(f"cluster.queue={values['queue']!r} and cluster.partition={values['partition']!r} differ")
-    if "cpus_per_gpu" in values and "cores" in values:
-        raise ConfigError("give either cluster.cpus_per_gpu or cluster.cores, not both")
-    return ClusterSpec(kind, values)
-
-
-def _check_value(key: str, value: Any) -> Any:
-    """Type-check one value; lists may be given as one multi-line string."""
-    if key in _INT_KEYS:
-        if isinstance(value, bool) or not isinstance(value, int) or value < _INT_KEYS[key]:
-            raise ConfigError(f"cluster.{key} must be an integer >= {_INT_KEYS[key]}, got {value!r}")
-        return value
-    if key in _LIST_KEYS:
-        return _str_list(key, value)
-    if key in _STR_KEYS:
-        return _str_value(key, value)
-    if key == "walltime" and not isinstance(value, str):
-        raise ConfigError(
-            f"cluster.walltime must be a string like '04:00:00', got {value!r} ({type(value).__name__}); "
-            "quote it in YAML (unquoted 30:00 is read as the base-60 integer 1800)"
-        )
-    if key in ("lifetime", "lifetime_margin", "lifetime_stagger"):
-        _check_duration(key, value)
-    if key == "tls":
-        cluster_tls("local", value)  # raises unless a boolean
-    return value
-
-
-def _str_value(key: str, value: Any) -> str:
-    """A string value (numbers such as a memory size of 64 are accepted and stringified)."""
-    if isinstance(value, bool) or not isinstance(value, str | int | float):
-        raise ConfigError(f"cluster.{key} must be a string, got {value!r}")
-    return str(value)
-
-
-def _str_list(key: str, value: Any) -> list[str]:
-    """A list of strings; a single string is split into lines."""
-    if isinstance(value, str):
-        return [line for line in value.splitlines() if line.strip()]
-    if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
-        return list(value)
-    raise ConfigError(f"cluster.{key} must be a list of strings, got {value!r}")
-
-
-def _check_duration(key: str, value: Any) -> None:
-    """Durations are dask timedeltas ('55m', '1h', 90); lifetime also takes 'auto' and false."""
-    if key == "lifetime" and (value is False or str(value).lower() in ("auto", "off", "none", "false")):
-        return
-    try:
-        parse_timedelta(value, default="s")
-    except (ValueError, TypeError, KeyError):
-        raise ConfigError(f"cluster.{key} must be a duration like '55m' or 3300, got {value!r}") from None
-
-
-def apply_cli_overrides(
-    section: Mapping[str, Any] | None,
-    *,
-    kind: str | None = None,
-    min_workers: int | None = None,
-    max_workers: int | None = None,
-) -> dict[str, Any]:
-    """Merge command-line flags (``--cluster``, ``--min-workers``, ``--max-workers``) over a config section."""
-    merged = dict(section or {})
-    for key, value in (("kind", kind), ("min_workers", min_workers), ("max_workers", max_workers)):
-        if value is not None:
-            merged[key] = value
-    return merged
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,7 +134,7 @@ def _seconds(value: Any) -> float | None:
 
 
 # --------------------------------------------------------------------------------------------
-# dask-jobqueue keyword arguments
+# dask-jobqueue keyword arguments and job scripts
 
 
 @dataclass(frozen=True)
@@ -564,7 +342,7 @@ def render_job_script(spec: Mapping[str, Any] | ClusterSpec, scheduler_address: 
 
 
 # --------------------------------------------------------------------------------------------
-# clusters
+# the cluster
 
 
 class _JobReaperMixin:
@@ -634,19 +412,6 @@ def _scaling(s: ClusterSpec, workers_per_node: int) -> tuple[int, int, bool]:
     return lo, hi, True
 
 
-def _declare_partition_duration() -> None:
-    """Tell the (in-process) scheduler that partition tasks are long before the first one ends.
-
-    Adaptive scaling sizes the cluster from the expected duration of queued tasks; an unknown
-    task counts 0.5 s, which would keep an elastic cluster at one or two workers until the first
-    partition (minutes, engine start included) has finished.  A configured value wins.
-    """
-    durations = dict(dask.config.get("distributed.scheduler.default-task-durations", None) or {})
-    if PARTITION_TASK_PREFIX not in durations:
-        durations[PARTITION_TASK_PREFIX] = DEFAULT_PARTITION_DURATION
-        dask.config.set({"distributed.scheduler.default-task-durations": durations})
-
-
 def _make_hpc_cluster(s: ClusterSpec) -> tuple[Any, ClusterInfo]:
     kwargs = jobqueue_kwargs(s)
     _declare_partition_duration()
@@ -685,123 +450,3 @@ def _tls_notes(files: TLSFiles | None) -> tuple[str, ...]:
     if files is None:
         return ("TLS off (--insecure)",)
     return (f"TLS with a per-run certificate in {files.directory}",)
-
-
-def _local_workers(s: ClusterSpec, gpus: int) -> tuple[int, int]:
-    """(n_workers, gpus_per_worker) for a local cluster."""
-    per_worker = s.get("gpus_per_worker", 1)
-    if gpus:
-        slots = gpus // per_worker
-        if slots == 0:
-            raise ConfigError(f"cluster.gpus_per_worker={per_worker} but only {gpus} GPU(s) are visible")
-        n = s.get("n_workers", slots)
-        if n > slots:
-            raise ConfigError(f"cluster.n_workers={n} needs {n * per_worker} GPUs, only {gpus} are visible")
-        return n, per_worker
-    cpus = os.cpu_count() or 1
-    return s.get("n_workers", max(1, min(4, cpus // 4))), 0
-
-
-def _keep_glibc_malloc_defaults() -> None:
-    """Stop the nanny from exporting ``MALLOC_TRIM_THRESHOLD_`` to engine workers.
-
-    Dask's default ``distributed.nanny.pre-spawn-environ`` sets ``MALLOC_TRIM_THRESHOLD_=65536``. A fixed
-    threshold turns off glibc's dynamic mmap threshold, so every large tensor buffer of an inference
-    step is mmap'ed and unmapped again: the ``transformers`` engine generated 1.6-1.8x fewer tokens per
-    second on CPU with it (benchmarks/overhead.py, engine part).  Like the daemon setting, nannies read
-    this whenever they (re)start a worker, so it is changed process-wide.
-    """
-    environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ", None) or {})
-    if environ.pop("MALLOC_TRIM_THRESHOLD_", None) is not None:
-        dask.config.set({"distributed.nanny.pre-spawn-environ": environ})
-
-
-def _make_local_cluster(s: ClusterSpec) -> tuple[Any, ClusterInfo]:
-    from distributed import LocalCluster
-
-    gpus = count_visible_gpus()
-    n, per_worker = _local_workers(s, gpus)
-    if gpus and (s.get("min_workers") is not None or s.get("max_workers") is not None):
-        raise ConfigError("min_workers/max_workers (adaptive scaling) are not supported on a local GPU machine")
-    threads = s.get("threads_per_worker", DEFAULT_THREADS_PER_WORKER if gpus else 2)
-    # Read by each Nanny whenever it (re)starts a worker process, so it must stay set globally.
-    dask.config.set({"distributed.worker.daemon": False})
-    _keep_glibc_malloc_defaults()
-    intra_op = str(max(1, (os.cpu_count() or 1) // n))  # undo the nanny's OMP_NUM_THREADS=1 for CPU engines
-    kwargs: dict[str, Any] = {
-        "n_workers": n,
-        "threads_per_worker": threads,
-        "processes": True,
-        "dashboard_address": s.get("dashboard_address", ":0"),
-        "env": {
-            "OMP_NUM_THREADS": intra_op,
-            "MKL_NUM_THREADS": intra_op,
-            ENV_WORKERS_PER_NODE: str(n),
-            ENV_LOCAL_RANK: "",  # workers are named 0..n-1: the name is the rank
-        },
-    }
-    if per_worker:
-        kwargs["resources"] = {"GPU": per_worker}
-        kwargs["env"][ENV_GPUS_PER_WORKER] = str(per_worker)
-    for key in ("memory_limit", "local_directory"):
-        if s.get(key) is not None:
-            kwargs[key] = s.get(key)
-    tls = cluster_tls("local", s.get("tls"))
-    if tls:
-        kwargs["security"] = temporary_security()  # in memory: the nannies pass it to their workers
-    cluster = LocalCluster(**kwargs)
-    lo, hi, adaptive = n, n, False
-    if s.get("min_workers") is not None or s.get("max_workers") is not None:
-        lo, hi = s.get("min_workers", 0), s.get("max_workers", max(n, s.get("min_workers", 0)))
-        if hi < max(lo, 1):
-            raise ConfigError(f"cluster.max_workers={hi} must be >= 1 and >= min_workers={lo}")
-        _declare_partition_duration()
-        cluster.adapt(minimum=lo, maximum=hi)
-        adaptive = True
-    notes = (("TLS with a per-run certificate",) if tls else ()) + _ignored_notes(s)
-    info = ClusterInfo("local", n, threads, per_worker, lo, hi, adaptive, None, notes, _dashboard(cluster))
-    return cluster, info
-
-
-def _dashboard(cluster: Any) -> str | None:
-    try:
-        return cluster.dashboard_link
-    except Exception:  # no dashboard (bokeh missing or disabled)
-        return None
-
-
-def _ignored_notes(s: ClusterSpec) -> tuple[str, ...]:
-    ignored = sorted(k for k in s.values if s.kind not in CLUSTER_KEYS[k][0])
-    return (f"ignored for kind {s.kind}: {', '.join(ignored)}",) if ignored else ()
-
-
-def make_cluster(spec: Mapping[str, Any] | None = None) -> tuple[Any, ClusterInfo]:
-    """Start the cluster described by a ``cluster:`` config section.
-
-    Parameters
-    ----------
-    spec
-        The section (see :data:`CLUSTER_KEYS` and ``docs/hpc.md``); ``None`` means local.
-
-    Returns
-    -------
-    (cluster, info)
-        A running ``distributed.LocalCluster`` or dask-jobqueue cluster (already adaptive:
-        fixed-size HPC clusters use ``min == max`` so that expired jobs are resubmitted), and a
-        :class:`ClusterInfo` describing it.  Close the cluster when done.
-
-    Raises
-    ------
-    ConfigError
-        Unknown keys, bad values, missing memory (HPC) or missing dask-jobqueue.
-
-    Notes
-    -----
-    For ``local``, the process-wide dask setting ``distributed.worker.daemon`` is set to
-    ``False``: nannies read it each time they (re)start a worker, and engines such as SGLang
-    need non-daemonic workers to start their own subprocesses.
-    """
-    s = parse_cluster_spec(spec)
-    if s.kind == "local":
-        return _make_local_cluster(s)
-    return _make_hpc_cluster(s)

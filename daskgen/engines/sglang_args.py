@@ -1,0 +1,66 @@
+"""The ``sglang.Engine`` / ``launch_server`` arguments: daskgen's defaults and their validation.
+
+Shared by the in-process engine (:mod:`daskgen.engines.sglang`) and the managed HTTP server
+(:mod:`daskgen.engines.http_server`): :func:`launch_kwargs` fills in the model, the device and,
+on CPU, :data:`CPU_DEFAULTS`; :func:`check_engine_args` refuses names sglang's ``ServerArgs``
+does not know, suggesting close matches.  Importing this module does not import sglang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from daskgen.engines.common import check_known_args
+from daskgen.errors import ConfigError
+
+__all__ = ["CPU_DEFAULTS", "check_engine_args", "launch_kwargs", "server_arg_names"]
+
+#: ``sglang.Engine`` options filled in on CPU when ``engine_args`` does not set them.  float32
+#: matches the ``transformers`` engine's CPU default (sglang's ``auto`` would pick float16).
+CPU_DEFAULTS: dict[str, Any] = {"attention_backend": "torch_native", "dtype": "float32", "max_total_tokens": 16384}
+
+_MODEL_PATH_ERROR = "sglang engine: give the model as daskgen's `model`, not as engine_args['model_path']"
+
+
+def server_arg_names() -> list[str]:
+    """Names of the keyword arguments ``sglang.Engine`` accepts (its ``ServerArgs`` fields).
+
+    Imports sglang (a few seconds); set ``SGLANG_USE_CPU_ENGINE`` before calling on a CPU.
+    """
+    import msgspec
+    from sglang.srt.server_args import ServerArgs
+
+    return sorted(f.name for f in msgspec.structs.fields(ServerArgs) if not f.name.startswith("_"))
+
+
+def check_engine_args(engine_args: Mapping[str, Any], valid: list[str] | None = None) -> None:
+    """Raise :class:`ConfigError` for keys of ``engine_args`` that sglang does not know.
+
+    ``valid`` defaults to :func:`server_arg_names` (which imports sglang).  The message suggests
+    close matches and lists every valid name.
+    """
+    if "model_path" in engine_args:
+        raise ConfigError(_MODEL_PATH_ERROR)
+    names = server_arg_names() if valid is None else valid
+    check_known_args("sglang", engine_args, names, "sglang ServerArgs fields (they are passed to sglang.Engine)")
+
+
+def launch_kwargs(model: str, engine_args: Mapping[str, Any], cuda_available: bool) -> dict[str, Any]:
+    """The keyword arguments for ``sglang.Engine``: ``engine_args`` plus daskgen's defaults.
+
+    The device is ``engine_args['device']`` or, when absent, ``cuda`` if available else
+    ``cpu``; on CPU the :data:`CPU_DEFAULTS` fill options ``engine_args`` leaves unset.
+    """
+    kwargs = dict(engine_args)
+    kwargs["model_path"] = model
+    device = kwargs.get("device") or ("cuda" if cuda_available else "cpu")
+    kwargs["device"] = device
+    if _is_cpu(device):
+        for key, value in CPU_DEFAULTS.items():
+            kwargs.setdefault(key, value)
+    return kwargs
+
+
+def _is_cpu(device: str) -> bool:
+    return str(device).split(":", 1)[0] == "cpu"

@@ -1,0 +1,69 @@
+"""SGLang's request and output format, written once for both SGLang engines.
+
+The in-process engine (:mod:`daskgen.engines.sglang`, ``sglang.Engine.async_generate``) and the
+HTTP engine's native protocol (:mod:`daskgen.engines.openai`, ``POST /generate``) speak the same
+dialect: ``input_ids`` plus a ``sampling_params`` dict in, ``output_ids`` plus ``meta_info``
+(``finish_reason.type``, ``output_token_logprobs``, ``prompt_tokens``, ``cached_tokens``) out.
+This module maps daskgen's :class:`~daskgen.engines.base.SamplingParams` to that dict and an
+output dict back to a :class:`~daskgen.engines.base.GenerationResult`.  Pure functions, no imports
+of sglang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from daskgen.engines.base import FinishReason, GenerationRequest, GenerationResult, SamplingParams
+
+__all__ = ["FINISH", "finish_reason", "logprobs_of", "result_from_output", "sampling_params_for"]
+
+#: SGLang's ``meta_info.finish_reason.type`` values (sglang 0.5.23) and daskgen's reasons.
+FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+#: ``meta_info`` keys copied into ``GenerationResult.meta``.
+META_KEYS = ("prompt_tokens", "cached_tokens")
+
+
+def sampling_params_for(params: SamplingParams) -> dict[str, Any]:
+    """sglang's ``sampling_params`` dict for daskgen's :class:`SamplingParams`.
+
+    ``top_k == 0`` (off) becomes sglang's ``-1``; ``temperature == 0`` is greedy in both.
+    """
+    out: dict[str, Any] = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,
+    }
+    if params.stop_token_ids:
+        out["stop_token_ids"] = sorted(set(params.stop_token_ids))
+    if params.seed is not None:
+        out["sampling_seed"] = params.seed
+    return out
+
+
+def finish_reason(meta: Mapping[str, Any]) -> tuple[FinishReason, Any]:
+    """``(reason, raw finish_reason)`` of an output's ``meta_info``; unknown kinds are ``ERROR``."""
+    raw = meta.get("finish_reason")
+    kind = raw.get("type") if isinstance(raw, Mapping) else None
+    return FINISH.get(kind, FinishReason.ERROR), raw
+
+
+def logprobs_of(meta: Mapping[str, Any]) -> list[float]:
+    """The sampled tokens' logprobs from ``meta_info.output_token_logprobs`` (``[logprob, id, text]`` entries)."""
+    return [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
+
+
+def result_from_output(request: GenerationRequest, output: Mapping[str, Any],
+                       error_prefix: str = "sglang returned finish_reason") -> GenerationResult:
+    """Turn one SGLang output dict (``async_generate`` or ``/generate``) into a :class:`GenerationResult`.
+
+    An unknown finish reason gives ``ERROR`` with the message ``f"{error_prefix} {raw!r}"``.
+    """
+    meta = output.get("meta_info") or {}
+    finish, raw = finish_reason(meta)
+    tokens = [int(t) for t in output.get("output_ids") or []]
+    logprobs = logprobs_of(meta) if request.params.logprobs else None
+    error = None if finish != FinishReason.ERROR else f"{error_prefix} {raw!r}"
+    extra = {k: meta[k] for k in META_KEYS if k in meta}
+    return GenerationResult(request.request_id, tokens, finish, logprobs, error=error, meta=extra)

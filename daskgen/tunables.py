@@ -1,0 +1,43 @@
+"""Tunables: the ``daskgen:`` section of Dask's configuration.
+
+The defaults ship in ``daskgen/daskgen.yaml`` and are merged into :data:`dask.config.config`
+with :func:`dask.config.update_defaults` when this module is imported (``import daskgen`` does),
+as ``distributed`` and ``dask-jobqueue`` do with theirs; values already set by the user's Dask
+YAML files or ``DASK_DASKGEN__...`` environment variables win.  Code reads a value where it uses
+it (:func:`seconds`, :func:`get`), never at import, so ``dask.config.set`` applies.  The keys and
+what they tune are listed in ``daskgen/daskgen.yaml`` and ``docs/architecture.md``.
+
+Test fault hooks (e.g. ``DASKGEN_TEST_COMMIT_DELAY_S``) are not tunables: they are environment
+variables read only by the code they exercise, and named ``DASKGEN_TEST_...``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import dask.config
+import yaml
+from dask.utils import parse_timedelta
+
+__all__ = ["DEFAULTS", "get", "seconds"]
+
+_PATH = Path(__file__).with_name("daskgen.yaml")
+#: The shipped defaults (the parsed ``daskgen.yaml``).
+DEFAULTS: dict[str, Any] = yaml.safe_load(_PATH.read_text())
+dask.config.update_defaults(DEFAULTS)
+
+
+def get(key: str) -> Any:
+    """``dask.config.get("daskgen.<key>")``, or the shipped default when the config lacks it.
+
+    The fallback covers code that replaced Dask's config after daskgen was imported (e.g.
+    ``distributed.utils_test`` restores the config it saw when it was imported).
+    """
+    name = f"daskgen.{key}"
+    return dask.config.get(name, default=dask.config.get(name, config=DEFAULTS))
+
+
+def seconds(key: str) -> float:
+    """A duration tunable in seconds (``"90s"``, ``"15m"`` or a number of seconds)."""
+    return float(parse_timedelta(get(key), default="seconds"))

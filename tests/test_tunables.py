@@ -1,0 +1,40 @@
+"""Tunables live in the ``daskgen:`` section of Dask's config (daskgen/daskgen.yaml), read where used."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import dask
+import yaml
+
+import daskgen
+from daskgen import store, tunables
+from daskgen.lock import StoreLock
+
+
+def test_shipped_defaults_are_in_dask_config() -> None:
+    shipped = yaml.safe_load((Path(daskgen.__file__).parent / "daskgen.yaml").read_text())["daskgen"]
+    assert dask.config.get("daskgen.health-timeout") == shipped["health-timeout"] == "60s"
+    assert tunables.seconds("health-timeout") == 60.0 and tunables.seconds("sglang.monitor-interval") == 0.5
+    assert store.coarse_chunk() == 65536
+
+
+def test_values_are_read_where_used_so_config_set_applies(tmp_path: Path) -> None:
+    with dask.config.set({"daskgen.coarse-chunk": 4, "daskgen.lock.stale-after": "2m"}):
+        layout = store.Layout(10, 1, 2, 2, 5, 0)
+        assert layout.array_specs()["status"].chunks == (4,)
+        assert StoreLock(tmp_path).stale_after == 120.0
+    assert store.Layout(10, 1, 2, 2, 5, 0).array_specs()["status"].chunks == (10,)
+
+
+def test_environment_and_user_yaml_override_the_shipped_defaults(tmp_path: Path) -> None:
+    (tmp_path / "mine.yaml").write_text("daskgen:\n  lock:\n    heartbeat-interval: 7s\n")
+    env = {**os.environ, "DASK_DASKGEN__HEALTH_TIMEOUT": "3s", "DASK_CONFIG": str(tmp_path)}
+    code = ("from daskgen import tunables; "
+            "print(tunables.seconds('health-timeout'), tunables.seconds('lock.heartbeat-interval'), "
+            "tunables.seconds('lock.stale-after'))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True).stdout
+    assert out.split() == ["3.0", "7.0", "300.0"]
