@@ -13,6 +13,8 @@ variables read only by the code they exercise, and named ``DASKGEN_TEST_...``.
 
 from __future__ import annotations
 
+import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,30 @@ _PATH = Path(__file__).with_name("daskgen.yaml")
 #: The shipped defaults (the parsed ``daskgen.yaml``).
 DEFAULTS: dict[str, Any] = yaml.safe_load(_PATH.read_text())
 dask.config.update_defaults(DEFAULTS)
+
+#: Environment variables of daskgen <= 0.3 that became tunables, and their key now.
+RENAMED_ENV = {
+    "DASKGEN_ENGINE_START_TIMEOUT": "engine-start-timeout",
+    "DASKGEN_HEALTH_TIMEOUT": "health-timeout",
+}
+
+
+def warn_renamed_env(environ: dict[str, str] | os._Environ = os.environ) -> list[str]:
+    """Warn about each set environment variable that daskgen no longer reads, naming its replacement.
+
+    Returns the names found (a setting that is silently ignored would change a run without a word).
+    """
+    found = [name for name in RENAMED_ENV if name in environ]
+    for name in found:
+        key = RENAMED_ENV[name]
+        env = "DASK_DASKGEN__" + key.upper().replace("-", "_")
+        warnings.warn(f"{name} is set but no longer read: daskgen's tunables live in Dask's config. "
+                      f"Set {env}={environ[name]}s (or daskgen.{key} in a Dask YAML file) instead.",
+                      FutureWarning, stacklevel=2)
+    return found
+
+
+warn_renamed_env()
 
 
 def get(key: str) -> Any:

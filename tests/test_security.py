@@ -243,7 +243,7 @@ def test_cli_cluster_tls_and_insecure(tmp_path, fake_batch, insecure):
     config.write_text(f"cluster: {{memory: 4GB, cores: 1, tls_directory: {tmp_path / 'tls'}}}\n")
     res = run_cli("run", *sim_args(tmp_path, tmp_path / "out.zarr", "--prompts", prompts, "--config", config,
                                    "--cluster", "slurm", "--no-progress", *(["--insecure"] if insecure else [])),
-                  env={"DASKGEN_ENGINE_START_TIMEOUT": "3"}, timeout=150)
+                  env={"DASK_DASKGEN__ENGINE_START_TIMEOUT": "3s"}, timeout=150)
     assert res.returncode == 2 and "no engine became ready" in res.stderr, res.stderr
     (script,) = wait_for_jobs(fake_batch, 1)
     cmd = worker_command(script)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import dask
+import pytest
 import yaml
 
 import daskgen
@@ -38,3 +39,10 @@ def test_environment_and_user_yaml_override_the_shipped_defaults(tmp_path: Path)
             "tunables.seconds('lock.stale-after'))")
     out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True).stdout
     assert out.split() == ["3.0", "7.0", "300.0"]
+
+
+def test_a_renamed_environment_variable_warns_with_its_replacement() -> None:
+    with pytest.warns(FutureWarning, match="DASK_DASKGEN__ENGINE_START_TIMEOUT=3s"):
+        found = tunables.warn_renamed_env({"DASKGEN_ENGINE_START_TIMEOUT": "3", "PATH": "/bin"})
+    assert found == ["DASKGEN_ENGINE_START_TIMEOUT"]
+    assert tunables.warn_renamed_env({"DASK_DASKGEN__HEALTH_TIMEOUT": "3s"}) == []
