@@ -101,11 +101,11 @@ class CommitBatch:
     """Finished partitions waiting to be committed together: at most one commit per
     ``daskgen.commit-interval`` (0.5 s; the first at once), each covering everything that finished since.
 
-    One commit costs the client ~2 ms of CPU whatever it covers (two Zarr chunk writes), so the
-    interval bounds the commits' share of the client's core (~0.4 % at 0.5 s).  A crash loses at
-    most the commits of one interval, not the data: those rows stay pending and the next run keeps
-    their stored samples instead of regenerating them; a stop (target, deadline, signal) commits
-    at once."""
+    One commit costs the client a few ms of CPU whatever it covers (Zarr chunk writes of ``status``
+    and ``committed_at``), so the interval bounds the commits' share of the client's core (about 1 %
+    at 0.5 s).  A crash loses at most the commits of one interval, not the data: those rows stay
+    pending and the next run keeps their stored samples instead of regenerating them; a stop
+    (target, deadline, signal) commits at once."""
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
