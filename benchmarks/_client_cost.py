@@ -104,13 +104,14 @@ async def _trivial_partition(start: int, rows: list[int], seconds: float) -> dic
     return {"start": start, "stop": start + len(rows), "rows": rows, "failed": {}, "aborted": [], "tokens": 0}
 
 
-def dask_floor(client: Any, n_tasks: int, window: int, rate: float, partition_size: int,
+def dask_floor(client: Any, n_tasks: int, window: int, rate: float | None, partition_size: int,
                procs: dict[str, psutil.Process] | None = None) -> dict[str, float]:
-    """Client-process CPU per task (and that of ``procs``) for ``n_tasks`` trivial tasks at ``rate`` per s."""
+    """Client-process CPU per task (and that of ``procs``) for ``n_tasks`` trivial tasks at ``rate`` per s
+    (``None``: as fast as the cluster takes them)."""
     from distributed import as_completed
 
     workers = list(client.scheduler_info(n_workers=-1)["workers"])
-    seconds = len(workers) * window / max(rate, 1e-9)  # each worker holds `window` tasks of this duration
+    seconds = 0.0 if rate is None else len(workers) * window / max(rate, 1e-9)  # each worker holds `window`
     load = dict.fromkeys(workers, 0)
     done = as_completed(with_results=True, raise_errors=False)
     owner: dict[Any, str] = {}

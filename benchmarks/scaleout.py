@@ -24,9 +24,11 @@ trivial async tasks submitted the way daskgen submits partitions (one ``Client.s
 ``as_completed``, futures released) at the run's partitions/s, and the client's CPU per task;
 "daskgen above the floor" is the difference.  The per-task cost of Dask falls as the rate rises
 (messages are batched), so the floor is measured at the run's rate, and a client CPU per partition
-measured below saturation overstates the cost at saturation.  "Idle share" is the client process's
-CPU share with engines ready and nothing submitted (2 s before the run).  The commit itself
-(``store.commit`` of one partition) is timed on a store with ``--commit-rows`` rows.
+measured below saturation overstates the cost at saturation; "at full speed" is the same floor with
+tasks that return at once (as many per second as the cluster takes: near the client's saturation).
+"Idle share" is the client process's CPU share with engines ready and nothing submitted (2 s before
+the run).  The commit itself (``store.commit`` of one partition) is timed on a store with
+``--commit-rows`` rows.
 
     python benchmarks/scaleout.py                  # ~4-5 minutes on 2 cores
     python benchmarks/scaleout.py --part client --scheduler separate --workers 2   # ~1 minute
@@ -77,6 +79,7 @@ def run_measured(config: RunConfig, prompts: list[str], procs: dict[str, Any] | 
             n = -(-len(prompts) // config.partition_size)
             cpu["floor"] = _client_cost.dask_floor(client, n, int(config.window), n / marks["generate_s"],
                                                    config.partition_size, procs)
+            cpu["fast"] = _client_cost.dask_floor(client, n, int(config.window), None, config.partition_size, procs)
         return stats
 
     with _bench.instrument_run(on_ready, on_done) as marks:
@@ -86,7 +89,7 @@ def run_measured(config: RunConfig, prompts: list[str], procs: dict[str, Any] | 
     return {"wall": marks["generate_s"], "tokens": summary.response_tokens, "prompts": summary.generated_prompts,
             "partitions": -(-summary.generated_prompts // config.partition_size),
             "client_cpu": cpu["done"] - cpu["ready"], "stats": marks["on_done"], "procs": cpu["procs"],
-            "idle_share": cpu.get("idle_share"), "floor": cpu.get("floor")}
+            "idle_share": cpu.get("idle_share"), "floor": cpu.get("floor"), "fast": cpu.get("fast")}
 
 
 def part_longtail(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list[dict[str, Any]]:
@@ -158,21 +161,24 @@ def part_client(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list[d
                    r["client_cpu"] / r["wall"], cpu_pp * 1000, a.partition_size / cpu_pp]
             if a.floor:
                 f = r["floor"]
+                fast = r["fast"]
                 row += [f["tasks"] / f["wall"], f["client_cpu"] / f["tasks"] * 1000,
-                        (cpu_pp - f["client_cpu"] / f["tasks"]) * 1000, r["idle_share"]]
+                        (cpu_pp - f["client_cpu"] / f["tasks"]) * 1000, r["idle_share"], fast["tasks"] / fast["wall"],
+                        fast["client_cpu"] / fast["tasks"] * 1000]
             if scheduler == "separate":
                 row += [r["procs"][k] / r["partitions"] * 1000 for k in ("scheduler", "nannies")]
                 if a.floor:
-                    row.append(r["floor"]["scheduler"] / r["floor"]["tasks"] * 1000)
+                    row += [r[k]["scheduler"] / r[k]["tasks"] * 1000 for k in ("floor", "fast")]
             rows.append(row)
         header = ["workers", "partitions", "wall s", "prompts/s", "partitions/s", "client CPU share of a core",
                   "client CPU ms per partition", "prompts/s at one full client core"]
         if a.floor:
             header += ["Dask floor: tasks/s", "Dask floor: client CPU ms per trivial task",
-                       "daskgen above the floor, ms", "idle share"]
+                       "daskgen above the floor, ms", "idle share", "Dask floor at full speed: tasks/s",
+                       "Dask floor at full speed: client CPU ms per task"]
         if scheduler == "separate":
             header += ["scheduler process CPU ms per partition", "nanny process CPU ms per partition"]
-            header += ["Dask floor: scheduler CPU ms per trivial task"] if a.floor else []
+            header += ["Dask floor: scheduler CPU ms per trivial task", "... at full speed"] if a.floor else []
         where = ("scheduler and nannies in the client process (LocalCluster)" if scheduler == "in-process" else
                  "`dask scheduler` and `dask worker --nworkers N` in processes of their own (`scheduler_address`): "
                  "client CPU is the client alone; the scheduler's and the nannies' CPU are the last columns")

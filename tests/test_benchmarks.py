@@ -91,6 +91,7 @@ def test_scaleout(tmp_path):
     # Dask's own floor (trivial tasks) measured on the same cluster
     assert "Scheduler in-process" in out and "Scheduler separate" in out
     assert out.count("Dask floor: client CPU ms per trivial task") == 2 and "scheduler process CPU ms" in out
+    assert out.count("Dask floor at full speed: client CPU ms per task") == 2
 
 
 @pytest.mark.timeout(240)
