@@ -43,6 +43,35 @@ def cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
     return out
 
 
+#: Thread groups of the client process: distributed's event loop (client comms, and a LocalCluster's
+#: scheduler and nannies), the main thread (daskgen's loop, building and submitting tasks, committing),
+#: and the rest (Zarr's I/O loop and pools that write the commits, Dask's offload thread).
+THREAD_GROUPS = ("event loop", "main thread", "other threads")
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of this process's threads so far, by :data:`THREAD_GROUPS`
+    (from ``/proc/self/task``; empty where there is none).  Threads that ended are not counted."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = dict.fromkeys(THREAD_GROUPS, 0.0)
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        name = names.get(int(tid), "")
+        group = ("event loop" if name == "IO loop" else "main thread" if name == "MainThread" else "other threads")
+        out[group] += (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def idle_share(seconds: float = 2.0) -> float:
     """CPU share of a core this process uses over ``seconds`` while it only sleeps in the main thread
     (the event loop, scheduler and nannies of a LocalCluster keep ticking)."""

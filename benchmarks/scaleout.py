@@ -27,8 +27,11 @@ trivial async tasks submitted the way daskgen submits partitions (one ``Client.s
 measured below saturation overstates the cost at saturation; "at full speed" is the same floor with
 tasks that return at once (as many per second as the cluster takes: near the client's saturation).
 "Idle share" is the client process's CPU share with engines ready and nothing submitted (2 s before
-the run).  The commit itself (``store.commit`` of one partition) is timed on a store with
-``--commit-rows`` rows.
+the run).  The client CPU per partition is also split by thread (``/proc/self/task``): distributed's
+event loop (client comms, and in-process the scheduler and nannies), the main thread (daskgen's loop:
+building, submitting and collecting tasks, committing; ``Client.submit`` runs here) and the other
+threads (Zarr's I/O loop and pools writing the commits, Dask's offload thread).  The commit itself
+(``store.commit`` of one partition) is timed on a store with ``--commit-rows`` rows.
 
     python benchmarks/scaleout.py                  # ~4-5 minutes on 2 cores
     python benchmarks/scaleout.py --part client --scheduler separate --workers 2   # ~1 minute
@@ -68,10 +71,13 @@ def run_measured(config: RunConfig, prompts: list[str], procs: dict[str, Any] | 
         if floor:
             cpu["idle_share"] = _client_cost.idle_share()
         cpu["procs"] = _client_cost.cpu_seconds(procs or {})
+        cpu["threads"] = _client_cost.thread_cpu()
         cpu["ready"] = time.process_time()
 
     def on_done(client: Any) -> list[dict[str, Any]]:
         cpu["done"] = time.process_time()
+        threads = _client_cost.thread_cpu()
+        cpu["threads"] = {k: v - cpu["threads"].get(k, 0.0) for k, v in threads.items()}
         after = _client_cost.cpu_seconds(procs or {})
         cpu["procs"] = {k: after[k] - v for k, v in cpu["procs"].items()}
         stats = [s for s in client.run(_bench.engine_stats).values() if s]
@@ -89,6 +95,7 @@ def run_measured(config: RunConfig, prompts: list[str], procs: dict[str, Any] | 
     return {"wall": marks["generate_s"], "tokens": summary.response_tokens, "prompts": summary.generated_prompts,
             "partitions": -(-summary.generated_prompts // config.partition_size),
             "client_cpu": cpu["done"] - cpu["ready"], "stats": marks["on_done"], "procs": cpu["procs"],
+            "threads": cpu["threads"],
             "idle_share": cpu.get("idle_share"), "floor": cpu.get("floor"), "fast": cpu.get("fast")}
 
 
@@ -159,6 +166,7 @@ def part_client(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list[d
             cpu_pp = r["client_cpu"] / r["partitions"]
             row = [w, r["partitions"], r["wall"], r["prompts"] / r["wall"], r["partitions"] / r["wall"],
                    r["client_cpu"] / r["wall"], cpu_pp * 1000, a.partition_size / cpu_pp]
+            row += [r["threads"].get(k, float("nan")) / r["partitions"] * 1000 for k in _client_cost.THREAD_GROUPS]
             if a.floor:
                 f = r["floor"]
                 fast = r["fast"]
@@ -171,7 +179,8 @@ def part_client(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list[d
                     row += [r[k]["scheduler"] / r[k]["tasks"] * 1000 for k in ("floor", "fast")]
             rows.append(row)
         header = ["workers", "partitions", "wall s", "prompts/s", "partitions/s", "client CPU share of a core",
-                  "client CPU ms per partition", "prompts/s at one full client core"]
+                  "client CPU ms per partition", "prompts/s at one full client core",
+                  *(f"... of which {k} ms" for k in _client_cost.THREAD_GROUPS)]
         if a.floor:
             header += ["Dask floor: tasks/s", "Dask floor: client CPU ms per trivial task",
                        "daskgen above the floor, ms", "idle share", "Dask floor at full speed: tasks/s",
