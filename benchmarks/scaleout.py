@@ -7,13 +7,34 @@ throughput), and the ideal bound per run as in ``longtail.py``.
 
 Part ``client`` — where the client saturates.  The same runner with an *instant* engine and short outputs,
 so engines are never the limit: prompts/s at 1, 2, 4 workers, and the CPU seconds the client process
-spends per partition (``time.process_time`` of this process from engines ready to the last commit; a
-LocalCluster's scheduler runs in this process too, so scheduling is included).
-``partition_size / CPU per partition`` is the rate at which commit + scheduling alone would fill one
-core.  The commit itself (``store.commit`` of one partition) is timed on a store with ``--commit-rows``
-rows.
+spends per partition (``time.process_time`` of this process from engines ready to the last commit).
+``partition_size / CPU per partition`` is the rate at which the client process would fill one core.
+It runs twice (``--scheduler``):
 
-    python benchmarks/scaleout.py                  # ~3-4 minutes on 2 cores
+* ``in-process`` — daskgen makes a LocalCluster, whose scheduler and nannies run in the client process
+  (as with daskgen's default local cluster and dask-jobqueue clusters), so their CPU is included;
+* ``separate`` — ``dask scheduler`` and ``dask worker --nworkers N`` run as processes of their own
+  (``_client_cost.separate_scheduler``) and daskgen connects with ``scheduler_address`` (as
+  ``daskgen run --scheduler-address``): the client CPU is the client alone, and the scheduler's and
+  the nannies' CPU over the same span are reported in columns of their own.
+
+With ``--floor`` (the default) each run also gets Dask's own floor on the same cluster, right after it:
+trivial async tasks submitted the way daskgen submits partitions (one ``Client.submit`` each, the
+``daskgen-engine`` resource, a loose worker restriction, the same window, results through
+``as_completed``, futures released) at the run's partitions/s, and the client's CPU per task;
+"daskgen above the floor" is the difference.  The per-task cost of Dask falls as the rate rises
+(messages are batched), so the floor is measured at the run's rate, and a client CPU per partition
+measured below saturation overstates the cost at saturation; "at full speed" is the same floor with
+tasks that return at once (as many per second as the cluster takes: near the client's saturation).
+"Idle share" is the client process's CPU share with engines ready and nothing submitted (2 s before
+the run).  The client CPU per partition is also split by thread (``/proc/self/task``): distributed's
+event loop (client comms, and in-process the scheduler and nannies), the main thread (daskgen's loop:
+building, submitting and collecting tasks, committing; ``Client.submit`` runs here) and the other
+threads (Zarr's I/O loop and pools writing the commits, Dask's offload thread).  The commit itself
+(``store.commit`` of one partition) is timed on a store with ``--commit-rows`` rows.
+
+    python benchmarks/scaleout.py                  # ~4-5 minutes on 2 cores
+    python benchmarks/scaleout.py --part client --scheduler separate --workers 2   # ~1 minute
     python benchmarks/scaleout.py --workers 1,2 --prompts-per-worker 64 --no-record
 """
 
@@ -26,25 +47,46 @@ from pathlib import Path
 from typing import Any
 
 import _bench
+import _client_cost
 import longtail
 import numpy as np
 
 from daskgen.config import RunConfig
 
 
-def run_measured(config: RunConfig, prompts: list[str]) -> dict[str, Any]:
-    """``runner.run``; wall time from engines ready to the last commit, client CPU over the same span."""
+def run_measured(config: RunConfig, prompts: list[str], procs: dict[str, Any] | None = None,
+                 floor: bool = False) -> dict[str, Any]:
+    """``runner.run``; wall time from engines ready to the last commit, client CPU over the same span.
+
+    ``procs`` (name -> ``psutil.Process``, e.g. a separate scheduler): their CPU over the same span.
+    ``floor``: also the client's idle CPU share (engines ready, nothing submitted) before the run, and
+    Dask's own floor (:func:`_client_cost.dask_floor`) on the same cluster at the run's rate after it.
+    """
     from daskgen.runner import run
 
-    cpu: dict[str, float] = {}
+    cpu: dict[str, Any] = {}
 
     def on_ready(client: Any) -> None:
         client.run(_bench.reset_engine_stats)
+        if floor:
+            cpu["idle_share"] = _client_cost.idle_share()
+        cpu["procs"] = _client_cost.cpu_seconds(procs or {})
+        cpu["threads"] = _client_cost.thread_cpu()
         cpu["ready"] = time.process_time()
 
     def on_done(client: Any) -> list[dict[str, Any]]:
         cpu["done"] = time.process_time()
-        return [s for s in client.run(_bench.engine_stats).values() if s]
+        threads = _client_cost.thread_cpu()
+        cpu["threads"] = {k: v - cpu["threads"].get(k, 0.0) for k, v in threads.items()}
+        after = _client_cost.cpu_seconds(procs or {})
+        cpu["procs"] = {k: after[k] - v for k, v in cpu["procs"].items()}
+        stats = [s for s in client.run(_bench.engine_stats).values() if s]
+        if floor:
+            n = -(-len(prompts) // config.partition_size)
+            cpu["floor"] = _client_cost.dask_floor(client, n, int(config.window), n / marks["generate_s"],
+                                                   config.partition_size, procs)
+            cpu["fast"] = _client_cost.dask_floor(client, n, int(config.window), None, config.partition_size, procs)
+        return stats
 
     with _bench.instrument_run(on_ready, on_done) as marks:
         summary = run(config, prompts)
@@ -52,7 +94,9 @@ def run_measured(config: RunConfig, prompts: list[str]) -> dict[str, Any]:
         raise SystemExit(f"run did not finish: {summary.line()}")
     return {"wall": marks["generate_s"], "tokens": summary.response_tokens, "prompts": summary.generated_prompts,
             "partitions": -(-summary.generated_prompts // config.partition_size),
-            "client_cpu": cpu["done"] - cpu["ready"], "stats": marks["on_done"]}
+            "client_cpu": cpu["done"] - cpu["ready"], "stats": marks["on_done"], "procs": cpu["procs"],
+            "threads": cpu["threads"],
+            "idle_share": cpu.get("idle_share"), "floor": cpu.get("floor"), "fast": cpu.get("fast")}
 
 
 def part_longtail(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list[dict[str, Any]]:
@@ -88,27 +132,66 @@ def part_longtail(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list
     return results
 
 
+def client_run(a: argparse.Namespace, work: Path, w: int, scheduler: str) -> dict[str, Any]:
+    """One client-part run with ``w`` workers; ``scheduler`` ``in-process`` (a LocalCluster made by
+    daskgen: scheduler and nannies in this process) or ``separate`` (``dask scheduler`` and ``dask
+    worker`` processes, daskgen connects with ``scheduler_address``)."""
+    config = RunConfig(model="simulated-client", engine="simulated", store=str(work / f"cl-{scheduler}-{w}.zarr"),
+                       engine_args={"time_scale": 0.0, "length_dist": "fixed", "length_mean": 8},
+                       n_samples=a.n_samples, max_new_tokens=16, max_prompt_tokens=64, temperature=1.0, seed=0,
+                       partition_size=a.partition_size, n_workers=w, window=a.client_window, progress=False)
+    prompts = [f"q{i}" for i in range(a.client_prompts)]
+    if scheduler == "in-process":
+        return run_measured(config, prompts, floor=a.floor)
+    with _client_cost.separate_scheduler(w, a.client_window + 1, work) as (address, procs):
+        config.scheduler_address = address
+        return run_measured(config, prompts, procs, floor=a.floor)
+
+
 def part_client(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list[dict[str, Any]]:
-    """Instant engines: pipeline-limited rate and client CPU per partition."""
+    """Instant engines: pipeline-limited rate, client CPU per partition, and Dask's floor at that rate."""
     results = []
-    for w in a.worker_counts:
-        config = RunConfig(model="simulated-client", engine="simulated", store=str(work / f"cl-{w}.zarr"),
-                           engine_args={"time_scale": 0.0, "length_dist": "fixed", "length_mean": 8},
-                           n_samples=a.n_samples, max_new_tokens=16, max_prompt_tokens=64, temperature=1.0, seed=0,
-                           partition_size=a.partition_size, n_workers=w, window=a.client_window, progress=False)
-        prompts = [f"q{i}" for i in range(a.client_prompts)]
-        res = run_measured(config, prompts)
-        res["workers"] = w
-        results.append(res)
-    rows = []
-    for r in results:
-        cpu_pp = r["client_cpu"] / r["partitions"]
-        rows.append([r["workers"], r["partitions"], r["wall"], r["prompts"] / r["wall"], r["partitions"] / r["wall"],
-                     r["client_cpu"] / r["wall"], cpu_pp * 1000, a.partition_size / cpu_pp])
     rec.note(f"Part client: instant simulated engine, 8-token outputs, {a.client_prompts:,} prompts × {a.n_samples} "
-             f"samples, partitions of {a.partition_size}, window {a.client_window} per worker.")
-    rec.table(["workers", "partitions", "wall s", "prompts/s", "partitions/s", "client CPU share of a core",
-               "client CPU ms per partition", "prompts/s at one full client core"], rows)
+             f"samples, partitions of {a.partition_size}, window {a.client_window} per worker. \"Dask floor\": "
+             "trivial async tasks submitted like partitions (resource, loose worker restriction, the same "
+             "window, results through `as_completed`, released) on the same cluster right after the run, at "
+             "the run's partitions/s; client CPU per task. Idle share: the client process's CPU with engines "
+             "ready and nothing submitted (2 s before the run).")
+    for scheduler in a.schedulers:
+        rows = []
+        for w in a.worker_counts:
+            r = client_run(a, work, w, scheduler)
+            r["workers"], r["scheduler"] = w, scheduler
+            results.append(r)
+            cpu_pp = r["client_cpu"] / r["partitions"]
+            row = [w, r["partitions"], r["wall"], r["prompts"] / r["wall"], r["partitions"] / r["wall"],
+                   r["client_cpu"] / r["wall"], cpu_pp * 1000, a.partition_size / cpu_pp]
+            row += [r["threads"].get(k, float("nan")) / r["partitions"] * 1000 for k in _client_cost.THREAD_GROUPS]
+            if a.floor:
+                f = r["floor"]
+                fast = r["fast"]
+                row += [f["tasks"] / f["wall"], f["client_cpu"] / f["tasks"] * 1000,
+                        (cpu_pp - f["client_cpu"] / f["tasks"]) * 1000, r["idle_share"], fast["tasks"] / fast["wall"],
+                        fast["client_cpu"] / fast["tasks"] * 1000]
+            if scheduler == "separate":
+                row += [r["procs"][k] / r["partitions"] * 1000 for k in ("scheduler", "nannies")]
+                if a.floor:
+                    row += [r[k]["scheduler"] / r[k]["tasks"] * 1000 for k in ("floor", "fast")]
+            rows.append(row)
+        header = ["workers", "partitions", "wall s", "prompts/s", "partitions/s", "client CPU share of a core",
+                  "client CPU ms per partition", "prompts/s at one full client core",
+                  *(f"... of which {k} ms" for k in _client_cost.THREAD_GROUPS)]
+        if a.floor:
+            header += ["Dask floor: tasks/s", "Dask floor: client CPU ms per trivial task",
+                       "daskgen above the floor, ms", "idle share", "Dask floor at full speed: tasks/s",
+                       "Dask floor at full speed: client CPU ms per task"]
+        if scheduler == "separate":
+            header += ["scheduler process CPU ms per partition", "nanny process CPU ms per partition"]
+            header += ["Dask floor: scheduler CPU ms per trivial task", "... at full speed"] if a.floor else []
+        where = ("scheduler and nannies in the client process (LocalCluster)" if scheduler == "in-process" else
+                 "`dask scheduler` and `dask worker --nworkers N` in processes of their own (`scheduler_address`): "
+                 "client CPU is the client alone; the scheduler's and the nannies' CPU are the last columns")
+        rec.table(header, rows, caption=f"Scheduler {scheduler}: {where}.")
     return results
 
 
@@ -145,11 +228,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--partition-size", type=int, default=64)
     p.add_argument("--client-prompts", type=int, default=16384)
     p.add_argument("--client-window", type=int, default=4)
+    p.add_argument("--scheduler", default="in-process,separate",
+                   help="client part, comma-separated: in-process (LocalCluster in the client process), separate "
+                        "(`dask scheduler` + `dask worker` processes)")
+    p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
+                   help="client part: also measure Dask's own floor (trivial tasks) and the idle CPU share")
     p.add_argument("--commit-rows", type=int, default=1_000_000)
     p.add_argument("--commit-samples", type=int, default=50)
     _bench.add_common_args(p)
     a = p.parse_args(argv)
     a.worker_counts = [int(x) for x in a.workers.split(",")]
+    a.schedulers = [x.strip() for x in a.scheduler.split(",") if x.strip()]
+    if set(a.schedulers) - {"in-process", "separate"}:
+        p.error(f"--scheduler takes in-process and/or separate, not {a.scheduler!r}")
     return a
 
 
@@ -157,13 +248,15 @@ def part_client_and_commit(a: argparse.Namespace, work: Path, rec: _bench.Record
     """The client part plus the commit latency, and the client-saturation estimate from both."""
     client = part_client(a, work, rec)
     med, p90 = commit_latency(a, work)
-    worst = max(r["client_cpu"] / r["partitions"] for r in client)
     rec.note(f"`store.commit` of one {a.partition_size}-row partition on a {a.commit_rows:,}-row store: median "
              f"{med * 1000:.1f} ms, p90 {p90 * 1000:.1f} ms (rewrites one 65,536-row chunk of `status` and "
-             f"of `committed_at`). **Client saturation estimate: one core of commit + scheduling per "
-             f"{worst * 1000:.0f} ms per partition → about {a.partition_size / worst:,.0f} prompts/s "
-             f"({1 / worst:.0f} partitions/s) with partitions of {a.partition_size}; the commit alone "
-             f"would allow {a.partition_size / med:,.0f} prompts/s.**")
+             f"of `committed_at`; the runner commits at most once per `daskgen.commit-interval`, so this "
+             f"is a cost per commit, not per partition).")
+    for scheduler in a.schedulers:
+        worst = max(r["client_cpu"] / r["partitions"] for r in client if r["scheduler"] == scheduler)
+        rec.note(f"**Client saturation estimate, scheduler {scheduler}: one client core per {worst * 1000:.1f} ms "
+                 f"per partition (worst worker count) → about {a.partition_size / worst:,.0f} prompts/s "
+                 f"({1 / worst:.0f} partitions/s) with partitions of {a.partition_size}.**")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,6 +62,7 @@ class StoreLock:
         self.owner = {"host": socket.gethostname(), "pid": os.getpid(),
                       "started": _dt.datetime.now(_dt.timezone.utc).isoformat()}
         self._last_beat = 0.0
+        self.heartbeat_interval = tunables.seconds("lock.heartbeat-interval")
         self._version: Any = None
         self.took_over: dict[str, Any] | None = None
 
@@ -103,7 +104,7 @@ class StoreLock:
         Raises :class:`StoreLockedError` when another client took the lock over meanwhile (this run's
         heartbeat had stopped for longer than ``stale_after``): two clients must not commit to one store.
         """
-        if time.monotonic() - self._last_beat < tunables.seconds("lock.heartbeat-interval"):
+        if time.monotonic() - self._last_beat < self.heartbeat_interval:
             return
         try:
             version = self.location.replace_object(LOCK_NAME, self._doc(), self._version)

@@ -24,6 +24,8 @@ class Progress:
         """Record a committed partition (the postfix also shows :attr:`in_flight` when set)."""
         self.tokens += tokens
         self.failed += failed
+        if self._bar.disable:  # --no-progress: count only (the postfix is never shown)
+            return
         elapsed = max(time.perf_counter() - self._t0, 1e-9)
         postfix = {"tok_s": f"{self.tokens / elapsed:.0f}", "failed": self.failed}
         if self.in_flight is not None:

@@ -228,18 +228,18 @@ def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[Part
     from daskgen.engines.base import SamplingParams
 
     cfg, layout = plan.config, plan.layout
-    verify = cfg.verify_policy()
+    verify, where, continue_partial = cfg.verify_policy(), cfg.location(), cfg.continues_partial()  # once per run
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                             top_k=cfg.top_k, logprobs=cfg.logprobs, stop_token_ids=plan.stop_ids)
     ranges = [(start, min(start + layout.partition_size, layout.n_prompts)) for start in starts]
     wanted = (int(i) for start, stop in ranges for i in np.flatnonzero(todo[start:stop]) + start)
     selected = iter_selected_rows(plan.prompts.source, wanted)
     for start, stop in ranges:
-        rows = [int(i) for i in np.flatnonzero(todo[start:stop]) + start]
+        rows = (np.flatnonzero(todo[start:stop]) + start).tolist()
         full = [next(selected)[1] for _ in rows]
-        yield PartitionTask(cfg.location(), start, stop, rows, None, cfg.n_samples, params, cfg.seed, layout,
+        yield PartitionTask(where, start, stop, rows, None, cfg.n_samples, params, cfg.seed, layout,
                             timeout_s=cfg.partition_timeout_s, agent=cfg.agent, agent_args=dict(cfg.agent_args),
-                            model=str(cfg.model), continue_partial=cfg.continues_partial(), verify=verify,
+                            model=str(cfg.model), continue_partial=continue_partial, verify=verify,
                             rows_meta=full if verify is not None else None, inputs=[_to_tokenize(r) for r in full])
 
 
@@ -326,12 +326,12 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
                        check_engines=lambda: check_engines(client, plan.config))
     futures: dict[Any, PartitionTask] = {}
     generated = tokens = 0
-    refreshed = time.monotonic()
+    refreshed, refresh_every = time.monotonic(), tunables.seconds("cap-refresh-interval")
     batch = CommitBatch(plan)
     try:
         with Progress(n_pending, enabled=plan.config.progress) as bar:
             while True:
-                if time.monotonic() - refreshed > tunables.seconds("cap-refresh-interval"):  # workers joined/left
+                if time.monotonic() - refreshed > refresh_every:  # workers joined/left
                     board.refresh()
                     refreshed = time.monotonic()
                 cap = in_flight_target(plan, board, info)

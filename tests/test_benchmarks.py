@@ -87,6 +87,11 @@ def test_scaleout(tmp_path):
                         "0.002", "--partition-size", "8", "--client-prompts", "128", "--commit-rows", "10000",
                         "--commit-samples", "5")
     assert "scaling efficiency" in out and "Client saturation estimate" in out
+    # the client part ran with the scheduler in the client process and in a process of its own, each with
+    # Dask's own floor (trivial tasks) measured on the same cluster
+    assert "Scheduler in-process" in out and "Scheduler separate" in out
+    assert out.count("Dask floor: client CPU ms per trivial task") == 2 and "scheduler process CPU ms" in out
+    assert out.count("Dask floor at full speed: client CPU ms per task") == 2
 
 
 @pytest.mark.timeout(240)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from daskgen import store
-from daskgen.commit import Outcome, commit_outcomes
+from daskgen.commit import CommitBatch, Outcome, commit_outcomes
 from daskgen.config import RunConfig
 from daskgen.runner import Plan
 
@@ -48,3 +48,20 @@ def test_outcomes_in_one_or_several_coarse_chunks_are_committed_exactly(plan):
     now = expected != store.PENDING
     now[8] = False  # committed earlier (without a time): untouched
     assert np.isfinite(committed[now]).all() and np.isnan(committed[~now]).all()
+
+
+def test_commit_batch_commits_the_first_at_once_then_at_most_once_per_interval(plan):
+    assert dask.config.get("daskgen.commit-interval") == "0.5s"  # the shipped default (docs/architecture.md)
+    with dask.config.set({"daskgen.commit-interval": "1h"}):  # read when the batch is made, once per run
+        batch = CommitBatch(plan)
+    assert batch.due_in() == float("inf")  # nothing queued
+    batch.add([Outcome(0, 4, done=[0, 1, 2, 3], failed={}, notes={})])
+    assert batch.due_in() == 0.0  # the first commit goes at once
+    batch.flush()
+    assert (store.read_status(plan.config.store)[:4] == store.DONE).all()
+    batch.add([Outcome(4, 8, done=[4, 5, 6, 7], failed={}, notes={})])
+    assert batch.due_in() > 3000  # the next waits for the interval (1 h here) ...
+    batch.flush()
+    assert (store.read_status(plan.config.store)[4:8] == store.PENDING).all()
+    batch.flush(force=True)  # ... unless forced (a stop, the end of the run)
+    assert (store.read_status(plan.config.store)[4:8] == store.DONE).all()

@@ -1,0 +1,17 @@
+"""The run's progress bar: counts with or without a visible bar; the postfix only when shown."""
+
+from __future__ import annotations
+
+from daskgen.progress import Progress
+
+
+def test_progress_counts_and_shows_the_postfix_only_when_enabled(capsys):
+    with Progress(10, enabled=True) as shown, Progress(10, enabled=False) as hidden:
+        for bar in (shown, hidden):
+            bar.in_flight = "2/4"
+            bar.update(4, 100, failed=1)
+            bar.update(2, 50)
+        assert (shown.tokens, shown.failed, shown._bar.n) == (150, 1, 6)
+        assert (hidden.tokens, hidden.failed) == (150, 1)  # --no-progress still counts
+        assert "in_flight=2/4" in shown._bar.postfix and "failed=1" in shown._bar.postfix
+        assert not getattr(hidden._bar, "postfix", None)  # nothing formatted for a bar nobody sees
