@@ -17,7 +17,7 @@ import numpy as np
 from daskgen import store, tunables
 
 if TYPE_CHECKING:
-    from daskgen.runner import Plan
+    from daskgen.plan import Plan
 
 
 def commit_overlong(plan: Plan) -> None:

@@ -16,7 +16,7 @@ from daskgen import store, tunables
 
 if TYPE_CHECKING:
     from daskgen.partition import PartitionTask
-    from daskgen.runner import Plan
+    from daskgen.plan import Plan
 
 logger = logging.getLogger(__name__)
 

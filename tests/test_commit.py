@@ -9,7 +9,7 @@ import pytest
 from daskgen import store
 from daskgen.commit import CommitBatch, Outcome, commit_outcomes
 from daskgen.config import RunConfig
-from daskgen.runner import Plan
+from daskgen.plan import Plan
 
 
 @pytest.fixture

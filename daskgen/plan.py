@@ -1,0 +1,160 @@
+"""The plan of a run: what the client knows before any engine starts, and the tasks it will submit.
+
+:func:`prepare` validates the input and the settings (tokenizing every prompt once, or reusing the
+input scan kept in the store, :mod:`daskgen.scan_cache`), creates the store or checks that it matches;
+:func:`pending_tasks` then yields one :class:`~daskgen.partition.PartitionTask` per partition that
+still has rows to generate, in dispatch order (:mod:`daskgen.dispatch`).  :mod:`daskgen.runner`
+drives them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from daskgen import store
+from daskgen.agents import create_agent
+from daskgen.config import RunConfig
+from daskgen.data import InputScan, iter_selected_rows, scan_prompts
+from daskgen.dispatch import ATTR as DISPATCH_ATTR
+from daskgen.dispatch import dispatch_order
+from daskgen.interrupt import Interrupt
+from daskgen.partition import PartitionTask
+from daskgen.redaction import redact
+from daskgen.scan_cache import ATTR, load_scan, scan_key, scan_record
+from daskgen.tokenizer import load_tokenizer, tokenizer_identity
+
+
+@dataclass
+class Plan:
+    """What the client knows before any engine starts."""
+
+    config: RunConfig
+    prompts: InputScan
+    layout: store.Layout
+    status: np.ndarray
+    stop_ids: tuple[int, ...] = ()
+    committed_at: np.ndarray | None = None
+    lock: Any = None
+    tokenizer: Any = None
+    peak_prompts: int = 0
+    scan_record: dict[str, Any] | None = None  # input scan to keep in the attrs (under the lock)
+    stopped: str | None = None
+    started: float = dataclasses.field(default_factory=time.time)
+    interrupt: Interrupt | None = None
+    allocation_end: float | None = None
+    collect_until: float | None = None  # time.monotonic() by which a stopped run stops waiting
+    partial_samples: int = 0
+    partial_tokens: int = 0
+    carried_tokens: int = 0
+    writer: Any = None  # store.StatusWriter, opened at the first commit
+    first_partitions: list[int] = dataclasses.field(default_factory=list)  # dispatched first (dispatch.py)
+    partial_starts: set[int] = dataclasses.field(default_factory=set)  # partitions left with partial responses
+    generating_since: float | None = None
+    aborts: dict[int, int] = dataclasses.field(default_factory=dict)  # row -> times requeued after an abort
+
+
+def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) -> Plan:
+    """Validate input and settings, create or check the store, record overlong prompts as failed."""
+    config.require("model", "store")
+    source = prompts if prompts is not None else config.prompts
+    if source is None:
+        config.require("prompts")
+    tokenizer = load_tokenizer(config.model, config.engine, config.engine_args)
+    stored = store.read_attrs(config.location())
+    key = scan_key(source, tokenizer_identity(tokenizer), config.max_prompt_tokens, config.skip_overlong)
+    pset = load_scan(stored, key, source)
+    reused = pset is not None
+    if pset is None:
+        pset = scan_prompts(source, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
+                            skip_overlong=config.skip_overlong)
+    wanted = _store_attrs(config, pset, tokenizer)
+    agent = create_agent(config.agent, str(config.model), config.agent_args)
+    layout = store.Layout(len(pset), config.n_samples, config.max_prompt_tokens, config.max_new_tokens,
+                          config.partition_size, int(tokenizer.pad_token_id), agent.max_trajectories,
+                          scored=config.verify_policy() is not None)
+    record = None if reused else scan_record(key, pset, source)
+    if stored is None:
+        store.create(config.location(), layout, {**wanted, **({ATTR: record} if record else {})}, pset.ids)
+        record = None
+    else:
+        store.check_compatible(config.location(), stored, wanted)
+    eos = tokenizer.eos_token_id
+    first = list((stored or {}).get(DISPATCH_ATTR, []))
+    return Plan(config, pset, layout, store.read_status(config.location()), () if eos is None else (int(eos),),
+                tokenizer=tokenizer, scan_record=record, first_partitions=first)
+
+
+def keep_scan(plan: Plan) -> None:
+    """Keep a fresh input scan of an existing store in its attrs (client holding the lock only)."""
+    if plan.scan_record is not None:
+        store.update_attrs(plan.config.location(), **{ATTR: plan.scan_record})
+        plan.scan_record = None
+
+
+def _store_attrs(config: RunConfig, pset: InputScan, tokenizer: Any) -> dict[str, Any]:
+    from daskgen.engines import resolve_engine_class
+    from daskgen.versions import package_versions
+
+    return {
+        "identity": config.identity(),
+        "input": {"fingerprint": pset.fingerprint, "n_prompts": len(pset)},
+        "tokenizer": tokenizer_identity(tokenizer),
+        "config": redact(config.to_dict()),
+        "simulated": resolve_engine_class(config.engine).is_simulated(config.engine_args),
+        "versions": package_versions(),
+    }
+
+
+def pending_rows(plan: Plan) -> np.ndarray:
+    """Mask of rows this run generates."""
+    todo = plan.status == store.PENDING
+    if plan.config.retry_failed:
+        todo |= plan.status == store.FAILED
+    todo[list(plan.prompts.overlong)] = False
+    return todo
+
+
+def pending_tasks(plan: Plan) -> Iterator[PartitionTask]:
+    """One task per partition with rows to generate, built lazily while streaming the input.
+
+    Partitions that hold partial responses of an interrupted earlier run (the likely-long ones,
+    :mod:`daskgen.dispatch`) come first, then the others in order.  Only the prompts of tasks the
+    caller holds are in memory (the input is re-read, not kept).
+    """
+    layout, todo = plan.layout, pending_rows(plan)
+    starts = [s for s in layout.partitions() if todo[s:s + layout.partition_size].any()]
+    for group in dispatch_order(starts, plan.first_partitions):
+        yield from _tasks_for(plan, group, todo)
+
+
+def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[PartitionTask]:
+    """Tasks of the partitions at ``starts`` (ascending), reading their prompts in one pass over the input."""
+    from daskgen.engines.base import SamplingParams
+
+    cfg, layout = plan.config, plan.layout
+    verify, where, continue_partial = cfg.verify_policy(), cfg.location(), cfg.continues_partial()  # once per run
+    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                            top_k=cfg.top_k, logprobs=cfg.logprobs, stop_token_ids=plan.stop_ids)
+    ranges = [(start, min(start + layout.partition_size, layout.n_prompts)) for start in starts]
+    wanted = (int(i) for start, stop in ranges for i in np.flatnonzero(todo[start:stop]) + start)
+    selected = iter_selected_rows(plan.prompts.source, wanted)
+    for start, stop in ranges:
+        rows = (np.flatnonzero(todo[start:stop]) + start).tolist()
+        full = [next(selected)[1] for _ in rows]
+        yield PartitionTask(where, start, stop, rows, None, cfg.n_samples, params, cfg.seed, layout,
+                            timeout_s=cfg.partition_timeout_s, agent=cfg.agent, agent_args=dict(cfg.agent_args),
+                            model=str(cfg.model), continue_partial=continue_partial, verify=verify,
+                            rows_meta=full if verify is not None else None, inputs=[_to_tokenize(r) for r in full])
+
+
+def _to_tokenize(row: dict[str, Any]) -> dict[str, Any]:
+    """The part of an input row the worker tokenizes (other columns stay on the client)."""
+    key = "messages" if row.get("messages") is not None else "prompt"
+    return {key: row[key]}
