@@ -76,6 +76,8 @@ def run(
                                           "(default 25s).")] = None,
     skip_overlong: Annotated[bool, Opt(help="Record overlong prompts as failed instead of stopping.")] = False,
     retry_failed: Annotated[bool, Opt(help="Regenerate prompts that failed in earlier runs.")] = False,
+    length_hints: Annotated[str | None, Opt(help="Store of an earlier run over the same prompts: start the "
+                                                 "partitions that were longest there first.")] = None,
     progress: Annotated[bool, Opt("--progress/--no-progress")] = True,
     show: Annotated[int, Opt(help="Print this many decoded answers at the end.")] = 0,
 ) -> None:

@@ -100,6 +100,11 @@ class RunConfig:
         and partial work is committed, the run exits with status 3.
     skip_overlong, retry_failed:
         Record overlong prompts as failed instead of stopping; regenerate failed prompts.
+    length_hints:
+        An earlier store of the same prompts (folder or URL, same ``storage_options``): the
+        partitions whose prompts got the longest responses there are dispatched first, so they do
+        not form the job's tail (:mod:`daskgen.dispatch`).  Rows are matched by position (same
+        input) or by ``id``.
     progress:
         Show a progress bar.
     """
@@ -146,6 +151,7 @@ class RunConfig:
     grace: str = "25s"
     skip_overlong: bool = False
     retry_failed: bool = False
+    length_hints: str | None = None
     progress: bool = True
 
     def __post_init__(self) -> None:

@@ -23,7 +23,7 @@ from daskgen.agents import create_agent
 from daskgen.config import RunConfig
 from daskgen.data import InputScan, iter_selected_rows, scan_prompts
 from daskgen.dispatch import ATTR as DISPATCH_ATTR
-from daskgen.dispatch import dispatch_order
+from daskgen.dispatch import dispatch_order, long_first, read_length_hints
 from daskgen.interrupt import Interrupt
 from daskgen.partition import PartitionTask
 from daskgen.redaction import redact
@@ -58,6 +58,7 @@ class Plan:
     partial_starts: set[int] = dataclasses.field(default_factory=set)  # partitions left with partial responses
     generating_since: float | None = None
     aborts: dict[int, int] = dataclasses.field(default_factory=dict)  # row -> times requeued after an abort
+    predicted: np.ndarray | None = None  # per row: longest response in the length_hints store (NaN: unknown)
 
 
 def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) -> Plan:
@@ -87,8 +88,14 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
         store.check_compatible(config.location(), stored, wanted)
     eos = tokenizer.eos_token_id
     first = list((stored or {}).get(DISPATCH_ATTR, []))
+    predicted = None
+    if config.length_hints:
+        from daskgen.storage import locate
+
+        hints = locate(config.length_hints, config.storage_options)
+        predicted = read_length_hints(hints, pset.ids, pset.fingerprint, len(pset))
     return Plan(config, pset, layout, store.read_status(config.location()), () if eos is None else (int(eos),),
-                tokenizer=tokenizer, scan_record=record, first_partitions=first)
+                tokenizer=tokenizer, scan_record=record, first_partitions=first, predicted=predicted)
 
 
 def keep_scan(plan: Plan) -> None:
@@ -124,19 +131,32 @@ def pending_rows(plan: Plan) -> np.ndarray:
 def pending_tasks(plan: Plan) -> Iterator[PartitionTask]:
     """One task per partition with rows to generate, built lazily while streaming the input.
 
-    Partitions that hold partial responses of an interrupted earlier run (the likely-long ones,
-    :mod:`daskgen.dispatch`) come first, then the others in order.  Only the prompts of tasks the
-    caller holds are in memory (the input is re-read, not kept).
+    Likely-long partitions come first (:mod:`daskgen.dispatch`): those holding partial responses of an
+    interrupted earlier run, then those the ``length_hints`` store predicts longest (longest first),
+    then the others in order.  Only the prompts of tasks the caller holds, and of the predicted-long
+    group (at most half of ``max_prompts_in_memory``), are in memory: the input is re-read, not kept.
     """
     layout, todo = plan.layout, pending_rows(plan)
     starts = [s for s in layout.partitions() if todo[s:s + layout.partition_size].any()]
-    for group in dispatch_order(starts, plan.first_partitions):
+    interrupted, rest = dispatch_order(starts, plan.first_partitions)
+    groups = [interrupted]
+    if plan.predicted is not None:
+        limit = plan.config.max_prompts_in_memory // 2 // layout.partition_size
+        longest, rest = long_first(rest, np.where(todo, plan.predicted, np.nan), layout.partition_size, limit)
+        groups.append(longest)
+    for group in [*groups, rest]:
         yield from _tasks_for(plan, group, todo)
 
 
 def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[PartitionTask]:
-    """Tasks of the partitions at ``starts`` (ascending), reading their prompts in one pass over the input."""
+    """Tasks of the partitions at ``starts``, reading their prompts in one pass over the input (a group
+    not in ascending order is read whole, then yielded in its order)."""
     from daskgen.engines.base import SamplingParams
+
+    if starts != sorted(starts):
+        tasks = {task.start: task for task in _tasks_for(plan, sorted(starts), todo)}
+        yield from (tasks[start] for start in starts)
+        return
 
     cfg, layout = plan.config, plan.layout
     verify, where, continue_partial = cfg.verify_policy(), cfg.location(), cfg.continues_partial()  # once per run

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 
 from daskgen.engines import create_engine
@@ -48,7 +49,8 @@ def test_registered_and_labelled() -> None:
 @pytest.mark.parametrize(
     "args",
     [{"max_batch": 0}, {"time_scale": -1}, {"length_dist": "zipf"}, {"length_mean": 0},
-     {"vocab_size": 1}, {"eos_token_id": 50, "vocab_size": 10}, {"step_time_base_s": float("nan")}],
+     {"vocab_size": 1}, {"eos_token_id": 50, "vocab_size": 10}, {"step_time_base_s": float("nan")},
+     {"length_prompt_share": 1.5}, {"length_prompt_share": -0.1}],
 )
 def test_invalid_args(args) -> None:
     with pytest.raises(ConfigError):
@@ -75,6 +77,26 @@ def test_lengths_and_finish_reasons(dist: str) -> None:
     assert 14 < mean < 21, mean
     if dist == "fixed":
         assert {len(p.tokens) for p in plans} == {20}
+
+
+def _lengths(share: float, prompts: int, samples: int) -> np.ndarray:
+    args = SimulatedEngine("sim", length_mean=200, length_sigma=1.0, length_prompt_share=share, time_scale=0).args
+    return np.array([[len(plan_output(req("r", [p, 7], max_new_tokens=100_000, seed=s), args).tokens)
+                      for s in range(samples)] for p in range(prompts)])
+
+
+def test_length_prompt_share_makes_samples_of_one_prompt_alike_and_keeps_the_mean() -> None:
+    independent, alike, same = _lengths(0.0, 200, 8), _lengths(0.8, 200, 8), _lengths(1.0, 40, 4)
+    assert (same == same[:, :1]).all()  # all of the log-variance is the prompt's
+    assert (independent != independent[:, :1]).any(axis=1).mean() > 0.9
+
+    def within_share(lengths: np.ndarray) -> float:  # share of log-length variance within prompts
+        logs = np.log(lengths)
+        return float(logs.var(axis=1).mean() / logs.var())
+
+    assert within_share(independent) > 0.75 and within_share(alike) < 0.4
+    for lengths in (independent, alike):  # the mean stays length_mean (200) either way
+        assert 150 < lengths.mean() < 260, lengths.mean()
 
 
 def test_outputs_are_deterministic_and_prefix_consistent() -> None:

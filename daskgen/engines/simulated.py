@@ -15,9 +15,10 @@ The model
   thousands of requests per second go through).
 * A request's natural length is drawn from ``length_dist`` (``"fixed"``: ``length_mean``;
   ``"uniform"``: integers 1 .. ``2 * length_mean - 1``; ``"lognormal"``: mean ``length_mean``,
-  log-space standard deviation ``length_sigma``).  A length within ``max_new_tokens`` ends with
-  ``eos_token_id`` (``STOP``); a longer one is cut at ``max_new_tokens`` (``LENGTH``).  A token in
-  ``stop_token_ids`` also ends the request (``STOP``).
+  log-space standard deviation ``length_sigma``; ``length_prompt_share`` of its log-variance is
+  drawn once per prompt, so samples of one prompt have similar lengths, as with real models).
+  A length within ``max_new_tokens`` ends with ``eos_token_id`` (``STOP``); a longer one is cut at
+  ``max_new_tokens`` (``LENGTH``).  A token in ``stop_token_ids`` also ends the request (``STOP``).
 * Everything is a pure function of the prompt ids and the seed (greedy requests ignore the seed;
   sampled requests without a seed get a random one), so reruns reproduce outputs whatever the
   batching.  ``temperature``, ``top_p`` and ``top_k`` otherwise have no effect.
@@ -73,6 +74,10 @@ class SimulatedArgs:
         Wall seconds per model second; ``0`` runs instantly.
     length_dist, length_mean, length_sigma:
         Natural output length: ``"fixed"``, ``"uniform"`` or ``"lognormal"`` (sigma in log space).
+    length_prompt_share:
+        Lognormal only: the share (0..1) of the log-length variance that belongs to the prompt (drawn
+        from the prompt alone), the rest to the sample.  ``0``: lengths independent of the prompt; near
+        ``1``: all samples of a prompt about as long.
     vocab_size, eos_token_id:
         Token ids are drawn from ``[0, vocab_size)``; prompts must use ids in that range.
     """
@@ -84,6 +89,7 @@ class SimulatedArgs:
     length_dist: str = "lognormal"
     length_mean: float = 256.0
     length_sigma: float = 0.6
+    length_prompt_share: float = 0.0
     vocab_size: int = 32000
     eos_token_id: int = 2
 
@@ -95,6 +101,8 @@ class SimulatedArgs:
             require("simulated", is_number(value) and value >= 0, name, "a finite number >= 0", value)
         require("simulated", is_number(self.length_mean) and self.length_mean >= 1, "length_mean", "a number >= 1",
                  self.length_mean)
+        share = self.length_prompt_share
+        require("simulated", is_number(share) and 0 <= share <= 1, "length_prompt_share", "a number in [0, 1]", share)
         require("simulated", self.length_dist in _LENGTH_DISTS, "length_dist", f"one of {list(_LENGTH_DISTS)}",
                  self.length_dist)
         require("simulated", isinstance(self.vocab_size, int) and self.vocab_size >= 2, "vocab_size", "an integer >= 2",
@@ -120,25 +128,31 @@ def _prompt_digest(prompt_ids: list[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
-def _natural_length(rng: np.random.Generator, args: SimulatedArgs) -> int:
+def _natural_length(rng: np.random.Generator, args: SimulatedArgs, prompt_digest: int) -> int:
     if args.length_dist == "fixed":
         return max(1, round(args.length_mean))
     if args.length_dist == "uniform":
         return int(rng.integers(1, max(2, round(2 * args.length_mean))))
     mu = math.log(args.length_mean) - args.length_sigma**2 / 2
-    return max(1, math.ceil(rng.lognormal(mu, args.length_sigma)))
+    share = args.length_prompt_share
+    if not share:
+        return max(1, math.ceil(rng.lognormal(mu, args.length_sigma)))
+    # log-length = mu + a per-prompt part (variance share x sigma^2) + a per-sample part (the rest)
+    per_prompt = np.random.default_rng([prompt_digest, 3]).normal(0.0, args.length_sigma * math.sqrt(share))
+    return max(1, math.ceil(rng.lognormal(mu + per_prompt, args.length_sigma * math.sqrt(1 - share))))
 
 
 def plan_output(request: GenerationRequest, args: SimulatedArgs) -> _Plan:
     """The deterministic output of ``request`` under ``args`` (seed drawn at random if unset)."""
     params = request.params
+    digest = _prompt_digest(request.prompt_ids)
     if params.temperature == 0:
-        key = [_prompt_digest(request.prompt_ids), 0]
+        key = [digest, 0]
     else:
         seed = params.seed if params.seed is not None else secrets.randbits(64)
-        key = [_prompt_digest(request.prompt_ids), 1, int(seed < 0), abs(seed)]
+        key = [digest, 1, int(seed < 0), abs(seed)]
     rng = np.random.default_rng(key)
-    natural = _natural_length(rng, args)
+    natural = _natural_length(rng, args, digest)
     n = min(natural, params.max_new_tokens)
     tokens = rng.integers(0, args.vocab_size, size=n)
     tokens[tokens == args.eos_token_id] = (args.eos_token_id + 1) % args.vocab_size
