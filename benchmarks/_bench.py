@@ -381,7 +381,7 @@ def run_requests(config: Any, prompts: Any) -> list[Any]:
     from daskgen.data import tokenize_rows
     from daskgen.engines.base import GenerationRequest
     from daskgen.partition import sample_seed
-    from daskgen.runner import pending_tasks, prepare
+    from daskgen.plan import pending_tasks, prepare
 
     plan = prepare(config, prompts)
     out = []

@@ -66,7 +66,7 @@ def engine_args(a: argparse.Namespace) -> dict[str, Any]:
     """The simulated engine's options shared by every side."""
     return {"max_batch": a.max_batch, "step_time_base_s": a.step_base, "step_time_per_seq_s": a.step_per_seq,
             "time_scale": a.time_scale, "length_dist": "lognormal", "length_mean": a.length_mean,
-            "length_sigma": a.length_sigma}
+            "length_sigma": a.length_sigma, "length_prompt_share": getattr(a, "length_prompt_share", 0.0)}
 
 
 def prompt_rows(n: int) -> list[str]:

@@ -1,6 +1,6 @@
 """Benchmark 4: resume cost — knowing the pending set of a 1M-prompt store, and a crash-and-resume run.
 
-Part ``pending`` — a store of ``--prompts`` (default 1,000,000) prompts made by ``runner.prepare`` from a
+Part ``pending`` — a store of ``--prompts`` (default 1,000,000) prompts made by ``plan.prepare`` from a
 real JSONL input (so attrs, coordinates and chunking are what a run writes), then ``status`` set for 70%
 of the partitions as a crashed run leaves it: everything before the crash point done except a few
 partitions that were in flight, plus a few done beyond it.  (``status`` is written in one go instead of
@@ -9,9 +9,9 @@ by 11k client commits, and data chunks stay unwritten: finding the pending set r
 * **store level** — what a resume needs from the store: read the attrs, compare them with the run's,
   read the ``status`` mask, list the pending rows and the partitions that have any;
 * **xarray** — ``daskgen.open_store(path).status`` loaded and counted (a user checking progress);
-* **runner level** — ``runner.prepare`` on the same, unchanged input (reuses the scan the first run stored),
+* **runner level** — ``plan.prepare`` on the same, unchanged input (reuses the scan the first run stored),
   and again after ``touch``-ing it (reads, validates and tokenizes every prompt, fingerprints the input,
-  then the store part), and ``runner.pending_tasks``.
+  then the store part), and ``plan.pending_tasks``.
 
 Part ``crash`` — the real CLI (``python -m daskgen run``) with the ``simulated`` engine wrapped in
 daskgen's labelled test double ``RecordingEngine`` (it logs every generate call), killed with SIGKILL
@@ -112,7 +112,7 @@ def median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]
 def part_pending(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     """The 1M-prompt store: time to the pending set at store, xarray and runner level."""
     from daskgen import store
-    from daskgen.runner import pending_tasks, prepare
+    from daskgen.plan import pending_tasks, prepare
 
     prompts = work / "prompts.jsonl"
     store_path = work / "big.zarr"
@@ -154,12 +154,12 @@ def part_pending(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     rec.table(["step", "median s", "first call s", f"target ≤ {a.target_ms:g} ms"], [
         ["store level: attrs check + status read + pending rows/partitions", med, first, med * 1000 <= a.target_ms],
         ["xarray: open_store(path).status == 0", xmed, xfirst, xmed * 1000 <= a.target_ms],
-        [f"runner.prepare, unchanged {a.prompts:,}-row input (stored scan reused; then the store part)",
+        [f"plan.prepare, unchanged {a.prompts:,}-row input (stored scan reused; then the store part)",
          t_prepare, t_prepare, t_prepare * 1000 <= a.target_ms],
-        ["runner.prepare after `touch`-ing the input (reads, validates, tokenizes, fingerprints it; then the store "
+        ["plan.prepare after `touch`-ing the input (reads, validates, tokenizes, fingerprints it; then the store "
          "part)", t_rescan, t_rescan, t_rescan * 1000 <= a.target_ms],
-        ["runner.pending_tasks: first partition task ready", t_first, t_first, None],
-        ["runner.pending_tasks: all partition tasks built (re-reads and tokenizes pending rows)", t_tasks, t_tasks,
+        ["plan.pending_tasks: first partition task ready", t_first, t_first, None],
+        ["plan.pending_tasks: all partition tasks built (re-reads and tokenizes pending rows)", t_tasks, t_tasks,
          None],
     ])
 

@@ -1,21 +1,25 @@
 """Benchmark (issue: keep engines full on any length distribution): daskgen's default ``window: auto``
-against the best fixed window, on three length distributions.
+against the best fixed window, on three length distributions, and what ``--length-hints`` adds.
 
-For each distribution the same job (simulated engines, 2 workers) is
+For each distribution the same job (simulated engines, 2 workers; samples of one prompt have similar
+lengths: ``--length-prompt-share`` of the log-length variance belongs to the prompt) is
 
 * **emulated** with zero pipeline overhead (``longtail.emulate_streaming``, an exact event simulation of
   the step model) for fixed windows of 1..64 partitions per worker, and for the ``window: auto``
-  occupancy rule (:class:`daskgen.admission.Admission`);
+  occupancy rule (:class:`daskgen.admission.Admission`), in input order and in the order length hints give
+  (partitions by the longest response another seed's run got for their prompts, :func:`daskgen.dispatch.long_first`);
 * **measured**: ``runner.run`` with default settings on a LocalCluster, timed from engines ready to the last
-  commit (makespan in model seconds = wall / ``time_scale``).
+  commit (makespan in model seconds = wall / ``time_scale``); then again with ``length_hints`` pointing at
+  a real earlier store of the same prompts made with another seed.
 
-Reported: default (measured) / best emulated fixed window — the issue's goal is >= 0.97 —, the same for the
-emulated rule (what the rule achieves without overhead), measured / emulated rule (what Dask, the store and
-compressed time on this machine add), the tail share (the last 10 % of prompts' share of the generating time)
-and the peak of prompts in flight (memory).
+Reported: best emulated fixed window / default measured — the issue's goal is >= 0.97 —, measured / emulated
+rule (what Dask, the store and the compressed time of this machine add), the same with hints, the tail share
+(the last 10 % of prompts' share of the generating time) and the peak of prompts in flight (memory).
+``time_scale`` (wall seconds per model second) must leave the simulated engines' own Python time per step
+small against a step (0.05: a step of 256 requests is 3.5 ms of wall time).
 
-    python benchmarks/tail.py                      # ~4 minutes on 2 cores
-    python benchmarks/tail.py --prompts 1024 --no-record
+    python benchmarks/tail.py                      # ~10 minutes on 2 cores
+    python benchmarks/tail.py --prompts 512 --no-record
 """
 
 from __future__ import annotations
@@ -38,41 +42,79 @@ DISTRIBUTIONS = {
 FIXED = (1, 2, 4, 8, 16, 32, 64)
 
 
+def lengths_of(a: argparse.Namespace, d: argparse.Namespace, work: Path, prompts: list[str], seed: int) -> np.ndarray:
+    """Every sample's length (row order, samples of a row together) in a run with ``seed``."""
+    tag = f"{d.length_mean:.0f}-{d.length_sigma:g}-{seed}"
+    config = longtail.make_config(argparse.Namespace(**{**vars(d), "seed": seed}), work / f"req-{tag}.zarr", "auto")
+    requests = _bench.run_requests(config, prompts)
+    return np.array(asyncio.run(longtail._instant_shard(requests, longtail.engine_args(d)))["lengths"])
+
+
+def hint_store(d: argparse.Namespace, work: Path, prompts: list[str]) -> Path:
+    """An earlier daskgen store of the same prompts (another seed), generated at once (``time_scale`` 0)."""
+    from daskgen.runner import run
+
+    path = work / f"earlier-{d.length_mean:.0f}-{d.length_sigma:g}.zarr"
+    earlier = argparse.Namespace(**{**vars(d), "seed": d.seed + 1, "time_scale": 0.0})
+    if not run(longtail.make_config(earlier, path, "auto"), prompts).ok:
+        raise SystemExit(f"the run making the length-hints store {path} did not finish")
+    return path
+
+
 def one(a: argparse.Namespace, work: Path, name: str, mean: float, sigma: float) -> list[Any]:
-    """Emulate and measure one distribution; the table row."""
+    """Emulate and measure one distribution (in input order and with length hints); the table row."""
     import daskgen.store as store
+    from daskgen.dispatch import long_first
 
     d = argparse.Namespace(**{**vars(a), "length_mean": mean, "length_sigma": sigma})
     prompts = longtail.prompt_rows(a.prompts)
-    tag = f"{mean:.0f}-{sigma:g}"
-    requests = _bench.run_requests(longtail.make_config(d, work / f"req-{tag}.zarr", "auto"), prompts)
-    lengths = np.array(asyncio.run(longtail._instant_shard(requests, longtail.engine_args(d)))["lengths"])
+    lengths = lengths_of(a, d, work, prompts, a.seed)
     per = a.partition_size * a.n_samples
     parts = [lengths[i:i + per] for i in range(0, len(lengths), per)]
-    emulate = longtail.emulate_streaming
-    fixed = {w: emulate(parts, a.workers, w, a.max_batch, a.step_base, a.step_per_seq)["makespan"] for w in FIXED}
-    start = longtail.auto_window(d)
-    rule = emulate(parts, a.workers, start, a.max_batch, a.step_base, a.step_per_seq, occupancy=True)["makespan"]
+    # the order --length-hints gives: partitions by the longest response of another seed's run
+    earlier = lengths_of(a, d, work, prompts, a.seed + 1).reshape(a.prompts, a.n_samples).max(axis=1)
+    starts = list(range(0, a.prompts, a.partition_size))
+    longest, rest = long_first(starts, earlier.astype(float), a.partition_size, len(starts))
+    hinted = [parts[s // a.partition_size] for s in longest + rest]
+
+    def emulate(partitions: list[np.ndarray], window: int, occupancy: bool = False) -> float:
+        return longtail.emulate_streaming(partitions, a.workers, window, a.max_batch, a.step_base, a.step_per_seq,
+                                          occupancy=occupancy)["makespan"]
+
+    fixed = {w: emulate(parts, w) for w in FIXED}
     best_w = min(fixed, key=fixed.get)
-    path = work / f"stream-{tag}.zarr"
-    side = longtail.run_streaming(d, longtail.make_config(d, path, "auto"), prompts)
-    last = store.read_attrs(path)["runs"][-1]
-    measured = side.makespan_model_s
+    start = longtail.auto_window(d)
+    rule, rule_hinted = emulate(parts, start, True), emulate(hinted, start, True)
+
+    def measure(tag: str, **extra: Any) -> tuple[float, dict[str, Any]]:
+        path = work / f"{tag}-{mean:.0f}-{sigma:g}.zarr"
+        config = longtail.make_config(d, path, "auto")
+        for key, value in extra.items():
+            setattr(config, key, value)
+        side = longtail.run_streaming(d, config, prompts)
+        return side.makespan_model_s, store.read_attrs(path)["runs"][-1]
+
+    measured, last = measure("default")
+    measured_hinted, last_hinted = measure("hinted", length_hints=str(hint_store(d, work, prompts)))
     return [name, f"{lengths.mean():.0f} / {np.percentile(lengths, 99):.0f}", f"{fixed[best_w]:,.0f} (w={best_w})",
-            f"{fixed[start]:,.0f}", f"{rule:,.0f}", f"{measured:,.0f}", fixed[best_w] / measured,
-            fixed[best_w] / rule, measured / rule, last.get("tail_share"), last.get("peak_prompts_in_flight")]
+            f"{rule:,.0f}", f"{measured:,.0f}", fixed[best_w] / measured, measured / rule,
+            f"{rule_hinted:,.0f}", f"{measured_hinted:,.0f}", fixed[best_w] / measured_hinted,
+            f"{last.get('tail_share'):.3f} / {last_hinted.get('tail_share'):.3f}",
+            f"{last.get('peak_prompts_in_flight'):,} / {last_hinted.get('peak_prompts_in_flight'):,}"]
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--prompts", type=int, default=4096)
+    p.add_argument("--prompts", type=int, default=2048)
     p.add_argument("--n-samples", type=int, default=4)
     p.add_argument("--max-batch", type=int, default=256)
     p.add_argument("--step-base", type=float, default=0.02)
     p.add_argument("--step-per-seq", type=float, default=0.0002)
     p.add_argument("--max-new-tokens", type=int, default=16384)
-    p.add_argument("--time-scale", type=float, default=0.0115)
+    p.add_argument("--time-scale", type=float, default=0.05)
+    p.add_argument("--length-prompt-share", type=float, default=0.7,
+                   help="share of the log-length variance that belongs to the prompt (samples of one prompt alike)")
     p.add_argument("--partition-size", type=int, default=64)
     p.add_argument("--sample-period", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
@@ -82,14 +124,18 @@ def main() -> int:
     rec = _bench.Record("Tail: window auto (occupancy) vs the best fixed window, three length distributions")
     with _bench.workdir(a.workdir) as work:
         rows = [one(a, work, name, mean, sigma) for name, (mean, sigma) in DISTRIBUTIONS.items()]
-    rec.table(["distribution", "mean / p99 length", "best fixed window, emulated (model s)",
-               "starting window fixed, emulated", "auto rule, emulated", "default, measured",
-               "best emulated / measured (goal ≥ 0.97)", "best emulated / auto emulated", "measured / auto emulated",
-               "tail share (last 10% of prompts)", "peak prompts in flight"], rows,
+    rec.table(["distribution", "mean / p99 length", "best fixed window, emulated (model s)", "auto rule, emulated",
+               "default, measured", "best emulated / measured (goal ≥ 0.97)", "measured / auto emulated (overhead)",
+               "auto rule + length hints, emulated", "default + --length-hints, measured",
+               "best emulated / measured with hints", "tail share (last 10% of prompts): default / hints",
+               "peak prompts in flight: default / hints"], rows,
               f"{a.prompts:,} prompts × {a.n_samples} samples, {a.workers} simulated engines (max_batch "
               f"{a.max_batch}, step {a.step_base} + {a.step_per_seq} × running model s), partitions of "
-              f"{a.partition_size} prompts, time_scale {a.time_scale}; makespans in model seconds. Emulated = "
-              "zero-overhead event simulation; measured = daskgen with default settings.")
+              f"{a.partition_size} prompts, time_scale {a.time_scale}, {a.length_prompt_share:g} of the log-length "
+              "variance per prompt; makespans in model seconds. Emulated = zero-overhead event simulation (fixed "
+              "windows and the auto rule in input order; with hints: partitions ordered by another seed's longest "
+              "response, as --length-hints does); measured = daskgen with default settings on a LocalCluster, "
+              "and with --length-hints an earlier store of the same prompts made with another seed.")
     rec.finish(None if a.no_record else a.readme)
     return 0
 

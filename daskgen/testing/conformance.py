@@ -313,8 +313,13 @@ class EngineConformance:
         assert len({tuple(r.output_ids) for _, r in checked}) > 1, "the checked outputs are all equal: no evidence"
 
     def test_results_arrive_as_each_finishes(self) -> None:
-        """A short request submitted after a long one comes back first (no static batch barrier)."""
-        long_request = self.run(self._long_candidates(1))[0][0]
+        """A short request submitted after a long one comes back first (no static batch barrier).
+
+        The long request is a greedy prompt that runs past ``probe_max_new_tokens`` with a cap of
+        ``long_max_new_tokens``; once the short one is back it is aborted (the check is the order)."""
+        probe = self.run(self._long_candidates(1))[0][0]
+        long_request = GenerationRequest("long-arrival", probe.prompt_ids,
+                                         SamplingParams(max_new_tokens=self.long_max_new_tokens, temperature=0.0))
         order: list[str] = []
 
         async def timed(request: GenerationRequest) -> GenerationResult:
@@ -325,8 +330,9 @@ class EngineConformance:
         async def both() -> list[GenerationResult]:
             first = asyncio.ensure_future(timed(long_request))
             await asyncio.sleep(0)
-            second = asyncio.ensure_future(timed(self.request("short", 2, max_new_tokens=1)))
-            return list(await asyncio.gather(first, second))
+            short = await timed(self.request("short", 2, max_new_tokens=1))
+            await self.engine.abort(long_request.request_id)
+            return [await asyncio.wait_for(first, self.abort_timeout_s), short]
 
         long_result, short_result = self.run(both())
         _check_result(long_request, long_result)
