@@ -18,7 +18,7 @@ rule (what Dask, the store and the compressed time of this machine add), the sam
 ``time_scale`` (wall seconds per model second) must leave the simulated engines' own Python time per step
 small against a step (0.05: a step of 256 requests is 3.5 ms of wall time).
 
-    python benchmarks/tail.py                      # ~10 minutes on 2 cores
+    python benchmarks/tail.py                      # ~20 minutes on 2 cores
     python benchmarks/tail.py --prompts 512 --no-record
 """
 
@@ -106,7 +106,7 @@ def one(a: argparse.Namespace, work: Path, name: str, mean: float, sigma: float)
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--prompts", type=int, default=2048)
+    p.add_argument("--prompts", type=int, default=4096)
     p.add_argument("--n-samples", type=int, default=4)
     p.add_argument("--max-batch", type=int, default=256)
     p.add_argument("--step-base", type=float, default=0.02)
