@@ -60,7 +60,8 @@ def read_length_hints(where: Any, ids: list[str], fingerprint: str, n_rows: int)
     n = store.layout_of(attrs).n_prompts
     arrays = store.read_region(where, 0, n, ("response_length", "finish_reason", "prompt_id"))
     generated = arrays["finish_reason"] != store.NOT_GENERATED
-    longest = np.where(generated, arrays["response_length"], -1).max(axis=1).astype(np.float64)
+    # the longest sample (or agent trajectory) of each row
+    longest = np.where(generated, arrays["response_length"], -1).reshape(n, -1).max(axis=1).astype(np.float64)
     longest[longest < 0] = np.nan
     if (attrs.get("input") or {}).get("fingerprint") == fingerprint and n == n_rows:
         return longest

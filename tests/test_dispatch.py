@@ -117,6 +117,18 @@ def test_hints_that_cannot_be_matched_or_are_not_a_store_are_refused(tmp_path):
         prepare(_config(tmp_path, plain, "new2.zarr", length_hints=str(tmp_path / "empty")))
 
 
+def test_hints_from_a_store_of_agent_trajectories_take_each_row_longest_trajectory(tmp_path):
+    layout = store.Layout(4, 2, 8, 16, 2, 0, n_trajectories=3)
+    where = locate(str(tmp_path / "agent.zarr"))
+    store.create(where, layout, {"input": {"fingerprint": "f"}}, ["a", "b", "c", "d"])
+    region = store.empty_region(layout, 4)
+    region["response_length"][1, 1, 2], region["finish_reason"][1, 1, 2] = 12, 0
+    region["response_length"][2, 0, 0], region["finish_reason"][2, 0, 0] = 5, 0
+    store.write_region(where, 0, {k: region[k] for k in ("response_length", "finish_reason")})
+    hints = read_length_hints(where, ["a", "b", "c", "d"], "f", 4)
+    assert hints.shape == (4,) and hints[1] == 12 and hints[2] == 5 and np.isnan(hints[[0, 3]]).all()
+
+
 def _scan_of(tmp_path, prompts):
     plan = prepare(_config(tmp_path, prompts, f"scan-{prompts.stem}.zarr"))
     return plan.prompts.ids, plan.prompts.fingerprint, len(plan.prompts)
