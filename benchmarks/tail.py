@@ -20,6 +20,7 @@ small against a step (0.05: a step of 256 requests is 3.5 ms of wall time).
 
     python benchmarks/tail.py                      # ~20 minutes on 2 cores
     python benchmarks/tail.py --prompts 512 --no-record
+    python benchmarks/tail.py --prompts 16384 --emulate-only   # a larger job, emulated only (~2 minutes)
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def hint_store(d: argparse.Namespace, work: Path, prompts: list[str]) -> Path:
 def one(a: argparse.Namespace, work: Path, name: str, mean: float, sigma: float) -> list[Any]:
     """Emulate and measure one distribution (in input order and with length hints); the table row."""
     import daskgen.store as store
+    from daskgen.config import RunConfig
     from daskgen.dispatch import long_first
 
     d = argparse.Namespace(**{**vars(a), "length_mean": mean, "length_sigma": sigma})
@@ -74,7 +76,8 @@ def one(a: argparse.Namespace, work: Path, name: str, mean: float, sigma: float)
     # the order --length-hints gives: partitions by the longest response of another seed's run
     earlier = lengths_of(a, d, work, prompts, a.seed + 1).reshape(a.prompts, a.n_samples).max(axis=1)
     starts = list(range(0, a.prompts, a.partition_size))
-    longest, rest = long_first(starts, earlier.astype(float), a.partition_size, len(starts))
+    limit = RunConfig().max_prompts_in_memory // 2 // a.partition_size  # what plan.pending_tasks allows
+    longest, rest = long_first(starts, earlier.astype(float), a.partition_size, limit)
     hinted = [parts[s // a.partition_size] for s in longest + rest]
 
     def emulate(partitions: list[np.ndarray], window: int, occupancy: bool = False) -> float:
@@ -94,6 +97,10 @@ def one(a: argparse.Namespace, work: Path, name: str, mean: float, sigma: float)
         side = longtail.run_streaming(d, config, prompts)
         return side.makespan_model_s, store.read_attrs(path)["runs"][-1]
 
+    if a.emulate_only:
+        return [name, f"{lengths.mean():.0f} / {np.percentile(lengths, 99):.0f}", f"{fixed[best_w]:,.0f} (w={best_w})",
+                f"{rule:,.0f}", fixed[best_w] / rule, f"{rule_hinted:,.0f}", fixed[best_w] / rule_hinted,
+                rule / rule_hinted]
     measured, last = measure("default")
     measured_hinted, last_hinted = measure("hinted", length_hints=str(hint_store(d, work, prompts)))
     return [name, f"{lengths.mean():.0f} / {np.percentile(lengths, 99):.0f}", f"{fixed[best_w]:,.0f} (w={best_w})",
@@ -118,17 +125,25 @@ def main() -> int:
     p.add_argument("--partition-size", type=int, default=64)
     p.add_argument("--sample-period", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--emulate-only", action="store_true",
+                   help="only the zero-overhead emulation (deterministic, independent of the machine's load); the "
+                        "ratio columns then compare the best fixed window with the emulated rule")
     _bench.add_common_args(p)
     a = p.parse_args()
     _bench.quiet_logs()
-    rec = _bench.Record("Tail: window auto (occupancy) vs the best fixed window, three length distributions")
+    rec = _bench.Record("Tail: window auto (occupancy) vs the best fixed window, three length distributions"
+                        + (" (emulated only)" if a.emulate_only else ""))
     with _bench.workdir(a.workdir) as work:
         rows = [one(a, work, name, mean, sigma) for name, (mean, sigma) in DISTRIBUTIONS.items()]
-    rec.table(["distribution", "mean / p99 length", "best fixed window, emulated (model s)", "auto rule, emulated",
+    header = (["distribution", "mean / p99 length", "best fixed window, emulated (model s)", "auto rule, emulated",
+               "best / auto rule", "auto rule + length hints, emulated", "best / auto rule with hints",
+               "speed-up from hints"] if a.emulate_only else
+              ["distribution", "mean / p99 length", "best fixed window, emulated (model s)", "auto rule, emulated",
                "default, measured", "best emulated / measured (goal ≥ 0.97)", "measured / auto emulated (overhead)",
                "auto rule + length hints, emulated", "default + --length-hints, measured",
                "best emulated / measured with hints", "tail share (last 10% of prompts): default / hints",
-               "peak prompts in flight: default / hints"], rows,
+               "peak prompts in flight: default / hints"])
+    rec.table(header, rows,
               f"{a.prompts:,} prompts × {a.n_samples} samples, {a.workers} simulated engines (max_batch "
               f"{a.max_batch}, step {a.step_base} + {a.step_per_seq} × running model s), partitions of "
               f"{a.partition_size} prompts, time_scale {a.time_scale}, {a.length_prompt_share:g} of the log-length "

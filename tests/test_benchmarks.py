@@ -99,6 +99,14 @@ def test_tail(tmp_path):
     out, _ = run_script("tail.py", tmp_path, "--prompts", "64", "--n-samples", "2", "--max-batch", "16",
                         "--partition-size", "8", "--max-new-tokens", "512", "--time-scale", "0.002")
     assert "best emulated / measured" in out and out.count("| long tail") == 2 and "| light tail" in out
+    assert "default + --length-hints, measured" in out
+
+
+@pytest.mark.timeout(240)
+def test_tail_emulated_only(tmp_path):
+    out, _ = run_script("tail.py", tmp_path, "--prompts", "64", "--n-samples", "2", "--max-batch", "16",
+                        "--partition-size", "8", "--max-new-tokens", "512", "--emulate-only")
+    assert "speed-up from hints" in out and "measured" not in out.split("| distribution")[1].split("\n")[0]
 
 
 @pytest.mark.timeout(240)
