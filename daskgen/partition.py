@@ -161,7 +161,7 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
         # are in, so partitions waiting in a large in-flight window do not each hold one.
         region = await asyncio.to_thread(_stored_region, task) if task.continue_partial else None
         prefixes = partial_prefixes(region, task) if region is not None else {}
-        handle = EngineHandle(await plugin.get_engine())
+        handle = EngineHandle(await plugin.get_engine(), live=plugin.live_engine)
         plugin.handles.add(handle)
         if plugin.stopping:
             await handle.abort_all()

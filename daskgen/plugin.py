@@ -145,6 +145,10 @@ class EnginePlugin(WorkerPlugin):
             raise EngineError(f"engine on worker {self._worker.address} is {self.state}: {self.error}")
         return self.engine
 
+    def live_engine(self) -> Any:
+        """The running engine, or ``None`` while it is restarting, failed or closed."""
+        return self.engine if self.state == "ready" else None
+
     async def mark_broken(self, reason: str) -> None:
         """Stop taking partitions and restart the engine (after a crash or failed health check)."""
         if self.state != "ready":

@@ -176,3 +176,39 @@ def test_tool_run_end_to_end_with_trajectory_axis_and_resume(tmp_path, tiny_mode
     assert (ds.num_turns.values[:, :, 0] == 2).all()
     again = run_cli(*args, timeout=380)
     assert again.returncode == 0 and "this run generated 0 prompts" in again.stdout
+
+
+def test_a_request_whose_engine_was_shut_down_for_a_restart_ends_abort_not_failed():
+    """The race behind a flaky poison-prompt run: another request crashed the engine, the worker shut it
+    down to restart it, and this request reached the closed engine (an error answer) or raised.  Its row
+    must be requeued (``abort``), not failed like a bad request; on the live engine an error stays one."""
+    from daskgen.engines.simulated import SimulatedEngine
+    from daskgen.testing.engines import RecordingEngine
+
+    async def scenario():
+        engine = SimulatedEngine("sim", time_scale=0)
+        await engine.start()
+        current = [engine]
+        handle = EngineHandle(engine, live=lambda: current[0])
+        params = SamplingParams(max_new_tokens=4, logprobs=True)
+        ok = await handle.generate("p0-s0", [5, 6], params)
+        await engine.shutdown()  # closed, yet still the worker's engine: a real error
+        on_live = await handle.generate("p1-s0", [5, 6], params)
+        current[0] = None  # the worker began restarting it
+        replaced = await handle.generate("p2-s0", [5, 6], params)
+        poison = RecordingEngine("sim", inner="simulated", time_scale=0, poison_rows=[3])
+        await poison.start()
+        current[0] = poison
+        crashing = EngineHandle(poison, live=lambda: current[0])
+        with pytest.raises(RuntimeError, match="poison"):  # the live engine crashed: the task fails, is retried
+            await crashing.generate("p3-s0", [5, 6], params)
+        current[0] = None
+        after_restart = await crashing.generate("p3-s0", [5, 6], params)
+        await poison.shutdown()
+        return ok, on_live, replaced, after_restart
+
+    ok, on_live, replaced, after_restart = asyncio.run(scenario())
+    assert ok.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and ok.output_ids
+    assert on_live.finish_reason == FinishReason.ERROR and "closed" in on_live.error
+    assert replaced.finish_reason == FinishReason.ABORT and replaced.error is None and replaced.logprobs == []
+    assert after_restart.finish_reason == FinishReason.ABORT

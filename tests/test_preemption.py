@@ -279,7 +279,9 @@ def test_grace_is_validated():
 
 
 def test_subprocess_helper_is_real():  # the CLI exists and documents the new options
-    res = subprocess.run(["python", "-m", "daskgen", "run", "--help"], capture_output=True, text=True,
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "daskgen", "run", "--help"], capture_output=True, text=True,
                          env={**os.environ, "COLUMNS": "200"})
     assert "--grace" in res.stdout and "--no-keep-partial" in res.stdout
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,28 +62,51 @@ class Trajectory:
 
 class EngineHandle:
     """What a loop sees of the engine: ``generate`` with in-flight tracking, so a hung partition
-    can abort every request of its loops."""
+    can abort every request of its loops.
 
-    def __init__(self, engine: Engine) -> None:
+    ``live`` (the worker's :meth:`~daskgen.plugin.EnginePlugin.live_engine`) tells whether the engine
+    a request went to is still the worker's running engine.  A request that errors or raises because
+    its engine was shut down for a restart meanwhile (a crash caused by another request) ends
+    ``abort`` — its row is requeued — instead of failing its row as a bad request would.
+    """
+
+    def __init__(self, engine: Engine, live: Callable[[], Engine | None] | None = None) -> None:
         self.engine = engine
+        self.live = live
         self.in_flight: set[str] = set()
         self.stopped = False
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         """Generate one turn (after :meth:`abort_all`, returns ``abort`` without calling the engine)."""
         if self.stopped:
-            return GenerationResult(request_id, [], FinishReason.ABORT, [] if params.logprobs else None)
+            return _aborted(request_id, params)
+        engine = self.engine
         self.in_flight.add(request_id)
         try:
-            return await self.engine.generate(GenerationRequest(request_id, list(prompt_ids), params))
+            result = await engine.generate(GenerationRequest(request_id, list(prompt_ids), params))
+        except Exception:
+            if self._replaced(engine):
+                return _aborted(request_id, params)
+            raise
         finally:
             self.in_flight.discard(request_id)
+        if result.finish_reason == FinishReason.ERROR and self._replaced(engine):
+            return _aborted(request_id, params)
+        return result
+
+    def _replaced(self, engine: Engine) -> bool:
+        """True when ``engine`` is no longer the worker's running engine (shut down for a restart)."""
+        return self.live is not None and self.live() is not engine
 
     async def abort_all(self) -> None:
         """Abort every request still in flight; later turns are not started."""
         self.stopped = True
         for request_id in list(self.in_flight):
             await self.engine.abort(request_id)
+
+
+def _aborted(request_id: str, params: SamplingParams) -> GenerationResult:
+    return GenerationResult(request_id, [], FinishReason.ABORT, [] if params.logprobs else None)
 
 
 class AgentLoop(abc.ABC):
