@@ -216,7 +216,8 @@ async def _gather(engine: Any, requests: list[GenerationRequest]) -> list[Any]:
 
 
 async def _short_overtakes_long(engine: Any) -> list[str]:
-    """Submit a long greedy request, then a one-token one; return the order in which they come back."""
+    """Submit a long greedy request, then a one-token one; return the order in which they come back (the long
+    one is aborted once the short one is back)."""
     probes = [request(f"probe-{i}", [1, 700 + i, 3458, 282], max_new_tokens=64) for i in range(16)]
     results = await _gather(engine, probes)
     long_prompt = next(p.prompt_ids for p, r in zip(probes, results, strict=True)
@@ -227,10 +228,14 @@ async def _short_overtakes_long(engine: Any) -> list[str]:
         await engine.generate(req)
         order.append(name)
 
-    long = asyncio.ensure_future(timed("long", request("long", long_prompt, max_new_tokens=400)))
+    # a cap the greedy prompt runs far past 64 tokens towards, aborted once the short one is back: a fast
+    # server could finish a few hundred tokens before the short request even arrives
+    long = asyncio.ensure_future(timed("long", request("long", long_prompt,
+                                                       max_new_tokens=TestSGLangNativeConformance.long_max_new_tokens)))
     await asyncio.sleep(0.2)
     await timed("short", request("short", max_new_tokens=1))
-    await long
+    await engine.abort("long")
+    await asyncio.wait_for(long, TestSGLangNativeConformance.abort_timeout_s)
     return order
 
 
