@@ -220,8 +220,14 @@ async def _short_overtakes_long(engine: Any) -> list[str]:
     one is aborted once the short one is back)."""
     probes = [request(f"probe-{i}", [1, 700 + i, 3458, 282], max_new_tokens=64) for i in range(16)]
     results = await _gather(engine, probes)
-    long_prompt = next(p.prompt_ids for p, r in zip(probes, results, strict=True)
-                       if r.finish_reason == FinishReason.LENGTH)  # greedy, does not stop early
+    cap = TestSGLangNativeConformance.long_max_new_tokens
+    # greedy prompts that ran the probe's cap, run once to the long cap: the longest-running one is used (one
+    # that stopped soon after 64 tokens could finish before the short request is back)
+    runs = [request(f"run-{i}", p.prompt_ids, max_new_tokens=cap)
+            for i, (p, r) in enumerate(zip(probes, results, strict=True)) if r.finish_reason == FinishReason.LENGTH][:8]
+    assert runs, "no greedy probe ran 64 tokens without stopping"
+    long_prompt = max(zip(runs, await _gather(engine, runs), strict=True),
+                      key=lambda pair: len(pair[1].output_ids))[0].prompt_ids
     order: list[str] = []
 
     async def timed(name: str, req: GenerationRequest) -> None:
@@ -230,8 +236,7 @@ async def _short_overtakes_long(engine: Any) -> list[str]:
 
     # a cap the greedy prompt runs far past 64 tokens towards, aborted once the short one is back: a fast
     # server could finish a few hundred tokens before the short request even arrives
-    long = asyncio.ensure_future(timed("long", request("long", long_prompt,
-                                                       max_new_tokens=TestSGLangNativeConformance.long_max_new_tokens)))
+    long = asyncio.ensure_future(timed("long", request("long", long_prompt, max_new_tokens=cap)))
     await asyncio.sleep(0.2)
     await timed("short", request("short", max_new_tokens=1))
     await engine.abort("long")

@@ -104,6 +104,9 @@ class EngineConformance:
         (a hang guard; the check is that they return ``ABORT`` before their cap).
     ``concurrency``
         Requests in the many-concurrent-requests check.
+    ``arrival_attempts``, ``arrival_long_requests``
+        Tries of the arrival-order check (one order with the short request before the longest passes
+        it), and how many long requests run in it.
     ``not_applicable``
         ``{check name: reason}`` for checks that do not apply to this engine (deselected, reported).
     """
@@ -121,6 +124,8 @@ class EngineConformance:
     abort_delay_s: ClassVar[float] = 0.05
     abort_timeout_s: ClassVar[float] = 10.0
     concurrency: ClassVar[int] = 32
+    arrival_attempts: ClassVar[int] = 3
+    arrival_long_requests: ClassVar[int] = 1
     not_applicable: ClassVar[dict[str, str]] = {}
 
     runner: ClassVar[EventLoopThread]
@@ -205,6 +210,18 @@ class EngineConformance:
             raise AssertionError(f"no greedy prompt ran for {self.probe_max_new_tokens} tokens without stopping; "
                                  "lower probe_max_new_tokens or override prompt()")
         return found[:count]
+
+    async def _longest_requests(self, count: int) -> list[GenerationRequest]:
+        """The ``count`` greedy requests (cap ``long_max_new_tokens``) that run longest, longest first.
+
+        Each of ``probe_prompts`` prompts is run to the cap once (greedy: the same prompt runs as long
+        again).  A prompt that only passes ``probe_max_new_tokens`` could stop soon after and finish
+        before a short request sent just after it is back."""
+        runs = [self.request(f"arrival-probe-{i}", 1000 + i, max_new_tokens=self.long_max_new_tokens)
+                for i in range(max(self.probe_prompts, count))]
+        results = await self.generate_all(runs)
+        ranked = sorted(zip(runs, results, strict=True), key=lambda pair: -len(pair[1].output_ids))
+        return [request for request, _ in ranked[:count]]
 
     # ------------------------------------------------------------------ the checks
 
@@ -313,13 +330,31 @@ class EngineConformance:
         assert len({tuple(r.output_ids) for _, r in checked}) > 1, "the checked outputs are all equal: no evidence"
 
     def test_results_arrive_as_each_finishes(self) -> None:
-        """A short request submitted after a long one comes back first (no static batch barrier).
+        """A short request submitted after long ones comes back before the longest (no static batch barrier).
 
-        The long request is a greedy prompt that runs past ``probe_max_new_tokens`` with a cap of
-        ``long_max_new_tokens``; once the short one is back it is aborted (the check is the order)."""
-        probe = self.run(self._long_candidates(1))[0][0]
-        long_request = GenerationRequest("long-arrival", probe.prompt_ids,
-                                         SamplingParams(max_new_tokens=self.long_max_new_tokens, temperature=0.0))
+        The long requests are the ``arrival_long_requests`` longest-running greedy prompts (see
+        ``_longest_requests``); once the short one is back they are aborted.  One overtaking proves there
+        is no barrier (behind one the short request never comes back first), so the order is tried up to
+        ``arrival_attempts`` times."""
+        longs = self.run(self._longest_requests(self.arrival_long_requests))
+        orders = []
+        for attempt in range(self.arrival_attempts):
+            these = [GenerationRequest(f"long-{attempt}-{i}", r.prompt_ids, r.params) for i, r in enumerate(longs)]
+            order, long_results, short_result = self.run(self._short_after_longs(these, attempt))
+            for request, result in zip(these, long_results, strict=True):
+                _check_result(request, result)
+            assert len(short_result.output_ids) == 1, short_result
+            orders.append(order)
+            if order.index("short") < order.index(these[0].request_id):
+                return
+        raise AssertionError(f"a 1-token request sent after {len(longs)} long one(s) never came back before the "
+                             f"longest in {self.arrival_attempts} tries (orders {orders}): a static batch barrier?")
+
+    async def _short_after_longs(self, longs: list[GenerationRequest],
+                                 attempt: int) -> tuple[list[str], list[GenerationResult], GenerationResult]:
+        """Send ``longs``, then a 1-token request; abort the long ones once the short is back.
+
+        Returns the request ids in the order they came back and the results."""
         order: list[str] = []
 
         async def timed(request: GenerationRequest) -> GenerationResult:
@@ -327,17 +362,13 @@ class EngineConformance:
             order.append(request.request_id)
             return result
 
-        async def both() -> list[GenerationResult]:
-            first = asyncio.ensure_future(timed(long_request))
-            await asyncio.sleep(0)
-            short = await timed(self.request("short", 2, max_new_tokens=1))
-            await self.engine.abort(long_request.request_id)
-            return [await asyncio.wait_for(first, self.abort_timeout_s), short]
-
-        long_result, short_result = self.run(both())
-        _check_result(long_request, long_result)
-        assert len(short_result.output_ids) == 1, short_result
-        assert order == ["short", long_request.request_id], order
+        pending = [asyncio.ensure_future(timed(request)) for request in longs]
+        await asyncio.sleep(0)
+        short = await timed(self.request("short", 2, max_new_tokens=1))
+        for request in longs:
+            await self.engine.abort(request.request_id)
+        results = [await asyncio.wait_for(task, self.abort_timeout_s) for task in pending]
+        return order, results, short
 
     def test_abort(self) -> None:
         """abort() ends long requests before their cap with ABORT and a prefix of their output."""
