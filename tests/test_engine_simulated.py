@@ -24,6 +24,29 @@ class TestSimulatedConformance(EngineConformance):
     timeout_s = 60.0
 
 
+class _OneAtATime(EngineConformance):
+    """Test double of an engine with a static batch barrier: the simulated engine running one request at
+    a time (``max_batch: 1``), so a short request waits for the long ones sent before it.  Not collected
+    (no ``Test`` prefix): used by the test below to show that the arrival-order check catches it."""
+
+    engine_class = SimulatedEngine
+    model = "simulated-one-at-a-time"
+    engine_args = {"time_scale": 1.0, "step_time_base_s": 0.0005, "step_time_per_seq_s": 0.0,
+                   "length_dist": "lognormal", "length_mean": 60, "length_sigma": 0.5, "max_batch": 1}
+    long_max_new_tokens = 400
+    timeout_s = 60.0
+
+
+@pytest.mark.timeout(120)
+def test_the_arrival_check_fails_an_engine_with_a_batch_barrier() -> None:
+    _OneAtATime.setup_class()
+    try:
+        with pytest.raises(AssertionError, match="never came back before the longest in 3 tries"):
+            _OneAtATime().test_results_arrive_as_each_finishes()
+    finally:
+        _OneAtATime.teardown_class()
+
+
 def run(coro, timeout: float = 60.0):
     """Run ``coro`` in a fresh event loop with a timeout."""
     return asyncio.run(asyncio.wait_for(coro, timeout))
