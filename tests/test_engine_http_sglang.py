@@ -33,7 +33,7 @@ import pytest
 
 from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
 from daskgen.errors import EngineError
-from daskgen.testing.conformance import EngineConformance, EventLoopThread
+from daskgen.testing.conformance import EngineConformance, EventLoopThread, longest_running
 from tests.conftest import tiny_model_once
 
 MISSING = [name for name in ("sglang", "soundfile", "httpx", "tenacity") if find_spec(name) is None]
@@ -221,13 +221,12 @@ async def _short_overtakes_long(engine: Any) -> list[str]:
     probes = [request(f"probe-{i}", [1, 700 + i, 3458, 282], max_new_tokens=64) for i in range(16)]
     results = await _gather(engine, probes)
     cap = TestSGLangNativeConformance.long_max_new_tokens
-    # greedy prompts that ran the probe's cap, run once to the long cap: the longest-running one is used (one
-    # that stopped soon after 64 tokens could finish before the short request is back)
+    # of the greedy prompts that ran the probe's 64 tokens, the one that runs longest to the long cap (one that
+    # stopped soon after 64 could finish before the short request is back)
     runs = [request(f"run-{i}", p.prompt_ids, max_new_tokens=cap)
-            for i, (p, r) in enumerate(zip(probes, results, strict=True)) if r.finish_reason == FinishReason.LENGTH][:8]
+            for i, (p, r) in enumerate(zip(probes, results, strict=True)) if r.finish_reason == FinishReason.LENGTH][:4]
     assert runs, "no greedy probe ran 64 tokens without stopping"
-    long_prompt = max(zip(runs, await _gather(engine, runs), strict=True),
-                      key=lambda pair: len(pair[1].output_ids))[0].prompt_ids
+    long_prompt = (await longest_running(engine, runs)).prompt_ids
     order: list[str] = []
 
     async def timed(name: str, req: GenerationRequest) -> None:

@@ -40,7 +40,7 @@ from typing import Any, ClassVar, TypeVar
 from daskgen.engines.base import Engine, FinishReason, GenerationRequest, GenerationResult, SamplingParams
 from daskgen.errors import ConfigError, EngineError
 
-__all__ = ["EngineConformance", "EventLoopThread", "run_conformance"]
+__all__ = ["EngineConformance", "EventLoopThread", "longest_running", "run_conformance"]
 
 _T = TypeVar("_T")
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0)
@@ -104,9 +104,8 @@ class EngineConformance:
         (a hang guard; the check is that they return ``ABORT`` before their cap).
     ``concurrency``
         Requests in the many-concurrent-requests check.
-    ``arrival_attempts``, ``arrival_long_requests``
-        Tries of the arrival-order check (one order with the short request before the longest passes
-        it), and how many long requests run in it.
+    ``arrival_attempts``
+        Tries of the arrival-order check (one short-first order passes it).
     ``not_applicable``
         ``{check name: reason}`` for checks that do not apply to this engine (deselected, reported).
     """
@@ -125,7 +124,6 @@ class EngineConformance:
     abort_timeout_s: ClassVar[float] = 10.0
     concurrency: ClassVar[int] = 32
     arrival_attempts: ClassVar[int] = 3
-    arrival_long_requests: ClassVar[int] = 1
     not_applicable: ClassVar[dict[str, str]] = {}
 
     runner: ClassVar[EventLoopThread]
@@ -211,17 +209,17 @@ class EngineConformance:
                                  "lower probe_max_new_tokens or override prompt()")
         return found[:count]
 
-    async def _longest_requests(self, count: int) -> list[GenerationRequest]:
-        """The ``count`` greedy requests (cap ``long_max_new_tokens``) that run longest, longest first.
+    async def _longest_request(self, request_id: str, tries: int = 4) -> GenerationRequest:
+        """A greedy request capped at ``long_max_new_tokens`` that runs as long as any of ``tries`` candidates.
 
-        Each of ``probe_prompts`` prompts is run to the cap once (greedy: the same prompt runs as long
-        again).  A prompt that only passes ``probe_max_new_tokens`` could stop soon after and finish
-        before a short request sent just after it is back."""
-        runs = [self.request(f"arrival-probe-{i}", 1000 + i, max_new_tokens=self.long_max_new_tokens)
-                for i in range(max(self.probe_prompts, count))]
-        results = await self.generate_all(runs)
-        ranked = sorted(zip(runs, results, strict=True), key=lambda pair: -len(pair[1].output_ids))
-        return [request for request, _ in ranked[:count]]
+        A candidate only promises ``probe_max_new_tokens``; one that stops soon after could finish
+        before a short request sent just after it is back, so up to ``tries`` of them run to the cap
+        once (greedy: the same prompt runs as long again) and the longest is kept."""
+        runs = [GenerationRequest(f"{request_id}-probe-{i}", request.prompt_ids,
+                                  SamplingParams(max_new_tokens=self.long_max_new_tokens, temperature=0.0))
+                for i, (request, _) in enumerate(await self._long_candidates(tries))]
+        longest = await longest_running(self.engine, runs)
+        return GenerationRequest(request_id, longest.prompt_ids, longest.params)
 
     # ------------------------------------------------------------------ the checks
 
@@ -330,31 +328,29 @@ class EngineConformance:
         assert len({tuple(r.output_ids) for _, r in checked}) > 1, "the checked outputs are all equal: no evidence"
 
     def test_results_arrive_as_each_finishes(self) -> None:
-        """A short request submitted after long ones comes back before the longest (no static batch barrier).
+        """A short request submitted after a long one comes back first (no static batch barrier).
 
-        The long requests are the ``arrival_long_requests`` longest-running greedy prompts (see
-        ``_longest_requests``); once the short one is back they are aborted.  One overtaking proves there
-        is no barrier (behind one the short request never comes back first), so the order is tried up to
-        ``arrival_attempts`` times."""
-        longs = self.run(self._longest_requests(self.arrival_long_requests))
+        The long request runs as long as the longest greedy candidate (``_longest_request``); once the
+        short one is back it is aborted.  One overtaking proves there is no barrier (behind one the short
+        request never comes back first), so the order is tried up to ``arrival_attempts`` times."""
+        long_request = self.run(self._longest_request("long-arrival"))
         orders = []
         for attempt in range(self.arrival_attempts):
-            these = [GenerationRequest(f"long-{attempt}-{i}", r.prompt_ids, r.params) for i, r in enumerate(longs)]
-            order, long_results, short_result = self.run(self._short_after_longs(these, attempt))
-            for request, result in zip(these, long_results, strict=True):
-                _check_result(request, result)
+            this_long = GenerationRequest(f"long-{attempt}", long_request.prompt_ids, long_request.params)
+            order, long_result, short_result = self.run(self._short_after_long(this_long))
+            _check_result(this_long, long_result)
             assert len(short_result.output_ids) == 1, short_result
             orders.append(order)
-            if order.index("short") < order.index(these[0].request_id):
+            if order[0] == "short":
                 return
-        raise AssertionError(f"a 1-token request sent after {len(longs)} long one(s) never came back before the "
-                             f"longest in {self.arrival_attempts} tries (orders {orders}): a static batch barrier?")
+        raise AssertionError(f"a 1-token request sent after a long one never came back first in "
+                             f"{self.arrival_attempts} tries (orders {orders}): a static batch barrier?")
 
-    async def _short_after_longs(self, longs: list[GenerationRequest],
-                                 attempt: int) -> tuple[list[str], list[GenerationResult], GenerationResult]:
-        """Send ``longs``, then a 1-token request; abort the long ones once the short is back.
+    async def _short_after_long(self, long_request: GenerationRequest
+                                ) -> tuple[list[str], GenerationResult, GenerationResult]:
+        """Send ``long_request``, then a 1-token request; abort the long one once the short is back.
 
-        Returns the request ids in the order they came back and the results."""
+        Returns the request ids in the order they came back and both results."""
         order: list[str] = []
 
         async def timed(request: GenerationRequest) -> GenerationResult:
@@ -362,13 +358,11 @@ class EngineConformance:
             order.append(request.request_id)
             return result
 
-        pending = [asyncio.ensure_future(timed(request)) for request in longs]
+        pending = asyncio.ensure_future(timed(long_request))
         await asyncio.sleep(0)
         short = await timed(self.request("short", 2, max_new_tokens=1))
-        for request in longs:
-            await self.engine.abort(request.request_id)
-        results = [await asyncio.wait_for(task, self.abort_timeout_s) for task in pending]
-        return order, results, short
+        await self.engine.abort(long_request.request_id)
+        return order, await asyncio.wait_for(pending, self.abort_timeout_s), short
 
     def test_abort(self) -> None:
         """abort() ends long requests before their cap with ABORT and a prefix of their output."""
@@ -454,6 +448,15 @@ def _check_result(request: GenerationRequest, result: GenerationResult) -> None:
         assert result.logprobs is not None and len(result.logprobs) == len(result.output_ids), result
     else:
         assert result.logprobs is None, result
+
+
+async def longest_running(engine: Engine, requests: Sequence[GenerationRequest]) -> GenerationRequest:
+    """Generate ``requests`` on ``engine`` at once; the one whose output came out longest.
+
+    For order checks that need a request that keeps running: with greedy requests the same request
+    runs as long again."""
+    results = await asyncio.gather(*(engine.generate(request) for request in requests))
+    return max(zip(requests, results, strict=True), key=lambda pair: len(pair[1].output_ids))[0]
 
 
 async def _gather(*aws: Awaitable[Any]) -> list[Any]:
