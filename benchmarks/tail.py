@@ -20,6 +20,7 @@ small against a step (0.05: a step of 256 requests is 3.5 ms of wall time).
 
     python benchmarks/tail.py                      # ~20 minutes on 2 cores
     python benchmarks/tail.py --prompts 512 --no-record
+    python benchmarks/tail.py --repeat 3 --no-hints   # the spread of the measured runs (~35 minutes)
     python benchmarks/tail.py --prompts 16384 --emulate-only   # a larger job, emulated only (~2 minutes)
 """
 
@@ -101,13 +102,27 @@ def one(a: argparse.Namespace, work: Path, name: str, mean: float, sigma: float)
         return [name, f"{lengths.mean():.0f} / {np.percentile(lengths, 99):.0f}", f"{fixed[best_w]:,.0f} (w={best_w})",
                 f"{rule:,.0f}", fixed[best_w] / rule, f"{rule_hinted:,.0f}", fixed[best_w] / rule_hinted,
                 rule / rule_hinted]
-    measured, last = measure("default")
+    runs = [measure(f"default{i}") for i in range(a.repeat)]
+    spans = [span for span, _ in runs]
+    ratios = [fixed[best_w] / span for span in spans]
+    row = [name, f"{lengths.mean():.0f} / {np.percentile(lengths, 99):.0f}", f"{fixed[best_w]:,.0f} (w={best_w})",
+           f"{rule:,.0f}", " / ".join(f"{span:,.0f}" for span in spans), spread(ratios),
+           spread([span / rule for span in spans])]
+    tail = " / ".join(f"{last.get('tail_share'):.3f}" for _, last in runs)
+    peak = " / ".join(f"{last.get('peak_prompts_in_flight'):,}" for _, last in runs)
+    if a.no_hints:
+        return [*row, tail, peak]
     measured_hinted, last_hinted = measure("hinted", length_hints=str(hint_store(d, work, prompts)))
-    return [name, f"{lengths.mean():.0f} / {np.percentile(lengths, 99):.0f}", f"{fixed[best_w]:,.0f} (w={best_w})",
-            f"{rule:,.0f}", f"{measured:,.0f}", fixed[best_w] / measured, measured / rule,
-            f"{rule_hinted:,.0f}", f"{measured_hinted:,.0f}", fixed[best_w] / measured_hinted,
-            f"{last.get('tail_share'):.3f} / {last_hinted.get('tail_share'):.3f}",
-            f"{last.get('peak_prompts_in_flight'):,} / {last_hinted.get('peak_prompts_in_flight'):,}"]
+    return [*row, f"{rule_hinted:,.0f}", f"{measured_hinted:,.0f}", fixed[best_w] / measured_hinted,
+            f"{tail} / hints {last_hinted.get('tail_share'):.3f}",
+            f"{peak} / hints {last_hinted.get('peak_prompts_in_flight'):,}"]
+
+
+def spread(values: list[float]) -> str:
+    """One value as is; several as ``median (min-max)``."""
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{float(np.median(values)):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
 def main() -> int:
@@ -125,6 +140,11 @@ def main() -> int:
     p.add_argument("--partition-size", type=int, default=64)
     p.add_argument("--sample-period", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="measured runs with default settings per distribution (their spread is reported)")
+    p.add_argument("--no-hints", action="store_true", help="skip the measured run with --length-hints")
+    p.add_argument("--only", default="",
+                   help="comma-separated distribution numbers (1-3) to run, in the order of the table")
     p.add_argument("--emulate-only", action="store_true",
                    help="only the zero-overhead emulation (deterministic, independent of the machine's load); the "
                         "ratio columns then compare the best fixed window with the emulated rule")
@@ -134,15 +154,18 @@ def main() -> int:
     rec = _bench.Record("Tail: window auto (occupancy) vs the best fixed window, three length distributions"
                         + (" (emulated only)" if a.emulate_only else ""))
     with _bench.workdir(a.workdir) as work:
-        rows = [one(a, work, name, mean, sigma) for name, (mean, sigma) in DISTRIBUTIONS.items()]
+        chosen = [int(x) for x in a.only.split(",") if x.strip()] or list(range(1, len(DISTRIBUTIONS) + 1))
+        items = list(DISTRIBUTIONS.items())
+        rows = [one(a, work, *items[i - 1][:1], *items[i - 1][1]) for i in chosen]
     header = (["distribution", "mean / p99 length", "best fixed window, emulated (model s)", "auto rule, emulated",
                "best / auto rule", "auto rule + length hints, emulated", "best / auto rule with hints",
                "speed-up from hints"] if a.emulate_only else
               ["distribution", "mean / p99 length", "best fixed window, emulated (model s)", "auto rule, emulated",
-               "default, measured", "best emulated / measured (goal ≥ 0.97)", "measured / auto emulated (overhead)",
-               "auto rule + length hints, emulated", "default + --length-hints, measured",
-               "best emulated / measured with hints", "tail share (last 10% of prompts): default / hints",
-               "peak prompts in flight: default / hints"])
+               "default, measured" + (f" ({a.repeat} runs)" if a.repeat > 1 else ""),
+               "best emulated / measured (goal ≥ 0.97)", "measured / auto emulated (overhead)",
+               *([] if a.no_hints else ["auto rule + length hints, emulated", "default + --length-hints, measured",
+                                        "best emulated / measured with hints"]),
+               "tail share (last 10% of prompts)", "peak prompts in flight"])
     rec.table(header, rows,
               f"{a.prompts:,} prompts × {a.n_samples} samples, {a.workers} simulated engines (max_batch "
               f"{a.max_batch}, step {a.step_base} + {a.step_per_seq} × running model s), partitions of "
