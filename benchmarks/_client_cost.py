@@ -43,6 +43,14 @@ def cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
     return out
 
 
+def scheduler_child() -> psutil.Process:
+    """The ``dask scheduler`` process daskgen started as a child of this process (``scheduler_process``)."""
+    found = [c for c in psutil.Process().children() if "distributed.cli.dask_scheduler" in " ".join(c.cmdline())]
+    if len(found) != 1:
+        raise SystemExit(f"expected one scheduler child process, found {len(found)}")
+    return found[0]
+
+
 #: Thread groups of the client process: distributed's event loop (client comms, and a LocalCluster's
 #: scheduler and nannies), the main thread (daskgen's loop, building and submitting tasks, committing),
 #: and the rest (Zarr's I/O loop and pools that write the commits, Dask's offload thread).

@@ -13,6 +13,12 @@ It runs twice (``--scheduler``):
 
 * ``in-process`` — daskgen makes a LocalCluster, whose scheduler and nannies run in the client process
   (as with daskgen's default local cluster and dask-jobqueue clusters), so their CPU is included;
+* ``process`` — daskgen makes the LocalCluster with ``cluster.scheduler_process: true`` (the default of
+  SLURM/PBS clusters): daskgen starts the scheduler in a process of its own, the nannies stay in the client
+  process; the scheduler process's CPU is reported in a column of its own;
+* ``slurm`` — daskgen's default HPC path on the local single-node SLURM (``.ci/slurm-setup.sh``): one job
+  of N worker processes submitted through dask-jobqueue, TLS with a per-run certificate and the scheduler in
+  a process of its own (both defaults for batch clusters); the client process holds the client alone;
 * ``separate`` — ``dask scheduler`` and ``dask worker --nworkers N`` run as processes of their own
   (``_client_cost.separate_scheduler``) and daskgen connects with ``scheduler_address`` (as
   ``daskgen run --scheduler-address``): the client CPU is the client alone, and the scheduler's and
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -53,12 +60,28 @@ import numpy as np
 
 from daskgen.config import RunConfig
 
+#: --scheduler modes of the client part: where the scheduler and the nannies run.
+WHERE = {
+    "in-process": "scheduler and nannies in the client process (LocalCluster)",
+    "process": "LocalCluster with `cluster.scheduler_process: true`: daskgen runs the scheduler in a process of "
+               "its own, the nannies stay in the client process; the scheduler's CPU is the last columns",
+    "slurm": "daskgen's default SLURM cluster (one job of N workers on the local single-node SLURM, TLS, "
+             "`scheduler_process` on): the client process holds the client alone; the scheduler's CPU is the last "
+             "columns",
+    "separate": "`dask scheduler` and `dask worker --nworkers N` in processes of their own (`scheduler_address`): "
+                "client CPU is the client alone; the scheduler's and the nannies' CPU are the last columns",
+}
+#: Processes besides the client whose CPU each mode reports.
+OTHER_PROCESSES = {"process": ("scheduler",), "slurm": ("scheduler",), "separate": ("scheduler", "nannies")}
+
 
 def run_measured(config: RunConfig, prompts: list[str], procs: dict[str, Any] | None = None,
-                 floor: bool = False) -> dict[str, Any]:
+                 floor: bool = False, own_scheduler: bool = False) -> dict[str, Any]:
     """``runner.run``; wall time from engines ready to the last commit, client CPU over the same span.
 
     ``procs`` (name -> ``psutil.Process``, e.g. a separate scheduler): their CPU over the same span.
+    ``own_scheduler``: the cluster daskgen makes runs its scheduler in a child process, added to ``procs``
+    as ``scheduler`` once the engines are ready.
     ``floor``: also the client's idle CPU share (engines ready, nothing submitted) before the run, and
     Dask's own floor (:func:`_client_cost.dask_floor`) on the same cluster at the run's rate after it.
     """
@@ -66,8 +89,12 @@ def run_measured(config: RunConfig, prompts: list[str], procs: dict[str, Any] | 
 
     cpu: dict[str, Any] = {}
 
+    procs = {} if procs is None else procs
+
     def on_ready(client: Any) -> None:
         client.run(_bench.reset_engine_stats)
+        if own_scheduler:
+            procs["scheduler"] = _client_cost.scheduler_child()
         if floor:
             cpu["idle_share"] = _client_cost.idle_share()
         cpu["procs"] = _client_cost.cpu_seconds(procs or {})
@@ -143,6 +170,15 @@ def client_run(a: argparse.Namespace, work: Path, w: int, scheduler: str) -> dic
     prompts = [f"q{i}" for i in range(a.client_prompts)]
     if scheduler == "in-process":
         return run_measured(config, prompts, floor=a.floor)
+    if scheduler == "process":
+        config.cluster = {"kind": "local", "scheduler_process": True}
+        return run_measured(config, prompts, floor=a.floor, own_scheduler=True)
+    if scheduler == "slurm":
+        config.cluster = {"kind": "slurm", "workers_per_node": w, "cores": 2, "memory": "8GB", "walltime": "00:30:00",
+                          "threads_per_worker": a.client_window + 1, "dashboard_address": ":0",
+                          "log_directory": str(work / "slurm-logs"), "python": sys.executable,
+                          "tls_directory": str(work / "tls")}
+        return run_measured(config, prompts, floor=a.floor, own_scheduler=True)
     with _client_cost.separate_scheduler(w, a.client_window + 1, work) as (address, procs):
         config.scheduler_address = address
         return run_measured(config, prompts, procs, floor=a.floor)
@@ -173,8 +209,8 @@ def part_client(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list[d
                 row += [f["tasks"] / f["wall"], f["client_cpu"] / f["tasks"] * 1000,
                         (cpu_pp - f["client_cpu"] / f["tasks"]) * 1000, r["idle_share"], fast["tasks"] / fast["wall"],
                         fast["client_cpu"] / fast["tasks"] * 1000]
-            if scheduler == "separate":
-                row += [r["procs"][k] / r["partitions"] * 1000 for k in ("scheduler", "nannies")]
+            if scheduler != "in-process":
+                row += [r["procs"][k] / r["partitions"] * 1000 for k in OTHER_PROCESSES[scheduler]]
                 if a.floor:
                     row += [r[k]["scheduler"] / r[k]["tasks"] * 1000 for k in ("floor", "fast")]
             rows.append(row)
@@ -185,13 +221,11 @@ def part_client(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list[d
             header += ["Dask floor: tasks/s", "Dask floor: client CPU ms per trivial task",
                        "daskgen above the floor, ms", "idle share", "Dask floor at full speed: tasks/s",
                        "Dask floor at full speed: client CPU ms per task"]
-        if scheduler == "separate":
-            header += ["scheduler process CPU ms per partition", "nanny process CPU ms per partition"]
+        if scheduler != "in-process":
+            header += [f"{k[:-1] if k.endswith('s') else k} process CPU ms per partition"
+                       for k in OTHER_PROCESSES[scheduler]]
             header += ["Dask floor: scheduler CPU ms per trivial task", "... at full speed"] if a.floor else []
-        where = ("scheduler and nannies in the client process (LocalCluster)" if scheduler == "in-process" else
-                 "`dask scheduler` and `dask worker --nworkers N` in processes of their own (`scheduler_address`): "
-                 "client CPU is the client alone; the scheduler's and the nannies' CPU are the last columns")
-        rec.table(header, rows, caption=f"Scheduler {scheduler}: {where}.")
+        rec.table(header, rows, caption=f"Scheduler {scheduler}: {WHERE[scheduler]}.")
     return results
 
 
@@ -228,9 +262,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--partition-size", type=int, default=64)
     p.add_argument("--client-prompts", type=int, default=16384)
     p.add_argument("--client-window", type=int, default=4)
-    p.add_argument("--scheduler", default="in-process,separate",
-                   help="client part, comma-separated: in-process (LocalCluster in the client process), separate "
-                        "(`dask scheduler` + `dask worker` processes)")
+    p.add_argument("--scheduler", default="in-process,process,separate",
+                   help="client part, comma-separated: in-process (LocalCluster in the client process), process "
+                        "(LocalCluster with cluster.scheduler_process), slurm (daskgen's SLURM cluster on a local "
+                        "SLURM), separate (`dask scheduler` + `dask worker` processes)")
     p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
                    help="client part: also measure Dask's own floor (trivial tasks) and the idle CPU share")
     p.add_argument("--commit-rows", type=int, default=1_000_000)
@@ -239,8 +274,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.worker_counts = [int(x) for x in a.workers.split(",")]
     a.schedulers = [x.strip() for x in a.scheduler.split(",") if x.strip()]
-    if set(a.schedulers) - {"in-process", "separate"}:
-        p.error(f"--scheduler takes in-process and/or separate, not {a.scheduler!r}")
+    if set(a.schedulers) - set(WHERE):
+        p.error(f"--scheduler takes {', '.join(WHERE)}, not {a.scheduler!r}")
     return a
 
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import time
 
+import cloudpickle
 import dask
 import pytest
 
@@ -26,6 +28,8 @@ from daskgen.deploy import (
 )
 from daskgen.errors import ConfigError
 from tests.conftest import wait_for_jobs
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # functions run on a scheduler process
 
 ADDRESS = "tcp://10.1.2.3:8786"
 SLURM = {
@@ -376,6 +380,15 @@ def test_in_flight_window():
 # --------------------------------------------------------------------------- make_cluster with a fake batch system
 
 
+def _pid_and_config(key: str):
+    import os
+
+    import dask
+
+    return os.getpid(), dask.config.get(key)
+
+
+
 @pytest.mark.timeout(60)
 def test_make_cluster_slurm_submits_one_job_per_node(fake_batch):
     cluster, info = make_cluster({**SLURM, "dashboard_address": ":0"})
@@ -397,6 +410,13 @@ def test_make_cluster_slurm_submits_one_job_per_node(fake_batch):
                 str(run_dir / "cert.pem"), str(run_dir / "cert.pem"), str(run_dir / "key.pem"))
         durations = dask.config.get("distributed.scheduler.default-task-durations")
         assert durations["daskgen-partition"] == "60s"
+        # batch clusters run the scheduler in a process of its own (TLS from the run's files), with this config
+        assert f"scheduler in process {cluster.scheduler.process.pid}" in str(info)
+        from distributed import Client
+
+        with Client(cluster, timeout="20s") as client:
+            pid, on_scheduler = client.run_on_scheduler(_pid_and_config, "distributed.scheduler.default-task-durations")
+        assert pid != os.getpid() and on_scheduler["daskgen-partition"] == "60s"
     finally:
         cluster.close()
     assert not run_dir.exists()  # the certificate is removed with the cluster

@@ -29,7 +29,9 @@ from daskgen.deploy.spec import (
     _dashboard,
     _declare_partition_duration,
     _ignored_notes,
+    _scheduler_notes,
     parse_cluster_spec,
+    scheduler_process,
 )
 from daskgen.errors import ConfigError
 from daskgen.gpu import ENV_GPUS_PER_WORKER, ENV_LOCAL_RANK, ENV_WORKERS_PER_NODE
@@ -422,6 +424,10 @@ def _make_hpc_cluster(s: ClusterSpec) -> tuple[Any, ClusterInfo]:
     files = _hpc_tls_files(s)
     if files is not None:
         kwargs["security"] = files.security  # dask-jobqueue adds --protocol tls:// and the --tls-* files
+    if scheduler_process(s):
+        from daskgen.deploy.scheduler_process import SchedulerProcess
+
+        kwargs["scheduler_cls"] = SchedulerProcess
     cluster = _cluster_class(s.kind)(**kwargs)
     cluster.tls_files = files
     lo, hi, adaptive = _scaling(s, layout.workers_per_node)
@@ -433,7 +439,7 @@ def _make_hpc_cluster(s: ClusterSpec) -> tuple[Any, ClusterInfo]:
         life = f"workers retire {lifetime[0] - lifetime[1]}-{lifetime[0]}s after start (before walltime)"
     info = ClusterInfo(
         s.kind, layout.workers_per_node, layout.threads_per_worker, layout.gpus_per_worker,
-        lo, hi, adaptive, life, _tls_notes(files) + _ignored_notes(s), _dashboard(cluster),
+        lo, hi, adaptive, life, _tls_notes(files) + _scheduler_notes(cluster) + _ignored_notes(s), _dashboard(cluster),
     )
     return cluster, info
 

@@ -8,6 +8,8 @@ environment, and keep glibc's dynamic malloc threshold.
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import dask
@@ -19,10 +21,12 @@ from daskgen.deploy.spec import (
     _dashboard,
     _declare_partition_duration,
     _ignored_notes,
+    _scheduler_notes,
+    scheduler_process,
 )
 from daskgen.errors import ConfigError
 from daskgen.gpu import ENV_GPUS_PER_WORKER, ENV_LOCAL_RANK, ENV_WORKERS_PER_NODE, count_visible_gpus
-from daskgen.security import cluster_tls, temporary_security
+from daskgen.security import RemoveTLSFilesOnClose, TLSFiles, cluster_tls, temporary_security
 
 
 def _local_workers(s: ClusterSpec, gpus: int) -> tuple[int, int]:
@@ -85,9 +89,21 @@ def _make_local_cluster(s: ClusterSpec) -> tuple[Any, ClusterInfo]:
         if s.get(key) is not None:
             kwargs[key] = s.get(key)
     tls = cluster_tls("local", s.get("tls"))
-    if tls:
+    own_scheduler = scheduler_process(s)
+    files = None
+    if tls and own_scheduler:  # the scheduler process reads its certificate from files
+        files = TLSFiles(temporary_security(), Path(tempfile.gettempdir()) / "daskgen-tls")
+        kwargs["security"] = files.security
+    elif tls:
         kwargs["security"] = temporary_security()  # in memory: the nannies pass it to their workers
-    cluster = LocalCluster(**kwargs)
+    cls = LocalCluster
+    if own_scheduler:
+        from daskgen.deploy.scheduler_process import local_cluster_class
+
+        cls = type("LocalCluster", (RemoveTLSFilesOnClose, local_cluster_class()), {"__module__": __name__})
+    cluster = cls(**kwargs)
+    if files is not None:
+        cluster.tls_files = files
     lo, hi, adaptive = n, n, False
     if s.get("min_workers") is not None or s.get("max_workers") is not None:
         lo, hi = s.get("min_workers", 0), s.get("max_workers", max(n, s.get("min_workers", 0)))
@@ -96,6 +112,6 @@ def _make_local_cluster(s: ClusterSpec) -> tuple[Any, ClusterInfo]:
         _declare_partition_duration()
         cluster.adapt(minimum=lo, maximum=hi)
         adaptive = True
-    notes = (("TLS with a per-run certificate",) if tls else ()) + _ignored_notes(s)
+    notes = (("TLS with a per-run certificate",) if tls else ()) + _scheduler_notes(cluster) + _ignored_notes(s)
     info = ClusterInfo("local", n, threads, per_worker, lo, hi, adaptive, None, notes, _dashboard(cluster))
     return cluster, info

@@ -61,6 +61,8 @@ CLUSTER_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
     "python": (("slurm", "pbs"), "python executable on the compute nodes"),
     "resource_spec": (("pbs",), "full '#PBS -l' resource line (replaces the generated select=...)"),
     "tls": (KINDS, "TLS with a per-run certificate (default true for slurm/pbs, false for local)"),
+    "scheduler_process": (KINDS, "run the Dask scheduler in a process of its own rather than inside the client "
+                                 "(default true for slurm/pbs, false for local)"),
     "tls_directory": (("slurm", "pbs"), "where the per-run certificate files go; shared with the nodes "
                                         "(default ~/.daskgen/tls)"),
 }
@@ -186,7 +188,18 @@ def _check_value(key: str, value: Any) -> Any:
         _check_duration(key, value)
     if key == "tls":
         cluster_tls("local", value)  # raises unless a boolean
+    if key == "scheduler_process" and not isinstance(value, bool):
+        raise ConfigError(f"cluster.scheduler_process must be true or false, got {value!r}")
     return value
+
+
+def scheduler_process(s: ClusterSpec) -> bool:
+    """Whether the scheduler runs in a process of its own (:mod:`daskgen.deploy.scheduler_process`).
+
+    Batch clusters (many nodes, where the client's core is the ceiling) default to it; a local cluster,
+    whose few engines cannot produce enough partitions per second to load the client, does not.
+    """
+    return bool(s.get("scheduler_process", s.kind != "local"))
 
 
 def _str_value(key: str, value: Any) -> str:
@@ -248,6 +261,14 @@ def _dashboard(cluster: Any) -> str | None:
         return cluster.dashboard_link
     except Exception:  # no dashboard (bokeh missing or disabled)
         return None
+
+
+def _scheduler_notes(cluster: Any) -> tuple[str, ...]:
+    """Where the scheduler runs, when not inside the client (its pid and log file)."""
+    process = getattr(getattr(cluster, "scheduler", None), "process", None)
+    if process is None:
+        return ()
+    return (f"scheduler in process {process.pid} (log {cluster.scheduler.log_path})",)
 
 
 def _ignored_notes(s: ClusterSpec) -> tuple[str, ...]:

@@ -1,0 +1,238 @@
+"""The Dask scheduler in a process of its own, started and stopped with the cluster.
+
+``LocalCluster`` and dask-jobqueue run the scheduler inside the client process, so one core carries
+both daskgen's client loop and every scheduler transition, message and nanny monitor.  Measured
+(``benchmarks/scaleout.py --part client``, benchmarks/README.md): 4.4-5.8 ms of the client process's CPU
+per 64-prompt partition with the scheduler inside it, 2.4-3.0 ms with the scheduler in a process of
+its own — the difference between ~11,000 and over 20,000 prompts/s per client core.
+
+:class:`SchedulerProcess` is a :class:`distributed.deploy.spec.ProcessInterface`: a ``SpecCluster``
+(dask-jobqueue's ``scheduler_cls``, or :class:`LocalClusterOwnScheduler`) starts it, connects to its
+address and terminates it when the cluster closes.  The process (:func:`main`, from the same Python)
+runs a :class:`distributed.Scheduler` with
+
+* the client's Dask configuration (daskgen's tunables, task durations for adaptive scaling, TLS
+  settings) passed through ``DASK_INTERNAL_INHERIT_CONFIG``, as Dask's nannies pass it to workers;
+* SIGINT and SIGTERM ignored, and a session of its own: a Ctrl-C, ``scancel`` or walltime signal is
+  meant for the client, which then drains the workers and commits their partial responses *through*
+  the scheduler before it exits; the client ends the scheduler (Dask's ``terminate`` call, SIGKILL if
+  that fails), and the scheduler closes itself once the client process is gone;
+* its log in a private temporary directory, quoted when it fails to start or exits unexpectedly.
+
+Used with ``cluster.scheduler_process`` (default ``true`` for SLURM/PBS, ``false`` for local).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import dask
+from distributed.deploy.spec import ProcessInterface
+
+logger = logging.getLogger(__name__)
+
+#: Scheduler options that must be left at their defaults (they do not cross a process boundary).
+_DEFAULT_ONLY = ("services", "service_kwargs", "blocked_handlers")
+#: How long the scheduler may take to write its address file.
+START_TIMEOUT_S = 60.0
+#: How long a closing scheduler gets to exit before it is killed.
+STOP_GRACE_S = 10.0
+#: How often the scheduler process checks that the client process is still there.
+PARENT_CHECK_S = 1.0
+
+
+class SchedulerProcess(ProcessInterface):
+    """``dask scheduler`` in a subprocess, with the options a ``SpecCluster`` gives its scheduler.
+
+    Parameters
+    ----------
+    host, port, interface, protocol, dashboard_address:
+        As for :class:`distributed.Scheduler`.
+    dashboard:
+        ``False`` starts no dashboard.
+    security:
+        A :class:`distributed.security.Security` naming **files** (``tls_ca_file``,
+        ``tls_scheduler_cert``, ``tls_scheduler_key``), or ``None``.  In-memory certificates cannot be
+        handed to another process: use :class:`daskgen.security.TLSFiles`.
+    **options:
+        Other ``Scheduler`` options clusters pass; ``services``, ``service_kwargs`` and
+        ``blocked_handlers`` must be empty, anything else is refused.
+
+    Raises
+    ------
+    ValueError
+        For options the scheduler process cannot take (objects that do not cross a process boundary).
+    """
+
+    def __init__(self, host: str | None = None, port: int | str | None = 0, interface: str | None = None,
+                 protocol: str | None = None, dashboard_address: str | None = ":0", dashboard: bool = True,
+                 security: Any = None, **options: Any) -> None:
+        unsupported = sorted(k for k, v in options.items() if not (k in _DEFAULT_ONLY and not v))
+        if unsupported:
+            raise ValueError(f"the scheduler process cannot take the option(s) {', '.join(unsupported)}; "
+                             "set cluster.scheduler_process: false to run the scheduler inside the client")
+        self.spec: dict[str, Any] = {
+            "host": host, "port": int(port or 0), "interface": interface, "protocol": protocol,
+            "dashboard": bool(dashboard and dashboard_address is not None), "dashboard_address": dashboard_address,
+            "security": _tls_files(security), "parent": os.getpid(),
+        }
+        self.process: asyncio.subprocess.Process | None = None
+        self.directory: Path | None = None
+        super().__init__()
+
+    @property
+    def log_path(self) -> Path | None:
+        """The scheduler's log file (while the process runs)."""
+        return None if self.directory is None else self.directory / "scheduler.log"
+
+    async def start(self) -> None:
+        """Start the process and wait until it has written its address."""
+        self.directory = Path(tempfile.mkdtemp(prefix="daskgen-scheduler-"))
+        address_file = self.directory / "scheduler.json"
+        env = {**os.environ, "DASK_INTERNAL_INHERIT_CONFIG": dask.config.serialize(dask.config.global_config)}
+        with open(self.log_path, "wb") as log:  # type: ignore[arg-type]
+            self.process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", __name__, json.dumps({**self.spec, "scheduler_file": str(address_file)}),
+                stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True,
+            )
+        self.address = await self._wait_for_address(address_file)
+        logger.info("scheduler process %d at %s (log %s)", self.process.pid, self.address, self.log_path)
+        await super().start()
+
+    async def _wait_for_address(self, address_file: Path) -> str:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.returncode is not None:  # type: ignore[union-attr]
+                break
+            with contextlib.suppress(OSError, json.JSONDecodeError, KeyError):
+                return str(json.loads(address_file.read_text())["address"])
+            await asyncio.sleep(0.05)
+        returncode = self.process.returncode  # type: ignore[union-attr]
+        tail = self.log_tail()
+        if returncode is None:
+            self.process.kill()  # type: ignore[union-attr]
+        await self.close()
+        why = (f"exited with code {returncode}" if returncode is not None
+               else f"wrote no address within {START_TIMEOUT_S:.0f} s")
+        raise RuntimeError(f"the scheduler process {why}; its log ends with:\n{tail}\n"
+                           "Set cluster.scheduler_process: false to run the scheduler inside the client.")
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last ``lines`` lines of the scheduler's log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])  # type: ignore[union-attr]
+        except (OSError, AttributeError):
+            return "(no log)"
+
+    async def close(self) -> None:
+        """End the process and remove its directory.
+
+        A closing ``SpecCluster`` has asked the scheduler to terminate already; it gets
+        :data:`STOP_GRACE_S` to exit, then it is killed (it ignores SIGTERM).
+        """
+        process, self.process = self.process, None
+        if process is not None:
+            try:
+                await asyncio.wait_for(process.wait(), STOP_GRACE_S)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+            if process.returncode not in (0, -signal.SIGKILL) and self.address is not None:
+                logger.warning("the scheduler process exited with code %s; its log ends with:\n%s",
+                               process.returncode, self.log_tail())
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
+        await super().close()
+
+
+def _tls_files(security: Any) -> dict[str, str] | None:
+    """The certificate files of ``security`` for the scheduler process (``None`` without TLS)."""
+    if security is None:
+        return None
+    files = {"tls_ca_file": security.tls_ca_file, "tls_scheduler_cert": security.tls_scheduler_cert,
+             "tls_scheduler_key": security.tls_scheduler_key}
+    if not any(files.values()):
+        return None
+    in_memory = [key for key, value in files.items() if value and "-----BEGIN" in str(value)]
+    missing = [key for key, value in files.items() if not value]
+    if in_memory or missing:
+        raise ValueError("the scheduler process needs its TLS certificate and key in files "
+                         f"(in memory: {in_memory or 'none'}, missing: {missing or 'none'}); "
+                         "write them with daskgen.security.TLSFiles")
+    return {key: str(value) for key, value in files.items()}
+
+
+# --------------------------------------------------------------------------- the scheduler process itself
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the scheduler process: ``python -m daskgen.deploy.scheduler_process SPEC``.
+
+    ``SPEC`` is the JSON of :attr:`SchedulerProcess.spec` plus ``scheduler_file``.
+    """
+    spec = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    for sig in (signal.SIGINT, signal.SIGTERM):  # signals are for the client: it ends this process
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        asyncio.run(_serve(spec))
+    except Exception as exc:  # the traceback is in the log above; end it with the whole chain of causes
+        chain: list[BaseException] = []
+        while exc is not None and exc not in chain:
+            chain.append(exc)
+            exc = exc.__cause__ or exc.__context__
+        where = ", ".join(f"{k}={spec.get(k)}" for k in ("host", "port", "interface", "protocol") if spec.get(k))
+        causes = " <- ".join(f"{type(e).__name__}: {e}" for e in chain)
+        sys.stderr.write(f"daskgen scheduler process ({where or 'defaults'}) failed: {causes}\n")
+        raise SystemExit(1) from None
+
+
+async def _serve(spec: dict[str, Any]) -> None:
+    """Run the scheduler until it is terminated or the client process is gone."""
+    from distributed import Scheduler
+    from distributed.security import Security
+
+    spec = dict(spec)
+    parent, files = spec.pop("parent"), spec.pop("security")
+    security = Security(require_encryption=True, **files) if files else None
+    async with Scheduler(security=security, **spec) as scheduler:
+        while True:
+            try:
+                await asyncio.wait_for(asyncio.shield(scheduler.finished()), PARENT_CHECK_S)
+                return
+            except asyncio.TimeoutError:
+                if os.getppid() != parent:
+                    logger.warning("the client process %d is gone; closing the scheduler", parent)
+                    await scheduler.close(reason="client process gone")
+                    return
+
+
+def local_cluster_class() -> type:
+    """``distributed.LocalCluster`` whose scheduler is a :class:`SchedulerProcess` (workers unchanged)."""
+    from distributed import LocalCluster
+
+    class LocalClusterOwnScheduler(LocalCluster):
+        """A LocalCluster whose scheduler runs in a process of its own."""
+
+        async def _start(self) -> None:
+            if self.scheduler is None and self.scheduler_spec.get("cls") is not SchedulerProcess:
+                self.scheduler_spec = {"cls": SchedulerProcess, "options": dict(self.scheduler_spec["options"])}
+            await super()._start()
+
+    return LocalClusterOwnScheduler
+
+
+if __name__ == "__main__":
+    main()

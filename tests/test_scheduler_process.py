@@ -1,0 +1,160 @@
+"""The scheduler in a process of its own (``cluster.scheduler_process``): real clusters, real processes.
+
+The SLURM end-to-end tests (tests/test_slurm_e2e.py) run it too: it is the default for batch clusters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import cloudpickle
+import dask
+import psutil
+import pytest
+from distributed import Client
+
+from daskgen.config import RunConfig
+from daskgen.deploy import make_cluster, parse_cluster_spec
+from daskgen.deploy.scheduler_process import SchedulerProcess
+from daskgen.deploy.spec import scheduler_process
+from daskgen.errors import ConfigError
+from daskgen.runner import run
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the scheduler process cannot import tests/
+
+
+def _scheduler_pid_and(key: str):
+    """(pid, the Dask config value of ``key``) in the process that runs this function (on the scheduler)."""
+    import os
+
+    import dask
+
+    return os.getpid(), dask.config.get(key, None)
+
+
+def _gone(pid: int, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_defaults_per_kind_and_bad_values():
+    assert scheduler_process(parse_cluster_spec({"kind": "slurm"}))
+    assert scheduler_process(parse_cluster_spec({"kind": "pbs"}))
+    assert not scheduler_process(parse_cluster_spec({"kind": "local"}))
+    assert not scheduler_process(parse_cluster_spec({"kind": "slurm", "scheduler_process": False}))
+    with pytest.raises(ConfigError, match="cluster.scheduler_process must be true or false, got 'yes'"):
+        parse_cluster_spec({"scheduler_process": "yes"})
+
+
+def test_options_the_command_line_cannot_carry_are_refused():
+    with pytest.raises(ValueError, match="cannot take the option.*validate"):
+        SchedulerProcess(validate=True)
+    from distributed.security import Security
+
+    with pytest.raises(ValueError, match="in files"):
+        SchedulerProcess(security=Security.temporary())  # PEM texts in memory
+    SchedulerProcess(services={}, blocked_handlers=None)  # empty defaults are fine
+
+
+@pytest.mark.timeout(120)
+def test_local_cluster_with_its_scheduler_in_a_process_of_its_own():
+    """The scheduler runs in another process and session, with the client's Dask config; closing the
+    cluster ends the process and removes its directory."""
+    with dask.config.set({"distributed.scheduler.default-task-durations": {"daskgen-partition": "77s"}}):
+        cluster, info = make_cluster({"kind": "local", "n_workers": 1, "threads_per_worker": 2,
+                                      "scheduler_process": True})
+    proc = cluster.scheduler
+    pid, directory = proc.process.pid, proc.directory
+    try:
+        assert isinstance(proc, SchedulerProcess) and f"scheduler in process {pid}" in str(info)
+        assert os.getsid(pid) != os.getsid(0)  # its own session: a Ctrl-C for the client does not reach it
+        os.kill(pid, signal.SIGTERM)  # a scancel or walltime signal is for the client: the scheduler stays
+        os.kill(pid, signal.SIGINT)
+        time.sleep(1.0)
+        with Client(cluster, timeout="20s") as client:
+            got_pid, durations = client.run_on_scheduler(_scheduler_pid_and,
+                                                         "distributed.scheduler.default-task-durations")
+            assert got_pid == pid != os.getpid()
+            assert durations["daskgen-partition"] == "77s"  # the client's config reached it
+            assert client.submit(sum, [1, 2], pure=False).result(timeout=30) == 3
+    finally:
+        cluster.close()
+    assert _gone(pid) and not directory.exists()
+
+
+@pytest.mark.timeout(180)
+def test_a_run_on_a_cluster_whose_scheduler_runs_apart(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "question {i}"}}\n' for i in range(24)))
+    config = RunConfig(model="sim", engine="simulated", store=str(tmp_path / "out.zarr"), partition_size=8,
+                       max_new_tokens=8, engine_args={"time_scale": 0.0},
+                       cluster={"kind": "local", "n_workers": 1, "scheduler_process": True})
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    summary = run(config, str(prompts))
+    assert summary.ok and summary.done == 24, summary.line()
+    left = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert all(_gone(pid) for pid in left)  # the scheduler and worker processes ended with the run
+
+
+@pytest.mark.timeout(120)
+def test_local_tls_cluster_with_a_scheduler_process_uses_certificate_files():
+    cluster, info = make_cluster({"kind": "local", "n_workers": 1, "threads_per_worker": 1, "tls": True,
+                                  "scheduler_process": True})
+    files = cluster.tls_files.directory
+    try:
+        assert cluster.scheduler_address.startswith("tls://") and "TLS with a per-run certificate" in str(info)
+        assert cluster.scheduler.spec["security"]["tls_scheduler_key"] == str(files / "key.pem")
+        with Client(cluster, timeout="20s") as client:
+            assert client.submit(sum, [1, 2], pure=False).result(timeout=30) == 3
+        with pytest.raises(OSError):
+            Client(cluster.scheduler_address.replace("tls://", "tcp://"), timeout="5s")
+    finally:
+        cluster.close()
+    assert not files.exists()  # the certificate goes with the cluster
+
+
+@pytest.mark.timeout(60)
+def test_a_scheduler_that_cannot_start_is_a_clear_error():
+    async def start(proc: SchedulerProcess) -> None:
+        await proc
+
+    proc = SchedulerProcess(host="no-such-host.invalid", dashboard=False)
+    with pytest.raises(RuntimeError, match="scheduler process exited with code .*its log ends with") as err:
+        asyncio.run(start(proc))
+    assert "no-such-host.invalid" in str(err.value) and "scheduler_process: false" in str(err.value)
+    assert proc.process is None and proc.directory is None  # nothing left behind
+
+
+@pytest.mark.timeout(60)
+def test_the_scheduler_process_does_not_outlive_a_killed_client(tmp_path):
+    """SIGKILL the client process: its scheduler process notices and ends too."""
+    script = textwrap.dedent("""
+        import asyncio, sys, time
+        from daskgen.deploy.scheduler_process import SchedulerProcess
+
+        async def main():
+            proc = await SchedulerProcess(host="127.0.0.1", dashboard=False)
+            print(proc.process.pid, flush=True)
+            await asyncio.sleep(600)
+
+        asyncio.run(main())
+    """)
+    client = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(client.stdout.readline())
+        assert psutil.pid_exists(pid)
+        client.send_signal(signal.SIGKILL)
+        client.wait(timeout=10)
+        assert _gone(pid), "the scheduler process outlived its client"
+    finally:
+        client.kill()
