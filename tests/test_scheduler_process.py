@@ -158,3 +158,30 @@ def test_the_scheduler_process_does_not_outlive_a_killed_client(tmp_path):
         assert _gone(pid), "the scheduler process outlived its client"
     finally:
         client.kill()
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_every_process_of_the_client_still_saves_partial_responses(tmp_path):
+    """``scancel``/walltime signal every process of the client's job: the scheduler process stays up while
+    the client drains the workers through it, then ends with the run; nothing is left behind."""
+    from daskgen import store
+    from daskgen.interrupt import EXIT_INTERRUPTED
+    from tests.conftest import popen_cli, write_prompts
+    from tests.test_preemption import LONG, _group_gone, _partials
+    from tests.test_run import _wait_for_some_done, sim_args
+
+    (tmp_path / "run.yaml").write_text("cluster:\n  kind: local\n  n_workers: 2\n  scheduler_process: true\n")
+    out = tmp_path / "out.zarr"
+    prompts = write_prompts(tmp_path / "p.jsonl", 24)
+    proc = popen_cli("run", *sim_args(tmp_path, out, "--config", tmp_path / "run.yaml", "--prompts", prompts,
+                                      "--partition-size", "2", "--n-samples", "2", "--grace", "20s", *LONG, step=1.0))
+    done_before = _wait_for_some_done(out, proc, minimum=4)
+    (scheduler,) = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                    if "daskgen.deploy.scheduler_process" in " ".join(c.cmdline())]
+    os.kill(proc.pid, signal.SIGTERM)
+    scheduler.send_signal(signal.SIGTERM)  # like scancel: every process of the job
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_INTERRUPTED, output
+    assert _partials(out), "in-flight responses must be saved as partial responses"
+    assert (store.read_status(out)[done_before] == store.DONE).all()
+    assert _gone(scheduler.pid) and _group_gone(proc.pid), "a process of the interrupted run was left behind"
