@@ -34,6 +34,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,21 @@ def _tls_files(security: Any) -> dict[str, str] | None:
     return {key: str(value) for key, value in files.items()}
 
 
+def local_cluster_class() -> type:
+    """``distributed.LocalCluster`` whose scheduler is a :class:`SchedulerProcess` (workers unchanged)."""
+    from distributed import LocalCluster
+
+    class LocalClusterOwnScheduler(LocalCluster):
+        """A LocalCluster whose scheduler runs in a process of its own."""
+
+        async def _start(self) -> None:
+            if self.scheduler is None and self.scheduler_spec.get("cls") is not SchedulerProcess:
+                self.scheduler_spec = {"cls": SchedulerProcess, "options": dict(self.scheduler_spec["options"])}
+            await super()._start()
+
+    return LocalClusterOwnScheduler
+
+
 # --------------------------------------------------------------------------- the scheduler process itself
 
 
@@ -188,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, signal.SIG_IGN)
     try:
         asyncio.run(_serve(spec))
-    except Exception as exc:  # the traceback is in the log above; end it with the whole chain of causes
+    except Exception as exc:  # the traceback, then one line with the whole chain of causes
+        traceback.print_exc()
         chain: list[BaseException] = []
         while exc is not None and exc not in chain:
             chain.append(exc)
@@ -217,21 +234,6 @@ async def _serve(spec: dict[str, Any]) -> None:
                     logger.warning("the client process %d is gone; closing the scheduler", parent)
                     await scheduler.close(reason="client process gone")
                     return
-
-
-def local_cluster_class() -> type:
-    """``distributed.LocalCluster`` whose scheduler is a :class:`SchedulerProcess` (workers unchanged)."""
-    from distributed import LocalCluster
-
-    class LocalClusterOwnScheduler(LocalCluster):
-        """A LocalCluster whose scheduler runs in a process of its own."""
-
-        async def _start(self) -> None:
-            if self.scheduler is None and self.scheduler_spec.get("cls") is not SchedulerProcess:
-                self.scheduler_spec = {"cls": SchedulerProcess, "options": dict(self.scheduler_spec["options"])}
-            await super()._start()
-
-    return LocalClusterOwnScheduler
 
 
 if __name__ == "__main__":
