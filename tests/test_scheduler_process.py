@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import cloudpickle
 import dask
@@ -152,10 +153,12 @@ def test_the_scheduler_process_does_not_outlive_a_killed_client(tmp_path):
     client = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         pid = int(client.stdout.readline())
-        assert psutil.pid_exists(pid)
+        (directory,) = {Path(f.path).parent for f in psutil.Process(pid).open_files() if f.path.endswith(".log")}
+        assert psutil.pid_exists(pid) and directory.exists()
         client.send_signal(signal.SIGKILL)
         client.wait(timeout=10)
         assert _gone(pid), "the scheduler process outlived its client"
+        assert not directory.exists(), "its log folder is removed too"
     finally:
         client.kill()
 

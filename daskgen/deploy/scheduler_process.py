@@ -233,6 +233,7 @@ async def _serve(spec: dict[str, Any]) -> None:
                 if os.getppid() != parent:
                     logger.warning("the client process %d is gone; closing the scheduler", parent)
                     await scheduler.close(reason="client process gone")
+                    shutil.rmtree(Path(spec["scheduler_file"]).parent, ignore_errors=True)  # nobody else will
                     return
 
 
