@@ -45,7 +45,7 @@ def cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
 
 def scheduler_child() -> psutil.Process:
     """The ``dask scheduler`` process daskgen started as a child of this process (``scheduler_process``)."""
-    found = [c for c in psutil.Process().children() if "distributed.cli.dask_scheduler" in " ".join(c.cmdline())]
+    found = [c for c in psutil.Process().children() if "daskgen.deploy.scheduler_process" in " ".join(c.cmdline())]
     if len(found) != 1:
         raise SystemExit(f"expected one scheduler child process, found {len(found)}")
     return found[0]

@@ -174,7 +174,7 @@ def client_run(a: argparse.Namespace, work: Path, w: int, scheduler: str) -> dic
         config.cluster = {"kind": "local", "scheduler_process": True}
         return run_measured(config, prompts, floor=a.floor, own_scheduler=True)
     if scheduler == "slurm":
-        config.cluster = {"kind": "slurm", "workers_per_node": w, "cores": 2, "memory": "8GB", "walltime": "00:30:00",
+        config.cluster = {"kind": "slurm", "workers_per_node": w, "cores": 2, "memory": "4GB", "walltime": "00:30:00",
                           "threads_per_worker": a.client_window + 1, "dashboard_address": ":0",
                           "log_directory": str(work / "slurm-logs"), "python": sys.executable,
                           "tls_directory": str(work / "tls")}
