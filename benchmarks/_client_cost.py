@@ -88,6 +88,26 @@ def idle_share(seconds: float = 2.0) -> float:
     return (time.process_time() - c0) / (time.perf_counter() - t0)
 
 
+def benchmark_pythonpath() -> str:
+    """``PYTHONPATH`` for other processes that must import daskgen from ``$DASKGEN_SRC`` and this folder
+    (a scheduler unpickles the floor's tasks by reference)."""
+    return os.pathsep.join([str(_bench.DASKGEN_SRC), str(_bench.HERE), os.environ.get("PYTHONPATH", "")])
+
+
+@contextlib.contextmanager
+def importable_here() -> Iterator[None]:
+    """While inside: processes this one starts (daskgen's scheduler process, batch jobs) import as above."""
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = benchmark_pythonpath()
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
 @contextlib.contextmanager
 def separate_scheduler(n_workers: int, nthreads: int, work: Path) -> Iterator[tuple[str, dict[str, psutil.Process]]]:
     """A scheduler and ``n_workers`` workers (``nthreads`` each) in processes of their own.
@@ -98,8 +118,7 @@ def separate_scheduler(n_workers: int, nthreads: int, work: Path) -> Iterator[tu
     """
     from distributed import Client
 
-    path = [str(_bench.DASKGEN_SRC), str(_bench.HERE), os.environ.get("PYTHONPATH", "")]  # daskgen; this module
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    env = {**os.environ, "PYTHONPATH": benchmark_pythonpath()}
     sched_file = work / f"scheduler-{time.time_ns()}.json"
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "env": env}
     sched = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",

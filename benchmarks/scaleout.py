@@ -170,15 +170,15 @@ def client_run(a: argparse.Namespace, work: Path, w: int, scheduler: str) -> dic
     prompts = [f"q{i}" for i in range(a.client_prompts)]
     if scheduler == "in-process":
         return run_measured(config, prompts, floor=a.floor)
-    if scheduler == "process":
+    if scheduler in ("process", "slurm"):
         config.cluster = {"kind": "local", "scheduler_process": True}
-        return run_measured(config, prompts, floor=a.floor, own_scheduler=True)
-    if scheduler == "slurm":
-        config.cluster = {"kind": "slurm", "workers_per_node": w, "cores": 2, "memory": "4GB", "walltime": "00:30:00",
-                          "threads_per_worker": a.client_window + 1, "dashboard_address": ":0",
-                          "log_directory": str(work / "slurm-logs"), "python": sys.executable,
-                          "tls_directory": str(work / "tls")}
-        return run_measured(config, prompts, floor=a.floor, own_scheduler=True)
+        if scheduler == "slurm":
+            config.cluster = {"kind": "slurm", "workers_per_node": w, "cores": 2, "memory": "4GB",
+                              "walltime": "00:30:00", "threads_per_worker": a.client_window + 1,
+                              "dashboard_address": ":0", "log_directory": str(work / "slurm-logs"),
+                              "python": sys.executable, "tls_directory": str(work / "tls")}
+        with _client_cost.importable_here():
+            return run_measured(config, prompts, floor=a.floor, own_scheduler=True)
     with _client_cost.separate_scheduler(w, a.client_window + 1, work) as (address, procs):
         config.scheduler_address = address
         return run_measured(config, prompts, procs, floor=a.floor)
