@@ -137,6 +137,18 @@ def test_a_scheduler_that_cannot_start_is_a_clear_error():
 
 
 @pytest.mark.timeout(60)
+def test_a_scheduler_slower_than_its_start_timeout_is_stopped_and_named():
+    async def start(proc: SchedulerProcess) -> None:
+        await proc
+
+    proc = SchedulerProcess(host="127.0.0.1", dashboard=False)
+    too_slow = r"did not listen within 0.01 s \(daskgen.scheduler-start-timeout\)"
+    with dask.config.set({"daskgen.scheduler-start-timeout": "0.01s"}), pytest.raises(RuntimeError, match=too_slow):
+        asyncio.run(start(proc))
+    assert proc.process is None and proc.directory is None  # killed and cleaned up
+
+
+@pytest.mark.timeout(60)
 def test_the_scheduler_process_does_not_outlive_a_killed_client(tmp_path):
     """SIGKILL the client process: its scheduler process notices and ends too."""
     script = textwrap.dedent("""

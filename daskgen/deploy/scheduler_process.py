@@ -45,8 +45,6 @@ logger = logging.getLogger(__name__)
 
 #: Scheduler options that must be left at their defaults (they do not cross a process boundary).
 _DEFAULT_ONLY = ("services", "service_kwargs", "blocked_handlers")
-#: How long the scheduler may take to write its address file.
-START_TIMEOUT_S = 60.0
 #: How long a closing scheduler gets to exit before it is killed.
 STOP_GRACE_S = 10.0
 #: How often the scheduler process checks that the client process is still there.
@@ -112,7 +110,10 @@ class SchedulerProcess(ProcessInterface):
         await super().start()
 
     async def _wait_for_address(self, address_file: Path) -> str:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        from daskgen import tunables
+
+        timeout = tunables.seconds("scheduler-start-timeout")
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.returncode is not None:  # type: ignore[union-attr]
                 break
@@ -125,7 +126,7 @@ class SchedulerProcess(ProcessInterface):
             self.process.kill()  # type: ignore[union-attr]
         await self.close()
         why = (f"exited with code {returncode}" if returncode is not None
-               else f"wrote no address within {START_TIMEOUT_S:.0f} s")
+               else f"did not listen within {timeout:g} s (daskgen.scheduler-start-timeout)")
         raise RuntimeError(f"the scheduler process {why}; its log ends with:\n{tail}\n"
                            "Set cluster.scheduler_process: false to run the scheduler inside the client.")
 
