@@ -93,6 +93,25 @@ def test_local_cluster_with_its_scheduler_in_a_process_of_its_own():
     assert _gone(pid) and not directory.exists()
 
 
+@pytest.mark.timeout(120)
+def test_an_elastic_local_cluster_declares_partition_durations_to_its_scheduler_process():
+    """Adaptive scaling reads the expected partition duration on the scheduler: it must be set before the
+    scheduler process starts; bad bounds are refused before anything starts."""
+    with pytest.raises(ConfigError, match="max_workers=1 must be >= 1 and >= min_workers=2"):
+        make_cluster({"kind": "local", "min_workers": 2, "max_workers": 1, "scheduler_process": True})
+    with dask.config.set({"distributed.scheduler.default-task-durations": {}}):
+        cluster, info = make_cluster({"kind": "local", "n_workers": 1, "min_workers": 0, "max_workers": 1,
+                                      "scheduler_process": True})
+        try:
+            assert info.adaptive
+            with Client(cluster, timeout="20s") as client:
+                key = "distributed.scheduler.default-task-durations"
+                _, durations = client.run_on_scheduler(_scheduler_pid_and, key)
+            assert durations["daskgen-partition"] == "60s"
+        finally:
+            cluster.close()
+
+
 @pytest.mark.timeout(180)
 def test_a_run_on_a_cluster_whose_scheduler_runs_apart(tmp_path):
     prompts = tmp_path / "p.jsonl"

@@ -88,6 +88,13 @@ def _make_local_cluster(s: ClusterSpec) -> tuple[Any, ClusterInfo]:
     for key in ("memory_limit", "local_directory"):
         if s.get(key) is not None:
             kwargs[key] = s.get(key)
+    lo, hi = n, n
+    elastic = s.get("min_workers") is not None or s.get("max_workers") is not None
+    if elastic:  # checked and declared before the cluster starts (a scheduler process takes the config it starts with)
+        lo, hi = s.get("min_workers", 0), s.get("max_workers", max(n, s.get("min_workers", 0)))
+        if hi < max(lo, 1):
+            raise ConfigError(f"cluster.max_workers={hi} must be >= 1 and >= min_workers={lo}")
+        _declare_partition_duration()
     tls = cluster_tls("local", s.get("tls"))
     own_scheduler = scheduler_process(s)
     files = None
@@ -104,14 +111,8 @@ def _make_local_cluster(s: ClusterSpec) -> tuple[Any, ClusterInfo]:
     cluster = cls(**kwargs)
     if files is not None:
         cluster.tls_files = files
-    lo, hi, adaptive = n, n, False
-    if s.get("min_workers") is not None or s.get("max_workers") is not None:
-        lo, hi = s.get("min_workers", 0), s.get("max_workers", max(n, s.get("min_workers", 0)))
-        if hi < max(lo, 1):
-            raise ConfigError(f"cluster.max_workers={hi} must be >= 1 and >= min_workers={lo}")
-        _declare_partition_duration()
+    if elastic:
         cluster.adapt(minimum=lo, maximum=hi)
-        adaptive = True
     notes = (("TLS with a per-run certificate",) if tls else ()) + _scheduler_notes(cluster) + _ignored_notes(s)
-    info = ClusterInfo("local", n, threads, per_worker, lo, hi, adaptive, None, notes, _dashboard(cluster))
+    info = ClusterInfo("local", n, threads, per_worker, lo, hi, elastic, None, notes, _dashboard(cluster))
     return cluster, info
