@@ -71,8 +71,9 @@ WHERE = {
     "separate": "`dask scheduler` and `dask worker --nworkers N` in processes of their own (`scheduler_address`): "
                 "client CPU is the client alone; the scheduler's and the nannies' CPU are the last columns",
 }
-#: Processes besides the client whose CPU each mode reports.
-OTHER_PROCESSES = {"process": ("scheduler",), "slurm": ("scheduler",), "separate": ("scheduler", "nannies")}
+#: Processes besides the client whose CPU each mode reports: key in the run's ``procs`` -> column label.
+OTHER_PROCESSES = {"process": {"scheduler": "scheduler"}, "slurm": {"scheduler": "scheduler"},
+                   "separate": {"scheduler": "scheduler", "nannies": "nanny"}}
 
 
 def run_measured(config: RunConfig, prompts: list[str], procs: dict[str, Any] | None = None,
@@ -97,7 +98,7 @@ def run_measured(config: RunConfig, prompts: list[str], procs: dict[str, Any] | 
             procs["scheduler"] = _client_cost.scheduler_child()
         if floor:
             cpu["idle_share"] = _client_cost.idle_share()
-        cpu["procs"] = _client_cost.cpu_seconds(procs or {})
+        cpu["procs"] = _client_cost.cpu_seconds(procs)
         cpu["threads"] = _client_cost.thread_cpu()
         cpu["ready"] = time.process_time()
 
@@ -105,7 +106,7 @@ def run_measured(config: RunConfig, prompts: list[str], procs: dict[str, Any] | 
         cpu["done"] = time.process_time()
         threads = _client_cost.thread_cpu()
         cpu["threads"] = {k: v - cpu["threads"].get(k, 0.0) for k, v in threads.items()}
-        after = _client_cost.cpu_seconds(procs or {})
+        after = _client_cost.cpu_seconds(procs)
         cpu["procs"] = {k: after[k] - v for k, v in cpu["procs"].items()}
         stats = [s for s in client.run(_bench.engine_stats).values() if s]
         if floor:
@@ -170,13 +171,14 @@ def client_run(a: argparse.Namespace, work: Path, w: int, scheduler: str) -> dic
     prompts = [f"q{i}" for i in range(a.client_prompts)]
     if scheduler == "in-process":
         return run_measured(config, prompts, floor=a.floor)
-    if scheduler in ("process", "slurm"):
+    if scheduler == "process":
         config.cluster = {"kind": "local", "scheduler_process": True}
-        if scheduler == "slurm":
-            config.cluster = {"kind": "slurm", "workers_per_node": w, "cores": 2, "memory": "4GB",
-                              "walltime": "00:30:00", "threads_per_worker": a.client_window + 1,
-                              "dashboard_address": ":0", "log_directory": str(work / "slurm-logs"),
-                              "python": sys.executable, "tls_directory": str(work / "tls")}
+    if scheduler == "slurm":  # daskgen's defaults for batch clusters: TLS, scheduler_process
+        config.cluster = {"kind": "slurm", "workers_per_node": w, "cores": 2, "memory": "4GB", "walltime": "00:30:00",
+                          "threads_per_worker": a.client_window + 1, "dashboard_address": ":0",
+                          "log_directory": str(work / "slurm-logs"), "python": sys.executable,
+                          "tls_directory": str(work / "tls")}
+    if config.cluster:
         with _client_cost.importable_here():
             return run_measured(config, prompts, floor=a.floor, own_scheduler=True)
     with _client_cost.separate_scheduler(w, a.client_window + 1, work) as (address, procs):
@@ -222,8 +224,7 @@ def part_client(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list[d
                        "daskgen above the floor, ms", "idle share", "Dask floor at full speed: tasks/s",
                        "Dask floor at full speed: client CPU ms per task"]
         if scheduler != "in-process":
-            header += [f"{k[:-1] if k.endswith('s') else k} process CPU ms per partition"
-                       for k in OTHER_PROCESSES[scheduler]]
+            header += [f"{label} process CPU ms per partition" for label in OTHER_PROCESSES[scheduler].values()]
             header += ["Dask floor: scheduler CPU ms per trivial task", "... at full speed"] if a.floor else []
         rec.table(header, rows, caption=f"Scheduler {scheduler}: {WHERE[scheduler]}.")
     return results

@@ -150,13 +150,16 @@ def main() -> int:
                         "ratio columns then compare the best fixed window with the emulated rule")
     _bench.add_common_args(p)
     a = p.parse_args()
+    items = list(DISTRIBUTIONS.items())
+    try:
+        a.distributions = [items[int(x) - 1] for x in a.only.split(",") if x.strip()] or items
+    except (ValueError, IndexError):
+        p.error(f"--only takes distribution numbers 1-{len(items)}, not {a.only!r}")
     _bench.quiet_logs()
     rec = _bench.Record("Tail: window auto (occupancy) vs the best fixed window, three length distributions"
                         + (" (emulated only)" if a.emulate_only else ""))
     with _bench.workdir(a.workdir) as work:
-        chosen = [int(x) for x in a.only.split(",") if x.strip()] or list(range(1, len(DISTRIBUTIONS) + 1))
-        items = list(DISTRIBUTIONS.items())
-        rows = [one(a, work, *items[i - 1][:1], *items[i - 1][1]) for i in chosen]
+        rows = [one(a, work, name, mean, sigma) for name, (mean, sigma) in a.distributions]
     header = (["distribution", "mean / p99 length", "best fixed window, emulated (model s)", "auto rule, emulated",
                "best / auto rule", "auto rule + length hints, emulated", "best / auto rule with hints",
                "speed-up from hints"] if a.emulate_only else

@@ -271,16 +271,33 @@ def job_script_security(address: str, security: Any = None) -> Any:
         if _scheme(address) != "tls":
             return None
         security = Security(require_encryption=True)
-    config = security.get_tls_config_for_role("worker")
-    if any(v and "\n" in v for k, v in config.items() if k != "ciphers"):
-        raise ConfigError("job scripts name certificate files: give a Security whose tls_ca_file, tls_worker_cert "
-                          "and tls_worker_key are paths (not PEM text)")
+    config = tls_files_for(security, "worker", "job scripts") or {}
     if not config.get("ca_file") or not config.get("cert"):
         raise ConfigError(f"the scheduler at {address} uses TLS: the worker jobs need the CA and a worker certificate "
                           "and key; set distributed.comm.tls.ca-file and distributed.comm.tls.worker.cert/key in your "
                           "dask config, or pass security=Security(tls_ca_file=..., tls_worker_cert=..., "
                           "tls_worker_key=...)")
     return security
+
+
+def tls_files_for(security: Any, role: str, who: str) -> dict[str, str] | None:
+    """The CA, certificate and key files of ``role`` (``ca_file``, ``cert``, ``key``) for another process.
+
+    ``None`` when ``security`` holds none of them.  ``who`` names what needs files, for the error.
+
+    Raises
+    ------
+    ConfigError
+        When any of them is PEM text in memory: another process can only be given paths.
+    """
+    config = security.get_tls_config_for_role(role)
+    files = {key: config.get(key) for key in ("ca_file", "cert", "key")}
+    if not any(files.values()):
+        return None
+    if any(value and "\n" in value for value in files.values()):
+        raise ConfigError(f"{who} name certificate files: give a Security whose tls_ca_file, tls_{role}_cert and "
+                          f"tls_{role}_key are paths (not PEM text), e.g. written by daskgen.security.TLSFiles")
+    return files
 
 
 class RemoveTLSFilesOnClose:

@@ -91,7 +91,7 @@ def test_scaleout(tmp_path):
     # processes started by hand, each with Dask's own floor (trivial tasks) measured on the same cluster
     assert "Scheduler in-process" in out and "Scheduler process" in out and "Scheduler separate" in out
     assert out.count("Dask floor: client CPU ms per trivial task") == 3
-    assert out.count("scheduler process CPU ms per partition") == 2
+    assert out.count("scheduler process CPU ms per partition") == 2 and "| nanny process CPU ms per partition" in out
     assert out.count("Dask floor at full speed: client CPU ms per task") == 3
 
 

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 import time
 
-import cloudpickle
 import dask
 import pytest
 
@@ -28,8 +26,7 @@ from daskgen.deploy import (
 )
 from daskgen.errors import ConfigError
 from tests.conftest import wait_for_jobs
-
-cloudpickle.register_pickle_by_value(sys.modules[__name__])  # functions run on a scheduler process
+from tests.test_scheduler_process import _scheduler_pid_and  # pickled by value
 
 ADDRESS = "tcp://10.1.2.3:8786"
 SLURM = {
@@ -380,13 +377,6 @@ def test_in_flight_window():
 # --------------------------------------------------------------------------- make_cluster with a fake batch system
 
 
-def _pid_and_config(key: str):
-    import os
-
-    import dask
-
-    return os.getpid(), dask.config.get(key)
-
 
 
 @pytest.mark.timeout(60)
@@ -415,7 +405,8 @@ def test_make_cluster_slurm_submits_one_job_per_node(fake_batch):
         from distributed import Client
 
         with Client(cluster, timeout="20s") as client:
-            pid, on_scheduler = client.run_on_scheduler(_pid_and_config, "distributed.scheduler.default-task-durations")
+            key = "distributed.scheduler.default-task-durations"
+            pid, on_scheduler = client.run_on_scheduler(_scheduler_pid_and, key)
         assert pid != os.getpid() and on_scheduler["daskgen-partition"] == "60s"
     finally:
         cluster.close()

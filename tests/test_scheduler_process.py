@@ -57,14 +57,14 @@ def test_defaults_per_kind_and_bad_values():
         parse_cluster_spec({"scheduler_process": "yes"})
 
 
-def test_options_the_command_line_cannot_carry_are_refused():
+def test_options_that_do_not_cross_a_process_boundary_are_refused():
     with pytest.raises(ValueError, match="cannot take the option.*validate"):
         SchedulerProcess(validate=True)
     from distributed.security import Security
 
-    with pytest.raises(ValueError, match="in files"):
+    with pytest.raises(ConfigError, match="scheduler processes name certificate files.*tls_scheduler_key"):
         SchedulerProcess(security=Security.temporary())  # PEM texts in memory
-    SchedulerProcess(services={}, blocked_handlers=None)  # empty defaults are fine
+    assert SchedulerProcess(services={}, blocked_handlers=None).spec["security"] is None  # empty defaults pass
 
 
 @pytest.mark.timeout(120)
@@ -113,15 +113,17 @@ def test_an_elastic_local_cluster_declares_partition_durations_to_its_scheduler_
 
 
 @pytest.mark.timeout(180)
-def test_a_run_on_a_cluster_whose_scheduler_runs_apart(tmp_path):
+def test_a_run_on_a_cluster_whose_scheduler_runs_apart(tmp_path, caplog):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(f'{{"prompt": "question {i}"}}\n' for i in range(24)))
     config = RunConfig(model="sim", engine="simulated", store=str(tmp_path / "out.zarr"), partition_size=8,
                        max_new_tokens=8, engine_args={"time_scale": 0.0},
                        cluster={"kind": "local", "n_workers": 1, "scheduler_process": True})
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    summary = run(config, str(prompts))
+    with caplog.at_level("INFO", logger="daskgen.cluster"):
+        summary = run(config, str(prompts))
     assert summary.ok and summary.done == 24, summary.line()
+    assert "scheduler in process" in caplog.text  # the cluster line names the scheduler's own process
     left = {p.pid for p in psutil.Process().children(recursive=True)} - before
     assert all(_gone(pid) for pid in left)  # the scheduler and worker processes ended with the run
 
@@ -133,7 +135,7 @@ def test_local_tls_cluster_with_a_scheduler_process_uses_certificate_files():
     files = cluster.tls_files.directory
     try:
         assert cluster.scheduler_address.startswith("tls://") and "TLS with a per-run certificate" in str(info)
-        assert cluster.scheduler.spec["security"]["tls_scheduler_key"] == str(files / "key.pem")
+        assert cluster.scheduler.spec["security"]["key"] == str(files / "key.pem")
         with Client(cluster, timeout="20s") as client:
             assert client.submit(sum, [1, 2], pure=False).result(timeout=30) == 3
         with pytest.raises(OSError):

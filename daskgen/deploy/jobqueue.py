@@ -29,7 +29,6 @@ from daskgen.deploy.spec import (
     _dashboard,
     _declare_partition_duration,
     _ignored_notes,
-    _scheduler_notes,
     parse_cluster_spec,
     scheduler_process,
 )
@@ -415,6 +414,8 @@ def _scaling(s: ClusterSpec, workers_per_node: int) -> tuple[int, int, bool]:
 
 
 def _make_hpc_cluster(s: ClusterSpec) -> tuple[Any, ClusterInfo]:
+    from daskgen.deploy import scheduler_process as own_scheduler
+
     kwargs = jobqueue_kwargs(s)
     _declare_partition_duration()
     layout, lifetime = _layout(s), _lifetime_plan(s)
@@ -425,9 +426,7 @@ def _make_hpc_cluster(s: ClusterSpec) -> tuple[Any, ClusterInfo]:
     if files is not None:
         kwargs["security"] = files.security  # dask-jobqueue adds --protocol tls:// and the --tls-* files
     if scheduler_process(s):
-        from daskgen.deploy.scheduler_process import SchedulerProcess
-
-        kwargs["scheduler_cls"] = SchedulerProcess
+        kwargs["scheduler_cls"] = own_scheduler.SchedulerProcess
     cluster = _cluster_class(s.kind)(**kwargs)
     cluster.tls_files = files
     lo, hi, adaptive = _scaling(s, layout.workers_per_node)
@@ -439,7 +438,8 @@ def _make_hpc_cluster(s: ClusterSpec) -> tuple[Any, ClusterInfo]:
         life = f"workers retire {lifetime[0] - lifetime[1]}-{lifetime[0]}s after start (before walltime)"
     info = ClusterInfo(
         s.kind, layout.workers_per_node, layout.threads_per_worker, layout.gpus_per_worker,
-        lo, hi, adaptive, life, _tls_notes(files) + _scheduler_notes(cluster) + _ignored_notes(s), _dashboard(cluster),
+        lo, hi, adaptive, life, _tls_notes(files) + own_scheduler.notes(cluster) + _ignored_notes(s),
+        _dashboard(cluster),
     )
     return cluster, info
 

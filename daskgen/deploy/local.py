@@ -21,12 +21,11 @@ from daskgen.deploy.spec import (
     _dashboard,
     _declare_partition_duration,
     _ignored_notes,
-    _scheduler_notes,
     scheduler_process,
 )
 from daskgen.errors import ConfigError
 from daskgen.gpu import ENV_GPUS_PER_WORKER, ENV_LOCAL_RANK, ENV_WORKERS_PER_NODE, count_visible_gpus
-from daskgen.security import RemoveTLSFilesOnClose, TLSFiles, cluster_tls, temporary_security
+from daskgen.security import TLSFiles, cluster_tls, temporary_security
 
 
 def _local_workers(s: ClusterSpec, gpus: int) -> tuple[int, int]:
@@ -61,9 +60,12 @@ def _keep_glibc_malloc_defaults() -> None:
 def _make_local_cluster(s: ClusterSpec) -> tuple[Any, ClusterInfo]:
     from distributed import LocalCluster
 
+    from daskgen.deploy import scheduler_process as own
+
     gpus = count_visible_gpus()
     n, per_worker = _local_workers(s, gpus)
-    if gpus and (s.get("min_workers") is not None or s.get("max_workers") is not None):
+    elastic = s.get("min_workers") is not None or s.get("max_workers") is not None
+    if gpus and elastic:
         raise ConfigError("min_workers/max_workers (adaptive scaling) are not supported on a local GPU machine")
     threads = s.get("threads_per_worker", DEFAULT_THREADS_PER_WORKER if gpus else 2)
     # Read by each Nanny whenever it (re)starts a worker process, so it must stay set globally.
@@ -89,7 +91,6 @@ def _make_local_cluster(s: ClusterSpec) -> tuple[Any, ClusterInfo]:
         if s.get(key) is not None:
             kwargs[key] = s.get(key)
     lo, hi = n, n
-    elastic = s.get("min_workers") is not None or s.get("max_workers") is not None
     if elastic:  # checked and declared before the cluster starts (a scheduler process takes the config it starts with)
         lo, hi = s.get("min_workers", 0), s.get("max_workers", max(n, s.get("min_workers", 0)))
         if hi < max(lo, 1):
@@ -103,16 +104,10 @@ def _make_local_cluster(s: ClusterSpec) -> tuple[Any, ClusterInfo]:
         kwargs["security"] = files.security
     elif tls:
         kwargs["security"] = temporary_security()  # in memory: the nannies pass it to their workers
-    cls = LocalCluster
-    if own_scheduler:
-        from daskgen.deploy.scheduler_process import local_cluster_class
-
-        cls = type("LocalCluster", (RemoveTLSFilesOnClose, local_cluster_class()), {"__module__": __name__})
-    cluster = cls(**kwargs)
-    if files is not None:
-        cluster.tls_files = files
+    cluster = (own.LocalClusterOwnScheduler if own_scheduler else LocalCluster)(**kwargs)
+    cluster.tls_files = files
     if elastic:
         cluster.adapt(minimum=lo, maximum=hi)
-    notes = (("TLS with a per-run certificate",) if tls else ()) + _scheduler_notes(cluster) + _ignored_notes(s)
+    notes = (("TLS with a per-run certificate",) if tls else ()) + own.notes(cluster) + _ignored_notes(s)
     info = ClusterInfo("local", n, threads, per_worker, lo, hi, elastic, None, notes, _dashboard(cluster))
     return cluster, info

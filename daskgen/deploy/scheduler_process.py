@@ -1,10 +1,10 @@
 """The Dask scheduler in a process of its own, started and stopped with the cluster.
 
 ``LocalCluster`` and dask-jobqueue run the scheduler inside the client process, so one core carries
-both daskgen's client loop and every scheduler transition, message and nanny monitor.  Measured
-(``benchmarks/scaleout.py --part client``, benchmarks/README.md): 4.4-5.8 ms of the client process's CPU
-per 64-prompt partition with the scheduler inside it, 2.4-3.0 ms with the scheduler in a process of
-its own — the difference between ~11,000 and over 20,000 prompts/s per client core.
+both daskgen's client loop and every scheduler transition and message.  Measured (benchmarks/README.md,
+record "Scale-out ... 2026-11-23 12:14"): 5.98-7.52 ms of the client process's CPU per 64-prompt
+partition with scheduler and nannies inside it (LocalCluster), 2.81-3.92 ms on daskgen's SLURM cluster
+with the scheduler in a process of its own.
 
 :class:`SchedulerProcess` is a :class:`distributed.deploy.spec.ProcessInterface`: a ``SpecCluster``
 (dask-jobqueue's ``scheduler_cls``, or :class:`LocalClusterOwnScheduler`) starts it, connects to its
@@ -39,7 +39,10 @@ from pathlib import Path
 from typing import Any
 
 import dask
+from distributed import LocalCluster
 from distributed.deploy.spec import ProcessInterface
+
+from daskgen.security import RemoveTLSFilesOnClose, tls_files_for
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +55,7 @@ PARENT_CHECK_S = 1.0
 
 
 class SchedulerProcess(ProcessInterface):
-    """``dask scheduler`` in a subprocess, with the options a ``SpecCluster`` gives its scheduler.
+    """A ``distributed.Scheduler`` in a child process, with the options a ``SpecCluster`` gives its scheduler.
 
     Parameters
     ----------
@@ -61,9 +64,8 @@ class SchedulerProcess(ProcessInterface):
     dashboard:
         ``False`` starts no dashboard.
     security:
-        A :class:`distributed.security.Security` naming **files** (``tls_ca_file``,
-        ``tls_scheduler_cert``, ``tls_scheduler_key``), or ``None``.  In-memory certificates cannot be
-        handed to another process: use :class:`daskgen.security.TLSFiles`.
+        A :class:`distributed.security.Security` naming **files** for the scheduler role, or ``None``.
+        In-memory certificates cannot be handed to another process: use :class:`daskgen.security.TLSFiles`.
     **options:
         Other ``Scheduler`` options clusters pass; ``services``, ``service_kwargs`` and
         ``blocked_handlers`` must be empty, anything else is refused.
@@ -72,6 +74,8 @@ class SchedulerProcess(ProcessInterface):
     ------
     ValueError
         For options the scheduler process cannot take (objects that do not cross a process boundary).
+    ConfigError
+        For certificates held in memory.
     """
 
     def __init__(self, host: str | None = None, port: int | str | None = 0, interface: str | None = None,
@@ -84,7 +88,8 @@ class SchedulerProcess(ProcessInterface):
         self.spec: dict[str, Any] = {
             "host": host, "port": int(port or 0), "interface": interface, "protocol": protocol,
             "dashboard": bool(dashboard and dashboard_address is not None), "dashboard_address": dashboard_address,
-            "security": _tls_files(security), "parent": os.getpid(),
+            "security": None if security is None else tls_files_for(security, "scheduler", "scheduler processes"),
+            "parent": os.getpid(),
         }
         self.process: asyncio.subprocess.Process | None = None
         self.directory: Path | None = None
@@ -160,36 +165,22 @@ class SchedulerProcess(ProcessInterface):
         await super().close()
 
 
-def _tls_files(security: Any) -> dict[str, str] | None:
-    """The certificate files of ``security`` for the scheduler process (``None`` without TLS)."""
-    if security is None:
-        return None
-    files = {"tls_ca_file": security.tls_ca_file, "tls_scheduler_cert": security.tls_scheduler_cert,
-             "tls_scheduler_key": security.tls_scheduler_key}
-    if not any(files.values()):
-        return None
-    in_memory = [key for key, value in files.items() if value and "-----BEGIN" in str(value)]
-    missing = [key for key, value in files.items() if not value]
-    if in_memory or missing:
-        raise ValueError("the scheduler process needs its TLS certificate and key in files "
-                         f"(in memory: {in_memory or 'none'}, missing: {missing or 'none'}); "
-                         "write them with daskgen.security.TLSFiles")
-    return {key: str(value) for key, value in files.items()}
+class LocalClusterOwnScheduler(RemoveTLSFilesOnClose, LocalCluster):
+    """A ``LocalCluster`` whose scheduler is a :class:`SchedulerProcess` (workers unchanged); it deletes the
+    run's certificate files (``tls_files``) when it closes."""
+
+    async def _start(self) -> None:
+        if self.scheduler is None:
+            self.scheduler_spec = {"cls": SchedulerProcess, "options": dict(self.scheduler_spec["options"])}
+        await super()._start()
 
 
-def local_cluster_class() -> type:
-    """``distributed.LocalCluster`` whose scheduler is a :class:`SchedulerProcess` (workers unchanged)."""
-    from distributed import LocalCluster
-
-    class LocalClusterOwnScheduler(LocalCluster):
-        """A LocalCluster whose scheduler runs in a process of its own."""
-
-        async def _start(self) -> None:
-            if self.scheduler is None and self.scheduler_spec.get("cls") is not SchedulerProcess:
-                self.scheduler_spec = {"cls": SchedulerProcess, "options": dict(self.scheduler_spec["options"])}
-            await super()._start()
-
-    return LocalClusterOwnScheduler
+def notes(cluster: Any) -> tuple[str, ...]:
+    """For the cluster line of a run's log: where the scheduler runs, when not inside the client."""
+    scheduler = getattr(cluster, "scheduler", None)
+    if not isinstance(scheduler, SchedulerProcess) or scheduler.process is None:
+        return ()
+    return (f"scheduler in process {scheduler.process.pid} (log {scheduler.log_path})",)
 
 
 # --------------------------------------------------------------------------- the scheduler process itself
@@ -224,7 +215,9 @@ async def _serve(spec: dict[str, Any]) -> None:
 
     spec = dict(spec)
     parent, files = spec.pop("parent"), spec.pop("security")
-    security = Security(require_encryption=True, **files) if files else None
+    security = None if files is None else Security(
+        require_encryption=True, tls_ca_file=files["ca_file"], tls_scheduler_cert=files["cert"],
+        tls_scheduler_key=files["key"])
     async with Scheduler(security=security, **spec) as scheduler:
         while True:
             try:

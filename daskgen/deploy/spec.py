@@ -263,14 +263,6 @@ def _dashboard(cluster: Any) -> str | None:
         return None
 
 
-def _scheduler_notes(cluster: Any) -> tuple[str, ...]:
-    """Where the scheduler runs, when not inside the client (its pid and log file)."""
-    process = getattr(getattr(cluster, "scheduler", None), "process", None)
-    if process is None:
-        return ()
-    return (f"scheduler in process {process.pid} (log {cluster.scheduler.log_path})",)
-
-
 def _ignored_notes(s: ClusterSpec) -> tuple[str, ...]:
     ignored = sorted(k for k in s.values if s.kind not in CLUSTER_KEYS[k][0])
     return (f"ignored for kind {s.kind}: {', '.join(ignored)}",) if ignored else ()
