@@ -8,6 +8,10 @@
   per task with the ``daskgen-engine`` resource and a loose worker restriction, a window per
   worker, results through ``as_completed(with_results=True)``, each future released), at the
   rate the daskgen run reached.  What daskgen costs above that floor is its own.
+* :func:`instant_partitions` swaps the partition task of the client's runner for a stand-in that hands
+  back a finished partition's result at once (nothing generated, nothing written), so daskgen's
+  client runs as fast as the cluster takes partitions: its CPU per partition there is the client's
+  cost near saturation, which the real engines of this 2-core machine never reach.
 
 Like ``_bench``, this module is pickled by value, so workers need not import ``benchmarks``.
 """
@@ -158,6 +162,27 @@ async def _trivial_partition(start: int, rows: list[int], seconds: float) -> dic
     """A stand-in partition: waits ``seconds`` (the engine), returns a result of a partition's size."""
     await asyncio.sleep(seconds)
     return {"start": start, "stop": start + len(rows), "rows": rows, "failed": {}, "aborted": [], "tokens": 0}
+
+
+async def _instant_partition(task: Any) -> Any:
+    """Benchmark stand-in for ``daskgen.partition.run_partition``: the result of a partition whose rows all
+    finished (8 tokens per sample), handed back at once without generating or writing anything."""
+    from daskgen.partition import PartitionResult
+
+    return PartitionResult(task.start, task.stop, list(task.rows), response_tokens=8 * task.n_samples * len(task.rows))
+
+
+@contextlib.contextmanager
+def instant_partitions() -> Iterator[None]:
+    """While inside, daskgen runs started in this process submit :func:`_instant_partition` as their
+    partition task (the client's own work — building, submitting, collecting, committing — is unchanged)."""
+    import daskgen.runner as runner
+
+    saved, runner.run_partition = runner.run_partition, _instant_partition
+    try:
+        yield
+    finally:
+        runner.run_partition = saved
 
 
 def dask_floor(client: Any, n_tasks: int, window: int, rate: float | None, partition_size: int,

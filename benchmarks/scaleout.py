@@ -47,6 +47,7 @@ threads (Zarr's I/O loop and pools writing the commits, Dask's offload thread). 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -160,17 +161,26 @@ def part_longtail(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list
     return results
 
 
-def client_run(a: argparse.Namespace, work: Path, w: int, scheduler: str) -> dict[str, Any]:
-    """One client-part run with ``w`` workers; ``scheduler`` ``in-process`` (a LocalCluster made by
-    daskgen: scheduler and nannies in this process) or ``separate`` (``dask scheduler`` and ``dask
-    worker`` processes, daskgen connects with ``scheduler_address``)."""
-    config = RunConfig(model="simulated-client", engine="simulated", store=str(work / f"cl-{scheduler}-{w}.zarr"),
+def client_run(a: argparse.Namespace, work: Path, w: int, scheduler: str, instant: bool = False) -> dict[str, Any]:
+    """One client-part run with ``w`` workers in the layout ``scheduler`` (:data:`WHERE`).
+
+    ``instant``: the full-speed run — partition tasks are :func:`_client_cost.instant_partitions`'
+    stand-in, ``--full-speed-prompts`` prompts, no floor."""
+    name = f"cl-{scheduler}-{w}{'-instant' if instant else ''}.zarr"
+    config = RunConfig(model="simulated-client", engine="simulated", store=str(work / name),
                        engine_args={"time_scale": 0.0, "length_dist": "fixed", "length_mean": 8},
                        n_samples=a.n_samples, max_new_tokens=16, max_prompt_tokens=64, temperature=1.0, seed=0,
                        partition_size=a.partition_size, n_workers=w, window=a.client_window, progress=False)
-    prompts = [f"q{i}" for i in range(a.client_prompts)]
+    prompts = [f"q{i}" for i in range(a.full_speed_prompts if instant else a.client_prompts)]
+    with _client_cost.instant_partitions() if instant else contextlib.nullcontext():
+        return _client_run_in(a, work, w, scheduler, config, prompts, floor=a.floor and not instant)
+
+
+def _client_run_in(a: argparse.Namespace, work: Path, w: int, scheduler: str, config: RunConfig,
+                   prompts: list[str], floor: bool) -> dict[str, Any]:
+    """:func:`run_measured` of ``config`` on the cluster layout ``scheduler``."""
     if scheduler == "in-process":
-        return run_measured(config, prompts, floor=a.floor)
+        return run_measured(config, prompts, floor=floor)
     if scheduler == "process":
         config.cluster = {"kind": "local", "scheduler_process": True}
     if scheduler == "slurm":  # daskgen's defaults for batch clusters: TLS, scheduler_process
@@ -180,10 +190,10 @@ def client_run(a: argparse.Namespace, work: Path, w: int, scheduler: str) -> dic
                           "tls_directory": str(work / "tls")}
     if config.cluster:
         with _client_cost.importable_here():
-            return run_measured(config, prompts, floor=a.floor, own_scheduler=True)
+            return run_measured(config, prompts, floor=floor, own_scheduler=True)
     with _client_cost.separate_scheduler(w, a.client_window + 1, work) as (address, procs):
         config.scheduler_address = address
-        return run_measured(config, prompts, procs, floor=a.floor)
+        return run_measured(config, prompts, procs, floor=floor)
 
 
 def part_client(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list[dict[str, Any]]:
@@ -194,7 +204,12 @@ def part_client(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list[d
              "trivial async tasks submitted like partitions (resource, loose worker restriction, the same "
              "window, results through `as_completed`, released) on the same cluster right after the run, at "
              "the run's partitions/s; client CPU per task. Idle share: the client process's CPU with engines "
-             "ready and nothing submitted (2 s before the run).")
+             "ready and nothing submitted (2 s before the run)." + (
+                 f" \"Full speed\": the same run on {a.full_speed_prompts:,} prompts with each partition task replaced "
+                 "by a stand-in that returns a finished partition's result at once (nothing generated or written; "
+                 "`_client_cost.instant_partitions`), so partitions flow as fast as the cluster takes them and "
+                 "the client's own work per partition (build, submit, collect, commit) is measured near "
+                 "saturation." if a.full_speed else ""))
     for scheduler in a.schedulers:
         rows = []
         for w in a.worker_counts:
@@ -215,6 +230,13 @@ def part_client(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list[d
                 row += [r["procs"][k] / r["partitions"] * 1000 for k in OTHER_PROCESSES[scheduler]]
                 if a.floor:
                     row += [r[k]["scheduler"] / r[k]["tasks"] * 1000 for k in ("floor", "fast")]
+            if a.full_speed:
+                fs = client_run(a, work, w, scheduler, instant=True)
+                fs["workers"], fs["scheduler"], r["full_speed"] = w, scheduler, fs
+                fs_pp = fs["client_cpu"] / fs["partitions"]
+                row += [fs["partitions"] / fs["wall"], fs["client_cpu"] / fs["wall"], fs_pp * 1000,
+                        a.partition_size / fs_pp]
+                row += [fs["procs"][k] / fs["partitions"] * 1000 for k in OTHER_PROCESSES.get(scheduler, {})]
             rows.append(row)
         header = ["workers", "partitions", "wall s", "prompts/s", "partitions/s", "client CPU share of a core",
                   "client CPU ms per partition", "prompts/s at one full client core",
@@ -226,6 +248,11 @@ def part_client(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list[d
         if scheduler != "in-process":
             header += [f"{label} process CPU ms per partition" for label in OTHER_PROCESSES[scheduler].values()]
             header += ["Dask floor: scheduler CPU ms per trivial task", "... at full speed"] if a.floor else []
+        if a.full_speed:
+            header += ["full speed: partitions/s", "full speed: client CPU share of a core",
+                       "full speed: client CPU ms per partition", "full speed: prompts/s per client core"]
+            header += [f"full speed: {label} CPU ms per partition"
+                       for label in OTHER_PROCESSES.get(scheduler, {}).values()]
         rec.table(header, rows, caption=f"Scheduler {scheduler}: {WHERE[scheduler]}.")
     return results
 
@@ -267,6 +294,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="client part, comma-separated: in-process (LocalCluster in the client process), process "
                         "(LocalCluster with cluster.scheduler_process), slurm (daskgen's SLURM cluster on a local "
                         "SLURM), separate (`dask scheduler` + `dask worker` processes)")
+    p.add_argument("--full-speed", action=argparse.BooleanOptionalAction, default=True,
+                   help="client part: also run each layout with instant stand-in partition tasks (client near "
+                        "saturation)")
+    p.add_argument("--full-speed-prompts", type=int, default=65536, help="prompts of each full-speed run")
     p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
                    help="client part: also measure Dask's own floor (trivial tasks) and the idle CPU share")
     p.add_argument("--commit-rows", type=int, default=1_000_000)
@@ -289,9 +320,11 @@ def part_client_and_commit(a: argparse.Namespace, work: Path, rec: _bench.Record
              f"of `committed_at`; the runner commits at most once per `daskgen.commit-interval`, so this "
              f"is a cost per commit, not per partition).")
     for scheduler in a.schedulers:
-        worst = max(r["client_cpu"] / r["partitions"] for r in client if r["scheduler"] == scheduler)
+        runs = [r.get("full_speed", r) for r in client if r["scheduler"] == scheduler]
+        worst = max(r["client_cpu"] / r["partitions"] for r in runs)
+        how = "at full speed" if a.full_speed else "at the engines' rate"
         rec.note(f"**Client saturation estimate, scheduler {scheduler}: one client core per {worst * 1000:.1f} ms "
-                 f"per partition (worst worker count) → about {a.partition_size / worst:,.0f} prompts/s "
+                 f"per partition ({how}, worst worker count) → about {a.partition_size / worst:,.0f} prompts/s "
                  f"({1 / worst:.0f} partitions/s) with partitions of {a.partition_size}.**")
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class WindowBoard:
     Workers announce their window on :data:`WINDOW_TOPIC` whenever it changes; the client keeps the
     sum of the announced windows submitted.  :meth:`refresh` re-reads every worker's advertised
     resource from the scheduler (workers that joined or left).  ``changed`` is set by each
-    announcement so that a waiting client submits at once.
+    announcement, and ``on_change`` (if set) called, so that a waiting client submits at once.
     """
 
     def __init__(self, client: object, resource: str) -> None:
@@ -98,12 +99,15 @@ class WindowBoard:
         self.assigned: dict[object, str] = {}  # future -> the worker it was sent to
         self.load: dict[str, int] = {}  # worker -> partitions sent to it and not collected yet
         self.changed = threading.Event()
+        self.on_change: Callable[[], None] | None = None
         client.subscribe_topic(WINDOW_TOPIC, self._on_event)  # type: ignore[attr-defined]
 
     def _on_event(self, event: tuple[float, dict]) -> None:
         _, msg = event
         self.windows[msg["worker"]] = int(msg["window"])
         self.changed.set()
+        if self.on_change is not None:
+            self.on_change()
 
     def refresh(self) -> None:
         """Re-read every worker's advertised amount from the scheduler."""

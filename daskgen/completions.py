@@ -1,7 +1,9 @@
 """Finished partitions as they finish: ``as_completed`` with results fetched in the background.
 
-While it waits, the runner's housekeeping runs: the store lock's heartbeat, the deadline check,
-and every 30 s a check that some engine can still take work.  ``as_completed(with_results=True)``
+While it waits, the runner's housekeeping runs every :data:`WAIT_S`: the store lock's heartbeat, the
+deadline and signal checks, and every 30 s a check that some engine can still take work.  The wait
+itself sleeps on a condition: a finished result, or :meth:`Completions.wake` (a worker announced a
+larger window), ends it at once, so the client idles instead of polling.  ``as_completed(with_results=True)``
 fetches each result in the client's event loop as soon as its task finishes, so the runner never
 pays one worker round trip per partition; a fetch that fails there (a worker lost while its result
 was being fetched, then a failed recomputation) would leave the future undelivered for ever, so
@@ -16,8 +18,11 @@ from typing import Any
 
 from daskgen import tunables
 
-#: Longest sleep between housekeeping rounds while nothing finishes.
-WAIT_S = 0.02
+#: Longest sleep between housekeeping rounds while nothing finishes (also how late a signal,
+#: the deadline or the end of the grace period may be noticed).  Results and :meth:`Completions.wake`
+#: end a sleep at once, so this costs no latency; polling every 20 ms cost the client about 9 ms of
+#: CPU per second of waiting (benchmarks/README.md, "Update, seventh session").
+WAIT_S = 0.2
 # Tunables (Dask config, daskgen/daskgen.yaml): daskgen.engine-check-interval (checks that some engine
 # can still take work), daskgen.undelivered-after (a future finished this long ago but not delivered
 # by ``as_completed`` is fetched directly) and daskgen.fetch-timeout (how long that fetch may take).
@@ -46,6 +51,16 @@ class Completions:
         self._finished_at: dict[Any, float] = {}
         self._check_every = tunables.seconds("engine-check-interval")
         self._undelivered_after = tunables.seconds("undelivered-after")
+        self._woken = False
+
+    def wake(self) -> None:
+        """End the current wait now (thread-safe; e.g. a worker admits more partitions)."""
+        wake = getattr(self._ac, "thread_condition", None)
+        if wake is None:
+            return
+        with wake:
+            self._woken = True
+            wake.notify_all()
 
     def add(self, future: Any) -> None:
         """Track a submitted future."""
@@ -58,16 +73,13 @@ class Completions:
         exception.  Returns ``[]`` after ``max_wait_s`` without any (the caller may submit more).
         ``outstanding`` are the futures the caller still waits for (to find undelivered ones).
         """
-        start = time.monotonic()
+        until = time.monotonic() + max_wait_s
         wake = getattr(self._ac, "thread_condition", None)  # notified when a result is queued
         while not self._ac.has_ready():
-            if time.monotonic() - start > max_wait_s:
+            left = until - time.monotonic()
+            if left <= 0:
                 return self._undelivered(outstanding)
-            if wake is None:
-                time.sleep(WAIT_S)
-            else:
-                with wake:
-                    wake.wait(WAIT_S)
+            self._sleep(wake, min(WAIT_S, left))
             if self._on_wait is not None and self._on_wait():
                 return []  # the caller has something to do now (e.g. a stop began)
             if self._check_engines is not None and time.monotonic() - self._checked > self._check_every:
@@ -77,6 +89,16 @@ class Completions:
         for future, _ in ready:
             self._finished_at.pop(future, None)
         return ready
+
+    def _sleep(self, wake: Any, seconds: float) -> None:
+        """Sleep up to ``seconds``, less when a result is queued or :meth:`wake` is called."""
+        if wake is None:
+            time.sleep(min(seconds, 0.02))  # no condition to wait on: poll
+            return
+        with wake:  # checked under the lock: a result queued after this check notifies the wait
+            if not self._woken and not self._ac.has_ready():
+                wake.wait(seconds)
+            self._woken = False
 
     def _undelivered(self, outstanding: Iterable[Any]) -> list[tuple[Any, Any]]:
         """Futures finished more than ``daskgen.undelivered-after`` ago that ``as_completed`` never delivered."""

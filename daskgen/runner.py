@@ -192,6 +192,7 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
     retry: list[PartitionTask] = []
     done = Completions(on_wait=lambda: housekeeping(client, plan, tasks, retry) or board.changed.is_set(),
                        check_engines=lambda: check_engines(client, plan.config))
+    board.on_change = done.wake  # a worker admitting more ends the wait at once
     futures: dict[Any, PartitionTask] = {}
     generated = tokens = 0
     refreshed, refresh_every = time.monotonic(), tunables.seconds("cap-refresh-interval")

@@ -85,7 +85,7 @@ def test_scaleout(tmp_path):
     out, _ = run_script("scaleout.py", tmp_path, "--workers", "1,2", "--prompts-per-worker", "16", "--n-samples",
                         "2", "--max-batch", "16", "--length-mean", "16", "--max-new-tokens", "64", "--time-scale",
                         "0.002", "--partition-size", "8", "--client-prompts", "128", "--commit-rows", "10000",
-                        "--commit-samples", "5")
+                        "--commit-samples", "5", "--full-speed-prompts", "256")
     assert "scaling efficiency" in out and "Client saturation estimate" in out
     # the client part ran with the scheduler in the client process, in daskgen's scheduler process and in
     # processes started by hand, each with Dask's own floor (trivial tasks) measured on the same cluster
@@ -93,6 +93,8 @@ def test_scaleout(tmp_path):
     assert out.count("Dask floor: client CPU ms per trivial task") == 3
     assert out.count("scheduler process CPU ms per partition") == 2 and "| nanny process CPU ms per partition" in out
     assert out.count("Dask floor at full speed: client CPU ms per task") == 3
+    # and each layout again with instant stand-in partitions: the client near saturation
+    assert out.count("full speed: client CPU ms per partition") == 3 and out.count("(at full speed,") == 3
 
 
 @pytest.mark.timeout(240)

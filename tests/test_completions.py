@@ -61,3 +61,53 @@ def test_a_finished_future_never_delivered_is_fetched_directly(client, monkeypat
     lost.result()
     assert done.wait([lost], 0.05) == []  # first seen finished now
     assert done.wait([lost], 0.05) == [(lost, 5)]
+
+
+@pytest.mark.timeout(60)
+def test_a_result_ends_the_wait_at_once_without_polling(client, monkeypatch):
+    """The wait sleeps on as_completed's condition: a housekeeping period far longer than the task does
+    not delay the result, and a wait with nothing finishing runs housekeeping once per period, not in a loop."""
+    import daskgen.completions as completions
+
+    monkeypatch.setattr(completions, "WAIT_S", 30.0)
+    ticks = []
+    done = Completions(on_wait=lambda: ticks.append(1))
+    fut = client.submit(time.sleep, 0.2, pure=False)
+    done.add(fut)
+    t0 = time.monotonic()
+    assert done.wait([fut], 25) == [(fut, None)]
+    assert time.monotonic() - t0 < 20, "the result must end the sleep, not the 30 s housekeeping period"
+    monkeypatch.setattr(completions, "WAIT_S", 0.2)
+    slow = client.submit(time.sleep, 5, pure=False)
+    done.add(slow)
+    ticks.clear()
+    assert done.wait([slow], 1.0) == []
+    assert 1 <= len(ticks) <= 10, f"housekeeping ran {len(ticks)} times in a 1 s wait (every 0.2 s expected)"
+
+
+@pytest.mark.timeout(60)
+def test_wake_and_a_window_announcement_end_the_wait(client, monkeypatch):
+    """A worker announcing a larger window must not wait for the next housekeeping round: the board calls
+    ``on_change`` (the runner's ``Completions.wake``) from the client's event loop."""
+    import threading
+
+    import daskgen.completions as completions
+    from daskgen.admission import WINDOW_TOPIC, WindowBoard
+
+    monkeypatch.setattr(completions, "WAIT_S", 30.0)
+    board = WindowBoard(client, "daskgen-engine")
+    done = Completions(on_wait=board.changed.is_set)
+    board.on_change = done.wake
+    slow = client.submit(time.sleep, 20, pure=False)
+    done.add(slow)
+    timer = threading.Timer(0.3, client.log_event, (WINDOW_TOPIC, {"worker": "tcp://elsewhere:1", "window": 3}))
+    timer.start()
+    try:
+        t0 = time.monotonic()
+        assert done.wait([slow], 25) == []
+        assert time.monotonic() - t0 < 15, "the announcement must end the wait, not the 30 s period"
+        assert board.windows["tcp://elsewhere:1"] == 3
+    finally:
+        timer.cancel()
+        board.close()
+        slow.cancel()
