@@ -167,31 +167,33 @@ def client_run(a: argparse.Namespace, work: Path, w: int, scheduler: str, instan
     ``instant``: the full-speed run — partition tasks are :func:`_client_cost.instant_partitions`'
     stand-in, ``--full-speed-prompts`` prompts, no floor."""
     name = f"cl-{scheduler}-{w}{'-instant' if instant else ''}.zarr"
+    window = a.full_speed_window if instant else a.client_window
     config = RunConfig(model="simulated-client", engine="simulated", store=str(work / name),
                        engine_args={"time_scale": 0.0, "length_dist": "fixed", "length_mean": 8},
                        n_samples=a.n_samples, max_new_tokens=16, max_prompt_tokens=64, temperature=1.0, seed=0,
-                       partition_size=a.partition_size, n_workers=w, window=a.client_window, progress=False)
+                       partition_size=a.partition_size, n_workers=w, window=window, progress=False)
     prompts = [f"q{i}" for i in range(a.full_speed_prompts if instant else a.client_prompts)]
     with _client_cost.instant_partitions() if instant else contextlib.nullcontext():
-        return _client_run_in(a, work, w, scheduler, config, prompts, floor=a.floor and not instant)
+        return _client_run_in(work, w, scheduler, config, prompts, floor=a.floor and not instant)
 
 
-def _client_run_in(a: argparse.Namespace, work: Path, w: int, scheduler: str, config: RunConfig,
-                   prompts: list[str], floor: bool) -> dict[str, Any]:
-    """:func:`run_measured` of ``config`` on the cluster layout ``scheduler``."""
+def _client_run_in(work: Path, w: int, scheduler: str, config: RunConfig, prompts: list[str],
+                   floor: bool) -> dict[str, Any]:
+    """:func:`run_measured` of ``config`` on the cluster layout ``scheduler`` (``config.window`` + 1 threads
+    per worker)."""
     if scheduler == "in-process":
         return run_measured(config, prompts, floor=floor)
     if scheduler == "process":
         config.cluster = {"kind": "local", "scheduler_process": True}
     if scheduler == "slurm":  # daskgen's defaults for batch clusters: TLS, scheduler_process
         config.cluster = {"kind": "slurm", "workers_per_node": w, "cores": 2, "memory": "4GB", "walltime": "00:30:00",
-                          "threads_per_worker": a.client_window + 1, "dashboard_address": ":0",
+                          "threads_per_worker": int(config.window) + 1, "dashboard_address": ":0",
                           "log_directory": str(work / "slurm-logs"), "python": sys.executable,
                           "tls_directory": str(work / "tls")}
     if config.cluster:
         with _client_cost.importable_here():
             return run_measured(config, prompts, floor=floor, own_scheduler=True)
-    with _client_cost.separate_scheduler(w, a.client_window + 1, work) as (address, procs):
+    with _client_cost.separate_scheduler(w, int(config.window) + 1, work) as (address, procs):
         config.scheduler_address = address
         return run_measured(config, prompts, procs, floor=floor)
 
@@ -205,7 +207,8 @@ def part_client(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list[d
              "window, results through `as_completed`, released) on the same cluster right after the run, at "
              "the run's partitions/s; client CPU per task. Idle share: the client process's CPU with engines "
              "ready and nothing submitted (2 s before the run)." + (
-                 f" \"Full speed\": the same run on {a.full_speed_prompts:,} prompts with each partition task replaced "
+                 f" \"Full speed\": the same run on {a.full_speed_prompts:,} prompts, window {a.full_speed_window} per "
+                 "worker, with each partition task replaced "
                  "by a stand-in that returns a finished partition's result at once (nothing generated or written; "
                  "`_client_cost.instant_partitions`), so partitions flow as fast as the cluster takes them and "
                  "the client's own work per partition (build, submit, collect, commit) is measured near "
@@ -298,6 +301,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="client part: also run each layout with instant stand-in partition tasks (client near "
                         "saturation)")
     p.add_argument("--full-speed-prompts", type=int, default=65536, help="prompts of each full-speed run")
+    p.add_argument("--full-speed-window", type=int, default=8,
+                   help="partitions per worker in the full-speed runs (8: where window auto starts for this run's "
+                        "engine, 8 x 256 batch slots / 256 requests per partition)")
     p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
                    help="client part: also measure Dask's own floor (trivial tasks) and the idle CPU share")
     p.add_argument("--commit-rows", type=int, default=1_000_000)

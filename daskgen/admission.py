@@ -96,7 +96,7 @@ class WindowBoard:
 
         self.client, self.resource = client, resource
         self.windows: dict[str, int] = {}
-        self.assigned: dict[object, str] = {}  # future -> the worker it was sent to
+        self.assigned: dict[str, str] = {}  # task key -> the worker it was sent to
         self.load: dict[str, int] = {}  # worker -> partitions sent to it and not collected yet
         self.changed = threading.Event()
         self.on_change: Callable[[], None] | None = None
@@ -126,15 +126,15 @@ class WindowBoard:
                 best, free = worker, window - self.load.get(worker, 0)
         return best
 
-    def assign(self, future: object, worker: str | None) -> None:
-        """Record that ``future`` was sent to ``worker`` (``None``: anywhere)."""
+    def assign(self, key: str, worker: str | None) -> None:
+        """Record that the task ``key`` goes to ``worker`` (``None``: anywhere); it takes a slot at once."""
         if worker is not None:
-            self.assigned[future] = worker
+            self.assigned[key] = worker
             self.load[worker] = self.load.get(worker, 0) + 1
 
-    def release(self, future: object) -> None:
-        """``future`` was collected: its worker has a slot again."""
-        worker = self.assigned.pop(future, None)
+    def release(self, key: str) -> None:
+        """The task ``key`` was collected: its worker has a slot again."""
+        worker = self.assigned.pop(key, None)
         if worker is not None:
             self.load[worker] -= 1
 

@@ -227,18 +227,27 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
 def _submit_up_to(client: Any, plan: Plan, cap: int, tasks: Iterator[PartitionTask], retry: list,
                   futures: dict[Any, PartitionTask], done: Completions, board: WindowBoard) -> None:
     """Submit partitions (retries first) to the workers with free admitted slots, at most ``cap`` in
-    flight; beyond the workers' slots (an adaptive cluster scaling up) to any worker."""
-    while len(futures) < cap:
+    flight; beyond the workers' slots (an adaptive cluster scaling up) to any worker.  The partitions
+    bound for one worker go in one ``Client.map``: one graph update for the scheduler, not one each."""
+    batches: dict[tuple[str | None, bool], list[tuple[str, PartitionTask]]] = {}
+    in_flight = len(futures)
+    while in_flight < cap:
         worker = board.pick()
-        if worker is None and len(futures) >= max(1, board.total()):  # one always goes: the run must not end
-            return  # while no worker admits anything (every worker draining, a replacement job starting)
+        if worker is None and in_flight >= max(1, board.total()):  # one always goes: the run must not end
+            break  # while no worker admits anything (every worker draining, a replacement job starting)
         task = None if plan.stopped else retry.pop() if retry else next(tasks, None)
         if task is None:
-            return
-        fut = _submit(client, task, plan.config.max_retries, worker)
-        board.assign(fut, worker)
-        futures[fut] = task
-        done.add(fut)
+            break
+        key = _task_key(task)
+        board.assign(key, worker)
+        batches.setdefault((worker, task.isolate), []).append((key, task))
+        in_flight += 1
+    for (worker, isolate), group in batches.items():
+        keys, group_tasks = [k for k, _ in group], [t for _, t in group]
+        for fut, task in zip(_submit(client, keys, group_tasks, 0 if isolate else plan.config.max_retries, worker),
+                             group_tasks, strict=True):
+            futures[fut] = task
+            done.add(fut)
 
 
 def _collect_ready(plan: Plan, done: Completions, futures: dict[Any, PartitionTask], retry: list,
@@ -254,7 +263,7 @@ def _collect_ready(plan: Plan, done: Completions, futures: dict[Any, PartitionTa
             task = futures.pop(fut, None)
             if task is None:  # delivered late after being fetched directly
                 continue
-            board.release(fut)
+            board.release(fut.key)
             result = _collect(fut, value, task)
             fut.release()
             if result is None:  # retried enough as a whole: retry its rows one by one
@@ -331,12 +340,17 @@ def _record_engine(client: Any, plan: Plan) -> None:
         store.update_attrs(plan.config.location(), engine=redact(described[0]))
 
 
-def _submit(client: Any, task: PartitionTask, retries: int, worker: str | None = None) -> Any:
-    """Submit one partition; to ``worker`` when given (loosely: elsewhere if that worker is gone)."""
-    mode = "isolated" if task.isolate else "partition"
+def _task_key(task: PartitionTask) -> str:
+    """A fresh Dask key for one attempt at ``task`` (its mode and first row, for the dashboard and logs)."""
+    return f"daskgen-{'isolated' if task.isolate else 'partition'}-{task.start}-{time.time_ns()}"
+
+
+def _submit(client: Any, keys: list[str], tasks: list[PartitionTask], retries: int,
+            worker: str | None = None) -> list[Any]:
+    """Submit partitions under ``keys`` in one graph; to ``worker`` when given (loosely: elsewhere if that
+    worker is gone)."""
     where = {} if worker is None else {"workers": [worker], "allow_other_workers": True}
-    return client.submit(run_partition, task, pure=False, retries=0 if task.isolate else retries,
-                         resources={RESOURCE: 1}, key=f"daskgen-{mode}-{task.start}-{time.time_ns()}", **where)
+    return client.map(run_partition, tasks, key=keys, pure=False, retries=retries, resources={RESOURCE: 1}, **where)
 
 
 def _collect(fut: Any, value: Any, task: PartitionTask) -> PartitionResult | None:

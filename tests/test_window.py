@@ -130,18 +130,23 @@ def test_one_partition_stays_submitted_when_no_worker_admits_any():
     Test double (labelled): a client whose ``submit`` only records; the real path runs in
     tests/test_slurm_e2e.py::test_slurm_worker_job_signalled_hands_back_its_partial_responses.
     """
+    import dataclasses
     import threading
 
     from daskgen.admission import WindowBoard
     from daskgen.runner import _submit_up_to
 
+    @dataclasses.dataclass(frozen=True)
+    class Recorded:
+        key: str
+
     class RecordingClient:
         def __init__(self):
             self.submitted = []
 
-        def submit(self, fn, task, **kwargs):
-            self.submitted.append((task, kwargs))
-            return object()
+        def map(self, fn, tasks, **kwargs):
+            self.submitted += [(task, kwargs) for task in tasks]
+            return [Recorded(key) for key in kwargs["key"]]
 
     board = WindowBoard.__new__(WindowBoard)
     board.windows, board.assigned, board.load, board.changed = {"tcp://a": 0}, {}, {}, threading.Event()
