@@ -32,6 +32,11 @@ trivial async tasks submitted the way daskgen submits partitions (one ``Client.s
 (messages are batched), so the floor is measured at the run's rate, and a client CPU per partition
 measured below saturation overstates the cost at saturation; "at full speed" is the same floor with
 tasks that return at once (as many per second as the cluster takes: near the client's saturation).
+With ``--full-speed`` (the default) each layout and worker count runs once more on ``--full-speed-prompts``
+prompts with the partition task swapped for an instant stand-in (``_client_cost.instant_partitions``: the
+result of a finished partition, nothing generated or written) and ``--full-speed-window`` partitions per
+worker: partitions then flow as fast as the cluster takes them, and the client's CPU per partition there is
+its cost near saturation — the saturation estimate uses it.
 "Idle share" is the client process's CPU share with engines ready and nothing submitted (2 s before
 the run).  The client CPU per partition is also split by thread (``/proc/self/task``): distributed's
 event loop (client comms, and in-process the scheduler and nannies), the main thread (daskgen's loop:
@@ -39,7 +44,7 @@ building, submitting and collecting tasks, committing; ``Client.submit`` runs he
 threads (Zarr's I/O loop and pools writing the commits, Dask's offload thread).  The commit itself
 (``store.commit`` of one partition) is timed on a store with ``--commit-rows`` rows.
 
-    python benchmarks/scaleout.py                  # ~4-5 minutes on 2 cores
+    python benchmarks/scaleout.py                  # ~8-10 minutes on 2 cores
     python benchmarks/scaleout.py --part client --scheduler separate --workers 2   # ~1 minute
     python benchmarks/scaleout.py --workers 1,2 --prompts-per-worker 64 --no-record
 """
