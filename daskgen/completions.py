@@ -20,8 +20,7 @@ from daskgen import tunables
 
 #: Longest sleep between housekeeping rounds while nothing finishes (also how late a signal,
 #: the deadline or the end of the grace period may be noticed).  Results and :meth:`Completions.wake`
-#: end a sleep at once, so this costs no latency; polling every 20 ms cost the client about 9 ms of
-#: CPU per second of waiting (benchmarks/README.md, "Update, seventh session").
+#: end a sleep at once, so a longer period costs no latency, only fewer idle wake-ups of the client.
 WAIT_S = 0.2
 # Tunables (Dask config, daskgen/daskgen.yaml): daskgen.engine-check-interval (checks that some engine
 # can still take work), daskgen.undelivered-after (a future finished this long ago but not delivered
