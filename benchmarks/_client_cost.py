@@ -4,8 +4,9 @@
   in one process, workers in their own) as subprocesses, so that the client process holds only
   the client; their CPU is read from ``/proc`` (psutil) and reported apart.
 * :func:`dask_floor` measures distributed's own cost per task on the cluster a daskgen run just
-  used: trivial async tasks submitted the way daskgen submits partitions (one ``Client.submit``
-  per task with the ``daskgen-engine`` resource and a loose worker restriction, a window per
+  used: trivial async tasks submitted much as daskgen submits partitions (one ``Client.submit``
+  per task — daskgen puts partitions freed together on one worker into one ``Client.map`` — with
+  the ``daskgen-engine`` resource and a loose worker restriction, a window per
   worker, results through ``as_completed(with_results=True)``, each future released), at the
   rate the daskgen run reached.  What daskgen costs above that floor is its own.
 * :func:`instant_partitions` swaps the partition task of the client's runner for a stand-in that hands

@@ -25,8 +25,9 @@ It runs twice (``--scheduler``):
   the nannies' CPU over the same span are reported in columns of their own.
 
 With ``--floor`` (the default) each run also gets Dask's own floor on the same cluster, right after it:
-trivial async tasks submitted the way daskgen submits partitions (one ``Client.submit`` each, the
-``daskgen-engine`` resource, a loose worker restriction, the same window, results through
+trivial async tasks submitted much as daskgen submits partitions (one ``Client.submit`` each, where daskgen
+puts partitions freed together on one worker into one ``Client.map``; the ``daskgen-engine`` resource, a
+loose worker restriction, the same window, results through
 ``as_completed``, futures released) at the run's partitions/s, and the client's CPU per task;
 "daskgen above the floor" is the difference.  The per-task cost of Dask falls as the rate rises
 (messages are batched), so the floor is measured at the run's rate, and a client CPU per partition
@@ -40,7 +41,7 @@ its cost near saturation — the saturation estimate uses it.
 "Idle share" is the client process's CPU share with engines ready and nothing submitted (2 s before
 the run).  The client CPU per partition is also split by thread (``/proc/self/task``): distributed's
 event loop (client comms, and in-process the scheduler and nannies), the main thread (daskgen's loop:
-building, submitting and collecting tasks, committing; ``Client.submit`` runs here) and the other
+building, submitting and collecting tasks, committing; ``Client.map`` runs here) and the other
 threads (Zarr's I/O loop and pools writing the commits, Dask's offload thread).  The commit itself
 (``store.commit`` of one partition) is timed on a store with ``--commit-rows`` rows.
 
