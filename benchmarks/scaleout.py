@@ -5,11 +5,12 @@ per worker process) with a fixed number of prompts *per worker* (weak scaling): 
 tokens per model second should grow with the workers; efficiency = throughput / (workers × one-worker
 throughput), and the ideal bound per run as in ``longtail.py``.
 
-Part ``client`` — where the client saturates.  The same runner with an *instant* engine and short outputs,
-so engines are never the limit: prompts/s at 1, 2, 4 workers, and the CPU seconds the client process
-spends per partition (``time.process_time`` of this process from engines ready to the last commit).
-``partition_size / CPU per partition`` is the rate at which the client process would fill one core.
-It runs twice (``--scheduler``):
+Part ``client`` — where the client saturates. The same runner with an *instant* engine and short outputs, so
+generating is never the limit (on 2 cores the workers' store writes are): prompts/s at 1, 2, 4 workers, and
+the CPU seconds the client process spends per partition (``time.process_time`` of this process from engines
+ready to the last commit). ``partition_size / CPU per partition`` is the rate at which the client process
+would fill one core.
+It runs in up to four layouts (``--scheduler``; ``slurm`` needs a running SLURM, so it is not in the default):
 
 * ``in-process`` — daskgen makes a LocalCluster, whose scheduler and nannies run in the client process
   (as with daskgen's default local cluster and dask-jobqueue clusters), so their CPU is included;

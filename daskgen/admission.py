@@ -87,25 +87,21 @@ class WindowBoard:
 
     Workers announce their window on :data:`WINDOW_TOPIC` whenever it changes; the client keeps the
     sum of the announced windows submitted.  :meth:`refresh` re-reads every worker's advertised
-    resource from the scheduler (workers that joined or left).  ``changed`` is set by each
-    announcement, and ``on_change`` (if set) called, so that a waiting client submits at once.
+    resource from the scheduler (workers that joined or left).  Each announcement calls ``on_change``
+    (from the client's event loop; the runner's :meth:`~daskgen.completions.Completions.wake`), so that a
+    waiting client submits at once.
     """
 
-    def __init__(self, client: object, resource: str) -> None:
-        import threading
-
-        self.client, self.resource = client, resource
+    def __init__(self, client: object, resource: str, on_change: Callable[[], None] | None = None) -> None:
+        self.client, self.resource, self.on_change = client, resource, on_change
         self.windows: dict[str, int] = {}
         self.assigned: dict[str, str] = {}  # task key -> the worker it was sent to
         self.load: dict[str, int] = {}  # worker -> partitions sent to it and not collected yet
-        self.changed = threading.Event()
-        self.on_change: Callable[[], None] | None = None
         client.subscribe_topic(WINDOW_TOPIC, self._on_event)  # type: ignore[attr-defined]
 
     def _on_event(self, event: tuple[float, dict]) -> None:
         _, msg = event
         self.windows[msg["worker"]] = int(msg["window"])
-        self.changed.set()
         if self.on_change is not None:
             self.on_change()
 
@@ -140,7 +136,6 @@ class WindowBoard:
 
     def total(self) -> int:
         """Partitions all workers admit together."""
-        self.changed.clear()
         return sum(self.windows.values())
 
     def close(self) -> None:

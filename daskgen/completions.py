@@ -53,13 +53,11 @@ class Completions:
         self._woken = False
 
     def wake(self) -> None:
-        """End the current wait now (thread-safe; e.g. a worker admits more partitions)."""
-        wake = getattr(self._ac, "thread_condition", None)
-        if wake is None:
-            return
-        with wake:
+        """End the current wait, or the next one if none is running, with ``[]`` (thread-safe; e.g. a
+        worker admits more partitions)."""
+        with self._ac.thread_condition:
             self._woken = True
-            wake.notify_all()
+            self._ac.thread_condition.notify_all()
 
     def add(self, future: Any) -> None:
         """Track a submitted future."""
@@ -69,16 +67,17 @@ class Completions:
         """Every ``(future, value)`` ready now, waiting up to ``max_wait_s`` for the first.
 
         ``value`` is the result, or ``(type, exception, traceback)`` for a failed task, or an
-        exception.  Returns ``[]`` after ``max_wait_s`` without any (the caller may submit more).
-        ``outstanding`` are the futures the caller still waits for (to find undelivered ones).
+        exception.  Returns ``[]`` after ``max_wait_s`` without any, or at once after :meth:`wake` (the
+        caller may submit more).  ``outstanding`` are the futures the caller still waits for (to find
+        undelivered ones).
         """
         until = time.monotonic() + max_wait_s
-        wake = getattr(self._ac, "thread_condition", None)  # notified when a result is queued
         while not self._ac.has_ready():
             left = until - time.monotonic()
             if left <= 0:
                 return self._undelivered(outstanding)
-            self._sleep(wake, min(WAIT_S, left))
+            if self._sleep(min(WAIT_S, left)):
+                return []  # woken: the caller has something to do now
             if self._on_wait is not None and self._on_wait():
                 return []  # the caller has something to do now (e.g. a stop began)
             if self._check_engines is not None and time.monotonic() - self._checked > self._check_every:
@@ -89,15 +88,15 @@ class Completions:
             self._finished_at.pop(future, None)
         return ready
 
-    def _sleep(self, wake: Any, seconds: float) -> None:
-        """Sleep up to ``seconds``, less when a result is queued or :meth:`wake` is called."""
-        if wake is None:
-            time.sleep(min(seconds, 0.02))  # no condition to wait on: poll
-            return
-        with wake:  # checked under the lock: a result queued after this check notifies the wait
+    def _sleep(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``, less when a result is queued (as_completed notifies its condition) or
+        :meth:`wake` is called; True when woken by :meth:`wake`."""
+        condition = self._ac.thread_condition
+        with condition:  # checked under the lock: a result queued after this check notifies the wait
             if not self._woken and not self._ac.has_ready():
-                wake.wait(seconds)
-            self._woken = False
+                condition.wait(seconds)
+            woken, self._woken = self._woken, False
+        return woken
 
     def _undelivered(self, outstanding: Iterable[Any]) -> list[tuple[Any, Any]]:
         """Futures finished more than ``daskgen.undelivered-after`` ago that ``as_completed`` never delivered."""

@@ -186,13 +186,11 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
     start_engines(client, plan.config, plan.interrupt)
     _record_engine(client, plan)
     plan.generating_since = time.time()
-    board = WindowBoard(client, RESOURCE)
-    board.refresh()
-    cap = in_flight_target(plan, board, info)
     retry: list[PartitionTask] = []
-    done = Completions(on_wait=lambda: housekeeping(client, plan, tasks, retry) or board.changed.is_set(),
+    done = Completions(on_wait=lambda: housekeeping(client, plan, tasks, retry),
                        check_engines=lambda: check_engines(client, plan.config))
-    board.on_change = done.wake  # a worker admitting more ends the wait at once
+    board = WindowBoard(client, RESOURCE, on_change=done.wake)  # a worker admitting more ends the wait at once
+    board.refresh()
     futures: dict[Any, PartitionTask] = {}
     generated = tokens = 0
     refreshed, refresh_every = time.monotonic(), tunables.seconds("cap-refresh-interval")

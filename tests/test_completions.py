@@ -88,16 +88,16 @@ def test_a_result_ends_the_wait_at_once_without_polling(client, monkeypatch):
 @pytest.mark.timeout(60)
 def test_wake_and_a_window_announcement_end_the_wait(client, monkeypatch):
     """A worker announcing a larger window must not wait for the next housekeeping round: the board calls
-    ``on_change`` (the runner's ``Completions.wake``) from the client's event loop."""
+    ``on_change`` (the runner's ``Completions.wake``) from the client's event loop.  A wake while nobody
+    waits ends the next wait at once."""
     import threading
 
     import daskgen.completions as completions
     from daskgen.admission import WINDOW_TOPIC, WindowBoard
 
     monkeypatch.setattr(completions, "WAIT_S", 30.0)
-    board = WindowBoard(client, "daskgen-engine")
-    done = Completions(on_wait=board.changed.is_set)
-    board.on_change = done.wake
+    done = Completions()
+    board = WindowBoard(client, "daskgen-engine", on_change=done.wake)
     slow = client.submit(time.sleep, 20, pure=False)
     done.add(slow)
     timer = threading.Timer(0.3, client.log_event, (WINDOW_TOPIC, {"worker": "tcp://elsewhere:1", "window": 3}))
@@ -107,6 +107,9 @@ def test_wake_and_a_window_announcement_end_the_wait(client, monkeypatch):
         assert done.wait([slow], 25) == []
         assert time.monotonic() - t0 < 15, "the announcement must end the wait, not the 30 s period"
         assert board.windows["tcp://elsewhere:1"] == 3
+        done.wake()
+        t0 = time.monotonic()
+        assert done.wait([slow], 25) == [] and time.monotonic() - t0 < 15
     finally:
         timer.cancel()
         board.close()

@@ -377,8 +377,6 @@ def test_in_flight_window():
 # --------------------------------------------------------------------------- make_cluster with a fake batch system
 
 
-
-
 @pytest.mark.timeout(60)
 def test_make_cluster_slurm_submits_one_job_per_node(fake_batch):
     cluster, info = make_cluster({**SLURM, "dashboard_address": ":0"})

@@ -131,7 +131,6 @@ def test_one_partition_stays_submitted_when_no_worker_admits_any():
     tests/test_slurm_e2e.py::test_slurm_worker_job_signalled_hands_back_its_partial_responses.
     """
     import dataclasses
-    import threading
 
     from daskgen.admission import WindowBoard
     from daskgen.runner import _submit_up_to
@@ -149,7 +148,7 @@ def test_one_partition_stays_submitted_when_no_worker_admits_any():
             return [Recorded(key) for key in kwargs["key"]]
 
     board = WindowBoard.__new__(WindowBoard)
-    board.windows, board.assigned, board.load, board.changed = {"tcp://a": 0}, {}, {}, threading.Event()
+    board.windows, board.assigned, board.load = {"tcp://a": 0}, {}, {}
     client, futures = RecordingClient(), {}
     plan = SimpleNamespace(stopped=None, config=SimpleNamespace(max_retries=0))
     tasks = iter([SimpleNamespace(isolate=False, start=s) for s in (0, 4, 8)])

@@ -1,10 +1,10 @@
 """The Dask scheduler in a process of its own, started and stopped with the cluster.
 
 ``LocalCluster`` and dask-jobqueue run the scheduler inside the client process, so one core carries
-both daskgen's client loop and every scheduler transition and message.  Measured (benchmarks/README.md,
-record "Scale-out ... 2026-11-23 12:14"): 5.98-7.52 ms of the client process's CPU per 64-prompt
-partition with scheduler and nannies inside it (LocalCluster), 2.81-3.92 ms on daskgen's SLURM cluster
-with the scheduler in a process of its own.
+both daskgen's client loop and every scheduler transition and message.  Measured with partitions
+flowing at full speed (benchmarks/README.md, record "Scale-out ... 2026-11-23 15:43"): 2.04-3.13 ms of
+the client process's CPU per 64-prompt partition with scheduler and nannies inside it (LocalCluster),
+1.02-1.85 ms on daskgen's SLURM cluster with the scheduler in a process of its own.
 
 :class:`SchedulerProcess` is a :class:`distributed.deploy.spec.ProcessInterface`: a ``SpecCluster``
 (dask-jobqueue's ``scheduler_cls``, or :class:`LocalClusterOwnScheduler`) starts it, connects to its
