@@ -327,17 +327,17 @@ def start_sampler(client: Any, period: float = 0.05) -> None:
 @contextlib.contextmanager
 def instrument_run(on_ready: Callable[[Any], None] | None = None,
                    on_done: Callable[[Any], Any] | None = None) -> Iterator[dict[str, Any]]:
-    """Time a ``daskgen.runner.run`` from engines ready to the last commit, with hooks on its client.
+    """Time a ``daskgen.client.runner.run`` from engines ready to the last commit, with hooks on its client.
 
-    Wraps ``daskgen.cluster.start_engines`` (called by ``runner.drive`` before the first submit) and
-    ``daskgen.runner.drive`` for the duration of the ``with`` block; nothing in daskgen is changed.
+    Wraps ``daskgen.client.cluster.start_engines`` (called by ``runner.drive`` before the first submit) and
+    ``daskgen.client.runner.drive`` for the duration of the ``with`` block; nothing in daskgen is changed.
     The yielded dict gets ``start_s`` (engine start), ``ready`` / ``done`` (``time.perf_counter``),
     ``ready_wall``, ``generate_s`` (= done - ready) and ``on_done`` (what ``on_done(client)``
     returned, called after the last commit while the cluster still runs).  ``on_ready(client)`` runs
     right before the first partition is submitted.
     """
-    import daskgen.cluster as cluster
-    import daskgen.runner as runner
+    import daskgen.client.cluster as cluster
+    import daskgen.client.runner as runner
 
     original_start, original_drive = cluster.start_engines, runner.drive
     marks: dict[str, Any] = {}
@@ -366,7 +366,7 @@ def instrument_run(on_ready: Callable[[Any], None] | None = None,
 
 
 def as_client(connection: Any) -> Any:
-    """The client from what ``daskgen.cluster.connect`` yields (a client, or ``(client, info)``)."""
+    """The client from what ``daskgen.client.cluster.connect`` yields (a client, or ``(client, info)``)."""
     return connection[0] if isinstance(connection, tuple) else connection
 
 
@@ -378,10 +378,10 @@ def run_requests(config: Any, prompts: Any) -> list[Any]:
     """
     import dataclasses
 
-    from daskgen.data import tokenize_rows
+    from daskgen.client.plan import pending_tasks, prepare
     from daskgen.engines.base import GenerationRequest
-    from daskgen.partition import sample_seed
-    from daskgen.plan import pending_tasks, prepare
+    from daskgen.input.rows import tokenize_rows
+    from daskgen.worker.partition import sample_seed
 
     plan = prepare(config, prompts)
     out = []

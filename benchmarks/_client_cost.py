@@ -166,9 +166,9 @@ async def _trivial_partition(start: int, rows: list[int], seconds: float) -> dic
 
 
 async def _instant_partition(task: Any) -> Any:
-    """Benchmark stand-in for ``daskgen.partition.run_partition``: the result of a partition whose rows all
+    """Benchmark stand-in for ``daskgen.worker.partition.run_partition``: the result of a partition whose rows all
     finished (8 tokens per sample), handed back at once without generating or writing anything."""
-    from daskgen.partition import PartitionResult
+    from daskgen.worker.partition import PartitionResult
 
     return PartitionResult(task.start, task.stop, list(task.rows), response_tokens=8 * task.n_samples * len(task.rows))
 
@@ -177,7 +177,7 @@ async def _instant_partition(task: Any) -> Any:
 def instant_partitions() -> Iterator[None]:
     """While inside, daskgen runs started in this process submit :func:`_instant_partition` as their
     partition task (the client's own work — building, submitting, collecting, committing — is unchanged)."""
-    import daskgen.runner as runner
+    import daskgen.client.runner as runner
 
     saved, runner.run_partition = runner.run_partition, _instant_partition
     try:

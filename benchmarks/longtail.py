@@ -76,7 +76,7 @@ def prompt_rows(n: int) -> list[str]:
 
 def auto_window(a: argparse.Namespace) -> int:
     """The window daskgen's ``window: auto`` picks for this engine (capacity = ``max_batch``)."""
-    from daskgen.plugin import AUTO_MAX_WINDOW, resolve_window
+    from daskgen.worker.plugin import AUTO_MAX_WINDOW, resolve_window
 
     return resolve_window("auto", a.max_batch, a.partition_size * a.n_samples, AUTO_MAX_WINDOW)
 
@@ -149,12 +149,12 @@ def emulate_streaming(partitions: list[np.ndarray], workers: int, window: int, m
     running`` model seconds; when a partition's last request finishes, the next partition of the job
     goes to that worker at that instant.  It isolates what the partition barrier and the window cost,
     separately from Dask and time-compression overheads.  With ``occupancy`` the window is daskgen's
-    ``window: auto`` rule (:class:`daskgen.admission.Admission`) applied at every event, starting at
+    ``window: auto`` rule (:class:`daskgen.worker.admission.Admission`) applied at every event, starting at
     ``window``: more partitions while the engine's unfinished requests are below its target.
     """
     import heapq
 
-    from daskgen.admission import Admission
+    from daskgen.worker.admission import Admission
 
     todo = list(range(len(partitions)))[::-1]
     left = {p: len(partitions[p]) for p in range(len(partitions))}
@@ -218,7 +218,7 @@ def emulate_streaming(partitions: list[np.ndarray], workers: int, window: int, m
 
 def run_sync(a: argparse.Namespace, config: RunConfig, requests: list[Any], batch_requests: int) -> SideResult:
     """Synchronous global batches on a LocalCluster with one simulated engine per worker."""
-    from daskgen.cluster import connect, start_engines
+    from daskgen.client.cluster import connect, start_engines
 
     with connect(config) as connection:
         client = _bench.as_client(connection)
@@ -243,7 +243,7 @@ def run_sync(a: argparse.Namespace, config: RunConfig, requests: list[Any], batc
 
 def run_streaming(a: argparse.Namespace, config: RunConfig, prompts: list[str]) -> SideResult:
     """daskgen's ``runner.run`` on a LocalCluster; timed from engines ready to the last commit."""
-    from daskgen.runner import run
+    from daskgen.client.runner import run
 
     def on_ready(client: Any) -> None:
         client.run(_bench.reset_engine_stats)

@@ -123,8 +123,8 @@ def run_static(model_path: str, token_ids: list[list[int]], a: argparse.Namespac
 
 def run_daskgen(config: RunConfig, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """daskgen's ``runner.run`` with the transformers engine; timed from engine ready to the last commit."""
-    from daskgen import store
-    from daskgen.runner import run
+    from daskgen.client.runner import run
+    from daskgen.store import generation_store as store
 
     with _bench.instrument_run() as marks:
         summary = run(config, rows)
@@ -192,7 +192,7 @@ def run_sync_engine(config: RunConfig, requests: list[Any], batch: int) -> dict[
     Each batch is submitted at once (the engine batches continuously inside it) and the next starts when
     its longest answer is done: the barrier alone, without the static-batch padding of ``model.generate``.
     """
-    from daskgen.cluster import connect, start_engines
+    from daskgen.client.cluster import connect, start_engines
 
     with connect(config) as connection:
         client = _bench.as_client(connection)

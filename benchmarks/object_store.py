@@ -91,8 +91,8 @@ def partition_data(rng: np.random.Generator, layout: Any) -> dict[str, np.ndarra
 
 def store_calls(a: argparse.Namespace, where: Any) -> dict[str, float]:
     """Seconds of each store call on ``where`` (per-partition calls: median per call)."""
-    from daskgen import store
-    from daskgen.analysis import open_store
+    from daskgen.analysis.accessor import open_store
+    from daskgen.store import generation_store as store
 
     layout = store.Layout(a.prompts, a.n_samples, 64, a.max_new_tokens, a.partition_size, 0)
     rng = np.random.default_rng(0)
@@ -147,7 +147,7 @@ def run_config(a: argparse.Namespace, where: str) -> RunConfig:
 
 def timed_run(a: argparse.Namespace, where: str) -> float:
     """Wall seconds of one whole run (cluster start included)."""
-    from daskgen.runner import run
+    from daskgen.client.runner import run
 
     prompts = [f"Question {i}: what is {i} times {i % 13}?" for i in range(a.run_prompts)]
     t0 = time.perf_counter()

@@ -49,7 +49,7 @@ def zarr_config(a: argparse.Namespace, store: Path) -> RunConfig:
 
 def run_daskgen(config: RunConfig, prompts: list[Any]) -> dict[str, Any]:
     """``runner.run``; timed from engines ready to the last commit."""
-    from daskgen.runner import run
+    from daskgen.client.runner import run
 
     with _bench.instrument_run() as marks:
         summary = run(config, prompts)
@@ -63,7 +63,7 @@ def _direct_writer(src: str, dst: str, starts: list[int], barrier: Any) -> tuple
     """Child process: load its partitions from ``src`` into memory, wait, then write them into ``dst``."""
     import zarr
 
-    from daskgen import store
+    from daskgen.store import generation_store as store
 
     layout = store.layout_of(store.read_attrs(src))
     src_group = zarr.open_group(src, mode="r")
@@ -83,7 +83,7 @@ def _direct_writer(src: str, dst: str, starts: list[int], barrier: Any) -> tuple
 
 def run_direct(src: Path, dst: Path, processes: int) -> dict[str, Any]:
     """Write every partition of ``src`` into a fresh store of the same layout from ``processes`` processes."""
-    from daskgen import store
+    from daskgen.store import generation_store as store
 
     attrs = store.read_attrs(src)
     layout = store.layout_of(attrs)
@@ -104,7 +104,7 @@ def data_bytes(path: Path) -> int:
     """Uncompressed bytes of the data arrays of a store (what a partition task writes)."""
     import zarr
 
-    from daskgen import store
+    from daskgen.store import generation_store as store
 
     group = zarr.open_group(str(path), mode="r")
     names = store.layout_of(store.read_attrs(path)).data_arrays()
@@ -189,7 +189,7 @@ async def _direct_engine(model: str, engine_args: dict[str, Any], requests: list
 
 def _engine_on_worker(config: RunConfig, requests: list[Any]) -> dict[str, Any]:
     """The same engine on a daskgen worker (plugin), every request in one Dask task, no runner or store."""
-    from daskgen.cluster import connect, start_engines
+    from daskgen.client.cluster import connect, start_engines
 
     with connect(config) as connection:
         client = _bench.as_client(connection)

@@ -1,13 +1,13 @@
 """Benchmark: ``daskgen pack`` on a 1M-prompt store — files and bytes before/after, read times.
 
-The store is made by ``daskgen.store.create`` (the layout a run creates) and its data arrays are filled
+The store is made by ``daskgen.store.generation_store.create`` (the layout a run creates) and its data arrays are filled
 directly, as finished partitions leave them: lognormal response lengths (mean ``--length-mean``), random
 token ids up to the length then padding, the matching mask, lengths, finish reasons and turns; ``status``
 done for ``--done-fraction`` of the partitions (the rest stay pending and unwritten, like a partly
 finished run).  Writing the arrays directly instead of running generation is what makes a 1M-prompt
 store take minutes; the files are the same ones workers write (one per partition per array).
 
-Then ``daskgen.pack.pack`` rewrites it in place on a LocalCluster of ``--workers`` workers.  Before and
+Then ``daskgen.store.pack.pack`` rewrites it in place on a LocalCluster of ``--workers`` workers.  Before and
 after: file count, bytes, and read times (medians of ``--repeats``, warm page cache):
 
 * ``open_store`` + count of done rows (``status``);
@@ -37,7 +37,7 @@ def build_store(a: argparse.Namespace, path: Path) -> dict[str, Any]:
     """Create a store of ``a.prompts`` rows and fill the done partitions' data arrays."""
     import zarr
 
-    from daskgen import store
+    from daskgen.store import generation_store as store
 
     layout = store.Layout(a.prompts, a.n_samples, a.max_prompt_tokens, a.max_new_tokens, a.partition_size, 0)
     attrs = {"identity": {"model": "bench-pack", "engine": "simulated"}, "input": {"n_prompts": a.prompts},
@@ -88,8 +88,8 @@ def files_and_bytes(path: Path) -> tuple[int, int]:
 
 def read_times(a: argparse.Namespace, path: Path) -> dict[str, float]:
     """Median seconds of each read (see the module docstring)."""
-    from daskgen import store
-    from daskgen.analysis import open_store
+    from daskgen.analysis.accessor import open_store
+    from daskgen.store import generation_store as store
 
     rng = np.random.default_rng(1)
     status = store.read_status(path)
@@ -132,8 +132,8 @@ def read_times(a: argparse.Namespace, path: Path) -> dict[str, float]:
 
 def part_pack(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     """Build, measure, pack, measure again, check the values are unchanged."""
-    from daskgen import store
-    from daskgen.pack import pack
+    from daskgen.store import generation_store as store
+    from daskgen.store.pack import pack
 
     path = work / "big.zarr"
     built = build_store(a, path)

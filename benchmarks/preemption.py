@@ -40,8 +40,8 @@ HERE = Path(__file__).resolve().parent
 def child(a: argparse.Namespace) -> int:
     """One ``daskgen run`` invocation (this process may get SIGTERM); writes its measurements as JSON."""
     _bench.quiet_logs()
+    from daskgen.client.runner import run
     from daskgen.config import RunConfig
-    from daskgen.runner import run
 
     cfg = RunConfig(prompts=str(a.prompts_file), model="sim", store=str(a.store), engine="simulated",
                     engine_args={"time_scale": a.time_scale, "length_dist": "lognormal", "length_mean": a.length_mean,
@@ -63,7 +63,7 @@ def child(a: argparse.Namespace) -> int:
 
 def invoke(a: argparse.Namespace, store: Path, result: Path, stop_at: float | None = None) -> dict[str, Any]:
     """Run one child; with ``stop_at``, SIGTERM it once that fraction of prompts is committed."""
-    from daskgen import store as zstore
+    from daskgen.store import generation_store as zstore
 
     cmd = [sys.executable, __file__, "--child", "--store", str(store), "--result", str(result),
            *_forwarded(a)]

@@ -81,7 +81,7 @@ def mark_done(store_path: Path, n: int, partition: int, fraction: float, seed: i
 
 def store_level_pending(store_path: Path, wanted: dict[str, Any]) -> tuple[int, int]:
     """Attrs check + status read + pending rows and partitions: (pending rows, partitions to run)."""
-    from daskgen import store
+    from daskgen.store import generation_store as store
 
     stored = store.read_attrs(store_path)
     store.check_compatible(store_path, stored, wanted)
@@ -111,8 +111,8 @@ def median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]
 
 def part_pending(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     """The 1M-prompt store: time to the pending set at store, xarray and runner level."""
-    from daskgen import store
-    from daskgen.plan import pending_tasks, prepare
+    from daskgen.client.plan import pending_tasks, prepare
+    from daskgen.store import generation_store as store
 
     prompts = work / "prompts.jsonl"
     store_path = work / "big.zarr"
@@ -197,7 +197,7 @@ def logged_rows(log: Path, offset: int = 0) -> list[int]:
 
 def part_crash(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     """SIGKILL a real run mid-way, rerun the same command, count regenerated prompts."""
-    from daskgen import store
+    from daskgen.store import generation_store as store
 
     prompts = work / "crash.jsonl"
     write_input(prompts, a.crash_prompts)

@@ -94,7 +94,7 @@ def run_measured(config: RunConfig, prompts: list[str], procs: dict[str, Any] | 
     ``floor``: also the client's idle CPU share (engines ready, nothing submitted) before the run, and
     Dask's own floor (:func:`_client_cost.dask_floor`) on the same cluster at the run's rate after it.
     """
-    from daskgen.runner import run
+    from daskgen.client.runner import run
 
     cpu: dict[str, Any] = {}
 
@@ -269,7 +269,7 @@ def part_client(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list[d
 
 def commit_latency(a: argparse.Namespace, work: Path) -> tuple[float, float]:
     """Median and p90 seconds of ``store.commit`` for one partition on a ``--commit-rows`` store."""
-    from daskgen import store
+    from daskgen.store import generation_store as store
 
     layout = store.Layout(a.commit_rows, a.n_samples, 64, 256, a.partition_size, 0)
     path = work / "commit.zarr"

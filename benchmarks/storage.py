@@ -44,7 +44,7 @@ BATCH = 1000
 
 def make_store(a: argparse.Namespace, path: Path) -> None:
     """Generate the dataset with daskgen and the instant simulated engine."""
-    from daskgen.runner import run
+    from daskgen.client.runner import run
 
     config = RunConfig(model="simulated-storage", engine="simulated", store=str(path), n_samples=a.n_samples,
                        engine_args={"time_scale": 0.0, "length_dist": "lognormal", "length_mean": a.length_mean,
@@ -60,7 +60,7 @@ def make_store(a: argparse.Namespace, path: Path) -> None:
 
 def has_logprobs(path: Path) -> bool:
     """Whether the store's run asked for logprobs (its config says so)."""
-    from daskgen import store
+    from daskgen.store import generation_store as store
 
     return bool(((store.read_attrs(path) or {}).get("identity") or {}).get("logprobs"))
 
@@ -69,7 +69,7 @@ def samples(path: Path, with_logprobs: bool) -> Iterator[dict[str, Any]]:
     """Every done (prompt, sample) of the store as a dict of unpadded numpy arrays and scalars."""
     import zarr
 
-    from daskgen import store
+    from daskgen.store import generation_store as store
 
     group = zarr.open_group(str(path), mode="r")
     layout = store.layout_of(store.read_attrs(path))
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     """Build the three formats, measure, print, append to the README."""
     a = parse_args(argv)
     _bench.quiet_logs()
-    from daskgen import store
+    from daskgen.store import generation_store as store
 
     rec = _bench.Record("Storage: daskgen store vs JSONL vs pickled batches")
     with _bench.workdir(a.workdir) as work:

@@ -6,8 +6,9 @@ lengths: ``--length-prompt-share`` of the log-length variance belongs to the pro
 
 * **emulated** with zero pipeline overhead (``longtail.emulate_streaming``, an exact event simulation of
   the step model) for fixed windows of 1..64 partitions per worker, and for the ``window: auto``
-  occupancy rule (:class:`daskgen.admission.Admission`), in input order and in the order length hints give
-  (partitions by the longest response another seed's run got for their prompts, :func:`daskgen.dispatch.long_first`);
+  occupancy rule (:class:`daskgen.worker.admission.Admission`), in input order and in the order length
+  hints give (partitions by the longest response another seed's run got for their prompts,
+  :func:`daskgen.client.dispatch.long_first`);
 * **measured**: ``runner.run`` with default settings on a LocalCluster, timed from engines ready to the last
   commit (makespan in model seconds = wall / ``time_scale``); then again with ``length_hints`` pointing at
   a real earlier store of the same prompts made with another seed.
@@ -54,7 +55,7 @@ def lengths_of(a: argparse.Namespace, d: argparse.Namespace, work: Path, prompts
 
 def hint_store(d: argparse.Namespace, work: Path, prompts: list[str]) -> Path:
     """An earlier daskgen store of the same prompts (another seed), generated at once (``time_scale`` 0)."""
-    from daskgen.runner import run
+    from daskgen.client.runner import run
 
     path = work / f"earlier-{d.length_mean:.0f}-{d.length_sigma:g}.zarr"
     earlier = argparse.Namespace(**{**vars(d), "seed": d.seed + 1, "time_scale": 0.0})
@@ -65,9 +66,9 @@ def hint_store(d: argparse.Namespace, work: Path, prompts: list[str]) -> Path:
 
 def one(a: argparse.Namespace, work: Path, name: str, mean: float, sigma: float) -> list[Any]:
     """Emulate and measure one distribution (in input order and with length hints); the table row."""
-    import daskgen.store as store
+    import daskgen.store.generation_store as store
+    from daskgen.client.dispatch import long_first
     from daskgen.config import RunConfig
-    from daskgen.dispatch import long_first
 
     d = argparse.Namespace(**{**vars(a), "length_mean": mean, "length_sigma": sigma})
     prompts = longtail.prompt_rows(a.prompts)

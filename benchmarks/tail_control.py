@@ -30,8 +30,8 @@ def _prompts(path: Path, n: int) -> Path:
 
 
 def _run(store: Path, prompts: Path, args: argparse.Namespace, **extra: object) -> tuple[float, object]:
+    from daskgen.client.runner import run
     from daskgen.config import RunConfig
-    from daskgen.runner import run
 
     cfg = RunConfig(prompts=str(prompts), model="sim", store=str(store), engine="simulated",
                     engine_args={"time_scale": args.time_scale, "length_dist": "lognormal",

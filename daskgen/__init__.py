@@ -15,11 +15,11 @@ __all__ = ["RunConfig", "generate", "open_store", "run"]
 
 def __getattr__(name: str) -> Any:
     if name in ("generate", "run"):
-        from daskgen import runner
+        from daskgen.client import runner
 
         return getattr(runner, name)
     if name == "open_store":
-        from daskgen.analysis import open_store
+        from daskgen.analysis.accessor import open_store
 
         return open_store
     if name == "RunConfig":

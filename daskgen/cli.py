@@ -84,8 +84,8 @@ def run(
     """Generate (or resume) responses for every prompt into a Zarr store."""
     overrides = {k: v for k, v in locals().items()
                  if k not in ("config", "engine_arg", "agent_arg", "show", "cluster", "insecure")}
+    from daskgen.client.runner import run as run_generation
     from daskgen.config import RunConfig
-    from daskgen.runner import run as run_generation
 
     overrides["engine_args"] = _key_values(engine_arg, "--engine-arg")
     overrides["agent_args"] = _key_values(agent_arg, "--agent-arg")
@@ -99,7 +99,7 @@ def run(
         cfg.cluster = {**(cfg.cluster or {}), "tls": False}
     summary = run_generation(cfg)
     if show:
-        from daskgen.summary import print_answers
+        from daskgen.analysis.summary import print_answers
 
         print_answers(cfg.location(), show)
     typer.echo(summary.line())
@@ -108,7 +108,7 @@ def run(
 
 def exit_status(summary: Any) -> int:
     """0 all done (or stopped early by a stop condition), 1 some prompt failed, 3 interrupted (resumable)."""
-    from daskgen.interrupt import EXIT_INTERRUPTED
+    from daskgen.client.interrupt import EXIT_INTERRUPTED
 
     if summary.interrupted:
         return EXIT_INTERRUPTED
@@ -118,7 +118,7 @@ def exit_status(summary: Any) -> int:
 @app.command()
 def status(store: Annotated[str, typer.Argument(help="A daskgen store (folder or URL).")]) -> None:
     """Print done / pending / failed counts, tokens generated and the run's settings."""
-    from daskgen.summary import status_report
+    from daskgen.analysis.summary import status_report
 
     typer.echo(status_report(str(store)))
 
@@ -137,9 +137,9 @@ def export(
     wandb_project: Annotated[str | None, Opt(help="Upload the zip export as a W&B artifact to this project.")] = None,
 ) -> None:
     """Export done samples (parquet, jsonl, verl-layout tensordict) or the whole store as one zip."""
-    from daskgen.export import DEFAULT_SUFFIX
-    from daskgen.export import export as run_export
-    from daskgen.storage import default_output
+    from daskgen.analysis.export import DEFAULT_SUFFIX
+    from daskgen.analysis.export import export as run_export
+    from daskgen.store.location import default_output
 
     target = out or default_output(store, DEFAULT_SUFFIX.get(format, f".{format}"))
     result = run_export(store, target, format, overwrite=overwrite, text=text, tokenizer=tokenizer, prompts=prompts,
@@ -156,8 +156,8 @@ def report(
     overwrite: Annotated[bool, Opt(help="Replace an existing report.")] = False,
 ) -> None:
     """Write an HTML or PNG report: status counts, response lengths, throughput over time, settings."""
-    from daskgen.report import write_report
-    from daskgen.storage import default_output
+    from daskgen.analysis.report import write_report
+    from daskgen.store.location import default_output
 
     target = out or default_output(store, ".report.html")
     typer.echo(f"daskgen: report written to {write_report(store, target, overwrite=overwrite)}")
@@ -172,7 +172,7 @@ def pack(
     n_workers: Annotated[int | None, Opt(help="LocalCluster workers when no scheduler is given.")] = None,
 ) -> None:
     """Rewrite a store into few files (Zarr sharding, ~64k prompts per shard); rerun to resume an interrupted pack."""
-    from daskgen.pack import pack as run_pack
+    from daskgen.store.pack import pack as run_pack
 
     typer.echo(run_pack(store, out, scheduler_address=scheduler_address, n_workers=n_workers).line())
 
@@ -185,7 +185,7 @@ def unpack(
     n_workers: Annotated[int | None, Opt(help="LocalCluster workers when no scheduler is given.")] = None,
 ) -> None:
     """Rewrite a packed store back to one file per partition, so that a run can resume it."""
-    from daskgen.pack import pack as run_pack
+    from daskgen.store.pack import pack as run_pack
 
     typer.echo(run_pack(store, out, unpack=True, scheduler_address=scheduler_address, n_workers=n_workers).line())
 

@@ -42,7 +42,7 @@ class RunConfig:
     ----------
     prompts, model, store:
         Input file (JSONL or Parquet), model path/name, output Zarr store: a folder, or an
-        object-storage URL (``s3://bucket/run.zarr``, ``gs://``, ``az://``; see :mod:`daskgen.storage`).
+        object-storage URL (``s3://bucket/run.zarr``, ``gs://``, ``az://``; see :mod:`daskgen.store.location`).
     storage_options:
         Options of an object-storage store (endpoint, region, credentials, ``client_options``), passed to
         ``obstore.store.from_url``; by default they come from the environment (``AWS_*``...).  Never
@@ -52,7 +52,7 @@ class RunConfig:
     agent, agent_args:
         Agent loop (``single_turn``, ``tool`` or ``module:Class``) and its options.
     verifier, round_size, until_correct, correct_threshold, stop_when, count_truncated:
-        Multi-round sampling (:mod:`daskgen.verify`): score each response with ``verifier``
+        Multi-round sampling (:mod:`daskgen.worker.rounds`): score each response with ``verifier``
         (``module:function``), sample ``round_size`` at a time up to ``n_samples``, stop a
         prompt early once ``until_correct`` responses scored >= ``correct_threshold`` (or
         ``stop_when(scores)`` is true); truncated responses count only with ``count_truncated``.
@@ -74,7 +74,7 @@ class RunConfig:
         Partitions in flight per worker, or ``"auto"`` (default): each worker starts at about
         8x the engine's batch slots (:attr:`Engine.capacity`) of requests and then admits
         partitions while its engine holds fewer than 2x its slots of unfinished requests, 2 to
-        64 partitions (:mod:`daskgen.admission`).
+        64 partitions (:mod:`daskgen.worker.admission`).
     max_prompts_in_memory:
         Cap on prompts held anywhere (client, scheduler, workers) at once; the input is
         streamed, so memory does not grow with its size.
@@ -103,7 +103,7 @@ class RunConfig:
     length_hints:
         An earlier store of the same prompts (folder or URL, same ``storage_options``): the
         partitions whose prompts got the longest responses there are dispatched first, so they do
-        not form the job's tail (:mod:`daskgen.dispatch`).  Rows are matched by position (same
+        not form the job's tail (:mod:`daskgen.client.dispatch`).  Rows are matched by position (same
         input) or by ``id``.
     progress:
         Show a progress bar.
@@ -203,12 +203,12 @@ class RunConfig:
             raise ConfigError(f"missing required setting(s) {missing}: pass {flags} or set them in --config.")
 
     def verify_policy(self) -> Any:
-        """The :class:`daskgen.verify.VerifyPolicy`, or ``None`` without a verifier."""
+        """The :class:`daskgen.worker.rounds.VerifyPolicy`, or ``None`` without a verifier."""
         if self.verifier is None:
             if self.until_correct is not None or self.stop_when is not None:
                 raise ConfigError("until_correct/stop_when need a verifier: set verifier: 'package.module:function'.")
             return None
-        from daskgen.verify import VerifyPolicy
+        from daskgen.worker.rounds import VerifyPolicy
 
         policy = VerifyPolicy(self.verifier, self.round_size, self.until_correct, self.correct_threshold,
                               self.stop_when, self.count_truncated)
@@ -252,8 +252,8 @@ class RunConfig:
         return {k: getattr(self, k) for k in IDENTITY_KEYS}
 
     def location(self) -> Any:
-        """The :class:`daskgen.storage.StoreLocation` of :attr:`store` (with :attr:`storage_options`)."""
-        from daskgen.storage import locate
+        """The :class:`daskgen.store.location.StoreLocation` of :attr:`store` (with :attr:`storage_options`)."""
+        from daskgen.store.location import locate
 
         return locate(self.store, self.storage_options)
 

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from daskgen import store
 from daskgen.agents import EngineHandle, SingleTurn, create_agent
 from daskgen.agents.parsers import HermesParser, ToolCall
 from daskgen.agents.tools import call_tool, load_tools
 from daskgen.engines.base import FinishReason, SamplingParams
 from daskgen.errors import ConfigError
+from daskgen.store import generation_store as store
 from daskgen.testing.engines import ScriptedToolEngine
 from tests.conftest import run_cli, write_prompts
 

@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from daskgen import store
-from daskgen.analysis import open_store
-from daskgen.data import fingerprint, tokenize_rows
+from daskgen.analysis.accessor import open_store
 from daskgen.engines.base import FinishReason
 from daskgen.errors import StoreError, StoreMismatchError
-from daskgen.tokenizer import ByteTokenizer, tokenizer_identity
+from daskgen.input.rows import fingerprint, tokenize_rows
+from daskgen.input.tokenizer import ByteTokenizer, tokenizer_identity
+from daskgen.store import generation_store as store
 
 T0 = 1_760_000_000.0  # commit time of the first partition (seconds since 1970)
 GAP = 90.0  # seconds between partition commits
@@ -139,7 +139,7 @@ def truth(tmp_path) -> Truth:
 
 
 def test_importing_analysis_loads_no_torch_or_matplotlib():
-    code = ("import sys, daskgen.analysis; "
+    code = ("import sys, daskgen.analysis.accessor; "
             "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

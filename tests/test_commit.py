@@ -6,10 +6,10 @@ import dask
 import numpy as np
 import pytest
 
-from daskgen import store
-from daskgen.commit import CommitBatch, Outcome, commit_outcomes
+from daskgen.client.commit import CommitBatch, Outcome, commit_outcomes
+from daskgen.client.plan import Plan
 from daskgen.config import RunConfig
-from daskgen.plan import Plan
+from daskgen.store import generation_store as store
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import time
 import dask
 import pytest
 
-from daskgen.completions import Completions
+from daskgen.client.finished import Completions
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_a_finished_future_never_delivered_is_fetched_directly(client, monkeypat
 def test_a_result_ends_the_wait_at_once_without_polling(client, monkeypatch):
     """The wait sleeps on as_completed's condition: a housekeeping period far longer than the task does
     not delay the result, and a wait with nothing finishing runs housekeeping once per period, not in a loop."""
-    import daskgen.completions as completions
+    import daskgen.client.finished as completions
 
     monkeypatch.setattr(completions, "WAIT_S", 30.0)
     ticks = []
@@ -92,8 +92,8 @@ def test_wake_and_a_window_announcement_end_the_wait(client, monkeypatch):
     waits ends the next wait at once."""
     import threading
 
-    import daskgen.completions as completions
-    from daskgen.admission import WINDOW_TOPIC, WindowBoard
+    import daskgen.client.finished as completions
+    from daskgen.worker.admission import WINDOW_TOPIC, WindowBoard
 
     monkeypatch.setattr(completions, "WAIT_S", 30.0)
     done = Completions()

@@ -4,9 +4,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from daskgen.data import check_lengths, fingerprint, iter_token_ids, read_rows, scan_prompts
 from daskgen.errors import InputError
-from daskgen.tokenizer import ByteTokenizer
+from daskgen.input.rows import check_lengths, fingerprint, iter_token_ids, read_rows, scan_prompts
+from daskgen.input.tokenizer import ByteTokenizer
 
 
 def write_jsonl(path, rows):

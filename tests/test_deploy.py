@@ -118,7 +118,7 @@ def test_slurm_job_script_line_by_line():
     assert arg(cmd, "--local-directory") == "$TMPDIR"
     assert arg(cmd, "--memory-limit") == "111.76GiB"  # job memory split between the 4 workers
     assert "--nanny" in cmd
-    assert arg(cmd, "--preload-nanny") == "daskgen.nanny_preload"  # keeps glibc's malloc defaults
+    assert arg(cmd, "--preload-nanny") == "daskgen.worker.nanny_preload"  # keeps glibc's malloc defaults
     assert "--lifetime-stagger" not in cmd  # stagger is drawn once per job, in the prologue
 
 
@@ -413,7 +413,7 @@ def test_make_cluster_slurm_submits_one_job_per_node(fake_batch):
 
 @pytest.mark.timeout(60)
 def test_make_cluster_insecure_warns_and_has_no_tls(fake_batch, caplog):
-    with caplog.at_level("WARNING", logger="daskgen.security"):
+    with caplog.at_level("WARNING", logger="daskgen.deploy.security"):
         cluster, info = make_cluster({**SLURM, "nodes": 1, "tls": False, "dashboard_address": ":0"})
     try:
         assert "anyone who can reach its scheduler" in caplog.text and "TLS off" in str(info)
@@ -520,9 +520,9 @@ def test_workers_join_and_retire_mid_run_without_losing_prompts(tmp_path):
 
     from distributed import Client
 
+    from daskgen.client.runner import run
     from daskgen.config import RunConfig
-    from daskgen.plugin import plugin_status
-    from daskgen.runner import run
+    from daskgen.worker.plugin import plugin_status
     from tests.conftest import write_prompts
 
     log = tmp_path / "calls.log"
@@ -576,7 +576,7 @@ def test_nanny_preload_keeps_glibc_malloc_defaults_in_a_real_worker():
     async def main() -> dict:
         async with Scheduler(dashboard_address=":0") as scheduler:
             address = scheduler.address
-            async with Nanny(address, nthreads=1, preload_nanny=["daskgen.nanny_preload"]), \
+            async with Nanny(address, nthreads=1, preload_nanny=["daskgen.worker.nanny_preload"]), \
                     Nanny(address, nthreads=1) as plain, Client(address, asynchronous=True) as client:
                 await client.wait_for_workers(2)
                 found = await client.run(env)

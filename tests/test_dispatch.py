@@ -8,12 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from daskgen import store
+from daskgen.client.dispatch import dispatch_order, long_first, read_length_hints, still_partial, tail_share
+from daskgen.client.plan import pending_tasks, prepare
 from daskgen.config import RunConfig
-from daskgen.dispatch import dispatch_order, long_first, read_length_hints, still_partial, tail_share
 from daskgen.errors import ConfigError
-from daskgen.plan import pending_tasks, prepare
-from daskgen.storage import locate
+from daskgen.store import generation_store as store
+from daskgen.store.location import locate
 from tests.conftest import run_cli, write_prompts
 
 

@@ -12,9 +12,9 @@ import pandas as pd
 import pytest
 import xarray as xr
 
-from daskgen import export as ex
-from daskgen import store
+from daskgen.analysis import export as ex
 from daskgen.errors import ExportError, OutputExistsError, StoreError, StoreMismatchError
+from daskgen.store import generation_store as store
 from tests.conftest import run_cli, write_prompts
 from tests.test_analysis import build_store
 

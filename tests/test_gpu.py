@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from daskgen.errors import ConfigError
-from daskgen.gpu import (
+from daskgen.worker.gpu import (
     ENV_GPUS_PER_WORKER,
     ENV_LOCAL_RANK,
     ENV_ORIGINAL_DEVICES,

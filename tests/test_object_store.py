@@ -18,11 +18,11 @@ import pytest
 import xarray as xr
 import zarr
 
-from daskgen import store
-from daskgen.analysis import open_store
+from daskgen.analysis.accessor import open_store
 from daskgen.errors import StoreLockedError
-from daskgen.lock import LOCK_NAME, StoreLock
-from daskgen.storage import LocalLocation, ObjectLocation, locate
+from daskgen.store import generation_store as store
+from daskgen.store.location import LocalLocation, ObjectLocation, locate
+from daskgen.store.lock import LOCK_NAME, StoreLock
 from tests.conftest import popen_cli, run_cli, write_prompts
 from tests.test_reliability import COMPARED
 from tests.test_run import sim_args
@@ -225,7 +225,7 @@ def _wait_done(url: str, proc, minimum: int, timeout: float = 120.0) -> None:
 
 def test_pack_on_object_storage_needs_out_and_reads_the_same(tmp_path, s3):
     from daskgen.errors import PackError
-    from daskgen.pack import pack
+    from daskgen.store.pack import pack
 
     bucket, env = s3
     prompts = write_prompts(tmp_path / "p.jsonl", 24)

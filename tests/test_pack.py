@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import zarr
 
-from daskgen import pack as packing
-from daskgen import store
-from daskgen.analysis import open_store
+from daskgen.analysis.accessor import open_store
 from daskgen.errors import PackError
-from daskgen.storage import locate
+from daskgen.store import generation_store as store
+from daskgen.store import pack as packing
+from daskgen.store.location import locate
 from tests.conftest import run_cli, write_prompts
 from tests.test_reliability import COMPARED
 from tests.test_run import sim_args

@@ -20,7 +20,7 @@ from distributed.utils_test import gen_cluster
 from daskgen.engines.base import GenerationRequest, SamplingParams
 from daskgen.engines.simulated import SimulatedEngine
 from daskgen.errors import EngineError
-from daskgen.plugin import PLUGIN_NAME, RESOURCE, EnginePlugin
+from daskgen.worker.plugin import PLUGIN_NAME, RESOURCE, EnginePlugin
 
 SIM = {"time_scale": 0.0, "length_mean": 4, "length_dist": "fixed"}
 ONE_WORKER = [("127.0.0.1", 4)]

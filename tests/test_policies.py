@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from daskgen import store
 from daskgen.config import RunConfig
 from daskgen.errors import ConfigError
+from daskgen.store import generation_store as store
 from tests.conftest import run_cli, write_prompts
 from tests.test_run import calls, sim_args
 
@@ -16,13 +16,13 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_prompts_in_memory_stay_under_the_cap(tmp_path):
-    from daskgen.runner import run
+    from daskgen.client.runner import run
 
     prompts = write_prompts(tmp_path / "p.jsonl", 120)
     cfg = RunConfig(prompts=str(prompts), model="sim", store=str(tmp_path / "out.zarr"),
                     engine="simulated", engine_args={"time_scale": 0.0}, max_new_tokens=8, max_prompt_tokens=128,
                     partition_size=4, window=8, n_workers=1, max_prompts_in_memory=12, progress=False)
-    from daskgen import runner
+    from daskgen.client import runner
 
     seen = []
     original = runner.drive

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from daskgen import store
+from daskgen.client.interrupt import EXIT_INTERRUPTED, Interrupt, _parse_slurm_time
 from daskgen.engines.base import FinishReason
-from daskgen.interrupt import EXIT_INTERRUPTED, Interrupt, _parse_slurm_time
+from daskgen.store import generation_store as store
 from tests.conftest import popen_cli, run_cli, write_prompts
 from tests.test_run import _wait_for_some_done, sim_args
 
@@ -237,7 +237,7 @@ def test_interrupt_turns_the_first_signal_into_a_request_and_the_second_into_an_
 
 
 def test_allocation_end_from_slurm(monkeypatch):
-    from daskgen.interrupt import allocation_end
+    from daskgen.client.interrupt import allocation_end
 
     monkeypatch.setenv("SLURM_JOB_END_TIME", "1900000000")
     assert allocation_end() == 1900000000.0
@@ -261,7 +261,7 @@ def test_allocation_end_stops_the_run_gracefully(tmp_path):
 
 def test_exit_status_mapping():
     from daskgen.cli import exit_status
-    from daskgen.runner import RunSummary
+    from daskgen.client.runner import RunSummary
 
     assert exit_status(RunSummary("s", 4, 4, 0, 0)) == 0
     assert exit_status(RunSummary("s", 4, 3, 1, 0)) == 1
@@ -293,7 +293,7 @@ def _dask_worker(address: str, name: str, log: Path) -> subprocess.Popen:
     from tests.conftest import cli_env
 
     return subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address, "--name", name,
-                             "--nthreads", "4", "--nanny", "--preload-nanny", "daskgen.nanny_preload"],
+                             "--nthreads", "4", "--nanny", "--preload-nanny", "daskgen.worker.nanny_preload"],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=cli_env(), start_new_session=True)
 
 
@@ -340,7 +340,7 @@ def test_drain_before_retire_keeps_every_way_of_choosing_workers():
     """The scheduler wrapper resolves targets as the scheduler does: addresses, names, or workers_to_close."""
     from distributed import Client, LocalCluster
 
-    from daskgen.drain import DrainBeforeRetire
+    from daskgen.worker.drain import DrainBeforeRetire
 
     with (LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=":0") as lc,
           Client(lc) as client):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from daskgen.progress import Progress
+from daskgen.client.progress import Progress
 
 
 def test_progress_counts_and_shows_the_postfix_only_when_enabled(capsys):

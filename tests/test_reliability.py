@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from daskgen import store
-from daskgen.analysis import open_store
+from daskgen.analysis.accessor import open_store
 from daskgen.errors import StoreLockedError
-from daskgen.lock import LOCK_NAME, StoreLock
+from daskgen.store import generation_store as store
+from daskgen.store.lock import LOCK_NAME, StoreLock
 from tests.conftest import popen_cli, run_cli, write_prompts
 from tests.test_run import _wait_for_some_done, calls, sim_args
 
@@ -78,7 +78,7 @@ def test_worker_sigkill_mid_run_completes_exactly_once(tmp_path, cluster):
     assert committed_then_redone == set(), f"committed samples generated again: {sorted(committed_then_redone)}"
     # the nanny's replacement worker got the engine plugin
     client.wait_for_workers(2, timeout=60)
-    from daskgen.plugin import plugin_status
+    from daskgen.worker.plugin import plugin_status
 
     states = client.run(plugin_status)
     assert all(s["state"] == "ready" for s in states.values()), states

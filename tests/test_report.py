@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from daskgen import report
+from daskgen.analysis import report
 from daskgen.errors import ExportError, OutputExistsError, StoreError
 from tests.conftest import run_cli
 from tests.test_analysis import build_store

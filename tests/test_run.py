@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from daskgen import store
-from daskgen.analysis import open_store
+from daskgen.analysis.accessor import open_store
+from daskgen.store import generation_store as store
 from tests.conftest import popen_cli, run_cli, write_prompts
 
 pytestmark = pytest.mark.timeout(300)

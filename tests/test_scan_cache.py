@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from daskgen import plan as run_plan
-from daskgen import store
+from daskgen.client import plan as run_plan
 from daskgen.config import RunConfig
 from daskgen.errors import StoreMismatchError
-from daskgen.scan_cache import ATTR
+from daskgen.input.scan_cache import ATTR
+from daskgen.store import generation_store as store
 from tests.conftest import write_prompts
 
 

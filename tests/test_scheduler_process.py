@@ -20,12 +20,12 @@ import psutil
 import pytest
 from distributed import Client
 
+from daskgen.client.runner import run
 from daskgen.config import RunConfig
 from daskgen.deploy import make_cluster, parse_cluster_spec
 from daskgen.deploy.scheduler_process import SchedulerProcess
 from daskgen.deploy.spec import scheduler_process
 from daskgen.errors import ConfigError
-from daskgen.runner import run
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the scheduler process cannot import tests/
 
@@ -120,7 +120,7 @@ def test_a_run_on_a_cluster_whose_scheduler_runs_apart(tmp_path, caplog):
                        max_new_tokens=8, engine_args={"time_scale": 0.0},
                        cluster={"kind": "local", "n_workers": 1, "scheduler_process": True})
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    with caplog.at_level("INFO", logger="daskgen.cluster"):
+    with caplog.at_level("INFO", logger="daskgen.client.cluster"):
         summary = run(config, str(prompts))
     assert summary.ok and summary.done == 24, summary.line()
     assert "scheduler in process" in caplog.text  # the cluster line names the scheduler's own process
@@ -200,8 +200,8 @@ def test_the_scheduler_process_does_not_outlive_a_killed_client(tmp_path):
 def test_sigterm_to_every_process_of_the_client_still_saves_partial_responses(tmp_path):
     """``scancel``/walltime signal every process of the client's job: the scheduler process stays up while
     the client drains the workers through it, then ends with the run; nothing is left behind."""
-    from daskgen import store
-    from daskgen.interrupt import EXIT_INTERRUPTED
+    from daskgen.client.interrupt import EXIT_INTERRUPTED
+    from daskgen.store import generation_store as store
     from tests.conftest import popen_cli, write_prompts
     from tests.test_preemption import LONG, _group_gone, _partials
     from tests.test_run import _wait_for_some_done, sim_args

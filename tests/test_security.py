@@ -1,4 +1,4 @@
-"""TLS of the clusters daskgen builds or joins (daskgen/security.py, docs/hpc.md "Security").
+"""TLS of the clusters daskgen builds or joins (daskgen/deploy/security.py, docs/hpc.md "Security").
 
 Real clusters: a LocalCluster with a per-run certificate refuses clients without it (Dask clients
 over plain TCP or with another certificate, and a raw TLS socket that presents no certificate);
@@ -21,10 +21,10 @@ import pytest
 from distributed import Client
 from distributed.security import Security
 
-from daskgen import store
 from daskgen.deploy import make_cluster, render_job_script
+from daskgen.deploy.security import TLSFiles, client_security, cluster_tls, temporary_security, tls_directory
 from daskgen.errors import ConfigError
-from daskgen.security import TLSFiles, client_security, cluster_tls, temporary_security, tls_directory
+from daskgen.store import generation_store as store
 from tests.conftest import run_cli, wait_for_jobs, write_prompts
 from tests.test_run import sim_args
 
@@ -223,7 +223,7 @@ def test_client_security_errors(tmp_path, address, files, match):
 
 
 def test_plain_tcp_to_a_remote_scheduler_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="daskgen.security"):
+    with caplog.at_level(logging.WARNING, logger="daskgen.deploy.security"):
         client_security("tcp://127.0.0.1:8786")
         assert "without TLS" not in caplog.text
         client_security("tcp://login01:8786")

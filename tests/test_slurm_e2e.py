@@ -93,7 +93,7 @@ def test_slurm_job_runs_one_pinned_worker_per_gpu(tmp_path, monkeypatch):
         import multiprocessing
         import os
 
-        from daskgen.gpu import pin_worker_gpu
+        from daskgen.worker.gpu import pin_worker_gpu
 
         devices = pin_worker_gpu(dask_worker.name)
         return {

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from daskgen import store
-from daskgen.analysis import open_store
+from daskgen.analysis.accessor import open_store
 from daskgen.errors import StoreError, StoreMismatchError
+from daskgen.store import generation_store as store
 
 LAYOUT = store.Layout(n_prompts=10, n_samples=2, max_prompt_tokens=8, max_new_tokens=6, partition_size=4,
                       pad_token_id=0)
@@ -106,5 +106,8 @@ def test_store_module_does_not_import_analysis():
     import subprocess
     import sys
 
-    code = "import sys, daskgen.store; assert 'daskgen.analysis' not in sys.modules and 'xarray' not in sys.modules"
+    code = (
+        "import sys, daskgen.store.generation_store; "
+        "assert 'daskgen.analysis.accessor' not in sys.modules and 'xarray' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -12,8 +12,9 @@ import pytest
 import yaml
 
 import daskgen
-from daskgen import store, tunables
-from daskgen.lock import StoreLock
+from daskgen import tunables
+from daskgen.store import generation_store as store
+from daskgen.store.lock import StoreLock
 
 
 def test_shipped_defaults_are_in_dask_config() -> None:

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from daskgen.admission import START_MAX_WINDOW, Admission
 from daskgen.config import RunConfig
 from daskgen.errors import ConfigError
-from daskgen.plugin import AUTO_MAX_WINDOW, AUTO_MIN_WINDOW, resolve_window
+from daskgen.worker.admission import START_MAX_WINDOW, Admission
+from daskgen.worker.plugin import AUTO_MAX_WINDOW, AUTO_MIN_WINDOW, resolve_window
 
 
 @pytest.mark.parametrize(("capacity", "per_partition", "nthreads", "expected"), [
@@ -63,10 +63,10 @@ def test_workers_advertise_the_auto_window_and_the_runner_sums_it(tmp_path):
     import dask
     from distributed import Client, LocalCluster
 
-    from daskgen.admission import WindowBoard
-    from daskgen.cluster import start_engines
-    from daskgen.plugin import RESOURCE, plugin_status
-    from daskgen.runner import in_flight_target
+    from daskgen.client.cluster import start_engines
+    from daskgen.client.runner import in_flight_target
+    from daskgen.worker.admission import WindowBoard
+    from daskgen.worker.plugin import RESOURCE, plugin_status
 
     config = RunConfig(model="sim", store=str(tmp_path / "s.zarr"), engine="simulated", n_samples=2,
                        partition_size=16, engine_args={"max_batch": 48, "time_scale": 0.0})
@@ -97,8 +97,8 @@ def test_auto_window_follows_occupancy_and_the_run_completes(tmp_path):
     """On a heavy tail the window leaves its starting value as the engine's occupancy changes (announced
     to the client, which submits accordingly), and the run completes.  (How far it moves depends on
     timing; the rule itself is checked exactly by ``test_admission_follows_occupancy``.)"""
-    from daskgen import store
-    from daskgen.runner import run
+    from daskgen.client.runner import run
+    from daskgen.store import generation_store as store
 
     rows = [f"prompt {i}" for i in range(200)]
     config = RunConfig(model="sim", store=str(tmp_path / "s.zarr"), engine="simulated", n_samples=2,
@@ -106,7 +106,7 @@ def test_auto_window_follows_occupancy_and_the_run_completes(tmp_path):
                        engine_args={"max_batch": 16, "time_scale": 0.02, "length_dist": "lognormal",
                                     "length_mean": 300, "length_sigma": 1.6})
     seen: list[int] = []
-    from daskgen import admission
+    from daskgen.worker import admission
 
     original = admission.WindowBoard.total
 
@@ -132,8 +132,8 @@ def test_one_partition_stays_submitted_when_no_worker_admits_any():
     """
     import dataclasses
 
-    from daskgen.admission import WindowBoard
-    from daskgen.runner import _submit_up_to
+    from daskgen.client.runner import _submit_up_to
+    from daskgen.worker.admission import WindowBoard
 
     @dataclasses.dataclass(frozen=True)
     class Recorded:

@@ -64,7 +64,7 @@ class EngineHandle:
     """What a loop sees of the engine: ``generate`` with in-flight tracking, so a hung partition
     can abort every request of its loops.
 
-    ``live`` (the worker's :meth:`~daskgen.plugin.EnginePlugin.live_engine`) tells whether the engine
+    ``live`` (the worker's :meth:`~daskgen.worker.plugin.EnginePlugin.live_engine`) tells whether the engine
     a request went to is still the worker's running engine.  A request that errors or raises because
     its engine was shut down for a restart meanwhile (a crash caused by another request) ends
     ``abort`` — its row is requeued — instead of failing its row as a bad request would.

@@ -8,7 +8,7 @@ time.  Anything the spec leaves out comes from dask's ``jobqueue.<kind>.*`` conf
 plain dask-jobqueue; list settings (prologue, directives, worker arguments) extend the configured
 ones.  ``dask_jobqueue`` is optional (extra ``[hpc]``) and imported lazily.
 SLURM/PBS clusters use TLS with a per-run certificate unless ``cluster.tls`` is false
-(:mod:`daskgen.security`).
+(:mod:`daskgen.deploy.security`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,15 @@ from typing import Any
 import dask
 from dask.utils import parse_bytes, parse_timedelta
 
+from daskgen.deploy.security import (
+    RemoveTLSFilesOnClose,
+    TLSFiles,
+    cluster_tls,
+    job_script_security,
+    temporary_security,
+    tls_directory,
+    warn_insecure,
+)
 from daskgen.deploy.spec import (
     DEFAULT_THREADS_PER_WORKER,
     ClusterInfo,
@@ -33,16 +42,7 @@ from daskgen.deploy.spec import (
     scheduler_process,
 )
 from daskgen.errors import ConfigError
-from daskgen.gpu import ENV_GPUS_PER_WORKER, ENV_LOCAL_RANK, ENV_WORKERS_PER_NODE
-from daskgen.security import (
-    RemoveTLSFilesOnClose,
-    TLSFiles,
-    cluster_tls,
-    job_script_security,
-    temporary_security,
-    tls_directory,
-    warn_insecure,
-)
+from daskgen.worker.gpu import ENV_GPUS_PER_WORKER, ENV_LOCAL_RANK, ENV_WORKERS_PER_NODE
 
 DAEMON_ENV = "DASK_DISTRIBUTED__WORKER__DAEMON"
 _LIFETIME_VAR = "DASKGEN_WORKER_LIFETIME"
@@ -217,8 +217,8 @@ def _worker_args(s: ClusterSpec, layout: _Layout, lifetime: tuple[int, int] | No
     args = _config_list(s.kind, "worker-extra-args") + s.get("worker_extra_args", [])
     if layout.gpus_per_node and not _has_flag(args, "--resources"):
         args += ["--resources", f"GPU={layout.gpus_per_worker}"]
-    if "daskgen.nanny_preload" not in args:
-        args += ["--preload-nanny", "daskgen.nanny_preload"]  # see daskgen/nanny_preload.py
+    if "daskgen.worker.nanny_preload" not in args:
+        args += ["--preload-nanny", "daskgen.worker.nanny_preload"]  # see daskgen/worker/nanny_preload.py
     if lifetime is not None and not _has_flag(args, "--lifetime"):
         value = f"${{{_LIFETIME_VAR}}}s" if lifetime[1] > 0 else f"{lifetime[0]}s"
         args += ["--lifetime", value]

@@ -14,6 +14,7 @@ from typing import Any
 
 import dask
 
+from daskgen.deploy.security import TLSFiles, cluster_tls, temporary_security
 from daskgen.deploy.spec import (
     DEFAULT_THREADS_PER_WORKER,
     ClusterInfo,
@@ -24,8 +25,7 @@ from daskgen.deploy.spec import (
     scheduler_process,
 )
 from daskgen.errors import ConfigError
-from daskgen.gpu import ENV_GPUS_PER_WORKER, ENV_LOCAL_RANK, ENV_WORKERS_PER_NODE, count_visible_gpus
-from daskgen.security import TLSFiles, cluster_tls, temporary_security
+from daskgen.worker.gpu import ENV_GPUS_PER_WORKER, ENV_LOCAL_RANK, ENV_WORKERS_PER_NODE, count_visible_gpus
 
 
 def _local_workers(s: ClusterSpec, gpus: int) -> tuple[int, int]:

@@ -42,7 +42,7 @@ import dask
 from distributed import LocalCluster
 from distributed.deploy.spec import ProcessInterface
 
-from daskgen.security import RemoveTLSFilesOnClose, tls_files_for
+from daskgen.deploy.security import RemoveTLSFilesOnClose, tls_files_for
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class SchedulerProcess(ProcessInterface):
         ``False`` starts no dashboard.
     security:
         A :class:`distributed.security.Security` naming **files** for the scheduler role, or ``None``.
-        In-memory certificates cannot be handed to another process: use :class:`daskgen.security.TLSFiles`.
+        In-memory certificates cannot be handed to another process: use :class:`daskgen.deploy.security.TLSFiles`.
     **options:
         Other ``Scheduler`` options clusters pass; ``services``, ``service_kwargs`` and
         ``blocked_handlers`` must be empty, anything else is refused.

@@ -16,8 +16,8 @@ from typing import Any
 import dask
 from dask.utils import parse_timedelta
 
+from daskgen.deploy.security import cluster_tls
 from daskgen.errors import ConfigError
-from daskgen.security import cluster_tls
 
 KINDS = ("local", "slurm", "pbs")
 #: Task slots per worker: how many partitions one engine has in flight at once.

@@ -1,6 +1,6 @@
 """The engine contract: token ids in, token ids out.
 
-An engine is created once per Dask worker by :class:`daskgen.plugin.EnginePlugin` and
+An engine is created once per Dask worker by :class:`daskgen.worker.plugin.EnginePlugin` and
 driven from the worker's event loop.  All methods are ``async``; engines that wrap a
 blocking backend run it in their own thread.
 """

@@ -4,7 +4,7 @@ This module alone owns the layout (``docs/architecture.md``): every array's shap
 dtype, fill value, dimensions and writer (:class:`ArraySpec`, :meth:`Layout.array_specs`), the
 worker-writable arrays derived from it (:meth:`Layout.data_arrays`) and the fill rules
 (:func:`empty_region`, :func:`clear_response`).  Opening a store for analysis
-(:func:`daskgen.analysis.open_store`) lives with the xarray accessor.
+(:func:`daskgen.analysis.accessor.open_store`) lives with the xarray accessor.
 
 Workers write whole chunk-aligned regions of the data arrays; only the client writes
 ``status`` and ``error`` (coarse chunks), after the data landed.  ``status`` is the checkpoint.
@@ -26,7 +26,7 @@ import numpy as np
 from daskgen import tunables
 from daskgen.engines.base import FINISH_FLAG_MEANINGS, FINISH_FLAG_VALUES
 from daskgen.errors import StoreError, StoreMismatchError, StoreWriteError
-from daskgen.storage import StoreLocation, locate, write_failures
+from daskgen.store.location import StoreLocation, locate, write_failures
 
 SCHEMA_VERSION = 1
 #: Stores with a ``trajectory`` axis (agent loops that return several trajectories per sample).

@@ -18,14 +18,14 @@ from typing import Any
 from distributed import WorkerPlugin
 
 from daskgen import tunables
-from daskgen.admission import (  # noqa: F401 - resolve_window and the bounds are part of this module's API
+from daskgen.errors import EngineError
+from daskgen.worker.admission import (  # noqa: F401 - resolve_window and the bounds are part of this module's API
     AUTO_MAX_WINDOW,
     AUTO_MIN_WINDOW,
     WINDOW_TOPIC,
     Admission,
     resolve_window,
 )
-from daskgen.errors import EngineError
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +78,11 @@ class EnginePlugin(WorkerPlugin):
         """Start loading the engine in the background and return at once.
 
         Also makes the worker hand back its in-flight work before it goes: the scheduler-side
-        :class:`daskgen.drain.DrainBeforeRetire` and a nanny closing its worker call the
+        :class:`daskgen.worker.drain.DrainBeforeRetire` and a nanny closing its worker call the
         ``daskgen_drain`` handler; a SIGTERM to a nanny-spawned worker process drains it and
-        retires it (:mod:`daskgen.drain`).
+        retires it (:mod:`daskgen.worker.drain`).
         """
-        from daskgen.drain import install_worker_hooks
+        from daskgen.worker.drain import install_worker_hooks
 
         self._worker = worker
         self._ready = asyncio.Event()
@@ -123,7 +123,7 @@ class EnginePlugin(WorkerPlugin):
                 self._admitter = asyncio.create_task(self._follow_occupancy(admission))
 
     async def _follow_occupancy(self, admission: Admission) -> None:
-        """``window: auto``: re-size the window from the engine's occupancy (:mod:`daskgen.admission`)."""
+        """``window: auto``: re-size the window from the engine's occupancy (:mod:`daskgen.worker.admission`)."""
         while True:
             await asyncio.sleep(tunables.seconds("admission-interval"))
             if self.state != "ready" or self.draining or self.stopping or not self.running:
@@ -177,7 +177,7 @@ class EnginePlugin(WorkerPlugin):
     def tokenizer(self) -> Any:
         """The model's tokenizer on this worker (loaded once), e.g. to decode for verifiers."""
         if getattr(self, "_tokenizer", None) is None:
-            from daskgen.tokenizer import load_tokenizer
+            from daskgen.input.tokenizer import load_tokenizer
 
             self._tokenizer = load_tokenizer(self.model, self.engine_name, self.engine_args)
         return self._tokenizer
@@ -245,7 +245,7 @@ async def _quietly_shutdown(engine: Any) -> None:
 
 def _pin_gpu(worker_name: Any) -> str:
     """Give this worker its own GPU when several are visible (before any CUDA initialisation)."""
-    from daskgen.gpu import pin_gpu
+    from daskgen.worker.gpu import pin_gpu
 
     description = pin_gpu(worker_name).describe()
     logger.info(description)

@@ -4,7 +4,7 @@ Panels: prompts by status, response length by finish reason, throughput over tim
 prompts and response tokens per minute, from the per-prompt ``committed_at`` commit times) and
 the run's settings; the HTML adds length statistics, the run history and the first errors.
 Drawn with matplotlib's Agg backend (no display needed); statistics come from
-:mod:`daskgen.analysis`, so the report also works while a run writes the store.
+:mod:`daskgen.analysis.accessor`, so the report also works while a run writes the store.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from daskgen import store
 from daskgen.errors import ExportError, StoreError
+from daskgen.store import generation_store as store
 
 __all__ = ["PANELS", "ReportData", "collect", "write_report"]
 
@@ -48,7 +48,7 @@ class ReportData:
 
 def collect(path: str | Path) -> ReportData:
     """Read the statistics a report needs (status first: a consistent snapshot during a run)."""
-    from daskgen.analysis import open_store
+    from daskgen.analysis.accessor import open_store
 
     ds = open_store(path)
     acc = ds.daskgen
@@ -235,7 +235,7 @@ def render_html(data: ReportData, out: Path) -> None:
 
 def write_report(path: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
     """Write the report of the store at ``path`` to ``out`` (``.html`` or ``.png``, by suffix)."""
-    from daskgen.export import check_output, staged_output
+    from daskgen.analysis.export import check_output, staged_output
 
     out = Path(out)
     kind = out.suffix.lower()

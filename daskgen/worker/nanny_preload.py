@@ -5,7 +5,7 @@ worker process.  A fixed threshold switches off glibc's dynamic mmap threshold, 
 maps and unmaps every large buffer of every step (1.6-1.8x fewer tokens/s for the ``transformers``
 engine on CPU, ``benchmarks/overhead.py``).  On a local cluster the client changes that setting before
 it starts the nannies (``daskgen.deploy``); the nannies of HPC jobs run elsewhere with their own
-configuration, so :mod:`daskgen.deploy` starts them with ``--preload-nanny daskgen.nanny_preload``.
+configuration, so :mod:`daskgen.deploy` starts them with ``--preload-nanny daskgen.worker.nanny_preload``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,6 @@ def dask_setup(nanny: Any) -> None:
 
 async def dask_teardown(nanny: Any) -> None:
     """Before the nanny stops its worker (e.g. ``dask worker`` got SIGTERM), let it hand back its work."""
-    from daskgen.drain import drain_from_nanny
+    from daskgen.worker.drain import drain_from_nanny
 
     await drain_from_nanny(nanny)

@@ -2,7 +2,7 @@
 
 A worker that leaves with partitions running would lose every token generated for them: Dask
 reschedules the tasks elsewhere from scratch.  Instead, before a worker goes, its
-:class:`~daskgen.plugin.EnginePlugin` *drains* it (:meth:`EnginePlugin.drain`): no new partitions,
+:class:`~daskgen.worker.plugin.EnginePlugin` *drains* it (:meth:`EnginePlugin.drain`): no new partitions,
 every in-flight request aborted keeping its tokens, and the running partitions finish normally —
 each writes its region (finished samples, partial responses) before its task returns, so the store
 holds the work whatever happens to the worker next.  The client commits what finished and the next
@@ -14,7 +14,7 @@ Who triggers the drain:
   scheduler plugin :class:`DrainBeforeRetire` drains the workers before the scheduler retires them
   (the scheduler itself would reschedule their running tasks at once);
 * **a nanny closing its worker** (``dask worker`` got SIGTERM/SIGINT, e.g. at the end of a batch job):
-  :func:`drain_from_nanny`, called by the ``daskgen.nanny_preload`` teardown;
+  :func:`drain_from_nanny`, called by the ``daskgen.worker.nanny_preload`` teardown;
 * **SIGTERM to a nanny-spawned worker process** (SLURM signals every process of a job): the handler
   installed by :func:`install_worker_hooks` drains the worker, then retires it gracefully.
 

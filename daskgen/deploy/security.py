@@ -296,7 +296,7 @@ def tls_files_for(security: Any, role: str, who: str) -> dict[str, str] | None:
         return None
     if any(value and "\n" in value for value in files.values()):
         raise ConfigError(f"{who} name certificate files: give a Security whose tls_ca_file, tls_{role}_cert and "
-                          f"tls_{role}_key are paths (not PEM text), e.g. written by daskgen.security.TLSFiles")
+                          f"tls_{role}_key are paths (not PEM text), e.g. written by daskgen.deploy.security.TLSFiles")
     return files
 
 

@@ -32,8 +32,8 @@ import xarray as xr
 
 from daskgen.engines.base import FinishReason
 from daskgen.errors import ConfigError, StoreError, StoreMismatchError
-from daskgen.storage import StoreLocation, locate
-from daskgen.store import ATTRS_KEY, DONE, FAILED, PENDING, read_attrs
+from daskgen.store.generation_store import ATTRS_KEY, DONE, FAILED, PENDING, read_attrs
+from daskgen.store.location import StoreLocation, locate
 
 __all__ = ["FINISH_LABELS", "DaskgenAccessor", "decode_many", "decode_prompts", "finish_labels",
            "iter_raw_prompts", "flatten_samples", "open_store"]
@@ -50,7 +50,7 @@ def open_store(path: str | Path | StoreLocation) -> xr.Dataset:
     """Open a store lazily as an ``xarray.Dataset`` (also while a run is writing it).
 
     ``path`` is a folder, an object-storage URL (``s3://…``) or a
-    :class:`~daskgen.storage.StoreLocation`.  Registers the ``ds.daskgen`` accessor (this module)
+    :class:`~daskgen.store.location.StoreLocation`.  Registers the ``ds.daskgen`` accessor (this module)
     and adds a lazy ``finish_label`` variable (``finish_reason`` decoded to
     ``stop``/``length``/``abort``/``error``/``not_generated``).
     """
@@ -87,7 +87,7 @@ def decode_many(tokenizer: Any, sequences: Sequence[Sequence[int]], skip_special
 
 def iter_raw_prompts(path: str | Path, rows: Iterable[int]) -> Iterator[str]:
     """Stream the JSON of the input's ``messages`` or ``prompt`` for the increasing 0-based ``rows``."""
-    from daskgen.data import iter_rows
+    from daskgen.input.rows import iter_rows
 
     wanted = iter(rows)
     target = next(wanted, None)
@@ -371,7 +371,7 @@ class DaskgenAccessor:
         ``path`` defaults to the recorded ``prompts`` path; a ``path`` you give must match (else
         :class:`StoreMismatchError`).  The file is streamed, never held in memory.
         """
-        from daskgen.data import fingerprint, iter_rows
+        from daskgen.input.rows import fingerprint, iter_rows
 
         source = path or self.attrs.get("config", {}).get("prompts")
         if not source or (path is None and not Path(source).is_file()):
@@ -398,7 +398,7 @@ class DaskgenAccessor:
         """The run's tokenizer (from the model folder in the attrs, or ``path``), checked against the store."""
         if self._tokenizer is not None and path is None:
             return self._tokenizer
-        from daskgen.tokenizer import load_tokenizer, tokenizer_identity
+        from daskgen.input.tokenizer import load_tokenizer, tokenizer_identity
 
         attrs = self.attrs
         identity = attrs.get("identity", {})

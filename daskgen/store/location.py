@@ -6,7 +6,7 @@ daskgen needs outside zarr (read ``zarr.json``, the run lock's conditional write
 
 Object storage goes through :class:`zarr.storage.ObjectStore` on top of ``obstore`` (chosen over
 fsspec/s3fs because obstore exposes *conditional writes* — create-if-absent and replace-if-ETag-matches
-— the same way on S3, GCS and Azure, which the one-client lock (:mod:`daskgen.lock`) needs; s3fs
+— the same way on S3, GCS and Azure, which the one-client lock (:mod:`daskgen.store.lock`) needs; s3fs
 has no public API for them).  Credentials and endpoint come from the standard environment
 (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_ENDPOINT_URL``,
 ``AWS_REGION``, ``AWS_ALLOW_HTTP``; ``GOOGLE_*``; ``AZURE_*``) or from ``storage_options`` (the run

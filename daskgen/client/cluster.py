@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from daskgen import tunables
 from daskgen.config import RunConfig
 from daskgen.errors import EngineError, RunInterrupted
-from daskgen.plugin import AUTO_MAX_WINDOW, RESOURCE, EnginePlugin, plugin_status
+from daskgen.worker.plugin import AUTO_MAX_WINDOW, RESOURCE, EnginePlugin, plugin_status
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ def connect(config: RunConfig) -> Iterator[tuple[Any, Any]]:
     # Engines such as SGLang start subprocesses: worker processes must not be daemonic.
     with dask.config.set({"distributed.worker.daemon": False}):
         if config.scheduler_address:
-            from daskgen.security import client_security
+            from daskgen.deploy.security import client_security
 
             security = client_security(config.scheduler_address, config.tls_ca, config.tls_cert, config.tls_key)
             with Client(config.scheduler_address, security=security) as client:
@@ -61,7 +61,7 @@ def start_engines(client: Any, config: RunConfig, interrupt: Any = None) -> int:
 
     Returns the number of workers with a ready engine.  Raises :class:`EngineError` with every
     worker's error when all engines failed, or when none is ready within the timeout, and
-    :class:`RunInterrupted` when ``interrupt`` (a :class:`daskgen.interrupt.Interrupt`) is requested.
+    :class:`RunInterrupted` when ``interrupt`` (a :class:`daskgen.client.interrupt.Interrupt`) is requested.
     """
     drain_s = config.grace_seconds() * 0.5  # a drained worker hands back within half the grace period
     plugin = EnginePlugin(config.engine, str(config.model), config.engine_args, window=config.window,
@@ -87,8 +87,8 @@ def start_engines(client: Any, config: RunConfig, interrupt: Any = None) -> int:
 
 
 def _drain_before_retire(client: Any, timeout: float) -> None:
-    """Make the scheduler drain daskgen workers before retiring them (:mod:`daskgen.drain`)."""
-    from daskgen.drain import DrainBeforeRetire
+    """Make the scheduler drain daskgen workers before retiring them (:mod:`daskgen.worker.drain`)."""
+    from daskgen.worker.drain import DrainBeforeRetire
 
     try:
         client.register_plugin(DrainBeforeRetire(timeout), name=DrainBeforeRetire.name)

@@ -21,7 +21,7 @@ from typing import Any
 
 from daskgen import tunables
 from daskgen.errors import StoreLockedError
-from daskgen.storage import StoreLocation, locate, write_failures
+from daskgen.store.location import StoreLocation, locate, write_failures
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def _pid_alive(pid: int) -> bool:
 class StoreLock:
     """Context manager holding the store's lock for the duration of a run.
 
-    The lock is one object written through the store's :class:`~daskgen.storage.StoreLocation`:
+    The lock is one object written through the store's :class:`~daskgen.store.location.StoreLocation`:
     created only if absent (``O_EXCL`` on a folder; ``If-None-Match: *`` on S3, the equivalent
     preconditions on GCS/Azure), and replaced only if unchanged since it was read (take-over of a
     stale lock, heartbeats: compare-then-rename on a folder; ``If-Match: <ETag>`` on object storage).

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from daskgen.data import InputScan
+from daskgen.input.rows import InputScan
 
 logger = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
 """The client side of a run: validate input, prepare the store, drive partitions, commit.
 
 Partitions stream through ``as_completed`` with a bounded in-flight window; each finished
-partition is committed (``status`` written after its data, :mod:`daskgen.commit`) and its future
+partition is committed (``status`` written after its data, :mod:`daskgen.client.commit`) and its future
 released.
 
 Retry and failure policy
 ------------------------
-Implemented here (:func:`drive` and its helpers) with :mod:`daskgen.partition` and
-:mod:`daskgen.plugin`; from the first response to a failure to the last:
+Implemented here (:func:`drive` and its helpers) with :mod:`daskgen.worker.partition` and
+:mod:`daskgen.worker.plugin`; from the first response to a failure to the last:
 
 1. **Task retries.**  A partition task that raises (an engine exception, or rows not finished
    within ``partition_timeout_s``) is retried by Dask up to ``max_retries`` times (default 2;
@@ -17,11 +17,11 @@ Implemented here (:func:`drive` and its helpers) with :mod:`daskgen.partition` a
 2. **Row isolation.**  A partition that still fails is resubmitted once in ``isolate`` mode (no
    Dask retries): row by row, and a row that fails alone is committed ``failed`` with its error,
    so one poison prompt cannot sink its partition (:func:`_collect`).
-3. **Engine restart.**  Before the task fails, the worker's :class:`~daskgen.plugin.EnginePlugin`
+3. **Engine restart.**  Before the task fails, the worker's :class:`~daskgen.worker.plugin.EnginePlugin`
    restarts the engine in place: after an engine exception (``mark_broken``), or after a timeout
    when a one-token health check fails (``check_health``).  A worker whose restart fails withdraws
    its ``daskgen-engine`` resource and takes no more partitions; when every worker's engine has
-   failed the run stops with each worker's error (:func:`daskgen.cluster.check_engines`).
+   failed the run stops with each worker's error (:func:`daskgen.client.cluster.check_engines`).
 4. **Requeue of aborted rows.**  Rows that came back ``abort`` while the run is not stopping
    (their engine was restarted under them, or their worker was drained before leaving) are
    requeued at once, restricted to those rows (:func:`_only_rows`); the stored tokens of their
@@ -30,7 +30,7 @@ Implemented here (:func:`drive` and its helpers) with :mod:`daskgen.partition` a
    (:func:`_requeue_aborted`); its stored tokens stay, and ``--retry-failed`` continues it.  During a
    stop (target, budget, deadline, SIGTERM) aborted rows are not requeued: they stay pending for the next run.
 5. **``--retry-failed``.**  Rows committed ``failed`` stay failed on resume unless the run is
-   started again with ``--retry-failed`` (:func:`daskgen.plan.pending_rows`).
+   started again with ``--retry-failed`` (:func:`daskgen.client.plan.pending_rows`).
 
 A store write error (:class:`~daskgen.errors.StoreWriteError`) is not retried: the run stops,
 keeping every partition committed before it.  The tested cases: ``docs/reliability.md``.
@@ -48,21 +48,22 @@ from typing import Any
 
 import numpy as np
 
-from daskgen import store, tunables
-from daskgen.admission import WindowBoard
-from daskgen.commit import CommitBatch, Outcome, commit_overlong
-from daskgen.completions import Completions
+from daskgen import tunables
+from daskgen.client.commit import CommitBatch, Outcome, commit_overlong
+from daskgen.client.dispatch import ATTR as DISPATCH_ATTR
+from daskgen.client.dispatch import still_partial, tail_share
+from daskgen.client.finished import Completions
+from daskgen.client.interrupt import Interrupt, allocation_end
+from daskgen.client.plan import Plan, keep_scan, pending_rows, pending_tasks, prepare
+from daskgen.client.progress import Progress
+from daskgen.client.stopping import abandon, begin_stop, check_interrupt, housekeeping, stop_reason, wait_s
 from daskgen.config import RunConfig
-from daskgen.dispatch import ATTR as DISPATCH_ATTR
-from daskgen.dispatch import still_partial, tail_share
 from daskgen.errors import RunInterrupted, StoreWriteError
-from daskgen.interrupt import Interrupt, allocation_end
-from daskgen.partition import PartitionResult, PartitionTask, run_partition
-from daskgen.plan import Plan, keep_scan, pending_rows, pending_tasks, prepare
-from daskgen.plugin import RESOURCE
-from daskgen.progress import Progress
 from daskgen.redaction import redact
-from daskgen.stopping import abandon, begin_stop, check_interrupt, housekeeping, stop_reason, wait_s
+from daskgen.store import generation_store as store
+from daskgen.worker.admission import WindowBoard
+from daskgen.worker.partition import PartitionResult, PartitionTask, run_partition
+from daskgen.worker.plugin import RESOURCE
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ def run(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None, *,
     """Run (or resume) generation for ``config``; returns the summary of the whole store.
 
     With ``handle_signals`` (main thread only) SIGTERM/SIGINT and the end of the SLURM allocation
-    stop the run gracefully within ``config.grace`` (see :mod:`daskgen.interrupt`); the summary's
+    stop the run gracefully within ``config.grace`` (see :mod:`daskgen.client.interrupt`); the summary's
     ``interrupted`` then says why.
     """
     t0 = time.perf_counter()
@@ -134,8 +135,8 @@ def run(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None, *,
 
 
 def _run_locked(plan: Plan, t0: float) -> RunSummary:
-    from daskgen.cluster import connect
-    from daskgen.lock import StoreLock
+    from daskgen.client.cluster import connect
+    from daskgen.store.lock import StoreLock
 
     config = plan.config
     with StoreLock(config.location()) as lock:
@@ -176,12 +177,12 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
     """Stream partitions through the cluster and commit each as it finishes.
 
     As many partitions are in flight as the ready workers admit together (their windows,
-    :mod:`daskgen.admission`; on an adaptive cluster at least enough to keep ``max_workers`` busy so
+    :mod:`daskgen.worker.admission`; on an adaptive cluster at least enough to keep ``max_workers`` busy so
     the cluster scales up), at most ``max_prompts_in_memory`` prompts' worth.
 
     Failures are handled as the module docstring's retry and failure policy says.
     """
-    from daskgen.cluster import check_engines, start_engines
+    from daskgen.client.cluster import check_engines, start_engines
 
     start_engines(client, plan.config, plan.interrupt)
     _record_engine(client, plan)
@@ -331,7 +332,7 @@ def _only_rows(task: PartitionTask, rows: list[int]) -> PartitionTask:
 
 def _record_engine(client: Any, plan: Plan) -> None:
     """Store what the engine says about itself (e.g. ``retokenized`` for chat/completions servers)."""
-    from daskgen.plugin import engine_description
+    from daskgen.worker.plugin import engine_description
 
     described = [d for d in client.run(engine_description).values() if d]
     if described:
@@ -395,7 +396,7 @@ def generate(prompts: str | Path | Sequence[Any], *, model: str, store: str | Pa
     ``prompts`` is a JSONL/Parquet path or a list of rows (dicts with ``messages`` or
     ``prompt``, or plain strings).  ``options`` are :class:`RunConfig` fields.
     """
-    from daskgen.analysis import open_store
+    from daskgen.analysis.accessor import open_store
 
     source = None if isinstance(prompts, (str, Path)) else prompts
     config = RunConfig.from_dict({**options, "model": str(model), "store": str(store),

@@ -27,8 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from daskgen import store
-from daskgen.analysis import (
+from daskgen.analysis.accessor import (
     decode_many,
     decode_prompts,
     finish_labels,
@@ -37,8 +36,9 @@ from daskgen.analysis import (
     open_store,
 )
 from daskgen.errors import ExportError, OutputExistsError, StoreError
-from daskgen.lock import LOCK_NAME
-from daskgen.storage import locate
+from daskgen.store import generation_store as store
+from daskgen.store.location import locate
+from daskgen.store.lock import LOCK_NAME
 
 __all__ = ["DEFAULT_SUFFIX", "FORMATS", "VERL_KEYS", "ExportResult", "check_output", "export", "load_tensordict",
            "staged_output", "to_tensordict", "upload_wandb", "verl_parts", "zip_store"]

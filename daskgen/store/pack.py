@@ -19,11 +19,11 @@ How it stays safe:
 * **resumable**: the shards already copied are recorded (``daskgen_pack`` attrs of the copy); an
   interrupted pack rewrites only the rest (and any recorded shard that no longer equals the source,
   e.g. after a run on the source in between), and a swap interrupted between its renames is finished;
-* the store's lock (:mod:`daskgen.lock`) is held throughout: no run can write the store meanwhile.
+* the store's lock (:mod:`daskgen.store.lock`) is held throughout: no run can write the store meanwhile.
 
 A packed store that still has pending or failed rows cannot be resumed as it is (partitions
 share shards): runs refuse it and name the fix, ``daskgen unpack STORE`` (see
-:func:`daskgen.store.check_compatible`).
+:func:`daskgen.store.generation_store.check_compatible`).
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from daskgen import store
 from daskgen.errors import PackError
-from daskgen.lock import LOCK_NAME, StoreLock
-from daskgen.storage import LocalLocation, StoreLocation, locate
+from daskgen.store import generation_store as store
+from daskgen.store.location import LocalLocation, StoreLocation, locate
+from daskgen.store.lock import LOCK_NAME, StoreLock
 
 logger = logging.getLogger(__name__)
 

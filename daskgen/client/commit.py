@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from daskgen import store, tunables
+from daskgen import tunables
+from daskgen.store import generation_store as store
 
 if TYPE_CHECKING:
-    from daskgen.plan import Plan
+    from daskgen.client.plan import Plan
 
 
 def commit_overlong(plan: Plan) -> None:
@@ -135,7 +136,7 @@ class CommitBatch:
 
 
 def status_writer(plan: Plan) -> store.StatusWriter:
-    """The run's :class:`~daskgen.store.StatusWriter`, opened at the first commit."""
+    """The run's :class:`~daskgen.store.generation_store.StatusWriter`, opened at the first commit."""
     if plan.writer is None:
         plan.writer = store.StatusWriter(plan.config.location())
     return plan.writer

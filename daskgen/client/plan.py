@@ -1,9 +1,9 @@
 """The plan of a run: what the client knows before any engine starts, and the tasks it will submit.
 
 :func:`prepare` validates the input and the settings (tokenizing every prompt once, or reusing the
-input scan kept in the store, :mod:`daskgen.scan_cache`), creates the store or checks that it matches;
-:func:`pending_tasks` then yields one :class:`~daskgen.partition.PartitionTask` per partition that
-still has rows to generate, in dispatch order (:mod:`daskgen.dispatch`).  :mod:`daskgen.runner`
+input scan kept in the store, :mod:`daskgen.input.scan_cache`), creates the store or checks that it matches;
+:func:`pending_tasks` then yields one :class:`~daskgen.worker.partition.PartitionTask` per partition that
+still has rows to generate, in dispatch order (:mod:`daskgen.client.dispatch`).  :mod:`daskgen.client.runner`
 drives them.
 """
 
@@ -18,17 +18,17 @@ from typing import Any
 
 import numpy as np
 
-from daskgen import store
 from daskgen.agents import create_agent
+from daskgen.client.dispatch import ATTR as DISPATCH_ATTR
+from daskgen.client.dispatch import dispatch_order, long_first, read_length_hints
+from daskgen.client.interrupt import Interrupt
 from daskgen.config import RunConfig
-from daskgen.data import InputScan, iter_selected_rows, scan_prompts
-from daskgen.dispatch import ATTR as DISPATCH_ATTR
-from daskgen.dispatch import dispatch_order, long_first, read_length_hints
-from daskgen.interrupt import Interrupt
-from daskgen.partition import PartitionTask
+from daskgen.input.rows import InputScan, iter_selected_rows, scan_prompts
+from daskgen.input.scan_cache import ATTR, load_scan, scan_key, scan_record
+from daskgen.input.tokenizer import load_tokenizer, tokenizer_identity
 from daskgen.redaction import redact
-from daskgen.scan_cache import ATTR, load_scan, scan_key, scan_record
-from daskgen.tokenizer import load_tokenizer, tokenizer_identity
+from daskgen.store import generation_store as store
+from daskgen.worker.partition import PartitionTask
 
 
 @dataclass
@@ -90,7 +90,7 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     first = list((stored or {}).get(DISPATCH_ATTR, []))
     predicted = None
     if config.length_hints:
-        from daskgen.storage import locate
+        from daskgen.store.location import locate
 
         hints = locate(config.length_hints, config.storage_options)
         predicted = read_length_hints(hints, pset.ids, pset.fingerprint, len(pset))
@@ -131,7 +131,7 @@ def pending_rows(plan: Plan) -> np.ndarray:
 def pending_tasks(plan: Plan) -> Iterator[PartitionTask]:
     """One task per partition with rows to generate, built lazily while streaming the input.
 
-    Likely-long partitions come first (:mod:`daskgen.dispatch`): those holding partial responses of an
+    Likely-long partitions come first (:mod:`daskgen.client.dispatch`): those holding partial responses of an
     interrupted earlier run, then those the ``length_hints`` store predicts longest (longest first),
     then the others in order.  Only the prompts of tasks the caller holds, and of the predicted-long
     group (at most half of ``max_prompts_in_memory``), are in memory: the input is re-read, not kept.

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from daskgen import store
+from daskgen.store import generation_store as store
 
 
 def status_report(path: store.Where) -> str:
@@ -39,7 +39,7 @@ def status_report(path: store.Where) -> str:
 
 def print_answers(path: store.Where, n: int) -> None:
     """Print the first ``n`` done prompts with their first sample, decoded with the model's tokenizer."""
-    from daskgen.tokenizer import load_tokenizer
+    from daskgen.input.tokenizer import load_tokenizer
 
     attrs = store.read_attrs(path) or {}
     identity = attrs.get("identity", {})

@@ -16,7 +16,7 @@ What is known about lengths before generating, in the order partitions are dispa
 3. The others, in input order.
 
 Once partitions run, each worker admits more of them while its engine's batch has room
-(:mod:`daskgen.admission`), so a partition kept alive by one long sample does not idle the engine.
+(:mod:`daskgen.worker.admission`), so a partition kept alive by one long sample does not idle the engine.
 
 The *tail share* of a run — the fraction of its generating time spent committing the last 10 % of
 its prompts — says how much the tail cost; it is printed and kept in the run history.
@@ -51,7 +51,7 @@ def read_length_hints(where: Any, ids: list[str], fingerprint: str, n_rows: int)
     else by the input's ``id`` column.  Raises :class:`~daskgen.errors.ConfigError` when ``where`` is
     not a daskgen store, or the inputs differ and the rows have no ids to match by.
     """
-    from daskgen import store
+    from daskgen.store import generation_store as store
 
     attrs = store.read_attrs(where)
     if attrs is None:

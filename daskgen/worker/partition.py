@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from daskgen import store
 from daskgen.agents import AgentLoop, EngineHandle, Trajectory, create_agent
-from daskgen.data import tokenize_rows
 from daskgen.engines.base import FinishReason, SamplingParams
 from daskgen.errors import EngineError
-from daskgen.verify import RowOutcome, sample_in_rounds
+from daskgen.input.rows import tokenize_rows
+from daskgen.store import generation_store as store
+from daskgen.worker.rounds import RowOutcome, sample_in_rounds
 
 
 @dataclass

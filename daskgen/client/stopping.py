@@ -12,11 +12,12 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from daskgen import store, tunables
+from daskgen import tunables
+from daskgen.store import generation_store as store
 
 if TYPE_CHECKING:
-    from daskgen.partition import PartitionTask
-    from daskgen.plan import Plan
+    from daskgen.client.plan import Plan
+    from daskgen.worker.partition import PartitionTask
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def stop_reason(plan: Plan, tokens: int) -> str | None:
 
 def begin_stop(client: Any, plan: Plan, reason: str, tasks: Iterator[PartitionTask], retry: list) -> None:
     """Submit nothing more and abort every request in flight on every worker."""
-    from daskgen.plugin import stop_run_on_worker
+    from daskgen.worker.plugin import stop_run_on_worker
 
     logger.warning("stopping early: %s", reason)
     plan.stopped = reason

@@ -1,0 +1,1 @@
+"""Prompts in: reading and validating rows, tokenizing with the chat template, reusing a scan."""

@@ -1,0 +1,1 @@
+"""The Zarr store: its layout, where it lives, its lock, packing into shards."""
