@@ -40,8 +40,19 @@ README = HERE / "README.md"
 SAMPLER_NAME = "daskgen-bench-sampler"
 ENGINE_PLUGIN = "daskgen-engine"
 
-VERSION_PACKAGES = ("daskgen", "dask", "distributed", "zarr", "numcodecs", "xarray", "numpy", "pyarrow", "torch",
-                    "transformers", "matplotlib")
+VERSION_PACKAGES = (
+    "daskgen",
+    "dask",
+    "distributed",
+    "zarr",
+    "numcodecs",
+    "xarray",
+    "numpy",
+    "pyarrow",
+    "torch",
+    "transformers",
+    "matplotlib",
+)
 
 
 # --------------------------------------------------------------------------- machine and versions
@@ -75,8 +86,10 @@ def load_average() -> str:
 
 def machine_info() -> str:
     """One line describing the machine."""
-    return (f"{os.cpu_count()} CPU(s) {cpu_model()}, {memory_gib():.0f} GiB RAM, {platform.system()} "
-            f"{platform.release()}, Python {platform.python_version()}")
+    return (
+        f"{os.cpu_count()} CPU(s) {cpu_model()}, {memory_gib():.0f} GiB RAM, {platform.system()} "
+        f"{platform.release()}, Python {platform.python_version()}"
+    )
 
 
 def package_versions() -> str:
@@ -96,14 +109,20 @@ def daskgen_source() -> str:
     if marker.is_file():
         return f"snapshot {DASKGEN_SRC} of commit {marker.read_text().strip()}"
     try:
-        head = subprocess.run(["git", "-C", str(DASKGEN_SRC), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(DASKGEN_SRC), "status", "--porcelain", "daskgen"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(DASKGEN_SRC), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(DASKGEN_SRC), "status", "--porcelain", "daskgen"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return str(DASKGEN_SRC)
-    return f"working tree {DASKGEN_SRC} at commit {head or '?'}" + (" with uncommitted changes in daskgen/" if dirty
-                                                                       else "")
+    return f"working tree {DASKGEN_SRC} at commit {head or '?'}" + (
+        " with uncommitted changes in daskgen/" if dirty else ""
+    )
 
 
 def command_line() -> str:
@@ -214,8 +233,9 @@ def add_common_args(parser: Any) -> None:
     parser.add_argument("--readme", type=Path, default=README, help="Markdown file the result is appended to")
     parser.add_argument("--no-record", action="store_true", help="print only; do not append to the README")
     parser.add_argument("--plot-dir", type=Path, default=HERE, help="where PNG plots are written")
-    parser.add_argument("--workdir", type=Path, default=None,
-                        help="scratch directory for stores (default: a fresh temporary directory)")
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="scratch directory for stores (default: a fresh temporary directory)"
+    )
 
 
 def run_parts(a: Any, title: str, parts: dict[str, Callable[[Any, Path, Record], Any]]) -> int:
@@ -303,8 +323,9 @@ class UtilisationSampler(WorkerPlugin):
         while True:
             stats = engine_stats(worker)
             if stats is not None:
-                self.samples.append((time.time(), int(stats["running"]), int(stats["waiting"]),
-                                     int(stats["tokens_generated"])))
+                self.samples.append(
+                    (time.time(), int(stats["running"]), int(stats["waiting"]), int(stats["tokens_generated"]))
+                )
             await asyncio.sleep(self.period)
 
     async def teardown(self, worker: Any) -> None:
@@ -325,8 +346,9 @@ def start_sampler(client: Any, period: float = 0.05) -> None:
 
 
 @contextlib.contextmanager
-def instrument_run(on_ready: Callable[[Any], None] | None = None,
-                   on_done: Callable[[Any], Any] | None = None) -> Iterator[dict[str, Any]]:
+def instrument_run(
+    on_ready: Callable[[Any], None] | None = None, on_done: Callable[[Any], Any] | None = None
+) -> Iterator[dict[str, Any]]:
     """Time a ``daskgen.client.runner.run`` from engines ready to the last commit, with hooks on its client.
 
     Wraps ``daskgen.client.cluster.start_engines`` (called by ``runner.drive`` before the first submit) and

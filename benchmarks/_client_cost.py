@@ -80,7 +80,7 @@ def thread_cpu() -> dict[str, float]:
         except OSError:
             continue  # ended meanwhile
         name = names.get(int(tid), "")
-        group = ("event loop" if name == "IO loop" else "main thread" if name == "MainThread" else "other threads")
+        group = "event loop" if name == "IO loop" else "main thread" if name == "MainThread" else "other threads"
         out[group] += (int(fields[11]) + int(fields[12])) / tick
     return out
 
@@ -126,14 +126,40 @@ def separate_scheduler(n_workers: int, nthreads: int, work: Path) -> Iterator[tu
     env = {**os.environ, "PYTHONPATH": benchmark_pythonpath()}
     sched_file = work / f"scheduler-{time.time_ns()}.json"
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "env": env}
-    sched = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
-                              "--port", "0", "--no-dashboard", "--scheduler-file", str(sched_file)], **quiet)
+    sched = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "distributed.cli.dask_scheduler",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--no-dashboard",
+            "--scheduler-file",
+            str(sched_file),
+        ],
+        **quiet,
+    )
     workers = None
     try:
         address = _wait_for_address(sched_file, sched)
-        workers = subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address, "--nworkers",
-                                    str(n_workers), "--nthreads", str(nthreads), "--no-dashboard",
-                                    "--host", "127.0.0.1"], **quiet)
+        workers = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "distributed.cli.dask_worker",
+                address,
+                "--nworkers",
+                str(n_workers),
+                "--nthreads",
+                str(nthreads),
+                "--no-dashboard",
+                "--host",
+                "127.0.0.1",
+            ],
+            **quiet,
+        )
         with Client(address, timeout=60) as client:
             client.wait_for_workers(n_workers, timeout=120)
         yield address, {"scheduler": psutil.Process(sched.pid), "nannies": psutil.Process(workers.pid)}
@@ -186,8 +212,14 @@ def instant_partitions() -> Iterator[None]:
         runner.run_partition = saved
 
 
-def dask_floor(client: Any, n_tasks: int, window: int, rate: float | None, partition_size: int,
-               procs: dict[str, psutil.Process] | None = None) -> dict[str, float]:
+def dask_floor(
+    client: Any,
+    n_tasks: int,
+    window: int,
+    rate: float | None,
+    partition_size: int,
+    procs: dict[str, psutil.Process] | None = None,
+) -> dict[str, float]:
     """Client-process CPU per task (and that of ``procs``) for ``n_tasks`` trivial tasks at ``rate`` per s
     (``None``: as fast as the cluster takes them)."""
     from distributed import as_completed
@@ -203,9 +235,17 @@ def dask_floor(client: Any, n_tasks: int, window: int, rate: float | None, parti
         nonlocal submitted
         worker = min(load, key=load.get)
         rows = list(range(submitted * partition_size, (submitted + 1) * partition_size))
-        fut = client.submit(_trivial_partition, submitted * partition_size, rows, seconds, pure=False,
-                            key=f"floor-{submitted}-{time.time_ns()}", resources={RESOURCE: 1},
-                            workers=[worker], allow_other_workers=True)
+        fut = client.submit(
+            _trivial_partition,
+            submitted * partition_size,
+            rows,
+            seconds,
+            pure=False,
+            key=f"floor-{submitted}-{time.time_ns()}",
+            resources={RESOURCE: 1},
+            workers=[worker],
+            allow_other_workers=True,
+        )
         load[worker] += 1
         owner[fut] = worker
         done.add(fut)

@@ -64,9 +64,16 @@ class SideResult:
 
 def engine_args(a: argparse.Namespace) -> dict[str, Any]:
     """The simulated engine's options shared by every side."""
-    return {"max_batch": a.max_batch, "step_time_base_s": a.step_base, "step_time_per_seq_s": a.step_per_seq,
-            "time_scale": a.time_scale, "length_dist": "lognormal", "length_mean": a.length_mean,
-            "length_sigma": a.length_sigma, "length_prompt_share": getattr(a, "length_prompt_share", 0.0)}
+    return {
+        "max_batch": a.max_batch,
+        "step_time_base_s": a.step_base,
+        "step_time_per_seq_s": a.step_per_seq,
+        "time_scale": a.time_scale,
+        "length_dist": "lognormal",
+        "length_mean": a.length_mean,
+        "length_sigma": a.length_sigma,
+        "length_prompt_share": getattr(a, "length_prompt_share", 0.0),
+    }
 
 
 def prompt_rows(n: int) -> list[str]:
@@ -83,10 +90,21 @@ def auto_window(a: argparse.Namespace) -> int:
 
 def make_config(a: argparse.Namespace, store: Path, window: int) -> RunConfig:
     """The run configuration of the streaming side (the sync side reuses its engine settings)."""
-    return RunConfig(model="simulated-longtail", engine="simulated", engine_args=engine_args(a), store=str(store),
-                     n_samples=a.n_samples, max_new_tokens=a.max_new_tokens, max_prompt_tokens=96,
-                     temperature=1.0, seed=a.seed, partition_size=a.partition_size, n_workers=a.workers,
-                     window=window, progress=False)
+    return RunConfig(
+        model="simulated-longtail",
+        engine="simulated",
+        engine_args=engine_args(a),
+        store=str(store),
+        n_samples=a.n_samples,
+        max_new_tokens=a.max_new_tokens,
+        max_prompt_tokens=96,
+        temperature=1.0,
+        seed=a.seed,
+        partition_size=a.partition_size,
+        n_workers=a.workers,
+        window=window,
+        progress=False,
+    )
 
 
 # --------------------------------------------------------------------------- computed sync makespan
@@ -113,7 +131,7 @@ def computed_sync(requests: list[Any], args: dict[str, Any], workers: int, batch
     """
     total, busy, lengths, steps, weighted = 0.0, 0.0, [], 0, 0.0
     for start in range(0, len(requests), batch_requests):
-        batch = requests[start:start + batch_requests]
+        batch = requests[start : start + batch_requests]
         shards = _bench.contiguous_shards(batch, workers)
         stats = [asyncio.run(_instant_shard(s, args)) for s in shards if s]
         total += max(s["busy_s"] for s in stats)
@@ -139,8 +157,15 @@ class _EngineState:
     busy_tokens: int = 0
 
 
-def emulate_streaming(partitions: list[np.ndarray], workers: int, window: int, max_batch: int, base_s: float,
-                      per_seq_s: float, occupancy: bool = False) -> dict[str, float]:
+def emulate_streaming(
+    partitions: list[np.ndarray],
+    workers: int,
+    window: int,
+    max_batch: int,
+    base_s: float,
+    per_seq_s: float,
+    occupancy: bool = False,
+) -> dict[str, float]:
     """Model-time makespan of windowed partition streaming under the simulated engine's step model.
 
     An exact event simulation with **zero** pipeline overhead: each worker holds up to ``window``
@@ -228,17 +253,28 @@ def run_sync(a: argparse.Namespace, config: RunConfig, requests: list[Any], batc
         _bench.start_sampler(client, a.sample_period)
         t0, t0_wall, tokens, barrier = time.perf_counter(), time.time(), 0, []
         for start in range(0, len(requests), batch_requests):
-            shards = _bench.contiguous_shards(requests[start:start + batch_requests], len(workers))
-            futures = [client.submit(_bench.generate_on_worker, shard, workers=[w], allow_other_workers=False,
-                                     pure=False) for w, shard in zip(workers, shards, strict=True) if shard]
+            shards = _bench.contiguous_shards(requests[start : start + batch_requests], len(workers))
+            futures = [
+                client.submit(_bench.generate_on_worker, shard, workers=[w], allow_other_workers=False, pure=False)
+                for w, shard in zip(workers, shards, strict=True)
+                if shard
+            ]
             tb = time.perf_counter()
             tokens += sum(sum(lengths) for lengths in client.gather(futures))
             barrier.append(time.perf_counter() - tb)
         wall = time.perf_counter() - t0
         stats = list(client.run(_bench.engine_stats).values())
         samples = client.run(_bench.sampler_samples)
-    return SideResult("sync", wall / a.time_scale, wall, tokens, stats, samples, t0_wall,
-                      {"batches": len(barrier), "batch_requests": batch_requests})
+    return SideResult(
+        "sync",
+        wall / a.time_scale,
+        wall,
+        tokens,
+        stats,
+        samples,
+        t0_wall,
+        {"batches": len(barrier), "batch_requests": batch_requests},
+    )
 
 
 def run_streaming(a: argparse.Namespace, config: RunConfig, prompts: list[str]) -> SideResult:
@@ -258,8 +294,16 @@ def run_streaming(a: argparse.Namespace, config: RunConfig, prompts: list[str]) 
         raise SystemExit(f"streaming run did not finish: {summary.line()}")
     wall = marks["generate_s"]
     stats, samples = marks["on_done"]
-    return SideResult(f"streaming (window {config.window})", wall / a.time_scale, wall, summary.response_tokens,
-                      stats, samples, marks["ready_wall"], {"window": config.window, "done": summary.done})
+    return SideResult(
+        f"streaming (window {config.window})",
+        wall / a.time_scale,
+        wall,
+        summary.response_tokens,
+        stats,
+        samples,
+        marks["ready_wall"],
+        {"window": config.window, "done": summary.done},
+    )
 
 
 # --------------------------------------------------------------------------- report
@@ -298,15 +342,17 @@ def plot(path: Path, a: argparse.Namespace, lengths: np.ndarray, sides: list[Sid
     ax1.set_yscale("log")
     ax1.set_xlabel("response length (tokens)")
     ax1.set_ylabel("samples")
-    ax1.set_title(f"{len(lengths):,} simulated responses: lognormal(mean {a.length_mean:g}, sigma {a.length_sigma:g}), "
-                  f"capped")
+    ax1.set_title(
+        f"{len(lengths):,} simulated responses: lognormal(mean {a.length_mean:g}, sigma {a.length_sigma:g}), capped"
+    )
     ax1.legend(fontsize=8)
     colors = iter(["tab:orange", "tab:green", "tab:purple", "tab:brown"])
     for side in sides:
         t, u = utilisation_series(side, a)
         if len(t):
-            ax2.plot(t, u, lw=0.8, color=next(colors),
-                     label=f"{side.name}: makespan {side.makespan_model_s:,.0f} model-s")
+            ax2.plot(
+                t, u, lw=0.8, color=next(colors), label=f"{side.name}: makespan {side.makespan_model_s:,.0f} model-s"
+            )
     ax2.axvline(ideal, color="black", ls="--", lw=1, label=f"ideal bound {ideal:,.0f} model-s")
     ax2.set_xlabel("model seconds since engines ready")
     ax2.set_ylabel("running requests / (workers × max_batch)")
@@ -324,8 +370,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2, help="Dask worker processes, one simulated engine each")
     p.add_argument("--prompts", type=int, default=4096, help="prompts in the whole job")
     p.add_argument("--n-samples", type=int, default=4)
-    p.add_argument("--batch-factor", type=float, default=2.0,
-                   help="sync global batch = batch_factor × max_batch requests per engine (measured)")
+    p.add_argument(
+        "--batch-factor",
+        type=float,
+        default=2.0,
+        help="sync global batch = batch_factor × max_batch requests per engine (measured)",
+    )
     p.add_argument("--sweep", default="1,2,4", help="batch factors for the computed sync makespans")
     p.add_argument("--max-batch", type=int, default=256, help="engine: requests running at once")
     p.add_argument("--step-base", type=float, default=0.02, help="engine: model seconds per step, fixed part")
@@ -335,11 +385,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=16384, help="length cap")
     p.add_argument("--time-scale", type=float, default=0.0115, help="wall seconds per model second")
     p.add_argument("--partition-size", type=int, default=64, help="prompts per daskgen partition")
-    p.add_argument("--window", default="auto",
-                   help="daskgen partitions in flight per worker; 'auto' = daskgen's default (about 8 × max_batch "
-                        "requests); comma-separated for several streaming runs (e.g. 2,auto)")
-    p.add_argument("--emulate-windows", default="1,2,4,8,16,32,64",
-                   help="windows for the zero-overhead emulation of streaming (cheap)")
+    p.add_argument(
+        "--window",
+        default="auto",
+        help="daskgen partitions in flight per worker; 'auto' = daskgen's default (about 8 × max_batch "
+        "requests); comma-separated for several streaming runs (e.g. 2,auto)",
+    )
+    p.add_argument(
+        "--emulate-windows",
+        default="1,2,4,8,16,32,64",
+        help="windows for the zero-overhead emulation of streaming (cheap)",
+    )
     p.add_argument("--sample-period", type=float, default=0.05, help="wall seconds between utilisation samples")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plot", action="store_true")
@@ -370,10 +426,12 @@ def main(argv: list[str] | None = None) -> int:
         compute_s = time.perf_counter() - t
         lengths = np.array(sweep[a.batch_factor]["lengths"])
         per_partition = a.partition_size * a.n_samples
-        parts = [lengths[i:i + per_partition] for i in range(0, len(lengths), per_partition)]
-        emulated = {w: emulate_streaming(parts, a.workers, w, a.max_batch, a.step_base, a.step_per_seq)
-                    for w in sorted({int(x) for x in a.emulate_windows.split(",")} | set(windows))}
-        check = asyncio.run(_instant_shard(requests[:batch_requests // a.workers], args))
+        parts = [lengths[i : i + per_partition] for i in range(0, len(lengths), per_partition)]
+        emulated = {
+            w: emulate_streaming(parts, a.workers, w, a.max_batch, a.step_base, a.step_per_seq)
+            for w in sorted({int(x) for x in a.emulate_windows.split(",")} | set(windows))
+        }
+        check = asyncio.run(_instant_shard(requests[: batch_requests // a.workers], args))
         des = emulate_streaming([np.array(check["lengths"])], 1, 1, a.max_batch, a.step_base, a.step_per_seq)
         des_error = abs(des["makespan"] - check["busy_s"]) / check["busy_s"]
         total = int(lengths.sum())
@@ -388,50 +446,106 @@ def main(argv: list[str] | None = None) -> int:
     sync = sides[0]
     rows = []
     for side in sides:
-        rows.append([side.name, side.makespan_model_s, side.wall_s, sync.makespan_model_s / side.makespan_model_s,
-                     ideal / side.makespan_model_s, side.busy_fraction(), side.mean_batch(),
-                     total / (a.workers * cap * side.makespan_model_s), side.tokens == total])
-    header = ["side", "makespan (model s)", "wall s", "speed-up vs sync", "ideal / makespan",
-              "engine busy fraction", "mean running batch", "capacity used", "same tokens"]
-    rec.note(f"Workload: {a.prompts:,} prompts × {a.n_samples} samples = {len(lengths):,} responses, lognormal lengths "
-             f"(mean {a.length_mean:g}, sigma {a.length_sigma:g}) capped at {a.max_new_tokens:,}: measured mean "
-             f"{lengths.mean():.0f}, p50 {np.median(lengths):.0f}, p99 {np.percentile(lengths, 99):.0f}, "
-             f"{(lengths >= a.max_new_tokens).mean():.2%} at the cap; {total:,} tokens. Engine: max_batch "
-             f"{a.max_batch}, step = {a.step_base} + {a.step_per_seq} × running model s (peak {cap:,.0f} tokens per "
-             f"model s per engine), time_scale {a.time_scale}. {a.workers} workers. Sync global batch "
-             f"{batch_requests // a.n_samples} prompts ({per_engine} requests per engine = {a.batch_factor:g} × "
-             f"max_batch), "
-             f"{len(requests) // batch_requests} batches. daskgen partitions of {a.partition_size} prompts.")
-    rec.note(f"Ideal bound = max(work bound {work_bound:,.0f}, longest sample alone {critical:,.0f}) = {ideal:,.0f} "
-             f"model s.")
+        rows.append(
+            [
+                side.name,
+                side.makespan_model_s,
+                side.wall_s,
+                sync.makespan_model_s / side.makespan_model_s,
+                ideal / side.makespan_model_s,
+                side.busy_fraction(),
+                side.mean_batch(),
+                total / (a.workers * cap * side.makespan_model_s),
+                side.tokens == total,
+            ]
+        )
+    header = [
+        "side",
+        "makespan (model s)",
+        "wall s",
+        "speed-up vs sync",
+        "ideal / makespan",
+        "engine busy fraction",
+        "mean running batch",
+        "capacity used",
+        "same tokens",
+    ]
+    rec.note(
+        f"Workload: {a.prompts:,} prompts × {a.n_samples} samples = {len(lengths):,} responses, lognormal lengths "
+        f"(mean {a.length_mean:g}, sigma {a.length_sigma:g}) capped at {a.max_new_tokens:,}: measured mean "
+        f"{lengths.mean():.0f}, p50 {np.median(lengths):.0f}, p99 {np.percentile(lengths, 99):.0f}, "
+        f"{(lengths >= a.max_new_tokens).mean():.2%} at the cap; {total:,} tokens. Engine: max_batch "
+        f"{a.max_batch}, step = {a.step_base} + {a.step_per_seq} × running model s (peak {cap:,.0f} tokens per "
+        f"model s per engine), time_scale {a.time_scale}. {a.workers} workers. Sync global batch "
+        f"{batch_requests // a.n_samples} prompts ({per_engine} requests per engine = {a.batch_factor:g} × "
+        f"max_batch), "
+        f"{len(requests) // batch_requests} batches. daskgen partitions of {a.partition_size} prompts."
+    )
+    rec.note(
+        f"Ideal bound = max(work bound {work_bound:,.0f}, longest sample alone {critical:,.0f}) = {ideal:,.0f} model s."
+    )
     rec.table(header, rows, "Measured (both sides on the same LocalCluster setup, one after the other):")
     ref = next((x for x in sides[1:] if x.extra.get("window") == auto_window(a)), sides[-1])
     srows = []
     for f, res in sweep.items():
         if res is None:
             continue
-        srows.append([f"{f:g}", round(f * a.max_batch), res["makespan"], ideal / res["makespan"],
-                      res["makespan"] / ref.makespan_model_s, res["mean_batch"]])
-    rec.table(["sync batch factor (requests per engine / max_batch)", "requests per engine per batch",
-               "sync makespan (model s, computed)", "ideal / sync", f"sync / measured {ref.name}",
-               "sync mean running batch"], srows,
-              f"Sync makespan computed with the same engine class in instant mode for several global-batch sizes "
-              f"({compute_s:.0f} s); ideal / sync is the most any scheduler can gain over sync at that size. "
-              f"Check: measured sync / computed sync at factor {a.batch_factor:g} = "
-              f"{sync.makespan_model_s / sweep[a.batch_factor]['makespan']:.3f} (dispatch and barrier overhead).")
+        srows.append(
+            [
+                f"{f:g}",
+                round(f * a.max_batch),
+                res["makespan"],
+                ideal / res["makespan"],
+                res["makespan"] / ref.makespan_model_s,
+                res["mean_batch"],
+            ]
+        )
+    rec.table(
+        [
+            "sync batch factor (requests per engine / max_batch)",
+            "requests per engine per batch",
+            "sync makespan (model s, computed)",
+            "ideal / sync",
+            f"sync / measured {ref.name}",
+            "sync mean running batch",
+        ],
+        srows,
+        f"Sync makespan computed with the same engine class in instant mode for several global-batch sizes "
+        f"({compute_s:.0f} s); ideal / sync is the most any scheduler can gain over sync at that size. "
+        f"Check: measured sync / computed sync at factor {a.batch_factor:g} = "
+        f"{sync.makespan_model_s / sweep[a.batch_factor]['makespan']:.3f} (dispatch and barrier overhead).",
+    )
     sync_c = sweep[a.batch_factor]["makespan"]
     erows = []
     for w, res in emulated.items():
         measured = next((x.makespan_model_s for x in sides[1:] if x.extra.get("window") == w), None)
-        erows.append([w, w * per_partition, res["makespan"], ideal / res["makespan"], sync_c / res["makespan"],
-                      measured, None if measured is None else measured / res["makespan"]])
-    rec.table(["window (partitions per worker)", "requests in flight per worker", "emulated makespan (model s)",
-               "ideal / emulated", f"computed sync (factor {a.batch_factor:g}) / emulated", "measured makespan",
-               "measured / emulated"], erows,
-              "Streaming emulated exactly under the same step model with zero pipeline overhead (an event "
-              "simulation of the window and the partition barrier; it reproduces the engine's own accounting: "
-              f"relative difference {des_error:.1e} on one sync shard). Measured / emulated is what Dask, the "
-              "store writes and compressing time on a loaded machine add.")
+        erows.append(
+            [
+                w,
+                w * per_partition,
+                res["makespan"],
+                ideal / res["makespan"],
+                sync_c / res["makespan"],
+                measured,
+                None if measured is None else measured / res["makespan"],
+            ]
+        )
+    rec.table(
+        [
+            "window (partitions per worker)",
+            "requests in flight per worker",
+            "emulated makespan (model s)",
+            "ideal / emulated",
+            f"computed sync (factor {a.batch_factor:g}) / emulated",
+            "measured makespan",
+            "measured / emulated",
+        ],
+        erows,
+        "Streaming emulated exactly under the same step model with zero pipeline overhead (an event "
+        "simulation of the window and the partition barrier; it reproduces the engine's own accounting: "
+        f"relative difference {des_error:.1e} on one sync shard). Measured / emulated is what Dask, the "
+        "store writes and compressing time on a loaded machine add.",
+    )
     if not a.no_plot:
         path = rec.plot_path(a.plot_dir, "longtail")
         plot(path, a, lengths, sides, ideal)

@@ -36,32 +36,58 @@ import numpy as np
 from daskgen.config import RunConfig
 
 SHORT = [
-    "What is the capital of France?", "Name three primary colors.", "What is 12 times 12?",
-    "What is the boiling point of water in Celsius?", "Give a synonym for 'happy'.",
-    "Who wrote 'Romeo and Juliet'?", "What is the largest planet in our solar system?",
-    "Translate 'good morning' into Spanish.", "What does DNA stand for?", "What is the square root of 81?",
-    "Suggest a name for a pet cat.", "How many days are in a leap year?", "What is the chemical symbol for gold?",
-    "Which ocean is the largest?", "What is 7 plus 15?", "Name a mammal that can fly.",
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 12 times 12?",
+    "What is the boiling point of water in Celsius?",
+    "Give a synonym for 'happy'.",
+    "Who wrote 'Romeo and Juliet'?",
+    "What is the largest planet in our solar system?",
+    "Translate 'good morning' into Spanish.",
+    "What does DNA stand for?",
+    "What is the square root of 81?",
+    "Suggest a name for a pet cat.",
+    "How many days are in a leap year?",
+    "What is the chemical symbol for gold?",
+    "Which ocean is the largest?",
+    "What is 7 plus 15?",
+    "Name a mammal that can fly.",
 ]
 MEDIUM = [
-    "Explain what a CPU does.", "What is photosynthesis?", "Describe how a bicycle works.",
-    "Why is the sky blue?", "Explain the difference between weather and climate.", "What is a black hole?",
-    "How do vaccines work?", "What causes the seasons on Earth?", "Explain what an API is.",
-    "What is machine learning?", "How does a refrigerator keep food cold?", "What is inflation in economics?",
-    "Explain how rainbows form.", "What is the water cycle?", "Describe the role of the heart.",
+    "Explain what a CPU does.",
+    "What is photosynthesis?",
+    "Describe how a bicycle works.",
+    "Why is the sky blue?",
+    "Explain the difference between weather and climate.",
+    "What is a black hole?",
+    "How do vaccines work?",
+    "What causes the seasons on Earth?",
+    "Explain what an API is.",
+    "What is machine learning?",
+    "How does a refrigerator keep food cold?",
+    "What is inflation in economics?",
+    "Explain how rainbows form.",
+    "What is the water cycle?",
+    "Describe the role of the heart.",
     "What is a prime number?",
 ]
 LONG = [
-    "Write a short story about a robot who learns to paint.", "Write a Python function that sorts a list "
-    "with merge sort, and explain it.", "List ten tips for studying effectively, with a sentence on each.",
-    "Write a letter to a friend describing your summer holiday.", "Explain step by step how to bake bread.",
-    "Write a poem about the sea with several stanzas.", "Describe the history of the internet in detail.",
+    "Write a short story about a robot who learns to paint.",
+    "Write a Python function that sorts a list with merge sort, and explain it.",
+    "List ten tips for studying effectively, with a sentence on each.",
+    "Write a letter to a friend describing your summer holiday.",
+    "Explain step by step how to bake bread.",
+    "Write a poem about the sea with several stanzas.",
+    "Describe the history of the internet in detail.",
     "Write a recipe for a vegetable soup with ingredients and steps.",
-    "Compare cats and dogs as pets in several paragraphs.", "Write a Python class for a bank account with "
-    "deposit and withdraw methods.", "Explain the causes of the First World War.",
+    "Compare cats and dogs as pets in several paragraphs.",
+    "Write a Python class for a bank account with deposit and withdraw methods.",
+    "Explain the causes of the First World War.",
     "Write a dialogue between a teacher and a student about climate change.",
-    "Describe a day in the life of a medieval farmer.", "Give a detailed plan for a week-long trip to Japan.",
-    "Write a fairy tale about a dragon and a princess.", "Explain how a computer network works, layer by layer.",
+    "Describe a day in the life of a medieval farmer.",
+    "Give a detailed plan for a week-long trip to Japan.",
+    "Write a fairy tale about a dragon and a princess.",
+    "Explain how a computer network works, layer by layer.",
 ]
 
 
@@ -84,11 +110,26 @@ def load_prompt_rows(a: argparse.Namespace) -> list[dict[str, Any]]:
 def make_config(a: argparse.Namespace, model: str, store: Path) -> RunConfig:
     """daskgen run settings (one worker, greedy, transformers engine capped at ``batch_size`` per step)."""
     window = max(1, -(-2 * a.batch_size // a.partition_size))
-    return RunConfig(model=model, engine="transformers", store=str(store), n_samples=1,
-                     engine_args={"device": "cpu", "dtype": "float32", "max_requests_per_batch": a.batch_size,
-                                  "num_threads": a.threads},
-                     max_new_tokens=a.max_new_tokens, max_prompt_tokens=256, temperature=0.0, seed=a.seed,
-                     partition_size=a.partition_size, n_workers=1, window=window, progress=False)
+    return RunConfig(
+        model=model,
+        engine="transformers",
+        store=str(store),
+        n_samples=1,
+        engine_args={
+            "device": "cpu",
+            "dtype": "float32",
+            "max_requests_per_batch": a.batch_size,
+            "num_threads": a.threads,
+        },
+        max_new_tokens=a.max_new_tokens,
+        max_prompt_tokens=256,
+        temperature=0.0,
+        seed=a.seed,
+        partition_size=a.partition_size,
+        n_workers=1,
+        window=window,
+        progress=False,
+    )
 
 
 def run_static(model_path: str, token_ids: list[list[int]], a: argparse.Namespace) -> dict[str, Any]:
@@ -106,14 +147,20 @@ def run_static(model_path: str, token_ids: list[list[int]], a: argparse.Namespac
     batch_s: list[float] = []
     t0 = time.perf_counter()
     for start in range(0, len(token_ids), a.batch_size):
-        batch = token_ids[start:start + a.batch_size]
+        batch = token_ids[start : start + a.batch_size]
         width = max(len(x) for x in batch)
         ids = torch.tensor([[pad] * (width - len(x)) + x for x in batch])
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch])
         tb = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=a.max_new_tokens,
-                                 do_sample=False, pad_token_id=pad, eos_token_id=sorted(eos_ids))
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=a.max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=sorted(eos_ids),
+            )
         batch_s.append(time.perf_counter() - tb)
         for row in out[:, width:].tolist():
             n = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
@@ -131,8 +178,13 @@ def run_daskgen(config: RunConfig, rows: list[dict[str, Any]]) -> dict[str, Any]
     if not summary.ok:
         raise SystemExit(f"daskgen run did not finish: {summary.line()}")
     lengths = store.read_region(config.store, 0, len(rows), ("response_length",))["response_length"][:, 0]
-    return {"seconds": marks["generate_s"], "tokens": summary.response_tokens, "lengths": [int(x) for x in lengths],
-            "start_s": marks["start_s"], "done": summary.done}
+    return {
+        "seconds": marks["generate_s"],
+        "tokens": summary.response_tokens,
+        "lengths": [int(x) for x in lengths],
+        "start_s": marks["start_s"],
+        "done": summary.done,
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -142,15 +194,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=32, help="number of prompts")
     p.add_argument("--prompts-file", default=None, help="JSONL with messages/prompt rows instead of the built-in mix")
     p.add_argument("--max-new-tokens", type=int, default=192)
-    p.add_argument("--batch-size", type=int, default=16,
-                   help="static batch size = the engine's max_requests_per_batch (same peak concurrency)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        help="static batch size = the engine's max_requests_per_batch (same peak concurrency)",
+    )
     p.add_argument("--partition-size", type=int, default=4)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads, both sides (more than 1 on a shared machine can be many times slower)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads, both sides (more than 1 on a shared machine can be many times slower)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sides", default="static,daskgen",
-                   help="comma-separated, first is the reference: static (model.generate batches), sync (batches "
-                        "through the same transformers engine), daskgen")
+    p.add_argument(
+        "--sides",
+        default="static,daskgen",
+        help="comma-separated, first is the reference: static (model.generate batches), sync (batches "
+        "through the same transformers engine), daskgen",
+    )
     p.add_argument("--no-plot", action="store_true")
     _bench.add_common_args(p)
     return p.parse_args(argv)
@@ -165,14 +228,18 @@ def plot(path: Path, static: dict[str, Any], dg: dict[str, Any], a: argparse.Nam
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     bins = np.linspace(0, a.max_new_tokens, 33)
-    ax1.hist([static["lengths"], dg["lengths"]], bins=bins, label=["static generate", "daskgen"],
-             color=["tab:orange", "tab:green"])
+    ax1.hist(
+        [static["lengths"], dg["lengths"]],
+        bins=bins,
+        label=["static generate", "daskgen"],
+        color=["tab:orange", "tab:green"],
+    )
     ax1.set_xlabel("answer length (tokens, EOS included)")
     ax1.set_ylabel("answers")
     ax1.set_title("real answer lengths (greedy)")
     ax1.legend()
     lengths = np.array(static["lengths"])
-    batches = [lengths[i:i + a.batch_size] for i in range(0, len(lengths), a.batch_size)]
+    batches = [lengths[i : i + a.batch_size] for i in range(0, len(lengths), a.batch_size)]
     x = np.arange(len(batches))
     ax2.bar(x - 0.2, [b.max() for b in batches], 0.4, label="longest answer (decode steps run)", color="tab:red")
     ax2.bar(x + 0.2, [b.mean() for b in batches], 0.4, label="mean answer", color="tab:blue")
@@ -201,15 +268,19 @@ def run_sync_engine(config: RunConfig, requests: list[Any], batch: int) -> dict[
         lengths: list[int] = []
         t0 = time.perf_counter()
         for start in range(0, len(requests), batch):
-            fut = client.submit(_bench.generate_on_worker, requests[start:start + batch], workers=[worker],
-                                pure=False)
+            fut = client.submit(
+                _bench.generate_on_worker, requests[start : start + batch], workers=[worker], pure=False
+            )
             lengths.extend(fut.result())
         seconds = time.perf_counter() - t0
     return {"seconds": seconds, "tokens": sum(lengths), "lengths": lengths}
 
 
-SIDES = {"static": "static model.generate batches", "sync": "sync batches, same transformers engine",
-         "daskgen": "daskgen (transformers engine)"}
+SIDES = {
+    "static": "static model.generate batches",
+    "sync": "sync batches, same transformers engine",
+    "daskgen": "daskgen (transformers engine)",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,22 +304,41 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 results[side] = run_daskgen(make_config(a, model, work / "daskgen.zarr"), rows)
     base = results[sides[0]]
-    header = ["side", "seconds (load excluded)", "tokens generated", "tokens/s", f"speed-up vs {sides[0]}",
-              "mean answer", "longest", f"answers with the {sides[0]} length"]
+    header = [
+        "side",
+        "seconds (load excluded)",
+        "tokens generated",
+        "tokens/s",
+        f"speed-up vs {sides[0]}",
+        "mean answer",
+        "longest",
+        f"answers with the {sides[0]} length",
+    ]
     table = []
     for side, res in results.items():
         same = sum(x == y for x, y in zip(base["lengths"], res["lengths"], strict=True))
-        table.append([SIDES[side], res["seconds"], res["tokens"], res["tokens"] / res["seconds"],
-                      base["seconds"] / res["seconds"], float(np.mean(res["lengths"])), max(res["lengths"]),
-                      f"{same}/{len(res['lengths'])}"])
+        table.append(
+            [
+                SIDES[side],
+                res["seconds"],
+                res["tokens"],
+                res["tokens"] / res["seconds"],
+                base["seconds"] / res["seconds"],
+                float(np.mean(res["lengths"])),
+                max(res["lengths"]),
+                f"{same}/{len(res['lengths'])}",
+            ]
+        )
     lengths = np.array(base["lengths"])
-    rec.note(f"Model {Path(model).name}, {len(rows)} chat prompts (built-in mix of short, medium and long requests"
-             f"{'' if a.prompts_file is None else ', from ' + a.prompts_file}), greedy, max_new_tokens "
-             f"{a.max_new_tokens}, float32 on CPU, {a.threads} torch thread(s) on each side, at most {a.batch_size} "
-             f"sequences per step on each side (static batch size = sync batch = the engine's "
-             f"max_requests_per_batch); daskgen: 1 worker, partitions of {a.partition_size}. Answer lengths "
-             f"({sides[0]}): mean {lengths.mean():.0f}, max {lengths.max()}, "
-             f"{(lengths >= a.max_new_tokens).mean():.0%} at the cap.")
+    rec.note(
+        f"Model {Path(model).name}, {len(rows)} chat prompts (built-in mix of short, medium and long requests"
+        f"{'' if a.prompts_file is None else ', from ' + a.prompts_file}), greedy, max_new_tokens "
+        f"{a.max_new_tokens}, float32 on CPU, {a.threads} torch thread(s) on each side, at most {a.batch_size} "
+        f"sequences per step on each side (static batch size = sync batch = the engine's "
+        f"max_requests_per_batch); daskgen: 1 worker, partitions of {a.partition_size}. Answer lengths "
+        f"({sides[0]}): mean {lengths.mean():.0f}, max {lengths.max()}, "
+        f"{(lengths >= a.max_new_tokens).mean():.0%} at the cap."
+    )
     rec.table(header, table)
     if not a.no_plot and "static" in results and "daskgen" in results:
         path = rec.plot_path(a.plot_dir, "longtail_real")

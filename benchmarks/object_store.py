@@ -44,8 +44,9 @@ def moto_server() -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     exe = shutil.which("moto_server") or "moto_server"
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     endpoint = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -63,8 +64,12 @@ def moto_server() -> Iterator[str]:
 
 def s3_env(endpoint: str) -> dict[str, str]:
     """The standard AWS environment pointing at ``endpoint`` (moto accepts any credentials)."""
-    return {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_ENDPOINT_URL": endpoint,
-            "AWS_REGION": "us-east-1"}
+    return {
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_REGION": "us-east-1",
+    }
 
 
 def make_bucket(endpoint: str) -> str:
@@ -81,12 +86,16 @@ def partition_data(rng: np.random.Generator, layout: Any) -> dict[str, np.ndarra
     n, s, r, p = layout.partition_size, layout.n_samples, layout.max_new_tokens, layout.max_prompt_tokens
     lengths = np.clip(rng.lognormal(np.log(r / 4), 0.8, size=(n, s)), 1, r).astype("int32")
     mask = np.arange(r)[None, None, :] < lengths[..., None]
-    return {"prompt_ids": rng.integers(1, 32000, size=(n, p), dtype="int32"),
-            "prompt_length": np.full(n, p, "int32"),
-            "response_ids": np.where(mask, rng.integers(1, 32000, size=(n, s, r), dtype="int32"), 0),
-            "response_length": lengths, "response_mask": mask.astype("uint8"),
-            "logprobs": np.where(mask, rng.normal(-1, 1, size=(n, s, r)), np.nan).astype("float32"),
-            "finish_reason": np.zeros((n, s), "int8"), "num_turns": np.ones((n, s), "int16")}
+    return {
+        "prompt_ids": rng.integers(1, 32000, size=(n, p), dtype="int32"),
+        "prompt_length": np.full(n, p, "int32"),
+        "response_ids": np.where(mask, rng.integers(1, 32000, size=(n, s, r), dtype="int32"), 0),
+        "response_length": lengths,
+        "response_mask": mask.astype("uint8"),
+        "logprobs": np.where(mask, rng.normal(-1, 1, size=(n, s, r)), np.nan).astype("float32"),
+        "finish_reason": np.zeros((n, s), "int8"),
+        "num_turns": np.ones((n, s), "int16"),
+    }
 
 
 def store_calls(a: argparse.Namespace, where: Any) -> dict[str, float]:
@@ -123,26 +132,43 @@ def part_store(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     """The store calls on a local folder, memory:// and S3 (moto)."""
     warm = argparse.Namespace(**{**vars(a), "prompts": 2 * a.partition_size})
     store_calls(warm, work / "warm-up.zarr")  # first imports and zarr/xarray caches: not part of any side
-    results = {"local folder": store_calls(a, work / "local.zarr"),
-               "memory:// (obstore)": store_calls(a, f"memory:///{uuid.uuid4().hex}")}
+    results = {
+        "local folder": store_calls(a, work / "local.zarr"),
+        "memory:// (obstore)": store_calls(a, f"memory:///{uuid.uuid4().hex}"),
+    }
     with moto_server() as endpoint:
         os.environ.update(s3_env(endpoint))
         results["s3:// (moto_server, loopback)"] = store_calls(a, f"s3://{make_bucket(endpoint)}/run.zarr")
     names = list(results)
-    rows = [[call, *[results[n][call] * 1000 for n in names], results[names[-1]][call] / results[names[0]][call]]
-            for call in results[names[0]]]
-    rec.table(["call (ms)", *names, "s3 / local"], rows,
-              f"Store calls: {a.prompts:,} prompts x {a.n_samples} samples, max {a.max_new_tokens} new tokens, "
-              f"logprobs on, partitions of {a.partition_size} ({-(-a.prompts // a.partition_size)} partitions), "
-              "one process, sequential calls.")
+    rows = [
+        [call, *[results[n][call] * 1000 for n in names], results[names[-1]][call] / results[names[0]][call]]
+        for call in results[names[0]]
+    ]
+    rec.table(
+        ["call (ms)", *names, "s3 / local"],
+        rows,
+        f"Store calls: {a.prompts:,} prompts x {a.n_samples} samples, max {a.max_new_tokens} new tokens, "
+        f"logprobs on, partitions of {a.partition_size} ({-(-a.prompts // a.partition_size)} partitions), "
+        "one process, sequential calls.",
+    )
 
 
 def run_config(a: argparse.Namespace, where: str) -> RunConfig:
     """An instant simulated run (the engine costs nothing: what is left is daskgen and the store)."""
-    return RunConfig(model="bench-object-store", engine="simulated", store=where, n_samples=a.n_samples,
-                     engine_args={"time_scale": 0.0, "length_dist": "lognormal", "length_mean": a.max_new_tokens / 4},
-                     max_new_tokens=a.max_new_tokens, max_prompt_tokens=64, seed=0, logprobs=True,
-                     partition_size=a.partition_size, n_workers=a.workers, progress=False)
+    return RunConfig(
+        model="bench-object-store",
+        engine="simulated",
+        store=where,
+        n_samples=a.n_samples,
+        engine_args={"time_scale": 0.0, "length_dist": "lognormal", "length_mean": a.max_new_tokens / 4},
+        max_new_tokens=a.max_new_tokens,
+        max_prompt_tokens=64,
+        seed=0,
+        logprobs=True,
+        partition_size=a.partition_size,
+        n_workers=a.workers,
+        progress=False,
+    )
 
 
 def timed_run(a: argparse.Namespace, where: str) -> float:
@@ -163,11 +189,15 @@ def part_run(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     with moto_server() as endpoint:
         os.environ.update(s3_env(endpoint))
         s3 = timed_run(a, f"s3://{make_bucket(endpoint)}/run.zarr")
-    rec.table(["store", "run wall s", "prompts/s", "vs local"],
-              [["local folder", local, a.run_prompts / local, 1.0],
-               ["s3:// (moto_server, loopback)", s3, a.run_prompts / s3, s3 / local]],
-              f"Whole run: `daskgen run` of {a.run_prompts:,} prompts, instant simulated engine, {a.workers} workers "
-              f"(LocalCluster start included), partitions of {a.partition_size}.")
+    rec.table(
+        ["store", "run wall s", "prompts/s", "vs local"],
+        [
+            ["local folder", local, a.run_prompts / local, 1.0],
+            ["s3:// (moto_server, loopback)", s3, a.run_prompts / s3, s3 / local],
+        ],
+        f"Whole run: `daskgen run` of {a.run_prompts:,} prompts, instant simulated engine, {a.workers} workers "
+        f"(LocalCluster start included), partitions of {a.partition_size}.",
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -186,8 +216,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run, print, append to the README."""
-    return _bench.run_parts(parse_args(argv), "Object storage: store calls and whole runs, S3 vs local folder",
-                            {"store": part_store, "run": part_run})
+    return _bench.run_parts(
+        parse_args(argv),
+        "Object storage: store calls and whole runs, S3 vs local folder",
+        {"store": part_store, "run": part_run},
+    )
 
 
 if __name__ == "__main__":

@@ -39,12 +39,28 @@ MIB = 2**20
 
 def zarr_config(a: argparse.Namespace, store: Path) -> RunConfig:
     """daskgen settings of the instant-engine run."""
-    return RunConfig(model="simulated-overhead", engine="simulated", store=str(store),
-                     engine_args={"time_scale": 0.0, "length_dist": "lognormal", "length_mean": a.length_mean,
-                                  "length_sigma": 0.8, "max_batch": 256},
-                     n_samples=a.n_samples, max_new_tokens=a.max_new_tokens, max_prompt_tokens=64,
-                     temperature=1.0, seed=0, logprobs=True, partition_size=a.partition_size,
-                     n_workers=a.workers, window=int(a.window) if a.window.isdigit() else a.window, progress=False)
+    return RunConfig(
+        model="simulated-overhead",
+        engine="simulated",
+        store=str(store),
+        engine_args={
+            "time_scale": 0.0,
+            "length_dist": "lognormal",
+            "length_mean": a.length_mean,
+            "length_sigma": 0.8,
+            "max_batch": 256,
+        },
+        n_samples=a.n_samples,
+        max_new_tokens=a.max_new_tokens,
+        max_prompt_tokens=64,
+        temperature=1.0,
+        seed=0,
+        logprobs=True,
+        partition_size=a.partition_size,
+        n_workers=a.workers,
+        window=int(a.window) if a.window.isdigit() else a.window,
+        progress=False,
+    )
 
 
 def run_daskgen(config: RunConfig, prompts: list[Any]) -> dict[str, Any]:
@@ -55,8 +71,12 @@ def run_daskgen(config: RunConfig, prompts: list[Any]) -> dict[str, Any]:
         summary = run(config, prompts)
     if not summary.ok:
         raise SystemExit(f"daskgen run did not finish: {summary.line()}")
-    return {"seconds": marks["generate_s"], "prompts": summary.generated_prompts, "tokens": summary.response_tokens,
-            "partitions": -(-summary.generated_prompts // config.partition_size)}
+    return {
+        "seconds": marks["generate_s"],
+        "prompts": summary.generated_prompts,
+        "tokens": summary.response_tokens,
+        "partitions": -(-summary.generated_prompts // config.partition_size),
+    }
 
 
 def _direct_writer(src: str, dst: str, starts: list[int], barrier: Any) -> tuple[float, float]:
@@ -77,7 +97,7 @@ def _direct_writer(src: str, dst: str, starts: list[int], barrier: Any) -> tuple
     t0 = time.perf_counter()
     for start, region in data:
         for name, values in region.items():
-            arrays[name][start:start + len(values)] = values
+            arrays[name][start : start + len(values)] = values
     return t0, time.perf_counter()
 
 
@@ -140,19 +160,34 @@ def part_zarr(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     eng_cpu = engine_cpu_seconds(zarr_config(a, work / "plan.zarr"), prompts)
     table = []
     for rep, (dg, direct, direct1) in enumerate(runs):
-        for name, res in ((f"daskgen, {a.workers} workers, instant engine", dg),
-                          (f"direct zarr, {a.workers} processes", direct), ("direct zarr, 1 process", direct1)):
-            table.append([rep + 1, name, res["seconds"], rows_total / res["seconds"], nbytes / MIB / res["seconds"],
-                          direct["seconds"] / res["seconds"]])
+        for name, res in (
+            (f"daskgen, {a.workers} workers, instant engine", dg),
+            (f"direct zarr, {a.workers} processes", direct),
+            ("direct zarr, 1 process", direct1),
+        ):
+            table.append(
+                [
+                    rep + 1,
+                    name,
+                    res["seconds"],
+                    rows_total / res["seconds"],
+                    nbytes / MIB / res["seconds"],
+                    direct["seconds"] / res["seconds"],
+                ]
+            )
     ratios = [direct["seconds"] / dg["seconds"] for dg, direct, _ in runs]
-    rec.note(f"Part zarr: {a.prompts:,} prompts × {a.n_samples} samples, max_new_tokens {a.max_new_tokens}, "
-             f"lognormal lengths mean {a.length_mean:g}, logprobs on; partitions of {a.partition_size}, window "
-             f"{a.window}; {nbytes / MIB:,.0f} MiB of uncompressed data arrays per store "
-             f"({runs[0][0]['partitions']} partition regions). The instant engine's own CPU work for these requests "
-             f"is {eng_cpu:.1f} s (in daskgen's time, not in the direct writes).")
+    rec.note(
+        f"Part zarr: {a.prompts:,} prompts × {a.n_samples} samples, max_new_tokens {a.max_new_tokens}, "
+        f"lognormal lengths mean {a.length_mean:g}, logprobs on; partitions of {a.partition_size}, window "
+        f"{a.window}; {nbytes / MIB:,.0f} MiB of uncompressed data arrays per store "
+        f"({runs[0][0]['partitions']} partition regions). The instant engine's own CPU work for these requests "
+        f"is {eng_cpu:.1f} s (in daskgen's time, not in the direct writes)."
+    )
     rec.table(["repeat", "writer", "seconds", "rows/s", "MiB/s (uncompressed)", "rate vs direct (same procs)"], table)
-    rec.note(f"**daskgen / direct write rate: {', '.join(f'{r:.2f}' for r in ratios)} (median "
-             f"{float(np.median(ratios)):.2f}; target ≥ 0.8).**")
+    rec.note(
+        f"**daskgen / direct write rate: {', '.join(f'{r:.2f}' for r in ratios)} (median "
+        f"{float(np.median(ratios)):.2f}; target ≥ 0.8).**"
+    )
 
 
 # --------------------------------------------------------------------------- part engine
@@ -162,11 +197,26 @@ def engine_config(a: argparse.Namespace, model: str, store: Path) -> RunConfig:
     """daskgen settings of the real-engine run."""
     in_flight = 2 * a.max_requests
     window = max(1, -(-in_flight // (a.engine_partition_size * a.engine_samples)))
-    return RunConfig(model=model, engine="transformers", store=str(store), n_samples=a.engine_samples,
-                     engine_args={"device": "cpu", "dtype": "float32", "max_requests_per_batch": a.max_requests,
-                                  "num_threads": a.threads},
-                     max_new_tokens=a.engine_max_new_tokens, max_prompt_tokens=256, temperature=0.7, seed=0,
-                     partition_size=a.engine_partition_size, n_workers=1, window=window, progress=False)
+    return RunConfig(
+        model=model,
+        engine="transformers",
+        store=str(store),
+        n_samples=a.engine_samples,
+        engine_args={
+            "device": "cpu",
+            "dtype": "float32",
+            "max_requests_per_batch": a.max_requests,
+            "num_threads": a.threads,
+        },
+        max_new_tokens=a.engine_max_new_tokens,
+        max_prompt_tokens=256,
+        temperature=0.7,
+        seed=0,
+        partition_size=a.engine_partition_size,
+        n_workers=1,
+        window=window,
+        progress=False,
+    )
 
 
 async def _direct_engine(model: str, engine_args: dict[str, Any], requests: list[Any]) -> dict[str, Any]:
@@ -237,17 +287,23 @@ def part_engine(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
             rate = res["tokens"] / res["seconds"]
             table.append([rep + 1, ENGINE_DRIVERS[driver], res["seconds"], res["tokens"], rate, rate / direct])
     cfg = engine_config(a, model, work / "x.zarr")
-    rec.note(f"Part engine: {Path(model).name}, {a.engine_prompts} prompts × {a.engine_samples} samples, "
-             f"temperature 0.7 seeded, max_new_tokens {a.engine_max_new_tokens}, float32 CPU, {a.threads} torch "
-             f"thread(s), max_requests_per_batch {a.max_requests}; daskgen partitions of {a.engine_partition_size}, "
-             f"window {cfg.window} (≥ 2 × max_requests_per_batch requests in flight). Model load excluded; drivers "
-             "run one after the other in each repeat.")
+    rec.note(
+        f"Part engine: {Path(model).name}, {a.engine_prompts} prompts × {a.engine_samples} samples, "
+        f"temperature 0.7 seeded, max_new_tokens {a.engine_max_new_tokens}, float32 CPU, {a.threads} torch "
+        f"thread(s), max_requests_per_batch {a.max_requests}; daskgen partitions of {a.engine_partition_size}, "
+        f"window {cfg.window} (≥ 2 × max_requests_per_batch requests in flight). Model load excluded; drivers "
+        "run one after the other in each repeat."
+    )
     rec.table(["repeat", "driver", "seconds", "tokens", "tokens/s", "tokens/s vs direct"], table)
     if "daskgen" in drivers:
-        ratios = [(o["daskgen"]["tokens"] / o["daskgen"]["seconds"]) / (o["direct"]["tokens"] / o["direct"]["seconds"])
-                  for o in results]
-        rec.note(f"**daskgen / direct tokens/s: {', '.join(f'{r:.2f}' for r in ratios)} (median "
-                 f"{float(np.median(ratios)):.2f}; target ≥ 0.95).**")
+        ratios = [
+            (o["daskgen"]["tokens"] / o["daskgen"]["seconds"]) / (o["direct"]["tokens"] / o["direct"]["seconds"])
+            for o in results
+        ]
+        rec.note(
+            f"**daskgen / direct tokens/s: {', '.join(f'{r:.2f}' for r in ratios)} (median "
+            f"{float(np.median(ratios)):.2f}; target ≥ 0.95).**"
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -270,11 +326,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-max-new-tokens", type=int, default=96)
     p.add_argument("--engine-partition-size", type=int, default=4)
     p.add_argument("--max-requests", type=int, default=16, help="engine max_requests_per_batch")
-    p.add_argument("--engine-drivers", default="direct,daskgen",
-                   help="comma-separated, starting with direct: direct, worker (engine on a Dask worker, one task), "
-                        "daskgen")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads, both sides (more than 1 on a shared machine can be many times slower)")
+    p.add_argument(
+        "--engine-drivers",
+        default="direct,daskgen",
+        help="comma-separated, starting with direct: direct, worker (engine on a Dask worker, one task), daskgen",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads, both sides (more than 1 on a shared machine can be many times slower)",
+    )
     _bench.add_common_args(p)
     return p.parse_args(argv)
 

@@ -40,8 +40,11 @@ def build_store(a: argparse.Namespace, path: Path) -> dict[str, Any]:
     from daskgen.store import generation_store as store
 
     layout = store.Layout(a.prompts, a.n_samples, a.max_prompt_tokens, a.max_new_tokens, a.partition_size, 0)
-    attrs = {"identity": {"model": "bench-pack", "engine": "simulated"}, "input": {"n_prompts": a.prompts},
-             "simulated": True}
+    attrs = {
+        "identity": {"model": "bench-pack", "engine": "simulated"},
+        "input": {"n_prompts": a.prompts},
+        "simulated": True,
+    }
     t0 = time.perf_counter()
     store.create(path, layout, attrs, [f"r{i}" for i in range(a.prompts)])
     rng = np.random.default_rng(0)
@@ -74,10 +77,16 @@ def _partition_data(rng: np.random.Generator, a: argparse.Namespace, n: int) -> 
     ids = np.where(mask, rng.integers(1, 32000, size=(n, s, r), dtype="int32"), 0).astype("int32")
     plen = rng.integers(8, p, size=n).astype("int32")
     prompt_ids = np.where(np.arange(p)[None, :] < plen[:, None], rng.integers(1, 32000, size=(n, p)), 0)
-    return {"prompt_ids": prompt_ids.astype("int32"), "prompt_length": plen, "response_ids": ids,
-            "response_length": lengths, "response_mask": mask.astype("uint8"),
-            "logprobs": np.full((n, s, r), np.nan, "float32"),
-            "finish_reason": np.where(lengths == r, 1, 0).astype("int8"), "num_turns": np.ones((n, s), "int16")}
+    return {
+        "prompt_ids": prompt_ids.astype("int32"),
+        "prompt_length": plen,
+        "response_ids": ids,
+        "response_length": lengths,
+        "response_mask": mask.astype("uint8"),
+        "logprobs": np.full((n, s, r), np.nan, "float32"),
+        "finish_reason": np.where(lengths == r, 1, 0).astype("int8"),
+        "num_turns": np.ones((n, s), "int16"),
+    }
 
 
 def files_and_bytes(path: Path) -> tuple[int, int]:
@@ -108,16 +117,18 @@ def read_times(a: argparse.Namespace, path: Path) -> dict[str, float]:
 
     def one_partition_xarray() -> None:
         start = int(rng.choice(done_parts)) * a.partition_size
-        np.asarray(ds.response_ids[start:start + a.partition_size])
+        np.asarray(ds.response_ids[start : start + a.partition_size])
 
     def scan() -> None:
         np.asarray(open_store(path).response_mask.sum(("sample", "response_position")))
 
-    reads: dict[str, Callable[[], None]] = {"open_store + count done": open_count,
-                                            "all response_length": lengths,
-                                            "one partition's response_ids": one_partition,
-                                            "one partition's response_ids via open_store": one_partition_xarray,
-                                            "full scan: response_mask summed per prompt": scan}
+    reads: dict[str, Callable[[], None]] = {
+        "open_store + count done": open_count,
+        "all response_length": lengths,
+        "one partition's response_ids": one_partition,
+        "one partition's response_ids via open_store": one_partition_xarray,
+        "full scan: response_mask summed per prompt": scan,
+    }
     out = {}
     for name, fn in reads.items():
         repeats = a.repeats if "scan" not in name else max(1, a.repeats // 2)
@@ -145,17 +156,24 @@ def part_pack(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     reads_after = read_times(a, path)
     again = store.read_region(path, 0, min(a.prompts, 4096), ("response_ids", "response_length", "status"))
     same = all(np.array_equal(sample[k], again[k]) for k in sample)
-    rec.note(f"Store: {a.prompts:,} prompts x {a.n_samples} sample(s), max {a.max_new_tokens} new tokens (lognormal "
-             f"lengths, mean {a.length_mean}), partitions of {a.partition_size} ({built['partitions']:,}), "
-             f"{built['done_rows']:,} rows done ({a.done_fraction:.0%} of partitions), logprobs off; built in "
-             f"{built['seconds']:.0f} s. Packed in place on a LocalCluster of {a.workers} worker(s) in "
-             f"{result.seconds:.0f} s; values of the first 4,096 rows identical after packing: {_bench.fmt(same)}.")
-    rec.table(["", "before (one file per partition per array)", "after `daskgen pack`", "after / before"], [
-        ["files", files_before, files_after, files_after / files_before],
-        ["MiB", bytes_before / 2**20, bytes_after / 2**20, bytes_after / bytes_before],
-        *[[f"{name} (s)", reads_before[name], reads_after[name], reads_after[name] / reads_before[name]]
-          for name in reads_before],
-    ])
+    rec.note(
+        f"Store: {a.prompts:,} prompts x {a.n_samples} sample(s), max {a.max_new_tokens} new tokens (lognormal "
+        f"lengths, mean {a.length_mean}), partitions of {a.partition_size} ({built['partitions']:,}), "
+        f"{built['done_rows']:,} rows done ({a.done_fraction:.0%} of partitions), logprobs off; built in "
+        f"{built['seconds']:.0f} s. Packed in place on a LocalCluster of {a.workers} worker(s) in "
+        f"{result.seconds:.0f} s; values of the first 4,096 rows identical after packing: {_bench.fmt(same)}."
+    )
+    rec.table(
+        ["", "before (one file per partition per array)", "after `daskgen pack`", "after / before"],
+        [
+            ["files", files_before, files_after, files_after / files_before],
+            ["MiB", bytes_before / 2**20, bytes_after / 2**20, bytes_after / bytes_before],
+            *[
+                [f"{name} (s)", reads_before[name], reads_after[name], reads_after[name] / reads_before[name]]
+                for name in reads_before
+            ],
+        ],
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -177,8 +195,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run, print, append to the README."""
-    return _bench.run_parts(parse_args(argv), "Pack: files, bytes and read times of a 1M-prompt store",
-                            {"pack": part_pack})
+    return _bench.run_parts(
+        parse_args(argv), "Pack: files, bytes and read times of a 1M-prompt store", {"pack": part_pack}
+    )
 
 
 if __name__ == "__main__":

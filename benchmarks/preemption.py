@@ -43,20 +43,41 @@ def child(a: argparse.Namespace) -> int:
     from daskgen.client.runner import run
     from daskgen.config import RunConfig
 
-    cfg = RunConfig(prompts=str(a.prompts_file), model="sim", store=str(a.store), engine="simulated",
-                    engine_args={"time_scale": a.time_scale, "length_dist": "lognormal", "length_mean": a.length_mean,
-                                 "length_sigma": a.sigma, "max_batch": a.max_batch},
-                    max_new_tokens=a.max_new_tokens, max_prompt_tokens=128, partition_size=a.partition_size,
-                    n_samples=a.n_samples, n_workers=a.workers, seed=1, progress=False, grace="30s")
+    cfg = RunConfig(
+        prompts=str(a.prompts_file),
+        model="sim",
+        store=str(a.store),
+        engine="simulated",
+        engine_args={
+            "time_scale": a.time_scale,
+            "length_dist": "lognormal",
+            "length_mean": a.length_mean,
+            "length_sigma": a.sigma,
+            "max_batch": a.max_batch,
+        },
+        max_new_tokens=a.max_new_tokens,
+        max_prompt_tokens=128,
+        partition_size=a.partition_size,
+        n_samples=a.n_samples,
+        n_workers=a.workers,
+        seed=1,
+        progress=False,
+        grace="30s",
+    )
     stats: list[Any] = []
     t0 = time.perf_counter()
     with _bench.instrument_run(on_done=lambda client: stats.extend(client.run(_bench.engine_stats).values())):
         summary = run(cfg)
-    out = {"wall_s": time.perf_counter() - t0, "interrupted": summary.interrupted,
-           "engine_tokens": sum(s["tokens_generated"] for s in stats if s),
-           "engine_busy_s": sum(s["busy_s"] for s in stats if s), "done": summary.done,
-           "partial_samples": summary.partial_samples, "partial_tokens": summary.partial_tokens,
-           "carried_tokens": summary.carried_tokens}
+    out = {
+        "wall_s": time.perf_counter() - t0,
+        "interrupted": summary.interrupted,
+        "engine_tokens": sum(s["tokens_generated"] for s in stats if s),
+        "engine_busy_s": sum(s["busy_s"] for s in stats if s),
+        "done": summary.done,
+        "partial_samples": summary.partial_samples,
+        "partial_tokens": summary.partial_tokens,
+        "carried_tokens": summary.carried_tokens,
+    }
     Path(a.result).write_text(json.dumps(out))
     return 3 if summary.interrupted else 0
 
@@ -65,8 +86,7 @@ def invoke(a: argparse.Namespace, store: Path, result: Path, stop_at: float | No
     """Run one child; with ``stop_at``, SIGTERM it once that fraction of prompts is committed."""
     from daskgen.store import generation_store as zstore
 
-    cmd = [sys.executable, __file__, "--child", "--store", str(store), "--result", str(result),
-           *_forwarded(a)]
+    cmd = [sys.executable, __file__, "--child", "--store", str(store), "--result", str(result), *_forwarded(a)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     signalled_at = None
     while stop_at is not None and proc.poll() is None:
@@ -88,8 +108,17 @@ def invoke(a: argparse.Namespace, store: Path, result: Path, stop_at: float | No
 
 
 def _forwarded(a: argparse.Namespace) -> list[str]:
-    keys = ("prompts_file", "time_scale", "length_mean", "sigma", "max_batch", "max_new_tokens", "partition_size",
-            "n_samples", "workers")
+    keys = (
+        "prompts_file",
+        "time_scale",
+        "length_mean",
+        "sigma",
+        "max_batch",
+        "max_new_tokens",
+        "partition_size",
+        "n_samples",
+        "workers",
+    )
     return [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))]
 
 
@@ -116,23 +145,47 @@ def main() -> int:
         second = invoke(a, work / "preempted.zarr", work / "second.json")
         final_through, final_pre = stored_tokens(work / "through.zarr"), stored_tokens(work / "preempted.zarr")
     rows = []
-    for name, runs, final in (("run through", [through], final_through), ("SIGTERM at 50 % + resume",
-                                                                         [first, second], final_pre)):
+    for name, runs, final in (
+        ("run through", [through], final_through),
+        ("SIGTERM at 50 % + resume", [first, second], final_pre),
+    ):
         engine = sum(r["engine_tokens"] for r in runs)
         regenerated = engine - final
-        rows.append([name, " + ".join(f"{r['wall_s']:.1f}" for r in runs), f"{sum(r['wall_s'] for r in runs):.1f}",
-                     f"{sum(r['engine_busy_s'] for r in runs):.1f}", engine, final, regenerated,
-                     f"{100 * regenerated / max(1, engine):.2f} %"])
-    rec.table(["job", "wall s (per invocation)", "wall s total", "engine busy model-s", "engine tokens",
-               "tokens in store", "tokens regenerated", "regenerated / engine tokens"], rows,
-              f"{a.prompts} prompts x {a.n_samples} samples, lognormal lengths (mean {a.length_mean}, sigma "
-              f"{a.sigma}, cap {a.max_new_tokens}), {a.workers} workers, max_batch {a.max_batch}, partition "
-              f"{a.partition_size}, time_scale {a.time_scale}.")
+        rows.append(
+            [
+                name,
+                " + ".join(f"{r['wall_s']:.1f}" for r in runs),
+                f"{sum(r['wall_s'] for r in runs):.1f}",
+                f"{sum(r['engine_busy_s'] for r in runs):.1f}",
+                engine,
+                final,
+                regenerated,
+                f"{100 * regenerated / max(1, engine):.2f} %",
+            ]
+        )
+    rec.table(
+        [
+            "job",
+            "wall s (per invocation)",
+            "wall s total",
+            "engine busy model-s",
+            "engine tokens",
+            "tokens in store",
+            "tokens regenerated",
+            "regenerated / engine tokens",
+        ],
+        rows,
+        f"{a.prompts} prompts x {a.n_samples} samples, lognormal lengths (mean {a.length_mean}, sigma "
+        f"{a.sigma}, cap {a.max_new_tokens}), {a.workers} workers, max_batch {a.max_batch}, partition "
+        f"{a.partition_size}, time_scale {a.time_scale}.",
+    )
     stop_s = first.get("stop_s", float("nan"))
-    rec.note(f"Interrupted invocation: exit status {first['exit']}, stop took {stop_s:.1f} s "
-             f"from SIGTERM to exit; {first['done']} prompts done at exit, {first['partial_samples']} partial "
-             f"responses ({first['partial_tokens']} tokens) saved; the resume kept {second['carried_tokens']} "
-             "stored tokens instead of regenerating them.")
+    rec.note(
+        f"Interrupted invocation: exit status {first['exit']}, stop took {stop_s:.1f} s "
+        f"from SIGTERM to exit; {first['done']} prompts done at exit, {first['partial_samples']} partial "
+        f"responses ({first['partial_tokens']} tokens) saved; the resume kept {second['carried_tokens']} "
+        "stored tokens instead of regenerating them."
+    )
     rec.finish(None if a.no_record else a.readme)
     return 0 if first["exit"] == 3 else 1
 

@@ -54,9 +54,19 @@ def write_input(path: Path, n: int) -> None:
 
 def pending_config(a: argparse.Namespace, store: Path, prompts: Path) -> RunConfig:
     """Settings of the 1M-prompt store (simulated engine: a byte tokenizer, no model needed)."""
-    return RunConfig(model="simulated-resume", engine="simulated", store=str(store), prompts=str(prompts),
-                     n_samples=4, max_new_tokens=1024, max_prompt_tokens=64, temperature=1.0, seed=0,
-                     partition_size=a.partition_size, progress=False)
+    return RunConfig(
+        model="simulated-resume",
+        engine="simulated",
+        store=str(store),
+        prompts=str(prompts),
+        n_samples=4,
+        max_new_tokens=1024,
+        max_prompt_tokens=64,
+        temperature=1.0,
+        seed=0,
+        partition_size=a.partition_size,
+        progress=False,
+    )
 
 
 def mark_done(store_path: Path, n: int, partition: int, fraction: float, seed: int = 0) -> np.ndarray:
@@ -143,25 +153,44 @@ def part_pending(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     rows_in_tasks = sum(len(t.rows) for t in pending_tasks(plan))
     t_tasks = time.perf_counter() - t0
     if not (n_pending == x_pending == rows_in_tasks == expect):
-        raise SystemExit(f"pending counts disagree: store {n_pending}, xarray {x_pending}, tasks {rows_in_tasks}, "
-                         f"expected {expect}")
+        raise SystemExit(
+            f"pending counts disagree: store {n_pending}, xarray {x_pending}, tasks {rows_in_tasks}, expected {expect}"
+        )
     status_objects = len(list((store_path / "status").rglob("c/*")))
     n_all = -(-a.prompts // a.partition_size)
-    rec.note(f"Part pending: {a.prompts:,} prompts, partitions of {a.partition_size} ({n_all:,} partitions), "
-             f"{1 - expect / a.prompts:.1%} done, {expect:,} pending rows in {n_parts:,} partitions; "
-             f"`status` is {status_objects} chunk object(s). Setup: writing the JSONL {t_input:.1f} s, first "
-             f"`prepare` (validate + tokenize + create the store) {t_create:.1f} s.")
-    rec.table(["step", "median s", "first call s", f"target ≤ {a.target_ms:g} ms"], [
-        ["store level: attrs check + status read + pending rows/partitions", med, first, med * 1000 <= a.target_ms],
-        ["xarray: open_store(path).status == 0", xmed, xfirst, xmed * 1000 <= a.target_ms],
-        [f"plan.prepare, unchanged {a.prompts:,}-row input (stored scan reused; then the store part)",
-         t_prepare, t_prepare, t_prepare * 1000 <= a.target_ms],
-        ["plan.prepare after `touch`-ing the input (reads, validates, tokenizes, fingerprints it; then the store "
-         "part)", t_rescan, t_rescan, t_rescan * 1000 <= a.target_ms],
-        ["plan.pending_tasks: first partition task ready", t_first, t_first, None],
-        ["plan.pending_tasks: all partition tasks built (re-reads and tokenizes pending rows)", t_tasks, t_tasks,
-         None],
-    ])
+    rec.note(
+        f"Part pending: {a.prompts:,} prompts, partitions of {a.partition_size} ({n_all:,} partitions), "
+        f"{1 - expect / a.prompts:.1%} done, {expect:,} pending rows in {n_parts:,} partitions; "
+        f"`status` is {status_objects} chunk object(s). Setup: writing the JSONL {t_input:.1f} s, first "
+        f"`prepare` (validate + tokenize + create the store) {t_create:.1f} s."
+    )
+    rec.table(
+        ["step", "median s", "first call s", f"target ≤ {a.target_ms:g} ms"],
+        [
+            ["store level: attrs check + status read + pending rows/partitions", med, first, med * 1000 <= a.target_ms],
+            ["xarray: open_store(path).status == 0", xmed, xfirst, xmed * 1000 <= a.target_ms],
+            [
+                f"plan.prepare, unchanged {a.prompts:,}-row input (stored scan reused; then the store part)",
+                t_prepare,
+                t_prepare,
+                t_prepare * 1000 <= a.target_ms,
+            ],
+            [
+                "plan.prepare after `touch`-ing the input (reads, validates, tokenizes, fingerprints it; then the store "
+                "part)",
+                t_rescan,
+                t_rescan,
+                t_rescan * 1000 <= a.target_ms,
+            ],
+            ["plan.pending_tasks: first partition task ready", t_first, t_first, None],
+            [
+                "plan.pending_tasks: all partition tasks built (re-reads and tokenizes pending rows)",
+                t_tasks,
+                t_tasks,
+                None,
+            ],
+        ],
+    )
 
 
 # --------------------------------------------------------------------------- crash and resume
@@ -177,13 +206,47 @@ def cli_env() -> dict[str, str]:
 
 def crash_command(a: argparse.Namespace, prompts: Path, store_path: Path, log: Path) -> list[str]:
     """The ``daskgen run`` command used for both the crashed run and the resume."""
-    return [sys.executable, "-m", "daskgen", "run", "--prompts", str(prompts), "--store", str(store_path),
-            "--model", "sim", "--engine", "daskgen.testing.engines:RecordingEngine",
-            "--engine-arg", "inner=simulated", "--engine-arg", f"log_path={log}",
-            "--engine-arg", f"time_scale={a.crash_time_scale}", "--engine-arg", "length_dist=lognormal",
-            "--engine-arg", "length_mean=48", "--n-samples", "2", "--max-new-tokens", "256",
-            "--max-prompt-tokens", "64", "--partition-size", str(a.crash_partition_size), "--temperature", "1.0",
-            "--seed", "11", "--n-workers", "2", "--window", "2", "--no-progress"]
+    return [
+        sys.executable,
+        "-m",
+        "daskgen",
+        "run",
+        "--prompts",
+        str(prompts),
+        "--store",
+        str(store_path),
+        "--model",
+        "sim",
+        "--engine",
+        "daskgen.testing.engines:RecordingEngine",
+        "--engine-arg",
+        "inner=simulated",
+        "--engine-arg",
+        f"log_path={log}",
+        "--engine-arg",
+        f"time_scale={a.crash_time_scale}",
+        "--engine-arg",
+        "length_dist=lognormal",
+        "--engine-arg",
+        "length_mean=48",
+        "--n-samples",
+        "2",
+        "--max-new-tokens",
+        "256",
+        "--max-prompt-tokens",
+        "64",
+        "--partition-size",
+        str(a.crash_partition_size),
+        "--temperature",
+        "1.0",
+        "--seed",
+        "11",
+        "--n-workers",
+        "2",
+        "--window",
+        "2",
+        "--no-progress",
+    ]
 
 
 def logged_rows(log: Path, offset: int = 0) -> list[int]:
@@ -203,8 +266,9 @@ def part_crash(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     write_input(prompts, a.crash_prompts)
     store_path, log = work / "crash.zarr", work / "calls.log"
     cmd = crash_command(a, prompts, store_path, log)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=cli_env(),
-                            start_new_session=True, text=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=cli_env(), start_new_session=True, text=True
+    )
     t0 = time.perf_counter()
     done = 0
     while True:
@@ -223,8 +287,9 @@ def part_crash(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     t_kill = time.perf_counter() - t0
     status_at_kill = store.read_status(store_path)
     done_rows = np.flatnonzero(status_at_kill == store.DONE)
-    before = store.read_region(store_path, 0, a.crash_prompts,
-                               ("response_ids", "response_length", "finish_reason", "committed_at"))
+    before = store.read_region(
+        store_path, 0, a.crash_prompts, ("response_ids", "response_length", "finish_reason", "committed_at")
+    )
     first_run_calls = logged_rows(log)
     offset = log.stat().st_size if log.exists() else 0
 
@@ -234,27 +299,33 @@ def part_crash(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     if res.returncode != 0:
         raise SystemExit(f"resume failed (rc {res.returncode}):\n{res.stdout}\n{res.stderr}")
     rerun_rows = set(logged_rows(log, offset))
-    after = store.read_region(store_path, 0, a.crash_prompts,
-                              ("response_ids", "response_length", "finish_reason", "committed_at"))
+    after = store.read_region(
+        store_path, 0, a.crash_prompts, ("response_ids", "response_length", "finish_reason", "committed_at")
+    )
     final = store.read_status(store_path)
     regenerated = sorted(rerun_rows & set(done_rows.tolist()))
     pending_at_kill = set(np.flatnonzero(status_at_kill != store.DONE).tolist())
     identical = all(np.array_equal(before[k][done_rows], after[k][done_rows], equal_nan=True) for k in before)
     in_flight_lost = len(set(first_run_calls) - set(done_rows.tolist()))
-    rec.note(f"Part crash: `{' '.join(Path(c).name if i == 0 else c for i, c in enumerate(cmd))}` "
-             f"({a.crash_prompts} prompts, partitions of {a.crash_partition_size}, 2 workers, simulated engine at "
-             f"time_scale {a.crash_time_scale}); SIGKILL of the process group after {t_kill:.1f} s with "
-             f"{len(done_rows)} prompts committed; the same command rerun took {t_resume:.1f} s.")
-    rec.table(["measure", "value"], [
-        ["prompts done at the kill", len(done_rows)],
-        ["prompts started but not committed at the kill (their work is lost and redone)", in_flight_lost],
-        ["prompts the resumed run generated", len(rerun_rows)],
-        ["pending prompts at the kill", len(pending_at_kill)],
-        ["**prompts regenerated although already done**", len(regenerated)],
-        ["rows done before the crash unchanged afterwards (ids, lengths, reasons, committed_at)", identical],
-        ["all prompts done after the resume", bool((final == store.DONE).all())],
-        ["resume exit status", res.returncode],
-    ])
+    rec.note(
+        f"Part crash: `{' '.join(Path(c).name if i == 0 else c for i, c in enumerate(cmd))}` "
+        f"({a.crash_prompts} prompts, partitions of {a.crash_partition_size}, 2 workers, simulated engine at "
+        f"time_scale {a.crash_time_scale}); SIGKILL of the process group after {t_kill:.1f} s with "
+        f"{len(done_rows)} prompts committed; the same command rerun took {t_resume:.1f} s."
+    )
+    rec.table(
+        ["measure", "value"],
+        [
+            ["prompts done at the kill", len(done_rows)],
+            ["prompts started but not committed at the kill (their work is lost and redone)", in_flight_lost],
+            ["prompts the resumed run generated", len(rerun_rows)],
+            ["pending prompts at the kill", len(pending_at_kill)],
+            ["**prompts regenerated although already done**", len(regenerated)],
+            ["rows done before the crash unchanged afterwards (ids, lengths, reasons, committed_at)", identical],
+            ["all prompts done after the resume", bool((final == store.DONE).all())],
+            ["resume exit status", res.returncode],
+        ],
+    )
     if regenerated:
         rec.note(f"Regenerated rows (first {MAX_SHOWN}): {regenerated[:MAX_SHOWN]}")
 
@@ -279,8 +350,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the selected parts, print the tables, append them to the README."""
-    return _bench.run_parts(parse_args(argv), "Resume: pending set of a 1M-prompt store, crash and resume",
-                            {"pending": part_pending, "crash": part_crash})
+    return _bench.run_parts(
+        parse_args(argv),
+        "Resume: pending set of a 1M-prompt store, crash and resume",
+        {"pending": part_pending, "crash": part_crash},
+    )
 
 
 if __name__ == "__main__":

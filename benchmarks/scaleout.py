@@ -72,20 +72,28 @@ from daskgen.config import RunConfig
 WHERE = {
     "in-process": "scheduler and nannies in the client process (LocalCluster)",
     "process": "LocalCluster with `cluster.scheduler_process: true`: daskgen runs the scheduler in a process of "
-               "its own, the nannies stay in the client process; the scheduler's CPU is the last columns",
+    "its own, the nannies stay in the client process; the scheduler's CPU is the last columns",
     "slurm": "daskgen's default SLURM cluster (one job of N workers on the local single-node SLURM, TLS, "
-             "`scheduler_process` on): the client process holds the client alone; the scheduler's CPU is the last "
-             "columns",
+    "`scheduler_process` on): the client process holds the client alone; the scheduler's CPU is the last "
+    "columns",
     "separate": "`dask scheduler` and `dask worker --nworkers N` in processes of their own (`scheduler_address`): "
-                "client CPU is the client alone; the scheduler's and the nannies' CPU are the last columns",
+    "client CPU is the client alone; the scheduler's and the nannies' CPU are the last columns",
 }
 #: Processes besides the client whose CPU each mode reports: key in the run's ``procs`` -> column label.
-OTHER_PROCESSES = {"process": {"scheduler": "scheduler"}, "slurm": {"scheduler": "scheduler"},
-                   "separate": {"scheduler": "scheduler", "nannies": "nanny"}}
+OTHER_PROCESSES = {
+    "process": {"scheduler": "scheduler"},
+    "slurm": {"scheduler": "scheduler"},
+    "separate": {"scheduler": "scheduler", "nannies": "nanny"},
+}
 
 
-def run_measured(config: RunConfig, prompts: list[str], procs: dict[str, Any] | None = None,
-                 floor: bool = False, own_scheduler: bool = False) -> dict[str, Any]:
+def run_measured(
+    config: RunConfig,
+    prompts: list[str],
+    procs: dict[str, Any] | None = None,
+    floor: bool = False,
+    own_scheduler: bool = False,
+) -> dict[str, Any]:
     """``runner.run``; wall time from engines ready to the last commit, client CPU over the same span.
 
     ``procs`` (name -> ``psutil.Process``, e.g. a separate scheduler): their CPU over the same span.
@@ -119,8 +127,9 @@ def run_measured(config: RunConfig, prompts: list[str], procs: dict[str, Any] | 
         stats = [s for s in client.run(_bench.engine_stats).values() if s]
         if floor:
             n = -(-len(prompts) // config.partition_size)
-            cpu["floor"] = _client_cost.dask_floor(client, n, int(config.window), n / marks["generate_s"],
-                                                   config.partition_size, procs)
+            cpu["floor"] = _client_cost.dask_floor(
+                client, n, int(config.window), n / marks["generate_s"], config.partition_size, procs
+            )
             cpu["fast"] = _client_cost.dask_floor(client, n, int(config.window), None, config.partition_size, procs)
         return stats
 
@@ -128,19 +137,41 @@ def run_measured(config: RunConfig, prompts: list[str], procs: dict[str, Any] | 
         summary = run(config, prompts)
     if not summary.ok:
         raise SystemExit(f"run did not finish: {summary.line()}")
-    return {"wall": marks["generate_s"], "tokens": summary.response_tokens, "prompts": summary.generated_prompts,
-            "partitions": -(-summary.generated_prompts // config.partition_size),
-            "client_cpu": cpu["done"] - cpu["ready"], "stats": marks["on_done"], "procs": cpu["procs"],
-            "threads": cpu["threads"],
-            "idle_share": cpu.get("idle_share"), "floor": cpu.get("floor"), "fast": cpu.get("fast")}
+    return {
+        "wall": marks["generate_s"],
+        "tokens": summary.response_tokens,
+        "prompts": summary.generated_prompts,
+        "partitions": -(-summary.generated_prompts // config.partition_size),
+        "client_cpu": cpu["done"] - cpu["ready"],
+        "stats": marks["on_done"],
+        "procs": cpu["procs"],
+        "threads": cpu["threads"],
+        "idle_share": cpu.get("idle_share"),
+        "floor": cpu.get("floor"),
+        "fast": cpu.get("fast"),
+    }
 
 
 def part_longtail(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list[dict[str, Any]]:
     """Weak scaling of the long-tail streaming run."""
-    lt = longtail.parse_args(["--max-batch", str(a.max_batch), "--length-mean", str(a.length_mean),
-                              "--length-sigma", str(a.length_sigma), "--max-new-tokens", str(a.max_new_tokens),
-                              "--time-scale", str(a.time_scale), "--n-samples", str(a.n_samples),
-                              "--partition-size", str(a.partition_size)])
+    lt = longtail.parse_args(
+        [
+            "--max-batch",
+            str(a.max_batch),
+            "--length-mean",
+            str(a.length_mean),
+            "--length-sigma",
+            str(a.length_sigma),
+            "--max-new-tokens",
+            str(a.max_new_tokens),
+            "--time-scale",
+            str(a.time_scale),
+            "--n-samples",
+            str(a.n_samples),
+            "--partition-size",
+            str(a.partition_size),
+        ]
+    )
     cap = _bench.simulated_capacity(lt.max_batch, lt.step_base, lt.step_per_seq)
     window = longtail.auto_window(lt)
     results = []
@@ -158,13 +189,38 @@ def part_longtail(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list
     for r in results:
         tput = r["tokens"] / r["model_s"]
         busy = float(np.mean([s["busy_s"] for s in r["stats"]])) / r["model_s"]
-        rows.append([r["workers"], r["prompts"], r["model_s"], tput, tput / (r["workers"] * base),
-                     r["ideal"] / r["model_s"], busy, r["prompts"] / r["wall"], r["client_cpu"] / r["partitions"]])
-    rec.note(f"Part longtail: {a.prompts_per_worker} prompts × {a.n_samples} samples per worker, lognormal lengths "
-             f"mean {a.length_mean:g} sigma {a.length_sigma:g} capped at {a.max_new_tokens}, max_batch {a.max_batch}, "
-             f"time_scale {a.time_scale}, partitions of {a.partition_size}, window {window} per worker.")
-    rec.table(["workers", "prompts", "makespan (model s)", "tokens / model s", "scaling efficiency",
-               "ideal / makespan", "engine busy fraction", "prompts / wall s", "client CPU s per partition"], rows)
+        rows.append(
+            [
+                r["workers"],
+                r["prompts"],
+                r["model_s"],
+                tput,
+                tput / (r["workers"] * base),
+                r["ideal"] / r["model_s"],
+                busy,
+                r["prompts"] / r["wall"],
+                r["client_cpu"] / r["partitions"],
+            ]
+        )
+    rec.note(
+        f"Part longtail: {a.prompts_per_worker} prompts × {a.n_samples} samples per worker, lognormal lengths "
+        f"mean {a.length_mean:g} sigma {a.length_sigma:g} capped at {a.max_new_tokens}, max_batch {a.max_batch}, "
+        f"time_scale {a.time_scale}, partitions of {a.partition_size}, window {window} per worker."
+    )
+    rec.table(
+        [
+            "workers",
+            "prompts",
+            "makespan (model s)",
+            "tokens / model s",
+            "scaling efficiency",
+            "ideal / makespan",
+            "engine busy fraction",
+            "prompts / wall s",
+            "client CPU s per partition",
+        ],
+        rows,
+    )
     return results
 
 
@@ -175,17 +231,29 @@ def client_run(a: argparse.Namespace, work: Path, w: int, scheduler: str, instan
     stand-in, ``--full-speed-prompts`` prompts, no floor."""
     name = f"cl-{scheduler}-{w}{'-instant' if instant else ''}.zarr"
     window = a.full_speed_window if instant else a.client_window
-    config = RunConfig(model="simulated-client", engine="simulated", store=str(work / name),
-                       engine_args={"time_scale": 0.0, "length_dist": "fixed", "length_mean": 8},
-                       n_samples=a.n_samples, max_new_tokens=16, max_prompt_tokens=64, temperature=1.0, seed=0,
-                       partition_size=a.partition_size, n_workers=w, window=window, progress=False)
+    config = RunConfig(
+        model="simulated-client",
+        engine="simulated",
+        store=str(work / name),
+        engine_args={"time_scale": 0.0, "length_dist": "fixed", "length_mean": 8},
+        n_samples=a.n_samples,
+        max_new_tokens=16,
+        max_prompt_tokens=64,
+        temperature=1.0,
+        seed=0,
+        partition_size=a.partition_size,
+        n_workers=w,
+        window=window,
+        progress=False,
+    )
     prompts = [f"q{i}" for i in range(a.full_speed_prompts if instant else a.client_prompts)]
     with _client_cost.instant_partitions() if instant else contextlib.nullcontext():
         return _client_run_in(work, w, scheduler, config, prompts, floor=a.floor and not instant)
 
 
-def _client_run_in(work: Path, w: int, scheduler: str, config: RunConfig, prompts: list[str],
-                   floor: bool) -> dict[str, Any]:
+def _client_run_in(
+    work: Path, w: int, scheduler: str, config: RunConfig, prompts: list[str], floor: bool
+) -> dict[str, Any]:
     """:func:`run_measured` of ``config`` on the cluster layout ``scheduler`` (``config.window`` + 1 threads
     per worker)."""
     if scheduler == "in-process":
@@ -193,10 +261,18 @@ def _client_run_in(work: Path, w: int, scheduler: str, config: RunConfig, prompt
     if scheduler == "process":
         config.cluster = {"kind": "local", "scheduler_process": True}
     if scheduler == "slurm":  # daskgen's defaults for batch clusters: TLS, scheduler_process
-        config.cluster = {"kind": "slurm", "workers_per_node": w, "cores": 2, "memory": "4GB", "walltime": "00:30:00",
-                          "threads_per_worker": int(config.window) + 1, "dashboard_address": ":0",
-                          "log_directory": str(work / "slurm-logs"), "python": sys.executable,
-                          "tls_directory": str(work / "tls")}
+        config.cluster = {
+            "kind": "slurm",
+            "workers_per_node": w,
+            "cores": 2,
+            "memory": "4GB",
+            "walltime": "00:30:00",
+            "threads_per_worker": int(config.window) + 1,
+            "dashboard_address": ":0",
+            "log_directory": str(work / "slurm-logs"),
+            "python": sys.executable,
+            "tls_directory": str(work / "tls"),
+        }
     if config.cluster:
         with _client_cost.importable_here():
             return run_measured(config, prompts, floor=floor, own_scheduler=True)
@@ -208,18 +284,24 @@ def _client_run_in(work: Path, w: int, scheduler: str, config: RunConfig, prompt
 def part_client(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list[dict[str, Any]]:
     """Instant engines: pipeline-limited rate, client CPU per partition, and Dask's floor at that rate."""
     results = []
-    rec.note(f"Part client: instant simulated engine, 8-token outputs, {a.client_prompts:,} prompts × {a.n_samples} "
-             f"samples, partitions of {a.partition_size}, window {a.client_window} per worker. \"Dask floor\": "
-             "trivial async tasks submitted like partitions (resource, loose worker restriction, the same "
-             "window, results through `as_completed`, released) on the same cluster right after the run, at "
-             "the run's partitions/s; client CPU per task. Idle share: the client process's CPU with engines "
-             "ready and nothing submitted (2 s before the run)." + (
-                 f" \"Full speed\": the same run on {a.full_speed_prompts:,} prompts, window {a.full_speed_window} per "
-                 "worker, with each partition task replaced "
-                 "by a stand-in that returns a finished partition's result at once (nothing generated or written; "
-                 "`_client_cost.instant_partitions`), so partitions flow as fast as the cluster takes them and "
-                 "the client's own work per partition (build, submit, collect, commit) is measured near "
-                 "saturation." if a.full_speed else ""))
+    rec.note(
+        f"Part client: instant simulated engine, 8-token outputs, {a.client_prompts:,} prompts × {a.n_samples} "
+        f'samples, partitions of {a.partition_size}, window {a.client_window} per worker. "Dask floor": '
+        "trivial async tasks submitted like partitions (resource, loose worker restriction, the same "
+        "window, results through `as_completed`, released) on the same cluster right after the run, at "
+        "the run's partitions/s; client CPU per task. Idle share: the client process's CPU with engines "
+        "ready and nothing submitted (2 s before the run)."
+        + (
+            f' "Full speed": the same run on {a.full_speed_prompts:,} prompts, window {a.full_speed_window} per '
+            "worker, with each partition task replaced "
+            "by a stand-in that returns a finished partition's result at once (nothing generated or written; "
+            "`_client_cost.instant_partitions`), so partitions flow as fast as the cluster takes them and "
+            "the client's own work per partition (build, submit, collect, commit) is measured near "
+            "saturation."
+            if a.full_speed
+            else ""
+        )
+    )
     for scheduler in a.schedulers:
         rows = []
         for w in a.worker_counts:
@@ -227,15 +309,28 @@ def part_client(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list[d
             r["workers"], r["scheduler"] = w, scheduler
             results.append(r)
             cpu_pp = r["client_cpu"] / r["partitions"]
-            row = [w, r["partitions"], r["wall"], r["prompts"] / r["wall"], r["partitions"] / r["wall"],
-                   r["client_cpu"] / r["wall"], cpu_pp * 1000, a.partition_size / cpu_pp]
+            row = [
+                w,
+                r["partitions"],
+                r["wall"],
+                r["prompts"] / r["wall"],
+                r["partitions"] / r["wall"],
+                r["client_cpu"] / r["wall"],
+                cpu_pp * 1000,
+                a.partition_size / cpu_pp,
+            ]
             row += [r["threads"].get(k, float("nan")) / r["partitions"] * 1000 for k in _client_cost.THREAD_GROUPS]
             if a.floor:
                 f = r["floor"]
                 fast = r["fast"]
-                row += [f["tasks"] / f["wall"], f["client_cpu"] / f["tasks"] * 1000,
-                        (cpu_pp - f["client_cpu"] / f["tasks"]) * 1000, r["idle_share"], fast["tasks"] / fast["wall"],
-                        fast["client_cpu"] / fast["tasks"] * 1000]
+                row += [
+                    f["tasks"] / f["wall"],
+                    f["client_cpu"] / f["tasks"] * 1000,
+                    (cpu_pp - f["client_cpu"] / f["tasks"]) * 1000,
+                    r["idle_share"],
+                    fast["tasks"] / fast["wall"],
+                    fast["client_cpu"] / fast["tasks"] * 1000,
+                ]
             if scheduler != "in-process":
                 row += [r["procs"][k] / r["partitions"] * 1000 for k in OTHER_PROCESSES[scheduler]]
                 if a.floor:
@@ -244,25 +339,47 @@ def part_client(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list[d
                 fs = client_run(a, work, w, scheduler, instant=True)
                 fs["workers"], fs["scheduler"], r["full_speed"] = w, scheduler, fs
                 fs_pp = fs["client_cpu"] / fs["partitions"]
-                row += [fs["partitions"] / fs["wall"], fs["client_cpu"] / fs["wall"], fs_pp * 1000,
-                        a.partition_size / fs_pp]
+                row += [
+                    fs["partitions"] / fs["wall"],
+                    fs["client_cpu"] / fs["wall"],
+                    fs_pp * 1000,
+                    a.partition_size / fs_pp,
+                ]
                 row += [fs["procs"][k] / fs["partitions"] * 1000 for k in OTHER_PROCESSES.get(scheduler, {})]
             rows.append(row)
-        header = ["workers", "partitions", "wall s", "prompts/s", "partitions/s", "client CPU share of a core",
-                  "client CPU ms per partition", "prompts/s at one full client core",
-                  *(f"... of which {k} ms" for k in _client_cost.THREAD_GROUPS)]
+        header = [
+            "workers",
+            "partitions",
+            "wall s",
+            "prompts/s",
+            "partitions/s",
+            "client CPU share of a core",
+            "client CPU ms per partition",
+            "prompts/s at one full client core",
+            *(f"... of which {k} ms" for k in _client_cost.THREAD_GROUPS),
+        ]
         if a.floor:
-            header += ["Dask floor: tasks/s", "Dask floor: client CPU ms per trivial task",
-                       "daskgen above the floor, ms", "idle share", "Dask floor at full speed: tasks/s",
-                       "Dask floor at full speed: client CPU ms per task"]
+            header += [
+                "Dask floor: tasks/s",
+                "Dask floor: client CPU ms per trivial task",
+                "daskgen above the floor, ms",
+                "idle share",
+                "Dask floor at full speed: tasks/s",
+                "Dask floor at full speed: client CPU ms per task",
+            ]
         if scheduler != "in-process":
             header += [f"{label} process CPU ms per partition" for label in OTHER_PROCESSES[scheduler].values()]
             header += ["Dask floor: scheduler CPU ms per trivial task", "... at full speed"] if a.floor else []
         if a.full_speed:
-            header += ["full speed: partitions/s", "full speed: client CPU share of a core",
-                       "full speed: client CPU ms per partition", "full speed: prompts/s per client core"]
-            header += [f"full speed: {label} CPU ms per partition"
-                       for label in OTHER_PROCESSES.get(scheduler, {}).values()]
+            header += [
+                "full speed: partitions/s",
+                "full speed: client CPU share of a core",
+                "full speed: client CPU ms per partition",
+                "full speed: prompts/s per client core",
+            ]
+            header += [
+                f"full speed: {label} CPU ms per partition" for label in OTHER_PROCESSES.get(scheduler, {}).values()
+            ]
         rec.table(header, rows, caption=f"Scheduler {scheduler}: {WHERE[scheduler]}.")
     return results
 
@@ -300,19 +417,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--partition-size", type=int, default=64)
     p.add_argument("--client-prompts", type=int, default=16384)
     p.add_argument("--client-window", type=int, default=4)
-    p.add_argument("--scheduler", default="in-process,process,separate",
-                   help="client part, comma-separated: in-process (LocalCluster in the client process), process "
-                        "(LocalCluster with cluster.scheduler_process), slurm (daskgen's SLURM cluster on a local "
-                        "SLURM), separate (`dask scheduler` + `dask worker` processes)")
-    p.add_argument("--full-speed", action=argparse.BooleanOptionalAction, default=True,
-                   help="client part: also run each layout with instant stand-in partition tasks (client near "
-                        "saturation)")
+    p.add_argument(
+        "--scheduler",
+        default="in-process,process,separate",
+        help="client part, comma-separated: in-process (LocalCluster in the client process), process "
+        "(LocalCluster with cluster.scheduler_process), slurm (daskgen's SLURM cluster on a local "
+        "SLURM), separate (`dask scheduler` + `dask worker` processes)",
+    )
+    p.add_argument(
+        "--full-speed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="client part: also run each layout with instant stand-in partition tasks (client near saturation)",
+    )
     p.add_argument("--full-speed-prompts", type=int, default=65536, help="prompts of each full-speed run")
-    p.add_argument("--full-speed-window", type=int, default=8,
-                   help="partitions per worker in the full-speed runs (8: where window auto starts for this run's "
-                        "engine, 8 x 256 batch slots / 256 requests per partition)")
-    p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
-                   help="client part: also measure Dask's own floor (trivial tasks) and the idle CPU share")
+    p.add_argument(
+        "--full-speed-window",
+        type=int,
+        default=8,
+        help="partitions per worker in the full-speed runs (8: where window auto starts for this run's "
+        "engine, 8 x 256 batch slots / 256 requests per partition)",
+    )
+    p.add_argument(
+        "--floor",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="client part: also measure Dask's own floor (trivial tasks) and the idle CPU share",
+    )
     p.add_argument("--commit-rows", type=int, default=1_000_000)
     p.add_argument("--commit-samples", type=int, default=50)
     _bench.add_common_args(p)
@@ -328,23 +459,31 @@ def part_client_and_commit(a: argparse.Namespace, work: Path, rec: _bench.Record
     """The client part plus the commit latency, and the client-saturation estimate from both."""
     client = part_client(a, work, rec)
     med, p90 = commit_latency(a, work)
-    rec.note(f"`store.commit` of one {a.partition_size}-row partition on a {a.commit_rows:,}-row store: median "
-             f"{med * 1000:.1f} ms, p90 {p90 * 1000:.1f} ms (rewrites one 65,536-row chunk of `status` and "
-             f"of `committed_at`; the runner commits at most once per `daskgen.commit-interval`, so this "
-             f"is a cost per commit, not per partition).")
+    rec.note(
+        f"`store.commit` of one {a.partition_size}-row partition on a {a.commit_rows:,}-row store: median "
+        f"{med * 1000:.1f} ms, p90 {p90 * 1000:.1f} ms (rewrites one 65,536-row chunk of `status` and "
+        f"of `committed_at`; the runner commits at most once per `daskgen.commit-interval`, so this "
+        f"is a cost per commit, not per partition)."
+    )
     for scheduler in a.schedulers:
         runs = [r.get("full_speed", r) for r in client if r["scheduler"] == scheduler]
         worst = max(r["client_cpu"] / r["partitions"] for r in runs)
         how = "at full speed" if a.full_speed else "at the engines' rate"
-        rec.note(f"**Client saturation estimate, scheduler {scheduler}: one client core per {worst * 1000:.1f} ms "
-                 f"per partition ({how}, worst worker count) → about {a.partition_size / worst:,.0f} prompts/s "
-                 f"({1 / worst:.0f} partitions/s) with partitions of {a.partition_size}.**")
+        rec.note(
+            f"**Client saturation estimate, scheduler {scheduler}: one client core per {worst * 1000:.1f} ms "
+            f"per partition ({how}, worst worker count) → about {a.partition_size / worst:,.0f} prompts/s "
+            f"({1 / worst:.0f} partitions/s) with partitions of {a.partition_size}.**"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the parts, print the tables and the client-bottleneck estimate, append to the README."""
-    return _bench.run_parts(parse_args(argv), "Scale-out: 1, 2, 4 workers and the client bottleneck",
-                            {"longtail": part_longtail, "client": part_client_and_commit})
+    return _bench.run_parts(
+        parse_args(argv),
+        "Scale-out: 1, 2, 4 workers and the client bottleneck",
+        {"longtail": part_longtail, "client": part_client_and_commit},
+    )
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -46,13 +46,29 @@ def make_store(a: argparse.Namespace, path: Path) -> None:
     """Generate the dataset with daskgen and the instant simulated engine."""
     from daskgen.client.runner import run
 
-    config = RunConfig(model="simulated-storage", engine="simulated", store=str(path), n_samples=a.n_samples,
-                       engine_args={"time_scale": 0.0, "length_dist": "lognormal", "length_mean": a.length_mean,
-                                    "length_sigma": a.length_sigma},
-                       max_new_tokens=a.max_new_tokens, max_prompt_tokens=128, temperature=1.0, seed=0,
-                       logprobs=True, partition_size=64, n_workers=a.workers, progress=False)
-    prompts = [f"Problem {i}: prove that the sum of the first {i % 97 + 2} odd numbers is a square." for i in
-               range(a.prompts)]
+    config = RunConfig(
+        model="simulated-storage",
+        engine="simulated",
+        store=str(path),
+        n_samples=a.n_samples,
+        engine_args={
+            "time_scale": 0.0,
+            "length_dist": "lognormal",
+            "length_mean": a.length_mean,
+            "length_sigma": a.length_sigma,
+        },
+        max_new_tokens=a.max_new_tokens,
+        max_prompt_tokens=128,
+        temperature=1.0,
+        seed=0,
+        logprobs=True,
+        partition_size=64,
+        n_workers=a.workers,
+        progress=False,
+    )
+    prompts = [
+        f"Problem {i}: prove that the sum of the first {i % 97 + 2} odd numbers is a square." for i in range(a.prompts)
+    ]
     summary = run(config, prompts)
     if not summary.ok:
         raise SystemExit(f"generating the dataset failed: {summary.line()}")
@@ -78,8 +94,18 @@ def samples(path: Path, with_logprobs: bool) -> Iterator[dict[str, Any]]:
     for start in range(0, layout.n_prompts, step):
         stop = min(start + step, layout.n_prompts)
         status = group["status"][start:stop]
-        block = {n: group[n][start:stop] for n in ("prompt_ids", "prompt_length", "response_ids", "response_length",
-                                                    "finish_reason", "num_turns", "prompt_id")}
+        block = {
+            n: group[n][start:stop]
+            for n in (
+                "prompt_ids",
+                "prompt_length",
+                "response_ids",
+                "response_length",
+                "finish_reason",
+                "num_turns",
+                "prompt_id",
+            )
+        }
         lp = group["logprobs"][start:stop] if has_lp else None
         for r in range(stop - start):
             if status[r] != store.DONE:
@@ -87,10 +113,16 @@ def samples(path: Path, with_logprobs: bool) -> Iterator[dict[str, Any]]:
             plen = int(block["prompt_length"][r])
             for s in range(layout.n_samples):
                 n = int(block["response_length"][r, s])
-                rec = {"prompt_index": start + r, "prompt_id": str(block["prompt_id"][r]), "sample": s,
-                       "prompt_ids": block["prompt_ids"][r, :plen], "response_ids": block["response_ids"][r, s, :n],
-                       "finish_reason": REASONS[int(block["finish_reason"][r, s])], "response_length": n,
-                       "num_turns": int(block["num_turns"][r, s])}
+                rec = {
+                    "prompt_index": start + r,
+                    "prompt_id": str(block["prompt_id"][r]),
+                    "sample": s,
+                    "prompt_ids": block["prompt_ids"][r, :plen],
+                    "response_ids": block["response_ids"][r, s, :n],
+                    "finish_reason": REASONS[int(block["finish_reason"][r, s])],
+                    "response_length": n,
+                    "num_turns": int(block["num_turns"][r, s]),
+                }
                 if lp is not None:
                     rec["logprobs"] = lp[r, s, :n]
                 yield rec
@@ -258,8 +290,9 @@ def main(argv: list[str] | None = None) -> int:
             paths[f"store-{tag}"] = zpath
         main_tag = "lp" if has_lp else "nolp"
         loads: dict[str, tuple[float, float]] = {
-            "daskgen store: xarray.open_zarr(...).response_length": timed(load_store, paths[f"store-{main_tag}"],
-                                                                          a.repeats),
+            "daskgen store: xarray.open_zarr(...).response_length": timed(
+                load_store, paths[f"store-{main_tag}"], a.repeats
+            ),
             "JSONL: pyarrow.json.read_json": timed(load_pyarrow_json, paths[f"JSONL-{main_tag}"], a.repeats),
         }
         if not a.skip_slow_readers:
@@ -268,31 +301,46 @@ def main(argv: list[str] | None = None) -> int:
         loads["pickled batches: pickle.load"] = timed(load_pickles, paths[f"pickle-{main_tag}"], a.repeats)
 
     n_samples = int(lengths.size)
-    origin = ("generated here with the instant simulated engine (uniform random token ids, random logprobs)"
-              if a.store is None else str(a.store))
-    rec.note(f"Dataset: {origin}; "
-             f"{int((status == 1).sum()):,} prompts × {layout.n_samples} samples = {n_samples:,} samples, "
-             f"{tokens:,} generated tokens (mean {lengths.mean():.0f}, max_new_tokens {layout.max_new_tokens}, "
-             f"padded width in the store), prompt ids included in every format; logprobs "
-             f"{'stored' if has_lp else 'not stored'}.")
+    origin = (
+        "generated here with the instant simulated engine (uniform random token ids, random logprobs)"
+        if a.store is None
+        else str(a.store)
+    )
+    rec.note(
+        f"Dataset: {origin}; "
+        f"{int((status == 1).sum()):,} prompts × {layout.n_samples} samples = {n_samples:,} samples, "
+        f"{tokens:,} generated tokens (mean {lengths.mean():.0f}, max_new_tokens {layout.max_new_tokens}, "
+        f"padded width in the store), prompt ids included in every format; logprobs "
+        f"{'stored' if has_lp else 'not stored'}."
+    )
     jsonl = {lp: sizes[("JSONL", lp)] for lp in variants}
     jsonl_gz = {lp: sizes[("JSONL.gz", lp)] for lp in variants}
     srows = []
     for (name, lp), size in sizes.items():
-        srows.append([name, "with" if lp else "without", size / 2**20, size / tokens, size / jsonl[lp],
-                      size / jsonl_gz[lp]])
+        srows.append(
+            [name, "with" if lp else "without", size / 2**20, size / tokens, size / jsonl[lp], size / jsonl_gz[lp]]
+        )
     rec.table(["format", "logprobs", "MiB", "bytes per generated token", "vs JSONL", "vs JSONL.gz"], srows)
     base_name = "JSONL: pyarrow.json.read_json"
     if "JSONL: json.loads per line" in loads and loads["JSONL: json.loads per line"][0] < loads[base_name][0]:
         base_name = "JSONL: json.loads per line"
     base = loads[base_name][0]
     lrows = [[name, sec, value, base / sec] for name, (sec, value) in loads.items()]
-    rec.table(["reader (load response lengths, compute the mean)", "seconds (median)", "mean length",
-               f"speed-up vs {base_name}"], lrows)
+    rec.table(
+        [
+            "reader (load response lengths, compute the mean)",
+            "seconds (median)",
+            "mean length",
+            f"speed-up vs {base_name}",
+        ],
+        lrows,
+    )
     zbytes = sizes[("daskgen store (zarr, zstd)", variants[0])] / jsonl[variants[0]]
     zload = base / loads["daskgen store: xarray.open_zarr(...).response_length"][0]
-    rec.note(f"**Store bytes / JSONL bytes = {zbytes:.3f} (target ≤ 0.333); column load {zload:.0f}× faster than the "
-             f"fastest JSONL reader (target ≥ 10×).**")
+    rec.note(
+        f"**Store bytes / JSONL bytes = {zbytes:.3f} (target ≤ 0.333); column load {zload:.0f}× faster than the "
+        f"fastest JSONL reader (target ≥ 10×).**"
+    )
     rec.finish(None if a.no_record else a.readme)
     return 0
 

@@ -74,7 +74,7 @@ def one(a: argparse.Namespace, work: Path, name: str, mean: float, sigma: float)
     prompts = longtail.prompt_rows(a.prompts)
     lengths = lengths_of(a, d, work, prompts, a.seed)
     per = a.partition_size * a.n_samples
-    parts = [lengths[i:i + per] for i in range(0, len(lengths), per)]
+    parts = [lengths[i : i + per] for i in range(0, len(lengths), per)]
     # the order --length-hints gives: partitions by the longest response of another seed's run
     earlier = lengths_of(a, d, work, prompts, a.seed + 1).reshape(a.prompts, a.n_samples).max(axis=1)
     starts = list(range(0, a.prompts, a.partition_size))
@@ -83,8 +83,9 @@ def one(a: argparse.Namespace, work: Path, name: str, mean: float, sigma: float)
     hinted = [parts[s // a.partition_size] for s in longest + rest]
 
     def emulate(partitions: list[np.ndarray], window: int, occupancy: bool = False) -> float:
-        return longtail.emulate_streaming(partitions, a.workers, window, a.max_batch, a.step_base, a.step_per_seq,
-                                          occupancy=occupancy)["makespan"]
+        return longtail.emulate_streaming(
+            partitions, a.workers, window, a.max_batch, a.step_base, a.step_per_seq, occupancy=occupancy
+        )["makespan"]
 
     fixed = {w: emulate(parts, w) for w in FIXED}
     best_w = min(fixed, key=fixed.get)
@@ -100,23 +101,41 @@ def one(a: argparse.Namespace, work: Path, name: str, mean: float, sigma: float)
         return side.makespan_model_s, store.read_attrs(path)["runs"][-1]
 
     if a.emulate_only:
-        return [name, f"{lengths.mean():.0f} / {np.percentile(lengths, 99):.0f}", f"{fixed[best_w]:,.0f} (w={best_w})",
-                f"{rule:,.0f}", fixed[best_w] / rule, f"{rule_hinted:,.0f}", fixed[best_w] / rule_hinted,
-                rule / rule_hinted]
+        return [
+            name,
+            f"{lengths.mean():.0f} / {np.percentile(lengths, 99):.0f}",
+            f"{fixed[best_w]:,.0f} (w={best_w})",
+            f"{rule:,.0f}",
+            fixed[best_w] / rule,
+            f"{rule_hinted:,.0f}",
+            fixed[best_w] / rule_hinted,
+            rule / rule_hinted,
+        ]
     runs = [measure(f"default{i}") for i in range(a.repeat)]
     spans = [span for span, _ in runs]
     ratios = [fixed[best_w] / span for span in spans]
-    row = [name, f"{lengths.mean():.0f} / {np.percentile(lengths, 99):.0f}", f"{fixed[best_w]:,.0f} (w={best_w})",
-           f"{rule:,.0f}", " / ".join(f"{span:,.0f}" for span in spans), spread(ratios),
-           spread([span / rule for span in spans])]
+    row = [
+        name,
+        f"{lengths.mean():.0f} / {np.percentile(lengths, 99):.0f}",
+        f"{fixed[best_w]:,.0f} (w={best_w})",
+        f"{rule:,.0f}",
+        " / ".join(f"{span:,.0f}" for span in spans),
+        spread(ratios),
+        spread([span / rule for span in spans]),
+    ]
     tail = " / ".join(f"{last.get('tail_share'):.3f}" for _, last in runs)
     peak = " / ".join(f"{last.get('peak_prompts_in_flight'):,}" for _, last in runs)
     if a.no_hints:
         return [*row, tail, peak]
     measured_hinted, last_hinted = measure("hinted", length_hints=str(hint_store(d, work, prompts)))
-    return [*row, f"{rule_hinted:,.0f}", f"{measured_hinted:,.0f}", fixed[best_w] / measured_hinted,
-            f"{tail} / hints {last_hinted.get('tail_share'):.3f}",
-            f"{peak} / hints {last_hinted.get('peak_prompts_in_flight'):,}"]
+    return [
+        *row,
+        f"{rule_hinted:,.0f}",
+        f"{measured_hinted:,.0f}",
+        fixed[best_w] / measured_hinted,
+        f"{tail} / hints {last_hinted.get('tail_share'):.3f}",
+        f"{peak} / hints {last_hinted.get('peak_prompts_in_flight'):,}",
+    ]
 
 
 def spread(values: list[float]) -> str:
@@ -136,19 +155,31 @@ def main() -> int:
     p.add_argument("--step-per-seq", type=float, default=0.0002)
     p.add_argument("--max-new-tokens", type=int, default=16384)
     p.add_argument("--time-scale", type=float, default=0.05)
-    p.add_argument("--length-prompt-share", type=float, default=0.7,
-                   help="share of the log-length variance that belongs to the prompt (samples of one prompt alike)")
+    p.add_argument(
+        "--length-prompt-share",
+        type=float,
+        default=0.7,
+        help="share of the log-length variance that belongs to the prompt (samples of one prompt alike)",
+    )
     p.add_argument("--partition-size", type=int, default=64)
     p.add_argument("--sample-period", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeat", type=int, default=1,
-                   help="measured runs with default settings per distribution (their spread is reported)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="measured runs with default settings per distribution (their spread is reported)",
+    )
     p.add_argument("--no-hints", action="store_true", help="skip the measured run with --length-hints")
-    p.add_argument("--only", default="",
-                   help="comma-separated distribution numbers (1-3) to run, in the order of the table")
-    p.add_argument("--emulate-only", action="store_true",
-                   help="only the zero-overhead emulation (deterministic, independent of the machine's load); the "
-                        "ratio columns then compare the best fixed window with the emulated rule")
+    p.add_argument(
+        "--only", default="", help="comma-separated distribution numbers (1-3) to run, in the order of the table"
+    )
+    p.add_argument(
+        "--emulate-only",
+        action="store_true",
+        help="only the zero-overhead emulation (deterministic, independent of the machine's load); the "
+        "ratio columns then compare the best fixed window with the emulated rule",
+    )
     _bench.add_common_args(p)
     a = p.parse_args()
     items = list(DISTRIBUTIONS.items())
@@ -157,27 +188,56 @@ def main() -> int:
     except (ValueError, IndexError):
         p.error(f"--only takes distribution numbers 1-{len(items)}, not {a.only!r}")
     _bench.quiet_logs()
-    rec = _bench.Record("Tail: window auto (occupancy) vs the best fixed window, three length distributions"
-                        + (" (emulated only)" if a.emulate_only else ""))
+    rec = _bench.Record(
+        "Tail: window auto (occupancy) vs the best fixed window, three length distributions"
+        + (" (emulated only)" if a.emulate_only else "")
+    )
     with _bench.workdir(a.workdir) as work:
         rows = [one(a, work, name, mean, sigma) for name, (mean, sigma) in a.distributions]
-    header = (["distribution", "mean / p99 length", "best fixed window, emulated (model s)", "auto rule, emulated",
-               "best / auto rule", "auto rule + length hints, emulated", "best / auto rule with hints",
-               "speed-up from hints"] if a.emulate_only else
-              ["distribution", "mean / p99 length", "best fixed window, emulated (model s)", "auto rule, emulated",
-               "default, measured" + (f" ({a.repeat} runs)" if a.repeat > 1 else ""),
-               "best emulated / measured (goal ≥ 0.97)", "measured / auto emulated (overhead)",
-               *([] if a.no_hints else ["auto rule + length hints, emulated", "default + --length-hints, measured",
-                                        "best emulated / measured with hints"]),
-               "tail share (last 10% of prompts)", "peak prompts in flight"])
-    rec.table(header, rows,
-              f"{a.prompts:,} prompts × {a.n_samples} samples, {a.workers} simulated engines (max_batch "
-              f"{a.max_batch}, step {a.step_base} + {a.step_per_seq} × running model s), partitions of "
-              f"{a.partition_size} prompts, time_scale {a.time_scale}, {a.length_prompt_share:g} of the log-length "
-              "variance per prompt; makespans in model seconds. Emulated = zero-overhead event simulation (fixed "
-              "windows and the auto rule in input order; with hints: partitions ordered by another seed's longest "
-              "response, as --length-hints does); measured = daskgen with default settings on a LocalCluster, "
-              "and with --length-hints an earlier store of the same prompts made with another seed.")
+    header = (
+        [
+            "distribution",
+            "mean / p99 length",
+            "best fixed window, emulated (model s)",
+            "auto rule, emulated",
+            "best / auto rule",
+            "auto rule + length hints, emulated",
+            "best / auto rule with hints",
+            "speed-up from hints",
+        ]
+        if a.emulate_only
+        else [
+            "distribution",
+            "mean / p99 length",
+            "best fixed window, emulated (model s)",
+            "auto rule, emulated",
+            "default, measured" + (f" ({a.repeat} runs)" if a.repeat > 1 else ""),
+            "best emulated / measured (goal ≥ 0.97)",
+            "measured / auto emulated (overhead)",
+            *(
+                []
+                if a.no_hints
+                else [
+                    "auto rule + length hints, emulated",
+                    "default + --length-hints, measured",
+                    "best emulated / measured with hints",
+                ]
+            ),
+            "tail share (last 10% of prompts)",
+            "peak prompts in flight",
+        ]
+    )
+    rec.table(
+        header,
+        rows,
+        f"{a.prompts:,} prompts × {a.n_samples} samples, {a.workers} simulated engines (max_batch "
+        f"{a.max_batch}, step {a.step_base} + {a.step_per_seq} × running model s), partitions of "
+        f"{a.partition_size} prompts, time_scale {a.time_scale}, {a.length_prompt_share:g} of the log-length "
+        "variance per prompt; makespans in model seconds. Emulated = zero-overhead event simulation (fixed "
+        "windows and the auto rule in input order; with hints: partitions ordered by another seed's longest "
+        "response, as --length-hints does); measured = daskgen with default settings on a LocalCluster, "
+        "and with --length-hints an earlier store of the same prompts made with another seed.",
+    )
     rec.finish(None if a.no_record else a.readme)
     return 0
 

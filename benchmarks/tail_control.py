@@ -33,13 +33,28 @@ def _run(store: Path, prompts: Path, args: argparse.Namespace, **extra: object) 
     from daskgen.client.runner import run
     from daskgen.config import RunConfig
 
-    cfg = RunConfig(prompts=str(prompts), model="sim", store=str(store), engine="simulated",
-                    engine_args={"time_scale": args.time_scale, "length_dist": "lognormal",
-                                 "length_mean": args.length_mean, "length_sigma": args.length_sigma,
-                                 "max_batch": args.max_batch},
-                    n_samples=args.n_samples, max_new_tokens=args.max_new_tokens, max_prompt_tokens=256,
-                    partition_size=args.partition_size, window=args.window, n_workers=args.workers,
-                    progress=False, seed=1, **extra)
+    cfg = RunConfig(
+        prompts=str(prompts),
+        model="sim",
+        store=str(store),
+        engine="simulated",
+        engine_args={
+            "time_scale": args.time_scale,
+            "length_dist": "lognormal",
+            "length_mean": args.length_mean,
+            "length_sigma": args.length_sigma,
+            "max_batch": args.max_batch,
+        },
+        n_samples=args.n_samples,
+        max_new_tokens=args.max_new_tokens,
+        max_prompt_tokens=256,
+        partition_size=args.partition_size,
+        window=args.window,
+        n_workers=args.workers,
+        progress=False,
+        seed=1,
+        **extra,
+    )
     t0 = time.perf_counter()
     summary = run(cfg)
     return time.perf_counter() - t0, summary
@@ -70,15 +85,20 @@ def main() -> None:
         at_fraction = args.fraction * full_s
         deadline_s, dl = _run(work / "deadline.zarr", prompts, args, deadline=f"{at_fraction:.1f}s")
     rows = []
-    for name, secs, s in (("full", full_s, full), (f"target {target} done", target_s, tgt),
-                          (f"deadline {at_fraction:.1f} s", deadline_s, dl)):
+    for name, secs, s in (
+        ("full", full_s, full),
+        (f"target {target} done", target_s, tgt),
+        (f"deadline {at_fraction:.1f} s", deadline_s, dl),
+    ):
         rows.append([name, secs, s.done, s.pending, s.response_tokens, secs / full_s, s.done / max(full.done, 1)])
     record.table(["run", "wall s", "done", "pending", "tokens generated", "time vs full", "done vs full"], rows)
-    record.note(f"{args.prompts} prompts x {args.n_samples} samples, lognormal lengths (mean {args.length_mean}, "
-                f"sigma {args.length_sigma}, cap {args.max_new_tokens}), max_batch {args.max_batch}, "
-                f"{args.workers} workers, window {args.window}, partitions of {args.partition_size}, "
-                f"time_scale {args.time_scale}. Wall times include cluster start-up (a few seconds). "
-                "Stopped prompts stay pending and finish with a later run (or continue with --keep-partial).")
+    record.note(
+        f"{args.prompts} prompts x {args.n_samples} samples, lognormal lengths (mean {args.length_mean}, "
+        f"sigma {args.length_sigma}, cap {args.max_new_tokens}), max_batch {args.max_batch}, "
+        f"{args.workers} workers, window {args.window}, partitions of {args.partition_size}, "
+        f"time_scale {args.time_scale}. Wall times include cluster start-up (a few seconds). "
+        "Stopped prompts stay pending and finish with a later run (or continue with --keep-partial)."
+    )
     record.finish(None if args.no_record else args.readme)
 
 

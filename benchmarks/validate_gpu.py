@@ -56,9 +56,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="sglang.Engine / vllm.AsyncEngineArgs option for both sides (VALUE parsed as JSON "
-                             "when it can be)")
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="sglang.Engine / vllm.AsyncEngineArgs option for both sides (VALUE parsed as JSON when it can be)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     return parser.parse_args(argv)
 
@@ -94,8 +98,9 @@ def full_launch_args(model: str, args: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def run_raw(model: str, args: dict[str, Any], prompts: list[list[int]], warmup: list[list[int]],
-            max_new: int) -> tuple[Side, list[list[int]]]:
+def run_raw(
+    model: str, args: dict[str, Any], prompts: list[list[int]], warmup: list[list[int]], max_new: int
+) -> tuple[Side, list[list[int]]]:
     """Raw ``sglang.Engine``: one batched ``generate`` call."""
     import sglang
 
@@ -112,8 +117,9 @@ def run_raw(model: str, args: dict[str, Any], prompts: list[list[int]], warmup: 
     return Side("raw sglang.Engine", len(prompts), sum(map(len, tokens)), seconds), tokens
 
 
-def run_raw_vllm(model: str, args: dict[str, Any], prompts: list[list[int]], warmup: list[list[int]],
-                 max_new: int, cuda: bool) -> tuple[Side, list[list[int]]]:
+def run_raw_vllm(
+    model: str, args: dict[str, Any], prompts: list[list[int]], warmup: list[list[int]], max_new: int, cuda: bool
+) -> tuple[Side, list[list[int]]]:
     """Raw ``vllm.LLM`` (offline, batched): one ``generate`` call with exactly daskgen's engine args."""
     from vllm import LLM
     from vllm import SamplingParams as VLLMSamplingParams
@@ -134,8 +140,14 @@ def run_raw_vllm(model: str, args: dict[str, Any], prompts: list[list[int]], war
     return Side("raw vllm.LLM", len(prompts), sum(map(len, tokens)), seconds), tokens
 
 
-async def run_daskgen(model: str, args: dict[str, Any], prompts: list[list[int]], warmup: list[list[int]],
-                      max_new: int, engine_name: str = "sglang") -> tuple[Side, list[list[int]]]:
+async def run_daskgen(
+    model: str,
+    args: dict[str, Any],
+    prompts: list[list[int]],
+    warmup: list[list[int]],
+    max_new: int,
+    engine_name: str = "sglang",
+) -> tuple[Side, list[list[int]]]:
     """daskgen's engine (``SGLangEngine`` or ``VLLMEngine``): one request per prompt, all submitted at once."""
     from daskgen.engines import get_engine_class
     from daskgen.engines.base import GenerationRequest, SamplingParams
@@ -168,13 +180,18 @@ def report(raw: Side, ours: Side, agree: int, n: int) -> dict[str, Any]:
     ratio = ours.tokens_per_s / raw.tokens_per_s
     print(f"{'side':<24}{'requests':>10}{'out tokens':>12}{'seconds':>10}{'tok/s':>10}")
     for side in (raw, ours):
-        print(f"{side.name:<24}{side.requests:>10}{side.output_tokens:>12}{side.seconds:>10.2f}"
-              f"{side.tokens_per_s:>10.1f}")
+        print(
+            f"{side.name:<24}{side.requests:>10}{side.output_tokens:>12}{side.seconds:>10.2f}{side.tokens_per_s:>10.1f}"
+        )
     print(f"ratio daskgen/raw tok/s: {ratio:.3f}")
     print(f"greedy outputs identical on both sides: {agree}/{n}")
-    return {"raw": {**asdict(raw), "tokens_per_s": raw.tokens_per_s},
-            "daskgen": {**asdict(ours), "tokens_per_s": ours.tokens_per_s},
-            "ratio": ratio, "identical_outputs": agree, "prompts": n}
+    return {
+        "raw": {**asdict(raw), "tokens_per_s": raw.tokens_per_s},
+        "daskgen": {**asdict(ours), "tokens_per_s": ours.tokens_per_s},
+        "ratio": ratio,
+        "identical_outputs": agree,
+        "prompts": n,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,8 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     ours, our_tokens = asyncio.run(run_daskgen(a.model, args, prompts, warmup, a.max_new_tokens, a.engine))
     agree = sum(x == y for x, y in zip(raw_tokens, our_tokens, strict=True))
     result = report(raw, ours, agree, len(prompts))
-    result.update(engine=a.engine, model=a.model, max_new_tokens=a.max_new_tokens, prompt_len=a.prompt_len,
-                  engine_args=args)
+    result.update(
+        engine=a.engine, model=a.model, max_new_tokens=a.max_new_tokens, prompt_len=a.prompt_len, engine_args=args
+    )
     if a.json:
         a.json.write_text(json.dumps(result, indent=2))
     return 0

@@ -10,8 +10,9 @@ import typer
 
 from daskgen.errors import DaskgenError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Distributed LLM generation on Dask with resumable Zarr stores.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Distributed LLM generation on Dask with resumable Zarr stores."
+)
 
 Opt = typer.Option
 
@@ -34,8 +35,9 @@ def _key_values(pairs: list[str] | None, flag: str) -> dict[str, Any] | None:
 def run(
     prompts: Annotated[Path | None, Opt(help="JSONL or Parquet file of prompts.")] = None,
     model: Annotated[str | None, Opt(help="Local model folder (or name the engine understands).")] = None,
-    store: Annotated[str | None, Opt(help="Output Zarr store (folder or s3://, gs://, az:// URL); rerun against "
-                                          "it to resume.")] = None,
+    store: Annotated[
+        str | None, Opt(help="Output Zarr store (folder or s3://, gs://, az:// URL); rerun against it to resume.")
+    ] = None,
     config: Annotated[Path | None, Opt(help="YAML file with the same keys; flags override it.")] = None,
     engine: Annotated[str | None, Opt(help="Engine: transformers, sglang, openai, simulated, or module:Class.")] = None,
     engine_arg: Annotated[list[str] | None, Opt(help="Engine option KEY=VALUE (repeatable).")] = None,
@@ -50,8 +52,9 @@ def run(
     seed: Annotated[int | None, Opt(help="Run seed; per-sample seeds derive from it.")] = None,
     logprobs: Annotated[bool | None, Opt("--logprobs/--no-logprobs", help="Store per-token logprobs.")] = None,
     partition_size: Annotated[int | None, Opt(help="Prompts per task = store chunk rows.")] = None,
-    scheduler_address: Annotated[str | None, Opt(help="Use this Dask scheduler instead of a LocalCluster "
-                                                      "(tls://HOST:PORT with --tls-*).")] = None,
+    scheduler_address: Annotated[
+        str | None, Opt(help="Use this Dask scheduler instead of a LocalCluster (tls://HOST:PORT with --tls-*).")
+    ] = None,
     tls_ca: Annotated[Path | None, Opt(help="CA file of a tls:// --scheduler-address.")] = None,
     tls_cert: Annotated[Path | None, Opt(help="Client certificate for a tls:// --scheduler-address.")] = None,
     tls_key: Annotated[Path | None, Opt(help="Client key for a tls:// --scheduler-address.")] = None,
@@ -60,30 +63,47 @@ def run(
     n_workers: Annotated[int | None, Opt(help="LocalCluster workers (default: per GPU, else cores/4).")] = None,
     min_workers: Annotated[int | None, Opt(help="Adaptive scaling lower bound.")] = None,
     max_workers: Annotated[int | None, Opt(help="Adaptive scaling upper bound.")] = None,
-    window: Annotated[str | None, Opt(help="Partitions in flight per worker, or 'auto' (sized from the "
-                                           "engine's batch slots; the default).")] = None,
+    window: Annotated[
+        str | None,
+        Opt(help="Partitions in flight per worker, or 'auto' (sized from the engine's batch slots; the default)."),
+    ] = None,
     max_retries: Annotated[int | None, Opt(help="Retries of a failed partition before its prompts fail.")] = None,
     partition_timeout_s: Annotated[float | None, Opt(help="Treat a partition running longer as hung.")] = None,
     max_prompts_in_memory: Annotated[int | None, Opt(help="Cap on prompts held in memory at once.")] = None,
     target_done: Annotated[int | None, Opt(help="Stop once this many prompts are done.")] = None,
     token_budget: Annotated[int | None, Opt(help="Stop once this run generated this many tokens.")] = None,
     deadline: Annotated[str | None, Opt(help="Stop at this time (ISO 8601) or after 90m / 2h / 3600s.")] = None,
-    keep_partial: Annotated[bool | None, Opt("--keep-partial/--no-keep-partial",
-                                             help="Store aborted partial responses and continue them next attempt "
-                                                  "(default: on for the single_turn agent).")] = None,
-    grace: Annotated[str | None, Opt(help="On SIGTERM/SIGINT or at the end of the SLURM allocation: seconds to "
-                                          "abort, save partial responses and commit before exiting with status 3 "
-                                          "(default 25s).")] = None,
+    keep_partial: Annotated[
+        bool | None,
+        Opt(
+            "--keep-partial/--no-keep-partial",
+            help="Store aborted partial responses and continue them next attempt "
+            "(default: on for the single_turn agent).",
+        ),
+    ] = None,
+    grace: Annotated[
+        str | None,
+        Opt(
+            help="On SIGTERM/SIGINT or at the end of the SLURM allocation: seconds to "
+            "abort, save partial responses and commit before exiting with status 3 "
+            "(default 25s)."
+        ),
+    ] = None,
     skip_overlong: Annotated[bool, Opt(help="Record overlong prompts as failed instead of stopping.")] = False,
     retry_failed: Annotated[bool, Opt(help="Regenerate prompts that failed in earlier runs.")] = False,
-    length_hints: Annotated[str | None, Opt(help="Store of an earlier run over the same prompts: start the "
-                                                 "partitions that were longest there first.")] = None,
+    length_hints: Annotated[
+        str | None,
+        Opt(help="Store of an earlier run over the same prompts: start the partitions that were longest there first."),
+    ] = None,
     progress: Annotated[bool, Opt("--progress/--no-progress")] = True,
     show: Annotated[int, Opt(help="Print this many decoded answers at the end.")] = 0,
 ) -> None:
     """Generate (or resume) responses for every prompt into a Zarr store."""
-    overrides = {k: v for k, v in locals().items()
-                 if k not in ("config", "engine_arg", "agent_arg", "show", "cluster", "insecure")}
+    overrides = {
+        k: v
+        for k, v in locals().items()
+        if k not in ("config", "engine_arg", "agent_arg", "show", "cluster", "insecure")
+    }
     from daskgen.client.runner import run as run_generation
     from daskgen.config import RunConfig
 
@@ -123,7 +143,6 @@ def status(store: Annotated[str, typer.Argument(help="A daskgen store (folder or
     typer.echo(status_report(str(store)))
 
 
-
 @app.command()
 def export(
     store: Annotated[str, typer.Argument(help="A daskgen store (folder or URL).")],
@@ -142,8 +161,17 @@ def export(
     from daskgen.store.location import default_output
 
     target = out or default_output(store, DEFAULT_SUFFIX.get(format, f".{format}"))
-    result = run_export(store, target, format, overwrite=overwrite, text=text, tokenizer=tokenizer, prompts=prompts,
-                        raw=raw_prompts, wandb_project=wandb_project)
+    result = run_export(
+        store,
+        target,
+        format,
+        overwrite=overwrite,
+        text=text,
+        tokenizer=tokenizer,
+        prompts=prompts,
+        raw=raw_prompts,
+        wandb_project=wandb_project,
+    )
     typer.echo(result.line())
     if wandb_project:
         typer.echo(f"uploaded {target} to W&B project {wandb_project!r}")
@@ -166,8 +194,10 @@ def report(
 @app.command()
 def pack(
     store: Annotated[str, typer.Argument(help="A daskgen store (folder or URL).")],
-    out: Annotated[str | None, Opt(help="Write the packed copy here and keep STORE (default: replace STORE; "
-                                        "required on object storage).")] = None,
+    out: Annotated[
+        str | None,
+        Opt(help="Write the packed copy here and keep STORE (default: replace STORE; required on object storage)."),
+    ] = None,
     scheduler_address: Annotated[str | None, Opt(help="Copy on this Dask scheduler's workers.")] = None,
     n_workers: Annotated[int | None, Opt(help="LocalCluster workers when no scheduler is given.")] = None,
 ) -> None:

@@ -210,8 +210,14 @@ class RunConfig:
             return None
         from daskgen.worker.rounds import VerifyPolicy
 
-        policy = VerifyPolicy(self.verifier, self.round_size, self.until_correct, self.correct_threshold,
-                              self.stop_when, self.count_truncated)
+        policy = VerifyPolicy(
+            self.verifier,
+            self.round_size,
+            self.until_correct,
+            self.correct_threshold,
+            self.stop_when,
+            self.count_truncated,
+        )
         policy.check(self.n_samples)
         return policy
 
@@ -229,8 +235,9 @@ class RunConfig:
         try:
             when = dt.datetime.fromisoformat(text)
         except ValueError:
-            raise ConfigError(f"deadline {text!r} is neither a duration (90m, 2h, 3600s) "
-                              "nor an ISO 8601 time.") from None
+            raise ConfigError(
+                f"deadline {text!r} is neither a duration (90m, 2h, 3600s) nor an ISO 8601 time."
+            ) from None
         return (when if when.tzinfo else when.astimezone()).timestamp()
 
     def grace_seconds(self) -> float:
@@ -239,8 +246,10 @@ class RunConfig:
 
         match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([smh]?)", str(self.grace).strip())
         if not match or float(match[1]) <= 0:
-            raise ConfigError(f"grace {self.grace!r} must be a positive duration such as 25s, 90s or 2m "
-                              "(the time between SIGTERM and the exit).")
+            raise ConfigError(
+                f"grace {self.grace!r} must be a positive duration such as 25s, 90s or 2m "
+                "(the time between SIGTERM and the exit)."
+            )
         return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[match[2]]
 
     def continues_partial(self) -> bool:
@@ -280,8 +289,9 @@ class RunConfig:
 
     def _check_ranges(self) -> None:
         positive = ("n_samples", "max_new_tokens", "max_prompt_tokens", "partition_size", "max_prompts_in_memory")
-        if self.window != "auto" and (not isinstance(self.window, int) or isinstance(self.window, bool)
-                                      or self.window < 1):
+        if self.window != "auto" and (
+            not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1
+        ):
             raise ConfigError(f"setting 'window' must be 'auto' or an integer >= 1, found {self.window!r}.")
         for key in positive:
             if getattr(self, key) < 1:
@@ -293,15 +303,19 @@ class RunConfig:
         if self.top_k < 0 or self.max_retries < 0:
             raise ConfigError("top_k and max_retries must be >= 0.")
         if self.keep_partial and self.agent != "single_turn":
-            raise ConfigError(f"keep_partial continues single-turn responses only; agent is {self.agent!r}. "
-                              "Leave keep_partial unset: other agent loops restart an interrupted sample.")
+            raise ConfigError(
+                f"keep_partial continues single-turn responses only; agent is {self.agent!r}. "
+                "Leave keep_partial unset: other agent loops restart an interrupted sample."
+            )
         for key in ("target_done", "token_budget"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, found {getattr(self, key)}.")
         if (self.tls_ca or self.tls_cert or self.tls_key) and not self.scheduler_address:
-            raise ConfigError("tls_ca/tls_cert/tls_key (--tls-ca/--tls-cert/--tls-key) are for joining an existing "
-                              "scheduler: give scheduler_address tls://HOST:PORT too (clusters daskgen starts make "
-                              "their own certificate)")
+            raise ConfigError(
+                "tls_ca/tls_cert/tls_key (--tls-ca/--tls-cert/--tls-key) are for joining an existing "
+                "scheduler: give scheduler_address tls://HOST:PORT too (clusters daskgen starts make "
+                "their own certificate)"
+            )
         if self.n_workers is not None and self.n_workers < 1:
             raise ConfigError(f"n_workers must be >= 1, found {self.n_workers}.")
 

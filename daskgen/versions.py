@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-PACKAGES = ("daskgen", "dask", "distributed", "zarr", "numcodecs", "xarray", "numpy", "torch", "transformers",
-            "sglang")
+PACKAGES = ("daskgen", "dask", "distributed", "zarr", "numcodecs", "xarray", "numpy", "torch", "transformers", "sglang")
 
 
 def package_versions() -> dict[str, str]:

@@ -70,15 +70,25 @@ def cli_env() -> dict[str, str]:
 
 def run_cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m daskgen ARGS`` (extra environment in ``env``) and capture its output."""
-    return subprocess.run([sys.executable, "-m", "daskgen", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env={**cli_env(), **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "daskgen", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**cli_env(), **(env or {})},
+    )
 
 
 def popen_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start ``python -m daskgen ARGS`` in its own process group (so a test can kill the whole tree)."""
-    return subprocess.Popen([sys.executable, "-m", "daskgen", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**cli_env(), **(env or {})},
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "daskgen", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**cli_env(), **(env or {})},
+        start_new_session=True,
+    )
 
 
 @pytest.fixture
@@ -125,8 +135,13 @@ _LANE_PROBLEMS_KEY = pytest.StashKey[list]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--lane-expects", type=int, default=None, metavar="N",
-                     help="fail unless at least N tests ran and every selected test ran (no skips); for CI lanes")
+    parser.addoption(
+        "--lane-expects",
+        type=int,
+        default=None,
+        metavar="N",
+        help="fail unless at least N tests ran and every selected test ran (no skips); for CI lanes",
+    )
 
 
 @pytest.hookimpl(trylast=True)  # after `-m`, so only checks the lane would have run are listed
@@ -142,15 +157,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
-        config.stash[_NOT_APPLICABLE_KEY] = [(i.nodeid, i.get_closest_marker(NOT_APPLICABLE).args[0])
-                                             for i in dropped]
+        config.stash[_NOT_APPLICABLE_KEY] = [(i.nodeid, i.get_closest_marker(NOT_APPLICABLE).args[0]) for i in dropped]
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     expected = session.config.getoption("--lane-expects")
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if expected is None or reporter is None or exitstatus in (pytest.ExitCode.NO_TESTS_COLLECTED,
-                                                               pytest.ExitCode.INTERRUPTED):
+    if (
+        expected is None
+        or reporter is None
+        or exitstatus in (pytest.ExitCode.NO_TESTS_COLLECTED, pytest.ExitCode.INTERRUPTED)
+    ):
         return
     stats = reporter.stats
     ran = {r.nodeid for key in ("passed", "failed") for r in stats.get(key, []) if r.when == "call"}
@@ -165,8 +182,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     missing = [nodeid for nodeid in selected if nodeid not in ran]
     if missing:
         problems.append(f"{len(missing)} selected test(s) did not run: {', '.join(missing[:20])}")
-    session.config.stash[_LANE_PROBLEMS_KEY] = [f"lane check: {len(selected)} selected, {len(ran)} ran"
-                                                f" (at least {expected} expected)", *problems]
+    session.config.stash[_LANE_PROBLEMS_KEY] = [
+        f"lane check: {len(selected)} selected, {len(ran)} ran (at least {expected} expected)",
+        *problems,
+    ]
     if problems and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

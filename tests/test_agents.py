@@ -23,7 +23,7 @@ TOOLS = {"add": "tests.agent_tools:add", "boom": "tests.agent_tools:boom", "slow
 
 
 def call(name, **arguments):
-    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
 
 def test_hermes_parser():
@@ -86,11 +86,13 @@ def run_loop(loop_env, script, agent_args, max_new_tokens=64, logprobs=True):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "add 2 and 3"}], add_generation_prompt=True,
-                                     tokenize=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "add 2 and 3"}], add_generation_prompt=True, tokenize=True
+    )
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, logprobs=logprobs,
-                            stop_token_ids=(tok.eos_token_id,))
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=0.0, logprobs=logprobs, stop_token_ids=(tok.eos_token_id,)
+    )
     return thread.run(agent.run(EngineHandle(engine), "p0-s0", prompt, params), timeout=300), tok, agent
 
 
@@ -111,8 +113,11 @@ def test_tool_loop_is_token_exact(loop_env):
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [(call("boom"), "raised ValueError: the tool broke"), (call("slow"), "timed out after 0.5 s"),
-     ('<tool_call>{"name": "add", "arguments": {"a": </tool_call>', "malformed tool call JSON")],
+    [
+        (call("boom"), "raised ValueError: the tool broke"),
+        (call("slow"), "timed out after 0.5 s"),
+        ('<tool_call>{"name": "add", "arguments": {"a": </tool_call>', "malformed tool call JSON"),
+    ],
 )
 def test_tool_failures_are_fed_back_to_the_model(loop_env, text, expected):
     (traj,), tok, _ = run_loop(loop_env, {"0": text}, {"max_turns": 2, "tool_timeout_s": 0.5})
@@ -136,8 +141,9 @@ def test_context_reset_gives_several_trajectories(loop_env):
     trajs, tok, _ = run_loop(loop_env, script, {"max_turns": 3, "max_trajectories": 2})
     assert len(trajs) == 2
     assert trajs[0].num_turns == 1 and trajs[1].num_turns == 1
-    assert "the sum is 5" in tok.decode([t for t, m in zip(trajs[1].response_ids, trajs[1].response_mask,
-                                                          strict=True) if m == 0])
+    assert "the sum is 5" in tok.decode(
+        [t for t, m in zip(trajs[1].response_ids, trajs[1].response_mask, strict=True) if m == 0]
+    )
 
 
 @pytest.mark.slow
@@ -146,12 +152,21 @@ def test_tool_run_end_to_end_with_trajectory_axis_and_resume(tmp_path, tiny_mode
     prompts = write_prompts(tmp_path / "p.jsonl", 6)
     cfg = tmp_path / "run.yaml"
     script = {"0": call("add", a=2, b=3), "1": call("delete_context", summary="5")}
-    cfg.write_text(json.dumps({
-        "engine": "daskgen.testing.engines:ScriptedToolEngine",
-        "engine_args": {"inner": "transformers", "script": script},
-        "agent": "tool", "agent_args": {"tools": TOOLS, "max_turns": 4, "max_trajectories": 2},
-        "max_new_tokens": 128, "partition_size": 2, "n_samples": 2, "temperature": 0.0, "logprobs": True,
-    }))
+    cfg.write_text(
+        json.dumps(
+            {
+                "engine": "daskgen.testing.engines:ScriptedToolEngine",
+                "engine_args": {"inner": "transformers", "script": script},
+                "agent": "tool",
+                "agent_args": {"tools": TOOLS, "max_turns": 4, "max_trajectories": 2},
+                "max_new_tokens": 128,
+                "partition_size": 2,
+                "n_samples": 2,
+                "temperature": 0.0,
+                "logprobs": True,
+            }
+        )
+    )
     out = tmp_path / "out.zarr"
     args = ["run", "--config", cfg, "--prompts", prompts, "--model", tiny_model, "--store", out, "--no-progress"]
     first = run_cli(*args, "--window", "1", "--target-done", "2", timeout=380)  # stops early: a partial store

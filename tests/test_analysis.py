@@ -60,19 +60,39 @@ def _response(i: int, s: int, t: int, max_new: int, rng: np.random.Generator, to
     return ids[:max_new], FinishReason.LENGTH, tok.decode(ids[:max_new])
 
 
-def build_store(tmp_path: Path, *, n: int = 10, samples: int = 3, partition: int = 4, max_new: int = 12,
-                trajectories: int = 1, logprobs: bool = True, name: str = "s.zarr",
-                done: dict[int, int] | None = None) -> Truth:
+def build_store(
+    tmp_path: Path,
+    *,
+    n: int = 10,
+    samples: int = 3,
+    partition: int = 4,
+    max_new: int = 12,
+    trajectories: int = 1,
+    logprobs: bool = True,
+    name: str = "s.zarr",
+    done: dict[int, int] | None = None,
+) -> Truth:
     """A store with known content; ``done`` maps partition start -> status written (default: 2 partitions)."""
     tok, rng = ByteTokenizer(), np.random.default_rng(0)
     rows = [{"messages": [{"role": "user", "content": f"prompt {i}"}], "id": f"q{i}"} for i in range(n)]
     input_path = tmp_path / f"{name}.prompts.jsonl"
     input_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     layout = store.Layout(n, samples, 64, max_new, partition, tok.pad_token_id, n_trajectories=trajectories)
-    attrs = {"identity": {"model": "sim", "engine": "simulated", "n_samples": samples, "max_new_tokens": max_new,
-                          "logprobs": logprobs, "temperature": 1.0, "partition_size": partition},
-             "input": {"fingerprint": fingerprint(rows), "n_prompts": n}, "tokenizer": tokenizer_identity(tok),
-             "config": {"prompts": str(input_path), "engine_args": {}}, "simulated": True}
+    attrs = {
+        "identity": {
+            "model": "sim",
+            "engine": "simulated",
+            "n_samples": samples,
+            "max_new_tokens": max_new,
+            "logprobs": logprobs,
+            "temperature": 1.0,
+            "partition_size": partition,
+        },
+        "input": {"fingerprint": fingerprint(rows), "n_prompts": n},
+        "tokenizer": tokenizer_identity(tok),
+        "config": {"prompts": str(input_path), "engine_args": {}},
+        "simulated": True,
+    }
     path = tmp_path / name
     store.create(path, layout, attrs, [r["id"] for r in rows])
     truth = Truth(path, input_path, {}, np.zeros(n, dtype=np.int8), np.full(n, np.nan), [])
@@ -98,16 +118,22 @@ def build_store(tmp_path: Path, *, n: int = 10, samples: int = 3, partition: int
     return truth
 
 
-def _arrays(layout: store.Layout, prompt_ids: list[list[int]], truth: Truth, rng: np.random.Generator,
-            tok: ByteTokenizer) -> dict[str, np.ndarray]:
+def _arrays(
+    layout: store.Layout, prompt_ids: list[list[int]], truth: Truth, rng: np.random.Generator, tok: ByteTokenizer
+) -> dict[str, np.ndarray]:
     n, s, t, r = layout.n_prompts, layout.n_samples, layout.n_trajectories, layout.max_new_tokens
     shape = (n, s, t)
-    a = {"prompt_ids": np.zeros((n, layout.max_prompt_tokens), np.int32),
-         "prompt_length": np.array([len(p) for p in prompt_ids], np.int32),
-         "response_ids": np.zeros((*shape, r), np.int32), "response_length": np.zeros(shape, np.int32),
-         "response_mask": np.zeros((*shape, r), np.uint8), "logprobs": np.full((*shape, r), np.nan, np.float32),
-         "finish_reason": np.full(shape, -1, np.int8), "num_turns": np.zeros(shape, np.int16),
-         "num_trajectories": rng.integers(1, t + 1, size=(n, s)).astype(np.int16)}
+    a = {
+        "prompt_ids": np.zeros((n, layout.max_prompt_tokens), np.int32),
+        "prompt_length": np.array([len(p) for p in prompt_ids], np.int32),
+        "response_ids": np.zeros((*shape, r), np.int32),
+        "response_length": np.zeros(shape, np.int32),
+        "response_mask": np.zeros((*shape, r), np.uint8),
+        "logprobs": np.full((*shape, r), np.nan, np.float32),
+        "finish_reason": np.full(shape, -1, np.int8),
+        "num_turns": np.zeros(shape, np.int16),
+        "num_trajectories": rng.integers(1, t + 1, size=(n, s)).astype(np.int16),
+    }
     for i in range(n):
         a["prompt_ids"][i, : len(prompt_ids[i])] = prompt_ids[i]
         for j in range(s):
@@ -127,8 +153,7 @@ def _arrays(layout: store.Layout, prompt_ids: list[list[int]], truth: Truth, rng
                 a["logprobs"][i, j, k, :m][model] = -rng.random(int(model.sum()), dtype=np.float32)
                 a["finish_reason"][i, j, k] = int(reason)
     if t == 1:
-        a = {k: v[:, :, 0] if k not in ("prompt_ids", "prompt_length", "num_trajectories") else v
-             for k, v in a.items()}
+        a = {k: v[:, :, 0] if k not in ("prompt_ids", "prompt_length", "num_trajectories") else v for k, v in a.items()}
         del a["num_trajectories"]
     return a
 
@@ -139,8 +164,10 @@ def truth(tmp_path) -> Truth:
 
 
 def test_importing_analysis_loads_no_torch_or_matplotlib():
-    code = ("import sys, daskgen.analysis.accessor; "
-            "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))")
+    code = (
+        "import sys, daskgen.analysis.accessor; "
+        "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -181,8 +208,9 @@ def test_length_histogram_and_stats_count_done_rows_only(truth):
     expected = _expected_lengths(truth)
     for label, values in expected.items():
         np.testing.assert_array_equal(hist.sel(finish_reason=label).values, np.bincount(values, minlength=13))
-    assert hist.sum() == 7 * 3 - 1, "pending rows with data on disk, the failed row and the sample never " \
-        "generated must not count"
+    assert hist.sum() == 7 * 3 - 1, (
+        "pending rows with data on disk, the failed row and the sample never generated must not count"
+    )
     assert hist.sel(finish_reason="not_generated").sum() == 0
     stats = acc.length_stats()
     for label, values in {**expected, "all": np.concatenate(list(expected.values()))}.items():
@@ -268,8 +296,11 @@ def test_texts_with_a_real_hugging_face_tokenizer(tmp_path, tiny_model):
     hf = AutoTokenizer.from_pretrained(tiny_model)
     truth = build_store(tmp_path)
     ds = open_store(truth.path)
-    store.update_attrs(truth.path, tokenizer=tokenizer_identity(hf),
-                       identity={**ds.daskgen.attrs["identity"], "model": str(tiny_model), "engine": "transformers"})
+    store.update_attrs(
+        truth.path,
+        tokenizer=tokenizer_identity(hf),
+        identity={**ds.daskgen.attrs["identity"], "model": str(tiny_model), "engine": "transformers"},
+    )
     frame = open_store(truth.path).daskgen.texts(limit=2, skip_special_tokens=False)
     ids = truth.arrays["response_ids"][0, 0, : truth.arrays["response_length"][0, 0]]
     prompt = truth.arrays["prompt_ids"][0, : truth.arrays["prompt_length"][0]]

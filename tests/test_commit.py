@@ -16,8 +16,9 @@ from daskgen.store import generation_store as store
 def plan(tmp_path, monkeypatch):
     # small coarse chunks: 4 partitions of 4 rows each
     monkeypatch.setitem(dask.config.config["daskgen"], "coarse-chunk", 16)
-    layout = store.Layout(n_prompts=40, n_samples=1, max_prompt_tokens=4, max_new_tokens=4, partition_size=4,
-                          pad_token_id=0)
+    layout = store.Layout(
+        n_prompts=40, n_samples=1, max_prompt_tokens=4, max_new_tokens=4, partition_size=4, pad_token_id=0
+    )
     path = tmp_path / "s.zarr"
     store.create(path, layout, {}, [f"r{i}" for i in range(40)])
     config = RunConfig(model="m", store=str(path))

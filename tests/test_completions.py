@@ -14,8 +14,10 @@ from daskgen.client.finished import Completions
 def client():
     from distributed import Client, LocalCluster
 
-    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0") as lc, \
-            Client(lc) as c:
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0") as lc,
+        Client(lc) as c,
+    ):
         yield c
 
 
@@ -27,8 +29,11 @@ def _boom() -> None:
 def test_results_and_failures_come_back_with_their_futures(client):
     ticks = []
     done = Completions(on_wait=lambda: ticks.append(1))
-    futures = [client.submit(time.sleep, 0.3, pure=False), client.submit(_boom, pure=False),
-               client.submit(sum, [1, 2], pure=False)]
+    futures = [
+        client.submit(time.sleep, 0.3, pure=False),
+        client.submit(_boom, pure=False),
+        client.submit(sum, [1, 2], pure=False),
+    ]
     for f in futures:
         done.add(f)
     got: dict = {}

@@ -23,8 +23,13 @@ def test_unknown_key_lists_valid_keys(tmp_path):
 
 @pytest.mark.parametrize(
     ("key", "value", "fragment"),
-    [("n_samples", "3", "must be int"), ("n_samples", 0, ">= 1"), ("temperature", -1.0, ">= 0"),
-     ("top_p", 0.0, "(0, 1]"), ("logprobs", "yes", "must be bool")],
+    [
+        ("n_samples", "3", "must be int"),
+        ("n_samples", 0, ">= 1"),
+        ("temperature", -1.0, ">= 0"),
+        ("top_p", 0.0, "(0, 1]"),
+        ("logprobs", "yes", "must be bool"),
+    ],
 )
 def test_bad_values_are_named(key, value, fragment):
     with pytest.raises(ConfigError, match=key if key != "top_p" else "top_p") as err:

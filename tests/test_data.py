@@ -17,8 +17,9 @@ def write_jsonl(path, rows):
 def test_jsonl_and_parquet_read_the_same(tmp_path):
     rows = [{"prompt": "hi", "id": "a"}, {"messages": [{"role": "user", "content": "yo"}], "id": "b"}]
     jl = read_rows(write_jsonl(tmp_path / "p.jsonl", rows))
-    pq.write_table(pa.Table.from_pylist([{"prompt": "hi", "id": "a"}, {"prompt": "yo", "id": "b"}]),
-                   tmp_path / "p.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{"prompt": "hi", "id": "a"}, {"prompt": "yo", "id": "b"}]), tmp_path / "p.parquet"
+    )
     pa_rows = read_rows(tmp_path / "p.parquet")
     assert jl == rows
     assert [r["id"] for r in pa_rows] == ["a", "b"]

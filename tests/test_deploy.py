@@ -244,12 +244,19 @@ def test_jobqueue_config_defaults_are_honoured():
         "jobqueue.slurm.log-directory": None,
     }
     with dask.config.set(config):
-        script = render_job_script({"kind": "slurm", "gpus_per_node": 4, "job_script_prologue": ["conda activate x"]},
-                                   ADDRESS)
+        script = render_job_script(
+            {"kind": "slurm", "gpus_per_node": 4, "job_script_prologue": ["conda activate x"]}, ADDRESS
+        )
     got = lines(script)
-    for expected in ("#SBATCH -A from-config", "#SBATCH -p config-partition", "#SBATCH --mem=187G",
-                     "#SBATCH -t 02:00:00", "#SBATCH --cpus-per-task=48", "#SBATCH --constraint=a100",
-                     "#SBATCH --gres=gpu:4"):
+    for expected in (
+        "#SBATCH -A from-config",
+        "#SBATCH -p config-partition",
+        "#SBATCH --mem=187G",
+        "#SBATCH -t 02:00:00",
+        "#SBATCH --cpus-per-task=48",
+        "#SBATCH --constraint=a100",
+        "#SBATCH --gres=gpu:4",
+    ):
         assert expected in got, expected
     # configured prologue first, then the run's own lines
     assert got.index("module load site-default") < got.index("conda activate x")
@@ -286,8 +293,10 @@ def test_lifetime_from_dask_jobqueue_default_walltime_in_a_fresh_process():
     import subprocess
     import sys
 
-    code = ("from daskgen.deploy import jobqueue_kwargs; "
-            "print(jobqueue_kwargs({'kind': 'slurm', 'gpus_per_node': 4, 'memory': '100GB'})['worker_extra_args'])")
+    code = (
+        "from daskgen.deploy import jobqueue_kwargs; "
+        "print(jobqueue_kwargs({'kind': 'slurm', 'gpus_per_node': 4, 'memory': '100GB'})['worker_extra_args'])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert "'--lifetime'" in out.stdout
 
@@ -395,7 +404,10 @@ def test_make_cluster_slurm_submits_one_job_per_node(fake_batch):
             assert cmd[4] == cluster.scheduler_address
             assert arg(cmd, "--protocol") == "tls://"
             assert (arg(cmd, "--tls-ca-file"), arg(cmd, "--tls-cert"), arg(cmd, "--tls-key")) == (
-                str(run_dir / "cert.pem"), str(run_dir / "cert.pem"), str(run_dir / "key.pem"))
+                str(run_dir / "cert.pem"),
+                str(run_dir / "cert.pem"),
+                str(run_dir / "key.pem"),
+            )
         durations = dask.config.get("distributed.scheduler.default-task-durations")
         assert durations["daskgen-partition"] == "60s"
         # batch clusters run the scheduler in a process of its own (TLS from the run's files), with this config
@@ -496,8 +508,13 @@ def test_multi_worker_jobs_are_replaced_after_their_lifetime():
 
     cls = type("LocalJobsCluster", (_JobReaperMixin, JobQueueLocalCluster), {})
     with dask.config.set({"distributed.deploy.lost-worker-timeout": "0.5s"}):
-        cluster = cls(cores=2, processes=2, memory="1GB", worker_extra_args=["--lifetime", "4s"],
-                      scheduler_options={"dashboard_address": ":0"})
+        cluster = cls(
+            cores=2,
+            processes=2,
+            memory="1GB",
+            worker_extra_args=["--lifetime", "4s"],
+            scheduler_options={"dashboard_address": ":0"},
+        )
         try:
             cluster.adapt(minimum=2, maximum=2, interval="200ms", worker_key=job_of_worker)
             with Client(cluster) as client:
@@ -527,11 +544,21 @@ def test_workers_join_and_retire_mid_run_without_losing_prompts(tmp_path):
 
     log = tmp_path / "calls.log"
     config = RunConfig(
-        prompts=str(write_prompts(tmp_path / "p.jsonl", 120)), model="sim", store=str(tmp_path / "out.zarr"),
-        engine="daskgen.testing.engines:RecordingEngine", max_new_tokens=16, max_prompt_tokens=128,
-        engine_args={"inner": "simulated", "log_path": str(log), "time_scale": 1.0, "length_dist": "fixed",
-                     "length_mean": 16},
-        partition_size=2, progress=False,
+        prompts=str(write_prompts(tmp_path / "p.jsonl", 120)),
+        model="sim",
+        store=str(tmp_path / "out.zarr"),
+        engine="daskgen.testing.engines:RecordingEngine",
+        max_new_tokens=16,
+        max_prompt_tokens=128,
+        engine_args={
+            "inner": "simulated",
+            "log_path": str(log),
+            "time_scale": 1.0,
+            "length_dist": "fixed",
+            "length_mean": 16,
+        },
+        partition_size=2,
+        progress=False,
     )
     cluster, _ = make_cluster({"kind": "local", "n_workers": 1, "threads_per_worker": 3})
     try:
@@ -576,8 +603,11 @@ def test_nanny_preload_keeps_glibc_malloc_defaults_in_a_real_worker():
     async def main() -> dict:
         async with Scheduler(dashboard_address=":0") as scheduler:
             address = scheduler.address
-            async with Nanny(address, nthreads=1, preload_nanny=["daskgen.worker.nanny_preload"]), \
-                    Nanny(address, nthreads=1) as plain, Client(address, asynchronous=True) as client:
+            async with (
+                Nanny(address, nthreads=1, preload_nanny=["daskgen.worker.nanny_preload"]),
+                Nanny(address, nthreads=1) as plain,
+                Client(address, asynchronous=True) as client,
+            ):
                 await client.wait_for_workers(2)
                 found = await client.run(env)
                 return {addr: (v, addr == plain.worker_address) for addr, v in found.items()}

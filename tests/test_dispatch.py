@@ -42,6 +42,7 @@ def test_tail_share_is_the_time_share_of_the_last_tenth_of_prompts():
 
 # ----------------------------------------------------------------------------- length hints
 
+
 def test_long_first_takes_the_partitions_predicted_longest_longest_first():
     predicted = np.array([5, 1, np.nan, np.nan, 9, 2, 3, np.nan, np.nan, np.nan, 4, 40], dtype=float)
     # partitions of 2 rows at 0, 2, 4, 6, 8, 10: maxima 5, unknown, 9, 3, unknown, 40
@@ -51,8 +52,17 @@ def test_long_first_takes_the_partitions_predicted_longest_longest_first():
 
 
 def _config(tmp_path, prompts, name, **extra):
-    return RunConfig(model="sim", engine="simulated", prompts=str(prompts), store=str(tmp_path / name),
-                     max_new_tokens=64, max_prompt_tokens=64, partition_size=4, n_samples=2, **extra)
+    return RunConfig(
+        model="sim",
+        engine="simulated",
+        prompts=str(prompts),
+        store=str(tmp_path / name),
+        max_new_tokens=64,
+        max_prompt_tokens=64,
+        partition_size=4,
+        n_samples=2,
+        **extra,
+    )
 
 
 def _earlier_store(tmp_path, prompts, lengths: dict[int, list[int]]):
@@ -77,8 +87,9 @@ def test_hints_from_a_store_of_the_same_input_order_the_pending_partitions(tmp_p
     # every row of every partition is there, prompts read for the right rows
     tasks = list(pending_tasks(plan))
     assert sorted(r for t in tasks for r in t.rows) == list(range(16))
-    assert all(t.inputs[i]["messages"][0]["content"].startswith(f"Question {r}:")
-               for t in tasks for i, r in enumerate(t.rows))
+    assert all(
+        t.inputs[i]["messages"][0]["content"].startswith(f"Question {r}:") for t in tasks for i, r in enumerate(t.rows)
+    )
 
 
 def test_interrupted_partitions_still_go_before_the_hinted_ones(tmp_path):
@@ -98,8 +109,9 @@ def test_hints_from_another_input_match_rows_by_id(tmp_path):
     earlier = _earlier_store(tmp_path, prompts, {2: [30, 1], 5: [4, 4]})
     rows = [json.loads(line) for line in prompts.read_text().splitlines()]
     shuffled = tmp_path / "q.jsonl"  # same prompts in another order, one new prompt
-    shuffled.write_text("".join(json.dumps(r) + "\n" for r in [rows[5], rows[2], *rows[6:], *rows[:2],
-                                                                  {**rows[0], "id": "new"}]))
+    shuffled.write_text(
+        "".join(json.dumps(r) + "\n" for r in [rows[5], rows[2], *rows[6:], *rows[:2], {**rows[0], "id": "new"}])
+    )
     hints = read_length_hints(locate(str(earlier)), *_scan_of(tmp_path, shuffled))
     assert hints[0] == 4 and hints[1] == 30 and np.isnan(hints[2]) and np.isnan(hints[-1])
 
@@ -141,16 +153,45 @@ def test_cli_run_with_length_hints_starts_the_partitions_longest_in_the_earlier_
     prompts = write_prompts(tmp_path / "p.jsonl", 24)
 
     def run(name: str, *extra: str):
-        args = ["--engine", "daskgen.testing.engines:RecordingEngine", "--engine-arg", "inner=simulated",
-                "--engine-arg", f"log_path={tmp_path / name}.log", "--engine-arg", "time_scale=0",
-                "--engine-arg", "length_prompt_share=1", "--engine-arg", "length_mean=12",
-                "--engine-arg", "length_sigma=1.2", "--model", "sim", "--max-new-tokens", "200",
-                "--max-prompt-tokens", "128", "--partition-size", "4", "--n-samples", "2", "--n-workers", "1",
-                "--window", "1", "--no-progress", "--prompts", prompts, "--store", tmp_path / f"{name}.zarr", *extra]
+        args = [
+            "--engine",
+            "daskgen.testing.engines:RecordingEngine",
+            "--engine-arg",
+            "inner=simulated",
+            "--engine-arg",
+            f"log_path={tmp_path / name}.log",
+            "--engine-arg",
+            "time_scale=0",
+            "--engine-arg",
+            "length_prompt_share=1",
+            "--engine-arg",
+            "length_mean=12",
+            "--engine-arg",
+            "length_sigma=1.2",
+            "--model",
+            "sim",
+            "--max-new-tokens",
+            "200",
+            "--max-prompt-tokens",
+            "128",
+            "--partition-size",
+            "4",
+            "--n-samples",
+            "2",
+            "--n-workers",
+            "1",
+            "--window",
+            "1",
+            "--no-progress",
+            "--prompts",
+            prompts,
+            "--store",
+            tmp_path / f"{name}.zarr",
+            *extra,
+        ]
         res = run_cli("run", *args, timeout=240)
         assert res.returncode == 0, res.stdout + res.stderr
-        return store.read_region(locate(str(tmp_path / f"{name}.zarr")), 0, 24, ("response_length",))[
-            "response_length"]
+        return store.read_region(locate(str(tmp_path / f"{name}.zarr")), 0, 24, ("response_length",))["response_length"]
 
     first = run("first")
     second = run("second", "--seed", "7", "--length-hints", tmp_path / "first.zarr")

@@ -39,8 +39,11 @@ from tests.conftest import tiny_model_once
 MISSING = [name for name in ("sglang", "soundfile", "httpx", "tenacity") if find_spec(name) is None]
 pytestmark = [
     pytest.mark.sglang,
-    pytest.mark.skipif(bool(MISSING), reason=f"needs {MISSING} (the sglang lane: .ci/sglang-lane; sglang's HTTP "
-                                             "server imports soundfile, the openai engine needs httpx and tenacity)"),
+    pytest.mark.skipif(
+        bool(MISSING),
+        reason=f"needs {MISSING} (the sglang lane: .ci/sglang-lane; sglang's HTTP "
+        "server imports soundfile, the openai engine needs httpx and tenacity)",
+    ),
 ]
 
 SECRET = "sk-daskgen-sglang-planted-4b7e2a"
@@ -55,8 +58,9 @@ def tiny_model() -> str:
 
 
 def request(rid: str, prompt: list[int] | None = None, **params: Any) -> GenerationRequest:
-    return GenerationRequest(rid, list(prompt or PROMPT), SamplingParams(**{"max_new_tokens": 16,
-                                                                           "temperature": 0.0, **params}))
+    return GenerationRequest(
+        rid, list(prompt or PROMPT), SamplingParams(**{"max_new_tokens": 16, "temperature": 0.0, **params})
+    )
 
 
 def keyed_server() -> Any:
@@ -109,8 +113,10 @@ class TestSGLangNativeConformance(EngineConformance):
     long_max_new_tokens = 1500
     abort_timeout_s = 30.0
     concurrency = 24
-    not_applicable = {"test_seeded_reproducible": "the CPU sglang server runs without enable_deterministic_inference "
-                                                  "(GPU attention backends only), so it does not honour seeds"}
+    not_applicable = {
+        "test_seeded_reproducible": "the CPU sglang server runs without enable_deterministic_inference "
+        "(GPU attention backends only), so it does not honour seeds"
+    }
 
     @classmethod
     def setup_class(cls) -> None:
@@ -140,8 +146,11 @@ class TestSGLangNativeConformance(EngineConformance):
         assert torch.allclose(torch.tensor(sampled.logprobs), expected, atol=2e-3), (sampled.logprobs, expected)
 
     def test_eos_is_kept_and_reported_as_stop(self) -> None:
-        results = self.run(self.generate_all([
-            request(f"eos-{i}", self.prompt(200 + i), max_new_tokens=32, temperature=1.0) for i in range(16)]))
+        results = self.run(
+            self.generate_all(
+                [request(f"eos-{i}", self.prompt(200 + i), max_new_tokens=32, temperature=1.0) for i in range(16)]
+            )
+        )
         stopped = [r for r in results if r.finish_reason == FinishReason.STOP]
         assert stopped, "no sample reached EOS (the tiny model ends about half of them)"
         assert all(r.output_ids[-1] == 2 for r in stopped), stopped
@@ -170,8 +179,12 @@ class TestSGLangNativeConformance(EngineConformance):
         engine = engine_on(runner, base_url=external_server().url + "/v1", api="completions", api_key_env=KEY_ENV)
         try:
             assert engine.describe()["retokenized"] is True
-            results = runner.run(_gather(engine, [request(f"c{i}", self.prompt(300 + i), max_new_tokens=6,
-                                                          logprobs=True) for i in range(8)]), 300)
+            results = runner.run(
+                _gather(
+                    engine, [request(f"c{i}", self.prompt(300 + i), max_new_tokens=6, logprobs=True) for i in range(8)]
+                ),
+                300,
+            )
             assert all(r.error is None and r.meta["retokenized"] for r in results), results
             aligned = [r for r in results if "logprobs" not in r.meta]
             assert aligned and all(math.isfinite(x) and x <= 0 for r in aligned for x in r.logprobs), results
@@ -190,8 +203,9 @@ class TestSGLangNativeConformance(EngineConformance):
         finally:
             runner.close()
 
-    def test_api_key_checks_and_no_leak(self, caplog: pytest.LogCaptureFixture,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    def test_api_key_checks_and_no_leak(
+        self, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         caplog.set_level(logging.DEBUG)
         runner = EventLoopThread()
         try:
@@ -223,8 +237,11 @@ async def _short_overtakes_long(engine: Any) -> list[str]:
     cap = TestSGLangNativeConformance.long_max_new_tokens
     # of the greedy prompts that ran the probe's 64 tokens, the one that runs longest to the long cap (one that
     # stopped soon after 64 could finish before the short request is back)
-    runs = [request(f"run-{i}", p.prompt_ids, max_new_tokens=cap)
-            for i, (p, r) in enumerate(zip(probes, results, strict=True)) if r.finish_reason == FinishReason.LENGTH][:4]
+    runs = [
+        request(f"run-{i}", p.prompt_ids, max_new_tokens=cap)
+        for i, (p, r) in enumerate(zip(probes, results, strict=True))
+        if r.finish_reason == FinishReason.LENGTH
+    ][:4]
     assert runs, "no greedy probe ran 64 tokens without stopping"
     long_prompt = (await longest_running(engine, runs)).prompt_ids
     order: list[str] = []
@@ -253,8 +270,9 @@ class TestManagedServer:
     def setup_class(cls) -> None:
         cls.runner = EventLoopThread()
         # a small max_running_requests, so that more requests than the server runs at once are cheap
-        cls.engine = engine_on(cls.runner, managed=True, server_start_timeout_s=600,
-                               server_args={"max_running_requests": MANAGED_RUNNING})
+        cls.engine = engine_on(
+            cls.runner, managed=True, server_start_timeout_s=600, server_args={"max_running_requests": MANAGED_RUNNING}
+        )
 
     @classmethod
     def teardown_class(cls) -> None:
@@ -296,11 +314,13 @@ class TestManagedServer:
         body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
         anonymous = httpx.post(server.url + "/generate", json=body, timeout=120)
         assert anonymous.status_code == 401, anonymous.text
-        wrong = httpx.post(server.url + "/generate", json=body, timeout=120,
-                           headers={"Authorization": "Bearer daskgen-not-the-key"})
+        wrong = httpx.post(
+            server.url + "/generate", json=body, timeout=120, headers={"Authorization": "Bearer daskgen-not-the-key"}
+        )
         assert wrong.status_code == 401, wrong.text
-        keyed = httpx.post(server.url + "/generate", json=body, timeout=120,
-                           headers={"Authorization": f"Bearer {server.api_key}"})
+        keyed = httpx.post(
+            server.url + "/generate", json=body, timeout=120, headers={"Authorization": f"Bearer {server.api_key}"}
+        )
         assert keyed.status_code == 200 and len(keyed.json()["output_ids"]) == 2, keyed.text
         assert httpx.get(server.url + "/health", timeout=60).status_code == 200  # probes stay open
         cmdline = Path(f"/proc/{server.process.pid}/cmdline").read_bytes().decode()
@@ -325,8 +345,9 @@ class TestManagedServer:
         server.log_path.unlink()
 
 
-async def _loads_while_generating(engine: Any, url: str, requests: list[GenerationRequest],
-                                  headers: dict[str, str]) -> list[dict]:
+async def _loads_while_generating(
+    engine: Any, url: str, requests: list[GenerationRequest], headers: dict[str, str]
+) -> list[dict]:
     """Generate ``requests`` at once through ``engine``; meanwhile poll the server's ``/v1/loads``."""
     import httpx
 
@@ -391,8 +412,10 @@ def _wait_for_commits(store: Path, at_least: int, timeout: float = 900) -> None:
         except (FileNotFoundError, KeyError, ValueError) as exc:  # not created yet, or being written
             last_error = exc
         time.sleep(0.5)
-    raise AssertionError(f"the run committed fewer than {at_least} prompts within {timeout} s "
-                         f"(last error reading the store: {last_error!r})")
+    raise AssertionError(
+        f"the run committed fewer than {at_least} prompts within {timeout} s "
+        f"(last error reading the store: {last_error!r})"
+    )
 
 
 @pytest.mark.slow
@@ -407,10 +430,30 @@ def test_run_with_managed_server_survives_its_death(tmp_path: Path) -> None:
     model = str(shutil.copytree(tiny_model(), tmp_path / "model"))  # its own path: other servers here use tiny_model()
     prompts = write_prompts(tmp_path / "p.jsonl", 16)
     out = tmp_path / "out.zarr"
-    run = popen_cli("run", "--prompts", prompts, "--model", model, "--store", out, "--engine", "openai",
-                    "--engine-arg", "managed=true", "--n-samples", "2", "--max-new-tokens", "192",
-                    "--temperature", "0", "--partition-size", "4", "--max-retries", "3",
-                    env={"TMPDIR": str(tmp_path)})  # the killed server's log stays in tmp_path
+    run = popen_cli(
+        "run",
+        "--prompts",
+        prompts,
+        "--model",
+        model,
+        "--store",
+        out,
+        "--engine",
+        "openai",
+        "--engine-arg",
+        "managed=true",
+        "--n-samples",
+        "2",
+        "--max-new-tokens",
+        "192",
+        "--temperature",
+        "0",
+        "--partition-size",
+        "4",
+        "--max-retries",
+        "3",
+        env={"TMPDIR": str(tmp_path)},
+    )  # the killed server's log stays in tmp_path
     try:
         first = _wait_for_server(model, set())
         assert first.parent().pid != os.getpid(), "found a server of this test process, not of the run"

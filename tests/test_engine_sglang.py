@@ -66,19 +66,36 @@ def test_registered_under_sglang() -> None:
 def test_sampling_params_mapping() -> None:
     params = SamplingParams(max_new_tokens=7, temperature=0.0, top_p=0.9, top_k=0, seed=5, stop_token_ids=(9, 3, 9))
     assert sampling_params_for(params) == {
-        "max_new_tokens": 7, "temperature": 0.0, "top_p": 0.9, "top_k": -1,
-        "stop_token_ids": [3, 9], "sampling_seed": 5,
+        "max_new_tokens": 7,
+        "temperature": 0.0,
+        "top_p": 0.9,
+        "top_k": -1,
+        "stop_token_ids": [3, 9],
+        "sampling_seed": 5,
     }
     plain = sampling_params_for(SamplingParams(top_k=20))
     assert plain["top_k"] == 20 and "stop_token_ids" not in plain and "sampling_seed" not in plain
 
 
-@pytest.mark.parametrize(("kind", "finish"), [("stop", FinishReason.STOP), ("length", FinishReason.LENGTH),
-                                              ("abort", FinishReason.ABORT), ("weird", FinishReason.ERROR)])
+@pytest.mark.parametrize(
+    ("kind", "finish"),
+    [
+        ("stop", FinishReason.STOP),
+        ("length", FinishReason.LENGTH),
+        ("abort", FinishReason.ABORT),
+        ("weird", FinishReason.ERROR),
+    ],
+)
 def test_result_from_output(kind: str, finish: FinishReason) -> None:
-    output = {"output_ids": [5, 6, 2], "meta_info": {
-        "finish_reason": {"type": kind}, "prompt_tokens": 4, "cached_tokens": 1,
-        "output_token_logprobs": [(-0.5, 5, None), (-1.0, 6, None), (-2.0, 2, None)]}}
+    output = {
+        "output_ids": [5, 6, 2],
+        "meta_info": {
+            "finish_reason": {"type": kind},
+            "prompt_tokens": 4,
+            "cached_tokens": 1,
+            "output_token_logprobs": [(-0.5, 5, None), (-1.0, 6, None), (-2.0, 2, None)],
+        },
+    }
     with_lp = result_from_output(request("r", logprobs=True), output)
     assert with_lp.output_ids == [5, 6, 2] and with_lp.finish_reason == finish
     assert with_lp.logprobs == [-0.5, -1.0, -2.0]
@@ -177,8 +194,10 @@ class TestSGLangConformance(_SharedSGLang, EngineConformance):
     long_max_new_tokens = 1500
     abort_timeout_s = 30.0
     concurrency = 24
-    not_applicable = {"test_seeded_reproducible": "sglang honours seeds only with enable_deterministic_inference, "
-                                                  "which needs a GPU attention backend (TestSGLangConformanceCUDA)"}
+    not_applicable = {
+        "test_seeded_reproducible": "sglang honours seeds only with enable_deterministic_inference, "
+        "which needs a GPU attention backend (TestSGLangConformanceCUDA)"
+    }
 
     def test_sglang_and_shim_are_real(self) -> None:
         """The lane runs the pinned sglang; sgl_kernel (on CPU) is the import-only shim."""
@@ -203,8 +222,11 @@ class TestSGLangConformance(_SharedSGLang, EngineConformance):
         assert self.engine.describe()["max_running_requests"] == capacity
 
     def test_eos_is_kept_and_reported_as_stop(self) -> None:
-        results = self.run(self.generate_all([
-            request(f"eos-{i}", self.prompt(200 + i), max_new_tokens=32, temperature=1.0) for i in range(16)]))
+        results = self.run(
+            self.generate_all(
+                [request(f"eos-{i}", self.prompt(200 + i), max_new_tokens=32, temperature=1.0) for i in range(16)]
+            )
+        )
         stopped = [r for r in results if r.finish_reason == FinishReason.STOP]
         assert stopped, "no sample reached EOS (the tiny model ends about half of them)"
         for result in stopped:
@@ -336,8 +358,7 @@ class TestSGLangCrashAndShutdown:
 class TestSGLangConformanceCUDA(TestSGLangConformance):
     """The same suite on a GPU, with deterministic inference so that seeds are honoured."""
 
-    engine_args = {"enable_deterministic_inference": True, "attention_backend": "triton",
-                   "mem_fraction_static": 0.5}
+    engine_args = {"enable_deterministic_inference": True, "attention_backend": "triton", "mem_fraction_static": 0.5}
     not_applicable = {}
 
 
@@ -351,8 +372,22 @@ def test_cli_run_sglang_agrees_with_transformers_under_greedy(tmp_path: Path) ->
     import xarray as xr
 
     model, prompts, n = tiny_model_path(), write_prompts(tmp_path / "p.jsonl", 12), 12
-    common = ["--prompts", prompts, "--model", model, "--n-workers", "1", "--temperature", "0",
-              "--max-new-tokens", "24", "--partition-size", "4", "--logprobs", "--no-progress"]
+    common = [
+        "--prompts",
+        prompts,
+        "--model",
+        model,
+        "--n-workers",
+        "1",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "24",
+        "--partition-size",
+        "4",
+        "--logprobs",
+        "--no-progress",
+    ]
     stores = {}
     for engine in ("sglang", "transformers"):
         stores[engine] = tmp_path / f"{engine}.zarr"
@@ -406,9 +441,22 @@ def test_validate_gpu_script_runs(tmp_path: Path) -> None:
     """The GPU validation script end to end (on the CPU here: a smoke test; on a GPU: the real thing)."""
     out = tmp_path / "result.json"
     device = "cuda" if HAVE_CUDA else "cpu"
-    cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "validate_gpu.py"),
-           "--model", tiny_model_path(), "--device", device, "--n-prompts", "16", "--max-new-tokens", "16",
-           "--prompt-len", "16", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve().parents[1] / "benchmarks" / "validate_gpu.py"),
+        "--model",
+        tiny_model_path(),
+        "--device",
+        device,
+        "--n-prompts",
+        "16",
+        "--max-new-tokens",
+        "16",
+        "--prompt-len",
+        "16",
+        "--json",
+        str(out),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=1100)
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]
     result = json.loads(out.read_text())
@@ -426,4 +474,3 @@ def test_zz_no_sgl_kernel_shim_function_was_called() -> None:
     module = sys.modules.get("sgl_kernel")
     if module is not None and getattr(module, "IS_DASKGEN_SHIM", False):
         assert module.CALLS == [], module.CALLS
-

@@ -19,8 +19,15 @@ class TestSimulatedConformance(EngineConformance):
 
     engine_class = SimulatedEngine
     model = "simulated-test"
-    engine_args = {"time_scale": 1.0, "step_time_base_s": 0.002, "step_time_per_seq_s": 0.0,
-                   "length_dist": "lognormal", "length_mean": 300, "length_sigma": 0.8, "max_batch": 64}
+    engine_args = {
+        "time_scale": 1.0,
+        "step_time_base_s": 0.002,
+        "step_time_per_seq_s": 0.0,
+        "length_dist": "lognormal",
+        "length_mean": 300,
+        "length_sigma": 0.8,
+        "max_batch": 64,
+    }
     timeout_s = 60.0
 
 
@@ -31,8 +38,15 @@ class _OneAtATime(EngineConformance):
 
     engine_class = SimulatedEngine
     model = "simulated-one-at-a-time"
-    engine_args = {"time_scale": 1.0, "step_time_base_s": 0.0005, "step_time_per_seq_s": 0.0,
-                   "length_dist": "lognormal", "length_mean": 60, "length_sigma": 0.5, "max_batch": 1}
+    engine_args = {
+        "time_scale": 1.0,
+        "step_time_base_s": 0.0005,
+        "step_time_per_seq_s": 0.0,
+        "length_dist": "lognormal",
+        "length_mean": 60,
+        "length_sigma": 0.5,
+        "max_batch": 1,
+    }
     probe_max_new_tokens = 32  # lengths here are around 60: some probe must run 32 tokens
     long_max_new_tokens = 400
     timeout_s = 60.0
@@ -72,9 +86,17 @@ def test_registered_and_labelled() -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [{"max_batch": 0}, {"time_scale": -1}, {"length_dist": "zipf"}, {"length_mean": 0},
-     {"vocab_size": 1}, {"eos_token_id": 50, "vocab_size": 10}, {"step_time_base_s": float("nan")},
-     {"length_prompt_share": 1.5}, {"length_prompt_share": -0.1}],
+    [
+        {"max_batch": 0},
+        {"time_scale": -1},
+        {"length_dist": "zipf"},
+        {"length_mean": 0},
+        {"vocab_size": 1},
+        {"eos_token_id": 50, "vocab_size": 10},
+        {"step_time_base_s": float("nan")},
+        {"length_prompt_share": 1.5},
+        {"length_prompt_share": -0.1},
+    ],
 )
 def test_invalid_args(args) -> None:
     with pytest.raises(ConfigError):
@@ -105,8 +127,12 @@ def test_lengths_and_finish_reasons(dist: str) -> None:
 
 def _lengths(share: float, prompts: int, samples: int) -> np.ndarray:
     args = SimulatedEngine("sim", length_mean=200, length_sigma=1.0, length_prompt_share=share, time_scale=0).args
-    return np.array([[len(plan_output(req("r", [p, 7], max_new_tokens=100_000, seed=s), args).tokens)
-                      for s in range(samples)] for p in range(prompts)])
+    return np.array(
+        [
+            [len(plan_output(req("r", [p, 7], max_new_tokens=100_000, seed=s), args).tokens) for s in range(samples)]
+            for p in range(prompts)
+        ]
+    )
 
 
 def test_length_prompt_share_makes_samples_of_one_prompt_alike_and_keeps_the_mean() -> None:
@@ -172,8 +198,14 @@ def test_makespan_follows_step_model(monkeypatch: pytest.MonkeyPatch) -> None:
     waits = _wall_waits(monkeypatch)
 
     async def main() -> dict:
-        engine = await _started(time_scale=1.0, step_time_base_s=base, step_time_per_seq_s=per_seq,
-                                length_dist="fixed", length_mean=20, max_batch=3)
+        engine = await _started(
+            time_scale=1.0,
+            step_time_base_s=base,
+            step_time_per_seq_s=per_seq,
+            length_dist="fixed",
+            length_mean=20,
+            max_batch=3,
+        )
         await asyncio.gather(*(engine.generate(req(f"r{i}", [1, 2], max_new_tokens=100, seed=i)) for i in range(8)))
         stats = engine.stats()
         await engine.shutdown()
@@ -192,8 +224,9 @@ def test_time_scale_scales_the_wall_time_waited(monkeypatch: pytest.MonkeyPatch)
     waits = _wall_waits(monkeypatch)
 
     async def main() -> dict:
-        engine = await _started(time_scale=0.1, step_time_base_s=0.05, step_time_per_seq_s=0.0,
-                                length_dist="fixed", length_mean=20)
+        engine = await _started(
+            time_scale=0.1, step_time_base_s=0.05, step_time_per_seq_s=0.0, length_dist="fixed", length_mean=20
+        )
         await engine.generate(req("r", [1], max_new_tokens=100))
         stats = engine.stats()
         await engine.shutdown()
@@ -207,8 +240,9 @@ def test_time_scale_scales_the_wall_time_waited(monkeypatch: pytest.MonkeyPatch)
 
 def test_busy_fraction_counts_idle_time() -> None:
     async def main() -> dict:
-        engine = await _started(time_scale=1.0, step_time_base_s=0.005, step_time_per_seq_s=0.0,
-                                length_dist="fixed", length_mean=20)
+        engine = await _started(
+            time_scale=1.0, step_time_base_s=0.005, step_time_per_seq_s=0.0, length_dist="fixed", length_mean=20
+        )
         await engine.generate(req("a", [1], max_new_tokens=50))
         await asyncio.sleep(0.1)  # idle: at least 0.1 s pass with nothing running
         stats = engine.stats()
@@ -226,8 +260,14 @@ def test_late_request_joins_running_batch() -> None:
     """A request arriving mid-run starts at the next step, not after the running ones finish."""
 
     async def main() -> tuple[list[str], dict]:
-        engine = await _started(time_scale=1.0, step_time_base_s=0.002, step_time_per_seq_s=0.0,
-                                length_dist="fixed", length_mean=1000, max_batch=8)
+        engine = await _started(
+            time_scale=1.0,
+            step_time_base_s=0.002,
+            step_time_per_seq_s=0.0,
+            length_dist="fixed",
+            length_mean=1000,
+            max_batch=8,
+        )
         order: list[str] = []
 
         async def generate(rid: str, prompt: list[int], tokens: int) -> None:
@@ -251,10 +291,18 @@ def test_late_request_joins_running_batch() -> None:
 
 def test_abort_waiting_and_running() -> None:
     async def main() -> list:
-        engine = await _started(time_scale=1.0, step_time_base_s=0.002, step_time_per_seq_s=0.0,
-                                length_dist="fixed", length_mean=1000, max_batch=1)
-        tasks = [asyncio.ensure_future(engine.generate(req(r, [1], max_new_tokens=500, logprobs=True)))
-                 for r in ("running", "waiting")]
+        engine = await _started(
+            time_scale=1.0,
+            step_time_base_s=0.002,
+            step_time_per_seq_s=0.0,
+            length_dist="fixed",
+            length_mean=1000,
+            max_batch=1,
+        )
+        tasks = [
+            asyncio.ensure_future(engine.generate(req(r, [1], max_new_tokens=500, logprobs=True)))
+            for r in ("running", "waiting")
+        ]
         while engine._current_step() < 5:  # "running" has generated a few tokens
             await asyncio.sleep(0.002)
         await engine.abort("waiting")
@@ -272,8 +320,9 @@ def test_abort_waiting_and_running() -> None:
 
 def test_cancelled_caller_frees_its_slot() -> None:
     async def main() -> None:
-        engine = await _started(time_scale=1.0, step_time_base_s=0.002, length_dist="fixed",
-                                length_mean=1000, max_batch=1)
+        engine = await _started(
+            time_scale=1.0, step_time_base_s=0.002, length_dist="fixed", length_mean=1000, max_batch=1
+        )
         first = asyncio.ensure_future(engine.generate(req("first", [1], max_new_tokens=1000)))
         await asyncio.sleep(0.02)
         first.cancel()

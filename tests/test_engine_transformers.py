@@ -86,8 +86,10 @@ def gen(loop: EventLoopThread, engine: TransformersEngine, prompt: list[int], **
 
 
 def test_import_daskgen_does_not_import_torch() -> None:
-    code = ("import sys, daskgen, daskgen.engines, daskgen.engines.transformers, daskgen.testing.conformance; "
-            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'")
+    code = (
+        "import sys, daskgen, daskgen.engines, daskgen.engines.transformers, daskgen.testing.conformance; "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -97,8 +99,15 @@ def test_registry_creates_engine() -> None:
 
 
 @pytest.mark.parametrize(
-    "args", [{"device": "tpu"}, {"dtype": "int8"}, {"max_batch_tokens": 0}, {"kv_cache_tokens": -5},
-             {"max_memory_percent": 1.5}, {"prefix_sharing": "yes"}],
+    "args",
+    [
+        {"device": "tpu"},
+        {"dtype": "int8"},
+        {"max_batch_tokens": 0},
+        {"kv_cache_tokens": -5},
+        {"max_memory_percent": 1.5},
+        {"prefix_sharing": "yes"},
+    ],
 )
 def test_invalid_args(args) -> None:
     with pytest.raises(ConfigError):
@@ -128,13 +137,20 @@ def test_greedy_matches_model_generate(loop, engine, reference) -> None:
     prompt = [1, 100, 2000, 3000, 40]
     ours = gen(loop, engine, prompt, max_new_tokens=24, temperature=0.0)
     with torch.no_grad():
-        ref = reference.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                                 eos_token_id=sorted(engine.eos_token_ids), pad_token_id=0)
-    assert ours.output_ids == ref[0, len(prompt):].tolist()
+        ref = reference.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=sorted(engine.eos_token_ids),
+            pad_token_id=0,
+        )
+    assert ours.output_ids == ref[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("params", [{"temperature": 0.0}, {"temperature": 0.5, "seed": 3, "top_k": 50},
-                                    {"temperature": 1.5, "seed": 4, "top_p": 0.8}])
+@pytest.mark.parametrize(
+    "params",
+    [{"temperature": 0.0}, {"temperature": 0.5, "seed": 3, "top_k": 50}, {"temperature": 1.5, "seed": 4, "top_p": 0.8}],
+)
 def test_logprobs_are_untempered_model_logprobs(loop, engine, reference, params) -> None:
     prompt = [1, 7, 8, 9, 10]
     result = gen(loop, engine, prompt, max_new_tokens=12, logprobs=True, **params)
@@ -155,8 +171,10 @@ def test_top_k_one_and_tiny_top_p_are_greedy(loop, engine) -> None:
 def test_sampling_follows_the_distribution(loop, engine, reference) -> None:
     """First-token frequencies over many seeds match the model's softmax (temperature 2)."""
     prompt = [1, 300, 301]
-    requests = [GenerationRequest(f"s{i}", prompt, SamplingParams(max_new_tokens=1, temperature=2.0, top_k=3,
-                                                                  seed=i)) for i in range(300)]
+    requests = [
+        GenerationRequest(f"s{i}", prompt, SamplingParams(max_new_tokens=1, temperature=2.0, top_k=3, seed=i))
+        for i in range(300)
+    ]
 
     async def many():
         return await asyncio.gather(*(engine.generate(r) for r in requests))
@@ -187,8 +205,10 @@ def test_too_long_request_is_an_error(loop, engine) -> None:
 
 def test_duplicate_request_ids_run_independently(loop, engine) -> None:
     """Three concurrent requests sharing one id each get their own result (the one they get alone)."""
-    requests = [GenerationRequest("same", [1, 2, 3 + i], SamplingParams(max_new_tokens=4 + i, temperature=0.0))
-                for i in range(3)]
+    requests = [
+        GenerationRequest("same", [1, 2, 3 + i], SamplingParams(max_new_tokens=4 + i, temperature=0.0))
+        for i in range(3)
+    ]
 
     async def all_three():
         return await asyncio.gather(*(engine.generate(r) for r in requests))
@@ -212,9 +232,12 @@ def test_small_cache_queues_and_reproduces(loop, engine) -> None:
 
     small = TransformersEngine(tiny_model(), device="cpu", kv_cache_tokens=512, page_size=32, max_batch_tokens=128)
     loop.run(small.start(), 600)
-    requests = [GenerationRequest(f"r{i}", [1] + [5 + i] * 40, SamplingParams(max_new_tokens=100, temperature=1.0,
-                                                                              seed=i, logprobs=True))
-                for i in range(12)]
+    requests = [
+        GenerationRequest(
+            f"r{i}", [1] + [5 + i] * 40, SamplingParams(max_new_tokens=100, temperature=1.0, seed=i, logprobs=True)
+        )
+        for i in range(12)
+    ]
     steps: list[tuple[int, int]] = []  # (active, waiting) after each scheduling step of the small engine
     soft_resets: list[str] = []
 
@@ -223,6 +246,7 @@ def test_small_cache_queues_and_reproduces(loop, engine) -> None:
             out = original(self, *args, **kwargs)
             steps.append((len(self.active_requests), len(self.waiting_requests)))
             return out
+
         return schedule_batch
 
     original_reset = cb_requests.RequestState.create_equivalent_initial_request
@@ -257,6 +281,7 @@ def test_backend_crash_fails_requests_and_health(loop) -> None:
     engine = TransformersEngine(tiny_model(), **ENGINE_ARGS)
     loop.run(engine.start(), 600)
     try:
+
         def explode(scores):
             raise RuntimeError("injected failure")
 

@@ -74,20 +74,34 @@ def test_registered_under_vllm() -> None:
 
 
 def test_sampling_params_mapping() -> None:
-    params = SamplingParams(max_new_tokens=7, temperature=0.0, top_p=0.9, top_k=0, seed=5,
-                            stop_token_ids=(9, 3, 9), logprobs=True)
+    params = SamplingParams(
+        max_new_tokens=7, temperature=0.0, top_p=0.9, top_k=0, seed=5, stop_token_ids=(9, 3, 9), logprobs=True
+    )
     assert vllm_sampling_kwargs(params) == {
-        "n": 1, "max_tokens": 7, "temperature": 0.0, "top_p": 0.9, "top_k": 0, "seed": 5,
-        "detokenize": False, "logprobs": 0, "stop_token_ids": [3, 9]}
+        "n": 1,
+        "max_tokens": 7,
+        "temperature": 0.0,
+        "top_p": 0.9,
+        "top_k": 0,
+        "seed": 5,
+        "detokenize": False,
+        "logprobs": 0,
+        "stop_token_ids": [3, 9],
+    }
     plain = vllm_sampling_kwargs(SamplingParams(top_k=20))
     assert plain["top_k"] == 20 and plain["logprobs"] is None and "stop_token_ids" not in plain
 
 
 def test_launch_kwargs_cpu_defaults() -> None:
     assert launch_kwargs("/m", {"dtype": "float32"}, cuda_available=False) == {
-        "model": "/m", **CPU_DEFAULTS, "dtype": "float32"}
+        "model": "/m",
+        **CPU_DEFAULTS,
+        "dtype": "float32",
+    }
     assert launch_kwargs("/m", {"tensor_parallel_size": 2}, cuda_available=True) == {
-        "model": "/m", "tensor_parallel_size": 2}
+        "model": "/m",
+        "tensor_parallel_size": 2,
+    }
     assert launch_kwargs("/m", {"enforce_eager": False}, cuda_available=False)["enforce_eager"] is False
     assert CPU_DEFAULTS == {"enforce_eager": True, "enable_chunked_prefill": False}
 
@@ -107,8 +121,15 @@ def _delta(tokens: list[int], finish: str | None = None, logprobs: bool = True, 
     return SimpleNamespace(outputs=[completion], num_cached_tokens=cached)
 
 
-@pytest.mark.parametrize(("kind", "finish"), [("stop", FinishReason.STOP), ("length", FinishReason.LENGTH),
-                                              ("abort", FinishReason.ABORT), ("weird", FinishReason.ERROR)])
+@pytest.mark.parametrize(
+    ("kind", "finish"),
+    [
+        ("stop", FinishReason.STOP),
+        ("length", FinishReason.LENGTH),
+        ("abort", FinishReason.ABORT),
+        ("weird", FinishReason.ERROR),
+    ],
+)
 def test_result_from_deltas(kind: str, finish: FinishReason) -> None:
     acc = _Collected()
     for delta in (_delta([5, 6]), _delta([7], kind, cached=3)):
@@ -126,9 +147,20 @@ def test_openai_vllm_protocol_mapping() -> None:
 
     req = request("r", max_new_tokens=5, temperature=0.5, top_k=7, seed=3, stop_token_ids=(9, 2), logprobs=True)
     body = vllm_completions_payload("m", req, {"min_p": 0.1})
-    assert body == {"model": "m", "prompt": PROMPT, "stream": True, "max_tokens": 5, "temperature": 0.5,
-                    "top_p": 1.0, "top_k": 7, "return_token_ids": True, "seed": 3, "stop_token_ids": [2, 9],
-                    "logprobs": 1, "min_p": 0.1}
+    assert body == {
+        "model": "m",
+        "prompt": PROMPT,
+        "stream": True,
+        "max_tokens": 5,
+        "temperature": 0.5,
+        "top_p": 1.0,
+        "top_k": 7,
+        "return_token_ids": True,
+        "seed": 3,
+        "stop_token_ids": [2, 9],
+        "logprobs": 1,
+        "min_p": 0.1,
+    }
     ids: list[int] = []
     lps: list[float] = []
     chunk = {"choices": [{"token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.5, None]}, "finish_reason": None}]}
@@ -197,8 +229,14 @@ class TestVLLMConformance(_SharedVLLM, EngineConformance):
         assert self.engine.describe()["max_num_seqs"] == capacity == scheduler.max_num_seqs
 
     def test_eos_is_kept_and_reported_as_stop(self) -> None:
-        results = self.run(self.generate_all([
-            request(f"eos-{i}", self.prompt(200 + i), max_new_tokens=32, temperature=1.0, seed=i) for i in range(16)]))
+        results = self.run(
+            self.generate_all(
+                [
+                    request(f"eos-{i}", self.prompt(200 + i), max_new_tokens=32, temperature=1.0, seed=i)
+                    for i in range(16)
+                ]
+            )
+        )
         stopped = [r for r in results if r.finish_reason == FinishReason.STOP]
         assert stopped, "no sample reached EOS (the tiny model ends about half of them)"
         for result in stopped:
@@ -221,15 +259,20 @@ class TestVLLMConformance(_SharedVLLM, EngineConformance):
         """n samples of one prompt: the later ones reuse the prompt's cached KV blocks (128 tokens each on CPU)."""
         prompt = self.prompt(300, length=300)
         first = self.run(self.one(request("prefix-0", prompt, max_new_tokens=4, temperature=1.0, seed=0)))
-        rest = self.run(self.generate_all([request(f"prefix-{i}", prompt, max_new_tokens=4, temperature=1.0, seed=i)
-                                           for i in range(1, 4)]))
+        rest = self.run(
+            self.generate_all(
+                [request(f"prefix-{i}", prompt, max_new_tokens=4, temperature=1.0, seed=i) for i in range(1, 4)]
+            )
+        )
         assert first.error is None and all(r.error is None for r in rest)
         assert all(r.meta.get("cached_tokens", 0) >= 128 for r in rest), [r.meta for r in rest]
 
     def test_seeded_requests_with_long_prompts_in_one_batch(self) -> None:
         """More seeded prompt tokens than one step takes (vllm 0.32.0's CPU crash with chunked prefill)."""
-        requests = [request(f"seeded-long-{i}", self.prompt(400 + i, length=600), max_new_tokens=4,
-                            temperature=1.0, seed=i) for i in range(8)]
+        requests = [
+            request(f"seeded-long-{i}", self.prompt(400 + i, length=600), max_new_tokens=4, temperature=1.0, seed=i)
+            for i in range(8)
+        ]
         for result in self.run(self.generate_all(requests)):
             assert result.error is None and result.finish_reason != FinishReason.ERROR, result
         self.run(self.engine.health())
@@ -238,8 +281,9 @@ class TestVLLMConformance(_SharedVLLM, EngineConformance):
         prompt = self.run(self._long_candidates(1))[0][0].prompt_ids
 
         async def submit_then_abort() -> Any:
-            task = asyncio.ensure_future(self.engine.generate(request("abort-now", prompt, max_new_tokens=1500,
-                                                                      temperature=0.0)))
+            task = asyncio.ensure_future(
+                self.engine.generate(request("abort-now", prompt, max_new_tokens=1500, temperature=0.0))
+            )
             await asyncio.sleep(0)
             await self.engine.abort("abort-now")
             return await task
@@ -290,8 +334,7 @@ class TestVLLMConformance(_SharedVLLM, EngineConformance):
 class TestVLLMConformanceCUDA(TestVLLMConformance):
     """The same suite on a GPU, with sleep mode on (sleep/wake really release memory there)."""
 
-    engine_args = {"dtype": "float32", "max_model_len": 2048, "gpu_memory_utilization": 0.5,
-                   "enable_sleep_mode": True}
+    engine_args = {"dtype": "float32", "max_model_len": 2048, "gpu_memory_utilization": 0.5, "enable_sleep_mode": True}
 
     def test_sleep_and_wake_release_gpu_memory(self) -> None:
         import torch
@@ -309,11 +352,26 @@ def _cli_stores(tmp_path: Path, n: int, extra: list[str]) -> dict[str, Any]:
     import xarray as xr
 
     prompts = write_prompts(tmp_path / "p.jsonl", n)
-    common = ["--prompts", prompts, "--model", tiny_model_path(), "--n-workers", "1", "--max-new-tokens", "24",
-              "--partition-size", "4", "--logprobs", "--no-progress", *extra]
+    common = [
+        "--prompts",
+        prompts,
+        "--model",
+        tiny_model_path(),
+        "--n-workers",
+        "1",
+        "--max-new-tokens",
+        "24",
+        "--partition-size",
+        "4",
+        "--logprobs",
+        "--no-progress",
+        *extra,
+    ]
     stores = {}
-    for engine, args in (("vllm", ["--engine-arg", "dtype=float32", "--engine-arg", "max_model_len=2048"]),
-                         ("transformers", [])):
+    for engine, args in (
+        ("vllm", ["--engine-arg", "dtype=float32", "--engine-arg", "max_model_len=2048"]),
+        ("transformers", []),
+    ):
         path = tmp_path / f"{engine}.zarr"
         res = run_cli("run", *common, "--engine", engine, *args, "--store", path, timeout=1500)
         assert res.returncode == 0, res.stdout + res.stderr[-4000:]
@@ -333,10 +391,28 @@ def test_validate_gpu_script_runs(tmp_path: Path) -> None:
     import json
 
     out = tmp_path / "result.json"
-    cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "validate_gpu.py"),
-           "--engine", "vllm", "--model", tiny_model_path(), "--device", "cuda" if HAVE_CUDA else "cpu",
-           "--n-prompts", "16", "--max-new-tokens", "16", "--prompt-len", "16", "--engine-arg", "dtype=float32",
-           "--engine-arg", "max_model_len=2048", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve().parents[1] / "benchmarks" / "validate_gpu.py"),
+        "--engine",
+        "vllm",
+        "--model",
+        tiny_model_path(),
+        "--device",
+        "cuda" if HAVE_CUDA else "cpu",
+        "--n-prompts",
+        "16",
+        "--max-new-tokens",
+        "16",
+        "--prompt-len",
+        "16",
+        "--engine-arg",
+        "dtype=float32",
+        "--engine-arg",
+        "max_model_len=2048",
+        "--json",
+        str(out),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=2800)
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]
     result = json.loads(out.read_text())
@@ -389,7 +465,9 @@ def test_cli_sampled_logprobs_agree_in_distribution(tmp_path: Path) -> None:
         assert values[engine].size > 500, values[engine].size
     vl, tf = values["vllm"], values["transformers"]
     test = ks_2samp(vl, tf)
-    print(f"sampled logprobs: vllm mean {vl.mean():.3f} (n={vl.size}), transformers mean {tf.mean():.3f} "
-          f"(n={tf.size}), KS p={test.pvalue:.3f}")
+    print(
+        f"sampled logprobs: vllm mean {vl.mean():.3f} (n={vl.size}), transformers mean {tf.mean():.3f} "
+        f"(n={tf.size}), KS p={test.pvalue:.3f}"
+    )
     assert test.pvalue > 0.001, test
     assert abs(vl.mean() - tf.mean()) < 0.25, (vl.mean(), tf.mean())

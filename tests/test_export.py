@@ -28,8 +28,13 @@ def _sample(truth, key):
     """Store content of one (prompt, sample[, trajectory]): prompt ids, response ids, mask, logprobs, reason."""
     a, i = truth.arrays, key[0]
     plen, rlen = a["prompt_length"][i], a["response_length"][key]
-    return (a["prompt_ids"][i, :plen], a["response_ids"][key][:rlen], a["response_mask"][key][:rlen],
-            a["logprobs"][key][:rlen], int(a["finish_reason"][key]))
+    return (
+        a["prompt_ids"][i, :plen],
+        a["response_ids"][key][:rlen],
+        a["response_mask"][key][:rlen],
+        a["logprobs"][key][:rlen],
+        int(a["finish_reason"][key]),
+    )
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
@@ -61,13 +66,13 @@ def _check_verl_rows(td, truth, keys):
         prompt, response, mask, logprobs, reason = _sample(truth, key)
         attn = td["attention_mask"][n].numpy()
         assert attn[:width].sum() == len(prompt) and (attn[: width - len(prompt)] == 0).all(), "left padding"
-        np.testing.assert_array_equal(td["prompts"][n].numpy()[width - len(prompt):], prompt)
+        np.testing.assert_array_equal(td["prompts"][n].numpy()[width - len(prompt) :], prompt)
         np.testing.assert_array_equal(td["responses"][n].numpy()[: len(response)], response)
-        assert (td["responses"][n].numpy()[len(response):] == 0).all()
+        assert (td["responses"][n].numpy()[len(response) :] == 0).all()
         ids = td["input_ids"][n].numpy()
         np.testing.assert_array_equal(ids[attn == 1], np.concatenate([prompt, response]))
         np.testing.assert_array_equal(td["response_mask"][n].numpy()[: len(response)], mask)
-        assert td["response_mask"][n].numpy()[len(response):].sum() == 0
+        assert td["response_mask"][n].numpy()[len(response) :].sum() == 0
         np.testing.assert_array_equal(td["position_ids"][n].numpy()[attn == 1], np.arange(attn.sum()))
         lp = td["rollout_log_probs"][n].numpy()[: len(response)]
         np.testing.assert_array_equal(lp[mask == 1], logprobs[mask == 1])
@@ -109,8 +114,9 @@ def test_trajectory_store_exports_one_row_per_real_trajectory(tmp_path):
     truth = build_store(tmp_path, trajectories=3)
     td = ex.to_tensordict(truth.path)
     _check_verl_rows(td, truth, truth.units())
-    assert [(int(a), int(b), int(c)) for a, b, c in zip(td["prompt_index"], td["sample"], td["trajectory"],
-                                                         strict=True)] == truth.units()
+    assert [
+        (int(a), int(b), int(c)) for a, b, c in zip(td["prompt_index"], td["sample"], td["trajectory"], strict=True)
+    ] == truth.units()
     ex.export(truth.path, tmp_path / "t.parquet", "parquet")
     frame = pd.read_parquet(tmp_path / "t.parquet")
     assert [tuple(k) for k in frame[["prompt_index", "sample", "trajectory"]].values] == truth.units()
@@ -169,9 +175,29 @@ def test_wandb_missing_is_reported_before_exporting(truth, tmp_path, monkeypatch
 def test_cli_export_of_a_real_simulated_run(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", 12)
     out = tmp_path / "run.zarr"
-    res = run_cli("run", "--prompts", prompts, "--engine", "simulated", "--model", "sim", "--store", out,
-                  "--engine-arg", "vocab_size=259", "--engine-arg", "time_scale=0", "--n-samples", "2",
-                  "--max-new-tokens", "16", "--partition-size", "4", "--logprobs", "--no-progress")
+    res = run_cli(
+        "run",
+        "--prompts",
+        prompts,
+        "--engine",
+        "simulated",
+        "--model",
+        "sim",
+        "--store",
+        out,
+        "--engine-arg",
+        "vocab_size=259",
+        "--engine-arg",
+        "time_scale=0",
+        "--n-samples",
+        "2",
+        "--max-new-tokens",
+        "16",
+        "--partition-size",
+        "4",
+        "--logprobs",
+        "--no-progress",
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     res = run_cli("export", out, "--format", "tensordict", "--out", tmp_path / "run.td")
     assert res.returncode == 0 and "exported 24 samples as tensordict" in res.stdout, res.stdout + res.stderr
@@ -180,8 +206,9 @@ def test_cli_export_of_a_real_simulated_run(tmp_path):
         i, s = int(td["prompt_index"][n]), int(td["sample"][n])
         plen, rlen = int(ds.prompt_length[i]), int(ds.response_length[i, s])
         ids = td["input_ids"][n].numpy()[td["attention_mask"][n].numpy() == 1]
-        np.testing.assert_array_equal(ids, np.concatenate([ds.prompt_ids.values[i, :plen],
-                                                           ds.response_ids.values[i, s, :rlen]]))
+        np.testing.assert_array_equal(
+            ids, np.concatenate([ds.prompt_ids.values[i, :plen], ds.response_ids.values[i, s, :rlen]])
+        )
     again = run_cli("export", out, "--format", "tensordict", "--out", tmp_path / "run.td")
     assert again.returncode == 2 and "exists; pass --overwrite" in again.stderr
     default = run_cli("export", out, "-f", "zip")
@@ -199,9 +226,25 @@ def test_cli_wandb_not_installed(truth, tmp_path):
 def test_transformers_run_exports_exact_tokens(tmp_path, tiny_model):
     prompts = write_prompts(tmp_path / "p.jsonl", 6)
     out = tmp_path / "tiny.zarr"
-    res = run_cli("run", "--prompts", prompts, "--model", tiny_model, "--store", out, "--n-samples", "2",
-                  "--max-new-tokens", "16", "--partition-size", "4", "--temperature", "1.0", "--logprobs",
-                  "--no-progress")
+    res = run_cli(
+        "run",
+        "--prompts",
+        prompts,
+        "--model",
+        tiny_model,
+        "--store",
+        out,
+        "--n-samples",
+        "2",
+        "--max-new-tokens",
+        "16",
+        "--partition-size",
+        "4",
+        "--temperature",
+        "1.0",
+        "--logprobs",
+        "--no-progress",
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     td = ex.to_tensordict(out, text=True)
     ds = xr.open_zarr(out)

@@ -24,7 +24,7 @@ from daskgen.engines.http_client import HTTPClient
 from daskgen.engines.http_server import ManagedServer, new_api_key
 from daskgen.errors import ConfigError
 
-DOUBLE = '''#!{python}
+DOUBLE = """#!{python}
 import http.server, json, sys
 import yaml
 args = sys.argv[1:]
@@ -46,15 +46,18 @@ class Handler(http.server.BaseHTTPRequestHandler):
         pass
 
 http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
-'''
+"""
 
 
 @pytest.fixture
 def double(tmp_path: Path) -> str:
     """A python stand-in that ignores ``-m sglang.launch_server`` and runs the double (labelled above)."""
     script = tmp_path / "fake-sglang-python"
-    script.write_text(DOUBLE.format(python=sys.executable).replace(
-        "args = sys.argv[1:]", "args = sys.argv[3:]  # after '-m sglang.launch_server'"))
+    script.write_text(
+        DOUBLE.format(python=sys.executable).replace(
+            "args = sys.argv[1:]", "args = sys.argv[3:]  # after '-m sglang.launch_server'"
+        )
+    )
     script.chmod(0o700)
     return str(script)
 

@@ -25,16 +25,16 @@ GENERATION_PROMPT = "<|im_start|>assistant\n"
 def _run_python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh offline interpreter; fail the test with its stderr if it fails."""
     env = {**os.environ, **OFFLINE_ENV}
-    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
-                          check=False, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, check=False, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
 
 def _chat_ids(tokenizer, question: str) -> dict:
     messages = [{"role": "user", "content": question}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                         return_dict=True)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
 
 
 @pytest.fixture(scope="session")
@@ -53,21 +53,25 @@ def tiny(tiny_model_path: Path):
 
 
 def test_import_is_cheap() -> None:
-    code = ("import sys, daskgen.models\n"
-            "heavy = [m for m in ('torch', 'transformers', 'gguf') if m in sys.modules]\n"
-            "assert not heavy, heavy\n")
+    code = (
+        "import sys, daskgen.models\n"
+        "heavy = [m for m in ('torch', 'transformers', 'gguf') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
     _run_python(code)
 
 
 def test_tiny_model_loads_offline_in_fresh_process(tiny_model_path: Path) -> None:
-    code = ("import json, sys\n"
-            "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-            "model = AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
-            "tok = AutoTokenizer.from_pretrained(sys.argv[1])\n"
-            "ids = tok.apply_chat_template([{'role': 'user', 'content': 'Hi'}], add_generation_prompt=True,\n"
-            "                              return_dict=False)\n"
-            "print(json.dumps({'arch': type(model).__name__, 'dtype': str(model.dtype), 'n': len(ids),\n"
-            "                  'params': sum(p.numel() for p in model.parameters())}))\n")
+    code = (
+        "import json, sys\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "model = AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+        "tok = AutoTokenizer.from_pretrained(sys.argv[1])\n"
+        "ids = tok.apply_chat_template([{'role': 'user', 'content': 'Hi'}], add_generation_prompt=True,\n"
+        "                              return_dict=False)\n"
+        "print(json.dumps({'arch': type(model).__name__, 'dtype': str(model.dtype), 'n': len(ids),\n"
+        "                  'params': sum(p.numel() for p in model.parameters())}))\n"
+    )
     info = json.loads(_run_python(code, str(tiny_model_path)).stdout.strip().splitlines()[-1])
     assert info["arch"] == "LlamaForCausalLM"
     assert info["dtype"] == "torch.float32"
@@ -90,11 +94,12 @@ def test_tiny_model_chat_template(tiny) -> None:
     _, tokenizer = tiny
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
-                    + GENERATION_PROMPT)
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n" + GENERATION_PROMPT
+    )
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     suffix = tokenizer(GENERATION_PROMPT)["input_ids"]
-    assert ids[-len(suffix):] == suffix
+    assert ids[-len(suffix) :] == suffix
     assert tokenizer.decode(ids) == text
 
 
@@ -145,8 +150,17 @@ def test_build_tiny_leaves_global_rng_alone(tiny_model_path: Path, tmp_path: Pat
 def test_cli_tiny(tiny_model_path: Path, tmp_path: Path) -> None:
     target = tmp_path / "cli-tiny"
     env = {**os.environ, **OFFLINE_ENV}
-    cmd = [sys.executable, "-m", "daskgen.models", "tiny", str(target), "--seed", "0",
-           "--tokenizer-from", str(tiny_model_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "daskgen.models",
+        "tiny",
+        str(target),
+        "--seed",
+        "0",
+        "--tokenizer-from",
+        str(tiny_model_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == str(target)
@@ -200,5 +214,5 @@ def test_smollm2_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     assert model.dtype == torch.bfloat16
     inputs = _chat_ids(tokenizer, "What is the capital of France?")
     out = model.generate(**inputs, max_new_tokens=30, do_sample=False)
-    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer

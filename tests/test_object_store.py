@@ -52,8 +52,12 @@ def s3(s3_server, monkeypatch):
     """A fresh bucket; the standard AWS environment points at the server (also for CLI subprocesses)."""
     import boto3
 
-    env = {"AWS_ACCESS_KEY_ID": "daskgen-test", "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": s3_server,
-           "AWS_REGION": "us-east-1"}
+    env = {
+        "AWS_ACCESS_KEY_ID": "daskgen-test",
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_ENDPOINT_URL": s3_server,
+        "AWS_REGION": "us-east-1",
+    }
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     bucket = f"daskgen-{uuid.uuid4().hex[:12]}"
@@ -65,8 +69,11 @@ def _objects(bucket: str, endpoint: str) -> dict[str, bytes]:
     import boto3
 
     client = boto3.client("s3", endpoint_url=endpoint)
-    keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
-            for o in page.get("Contents", [])]
+    keys = [
+        o["Key"]
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+        for o in page.get("Contents", [])
+    ]
     return {k: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys}
 
 
@@ -130,15 +137,20 @@ def test_storage_options_in_the_config_are_used_and_never_stored(tmp_path, s3, m
     bucket, env = s3
     for key in env:
         monkeypatch.delenv(key)
-    options = {"endpoint": env["AWS_ENDPOINT_URL"], "access_key_id": env["AWS_ACCESS_KEY_ID"],
-               "secret_access_key": SECRET, "region": "us-east-1"}
+    options = {
+        "endpoint": env["AWS_ENDPOINT_URL"],
+        "access_key_id": env["AWS_ACCESS_KEY_ID"],
+        "secret_access_key": SECRET,
+        "region": "us-east-1",
+    }
     cfg = tmp_path / "run.yaml"
     cfg.write_text(json.dumps({"storage_options": options}))
     prompts = write_prompts(tmp_path / "p.jsonl", 8)
     url = f"s3://{bucket}/cfg.zarr"
     clean = {k: "" for k in env}  # the CLI must not find credentials in its environment
-    res = run_cli("run", *sim_args(tmp_path, url, "--prompts", prompts, "--partition-size", "4", "--config", cfg),
-                  env=clean)
+    res = run_cli(
+        "run", *sim_args(tmp_path, url, "--prompts", prompts, "--partition-size", "4", "--config", cfg), env=clean
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert SECRET not in res.stdout + res.stderr
     objects = _objects(bucket, options["endpoint"])
@@ -196,16 +208,32 @@ def test_s3_worker_sigkill_mid_run_completes(tmp_path, s3, monkeypatch):
 
     bucket, env = s3
     prompts = write_prompts(tmp_path / "p.jsonl", 64)
-    common = ["--prompts", prompts, "--n-samples", "2", "--partition-size", "4", "--seed", "11", "--window", "1",
-              "--no-progress"]
+    common = [
+        "--prompts",
+        prompts,
+        "--n-samples",
+        "2",
+        "--partition-size",
+        "4",
+        "--seed",
+        "11",
+        "--window",
+        "1",
+        "--no-progress",
+    ]
     local = tmp_path / "local.zarr"
     assert run_cli("run", *sim_args(tmp_path, local, *common, log="ref.log")).returncode == 0
     url = f"s3://{bucket}/workers.zarr"
-    with (dask.config.set({"distributed.worker.daemon": False}),
-          LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0") as lc,
-          Client(lc) as client):
-        proc = popen_cli("run", *sim_args(tmp_path, url, *common, "--scheduler-address", lc.scheduler_address,
-                                          log="run.log", step=1.0), env=env)
+    with (
+        dask.config.set({"distributed.worker.daemon": False}),
+        LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0") as lc,
+        Client(lc) as client,
+    ):
+        proc = popen_cli(
+            "run",
+            *sim_args(tmp_path, url, *common, "--scheduler-address", lc.scheduler_address, log="run.log", step=1.0),
+            env=env,
+        )
         _wait_done(url, proc, minimum=8)
         victim = sorted(client.run(os.getpid).items())[0][1]
         os.kill(victim, signal.SIGKILL)

@@ -19,9 +19,20 @@ def test_prompts_in_memory_stay_under_the_cap(tmp_path):
     from daskgen.client.runner import run
 
     prompts = write_prompts(tmp_path / "p.jsonl", 120)
-    cfg = RunConfig(prompts=str(prompts), model="sim", store=str(tmp_path / "out.zarr"),
-                    engine="simulated", engine_args={"time_scale": 0.0}, max_new_tokens=8, max_prompt_tokens=128,
-                    partition_size=4, window=8, n_workers=1, max_prompts_in_memory=12, progress=False)
+    cfg = RunConfig(
+        prompts=str(prompts),
+        model="sim",
+        store=str(tmp_path / "out.zarr"),
+        engine="simulated",
+        engine_args={"time_scale": 0.0},
+        max_new_tokens=8,
+        max_prompt_tokens=128,
+        partition_size=4,
+        window=8,
+        n_workers=1,
+        max_prompts_in_memory=12,
+        progress=False,
+    )
     from daskgen.client import runner
 
     seen = []
@@ -64,8 +75,20 @@ def test_deadline_aborts_in_flight_and_keep_partial_continues_the_prefix(tmp_pat
     prompts = write_prompts(tmp_path / "p.jsonl", 8)
     out = tmp_path / "out.zarr"
     # long responses (fixed 500 tokens at ~0.02 s/step: ~10 s) so the deadline lands mid-generation
-    common = ["--prompts", prompts, "--partition-size", "4", "--max-new-tokens", "500", "--no-progress",
-              "--engine-arg", "length_dist=fixed", "--engine-arg", "length_mean=500", "--keep-partial"]
+    common = [
+        "--prompts",
+        prompts,
+        "--partition-size",
+        "4",
+        "--max-new-tokens",
+        "500",
+        "--no-progress",
+        "--engine-arg",
+        "length_dist=fixed",
+        "--engine-arg",
+        "length_mean=500",
+        "--keep-partial",
+    ]
     res = run_cli("run", *sim_args(tmp_path, out, *common, step=1.0), "--deadline", "7s")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "stopped early: deadline 7s reached" in res.stdout
@@ -99,9 +122,26 @@ def test_multi_round_verifier_stops_satisfied_prompts_early(tmp_path):
     out = tmp_path / "out.zarr"
     cfg = tmp_path / "run.yaml"
     cfg.write_text("verifier: tests.verifiers:even_first_token\nround_size: 2\nuntil_correct: 1\n")
-    res = run_cli("run", *sim_args(tmp_path, out, "--prompts", prompts, "--partition-size", "4", "--n-samples", "8",
-                                   "--config", cfg, "--temperature", "1.0", "--no-progress",
-                                   "--engine-arg", "length_mean=6"))
+    res = run_cli(
+        "run",
+        *sim_args(
+            tmp_path,
+            out,
+            "--prompts",
+            prompts,
+            "--partition-size",
+            "4",
+            "--n-samples",
+            "8",
+            "--config",
+            cfg,
+            "--temperature",
+            "1.0",
+            "--no-progress",
+            "--engine-arg",
+            "length_mean=6",
+        ),
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     ds = xr.open_zarr(out)
     used, score, reason = ds.samples_used.values, ds.score.values, ds.finish_reason.values
@@ -109,8 +149,8 @@ def test_multi_round_verifier_stops_satisfied_prompts_early(tmp_path):
     log = calls(tmp_path / "calls.log")
     for i in range(24):
         assert sum(1 for k in log if k.startswith(f"p{i}-")) == used[i], "satisfied prompts stop consuming"
-        assert np.isfinite(score[i, : used[i]]).all() and np.isnan(score[i, used[i]:]).all()
-        assert (reason[i, used[i]:] == -1).all()
+        assert np.isfinite(score[i, : used[i]]).all() and np.isnan(score[i, used[i] :]).all()
+        assert (reason[i, used[i] :] == -1).all()
         if used[i] < 8:
             truncated = reason[i, : used[i]] == 1
             assert (score[i, used[i] - 2 : used[i]] >= 1).any() or truncated.all()
@@ -120,9 +160,22 @@ def test_multi_round_verifier_stops_satisfied_prompts_early(tmp_path):
 def test_verifier_exceptions_are_recorded_not_fatal(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", 8)
     out = tmp_path / "out.zarr"
-    res = run_cli("run", *sim_args(tmp_path, out, "--prompts", prompts, "--partition-size", "4", "--n-samples", "2",
-                                   "--no-progress",
-                                   "--config", _yaml(tmp_path, PICKY)))
+    res = run_cli(
+        "run",
+        *sim_args(
+            tmp_path,
+            out,
+            "--prompts",
+            prompts,
+            "--partition-size",
+            "4",
+            "--n-samples",
+            "2",
+            "--no-progress",
+            "--config",
+            _yaml(tmp_path, PICKY),
+        ),
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     ds = xr.open_zarr(out)
     assert (ds.status.values == store.DONE).all()

@@ -26,8 +26,16 @@ from tests.test_run import _wait_for_some_done, sim_args
 pytestmark = pytest.mark.timeout(300)
 
 #: Long, varied responses (1..599 tokens at 0.02 s per step): some partitions finish early, many are in flight.
-LONG = ["--max-new-tokens", "600", "--engine-arg", "length_dist=uniform", "--engine-arg", "length_mean=300",
-        "--logprobs", "--no-progress"]
+LONG = [
+    "--max-new-tokens",
+    "600",
+    "--engine-arg",
+    "length_dist=uniform",
+    "--engine-arg",
+    "length_mean=300",
+    "--logprobs",
+    "--no-progress",
+]
 
 
 def _group_gone(pgid: int, timeout: float = 30.0) -> bool:
@@ -72,8 +80,21 @@ def _stop_mid_run(tmp_path: Path, out: Path, common: list, sig: int = signal.SIG
 def test_sigterm_keeps_finished_and_partial_work_and_the_rerun_continues_it_token_exactly(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", 24)
     out = tmp_path / "out.zarr"
-    common = ["--prompts", prompts, "--partition-size", "2", "--n-samples", "2", "--seed", "3", "--grace", "20s",
-              "--n-workers", "2", *LONG]
+    common = [
+        "--prompts",
+        prompts,
+        "--partition-size",
+        "2",
+        "--n-samples",
+        "2",
+        "--seed",
+        "3",
+        "--grace",
+        "20s",
+        "--n-workers",
+        "2",
+        *LONG,
+    ]
     proc, output, done_before = _stop_mid_run(tmp_path, out, common)
     assert proc.returncode == EXIT_INTERRUPTED, output
     assert "SIGTERM received" in output and "interrupted (SIGTERM received)" in output, output
@@ -118,8 +139,9 @@ def test_a_second_signal_stops_at_once_and_keeps_what_was_committed(tmp_path):
     out = tmp_path / "out.zarr"
     common = ["--prompts", prompts, "--partition-size", "2", "--grace", "120s", "--n-workers", "1", *LONG]
     # the test fault hook holds every commit for 8 s, so the second signal lands while the stop is under way
-    proc = popen_cli("run", *sim_args(tmp_path, out, *common, log="first.log", step=1.0),
-                     env={"DASKGEN_TEST_COMMIT_DELAY_S": "8"})
+    proc = popen_cli(
+        "run", *sim_args(tmp_path, out, *common, log="first.log", step=1.0), env={"DASKGEN_TEST_COMMIT_DELAY_S": "8"}
+    )
     done_before = _wait_for_some_done(out, proc, minimum=2)
     os.kill(proc.pid, signal.SIGINT)
     time.sleep(1.0)
@@ -133,8 +155,9 @@ def test_a_second_signal_stops_at_once_and_keeps_what_was_committed(tmp_path):
     assert res.returncode == 0 and "16 done" in res.stdout, res.stdout + res.stderr
 
 
-def _lose_one_of_two_workers(tmp_path: Path, lose, env: dict[str, str] | None = None,
-                             expect: str = "24 done, 0 failed, 0 pending") -> tuple[Path, str]:
+def _lose_one_of_two_workers(
+    tmp_path: Path, lose, env: dict[str, str] | None = None, expect: str = "24 done, 0 failed, 0 pending"
+) -> tuple[Path, str]:
     """Run 24 long prompts on two worker processes; once some are done call ``lose(client)`` (it returns the
     address of the worker it made leave); the run must end as ``expect`` without that worker.  Returns
     (store, output)."""
@@ -144,11 +167,16 @@ def _lose_one_of_two_workers(tmp_path: Path, lose, env: dict[str, str] | None = 
     prompts = write_prompts(tmp_path / "p.jsonl", 24)
     out = tmp_path / "out.zarr"
     common = ["--prompts", prompts, "--partition-size", "2", "--seed", "4", "--window", "3", *LONG]
-    with (dask.config.set({"distributed.worker.daemon": False}),
-          LocalCluster(n_workers=2, threads_per_worker=4, processes=True, dashboard_address=":0") as lc,
-          Client(lc) as client):
-        proc = popen_cli("run", *sim_args(tmp_path, out, *common, "--scheduler-address", lc.scheduler_address,
-                                          log="run.log", step=1.0), env=env)
+    with (
+        dask.config.set({"distributed.worker.daemon": False}),
+        LocalCluster(n_workers=2, threads_per_worker=4, processes=True, dashboard_address=":0") as lc,
+        Client(lc) as client,
+    ):
+        proc = popen_cli(
+            "run",
+            *sim_args(tmp_path, out, *common, "--scheduler-address", lc.scheduler_address, log="run.log", step=1.0),
+            env=env,
+        )
         _wait_for_some_done(out, proc, minimum=2)
         victim = lose(client)
         output, _ = proc.communicate(timeout=240)
@@ -179,8 +207,9 @@ def _retire_first(client) -> str:
 def test_rows_aborted_more_often_than_the_limit_fail_and_retry_failed_continues_them(tmp_path):
     """daskgen.abort-requeue-limit = 0: the retired worker's aborted rows are committed failed at once (the
     message says why), and ``--retry-failed`` continues their stored tokens instead of starting over."""
-    out, output = _lose_one_of_two_workers(tmp_path, _retire_first, env={"DASK_DASKGEN__ABORT_REQUEUE_LIMIT": "0"},
-                                           expect="0 pending")
+    out, output = _lose_one_of_two_workers(
+        tmp_path, _retire_first, env={"DASK_DASKGEN__ABORT_REQUEUE_LIMIT": "0"}, expect="0 pending"
+    )
     status, errors = store.read_status(out), xr.open_zarr(out).error.values
     failed = np.flatnonzero(status == store.FAILED)
     assert len(failed) > 0, output
@@ -188,8 +217,25 @@ def test_rows_aborted_more_often_than_the_limit_fail_and_retry_failed_continues_
     kept = xr.open_zarr(out).response_length.values[failed].sum()
     assert kept > 0, "the aborted rows' tokens stay stored"
     prompts = tmp_path / "p.jsonl"
-    res = run_cli("run", *sim_args(tmp_path, out, "--prompts", prompts, "--partition-size", "2", "--seed", "4",
-                                   "--window", "3", *LONG, "--retry-failed", log="again.log", step=1.0))
+    res = run_cli(
+        "run",
+        *sim_args(
+            tmp_path,
+            out,
+            "--prompts",
+            prompts,
+            "--partition-size",
+            "2",
+            "--seed",
+            "4",
+            "--window",
+            "3",
+            *LONG,
+            "--retry-failed",
+            log="again.log",
+            step=1.0,
+        ),
+    )
     assert res.returncode == 0 and "0 failed, 0 pending" in res.stdout, res.stdout + res.stderr
     assert (xr.open_zarr(out).continued_tokens.values[failed] > 0).any(), "continued, not regenerated"
 
@@ -198,9 +244,27 @@ def test_rows_aborted_more_often_than_the_limit_fail_and_retry_failed_continues_
 def test_sigterm_on_the_real_tiny_model_continues_exactly(tmp_path, tiny_model):
     prompts = write_prompts(tmp_path / "p.jsonl", 12)
     out = tmp_path / "out.zarr"
-    common = ["run", "--prompts", prompts, "--model", tiny_model, "--store", out, "--partition-size", "2",
-              "--max-new-tokens", "160", "--temperature", "0", "--logprobs", "--no-progress", "--n-workers", "1",
-              "--grace", "60s"]
+    common = [
+        "run",
+        "--prompts",
+        prompts,
+        "--model",
+        tiny_model,
+        "--store",
+        out,
+        "--partition-size",
+        "2",
+        "--max-new-tokens",
+        "160",
+        "--temperature",
+        "0",
+        "--logprobs",
+        "--no-progress",
+        "--n-workers",
+        "1",
+        "--grace",
+        "60s",
+    ]
     proc = popen_cli(*common)
     done_before = _wait_for_some_done(out, proc, minimum=2, timeout=240)
     os.kill(proc.pid, signal.SIGTERM)
@@ -252,8 +316,11 @@ def test_allocation_end_stops_the_run_gracefully(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", 16)
     out = tmp_path / "out.zarr"
     end = int(time.time()) + 8  # the allocation "ends" 8 s from now; grace 5 s: the stop begins after ~3 s
-    res = run_cli("run", *sim_args(tmp_path, out, "--prompts", prompts, "--partition-size", "2", "--grace", "5s",
-                                   *LONG, step=1.0), env={"SLURM_JOB_END_TIME": str(end)})
+    res = run_cli(
+        "run",
+        *sim_args(tmp_path, out, "--prompts", prompts, "--partition-size", "2", "--grace", "5s", *LONG, step=1.0),
+        env={"SLURM_JOB_END_TIME": str(end)},
+    )
     assert res.returncode == EXIT_INTERRUPTED, res.stdout + res.stderr
     assert "the batch allocation ends in" in res.stdout
     assert (store.read_status(out) == store.PENDING).any()
@@ -281,8 +348,12 @@ def test_grace_is_validated():
 def test_subprocess_helper_is_real():  # the CLI exists and documents the new options
     import sys
 
-    res = subprocess.run([sys.executable, "-m", "daskgen", "run", "--help"], capture_output=True, text=True,
-                         env={**os.environ, "COLUMNS": "200"})
+    res = subprocess.run(
+        [sys.executable, "-m", "daskgen", "run", "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert "--grace" in res.stdout and "--no-keep-partial" in res.stdout
 
 
@@ -292,9 +363,25 @@ def _dask_worker(address: str, name: str, log: Path) -> subprocess.Popen:
 
     from tests.conftest import cli_env
 
-    return subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address, "--name", name,
-                             "--nthreads", "4", "--nanny", "--preload-nanny", "daskgen.worker.nanny_preload"],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=cli_env(), start_new_session=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "distributed.cli.dask_worker",
+            address,
+            "--name",
+            name,
+            "--nthreads",
+            "4",
+            "--nanny",
+            "--preload-nanny",
+            "daskgen.worker.nanny_preload",
+        ],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=cli_env(),
+        start_new_session=True,
+    )
 
 
 def test_sigterm_to_a_dask_worker_job_hands_its_partial_responses_back(tmp_path):
@@ -304,12 +391,14 @@ def test_sigterm_to_a_dask_worker_job_hands_its_partial_responses_back(tmp_path)
     prompts = write_prompts(tmp_path / "p.jsonl", 24)
     out = tmp_path / "out.zarr"
     common = ["--prompts", prompts, "--partition-size", "2", "--seed", "4", "--window", "3", *LONG]
-    with (LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as lc, Client(lc) as client):
+    with LocalCluster(n_workers=0, processes=True, dashboard_address=":0") as lc, Client(lc) as client:
         jobs = [_dask_worker(lc.scheduler_address, f"job-{i}", tmp_path / f"job-{i}.log") for i in range(2)]
         try:
             client.wait_for_workers(2, timeout=120)
-            proc = popen_cli("run", *sim_args(tmp_path, out, *common, "--scheduler-address", lc.scheduler_address,
-                                              log="run.log", step=1.0))
+            proc = popen_cli(
+                "run",
+                *sim_args(tmp_path, out, *common, "--scheduler-address", lc.scheduler_address, log="run.log", step=1.0),
+            )
             _wait_for_some_done(out, proc, minimum=2)
             os.kill(jobs[0].pid, signal.SIGTERM)
             assert jobs[0].wait(timeout=60) == 0, (tmp_path / "job-0.log").read_text()
@@ -327,6 +416,7 @@ def test_sigterm_to_a_dask_worker_job_hands_its_partial_responses_back(tmp_path)
 
 def test_sigterm_to_a_worker_process_drains_it_and_it_leaves(tmp_path):
     """SLURM signals every process of a job: a nanny-spawned worker process that gets SIGTERM drains itself."""
+
     def terminate(client):
         victim, pid = sorted(client.run(os.getpid).items())[0]
         os.kill(pid, signal.SIGTERM)
@@ -342,8 +432,10 @@ def test_drain_before_retire_keeps_every_way_of_choosing_workers():
 
     from daskgen.worker.drain import DrainBeforeRetire
 
-    with (LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=":0") as lc,
-          Client(lc) as client):
+    with (
+        LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=":0") as lc,
+        Client(lc) as client,
+    ):
         client.register_plugin(DrainBeforeRetire(timeout=5), name=DrainBeforeRetire.name)
         client.wait_for_workers(4, timeout=60)
         workers = client.scheduler_info()["workers"]

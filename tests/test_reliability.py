@@ -43,21 +43,35 @@ def cluster():
     import dask
     from distributed import Client, LocalCluster
 
-    with (dask.config.set({"distributed.worker.daemon": False}),
-          LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0") as lc,
-          Client(lc) as client):
+    with (
+        dask.config.set({"distributed.worker.daemon": False}),
+        LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=":0") as lc,
+        Client(lc) as client,
+    ):
         yield lc, client
 
 
 def test_worker_sigkill_mid_run_completes_exactly_once(tmp_path, cluster):
     lc, client = cluster
     prompts = write_prompts(tmp_path / "p.jsonl", 96)
-    common = ["--prompts", prompts, "--n-samples", "2", "--partition-size", "4", "--seed", "11", "--window", "1",
-              "--no-progress"]
+    common = [
+        "--prompts",
+        prompts,
+        "--n-samples",
+        "2",
+        "--partition-size",
+        "4",
+        "--seed",
+        "11",
+        "--window",
+        "1",
+        "--no-progress",
+    ]
     ref = reference(tmp_path, common)
     out = tmp_path / "out.zarr"
-    proc = popen_cli("run", *sim_args(tmp_path, out, *common, "--scheduler-address", lc.scheduler_address,
-                                      log="run.log", step=1.0))
+    proc = popen_cli(
+        "run", *sim_args(tmp_path, out, *common, "--scheduler-address", lc.scheduler_address, log="run.log", step=1.0)
+    )
     done_at_kill = _wait_for_some_done(out, proc, minimum=8)
     pids = client.run(os.getpid)
     victim_addr, victim_pid = sorted(pids.items())[0]
@@ -109,9 +123,21 @@ def test_client_killed_between_data_write_and_commit(tmp_path):
 def test_hung_engine_is_detected_restarted_and_the_run_completes(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", 16)
     flag = tmp_path / "hung-once"
-    args = sim_args(tmp_path, tmp_path / "out.zarr", "--prompts", prompts, "--partition-size", "4",
-                    "--engine-arg", f"hang_once_flag={flag}", "--engine-arg", "hang_after=10",
-                    "--config", _yaml(tmp_path, "partition_timeout_s: 3.0\n"), "--no-progress")
+    args = sim_args(
+        tmp_path,
+        tmp_path / "out.zarr",
+        "--prompts",
+        prompts,
+        "--partition-size",
+        "4",
+        "--engine-arg",
+        f"hang_once_flag={flag}",
+        "--engine-arg",
+        "hang_after=10",
+        "--config",
+        _yaml(tmp_path, "partition_timeout_s: 3.0\n"),
+        "--no-progress",
+    )
     res = run_cli("run", *args, env={"DASK_DASKGEN__HEALTH_TIMEOUT": "2s"})
     assert res.returncode == 0, res.stdout + res.stderr
     assert flag.exists(), "the engine must really have hung"
@@ -153,8 +179,12 @@ def test_secrets_never_reach_store_logs_or_output(tmp_path):
     secret = "sk-PLANTED-0123456789abcdef"
     prompts = write_prompts(tmp_path / "p.jsonl", 8)
     out = tmp_path / "out.zarr"
-    res = run_cli("run", *sim_args(tmp_path, out, "--prompts", prompts, "--partition-size", "4"),
-                  "--engine-arg", f"api_key={secret}")
+    res = run_cli(
+        "run",
+        *sim_args(tmp_path, out, "--prompts", prompts, "--partition-size", "4"),
+        "--engine-arg",
+        f"api_key={secret}",
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     status = run_cli("status", out)
     leaks = [p for p in out.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
@@ -167,8 +197,9 @@ def test_full_disk_stops_the_run_clearly_and_the_store_resumes(tmp_path):
     """A real full filesystem: a 600 KiB tmpfs (needs root, as CI has for SLURM: fails there, skips elsewhere)."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mnt)],
-                           capture_output=True, text=True)
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if mount.returncode != 0:
         why = f"needs permission to mount a small tmpfs (root): {mount.stderr.strip()}"
         if os.environ.get("CI", "").lower() == "true":
@@ -176,8 +207,19 @@ def test_full_disk_stops_the_run_clearly_and_the_store_resumes(tmp_path):
         pytest.skip(why)
     try:
         prompts = write_prompts(tmp_path / "p.jsonl", 400)
-        common = ["--prompts", prompts, "--partition-size", "8", "--max-new-tokens", "256",
-                  "--engine-arg", "length_dist=fixed", "--engine-arg", "length_mean=256", "--no-progress"]
+        common = [
+            "--prompts",
+            prompts,
+            "--partition-size",
+            "8",
+            "--max-new-tokens",
+            "256",
+            "--engine-arg",
+            "length_dist=fixed",
+            "--engine-arg",
+            "length_mean=256",
+            "--no-progress",
+        ]
         args = [*SIM_BIG, *common, "--store", mnt / "out.zarr", "--engine-arg", f"log_path={tmp_path / 'a.log'}"]
         res = run_cli("run", *args)
         assert res.returncode == 2, res.stdout + res.stderr
@@ -200,12 +242,21 @@ def test_full_disk_stops_the_run_clearly_and_the_store_resumes(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)])
 
 
-SIM_BIG = ["--engine", "daskgen.testing.engines:RecordingEngine", "--engine-arg", "inner=simulated", "--model", "sim",
-           "--max-prompt-tokens", "128", "--engine-arg", "time_scale=0"]
+SIM_BIG = [
+    "--engine",
+    "daskgen.testing.engines:RecordingEngine",
+    "--engine-arg",
+    "inner=simulated",
+    "--model",
+    "sim",
+    "--max-prompt-tokens",
+    "128",
+    "--engine-arg",
+    "time_scale=0",
+]
 
 
 def _yaml(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "run.yaml"
     path.write_text(text)
     return path
-

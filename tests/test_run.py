@@ -17,13 +17,31 @@ from tests.conftest import popen_cli, run_cli, write_prompts
 
 pytestmark = pytest.mark.timeout(300)
 
-SIM = ["--engine", "daskgen.testing.engines:RecordingEngine", "--engine-arg", "inner=simulated",
-       "--model", "sim", "--max-new-tokens", "16", "--max-prompt-tokens", "128"]
+SIM = [
+    "--engine",
+    "daskgen.testing.engines:RecordingEngine",
+    "--engine-arg",
+    "inner=simulated",
+    "--model",
+    "sim",
+    "--max-new-tokens",
+    "16",
+    "--max-prompt-tokens",
+    "128",
+]
 
 
 def sim_args(tmp_path, store_path, *extra, log="calls.log", step=0.0):
-    return [*SIM, "--engine-arg", f"log_path={tmp_path / log}", "--engine-arg", f"time_scale={step}",
-            "--store", store_path, *extra]
+    return [
+        *SIM,
+        "--engine-arg",
+        f"log_path={tmp_path / log}",
+        "--engine-arg",
+        f"time_scale={step}",
+        "--store",
+        store_path,
+        *extra,
+    ]
 
 
 def calls(path) -> Counter:
@@ -38,9 +56,26 @@ def test_transformers_end_to_end(tmp_path, tiny_model):
 
     prompts = write_prompts(tmp_path / "p.jsonl", 10)
     out = tmp_path / "out.zarr"
-    res = run_cli("run", "--prompts", prompts, "--model", tiny_model, "--store", out, "--n-samples", "2",
-                  "--max-new-tokens", "24", "--partition-size", "4", "--temperature", "1.0", "--logprobs",
-                  "--seed", "3")
+    res = run_cli(
+        "run",
+        "--prompts",
+        prompts,
+        "--model",
+        tiny_model,
+        "--store",
+        out,
+        "--n-samples",
+        "2",
+        "--max-new-tokens",
+        "24",
+        "--partition-size",
+        "4",
+        "--temperature",
+        "1.0",
+        "--logprobs",
+        "--seed",
+        "3",
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "10 done, 0 failed, 0 pending of 10 prompts" in res.stdout
     ds = xr.open_zarr(out)
@@ -69,8 +104,21 @@ def test_transformers_end_to_end(tmp_path, tiny_model):
 
 def test_resume_after_sigkill_regenerates_nothing_finished(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", 48)
-    common = ["--prompts", prompts, "--n-samples", "2", "--partition-size", "4", "--seed", "7",
-              "--temperature", "1.0", "--window", "1", "--no-progress"]
+    common = [
+        "--prompts",
+        prompts,
+        "--n-samples",
+        "2",
+        "--partition-size",
+        "4",
+        "--seed",
+        "7",
+        "--temperature",
+        "1.0",
+        "--window",
+        "1",
+        "--no-progress",
+    ]
     ref = run_cli("run", *sim_args(tmp_path, tmp_path / "ref.zarr", *common, log="ref.log"))
     assert ref.returncode == 0, ref.stdout + ref.stderr
 
@@ -115,8 +163,12 @@ def _wait_for_some_done(path, proc, minimum, timeout=120.0):
 def test_reading_while_a_run_writes_shows_finished_rows(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", 40)
     out = tmp_path / "out.zarr"
-    proc = popen_cli("run", "--prompts", prompts, *sim_args(tmp_path, out, "--partition-size", "4", "--window",
-                                                           "1", "--no-progress", step=1.0))
+    proc = popen_cli(
+        "run",
+        "--prompts",
+        prompts,
+        *sim_args(tmp_path, out, "--partition-size", "4", "--window", "1", "--no-progress", step=1.0),
+    )
     try:
         done = _wait_for_some_done(out, proc, minimum=4)
         ds = open_store(out)
@@ -165,10 +217,12 @@ def test_rerun_with_other_settings_or_input_is_refused(tmp_path):
 
 @pytest.mark.parametrize(
     ("content", "fragment"),
-    [('{"prompt": "ok"}\n{"prompt": \n', "row 2: not valid JSON"),
-     ('{"messages": []}\n', "row 1: column 'messages': empty conversation"),
-     ('{"text": "hi"}\n', "row 1: missing column 'messages' or 'prompt'"),
-     ("", "is empty")],
+    [
+        ('{"prompt": "ok"}\n{"prompt": \n', "row 2: not valid JSON"),
+        ('{"messages": []}\n', "row 1: column 'messages': empty conversation"),
+        ('{"text": "hi"}\n', "row 1: missing column 'messages' or 'prompt'"),
+        ("", "is empty"),
+    ],
 )
 def test_bad_input_fails_before_any_engine_starts(tmp_path, content, fragment):
     (tmp_path / "p.jsonl").write_text(content)

@@ -17,8 +17,16 @@ from tests.conftest import write_prompts
 
 
 def _config(tmp_path, prompts, **extra):
-    return RunConfig(model="sim", engine="simulated", prompts=str(prompts), store=str(tmp_path / "s.zarr"),
-                     max_new_tokens=8, max_prompt_tokens=64, partition_size=4, **extra)
+    return RunConfig(
+        model="sim",
+        engine="simulated",
+        prompts=str(prompts),
+        store=str(tmp_path / "s.zarr"),
+        max_new_tokens=8,
+        max_prompt_tokens=64,
+        partition_size=4,
+        **extra,
+    )
 
 
 @pytest.fixture

@@ -72,8 +72,9 @@ def test_local_cluster_with_its_scheduler_in_a_process_of_its_own():
     """The scheduler runs in another process and session, with the client's Dask config; closing the
     cluster ends the process and removes its directory."""
     with dask.config.set({"distributed.scheduler.default-task-durations": {"daskgen-partition": "77s"}}):
-        cluster, info = make_cluster({"kind": "local", "n_workers": 1, "threads_per_worker": 2,
-                                      "scheduler_process": True})
+        cluster, info = make_cluster(
+            {"kind": "local", "n_workers": 1, "threads_per_worker": 2, "scheduler_process": True}
+        )
     proc = cluster.scheduler
     pid, directory = proc.process.pid, proc.directory
     try:
@@ -83,8 +84,9 @@ def test_local_cluster_with_its_scheduler_in_a_process_of_its_own():
         os.kill(pid, signal.SIGINT)
         time.sleep(1.0)
         with Client(cluster, timeout="20s") as client:
-            got_pid, durations = client.run_on_scheduler(_scheduler_pid_and,
-                                                         "distributed.scheduler.default-task-durations")
+            got_pid, durations = client.run_on_scheduler(
+                _scheduler_pid_and, "distributed.scheduler.default-task-durations"
+            )
             assert got_pid == pid != os.getpid()
             assert durations["daskgen-partition"] == "77s"  # the client's config reached it
             assert client.submit(sum, [1, 2], pure=False).result(timeout=30) == 3
@@ -100,8 +102,9 @@ def test_an_elastic_local_cluster_declares_partition_durations_to_its_scheduler_
     with pytest.raises(ConfigError, match="max_workers=1 must be >= 1 and >= min_workers=2"):
         make_cluster({"kind": "local", "min_workers": 2, "max_workers": 1, "scheduler_process": True})
     with dask.config.set({"distributed.scheduler.default-task-durations": {}}):
-        cluster, info = make_cluster({"kind": "local", "n_workers": 1, "min_workers": 0, "max_workers": 1,
-                                      "scheduler_process": True})
+        cluster, info = make_cluster(
+            {"kind": "local", "n_workers": 1, "min_workers": 0, "max_workers": 1, "scheduler_process": True}
+        )
         try:
             assert info.adaptive
             with Client(cluster, timeout="20s") as client:
@@ -116,9 +119,15 @@ def test_an_elastic_local_cluster_declares_partition_durations_to_its_scheduler_
 def test_a_run_on_a_cluster_whose_scheduler_runs_apart(tmp_path, caplog):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(f'{{"prompt": "question {i}"}}\n' for i in range(24)))
-    config = RunConfig(model="sim", engine="simulated", store=str(tmp_path / "out.zarr"), partition_size=8,
-                       max_new_tokens=8, engine_args={"time_scale": 0.0},
-                       cluster={"kind": "local", "n_workers": 1, "scheduler_process": True})
+    config = RunConfig(
+        model="sim",
+        engine="simulated",
+        store=str(tmp_path / "out.zarr"),
+        partition_size=8,
+        max_new_tokens=8,
+        engine_args={"time_scale": 0.0},
+        cluster={"kind": "local", "n_workers": 1, "scheduler_process": True},
+    )
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with caplog.at_level("INFO", logger="daskgen.client.cluster"):
         summary = run(config, str(prompts))
@@ -130,8 +139,9 @@ def test_a_run_on_a_cluster_whose_scheduler_runs_apart(tmp_path, caplog):
 
 @pytest.mark.timeout(120)
 def test_local_tls_cluster_with_a_scheduler_process_uses_certificate_files():
-    cluster, info = make_cluster({"kind": "local", "n_workers": 1, "threads_per_worker": 1, "tls": True,
-                                  "scheduler_process": True})
+    cluster, info = make_cluster(
+        {"kind": "local", "n_workers": 1, "threads_per_worker": 1, "tls": True, "scheduler_process": True}
+    )
     files = cluster.tls_files.directory
     try:
         assert cluster.scheduler_address.startswith("tls://") and "TLS with a per-run certificate" in str(info)
@@ -209,11 +219,31 @@ def test_sigterm_to_every_process_of_the_client_still_saves_partial_responses(tm
     (tmp_path / "run.yaml").write_text("cluster:\n  kind: local\n  n_workers: 2\n  scheduler_process: true\n")
     out = tmp_path / "out.zarr"
     prompts = write_prompts(tmp_path / "p.jsonl", 24)
-    proc = popen_cli("run", *sim_args(tmp_path, out, "--config", tmp_path / "run.yaml", "--prompts", prompts,
-                                      "--partition-size", "2", "--n-samples", "2", "--grace", "20s", *LONG, step=1.0))
+    proc = popen_cli(
+        "run",
+        *sim_args(
+            tmp_path,
+            out,
+            "--config",
+            tmp_path / "run.yaml",
+            "--prompts",
+            prompts,
+            "--partition-size",
+            "2",
+            "--n-samples",
+            "2",
+            "--grace",
+            "20s",
+            *LONG,
+            step=1.0,
+        ),
+    )
     done_before = _wait_for_some_done(out, proc, minimum=4)
-    (scheduler,) = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                    if "daskgen.deploy.scheduler_process" in " ".join(c.cmdline())]
+    (scheduler,) = [
+        c
+        for c in psutil.Process(proc.pid).children(recursive=True)
+        if "daskgen.deploy.scheduler_process" in " ".join(c.cmdline())
+    ]
     os.kill(proc.pid, signal.SIGTERM)
     scheduler.send_signal(signal.SIGTERM)  # like scancel: every process of the job
     output, _ = proc.communicate(timeout=120)

@@ -86,8 +86,9 @@ def raw_tls_exchange(address: str, ca_file: Path, cert: tuple[Path, Path] | None
 
 @pytest.mark.timeout(120)
 def test_tls_cluster_refuses_clients_without_its_certificate(tmp_path):
-    cluster, info = make_cluster({"kind": "local", "n_workers": 1, "threads_per_worker": 1, "tls": True,
-                                  "dashboard_address": ":0"})
+    cluster, info = make_cluster(
+        {"kind": "local", "n_workers": 1, "threads_per_worker": 1, "tls": True, "dashboard_address": ":0"}
+    )
     try:
         address = cluster.scheduler_address
         assert address.startswith("tls://") and "TLS" in str(info)
@@ -115,20 +116,33 @@ def test_run_joins_an_existing_tls_scheduler_with_cert_flags(tmp_path):
     from distributed import LocalCluster
 
     files = TLSFiles(temporary_security(), tmp_path / "tls")
-    flags = ["--tls-ca", files.security.tls_ca_file, "--tls-cert", files.security.tls_client_cert,
-             "--tls-key", files.security.tls_client_key]
+    flags = [
+        "--tls-ca",
+        files.security.tls_ca_file,
+        "--tls-cert",
+        files.security.tls_client_cert,
+        "--tls-key",
+        files.security.tls_client_key,
+    ]
     prompts = write_prompts(tmp_path / "p.jsonl", 8)
     common = ["--prompts", prompts, "--partition-size", "4", "--no-progress"]
-    with (dask.config.set({"distributed.worker.daemon": False}),
-          LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address=":0",
-                       security=files.security) as lc):
+    with (
+        dask.config.set({"distributed.worker.daemon": False}),
+        LocalCluster(
+            n_workers=1, threads_per_worker=2, processes=True, dashboard_address=":0", security=files.security
+        ) as lc,
+    ):
         address = lc.scheduler_address
         assert address.startswith("tls://")
-        refused = run_cli("run", *sim_args(tmp_path, tmp_path / "refused.zarr", *common, "--scheduler-address",
-                                           address), timeout=120)
+        refused = run_cli(
+            "run", *sim_args(tmp_path, tmp_path / "refused.zarr", *common, "--scheduler-address", address), timeout=120
+        )
         assert refused.returncode == 2 and "--tls-ca" in refused.stderr, refused.stderr
-        res = run_cli("run", *sim_args(tmp_path, tmp_path / "out.zarr", *common, "--scheduler-address", address,
-                                       *flags), timeout=180)
+        res = run_cli(
+            "run",
+            *sim_args(tmp_path, tmp_path / "out.zarr", *common, "--scheduler-address", address, *flags),
+            timeout=180,
+        )
         assert res.returncode == 0, res.stdout + res.stderr
     assert (store.read_status(tmp_path / "out.zarr") == store.DONE).all()
 
@@ -159,12 +173,19 @@ def test_rendered_job_script_names_the_tls_files(tmp_path):
     assert arg(cmd, "--tls-cert") == files.security.tls_worker_cert
     assert arg(cmd, "--tls-key") == files.security.tls_worker_key
     # The default: Dask's distributed.comm.tls.* configuration.
-    with dask.config.set({"distributed.comm.tls.ca-file": "/etc/dask/ca.pem",
-                          "distributed.comm.tls.worker.cert": "/etc/dask/worker.pem",
-                          "distributed.comm.tls.worker.key": "/etc/dask/worker.key"}):
+    with dask.config.set(
+        {
+            "distributed.comm.tls.ca-file": "/etc/dask/ca.pem",
+            "distributed.comm.tls.worker.cert": "/etc/dask/worker.pem",
+            "distributed.comm.tls.worker.key": "/etc/dask/worker.key",
+        }
+    ):
         cmd = worker_command(render_job_script(SLURM, "tls://10.1.2.3:8786"))
     assert (arg(cmd, "--tls-ca-file"), arg(cmd, "--tls-cert"), arg(cmd, "--tls-key")) == (
-        "/etc/dask/ca.pem", "/etc/dask/worker.pem", "/etc/dask/worker.key")
+        "/etc/dask/ca.pem",
+        "/etc/dask/worker.pem",
+        "/etc/dask/worker.key",
+    )
     plain = worker_command(render_job_script(SLURM, "tcp://10.1.2.3:8786"))
     assert not any(flag.startswith("--tls") for flag in plain) and "--protocol" not in plain
 
@@ -200,8 +221,13 @@ def test_client_security_from_flags_and_config(tmp_path):
     ca, cert, key = files.security.tls_ca_file, files.security.tls_client_cert, files.security.tls_client_key
     sec = client_security("tls://h:8786", ca, cert, key)
     assert (sec.tls_ca_file, sec.tls_client_cert, sec.tls_client_key, sec.require_encryption) == (ca, cert, key, True)
-    with dask.config.set({"distributed.comm.tls.ca-file": ca, "distributed.comm.tls.client.cert": cert,
-                          "distributed.comm.tls.client.key": key}):
+    with dask.config.set(
+        {
+            "distributed.comm.tls.ca-file": ca,
+            "distributed.comm.tls.client.cert": cert,
+            "distributed.comm.tls.client.key": key,
+        }
+    ):
         assert client_security("tls://h:8786").tls_client_cert == cert
     assert client_security("tcp://127.0.0.1:8786") is None
 
@@ -241,9 +267,23 @@ def test_cli_cluster_tls_and_insecure(tmp_path, fake_batch, insecure):
     prompts = write_prompts(tmp_path / "p.jsonl", 4)
     config = tmp_path / "run.yaml"
     config.write_text(f"cluster: {{memory: 4GB, cores: 1, tls_directory: {tmp_path / 'tls'}}}\n")
-    res = run_cli("run", *sim_args(tmp_path, tmp_path / "out.zarr", "--prompts", prompts, "--config", config,
-                                   "--cluster", "slurm", "--no-progress", *(["--insecure"] if insecure else [])),
-                  env={"DASK_DASKGEN__ENGINE_START_TIMEOUT": "3s"}, timeout=150)
+    res = run_cli(
+        "run",
+        *sim_args(
+            tmp_path,
+            tmp_path / "out.zarr",
+            "--prompts",
+            prompts,
+            "--config",
+            config,
+            "--cluster",
+            "slurm",
+            "--no-progress",
+            *(["--insecure"] if insecure else []),
+        ),
+        env={"DASK_DASKGEN__ENGINE_START_TIMEOUT": "3s"},
+        timeout=150,
+    )
     assert res.returncode == 2 and "no engine became ready" in res.stderr, res.stderr
     (script,) = wait_for_jobs(fake_batch, 1)
     cmd = worker_command(script)

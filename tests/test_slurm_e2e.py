@@ -192,10 +192,36 @@ def test_slurm_worker_job_signalled_hands_back_its_partial_responses(tmp_path, m
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"cluster": _spec(tmp_path, gpus_per_node=2)}))
     env = {"DASK_DISTRIBUTED__DEPLOY__LOST_WORKER_TIMEOUT": "1s", "DASK_DISTRIBUTED__ADAPTIVE__INTERVAL": "500ms"}
-    proc = popen_cli("run", "--config", config, "--cluster", "slurm", "--engine", "simulated", "--model", "sim",
-                     "--prompts", prompts, "--store", out, "--partition-size", "2", "--max-new-tokens", "600",
-                     "--max-prompt-tokens", "128", "--engine-arg", "length_dist=uniform", "--engine-arg",
-                     "length_mean=300", "--engine-arg", "time_scale=1.0", "--logprobs", "--no-progress", env=env)
+    proc = popen_cli(
+        "run",
+        "--config",
+        config,
+        "--cluster",
+        "slurm",
+        "--engine",
+        "simulated",
+        "--model",
+        "sim",
+        "--prompts",
+        prompts,
+        "--store",
+        out,
+        "--partition-size",
+        "2",
+        "--max-new-tokens",
+        "600",
+        "--max-prompt-tokens",
+        "128",
+        "--engine-arg",
+        "length_dist=uniform",
+        "--engine-arg",
+        "length_mean=300",
+        "--engine-arg",
+        "time_scale=1.0",
+        "--logprobs",
+        "--no-progress",
+        env=env,
+    )
     try:
         _wait_for_some_done(out, proc, minimum=2, timeout=240)
         jobs = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30).stdout.split()

@@ -8,10 +8,14 @@ from daskgen.analysis.accessor import open_store
 from daskgen.errors import StoreError, StoreMismatchError
 from daskgen.store import generation_store as store
 
-LAYOUT = store.Layout(n_prompts=10, n_samples=2, max_prompt_tokens=8, max_new_tokens=6, partition_size=4,
-                      pad_token_id=0)
-ATTRS = {"identity": {"model": "m", "temperature": 1.0}, "input": {"fingerprint": "f", "n_prompts": 10},
-         "tokenizer": {"vocab_size": 5}}
+LAYOUT = store.Layout(
+    n_prompts=10, n_samples=2, max_prompt_tokens=8, max_new_tokens=6, partition_size=4, pad_token_id=0
+)
+ATTRS = {
+    "identity": {"model": "m", "temperature": 1.0},
+    "input": {"fingerprint": "f", "n_prompts": 10},
+    "tokenizer": {"vocab_size": 5},
+}
 
 
 @pytest.fixture
@@ -79,8 +83,16 @@ def test_status_of_a_million_rows_is_coarse_chunked(tmp_path):
 
 
 def test_layout_owns_writers_and_fill_rules():
-    v2 = store.Layout(n_prompts=10, n_samples=2, max_prompt_tokens=8, max_new_tokens=6, partition_size=4,
-                      pad_token_id=7, n_trajectories=3, scored=True)
+    v2 = store.Layout(
+        n_prompts=10,
+        n_samples=2,
+        max_prompt_tokens=8,
+        max_new_tokens=6,
+        partition_size=4,
+        pad_token_id=7,
+        n_trajectories=3,
+        scored=True,
+    )
     specs = v2.array_specs()
     assert all(isinstance(spec, store.ArraySpec) for spec in specs.values())
     # the writable list is the layout's worker-written arrays, nothing client-written

@@ -35,9 +35,11 @@ def test_values_are_read_where_used_so_config_set_applies(tmp_path: Path) -> Non
 def test_environment_and_user_yaml_override_the_shipped_defaults(tmp_path: Path) -> None:
     (tmp_path / "mine.yaml").write_text("daskgen:\n  lock:\n    heartbeat-interval: 7s\n")
     env = {**os.environ, "DASK_DASKGEN__HEALTH_TIMEOUT": "3s", "DASK_CONFIG": str(tmp_path)}
-    code = ("from daskgen import tunables; "
-            "print(tunables.seconds('health-timeout'), tunables.seconds('lock.heartbeat-interval'), "
-            "tunables.seconds('lock.stale-after'))")
+    code = (
+        "from daskgen import tunables; "
+        "print(tunables.seconds('health-timeout'), tunables.seconds('lock.heartbeat-interval'), "
+        "tunables.seconds('lock.stale-after'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True).stdout
     assert out.split() == ["3.0", "7.0", "300.0"]
 

@@ -13,15 +13,18 @@ from daskgen.worker.admission import START_MAX_WINDOW, Admission
 from daskgen.worker.plugin import AUTO_MAX_WINDOW, AUTO_MIN_WINDOW, resolve_window
 
 
-@pytest.mark.parametrize(("capacity", "per_partition", "nthreads", "expected"), [
-    (256, 64 * 4, 17, 8),  # 8 x 256 requests in partitions of 256
-    (256, 64 * 1, 17, START_MAX_WINDOW),  # would be 32: the starting window is clipped to 16
-    (4, 64 * 4, 17, AUTO_MIN_WINDOW),  # one partition already fills the engine: still 2
-    (None, 64 * 4, 17, 8),  # unknown capacity: 256 assumed
-    (256, 64 * 4, 5, 5),  # no more than the worker's task slots
-    (64, 16 * 2, 17, 16),
-    (64, 48, 17, 11),  # ceil(512 / 48)
-])
+@pytest.mark.parametrize(
+    ("capacity", "per_partition", "nthreads", "expected"),
+    [
+        (256, 64 * 4, 17, 8),  # 8 x 256 requests in partitions of 256
+        (256, 64 * 1, 17, START_MAX_WINDOW),  # would be 32: the starting window is clipped to 16
+        (4, 64 * 4, 17, AUTO_MIN_WINDOW),  # one partition already fills the engine: still 2
+        (None, 64 * 4, 17, 8),  # unknown capacity: 256 assumed
+        (256, 64 * 4, 5, 5),  # no more than the worker's task slots
+        (64, 16 * 2, 17, 16),
+        (64, 48, 17, 11),  # ceil(512 / 48)
+    ],
+)
 def test_auto_window(capacity, per_partition, nthreads, expected):
     assert resolve_window("auto", capacity, per_partition, nthreads) == expected
 
@@ -68,12 +71,19 @@ def test_workers_advertise_the_auto_window_and_the_runner_sums_it(tmp_path):
     from daskgen.worker.admission import WindowBoard
     from daskgen.worker.plugin import RESOURCE, plugin_status
 
-    config = RunConfig(model="sim", store=str(tmp_path / "s.zarr"), engine="simulated", n_samples=2,
-                       partition_size=16, engine_args={"max_batch": 48, "time_scale": 0.0})
-    with (dask.config.set({"distributed.worker.daemon": False}),
-          LocalCluster(n_workers=2, threads_per_worker=AUTO_MAX_WINDOW + 1, processes=True,
-                       dashboard_address=":0") as lc,
-          Client(lc) as client):
+    config = RunConfig(
+        model="sim",
+        store=str(tmp_path / "s.zarr"),
+        engine="simulated",
+        n_samples=2,
+        partition_size=16,
+        engine_args={"max_batch": 48, "time_scale": 0.0},
+    )
+    with (
+        dask.config.set({"distributed.worker.daemon": False}),
+        LocalCluster(n_workers=2, threads_per_worker=AUTO_MAX_WINDOW + 1, processes=True, dashboard_address=":0") as lc,
+        Client(lc) as client,
+    ):
         start_engines(client, config)
         client.wait_for_workers(2)
         deadline = time.monotonic() + 60
@@ -101,10 +111,24 @@ def test_auto_window_follows_occupancy_and_the_run_completes(tmp_path):
     from daskgen.store import generation_store as store
 
     rows = [f"prompt {i}" for i in range(200)]
-    config = RunConfig(model="sim", store=str(tmp_path / "s.zarr"), engine="simulated", n_samples=2,
-                       partition_size=4, max_new_tokens=4000, max_prompt_tokens=64, n_workers=1, progress=False,
-                       engine_args={"max_batch": 16, "time_scale": 0.02, "length_dist": "lognormal",
-                                    "length_mean": 300, "length_sigma": 1.6})
+    config = RunConfig(
+        model="sim",
+        store=str(tmp_path / "s.zarr"),
+        engine="simulated",
+        n_samples=2,
+        partition_size=4,
+        max_new_tokens=4000,
+        max_prompt_tokens=64,
+        n_workers=1,
+        progress=False,
+        engine_args={
+            "max_batch": 16,
+            "time_scale": 0.02,
+            "length_dist": "lognormal",
+            "length_mean": 300,
+            "length_sigma": 1.6,
+        },
+    )
     seen: list[int] = []
     from daskgen.worker import admission
 

@@ -42,7 +42,7 @@ class Trajectory:
         self.response_ids += result.output_ids
         self.response_mask += [1] * len(result.output_ids)
         if result.logprobs is not None:
-            self.logprobs = (self.logprobs or [math.nan] * (len(self.response_ids) - len(result.output_ids)))
+            self.logprobs = self.logprobs or [math.nan] * (len(self.response_ids) - len(result.output_ids))
             self.logprobs += list(result.logprobs[: len(result.output_ids)])
             self.logprobs += [math.nan] * (len(result.output_ids) - len(result.logprobs))
         elif self.logprobs is not None:
@@ -128,8 +128,9 @@ class AgentLoop(abc.ABC):
         self.agent_args = agent_args
 
     @abc.abstractmethod
-    async def run(self, engine: EngineHandle, request_id: str, prompt_ids: list[int],
-                  params: SamplingParams) -> list[Trajectory]:
+    async def run(
+        self, engine: EngineHandle, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> list[Trajectory]:
         """Produce at least one trajectory; per-request failures go into ``Trajectory.error``."""
 
 
@@ -143,8 +144,9 @@ class SingleTurn(AgentLoop):
             raise ConfigError(f"agent 'single_turn' takes no agent_args, found {sorted(agent_args)}")
         super().__init__(model)
 
-    async def run(self, engine: EngineHandle, request_id: str, prompt_ids: list[int],
-                  params: SamplingParams) -> list[Trajectory]:
+    async def run(
+        self, engine: EngineHandle, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> list[Trajectory]:
         trajectory = Trajectory(logprobs=[] if params.logprobs else None)
         trajectory.add_model_tokens(await engine.generate(request_id, prompt_ids, params))
         return [trajectory]

@@ -68,15 +68,17 @@ class ToolLoop(AgentLoop):
         """The model's tokenizer (loaded once per worker process)."""
         return _tokenizer(self.model)
 
-    async def run(self, engine: EngineHandle, request_id: str, prompt_ids: list[int],
-                  params: SamplingParams) -> list[Trajectory]:
+    async def run(
+        self, engine: EngineHandle, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> list[Trajectory]:
         done: list[Trajectory] = []
         context = list(prompt_ids)
         traj = self._new(params)
         for turn in range(self.max_turns):
             budget = params.max_new_tokens - len(traj.response_ids)
-            turn_params = dataclasses.replace(params, max_new_tokens=budget,
-                                              seed=None if params.seed is None else params.seed + turn)
+            turn_params = dataclasses.replace(
+                params, max_new_tokens=budget, seed=None if params.seed is None else params.seed + turn
+            )
             result = await engine.generate(f"{request_id}-t{turn}", context + traj.response_ids, turn_params)
             traj.add_model_tokens(result)
             if result.error is not None or result.finish_reason != FinishReason.STOP:
@@ -125,6 +127,8 @@ class ToolLoop(AgentLoop):
         head = _ids(tok.apply_chat_template(head_msgs, tokenize=True, add_generation_prompt=False))
         full = _ids(tok.apply_chat_template(head_msgs + tool_msgs, tokenize=True, add_generation_prompt=True))
         if full[: len(head)] != head:
-            raise ConfigError("the model's chat template does not render tool messages as a suffix; "
-                              "the tool loop cannot build token-exact observations for it")
-        return full[len(head):]
+            raise ConfigError(
+                "the model's chat template does not render tool messages as a suffix; "
+                "the tool loop cannot build token-exact observations for it"
+            )
+        return full[len(head) :]

@@ -42,8 +42,9 @@ def _resolve(target: str) -> Callable[..., Any]:
     if target in _REGISTRY:
         return _REGISTRY[target]
     if ":" not in target:
-        raise ConfigError(f"unknown tool {target!r}; registered tools are {sorted(_REGISTRY)}; "
-                          "or give 'package.module:function'.")
+        raise ConfigError(
+            f"unknown tool {target!r}; registered tools are {sorted(_REGISTRY)}; or give 'package.module:function'."
+        )
     fn = import_object(target, "tool")
     if not callable(fn):
         raise ConfigError(f"tool {target!r} is not callable")

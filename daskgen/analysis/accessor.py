@@ -35,8 +35,16 @@ from daskgen.errors import ConfigError, StoreError, StoreMismatchError
 from daskgen.store.generation_store import ATTRS_KEY, DONE, FAILED, PENDING, read_attrs
 from daskgen.store.location import StoreLocation, locate
 
-__all__ = ["FINISH_LABELS", "DaskgenAccessor", "decode_many", "decode_prompts", "finish_labels",
-           "iter_raw_prompts", "flatten_samples", "open_store"]
+__all__ = [
+    "FINISH_LABELS",
+    "DaskgenAccessor",
+    "decode_many",
+    "decode_prompts",
+    "finish_labels",
+    "iter_raw_prompts",
+    "flatten_samples",
+    "open_store",
+]
 
 #: Labels of the ``finish_reason`` codes, indexed by ``code + 1`` (code -1: the sample was not generated).
 FINISH_LABELS: tuple[str, ...] = ("not_generated", *(r.name.lower() for r in FinishReason))
@@ -120,7 +128,7 @@ def flatten_samples(sub: xr.Dataset) -> dict[str, np.ndarray]:
     for name, var in sub.variables.items():
         if set(lead) <= set(var.dims) and name != "num_trajectories":
             values = var.transpose(*lead, ...).values
-            out[str(name)] = values.reshape(n * s * t, *values.shape[len(lead):])
+            out[str(name)] = values.reshape(n * s * t, *values.shape[len(lead) :])
         elif var.dims and var.dims[0] == "prompt" and "sample" not in var.dims:
             values = var.values.astype(object) if var.dtype.kind in "TUO" else var.values
             out[str(name)] = np.repeat(values, s * t, axis=0)
@@ -182,8 +190,12 @@ def _histogram_row(counts: np.ndarray, quantiles: Sequence[float]) -> dict[str, 
     lengths = np.arange(len(counts))
     present = np.flatnonzero(counts)
     cumulative = np.cumsum(counts)
-    row: dict[str, float] = {"samples": total, "mean": float((lengths * counts).sum() / total),
-                             "min": int(present[0]), "max": int(present[-1])}
+    row: dict[str, float] = {
+        "samples": total,
+        "mean": float((lengths * counts).sum() / total),
+        "min": int(present[0]),
+        "max": int(present[-1]),
+    }
     for q in quantiles:
         row[f"p{q * 100:g}"] = _quantile(cumulative, total, q)
     return row
@@ -203,8 +215,10 @@ class DaskgenAccessor:
         """The store's ``daskgen`` attrs (settings, input fingerprint, tokenizer identity, runs)."""
         attrs = self._ds.attrs.get(ATTRS_KEY)
         if not isinstance(attrs, dict):
-            raise StoreError(f"this dataset has no {ATTRS_KEY!r} attrs; open a daskgen store with "
-                             "daskgen.open_store(path) or xarray.open_zarr(path)")
+            raise StoreError(
+                f"this dataset has no {ATTRS_KEY!r} attrs; open a daskgen store with "
+                "daskgen.open_store(path) or xarray.open_zarr(path)"
+            )
         return attrs
 
     def status(self) -> np.ndarray:
@@ -245,8 +259,9 @@ class DaskgenAccessor:
     def finish_labels(self) -> xr.DataArray:
         """``finish_reason`` as string labels, lazily (same dims and chunks)."""
         codes = self._ds["finish_reason"]
-        labels = xr.apply_ufunc(finish_labels, codes, dask="parallelized",
-                                output_dtypes=[finish_labels(np.zeros(0)).dtype])
+        labels = xr.apply_ufunc(
+            finish_labels, codes, dask="parallelized", output_dtypes=[finish_labels(np.zeros(0)).dtype]
+        )
         return labels.rename("finish_label").assign_attrs(long_name="why the sample ended")
 
     def labelled(self) -> xr.Dataset:
@@ -264,8 +279,12 @@ class DaskgenAccessor:
         length = self._ds["response_length"].astype("int64").clip(0, width - 1)
         keys = xr.where(self.sample_mask(), code * width + length, labels * width)
         counts = _bincount(keys, (labels + 1) * width)[: labels * width].reshape(labels, width)
-        return xr.DataArray(counts.astype("int64"), dims=("finish_reason", "length"), name="samples",
-                            coords={"finish_reason": list(FINISH_LABELS), "length": np.arange(width)})
+        return xr.DataArray(
+            counts.astype("int64"),
+            dims=("finish_reason", "length"),
+            name="samples",
+            coords={"finish_reason": list(FINISH_LABELS), "length": np.arange(width)},
+        )
 
     def length_stats(self, quantiles: Sequence[float] = (0.5, 0.9, 0.99)) -> pd.DataFrame:
         """Response-length statistics of done samples per finish reason, plus an ``all`` row."""
@@ -298,8 +317,13 @@ class DaskgenAccessor:
         response = xr.where(done, self._ds["response_length"].astype("int64"), 0).sum()
         prompt, response, generated = dask.compute(prompt, response, self.sample_mask().sum())
         counts = self.counts()
-        return {**counts, "samples": counts["done"] * self._ds.sizes["sample"], "generated": int(generated),
-                "prompt_tokens": int(prompt), "response_tokens": int(response)}
+        return {
+            **counts,
+            "samples": counts["done"] * self._ds.sizes["sample"],
+            "generated": int(generated),
+            "prompt_tokens": int(prompt),
+            "response_tokens": int(response),
+        }
 
     def throughput(self, bin_seconds: float | None = None) -> pd.DataFrame:
         """Done prompts and response tokens per time bin of ``committed_at`` (with per-minute rates).
@@ -323,17 +347,21 @@ class DaskgenAccessor:
         tokens = self._prompt_tokens()
         prompts = _bincount(keys, nbins + 1)[:nbins]
         token_sums = _bincount(keys, nbins + 1, weights=tokens)[:nbins]
-        frame = pd.DataFrame({
-            "start": pd.to_datetime(lo + width * np.arange(nbins), unit="s", utc=True),
-            "prompts": prompts.astype("int64"), "tokens": np.rint(token_sums).astype("int64"),
-        })
+        frame = pd.DataFrame(
+            {
+                "start": pd.to_datetime(lo + width * np.arange(nbins), unit="s", utc=True),
+                "prompts": prompts.astype("int64"),
+                "tokens": np.rint(token_sums).astype("int64"),
+            }
+        )
         frame["prompts_per_min"] = frame["prompts"] * 60.0 / width
         frame["tokens_per_min"] = frame["tokens"] * 60.0 / width
         frame.attrs["bin_seconds"] = width
         return frame[columns]
 
-    def pass_rates(self, scores: str | xr.DataArray = "score", *, threshold: float = 0.5,
-                   ks: Sequence[int] = (1,)) -> xr.Dataset:
+    def pass_rates(
+        self, scores: str | xr.DataArray = "score", *, threshold: float = 0.5, ks: Sequence[int] = (1,)
+    ) -> xr.Dataset:
         """Per-prompt pass rate and the unbiased pass@k (Chen et al. 2021) over done prompts.
 
         ``scores`` names a per-sample variable (a verifier run's ``score``, or one you added:
@@ -345,8 +373,10 @@ class DaskgenAccessor:
 
         if isinstance(scores, str):
             if scores not in self._ds:
-                raise ValueError(f"no variable {scores!r} in the dataset; add per-sample scores first, e.g. "
-                                 f"ds[{scores!r}] = (('prompt', 'sample'), values)")
+                raise ValueError(
+                    f"no variable {scores!r} in the dataset; add per-sample scores first, e.g. "
+                    f"ds[{scores!r}] = (('prompt', 'sample'), values)"
+                )
             scores = self._ds[scores]
         n = self._ds.sizes["sample"]
         bad = [k for k in ks if not 1 <= k <= n]
@@ -355,11 +385,15 @@ class DaskgenAccessor:
         rows = self.rows("done")
         passed = _per_sample(scores if scores.dtype == bool else scores >= threshold).isel(prompt=rows)
         used = _per_sample(self._ds["finish_reason"] >= 0).isel(prompt=rows)
-        hits, used = (np.asarray(v.values, dtype=np.int64) for v in
-                      dask.compute((passed & used).sum("sample"), used.sum("sample")))
+        hits, used = (
+            np.asarray(v.values, dtype=np.int64)
+            for v in dask.compute((passed & used).sum("sample"), used.sum("sample"))
+        )
         with np.errstate(invalid="ignore", divide="ignore"):
-            out = xr.Dataset({"pass_rate": ("prompt", hits / used), "samples": ("prompt", used)},
-                             coords={"prompt_index": ("prompt", rows)})
+            out = xr.Dataset(
+                {"pass_rate": ("prompt", hits / used), "samples": ("prompt", used)},
+                coords={"prompt_index": ("prompt", rows)},
+            )
         out["pass_at_k"] = ("k", [_pass_at_k(used, hits, k) for k in ks])
         out["pass_at_k_prompts"] = ("k", [int((used >= k).sum()) for k in ks])
         return out.assign_coords(k=list(ks)).assign_attrs(threshold=threshold, done_prompts=len(rows))
@@ -379,8 +413,10 @@ class DaskgenAccessor:
         if fingerprint(row for _, row in iter_rows(Path(source))) == self.attrs.get("input", {}).get("fingerprint"):
             return Path(source)
         if path is not None:
-            raise StoreMismatchError(f"prompt file {str(path)!r} is not the input this store was made from (its "
-                                     "fingerprint differs); pass the run's --prompts file.")
+            raise StoreMismatchError(
+                f"prompt file {str(path)!r} is not the input this store was made from (its "
+                "fingerprint differs); pass the run's --prompts file."
+            )
         return None
 
     def raw_prompts(self, rows: Sequence[int] | None = None, path: str | Path | None = None) -> list[str] | None:
@@ -406,15 +442,23 @@ class DaskgenAccessor:
         try:
             tok = load_tokenizer(model, identity.get("engine", ""), attrs.get("config", {}).get("engine_args"))
         except ConfigError as exc:
-            raise StoreError(f"cannot load this store's tokenizer: {exc} Pass the model folder as "
-                             "tokenizer=PATH (--tokenizer PATH), or export without text (--no-text).") from exc
+            raise StoreError(
+                f"cannot load this store's tokenizer: {exc} Pass the model folder as "
+                "tokenizer=PATH (--tokenizer PATH), or export without text (--no-text)."
+            ) from exc
         _check_identity(tokenizer_identity(tok), attrs.get("tokenizer", {}), model)
         if path is None:
             self._tokenizer = tok
         return tok
 
-    def texts(self, rows: Sequence[int] | None = None, *, limit: int | None = None, tokenizer: Any = None,
-              skip_special_tokens: bool = True) -> pd.DataFrame:
+    def texts(
+        self,
+        rows: Sequence[int] | None = None,
+        *,
+        limit: int | None = None,
+        tokenizer: Any = None,
+        skip_special_tokens: bool = True,
+    ) -> pd.DataFrame:
         """Decoded prompt and response text per (prompt, sample[, trajectory]) of ``rows`` (default: done rows).
 
         ``tokenizer`` is a tokenizer object or a model folder; by default the store's own is loaded.
@@ -427,8 +471,11 @@ class DaskgenAccessor:
         flat = flatten_samples(sub)
         prompts = np.array(decode_prompts(tok, sub, skip_special_tokens), dtype=object)
         prompts = prompts[np.searchsorted(sub["prompt_index"].values, flat["prompt_index"])]
-        responses = decode_many(tok, [ids[:n] for ids, n in zip(flat["response_ids"], flat["response_length"],
-                                                                 strict=True)], skip_special_tokens)
+        responses = decode_many(
+            tok,
+            [ids[:n] for ids, n in zip(flat["response_ids"], flat["response_length"], strict=True)],
+            skip_special_tokens,
+        )
         columns = ["prompt_index", "prompt_id", "sample", "trajectory", "response_length"]
         frame = pd.DataFrame({c: flat[c] for c in columns if c in flat})
         frame.insert(len(frame.columns) - 1, "finish_reason", finish_labels(flat["finish_reason"]))
@@ -436,8 +483,14 @@ class DaskgenAccessor:
 
 
 def _check_identity(found: dict[str, Any], stored: dict[str, Any], model: str) -> None:
-    diffs = [f"{k}: store has {stored.get(k)!r}, tokenizer at {model!r} has {found.get(k)!r}"
-             for k in IDENTITY_KEYS if k in stored and stored.get(k) != found.get(k)]
+    diffs = [
+        f"{k}: store has {stored.get(k)!r}, tokenizer at {model!r} has {found.get(k)!r}"
+        for k in IDENTITY_KEYS
+        if k in stored and stored.get(k) != found.get(k)
+    ]
     if diffs:
-        raise StoreMismatchError("the tokenizer differs from the one the store was made with:\n  "
-                                 + "\n  ".join(diffs) + "\nPass the run's model folder as tokenizer=PATH.")
+        raise StoreMismatchError(
+            "the tokenizer differs from the one the store was made with:\n  "
+            + "\n  ".join(diffs)
+            + "\nPass the run's model folder as tokenizer=PATH."
+        )

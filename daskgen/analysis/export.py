@@ -40,17 +40,44 @@ from daskgen.store import generation_store as store
 from daskgen.store.location import locate
 from daskgen.store.lock import LOCK_NAME
 
-__all__ = ["DEFAULT_SUFFIX", "FORMATS", "VERL_KEYS", "ExportResult", "check_output", "export", "load_tensordict",
-           "staged_output", "to_tensordict", "upload_wandb", "verl_parts", "zip_store"]
+__all__ = [
+    "DEFAULT_SUFFIX",
+    "FORMATS",
+    "VERL_KEYS",
+    "ExportResult",
+    "check_output",
+    "export",
+    "load_tensordict",
+    "staged_output",
+    "to_tensordict",
+    "upload_wandb",
+    "verl_parts",
+    "zip_store",
+]
 
 FORMATS = ("parquet", "jsonl", "tensordict", "zip")
 #: Suffix of the default output path per format (``out.zarr`` -> ``out.parquet``, ``out.td``, ...).
 DEFAULT_SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl", "tensordict": ".td", "zip": ".zarr.zip"}
 #: Keys of the verl DataProto ``batch`` written by the tensordict export.
-VERL_KEYS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
-             "rollout_log_probs")
-_READ = ("prompt_ids", "prompt_length", "response_ids", "response_length", "response_mask", "logprobs",
-         "finish_reason", "num_turns")
+VERL_KEYS = (
+    "prompts",
+    "responses",
+    "response_mask",
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "rollout_log_probs",
+)
+_READ = (
+    "prompt_ids",
+    "prompt_length",
+    "response_ids",
+    "response_length",
+    "response_mask",
+    "logprobs",
+    "finish_reason",
+    "num_turns",
+)
 _BLOCK_BYTES = 16 * 2**20
 # Written first into a zip: with status before the data, every row done in the zip is complete.
 _ZIP_FIRST = ("zarr.json", "status", "error", "committed_at")
@@ -69,8 +96,10 @@ class ExportResult:
     def line(self) -> str:
         """One-line summary for the command line."""
         rate = self.rows / self.seconds if self.seconds > 0 else float("inf")
-        return (f"daskgen: exported {self.rows} samples as {self.format} to {self.path} "
-                f"({self.bytes / 2**20:.1f} MiB in {self.seconds:.1f} s, {rate:.0f} samples/s)")
+        return (
+            f"daskgen: exported {self.rows} samples as {self.format} to {self.path} "
+            f"({self.bytes / 2**20:.1f} MiB in {self.seconds:.1f} s, {rate:.0f} samples/s)"
+        )
 
 
 # -- output paths -------------------------------------------------------------------------------
@@ -78,8 +107,10 @@ def check_output(out: str | Path, *, overwrite: bool = False, protect: str | Pat
     """Refuse an existing ``out`` (unless ``overwrite``) and any ``out`` overlapping the store ``protect``."""
     out = Path(out)
     if out.exists() and not overwrite:
-        raise OutputExistsError(f"output {str(out)!r} exists; pass --overwrite (overwrite=True) to replace it, "
-                                "or choose another --out path.")
+        raise OutputExistsError(
+            f"output {str(out)!r} exists; pass --overwrite (overwrite=True) to replace it, "
+            "or choose another --out path."
+        )
     if protect is not None and locate(protect).is_local:
         guarded, target = Path(str(locate(protect))).resolve(), out.resolve()
         if target == guarded or guarded in target.parents or target in guarded.parents:
@@ -118,8 +149,15 @@ def _size(path: Path) -> int:
 class Source:
     """A store opened for export: the dataset, its attrs, the done rows (snapshot) and extras."""
 
-    def __init__(self, path: str | Path, *, text: bool = False, tokenizer: str | None = None,
-                 prompts: str | Path | None = None, raw: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        text: bool = False,
+        tokenizer: str | None = None,
+        prompts: str | Path | None = None,
+        raw: bool = True,
+    ) -> None:
         self.path = locate(path)
         self.ds = open_store(path)
         self.attrs = self.ds.daskgen.attrs
@@ -178,9 +216,12 @@ def arrow_block(block: dict[str, np.ndarray], has_logprobs: bool) -> Any:
         columns[name] = pa.array(block[name].astype(np.int32))
     columns |= {
         "finish_reason": pa.array(finish_labels(block["finish_reason"]).tolist()),
-        "num_turns": pa.array(block["num_turns"]), "prompt_length": pa.array(plen),
-        "response_length": pa.array(rlen), "prompt_ids": _ragged(block["prompt_ids"], plen),
-        "response_ids": _ragged(block["response_ids"], rlen), "response_mask": _ragged(block["response_mask"], rlen),
+        "num_turns": pa.array(block["num_turns"]),
+        "prompt_length": pa.array(plen),
+        "response_length": pa.array(rlen),
+        "prompt_ids": _ragged(block["prompt_ids"], plen),
+        "response_ids": _ragged(block["response_ids"], rlen),
+        "response_mask": _ragged(block["response_mask"], rlen),
     }
     if has_logprobs:
         columns["logprobs"] = _ragged(block["logprobs"], rlen)
@@ -221,8 +262,9 @@ def _write_jsonl(src: Source, path: Path) -> int:
 
 
 # -- TensorDict (verl DataProto layout) ---------------------------------------------------------
-def verl_block(block: dict[str, np.ndarray], prompt_width: int, response_width: int, pad: int,
-               has_logprobs: bool) -> dict[str, np.ndarray]:
+def verl_block(
+    block: dict[str, np.ndarray], prompt_width: int, response_width: int, pad: int, has_logprobs: bool
+) -> dict[str, np.ndarray]:
     """verl batch fields of one block: left-padded ``prompts``, right-padded ``responses``, masks, positions.
 
     ``attention_mask`` is 1 on prompt tokens and on every response token (model or tool), 0 on
@@ -238,16 +280,25 @@ def verl_block(block: dict[str, np.ndarray], prompt_width: int, response_width: 
     responses = np.where(response_attn, block["response_ids"][:, :response_width], pad)
     attention = np.concatenate([prompt_attn, response_attn], axis=1).astype(np.int64)
     out = {
-        "prompts": prompts.astype(np.int64), "responses": responses.astype(np.int64),
+        "prompts": prompts.astype(np.int64),
+        "responses": responses.astype(np.int64),
         "response_mask": (block["response_mask"][:, :response_width] * response_attn).astype(np.int64),
         "input_ids": np.concatenate([prompts, responses], axis=1).astype(np.int64),
-        "attention_mask": attention, "position_ids": np.clip(np.cumsum(attention, axis=1) - 1, 0, None),
+        "attention_mask": attention,
+        "position_ids": np.clip(np.cumsum(attention, axis=1) - 1, 0, None),
     }
     if has_logprobs:
         logprobs = block["logprobs"][:, :response_width].astype(np.float32)
         out["rollout_log_probs"] = np.where(response_attn & np.isfinite(logprobs), logprobs, 0.0).astype(np.float32)
-    for name in ("prompt_index", "sample", "trajectory", "num_turns", "finish_reason", "prompt_length",
-                 "response_length"):
+    for name in (
+        "prompt_index",
+        "sample",
+        "trajectory",
+        "num_turns",
+        "finish_reason",
+        "prompt_length",
+        "response_length",
+    ):
         if name in block:
             out[name] = block[name].astype(np.int64)
     return out
@@ -272,8 +323,9 @@ def _tensor_blocks(src: Source) -> Iterator[tuple[Any, dict[str, list[Any]]]]:
     width = _widths(src)
     for block in src.blocks():
         fields = verl_block(block, *width, src.pad, src.has_logprobs)
-        tensors = TensorDict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in fields.items()},
-                             batch_size=[len(block["sample"])])
+        tensors = TensorDict(
+            {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in fields.items()}, batch_size=[len(block["sample"])]
+        )
         yield tensors, {k: [str(v) for v in block[k]] for k in _NON_TENSOR if k in block}
 
 
@@ -286,8 +338,14 @@ def _attach(td: Any, non_tensor: dict[str, list[Any]]) -> Any:
     return td
 
 
-def to_tensordict(path: str | Path, *, text: bool = False, tokenizer: str | None = None,
-                  prompts: str | Path | None = None, raw: bool = True) -> Any:
+def to_tensordict(
+    path: str | Path,
+    *,
+    text: bool = False,
+    tokenizer: str | None = None,
+    prompts: str | Path | None = None,
+    raw: bool = True,
+) -> Any:
     """The done samples of a store as an in-memory ``tensordict.TensorDict`` (verl field names).
 
     One row per (prompt, sample[, trajectory]) of done prompts: the :data:`VERL_KEYS` batch fields
@@ -345,8 +403,10 @@ def verl_parts(td: Any) -> tuple[Any, dict[str, np.ndarray]]:
 def zip_store(path: store.Where, out: str | Path) -> None:
     """Write the whole store into one uncompressed zip (chunks are already compressed) and verify it."""
     loc = locate(path)
-    keys = sorted((key for key, _ in loc.files() if key.rsplit("/", 1)[-1] != LOCK_NAME),
-                  key=lambda key: (key.split("/", 1)[0] not in _ZIP_FIRST, key))
+    keys = sorted(
+        (key for key, _ in loc.files() if key.rsplit("/", 1)[-1] != LOCK_NAME),
+        key=lambda key: (key.split("/", 1)[0] not in _ZIP_FIRST, key),
+    )
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
         for key in keys:
             data = loc.read_bytes(key)
@@ -364,8 +424,10 @@ def _wandb() -> Any:
     try:
         import wandb
     except ImportError:
-        raise ExportError("--wandb-project needs the optional package 'wandb', which is not installed: pip install "
-                          "wandb, then `wandb login` (or set WANDB_API_KEY). Nothing was exported.") from None
+        raise ExportError(
+            "--wandb-project needs the optional package 'wandb', which is not installed: pip install "
+            "wandb, then `wandb login` (or set WANDB_API_KEY). Nothing was exported."
+        ) from None
     return wandb
 
 
@@ -382,15 +444,26 @@ def upload_wandb(zip_path: str | Path, project: str, attrs: dict[str, Any]) -> s
         run.log_artifact(artifact)
         run.finish()
     except Exception as exc:  # wandb raises many types (not logged in, network, permissions)
-        raise ExportError(f"W&B upload to project {project!r} failed: {exc}. Is wandb configured (`wandb login` "
-                          f"or WANDB_API_KEY)? The zip is at {str(zip_path)!r}.") from exc
+        raise ExportError(
+            f"W&B upload to project {project!r} failed: {exc}. Is wandb configured (`wandb login` "
+            f"or WANDB_API_KEY)? The zip is at {str(zip_path)!r}."
+        ) from exc
     return f"{project}/{name}"
 
 
 # -- entry point ----------------------------------------------------------------------------------
-def export(path: store.Where, out: str | Path, fmt: str, *, overwrite: bool = False, text: bool = True,
-           tokenizer: str | None = None, prompts: str | Path | None = None, raw: bool = True,
-           wandb_project: str | None = None) -> ExportResult:
+def export(
+    path: store.Where,
+    out: str | Path,
+    fmt: str,
+    *,
+    overwrite: bool = False,
+    text: bool = True,
+    tokenizer: str | None = None,
+    prompts: str | Path | None = None,
+    raw: bool = True,
+    wandb_project: str | None = None,
+) -> ExportResult:
     """Export a store to ``out`` as ``parquet``, ``jsonl``, ``tensordict`` or ``zip``.
 
     ``text`` decodes prompts and responses with the store's tokenizer (``tokenizer`` overrides the
@@ -404,8 +477,10 @@ def export(path: store.Where, out: str | Path, fmt: str, *, overwrite: bool = Fa
     if wandb_project and fmt != "zip":
         raise ExportError("--wandb-project uploads the whole store as a zip; use it with --format zip.")
     if store.read_attrs(path) is None:
-        raise StoreError(f"{str(locate(path))!r} is not a daskgen store (no zarr.json with daskgen attrs); "
-                         "pass the --store path of a daskgen run.")
+        raise StoreError(
+            f"{str(locate(path))!r} is not a daskgen store (no zarr.json with daskgen attrs); "
+            "pass the --store path of a daskgen run."
+        )
     check_output(out, overwrite=overwrite, protect=path)
     if wandb_project:
         _wandb()

@@ -25,10 +25,23 @@ from daskgen.store import generation_store as store
 __all__ = ["PANELS", "ReportData", "collect", "write_report"]
 
 #: Panel titles, in the order they appear (the tests look for them).
-PANELS = ("Prompts by status", "Response length by finish reason", "Prompts per minute", "Tokens per minute",
-          "Settings")
-_COLORS = {"stop": "#2e7d32", "length": "#ef6c00", "abort": "#757575", "error": "#c62828",
-           "not_generated": "#bdbdbd", "pending": "#90a4ae", "done": "#2e7d32", "failed": "#c62828"}
+PANELS = (
+    "Prompts by status",
+    "Response length by finish reason",
+    "Prompts per minute",
+    "Tokens per minute",
+    "Settings",
+)
+_COLORS = {
+    "stop": "#2e7d32",
+    "length": "#ef6c00",
+    "abort": "#757575",
+    "error": "#c62828",
+    "not_generated": "#bdbdbd",
+    "pending": "#90a4ae",
+    "done": "#2e7d32",
+    "failed": "#c62828",
+}
 _MAX_BARS = 60
 
 
@@ -55,8 +68,16 @@ def collect(path: str | Path) -> ReportData:
     failed = acc.rows("failed")[:5]
     errors = [(int(i), str(e)) for i, e in zip(failed, ds["error"].isel(prompt=failed).values, strict=True)]
     totals = acc.totals()
-    return ReportData(str(path), acc.attrs, {k: totals[k] for k in ("done", "pending", "failed")}, totals,
-                      acc.length_histogram(), acc.length_stats(), acc.throughput(), errors)
+    return ReportData(
+        str(path),
+        acc.attrs,
+        {k: totals[k] for k in ("done", "pending", "failed")},
+        totals,
+        acc.length_histogram(),
+        acc.length_stats(),
+        acc.throughput(),
+        errors,
+    )
 
 
 # -- panels ---------------------------------------------------------------------------------------
@@ -83,8 +104,17 @@ def draw_lengths(ax: Any, data: ReportData) -> None:
         if not counts.sum():
             continue
         binned = np.add.reduceat(counts, np.arange(0, len(counts), step))
-        ax.bar(edges, binned, width=step, align="edge", bottom=bottom, color=_COLORS.get(str(label), "#5c6bc0"),
-               label=f"{label} ({int(counts.sum()):,})", edgecolor="white", linewidth=0.3)
+        ax.bar(
+            edges,
+            binned,
+            width=step,
+            align="edge",
+            bottom=bottom,
+            color=_COLORS.get(str(label), "#5c6bc0"),
+            label=f"{label} ({int(counts.sum()):,})",
+            edgecolor="white",
+            linewidth=0.3,
+        )
         bottom += binned
     ax.set_xlabel("response tokens" + (f" (bins of {step})" if step > 1 else ""))
     ax.set_ylabel("samples")
@@ -133,8 +163,13 @@ def settings_rows(data: ReportData) -> list[tuple[str, str]]:
     rows += [(k, json.dumps(v) if isinstance(v, (dict, list)) else str(v)) for k, v in identity.items()]
     rows.append(("input", f"{source.get('n_prompts')} prompts, {source.get('fingerprint')}"))
     tok = attrs.get("tokenizer", {})
-    rows.append(("tokenizer", f"{tok.get('name')} (vocab {tok.get('vocab_size')}, pad {tok.get('pad_token_id')}, "
-                              f"eos {tok.get('eos_token_id')})"))
+    rows.append(
+        (
+            "tokenizer",
+            f"{tok.get('name')} (vocab {tok.get('vocab_size')}, pad {tok.get('pad_token_id')}, "
+            f"eos {tok.get('eos_token_id')})",
+        )
+    )
     versions = attrs.get("versions", {})
     rows.append(("versions", ", ".join(f"{k} {v}" for k, v in versions.items() if v)))
     rows.append(("runs", str(len(attrs.get("runs", [])))))
@@ -151,8 +186,9 @@ def draw_settings(ax: Any, data: ReportData) -> None:
     half = (len(rows) + 1) // 2
     left, right = rows[:half], rows[half:] + [("", "")] * (2 * half - len(rows))
     cells = [[*a, *b] for a, b in zip(left, right, strict=True)]
-    table = ax.table(cellText=cells, colWidths=[0.11, 0.39, 0.11, 0.39], loc="upper center", cellLoc="left",
-                     edges="horizontal")
+    table = ax.table(
+        cellText=cells, colWidths=[0.11, 0.39, 0.11, 0.39], loc="upper center", cellLoc="left", edges="horizontal"
+    )
     table.auto_set_font_size(False)
     table.set_fontsize(8.5)
     for (_, col), cell in table.get_celld().items():
@@ -166,8 +202,9 @@ def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError:
-        raise ExportError("reports need matplotlib: pip install 'daskgen[analysis]' (or: pip install matplotlib)") \
-            from None
+        raise ExportError(
+            "reports need matplotlib: pip install 'daskgen[analysis]' (or: pip install matplotlib)"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -208,10 +245,12 @@ def _panel_png(draw: Any, data: ReportData, *args: Any, size: tuple[float, float
 def render_html(data: ReportData, out: Path) -> None:
     """A self-contained HTML page: one embedded PNG per plot, tables for numbers and settings."""
     esc = html.escape
-    images = [(PANELS[0], _panel_png(draw_counts, data, size=(6, 3.5))),
-              (PANELS[1], _panel_png(draw_lengths, data)),
-              (PANELS[2], _panel_png(draw_rate, data, "prompts")),
-              (PANELS[3], _panel_png(draw_rate, data, "tokens"))]
+    images = [
+        (PANELS[0], _panel_png(draw_counts, data, size=(6, 3.5))),
+        (PANELS[1], _panel_png(draw_lengths, data)),
+        (PANELS[2], _panel_png(draw_rate, data, "prompts")),
+        (PANELS[3], _panel_png(draw_rate, data, "tokens")),
+    ]
     parts = [f"<h1>{esc(_headline(data))}</h1>"]
     for title, png in images:
         img = f'<img alt="{esc(title)}" src="data:image/png;base64,{png}">'
@@ -226,11 +265,16 @@ def render_html(data: ReportData, out: Path) -> None:
     if data.errors:
         items = "".join(f"<li>row {i}: {esc(msg)}</li>" for i, msg in data.errors)
         parts.append(f"<section><h2>First errors</h2><ul>{items}</ul></section>")
-    style = ("body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}"
-             "table{border-collapse:collapse}th,td{border-bottom:1px solid #ddd;padding:3px 8px;text-align:left}"
-             "img{max-width:100%}")
-    out.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>daskgen report</title>"
-                   f"<style>{style}</style></head><body>{''.join(parts)}</body></html>", encoding="utf-8")
+    style = (
+        "body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}"
+        "table{border-collapse:collapse}th,td{border-bottom:1px solid #ddd;padding:3px 8px;text-align:left}"
+        "img{max-width:100%}"
+    )
+    out.write_text(
+        f"<!doctype html><html><head><meta charset='utf-8'><title>daskgen report</title>"
+        f"<style>{style}</style></head><body>{''.join(parts)}</body></html>",
+        encoding="utf-8",
+    )
 
 
 def write_report(path: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:

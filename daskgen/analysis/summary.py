@@ -43,12 +43,14 @@ def print_answers(path: store.Where, n: int) -> None:
 
     attrs = store.read_attrs(path) or {}
     identity = attrs.get("identity", {})
-    tok = load_tokenizer(identity.get("model", ""), identity.get("engine", ""),
-                         attrs.get("config", {}).get("engine_args"))
+    tok = load_tokenizer(
+        identity.get("model", ""), identity.get("engine", ""), attrs.get("config", {}).get("engine_args")
+    )
     status = store.read_status(path)
     for i in np.flatnonzero(status == store.DONE)[:n]:
-        data = store.read_region(path, int(i), int(i) + 1,
-                                 ("prompt_ids", "prompt_length", "response_ids", "response_length"))
+        data = store.read_region(
+            path, int(i), int(i) + 1, ("prompt_ids", "prompt_length", "response_ids", "response_length")
+        )
         prompt = data["prompt_ids"][0, : data["prompt_length"][0]].tolist()
         response = data["response_ids"][0, 0, : data["response_length"][0, 0]].tolist()
         print(f"--- prompt {i}: {tok.decode(prompt, skip_special_tokens=True).strip()[-200:]!r}")

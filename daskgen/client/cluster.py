@@ -18,7 +18,6 @@ from daskgen.worker.plugin import AUTO_MAX_WINDOW, RESOURCE, EnginePlugin, plugi
 logger = logging.getLogger(__name__)
 
 
-
 @contextlib.contextmanager
 def connect(config: RunConfig) -> Iterator[tuple[Any, Any]]:
     """Yield ``(client, info)``: an existing scheduler (``info`` None), an HPC cluster or a LocalCluster.
@@ -45,8 +44,9 @@ def connect(config: RunConfig) -> Iterator[tuple[Any, Any]]:
 def _make_cluster(config: RunConfig) -> tuple[Any, Any]:
     from daskgen.deploy import apply_cli_overrides, make_cluster
 
-    spec = apply_cli_overrides(config.cluster or {"kind": "local"}, min_workers=config.min_workers,
-                               max_workers=config.max_workers)
+    spec = apply_cli_overrides(
+        config.cluster or {"kind": "local"}, min_workers=config.min_workers, max_workers=config.max_workers
+    )
     if spec.get("kind", "local") == "local" and config.n_workers:
         spec["n_workers"] = config.n_workers
     # Task slots per worker: the window (partition tasks are async, an idle slot costs nothing) + 1.
@@ -64,13 +64,23 @@ def start_engines(client: Any, config: RunConfig, interrupt: Any = None) -> int:
     :class:`RunInterrupted` when ``interrupt`` (a :class:`daskgen.client.interrupt.Interrupt`) is requested.
     """
     drain_s = config.grace_seconds() * 0.5  # a drained worker hands back within half the grace period
-    plugin = EnginePlugin(config.engine, str(config.model), config.engine_args, window=config.window,
-                          requests_per_partition=config.partition_size * config.n_samples, drain_timeout_s=drain_s)
+    plugin = EnginePlugin(
+        config.engine,
+        str(config.model),
+        config.engine_args,
+        window=config.window,
+        requests_per_partition=config.partition_size * config.n_samples,
+        drain_timeout_s=drain_s,
+    )
     client.register_plugin(plugin, name=plugin.name)
     _drain_before_retire(client, drain_s)
     deadline = time.monotonic() + tunables.seconds("engine-start-timeout")
-    with tqdm(total=0, desc="engines ready", disable=not config.progress,
-              bar_format="{desc}: {n_fmt}/{total_fmt} workers [{elapsed}]") as bar:
+    with tqdm(
+        total=0,
+        desc="engines ready",
+        disable=not config.progress,
+        bar_format="{desc}: {n_fmt}/{total_fmt} workers [{elapsed}]",
+    ) as bar:
         delay = 0.25
         while True:
             states = client.run(plugin_status)
@@ -93,9 +103,12 @@ def _drain_before_retire(client: Any, timeout: float) -> None:
     try:
         client.register_plugin(DrainBeforeRetire(timeout), name=DrainBeforeRetire.name)
     except Exception as exc:  # e.g. a scheduler without daskgen installed
-        logger.warning("could not install daskgen's drain-before-retire plugin on the scheduler (%s): retiring a "
-                       "worker will restart its in-flight partitions elsewhere (finished work is safe). Install "
-                       "daskgen where the scheduler runs to hand back partial responses instead.", exc)
+        logger.warning(
+            "could not install daskgen's drain-before-retire plugin on the scheduler (%s): retiring a "
+            "worker will restart its in-flight partitions elsewhere (finished work is safe). Install "
+            "daskgen where the scheduler runs to hand back partial responses instead.",
+            exc,
+        )
 
 
 def _raise_if_all_failed(config: RunConfig, states: dict[str, Any], deadline: float) -> None:
@@ -104,9 +117,11 @@ def _raise_if_all_failed(config: RunConfig, states: dict[str, Any], deadline: fl
         details = "\n  ".join(f"{w}: {e}" for w, e in failed.items())
         raise EngineError(f"the {config.engine!r} engine failed to start on every worker:\n  {details}")
     if time.monotonic() > deadline:
-        raise EngineError(f"no engine became ready within {tunables.seconds('engine-start-timeout'):.0f} s; "
-                          f"worker states: {states}. Raise the Dask config daskgen.engine-start-timeout "
-                          f"(e.g. DASK_DASKGEN__ENGINE_START_TIMEOUT=30m) or check the worker logs.")
+        raise EngineError(
+            f"no engine became ready within {tunables.seconds('engine-start-timeout'):.0f} s; "
+            f"worker states: {states}. Raise the Dask config daskgen.engine-start-timeout "
+            f"(e.g. DASK_DASKGEN__ENGINE_START_TIMEOUT=30m) or check the worker logs."
+        )
 
 
 def check_engines(client: Any, config: RunConfig) -> None:
@@ -115,8 +130,10 @@ def check_engines(client: Any, config: RunConfig) -> None:
     failed = {w: s["error"] for w, s in states.items() if s["state"] in ("failed", "missing")}
     if states and len(failed) == len(states):
         details = "\n  ".join(f"{w}: {e}" for w, e in failed.items())
-        raise EngineError(f"the {config.engine!r} engine has failed on every worker; finished work is saved, "
-                          f"rerun the same command to resume once fixed:\n  {details}")
+        raise EngineError(
+            f"the {config.engine!r} engine has failed on every worker; finished work is saved, "
+            f"rerun the same command to resume once fixed:\n  {details}"
+        )
 
 
 def _resource_visible(client: Any) -> bool:

@@ -40,8 +40,6 @@ class Outcome:
     notes: dict[int, str]
 
 
-
-
 def commit_outcomes(plan: Plan, outcomes: list[Outcome]) -> None:
     """Commit finished partitions with one write of ``status`` (and ``error``/``committed_at``) per
     coarse chunk they fall in, instead of one per partition.
@@ -60,8 +58,14 @@ def commit_outcomes(plan: Plan, outcomes: list[Outcome]) -> None:
         commit_rows(plan, start, stop, failed, done=[r for o in group for r in o.done], notes=notes)
 
 
-def commit_rows(plan: Plan, start: int, stop: int, failed: dict[int, str], done: Sequence[int] = (),
-            notes: dict[int, str] | None = None) -> None:
+def commit_rows(
+    plan: Plan,
+    start: int,
+    stop: int,
+    failed: dict[int, str],
+    done: Sequence[int] = (),
+    notes: dict[int, str] | None = None,
+) -> None:
     """Write error, commit times, then status of rows ``[start, stop)``; update the in-memory mask.
 
     The in-memory ``plan.status``/``plan.committed_at`` are authoritative (the client is the only

@@ -55,8 +55,10 @@ def read_length_hints(where: Any, ids: list[str], fingerprint: str, n_rows: int)
 
     attrs = store.read_attrs(where)
     if attrs is None:
-        raise ConfigError(f"length_hints: {where.url!r} is not a daskgen store (no daskgen attrs); expected the "
-                          "--store of an earlier run over the same prompts, or leave --length-hints out.")
+        raise ConfigError(
+            f"length_hints: {where.url!r} is not a daskgen store (no daskgen attrs); expected the "
+            "--store of an earlier run over the same prompts, or leave --length-hints out."
+        )
     n = store.layout_of(attrs).n_prompts
     arrays = store.read_region(where, 0, n, ("response_length", "finish_reason", "prompt_id"))
     generated = arrays["finish_reason"] != store.NOT_GENERATED
@@ -67,25 +69,28 @@ def read_length_hints(where: Any, ids: list[str], fingerprint: str, n_rows: int)
         return longest
     stored_ids = [str(x) for x in arrays["prompt_id"]]
     if not all(ids) or not all(stored_ids):
-        raise ConfigError(f"length_hints: {where.url!r} was made from other prompts (input fingerprint differs) and "
-                          "rows without an 'id' cannot be matched; give every input row an 'id' column (in both "
-                          "runs), or use a store of exactly this input.")
+        raise ConfigError(
+            f"length_hints: {where.url!r} was made from other prompts (input fingerprint differs) and "
+            "rows without an 'id' cannot be matched; give every input row an 'id' column (in both "
+            "runs), or use a store of exactly this input."
+        )
     by_id = dict(zip(stored_ids, longest, strict=True))
     return np.array([by_id.get(key, np.nan) for key in ids], dtype=np.float64)
 
 
-def long_first(starts: list[int], predicted: np.ndarray, partition_size: int, limit: int) -> tuple[
-        list[int], list[int]]:
+def long_first(
+    starts: list[int], predicted: np.ndarray, partition_size: int, limit: int
+) -> tuple[list[int], list[int]]:
     """Split ascending partition ``starts`` into (the at most ``limit`` partitions predicted longest,
     longest first; the others, ascending).  A partition's predicted length is the largest ``predicted``
     of its rows (``NaN``: unknown); partitions with no prediction are among the others."""
     keys = {}
     for start in starts:
-        known = predicted[start:start + partition_size]
+        known = predicted[start : start + partition_size]
         known = known[np.isfinite(known)]
         if known.size:
             keys[start] = float(known.max())
-    chosen = sorted(keys, key=lambda s: (-keys[s], s))[:max(0, limit)]
+    chosen = sorted(keys, key=lambda s: (-keys[s], s))[: max(0, limit)]
     picked = set(chosen)
     return chosen, [s for s in starts if s not in picked]
 

@@ -39,8 +39,9 @@ class Completions:
         Called every ``daskgen.engine-check-interval`` (Dask config) while waiting; raises when no engine is left.
     """
 
-    def __init__(self, on_wait: Callable[[], bool | None] | None = None,
-                 check_engines: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, on_wait: Callable[[], bool | None] | None = None, check_engines: Callable[[], None] | None = None
+    ) -> None:
         from distributed import as_completed
 
         self._ac = as_completed(with_results=True, raise_errors=False)

@@ -60,13 +60,19 @@ class Interrupt:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.reason is not None:
-            print(f"daskgen: {name} again: stopping now (committed work is kept; rerun the same command to resume)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"daskgen: {name} again: stopping now (committed work is kept; rerun the same command to resume)",
+                file=sys.stderr,
+                flush=True,
+            )
             raise KeyboardInterrupt(f"{name} received twice")
         self.request(f"{name} received")
-        print(f"daskgen: {name} received: stopping — aborting in-flight requests, committing finished work and "
-              f"saving partial responses (up to {self.grace_s:.0f} s; send it again to stop at once)",
-              file=sys.stderr, flush=True)
+        print(
+            f"daskgen: {name} received: stopping — aborting in-flight requests, committing finished work and "
+            f"saving partial responses (up to {self.grace_s:.0f} s; send it again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def request(self, reason: str) -> None:
         """Ask the run to stop gracefully (the first request wins)."""

@@ -73,13 +73,21 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     pset = load_scan(stored, key, source)
     reused = pset is not None
     if pset is None:
-        pset = scan_prompts(source, tokenizer, max_prompt_tokens=config.max_prompt_tokens,
-                            skip_overlong=config.skip_overlong)
+        pset = scan_prompts(
+            source, tokenizer, max_prompt_tokens=config.max_prompt_tokens, skip_overlong=config.skip_overlong
+        )
     wanted = _store_attrs(config, pset, tokenizer)
     agent = create_agent(config.agent, str(config.model), config.agent_args)
-    layout = store.Layout(len(pset), config.n_samples, config.max_prompt_tokens, config.max_new_tokens,
-                          config.partition_size, int(tokenizer.pad_token_id), agent.max_trajectories,
-                          scored=config.verify_policy() is not None)
+    layout = store.Layout(
+        len(pset),
+        config.n_samples,
+        config.max_prompt_tokens,
+        config.max_new_tokens,
+        config.partition_size,
+        int(tokenizer.pad_token_id),
+        agent.max_trajectories,
+        scored=config.verify_policy() is not None,
+    )
     record = None if reused else scan_record(key, pset, source)
     if stored is None:
         store.create(config.location(), layout, {**wanted, **({ATTR: record} if record else {})}, pset.ids)
@@ -94,8 +102,17 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
 
         hints = locate(config.length_hints, config.storage_options)
         predicted = read_length_hints(hints, pset.ids, pset.fingerprint, len(pset))
-    return Plan(config, pset, layout, store.read_status(config.location()), () if eos is None else (int(eos),),
-                tokenizer=tokenizer, scan_record=record, first_partitions=first, predicted=predicted)
+    return Plan(
+        config,
+        pset,
+        layout,
+        store.read_status(config.location()),
+        () if eos is None else (int(eos),),
+        tokenizer=tokenizer,
+        scan_record=record,
+        first_partitions=first,
+        predicted=predicted,
+    )
 
 
 def keep_scan(plan: Plan) -> None:
@@ -137,7 +154,7 @@ def pending_tasks(plan: Plan) -> Iterator[PartitionTask]:
     group (at most half of ``max_prompts_in_memory``), are in memory: the input is re-read, not kept.
     """
     layout, todo = plan.layout, pending_rows(plan)
-    starts = [s for s in layout.partitions() if todo[s:s + layout.partition_size].any()]
+    starts = [s for s in layout.partitions() if todo[s : s + layout.partition_size].any()]
     interrupted, rest = dispatch_order(starts, plan.first_partitions)
     groups = [interrupted]
     if plan.predicted is not None:
@@ -160,18 +177,39 @@ def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[Part
 
     cfg, layout = plan.config, plan.layout
     verify, where, continue_partial = cfg.verify_policy(), cfg.location(), cfg.continues_partial()  # once per run
-    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                            top_k=cfg.top_k, logprobs=cfg.logprobs, stop_token_ids=plan.stop_ids)
+    params = SamplingParams(
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        logprobs=cfg.logprobs,
+        stop_token_ids=plan.stop_ids,
+    )
     ranges = [(start, min(start + layout.partition_size, layout.n_prompts)) for start in starts]
     wanted = (int(i) for start, stop in ranges for i in np.flatnonzero(todo[start:stop]) + start)
     selected = iter_selected_rows(plan.prompts.source, wanted)
     for start, stop in ranges:
         rows = (np.flatnonzero(todo[start:stop]) + start).tolist()
         full = [next(selected)[1] for _ in rows]
-        yield PartitionTask(where, start, stop, rows, None, cfg.n_samples, params, cfg.seed, layout,
-                            timeout_s=cfg.partition_timeout_s, agent=cfg.agent, agent_args=dict(cfg.agent_args),
-                            model=str(cfg.model), continue_partial=continue_partial, verify=verify,
-                            rows_meta=full if verify is not None else None, inputs=[_to_tokenize(r) for r in full])
+        yield PartitionTask(
+            where,
+            start,
+            stop,
+            rows,
+            None,
+            cfg.n_samples,
+            params,
+            cfg.seed,
+            layout,
+            timeout_s=cfg.partition_timeout_s,
+            agent=cfg.agent,
+            agent_args=dict(cfg.agent_args),
+            model=str(cfg.model),
+            continue_partial=continue_partial,
+            verify=verify,
+            rows_meta=full if verify is not None else None,
+            inputs=[_to_tokenize(r) for r in full],
+        )
 
 
 def _to_tokenize(row: dict[str, Any]) -> dict[str, Any]:

@@ -12,8 +12,9 @@ class Progress:
     """A tqdm bar over prompts with generated tokens/s and failures in its postfix."""
 
     def __init__(self, total: int, *, enabled: bool = True) -> None:
-        self._bar = tqdm(total=total, unit="prompt", desc="daskgen", disable=not enabled, dynamic_ncols=True,
-                         smoothing=0.1)
+        self._bar = tqdm(
+            total=total, unit="prompt", desc="daskgen", disable=not enabled, dynamic_ncols=True, smoothing=0.1
+        )
         self._t0 = time.perf_counter()
         self.tokens = 0
         self.failed = 0
@@ -36,6 +37,7 @@ class Progress:
     def __enter__(self) -> Progress:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._bar.close()

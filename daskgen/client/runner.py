@@ -97,29 +97,38 @@ class RunSummary:
         """The closing summary line."""
         rate = self.generated_prompts / self.seconds if self.seconds else 0.0
         tps = self.response_tokens / self.seconds if self.seconds else 0.0
-        text = (f"daskgen: {self.done} done, {self.failed} failed, {self.pending} pending of {self.total} prompts; "
-                f"this run generated {self.generated_prompts} prompts in {self.seconds:.1f} s "
-                f"({rate:.2f} prompts/s, {tps:.0f} tokens/s) -> {self.store}")
+        text = (
+            f"daskgen: {self.done} done, {self.failed} failed, {self.pending} pending of {self.total} prompts; "
+            f"this run generated {self.generated_prompts} prompts in {self.seconds:.1f} s "
+            f"({rate:.2f} prompts/s, {tps:.0f} tokens/s) -> {self.store}"
+        )
         if self.tail_share is not None:
             text += f"; the last 10% of prompts took {100 * self.tail_share:.0f}% of the generating time"
         if self.carried_tokens:
             text += f"\nkept {self.carried_tokens} tokens stored by interrupted attempts instead of regenerating them"
         if self.interrupted:
-            text += (f"\ninterrupted ({self.interrupted}): kept {self.done} done prompts and saved "
-                     f"{self.partial_samples} partial responses ({self.partial_tokens} tokens); rerun the same "
-                     "command to resume — they continue where they stopped.")
+            text += (
+                f"\ninterrupted ({self.interrupted}): kept {self.done} done prompts and saved "
+                f"{self.partial_samples} partial responses ({self.partial_tokens} tokens); rerun the same "
+                "command to resume — they continue where they stopped."
+            )
         elif self.stopped:
-            text += (f"\nstopped early: {self.stopped}; in-flight prompts were aborted and stay pending "
-                     f"({self.partial_samples} partial responses, {self.partial_tokens} tokens saved) — rerun "
-                     "the same command (without the stop condition) to finish them.")
+            text += (
+                f"\nstopped early: {self.stopped}; in-flight prompts were aborted and stay pending "
+                f"({self.partial_samples} partial responses, {self.partial_tokens} tokens saved) — rerun "
+                "the same command (without the stop condition) to finish them."
+            )
         if self.failed:
-            text += (f"\n{self.failed} prompt(s) failed: `daskgen status {self.store}` shows why; rerun the same "
-                     "command with --retry-failed to retry them.")
+            text += (
+                f"\n{self.failed} prompt(s) failed: `daskgen status {self.store}` shows why; rerun the same "
+                "command with --retry-failed to retry them."
+            )
         return text
 
 
-def run(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None, *,
-        handle_signals: bool = True) -> RunSummary:
+def run(
+    config: RunConfig, prompts: str | Path | Sequence[Any] | None = None, *, handle_signals: bool = True
+) -> RunSummary:
     """Run (or resume) generation for ``config``; returns the summary of the whole store.
 
     With ``handle_signals`` (main thread only) SIGTERM/SIGINT and the end of the SLURM allocation
@@ -143,8 +152,9 @@ def _run_locked(plan: Plan, t0: float) -> RunSummary:
         if lock.took_over:
             logger.warning("took over the stale lock of a dead run: %s", lock.took_over)
         plan.status = store.read_status(config.location())  # re-read under the lock
-        plan.committed_at = store.read_region(config.location(), 0, plan.layout.n_prompts,
-                                              ("committed_at",))["committed_at"]
+        plan.committed_at = store.read_region(config.location(), 0, plan.layout.n_prompts, ("committed_at",))[
+            "committed_at"
+        ]
         plan.lock = lock
         store.add_missing_arrays(config.location(), plan.layout)
         keep_scan(plan)
@@ -172,8 +182,9 @@ def _record_partial_partitions(plan: Plan) -> None:
         store.update_attrs(plan.config.location(), **{DISPATCH_ATTR: keep})
 
 
-def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = None,
-          n_pending: int = 0) -> tuple[int, int]:
+def drive(
+    client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = None, n_pending: int = 0
+) -> tuple[int, int]:
     """Stream partitions through the cluster and commit each as it finishes.
 
     As many partitions are in flight as the ready workers admit together (their windows,
@@ -188,8 +199,10 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
     _record_engine(client, plan)
     plan.generating_since = time.time()
     retry: list[PartitionTask] = []
-    done = Completions(on_wait=lambda: housekeeping(client, plan, tasks, retry),
-                       check_engines=lambda: check_engines(client, plan.config))
+    done = Completions(
+        on_wait=lambda: housekeeping(client, plan, tasks, retry),
+        check_engines=lambda: check_engines(client, plan.config),
+    )
     board = WindowBoard(client, RESOURCE, on_change=done.wake)  # a worker admitting more ends the wait at once
     board.refresh()
     futures: dict[Any, PartitionTask] = {}
@@ -223,8 +236,16 @@ def drive(client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = N
     return generated, tokens
 
 
-def _submit_up_to(client: Any, plan: Plan, cap: int, tasks: Iterator[PartitionTask], retry: list,
-                  futures: dict[Any, PartitionTask], done: Completions, board: WindowBoard) -> None:
+def _submit_up_to(
+    client: Any,
+    plan: Plan,
+    cap: int,
+    tasks: Iterator[PartitionTask],
+    retry: list,
+    futures: dict[Any, PartitionTask],
+    done: Completions,
+    board: WindowBoard,
+) -> None:
     """Submit partitions (retries first) to the workers with free admitted slots, at most ``cap`` in
     flight; beyond the workers' slots (an adaptive cluster scaling up) to any worker.  The partitions
     bound for one worker go in one ``Client.map``: one graph update for the scheduler, not one each."""
@@ -243,14 +264,24 @@ def _submit_up_to(client: Any, plan: Plan, cap: int, tasks: Iterator[PartitionTa
         in_flight += 1
     for (worker, isolate), group in batches.items():
         keys, group_tasks = [k for k, _ in group], [t for _, t in group]
-        for fut, task in zip(_submit(client, keys, group_tasks, 0 if isolate else plan.config.max_retries, worker),
-                             group_tasks, strict=True):
+        for fut, task in zip(
+            _submit(client, keys, group_tasks, 0 if isolate else plan.config.max_retries, worker),
+            group_tasks,
+            strict=True,
+        ):
             futures[fut] = task
             done.add(fut)
 
 
-def _collect_ready(plan: Plan, done: Completions, futures: dict[Any, PartitionTask], retry: list,
-                   bar: Progress, batch: CommitBatch, board: WindowBoard) -> tuple[int, int]:
+def _collect_ready(
+    plan: Plan,
+    done: Completions,
+    futures: dict[Any, PartitionTask],
+    retry: list,
+    bar: Progress,
+    batch: CommitBatch,
+    board: WindowBoard,
+) -> tuple[int, int]:
     """Wait for finished partitions and queue all that are ready for the next commit.
 
     Returns the prompts and response tokens they generated.
@@ -294,12 +325,18 @@ def _requeue_aborted(plan: Plan, rows: list[int]) -> tuple[list[int], dict[int, 
         if plan.aborts[r] <= limit:
             again.append(r)
         else:
-            given_up[r] = (f"aborted {plan.aborts[r]} times in this run (its engine restarted or its worker left "
-                           f"each time; daskgen.abort-requeue-limit is {limit}); its stored tokens are kept: "
-                           "rerun with --retry-failed to continue it")
+            given_up[r] = (
+                f"aborted {plan.aborts[r]} times in this run (its engine restarted or its worker left "
+                f"each time; daskgen.abort-requeue-limit is {limit}); its stored tokens are kept: "
+                "rerun with --retry-failed to continue it"
+            )
     if given_up:
-        logger.warning("%d row(s) aborted more than %d times are committed failed (first: row %d)",
-                       len(given_up), limit, min(given_up))
+        logger.warning(
+            "%d row(s) aborted more than %d times are committed failed (first: row %d)",
+            len(given_up),
+            limit,
+            min(given_up),
+        )
     return again, given_up
 
 
@@ -325,9 +362,10 @@ def _only_rows(task: PartitionTask, rows: list[int]) -> PartitionTask:
     """The same partition restricted to ``rows`` (the other rows' stored data is kept)."""
     keep = [i for i, r in enumerate(task.rows) if r in set(rows)]
     meta = None if task.rows_meta is None else [task.rows_meta[i] for i in keep]
-    pick = (lambda items: None if items is None else [items[i] for i in keep])  # noqa: E731
-    return dataclasses.replace(task, rows=pick(task.rows), prompts=pick(task.prompts), rows_meta=meta,
-                               inputs=pick(task.inputs))
+    pick = lambda items: None if items is None else [items[i] for i in keep]  # noqa: E731
+    return dataclasses.replace(
+        task, rows=pick(task.rows), prompts=pick(task.prompts), rows_meta=meta, inputs=pick(task.inputs)
+    )
 
 
 def _record_engine(client: Any, plan: Plan) -> None:
@@ -344,8 +382,9 @@ def _task_key(task: PartitionTask) -> str:
     return f"daskgen-{'isolated' if task.isolate else 'partition'}-{task.start}-{time.time_ns()}"
 
 
-def _submit(client: Any, keys: list[str], tasks: list[PartitionTask], retries: int,
-            worker: str | None = None) -> list[Any]:
+def _submit(
+    client: Any, keys: list[str], tasks: list[PartitionTask], retries: int, worker: str | None = None
+) -> list[Any]:
     """Submit partitions under ``keys`` in one graph; to ``worker`` when given (loosely: elsewhere if that
     worker is gone)."""
     where = {} if worker is None else {"workers": [worker], "allow_other_workers": True}
@@ -369,8 +408,13 @@ def _collect(fut: Any, value: Any, task: PartitionTask) -> PartitionResult | Non
     except StoreWriteError:
         raise  # the disk is the problem, not the prompts: stop the run, keep what is committed
     except Exception as exc:
-        logger.error("partition %d-%d failed%s: %s", task.start, task.stop,
-                     " in isolated mode" if task.isolate else " after retries", exc)
+        logger.error(
+            "partition %d-%d failed%s: %s",
+            task.start,
+            task.stop,
+            " in isolated mode" if task.isolate else " after retries",
+            exc,
+        )
         if not task.isolate and len(task.rows) > 1:
             return None
         msg = f"partition failed after retries: {type(exc).__name__}: {exc}"
@@ -381,13 +425,23 @@ def summarize(plan: Plan, generated: int, tokens: int, seconds: float) -> RunSum
     """Counts over the whole store."""
     s = plan.status
     interrupted = plan.interrupt.reason if plan.interrupt is not None and plan.interrupt.requested else None
-    return RunSummary(str(plan.config.store), len(s), int((s == store.DONE).sum()), int((s == store.FAILED).sum()),
-                      int((s == store.PENDING).sum()), generated, tokens, seconds, stopped=plan.stopped,
-                      interrupted=interrupted, partial_samples=plan.partial_samples,
-                      partial_tokens=plan.partial_tokens, carried_tokens=plan.carried_tokens,
-                      tail_share=None if plan.generating_since is None else tail_share(plan.committed_at,
-                                                                                         plan.generating_since),
-                      peak_prompts_in_flight=plan.peak_prompts)
+    return RunSummary(
+        str(plan.config.store),
+        len(s),
+        int((s == store.DONE).sum()),
+        int((s == store.FAILED).sum()),
+        int((s == store.PENDING).sum()),
+        generated,
+        tokens,
+        seconds,
+        stopped=plan.stopped,
+        interrupted=interrupted,
+        partial_samples=plan.partial_samples,
+        partial_tokens=plan.partial_tokens,
+        carried_tokens=plan.carried_tokens,
+        tail_share=None if plan.generating_since is None else tail_share(plan.committed_at, plan.generating_since),
+        peak_prompts_in_flight=plan.peak_prompts,
+    )
 
 
 def generate(prompts: str | Path | Sequence[Any], *, model: str, store: str | Path, **options: Any):
@@ -399,8 +453,10 @@ def generate(prompts: str | Path | Sequence[Any], *, model: str, store: str | Pa
     from daskgen.analysis.accessor import open_store
 
     source = None if isinstance(prompts, (str, Path)) else prompts
-    config = RunConfig.from_dict({**options, "model": str(model), "store": str(store),
-                                  "prompts": str(prompts) if source is None else None}, source="generate()")
+    config = RunConfig.from_dict(
+        {**options, "model": str(model), "store": str(store), "prompts": str(prompts) if source is None else None},
+        source="generate()",
+    )
     summary = run(config, source)
     if summary.interrupted:
         raise RunInterrupted(f"{summary.line()}")

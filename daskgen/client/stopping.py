@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
 def wait_s(plan: Plan) -> float:
     """How long one wait for finished partitions may block (at most ``daskgen.cap-refresh-interval``)."""
     refresh = tunables.seconds("cap-refresh-interval")
@@ -31,8 +32,11 @@ def wait_s(plan: Plan) -> float:
 
 def abandon(client: Any, plan: Plan, futures: dict[Any, PartitionTask]) -> None:
     """The grace period is over: stop waiting for partitions still running (their rows stay pending)."""
-    logger.warning("grace period over: %d partition(s) did not hand back in time; their rows stay pending "
-                   "(any data they wrote is kept and continued by the next run)", len(futures))
+    logger.warning(
+        "grace period over: %d partition(s) did not hand back in time; their rows stay pending "
+        "(any data they wrote is kept and continued by the next run)",
+        len(futures),
+    )
     client.cancel(list(futures))
     futures.clear()
 
@@ -57,8 +61,11 @@ def check_interrupt(client: Any, plan: Plan, tasks: Iterator[PartitionTask], ret
     interrupt = plan.interrupt
     if interrupt is None or plan.stopped is not None:
         return False
-    if (not interrupt.requested and plan.allocation_end is not None
-            and time.time() >= plan.allocation_end - interrupt.grace_s):
+    if (
+        not interrupt.requested
+        and plan.allocation_end is not None
+        and time.time() >= plan.allocation_end - interrupt.grace_s
+    ):
         interrupt.request(f"the batch allocation ends in {max(0.0, plan.allocation_end - time.time()):.0f} s")
     if not interrupt.requested:
         return False

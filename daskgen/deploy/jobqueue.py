@@ -437,8 +437,15 @@ def _make_hpc_cluster(s: ClusterSpec) -> tuple[Any, ClusterInfo]:
     if lifetime is not None:
         life = f"workers retire {lifetime[0] - lifetime[1]}-{lifetime[0]}s after start (before walltime)"
     info = ClusterInfo(
-        s.kind, layout.workers_per_node, layout.threads_per_worker, layout.gpus_per_worker,
-        lo, hi, adaptive, life, _tls_notes(files) + own_scheduler.notes(cluster) + _ignored_notes(s),
+        s.kind,
+        layout.workers_per_node,
+        layout.threads_per_worker,
+        layout.gpus_per_worker,
+        lo,
+        hi,
+        adaptive,
+        life,
+        _tls_notes(files) + own_scheduler.notes(cluster) + _ignored_notes(s),
         _dashboard(cluster),
     )
     return cluster, info

@@ -78,16 +78,30 @@ class SchedulerProcess(ProcessInterface):
         For certificates held in memory.
     """
 
-    def __init__(self, host: str | None = None, port: int | str | None = 0, interface: str | None = None,
-                 protocol: str | None = None, dashboard_address: str | None = ":0", dashboard: bool = True,
-                 security: Any = None, **options: Any) -> None:
+    def __init__(
+        self,
+        host: str | None = None,
+        port: int | str | None = 0,
+        interface: str | None = None,
+        protocol: str | None = None,
+        dashboard_address: str | None = ":0",
+        dashboard: bool = True,
+        security: Any = None,
+        **options: Any,
+    ) -> None:
         unsupported = sorted(k for k, v in options.items() if not (k in _DEFAULT_ONLY and not v))
         if unsupported:
-            raise ValueError(f"the scheduler process cannot take the option(s) {', '.join(unsupported)}; "
-                             "set cluster.scheduler_process: false to run the scheduler inside the client")
+            raise ValueError(
+                f"the scheduler process cannot take the option(s) {', '.join(unsupported)}; "
+                "set cluster.scheduler_process: false to run the scheduler inside the client"
+            )
         self.spec: dict[str, Any] = {
-            "host": host, "port": int(port or 0), "interface": interface, "protocol": protocol,
-            "dashboard": bool(dashboard and dashboard_address is not None), "dashboard_address": dashboard_address,
+            "host": host,
+            "port": int(port or 0),
+            "interface": interface,
+            "protocol": protocol,
+            "dashboard": bool(dashboard and dashboard_address is not None),
+            "dashboard_address": dashboard_address,
             "security": None if security is None else tls_files_for(security, "scheduler", "scheduler processes"),
             "parent": os.getpid(),
         }
@@ -107,8 +121,15 @@ class SchedulerProcess(ProcessInterface):
         env = {**os.environ, "DASK_INTERNAL_INHERIT_CONFIG": dask.config.serialize(dask.config.global_config)}
         with open(self.log_path, "wb") as log:  # type: ignore[arg-type]
             self.process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", __name__, json.dumps({**self.spec, "scheduler_file": str(address_file)}),
-                stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True,
+                sys.executable,
+                "-m",
+                __name__,
+                json.dumps({**self.spec, "scheduler_file": str(address_file)}),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env=env,
+                start_new_session=True,
             )
         self.address = await self._wait_for_address(address_file)
         logger.info("scheduler process %d at %s (log %s)", self.process.pid, self.address, self.log_path)
@@ -130,10 +151,15 @@ class SchedulerProcess(ProcessInterface):
         if returncode is None:
             self.process.kill()  # type: ignore[union-attr]
         await self.close()
-        why = (f"exited with code {returncode}" if returncode is not None
-               else f"did not listen within {timeout:g} s (daskgen.scheduler-start-timeout)")
-        raise RuntimeError(f"the scheduler process {why}; its log ends with:\n{tail}\n"
-                           "Set cluster.scheduler_process: false to run the scheduler inside the client.")
+        why = (
+            f"exited with code {returncode}"
+            if returncode is not None
+            else f"did not listen within {timeout:g} s (daskgen.scheduler-start-timeout)"
+        )
+        raise RuntimeError(
+            f"the scheduler process {why}; its log ends with:\n{tail}\n"
+            "Set cluster.scheduler_process: false to run the scheduler inside the client."
+        )
 
     def log_tail(self, lines: int = 20) -> str:
         """The last ``lines`` lines of the scheduler's log."""
@@ -157,8 +183,11 @@ class SchedulerProcess(ProcessInterface):
                     process.kill()
                 await process.wait()
             if process.returncode not in (0, -signal.SIGKILL) and self.address is not None:
-                logger.warning("the scheduler process exited with code %s; its log ends with:\n%s",
-                               process.returncode, self.log_tail())
+                logger.warning(
+                    "the scheduler process exited with code %s; its log ends with:\n%s",
+                    process.returncode,
+                    self.log_tail(),
+                )
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = None
@@ -215,9 +244,16 @@ async def _serve(spec: dict[str, Any]) -> None:
 
     spec = dict(spec)
     parent, files = spec.pop("parent"), spec.pop("security")
-    security = None if files is None else Security(
-        require_encryption=True, tls_ca_file=files["ca_file"], tls_scheduler_cert=files["cert"],
-        tls_scheduler_key=files["key"])
+    security = (
+        None
+        if files is None
+        else Security(
+            require_encryption=True,
+            tls_ca_file=files["ca_file"],
+            tls_scheduler_cert=files["cert"],
+            tls_scheduler_key=files["key"],
+        )
+    )
     async with Scheduler(security=security, **spec) as scheduler:
         while True:
             try:

@@ -79,7 +79,9 @@ def warn_insecure(kind: str) -> None:
     logger.warning(
         "TLS is off for this %s cluster (cluster.tls: false / --insecure): anyone who can reach its scheduler "
         "port can connect and run code as you on every node, and data between the nodes is unencrypted. "
-        "Drop --insecure to use a per-run certificate.", kind)
+        "Drop --insecure to use a per-run certificate.",
+        kind,
+    )
 
 
 def temporary_security() -> Any:
@@ -95,8 +97,10 @@ def temporary_security() -> Any:
     try:
         return Security.temporary()
     except ImportError:
-        raise ConfigError("TLS with a per-run certificate needs the 'cryptography' package: "
-                          "pip install 'daskgen[hpc]' (or set cluster.tls: false / --insecure)") from None
+        raise ConfigError(
+            "TLS with a per-run certificate needs the 'cryptography' package: "
+            "pip install 'daskgen[hpc]' (or set cluster.tls: false / --insecure)"
+        ) from None
 
 
 def tls_directory(kind: str, given: str | None = None) -> Path:
@@ -108,8 +112,10 @@ def tls_directory(kind: str, given: str | None = None) -> Path:
     raw = given or dask.config.get(f"jobqueue.{kind}.shared-temp-directory", None) or DEFAULT_TLS_DIRECTORY
     path = Path(os.path.expandvars(os.path.expanduser(str(raw)))).absolute()
     if not _SAFE_PATH.match(str(path)):
-        raise ConfigError(f"cluster.tls_directory {str(path)!r} contains spaces or shell characters, which the "
-                          "worker command line cannot carry; choose a plain path such as ~/.daskgen/tls")
+        raise ConfigError(
+            f"cluster.tls_directory {str(path)!r} contains spaces or shell characters, which the "
+            "worker command line cannot carry; choose a plain path such as ~/.daskgen/tls"
+        )
     return path
 
 
@@ -141,8 +147,10 @@ class TLSFiles:
             base.mkdir(mode=0o700, parents=True, exist_ok=True)
             self.directory = Path(tempfile.mkdtemp(prefix="run-", dir=base))
         except OSError as exc:
-            raise ConfigError(f"cannot create a certificate directory in {str(base)!r} ({exc}); set "
-                              "cluster.tls_directory to a writable directory the compute nodes can read") from None
+            raise ConfigError(
+                f"cannot create a certificate directory in {str(base)!r} ({exc}); set "
+                "cluster.tls_directory to a writable directory the compute nodes can read"
+            ) from None
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.directory), ignore_errors=True)
         self.security = _copy_with_files(security, self.directory)
 
@@ -151,8 +159,15 @@ class TLSFiles:
         self._finalizer()
 
 
-_PEM_ATTRS = ("tls_ca_file", "tls_client_cert", "tls_client_key", "tls_scheduler_cert", "tls_scheduler_key",
-              "tls_worker_cert", "tls_worker_key")
+_PEM_ATTRS = (
+    "tls_ca_file",
+    "tls_client_cert",
+    "tls_client_key",
+    "tls_scheduler_cert",
+    "tls_scheduler_key",
+    "tls_worker_cert",
+    "tls_worker_key",
+)
 
 
 def _copy_with_files(security: Any, directory: Path) -> Any:
@@ -230,8 +245,10 @@ def client_security(address: str, ca: str | None = None, cert: str | None = None
     paths = _TLSPaths(ca, cert, key)
     if _scheme(address) != "tls":
         if paths.given():
-            raise ConfigError(f"--tls-ca/--tls-cert/--tls-key were given but the scheduler address {address!r} is "
-                              "not TLS; write it as tls://HOST:PORT")
+            raise ConfigError(
+                f"--tls-ca/--tls-cert/--tls-key were given but the scheduler address {address!r} is "
+                "not TLS; write it as tls://HOST:PORT"
+            )
         _warn_plain(address)
         return None
     _check_files({"--tls-ca": ca, "--tls-cert": cert, "--tls-key": key})
@@ -240,17 +257,22 @@ def client_security(address: str, ca: str | None = None, cert: str | None = None
     else:
         security = Security(require_encryption=True)  # reads distributed.comm.tls.*
     if not security.tls_ca_file or not security.tls_client_cert:
-        raise ConfigError(f"the scheduler at {address} uses TLS: give --tls-ca (the CA that signed its certificate) "
-                          "and --tls-cert/--tls-key (this client's certificate and key), or set "
-                          "distributed.comm.tls.ca-file and distributed.comm.tls.client.cert/key in your dask config")
+        raise ConfigError(
+            f"the scheduler at {address} uses TLS: give --tls-ca (the CA that signed its certificate) "
+            "and --tls-cert/--tls-key (this client's certificate and key), or set "
+            "distributed.comm.tls.ca-file and distributed.comm.tls.client.cert/key in your dask config"
+        )
     return security
 
 
 def _warn_plain(address: str) -> None:
     host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
     if host not in ("127.0.0.1", "localhost", "::1") and not address.startswith("inproc://"):
-        logger.warning("connecting to the scheduler at %s without TLS: anyone who can reach it can run code on its "
-                       "workers; see docs/hpc.md (Security) for a tls:// scheduler", address)
+        logger.warning(
+            "connecting to the scheduler at %s without TLS: anyone who can reach it can run code on its "
+            "workers; see docs/hpc.md (Security) for a tls:// scheduler",
+            address,
+        )
 
 
 def job_script_security(address: str, security: Any = None) -> Any:
@@ -273,10 +295,12 @@ def job_script_security(address: str, security: Any = None) -> Any:
         security = Security(require_encryption=True)
     config = tls_files_for(security, "worker", "job scripts") or {}
     if not config.get("ca_file") or not config.get("cert"):
-        raise ConfigError(f"the scheduler at {address} uses TLS: the worker jobs need the CA and a worker certificate "
-                          "and key; set distributed.comm.tls.ca-file and distributed.comm.tls.worker.cert/key in your "
-                          "dask config, or pass security=Security(tls_ca_file=..., tls_worker_cert=..., "
-                          "tls_worker_key=...)")
+        raise ConfigError(
+            f"the scheduler at {address} uses TLS: the worker jobs need the CA and a worker certificate "
+            "and key; set distributed.comm.tls.ca-file and distributed.comm.tls.worker.cert/key in your "
+            "dask config, or pass security=Security(tls_ca_file=..., tls_worker_cert=..., "
+            "tls_worker_key=...)"
+        )
     return security
 
 
@@ -295,8 +319,10 @@ def tls_files_for(security: Any, role: str, who: str) -> dict[str, str] | None:
     if not any(files.values()):
         return None
     if any(value and "\n" in value for value in files.values()):
-        raise ConfigError(f"{who} name certificate files: give a Security whose tls_ca_file, tls_{role}_cert and "
-                          f"tls_{role}_key are paths (not PEM text), e.g. written by daskgen.deploy.security.TLSFiles")
+        raise ConfigError(
+            f"{who} name certificate files: give a Security whose tls_ca_file, tls_{role}_cert and "
+            f"tls_{role}_key are paths (not PEM text), e.g. written by daskgen.deploy.security.TLSFiles"
+        )
     return files
 
 

@@ -61,20 +61,44 @@ CLUSTER_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
     "python": (("slurm", "pbs"), "python executable on the compute nodes"),
     "resource_spec": (("pbs",), "full '#PBS -l' resource line (replaces the generated select=...)"),
     "tls": (KINDS, "TLS with a per-run certificate (default true for slurm/pbs, false for local)"),
-    "scheduler_process": (KINDS, "run the Dask scheduler in a process of its own rather than inside the client "
-                                 "(default true for slurm/pbs, false for local)"),
-    "tls_directory": (("slurm", "pbs"), "where the per-run certificate files go; shared with the nodes "
-                                        "(default ~/.daskgen/tls)"),
+    "scheduler_process": (
+        KINDS,
+        "run the Dask scheduler in a process of its own rather than inside the client "
+        "(default true for slurm/pbs, false for local)",
+    ),
+    "tls_directory": (
+        ("slurm", "pbs"),
+        "where the per-run certificate files go; shared with the nodes (default ~/.daskgen/tls)",
+    ),
 }
 
 _LIST_KEYS = ("job_script_prologue", "job_extra_directives", "job_directives_skip", "worker_extra_args")
 _STR_KEYS = (
-    "local_directory", "dashboard_address", "memory", "queue", "partition", "account", "job_name",
-    "interface", "log_directory", "python", "resource_spec", "memory_limit", "tls_directory",
+    "local_directory",
+    "dashboard_address",
+    "memory",
+    "queue",
+    "partition",
+    "account",
+    "job_name",
+    "interface",
+    "log_directory",
+    "python",
+    "resource_spec",
+    "memory_limit",
+    "tls_directory",
 )
 _INT_KEYS = {  # key -> smallest accepted value
-    "threads_per_worker": 1, "gpus_per_worker": 1, "min_workers": 0, "max_workers": 1, "n_workers": 1,
-    "nodes": 1, "gpus_per_node": 0, "workers_per_node": 1, "cpus_per_gpu": 1, "cores": 1,
+    "threads_per_worker": 1,
+    "gpus_per_worker": 1,
+    "min_workers": 0,
+    "max_workers": 1,
+    "n_workers": 1,
+    "nodes": 1,
+    "gpus_per_node": 0,
+    "workers_per_node": 1,
+    "cpus_per_gpu": 1,
+    "cores": 1,
 }
 
 

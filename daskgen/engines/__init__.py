@@ -47,8 +47,12 @@ def _targets() -> dict[str, str]:
             targets[ep.name] = ep.value
         elif known != ep.value:
             dist = getattr(ep.dist, "name", "an unknown distribution")
-            warnings.warn(f"engine {ep.name!r} is registered twice in the {GROUP!r} entry-point group: using "
-                          f"{known!r}, ignoring {ep.value!r} (from {dist})", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"engine {ep.name!r} is registered twice in the {GROUP!r} entry-point group: using "
+                f"{known!r}, ignoring {ep.value!r} (from {dist})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
     return targets
 
 

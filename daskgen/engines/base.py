@@ -89,15 +89,19 @@ def request_error(
     if not (plain and min(prompt) >= 0 and max(prompt) < upper):  # int subclasses other than bool pass
         bad = next((t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < upper), None)
     if bad is not None:
-        return (f"request {request.request_id!r}: prompt token {bad!r} is not an integer id in "
-                f"[0, {upper}) (the model's vocabulary)")
+        return (
+            f"request {request.request_id!r}: prompt token {bad!r} is not an integer id in "
+            f"[0, {upper}) (the model's vocabulary)"
+        )
     problem = _params_error(params)
     if problem is not None:
         return f"request {request.request_id!r}: {problem}"
     total = len(prompt) + params.max_new_tokens
     if max_total_tokens is not None and total > max_total_tokens:
-        return (f"request {request.request_id!r}: prompt ({len(prompt)} tokens) + max_new_tokens "
-                f"({params.max_new_tokens}) = {total} exceeds the engine's limit of {max_total_tokens} tokens")
+        return (
+            f"request {request.request_id!r}: prompt ({len(prompt)} tokens) + max_new_tokens "
+            f"({params.max_new_tokens}) = {total} exceeds the engine's limit of {max_total_tokens} tokens"
+        )
     return None
 
 

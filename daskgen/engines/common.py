@@ -21,8 +21,16 @@ from typing import Any
 
 from daskgen.errors import ConfigError
 
-__all__ = ["bos_or_zero", "check_known_args", "check_number", "check_positive_int", "cuda_available", "is_number",
-           "require", "set_result"]
+__all__ = [
+    "bos_or_zero",
+    "check_known_args",
+    "check_number",
+    "check_positive_int",
+    "cuda_available",
+    "is_number",
+    "require",
+    "set_result",
+]
 
 
 # --------------------------------------------------------------------------- engine-argument checks
@@ -67,8 +75,10 @@ def check_known_args(engine: str, args: Mapping[str, Any], valid: Iterable[str],
     for key in unknown:
         close = difflib.get_close_matches(key, names, n=3, cutoff=0.6)
         hints.append(f"{key!r} (did you mean {' or '.join(map(repr, close))}?)" if close else repr(key))
-    raise ConfigError(f"{engine} engine: unknown engine_args {', '.join(hints)}; engine_args must be {where}; "
-                      f"valid names are: {', '.join(names)}")
+    raise ConfigError(
+        f"{engine} engine: unknown engine_args {', '.join(hints)}; engine_args must be {where}; "
+        f"valid names are: {', '.join(names)}"
+    )
 
 
 # --------------------------------------------------------------------------- results, health, devices

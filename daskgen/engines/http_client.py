@@ -72,7 +72,7 @@ async def stream_events(response: httpx.Response) -> AsyncIterator[dict[str, Any
     async for line in response.aiter_lines():
         if not line.startswith("data:"):
             continue
-        data = line[len("data:"):].strip()
+        data = line[len("data:") :].strip()
         if data == "[DONE]":
             return
         if data:
@@ -114,11 +114,20 @@ class HTTPClient:
         Use proxy settings from the environment (off for loopback servers).
     """
 
-    def __init__(self, base_url: str, *, api_key_env: str | None = None, api_key: str | None = None,
-                 timeout_s: float = 600.0,
-                 max_connections: int = 128, max_retries: int = 3, backoff_s: float = 0.5,
-                 on_retry: Callable[[str, int, float], None] | None = None,
-                 give_up: Callable[[], bool] = lambda: False, trust_env: bool = True) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key_env: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        max_connections: int = 128,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        on_retry: Callable[[str, int, float], None] | None = None,
+        give_up: Callable[[], bool] = lambda: False,
+        trust_env: bool = True,
+    ) -> None:
         require_http()
         self.root, self.openai_base = split_base_url(base_url)
         self.where = redact_url(self.root)
@@ -126,13 +135,16 @@ class HTTPClient:
         self._secret = api_key or self._read_key(api_key_env)
         self._own_key = api_key is not None
         self.max_retries, self.on_retry, self.give_up = max_retries, on_retry, give_up
-        self._backoff = (tenacity.wait_exponential(multiplier=backoff_s, max=_max_wait())
-                         + tenacity.wait_random(0, backoff_s))
+        self._backoff = tenacity.wait_exponential(multiplier=backoff_s, max=_max_wait()) + tenacity.wait_random(
+            0, backoff_s
+        )
         headers = {"Authorization": f"Bearer {self._secret}"} if self._secret else {}
         self._client = httpx.AsyncClient(
-            headers=headers, trust_env=trust_env,
+            headers=headers,
+            trust_env=trust_env,
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, tunables.seconds("http.connect-timeout"))),
-            limits=httpx.Limits(max_connections=max_connections + 8, max_keepalive_connections=max_connections))
+            limits=httpx.Limits(max_connections=max_connections + 8, max_keepalive_connections=max_connections),
+        )
 
     @staticmethod
     def _read_key(name: str | None) -> str | None:
@@ -140,8 +152,10 @@ class HTTPClient:
             return None
         key = os.environ.get(name, "")
         if not key.strip():
-            raise EngineError(f"the environment variable {name} (api_key_env) is not set or empty; "
-                              f"export the API key in it on every worker")
+            raise EngineError(
+                f"the environment variable {name} (api_key_env) is not set or empty; "
+                f"export the API key in it on every worker"
+            )
         return key.strip()
 
     def url(self, path: str) -> str:
@@ -161,9 +175,11 @@ class HTTPClient:
     def unreachable(self, exc: BaseException) -> str:
         """Why the server could not be reached, and what to check."""
         detail = f"{type(exc).__name__}: {str(exc) or 'no detail'}"
-        return self.redact(f"cannot reach the server at {self.where} ({detail}). "
-                           "Check that it is running and listening there, that base_url has the right scheme, "
-                           "host and port, and that this worker can reach it (firewall, proxy settings)")
+        return self.redact(
+            f"cannot reach the server at {self.where} ({detail}). "
+            "Check that it is running and listening there, that base_url has the right scheme, "
+            "host and port, and that this worker can reach it (firewall, proxy settings)"
+        )
 
     def status_message(self, what: str, response: httpx.Response) -> str:
         """Message for an error status (API-key problems explained)."""
@@ -204,8 +220,14 @@ class HTTPClient:
 
         return await self._with_retries(f"POST {path}", attempt, retry)
 
-    async def stream(self, path: str, body: dict[str, Any], on_event: Callable[[dict[str, Any]], str | None],
-                     on_attempt: Callable[[], None] = lambda: None, retry: bool = True) -> str | None:
+    async def stream(
+        self,
+        path: str,
+        body: dict[str, Any],
+        on_event: Callable[[dict[str, Any]], str | None],
+        on_attempt: Callable[[], None] = lambda: None,
+        retry: bool = True,
+    ) -> str | None:
         """``POST`` a streaming request; feed each event to ``on_event``; return the last finish reason.
 
         ``on_attempt`` runs before every attempt (a retry starts over).  A server that answers
@@ -245,9 +267,12 @@ class HTTPClient:
     async def _with_retries(self, what: str, attempt: Callable[[], Awaitable[Any]], retry: bool) -> Any:
         retries = self.max_retries if retry else 0
         retrying = tenacity.AsyncRetrying(
-            stop=tenacity.stop_after_attempt(retries + 1), wait=self._wait, reraise=True,
+            stop=tenacity.stop_after_attempt(retries + 1),
+            wait=self._wait,
+            reraise=True,
             retry=tenacity.retry_if_exception(lambda exc: _transient(exc) and not self.give_up()),
-            before_sleep=self._before_sleep(what))
+            before_sleep=self._before_sleep(what),
+        )
         try:
             return await retrying(attempt)
         except StatusFailure as exc:
@@ -255,8 +280,10 @@ class HTTPClient:
         except httpx.HTTPError as exc:
             attempts = retrying.statistics.get("attempt_number", 1)
             if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
-                raise RequestFailed(f"{what} on {self.where}: the server sent nothing for {self.timeout_s} s "
-                                    f"(timeout_s; {type(exc).__name__}) ({attempts} attempts)") from None
+                raise RequestFailed(
+                    f"{what} on {self.where}: the server sent nothing for {self.timeout_s} s "
+                    f"(timeout_s; {type(exc).__name__}) ({attempts} attempts)"
+                ) from None
             raise RequestFailed(f"{what}: {self.unreachable(exc)} ({attempts} attempts)") from None
         except (ValueError, KeyError) as exc:  # a malformed answer
             raise RequestFailed(self.redact(f"{what} on {self.where}: malformed answer ({exc})")) from None

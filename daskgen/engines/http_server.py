@@ -83,13 +83,17 @@ def check_server_args(server_args: Mapping[str, Any]) -> None:
     """Refuse options daskgen sets itself (model, host, port, the key's config file) and secrets."""
     own = sorted(set(server_args) & {"model_path", "host", "port", "config"})
     if own:
-        raise ConfigError(f"openai engine: server_args must not set {own}; daskgen sets the model (its `model`), "
-                          f"host ({LOOPBACK}), a free port and a --config file with the server's API key itself")
+        raise ConfigError(
+            f"openai engine: server_args must not set {own}; daskgen sets the model (its `model`), "
+            f"host ({LOOPBACK}), a free port and a --config file with the server's API key itself"
+        )
     secret = sorted(k for k in server_args if is_secret_key(k))  # they would show in `ps`
     if secret:
-        raise ConfigError(f"openai engine: server_args must not contain {secret}: daskgen gives every managed "
-                          "server a random API key of its own (in a private file), and a command line is visible "
-                          "to every local user")
+        raise ConfigError(
+            f"openai engine: server_args must not contain {secret}: daskgen gives every managed "
+            "server a random API key of its own (in a private file), and a command line is visible "
+            "to every local user"
+        )
 
 
 class ManagedServer:
@@ -112,8 +116,15 @@ class ManagedServer:
         show ``***`` instead.
     """
 
-    def __init__(self, model: str, server_args: Mapping[str, Any] | None = None, *,
-                 start_timeout_s: float = 600.0, python: str | None = None, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        server_args: Mapping[str, Any] | None = None,
+        *,
+        start_timeout_s: float = 600.0,
+        python: str | None = None,
+        api_key: str | None = None,
+    ) -> None:
         self.model = model
         self.server_args = dict(server_args or {})
         check_server_args(self.server_args)
@@ -170,9 +181,15 @@ class ManagedServer:
         fd, name = tempfile.mkstemp(prefix="daskgen-sglang-server-", suffix=".log")
         self.log_path = Path(name)
         with os.fdopen(fd, "wb") as log:  # Popen on the calling (event loop) thread: see _die_with_parent
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True, env=server_env(),
-                                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            self.process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=server_env(),
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
         logger.info("started sglang server pid %d on %s (log %s)", self.process.pid, self.url, self.log_path)
         try:
             await self._wait_healthy()
@@ -193,9 +210,11 @@ class ManagedServer:
                     if (await client.get(self.url + "/health_generate")).status_code == 200:
                         return
                 if time.monotonic() > deadline:
-                    raise EngineError(f"the managed sglang server did not become healthy within "
-                                      f"{self.start_timeout_s:.0f} s (server_start_timeout_s); "
-                                      f"last lines of its log ({self.log_path}):\n{self.log_tail()}")
+                    raise EngineError(
+                        f"the managed sglang server did not become healthy within "
+                        f"{self.start_timeout_s:.0f} s (server_start_timeout_s); "
+                        f"last lines of its log ({self.log_path}):\n{self.log_tail()}"
+                    )
                 await asyncio.sleep(tunables.seconds("http.server-poll-interval"))
 
     def exit_description(self) -> str:

@@ -129,27 +129,39 @@ class OpenAIArgs:
         for name in ("extra_body", "server_args"):
             if not isinstance(getattr(self, name), dict):
                 raise ConfigError(f"openai engine: {name} must be a mapping, got {getattr(self, name)!r}")
-        for name, low, integer in (("max_concurrency", 1, True), ("max_retries", 0, True), ("backoff_s", 0, False),
-                                   ("timeout_s", None, False), ("server_start_timeout_s", None, False)):
+        for name, low, integer in (
+            ("max_concurrency", 1, True),
+            ("max_retries", 0, True),
+            ("backoff_s", 0, False),
+            ("timeout_s", None, False),
+            ("server_start_timeout_s", None, False),
+        ):
             check_number("openai", name, getattr(self, name), low, integer)
         key_env = self.api_key_env
         if key_env is not None and not (isinstance(key_env, str) and _ENV_NAME.match(key_env)):
-            raise ConfigError("openai engine: api_key_env must be the NAME of an environment variable holding the "
-                              "key (e.g. OPENAI_API_KEY), not the key itself")
+            raise ConfigError(
+                "openai engine: api_key_env must be the NAME of an environment variable holding the "
+                "key (e.g. OPENAI_API_KEY), not the key itself"
+            )
         self._check_target()
 
     def _check_target(self) -> None:
         if self.managed:
             if self.base_url is not None:
-                raise ConfigError("openai engine: give either base_url (an existing server) or managed=true "
-                                  "(a server started per worker), not both")
+                raise ConfigError(
+                    "openai engine: give either base_url (an existing server) or managed=true "
+                    "(a server started per worker), not both"
+                )
             if self.api_key_env is not None:
-                raise ConfigError("openai engine: daskgen gives every managed server a random API key of its own; "
-                                  "drop api_key_env")
+                raise ConfigError(
+                    "openai engine: daskgen gives every managed server a random API key of its own; drop api_key_env"
+                )
             check_server_args(self.server_args)
         elif not isinstance(self.base_url, str) or not self.base_url.startswith(("http://", "https://")):
-            raise ConfigError(f"openai engine: base_url must be an http(s) URL such as http://127.0.0.1:30000 "
-                              f"(or set managed=true), got {self.base_url!r}")
+            raise ConfigError(
+                f"openai engine: base_url must be an http(s) URL such as http://127.0.0.1:30000 "
+                f"(or set managed=true), got {self.base_url!r}"
+            )
         elif self.server_args:
             raise ConfigError("openai engine: server_args apply to managed servers only (managed=true)")
 
@@ -206,14 +218,23 @@ class OpenAIEngine(Engine):
 
     def _client(self, base_url: str) -> HTTPClient:
         own_key = self._server.api_key if self._server is not None else None
-        return HTTPClient(base_url, api_key_env=self.args.api_key_env, api_key=own_key, timeout_s=self.args.timeout_s,
-                          max_connections=self.concurrency, max_retries=self.args.max_retries,
-                          backoff_s=self.args.backoff_s, on_retry=_log_retry, give_up=self._server_died,
-                          trust_env=not self.args.managed)
+        return HTTPClient(
+            base_url,
+            api_key_env=self.args.api_key_env,
+            api_key=own_key,
+            timeout_s=self.args.timeout_s,
+            max_connections=self.concurrency,
+            max_retries=self.args.max_retries,
+            backoff_s=self.args.backoff_s,
+            on_retry=_log_retry,
+            give_up=self._server_died,
+            trust_env=not self.args.managed,
+        )
 
     async def _start_server(self) -> str:
-        self._server = ManagedServer(self.model, self.args.server_args,
-                                     start_timeout_s=self.args.server_start_timeout_s)
+        self._server = ManagedServer(
+            self.model, self.args.server_args, start_timeout_s=self.args.server_start_timeout_s
+        )
         await self._server.start()
         return self._server.url
 
@@ -224,8 +245,10 @@ class OpenAIEngine(Engine):
         if status == 200 and isinstance(info, dict) and "model_path" in info:
             return "sglang"
         if self.args.api == "sglang":
-            raise EngineError(f"{self._http.where} is not an SGLang server (GET /get_model_info answered "
-                              f"HTTP {status}); use api='completions' or 'chat' for OpenAI-compatible servers")
+            raise EngineError(
+                f"{self._http.where} is not an SGLang server (GET /get_model_info answered "
+                f"HTTP {status}); use api='completions' or 'chat' for OpenAI-compatible servers"
+            )
         if self.args.api == "auto":
             status, version = await self._http.probe_json("/version", allow_status=(404, 405))
             if is_vllm_version(status, version):
@@ -236,14 +259,17 @@ class OpenAIEngine(Engine):
         status, listing = await self._http.probe_json("/v1/models", allow_status=(404, 405, 500, 501))
         cards = listing.get("data") if status == 200 and isinstance(listing, dict) else None
         if not isinstance(cards, list) or not cards:
-            logger.warning("openai engine: %s lists no models (GET /v1/models: HTTP %s); the model name is "
-                           "checked by the first request instead", self._http.where, status)
+            logger.warning(
+                "openai engine: %s lists no models (GET /v1/models: HTTP %s); the model name is "
+                "checked by the first request instead",
+                self._http.where,
+                status,
+            )
             self.model_name = self.model_name or self.model
             return
         served = [str(card.get("id")) for card in cards]
         if self.model_name is not None and self.model_name not in served:
-            raise EngineError(f"model_name {self.model_name!r} is not served by {self._http.where}; "
-                              f"it serves {served}")
+            raise EngineError(f"model_name {self.model_name!r} is not served by {self._http.where}; it serves {served}")
         if self.model_name is None:
             if len(served) > 1 and self.model not in served:
                 raise EngineError(f"{self._http.where} serves several models {served}; choose one with model_name")
@@ -257,10 +283,13 @@ class OpenAIEngine(Engine):
             self._tokenizer = await asyncio.to_thread(_load_tokenizer, path)
         except Exception as exc:
             if self.retokenized:
-                raise EngineError(f"openai engine: cannot load the tokenizer {path!r} that decodes prompts and "
-                                  f"re-tokenizes outputs ({type(exc).__name__}: {exc}); set tokenizer=PATH") from exc
-            logger.warning("openai engine: no tokenizer at %r (%s); prompt ids are not checked against the "
-                           "vocabulary", path, exc)
+                raise EngineError(
+                    f"openai engine: cannot load the tokenizer {path!r} that decodes prompts and "
+                    f"re-tokenizes outputs ({type(exc).__name__}: {exc}); set tokenizer=PATH"
+                ) from exc
+            logger.warning(
+                "openai engine: no tokenizer at %r (%s); prompt ids are not checked against the vocabulary", path, exc
+            )
             return
         self.vocab_size = len(self._tokenizer)
 
@@ -277,8 +306,11 @@ class OpenAIEngine(Engine):
             self._limit = asyncio.Semaphore(wanted)
             old, self._http = self._http, self._client(base_url)
             await old.close()
-            logger.info("openai engine: the server runs %d requests at once; keeping up to %d in flight",
-                        self.server_capacity, wanted)
+            logger.info(
+                "openai engine: the server runs %d requests at once; keeping up to %d in flight",
+                self.server_capacity,
+                wanted,
+            )
 
     async def _ping_generate(self) -> None:
         request = GenerationRequest("daskgen-ping", [self.health_token_id()], _PING)
@@ -392,23 +424,31 @@ class OpenAIEngine(Engine):
     async def _stream(self, request: GenerationRequest, flight: _Flight, retry: bool = True) -> GenerationResult:
         if self.protocol == "vllm":
             return await self._vllm_stream(request, flight, retry)
-        prompt = self._tokenizer.decode(request.prompt_ids, skip_special_tokens=False,
-                                        clean_up_tokenization_spaces=False)
-        path, payload = openai_payload(self.protocol or "completions", self.model_name, prompt, request,
-                                       self.args.extra_body)
-        finish = await self._http.stream(path, payload, lambda event: _take_event(event, flight),
-                                         on_attempt=flight.reset, retry=retry)
+        prompt = self._tokenizer.decode(
+            request.prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        path, payload = openai_payload(
+            self.protocol or "completions", self.model_name, prompt, request, self.args.extra_body
+        )
+        finish = await self._http.stream(
+            path, payload, lambda event: _take_event(event, flight), on_attempt=flight.reset, retry=retry
+        )
         return self._retokenized_result(request, flight, finish)
 
     async def _vllm_stream(self, request: GenerationRequest, flight: _Flight, retry: bool) -> GenerationResult:
         payload = vllm_completions_payload(self.model_name, request, self.args.extra_body)
-        finish = await self._http.stream("/v1/completions", payload,
-                                         lambda event: take_vllm_event(event, flight.ids, flight.logprobs),
-                                         on_attempt=flight.reset, retry=retry)
+        finish = await self._http.stream(
+            "/v1/completions",
+            payload,
+            lambda event: take_vllm_event(event, flight.ids, flight.logprobs),
+            on_attempt=flight.reset,
+            retry=retry,
+        )
         return vllm_result(request, flight.ids, flight.logprobs, finish)
 
-    def _retokenized_result(self, request: GenerationRequest, flight: _Flight, finish: str | None,
-                            partial: bool = False) -> GenerationResult:
+    def _retokenized_result(
+        self, request: GenerationRequest, flight: _Flight, finish: str | None, partial: bool = False
+    ) -> GenerationResult:
         ids = self._tokenizer.encode(flight.text, add_special_tokens=False)
         if partial:
             ids = ids[:-1]
@@ -445,10 +485,17 @@ class OpenAIEngine(Engine):
         info = super().describe()
         args = asdict(self.args)
         args["base_url"] = None if self.args.managed else redact_url(self.args.base_url)
-        info.update(api=self.protocol or self.args.api, retokenized=self.retokenized, model=self.model,
-                    model_name=self.model_name, supports_seed=self.supports_seed,
-                    tokenizer=self.args.tokenizer or self.model, engine_args=args, concurrency=self.concurrency,
-                    server_max_running_requests=self.server_capacity)
+        info.update(
+            api=self.protocol or self.args.api,
+            retokenized=self.retokenized,
+            model=self.model,
+            model_name=self.model_name,
+            supports_seed=self.supports_seed,
+            tokenizer=self.args.tokenizer or self.model,
+            engine_args=args,
+            concurrency=self.concurrency,
+            server_max_running_requests=self.server_capacity,
+        )
         return info
 
 

@@ -22,8 +22,12 @@ from daskgen.engines.sglang_mapping import result_from_output, sampling_params_f
 __all__ = ["native_payload", "native_result", "openai_payload"]
 
 #: OpenAI ``finish_reason`` values (plus SGLang's) and daskgen's reasons.
-_FINISH = {**SGLANG_FINISH, "eos": FinishReason.STOP, "tool_calls": FinishReason.STOP,
-           "function_call": FinishReason.STOP}
+_FINISH = {
+    **SGLANG_FINISH,
+    "eos": FinishReason.STOP,
+    "tool_calls": FinishReason.STOP,
+    "function_call": FinishReason.STOP,
+}
 
 
 @dataclass
@@ -53,8 +57,14 @@ def native_payload(request: GenerationRequest, rid: str, extra_body: dict[str, A
     sampling = sampling_params_for(request.params)
     extra = dict(extra_body)
     sampling.update(extra.pop("sampling_params", None) or {})
-    return {"input_ids": list(request.prompt_ids), "sampling_params": sampling, "rid": rid,
-            "return_logprob": request.params.logprobs, "stream": False, **extra}
+    return {
+        "input_ids": list(request.prompt_ids),
+        "sampling_params": sampling,
+        "rid": rid,
+        "return_logprob": request.params.logprobs,
+        "stream": False,
+        **extra,
+    }
 
 
 def native_result(request: GenerationRequest, out: Any) -> GenerationResult:
@@ -63,17 +73,24 @@ def native_result(request: GenerationRequest, out: Any) -> GenerationResult:
         return error_result(request, f"unexpected answer from /generate: {str(out)[:300]}")
     result = result_from_output(request, out, error_prefix="server finished with")
     if result.logprobs is not None and len(result.logprobs) != len(result.output_ids):
-        return error_result(request, f"server returned {len(result.logprobs)} logprobs for "
-                                     f"{len(result.output_ids)} tokens")
+        return error_result(
+            request, f"server returned {len(result.logprobs)} logprobs for {len(result.output_ids)} tokens"
+        )
     return result
 
 
-def openai_payload(api: str, model_name: str | None, prompt: str, request: GenerationRequest,
-                   extra_body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def openai_payload(
+    api: str, model_name: str | None, prompt: str, request: GenerationRequest, extra_body: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
     """Path and streaming body of an OpenAI completions or chat request for ``prompt``."""
     params = request.params
-    body: dict[str, Any] = {"model": model_name, "max_tokens": params.max_new_tokens,
-                            "temperature": params.temperature, "top_p": params.top_p, "stream": True}
+    body: dict[str, Any] = {
+        "model": model_name,
+        "max_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "stream": True,
+    }
     if params.top_k > 0:
         body["top_k"] = params.top_k
     if params.seed is not None:
@@ -118,8 +135,9 @@ def _finish_reason(finish: str | None) -> tuple[FinishReason, str | None]:
     return reason, None if reason != FinishReason.ERROR else f"server finished with {finish!r}"
 
 
-def _apply_limits(ids: list[int], logprobs: list[float] | None, reason: FinishReason,
-                  request: GenerationRequest) -> tuple[list[int], list[float] | None, FinishReason]:
+def _apply_limits(
+    ids: list[int], logprobs: list[float] | None, reason: FinishReason, request: GenerationRequest
+) -> tuple[list[int], list[float] | None, FinishReason]:
     """Cut re-tokenized output at the first stop token (kept) or at ``max_new_tokens``."""
     stops = set(request.params.stop_token_ids)
     cut = next((i + 1 for i, t in enumerate(ids) if t in stops), None)

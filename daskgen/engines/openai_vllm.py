@@ -27,13 +27,21 @@ def is_vllm_version(status: int, info: Any) -> bool:
     return status == 200 and isinstance(info, dict) and isinstance(info.get("version"), str)
 
 
-def vllm_completions_payload(model_name: str | None, request: GenerationRequest,
-                             extra_body: dict[str, Any]) -> dict[str, Any]:
+def vllm_completions_payload(
+    model_name: str | None, request: GenerationRequest, extra_body: dict[str, Any]
+) -> dict[str, Any]:
     """The streaming ``/v1/completions`` body for ``request`` (prompt as token ids)."""
     params = request.params
-    body: dict[str, Any] = {"model": model_name, "prompt": list(request.prompt_ids), "stream": True,
-                            "max_tokens": params.max_new_tokens, "temperature": params.temperature,
-                            "top_p": params.top_p, "top_k": params.top_k, "return_token_ids": True}
+    body: dict[str, Any] = {
+        "model": model_name,
+        "prompt": list(request.prompt_ids),
+        "stream": True,
+        "max_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "return_token_ids": True,
+    }
     if params.seed is not None:
         body["seed"] = params.seed
     if params.stop_token_ids:
@@ -53,12 +61,13 @@ def take_vllm_event(event: dict[str, Any], ids: list[int], logprobs: list[float]
     ids += new
     values = (choice.get("logprobs") or {}).get("token_logprobs")
     if isinstance(values, list):
-        logprobs += [math.nan if x is None else float(x) for x in values[-len(new):]] if new else []
+        logprobs += [math.nan if x is None else float(x) for x in values[-len(new) :]] if new else []
     return choice.get("finish_reason")
 
 
-def vllm_result(request: GenerationRequest, ids: list[int], logprobs: list[float], finish: str | None,
-                aborted: bool = False) -> GenerationResult:
+def vllm_result(
+    request: GenerationRequest, ids: list[int], logprobs: list[float], finish: str | None, aborted: bool = False
+) -> GenerationResult:
     """The :class:`GenerationResult` of a (finished or aborted) vLLM stream."""
     reason = FinishReason.ABORT if aborted else FINISH.get(finish or "", FinishReason.ERROR)
     lps = list(logprobs) if request.params.logprobs else None

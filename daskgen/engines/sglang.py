@@ -213,9 +213,11 @@ class SGLangEngine(Engine):
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Generate one sample; errors come back in ``GenerationResult.error``."""
-        problem = self._not_serving() or request_error(
-            request, vocab_size=self._info("vocab_size"), max_total_tokens=self.max_total_tokens
-        ) or self._prompt_too_long(request)
+        problem = (
+            self._not_serving()
+            or request_error(request, vocab_size=self._info("vocab_size"), max_total_tokens=self.max_total_tokens)
+            or self._prompt_too_long(request)
+        )
         if problem is not None:
             return error_result(request, problem)
         kwargs = {
@@ -252,8 +254,10 @@ class SGLangEngine(Engine):
     def _prompt_too_long(self, request: GenerationRequest) -> str | None:
         limit = self._info("max_req_input_len")
         if limit is not None and len(request.prompt_ids) > limit:
-            return (f"request {request.request_id!r}: prompt has {len(request.prompt_ids)} tokens; "
-                    f"sglang accepts at most {limit}")
+            return (
+                f"request {request.request_id!r}: prompt has {len(request.prompt_ids)} tokens; "
+                f"sglang accepts at most {limit}"
+            )
         return None
 
     async def abort(self, request_id: str) -> None:

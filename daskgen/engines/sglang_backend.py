@@ -455,4 +455,3 @@ async def read_max_running_requests(backend: _Backend, timeout_s: float = 60.0) 
     except Exception as exc:  # another sglang version, or no answer: window auto assumes a default
         logger.info("sglang did not report max_running_requests (%s: %s)", type(exc).__name__, exc)
         return None
-

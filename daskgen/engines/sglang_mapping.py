@@ -54,8 +54,9 @@ def logprobs_of(meta: Mapping[str, Any]) -> list[float]:
     return [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
 
 
-def result_from_output(request: GenerationRequest, output: Mapping[str, Any],
-                       error_prefix: str = "sglang returned finish_reason") -> GenerationResult:
+def result_from_output(
+    request: GenerationRequest, output: Mapping[str, Any], error_prefix: str = "sglang returned finish_reason"
+) -> GenerationResult:
     """Turn one SGLang output dict (``async_generate`` or ``/generate``) into a :class:`GenerationResult`.
 
     An unknown finish reason gives ``ERROR`` with the message ``f"{error_prefix} {raw!r}"``.

@@ -94,21 +94,46 @@ class SimulatedArgs:
     eos_token_id: int = 2
 
     def __post_init__(self) -> None:
-        require("simulated", isinstance(self.max_batch, int) and self.max_batch >= 1, "max_batch", "an integer >= 1",
-                 self.max_batch)
+        require(
+            "simulated",
+            isinstance(self.max_batch, int) and self.max_batch >= 1,
+            "max_batch",
+            "an integer >= 1",
+            self.max_batch,
+        )
         for name in ("step_time_base_s", "step_time_per_seq_s", "time_scale", "length_sigma"):
             value = getattr(self, name)
             require("simulated", is_number(value) and value >= 0, name, "a finite number >= 0", value)
-        require("simulated", is_number(self.length_mean) and self.length_mean >= 1, "length_mean", "a number >= 1",
-                 self.length_mean)
+        require(
+            "simulated",
+            is_number(self.length_mean) and self.length_mean >= 1,
+            "length_mean",
+            "a number >= 1",
+            self.length_mean,
+        )
         share = self.length_prompt_share
         require("simulated", is_number(share) and 0 <= share <= 1, "length_prompt_share", "a number in [0, 1]", share)
-        require("simulated", self.length_dist in _LENGTH_DISTS, "length_dist", f"one of {list(_LENGTH_DISTS)}",
-                 self.length_dist)
-        require("simulated", isinstance(self.vocab_size, int) and self.vocab_size >= 2, "vocab_size", "an integer >= 2",
-                 self.vocab_size)
-        require("simulated", isinstance(self.eos_token_id, int) and 0 <= self.eos_token_id < self.vocab_size,
-                 "eos_token_id", f"an integer in [0, vocab_size={self.vocab_size})", self.eos_token_id)
+        require(
+            "simulated",
+            self.length_dist in _LENGTH_DISTS,
+            "length_dist",
+            f"one of {list(_LENGTH_DISTS)}",
+            self.length_dist,
+        )
+        require(
+            "simulated",
+            isinstance(self.vocab_size, int) and self.vocab_size >= 2,
+            "vocab_size",
+            "an integer >= 2",
+            self.vocab_size,
+        )
+        require(
+            "simulated",
+            isinstance(self.eos_token_id, int) and 0 <= self.eos_token_id < self.vocab_size,
+            "eos_token_id",
+            f"an integer in [0, vocab_size={self.vocab_size})",
+            self.eos_token_id,
+        )
 
 
 # --------------------------------------------------------------------------- outputs
@@ -192,13 +217,15 @@ class _Sim:
         """Finish the caller's ``generate``: fully, or as ``ABORT`` after ``tokens_done`` tokens."""
         plan, request = self.plan, self.request
         if tokens_done is None:
-            result = GenerationResult(request.request_id, plan.tokens, plan.finish, plan.logprobs,
-                                      meta={"simulated": True})
+            result = GenerationResult(
+                request.request_id, plan.tokens, plan.finish, plan.logprobs, meta={"simulated": True}
+            )
         else:
             n = max(0, min(tokens_done, len(plan.tokens) - 1))
             logprobs = None if plan.logprobs is None else plan.logprobs[:n]
-            result = GenerationResult(request.request_id, plan.tokens[:n], FinishReason.ABORT, logprobs,
-                                      meta={"simulated": True})
+            result = GenerationResult(
+                request.request_id, plan.tokens[:n], FinishReason.ABORT, logprobs, meta={"simulated": True}
+            )
         self.done = True
         set_result(self.future, result)
 

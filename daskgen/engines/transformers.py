@@ -155,16 +155,24 @@ class TransformersArgs:
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or (self.device not in _DEVICES and not self.device.startswith("cuda:")):
-            raise ConfigError(f"transformers engine: device must be one of {list(_DEVICES)} or 'cuda:N', "
-                              f"got {self.device!r}")
+            raise ConfigError(
+                f"transformers engine: device must be one of {list(_DEVICES)} or 'cuda:N', got {self.device!r}"
+            )
         if self.dtype not in _DTYPES:
             raise ConfigError(f"transformers engine: dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
-        for name in ("max_batch_tokens", "max_requests_per_batch", "kv_cache_tokens", "page_size",
-                     "num_threads", "max_model_len"):
+        for name in (
+            "max_batch_tokens",
+            "max_requests_per_batch",
+            "kv_cache_tokens",
+            "page_size",
+            "num_threads",
+            "max_model_len",
+        ):
             check_positive_int("transformers", name, getattr(self, name))
         if self.max_memory_percent is not None and not 0 < self.max_memory_percent <= 1:
-            raise ConfigError(f"transformers engine: max_memory_percent must be in (0, 1], "
-                              f"got {self.max_memory_percent!r}")
+            raise ConfigError(
+                f"transformers engine: max_memory_percent must be in (0, 1], got {self.max_memory_percent!r}"
+            )
         for name in ("prefix_sharing", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"transformers engine: {name} must be true or false, got {getattr(self, name)!r}")
@@ -317,14 +325,22 @@ class TransformersEngine(Engine):
 
     def _submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> _Job | GenerationResult:
         backend_id = f"{request.request_id}#{next(self._ids)}"
-        job = _Job(request, backend_id, loop, loop.create_future(), _Sequence.from_params(request.params),
-                   self._eos_ids | frozenset(request.params.stop_token_ids))
+        job = _Job(
+            request,
+            backend_id,
+            loop,
+            loop.create_future(),
+            _Sequence.from_params(request.params),
+            self._eos_ids | frozenset(request.params.stop_token_ids),
+        )
         with self._lock:
             self._jobs[backend_id] = job
             self._by_request[request.request_id].add(backend_id)
             self._table.sequences[backend_id] = job.sequence
         added = self._manager.add_request(
-            list(request.prompt_ids), request_id=backend_id, max_new_tokens=request.params.max_new_tokens,
+            list(request.prompt_ids),
+            request_id=backend_id,
+            max_new_tokens=request.params.max_new_tokens,
             eos_token_id=sorted(job.stop_ids),
         )
         if added is None:

@@ -196,8 +196,9 @@ def _resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if cuda_available() else "cpu"
     if device.startswith("cuda") and not cuda_available():
-        raise ConfigError(f"transformers engine: device {device!r} requested but CUDA is not available; "
-                          "use device='cpu' or 'auto'")
+        raise ConfigError(
+            f"transformers engine: device {device!r} requested but CUDA is not available; use device='cpu' or 'auto'"
+        )
     return device
 
 
@@ -263,8 +264,7 @@ def _create_manager(model: Any, table: _SamplerTable, args: TransformersArgs, de
         return_logprobs=False,
     )
     generation_config = GenerationConfig(do_sample=False, eos_token_id=-1)
-    manager = model.init_continuous_batching(generation_config=generation_config,
-                                             continuous_batching_config=cb_config)
+    manager = model.init_continuous_batching(generation_config=generation_config, continuous_batching_config=cb_config)
     manager.logit_processor = _processor_list(table)
     manager.warmup()  # creates the paged cache now, so sizing errors surface in start()
     return manager

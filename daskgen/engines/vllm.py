@@ -69,8 +69,15 @@ from daskgen.engines.common import bos_or_zero, check_known_args, cuda_available
 from daskgen.engines.openai_vllm import FINISH as _FINISH
 from daskgen.errors import ConfigError, EngineError
 
-__all__ = ["CPU_DEFAULTS", "TESTED_VLLM_VERSION", "VLLMEngine", "check_engine_args", "collect_output",
-           "launch_kwargs", "vllm_sampling_kwargs"]
+__all__ = [
+    "CPU_DEFAULTS",
+    "TESTED_VLLM_VERSION",
+    "VLLMEngine",
+    "check_engine_args",
+    "collect_output",
+    "launch_kwargs",
+    "vllm_sampling_kwargs",
+]
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -105,9 +112,16 @@ def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     ``top_k == 0`` is off in both; ``temperature == 0`` is greedy in both.  ``logprobs=0`` asks for
     the sampled token's logprob only.
     """
-    out: dict[str, Any] = {"n": 1, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
-                           "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed,
-                           "detokenize": False, "logprobs": 0 if params.logprobs else None}
+    out: dict[str, Any] = {
+        "n": 1,
+        "max_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "seed": params.seed,
+        "detokenize": False,
+        "logprobs": 0 if params.logprobs else None,
+    }
     if params.stop_token_ids:
         out["stop_token_ids"] = sorted(set(params.stop_token_ids))
     return out
@@ -133,7 +147,7 @@ def collect_output(acc: _Collected, output: Any) -> None:
     new = [int(t) for t in completion.token_ids]
     acc.tokens += new
     if completion.logprobs is not None:
-        for token, entry in zip(new, list(completion.logprobs)[-len(new):] if new else [], strict=True):
+        for token, entry in zip(new, list(completion.logprobs)[-len(new) :] if new else [], strict=True):
             acc.logprobs.append(float(entry[token].logprob))
     if completion.finish_reason is not None:
         acc.finish = str(completion.finish_reason)
@@ -179,20 +193,26 @@ def _create_async_llm(kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    check_engine_args({k: v for k, v in kwargs.items() if k != "model"},
-                      [f.name for f in dataclasses.fields(AsyncEngineArgs) if f.name != "model"])
+    check_engine_args(
+        {k: v for k, v in kwargs.items() if k != "model"},
+        [f.name for f in dataclasses.fields(AsyncEngineArgs) if f.name != "model"],
+    )
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
     config = llm.vllm_config
     model_config = config.model_config
     tokenizer = llm.tokenizer
     eos = getattr(tokenizer, "eos_token_id", None)
-    info = {"vllm_version": vllm.__version__, "dtype": str(model_config.dtype).removeprefix("torch."),
-            "max_model_len": int(model_config.max_model_len), "vocab_size": int(model_config.get_vocab_size()),
-            "max_num_seqs": int(config.scheduler_config.max_num_seqs),
-            "device": str(config.device_config.device_type),
-            "enable_prefix_caching": bool(config.cache_config.enable_prefix_caching),
-            "eos_token_ids": [int(eos)] if isinstance(eos, int) else [],
-            "bos_token_id": getattr(tokenizer, "bos_token_id", None)}
+    info = {
+        "vllm_version": vllm.__version__,
+        "dtype": str(model_config.dtype).removeprefix("torch."),
+        "max_model_len": int(model_config.max_model_len),
+        "vocab_size": int(model_config.get_vocab_size()),
+        "max_num_seqs": int(config.scheduler_config.max_num_seqs),
+        "device": str(config.device_config.device_type),
+        "enable_prefix_caching": bool(config.cache_config.enable_prefix_caching),
+        "eos_token_ids": [int(eos)] if isinstance(eos, int) else [],
+        "bos_token_id": getattr(tokenizer, "bos_token_id", None),
+    }
     return llm, info
 
 
@@ -234,8 +254,10 @@ class VLLMEngine(Engine):
         if multiprocessing.current_process().daemon:
             from daskgen.engines.sglang import DAEMON_FIX
 
-            raise EngineError("the vllm engine must start subprocesses, but this process is daemonic (Dask starts "
-                              f"worker processes as daemons by default). Fix: {DAEMON_FIX}.")
+            raise EngineError(
+                "the vllm engine must start subprocesses, but this process is daemonic (Dask starts "
+                f"worker processes as daemons by default). Fix: {DAEMON_FIX}."
+            )
         self._state = "starting"
         self._thread = _LoopThread()
         try:
@@ -245,8 +267,9 @@ class VLLMEngine(Engine):
             self._state = "failed"
             await self._stop()
             if isinstance(exc, Exception) and not isinstance(exc, (ConfigError, EngineError)):
-                raise EngineError(f"vllm AsyncLLM({self._kwargs}) failed to start: {type(exc).__name__}: {exc}") \
-                    from exc
+                raise EngineError(
+                    f"vllm AsyncLLM({self._kwargs}) failed to start: {type(exc).__name__}: {exc}"
+                ) from exc
             raise
         self._state = "running"
         logger.info("vllm engine ready: %s", self._info)
@@ -279,7 +302,8 @@ class VLLMEngine(Engine):
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Generate one sample; errors come back in ``GenerationResult.error``."""
         problem = self._not_serving() or request_error(
-            request, vocab_size=self._info.get("vocab_size"), max_total_tokens=self._info.get("max_model_len"))
+            request, vocab_size=self._info.get("vocab_size"), max_total_tokens=self._info.get("max_model_len")
+        )
         if problem is not None:
             return error_result(request, problem)
         thread = self._thread
@@ -394,6 +418,10 @@ class VLLMEngine(Engine):
     def describe(self) -> dict[str, Any]:
         """Engine, model, the ``AsyncEngineArgs`` used and what vLLM resolved (version, dtype, limits)."""
         info = super().describe()
-        info.update(model=self.model, supports_seed=self.supports_seed,
-                    engine_args=dict(self._kwargs or self.engine_args), **self._info)
+        info.update(
+            model=self.model,
+            supports_seed=self.supports_seed,
+            engine_args=dict(self._kwargs or self.engine_args),
+            **self._info,
+        )
         return info

@@ -49,8 +49,10 @@ def _check_path(path: Path) -> Path:
     if path.is_dir():
         raise InputError(f"prompt path {str(path)!r} is a directory; pass a JSONL or Parquet file.")
     if path.suffix.lower() not in (".parquet", ".pq", ".jsonl", ".json", ".ndjson"):
-        raise InputError(f"prompt file {str(path)!r} has extension {path.suffix.lower()!r}; expected .jsonl "
-                         "(one JSON object per line) or .parquet.")
+        raise InputError(
+            f"prompt file {str(path)!r} has extension {path.suffix.lower()!r}; expected .jsonl "
+            "(one JSON object per line) or .parquet."
+        )
     return path
 
 
@@ -182,8 +184,9 @@ def _chat_ids(tokenizer: Any, messages: list[dict[str, str]], number: int) -> li
 
 def check_lengths(lengths: dict[int, int], limit: int, *, skip: bool) -> dict[int, str]:
     """Given 0-based row -> token count, find prompts over ``limit``; raise unless ``skip``."""
-    overlong = {i: f"prompt has {n} tokens, more than max_prompt_tokens={limit}"
-                for i, n in lengths.items() if n > limit}
+    overlong = {
+        i: f"prompt has {n} tokens, more than max_prompt_tokens={limit}" for i, n in lengths.items() if n > limit
+    }
     if overlong and not skip:
         errors = [f"row {i + 1}: column 'messages'/'prompt': {why}" for i, why in overlong.items()]
         errors.append(
@@ -207,8 +210,9 @@ class InputScan:
         return self.n_rows
 
 
-def scan_prompts(source: str | Path | Sequence[Any], tokenizer: Any, *, max_prompt_tokens: int,
-                 skip_overlong: bool = False) -> InputScan:
+def scan_prompts(
+    source: str | Path | Sequence[Any], tokenizer: Any, *, max_prompt_tokens: int, skip_overlong: bool = False
+) -> InputScan:
     """Validate, fingerprint and length-check every row in one streaming pass.
 
     Raises :class:`InputError` listing every bad row (row number and column); overlong prompts
@@ -251,8 +255,9 @@ def iter_selected_rows(source: str | Path | Sequence[Any], wanted: Iterator[int]
         yield target, row
 
 
-def iter_token_ids(source: str | Path | Sequence[Any], tokenizer: Any, wanted: Iterator[int]) -> Iterator[
-        tuple[int, list[int], dict[str, Any]]]:
+def iter_token_ids(
+    source: str | Path | Sequence[Any], tokenizer: Any, wanted: Iterator[int]
+) -> Iterator[tuple[int, list[int], dict[str, Any]]]:
     """``(index, token ids, row)`` of the rows whose 0-based indices ``wanted`` yields (ascending), streaming."""
     for index, row in iter_selected_rows(source, wanted):
         yield index, tokenize_rows([row], tokenizer)[0], row

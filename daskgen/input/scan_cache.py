@@ -26,8 +26,9 @@ ATTR = "input_scan"
 MAX_KEPT_OVERLONG = 10_000
 
 
-def scan_key(source: Any, tokenizer_id: dict[str, Any], max_prompt_tokens: int, skip_overlong: bool
-             ) -> dict[str, Any] | None:
+def scan_key(
+    source: Any, tokenizer_id: dict[str, Any], max_prompt_tokens: int, skip_overlong: bool
+) -> dict[str, Any] | None:
     """What must be unchanged for a kept scan to hold; ``None`` when ``source`` is not a file."""
     if not isinstance(source, (str, Path)):
         return None
@@ -36,9 +37,17 @@ def scan_key(source: Any, tokenizer_id: dict[str, Any], max_prompt_tokens: int, 
     except OSError:
         return None  # the scan itself reports a missing file
     # ctime cannot be set back by users (touch -r, os.utime and rsync restore mtime, not ctime)
-    return {"path": str(Path(source).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "ctime_ns": st.st_ctime_ns, "inode": st.st_ino, "device": st.st_dev, "tokenizer": tokenizer_id,
-            "max_prompt_tokens": max_prompt_tokens, "skip_overlong": skip_overlong}
+    return {
+        "path": str(Path(source).resolve()),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+        "inode": st.st_ino,
+        "device": st.st_dev,
+        "tokenizer": tokenizer_id,
+        "max_prompt_tokens": max_prompt_tokens,
+        "skip_overlong": skip_overlong,
+    }
 
 
 def load_scan(attrs: dict[str, Any] | None, key: dict[str, Any] | None, source: Any) -> InputScan | None:
@@ -67,5 +76,9 @@ def scan_record(key: dict[str, Any] | None, scan: InputScan, source: Any) -> dic
         return None
     if scan_key(source, key["tokenizer"], key["max_prompt_tokens"], key["skip_overlong"]) != key:
         return None
-    return {"key": key, "n_rows": scan.n_rows, "fingerprint": scan.fingerprint,
-            "overlong": {str(row): why for row, why in scan.overlong.items()}}
+    return {
+        "key": key,
+        "n_rows": scan.n_rows,
+        "fingerprint": scan.fingerprint,
+        "overlong": {str(row): why for row, why in scan.overlong.items()},
+    }

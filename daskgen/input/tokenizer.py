@@ -25,8 +25,9 @@ class ByteTokenizer:
     def __call__(self, text: str) -> dict[str, list[int]]:
         return {"input_ids": [self.bos_token_id] + [b + 3 for b in text.encode()]}
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                            tokenize: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, tokenize: bool = True
+    ) -> list[int]:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return self(text + ("assistant: " if add_generation_prompt else ""))["input_ids"]
 

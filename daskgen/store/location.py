@@ -105,7 +105,7 @@ class LocalLocation(StoreLocation):
 
     def __init__(self, path: str | Path) -> None:
         text = str(path)
-        self.path = Path(text[len("file://"):] if text.startswith("file://") else text)
+        self.path = Path(text[len("file://") :] if text.startswith("file://") else text)
         self.url = str(self.path)
 
     def zarr_store(self, read_only: bool = False) -> Any:
@@ -273,8 +273,10 @@ def _build(url: str, options: dict[str, Any]) -> Any:
     try:
         return from_url(url, client_options=client or None, **opts)
     except Exception as exc:  # obstore raises several types for bad URLs/options
-        raise StoreError(f"cannot open the object store {url!r}: {exc}. Check the URL (s3://bucket/path, gs://, "
-                         "az://, memory:///) and the credentials in the environment or storage_options.") from exc
+        raise StoreError(
+            f"cannot open the object store {url!r}: {exc}. Check the URL (s3://bucket/path, gs://, "
+            "az://, memory:///) and the credentials in the environment or storage_options."
+        ) from exc
 
 
 def default_output(store: str | Path | StoreLocation, suffix: str) -> Path:
@@ -299,6 +301,8 @@ def locate(store: str | Path | StoreLocation, storage_options: dict[str, Any] | 
     if is_url(store):
         return ObjectLocation(str(store), storage_options)
     if storage_options:
-        raise StoreError(f"storage_options apply to object storage URLs (s3://, gs://, az://); the store "
-                         f"{str(store)!r} is a local path. Remove storage_options or use a URL.")
+        raise StoreError(
+            f"storage_options apply to object storage URLs (s3://, gs://, az://); the store "
+            f"{str(store)!r} is a local path. Remove storage_options or use a URL."
+        )
     return LocalLocation(store)

@@ -59,8 +59,11 @@ class StoreLock:
         self.location = locate(store_path)
         self.path = f"{self.location.url}/{LOCK_NAME}"
         self.stale_after = tunables.seconds("lock.stale-after") if stale_after is None else stale_after
-        self.owner = {"host": socket.gethostname(), "pid": os.getpid(),
-                      "started": _dt.datetime.now(_dt.timezone.utc).isoformat()}
+        self.owner = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+        }
         self._last_beat = 0.0
         self.heartbeat_interval = tunables.seconds("lock.heartbeat-interval")
         self._version: Any = None
@@ -95,8 +98,11 @@ class StoreLock:
         self._version = None if current is None else current[1]
         self._last_beat = time.monotonic()
         if not self.location.is_local and self.location.create_object(LOCK_NAME, doc):
-            logger.warning("the object store at %s ignores conditional writes (If-None-Match): the lock cannot "
-                           "keep a second client out; run one client per store yourself", self.location.url)
+            logger.warning(
+                "the object store at %s ignores conditional writes (If-None-Match): the lock cannot "
+                "keep a second client out; run one client per store yourself",
+                self.location.url,
+            )
 
     def heartbeat(self) -> None:
         """Refresh the heartbeat (cheap; writes at most every ``daskgen.lock.heartbeat-interval``, 30 s).
@@ -114,9 +120,11 @@ class StoreLock:
         if version is None:
             current = self.location.read_versioned(LOCK_NAME)
             holder = _parse(current[0]) if current else {}
-            raise StoreLockedError(f"lost the lock {self.path!r}: it was taken over by host {holder.get('host')}, "
-                                   f"pid {holder.get('pid')} after this run's heartbeat stopped for more than "
-                                   f"{self.stale_after:.0f} s. Stop one of the two runs; rerun to resume.")
+            raise StoreLockedError(
+                f"lost the lock {self.path!r}: it was taken over by host {holder.get('host')}, "
+                f"pid {holder.get('pid')} after this run's heartbeat stopped for more than "
+                f"{self.stale_after:.0f} s. Stop one of the two runs; rerun to resume."
+            )
         self._version = version
         self._last_beat = time.monotonic()
 
@@ -137,14 +145,17 @@ class StoreLock:
         return time.time() - float(holder.get("heartbeat", 0)) > self.stale_after
 
     def _refusal(self, holder: dict[str, Any]) -> str:
-        return (f"store {self.location.url!r} is in use by another daskgen run (host {holder.get('host')}, "
-                f"pid {holder.get('pid')}, started {holder.get('started')}). Wait for it to finish or stop it; "
-                f"if that run is dead on another host, its lock expires {self.stale_after:.0f} s after its last "
-                f"heartbeat, or delete {self.path!r}.")
+        return (
+            f"store {self.location.url!r} is in use by another daskgen run (host {holder.get('host')}, "
+            f"pid {holder.get('pid')}, started {holder.get('started')}). Wait for it to finish or stop it; "
+            f"if that run is dead on another host, its lock expires {self.stale_after:.0f} s after its last "
+            f"heartbeat, or delete {self.path!r}."
+        )
 
     def __enter__(self) -> StoreLock:
         return self.acquire()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.release()

@@ -69,8 +69,10 @@ class PackResult:
 
     def line(self) -> str:
         """One-line summary for the command line."""
-        return (f"daskgen: {self.mode}ed {self.path}: {self.files_before} files ({self.bytes_before / 2**20:.1f} MiB) "
-                f"-> {self.files_after} files ({self.bytes_after / 2**20:.1f} MiB) in {self.seconds:.1f} s")
+        return (
+            f"daskgen: {self.mode}ed {self.path}: {self.files_before} files ({self.bytes_before / 2**20:.1f} MiB) "
+            f"-> {self.files_after} files ({self.bytes_after / 2**20:.1f} MiB) in {self.seconds:.1f} s"
+        )
 
 
 def shard_rows(chunk_rows: int, row_bytes: int, n_rows: int, *, coarse: bool) -> int:
@@ -82,8 +84,9 @@ def shard_rows(chunk_rows: int, row_bytes: int, n_rows: int, *, coarse: bool) ->
     return min(rows, cap, whole)
 
 
-def copy_block(src: StoreLocation, dst: StoreLocation, name: str, start: int, stop: int,
-               copied_before: bool = False) -> int:
+def copy_block(
+    src: StoreLocation, dst: StoreLocation, name: str, start: int, stop: int, copied_before: bool = False
+) -> int:
     """Copy rows ``[start, stop)`` (whole shards of the target) of array ``name``, then verify them.
 
     ``copied_before``: an interrupted pack recorded this block; it is only rewritten if it differs
@@ -97,8 +100,10 @@ def copy_block(src: StoreLocation, dst: StoreLocation, name: str, start: int, st
         return 0
     target[start:stop] = values
     if not _same(values, target[start:stop]):
-        raise PackError(f"verification failed: rows {start}..{stop - 1} of {name!r} in {dst.url!r} differ from "
-                        f"the source after copying. The source is untouched; rerun to retry.")
+        raise PackError(
+            f"verification failed: rows {start}..{stop - 1} of {name!r} in {dst.url!r} differ from "
+            f"the source after copying. The source is untouched; rerun to retry."
+        )
     return int(values.nbytes)
 
 
@@ -121,20 +126,29 @@ def _array_plans(src: StoreLocation, packing: bool) -> dict[str, dict[str, Any]]
         shards = None
         if packing:
             shards = (shard_rows(rows, row_bytes, n, coarse=coarse), *arr.shape[1:])
-        plans[name] = {"shape": arr.shape, "chunks": inner, "shards": shards, "dtype": arr.metadata.data_type,
-                       "fill_value": arr.metadata.fill_value, "dimension_names": arr.metadata.dimension_names,
-                       "compressors": arr.compressors, "attributes": arr.attrs.asdict(),
-                       "step": shards[0] if shards else (arr.shards or inner)[0]}
+        plans[name] = {
+            "shape": arr.shape,
+            "chunks": inner,
+            "shards": shards,
+            "dtype": arr.metadata.data_type,
+            "fill_value": arr.metadata.fill_value,
+            "dimension_names": arr.metadata.dimension_names,
+            "compressors": arr.compressors,
+            "attributes": arr.attrs.asdict(),
+            "step": shards[0] if shards else (arr.shards or inner)[0],
+        }
     return plans
 
 
 def _tasks(plans: dict[str, dict[str, Any]]) -> list[tuple[str, int, int]]:
-    return [(name, start, min(start + p["step"], p["shape"][0]))
-            for name, p in plans.items() for start in range(0, p["shape"][0], p["step"])]
+    return [
+        (name, start, min(start + p["step"], p["shape"][0]))
+        for name, p in plans.items()
+        for start in range(0, p["shape"][0], p["step"])
+    ]
 
 
-def _prepare_target(src: StoreLocation, dst: StoreLocation, plans: dict[str, dict[str, Any]],
-                    mode: str) -> set[str]:
+def _prepare_target(src: StoreLocation, dst: StoreLocation, plans: dict[str, dict[str, Any]], mode: str) -> set[str]:
     """Create the target's arrays (or reopen a pack in progress); returns the blocks already copied."""
     zarr = store._zarr()
     if not dst.is_empty():
@@ -149,8 +163,10 @@ def _prepare_target(src: StoreLocation, dst: StoreLocation, plans: dict[str, dic
             logger.info("%s is a finished %s of %s that was not swapped in: re-checking it", dst.url, mode, src.url)
             return {f"{name}/{start}" for name, start, _ in _tasks(plans)}  # every block re-checked, then swap
         if not progress or progress.get("source") != src.url or progress.get("mode") != mode:
-            raise PackError(f"the output {dst.url!r} exists and is not an interrupted {mode} of {src.url!r}; "
-                            "remove it or choose another --out.")
+            raise PackError(
+                f"the output {dst.url!r} exists and is not an interrupted {mode} of {src.url!r}; "
+                "remove it or choose another --out."
+            )
         logger.info("resuming the %s into %s: %d blocks already copied", mode, dst.url, len(progress["done"]))
         return set(progress["done"])
     group = zarr.open_group(dst.zarr_store(), mode="w-", zarr_format=3)
@@ -165,12 +181,17 @@ def _record(dst: StoreLocation, done: set[str], src: StoreLocation, mode: str) -
     group.attrs[PROGRESS_KEY] = {"source": src.url, "mode": mode, "done": sorted(done)}
 
 
-def _copy_all(client: Any, src: StoreLocation, dst: StoreLocation, tasks: list[tuple[str, int, int]],
-              done: set[str], mode: str) -> None:
+def _copy_all(
+    client: Any, src: StoreLocation, dst: StoreLocation, tasks: list[tuple[str, int, int]], done: set[str], mode: str
+) -> None:
     from distributed import as_completed
 
-    futures = {client.submit(copy_block, src, dst, *t, f"{t[0]}/{t[1]}" in done, pure=False,
-                             key=f"daskgen-{mode}-{t[0]}-{t[1]}"): t for t in tasks}
+    futures = {
+        client.submit(
+            copy_block, src, dst, *t, f"{t[0]}/{t[1]}" in done, pure=False, key=f"daskgen-{mode}-{t[0]}-{t[1]}"
+        ): t
+        for t in tasks
+    }
     last = time.monotonic()
     for future in as_completed(futures):
         future.result()
@@ -181,8 +202,9 @@ def _copy_all(client: Any, src: StoreLocation, dst: StoreLocation, tasks: list[t
             last = time.monotonic()
 
 
-def _finish(src: StoreLocation, dst: StoreLocation, plans: dict[str, dict[str, Any]], mode: str,
-            attrs: dict[str, Any]) -> None:
+def _finish(
+    src: StoreLocation, dst: StoreLocation, plans: dict[str, dict[str, Any]], mode: str, attrs: dict[str, Any]
+) -> None:
     """Check the copy as a whole, then make it a daskgen store (its attrs are written last)."""
     zarr = store._zarr()
     group = zarr.open_group(dst.zarr_store(), mode="r+")
@@ -194,8 +216,11 @@ def _finish(src: StoreLocation, dst: StoreLocation, plans: dict[str, dict[str, A
     attrs = dict(attrs)
     if mode == "pack":
         shards = {n: p["shards"][0] for n, p in plans.items()}
-        attrs["packed"] = {"shard_rows": shards, "read_rows": min(shards.values()),
-                           "packed": _dt.datetime.now(_dt.timezone.utc).isoformat()}
+        attrs["packed"] = {
+            "shard_rows": shards,
+            "read_rows": min(shards.values()),
+            "packed": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+        }
     else:
         attrs.pop("packed", None)
     group.attrs.update({store.ATTRS_KEY: attrs})
@@ -229,9 +254,15 @@ def _size(loc: StoreLocation) -> tuple[int, int]:
     return len(sizes), sum(sizes)
 
 
-def pack(path: store.Where, out: store.Where | None = None, *, unpack: bool = False,
-         scheduler_address: str | None = None, n_workers: int | None = None,
-         storage_options: dict[str, Any] | None = None) -> PackResult:
+def pack(
+    path: store.Where,
+    out: store.Where | None = None,
+    *,
+    unpack: bool = False,
+    scheduler_address: str | None = None,
+    n_workers: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> PackResult:
     """Pack (or with ``unpack`` unpack) the store at ``path``, in place or into ``out``.
 
     Copies run as Dask tasks on ``scheduler_address`` or on a LocalCluster of ``n_workers``.
@@ -249,8 +280,10 @@ def pack(path: store.Where, out: store.Where | None = None, *, unpack: bool = Fa
         state = "already packed" if not unpack else "not packed"
         raise PackError(f"{src.url!r} is {state}; nothing to {mode}.")
     if out is None and not src.is_local:
-        raise PackError(f"{src.url!r} is on object storage, which cannot rename: pass --out with a new location "
-                        f"(e.g. {src.url}.packed) to {mode} into it.")
+        raise PackError(
+            f"{src.url!r} is on object storage, which cannot rename: pass --out with a new location "
+            f"(e.g. {src.url}.packed) to {mode} into it."
+        )
     dst = src.sibling(WORK_SUFFIX) if out is None else locate(out, storage_options)
     files_before, bytes_before = _size(src)
     with StoreLock(src):
@@ -278,8 +311,10 @@ def _client(scheduler_address: str | None, n_workers: int | None) -> Any:
     @contextlib.contextmanager
     def local() -> Any:
         workers = n_workers or max(1, min(4, os.cpu_count() or 1))
-        with (LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=":0") as lc,
-              Client(lc) as client):
+        with (
+            LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=":0") as lc,
+            Client(lc) as client,
+        ):
             yield client
 
     return local()

@@ -197,16 +197,20 @@ class EngineConformance:
 
     async def _long_candidates(self, count: int) -> list[tuple[GenerationRequest, list[int]]]:
         """Greedy prompts that do not stop within ``probe_max_new_tokens``, with their outputs."""
-        probes = [self.request(f"probe-{i}", 1000 + i, max_new_tokens=self.probe_max_new_tokens)
-                  for i in range(max(self.probe_prompts, count))]
+        probes = [
+            self.request(f"probe-{i}", 1000 + i, max_new_tokens=self.probe_max_new_tokens)
+            for i in range(max(self.probe_prompts, count))
+        ]
         found = []
         for request, result in zip(probes, await self.generate_all(probes), strict=True):
             _check_result(request, result)
             if result.finish_reason == FinishReason.LENGTH:
                 found.append((request, result.output_ids))
         if not found:
-            raise AssertionError(f"no greedy prompt ran for {self.probe_max_new_tokens} tokens without stopping; "
-                                 "lower probe_max_new_tokens or override prompt()")
+            raise AssertionError(
+                f"no greedy prompt ran for {self.probe_max_new_tokens} tokens without stopping; "
+                "lower probe_max_new_tokens or override prompt()"
+            )
         return found[:count]
 
     async def _longest_request(self, request_id: str, tries: int = 4) -> GenerationRequest:
@@ -215,9 +219,14 @@ class EngineConformance:
         A candidate only promises ``probe_max_new_tokens``; one that stops soon after could finish
         before a short request sent just after it is back, so up to ``tries`` of them run to the cap
         once (greedy: the same prompt runs as long again) and the longest is kept."""
-        runs = [GenerationRequest(f"{request_id}-probe-{i}", request.prompt_ids,
-                                  SamplingParams(max_new_tokens=self.long_max_new_tokens, temperature=0.0))
-                for i, (request, _) in enumerate(await self._long_candidates(tries))]
+        runs = [
+            GenerationRequest(
+                f"{request_id}-probe-{i}",
+                request.prompt_ids,
+                SamplingParams(max_new_tokens=self.long_max_new_tokens, temperature=0.0),
+            )
+            for i, (request, _) in enumerate(await self._long_candidates(tries))
+        ]
         longest = await longest_running(self.engine, runs)
         return GenerationRequest(request_id, longest.prompt_ids, longest.params)
 
@@ -282,8 +291,9 @@ class EngineConformance:
         target = self.request("greedy", 11, max_new_tokens=20)
         first = self.run(self.one(target)).output_ids
         assert self.run(self.one(target)).output_ids == first
-        others = [self.request(f"greedy-other-{i}", 20 + i, max_new_tokens=24, temperature=1.0, seed=i)
-                  for i in range(6)]
+        others = [
+            self.request(f"greedy-other-{i}", 20 + i, max_new_tokens=24, temperature=1.0, seed=i) for i in range(6)
+        ]
         results = self.run(self.generate_all([*others, target]))
         assert results[-1].output_ids == first, (results[-1].output_ids, first)
 
@@ -295,8 +305,10 @@ class EngineConformance:
             params = {"temperature": 1.0, "seed": 1234, "max_new_tokens": 24, **extra}
             target = self.request("seeded", 12, **params)
             alone = self.run(self.one(target)).output_ids
-            others = [self.request(f"seeded-other-{i}", 30 + i, max_new_tokens=16 + 4 * i, temperature=1.0,
-                                   seed=100 + i) for i in range(6)]
+            others = [
+                self.request(f"seeded-other-{i}", 30 + i, max_new_tokens=16 + 4 * i, temperature=1.0, seed=100 + i)
+                for i in range(6)
+            ]
             batched = self.run(self.generate_all([*others, target]))[-1].output_ids
             reordered = self.run(self.generate_all([target, *reversed(others)]))[0].output_ids
             assert batched == alone, (extra, batched, alone)
@@ -312,8 +324,9 @@ class EngineConformance:
         the output of its own request (a result handed to the wrong request would differ).
         """
         requests = [
-            self.request(f"many-{i}", 40 + i, max_new_tokens=1 + i % 24,
-                         **({"temperature": 1.0, "seed": i} if i % 2 else {}))
+            self.request(
+                f"many-{i}", 40 + i, max_new_tokens=1 + i % 24, **({"temperature": 1.0, "seed": i} if i % 2 else {})
+            )
             for i in range(self.concurrency)
         ]
         results = self.run(self.generate_all(requests))
@@ -343,11 +356,14 @@ class EngineConformance:
             orders.append(order)
             if order[0] == "short":
                 return
-        raise AssertionError(f"a 1-token request sent after a long one never came back first in "
-                             f"{self.arrival_attempts} tries (orders {orders}): a static batch barrier?")
+        raise AssertionError(
+            f"a 1-token request sent after a long one never came back first in "
+            f"{self.arrival_attempts} tries (orders {orders}): a static batch barrier?"
+        )
 
-    async def _short_after_long(self, long_request: GenerationRequest
-                                ) -> tuple[list[str], GenerationResult, GenerationResult]:
+    async def _short_after_long(
+        self, long_request: GenerationRequest
+    ) -> tuple[list[str], GenerationResult, GenerationResult]:
         """Send ``long_request``, then a 1-token request; abort the long one once the short is back.
 
         Returns the request ids in the order they came back and both results."""
@@ -367,9 +383,14 @@ class EngineConformance:
     def test_abort(self) -> None:
         """abort() ends long requests before their cap with ABORT and a prefix of their output."""
         candidates = self.run(self._long_candidates(2))
-        longs = [GenerationRequest(f"long-{i}", request.prompt_ids,
-                                   SamplingParams(max_new_tokens=self.long_max_new_tokens, temperature=0.0))
-                 for i, (request, _) in enumerate(candidates)]
+        longs = [
+            GenerationRequest(
+                f"long-{i}",
+                request.prompt_ids,
+                SamplingParams(max_new_tokens=self.long_max_new_tokens, temperature=0.0),
+            )
+            for i, (request, _) in enumerate(candidates)
+        ]
         results = self.run(self._abort_after_delay(longs))
         for request, (_, probe), result in zip(longs, candidates, results, strict=True):
             _check_result(request, result)
@@ -470,8 +491,11 @@ def run_conformance(
 
     Returns ``{check: "passed" | "not applicable: ..." | "skipped: ..." | "failed: ..."}``.
     """
-    suite = type("Conformance", (EngineConformance,),
-                 {"engine_class": engine_class, "model": model, "engine_args": dict(engine_args or {}), **tunables})
+    suite = type(
+        "Conformance",
+        (EngineConformance,),
+        {"engine_class": engine_class, "model": model, "engine_args": dict(engine_args or {}), **tunables},
+    )
     report: dict[str, str] = {}
     suite.setup_class()
     try:

@@ -45,10 +45,18 @@ class RecordingEngine(_Wrapper):
 
     name = "recording"
 
-    def __init__(self, model: str, inner: str = "simulated", log_path: str | None = None,
-                 poison_rows: list[int] | None = None, hang_rows: list[int] | None = None,
-                 hang_once_flag: str | None = None, hang_after: int = 0, api_key: str | None = None,
-                 **inner_args: Any) -> None:
+    def __init__(
+        self,
+        model: str,
+        inner: str = "simulated",
+        log_path: str | None = None,
+        poison_rows: list[int] | None = None,
+        hang_rows: list[int] | None = None,
+        hang_once_flag: str | None = None,
+        hang_after: int = 0,
+        api_key: str | None = None,
+        **inner_args: Any,
+    ) -> None:
         super().__init__(model, inner=inner, log_path=log_path, poison_rows=poison_rows, **inner_args)
         self.inner = resolve_engine_class(inner)(model, **inner_args)
         self.simulated = self.inner.simulated
@@ -82,7 +90,6 @@ class RecordingEngine(_Wrapper):
         return await self.inner.generate(request)
 
 
-
 class ScriptedToolEngine(_Wrapper):
     """Test double: scripted model text on chosen turns, the real inner engine otherwise.
 
@@ -94,8 +101,9 @@ class ScriptedToolEngine(_Wrapper):
 
     name = "scripted-tool"
 
-    def __init__(self, model: str, inner: str = "transformers", script: dict[str, str] | None = None,
-                 **inner_args: Any) -> None:
+    def __init__(
+        self, model: str, inner: str = "transformers", script: dict[str, str] | None = None, **inner_args: Any
+    ) -> None:
         super().__init__(model, inner=inner, script=script, **inner_args)
         self.inner = resolve_engine_class(inner)(model, **inner_args)
         self.supports_seed = self.inner.supports_seed
@@ -120,4 +128,3 @@ class ScriptedToolEngine(_Wrapper):
         finish = FinishReason.STOP if ids[-1] == self.tokenizer.eos_token_id else FinishReason.LENGTH
         logprobs = [-0.5] * len(ids) if request.params.logprobs else None
         return GenerationResult(request.request_id, ids, finish, logprobs)
-

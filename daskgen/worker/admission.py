@@ -48,9 +48,13 @@ def resolve_window(window: int | str, capacity: int | None, requests_per_partiti
         wanted = math.ceil(AUTO_FILL * (capacity or AUTO_DEFAULT_CAPACITY) / max(1, requests_per_partition))
         window = min(START_MAX_WINDOW, max(AUTO_MIN_WINDOW, wanted))
     if window > nthreads:
-        logger.warning("window %d is more than this worker's %d task slots; using %d. Give workers more threads "
-                       "(cluster.threads_per_worker, dask worker --nthreads) to keep more partitions in flight.",
-                       window, nthreads, nthreads)
+        logger.warning(
+            "window %d is more than this worker's %d task slots; using %d. Give workers more threads "
+            "(cluster.threads_per_worker, dask worker --nthreads) to keep more partitions in flight.",
+            window,
+            nthreads,
+            nthreads,
+        )
     return max(1, min(int(window), nthreads))
 
 
@@ -71,8 +75,9 @@ class Admission:
     @classmethod
     def for_engine(cls, capacity: int | None, requests_per_partition: int, nthreads: int) -> Admission:
         """The rule for an engine with ``capacity`` slots on a worker with ``nthreads`` task slots."""
-        return cls(capacity or AUTO_DEFAULT_CAPACITY, max(1, requests_per_partition),
-                   max(1, min(AUTO_MAX_WINDOW, nthreads)))
+        return cls(
+            capacity or AUTO_DEFAULT_CAPACITY, max(1, requests_per_partition), max(1, min(AUTO_MAX_WINDOW, nthreads))
+        )
 
     def window(self, running_partitions: int, outstanding_requests: int) -> int:
         """Partitions to admit now: the running ones plus enough new ones to bring the engine's

@@ -56,8 +56,7 @@ def install_worker_hooks(worker: Any, plugin: Any) -> None:
         loop.add_signal_handler(signal.SIGTERM, _on_sigterm, worker, plugin)
         loop.add_signal_handler(signal.SIGINT, lambda: None)
     except (RuntimeError, ValueError, NotImplementedError):  # loop not in the main thread
-        logger.debug("daskgen: no signal handlers on worker %s (its loop is not in the main thread)",
-                     worker.address)
+        logger.debug("daskgen: no signal handlers on worker %s (its loop is not in the main thread)", worker.address)
 
 
 def _on_sigterm(worker: Any, plugin: Any) -> None:
@@ -114,13 +113,18 @@ class DrainBeforeRetire(SchedulerPlugin):
         original = getattr(scheduler, "_daskgen_retire_workers", None) or scheduler.retire_workers
         scheduler._daskgen_retire_workers = original
 
-        async def retire_workers(workers: list[str] | None = None, *, names: list | None = None,
-                                 close_workers: bool = False, remove: bool = True, stimulus_id: str | None = None,
-                                 **kwargs: Any) -> dict[str, Any]:
+        async def retire_workers(
+            workers: list[str] | None = None,
+            *,
+            names: list | None = None,
+            close_workers: bool = False,
+            remove: bool = True,
+            stimulus_id: str | None = None,
+            **kwargs: Any,
+        ) -> dict[str, Any]:
             targets = _targets(scheduler, workers, names, kwargs)
             await self.drain(scheduler, targets)
-            return await original(workers=targets, close_workers=close_workers, remove=remove,
-                                  stimulus_id=stimulus_id)
+            return await original(workers=targets, close_workers=close_workers, remove=remove, stimulus_id=stimulus_id)
 
         scheduler.retire_workers = retire_workers
         scheduler.handlers["retire_workers"] = retire_workers
@@ -128,10 +132,12 @@ class DrainBeforeRetire(SchedulerPlugin):
 
     async def drain(self, scheduler: Any, addresses: list[str]) -> None:
         """Drain every worker in ``addresses`` at once (workers without daskgen answer with an error)."""
+
         async def one(address: str) -> None:
             try:
-                result = await asyncio.wait_for(_drain_rpc(scheduler.rpc, address, self.timeout),
-                                                self.timeout + RPC_SLACK_S)
+                result = await asyncio.wait_for(
+                    _drain_rpc(scheduler.rpc, address, self.timeout), self.timeout + RPC_SLACK_S
+                )
                 logger.info("daskgen: drained %s before retiring it: %s", address, result)
             except Exception as exc:
                 logger.info("daskgen: %s not drained before retiring it: %s", address, exc)

@@ -82,8 +82,12 @@ def sample_seed(seed: int, row: int, sample: int) -> int:
     return int(state) & 0x7FFFFFFF
 
 
-def fill_region(region: dict[str, np.ndarray], task: PartitionTask, samples: list[list[Trajectory]],
-                rounds: list[RowOutcome] | None = None) -> PartitionResult:
+def fill_region(
+    region: dict[str, np.ndarray],
+    task: PartitionTask,
+    samples: list[list[Trajectory]],
+    rounds: list[RowOutcome] | None = None,
+) -> PartitionResult:
     """Place prompts and trajectories (and verifier scores) into the region; collect per-row failures."""
     out = PartitionResult(task.start, task.stop, list(task.rows))
     for i, outcome in enumerate(rounds or []):
@@ -200,8 +204,9 @@ class _Tally:
         self.left = 0
 
 
-async def _finish(task: PartitionTask, region: dict[str, np.ndarray] | None, results: list, worker: str,
-                  t0: float) -> PartitionResult:
+async def _finish(
+    task: PartitionTask, region: dict[str, np.ndarray] | None, results: list, worker: str, t0: float
+) -> PartitionResult:
     """Place the results into the region and write it; the task finishes only after its data landed."""
     rounds = results if task.verify is not None else None
     samples = [t for o in results for t in o.samples] if rounds is not None else results
@@ -235,13 +240,26 @@ def partial_prefixes(region: dict[str, np.ndarray], task: PartitionTask) -> dict
                 reason = FinishReason.STOP
             lp = region["logprobs"][r, s, :n].tolist() if task.params.logprobs else None
             continued = int(region["continued_tokens"][r, s]) if "continued_tokens" in region else 0
-            out[row, s] = Trajectory(ids, region["response_mask"][r, s, :n].tolist(), lp, FinishReason(reason),
-                                     int(region["num_turns"][r, s]), continued=continued, carried=n)
+            out[row, s] = Trajectory(
+                ids,
+                region["response_mask"][r, s, :n].tolist(),
+                lp,
+                FinishReason(reason),
+                int(region["num_turns"][r, s]),
+                continued=continued,
+                carried=n,
+            )
     return out
 
 
-async def _sample(agent: AgentLoop, handle: EngineHandle, request_id: str, prompt: list[int],
-                  params: SamplingParams, prefix: Trajectory | None) -> list[Trajectory]:
+async def _sample(
+    agent: AgentLoop,
+    handle: EngineHandle,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    prefix: Trajectory | None,
+) -> list[Trajectory]:
     """One sample through the agent loop, continuing a stored aborted prefix when given.
 
     The continuation is token-exact: the stored ids (and logprobs) followed by what the engine
@@ -259,27 +277,44 @@ async def _sample(agent: AgentLoop, handle: EngineHandle, request_id: str, promp
         return await agent.run(handle, request_id, prompt, params)
     rest = params.__class__(**{**params.__dict__, "max_new_tokens": budget})
     (tail,) = await agent.run(handle, request_id, prompt + prefix.response_ids, rest)
-    merged = Trajectory(prefix.response_ids + tail.response_ids, prefix.response_mask + tail.response_mask,
-                        None if prefix.logprobs is None else prefix.logprobs + (tail.logprobs or []),
-                        tail.finish_reason, max(prefix.num_turns, tail.num_turns), tail.error,
-                        continued=len(prefix.response_ids), carried=len(prefix.response_ids))
+    merged = Trajectory(
+        prefix.response_ids + tail.response_ids,
+        prefix.response_mask + tail.response_mask,
+        None if prefix.logprobs is None else prefix.logprobs + (tail.logprobs or []),
+        tail.finish_reason,
+        max(prefix.num_turns, tail.num_turns),
+        tail.error,
+        continued=len(prefix.response_ids),
+        carried=len(prefix.response_ids),
+    )
     return [merged]
 
 
-async def _run_rows(plugin: Any, handle: EngineHandle, agent: AgentLoop, task: PartitionTask, indices: range,
-                    prefixes: dict[tuple[int, int], Trajectory], tally: _Tally) -> list[list[Trajectory]]:
+async def _run_rows(
+    plugin: Any,
+    handle: EngineHandle,
+    agent: AgentLoop,
+    task: PartitionTask,
+    indices: range,
+    prefixes: dict[tuple[int, int], Trajectory],
+    tally: _Tally,
+) -> list[list[Trajectory]]:
     """All samples of the given rows at once; a crash or hang marks the engine broken and raises."""
     handle.engine = await plugin.get_engine()  # the engine may have been restarted meanwhile
+
     def one(i: int, s: int) -> Any:
         row = task.rows[i]
         params = SamplingParams(**{**task.params.__dict__, "seed": sample_seed(task.seed, row, s)})
-        return tally.counted(_sample(agent, handle, f"p{row}-s{s}", list(task.prompts[i]), params,
-                                     prefixes.get((row, s))))
+        return tally.counted(
+            _sample(agent, handle, f"p{row}-s{s}", list(task.prompts[i]), params, prefixes.get((row, s)))
+        )
 
     if task.verify is not None:
         decode = plugin.tokenizer().decode
-        calls = [sample_in_rounds(task.verify, task.n_samples, task.rows_meta[i], decode,
-                                  functools.partial(one, i)) for i in indices]
+        calls = [
+            sample_in_rounds(task.verify, task.n_samples, task.rows_meta[i], decode, functools.partial(one, i))
+            for i in indices
+        ]
     else:
         calls = [one(i, s) for i in indices for s in range(task.n_samples)]
     try:
@@ -287,15 +322,23 @@ async def _run_rows(plugin: Any, handle: EngineHandle, agent: AgentLoop, task: P
     except asyncio.TimeoutError:
         await handle.abort_all()
         await plugin.check_health()
-        raise EngineError(f"rows {task.rows[indices[0]]}..{task.rows[indices[-1]]} did not finish within "
-                          f"partition_timeout_s={task.timeout_s}") from None
+        raise EngineError(
+            f"rows {task.rows[indices[0]]}..{task.rows[indices[-1]]} did not finish within "
+            f"partition_timeout_s={task.timeout_s}"
+        ) from None
     except Exception as exc:
         await plugin.mark_broken(f"{type(exc).__name__}: {exc}")
         raise
 
 
-async def _run_isolated(plugin: Any, handle: EngineHandle, agent: AgentLoop, task: PartitionTask,
-                        prefixes: dict[tuple[int, int], Trajectory], tally: _Tally) -> list[list[Trajectory]]:
+async def _run_isolated(
+    plugin: Any,
+    handle: EngineHandle,
+    agent: AgentLoop,
+    task: PartitionTask,
+    prefixes: dict[tuple[int, int], Trajectory],
+    tally: _Tally,
+) -> list[list[Trajectory]]:
     """Row by row; a row whose generation raises gets error trajectories instead of failing the task."""
     samples: list[list[Trajectory]] = []
     for i in range(len(task.rows)):
@@ -304,8 +347,9 @@ async def _run_isolated(plugin: Any, handle: EngineHandle, agent: AgentLoop, tas
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc} (failed again when retried alone)"
             failed = [[Trajectory(error=message, finish_reason=FinishReason.ERROR)] for _ in range(task.n_samples)]
-            samples += ([RowOutcome(failed, [np.nan] * task.n_samples, task.n_samples)] if task.verify is not None
-                        else failed)
+            samples += (
+                [RowOutcome(failed, [np.nan] * task.n_samples, task.n_samples)] if task.verify is not None else failed
+            )
     return samples
 
 

@@ -49,8 +49,15 @@ class EnginePlugin(WorkerPlugin):
 
     name = PLUGIN_NAME
 
-    def __init__(self, engine: str, model: str, engine_args: dict[str, Any] | None = None,
-                 window: int | str = "auto", requests_per_partition: int = 1, drain_timeout_s: float = 20.0):
+    def __init__(
+        self,
+        engine: str,
+        model: str,
+        engine_args: dict[str, Any] | None = None,
+        window: int | str = "auto",
+        requests_per_partition: int = 1,
+        drain_timeout_s: float = 20.0,
+    ):
         self.engine_name = engine
         self.model = model
         self.engine_args = dict(engine_args or {})
@@ -109,17 +116,25 @@ class EnginePlugin(WorkerPlugin):
             self._ready.set()
         self.state = "ready"
         if not self._advertised:
-            self.resolved_window = resolve_window(self.window, self.engine.capacity, self.requests_per_partition,
-                                                  self._worker.state.nthreads)
-            logger.info("daskgen engine ready on %s: %d partitions in flight (window %s, engine capacity %s, "
-                        "%d requests per partition)", self._worker.address, self.resolved_window, self.window,
-                        self.engine.capacity, self.requests_per_partition)
+            self.resolved_window = resolve_window(
+                self.window, self.engine.capacity, self.requests_per_partition, self._worker.state.nthreads
+            )
+            logger.info(
+                "daskgen engine ready on %s: %d partitions in flight (window %s, engine capacity %s, "
+                "%d requests per partition)",
+                self._worker.address,
+                self.resolved_window,
+                self.window,
+                self.engine.capacity,
+                self.requests_per_partition,
+            )
             await self._worker.set_resources(**{RESOURCE: float(self.resolved_window)})
             self._advertised = True
             self._announce_window()
             if self.window == "auto":
-                admission = Admission.for_engine(self.engine.capacity, self.requests_per_partition,
-                                                 self._worker.state.nthreads)
+                admission = Admission.for_engine(
+                    self.engine.capacity, self.requests_per_partition, self._worker.state.nthreads
+                )
                 self._admitter = asyncio.create_task(self._follow_occupancy(admission))
 
     async def _follow_occupancy(self, admission: Admission) -> None:
@@ -167,8 +182,9 @@ class EnginePlugin(WorkerPlugin):
         if self.state != "ready":
             return False
         try:
-            await asyncio.wait_for(self.engine.health(), tunables.seconds("health-timeout") if timeout is None
-                                   else timeout)
+            await asyncio.wait_for(
+                self.engine.health(), tunables.seconds("health-timeout") if timeout is None else timeout
+            )
         except Exception as exc:
             await self.mark_broken(f"health check failed: {type(exc).__name__}: {exc}")
             return False
@@ -207,8 +223,10 @@ class EnginePlugin(WorkerPlugin):
         timeout = self.drain_timeout_s if timeout is None else timeout
         if not self.draining:
             self.draining = True
-            logger.warning("daskgen: draining worker %s: aborting in-flight requests (partial responses are kept)",
-                           getattr(self._worker, "address", "?"))
+            logger.warning(
+                "daskgen: draining worker %s: aborting in-flight requests (partial responses are kept)",
+                getattr(self._worker, "address", "?"),
+            )
             if self._advertised and self._worker is not None:
                 await self._worker.set_resources(**{RESOURCE: 0.0})
                 self.resolved_window = 0
@@ -222,8 +240,13 @@ class EnginePlugin(WorkerPlugin):
 
     def status(self) -> dict[str, Any]:
         """Small summary for the client."""
-        return {"state": self.state, "error": self.error, "gpu": self.gpu, "engine": self.engine_name,
-                "window": self.resolved_window}
+        return {
+            "state": self.state,
+            "error": self.error,
+            "gpu": self.gpu,
+            "engine": self.engine_name,
+            "window": self.resolved_window,
+        }
 
     async def teardown(self, worker: Any) -> None:
         """Shut the engine down when the worker closes or the plugin is replaced."""

@@ -40,8 +40,10 @@ class VerifyPolicy:
     def check(self, n_samples: int) -> None:
         """Validate against ``n_samples`` and import the callables (clear errors on the client)."""
         if self.round_size < 1 or n_samples % self.round_size:
-            raise ConfigError(f"round_size={self.round_size} must be >= 1 and divide n_samples={n_samples} "
-                              "(n_samples is the maximum number of samples per prompt).")
+            raise ConfigError(
+                f"round_size={self.round_size} must be >= 1 and divide n_samples={n_samples} "
+                "(n_samples is the maximum number of samples per prompt)."
+            )
         load_callable(self.verifier, "verifier")
         if self.stop_when:
             load_callable(self.stop_when, "stop_when")
@@ -66,8 +68,9 @@ def load_callable(target: str, what: str) -> Callable[..., Any]:
     return fn
 
 
-async def score(policy: VerifyPolicy, decode: Callable[[list[int]], str], traj: Trajectory,
-                row: dict[str, Any]) -> tuple[float, str | None]:
+async def score(
+    policy: VerifyPolicy, decode: Callable[[list[int]], str], traj: Trajectory, row: dict[str, Any]
+) -> tuple[float, str | None]:
     """The verifier's score of one response (NaN and a message when decoding or the verifier raised)."""
     fn = load_callable(policy.verifier, "verifier")
     try:
@@ -87,15 +90,21 @@ def satisfied(policy: VerifyPolicy, scores: list[float], trajs: list[Trajectory]
         return bool(load_callable(policy.stop_when, "stop_when")([s for s in scores if not math.isnan(s)]))
     if policy.until_correct is None:
         return False
-    correct = sum(1 for s, t in zip(scores, trajs, strict=True)
-                  if s >= policy.correct_threshold
-                  and (policy.count_truncated or t.finish_reason != FinishReason.LENGTH))
+    correct = sum(
+        1
+        for s, t in zip(scores, trajs, strict=True)
+        if s >= policy.correct_threshold and (policy.count_truncated or t.finish_reason != FinishReason.LENGTH)
+    )
     return correct >= policy.until_correct
 
 
-async def sample_in_rounds(policy: VerifyPolicy, n_samples: int, row: dict[str, Any],
-                           decode: Callable[[list[int]], str],
-                           sample: Callable[[int], Awaitable[list[Trajectory]]]) -> RowOutcome:
+async def sample_in_rounds(
+    policy: VerifyPolicy,
+    n_samples: int,
+    row: dict[str, Any],
+    decode: Callable[[list[int]], str],
+    sample: Callable[[int], Awaitable[list[Trajectory]]],
+) -> RowOutcome:
     """Run rounds for one prompt; ``sample(s)`` generates sample ``s``."""
     out = RowOutcome([[] for _ in range(n_samples)], [math.nan] * n_samples, 0)
     firsts: list[Trajectory] = []
@@ -109,7 +118,7 @@ async def sample_in_rounds(policy: VerifyPolicy, n_samples: int, row: dict[str, 
                 out.notes.append(f"sample {s}: {note}")
             firsts.append(trajs[-1])
         out.used = start + policy.round_size
-        if any(t.finish_reason in (FinishReason.ABORT, FinishReason.ERROR) for t in firsts[-policy.round_size:]):
+        if any(t.finish_reason in (FinishReason.ABORT, FinishReason.ERROR) for t in firsts[-policy.round_size :]):
             break
         if satisfied(policy, out.scores[: out.used], firsts):
             break

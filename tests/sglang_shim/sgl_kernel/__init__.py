@@ -85,6 +85,4 @@ def __getattr__(name: str) -> Any:
     if name.startswith("__"):
         raise AttributeError(name)
     _record("missing", name)
-    raise AttributeError(
-        f"daskgen's import-only sgl_kernel shim has no {name!r}; it provides only {list(PROVIDED)}"
-    )
+    raise AttributeError(f"daskgen's import-only sgl_kernel shim has no {name!r}; it provides only {list(PROVIDED)}")
