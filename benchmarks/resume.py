@@ -176,8 +176,8 @@ def part_pending(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
                 t_prepare * 1000 <= a.target_ms,
             ],
             [
-                "plan.prepare after `touch`-ing the input (reads, validates, tokenizes, fingerprints it; then the store "
-                "part)",
+                "plan.prepare after `touch`-ing the input (reads, validates, tokenizes, fingerprints it; then the "
+                "store part)",
                 t_rescan,
                 t_rescan,
                 t_rescan * 1000 <= a.target_ms,
