@@ -170,14 +170,16 @@ def run_static(model_path: str, token_ids: list[list[int]], a: argparse.Namespac
 
 def run_daskgen(config: RunConfig, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """daskgen's ``runner.run`` with the transformers engine; timed from engine ready to the last commit."""
+    from daskgen import store
     from daskgen.client.runner import run
-    from daskgen.store import generation_store as store
 
     with _bench.instrument_run() as marks:
         summary = run(config, rows)
     if not summary.ok:
         raise SystemExit(f"daskgen run did not finish: {summary.line()}")
-    lengths = store.read_region(config.store, 0, len(rows), ("response_length",))["response_length"][:, 0]
+    lengths = store.GenerationStore.open(config.store).read_region(0, len(rows), ("response_length",))[
+        "response_length"
+    ][:, 0]
     return {
         "seconds": marks["generate_s"],
         "tokens": summary.response_tokens,

@@ -100,27 +100,31 @@ def partition_data(rng: np.random.Generator, layout: Any) -> dict[str, np.ndarra
 
 def store_calls(a: argparse.Namespace, where: Any) -> dict[str, float]:
     """Seconds of each store call on ``where`` (per-partition calls: median per call)."""
+    from daskgen import store
     from daskgen.analysis.accessor import open_store
-    from daskgen.store import generation_store as store
 
     layout = store.Layout(a.prompts, a.n_samples, 64, a.max_new_tokens, a.partition_size, 0)
     rng = np.random.default_rng(0)
     blocks = [partition_data(rng, layout) for _ in range(4)]
     t0 = time.perf_counter()
-    store.create(where, layout, {"identity": {"model": "bench"}}, [f"r{i}" for i in range(a.prompts)])
+    store.GenerationStore.create(
+        where, store.StoreAttrs(layout, **{"identity": {"model": "bench"}}), [f"r{i}" for i in range(a.prompts)]
+    )
     out = {"create": time.perf_counter() - t0}
     writes, commits = [], []
     for i, start in enumerate(layout.partitions()):
         t = time.perf_counter()
-        store.write_region(where, start, blocks[i % len(blocks)])
+        store.GenerationStore.open(where).write_region(start, blocks[i % len(blocks)])
         writes.append(time.perf_counter() - t)
         t = time.perf_counter()
-        store.commit(where, start, np.ones(a.partition_size, "int8"), None, np.full(a.partition_size, time.time()))
+        store.GenerationStore.open(where).commit(
+            start, np.ones(a.partition_size, "int8"), None, np.full(a.partition_size, time.time())
+        )
         commits.append(time.perf_counter() - t)
     out["write_region (per partition)"] = statistics.median(writes)
     out["commit (per partition)"] = statistics.median(commits)
     t = time.perf_counter()
-    store.read_status(where)
+    store.GenerationStore.open(where).read_status()
     out["read_status"] = time.perf_counter() - t
     t = time.perf_counter()
     np.asarray(open_store(where).response_length)

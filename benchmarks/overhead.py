@@ -83,9 +83,9 @@ def _direct_writer(src: str, dst: str, starts: list[int], barrier: Any) -> tuple
     """Child process: load its partitions from ``src`` into memory, wait, then write them into ``dst``."""
     import zarr
 
-    from daskgen.store import generation_store as store
+    from daskgen import store
 
-    layout = store.layout_of(store.read_attrs(src))
+    layout = (store.read_store_attrs(src)).layout
     src_group = zarr.open_group(src, mode="r")
     data = []
     for start in starts:
@@ -103,12 +103,14 @@ def _direct_writer(src: str, dst: str, starts: list[int], barrier: Any) -> tuple
 
 def run_direct(src: Path, dst: Path, processes: int) -> dict[str, Any]:
     """Write every partition of ``src`` into a fresh store of the same layout from ``processes`` processes."""
-    from daskgen.store import generation_store as store
+    from daskgen import store
 
-    attrs = store.read_attrs(src)
-    layout = store.layout_of(attrs)
-    ids = [str(x) for x in store.read_region(src, 0, layout.n_prompts, ("prompt_id",))["prompt_id"]]
-    store.create(dst, layout, {"benchmark": "direct zarr writes"}, ids)
+    attrs = store.read_store_attrs(src)
+    layout = (attrs).layout
+    ids = [
+        str(x) for x in store.GenerationStore.open(src).read_region(0, layout.n_prompts, ("prompt_id",))["prompt_id"]
+    ]
+    store.GenerationStore.create(dst, store.StoreAttrs(layout, extra={"benchmark": "direct zarr writes"}), ids)
     starts = list(layout.partitions())
     shares = [starts[i::processes] for i in range(processes)]
     ctx = mp.get_context("spawn")
@@ -124,10 +126,10 @@ def data_bytes(path: Path) -> int:
     """Uncompressed bytes of the data arrays of a store (what a partition task writes)."""
     import zarr
 
-    from daskgen.store import generation_store as store
+    from daskgen import store
 
     group = zarr.open_group(str(path), mode="r")
-    names = store.layout_of(store.read_attrs(path)).data_arrays()
+    names = (store.read_store_attrs(path)).layout.data_arrays()
     return sum(int(np.prod(group[n].shape)) * group[n].dtype.itemsize for n in names)
 
 

@@ -37,7 +37,7 @@ def build_store(a: argparse.Namespace, path: Path) -> dict[str, Any]:
     """Create a store of ``a.prompts`` rows and fill the done partitions' data arrays."""
     import zarr
 
-    from daskgen.store import generation_store as store
+    from daskgen import store
 
     layout = store.Layout(a.prompts, a.n_samples, a.max_prompt_tokens, a.max_new_tokens, a.partition_size, 0)
     attrs = {
@@ -46,7 +46,7 @@ def build_store(a: argparse.Namespace, path: Path) -> dict[str, Any]:
         "simulated": True,
     }
     t0 = time.perf_counter()
-    store.create(path, layout, attrs, [f"r{i}" for i in range(a.prompts)])
+    store.GenerationStore.create(path, store.StoreAttrs(layout, **attrs), [f"r{i}" for i in range(a.prompts)])
     rng = np.random.default_rng(0)
     n_parts = -(-a.prompts // a.partition_size)
     done = rng.random(n_parts) < a.done_fraction
@@ -97,11 +97,11 @@ def files_and_bytes(path: Path) -> tuple[int, int]:
 
 def read_times(a: argparse.Namespace, path: Path) -> dict[str, float]:
     """Median seconds of each read (see the module docstring)."""
+    from daskgen import store
     from daskgen.analysis.accessor import open_store
-    from daskgen.store import generation_store as store
 
     rng = np.random.default_rng(1)
-    status = store.read_status(path)
+    status = store.GenerationStore.open(path).read_status()
     ds = open_store(path)
     done_parts = np.unique(np.flatnonzero(status == store.DONE) // a.partition_size)
 
@@ -113,7 +113,7 @@ def read_times(a: argparse.Namespace, path: Path) -> dict[str, float]:
 
     def one_partition() -> None:
         start = int(rng.choice(done_parts)) * a.partition_size
-        store.read_region(path, start, start + a.partition_size, ("response_ids",))
+        store.GenerationStore.open(path).read_region(start, start + a.partition_size, ("response_ids",))
 
     def one_partition_xarray() -> None:
         start = int(rng.choice(done_parts)) * a.partition_size
@@ -143,18 +143,22 @@ def read_times(a: argparse.Namespace, path: Path) -> dict[str, float]:
 
 def part_pack(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     """Build, measure, pack, measure again, check the values are unchanged."""
-    from daskgen.store import generation_store as store
+    from daskgen import store
     from daskgen.store.pack import pack
 
     path = work / "big.zarr"
     built = build_store(a, path)
     files_before, bytes_before = files_and_bytes(path)
     reads_before = read_times(a, path)
-    sample = store.read_region(path, 0, min(a.prompts, 4096), ("response_ids", "response_length", "status"))
+    sample = store.GenerationStore.open(path).read_region(
+        0, min(a.prompts, 4096), ("response_ids", "response_length", "status")
+    )
     result = pack(path, n_workers=a.workers)
     files_after, bytes_after = files_and_bytes(path)
     reads_after = read_times(a, path)
-    again = store.read_region(path, 0, min(a.prompts, 4096), ("response_ids", "response_length", "status"))
+    again = store.GenerationStore.open(path).read_region(
+        0, min(a.prompts, 4096), ("response_ids", "response_length", "status")
+    )
     same = all(np.array_equal(sample[k], again[k]) for k in sample)
     rec.note(
         f"Store: {a.prompts:,} prompts x {a.n_samples} sample(s), max {a.max_new_tokens} new tokens (lognormal "

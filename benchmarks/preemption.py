@@ -84,14 +84,14 @@ def child(a: argparse.Namespace) -> int:
 
 def invoke(a: argparse.Namespace, store: Path, result: Path, stop_at: float | None = None) -> dict[str, Any]:
     """Run one child; with ``stop_at``, SIGTERM it once that fraction of prompts is committed."""
-    from daskgen.store import generation_store as zstore
+    from daskgen import store as zstore
 
     cmd = [sys.executable, __file__, "--child", "--store", str(store), "--result", str(result), *_forwarded(a)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     signalled_at = None
     while stop_at is not None and proc.poll() is None:
-        if zstore.read_attrs(store) is not None:
-            status = zstore.read_status(store)
+        if zstore.read_store_attrs(store) is not None:
+            status = zstore.GenerationStore.open(store).read_status()
             if (status == zstore.DONE).mean() >= stop_at:
                 proc.send_signal(signal.SIGTERM)
                 signalled_at = time.perf_counter()

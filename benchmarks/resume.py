@@ -89,14 +89,14 @@ def mark_done(store_path: Path, n: int, partition: int, fraction: float, seed: i
     return status
 
 
-def store_level_pending(store_path: Path, wanted: dict[str, Any]) -> tuple[int, int]:
+def store_level_pending(store_path: Path, wanted: Any) -> tuple[int, int]:
     """Attrs check + status read + pending rows and partitions: (pending rows, partitions to run)."""
-    from daskgen.store import generation_store as store
+    from daskgen import store
 
-    stored = store.read_attrs(store_path)
-    store.check_compatible(store_path, stored, wanted)
-    layout = store.layout_of(stored)
-    status = store.read_status(store_path)
+    opened = store.GenerationStore.open(store_path)
+    opened.check_resumable(wanted)
+    layout = opened.layout
+    status = opened.read_status()
     pending = np.flatnonzero(status == store.PENDING)
     partitions = np.unique(pending // layout.partition_size)
     return len(pending), len(partitions)
@@ -121,8 +121,8 @@ def median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]
 
 def part_pending(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     """The 1M-prompt store: time to the pending set at store, xarray and runner level."""
+    from daskgen import store
     from daskgen.client.plan import pending_tasks, prepare
-    from daskgen.store import generation_store as store
 
     prompts = work / "prompts.jsonl"
     store_path = work / "big.zarr"
@@ -134,7 +134,7 @@ def part_pending(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     prepare(config)
     t_create = time.perf_counter() - t0
     status = mark_done(store_path, a.prompts, a.partition_size, a.done_fraction)
-    wanted = {k: store.read_attrs(store_path)[k] for k in ("identity", "input", "tokenizer")}
+    wanted = store.read_store_attrs(store_path)
     expect = int((status == 0).sum())
 
     med, first, (n_pending, n_parts) = median_time(lambda: store_level_pending(store_path, wanted), a.repeats)
@@ -260,7 +260,7 @@ def logged_rows(log: Path, offset: int = 0) -> list[int]:
 
 def part_crash(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     """SIGKILL a real run mid-way, rerun the same command, count regenerated prompts."""
-    from daskgen.store import generation_store as store
+    from daskgen import store
 
     prompts = work / "crash.jsonl"
     write_input(prompts, a.crash_prompts)
@@ -274,8 +274,8 @@ def part_crash(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     while True:
         if proc.poll() is not None:
             raise SystemExit(f"the run ended before the kill point (rc {proc.returncode}):\n{proc.stdout.read()}")
-        if store.read_attrs(store_path) is not None:
-            done = int((store.read_status(store_path) == store.DONE).sum())
+        if store.read_store_attrs(store_path) is not None:
+            done = int((store.GenerationStore.open(store_path).read_status() == store.DONE).sum())
             if done >= a.kill_at * a.crash_prompts:
                 break
         if time.perf_counter() - t0 > a.crash_timeout:
@@ -285,10 +285,10 @@ def part_crash(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     t_kill = time.perf_counter() - t0
-    status_at_kill = store.read_status(store_path)
+    status_at_kill = store.GenerationStore.open(store_path).read_status()
     done_rows = np.flatnonzero(status_at_kill == store.DONE)
-    before = store.read_region(
-        store_path, 0, a.crash_prompts, ("response_ids", "response_length", "finish_reason", "committed_at")
+    before = store.GenerationStore.open(store_path).read_region(
+        0, a.crash_prompts, ("response_ids", "response_length", "finish_reason", "committed_at")
     )
     first_run_calls = logged_rows(log)
     offset = log.stat().st_size if log.exists() else 0
@@ -299,10 +299,10 @@ def part_crash(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     if res.returncode != 0:
         raise SystemExit(f"resume failed (rc {res.returncode}):\n{res.stdout}\n{res.stderr}")
     rerun_rows = set(logged_rows(log, offset))
-    after = store.read_region(
-        store_path, 0, a.crash_prompts, ("response_ids", "response_length", "finish_reason", "committed_at")
+    after = store.GenerationStore.open(store_path).read_region(
+        0, a.crash_prompts, ("response_ids", "response_length", "finish_reason", "committed_at")
     )
-    final = store.read_status(store_path)
+    final = store.GenerationStore.open(store_path).read_status()
     regenerated = sorted(rerun_rows & set(done_rows.tolist()))
     pending_at_kill = set(np.flatnonzero(status_at_kill != store.DONE).tolist())
     identical = all(np.array_equal(before[k][done_rows], after[k][done_rows], equal_nan=True) for k in before)

@@ -386,18 +386,20 @@ def part_client(a: argparse.Namespace, work: Path, rec: _bench.Record) -> list[d
 
 def commit_latency(a: argparse.Namespace, work: Path) -> tuple[float, float]:
     """Median and p90 seconds of ``store.commit`` for one partition on a ``--commit-rows`` store."""
-    from daskgen.store import generation_store as store
+    from daskgen import store
 
     layout = store.Layout(a.commit_rows, a.n_samples, 64, 256, a.partition_size, 0)
     path = work / "commit.zarr"
-    store.create(path, layout, {"benchmark": "commit latency"}, [f"r{i}" for i in range(a.commit_rows)])
+    store.GenerationStore.create(
+        path, store.StoreAttrs(layout, extra={"benchmark": "commit latency"}), [f"r{i}" for i in range(a.commit_rows)]
+    )
     rng = np.random.default_rng(0)
     starts = rng.choice(np.arange(0, a.commit_rows, a.partition_size), size=a.commit_samples, replace=False)
     times = []
     for start in starts:
         n = min(a.partition_size, a.commit_rows - start)
         t0 = time.perf_counter()
-        store.commit(path, int(start), np.ones(n, dtype="int8"), None, np.full(n, time.time()))
+        store.GenerationStore.open(path).commit(int(start), np.ones(n, dtype="int8"), None, np.full(n, time.time()))
         times.append(time.perf_counter() - t0)
     return statistics.median(times), float(np.percentile(times, 90))
 

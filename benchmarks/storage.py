@@ -76,19 +76,19 @@ def make_store(a: argparse.Namespace, path: Path) -> None:
 
 def has_logprobs(path: Path) -> bool:
     """Whether the store's run asked for logprobs (its config says so)."""
-    from daskgen.store import generation_store as store
+    from daskgen import store
 
-    return bool(((store.read_attrs(path) or {}).get("identity") or {}).get("logprobs"))
+    return bool(store.GenerationStore.open(path).attrs.identity.get("logprobs"))
 
 
 def samples(path: Path, with_logprobs: bool) -> Iterator[dict[str, Any]]:
     """Every done (prompt, sample) of the store as a dict of unpadded numpy arrays and scalars."""
     import zarr
 
-    from daskgen.store import generation_store as store
+    from daskgen import store
 
     group = zarr.open_group(str(path), mode="r")
-    layout = store.layout_of(store.read_attrs(path))
+    layout = (store.read_store_attrs(path)).layout
     has_lp = with_logprobs and has_logprobs(path)
     step = layout.partition_size
     for start in range(0, layout.n_prompts, step):
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     """Build the three formats, measure, print, append to the README."""
     a = parse_args(argv)
     _bench.quiet_logs()
-    from daskgen.store import generation_store as store
+    from daskgen import store
 
     rec = _bench.Record("Storage: daskgen store vs JSONL vs pickled batches")
     with _bench.workdir(a.workdir) as work:
@@ -261,12 +261,14 @@ def main(argv: list[str] | None = None) -> int:
         if src is None:
             src = work / "daskgen.zarr"
             make_store(a, src)
-        attrs = store.read_attrs(src)
+        attrs = store.read_store_attrs(src)
         if attrs is None:
             raise SystemExit(f"{src} is not a daskgen store")
-        layout = store.layout_of(attrs)
-        status = store.read_status(src)
-        lengths = store.read_region(src, 0, layout.n_prompts, ("response_length",))["response_length"][status == 1]
+        layout = (attrs).layout
+        status = store.GenerationStore.open(src).read_status()
+        lengths = store.GenerationStore.open(src).read_region(0, layout.n_prompts, ("response_length",))[
+            "response_length"
+        ][status == 1]
         tokens = int(lengths.sum())
         has_lp = has_logprobs(src)
         variants = [True, False] if has_lp else [False]

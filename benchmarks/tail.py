@@ -98,7 +98,7 @@ def one(a: argparse.Namespace, work: Path, name: str, mean: float, sigma: float)
         for key, value in extra.items():
             setattr(config, key, value)
         side = longtail.run_streaming(d, config, prompts)
-        return side.makespan_model_s, store.read_attrs(path)["runs"][-1]
+        return side.makespan_model_s, store.read_store_attrs(path).runs[-1]
 
     if a.emulate_only:
         return [

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import xarray as xr
 
+from daskgen import store
 from daskgen.agents import EngineHandle, SingleTurn, create_agent
 from daskgen.agents.parsers import HermesParser, ToolCall
 from daskgen.agents.tools import call_tool, load_tools
 from daskgen.engines.base import FinishReason, SamplingParams
 from daskgen.errors import ConfigError
-from daskgen.store import generation_store as store
 from daskgen.testing.engines import ScriptedToolEngine
 from tests.conftest import run_cli, write_prompts
 
@@ -171,7 +171,7 @@ def test_tool_run_end_to_end_with_trajectory_axis_and_resume(tmp_path, tiny_mode
     args = ["run", "--config", cfg, "--prompts", prompts, "--model", tiny_model, "--store", out, "--no-progress"]
     first = run_cli(*args, "--window", "1", "--target-done", "2", timeout=380)  # stops early: a partial store
     assert first.returncode == 0, first.stdout + first.stderr
-    status = store.read_status(out)
+    status = store.GenerationStore.open(out).read_status()
     done_first = status == store.DONE
     assert 0 < done_first.sum() < 6 and (status == store.PENDING).any(), status
     kept = xr.open_zarr(out).response_ids.values[done_first]

@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 import xarray as xr
 
+from daskgen import store
 from daskgen.analysis.accessor import open_store
 from daskgen.engines.base import FinishReason
 from daskgen.errors import StoreError, StoreMismatchError
 from daskgen.input.rows import fingerprint, tokenize_rows
 from daskgen.input.tokenizer import ByteTokenizer, tokenizer_identity
-from daskgen.store import generation_store as store
 
 T0 = 1_760_000_000.0  # commit time of the first partition (seconds since 1970)
 GAP = 90.0  # seconds between partition commits
@@ -94,7 +94,7 @@ def build_store(
         "simulated": True,
     }
     path = tmp_path / name
-    store.create(path, layout, attrs, [r["id"] for r in rows])
+    store.GenerationStore.create(path, store.StoreAttrs(layout, **attrs), [r["id"] for r in rows])
     truth = Truth(path, input_path, {}, np.zeros(n, dtype=np.int8), np.full(n, np.nan), [])
     prompt_ids = tokenize_rows(rows, tok)
     truth.prompt_texts = [tok.decode(ids) for ids in prompt_ids]
@@ -102,7 +102,7 @@ def build_store(
     truth.arrays = arrays
     names = [k for k in arrays if k in layout.data_arrays()]
     for start in layout.partitions():  # every partition's data lands, like workers writing
-        store.write_region(path, start, {k: arrays[k][start : start + partition] for k in names})
+        store.GenerationStore.open(path).write_region(start, {k: arrays[k][start : start + partition] for k in names})
     done = {0: store.DONE, partition: store.DONE} if done is None else done
     for k, (start, code) in enumerate(sorted(done.items())):
         status = np.full(min(partition, n - start), code, dtype=np.int8)
@@ -112,7 +112,7 @@ def build_store(
             errors = [""] * len(status)
             errors[1] = "engine crashed on this prompt"
         when = np.full(len(status), T0 + k * GAP)
-        store.commit(path, start, status, errors, when)
+        store.GenerationStore.open(path).commit(start, status, errors, when)
         truth.status[start : start + len(status)] = status
         truth.committed_at[start : start + len(status)] = when
     return truth
@@ -284,8 +284,8 @@ def test_texts_decode_with_the_stores_tokenizer(truth):
 
 
 def test_decoding_refuses_a_different_tokenizer(truth):
-    attrs = store.read_attrs(truth.path)
-    store.update_attrs(truth.path, tokenizer={**attrs["tokenizer"], "vocab_size": 32000})
+    attrs = store.read_store_attrs(truth.path)
+    store.GenerationStore.open(truth.path).update_attrs(tokenizer={**attrs.tokenizer, "vocab_size": 32000})
     with pytest.raises(StoreMismatchError, match="vocab_size: store has 32000"):
         open_store(truth.path).daskgen.texts(limit=1)
 
@@ -296,10 +296,9 @@ def test_texts_with_a_real_hugging_face_tokenizer(tmp_path, tiny_model):
     hf = AutoTokenizer.from_pretrained(tiny_model)
     truth = build_store(tmp_path)
     ds = open_store(truth.path)
-    store.update_attrs(
-        truth.path,
+    store.GenerationStore.open(truth.path).update_attrs(
         tokenizer=tokenizer_identity(hf),
-        identity={**ds.daskgen.attrs["identity"], "model": str(tiny_model), "engine": "transformers"},
+        identity={**ds.daskgen.attrs.identity, "model": str(tiny_model), "engine": "transformers"},
     )
     frame = open_store(truth.path).daskgen.texts(limit=2, skip_special_tokens=False)
     ids = truth.arrays["response_ids"][0, 0, : truth.arrays["response_length"][0, 0]]

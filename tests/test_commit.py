@@ -6,10 +6,10 @@ import dask
 import numpy as np
 import pytest
 
+from daskgen import store
 from daskgen.client.commit import CommitBatch, Outcome, commit_outcomes
 from daskgen.client.plan import Plan
 from daskgen.config import RunConfig
-from daskgen.store import generation_store as store
 
 
 @pytest.fixture
@@ -20,15 +20,15 @@ def plan(tmp_path, monkeypatch):
         n_prompts=40, n_samples=1, max_prompt_tokens=4, max_new_tokens=4, partition_size=4, pad_token_id=0
     )
     path = tmp_path / "s.zarr"
-    store.create(path, layout, {}, [f"r{i}" for i in range(40)])
+    created = store.GenerationStore.create(path, store.StoreAttrs(layout), [f"r{i}" for i in range(40)])
     config = RunConfig(model="m", store=str(path))
-    return Plan(config, None, layout, store.read_status(path), committed_at=np.full(40, np.nan))
+    return Plan(config, None, created, created.read_status(), committed_at=np.full(40, np.nan))
 
 
 def test_outcomes_in_one_or_several_coarse_chunks_are_committed_exactly(plan):
     path = plan.config.store
     plan.status[8] = store.FAILED  # failed in an earlier run; not in this batch: kept with its message
-    store.commit(path, 8, plan.status[8:9], ["old failure"], None)
+    store.GenerationStore.open(path).commit(8, plan.status[8:9], ["old failure"], None)
     outcomes = [
         Outcome(0, 4, done=[0, 1, 3], failed={2: "bad prompt"}, notes={}),
         Outcome(12, 16, done=[12, 13, 14, 15], failed={}, notes={13: "verifier raised"}),
@@ -36,16 +36,16 @@ def test_outcomes_in_one_or_several_coarse_chunks_are_committed_exactly(plan):
         Outcome(36, 40, done=[36, 37, 38, 39], failed={}, notes={}),
     ]
     commit_outcomes(plan, outcomes)
-    status = store.read_status(path)
+    status = store.GenerationStore.open(path).read_status()
     expected = np.full(40, store.PENDING, dtype=status.dtype)
     expected[[0, 1, 3, 12, 13, 14, 15, 21, 36, 37, 38, 39]] = store.DONE
     expected[[2, 8]] = store.FAILED
     np.testing.assert_array_equal(status, expected)
     np.testing.assert_array_equal(plan.status, expected)
-    errors = [str(e) for e in store.read_region(path, 0, 40, ("error",))["error"]]
+    errors = [str(e) for e in store.GenerationStore.open(path).read_region(0, 40, ("error",))["error"]]
     assert errors[2] == "bad prompt" and errors[8] == "old failure" and errors[13] == "verifier raised"
     assert all(errors[i] == "" for i in range(40) if i not in (2, 8, 13))
-    committed = store.read_region(path, 0, 40, ("committed_at",))["committed_at"]
+    committed = store.GenerationStore.open(path).read_region(0, 40, ("committed_at",))["committed_at"]
     now = expected != store.PENDING
     now[8] = False  # committed earlier (without a time): untouched
     assert np.isfinite(committed[now]).all() and np.isnan(committed[~now]).all()
@@ -59,10 +59,10 @@ def test_commit_batch_commits_the_first_at_once_then_at_most_once_per_interval(p
     batch.add([Outcome(0, 4, done=[0, 1, 2, 3], failed={}, notes={})])
     assert batch.due_in() == 0.0  # the first commit goes at once
     batch.flush()
-    assert (store.read_status(plan.config.store)[:4] == store.DONE).all()
+    assert (store.GenerationStore.open(plan.config.store).read_status()[:4] == store.DONE).all()
     batch.add([Outcome(4, 8, done=[4, 5, 6, 7], failed={}, notes={})])
     assert batch.due_in() > 3000  # the next waits for the interval (1 h here) ...
     batch.flush()
-    assert (store.read_status(plan.config.store)[4:8] == store.PENDING).all()
+    assert (store.GenerationStore.open(plan.config.store).read_status()[4:8] == store.PENDING).all()
     batch.flush(force=True)  # ... unless forced (a stop, the end of the run)
-    assert (store.read_status(plan.config.store)[4:8] == store.DONE).all()
+    assert (store.GenerationStore.open(plan.config.store).read_status()[4:8] == store.DONE).all()

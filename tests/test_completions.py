@@ -98,7 +98,8 @@ def test_wake_and_a_window_announcement_end_the_wait(client, monkeypatch):
     import threading
 
     import daskgen.client.finished as completions
-    from daskgen.worker.admission import WINDOW_TOPIC, WindowBoard
+    from daskgen.client.windows import WindowBoard
+    from daskgen.worker.admission import WINDOW_TOPIC
 
     monkeypatch.setattr(completions, "WAIT_S", 30.0)
     done = Completions()

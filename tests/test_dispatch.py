@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
+from daskgen import store
 from daskgen.client.dispatch import dispatch_order, long_first, read_length_hints, still_partial, tail_share
 from daskgen.client.plan import pending_tasks, prepare
 from daskgen.config import RunConfig
 from daskgen.errors import ConfigError
-from daskgen.store import generation_store as store
 from daskgen.store.location import locate
 from tests.conftest import run_cli, write_prompts
 
@@ -69,11 +69,13 @@ def _earlier_store(tmp_path, prompts, lengths: dict[int, list[int]]):
     """A store of ``prompts`` in which row r holds responses of ``lengths[r]`` tokens (other rows: none)."""
     plan = prepare(_config(tmp_path, prompts, "earlier.zarr"))
     layout = plan.layout
-    region = store.empty_region(layout, layout.n_prompts)
+    region = store.layout.empty_region(layout, layout.n_prompts)
     for row, sample_lengths in lengths.items():
         region["response_length"][row] = sample_lengths
         region["finish_reason"][row] = 0
-    store.write_region(plan.config.location(), 0, {k: region[k] for k in ("response_length", "finish_reason")})
+    store.GenerationStore.open(plan.config.location()).write_region(
+        0, {k: region[k] for k in ("response_length", "finish_reason")}
+    )
     return tmp_path / "earlier.zarr"
 
 
@@ -132,11 +134,13 @@ def test_hints_that_cannot_be_matched_or_are_not_a_store_are_refused(tmp_path):
 def test_hints_from_a_store_of_agent_trajectories_take_each_row_longest_trajectory(tmp_path):
     layout = store.Layout(4, 2, 8, 16, 2, 0, n_trajectories=3)
     where = locate(str(tmp_path / "agent.zarr"))
-    store.create(where, layout, {"input": {"fingerprint": "f"}}, ["a", "b", "c", "d"])
-    region = store.empty_region(layout, 4)
+    store.GenerationStore.create(
+        where, store.StoreAttrs(layout, **{"input": {"fingerprint": "f"}}), ["a", "b", "c", "d"]
+    )
+    region = store.layout.empty_region(layout, 4)
     region["response_length"][1, 1, 2], region["finish_reason"][1, 1, 2] = 12, 0
     region["response_length"][2, 0, 0], region["finish_reason"][2, 0, 0] = 5, 0
-    store.write_region(where, 0, {k: region[k] for k in ("response_length", "finish_reason")})
+    store.GenerationStore.open(where).write_region(0, {k: region[k] for k in ("response_length", "finish_reason")})
     hints = read_length_hints(where, ["a", "b", "c", "d"], "f", 4)
     assert hints.shape == (4,) and hints[1] == 12 and hints[2] == 5 and np.isnan(hints[[0, 3]]).all()
 
@@ -191,7 +195,9 @@ def test_cli_run_with_length_hints_starts_the_partitions_longest_in_the_earlier_
         ]
         res = run_cli("run", *args, timeout=240)
         assert res.returncode == 0, res.stdout + res.stderr
-        return store.read_region(locate(str(tmp_path / f"{name}.zarr")), 0, 24, ("response_length",))["response_length"]
+        return store.GenerationStore.open(locate(str(tmp_path / f"{name}.zarr"))).read_region(
+            0, 24, ("response_length",)
+        )["response_length"]
 
     first = run("first")
     second = run("second", "--seed", "7", "--length-hints", tmp_path / "first.zarr")
@@ -201,5 +207,5 @@ def test_cli_run_with_length_hints_starts_the_partitions_longest_in_the_earlier_
     rows = [int(line.split()[0].split("-")[0][1:]) for line in (tmp_path / "second.log").read_text().splitlines()]
     started = list(dict.fromkeys(r - r % 4 for r in rows))  # partitions in the order their requests came
     assert started == expected and expected != sorted(expected)
-    attrs = store.read_attrs(locate(str(tmp_path / "second.zarr")))
-    assert attrs["config"]["length_hints"] == str(tmp_path / "first.zarr")
+    attrs = store.read_store_attrs(locate(str(tmp_path / "second.zarr")))
+    assert attrs.config["length_hints"] == str(tmp_path / "first.zarr")

@@ -12,9 +12,9 @@ import pandas as pd
 import pytest
 import xarray as xr
 
+from daskgen import store
 from daskgen.analysis import export as ex
 from daskgen.errors import ExportError, OutputExistsError, StoreError, StoreMismatchError
-from daskgen.store import generation_store as store
 from tests.conftest import run_cli, write_prompts
 from tests.test_analysis import build_store
 
@@ -138,7 +138,7 @@ def test_zip_opens_as_the_same_store(truth, tmp_path):
     assert ex.export(truth.path, out, "zip").rows == 20
     zs = zarr.storage.ZipStore(str(out), mode="r")
     group = zarr.open_group(zs, mode="r")
-    assert group.attrs["daskgen"]["input"] == store.read_attrs(truth.path)["input"]
+    assert group.attrs["daskgen"]["input"] == store.read_store_attrs(truth.path).input
     ds = xr.open_zarr(zs)
     for name in ("status", "response_ids", "logprobs", "prompt_ids", "committed_at"):
         np.testing.assert_array_equal(ds[name].values, xr.open_zarr(truth.path)[name].values, err_msg=name)

@@ -18,9 +18,9 @@ import pytest
 import xarray as xr
 import zarr
 
+from daskgen import store
 from daskgen.analysis.accessor import open_store
 from daskgen.errors import StoreLockedError
-from daskgen.store import generation_store as store
 from daskgen.store.location import LocalLocation, ObjectLocation, locate
 from daskgen.store.lock import LOCK_NAME, StoreLock
 from tests.conftest import popen_cli, run_cli, write_prompts
@@ -94,15 +94,17 @@ def test_locate_tells_urls_from_paths(tmp_path):
 def test_memory_store_create_commit_read_and_xarray():
     loc = locate(f"memory:///{uuid.uuid4().hex}")
     layout = store.Layout(10, 2, 8, 4, 5, 0)
-    store.create(loc, layout, {"identity": {"model": "m"}}, [f"q{i}" for i in range(10)])
-    assert store.read_attrs(locate(loc.url))["identity"] == {"model": "m"}, "one process, one memory store per URL"
-    store.write_region(loc, 5, {"response_length": np.full((5, 2), 3, "int32")})
-    store.commit(loc, 5, np.full(5, store.DONE, "int8"), None)
+    store.GenerationStore.create(
+        loc, store.StoreAttrs(layout, **{"identity": {"model": "m"}}), [f"q{i}" for i in range(10)]
+    )
+    assert store.read_store_attrs(locate(loc.url)).identity == {"model": "m"}, "one process, one memory store per URL"
+    store.GenerationStore.open(loc).write_region(5, {"response_length": np.full((5, 2), 3, "int32")})
+    store.GenerationStore.open(loc).commit(5, np.full(5, store.DONE, "int8"), None)
     ds = open_store(loc)
     assert ds.status.values.tolist() == [0] * 5 + [1] * 5
     assert int(ds.response_length.sum()) == 30
     with pytest.raises(Exception, match="non-empty location"):
-        store.create(loc, layout, {}, [""] * 10)
+        store.GenerationStore.create(loc, store.StoreAttrs(layout), [""] * 10)
 
 
 def test_s3_run_status_report_export_match_a_local_run(tmp_path, s3):
@@ -155,7 +157,7 @@ def test_storage_options_in_the_config_are_used_and_never_stored(tmp_path, s3, m
     assert SECRET not in res.stdout + res.stderr
     objects = _objects(bucket, options["endpoint"])
     assert not [k for k, v in objects.items() if SECRET.encode() in v or b'"storage_options"' in v]
-    assert (store.read_status(ObjectLocation(url, options)) == store.DONE).all()
+    assert (store.GenerationStore.open(ObjectLocation(url, options)).read_status() == store.DONE).all()
 
 
 def test_object_lock_refuses_a_second_client_takes_over_stale_and_detects_loss(s3):
@@ -193,7 +195,7 @@ def test_s3_second_client_refused_client_killed_then_resumed(tmp_path, s3):
     assert "in use by another daskgen run" in second.stderr and f"pid {first.pid}" in second.stderr
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
-    done_before = store.read_status(url) == store.DONE
+    done_before = store.GenerationStore.open(url).read_status() == store.DONE
     assert 0 < done_before.sum() < 160
     assert locate(url).read_bytes(LOCK_NAME) is not None, "a killed client leaves its lock behind"
     third = run_cli("run", *sim_args(tmp_path, url, *common, log="third.log"), env=env)
@@ -245,7 +247,10 @@ def _wait_done(url: str, proc, minimum: int, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"run ended before the kill: {proc.stdout.read()}"
-        if store.read_attrs(url) is not None and (store.read_status(url) == store.DONE).sum() >= minimum:
+        if (
+            store.read_store_attrs(url) is not None
+            and (store.GenerationStore.open(url).read_status() == store.DONE).sum() >= minimum
+        ):
             return
         time.sleep(0.1)
     raise AssertionError("no partition finished in time")
@@ -265,4 +270,4 @@ def test_pack_on_object_storage_needs_out_and_reads_the_same(tmp_path, s3):
     result = pack(url, f"s3://{bucket}/packed.zarr", n_workers=1)
     assert result.files_after < result.files_before
     _same(url, f"s3://{bucket}/packed.zarr")
-    assert store.read_attrs(f"s3://{bucket}/packed.zarr")["packed"]
+    assert store.read_store_attrs(f"s3://{bucket}/packed.zarr").packed

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import zarr
 
+from daskgen import store
 from daskgen.analysis.accessor import open_store
 from daskgen.errors import PackError
-from daskgen.store import generation_store as store
 from daskgen.store import pack as packing
 from daskgen.store.location import locate
 from tests.conftest import run_cli, write_prompts
@@ -62,7 +62,7 @@ def test_pack_in_place_same_values_fewer_files_exports_the_same(tmp_path, small_
     _assert_same(before, _values(out))
     arr = zarr.open_array(str(out), path="response_ids", mode="r")
     assert arr.shards[0] == 8 and arr.chunks[0] == 4, "shards of 2 partitions, partition-sized inner chunks"
-    assert store.read_attrs(out)["packed"]["shard_rows"]["response_ids"] == 8
+    assert store.read_store_attrs(out).packed["shard_rows"]["response_ids"] == 8
     again = tmp_path / "after.jsonl"
     assert run_cli("export", out, "-f", "jsonl", "--out", again, "--no-text").returncode == 0
     assert again.read_text() == jsonl.read_text()
@@ -88,14 +88,16 @@ def test_packed_unfinished_store_is_refused_then_unpack_and_resume(tmp_path, sma
     _run(tmp_path, ref, log="ref.log")
     out = tmp_path / "out.zarr"
     _run(tmp_path, out, log="first.log")
-    store.commit(out, 12, np.full(28, store.PENDING, "int8"), None)  # as if the run had stopped after 12 rows
+    store.GenerationStore.open(out).commit(
+        12, np.full(28, store.PENDING, "int8"), None
+    )  # as if the run had stopped after 12 rows
     packed = run_cli("pack", out, "--n-workers", "1")  # the CLI: one shard per array here (40 rows)
     assert packed.returncode == 0 and "packed" in packed.stdout and "files" in packed.stdout, packed.stderr
     refused = _run(tmp_path, out, log="second.log", expect=2)
     assert "it is packed" in refused.stderr and f"daskgen unpack {out}" in refused.stderr
     res = run_cli("unpack", out, "--n-workers", "1")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "packed" not in store.read_attrs(out)
+    assert store.read_store_attrs(out).packed is None
     assert zarr.open_array(str(out), path="response_ids", mode="r").shards is None
     resumed = _run(tmp_path, out, log="third.log")
     assert "40 done" in resumed.stdout, resumed.stdout
@@ -114,16 +116,16 @@ def test_interrupted_pack_and_interrupted_swap_resume(tmp_path, small_shards):
     for task in copied:
         packing.copy_block(src, work, *task)
     packing._record(work, {f"{n}/{s}" for n, s, _ in copied}, src, "pack")
-    assert store.read_attrs(work) is None, "an unfinished copy is not a daskgen store"
+    assert store.read_store_attrs(work) is None, "an unfinished copy is not a daskgen store"
     # then the source changed (as a run would change it) in a block the interrupted pack had copied
-    store.write_region(out, 0, {"response_length": before["response_length"][:4] + 1})
+    store.GenerationStore.open(out).write_region(0, {"response_length": before["response_length"][:4] + 1})
     before["response_length"][:4] += 1
     packing.pack(out, n_workers=1)
     _assert_same(before, _values(out))
     # a pack that finished its copy but stopped before the swap: the next pack re-checks it and swaps
     packing.pack(out, out=tmp_path / "out.zarr.packing", unpack=True, n_workers=1)
     packing.pack(out, unpack=True, n_workers=1)
-    assert "packed" not in store.read_attrs(out) and not (tmp_path / "out.zarr.packing").exists()
+    assert store.read_store_attrs(out).packed is None and not (tmp_path / "out.zarr.packing").exists()
     _assert_same(before, _values(out))
     packing.pack(out, n_workers=1)
     # a swap that stopped between its renames is finished by the next pack
@@ -131,7 +133,7 @@ def test_interrupted_pack_and_interrupted_swap_resume(tmp_path, small_shards):
     shutil.move(out, tmp_path / "out.zarr.unpacked-old")
     shutil.move(tmp_path / "copy.zarr", tmp_path / "out.zarr.packing")
     packing.pack(out, unpack=True, n_workers=1)
-    assert not (tmp_path / "out.zarr.unpacked-old").exists() and "packed" not in store.read_attrs(out)
+    assert not (tmp_path / "out.zarr.unpacked-old").exists() and store.read_store_attrs(out).packed is None
     _assert_same(before, _values(out))
 
 

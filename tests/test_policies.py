@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import xarray as xr
 
+from daskgen import store
 from daskgen.config import RunConfig
 from daskgen.errors import ConfigError
-from daskgen.store import generation_store as store
 from tests.conftest import run_cli, write_prompts
 from tests.test_run import calls, sim_args
 

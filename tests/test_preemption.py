@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import xarray as xr
 
+from daskgen import store
 from daskgen.client.interrupt import EXIT_INTERRUPTED, Interrupt, _parse_slurm_time
 from daskgen.engines.base import FinishReason
-from daskgen.store import generation_store as store
 from tests.conftest import popen_cli, run_cli, write_prompts
 from tests.test_run import _wait_for_some_done, sim_args
 
@@ -101,7 +101,7 @@ def test_sigterm_keeps_finished_and_partial_work_and_the_rerun_continues_it_toke
     assert _group_gone(proc.pid), "a process of the interrupted run was left behind"
     assert not (out / "daskgen.lock").exists(), "the lock must be released"
 
-    status = store.read_status(out)
+    status = store.GenerationStore.open(out).read_status()
     assert (status[done_before] == store.DONE).all(), "every committed row stays committed"
     assert (status == store.PENDING).any(), "the stop must have landed mid-run"
     ds = xr.open_zarr(out)
@@ -110,7 +110,7 @@ def test_sigterm_keeps_finished_and_partial_work_and_the_rerun_continues_it_toke
     assert saved, "in-flight responses must be saved as partial responses"
     assert f"saved {len(saved)} partial responses" in output, output
     partial_partitions = sorted({r - r % 2 for r, _ in saved})
-    assert store.read_attrs(out)["partial_partitions"] == partial_partitions
+    assert store.read_store_attrs(out).partial_partitions == partial_partitions
 
     res = run_cli("run", *sim_args(tmp_path, out, *common, log="second.log"))
     assert res.returncode == 0, res.stdout + res.stderr
@@ -118,7 +118,7 @@ def test_sigterm_keeps_finished_and_partial_work_and_the_rerun_continues_it_toke
     # length-aware dispatch: the partitions holding partial responses (the long ones) went first
     first_row = int((tmp_path / "second.log").read_text().split()[0][1:].split("-")[0])
     assert first_row - first_row % 2 in partial_partitions
-    assert store.read_attrs(out)["partial_partitions"] == []
+    assert store.read_store_attrs(out).partial_partitions == []
     ds = xr.open_zarr(out)
     for (r, s), (ids, logprobs) in saved.items():
         n = len(ids)
@@ -149,7 +149,7 @@ def test_a_second_signal_stops_at_once_and_keeps_what_was_committed(tmp_path):
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, output
     assert "again: stopping now" in output
-    assert (store.read_status(out)[done_before] == store.DONE).all()
+    assert (store.GenerationStore.open(out).read_status()[done_before] == store.DONE).all()
     assert _group_gone(proc.pid)
     res = run_cli("run", *sim_args(tmp_path, out, *common, log="second.log"))
     assert res.returncode == 0 and "16 done" in res.stdout, res.stdout + res.stderr
@@ -210,7 +210,7 @@ def test_rows_aborted_more_often_than_the_limit_fail_and_retry_failed_continues_
     out, output = _lose_one_of_two_workers(
         tmp_path, _retire_first, env={"DASK_DASKGEN__ABORT_REQUEUE_LIMIT": "0"}, expect="0 pending"
     )
-    status, errors = store.read_status(out), xr.open_zarr(out).error.values
+    status, errors = store.GenerationStore.open(out).read_status(), xr.open_zarr(out).error.values
     failed = np.flatnonzero(status == store.FAILED)
     assert len(failed) > 0, output
     assert all("aborted 1 times in this run" in errors[r] and "--retry-failed" in errors[r] for r in failed)
@@ -270,7 +270,7 @@ def test_sigterm_on_the_real_tiny_model_continues_exactly(tmp_path, tiny_model):
     os.kill(proc.pid, signal.SIGTERM)
     output, _ = proc.communicate(timeout=180)
     assert proc.returncode == EXIT_INTERRUPTED, output
-    assert (store.read_status(out)[done_before] == store.DONE).all()
+    assert (store.GenerationStore.open(out).read_status()[done_before] == store.DONE).all()
     saved = _partials(out)
     assert _group_gone(proc.pid)
     res = run_cli(*common, timeout=600)
@@ -323,7 +323,7 @@ def test_allocation_end_stops_the_run_gracefully(tmp_path):
     )
     assert res.returncode == EXIT_INTERRUPTED, res.stdout + res.stderr
     assert "the batch allocation ends in" in res.stdout
-    assert (store.read_status(out) == store.PENDING).any()
+    assert (store.GenerationStore.open(out).read_status() == store.PENDING).any()
 
 
 def test_exit_status_mapping():

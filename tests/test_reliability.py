@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import xarray as xr
 
+from daskgen import store
 from daskgen.analysis.accessor import open_store
 from daskgen.errors import StoreLockedError
-from daskgen.store import generation_store as store
 from daskgen.store.lock import LOCK_NAME, StoreLock
 from tests.conftest import popen_cli, run_cli, write_prompts
 from tests.test_run import _wait_for_some_done, calls, sim_args
@@ -78,7 +78,7 @@ def test_worker_sigkill_mid_run_completes_exactly_once(tmp_path, cluster):
     os.kill(victim_pid, signal.SIGKILL)
     assert proc.wait(timeout=240) == 0, proc.stdout.read()
     assert_same_store(ref, out)
-    assert (store.read_status(out) == store.DONE).all()
+    assert (store.GenerationStore.open(out).read_status() == store.DONE).all()
     # count generations: every sample generated; a repeat only for work lost with the killed worker
     log = [line.split() for line in (tmp_path / "run.log").read_text().splitlines()]
     per_sample: dict[str, list[int]] = {}
@@ -114,7 +114,9 @@ def test_client_killed_between_data_write_and_commit(tmp_path):
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert (store.read_status(out) == store.PENDING).all(), "no row may be done without its commit"
+    assert (store.GenerationStore.open(out).read_status() == store.PENDING).all(), (
+        "no row may be done without its commit"
+    )
     res = run_cli("run", *sim_args(tmp_path, out, *common, log="second.log"))
     assert res.returncode == 0, res.stdout + res.stderr
     assert_same_store(ref, out)
@@ -190,7 +192,7 @@ def test_secrets_never_reach_store_logs_or_output(tmp_path):
     leaks = [p for p in out.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
     assert leaks == []
     assert secret not in res.stdout + res.stderr + status.stdout + status.stderr
-    assert store.read_attrs(out)["config"]["engine_args"]["api_key"] == "***"
+    assert store.read_store_attrs(out).config["engine_args"]["api_key"] == "***"
 
 
 def test_full_disk_stops_the_run_clearly_and_the_store_resumes(tmp_path):
@@ -224,7 +226,7 @@ def test_full_disk_stops_the_run_clearly_and_the_store_resumes(tmp_path):
         res = run_cli("run", *args)
         assert res.returncode == 2, res.stdout + res.stderr
         assert "No space left on device" in res.stderr and "rerun the same command to resume" in res.stderr
-        done_before = store.read_status(mnt / "out.zarr") == store.DONE
+        done_before = store.GenerationStore.open(mnt / "out.zarr").read_status() == store.DONE
         assert 0 < done_before.sum() < 400
         ds = open_store(mnt / "out.zarr")
         assert (ds.response_length.values[done_before] == 256).all(), "every done row has its data"
@@ -236,7 +238,7 @@ def test_full_disk_stops_the_run_clearly_and_the_store_resumes(tmp_path):
         first = {int(k[1:].split("-")[0]) for k in calls(tmp_path / "a.log")}
         kept = set(np.flatnonzero(~done_before).tolist()) - regenerated
         assert kept <= first, "a pending row not regenerated must have been generated (and stored) before"
-        assert (store.read_status(mnt / "out.zarr") == store.DONE).all()
+        assert (store.GenerationStore.open(mnt / "out.zarr").read_status() == store.DONE).all()
         assert (open_store(mnt / "out.zarr").response_length.values == 256).all()
     finally:
         subprocess.run(["umount", "-l", str(mnt)])

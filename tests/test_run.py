@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import xarray as xr
 
+from daskgen import store
 from daskgen.analysis.accessor import open_store
-from daskgen.store import generation_store as store
 from tests.conftest import popen_cli, run_cli, write_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -127,7 +127,7 @@ def test_resume_after_sigkill_regenerates_nothing_finished(tmp_path):
     done_at_kill = _wait_for_some_done(out, proc, minimum=8)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    done_before = store.read_status(out) == store.DONE  # the store the resume starts from
+    done_before = store.GenerationStore.open(out).read_status() == store.DONE  # the store the resume starts from
     assert done_at_kill.sum() <= done_before.sum() and not (done_at_kill & ~done_before).any()
     assert 0 < done_before.sum() < 48, "the resume must start from a partial store (done and pending rows)"
 
@@ -142,7 +142,7 @@ def test_resume_after_sigkill_regenerates_nothing_finished(tmp_path):
     pending = set(np.flatnonzero(~done_before).tolist())
     assert rows_second and rows_second <= pending
     assert pending - rows_second <= rows_first, "a pending row was neither generated before nor by the resume"
-    assert (store.read_status(out) == store.DONE).all()
+    assert (store.GenerationStore.open(out).read_status() == store.DONE).all()
     a, b = xr.open_zarr(tmp_path / "ref.zarr"), xr.open_zarr(out)
     for name in ("status", "response_ids", "response_length", "finish_reason", "prompt_ids"):
         np.testing.assert_array_equal(a[name].values, b[name].values, err_msg=name)
@@ -152,8 +152,8 @@ def _wait_for_some_done(path, proc, minimum, timeout=120.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"run ended before the kill: {proc.stdout.read()}"
-        if store.read_attrs(path) is not None:
-            status = store.read_status(path)
+        if store.read_store_attrs(path) is not None:
+            status = store.GenerationStore.open(path).read_status()
             if (status == store.DONE).sum() >= minimum:
                 return status == store.DONE
         time.sleep(0.05)

@@ -8,11 +8,10 @@ import time
 
 import pytest
 
+from daskgen import store
 from daskgen.client import plan as run_plan
 from daskgen.config import RunConfig
 from daskgen.errors import StoreMismatchError
-from daskgen.input.scan_cache import ATTR
-from daskgen.store import generation_store as store
 from tests.conftest import write_prompts
 
 
@@ -46,7 +45,7 @@ def scans(monkeypatch):
 def test_unchanged_input_is_not_scanned_again(tmp_path, scans):
     prompts = write_prompts(tmp_path / "p.jsonl", 10)
     first = run_plan.prepare(_config(tmp_path, prompts))
-    assert len(scans) == 1 and store.read_attrs(tmp_path / "s.zarr")[ATTR]["n_rows"] == 10
+    assert len(scans) == 1 and store.read_store_attrs(tmp_path / "s.zarr").input_scan["n_rows"] == 10
     second = run_plan.prepare(_config(tmp_path, prompts))
     assert len(scans) == 1  # reused
     assert (second.prompts.n_rows, second.prompts.fingerprint) == (first.prompts.n_rows, first.prompts.fingerprint)
@@ -118,7 +117,7 @@ def test_a_kept_scan_of_another_format_means_a_rescan(tmp_path, scans, kept):
     run_plan.prepare(_config(tmp_path, prompts))
     path = tmp_path / "s.zarr"
     if kept == "key-only":  # e.g. written by another version
-        kept = {"key": store.read_attrs(path)[ATTR]["key"]}
-    store.update_attrs(path, **{ATTR: kept})
+        kept = {"key": store.read_store_attrs(path).input_scan["key"]}
+    store.GenerationStore.open(path).update_attrs(input_scan=kept)
     run_plan.prepare(_config(tmp_path, prompts))
     assert len(scans) == 2

@@ -210,8 +210,8 @@ def test_the_scheduler_process_does_not_outlive_a_killed_client(tmp_path):
 def test_sigterm_to_every_process_of_the_client_still_saves_partial_responses(tmp_path):
     """``scancel``/walltime signal every process of the client's job: the scheduler process stays up while
     the client drains the workers through it, then ends with the run; nothing is left behind."""
+    from daskgen import store
     from daskgen.client.interrupt import EXIT_INTERRUPTED
-    from daskgen.store import generation_store as store
     from tests.conftest import popen_cli, write_prompts
     from tests.test_preemption import LONG, _group_gone, _partials
     from tests.test_run import _wait_for_some_done, sim_args
@@ -249,5 +249,5 @@ def test_sigterm_to_every_process_of_the_client_still_saves_partial_responses(tm
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_INTERRUPTED, output
     assert _partials(out), "in-flight responses must be saved as partial responses"
-    assert (store.read_status(out)[done_before] == store.DONE).all()
+    assert (store.GenerationStore.open(out).read_status()[done_before] == store.DONE).all()
     assert _gone(scheduler.pid) and _group_gone(proc.pid), "a process of the interrupted run was left behind"

@@ -21,10 +21,10 @@ import pytest
 from distributed import Client
 from distributed.security import Security
 
+from daskgen import store
 from daskgen.deploy import make_cluster, render_job_script
 from daskgen.deploy.security import TLSFiles, client_security, cluster_tls, temporary_security, tls_directory
 from daskgen.errors import ConfigError
-from daskgen.store import generation_store as store
 from tests.conftest import run_cli, wait_for_jobs, write_prompts
 from tests.test_run import sim_args
 
@@ -144,7 +144,7 @@ def test_run_joins_an_existing_tls_scheduler_with_cert_flags(tmp_path):
             timeout=180,
         )
         assert res.returncode == 0, res.stdout + res.stderr
-    assert (store.read_status(tmp_path / "out.zarr") == store.DONE).all()
+    assert (store.GenerationStore.open(tmp_path / "out.zarr").read_status() == store.DONE).all()
 
 
 # --------------------------------------------------------------------------- certificate files and job scripts

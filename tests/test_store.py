@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import xarray as xr
 
+from daskgen import store
 from daskgen.analysis.accessor import open_store
 from daskgen.errors import StoreError, StoreMismatchError
-from daskgen.store import generation_store as store
 
 LAYOUT = store.Layout(
     n_prompts=10, n_samples=2, max_prompt_tokens=8, max_new_tokens=6, partition_size=4, pad_token_id=0
@@ -21,7 +21,7 @@ ATTRS = {
 @pytest.fixture
 def path(tmp_path):
     p = tmp_path / "s.zarr"
-    store.create(p, LAYOUT, ATTRS, [f"id{i}" for i in range(10)])
+    store.GenerationStore.create(p, store.StoreAttrs(LAYOUT, **ATTRS), [f"id{i}" for i in range(10)])
     return p
 
 
@@ -39,34 +39,34 @@ def test_layout_opens_with_plain_xarray(path):
 
 def test_region_write_then_commit(path):
     region = {"response_length": np.full((4, 2), 3, dtype="int32")}
-    store.write_region(path, 4, region)
-    store.commit(path, 4, np.array([1, 1, 2, 1], dtype="int8"), ["", "", "boom", ""])
+    store.GenerationStore.open(path).write_region(4, region)
+    store.GenerationStore.open(path).commit(4, np.array([1, 1, 2, 1], dtype="int8"), ["", "", "boom", ""])
     ds = open_store(path)
     assert ds.response_length.values[4:8].tolist() == [[3, 3]] * 4
     assert ds.status.values.tolist() == [0] * 4 + [1, 1, 2, 1] + [0, 0]
     assert ds.error.values[6] == "boom"
     with pytest.raises(StoreError, match="data arrays"):
-        store.write_region(path, 0, {"status": np.ones(4, dtype="int8")})
+        store.GenerationStore.open(path).write_region(0, {"status": np.ones(4, dtype="int8")})
 
 
 def test_resume_mismatch_names_both_values(path):
     wanted = json.loads(json.dumps(ATTRS))
     wanted["identity"]["temperature"] = 0.5
     with pytest.raises(StoreMismatchError) as err:
-        store.check_compatible(path, store.read_attrs(path), wanted)
+        store.GenerationStore.open(path).check_resumable(store.StoreAttrs(LAYOUT, **wanted))
     assert "temperature: store has 1.0, this run has 0.5" in str(err.value)
     assert "new --store" in str(err.value)
-    store.check_compatible(path, store.read_attrs(path), ATTRS)
+    store.GenerationStore.open(path).check_resumable(store.StoreAttrs(LAYOUT, **ATTRS))
 
 
 def test_refuses_file_and_foreign_directory(tmp_path):
     (tmp_path / "f.zarr").write_text("x")
     with pytest.raises(StoreError, match="it is a file"):
-        store.create(tmp_path / "f.zarr", LAYOUT, ATTRS, [""] * 10)
+        store.GenerationStore.create(tmp_path / "f.zarr", store.StoreAttrs(LAYOUT, **ATTRS), [""] * 10)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "data.bin").write_text("x")
     with pytest.raises(StoreError, match="not a daskgen store"):
-        store.create(tmp_path / "other", LAYOUT, ATTRS, [""] * 10)
+        store.GenerationStore.create(tmp_path / "other", store.StoreAttrs(LAYOUT, **ATTRS), [""] * 10)
     with pytest.raises(StoreError, match="not a daskgen store"):
         open_store(tmp_path / "other")
 
@@ -74,9 +74,9 @@ def test_refuses_file_and_foreign_directory(tmp_path):
 def test_status_of_a_million_rows_is_coarse_chunked(tmp_path):
     big = store.Layout(1_000_000, 1, 4, 4, 64, 0)
     p = tmp_path / "big.zarr"
-    store.create(p, big, ATTRS, [""] * 1_000_000)
-    store.commit(p, 0, np.ones(700_000, dtype="int8"), None)
-    status = store.read_status(p)
+    store.GenerationStore.create(p, store.StoreAttrs(big, **ATTRS), [""] * 1_000_000)
+    store.GenerationStore.open(p).commit(0, np.ones(700_000, dtype="int8"), None)
+    status = store.GenerationStore.open(p).read_status()
     assert (status == 1).sum() == 700_000
     # the checkpoint must stay a handful of objects (reopen time is measured in benchmarks/)
     assert 1 <= len(list((p / "status" / "c").iterdir())) <= 16
@@ -96,20 +96,20 @@ def test_layout_owns_writers_and_fill_rules():
     specs = v2.array_specs()
     assert all(isinstance(spec, store.ArraySpec) for spec in specs.values())
     # the writable list is the layout's worker-written arrays, nothing client-written
-    assert set(v2.data_arrays()) == {n for n, s in specs.items() if s.role in store.WORKER_ROLES}
+    assert set(v2.data_arrays()) == {n for n, s in specs.items() if s.role in store.layout.WORKER_ROLES}
     assert not {"status", "error", "committed_at", "prompt_index", "prompt_id"} & set(v2.data_arrays())
-    assert {"score", "samples_used", "num_trajectories"} <= set(v2.data_arrays()) <= set(store.WORKER_ARRAYS)
-    assert set(LAYOUT.data_arrays()) == set(store.DATA_ARRAYS)
+    assert {"score", "samples_used", "num_trajectories"} <= set(v2.data_arrays()) <= set(store.layout.WORKER_ARRAYS)
+    assert set(LAYOUT.data_arrays()) == set(store.layout.DATA_ARRAYS)
     # schema v2: response arrays gain the trajectory axis, the per-sample score does not
     assert specs["response_ids"].dims == ("prompt", "sample", "trajectory", "response_position")
     assert specs["response_ids"].shape == (10, 2, 3, 6) and specs["score"].shape == (10, 2)
-    region = store.empty_region(v2, 4)
+    region = store.layout.empty_region(v2, 4)
     assert region["response_ids"].shape == (4, 2, 3, 6) and (region["response_ids"] == 7).all()
-    assert (region["finish_reason"] == store.NOT_GENERATED).all() and np.isnan(region["logprobs"]).all()
+    assert (region["finish_reason"] == store.layout.NOT_GENERATED).all() and np.isnan(region["logprobs"]).all()
     region["response_ids"][1, 0] = 3
     region["finish_reason"][1, 0] = 0
     region["num_trajectories"][1, 0] = 2
-    store.clear_response(region, (1, 0), v2)
+    store.layout.clear_response(region, (1, 0), v2)
     assert (region["response_ids"][1, 0] == 7).all() and (region["finish_reason"][1, 0] == -1).all()
     assert region["num_trajectories"][1, 0] == 2  # not a response array: kept
 

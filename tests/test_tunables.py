@@ -12,8 +12,7 @@ import pytest
 import yaml
 
 import daskgen
-from daskgen import tunables
-from daskgen.store import generation_store as store
+from daskgen import store, tunables
 from daskgen.store.lock import StoreLock
 
 
@@ -21,7 +20,7 @@ def test_shipped_defaults_are_in_dask_config() -> None:
     shipped = yaml.safe_load((Path(daskgen.__file__).parent / "daskgen.yaml").read_text())["daskgen"]
     assert dask.config.get("daskgen.health-timeout") == shipped["health-timeout"] == "60s"
     assert tunables.seconds("health-timeout") == 60.0 and tunables.seconds("sglang.monitor-interval") == 0.5
-    assert store.coarse_chunk() == 65536
+    assert store.layout.coarse_chunk() == 65536
 
 
 def test_values_are_read_where_used_so_config_set_applies(tmp_path: Path) -> None:

@@ -68,7 +68,7 @@ def test_workers_advertise_the_auto_window_and_the_runner_sums_it(tmp_path):
 
     from daskgen.client.cluster import start_engines
     from daskgen.client.runner import in_flight_target
-    from daskgen.worker.admission import WindowBoard
+    from daskgen.client.windows import WindowBoard
     from daskgen.worker.plugin import RESOURCE, plugin_status
 
     config = RunConfig(
@@ -107,8 +107,8 @@ def test_auto_window_follows_occupancy_and_the_run_completes(tmp_path):
     """On a heavy tail the window leaves its starting value as the engine's occupancy changes (announced
     to the client, which submits accordingly), and the run completes.  (How far it moves depends on
     timing; the rule itself is checked exactly by ``test_admission_follows_occupancy``.)"""
+    from daskgen import store
     from daskgen.client.runner import run
-    from daskgen.store import generation_store as store
 
     rows = [f"prompt {i}" for i in range(200)]
     config = RunConfig(
@@ -130,20 +130,20 @@ def test_auto_window_follows_occupancy_and_the_run_completes(tmp_path):
         },
     )
     seen: list[int] = []
-    from daskgen.worker import admission
+    from daskgen.client import windows
 
-    original = admission.WindowBoard.total
+    original = windows.WindowBoard.total
 
     def spy(self):
         seen.append(original(self))
         return seen[-1]
 
-    admission.WindowBoard.total = spy
+    windows.WindowBoard.total = spy
     try:
         summary = run(config, rows, handle_signals=False)
     finally:
-        admission.WindowBoard.total = original
-    assert summary.done == 200 and (store.read_status(config.store) == store.DONE).all()
+        windows.WindowBoard.total = original
+    assert summary.done == 200 and (store.GenerationStore.open(config.store).read_status() == store.DONE).all()
     start = resolve_window("auto", 16, 8, AUTO_MAX_WINDOW + 1)
     assert seen[0] == start and len(set(seen)) > 1, f"the window never moved from {start}: {sorted(set(seen))}"
 
@@ -157,7 +157,7 @@ def test_one_partition_stays_submitted_when_no_worker_admits_any():
     import dataclasses
 
     from daskgen.client.runner import _submit_up_to
-    from daskgen.worker.admission import WindowBoard
+    from daskgen.client.windows import WindowBoard
 
     @dataclasses.dataclass(frozen=True)
     class Recorded:

@@ -32,7 +32,9 @@ import xarray as xr
 
 from daskgen.engines.base import FinishReason
 from daskgen.errors import ConfigError, StoreError, StoreMismatchError
-from daskgen.store.generation_store import ATTRS_KEY, DONE, FAILED, PENDING, read_attrs
+from daskgen.store.attrs import ATTRS_KEY, StoreAttrs
+from daskgen.store.generation_store import read_store_attrs
+from daskgen.store.layout import DONE, FAILED, PENDING
 from daskgen.store.location import StoreLocation, locate
 
 __all__ = [
@@ -63,14 +65,14 @@ def open_store(path: str | Path | StoreLocation) -> xr.Dataset:
     ``stop``/``length``/``abort``/``error``/``not_generated``).
     """
     loc = locate(path)
-    attrs = read_attrs(loc)
+    attrs = read_store_attrs(loc)
     if attrs is None:
         raise StoreError(
             f"{loc.url!r} is not a daskgen store (no {ATTRS_KEY!r} attrs in its zarr.json); "
             "pass the --store path of a daskgen run."
         )
     # packed stores (daskgen pack): one dask chunk per shard reads each shard file once
-    rows = (attrs.get("packed") or {}).get("read_rows")
+    rows = (attrs.packed or {}).get("read_rows")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ds = xr.open_zarr(loc.zarr_store(read_only=True), chunks={"prompt": rows} if rows else {})
@@ -211,15 +213,15 @@ class DaskgenAccessor:
 
     # -- store identity and selections -------------------------------------------------------
     @property
-    def attrs(self) -> dict[str, Any]:
-        """The store's ``daskgen`` attrs (settings, input fingerprint, tokenizer identity, runs)."""
+    def attrs(self) -> StoreAttrs:
+        """The store's ``daskgen`` attrs (settings, input fingerprint, tokenizer identity, runs), typed."""
         attrs = self._ds.attrs.get(ATTRS_KEY)
         if not isinstance(attrs, dict):
             raise StoreError(
                 f"this dataset has no {ATTRS_KEY!r} attrs; open a daskgen store with "
                 "daskgen.open_store(path) or xarray.open_zarr(path)"
             )
-        return attrs
+        return StoreAttrs.from_json(attrs)
 
     def status(self) -> np.ndarray:
         """The checkpoint mask as it is on disk now (0 pending, 1 done, 2 failed)."""
@@ -407,10 +409,10 @@ class DaskgenAccessor:
         """
         from daskgen.input.rows import fingerprint, iter_rows
 
-        source = path or self.attrs.get("config", {}).get("prompts")
+        source = path or self.attrs.config.get("prompts")
         if not source or (path is None and not Path(source).is_file()):
             return None
-        if fingerprint(row for _, row in iter_rows(Path(source))) == self.attrs.get("input", {}).get("fingerprint"):
+        if fingerprint(row for _, row in iter_rows(Path(source))) == self.attrs.input.get("fingerprint"):
             return Path(source)
         if path is not None:
             raise StoreMismatchError(
@@ -437,16 +439,16 @@ class DaskgenAccessor:
         from daskgen.input.tokenizer import load_tokenizer, tokenizer_identity
 
         attrs = self.attrs
-        identity = attrs.get("identity", {})
+        identity = attrs.identity
         model = str(path or identity.get("model", ""))
         try:
-            tok = load_tokenizer(model, identity.get("engine", ""), attrs.get("config", {}).get("engine_args"))
+            tok = load_tokenizer(model, identity.get("engine", ""), attrs.config.get("engine_args"))
         except ConfigError as exc:
             raise StoreError(
                 f"cannot load this store's tokenizer: {exc} Pass the model folder as "
                 "tokenizer=PATH (--tokenizer PATH), or export without text (--no-text)."
             ) from exc
-        _check_identity(tokenizer_identity(tok), attrs.get("tokenizer", {}), model)
+        _check_identity(tokenizer_identity(tok), attrs.tokenizer, model)
         if path is None:
             self._tokenizer = tok
         return tok

@@ -36,8 +36,9 @@ from daskgen.analysis.accessor import (
     open_store,
 )
 from daskgen.errors import ExportError, OutputExistsError, StoreError
-from daskgen.store import generation_store as store
-from daskgen.store.location import locate
+from daskgen.store.attrs import ATTRS_KEY, StoreAttrs
+from daskgen.store.generation_store import read_store_attrs
+from daskgen.store.location import StoreRef, locate
 from daskgen.store.lock import LOCK_NAME
 
 __all__ = [
@@ -163,8 +164,8 @@ class Source:
         self.attrs = self.ds.daskgen.attrs
         self.rows = self.ds.daskgen.rows("done")
         self.total = _units(self.ds, self.rows)
-        self.pad = int(self.attrs.get("layout", {}).get("pad_token_id", 0))
-        self.has_logprobs = bool(self.attrs.get("identity", {}).get("logprobs", False))
+        self.pad = self.attrs.layout.pad_token_id
+        self.has_logprobs = bool(self.attrs.identity.get("logprobs", False))
         self.tokenizer = self.ds.daskgen.tokenizer(tokenizer) if text else None
         source = self.ds.daskgen.input_path(prompts) if raw or prompts else None
         self.raw = None if source is None else iter_raw_prompts(source, self.rows)  # consumed block by block
@@ -172,7 +173,7 @@ class Source:
     def blocks(self, block_bytes: int | None = None) -> Iterator[dict[str, np.ndarray]]:
         """Per-sample numpy arrays of the done rows, in chunk-aligned blocks of about ``block_bytes``."""
         block_bytes = block_bytes or _BLOCK_BYTES
-        chunk = int(self.attrs.get("layout", {}).get("partition_size", 1))
+        chunk = self.attrs.layout.partition_size
         per_row = sum(self.ds[v].dtype.itemsize * int(np.prod(self.ds[v].shape[1:])) for v in _READ)
         span = chunk * max(1, block_bytes // max(per_row * chunk, 1))
         keys = self.rows // span
@@ -400,7 +401,7 @@ def verl_parts(td: Any) -> tuple[Any, dict[str, np.ndarray]]:
 
 
 # -- zip and W&B ----------------------------------------------------------------------------------
-def zip_store(path: store.Where, out: str | Path) -> None:
+def zip_store(path: StoreRef, out: str | Path) -> None:
     """Write the whole store into one uncompressed zip (chunks are already compressed) and verify it."""
     loc = locate(path)
     keys = sorted(
@@ -416,7 +417,7 @@ def zip_store(path: store.Where, out: str | Path) -> None:
 
     with zarr.storage.ZipStore(str(out), mode="r") as zs:
         group = zarr.open_group(zs, mode="r")
-        if store.ATTRS_KEY not in group.attrs or "status" not in group:
+        if ATTRS_KEY not in group.attrs or "status" not in group:
             raise ExportError(f"the zip {str(out)!r} does not open as a daskgen store")
 
 
@@ -431,7 +432,7 @@ def _wandb() -> Any:
     return wandb
 
 
-def upload_wandb(zip_path: str | Path, project: str, attrs: dict[str, Any]) -> str:
+def upload_wandb(zip_path: str | Path, project: str, attrs: StoreAttrs) -> str:
     """Log ``zip_path`` as a W&B ``dataset`` artifact in ``project``; returns the artifact name."""
     import re
 
@@ -439,7 +440,7 @@ def upload_wandb(zip_path: str | Path, project: str, attrs: dict[str, Any]) -> s
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(zip_path).stem) or "daskgen-store"
     try:
         run = wandb.init(project=project, job_type="daskgen-export")
-        artifact = wandb.Artifact(name, type="dataset", metadata={k: attrs.get(k) for k in ("identity", "input")})
+        artifact = wandb.Artifact(name, type="dataset", metadata={"identity": attrs.identity, "input": attrs.input})
         artifact.add_file(str(zip_path))
         run.log_artifact(artifact)
         run.finish()
@@ -453,7 +454,7 @@ def upload_wandb(zip_path: str | Path, project: str, attrs: dict[str, Any]) -> s
 
 # -- entry point ----------------------------------------------------------------------------------
 def export(
-    path: store.Where,
+    path: StoreRef,
     out: str | Path,
     fmt: str,
     *,
@@ -476,7 +477,8 @@ def export(
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}.")
     if wandb_project and fmt != "zip":
         raise ExportError("--wandb-project uploads the whole store as a zip; use it with --format zip.")
-    if store.read_attrs(path) is None:
+    attrs = read_store_attrs(path)
+    if attrs is None:
         raise StoreError(
             f"{str(locate(path))!r} is not a daskgen store (no zarr.json with daskgen attrs); "
             "pass the --store path of a daskgen run."
@@ -489,7 +491,7 @@ def export(
         rows = _write(path, tmp, fmt, text=text, tokenizer=tokenizer, prompts=prompts, raw=raw)
     result = ExportResult(Path(out), fmt, rows, time.perf_counter() - t0, _size(Path(out)))
     if wandb_project:
-        upload_wandb(out, wandb_project, store.read_attrs(path) or {})
+        upload_wandb(out, wandb_project, attrs)
     return result
 
 

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from daskgen.errors import ExportError, StoreError
-from daskgen.store import generation_store as store
+from daskgen.store.attrs import StoreAttrs
+from daskgen.store.generation_store import read_store_attrs
 
 __all__ = ["PANELS", "ReportData", "collect", "write_report"]
 
@@ -50,7 +51,7 @@ class ReportData:
     """Everything a report shows, computed once from the store."""
 
     path: str
-    attrs: dict[str, Any]
+    attrs: StoreAttrs
     counts: dict[str, int]
     totals: dict[str, int]
     histogram: Any  # xarray.DataArray (finish_reason, length)
@@ -156,13 +157,13 @@ def _empty(ax: Any, message: str) -> None:
 def settings_rows(data: ReportData) -> list[tuple[str, str]]:
     """(name, value) rows: model, engine, sampling settings, input, tokenizer, versions, runs."""
     attrs = data.attrs
-    rows = [("store", data.path), ("created", str(attrs.get("created", "")))]
-    if attrs.get("simulated"):
+    rows = [("store", data.path), ("created", attrs.created)]
+    if attrs.simulated:
         rows.append(("SIMULATED", "engine output is simulated, not model output"))
-    identity, source = attrs.get("identity", {}), attrs.get("input", {})
+    identity, source = attrs.identity, attrs.input
     rows += [(k, json.dumps(v) if isinstance(v, (dict, list)) else str(v)) for k, v in identity.items()]
     rows.append(("input", f"{source.get('n_prompts')} prompts, {source.get('fingerprint')}"))
-    tok = attrs.get("tokenizer", {})
+    tok = attrs.tokenizer
     rows.append(
         (
             "tokenizer",
@@ -170,9 +171,8 @@ def settings_rows(data: ReportData) -> list[tuple[str, str]]:
             f"eos {tok.get('eos_token_id')})",
         )
     )
-    versions = attrs.get("versions", {})
-    rows.append(("versions", ", ".join(f"{k} {v}" for k, v in versions.items() if v)))
-    rows.append(("runs", str(len(attrs.get("runs", [])))))
+    rows.append(("versions", ", ".join(f"{k} {v}" for k, v in attrs.versions.items() if v)))
+    rows.append(("runs", str(len(attrs.runs))))
     totals = data.totals
     rows.append(("tokens (done)", f"{totals['prompt_tokens']:,} prompt, {totals['response_tokens']:,} response"))
     return rows
@@ -212,8 +212,8 @@ def _pyplot() -> Any:
 
 
 def _headline(data: ReportData) -> str:
-    identity = data.attrs.get("identity", {})
-    warn = "   [SIMULATED engine: not model output]" if data.attrs.get("simulated") else ""
+    identity = data.attrs.identity
+    warn = "   [SIMULATED engine: not model output]" if data.attrs.simulated else ""
     return f"daskgen store {Path(data.path).name}: {identity.get('model')} via {identity.get('engine')}{warn}"
 
 
@@ -259,7 +259,7 @@ def render_html(data: ReportData, out: Path) -> None:
     parts.append(f"<section><h2>Response length statistics</h2>{stats}</section>")
     rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in settings_rows(data))
     parts.append(f"<section><h2>{PANELS[4]}</h2><table>{rows}</table></section>")
-    runs = data.attrs.get("runs", [])
+    runs = data.attrs.runs
     if runs:
         parts.append("<section><h2>Runs</h2><pre>" + esc("\n".join(json.dumps(r) for r in runs)) + "</pre></section>")
     if data.errors:
@@ -285,7 +285,7 @@ def write_report(path: str | Path, out: str | Path, *, overwrite: bool = False) 
     kind = out.suffix.lower()
     if kind not in (".html", ".htm", ".png"):
         raise ExportError(f"report output {str(out)!r} must end in .html or .png")
-    if store.read_attrs(path) is None:
+    if read_store_attrs(path) is None:
         raise StoreError(f"{str(path)!r} is not a daskgen store; pass the --store path of a daskgen run.")
     check_output(out, overwrite=overwrite, protect=path)
     _pyplot()

@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from daskgen import tunables
-from daskgen.store import generation_store as store
+from daskgen.store.layout import DONE, FAILED, PENDING
 
 if TYPE_CHECKING:
     from daskgen.client.plan import Plan
 
 
 def commit_overlong(plan: Plan) -> None:
-    pending = [i for i in plan.prompts.overlong if plan.status[i] == store.PENDING]
+    pending = [i for i in plan.prompts.overlong if plan.status[i] == PENDING]
     for start in sorted({i - i % plan.layout.partition_size for i in pending}):
         stop = min(start + plan.layout.partition_size, plan.layout.n_prompts)
         rows = [i for i in pending if start <= i < stop]
@@ -47,7 +47,7 @@ def commit_outcomes(plan: Plan, outcomes: list[Outcome]) -> None:
     Rows in between keep their in-memory status (the client is the only writer of ``status``).
     """
     groups: dict[int, list[Outcome]] = {}
-    rows = status_writer(plan).chunk_rows
+    rows = plan.store.commit_chunk_rows
     for o in outcomes:
         groups.setdefault(o.start // rows, []).append(o)
     for chunk, group in groups.items():
@@ -74,19 +74,19 @@ def commit_rows(
     """
     new = plan.status[start:stop].copy()
     for i in done:
-        new[i - start] = store.DONE
+        new[i - start] = DONE
     for i in failed:
-        new[i - start] = store.FAILED
+        new[i - start] = FAILED
     errors = None
-    if failed or notes or np.any(plan.status[list(done)] == store.FAILED):  # else `error` stays as it is
-        errors = [str(e) for e in store.read_region(plan.config.location(), start, stop, ("error",))["error"]]
+    if failed or notes or np.any(plan.status[list(done)] == FAILED):  # else `error` stays as it is
+        errors = [str(e) for e in plan.store.read_region(start, stop, ("error",))["error"]]
         for i in done:
             errors[i - start] = (notes or {}).get(i, "")
         for i, msg in failed.items():
             errors[i - start] = msg
     plan.committed_at[[*done, *failed]] = time.time()
     _maybe_pause_before_commit()
-    status_writer(plan).commit(start, new, errors, plan.committed_at[start:stop])
+    plan.store.commit(start, new, errors, plan.committed_at[start:stop])
     plan.status[start:stop] = new
 
 
@@ -137,10 +137,3 @@ class CommitBatch:
             outcomes, self.outcomes, self.since = self.outcomes, [], None
             self.last = time.monotonic()
             commit_outcomes(self.plan, outcomes)
-
-
-def status_writer(plan: Plan) -> store.StatusWriter:
-    """The run's :class:`~daskgen.store.generation_store.StatusWriter`, opened at the first commit."""
-    if plan.writer is None:
-        plan.writer = store.StatusWriter(plan.config.location())
-    return plan.writer

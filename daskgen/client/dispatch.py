@@ -6,7 +6,7 @@ What is known about lengths before generating, in the order partitions are dispa
 
 1. **Interrupted partitions.**  A partition whose responses were interrupted (a stop, a preemption,
    an engine restart) holds samples that were still running when everything around them had
-   finished — the long ones.  The client records them in the store's attrs (:data:`ATTR`) when a run
+   finished — the long ones.  The client records them in the store's attrs (``partial_partitions``) when a run
    ends; a resumed run starts with them.
 2. **Length hints** (``length_hints``: an earlier store of the same prompts).  Samples of one prompt
    have similar lengths, so the longest response an earlier run stored for a prompt predicts its
@@ -31,8 +31,6 @@ import numpy as np
 
 from daskgen.errors import ConfigError
 
-#: Attribute (in the store's ``daskgen`` attrs) listing partitions that hold partial responses.
-ATTR = "partial_partitions"
 #: The tail is the last this fraction of a run's committed prompts.
 TAIL_FRACTION = 0.10
 
@@ -51,21 +49,22 @@ def read_length_hints(where: Any, ids: list[str], fingerprint: str, n_rows: int)
     else by the input's ``id`` column.  Raises :class:`~daskgen.errors.ConfigError` when ``where`` is
     not a daskgen store, or the inputs differ and the rows have no ids to match by.
     """
-    from daskgen.store import generation_store as store
+    from daskgen.store.generation_store import GenerationStore
+    from daskgen.store.layout import NOT_GENERATED
 
-    attrs = store.read_attrs(where)
-    if attrs is None:
+    hints = GenerationStore.open_if_exists(where)
+    if hints is None:
         raise ConfigError(
             f"length_hints: {where.url!r} is not a daskgen store (no daskgen attrs); expected the "
             "--store of an earlier run over the same prompts, or leave --length-hints out."
         )
-    n = store.layout_of(attrs).n_prompts
-    arrays = store.read_region(where, 0, n, ("response_length", "finish_reason", "prompt_id"))
-    generated = arrays["finish_reason"] != store.NOT_GENERATED
+    n = hints.layout.n_prompts
+    arrays = hints.read_region(0, n, ("response_length", "finish_reason", "prompt_id"))
+    generated = arrays["finish_reason"] != NOT_GENERATED
     # the longest sample (or agent trajectory) of each row
     longest = np.where(generated, arrays["response_length"], -1).reshape(n, -1).max(axis=1).astype(np.float64)
     longest[longest < 0] = np.nan
-    if (attrs.get("input") or {}).get("fingerprint") == fingerprint and n == n_rows:
+    if hints.attrs.input.get("fingerprint") == fingerprint and n == n_rows:
         return longest
     stored_ids = [str(x) for x in arrays["prompt_id"]]
     if not all(ids) or not all(stored_ids):

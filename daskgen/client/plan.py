@@ -19,15 +19,16 @@ from typing import Any
 import numpy as np
 
 from daskgen.agents import create_agent
-from daskgen.client.dispatch import ATTR as DISPATCH_ATTR
 from daskgen.client.dispatch import dispatch_order, long_first, read_length_hints
 from daskgen.client.interrupt import Interrupt
 from daskgen.config import RunConfig
 from daskgen.input.rows import InputScan, iter_selected_rows, scan_prompts
-from daskgen.input.scan_cache import ATTR, load_scan, scan_key, scan_record
+from daskgen.input.scan_cache import load_scan, scan_key, scan_record
 from daskgen.input.tokenizer import load_tokenizer, tokenizer_identity
 from daskgen.redaction import redact
-from daskgen.store import generation_store as store
+from daskgen.store.attrs import StoreAttrs
+from daskgen.store.generation_store import GenerationStore
+from daskgen.store.layout import FAILED, PENDING, Layout
 from daskgen.worker.partition import PartitionTask
 
 
@@ -37,7 +38,7 @@ class Plan:
 
     config: RunConfig
     prompts: InputScan
-    layout: store.Layout
+    store: GenerationStore
     status: np.ndarray
     stop_ids: tuple[int, ...] = ()
     committed_at: np.ndarray | None = None
@@ -53,12 +54,16 @@ class Plan:
     partial_samples: int = 0
     partial_tokens: int = 0
     carried_tokens: int = 0
-    writer: Any = None  # store.StatusWriter, opened at the first commit
     first_partitions: list[int] = dataclasses.field(default_factory=list)  # dispatched first (dispatch.py)
     partial_starts: set[int] = dataclasses.field(default_factory=set)  # partitions left with partial responses
     generating_since: float | None = None
     aborts: dict[int, int] = dataclasses.field(default_factory=dict)  # row -> times requeued after an abort
     predicted: np.ndarray | None = None  # per row: longest response in the length_hints store (NaN: unknown)
+
+    @property
+    def layout(self) -> Layout:
+        """The store's layout."""
+        return self.store.layout
 
 
 def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) -> Plan:
@@ -68,18 +73,53 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     if source is None:
         config.require("prompts")
     tokenizer = load_tokenizer(config.model, config.engine, config.engine_args)
-    stored = store.read_attrs(config.location())
+    existing = GenerationStore.open_if_exists(config.location())
     key = scan_key(source, tokenizer_identity(tokenizer), config.max_prompt_tokens, config.skip_overlong)
-    pset = load_scan(stored, key, source)
-    reused = pset is not None
-    if pset is None:
-        pset = scan_prompts(
+    scan = load_scan(existing.attrs.input_scan if existing else None, key, source)
+    reused = scan is not None
+    if scan is None:
+        scan = scan_prompts(
             source, tokenizer, max_prompt_tokens=config.max_prompt_tokens, skip_overlong=config.skip_overlong
         )
-    wanted = _store_attrs(config, pset, tokenizer)
+    wanted = _store_attrs(config, scan, tokenizer)
+    record = None if reused else scan_record(key, scan, source)
+    if existing is None:
+        wanted.input_scan = record
+        store, record = GenerationStore.create(config.location(), wanted, scan.ids), None
+    else:
+        existing.check_resumable(wanted)
+        store = existing
+    eos = tokenizer.eos_token_id
+    predicted = None
+    if config.length_hints:
+        from daskgen.store.location import locate
+
+        hints = locate(config.length_hints, config.storage_options)
+        predicted = read_length_hints(hints, scan.ids, scan.fingerprint, len(scan))
+    return Plan(
+        config,
+        scan,
+        store,
+        store.read_status(),
+        () if eos is None else (int(eos),),
+        tokenizer=tokenizer,
+        scan_record=record,
+        first_partitions=list(store.attrs.partial_partitions),
+        predicted=predicted,
+    )
+
+
+def keep_scan(plan: Plan) -> None:
+    """Keep a fresh input scan of an existing store in its attrs (client holding the lock only)."""
+    if plan.scan_record is not None:
+        plan.store.update_attrs(input_scan=plan.scan_record)
+        plan.scan_record = None
+
+
+def _layout(config: RunConfig, scan: InputScan, tokenizer: Any) -> Layout:
     agent = create_agent(config.agent, str(config.model), config.agent_args)
-    layout = store.Layout(
-        len(pset),
+    return Layout(
+        len(scan),
         config.n_samples,
         config.max_prompt_tokens,
         config.max_new_tokens,
@@ -88,59 +128,28 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
         agent.max_trajectories,
         scored=config.verify_policy() is not None,
     )
-    record = None if reused else scan_record(key, pset, source)
-    if stored is None:
-        store.create(config.location(), layout, {**wanted, **({ATTR: record} if record else {})}, pset.ids)
-        record = None
-    else:
-        store.check_compatible(config.location(), stored, wanted)
-    eos = tokenizer.eos_token_id
-    first = list((stored or {}).get(DISPATCH_ATTR, []))
-    predicted = None
-    if config.length_hints:
-        from daskgen.store.location import locate
-
-        hints = locate(config.length_hints, config.storage_options)
-        predicted = read_length_hints(hints, pset.ids, pset.fingerprint, len(pset))
-    return Plan(
-        config,
-        pset,
-        layout,
-        store.read_status(config.location()),
-        () if eos is None else (int(eos),),
-        tokenizer=tokenizer,
-        scan_record=record,
-        first_partitions=first,
-        predicted=predicted,
-    )
 
 
-def keep_scan(plan: Plan) -> None:
-    """Keep a fresh input scan of an existing store in its attrs (client holding the lock only)."""
-    if plan.scan_record is not None:
-        store.update_attrs(plan.config.location(), **{ATTR: plan.scan_record})
-        plan.scan_record = None
-
-
-def _store_attrs(config: RunConfig, pset: InputScan, tokenizer: Any) -> dict[str, Any]:
+def _store_attrs(config: RunConfig, scan: InputScan, tokenizer: Any) -> StoreAttrs:
     from daskgen.engines import resolve_engine_class
     from daskgen.versions import package_versions
 
-    return {
-        "identity": config.identity(),
-        "input": {"fingerprint": pset.fingerprint, "n_prompts": len(pset)},
-        "tokenizer": tokenizer_identity(tokenizer),
-        "config": redact(config.to_dict()),
-        "simulated": resolve_engine_class(config.engine).is_simulated(config.engine_args),
-        "versions": package_versions(),
-    }
+    return StoreAttrs(
+        layout=_layout(config, scan, tokenizer),
+        identity=config.identity(),
+        input={"fingerprint": scan.fingerprint, "n_prompts": len(scan)},
+        tokenizer=tokenizer_identity(tokenizer),
+        config=redact(config.to_dict()),
+        simulated=resolve_engine_class(config.engine).is_simulated(config.engine_args),
+        versions=package_versions(),
+    )
 
 
 def pending_rows(plan: Plan) -> np.ndarray:
     """Mask of rows this run generates."""
-    todo = plan.status == store.PENDING
+    todo = plan.status == PENDING
     if plan.config.retry_failed:
-        todo |= plan.status == store.FAILED
+        todo |= plan.status == FAILED
     todo[list(plan.prompts.overlong)] = False
     return todo
 
@@ -176,7 +185,7 @@ def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[Part
         return
 
     cfg, layout = plan.config, plan.layout
-    verify, where, continue_partial = cfg.verify_policy(), cfg.location(), cfg.continues_partial()  # once per run
+    verify, continue_partial = cfg.verify_policy(), cfg.continues_partial()  # once per run
     params = SamplingParams(
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,
@@ -192,7 +201,7 @@ def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[Part
         rows = (np.flatnonzero(todo[start:stop]) + start).tolist()
         full = [next(selected)[1] for _ in rows]
         yield PartitionTask(
-            where,
+            plan.store,
             start,
             stop,
             rows,
@@ -200,7 +209,6 @@ def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[Part
             cfg.n_samples,
             params,
             cfg.seed,
-            layout,
             timeout_s=cfg.partition_timeout_s,
             agent=cfg.agent,
             agent_args=dict(cfg.agent_args),

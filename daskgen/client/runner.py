@@ -50,18 +50,17 @@ import numpy as np
 
 from daskgen import tunables
 from daskgen.client.commit import CommitBatch, Outcome, commit_overlong
-from daskgen.client.dispatch import ATTR as DISPATCH_ATTR
 from daskgen.client.dispatch import still_partial, tail_share
 from daskgen.client.finished import Completions
 from daskgen.client.interrupt import Interrupt, allocation_end
 from daskgen.client.plan import Plan, keep_scan, pending_rows, pending_tasks, prepare
 from daskgen.client.progress import Progress
 from daskgen.client.stopping import abandon, begin_stop, check_interrupt, housekeeping, stop_reason, wait_s
+from daskgen.client.windows import WindowBoard
 from daskgen.config import RunConfig
 from daskgen.errors import RunInterrupted, StoreWriteError
 from daskgen.redaction import redact
-from daskgen.store import generation_store as store
-from daskgen.worker.admission import WindowBoard
+from daskgen.store.layout import DONE, FAILED, PENDING
 from daskgen.worker.partition import PartitionResult, PartitionTask, run_partition
 from daskgen.worker.plugin import RESOURCE
 
@@ -148,15 +147,14 @@ def _run_locked(plan: Plan, t0: float) -> RunSummary:
     from daskgen.store.lock import StoreLock
 
     config = plan.config
-    with StoreLock(config.location()) as lock:
+    with StoreLock(plan.store.location) as lock:
         if lock.took_over:
             logger.warning("took over the stale lock of a dead run: %s", lock.took_over)
-        plan.status = store.read_status(config.location())  # re-read under the lock
-        plan.committed_at = store.read_region(config.location(), 0, plan.layout.n_prompts, ("committed_at",))[
-            "committed_at"
-        ]
+        plan.store.refresh_attrs()  # re-read under the lock: from here on, only this client writes them
+        plan.status = plan.store.read_status()
+        plan.committed_at = plan.store.read_region(0, plan.layout.n_prompts, ("committed_at",))["committed_at"]
         plan.lock = lock
-        store.add_missing_arrays(config.location(), plan.layout)
+        plan.store.add_missing_arrays()
         keep_scan(plan)
         commit_overlong(plan)
         generated, tokens = 0, 0
@@ -169,17 +167,17 @@ def _run_locked(plan: Plan, t0: float) -> RunSummary:
             pass
         _record_partial_partitions(plan)
         summary = summarize(plan, generated, tokens, time.perf_counter() - t0)
-        store.append_run(config.location(), summary.__dict__)
+        plan.store.append_run(summary.__dict__)
     return summary
 
 
 def _record_partial_partitions(plan: Plan) -> None:
     """Keep the partitions that hold partial responses in the attrs, for the next run to start with."""
     size = plan.layout.partition_size
-    pending = {int(r) - int(r) % size for r in np.flatnonzero(plan.status == store.PENDING)}
+    pending = {int(r) - int(r) % size for r in np.flatnonzero(plan.status == PENDING)}
     keep = still_partial(plan.first_partitions, plan.partial_starts, pending)
     if keep != sorted(plan.first_partitions):
-        store.update_attrs(plan.config.location(), **{DISPATCH_ATTR: keep})
+        plan.store.update_attrs(partial_partitions=keep)
 
 
 def drive(
@@ -374,7 +372,7 @@ def _record_engine(client: Any, plan: Plan) -> None:
 
     described = [d for d in client.run(engine_description).values() if d]
     if described:
-        store.update_attrs(plan.config.location(), engine=redact(described[0]))
+        plan.store.update_attrs(engine=redact(described[0]))
 
 
 def _task_key(task: PartitionTask) -> str:
@@ -428,9 +426,9 @@ def summarize(plan: Plan, generated: int, tokens: int, seconds: float) -> RunSum
     return RunSummary(
         str(plan.config.store),
         len(s),
-        int((s == store.DONE).sum()),
-        int((s == store.FAILED).sum()),
-        int((s == store.PENDING).sum()),
+        int((s == DONE).sum()),
+        int((s == FAILED).sum()),
+        int((s == PENDING).sum()),
         generated,
         tokens,
         seconds,

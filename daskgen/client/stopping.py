@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from daskgen import tunables
-from daskgen.store import generation_store as store
+from daskgen.store.layout import DONE
 
 if TYPE_CHECKING:
     from daskgen.client.plan import Plan
@@ -77,7 +77,7 @@ def check_interrupt(client: Any, plan: Plan, tasks: Iterator[PartitionTask], ret
 def stop_reason(plan: Plan, tokens: int) -> str | None:
     """Why the run should stop now (target, token budget or deadline reached), or ``None``."""
     cfg = plan.config
-    if cfg.target_done is not None and int((plan.status == store.DONE).sum()) >= cfg.target_done:
+    if cfg.target_done is not None and int((plan.status == DONE).sum()) >= cfg.target_done:
         return f"target of {cfg.target_done} done prompts reached"
     if cfg.token_budget is not None and tokens >= cfg.token_budget:
         return f"token budget of {cfg.token_budget} reached ({tokens} generated)"

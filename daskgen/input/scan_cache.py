@@ -21,7 +21,6 @@ from daskgen.input.rows import InputScan
 
 logger = logging.getLogger(__name__)
 
-ATTR = "input_scan"
 #: Scans with more overlong rows than this are not kept (their messages would bloat the attrs).
 MAX_KEPT_OVERLONG = 10_000
 
@@ -50,12 +49,12 @@ def scan_key(
     }
 
 
-def load_scan(attrs: dict[str, Any] | None, key: dict[str, Any] | None, source: Any) -> InputScan | None:
-    """The scan kept in the store ``attrs`` for ``key``, or ``None`` (no key, none kept, or another).
+def load_scan(doc: dict[str, Any] | None, key: dict[str, Any] | None, source: Any) -> InputScan | None:
+    """The scan kept in the store (its attrs' ``input_scan``, ``doc``) for ``key``, or ``None`` (no key,
+    none kept, or another).
 
     The returned scan has no ``ids``: they are only needed to create a store, which exists here.
     """
-    doc = (attrs or {}).get(ATTR)
     if key is None or not isinstance(doc, dict) or doc.get("key") != key:
         return None
     try:

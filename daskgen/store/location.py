@@ -58,6 +58,10 @@ class StoreLocation:
 
     def zarr_store(self, read_only: bool = False) -> Any:
         """What to pass to ``zarr.open_*``/``xarray.open_zarr`` as the store."""
+
+    def is_file(self) -> bool:
+        """True when the location is a local file (not a folder, not object storage)."""
+        return False
         raise NotImplementedError
 
     def read_bytes(self, key: str) -> bytes | None:
@@ -110,6 +114,9 @@ class LocalLocation(StoreLocation):
 
     def zarr_store(self, read_only: bool = False) -> Any:
         return str(self.path)
+
+    def is_file(self) -> bool:
+        return self.path.is_file()
 
     def read_bytes(self, key: str) -> bytes | None:
         try:
@@ -277,6 +284,10 @@ def _build(url: str, options: dict[str, Any]) -> Any:
             f"cannot open the object store {url!r}: {exc}. Check the URL (s3://bucket/path, gs://, "
             "az://, memory:///) and the credentials in the environment or storage_options."
         ) from exc
+
+
+#: A store given by the user: a local path, an object-storage URL (``s3://bucket/run.zarr``) or a location.
+StoreRef = str | Path | StoreLocation
 
 
 def default_output(store: str | Path | StoreLocation, suffix: str) -> Path:

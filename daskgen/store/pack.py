@@ -23,12 +23,11 @@ How it stays safe:
 
 A packed store that still has pending or failed rows cannot be resumed as it is (partitions
 share shards): runs refuse it and name the fix, ``daskgen unpack STORE`` (see
-:func:`daskgen.store.generation_store.check_compatible`).
+:meth:`daskgen.store.generation_store.GenerationStore.check_resumable`).
 """
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
 import shutil
 import time
@@ -38,8 +37,10 @@ from typing import Any
 import numpy as np
 
 from daskgen.errors import PackError
-from daskgen.store import generation_store as store
-from daskgen.store.location import LocalLocation, StoreLocation, locate
+from daskgen.store.attrs import ATTRS_KEY, StoreAttrs, utc_now
+from daskgen.store.generation_store import import_zarr, read_store_attrs
+from daskgen.store.layout import client_written_arrays
+from daskgen.store.location import LocalLocation, StoreLocation, StoreRef, locate
 from daskgen.store.lock import LOCK_NAME, StoreLock
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ def copy_block(
     from the source now (a run may have changed the source in between).  Runs on a Dask worker;
     returns the bytes written (uncompressed).
     """
-    zarr = store._zarr()
+    zarr = import_zarr()
     values = np.asarray(zarr.open_array(src.zarr_store(read_only=True), path=name, mode="r")[start:stop])
     target = zarr.open_array(dst.zarr_store(), path=name, mode="r+")
     if copied_before and _same(values, target[start:stop]):
@@ -114,9 +115,9 @@ def _same(a: np.ndarray, b: Any) -> bool:
 
 def _array_plans(src: StoreLocation, packing: bool) -> dict[str, dict[str, Any]]:
     """name -> create_array arguments of the target (same values, sharded or not)."""
-    zarr = store._zarr()
+    zarr = import_zarr()
     group = zarr.open_group(src.zarr_store(read_only=True), mode="r")
-    client_written = store.client_written_arrays()
+    client_written = client_written_arrays()
     plans = {}
     for name, arr in group.arrays():
         inner = arr.chunks
@@ -150,7 +151,7 @@ def _tasks(plans: dict[str, dict[str, Any]]) -> list[tuple[str, int, int]]:
 
 def _prepare_target(src: StoreLocation, dst: StoreLocation, plans: dict[str, dict[str, Any]], mode: str) -> set[str]:
     """Create the target's arrays (or reopen a pack in progress); returns the blocks already copied."""
-    zarr = store._zarr()
+    zarr = import_zarr()
     if not dst.is_empty():
         raw = dst.read_bytes("zarr.json")
         progress = None
@@ -158,8 +159,8 @@ def _prepare_target(src: StoreLocation, dst: StoreLocation, plans: dict[str, dic
             import json
 
             progress = (json.loads(raw).get("attributes") or {}).get(PROGRESS_KEY)
-        finished = store.read_attrs(dst) if progress is None and dst == src.sibling(WORK_SUFFIX) else None
-        if finished is not None and bool(finished.get("packed")) == (mode == "pack"):
+        finished = read_store_attrs(dst) if progress is None and dst == src.sibling(WORK_SUFFIX) else None
+        if finished is not None and bool(finished.packed) == (mode == "pack"):
             logger.info("%s is a finished %s of %s that was not swapped in: re-checking it", dst.url, mode, src.url)
             return {f"{name}/{start}" for name, start, _ in _tasks(plans)}  # every block re-checked, then swap
         if not progress or progress.get("source") != src.url or progress.get("mode") != mode:
@@ -177,7 +178,7 @@ def _prepare_target(src: StoreLocation, dst: StoreLocation, plans: dict[str, dic
 
 
 def _record(dst: StoreLocation, done: set[str], src: StoreLocation, mode: str) -> None:
-    group = store._zarr().open_group(dst.zarr_store(), mode="r+")
+    group = import_zarr().open_group(dst.zarr_store(), mode="r+")
     group.attrs[PROGRESS_KEY] = {"source": src.url, "mode": mode, "done": sorted(done)}
 
 
@@ -203,27 +204,23 @@ def _copy_all(
 
 
 def _finish(
-    src: StoreLocation, dst: StoreLocation, plans: dict[str, dict[str, Any]], mode: str, attrs: dict[str, Any]
+    src: StoreLocation, dst: StoreLocation, plans: dict[str, dict[str, Any]], mode: str, attrs: StoreAttrs
 ) -> None:
     """Check the copy as a whole, then make it a daskgen store (its attrs are written last)."""
-    zarr = store._zarr()
+    zarr = import_zarr()
     group = zarr.open_group(dst.zarr_store(), mode="r+")
     for name, p in plans.items():
         if group[name].shape != p["shape"]:
             raise PackError(f"array {name!r} of {dst.url!r} has shape {group[name].shape}, expected {p['shape']}")
-    if not np.array_equal(store.read_status(src), np.asarray(group["status"][:])):
+    source_status = import_zarr().open_array(src.zarr_store(read_only=True), path="status", mode="r")[:]
+    if not np.array_equal(np.asarray(source_status), np.asarray(group["status"][:])):
         raise PackError(f"the checkpoint of {dst.url!r} differs from {src.url!r}; rerun the {mode}.")
-    attrs = dict(attrs)
     if mode == "pack":
         shards = {n: p["shards"][0] for n, p in plans.items()}
-        attrs["packed"] = {
-            "shard_rows": shards,
-            "read_rows": min(shards.values()),
-            "packed": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-        }
+        attrs.packed = {"shard_rows": shards, "read_rows": min(shards.values()), "packed": utc_now()}
     else:
-        attrs.pop("packed", None)
-    group.attrs.update({store.ATTRS_KEY: attrs})
+        attrs.packed = None
+    group.attrs.update({ATTRS_KEY: attrs.to_json()})
     if PROGRESS_KEY in group.attrs:
         del group.attrs[PROGRESS_KEY]
     zarr.consolidate_metadata(dst.zarr_store())
@@ -243,7 +240,7 @@ def _finish_interrupted_swap(src: StoreLocation) -> bool:
     if not isinstance(src, LocalLocation) or src.path.exists():
         return False
     work, old = src.sibling(WORK_SUFFIX), src.sibling(OLD_SUFFIX)
-    if old.path.is_dir() and store.read_attrs(work) is not None:
+    if old.path.is_dir() and read_store_attrs(work) is not None:
         _swap(src, work)
         return True
     return False
@@ -255,8 +252,8 @@ def _size(loc: StoreLocation) -> tuple[int, int]:
 
 
 def pack(
-    path: store.Where,
-    out: store.Where | None = None,
+    path: StoreRef,
+    out: StoreRef | None = None,
     *,
     unpack: bool = False,
     scheduler_address: str | None = None,
@@ -273,10 +270,10 @@ def pack(
     if _finish_interrupted_swap(src):
         files, size = _size(src)
         return PackResult(src.url, mode, files, size, files, size, time.perf_counter() - t0)
-    attrs = store.read_attrs(src)
+    attrs = read_store_attrs(src)
     if attrs is None:
         raise PackError(f"{src.url!r} is not a daskgen store; pass the --store path of a daskgen run.")
-    if bool(attrs.get("packed")) != unpack:
+    if bool(attrs.packed) != unpack:
         state = "already packed" if not unpack else "not packed"
         raise PackError(f"{src.url!r} is {state}; nothing to {mode}.")
     if out is None and not src.is_local:

@@ -53,24 +53,10 @@ def install_worker_hooks(worker: Any, plugin: Any) -> None:
         return
     loop = asyncio.get_running_loop()
     try:
-        loop.add_signal_handler(signal.SIGTERM, _on_sigterm, worker, plugin)
+        loop.add_signal_handler(signal.SIGTERM, plugin.leave_on_sigterm, worker)
         loop.add_signal_handler(signal.SIGINT, lambda: None)
     except (RuntimeError, ValueError, NotImplementedError):  # loop not in the main thread
         logger.debug("daskgen: no signal handlers on worker %s (its loop is not in the main thread)", worker.address)
-
-
-def _on_sigterm(worker: Any, plugin: Any) -> None:
-    if plugin._leaving is None:
-        logger.warning("daskgen: worker %s got SIGTERM: handing back in-flight work, then leaving", worker.address)
-        plugin._leaving = asyncio.ensure_future(_drain_and_leave(worker, plugin))
-    else:  # a second SIGTERM: go now
-        logger.warning("daskgen: worker %s got SIGTERM again: closing now", worker.address)
-        asyncio.ensure_future(worker.close(nanny=True, reason="daskgen: SIGTERM twice"))
-
-
-async def _drain_and_leave(worker: Any, plugin: Any) -> None:
-    await plugin.drain()
-    await worker.close_gracefully(reason="daskgen: SIGTERM")
 
 
 async def drain_from_nanny(nanny: Any, timeout: float | None = None) -> None:

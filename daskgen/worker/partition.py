@@ -21,8 +21,10 @@ from daskgen.agents import AgentLoop, EngineHandle, Trajectory, create_agent
 from daskgen.engines.base import FinishReason, SamplingParams
 from daskgen.errors import EngineError
 from daskgen.input.rows import tokenize_rows
-from daskgen.store import generation_store as store
+from daskgen.store.generation_store import GenerationStore
+from daskgen.store.layout import Layout, clear_response, empty_region
 from daskgen.worker.rounds import RowOutcome, sample_in_rounds
+from daskgen.worker.slot import PartitionSlot
 
 
 @dataclass
@@ -34,7 +36,7 @@ class PartitionTask:
     whole cluster — never spends its CPU on tokenizing.  ``prompts`` may also be given directly.
     """
 
-    store_path: store.Where  # a path, URL or StoreLocation (carries storage_options to workers)
+    store: GenerationStore  # pickled as its location: each worker opens it once
     start: int
     stop: int
     rows: list[int]
@@ -42,7 +44,6 @@ class PartitionTask:
     n_samples: int
     params: SamplingParams
     seed: int
-    layout: store.Layout
     plugin_name: str = "daskgen-engine"
     timeout_s: float | None = None
     isolate: bool = False
@@ -53,6 +54,11 @@ class PartitionTask:
     verify: Any = None
     rows_meta: list[dict[str, Any]] | None = None
     inputs: list[dict[str, Any]] | None = None
+
+    @property
+    def layout(self) -> Layout:
+        """The store's layout."""
+        return self.store.layout
 
 
 @dataclass
@@ -108,7 +114,7 @@ def fill_region(
             if layout.n_trajectories > 1:
                 region["num_trajectories"][r, s] = len(trajectories)
             if not trajectories:  # not needed: the verifier was satisfied earlier
-                store.clear_response(region, (r, s), layout)
+                clear_response(region, (r, s), layout)
             for t, traj in enumerate(trajectories):
                 index = (r, s, t) if layout.n_trajectories > 1 else (r, s)
                 tokens = _place(region, index, traj, layout)
@@ -125,7 +131,7 @@ def fill_region(
     return out
 
 
-def _place(region: dict[str, np.ndarray], index: tuple[int, ...], traj: Trajectory, layout: store.Layout) -> int:
+def _place(region: dict[str, np.ndarray], index: tuple[int, ...], traj: Trajectory, layout: Layout) -> int:
     n = min(len(traj.response_ids), layout.max_new_tokens)
     region["response_ids"][index] = layout.pad_token_id
     region["response_ids"][index][:n] = traj.response_ids[:n]
@@ -155,9 +161,7 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
     worker = get_worker()
     plugin = worker.plugins[task.plugin_name]
     agent = create_agent(task.agent, task.model, task.agent_args)
-    plugin.running += 1
-    tally = _Tally(plugin, len(task.rows) * task.n_samples)
-    try:
+    async with plugin.partition(len(task.rows) * task.n_samples) as slot:
         if task.prompts is None:
             task.prompts = await asyncio.to_thread(tokenize_rows, task.inputs or [], plugin.tokenizer())
         # Only a partition with stored samples of its pending rows (an earlier attempt was interrupted)
@@ -165,43 +169,12 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
         # are in, so partitions waiting in a large in-flight window do not each hold one.
         region = await asyncio.to_thread(_stored_region, task) if task.continue_partial else None
         prefixes = partial_prefixes(region, task) if region is not None else {}
-        handle = EngineHandle(await plugin.get_engine(), live=plugin.live_engine)
-        plugin.handles.add(handle)
-        if plugin.stopping:
-            await handle.abort_all()
-        try:
-            if task.isolate:
-                results = await _run_isolated(plugin, handle, agent, task, prefixes, tally)
-            else:
-                results = await _run_rows(plugin, handle, agent, task, range(len(task.rows)), prefixes, tally)
-        finally:
-            plugin.handles.discard(handle)
+        handle = await slot.engine_handle()
+        if task.isolate:
+            results = await _run_isolated(plugin, handle, agent, task, prefixes, slot)
+        else:
+            results = await _run_rows(plugin, handle, agent, task, range(len(task.rows)), prefixes, slot)
         return await _finish(task, region, results, worker.address, t0)
-    finally:
-        plugin.running -= 1
-        tally.close()
-
-
-class _Tally:
-    """Counts a partition's samples outstanding on the worker's plugin (``window: auto`` reads the sum)."""
-
-    def __init__(self, plugin: Any, samples: int) -> None:
-        self.plugin, self.left = plugin, samples
-        plugin.outstanding += samples
-
-    async def counted(self, sample: Any) -> Any:
-        """Await one sample and count it finished however it ends."""
-        try:
-            return await sample
-        finally:
-            if self.left > 0:
-                self.left -= 1
-                self.plugin.outstanding -= 1
-
-    def close(self) -> None:
-        """The partition is over: whatever it did not generate (e.g. a satisfied verifier) is not outstanding."""
-        self.plugin.outstanding -= self.left
-        self.left = 0
 
 
 async def _finish(
@@ -215,7 +188,7 @@ async def _finish(
     outcome = fill_region(region, task, samples, rounds)
     if not task.params.logprobs:
         region.pop("logprobs")
-    await asyncio.to_thread(store.write_region, task.store_path, task.start, region)
+    await asyncio.to_thread(task.store.write_region, task.start, region)
     outcome.seconds = time.perf_counter() - t0
     outcome.worker = worker
     return outcome
@@ -297,7 +270,7 @@ async def _run_rows(
     task: PartitionTask,
     indices: range,
     prefixes: dict[tuple[int, int], Trajectory],
-    tally: _Tally,
+    slot: PartitionSlot,
 ) -> list[list[Trajectory]]:
     """All samples of the given rows at once; a crash or hang marks the engine broken and raises."""
     handle.engine = await plugin.get_engine()  # the engine may have been restarted meanwhile
@@ -305,7 +278,7 @@ async def _run_rows(
     def one(i: int, s: int) -> Any:
         row = task.rows[i]
         params = SamplingParams(**{**task.params.__dict__, "seed": sample_seed(task.seed, row, s)})
-        return tally.counted(
+        return slot.counted(
             _sample(agent, handle, f"p{row}-s{s}", list(task.prompts[i]), params, prefixes.get((row, s)))
         )
 
@@ -337,13 +310,13 @@ async def _run_isolated(
     agent: AgentLoop,
     task: PartitionTask,
     prefixes: dict[tuple[int, int], Trajectory],
-    tally: _Tally,
+    slot: PartitionSlot,
 ) -> list[list[Trajectory]]:
     """Row by row; a row whose generation raises gets error trajectories instead of failing the task."""
     samples: list[list[Trajectory]] = []
     for i in range(len(task.rows)):
         try:
-            samples += await _run_rows(plugin, handle, agent, task, range(i, i + 1), prefixes, tally)
+            samples += await _run_rows(plugin, handle, agent, task, range(i, i + 1), prefixes, slot)
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc} (failed again when retried alone)"
             failed = [[Trajectory(error=message, finish_reason=FinishReason.ERROR)] for _ in range(task.n_samples)]
@@ -358,16 +331,16 @@ def _stored_region(task: PartitionTask) -> dict[str, np.ndarray] | None:
 
     Reads ``finish_reason`` (one small chunk) first; the whole region only when needed.
     """
-    reasons = store.read_region(task.store_path, task.start, task.stop, ("finish_reason",))["finish_reason"]
+    reasons = task.store.read_region(task.start, task.stop, ("finish_reason",))["finish_reason"]
     pending = np.asarray(task.rows) - task.start
     kept = (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT)
     if not np.isin(reasons[pending], kept).any():
         return None
-    return store.read_region(task.store_path, task.start, task.stop, task.layout.data_arrays())
+    return task.store.read_region(task.start, task.stop, task.layout.data_arrays())
 
 
 def _initial_region(task: PartitionTask) -> dict[str, np.ndarray]:
     """Existing data when some rows of the region are kept (or continued), otherwise fill values."""
     if len(task.rows) == task.stop - task.start:
-        return store.empty_region(task.layout, task.stop - task.start)
-    return store.read_region(task.store_path, task.start, task.stop, task.layout.data_arrays())
+        return empty_region(task.layout, task.stop - task.start)
+    return task.store.read_region(task.start, task.stop, task.layout.data_arrays())

@@ -11,8 +11,11 @@ restart fails withdraws the resource.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import enum
 import logging
 import traceback
+from collections.abc import AsyncIterator
 from typing import Any
 
 from distributed import WorkerPlugin
@@ -26,11 +29,24 @@ from daskgen.worker.admission import (  # noqa: F401 - resolve_window and the bo
     Admission,
     resolve_window,
 )
+from daskgen.worker.slot import PartitionSlot
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "daskgen-engine"
 RESOURCE = "daskgen-engine"
+
+
+class PluginState(str, enum.Enum):
+    """Where a worker's engine is: ``new`` -> ``starting`` -> ``ready`` (-> ``restarting`` -> ``ready``) or
+    ``failed``; ``closed`` after teardown.  Partitions run only while it is ``ready``."""
+
+    NEW = "new"
+    STARTING = "starting"
+    READY = "ready"
+    RESTARTING = "restarting"
+    FAILED = "failed"
+    CLOSED = "closed"
 
 
 class EnginePlugin(WorkerPlugin):
@@ -65,7 +81,7 @@ class EnginePlugin(WorkerPlugin):
         self.requests_per_partition = requests_per_partition
         self.resolved_window: int | None = None
         self.engine: Any = None
-        self.state = "new"
+        self.state = PluginState.NEW
         self.error: str | None = None
         self.gpu: str | None = None
         self._worker: Any = None
@@ -99,7 +115,7 @@ class EnginePlugin(WorkerPlugin):
     async def _start(self) -> None:
         from daskgen.engines import resolve_engine_class
 
-        self.state, self.error = "starting", None
+        self.state, self.error = PluginState.STARTING, None
         try:
             if self.gpu is None:
                 self.gpu = _pin_gpu(self._worker.name)
@@ -107,14 +123,14 @@ class EnginePlugin(WorkerPlugin):
             await self.engine.start()
             await asyncio.wait_for(self.engine.health(), tunables.seconds("health-timeout"))
         except Exception as exc:  # recorded and shown to the client; the worker takes no partitions
-            self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            self.state, self.error = PluginState.FAILED, f"{type(exc).__name__}: {exc}"
             logger.error("daskgen engine failed to start on %s:\n%s", self._worker.address, traceback.format_exc())
             if self._advertised:  # a restart failed: stop taking partitions for good
                 await self._worker.set_resources(**{RESOURCE: 0.0})
             return
         finally:
             self._ready.set()
-        self.state = "ready"
+        self.state = PluginState.READY
         if not self._advertised:
             self.resolved_window = resolve_window(
                 self.window, self.engine.capacity, self.requests_per_partition, self._worker.state.nthreads
@@ -141,7 +157,7 @@ class EnginePlugin(WorkerPlugin):
         """``window: auto``: re-size the window from the engine's occupancy (:mod:`daskgen.worker.admission`)."""
         while True:
             await asyncio.sleep(tunables.seconds("admission-interval"))
-            if self.state != "ready" or self.draining or self.stopping or not self.running:
+            if self.state is not PluginState.READY or self.draining or self.stopping or not self.running:
                 continue  # idle: nothing measured, keep the window
             wanted = admission.window(self.running, self.outstanding)
             if wanted != self.resolved_window:
@@ -156,22 +172,22 @@ class EnginePlugin(WorkerPlugin):
     async def get_engine(self) -> Any:
         """The started engine; raises :class:`EngineError` when it failed or is restarting."""
         await self._ready.wait()
-        if self.state != "ready":
-            raise EngineError(f"engine on worker {self._worker.address} is {self.state}: {self.error}")
+        if self.state is not PluginState.READY:
+            raise EngineError(f"engine on worker {self._worker.address} is {self.state.value}: {self.error}")
         return self.engine
 
     def live_engine(self) -> Any:
         """The running engine, or ``None`` while it is restarting, failed or closed."""
-        return self.engine if self.state == "ready" else None
+        return self.engine if self.state is PluginState.READY else None
 
     async def mark_broken(self, reason: str) -> None:
         """Stop taking partitions and restart the engine (after a crash or failed health check)."""
-        if self.state != "ready":
+        if self.state is not PluginState.READY:
             return
         logger.error("daskgen engine on %s is broken (%s); restarting it", self._worker.address, reason)
         # Partitions that arrive meanwhile wait in get_engine().  (Dropping the resource to 0
         # here would strand retried tasks: the scheduler does not revisit them when it returns.)
-        self.state, self.error = "restarting", reason
+        self.state, self.error = PluginState.RESTARTING, reason
         self._ready.clear()
         await _quietly_shutdown(self.engine)
         self._starter = asyncio.create_task(self._start())
@@ -179,7 +195,7 @@ class EnginePlugin(WorkerPlugin):
     async def check_health(self, timeout: float | None = None) -> bool:
         """Generate one token; on failure or timeout (default ``daskgen.health-timeout``) mark the engine
         broken (it restarts)."""
-        if self.state != "ready":
+        if self.state is not PluginState.READY:
             return False
         try:
             await asyncio.wait_for(
@@ -197,6 +213,34 @@ class EnginePlugin(WorkerPlugin):
 
             self._tokenizer = load_tokenizer(self.model, self.engine_name, self.engine_args)
         return self._tokenizer
+
+    @contextlib.asynccontextmanager
+    async def partition(self, samples: int) -> AsyncIterator[PartitionSlot]:
+        """Run one partition of ``samples`` samples on this worker (``async with plugin.partition(n) as slot``).
+
+        The partition counts as running until the block ends; the slot hands out the engine and counts
+        its samples (:class:`~daskgen.worker.slot.PartitionSlot`).
+        """
+        self.running += 1
+        slot = PartitionSlot(self, samples)
+        try:
+            yield slot
+        finally:
+            slot.release()
+            self.running -= 1
+
+    def leave_on_sigterm(self, worker: Any) -> None:
+        """SIGTERM to this worker's process: hand back in-flight work, then leave; a second SIGTERM closes now."""
+        if self._leaving is None:
+            logger.warning("daskgen: worker %s got SIGTERM: handing back in-flight work, then leaving", worker.address)
+            self._leaving = asyncio.ensure_future(self._drain_and_leave(worker))
+        else:
+            logger.warning("daskgen: worker %s got SIGTERM again: closing now", worker.address)
+            asyncio.ensure_future(worker.close(nanny=True, reason="daskgen: SIGTERM twice"))
+
+    async def _drain_and_leave(self, worker: Any) -> None:
+        await self.drain()
+        await worker.close_gracefully(reason="daskgen: SIGTERM")
 
     async def stop_run(self) -> int:
         """Run-level stop (target/budget/deadline reached): abort every request in flight.
@@ -241,7 +285,7 @@ class EnginePlugin(WorkerPlugin):
     def status(self) -> dict[str, Any]:
         """Small summary for the client."""
         return {
-            "state": self.state,
+            "state": self.state.value,
             "error": self.error,
             "gpu": self.gpu,
             "engine": self.engine_name,
@@ -254,7 +298,7 @@ class EnginePlugin(WorkerPlugin):
             if task is not None and not task.done():
                 task.cancel()
         await _quietly_shutdown(self.engine)
-        self.state = "closed"
+        self.state = PluginState.CLOSED
 
 
 async def _quietly_shutdown(engine: Any) -> None:
@@ -284,7 +328,7 @@ async def stop_run_on_worker(dask_worker: Any) -> int:
 def engine_description(dask_worker: Any) -> dict[str, Any] | None:
     """Run on a worker via ``client.run``: the ready engine's ``describe()`` (no secrets)."""
     plugin = dask_worker.plugins.get(PLUGIN_NAME)
-    if plugin is None or plugin.state != "ready":
+    if plugin is None or plugin.state is not PluginState.READY:
         return None
     return plugin.engine.describe()
 

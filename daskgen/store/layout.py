@@ -1,0 +1,211 @@
+"""The store layout: every array's shape, chunks, dtype, fill value, dimensions and writer.
+
+One place defines the arrays (:class:`ArraySpec`, :meth:`Layout.array_specs`); the worker-writable
+arrays (:meth:`Layout.data_arrays`), the fill rules (:func:`empty_region`, :func:`clear_response`) and
+the CF attributes of each variable (:data:`VARIABLE_ATTRS`) derive from it.  Data arrays are chunked
+along ``prompt`` by the partition size; the client-written arrays (coordinates and the commit record
+``status``/``error``/``committed_at``) use coarse chunks (``daskgen.coarse-chunk``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from daskgen import tunables
+from daskgen.engines.base import FINISH_FLAG_MEANINGS, FINISH_FLAG_VALUES
+
+SCHEMA_VERSION = 1
+#: Stores with a ``trajectory`` axis (agent loops that return several trajectories per sample).
+SCHEMA_VERSION_TRAJECTORIES = 2
+SCHEMA_VERSIONS = (SCHEMA_VERSION, SCHEMA_VERSION_TRAJECTORIES)
+PENDING, DONE, FAILED = 0, 1, 2
+#: The ``coordinates`` attribute of every non-coordinate array (CF conventions, read by xarray).
+COORDS = "prompt_index prompt_id"
+
+
+def coarse_chunk() -> int:
+    """Rows per chunk of the client-written, per-prompt arrays (status, error, coordinates) of new
+    stores: the Dask config ``daskgen.coarse-chunk``."""
+    return int(tunables.get("coarse-chunk"))
+
+
+def client_written_arrays() -> frozenset[str]:
+    """Names of the arrays only the client writes (coordinates and the commit record), in every layout."""
+    layout = Layout(1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True)
+    return frozenset(name for name, spec in layout.array_specs().items() if not spec.worker_written)
+
+
+#: Fill value of ``finish_reason`` for a sample that was not generated.
+NOT_GENERATED = -1
+#: Roles of the arrays workers write (one chunk-aligned region per partition); the client writes the
+#: others (``coordinate`` at creation, ``commit`` when committing).
+WORKER_ROLES = ("prompt", "response", "sample")
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """One array of the store layout.
+
+    Attributes
+    ----------
+    shape, chunks, dtype, fill, dims:
+        Zarr shape, chunk shape, dtype (``"str"`` for variable-length strings), fill value and
+        dimension names.
+    role:
+        ``"coordinate"`` (``prompt_index``, ``prompt_id``: written at creation), ``"commit"``
+        (``status``, ``error``, ``committed_at``: the client's commit record), ``"prompt"`` (per
+        prompt, worker-written), ``"response"`` (one trajectory's response: cleared together, and
+        given a ``trajectory`` axis in schema v2) or ``"sample"`` (per-sample extras: verifier
+        scores, trajectory counts).
+    """
+
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    dtype: str
+    fill: Any
+    dims: tuple[str, ...]
+    role: str
+
+    @property
+    def worker_written(self) -> bool:
+        """Whether workers write this array (one region per partition); else only the client does."""
+        return self.role in WORKER_ROLES
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Shape of a store: rows, samples, padded widths, chunk rows, pad id."""
+
+    n_prompts: int
+    n_samples: int
+    max_prompt_tokens: int
+    max_new_tokens: int
+    partition_size: int
+    pad_token_id: int
+    n_trajectories: int = 1
+    scored: bool = False
+
+    @property
+    def schema_version(self) -> int:
+        """1 for the plain layout, 2 when responses carry a ``trajectory`` axis."""
+        return SCHEMA_VERSION if self.n_trajectories == 1 else SCHEMA_VERSION_TRAJECTORIES
+
+    def data_arrays(self) -> tuple[str, ...]:
+        """Worker-written arrays of this layout (from :meth:`array_specs`)."""
+        return tuple(name for name, spec in self.array_specs().items() if spec.worker_written)
+
+    def partitions(self) -> range:
+        """Start rows of every partition."""
+        return range(0, self.n_prompts, self.partition_size)
+
+    def array_specs(self) -> dict[str, ArraySpec]:
+        """Every array of the layout, by name."""
+        n, s, p, r, rows = (
+            self.n_prompts,
+            self.n_samples,
+            self.max_prompt_tokens,
+            self.max_new_tokens,
+            self.partition_size,
+        )
+        coarse = (min(coarse_chunk(), n),)
+        per_prompt, per_sample = ("prompt",), ("prompt", "sample")
+        per_token = ("prompt", "sample", "response_position")
+        specs = {
+            "prompt_index": ArraySpec((n,), coarse, "int64", -1, per_prompt, "coordinate"),
+            "prompt_id": ArraySpec((n,), coarse, "str", "", per_prompt, "coordinate"),
+            "status": ArraySpec((n,), coarse, "int8", PENDING, per_prompt, "commit"),
+            "error": ArraySpec((n,), coarse, "str", "", per_prompt, "commit"),
+            "committed_at": ArraySpec((n,), coarse, "float64", float("nan"), per_prompt, "commit"),
+            "prompt_ids": ArraySpec(
+                (n, p), (rows, p), "int32", self.pad_token_id, ("prompt", "prompt_position"), "prompt"
+            ),
+            "prompt_length": ArraySpec((n,), (rows,), "int32", 0, per_prompt, "prompt"),
+            "response_ids": ArraySpec((n, s, r), (rows, s, r), "int32", self.pad_token_id, per_token, "response"),
+            "response_length": ArraySpec((n, s), (rows, s), "int32", 0, per_sample, "response"),
+            "response_mask": ArraySpec((n, s, r), (rows, s, r), "uint8", 0, per_token, "response"),
+            "logprobs": ArraySpec((n, s, r), (rows, s, r), "float32", float("nan"), per_token, "response"),
+            "finish_reason": ArraySpec((n, s), (rows, s), "int8", NOT_GENERATED, per_sample, "response"),
+            "num_turns": ArraySpec((n, s), (rows, s), "int16", 0, per_sample, "response"),
+            "continued_tokens": ArraySpec((n, s), (rows, s), "int32", 0, per_sample, "response"),
+        }
+        if self.scored:
+            specs["score"] = ArraySpec((n, s), (rows, s), "float32", float("nan"), per_sample, "sample")
+            specs["samples_used"] = ArraySpec((n,), (rows,), "int16", 0, per_prompt, "sample")
+        return self._with_trajectories(specs) if self.n_trajectories > 1 else specs
+
+    def _with_trajectories(self, specs: dict[str, ArraySpec]) -> dict[str, ArraySpec]:
+        """Insert a ``trajectory`` axis after ``sample`` in every response array (schema v2)."""
+        t, out = self.n_trajectories, {}
+        for name, spec in specs.items():
+            if spec.role == "response":
+                spec = replace(
+                    spec,
+                    shape=(*spec.shape[:2], t, *spec.shape[2:]),
+                    chunks=(*spec.chunks[:2], t, *spec.chunks[2:]),
+                    dims=(*spec.dims[:2], "trajectory", *spec.dims[2:]),
+                )
+            out[name] = spec
+        n, s, rows = self.n_prompts, self.n_samples, self.partition_size
+        out["num_trajectories"] = ArraySpec((n, s), (rows, s), "int16", 0, ("prompt", "sample"), "sample")
+        return out
+
+
+#: Worker-written arrays of the plain layout (v1, no verifier).
+DATA_ARRAYS = Layout(1, 1, 1, 1, 1, 0).data_arrays()
+#: Every array a worker may write, in any layout.
+WORKER_ARRAYS = Layout(1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True).data_arrays()
+
+
+def empty_region(layout: Layout, n_rows: int) -> dict[str, np.ndarray]:
+    """Fill-valued arrays for ``n_rows`` rows of every data array."""
+    specs = layout.array_specs()
+    return {
+        name: np.full((n_rows, *specs[name].shape[1:]), specs[name].fill, dtype=specs[name].dtype)
+        for name in layout.data_arrays()
+    }
+
+
+def clear_response(region: dict[str, np.ndarray], index: tuple[int, ...], layout: Layout) -> None:
+    """Reset one sample's (or trajectory's) response arrays in ``region`` to their fill values."""
+    for name, spec in layout.array_specs().items():
+        if spec.role == "response":
+            region[name][index] = spec.fill
+
+
+VARIABLE_ATTRS: dict[str, dict[str, Any]] = {
+    "prompt_index": {"long_name": "row number in the input"},
+    "prompt_id": {"long_name": "the input's id column"},
+    "status": {
+        "flag_values": [PENDING, DONE, FAILED],
+        "flag_meanings": "pending done failed",
+        "long_name": "checkpoint: written by the client after the row's data landed",
+    },
+    "error": {"long_name": "last error of a failed prompt"},
+    "committed_at": {
+        "long_name": "when the client committed the row",
+        "units": "seconds since 1970-01-01",
+        "calendar": "proleptic_gregorian",
+    },
+    "prompt_ids": {"long_name": "prompt tokens after the chat template, right-padded"},
+    "prompt_length": {"long_name": "valid prompt tokens"},
+    "response_ids": {"long_name": "response tokens, right-padded"},
+    "response_length": {"long_name": "valid response tokens"},
+    "response_mask": {"long_name": "1 = token generated by the model"},
+    "logprobs": {"long_name": "log-probability of each sampled token (NaN where not requested)"},
+    "finish_reason": {
+        "flag_values": FINISH_FLAG_VALUES,
+        "flag_meanings": FINISH_FLAG_MEANINGS,
+        "long_name": "why the sample ended (-1: not generated)",
+    },
+    "num_turns": {"long_name": "assistant turns in the trajectory"},
+    "continued_tokens": {
+        "long_name": "response tokens generated by an interrupted earlier attempt and continued "
+        "(0: generated in one go)"
+    },
+    "score": {"long_name": "verifier score of the sample (NaN: not generated, or the verifier raised)"},
+    "samples_used": {"long_name": "samples generated for the prompt before it was satisfied"},
+    "num_trajectories": {"long_name": "trajectories of the sample (the rest of the trajectory axis is padding)"},
+}

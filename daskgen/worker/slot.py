@@ -1,0 +1,68 @@
+"""A partition's place on its worker: what it holds of the engine plugin while it runs.
+
+:meth:`daskgen.worker.plugin.EnginePlugin.partition` opens a :class:`PartitionSlot` for each
+partition task: the slot counts the partition in the plugin's running partitions and its samples in
+the plugin's outstanding samples (what ``window: auto`` reads), hands out the engine (registered so a
+run-level stop or a drain can abort its requests), and gives everything back when the partition ends,
+however it ends.  Partition code reaches the plugin only through its slot and the plugin's public
+methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, TypeVar
+
+from daskgen.agents import EngineHandle
+
+if TYPE_CHECKING:
+    from daskgen.worker.plugin import EnginePlugin
+
+T = TypeVar("T")
+
+
+class PartitionSlot:
+    """One running partition on a worker.
+
+    Parameters
+    ----------
+    plugin:
+        The worker's :class:`~daskgen.worker.plugin.EnginePlugin`.
+    samples:
+        Samples the partition will generate (counted outstanding until each finishes).
+    """
+
+    def __init__(self, plugin: EnginePlugin, samples: int) -> None:
+        self.plugin = plugin
+        self.left = samples
+        self.handle: EngineHandle | None = None
+        plugin.outstanding += samples
+
+    async def engine_handle(self) -> EngineHandle:
+        """The engine for this partition's requests (aborted at once when the run is stopping)."""
+        handle = EngineHandle(await self.plugin.get_engine(), live=self.plugin.live_engine)
+        self.plugin.handles.add(handle)
+        self.handle = handle
+        if self.plugin.stopping:
+            await handle.abort_all()
+        return handle
+
+    async def counted(self, sample: Awaitable[T]) -> T:
+        """Await one sample and count it finished however it ends."""
+        try:
+            return await sample
+        finally:
+            if self.left > 0:
+                self.left -= 1
+                self.plugin.outstanding -= 1
+
+    def release(self) -> None:
+        """The partition is over: its handle is dropped, and samples it did not generate (e.g. a satisfied
+        verifier) are no longer outstanding."""
+        if self.handle is not None:
+            self.plugin.handles.discard(self.handle)
+        self.plugin.outstanding -= self.left
+        self.left = 0
+
+    def __repr__(self) -> str:
+        return f"PartitionSlot(left={self.left})"
