@@ -351,17 +351,17 @@ def instrument_run(
 ) -> Iterator[dict[str, Any]]:
     """Time a ``daskgen.client.runner.run`` from engines ready to the last commit, with hooks on its client.
 
-    Wraps ``daskgen.client.cluster.start_engines`` (called by ``runner.drive`` before the first submit) and
+    Wraps ``daskgen.client.engines.start_engines`` (called by ``runner.drive`` before the first submit) and
     ``daskgen.client.runner.drive`` for the duration of the ``with`` block; nothing in daskgen is changed.
     The yielded dict gets ``start_s`` (engine start), ``ready`` / ``done`` (``time.perf_counter``),
     ``ready_wall``, ``generate_s`` (= done - ready) and ``on_done`` (what ``on_done(client)``
     returned, called after the last commit while the cluster still runs).  ``on_ready(client)`` runs
     right before the first partition is submitted.
     """
-    import daskgen.client.cluster as cluster
+    import daskgen.client.engines as engines
     import daskgen.client.runner as runner
 
-    original_start, original_drive = cluster.start_engines, runner.drive
+    original_start, original_drive = engines.start_engines, runner.drive
     marks: dict[str, Any] = {}
 
     def start_engines(client: Any, config: Any, *args: Any) -> int:
@@ -380,11 +380,11 @@ def instrument_run(
             marks["on_done"] = on_done(client)
         return out
 
-    cluster.start_engines, runner.drive = start_engines, drive
+    engines.start_engines, runner.drive = start_engines, drive
     try:
         yield marks
     finally:
-        cluster.start_engines, runner.drive = original_start, original_drive
+        engines.start_engines, runner.drive = original_start, original_drive
 
 
 def as_client(connection: Any) -> Any:
@@ -407,7 +407,7 @@ def run_requests(config: Any, prompts: Any) -> list[Any]:
 
     plan = prepare(config, prompts)
     out = []
-    for task in pending_tasks(plan):
+    for task in pending_tasks(plan, plan.store.read_status()):
         ids = task.prompts if task.prompts is not None else tokenize_rows(task.inputs, plan.tokenizer)
         for row, prompt in zip(task.rows, ids, strict=True):
             for s in range(task.n_samples):

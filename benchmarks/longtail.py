@@ -243,7 +243,8 @@ def emulate_streaming(
 
 def run_sync(a: argparse.Namespace, config: RunConfig, requests: list[Any], batch_requests: int) -> SideResult:
     """Synchronous global batches on a LocalCluster with one simulated engine per worker."""
-    from daskgen.client.cluster import connect, start_engines
+    from daskgen.client.cluster import connect
+    from daskgen.client.engines import start_engines
 
     with connect(config) as connection:
         client = _bench.as_client(connection)

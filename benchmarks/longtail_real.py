@@ -261,7 +261,8 @@ def run_sync_engine(config: RunConfig, requests: list[Any], batch: int) -> dict[
     Each batch is submitted at once (the engine batches continuously inside it) and the next starts when
     its longest answer is done: the barrier alone, without the static-batch padding of ``model.generate``.
     """
-    from daskgen.client.cluster import connect, start_engines
+    from daskgen.client.cluster import connect
+    from daskgen.client.engines import start_engines
 
     with connect(config) as connection:
         client = _bench.as_client(connection)

@@ -241,7 +241,8 @@ async def _direct_engine(model: str, engine_args: dict[str, Any], requests: list
 
 def _engine_on_worker(config: RunConfig, requests: list[Any]) -> dict[str, Any]:
     """The same engine on a daskgen worker (plugin), every request in one Dask task, no runner or store."""
-    from daskgen.client.cluster import connect, start_engines
+    from daskgen.client.cluster import connect
+    from daskgen.client.engines import start_engines
 
     with connect(config) as connection:
         client = _bench.as_client(connection)

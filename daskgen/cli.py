@@ -39,7 +39,9 @@ def run(
         str | None, Opt(help="Output Zarr store (folder or s3://, gs://, az:// URL); rerun against it to resume.")
     ] = None,
     config: Annotated[Path | None, Opt(help="YAML file with the same keys; flags override it.")] = None,
-    engine: Annotated[str | None, Opt(help="Engine: transformers, sglang, openai, simulated, or module:Class.")] = None,
+    engine: Annotated[
+        str | None, Opt(help="Engine: transformers, sglang, vllm, openai, simulated, or module:Class.")
+    ] = None,
     engine_arg: Annotated[list[str] | None, Opt(help="Engine option KEY=VALUE (repeatable).")] = None,
     agent: Annotated[str | None, Opt(help="Agent loop: single_turn, tool, or module:Class.")] = None,
     agent_arg: Annotated[list[str] | None, Opt(help="Agent option KEY=VALUE (repeatable).")] = None,

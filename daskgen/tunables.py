@@ -6,9 +6,6 @@ as ``distributed`` and ``dask-jobqueue`` do with theirs; values already set by t
 YAML files or ``DASK_DASKGEN__...`` environment variables win.  Code reads a value where it uses
 it (:func:`seconds`, :func:`get`), never at import, so ``dask.config.set`` applies.  The keys and
 what they tune are listed in ``daskgen/daskgen.yaml`` and ``docs/architecture.md``.
-
-Test fault hooks (e.g. ``DASKGEN_TEST_COMMIT_DELAY_S``) are not tunables: they are environment
-variables read only by the code they exercise, and named ``DASKGEN_TEST_...``.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ _PATH = Path(__file__).with_name("daskgen.yaml")
 DEFAULTS: dict[str, Any] = yaml.safe_load(_PATH.read_text())
 dask.config.update_defaults(DEFAULTS)
 
-#: Environment variables of daskgen <= 0.3 that became tunables, and their key now.
+#: Environment variables that earlier daskgen versions read before these settings became tunables, and their key now.
 RENAMED_ENV = {
     "DASKGEN_ENGINE_START_TIMEOUT": "engine-start-timeout",
     "DASKGEN_HEALTH_TIMEOUT": "health-timeout",

@@ -8,6 +8,7 @@ import pytest
 
 from daskgen import store
 from daskgen.client.commit import CommitBatch, Outcome, commit_outcomes
+from daskgen.client.live import LiveRun
 from daskgen.client.plan import Plan
 from daskgen.config import RunConfig
 
@@ -22,11 +23,11 @@ def plan(tmp_path, monkeypatch):
     path = tmp_path / "s.zarr"
     created = store.GenerationStore.create(path, store.StoreAttrs(layout), [f"r{i}" for i in range(40)])
     config = RunConfig(model="m", store=str(path))
-    return Plan(config, None, created, created.read_status(), committed_at=np.full(40, np.nan))
+    return LiveRun(Plan(config, None, created), created.read_status(), committed_at=np.full(40, np.nan))
 
 
 def test_outcomes_in_one_or_several_coarse_chunks_are_committed_exactly(plan):
-    path = plan.config.store
+    path = plan.plan.config.store
     plan.status[8] = store.FAILED  # failed in an earlier run; not in this batch: kept with its message
     store.GenerationStore.open(path).commit(8, plan.status[8:9], ["old failure"], None)
     outcomes = [
@@ -59,10 +60,10 @@ def test_commit_batch_commits_the_first_at_once_then_at_most_once_per_interval(p
     batch.add([Outcome(0, 4, done=[0, 1, 2, 3], failed={}, notes={})])
     assert batch.due_in() == 0.0  # the first commit goes at once
     batch.flush()
-    assert (store.GenerationStore.open(plan.config.store).read_status()[:4] == store.DONE).all()
+    assert (store.GenerationStore.open(plan.plan.config.store).read_status()[:4] == store.DONE).all()
     batch.add([Outcome(4, 8, done=[4, 5, 6, 7], failed={}, notes={})])
     assert batch.due_in() > 3000  # the next waits for the interval (1 h here) ...
     batch.flush()
-    assert (store.GenerationStore.open(plan.config.store).read_status()[4:8] == store.PENDING).all()
+    assert (store.GenerationStore.open(plan.plan.config.store).read_status()[4:8] == store.PENDING).all()
     batch.flush(force=True)  # ... unless forced (a stop, the end of the run)
-    assert (store.GenerationStore.open(plan.config.store).read_status()[4:8] == store.DONE).all()
+    assert (store.GenerationStore.open(plan.plan.config.store).read_status()[4:8] == store.DONE).all()

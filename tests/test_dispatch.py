@@ -3,6 +3,7 @@ ones stay recorded, the tail share."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -85,9 +86,14 @@ def test_hints_from_a_store_of_the_same_input_order_the_pending_partitions(tmp_p
     hints = read_length_hints(locate(str(earlier)), *_scan_of(tmp_path, prompts))
     assert hints[1] == 50 and hints[13] == 60 and hints[6] == 7 and np.isnan(hints[0])
     plan = prepare(_config(tmp_path, prompts, "new.zarr", length_hints=str(earlier)))
-    assert [t.start for t in pending_tasks(plan)] == [12, 0, 4, 8]  # 60, 50, 7 first; 8 unknown last
+    assert [t.start for t in pending_tasks(plan, plan.store.read_status())] == [
+        12,
+        0,
+        4,
+        8,
+    ]  # 60, 50, 7 first; 8 unknown last
     # every row of every partition is there, prompts read for the right rows
-    tasks = list(pending_tasks(plan))
+    tasks = list(pending_tasks(plan, plan.store.read_status()))
     assert sorted(r for t in tasks for r in t.rows) == list(range(16))
     assert all(
         t.inputs[i]["messages"][0]["content"].startswith(f"Question {r}:") for t in tasks for i, r in enumerate(t.rows)
@@ -98,12 +104,12 @@ def test_interrupted_partitions_still_go_before_the_hinted_ones(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", 16)
     earlier = _earlier_store(tmp_path, prompts, {13: [60, 2], 1: [3, 50]})
     plan = prepare(_config(tmp_path, prompts, "new.zarr", length_hints=str(earlier)))
-    plan.first_partitions = [8]
-    assert [t.start for t in pending_tasks(plan)] == [8, 12, 0, 4]
+    plan = dataclasses.replace(plan, first_partitions=(8,))
+    assert [t.start for t in pending_tasks(plan, plan.store.read_status())] == [8, 12, 0, 4]
     plan.config.max_prompts_in_memory = 8  # room for one predicted-long partition (half the cap)
-    assert [t.start for t in pending_tasks(plan)] == [8, 12, 0, 4]
+    assert [t.start for t in pending_tasks(plan, plan.store.read_status())] == [8, 12, 0, 4]
     plan.config.max_prompts_in_memory = 4  # none: plain order after the interrupted ones
-    assert [t.start for t in pending_tasks(plan)] == [8, 0, 4, 12]
+    assert [t.start for t in pending_tasks(plan, plan.store.read_status())] == [8, 0, 4, 12]
 
 
 def test_hints_from_another_input_match_rows_by_id(tmp_path):

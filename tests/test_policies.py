@@ -38,9 +38,9 @@ def test_prompts_in_memory_stay_under_the_cap(tmp_path):
     seen = []
     original = runner.drive
 
-    def spy(client, plan, tasks, info=None, n_pending=0):
-        out = original(client, plan, tasks, info, n_pending)
-        seen.append(plan.peak_prompts)
+    def spy(client, live, tasks, info=None, n_pending=0):
+        out = original(client, live, tasks, info, n_pending)
+        seen.append(live.peak_prompts)
         return out
 
     runner.drive = spy

@@ -328,7 +328,7 @@ def test_allocation_end_stops_the_run_gracefully(tmp_path):
 
 def test_exit_status_mapping():
     from daskgen.cli import exit_status
-    from daskgen.client.runner import RunSummary
+    from daskgen.client.run_summary import RunSummary
 
     assert exit_status(RunSummary("s", 4, 4, 0, 0)) == 0
     assert exit_status(RunSummary("s", 4, 3, 1, 0)) == 1

@@ -66,7 +66,7 @@ def test_workers_advertise_the_auto_window_and_the_runner_sums_it(tmp_path):
     import dask
     from distributed import Client, LocalCluster
 
-    from daskgen.client.cluster import start_engines
+    from daskgen.client.engines import start_engines
     from daskgen.client.runner import in_flight_target
     from daskgen.client.windows import WindowBoard
     from daskgen.worker.plugin import RESOURCE, plugin_status
@@ -174,10 +174,12 @@ def test_one_partition_stays_submitted_when_no_worker_admits_any():
     board = WindowBoard.__new__(WindowBoard)
     board.windows, board.assigned, board.load = {"tcp://a": 0}, {}, {}
     client, futures = RecordingClient(), {}
-    plan = SimpleNamespace(stopped=None, config=SimpleNamespace(max_retries=0))
+    run = SimpleNamespace(
+        stop=SimpleNamespace(stopping=False), plan=SimpleNamespace(config=SimpleNamespace(max_retries=0))
+    )
     tasks = iter([SimpleNamespace(isolate=False, start=s) for s in (0, 4, 8)])
     done = SimpleNamespace(add=lambda fut: None)
-    _submit_up_to(client, plan, 1, tasks, [], futures, done, board)
+    _submit_up_to(client, run, 1, tasks, [], futures, done, board)
     assert len(futures) == 1 and "workers" not in client.submitted[0][1], "one unpinned partition is submitted"
-    _submit_up_to(client, plan, 1, tasks, [], futures, done, board)
+    _submit_up_to(client, run, 1, tasks, [], futures, done, board)
     assert len(futures) == 1, "but not more while no worker admits any"

@@ -19,10 +19,9 @@ This module imports numpy, pandas, dask and xarray only (no torch, transformers 
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,22 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
-from daskgen.engines.base import FinishReason
+from daskgen.analysis.decode import (
+    FINISH_LABELS,
+    decode_many,
+    decode_prompts,
+    finish_labels,
+    flatten_samples,
+    iter_raw_prompts,
+)
+from daskgen.analysis.stats import (
+    bincount,
+    epoch_seconds,
+    histogram_row,
+    nice_bin_seconds,
+    pass_at_k,
+    per_sample,
+)
 from daskgen.errors import ConfigError, StoreError, StoreMismatchError
 from daskgen.store.attrs import ATTRS_KEY, StoreAttrs
 from daskgen.store.generation_store import read_store_attrs
@@ -48,12 +62,9 @@ __all__ = [
     "open_store",
 ]
 
-#: Labels of the ``finish_reason`` codes, indexed by ``code + 1`` (code -1: the sample was not generated).
-FINISH_LABELS: tuple[str, ...] = ("not_generated", *(r.name.lower() for r in FinishReason))
 STATUS_NAMES = {"pending": PENDING, "done": DONE, "failed": FAILED}
 #: Tokenizer identity keys that must match the store's for decoding to be trusted.
 IDENTITY_KEYS = ("vocab_size", "eos_token_id", "pad_token_id", "chat_template_sha256")
-_NICE_BINS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400, 43200, 86400)
 
 
 def open_store(path: str | Path | StoreLocation) -> xr.Dataset:
@@ -77,130 +88,6 @@ def open_store(path: str | Path | StoreLocation) -> xr.Dataset:
         warnings.simplefilter("ignore")
         ds = xr.open_zarr(loc.zarr_store(read_only=True), chunks={"prompt": rows} if rows else {})
     return ds.daskgen.labelled()
-
-
-def finish_labels(codes: Any) -> np.ndarray:
-    """String labels (``stop``, ``length``, ``abort``, ``error``, ``not_generated``) of finish codes."""
-    table = np.array([*FINISH_LABELS, "unknown"])
-    idx = np.asarray(codes).astype(np.int64) + 1
-    return table[np.where((idx >= 0) & (idx < len(FINISH_LABELS)), idx, len(FINISH_LABELS))]
-
-
-def decode_many(tokenizer: Any, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
-    """Decode token-id sequences to text (batched where the tokenizer supports it)."""
-    seqs = [[int(t) for t in s] for s in sequences]
-    batch = getattr(tokenizer, "batch_decode", None)
-    if batch is not None:
-        return list(batch(seqs, skip_special_tokens=skip_special_tokens))
-    return [tokenizer.decode(s, skip_special_tokens=skip_special_tokens) for s in seqs]
-
-
-def iter_raw_prompts(path: str | Path, rows: Iterable[int]) -> Iterator[str]:
-    """Stream the JSON of the input's ``messages`` or ``prompt`` for the increasing 0-based ``rows``."""
-    from daskgen.input.rows import iter_rows
-
-    wanted = iter(rows)
-    target = next(wanted, None)
-    for number, row in iter_rows(Path(path)):
-        while target is not None and target == number - 1:
-            yield json.dumps(row["messages"] if row.get("messages") is not None else row["prompt"], ensure_ascii=False)
-            target = next(wanted, None)
-        if target is None:
-            return
-
-
-def decode_prompts(tokenizer: Any, sub: xr.Dataset, skip_special_tokens: bool = True) -> list[str]:
-    """Decoded prompt of each row of a computed block (``prompt_ids`` cut at ``prompt_length``)."""
-    ids, lengths = sub["prompt_ids"].values, sub["prompt_length"].values
-    return decode_many(tokenizer, [row[:n] for row, n in zip(ids, lengths, strict=True)], skip_special_tokens)
-
-
-def flatten_samples(sub: xr.Dataset) -> dict[str, np.ndarray]:
-    """Numpy arrays with one entry per (prompt, sample[, trajectory]) of a computed block of rows.
-
-    Per-sample variables are flattened, per-prompt ones (``prompt_ids``, ``prompt_length``,
-    ``prompt_index``, ``prompt_id``) repeated; ``sample`` (and ``trajectory`` in schema-v2 stores)
-    number the entries.  Only generated entries are kept (``finish_reason >= 0``): samples a verifier
-    run never needed and padding trajectories are left out.  Needs ``finish_reason`` in ``sub``.
-    """
-    n, s = sub.sizes["prompt"], sub.sizes["sample"]
-    t = sub.sizes.get("trajectory", 1)
-    lead = ["prompt", "sample", "trajectory"][: 3 if "trajectory" in sub.dims else 2]
-    out: dict[str, np.ndarray] = {}
-    for name, var in sub.variables.items():
-        if set(lead) <= set(var.dims) and name != "num_trajectories":
-            values = var.transpose(*lead, ...).values
-            out[str(name)] = values.reshape(n * s * t, *values.shape[len(lead) :])
-        elif var.dims and var.dims[0] == "prompt" and "sample" not in var.dims:
-            values = var.values.astype(object) if var.dtype.kind in "TUO" else var.values
-            out[str(name)] = np.repeat(values, s * t, axis=0)
-    out["sample"] = np.tile(np.repeat(np.arange(s), t), n)
-    if "trajectory" in sub.dims:
-        out["trajectory"] = np.tile(np.arange(t), n * s)
-    keep = out["finish_reason"] >= 0
-    return {k: v[keep] for k, v in out.items()}
-
-
-def epoch_seconds(times: xr.DataArray) -> xr.DataArray:
-    """Seconds since 1970 as floats (NaN where unset), from decoded datetimes or raw floats."""
-    if np.issubdtype(times.dtype, np.datetime64):
-        return (times - np.datetime64("1970-01-01T00:00:00", "ns")) / np.timedelta64(1, "s")
-    return times.astype("float64")
-
-
-def nice_bin_seconds(span: float, target_bins: int = 30) -> float:
-    """A round bin width (1 s, 2 s, 5 s, ... 1 day) giving about ``target_bins`` bins over ``span``."""
-    want = max(span / target_bins, 1.0)
-    return float(next((b for b in _NICE_BINS if b >= want), math.ceil(want / 86400) * 86400))
-
-
-def _bincount(keys: xr.DataArray, length: int, weights: xr.DataArray | None = None) -> np.ndarray:
-    """Counts (or weight sums) of the integer ``keys`` in ``[0, length)``, computed chunk by chunk."""
-    import dask.array as da
-
-    if weights is not None:
-        keys, weights = xr.broadcast(keys, weights)
-        keys, weights = xr.unify_chunks(keys, weights)
-    k = da.asarray(keys.data).astype("int64").ravel()
-    w = None if weights is None else da.asarray(weights.data).astype("float64").ravel()
-    return np.asarray(da.bincount(k, weights=w, minlength=length).compute())[:length]
-
-
-def _quantile(cumulative: np.ndarray, total: int, q: float) -> int:
-    """Lower ("inverted CDF") quantile of a histogram given its cumulative counts."""
-    return int(np.searchsorted(cumulative, max(math.ceil(q * total), 1)))
-
-
-def _per_sample(flags: xr.DataArray) -> xr.DataArray:
-    """Reduce a per-sample flag over any axis beyond (prompt, sample), e.g. ``trajectory``: any."""
-    extra = [d for d in flags.dims if d not in ("prompt", "sample")]
-    return flags.any(extra) if extra else flags
-
-
-def _pass_at_k(used: np.ndarray, hits: np.ndarray, k: int) -> float:
-    """Mean unbiased pass@k, 1 - C(n-c, k) / C(n, k), over prompts with n >= k generated samples."""
-    ok = used >= k
-    if not ok.any():
-        return float("nan")
-    pairs, inverse = np.unique(np.stack([used[ok], hits[ok]]), axis=1, return_inverse=True)
-    values = np.array([1 - math.comb(int(n) - int(c), k) / math.comb(int(n), k) for n, c in pairs.T])
-    return float(values[inverse.ravel()].mean())
-
-
-def _histogram_row(counts: np.ndarray, quantiles: Sequence[float]) -> dict[str, float]:
-    total = int(counts.sum())
-    lengths = np.arange(len(counts))
-    present = np.flatnonzero(counts)
-    cumulative = np.cumsum(counts)
-    row: dict[str, float] = {
-        "samples": total,
-        "mean": float((lengths * counts).sum() / total),
-        "min": int(present[0]),
-        "max": int(present[-1]),
-    }
-    for q in quantiles:
-        row[f"p{q * 100:g}"] = _quantile(cumulative, total, q)
-    return row
 
 
 @xr.register_dataset_accessor("daskgen")
@@ -280,7 +167,7 @@ class DaskgenAccessor:
         code = (self._ds["finish_reason"].astype("int64") + 1).clip(0, labels - 1)
         length = self._ds["response_length"].astype("int64").clip(0, width - 1)
         keys = xr.where(self.sample_mask(), code * width + length, labels * width)
-        counts = _bincount(keys, (labels + 1) * width)[: labels * width].reshape(labels, width)
+        counts = bincount(keys, (labels + 1) * width)[: labels * width].reshape(labels, width)
         return xr.DataArray(
             counts.astype("int64"),
             dims=("finish_reason", "length"),
@@ -295,7 +182,7 @@ class DaskgenAccessor:
         rows = {label: counts for label, counts in rows.items() if counts.sum()}
         if rows:
             rows["all"] = hist.values.sum(axis=0)
-        table = {label: _histogram_row(counts, quantiles) for label, counts in rows.items()}
+        table = {label: histogram_row(counts, quantiles) for label, counts in rows.items()}
         frame = pd.DataFrame.from_dict(table, orient="index")
         if len(frame):
             frame.insert(1, "share", frame["samples"] / frame.loc["all", "samples"])
@@ -347,8 +234,8 @@ class DaskgenAccessor:
         nbins = int((hi - lo) // width) + 1
         keys = ((times - lo) // width).fillna(nbins)
         tokens = self._prompt_tokens()
-        prompts = _bincount(keys, nbins + 1)[:nbins]
-        token_sums = _bincount(keys, nbins + 1, weights=tokens)[:nbins]
+        prompts = bincount(keys, nbins + 1)[:nbins]
+        token_sums = bincount(keys, nbins + 1, weights=tokens)[:nbins]
         frame = pd.DataFrame(
             {
                 "start": pd.to_datetime(lo + width * np.arange(nbins), unit="s", utc=True),
@@ -385,8 +272,8 @@ class DaskgenAccessor:
         if bad:
             raise ValueError(f"pass@k needs 1 <= k <= n_samples={n}, got {bad}")
         rows = self.rows("done")
-        passed = _per_sample(scores if scores.dtype == bool else scores >= threshold).isel(prompt=rows)
-        used = _per_sample(self._ds["finish_reason"] >= 0).isel(prompt=rows)
+        passed = per_sample(scores if scores.dtype == bool else scores >= threshold).isel(prompt=rows)
+        used = per_sample(self._ds["finish_reason"] >= 0).isel(prompt=rows)
         hits, used = (
             np.asarray(v.values, dtype=np.int64)
             for v in dask.compute((passed & used).sum("sample"), used.sum("sample"))
@@ -396,7 +283,7 @@ class DaskgenAccessor:
                 {"pass_rate": ("prompt", hits / used), "samples": ("prompt", used)},
                 coords={"prompt_index": ("prompt", rows)},
             )
-        out["pass_at_k"] = ("k", [_pass_at_k(used, hits, k) for k in ks])
+        out["pass_at_k"] = ("k", [pass_at_k(used, hits, k) for k in ks])
         out["pass_at_k_prompts"] = ("k", [int((used >= k).sum()) for k in ks])
         return out.assign_coords(k=list(ks)).assign_attrs(threshold=threshold, done_prompts=len(rows))
 

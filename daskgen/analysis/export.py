@@ -14,13 +14,8 @@ block, so a store larger than memory exports in bounded memory, also while a run
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
-import uuid
-import zipfile
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,11 +30,11 @@ from daskgen.analysis.accessor import (
     iter_raw_prompts,
     open_store,
 )
-from daskgen.errors import ExportError, OutputExistsError, StoreError
-from daskgen.store.attrs import ATTRS_KEY, StoreAttrs
+from daskgen.analysis.archive import require_wandb, upload_wandb, zip_store
+from daskgen.analysis.output import check_output, output_size, staged_output
+from daskgen.errors import ExportError, StoreError
 from daskgen.store.generation_store import read_store_attrs
 from daskgen.store.location import StoreRef, locate
-from daskgen.store.lock import LOCK_NAME
 
 __all__ = [
     "DEFAULT_SUFFIX",
@@ -80,8 +75,6 @@ _READ = (
     "num_turns",
 )
 _BLOCK_BYTES = 16 * 2**20
-# Written first into a zip: with status before the data, every row done in the zip is complete.
-_ZIP_FIRST = ("zarr.json", "status", "error", "committed_at")
 
 
 @dataclass
@@ -101,49 +94,6 @@ class ExportResult:
             f"daskgen: exported {self.rows} samples as {self.format} to {self.path} "
             f"({self.bytes / 2**20:.1f} MiB in {self.seconds:.1f} s, {rate:.0f} samples/s)"
         )
-
-
-# -- output paths -------------------------------------------------------------------------------
-def check_output(out: str | Path, *, overwrite: bool = False, protect: str | Path | None = None) -> None:
-    """Refuse an existing ``out`` (unless ``overwrite``) and any ``out`` overlapping the store ``protect``."""
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise OutputExistsError(
-            f"output {str(out)!r} exists; pass --overwrite (overwrite=True) to replace it, "
-            "or choose another --out path."
-        )
-    if protect is not None and locate(protect).is_local:
-        guarded, target = Path(str(locate(protect))).resolve(), out.resolve()
-        if target == guarded or guarded in target.parents or target in guarded.parents:
-            raise ExportError(f"output {str(out)!r} overlaps the store {str(protect)!r}; choose a path outside it.")
-
-
-@contextmanager
-def staged_output(out: str | Path, *, overwrite: bool = False, protect: str | Path | None = None) -> Iterator[Path]:
-    """Yield a temporary path beside ``out``; on success it replaces ``out`` (atomically for files)."""
-    out = Path(out)
-    check_output(out, overwrite=overwrite, protect=protect)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        yield tmp
-        _remove(out)
-        os.replace(tmp, out)
-    finally:
-        _remove(tmp)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
-def _size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 # -- reading done rows block by block -----------------------------------------------------------
@@ -400,58 +350,6 @@ def verl_parts(td: Any) -> tuple[Any, dict[str, np.ndarray]]:
     return batch, extra
 
 
-# -- zip and W&B ----------------------------------------------------------------------------------
-def zip_store(path: StoreRef, out: str | Path) -> None:
-    """Write the whole store into one uncompressed zip (chunks are already compressed) and verify it."""
-    loc = locate(path)
-    keys = sorted(
-        (key for key, _ in loc.files() if key.rsplit("/", 1)[-1] != LOCK_NAME),
-        key=lambda key: (key.split("/", 1)[0] not in _ZIP_FIRST, key),
-    )
-    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-        for key in keys:
-            data = loc.read_bytes(key)
-            if data is not None:  # deleted meanwhile (a running client's temporary file)
-                zf.writestr(key, data)
-    import zarr
-
-    with zarr.storage.ZipStore(str(out), mode="r") as zs:
-        group = zarr.open_group(zs, mode="r")
-        if ATTRS_KEY not in group.attrs or "status" not in group:
-            raise ExportError(f"the zip {str(out)!r} does not open as a daskgen store")
-
-
-def _wandb() -> Any:
-    try:
-        import wandb
-    except ImportError:
-        raise ExportError(
-            "--wandb-project needs the optional package 'wandb', which is not installed: pip install "
-            "wandb, then `wandb login` (or set WANDB_API_KEY). Nothing was exported."
-        ) from None
-    return wandb
-
-
-def upload_wandb(zip_path: str | Path, project: str, attrs: StoreAttrs) -> str:
-    """Log ``zip_path`` as a W&B ``dataset`` artifact in ``project``; returns the artifact name."""
-    import re
-
-    wandb = _wandb()
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(zip_path).stem) or "daskgen-store"
-    try:
-        run = wandb.init(project=project, job_type="daskgen-export")
-        artifact = wandb.Artifact(name, type="dataset", metadata={"identity": attrs.identity, "input": attrs.input})
-        artifact.add_file(str(zip_path))
-        run.log_artifact(artifact)
-        run.finish()
-    except Exception as exc:  # wandb raises many types (not logged in, network, permissions)
-        raise ExportError(
-            f"W&B upload to project {project!r} failed: {exc}. Is wandb configured (`wandb login` "
-            f"or WANDB_API_KEY)? The zip is at {str(zip_path)!r}."
-        ) from exc
-    return f"{project}/{name}"
-
-
 # -- entry point ----------------------------------------------------------------------------------
 def export(
     path: StoreRef,
@@ -485,11 +383,11 @@ def export(
         )
     check_output(out, overwrite=overwrite, protect=path)
     if wandb_project:
-        _wandb()
+        require_wandb()
     t0 = time.perf_counter()
     with staged_output(out, overwrite=overwrite, protect=path) as tmp:
         rows = _write(path, tmp, fmt, text=text, tokenizer=tokenizer, prompts=prompts, raw=raw)
-    result = ExportResult(Path(out), fmt, rows, time.perf_counter() - t0, _size(Path(out)))
+    result = ExportResult(Path(out), fmt, rows, time.perf_counter() - t0, output_size(Path(out)))
     if wandb_project:
         upload_wandb(out, wandb_project, attrs)
     return result

@@ -279,7 +279,7 @@ def render_html(data: ReportData, out: Path) -> None:
 
 def write_report(path: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
     """Write the report of the store at ``path`` to ``out`` (``.html`` or ``.png``, by suffix)."""
-    from daskgen.analysis.export import check_output, staged_output
+    from daskgen.analysis.output import check_output, staged_output
 
     out = Path(out)
     kind = out.suffix.lower()

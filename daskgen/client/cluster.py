@@ -1,19 +1,17 @@
-"""Getting a Dask client for a run and starting one engine per worker on it."""
+"""Getting a Dask client for a run: an existing scheduler, a cluster daskgen builds, or a LocalCluster.
+
+Starting and watching the engines on it is :mod:`daskgen.client.engines`.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Iterator
 from typing import Any
 
-from tqdm.auto import tqdm
-
-from daskgen import tunables
 from daskgen.config import RunConfig
-from daskgen.errors import EngineError, RunInterrupted
-from daskgen.worker.plugin import AUTO_MAX_WINDOW, RESOURCE, EnginePlugin, plugin_status
+from daskgen.worker.admission import AUTO_MAX_WINDOW
 
 logger = logging.getLogger(__name__)
 
@@ -54,88 +52,3 @@ def _make_cluster(config: RunConfig) -> tuple[Any, Any]:
     cluster, info = make_cluster(spec)
     logger.info("started %s", info)
     return cluster, info
-
-
-def start_engines(client: Any, config: RunConfig, interrupt: Any = None) -> int:
-    """Register the engine plugin and wait until at least one engine is ready.
-
-    Returns the number of workers with a ready engine.  Raises :class:`EngineError` with every
-    worker's error when all engines failed, or when none is ready within the timeout, and
-    :class:`RunInterrupted` when ``interrupt`` (a :class:`daskgen.client.interrupt.Interrupt`) is requested.
-    """
-    drain_s = config.grace_seconds() * 0.5  # a drained worker hands back within half the grace period
-    plugin = EnginePlugin(
-        config.engine,
-        str(config.model),
-        config.engine_args,
-        window=config.window,
-        requests_per_partition=config.partition_size * config.n_samples,
-        drain_timeout_s=drain_s,
-    )
-    client.register_plugin(plugin, name=plugin.name)
-    _drain_before_retire(client, drain_s)
-    deadline = time.monotonic() + tunables.seconds("engine-start-timeout")
-    with tqdm(
-        total=0,
-        desc="engines ready",
-        disable=not config.progress,
-        bar_format="{desc}: {n_fmt}/{total_fmt} workers [{elapsed}]",
-    ) as bar:
-        delay = 0.25
-        while True:
-            states = client.run(plugin_status)
-            ready = [w for w, s in states.items() if s["state"] == "ready"]
-            bar.total = len(states)
-            bar.update(len(ready) - bar.n)
-            if ready and _resource_visible(client):
-                return len(ready)
-            if interrupt is not None and interrupt.requested:
-                raise RunInterrupted(f"{interrupt.reason} while the engines were starting")
-            _raise_if_all_failed(config, states, deadline)
-            time.sleep(delay)
-            delay = min(2.0, delay * 1.5)  # model loads take seconds to minutes; spare big clusters
-
-
-def _drain_before_retire(client: Any, timeout: float) -> None:
-    """Make the scheduler drain daskgen workers before retiring them (:mod:`daskgen.worker.drain`)."""
-    from daskgen.worker.drain import DrainBeforeRetire
-
-    try:
-        client.register_plugin(DrainBeforeRetire(timeout), name=DrainBeforeRetire.name)
-    except Exception as exc:  # e.g. a scheduler without daskgen installed
-        logger.warning(
-            "could not install daskgen's drain-before-retire plugin on the scheduler (%s): retiring a "
-            "worker will restart its in-flight partitions elsewhere (finished work is safe). Install "
-            "daskgen where the scheduler runs to hand back partial responses instead.",
-            exc,
-        )
-
-
-def _raise_if_all_failed(config: RunConfig, states: dict[str, Any], deadline: float) -> None:
-    failed = {w: s["error"] for w, s in states.items() if s["state"] == "failed"}
-    if states and len(failed) == len(states):
-        details = "\n  ".join(f"{w}: {e}" for w, e in failed.items())
-        raise EngineError(f"the {config.engine!r} engine failed to start on every worker:\n  {details}")
-    if time.monotonic() > deadline:
-        raise EngineError(
-            f"no engine became ready within {tunables.seconds('engine-start-timeout'):.0f} s; "
-            f"worker states: {states}. Raise the Dask config daskgen.engine-start-timeout "
-            f"(e.g. DASK_DASKGEN__ENGINE_START_TIMEOUT=30m) or check the worker logs."
-        )
-
-
-def check_engines(client: Any, config: RunConfig) -> None:
-    """Raise :class:`EngineError` when every worker's engine has failed (nothing can progress)."""
-    states = client.run(plugin_status)
-    failed = {w: s["error"] for w, s in states.items() if s["state"] in ("failed", "missing")}
-    if states and len(failed) == len(states):
-        details = "\n  ".join(f"{w}: {e}" for w, e in failed.items())
-        raise EngineError(
-            f"the {config.engine!r} engine has failed on every worker; finished work is saved, "
-            f"rerun the same command to resume once fixed:\n  {details}"
-        )
-
-
-def _resource_visible(client: Any) -> bool:
-    info = client.scheduler_info(n_workers=-1)["workers"]
-    return any(w.get("resources", {}).get(RESOURCE, 0) > 0 for w in info.values())

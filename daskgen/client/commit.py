@@ -6,7 +6,6 @@ landed (the partition task returned), so a row marked done always has its data.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,15 +17,17 @@ from daskgen import tunables
 from daskgen.store.layout import DONE, FAILED, PENDING
 
 if TYPE_CHECKING:
-    from daskgen.client.plan import Plan
+    from daskgen.client.live import LiveRun
 
 
-def commit_overlong(plan: Plan) -> None:
-    pending = [i for i in plan.prompts.overlong if plan.status[i] == PENDING]
-    for start in sorted({i - i % plan.layout.partition_size for i in pending}):
-        stop = min(start + plan.layout.partition_size, plan.layout.n_prompts)
+def commit_overlong(run: LiveRun) -> None:
+    """Commit the prompts longer than ``max_prompt_tokens`` (with ``--skip-overlong``) as failed with the reason."""
+    overlong, layout = run.plan.prompts.overlong, run.plan.layout
+    pending = [i for i in overlong if run.status[i] == PENDING]
+    for start in sorted({i - i % layout.partition_size for i in pending}):
+        stop = min(start + layout.partition_size, layout.n_prompts)
         rows = [i for i in pending if start <= i < stop]
-        commit_rows(plan, start, stop, {i: plan.prompts.overlong[i] for i in rows})
+        commit_rows(run, start, stop, {i: overlong[i] for i in rows})
 
 
 @dataclass
@@ -40,26 +41,26 @@ class Outcome:
     notes: dict[int, str]
 
 
-def commit_outcomes(plan: Plan, outcomes: list[Outcome]) -> None:
+def commit_outcomes(run: LiveRun, outcomes: list[Outcome]) -> None:
     """Commit finished partitions with one write of ``status`` (and ``error``/``committed_at``) per
     coarse chunk they fall in, instead of one per partition.
 
     Rows in between keep their in-memory status (the client is the only writer of ``status``).
     """
     groups: dict[int, list[Outcome]] = {}
-    rows = plan.store.commit_chunk_rows
+    rows = run.plan.store.commit_chunk_rows
     for o in outcomes:
         groups.setdefault(o.start // rows, []).append(o)
     for chunk, group in groups.items():
         start = chunk * rows  # the whole coarse chunk: written without reading it back
-        stop = min(start + rows, plan.layout.n_prompts)
+        stop = min(start + rows, run.plan.layout.n_prompts)
         failed = {r: m for o in group for r, m in o.failed.items()}
         notes = {r: m for o in group for r, m in o.notes.items()}
-        commit_rows(plan, start, stop, failed, done=[r for o in group for r in o.done], notes=notes)
+        commit_rows(run, start, stop, failed, done=[r for o in group for r in o.done], notes=notes)
 
 
 def commit_rows(
-    plan: Plan,
+    run: LiveRun,
     start: int,
     stop: int,
     failed: dict[int, str],
@@ -68,38 +69,28 @@ def commit_rows(
 ) -> None:
     """Write error, commit times, then status of rows ``[start, stop)``; update the in-memory mask.
 
-    The in-memory ``plan.status``/``plan.committed_at`` are authoritative (the client is the only
+    The in-memory ``run.status``/``run.committed_at`` are authoritative (the client is the only
     writer), so the rows in between are written back unchanged.  ``notes`` (e.g. verifier
     exceptions) go into ``error`` of rows that are nevertheless done.
     """
-    new = plan.status[start:stop].copy()
+    store = run.plan.store
+    new = run.status[start:stop].copy()
     for i in done:
         new[i - start] = DONE
     for i in failed:
         new[i - start] = FAILED
     errors = None
-    if failed or notes or np.any(plan.status[list(done)] == FAILED):  # else `error` stays as it is
-        errors = [str(e) for e in plan.store.read_region(start, stop, ("error",))["error"]]
+    if failed or notes or np.any(run.status[list(done)] == FAILED):  # else `error` stays as it is
+        errors = [str(e) for e in store.read_region(start, stop, ("error",))["error"]]
         for i in done:
             errors[i - start] = (notes or {}).get(i, "")
         for i, msg in failed.items():
             errors[i - start] = msg
-    plan.committed_at[[*done, *failed]] = time.time()
-    _maybe_pause_before_commit()
-    plan.store.commit(start, new, errors, plan.committed_at[start:stop])
-    plan.status[start:stop] = new
-
-
-#: Test fault hook, not a tunable: seconds to sleep between a partition's data write and its commit
-#: (tests kill the client in that window).  Never set it in production.
-TEST_COMMIT_DELAY_ENV = "DASKGEN_TEST_COMMIT_DELAY_S"
-
-
-def _maybe_pause_before_commit() -> None:
-    """Test fault hook (not a tunable): widen the window between a partition's data write and its commit."""
-    delay = float(os.environ.get(TEST_COMMIT_DELAY_ENV, "0") or 0)
-    if delay:
-        time.sleep(delay)
+    now, rows = time.time(), [*done, *failed]
+    times = run.committed_at[start:stop].copy()
+    times[[r - start for r in rows]] = now
+    store.commit(start, new, errors, times)
+    run.record_commit(start, new, rows, now)
 
 
 class CommitBatch:
@@ -112,8 +103,8 @@ class CommitBatch:
     pending and the next run keeps their stored samples instead of regenerating them; a stop
     (target, deadline, signal) commits at once."""
 
-    def __init__(self, plan: Plan) -> None:
-        self.plan = plan
+    def __init__(self, run: LiveRun) -> None:
+        self.run = run
         self.interval = tunables.seconds("commit-interval")  # read once per run
         self.outcomes: list[Outcome] = []
         self.since: float | None = None
@@ -136,4 +127,4 @@ class CommitBatch:
         if self.outcomes and (force or self.due_in() == 0.0):
             outcomes, self.outcomes, self.since = self.outcomes, [], None
             self.last = time.monotonic()
-            commit_outcomes(self.plan, outcomes)
+            commit_outcomes(self.run, outcomes)

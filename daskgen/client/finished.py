@@ -2,7 +2,7 @@
 
 While it waits, the runner's housekeeping runs every :data:`WAIT_S`: the store lock's heartbeat, the
 deadline and signal checks, and every 30 s a check that some engine can still take work.  The wait
-itself sleeps on a condition: a finished result, or :meth:`Completions.wake` (a worker announced a
+itself sleeps on a condition: a finished result, or :meth:`FinishedPartitions.wake` (a worker announced a
 larger window), ends it at once, so the client idles instead of polling.  ``as_completed(with_results=True)``
 fetches each result in the client's event loop as soon as its task finishes, so the runner never
 pays one worker round trip per partition; a fetch that fails there (a worker lost while its result
@@ -19,7 +19,7 @@ from typing import Any
 from daskgen import tunables
 
 #: Longest sleep between housekeeping rounds while nothing finishes (also how late a signal,
-#: the deadline or the end of the grace period may be noticed).  Results and :meth:`Completions.wake`
+#: the deadline or the end of the grace period may be noticed).  Results and :meth:`FinishedPartitions.wake`
 #: end a sleep at once, so a longer period costs no latency, only fewer idle wake-ups of the client.
 WAIT_S = 0.2
 # Tunables (Dask config, daskgen/daskgen.yaml): daskgen.engine-check-interval (checks that some engine
@@ -27,7 +27,7 @@ WAIT_S = 0.2
 # by ``as_completed`` is fetched directly) and daskgen.fetch-timeout (how long that fetch may take).
 
 
-class Completions:
+class FinishedPartitions:
     """Futures of submitted partitions, handed back with their results once finished.
 
     Parameters

@@ -20,7 +20,6 @@ import numpy as np
 
 from daskgen.agents import create_agent
 from daskgen.client.dispatch import dispatch_order, long_first, read_length_hints
-from daskgen.client.interrupt import Interrupt
 from daskgen.config import RunConfig
 from daskgen.input.rows import InputScan, iter_selected_rows, scan_prompts
 from daskgen.input.scan_cache import load_scan, scan_key, scan_record
@@ -32,32 +31,22 @@ from daskgen.store.layout import FAILED, PENDING, Layout
 from daskgen.worker.partition import PartitionTask
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """What the client knows before any engine starts."""
+    """What the client decided before any engine starts; it never changes during the run.
+
+    The run's live state (checkpoint mask, counters, stop requests) is a
+    :class:`~daskgen.client.live.LiveRun` built from it.
+    """
 
     config: RunConfig
     prompts: InputScan
     store: GenerationStore
-    status: np.ndarray
     stop_ids: tuple[int, ...] = ()
-    committed_at: np.ndarray | None = None
-    lock: Any = None
     tokenizer: Any = None
-    peak_prompts: int = 0
-    scan_record: dict[str, Any] | None = None  # input scan to keep in the attrs (under the lock)
-    stopped: str | None = None
+    scan_record: dict[str, Any] | None = None  # a fresh input scan to keep in the attrs (under the lock)
     started: float = dataclasses.field(default_factory=time.time)
-    interrupt: Interrupt | None = None
-    allocation_end: float | None = None
-    collect_until: float | None = None  # time.monotonic() by which a stopped run stops waiting
-    partial_samples: int = 0
-    partial_tokens: int = 0
-    carried_tokens: int = 0
-    first_partitions: list[int] = dataclasses.field(default_factory=list)  # dispatched first (dispatch.py)
-    partial_starts: set[int] = dataclasses.field(default_factory=set)  # partitions left with partial responses
-    generating_since: float | None = None
-    aborts: dict[int, int] = dataclasses.field(default_factory=dict)  # row -> times requeued after an abort
+    first_partitions: tuple[int, ...] = ()  # dispatched first (partitions left with partial responses)
     predicted: np.ndarray | None = None  # per row: longest response in the length_hints store (NaN: unknown)
 
     @property
@@ -100,11 +89,10 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
         config,
         scan,
         store,
-        store.read_status(),
         () if eos is None else (int(eos),),
         tokenizer=tokenizer,
         scan_record=record,
-        first_partitions=list(store.attrs.partial_partitions),
+        first_partitions=tuple(store.attrs.partial_partitions),
         predicted=predicted,
     )
 
@@ -113,7 +101,6 @@ def keep_scan(plan: Plan) -> None:
     """Keep a fresh input scan of an existing store in its attrs (client holding the lock only)."""
     if plan.scan_record is not None:
         plan.store.update_attrs(input_scan=plan.scan_record)
-        plan.scan_record = None
 
 
 def _layout(config: RunConfig, scan: InputScan, tokenizer: Any) -> Layout:
@@ -145,16 +132,16 @@ def _store_attrs(config: RunConfig, scan: InputScan, tokenizer: Any) -> StoreAtt
     )
 
 
-def pending_rows(plan: Plan) -> np.ndarray:
-    """Mask of rows this run generates."""
-    todo = plan.status == PENDING
+def pending_rows(plan: Plan, status: np.ndarray) -> np.ndarray:
+    """Mask of rows this run generates, given the checkpoint ``status``."""
+    todo = status == PENDING
     if plan.config.retry_failed:
-        todo |= plan.status == FAILED
+        todo |= status == FAILED
     todo[list(plan.prompts.overlong)] = False
     return todo
 
 
-def pending_tasks(plan: Plan) -> Iterator[PartitionTask]:
+def pending_tasks(plan: Plan, status: np.ndarray) -> Iterator[PartitionTask]:
     """One task per partition with rows to generate, built lazily while streaming the input.
 
     Likely-long partitions come first (:mod:`daskgen.client.dispatch`): those holding partial responses of an
@@ -162,9 +149,9 @@ def pending_tasks(plan: Plan) -> Iterator[PartitionTask]:
     then the others in order.  Only the prompts of tasks the caller holds, and of the predicted-long
     group (at most half of ``max_prompts_in_memory``), are in memory: the input is re-read, not kept.
     """
-    layout, todo = plan.layout, pending_rows(plan)
+    layout, todo = plan.layout, pending_rows(plan, status)
     starts = [s for s in layout.partitions() if todo[s : s + layout.partition_size].any()]
-    interrupted, rest = dispatch_order(starts, plan.first_partitions)
+    interrupted, rest = dispatch_order(starts, list(plan.first_partitions))
     groups = [interrupted]
     if plan.predicted is not None:
         limit = plan.config.max_prompts_in_memory // 2 // layout.partition_size

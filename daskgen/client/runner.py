@@ -21,7 +21,7 @@ Implemented here (:func:`drive` and its helpers) with :mod:`daskgen.worker.parti
    restarts the engine in place: after an engine exception (``mark_broken``), or after a timeout
    when a one-token health check fails (``check_health``).  A worker whose restart fails withdraws
    its ``daskgen-engine`` resource and takes no more partitions; when every worker's engine has
-   failed the run stops with each worker's error (:func:`daskgen.client.cluster.check_engines`).
+   failed the run stops with each worker's error (:func:`daskgen.client.engines.check_engines`).
 4. **Requeue of aborted rows.**  Rows that came back ``abort`` while the run is not stopping
    (their engine was restarted under them, or their worker was drained before leaving) are
    requeued at once, restricted to those rows (:func:`_only_rows`); the stored tokens of their
@@ -42,7 +42,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,79 +49,23 @@ import numpy as np
 
 from daskgen import tunables
 from daskgen.client.commit import CommitBatch, Outcome, commit_overlong
-from daskgen.client.dispatch import still_partial, tail_share
-from daskgen.client.finished import Completions
+from daskgen.client.dispatch import still_partial
+from daskgen.client.finished import FinishedPartitions
 from daskgen.client.interrupt import Interrupt, allocation_end
+from daskgen.client.live import LiveRun, StopControl
 from daskgen.client.plan import Plan, keep_scan, pending_rows, pending_tasks, prepare
 from daskgen.client.progress import Progress
+from daskgen.client.run_summary import RunSummary, summarize
 from daskgen.client.stopping import abandon, begin_stop, check_interrupt, housekeeping, stop_reason, wait_s
 from daskgen.client.windows import WindowBoard
 from daskgen.config import RunConfig
 from daskgen.errors import RunInterrupted, StoreWriteError
 from daskgen.redaction import redact
-from daskgen.store.layout import DONE, FAILED, PENDING
+from daskgen.store.layout import PENDING
 from daskgen.worker.partition import PartitionResult, PartitionTask, run_partition
 from daskgen.worker.plugin import RESOURCE
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RunSummary:
-    """Outcome of a run (counts cover the whole store, not only this invocation)."""
-
-    store: str
-    total: int
-    done: int
-    failed: int
-    pending: int
-    generated_prompts: int = 0
-    response_tokens: int = 0
-    seconds: float = 0.0
-    stopped: str | None = None
-    interrupted: str | None = None
-    partial_samples: int = 0
-    partial_tokens: int = 0
-    carried_tokens: int = 0
-    tail_share: float | None = None
-    peak_prompts_in_flight: int = 0
-
-    @property
-    def ok(self) -> bool:
-        """True when every prompt is done."""
-        return self.failed == 0 and self.pending == 0
-
-    def line(self) -> str:
-        """The closing summary line."""
-        rate = self.generated_prompts / self.seconds if self.seconds else 0.0
-        tps = self.response_tokens / self.seconds if self.seconds else 0.0
-        text = (
-            f"daskgen: {self.done} done, {self.failed} failed, {self.pending} pending of {self.total} prompts; "
-            f"this run generated {self.generated_prompts} prompts in {self.seconds:.1f} s "
-            f"({rate:.2f} prompts/s, {tps:.0f} tokens/s) -> {self.store}"
-        )
-        if self.tail_share is not None:
-            text += f"; the last 10% of prompts took {100 * self.tail_share:.0f}% of the generating time"
-        if self.carried_tokens:
-            text += f"\nkept {self.carried_tokens} tokens stored by interrupted attempts instead of regenerating them"
-        if self.interrupted:
-            text += (
-                f"\ninterrupted ({self.interrupted}): kept {self.done} done prompts and saved "
-                f"{self.partial_samples} partial responses ({self.partial_tokens} tokens); rerun the same "
-                "command to resume — they continue where they stopped."
-            )
-        elif self.stopped:
-            text += (
-                f"\nstopped early: {self.stopped}; in-flight prompts were aborted and stay pending "
-                f"({self.partial_samples} partial responses, {self.partial_tokens} tokens saved) — rerun "
-                "the same command (without the stop condition) to finish them."
-            )
-        if self.failed:
-            text += (
-                f"\n{self.failed} prompt(s) failed: `daskgen status {self.store}` shows why; rerun the same "
-                "command with --retry-failed to retry them."
-            )
-        return text
 
 
 def run(
@@ -137,51 +80,57 @@ def run(
     t0 = time.perf_counter()
     with Interrupt(config.grace_seconds(), install=handle_signals) as interrupt:
         plan = prepare(config, prompts)
-        plan.interrupt = interrupt
-        plan.allocation_end = allocation_end() if handle_signals else None
-        return _run_locked(plan, t0)
+        stop = StopControl(interrupt, allocation_end() if handle_signals else None)
+        return _run_locked(plan, stop, t0)
 
 
-def _run_locked(plan: Plan, t0: float) -> RunSummary:
+def _run_locked(plan: Plan, stop: StopControl, t0: float) -> RunSummary:
     from daskgen.client.cluster import connect
     from daskgen.store.lock import StoreLock
 
-    config = plan.config
     with StoreLock(plan.store.location) as lock:
         if lock.took_over:
             logger.warning("took over the stale lock of a dead run: %s", lock.took_over)
-        plan.store.refresh_attrs()  # re-read under the lock: from here on, only this client writes them
-        plan.status = plan.store.read_status()
-        plan.committed_at = plan.store.read_region(0, plan.layout.n_prompts, ("committed_at",))["committed_at"]
-        plan.lock = lock
-        plan.store.add_missing_arrays()
-        keep_scan(plan)
-        commit_overlong(plan)
+        run = _start_live(plan, stop, lock)
         generated, tokens = 0, 0
-        n_pending = int(pending_rows(plan).sum())
+        n_pending = int(pending_rows(plan, run.status).sum())
         try:
-            if n_pending and not plan.interrupt.requested:
-                with connect(config) as (client, info):
-                    generated, tokens = drive(client, plan, pending_tasks(plan), info, n_pending)
+            if n_pending and stop.interrupted() is None:
+                with connect(plan.config) as (client, info):
+                    tasks = pending_tasks(plan, run.status)
+                    generated, tokens = drive(client, run, tasks, info, n_pending)
         except RunInterrupted:  # stopped while the engines were starting: nothing was in flight
             pass
-        _record_partial_partitions(plan)
-        summary = summarize(plan, generated, tokens, time.perf_counter() - t0)
+        _record_partial_partitions(run)
+        summary = summarize(run, generated, tokens, time.perf_counter() - t0)
         plan.store.append_run(summary.__dict__)
     return summary
 
 
-def _record_partial_partitions(plan: Plan) -> None:
+def _start_live(plan: Plan, stop: StopControl, lock: Any) -> LiveRun:
+    """Under the lock: re-read the store, bring it up to date, commit overlong prompts; the live run."""
+    store = plan.store
+    store.refresh_attrs()  # from here on, only this client writes them
+    committed_at = store.read_region(0, plan.layout.n_prompts, ("committed_at",))["committed_at"]
+    run = LiveRun(plan, store.read_status(), committed_at, stop, lock)
+    store.add_missing_arrays()
+    keep_scan(plan)
+    commit_overlong(run)
+    return run
+
+
+def _record_partial_partitions(run: LiveRun) -> None:
     """Keep the partitions that hold partial responses in the attrs, for the next run to start with."""
+    plan = run.plan
     size = plan.layout.partition_size
-    pending = {int(r) - int(r) % size for r in np.flatnonzero(plan.status == PENDING)}
-    keep = still_partial(plan.first_partitions, plan.partial_starts, pending)
+    pending = {int(r) - int(r) % size for r in np.flatnonzero(run.status == PENDING)}
+    keep = still_partial(plan.first_partitions, run.partial_starts, pending)
     if keep != sorted(plan.first_partitions):
         plan.store.update_attrs(partial_partitions=keep)
 
 
 def drive(
-    client: Any, plan: Plan, tasks: Iterator[PartitionTask], info: Any = None, n_pending: int = 0
+    client: Any, run: LiveRun, tasks: Iterator[PartitionTask], info: Any = None, n_pending: int = 0
 ) -> tuple[int, int]:
     """Stream partitions through the cluster and commit each as it finishes.
 
@@ -191,14 +140,15 @@ def drive(
 
     Failures are handled as the module docstring's retry and failure policy says.
     """
-    from daskgen.client.cluster import check_engines, start_engines
+    from daskgen.client.engines import check_engines, start_engines
 
-    start_engines(client, plan.config, plan.interrupt)
+    plan = run.plan
+    start_engines(client, plan.config, run.stop.interrupt)
     _record_engine(client, plan)
-    plan.generating_since = time.time()
+    run.generating()
     retry: list[PartitionTask] = []
-    done = Completions(
-        on_wait=lambda: housekeeping(client, plan, tasks, retry),
+    done = FinishedPartitions(
+        on_wait=lambda: housekeeping(client, run, tasks, retry),
         check_engines=lambda: check_engines(client, plan.config),
     )
     board = WindowBoard(client, RESOURCE, on_change=done.wake)  # a worker admitting more ends the wait at once
@@ -206,7 +156,7 @@ def drive(
     futures: dict[Any, PartitionTask] = {}
     generated = tokens = 0
     refreshed, refresh_every = time.monotonic(), tunables.seconds("cap-refresh-interval")
-    batch = CommitBatch(plan)
+    batch = CommitBatch(run)
     try:
         with Progress(n_pending, enabled=plan.config.progress) as bar:
             while True:
@@ -214,20 +164,20 @@ def drive(
                     board.refresh()
                     refreshed = time.monotonic()
                 cap = in_flight_target(plan, board, info)
-                _submit_up_to(client, plan, cap, tasks, retry, futures, done, board)
+                _submit_up_to(client, run, cap, tasks, retry, futures, done, board)
                 if not futures:
                     break
-                if plan.collect_until is not None and time.monotonic() >= plan.collect_until:
-                    abandon(client, plan, futures)
+                if run.stop.grace_over():
+                    abandon(client, futures)
                     break
                 bar.in_flight = f"{len(futures)}/{cap}"
-                plan.peak_prompts = max(plan.peak_prompts, sum(len(t.rows) for t in futures.values()))
-                g, t = _collect_ready(plan, done, futures, retry, bar, batch, board)
+                run.note_in_flight(sum(len(t.rows) for t in futures.values()))
+                g, t = _collect_ready(run, done, futures, retry, bar, batch, board)
                 generated, tokens = generated + g, tokens + t
-                batch.flush(force=plan.stopped is not None or not futures)
-                if plan.stopped is None and (reason := stop_reason(plan, tokens)):
-                    begin_stop(client, plan, reason, tasks, retry)
-                check_interrupt(client, plan, tasks, retry)
+                batch.flush(force=run.stop.stopping or not futures)
+                if not run.stop.stopping and (reason := stop_reason(run, tokens)):
+                    begin_stop(client, run, reason, tasks, retry)
+                check_interrupt(client, run, tasks, retry)
     finally:  # a StoreWriteError stops the run: what finished before it is still committed
         batch.flush(force=True)
         board.close()
@@ -236,12 +186,12 @@ def drive(
 
 def _submit_up_to(
     client: Any,
-    plan: Plan,
+    run: LiveRun,
     cap: int,
     tasks: Iterator[PartitionTask],
     retry: list,
     futures: dict[Any, PartitionTask],
-    done: Completions,
+    done: FinishedPartitions,
     board: WindowBoard,
 ) -> None:
     """Submit partitions (retries first) to the workers with free admitted slots, at most ``cap`` in
@@ -253,7 +203,7 @@ def _submit_up_to(
         worker = board.pick()
         if worker is None and in_flight >= max(1, board.total()):  # one always goes: the run must not end
             break  # while no worker admits anything (every worker draining, a replacement job starting)
-        task = None if plan.stopped else retry.pop() if retry else next(tasks, None)
+        task = None if run.stop.stopping else retry.pop() if retry else next(tasks, None)
         if task is None:
             break
         key = _task_key(task)
@@ -263,7 +213,7 @@ def _submit_up_to(
     for (worker, isolate), group in batches.items():
         keys, group_tasks = [k for k, _ in group], [t for _, t in group]
         for fut, task in zip(
-            _submit(client, keys, group_tasks, 0 if isolate else plan.config.max_retries, worker),
+            _submit(client, keys, group_tasks, 0 if isolate else run.plan.config.max_retries, worker),
             group_tasks,
             strict=True,
         ):
@@ -272,8 +222,8 @@ def _submit_up_to(
 
 
 def _collect_ready(
-    plan: Plan,
-    done: Completions,
+    run: LiveRun,
+    done: FinishedPartitions,
     futures: dict[Any, PartitionTask],
     retry: list,
     bar: Progress,
@@ -287,7 +237,7 @@ def _collect_ready(
     generated = tokens = 0
     outcomes: list[Outcome] = []
     try:
-        for fut, value in done.wait(list(futures), min(wait_s(plan), batch.due_in())):
+        for fut, value in done.wait(list(futures), min(wait_s(run), batch.due_in())):
             task = futures.pop(fut, None)
             if task is None:  # delivered late after being fetched directly
                 continue
@@ -298,8 +248,8 @@ def _collect_ready(
                 retry.append(dataclasses.replace(task, isolate=True))
                 continue
             given_up: dict[int, str] = {}
-            if result.aborted and plan.stopped is None:  # aborted by an engine restart or a drain, not a stop
-                again, given_up = _requeue_aborted(plan, result.aborted)
+            if result.aborted and not run.stop.stopping:  # aborted by an engine restart or a drain, not a stop
+                again, given_up = _requeue_aborted(run, result.aborted)
                 if again:
                     retry.append(_only_rows(task, again))
             finished = [r for r in result.rows if r not in result.failed and r not in result.aborted]
@@ -307,24 +257,24 @@ def _collect_ready(
             outcomes.append(Outcome(task.start, task.stop, finished, failed, result.notes))
             generated += len(finished) + len(failed)
             tokens += result.response_tokens
-            _count_partial(plan, result)
+            run.count_result(result)
             bar.update(len(finished) + len(failed), result.response_tokens, len(failed))
     finally:
         batch.add(outcomes)
     return generated, tokens
 
 
-def _requeue_aborted(plan: Plan, rows: list[int]) -> tuple[list[int], dict[int, str]]:
+def _requeue_aborted(run: LiveRun, rows: list[int]) -> tuple[list[int], dict[int, str]]:
     """Split aborted rows into those requeued again and those aborted too often (row -> error)."""
     limit = int(tunables.get("abort-requeue-limit"))
     again, given_up = [], {}
     for r in rows:
-        plan.aborts[r] = plan.aborts.get(r, 0) + 1
-        if plan.aborts[r] <= limit:
+        times = run.count_abort(r)
+        if times <= limit:
             again.append(r)
         else:
             given_up[r] = (
-                f"aborted {plan.aborts[r]} times in this run (its engine restarted or its worker left "
+                f"aborted {times} times in this run (its engine restarted or its worker left "
                 f"each time; daskgen.abort-requeue-limit is {limit}); its stored tokens are kept: "
                 "rerun with --retry-failed to continue it"
             )
@@ -336,15 +286,6 @@ def _requeue_aborted(plan: Plan, rows: list[int]) -> tuple[list[int], dict[int, 
             min(given_up),
         )
     return again, given_up
-
-
-def _count_partial(plan: Plan, result: PartitionResult) -> None:
-    plan.carried_tokens += result.carried_tokens
-    if result.partial_samples:
-        plan.partial_starts.add(result.start)
-    if plan.stopped is not None:  # only a stop leaves partial responses in the store until the next run
-        plan.partial_samples += result.partial_samples
-        plan.partial_tokens += result.partial_tokens
 
 
 def in_flight_target(plan: Plan, board: WindowBoard, info: Any = None) -> int:
@@ -417,29 +358,6 @@ def _collect(fut: Any, value: Any, task: PartitionTask) -> PartitionResult | Non
             return None
         msg = f"partition failed after retries: {type(exc).__name__}: {exc}"
         return PartitionResult(task.start, task.stop, list(task.rows), failed={r: msg for r in task.rows})
-
-
-def summarize(plan: Plan, generated: int, tokens: int, seconds: float) -> RunSummary:
-    """Counts over the whole store."""
-    s = plan.status
-    interrupted = plan.interrupt.reason if plan.interrupt is not None and plan.interrupt.requested else None
-    return RunSummary(
-        str(plan.config.store),
-        len(s),
-        int((s == DONE).sum()),
-        int((s == FAILED).sum()),
-        int((s == PENDING).sum()),
-        generated,
-        tokens,
-        seconds,
-        stopped=plan.stopped,
-        interrupted=interrupted,
-        partial_samples=plan.partial_samples,
-        partial_tokens=plan.partial_tokens,
-        carried_tokens=plan.carried_tokens,
-        tail_share=None if plan.generating_since is None else tail_share(plan.committed_at, plan.generating_since),
-        peak_prompts_in_flight=plan.peak_prompts,
-    )
 
 
 def generate(prompts: str | Path | Sequence[Any], *, model: str, store: str | Path, **options: Any):

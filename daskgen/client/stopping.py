@@ -16,21 +16,21 @@ from daskgen import tunables
 from daskgen.store.layout import DONE
 
 if TYPE_CHECKING:
-    from daskgen.client.plan import Plan
+    from daskgen.client.live import LiveRun
     from daskgen.worker.partition import PartitionTask
 
 logger = logging.getLogger(__name__)
 
 
-def wait_s(plan: Plan) -> float:
+def wait_s(run: LiveRun) -> float:
     """How long one wait for finished partitions may block (at most ``daskgen.cap-refresh-interval``)."""
     refresh = tunables.seconds("cap-refresh-interval")
-    if plan.collect_until is None:
+    if run.stop.collect_until is None:
         return refresh
-    return max(0.0, min(refresh, plan.collect_until - time.monotonic()))
+    return max(0.0, min(refresh, run.stop.collect_until - time.monotonic()))
 
 
-def abandon(client: Any, plan: Plan, futures: dict[Any, PartitionTask]) -> None:
+def abandon(client: Any, futures: dict[Any, PartitionTask]) -> None:
     """The grace period is over: stop waiting for partitions still running (their rows stay pending)."""
     logger.warning(
         "grace period over: %d partition(s) did not hand back in time; their rows stay pending "
@@ -41,59 +41,65 @@ def abandon(client: Any, plan: Plan, futures: dict[Any, PartitionTask]) -> None:
     futures.clear()
 
 
-def housekeeping(client: Any, plan: Plan, tasks: Iterator[PartitionTask], retry: list) -> bool:
+def housekeeping(client: Any, run: LiveRun, tasks: Iterator[PartitionTask], retry: list) -> bool:
     """While waiting for partitions: renew the store lock; stop the run the moment the deadline passes,
     a signal arrives or the allocation ends.  True tells the wait to return now (a stop began or the
     grace period is over)."""
-    if plan.lock is not None:
-        plan.lock.heartbeat()
+    if run.lock is not None:
+        run.lock.heartbeat()
+    plan = run.plan
     deadline = plan.config.deadline_timestamp(plan.started)
-    if plan.stopped is None and deadline is not None and time.time() >= deadline:
-        begin_stop(client, plan, f"deadline {plan.config.deadline} reached", tasks, retry)
+    if not run.stop.stopping and deadline is not None and time.time() >= deadline:
+        begin_stop(client, run, f"deadline {plan.config.deadline} reached", tasks, retry)
         return True
-    if check_interrupt(client, plan, tasks, retry):
+    if check_interrupt(client, run, tasks, retry):
         return True
-    return plan.collect_until is not None and time.monotonic() >= plan.collect_until
+    return run.stop.grace_over()
 
 
-def check_interrupt(client: Any, plan: Plan, tasks: Iterator[PartitionTask], retry: list) -> bool:
+def check_interrupt(client: Any, run: LiveRun, tasks: Iterator[PartitionTask], retry: list) -> bool:
     """Begin the graceful stop when a signal arrived or the allocation is about to end; True if it began now."""
-    interrupt = plan.interrupt
-    if interrupt is None or plan.stopped is not None:
+    stop = run.stop
+    interrupt = stop.interrupt
+    if interrupt is None or stop.stopping:
         return False
     if (
         not interrupt.requested
-        and plan.allocation_end is not None
-        and time.time() >= plan.allocation_end - interrupt.grace_s
+        and stop.allocation_end is not None
+        and time.time() >= stop.allocation_end - interrupt.grace_s
     ):
-        interrupt.request(f"the batch allocation ends in {max(0.0, plan.allocation_end - time.time()):.0f} s")
+        interrupt.request(f"the batch allocation ends in {max(0.0, stop.allocation_end - time.time()):.0f} s")
     if not interrupt.requested:
         return False
-    begin_stop(client, plan, interrupt.reason, tasks, retry)
-    plan.collect_until = interrupt.collect_until()
+    begin_stop(client, run, interrupt.reason, tasks, retry, collect_until=interrupt.collect_until())
     return True
 
 
-def stop_reason(plan: Plan, tokens: int) -> str | None:
+def stop_reason(run: LiveRun, tokens: int) -> str | None:
     """Why the run should stop now (target, token budget or deadline reached), or ``None``."""
-    cfg = plan.config
-    if cfg.target_done is not None and int((plan.status == DONE).sum()) >= cfg.target_done:
+    cfg = run.plan.config
+    if cfg.target_done is not None and int((run.status == DONE).sum()) >= cfg.target_done:
         return f"target of {cfg.target_done} done prompts reached"
     if cfg.token_budget is not None and tokens >= cfg.token_budget:
         return f"token budget of {cfg.token_budget} reached ({tokens} generated)"
-    deadline = cfg.deadline_timestamp(plan.started)
+    deadline = cfg.deadline_timestamp(run.plan.started)
     if deadline is not None and time.time() >= deadline:
         return f"deadline {cfg.deadline} reached"
     return None
 
 
-def begin_stop(client: Any, plan: Plan, reason: str, tasks: Iterator[PartitionTask], retry: list) -> None:
+def begin_stop(
+    client: Any,
+    run: LiveRun,
+    reason: str,
+    tasks: Iterator[PartitionTask],
+    retry: list,
+    collect_until: float | None = None,
+) -> None:
     """Submit nothing more and abort every request in flight on every worker."""
     from daskgen.worker.plugin import stop_run_on_worker
 
     logger.warning("stopping early: %s", reason)
-    plan.stopped = reason
-    if plan.collect_until is None:
-        plan.collect_until = time.monotonic() + plan.config.grace_seconds()
+    run.stop.begin(reason, run.plan.config.grace_seconds(), collect_until)
     retry.clear()  # and the lazy task stream is no longer pulled (see drive)
     client.run(stop_run_on_worker)

@@ -21,7 +21,7 @@ class WindowBoard:
     Workers announce their window on :data:`WINDOW_TOPIC` whenever it changes; the client keeps the
     sum of the announced windows submitted.  :meth:`refresh` re-reads every worker's advertised
     resource from the scheduler (workers that joined or left).  Each announcement calls ``on_change``
-    (from the client's event loop; the runner's :meth:`~daskgen.client.finished.Completions.wake`), so that a
+    (from the client's event loop; the runner's :meth:`~daskgen.client.finished.FinishedPartitions.wake`), so that a
     waiting client submits at once.
     """
 

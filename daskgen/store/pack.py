@@ -10,7 +10,7 @@ report read them unchanged.
 How it stays safe:
 
 * **one writer per shard**: every task copies whole shards (writers sharing a shard lose data,
-  see DESIGN.md), reads them back and compares them with the source;
+  docs/storage.md), reads them back and compares them with the source;
 * **write beside, verify, swap**: the copy goes to ``STORE.packing`` and only becomes a daskgen
   store (its ``daskgen`` attrs are written) after every shard verified; then ``STORE`` is renamed
   to ``STORE.unpacked-old``, ``STORE.packing`` to ``STORE``, and the old copy is deleted.  With

@@ -1,4 +1,4 @@
-"""``Completions``: finished partitions with their results, housekeeping while waiting."""
+"""``FinishedPartitions``: finished partitions with their results, housekeeping while waiting."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import dask
 import pytest
 
-from daskgen.client.finished import Completions
+from daskgen.client.finished import FinishedPartitions
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def _boom() -> None:
 @pytest.mark.timeout(60)
 def test_results_and_failures_come_back_with_their_futures(client):
     ticks = []
-    done = Completions(on_wait=lambda: ticks.append(1))
+    done = FinishedPartitions(on_wait=lambda: ticks.append(1))
     futures = [
         client.submit(time.sleep, 0.3, pure=False),
         client.submit(_boom, pure=False),
@@ -49,7 +49,7 @@ def test_results_and_failures_come_back_with_their_futures(client):
 def test_nothing_ready_returns_empty_after_the_wait_and_checks_engines(client, monkeypatch):
     monkeypatch.setitem(dask.config.config["daskgen"], "engine-check-interval", 0.0)
     checks = []
-    done = Completions(check_engines=lambda: checks.append(1))
+    done = FinishedPartitions(check_engines=lambda: checks.append(1))
     slow = client.submit(time.sleep, 5, pure=False)
     done.add(slow)
     assert done.wait([slow], 0.3) == []
@@ -61,7 +61,7 @@ def test_nothing_ready_returns_empty_after_the_wait_and_checks_engines(client, m
 def test_a_finished_future_never_delivered_is_fetched_directly(client, monkeypatch):
     """As when as_completed's background fetch failed: the future is done but never queued."""
     monkeypatch.setitem(dask.config.config["daskgen"], "undelivered-after", 0.0)
-    done = Completions()
+    done = FinishedPartitions()
     lost = client.submit(sum, [2, 3], pure=False)  # not added: as_completed will never deliver it
     lost.result()
     assert done.wait([lost], 0.05) == []  # first seen finished now
@@ -76,7 +76,7 @@ def test_a_result_ends_the_wait_at_once_without_polling(client, monkeypatch):
 
     monkeypatch.setattr(completions, "WAIT_S", 30.0)
     ticks = []
-    done = Completions(on_wait=lambda: ticks.append(1))
+    done = FinishedPartitions(on_wait=lambda: ticks.append(1))
     fut = client.submit(time.sleep, 0.2, pure=False)
     done.add(fut)
     t0 = time.monotonic()
@@ -93,7 +93,7 @@ def test_a_result_ends_the_wait_at_once_without_polling(client, monkeypatch):
 @pytest.mark.timeout(60)
 def test_wake_and_a_window_announcement_end_the_wait(client, monkeypatch):
     """A worker announcing a larger window must not wait for the next housekeeping round: the board calls
-    ``on_change`` (the runner's ``Completions.wake``) from the client's event loop.  A wake while nobody
+    ``on_change`` (the runner's ``FinishedPartitions.wake``) from the client's event loop.  A wake while nobody
     waits ends the next wait at once."""
     import threading
 
@@ -102,7 +102,7 @@ def test_wake_and_a_window_announcement_end_the_wait(client, monkeypatch):
     from daskgen.worker.admission import WINDOW_TOPIC
 
     monkeypatch.setattr(completions, "WAIT_S", 30.0)
-    done = Completions()
+    done = FinishedPartitions()
     board = WindowBoard(client, "daskgen-engine", on_change=done.wake)
     slow = client.submit(time.sleep, 20, pure=False)
     done.add(slow)

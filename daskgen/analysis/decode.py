@@ -1,0 +1,78 @@
+"""Turning stored token ids back into text and flat tables: finish labels, decoding, raw prompts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from daskgen.engines.base import FinishReason
+
+#: Labels of the ``finish_reason`` codes, indexed by ``code + 1`` (code -1: the sample was not generated).
+FINISH_LABELS: tuple[str, ...] = ("not_generated", *(r.name.lower() for r in FinishReason))
+
+
+def finish_labels(codes: Any) -> np.ndarray:
+    """String labels (``stop``, ``length``, ``abort``, ``error``, ``not_generated``) of finish codes."""
+    table = np.array([*FINISH_LABELS, "unknown"])
+    idx = np.asarray(codes).astype(np.int64) + 1
+    return table[np.where((idx >= 0) & (idx < len(FINISH_LABELS)), idx, len(FINISH_LABELS))]
+
+
+def decode_many(tokenizer: Any, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+    """Decode token-id sequences to text (batched where the tokenizer supports it)."""
+    seqs = [[int(t) for t in s] for s in sequences]
+    batch = getattr(tokenizer, "batch_decode", None)
+    if batch is not None:
+        return list(batch(seqs, skip_special_tokens=skip_special_tokens))
+    return [tokenizer.decode(s, skip_special_tokens=skip_special_tokens) for s in seqs]
+
+
+def iter_raw_prompts(path: str | Path, rows: Iterable[int]) -> Iterator[str]:
+    """Stream the JSON of the input's ``messages`` or ``prompt`` for the increasing 0-based ``rows``."""
+    from daskgen.input.rows import iter_rows
+
+    wanted = iter(rows)
+    target = next(wanted, None)
+    for number, row in iter_rows(Path(path)):
+        while target is not None and target == number - 1:
+            yield json.dumps(row["messages"] if row.get("messages") is not None else row["prompt"], ensure_ascii=False)
+            target = next(wanted, None)
+        if target is None:
+            return
+
+
+def decode_prompts(tokenizer: Any, sub: xr.Dataset, skip_special_tokens: bool = True) -> list[str]:
+    """Decoded prompt of each row of a computed block (``prompt_ids`` cut at ``prompt_length``)."""
+    ids, lengths = sub["prompt_ids"].values, sub["prompt_length"].values
+    return decode_many(tokenizer, [row[:n] for row, n in zip(ids, lengths, strict=True)], skip_special_tokens)
+
+
+def flatten_samples(sub: xr.Dataset) -> dict[str, np.ndarray]:
+    """Numpy arrays with one entry per (prompt, sample[, trajectory]) of a computed block of rows.
+
+    Per-sample variables are flattened, per-prompt ones (``prompt_ids``, ``prompt_length``,
+    ``prompt_index``, ``prompt_id``) repeated; ``sample`` (and ``trajectory`` in schema-v2 stores)
+    number the entries.  Only generated entries are kept (``finish_reason >= 0``): samples a verifier
+    run never needed and padding trajectories are left out.  Needs ``finish_reason`` in ``sub``.
+    """
+    n, s = sub.sizes["prompt"], sub.sizes["sample"]
+    t = sub.sizes.get("trajectory", 1)
+    lead = ["prompt", "sample", "trajectory"][: 3 if "trajectory" in sub.dims else 2]
+    out: dict[str, np.ndarray] = {}
+    for name, var in sub.variables.items():
+        if set(lead) <= set(var.dims) and name != "num_trajectories":
+            values = var.transpose(*lead, ...).values
+            out[str(name)] = values.reshape(n * s * t, *values.shape[len(lead) :])
+        elif var.dims and var.dims[0] == "prompt" and "sample" not in var.dims:
+            values = var.values.astype(object) if var.dtype.kind in "TUO" else var.values
+            out[str(name)] = np.repeat(values, s * t, axis=0)
+    out["sample"] = np.tile(np.repeat(np.arange(s), t), n)
+    if "trajectory" in sub.dims:
+        out["trajectory"] = np.tile(np.arange(t), n * s)
+    keep = out["finish_reason"] >= 0
+    return {k: v[keep] for k, v in out.items()}
