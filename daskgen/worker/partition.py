@@ -169,12 +169,8 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
         # are in, so partitions waiting in a large in-flight window do not each hold one.
         region = await asyncio.to_thread(_stored_region, task) if task.continue_partial else None
         prefixes = partial_prefixes(region, task) if region is not None else {}
-        handle = await slot.engine_handle()
-        if task.isolate:
-            results = await _run_isolated(plugin, handle, agent, task, prefixes, slot)
-        else:
-            results = await _run_rows(plugin, handle, agent, task, range(len(task.rows)), prefixes, slot)
-        return await _finish(task, region, results, worker.address, t0)
+        generation = _Generation(plugin, await slot.engine_handle(), agent, task, prefixes, slot)
+        return await _finish(task, region, await generation.run(), worker.address, t0)
 
 
 async def _finish(
@@ -263,67 +259,69 @@ async def _sample(
     return [merged]
 
 
-async def _run_rows(
-    plugin: Any,
-    handle: EngineHandle,
-    agent: AgentLoop,
-    task: PartitionTask,
-    indices: range,
-    prefixes: dict[tuple[int, int], Trajectory],
-    slot: PartitionSlot,
-) -> list[list[Trajectory]]:
-    """All samples of the given rows at once; a crash or hang marks the engine broken and raises."""
-    handle.engine = await plugin.get_engine()  # the engine may have been restarted meanwhile
+@dataclass
+class _Generation:
+    """One partition's generation on its worker: the engine handle, agent loop, kept prefixes and slot."""
 
-    def one(i: int, s: int) -> Any:
-        row = task.rows[i]
+    plugin: Any
+    handle: EngineHandle
+    agent: AgentLoop
+    task: PartitionTask
+    prefixes: dict[tuple[int, int], Trajectory]
+    slot: PartitionSlot
+
+    async def run(self) -> list:
+        """Every row at once, or row by row in ``isolate`` mode."""
+        if self.task.isolate:
+            return await self.isolated()
+        return await self.rows(range(len(self.task.rows)))
+
+    async def rows(self, indices: range) -> list:
+        """All samples of the given rows at once; a crash or hang marks the engine broken and raises."""
+        task, plugin = self.task, self.plugin
+        self.handle.engine = await plugin.get_engine()  # the engine may have been restarted meanwhile
+        if task.verify is not None:
+            decode = plugin.tokenizer().decode
+            calls = [
+                sample_in_rounds(task.verify, task.n_samples, task.rows_meta[i], decode, functools.partial(self.one, i))
+                for i in indices
+            ]
+        else:
+            calls = [self.one(i, s) for i in indices for s in range(task.n_samples)]
+        try:
+            return list(await asyncio.wait_for(asyncio.gather(*calls), task.timeout_s))
+        except asyncio.TimeoutError:
+            await self.handle.abort_all()
+            await plugin.check_health()
+            raise EngineError(
+                f"rows {task.rows[indices[0]]}..{task.rows[indices[-1]]} did not finish within "
+                f"partition_timeout_s={task.timeout_s}"
+            ) from None
+        except Exception as exc:
+            await plugin.mark_broken(f"{type(exc).__name__}: {exc}")
+            raise
+
+    def one(self, i: int, s: int) -> Any:
+        """Sample ``s`` of the partition's ``i``-th row, seeded per sample, counted on the slot."""
+        task, row = self.task, self.task.rows[i]
         params = SamplingParams(**{**task.params.__dict__, "seed": sample_seed(task.seed, row, s)})
-        return slot.counted(
-            _sample(agent, handle, f"p{row}-s{s}", list(task.prompts[i]), params, prefixes.get((row, s)))
+        prefix = self.prefixes.get((row, s))
+        return self.slot.counted(
+            _sample(self.agent, self.handle, f"p{row}-s{s}", list(task.prompts[i]), params, prefix)
         )
 
-    if task.verify is not None:
-        decode = plugin.tokenizer().decode
-        calls = [
-            sample_in_rounds(task.verify, task.n_samples, task.rows_meta[i], decode, functools.partial(one, i))
-            for i in indices
-        ]
-    else:
-        calls = [one(i, s) for i in indices for s in range(task.n_samples)]
-    try:
-        return list(await asyncio.wait_for(asyncio.gather(*calls), task.timeout_s))
-    except asyncio.TimeoutError:
-        await handle.abort_all()
-        await plugin.check_health()
-        raise EngineError(
-            f"rows {task.rows[indices[0]]}..{task.rows[indices[-1]]} did not finish within "
-            f"partition_timeout_s={task.timeout_s}"
-        ) from None
-    except Exception as exc:
-        await plugin.mark_broken(f"{type(exc).__name__}: {exc}")
-        raise
-
-
-async def _run_isolated(
-    plugin: Any,
-    handle: EngineHandle,
-    agent: AgentLoop,
-    task: PartitionTask,
-    prefixes: dict[tuple[int, int], Trajectory],
-    slot: PartitionSlot,
-) -> list[list[Trajectory]]:
-    """Row by row; a row whose generation raises gets error trajectories instead of failing the task."""
-    samples: list[list[Trajectory]] = []
-    for i in range(len(task.rows)):
-        try:
-            samples += await _run_rows(plugin, handle, agent, task, range(i, i + 1), prefixes, slot)
-        except Exception as exc:
-            message = f"{type(exc).__name__}: {exc} (failed again when retried alone)"
-            failed = [[Trajectory(error=message, finish_reason=FinishReason.ERROR)] for _ in range(task.n_samples)]
-            samples += (
-                [RowOutcome(failed, [np.nan] * task.n_samples, task.n_samples)] if task.verify is not None else failed
-            )
-    return samples
+    async def isolated(self) -> list:
+        """Row by row; a row whose generation raises gets error trajectories instead of failing the task."""
+        task, samples = self.task, []
+        for i in range(len(task.rows)):
+            try:
+                samples += await self.rows(range(i, i + 1))
+            except Exception as exc:
+                message = f"{type(exc).__name__}: {exc} (failed again when retried alone)"
+                failed = [[Trajectory(error=message, finish_reason=FinishReason.ERROR)] for _ in range(task.n_samples)]
+                outcome = RowOutcome(failed, [np.nan] * task.n_samples, task.n_samples)
+                samples += [outcome] if task.verify is not None else failed
+        return samples
 
 
 def _stored_region(task: PartitionTask) -> dict[str, np.ndarray] | None:
