@@ -222,6 +222,33 @@ def unpack(
     typer.echo(run_pack(store, out, unpack=True, scheduler_address=scheduler_address, n_workers=n_workers).line())
 
 
+@app.command()
+def verify(
+    store: Annotated[str, typer.Argument(help="A daskgen store (folder or URL).")],
+    repair: Annotated[
+        bool, Opt(help="Reset the affected partitions to pending, so that a rerun regenerates only them.")
+    ] = False,
+    scheduler_address: Annotated[str | None, Opt(help="Read the chunks on this Dask scheduler's workers.")] = None,
+    progress: Annotated[bool, Opt(help="Show a progress bar.")] = True,
+) -> None:
+    """Read every chunk (checksums, decoding) and check every finished row; exit 1 when anything is wrong."""
+    from daskgen.store.verify import verify as run_verify
+
+    report = run_verify(store, scheduler_address=scheduler_address, progress=progress)
+    for line in report.lines():
+        typer.echo(line)
+    if repair and not report.sound:
+        from daskgen.store.generation_store import GenerationStore
+        from daskgen.store.repair import repair as run_repair
+
+        done = run_repair(GenerationStore.open(store), report)
+        typer.echo(
+            f"repaired: {len(done['partitions'])} partition(s) and {len(done['commit_chunks'])} commit chunk(s) "
+            f"reset to pending ({len(done['rows'])} rows); rerun the same `daskgen run` command to regenerate them."
+        )
+    raise typer.Exit(0 if report.sound else 1)
+
+
 def main() -> None:
     """Entry point: typed daskgen errors become a clear message and exit status 2."""
     try:

@@ -27,6 +27,12 @@ def status_report(path: StoreRef) -> str:
         f"created:  {attrs.created}" + ("  [SIMULATED: not model output]" * attrs.simulated),
         "settings: " + json.dumps(attrs.identity, sort_keys=True),
         "input:    " + json.dumps(attrs.input, sort_keys=True),
+        "checksums: "
+        + (
+            "CRC32C on every chunk (`daskgen verify` checks them)"
+            if store.checksummed
+            else "none (made before daskgen checksummed chunks; `daskgen pack` adds them)"
+        ),
     ]
     failed = np.flatnonzero(status == FAILED)
     if len(failed):

@@ -21,6 +21,7 @@ import numpy as np
 
 from daskgen.errors import StoreError, StoreMismatchError, StoreWriteError
 from daskgen.store.attrs import ATTRS_KEY, StoreAttrs, jsonable, utc_now
+from daskgen.store.codecs import chunks_checksummed, compressors
 from daskgen.store.layout import (
     COORDS,
     DATA_ARRAYS,
@@ -44,13 +45,6 @@ def import_zarr() -> Any:
     warnings.filterwarnings("ignore", message=".*Consolidated metadata.*")
     warnings.filterwarnings("ignore", message=".*daskgen.lock is not recognized.*")
     return zarr
-
-
-def compressors() -> list[Any]:
-    """The compressor chain of every array daskgen creates."""
-    from zarr.codecs import ZstdCodec
-
-    return [ZstdCodec(level=3)]
 
 
 def read_store_attrs(where: StoreRef) -> StoreAttrs | None:
@@ -147,6 +141,11 @@ class GenerationStore:
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled as its location: a worker reopens it once (:meth:`shared`)."""
         return (_opened_once, (self.location, self.version))
+
+    @property
+    def checksummed(self) -> bool:
+        """True when every array checksums its chunks (stores made before checksums existed do not)."""
+        return all(chunks_checksummed(self.array(name).metadata.codecs) for name in self.layout.array_specs())
 
     def array(self, name: str, *, writable: bool = False) -> Any:
         """The Zarr array ``name``, opened once for this store object."""

@@ -38,6 +38,7 @@ import numpy as np
 
 from daskgen.errors import PackError
 from daskgen.store.attrs import ATTRS_KEY, StoreAttrs, utc_now
+from daskgen.store.codecs import with_checksum
 from daskgen.store.generation_store import import_zarr, read_store_attrs
 from daskgen.store.layout import client_written_arrays
 from daskgen.store.location import LocalLocation, StoreLocation, StoreRef, locate
@@ -134,7 +135,7 @@ def _array_plans(src: StoreLocation, packing: bool) -> dict[str, dict[str, Any]]
             "dtype": arr.metadata.data_type,
             "fill_value": arr.metadata.fill_value,
             "dimension_names": arr.metadata.dimension_names,
-            "compressors": arr.compressors,
+            "compressors": with_checksum(arr.compressors),
             "attributes": arr.attrs.asdict(),
             "step": shards[0] if shards else (arr.shards or inner)[0],
         }

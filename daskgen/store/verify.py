@@ -1,0 +1,222 @@
+"""``daskgen verify``: read every chunk of a store and check what a finished row promises.
+
+Every chunk of every array is read (in parallel: tasks on a Dask cluster when given, else local
+threads), so a chunk whose checksum fails or that does not decode is found; the rows of finished
+(``done``) partitions are checked against :mod:`daskgen.store.invariants`; the data chunks that every
+finished partition must have written are checked to exist.  The result names the affected rows (index
+and ``id``), arrays and chunk keys; :func:`daskgen.store.repair.repair` resets exactly the affected
+partitions to pending.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from daskgen.store.generation_store import GenerationStore
+from daskgen.store.invariants import RowRules, broken_rows
+from daskgen.store.layout import DONE
+from daskgen.store.location import StoreRef
+
+#: Arrays every finished partition writes with values other than their fill (so their chunks exist).
+ALWAYS_WRITTEN = ("prompt_ids", "prompt_length", "finish_reason")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong: the array and chunk it is in, the rows ``[start, stop)`` it affects, and what it is."""
+
+    kind: str  # "checksum", "decode", "missing chunk" or "invariant"
+    array: str
+    chunk: str
+    start: int
+    stop: int
+    detail: str
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify`` found in a store."""
+
+    url: str
+    checksummed: bool
+    chunks: int = 0
+    done_rows: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    ids: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def sound(self) -> bool:
+        """True when nothing is wrong."""
+        return not self.problems
+
+    def rows(self) -> list[int]:
+        """Every affected row, sorted."""
+        return sorted({r for p in self.problems for r in range(p.start, p.stop)})
+
+    def lines(self, limit: int = 50) -> list[str]:
+        """The report as text: one line per problem (at most ``limit``), then a summary line."""
+        out = [self._line(p) for p in self.problems[:limit]]
+        if len(self.problems) > limit:
+            out.append(f"... and {len(self.problems) - limit} more problem(s)")
+        checks = f"{self.chunks} chunks read, {self.done_rows} done rows checked"
+        checks += "" if self.checksummed else " (this store has no chunk checksums: decoding and invariants only)"
+        if self.sound:
+            return [*out, f"{self.url}: sound ({checks})"]
+        return [*out, f"{self.url}: {len(self.rows())} row(s) affected by {len(self.problems)} problem(s) ({checks})"]
+
+    def _line(self, p: Problem) -> str:
+        rows = f"row {p.start}" if p.stop - p.start == 1 else f"rows {p.start}..{p.stop - 1}"
+        ids = [self.ids[r] for r in range(p.start, min(p.stop, p.start + 3)) if self.ids.get(r)]
+        named = f" (id {', '.join(repr(i) for i in ids)}{', ...' if p.stop - p.start > 3 else ''})" if ids else ""
+        return f"{p.kind}: {p.array} chunk {p.chunk}, {rows}{named}: {p.detail}"
+
+
+def row_rules(store: GenerationStore) -> RowRules:
+    """The rules a finished row of ``store`` must follow, from its attrs.
+
+    Token ids are checked against the tokenizer's vocabulary, except in stores of the simulated engine,
+    whose ids are not a model's tokens.
+    """
+    vocab = None if store.attrs.simulated else store.attrs.tokenizer.get("vocab_size")
+    agent = store.attrs.config.get("agent") or "single_turn"
+    return RowRules(store.layout, int(vocab) if vocab else None, agent == "single_turn")
+
+
+def check_chunk(store: GenerationStore, name: str, start: int, stop: int) -> Problem | None:
+    """Read rows ``[start, stop)`` of array ``name`` (one chunk); the problem if it does not read back."""
+    try:
+        store.read_region(start, stop, (name,))
+    except Exception as exc:  # zarr raises ValueError for a checksum, codec errors of many types otherwise
+        kind = "checksum" if "checksum" in str(exc).lower() else "decode"
+        return Problem(kind, name, chunk_key(store, name, start), start, stop, f"{type(exc).__name__}: {exc}")
+    return None
+
+
+def check_partition(store: GenerationStore, start: int, done: np.ndarray, rules: RowRules) -> list[Problem]:
+    """Read one partition's data arrays; check the invariants of its ``done`` rows."""
+    stop = min(start + store.layout.partition_size, store.layout.n_prompts)
+    problems = [p for name in store.layout.data_arrays() if (p := check_chunk(store, name, start, stop))]
+    if problems or not done.any():
+        return problems
+    region = store.read_region(start, stop, store.layout.data_arrays())
+    broken = broken_rows(region, done, rules)
+    return [
+        Problem("invariant", "rows", chunk_key(store, "finish_reason", start), start + r, start + r + 1, why)
+        for r, why in sorted(broken.items())
+    ]
+
+
+def chunk_key(store: GenerationStore, name: str, start: int) -> str:
+    """The key (path in the store) of the chunk of ``name`` that holds row ``start``."""
+    arr = store.array(name)
+    index = (start // arr.chunks[0], *([0] * (len(arr.shape) - 1)))
+    return f"{name}/{arr.metadata.encode_chunk_key(index)}"
+
+
+def missing_chunks(store: GenerationStore, done: np.ndarray) -> list[Problem]:
+    """Data chunks that finished partitions must have written but that are not in the store (unpacked
+    stores; a packed store's chunks live inside shard files and are checked by reading them)."""
+    if store.attrs.packed:
+        return []
+    present = {key for key, _ in store.location.files()}
+    size, problems = store.layout.partition_size, []
+    for start in range(0, store.layout.n_prompts, size):
+        if not done[start : start + size].any():
+            continue
+        for name in ALWAYS_WRITTEN:
+            key = chunk_key(store, name, start)
+            if key not in present:
+                stop = min(start + size, store.layout.n_prompts)
+                problems.append(
+                    Problem("missing chunk", name, key, start, stop, "a finished partition's chunk is gone")
+                )
+    return problems
+
+
+def verify(
+    where: StoreRef,
+    *,
+    scheduler_address: str | None = None,
+    progress: bool = True,
+    storage_options: dict[str, Any] | None = None,
+) -> VerifyReport:
+    """Read every chunk of the store at ``where`` and check its finished rows.
+
+    Parameters
+    ----------
+    where:
+        A store (folder or object-storage URL).
+    scheduler_address:
+        Run the reads as tasks on this Dask cluster; default: local threads.
+    progress:
+        Show a progress bar.
+    storage_options:
+        Object-storage options (credentials stay out of the store).
+    """
+    store = GenerationStore.open(where, storage_options)
+    report = VerifyReport(store.url, store.checksummed)
+    status = _coarse_problems(store, report, scheduler_address, progress)
+    done = status == DONE
+    report.done_rows = int(done.sum())
+    rules, size = row_rules(store), store.layout.partition_size
+    starts = list(range(0, store.layout.n_prompts, size))
+    jobs = [(check_partition, (store, s, done[s : s + size], rules)) for s in starts]
+    for found in _run(jobs, scheduler_address, progress, "partitions"):
+        report.problems += found
+    report.chunks += len(starts) * len(store.layout.data_arrays())
+    report.problems += missing_chunks(store, done)
+    report.ids = _ids(store, report.rows())
+    return report
+
+
+def _coarse_problems(store: GenerationStore, report: VerifyReport, address: str | None, progress: bool) -> np.ndarray:
+    """Check the coarse-chunked arrays (commit record, coordinates); the status mask, with the rows of an
+    unreadable ``status`` chunk treated as not done."""
+    n, coarse = store.layout.n_prompts, store.commit_chunk_rows
+    names = [name for name, spec in store.layout.array_specs().items() if not spec.worker_written]
+    jobs = [(check_chunk, (store, name, s, min(s + coarse, n))) for name in names for s in range(0, n, coarse)]
+    status = np.zeros(n, dtype="int8")
+    unreadable: list[Problem] = [p for p in _run(jobs, address, progress, "commit record") if p is not None]
+    for s in range(0, n, coarse):
+        if not any(p.array == "status" and p.start == s for p in unreadable):
+            status[s : s + coarse] = store.read_region(s, min(s + coarse, n), ("status",))["status"]
+    report.problems += unreadable
+    report.chunks += len(jobs)
+    return status
+
+
+def _run(jobs: list[tuple[Callable[..., Any], tuple]], address: str | None, progress: bool, what: str) -> Iterable[Any]:
+    """Results of ``fn(*args)`` for every job, on a Dask cluster or local threads, with a progress bar."""
+    from tqdm.auto import tqdm
+
+    with tqdm(total=len(jobs), desc=f"verifying {what}", disable=not progress, unit="chunk") as bar:
+        if address is None:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+                for future in concurrent.futures.as_completed([pool.submit(fn, *args) for fn, args in jobs]):
+                    bar.update(1)
+                    yield future.result()
+            return
+        from distributed import Client, as_completed
+
+        with Client(address) as client:
+            futures = [client.submit(fn, *args, pure=False) for fn, args in jobs]
+            for future in as_completed(futures):
+                bar.update(1)
+                yield future.result()
+
+
+def _ids(store: GenerationStore, rows: list[int]) -> dict[int, str]:
+    """The input ``id`` of each affected row (empty where ``prompt_id`` itself does not read)."""
+    out, coarse = {}, store.commit_chunk_rows
+    for start in sorted({r - r % coarse for r in rows}):
+        try:
+            ids = store.read_region(start, min(start + coarse, store.layout.n_prompts), ("prompt_id",))["prompt_id"]
+        except Exception:  # an unreadable prompt_id chunk is itself a reported problem
+            continue
+        out.update({r: str(ids[r - start]) for r in rows if start <= r < start + coarse})
+    return out
