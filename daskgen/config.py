@@ -6,9 +6,12 @@ import dataclasses
 import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from daskgen.errors import ConfigError
+
+if TYPE_CHECKING:
+    from daskgen.store.location import StoreLocation
 
 #: Settings that define what a store holds; a resume must match them exactly.
 IDENTITY_KEYS = (
@@ -260,7 +263,7 @@ class RunConfig:
         """The settings a resumed run must share with the store."""
         return {k: getattr(self, k) for k in IDENTITY_KEYS}
 
-    def location(self) -> Any:
+    def location(self) -> StoreLocation:
         """The :class:`daskgen.store.location.StoreLocation` of :attr:`store` (with :attr:`storage_options`)."""
         from daskgen.store.location import locate
 

@@ -102,7 +102,7 @@ class Source:
 
     def __init__(
         self,
-        path: str | Path,
+        path: StoreRef,
         *,
         text: bool = False,
         tokenizer: str | None = None,
@@ -314,7 +314,9 @@ def to_tensordict(
 def _write_tensordict(src: Source, path: Path) -> int:
     """Stream blocks into a memory-mapped TensorDict folder (bounded memory)."""
     total = src.total
-    out, rows, non_tensor = None, 0, {}
+    out: Any = None  # the memory-mapped TensorDict, shaped on the first block (there is always one)
+    rows = 0
+    non_tensor: dict[str, list[str]] = {}
     for tensors, strings in _tensor_blocks(src):
         if out is None:
             out = tensors[:1].expand(total).memmap_like(str(path), num_threads=0) if total else tensors
@@ -393,7 +395,7 @@ def export(
     return result
 
 
-def _write(path: str | Path, tmp: Path, fmt: str, **options: Any) -> int:
+def _write(path: StoreRef, tmp: Path, fmt: str, **options: Any) -> int:
     if fmt == "zip":
         ds = open_store(path)
         rows = _units(ds, ds.daskgen.rows("done"))  # before zipping: at least these rows are complete in it

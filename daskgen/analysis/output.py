@@ -10,11 +10,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from daskgen.errors import ExportError, OutputExistsError
-from daskgen.store.location import locate
+from daskgen.store.location import StoreRef, locate
 
 
 # -- output paths -------------------------------------------------------------------------------
-def check_output(out: str | Path, *, overwrite: bool = False, protect: str | Path | None = None) -> None:
+def check_output(out: str | Path, *, overwrite: bool = False, protect: StoreRef | None = None) -> None:
     """Refuse an existing ``out`` (unless ``overwrite``) and any ``out`` overlapping the store ``protect``."""
     out = Path(out)
     if out.exists() and not overwrite:
@@ -29,7 +29,7 @@ def check_output(out: str | Path, *, overwrite: bool = False, protect: str | Pat
 
 
 @contextmanager
-def staged_output(out: str | Path, *, overwrite: bool = False, protect: str | Path | None = None) -> Iterator[Path]:
+def staged_output(out: str | Path, *, overwrite: bool = False, protect: StoreRef | None = None) -> Iterator[Path]:
     """Yield a temporary path beside ``out``; on success it replaces ``out`` (atomically for files)."""
     out = Path(out)
     check_output(out, overwrite=overwrite, protect=protect)

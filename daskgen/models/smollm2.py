@@ -175,7 +175,7 @@ def _check_folder(folder: Path) -> None:
     messages = [{"role": "user", "content": "Hi"}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     problems = []
-    if not text.endswith("<|im_start|>assistant\n"):
+    if not isinstance(text, str) or not text.endswith("<|im_start|>assistant\n"):
         problems.append(f"chat template renders {text!r}")
     if tokenizer.eos_token != "<|im_end|>" or tokenizer.eos_token_id != config.eos_token_id:
         problems.append(f"eos {tokenizer.eos_token!r}/{tokenizer.eos_token_id} vs {config.eos_token_id}")

@@ -43,7 +43,7 @@ def _tiny_config(tokenizer: PreTrainedTokenizerBase, head_dim: int | None = None
         pad_token_id=pad,
         dtype="float32",
         architectures=["LlamaForCausalLM"],
-        **({"head_dim": head_dim} if head_dim is not None else {}),
+        head_dim=head_dim,  # None: hidden_size // num_attention_heads
     )
 
 

@@ -19,9 +19,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from daskgen.errors import StoreError
+
+if TYPE_CHECKING:
+    from obstore.store import ClientConfig
 
 #: URL schemes served by object storage (``file://`` is a local folder).
 OBJECT_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "memory", "http", "https")
@@ -179,7 +182,7 @@ class ObjectLocation(StoreLocation):
         return {"url": self.url, "storage_options": self.storage_options}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["url"], state["storage_options"])
+        ObjectLocation.__init__(self, state["url"], state["storage_options"])
 
     @property
     def store(self) -> Any:
@@ -273,7 +276,7 @@ def _build(url: str, options: dict[str, Any]) -> Any:
     from obstore.store import from_url
 
     opts = dict(options)
-    client = dict(opts.pop("client_options", {}) or {})
+    client = cast("ClientConfig", dict(opts.pop("client_options", {}) or {}))  # obstore validates the keys
     endpoint = opts.get("endpoint") or opts.get("aws_endpoint") or os.environ.get("AWS_ENDPOINT_URL", "")
     if endpoint.startswith("http://"):
         client.setdefault("allow_http", True)  # a plain-HTTP endpoint (MinIO, moto, a local gateway)
@@ -303,8 +306,11 @@ def write_failures() -> tuple[type[BaseException], ...]:
     return (OSError, BaseError)
 
 
-def locate(store: str | Path | StoreLocation, storage_options: dict[str, Any] | None = None) -> StoreLocation:
-    """The :class:`StoreLocation` of ``store``: a local path, a ``scheme://`` URL, or a location already."""
+def locate(store: str | Path | StoreLocation | None, storage_options: dict[str, Any] | None = None) -> StoreLocation:
+    """The :class:`StoreLocation` of ``store``: a local path, a ``scheme://`` URL, or a location already.
+
+    Raises :class:`~daskgen.errors.StoreError` when ``store`` is None or empty.
+    """
     if isinstance(store, StoreLocation):
         return store
     if store is None or str(store) == "":
