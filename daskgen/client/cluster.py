@@ -48,7 +48,7 @@ def _make_cluster(config: RunConfig) -> tuple[Any, Any]:
     if spec.get("kind", "local") == "local" and config.n_workers:
         spec["n_workers"] = config.n_workers
     # Task slots per worker: the window (partition tasks are async, an idle slot costs nothing) + 1.
-    spec.setdefault("threads_per_worker", (AUTO_MAX_WINDOW if config.window == "auto" else config.window) + 1)
+    spec.setdefault("threads_per_worker", (AUTO_MAX_WINDOW if config.window == "auto" else int(config.window)) + 1)
     cluster, info = make_cluster(spec)
     logger.info("started %s", info)
     return cluster, info

@@ -58,10 +58,11 @@ class Plan:
 def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) -> Plan:
     """Validate input and settings, create or check the store, record overlong prompts as failed."""
     config.require("model", "store")
-    source = prompts if prompts is not None else config.prompts
-    if source is None:
+    if prompts is None:
         config.require("prompts")
-    tokenizer = load_tokenizer(config.model, config.engine, config.engine_args)
+    source = prompts if prompts is not None else config.prompts
+    assert source is not None  # require() raised otherwise
+    tokenizer = load_tokenizer(str(config.model), config.engine, config.engine_args)
     existing = GenerationStore.open_if_exists(config.location())
     key = scan_key(source, tokenizer_identity(tokenizer), config.max_prompt_tokens, config.skip_overlong)
     scan = load_scan(existing.attrs.input_scan if existing else None, key, source)

@@ -301,10 +301,9 @@ def _only_rows(task: PartitionTask, rows: list[int]) -> PartitionTask:
     """The same partition restricted to ``rows`` (the other rows' stored data is kept)."""
     keep = [i for i, r in enumerate(task.rows) if r in set(rows)]
     meta = None if task.rows_meta is None else [task.rows_meta[i] for i in keep]
-    pick = lambda items: None if items is None else [items[i] for i in keep]  # noqa: E731
-    return dataclasses.replace(
-        task, rows=pick(task.rows), prompts=pick(task.prompts), rows_meta=meta, inputs=pick(task.inputs)
-    )
+    prompts = None if task.prompts is None else [task.prompts[i] for i in keep]
+    inputs = None if task.inputs is None else [task.inputs[i] for i in keep]
+    return dataclasses.replace(task, rows=[task.rows[i] for i in keep], prompts=prompts, rows_meta=meta, inputs=inputs)
 
 
 def _record_engine(client: Any, plan: Plan) -> None:

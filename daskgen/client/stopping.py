@@ -71,7 +71,8 @@ def check_interrupt(client: Any, run: LiveRun, tasks: Iterator[PartitionTask], r
         interrupt.request(f"the batch allocation ends in {max(0.0, stop.allocation_end - time.time()):.0f} s")
     if not interrupt.requested:
         return False
-    begin_stop(client, run, interrupt.reason, tasks, retry, collect_until=interrupt.collect_until())
+    reason = interrupt.reason or "interrupted"
+    begin_stop(client, run, reason, tasks, retry, collect_until=interrupt.collect_until())
     return True
 
 

@@ -44,7 +44,7 @@ def broken_rows(region: dict[str, np.ndarray], done: np.ndarray, rules: RowRules
 
 def _per_row(bad: np.ndarray) -> np.ndarray:
     """Rows where any element of ``bad`` (rows first) is set."""
-    return bad.reshape(len(bad), -1).any(axis=1)
+    return np.asarray(bad.reshape(len(bad), -1).any(axis=1))
 
 
 def _rows(bad: np.ndarray, why: str) -> dict[int, str]:

@@ -83,9 +83,11 @@ def _input_ids(store: GenerationStore, start: int, stop: int) -> list[str]:
 
     from daskgen.input.rows import fingerprint, iter_rows, iter_selected_rows
 
-    source = store.attrs.config.get("prompts")
-    sound = bool(source) and Path(source).is_file()
-    if not sound or fingerprint(row for _, row in iter_rows(Path(source))) != store.attrs.input.get("fingerprint"):
+    source = Path(str(store.attrs.config.get("prompts") or ""))
+    sound = source.is_file() and fingerprint(row for _, row in iter_rows(source)) == store.attrs.input.get(
+        "fingerprint"
+    )
+    if not sound:
         raise StoreError(
             f"cannot rewrite prompt_id rows {start}..{stop - 1} of {store.url!r}: the run's input file "
             f"({store.attrs.config.get('prompts')!r}) is gone or changed. Restore it, then repair again."

@@ -46,6 +46,7 @@ def resolve_window(window: int | str, capacity: int | None, requests_per_partiti
     if window == "auto":
         wanted = math.ceil(AUTO_FILL * (capacity or AUTO_DEFAULT_CAPACITY) / max(1, requests_per_partition))
         window = min(START_MAX_WINDOW, max(AUTO_MIN_WINDOW, wanted))
+    window = int(window)
     if window > nthreads:
         logger.warning(
             "window %d is more than this worker's %d task slots; using %d. Give workers more threads "

@@ -13,7 +13,7 @@ import asyncio
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import Layout, clear_response, empty_region
 from daskgen.worker.rounds import RowOutcome, sample_in_rounds
 from daskgen.worker.slot import PartitionSlot
+
+if TYPE_CHECKING:
+    from daskgen.worker.plugin import EnginePlugin
 
 
 @dataclass
@@ -103,6 +106,7 @@ def fill_region(
         if outcome.notes:
             out.notes[task.rows[i]] = "; ".join(outcome.notes)
     layout = task.layout
+    assert task.prompts is not None, "the worker tokenizes a task's inputs before filling its region"
     for i, (row, prompt) in enumerate(zip(task.rows, task.prompts, strict=True)):
         r = row - task.start
         region["prompt_ids"][r] = layout.pad_token_id
@@ -159,7 +163,7 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
 
     t0 = time.perf_counter()
     worker = get_worker()
-    plugin = worker.plugins[task.plugin_name]
+    plugin = cast("EnginePlugin", worker.plugins[task.plugin_name])
     agent = create_agent(task.agent, task.model, task.agent_args)
     async with plugin.partition(len(task.rows) * task.n_samples) as slot:
         if task.prompts is None:
@@ -281,6 +285,7 @@ class _Generation:
         task, plugin = self.task, self.plugin
         self.handle.engine = await plugin.get_engine()  # the engine may have been restarted meanwhile
         if task.verify is not None:
+            assert task.rows_meta is not None, "tasks with a verifier carry their input rows"
             decode = plugin.tokenizer().decode
             calls = [
                 sample_in_rounds(task.verify, task.n_samples, task.rows_meta[i], decode, functools.partial(self.one, i))
@@ -304,6 +309,7 @@ class _Generation:
     def one(self, i: int, s: int) -> Any:
         """Sample ``s`` of the partition's ``i``-th row, seeded per sample, counted on the slot."""
         task, row = self.task, self.task.rows[i]
+        assert task.prompts is not None
         params = SamplingParams(**{**task.params.__dict__, "seed": sample_seed(task.seed, row, s)})
         prefix = self.prefixes.get((row, s))
         return self.slot.counted(

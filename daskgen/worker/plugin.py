@@ -97,6 +97,13 @@ class EnginePlugin(WorkerPlugin):
         self._leaving: asyncio.Task | None = None
         self._admitter: asyncio.Task | None = None
 
+    @property
+    def ready_event(self) -> asyncio.Event:
+        """Set while the engine is ready (created in :meth:`setup`, on the worker's event loop)."""
+        if self._ready is None:
+            raise EngineError("the daskgen engine plugin is not set up on a worker yet")
+        return self._ready
+
     async def setup(self, worker: Any) -> None:
         """Start loading the engine in the background and return at once.
 
@@ -129,7 +136,7 @@ class EnginePlugin(WorkerPlugin):
                 await self._worker.set_resources(**{RESOURCE: 0.0})
             return
         finally:
-            self._ready.set()
+            self.ready_event.set()
         self.state = PluginState.READY
         if not self._advertised:
             self.resolved_window = resolve_window(
@@ -171,7 +178,7 @@ class EnginePlugin(WorkerPlugin):
 
     async def get_engine(self) -> Any:
         """The started engine; raises :class:`EngineError` when it failed or is restarting."""
-        await self._ready.wait()
+        await self.ready_event.wait()
         if self.state is not PluginState.READY:
             raise EngineError(f"engine on worker {self._worker.address} is {self.state.value}: {self.error}")
         return self.engine
@@ -188,7 +195,7 @@ class EnginePlugin(WorkerPlugin):
         # Partitions that arrive meanwhile wait in get_engine().  (Dropping the resource to 0
         # here would strand retried tasks: the scheduler does not revisit them when it returns.)
         self.state, self.error = PluginState.RESTARTING, reason
-        self._ready.clear()
+        self.ready_event.clear()
         await _quietly_shutdown(self.engine)
         self._starter = asyncio.create_task(self._start())
 
