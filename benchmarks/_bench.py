@@ -351,17 +351,17 @@ def instrument_run(
 ) -> Iterator[dict[str, Any]]:
     """Time a ``daskgen.client.runner.run`` from engines ready to the last commit, with hooks on its client.
 
-    Wraps ``daskgen.client.engines.start_engines`` (called by ``runner.drive`` before the first submit) and
-    ``daskgen.client.runner.drive`` for the duration of the ``with`` block; nothing in daskgen is changed.
+    Wraps ``daskgen.client.engines.start_engines`` (called by ``driver.drive`` before the first submit) and
+    ``daskgen.client.driver.drive`` for the duration of the ``with`` block; nothing in daskgen is changed.
     The yielded dict gets ``start_s`` (engine start), ``ready`` / ``done`` (``time.perf_counter``),
     ``ready_wall``, ``generate_s`` (= done - ready) and ``on_done`` (what ``on_done(client)``
     returned, called after the last commit while the cluster still runs).  ``on_ready(client)`` runs
     right before the first partition is submitted.
     """
+    import daskgen.client.driver as driver
     import daskgen.client.engines as engines
-    import daskgen.client.runner as runner
 
-    original_start, original_drive = engines.start_engines, runner.drive
+    original_start, original_drive = engines.start_engines, driver.drive
     marks: dict[str, Any] = {}
 
     def start_engines(client: Any, config: Any, *args: Any) -> int:
@@ -380,11 +380,11 @@ def instrument_run(
             marks["on_done"] = on_done(client)
         return out
 
-    engines.start_engines, runner.drive = start_engines, drive
+    engines.start_engines, driver.drive = start_engines, drive
     try:
         yield marks
     finally:
-        engines.start_engines, runner.drive = original_start, original_drive
+        engines.start_engines, driver.drive = original_start, original_drive
 
 
 def as_client(connection: Any) -> Any:

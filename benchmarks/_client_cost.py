@@ -203,13 +203,13 @@ async def _instant_partition(task: Any) -> Any:
 def instant_partitions() -> Iterator[None]:
     """While inside, daskgen runs started in this process submit :func:`_instant_partition` as their
     partition task (the client's own work — building, submitting, collecting, committing — is unchanged)."""
-    import daskgen.client.runner as runner
+    import daskgen.client.driver as driver
 
-    saved, runner.run_partition = runner.run_partition, _instant_partition
+    saved, driver.run_partition = driver.run_partition, _instant_partition
     try:
         yield
     finally:
-        runner.run_partition = saved
+        driver.run_partition = saved
 
 
 def dask_floor(

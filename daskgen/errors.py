@@ -56,3 +56,11 @@ class RunInterrupted(DaskgenError):
 
 class PackError(StoreError):
     """A store cannot be packed or unpacked (not a store, already packed, output in the way, verify failed)."""
+
+
+class SchedulerLost(RunInterrupted):
+    """The Dask scheduler stopped answering (killed, its node lost) while the run was going.
+
+    Everything committed before is kept and the store lock is released; rerun the same command
+    against a new cluster to resume.
+    """

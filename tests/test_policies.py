@@ -33,21 +33,21 @@ def test_prompts_in_memory_stay_under_the_cap(tmp_path):
         max_prompts_in_memory=12,
         progress=False,
     )
-    from daskgen.client import runner
+    from daskgen.client import driver
 
     seen = []
-    original = runner.drive
+    original = driver.drive
 
     def spy(client, live, tasks, info=None, n_pending=0):
         out = original(client, live, tasks, info, n_pending)
         seen.append(live.peak_prompts)
         return out
 
-    runner.drive = spy
+    driver.drive = spy
     try:
         summary = run(cfg)
     finally:
-        runner.drive = original
+        driver.drive = original
     assert summary.done == 120
     assert 0 < seen[0] <= 12, f"peak prompts held {seen[0]} > cap 12 (input has 120)"
 

@@ -66,8 +66,8 @@ def test_workers_advertise_the_auto_window_and_the_runner_sums_it(tmp_path):
     import dask
     from distributed import Client, LocalCluster
 
+    from daskgen.client.driver import in_flight_target
     from daskgen.client.engines import start_engines
-    from daskgen.client.runner import in_flight_target
     from daskgen.client.windows import WindowBoard
     from daskgen.worker.plugin import RESOURCE, plugin_status
 
@@ -156,7 +156,7 @@ def test_one_partition_stays_submitted_when_no_worker_admits_any():
     """
     import dataclasses
 
-    from daskgen.client.runner import _submit_up_to
+    from daskgen.client.driver import Driver
     from daskgen.client.windows import WindowBoard
 
     @dataclasses.dataclass(frozen=True)
@@ -173,13 +173,15 @@ def test_one_partition_stays_submitted_when_no_worker_admits_any():
 
     board = WindowBoard.__new__(WindowBoard)
     board.windows, board.assigned, board.load = {"tcp://a": 0}, {}, {}
-    client, futures = RecordingClient(), {}
-    run = SimpleNamespace(
+    client = RecordingClient()
+    drv = Driver.__new__(Driver)  # the submit step alone, on a test double of the client
+    drv.client, drv.board, drv.retry, drv.futures = client, board, [], {}
+    drv.run = SimpleNamespace(
         stop=SimpleNamespace(stopping=False), plan=SimpleNamespace(config=SimpleNamespace(max_retries=0))
     )
-    tasks = iter([SimpleNamespace(isolate=False, start=s) for s in (0, 4, 8)])
-    done = SimpleNamespace(add=lambda fut: None)
-    _submit_up_to(client, run, 1, tasks, [], futures, done, board)
-    assert len(futures) == 1 and "workers" not in client.submitted[0][1], "one unpinned partition is submitted"
-    _submit_up_to(client, run, 1, tasks, [], futures, done, board)
-    assert len(futures) == 1, "but not more while no worker admits any"
+    drv.tasks = iter([SimpleNamespace(isolate=False, start=s) for s in (0, 4, 8)])
+    drv.done = SimpleNamespace(add=lambda fut: None)
+    drv.submit_up_to(1)
+    assert len(drv.futures) == 1 and "workers" not in client.submitted[0][1], "one unpinned partition is submitted"
+    drv.submit_up_to(1)
+    assert len(drv.futures) == 1, "but not more while no worker admits any"

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from daskgen.config import RunConfig
+from daskgen.errors import SchedulerLost
 from daskgen.worker.admission import AUTO_MAX_WINDOW
 
 logger = logging.getLogger(__name__)
@@ -31,12 +32,45 @@ def connect(config: RunConfig) -> Iterator[tuple[Any, Any]]:
             from daskgen.deploy.security import client_security
 
             security = client_security(config.scheduler_address, config.tls_ca, config.tls_cert, config.tls_key)
-            with Client(config.scheduler_address, security=security) as client:
+            with Client(config.scheduler_address, security=security) as client, _closing_quietly(client):
                 yield client, None
             return
         cluster, info = _make_cluster(config)
-        with cluster, Client(cluster) as client:
+        with cluster, Client(cluster) as client, _closing_quietly(client):
             yield client, info
+
+
+class _ConnectionLossFilter(logging.Filter):
+    """Drops the tracebacks the client's event loop logs when a connection to the scheduler closes under a
+    background fetch: the run reports a lost scheduler itself (:mod:`daskgen.client.scheduler_watch`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from distributed.comm.core import CommClosedError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, CommClosedError)
+
+
+@contextlib.contextmanager
+def _closing_quietly(client: Any) -> Iterator[None]:
+    """While the client runs, connection-loss tracebacks of background fetches are not logged; after the
+    scheduler was lost, the client is closed at once without ``distributed`` logging the traceback of
+    its cancelled reconnection attempt (the run already said what happened)."""
+    loop_log, quiet = logging.getLogger("tornado.application"), _ConnectionLossFilter()
+    loop_log.addFilter(quiet)
+    try:
+        yield
+    except SchedulerLost:
+        client_log = logging.getLogger("distributed.client")
+        level = client_log.level
+        client_log.setLevel(logging.CRITICAL)
+        try:
+            client.close(timeout=5)
+        finally:
+            client_log.setLevel(level)
+        raise
+    finally:
+        loop_log.removeFilter(quiet)
 
 
 def _make_cluster(config: RunConfig) -> tuple[Any, Any]:

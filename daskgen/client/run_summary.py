@@ -70,7 +70,7 @@ class RunSummary:
         return text
 
 
-def summarize(run: LiveRun, generated: int, tokens: int, seconds: float) -> RunSummary:
+def summarize(run: LiveRun, seconds: float) -> RunSummary:
     """Counts over the whole store."""
     s = run.status
     return RunSummary(
@@ -79,8 +79,8 @@ def summarize(run: LiveRun, generated: int, tokens: int, seconds: float) -> RunS
         int((s == DONE).sum()),
         int((s == FAILED).sum()),
         int((s == PENDING).sum()),
-        generated,
-        tokens,
+        run.generated_prompts,
+        run.response_tokens,
         seconds,
         stopped=run.stop.reason,
         interrupted=run.stop.interrupted(),

@@ -1,0 +1,285 @@
+"""Streaming partitions through the cluster: submit as many as the workers admit, collect, commit.
+
+As many partitions are in flight as the ready workers admit together (their windows,
+:mod:`daskgen.worker.admission`; on an adaptive cluster at least enough to keep ``max_workers`` busy so
+the cluster scales up), at most ``max_prompts_in_memory`` prompts' worth.  Finished partitions come back
+through ``as_completed`` (:mod:`daskgen.client.finished`) and are committed in batches
+(:mod:`daskgen.client.commit`).
+
+Retry and failure policy
+------------------------
+Implemented here (:class:`Driver`) with :mod:`daskgen.worker.partition` and :mod:`daskgen.worker.plugin`;
+from the first response to a failure to the last:
+
+1. **Task retries.**  A partition task that raises (an engine exception, or rows not finished
+   within ``partition_timeout_s``) is retried by Dask up to ``max_retries`` times (default 2;
+   :func:`submit`), possibly on another worker.  Rewriting the partition's chunk-aligned region
+   is idempotent.  A sample the engine answers with an error (a bad request) fails its row at
+   once, without a retry.
+2. **Row isolation.**  A partition that still fails is resubmitted once in ``isolate`` mode (no
+   Dask retries): row by row, and a row that fails alone is committed ``failed`` with its error,
+   so one poison prompt cannot sink its partition (:func:`collect`).
+3. **Engine restart.**  Before the task fails, the worker's :class:`~daskgen.worker.plugin.EnginePlugin`
+   restarts the engine in place: after an engine exception (``mark_broken``), or after a timeout
+   when a one-token health check fails (``check_health``).  A worker whose restart fails withdraws
+   its ``daskgen-engine`` resource and takes no more partitions; when every worker's engine has
+   failed the run stops with each worker's error (:func:`daskgen.client.engines.check_engines`).
+4. **Requeue of aborted rows.**  Rows that came back ``abort`` while the run is not stopping
+   (their engine was restarted under them, or their worker was drained before leaving) are
+   requeued at once, restricted to those rows (:func:`only_rows`); the stored tokens of their
+   aborted samples are kept and continued.  A row aborted more than ``daskgen.abort-requeue-limit``
+   times (default 10) in one run is committed ``failed`` with a message saying so
+   (:meth:`Driver.requeue_aborted`); its stored tokens stay, and ``--retry-failed`` continues it.
+   During a stop (target, budget, deadline, SIGTERM) aborted rows are not requeued: they stay
+   pending for the next run.
+5. **``--retry-failed``.**  Rows committed ``failed`` stay failed on resume unless the run is
+   started again with ``--retry-failed`` (:func:`daskgen.client.plan.pending_rows`).
+
+A store write error (:class:`~daskgen.errors.StoreWriteError`) is not retried: the run stops, keeping
+every partition committed before it.  Nor is the loss of the Dask scheduler
+(:class:`~daskgen.errors.SchedulerLost`, :mod:`daskgen.client.scheduler_watch`): partitions cancelled
+with the connection are not failures; the run stops as interrupted.  The tested cases:
+``docs/reliability.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from daskgen import tunables
+from daskgen.client.commit import CommitBatch, Outcome
+from daskgen.client.finished import FinishedPartitions
+from daskgen.client.live import LiveRun
+from daskgen.client.plan import Plan
+from daskgen.client.progress import Progress
+from daskgen.client.scheduler_watch import SchedulerWatch
+from daskgen.client.stopping import abandon, begin_stop, check_interrupt, housekeeping, stop_reason, wait_s
+from daskgen.client.windows import WindowBoard
+from daskgen.errors import StoreWriteError
+from daskgen.redaction import redact
+from daskgen.worker.partition import PartitionResult, PartitionTask, run_partition
+from daskgen.worker.plugin import RESOURCE
+
+logger = logging.getLogger(__name__)
+
+
+def drive(client: Any, run: LiveRun, tasks: Iterator[PartitionTask], info: Any = None, n_pending: int = 0) -> None:
+    """Start the engines, then stream ``tasks`` through the cluster and commit each as it finishes (the
+    counts go into ``run``)."""
+    from daskgen.client.engines import start_engines
+
+    start_engines(client, run.plan.config, run.stop.interrupt)
+    record_engine(client, run.plan)
+    run.generating()
+    Driver(client, run, tasks, info).stream(n_pending)
+
+
+class Driver:
+    """One run's streaming loop: the partitions in flight, retries, the windows and the commit batch."""
+
+    def __init__(self, client: Any, run: LiveRun, tasks: Iterator[PartitionTask], info: Any = None) -> None:
+        from daskgen.client.engines import check_engines
+
+        self.client, self.run, self.tasks, self.info = client, run, tasks, info
+        self.retry: list[PartitionTask] = []
+        self.futures: dict[Any, PartitionTask] = {}
+        self.watch = SchedulerWatch(client)
+        self.done = FinishedPartitions(
+            on_wait=self.housekeeping, check_engines=lambda: check_engines(client, run.plan.config)
+        )
+        self.board = WindowBoard(client, RESOURCE, on_change=self.done.wake)  # more admitted: submit at once
+        self.batch = CommitBatch(run)
+
+    def housekeeping(self) -> bool:
+        """While waiting: is the scheduler still there; lock, deadline, signals (true: stop waiting now)."""
+        self.watch.check()
+        return housekeeping(self.client, self.run, self.tasks, self.retry)
+
+    def stream(self, n_pending: int) -> None:
+        """Submit and collect until every task finished, or a stop's grace period ended."""
+        refresh_every = tunables.seconds("cap-refresh-interval")
+        refreshed = time.monotonic()
+        self.board.refresh()
+        try:
+            with Progress(n_pending, enabled=self.run.plan.config.progress) as bar:
+                while self.step(bar):
+                    if time.monotonic() - refreshed > refresh_every:  # workers joined/left
+                        self.board.refresh()
+                        refreshed = time.monotonic()
+        finally:  # a StoreWriteError or a lost scheduler stops the run: what finished is still committed
+            self.batch.flush(force=True)
+            self.board.close()
+
+    def step(self, bar: Progress) -> bool:
+        """Submit up to the target, collect what finished, commit, check stops; false when the run is over."""
+        run = self.run
+        cap = in_flight_target(run.plan, self.board, self.info)
+        self.submit_up_to(cap)
+        if not self.futures:
+            return False
+        if run.stop.grace_over():
+            abandon(self.client, self.futures)
+            return False
+        bar.in_flight = f"{len(self.futures)}/{cap}"
+        run.note_in_flight(sum(len(t.rows) for t in self.futures.values()))
+        self.collect_ready(bar)
+        self.batch.flush(force=run.stop.stopping or not self.futures)
+        if not run.stop.stopping and (reason := stop_reason(run, run.response_tokens)):
+            begin_stop(self.client, run, reason, self.tasks, self.retry)
+        check_interrupt(self.client, run, self.tasks, self.retry)
+        return True
+
+    def next_task(self) -> PartitionTask | None:
+        """The next partition to submit: retries first; none once a stop began."""
+        if self.run.stop.stopping:
+            return None
+        return self.retry.pop() if self.retry else next(self.tasks, None)
+
+    def submit_up_to(self, cap: int) -> None:
+        """Submit partitions to the workers with free admitted slots, at most ``cap`` in flight; beyond the
+        workers' slots (an adaptive cluster scaling up) to any worker.  The partitions bound for one worker
+        go in one ``Client.map``: one graph update for the scheduler, not one each."""
+        batches: dict[tuple[str | None, bool], list[tuple[str, PartitionTask]]] = {}
+        in_flight = len(self.futures)
+        while in_flight < cap:
+            worker = self.board.pick()
+            if worker is None and in_flight >= max(1, self.board.total()):  # one always goes: the run must
+                break  # not end while no worker admits anything (every worker draining, a job starting)
+            task = self.next_task()
+            if task is None:
+                break
+            key = task_key(task)
+            self.board.assign(key, worker)
+            batches.setdefault((worker, task.isolate), []).append((key, task))
+            in_flight += 1
+        retries = self.run.plan.config.max_retries
+        for (worker, isolate), group in batches.items():
+            keys, tasks = [k for k, _ in group], [t for _, t in group]
+            for fut, task in zip(
+                submit(self.client, keys, tasks, 0 if isolate else retries, worker), tasks, strict=True
+            ):
+                self.futures[fut] = task
+                self.done.add(fut)
+
+    def collect_ready(self, bar: Progress) -> None:
+        """Wait for finished partitions and queue all that are ready for the next commit."""
+        outcomes: list[Outcome] = []
+        try:
+            for fut, value in self.done.wait(list(self.futures), min(wait_s(self.run), self.batch.due_in())):
+                task = self.futures.pop(fut, None)
+                if task is None:  # delivered late after being fetched directly
+                    continue
+                self.board.release(fut.key)
+                self.watch.check_cancelled(fut)
+                result = collect(fut, value, task)
+                fut.release()
+                if result is None:  # retried enough as a whole: retry its rows one by one
+                    self.retry.append(dataclasses.replace(task, isolate=True))
+                    continue
+                outcomes.append(self.outcome(task, result, bar))
+        finally:
+            self.batch.add(outcomes)
+
+    def outcome(self, task: PartitionTask, result: PartitionResult, bar: Progress) -> Outcome:
+        """What to commit of a finished partition; its aborted rows are requeued (outside a stop)."""
+        given_up: dict[int, str] = {}
+        if result.aborted and not self.run.stop.stopping:  # aborted by an engine restart or a drain
+            again, given_up = self.requeue_aborted(result.aborted)
+            if again:
+                self.retry.append(only_rows(task, again))
+        finished = [r for r in result.rows if r not in result.failed and r not in result.aborted]
+        failed = {r: m for r, m in result.failed.items() if r not in result.aborted} | given_up
+        self.run.count_result(result, len(finished) + len(failed))
+        bar.update(len(finished) + len(failed), result.response_tokens, len(failed))
+        return Outcome(task.start, task.stop, finished, failed, result.notes)
+
+    def requeue_aborted(self, rows: list[int]) -> tuple[list[int], dict[int, str]]:
+        """Split aborted rows into those requeued again and those aborted too often (row -> error)."""
+        limit = int(tunables.get("abort-requeue-limit"))
+        again, given_up = [], {}
+        for r in rows:
+            times = self.run.count_abort(r)
+            if times <= limit:
+                again.append(r)
+            else:
+                given_up[r] = (
+                    f"aborted {times} times in this run (its engine restarted or its worker left "
+                    f"each time; daskgen.abort-requeue-limit is {limit}); its stored tokens are kept: "
+                    "rerun with --retry-failed to continue it"
+                )
+        if given_up:
+            logger.warning(
+                "%d row(s) aborted more than %d times are committed failed (first: row %d)",
+                len(given_up),
+                limit,
+                min(given_up),
+            )
+        return again, given_up
+
+
+def in_flight_target(plan: Plan, board: WindowBoard, info: Any = None) -> int:
+    """Partitions to keep submitted: the sum of the windows the workers admit (on an adaptive
+    cluster at least enough to make it scale to ``max_workers``), capped by ``max_prompts_in_memory``."""
+    cap = board.total()
+    if info is not None and info.adaptive:
+        cap = max(cap, info.in_flight_window)
+    return max(1, min(cap, plan.config.max_prompts_in_memory // plan.layout.partition_size))
+
+
+def only_rows(task: PartitionTask, rows: list[int]) -> PartitionTask:
+    """The same partition restricted to ``rows`` (the other rows' stored data is kept)."""
+    keep = [i for i, r in enumerate(task.rows) if r in set(rows)]
+    meta = None if task.rows_meta is None else [task.rows_meta[i] for i in keep]
+    prompts = None if task.prompts is None else [task.prompts[i] for i in keep]
+    inputs = None if task.inputs is None else [task.inputs[i] for i in keep]
+    return dataclasses.replace(task, rows=[task.rows[i] for i in keep], prompts=prompts, rows_meta=meta, inputs=inputs)
+
+
+def record_engine(client: Any, plan: Plan) -> None:
+    """Store what the engine says about itself (e.g. ``retokenized`` for chat/completions servers)."""
+    from daskgen.worker.plugin import engine_description
+
+    described = [d for d in client.run(engine_description).values() if d]
+    if described:
+        plan.store.update_attrs(engine=redact(described[0]))
+
+
+def task_key(task: PartitionTask) -> str:
+    """A fresh Dask key for one attempt at ``task`` (its mode and first row, for the dashboard and logs)."""
+    return f"daskgen-{'isolated' if task.isolate else 'partition'}-{task.start}-{time.time_ns()}"
+
+
+def submit(client: Any, keys: list[str], tasks: list[PartitionTask], retries: int, worker: str | None = None) -> list:
+    """Submit partitions under ``keys`` in one graph; to ``worker`` when given (loosely: elsewhere if that
+    worker is gone)."""
+    where = {} if worker is None else {"workers": [worker], "allow_other_workers": True}
+    return client.map(run_partition, tasks, key=keys, pure=False, retries=retries, resources={RESOURCE: 1}, **where)
+
+
+def collect(fut: Any, value: Any, task: PartitionTask) -> PartitionResult | None:
+    """The partition's result; ``None`` to retry it row by row; all rows failed if that failed too.
+
+    ``value`` is what ``as_completed(with_results=True, raise_errors=False)`` gave: the result, the
+    ``(type, exception, traceback)`` of a failed task, or the exception of a cancelled one.
+    """
+    try:
+        if fut.status == "error" and isinstance(value, tuple):
+            raise value[1]
+        if isinstance(value, Exception):
+            raise value
+        if not isinstance(value, PartitionResult):
+            raise RuntimeError(f"task ended {fut.status!r}: {value!r}")
+        return value
+    except StoreWriteError:
+        raise  # the disk is the problem, not the prompts: stop the run, keep what is committed
+    except Exception as exc:
+        mode = " in isolated mode" if task.isolate else " after retries"
+        logger.error("partition %d-%d failed%s: %s", task.start, task.stop, mode, exc)
+        if not task.isolate and len(task.rows) > 1:
+            return None
+        msg = f"partition failed after retries: {type(exc).__name__}: {exc}"
+        return PartitionResult(task.start, task.stop, list(task.rows), failed={r: msg for r in task.rows})
