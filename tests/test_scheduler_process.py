@@ -22,9 +22,9 @@ from distributed import Client
 
 from daskgen.client.runner import run
 from daskgen.config import RunConfig
-from daskgen.deploy import make_cluster, parse_cluster_spec
+from daskgen.deploy import deployment, make_cluster, parse_cluster_spec
 from daskgen.deploy.scheduler_process import SchedulerProcess
-from daskgen.deploy.spec import scheduler_process
+from daskgen.deploy.spec import runs_scheduler_process
 from daskgen.errors import ConfigError
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the scheduler process cannot import tests/
@@ -49,10 +49,11 @@ def _gone(pid: int, timeout: float = 15.0) -> bool:
 
 
 def test_defaults_per_kind_and_bad_values():
-    assert scheduler_process(parse_cluster_spec({"kind": "slurm"}))
-    assert scheduler_process(parse_cluster_spec({"kind": "pbs"}))
-    assert not scheduler_process(parse_cluster_spec({"kind": "local"}))
-    assert not scheduler_process(parse_cluster_spec({"kind": "slurm", "scheduler_process": False}))
+    assert runs_scheduler_process("slurm") and runs_scheduler_process("pbs")
+    assert not runs_scheduler_process("local")
+    assert deployment({"kind": "slurm", "memory": "1GB"}).scheduler_process
+    assert not deployment({"kind": "slurm", "memory": "1GB", "scheduler_process": False}).scheduler_process
+    assert deployment({"kind": "local", "scheduler_process": True}).scheduler_process
     with pytest.raises(ConfigError, match="cluster.scheduler_process must be true or false, got 'yes'"):
         parse_cluster_spec({"scheduler_process": "yes"})
 
