@@ -7,6 +7,7 @@ runs against fake ``sbatch``/``qsub`` commands that record what they were asked 
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import time
 
@@ -15,8 +16,15 @@ import pytest
 
 from daskgen.deploy import (
     CLUSTER_KEYS,
+    DEPLOYMENTS,
+    KINDS,
+    BatchDeployment,
     ClusterInfo,
+    LocalDeployment,
+    PBSDeployment,
+    SLURMDeployment,
     apply_cli_overrides,
+    deployment,
     jobqueue_kwargs,
     make_cluster,
     parse_cluster_spec,
@@ -382,6 +390,61 @@ def test_in_flight_window():
     info = ClusterInfo("slurm", 4, 3, 1, 0, 16, True)
     assert info.in_flight_window == 48
     assert "adaptive 0..16 workers" in str(info)
+
+
+# --------------------------------------------------------------------------- one deployment class per kind
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_kind_class_takes_exactly_the_keys_of_its_kind(kind):
+    cls = DEPLOYMENTS[kind]
+    params = {name for name, p in inspect.signature(cls).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    if cls is not LocalDeployment:  # subclass keywords plus those of BatchDeployment
+        params |= {n for n, p in inspect.signature(BatchDeployment).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    assert params == {key for key, (kinds, _) in CLUSTER_KEYS.items() if kind in kinds} - {"kind"}
+    assert cls.kind == kind
+
+
+def test_batch_classes_name_their_system_in_class_attributes():
+    assert (SLURMDeployment.submit_command, SLURMDeployment.job_id_variable) == ("sbatch", "SLURM_JOB_ID")
+    assert (PBSDeployment.submit_command, PBSDeployment.job_id_variable) == ("qsub", "PBS_JOBID")
+    assert SLURMDeployment(memory="4GB").cluster_base().__name__ == "SLURMCluster"
+    assert PBSDeployment(memory="4GB").cluster_base().__name__ == "PBSCluster"
+
+
+def test_keywords_fall_back_to_the_jobqueue_config():
+    config = {
+        "jobqueue.slurm.memory": "200GB",
+        "jobqueue.slurm.walltime": "02:00:00",
+        "jobqueue.slurm.job-script-prologue": ["module load site-default"],
+        "jobqueue.pbs.resource-spec": "select=1:ncpus=4",
+    }
+    with dask.config.set(config):
+        slurm = SLURMDeployment(gpus_per_node=2, job_script_prologue=["conda activate x"])
+        assert (slurm.memory, slurm.walltime) == ("200GB", "02:00:00")
+        assert slurm.job_script_prologue == ["module load site-default", "conda activate x"]  # extended
+        assert slurm.lifetime == worker_lifetime(7200)  # from the configured walltime
+        given = SLURMDeployment(memory="8GB", walltime="01:00:00", partition="gpu")
+        assert (given.memory, given.walltime, given.jobqueue_kwargs()["queue"]) == ("8GB", "01:00:00", "gpu")
+        assert PBSDeployment(memory="4GB").jobqueue_kwargs()["resource_spec"] == "select=1:ncpus=4"
+    with pytest.raises(ConfigError, match="differ"):
+        SLURMDeployment(memory="4GB", queue="a", partition="b")
+
+
+def test_deployment_builds_the_class_of_the_kind_from_its_keys_only():
+    built = deployment({**SLURM, "kind": "pbs", "partition": None, "resource_spec": "select=1:ncpus=8"})
+    assert isinstance(built, PBSDeployment) and built.resource_spec == "select=1:ncpus=8"
+    local = deployment({**SLURM, "kind": "local", "n_workers": 2})
+    assert isinstance(local, LocalDeployment) and local.n_workers == 2
+    with pytest.raises(ConfigError, match="for kind slurm or pbs, not local"):
+        jobqueue_kwargs({"kind": "local"})
+
+
+def test_a_missing_submit_command_is_a_clear_error_before_anything_starts(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here
+    with pytest.raises(ConfigError, match="submits jobs with sbatch, which is not on PATH"):
+        make_cluster({**SLURM, "tls_directory": str(tmp_path / "tls")})
+    assert not (tmp_path / "tls").exists()  # no certificate written, no scheduler started
 
 
 # --------------------------------------------------------------------------- make_cluster with a fake batch system
