@@ -239,37 +239,34 @@ class BatchDeployment:
                 f"cluster kind {self.kind!r} submits jobs with {self.submit_command}, which is not on PATH; "
                 "start daskgen on a login node of the batch system"
             )
-        kwargs, layout = self.jobqueue_kwargs(), self.layout()
-        declare_partition_duration()
-        if self.dashboard_address:
-            options = dict(self.config("scheduler-options") or {})
-            kwargs["scheduler_options"] = {**options, "dashboard_address": self.dashboard_address}
-        files = self._tls_files()
-        if files is not None:
-            kwargs["security"] = files.security  # dask-jobqueue adds --protocol tls:// and the --tls-* files
-        if self.scheduler_process:
-            kwargs["scheduler_cls"] = own_scheduler.SchedulerProcess
+        layout, files = self.layout(), self._tls_files()
         base = self.cluster_base()
-        cluster = type(base.__name__, (RemoveTLSFilesOnClose, JobReaperMixin, base), {"__module__": __name__})(**kwargs)
+        cluster_cls = type(base.__name__, (RemoveTLSFilesOnClose, JobReaperMixin, base), {"__module__": __name__})
+        cluster = cluster_cls(**self.cluster_kwargs(files))
         cluster.tls_files = files
         lo, hi, adaptive = adaptive_bounds(self.min_workers, self.max_workers, self.nodes * layout.workers_per_node)
         # Always adaptive: with min == max the cluster still resubmits jobs that hit their walltime.
         key = {"worker_key": job_of_worker} if layout.workers_per_node > 1 else {}
         cluster.adapt(minimum=lo, maximum=hi, **key)
+        sizes = (layout.workers_per_node, layout.threads_per_worker, layout.gpus_per_worker, lo, hi, adaptive)
         notes = self._tls_notes(files) + own_scheduler.notes(cluster)
-        info = ClusterInfo(
-            self.kind,
-            layout.workers_per_node,
-            layout.threads_per_worker,
-            layout.gpus_per_worker,
-            lo,
-            hi,
-            adaptive,
-            describe_lifetime(self.lifetime),
-            notes,
-            dashboard_link(cluster),
-        )
-        return cluster, info
+        return cluster, ClusterInfo(self.kind, *sizes, describe_lifetime(self.lifetime), notes, dashboard_link(cluster))
+
+    def cluster_kwargs(self, files: TLSFiles | None) -> dict[str, Any]:
+        """:meth:`jobqueue_kwargs` plus the scheduler's options and the run's certificate ``files``; declares
+        the partition duration for adaptive scaling first (the scheduler takes the config it starts with)."""
+        from daskgen.deploy.scheduler_process import SchedulerProcess
+
+        kwargs = self.jobqueue_kwargs()
+        declare_partition_duration()
+        if self.dashboard_address:
+            options = dict(self.config("scheduler-options") or {})
+            kwargs["scheduler_options"] = {**options, "dashboard_address": self.dashboard_address}
+        if files is not None:
+            kwargs["security"] = files.security  # dask-jobqueue adds --protocol tls:// and the --tls-* files
+        if self.scheduler_process:
+            kwargs["scheduler_cls"] = SchedulerProcess
+        return kwargs
 
     def _tls_files(self) -> TLSFiles | None:
         """A per-run certificate in files the worker jobs can read, or ``None`` (with a warning) without TLS."""
