@@ -34,7 +34,7 @@ from daskgen.deploy import (
 )
 from daskgen.errors import ConfigError
 from tests.conftest import wait_for_jobs
-from tests.test_scheduler_process import _scheduler_pid_and  # pickled by value
+from tests.test_scheduler_process import scheduler_pid_and  # pickled by value
 
 ADDRESS = "tcp://10.1.2.3:8786"
 SLURM = {
@@ -480,7 +480,7 @@ def test_make_cluster_slurm_submits_one_job_per_node(fake_batch):
 
         with Client(cluster, timeout="20s") as client:
             key = "distributed.scheduler.default-task-durations"
-            pid, on_scheduler = client.run_on_scheduler(_scheduler_pid_and, key)
+            pid, on_scheduler = client.run_on_scheduler(scheduler_pid_and, key)
         assert pid != os.getpid() and on_scheduler["daskgen-partition"] == "60s"
     finally:
         cluster.close()

@@ -30,7 +30,7 @@ from daskgen.errors import ConfigError
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the scheduler process cannot import tests/
 
 
-def _scheduler_pid_and(key: str):
+def scheduler_pid_and(key: str):
     """(pid, the Dask config value of ``key``) in the process that runs this function (on the scheduler)."""
     import os
 
@@ -86,7 +86,7 @@ def test_local_cluster_with_its_scheduler_in_a_process_of_its_own():
         time.sleep(1.0)
         with Client(cluster, timeout="20s") as client:
             got_pid, durations = client.run_on_scheduler(
-                _scheduler_pid_and, "distributed.scheduler.default-task-durations"
+                scheduler_pid_and, "distributed.scheduler.default-task-durations"
             )
             assert got_pid == pid != os.getpid()
             assert durations["daskgen-partition"] == "77s"  # the client's config reached it
@@ -110,7 +110,7 @@ def test_an_elastic_local_cluster_declares_partition_durations_to_its_scheduler_
             assert info.adaptive
             with Client(cluster, timeout="20s") as client:
                 key = "distributed.scheduler.default-task-durations"
-                _, durations = client.run_on_scheduler(_scheduler_pid_and, key)
+                _, durations = client.run_on_scheduler(scheduler_pid_and, key)
             assert durations["daskgen-partition"] == "60s"
         finally:
             cluster.close()
