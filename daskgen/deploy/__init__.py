@@ -141,7 +141,7 @@ def render_job_script(spec: Mapping[str, Any] | ClusterSpec, scheduler_address: 
 
 
 def _batch(spec: Mapping[str, Any] | ClusterSpec, what: str) -> BatchDeployment:
-    built = deployment(spec)
-    if not isinstance(built, BatchDeployment):
-        raise ConfigError(f"{what} is for kind slurm or pbs, not {built.kind}")
-    return built
+    s = spec if isinstance(spec, ClusterSpec) else parse_cluster_spec(spec)
+    if s.kind == "local":
+        raise ConfigError(f"{what} is for kind slurm or pbs, not local")
+    return deployment(s)

@@ -42,10 +42,6 @@ from daskgen.errors import ConfigError
 
 __all__ = ["BatchDeployment"]
 
-#: ``cluster:`` keys handed to dask-jobqueue unchanged when given (it reads its configuration otherwise).
-PASSED_THROUGH = ("account", "local_directory", "interface", "log_directory", "python", "job_name", "queue")
-
-
 class BatchDeployment:
     """A cluster of worker jobs on one batch system; subclasses set the class attributes.
 
@@ -99,7 +95,6 @@ class BatchDeployment:
         tls_directory: str | None = None,
         scheduler_process: bool | None = None,
     ) -> None:
-        given = dict(locals())
         self.cluster_base()  # importing dask_jobqueue loads its jobqueue.* configuration defaults
         self.nodes, self.min_workers, self.max_workers = nodes or 1, min_workers, max_workers
         self.gpus_per_node, self.gpus_per_worker = gpus_per_node or 0, gpus_per_worker or 1
@@ -112,7 +107,15 @@ class BatchDeployment:
         self.job_extra_directives = self.config_list("job-extra-directives") + list(job_extra_directives or [])
         self.job_directives_skip = self.config_list("job-directives-skip") + list(job_directives_skip or [])
         self.worker_extra_args = self.config_list("worker-extra-args") + list(worker_extra_args or [])
-        self.passed_through = {key: given[key] for key in PASSED_THROUGH}
+        self.passed_through = {  # dask-jobqueue falls back to its configuration for these itself
+            "account": account,
+            "local_directory": local_directory,
+            "interface": interface,
+            "log_directory": log_directory,
+            "python": python,
+            "job_name": job_name,
+            "queue": queue,
+        }
         self.dashboard_address = dashboard_address
         self.tls, self.tls_directory = cluster_tls(self.kind, tls), tls_directory
         self.scheduler_process = runs_scheduler_process(self.kind, scheduler_process)
