@@ -42,6 +42,7 @@ from daskgen.errors import ConfigError
 
 __all__ = ["BatchDeployment"]
 
+
 class BatchDeployment:
     """A cluster of worker jobs on one batch system; subclasses set the class attributes.
 
