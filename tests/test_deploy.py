@@ -7,6 +7,7 @@ runs against fake ``sbatch``/``qsub`` commands that record what they were asked 
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import time
 
@@ -15,8 +16,15 @@ import pytest
 
 from daskgen.deploy import (
     CLUSTER_KEYS,
+    DEPLOYMENTS,
+    KINDS,
+    BatchDeployment,
     ClusterInfo,
+    LocalDeployment,
+    PBSDeployment,
+    SLURMDeployment,
     apply_cli_overrides,
+    deployment,
     jobqueue_kwargs,
     make_cluster,
     parse_cluster_spec,
@@ -26,7 +34,7 @@ from daskgen.deploy import (
 )
 from daskgen.errors import ConfigError
 from tests.conftest import wait_for_jobs
-from tests.test_scheduler_process import _scheduler_pid_and  # pickled by value
+from tests.test_scheduler_process import scheduler_pid_and  # pickled by value
 
 ADDRESS = "tcp://10.1.2.3:8786"
 SLURM = {
@@ -276,8 +284,9 @@ def test_spec_overrides_config():
 
 def test_unset_keys_are_left_to_dask_jobqueue():
     kwargs = jobqueue_kwargs({"kind": "slurm", "gpus_per_node": 2, "memory": "100GB"})
-    for key in ("walltime", "queue", "account", "local_directory", "interface", "job_name"):
+    for key in ("queue", "account", "local_directory", "interface", "job_name"):
         assert key not in kwargs
+    assert kwargs["walltime"] == dask.config.get("jobqueue.slurm.walltime")  # also sets the workers' lifetime
     assert kwargs["processes"] == 2 and kwargs["cores"] == 8
     # the python is jobqueue's (config, else this interpreter), exec'd so the batch shell's signal reaches it
     import sys
@@ -383,6 +392,61 @@ def test_in_flight_window():
     assert "adaptive 0..16 workers" in str(info)
 
 
+# --------------------------------------------------------------------------- one deployment class per kind
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_kind_class_takes_exactly_the_keys_of_its_kind(kind):
+    cls = DEPLOYMENTS[kind]
+    params = {name for name, p in inspect.signature(cls).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    if cls is not LocalDeployment:  # subclass keywords plus those of BatchDeployment
+        params |= {n for n, p in inspect.signature(BatchDeployment).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    assert params == {key for key, (kinds, _) in CLUSTER_KEYS.items() if kind in kinds} - {"kind"}
+    assert cls.kind == kind
+
+
+def test_batch_classes_name_their_system_in_class_attributes():
+    assert (SLURMDeployment.submit_command, SLURMDeployment.job_id_variable) == ("sbatch", "SLURM_JOB_ID")
+    assert (PBSDeployment.submit_command, PBSDeployment.job_id_variable) == ("qsub", "PBS_JOBID")
+    assert SLURMDeployment(memory="4GB").cluster_base().__name__ == "SLURMCluster"
+    assert PBSDeployment(memory="4GB").cluster_base().__name__ == "PBSCluster"
+
+
+def test_keywords_fall_back_to_the_jobqueue_config():
+    config = {
+        "jobqueue.slurm.memory": "200GB",
+        "jobqueue.slurm.walltime": "02:00:00",
+        "jobqueue.slurm.job-script-prologue": ["module load site-default"],
+        "jobqueue.pbs.resource-spec": "select=1:ncpus=4",
+    }
+    with dask.config.set(config):
+        slurm = SLURMDeployment(gpus_per_node=2, job_script_prologue=["conda activate x"])
+        assert (slurm.memory, slurm.walltime) == ("200GB", "02:00:00")
+        assert slurm.job_script_prologue == ["module load site-default", "conda activate x"]  # extended
+        assert slurm.lifetime == worker_lifetime(7200)  # from the configured walltime
+        given = SLURMDeployment(memory="8GB", walltime="01:00:00", partition="gpu")
+        assert (given.memory, given.walltime, given.jobqueue_kwargs()["queue"]) == ("8GB", "01:00:00", "gpu")
+        assert PBSDeployment(memory="4GB").jobqueue_kwargs()["resource_spec"] == "select=1:ncpus=4"
+    with pytest.raises(ConfigError, match="differ"):
+        SLURMDeployment(memory="4GB", queue="a", partition="b")
+
+
+def test_deployment_builds_the_class_of_the_kind_from_its_keys_only():
+    built = deployment({**SLURM, "kind": "pbs", "partition": None, "resource_spec": "select=1:ncpus=8"})
+    assert isinstance(built, PBSDeployment) and built.resource_spec == "select=1:ncpus=8"
+    local = deployment({**SLURM, "kind": "local", "n_workers": 2})
+    assert isinstance(local, LocalDeployment) and local.n_workers == 2
+    with pytest.raises(ConfigError, match="for kind slurm or pbs, not local"):
+        jobqueue_kwargs({"kind": "local"})
+
+
+def test_a_missing_submit_command_is_a_clear_error_before_anything_starts(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here
+    with pytest.raises(ConfigError, match="submits jobs with sbatch, which is not on PATH"):
+        make_cluster({**SLURM, "tls_directory": str(tmp_path / "tls")})
+    assert not (tmp_path / "tls").exists()  # no certificate written, no scheduler started
+
+
 # --------------------------------------------------------------------------- make_cluster with a fake batch system
 
 
@@ -416,7 +480,7 @@ def test_make_cluster_slurm_submits_one_job_per_node(fake_batch):
 
         with Client(cluster, timeout="20s") as client:
             key = "distributed.scheduler.default-task-durations"
-            pid, on_scheduler = client.run_on_scheduler(_scheduler_pid_and, key)
+            pid, on_scheduler = client.run_on_scheduler(scheduler_pid_and, key)
         assert pid != os.getpid() and on_scheduler["daskgen-partition"] == "60s"
     finally:
         cluster.close()
@@ -493,43 +557,49 @@ def test_local_cluster_adaptive_and_ignored_keys():
         cluster.close()
 
 
+def wait_until(predicate, what: str, timeout: float = 180.0):
+    """Poll ``predicate`` (a look at real cluster state) until it returns something truthy; generous timeout."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        time.sleep(0.1)
+    return value
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(90)
-def test_multi_worker_jobs_are_replaced_after_their_lifetime():
-    """A job of 2 worker processes retires (lifetime) and the cluster submits a replacement.
+@pytest.mark.timeout(300)
+def test_multi_worker_jobs_are_replaced_once_all_their_workers_left():
+    """A job of 2 worker processes ends (its workers retire) and the cluster submits a replacement job.
 
     Uses dask-jobqueue's LocalCluster (jobs are local processes) with daskgen's job reaper; plain
-    dask-jobqueue never replaces such a job because no worker carries the job's name.
+    dask-jobqueue never replaces such a job because no worker carries the job's name.  The job's end is
+    triggered once both of its workers have joined, as a worker lifetime would end it.
     """
     from dask_jobqueue.local import LocalCluster as JobQueueLocalCluster
     from distributed import Client
 
-    from daskgen.deploy import _JobReaperMixin, job_of_worker
+    from daskgen.deploy import JobReaperMixin, job_of_worker
 
-    cls = type("LocalJobsCluster", (_JobReaperMixin, JobQueueLocalCluster), {})
+    cls = type("LocalJobsCluster", (JobReaperMixin, JobQueueLocalCluster), {})
     with dask.config.set({"distributed.deploy.lost-worker-timeout": "0.5s"}):
-        cluster = cls(
-            cores=2,
-            processes=2,
-            memory="1GB",
-            worker_extra_args=["--lifetime", "4s"],
-            scheduler_options={"dashboard_address": ":0"},
-        )
+        cluster = cls(cores=2, processes=2, memory="1GB", scheduler_options={"dashboard_address": ":0"})
         try:
             cluster.adapt(minimum=2, maximum=2, interval="200ms", worker_key=job_of_worker)
             with Client(cluster) as client:
-                seen: set[str] = set()
-                deadline = time.monotonic() + 60
-                while len(seen) < 4 and time.monotonic() < deadline:  # 2 workers of the first job + 2 new
-                    seen.update(client.scheduler_info(n_workers=-1)["workers"])
-                    time.sleep(0.2)
-                assert len(seen) >= 4, seen
+
+                def workers() -> dict:
+                    return client.scheduler_info(n_workers=-1)["workers"]
+
+                first = wait_until(lambda: len(workers()) >= 2 and dict(workers()), "the first job's 2 workers")
+                assert len({str(w["name"]).rsplit("-", 1)[0] for w in first.values()}) == 1  # one job
+                client.retire_workers(list(first))  # the whole job leaves, as at the end of its lifetime
+                wait_until(lambda: len(set(workers()) - set(first)) >= 2, "2 workers of a replacement job")
         finally:
             cluster.close()
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(400)
 def test_workers_join_and_retire_mid_run_without_losing_prompts(tmp_path):
     """Elasticity on a LocalCluster from make_cluster: a worker joins mid-run (and gets the engine
     plugin), the original worker retires, and every prompt still ends up done exactly as asked."""
@@ -568,18 +638,17 @@ def test_workers_join_and_retire_mid_run_without_losing_prompts(tmp_path):
             outcome: dict = {}
             runner = threading.Thread(target=lambda: outcome.update(summary=run(config)), daemon=True)
             runner.start()
-            deadline = time.monotonic() + 60
-            while not (log.exists() and log.read_text().count("\n") >= 4) and time.monotonic() < deadline:
-                time.sleep(0.1)
+            wait_until(lambda: log.exists() and log.read_text().count("\n") >= 4, "the first generate calls")
             cluster.scale(2)  # a worker joins mid-run ...
-            client.wait_for_workers(2, timeout=60)
-            (second,) = set(client.scheduler_info()["workers"]) - {first}
-            while client.run(plugin_status, workers=[second])[second]["state"] != "ready":
-                assert time.monotonic() < deadline, "the late worker never got a ready engine"
-                time.sleep(0.1)
+            (second,) = wait_until(lambda: set(client.scheduler_info()["workers"]) - {first}, "a second worker")
+
+            def second_ready() -> bool:
+                return client.run(plugin_status, workers=[second])[second]["state"] == "ready"
+
+            wait_until(second_ready, "a ready engine on the late worker")
             client.retire_workers([first])  # ... and the first one leaves
             retired_while_running = runner.is_alive()
-            runner.join(90)
+            runner.join(300)
     finally:
         cluster.close()
     summary = outcome["summary"]

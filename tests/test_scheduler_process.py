@@ -22,15 +22,15 @@ from distributed import Client
 
 from daskgen.client.runner import run
 from daskgen.config import RunConfig
-from daskgen.deploy import make_cluster, parse_cluster_spec
+from daskgen.deploy import deployment, make_cluster, parse_cluster_spec
 from daskgen.deploy.scheduler_process import SchedulerProcess
-from daskgen.deploy.spec import scheduler_process
+from daskgen.deploy.spec import runs_scheduler_process
 from daskgen.errors import ConfigError
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the scheduler process cannot import tests/
 
 
-def _scheduler_pid_and(key: str):
+def scheduler_pid_and(key: str):
     """(pid, the Dask config value of ``key``) in the process that runs this function (on the scheduler)."""
     import os
 
@@ -49,10 +49,11 @@ def _gone(pid: int, timeout: float = 15.0) -> bool:
 
 
 def test_defaults_per_kind_and_bad_values():
-    assert scheduler_process(parse_cluster_spec({"kind": "slurm"}))
-    assert scheduler_process(parse_cluster_spec({"kind": "pbs"}))
-    assert not scheduler_process(parse_cluster_spec({"kind": "local"}))
-    assert not scheduler_process(parse_cluster_spec({"kind": "slurm", "scheduler_process": False}))
+    assert runs_scheduler_process("slurm") and runs_scheduler_process("pbs")
+    assert not runs_scheduler_process("local")
+    assert deployment({"kind": "slurm", "memory": "1GB"}).scheduler_process
+    assert not deployment({"kind": "slurm", "memory": "1GB", "scheduler_process": False}).scheduler_process
+    assert deployment({"kind": "local", "scheduler_process": True}).scheduler_process
     with pytest.raises(ConfigError, match="cluster.scheduler_process must be true or false, got 'yes'"):
         parse_cluster_spec({"scheduler_process": "yes"})
 
@@ -85,7 +86,7 @@ def test_local_cluster_with_its_scheduler_in_a_process_of_its_own():
         time.sleep(1.0)
         with Client(cluster, timeout="20s") as client:
             got_pid, durations = client.run_on_scheduler(
-                _scheduler_pid_and, "distributed.scheduler.default-task-durations"
+                scheduler_pid_and, "distributed.scheduler.default-task-durations"
             )
             assert got_pid == pid != os.getpid()
             assert durations["daskgen-partition"] == "77s"  # the client's config reached it
@@ -109,7 +110,7 @@ def test_an_elastic_local_cluster_declares_partition_durations_to_its_scheduler_
             assert info.adaptive
             with Client(cluster, timeout="20s") as client:
                 key = "distributed.scheduler.default-task-durations"
-                _, durations = client.run_on_scheduler(_scheduler_pid_and, key)
+                _, durations = client.run_on_scheduler(scheduler_pid_and, key)
             assert durations["daskgen-partition"] == "60s"
         finally:
             cluster.close()

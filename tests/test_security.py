@@ -59,26 +59,28 @@ def host_port(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def raw_tls_exchange(address: str, ca_file: Path, cert: tuple[Path, Path] | None) -> str:
-    """Open a TLS connection to the scheduler and wait for it to answer or hang up.
+def raw_tls_handshake(address: str, ca_file: Path, cert: tuple[Path, Path] | None) -> str:
+    """Complete a TLS 1.2 handshake with the scheduler, with or without a client certificate.
 
-    Returns ``"refused"`` when the server ends the TLS session (it demands a client certificate),
-    ``"open"`` when the connection stays up waiting for a Dask message (the certificate was accepted).
+    TLS 1.2 checks the client certificate inside the handshake, so the handshake itself decides:
+    ``"refused"`` when the server aborts it with an alert (it demands a certificate), ``"accepted"``
+    when it completes.  The socket timeout only guards against a hang; it decides nothing.
     """
     context = ssl.create_default_context(cafile=str(ca_file))
     context.check_hostname = False  # Dask's temporary certificate names "dask-internal", not the host
+    context.maximum_version = ssl.TLSVersion.TLSv1_2  # Dask accepts 1.2 (distributed.comm.tls.min-version)
     if cert is not None:
         context.load_cert_chain(str(cert[0]), str(cert[1]))
-    with socket.create_connection(host_port(address), timeout=5) as raw, context.wrap_socket(raw) as tls:
-        tls.settimeout(3)
+    with socket.create_connection(host_port(address), timeout=60) as raw:
         try:
-            tls.sendall(b"\0" * 8)
-            data = tls.recv(1)
-        except (ssl.SSLError, ConnectionError):
+            with context.wrap_socket(raw) as tls:
+                assert tls.version() == "TLSv1.2"
+        except ssl.SSLError as exc:
+            assert "ALERT" in str(exc.reason).upper(), exc  # the server's alert, not a local setup error
             return "refused"
-        except TimeoutError:
-            return "open"
-        return "refused" if data == b"" else "open"
+        except ConnectionResetError:
+            return "refused"
+    return "accepted"
 
 
 # --------------------------------------------------------------------------- a real TLS LocalCluster
@@ -104,8 +106,8 @@ def test_tls_cluster_refuses_clients_without_its_certificate(tmp_path):
         # Server side: a TLS client presenting no certificate is cut off; presenting the run's is not.
         files = TLSFiles(cluster.security, tmp_path / "tls")
         ca, key = Path(files.security.tls_ca_file), Path(files.security.tls_client_key)
-        assert raw_tls_exchange(address, ca, cert=None) == "refused"
-        assert raw_tls_exchange(address, ca, cert=(ca, key)) == "open"
+        assert raw_tls_handshake(address, ca, cert=None) == "refused"
+        assert raw_tls_handshake(address, ca, cert=(ca, key)) == "accepted"
     finally:
         cluster.close()
 

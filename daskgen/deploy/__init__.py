@@ -1,36 +1,32 @@
 """Build the Dask cluster a run executes on: a local cluster, or SLURM/PBS jobs via dask-jobqueue.
 
 The ``cluster:`` section of a run config (see ``docs/hpc.md``) is a flat mapping; ``kind`` picks
-the backend.  On GPU nodes every job starts one Dask worker process per GPU (``--nworkers``),
-each advertising ``--resources GPU=<gpus_per_worker>`` and running ``threads_per_worker`` task
-slots (the in-flight window of partitions).  Worker processes are non-daemonic so engines can
-start subprocesses, and every worker retires shortly before the job's walltime (``--lifetime``)
-so that adaptive scaling submits a replacement job in time.  Anything the spec leaves out comes
-from dask's ``jobqueue.<kind>.*`` configuration (``~/.config/dask/jobqueue.yaml``), as with
-plain dask-jobqueue; list settings (prologue, directives, worker arguments) extend the
+the deployment class, one per kind: :class:`LocalDeployment`, :class:`SLURMDeployment`,
+:class:`PBSDeployment`.  Each takes the keys of its kind as keyword arguments; for SLURM and PBS a key
+left out falls back to Dask's ``jobqueue.<kind>.*`` configuration (``~/.config/dask/jobqueue.yaml``),
+as with plain dask-jobqueue, and list settings (prologue, directives, worker arguments) extend the
 configured ones.  ``dask_jobqueue`` is optional (extra ``[hpc]``) and imported lazily.
 
-The package is split by concern: :mod:`daskgen.deploy.spec` (the ``cluster:`` keys, validation,
-:class:`ClusterInfo`), :mod:`daskgen.deploy.jobqueue` (dask-jobqueue jobs, job scripts, walltime
-and worker lifetimes) and :mod:`daskgen.deploy.local` (the LocalCluster and its workers'
-environment).  Everything public is importable from ``daskgen.deploy``.
+Modules, one concern each: :mod:`~daskgen.deploy.spec` (the ``cluster:`` keys, validation,
+:class:`ClusterInfo`), :mod:`~daskgen.deploy.walltime` (walltimes and worker lifetimes),
+:mod:`~daskgen.deploy.job_script` (the lines daskgen adds to a worker job),
+:mod:`~daskgen.deploy.assembly` (adaptive bounds, partition durations, the job reaper),
+:mod:`~daskgen.deploy.batch` (what SLURM and PBS share), :mod:`~daskgen.deploy.slurm`,
+:mod:`~daskgen.deploy.pbs`, :mod:`~daskgen.deploy.local`, :mod:`~daskgen.deploy.scheduler_process`
+and :mod:`~daskgen.deploy.security`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from daskgen.deploy.jobqueue import _JobReaperMixin as _JobReaperMixin  # for the job reaper's tests
-from daskgen.deploy.jobqueue import (
-    _make_hpc_cluster,
-    job_of_worker,
-    jobqueue_kwargs,
-    parse_walltime,
-    render_job_script,
-    worker_lifetime,
-)
-from daskgen.deploy.local import _make_local_cluster
+from daskgen.deploy.assembly import JobReaperMixin, job_of_worker
+from daskgen.deploy.batch import BatchDeployment
+from daskgen.deploy.local import LocalDeployment
+from daskgen.deploy.pbs import PBSDeployment
+from daskgen.deploy.slurm import SLURMDeployment
 from daskgen.deploy.spec import (
     CLUSTER_KEYS,
     DEFAULT_THREADS_PER_WORKER,
@@ -38,16 +34,27 @@ from daskgen.deploy.spec import (
     ClusterInfo,
     ClusterSpec,
     apply_cli_overrides,
+    ignored_notes,
+    kind_values,
     parse_cluster_spec,
 )
+from daskgen.deploy.walltime import parse_walltime, worker_lifetime
+from daskgen.errors import ConfigError
 
 __all__ = [
     "CLUSTER_KEYS",
     "DEFAULT_THREADS_PER_WORKER",
+    "DEPLOYMENTS",
     "KINDS",
+    "BatchDeployment",
     "ClusterInfo",
     "ClusterSpec",
+    "JobReaperMixin",
+    "LocalDeployment",
+    "PBSDeployment",
+    "SLURMDeployment",
     "apply_cli_overrides",
+    "deployment",
     "job_of_worker",
     "jobqueue_kwargs",
     "make_cluster",
@@ -56,6 +63,21 @@ __all__ = [
     "render_job_script",
     "worker_lifetime",
 ]
+
+#: The deployment class of each ``cluster.kind``.
+DEPLOYMENTS: dict[str, type] = {cls.kind: cls for cls in (LocalDeployment, SLURMDeployment, PBSDeployment)}
+
+
+def deployment(spec: Mapping[str, Any] | ClusterSpec | None) -> Any:
+    """The deployment of a ``cluster:`` section: its kind's class, built from the keys of that kind.
+
+    Raises
+    ------
+    ConfigError
+        Unknown keys or bad values.
+    """
+    s = spec if isinstance(spec, ClusterSpec) else parse_cluster_spec(spec)
+    return DEPLOYMENTS[s.kind](**kind_values(s))
 
 
 def make_cluster(spec: Mapping[str, Any] | None = None) -> tuple[Any, ClusterInfo]:
@@ -76,7 +98,7 @@ def make_cluster(spec: Mapping[str, Any] | None = None) -> tuple[Any, ClusterInf
     Raises
     ------
     ConfigError
-        Unknown keys, bad values, missing memory (HPC) or missing dask-jobqueue.
+        Unknown keys, bad values, missing memory (HPC), missing dask-jobqueue or submit command.
 
     Notes
     -----
@@ -85,6 +107,41 @@ def make_cluster(spec: Mapping[str, Any] | None = None) -> tuple[Any, ClusterInf
     need non-daemonic workers to start their own subprocesses.
     """
     s = parse_cluster_spec(spec)
+    cluster, info = deployment(s).start()
+    return cluster, dataclasses.replace(info, notes=info.notes + ignored_notes(s))
+
+
+def jobqueue_kwargs(spec: Mapping[str, Any] | ClusterSpec) -> dict[str, Any]:
+    """Keyword arguments for ``SLURMCluster``/``PBSCluster`` (and their Job classes) of a SLURM/PBS section.
+
+    Raises
+    ------
+    ConfigError
+        For a local spec, a missing memory size or an inconsistent layout.
+    """
+    return _batch(spec, "jobqueue_kwargs()").jobqueue_kwargs()
+
+
+def render_job_script(spec: Mapping[str, Any] | ClusterSpec, scheduler_address: str, security: Any = None) -> str:
+    """The batch script of one worker job, for a scheduler you started yourself.
+
+    Submit it with ``sbatch``/``qsub`` as many times as you want nodes.  Workers are named
+    ``daskgen-$SLURM_JOB_ID-<i>`` (``$PBS_JOBID`` on PBS) so that several jobs never clash.
+    No scheduler is started.  For a ``tls://`` scheduler the workers get ``--protocol tls://``
+    and ``--tls-ca-file``/``--tls-cert``/``--tls-key``: the files of ``security`` (a
+    :class:`distributed.security.Security` naming files), by default those of Dask's
+    ``distributed.comm.tls.ca-file`` and ``distributed.comm.tls.worker.*`` configuration.
+
+    Raises
+    ------
+    ConfigError
+        A bad spec, or a ``tls://`` scheduler without worker certificate files.
+    """
+    return _batch(spec, "render_job_script()").job_script(scheduler_address, security)
+
+
+def _batch(spec: Mapping[str, Any] | ClusterSpec, what: str) -> BatchDeployment:
+    s = spec if isinstance(spec, ClusterSpec) else parse_cluster_spec(spec)
     if s.kind == "local":
-        return _make_local_cluster(s)
-    return _make_hpc_cluster(s)
+        raise ConfigError(f"{what} is for kind slurm or pbs, not local")
+    return deployment(s)

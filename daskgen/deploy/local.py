@@ -14,36 +14,16 @@ from typing import Any
 
 import dask
 
+from daskgen.deploy.assembly import adaptive_bounds, dashboard_link, declare_partition_duration
 from daskgen.deploy.security import TLSFiles, cluster_tls, temporary_security
-from daskgen.deploy.spec import (
-    DEFAULT_THREADS_PER_WORKER,
-    ClusterInfo,
-    ClusterSpec,
-    _dashboard,
-    _declare_partition_duration,
-    _ignored_notes,
-    scheduler_process,
-)
+from daskgen.deploy.spec import DEFAULT_THREADS_PER_WORKER, ClusterInfo, runs_scheduler_process
 from daskgen.errors import ConfigError
 from daskgen.worker.gpu import ENV_GPUS_PER_WORKER, ENV_LOCAL_RANK, ENV_WORKERS_PER_NODE, count_visible_gpus
 
-
-def _local_workers(s: ClusterSpec, gpus: int) -> tuple[int, int]:
-    """(n_workers, gpus_per_worker) for a local cluster."""
-    per_worker = s.get("gpus_per_worker", 1)
-    if gpus:
-        slots = gpus // per_worker
-        if slots == 0:
-            raise ConfigError(f"cluster.gpus_per_worker={per_worker} but only {gpus} GPU(s) are visible")
-        n = s.get("n_workers", slots)
-        if n > slots:
-            raise ConfigError(f"cluster.n_workers={n} needs {n * per_worker} GPUs, only {gpus} are visible")
-        return n, per_worker
-    cpus = os.cpu_count() or 1
-    return s.get("n_workers", max(1, min(4, cpus // 4))), 0
+__all__ = ["LocalDeployment", "keep_glibc_malloc_defaults"]
 
 
-def _keep_glibc_malloc_defaults() -> None:
+def keep_glibc_malloc_defaults() -> None:
     """Stop the nanny from exporting ``MALLOC_TRIM_THRESHOLD_`` to engine workers.
 
     Dask's default ``distributed.nanny.pre-spawn-environ`` sets ``MALLOC_TRIM_THRESHOLD_=65536``. A fixed
@@ -57,57 +37,107 @@ def _keep_glibc_malloc_defaults() -> None:
         dask.config.set({"distributed.nanny.pre-spawn-environ": environ})
 
 
-def _make_local_cluster(s: ClusterSpec) -> tuple[Any, ClusterInfo]:
-    from distributed import LocalCluster
+class LocalDeployment:
+    """A ``distributed.LocalCluster`` on this machine: one worker process per ``gpus_per_worker`` visible GPUs.
 
-    from daskgen.deploy import scheduler_process as own
+    Parameters are the ``cluster:`` keys of kind ``local`` (``docs/hpc.md``); ``None`` means "not given".
+    Without GPUs, ``n_workers`` defaults to a quarter of the CPUs (1 to 4) with 2 task slots each.
 
-    gpus = count_visible_gpus()
-    n, per_worker = _local_workers(s, gpus)
-    elastic = s.get("min_workers") is not None or s.get("max_workers") is not None
-    if gpus and elastic:
-        raise ConfigError("min_workers/max_workers (adaptive scaling) are not supported on a local GPU machine")
-    threads = s.get("threads_per_worker", DEFAULT_THREADS_PER_WORKER if gpus else 2)
-    # Read by each Nanny whenever it (re)starts a worker process, so it must stay set globally.
-    dask.config.set({"distributed.worker.daemon": False})
-    _keep_glibc_malloc_defaults()
-    intra_op = str(max(1, (os.cpu_count() or 1) // n))  # undo the nanny's OMP_NUM_THREADS=1 for CPU engines
-    kwargs: dict[str, Any] = {
-        "n_workers": n,
-        "threads_per_worker": threads,
-        "processes": True,
-        "dashboard_address": s.get("dashboard_address", ":0"),
-        "env": {
+    Raises
+    ------
+    ConfigError
+        When the GPUs cannot hold the requested workers, or for adaptive bounds on a GPU machine.
+    """
+
+    kind = "local"
+
+    def __init__(
+        self,
+        *,
+        n_workers: int | None = None,
+        threads_per_worker: int | None = None,
+        gpus_per_worker: int | None = None,
+        min_workers: int | None = None,
+        max_workers: int | None = None,
+        memory_limit: str | None = None,
+        local_directory: str | None = None,
+        dashboard_address: str | None = None,
+        tls: bool | None = None,
+        scheduler_process: bool | None = None,
+    ) -> None:
+        gpus = count_visible_gpus()
+        self.n_workers, self.gpus_per_worker = self._workers(gpus, n_workers, gpus_per_worker or 1)
+        self.elastic = min_workers is not None or max_workers is not None
+        if gpus and self.elastic:
+            raise ConfigError("min_workers/max_workers (adaptive scaling) are not supported on a local GPU machine")
+        self.min_workers, self.max_workers, _ = adaptive_bounds(min_workers, max_workers, self.n_workers)
+        self.threads_per_worker = threads_per_worker or (DEFAULT_THREADS_PER_WORKER if gpus else 2)
+        self.options = {"memory_limit": memory_limit, "local_directory": local_directory}
+        self.dashboard_address = dashboard_address or ":0"
+        self.tls = cluster_tls(self.kind, tls)
+        self.scheduler_process = runs_scheduler_process(self.kind, scheduler_process)
+
+    @staticmethod
+    def _workers(gpus: int, n_workers: int | None, per_worker: int) -> tuple[int, int]:
+        """(n_workers, gpus_per_worker) for the visible GPUs, or a CPU-based count without GPUs."""
+        if not gpus:
+            return n_workers or max(1, min(4, (os.cpu_count() or 1) // 4)), 0
+        slots = gpus // per_worker
+        if slots == 0:
+            raise ConfigError(f"cluster.gpus_per_worker={per_worker} but only {gpus} GPU(s) are visible")
+        n = n_workers or slots
+        if n > slots:
+            raise ConfigError(f"cluster.n_workers={n} needs {n * per_worker} GPUs, only {gpus} are visible")
+        return n, per_worker
+
+    def cluster_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``LocalCluster`` (without security)."""
+        n = self.n_workers
+        intra_op = str(max(1, (os.cpu_count() or 1) // n))  # undo the nanny's OMP_NUM_THREADS=1 for CPU engines
+        env = {
             "OMP_NUM_THREADS": intra_op,
             "MKL_NUM_THREADS": intra_op,
             ENV_WORKERS_PER_NODE: str(n),
             ENV_LOCAL_RANK: "",  # workers are named 0..n-1: the name is the rank
-        },
-    }
-    if per_worker:
-        kwargs["resources"] = {"GPU": per_worker}
-        kwargs["env"][ENV_GPUS_PER_WORKER] = str(per_worker)
-    for key in ("memory_limit", "local_directory"):
-        if s.get(key) is not None:
-            kwargs[key] = s.get(key)
-    lo, hi = n, n
-    if elastic:  # checked and declared before the cluster starts (a scheduler process takes the config it starts with)
-        lo, hi = s.get("min_workers", 0), s.get("max_workers", max(n, s.get("min_workers", 0)))
-        if hi < max(lo, 1):
-            raise ConfigError(f"cluster.max_workers={hi} must be >= 1 and >= min_workers={lo}")
-        _declare_partition_duration()
-    tls = cluster_tls("local", s.get("tls"))
-    own_scheduler = scheduler_process(s)
-    files = None
-    if tls and own_scheduler:  # the scheduler process reads its certificate from files
-        files = TLSFiles(temporary_security(), Path(tempfile.gettempdir()) / "daskgen-tls")
-        kwargs["security"] = files.security
-    elif tls:
-        kwargs["security"] = temporary_security()  # in memory: the nannies pass it to their workers
-    cluster = (own.LocalClusterOwnScheduler if own_scheduler else LocalCluster)(**kwargs)
-    cluster.tls_files = files
-    if elastic:
-        cluster.adapt(minimum=lo, maximum=hi)
-    notes = (("TLS with a per-run certificate",) if tls else ()) + own.notes(cluster) + _ignored_notes(s)
-    info = ClusterInfo("local", n, threads, per_worker, lo, hi, elastic, None, notes, _dashboard(cluster))
-    return cluster, info
+        }
+        kwargs: dict[str, Any] = {
+            "n_workers": n,
+            "threads_per_worker": self.threads_per_worker,
+            "processes": True,
+            "dashboard_address": self.dashboard_address,
+            "env": env,
+            **{key: value for key, value in self.options.items() if value is not None},
+        }
+        if self.gpus_per_worker:
+            kwargs["resources"] = {"GPU": self.gpus_per_worker}
+            env[ENV_GPUS_PER_WORKER] = str(self.gpus_per_worker)
+        return kwargs
+
+    def start(self) -> tuple[Any, ClusterInfo]:
+        """Start the cluster (adaptive when ``min_workers``/``max_workers`` are given).
+
+        Sets two process-wide Dask settings that nannies read whenever they (re)start a worker:
+        ``distributed.worker.daemon`` is ``False`` (engines such as SGLang start subprocesses), and
+        :func:`keep_glibc_malloc_defaults`.
+        """
+        from distributed import LocalCluster
+
+        from daskgen.deploy import scheduler_process as own
+
+        dask.config.set({"distributed.worker.daemon": False})
+        keep_glibc_malloc_defaults()
+        if self.elastic:  # declared before the cluster starts (a scheduler process takes the config it starts with)
+            declare_partition_duration()
+        kwargs, files = self.cluster_kwargs(), None
+        if self.tls and self.scheduler_process:  # the scheduler process reads its certificate from files
+            files = TLSFiles(temporary_security(), Path(tempfile.gettempdir()) / "daskgen-tls")
+            kwargs["security"] = files.security
+        elif self.tls:
+            kwargs["security"] = temporary_security()  # in memory: the nannies pass it to their workers
+        cluster = (own.LocalClusterOwnScheduler if self.scheduler_process else LocalCluster)(**kwargs)
+        cluster.tls_files = files
+        if self.elastic:
+            cluster.adapt(minimum=self.min_workers, maximum=self.max_workers)
+        notes = (("TLS with a per-run certificate",) if self.tls else ()) + own.notes(cluster)
+        sizes = (self.n_workers, self.threads_per_worker, self.gpus_per_worker, self.min_workers, self.max_workers)
+        return cluster, ClusterInfo("local", *sizes, self.elastic, None, notes, dashboard_link(cluster))

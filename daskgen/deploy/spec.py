@@ -2,9 +2,9 @@
 
 :func:`parse_cluster_spec` turns the run config's flat mapping into a :class:`ClusterSpec`
 (unknown keys and wrongly typed values raise :class:`~daskgen.errors.ConfigError` listing the
-valid ones); :class:`ClusterInfo` describes the cluster :func:`daskgen.deploy.make_cluster` built.
-Shared by the local (:mod:`daskgen.deploy.local`) and batch (:mod:`daskgen.deploy.jobqueue`)
-builders.
+valid ones); :func:`kind_values` hands the values of the spec's kind to that kind's deployment class
+(:mod:`daskgen.deploy.local`, :mod:`daskgen.deploy.slurm`, :mod:`daskgen.deploy.pbs`), and
+:class:`ClusterInfo` describes the cluster :func:`daskgen.deploy.make_cluster` built.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import dask
 from dask.utils import parse_timedelta
 
 from daskgen.deploy.security import cluster_tls
@@ -22,10 +21,6 @@ from daskgen.errors import ConfigError
 KINDS = ("local", "slurm", "pbs")
 #: Task slots per worker: how many partitions one engine has in flight at once.
 DEFAULT_THREADS_PER_WORKER = 4
-#: Key prefix of the runner's partition tasks (``daskgen-partition-<start>-<ns>``).
-PARTITION_TASK_PREFIX = "daskgen-partition"
-#: First guess of a partition's duration for adaptive scaling, until real ones are measured.
-DEFAULT_PARTITION_DURATION = "60s"
 
 #: Every accepted key of the ``cluster:`` section, with the kinds it applies to and its meaning.
 CLUSTER_KEYS: dict[str, tuple[tuple[str, ...], str]] = {
@@ -217,13 +212,14 @@ def _check_value(key: str, value: Any) -> Any:
     return value
 
 
-def scheduler_process(s: ClusterSpec) -> bool:
-    """Whether the scheduler runs in a process of its own (:mod:`daskgen.deploy.scheduler_process`).
+def runs_scheduler_process(kind: str, value: bool | None = None) -> bool:
+    """Whether the scheduler runs in a process of its own (:mod:`daskgen.deploy.scheduler_process`):
+    ``value`` (``cluster.scheduler_process``), else the kind's default.
 
     Batch clusters (many nodes, where the client's core is the ceiling) default to it; a local cluster,
     whose few engines cannot produce enough partitions per second to load the client, does not.
     """
-    return bool(s.get("scheduler_process", s.kind != "local"))
+    return bool(value if value is not None else kind != "local")
 
 
 def _str_value(key: str, value: Any) -> str:
@@ -267,26 +263,12 @@ def apply_cli_overrides(
     return merged
 
 
-def _declare_partition_duration() -> None:
-    """Tell the (in-process) scheduler that partition tasks are long before the first one ends.
-
-    Adaptive scaling sizes the cluster from the expected duration of queued tasks; an unknown
-    task counts 0.5 s, which would keep an elastic cluster at one or two workers until the first
-    partition (minutes, engine start included) has finished.  A configured value wins.
-    """
-    durations = dict(dask.config.get("distributed.scheduler.default-task-durations", None) or {})
-    if PARTITION_TASK_PREFIX not in durations:
-        durations[PARTITION_TASK_PREFIX] = DEFAULT_PARTITION_DURATION
-        dask.config.set({"distributed.scheduler.default-task-durations": durations})
+def kind_values(s: ClusterSpec) -> dict[str, Any]:
+    """The spec's values for the keys of its kind: the keyword arguments of the kind's deployment class."""
+    return {key: value for key, value in s.values.items() if s.kind in CLUSTER_KEYS[key][0]}
 
 
-def _dashboard(cluster: Any) -> str | None:
-    try:
-        return cluster.dashboard_link
-    except Exception:  # no dashboard (bokeh missing or disabled)
-        return None
-
-
-def _ignored_notes(s: ClusterSpec) -> tuple[str, ...]:
+def ignored_notes(s: ClusterSpec) -> tuple[str, ...]:
+    """For the cluster line of a run's log: the given keys that do not apply to the spec's kind."""
     ignored = sorted(k for k in s.values if s.kind not in CLUSTER_KEYS[k][0])
     return (f"ignored for kind {s.kind}: {', '.join(ignored)}",) if ignored else ()
