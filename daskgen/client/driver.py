@@ -35,11 +35,12 @@ from the first response to a failure to the last:
 5. **``--retry-failed``.**  Rows committed ``failed`` stay failed on resume unless the run is
    started again with ``--retry-failed`` (:func:`daskgen.client.plan.pending_rows`).
 
-A store write error (:class:`~daskgen.errors.StoreWriteError`) is not retried: the run stops, keeping
-every partition committed before it.  Nor is the loss of the Dask scheduler
-(:class:`~daskgen.errors.SchedulerLost`, :mod:`daskgen.client.scheduler_watch`): partitions cancelled
-with the connection are not failures; the run stops as interrupted.  The tested cases:
-``docs/reliability.md``.
+A partition that still fails with a storage error (:class:`~daskgen.errors.StoreError`: a disk
+that is full, an object store that stays unreachable after the client's own retries and Dask's task
+retries) is not held against its prompts: the run stops, keeping every partition committed before it.
+Nor is the loss of the Dask scheduler (:class:`~daskgen.errors.SchedulerLost`,
+:mod:`daskgen.client.scheduler_watch`): partitions cancelled with the connection are not failures; the
+run stops as interrupted.  The tested cases: ``docs/reliability.md``.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from daskgen.client.progress import Progress
 from daskgen.client.scheduler_watch import SchedulerWatch
 from daskgen.client.stopping import abandon, begin_stop, check_interrupt, housekeeping, stop_reason, wait_s
 from daskgen.client.windows import WindowBoard
-from daskgen.errors import StoreWriteError
+from daskgen.errors import StoreError
 from daskgen.redaction import redact
 from daskgen.worker.partition import PartitionResult, PartitionTask, run_partition
 from daskgen.worker.plugin import RESOURCE
@@ -110,7 +111,7 @@ class Driver:
                     if time.monotonic() - refreshed > refresh_every:  # workers joined/left
                         self.board.refresh()
                         refreshed = time.monotonic()
-        finally:  # a StoreWriteError or a lost scheduler stops the run: what finished is still committed
+        finally:  # a storage error or a lost scheduler stops the run: what finished is still committed
             self.batch.flush(force=True)
             self.board.close()
 
@@ -274,8 +275,8 @@ def collect(fut: Any, value: Any, task: PartitionTask) -> PartitionResult | None
         if not isinstance(value, PartitionResult):
             raise RuntimeError(f"task ended {fut.status!r}: {value!r}")
         return value
-    except StoreWriteError:
-        raise  # the disk is the problem, not the prompts: stop the run, keep what is committed
+    except StoreError:
+        raise  # the storage is the problem, not the prompts: stop the run, keep what is committed
     except Exception as exc:
         mode = " in isolated mode" if task.isolate else " after retries"
         logger.error("partition %d-%d failed%s: %s", task.start, task.stop, mode, exc)

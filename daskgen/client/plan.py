@@ -58,6 +58,7 @@ class Plan:
 def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) -> Plan:
     """Validate input and settings, create or check the store, record overlong prompts as failed."""
     config.require("model", "store")
+    config.location().check_reachable()  # a missing bucket or refused credentials: said before anything starts
     if prompts is None:
         config.require("prompts")
     source = prompts if prompts is not None else config.prompts

@@ -32,7 +32,7 @@ from daskgen.store.layout import (
     ArraySpec,
     Layout,
 )
-from daskgen.store.location import StoreLocation, StoreRef, locate, write_failures
+from daskgen.store.location import StoreLocation, StoreRef, describe_failure, locate, write_failures
 
 #: The client-written arrays of the commit record, in the order a commit writes them (``status`` last).
 COMMIT_ARRAYS = ("committed_at", "error", "status")
@@ -158,11 +158,13 @@ class GenerationStore:
     # --- reading -------------------------------------------------------------------------------
     def read_status(self) -> np.ndarray:
         """The whole checkpoint mask (coarse chunks: fast even for millions of rows)."""
-        return np.asarray(self.array("status")[:])
+        with self.read_errors("reading status"):
+            return np.asarray(self.array("status")[:])
 
     def read_region(self, start: int, stop: int, names: tuple[str, ...] = DATA_ARRAYS) -> dict[str, np.ndarray]:
         """Rows ``[start, stop)`` of the named arrays."""
-        return {name: np.asarray(self.array(name)[start:stop]) for name in names}
+        with self.read_errors(f"reading rows {start}..{stop - 1} of {', '.join(names)}"):
+            return {name: np.asarray(self.array(name)[start:stop]) for name in names}
 
     def refresh_attrs(self) -> StoreAttrs:
         """Re-read the attrs (another process, e.g. a running client, may have changed them)."""
@@ -208,9 +210,20 @@ class GenerationStore:
             yield
         except write_failures() as exc:
             raise StoreWriteError(
-                f"{what} of store {self.url!r} failed: {exc}. Finished work is saved (each chunk is replaced "
-                "atomically); free disk space, fix permissions (or the object store's credentials or connection), "
-                "then rerun the same command to resume."
+                f"{what} of store {self.url!r} failed: {describe_failure(exc)}. Finished work is saved (each "
+                "chunk is replaced atomically); free disk space, fix permissions (or the object store's "
+                "credentials or connection), then rerun the same command to resume."
+            ) from exc
+
+    @contextlib.contextmanager
+    def read_errors(self, what: str) -> Iterator[None]:
+        """Turn OS and object-storage read failures (after the client's own retries) into :class:`StoreError`."""
+        try:
+            yield
+        except write_failures() as exc:
+            raise StoreError(
+                f"{what} of store {self.url!r} failed: {describe_failure(exc)}. Nothing was lost: check the disk, "
+                "or the object store's connection and credentials, then rerun the same command to resume."
             ) from exc
 
     def update_attrs(self, **updates: Any) -> None:

@@ -65,6 +65,9 @@ class StoreLocation:
     def is_file(self) -> bool:
         """True when the location is a local file (not a folder, not object storage)."""
         return False
+
+    def check_reachable(self) -> None:
+        """Raise :class:`StoreError` naming the fix when the store's place cannot be used (no-op locally)."""
         raise NotImplementedError
 
     def read_bytes(self, key: str) -> bytes | None:
@@ -209,6 +212,14 @@ class ObjectLocation(StoreLocation):
             return False
         return True
 
+    def check_reachable(self) -> None:
+        """List one key: a missing bucket, refused credentials or an unreachable endpoint become one
+        :class:`StoreError` that says which and how to fix it (before any engine starts)."""
+        try:
+            self.is_empty()
+        except Exception as exc:  # obstore raises its own types (not found, permission, generic)
+            raise StoreError(f"cannot use the object store {self.url!r}: {_object_store_problem(exc)}") from exc
+
     def create_object(self, key: str, data: bytes) -> bool:
         import obstore
         from obstore.exceptions import AlreadyExistsError
@@ -255,6 +266,21 @@ class ObjectLocation(StoreLocation):
         return ObjectLocation(self.url + suffix, self.storage_options)
 
 
+def _object_store_problem(exc: BaseException) -> str:
+    """What an object-store error means for the user, and the fix."""
+    text = describe_failure(exc)
+    endpoint = os.environ.get("AWS_ENDPOINT_URL") or "the default endpoint"
+    if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
+        return f"the bucket does not exist at {endpoint}. Create it, or fix the URL. ({text})"
+    auth = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "Forbidden", "403", "Unauthenticated")
+    if any(word in text for word in auth) or "PermissionDenied" in type(exc).__name__:
+        return (
+            f"access was refused at {endpoint}: check the credentials (AWS_ACCESS_KEY_ID / "
+            f"AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or storage_options) and their permissions. ({text})"
+        )
+    return f"it did not answer as expected at {endpoint} (after retries): {text}"
+
+
 def _version(meta: Any) -> dict[str, str]:
     return {k: meta[k] for k in ("e_tag", "version") if meta.get(k) is not None}
 
@@ -272,16 +298,45 @@ def _from_url(url: str, options: dict[str, Any]) -> Any:
     return _STORES[key]
 
 
+def retry_config() -> Any:
+    """obstore's retry configuration from the ``daskgen.object-store`` tunables (Dask config): requests that
+    fail with 5xx, a dropped connection or a timeout are retried with exponential backoff and jitter."""
+    from datetime import timedelta
+
+    from daskgen import tunables
+
+    def seconds(key: str) -> timedelta:
+        return timedelta(seconds=tunables.seconds(f"object-store.{key}"))
+
+    backoff = {"init_backoff": seconds("init-backoff"), "max_backoff": seconds("max-backoff"), "base": 2.0}
+    return {
+        "max_retries": int(tunables.get("object-store.max-retries")),
+        "retry_timeout": seconds("retry-timeout"),
+        "backoff": backoff,
+    }
+
+
+def _client_defaults() -> dict[str, Any]:
+    """Per-attempt timeouts of object-storage requests, from the ``daskgen.object-store`` tunables."""
+    from daskgen import tunables
+
+    return {
+        "connect_timeout": f"{tunables.seconds('object-store.connect-timeout')}s",
+        "timeout": f"{tunables.seconds('object-store.timeout')}s",
+    }
+
+
 def _build(url: str, options: dict[str, Any]) -> Any:
     from obstore.store import from_url
 
     opts = dict(options)
-    client = cast("ClientConfig", dict(opts.pop("client_options", {}) or {}))  # obstore validates the keys
+    client = cast("ClientConfig", {**_client_defaults(), **(opts.pop("client_options", {}) or {})})
     endpoint = opts.get("endpoint") or opts.get("aws_endpoint") or os.environ.get("AWS_ENDPOINT_URL", "")
     if endpoint.startswith("http://"):
         client.setdefault("allow_http", True)  # a plain-HTTP endpoint (MinIO, moto, a local gateway)
+    retry = opts.pop("retry_config", None) or retry_config()
     try:
-        return from_url(url, client_options=client or None, **opts)
+        return from_url(url, client_options=client, retry_config=retry, **opts)
     except Exception as exc:  # obstore raises several types for bad URLs/options
         raise StoreError(
             f"cannot open the object store {url!r}: {exc}. Check the URL (s3://bucket/path, gs://, "
@@ -297,6 +352,12 @@ def default_output(store: str | Path | StoreLocation, suffix: str) -> Path:
     """A local output path named after the store: beside a local store, in the current folder for a URL."""
     loc = locate(store)
     return (loc.path if isinstance(loc, LocalLocation) else Path(loc.name)).with_suffix(suffix)
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One readable line for a storage error (object-store errors carry a long debug dump after it)."""
+    text = str(exc).split("Debug source:")[0]
+    return f"{type(exc).__name__}: {' '.join(text.split())}"
 
 
 def write_failures() -> tuple[type[BaseException], ...]:

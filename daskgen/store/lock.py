@@ -21,7 +21,7 @@ from typing import Any
 
 from daskgen import tunables
 from daskgen.errors import StoreLockedError
-from daskgen.store.location import StoreLocation, locate, write_failures
+from daskgen.store.location import StoreLocation, describe_failure, locate, write_failures
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,9 @@ class StoreLock:
         try:
             version = self.location.replace_object(LOCK_NAME, self._doc(), self._version)
         except write_failures() as exc:  # storage unreachable for now: the run goes on, the next beat retries
-            logger.warning("could not refresh the lock %s (%s); retrying at the next heartbeat", self.path, exc)
+            logger.warning(
+                "could not refresh the lock %s (%s); retrying at the next heartbeat", self.path, describe_failure(exc)
+            )
             return
         if version is None:
             current = self.location.read_versioned(LOCK_NAME)
@@ -129,13 +131,19 @@ class StoreLock:
         self._last_beat = time.monotonic()
 
     def release(self) -> None:
-        """Remove the lock if it is still ours."""
-        current = self.location.read_versioned(LOCK_NAME)
-        if current is None:
-            return
-        holder = _parse(current[0])
-        if holder.get("pid") == self.owner["pid"] and holder.get("host") == self.owner["host"]:
-            self.location.delete_object(LOCK_NAME)
+        """Remove the lock if it is still ours; when the store cannot be reached, say so and leave it to expire."""
+        try:
+            current = self.location.read_versioned(LOCK_NAME)
+            holder = {} if current is None else _parse(current[0])
+            if holder.get("pid") == self.owner["pid"] and holder.get("host") == self.owner["host"]:
+                self.location.delete_object(LOCK_NAME)
+        except write_failures() as exc:
+            logger.warning(
+                "could not remove the lock %s (%s): the next run takes it over once its heartbeat is %.0f s old",
+                self.path,
+                describe_failure(exc),
+                self.stale_after,
+            )
 
     def _is_stale(self, holder: dict[str, Any]) -> bool:
         if not holder.get("pid"):

@@ -1,0 +1,136 @@
+"""A fault-injecting HTTP proxy on loopback, in front of a real S3-protocol server (moto's).
+
+Test double, labelled: it forwards every request unchanged to the server behind it and, for a seeded
+share of them, answers as a struggling object store would instead: ``503 SlowDown``, ``500
+InternalError``, a connection reset without an answer (reads only: the object-store client retries a
+read whose connection dropped, but not a write, which may have landed), or an answer delayed by
+``slow_s``.  It can also
+stand in for the credential check moto skips (``403 InvalidAccessKeyId`` for one access key id), and an
+outage mode fails every request until it is lifted.  What it injected is counted per kind, so a test can
+show that each fault really happened.
+"""
+
+from __future__ import annotations
+
+import collections
+import http.client
+import http.server
+import random
+import socket
+import threading
+import time
+import urllib.parse
+
+FAULTS = ("slowdown", "internal", "reset", "slow")
+
+_SLOWDOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
+_INTERNAL = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InternalError</Code></Error>'
+_BAD_KEY = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidAccessKeyId</Code>'
+    b"<Message>The AWS Access Key Id you provided does not exist in our records.</Message></Error>"
+)
+
+
+class FaultProxy:
+    """Forwards to ``upstream`` (``http://host:port``); see the module docstring for the faults."""
+
+    def __init__(self, upstream: str, share: float = 0.0, seed: int = 0, slow_s: float = 0.5) -> None:
+        self.upstream = urllib.parse.urlsplit(upstream)
+        self.share, self.slow_s = share, slow_s
+        self.random = random.Random(seed)
+        self.outage = False
+        self.refused_key: str | None = None
+        self.injected: collections.Counter[str] = collections.Counter()
+        self.forwarded = 0
+        self._lock = threading.Lock()
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def __enter__(self) -> FaultProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def pick_fault(self, method: str, authorization: str) -> str | None:
+        """The fault to inject for one request, or ``None`` to forward it."""
+        with self._lock:
+            if self.refused_key and f"Credential={self.refused_key}/" in authorization:
+                fault = "bad-key"
+            elif self.outage:
+                fault = "outage"
+            elif self.random.random() < self.share:
+                fault = self.random.choice(FAULTS if method in ("GET", "HEAD") else FAULTS[:2] + FAULTS[3:])
+            else:
+                self.forwarded += 1
+                return None
+            self.injected[fault] += 1
+            return fault
+
+    def _handler(self) -> type[http.server.BaseHTTPRequestHandler]:
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:  # quiet
+                return
+
+            def _relay(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                fault = proxy.pick_fault(self.command, self.headers.get("Authorization", ""))
+                if fault == "reset":
+                    linger = b"\x01\x00\x00\x00\x00\x00\x00\x00"  # close with RST, not FIN
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+                    self.close_connection = True
+                    self.connection.close()
+                    return
+                if fault in ("slowdown", "outage"):
+                    return self._answer(503, _SLOWDOWN)
+                if fault == "internal":
+                    return self._answer(500, _INTERNAL)
+                if fault == "bad-key":
+                    return self._answer(403, _BAD_KEY)
+                if fault == "slow":
+                    time.sleep(proxy.slow_s)
+                self._forward(body)
+
+            def _forward(self, body: bytes) -> None:
+                up = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+                up.request(self.command, self.path, body=body if body else None, headers=headers)
+                answer = up.getresponse()
+                data = answer.read()
+                self.send_response(answer.status, answer.reason)
+                for key, value in answer.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                length = answer.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                up.close()
+
+            def _answer(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
+
+        return Handler

@@ -1,0 +1,107 @@
+"""Object storage that misbehaves: 503 SlowDown, 500, connection resets and slow answers on a share of
+requests, an outage that outlasts the retries, refused credentials and a missing bucket.
+
+Real parts: moto's S3 server on loopback (a test stand-in for AWS S3), a fault-injecting HTTP proxy in
+front of it (``tests/s3_proxy.py``, a labelled test double), real ``daskgen run`` processes on a real
+LocalCluster, obstore's own retries configured from the ``daskgen.object-store`` tunables.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from daskgen.store.generation_store import GenerationStore
+from tests.conftest import popen_cli, run_cli, write_prompts
+from tests.s3_proxy import FAULTS, FaultProxy
+from tests.test_object_store import _same, s3, s3_server  # noqa: F401 - the moto server and bucket fixtures
+
+pytestmark = pytest.mark.timeout(300)
+
+RUN = [
+    "--engine",
+    "simulated",
+    "--engine-arg",
+    "time_scale=0",
+    "--model",
+    "sim",
+    "--max-new-tokens",
+    "16",
+    "--max-prompt-tokens",
+    "128",
+    "--partition-size",
+    "4",
+    "--n-samples",
+    "2",
+    "--n-workers",
+    "1",
+    "--no-progress",
+]
+#: Quick retries, so that the tests do not wait minutes (the defaults back off up to 15 s).
+FAST_RETRIES = {"DASK_DASKGEN__OBJECT_STORE__INIT_BACKOFF": "10ms", "DASK_DASKGEN__OBJECT_STORE__MAX_BACKOFF": "200ms"}
+
+
+def _run(prompts, url, endpoint, **env):
+    return run_cli(
+        "run", "--prompts", prompts, "--store", url, *RUN, env={"AWS_ENDPOINT_URL": endpoint, **FAST_RETRIES, **env}
+    )
+
+
+def test_faults_on_a_share_of_requests_are_retried_and_the_data_is_exact(tmp_path, s3, s3_server):  # noqa: F811
+    bucket, _ = s3
+    prompts = write_prompts(tmp_path / "p.jsonl", 24)
+    clean = _run(prompts, f"s3://{bucket}/clean.zarr", s3_server)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    with FaultProxy(s3_server, share=0.2, seed=1, slow_s=0.3) as proxy:
+        faulty = _run(prompts, f"s3://{bucket}/faulty.zarr", proxy.url)
+    assert faulty.returncode == 0, faulty.stdout + faulty.stderr
+    assert all(proxy.injected[kind] > 0 for kind in FAULTS), proxy.injected  # every kind really happened
+    _same(f"s3://{bucket}/clean.zarr", f"s3://{bucket}/faulty.zarr")
+
+
+def test_an_outage_that_outlasts_the_retries_stops_the_run_and_the_rerun_completes(tmp_path, s3, s3_server):  # noqa: F811
+    bucket, _ = s3
+    prompts = write_prompts(tmp_path / "p.jsonl", 80)
+    url = f"s3://{bucket}/out.zarr"
+    few = {"DASK_DASKGEN__OBJECT_STORE__MAX_RETRIES": "2", "DASK_DASKGEN__OBJECT_STORE__RETRY_TIMEOUT": "2s"}
+    slow = ["--engine-arg", "time_scale=0.05"]
+    with FaultProxy(s3_server) as proxy:
+        env = {"AWS_ENDPOINT_URL": proxy.url, **FAST_RETRIES, **few}
+        client = popen_cli("run", "--prompts", prompts, "--store", url, *RUN, *slow, env=env)
+        opened = None
+        while opened is None or (opened.read_status() == 1).sum() < 8:  # some partitions committed
+            assert client.poll() is None, client.stdout.read()
+            opened = GenerationStore.open_if_exists(url, {"endpoint": s3_server})
+        proxy.outage = True
+        output, _ = client.communicate(timeout=200)
+    assert client.returncode == 2, output
+    error = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert error and "failed" in error[-1] and "rerun the same command" in error[-1], output[-3000:]
+    assert "Debug source" not in error[-1] and len(error[-1]) < 1000, error[-1]
+    assert proxy.injected["outage"] > 0
+    before = GenerationStore.open(url, {"endpoint": s3_server})
+    status, times = before.read_status(), before.read_region(0, 80, ("committed_at",))["committed_at"]
+    kept = status == 1
+    assert 8 <= kept.sum() < 80 and not (status == 2).any(), "no row may be failed by the outage"
+    rerun = _run(prompts, url, s3_server)  # the outage is over
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    after = GenerationStore.open(url, {"endpoint": s3_server})
+    assert (after.read_status() == 1).all()
+    again = after.read_region(0, 80, ("committed_at",))["committed_at"]
+    np.testing.assert_array_equal(again[kept], times[kept])  # committed once: not committed again
+    clean = _run(prompts, f"s3://{bucket}/clean.zarr", s3_server, **{"DASK_DASKGEN__OBJECT_STORE__MAX_RETRIES": "0"})
+    assert clean.returncode == 0, clean.stderr
+    _same(url, f"s3://{bucket}/clean.zarr")
+
+
+def test_refused_credentials_and_a_missing_bucket_are_clear_errors_before_any_engine(tmp_path, s3, s3_server):  # noqa: F811
+    bucket, env = s3
+    prompts = write_prompts(tmp_path / "p.jsonl", 4)
+    with FaultProxy(s3_server) as proxy:
+        proxy.refused_key = env["AWS_ACCESS_KEY_ID"]
+        res = _run(prompts, f"s3://{bucket}/out.zarr", proxy.url)
+    assert res.returncode == 2 and "access was refused" in res.stderr and "AWS_ACCESS_KEY_ID" in res.stderr, res.stderr
+    assert "engines ready" not in res.stdout + res.stderr and proxy.forwarded == 0
+    res = _run(prompts, f"s3://{bucket}-missing/out.zarr", s3_server)
+    assert res.returncode == 2 and "the bucket does not exist" in res.stderr, res.stderr
+    assert "engines ready" not in res.stdout + res.stderr
