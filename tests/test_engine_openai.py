@@ -44,7 +44,7 @@ from daskgen.engines.http_client import split_base_url
 from daskgen.engines.http_server import free_port, server_flags
 from daskgen.engines.openai import (
     OpenAIEngine,
-    _apply_limits,
+    apply_limits,
     native_payload,
     native_result,
     openai_payload,
@@ -336,13 +336,13 @@ def test_openai_payload() -> None:
 
 def test_retokenized_limits() -> None:
     stop = request("r", max_new_tokens=4, stop_token_ids=(7,))
-    assert _apply_limits([5, 7, 8], [-1.0, -2.0, -3.0], FinishReason.LENGTH, stop) == (
+    assert apply_limits([5, 7, 8], [-1.0, -2.0, -3.0], FinishReason.LENGTH, stop) == (
         [5, 7],
         [-1.0, -2.0],
         FinishReason.STOP,
     )
-    assert _apply_limits([5, 6, 8, 9, 10], None, FinishReason.LENGTH, stop) == ([5, 6, 8, 9], None, FinishReason.LENGTH)
-    assert _apply_limits([5, 6], None, FinishReason.STOP, stop) == ([5, 6], None, FinishReason.STOP)
+    assert apply_limits([5, 6, 8, 9, 10], None, FinishReason.LENGTH, stop) == ([5, 6, 8, 9], None, FinishReason.LENGTH)
+    assert apply_limits([5, 6], None, FinishReason.STOP, stop) == ([5, 6], None, FinishReason.STOP)
 
 
 def test_url_helpers() -> None:

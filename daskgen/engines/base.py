@@ -31,6 +31,27 @@ class FinishReason(enum.IntEnum):
 FINISH_FLAG_VALUES = [int(r) for r in FinishReason]
 FINISH_FLAG_MEANINGS = " ".join(r.name.lower() for r in FinishReason)
 
+#: Finish-reason names the backends report (sglang's ``meta_info.finish_reason.type``, vLLM's
+#: ``finish_reason``, OpenAI-compatible servers' ``finish_reason``) and daskgen's reasons.
+FINISH_NAMES: dict[str, FinishReason] = {
+    "stop": FinishReason.STOP,
+    "eos": FinishReason.STOP,
+    "tool_calls": FinishReason.STOP,
+    "function_call": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+}
+
+
+def finish_from_name(name: Any, source: str) -> tuple[FinishReason, str | None]:
+    """``(reason, error)`` for a backend's finish-reason ``name``.
+
+    A name outside :data:`FINISH_NAMES` (``None`` included) is ``ERROR`` with the message
+    ``f"{source} finished with {name!r}"``; a known one has no error.
+    """
+    reason = FINISH_NAMES.get(name, FinishReason.ERROR) if isinstance(name, str) else FinishReason.ERROR
+    return reason, None if reason != FinishReason.ERROR else f"{source} finished with {name!r}"
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -125,6 +146,11 @@ def _params_error(params: SamplingParams) -> str | None:
 def error_result(request: GenerationRequest, message: str) -> GenerationResult:
     """The result of a request that failed before (or instead of) generating."""
     return GenerationResult(request.request_id, [], FinishReason.ERROR, None, error=message)
+
+
+def aborted_result(request: GenerationRequest) -> GenerationResult:
+    """The result of a request aborted before it produced a token (empty logprobs when asked)."""
+    return GenerationResult(request.request_id, [], FinishReason.ABORT, [] if request.params.logprobs else None)
 
 
 def parse_engine_args(engine: str, args_class: type[_ArgsT], args: Mapping[str, Any]) -> _ArgsT:

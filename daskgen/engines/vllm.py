@@ -58,15 +58,15 @@ from typing import Any, TypeVar
 
 from daskgen.engines.base import (
     Engine,
-    FinishReason,
     GenerationRequest,
     GenerationResult,
     SamplingParams,
+    aborted_result,
     error_result,
+    finish_from_name,
     request_error,
 )
 from daskgen.engines.common import bos_or_zero, check_known_args, cuda_available
-from daskgen.engines.openai_vllm import FINISH as _FINISH
 from daskgen.errors import ConfigError, EngineError
 
 __all__ = [
@@ -155,8 +155,7 @@ def collect_output(acc: _Collected, output: Any) -> None:
 
 def result_from_collected(request: GenerationRequest, acc: _Collected) -> GenerationResult:
     """The :class:`GenerationResult` of a finished (or aborted) stream."""
-    finish = _FINISH.get(acc.finish or "", FinishReason.ERROR)
-    error = None if finish != FinishReason.ERROR else f"vllm returned finish_reason {acc.finish!r}"
+    finish, error = finish_from_name(acc.finish, "vllm")
     logprobs = list(acc.logprobs) if request.params.logprobs else None
     if logprobs is not None and len(logprobs) != len(acc.tokens):
         return error_result(request, f"vllm returned {len(logprobs)} logprobs for {len(acc.tokens)} tokens")
@@ -326,7 +325,7 @@ class VLLMEngine(Engine):
         self._live[rid] = self._live.get(rid, 0) + 1
         try:
             if rid in self._aborting:
-                return GenerationResult(rid, [], FinishReason.ABORT, [] if request.params.logprobs else None)
+                return aborted_result(request)
             stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params, rid)
             async for output in stream:
                 collect_output(acc, output)
