@@ -3,6 +3,12 @@
 An engine is created once per Dask worker by :class:`daskgen.worker.plugin.EnginePlugin` and
 driven from the worker's event loop.  All methods are ``async``; engines that wrap a
 blocking backend run it in their own thread.
+
+Lifecycle (one for every engine): :attr:`Engine.status` is an :class:`EngineStatus`.
+:meth:`Engine.start` runs once (``NEW`` -> ``STARTING`` -> ``RUNNING``, or ``FAILED`` after
+releasing what the failed start acquired); :meth:`Engine.shutdown` runs once and may be called
+in any state (-> ``CLOSED``).  An engine implements the two hooks :meth:`Engine.load` and
+:meth:`Engine.unload`; callers only ever call ``start``/``shutdown``.
 """
 
 from __future__ import annotations
@@ -25,6 +31,19 @@ class FinishReason(enum.IntEnum):
     LENGTH = 1
     ABORT = 2
     ERROR = 3
+
+
+class EngineStatus(enum.Enum):
+    """Where an engine is in its lifecycle (see the module docstring)."""
+
+    NEW = "new"
+    STARTING = "starting"
+    RUNNING = "running"
+    #: :meth:`Engine.start` raised; the engine cannot be started again.
+    FAILED = "failed"
+    #: The backend died while running (requests fail, :meth:`Engine.health` raises).
+    CRASHED = "crashed"
+    CLOSED = "closed"
 
 
 #: CF ``flag_values``/``flag_meanings`` for the stored ``finish_reason`` array.
@@ -204,10 +223,58 @@ class Engine(abc.ABC):
     def __init__(self, model: str, **engine_args: Any) -> None:
         self.model = model
         self.engine_args = engine_args
+        self.status = EngineStatus.NEW
 
-    @abc.abstractmethod
+    # ------------------------------------------------------------------ lifecycle (written once)
+
     async def start(self) -> None:
-        """Load the model; called once per worker, off the worker's event loop thread."""
+        """Start the engine once: :meth:`load`, then ``RUNNING``.
+
+        Called once per worker, off the worker's event loop thread.  A second call raises
+        :class:`daskgen.errors.EngineError` (create a new engine instead); when :meth:`load`
+        raises, :meth:`unload` releases what it acquired, the status becomes ``FAILED`` and the
+        exception propagates.
+        """
+        from daskgen.errors import EngineError
+
+        if self.status is not EngineStatus.NEW:
+            raise EngineError(f"{self.name} engine is {self.status.value}; create a new engine to start again")
+        self.status = EngineStatus.STARTING
+        try:
+            await self.load()
+        except BaseException:
+            self.status = EngineStatus.FAILED
+            await self.unload()
+            raise
+        if self.status is EngineStatus.STARTING:  # not shut down (or crashed) meanwhile
+            self.status = EngineStatus.RUNNING
+
+    async def shutdown(self) -> None:
+        """Close the engine once (idempotent, callable in any state): ``CLOSED``, then :meth:`unload`."""
+        if self.status is EngineStatus.CLOSED:
+            return
+        started = self.status is not EngineStatus.NEW
+        self.status = EngineStatus.CLOSED
+        if started:
+            await self.unload()
+
+    async def load(self) -> None:  # noqa: B027 - an engine with nothing to load keeps the default
+        """Hook: load the model and start the backend (called by :meth:`start` only)."""
+
+    async def unload(self) -> None:  # noqa: B027 - an engine with nothing to release keeps the default
+        """Hook: release the model, processes and threads (after :meth:`shutdown` or a failed :meth:`load`).
+
+        Called at most twice (a failed start, then shutdown): it must cope with a partial or an
+        already released backend.
+        """
+
+    def not_serving(self) -> str | None:
+        """Why the engine cannot take requests now, or ``None`` when it can."""
+        if self.status is not EngineStatus.RUNNING:
+            return f"{self.name} engine is {self.status.value}, not running"
+        return None
+
+    # ------------------------------------------------------------------ requests
 
     @abc.abstractmethod
     async def generate(self, request: GenerationRequest) -> GenerationResult:
@@ -216,10 +283,6 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
         """Stop a request in flight; its ``generate`` returns with ``FinishReason.ABORT``."""
-
-    @abc.abstractmethod
-    async def shutdown(self) -> None:
-        """Release the model and any processes or threads the engine started."""
 
     @property
     def capacity(self) -> int | None:
@@ -230,12 +293,15 @@ class Engine(abc.ABC):
         return None
 
     async def health(self) -> None:
-        """Raise unless the engine can really generate (generates one token)."""
+        """Raise unless the engine is serving (:meth:`not_serving`) and really generates one token."""
+        from daskgen.errors import EngineError
+
+        problem = self.not_serving()
+        if problem is not None:
+            raise EngineError(problem)
         params = SamplingParams(max_new_tokens=1, temperature=0.0)
         result = await self.generate(GenerationRequest("daskgen-health", [self.health_token_id()], params))
         if result.error is not None or len(result.output_ids) != 1:
-            from daskgen.errors import EngineError
-
             raise EngineError(f"engine {self.name!r} failed its health check: {result.error or result.output_ids!r}")
 
     def health_token_id(self) -> int:

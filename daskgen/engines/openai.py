@@ -41,6 +41,7 @@ from typing import Any
 
 from daskgen.engines.base import (
     Engine,
+    EngineStatus,
     GenerationRequest,
     GenerationResult,
     SamplingParams,
@@ -178,7 +179,6 @@ class OpenAIEngine(Engine):
         self._tokenizer: Any = None
         self._http: HTTPClient | None = None
         self._server: ManagedServer | None = None
-        self._state = "new"
         self._flights: dict[str, list[Flight]] = {}
         self._limit = asyncio.Semaphore(self.args.max_concurrency)
         self.concurrency = self.args.max_concurrency
@@ -196,23 +196,18 @@ class OpenAIEngine(Engine):
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self) -> None:
+    async def load(self) -> None:
         """Start the managed server (if any), ping the server and load the tokenizer."""
-        try:
-            base_url = await self._start_server() if self.args.managed else self.args.base_url
-            self._http = self._client(base_url)
-            self.protocol = await self._detect_protocol()
-            await self._check_model()
-            await self._load_tokenizer()
-            self.wire = self._wire_protocol()
-            if self.protocol == "sglang":
-                await self._read_server_info(base_url)
-            else:
-                await self._ping_generate()
-        except BaseException:
-            await self.shutdown()
-            raise
-        self._state = "running"
+        base_url = await self._start_server() if self.args.managed else self.args.base_url
+        self._http = self._client(base_url)
+        self.protocol = await self._detect_protocol()
+        await self._check_model()
+        await self._load_tokenizer()
+        self.wire = self._wire_protocol()
+        if self.protocol == "sglang":
+            await self._read_server_info(base_url)
+        else:
+            await self._ping_generate()
         logger.info("openai engine: %s protocol on %s (model %s)", self.protocol, self._http.where, self.model_name)
 
     def _client(self, base_url: str) -> HTTPClient:
@@ -327,9 +322,8 @@ class OpenAIEngine(Engine):
         except RequestFailed as exc:
             raise EngineError(f"openai engine: a one-token request to {self._http.where} failed: {exc}") from None
 
-    async def shutdown(self) -> None:
-        """Fail requests in flight, close the client and stop the managed server (idempotent)."""
-        self._state = "closed"
+    async def unload(self) -> None:
+        """Fail requests in flight, close the client and stop the managed server."""
         for flights in list(self._flights.values()):
             for flight in flights:
                 flight.cancel()
@@ -345,8 +339,9 @@ class OpenAIEngine(Engine):
         zero (a stripped EOS) or several tokens.
         """
         self._check_server()
-        if self._state != "running":
-            raise EngineError(f"openai engine is {self._state}, not running")
+        problem = self.not_serving()
+        if problem is not None:
+            raise EngineError(problem)
         if not self.retokenized:
             return await super().health()
         result = await self.generate(GenerationRequest("daskgen-health", [self.health_token_id()], _PING))
@@ -357,9 +352,9 @@ class OpenAIEngine(Engine):
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Generate one sample; failures come back as ``error`` (a dead managed server raises)."""
-        if self._state != "running":
-            return error_result(request, f"openai engine is {self._state}, not running (start() first)")
-        problem = request_error(request, vocab_size=self.vocab_size, max_total_tokens=self.max_total_tokens)
+        problem = self.not_serving() or request_error(
+            request, vocab_size=self.vocab_size, max_total_tokens=self.max_total_tokens
+        )
         if problem is not None:
             return error_result(request, problem)
         self._check_server()
@@ -390,7 +385,7 @@ class OpenAIEngine(Engine):
             return error_result(request, str(exc))
 
     def _server_died(self) -> bool:
-        return self._server is not None and self._state == "running" and not self._server.alive
+        return self._server is not None and self.status is EngineStatus.RUNNING and not self._server.alive
 
     def _check_server(self) -> None:
         if self._server_died():

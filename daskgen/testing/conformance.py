@@ -37,7 +37,14 @@ import unittest
 from collections.abc import Awaitable, Coroutine, Sequence
 from typing import Any, ClassVar, TypeVar
 
-from daskgen.engines.base import Engine, FinishReason, GenerationRequest, GenerationResult, SamplingParams
+from daskgen.engines.base import (
+    Engine,
+    EngineStatus,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+)
 from daskgen.errors import ConfigError, EngineError
 
 __all__ = ["EngineConformance", "EventLoopThread", "longest_running", "run_conformance"]
@@ -443,14 +450,24 @@ class EngineConformance:
             self.run(engine.shutdown())
 
     def test_shutdown_is_idempotent(self) -> None:
-        """shutdown() works unstarted, twice, and generate() afterwards fails cleanly."""
-        self.run(self.make_engine().shutdown())
+        """shutdown() works unstarted, twice, and generate() afterwards fails cleanly; start() runs once."""
+        unstarted = self.make_engine()
+        self.run(unstarted.shutdown())
+        assert unstarted.status is EngineStatus.CLOSED, unstarted.status
+        try:
+            self.run(unstarted.start())
+        except EngineError:
+            pass
+        else:
+            raise AssertionError("start() after shutdown() did not raise EngineError")
         engine = self.make_engine()
         self.run(engine.start(), self.start_timeout_s)
+        assert engine.status is EngineStatus.RUNNING, engine.status
         request = self.request("before-shutdown", 1, max_new_tokens=2)
         assert self.run(engine.generate(request)).error is None
         self.run(engine.shutdown())
         self.run(engine.shutdown())
+        assert engine.status is EngineStatus.CLOSED, engine.status
         try:
             late = self.run(engine.generate(request))
         except EngineError:
