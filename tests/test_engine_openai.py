@@ -566,10 +566,10 @@ def test_zz_server_killed_mid_run() -> None:
 
 
 def test_server_capacity_is_read_from_sglang_server_info() -> None:
-    from daskgen.engines.openai import _max_running_requests
+    from daskgen.engines.sglang_mapping import max_running_requests
 
     state = {"effective_max_running_requests_per_dp": 48, "dp_size": 2}
-    assert _max_running_requests({"internal_states": [state]}) == 96
-    assert _max_running_requests({"internal_states": [{"effective_max_running_requests_per_dp": 7}]}) == 7
-    assert _max_running_requests({}) is None  # not an SGLang server, or another version
-    assert _max_running_requests({"internal_states": []}) is None
+    assert max_running_requests(state) == 96
+    assert max_running_requests({"effective_max_running_requests_per_dp": 7}) == 7
+    assert max_running_requests({}) is None  # not an SGLang server, or another version
+    assert max_running_requests(None) is None

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import multiprocessing
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from daskgen.engines.base import Engine, GenerationRequest, request_error
@@ -42,32 +43,83 @@ class LoopClosed(RuntimeError):
 
 
 class LoopThread:
-    """An asyncio event loop run forever by a daemon thread named ``name``.
+    """An asyncio event loop owned by a daemon thread named ``name``, for one backend.
 
-    :meth:`submit` runs a coroutine on it from any thread; :meth:`stop` (blocking) ends it.
+    :meth:`start` starts the thread, which makes the loop its current one, runs ``setup`` (a
+    blocking callable: e.g. a backend that must be created on the thread of its loop), then runs
+    the loop until :meth:`stop`.  After the loop stops (or ``setup`` raised), ``teardown(loop)``
+    runs on the thread and the loop is closed.  :meth:`submit` runs coroutines on the loop from
+    any thread.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        setup: Callable[[], None] | None = None,
+        teardown: Callable[[asyncio.AbstractEventLoop], None] | None = None,
+    ) -> None:
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+        #: Resolved once ``setup`` ran (with its exception, if it raised).
+        self.ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._setup, self._teardown = setup, teardown
+
+    def start(self) -> concurrent.futures.Future[None]:
+        """Start the thread; the returned future (:attr:`ready`) resolves once ``setup`` ran."""
         self.thread.start()
+        return self.ready
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            if self._setup is not None:
+                self._setup()
+        except BaseException as exc:
+            self._finish()
+            _settle(self.ready, exc)
+            return
+        _settle(self.ready, None)
+        try:
+            self.loop.run_forever()
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        try:
+            if self._teardown is not None:
+                self._teardown(self.loop)
+        finally:
+            self.loop.close()
 
     def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
-        """Schedule ``coro`` on the loop; raise :class:`LoopClosed` when the loop is stopped."""
-        if self.loop.is_closed() or not self.thread.is_alive():
+        """Schedule ``coro`` on the loop; raise :class:`LoopClosed` when the loop is closed."""
+        if self.loop.is_closed():
             coro.close()
-            raise LoopClosed(f"the event loop of thread {self.thread.name!r} is stopped")
+            raise LoopClosed(f"the event loop of thread {self.thread.name!r} is closed")
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
+    def call_soon(self, callback: Callable[[], Any]) -> None:
+        """Run ``callback`` on the loop soon (from any thread); nothing when the loop is closed."""
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
+            self.loop.call_soon_threadsafe(callback)
+
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop the loop, join the thread and close the loop (idempotent)."""
-        if self.loop.is_closed():
+        """Blocking: stop the loop and join the thread (idempotent); teardown runs on the thread."""
+        if self.thread.ident is None:  # never started
+            if not self.loop.is_closed():
+                self.loop.close()
             return
-        if self.thread.is_alive():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=timeout_s)
-        if not self.thread.is_alive():
-            self.loop.close()
+        self.call_soon(self.loop.stop)
+        self.thread.join(timeout=timeout_s)
+
+
+def _settle(future: concurrent.futures.Future[None], exc: BaseException | None) -> None:
+    """Resolve ``future`` unless the caller already cancelled it."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if exc is None:
+            future.set_result(None)
+        else:
+            future.set_exception(exc)
 
 
 class InProcessEngine(Engine):

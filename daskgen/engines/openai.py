@@ -64,6 +64,7 @@ from daskgen.engines.openai_protocol import (
     openai_payload,
 )
 from daskgen.engines.openai_vllm import VLLMProtocol, is_vllm_version
+from daskgen.engines.sglang_mapping import max_running_requests
 from daskgen.errors import ConfigError, EngineError
 from daskgen.redaction import redact_url
 
@@ -302,7 +303,7 @@ class OpenAIEngine(Engine):
         status, info = await self._http.probe_json("/get_server_info", allow_status=(404, 405))
         info = info if status == 200 and isinstance(info, dict) else {}
         self._server_seeds = bool(info.get("enable_deterministic_inference"))
-        self.server_capacity = _max_running_requests(info)
+        self.server_capacity = _server_running_requests(info)
         wanted = 2 * (self.server_capacity or 0)
         if "max_concurrency" not in self.engine_args and wanted > self.concurrency:
             self.concurrency = wanted
@@ -440,10 +441,7 @@ def _load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def _max_running_requests(info: dict[str, Any]) -> int | None:
-    """Requests an SGLang server runs at once, from ``GET /get_server_info`` (sglang 0.5.23), or ``None``."""
-    try:
-        state = info["internal_states"][0]
-        return int(state["effective_max_running_requests_per_dp"]) * int(state.get("dp_size") or 1)
-    except (KeyError, IndexError, TypeError, ValueError):
-        return None
+def _server_running_requests(info: dict[str, Any]) -> int | None:
+    """Requests an SGLang server runs at once, from ``GET /get_server_info``, or ``None``."""
+    states = info.get("internal_states")
+    return max_running_requests(states[0]) if isinstance(states, list) and states else None

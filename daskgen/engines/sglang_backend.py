@@ -3,10 +3,11 @@
 :mod:`daskgen.engines.sglang` is the public engine module (its docstring explains the design);
 this module holds the machinery underneath:
 
-* :class:`SGLangBackend`: the ``sglang.Engine`` created on, and driven from, its own thread and event
-  loop (``daskgen-sglang``), the monitor of sglang's subprocesses, request bookkeeping (rids,
-  abort), and a shutdown that kills exactly the processes this engine launched, stops sglang's
-  watchdog, closes its ZeroMQ sockets and removes its ``atexit`` hook;
+* :class:`SGLangBackend`: the ``sglang.Engine`` created on, and driven from, its own thread and
+  event loop (``daskgen-sglang``, a :class:`~daskgen.engines.inprocess.LoopThread`), the monitor
+  of sglang's subprocesses, request bookkeeping (rids, abort), and a shutdown that kills exactly
+  the processes this engine launched, stops sglang's watchdog, closes its ZeroMQ sockets and
+  removes its ``atexit`` hook;
 * :class:`BackendClosed` and :class:`BackendCrashed`, what a request on a stopped or crashed
   backend raises.
 
@@ -30,7 +31,9 @@ from typing import Any, TypeVar
 
 from daskgen import tunables
 from daskgen.engines import sglang_sigquit
+from daskgen.engines.inprocess import LoopThread
 from daskgen.engines.sglang_args import check_engine_args, is_cpu_device
+from daskgen.engines.sglang_mapping import max_running_requests
 
 __all__ = ["BackendClosed", "BackendCrashed", "SGLangBackend", "read_max_running_requests"]
 
@@ -56,7 +59,6 @@ class SGLangBackend:
     def __init__(self, kwargs: dict[str, Any]) -> None:
         self.kwargs = kwargs
         self.engine: Any = None
-        self.loop: asyncio.AbstractEventLoop | None = None
         self.problem: str | None = None
         self.closing = False
         self.info: dict[str, Any] = {}
@@ -66,9 +68,7 @@ class SGLangBackend:
         self._children: list[Any] = []
         self._submitted: set[concurrent.futures.Future[Any]] = set()
         self._lock = threading.Lock()
-        self._launched: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._launch_done = threading.Event()
-        self._thread = threading.Thread(target=self._main, name="daskgen-sglang", daemon=True)
+        self.runner = LoopThread("daskgen-sglang", setup=self._setup, teardown=self._teardown)
 
     # ---- lifecycle (called from outside the engine's thread)
 
@@ -78,16 +78,15 @@ class SGLangBackend:
         The backend is registered for the ``SIGQUIT`` crash check until :meth:`stop`.
         """
         sglang_sigquit.register(self)
-        self._thread.start()
-        return self._launched
+        return self.runner.start()
 
     def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
         """Run ``coro`` on the engine's loop; shutdown resolves it with :class:`BackendClosed` if it never ran."""
         with self._lock:
-            if self.closing or self.loop is None or self.loop.is_closed():
+            if self.closing or self.runner.loop.is_closed():
                 coro.close()
                 raise BackendClosed("the sglang engine is shut down")
-            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            future = self.runner.submit(coro)
             self._submitted.add(future)
         future.add_done_callback(self._forget)
         return future
@@ -98,28 +97,20 @@ class SGLangBackend:
 
     def poke(self) -> None:
         """Ask the monitor to check the subprocesses now (thread- and signal-safe enough)."""
-        loop = self.loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._check_children)
+        self.runner.call_soon(self._check_children)
 
     def stop(self) -> None:
         """Blocking: stop the loop and thread, kill exactly this engine's processes."""
         with self._lock:
             self.closing = True
         sglang_sigquit.unregister(self)
-        if self._thread.is_alive():
-            self._launch_done.wait(tunables.seconds("sglang.launch-wait"))
+        if self.runner.thread.is_alive():
+            concurrent.futures.wait([self.runner.ready], tunables.seconds("sglang.launch-wait"))
         engine = self.engine
         if engine is not None:
             _stop_watchdog(engine)
-        loop = self.loop
-        if loop is not None and self._thread.is_alive():
-            try:
-                loop.call_soon_threadsafe(self._cancel_all)
-                loop.call_soon_threadsafe(loop.stop)
-            except RuntimeError:  # the loop closed meanwhile
-                pass
-            self._thread.join(timeout=tunables.seconds("sglang.stop-timeout"))
+        self.runner.call_soon(self._cancel_all)
+        self.runner.stop(tunables.seconds("sglang.stop-timeout"))
         self._fail_unstarted()
         _kill(self._children)
         self._children = []
@@ -137,30 +128,15 @@ class SGLangBackend:
 
     # ---- the engine's thread
 
-    def _main(self) -> None:
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        self.loop = loop
-        try:
-            self._create_engine()
-        except BaseException as exc:
-            _drain(loop)
-            _close_sockets(self.engine)
-            loop.close()
-            self._launch_done.set()
-            _settle(self._launched, exc)
-            return
-        self._launch_done.set()
-        monitor = loop.create_task(self._monitor())
-        _settle(self._launched, None)
-        try:
-            if not self.closing:
-                loop.run_forever()
-        finally:
-            monitor.cancel()
-            _drain(loop)  # cancels sglang's own tasks too, before their sockets close under them
-            _close_sockets(self.engine)
-            loop.close()
+    def _setup(self) -> None:
+        """On the engine's thread, before its loop runs: create ``sglang.Engine``, start the monitor."""
+        self._create_engine()
+        self.runner.loop.create_task(self._monitor())
+
+    def _teardown(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the engine's thread, after its loop stopped (or the launch failed)."""
+        _drain(loop)  # cancels sglang's own tasks too, before their sockets close under them
+        _close_sockets(self.engine)
 
     def _create_engine(self) -> None:
         import psutil
@@ -265,17 +241,6 @@ class SGLangBackend:
             await manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(), None)
         else:
             await manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(), None)
-
-
-def _settle(future: concurrent.futures.Future[None], exc: BaseException | None) -> None:
-    """Resolve ``future`` unless the caller already cancelled it."""
-    try:
-        if exc is None:
-            future.set_result(None)
-        else:
-            future.set_exception(exc)
-    except concurrent.futures.InvalidStateError:
-        pass
 
 
 def _prepare_environment(device: str) -> None:
@@ -413,8 +378,7 @@ async def read_max_running_requests(backend: SGLangBackend, timeout_s: float = 6
     try:
         future = backend.submit(backend.engine.tokenizer_manager.get_internal_state())
         states = await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
-        per_dp = int(states[0]["effective_max_running_requests_per_dp"])
-        return per_dp * int(states[0].get("dp_size") or 1)
+        return max_running_requests(states[0])
     except Exception as exc:  # another sglang version, or no answer: window auto assumes a default
         logger.info("sglang did not report max_running_requests (%s: %s)", type(exc).__name__, exc)
         return None

@@ -16,7 +16,7 @@ from typing import Any
 
 from daskgen.engines.base import GenerationRequest, GenerationResult, SamplingParams, finish_from_name
 
-__all__ = ["logprobs_of", "result_from_output", "sampling_params_for"]
+__all__ = ["logprobs_of", "max_running_requests", "result_from_output", "sampling_params_for"]
 
 #: ``meta_info`` keys copied into ``GenerationResult.meta``.
 META_KEYS = ("prompt_tokens", "cached_tokens")
@@ -60,3 +60,16 @@ def result_from_output(
     logprobs = logprobs_of(meta) if request.params.logprobs else None
     extra = {k: meta[k] for k in META_KEYS if k in meta}
     return GenerationResult(request.request_id, tokens, finish, logprobs, error=error, meta=extra)
+
+
+def max_running_requests(state: Any) -> int | None:
+    """Requests an SGLang scheduler runs at once, from one entry of its internal states, or ``None``.
+
+    ``effective_max_running_requests_per_dp`` times ``dp_size`` (sglang 0.5.23), as reported by
+    ``tokenizer_manager.get_internal_state()`` and by the server's ``GET /get_server_info``
+    (``internal_states``); ``None`` for another shape (another version, or not SGLang).
+    """
+    try:
+        return int(state["effective_max_running_requests_per_dp"]) * int(state.get("dp_size") or 1)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None

@@ -70,6 +70,7 @@ __all__ = [
     "TESTED_VLLM_VERSION",
     "VLLMEngine",
     "check_engine_args",
+    "CollectedOutput",
     "collect_output",
     "launch_kwargs",
     "vllm_sampling_kwargs",
@@ -123,7 +124,7 @@ def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
 
 
 @dataclasses.dataclass
-class _Collected:
+class CollectedOutput:
     """What the stream of one request delivered so far."""
 
     tokens: list[int] = dataclasses.field(default_factory=list)
@@ -132,7 +133,7 @@ class _Collected:
     cached_tokens: int | None = None
 
 
-def collect_output(acc: _Collected, output: Any) -> None:
+def collect_output(acc: CollectedOutput, output: Any) -> None:
     """Add one ``RequestOutput`` delta (``outputs[0]``) to ``acc``."""
     if getattr(output, "num_cached_tokens", None) is not None:
         acc.cached_tokens = int(output.num_cached_tokens)
@@ -148,7 +149,7 @@ def collect_output(acc: _Collected, output: Any) -> None:
         acc.finish = str(completion.finish_reason)
 
 
-def result_from_collected(request: GenerationRequest, acc: _Collected) -> GenerationResult:
+def result_from_collected(request: GenerationRequest, acc: CollectedOutput) -> GenerationResult:
     """The :class:`GenerationResult` of a finished (or aborted) stream."""
     finish, error = finish_from_name(acc.finish, "vllm")
     logprobs = list(acc.logprobs) if request.params.logprobs else None
@@ -222,6 +223,7 @@ class VLLMEngine(InProcessEngine):
     async def load(self) -> None:
         """Start the ``AsyncLLM`` on the engine's own thread (vLLM starts its EngineCore process)."""
         self._thread = LoopThread("daskgen-vllm")
+        await asyncio.wrap_future(self._thread.start())
         self._kwargs = launch_kwargs(self.model, self.engine_args, await asyncio.to_thread(cuda_available))
         self._llm, self.info = await asyncio.wrap_future(self._thread.submit(self._create()))
         logger.info("vllm engine ready: %s", self.info)
@@ -272,7 +274,7 @@ class VLLMEngine(InProcessEngine):
 
         rid = request.request_id
         params = VLLMSamplingParams(**vllm_sampling_kwargs(request.params), output_kind=RequestOutputKind.DELTA)
-        acc = _Collected()
+        acc = CollectedOutput()
         self._live[rid] = self._live.get(rid, 0) + 1
         try:
             if rid in self._aborting:
