@@ -83,9 +83,9 @@ from typing import Any
 
 from daskgen.engines.base import (
     EngineStatus,
-    FinishReason,
     GenerationRequest,
     GenerationResult,
+    aborted_result,
     error_result,
 )
 from daskgen.engines.common import cuda_available
@@ -193,7 +193,7 @@ class SGLangEngine(InProcessEngine):
         except asyncio.CancelledError:
             raise  # wrap_future has cancelled the submission; the backend aborts the request
         except BackendClosed:
-            return GenerationResult(request.request_id, [], FinishReason.ABORT)
+            return aborted_result(request)
         except BackendCrashed as exc:
             return error_result(request, f"sglang engine crashed: {exc}")
         except Exception as exc:  # sglang rejects some requests by raising (e.g. ValueError)
