@@ -44,7 +44,7 @@ from daskgen.engines.http_client import split_base_url
 from daskgen.engines.http_server import free_port, server_flags
 from daskgen.engines.openai import (
     OpenAIEngine,
-    _apply_limits,
+    apply_limits,
     native_payload,
     native_result,
     openai_payload,
@@ -336,13 +336,13 @@ def test_openai_payload() -> None:
 
 def test_retokenized_limits() -> None:
     stop = request("r", max_new_tokens=4, stop_token_ids=(7,))
-    assert _apply_limits([5, 7, 8], [-1.0, -2.0, -3.0], FinishReason.LENGTH, stop) == (
+    assert apply_limits([5, 7, 8], [-1.0, -2.0, -3.0], FinishReason.LENGTH, stop) == (
         [5, 7],
         [-1.0, -2.0],
         FinishReason.STOP,
     )
-    assert _apply_limits([5, 6, 8, 9, 10], None, FinishReason.LENGTH, stop) == ([5, 6, 8, 9], None, FinishReason.LENGTH)
-    assert _apply_limits([5, 6], None, FinishReason.STOP, stop) == ([5, 6], None, FinishReason.STOP)
+    assert apply_limits([5, 6, 8, 9, 10], None, FinishReason.LENGTH, stop) == ([5, 6, 8, 9], None, FinishReason.LENGTH)
+    assert apply_limits([5, 6], None, FinishReason.STOP, stop) == ([5, 6], None, FinishReason.STOP)
 
 
 def test_url_helpers() -> None:
@@ -566,10 +566,10 @@ def test_zz_server_killed_mid_run() -> None:
 
 
 def test_server_capacity_is_read_from_sglang_server_info() -> None:
-    from daskgen.engines.openai import _max_running_requests
+    from daskgen.engines.sglang_mapping import max_running_requests
 
     state = {"effective_max_running_requests_per_dp": 48, "dp_size": 2}
-    assert _max_running_requests({"internal_states": [state]}) == 96
-    assert _max_running_requests({"internal_states": [{"effective_max_running_requests_per_dp": 7}]}) == 7
-    assert _max_running_requests({}) is None  # not an SGLang server, or another version
-    assert _max_running_requests({"internal_states": []}) is None
+    assert max_running_requests(state) == 96
+    assert max_running_requests({"effective_max_running_requests_per_dp": 7}) == 7
+    assert max_running_requests({}) is None  # not an SGLang server, or another version
+    assert max_running_requests(None) is None

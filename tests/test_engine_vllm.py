@@ -26,8 +26,8 @@ from daskgen.engines import create_engine
 from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
 from daskgen.engines.vllm import (
     CPU_DEFAULTS,
+    CollectedOutput,
     VLLMEngine,
-    _Collected,
     check_engine_args,
     collect_output,
     launch_kwargs,
@@ -131,7 +131,7 @@ def _delta(tokens: list[int], finish: str | None = None, logprobs: bool = True, 
     ],
 )
 def test_result_from_deltas(kind: str, finish: FinishReason) -> None:
-    acc = _Collected()
+    acc = CollectedOutput()
     for delta in (_delta([5, 6]), _delta([7], kind, cached=3)):
         collect_output(acc, delta)
     result = result_from_collected(request("r", logprobs=True), acc)

@@ -1,6 +1,6 @@
 """Engine registry: implementations are found by name in the ``daskgen.engines`` entry-point group.
 
-The built-in engines (``transformers``, ``simulated``, ``sglang``, ``openai``) are registered
+The built-in engines (``transformers``, ``simulated``, ``sglang``, ``vllm``, ``openai``) are registered
 once, as entry points in daskgen's ``pyproject.toml``, exactly like third-party engines; so
 daskgen must be installed (``pip install -e .`` in a source checkout) for them to be found.
 Two distributions registering the same name give a :class:`RuntimeWarning`; the first one found
@@ -16,6 +16,7 @@ from typing import Any
 
 from daskgen.engines.base import (
     Engine,
+    EngineStatus,
     FinishReason,
     GenerationRequest,
     GenerationResult,
@@ -25,6 +26,7 @@ from daskgen.errors import EngineNotFoundError
 
 __all__ = [
     "Engine",
+    "EngineStatus",
     "FinishReason",
     "GenerationRequest",
     "GenerationResult",

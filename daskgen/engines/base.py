@@ -3,6 +3,12 @@
 An engine is created once per Dask worker by :class:`daskgen.worker.plugin.EnginePlugin` and
 driven from the worker's event loop.  All methods are ``async``; engines that wrap a
 blocking backend run it in their own thread.
+
+Lifecycle (one for every engine): :attr:`Engine.status` is an :class:`EngineStatus`.
+:meth:`Engine.start` runs once (``NEW`` -> ``STARTING`` -> ``RUNNING``, or ``FAILED`` after
+releasing what the failed start acquired); :meth:`Engine.shutdown` runs once and may be called
+in any state (-> ``CLOSED``).  An engine implements the two hooks :meth:`Engine.load` and
+:meth:`Engine.unload`; callers only ever call ``start``/``shutdown``.
 """
 
 from __future__ import annotations
@@ -27,9 +33,43 @@ class FinishReason(enum.IntEnum):
     ERROR = 3
 
 
+class EngineStatus(enum.Enum):
+    """Where an engine is in its lifecycle (see the module docstring)."""
+
+    NEW = "new"
+    STARTING = "starting"
+    RUNNING = "running"
+    #: :meth:`Engine.start` raised; the engine cannot be started again.
+    FAILED = "failed"
+    #: The backend died while running (requests fail, :meth:`Engine.health` raises).
+    CRASHED = "crashed"
+    CLOSED = "closed"
+
+
 #: CF ``flag_values``/``flag_meanings`` for the stored ``finish_reason`` array.
 FINISH_FLAG_VALUES = [int(r) for r in FinishReason]
 FINISH_FLAG_MEANINGS = " ".join(r.name.lower() for r in FinishReason)
+
+#: Finish-reason names the backends report (sglang's ``meta_info.finish_reason.type``, vLLM's
+#: ``finish_reason``, OpenAI-compatible servers' ``finish_reason``) and daskgen's reasons.
+FINISH_NAMES: dict[str, FinishReason] = {
+    "stop": FinishReason.STOP,
+    "eos": FinishReason.STOP,
+    "tool_calls": FinishReason.STOP,
+    "function_call": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+}
+
+
+def finish_from_name(name: Any, source: str) -> tuple[FinishReason, str | None]:
+    """``(reason, error)`` for a backend's finish-reason ``name``.
+
+    A name outside :data:`FINISH_NAMES` (``None`` included) is ``ERROR`` with the message
+    ``f"{source} finished with {name!r}"``; a known one has no error.
+    """
+    reason = FINISH_NAMES.get(name, FinishReason.ERROR) if isinstance(name, str) else FinishReason.ERROR
+    return reason, None if reason != FinishReason.ERROR else f"{source} finished with {name!r}"
 
 
 @dataclass(frozen=True)
@@ -127,6 +167,11 @@ def error_result(request: GenerationRequest, message: str) -> GenerationResult:
     return GenerationResult(request.request_id, [], FinishReason.ERROR, None, error=message)
 
 
+def aborted_result(request: GenerationRequest) -> GenerationResult:
+    """The result of a request aborted before it produced a token (empty logprobs when asked)."""
+    return GenerationResult(request.request_id, [], FinishReason.ABORT, [] if request.params.logprobs else None)
+
+
 def parse_engine_args(engine: str, args_class: type[_ArgsT], args: Mapping[str, Any]) -> _ArgsT:
     """Build the dataclass ``args_class`` from ``args``.
 
@@ -178,10 +223,58 @@ class Engine(abc.ABC):
     def __init__(self, model: str, **engine_args: Any) -> None:
         self.model = model
         self.engine_args = engine_args
+        self.status = EngineStatus.NEW
 
-    @abc.abstractmethod
+    # ------------------------------------------------------------------ lifecycle (written once)
+
     async def start(self) -> None:
-        """Load the model; called once per worker, off the worker's event loop thread."""
+        """Start the engine once: :meth:`load`, then ``RUNNING``.
+
+        Called once per worker, off the worker's event loop thread.  A second call raises
+        :class:`daskgen.errors.EngineError` (create a new engine instead); when :meth:`load`
+        raises, :meth:`unload` releases what it acquired, the status becomes ``FAILED`` and the
+        exception propagates.
+        """
+        from daskgen.errors import EngineError
+
+        if self.status is not EngineStatus.NEW:
+            raise EngineError(f"{self.name} engine is {self.status.value}; create a new engine to start again")
+        self.status = EngineStatus.STARTING
+        try:
+            await self.load()
+        except BaseException:
+            self.status = EngineStatus.FAILED
+            await self.unload()
+            raise
+        if self.status is EngineStatus.STARTING:  # not shut down (or crashed) meanwhile
+            self.status = EngineStatus.RUNNING
+
+    async def shutdown(self) -> None:
+        """Close the engine once (idempotent, callable in any state): ``CLOSED``, then :meth:`unload`."""
+        if self.status is EngineStatus.CLOSED:
+            return
+        started = self.status is not EngineStatus.NEW
+        self.status = EngineStatus.CLOSED
+        if started:
+            await self.unload()
+
+    async def load(self) -> None:  # noqa: B027 - an engine with nothing to load keeps the default
+        """Hook: load the model and start the backend (called by :meth:`start` only)."""
+
+    async def unload(self) -> None:  # noqa: B027 - an engine with nothing to release keeps the default
+        """Hook: release the model, processes and threads (after :meth:`shutdown` or a failed :meth:`load`).
+
+        Called at most twice (a failed start, then shutdown): it must cope with a partial or an
+        already released backend.
+        """
+
+    def not_serving(self) -> str | None:
+        """Why the engine cannot take requests now, or ``None`` when it can."""
+        if self.status is not EngineStatus.RUNNING:
+            return f"{self.name} engine is {self.status.value}, not running"
+        return None
+
+    # ------------------------------------------------------------------ requests
 
     @abc.abstractmethod
     async def generate(self, request: GenerationRequest) -> GenerationResult:
@@ -190,10 +283,6 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
         """Stop a request in flight; its ``generate`` returns with ``FinishReason.ABORT``."""
-
-    @abc.abstractmethod
-    async def shutdown(self) -> None:
-        """Release the model and any processes or threads the engine started."""
 
     @property
     def capacity(self) -> int | None:
@@ -204,12 +293,15 @@ class Engine(abc.ABC):
         return None
 
     async def health(self) -> None:
-        """Raise unless the engine can really generate (generates one token)."""
+        """Raise unless the engine is serving (:meth:`not_serving`) and really generates one token."""
+        from daskgen.errors import EngineError
+
+        problem = self.not_serving()
+        if problem is not None:
+            raise EngineError(problem)
         params = SamplingParams(max_new_tokens=1, temperature=0.0)
         result = await self.generate(GenerationRequest("daskgen-health", [self.health_token_id()], params))
         if result.error is not None or len(result.output_ids) != 1:
-            from daskgen.errors import EngineError
-
             raise EngineError(f"engine {self.name!r} failed its health check: {result.error or result.output_ids!r}")
 
     def health_token_id(self) -> int:

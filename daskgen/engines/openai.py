@@ -35,19 +35,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import re
-import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from daskgen import tunables
 from daskgen.engines.base import (
     Engine,
-    FinishReason,
+    EngineStatus,
     GenerationRequest,
     GenerationResult,
     SamplingParams,
+    aborted_result,
     error_result,
     parse_engine_args,
     request_error,
@@ -56,20 +54,21 @@ from daskgen.engines.common import check_number
 from daskgen.engines.http_client import HTTPClient, RequestFailed
 from daskgen.engines.http_server import ManagedServer, check_server_args
 from daskgen.engines.openai_protocol import (
-    _apply_limits,
-    _empty_abort,
-    _finish_reason,
-    _Flight,
-    _take_event,
+    Flight,
+    OpenAITextProtocol,
+    SGLangNativeProtocol,
+    WireProtocol,
+    apply_limits,
     native_payload,
     native_result,
     openai_payload,
 )
-from daskgen.engines.openai_vllm import is_vllm_version, take_vllm_event, vllm_completions_payload, vllm_result
+from daskgen.engines.openai_vllm import VLLMProtocol, is_vllm_version
+from daskgen.engines.sglang_mapping import max_running_requests
 from daskgen.errors import ConfigError, EngineError
 from daskgen.redaction import redact_url
 
-__all__ = ["OpenAIArgs", "OpenAIEngine", "native_payload", "native_result", "openai_payload"]
+__all__ = ["OpenAIArgs", "OpenAIEngine", "apply_limits", "native_payload", "native_result", "openai_payload"]
 
 logger = logging.getLogger(__name__)
 
@@ -175,13 +174,13 @@ class OpenAIEngine(Engine):
         super().__init__(model, **engine_args)
         self.args = parse_engine_args("openai", OpenAIArgs, engine_args)
         self.protocol: str | None = None
+        self.wire: WireProtocol | None = None
         self._server_seeds = False
         self.model_name: str | None = self.args.model_name
         self._tokenizer: Any = None
         self._http: HTTPClient | None = None
         self._server: ManagedServer | None = None
-        self._state = "new"
-        self._flights: dict[str, list[_Flight]] = {}
+        self._flights: dict[str, list[Flight]] = {}
         self._limit = asyncio.Semaphore(self.args.max_concurrency)
         self.concurrency = self.args.max_concurrency
         self.server_capacity: int | None = None
@@ -198,22 +197,18 @@ class OpenAIEngine(Engine):
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self) -> None:
+    async def load(self) -> None:
         """Start the managed server (if any), ping the server and load the tokenizer."""
-        try:
-            base_url = await self._start_server() if self.args.managed else self.args.base_url
-            self._http = self._client(base_url)
-            self.protocol = await self._detect_protocol()
-            await self._check_model()
-            await self._load_tokenizer()
-            if self.protocol == "sglang":
-                await self._read_server_info(base_url)
-            else:
-                await self._ping_generate()
-        except BaseException:
-            await self.shutdown()
-            raise
-        self._state = "running"
+        base_url = await self._start_server() if self.args.managed else self.args.base_url
+        self._http = self._client(base_url)
+        self.protocol = await self._detect_protocol()
+        await self._check_model()
+        await self._load_tokenizer()
+        self.wire = self._wire_protocol()
+        if self.protocol == "sglang":
+            await self._read_server_info(base_url)
+        else:
+            await self._ping_generate()
         logger.info("openai engine: %s protocol on %s (model %s)", self.protocol, self._http.where, self.model_name)
 
     def _client(self, base_url: str) -> HTTPClient:
@@ -293,13 +288,22 @@ class OpenAIEngine(Engine):
             return
         self.vocab_size = len(self._tokenizer)
 
+    def _wire_protocol(self) -> WireProtocol:
+        """The protocol object of the detected API."""
+        extra = self.args.extra_body
+        if self.protocol == "sglang":
+            return SGLangNativeProtocol(self.model_name, extra)
+        if self.protocol == "vllm":
+            return VLLMProtocol(self.model_name, extra)
+        return OpenAITextProtocol(self.protocol or "completions", self.model_name, extra, self._tokenizer)
+
     async def _read_server_info(self, base_url: str) -> None:
         """Seeds (deterministic inference) and batch slots of an SGLang server; widen the client's
         concurrency to keep the server's queue fed unless ``max_concurrency`` was given."""
         status, info = await self._http.probe_json("/get_server_info", allow_status=(404, 405))
         info = info if status == 200 and isinstance(info, dict) else {}
         self._server_seeds = bool(info.get("enable_deterministic_inference"))
-        self.server_capacity = _max_running_requests(info)
+        self.server_capacity = _server_running_requests(info)
         wanted = 2 * (self.server_capacity or 0)
         if "max_concurrency" not in self.engine_args and wanted > self.concurrency:
             self.concurrency = wanted
@@ -315,13 +319,12 @@ class OpenAIEngine(Engine):
     async def _ping_generate(self) -> None:
         request = GenerationRequest("daskgen-ping", [self.health_token_id()], _PING)
         try:
-            await self._stream(request, _Flight())
+            await self.wire.send(self._http, request, Flight())
         except RequestFailed as exc:
             raise EngineError(f"openai engine: a one-token request to {self._http.where} failed: {exc}") from None
 
-    async def shutdown(self) -> None:
-        """Fail requests in flight, close the client and stop the managed server (idempotent)."""
-        self._state = "closed"
+    async def unload(self) -> None:
+        """Fail requests in flight, close the client and stop the managed server."""
         for flights in list(self._flights.values()):
             for flight in flights:
                 flight.cancel()
@@ -337,8 +340,9 @@ class OpenAIEngine(Engine):
         zero (a stripped EOS) or several tokens.
         """
         self._check_server()
-        if self._state != "running":
-            raise EngineError(f"openai engine is {self._state}, not running")
+        problem = self.not_serving()
+        if problem is not None:
+            raise EngineError(problem)
         if not self.retokenized:
             return await super().health()
         result = await self.generate(GenerationRequest("daskgen-health", [self.health_token_id()], _PING))
@@ -349,13 +353,13 @@ class OpenAIEngine(Engine):
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Generate one sample; failures come back as ``error`` (a dead managed server raises)."""
-        if self._state != "running":
-            return error_result(request, f"openai engine is {self._state}, not running (start() first)")
-        problem = request_error(request, vocab_size=self.vocab_size, max_total_tokens=self.max_total_tokens)
+        problem = self.not_serving() or request_error(
+            request, vocab_size=self.vocab_size, max_total_tokens=self.max_total_tokens
+        )
         if problem is not None:
             return error_result(request, problem)
         self._check_server()
-        flight = _Flight()
+        flight = Flight()
         self._flights.setdefault(request.request_id, []).append(flight)
         try:
             async with self._limit:
@@ -363,20 +367,18 @@ class OpenAIEngine(Engine):
         finally:
             self._forget(request.request_id, flight)
 
-    async def _run(self, request: GenerationRequest, flight: _Flight) -> GenerationResult:
+    async def _run(self, request: GenerationRequest, flight: Flight) -> GenerationResult:
         if flight.aborted:
-            return _empty_abort(request)
-        call = self._native(request, flight) if self.protocol == "sglang" else self._stream(request, flight)
-        flight.task = asyncio.ensure_future(call)
+            return aborted_result(request)
+        flight.task = asyncio.ensure_future(self.wire.send(self._http, request, flight))
         try:
             await asyncio.wait({flight.task})
         except asyncio.CancelledError:  # the caller gave up: stop the request on the server too
             flight.cancel()
-            if flight.rid is not None:
-                asyncio.ensure_future(self._post_abort(flight.rid))
+            asyncio.ensure_future(self.wire.forget(self._http, flight))
             raise
         if flight.task.cancelled():
-            return self._aborted(request, flight)
+            return self.wire.aborted(request, flight)
         try:
             return flight.task.result()
         except RequestFailed as exc:
@@ -384,13 +386,13 @@ class OpenAIEngine(Engine):
             return error_result(request, str(exc))
 
     def _server_died(self) -> bool:
-        return self._server is not None and self._state == "running" and not self._server.alive
+        return self._server is not None and self.status is EngineStatus.RUNNING and not self._server.alive
 
     def _check_server(self) -> None:
         if self._server_died():
             raise EngineError(f"the managed sglang server {self._server.exit_description()}")
 
-    def _forget(self, request_id: str, flight: _Flight) -> None:
+    def _forget(self, request_id: str, flight: Flight) -> None:
         flights = self._flights.get(request_id, [])
         with contextlib.suppress(ValueError):
             flights.remove(flight)
@@ -401,77 +403,7 @@ class OpenAIEngine(Engine):
         """Abort every in-flight request with this id (unknown ids are ignored)."""
         for flight in list(self._flights.get(request_id, [])):
             flight.aborted = True
-            if self.protocol == "sglang" and flight.rid is not None:
-                await self._post_abort(flight.rid)
-                asyncio.get_running_loop().call_later(tunables.seconds("http.abort-grace"), flight.cancel)
-            else:
-                flight.cancel()
-
-    async def _post_abort(self, rid: str) -> None:
-        with contextlib.suppress(RequestFailed):
-            await self._http.post_json("/abort_request", {"rid": rid}, retry=False)
-
-    # ------------------------------------------------------------------ SGLang native
-
-    async def _native(self, request: GenerationRequest, flight: _Flight) -> GenerationResult:
-        flight.rid = f"{request.request_id}#{uuid.uuid4().hex[:12]}"
-        payload = native_payload(request, flight.rid, self.args.extra_body)
-        out = await self._http.post_json("/generate", payload)
-        return native_result(request, out)
-
-    # ------------------------------------------------------------------ OpenAI streaming
-
-    async def _stream(self, request: GenerationRequest, flight: _Flight, retry: bool = True) -> GenerationResult:
-        if self.protocol == "vllm":
-            return await self._vllm_stream(request, flight, retry)
-        prompt = self._tokenizer.decode(
-            request.prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
-        )
-        path, payload = openai_payload(
-            self.protocol or "completions", self.model_name, prompt, request, self.args.extra_body
-        )
-        finish = await self._http.stream(
-            path, payload, lambda event: _take_event(event, flight), on_attempt=flight.reset, retry=retry
-        )
-        return self._retokenized_result(request, flight, finish)
-
-    async def _vllm_stream(self, request: GenerationRequest, flight: _Flight, retry: bool) -> GenerationResult:
-        payload = vllm_completions_payload(self.model_name, request, self.args.extra_body)
-        finish = await self._http.stream(
-            "/v1/completions",
-            payload,
-            lambda event: take_vllm_event(event, flight.ids, flight.logprobs),
-            on_attempt=flight.reset,
-            retry=retry,
-        )
-        return vllm_result(request, flight.ids, flight.logprobs, finish)
-
-    def _retokenized_result(
-        self, request: GenerationRequest, flight: _Flight, finish: str | None, partial: bool = False
-    ) -> GenerationResult:
-        ids = self._tokenizer.encode(flight.text, add_special_tokens=False)
-        if partial:
-            ids = ids[:-1]
-        logprobs = self._aligned_logprobs(ids, flight) if request.params.logprobs else None
-        reason, error = _finish_reason(finish) if not partial else (FinishReason.ABORT, None)
-        ids, logprobs, reason = _apply_limits(ids, logprobs, reason, request)
-        meta: dict[str, Any] = {"retokenized": True, "server_finish_reason": finish}
-        if request.params.logprobs and logprobs is not None and any(math.isnan(x) for x in logprobs):
-            meta["logprobs"] = "unavailable"
-        return GenerationResult(request.request_id, ids, reason, logprobs, error=error, meta=meta)
-
-    def _aligned_logprobs(self, ids: list[int], flight: _Flight) -> list[float]:
-        pieces = [self._tokenizer.decode([i]) for i in ids]
-        if len(flight.logprobs) >= len(ids) and flight.tokens[: len(ids)] == pieces:
-            return flight.logprobs[: len(ids)]
-        return [math.nan] * len(ids)
-
-    def _aborted(self, request: GenerationRequest, flight: _Flight) -> GenerationResult:
-        if self.protocol == "sglang":
-            return _empty_abort(request)
-        if self.protocol == "vllm":
-            return vllm_result(request, flight.ids, flight.logprobs[: len(flight.ids)], None, aborted=True)
-        return self._retokenized_result(request, flight, None, partial=True)
+            await self.wire.abort(self._http, flight)
 
     # ------------------------------------------------------------------ misc
 
@@ -509,10 +441,7 @@ def _load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def _max_running_requests(info: dict[str, Any]) -> int | None:
-    """Requests an SGLang server runs at once, from ``GET /get_server_info`` (sglang 0.5.23), or ``None``."""
-    try:
-        state = info["internal_states"][0]
-        return int(state["effective_max_running_requests_per_dp"]) * int(state.get("dp_size") or 1)
-    except (KeyError, IndexError, TypeError, ValueError):
-        return None
+def _server_running_requests(info: dict[str, Any]) -> int | None:
+    """Requests an SGLang server runs at once, from ``GET /get_server_info``, or ``None``."""
+    states = info.get("internal_states")
+    return max_running_requests(states[0]) if isinstance(states, list) and states else None

@@ -1,37 +1,56 @@
-"""Wire formats of the ``openai`` engine: what it sends and how it reads the answers.
+"""The ``openai`` engine's wire protocols: one object per HTTP API, chosen once at start.
 
-* SGLang's native ``POST /generate`` (token ids in and out): :func:`native_payload`,
-  :func:`native_result`, both built on :mod:`daskgen.engines.sglang_mapping` (the format the
-  in-process sglang engine shares);
-* OpenAI ``/v1/completions`` and ``/v1/chat/completions`` (streamed text): :func:`openai_payload`,
-  the accumulation of streamed events into a :class:`_Flight`, finish reasons, and the limits
-  (stop tokens, ``max_new_tokens``) applied to re-tokenized output (:func:`_apply_limits`).
+Each protocol knows how to send one request, read the answer, abort a request in flight and
+build the result of an aborted one; :class:`~daskgen.engines.openai.OpenAIEngine` only holds
+the connection, the concurrency limit and the requests in flight (:class:`Flight`).
+
+* :class:`SGLangNativeProtocol`: SGLang's ``POST /generate``, token ids in and out
+  (:func:`native_payload`, :func:`native_result`, built on :mod:`daskgen.engines.sglang_mapping`,
+  the format the in-process sglang engine shares); aborts post ``/abort_request``;
+* :class:`OpenAITextProtocol`: OpenAI ``/v1/completions`` and ``/v1/chat/completions`` (streamed
+  text, re-tokenized): :func:`openai_payload`, :func:`take_event`, and the limits (stop tokens,
+  ``max_new_tokens``) applied to re-tokenized output (:func:`apply_limits`);
+* ``VLLMProtocol`` (token ids through vLLM's completions) lives in :mod:`daskgen.engines.openai_vllm`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from daskgen.engines.base import FinishReason, GenerationRequest, GenerationResult, error_result
-from daskgen.engines.sglang_mapping import FINISH as SGLANG_FINISH
+from daskgen import tunables
+from daskgen.engines.base import (
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    aborted_result,
+    error_result,
+    finish_from_name,
+)
 from daskgen.engines.sglang_mapping import result_from_output, sampling_params_for
 
-__all__ = ["native_payload", "native_result", "openai_payload"]
+if TYPE_CHECKING:
+    from daskgen.engines.http_client import HTTPClient
 
-#: OpenAI ``finish_reason`` values (plus SGLang's) and daskgen's reasons.
-_FINISH = {
-    **SGLANG_FINISH,
-    "eos": FinishReason.STOP,
-    "tool_calls": FinishReason.STOP,
-    "function_call": FinishReason.STOP,
-}
+__all__ = [
+    "Flight",
+    "OpenAITextProtocol",
+    "SGLangNativeProtocol",
+    "WireProtocol",
+    "apply_limits",
+    "native_payload",
+    "native_result",
+    "openai_payload",
+    "take_event",
+]
 
 
 @dataclass
-class _Flight:
+class Flight:
     """One generate() call in progress: what abort() needs and what was streamed so far."""
 
     rid: str | None = None
@@ -50,6 +69,119 @@ class _Flight:
         """Close the connection of the request (the server stops generating)."""
         if self.task is not None and not self.task.done():
             self.task.cancel()
+
+
+class WireProtocol:
+    """How the ``openai`` engine talks to one kind of server (subclasses implement :meth:`send`).
+
+    Parameters
+    ----------
+    model_name:
+        The model named in OpenAI request bodies.
+    extra_body:
+        Merged into every request body.
+    """
+
+    #: The ``api`` name (``describe()["api"]``).
+    name = ""
+    #: True when outputs are text re-tokenized by daskgen.
+    retokenized = False
+
+    def __init__(self, model_name: str | None, extra_body: dict[str, Any]) -> None:
+        self.model_name = model_name
+        self.extra_body = extra_body
+
+    async def send(self, http: HTTPClient, request: GenerationRequest, flight: Flight) -> GenerationResult:
+        """Send ``request`` (retrying per the client's policy) and return its result."""
+        raise NotImplementedError
+
+    def aborted(self, request: GenerationRequest, flight: Flight) -> GenerationResult:
+        """The result of a request whose connection was closed by an abort."""
+        return aborted_result(request)
+
+    async def abort(self, http: HTTPClient, flight: Flight) -> None:
+        """Stop the request of ``flight`` (default: close its connection)."""
+        flight.cancel()
+
+    async def forget(self, http: HTTPClient, flight: Flight) -> None:
+        """Tell the server a cancelled caller no longer wants ``flight`` (default: nothing to tell)."""
+
+
+class SGLangNativeProtocol(WireProtocol):
+    """SGLang's native ``POST /generate``: token ids in and out (token-exact)."""
+
+    name = "sglang"
+
+    async def send(self, http: HTTPClient, request: GenerationRequest, flight: Flight) -> GenerationResult:
+        """Post one request with ``rid = "<request_id>#<random>"`` (what :meth:`abort` names)."""
+        flight.rid = f"{request.request_id}#{uuid.uuid4().hex[:12]}"
+        out = await http.post_json("/generate", native_payload(request, flight.rid, self.extra_body))
+        return native_result(request, out)
+
+    async def abort(self, http: HTTPClient, flight: Flight) -> None:
+        """Post ``/abort_request`` (the answer returns ``ABORT``); close the connection after a grace period."""
+        if flight.rid is None:
+            flight.cancel()
+            return
+        await self.forget(http, flight)
+        asyncio.get_running_loop().call_later(tunables.seconds("http.abort-grace"), flight.cancel)
+
+    async def forget(self, http: HTTPClient, flight: Flight) -> None:
+        """Post ``/abort_request`` for the flight's rid, ignoring failures."""
+        from daskgen.engines.http_client import RequestFailed
+
+        if flight.rid is not None:
+            with contextlib.suppress(RequestFailed):
+                await http.post_json("/abort_request", {"rid": flight.rid}, retry=False)
+
+
+class OpenAITextProtocol(WireProtocol):
+    """OpenAI completions or chat, streamed as text and re-tokenized with ``tokenizer``."""
+
+    retokenized = True
+
+    def __init__(self, api: str, model_name: str | None, extra_body: dict[str, Any], tokenizer: Any) -> None:
+        super().__init__(model_name, extra_body)
+        self.name = api
+        self.tokenizer = tokenizer
+
+    async def send(self, http: HTTPClient, request: GenerationRequest, flight: Flight) -> GenerationResult:
+        """Decode the prompt, stream the answer's text into ``flight`` and re-tokenize it."""
+        prompt = self.tokenizer.decode(
+            request.prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+        path, payload = openai_payload(self.name, self.model_name, prompt, request, self.extra_body)
+        finish = await http.stream(path, payload, lambda event: take_event(event, flight), on_attempt=flight.reset)
+        return self.result(request, flight, finish)
+
+    def aborted(self, request: GenerationRequest, flight: Flight) -> GenerationResult:
+        """The re-tokenized text so far, without its last (possibly cut) token."""
+        return self.result(request, flight, None, partial=True)
+
+    def result(
+        self, request: GenerationRequest, flight: Flight, finish: str | None, partial: bool = False
+    ) -> GenerationResult:
+        """Re-tokenize the streamed text; align logprobs; apply the request's limits."""
+        ids = self.tokenizer.encode(flight.text, add_special_tokens=False)
+        if partial:
+            ids = ids[:-1]
+        logprobs = self.aligned_logprobs(ids, flight) if request.params.logprobs else None
+        reason, error = finish_from_name(finish, "server") if not partial else (FinishReason.ABORT, None)
+        ids, logprobs, reason = apply_limits(ids, logprobs, reason, request)
+        meta: dict[str, Any] = {"retokenized": True, "server_finish_reason": finish}
+        if request.params.logprobs and logprobs is not None and any(math.isnan(x) for x in logprobs):
+            meta["logprobs"] = "unavailable"
+        return GenerationResult(request.request_id, ids, reason, logprobs, error=error, meta=meta)
+
+    def aligned_logprobs(self, ids: list[int], flight: Flight) -> list[float]:
+        """The server's logprobs when its tokens decode like ``ids``, else NaN for each."""
+        pieces = [self.tokenizer.decode([i]) for i in ids]
+        if len(flight.logprobs) >= len(ids) and flight.tokens[: len(ids)] == pieces:
+            return flight.logprobs[: len(ids)]
+        return [math.nan] * len(ids)
+
+
+# --------------------------------------------------------------------------- payloads and answers
 
 
 def native_payload(request: GenerationRequest, rid: str, extra_body: dict[str, Any]) -> dict[str, Any]:
@@ -71,7 +203,7 @@ def native_result(request: GenerationRequest, out: Any) -> GenerationResult:
     """Map SGLang's ``/generate`` answer to a :class:`GenerationResult` (token-exact)."""
     if not isinstance(out, dict) or not isinstance(out.get("output_ids"), list):
         return error_result(request, f"unexpected answer from /generate: {str(out)[:300]}")
-    result = result_from_output(request, out, error_prefix="server finished with")
+    result = result_from_output(request, out, source="server")
     if result.logprobs is not None and len(result.logprobs) != len(result.output_ids):
         return error_result(
             request, f"server returned {len(result.logprobs)} logprobs for {len(result.output_ids)} tokens"
@@ -107,7 +239,7 @@ def openai_payload(
     return path, {**body, **extra_body}
 
 
-def _take_event(event: dict[str, Any], flight: _Flight) -> str | None:
+def take_event(event: dict[str, Any], flight: Flight) -> str | None:
     """Add one streamed chunk to ``flight``; return its finish reason, if it has one."""
     choices = event.get("choices") or []
     if not choices:
@@ -126,16 +258,7 @@ def _take_event(event: dict[str, Any], flight: _Flight) -> str | None:
     return choice.get("finish_reason")
 
 
-def _empty_abort(request: GenerationRequest) -> GenerationResult:
-    return GenerationResult(request.request_id, [], FinishReason.ABORT, [] if request.params.logprobs else None)
-
-
-def _finish_reason(finish: str | None) -> tuple[FinishReason, str | None]:
-    reason = _FINISH.get(finish or "", FinishReason.ERROR)
-    return reason, None if reason != FinishReason.ERROR else f"server finished with {finish!r}"
-
-
-def _apply_limits(
+def apply_limits(
     ids: list[int], logprobs: list[float] | None, reason: FinishReason, request: GenerationRequest
 ) -> tuple[list[int], list[float] | None, FinishReason]:
     """Cut re-tokenized output at the first stop token (kept) or at ``max_new_tokens``."""

@@ -12,14 +12,35 @@ A server is recognised as vLLM by ``GET /version`` answering ``{"version": ...}`
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from daskgen.engines.base import FinishReason, GenerationRequest, GenerationResult, error_result
+from daskgen.engines.base import FinishReason, GenerationRequest, GenerationResult, error_result, finish_from_name
+from daskgen.engines.openai_protocol import Flight, WireProtocol
 
-__all__ = ["FINISH", "is_vllm_version", "vllm_completions_payload", "vllm_result", "take_vllm_event"]
+if TYPE_CHECKING:
+    from daskgen.engines.http_client import HTTPClient
 
-#: vLLM finish reasons (in-process ``RequestOutput`` and the HTTP server alike) -> daskgen's.
-FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+__all__ = ["VLLMProtocol", "is_vllm_version", "take_vllm_event", "vllm_completions_payload", "vllm_result"]
+
+
+class VLLMProtocol(WireProtocol):
+    """vLLM's ``/v1/completions`` with token ids in and ``return_token_ids`` out (token-exact)."""
+
+    name = "vllm"
+
+    async def send(self, http: HTTPClient, request: GenerationRequest, flight: Flight) -> GenerationResult:
+        """Stream one request's token ids (and logprobs) into ``flight``."""
+        finish = await http.stream(
+            "/v1/completions",
+            vllm_completions_payload(self.model_name, request, self.extra_body),
+            lambda event: take_vllm_event(event, flight.ids, flight.logprobs),
+            on_attempt=flight.reset,
+        )
+        return vllm_result(request, flight.ids, flight.logprobs, finish)
+
+    def aborted(self, request: GenerationRequest, flight: Flight) -> GenerationResult:
+        """The tokens streamed before the abort closed the connection."""
+        return vllm_result(request, flight.ids, flight.logprobs[: len(flight.ids)], None, aborted=True)
 
 
 def is_vllm_version(status: int, info: Any) -> bool:
@@ -69,9 +90,8 @@ def vllm_result(
     request: GenerationRequest, ids: list[int], logprobs: list[float], finish: str | None, aborted: bool = False
 ) -> GenerationResult:
     """The :class:`GenerationResult` of a (finished or aborted) vLLM stream."""
-    reason = FinishReason.ABORT if aborted else FINISH.get(finish or "", FinishReason.ERROR)
+    reason, error = (FinishReason.ABORT, None) if aborted else finish_from_name(finish, "server")
     lps = list(logprobs) if request.params.logprobs else None
     if lps is not None and len(lps) != len(ids):
         return error_result(request, f"server returned {len(lps)} logprobs for {len(ids)} tokens")
-    error = None if reason != FinishReason.ERROR else f"server finished with {finish!r}"
     return GenerationResult(request.request_id, list(ids), reason, lps, error=error)

@@ -67,9 +67,11 @@ happen inside methods only.
 Module layout: this module is the engine (daskgen's contract);
 :mod:`daskgen.engines.sglang_mapping` translates requests and outputs (shared with the HTTP
 engine's native protocol); :mod:`daskgen.engines.sglang_args` holds the engine args (shared with
-the managed HTTP server); :mod:`daskgen.engines.sglang_backend` launches and owns the ``sglang.Engine`` (engine args,
-the engine's thread and loop, subprocess monitoring, shutdown, the ``SIGQUIT`` handler).  Its
-public names are re-exported here.
+the managed HTTP server); :mod:`daskgen.engines.sglang_backend` launches and owns the
+``sglang.Engine`` (the engine's thread and loop, subprocess monitoring, shutdown);
+:mod:`daskgen.engines.sglang_sigquit` holds the ``SIGQUIT`` handler.  What all in-process engines
+share (start errors, refusals, health, sleep/wake, ``describe``) is
+:class:`~daskgen.engines.inprocess.InProcessEngine`.
 """
 
 from __future__ import annotations
@@ -77,41 +79,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing
 from typing import Any
 
 from daskgen.engines.base import (
-    Engine,
-    FinishReason,
+    EngineStatus,
     GenerationRequest,
     GenerationResult,
+    aborted_result,
     error_result,
-    request_error,
 )
-from daskgen.engines.common import bos_or_zero, cuda_available
+from daskgen.engines.common import cuda_available
+from daskgen.engines.inprocess import DAEMON_FIX, InProcessEngine
 from daskgen.engines.sglang_args import (
-    _MODEL_PATH_ERROR,
     CPU_DEFAULTS,
-    _is_cpu,
     check_engine_args,
+    is_cpu_device,
     launch_kwargs,
+    refuse_model_path,
     server_arg_names,
 )
-from daskgen.engines.sglang_backend import (
-    _BACKENDS,
-    _Backend,
-    _Closed,
-    _Crashed,
-    _restore_sigquit_handler,
-    install_sigquit_handler,
-    read_max_running_requests,
-)
+from daskgen.engines.sglang_backend import BackendClosed, BackendCrashed, SGLangBackend, read_max_running_requests
 from daskgen.engines.sglang_mapping import result_from_output, sampling_params_for
-from daskgen.errors import ConfigError, EngineError
+from daskgen.engines.sglang_sigquit import install_sigquit_handler, restore_sigquit_handler
 from daskgen.redaction import redact
 
 __all__ = [
     "CPU_DEFAULTS",
+    "DAEMON_FIX",
     "TESTED_SGLANG_VERSION",
     "SGLangEngine",
     "check_engine_args",
@@ -126,18 +120,11 @@ logger = logging.getLogger(__name__)
 
 #: The sglang release this engine is tested against (CPU lane, ``.ci/sglang-env.sh``).
 TESTED_SGLANG_VERSION = "0.5.23"
-#: How the Dask fix for daemonic worker processes is spelled, for error messages and docs.
-DAEMON_FIX = (
-    "set the Dask config `distributed.worker.daemon: false` before the cluster starts its workers "
-    "(e.g. `dask.config.set({'distributed.worker.daemon': False})` before creating a LocalCluster, "
-    "`DASK_DISTRIBUTED__WORKER__DAEMON=False` in the environment of `dask worker`/dask-jobqueue jobs), "
-    "or run workers without a nanny (`dask worker --no-nanny`)"
-)
 
 # --------------------------------------------------------------------------- the engine
 
 
-class SGLangEngine(Engine):
+class SGLangEngine(InProcessEngine):
     """daskgen's engine contract on top of one in-process ``sglang.Engine`` (see the module doc).
 
     Parameters
@@ -149,75 +136,46 @@ class SGLangEngine(Engine):
     """
 
     name = "sglang"
+    starts_subprocesses = True
 
     def __init__(self, model: str, **engine_args: Any) -> None:
         super().__init__(model, **engine_args)
-        if "model_path" in engine_args:
-            raise ConfigError(_MODEL_PATH_ERROR)
-        self._state = "new"
-        self._backend: _Backend | None = None
+        refuse_model_path(engine_args)
+        self._backend: SGLangBackend | None = None
         self._kwargs: dict[str, Any] = {}
-        self._asleep = False
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self) -> None:
+    async def load(self) -> None:
         """Launch ``sglang.Engine`` in the engine's own thread (~20 s for a tiny model on CPU)."""
-        if self._state != "new":
-            raise EngineError(f"sglang engine is {self._state}; create a new engine to start again")
-        self._check_process()
-        self._state = "starting"
         if not install_sigquit_handler():
             logger.warning(
                 "sglang engine started off the main thread: cannot install a SIGQUIT handler, so a "
                 "crashing sglang subprocess will terminate this process (SIGQUIT's default action)"
             )
-        try:
-            self._kwargs = launch_kwargs(self.model, self.engine_args, await asyncio.to_thread(cuda_available))
-            backend = _Backend(self._kwargs)
-            self._backend = backend
-            _BACKENDS.add(backend)
-            await asyncio.wrap_future(backend.launch())
-            backend.info["max_running_requests"] = await read_max_running_requests(backend)
-        except BaseException as exc:
-            self._state = "failed"
-            await self._stop_backend()
-            if isinstance(exc, Exception) and not isinstance(exc, (ConfigError, EngineError)):
-                raise EngineError(f"sglang.Engine({redact(self._kwargs)}) failed to start: {exc}") from exc
-            raise
-        self._state = "running"
-        logger.info("sglang engine ready: %s", self._backend.info)
+        self._kwargs = launch_kwargs(self.model, self.engine_args, await asyncio.to_thread(cuda_available))
+        backend = self._backend = SGLangBackend(self._kwargs)
+        await asyncio.wrap_future(backend.launch())
+        backend.info["max_running_requests"] = await read_max_running_requests(backend)
+        self.info = backend.info
+        logger.info("sglang engine ready: %s", self.info)
 
-    @staticmethod
-    def _check_process() -> None:
-        """Refuse to start in a daemonic process: sglang must start subprocesses."""
-        if multiprocessing.current_process().daemon:
-            raise EngineError(
-                "the sglang engine must start subprocesses, but this process is daemonic and daemonic "
-                "processes may not have children (Dask starts worker processes as daemons by default). "
-                f"Fix: {DAEMON_FIX}."
-            )
+    def launch_description(self) -> str:
+        """``sglang.Engine(<kwargs>)`` (secrets redacted)."""
+        return f"sglang.Engine({redact(self._kwargs)})"
 
-    async def shutdown(self) -> None:
-        """Stop the engine's thread and kill the processes it launched (idempotent)."""
-        self._state = "closed"
-        await self._stop_backend()
-
-    async def _stop_backend(self) -> None:
+    async def unload(self) -> None:
+        """Stop the engine's thread and kill the processes it launched."""
         backend, self._backend = self._backend, None
         if backend is not None:
             await asyncio.to_thread(backend.stop)
-        _restore_sigquit_handler()
+        restore_sigquit_handler()
 
     # ------------------------------------------------------------------ requests
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Generate one sample; errors come back in ``GenerationResult.error``."""
-        problem = (
-            self._not_serving()
-            or request_error(request, vocab_size=self._info("vocab_size"), max_total_tokens=self.max_total_tokens)
-            or self._prompt_too_long(request)
-        )
+        problem = self.refusal(request) or self._prompt_too_long(request)
         if problem is not None:
             return error_result(request, problem)
         kwargs = {
@@ -234,25 +192,16 @@ class SGLangEngine(Engine):
             output = await asyncio.wrap_future(future)
         except asyncio.CancelledError:
             raise  # wrap_future has cancelled the submission; the backend aborts the request
-        except _Closed:
-            return GenerationResult(request.request_id, [], FinishReason.ABORT)
-        except _Crashed as exc:
+        except BackendClosed:
+            return aborted_result(request)
+        except BackendCrashed as exc:
             return error_result(request, f"sglang engine crashed: {exc}")
         except Exception as exc:  # sglang rejects some requests by raising (e.g. ValueError)
             return error_result(request, f"sglang rejected the request: {type(exc).__name__}: {exc}")
         return result_from_output(request, output)
 
-    def _not_serving(self) -> str | None:
-        if self._state != "running" or self._backend is None:
-            return f"sglang engine is {self._state}, not running"
-        if self._backend.problem is not None:
-            return f"sglang engine crashed: {self._backend.problem}"
-        if self._asleep:
-            return "sglang engine is asleep (its memory is released); call wake() first"
-        return None
-
     def _prompt_too_long(self, request: GenerationRequest) -> str | None:
-        limit = self._info("max_req_input_len")
+        limit = self.info.get("max_req_input_len")
         if limit is not None and len(request.prompt_ids) > limit:
             return (
                 f"request {request.request_id!r}: prompt has {len(request.prompt_ids)} tokens; "
@@ -263,23 +212,16 @@ class SGLangEngine(Engine):
     async def abort(self, request_id: str) -> None:
         """End the request; its ``generate`` returns ``ABORT`` with the tokens so far."""
         backend = self._backend
-        if backend is None or self._state != "running":
+        if backend is None or self.status is not EngineStatus.RUNNING:
             return
-        with contextlib.suppress(_Closed):
+        with contextlib.suppress(BackendClosed):
             await asyncio.wrap_future(backend.submit(backend.abort(request_id)))
 
-    # ------------------------------------------------------------------ health, memory, identity
+    # ------------------------------------------------------------------ crash, memory, identity
 
-    async def health(self) -> None:
-        """Raise unless the subprocesses are alive and the engine really generates a token."""
-        problem = self._not_serving()
-        if problem is not None:
-            raise EngineError(problem)
-        await super().health()
-
-    def health_token_id(self) -> int:
-        """The model's BOS token (or 0)."""
-        return bos_or_zero(self._info("bos_token_id"), self._info("vocab_size"))
+    def crash(self) -> str | None:
+        """What the subprocess monitor found (a dead sglang subprocess), or ``None``."""
+        return self._backend.problem if self._backend is not None else "the backend is stopped"
 
     @property
     def supports_seed(self) -> bool:
@@ -289,60 +231,41 @@ class SGLangEngine(Engine):
     @property
     def sleep_supported(self) -> bool:
         """True when :meth:`sleep` really releases memory (CUDA with ``enable_memory_saver``)."""
-        return not _is_cpu(self._kwargs.get("device", "cpu")) and bool(self._kwargs.get("enable_memory_saver"))
+        device = self._kwargs.get("device", "cpu")
+        return not is_cpu_device(device) and bool(self._kwargs.get("enable_memory_saver"))
 
-    async def sleep(self) -> None:
-        """Release GPU memory (weights, KV cache) while idle; no-op where unsupported."""
-        await self._set_memory(release=True)
+    def requests_in_flight(self) -> int:
+        """Requests the backend tracks."""
+        return len(self._backend.tasks) if self._backend is not None else 0
 
-    async def wake(self) -> None:
-        """Resume the memory released by :meth:`sleep`."""
-        await self._set_memory(release=False)
-
-    async def _set_memory(self, release: bool) -> None:
-        if not self.sleep_supported or release == self._asleep:
-            return
-        problem = self._not_serving() if release else None
-        if problem is not None:
-            raise EngineError(problem)
-        if release and self._backend.tasks:
-            raise EngineError(f"sglang engine has {len(self._backend.tasks)} requests in flight; sleep needs it idle")
+    async def set_memory(self, release: bool) -> None:
+        """Release or resume sglang's GPU memory (weights, KV cache, CUDA graphs)."""
         backend = self._backend
         await asyncio.wrap_future(backend.submit(backend.memory(release)))
-        self._asleep = release
-
-    def _info(self, key: str) -> Any:
-        return self._backend.info.get(key) if self._backend is not None else None
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
         """Token ids that end every request (the model's EOS ids); known after :meth:`start`."""
-        return frozenset(self._info("eos_token_ids") or ())
+        return frozenset(self.info.get("eos_token_ids") or ())
 
     @property
     def vocab_size(self) -> int | None:
         """The model's vocabulary size; known after :meth:`start`."""
-        return self._info("vocab_size")
+        return self.info.get("vocab_size")
 
     @property
     def max_total_tokens(self) -> int | None:
         """Largest prompt plus ``max_new_tokens`` of one request; known after :meth:`start`."""
-        context, pool = self._info("context_length"), self._info("max_total_num_tokens")
+        context, pool = self.info.get("context_length"), self.info.get("max_total_num_tokens")
         return None if context is None else min(context, pool or context)
 
     @property
     def capacity(self) -> int | None:
         """The scheduler's ``max_running_requests`` (set in ``engine_args`` or sized by sglang from its
         KV pool), read after :meth:`start`; ``None`` when sglang did not report it."""
-        value = self._info("max_running_requests") or self.engine_args.get("max_running_requests")
+        value = self.info.get("max_running_requests") or self.engine_args.get("max_running_requests")
         return int(value) if isinstance(value, int) and value > 0 else None
 
-    def describe(self) -> dict[str, Any]:
-        """Engine, model, the ``sglang.Engine`` options used and the model's identity."""
-        info = super().describe()
-        info["model"] = self.model
-        info["supports_seed"] = self.supports_seed
-        info["engine_args"] = redact(self._kwargs or self.engine_args)
-        if self._backend is not None:
-            info.update(self._backend.info)
-        return info
+    def described_args(self) -> dict[str, Any]:
+        """The ``sglang.Engine`` options used (secrets redacted)."""
+        return redact(self._kwargs or self.engine_args)

@@ -14,13 +14,26 @@ from typing import Any
 from daskgen.engines.common import check_known_args
 from daskgen.errors import ConfigError
 
-__all__ = ["CPU_DEFAULTS", "check_engine_args", "launch_kwargs", "server_arg_names"]
+__all__ = [
+    "CPU_DEFAULTS",
+    "check_engine_args",
+    "is_cpu_device",
+    "launch_kwargs",
+    "refuse_model_path",
+    "server_arg_names",
+]
 
 #: ``sglang.Engine`` options filled in on CPU when ``engine_args`` does not set them.  float32
 #: matches the ``transformers`` engine's CPU default (sglang's ``auto`` would pick float16).
 CPU_DEFAULTS: dict[str, Any] = {"attention_backend": "torch_native", "dtype": "float32", "max_total_tokens": 16384}
 
 _MODEL_PATH_ERROR = "sglang engine: give the model as daskgen's `model`, not as engine_args['model_path']"
+
+
+def refuse_model_path(engine_args: Mapping[str, Any]) -> None:
+    """Raise :class:`ConfigError` when ``engine_args`` names the model (daskgen's ``model`` does)."""
+    if "model_path" in engine_args:
+        raise ConfigError(_MODEL_PATH_ERROR)
 
 
 def server_arg_names() -> list[str]:
@@ -40,8 +53,7 @@ def check_engine_args(engine_args: Mapping[str, Any], valid: list[str] | None = 
     ``valid`` defaults to :func:`server_arg_names` (which imports sglang).  The message suggests
     close matches and lists every valid name.
     """
-    if "model_path" in engine_args:
-        raise ConfigError(_MODEL_PATH_ERROR)
+    refuse_model_path(engine_args)
     names = server_arg_names() if valid is None else valid
     check_known_args("sglang", engine_args, names, "sglang ServerArgs fields (they are passed to sglang.Engine)")
 
@@ -56,11 +68,12 @@ def launch_kwargs(model: str, engine_args: Mapping[str, Any], cuda_available: bo
     kwargs["model_path"] = model
     device = kwargs.get("device") or ("cuda" if cuda_available else "cpu")
     kwargs["device"] = device
-    if _is_cpu(device):
+    if is_cpu_device(device):
         for key, value in CPU_DEFAULTS.items():
             kwargs.setdefault(key, value)
     return kwargs
 
 
-def _is_cpu(device: str) -> bool:
+def is_cpu_device(device: str) -> bool:
+    """Whether an sglang ``device`` string (``"cpu"``, ``"cuda:1"``...) names the CPU."""
     return str(device).split(":", 1)[0] == "cpu"

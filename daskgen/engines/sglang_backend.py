@@ -3,15 +3,16 @@
 :mod:`daskgen.engines.sglang` is the public engine module (its docstring explains the design);
 this module holds the machinery underneath:
 
-* :class:`_Backend`: the ``sglang.Engine`` created on, and driven from, its own thread and event
-  loop (``daskgen-sglang``), the monitor of sglang's subprocesses, request bookkeeping (rids,
-  abort), and a shutdown that kills exactly the processes this engine launched, stops sglang's
-  watchdog, closes its ZeroMQ sockets and removes its ``atexit`` hook;
-* the process-wide ``SIGQUIT`` handler (:func:`install_sigquit_handler`) that turns a failing
-  sglang subprocess's signal into a crash check of every live backend instead of process death.
+* :class:`SGLangBackend`: the ``sglang.Engine`` created on, and driven from, its own thread and
+  event loop (``daskgen-sglang``, a :class:`~daskgen.engines.inprocess.LoopThread`), the monitor
+  of sglang's subprocesses, request bookkeeping (rids, abort), and a shutdown that kills exactly
+  the processes this engine launched, stops sglang's watchdog, closes its ZeroMQ sockets and
+  removes its ``atexit`` hook;
+* :class:`BackendClosed` and :class:`BackendCrashed`, what a request on a stopped or crashed
+  backend raises.
 
-Import the public names (and ``_BACKENDS``) from :mod:`daskgen.engines.sglang`, which
-re-exports them.  Records are logged under ``daskgen.engines.sglang``.  Heavy imports (sglang,
+The process-wide ``SIGQUIT`` handler and the registry of live backends it checks are in
+:mod:`daskgen.engines.sglang_sigquit`.  Records are logged under ``daskgen.engines.sglang``.  Heavy imports (sglang,
 torch, psutil, zmq) happen inside functions only.
 """
 
@@ -24,80 +25,40 @@ import contextlib
 import itertools
 import logging
 import os
-import signal
 import threading
-import weakref
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from daskgen import tunables
-from daskgen.engines.sglang_args import _is_cpu, check_engine_args
+from daskgen.engines import sglang_sigquit
+from daskgen.engines.inprocess import LoopThread
+from daskgen.engines.sglang_args import check_engine_args, is_cpu_device
+from daskgen.engines.sglang_mapping import max_running_requests
 
-__all__ = ["install_sigquit_handler", "read_max_running_requests"]
+__all__ = ["BackendClosed", "BackendCrashed", "SGLangBackend", "read_max_running_requests"]
 
 # The engine's logger, so log configuration and records are the same as before the module split.
 logger = logging.getLogger("daskgen.engines.sglang")
 
 _T = TypeVar("_T")
 
-# --------------------------------------------------------------------------- SIGQUIT from sglang children
-
-_BACKENDS: weakref.WeakSet[_Backend] = weakref.WeakSet()
-_previous_sigquit: Any = None
-_sigquit_installed = False
-
-
-def _on_sigquit(signum: int, frame: Any) -> None:
-    """Handle the SIGQUIT a failing sglang subprocess sends its parent: check, do not die."""
-    logger.error("SIGQUIT received (an sglang subprocess reports a failure); checking the sglang engines")
-    for backend in list(_BACKENDS):
-        backend.poke()
-
-
-def install_sigquit_handler() -> bool:
-    """Make SIGQUIT from a failing sglang subprocess mark the engine crashed instead of killing us.
-
-    Installed once per process; only possible on the main thread (returns False elsewhere).
-    :meth:`SGLangEngine.start` calls it; call it yourself from the main thread when engines are
-    started on another thread (e.g. a test's background event loop).
-    """
-    global _previous_sigquit, _sigquit_installed
-    if _sigquit_installed:
-        return True
-    if threading.current_thread() is not threading.main_thread():
-        return False
-    _previous_sigquit = signal.signal(signal.SIGQUIT, _on_sigquit)
-    _sigquit_installed = True
-    return True
-
-
-def _restore_sigquit_handler() -> None:
-    """Give SIGQUIT back its previous handler once no engine is alive (main thread only)."""
-    global _sigquit_installed
-    if not _sigquit_installed or len(_BACKENDS) or threading.current_thread() is not threading.main_thread():
-        return
-    signal.signal(signal.SIGQUIT, _previous_sigquit if _previous_sigquit is not None else signal.SIG_DFL)
-    _sigquit_installed = False
-
-
 # --------------------------------------------------------------------------- the engine's thread
 
 
-class _Crashed(Exception):
+class BackendCrashed(Exception):
     """The sglang engine's subprocesses died."""
 
 
-class _Closed(Exception):
+class BackendClosed(Exception):
     """The engine was shut down while the request was in flight."""
 
 
-class _Backend:
+class SGLangBackend:
     """A ``sglang.Engine`` plus the thread and event loop that own it."""
 
     def __init__(self, kwargs: dict[str, Any]) -> None:
         self.kwargs = kwargs
         self.engine: Any = None
-        self.loop: asyncio.AbstractEventLoop | None = None
         self.problem: str | None = None
         self.closing = False
         self.info: dict[str, Any] = {}
@@ -107,24 +68,25 @@ class _Backend:
         self._children: list[Any] = []
         self._submitted: set[concurrent.futures.Future[Any]] = set()
         self._lock = threading.Lock()
-        self._launched: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._launch_done = threading.Event()
-        self._thread = threading.Thread(target=self._main, name="daskgen-sglang", daemon=True)
+        self.runner = LoopThread("daskgen-sglang", setup=self._setup, teardown=self._teardown)
 
     # ---- lifecycle (called from outside the engine's thread)
 
     def launch(self) -> concurrent.futures.Future[None]:
-        """Start the thread; the future resolves once ``sglang.Engine`` is up."""
-        self._thread.start()
-        return self._launched
+        """Start the thread; the future resolves once ``sglang.Engine`` is up.
+
+        The backend is registered for the ``SIGQUIT`` crash check until :meth:`stop`.
+        """
+        sglang_sigquit.register(self)
+        return self.runner.start()
 
     def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
-        """Run ``coro`` on the engine's loop; shutdown resolves it with :class:`_Closed` if it never ran."""
+        """Run ``coro`` on the engine's loop; shutdown resolves it with :class:`BackendClosed` if it never ran."""
         with self._lock:
-            if self.closing or self.loop is None or self.loop.is_closed():
+            if self.closing or self.runner.loop.is_closed():
                 coro.close()
-                raise _Closed("the sglang engine is shut down")
-            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+                raise BackendClosed("the sglang engine is shut down")
+            future = self.runner.submit(coro)
             self._submitted.add(future)
         future.add_done_callback(self._forget)
         return future
@@ -135,28 +97,20 @@ class _Backend:
 
     def poke(self) -> None:
         """Ask the monitor to check the subprocesses now (thread- and signal-safe enough)."""
-        loop = self.loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._check_children)
+        self.runner.call_soon(self._check_children)
 
     def stop(self) -> None:
         """Blocking: stop the loop and thread, kill exactly this engine's processes."""
         with self._lock:
             self.closing = True
-        _BACKENDS.discard(self)
-        if self._thread.is_alive():
-            self._launch_done.wait(tunables.seconds("sglang.launch-wait"))
+        sglang_sigquit.unregister(self)
+        if self.runner.thread.is_alive():
+            concurrent.futures.wait([self.runner.ready], tunables.seconds("sglang.launch-wait"))
         engine = self.engine
         if engine is not None:
             _stop_watchdog(engine)
-        loop = self.loop
-        if loop is not None and self._thread.is_alive():
-            try:
-                loop.call_soon_threadsafe(self._cancel_all)
-                loop.call_soon_threadsafe(loop.stop)
-            except RuntimeError:  # the loop closed meanwhile
-                pass
-            self._thread.join(timeout=tunables.seconds("sglang.stop-timeout"))
+        self.runner.call_soon(self._cancel_all)
+        self.runner.stop(tunables.seconds("sglang.stop-timeout"))
         self._fail_unstarted()
         _kill(self._children)
         self._children = []
@@ -170,34 +124,19 @@ class _Backend:
             pending = list(self._submitted)
         for future in pending:
             with contextlib.suppress(concurrent.futures.InvalidStateError):
-                future.set_exception(_Closed("the sglang engine was shut down"))
+                future.set_exception(BackendClosed("the sglang engine was shut down"))
 
     # ---- the engine's thread
 
-    def _main(self) -> None:
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        self.loop = loop
-        try:
-            self._create_engine()
-        except BaseException as exc:
-            _drain(loop)
-            _close_sockets(self.engine)
-            loop.close()
-            self._launch_done.set()
-            _settle(self._launched, exc)
-            return
-        self._launch_done.set()
-        monitor = loop.create_task(self._monitor())
-        _settle(self._launched, None)
-        try:
-            if not self.closing:
-                loop.run_forever()
-        finally:
-            monitor.cancel()
-            _drain(loop)  # cancels sglang's own tasks too, before their sockets close under them
-            _close_sockets(self.engine)
-            loop.close()
+    def _setup(self) -> None:
+        """On the engine's thread, before its loop runs: create ``sglang.Engine``, start the monitor."""
+        self._create_engine()
+        self.runner.loop.create_task(self._monitor())
+
+    def _teardown(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the engine's thread, after its loop stopped (or the launch failed)."""
+        _drain(loop)  # cancels sglang's own tasks too, before their sockets close under them
+        _close_sockets(self.engine)
 
     def _create_engine(self) -> None:
         import psutil
@@ -266,9 +205,9 @@ class _Backend:
 
     def _raise_if_unusable(self) -> None:
         if self.closing:
-            raise _Closed("the sglang engine was shut down")
+            raise BackendClosed("the sglang engine was shut down")
         if self.problem is not None:
-            raise _Crashed(self.problem)
+            raise BackendCrashed(self.problem)
 
     async def abort(self, request_id: str) -> None:
         """Abort every in-flight request of ``request_id``, waiting briefly for new ones to register."""
@@ -304,21 +243,10 @@ class _Backend:
             await manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(), None)
 
 
-def _settle(future: concurrent.futures.Future[None], exc: BaseException | None) -> None:
-    """Resolve ``future`` unless the caller already cancelled it."""
-    try:
-        if exc is None:
-            future.set_result(None)
-        else:
-            future.set_exception(exc)
-    except concurrent.futures.InvalidStateError:
-        pass
-
-
 def _prepare_environment(device: str) -> None:
     """Environment sglang reads at import and passes to its subprocesses."""
     os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
-    if _is_cpu(device):
+    if is_cpu_device(device):
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
 
 
@@ -441,7 +369,7 @@ def _engine_info(engine: Any, version: str) -> dict[str, Any]:
     }
 
 
-async def read_max_running_requests(backend: _Backend, timeout_s: float = 60.0) -> int | None:
+async def read_max_running_requests(backend: SGLangBackend, timeout_s: float = 60.0) -> int | None:
     """Requests the scheduler runs at once (sized from its KV pool unless set), or ``None``.
 
     Asked on the engine's running loop from the scheduler's internal state
@@ -450,8 +378,7 @@ async def read_max_running_requests(backend: _Backend, timeout_s: float = 60.0) 
     try:
         future = backend.submit(backend.engine.tokenizer_manager.get_internal_state())
         states = await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
-        per_dp = int(states[0]["effective_max_running_requests_per_dp"])
-        return per_dp * int(states[0].get("dp_size") or 1)
+        return max_running_requests(states[0])
     except Exception as exc:  # another sglang version, or no answer: window auto assumes a default
         logger.info("sglang did not report max_running_requests (%s: %s)", type(exc).__name__, exc)
         return None

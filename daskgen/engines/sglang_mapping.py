@@ -14,12 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from daskgen.engines.base import FinishReason, GenerationRequest, GenerationResult, SamplingParams
+from daskgen.engines.base import GenerationRequest, GenerationResult, SamplingParams, finish_from_name
 
-__all__ = ["FINISH", "finish_reason", "logprobs_of", "result_from_output", "sampling_params_for"]
+__all__ = ["logprobs_of", "max_running_requests", "result_from_output", "sampling_params_for"]
 
-#: SGLang's ``meta_info.finish_reason.type`` values (sglang 0.5.23) and daskgen's reasons.
-FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 #: ``meta_info`` keys copied into ``GenerationResult.meta``.
 META_KEYS = ("prompt_tokens", "cached_tokens")
 
@@ -42,29 +40,36 @@ def sampling_params_for(params: SamplingParams) -> dict[str, Any]:
     return out
 
 
-def finish_reason(meta: Mapping[str, Any]) -> tuple[FinishReason, Any]:
-    """``(reason, raw finish_reason)`` of an output's ``meta_info``; unknown kinds are ``ERROR``."""
-    raw = meta.get("finish_reason")
-    kind = raw.get("type") if isinstance(raw, Mapping) else None
-    return FINISH.get(kind, FinishReason.ERROR), raw
-
-
 def logprobs_of(meta: Mapping[str, Any]) -> list[float]:
     """The sampled tokens' logprobs from ``meta_info.output_token_logprobs`` (``[logprob, id, text]`` entries)."""
     return [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
 
 
 def result_from_output(
-    request: GenerationRequest, output: Mapping[str, Any], error_prefix: str = "sglang returned finish_reason"
+    request: GenerationRequest, output: Mapping[str, Any], source: str = "sglang"
 ) -> GenerationResult:
     """Turn one SGLang output dict (``async_generate`` or ``/generate``) into a :class:`GenerationResult`.
 
-    An unknown finish reason gives ``ERROR`` with the message ``f"{error_prefix} {raw!r}"``.
+    ``meta_info.finish_reason.type`` is mapped by :func:`~daskgen.engines.base.finish_from_name`;
+    an unknown one gives ``ERROR`` with the message ``f"{source} finished with {kind!r}"``.
     """
     meta = output.get("meta_info") or {}
-    finish, raw = finish_reason(meta)
+    raw = meta.get("finish_reason")
+    finish, error = finish_from_name(raw.get("type") if isinstance(raw, Mapping) else raw, source)
     tokens = [int(t) for t in output.get("output_ids") or []]
     logprobs = logprobs_of(meta) if request.params.logprobs else None
-    error = None if finish != FinishReason.ERROR else f"{error_prefix} {raw!r}"
     extra = {k: meta[k] for k in META_KEYS if k in meta}
     return GenerationResult(request.request_id, tokens, finish, logprobs, error=error, meta=extra)
+
+
+def max_running_requests(state: Any) -> int | None:
+    """Requests an SGLang scheduler runs at once, from one entry of its internal states, or ``None``.
+
+    ``effective_max_running_requests_per_dp`` times ``dp_size`` (sglang 0.5.23), as reported by
+    ``tokenizer_manager.get_internal_state()`` and by the server's ``GET /get_server_info``
+    (``internal_states``); ``None`` for another shape (another version, or not SGLang).
+    """
+    try:
+        return int(state["effective_max_running_requests_per_dp"]) * int(state.get("dp_size") or 1)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None

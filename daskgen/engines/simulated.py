@@ -26,26 +26,25 @@ The model
   probabilities).
 
 :meth:`SimulatedEngine.stats` reports steps, busy time, busy fraction and per-step batch sizes.
+The options (:class:`SimulatedArgs`) and the output model (:func:`plan_output`) live in
+:mod:`daskgen.engines.simulated_plan`, re-exported here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import heapq
 import itertools
 import math
-import secrets
 import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-
 from daskgen.engines.base import (
     Engine,
+    EngineStatus,
     FinishReason,
     GenerationRequest,
     GenerationResult,
@@ -53,148 +52,10 @@ from daskgen.engines.base import (
     parse_engine_args,
     request_error,
 )
-from daskgen.engines.common import is_number, require, set_result
+from daskgen.engines.common import set_result
+from daskgen.engines.simulated_plan import OutputPlan, SimulatedArgs, plan_output
 
-__all__ = ["SimulatedArgs", "SimulatedEngine"]
-
-_LENGTH_DISTS = ("fixed", "uniform", "lognormal")
-
-
-@dataclass
-class SimulatedArgs:
-    """Options of the ``simulated`` engine (see the module docstring for the timing model).
-
-    Attributes
-    ----------
-    max_batch:
-        Requests running at once; the others queue.
-    step_time_base_s, step_time_per_seq_s:
-        One decode step costs ``base + per_seq * running`` model seconds.
-    time_scale:
-        Wall seconds per model second; ``0`` runs instantly.
-    length_dist, length_mean, length_sigma:
-        Natural output length: ``"fixed"``, ``"uniform"`` or ``"lognormal"`` (sigma in log space).
-    length_prompt_share:
-        Lognormal only: the share (0..1) of the log-length variance that belongs to the prompt (drawn
-        from the prompt alone), the rest to the sample.  ``0``: lengths independent of the prompt; near
-        ``1``: all samples of a prompt about as long.
-    vocab_size, eos_token_id:
-        Token ids are drawn from ``[0, vocab_size)``; prompts must use ids in that range.
-    """
-
-    max_batch: int = 256
-    step_time_base_s: float = 0.02
-    step_time_per_seq_s: float = 0.0002
-    time_scale: float = 1.0
-    length_dist: str = "lognormal"
-    length_mean: float = 256.0
-    length_sigma: float = 0.6
-    length_prompt_share: float = 0.0
-    vocab_size: int = 32000
-    eos_token_id: int = 2
-
-    def __post_init__(self) -> None:
-        require(
-            "simulated",
-            isinstance(self.max_batch, int) and self.max_batch >= 1,
-            "max_batch",
-            "an integer >= 1",
-            self.max_batch,
-        )
-        for name in ("step_time_base_s", "step_time_per_seq_s", "time_scale", "length_sigma"):
-            value = getattr(self, name)
-            require("simulated", is_number(value) and value >= 0, name, "a finite number >= 0", value)
-        require(
-            "simulated",
-            is_number(self.length_mean) and self.length_mean >= 1,
-            "length_mean",
-            "a number >= 1",
-            self.length_mean,
-        )
-        share = self.length_prompt_share
-        require("simulated", is_number(share) and 0 <= share <= 1, "length_prompt_share", "a number in [0, 1]", share)
-        require(
-            "simulated",
-            self.length_dist in _LENGTH_DISTS,
-            "length_dist",
-            f"one of {list(_LENGTH_DISTS)}",
-            self.length_dist,
-        )
-        require(
-            "simulated",
-            isinstance(self.vocab_size, int) and self.vocab_size >= 2,
-            "vocab_size",
-            "an integer >= 2",
-            self.vocab_size,
-        )
-        require(
-            "simulated",
-            isinstance(self.eos_token_id, int) and 0 <= self.eos_token_id < self.vocab_size,
-            "eos_token_id",
-            f"an integer in [0, vocab_size={self.vocab_size})",
-            self.eos_token_id,
-        )
-
-
-# --------------------------------------------------------------------------- outputs
-
-
-@dataclass
-class _Plan:
-    """What a request will produce: its tokens, finish reason and (fake) logprobs."""
-
-    tokens: list[int]
-    finish: FinishReason
-    logprobs: list[float] | None
-
-
-def _prompt_digest(prompt_ids: list[int]) -> int:
-    data = np.asarray(prompt_ids, dtype=np.int64).tobytes()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-
-
-def _natural_length(rng: np.random.Generator, args: SimulatedArgs, prompt_digest: int) -> int:
-    if args.length_dist == "fixed":
-        return max(1, round(args.length_mean))
-    if args.length_dist == "uniform":
-        return int(rng.integers(1, max(2, round(2 * args.length_mean))))
-    mu = math.log(args.length_mean) - args.length_sigma**2 / 2
-    share = args.length_prompt_share
-    if not share:
-        return max(1, math.ceil(rng.lognormal(mu, args.length_sigma)))
-    # log-length = mu + a per-prompt part (variance share x sigma^2) + a per-sample part (the rest)
-    per_prompt = np.random.default_rng([prompt_digest, 3]).normal(0.0, args.length_sigma * math.sqrt(share))
-    return max(1, math.ceil(rng.lognormal(mu + per_prompt, args.length_sigma * math.sqrt(1 - share))))
-
-
-def plan_output(request: GenerationRequest, args: SimulatedArgs) -> _Plan:
-    """The deterministic output of ``request`` under ``args`` (seed drawn at random if unset)."""
-    params = request.params
-    digest = _prompt_digest(request.prompt_ids)
-    if params.temperature == 0:
-        key = [digest, 0]
-    else:
-        seed = params.seed if params.seed is not None else secrets.randbits(64)
-        key = [digest, 1, int(seed < 0), abs(seed)]
-    rng = np.random.default_rng(key)
-    natural = _natural_length(rng, args, digest)
-    n = min(natural, params.max_new_tokens)
-    tokens = rng.integers(0, args.vocab_size, size=n)
-    tokens[tokens == args.eos_token_id] = (args.eos_token_id + 1) % args.vocab_size
-    finish = FinishReason.LENGTH
-    if natural <= params.max_new_tokens:
-        tokens[-1], finish = args.eos_token_id, FinishReason.STOP
-    out = tokens.tolist()
-    stops = set(params.stop_token_ids)
-    cut = next((i for i, t in enumerate(out) if t in stops), None)
-    if cut is not None:
-        out, finish = out[: cut + 1], FinishReason.STOP
-    logprobs = None
-    if params.logprobs:
-        fake = np.random.default_rng([*key, 2])  # its own stream: a shorter cap gives a prefix
-        logprobs = (-5.0 * fake.random(len(out))).tolist()
-    return _Plan(out, finish, logprobs)
-
+__all__ = ["SimulatedArgs", "SimulatedEngine", "plan_output"]
 
 # --------------------------------------------------------------------------- requests in flight
 
@@ -204,7 +65,7 @@ class _Sim:
     """A request in the simulator: its plan, the future its caller awaits and its timing."""
 
     request: GenerationRequest
-    plan: _Plan
+    plan: OutputPlan
     future: asyncio.Future
     start_step: int = -1
     done: bool = False
@@ -256,7 +117,6 @@ class SimulatedEngine(Engine):
     def __init__(self, model: str = "simulated", **engine_args: Any) -> None:
         super().__init__(model, **engine_args)
         self.args = parse_engine_args(self.name, SimulatedArgs, engine_args)
-        self._state = "new"
         self._waiting: deque[_Sim] = deque()
         self._finishing: list[tuple[int, int, _Sim]] = []  # heap of (finish_step, order, sim)
         self._running = 0
@@ -277,20 +137,12 @@ class SimulatedEngine(Engine):
         """``max_batch``: requests stepped together."""
         return self.args.max_batch
 
-    async def start(self) -> None:
-        """Nothing to load; marks the engine ready and starts the statistics clock."""
-        if self._state == "closed":
-            from daskgen.errors import EngineError
-
-            raise EngineError("simulated engine was shut down; create a new one")
-        self._state = "running"
+    async def load(self) -> None:
+        """Nothing to load; starts the statistics clock."""
         self._stats = _Stats()
 
-    async def shutdown(self) -> None:
-        """Stop the step loop; requests in flight end with ``ABORT`` (idempotent)."""
-        if self._state == "closed":
-            return
-        self._state = "closed"
+    async def unload(self) -> None:
+        """Stop the step loop; requests in flight end with ``ABORT``."""
         for sims in list(self._by_id.values()):
             for sim in list(sims):
                 self._drop(sim, aborted=True)
@@ -306,9 +158,7 @@ class SimulatedEngine(Engine):
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Queue the request and await its simulated completion."""
-        if self._state != "running":
-            return error_result(request, f"simulated engine is {self._state}, not running")
-        problem = request_error(request, vocab_size=self.args.vocab_size)
+        problem = self.not_serving() or request_error(request, vocab_size=self.args.vocab_size)
         if problem is not None:
             return error_result(request, problem)
         loop = asyncio.get_running_loop()
@@ -387,7 +237,7 @@ class SimulatedEngine(Engine):
 
     async def _run(self) -> None:
         self._boundary_wall = time.perf_counter()
-        while self._state == "running":
+        while self.status is EngineStatus.RUNNING:
             self._admit()
             if self._running == 0:
                 self._wakeup.clear()

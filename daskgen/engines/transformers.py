@@ -63,36 +63,26 @@ import queue
 import threading
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from daskgen.engines.base import (
-    Engine,
+    EngineStatus,
     FinishReason,
     GenerationRequest,
     GenerationResult,
     error_result,
     parse_engine_args,
-    request_error,
 )
-from daskgen.engines.common import bos_or_zero, check_positive_int, set_result
+from daskgen.engines.common import check_positive_int, set_result
+from daskgen.engines.inprocess import InProcessEngine
 from daskgen.engines.transformers_backend import (
-    _cb_defaults,
-    _create_manager,
-    _empty_device_cache,
-    _eos_ids,
-    _identity,
-    _load_model,
-    _max_total_tokens,
-    _resolve_device,
-    _resolve_dtype,
-    _SamplerTable,
-    _Sequence,
+    SampledSequence,
+    SamplerTable,
+    free_device_memory,
+    load_backend,
     step_seed,
 )
-from daskgen.errors import ConfigError, EngineError
-
-if TYPE_CHECKING:
-    pass
+from daskgen.errors import ConfigError
 
 __all__ = ["TransformersArgs", "TransformersEngine", "step_seed"]
 
@@ -189,7 +179,7 @@ class _Job:
     backend_id: str
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
-    sequence: _Sequence
+    sequence: SampledSequence
     stop_ids: frozenset[int]
 
     def resolve(self, result: GenerationResult) -> None:
@@ -214,7 +204,7 @@ class _Job:
 # --------------------------------------------------------------------------- engine
 
 
-class TransformersEngine(Engine):
+class TransformersEngine(InProcessEngine):
     """A Hugging Face causal LM driven by transformers' continuous batching (see the module docstring)."""
 
     name = "transformers"
@@ -226,18 +216,16 @@ class TransformersEngine(Engine):
         self.args = parse_engine_args(self.name, TransformersArgs, engine_args)
         self._model: Any = None
         self._manager: Any = None
-        self._table = _SamplerTable()
+        self._table = SamplerTable()
         self._jobs: dict[str, _Job] = {}
         self._by_request: dict[str, set[str]] = defaultdict(set)
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._reader: threading.Thread | None = None
-        self._identity: dict[str, Any] = {}
         self._eos_ids: frozenset[int] = frozenset()
         self._vocab_size = 0
         self._max_total_tokens = 0
         self._capacity: int | None = None
-        self._state = "new"
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -246,46 +234,23 @@ class TransformersEngine(Engine):
         """``max_requests_per_batch`` (64 on CPU unless set; transformers decides on GPU: unknown)."""
         return self._capacity
 
-    async def start(self) -> None:
+    async def load(self) -> None:
         """Load the model and start the continuous-batching thread (in a worker thread)."""
-        if self._state != "new":
-            raise EngineError(f"transformers engine is {self._state}; create a new engine to start again")
-        self._state = "starting"
-        try:
-            await asyncio.to_thread(self._load)
-        except BaseException:
-            self._state = "failed"
-            await asyncio.to_thread(self._stop_backend)
-            raise
-        self._state = "running"
+        await asyncio.to_thread(self._load)
 
     def _load(self) -> None:
-        import torch
-
-        args = self.args
-        if args.num_threads is not None:
-            torch.set_num_threads(args.num_threads)
-        device = _resolve_device(args.device)
-        dtype = _resolve_dtype(args.dtype, device)
-        self._model = _load_model(self.model, args, device, dtype)
-        config = self._model.config.get_text_config()
-        self._eos_ids = _eos_ids(self._model)
-        self._vocab_size = int(self._model.get_input_embeddings().num_embeddings)
-        self._manager = _create_manager(self._model, self._table, args, device)
-        self._capacity = _cb_defaults(args, device)["max_requests_per_batch"]
-        self._max_total_tokens = _max_total_tokens(self._manager, config, args)
-        self._identity = _identity(self._model, args, device, dtype, self._eos_ids)
+        loaded = load_backend(self.model, self.args, self._table)
+        self._model, self._manager = loaded.model, loaded.manager
+        self._eos_ids, self._vocab_size = loaded.eos_ids, loaded.vocab_size
+        self._capacity, self._max_total_tokens = loaded.capacity, loaded.max_total_tokens
+        self.info = loaded.identity
         self._manager.start()
         self._reader = threading.Thread(target=self._read_outputs, name="daskgen-transformers-reader", daemon=True)
         self._reader.start()
-        logger.info("transformers engine ready: %s", self._identity)
+        logger.info("transformers engine ready: %s", self.info)
 
-    async def shutdown(self) -> None:
-        """Stop the backend thread, fail pending requests and free the model (idempotent)."""
-        if self._state in ("new", "closed"):
-            self._state = "closed"
-            return
-        self._state = "closed"
+    async def unload(self) -> None:
+        """Fail pending requests, stop the backend thread and free the model."""
         self._fail_all(FinishReason.ABORT, "the engine was shut down")
         await asyncio.to_thread(self._stop_backend)
 
@@ -303,15 +268,13 @@ class TransformersEngine(Engine):
             self._reader = None
         self._model = None
         gc.collect()
-        _empty_device_cache()
+        free_device_memory()
 
     # ------------------------------------------------------------------ requests
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Generate one sample; errors come back in ``GenerationResult.error``."""
-        if self._state != "running":
-            return error_result(request, f"transformers engine is {self._state}, not running")
-        problem = request_error(request, vocab_size=self._vocab_size, max_total_tokens=self._max_total_tokens)
+        problem = self.refusal(request)
         if problem is not None:
             return error_result(request, problem)
         job = self._submit(request, asyncio.get_running_loop())
@@ -330,7 +293,7 @@ class TransformersEngine(Engine):
             backend_id,
             loop,
             loop.create_future(),
-            _Sequence.from_params(request.params),
+            SampledSequence.from_params(request.params),
             self._eos_ids | frozenset(request.params.stop_token_ids),
         )
         with self._lock:
@@ -409,8 +372,8 @@ class TransformersEngine(Engine):
         return job.result(tokens, finish)
 
     def _check_backend(self) -> None:
-        if self._state == "running" and self._backend_problem() is not None:
-            self._state = "crashed"
+        if self.status is EngineStatus.RUNNING and self._backend_problem() is not None:
+            self.status = EngineStatus.CRASHED
             self._fail_all(FinishReason.ERROR, f"the generation thread stopped: {self._backend_problem()}")
 
     def _backend_problem(self) -> str | None:
@@ -426,15 +389,9 @@ class TransformersEngine(Engine):
 
     # ------------------------------------------------------------------ introspection
 
-    async def health(self) -> None:
-        """Raise unless the backend thread is alive and really generates a token."""
-        if self._state != "running" or self._backend_problem() is not None:
-            raise EngineError(f"transformers engine is {self._state}: {self._backend_problem()}")
-        await super().health()
-
-    def health_token_id(self) -> int:
-        """The model's BOS token (or 0)."""
-        return bos_or_zero(self._identity.get("bos_token_id"), self._vocab_size)
+    def crash(self) -> str | None:
+        """What stopped the generation thread, while the engine runs."""
+        return self._backend_problem()
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -451,10 +408,6 @@ class TransformersEngine(Engine):
         """Largest prompt plus ``max_new_tokens`` one request may have; known after :meth:`start`."""
         return self._max_total_tokens
 
-    def describe(self) -> dict[str, Any]:
-        """Engine, model identity (path, type, revision, dtype, device, vocabulary) and options."""
-        info = super().describe()
-        info["model"] = self.model
-        info["engine_args"] = asdict(self.args)
-        info.update(self._identity)
-        return info
+    def described_args(self) -> dict[str, Any]:
+        """Every option, defaults included."""
+        return asdict(self.args)

@@ -4,9 +4,11 @@
 design); this module holds:
 
 * the seeded sampler installed as the continuous-batching manager's only logits processor
-  (:class:`_SamplerTable`, :class:`_Sequence`, :func:`step_seed`: Gumbel-max with noise from
+  (:class:`SamplerTable`, :class:`SampledSequence`, :func:`step_seed`: Gumbel-max with noise from
   ``splitmix64(seed, step)``);
-* loading the model and creating the manager (device, dtype, CPU defaults, limits, identity).
+* :func:`load_backend`: loading the model and creating the manager (device, dtype, CPU
+  defaults, limits, identity), returned as one :class:`LoadedBackend`;
+  :func:`free_device_memory` after it is dropped.
 
 Heavy imports (torch, transformers) happen inside functions only.
 """
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
 
     from daskgen.engines.transformers import TransformersArgs
 
-__all__ = ["step_seed"]
+__all__ = ["LoadedBackend", "SampledSequence", "SamplerTable", "free_device_memory", "load_backend", "step_seed"]
 
 # The engine's logger, so log configuration and records are the same as before the module split.
 logger = logging.getLogger("daskgen.engines.transformers")
@@ -63,7 +65,7 @@ def step_seed(seed: int, step: int) -> int:
 
 
 @dataclass
-class _Sequence:
+class SampledSequence:
     """Per-request sampling settings and what the sampler picked so far (written by the backend thread)."""
 
     temperature: float
@@ -76,7 +78,7 @@ class _Sequence:
     generator: Any = None
 
     @classmethod
-    def from_params(cls, params: SamplingParams) -> _Sequence:
+    def from_params(cls, params: SamplingParams) -> SampledSequence:
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         return cls(params.temperature, params.top_p, params.top_k, seed, params.logprobs)
 
@@ -104,7 +106,7 @@ class _Sequence:
         return -torch.log(-torch.log(uniform))
 
 
-def _filtered(scores: torch.Tensor, seq: _Sequence) -> torch.Tensor:
+def _filtered(scores: torch.Tensor, seq: SampledSequence) -> torch.Tensor:
     """``scores`` with tokens outside top-k and then outside the top-p nucleus set to ``-inf``."""
     import torch
 
@@ -132,15 +134,15 @@ def _nucleus_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return top[keep - 1]
 
 
-class _SamplerTable:
-    """The engine's sampler: maps backend request ids to :class:`_Sequence` and picks tokens.
+class SamplerTable:
+    """The engine's sampler: maps backend request ids to :class:`SampledSequence` and picks tokens.
 
     Driven by the manager's thread through a ``ContinuousBatchingLogitsProcessor`` adapter:
     ``prepare`` receives the ids of the rows of the next forward pass, ``process`` their logits.
     """
 
     def __init__(self) -> None:
-        self.sequences: dict[str, _Sequence] = {}
+        self.sequences: dict[str, SampledSequence] = {}
         self._rows: list[str] = []
 
     def prepare(self, request_ids: list[str]) -> None:
@@ -160,7 +162,7 @@ class _SamplerTable:
         return out
 
 
-def _processor_list(table: _SamplerTable) -> Any:
+def _processor_list(table: SamplerTable) -> Any:
     """Wrap ``table`` as the manager's (only) logits processor."""
     import torch
     from transformers.generation.continuous_batching.cb_logits_processors import (
@@ -188,7 +190,42 @@ def _processor_list(table: _SamplerTable) -> Any:
     return processors
 
 
-# --------------------------------------------------------------------------- loading helpers
+# --------------------------------------------------------------------------- loading
+
+
+@dataclass
+class LoadedBackend:
+    """A loaded model, its (not yet started) continuous-batching manager and what the engine reads from them."""
+
+    model: Any
+    manager: Any
+    eos_ids: frozenset[int]
+    vocab_size: int
+    capacity: int | None
+    max_total_tokens: int
+    identity: dict[str, Any]
+
+
+def load_backend(path: str, args: TransformersArgs, table: SamplerTable) -> LoadedBackend:
+    """Load the model at ``path`` and create its manager with ``table`` as the sampler (blocking)."""
+    import torch
+
+    if args.num_threads is not None:
+        torch.set_num_threads(args.num_threads)
+    device = _resolve_device(args.device)
+    dtype = _resolve_dtype(args.dtype, device)
+    model = _load_model(path, args, device, dtype)
+    eos = _eos_ids(model)
+    manager = _create_manager(model, table, args, device)
+    return LoadedBackend(
+        model=model,
+        manager=manager,
+        eos_ids=eos,
+        vocab_size=int(model.get_input_embeddings().num_embeddings),
+        capacity=_cb_defaults(args, device)["max_requests_per_batch"],
+        max_total_tokens=_max_total_tokens(manager, model.config.get_text_config(), args),
+        identity=_identity(model, args, device, dtype, eos),
+    )
 
 
 def _resolve_device(device: str) -> str:
@@ -244,7 +281,7 @@ def _cb_defaults(args: TransformersArgs, device: str) -> dict[str, Any]:
     return values
 
 
-def _create_manager(model: Any, table: _SamplerTable, args: TransformersArgs, device: str) -> Any:
+def _create_manager(model: Any, table: SamplerTable, args: TransformersArgs, device: str) -> Any:
     """Create the continuous-batching manager with the engine's sampler; allocate its cache."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -302,7 +339,8 @@ def _identity(model: Any, args: TransformersArgs, device: str, dtype: Any, eos: 
     }
 
 
-def _empty_device_cache() -> None:
+def free_device_memory() -> None:
+    """Return cached accelerator memory to the device (after the model is dropped)."""
     import torch
 
     if torch.cuda.is_available():

@@ -47,40 +47,36 @@ listing close matches.  Heavy imports (vllm, torch) happen inside methods only.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import multiprocessing
-import threading
-from collections.abc import Coroutine, Mapping
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
 from daskgen.engines.base import (
-    Engine,
-    FinishReason,
+    EngineStatus,
     GenerationRequest,
     GenerationResult,
     SamplingParams,
+    aborted_result,
     error_result,
-    request_error,
+    finish_from_name,
 )
-from daskgen.engines.common import bos_or_zero, check_known_args, cuda_available
-from daskgen.engines.openai_vllm import FINISH as _FINISH
-from daskgen.errors import ConfigError, EngineError
+from daskgen.engines.common import check_known_args, cuda_available
+from daskgen.engines.inprocess import InProcessEngine, LoopThread
 
 __all__ = [
     "CPU_DEFAULTS",
     "TESTED_VLLM_VERSION",
     "VLLMEngine",
     "check_engine_args",
+    "CollectedOutput",
     "collect_output",
     "launch_kwargs",
     "vllm_sampling_kwargs",
 ]
 
 logger = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 #: The vllm release this engine is tested against (CPU lane, ``.ci/vllm-env.sh``).
 TESTED_VLLM_VERSION = "0.32.0"
@@ -128,7 +124,7 @@ def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
 
 
 @dataclasses.dataclass
-class _Collected:
+class CollectedOutput:
     """What the stream of one request delivered so far."""
 
     tokens: list[int] = dataclasses.field(default_factory=list)
@@ -137,7 +133,7 @@ class _Collected:
     cached_tokens: int | None = None
 
 
-def collect_output(acc: _Collected, output: Any) -> None:
+def collect_output(acc: CollectedOutput, output: Any) -> None:
     """Add one ``RequestOutput`` delta (``outputs[0]``) to ``acc``."""
     if getattr(output, "num_cached_tokens", None) is not None:
         acc.cached_tokens = int(output.num_cached_tokens)
@@ -153,10 +149,9 @@ def collect_output(acc: _Collected, output: Any) -> None:
         acc.finish = str(completion.finish_reason)
 
 
-def result_from_collected(request: GenerationRequest, acc: _Collected) -> GenerationResult:
+def result_from_collected(request: GenerationRequest, acc: CollectedOutput) -> GenerationResult:
     """The :class:`GenerationResult` of a finished (or aborted) stream."""
-    finish = _FINISH.get(acc.finish or "", FinishReason.ERROR)
-    error = None if finish != FinishReason.ERROR else f"vllm returned finish_reason {acc.finish!r}"
+    finish, error = finish_from_name(acc.finish, "vllm")
     logprobs = list(acc.logprobs) if request.params.logprobs else None
     if logprobs is not None and len(logprobs) != len(acc.tokens):
         return error_result(request, f"vllm returned {len(logprobs)} logprobs for {len(acc.tokens)} tokens")
@@ -164,27 +159,7 @@ def result_from_collected(request: GenerationRequest, acc: _Collected) -> Genera
     return GenerationResult(request.request_id, list(acc.tokens), finish, logprobs, error=error, meta=meta)
 
 
-# --------------------------------------------------------------------------- the engine's thread
-
-
-class _LoopThread:
-    """An asyncio loop in a daemon thread that owns the ``AsyncLLM``."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="daskgen-vllm", daemon=True)
-        self.thread.start()
-
-    def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def stop(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=30)
-        if not self.thread.is_alive():
-            self.loop.close()
+# --------------------------------------------------------------------------- the backend
 
 
 def _create_async_llm(kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -219,7 +194,7 @@ def _create_async_llm(kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
 # --------------------------------------------------------------------------- the engine
 
 
-class VLLMEngine(Engine):
+class VLLMEngine(InProcessEngine):
     """daskgen's engine contract on top of one in-process vLLM ``AsyncLLM`` (see the module doc).
 
     Parameters
@@ -232,57 +207,36 @@ class VLLMEngine(Engine):
 
     name = "vllm"
     supports_seed = True
+    starts_subprocesses = True
 
     def __init__(self, model: str, **engine_args: Any) -> None:
         super().__init__(model, **engine_args)
-        self._state = "new"
-        self._thread: _LoopThread | None = None
+        self._thread: LoopThread | None = None
         self._llm: Any = None
         self._kwargs: dict[str, Any] = {}
-        self._info: dict[str, Any] = {}
         self._live: dict[str, int] = {}
         self._aborting: set[str] = set()
         self._problem: str | None = None
-        self._asleep = False
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self) -> None:
+    async def load(self) -> None:
         """Start the ``AsyncLLM`` on the engine's own thread (vLLM starts its EngineCore process)."""
-        if self._state != "new":
-            raise EngineError(f"vllm engine is {self._state}; create a new engine to start again")
-        if multiprocessing.current_process().daemon:
-            from daskgen.engines.sglang import DAEMON_FIX
+        self._thread = LoopThread("daskgen-vllm")
+        await asyncio.wrap_future(self._thread.start())
+        self._kwargs = launch_kwargs(self.model, self.engine_args, await asyncio.to_thread(cuda_available))
+        self._llm, self.info = await asyncio.wrap_future(self._thread.submit(self._create()))
+        logger.info("vllm engine ready: %s", self.info)
 
-            raise EngineError(
-                "the vllm engine must start subprocesses, but this process is daemonic (Dask starts "
-                f"worker processes as daemons by default). Fix: {DAEMON_FIX}."
-            )
-        self._state = "starting"
-        self._thread = _LoopThread()
-        try:
-            self._kwargs = launch_kwargs(self.model, self.engine_args, await asyncio.to_thread(cuda_available))
-            self._llm, self._info = await asyncio.wrap_future(self._thread.submit(self._create()))
-        except BaseException as exc:
-            self._state = "failed"
-            await self._stop()
-            if isinstance(exc, Exception) and not isinstance(exc, (ConfigError, EngineError)):
-                raise EngineError(
-                    f"vllm AsyncLLM({self._kwargs}) failed to start: {type(exc).__name__}: {exc}"
-                ) from exc
-            raise
-        self._state = "running"
-        logger.info("vllm engine ready: %s", self._info)
+    def launch_description(self) -> str:
+        """``vllm AsyncLLM(<kwargs>)``."""
+        return f"vllm AsyncLLM({self._kwargs})"
 
     async def _create(self) -> tuple[Any, dict[str, Any]]:
         return _create_async_llm(self._kwargs)
 
-    async def shutdown(self) -> None:
-        """Shut the ``AsyncLLM`` and its processes down and stop the thread (idempotent)."""
-        self._state = "closed"
-        await self._stop()
-
-    async def _stop(self) -> None:
+    async def unload(self) -> None:
+        """Shut the ``AsyncLLM`` and its processes down and stop the thread."""
         thread, self._thread = self._thread, None
         llm, self._llm = self._llm, None
         if thread is None:
@@ -301,9 +255,7 @@ class VLLMEngine(Engine):
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Generate one sample; errors come back in ``GenerationResult.error``."""
-        problem = self._not_serving() or request_error(
-            request, vocab_size=self._info.get("vocab_size"), max_total_tokens=self._info.get("max_model_len")
-        )
+        problem = self.refusal(request)
         if problem is not None:
             return error_result(request, problem)
         thread = self._thread
@@ -322,11 +274,11 @@ class VLLMEngine(Engine):
 
         rid = request.request_id
         params = VLLMSamplingParams(**vllm_sampling_kwargs(request.params), output_kind=RequestOutputKind.DELTA)
-        acc = _Collected()
+        acc = CollectedOutput()
         self._live[rid] = self._live.get(rid, 0) + 1
         try:
             if rid in self._aborting:
-                return GenerationResult(rid, [], FinishReason.ABORT, [] if request.params.logprobs else None)
+                return aborted_result(request)
             stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params, rid)
             async for output in stream:
                 collect_output(acc, output)
@@ -347,19 +299,10 @@ class VLLMEngine(Engine):
             return error_result(request, f"vllm engine crashed: {self._problem}")
         return error_result(request, f"vllm rejected the request: {type(exc).__name__}: {exc}")
 
-    def _not_serving(self) -> str | None:
-        if self._state != "running" or self._thread is None:
-            return f"vllm engine is {self._state}, not running"
-        if self._problem is not None or self._llm.errored:
-            return f"vllm engine crashed: {self._problem or 'its EngineCore is dead'}"
-        if self._asleep:
-            return "vllm engine is asleep (its memory is released); call wake() first"
-        return None
-
     async def abort(self, request_id: str) -> None:
         """End the request; its ``generate`` returns ``ABORT`` with the tokens so far."""
         thread = self._thread
-        if thread is None or self._state != "running":
+        if thread is None or self.status is not EngineStatus.RUNNING:
             return
         with contextlib.suppress(Exception):
             await asyncio.wrap_future(thread.submit(self._abort(request_id)))
@@ -369,59 +312,49 @@ class VLLMEngine(Engine):
             self._aborting.add(request_id)
             await self._llm.abort(request_id)
 
-    # ------------------------------------------------------------------ health, memory, identity
+    # ------------------------------------------------------------------ crash, memory, identity
 
-    async def health(self) -> None:
-        """Raise unless the EngineCore is alive and the engine really generates a token."""
-        problem = self._not_serving()
-        if problem is not None:
-            raise EngineError(problem)
-        await super().health()
-
-    def health_token_id(self) -> int:
-        """The model's BOS token (or 0)."""
-        return bos_or_zero(self._info.get("bos_token_id"), self._info.get("vocab_size"))
+    def crash(self) -> str | None:
+        """Why the EngineCore is dead (``EngineDeadError``), or ``None``."""
+        if self._problem is not None or (self._llm is not None and self._llm.errored):
+            return self._problem or "its EngineCore is dead"
+        return None
 
     @property
     def sleep_supported(self) -> bool:
         """True when :meth:`sleep` really releases memory (CUDA with ``enable_sleep_mode=True``)."""
-        return self._info.get("device") == "cuda" and bool(self._kwargs.get("enable_sleep_mode"))
+        return self.info.get("device") == "cuda" and bool(self._kwargs.get("enable_sleep_mode"))
 
-    async def sleep(self) -> None:
-        """Release GPU memory (weights offloaded, KV cache dropped) while idle; no-op where unsupported."""
-        await self._set_memory(release=True)
+    def requests_in_flight(self) -> int:
+        """Request ids being streamed."""
+        return len(self._live)
 
-    async def wake(self) -> None:
-        """Undo :meth:`sleep`."""
-        await self._set_memory(release=False)
-
-    async def _set_memory(self, release: bool) -> None:
-        if not self.sleep_supported or release == self._asleep:
-            return
-        if release and self._live:
-            raise EngineError(f"vllm engine has {len(self._live)} requests in flight; sleep needs it idle")
+    async def set_memory(self, release: bool) -> None:
+        """``AsyncLLM.sleep(level=1)`` (weights offloaded, KV cache dropped) or ``wake_up()``."""
         call = self._llm.sleep(level=1) if release else self._llm.wake_up()
         await asyncio.wrap_future(self._thread.submit(call))
-        self._asleep = release
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
         """The tokenizer's EOS id(s); known after :meth:`start`."""
-        return frozenset(self._info.get("eos_token_ids") or ())
+        return frozenset(self.info.get("eos_token_ids") or ())
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary size; known after :meth:`start`."""
+        return self.info.get("vocab_size")
+
+    @property
+    def max_total_tokens(self) -> int | None:
+        """vLLM's ``max_model_len``; known after :meth:`start`."""
+        return self.info.get("max_model_len")
 
     @property
     def capacity(self) -> int | None:
         """vLLM's ``max_num_seqs`` (the scheduler's running sequences), read after :meth:`start`."""
-        value = self._info.get("max_num_seqs")
+        value = self.info.get("max_num_seqs")
         return int(value) if isinstance(value, int) and value > 0 else None
 
-    def describe(self) -> dict[str, Any]:
-        """Engine, model, the ``AsyncEngineArgs`` used and what vLLM resolved (version, dtype, limits)."""
-        info = super().describe()
-        info.update(
-            model=self.model,
-            supports_seed=self.supports_seed,
-            engine_args=dict(self._kwargs or self.engine_args),
-            **self._info,
-        )
-        return info
+    def described_args(self) -> dict[str, Any]:
+        """The ``AsyncEngineArgs`` used (``engine_args`` before :meth:`start`)."""
+        return dict(self._kwargs or self.engine_args)

@@ -27,60 +27,27 @@ which the CI lanes count as a failure.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import json
 import math
-import threading
-import traceback
 import unittest
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any, ClassVar, TypeVar
 
-from daskgen.engines.base import Engine, FinishReason, GenerationRequest, GenerationResult, SamplingParams
+from daskgen.engines.base import (
+    Engine,
+    EngineStatus,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+)
 from daskgen.errors import ConfigError, EngineError
+from daskgen.testing.harness import EventLoopThread, check_result, gather, longest_running, run_checks
 
 __all__ = ["EngineConformance", "EventLoopThread", "longest_running", "run_conformance"]
 
 _T = TypeVar("_T")
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0)
-
-
-class EventLoopThread:
-    """An asyncio event loop running in a daemon thread; :meth:`run` executes coroutines on it."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="daskgen-conformance-loop", daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, _T], timeout: float) -> _T:
-        """Run ``coro`` on the loop; raise ``TimeoutError`` after ``timeout`` seconds."""
-        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self.loop)
-        try:
-            return future.result(timeout + 10)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise
-
-    def close(self) -> None:
-        """Cancel what still runs on the loop, stop it and join the thread."""
-        if self.loop.is_closed():
-            return
-        with contextlib.suppress(Exception):
-            self.run(_cancel_other_tasks(), timeout=10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
-        if not self._thread.is_alive():
-            self.loop.close()
-
-
-async def _cancel_other_tasks() -> None:
-    me = asyncio.current_task()
-    tasks = [t for t in asyncio.all_tasks() if t is not me]
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class EngineConformance:
@@ -192,7 +159,7 @@ class EngineConformance:
     async def one(self, request: GenerationRequest) -> GenerationResult:
         """Generate ``request`` alone and check the result is well formed."""
         result = await self.engine.generate(request)
-        _check_result(request, result)
+        check_result(request, result)
         return result
 
     async def _long_candidates(self, count: int) -> list[tuple[GenerationRequest, list[int]]]:
@@ -203,7 +170,7 @@ class EngineConformance:
         ]
         found = []
         for request, result in zip(probes, await self.generate_all(probes), strict=True):
-            _check_result(request, result)
+            check_result(request, result)
             if result.finish_reason == FinishReason.LENGTH:
                 found.append((request, result.output_ids))
         if not found:
@@ -235,7 +202,7 @@ class EngineConformance:
     def test_start_and_health(self) -> None:
         """start() (in setup) worked; health() really generates, also twice at once."""
         self.run(self.engine.health())
-        self.run(_gather(self.engine.health(), self.engine.health()))
+        self.run(gather(self.engine.health(), self.engine.health()))
 
     def test_capacity(self) -> None:
         """capacity (batch slots, sizes ``window: auto``) is unknown (None) or a positive int."""
@@ -256,7 +223,7 @@ class EngineConformance:
         requests += [self.request(f"cap-s{i}", i, max_new_tokens=cap, temperature=1.0, seed=i) for i in range(8)]
         results = self.run(self.generate_all(requests))
         for request, result in zip(requests, results, strict=True):
-            _check_result(request, result)
+            check_result(request, result)
             assert result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH), result
             if result.finish_reason == FinishReason.LENGTH:
                 assert len(result.output_ids) == cap, result
@@ -331,7 +298,7 @@ class EngineConformance:
         ]
         results = self.run(self.generate_all(requests))
         for request, result in zip(requests, results, strict=True):
-            _check_result(request, result)
+            check_result(request, result)
             assert result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH), result
         greedy = [(q, r) for q, r in zip(requests, results, strict=True) if q.params.temperature == 0.0]
         checked = sorted(greedy, key=lambda pair: -pair[0].params.max_new_tokens)[:6]
@@ -351,7 +318,7 @@ class EngineConformance:
         for attempt in range(self.arrival_attempts):
             this_long = GenerationRequest(f"long-{attempt}", long_request.prompt_ids, long_request.params)
             order, long_result, short_result = self.run(self._short_after_long(this_long))
-            _check_result(this_long, long_result)
+            check_result(this_long, long_result)
             assert len(short_result.output_ids) == 1, short_result
             orders.append(order)
             if order[0] == "short":
@@ -393,7 +360,7 @@ class EngineConformance:
         ]
         results = self.run(self._abort_after_delay(longs))
         for request, (_, probe), result in zip(longs, candidates, results, strict=True):
-            _check_result(request, result)
+            check_result(request, result)
             assert result.finish_reason == FinishReason.ABORT, result
             n = len(result.output_ids)
             assert n < self.long_max_new_tokens and result.output_ids == probe[:n], (result.output_ids, probe[:n])
@@ -443,45 +410,29 @@ class EngineConformance:
             self.run(engine.shutdown())
 
     def test_shutdown_is_idempotent(self) -> None:
-        """shutdown() works unstarted, twice, and generate() afterwards fails cleanly."""
-        self.run(self.make_engine().shutdown())
+        """shutdown() works unstarted, twice, and generate() afterwards fails cleanly; start() runs once."""
+        unstarted = self.make_engine()
+        self.run(unstarted.shutdown())
+        assert unstarted.status is EngineStatus.CLOSED, unstarted.status
+        try:
+            self.run(unstarted.start())
+        except EngineError:
+            pass
+        else:
+            raise AssertionError("start() after shutdown() did not raise EngineError")
         engine = self.make_engine()
         self.run(engine.start(), self.start_timeout_s)
+        assert engine.status is EngineStatus.RUNNING, engine.status
         request = self.request("before-shutdown", 1, max_new_tokens=2)
         assert self.run(engine.generate(request)).error is None
         self.run(engine.shutdown())
         self.run(engine.shutdown())
+        assert engine.status is EngineStatus.CLOSED, engine.status
         try:
             late = self.run(engine.generate(request))
         except EngineError:
             return
         assert late.error is not None and late.finish_reason == FinishReason.ERROR, late
-
-
-def _check_result(request: GenerationRequest, result: GenerationResult) -> None:
-    """Shape checks every successful result must pass."""
-    assert isinstance(result, GenerationResult), result
-    assert result.request_id == request.request_id, (result.request_id, request.request_id)
-    assert result.error is None, result.error
-    assert all(isinstance(t, int) for t in result.output_ids), result.output_ids
-    assert len(result.output_ids) <= request.params.max_new_tokens, (len(result.output_ids), request.params)
-    if request.params.logprobs:
-        assert result.logprobs is not None and len(result.logprobs) == len(result.output_ids), result
-    else:
-        assert result.logprobs is None, result
-
-
-async def longest_running(engine: Engine, requests: Sequence[GenerationRequest]) -> GenerationRequest:
-    """Generate ``requests`` on ``engine`` at once; the one whose output came out longest.
-
-    For order checks that need a request that keeps running: with greedy requests the same request
-    runs as long again."""
-    results = await asyncio.gather(*(engine.generate(request) for request in requests))
-    return max(zip(requests, results, strict=True), key=lambda pair: len(pair[1].output_ids))[0]
-
-
-async def _gather(*aws: Awaitable[Any]) -> list[Any]:
-    return list(await asyncio.gather(*aws))
 
 
 def run_conformance(
@@ -496,21 +447,4 @@ def run_conformance(
         (EngineConformance,),
         {"engine_class": engine_class, "model": model, "engine_args": dict(engine_args or {}), **tunables},
     )
-    report: dict[str, str] = {}
-    suite.setup_class()
-    try:
-        instance = suite()
-        for name in sorted(n for n in dir(suite) if n.startswith("test_")):
-            if name in suite.not_applicable:
-                report[name] = f"not applicable: {suite.not_applicable[name]}"
-                continue
-            try:
-                getattr(instance, name)()
-                report[name] = "passed"
-            except unittest.SkipTest as exc:
-                report[name] = f"skipped: {exc}"
-            except Exception as exc:  # a report, not a crash: every check runs
-                report[name] = f"failed: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
-    finally:
-        suite.teardown_class()
-    return report
+    return run_checks(suite)

@@ -21,15 +21,18 @@ from daskgen.engines.base import Engine, GenerationRequest, GenerationResult
 
 
 class _Wrapper(Engine):
-    """Delegates abort/shutdown/health token to the real ``inner`` engine."""
+    """Delegates start/abort/shutdown/health token to the real ``inner`` engine."""
 
     inner: Engine
 
+    async def load(self) -> None:
+        await self.inner.start()
+
+    async def unload(self) -> None:
+        await self.inner.shutdown()
+
     async def abort(self, request_id: str) -> None:
         await self.inner.abort(request_id)
-
-    async def shutdown(self) -> None:
-        await self.inner.shutdown()
 
     def health_token_id(self) -> int:
         return self.inner.health_token_id()
@@ -71,9 +74,6 @@ class RecordingEngine(_Wrapper):
     def is_simulated(cls, engine_args: dict[str, Any]) -> bool:
         return resolve_engine_class(engine_args.get("inner", "simulated")).is_simulated(engine_args)
 
-    async def start(self) -> None:
-        await self.inner.start()
-
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         if request.request_id != "daskgen-health" and self.log_path:
             with open(self.log_path, "a") as fh:
@@ -110,7 +110,7 @@ class ScriptedToolEngine(_Wrapper):
         self.script = {int(k): v for k, v in (script or {}).items()}
         self.tokenizer: Any = None
 
-    async def start(self) -> None:
+    async def load(self) -> None:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model)
