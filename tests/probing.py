@@ -7,10 +7,15 @@ and wait for events instead of guessing how long something takes.
 
 from __future__ import annotations
 
+import http.client
+import http.server
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 from daskgen.testing.probes import read_events, row_of
 
@@ -85,3 +90,86 @@ class OutputLines:
         """Wait for the end of the output; returns all of it."""
         self._thread.join(timeout)
         return self.text()
+
+
+class InFlightProxy:
+    """TEST DOUBLE: a stdlib reverse proxy in front of a real server that counts what is in flight.
+
+    Everything is forwarded to ``upstream`` unchanged (bodies buffered, streams included).
+    ``in_flight`` counts requests forwarded and not answered yet; ``broken`` those whose upstream
+    connection broke after they were sent (the server died under them), ``refused`` those the
+    upstream refused (no server).  In both cases the proxy closes the client's connection without
+    an answer, as a dead server would.
+    """
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.in_flight = self.broken = self.refused = 0
+        self._lock = threading.Lock()
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def wait_for(self, counter: str, timeout: float = 120.0) -> int:
+        """Wait until ``counter`` (``in_flight``, ``broken``, ``refused``) is above zero; returns it."""
+        deadline = time.monotonic() + timeout
+        while not getattr(self, counter):
+            assert time.monotonic() < deadline, f"proxy: {counter} still 0 after {timeout} s"
+            time.sleep(0.01)
+        return getattr(self, counter)
+
+    def _count(self, name: str, step: int) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + step)
+
+    def _handler(self) -> type[http.server.BaseHTTPRequestHandler]:
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:  # quiet
+                pass
+
+            def do_GET(self) -> None:
+                self._relay("GET")
+
+            def do_POST(self) -> None:
+                self._relay("POST")
+
+            def _relay(self, method: str) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length") or 0)) if method == "POST" else None
+                headers = {k: v for k, v in self.headers.items() if k.lower() in ("content-type", "authorization")}
+                forward = urllib.request.Request(proxy.upstream + self.path, data=body, method=method, headers=headers)
+                proxy._count("in_flight", 1)
+                try:
+                    with urllib.request.urlopen(forward, timeout=120) as response:
+                        status, kind, payload = (
+                            response.status,
+                            response.headers.get("content-type", ""),
+                            response.read(),
+                        )
+                except urllib.error.HTTPError as exc:
+                    status, kind, payload = exc.code, exc.headers.get("content-type", ""), exc.read()
+                except (OSError, http.client.HTTPException) as exc:
+                    refused = isinstance(getattr(exc, "reason", None), ConnectionRefusedError)
+                    proxy._count("refused" if refused else "broken", 1)
+                    self.close_connection = True  # no answer: the client sees a dead server
+                    return
+                finally:
+                    proxy._count("in_flight", -1)
+                self.send_response(status)
+                self.send_header("content-type", kind)
+                self.send_header("content-length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+        return Handler
