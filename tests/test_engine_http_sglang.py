@@ -418,18 +418,52 @@ def _wait_for_commits(store: Path, at_least: int, timeout: float = 900) -> None:
     )
 
 
+def _requests_in_flight(log_dir: Path) -> set[str]:
+    """The partition requests a server received and did not finish, from its own request log
+    (``--log-requests`` in JSON lines, written to ``log_dir``)."""
+    received, finished = set(), set()
+    for path in log_dir.glob("*.log*"):
+        for line in path.read_text().splitlines():
+            try:
+                event = json.loads(line[line.index("{") :])
+            except ValueError:  # not a request record
+                continue
+            rid = str(event.get("rid", ""))
+            if rid.startswith("p"):  # a partition's sample, not a health check
+                {"request.received": received, "request.finished": finished}.get(event.get("event"), set()).add(rid)
+    return received - finished
+
+
+def _wait_for_requests_in_flight(log_dir: Path, timeout: float = 600) -> set[str]:
+    deadline = time.monotonic() + timeout
+    while not (flying := _requests_in_flight(log_dir)):
+        assert time.monotonic() < deadline, f"the server's request log shows nothing in flight after {timeout} s"
+        time.sleep(0.1)
+    return flying
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_run_with_managed_server_survives_its_death(tmp_path: Path) -> None:
     """``daskgen run --engine openai`` (managed): the server is killed mid-run, the plugin restarts the
-    engine (a new server), the partition is retried, and the run ends with every prompt done."""
+    engine (a new server), the partition is retried, and the run ends with every prompt done.
+
+    The server logs every request it receives and finishes (sglang's ``--log-requests``, JSON lines in
+    a folder of the test's): the test kills it while that log shows partition requests in flight, and
+    checks after the kill that they never finished there."""
     import xarray as xr
 
     from tests.conftest import popen_cli, write_prompts
 
     model = str(shutil.copytree(tiny_model(), tmp_path / "model"))  # its own path: other servers here use tiny_model()
     prompts = write_prompts(tmp_path / "p.jsonl", 16)
-    out = tmp_path / "out.zarr"
+    out, log_dir = tmp_path / "out.zarr", tmp_path / "server-requests"
+    requests_log = {
+        "log_requests": True,
+        "log_requests_level": 0,
+        "log_requests_format": "json",
+        "log_requests_target": [str(log_dir)],
+    }
     run = popen_cli(
         "run",
         "--prompts",
@@ -452,13 +486,19 @@ def test_run_with_managed_server_survives_its_death(tmp_path: Path) -> None:
         "4",
         "--max-retries",
         "3",
+        "--engine-arg",
+        "server_args=" + json.dumps(requests_log),
         env={"TMPDIR": str(tmp_path)},
     )  # the killed server's log stays in tmp_path
     try:
         first = _wait_for_server(model, set())
         assert first.parent().pid != os.getpid(), "found a server of this test process, not of the run"
         _wait_for_commits(out, 4)  # the first partition is done, the next ones are being generated
+        _wait_for_requests_in_flight(log_dir)
         first.kill()
+        assert _ends(first)
+        cut = _requests_in_flight(log_dir)  # the next server is not up yet: this is the killed one's log
+        assert cut, "no request was in flight when the server died"
         second = _wait_for_server(model, {first.pid})
         output, _ = run.communicate(timeout=900)
     finally:

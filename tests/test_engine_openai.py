@@ -537,17 +537,24 @@ async def _gather_burst(engine: OpenAIEngine, n: int, tag: str) -> list[Any]:
 def test_zz_server_killed_mid_run() -> None:
     """Killed mid-run and restarted during the backoff: every request completes after retries.
 
-    Killed for good: requests come back with errors after their retries (nothing is raised) and
-    health() fails, so the plugin would restart the engine.  Runs last: it kills the shared server.
+    The patient engine talks to the server through :class:`tests.probing.InFlightProxy` (a test double
+    that forwards everything and counts what is in flight), so the test kills the server once a request
+    is in flight and checks that one really broke under it.  Killed for good: requests come back with
+    errors after their retries (nothing is raised) and health() fails, so the plugin would restart the
+    engine.  Runs last: it kills the shared server.
     """
+    from tests.probing import InFlightProxy
+
     server = shared_server()
-    patient, runner = started(base_url=server.url, max_retries=6, backoff_s=1.0)
+    proxy = InFlightProxy(server.url)
+    patient, runner = started(base_url=proxy.url, max_retries=6, backoff_s=1.0)
     quick = OpenAIEngine(tiny_model(), base_url=server.url, max_retries=1, backoff_s=0.1)
     try:
         runner.run(quick.start(), 120)
         future = asyncio.run_coroutine_threadsafe(_gather_burst(patient, 8, "survive"), runner.loop)
-        time.sleep(1.0)
+        proxy.wait_for("in_flight")
         server.stop(signal.SIGKILL)
+        assert proxy.wait_for("broken", timeout=30) and not future.done(), "a request broke when the server died"
         server.start()  # same port; the retries (after about 1, 2, 4, 8, ... s) span the restart
         results = future.result(timeout=300)
         assert all(r.error is None and r.output_ids for r in results), [r.error for r in results]
@@ -562,6 +569,7 @@ def test_zz_server_killed_mid_run() -> None:
     finally:
         runner.run(quick.shutdown(), 60)
         stop(patient, runner)
+        proxy.close()
         server.stop(signal.SIGKILL)
 
 

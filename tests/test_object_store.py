@@ -24,6 +24,7 @@ from daskgen.errors import StoreLockedError
 from daskgen.store.location import LocalLocation, ObjectLocation, locate
 from daskgen.store.lock import LOCK_NAME, StoreLock
 from tests.conftest import popen_cli, run_cli, write_prompts
+from tests.probing import gate_args, probe_args, wait_for_arrival
 from tests.test_reliability import COMPARED
 from tests.test_run import sim_args
 
@@ -183,24 +184,32 @@ def test_object_lock_refuses_a_second_client_takes_over_stale_and_detects_loss(s
 
 def test_s3_second_client_refused_client_killed_then_resumed(tmp_path, s3):
     bucket, env = s3
-    prompts = write_prompts(tmp_path / "p.jsonl", 160)
+    prompts = write_prompts(tmp_path / "p.jsonl", 40)
     common = ["--prompts", prompts, "--partition-size", "4", "--window", "1", "--seed", "3", "--no-progress"]
     local = tmp_path / "local.zarr"
     assert run_cli("run", *sim_args(tmp_path, local, *common, log="ref.log")).returncode == 0
-    url = f"s3://{bucket}/kill.zarr"
-    first = popen_cli("run", *sim_args(tmp_path, url, *common, log="first.log", step=1.0), env=env)
-    _wait_done(url, first, minimum=4)
-    second = run_cli("run", *sim_args(tmp_path, url, *common, log="second.log"), env=env)
+    url, gate = f"s3://{bucket}/kill.zarr", tmp_path / "gate"
+    # the probe engine holds the last partition until `gate` exists (never): the first run is still going
+    first = popen_cli("run", *probe_args(tmp_path, url, *common, *gate_args(gate, [36, 37, 38, 39])), env=env)
+    try:
+        wait_for_arrival(tmp_path / "events.log", first, row=36)
+        _wait_done(url, first, minimum=36)
+        assert locate(url).read_bytes(LOCK_NAME) is not None, "the first run holds the lock"
+        second = run_cli("run", *probe_args(tmp_path, url, *common, events="second.log"), env=env)
+        assert first.poll() is None, "the first run was still going while the second one started"
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
     assert second.returncode == 2, second.stdout + second.stderr
     assert "in use by another daskgen run" in second.stderr and f"pid {first.pid}" in second.stderr
-    os.killpg(first.pid, signal.SIGKILL)
-    first.wait()
-    done_before = store.GenerationStore.open(url).read_status() == store.DONE
-    assert 0 < done_before.sum() < 160
+    assert not (tmp_path / "second.log").exists(), "the refused run generated nothing"
+    assert (store.GenerationStore.open(url).read_status() == store.DONE).sum() == 36, (
+        "all but the held partition committed"
+    )
     assert locate(url).read_bytes(LOCK_NAME) is not None, "a killed client leaves its lock behind"
-    third = run_cli("run", *sim_args(tmp_path, url, *common, log="third.log"), env=env)
+    third = run_cli("run", *probe_args(tmp_path, url, *common, events="third.log"), env=env)
     assert third.returncode == 0, third.stdout + third.stderr
-    assert "160 done" in third.stdout and locate(url).read_bytes(LOCK_NAME) is None
+    assert "40 done" in third.stdout and locate(url).read_bytes(LOCK_NAME) is None
     _same(local, url)
 
 

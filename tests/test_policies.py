@@ -9,6 +9,7 @@ import xarray as xr
 from daskgen import store
 from daskgen.config import RunConfig
 from daskgen.errors import ConfigError
+from daskgen.testing.probes import in_flight_after, peak_in_flight, read_events, row_of
 from tests.conftest import run_cli, write_prompts
 from tests.test_run import calls, sim_args
 
@@ -16,16 +17,22 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_prompts_in_memory_stay_under_the_cap(tmp_path):
+    """The engine itself never holds more prompts than ``max_prompts_in_memory``, and the cap really binds.
+
+    Observed by a probe engine (daskgen.testing.probes) that records every request reaching the engine:
+    the window (8 partitions of 4) alone would allow 32 prompts in flight; the cap of 12 allows 3
+    partitions, and requests last long enough (20 steps) that those 3 overlap.
+    """
     from daskgen.client.runner import run
 
-    prompts = write_prompts(tmp_path / "p.jsonl", 120)
+    events = tmp_path / "events.log"
     cfg = RunConfig(
-        prompts=str(prompts),
+        prompts=str(write_prompts(tmp_path / "p.jsonl", 120)),
         model="sim",
         store=str(tmp_path / "out.zarr"),
-        engine="simulated",
-        engine_args={"time_scale": 0.0},
-        max_new_tokens=8,
+        engine="daskgen.testing.probes:ProbeEngine",
+        engine_args={"events_path": str(events), "length_dist": "fixed", "length_mean": 20, "time_scale": 1.0},
+        max_new_tokens=20,
         max_prompt_tokens=128,
         partition_size=4,
         window=8,
@@ -33,23 +40,12 @@ def test_prompts_in_memory_stay_under_the_cap(tmp_path):
         max_prompts_in_memory=12,
         progress=False,
     )
-    from daskgen.client import driver
-
-    seen = []
-    original = driver.drive
-
-    def spy(client, live, tasks, info=None, n_pending=0):
-        out = original(client, live, tasks, info, n_pending)
-        seen.append(live.peak_prompts)
-        return out
-
-    driver.drive = spy
-    try:
-        summary = run(cfg)
-    finally:
-        driver.drive = original
+    summary = run(cfg, handle_signals=False)
     assert summary.done == 120
-    assert 0 < seen[0] <= 12, f"peak prompts held {seen[0]} > cap 12 (input has 120)"
+    seen = read_events(events)
+    assert {row_of(e.request_id) for e in seen} == set(range(120)), "every prompt reached the engine"
+    peak = peak_in_flight(seen)
+    assert 8 < peak <= 12, f"the engine held at most {peak} prompts at once (cap 12, three partitions of 4)"
 
 
 def test_target_done_stops_early_and_keeps_groups_pending(tmp_path):
@@ -71,13 +67,39 @@ def test_target_done_stops_early_and_keeps_groups_pending(tmp_path):
     assert not any(done[sorted(regenerated)])
 
 
-def test_deadline_aborts_in_flight_and_keep_partial_continues_the_prefix(tmp_path):
+@pytest.fixture
+def own_cluster():
+    """A cluster started by the test, so that a run joining it does not count cluster start-up."""
+    import dask
+    from distributed import Client, LocalCluster
+
+    with (
+        dask.config.set({"distributed.worker.daemon": False}),
+        LocalCluster(n_workers=1, threads_per_worker=4, processes=True, dashboard_address=":0") as lc,
+        Client(lc) as client,
+    ):
+        client.wait_for_workers(1)
+        yield lc
+
+
+def test_deadline_aborts_in_flight_and_keep_partial_continues_the_prefix(tmp_path, own_cluster):
+    """A deadline aborts the requests in flight; their partial responses are kept and continued.
+
+    The run joins the test's own cluster, so the deadline (8 s) counts only the run's own start
+    (reading prompts, starting the simulated engine); each response takes 500 steps of 0.1 s
+    (50 s), so a deadline after the first request reached the engine lands mid-generation.  A probe
+    engine (daskgen.testing.probes) records what really was in flight.
+    """
     prompts = write_prompts(tmp_path / "p.jsonl", 8)
-    out = tmp_path / "out.zarr"
-    # long responses (fixed 500 tokens at ~0.02 s/step: ~10 s) so the deadline lands mid-generation
+    out, events = tmp_path / "out.zarr", tmp_path / "events.log"
     common = [
+        *PROBE,
+        "--engine-arg",
+        f"events_path={events}",
         "--prompts",
         prompts,
+        "--store",
+        out,
         "--partition-size",
         "4",
         "--max-new-tokens",
@@ -88,24 +110,43 @@ def test_deadline_aborts_in_flight_and_keep_partial_continues_the_prefix(tmp_pat
         "--engine-arg",
         "length_mean=500",
         "--keep-partial",
+        "--scheduler-address",
+        own_cluster.scheduler_address,
     ]
-    res = run_cli("run", *sim_args(tmp_path, out, *common, step=1.0), "--deadline", "7s")
+    res = run_cli("run", *common, "--engine-arg", "time_scale=5.0", "--deadline", "8s")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "stopped early: deadline 7s reached" in res.stdout
+    assert "stopped early: deadline 8s reached" in res.stdout
+    first = read_events(events)
+    arrived = {row_of(e.request_id) for e in first if e.kind == "arrive"}
+    assert arrived, "no request reached the engine before the deadline"
+    assert in_flight_after(first) == {e.pid: set() for e in first}, "every request in flight ended (aborted)"
     ds = xr.open_zarr(out)
     assert (ds.status.values == store.PENDING).all(), "aborted prompts stay pending"
     partial, reason = ds.response_length.values[:, 0], ds.finish_reason.values[:, 0]
     started = reason == 2
-    assert started.any() and ((partial[started] > 0) & (partial[started] < 500)).all()
+    assert set(np.flatnonzero(started).tolist()) == arrived, "exactly the requests in flight hold partial responses"
+    assert ((partial[started] > 0) & (partial[started] < 500)).all(), partial
     assert (reason[~started] == -1).all()
     prefix = {i: ds.response_ids.values[i, 0, : partial[i]].copy() for i in np.flatnonzero(started)}
-    res = run_cli("run", *sim_args(tmp_path, out, *common))
+    res = run_cli("run", *common, "--engine-arg", "time_scale=0")
     assert res.returncode == 0 and "8 done" in res.stdout, res.stdout + res.stderr
     ds = xr.open_zarr(out)
     # continued to the full budget (the simulated natural length is 500 from the start, so the tail hits length)
     assert (ds.response_length.values[:, 0] == 500).all() and (ds.finish_reason.values[:, 0] >= 0).all()
     for i, ids in prefix.items():
         np.testing.assert_array_equal(ds.response_ids.values[i, 0, : len(ids)], ids)
+
+
+PROBE = [
+    "--engine",
+    "daskgen.testing.probes:ProbeEngine",
+    "--engine-arg",
+    "inner=simulated",
+    "--model",
+    "sim",
+    "--max-prompt-tokens",
+    "128",
+]
 
 
 def test_policy_settings_are_validated():

@@ -20,7 +20,9 @@ import xarray as xr
 from daskgen import store
 from daskgen.client.interrupt import EXIT_INTERRUPTED, Interrupt, _parse_slurm_time
 from daskgen.engines.base import FinishReason
+from daskgen.testing.probes import in_flight_after, read_events
 from tests.conftest import popen_cli, run_cli, write_prompts
+from tests.probing import OutputLines, gate_args, probe_args, wait_for_arrival
 from tests.test_run import _wait_for_some_done, sim_args
 
 pytestmark = pytest.mark.timeout(300)
@@ -135,23 +137,29 @@ def test_sigterm_keeps_finished_and_partial_work_and_the_rerun_continues_it_toke
 
 
 def test_a_second_signal_stops_at_once_and_keeps_what_was_committed(tmp_path):
+    """The probe engine (daskgen.testing.probes) holds the last partition at a gate that never opens, so
+    after the first SIGINT the graceful stop waits for it (up to the 120 s grace): the second SIGINT,
+    sent once the first was acknowledged, lands while the stop is under way."""
     prompts = write_prompts(tmp_path / "p.jsonl", 16)
-    out = tmp_path / "out.zarr"
+    out, gate, events = tmp_path / "out.zarr", tmp_path / "gate", tmp_path / "events.log"
     common = ["--prompts", prompts, "--partition-size", "2", "--grace", "120s", "--n-workers", "1", *LONG]
-    # the test fault hook holds every commit for 8 s, so the second signal lands while the stop is under way
-    proc = popen_cli(
-        "run", *sim_args(tmp_path, out, *common, log="first.log", step=1.0), env={"DASKGEN_TEST_COMMIT_DELAY_S": "8"}
-    )
-    done_before = _wait_for_some_done(out, proc, minimum=2)
-    os.kill(proc.pid, signal.SIGINT)
-    time.sleep(1.0)
-    os.kill(proc.pid, signal.SIGINT)
-    output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 130, output
-    assert "again: stopping now" in output
+    proc = popen_cli("run", *probe_args(tmp_path, out, *common, *gate_args(gate, [14, 15]), step=1.0))
+    output = OutputLines(proc)
+    try:
+        wait_for_arrival(events, proc, row=14)
+        done_before = _wait_for_some_done(out, proc, minimum=2)
+        os.kill(proc.pid, signal.SIGINT)
+        output.wait_for("SIGINT received: stopping")
+        assert proc.poll() is None and any(in_flight_after(read_events(events)).values()), "the stop is under way"
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 130, output.join()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "again: stopping now" in output.join()
     assert (store.GenerationStore.open(out).read_status()[done_before] == store.DONE).all()
     assert _group_gone(proc.pid)
-    res = run_cli("run", *sim_args(tmp_path, out, *common, log="second.log"))
+    res = run_cli("run", *probe_args(tmp_path, out, *common, events="second.log"))
     assert res.returncode == 0 and "16 done" in res.stdout, res.stdout + res.stderr
 
 
@@ -328,7 +336,7 @@ def test_allocation_end_stops_the_run_gracefully(tmp_path):
 
 def test_exit_status_mapping():
     from daskgen.cli import exit_status
-    from daskgen.client.run_summary import RunSummary
+    from daskgen.client.runner import RunSummary
 
     assert exit_status(RunSummary("s", 4, 4, 0, 0)) == 0
     assert exit_status(RunSummary("s", 4, 3, 1, 0)) == 1

@@ -17,6 +17,7 @@ from daskgen.analysis.accessor import open_store
 from daskgen.errors import StoreLockedError
 from daskgen.store.lock import LOCK_NAME, StoreLock
 from tests.conftest import popen_cli, run_cli, write_prompts
+from tests.probing import gate_args, probe_args, wait_for_arrival
 from tests.test_run import _wait_for_some_done, calls, sim_args
 
 pytestmark = pytest.mark.timeout(300)
@@ -101,23 +102,36 @@ def test_worker_sigkill_mid_run_completes_exactly_once(tmp_path, cluster):
 
 
 def test_client_killed_between_data_write_and_commit(tmp_path):
+    """The worker has written a partition's data, the client has not committed it: nothing is done.
+
+    The probe engine (daskgen.testing.probes) holds partition 0 at a gate; once it reached the engine
+    the test stops the client process (SIGSTOP: its worker processes go on), opens the gate, waits for
+    the worker to write the partition's data, and kills everything.
+    """
     prompts = write_prompts(tmp_path / "p.jsonl", 16)
     common = ["--prompts", prompts, "--partition-size", "4", "--seed", "5", "--window", "1", "--no-progress"]
     ref = reference(tmp_path, common)
-    out = tmp_path / "out.zarr"
-    env = {"DASKGEN_TEST_COMMIT_DELAY_S": "30"}
-    proc = popen_cli("run", *sim_args(tmp_path, out, *common, log="first.log"), env=env)
-    chunk = out / "response_length" / "c" / "0" / "0"
-    deadline = time.monotonic() + 120
-    while not chunk.exists():  # the worker wrote partition 0's data; the client now sleeps before committing
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    out, gate = tmp_path / "out.zarr", tmp_path / "gate"
+    proc = popen_cli("run", *probe_args(tmp_path, out, *common, *gate_args(gate, [0, 1, 2, 3])))
+    try:
+        wait_for_arrival(tmp_path / "events.log", proc, row=0)
+        os.kill(proc.pid, signal.SIGSTOP)  # the client can no longer commit
+        gate.touch()
+        chunk = out / "response_length" / "c" / "0" / "0"
+        deadline = time.monotonic() + 120
+        while not chunk.exists():  # the worker writes partition 0's data
+            assert time.monotonic() < deadline, "the worker did not write partition 0"
+            time.sleep(0.05)
+        assert (store.GenerationStore.open(out).read_status() == store.PENDING).all(), (
+            "the stopped client committed nothing"
+        )
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     assert (store.GenerationStore.open(out).read_status() == store.PENDING).all(), (
         "no row may be done without its commit"
     )
-    res = run_cli("run", *sim_args(tmp_path, out, *common, log="second.log"))
+    res = run_cli("run", *probe_args(tmp_path, out, *common, events="second.log"))
     assert res.returncode == 0, res.stdout + res.stderr
     assert_same_store(ref, out)
 
@@ -148,20 +162,27 @@ def test_hung_engine_is_detected_restarted_and_the_run_completes(tmp_path):
 
 
 def test_second_client_is_refused_and_a_stale_lock_is_taken_over(tmp_path):
-    prompts = write_prompts(tmp_path / "p.jsonl", 200)  # long enough to still run when the second client starts
-    out = tmp_path / "out.zarr"
+    prompts = write_prompts(tmp_path / "p.jsonl", 40)
+    out, gate = tmp_path / "out.zarr", tmp_path / "gate"
     common = ["--prompts", prompts, "--partition-size", "4", "--window", "1", "--no-progress"]
-    first = popen_cli("run", *sim_args(tmp_path, out, *common, step=1.0))
-    _wait_for_some_done(out, first, minimum=4)
-    second = run_cli("run", *sim_args(tmp_path, out, *common))
+    # the probe engine holds the last partition until `gate` exists (never): the first run is still going
+    first = popen_cli("run", *probe_args(tmp_path, out, *common, *gate_args(gate, [36, 37, 38, 39])))
+    try:
+        wait_for_arrival(tmp_path / "events.log", first, row=36)
+        assert _wait_for_some_done(out, first, minimum=36).sum() == 36, "all but the held partition committed"
+        assert (out / LOCK_NAME).exists()
+        second = run_cli("run", *probe_args(tmp_path, out, *common, events="second.log"))
+        assert first.poll() is None, "the first run was still going while the second one started"
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
     assert second.returncode == 2
     assert "in use by another daskgen run" in second.stderr and f"pid {first.pid}" in second.stderr
-    os.killpg(first.pid, signal.SIGKILL)
-    first.wait()
+    assert not (tmp_path / "second.log").exists(), "the refused run generated nothing"
     assert (out / LOCK_NAME).exists(), "a killed client leaves its lock behind"
-    third = run_cli("run", *sim_args(tmp_path, out, *common))
+    third = run_cli("run", *probe_args(tmp_path, out, *common, events="third.log"))
     assert third.returncode == 0, third.stdout + third.stderr
-    assert "200 done" in third.stdout and not (out / LOCK_NAME).exists()
+    assert "40 done" in third.stdout and not (out / LOCK_NAME).exists()
 
 
 def test_lock_from_another_host_expires_by_heartbeat(tmp_path):

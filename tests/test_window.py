@@ -66,8 +66,8 @@ def test_workers_advertise_the_auto_window_and_the_runner_sums_it(tmp_path):
     import dask
     from distributed import Client, LocalCluster
 
+    from daskgen.client.cluster import start_engines
     from daskgen.client.driver import in_flight_target
-    from daskgen.client.engines import start_engines
     from daskgen.client.windows import WindowBoard
     from daskgen.worker.plugin import RESOURCE, plugin_status
 
@@ -102,50 +102,83 @@ def test_workers_advertise_the_auto_window_and_the_runner_sums_it(tmp_path):
         assert in_flight_target(plan, board) == 6  # 100 prompts // 16
 
 
+def _fixed_point(rule: Admission, window: int) -> int:
+    """Where the rule settles when every running partition keeps exactly one request outstanding."""
+    while (wanted := rule.window(window, window)) != window:
+        window = wanted
+    return window
+
+
 @pytest.mark.timeout(240)
-def test_auto_window_follows_occupancy_and_the_run_completes(tmp_path):
-    """On a heavy tail the window leaves its starting value as the engine's occupancy changes (announced
-    to the client, which submits accordingly), and the run completes.  (How far it moves depends on
-    timing; the rule itself is checked exactly by ``test_admission_follows_occupancy``.)"""
+def test_auto_window_grows_to_what_the_rule_says_and_the_run_completes(tmp_path):
+    """A frozen heavy tail: a probe engine (daskgen.testing.probes) holds one sample of every partition at
+    a gate and lets the others finish at once, so each running partition keeps exactly one request
+    outstanding.  The rule then grows the window from its start (16) to the ``w`` at which ``w`` such
+    partitions ask for no more: 32 for an engine of 16 slots and 8 requests per partition.  The test
+    counts the partitions that really reach the engine: that many and no more; then it opens the gate
+    and the run completes."""
+    import threading
+
+    import dask
+    from distributed import Client, LocalCluster
+
     from daskgen import store
     from daskgen.client.runner import run
+    from daskgen.testing.probes import in_flight_after, read_events
+    from daskgen.worker.plugin import RESOURCE
 
-    rows = [f"prompt {i}" for i in range(200)]
+    events, gate = tmp_path / "events.log", tmp_path / "gate"
     config = RunConfig(
         model="sim",
         store=str(tmp_path / "s.zarr"),
-        engine="simulated",
+        engine="daskgen.testing.probes:ProbeEngine",
         n_samples=2,
         partition_size=4,
-        max_new_tokens=4000,
         max_prompt_tokens=64,
-        n_workers=1,
         progress=False,
         engine_args={
+            "events_path": str(events),
+            "gate_path": str(gate),
+            "gate_rows": list(range(0, 200, 4)),  # the first row of every partition,
+            "gate_sample": 0,  # its first sample
             "max_batch": 16,
-            "time_scale": 0.02,
-            "length_dist": "lognormal",
-            "length_mean": 300,
-            "length_sigma": 1.6,
+            "time_scale": 0.0,
         },
     )
-    seen: list[int] = []
-    from daskgen.client import windows
+    nthreads = AUTO_MAX_WINDOW + 1
+    rule = Admission.for_engine(capacity=16, requests_per_partition=8, nthreads=nthreads)
+    start = resolve_window("auto", 16, 8, nthreads)
+    expected = _fixed_point(rule, start)
+    assert (start, expected) == (16, 32)
 
-    original = windows.WindowBoard.total
+    def held() -> int:
+        return sum(len(ids) for ids in in_flight_after(read_events(events)).values())
 
-    def spy(self):
-        seen.append(original(self))
-        return seen[-1]
-
-    windows.WindowBoard.total = spy
-    try:
-        summary = run(config, rows, handle_signals=False)
-    finally:
-        windows.WindowBoard.total = original
-    assert summary.done == 200 and (store.GenerationStore.open(config.store).read_status() == store.DONE).all()
-    start = resolve_window("auto", 16, 8, AUTO_MAX_WINDOW + 1)
-    assert seen[0] == start and len(set(seen)) > 1, f"the window never moved from {start}: {sorted(set(seen))}"
+    with (
+        dask.config.set({"distributed.worker.daemon": False}),
+        LocalCluster(n_workers=1, threads_per_worker=nthreads, processes=True, dashboard_address=":0") as lc,
+        Client(lc) as client,
+    ):
+        config.scheduler_address = lc.scheduler_address
+        outcome: dict = {}
+        rows = [f"prompt {i}" for i in range(200)]
+        runner = threading.Thread(target=lambda: outcome.update(summary=run(config, rows, handle_signals=False)))
+        runner.start()
+        try:
+            deadline = time.monotonic() + 120
+            while held() < expected:
+                assert time.monotonic() < deadline and runner.is_alive(), f"{held()} partitions reached the engine"
+                time.sleep(0.1)
+            time.sleep(2.0)  # forty admission intervals: a window past the rule's would admit more by now
+            assert held() == expected, f"the engine holds {held()} partitions, the rule says {expected}"
+            resources = [w["resources"] for w in client.scheduler_info(n_workers=-1)["workers"].values()]
+            assert resources == [{RESOURCE: expected}], "the worker advertises the grown window"
+        finally:
+            gate.touch()
+            runner.join(timeout=180)
+    assert (
+        outcome["summary"].done == 200 and (store.GenerationStore.open(config.store).read_status() == store.DONE).all()
+    )
 
 
 def test_one_partition_stays_submitted_when_no_worker_admits_any():

@@ -1,0 +1,169 @@
+"""Test probes (labelled test doubles): what really reaches an engine, recorded outside the runner.
+
+A test that checks a limit (prompts in memory, the in-flight window) or a precondition (a request
+was in flight when something happened) must observe it itself instead of reading the runner's own
+counters.  :class:`ProbeEngine` wraps a real registered engine and appends one line per request
+event to a file that the test reads with :func:`read_events`:
+
+* ``arrive`` -- the request reached the engine (it is now in flight: running or queued),
+* ``end`` -- its ``generate`` returned (however it ended: finished, aborted, failed).
+
+It can also hold chosen requests at a **gate** (``gate_path``): they arrive, then wait until that
+file exists before they reach the inner engine, so a test can freeze the engine's occupancy, look
+at it, and release it.  Health checks (request id ``daskgen-health``) are neither recorded nor held.
+Never use these for real runs.
+
+Request ids of daskgen's partitions are ``p<row>-s<sample>`` (an agent may append ``-t<turn>``);
+:func:`row_of` reads the row back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from daskgen.engines import resolve_engine_class
+from daskgen.engines.base import Engine, GenerationRequest, GenerationResult
+
+__all__ = ["Event", "ProbeEngine", "in_flight_after", "peak_in_flight", "read_events", "row_of"]
+
+HEALTH_ID = "daskgen-health"
+#: How often a held request looks for the gate file.
+GATE_POLL_S = 0.02
+
+
+@dataclass(frozen=True)
+class Event:
+    """One line of a probe's event file."""
+
+    time: float
+    pid: int
+    kind: str  # "arrive" or "end"
+    request_id: str
+
+
+class ProbeEngine(Engine):
+    """Test double: a real ``inner`` engine whose requests are recorded (and optionally held).
+
+    Engine args: ``inner`` (engine name), ``events_path`` (file the events are appended to),
+    ``gate_path`` (a file whose existence releases held requests), ``gate_rows`` (rows whose
+    requests are held; all rows when ``None`` and a ``gate_path`` is given), ``gate_sample``
+    (only this sample index of those rows is held; every sample when ``None``); every other key
+    goes to the inner engine.
+    """
+
+    name = "probe"
+
+    def __init__(
+        self,
+        model: str,
+        inner: str = "simulated",
+        events_path: str | None = None,
+        gate_path: str | None = None,
+        gate_rows: Iterable[int] | None = None,
+        gate_sample: int | None = None,
+        **inner_args: Any,
+    ) -> None:
+        super().__init__(model, inner=inner, events_path=events_path, gate_path=gate_path, **inner_args)
+        self.inner = resolve_engine_class(inner)(model, **inner_args)
+        self.simulated = self.inner.simulated
+        self.supports_seed = self.inner.supports_seed
+        self.events_path, self.gate_path = events_path, gate_path
+        self.gate_rows = None if gate_rows is None else {int(r) for r in gate_rows}
+        self.gate_sample = gate_sample
+
+    @classmethod
+    def is_simulated(cls, engine_args: dict[str, Any]) -> bool:
+        return resolve_engine_class(engine_args.get("inner", "simulated")).is_simulated(engine_args)
+
+    @property
+    def capacity(self) -> int | None:
+        return self.inner.capacity
+
+    async def start(self) -> None:
+        await self.inner.start()
+        self.eos_token_ids = self.inner.eos_token_ids
+        self.max_total_tokens, self.vocab_size = self.inner.max_total_tokens, self.inner.vocab_size
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        if request.request_id == HEALTH_ID:
+            return await self.inner.generate(request)
+        self._record("arrive", request.request_id)
+        try:
+            if self._held(request.request_id):
+                while not os.path.exists(str(self.gate_path)):
+                    await asyncio.sleep(GATE_POLL_S)
+            return await self.inner.generate(request)
+        finally:
+            self._record("end", request.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self.inner.abort(request_id)
+
+    async def shutdown(self) -> None:
+        await self.inner.shutdown()
+
+    def health_token_id(self) -> int:
+        return self.inner.health_token_id()
+
+    def _held(self, request_id: str) -> bool:
+        if self.gate_path is None:
+            return False
+        row, sample = row_of(request_id), _sample_of(request_id)
+        return (self.gate_rows is None or row in self.gate_rows) and self.gate_sample in (None, sample)
+
+    def _record(self, kind: str, request_id: str) -> None:
+        if self.events_path:  # one short O_APPEND write per line: lines of several processes do not mix
+            with open(self.events_path, "a") as fh:
+                fh.write(f"{time.time():.6f} {os.getpid()} {kind} {request_id}\n")
+
+
+def row_of(request_id: str) -> int:
+    """The prompt row of a partition's request id ``p<row>-s<sample>[...]``."""
+    return int(request_id[1:].split("-")[0])
+
+
+def _sample_of(request_id: str) -> int:
+    return int(request_id.split("-")[1][1:])
+
+
+def read_events(path: str | Path) -> list[Event]:
+    """The events a probe appended to ``path``, in file order (empty if it has none yet)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        stamp, pid, kind, request_id = line.split()
+        events.append(Event(float(stamp), int(pid), kind, request_id))
+    return events
+
+
+def in_flight_after(events: list[Event]) -> dict[int, set[str]]:
+    """Per engine process: the request ids that arrived and have not ended, after ``events``."""
+    flying: dict[int, set[str]] = {}
+    for event in events:
+        ids = flying.setdefault(event.pid, set())
+        if event.kind == "arrive":
+            ids.add(event.request_id)
+        else:
+            ids.discard(event.request_id)
+    return flying
+
+
+def peak_in_flight(events: list[Event]) -> int:
+    """The most distinct prompt rows in flight at once (all engine processes together)."""
+    flying: dict[int, int] = {}  # row -> its requests in flight
+    peak = 0
+    for event in events:
+        row = row_of(event.request_id)
+        flying[row] = flying.get(row, 0) + (1 if event.kind == "arrive" else -1)
+        if not flying[row]:
+            del flying[row]
+        peak = max(peak, len(flying))
+    return peak
