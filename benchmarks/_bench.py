@@ -1,4 +1,4 @@
-"""Shared helpers of the daskgen benchmarks: machine info, result tables, README records, engine probes.
+"""Shared helpers of the daskgen benchmarks: machine info, result tables, record files, engine probes.
 
 Every benchmark script imports this module (it sits next to them in ``benchmarks/``).  Functions
 that run on Dask workers (engine statistics, the utilisation sampler, the synchronous-batch shard)
@@ -34,8 +34,12 @@ if str(DASKGEN_SRC) not in sys.path:  # scripts run as ``python benchmarks/x.py`
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-#: Default README that results are appended to.
-README = HERE / "README.md"
+#: Folder of the records: one Markdown file per benchmark run (and its plots).
+RESULTS = HERE / "results"
+#: Folders of the repository whose uncommitted changes make a record not a record of a commit.
+CODE_FOLDERS = ("daskgen", "benchmarks")
+#: Output of the benchmarks inside ``CODE_FOLDERS``, not code: ignored by the clean-tree check.
+OUTPUT_FOLDERS = ("benchmarks/results",)
 #: Name under which the utilisation sampler plugin is registered on workers.
 SAMPLER_NAME = "daskgen-bench-sampler"
 ENGINE_PLUGIN = "daskgen-engine"
@@ -101,28 +105,82 @@ def package_versions() -> str:
     return ", ".join(found)
 
 
-def daskgen_source() -> str:
-    """Which daskgen code ran: the source folder and its git commit (``.git-commit`` file of a snapshot)."""
+def git_head(folder: Path) -> str:
+    """The short commit of the git checkout holding ``folder``, or ``"?"``."""
     import subprocess
 
-    marker = DASKGEN_SRC / ".git-commit"
-    if marker.is_file():
-        return f"snapshot {DASKGEN_SRC} of commit {marker.read_text().strip()}"
     try:
-        head = subprocess.run(
-            ["git", "-C", str(DASKGEN_SRC), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(DASKGEN_SRC), "status", "--porcelain", "daskgen"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
+        out = subprocess.run(
+            ["git", "-C", str(folder), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.SubprocessError):
-        return str(DASKGEN_SRC)
-    return f"working tree {DASKGEN_SRC} at commit {head or '?'}" + (
-        " with uncommitted changes in daskgen/" if dirty else ""
-    )
+        return "?"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "?"
+
+
+def uncommitted_changes(repo: Path, folders: Sequence[str]) -> list[str]:
+    """Files under ``folders`` of the git checkout ``repo`` that differ from its commit (untracked included).
+
+    ``OUTPUT_FOLDERS`` (the records themselves) are left out.  A folder that is no git checkout
+    counts as changed (``["<not a git checkout>"]``): nothing ties its code to a commit.
+    """
+    import subprocess
+
+    excluded = [f":(exclude){o}" for o in OUTPUT_FOLDERS]
+    cmd = ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=all", "--", *folders, *excluded]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ["<not a git checkout>"]
+    if out.returncode != 0:
+        return ["<not a git checkout>"]
+    return [line[3:] for line in out.stdout.splitlines() if line.strip()]
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Which code produced a record: the benchmark scripts' commit and daskgen's, and what was uncommitted."""
+
+    scripts: str
+    daskgen: str
+    changed: tuple[str, ...]
+
+    @property
+    def clean(self) -> bool:
+        """True when neither ``daskgen/`` nor ``benchmarks/`` had uncommitted changes."""
+        return not self.changed
+
+    def lines(self) -> list[str]:
+        """The record's ``Commit:`` line, and a warning line when the tree was not clean."""
+        out = [f"Commit: benchmarks/ at {self.scripts}; daskgen code: {self.daskgen}"]
+        if not self.clean:
+            shown = ", ".join(self.changed[:10]) + (", ..." if len(self.changed) > 10 else "")
+            out.append(
+                f"**Not a record of a commit:** uncommitted changes in {shown}. "
+                "Figures from this record are not quoted."
+            )
+        return out
+
+
+def provenance(repo: Path = REPO, daskgen_src: Path = DASKGEN_SRC) -> Provenance:
+    """The :class:`Provenance` of a run of the scripts in ``repo`` importing daskgen from ``daskgen_src``.
+
+    daskgen from a snapshot (a folder with a ``.git-commit`` file, see the README) is the commit named
+    there; otherwise ``daskgen/`` of ``daskgen_src`` must match its checkout's commit.  The scripts in
+    ``benchmarks/`` of ``repo`` must match ``repo``'s commit (records under ``benchmarks/results/`` aside).
+    """
+    repo, daskgen_src = Path(repo).resolve(), Path(daskgen_src).resolve()
+    marker = daskgen_src / ".git-commit"
+    if marker.is_file():
+        daskgen = f"snapshot {daskgen_src} of commit {marker.read_text().strip()}"
+        changed = uncommitted_changes(repo, ("benchmarks",))
+    elif daskgen_src == repo:
+        daskgen = f"working tree {repo} at commit {git_head(repo)}"
+        changed = uncommitted_changes(repo, CODE_FOLDERS)
+    else:
+        daskgen = f"working tree {daskgen_src} at commit {git_head(daskgen_src)}"
+        changed = uncommitted_changes(daskgen_src, ("daskgen",)) + uncommitted_changes(repo, ("benchmarks",))
+    return Provenance(scripts=git_head(repo), daskgen=daskgen, changed=tuple(changed))
 
 
 def command_line() -> str:
@@ -163,7 +221,7 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 @dataclass
 class Record:
-    """One benchmark result: tables and notes, printed and appended to the README."""
+    """One benchmark result: tables and notes, printed and written to a file of its own in ``results/``."""
 
     title: str
     started: float = field(default_factory=time.time)
@@ -182,7 +240,7 @@ class Record:
         self.sections.append(text)
 
     def plot(self, path: Path) -> None:
-        """Reference a PNG (stored next to the README)."""
+        """Reference a PNG (linked relative to the record file)."""
         self.plots.append(Path(path))
 
     def plot_path(self, folder: Path, stem: str) -> Path:
@@ -190,57 +248,90 @@ class Record:
         stamp = _dt.datetime.fromtimestamp(self.started).strftime("%Y%m%d-%H%M%S")
         return Path(folder) / f"{stem}-{stamp}.png"
 
-    def render(self, readme_dir: Path) -> str:
-        """The Markdown block for the README."""
+    def render(self, record_dir: Path, source: Provenance) -> str:
+        """The Markdown of the record file (in ``record_dir``, which plot links are relative to)."""
         when = _dt.datetime.fromtimestamp(self.started).strftime("%Y-%m-%d %H:%M")
         took = time.time() - self.started
-        head = [
-            f"### {self.title} — {when}",
-            "",
-            f"Command: `{command_line()}`",
-            "",
+        head = [f"# {self.title} — {when}", "", f"Command: `{command_line()}`", ""]
+        for line in source.lines():
+            head += [line, ""]
+        head += [
             f"Machine: {machine_info()}; load average (1/5/15 min) {self.load_before} at start, "
             f"{load_average()} at end (the machine is shared with other jobs: absolute times are context, "
             f"ratios measured side by side count). Benchmark wall time {took:.0f} s.",
             "",
-            f"Versions: {package_versions()}; daskgen code: {daskgen_source()}",
+            f"Versions: {package_versions()}",
             "",
         ]
         body = "\n" + "\n\n".join(self.sections)
         pics = ""
         for p in self.plots:
             try:
-                rel = p.resolve().relative_to(readme_dir.resolve())
+                rel = p.resolve().relative_to(record_dir.resolve())
             except ValueError:
                 rel = p
             pics += f"\n\n![{p.stem}]({rel})"
         return "\n".join(head) + body + pics + "\n"
 
-    def finish(self, readme: Path | None) -> None:
-        """Print the result and append it to ``readme`` (unless ``None``)."""
+    def file_name(self, script: str, source: Provenance) -> str:
+        """``<start, minute>-<script>[-uncommitted].md``: sorted by time, the script in the name."""
+        stamp = _dt.datetime.fromtimestamp(self.started).strftime("%Y-%m-%dT%H%M")
+        return f"{stamp}-{script}{'' if source.clean else '-uncommitted'}.md"
+
+    def finish(self, folder: Path | None) -> Path | None:
+        """Print the result and write it as a new record file in ``folder`` (unless ``None``); return its path.
+
+        The record names the commit of the scripts and of daskgen (:func:`provenance`); a run from a
+        tree with uncommitted changes in ``daskgen/`` or ``benchmarks/`` is written too, but marked in
+        its text and its file name as not a record of a commit.
+        """
         print("\n".join(self.sections))
-        if readme is None:
-            return
-        readme = Path(readme)
-        block = self.render(readme.parent)
-        existing = readme.read_text() if readme.exists() else "# daskgen benchmarks\n"
-        readme.write_text(existing.rstrip("\n") + "\n\n" + block)
-        print(f"\nappended to {readme}")
+        if folder is None:
+            return None
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        source = provenance()
+        path = folder / self.file_name(Path(sys.argv[0]).stem, source)
+        if path.exists():  # a second record of the same script in the same minute
+            path = path.with_name(path.stem + _dt.datetime.fromtimestamp(self.started).strftime("-%S") + ".md")
+        path.write_text(self.render(folder, source))
+        print(f"\nrecord written to {path}")
+        if not source.clean:
+            print(f"not a record of a commit: uncommitted changes in {', '.join(source.changed)}")
+        return path
+
+
+def record_folder(a: Any) -> Path | None:
+    """Where the parsed arguments of :func:`add_common_args` say to write the record (``None``: print only)."""
+    return None if a.no_record else Path(a.results)
 
 
 def add_common_args(parser: Any) -> None:
-    """``--readme``, ``--no-record``, ``--plot-dir`` and ``--workdir`` for every script."""
-    parser.add_argument("--readme", type=Path, default=README, help="Markdown file the result is appended to")
-    parser.add_argument("--no-record", action="store_true", help="print only; do not append to the README")
-    parser.add_argument("--plot-dir", type=Path, default=HERE, help="where PNG plots are written")
+    """``--results``, ``--no-record``, ``--plot-dir`` and ``--workdir`` for every script."""
+    parser.add_argument(
+        "--results", type=Path, default=RESULTS, help="folder the record file (and its plots) is written to"
+    )
+    parser.add_argument("--no-record", action="store_true", help="print only; write no record file")
+    parser.add_argument(
+        "--plot-dir", type=Path, default=None, help="where PNG plots are written (default: the --results folder)"
+    )
     parser.add_argument(
         "--workdir", type=Path, default=None, help="scratch directory for stores (default: a fresh temporary directory)"
     )
 
 
+def plot_folder(a: Any) -> Path:
+    """``--plot-dir``, else the ``--results`` folder (the temporary folder with ``--no-record``); created."""
+    import tempfile
+
+    folder = Path(a.plot_dir or (tempfile.gettempdir() if a.no_record else a.results))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def run_parts(a: Any, title: str, parts: dict[str, Callable[[Any, Path, Record], Any]]) -> int:
     """The ``main`` of a script with ``--part``: run the chosen parts in order into one record, print
-    it and append it to the README (unless ``--no-record``)."""
+    it and write it to the results folder (unless ``--no-record``)."""
     quiet_logs()
     chosen = {p.strip() for p in a.part.split(",") if p.strip()}
     if chosen - set(parts):
@@ -250,7 +341,7 @@ def run_parts(a: Any, title: str, parts: dict[str, Callable[[Any, Path, Record],
         for name, run_part in parts.items():
             if name in chosen:
                 run_part(a, work, rec)
-    rec.finish(None if a.no_record else a.readme)
+    rec.finish(record_folder(a))
     return 0
 
 
