@@ -402,3 +402,17 @@ def test_figures_link_to_record_files_that_exist():
     assert quoted and not [link for link in quoted if "-uncommitted" in link], quoted
     for link in quoted:
         assert "uncommitted changes" not in (BENCH / link).read_text(), link  # both the old and the new marking
+
+
+@pytest.mark.timeout(300)
+def test_export(tmp_path):
+    out, record = run_script("export.py", tmp_path, "--prompts", "128", "--n-samples", "2", "--partition-size", "16")
+    for step in (
+        "export parquet, no text",
+        "export jsonl, no text",
+        "export tensordict",
+        "export zip",
+        "report (HTML)",
+    ):
+        assert f"| {step}" in out, step
+    assert "| length_stats() + throughput() |" in record
