@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import _bench
+from benchmarks import records
 from tests.conftest import REPO, cli_env
 
 BENCH = REPO / "benchmarks"
@@ -48,7 +48,7 @@ def run_script(name: str, tmp_path: Path, *args: str, timeout: float = 240) -> t
     assert re.fullmatch(rf"\d{{4}}-\d\d-\d\dT\d{{4}}-{stem}(-uncommitted)?\.md", record.name), record.name
     text = record.read_text()
     assert f"benchmarks/{name}" in text and "Machine:" in text and "Versions:" in text, text
-    assert f"Commit: benchmarks/ at {_bench.git_head(REPO)}; daskgen code: working tree" in text, text
+    assert f"Commit: benchmarks/ at {records.git_head(REPO)}; daskgen code: working tree" in text, text
     marked = record.name.endswith("-uncommitted.md")
     assert marked == tree_has_changes() == ("**Not a record of a commit:**" in text), (record.name, text[:2000])
     return res.stdout, text
@@ -345,7 +345,7 @@ def test_provenance_clean_tree_names_the_commit(scratch_repo):
     head = git(scratch_repo, "rev-parse", "--short", "HEAD").strip()
     (scratch_repo / "benchmarks" / "results" / "new-record.md").write_text("a record is output, not code\n")
     (scratch_repo / "notes.txt").write_text("outside daskgen/ and benchmarks/\n")
-    source = _bench.provenance(scratch_repo, scratch_repo)
+    source = records.provenance(scratch_repo, scratch_repo)
     assert source.clean and source.changed == ()
     assert source.lines() == [
         f"Commit: benchmarks/ at {head}; daskgen code: working tree {scratch_repo} at commit {head}"
@@ -356,18 +356,18 @@ def test_provenance_clean_tree_names_the_commit(scratch_repo):
     ("rel", "text"),
     [
         ("benchmarks/bench.py", "B = 2\n"),  # an edited benchmark script
-        ("benchmarks/new_bench.py", "C = 1\n"),  # a benchmark script never committed
+        ("benchmarks/newrecords.py", "C = 1\n"),  # a benchmark script never committed
         ("daskgen/core.py", "A = 2\n"),  # edited daskgen code
         ("daskgen/extra.py", "D = 1\n"),  # daskgen code never committed
     ],
 )
 def test_provenance_marks_uncommitted_code(scratch_repo, rel, text):
     (scratch_repo / rel).write_text(text)
-    source = _bench.provenance(scratch_repo, scratch_repo)
+    source = records.provenance(scratch_repo, scratch_repo)
     assert not source.clean and source.changed == (rel,)
     (commit_line, warning) = source.lines()
     assert warning.startswith("**Not a record of a commit:**") and rel in warning
-    record = _bench.Record("t", started=0.0)
+    record = records.Record("t", started=0.0)
     assert record.file_name("bench", source).endswith("-bench-uncommitted.md")
 
 
@@ -375,17 +375,17 @@ def test_provenance_of_a_snapshot_still_checks_the_scripts(scratch_repo, tmp_pat
     snap = tmp_path / "snap"
     (snap / "daskgen").mkdir(parents=True)
     (snap / ".git-commit").write_text("abc1234\n")
-    assert _bench.provenance(scratch_repo, snap).clean
-    assert "snapshot" in _bench.provenance(scratch_repo, snap).daskgen
+    assert records.provenance(scratch_repo, snap).clean
+    assert "snapshot" in records.provenance(scratch_repo, snap).daskgen
     (scratch_repo / "daskgen" / "core.py").write_text("A = 2\n")  # not the code that runs: daskgen is the snapshot
-    assert _bench.provenance(scratch_repo, snap).clean
+    assert records.provenance(scratch_repo, snap).clean
     (scratch_repo / "benchmarks" / "bench.py").write_text("B = 2\n")
-    assert _bench.provenance(scratch_repo, snap).changed == ("benchmarks/bench.py",)
+    assert records.provenance(scratch_repo, snap).changed == ("benchmarks/bench.py",)
 
 
 def test_no_git_checkout_is_not_a_commit(tmp_path):
     (tmp_path / "daskgen").mkdir()
-    assert not _bench.provenance(tmp_path, tmp_path).clean
+    assert not records.provenance(tmp_path, tmp_path).clean
 
 
 RECORD_LINK = re.compile(r"\]\(((?:\.\./)*(?:benchmarks/)?results/[^)#\s]+)\)")
