@@ -1,246 +1,49 @@
-"""Shared helpers of the daskgen benchmarks: machine info, result tables, README records, engine probes.
+"""Shared helpers of the daskgen benchmarks: the scripts' ``main``, scratch folders, engine probes.
 
-Every benchmark script imports this module (it sits next to them in ``benchmarks/``).  Functions
-that run on Dask workers (engine statistics, the utilisation sampler, the synchronous-batch shard)
-live here and are pickled by value, so workers need not import ``benchmarks``.
+Every benchmark script imports this module (it sits next to them in ``benchmarks/``); the record
+helpers of :mod:`records` are reached through it.  Functions that run on Dask workers (engine
+statistics, the utilisation sampler, the synchronous-batch shard) live here and are pickled by value,
+so workers need not import ``benchmarks``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as _dt
 import os
-import platform
-import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
 from distributed.diagnostics.plugin import WorkerPlugin
+from records import DASKGEN_SRC as DASKGEN_SRC
+from records import HERE as HERE
+from records import REPO as REPO
+from records import Record as Record
+from records import add_common_args as add_common_args
+from records import fmt as fmt
+from records import plot_folder as plot_folder
+from records import record_folder as record_folder
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-#: Where ``daskgen`` is imported from: ``$DASKGEN_SRC`` (e.g. a ``git archive`` snapshot of a commit, so
-#: that edits in the working tree cannot change a running benchmark), else this repository.
-DASKGEN_SRC = Path(os.environ.get("DASKGEN_SRC") or REPO).resolve()
 if str(DASKGEN_SRC) not in sys.path:  # scripts run as ``python benchmarks/x.py`` from anywhere
     sys.path.insert(0, str(DASKGEN_SRC))
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-#: Default README that results are appended to.
-README = HERE / "README.md"
 #: Name under which the utilisation sampler plugin is registered on workers.
 SAMPLER_NAME = "daskgen-bench-sampler"
 ENGINE_PLUGIN = "daskgen-engine"
 
-VERSION_PACKAGES = (
-    "daskgen",
-    "dask",
-    "distributed",
-    "zarr",
-    "numcodecs",
-    "xarray",
-    "numpy",
-    "pyarrow",
-    "torch",
-    "transformers",
-    "matplotlib",
-)
 
-
-# --------------------------------------------------------------------------- machine and versions
-
-
-def cpu_model() -> str:
-    """The CPU model name from ``/proc/cpuinfo`` (or ``platform.processor()``)."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
-def memory_gib() -> float:
-    """Total memory in GiB (Linux), else NaN."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                return int(line.split()[1]) / 2**20
-    return float("nan")
-
-
-def load_average() -> str:
-    """The 1/5/15-minute load averages as text."""
-    try:
-        return "/".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
-
-
-def machine_info() -> str:
-    """One line describing the machine."""
-    return (
-        f"{os.cpu_count()} CPU(s) {cpu_model()}, {memory_gib():.0f} GiB RAM, {platform.system()} "
-        f"{platform.release()}, Python {platform.python_version()}"
-    )
-
-
-def package_versions() -> str:
-    """Installed versions of the packages that shape the results."""
-    found = []
-    for name in VERSION_PACKAGES:
-        with contextlib.suppress(PackageNotFoundError):
-            found.append(f"{name} {version(name)}")
-    return ", ".join(found)
-
-
-def daskgen_source() -> str:
-    """Which daskgen code ran: the source folder and its git commit (``.git-commit`` file of a snapshot)."""
-    import subprocess
-
-    marker = DASKGEN_SRC / ".git-commit"
-    if marker.is_file():
-        return f"snapshot {DASKGEN_SRC} of commit {marker.read_text().strip()}"
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(DASKGEN_SRC), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(DASKGEN_SRC), "status", "--porcelain", "daskgen"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return str(DASKGEN_SRC)
-    return f"working tree {DASKGEN_SRC} at commit {head or '?'}" + (
-        " with uncommitted changes in daskgen/" if dirty else ""
-    )
-
-
-def command_line() -> str:
-    """The command that started this process, relative to the repository root when possible."""
-    argv = list(sys.argv)
-    with contextlib.suppress(ValueError):
-        argv[0] = str(Path(argv[0]).resolve().relative_to(REPO))
-    env = f"DASKGEN_SRC={shlex.quote(os.environ['DASKGEN_SRC'])} " if os.environ.get("DASKGEN_SRC") else ""
-    return env + "python " + " ".join(shlex.quote(a) for a in argv)
-
-
-# --------------------------------------------------------------------------- tables and records
-
-
-def fmt(value: Any, digits: int = 3) -> str:
-    """Compact text for a table cell."""
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, int):
-        return f"{value:,}"
-    if isinstance(value, float):
-        if value != value:  # NaN
-            return "-"
-        if abs(value) >= 1000:
-            return f"{value:,.0f}"
-        return f"{value:.{digits}g}"
-    return str(value)
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A GitHub-flavoured Markdown table."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-@dataclass
-class Record:
-    """One benchmark result: tables and notes, printed and appended to the README."""
-
-    title: str
-    started: float = field(default_factory=time.time)
-    load_before: str = field(default_factory=load_average)
-    sections: list[str] = field(default_factory=list)
-    plots: list[Path] = field(default_factory=list)
-
-    def table(self, header: Sequence[str], rows: Sequence[Sequence[Any]], caption: str = "") -> str:
-        """Add a table (with an optional caption line above it); returns its Markdown."""
-        text = markdown_table(header, rows)
-        self.sections.append((f"{caption}\n\n" if caption else "") + text)
-        return text
-
-    def note(self, text: str) -> None:
-        """Add a paragraph."""
-        self.sections.append(text)
-
-    def plot(self, path: Path) -> None:
-        """Reference a PNG (stored next to the README)."""
-        self.plots.append(Path(path))
-
-    def plot_path(self, folder: Path, stem: str) -> Path:
-        """``folder/<stem>-<start time>.png``: every record keeps its own picture."""
-        stamp = _dt.datetime.fromtimestamp(self.started).strftime("%Y%m%d-%H%M%S")
-        return Path(folder) / f"{stem}-{stamp}.png"
-
-    def render(self, readme_dir: Path) -> str:
-        """The Markdown block for the README."""
-        when = _dt.datetime.fromtimestamp(self.started).strftime("%Y-%m-%d %H:%M")
-        took = time.time() - self.started
-        head = [
-            f"### {self.title} — {when}",
-            "",
-            f"Command: `{command_line()}`",
-            "",
-            f"Machine: {machine_info()}; load average (1/5/15 min) {self.load_before} at start, "
-            f"{load_average()} at end (the machine is shared with other jobs: absolute times are context, "
-            f"ratios measured side by side count). Benchmark wall time {took:.0f} s.",
-            "",
-            f"Versions: {package_versions()}; daskgen code: {daskgen_source()}",
-            "",
-        ]
-        body = "\n" + "\n\n".join(self.sections)
-        pics = ""
-        for p in self.plots:
-            try:
-                rel = p.resolve().relative_to(readme_dir.resolve())
-            except ValueError:
-                rel = p
-            pics += f"\n\n![{p.stem}]({rel})"
-        return "\n".join(head) + body + pics + "\n"
-
-    def finish(self, readme: Path | None) -> None:
-        """Print the result and append it to ``readme`` (unless ``None``)."""
-        print("\n".join(self.sections))
-        if readme is None:
-            return
-        readme = Path(readme)
-        block = self.render(readme.parent)
-        existing = readme.read_text() if readme.exists() else "# daskgen benchmarks\n"
-        readme.write_text(existing.rstrip("\n") + "\n\n" + block)
-        print(f"\nappended to {readme}")
-
-
-def add_common_args(parser: Any) -> None:
-    """``--readme``, ``--no-record``, ``--plot-dir`` and ``--workdir`` for every script."""
-    parser.add_argument("--readme", type=Path, default=README, help="Markdown file the result is appended to")
-    parser.add_argument("--no-record", action="store_true", help="print only; do not append to the README")
-    parser.add_argument("--plot-dir", type=Path, default=HERE, help="where PNG plots are written")
-    parser.add_argument(
-        "--workdir", type=Path, default=None, help="scratch directory for stores (default: a fresh temporary directory)"
-    )
+# --------------------------------------------------------------------------- script mains
 
 
 def run_parts(a: Any, title: str, parts: dict[str, Callable[[Any, Path, Record], Any]]) -> int:
     """The ``main`` of a script with ``--part``: run the chosen parts in order into one record, print
-    it and append it to the README (unless ``--no-record``)."""
+    it and write it to the results folder (unless ``--no-record``)."""
     quiet_logs()
     chosen = {p.strip() for p in a.part.split(",") if p.strip()}
     if chosen - set(parts):
@@ -250,7 +53,7 @@ def run_parts(a: Any, title: str, parts: dict[str, Callable[[Any, Path, Record],
         for name, run_part in parts.items():
             if name in chosen:
                 run_part(a, work, rec)
-    rec.finish(None if a.no_record else a.readme)
+    rec.finish(record_folder(a))
     return 0
 
 

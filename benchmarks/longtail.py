@@ -405,7 +405,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark, print the table, append it to the README."""
+    """Run the benchmark, print the table, write its record."""
     a = parse_args(argv)
     _bench.quiet_logs()
     rec = _bench.Record("Long tail: streaming vs synchronous global batches (simulated engine)")
@@ -548,10 +548,10 @@ def main(argv: list[str] | None = None) -> int:
         "store writes and compressing time on a loaded machine add.",
     )
     if not a.no_plot:
-        path = rec.plot_path(a.plot_dir, "longtail")
+        path = rec.plot_path(_bench.plot_folder(a), "longtail")
         plot(path, a, lengths, sides, ideal)
         rec.plot(path)
-    rec.finish(None if a.no_record else a.readme)
+    rec.finish(_bench.record_folder(a))
     return 0
 
 

@@ -287,7 +287,7 @@ SIDES = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the sides, print the table, append it to the README."""
+    """Run the sides, print the table, write its record."""
     a = parse_args(argv)
     _bench.quiet_logs()
     sides = [x.strip() for x in a.sides.split(",") if x.strip()]
@@ -344,10 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     rec.table(header, table)
     if not a.no_plot and "static" in results and "daskgen" in results:
-        path = rec.plot_path(a.plot_dir, "longtail_real")
+        path = rec.plot_path(_bench.plot_folder(a), "longtail_real")
         plot(path, results["static"], results["daskgen"], a)
         rec.plot(path)
-    rec.finish(None if a.no_record else a.readme)
+    rec.finish(_bench.record_folder(a))
     return 0
 
 

@@ -219,7 +219,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run, print, append to the README."""
+    """Run, print, write the record."""
     return _bench.run_parts(
         parse_args(argv),
         "Object storage: store calls and whole runs, S3 vs local folder",

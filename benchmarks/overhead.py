@@ -345,7 +345,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the selected parts, print the tables, append them to the README."""
+    """Run the selected parts, print the tables, write their record."""
     title = "Pipeline overhead: daskgen vs direct Zarr writes and vs the engine alone"
     return _bench.run_parts(parse_args(argv), title, {"zarr": part_zarr, "engine": part_engine})
 

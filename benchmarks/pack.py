@@ -198,7 +198,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run, print, append to the README."""
+    """Run, print, write the record."""
     return _bench.run_parts(
         parse_args(argv), "Pack: files, bytes and read times of a 1M-prompt store", {"pack": part_pack}
     )

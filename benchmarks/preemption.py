@@ -186,7 +186,7 @@ def main() -> int:
         f"responses ({first['partial_tokens']} tokens) saved; the resume kept {second['carried_tokens']} "
         "stored tokens instead of regenerating them."
     )
-    rec.finish(None if a.no_record else a.readme)
+    rec.finish(_bench.record_folder(a))
     return 0 if first["exit"] == 3 else 1
 
 

@@ -349,7 +349,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the selected parts, print the tables, append them to the README."""
+    """Run the selected parts, print the tables, write their record."""
     return _bench.run_parts(
         parse_args(argv),
         "Resume: pending set of a 1M-prompt store, crash and resume",

@@ -479,7 +479,7 @@ def part_client_and_commit(a: argparse.Namespace, work: Path, rec: _bench.Record
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the parts, print the tables and the client-bottleneck estimate, append to the README."""
+    """Run the parts, print the tables and the client-bottleneck estimate, write the record."""
     return _bench.run_parts(
         parse_args(argv),
         "Scale-out: 1, 2, 4 workers and the client bottleneck",

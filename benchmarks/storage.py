@@ -250,7 +250,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Build the three formats, measure, print, append to the README."""
+    """Build the three formats, measure, print, write the record."""
     a = parse_args(argv)
     _bench.quiet_logs()
     from daskgen import store
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         f"**Store bytes / JSONL bytes = {zbytes:.3f} (target ≤ 0.333); column load {zload:.0f}× faster than the "
         f"fastest JSONL reader (target ≥ 10×).**"
     )
-    rec.finish(None if a.no_record else a.readme)
+    rec.finish(_bench.record_folder(a))
     return 0
 
 

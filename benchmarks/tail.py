@@ -238,7 +238,7 @@ def main() -> int:
         "response, as --length-hints does); measured = daskgen with default settings on a LocalCluster, "
         "and with --length-hints an earlier store of the same prompts made with another seed.",
     )
-    rec.finish(None if a.no_record else a.readme)
+    rec.finish(_bench.record_folder(a))
     return 0
 
 

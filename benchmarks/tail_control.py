@@ -99,7 +99,7 @@ def main() -> None:
         f"time_scale {args.time_scale}. Wall times include cluster start-up (a few seconds). "
         "Stopped prompts stay pending and finish with a later run (or continue with --keep-partial)."
     )
-    record.finish(None if args.no_record else args.readme)
+    record.finish(_bench.record_folder(args))
 
 
 if __name__ == "__main__":

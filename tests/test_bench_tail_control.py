@@ -1,4 +1,4 @@
-"""Runs benchmarks/tail_control.py once at a tiny size so it cannot rot (no timing asserted)."""
+"""Runs benchmarks/tail_control.py once at a tiny size so it cannot rot (no timing asserted), writing its record."""
 
 import subprocess
 import sys
@@ -26,10 +26,16 @@ def test_tail_control_benchmark_runs(tmp_path):
         "0",
         "--workers",
         "1",
-        "--no-record",
+        "--results",
+        str(tmp_path / "results"),
         "--workdir",
-        str(tmp_path),
+        str(tmp_path / "work"),
     ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "| full |" in res.stdout and "target 14 done" in res.stdout
+    (record,) = (tmp_path / "results").glob("*-tail_control*.md")  # one record, a file of its own
+    text = record.read_text()
+    assert text.startswith("# Tail control: full run vs target / deadline stop (simulated engine) — ")
+    assert "Command: `python benchmarks/tail_control.py --prompts 16 " in text and "Commit: benchmarks/ at " in text
+    assert "| full |" in text and list((tmp_path / "results").iterdir()) == [record]

@@ -1,41 +1,56 @@
-"""Every benchmark script runs once at a tiny size, so the benchmarks cannot rot.
+"""Every benchmark script runs once at a tiny size, so the benchmarks cannot rot; records name their code.
 
-These check that each script finishes, prints its table and appends a complete record (command,
-machine, versions) to the README it is given.  They never assert timings: the numbers at this size
-mean nothing.
+The script runs check that each script finishes, prints its table and writes one complete record file
+(command, commit, machine, versions) into the results folder it is given.  They never assert timings:
+the numbers at this size mean nothing.  The other tests check the clean-tree logic of the records on a
+scratch git repository, and that every figure quoted in the docs links to a record file that exists.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import records
 from tests.conftest import REPO, cli_env
 
 BENCH = REPO / "benchmarks"
 
 
-def run_script(name: str, tmp_path: Path, *args: str, timeout: float = 240) -> tuple[str, str]:
-    """Run ``benchmarks/<name>`` with a scratch README, plot folder and workdir; return (stdout, README)."""
-    readme = tmp_path / "README.md"
+def tree_has_changes() -> bool:
+    """Whether ``daskgen/`` or ``benchmarks/`` (records aside) of this checkout differ from its commit."""
     cmd = [
-        sys.executable,
-        str(BENCH / name),
-        "--readme",
-        str(readme),
-        "--plot-dir",
-        str(tmp_path),
-        "--workdir",
-        str(tmp_path / "work"),
-        *args,
+        "git",
+        "-C",
+        str(REPO),
+        "status",
+        "--porcelain",
+        "--",
+        "daskgen",
+        "benchmarks",
+        ":(exclude)benchmarks/results",
     ]
+    return bool(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip())
+
+
+def run_script(name: str, tmp_path: Path, *args: str, timeout: float = 240) -> tuple[str, str]:
+    """Run ``benchmarks/<name>`` with a scratch results folder and workdir; return (stdout, the record's text)."""
+    results = tmp_path / "results"
+    cmd = [sys.executable, str(BENCH / name), "--results", str(results), "--workdir", str(tmp_path / "work"), *args]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cli_env(), cwd=REPO)
     assert res.returncode == 0, f"{name} failed:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
-    text = readme.read_text()
+    (record,) = results.glob("*.md")
+    stem = Path(name).stem
+    assert re.fullmatch(rf"\d{{4}}-\d\d-\d\dT\d{{4}}-{stem}(-uncommitted)?\.md", record.name), record.name
+    text = record.read_text()
     assert f"benchmarks/{name}" in text and "Machine:" in text and "Versions:" in text, text
+    assert f"Commit: benchmarks/ at {records.git_head(REPO)}; daskgen code: working tree" in text, text
+    marked = record.name.endswith("-uncommitted.md")
+    assert marked == tree_has_changes() == ("**Not a record of a commit:**" in text), (record.name, text[:2000])
     return res.stdout, text
 
 
@@ -65,8 +80,8 @@ def test_longtail(tmp_path):
     )
     assert "| sync |" in out and "streaming (window" in out
     assert "| yes |" in out  # both sides generated the same tokens
-    (png,) = tmp_path.glob("longtail-*.png")
-    assert png.stat().st_size > 0 and png.name in readme
+    (png,) = (tmp_path / "results").glob("longtail-*.png")
+    assert png.stat().st_size > 0 and f"]({png.name})" in readme
 
 
 @pytest.mark.timeout(300)
@@ -89,7 +104,7 @@ def test_longtail_real(tmp_path, tiny_model):
     )
     assert "static model.generate batches" in out and "daskgen (transformers engine)" in out
     assert "sync batches, same transformers engine" in out
-    (png,) = tmp_path.glob("longtail_real-*.png")
+    (png,) = (tmp_path / "results").glob("longtail_real-*.png")
     assert png.stat().st_size > 0
 
 
@@ -301,3 +316,103 @@ def test_object_store(tmp_path):
         "1",
     )
     assert "s3:// (moto_server, loopback)" in out and "commit (per partition)" in out and "run wall s" in out
+
+
+def git(repo: Path, *args: str) -> str:
+    """Run git in ``repo`` (a scratch repository with a fixed identity); return its output."""
+    ident = ["-c", "user.name=bench-test", "-c", "user.email=bench-test@example.invalid", "-c", "commit.gpgsign=false"]
+    return subprocess.run(["git", "-C", str(repo), *ident, *args], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.fixture
+def scratch_repo(tmp_path: Path) -> Path:
+    """A git repository with ``daskgen/``, ``benchmarks/`` and ``benchmarks/results/``, all committed."""
+    repo = tmp_path / "repo"
+    for rel, text in {
+        "daskgen/core.py": "A = 1\n",
+        "benchmarks/bench.py": "B = 1\n",
+        "benchmarks/results/r.md": "x\n",
+    }.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "start")
+    return repo
+
+
+def test_provenance_clean_tree_names_the_commit(scratch_repo):
+    head = git(scratch_repo, "rev-parse", "--short", "HEAD").strip()
+    (scratch_repo / "benchmarks" / "results" / "new-record.md").write_text("a record is output, not code\n")
+    (scratch_repo / "notes.txt").write_text("outside daskgen/ and benchmarks/\n")
+    source = records.provenance(scratch_repo, scratch_repo)
+    assert source.clean and source.changed == ()
+    assert source.lines() == [
+        f"Commit: benchmarks/ at {head}; daskgen code: working tree {scratch_repo} at commit {head}"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("rel", "text"),
+    [
+        ("benchmarks/bench.py", "B = 2\n"),  # an edited benchmark script
+        ("benchmarks/newrecords.py", "C = 1\n"),  # a benchmark script never committed
+        ("daskgen/core.py", "A = 2\n"),  # edited daskgen code
+        ("daskgen/extra.py", "D = 1\n"),  # daskgen code never committed
+    ],
+)
+def test_provenance_marks_uncommitted_code(scratch_repo, rel, text):
+    (scratch_repo / rel).write_text(text)
+    source = records.provenance(scratch_repo, scratch_repo)
+    assert not source.clean and source.changed == (rel,)
+    (commit_line, warning) = source.lines()
+    assert warning.startswith("**Not a record of a commit:**") and rel in warning
+    record = records.Record("t", started=0.0)
+    assert record.file_name("bench", source).endswith("-bench-uncommitted.md")
+
+
+def test_provenance_of_a_snapshot_still_checks_the_scripts(scratch_repo, tmp_path):
+    snap = tmp_path / "snap"
+    (snap / "daskgen").mkdir(parents=True)
+    (snap / ".git-commit").write_text("abc1234\n")
+    assert records.provenance(scratch_repo, snap).clean
+    assert "snapshot" in records.provenance(scratch_repo, snap).daskgen
+    (scratch_repo / "daskgen" / "core.py").write_text("A = 2\n")  # not the code that runs: daskgen is the snapshot
+    assert records.provenance(scratch_repo, snap).clean
+    (scratch_repo / "benchmarks" / "bench.py").write_text("B = 2\n")
+    assert records.provenance(scratch_repo, snap).changed == ("benchmarks/bench.py",)
+
+
+def test_no_git_checkout_is_not_a_commit(tmp_path):
+    (tmp_path / "daskgen").mkdir()
+    assert not records.provenance(tmp_path, tmp_path).clean
+
+
+RECORD_LINK = re.compile(r"\]\(((?:\.\./)*(?:benchmarks/)?results/[^)#\s]+)\)")
+
+
+def test_figures_link_to_record_files_that_exist():
+    """Every link to a record in the docs resolves, and the current-figures table quotes only clean records."""
+    docs = [REPO / "README.md", BENCH / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    links = [(doc, link) for doc in docs for link in RECORD_LINK.findall(doc.read_text())]
+    assert len(links) >= 10, links
+    missing = [f"{doc.name}: {link}" for doc, link in links if not (doc.parent / link).is_file()]
+    assert not missing, missing
+    quoted = [link for doc, link in links if doc == BENCH / "README.md"]
+    assert quoted and not [link for link in quoted if "-uncommitted" in link], quoted
+    for link in quoted:
+        assert "uncommitted changes" not in (BENCH / link).read_text(), link  # both the old and the new marking
+
+
+@pytest.mark.timeout(300)
+def test_export(tmp_path):
+    out, record = run_script("export.py", tmp_path, "--prompts", "128", "--n-samples", "2", "--partition-size", "16")
+    for step in (
+        "export parquet, no text",
+        "export jsonl, no text",
+        "export tensordict",
+        "export zip",
+        "report (HTML)",
+    ):
+        assert f"| {step}" in out, step
+    assert "| length_stats() + throughput() |" in record
