@@ -66,7 +66,7 @@ def hint_store(d: argparse.Namespace, work: Path, prompts: list[str]) -> Path:
 
 def one(a: argparse.Namespace, work: Path, name: str, mean: float, sigma: float) -> list[Any]:
     """Emulate and measure one distribution (in input order and with length hints); the table row."""
-    import daskgen.store.generation_store as store
+    from daskgen import store
     from daskgen.client.dispatch import long_first
     from daskgen.config import RunConfig
 
