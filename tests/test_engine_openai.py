@@ -439,7 +439,9 @@ def test_chat_api_round_trip() -> None:
 def test_wrong_model_name_fails_at_start() -> None:
     with pytest.raises(EngineError) as info:
         started(base_url=shared_server().url, model_name="no-such-model")
-    assert "no-such-model" in str(info.value) and "pinned" in str(info.value), info.value
+    # the engine's own check against /v1/models, or (servers that do not list models) the server's refusal
+    message = str(info.value)
+    assert "no-such-model" in message and ("is not served by" in message or "pinned" in message), message
 
 
 @pytest.mark.slow
