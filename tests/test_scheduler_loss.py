@@ -116,3 +116,33 @@ def test_scheduler_lost_mid_run_exits_3_and_the_rerun_keeps_earlier_rows(tmp_pat
     again = after.read_region(0, 120, ("committed_at", "response_ids", "response_length"))
     for name, values in before.items():
         np.testing.assert_array_equal(again[name][kept], values[kept], err_msg=name)
+
+
+def test_daskgens_own_scheduler_process_killed_mid_run_exits_3_and_leaves_nothing_behind(tmp_path):
+    """The layout SLURM/PBS runs use by default: the scheduler in a process of its own beside the client."""
+    import psutil
+
+    from tests.test_preemption import _group_gone
+
+    (tmp_path / "run.yaml").write_text("cluster:\n  kind: local\n  n_workers: 1\n  scheduler_process: true\n")
+    prompts = write_prompts(tmp_path / "p.jsonl", 120)
+    out = tmp_path / "out.zarr"
+    client = popen_cli("run", "--prompts", prompts, "--store", out, "--config", tmp_path / "run.yaml", *RUN)
+    deadline = time.monotonic() + 120
+    while _done(out).sum() < 8:
+        assert client.poll() is None, client.stdout.read()
+        assert time.monotonic() < deadline, "no commits within 120 s"
+        time.sleep(0.2)
+    (scheduler,) = [
+        c
+        for c in psutil.Process(client.pid).children(recursive=True)
+        if "daskgen.deploy.scheduler_process" in " ".join(c.cmdline())
+    ]
+    assert client.poll() is None and _done(out).sum() < 120, "the run must still be going"
+    scheduler.kill()
+    output, _ = client.communicate(timeout=120)
+    assert client.returncode == 3 and "lost the Dask scheduler" in output, output
+    assert not (out / LOCK_NAME).exists(), "the lock must be released"
+    assert _group_gone(client.pid), "a process of the run was left behind"
+    status = store.GenerationStore.open(out).read_status()
+    assert (status != store.FAILED).all() and 8 <= (status == store.DONE).sum() < 120

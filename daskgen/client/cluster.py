@@ -36,8 +36,42 @@ def connect(config: RunConfig) -> Iterator[tuple[Any, Any]]:
                 yield client, None
             return
         cluster, info = _make_cluster(config)
-        with cluster, Client(cluster) as client, _closing_quietly(client):
-            yield client, info
+        lost = False
+        try:
+            with Client(cluster) as client, _closing_quietly(client):
+                yield client, info
+        except SchedulerLost:
+            lost = True
+            raise
+        finally:
+            _close_cluster(cluster, lost)
+
+
+def _close_cluster(cluster: Any, scheduler_lost: bool) -> None:
+    """Close a cluster daskgen started; after its scheduler was lost, without waiting on it or logging
+    the failed attempts to reach it (its workers and jobs are stopped all the same)."""
+    if not scheduler_lost:
+        cluster.close()
+        return
+    with _muted("distributed", "tornado.application"):
+        try:
+            cluster.close(timeout=10)
+        except Exception as exc:  # the scheduler is gone: closing can only be partial
+            logger.warning("the cluster did not close cleanly after losing its scheduler (%s)", exc)
+
+
+@contextlib.contextmanager
+def _muted(*names: str) -> Iterator[None]:
+    """Loggers ``names`` report only critical records inside the block."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels, strict=True):
+            log.setLevel(level)
 
 
 class _ConnectionLossFilter(logging.Filter):
@@ -61,13 +95,8 @@ def _closing_quietly(client: Any) -> Iterator[None]:
     try:
         yield
     except SchedulerLost:
-        client_log = logging.getLogger("distributed.client")
-        level = client_log.level
-        client_log.setLevel(logging.CRITICAL)
-        try:
+        with _muted("distributed.client"):
             client.close(timeout=5)
-        finally:
-            client_log.setLevel(level)
         raise
     finally:
         loop_log.removeFilter(quiet)
