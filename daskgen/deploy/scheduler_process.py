@@ -2,7 +2,7 @@
 
 ``LocalCluster`` and dask-jobqueue run the scheduler inside the client process, so one core carries
 both daskgen's client loop and every scheduler transition and message.  Measured with partitions
-flowing at full speed (benchmarks/README.md, record "Scale-out ... 2026-11-23 15:43"): 2.04-3.13 ms of
+flowing at full speed (benchmarks/results/2026-11-23T1543-scaleout.md): 2.04-3.13 ms of
 the client process's CPU per 64-prompt partition with scheduler and nannies inside it (LocalCluster),
 1.02-1.85 ms on daskgen's SLURM cluster with the scheduler in a process of its own.
 
