@@ -13,6 +13,7 @@ secret-leak tests).  Never use these for real runs.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from typing import Any
 
@@ -42,6 +43,7 @@ class RecordingEngine(_Wrapper):
     """Test double: a real inner engine plus a per-call log and optional poison rows.
 
     Engine args: ``inner`` (engine name), ``log_path`` (file to append request ids to),
+    ``prompts_log`` (file to append one JSON line per request to: its id and the token ids it was sent),
     ``poison_rows`` (rows whose requests raise, simulating an engine crash), and every other
     key is passed to the inner engine.
     """
@@ -58,9 +60,11 @@ class RecordingEngine(_Wrapper):
         hang_once_flag: str | None = None,
         hang_after: int = 0,
         api_key: str | None = None,
+        prompts_log: str | None = None,
         **inner_args: Any,
     ) -> None:
         super().__init__(model, inner=inner, log_path=log_path, poison_rows=poison_rows, **inner_args)
+        self.prompts_log = prompts_log
         self.inner = resolve_engine_class(inner)(model, **inner_args)
         self.simulated = self.inner.simulated
         self.supports_seed = self.inner.supports_seed
@@ -78,6 +82,9 @@ class RecordingEngine(_Wrapper):
         if request.request_id != "daskgen-health" and self.log_path:
             with open(self.log_path, "a") as fh:
                 fh.write(f"{request.request_id} {os.getpid()}\n")
+        if request.request_id != "daskgen-health" and self.prompts_log:
+            with open(self.prompts_log, "a") as fh:  # one O_APPEND write per line
+                fh.write(json.dumps({"id": request.request_id, "prompt": list(request.prompt_ids)}) + "\n")
         if request.request_id != "daskgen-health":
             self.calls += 1
         if self.hang_once_flag and self.calls > self.hang_after and not os.path.exists(self.hang_once_flag):
