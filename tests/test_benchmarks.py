@@ -416,3 +416,13 @@ def test_export(tmp_path):
     ):
         assert f"| {step}" in out, step
     assert "| length_stats() + throughput() |" in record
+
+
+@pytest.mark.timeout(300)
+def test_checksums(tmp_path):
+    out, record = run_script("checksums.py", tmp_path, "--prompts", "256", "--repeats", "1")
+    for measure in ("whole run", "engines ready to last commit", "full response_ids column"):
+        row = next(line for line in out.splitlines() if line.startswith(f"| {measure}"))
+        ratio = float(row.rstrip(" |").rsplit("|", 1)[1])
+        assert 0 < ratio < 100, row  # both sides ran and were timed (no figure is asserted)
+    assert "checksummed (A)" in record and "no checksum (B)" in record
