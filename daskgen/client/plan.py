@@ -64,28 +64,9 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     assert source is not None  # require() raised otherwise
     tokenizer = load_tokenizer(str(config.model), config.engine, config.engine_args)
     existing = GenerationStore.open_if_exists(config.location())
-    key = scan_key(source, tokenizer_identity(tokenizer), config.max_prompt_tokens, config.skip_overlong)
-    scan = load_scan(existing.attrs.input_scan if existing else None, key, source)
-    reused = scan is not None
-    if scan is None:
-        scan = scan_prompts(
-            source, tokenizer, max_prompt_tokens=config.max_prompt_tokens, skip_overlong=config.skip_overlong
-        )
-    wanted = _store_attrs(config, scan, tokenizer)
-    record = None if reused else scan_record(key, scan, source)
-    if existing is None:
-        wanted.input_scan = record
-        store, record = GenerationStore.create(config.location(), wanted, scan.ids), None
-    else:
-        existing.check_resumable(wanted)
-        store = existing
+    scan, record = _scan_input(config, source, tokenizer, existing)
+    store, record = _create_or_check_store(config, _store_attrs(config, scan, tokenizer), scan, existing, record)
     eos = tokenizer.eos_token_id
-    predicted = None
-    if config.length_hints:
-        from daskgen.store.location import locate
-
-        hints = locate(config.length_hints, config.storage_options)
-        predicted = read_length_hints(hints, scan.ids, scan.fingerprint, len(scan))
     return Plan(
         config,
         scan,
@@ -94,8 +75,53 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
         tokenizer=tokenizer,
         scan_record=record,
         first_partitions=tuple(store.attrs.partial_partitions),
-        predicted=predicted,
+        predicted=_predicted_lengths(config, scan),
     )
+
+
+def _scan_input(
+    config: RunConfig, source: str | Path | Sequence[Any], tokenizer: Any, existing: GenerationStore | None
+) -> tuple[InputScan, dict[str, Any] | None]:
+    """The input scan, reused from the store's attrs when input and tokenizer are unchanged, else tokenized anew.
+
+    Returns the scan and, for a fresh scan, the record to keep in the attrs (``None`` when reused).
+    """
+    key = scan_key(source, tokenizer_identity(tokenizer), config.max_prompt_tokens, config.skip_overlong)
+    scan = load_scan(existing.attrs.input_scan if existing else None, key, source)
+    if scan is not None:
+        return scan, None
+    scan = scan_prompts(
+        source, tokenizer, max_prompt_tokens=config.max_prompt_tokens, skip_overlong=config.skip_overlong
+    )
+    return scan, scan_record(key, scan, source)
+
+
+def _create_or_check_store(
+    config: RunConfig,
+    wanted: StoreAttrs,
+    scan: InputScan,
+    existing: GenerationStore | None,
+    record: dict[str, Any] | None,
+) -> tuple[GenerationStore, dict[str, Any] | None]:
+    """Create the store (with the scan ``record`` in its attrs) or check the existing one can be resumed.
+
+    Returns the store and the scan record still to be kept by :func:`keep_scan` (``None`` once written).
+    """
+    if existing is None:
+        wanted.input_scan = record
+        return GenerationStore.create(config.location(), wanted, scan.ids), None
+    existing.check_resumable(wanted)
+    return existing, record
+
+
+def _predicted_lengths(config: RunConfig, scan: InputScan) -> np.ndarray | None:
+    """Per row, the longest response in the ``length_hints`` store (NaN: unknown); ``None`` without hints."""
+    if not config.length_hints:
+        return None
+    from daskgen.store.location import locate
+
+    hints = locate(config.length_hints, config.storage_options)
+    return read_length_hints(hints, scan.ids, scan.fingerprint, len(scan))
 
 
 def keep_scan(plan: Plan) -> None:
@@ -165,15 +191,27 @@ def pending_tasks(plan: Plan, status: np.ndarray) -> Iterator[PartitionTask]:
 def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[PartitionTask]:
     """Tasks of the partitions at ``starts``, reading their prompts in one pass over the input (a group
     not in ascending order is read whole, then yielded in its order)."""
-    from daskgen.engines.base import SamplingParams
-
     if starts != sorted(starts):
         tasks = {task.start: task for task in _tasks_for(plan, sorted(starts), todo)}
         yield from (tasks[start] for start in starts)
         return
 
-    cfg, layout = plan.config, plan.layout
-    verify, continue_partial = cfg.verify_policy(), cfg.continues_partial()  # once per run
+    shared = _shared_task_fields(plan)
+    layout = plan.layout
+    ranges = [(start, min(start + layout.partition_size, layout.n_prompts)) for start in starts]
+    wanted = (int(i) for start, stop in ranges for i in np.flatnonzero(todo[start:stop]) + start)
+    selected = iter_selected_rows(plan.prompts.source, wanted)
+    for start, stop in ranges:
+        rows = (np.flatnonzero(todo[start:stop]) + start).tolist()
+        full = [next(selected)[1] for _ in rows]
+        yield _partition_task(plan, shared, start, stop, rows, full)
+
+
+def _shared_task_fields(plan: Plan) -> dict[str, Any]:
+    """The :class:`PartitionTask` fields every partition shares (the verify policy is built once per run)."""
+    from daskgen.engines.base import SamplingParams
+
+    cfg = plan.config
     params = SamplingParams(
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,
@@ -182,30 +220,33 @@ def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[Part
         logprobs=cfg.logprobs,
         stop_token_ids=plan.stop_ids,
     )
-    ranges = [(start, min(start + layout.partition_size, layout.n_prompts)) for start in starts]
-    wanted = (int(i) for start, stop in ranges for i in np.flatnonzero(todo[start:stop]) + start)
-    selected = iter_selected_rows(plan.prompts.source, wanted)
-    for start, stop in ranges:
-        rows = (np.flatnonzero(todo[start:stop]) + start).tolist()
-        full = [next(selected)[1] for _ in rows]
-        yield PartitionTask(
-            plan.store,
-            start,
-            stop,
-            rows,
-            None,
-            cfg.n_samples,
-            params,
-            cfg.seed,
-            timeout_s=cfg.partition_timeout_s,
-            agent=cfg.agent,
-            agent_args=dict(cfg.agent_args),
-            model=str(cfg.model),
-            continue_partial=continue_partial,
-            verify=verify,
-            rows_meta=full if verify is not None else None,
-            inputs=[_to_tokenize(r) for r in full],
-        )
+    return {
+        "n_samples": cfg.n_samples,
+        "params": params,
+        "seed": cfg.seed,
+        "timeout_s": cfg.partition_timeout_s,
+        "agent": cfg.agent,
+        "model": str(cfg.model),
+        "verify": cfg.verify_policy(),
+        "continue_partial": cfg.continues_partial(),
+    }
+
+
+def _partition_task(
+    plan: Plan, shared: dict[str, Any], start: int, stop: int, rows: list[int], full: list[dict[str, Any]]
+) -> PartitionTask:
+    """The task of partition ``[start, stop)``, whose pending ``rows`` hold the input rows ``full``."""
+    return PartitionTask(
+        plan.store,
+        start,
+        stop,
+        rows,
+        None,
+        agent_args=dict(plan.config.agent_args),
+        rows_meta=full if shared["verify"] is not None else None,
+        inputs=[_to_tokenize(r) for r in full],
+        **shared,
+    )
 
 
 def _to_tokenize(row: dict[str, Any]) -> dict[str, Any]:
