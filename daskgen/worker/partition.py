@@ -99,12 +99,7 @@ def fill_region(
 ) -> PartitionResult:
     """Place prompts and trajectories (and verifier scores) into the region; collect per-row failures."""
     out = PartitionResult(task.start, task.stop, list(task.rows))
-    for i, outcome in enumerate(rounds or []):
-        r = task.rows[i] - task.start
-        region["score"][r] = outcome.scores
-        region["samples_used"][r] = outcome.used
-        if outcome.notes:
-            out.notes[task.rows[i]] = "; ".join(outcome.notes)
+    _record_rounds(region, task, rounds or [], out)
     layout = task.layout
     assert task.prompts is not None, "the worker tokenizes a task's inputs before filling its region"
     for i, (row, prompt) in enumerate(zip(task.rows, task.prompts, strict=True)):
@@ -115,24 +110,53 @@ def fill_region(
         out.prompt_tokens += len(prompt)
         for s in range(task.n_samples):
             trajectories = samples[i * task.n_samples + s][: layout.n_trajectories]
-            if layout.n_trajectories > 1:
-                region["num_trajectories"][r, s] = len(trajectories)
-            if not trajectories:  # not needed: the verifier was satisfied earlier
-                clear_response(region, (r, s), layout)
-            for t, traj in enumerate(trajectories):
-                index = (r, s, t) if layout.n_trajectories > 1 else (r, s)
-                tokens = _place(region, index, traj, layout)
-                out.response_tokens += max(0, tokens - traj.carried)
-                out.carried_tokens += min(traj.carried, tokens)
-                if traj.error is not None:
-                    out.failed.setdefault(row, f"sample {s}: {traj.error}")
-                if traj.finish_reason == FinishReason.ABORT:
-                    if row not in out.aborted:
-                        out.aborted.append(row)
-                    if tokens:
-                        out.partial_samples += 1
-                        out.partial_tokens += tokens
+            _place_sample(region, row, r, s, trajectories, layout, out)
     return out
+
+
+def _record_rounds(
+    region: dict[str, np.ndarray], task: PartitionTask, rounds: list[RowOutcome], out: PartitionResult
+) -> None:
+    """Store each row's verifier scores and samples used; keep its verifier notes in ``out``."""
+    for i, outcome in enumerate(rounds):
+        r = task.rows[i] - task.start
+        region["score"][r] = outcome.scores
+        region["samples_used"][r] = outcome.used
+        if outcome.notes:
+            out.notes[task.rows[i]] = "; ".join(outcome.notes)
+
+
+def _place_sample(
+    region: dict[str, np.ndarray],
+    row: int,
+    r: int,
+    s: int,
+    trajectories: list[Trajectory],
+    layout: Layout,
+    out: PartitionResult,
+) -> None:
+    """Store sample ``s`` of ``row`` (region row ``r``): its trajectories, or an empty response when there are none."""
+    if layout.n_trajectories > 1:
+        region["num_trajectories"][r, s] = len(trajectories)
+    if not trajectories:  # not needed: the verifier was satisfied earlier
+        clear_response(region, (r, s), layout)
+    for t, traj in enumerate(trajectories):
+        index = (r, s, t) if layout.n_trajectories > 1 else (r, s)
+        _count_trajectory(out, row, s, traj, _place(region, index, traj, layout))
+
+
+def _count_trajectory(out: PartitionResult, row: int, s: int, traj: Trajectory, tokens: int) -> None:
+    """Add a stored trajectory of ``tokens`` response tokens to the counters, failures and aborted rows of ``out``."""
+    out.response_tokens += max(0, tokens - traj.carried)
+    out.carried_tokens += min(traj.carried, tokens)
+    if traj.error is not None:
+        out.failed.setdefault(row, f"sample {s}: {traj.error}")
+    if traj.finish_reason == FinishReason.ABORT:
+        if row not in out.aborted:
+            out.aborted.append(row)
+        if tokens:
+            out.partial_samples += 1
+            out.partial_tokens += tokens
 
 
 def _place(region: dict[str, np.ndarray], index: tuple[int, ...], traj: Trajectory, layout: Layout) -> int:
@@ -242,6 +266,18 @@ async def _sample(
         return await agent.run(handle, request_id, prompt, params)
     if prefix.finish_reason != FinishReason.ABORT:
         return [prefix]
+    return await _continue_aborted(agent, handle, request_id, prompt, params, prefix)
+
+
+async def _continue_aborted(
+    agent: AgentLoop,
+    handle: EngineHandle,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    prefix: Trajectory,
+) -> list[Trajectory]:
+    """Continue an aborted ``prefix`` with the token budget it left (finished at ``length`` when none is left)."""
     budget = params.max_new_tokens - len(prefix.response_ids)
     if budget <= 0:
         prefix.finish_reason = FinishReason.LENGTH
@@ -250,7 +286,12 @@ async def _sample(
         return await agent.run(handle, request_id, prompt, params)
     rest = params.__class__(**{**params.__dict__, "max_new_tokens": budget})
     (tail,) = await agent.run(handle, request_id, prompt + prefix.response_ids, rest)
-    merged = Trajectory(
+    return [_joined(prefix, tail)]
+
+
+def _joined(prefix: Trajectory, tail: Trajectory) -> Trajectory:
+    """``prefix`` followed by its continuation ``tail``: one trajectory that counts the prefix as carried over."""
+    return Trajectory(
         prefix.response_ids + tail.response_ids,
         prefix.response_mask + tail.response_mask,
         None if prefix.logprobs is None else prefix.logprobs + (tail.logprobs or []),
@@ -260,7 +301,6 @@ async def _sample(
         continued=len(prefix.response_ids),
         carried=len(prefix.response_ids),
     )
-    return [merged]
 
 
 @dataclass
