@@ -226,27 +226,31 @@ def partial_prefixes(region: dict[str, np.ndarray], task: PartitionTask) -> dict
     out = {}
     stops = set(task.params.stop_token_ids)
     for row in task.rows:
-        r = row - task.start
         for s in range(task.n_samples):
-            reason = int(region["finish_reason"][r, s])
-            if reason not in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT):
-                continue
-            n = int(region["response_length"][r, s])
-            ids = region["response_ids"][r, s, :n].tolist()
-            if reason == FinishReason.ABORT and ids and ids[-1] in stops:
-                reason = FinishReason.STOP
-            lp = region["logprobs"][r, s, :n].tolist() if task.params.logprobs else None
-            continued = int(region["continued_tokens"][r, s]) if "continued_tokens" in region else 0
-            out[row, s] = Trajectory(
-                ids,
-                region["response_mask"][r, s, :n].tolist(),
-                lp,
-                FinishReason(reason),
-                int(region["num_turns"][r, s]),
-                continued=continued,
-                carried=n,
-            )
+            stored = _stored_sample(region, row - task.start, s, stops, task.params.logprobs)
+            if stored is not None:
+                out[row, s] = stored
     return out
+
+
+def _stored_sample(region: dict[str, np.ndarray], r: int, s: int, stops: set[int], logprobs: bool) -> Trajectory | None:
+    """Sample ``s`` of region row ``r`` as stored, or ``None`` when it was never generated (or failed)."""
+    reason = int(region["finish_reason"][r, s])
+    if reason not in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT):
+        return None
+    n = int(region["response_length"][r, s])
+    ids = region["response_ids"][r, s, :n].tolist()
+    if reason == FinishReason.ABORT and ids and ids[-1] in stops:
+        reason = FinishReason.STOP
+    return Trajectory(
+        ids,
+        region["response_mask"][r, s, :n].tolist(),
+        region["logprobs"][r, s, :n].tolist() if logprobs else None,
+        FinishReason(reason),
+        int(region["num_turns"][r, s]),
+        continued=int(region["continued_tokens"][r, s]) if "continued_tokens" in region else 0,
+        carried=n,
+    )
 
 
 async def _sample(
