@@ -133,8 +133,7 @@ def _tune_lm_head(
 
     anywhere, after_closing = _calibration_states(model, tokenizer, closing, generator)
     eos, weight = model.config.eos_token_id, model.lm_head.weight
-    step_p = 1.0 - (1.0 - TINY_EOS_TARGET) ** (1.0 / _TINY_HORIZON)
-    target = step_p * len(tokenizer) / closing.numel()
+    target = _eos_target_after_closing(len(tokenizer), closing.numel())
     with torch.no_grad():
         weight[eos] = 0.0
         weight.mul_(_TINY_LOGIT_STD / (anywhere @ weight.T).std())
@@ -142,6 +141,12 @@ def _tune_lm_head(
         others[:, eos] = -torch.inf
         log_rest = torch.logsumexp(others, dim=-1)  # P(eos) = sigmoid(eos_logit - log_rest)
         weight[eos, 0] = _bisect_eos_weight(after_closing[:, 0], log_rest, target)
+
+
+def _eos_target_after_closing(vocab: int, n_closing: int) -> float:
+    """P(EOS right after a closing token) giving ``TINY_EOS_TARGET`` within the horizon (see :func:`_tune_lm_head`)."""
+    step_p = 1.0 - (1.0 - TINY_EOS_TARGET) ** (1.0 / _TINY_HORIZON)
+    return step_p * vocab / n_closing
 
 
 def _calibration_states(
