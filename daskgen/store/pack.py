@@ -130,9 +130,7 @@ def _array_plan(arr: Any, packing: bool, coarse: bool) -> dict[str, Any]:
     inner = arr.chunks
     n, rows = arr.shape[0], inner[0]
     row_bytes = int(np.prod(arr.shape[1:], dtype=np.int64)) * max(arr.dtype.itemsize, 8)
-    shards = None
-    if packing:
-        shards = (shard_rows(rows, row_bytes, n, coarse=coarse), *arr.shape[1:])
+    shards = (shard_rows(rows, row_bytes, n, coarse=coarse), *arr.shape[1:]) if packing else None
     return {
         "shape": arr.shape,
         "chunks": inner,
