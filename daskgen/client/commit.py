@@ -73,17 +73,23 @@ def commit_rows(
     writer), so the rows in between are written back unchanged.  ``notes`` (e.g. verifier
     exceptions) go into ``error`` of rows that are nevertheless done.
     """
-    new = run.status[start:stop].copy()
-    for i in done:
-        new[i - start] = DONE
-    for i in failed:
-        new[i - start] = FAILED
+    new = _new_status(run, start, stop, failed, done)
     errors = _new_errors(run, start, stop, failed, done, notes)
     now, rows = time.time(), [*done, *failed]
     times = run.committed_at[start:stop].copy()
     times[[r - start for r in rows]] = now
     run.plan.store.commit(start, new, errors, times)
     run.record_commit(start, new, rows, now)
+
+
+def _new_status(run: LiveRun, start: int, stop: int, failed: dict[int, str], done: Sequence[int]) -> np.ndarray:
+    """The ``status`` of rows ``[start, stop)`` after this commit: ``done`` rows done, ``failed`` rows failed."""
+    new = run.status[start:stop].copy()
+    for i in done:
+        new[i - start] = DONE
+    for i in failed:
+        new[i - start] = FAILED
+    return new
 
 
 def _new_errors(
