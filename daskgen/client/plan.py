@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,6 +29,9 @@ from daskgen.store.attrs import StoreAttrs
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import FAILED, PENDING, Layout
 from daskgen.worker.partition import PartitionTask
+
+if TYPE_CHECKING:
+    from daskgen.engines.base import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -58,10 +61,7 @@ class Plan:
 def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) -> Plan:
     """Validate input and settings, create or check the store, record overlong prompts as failed."""
     config.require("model", "store")
-    if prompts is None:
-        config.require("prompts")
-    source = prompts if prompts is not None else config.prompts
-    assert source is not None  # require() raised otherwise
+    source = _input_source(config, prompts)
     tokenizer = load_tokenizer(str(config.model), config.engine, config.engine_args)
     existing = GenerationStore.open_if_exists(config.location())
     scan, record = _scan_input(config, source, tokenizer, existing)
@@ -77,6 +77,15 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
         first_partitions=tuple(store.attrs.partial_partitions),
         predicted=_predicted_lengths(config, scan),
     )
+
+
+def _input_source(config: RunConfig, prompts: str | Path | Sequence[Any] | None) -> str | Path | Sequence[Any]:
+    """The prompts to run: ``prompts`` when given, else the configured ``prompts`` file (then required)."""
+    if prompts is None:
+        config.require("prompts")
+    source = prompts if prompts is not None else config.prompts
+    assert source is not None  # require() raised otherwise
+    return source
 
 
 def _scan_input(
@@ -209,20 +218,10 @@ def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[Part
 
 def _shared_task_fields(plan: Plan) -> dict[str, Any]:
     """The :class:`PartitionTask` fields every partition shares (the verify policy is built once per run)."""
-    from daskgen.engines.base import SamplingParams
-
     cfg = plan.config
-    params = SamplingParams(
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        logprobs=cfg.logprobs,
-        stop_token_ids=plan.stop_ids,
-    )
     return {
         "n_samples": cfg.n_samples,
-        "params": params,
+        "params": _sampling_params(plan),
         "seed": cfg.seed,
         "timeout_s": cfg.partition_timeout_s,
         "agent": cfg.agent,
@@ -230,6 +229,21 @@ def _shared_task_fields(plan: Plan) -> dict[str, Any]:
         "verify": cfg.verify_policy(),
         "continue_partial": cfg.continues_partial(),
     }
+
+
+def _sampling_params(plan: Plan) -> SamplingParams:
+    """The run's sampling settings, with the tokenizer's stop ids."""
+    from daskgen.engines.base import SamplingParams
+
+    cfg = plan.config
+    return SamplingParams(
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        logprobs=cfg.logprobs,
+        stop_token_ids=plan.stop_ids,
+    )
 
 
 def _partition_task(
