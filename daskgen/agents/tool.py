@@ -84,8 +84,7 @@ class ToolLoop(AgentLoop):
                 done.append(traj)
                 traj, fits = self._restart(reset, params)
             else:
-                results = [await self._call(c) for c in calls]
-                fits = self._append(traj, results, params.max_new_tokens)
+                fits = self._append(traj, [await self._call(c) for c in calls], params.max_new_tokens)
             if not fits:
                 break
         return [*done, traj]
