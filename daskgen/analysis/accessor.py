@@ -62,6 +62,8 @@ __all__ = [
     "open_store",
 ]
 
+#: Columns of :meth:`DaskgenAccessor.throughput`.
+THROUGHPUT_COLUMNS = ["start", "prompts", "tokens", "prompts_per_min", "tokens_per_min"]
 STATUS_NAMES = {"pending": PENDING, "done": DONE, "failed": FAILED}
 #: Tokenizer identity keys that must match the store's for decoding to be trusted.
 IDENTITY_KEYS = ("vocab_size", "eos_token_id", "pad_token_id", "chat_template_sha256")
@@ -229,37 +231,35 @@ class DaskgenAccessor:
         """
         import dask
 
-        columns = ["start", "prompts", "tokens", "prompts_per_min", "tokens_per_min"]
         if "committed_at" not in self._ds:  # stores written before commit times were recorded
-            return pd.DataFrame(columns=columns)
+            return pd.DataFrame(columns=THROUGHPUT_COLUMNS)
         done = self.done_mask()
         times = epoch_seconds(self._ds["committed_at"]).where(done)
         lo, hi = (float(v) for v in dask.compute(times.min(), times.max()))
         if math.isnan(lo):
-            return pd.DataFrame(columns=columns)
+            return pd.DataFrame(columns=THROUGHPUT_COLUMNS)
         width = float(bin_seconds) if bin_seconds else nice_bin_seconds(hi - lo)
-        frame = self._binned_counts(times, lo, hi, width)
-        frame["prompts_per_min"] = frame["prompts"] * 60.0 / width
-        frame["tokens_per_min"] = frame["tokens"] * 60.0 / width
-        frame.attrs["bin_seconds"] = width
-        return frame[columns]
+        return self._binned_rates(times, lo, hi, width)
 
-    def _binned_counts(self, times: xr.DataArray, lo: float, hi: float, width: float) -> pd.DataFrame:
-        """Done prompts and their response tokens per ``width``-second bin of ``times`` in ``[lo, hi]``.
-
-        Rows without a time (not done) fall into an extra bin past the end, which is dropped.
-        """
+    def _binned_rates(self, times: xr.DataArray, lo: float, hi: float, width: float) -> pd.DataFrame:
+        """Done prompts and their response tokens, and their per-minute rates, per ``width``-second bin of
+        ``times`` in ``[lo, hi]``.  Rows without a time (not done) fall into an extra bin past the end, which
+        is dropped."""
         nbins = int((hi - lo) // width) + 1
         keys = ((times - lo) // width).fillna(nbins)
         prompts = bincount(keys, nbins + 1)[:nbins]
         token_sums = bincount(keys, nbins + 1, weights=self._prompt_tokens())[:nbins]
-        return pd.DataFrame(
+        frame = pd.DataFrame(
             {
                 "start": pd.to_datetime(lo + width * np.arange(nbins), unit="s", utc=True),
                 "prompts": prompts.astype("int64"),
                 "tokens": np.rint(token_sums).astype("int64"),
             }
         )
+        frame["prompts_per_min"] = frame["prompts"] * 60.0 / width
+        frame["tokens_per_min"] = frame["tokens"] * 60.0 / width
+        frame.attrs["bin_seconds"] = width
+        return frame[THROUGHPUT_COLUMNS]
 
     def pass_rates(
         self, scores: str | xr.DataArray = "score", *, threshold: float = 0.5, ks: Sequence[int] = (1,)
@@ -278,14 +278,7 @@ class DaskgenAccessor:
             raise ValueError(f"pass@k needs 1 <= k <= n_samples={n}, got {bad}")
         rows = self.rows("done")
         hits, used = self._hits_and_used(scores, threshold, rows)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            out = xr.Dataset(
-                {"pass_rate": ("prompt", hits / used), "samples": ("prompt", used)},
-                coords={"prompt_index": ("prompt", rows)},
-            )
-        out["pass_at_k"] = ("k", [pass_at_k(used, hits, k) for k in ks])
-        out["pass_at_k_prompts"] = ("k", [int((used >= k).sum()) for k in ks])
-        return out.assign_coords(k=list(ks)).assign_attrs(threshold=threshold, done_prompts=len(rows))
+        return _pass_dataset(rows, hits, used, ks).assign_attrs(threshold=threshold, done_prompts=len(rows))
 
     def _score_variable(self, scores: str | xr.DataArray) -> xr.DataArray:
         """The per-sample scores: the dataset variable named ``scores``, or ``scores`` itself."""
@@ -382,10 +375,27 @@ class DaskgenAccessor:
         sub = self._ds[names].isel(prompt=picked).compute()
         flat = flatten_samples(sub)
         prompts, responses = _decode_flat(tok, sub, flat, skip_special_tokens)
-        columns = ["prompt_index", "prompt_id", "sample", "trajectory", "response_length"]
-        frame = pd.DataFrame({c: flat[c] for c in columns if c in flat})
-        frame.insert(len(frame.columns) - 1, "finish_reason", finish_labels(flat["finish_reason"]))
-        return frame.assign(prompt=prompts, response=responses)
+        return _sample_frame(flat).assign(prompt=prompts, response=responses)
+
+
+def _pass_dataset(rows: np.ndarray, hits: np.ndarray, used: np.ndarray, ks: Sequence[int]) -> xr.Dataset:
+    """Pass rate and generated samples per prompt of ``rows``; pass@k and the prompts it covers per ``k``."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = xr.Dataset(
+            {"pass_rate": ("prompt", hits / used), "samples": ("prompt", used)},
+            coords={"prompt_index": ("prompt", rows)},
+        )
+    out["pass_at_k"] = ("k", [pass_at_k(used, hits, k) for k in ks])
+    out["pass_at_k_prompts"] = ("k", [int((used >= k).sum()) for k in ks])
+    return out.assign_coords(k=list(ks))
+
+
+def _sample_frame(flat: dict[str, np.ndarray]) -> pd.DataFrame:
+    """One row per flattened sample: its indices, finish label and response length."""
+    columns = ["prompt_index", "prompt_id", "sample", "trajectory", "response_length"]
+    frame = pd.DataFrame({c: flat[c] for c in columns if c in flat})
+    frame.insert(len(frame.columns) - 1, "finish_reason", finish_labels(flat["finish_reason"]))
+    return frame
 
 
 def _decode_flat(

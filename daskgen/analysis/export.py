@@ -173,12 +173,7 @@ def arrow_block(block: dict[str, np.ndarray], has_logprobs: bool) -> Any:
         "response_ids": _ragged(block["response_ids"], rlen),
         "response_mask": _ragged(block["response_mask"], rlen),
     }
-    if has_logprobs:
-        columns["logprobs"] = _ragged(block["logprobs"], rlen)
-    for name in ("prompt_text", "response_text", "raw_prompt"):
-        if name in block:
-            columns[name] = pa.array(block[name].tolist(), type=pa.string())
-    return pa.table(columns)
+    return pa.table(columns | _arrow_optional_columns(block, has_logprobs))
 
 
 def _arrow_index_columns(block: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -188,6 +183,19 @@ def _arrow_index_columns(block: dict[str, np.ndarray]) -> dict[str, Any]:
     columns = {"prompt_index": pa.array(block["prompt_index"]), "prompt_id": pa.array(block["prompt_id"].tolist())}
     for name in ("sample", "trajectory") if "trajectory" in block else ("sample",):
         columns[name] = pa.array(block[name].astype(np.int32))
+    return columns
+
+
+def _arrow_optional_columns(block: dict[str, np.ndarray], has_logprobs: bool) -> dict[str, Any]:
+    """The columns a block may lack: ``logprobs`` (when recorded), decoded text and the raw prompt."""
+    import pyarrow as pa
+
+    columns = {}
+    if has_logprobs:
+        columns["logprobs"] = _ragged(block["logprobs"], block["response_length"])
+    for name in ("prompt_text", "response_text", "raw_prompt"):
+        if name in block:
+            columns[name] = pa.array(block[name].tolist(), type=pa.string())
     return columns
 
 
@@ -233,14 +241,12 @@ def verl_block(
     """
     prompts, prompt_attn = _left_padded_prompts(block, prompt_width, pad)
     responses, response_attn = _right_padded_responses(block, response_width, pad)
-    attention = np.concatenate([prompt_attn, response_attn], axis=1).astype(np.int64)
     out = {
         "prompts": prompts.astype(np.int64),
         "responses": responses.astype(np.int64),
         "response_mask": (block["response_mask"][:, :response_width] * response_attn).astype(np.int64),
         "input_ids": np.concatenate([prompts, responses], axis=1).astype(np.int64),
-        "attention_mask": attention,
-        "position_ids": np.clip(np.cumsum(attention, axis=1) - 1, 0, None),
+        **_attention_fields(prompt_attn, response_attn),
     }
     if has_logprobs:
         logprobs = block["logprobs"][:, :response_width].astype(np.float32)
@@ -249,6 +255,12 @@ def verl_block(
         if name in block:
             out[name] = block[name].astype(np.int64)
     return out
+
+
+def _attention_fields(prompt_attn: np.ndarray, response_attn: np.ndarray) -> dict[str, np.ndarray]:
+    """``attention_mask`` over prompt and response columns, and ``position_ids`` counting attended tokens."""
+    attention = np.concatenate([prompt_attn, response_attn], axis=1).astype(np.int64)
+    return {"attention_mask": attention, "position_ids": np.clip(np.cumsum(attention, axis=1) - 1, 0, None)}
 
 
 #: Per-row integer fields copied as they are into the verl batch (when the block has them).

@@ -44,6 +44,8 @@ _COLORS = {
     "failed": "#c62828",
 }
 _MAX_BARS = 60
+#: Bars of the length histogram start at their bin and are separated by thin white lines.
+_LENGTH_BAR_STYLE = {"align": "edge", "edgecolor": "white", "linewidth": 0.3}
 
 
 @dataclass
@@ -116,17 +118,9 @@ def _stack_length_bars(ax: Any, hist: Any, step: int) -> np.ndarray:
         if not counts.sum():
             continue
         binned = np.add.reduceat(counts, np.arange(0, len(counts), step))
-        ax.bar(
-            edges,
-            binned,
-            width=step,
-            align="edge",
-            bottom=bottom,
-            color=_COLORS.get(str(label), "#5c6bc0"),
-            label=f"{label} ({int(counts.sum()):,})",
-            edgecolor="white",
-            linewidth=0.3,
-        )
+        color = _COLORS.get(str(label), "#5c6bc0")
+        label_text = f"{label} ({int(counts.sum()):,})"
+        ax.bar(edges, binned, width=step, bottom=bottom, color=color, label=label_text, **_LENGTH_BAR_STYLE)
         bottom += binned
     return bottom
 
