@@ -225,12 +225,7 @@ def _finish(
     """Check the copy as a whole, then make it a daskgen store (its attrs are written last)."""
     zarr = import_zarr()
     group = zarr.open_group(dst.zarr_store(), mode="r+")
-    for name, p in plans.items():
-        if group[name].shape != p["shape"]:
-            raise PackError(f"array {name!r} of {dst.url!r} has shape {group[name].shape}, expected {p['shape']}")
-    source_status = import_zarr().open_array(src.zarr_store(read_only=True), path="status", mode="r")[:]
-    if not np.array_equal(np.asarray(source_status), np.asarray(group["status"][:])):
-        raise PackError(f"the checkpoint of {dst.url!r} differs from {src.url!r}; rerun the {mode}.")
+    _check_copy(src, dst, group, plans, mode)
     if mode == "pack":
         shards = {n: p["shards"][0] for n, p in plans.items()}
         attrs.packed = {"shard_rows": shards, "read_rows": min(shards.values()), "packed": utc_now()}
@@ -240,6 +235,18 @@ def _finish(
     if PROGRESS_KEY in group.attrs:
         del group.attrs[PROGRESS_KEY]
     zarr.consolidate_metadata(dst.zarr_store())
+
+
+def _check_copy(
+    src: StoreLocation, dst: StoreLocation, group: Any, plans: dict[str, dict[str, Any]], mode: str
+) -> None:
+    """Raise :class:`PackError` unless every target array has its planned shape and the checkpoints agree."""
+    for name, p in plans.items():
+        if group[name].shape != p["shape"]:
+            raise PackError(f"array {name!r} of {dst.url!r} has shape {group[name].shape}, expected {p['shape']}")
+    source_status = import_zarr().open_array(src.zarr_store(read_only=True), path="status", mode="r")[:]
+    if not np.array_equal(np.asarray(source_status), np.asarray(group["status"][:])):
+        raise PackError(f"the checkpoint of {dst.url!r} differs from {src.url!r}; rerun the {mode}.")
 
 
 def _swap(src: LocalLocation, work: LocalLocation) -> None:
