@@ -241,20 +241,14 @@ def verl_block(
     """
     prompts, prompt_attn = _left_padded_prompts(block, prompt_width, pad)
     responses, response_attn = _right_padded_responses(block, response_width, pad)
-    out = {
+    return {
         "prompts": prompts.astype(np.int64),
         "responses": responses.astype(np.int64),
         "response_mask": (block["response_mask"][:, :response_width] * response_attn).astype(np.int64),
         "input_ids": np.concatenate([prompts, responses], axis=1).astype(np.int64),
         **_attention_fields(prompt_attn, response_attn),
+        **_verl_extras(block, response_attn, has_logprobs),
     }
-    if has_logprobs:
-        logprobs = block["logprobs"][:, :response_width].astype(np.float32)
-        out["rollout_log_probs"] = np.where(response_attn & np.isfinite(logprobs), logprobs, 0.0).astype(np.float32)
-    for name in _VERL_METADATA:
-        if name in block:
-            out[name] = block[name].astype(np.int64)
-    return out
 
 
 def _attention_fields(prompt_attn: np.ndarray, response_attn: np.ndarray) -> dict[str, np.ndarray]:
@@ -263,16 +257,20 @@ def _attention_fields(prompt_attn: np.ndarray, response_attn: np.ndarray) -> dic
     return {"attention_mask": attention, "position_ids": np.clip(np.cumsum(attention, axis=1) - 1, 0, None)}
 
 
+def _verl_extras(block: dict[str, np.ndarray], response_attn: np.ndarray, has_logprobs: bool) -> dict[str, np.ndarray]:
+    """``rollout_log_probs`` (when recorded; 0 outside the response) and the per-row metadata fields, as verl types."""
+    extras = {}
+    if has_logprobs:
+        logprobs = block["logprobs"][:, : response_attn.shape[1]].astype(np.float32)
+        extras["rollout_log_probs"] = np.where(response_attn & np.isfinite(logprobs), logprobs, 0.0).astype(np.float32)
+    for name in _VERL_META:
+        if name in block:
+            extras[name] = block[name].astype(np.int64)
+    return extras
+
+
 #: Per-row integer fields copied as they are into the verl batch (when the block has them).
-_VERL_METADATA = (
-    "prompt_index",
-    "sample",
-    "trajectory",
-    "num_turns",
-    "finish_reason",
-    "prompt_length",
-    "response_length",
-)
+_VERL_META = ("prompt_index", "sample", "trajectory", "num_turns", "finish_reason", "prompt_length", "response_length")
 
 
 def _left_padded_prompts(block: dict[str, np.ndarray], width: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
