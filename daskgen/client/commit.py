@@ -76,8 +76,7 @@ def commit_rows(
     new = _new_status(run, start, stop, failed, done)
     errors = _new_errors(run, start, stop, failed, done, notes)
     now, rows = time.time(), [*done, *failed]
-    times = run.committed_at[start:stop].copy()
-    times[[r - start for r in rows]] = now
+    times = _new_commit_times(run, start, stop, rows, now)
     run.plan.store.commit(start, new, errors, times)
     run.record_commit(start, new, rows, now)
 
@@ -90,6 +89,13 @@ def _new_status(run: LiveRun, start: int, stop: int, failed: dict[int, str], don
     for i in failed:
         new[i - start] = FAILED
     return new
+
+
+def _new_commit_times(run: LiveRun, start: int, stop: int, rows: list[int], now: float) -> np.ndarray:
+    """``committed_at`` of rows ``[start, stop)`` after this commit: ``now`` for the committed ``rows``."""
+    times = run.committed_at[start:stop].copy()
+    times[[r - start for r in rows]] = now
+    return times
 
 
 def _new_errors(
