@@ -137,10 +137,16 @@ def _tune_lm_head(
     with torch.no_grad():
         weight[eos] = 0.0
         weight.mul_(_TINY_LOGIT_STD / (anywhere @ weight.T).std())
-        others = after_closing @ weight.T
-        others[:, eos] = -torch.inf
-        log_rest = torch.logsumexp(others, dim=-1)  # P(eos) = sigmoid(eos_logit - log_rest)
-        weight[eos, 0] = _bisect_eos_weight(after_closing[:, 0], log_rest, target)
+        weight[eos, 0] = _bisect_eos_weight(after_closing[:, 0], _log_rest(after_closing, weight, eos), target)
+
+
+def _log_rest(states: torch.Tensor, weight: torch.Tensor, eos: Any) -> torch.Tensor:
+    """Per state, the log-sum-exp of every logit but EOS's, so that P(eos) = sigmoid(eos_logit - log_rest)."""
+    import torch
+
+    others = states @ weight.T
+    others[:, eos] = -torch.inf
+    return torch.logsumexp(others, dim=-1)
 
 
 def _eos_target_after_closing(vocab: int, n_closing: int) -> float:
