@@ -102,11 +102,16 @@ def copy_block(
         return 0
     target[start:stop] = values
     if not _same(values, target[start:stop]):
-        raise PackError(
-            f"verification failed: rows {start}..{stop - 1} of {name!r} in {dst.url!r} differ from "
-            f"the source after copying. The source is untouched; rerun to retry."
-        )
+        raise _verification_error(dst, name, start, stop)
     return int(values.nbytes)
+
+
+def _verification_error(dst: StoreLocation, name: str, start: int, stop: int) -> PackError:
+    """The error for a copied block that reads back different from the source."""
+    return PackError(
+        f"verification failed: rows {start}..{stop - 1} of {name!r} in {dst.url!r} differ from "
+        f"the source after copying. The source is untouched; rerun to retry."
+    )
 
 
 def _same(a: np.ndarray, b: Any) -> bool:
