@@ -104,14 +104,19 @@ def fill_region(
     assert task.prompts is not None, "the worker tokenizes a task's inputs before filling its region"
     for i, (row, prompt) in enumerate(zip(task.rows, task.prompts, strict=True)):
         r = row - task.start
-        region["prompt_ids"][r] = layout.pad_token_id
-        region["prompt_ids"][r, : len(prompt)] = prompt
-        region["prompt_length"][r] = len(prompt)
+        _place_prompt(region, r, prompt, layout.pad_token_id)
         out.prompt_tokens += len(prompt)
         for s in range(task.n_samples):
             trajectories = samples[i * task.n_samples + s][: layout.n_trajectories]
             _place_sample(region, row, r, s, trajectories, layout, out)
     return out
+
+
+def _place_prompt(region: dict[str, np.ndarray], r: int, prompt: list[int], pad_token_id: int) -> None:
+    """Store a prompt's ids (padded) and length in region row ``r``."""
+    region["prompt_ids"][r] = pad_token_id
+    region["prompt_ids"][r, : len(prompt)] = prompt
+    region["prompt_length"][r] = len(prompt)
 
 
 def _record_rounds(
@@ -190,15 +195,25 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
     plugin = cast("EnginePlugin", worker.plugins[task.plugin_name])
     agent = create_agent(task.agent, task.model, task.agent_args)
     async with plugin.partition(len(task.rows) * task.n_samples) as slot:
-        if task.prompts is None:
-            task.prompts = await asyncio.to_thread(tokenize_rows, task.inputs or [], plugin.tokenizer())
-        # Only a partition with stored samples of its pending rows (an earlier attempt was interrupted)
-        # reads its region before generating; otherwise the padded region is allocated once the results
-        # are in, so partitions waiting in a large in-flight window do not each hold one.
-        region = await asyncio.to_thread(_stored_region, task) if task.continue_partial else None
-        prefixes = partial_prefixes(region, task) if region is not None else {}
+        region, prefixes = await _prepare_inputs(task, plugin)
         generation = _Generation(plugin, await slot.engine_handle(), agent, task, prefixes, slot)
         return await _finish(task, region, await generation.run(), worker.address, t0)
+
+
+async def _prepare_inputs(
+    task: PartitionTask, plugin: EnginePlugin
+) -> tuple[dict[str, np.ndarray] | None, dict[tuple[int, int], Trajectory]]:
+    """Tokenize the task's inputs (if the client did not) and read the stored samples it continues.
+
+    Returns the stored region (``None`` unless the task continues partial samples) and the samples to keep.
+    """
+    if task.prompts is None:
+        task.prompts = await asyncio.to_thread(tokenize_rows, task.inputs or [], plugin.tokenizer())
+    # Only a partition with stored samples of its pending rows (an earlier attempt was interrupted)
+    # reads its region before generating; otherwise the padded region is allocated once the results
+    # are in, so partitions waiting in a large in-flight window do not each hold one.
+    region = await asyncio.to_thread(_stored_region, task) if task.continue_partial else None
+    return region, partial_prefixes(region, task) if region is not None else {}
 
 
 async def _finish(
@@ -328,15 +343,7 @@ class _Generation:
         """All samples of the given rows at once; a crash or hang marks the engine broken and raises."""
         task, plugin = self.task, self.plugin
         self.handle.engine = await plugin.get_engine()  # the engine may have been restarted meanwhile
-        if task.verify is not None:
-            assert task.rows_meta is not None, "tasks with a verifier carry their input rows"
-            decode = plugin.tokenizer().decode
-            calls = [
-                sample_in_rounds(task.verify, task.n_samples, task.rows_meta[i], decode, functools.partial(self.one, i))
-                for i in indices
-            ]
-        else:
-            calls = [self.one(i, s) for i in indices for s in range(task.n_samples)]
+        calls = self.calls(indices)
         try:
             return list(await asyncio.wait_for(asyncio.gather(*calls), task.timeout_s))
         except asyncio.TimeoutError:
@@ -349,6 +356,18 @@ class _Generation:
         except Exception as exc:
             await plugin.mark_broken(f"{type(exc).__name__}: {exc}")
             raise
+
+    def calls(self, indices: range) -> list[Any]:
+        """The coroutines generating the given rows: one per sample, or one per row in verifier rounds."""
+        task = self.task
+        if task.verify is None:
+            return [self.one(i, s) for i in indices for s in range(task.n_samples)]
+        assert task.rows_meta is not None, "tasks with a verifier carry their input rows"
+        decode = self.plugin.tokenizer().decode
+        return [
+            sample_in_rounds(task.verify, task.n_samples, task.rows_meta[i], decode, functools.partial(self.one, i))
+            for i in indices
+        ]
 
     def one(self, i: int, s: int) -> Any:
         """Sample ``s`` of the partition's ``i``-th row, seeded per sample, counted on the slot."""
