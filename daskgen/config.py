@@ -291,6 +291,14 @@ class RunConfig:
                 )
 
     def _check_ranges(self) -> None:
+        """Reject out-of-range values, in the order: sizes, sampling, run limits, cluster settings."""
+        self._check_sizes()
+        self._check_sampling()
+        self._check_run_limits()
+        self._check_cluster()
+
+    def _check_sizes(self) -> None:
+        """``window`` is ``'auto'`` or a positive integer; counts and sizes are >= 1."""
         positive = ("n_samples", "max_new_tokens", "max_prompt_tokens", "partition_size", "max_prompts_in_memory")
         if self.window != "auto" and (
             not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1
@@ -299,6 +307,9 @@ class RunConfig:
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"setting {key!r} must be >= 1, found {getattr(self, key)}.")
+
+    def _check_sampling(self) -> None:
+        """Sampling parameters are in range, and ``keep_partial`` is used with the single-turn agent only."""
         if self.temperature < 0:
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), found {self.temperature}.")
         if not 0 < self.top_p <= 1:
@@ -310,9 +321,15 @@ class RunConfig:
                 f"keep_partial continues single-turn responses only; agent is {self.agent!r}. "
                 "Leave keep_partial unset: other agent loops restart an interrupted sample."
             )
+
+    def _check_run_limits(self) -> None:
+        """The stopping targets, when set, are >= 1."""
         for key in ("target_done", "token_budget"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, found {getattr(self, key)}.")
+
+    def _check_cluster(self) -> None:
+        """TLS files come with a scheduler address to join; ``n_workers``, when set, is >= 1."""
         if (self.tls_ca or self.tls_cert or self.tls_key) and not self.scheduler_address:
             raise ConfigError(
                 "tls_ca/tls_cert/tls_key (--tls-ca/--tls-cert/--tls-key) are for joining an existing "

@@ -23,7 +23,7 @@ from typing import Any
 from daskgen.agents.base import AgentLoop, EngineHandle, Trajectory
 from daskgen.agents.parsers import ToolCall, resolve_parser
 from daskgen.agents.tools import call_tool, load_tools
-from daskgen.engines.base import FinishReason, SamplingParams
+from daskgen.engines.base import FinishReason, GenerationResult, SamplingParams
 from daskgen.errors import ConfigError
 
 _ARGS = {"tools", "max_turns", "tool_timeout_s", "parser", "max_trajectories", "context_reset_tool"}
@@ -75,29 +75,47 @@ class ToolLoop(AgentLoop):
         context = list(prompt_ids)
         traj = self._new(params)
         for turn in range(self.max_turns):
-            budget = params.max_new_tokens - len(traj.response_ids)
-            turn_params = dataclasses.replace(
-                params, max_new_tokens=budget, seed=None if params.seed is None else params.seed + turn
-            )
-            result = await engine.generate(f"{request_id}-t{turn}", context + traj.response_ids, turn_params)
-            traj.add_model_tokens(result)
-            if result.error is not None or result.finish_reason != FinishReason.STOP:
-                break
-            calls = self.parser.parse(self.tokenizer.decode(result.output_ids, skip_special_tokens=True))
+            result = await self._model_turn(engine, f"{request_id}-t{turn}", context, traj, params, turn)
+            calls = self._tool_calls(result)
             if not calls or turn == self.max_turns - 1:
                 break
             reset = next((c for c in calls if c.name == self.reset_tool), None)
             if reset is not None and len(done) + 1 < self.max_trajectories:
                 done.append(traj)
-                traj = self._new(params)
-                summary = str(reset.arguments.get("summary", ""))
-                if summary and not self._append(traj, [summary], params.max_new_tokens):
-                    break
-                continue
-            results = [await self._call(c) for c in calls]
-            if not self._append(traj, results, params.max_new_tokens):
+                traj, fits = self._restart(reset, params)
+            else:
+                fits = self._append(traj, [await self._call(c) for c in calls], params.max_new_tokens)
+            if not fits:
                 break
         return [*done, traj]
+
+    @staticmethod
+    async def _model_turn(
+        engine: EngineHandle, request_id: str, context: list[int], traj: Trajectory, params: SamplingParams, turn: int
+    ) -> GenerationResult:
+        """Generate the model's next turn after ``context`` and ``traj`` within the budget left; add it to ``traj``."""
+        budget = params.max_new_tokens - len(traj.response_ids)
+        turn_params = dataclasses.replace(
+            params, max_new_tokens=budget, seed=None if params.seed is None else params.seed + turn
+        )
+        result = await engine.generate(request_id, context + traj.response_ids, turn_params)
+        traj.add_model_tokens(result)
+        return result
+
+    def _tool_calls(self, result: GenerationResult) -> list[ToolCall]:
+        """The tool calls of a turn that stopped normally (none after an error or a ``length``/``abort`` finish)."""
+        if result.error is not None or result.finish_reason != FinishReason.STOP:
+            return []
+        return self.parser.parse(self.tokenizer.decode(result.output_ids, skip_special_tokens=True))
+
+    def _restart(self, reset: ToolCall, params: SamplingParams) -> tuple[Trajectory, bool]:
+        """A new trajectory after a context reset, holding the reset call's ``summary`` (if any) as a tool message.
+
+        The flag is False when the summary did not fit the token budget (the trajectory then finishes at ``length``).
+        """
+        traj = self._new(params)
+        summary = str(reset.arguments.get("summary", ""))
+        return traj, not summary or self._append(traj, [summary], params.max_new_tokens)
 
     @staticmethod
     def _new(params: SamplingParams) -> Trajectory:

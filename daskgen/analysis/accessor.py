@@ -62,6 +62,8 @@ __all__ = [
     "open_store",
 ]
 
+#: Columns of :meth:`DaskgenAccessor.throughput`.
+THROUGHPUT_COLUMNS = ["start", "prompts", "tokens", "prompts_per_min", "tokens_per_min"]
 STATUS_NAMES = {"pending": PENDING, "done": DONE, "failed": FAILED}
 #: Tokenizer identity keys that must match the store's for decoding to be trusted.
 IDENTITY_KEYS = ("vocab_size", "eos_token_id", "pad_token_id", "chat_template_sha256")
@@ -76,18 +78,25 @@ def open_store(path: str | Path | StoreLocation) -> xr.Dataset:
     ``stop``/``length``/``abort``/``error``/``not_generated``).
     """
     loc = locate(path)
+    rows = _packed_read_rows(loc)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds = xr.open_zarr(loc.zarr_store(read_only=True), chunks={"prompt": rows} if rows else {})
+    return ds.daskgen.labelled()
+
+
+def _packed_read_rows(loc: StoreLocation) -> int | None:
+    """Rows per dask chunk of a packed store (one chunk per shard reads each shard file once), else ``None``.
+
+    Raises :class:`StoreError` when ``loc`` holds no daskgen store.
+    """
     attrs = read_store_attrs(loc)
     if attrs is None:
         raise StoreError(
             f"{loc.url!r} is not a daskgen store (no {ATTRS_KEY!r} attrs in its zarr.json); "
             "pass the --store path of a daskgen run."
         )
-    # packed stores (daskgen pack): one dask chunk per shard reads each shard file once
-    rows = (attrs.packed or {}).get("read_rows")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ds = xr.open_zarr(loc.zarr_store(read_only=True), chunks={"prompt": rows} if rows else {})
-    return ds.daskgen.labelled()
+    return (attrs.packed or {}).get("read_rows")
 
 
 @xr.register_dataset_accessor("daskgen")
@@ -222,20 +231,24 @@ class DaskgenAccessor:
         """
         import dask
 
-        columns = ["start", "prompts", "tokens", "prompts_per_min", "tokens_per_min"]
         if "committed_at" not in self._ds:  # stores written before commit times were recorded
-            return pd.DataFrame(columns=columns)
+            return pd.DataFrame(columns=THROUGHPUT_COLUMNS)
         done = self.done_mask()
         times = epoch_seconds(self._ds["committed_at"]).where(done)
         lo, hi = (float(v) for v in dask.compute(times.min(), times.max()))
         if math.isnan(lo):
-            return pd.DataFrame(columns=columns)
+            return pd.DataFrame(columns=THROUGHPUT_COLUMNS)
         width = float(bin_seconds) if bin_seconds else nice_bin_seconds(hi - lo)
+        return self._binned_rates(times, lo, hi, width)
+
+    def _binned_rates(self, times: xr.DataArray, lo: float, hi: float, width: float) -> pd.DataFrame:
+        """Done prompts and their response tokens, and their per-minute rates, per ``width``-second bin of
+        ``times`` in ``[lo, hi]``.  Rows without a time (not done) fall into an extra bin past the end, which
+        is dropped."""
         nbins = int((hi - lo) // width) + 1
         keys = ((times - lo) // width).fillna(nbins)
-        tokens = self._prompt_tokens()
         prompts = bincount(keys, nbins + 1)[:nbins]
-        token_sums = bincount(keys, nbins + 1, weights=tokens)[:nbins]
+        token_sums = bincount(keys, nbins + 1, weights=self._prompt_tokens())[:nbins]
         frame = pd.DataFrame(
             {
                 "start": pd.to_datetime(lo + width * np.arange(nbins), unit="s", utc=True),
@@ -246,7 +259,7 @@ class DaskgenAccessor:
         frame["prompts_per_min"] = frame["prompts"] * 60.0 / width
         frame["tokens_per_min"] = frame["tokens"] * 60.0 / width
         frame.attrs["bin_seconds"] = width
-        return frame[columns]
+        return frame[THROUGHPUT_COLUMNS]
 
     def pass_rates(
         self, scores: str | xr.DataArray = "score", *, threshold: float = 0.5, ks: Sequence[int] = (1,)
@@ -258,34 +271,37 @@ class DaskgenAccessor:
         its score is ``>= threshold`` (booleans as they are).  Only generated samples count (a
         verifier run may stop a prompt early); pass@k uses the prompts with at least k of them.
         """
-        import dask
-
-        if isinstance(scores, str):
-            if scores not in self._ds:
-                raise ValueError(
-                    f"no variable {scores!r} in the dataset; add per-sample scores first, e.g. "
-                    f"ds[{scores!r}] = (('prompt', 'sample'), values)"
-                )
-            scores = self._ds[scores]
+        scores = self._score_variable(scores)
         n = self._ds.sizes["sample"]
         bad = [k for k in ks if not 1 <= k <= n]
         if bad:
             raise ValueError(f"pass@k needs 1 <= k <= n_samples={n}, got {bad}")
         rows = self.rows("done")
+        hits, used = self._hits_and_used(scores, threshold, rows)
+        return _pass_dataset(rows, hits, used, ks).assign_attrs(threshold=threshold, done_prompts=len(rows))
+
+    def _score_variable(self, scores: str | xr.DataArray) -> xr.DataArray:
+        """The per-sample scores: the dataset variable named ``scores``, or ``scores`` itself."""
+        if not isinstance(scores, str):
+            return scores
+        if scores not in self._ds:
+            raise ValueError(
+                f"no variable {scores!r} in the dataset; add per-sample scores first, e.g. "
+                f"ds[{scores!r}] = (('prompt', 'sample'), values)"
+            )
+        return self._ds[scores]
+
+    def _hits_and_used(self, scores: xr.DataArray, threshold: float, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per prompt of ``rows``: generated samples that passed, and generated samples (int64 arrays)."""
+        import dask
+
         passed = per_sample(scores if scores.dtype == bool else scores >= threshold).isel(prompt=rows)
         used = per_sample(self._ds["finish_reason"] >= 0).isel(prompt=rows)
-        hits, used = (
+        hits, counted = (
             np.asarray(v.values, dtype=np.int64)
             for v in dask.compute((passed & used).sum("sample"), used.sum("sample"))
         )
-        with np.errstate(invalid="ignore", divide="ignore"):
-            out = xr.Dataset(
-                {"pass_rate": ("prompt", hits / used), "samples": ("prompt", used)},
-                coords={"prompt_index": ("prompt", rows)},
-            )
-        out["pass_at_k"] = ("k", [pass_at_k(used, hits, k) for k in ks])
-        out["pass_at_k_prompts"] = ("k", [int((used >= k).sum()) for k in ks])
-        return out.assign_coords(k=list(ks)).assign_attrs(threshold=threshold, done_prompts=len(rows))
+        return hits, counted
 
     # -- decoding -----------------------------------------------------------------------------
     def input_path(self, path: str | Path | None = None) -> Path | None:
@@ -358,17 +374,42 @@ class DaskgenAccessor:
         names = ["prompt_ids", "prompt_length", "response_ids", "response_length", "finish_reason"]
         sub = self._ds[names].isel(prompt=picked).compute()
         flat = flatten_samples(sub)
-        prompts = np.array(decode_prompts(tok, sub, skip_special_tokens), dtype=object)
-        prompts = prompts[np.searchsorted(sub["prompt_index"].values, flat["prompt_index"])]
-        responses = decode_many(
-            tok,
-            [ids[:n] for ids, n in zip(flat["response_ids"], flat["response_length"], strict=True)],
-            skip_special_tokens,
+        prompts, responses = _decode_flat(tok, sub, flat, skip_special_tokens)
+        return _sample_frame(flat).assign(prompt=prompts, response=responses)
+
+
+def _pass_dataset(rows: np.ndarray, hits: np.ndarray, used: np.ndarray, ks: Sequence[int]) -> xr.Dataset:
+    """Pass rate and generated samples per prompt of ``rows``; pass@k and the prompts it covers per ``k``."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = xr.Dataset(
+            {"pass_rate": ("prompt", hits / used), "samples": ("prompt", used)},
+            coords={"prompt_index": ("prompt", rows)},
         )
-        columns = ["prompt_index", "prompt_id", "sample", "trajectory", "response_length"]
-        frame = pd.DataFrame({c: flat[c] for c in columns if c in flat})
-        frame.insert(len(frame.columns) - 1, "finish_reason", finish_labels(flat["finish_reason"]))
-        return frame.assign(prompt=prompts, response=responses)
+    out["pass_at_k"] = ("k", [pass_at_k(used, hits, k) for k in ks])
+    out["pass_at_k_prompts"] = ("k", [int((used >= k).sum()) for k in ks])
+    return out.assign_coords(k=list(ks))
+
+
+def _sample_frame(flat: dict[str, np.ndarray]) -> pd.DataFrame:
+    """One row per flattened sample: its indices, finish label and response length."""
+    columns = ["prompt_index", "prompt_id", "sample", "trajectory", "response_length"]
+    frame = pd.DataFrame({c: flat[c] for c in columns if c in flat})
+    frame.insert(len(frame.columns) - 1, "finish_reason", finish_labels(flat["finish_reason"]))
+    return frame
+
+
+def _decode_flat(
+    tok: Any, sub: xr.Dataset, flat: dict[str, np.ndarray], skip_special_tokens: bool
+) -> tuple[np.ndarray, list[str]]:
+    """Prompt and response text per flattened sample of ``sub`` (the prompt repeated for each of its samples)."""
+    prompts = np.array(decode_prompts(tok, sub, skip_special_tokens), dtype=object)
+    prompts = prompts[np.searchsorted(sub["prompt_index"].values, flat["prompt_index"])]
+    responses = decode_many(
+        tok,
+        [ids[:n] for ids, n in zip(flat["response_ids"], flat["response_length"], strict=True)],
+        skip_special_tokens,
+    )
+    return prompts, responses
 
 
 def _check_identity(found: dict[str, Any], stored: dict[str, Any], model: str) -> None:

@@ -65,14 +65,29 @@ def flatten_samples(sub: xr.Dataset) -> dict[str, np.ndarray]:
     lead = ["prompt", "sample", "trajectory"][: 3 if "trajectory" in sub.dims else 2]
     out: dict[str, np.ndarray] = {}
     for name, var in sub.variables.items():
-        if set(lead) <= set(var.dims) and name != "num_trajectories":
-            values = var.transpose(*lead, ...).values
-            out[str(name)] = values.reshape(n * s * t, *values.shape[len(lead) :])
-        elif var.dims and var.dims[0] == "prompt" and "sample" not in var.dims:
-            values = var.values.astype(object) if var.dtype.kind in "TUO" else var.values
-            out[str(name)] = np.repeat(values, s * t, axis=0)
-    out["sample"] = np.tile(np.repeat(np.arange(s), t), n)
-    if "trajectory" in sub.dims:
-        out["trajectory"] = np.tile(np.arange(t), n * s)
+        flat = _flat_values(str(name), var, lead, n * s * t, s * t)
+        if flat is not None:
+            out[str(name)] = flat
+    out |= _entry_numbers(n, s, t, "trajectory" in sub.dims)
     keep = out["finish_reason"] >= 0
     return {k: v[keep] for k, v in out.items()}
+
+
+def _flat_values(name: str, var: Any, lead: list[str], entries: int, per_prompt: int) -> np.ndarray | None:
+    """One variable as one value per entry: per-sample ones flattened over ``lead``, per-prompt ones repeated
+    ``per_prompt`` times; ``None`` for other variables (coordinates of other axes, ``num_trajectories``)."""
+    if set(lead) <= set(var.dims) and name != "num_trajectories":
+        values = var.transpose(*lead, ...).values
+        return values.reshape(entries, *values.shape[len(lead) :])
+    if var.dims and var.dims[0] == "prompt" and "sample" not in var.dims:
+        values = var.values.astype(object) if var.dtype.kind in "TUO" else var.values
+        return np.repeat(values, per_prompt, axis=0)
+    return None
+
+
+def _entry_numbers(n: int, s: int, t: int, has_trajectories: bool) -> dict[str, np.ndarray]:
+    """``sample`` (and ``trajectory``) numbers of the entries of ``n`` prompts x ``s`` samples x ``t`` trajectories."""
+    numbers = {"sample": np.tile(np.repeat(np.arange(s), t), n)}
+    if has_trajectories:
+        numbers["trajectory"] = np.tile(np.arange(t), n * s)
+    return numbers

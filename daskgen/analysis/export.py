@@ -33,6 +33,7 @@ from daskgen.analysis.accessor import (
 from daskgen.analysis.archive import require_wandb, upload_wandb, zip_store
 from daskgen.analysis.output import check_output, output_size, staged_output
 from daskgen.errors import ExportError, StoreError
+from daskgen.store.attrs import StoreAttrs
 from daskgen.store.generation_store import read_store_attrs
 from daskgen.store.location import StoreRef, locate
 
@@ -162,9 +163,7 @@ def arrow_block(block: dict[str, np.ndarray], has_logprobs: bool) -> Any:
     import pyarrow as pa
 
     plen, rlen = block["prompt_length"], block["response_length"]
-    columns = {"prompt_index": pa.array(block["prompt_index"]), "prompt_id": pa.array(block["prompt_id"].tolist())}
-    for name in ("sample", "trajectory") if "trajectory" in block else ("sample",):
-        columns[name] = pa.array(block[name].astype(np.int32))
+    columns = _arrow_index_columns(block)
     columns |= {
         "finish_reason": pa.array(finish_labels(block["finish_reason"]).tolist()),
         "num_turns": pa.array(block["num_turns"]),
@@ -174,12 +173,30 @@ def arrow_block(block: dict[str, np.ndarray], has_logprobs: bool) -> Any:
         "response_ids": _ragged(block["response_ids"], rlen),
         "response_mask": _ragged(block["response_mask"], rlen),
     }
+    return pa.table(columns | _arrow_optional_columns(block, has_logprobs))
+
+
+def _arrow_index_columns(block: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The columns naming each row: ``prompt_index``, ``prompt_id``, ``sample`` and ``trajectory`` if any."""
+    import pyarrow as pa
+
+    columns = {"prompt_index": pa.array(block["prompt_index"]), "prompt_id": pa.array(block["prompt_id"].tolist())}
+    for name in ("sample", "trajectory") if "trajectory" in block else ("sample",):
+        columns[name] = pa.array(block[name].astype(np.int32))
+    return columns
+
+
+def _arrow_optional_columns(block: dict[str, np.ndarray], has_logprobs: bool) -> dict[str, Any]:
+    """The columns a block may lack: ``logprobs`` (when recorded), decoded text and the raw prompt."""
+    import pyarrow as pa
+
+    columns = {}
     if has_logprobs:
-        columns["logprobs"] = _ragged(block["logprobs"], rlen)
+        columns["logprobs"] = _ragged(block["logprobs"], block["response_length"])
     for name in ("prompt_text", "response_text", "raw_prompt"):
         if name in block:
             columns[name] = pa.array(block[name].tolist(), type=pa.string())
-    return pa.table(columns)
+    return columns
 
 
 def _write_parquet(src: Source, path: Path) -> int:
@@ -222,37 +239,54 @@ def verl_block(
     padding; ``response_mask`` is 1 only on model-generated tokens; ``position_ids`` count attended
     tokens from 0.  Token fields are int64 as in verl; ``rollout_log_probs`` is float32, 0 where unset.
     """
-    plen, rlen = block["prompt_length"].astype(np.int64), block["response_length"].astype(np.int64)
-    shift = np.arange(prompt_width)[None, :] - (prompt_width - plen)[:, None]
-    prompt_attn = shift >= 0
-    src = block["prompt_ids"][:, :prompt_width]
-    prompts = np.where(prompt_attn, np.take_along_axis(src, np.clip(shift, 0, None), axis=1), pad)
-    response_attn = np.arange(response_width)[None, :] < rlen[:, None]
-    responses = np.where(response_attn, block["response_ids"][:, :response_width], pad)
-    attention = np.concatenate([prompt_attn, response_attn], axis=1).astype(np.int64)
-    out = {
+    prompts, prompt_attn = _left_padded_prompts(block, prompt_width, pad)
+    responses, response_attn = _right_padded_responses(block, response_width, pad)
+    return {
         "prompts": prompts.astype(np.int64),
         "responses": responses.astype(np.int64),
         "response_mask": (block["response_mask"][:, :response_width] * response_attn).astype(np.int64),
         "input_ids": np.concatenate([prompts, responses], axis=1).astype(np.int64),
-        "attention_mask": attention,
-        "position_ids": np.clip(np.cumsum(attention, axis=1) - 1, 0, None),
+        **_attention_fields(prompt_attn, response_attn),
+        **_verl_extras(block, response_attn, has_logprobs),
     }
+
+
+def _attention_fields(prompt_attn: np.ndarray, response_attn: np.ndarray) -> dict[str, np.ndarray]:
+    """``attention_mask`` over prompt and response columns, and ``position_ids`` counting attended tokens."""
+    attention = np.concatenate([prompt_attn, response_attn], axis=1).astype(np.int64)
+    return {"attention_mask": attention, "position_ids": np.clip(np.cumsum(attention, axis=1) - 1, 0, None)}
+
+
+def _verl_extras(block: dict[str, np.ndarray], response_attn: np.ndarray, has_logprobs: bool) -> dict[str, np.ndarray]:
+    """``rollout_log_probs`` (when recorded; 0 outside the response) and the per-row metadata fields, as verl types."""
+    extras = {}
     if has_logprobs:
-        logprobs = block["logprobs"][:, :response_width].astype(np.float32)
-        out["rollout_log_probs"] = np.where(response_attn & np.isfinite(logprobs), logprobs, 0.0).astype(np.float32)
-    for name in (
-        "prompt_index",
-        "sample",
-        "trajectory",
-        "num_turns",
-        "finish_reason",
-        "prompt_length",
-        "response_length",
-    ):
+        logprobs = block["logprobs"][:, : response_attn.shape[1]].astype(np.float32)
+        extras["rollout_log_probs"] = np.where(response_attn & np.isfinite(logprobs), logprobs, 0.0).astype(np.float32)
+    for name in _VERL_META:
         if name in block:
-            out[name] = block[name].astype(np.int64)
-    return out
+            extras[name] = block[name].astype(np.int64)
+    return extras
+
+
+#: Per-row integer fields copied as they are into the verl batch (when the block has them).
+_VERL_META = ("prompt_index", "sample", "trajectory", "num_turns", "finish_reason", "prompt_length", "response_length")
+
+
+def _left_padded_prompts(block: dict[str, np.ndarray], width: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt ids moved to the right end of ``width`` columns (``pad`` before them) and their attention mask."""
+    plen = block["prompt_length"].astype(np.int64)
+    shift = np.arange(width)[None, :] - (width - plen)[:, None]
+    attn = shift >= 0
+    src = block["prompt_ids"][:, :width]
+    return np.where(attn, np.take_along_axis(src, np.clip(shift, 0, None), axis=1), pad), attn
+
+
+def _right_padded_responses(block: dict[str, np.ndarray], width: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """Response ids in the first ``width`` columns (``pad`` after them) and their attention mask."""
+    rlen = block["response_length"].astype(np.int64)
+    attn = np.arange(width)[None, :] < rlen[:, None]
+    return np.where(attn, block["response_ids"][:, :width], pad), attn
 
 
 _NON_TENSOR = ("prompt_id", "raw_prompt", "prompt_text", "response_text")
@@ -373,16 +407,7 @@ def export(
     skips that).
     ``wandb_project`` uploads a zip export as a W&B artifact.
     """
-    if fmt not in FORMATS:
-        raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}.")
-    if wandb_project and fmt != "zip":
-        raise ExportError("--wandb-project uploads the whole store as a zip; use it with --format zip.")
-    attrs = read_store_attrs(path)
-    if attrs is None:
-        raise StoreError(
-            f"{str(locate(path))!r} is not a daskgen store (no zarr.json with daskgen attrs); "
-            "pass the --store path of a daskgen run."
-        )
+    attrs = _checked_request(path, fmt, wandb_project)
     check_output(out, overwrite=overwrite, protect=path)
     if wandb_project:
         require_wandb()
@@ -393,6 +418,21 @@ def export(
     if wandb_project:
         upload_wandb(out, wandb_project, attrs)
     return result
+
+
+def _checked_request(path: StoreRef, fmt: str, wandb_project: str | None) -> StoreAttrs:
+    """The store's attrs, after checking the format, the W&B option and that ``path`` is a daskgen store."""
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}.")
+    if wandb_project and fmt != "zip":
+        raise ExportError("--wandb-project uploads the whole store as a zip; use it with --format zip.")
+    attrs = read_store_attrs(path)
+    if attrs is None:
+        raise StoreError(
+            f"{str(locate(path))!r} is not a daskgen store (no zarr.json with daskgen attrs); "
+            "pass the --store path of a daskgen run."
+        )
+    return attrs
 
 
 def _write(path: StoreRef, tmp: Path, fmt: str, **options: Any) -> int:

@@ -44,6 +44,8 @@ _COLORS = {
     "failed": "#c62828",
 }
 _MAX_BARS = 60
+#: Bars of the length histogram start at their bin and are separated by thin white lines.
+_LENGTH_BAR_STYLE = {"align": "edge", "edgecolor": "white", "linewidth": 0.3}
 
 
 @dataclass
@@ -96,27 +98,8 @@ def draw_counts(ax: Any, data: ReportData) -> None:
 def draw_lengths(ax: Any, data: ReportData) -> None:
     """Stacked histogram of response lengths of done samples, one colour per finish reason."""
     hist = data.histogram
-    lengths = hist["length"].values
-    step = max(1, int(np.ceil(len(lengths) / _MAX_BARS)))
-    edges = lengths[::step]
-    bottom = np.zeros(len(edges))
-    for label in hist["finish_reason"].values:
-        counts = hist.sel(finish_reason=label).values
-        if not counts.sum():
-            continue
-        binned = np.add.reduceat(counts, np.arange(0, len(counts), step))
-        ax.bar(
-            edges,
-            binned,
-            width=step,
-            align="edge",
-            bottom=bottom,
-            color=_COLORS.get(str(label), "#5c6bc0"),
-            label=f"{label} ({int(counts.sum()):,})",
-            edgecolor="white",
-            linewidth=0.3,
-        )
-        bottom += binned
+    step = max(1, int(np.ceil(len(hist["length"].values) / _MAX_BARS)))
+    bottom = _stack_length_bars(ax, hist, step)
     ax.set_xlabel("response tokens" + (f" (bins of {step})" if step > 1 else ""))
     ax.set_ylabel("samples")
     ax.set_title(PANELS[1])
@@ -124,6 +107,22 @@ def draw_lengths(ax: Any, data: ReportData) -> None:
         ax.legend(title="finish reason", fontsize=8, title_fontsize=8)
     else:
         _empty(ax, "no done samples yet")
+
+
+def _stack_length_bars(ax: Any, hist: Any, step: int) -> np.ndarray:
+    """Draw one bar layer per finish reason (``step`` lengths per bar) on top of the previous; the stack heights."""
+    edges = hist["length"].values[::step]
+    bottom = np.zeros(len(edges))
+    for label in hist["finish_reason"].values:
+        counts = hist.sel(finish_reason=label).values
+        if not counts.sum():
+            continue
+        binned = np.add.reduceat(counts, np.arange(0, len(counts), step))
+        color = _COLORS.get(str(label), "#5c6bc0")
+        label_text = f"{label} ({int(counts.sum()):,})"
+        ax.bar(edges, binned, width=step, bottom=bottom, color=color, label=label_text, **_LENGTH_BAR_STYLE)
+        bottom += binned
+    return bottom
 
 
 def draw_rate(ax: Any, data: ReportData, column: str) -> None:
@@ -140,9 +139,16 @@ def draw_rate(ax: Any, data: ReportData, column: str) -> None:
     starts = mdates.date2num(rate["start"].dt.tz_localize(None).to_numpy())
     per_min = rate[f"{column}_per_min"].to_numpy()
     ax.bar(starts, per_min, width=width / 86400, align="edge", color="#1565c0" if column == "prompts" else "#6a1b9a")
-    total = int(rate[column].sum())
     ax.set_ylabel(f"{column} / min")
     ax.yaxis.set_major_formatter(lambda value, _pos: f"{value:,.0f}")
+    _label_time_axis(ax, rate, column, starts, width)
+
+
+def _label_time_axis(ax: Any, rate: Any, column: str, starts: np.ndarray, width: float) -> None:
+    """Label, tick and bound the commit-time axis of a rate panel (``starts`` as matplotlib date numbers)."""
+    import matplotlib.dates as mdates
+
+    total = int(rate[column].sum())
     day = rate["start"].iloc[0].strftime("%Y-%m-%d")
     ax.set_xlabel(f"commit time (UTC, from {day})\nbins of {width:g} s; {total:,} {column} in all")
     ax.xaxis.set_major_locator(mdates.AutoDateLocator(maxticks=6))
@@ -163,19 +169,20 @@ def settings_rows(data: ReportData) -> list[tuple[str, str]]:
     identity, source = attrs.identity, attrs.input
     rows += [(k, json.dumps(v) if isinstance(v, (dict, list)) else str(v)) for k, v in identity.items()]
     rows.append(("input", f"{source.get('n_prompts')} prompts, {source.get('fingerprint')}"))
-    tok = attrs.tokenizer
-    rows.append(
-        (
-            "tokenizer",
-            f"{tok.get('name')} (vocab {tok.get('vocab_size')}, pad {tok.get('pad_token_id')}, "
-            f"eos {tok.get('eos_token_id')})",
-        )
-    )
+    rows.append(("tokenizer", _tokenizer_summary(attrs.tokenizer)))
     rows.append(("versions", ", ".join(f"{k} {v}" for k, v in attrs.versions.items() if v)))
     rows.append(("runs", str(len(attrs.runs))))
     totals = data.totals
     rows.append(("tokens (done)", f"{totals['prompt_tokens']:,} prompt, {totals['response_tokens']:,} response"))
     return rows
+
+
+def _tokenizer_summary(tok: dict[str, Any]) -> str:
+    """The tokenizer's name, vocabulary size and pad/eos ids on one line."""
+    return (
+        f"{tok.get('name')} (vocab {tok.get('vocab_size')}, pad {tok.get('pad_token_id')}, "
+        f"eos {tok.get('eos_token_id')})"
+    )
 
 
 def draw_settings(ax: Any, data: ReportData) -> None:
@@ -244,6 +251,23 @@ def _panel_png(draw: Any, data: ReportData, *args: Any, size: tuple[float, float
 
 def render_html(data: ReportData, out: Path) -> None:
     """A self-contained HTML page: one embedded PNG per plot, tables for numbers and settings."""
+    parts = [f"<h1>{html.escape(_headline(data))}</h1>", *_image_sections(data), *_table_sections(data)]
+    out.write_text(
+        f"<!doctype html><html><head><meta charset='utf-8'><title>daskgen report</title>"
+        f"<style>{_HTML_STYLE}</style></head><body>{''.join(parts)}</body></html>",
+        encoding="utf-8",
+    )
+
+
+_HTML_STYLE = (
+    "body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}"
+    "table{border-collapse:collapse}th,td{border-bottom:1px solid #ddd;padding:3px 8px;text-align:left}"
+    "img{max-width:100%}"
+)
+
+
+def _image_sections(data: ReportData) -> list[str]:
+    """One HTML section per plot panel, each with its PNG embedded as base64."""
     esc = html.escape
     images = [
         (PANELS[0], _panel_png(draw_counts, data, size=(6, 3.5))),
@@ -251,30 +275,28 @@ def render_html(data: ReportData, out: Path) -> None:
         (PANELS[2], _panel_png(draw_rate, data, "prompts")),
         (PANELS[3], _panel_png(draw_rate, data, "tokens")),
     ]
-    parts = [f"<h1>{esc(_headline(data))}</h1>"]
-    for title, png in images:
-        img = f'<img alt="{esc(title)}" src="data:image/png;base64,{png}">'
-        parts.append(f"<section><h2>{esc(title)}</h2>{img}</section>")
+    return [
+        f'<section><h2>{esc(title)}</h2><img alt="{esc(title)}" src="data:image/png;base64,{png}"></section>'
+        for title, png in images
+    ]
+
+
+def _table_sections(data: ReportData) -> list[str]:
+    """HTML sections of numbers: length statistics, settings, the run history and the first errors (if any)."""
+    esc = html.escape
     stats = data.stats.to_html(float_format="%.2f")
-    parts.append(f"<section><h2>Response length statistics</h2>{stats}</section>")
     rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in settings_rows(data))
-    parts.append(f"<section><h2>{PANELS[4]}</h2><table>{rows}</table></section>")
+    parts = [
+        f"<section><h2>Response length statistics</h2>{stats}</section>",
+        f"<section><h2>{PANELS[4]}</h2><table>{rows}</table></section>",
+    ]
     runs = data.attrs.runs
     if runs:
         parts.append("<section><h2>Runs</h2><pre>" + esc("\n".join(json.dumps(r) for r in runs)) + "</pre></section>")
     if data.errors:
         items = "".join(f"<li>row {i}: {esc(msg)}</li>" for i, msg in data.errors)
         parts.append(f"<section><h2>First errors</h2><ul>{items}</ul></section>")
-    style = (
-        "body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}"
-        "table{border-collapse:collapse}th,td{border-bottom:1px solid #ddd;padding:3px 8px;text-align:left}"
-        "img{max-width:100%}"
-    )
-    out.write_text(
-        f"<!doctype html><html><head><meta charset='utf-8'><title>daskgen report</title>"
-        f"<style>{style}</style></head><body>{''.join(parts)}</body></html>",
-        encoding="utf-8",
-    )
+    return parts
 
 
 def write_report(path: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:

@@ -27,19 +27,26 @@ def status_report(path: StoreRef) -> str:
         f"created:  {attrs.created}" + ("  [SIMULATED: not model output]" * attrs.simulated),
         "settings: " + json.dumps(attrs.identity, sort_keys=True),
         "input:    " + json.dumps(attrs.input, sort_keys=True),
-        "checksums: "
-        + (
-            "CRC32C on every chunk (`daskgen verify` checks them)"
-            if store.checksummed
-            else "none (made before daskgen checksummed chunks; `daskgen pack` adds them)"
-        ),
+        "checksums: " + _checksum_summary(store),
+        *_first_errors(store, status),
     ]
-    failed = np.flatnonzero(status == FAILED)
-    if len(failed):
-        errors = store.read_region(0, len(status), ("error",))["error"]
-        lines.append(f"failed prompts (first {min(5, len(failed))}):")
-        lines += [f"  row {i}: {errors[i]}" for i in failed[:5]]
     return "\n".join(lines)
+
+
+def _checksum_summary(store: GenerationStore) -> str:
+    """Whether the store's chunks carry checksums, and how to check or add them."""
+    if store.checksummed:
+        return "CRC32C on every chunk (`daskgen verify` checks them)"
+    return "none (made before daskgen checksummed chunks; `daskgen pack` adds them)"
+
+
+def _first_errors(store: GenerationStore, status: np.ndarray) -> list[str]:
+    """Report lines with the errors of the first five failed prompts (none when nothing failed)."""
+    failed = np.flatnonzero(status == FAILED)
+    if not len(failed):
+        return []
+    errors = store.read_region(0, len(status), ("error",))["error"]
+    return [f"failed prompts (first {min(5, len(failed))}):", *(f"  row {i}: {errors[i]}" for i in failed[:5])]
 
 
 def print_answers(path: StoreRef, n: int) -> None:

@@ -73,24 +73,46 @@ def commit_rows(
     writer), so the rows in between are written back unchanged.  ``notes`` (e.g. verifier
     exceptions) go into ``error`` of rows that are nevertheless done.
     """
-    store = run.plan.store
+    new = _new_status(run, start, stop, failed, done)
+    errors = _new_errors(run, start, stop, failed, done, notes)
+    now, rows = time.time(), [*done, *failed]
+    times = _new_commit_times(run, start, stop, rows, now)
+    run.plan.store.commit(start, new, errors, times)
+    run.record_commit(start, new, rows, now)
+
+
+def _new_status(run: LiveRun, start: int, stop: int, failed: dict[int, str], done: Sequence[int]) -> np.ndarray:
+    """The ``status`` of rows ``[start, stop)`` after this commit: ``done`` rows done, ``failed`` rows failed."""
     new = run.status[start:stop].copy()
     for i in done:
         new[i - start] = DONE
     for i in failed:
         new[i - start] = FAILED
-    errors = None
-    if failed or notes or np.any(run.status[list(done)] == FAILED):  # else `error` stays as it is
-        errors = [str(e) for e in store.read_region(start, stop, ("error",))["error"]]
-        for i in done:
-            errors[i - start] = (notes or {}).get(i, "")
-        for i, msg in failed.items():
-            errors[i - start] = msg
-    now, rows = time.time(), [*done, *failed]
+    return new
+
+
+def _new_commit_times(run: LiveRun, start: int, stop: int, rows: list[int], now: float) -> np.ndarray:
+    """``committed_at`` of rows ``[start, stop)`` after this commit: ``now`` for the committed ``rows``."""
     times = run.committed_at[start:stop].copy()
     times[[r - start for r in rows]] = now
-    store.commit(start, new, errors, times)
-    run.record_commit(start, new, rows, now)
+    return times
+
+
+def _new_errors(
+    run: LiveRun, start: int, stop: int, failed: dict[int, str], done: Sequence[int], notes: dict[int, str] | None
+) -> list[str] | None:
+    """The ``error`` column of rows ``[start, stop)`` after this commit, or ``None`` when it stays as it is.
+
+    Failed rows get their message, done rows their note (or an empty string, clearing an earlier failure).
+    """
+    if not (failed or notes or np.any(run.status[list(done)] == FAILED)):
+        return None
+    errors = [str(e) for e in run.plan.store.read_region(start, stop, ("error",))["error"]]
+    for i in done:
+        errors[i - start] = (notes or {}).get(i, "")
+    for i, msg in failed.items():
+        errors[i - start] = msg
+    return errors
 
 
 class CommitBatch:

@@ -50,7 +50,6 @@ def read_length_hints(where: Any, ids: list[str], fingerprint: str, n_rows: int)
     not a daskgen store, or the inputs differ and the rows have no ids to match by.
     """
     from daskgen.store.generation_store import GenerationStore
-    from daskgen.store.layout import NOT_GENERATED
 
     hints = GenerationStore.open_if_exists(where)
     if hints is None:
@@ -58,15 +57,26 @@ def read_length_hints(where: Any, ids: list[str], fingerprint: str, n_rows: int)
             f"length_hints: {where.url!r} is not a daskgen store (no daskgen attrs); expected the "
             "--store of an earlier run over the same prompts, or leave --length-hints out."
         )
+    longest, stored_ids = _longest_per_row(hints)
+    if hints.attrs.input.get("fingerprint") == fingerprint and len(longest) == n_rows:
+        return longest
+    return _match_by_id(where, ids, stored_ids, longest)
+
+
+def _longest_per_row(hints: Any) -> tuple[np.ndarray, list[str]]:
+    """The longest response (sample or agent trajectory) per row of the store ``hints`` (NaN: none), and row ids."""
+    from daskgen.store.layout import NOT_GENERATED
+
     n = hints.layout.n_prompts
     arrays = hints.read_region(0, n, ("response_length", "finish_reason", "prompt_id"))
     generated = arrays["finish_reason"] != NOT_GENERATED
-    # the longest sample (or agent trajectory) of each row
     longest = np.where(generated, arrays["response_length"], -1).reshape(n, -1).max(axis=1).astype(np.float64)
     longest[longest < 0] = np.nan
-    if hints.attrs.input.get("fingerprint") == fingerprint and n == n_rows:
-        return longest
-    stored_ids = [str(x) for x in arrays["prompt_id"]]
+    return longest, [str(x) for x in arrays["prompt_id"]]
+
+
+def _match_by_id(where: Any, ids: list[str], stored_ids: list[str], longest: np.ndarray) -> np.ndarray:
+    """``longest`` (per stored row) rearranged to this run's rows by their input ``id``; NaN for unknown ids."""
     if not all(ids) or not all(stored_ids):
         raise ConfigError(
             f"length_hints: {where.url!r} was made from other prompts (input fingerprint differs) and "

@@ -43,13 +43,13 @@ def start_engines(client: Any, config: RunConfig, interrupt: Any = None) -> int:
     )
     client.register_plugin(plugin, name=plugin.name)
     _drain_before_retire(client, drain_s)
+    return _wait_until_ready(client, config, interrupt)
+
+
+def _wait_until_ready(client: Any, config: RunConfig, interrupt: Any) -> int:
+    """Poll the workers' engine states, ever less often, until one engine is ready; the number of ready ones."""
     deadline = time.monotonic() + tunables.seconds("engine-start-timeout")
-    with tqdm(
-        total=0,
-        desc="engines ready",
-        disable=not config.progress,
-        bar_format="{desc}: {n_fmt}/{total_fmt} workers [{elapsed}]",
-    ) as bar:
+    with _ready_bar(config.progress) as bar:
         delay = 0.25
         while True:
             states = client.run(plugin_status)
@@ -63,6 +63,16 @@ def start_engines(client: Any, config: RunConfig, interrupt: Any = None) -> int:
             _raise_if_all_failed(config, states, deadline)
             time.sleep(delay)
             delay = min(2.0, delay * 1.5)  # model loads take seconds to minutes; spare big clusters
+
+
+def _ready_bar(progress: bool) -> Any:
+    """A progress bar of workers with a ready engine (hidden unless ``progress``); its total grows as workers join."""
+    return tqdm(
+        total=0,
+        desc="engines ready",
+        disable=not progress,
+        bar_format="{desc}: {n_fmt}/{total_fmt} workers [{elapsed}]",
+    )
 
 
 def _drain_before_retire(client: Any, timeout: float) -> None:

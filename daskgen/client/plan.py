@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,6 +29,9 @@ from daskgen.store.attrs import StoreAttrs
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import FAILED, PENDING, Layout
 from daskgen.worker.partition import PartitionTask
+
+if TYPE_CHECKING:
+    from daskgen.engines.base import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -59,34 +62,12 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     """Validate input and settings, create or check the store, record overlong prompts as failed."""
     config.require("model", "store")
     config.location().check_reachable()  # a missing bucket or refused credentials: said before anything starts
-    if prompts is None:
-        config.require("prompts")
-    source = prompts if prompts is not None else config.prompts
-    assert source is not None  # require() raised otherwise
+    source = _input_source(config, prompts)
     tokenizer = load_tokenizer(str(config.model), config.engine, config.engine_args)
     existing = GenerationStore.open_if_exists(config.location())
-    key = scan_key(source, tokenizer_identity(tokenizer), config.max_prompt_tokens, config.skip_overlong)
-    scan = load_scan(existing.attrs.input_scan if existing else None, key, source)
-    reused = scan is not None
-    if scan is None:
-        scan = scan_prompts(
-            source, tokenizer, max_prompt_tokens=config.max_prompt_tokens, skip_overlong=config.skip_overlong
-        )
-    wanted = _store_attrs(config, scan, tokenizer)
-    record = None if reused else scan_record(key, scan, source)
-    if existing is None:
-        wanted.input_scan = record
-        store, record = GenerationStore.create(config.location(), wanted, scan.ids), None
-    else:
-        existing.check_resumable(wanted)
-        store = existing
+    scan, record = _scan_input(config, source, tokenizer, existing)
+    store, record = _create_or_check_store(config, _store_attrs(config, scan, tokenizer), scan, existing, record)
     eos = tokenizer.eos_token_id
-    predicted = None
-    if config.length_hints:
-        from daskgen.store.location import locate
-
-        hints = locate(config.length_hints, config.storage_options)
-        predicted = read_length_hints(hints, scan.ids, scan.fingerprint, len(scan))
     return Plan(
         config,
         scan,
@@ -95,8 +76,62 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
         tokenizer=tokenizer,
         scan_record=record,
         first_partitions=tuple(store.attrs.partial_partitions),
-        predicted=predicted,
+        predicted=_predicted_lengths(config, scan),
     )
+
+
+def _input_source(config: RunConfig, prompts: str | Path | Sequence[Any] | None) -> str | Path | Sequence[Any]:
+    """The prompts to run: ``prompts`` when given, else the configured ``prompts`` file (then required)."""
+    if prompts is None:
+        config.require("prompts")
+    source = prompts if prompts is not None else config.prompts
+    assert source is not None  # require() raised otherwise
+    return source
+
+
+def _scan_input(
+    config: RunConfig, source: str | Path | Sequence[Any], tokenizer: Any, existing: GenerationStore | None
+) -> tuple[InputScan, dict[str, Any] | None]:
+    """The input scan, reused from the store's attrs when input and tokenizer are unchanged, else tokenized anew.
+
+    Returns the scan and, for a fresh scan, the record to keep in the attrs (``None`` when reused).
+    """
+    key = scan_key(source, tokenizer_identity(tokenizer), config.max_prompt_tokens, config.skip_overlong)
+    scan = load_scan(existing.attrs.input_scan if existing else None, key, source)
+    if scan is not None:
+        return scan, None
+    scan = scan_prompts(
+        source, tokenizer, max_prompt_tokens=config.max_prompt_tokens, skip_overlong=config.skip_overlong
+    )
+    return scan, scan_record(key, scan, source)
+
+
+def _create_or_check_store(
+    config: RunConfig,
+    wanted: StoreAttrs,
+    scan: InputScan,
+    existing: GenerationStore | None,
+    record: dict[str, Any] | None,
+) -> tuple[GenerationStore, dict[str, Any] | None]:
+    """Create the store (with the scan ``record`` in its attrs) or check the existing one can be resumed.
+
+    Returns the store and the scan record still to be kept by :func:`keep_scan` (``None`` once written).
+    """
+    if existing is None:
+        wanted.input_scan = record
+        return GenerationStore.create(config.location(), wanted, scan.ids), None
+    existing.check_resumable(wanted)
+    return existing, record
+
+
+def _predicted_lengths(config: RunConfig, scan: InputScan) -> np.ndarray | None:
+    """Per row, the longest response in the ``length_hints`` store (NaN: unknown); ``None`` without hints."""
+    if not config.length_hints:
+        return None
+    from daskgen.store.location import locate
+
+    hints = locate(config.length_hints, config.storage_options)
+    return read_length_hints(hints, scan.ids, scan.fingerprint, len(scan))
 
 
 def keep_scan(plan: Plan) -> None:
@@ -166,16 +201,43 @@ def pending_tasks(plan: Plan, status: np.ndarray) -> Iterator[PartitionTask]:
 def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[PartitionTask]:
     """Tasks of the partitions at ``starts``, reading their prompts in one pass over the input (a group
     not in ascending order is read whole, then yielded in its order)."""
-    from daskgen.engines.base import SamplingParams
-
     if starts != sorted(starts):
         tasks = {task.start: task for task in _tasks_for(plan, sorted(starts), todo)}
         yield from (tasks[start] for start in starts)
         return
 
-    cfg, layout = plan.config, plan.layout
-    verify, continue_partial = cfg.verify_policy(), cfg.continues_partial()  # once per run
-    params = SamplingParams(
+    shared = _shared_task_fields(plan)
+    layout = plan.layout
+    ranges = [(start, min(start + layout.partition_size, layout.n_prompts)) for start in starts]
+    wanted = (int(i) for start, stop in ranges for i in np.flatnonzero(todo[start:stop]) + start)
+    selected = iter_selected_rows(plan.prompts.source, wanted)
+    for start, stop in ranges:
+        rows = (np.flatnonzero(todo[start:stop]) + start).tolist()
+        full = [next(selected)[1] for _ in rows]
+        yield _partition_task(plan, shared, start, stop, rows, full)
+
+
+def _shared_task_fields(plan: Plan) -> dict[str, Any]:
+    """The :class:`PartitionTask` fields every partition shares (the verify policy is built once per run)."""
+    cfg = plan.config
+    return {
+        "n_samples": cfg.n_samples,
+        "params": _sampling_params(plan),
+        "seed": cfg.seed,
+        "timeout_s": cfg.partition_timeout_s,
+        "agent": cfg.agent,
+        "model": str(cfg.model),
+        "verify": cfg.verify_policy(),
+        "continue_partial": cfg.continues_partial(),
+    }
+
+
+def _sampling_params(plan: Plan) -> SamplingParams:
+    """The run's sampling settings, with the tokenizer's stop ids."""
+    from daskgen.engines.base import SamplingParams
+
+    cfg = plan.config
+    return SamplingParams(
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,
         top_p=cfg.top_p,
@@ -183,30 +245,23 @@ def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[Part
         logprobs=cfg.logprobs,
         stop_token_ids=plan.stop_ids,
     )
-    ranges = [(start, min(start + layout.partition_size, layout.n_prompts)) for start in starts]
-    wanted = (int(i) for start, stop in ranges for i in np.flatnonzero(todo[start:stop]) + start)
-    selected = iter_selected_rows(plan.prompts.source, wanted)
-    for start, stop in ranges:
-        rows = (np.flatnonzero(todo[start:stop]) + start).tolist()
-        full = [next(selected)[1] for _ in rows]
-        yield PartitionTask(
-            plan.store,
-            start,
-            stop,
-            rows,
-            None,
-            cfg.n_samples,
-            params,
-            cfg.seed,
-            timeout_s=cfg.partition_timeout_s,
-            agent=cfg.agent,
-            agent_args=dict(cfg.agent_args),
-            model=str(cfg.model),
-            continue_partial=continue_partial,
-            verify=verify,
-            rows_meta=full if verify is not None else None,
-            inputs=[_to_tokenize(r) for r in full],
-        )
+
+
+def _partition_task(
+    plan: Plan, shared: dict[str, Any], start: int, stop: int, rows: list[int], full: list[dict[str, Any]]
+) -> PartitionTask:
+    """The task of partition ``[start, stop)``, whose pending ``rows`` hold the input rows ``full``."""
+    return PartitionTask(
+        plan.store,
+        start,
+        stop,
+        rows,
+        None,
+        agent_args=dict(plan.config.agent_args),
+        rows_meta=full if shared["verify"] is not None else None,
+        inputs=[_to_tokenize(r) for r in full],
+        **shared,
+    )
 
 
 def _to_tokenize(row: dict[str, Any]) -> dict[str, Any]:

@@ -219,6 +219,19 @@ def scan_prompts(
     are an error unless ``skip_overlong`` (then they are returned to be recorded as failed).
     """
     name = str(source) if isinstance(source, (str, Path)) else "input"
+    ids, fingerprint, errors, lengths = _scan_rows(source, tokenizer, max_prompt_tokens)
+    _raise_if(errors, name)
+    if not ids:
+        raise InputError(f"{name} has no prompts; expected at least one row.")
+    overlong = check_lengths({i: n for i, n in lengths.items()}, max_prompt_tokens, skip=skip_overlong)
+    return InputScan(source, len(ids), ids, fingerprint, overlong)
+
+
+def _scan_rows(
+    source: str | Path | Sequence[Any], tokenizer: Any, max_prompt_tokens: int
+) -> tuple[list[str], str, list[str], dict[int, int]]:
+    """One pass over the rows: their ids, the input fingerprint, every row error, and the token count of
+    each prompt longer than ``max_prompt_tokens`` (tokenizing stops at the first error)."""
     digest = _Fingerprint()
     errors: list[str] = []
     ids: list[str] = []
@@ -227,21 +240,22 @@ def scan_prompts(
     for number, row in iter_rows(source):
         errors += [f"row {number}: {msg}" for msg in _row_errors(row)]
         digest.add(row)
-        key = str(row["id"]) if isinstance(row, dict) and row.get("id") is not None else ""
-        if key and key in seen:
-            errors.append(f"row {number}: column 'id': duplicate id {key!r} (first at row {seen[key]})")
-        if key:
-            seen.setdefault(key, number)
-        ids.append(key)
+        ids.append(_row_id(row, number, seen, errors))
         if not errors:
             n_tokens = len(tokenize_rows([row], tokenizer)[0])
             if n_tokens > max_prompt_tokens:
                 lengths[len(ids) - 1] = n_tokens
-    _raise_if(errors, name)
-    if not ids:
-        raise InputError(f"{name} has no prompts; expected at least one row.")
-    overlong = check_lengths({i: n for i, n in lengths.items()}, max_prompt_tokens, skip=skip_overlong)
-    return InputScan(source, len(ids), ids, digest.value(), overlong)
+    return ids, digest.value(), errors, lengths
+
+
+def _row_id(row: Any, number: int, seen: dict[str, int], errors: list[str]) -> str:
+    """The row's ``id`` ("" when it has none); a duplicate is added to ``errors``, a first sighting to ``seen``."""
+    key = str(row["id"]) if isinstance(row, dict) and row.get("id") is not None else ""
+    if key and key in seen:
+        errors.append(f"row {number}: column 'id': duplicate id {key!r} (first at row {seen[key]})")
+    if key:
+        seen.setdefault(key, number)
+    return key
 
 
 def iter_selected_rows(source: str | Path | Sequence[Any], wanted: Iterator[int]) -> Iterator[tuple[int, Any]]:

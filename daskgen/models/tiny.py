@@ -73,27 +73,41 @@ def _fill_weights(model: LlamaForCausalLM, closing: torch.Tensor, generator: tor
 
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-                continue
-            scale = 1.0 if "embed_tokens" in name else param.shape[1] ** -0.5
-            param.copy_(torch.randn(param.shape, generator=generator) * scale)
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                param[0].zero_()
-            elif name.endswith(
-                (
-                    "q_proj.weight",
-                    "k_proj.weight",
-                    "v_proj.weight",
-                    "gate_proj.weight",
-                    "up_proj.weight",
-                    "lm_head.weight",
-                )
-            ):
-                param[:, 0].zero_()
+            _init_parameter(name, param, generator)
         flag = model.model.embed_tokens.weight[:, 0]
         flag.zero_()
         flag[closing] = model.config.hidden_size**0.5
+
+
+#: Matrices that write into the residual stream: their output channel 0 is zeroed.
+_WRITES_RESIDUAL = ("o_proj.weight", "down_proj.weight")
+#: Matrices that read the residual stream: their input channel 0 is zeroed (``lm_head``'s EOS row is set later).
+_READS_RESIDUAL = (
+    "q_proj.weight",
+    "k_proj.weight",
+    "v_proj.weight",
+    "gate_proj.weight",
+    "up_proj.weight",
+    "lm_head.weight",
+)
+
+
+def _init_parameter(name: str, param: torch.Tensor, generator: torch.Generator) -> None:
+    """Seed one parameter as :func:`_fill_weights` describes, keeping residual channel 0 out of reach.
+
+    Must run under ``torch.no_grad()``.
+    """
+    import torch
+
+    if name.endswith("norm.weight"):
+        param.fill_(1.0)
+        return
+    scale = 1.0 if "embed_tokens" in name else param.shape[1] ** -0.5
+    param.copy_(torch.randn(param.shape, generator=generator) * scale)
+    if name.endswith(_WRITES_RESIDUAL):
+        param[0].zero_()
+    elif name.endswith(_READS_RESIDUAL):
+        param[:, 0].zero_()
 
 
 def _final_hidden(model: LlamaForCausalLM, prefix: list[int], tail: torch.Tensor) -> torch.Tensor:
@@ -117,6 +131,36 @@ def _tune_lm_head(
     """
     import torch
 
+    anywhere, after_closing = _calibration_states(model, tokenizer, closing, generator)
+    eos, weight = model.config.eos_token_id, model.lm_head.weight
+    target = _eos_target_after_closing(len(tokenizer), closing.numel())
+    with torch.no_grad():
+        weight[eos] = 0.0
+        weight.mul_(_TINY_LOGIT_STD / (anywhere @ weight.T).std())
+        weight[eos, 0] = _bisect_eos_weight(after_closing[:, 0], _log_rest(after_closing, weight, eos), target)
+
+
+def _log_rest(states: torch.Tensor, weight: torch.Tensor, eos: Any) -> torch.Tensor:
+    """Per state, the log-sum-exp of every logit but EOS's, so that P(eos) = sigmoid(eos_logit - log_rest)."""
+    import torch
+
+    others = states @ weight.T
+    others[:, eos] = -torch.inf
+    return torch.logsumexp(others, dim=-1)
+
+
+def _eos_target_after_closing(vocab: int, n_closing: int) -> float:
+    """P(EOS right after a closing token) giving ``TINY_EOS_TARGET`` within the horizon (see :func:`_tune_lm_head`)."""
+    step_p = 1.0 - (1.0 - TINY_EOS_TARGET) ** (1.0 / _TINY_HORIZON)
+    return step_p * vocab / n_closing
+
+
+def _calibration_states(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase, closing: torch.Tensor, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final hidden states after a chat prompt: over random tokens, and right after closing tokens."""
+    import torch
+
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Tell me a story."}], add_generation_prompt=True, tokenize=False
     )
@@ -124,22 +168,37 @@ def _tune_lm_head(
     shape = (16, _TINY_HORIZON)
     anywhere = _final_hidden(model, prefix, torch.randint(len(tokenizer), shape, generator=generator))
     picks = torch.randint(closing.numel(), shape, generator=generator)
-    after_closing = _final_hidden(model, prefix, closing[picks])
-    eos, weight = model.config.eos_token_id, model.lm_head.weight
-    step_p = 1.0 - (1.0 - TINY_EOS_TARGET) ** (1.0 / _TINY_HORIZON)
-    target = step_p * len(tokenizer) / closing.numel()
-    with torch.no_grad():
-        weight[eos] = 0.0
-        weight.mul_(_TINY_LOGIT_STD / (anywhere @ weight.T).std())
-        others = after_closing @ weight.T
-        others[:, eos] = -torch.inf
-        log_rest = torch.logsumexp(others, dim=-1)  # P(eos) = sigmoid(eos_logit - log_rest)
-        low, high = 0.0, 100.0
-        for _ in range(60):
-            mid = (low + high) / 2
-            p = torch.sigmoid(mid * after_closing[:, 0] - log_rest).mean().item()
-            low, high = (mid, high) if p < target else (low, mid)
-        weight[eos, 0] = (low + high) / 2
+    return anywhere, _final_hidden(model, prefix, closing[picks])
+
+
+def _bisect_eos_weight(flag: torch.Tensor, log_rest: torch.Tensor, target: float) -> float:
+    """The EOS weight on channel 0 whose mean EOS probability over the states is ``target`` (60 bisection steps).
+
+    ``flag`` is channel 0 of each state and ``log_rest`` the log-sum-exp of the other logits.
+    """
+    import torch
+
+    low, high = 0.0, 100.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        p = torch.sigmoid(mid * flag - log_rest).mean().item()
+        low, high = (mid, high) if p < target else (low, mid)
+    return (low + high) / 2
+
+
+def _load_tokenizer(source: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer in ``source``, checked to have EOS and a chat template; padding with EOS if it has no pad."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    if tokenizer.eos_token_id is None or not tokenizer.chat_template:
+        raise DaskgenError(
+            f"the tokenizer in {source} lacks an eos token or a chat template; "
+            "the tiny model needs both (use a SmolLM2 folder)"
+        )
+    if tokenizer.pad_token_id is None:  # documented choice: pad with eos, as SmolLM2 does
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def build_tiny_model(
@@ -176,17 +235,9 @@ def build_tiny_model(
         ``path``, loadable with ``AutoModelForCausalLM`` / ``AutoTokenizer``.
     """
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
+    from transformers import GenerationConfig, LlamaForCausalLM
 
-    source = Path(tokenizer_from) if tokenizer_from is not None else smollm2_instruct()
-    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-    if tokenizer.eos_token_id is None or not tokenizer.chat_template:
-        raise DaskgenError(
-            f"the tokenizer in {source} lacks an eos token or a chat template; "
-            "the tiny model needs both (use a SmolLM2 folder)"
-        )
-    if tokenizer.pad_token_id is None:  # documented choice: pad with eos, as SmolLM2 does
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = _load_tokenizer(Path(tokenizer_from) if tokenizer_from is not None else smollm2_instruct())
     config = _tiny_config(tokenizer, head_dim)
     generator = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):  # the initial weights are overwritten: spare the global RNG

@@ -120,15 +120,19 @@ class StoreLock:
             )
             return
         if version is None:
-            current = self.location.read_versioned(LOCK_NAME)
-            holder = _parse(current[0]) if current else {}
-            raise StoreLockedError(
-                f"lost the lock {self.path!r}: it was taken over by host {holder.get('host')}, "
-                f"pid {holder.get('pid')} after this run's heartbeat stopped for more than "
-                f"{self.stale_after:.0f} s. Stop one of the two runs; rerun to resume."
-            )
+            raise self._taken_over()
         self._version = version
         self._last_beat = time.monotonic()
+
+    def _taken_over(self) -> StoreLockedError:
+        """The error for a lock another client took over, naming its new holder."""
+        current = self.location.read_versioned(LOCK_NAME)
+        holder = _parse(current[0]) if current else {}
+        return StoreLockedError(
+            f"lost the lock {self.path!r}: it was taken over by host {holder.get('host')}, "
+            f"pid {holder.get('pid')} after this run's heartbeat stopped for more than "
+            f"{self.stale_after:.0f} s. Stop one of the two runs; rerun to resume."
+        )
 
     def release(self) -> None:
         """Remove the lock if it is still ours; when the store cannot be reached, say so and leave it to expire."""

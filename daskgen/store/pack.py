@@ -102,11 +102,16 @@ def copy_block(
         return 0
     target[start:stop] = values
     if not _same(values, target[start:stop]):
-        raise PackError(
-            f"verification failed: rows {start}..{stop - 1} of {name!r} in {dst.url!r} differ from "
-            f"the source after copying. The source is untouched; rerun to retry."
-        )
+        raise _verification_error(dst, name, start, stop)
     return int(values.nbytes)
+
+
+def _verification_error(dst: StoreLocation, name: str, start: int, stop: int) -> PackError:
+    """The error for a copied block that reads back different from the source."""
+    return PackError(
+        f"verification failed: rows {start}..{stop - 1} of {name!r} in {dst.url!r} differ from "
+        f"the source after copying. The source is untouched; rerun to retry."
+    )
 
 
 def _same(a: np.ndarray, b: Any) -> bool:
@@ -119,27 +124,29 @@ def _array_plans(src: StoreLocation, packing: bool) -> dict[str, dict[str, Any]]
     zarr = import_zarr()
     group = zarr.open_group(src.zarr_store(read_only=True), mode="r")
     client_written = client_written_arrays()
-    plans = {}
-    for name, arr in group.arrays():
-        inner = arr.chunks
-        n, rows = arr.shape[0], inner[0]
-        row_bytes = int(np.prod(arr.shape[1:], dtype=np.int64)) * max(arr.dtype.itemsize, 8)
-        coarse = name in client_written
-        shards = None
-        if packing:
-            shards = (shard_rows(rows, row_bytes, n, coarse=coarse), *arr.shape[1:])
-        plans[name] = {
-            "shape": arr.shape,
-            "chunks": inner,
-            "shards": shards,
-            "dtype": arr.metadata.data_type,
-            "fill_value": arr.metadata.fill_value,
-            "dimension_names": arr.metadata.dimension_names,
-            "compressors": with_checksum(arr.compressors),
-            "attributes": arr.attrs.asdict(),
-            "step": shards[0] if shards else (arr.shards or inner)[0],
-        }
-    return plans
+    return {name: _array_plan(arr, packing, coarse=name in client_written) for name, arr in group.arrays()}
+
+
+def _array_plan(arr: Any, packing: bool, coarse: bool) -> dict[str, Any]:
+    """The target's ``create_array`` arguments for ``arr``, plus ``step``: the rows one copy task moves.
+
+    Packing shards the array (``coarse``: client-written arrays get larger shards); unpacking drops shards.
+    """
+    inner = arr.chunks
+    n, rows = arr.shape[0], inner[0]
+    row_bytes = int(np.prod(arr.shape[1:], dtype=np.int64)) * max(arr.dtype.itemsize, 8)
+    shards = (shard_rows(rows, row_bytes, n, coarse=coarse), *arr.shape[1:]) if packing else None
+    return {
+        "shape": arr.shape,
+        "chunks": inner,
+        "shards": shards,
+        "dtype": arr.metadata.data_type,
+        "fill_value": arr.metadata.fill_value,
+        "dimension_names": arr.metadata.dimension_names,
+        "compressors": with_checksum(arr.compressors),
+        "attributes": arr.attrs.asdict(),
+        "step": shards[0] if shards else (arr.shards or inner)[0],
+    }
 
 
 def _tasks(plans: dict[str, dict[str, Any]]) -> list[tuple[str, int, int]]:
@@ -154,28 +161,41 @@ def _prepare_target(src: StoreLocation, dst: StoreLocation, plans: dict[str, dic
     """Create the target's arrays (or reopen a pack in progress); returns the blocks already copied."""
     zarr = import_zarr()
     if not dst.is_empty():
-        raw = dst.read_bytes("zarr.json")
-        progress = None
-        if raw is not None:
-            import json
-
-            progress = (json.loads(raw).get("attributes") or {}).get(PROGRESS_KEY)
-        finished = read_store_attrs(dst) if progress is None and dst == src.sibling(WORK_SUFFIX) else None
-        if finished is not None and bool(finished.packed) == (mode == "pack"):
-            logger.info("%s is a finished %s of %s that was not swapped in: re-checking it", dst.url, mode, src.url)
-            return {f"{name}/{start}" for name, start, _ in _tasks(plans)}  # every block re-checked, then swap
-        if not progress or progress.get("source") != src.url or progress.get("mode") != mode:
-            raise PackError(
-                f"the output {dst.url!r} exists and is not an interrupted {mode} of {src.url!r}; "
-                "remove it or choose another --out."
-            )
-        logger.info("resuming the %s into %s: %d blocks already copied", mode, dst.url, len(progress["done"]))
-        return set(progress["done"])
+        return _resume_target(src, dst, plans, mode)
     group = zarr.open_group(dst.zarr_store(), mode="w-", zarr_format=3)
     for name, p in plans.items():
         group.create_array(name, **{k: v for k, v in p.items() if k != "step"})
     group.attrs[PROGRESS_KEY] = {"source": src.url, "mode": mode, "done": []}
     return set()
+
+
+def _resume_target(src: StoreLocation, dst: StoreLocation, plans: dict[str, dict[str, Any]], mode: str) -> set[str]:
+    """The blocks already copied into an existing target: an interrupted copy, or a finished one never swapped in.
+
+    Raises :class:`PackError` when the target is something else.
+    """
+    progress = _read_progress(dst)
+    finished = read_store_attrs(dst) if progress is None and dst == src.sibling(WORK_SUFFIX) else None
+    if finished is not None and bool(finished.packed) == (mode == "pack"):
+        logger.info("%s is a finished %s of %s that was not swapped in: re-checking it", dst.url, mode, src.url)
+        return {f"{name}/{start}" for name, start, _ in _tasks(plans)}  # every block re-checked, then swap
+    if not progress or progress.get("source") != src.url or progress.get("mode") != mode:
+        raise PackError(
+            f"the output {dst.url!r} exists and is not an interrupted {mode} of {src.url!r}; "
+            "remove it or choose another --out."
+        )
+    logger.info("resuming the %s into %s: %d blocks already copied", mode, dst.url, len(progress["done"]))
+    return set(progress["done"])
+
+
+def _read_progress(dst: StoreLocation) -> dict[str, Any] | None:
+    """The copy progress recorded in the target's root attrs, or ``None`` when there is none."""
+    import json
+
+    raw = dst.read_bytes("zarr.json")
+    if raw is None:
+        return None
+    return (json.loads(raw).get("attributes") or {}).get(PROGRESS_KEY)
 
 
 def _record(dst: StoreLocation, done: set[str], src: StoreLocation, mode: str) -> None:
@@ -210,12 +230,7 @@ def _finish(
     """Check the copy as a whole, then make it a daskgen store (its attrs are written last)."""
     zarr = import_zarr()
     group = zarr.open_group(dst.zarr_store(), mode="r+")
-    for name, p in plans.items():
-        if group[name].shape != p["shape"]:
-            raise PackError(f"array {name!r} of {dst.url!r} has shape {group[name].shape}, expected {p['shape']}")
-    source_status = import_zarr().open_array(src.zarr_store(read_only=True), path="status", mode="r")[:]
-    if not np.array_equal(np.asarray(source_status), np.asarray(group["status"][:])):
-        raise PackError(f"the checkpoint of {dst.url!r} differs from {src.url!r}; rerun the {mode}.")
+    _check_copy(src, dst, group, plans, mode)
     if mode == "pack":
         shards = {n: p["shards"][0] for n, p in plans.items()}
         attrs.packed = {"shard_rows": shards, "read_rows": min(shards.values()), "packed": utc_now()}
@@ -225,6 +240,18 @@ def _finish(
     if PROGRESS_KEY in group.attrs:
         del group.attrs[PROGRESS_KEY]
     zarr.consolidate_metadata(dst.zarr_store())
+
+
+def _check_copy(
+    src: StoreLocation, dst: StoreLocation, group: Any, plans: dict[str, dict[str, Any]], mode: str
+) -> None:
+    """Raise :class:`PackError` unless every target array has its planned shape and the checkpoints agree."""
+    for name, p in plans.items():
+        if group[name].shape != p["shape"]:
+            raise PackError(f"array {name!r} of {dst.url!r} has shape {group[name].shape}, expected {p['shape']}")
+    source_status = import_zarr().open_array(src.zarr_store(read_only=True), path="status", mode="r")[:]
+    if not np.array_equal(np.asarray(source_status), np.asarray(group["status"][:])):
+        raise PackError(f"the checkpoint of {dst.url!r} differs from {src.url!r}; rerun the {mode}.")
 
 
 def _swap(src: LocalLocation, work: LocalLocation) -> None:

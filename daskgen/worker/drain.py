@@ -145,15 +145,20 @@ def _schedule_unrunnable_on_new_resources(scheduler: Any) -> None:
 
     def set_resources(worker: str, resources: dict | None = None) -> str:
         result = original(worker=worker, resources=resources)
-        ws = scheduler.workers.get(worker)
-        if ws is not None and ws in scheduler.running and scheduler.unrunnable:
-            # every waiting task goes through the scheduler's own placement again (loose worker
-            # restrictions included); a task no worker can take stays where it was
-            stimulus = f"daskgen-resources-{time.time()}"
-            scheduler.transitions({ts.key: "processing" for ts in list(scheduler.unrunnable)}, stimulus)
+        _revisit_unrunnable(scheduler, worker)
         return result
 
     scheduler.handlers["set_resources"] = set_resources
+
+
+def _revisit_unrunnable(scheduler: Any, worker: str) -> None:
+    """Place the tasks waiting for a resource again, if the running ``worker`` may now offer it."""
+    ws = scheduler.workers.get(worker)
+    if ws is not None and ws in scheduler.running and scheduler.unrunnable:
+        # every waiting task goes through the scheduler's own placement again (loose worker
+        # restrictions included); a task no worker can take stays where it was
+        stimulus = f"daskgen-resources-{time.time()}"
+        scheduler.transitions({ts.key: "processing" for ts in list(scheduler.unrunnable)}, stimulus)
 
 
 def _targets(scheduler: Any, workers: list[str] | None, names: list | None, kwargs: dict[str, Any]) -> list[str]:

@@ -99,40 +99,69 @@ def fill_region(
 ) -> PartitionResult:
     """Place prompts and trajectories (and verifier scores) into the region; collect per-row failures."""
     out = PartitionResult(task.start, task.stop, list(task.rows))
-    for i, outcome in enumerate(rounds or []):
+    _record_rounds(region, task, rounds or [], out)
+    layout = task.layout
+    assert task.prompts is not None, "the worker tokenizes a task's inputs before filling its region"
+    for i, (row, prompt) in enumerate(zip(task.rows, task.prompts, strict=True)):
+        r = row - task.start
+        _place_prompt(region, r, prompt, layout.pad_token_id)
+        out.prompt_tokens += len(prompt)
+        for s in range(task.n_samples):
+            trajectories = samples[i * task.n_samples + s][: layout.n_trajectories]
+            _place_sample(region, row, r, s, trajectories, layout, out)
+    return out
+
+
+def _place_prompt(region: dict[str, np.ndarray], r: int, prompt: list[int], pad_token_id: int) -> None:
+    """Store a prompt's ids (padded) and length in region row ``r``."""
+    region["prompt_ids"][r] = pad_token_id
+    region["prompt_ids"][r, : len(prompt)] = prompt
+    region["prompt_length"][r] = len(prompt)
+
+
+def _record_rounds(
+    region: dict[str, np.ndarray], task: PartitionTask, rounds: list[RowOutcome], out: PartitionResult
+) -> None:
+    """Store each row's verifier scores and samples used; keep its verifier notes in ``out``."""
+    for i, outcome in enumerate(rounds):
         r = task.rows[i] - task.start
         region["score"][r] = outcome.scores
         region["samples_used"][r] = outcome.used
         if outcome.notes:
             out.notes[task.rows[i]] = "; ".join(outcome.notes)
-    layout = task.layout
-    assert task.prompts is not None, "the worker tokenizes a task's inputs before filling its region"
-    for i, (row, prompt) in enumerate(zip(task.rows, task.prompts, strict=True)):
-        r = row - task.start
-        region["prompt_ids"][r] = layout.pad_token_id
-        region["prompt_ids"][r, : len(prompt)] = prompt
-        region["prompt_length"][r] = len(prompt)
-        out.prompt_tokens += len(prompt)
-        for s in range(task.n_samples):
-            trajectories = samples[i * task.n_samples + s][: layout.n_trajectories]
-            if layout.n_trajectories > 1:
-                region["num_trajectories"][r, s] = len(trajectories)
-            if not trajectories:  # not needed: the verifier was satisfied earlier
-                clear_response(region, (r, s), layout)
-            for t, traj in enumerate(trajectories):
-                index = (r, s, t) if layout.n_trajectories > 1 else (r, s)
-                tokens = _place(region, index, traj, layout)
-                out.response_tokens += max(0, tokens - traj.carried)
-                out.carried_tokens += min(traj.carried, tokens)
-                if traj.error is not None:
-                    out.failed.setdefault(row, f"sample {s}: {traj.error}")
-                if traj.finish_reason == FinishReason.ABORT:
-                    if row not in out.aborted:
-                        out.aborted.append(row)
-                    if tokens:
-                        out.partial_samples += 1
-                        out.partial_tokens += tokens
-    return out
+
+
+def _place_sample(
+    region: dict[str, np.ndarray],
+    row: int,
+    r: int,
+    s: int,
+    trajectories: list[Trajectory],
+    layout: Layout,
+    out: PartitionResult,
+) -> None:
+    """Store sample ``s`` of ``row`` (region row ``r``): its trajectories, or an empty response when there are none."""
+    if layout.n_trajectories > 1:
+        region["num_trajectories"][r, s] = len(trajectories)
+    if not trajectories:  # not needed: the verifier was satisfied earlier
+        clear_response(region, (r, s), layout)
+    for t, traj in enumerate(trajectories):
+        index = (r, s, t) if layout.n_trajectories > 1 else (r, s)
+        _count_trajectory(out, row, s, traj, _place(region, index, traj, layout))
+
+
+def _count_trajectory(out: PartitionResult, row: int, s: int, traj: Trajectory, tokens: int) -> None:
+    """Add a stored trajectory of ``tokens`` response tokens to the counters, failures and aborted rows of ``out``."""
+    out.response_tokens += max(0, tokens - traj.carried)
+    out.carried_tokens += min(traj.carried, tokens)
+    if traj.error is not None:
+        out.failed.setdefault(row, f"sample {s}: {traj.error}")
+    if traj.finish_reason == FinishReason.ABORT:
+        if row not in out.aborted:
+            out.aborted.append(row)
+        if tokens:
+            out.partial_samples += 1
+            out.partial_tokens += tokens
 
 
 def _place(region: dict[str, np.ndarray], index: tuple[int, ...], traj: Trajectory, layout: Layout) -> int:
@@ -166,15 +195,25 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
     plugin = cast("EnginePlugin", worker.plugins[task.plugin_name])
     agent = create_agent(task.agent, task.model, task.agent_args)
     async with plugin.partition(len(task.rows) * task.n_samples) as slot:
-        if task.prompts is None:
-            task.prompts = await asyncio.to_thread(tokenize_rows, task.inputs or [], plugin.tokenizer())
-        # Only a partition with stored samples of its pending rows (an earlier attempt was interrupted)
-        # reads its region before generating; otherwise the padded region is allocated once the results
-        # are in, so partitions waiting in a large in-flight window do not each hold one.
-        region = await asyncio.to_thread(_stored_region, task) if task.continue_partial else None
-        prefixes = partial_prefixes(region, task) if region is not None else {}
+        region, prefixes = await _prepare_inputs(task, plugin)
         generation = _Generation(plugin, await slot.engine_handle(), agent, task, prefixes, slot)
         return await _finish(task, region, await generation.run(), worker.address, t0)
+
+
+async def _prepare_inputs(
+    task: PartitionTask, plugin: EnginePlugin
+) -> tuple[dict[str, np.ndarray] | None, dict[tuple[int, int], Trajectory]]:
+    """Tokenize the task's inputs (if the client did not) and read the stored samples it continues.
+
+    Returns the stored region (``None`` unless the task continues partial samples) and the samples to keep.
+    """
+    if task.prompts is None:
+        task.prompts = await asyncio.to_thread(tokenize_rows, task.inputs or [], plugin.tokenizer())
+    # Only a partition with stored samples of its pending rows (an earlier attempt was interrupted)
+    # reads its region before generating; otherwise the padded region is allocated once the results
+    # are in, so partitions waiting in a large in-flight window do not each hold one.
+    region = await asyncio.to_thread(_stored_region, task) if task.continue_partial else None
+    return region, partial_prefixes(region, task) if region is not None else {}
 
 
 async def _finish(
@@ -202,27 +241,31 @@ def partial_prefixes(region: dict[str, np.ndarray], task: PartitionTask) -> dict
     out = {}
     stops = set(task.params.stop_token_ids)
     for row in task.rows:
-        r = row - task.start
         for s in range(task.n_samples):
-            reason = int(region["finish_reason"][r, s])
-            if reason not in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT):
-                continue
-            n = int(region["response_length"][r, s])
-            ids = region["response_ids"][r, s, :n].tolist()
-            if reason == FinishReason.ABORT and ids and ids[-1] in stops:
-                reason = FinishReason.STOP
-            lp = region["logprobs"][r, s, :n].tolist() if task.params.logprobs else None
-            continued = int(region["continued_tokens"][r, s]) if "continued_tokens" in region else 0
-            out[row, s] = Trajectory(
-                ids,
-                region["response_mask"][r, s, :n].tolist(),
-                lp,
-                FinishReason(reason),
-                int(region["num_turns"][r, s]),
-                continued=continued,
-                carried=n,
-            )
+            stored = _stored_sample(region, row - task.start, s, stops, task.params.logprobs)
+            if stored is not None:
+                out[row, s] = stored
     return out
+
+
+def _stored_sample(region: dict[str, np.ndarray], r: int, s: int, stops: set[int], logprobs: bool) -> Trajectory | None:
+    """Sample ``s`` of region row ``r`` as stored, or ``None`` when it was never generated (or failed)."""
+    reason = int(region["finish_reason"][r, s])
+    if reason not in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT):
+        return None
+    n = int(region["response_length"][r, s])
+    ids = region["response_ids"][r, s, :n].tolist()
+    if reason == FinishReason.ABORT and ids and ids[-1] in stops:
+        reason = FinishReason.STOP
+    return Trajectory(
+        ids,
+        region["response_mask"][r, s, :n].tolist(),
+        region["logprobs"][r, s, :n].tolist() if logprobs else None,
+        FinishReason(reason),
+        int(region["num_turns"][r, s]),
+        continued=int(region["continued_tokens"][r, s]) if "continued_tokens" in region else 0,
+        carried=n,
+    )
 
 
 async def _sample(
@@ -242,6 +285,18 @@ async def _sample(
         return await agent.run(handle, request_id, prompt, params)
     if prefix.finish_reason != FinishReason.ABORT:
         return [prefix]
+    return await _continue_aborted(agent, handle, request_id, prompt, params, prefix)
+
+
+async def _continue_aborted(
+    agent: AgentLoop,
+    handle: EngineHandle,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    prefix: Trajectory,
+) -> list[Trajectory]:
+    """Continue an aborted ``prefix`` with the token budget it left (finished at ``length`` when none is left)."""
     budget = params.max_new_tokens - len(prefix.response_ids)
     if budget <= 0:
         prefix.finish_reason = FinishReason.LENGTH
@@ -250,7 +305,12 @@ async def _sample(
         return await agent.run(handle, request_id, prompt, params)
     rest = params.__class__(**{**params.__dict__, "max_new_tokens": budget})
     (tail,) = await agent.run(handle, request_id, prompt + prefix.response_ids, rest)
-    merged = Trajectory(
+    return [_joined(prefix, tail)]
+
+
+def _joined(prefix: Trajectory, tail: Trajectory) -> Trajectory:
+    """``prefix`` followed by its continuation ``tail``: one trajectory that counts the prefix as carried over."""
+    return Trajectory(
         prefix.response_ids + tail.response_ids,
         prefix.response_mask + tail.response_mask,
         None if prefix.logprobs is None else prefix.logprobs + (tail.logprobs or []),
@@ -260,7 +320,6 @@ async def _sample(
         continued=len(prefix.response_ids),
         carried=len(prefix.response_ids),
     )
-    return [merged]
 
 
 @dataclass
@@ -284,15 +343,7 @@ class _Generation:
         """All samples of the given rows at once; a crash or hang marks the engine broken and raises."""
         task, plugin = self.task, self.plugin
         self.handle.engine = await plugin.get_engine()  # the engine may have been restarted meanwhile
-        if task.verify is not None:
-            assert task.rows_meta is not None, "tasks with a verifier carry their input rows"
-            decode = plugin.tokenizer().decode
-            calls = [
-                sample_in_rounds(task.verify, task.n_samples, task.rows_meta[i], decode, functools.partial(self.one, i))
-                for i in indices
-            ]
-        else:
-            calls = [self.one(i, s) for i in indices for s in range(task.n_samples)]
+        calls = self.calls(indices)
         try:
             return list(await asyncio.wait_for(asyncio.gather(*calls), task.timeout_s))
         except asyncio.TimeoutError:
@@ -305,6 +356,18 @@ class _Generation:
         except Exception as exc:
             await plugin.mark_broken(f"{type(exc).__name__}: {exc}")
             raise
+
+    def calls(self, indices: range) -> list[Any]:
+        """The coroutines generating the given rows: one per sample, or one per row in verifier rounds."""
+        task = self.task
+        if task.verify is None:
+            return [self.one(i, s) for i in indices for s in range(task.n_samples)]
+        assert task.rows_meta is not None, "tasks with a verifier carry their input rows"
+        decode = self.plugin.tokenizer().decode
+        return [
+            sample_in_rounds(task.verify, task.n_samples, task.rows_meta[i], decode, functools.partial(self.one, i))
+            for i in indices
+        ]
 
     def one(self, i: int, s: int) -> Any:
         """Sample ``s`` of the partition's ``i``-th row, seeded per sample, counted on the slot."""

@@ -120,15 +120,10 @@ class EnginePlugin(WorkerPlugin):
         install_worker_hooks(worker, self)
 
     async def _start(self) -> None:
-        from daskgen.engines import resolve_engine_class
-
+        """Start the engine and, on its first start, advertise this worker's partition slots."""
         self.state, self.error = PluginState.STARTING, None
         try:
-            if self.gpu is None:
-                self.gpu = _pin_gpu(self._worker.name)
-            self.engine = resolve_engine_class(self.engine_name)(self.model, **self.engine_args)
-            await self.engine.start()
-            await asyncio.wait_for(self.engine.health(), tunables.seconds("health-timeout"))
+            await self._load_engine()
         except Exception as exc:  # recorded and shown to the client; the worker takes no partitions
             self.state, self.error = PluginState.FAILED, f"{type(exc).__name__}: {exc}"
             logger.error("daskgen engine failed to start on %s:\n%s", self._worker.address, traceback.format_exc())
@@ -139,26 +134,37 @@ class EnginePlugin(WorkerPlugin):
             self.ready_event.set()
         self.state = PluginState.READY
         if not self._advertised:
-            self.resolved_window = resolve_window(
-                self.window, self.engine.capacity, self.requests_per_partition, self._worker.state.nthreads
-            )
-            logger.info(
-                "daskgen engine ready on %s: %d partitions in flight (window %s, engine capacity %s, "
-                "%d requests per partition)",
-                self._worker.address,
-                self.resolved_window,
-                self.window,
-                self.engine.capacity,
-                self.requests_per_partition,
-            )
-            await self._worker.set_resources(**{RESOURCE: float(self.resolved_window)})
-            self._advertised = True
-            self._announce_window()
-            if self.window == "auto":
-                admission = Admission.for_engine(
-                    self.engine.capacity, self.requests_per_partition, self._worker.state.nthreads
-                )
-                self._admitter = asyncio.create_task(self._follow_occupancy(admission))
+            await self._advertise(self.engine.capacity)
+
+    async def _load_engine(self) -> None:
+        """Pin this worker's GPU (once), then create, start and health-check the engine."""
+        from daskgen.engines import resolve_engine_class
+
+        if self.gpu is None:
+            self.gpu = _pin_gpu(self._worker.name)
+        self.engine = resolve_engine_class(self.engine_name)(self.model, **self.engine_args)
+        await self.engine.start()
+        await asyncio.wait_for(self.engine.health(), tunables.seconds("health-timeout"))
+
+    async def _advertise(self, capacity: int | None) -> None:
+        """Resolve the window for an engine of ``capacity``, offer that many slots, follow occupancy under ``auto``."""
+        nthreads = self._worker.state.nthreads
+        self.resolved_window = resolve_window(self.window, capacity, self.requests_per_partition, nthreads)
+        logger.info(
+            "daskgen engine ready on %s: %d partitions in flight (window %s, engine capacity %s, "
+            "%d requests per partition)",
+            self._worker.address,
+            self.resolved_window,
+            self.window,
+            capacity,
+            self.requests_per_partition,
+        )
+        await self._worker.set_resources(**{RESOURCE: float(self.resolved_window)})
+        self._advertised = True
+        self._announce_window()
+        if self.window == "auto":
+            admission = Admission.for_engine(capacity, self.requests_per_partition, nthreads)
+            self._admitter = asyncio.create_task(self._follow_occupancy(admission))
 
     async def _follow_occupancy(self, admission: Admission) -> None:
         """``window: auto``: re-size the window from the engine's occupancy (:mod:`daskgen.worker.admission`)."""
@@ -273,21 +279,25 @@ class EnginePlugin(WorkerPlugin):
         """
         timeout = self.drain_timeout_s if timeout is None else timeout
         if not self.draining:
-            self.draining = True
-            logger.warning(
-                "daskgen: draining worker %s: aborting in-flight requests (partial responses are kept)",
-                getattr(self._worker, "address", "?"),
-            )
-            if self._advertised and self._worker is not None:
-                await self._worker.set_resources(**{RESOURCE: 0.0})
-                self.resolved_window = 0
-                self._announce_window()
+            await self._stop_taking_partitions()
         aborted = await self.stop_run()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while self.running and loop.time() < deadline:
             await asyncio.sleep(0.05)
         return {"aborted": aborted, "running": self.running}
+
+    async def _stop_taking_partitions(self) -> None:
+        """Mark the worker draining and drop its partition slots to 0, so the scheduler sends it nothing new."""
+        self.draining = True
+        logger.warning(
+            "daskgen: draining worker %s: aborting in-flight requests (partial responses are kept)",
+            getattr(self._worker, "address", "?"),
+        )
+        if self._advertised and self._worker is not None:
+            await self._worker.set_resources(**{RESOURCE: 0.0})
+            self.resolved_window = 0
+            self._announce_window()
 
     def status(self) -> dict[str, Any]:
         """Small summary for the client."""

@@ -16,7 +16,7 @@ import asyncio
 import functools
 import inspect
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,15 +111,32 @@ async def sample_in_rounds(
     for start in range(0, n_samples, policy.round_size):
         indices = range(start, start + policy.round_size)
         results = await asyncio.gather(*(sample(s) for s in indices))
-        for s, trajs in zip(indices, results, strict=True):
-            out.samples[s] = trajs
-            out.scores[s], note = await score(policy, decode, trajs[-1], row)
-            if note:
-                out.notes.append(f"sample {s}: {note}")
-            firsts.append(trajs[-1])
+        await _score_round(policy, decode, row, zip(indices, results, strict=True), out, firsts)
         out.used = start + policy.round_size
-        if any(t.finish_reason in (FinishReason.ABORT, FinishReason.ERROR) for t in firsts[-policy.round_size :]):
-            break
-        if satisfied(policy, out.scores[: out.used], firsts):
+        if _round_ends_sampling(policy, out, firsts):
             break
     return out
+
+
+async def _score_round(
+    policy: VerifyPolicy,
+    decode: Callable[[list[int]], str],
+    row: dict[str, Any],
+    results: Iterable[tuple[int, list[Trajectory]]],
+    out: RowOutcome,
+    firsts: list[Trajectory],
+) -> None:
+    """Keep and score each sample ``s`` of a round (its last trajectory), noting verifier problems in ``out``."""
+    for s, trajs in results:
+        out.samples[s] = trajs
+        out.scores[s], note = await score(policy, decode, trajs[-1], row)
+        if note:
+            out.notes.append(f"sample {s}: {note}")
+        firsts.append(trajs[-1])
+
+
+def _round_ends_sampling(policy: VerifyPolicy, out: RowOutcome, firsts: list[Trajectory]) -> bool:
+    """Stop after this round: one of its samples was aborted or failed, or the policy is satisfied."""
+    if any(t.finish_reason in (FinishReason.ABORT, FinishReason.ERROR) for t in firsts[-policy.round_size :]):
+        return True
+    return satisfied(policy, out.scores[: out.used], firsts)
