@@ -85,10 +85,23 @@ class ProbeEngine(Engine):
     def capacity(self) -> int | None:
         return self.inner.capacity
 
-    async def start(self) -> None:
+    @property
+    def eos_token_ids(self) -> frozenset[int]:  # type: ignore[override]
+        return self.inner.eos_token_ids
+
+    @property
+    def max_total_tokens(self) -> int | None:  # type: ignore[override]
+        return self.inner.max_total_tokens
+
+    @property
+    def vocab_size(self) -> int | None:  # type: ignore[override]
+        return self.inner.vocab_size
+
+    async def load(self) -> None:
         await self.inner.start()
-        self.eos_token_ids = self.inner.eos_token_ids
-        self.max_total_tokens, self.vocab_size = self.inner.max_total_tokens, self.inner.vocab_size
+
+    async def unload(self) -> None:
+        await self.inner.shutdown()
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         if request.request_id == HEALTH_ID:
@@ -104,9 +117,6 @@ class ProbeEngine(Engine):
 
     async def abort(self, request_id: str) -> None:
         await self.inner.abort(request_id)
-
-    async def shutdown(self) -> None:
-        await self.inner.shutdown()
 
     def health_token_id(self) -> int:
         return self.inner.health_token_id()
