@@ -99,8 +99,13 @@ def set_result(future: asyncio.Future, result: Any) -> None:
         if not future.done():
             future.set_result(result)
         return
+
+    def settle() -> None:
+        if not future.done():
+            future.set_result(result)
+
     with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits any more
-        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+        loop.call_soon_threadsafe(settle)
 
 
 def bos_or_zero(bos: Any, vocab_size: int | None) -> int:

@@ -169,6 +169,9 @@ class OpenAIEngine(Engine):
     """Generate through an SGLang-native or OpenAI-compatible HTTP server (see the module docstring)."""
 
     name = "openai"
+    #: The server's context length and the tokenizer's size, known after :meth:`start`.
+    max_total_tokens: int | None = None
+    vocab_size: int | None = None
 
     def __init__(self, model: str, **engine_args: Any) -> None:
         super().__init__(model, **engine_args)
