@@ -216,8 +216,8 @@ class SimulatedEngine(Engine):
 
     def _ensure_stepper(self, loop: asyncio.AbstractEventLoop) -> None:
         """Run the step loop on ``loop`` unless it already runs on a live loop."""
-        task, on = self._task, self._loop
-        if task is not None and not task.done() and on is not None and not on.is_closed():  # alive
+        task, task_loop = self._task, self._loop
+        if task is not None and not task.done() and task_loop is not None and not task_loop.is_closed():  # alive
             return
         self._loop, self._wakeup = loop, asyncio.Event()
         self._task = loop.create_task(self._run(), name="daskgen-simulated-steps")
