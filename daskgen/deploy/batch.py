@@ -14,7 +14,7 @@ walltime (:mod:`daskgen.deploy.walltime`) so that adaptive scaling submits a rep
 from __future__ import annotations
 
 import shutil
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import dask
 from dask.utils import parse_bytes
@@ -39,6 +39,9 @@ from daskgen.deploy.security import (
 from daskgen.deploy.spec import DEFAULT_THREADS_PER_WORKER, ClusterInfo, runs_scheduler_process
 from daskgen.deploy.walltime import describe_lifetime, lifetime_plan
 from daskgen.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dask_jobqueue.core import Job, JobQueueCluster
 
 __all__ = ["BatchDeployment"]
 
@@ -210,11 +213,13 @@ class BatchDeployment:
         if security is not None:
             kwargs.update(security=security, protocol="tls://")
         name = f"daskgen-${{{self.job_id_variable}}}"
-        return self.cluster_base().job_cls(scheduler=scheduler_address, name=name, **kwargs).job_script()
+        # dask-jobqueue types job_cls as an optional instance attribute; each cluster class sets it on the class.
+        job_cls: type[Job] = self.cluster_base().job_cls  # type: ignore[misc, assignment]
+        return job_cls(scheduler=scheduler_address, name=name, **kwargs).job_script()
 
     # ------------------------------------------------------------------ the cluster
 
-    def cluster_base(self) -> type:
+    def cluster_base(self) -> type[JobQueueCluster]:
         """The dask-jobqueue cluster class of this kind.
 
         Raises

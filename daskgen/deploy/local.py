@@ -134,8 +134,12 @@ class LocalDeployment:
             kwargs["security"] = files.security
         elif self.tls:
             kwargs["security"] = temporary_security()  # in memory: the nannies pass it to their workers
-        cluster = (own.LocalClusterOwnScheduler if self.scheduler_process else LocalCluster)(**kwargs)
-        cluster.tls_files = files
+        cluster: LocalCluster
+        if self.scheduler_process:
+            cluster = own.LocalClusterOwnScheduler(**kwargs)
+            cluster.tls_files = files
+        else:
+            cluster = LocalCluster(**kwargs)
         if self.elastic:
             cluster.adapt(minimum=self.min_workers, maximum=self.max_workers)
         notes = (("TLS with a per-run certificate",) if self.tls else ()) + own.notes(cluster)

@@ -228,9 +228,10 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # the traceback, then one line with the whole chain of causes
         traceback.print_exc()
         chain: list[BaseException] = []
-        while exc is not None and exc not in chain:
-            chain.append(exc)
-            exc = exc.__cause__ or exc.__context__
+        cause: BaseException | None = exc
+        while cause is not None and cause not in chain:
+            chain.append(cause)
+            cause = cause.__cause__ or cause.__context__
         where = ", ".join(f"{k}={spec.get(k)}" for k in ("host", "port", "interface", "protocol") if spec.get(k))
         causes = " <- ".join(f"{type(e).__name__}: {e}" for e in chain)
         sys.stderr.write(f"daskgen scheduler process ({where or 'defaults'}) failed: {causes}\n")

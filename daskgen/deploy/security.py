@@ -256,7 +256,8 @@ def client_security(address: str, ca: str | None = None, cert: str | None = None
         security = Security(tls_ca_file=ca, tls_client_cert=cert, tls_client_key=key, require_encryption=True)
     else:
         security = Security(require_encryption=True)  # reads distributed.comm.tls.*
-    if not security.tls_ca_file or not security.tls_client_cert:
+    # distributed's Security fills its __slots__ with setattr, so they are invisible to mypy.
+    if not security.tls_ca_file or not security.tls_client_cert:  # type: ignore[attr-defined]
         raise ConfigError(
             f"the scheduler at {address} uses TLS: give --tls-ca (the CA that signed its certificate) "
             "and --tls-cert/--tls-key (this client's certificate and key), or set "

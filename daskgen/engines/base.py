@@ -202,23 +202,44 @@ class Engine(abc.ABC):
     # Capabilities: declared here with their defaults; an engine overrides them as class
     # attributes, or as properties when they are only known after :meth:`start` (or depend on
     # ``engine_args``).  Callers read them on any engine, never with ``getattr`` fallbacks.
+    # ``name`` and ``simulated`` are read on the class too (registry, :meth:`is_simulated`), so
+    # they are class attributes; the others are read-only properties here so that an engine may
+    # override them with a property or with a class attribute.
 
     #: Name under which the engine is registered in the ``daskgen.engines`` group.
     name: str = ""
     #: True when stores produced by the engine are not real model output (simulations).
     simulated: bool = False
-    #: True when ``SamplingParams.seed`` makes outputs reproducible.
-    supports_seed: bool = False
-    #: True when :meth:`sleep`/:meth:`wake` really release and resume accelerator memory.
-    sleep_supported: bool = False
-    #: True when outputs are text re-tokenized by daskgen (not token-exact), e.g. OpenAI protocols.
-    retokenized: bool = False
-    #: Token ids that end every request (the model's EOS ids); empty when unknown.
-    eos_token_ids: frozenset[int] = frozenset()
-    #: Largest prompt plus ``max_new_tokens`` of one request; ``None`` when unknown.
-    max_total_tokens: int | None = None
-    #: Size of the model's vocabulary (prompt ids must be below it); ``None`` when unknown.
-    vocab_size: int | None = None
+
+    @property
+    def supports_seed(self) -> bool:
+        """True when ``SamplingParams.seed`` makes outputs reproducible."""
+        return False
+
+    @property
+    def sleep_supported(self) -> bool:
+        """True when :meth:`sleep`/:meth:`wake` really release and resume accelerator memory."""
+        return False
+
+    @property
+    def retokenized(self) -> bool:
+        """True when outputs are text re-tokenized by daskgen (not token-exact), e.g. OpenAI protocols."""
+        return False
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Token ids that end every request (the model's EOS ids); empty when unknown."""
+        return frozenset()
+
+    @property
+    def max_total_tokens(self) -> int | None:
+        """Largest prompt plus ``max_new_tokens`` of one request; ``None`` when unknown."""
+        return None
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Size of the model's vocabulary (prompt ids must be below it); ``None`` when unknown."""
+        return None
 
     def __init__(self, model: str, **engine_args: Any) -> None:
         self.model = model

@@ -8,6 +8,7 @@
   awaiting it, from the awaiting loop's thread or any other.
 * :func:`bos_or_zero`: the token of the default health-check prompt.
 * :func:`cuda_available`: whether torch sees a CUDA device (``False`` without torch).
+* :func:`started`: a backend object set by an engine's start, or ``EngineError`` before it.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import contextlib
 import difflib
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
-from daskgen.errors import ConfigError
+from daskgen.errors import ConfigError, EngineError
+
+T = TypeVar("T")
 
 __all__ = [
     "bos_or_zero",
@@ -30,6 +33,7 @@ __all__ = [
     "is_number",
     "require",
     "set_result",
+    "started",
 ]
 
 
@@ -99,8 +103,13 @@ def set_result(future: asyncio.Future, result: Any) -> None:
         if not future.done():
             future.set_result(result)
         return
+
+    def settle() -> None:
+        if not future.done():
+            future.set_result(result)
+
     with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits any more
-        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
+        loop.call_soon_threadsafe(settle)
 
 
 def bos_or_zero(bos: Any, vocab_size: int | None) -> int:
@@ -118,3 +127,10 @@ def cuda_available() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
+
+
+def started(engine: str, part: T | None) -> T:
+    """``part`` (a backend object the engine sets when it starts); ``EngineError`` while it is ``None``."""
+    if part is None:
+        raise EngineError(f"{engine} engine not started")
+    return part

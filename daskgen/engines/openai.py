@@ -27,7 +27,7 @@ Wire formats (payloads, answers, streamed events, limits on re-tokenized output)
 :mod:`daskgen.engines.openai_protocol`; the HTTP client and the managed server in
 :mod:`daskgen.engines.http_client` and :mod:`daskgen.engines.http_server`.
 Details, limits and the tested servers: ``docs/engines.md`` (HTTP engines).  Engine args:
-:class:`OpenAIArgs`.  Needs ``httpx`` and ``tenacity`` (``pip install 'daskgen[http]'``).
+:class:`~daskgen.engines.openai_args.OpenAIArgs`.  Needs ``httpx`` and ``tenacity`` (``pip install 'daskgen[http]'``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 from daskgen.engines.base import (
@@ -50,9 +49,10 @@ from daskgen.engines.base import (
     parse_engine_args,
     request_error,
 )
-from daskgen.engines.common import check_number
+from daskgen.engines.common import started
 from daskgen.engines.http_client import HTTPClient, RequestFailed
-from daskgen.engines.http_server import ManagedServer, check_server_args
+from daskgen.engines.http_server import ManagedServer
+from daskgen.engines.openai_args import OpenAIArgs
 from daskgen.engines.openai_protocol import (
     Flight,
     OpenAITextProtocol,
@@ -65,110 +65,23 @@ from daskgen.engines.openai_protocol import (
 )
 from daskgen.engines.openai_vllm import VLLMProtocol, is_vllm_version
 from daskgen.engines.sglang_mapping import max_running_requests
-from daskgen.errors import ConfigError, EngineError
+from daskgen.errors import EngineError
 from daskgen.redaction import redact_url
 
 __all__ = ["OpenAIArgs", "OpenAIEngine", "apply_limits", "native_payload", "native_result", "openai_payload"]
 
 logger = logging.getLogger(__name__)
 
-APIS = ("auto", "sglang", "vllm", "chat", "completions")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _PING = SamplingParams(max_new_tokens=1, temperature=0.0)
-
-
-@dataclass
-class OpenAIArgs:
-    """Options of the ``openai`` engine (the table in ``docs/engines.md`` says more).
-
-    Attributes
-    ----------
-    base_url:
-        Server address, e.g. ``http://127.0.0.1:30000`` (``.../v1`` too); required unless ``managed``.
-    model_name:
-        Model for OpenAI requests, checked against ``/v1/models``; default the only served one, else ``model``.
-    api_key_env:
-        NAME of the environment variable holding the API key.
-    api:
-        ``"auto"``, ``"sglang"`` (native, token-exact), ``"vllm"`` (token ids through vLLM's
-        completions, token-exact), ``"completions"`` or ``"chat"``.
-    extra_body:
-        Merged into every request body (native: ``sampling_params`` into the sampling parameters).
-    max_concurrency, timeout_s:
-        Requests in flight at once (default 128; against an SGLang server, unless set, twice the
-        server's ``max_running_requests`` when that is more, so its queue never runs dry); read
-        timeout (seconds without data from the server).
-    max_retries, backoff_s:
-        Retries after 429/408/5xx/connection errors, and the first backoff (doubling, plus jitter).
-    managed, server_args, server_start_timeout_s:
-        Start one sglang server per engine, its ``launch_server`` options, and how long to wait for it.
-    tokenizer:
-        Tokenizer for decoding prompts and re-tokenizing text; default ``model``.
-    """
-
-    base_url: str | None = None
-    model_name: str | None = None
-    api_key_env: str | None = None
-    api: str = "auto"
-    extra_body: dict[str, Any] = field(default_factory=dict)
-    max_concurrency: int = 128
-    timeout_s: float = 600.0
-    max_retries: int = 3
-    backoff_s: float = 0.5
-    managed: bool = False
-    server_args: dict[str, Any] = field(default_factory=dict)
-    server_start_timeout_s: float = 600.0
-    tokenizer: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.api not in APIS:
-            raise ConfigError(f"openai engine: api must be one of {list(APIS)}, got {self.api!r}")
-        if not isinstance(self.managed, bool):
-            raise ConfigError(f"openai engine: managed must be true or false, got {self.managed!r}")
-        for name in ("extra_body", "server_args"):
-            if not isinstance(getattr(self, name), dict):
-                raise ConfigError(f"openai engine: {name} must be a mapping, got {getattr(self, name)!r}")
-        for name, low, integer in (
-            ("max_concurrency", 1, True),
-            ("max_retries", 0, True),
-            ("backoff_s", 0, False),
-            ("timeout_s", None, False),
-            ("server_start_timeout_s", None, False),
-        ):
-            check_number("openai", name, getattr(self, name), low, integer)
-        key_env = self.api_key_env
-        if key_env is not None and not (isinstance(key_env, str) and _ENV_NAME.match(key_env)):
-            raise ConfigError(
-                "openai engine: api_key_env must be the NAME of an environment variable holding the "
-                "key (e.g. OPENAI_API_KEY), not the key itself"
-            )
-        self._check_target()
-
-    def _check_target(self) -> None:
-        if self.managed:
-            if self.base_url is not None:
-                raise ConfigError(
-                    "openai engine: give either base_url (an existing server) or managed=true "
-                    "(a server started per worker), not both"
-                )
-            if self.api_key_env is not None:
-                raise ConfigError(
-                    "openai engine: daskgen gives every managed server a random API key of its own; drop api_key_env"
-                )
-            check_server_args(self.server_args)
-        elif not isinstance(self.base_url, str) or not self.base_url.startswith(("http://", "https://")):
-            raise ConfigError(
-                f"openai engine: base_url must be an http(s) URL such as http://127.0.0.1:30000 "
-                f"(or set managed=true), got {self.base_url!r}"
-            )
-        elif self.server_args:
-            raise ConfigError("openai engine: server_args apply to managed servers only (managed=true)")
 
 
 class OpenAIEngine(Engine):
     """Generate through an SGLang-native or OpenAI-compatible HTTP server (see the module docstring)."""
 
     name = "openai"
+    #: The server's context length and the tokenizer's size, known after :meth:`start`.
+    max_total_tokens: int | None = None
+    vocab_size: int | None = None
 
     def __init__(self, model: str, **engine_args: Any) -> None:
         super().__init__(model, **engine_args)
@@ -199,17 +112,18 @@ class OpenAIEngine(Engine):
 
     async def load(self) -> None:
         """Start the managed server (if any), ping the server and load the tokenizer."""
-        base_url = await self._start_server() if self.args.managed else self.args.base_url
-        self._http = self._client(base_url)
-        self.protocol = await self._detect_protocol()
-        await self._check_model()
+        # OpenAIArgs checks that base_url is an http(s) URL unless the server is managed.
+        base_url = await self._start_server() if self.args.managed else str(self.args.base_url)
+        http = self._http = self._client(base_url)
+        self.protocol = await self._detect_protocol(http)
+        await self._check_model(http)
         await self._load_tokenizer()
         self.wire = self._wire_protocol()
         if self.protocol == "sglang":
-            await self._read_server_info(base_url)
+            http = await self._read_server_info(http, base_url)
         else:
             await self._ping_generate()
-        logger.info("openai engine: %s protocol on %s (model %s)", self.protocol, self._http.where, self.model_name)
+        logger.info("openai engine: %s protocol on %s (model %s)", self.protocol, http.where, self.model_name)
 
     def _client(self, base_url: str) -> HTTPClient:
         own_key = self._server.api_key if self._server is not None else None
@@ -233,41 +147,41 @@ class OpenAIEngine(Engine):
         await self._server.start()
         return self._server.url
 
-    async def _detect_protocol(self) -> str:
+    async def _detect_protocol(self, http: HTTPClient) -> str:
         if self.args.api in ("chat", "completions", "vllm"):
             return self.args.api
-        status, info = await self._http.probe_json("/get_model_info", allow_status=(404, 405))
+        status, info = await http.probe_json("/get_model_info", allow_status=(404, 405))
         if status == 200 and isinstance(info, dict) and "model_path" in info:
             return "sglang"
         if self.args.api == "sglang":
             raise EngineError(
-                f"{self._http.where} is not an SGLang server (GET /get_model_info answered "
+                f"{http.where} is not an SGLang server (GET /get_model_info answered "
                 f"HTTP {status}); use api='completions' or 'chat' for OpenAI-compatible servers"
             )
         if self.args.api == "auto":
-            status, version = await self._http.probe_json("/version", allow_status=(404, 405))
+            status, version = await http.probe_json("/version", allow_status=(404, 405))
             if is_vllm_version(status, version):
                 return "vllm"
         return "completions"
 
-    async def _check_model(self) -> None:
-        status, listing = await self._http.probe_json("/v1/models", allow_status=(404, 405, 500, 501))
+    async def _check_model(self, http: HTTPClient) -> None:
+        status, listing = await http.probe_json("/v1/models", allow_status=(404, 405, 500, 501))
         cards = listing.get("data") if status == 200 and isinstance(listing, dict) else None
         if not isinstance(cards, list) or not cards:
             logger.warning(
                 "openai engine: %s lists no models (GET /v1/models: HTTP %s); the model name is "
                 "checked by the first request instead",
-                self._http.where,
+                http.where,
                 status,
             )
             self.model_name = self.model_name or self.model
             return
         served = [str(card.get("id")) for card in cards]
         if self.model_name is not None and self.model_name not in served:
-            raise EngineError(f"model_name {self.model_name!r} is not served by {self._http.where}; it serves {served}")
+            raise EngineError(f"model_name {self.model_name!r} is not served by {http.where}; it serves {served}")
         if self.model_name is None:
             if len(served) > 1 and self.model not in served:
-                raise EngineError(f"{self._http.where} serves several models {served}; choose one with model_name")
+                raise EngineError(f"{http.where} serves several models {served}; choose one with model_name")
             self.model_name = self.model if self.model in served else served[0]
         length = cards[served.index(self.model_name)].get("max_model_len")
         self.max_total_tokens = int(length) if isinstance(length, int) and length > 0 else None
@@ -297,10 +211,10 @@ class OpenAIEngine(Engine):
             return VLLMProtocol(self.model_name, extra)
         return OpenAITextProtocol(self.protocol or "completions", self.model_name, extra, self._tokenizer)
 
-    async def _read_server_info(self, base_url: str) -> None:
+    async def _read_server_info(self, http: HTTPClient, base_url: str) -> HTTPClient:
         """Seeds (deterministic inference) and batch slots of an SGLang server; widen the client's
-        concurrency to keep the server's queue fed unless ``max_concurrency`` was given."""
-        status, info = await self._http.probe_json("/get_server_info", allow_status=(404, 405))
+        concurrency to keep the server's queue fed unless ``max_concurrency`` was given (the client in use)."""
+        status, info = await http.probe_json("/get_server_info", allow_status=(404, 405))
         info = info if status == 200 and isinstance(info, dict) else {}
         self._server_seeds = bool(info.get("enable_deterministic_inference"))
         self.server_capacity = _server_running_requests(info)
@@ -308,20 +222,23 @@ class OpenAIEngine(Engine):
         if "max_concurrency" not in self.engine_args and wanted > self.concurrency:
             self.concurrency = wanted
             self._limit = asyncio.Semaphore(wanted)
-            old, self._http = self._http, self._client(base_url)
+            old, http = http, self._client(base_url)
+            self._http = http
             await old.close()
             logger.info(
                 "openai engine: the server runs %d requests at once; keeping up to %d in flight",
                 self.server_capacity,
                 wanted,
             )
+        return http
 
     async def _ping_generate(self) -> None:
         request = GenerationRequest("daskgen-ping", [self.health_token_id()], _PING)
+        wire, http = self._connection()
         try:
-            await self.wire.send(self._http, request, Flight())
+            await wire.send(http, request, Flight())
         except RequestFailed as exc:
-            raise EngineError(f"openai engine: a one-token request to {self._http.where} failed: {exc}") from None
+            raise EngineError(f"openai engine: a one-token request to {http.where} failed: {exc}") from None
 
     async def unload(self) -> None:
         """Fail requests in flight, close the client and stop the managed server."""
@@ -370,26 +287,30 @@ class OpenAIEngine(Engine):
     async def _run(self, request: GenerationRequest, flight: Flight) -> GenerationResult:
         if flight.aborted:
             return aborted_result(request)
-        flight.task = asyncio.ensure_future(self.wire.send(self._http, request, flight))
+        wire, http = self._connection()
+        flight.task = asyncio.ensure_future(wire.send(http, request, flight))
         try:
             await asyncio.wait({flight.task})
         except asyncio.CancelledError:  # the caller gave up: stop the request on the server too
             flight.cancel()
-            asyncio.ensure_future(self.wire.forget(self._http, flight))
+            asyncio.ensure_future(wire.forget(http, flight))
             raise
         if flight.task.cancelled():
-            return self.wire.aborted(request, flight)
+            return wire.aborted(request, flight)
         try:
             return flight.task.result()
         except RequestFailed as exc:
             self._check_server()
             return error_result(request, str(exc))
 
+    def _connection(self) -> tuple[WireProtocol, HTTPClient]:
+        return started(self.name, self.wire), started(self.name, self._http)
+
     def _server_died(self) -> bool:
         return self._server is not None and self.status is EngineStatus.RUNNING and not self._server.alive
 
     def _check_server(self) -> None:
-        if self._server_died():
+        if self._server is not None and self._server_died():
             raise EngineError(f"the managed sglang server {self._server.exit_description()}")
 
     def _forget(self, request_id: str, flight: Flight) -> None:
@@ -403,7 +324,8 @@ class OpenAIEngine(Engine):
         """Abort every in-flight request with this id (unknown ids are ignored)."""
         for flight in list(self._flights.get(request_id, [])):
             flight.aborted = True
-            await self.wire.abort(self._http, flight)
+            wire, http = self._connection()
+            await wire.abort(http, flight)
 
     # ------------------------------------------------------------------ misc
 

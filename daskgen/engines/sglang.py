@@ -88,7 +88,7 @@ from daskgen.engines.base import (
     aborted_result,
     error_result,
 )
-from daskgen.engines.common import cuda_available
+from daskgen.engines.common import cuda_available, started
 from daskgen.engines.inprocess import DAEMON_FIX, InProcessEngine
 from daskgen.engines.sglang_args import (
     CPU_DEFAULTS,
@@ -186,8 +186,8 @@ class SGLangEngine(InProcessEngine):
         return await self._run(request, kwargs)
 
     async def _run(self, request: GenerationRequest, kwargs: dict[str, Any]) -> GenerationResult:
-        backend = self._backend
         try:
+            backend = started(self.name, self._backend)
             future = backend.submit(backend.generate(request.request_id, kwargs))
             output = await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -240,7 +240,7 @@ class SGLangEngine(InProcessEngine):
 
     async def set_memory(self, release: bool) -> None:
         """Release or resume sglang's GPU memory (weights, KV cache, CUDA graphs)."""
-        backend = self._backend
+        backend = started(self.name, self._backend)
         await asyncio.wrap_future(backend.submit(backend.memory(release)))
 
     @property

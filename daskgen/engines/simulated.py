@@ -52,7 +52,7 @@ from daskgen.engines.base import (
     parse_engine_args,
     request_error,
 )
-from daskgen.engines.common import set_result
+from daskgen.engines.common import set_result, started
 from daskgen.engines.simulated_plan import OutputPlan, SimulatedArgs, plan_output
 
 __all__ = ["SimulatedArgs", "SimulatedEngine", "plan_output"]
@@ -149,7 +149,7 @@ class SimulatedEngine(Engine):
         if self._task is not None and not self._task.done():
             if self._loop is asyncio.get_running_loop():
                 self._task.cancel()
-            else:
+            elif self._loop is not None:  # set with the task
                 with contextlib.suppress(RuntimeError):
                     self._loop.call_soon_threadsafe(self._task.cancel)
         self._task = None
@@ -216,11 +216,16 @@ class SimulatedEngine(Engine):
 
     def _ensure_stepper(self, loop: asyncio.AbstractEventLoop) -> None:
         """Run the step loop on ``loop`` unless it already runs on a live loop."""
-        alive = self._task is not None and not self._task.done() and not self._loop.is_closed()
-        if alive:
+        task, task_loop = self._task, self._loop
+        if task is not None and not task.done() and task_loop is not None and not task_loop.is_closed():  # alive
             return
         self._loop, self._wakeup = loop, asyncio.Event()
         self._task = loop.create_task(self._run(), name="daskgen-simulated-steps")
+
+    @property
+    def _step_wakeup(self) -> asyncio.Event:
+        """The step loop's wake-up event (set with the loop's task)."""
+        return started(self.name, self._wakeup)
 
     def _wake(self) -> None:
         if self._wakeup is None or self._loop is None:
@@ -240,8 +245,8 @@ class SimulatedEngine(Engine):
         while self.status is EngineStatus.RUNNING:
             self._admit()
             if self._running == 0:
-                self._wakeup.clear()
-                await self._wakeup.wait()
+                self._step_wakeup.clear()
+                await self._step_wakeup.wait()
                 self._boundary_wall = time.perf_counter()
                 continue
             if not await self._advance():
@@ -281,10 +286,10 @@ class SimulatedEngine(Engine):
     async def _sleep_steps(self, steps: int, wall_per_step: float) -> int:
         """Sleep through up to ``steps`` steps; on a wake-up stop at the end of the step in progress."""
         self._wall_per_step = wall_per_step
-        self._wakeup.clear()
+        self._step_wakeup.clear()
         deadline = self._boundary_wall + steps * wall_per_step
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._wakeup.wait(), timeout=max(0.0, deadline - time.perf_counter()))
+            await asyncio.wait_for(self._step_wakeup.wait(), timeout=max(0.0, deadline - time.perf_counter()))
             elapsed = time.perf_counter() - self._boundary_wall
             steps = min(steps, max(1, math.ceil(elapsed / wall_per_step)))
             await asyncio.sleep(max(0.0, self._boundary_wall + steps * wall_per_step - time.perf_counter()))

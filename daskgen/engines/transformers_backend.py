@@ -259,7 +259,8 @@ def _load_model(path: str, args: TransformersArgs, device: str, dtype: torch.dty
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as exc:
         raise EngineError(f"transformers engine could not load model {path!r}: {exc}") from exc
-    return model.to(device).eval()
+    # PreTrainedModel.to is decorated with functools.wraps, whose typing leaves `self` unbound.
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 def _eos_ids(model: Any) -> frozenset[int]:

@@ -62,7 +62,7 @@ from daskgen.engines.base import (
     error_result,
     finish_from_name,
 )
-from daskgen.engines.common import check_known_args, cuda_available
+from daskgen.engines.common import check_known_args, cuda_available, started
 from daskgen.engines.inprocess import InProcessEngine, LoopThread
 
 __all__ = [
@@ -258,8 +258,8 @@ class VLLMEngine(InProcessEngine):
         problem = self.refusal(request)
         if problem is not None:
             return error_result(request, problem)
-        thread = self._thread
         try:
+            thread = started(self.name, self._thread)
             return await asyncio.wrap_future(thread.submit(self._collect(request)))
         except asyncio.CancelledError:
             raise  # the collecting coroutine is cancelled too; vLLM aborts the request
@@ -331,8 +331,9 @@ class VLLMEngine(InProcessEngine):
 
     async def set_memory(self, release: bool) -> None:
         """``AsyncLLM.sleep(level=1)`` (weights offloaded, KV cache dropped) or ``wake_up()``."""
+        thread = started(self.name, self._thread)
         call = self._llm.sleep(level=1) if release else self._llm.wake_up()
-        await asyncio.wrap_future(self._thread.submit(call))
+        await asyncio.wrap_future(thread.submit(call))
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

@@ -25,6 +25,8 @@ class _Wrapper(Engine):
     """Delegates start/abort/shutdown/health token to the real ``inner`` engine."""
 
     inner: Engine
+    #: Copied from the inner engine.
+    supports_seed: bool = False
 
     async def load(self) -> None:
         await self.inner.start()

@@ -58,6 +58,11 @@ class ProbeEngine(Engine):
     """
 
     name = "probe"
+    #: Copied from the inner engine (the last three once it has started).
+    supports_seed: bool = False
+    eos_token_ids: frozenset[int] = frozenset()
+    max_total_tokens: int | None = None
+    vocab_size: int | None = None
 
     def __init__(
         self,
