@@ -219,6 +219,16 @@ class InProcessEngine(Engine):
 
     # ------------------------------------------------------------------ identity
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Token ids that end every request (the model's EOS ids, from :attr:`info`); known after :meth:`start`."""
+        return frozenset(self.info.get("eos_token_ids") or ())
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary size (from :attr:`info`); known after :meth:`start`."""
+        return self.info.get("vocab_size")
+
     def describe(self) -> dict[str, Any]:
         """Engine, model, the options used and the backend's identity (:attr:`info`)."""
         described = super().describe()

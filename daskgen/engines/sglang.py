@@ -244,16 +244,6 @@ class SGLangEngine(InProcessEngine):
         await asyncio.wrap_future(backend.submit(backend.memory(release)))
 
     @property
-    def eos_token_ids(self) -> frozenset[int]:
-        """Token ids that end every request (the model's EOS ids); known after :meth:`start`."""
-        return frozenset(self.info.get("eos_token_ids") or ())
-
-    @property
-    def vocab_size(self) -> int | None:
-        """The model's vocabulary size; known after :meth:`start`."""
-        return self.info.get("vocab_size")
-
-    @property
     def max_total_tokens(self) -> int | None:
         """Largest prompt plus ``max_new_tokens`` of one request; known after :meth:`start`."""
         context, pool = self.info.get("context_length"), self.info.get("max_total_num_tokens")

@@ -336,16 +336,6 @@ class VLLMEngine(InProcessEngine):
         await asyncio.wrap_future(thread.submit(call))
 
     @property
-    def eos_token_ids(self) -> frozenset[int]:
-        """The tokenizer's EOS id(s); known after :meth:`start`."""
-        return frozenset(self.info.get("eos_token_ids") or ())
-
-    @property
-    def vocab_size(self) -> int | None:
-        """The model's vocabulary size; known after :meth:`start`."""
-        return self.info.get("vocab_size")
-
-    @property
     def max_total_tokens(self) -> int | None:
         """vLLM's ``max_model_len``; known after :meth:`start`."""
         return self.info.get("max_model_len")

@@ -58,11 +58,8 @@ class ProbeEngine(Engine):
     """
 
     name = "probe"
-    #: Copied from the inner engine (the last three once it has started).
+    #: Copied from the inner engine; its other capabilities are read from it (known once it started).
     supports_seed: bool = False
-    eos_token_ids: frozenset[int] = frozenset()
-    max_total_tokens: int | None = None
-    vocab_size: int | None = None
 
     def __init__(
         self,
@@ -91,15 +88,15 @@ class ProbeEngine(Engine):
         return self.inner.capacity
 
     @property
-    def eos_token_ids(self) -> frozenset[int]:  # type: ignore[override]
+    def eos_token_ids(self) -> frozenset[int]:
         return self.inner.eos_token_ids
 
     @property
-    def max_total_tokens(self) -> int | None:  # type: ignore[override]
+    def max_total_tokens(self) -> int | None:
         return self.inner.max_total_tokens
 
     @property
-    def vocab_size(self) -> int | None:  # type: ignore[override]
+    def vocab_size(self) -> int | None:
         return self.inner.vocab_size
 
     async def load(self) -> None:
