@@ -105,3 +105,41 @@ def test_refused_credentials_and_a_missing_bucket_are_clear_errors_before_any_en
     res = _run(prompts, f"s3://{bucket}-missing/out.zarr", s3_server)
     assert res.returncode == 2 and "the bucket does not exist" in res.stderr, res.stderr
     assert "engines ready" not in res.stdout + res.stderr
+
+
+def test_the_lock_heartbeat_survives_a_failed_write_and_beats_again(s3, s3_server, caplog):  # noqa: F811
+    """The heartbeat's write-failure branch: storage unreachable for a beat is a warning, not the end of the
+    run; the next beat after the outage refreshes the lock (same owner, newer heartbeat)."""
+    import json as _json
+    import logging
+
+    import dask
+
+    from daskgen.store.location import ObjectLocation
+    from daskgen.store.lock import LOCK_NAME, StoreLock
+
+    bucket, _ = s3
+    with (
+        FaultProxy(s3_server) as proxy,
+        dask.config.set(
+            {
+                "daskgen.object-store.max-retries": 1,
+                "daskgen.object-store.retry-timeout": "1s",
+                "daskgen.object-store.init-backoff": "10ms",
+            }
+        ),
+    ):
+        where = ObjectLocation(f"s3://{bucket}/lock-test.zarr", {"endpoint": proxy.url})
+        lock = StoreLock(where).acquire()
+        first = _json.loads(where.read_bytes(LOCK_NAME))
+        lock.heartbeat_interval = 0.0  # every call beats (the interval is what the tunable bounds)
+        proxy.outage = True
+        with caplog.at_level(logging.WARNING, logger="daskgen.store.lock"):
+            lock.heartbeat()  # must not raise
+        assert proxy.injected["outage"] > 0 and "could not refresh the lock" in caplog.text
+        proxy.outage = False
+        lock.heartbeat()
+        again = _json.loads(where.read_bytes(LOCK_NAME))
+        assert again["pid"] == first["pid"] and again["heartbeat"] > first["heartbeat"]
+        lock.release()
+        assert where.read_bytes(LOCK_NAME) is None
