@@ -51,6 +51,16 @@ def tiny_model_once(prefix: str) -> str:
     return str(build_tiny_model(Path(folder) / "tiny", seed=0))
 
 
+def simulated_run(*, max_new_tokens: int = 16, partition_size: int = 4, n_samples: int = 2) -> list[str]:
+    """``daskgen run`` options of a quick real run: the instant simulated engine on a one-worker LocalCluster."""
+    return [
+        *("--engine", "simulated", "--engine-arg", "time_scale=0", "--model", "sim"),
+        *("--max-new-tokens", str(max_new_tokens), "--max-prompt-tokens", "128"),
+        *("--partition-size", str(partition_size), "--n-samples", str(n_samples)),
+        *("--n-workers", "1", "--no-progress"),
+    ]
+
+
 def write_prompts(path: Path, n: int, *, chat: bool = True) -> Path:
     """``n`` prompt rows with ids; chat rows by default."""
     with path.open("w") as fh:

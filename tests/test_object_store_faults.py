@@ -12,31 +12,13 @@ import numpy as np
 import pytest
 
 from daskgen.store.generation_store import GenerationStore
-from tests.conftest import popen_cli, run_cli, write_prompts
+from tests.conftest import popen_cli, run_cli, simulated_run, write_prompts
 from tests.s3_proxy import FAULTS, FaultProxy
 from tests.test_object_store import _same, s3, s3_server  # noqa: F401 - the moto server and bucket fixtures
 
 pytestmark = pytest.mark.timeout(300)
 
-RUN = [
-    "--engine",
-    "simulated",
-    "--engine-arg",
-    "time_scale=0",
-    "--model",
-    "sim",
-    "--max-new-tokens",
-    "16",
-    "--max-prompt-tokens",
-    "128",
-    "--partition-size",
-    "4",
-    "--n-samples",
-    "2",
-    "--n-workers",
-    "1",
-    "--no-progress",
-]
+RUN = simulated_run()
 #: Quick retries, so that the tests do not wait minutes (the defaults back off up to 15 s).
 FAST_RETRIES = {"DASK_DASKGEN__OBJECT_STORE__INIT_BACKOFF": "10ms", "DASK_DASKGEN__OBJECT_STORE__MAX_BACKOFF": "200ms"}
 

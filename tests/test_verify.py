@@ -8,29 +8,11 @@ import zarr
 
 from daskgen import store
 from daskgen.store.verify import verify
-from tests.conftest import run_cli, write_prompts
+from tests.conftest import run_cli, simulated_run, write_prompts
 
 pytestmark = pytest.mark.timeout(300)
 
-RUN = [
-    "--engine",
-    "simulated",
-    "--engine-arg",
-    "time_scale=0",
-    "--model",
-    "sim",
-    "--max-new-tokens",
-    "16",
-    "--max-prompt-tokens",
-    "128",
-    "--partition-size",
-    "4",
-    "--n-samples",
-    "2",
-    "--n-workers",
-    "1",
-    "--no-progress",
-]
+RUN = simulated_run()
 
 
 def _run(tmp_path, out):
