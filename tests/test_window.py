@@ -66,8 +66,8 @@ def test_workers_advertise_the_auto_window_and_the_runner_sums_it(tmp_path):
     import dask
     from distributed import Client, LocalCluster
 
-    from daskgen.client.cluster import start_engines
     from daskgen.client.driver import in_flight_target
+    from daskgen.client.engines import start_engines
     from daskgen.client.windows import WindowBoard
     from daskgen.worker.plugin import RESOURCE, plugin_status
 
