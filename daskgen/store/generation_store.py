@@ -4,8 +4,9 @@
 (:meth:`GenerationStore.create`); it holds the location, the typed attrs (:class:`StoreAttrs`, with the
 :class:`Layout`) and the Zarr arrays it has opened.  Workers write whole chunk-aligned regions of the
 data arrays (:meth:`GenerationStore.write_region`) through a store opened once per worker process
-(:meth:`GenerationStore.shared`); only the client commits (:meth:`GenerationStore.commit`: ``error`` and
-``committed_at`` first, then ``status``), after the data landed.  ``status`` is the checkpoint.
+(pickled as its location and :attr:`GenerationStore.version`); only the client commits
+(:meth:`GenerationStore.commit`: ``error`` and ``committed_at`` first, then ``status``), after the data
+landed.  ``status`` is the checkpoint.
 """
 
 from __future__ import annotations
@@ -94,15 +95,6 @@ class GenerationStore:
         attrs = read_store_attrs(loc)
         return None if attrs is None else cls(loc, attrs)
 
-    @staticmethod
-    def shared(location: StoreLocation, version: str = "") -> GenerationStore:
-        """The store at ``location`` opened once per process (workers: once per worker, not per partition).
-
-        ``version`` (:attr:`version`) tells stores apart that were replaced at the same location (a new
-        run into a deleted folder, ``daskgen pack``/``unpack``): a different one opens the store again.
-        """
-        return _opened_once(location, version)
-
     @property
     def version(self) -> str:
         """What identifies this store's arrays at its location: creation time and packing state."""
@@ -139,7 +131,8 @@ class GenerationStore:
         return f"GenerationStore({self.url!r})"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled as its location: a worker reopens it once (:meth:`shared`)."""
+        """Pickled as its location and :attr:`version`: a worker process opens each store once; a store replaced
+        at the same location (a new run into a deleted folder, ``daskgen pack``/``unpack``) is opened again."""
         return (_opened_once, (self.location, self.version))
 
     @property

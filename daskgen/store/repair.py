@@ -25,6 +25,9 @@ from daskgen.store.layout import PENDING, empty_region
 from daskgen.store.lock import StoreLock
 from daskgen.store.verify import VerifyReport
 
+#: The coordinates, rewritten from what they must hold rather than reset.
+COORDINATE_ARRAYS = ("prompt_index", "prompt_id")
+
 
 def repair(store: GenerationStore, report: VerifyReport) -> dict[str, list[int]]:
     """Reset what ``report`` found; returns the partitions and coarse chunks reset (their start rows)."""
@@ -35,9 +38,8 @@ def repair(store: GenerationStore, report: VerifyReport) -> dict[str, list[int]]
         )
     size, coarse = store.layout.partition_size, store.commit_chunk_rows
     commit_chunks = sorted({p.start for p in report.problems if p.array in COMMIT_ARRAYS})
-    coordinates = sorted({(p.array, p.start) for p in report.problems if p.array in ("prompt_index", "prompt_id")})
-    coordinate_arrays = ("prompt_index", "prompt_id")
-    data = [p for p in report.problems if p.array not in (*COMMIT_ARRAYS, *coordinate_arrays)]
+    coordinates = sorted({(p.array, p.start) for p in report.problems if p.array in COORDINATE_ARRAYS})
+    data = [p for p in report.problems if p.array not in (*COMMIT_ARRAYS, *COORDINATE_ARRAYS)]
     data_rows = {r for p in data for r in range(p.start, p.stop)}
     partitions = sorted({r - r % size for r in data_rows})
     with StoreLock(store.location):

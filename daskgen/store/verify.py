@@ -11,7 +11,7 @@ partitions to pending.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,23 +87,36 @@ def row_rules(store: GenerationStore) -> RowRules:
     return RowRules(store.layout, int(vocab) if vocab else None, agent == "single_turn")
 
 
-def check_chunk(store: GenerationStore, name: str, start: int, stop: int) -> Problem | None:
-    """Read rows ``[start, stop)`` of array ``name`` (one chunk); the problem if it does not read back."""
+def read_chunk(store: GenerationStore, name: str, start: int, stop: int) -> tuple[np.ndarray | None, Problem | None]:
+    """Rows ``[start, stop)`` of array ``name`` (one chunk), or the problem if they do not read back."""
     try:
-        store.read_region(start, stop, (name,))
+        return store.read_region(start, stop, (name,))[name], None
     except Exception as exc:  # zarr raises ValueError for a checksum, codec errors of many types otherwise
         kind = "checksum" if "checksum" in str(exc).lower() else "decode"
-        return Problem(kind, name, chunk_key(store, name, start), start, stop, f"{type(exc).__name__}: {exc}")
-    return None
+        return None, Problem(kind, name, chunk_key(store, name, start), start, stop, f"{type(exc).__name__}: {exc}")
+
+
+def check_coarse_chunk(
+    store: GenerationStore, name: str, start: int, stop: int
+) -> tuple[np.ndarray | None, Problem | None]:
+    """Read one chunk of a client-written array; its values are handed back only for ``status`` (the mask)."""
+    values, problem = read_chunk(store, name, start, stop)
+    return (values if name == "status" else None), problem
 
 
 def check_partition(store: GenerationStore, start: int, done: np.ndarray, rules: RowRules) -> list[Problem]:
-    """Read one partition's data arrays; check the invariants of its ``done`` rows."""
+    """Read each of one partition's data arrays once; check the invariants of its ``done`` rows."""
     stop = min(start + store.layout.partition_size, store.layout.n_prompts)
-    problems = [p for name in store.layout.data_arrays() if (p := check_chunk(store, name, start, stop))]
+    region: dict[str, np.ndarray] = {}
+    problems: list[Problem] = []
+    for name in store.layout.data_arrays():
+        values, problem = read_chunk(store, name, start, stop)
+        if values is not None:
+            region[name] = values
+        if problem is not None:
+            problems.append(problem)
     if problems or not done.any():
         return problems
-    region = store.read_region(start, stop, store.layout.data_arrays())
     broken = broken_rows(region, done, rules)
     return [
         Problem("invariant", "rows", chunk_key(store, "finish_reason", start), start + r, start + r + 1, why)
@@ -175,39 +188,42 @@ def verify(
 
 
 def _coarse_problems(store: GenerationStore, report: VerifyReport, address: str | None, progress: bool) -> np.ndarray:
-    """Check the coarse-chunked arrays (commit record, coordinates); the status mask, with the rows of an
-    unreadable ``status`` chunk treated as not done."""
+    """Check the coarse-chunked arrays (commit record, coordinates); the status mask they read, with the rows
+    of an unreadable ``status`` chunk treated as not done."""
     n, coarse = store.layout.n_prompts, store.commit_chunk_rows
     names = [name for name, spec in store.layout.array_specs().items() if not spec.worker_written]
-    jobs = [(check_chunk, (store, name, s, min(s + coarse, n))) for name in names for s in range(0, n, coarse)]
+    jobs = [(check_coarse_chunk, (store, name, s, min(s + coarse, n))) for name in names for s in range(0, n, coarse)]
     status = np.zeros(n, dtype="int8")
-    unreadable: list[Problem] = [p for p in _run(jobs, address, progress, "commit record") if p is not None]
-    for s in range(0, n, coarse):
-        if not any(p.array == "status" and p.start == s for p in unreadable):
-            status[s : s + coarse] = store.read_region(s, min(s + coarse, n), ("status",))["status"]
-    report.problems += unreadable
+    for (_, (_, name, s, stop)), (values, problem) in zip(
+        jobs, _run(jobs, address, progress, "commit record"), strict=True
+    ):
+        if problem is not None:
+            report.problems.append(problem)
+        elif name == "status":
+            status[s:stop] = values
     report.chunks += len(jobs)
     return status
 
 
-def _run(jobs: list[tuple[Callable[..., Any], tuple]], address: str | None, progress: bool, what: str) -> Iterable[Any]:
-    """Results of ``fn(*args)`` for every job, on a Dask cluster or local threads, with a progress bar."""
+def _run(jobs: list[tuple[Callable[..., Any], tuple]], address: str | None, progress: bool, what: str) -> list[Any]:
+    """The results of ``fn(*args)`` for every job, in job order; run on a Dask cluster or local threads, with
+    a progress bar that advances as they finish."""
     from tqdm.auto import tqdm
 
     with tqdm(total=len(jobs), desc=f"verifying {what}", disable=not progress, unit="chunk") as bar:
         if address is None:
             with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
-                for future in concurrent.futures.as_completed([pool.submit(fn, *args) for fn, args in jobs]):
+                futures = [pool.submit(fn, *args) for fn, args in jobs]
+                for _ in concurrent.futures.as_completed(futures):
                     bar.update(1)
-                    yield future.result()
-            return
+                return [f.result() for f in futures]
         from distributed import Client, as_completed
 
         with Client(address) as client:
             futures = [client.submit(fn, *args, pure=False) for fn, args in jobs]
-            for future in as_completed(futures):
+            for _ in as_completed(futures):
                 bar.update(1)
-                yield future.result()
+            return client.gather(futures)
 
 
 def _ids(store: GenerationStore, rows: list[int]) -> dict[int, str]:
