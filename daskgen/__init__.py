@@ -10,7 +10,7 @@ from typing import Any
 import daskgen.tunables  # noqa: F401 - merges the `daskgen:` defaults into Dask's config
 
 __version__ = "0.1.0"
-__all__ = ["RunConfig", "generate", "open_store", "run", "verify"]
+__all__ = ["RunConfig", "follow", "generate", "open_store", "run", "verify"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,6 +22,10 @@ def __getattr__(name: str) -> Any:
         from daskgen.analysis.accessor import open_store
 
         return open_store
+    if name == "follow":
+        from daskgen.stream import follow
+
+        return follow
     if name == "verify":
         from daskgen.store.verify import verify
 

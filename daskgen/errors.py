@@ -64,3 +64,14 @@ class SchedulerLost(RunInterrupted):
     Everything committed before is kept and the store lock is released; rerun the same command
     against a new cluster to resume.
     """
+
+
+class FollowError(DaskgenError):
+    """A store cannot be followed as asked (bad cursor name, unknown format or field, a foreign cursor object)."""
+
+
+class FollowTimeout(FollowError, TimeoutError):
+    """``daskgen.follow(..., timeout=T)`` waited ``T`` seconds and no batch became ready.
+
+    Nothing was lost: the cursor still holds the last acknowledged position; follow again to go on.
+    """

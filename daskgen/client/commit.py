@@ -1,13 +1,15 @@
-"""Client-side commits: ``error``, ``committed_at``, then ``status`` (the checkpoint) of finished rows.
+"""Client-side commits: ``error``, ``committed_at``, ``commit_seq``, then ``status`` (the checkpoint) of
+finished rows, then the commit log's head (:mod:`daskgen.store.commit_log`).
 
 The client is the only writer of ``status``; it writes a row's status only after the row's data
-landed (the partition task returned), so a row marked done always has its data.
+landed (the partition task returned), so a row marked done always has its data.  Every commit has the
+next sequence number; the rows whose status it changes record it in ``commit_seq``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -77,8 +79,20 @@ def commit_rows(
     errors = _new_errors(run, start, stop, failed, done, notes)
     now, rows = time.time(), [*done, *failed]
     times = _new_commit_times(run, start, stop, rows, now)
-    run.plan.store.commit(start, new, errors, times)
-    run.record_commit(start, new, rows, now)
+    seq, head = _new_commit_seq(run, start, new)
+    run.plan.store.commit(start, new, errors, times, seq, head)
+    run.record_commit(start, new, rows, now, seq)
+
+
+def _new_commit_seq(run: LiveRun, start: int, new: np.ndarray) -> tuple[np.ndarray, int]:
+    """``commit_seq`` of rows ``[start, start + len(new))`` after this commit, and this commit's number.
+
+    Rows whose status this commit changes get the next sequence number; the others keep theirs, so a
+    follower (:mod:`daskgen.stream`) delivers each new outcome of a row once, in commit order.
+    """
+    seq, number = run.commit_seq[start : start + len(new)].copy(), run.next_seq()
+    seq[new != run.status[start : start + len(new)]] = number
+    return seq, number
 
 
 def _new_status(run: LiveRun, start: int, stop: int, failed: dict[int, str], done: Sequence[int]) -> np.ndarray:
@@ -125,8 +139,9 @@ class CommitBatch:
     pending and the next run keeps their stored samples instead of regenerating them; a stop
     (target, deadline, signal) commits at once."""
 
-    def __init__(self, run: LiveRun) -> None:
+    def __init__(self, run: LiveRun, on_commit: Callable[[int], None] | None = None) -> None:
         self.run = run
+        self.on_commit = on_commit  # called with the newest commit's sequence number after each flush
         self.interval = tunables.seconds("commit-interval")  # read once per run
         self.outcomes: list[Outcome] = []
         self.since: float | None = None
@@ -150,3 +165,5 @@ class CommitBatch:
             outcomes, self.outcomes, self.since = self.outcomes, [], None
             self.last = time.monotonic()
             commit_outcomes(self.run, outcomes)
+            if self.on_commit is not None:
+                self.on_commit(self.run.last_seq)

@@ -53,6 +53,7 @@ from typing import Any
 
 from daskgen import tunables
 from daskgen.client.commit import CommitBatch, Outcome
+from daskgen.store.commit_log import COMMIT_TOPIC
 from daskgen.client.finished import FinishedPartitions
 from daskgen.client.live import LiveRun
 from daskgen.client.plan import Plan
@@ -93,7 +94,18 @@ class Driver:
             on_wait=self.housekeeping, check_engines=lambda: check_engines(client, run.plan.config)
         )
         self.board = WindowBoard(client, RESOURCE, on_change=self.done.wake)  # more admitted: submit at once
-        self.batch = CommitBatch(run)
+        self.batch = CommitBatch(run, on_commit=self.announce)
+
+    def announce(self, seq: int) -> None:
+        """Tell followers on this cluster (:mod:`daskgen.stream`) that commit ``seq`` landed: a Dask event.
+
+        A hint only (the store's commit log is the truth): a scheduler that cannot take it is noticed by
+        the scheduler watch, not here.
+        """
+        try:
+            self.client.log_event(COMMIT_TOPIC, {"store": self.run.plan.store.url, "seq": seq})
+        except Exception as exc:  # the connection is the scheduler watch's business
+            logger.debug("could not announce commit %d: %s", seq, exc)
 
     def housekeeping(self) -> bool:
         """While waiting: is the scheduler still there; lock, deadline, signals (true: stop waiting now)."""

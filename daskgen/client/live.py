@@ -60,13 +60,16 @@ class StopControl:
 class LiveRun:
     """One run in progress, for a :class:`~daskgen.client.plan.Plan`.
 
-    ``status`` and ``committed_at`` mirror the store's commit record (read under the lock; the client is
-    their only writer), so they are authoritative for the rows in between commits.
+    ``status``, ``committed_at`` and ``commit_seq`` mirror the store's commit record (read under the lock;
+    the client is their only writer), so they are authoritative for the rows in between commits;
+    ``last_seq`` is the sequence number of the newest commit.
     """
 
     plan: Plan
     status: np.ndarray
     committed_at: np.ndarray
+    commit_seq: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype="int64"))
+    last_seq: int = 0
     stop: StopControl = field(default_factory=StopControl)
     lock: Any = None
     peak_prompts: int = 0
@@ -79,10 +82,21 @@ class LiveRun:
     generating_since: float | None = None
     aborts: dict[int, int] = field(default_factory=dict)  # row -> times requeued after an abort
 
-    def record_commit(self, start: int, status: np.ndarray, rows: list[int], when: float) -> None:
-        """Rows ``[start, start + len(status))`` now hold ``status``; ``rows`` were committed at ``when``."""
+    def __post_init__(self) -> None:
+        if len(self.commit_seq) != len(self.status):  # a store without commit sequence numbers yet
+            self.commit_seq = np.zeros(len(self.status), dtype="int64")
+
+    def next_seq(self) -> int:
+        """The sequence number of the next commit (one more than the newest)."""
+        return self.last_seq + 1
+
+    def record_commit(self, start: int, status: np.ndarray, rows: list[int], when: float, seq: np.ndarray) -> None:
+        """Rows ``[start, start + len(status))`` now hold ``status`` and commit sequence numbers ``seq``;
+        ``rows`` were committed at ``when``."""
         self.committed_at[rows] = when
         self.status[start : start + len(status)] = status
+        self.commit_seq[start : start + len(seq)] = seq
+        self.last_seq = max(self.last_seq, int(seq.max(initial=0)))
 
     def count_result(self, result: PartitionResult, prompts: int) -> None:
         """Count a finished partition: ``prompts`` generated (done or failed), its tokens, what it carried

@@ -26,6 +26,7 @@ from daskgen.client.plan import Plan, keep_scan, pending_rows, pending_tasks, pr
 from daskgen.client.run_summary import RunSummary, summarize
 from daskgen.config import RunConfig
 from daskgen.errors import RunInterrupted
+from daskgen.store.commit_log import read_head
 from daskgen.store.layout import PENDING
 
 logger = logging.getLogger(__name__)
@@ -74,9 +75,11 @@ def _start_live(plan: Plan, stop: StopControl, lock: Any) -> LiveRun:
     """Under the lock: re-read the store, bring it up to date, commit overlong prompts; the live run."""
     store = plan.store
     store.refresh_attrs()  # from here on, only this client writes them
-    committed_at = store.read_region(0, plan.layout.n_prompts, ("committed_at",))["committed_at"]
-    run = LiveRun(plan, store.read_status(), committed_at, stop, lock)
     store.add_missing_arrays()
+    record = store.read_region(0, plan.layout.n_prompts, ("committed_at", "commit_seq"))
+    seq = record["commit_seq"].astype("int64")
+    last = max(int(seq.max(initial=0)), read_head(store.location))
+    run = LiveRun(plan, store.read_status(), record["committed_at"], seq, last, stop, lock)
     keep_scan(plan)
     commit_overlong(run)
     return run

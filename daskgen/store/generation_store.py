@@ -5,8 +5,9 @@
 :class:`Layout`) and the Zarr arrays it has opened.  Workers write whole chunk-aligned regions of the
 data arrays (:meth:`GenerationStore.write_region`) through a store opened once per worker process
 (pickled as its location and :attr:`GenerationStore.version`); only the client commits
-(:meth:`GenerationStore.commit`: ``error`` and ``committed_at`` first, then ``status``), after the data
-landed.  ``status`` is the checkpoint.
+(:meth:`GenerationStore.commit`: ``error``, ``committed_at`` and ``commit_seq`` first, then ``status``,
+then the commit log's head, :mod:`daskgen.store.commit_log`), after the data landed.  ``status`` is the
+checkpoint.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 from daskgen.errors import StoreError, StoreMismatchError, StoreWriteError
 from daskgen.store.attrs import ATTRS_KEY, StoreAttrs, jsonable, utc_now
 from daskgen.store.codecs import chunks_checksummed, compressors
+from daskgen.store.commit_log import write_head
 from daskgen.store.layout import (
     COORDS,
     DATA_ARRAYS,
@@ -36,7 +38,7 @@ from daskgen.store.layout import (
 from daskgen.store.location import StoreLocation, StoreRef, describe_failure, locate, write_failures
 
 #: The client-written arrays of the commit record, in the order a commit writes them (``status`` last).
-COMMIT_ARRAYS = ("committed_at", "error", "status")
+COMMIT_ARRAYS = ("committed_at", "error", "commit_seq", "status")
 
 
 def import_zarr() -> Any:
@@ -44,7 +46,7 @@ def import_zarr() -> Any:
     import zarr
 
     warnings.filterwarnings("ignore", message=".*Consolidated metadata.*")
-    warnings.filterwarnings("ignore", message=".*daskgen.lock is not recognized.*")
+    warnings.filterwarnings("ignore", message=".*daskgen.(lock|commits|cursors) is not recognized.*")
     return zarr
 
 
@@ -182,9 +184,16 @@ class GenerationStore:
         return int(self.array("status").chunks[0])
 
     def commit(
-        self, start: int, status: np.ndarray, errors: list[str] | None, committed_at: np.ndarray | None = None
+        self,
+        start: int,
+        status: np.ndarray,
+        errors: list[str] | None,
+        committed_at: np.ndarray | None = None,
+        seq: np.ndarray | None = None,
+        head: int | None = None,
     ) -> None:
-        """Client only: record rows' outcome.  ``committed_at`` and ``error`` first, then ``status`` (the commit).
+        """Client only: record rows' outcome.  ``committed_at``, ``error`` and ``commit_seq`` (``seq``) first,
+        then ``status`` (the commit), then the commit log's head (``head``: this commit's sequence number).
 
         A range covering whole coarse chunks is written without reading them first.
         """
@@ -194,7 +203,19 @@ class GenerationStore:
                 self.array("committed_at", writable=True)[start:stop] = committed_at
             if errors is not None:
                 self.array("error", writable=True)[start:stop] = np.array(errors, dtype=object).astype(str)
+            if seq is not None:
+                self.array("commit_seq", writable=True)[start:stop] = seq
             self.array("status", writable=True)[start:stop] = status.astype("int8")
+            if head is not None:
+                write_head(self.location, head)
+
+    def has_array(self, name: str) -> bool:
+        """True when the store holds the array ``name`` (stores from older versions lack newer arrays)."""
+        try:
+            self.array(name)
+        except (KeyError, FileNotFoundError, LookupError):
+            return False
+        return True
 
     @contextlib.contextmanager
     def write_errors(self, what: str) -> Iterator[None]:

@@ -4,7 +4,7 @@ One place defines the arrays (:class:`ArraySpec`, :meth:`Layout.array_specs`); t
 arrays (:meth:`Layout.data_arrays`), the fill rules (:func:`empty_region`, :func:`clear_response`) and
 the CF attributes of each variable (:data:`VARIABLE_ATTRS`) derive from it.  Data arrays are chunked
 along ``prompt`` by the partition size; the client-written arrays (coordinates and the commit record
-``status``/``error``/``committed_at``) use coarse chunks (``daskgen.coarse-chunk``).
+``status``/``error``/``committed_at``/``commit_seq``) use coarse chunks (``daskgen.coarse-chunk``).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class ArraySpec:
         dimension names.
     role:
         ``"coordinate"`` (``prompt_index``, ``prompt_id``: written at creation), ``"commit"``
-        (``status``, ``error``, ``committed_at``: the client's commit record), ``"prompt"`` (per
+        (``status``, ``error``, ``committed_at``, ``commit_seq``: the client's commit record), ``"prompt"`` (per
         prompt, worker-written), ``"response"`` (one trajectory's response: cleared together, and
         given a ``trajectory`` axis in schema v2) or ``"sample"`` (per-sample extras: verifier
         scores, trajectory counts).
@@ -119,6 +119,7 @@ class Layout:
             "status": ArraySpec((n,), coarse, "int8", PENDING, per_prompt, "commit"),
             "error": ArraySpec((n,), coarse, "str", "", per_prompt, "commit"),
             "committed_at": ArraySpec((n,), coarse, "float64", float("nan"), per_prompt, "commit"),
+            "commit_seq": ArraySpec((n,), coarse, "int64", 0, per_prompt, "commit"),
             "prompt_ids": ArraySpec(
                 (n, p), (rows, p), "int32", self.pad_token_id, ("prompt", "prompt_position"), "prompt"
             ),
@@ -188,6 +189,10 @@ VARIABLE_ATTRS: dict[str, dict[str, Any]] = {
         "long_name": "when the client committed the row",
         "units": "seconds since 1970-01-01",
         "calendar": "proleptic_gregorian",
+    },
+    "commit_seq": {
+        "long_name": "sequence number of the commit that gave the row its status (0: none, or before commit "
+        "sequence numbers were recorded)"
     },
     "prompt_ids": {"long_name": "prompt tokens after the chat template, right-padded"},
     "prompt_length": {"long_name": "valid prompt tokens"},

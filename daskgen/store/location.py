@@ -90,6 +90,10 @@ class StoreLocation:
         """Overwrite ``key`` only if it is still at ``version``; the new version, or ``None`` when it changed."""
         raise NotImplementedError
 
+    def write_object(self, key: str, data: bytes) -> None:
+        """Replace ``key`` atomically with ``data``: readers see the old or the new object, never a part."""
+        raise NotImplementedError
+
     def delete_object(self, key: str) -> None:
         """Delete ``key`` (no error when it is gone)."""
         raise NotImplementedError
@@ -156,6 +160,17 @@ class LocalLocation(StoreLocation):
         tmp.write_bytes(data)
         os.replace(tmp, self.path / key)
         return data
+
+    def write_object(self, key: str, data: bytes) -> None:
+        """Write a temporary file beside ``key``, flush it to disk, then rename it into place."""
+        target = self.path / key
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+        with tmp.open("wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
 
     def delete_object(self, key: str) -> None:
         (self.path / key).unlink(missing_ok=True)
@@ -249,6 +264,12 @@ class ObjectLocation(StoreLocation):
         except PreconditionError:
             return None
         return _version(result)
+
+    def write_object(self, key: str, data: bytes) -> None:
+        """One PUT: object stores replace a whole object atomically."""
+        import obstore
+
+        obstore.put(self.store, key, data)
 
     def delete_object(self, key: str) -> None:
         import obstore

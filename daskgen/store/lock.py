@@ -46,6 +46,25 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def is_stale(holder: dict[str, Any], stale_after: float) -> bool:
+    """True when the lock ``holder`` (its parsed JSON) is a dead process on this host, or its heartbeat is
+    older than ``stale_after`` seconds."""
+    if not holder.get("pid"):
+        return True
+    if holder.get("host") == socket.gethostname():
+        return not _pid_alive(int(holder["pid"]))
+    return time.time() - float(holder.get("heartbeat", 0)) > stale_after
+
+
+def live_holder(location: StoreLocation) -> dict[str, Any] | None:
+    """The holder of the store's lock when a live run holds it (host, pid, started, heartbeat), else ``None``."""
+    raw = location.read_bytes(LOCK_NAME)
+    if raw is None:
+        return None
+    holder = _parse(raw)
+    return None if is_stale(holder, tunables.seconds("lock.stale-after")) else holder
+
+
 class StoreLock:
     """Context manager holding the store's lock for the duration of a run.
 
@@ -150,11 +169,7 @@ class StoreLock:
             )
 
     def _is_stale(self, holder: dict[str, Any]) -> bool:
-        if not holder.get("pid"):
-            return True
-        if holder.get("host") == self.owner["host"]:
-            return not _pid_alive(int(holder["pid"]))
-        return time.time() - float(holder.get("heartbeat", 0)) > self.stale_after
+        return is_stale(holder, self.stale_after)
 
     def _refusal(self, holder: dict[str, Any]) -> str:
         return (

@@ -1,0 +1,41 @@
+"""The commit log's head: the newest commit whose every write landed, kept beside the arrays.
+
+Each client commit gives the rows whose status it changes the next commit sequence number (the
+``commit_seq`` array, written before ``status``) and, after ``status``, replaces the small head object
+``daskgen.commits`` (JSON: ``seq``, ``time``) in one atomic write.  A reader that reads the head first
+and the arrays after it sees every row of every commit up to the head's ``seq`` complete, whatever
+commits come later (:mod:`daskgen.stream` delivers in this order).  Per-cursor consumer positions
+live under :data:`CURSORS_PREFIX` (see :mod:`daskgen.stream.cursor`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from daskgen.store.location import StoreLocation
+
+#: The head object, at the root of the store (beside ``daskgen.lock``).
+HEAD_KEY = "daskgen.commits"
+#: Folder (key prefix) of the follow cursors inside a store.
+CURSORS_PREFIX = "daskgen.cursors"
+#: The Dask event topic on which a run announces each commit (``{"store": url, "seq": n}``), a hint to followers.
+COMMIT_TOPIC = "daskgen-commits"
+#: Objects of a store outside zarr that belong to its commit log and its consumers (kept by ``daskgen pack``).
+LOG_KEYS = (HEAD_KEY, CURSORS_PREFIX)
+
+
+def write_head(location: StoreLocation, seq: int) -> None:
+    """Record that every write of commit ``seq`` (and of all commits before it) landed."""
+    location.write_object(HEAD_KEY, json.dumps({"seq": int(seq), "time": time.time()}).encode())
+
+
+def read_head(location: StoreLocation) -> int:
+    """The ``seq`` of the newest complete commit (0 when the store has no head: no commit recorded one)."""
+    raw = location.read_bytes(HEAD_KEY)
+    if raw is None:
+        return 0
+    try:
+        return int(json.loads(raw)["seq"])
+    except (ValueError, KeyError, TypeError):  # written atomically: a bad head is a foreign object
+        return 0

@@ -1,0 +1,252 @@
+"""The follower: batches of newly finished prompt groups, in commit order, each acknowledged once.
+
+:class:`Follower` iterates :class:`Batch` objects.  A batch holds up to ``batch_prompts`` done prompt
+groups (all samples of a prompt together) committed after the previous batch, plus the failed prompts
+committed in between (reported with their errors, never dropped).  Acknowledging a batch
+(:meth:`Batch.ack`, or the next iteration with ``auto_ack``) saves the cursor (:mod:`daskgen.stream.cursor`):
+a follower started again with the same cursor name resumes after the last acknowledged batch, so after
+an ack nothing is delivered twice and nothing is skipped (order and completeness: :mod:`daskgen.stream.log`).
+A batch that was delivered but not acknowledged is delivered again, with the same :attr:`Batch.number`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from daskgen import tunables
+from daskgen.errors import FollowError, FollowTimeout, StoreError
+from daskgen.stream.cursor import Cursor, CursorState, Position
+from daskgen.stream.events import CommitEvents
+from daskgen.stream.formats import build, fields_to_read, read_rows, strings, to_dataset
+from daskgen.stream.log import Snapshot, read_snapshot, writer_live
+from daskgen.store.commit_log import read_head
+from daskgen.store.generation_store import GenerationStore
+from daskgen.store.layout import DONE, FAILED
+from daskgen.store.location import StoreRef, locate
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    """One delivery: done prompt groups in commit order, and the failed prompts committed among them.
+
+    Attributes
+    ----------
+    data:
+        The done prompts' samples in the follower's format (xarray ``Dataset`` over ``prompt``,
+        ``TensorDict`` / ``DataProto`` / list of dicts with one entry per generated sample).
+    prompts, prompt_ids:
+        Row indices (``prompt_index``) and ids of the done prompts, in commit order.
+    failed:
+        ``{prompt_index: error}`` of the failed prompts in this span of the commit log.
+    number:
+        The cursor's batch number (0, 1, ...): a batch delivered again after a crash has the same number,
+        so a sink can name its output by it and overwrite a half-finished one.
+    start, end:
+        Commit-order positions before the first and after the last prompt of the batch.
+    """
+
+    data: Any
+    prompts: np.ndarray
+    prompt_ids: np.ndarray
+    failed: dict[int, str]
+    number: int
+    start: Position
+    end: Position
+    follower: Follower = field(repr=False)
+    acked: bool = False
+
+    @property
+    def name(self) -> str:
+        """``batch-00000042``: a stable name for outputs written per batch."""
+        return f"batch-{self.number:08d}"
+
+    @property
+    def n_failed(self) -> int:
+        """Failed prompts reported in this batch."""
+        return len(self.failed)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def ack(self) -> None:
+        """Record durably that this batch (and every batch before it) was consumed."""
+        self.follower.ack(self)
+
+
+class Follower:
+    """Iterator of :class:`Batch` es of a store's newly finished prompts; see :func:`daskgen.follow`."""
+
+    def __init__(
+        self,
+        store: StoreRef,
+        *,
+        batch_prompts: int = 64,
+        cursor: str = "default",
+        fields: tuple[str, ...] | list[str] | None = None,
+        format: str = "xarray",
+        wait: bool = True,
+        timeout: float | None = None,
+        auto_ack: bool = True,
+        client: Any = None,
+        cursor_dir: StoreRef | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(batch_prompts, int) or batch_prompts < 1:
+            raise FollowError(f"batch_prompts must be an integer >= 1, got {batch_prompts!r}")
+        self.location = locate(store, storage_options)
+        self.batch_prompts, self.format, self.fields = batch_prompts, format, tuple(fields) if fields else None
+        self.wait, self.timeout, self.auto_ack = wait, timeout, auto_ack
+        self.cursor = Cursor(self.location, cursor, cursor_dir)
+        self.state = self.cursor.load()
+        self.position, self.number = self.state.position, self.state.batches
+        self.outstanding: list[Batch] = []
+        self.store: GenerationStore | None = None
+        self.snapshot: Snapshot | None = None
+        self.saw_writer = False
+        self.pending_at_end = 0
+        self.poll_interval = tunables.seconds("follow.poll-interval")
+        self.wake = threading.Event()
+        self.events = None if client is None else CommitEvents(client, self.location, self.wake)
+
+    # --- iteration ----------------------------------------------------------------------------
+    def __iter__(self) -> Follower:
+        return self
+
+    def __next__(self) -> Batch:
+        if self.auto_ack and self.outstanding:
+            self.outstanding[-1].ack()
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            batch = self._try_batch()
+            if batch is not None:
+                return batch
+            self._sleep(deadline)
+
+    def _try_batch(self) -> Batch | None:
+        """The next batch if one is ready now; raises ``StopIteration`` when there will be none."""
+        snap = self._refresh()
+        if snap is None:
+            if not self.wait:
+                raise StoreError(f"{self.location.url!r} is not a daskgen store (yet): nothing to follow.")
+            return None
+        taken = snap.take(self.position, self.batch_prompts)
+        ended = not self.wait or self._ended(snap)
+        if taken is not None and (ended or snap.done_after(self.position) >= self.batch_prompts):
+            return self._deliver(snap, *taken)
+        if taken is None and ended:
+            self._finish(snap)
+            raise StopIteration
+        return None
+
+    def _sleep(self, deadline: float | None) -> None:
+        """Wait for the next poll (or a commit event); :class:`FollowTimeout` once ``timeout`` passed."""
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise FollowTimeout(
+                f"no batch of {self.batch_prompts} prompt(s) of {self.location.url!r} became ready within "
+                f"{self.timeout} s (cursor {self.cursor.name!r} is at {self.position}). Nothing was lost: "
+                "follow again to go on, or pass a longer timeout (None waits while a run writes the store)."
+            )
+        self.wake.wait(self.poll_interval if left is None else min(self.poll_interval, left))
+        self.wake.clear()
+
+    # --- reading the commit log ---------------------------------------------------------------
+    def _refresh(self) -> Snapshot | None:
+        """The commit log now: re-read only when the lock or the head changed since the last read."""
+        if self.store is None:
+            self.store = GenerationStore.open_if_exists(self.location)
+            if self.store is None:
+                return None
+        live, head = writer_live(self.store), read_head(self.location)
+        self.saw_writer |= live
+        if self.snapshot is None or (live, head) != (self.snapshot.live, self.snapshot.head):
+            self.snapshot = read_snapshot(self.store)
+            self.saw_writer |= self.snapshot.live
+        return self.snapshot
+
+    def _ended(self, snap: Snapshot) -> bool:
+        """True when nothing more will be committed: no run holds the store and its run is over (every row
+        finished, or a run was seen or recorded; a store with no run recorded yet is one that is starting)."""
+        if snap.live:
+            return False
+        if not snap.pending or self.saw_writer:
+            return True
+        assert self.store is not None
+        return bool(self.store.refresh_attrs().runs)
+
+    def _finish(self, snap: Snapshot) -> None:
+        self.pending_at_end = snap.pending
+        if snap.pending and self.wait:
+            logger.warning(
+                "%s: %d prompt(s) are still pending and no run is writing the store; rerun it to finish them "
+                "and follow again with cursor %r to receive them",
+                self.location.url,
+                snap.pending,
+                self.cursor.name,
+            )
+
+    # --- delivering ---------------------------------------------------------------------------
+    def _deliver(self, snap: Snapshot, idx: np.ndarray, end: Position) -> Batch:
+        """Read the batch's rows and hand it out (unacknowledged)."""
+        store = self.store
+        assert store is not None
+        rows, status = snap.rows[idx], snap.status[idx]
+        done, failed = rows[status == DONE], rows[status == FAILED]
+        ids = read_rows(store, done, ("prompt_id",))["prompt_id"]
+        errors = read_rows(store, failed, ("error",))["error"]
+        names = fields_to_read(store, self.format, self.fields)
+        ds = to_dataset(store, done, ids, read_rows(store, done, names))
+        batch = Batch(
+            data=build(self.format, store, ds),
+            prompts=done,
+            prompt_ids=strings(ids),
+            failed={int(r): str(e) for r, e in zip(failed, errors, strict=True)},
+            number=self.number,
+            start=self.position,
+            end=end,
+            follower=self,
+        )
+        self.position, self.number = end, self.number + 1
+        self.outstanding.append(batch)
+        return batch
+
+    def ack(self, batch: Batch) -> None:
+        """Save the cursor after ``batch`` (acknowledging every earlier outstanding batch with it)."""
+        if batch.acked:
+            return
+        covered = [b for b in self.outstanding if b.number <= batch.number]
+        state = CursorState(
+            batch.end,
+            batch.number + 1,
+            self.state.prompts + sum(len(b) for b in covered),
+            self.state.failed + sum(b.n_failed for b in covered),
+        )
+        self.cursor.save(state)
+        self.state = state
+        for b in covered:
+            b.acked = True
+        self.outstanding = [b for b in self.outstanding if not b.acked]
+
+    # --- lifetime -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop listening for commit events (unacknowledged batches stay unacknowledged)."""
+        if self.events is not None:
+            self.events.close()
+            self.events = None
+
+    def __enter__(self) -> Follower:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

@@ -1,0 +1,91 @@
+"""Durable consumer positions: one small JSON object per cursor name, replaced atomically on each ack.
+
+A cursor records the commit-order position of the last acknowledged prompt, ``(seq, row)``: everything
+committed at or before it (commit sequence number, then row index; :mod:`daskgen.store.commit_log`)
+was delivered and acknowledged.  By default cursors live inside the store, at
+``daskgen.cursors/<name>.json`` (written with write-temp-and-rename in a folder, one PUT on object
+storage: a reader sees the old or the new position, never a mix); ``cursor_dir`` keeps them in another
+folder or URL instead (e.g. for a store you may only read).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+
+from daskgen.errors import FollowError
+from daskgen.store.attrs import utc_now
+from daskgen.store.commit_log import CURSORS_PREFIX
+from daskgen.store.location import StoreLocation, StoreRef, locate
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+@dataclass(frozen=True, order=True)
+class Position:
+    """A place in commit order: after the row ``row`` of commit ``seq`` (``(0, -1)``: before everything)."""
+
+    seq: int = 0
+    row: int = -1
+
+
+@dataclass
+class CursorState:
+    """What a cursor records: its position and counts of what it acknowledged."""
+
+    position: Position = Position()
+    batches: int = 0  # batches acknowledged
+    prompts: int = 0  # done prompt groups acknowledged
+    failed: int = 0  # failed prompts reported in acknowledged batches
+
+
+class Cursor:
+    """One named cursor of a store, kept at ``<where>/daskgen.cursors/<name>.json``.
+
+    Parameters
+    ----------
+    store:
+        The store's location (where the cursor lives unless ``cursor_dir`` is given).
+    name:
+        Letters, digits, ``.``, ``_`` and ``-`` (up to 100 characters); independent cursors have
+        different names.
+    cursor_dir:
+        A folder or URL to keep the cursor in instead of the store.
+    """
+
+    def __init__(self, store: StoreLocation, name: str, cursor_dir: StoreRef | None = None) -> None:
+        if not _NAME.match(name):
+            raise FollowError(
+                f"cursor name {name!r} is not allowed: use letters, digits, '.', '_' and '-' (up to 100 "
+                "characters), starting with a letter or digit, e.g. 'trainer-0'."
+            )
+        self.name = name
+        self.location = store if cursor_dir is None else locate(cursor_dir)
+        self.key = f"{CURSORS_PREFIX}/{name}.json"
+
+    @property
+    def url(self) -> str:
+        """Where the cursor is kept."""
+        return f"{self.location.url}/{self.key}"
+
+    def load(self) -> CursorState:
+        """The last acknowledged state (the start of commit order when the cursor was never saved)."""
+        raw = self.location.read_bytes(self.key)
+        if raw is None:
+            return CursorState()
+        try:
+            doc = json.loads(raw)
+            position = Position(int(doc["seq"]), int(doc["row"]))
+            return CursorState(position, int(doc["batches"]), int(doc["prompts"]), int(doc["failed"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise FollowError(
+                f"cursor {self.url!r} is not a daskgen cursor ({exc}). It is written atomically, so something "
+                "else wrote it: delete it to start this cursor from the beginning, or use another cursor name."
+            ) from exc
+
+    def save(self, state: CursorState) -> None:
+        """Replace the cursor with ``state`` in one atomic write."""
+        doc = {**asdict(state.position), **{k: v for k, v in asdict(state).items() if k != "position"}}
+        doc |= {"cursor": self.name, "updated": utc_now()}
+        self.location.write_object(self.key, json.dumps(doc).encode())

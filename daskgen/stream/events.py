@@ -1,0 +1,42 @@
+"""Noticing a run's commits at once on the same Dask cluster: the run's commit events.
+
+A run announces each commit as a Dask event on :data:`~daskgen.store.commit_log.COMMIT_TOPIC`
+(``Client.log_event``); a follower given a ``distributed.Client`` of that cluster subscribes to the
+topic and wakes as soon as one for its store arrives, instead of at its next poll.  Events are only a
+hint: what is delivered is always read from the store's commit log.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from daskgen.store.commit_log import COMMIT_TOPIC
+from daskgen.store.location import StoreLocation
+
+
+def same_store(url: str, location: StoreLocation) -> bool:
+    """True when the announced store ``url`` is ``location`` (local paths compared after resolving)."""
+    if location.is_local:
+        return os.path.realpath(url) == os.path.realpath(location.url)
+    return url.rstrip("/") == location.url
+
+
+class CommitEvents:
+    """A subscription to a cluster's commit events that sets ``wake`` for commits of one store."""
+
+    def __init__(self, client: Any, location: StoreLocation, wake: threading.Event) -> None:
+        self.client, self.location, self.wake = client, location, wake
+        self.seen = 0  # events of this store received
+        client.subscribe_topic(COMMIT_TOPIC, self._handle)
+
+    def _handle(self, event: Any) -> None:
+        _, msg = event
+        if isinstance(msg, dict) and same_store(str(msg.get("store", "")), self.location):
+            self.seen += 1
+            self.wake.set()
+
+    def close(self) -> None:
+        """Stop listening."""
+        self.client.unsubscribe_topic(COMMIT_TOPIC)

@@ -1,0 +1,149 @@
+"""Turning the rows of a batch into what a trainer takes: xarray, TensorDict, verl ``DataProto`` or rows.
+
+:func:`read_rows` reads only the delivered rows (contiguous runs of rows as slices, so each data chunk
+is read once per batch); :func:`build` shapes them.  The tensor formats use the field layout of
+``daskgen export --format tensordict`` (:func:`daskgen.analysis.export.verl_block`): left-padded
+``prompts``, right-padded ``responses``, ``response_mask``, ``input_ids``, ``attention_mask``,
+``position_ids``, ``rollout_log_probs`` (when recorded), one row per generated (prompt, sample), the
+widths those of the batch's longest prompt and response.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from daskgen.errors import FollowError
+from daskgen.store.generation_store import GenerationStore
+
+FORMATS = ("xarray", "tensordict", "dataproto", "rows")
+#: The arrays the tensor and row formats are built from (``logprobs`` too when the run recorded them).
+TOKEN_FIELDS = (
+    "prompt_ids",
+    "prompt_length",
+    "response_ids",
+    "response_length",
+    "response_mask",
+    "finish_reason",
+    "num_turns",
+)
+#: Per-sample integer fields of the verl batch that go into ``DataProto.non_tensor_batch``.
+_META = ("prompt_index", "sample", "trajectory", "num_turns", "finish_reason", "prompt_length", "response_length")
+
+
+def fields_to_read(store: GenerationStore, fmt: str, fields: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The store arrays a batch of format ``fmt`` needs: ``fields`` (default: every data array for xarray),
+    plus what the tensor and row formats are built from."""
+    if fmt not in FORMATS:
+        raise FollowError(f"unknown follow format {fmt!r}; choose one of {', '.join(FORMATS)}.")
+    available = store.layout.data_arrays()
+    unknown = [f for f in fields or () if f not in available]
+    if unknown:
+        raise FollowError(f"unknown field(s) {unknown} of store {store.url!r}; its data arrays are {list(available)}.")
+    wanted = list(fields or (available if fmt == "xarray" else ()))
+    if fmt != "xarray":
+        wanted += [*TOKEN_FIELDS, *(["logprobs"] if _has_logprobs(store) else [])]
+    return tuple(dict.fromkeys(wanted))
+
+
+def _has_logprobs(store: GenerationStore) -> bool:
+    return bool(store.attrs.identity.get("logprobs", False))
+
+
+def read_rows(store: GenerationStore, rows: np.ndarray, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """``names`` of the given ``rows`` (in that order), reading each contiguous run of rows as one slice."""
+    order = np.argsort(rows, kind="stable")
+    ranked = rows[order]
+    breaks = np.flatnonzero(np.diff(ranked) != 1) + 1
+    parts = [store.read_region(int(run[0]), int(run[-1]) + 1, names) for run in np.split(ranked, breaks) if len(run)]
+    back = np.empty_like(order)
+    back[order] = np.arange(len(order))
+    empty = {n: np.empty((0, *store.array(n).shape[1:]), dtype=store.array(n).dtype) for n in names}
+    return {n: np.concatenate([p[n] for p in parts])[back] if parts else empty[n] for n in names}
+
+
+def strings(values: np.ndarray) -> np.ndarray:
+    """``values`` (zarr's string arrays come back as numpy ``StringDType``) as an object array of ``str``."""
+    return np.array([str(v) for v in values], dtype=object)
+
+
+def to_dataset(store: GenerationStore, rows: np.ndarray, prompt_ids: np.ndarray, data: dict[str, np.ndarray]) -> Any:
+    """The rows as an ``xarray.Dataset`` with the store's dimension names and coordinates."""
+    import xarray as xr
+
+    specs = store.layout.array_specs()
+    variables = {name: (specs[name].dims, values) for name, values in data.items()}
+    coords = {"prompt_index": ("prompt", rows.astype(np.int64)), "prompt_id": ("prompt", strings(prompt_ids))}
+    return xr.Dataset(variables, coords=coords)
+
+
+def build(fmt: str, store: GenerationStore, ds: Any) -> Any:
+    """The batch's data in format ``fmt`` from its dataset ``ds`` (see the module docstring)."""
+    if fmt == "xarray":
+        return ds
+    from daskgen.analysis.decode import flatten_samples
+
+    block = flatten_samples(ds)
+    if fmt == "rows":
+        return _rows(block, _has_logprobs(store))
+    tensors, extra = _verl(block, store)
+    if fmt == "tensordict":
+        return _tensordict(tensors, extra)
+    return _dataproto(tensors, extra)
+
+
+def _rows(block: dict[str, np.ndarray], has_logprobs: bool) -> list[dict[str, Any]]:
+    """One dict per generated sample: ids, finish-reason label, token lists cut to their lengths (NaN logprobs: None)."""
+    from daskgen.analysis.export import arrow_block
+
+    records = arrow_block(block, has_logprobs).to_pylist()
+    for record in records:
+        if "logprobs" in record:
+            record["logprobs"] = [None if v != v else v for v in record["logprobs"]]
+    return records
+
+
+def _verl(block: dict[str, np.ndarray], store: GenerationStore) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """verl's batch fields and the per-sample extras (ids, metadata) of a flattened block."""
+    from daskgen.analysis.export import VERL_KEYS, verl_block
+
+    prompt_width = max(int(block["prompt_length"].max(initial=0)), 1)
+    response_width = max(int(block["response_length"].max(initial=0)), 1)
+    fields = verl_block(block, prompt_width, response_width, store.layout.pad_token_id, _has_logprobs(store))
+    tensors = {k: v for k, v in fields.items() if k in VERL_KEYS}
+    extra = {k: fields[k] for k in _META if k in fields}
+    ids = np.asarray(block["prompt_id"], dtype=object)
+    extra |= {"prompt_id": ids, "uid": ids.copy()}  # uid: verl groups a prompt's samples by it (GRPO)
+    return tensors, extra
+
+
+def _tensordict(tensors: dict[str, np.ndarray], extra: dict[str, np.ndarray]) -> Any:
+    """A ``TensorDict`` of the verl fields, the integer metadata as tensors, the ids as non-tensor data."""
+    import torch
+    from tensordict import NonTensorStack, TensorDict
+
+    n = len(extra["prompt_id"])
+    numeric = {k: v for k, v in extra.items() if v.dtype != object}
+    td = TensorDict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in (tensors | numeric).items()}, [n])
+    if n:
+        for key in ("prompt_id", "uid"):
+            td.set(key, NonTensorStack.from_list([str(v) for v in extra[key]]))
+    return td
+
+
+def _dataproto(tensors: dict[str, np.ndarray], extra: dict[str, np.ndarray]) -> Any:
+    """A verl ``DataProto``: the verl fields as its ``batch``, ids and metadata in ``non_tensor_batch``."""
+    import torch
+    from tensordict import TensorDict
+
+    try:
+        from verl.protocol import DataProto
+    except ImportError as exc:
+        raise FollowError(
+            f"format='dataproto' needs verl ({exc}). Install it with `pip install ray omegaconf` and "
+            "`pip install --no-deps verl` (DataProto needs only those), or use format='tensordict'."
+        ) from exc
+    n = len(extra["prompt_id"])
+    batch = TensorDict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()}, [n])
+    return DataProto(batch=batch, non_tensor_batch={k: np.asarray(v) for k, v in extra.items()})
