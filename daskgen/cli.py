@@ -180,6 +180,29 @@ def export(
 
 
 @app.command()
+def follow(
+    store: Annotated[str, typer.Argument(help="A daskgen store (folder or URL), also one a run is writing.")],
+    cursor: Annotated[str, Opt(help="Name of the durable position (independent names follow independently).")] = (
+        "default"
+    ),
+    format: Annotated[str, Opt("--format", "-f", help="jsonl (stdout) or parquet-dir (one file per batch).")] = (
+        "jsonl"
+    ),
+    batch: Annotated[int, Opt(help="Done prompt groups per batch.")] = 64,
+    out: Annotated[Path | None, Opt(help="Folder of the parquet-dir batches.")] = None,
+    wait: Annotated[bool, Opt("--wait/--no-wait", help="Wait while a run writes the store.")] = True,
+    timeout: Annotated[float | None, Opt(help="Seconds to wait for one batch (exit 2 after).")] = None,
+) -> None:
+    """Stream finished samples in commit order, each batch once per cursor (acknowledged after it is written)."""
+    from daskgen.stream import follow as open_follower
+    from daskgen.stream.sinks import follow_to
+
+    follower = open_follower(store, batch_prompts=batch, cursor=cursor, wait=wait, timeout=timeout)
+    summary = follow_to(follower, format, out)
+    typer.echo(summary.line(cursor), err=True)
+
+
+@app.command()
 def report(
     store: Annotated[str, typer.Argument(help="A daskgen store (folder or URL).")],
     out: Annotated[Path | None, Opt(help="report.html or report.png (default: STORE.report.html).")] = None,

@@ -93,6 +93,14 @@ def build(fmt: str, store: GenerationStore, ds: Any) -> Any:
     return _dataproto(tensors, extra)
 
 
+def arrow_table(store: GenerationStore, ds: Any) -> Any:
+    """A pyarrow table of a batch's dataset, one row per generated sample: the columns of ``daskgen export``."""
+    from daskgen.analysis.decode import flatten_samples
+    from daskgen.analysis.export import arrow_block
+
+    return arrow_block(flatten_samples(ds), _has_logprobs(store))
+
+
 def _rows(block: dict[str, np.ndarray], has_logprobs: bool) -> list[dict[str, Any]]:
     """One dict per generated sample: ids, finish-reason label, token lists cut to their lengths (NaN logprobs: None)."""
     from daskgen.analysis.export import arrow_block

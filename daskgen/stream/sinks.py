@@ -1,0 +1,101 @@
+"""``daskgen follow``: stream a store's finished samples to stdout (JSONL) or to one Parquet file per batch.
+
+Each batch is acknowledged only after its output is durably written: JSONL lines are flushed to stdout
+(and synced when stdout is a file); a Parquet file is written beside its final name, synced and renamed
+into place.  A follower killed before an ack gets the batch again when it restarts: a Parquet batch is
+then rewritten under the same name (``batch-<number>.parquet``), so a Parquet folder holds every
+finished sample exactly once; on stdout the lines of that one batch appear twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from daskgen.errors import FollowError
+from daskgen.stream.batches import Batch, Follower
+from daskgen.stream.formats import TOKEN_FIELDS, arrow_table
+
+SINKS = ("jsonl", "parquet-dir")
+
+
+@dataclass
+class FollowSummary:
+    """What ``daskgen follow`` delivered."""
+
+    batches: int = 0
+    prompts: int = 0
+    samples: int = 0
+    failed: int = 0
+    pending: int = 0
+
+    def line(self, cursor: str) -> str:
+        """The closing line (stderr)."""
+        text = (
+            f"daskgen follow: {self.samples} samples of {self.prompts} prompts in {self.batches} batches, "
+            f"{self.failed} failed prompts (cursor {cursor!r})"
+        )
+        return text + (f"; {self.pending} prompts still pending" if self.pending else "")
+
+
+def follow_to(follower: Follower, sink: str, out: Path | None, stdout: IO[str] = sys.stdout) -> FollowSummary:
+    """Write every batch of ``follower`` to ``sink`` (``jsonl`` on ``stdout``, or ``parquet-dir`` in ``out``)."""
+    if sink not in SINKS:
+        raise FollowError(f"unknown --format {sink!r}; choose one of {', '.join(SINKS)}.")
+    if sink == "parquet-dir":
+        if out is None:
+            raise FollowError("--format parquet-dir writes one file per batch into --out DIR: pass --out.")
+        out.mkdir(parents=True, exist_ok=True)
+    follower.auto_ack, follower.format = False, "xarray"
+    follower.fields = tuple(dict.fromkeys([*(follower.fields or ()), *TOKEN_FIELDS, "logprobs"]))
+    summary = FollowSummary()
+    with follower:
+        for batch in follower:
+            table = arrow_table(follower.store, batch.data)
+            if sink == "jsonl":
+                _write_jsonl(table, stdout)
+            else:
+                _write_parquet(table, out / f"{batch.name}.parquet")  # type: ignore[operator]
+            _report_failed(batch)
+            batch.ack()
+            summary.batches, summary.prompts = summary.batches + 1, summary.prompts + len(batch)
+            summary.samples, summary.failed = summary.samples + table.num_rows, summary.failed + batch.n_failed
+    summary.pending = follower.pending_at_end
+    return summary
+
+
+def _write_jsonl(table: Any, stdout: IO[str]) -> None:
+    for record in table.to_pylist():
+        if "logprobs" in record:
+            record["logprobs"] = [None if v != v else v for v in record["logprobs"]]
+        stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
+    stdout.flush()
+    try:
+        if os.path.isfile(f"/proc/self/fd/{stdout.fileno()}"):
+            os.fsync(stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # not a real file (a pipe, a test buffer)
+        pass
+
+
+def _write_parquet(table: Any, path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp, compression="zstd")
+    with tmp.open("rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _report_failed(batch: Batch) -> None:
+    for row, error in batch.failed.items():
+        print(f"daskgen follow: prompt {row} failed: {error}", file=sys.stderr, flush=True)
