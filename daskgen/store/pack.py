@@ -12,7 +12,8 @@ How it stays safe:
 * **one writer per shard**: every task copies whole shards (writers sharing a shard lose data,
   docs/storage.md), reads them back and compares them with the source;
 * **write beside, verify, swap**: the copy goes to ``STORE.packing`` and only becomes a daskgen
-  store (its ``daskgen`` attrs are written) after every shard verified; then ``STORE`` is renamed
+  store (its ``daskgen`` attrs are written) after every shard verified and the commit log's head and
+  the followers' cursors were copied; then ``STORE`` is renamed
   to ``STORE.unpacked-old``, ``STORE.packing`` to ``STORE``, and the old copy is deleted.  With
   ``out`` the copy is written to ``out`` and the source is left alone (the only way on object
   storage, which cannot rename);
@@ -39,6 +40,7 @@ import numpy as np
 from daskgen.errors import PackError
 from daskgen.store.attrs import ATTRS_KEY, StoreAttrs, utc_now
 from daskgen.store.codecs import with_checksum
+from daskgen.store.commit_log import LOG_KEYS
 from daskgen.store.generation_store import import_zarr, read_store_attrs
 from daskgen.store.layout import client_written_arrays
 from daskgen.store.location import LocalLocation, StoreLocation, StoreRef, locate
@@ -236,10 +238,20 @@ def _finish(
         attrs.packed = {"shard_rows": shards, "read_rows": min(shards.values()), "packed": utc_now()}
     else:
         attrs.packed = None
+    _copy_log_objects(src, dst)
     group.attrs.update({ATTRS_KEY: attrs.to_json()})
     if PROGRESS_KEY in group.attrs:
         del group.attrs[PROGRESS_KEY]
     zarr.consolidate_metadata(dst.zarr_store())
+
+
+def _copy_log_objects(src: StoreLocation, dst: StoreLocation) -> None:
+    """Copy the commit log's head and the followers' cursors (``daskgen.commits``, ``daskgen.cursors/``)."""
+    for key, _ in src.files():
+        if key.split("/", 1)[0] in LOG_KEYS:
+            data = src.read_bytes(key)
+            if data is not None:
+                dst.write_object(key, data)
 
 
 def _check_copy(

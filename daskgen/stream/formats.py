@@ -4,8 +4,9 @@
 is read once per batch); :func:`build` shapes them.  The tensor formats use the field layout of
 ``daskgen export --format tensordict`` (:func:`daskgen.analysis.export.verl_block`): left-padded
 ``prompts``, right-padded ``responses``, ``response_mask``, ``input_ids``, ``attention_mask``,
-``position_ids``, ``rollout_log_probs`` (when recorded), one row per generated (prompt, sample), the
-widths those of the batch's longest prompt and response.
+``position_ids``, ``rollout_log_probs`` (when recorded), one row per generated (prompt, sample), padded
+to the store's widths (``max_prompt_tokens``, ``max_new_tokens``): every batch has the same shape, so
+batches concatenate (``DataProto.concat``, ``torch.cat``).
 """
 
 from __future__ import annotations
@@ -116,9 +117,8 @@ def _verl(block: dict[str, np.ndarray], store: GenerationStore) -> tuple[dict[st
     """verl's batch fields and the per-sample extras (ids, metadata) of a flattened block."""
     from daskgen.analysis.export import VERL_KEYS, verl_block
 
-    prompt_width = max(int(block["prompt_length"].max(initial=0)), 1)
-    response_width = max(int(block["response_length"].max(initial=0)), 1)
-    fields = verl_block(block, prompt_width, response_width, store.layout.pad_token_id, _has_logprobs(store))
+    layout = store.layout
+    fields = verl_block(block, layout.max_prompt_tokens, layout.max_new_tokens, layout.pad_token_id, _has_logprobs(store))
     tensors = {k: v for k, v in fields.items() if k in VERL_KEYS}
     extra = {k: fields[k] for k in _META if k in fields}
     ids = np.asarray(block["prompt_id"], dtype=object)
