@@ -189,6 +189,7 @@ def test_formats_hold_the_same_samples(tmp_path):
     expected = [[r * 10 + s] * 3 for r in ds.prompt_index.values for s in range(SAMPLES)]
     assert [r["response_ids"] for r in rows] == expected
     assert dp.batch["responses"][:, :3].tolist() == expected and td["responses"][:, :3].tolist() == expected
+    assert td["prompt_index"].tolist() == dp.non_tensor_batch["prompt_index"].tolist()
     assert dp.non_tensor_batch["uid"].tolist() == [f"q{r}" for r in ds.prompt_index.values for _ in range(SAMPLES)]
     assert dp.batch["responses"].shape[1] == run.plan.layout.max_new_tokens, "the store's width: batches concatenate"
 

@@ -127,17 +127,17 @@ def _verl(block: dict[str, np.ndarray], store: GenerationStore) -> tuple[dict[st
 
 
 def _tensordict(tensors: dict[str, np.ndarray], extra: dict[str, np.ndarray]) -> Any:
-    """A ``TensorDict`` of the verl fields, the integer metadata as tensors, the ids as non-tensor data."""
-    import torch
-    from tensordict import NonTensorStack, TensorDict
+    """A ``TensorDict`` of the verl fields and the integer metadata (``prompt_index``, ``sample``, ...).
 
-    n = len(extra["prompt_id"])
+    The string ids are left out (per-row strings make a ``TensorDict`` slow to build): they are
+    :attr:`~daskgen.stream.batches.Batch.prompt_ids`, in the order of ``prompt_index``.
+    """
+    import torch
+    from tensordict import TensorDict
+
     numeric = {k: v for k, v in extra.items() if v.dtype != object}
-    td = TensorDict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in (tensors | numeric).items()}, [n])
-    if n:
-        for key in ("prompt_id", "uid"):
-            td.set(key, NonTensorStack.from_list([str(v) for v in extra[key]]))
-    return td
+    n = len(extra["prompt_id"])
+    return TensorDict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in (tensors | numeric).items()}, [n])
 
 
 def _dataproto(tensors: dict[str, np.ndarray], extra: dict[str, np.ndarray]) -> Any:
