@@ -24,7 +24,7 @@ from daskgen import tunables
 from daskgen.errors import FollowError, FollowTimeout, StoreError
 from daskgen.stream.cursor import Cursor, CursorState, Position
 from daskgen.stream.events import CommitEvents
-from daskgen.stream.formats import build, fields_to_read, read_rows, strings, to_dataset
+from daskgen.stream.formats import PromptIds, build, fields_to_read, read_rows, to_dataset
 from daskgen.stream.log import Snapshot, read_snapshot, writer_live
 from daskgen.store.commit_log import read_head
 from daskgen.store.generation_store import GenerationStore
@@ -111,6 +111,7 @@ class Follower:
         self.outstanding: list[Batch] = []
         self.store: GenerationStore | None = None
         self.snapshot: Snapshot | None = None
+        self.prompt_ids: PromptIds | None = None
         self.saw_writer = False
         self.pending_at_end = 0
         self.poll_interval = tunables.seconds("follow.poll-interval")
@@ -201,14 +202,16 @@ class Follower:
         assert store is not None
         rows, status = snap.rows[idx], snap.status[idx]
         done, failed = rows[status == DONE], rows[status == FAILED]
-        ids = read_rows(store, done, ("prompt_id",))["prompt_id"]
-        errors = read_rows(store, failed, ("error",))["error"]
+        if self.prompt_ids is None:
+            self.prompt_ids = PromptIds(store)
+        ids = self.prompt_ids(done)
+        errors = read_rows(store, failed, ("error",))["error"] if len(failed) else []
         names = fields_to_read(store, self.format, self.fields)
         ds = to_dataset(store, done, ids, read_rows(store, done, names))
         batch = Batch(
             data=build(self.format, store, ds),
             prompts=done,
-            prompt_ids=strings(ids),
+            prompt_ids=ids,
             failed={int(r): str(e) for r, e in zip(failed, errors, strict=True)},
             number=self.number,
             start=self.position,

@@ -64,6 +64,32 @@ def read_rows(store: GenerationStore, rows: np.ndarray, names: tuple[str, ...]) 
     return {n: np.concatenate([p[n] for p in parts])[back] if parts else empty[n] for n in names}
 
 
+class PromptIds:
+    """The ``prompt_id`` coordinate, read one coarse chunk at a time and kept (ids never change)."""
+
+    def __init__(self, store: GenerationStore, keep: int = 4) -> None:
+        self.store, self.keep = store, keep
+        self.rows = store.commit_chunk_rows
+        self.chunks: dict[int, np.ndarray] = {}
+
+    def __call__(self, rows: np.ndarray) -> np.ndarray:
+        """The ids of ``rows`` (an object array of ``str``)."""
+        out = np.empty(len(rows), dtype=object)
+        for chunk in np.unique(rows // self.rows):
+            at = rows // self.rows == chunk
+            out[at] = self._chunk(int(chunk))[rows[at] - chunk * self.rows]
+        return out
+
+    def _chunk(self, chunk: int) -> np.ndarray:
+        if chunk not in self.chunks:
+            if len(self.chunks) >= self.keep:
+                self.chunks.pop(next(iter(self.chunks)))
+            start = chunk * self.rows
+            stop = min(start + self.rows, self.store.layout.n_prompts)
+            self.chunks[chunk] = strings(self.store.read_region(start, stop, ("prompt_id",))["prompt_id"])
+        return self.chunks[chunk]
+
+
 def strings(values: np.ndarray) -> np.ndarray:
     """``values`` (zarr's string arrays come back as numpy ``StringDType``) as an object array of ``str``."""
     return np.array([str(v) for v in values], dtype=object)

@@ -1,0 +1,264 @@
+"""Benchmark: feeding a trainer while the run goes on (``daskgen.follow``) — lag, catch-up reads, first batch.
+
+Three parts, one record:
+
+* ``lag``: a real ``daskgen run`` (subprocess, the simulated engine in real time, lognormal lengths, its
+  own LocalCluster) writes a local store while a follower in this process (``batch_prompts=1``, the
+  default poll interval) takes every commit.  Per delivered prompt: delivery time minus ``committed_at``
+  (the client's clock when it began the commit; same machine, same clock).  Second side: the same run
+  on a cluster the benchmark starts, the follower subscribed to the run's commit events
+  (``client=``).  Goal: p99 <= 1 s.
+* ``throughput``: a catching-up consumer.  A synthetic store (``pack.build_store``: the layout a run
+  creates, every partition done, lognormal lengths) is read start to end by a fresh cursor: token
+  arrays only (``fields=("response_ids", "response_length")``, xarray), every data array (xarray), the
+  verl tensor fields (``tensordict``) and dicts (``rows``).  Samples per second, after one warm-up pass
+  (imports, page cache).  Goal: >= 100k samples/s of token arrays.
+* ``first-batch``: a long-tailed simulated job (lognormal lengths, sigma 1.2).  Synchronous side: a run of
+  exactly B prompts, time from launch until its last prompt is committed (a synchronous trainer waits
+  for the whole batch, so for its slowest sample).  Streaming side: a run over 4 B prompts, time from
+  launch until the follower hands out its first batch of B prompt groups.  Both include the same
+  start-up (cluster, engine).
+
+    python benchmarks/follow.py                       # ~3 minutes on 2 cores
+    python benchmarks/follow.py --no-record           # print only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import _bench
+import numpy as np
+import pack
+
+SIMULATED = [
+    *("--engine", "simulated", "--model", "sim", "--engine-arg", "time_scale=1"),
+    *("--engine-arg", "length_dist=lognormal", "--max-prompt-tokens", "128", "--no-progress"),
+]
+
+
+def write_prompts(path: Path, n: int) -> Path:
+    """``n`` chat prompts with ids."""
+    with path.open("w") as fh:
+        for i in range(n):
+            fh.write(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"}], "id": f"q{i}"}) + "\n")
+    return path
+
+
+def launch(args: list[str]) -> subprocess.Popen:
+    """``python -m daskgen ARGS`` importing daskgen from ``DASKGEN_SRC``."""
+    import os
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_bench.DASKGEN_SRC), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.Popen(
+        [sys.executable, "-m", "daskgen", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+
+
+def finished(proc: subprocess.Popen, what: str) -> None:
+    """Wait for a run; stop the benchmark with its output when it failed."""
+    out, _ = proc.communicate(timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"{what} failed (exit {proc.returncode}):\n{out[-4000:]}")
+
+
+def run_args(a: argparse.Namespace, prompts: Path, store: Path, *, n_samples: int, sigma: float) -> list[str]:
+    return [
+        "run",
+        *("--prompts", str(prompts), "--store", str(store), *SIMULATED),
+        *("--engine-arg", f"length_mean={a.length_mean}", "--engine-arg", f"length_sigma={sigma}"),
+        *("--engine-arg", f"max_batch={a.max_batch}", "--max-new-tokens", str(a.max_new_tokens)),
+        *("--n-samples", str(n_samples), "--partition-size", str(a.partition_size)),
+    ]
+
+
+# --------------------------------------------------------------------------- lag
+
+
+def follow_lags(store: Path, client: Any = None) -> list[float]:
+    """Follow ``store`` to its end, one prompt per batch; delivery time minus commit time of each."""
+    import daskgen
+    from daskgen.stream.formats import read_rows
+
+    lags: list[float] = []
+    with daskgen.follow(store, batch_prompts=1, fields=("response_length",), timeout=600, client=client) as follower:
+        for batch in follower:
+            now = time.time()
+            assert follower.store is not None
+            committed = read_rows(follower.store, batch.prompts, ("committed_at",))["committed_at"]
+            lags += [now - float(t) for t in committed]
+    return lags
+
+
+def part_lag(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
+    """Commit-to-delivery lag, polling and with commit events."""
+    from daskgen import tunables
+
+    prompts = write_prompts(work / "lag.jsonl", a.lag_prompts)
+    rows = []
+    for side in ("poll", "events"):
+        store = work / f"lag-{side}.zarr"
+        args = run_args(a, prompts, store, n_samples=a.n_samples, sigma=0.8)
+        if side == "poll":
+            proc = launch([*args, "--n-workers", "1"])
+            lags = follow_lags(store)
+        else:
+            lags, proc = events_side(args, store)
+        finished(proc, f"the {side} run")
+        rows.append(
+            [
+                "poll every " + f"{tunables.seconds('follow.poll-interval'):g} s" if side == "poll" else "commit events",
+                len(lags),
+                _bench.percentile(lags, 50),
+                _bench.percentile(lags, 99),
+                max(lags),
+            ]
+        )
+    rec.note(
+        f"Lag: a daskgen run of {a.lag_prompts} prompts x {a.n_samples} samples (simulated engine in real time, "
+        f"lognormal lengths mean {a.length_mean}, {a.max_batch} requests at once, partitions of {a.partition_size}, "
+        "commit interval 0.5 s) into a local store; a follower in the benchmark process takes one prompt per "
+        "batch. Lag = delivery time - committed_at (the client's clock when it began the commit)."
+    )
+    rec.table(["follower wakes by", "prompts", "lag p50 s", "lag p99 s", "lag max s"], rows)
+
+
+def events_side(args: list[str], store: Path) -> tuple[list[float], subprocess.Popen]:
+    """The run joins a cluster started here; the follower subscribes to its commit events."""
+    import dask
+    from distributed import Client, LocalCluster
+
+    with (
+        dask.config.set({"distributed.worker.daemon": False}),
+        LocalCluster(n_workers=1, threads_per_worker=16, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        proc = launch([*args, "--scheduler-address", cluster.scheduler_address])
+        lags = follow_lags(store, client)
+        proc.wait(timeout=600)
+    return lags, proc
+
+
+# --------------------------------------------------------------------------- throughput
+
+READS = {
+    "token arrays (response_ids, response_length), xarray": ("xarray", ("response_ids", "response_length")),
+    "every data array, xarray": ("xarray", None),
+    "verl fields, tensordict": ("tensordict", None),
+    "rows (dicts)": ("rows", None),
+}
+
+
+def read_through(store: Path, cursor: str, fmt: str, fields: Any, batch: int) -> tuple[int, float]:
+    """Samples read by a fresh cursor from start to end, and the seconds it took."""
+    import daskgen
+
+    t0, samples = time.perf_counter(), 0
+    for b in daskgen.follow(store, batch_prompts=batch, cursor=cursor, format=fmt, fields=fields, wait=False):
+        samples += int((b.data["finish_reason"] >= 0).sum()) if fmt == "xarray" and fields is None else 0
+        samples += len(b.data) if fmt == "rows" else b.data.batch_size[0] if fmt == "tensordict" else 0
+        samples += int(b.data["response_length"].size) if fmt == "xarray" and fields is not None else 0
+    return samples, time.perf_counter() - t0
+
+
+def part_throughput(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
+    """A catching-up consumer's read rate per format."""
+    store = work / "catchup.zarr"
+    built = pack.build_store(
+        argparse.Namespace(
+            prompts=a.store_prompts,
+            n_samples=4,
+            max_prompt_tokens=256,
+            max_new_tokens=256,
+            partition_size=64,
+            done_fraction=1.0,
+            length_mean=120.0,
+        ),
+        store,
+    )
+    rows = []
+    for label, (fmt, fields) in READS.items():
+        read_through(store, f"warm-{fmt}-{fields is None}", fmt, fields, a.catchup_batch)  # imports, page cache
+        samples, seconds = read_through(store, f"bench-{fmt}-{fields is None}", fmt, fields, a.catchup_batch)
+        rows.append([label, samples, seconds, samples / seconds])
+    rec.note(
+        f"Throughput: a synthetic local store of {a.store_prompts:,} prompts x 4 samples (prompts and responses "
+        f"up to 256 tokens, lognormal lengths mean 120, partitions of 64, built in {built['seconds']:.0f} s), "
+        f"read start to end by a fresh cursor in batches of {a.catchup_batch} prompts (acknowledged, so each "
+        "batch also writes the cursor), after one warm-up pass with another cursor."
+    )
+    rec.table(["what is read", "samples", "seconds", "samples/s"], rows)
+
+
+# --------------------------------------------------------------------------- first batch
+
+
+def last_commit_after(store: Path, t_launch: float) -> float:
+    """Seconds from ``t_launch`` (epoch) to the last commit of ``store``."""
+    import zarr
+
+    return float(np.nanmax(zarr.open_array(str(store), path="committed_at", mode="r")[:])) - t_launch
+
+
+def part_first_batch(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
+    """Time to a trainer's first batch of B prompt groups: synchronous batch vs streaming a larger pool."""
+    import daskgen
+
+    b = a.trainer_batch
+    sync_store, stream_store = work / "sync.zarr", work / "stream.zarr"
+    t0 = time.time()
+    finished(launch([*run_args(a, write_prompts(work / "sync.jsonl", b), sync_store, n_samples=4, sigma=1.2)]), "sync")
+    sync_s = last_commit_after(sync_store, t0)
+    pool = write_prompts(work / "pool.jsonl", 4 * b)
+    t0 = time.time()
+    proc = launch(run_args(a, pool, stream_store, n_samples=4, sigma=1.2))
+    with daskgen.follow(stream_store, batch_prompts=b, timeout=600, fields=("response_length",)) as follower:
+        first = next(follower)
+        stream_s = time.time() - t0
+        got = len(first)
+    finished(proc, "the streaming run")
+    rec.note(
+        f"First batch: B = {b} prompt groups x 4 samples, simulated engine in real time, lognormal lengths "
+        f"(mean {a.length_mean}, sigma 1.2, up to {a.max_new_tokens} tokens), {a.max_batch} requests at once; "
+        "both runs start their own LocalCluster (the times include its start)."
+    )
+    rec.table(
+        ["trainer waits for", "prompts generated", "seconds from launch"],
+        [
+            [f"a synchronous batch of {b} (its last commit)", b, sync_s],
+            [f"the first streamed batch of {got} (daskgen.follow)", 4 * b, stream_s],
+        ],
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--part", default="lag,throughput,first-batch", help="lag, throughput, first-batch")
+    p.add_argument("--lag-prompts", type=int, default=400)
+    p.add_argument("--n-samples", type=int, default=2)
+    p.add_argument("--length-mean", type=float, default=64.0)
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--partition-size", type=int, default=4)
+    p.add_argument("--store-prompts", type=int, default=20_000)
+    p.add_argument("--catchup-batch", type=int, default=256)
+    p.add_argument("--trainer-batch", type=int, default=32)
+    _bench.add_common_args(p)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run, print, write the record."""
+    parts = {"lag": part_lag, "throughput": part_throughput, "first-batch": part_first_batch}
+    return _bench.run_parts(parse_args(argv), "Follow: streaming finished samples to a trainer", parts)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
