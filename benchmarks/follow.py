@@ -113,7 +113,9 @@ def part_lag(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
         finished(proc, f"the {side} run")
         rows.append(
             [
-                "poll every " + f"{tunables.seconds('follow.poll-interval'):g} s" if side == "poll" else "commit events",
+                "poll every " + f"{tunables.seconds('follow.poll-interval'):g} s"
+                if side == "poll"
+                else "commit events",
                 len(lags),
                 _bench.percentile(lags, 50),
                 _bench.percentile(lags, 99),

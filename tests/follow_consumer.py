@@ -35,7 +35,10 @@ def main(store: str, out: Path, log: Path) -> None:
         for batch in follower:
             proto = batch.data
             assert isinstance(proto, DataProto)
-            samples = [[str(p), int(s)] for p, s in zip(proto.non_tensor_batch["prompt_id"], proto.non_tensor_batch["sample"])]
+            samples = [
+                [str(p), int(s)]
+                for p, s in zip(proto.non_tensor_batch["prompt_id"], proto.non_tensor_batch["sample"], strict=True)
+            ]
             note(event="delivered", number=batch.number, samples=samples, failed=len(batch.failed))
             tmp = out / f"{batch.name}.pkl.tmp"
             proto.save_to_disk(tmp)

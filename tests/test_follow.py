@@ -41,7 +41,9 @@ def new_run(tmp_path, n: int = N) -> LiveRun:
     )
     path = tmp_path / "s.zarr"
     created = store.GenerationStore.create(path, store.StoreAttrs(layout), [f"q{i}" for i in range(n)])
-    return LiveRun(Plan(RunConfig(model="m", store=str(path)), None, created), created.read_status(), np.full(n, np.nan))
+    return LiveRun(
+        Plan(RunConfig(model="m", store=str(path)), None, created), created.read_status(), np.full(n, np.nan)
+    )
 
 
 def finish(run: LiveRun, start: int, failed: tuple[int, ...] = ()) -> None:

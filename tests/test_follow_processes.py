@@ -73,7 +73,12 @@ def store_samples(store: str) -> dict[tuple[str, int], list[int]]:
     ds = open_store(store)
     done = np.flatnonzero(ds.status.values == 1)
     ids, reasons, responses = ds.prompt_id.values, ds.finish_reason.values, ds.response_ids.values
-    return {(str(ids[r]), s): responses[r, s].tolist() for r in done for s in range(ds.sizes["sample"]) if reasons[r, s] >= 0}
+    return {
+        (str(ids[r]), s): responses[r, s].tolist()
+        for r in done
+        for s in range(ds.sizes["sample"])
+        if reasons[r, s] >= 0
+    }
 
 
 def check_exactly_once(store: str, out: Path, log: Path) -> None:
@@ -82,7 +87,9 @@ def check_exactly_once(store: str, out: Path, log: Path) -> None:
     files = sorted(out.glob("batch-*.pkl"))
     assert [f.name for f in files] == [f"batch-{i:08d}.pkl" for i in range(len(files))]
     merged = DataProto.concat([DataProto.load_from_disk(f) for f in files])
-    keys = list(zip(merged.non_tensor_batch["prompt_id"].tolist(), merged.non_tensor_batch["sample"].tolist()))
+    keys = list(
+        zip(merged.non_tensor_batch["prompt_id"].tolist(), merged.non_tensor_batch["sample"].tolist(), strict=True)
+    )
     assert Counter(keys).most_common(1)[0][1] == 1, "a sample was consumed twice"
     expected = store_samples(store)
     assert set(keys) == set(expected), "the consumed samples are the store's finished samples"
@@ -154,11 +161,11 @@ def test_cli_follow_writes_each_sample_once_into_a_parquet_folder_across_a_kill(
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
     table = pq.ParquetDataset(sorted(str(p) for p in out.glob("batch-*.parquet"))).read()
-    keys = list(zip(table["prompt_id"].to_pylist(), table["sample"].to_pylist()))
+    keys = list(zip(table["prompt_id"].to_pylist(), table["sample"].to_pylist(), strict=True))
     assert Counter(keys).most_common(1)[0][1] == 1
     expected = store_samples(store)
     assert set(keys) == set(expected)
-    lengths = dict(zip(keys, table["response_ids"].to_pylist()))
+    lengths = dict(zip(keys, table["response_ids"].to_pylist(), strict=True))
     assert all(expected[k][: len(ids)] == ids for k, ids in lengths.items())
     assert not list(out.glob("*.tmp")), "no half-written batch is left"
 

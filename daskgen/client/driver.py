@@ -53,7 +53,6 @@ from typing import Any
 
 from daskgen import tunables
 from daskgen.client.commit import CommitBatch, Outcome
-from daskgen.store.commit_log import COMMIT_TOPIC
 from daskgen.client.finished import FinishedPartitions
 from daskgen.client.live import LiveRun
 from daskgen.client.plan import Plan
@@ -63,6 +62,7 @@ from daskgen.client.stopping import abandon, begin_stop, check_interrupt, housek
 from daskgen.client.windows import WindowBoard
 from daskgen.errors import StoreError
 from daskgen.redaction import redact
+from daskgen.store.commit_log import COMMIT_TOPIC
 from daskgen.worker.partition import PartitionResult, PartitionTask, run_partition
 from daskgen.worker.plugin import RESOURCE
 

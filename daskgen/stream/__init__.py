@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from daskgen.store.location import StoreRef
 from daskgen.stream.batches import Batch, Follower
 from daskgen.stream.cursor import Position
 from daskgen.stream.formats import FORMATS
-from daskgen.store.location import StoreRef
 
 __all__ = ["FORMATS", "Batch", "Follower", "Position", "follow"]
 

@@ -22,14 +22,14 @@ import numpy as np
 
 from daskgen import tunables
 from daskgen.errors import FollowError, FollowTimeout, StoreError
-from daskgen.stream.cursor import Cursor, CursorState, Position
-from daskgen.stream.events import CommitEvents
-from daskgen.stream.formats import PromptIds, build, fields_to_read, read_rows, to_dataset
-from daskgen.stream.log import Snapshot, read_snapshot, writer_live
 from daskgen.store.commit_log import read_head
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import DONE, FAILED
 from daskgen.store.location import StoreRef, locate
+from daskgen.stream.cursor import Cursor, CursorState, Position
+from daskgen.stream.events import CommitEvents
+from daskgen.stream.formats import PromptIds, build, fields_to_read, read_rows, to_dataset
+from daskgen.stream.log import Snapshot, read_snapshot, writer_live
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class Follower:
         if self.prompt_ids is None:
             self.prompt_ids = PromptIds(store)
         ids = self.prompt_ids(done)
-        errors = read_rows(store, failed, ("error",))["error"] if len(failed) else []
+        errors: Any = read_rows(store, failed, ("error",))["error"] if len(failed) else []
         names = fields_to_read(store, self.format, self.fields)
         ds = to_dataset(store, done, ids, read_rows(store, done, names))
         batch = Batch(

@@ -129,7 +129,7 @@ def arrow_table(store: GenerationStore, ds: Any) -> Any:
 
 
 def _rows(block: dict[str, np.ndarray], has_logprobs: bool) -> list[dict[str, Any]]:
-    """One dict per generated sample: ids, finish-reason label, token lists cut to their lengths (NaN logprobs: None)."""
+    """One dict per generated sample: ids, finish-reason label, token lists cut to their lengths (NaN: None)."""
     from daskgen.analysis.export import arrow_block
 
     records = arrow_block(block, has_logprobs).to_pylist()
@@ -144,7 +144,9 @@ def _verl(block: dict[str, np.ndarray], store: GenerationStore) -> tuple[dict[st
     from daskgen.analysis.export import VERL_KEYS, verl_block
 
     layout = store.layout
-    fields = verl_block(block, layout.max_prompt_tokens, layout.max_new_tokens, layout.pad_token_id, _has_logprobs(store))
+    fields = verl_block(
+        block, layout.max_prompt_tokens, layout.max_new_tokens, layout.pad_token_id, _has_logprobs(store)
+    )
     tensors = {k: v for k, v in fields.items() if k in VERL_KEYS}
     extra = {k: fields[k] for k in _META if k in fields}
     ids = np.asarray(block["prompt_id"], dtype=object)

@@ -55,6 +55,7 @@ def follow_to(follower: Follower, sink: str, out: Path | None, stdout: IO[str] =
     summary = FollowSummary()
     with follower:
         for batch in follower:
+            assert follower.store is not None  # opened before the first batch
             table = arrow_table(follower.store, batch.data)
             if sink == "jsonl":
                 _write_jsonl(table, stdout)
