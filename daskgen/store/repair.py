@@ -5,7 +5,7 @@ Under the store's lock (no run may write meanwhile):
 * a data problem (a chunk that fails its checksum or does not decode, a missing chunk, a finished row
   that breaks an invariant) resets its whole partition: every data array's region is rewritten with
   fill values and the partition's rows become pending (``status`` 0, empty ``error``, no commit time);
-* an unreadable chunk of the commit record (``status``, ``error``, ``committed_at``) is rewritten whole:
+* an unreadable chunk of the commit record (``status``, ``error``, ``committed_at``, ``commit_seq``) is rewritten whole:
   its rows become pending (their data, if sound, is kept, and the next run keeps their finished
   samples instead of regenerating them);
 * an unreadable coordinate chunk is rewritten: ``prompt_index`` from the row numbers, ``prompt_id`` from
@@ -58,7 +58,7 @@ def repair(store: GenerationStore, report: VerifyReport) -> dict[str, list[int]]
 def _reset_commit_chunk(store: GenerationStore, start: int, stop: int) -> None:
     """Rewrite a whole coarse chunk of the commit record (not read first): its rows become pending."""
     n = stop - start
-    store.commit(start, np.full(n, PENDING, dtype="int8"), [""] * n, np.full(n, np.nan))
+    store.commit(start, np.full(n, PENDING, dtype="int8"), [""] * n, np.full(n, np.nan), np.zeros(n, dtype="int64"))
 
 
 def _reset_partition(store: GenerationStore, start: int, stop: int) -> None:

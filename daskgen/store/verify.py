@@ -191,7 +191,8 @@ def _coarse_problems(store: GenerationStore, report: VerifyReport, address: str 
     """Check the coarse-chunked arrays (commit record, coordinates); the status mask they read, with the rows
     of an unreadable ``status`` chunk treated as not done."""
     n, coarse = store.layout.n_prompts, store.commit_chunk_rows
-    names = [name for name, spec in store.layout.array_specs().items() if not spec.worker_written]
+    specs = store.layout.array_specs()
+    names = [name for name, spec in specs.items() if not spec.worker_written and store.has_array(name)]
     jobs = [(check_coarse_chunk, (store, name, s, min(s + coarse, n))) for name in names for s in range(0, n, coarse)]
     status = np.zeros(n, dtype="int8")
     for (_, (_, name, s, stop)), (values, problem) in zip(
