@@ -228,3 +228,21 @@ def test_a_packed_store_is_followed_and_its_cursors_survive_packing(tmp_path):
     assert [b.number for b in rest] == [1, 2]
     delivered = [*first.prompt_ids, *(i for b in rest for i in b.prompt_ids)]
     assert sorted(delivered) == sorted(open_store(out).prompt_id.values.tolist())
+
+
+def test_cli_follow_prints_jsonl_once_per_cursor_and_cursors_may_live_elsewhere(tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 12)
+    out = tmp_path / "out.zarr"
+    res = run_cli("run", "--prompts", prompts, "--store", out, *simulated_run())
+    assert res.returncode == 0, res.stdout + res.stderr
+    res = run_cli("follow", out, "--batch", "5", "--no-wait")
+    assert res.returncode == 0, res.stderr
+    records = [json.loads(line) for line in res.stdout.splitlines()]
+    assert len(records) == 24 and {r["prompt_id"] for r in records} == {f"q{i}" for i in range(12)}
+    assert "24 samples of 12 prompts in 3 batches, 0 failed prompts (cursor 'default')" in res.stderr
+    again = run_cli("follow", out, "--no-wait")
+    assert again.returncode == 0 and again.stdout == "", "the default cursor acknowledged everything"
+    elsewhere = tmp_path / "cursors"
+    assert len(list(daskgen.follow(out, wait=False, cursor_dir=elsewhere))) == 1
+    assert (elsewhere / "daskgen.cursors" / "default.json").exists()
+    assert list(daskgen.follow(out, wait=False, cursor_dir=elsewhere)) == []
