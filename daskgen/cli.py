@@ -194,11 +194,9 @@ def follow(
     timeout: Annotated[float | None, Opt(help="Seconds to wait for one batch (exit 2 after).")] = None,
 ) -> None:
     """Stream finished samples in commit order, each batch once per cursor (acknowledged after it is written)."""
-    from daskgen.stream import follow as open_follower
     from daskgen.stream.sinks import follow_to
 
-    follower = open_follower(store, batch_prompts=batch, cursor=cursor, wait=wait, timeout=timeout)
-    summary = follow_to(follower, format, out)
+    summary = follow_to(store, format, out, batch_prompts=batch, cursor=cursor, wait=wait, timeout=timeout)
     typer.echo(summary.line(cursor), err=True)
 
 

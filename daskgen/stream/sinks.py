@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from daskgen.errors import FollowError
+from daskgen.store.location import StoreRef
 from daskgen.stream.batches import Batch, Follower
 from daskgen.stream.formats import TOKEN_FIELDS, arrow_table
 
@@ -42,18 +43,23 @@ class FollowSummary:
         return text + (f"; {self.pending} prompts still pending" if self.pending else "")
 
 
-def follow_to(follower: Follower, sink: str, out: Path | None, stdout: IO[str] = sys.stdout) -> FollowSummary:
-    """Write every batch of ``follower`` to ``sink`` (``jsonl`` on ``stdout``, or ``parquet-dir`` in ``out``)."""
+def follow_to(
+    store: StoreRef, sink: str, out: Path | None, *, stdout: IO[str] = sys.stdout, **options: Any
+) -> FollowSummary:
+    """Write every batch of ``store`` to ``sink`` (``jsonl`` on ``stdout``, or ``parquet-dir`` in ``out``).
+
+    ``options`` are :class:`~daskgen.stream.batches.Follower` options (``cursor``, ``batch_prompts``,
+    ``wait``, ``timeout``, ...); batches are acknowledged here, after their output is durable.
+    """
     if sink not in SINKS:
         raise FollowError(f"unknown --format {sink!r}; choose one of {', '.join(SINKS)}.")
     if sink == "parquet-dir":
         if out is None:
             raise FollowError("--format parquet-dir writes one file per batch into --out DIR: pass --out.")
         out.mkdir(parents=True, exist_ok=True)
-    follower.auto_ack, follower.format = False, "xarray"
-    follower.fields = tuple(dict.fromkeys([*(follower.fields or ()), *TOKEN_FIELDS, "logprobs"]))
+    fields = (*TOKEN_FIELDS, "logprobs")
     summary = FollowSummary()
-    with follower:
+    with Follower(store, format="xarray", fields=fields, auto_ack=False, **options) as follower:
         for batch in follower:
             assert follower.store is not None  # opened before the first batch
             table = arrow_table(follower.store, batch.data)
@@ -65,7 +71,7 @@ def follow_to(follower: Follower, sink: str, out: Path | None, stdout: IO[str] =
             batch.ack()
             summary.batches, summary.prompts = summary.batches + 1, summary.prompts + len(batch)
             summary.samples, summary.failed = summary.samples + table.num_rows, summary.failed + batch.n_failed
-    summary.pending = follower.pending_at_end
+        summary.pending = follower.pending_at_end
     return summary
 
 
