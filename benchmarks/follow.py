@@ -15,9 +15,9 @@ Three parts, one record:
   (imports, page cache).  Goal: >= 100k samples/s of token arrays.
 * ``first-batch``: a long-tailed simulated job (lognormal lengths, sigma 1.2).  Synchronous side: a run of
   exactly B prompts, time from launch until its last prompt is committed (a synchronous trainer waits
-  for the whole batch, so for its slowest sample).  Streaming side: a run over 4 B prompts, time from
-  launch until the follower hands out its first batch of B prompt groups.  Both include the same
-  start-up (cluster, engine).
+  for the whole batch, so for its slowest sample).  Streaming side: a run over 2 B prompts
+  (``--pool-factor``), time from launch until the follower hands out its first batch of B prompt groups.
+  Both runs join one cluster started beforehand.
 
     python benchmarks/follow.py                       # ~3 minutes on 2 cores
     python benchmarks/follow.py --no-record           # print only
@@ -68,13 +68,16 @@ def finished(proc: subprocess.Popen, what: str) -> None:
         raise SystemExit(f"{what} failed (exit {proc.returncode}):\n{out[-4000:]}")
 
 
-def run_args(a: argparse.Namespace, prompts: Path, store: Path, *, n_samples: int, sigma: float) -> list[str]:
+def run_args(
+    a: argparse.Namespace, prompts: Path, store: Path, *, n_samples: int, sigma: float, partition_size: int = 0
+) -> list[str]:
+    """``daskgen run`` arguments of a simulated job over ``prompts`` into ``store``."""
     return [
         "run",
         *("--prompts", str(prompts), "--store", str(store), *SIMULATED),
         *("--engine-arg", f"length_mean={a.length_mean}", "--engine-arg", f"length_sigma={sigma}"),
         *("--engine-arg", f"max_batch={a.max_batch}", "--max-new-tokens", str(a.max_new_tokens)),
-        *("--n-samples", str(n_samples), "--partition-size", str(a.partition_size)),
+        *("--n-samples", str(n_samples), "--partition-size", str(partition_size or a.partition_size)),
     ]
 
 
@@ -149,11 +152,14 @@ def events_side(args: list[str], store: Path) -> tuple[list[float], subprocess.P
 
 # --------------------------------------------------------------------------- throughput
 
+TOKENS = ("response_ids", "response_length")
+#: What a catching-up consumer reads: label -> (format, fields, prompts per batch; 0: ``--catchup-batch``).
 READS = {
-    "token arrays (response_ids, response_length), xarray": ("xarray", ("response_ids", "response_length")),
-    "every data array, xarray": ("xarray", None),
-    "verl fields, tensordict": ("tensordict", None),
-    "rows (dicts)": ("rows", None),
+    "token arrays (response_ids, response_length), xarray": ("xarray", TOKENS, 0),
+    "token arrays, xarray, batches of 1024 prompts": ("xarray", TOKENS, 1024),
+    "every data array, xarray": ("xarray", None, 0),
+    "verl fields, tensordict": ("tensordict", None, 0),
+    "rows (dicts)": ("rows", None, 0),
 }
 
 
@@ -185,15 +191,16 @@ def part_throughput(a: argparse.Namespace, work: Path, rec: _bench.Record) -> No
         store,
     )
     rows = []
-    for label, (fmt, fields) in READS.items():
-        read_through(store, f"warm-{fmt}-{fields is None}", fmt, fields, a.catchup_batch)  # imports, page cache
-        samples, seconds = read_through(store, f"bench-{fmt}-{fields is None}", fmt, fields, a.catchup_batch)
+    for number, (label, (fmt, fields, batch)) in enumerate(READS.items()):
+        batch = batch or a.catchup_batch
+        read_through(store, f"warm-{number}", fmt, fields, batch)  # imports, page cache
+        samples, seconds = read_through(store, f"bench-{number}", fmt, fields, batch)
         rows.append([label, samples, seconds, samples / seconds])
     rec.note(
         f"Throughput: a synthetic local store of {a.store_prompts:,} prompts x 4 samples (prompts and responses "
         f"up to 256 tokens, lognormal lengths mean 120, partitions of 64, built in {built['seconds']:.0f} s), "
-        f"read start to end by a fresh cursor in batches of {a.catchup_batch} prompts (acknowledged, so each "
-        "batch also writes the cursor), after one warm-up pass with another cursor."
+        f"read start to end by a fresh cursor in batches of {a.catchup_batch} prompts unless said otherwise "
+        "(acknowledged: each batch also writes and syncs the cursor), after one warm-up pass with another cursor."
     )
     rec.table(["what is read", "samples", "seconds", "samples/s"], rows)
 
@@ -201,42 +208,63 @@ def part_throughput(a: argparse.Namespace, work: Path, rec: _bench.Record) -> No
 # --------------------------------------------------------------------------- first batch
 
 
-def last_commit_after(store: Path, t_launch: float) -> float:
-    """Seconds from ``t_launch`` (epoch) to the last commit of ``store``."""
+def commits_after(store: Path, t_launch: float) -> tuple[float, float]:
+    """Seconds from ``t_launch`` (epoch) to the first and to the last commit of ``store``."""
     import zarr
 
-    return float(np.nanmax(zarr.open_array(str(store), path="committed_at", mode="r")[:])) - t_launch
+    times = np.asarray(zarr.open_array(str(store), path="committed_at", mode="r")[:])
+    return float(np.nanmin(times)) - t_launch, float(np.nanmax(times)) - t_launch
 
 
 def part_first_batch(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     """Time to a trainer's first batch of B prompt groups: synchronous batch vs streaming a larger pool."""
-    import daskgen
+    import dask
+    from distributed import Client, LocalCluster
 
-    b = a.trainer_batch
-    sync_store, stream_store = work / "sync.zarr", work / "stream.zarr"
-    t0 = time.time()
-    finished(launch([*run_args(a, write_prompts(work / "sync.jsonl", b), sync_store, n_samples=4, sigma=1.2)]), "sync")
-    sync_s = last_commit_after(sync_store, t0)
-    pool = write_prompts(work / "pool.jsonl", 4 * b)
-    t0 = time.time()
-    proc = launch(run_args(a, pool, stream_store, n_samples=4, sigma=1.2))
-    with daskgen.follow(stream_store, batch_prompts=b, timeout=600, fields=("response_length",)) as follower:
-        first = next(follower)
-        stream_s = time.time() - t0
-        got = len(first)
-    finished(proc, "the streaming run")
+    b, pool = a.trainer_batch, a.pool_factor * a.trainer_batch
+    with (
+        dask.config.set({"distributed.worker.daemon": False}),
+        LocalCluster(n_workers=1, threads_per_worker=16, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster),
+    ):
+        join = ["--scheduler-address", cluster.scheduler_address]
+        sync_store, stream_store = work / "sync.zarr", work / "stream.zarr"
+        t0 = time.time()
+        size = a.first_partition_size
+        args = run_args(
+            a, write_prompts(work / "sync.jsonl", b), sync_store, n_samples=4, sigma=a.sigma, partition_size=size
+        )
+        finished(launch([*args, *join]), "the synchronous run")
+        sync_first, sync_s = commits_after(sync_store, t0)
+        prompts = write_prompts(work / "pool.jsonl", pool)
+        args = run_args(a, prompts, stream_store, n_samples=4, sigma=a.sigma, partition_size=size)
+        t0 = time.time()
+        proc = launch([*args, *join])
+        stream_s, got = first_batch_after(stream_store, b, t0)
+        finished(proc, "the streaming run")
+        stream_first, _ = commits_after(stream_store, t0)
     rec.note(
         f"First batch: B = {b} prompt groups x 4 samples, simulated engine in real time, lognormal lengths "
-        f"(mean {a.length_mean}, sigma 1.2, up to {a.max_new_tokens} tokens), {a.max_batch} requests at once; "
-        "both runs start their own LocalCluster (the times include its start)."
+        f"(mean {a.length_mean}, sigma {a.sigma}, up to {a.max_new_tokens} tokens), {a.max_batch} requests at "
+        f"once, partitions of {a.first_partition_size} prompt(s). Both runs join one LocalCluster started "
+        "beforehand (its start is not counted; each run's own process start, input scan and engine start are)."
     )
     rec.table(
-        ["trainer waits for", "prompts generated", "seconds from launch"],
+        ["trainer waits for", "prompts generated", "seconds from launch", "first commit after s"],
         [
-            [f"a synchronous batch of {b} (its last commit)", b, sync_s],
-            [f"the first streamed batch of {got} (daskgen.follow)", 4 * b, stream_s],
+            [f"a synchronous batch of {b} (its last commit)", b, sync_s, sync_first],
+            [f"the first streamed batch of {got} (daskgen.follow)", pool, stream_s, stream_first],
         ],
     )
+
+
+def first_batch_after(store: Path, prompts: int, t_launch: float) -> tuple[float, int]:
+    """Seconds from ``t_launch`` until a follower of ``store`` hands out its first batch, and its size."""
+    import daskgen
+
+    with daskgen.follow(store, batch_prompts=prompts, timeout=600, fields=("response_length",)) as follower:
+        first = next(follower)
+        return time.time() - t_launch, len(first)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -247,11 +275,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-samples", type=int, default=2)
     p.add_argument("--length-mean", type=float, default=64.0)
     p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=256)
     p.add_argument("--partition-size", type=int, default=4)
     p.add_argument("--store-prompts", type=int, default=20_000)
     p.add_argument("--catchup-batch", type=int, default=256)
     p.add_argument("--trainer-batch", type=int, default=32)
+    p.add_argument("--pool-factor", type=int, default=2, help="the streaming run generates this many x B prompts")
+    p.add_argument("--first-partition-size", type=int, default=1, help="partition size of the first-batch runs")
+    p.add_argument("--sigma", type=float, default=1.2, help="lognormal sigma of the first-batch job's lengths")
     _bench.add_common_args(p)
     return p.parse_args(argv)
 
