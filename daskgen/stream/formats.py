@@ -11,6 +11,8 @@ batches concatenate (``DataProto.concat``, ``torch.cat``).
 
 from __future__ import annotations
 
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -53,15 +55,29 @@ def _has_logprobs(store: GenerationStore) -> bool:
 
 
 def read_rows(store: GenerationStore, rows: np.ndarray, names: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """``names`` of the given ``rows`` (in that order), reading each contiguous run of rows as one slice."""
+    """``names`` of the given ``rows`` (in that order), reading each contiguous run of rows as one slice.
+
+    The arrays are read concurrently (each read waits mostly on zarr's decoding, which releases the GIL).
+    """
     order = np.argsort(rows, kind="stable")
     ranked = rows[order]
-    breaks = np.flatnonzero(np.diff(ranked) != 1) + 1
-    parts = [store.read_region(int(run[0]), int(run[-1]) + 1, names) for run in np.split(ranked, breaks) if len(run)]
+    runs = [run for run in np.split(ranked, np.flatnonzero(np.diff(ranked) != 1) + 1) if len(run)]
     back = np.empty_like(order)
     back[order] = np.arange(len(order))
-    empty = {n: np.empty((0, *store.array(n).shape[1:]), dtype=store.array(n).dtype) for n in names}
-    return {n: np.concatenate([p[n] for p in parts])[back] if parts else empty[n] for n in names}
+
+    def one(name: str) -> np.ndarray:
+        if not runs:
+            return np.empty((0, *store.array(name).shape[1:]), dtype=store.array(name).dtype)
+        parts = [store.read_region(int(run[0]), int(run[-1]) + 1, (name,))[name] for run in runs]
+        return np.concatenate(parts)[back]
+
+    return dict(zip(names, _pool().map(one, names), strict=True))
+
+
+@functools.cache
+def _pool() -> ThreadPoolExecutor:
+    """Threads that read a batch's arrays side by side."""
+    return ThreadPoolExecutor(max_workers=8, thread_name_prefix="daskgen-follow-read")
 
 
 class PromptIds:
