@@ -46,6 +46,7 @@ run stops as interrupted.  The tested cases: ``docs/reliability.md``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -99,13 +100,11 @@ class Driver:
     def announce(self, seq: int) -> None:
         """Tell followers on this cluster (:mod:`daskgen.stream`) that commit ``seq`` landed: a Dask event.
 
-        A hint only (the store's commit log is the truth): a scheduler that cannot take it is noticed by
-        the scheduler watch, not here.
+        Sent without waiting for the scheduler (scheduled on the client's event loop): a hung scheduler must
+        not hold up the run, whose scheduler watch notices it.  A hint only: the store's commit log is the truth.
         """
-        try:
-            self.client.log_event(COMMIT_TOPIC, {"store": self.run.plan.store.url, "seq": seq})
-        except Exception as exc:  # the connection is the scheduler watch's business
-            logger.debug("could not announce commit %d: %s", seq, exc)
+        msg = {"store": self.run.plan.store.url, "seq": seq}
+        self.client.loop.add_callback(functools.partial(self.client.scheduler.log_event, topic=COMMIT_TOPIC, msg=msg))
 
     def housekeeping(self) -> bool:
         """While waiting: is the scheduler still there; lock, deadline, signals (true: stop waiting now)."""
