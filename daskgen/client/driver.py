@@ -73,19 +73,28 @@ def drive(client: Any, run: LiveRun, tasks: Iterator[PartitionTask], info: Any =
     counts go into ``run``)."""
     from daskgen.client.engines import start_engines
 
+    from daskgen.client.dashboard import DashboardLink
+    from daskgen.client.progress import announce_page
+
+    link = DashboardLink(client, run)
+    announce_page(link.url, enabled=run.plan.config.progress)
+    link.report("starting engines", force=True)
     start_engines(client, run.plan.config, run.stop.interrupt)
     record_engine(client, run.plan)
     run.generating()
-    Driver(client, run, tasks, info).stream(n_pending)
+    Driver(client, run, tasks, info, link).stream(n_pending)
+    run.engine_record = link.finish()
 
 
 class Driver:
     """One run's streaming loop: the partitions in flight, retries, the windows and the commit batch."""
 
-    def __init__(self, client: Any, run: LiveRun, tasks: Iterator[PartitionTask], info: Any = None) -> None:
+    def __init__(
+        self, client: Any, run: LiveRun, tasks: Iterator[PartitionTask], info: Any = None, link: Any = None
+    ) -> None:
         from daskgen.client.engines import check_engines
 
-        self.client, self.run, self.tasks, self.info = client, run, tasks, info
+        self.client, self.run, self.tasks, self.info, self.link = client, run, tasks, info, link
         self.retry: list[PartitionTask] = []
         self.futures: dict[Any, PartitionTask] = {}
         self.watch = SchedulerWatch(client)
@@ -132,6 +141,8 @@ class Driver:
         if not run.stop.stopping and (reason := stop_reason(run, run.response_tokens)):
             begin_stop(self.client, run, reason, self.tasks, self.retry)
         check_interrupt(self.client, run, self.tasks, self.retry)
+        if self.link is not None:  # the dashboard page (daskgen.client.dashboard)
+            self.link.report("stopping" if run.stop.stopping else "generating")
         return True
 
     def next_task(self) -> PartitionTask | None:
@@ -196,7 +207,7 @@ class Driver:
         failed = {r: m for r, m in result.failed.items() if r not in result.aborted} | given_up
         self.run.count_result(result, len(finished) + len(failed))
         bar.update(len(finished) + len(failed), result.response_tokens, len(failed))
-        return Outcome(task.start, task.stop, finished, failed, result.notes)
+        return Outcome(task.start, task.stop, finished, failed, result.notes, result.response_tokens)
 
     def requeue_aborted(self, rows: list[int]) -> tuple[list[int], dict[int, str]]:
         """Split aborted rows into those requeued again and those aborted too often (row -> error)."""
