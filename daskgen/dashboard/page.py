@@ -2,8 +2,8 @@
 
 From top to bottom: the run's numbers (prompts done / pending / failed with a progress bar, ETA, tail
 share so far, engine and committed tokens/s and the gap, the workers' load ratio); engine versus
-committed tokens/s over time and the gap in tokens; per worker, engine tokens/s and batch occupancy
-(chart and table with partitions admitted and running, restarts); response lengths of finished
+committed tokens/s over time and the gap in tokens; per worker, engine tokens/s (chart) and a table with
+batch occupancy, partitions admitted and running, tokens/s, samples and restarts; response lengths of finished
 samples by finish reason; the latest errors.  Numbers carry ``data-daskgen`` attributes, so scripts
 and tests read what the page shows.
 """
@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from daskgen.dashboard.metrics import FINISH_NAMES
+from daskgen.dashboard.state import RATE_WINDOW_S
 
 #: Colours by finish reason (as in ``daskgen report``) and of the two throughputs.
 COLORS = {"stop": "#2e7d32", "length": "#ef6c00", "abort": "#757575", "error": "#c62828"}
@@ -29,6 +30,10 @@ _STYLE = """<style>
 min-width:96px;background:#fafafa}.dg-card .k{font-size:11px;color:#666;text-transform:uppercase}
 .dg-card .v{font-size:22px;font-weight:600}.dg-bar{display:flex;height:14px;border-radius:4px;overflow:hidden;
 background:#cfd8dc;margin:8px 0}.dg-err td{padding:2px 8px;border-bottom:1px solid #eee;font-size:12px;vertical-align:top}
+.dg-tab{border-collapse:collapse;font-size:13px}.dg-tab th{text-align:left;font-weight:600;color:#555;
+border-bottom:2px solid #ddd;padding:4px 10px}.dg-tab td{border-bottom:1px solid #eee;padding:4px 10px}
+.dg-meter{display:inline-block;width:60px;height:9px;background:#e3e8eb;border-radius:3px;margin-right:6px;
+vertical-align:middle}.dg-meter span{display:block;height:9px;background:#1565c0;border-radius:3px}
 </style>"""
 
 
@@ -56,6 +61,7 @@ class Page:
         self.scheduler = scheduler
         self.header = Div(sizing_mode="stretch_width")
         self.errors = Div(sizing_mode="stretch_width")
+        self.table = Div(sizing_mode="stretch_width")
         self.rates = ColumnDataSource({"time": [], "engine": [], "committed": [], "gap": []})
         self.workers = ColumnDataSource(_worker_columns([]))
         self.lengths = ColumnDataSource({"left": [], "right": [], **{r: [] for r in FINISH_NAMES}})
@@ -63,7 +69,7 @@ class Page:
         self.root = column(
             self.header,
             row(_throughput_figure(self.rates), _gap_figure(self.rates), sizing_mode="stretch_width"),
-            row(self.worker_figure, _worker_table(self.workers), sizing_mode="stretch_width"),
+            row(self.worker_figure, self.table, sizing_mode="stretch_width"),
             row(_length_figure(self.lengths), self.errors, sizing_mode="stretch_width"),
             sizing_mode="stretch_width",
         )
@@ -83,6 +89,7 @@ class Page:
         self.workers.data = columns = _worker_columns(snap["workers"])
         if list(self.worker_figure.y_range.factors) != columns["label"]:
             self.worker_figure.y_range.factors = columns["label"]
+        self.table.text = _STYLE + workers_html(snap["workers"])
         self.lengths.data = _length_columns(snap["lengths"])
         self.errors.text = _STYLE + errors_html(snap["errors"])
 
@@ -91,9 +98,7 @@ class Page:
 def header_html(snap: dict[str, Any]) -> str:
     """The title, the number cards and the progress bar."""
     p, run = snap["progress"], snap["run"] or {}
-    rates = snap["throughput"]
-    engine = rates["engine"][-1] if rates["engine"] else 0.0
-    committed = rates["committed"][-1] if rates["committed"] else 0.0
+    engine, committed, span = _card_rates(snap)
     cards = [
         ("state", "state", p["state"]),
         ("done", "done", f"{p['done']:,}"),
@@ -101,8 +106,8 @@ def header_html(snap: dict[str, Any]) -> str:
         ("failed", "failed", f"{p['failed']:,}"),
         ("eta", "ETA", _duration(p["eta_s"])),
         ("tail", "tail share", "—" if p["tail_share"] is None else f"{100 * p['tail_share']:.0f}%"),
-        ("engine-tps", "engine tok/s", f"{engine:,.0f}"),
-        ("committed-tps", "committed tok/s", f"{committed:,.0f}"),
+        ("engine-tps", f"engine tok/s ({span})", f"{engine:,.0f}"),
+        ("committed-tps", f"committed tok/s ({span})", f"{committed:,.0f}"),
         ("gap", "uncommitted tokens", f"{p['gap_tokens']:,}"),
         ("load-ratio", "max/min load", _ratio(snap["load_ratio"])),
     ]
@@ -114,6 +119,15 @@ def header_html(snap: dict[str, Any]) -> str:
     elapsed = _duration(p["elapsed_s"])
     title = f"<h2>daskgen: {store}</h2><div>{p['total']:,} prompts; generating for {elapsed}</div>"
     return f'<div class="dg">{title}<div class="dg-cards">{body}</div>{_bar(p)}</div>'
+
+
+def _card_rates(snap: dict[str, Any]) -> tuple[float, float, str]:
+    """Engine and committed tokens/s for the cards: the last seconds while running, the run's mean when over."""
+    p, rates = snap["progress"], snap["throughput"]
+    if p["state"] == "finished" and p["elapsed_s"]:
+        return p["engine_tokens"] / p["elapsed_s"], p["committed_tokens"] / p["elapsed_s"], "run"
+    last = (rates["engine"][-1], rates["committed"][-1]) if rates["engine"] else (0.0, 0.0)
+    return last[0], last[1], f"{RATE_WINDOW_S:g} s"
 
 
 def _bar(p: dict[str, Any]) -> str:
@@ -179,8 +193,7 @@ def _gap_figure(source: Any) -> Any:
 
 
 def _worker_columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    keys = ("worker", "state", "occupancy", "window", "running", "tokens_per_s", "samples", "restarts")
-    data: dict[str, list[Any]] = {k: [r[k] for r in rows] for k in keys}
+    data: dict[str, list[Any]] = {k: [r[k] for r in rows] for k in ("worker", "tokens_per_s")}
     data["label"] = [_short(r["worker"]) for r in rows]
     data["occupancy_pct"] = [100 * r["occupancy"] for r in rows]
     return data
@@ -195,27 +208,38 @@ def _worker_figure(source: Any) -> Any:
 
     fig = _figure("Engine tokens/s per worker", y_range=FactorRange())
     fig.hbar(y="label", right="tokens_per_s", height=0.7, source=source, color=ENGINE_COLOR)
-    fig.add_tools(HoverTool(tooltips=[("worker", "@worker"), ("tokens/s", "@tokens_per_s{0,0}")]))
+    tips = [("worker", "@worker"), ("tokens/s", "@tokens_per_s{0,0}"), ("batch occupancy", "@occupancy_pct{0}%")]
+    fig.add_tools(HoverTool(tooltips=tips))
     fig.x_range.start = 0
     fig.xaxis.axis_label = "tokens/s"
     return fig
 
 
-def _worker_table(source: Any) -> Any:
-    from bokeh.models import DataTable, NumberFormatter, TableColumn
+def workers_html(rows: list[dict[str, Any]]) -> str:
+    """The per-worker table: engine state, batch occupancy, partitions admitted and running, tokens/s, restarts."""
+    head = "".join(
+        f"<th>{h}</th>"
+        for h in ("worker", "engine", "batch occupancy", "partitions admitted / running", "tokens/s", "samples",
+                  "restarts")
+    )  # fmt: skip
+    body = "".join(
+        f'<tr data-daskgen-worker="{html.escape(r["worker"])}"><td>{html.escape(_short(r["worker"]))}</td>'
+        f"<td>{html.escape(r['state'])}</td>"
+        f"<td>{_meter(r['occupancy'])} {r['outstanding']:,} / {r['capacity']:,}</td>"
+        f"<td>{r['window']} / {r['running']}</td><td>{r['tokens_per_s']:,.0f}</td>"
+        f'<td data-daskgen="samples-{i}">{r["samples"]:,}</td><td>{r["restarts"]}</td></tr>'
+        for i, r in enumerate(rows)
+    )
+    return f'<div class="dg"><h2>Workers</h2><table class="dg-tab" data-daskgen="workers">{head}{body}</table></div>'
 
-    fmt = NumberFormatter(format="0,0")
-    columns = [
-        TableColumn(field="label", title="worker", width=150),
-        TableColumn(field="state", title="engine", width=70),
-        TableColumn(field="occupancy_pct", title="batch occupancy %", formatter=NumberFormatter(format="0")),
-        TableColumn(field="window", title="partitions admitted"),
-        TableColumn(field="running", title="running"),
-        TableColumn(field="tokens_per_s", title="tokens/s", formatter=fmt),
-        TableColumn(field="samples", title="samples", formatter=fmt),
-        TableColumn(field="restarts", title="restarts"),
-    ]
-    return DataTable(source=source, columns=columns, height=260, sizing_mode="stretch_width", index_position=None)
+
+def _meter(fraction: float) -> str:
+    """A small bar of ``fraction`` of the batch slots (full at the admission target of 2)."""
+    width = max(0.0, min(1.0, fraction / 2))
+    return (
+        f'<span class="dg-meter"><span style="width:{100 * width:.0f}%"></span></span>'
+        f"<b>{100 * fraction:.0f}%</b>"
+    )
 
 
 def _length_columns(hist: dict[str, Any]) -> dict[str, list[Any]]:
