@@ -71,9 +71,8 @@ logger = logging.getLogger(__name__)
 def drive(client: Any, run: LiveRun, tasks: Iterator[PartitionTask], info: Any = None, n_pending: int = 0) -> None:
     """Start the engines, then stream ``tasks`` through the cluster and commit each as it finishes (the
     counts go into ``run``)."""
-    from daskgen.client.engines import start_engines
-
     from daskgen.client.dashboard import DashboardLink
+    from daskgen.client.engines import start_engines
     from daskgen.client.progress import announce_page
 
     link = DashboardLink(client, run)

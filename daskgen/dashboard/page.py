@@ -29,7 +29,8 @@ _STYLE = """<style>
 .dg-cards{display:flex;flex-wrap:wrap;gap:8px}.dg-card{border:1px solid #ddd;border-radius:6px;padding:6px 12px;
 min-width:96px;background:#fafafa}.dg-card .k{font-size:11px;color:#666;text-transform:uppercase}
 .dg-card .v{font-size:22px;font-weight:600}.dg-bar{display:flex;height:14px;border-radius:4px;overflow:hidden;
-background:#cfd8dc;margin:8px 0}.dg-err td{padding:2px 8px;border-bottom:1px solid #eee;font-size:12px;vertical-align:top}
+background:#cfd8dc;margin:8px 0}
+.dg-err td{padding:2px 8px;border-bottom:1px solid #eee;font-size:12px;vertical-align:top}
 .dg-tab{border-collapse:collapse;font-size:13px}.dg-tab th{text-align:left;font-weight:600;color:#555;
 border-bottom:2px solid #ddd;padding:4px 10px}.dg-tab td{border-bottom:1px solid #eee;padding:4px 10px}
 .dg-meter{display:inline-block;width:60px;height:9px;background:#e3e8eb;border-radius:3px;margin-right:6px;
@@ -56,7 +57,8 @@ class Page:
 
     def __init__(self, scheduler: Any) -> None:
         from bokeh.layouts import column, row
-        from bokeh.models import ColumnDataSource, Div
+        from bokeh.models import ColumnDataSource
+        from bokeh.models.widgets import Div
 
         self.scheduler = scheduler
         self.header = Div(sizing_mode="stretch_width")
@@ -112,7 +114,8 @@ def header_html(snap: dict[str, Any]) -> str:
         ("load-ratio", "max/min load", _ratio(snap["load_ratio"])),
     ]
     body = "".join(
-        f'<div class="dg-card"><div class="k">{k}</div><div class="v" data-daskgen="{key}">{html.escape(str(v))}</div></div>'
+        f'<div class="dg-card"><div class="k">{k}</div>'
+        f'<div class="v" data-daskgen="{key}">{html.escape(str(v))}</div></div>'
         for key, k, v in cards
     )
     store = html.escape(str(run.get("store", "no run reported yet")))
@@ -165,11 +168,11 @@ def _ratio(value: float | None) -> str:
 
 # -- figures ----------------------------------------------------------------------------------------
 def _figure(title: str, **kwargs: Any) -> Any:
+    from bokeh.models.annotations import Title
     from bokeh.plotting import figure
 
-    fig = figure(title=title, height=260, sizing_mode="stretch_width", toolbar_location="above", **kwargs)
-    fig.title.text_font_size = "13px"
-    return fig
+    heading = Title(text=title, text_font_size="13px")
+    return figure(title=heading, height=260, sizing_mode="stretch_width", toolbar_location="above", **kwargs)
 
 
 def _throughput_figure(source: Any) -> Any:
@@ -236,10 +239,7 @@ def workers_html(rows: list[dict[str, Any]]) -> str:
 def _meter(fraction: float) -> str:
     """A small bar of ``fraction`` of the batch slots (full at the admission target of 2)."""
     width = max(0.0, min(1.0, fraction / 2))
-    return (
-        f'<span class="dg-meter"><span style="width:{100 * width:.0f}%"></span></span>'
-        f"<b>{100 * fraction:.0f}%</b>"
-    )
+    return f'<span class="dg-meter"><span style="width:{100 * width:.0f}%"></span></span><b>{100 * fraction:.0f}%</b>'
 
 
 def _length_columns(hist: dict[str, Any]) -> dict[str, list[Any]]:

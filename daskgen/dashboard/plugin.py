@@ -73,9 +73,7 @@ def page_served(dask_scheduler: Any) -> bool:
     return plugin is not None and plugin.page is not None
 
 
-def finish_run(
-    dask_scheduler: Any, report: dict[str, Any], workers: list[dict[str, Any]]
-) -> dict[str, Any] | None:
+def finish_run(dask_scheduler: Any, report: dict[str, Any], workers: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Run on the scheduler (``client.run_on_scheduler``) at the end of a run: take the workers' and the
     client's last reports and return what the run keeps in its store (:meth:`DashboardState.record`),
     or ``None`` without the plugin."""

@@ -229,7 +229,7 @@ class DashboardState:
         """What a run keeps in its store: totals per worker and a thinned throughput series."""
         t, engine, committed, prompts = self.series.columns()
         start = (self.run or {}).get("started") or (float(t[0]) if len(t) else 0.0)
-        keep = np.unique(np.linspace(0, len(t) - 1, min(len(t), RECORD_POINTS)).round().astype(int)) if len(t) else []
+        keep: list[int] = np.unique(np.linspace(0, len(t) - 1, min(len(t), RECORD_POINTS)).round()).astype(int).tolist()
         fields = ("tokens", "samples", "partitions", "restarts")
         return {
             "start": start,
