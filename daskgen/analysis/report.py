@@ -3,7 +3,8 @@
 Panels: prompts by status, response length by finish reason, throughput over time (done
 prompts and response tokens per minute, from the per-prompt ``committed_at`` commit times) and
 the run's settings; for the latest run with an engine record, engine versus committed tokens/s and the
-per-worker balance (:mod:`daskgen.analysis.report_engines`); the HTML adds length statistics, the run history and the first errors.
+per-worker balance (:mod:`daskgen.analysis.report_engines`); the HTML adds length statistics, the run
+history and the first errors.
 Drawn with matplotlib's Agg backend (no display needed); statistics come from
 :mod:`daskgen.analysis.accessor`, so the report also works while a run writes the store.
 """
