@@ -19,14 +19,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from browser import artifacts_dir, chromium, number, wait_until_shown
-from conftest import cli_env, popen_cli, write_prompts
 from distributed import LocalCluster
 
 from daskgen.analysis.accessor import open_store
 from daskgen.dashboard import page_link
 from daskgen.dashboard.metrics import RUN_TOPIC, WORKER_TOPIC
 from daskgen.dashboard.state import DashboardState, load_ratio
+from tests.browser import artifacts_dir, chromium, number, wait_until_shown
+from tests.conftest import cli_env, popen_cli, write_prompts
 
 N_PROMPTS, PARTITION, N_SAMPLES = 96, 4, 2
 HELD_ROWS = [93, 94]  # two rows of the last partition wait at the probe's gate until the test opens it
@@ -67,6 +67,20 @@ def test_state_rates_gap_balance_lengths_and_record():
     assert record["engine_tokens"] == 4000 and record["committed_tokens"] == 2000
     assert record["workers"]["tcp://b:1"]["tokens"] == 1000
     assert record["series"]["committed_tokens"][-1] == 2000 and record["series"]["seconds"][-1] == 10.0
+
+
+def test_a_run_report_waits_for_the_workers_reports_after_it():
+    """Engine and committed totals of a point refer to the same moment: a worker's tokens are interpolated
+    between its reports before and after the client's report (they tick on different clocks)."""
+    state = DashboardState()
+    state.ingest(WORKER_TOPIC, _worker_msg("tcp://a:1", 1000.5, 100))
+    state.ingest(RUN_TOPIC, _run_msg(1001.0, 1, 120, pending=99))
+    assert state.series.points == []  # no worker report after it yet
+    state.ingest(WORKER_TOPIC, _worker_msg("tcp://a:1", 1001.5, 300))
+    assert state.series.points == [(1001.0, 200.0, 120, 1)]
+    assert state.snapshot(now=1001.5)["progress"]["gap_tokens"] == 80
+    state.ingest(RUN_TOPIC, _run_msg(1002.0, 2, 300, pending=98, state="finished"))  # the last report: final
+    assert state.series.points[-1] == (1002.0, 300.0, 300, 2)
 
 
 def test_state_errors_tail_share_and_a_new_run():
