@@ -106,7 +106,13 @@ class Driver:
     def housekeeping(self) -> bool:
         """While waiting: is the scheduler still there; lock, deadline, signals (true: stop waiting now)."""
         self.watch.check()
+        self.report()
         return housekeeping(self.client, self.run, self.tasks, self.retry)
+
+    def report(self) -> None:
+        """Tell the dashboard page how the run is going (at most once per ``daskgen.dashboard.interval``)."""
+        if self.link is not None:  # daskgen.client.dashboard.DashboardLink
+            self.link.report("stopping" if self.run.stop.stopping else "generating")
 
     def stream(self, n_pending: int) -> None:
         """Submit and collect until every task finished, or a stop's grace period ended."""
@@ -140,8 +146,7 @@ class Driver:
         if not run.stop.stopping and (reason := stop_reason(run, run.response_tokens)):
             begin_stop(self.client, run, reason, self.tasks, self.retry)
         check_interrupt(self.client, run, self.tasks, self.retry)
-        if self.link is not None:  # the dashboard page (daskgen.client.dashboard)
-            self.link.report("stopping" if run.stop.stopping else "generating")
+        self.report()
         return True
 
     def next_task(self) -> PartitionTask | None:
