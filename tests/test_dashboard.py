@@ -22,7 +22,7 @@ import pytest
 from distributed import LocalCluster
 
 from daskgen.analysis.accessor import open_store
-from daskgen.dashboard import page_link
+from daskgen.dashboard import PLUGIN_NAME, DashboardPlugin, page_link
 from daskgen.dashboard.metrics import RUN_TOPIC, WORKER_TOPIC
 from daskgen.dashboard.state import DashboardState, load_ratio
 from tests.browser import artifacts_dir, chromium, number, wait_until_shown
@@ -246,11 +246,22 @@ def test_dask_scheduler_with_the_preload_serves_the_page(tmp_path):
             time.sleep(0.2)
         with Client(scheduler_file=str(scheduler_file), timeout="30s") as client:
             url = page_link(client.dashboard_link)
-        state = _state(url)
-        assert state["run"] is None and state["progress"]["state"] == "waiting for a run"
-        with urllib.request.urlopen(url, timeout=10) as answer:
-            page = answer.read().decode()
-        assert answer.status == 200 and "bokeh" in page.lower() and 'href="daskgen"' in page
+            state = _state(url)
+            assert state["run"] is None and state["progress"]["state"] == "waiting for a run"
+            with urllib.request.urlopen(url, timeout=10) as answer:
+                page = answer.read().decode()
+            assert answer.status == 200 and "bokeh" in page.lower() and 'href="daskgen"' in page
+            client.unregister_scheduler_plugin(PLUGIN_NAME)
+            with pytest.raises(urllib.error.HTTPError, match="404"):  # no plugin, no numbers
+                urllib.request.urlopen(url + "/state.json", timeout=10)
+            client.register_plugin(DashboardPlugin(), name=PLUGIN_NAME)  # registered again: the same page
+            assert _state(url)["run"] is None
+            pages = client.run_on_scheduler(  # a lambda: pickled by value for the scheduler's process
+                lambda dask_scheduler: sum(
+                    "/daskgen" in getattr(a, "app_paths", ()) for a in dask_scheduler.http_application.applications
+                )
+            )
+            assert pages == 1
     finally:
         proc.terminate()
         proc.wait(timeout=30)

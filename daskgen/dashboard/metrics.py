@@ -91,12 +91,14 @@ def run_report(run: Any, *, errors: list[tuple[int, str]], state: str) -> dict[s
     ``errors`` are ``(row, message)`` of rows that failed since the last report; ``state`` is
     ``generating``, ``stopping`` or ``finished``.
     """
+    from daskgen.redaction import redact_url
     from daskgen.store.layout import DONE, FAILED, PENDING
 
     plan, status = run.plan, run.status
+    store = redact_url(str(plan.config.store))
     return {
-        "run": f"{plan.config.store}@{run.created:.3f}",
-        "store": str(plan.config.store),
+        "run": f"{store}@{run.created:.3f}",
+        "store": store,
         "time": time.time(),
         "started": run.generating_since,
         "total": int(len(status)),

@@ -101,9 +101,13 @@ def serve_page(scheduler: Any) -> Any:
 
     from daskgen.dashboard.page import document
 
-    variables = template_variables(scheduler)
+    for existing in server.applications:  # served already (a plugin registered again): the page finds the new one
+        if f"/{PAGE}" in getattr(existing, "app_paths", ()):
+            return existing
+
+    variables = template_variables(scheduler)  # Dask's own (memoized per scheduler, shared with its pages)
     if PAGE not in variables["pages"]:
-        variables["pages"].append(PAGE)  # the navigation bar of every dashboard page links to it
+        variables["pages"].append(PAGE)  # so the navigation bar of every dashboard page links to it
     app = BokehApplication({f"/{PAGE}": document}, scheduler, template_variables=variables)
     server.add_handlers(r".*", [(rf"/{PAGE}/state\.json", StateHandler, {"dask_server": scheduler})])
     server.add_application(app)
@@ -114,9 +118,14 @@ def serve_page(scheduler: Any) -> Any:
 
 def withdraw_page(scheduler: Any, app: Any) -> None:
     """Undo :func:`serve_page` (the JSON route stays and answers 404 without the plugin)."""
+    from distributed.dashboard.scheduler import template_variables
+
     applications = getattr(scheduler.http_application, "applications", [])
     if app in applications:
         applications.remove(app)
+    pages = template_variables(scheduler)["pages"]
+    if PAGE in pages:
+        pages.remove(PAGE)
     app.stop()
 
 

@@ -156,6 +156,8 @@ class DashboardState:
         point refer to the same moment (their difference is the gap).  At the end of a run, the
         workers' last reports are final and every waiting point is added.
         """
+        if not self.pending:
+            return
         live = [w.report["time"] for w in self.workers.values() if w.report["time"] > self.latest - SILENT_AFTER_S]
         horizon = math.inf if final or not live else min(live)
         while self.pending and self.pending[0][0] <= horizon:
