@@ -22,6 +22,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
+from daskgen.engines.base import FinishReason
+
 #: Topic of the workers' engine reports.
 WORKER_TOPIC = "daskgen-dashboard-worker"
 #: Topic of the client's run reports.
@@ -30,8 +32,8 @@ RUN_TOPIC = "daskgen-dashboard-run"
 ERRORS_PER_REPORT = 5
 #: Longest error message sent (characters).
 ERROR_CHARS = 300
-#: Finish-reason names in the order the page lists them (``daskgen.engines.base.FinishReason``).
-FINISH_NAMES = ("stop", "length", "abort", "error")
+#: Finish-reason names by code (``daskgen.engines.base.FinishReason``), in the order the page lists them.
+FINISH_NAMES = tuple(reason.name.lower() for reason in FinishReason)
 
 
 class WorkerMeter:
