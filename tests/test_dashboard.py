@@ -17,6 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import dask
 import numpy as np
 import pytest
 from distributed import LocalCluster
@@ -152,7 +153,14 @@ def test_the_page_in_a_browser_during_and_after_a_run(tmp_path):
     """A run on an existing LocalCluster (worker processes): the page shows progress while it streams and,
     after it, the store's numbers; the per-worker and histogram data add up to the store's samples."""
     store, gate, shots = tmp_path / "out.zarr", tmp_path / "gate", artifacts_dir(tmp_path)
-    with LocalCluster(n_workers=2, threads_per_worker=8, processes=True, dashboard_address="127.0.0.1:0") as cluster:
+    # As daskgen's local clusters: nannies export Dask's pre-spawn environment into *this* process's
+    # os.environ, and MALLOC_TRIM_THRESHOLD_ would then reach every later worker of the test session.
+    spawn_env = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
+    spawn_env.pop("MALLOC_TRIM_THRESHOLD_", None)
+    with (
+        dask.config.set({"distributed.nanny.pre-spawn-environ": spawn_env}),
+        LocalCluster(n_workers=2, threads_per_worker=8, processes=True, dashboard_address="127.0.0.1:0") as cluster,
+    ):
         url = page_link(cluster.dashboard_link)
         proc = popen_cli(*_run_args(tmp_path, store, "--scheduler-address", cluster.scheduler_address, "--no-progress"))
         try:
