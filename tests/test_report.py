@@ -72,3 +72,30 @@ def test_cli_report_default_path(truth):
     out = truth.path.with_suffix(".report.html")
     assert res.returncode == 0 and f"report written to {out}" in res.stdout, res.stderr
     assert out.read_text().count("data:image/png;base64,") == 4
+
+
+@pytest.mark.timeout(180)
+def test_a_real_run_gets_engine_throughput_and_worker_balance_panels(tmp_path):
+    """A run on a two-worker LocalCluster keeps its engine record; the report draws it from the store."""
+    from daskgen.analysis.accessor import open_store
+    from daskgen.analysis.report_engines import ENGINE_PANELS, balance, latest_record, rates
+    from tests.conftest import simulated_run, write_prompts
+
+    store = tmp_path / "out.zarr"
+    args = [*simulated_run(max_new_tokens=32), "--n-workers", "2"]  # the later --n-workers wins
+    res = run_cli("run", "--prompts", write_prompts(tmp_path / "p.jsonl", 40), "--store", store, *args)
+    assert res.returncode == 0, res.stdout + res.stderr
+    ds = open_store(store)
+    number, record = latest_record(ds.daskgen.attrs)
+    stored_tokens = int(ds.response_length.values.sum())
+    assert number == 1 and record["engine_tokens"] == record["committed_tokens"] == stored_tokens
+    names, tokens, _ratio = balance(record)
+    assert len(names) == 2 and tokens.sum() == stored_tokens
+    assert sum(w["samples"] for w in record["workers"].values()) == 40 * 2
+    r = rates(record)
+    assert r["gap"][-1] == 0 and len(r["time"]) == len(record["series"]["seconds"]) >= 2
+    page = report.write_report(store, tmp_path / "r.html").read_text()
+    images = re.findall(r'<img alt="([^"]+)" src="data:image/png;base64,', page)
+    assert images == [*report.PANELS[:4], *ENGINE_PANELS]
+    png = report.write_report(store, tmp_path / "r.png")
+    assert png.read_bytes().startswith(PNG_MAGIC)

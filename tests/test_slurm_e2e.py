@@ -238,3 +238,39 @@ def test_slurm_worker_job_signalled_hands_back_its_partial_responses(tmp_path, m
     logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").glob("*"))
     assert "draining worker" in logs
     assert np.isin(xr.open_zarr(out).finish_reason.values[continued > 0], (0, 1)).all()
+
+
+@pytest.mark.timeout(420)
+def test_slurm_run_serves_the_daskgen_dashboard_page(tmp_path):
+    """A run on SLURM (TLS, the scheduler in its own process): the progress line prints the page's address,
+    the page in a browser shows the run going while SLURM jobs generate, and the store keeps the run's
+    engine record with both workers."""
+    import yaml
+
+    from tests.browser import artifacts_dir, chromium, number, wait_until_shown
+    from tests.conftest import popen_cli
+    from tests.test_dashboard import N_PROMPTS, _finish, _read_until, _run_args, _state, _store_truth
+
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"cluster": _spec(tmp_path, gpus_per_node=2)}))
+    store, gate = tmp_path / "out.zarr", tmp_path / "gate"
+    proc = popen_cli(*_run_args(tmp_path, store, "--config", config, "--cluster", "slurm"))
+    try:
+        url = _read_until(proc, "daskgen: live view at ", timeout=240).split("live view at ", 1)[1].strip()
+        with chromium() as browser:
+            browser.get(url)
+            shown = wait_until_shown(
+                browser, lambda v: number(v["done"]) > 0 and number(v["engine-tps"]) > 0, timeout=240
+            )
+            assert number(shown["pending"]) > 0 and shown["state"] == "generating"
+            browser.save_screenshot(str(artifacts_dir(tmp_path) / "dashboard-slurm.png"))
+        assert len(_state(url)["workers"]) == 2
+        _finish(proc, gate, timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    from daskgen.store.generation_store import read_store_attrs
+
+    record = read_store_attrs(store).runs[-1]["engines"]
+    assert record["engine_tokens"] == record["committed_tokens"] == _store_truth(store)["tokens"]
+    assert len(record["workers"]) == 2 and record["series"]["committed_prompts"][-1] == N_PROMPTS

@@ -2,7 +2,9 @@
 
 Panels: prompts by status, response length by finish reason, throughput over time (done
 prompts and response tokens per minute, from the per-prompt ``committed_at`` commit times) and
-the run's settings; the HTML adds length statistics, the run history and the first errors.
+the run's settings; for the latest run with an engine record, engine versus committed tokens/s and the
+per-worker balance (:mod:`daskgen.analysis.report_engines`); the HTML adds length statistics, the run
+history and the first errors.
 Drawn with matplotlib's Agg backend (no display needed); statistics come from
 :mod:`daskgen.analysis.accessor`, so the report also works while a run writes the store.
 """
@@ -19,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from daskgen.analysis.report_engines import ENGINE_PANELS, draw_balance, draw_engine_throughput, latest_record
 from daskgen.errors import ExportError, StoreError
 from daskgen.store.attrs import StoreAttrs
 from daskgen.store.generation_store import read_store_attrs
@@ -60,6 +63,7 @@ class ReportData:
     stats: Any  # pandas.DataFrame
     rate: Any  # pandas.DataFrame
     errors: list[tuple[int, str]]
+    engines: tuple[int, dict[str, Any]] | None = None  # (run number, engine record) of the latest recorded run
 
 
 def collect(path: str | Path) -> ReportData:
@@ -80,6 +84,7 @@ def collect(path: str | Path) -> ReportData:
         acc.length_stats(),
         acc.throughput(),
         errors,
+        latest_record(acc.attrs),
     )
 
 
@@ -227,13 +232,17 @@ def _headline(data: ReportData) -> str:
 def render_png(data: ReportData, out: Path) -> None:
     """All panels in one PNG."""
     plt = _pyplot()
-    fig = plt.figure(figsize=(15, 11), dpi=110, layout="constrained")
-    grid = fig.add_gridspec(3, 3, height_ratios=[1, 1, 0.75])
+    rows = 4 if data.engines else 3
+    fig = plt.figure(figsize=(15, 11 + 3.5 * (rows - 3)), dpi=110, layout="constrained")
+    grid = fig.add_gridspec(rows, 3, height_ratios=[1, 1, 1, 0.75][4 - rows :])
     draw_counts(fig.add_subplot(grid[0, 0]), data)
     draw_lengths(fig.add_subplot(grid[0, 1:]), data)
     draw_rate(fig.add_subplot(grid[1, :2]), data, "prompts")
     draw_rate(fig.add_subplot(grid[1, 2]), data, "tokens")
-    draw_settings(fig.add_subplot(grid[2, :]), data)
+    if data.engines:
+        draw_engine_throughput(fig.add_subplot(grid[2, :2]), data.engines)
+        draw_balance(fig.add_subplot(grid[2, 2]), data.engines)
+    draw_settings(fig.add_subplot(grid[rows - 1, :]), data)
     fig.suptitle(_headline(data), fontsize=13)
     fig.savefig(out, format="png")
     plt.close(fig)
@@ -275,6 +284,9 @@ def _image_sections(data: ReportData) -> list[str]:
         (PANELS[2], _panel_png(draw_rate, data, "prompts")),
         (PANELS[3], _panel_png(draw_rate, data, "tokens")),
     ]
+    if data.engines:
+        images.append((ENGINE_PANELS[0], _panel_png(lambda ax, d: draw_engine_throughput(ax, d.engines), data)))
+        images.append((ENGINE_PANELS[1], _panel_png(lambda ax, d: draw_balance(ax, d.engines), data)))
     return [
         f'<section><h2>{esc(title)}</h2><img alt="{esc(title)}" src="data:image/png;base64,{png}"></section>'
         for title, png in images

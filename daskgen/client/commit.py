@@ -41,6 +41,7 @@ class Outcome:
     done: list[int]
     failed: dict[int, str]
     notes: dict[int, str]
+    tokens: int = 0  # response tokens of the partition's samples
 
 
 def commit_outcomes(run: LiveRun, outcomes: list[Outcome]) -> None:
@@ -58,7 +59,9 @@ def commit_outcomes(run: LiveRun, outcomes: list[Outcome]) -> None:
         stop = min(start + rows, run.plan.layout.n_prompts)
         failed = {r: m for o in group for r, m in o.failed.items()}
         notes = {r: m for o in group for r, m in o.notes.items()}
-        commit_rows(run, start, stop, failed, done=[r for o in group for r in o.done], notes=notes)
+        done = [r for o in group for r in o.done]
+        commit_rows(run, start, stop, failed, done=done, notes=notes)
+        run.count_committed(len(done) + len(failed), sum(o.tokens for o in group), failed)
 
 
 def commit_rows(

@@ -73,21 +73,29 @@ logger = logging.getLogger(__name__)
 def drive(client: Any, run: LiveRun, tasks: Iterator[PartitionTask], info: Any = None, n_pending: int = 0) -> None:
     """Start the engines, then stream ``tasks`` through the cluster and commit each as it finishes (the
     counts go into ``run``)."""
+    from daskgen.client.dashboard import DashboardLink
     from daskgen.client.engines import start_engines
+    from daskgen.client.progress import announce_page
 
+    link = DashboardLink(client, run)
+    announce_page(link.url, enabled=run.plan.config.progress)
+    link.report("starting engines", force=True)
     start_engines(client, run.plan.config, run.stop.interrupt)
     record_engine(client, run.plan)
     run.generating()
-    Driver(client, run, tasks, info).stream(n_pending)
+    Driver(client, run, tasks, info, link).stream(n_pending)
+    run.engine_record = link.finish()
 
 
 class Driver:
     """One run's streaming loop: the partitions in flight, retries, the windows and the commit batch."""
 
-    def __init__(self, client: Any, run: LiveRun, tasks: Iterator[PartitionTask], info: Any = None) -> None:
+    def __init__(
+        self, client: Any, run: LiveRun, tasks: Iterator[PartitionTask], info: Any = None, link: Any = None
+    ) -> None:
         from daskgen.client.engines import check_engines
 
-        self.client, self.run, self.tasks, self.info = client, run, tasks, info
+        self.client, self.run, self.tasks, self.info, self.link = client, run, tasks, info, link
         self.retry: list[PartitionTask] = []
         self.futures: dict[Any, PartitionTask] = {}
         self.watch = SchedulerWatch(client)
@@ -109,7 +117,13 @@ class Driver:
     def housekeeping(self) -> bool:
         """While waiting: is the scheduler still there; lock, deadline, signals (true: stop waiting now)."""
         self.watch.check()
+        self.report()
         return housekeeping(self.client, self.run, self.tasks, self.retry)
+
+    def report(self) -> None:
+        """Tell the dashboard page how the run is going (at most once per ``daskgen.dashboard.interval``)."""
+        if self.link is not None:  # daskgen.client.dashboard.DashboardLink
+            self.link.report("stopping" if self.run.stop.stopping else "generating")
 
     def stream(self, n_pending: int) -> None:
         """Submit and collect until every task finished, or a stop's grace period ended."""
@@ -143,6 +157,7 @@ class Driver:
         if not run.stop.stopping and (reason := stop_reason(run, run.response_tokens)):
             begin_stop(self.client, run, reason, self.tasks, self.retry)
         check_interrupt(self.client, run, self.tasks, self.retry)
+        self.report()
         return True
 
     def next_task(self) -> PartitionTask | None:
@@ -207,7 +222,7 @@ class Driver:
         failed = {r: m for r, m in result.failed.items() if r not in result.aborted} | given_up
         self.run.count_result(result, len(finished) + len(failed))
         bar.update(len(finished) + len(failed), result.response_tokens, len(failed))
-        return Outcome(task.start, task.stop, finished, failed, result.notes)
+        return Outcome(task.start, task.stop, finished, failed, result.notes, result.response_tokens)
 
     def requeue_aborted(self, rows: list[int]) -> tuple[list[int], dict[int, str]]:
         """Split aborted rows into those requeued again and those aborted too often (row -> error)."""

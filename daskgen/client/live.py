@@ -81,6 +81,11 @@ class LiveRun:
     partial_starts: set[int] = field(default_factory=set)  # partitions left with partial responses
     generating_since: float | None = None
     aborts: dict[int, int] = field(default_factory=dict)  # row -> times requeued after an abort
+    created: float = field(default_factory=time.time)  # names the run on the dashboard
+    committed_prompts: int = 0  # committed by this run (done or failed)
+    committed_tokens: int = 0  # response tokens of the partitions this run committed
+    new_failures: list[tuple[int, str]] = field(default_factory=list)  # committed failed, not yet reported
+    engine_record: dict[str, Any] | None = None  # engine vs committed tokens and per-worker totals (dashboard)
 
     def __post_init__(self) -> None:
         if len(self.commit_seq) != len(self.status):  # a store without commit sequence numbers yet
@@ -97,6 +102,17 @@ class LiveRun:
         self.status[start : start + len(status)] = status
         self.commit_seq[start : start + len(seq)] = seq
         self.last_seq = max(self.last_seq, int(seq.max(initial=0)))
+
+    def count_committed(self, prompts: int, tokens: int, failed: dict[int, str]) -> None:
+        """A commit covered ``prompts`` rows with ``tokens`` response tokens; ``failed`` rows with their errors."""
+        self.committed_prompts += prompts
+        self.committed_tokens += tokens
+        self.new_failures += list(failed.items())[:100]
+
+    def take_new_failures(self) -> list[tuple[int, str]]:
+        """The failed rows committed since the last call (for the dashboard's recent errors)."""
+        out, self.new_failures = self.new_failures, []
+        return out
 
     def count_result(self, result: PartitionResult, prompts: int) -> None:
         """Count a finished partition: ``prompts`` generated (done or failed), its tokens, what it carried

@@ -1,4 +1,4 @@
-"""Progress bar for a run: prompts done, prompts/s, generated tokens/s, ETA (tqdm)."""
+"""Progress bar for a run: prompts done, prompts/s, generated tokens/s, ETA (tqdm), and the live view's address."""
 
 from __future__ import annotations
 
@@ -6,6 +6,12 @@ import time
 from types import TracebackType
 
 from tqdm.auto import tqdm
+
+
+def announce_page(url: str | None, *, enabled: bool = True) -> None:
+    """Print the address of the run's page on the Dask dashboard above the progress bars."""
+    if url and enabled:
+        tqdm.write(f"daskgen: live view at {url}")
 
 
 class Progress:

@@ -31,6 +31,8 @@ class RunSummary:
     carried_tokens: int = 0
     tail_share: float | None = None
     peak_prompts_in_flight: int = 0
+    #: Engine vs committed tokens over the run and per-worker totals, from the dashboard plugin (or ``None``).
+    engines: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -89,4 +91,5 @@ def summarize(run: LiveRun, seconds: float) -> RunSummary:
         carried_tokens=run.carried_tokens,
         tail_share=None if run.generating_since is None else tail_share(run.committed_at, run.generating_since),
         peak_prompts_in_flight=run.peak_prompts,
+        engines=run.engine_record,
     )

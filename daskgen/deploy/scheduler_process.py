@@ -17,7 +17,8 @@ runs a :class:`distributed.Scheduler` with
   meant for the client, which then drains the workers and commits their partial responses *through*
   the scheduler before it exits; the client ends the scheduler (Dask's ``terminate`` call, SIGKILL if
   that fails), and the scheduler closes itself once the client process is gone;
-* its log in a private temporary directory, quoted when it fails to start or exits unexpectedly.
+* its log in a private temporary directory, quoted when it fails to start or exits unexpectedly;
+* daskgen's page on its dashboard (:mod:`daskgen.dashboard`) from the start.
 
 Used with ``cluster.scheduler_process`` (default ``true`` for SLURM/PBS, ``false`` for local).
 """
@@ -256,6 +257,7 @@ async def _serve(spec: dict[str, Any]) -> None:
         )
     )
     async with Scheduler(security=security, **spec) as scheduler:
+        await _add_dashboard_page(scheduler)
         while True:
             try:
                 await asyncio.wait_for(asyncio.shield(scheduler.finished()), PARENT_CHECK_S)
@@ -266,6 +268,16 @@ async def _serve(spec: dict[str, Any]) -> None:
                     await scheduler.close(reason="client process gone")
                     shutil.rmtree(Path(spec["scheduler_file"]).parent, ignore_errors=True)  # nobody else will
                     return
+
+
+async def _add_dashboard_page(scheduler: Any) -> None:
+    """Serve daskgen's dashboard page from the start (:mod:`daskgen.dashboard`); a run reuses the plugin."""
+    from daskgen.dashboard import dask_setup
+
+    try:
+        await dask_setup(scheduler)
+    except Exception:  # the page is a view: the scheduler serves the run without it
+        logger.warning("daskgen's dashboard page could not be added", exc_info=True)
 
 
 if __name__ == "__main__":

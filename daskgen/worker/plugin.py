@@ -21,8 +21,10 @@ from typing import Any
 from distributed import WorkerPlugin
 
 from daskgen import tunables
+from daskgen.dashboard.metrics import WORKER_TOPIC, WorkerMeter
 from daskgen.errors import EngineError
 from daskgen.worker.admission import (  # noqa: F401 - resolve_window and the bounds are part of this module's API
+    AUTO_DEFAULT_CAPACITY,
     AUTO_MAX_WINDOW,
     AUTO_MIN_WINDOW,
     WINDOW_TOPIC,
@@ -96,6 +98,8 @@ class EnginePlugin(WorkerPlugin):
         self.outstanding = 0  # their samples not finished yet (requests running or queued in the engine)
         self._leaving: asyncio.Task | None = None
         self._admitter: asyncio.Task | None = None
+        self._reporter: asyncio.Task | None = None
+        self.meter = WorkerMeter()  # what the dashboard shows of this worker (daskgen.dashboard.metrics)
 
     @property
     def ready_event(self) -> asyncio.Event:
@@ -117,6 +121,8 @@ class EnginePlugin(WorkerPlugin):
         self._worker = worker
         self._ready = asyncio.Event()
         self._starter = asyncio.create_task(self._start())
+        if tunables.get("dashboard.enabled"):
+            self._reporter = asyncio.create_task(self._report_metrics())
         install_worker_hooks(worker, self)
 
     async def _start(self) -> None:
@@ -182,6 +188,24 @@ class EnginePlugin(WorkerPlugin):
         """Tell the client (subscribed to :data:`WINDOW_TOPIC`) how many partitions this worker admits."""
         self._worker.log_event(WINDOW_TOPIC, {"worker": self._worker.address, "window": self.resolved_window})
 
+    async def _report_metrics(self) -> None:
+        """Publish this worker's engine counts for the dashboard once per ``daskgen.dashboard.interval``."""
+        while True:
+            await asyncio.sleep(tunables.seconds("dashboard.interval"))
+            self._worker.log_event(WORKER_TOPIC, self.metrics_report())
+
+    def metrics_report(self) -> dict[str, Any]:
+        """This worker's message for the dashboard (:meth:`daskgen.dashboard.metrics.WorkerMeter.report`)."""
+        engine = self.live_engine()
+        return self.meter.report(
+            self._worker.address,
+            state=self.state.value,
+            outstanding=self.outstanding,
+            capacity=(engine.capacity or AUTO_DEFAULT_CAPACITY) if engine is not None else 0,
+            window=self.resolved_window,
+            running=self.running,
+        )
+
     async def get_engine(self) -> Any:
         """The started engine; raises :class:`EngineError` when it failed or is restarting."""
         await self.ready_event.wait()
@@ -201,6 +225,7 @@ class EnginePlugin(WorkerPlugin):
         # Partitions that arrive meanwhile wait in get_engine().  (Dropping the resource to 0
         # here would strand retried tasks: the scheduler does not revisit them when it returns.)
         self.state, self.error = PluginState.RESTARTING, reason
+        self.meter.restarted(reason)
         self.ready_event.clear()
         await _quietly_shutdown(self.engine)
         self._starter = asyncio.create_task(self._start())
@@ -241,6 +266,7 @@ class EnginePlugin(WorkerPlugin):
         finally:
             slot.release()
             self.running -= 1
+            self.meter.partitions += 1
 
     def leave_on_sigterm(self, worker: Any) -> None:
         """SIGTERM to this worker's process: hand back in-flight work, then leave; a second SIGTERM closes now."""
@@ -311,7 +337,7 @@ class EnginePlugin(WorkerPlugin):
 
     async def teardown(self, worker: Any) -> None:
         """Shut the engine down when the worker closes or the plugin is replaced."""
-        for task in (self._starter, self._admitter):
+        for task in (self._starter, self._admitter, self._reporter):
             if task is not None and not task.done():
                 task.cancel()
         await _quietly_shutdown(self.engine)
@@ -348,6 +374,12 @@ def engine_description(dask_worker: Any) -> dict[str, Any] | None:
     if plugin is None or plugin.state is not PluginState.READY:
         return None
     return plugin.engine.describe()
+
+
+def metrics_report(dask_worker: Any) -> dict[str, Any] | None:
+    """Run on a worker via ``client.run`` at the end of a run: its last dashboard report, or ``None``."""
+    plugin = dask_worker.plugins.get(PLUGIN_NAME)
+    return None if plugin is None else plugin.metrics_report()
 
 
 def plugin_status(dask_worker: Any) -> dict[str, Any]:

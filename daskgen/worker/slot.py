@@ -2,7 +2,8 @@
 
 :meth:`daskgen.worker.plugin.EnginePlugin.partition` opens a :class:`PartitionSlot` for each
 partition task: the slot counts the partition in the plugin's running partitions and its samples in
-the plugin's outstanding samples (what ``window: auto`` reads), hands out the engine (registered so a
+the plugin's outstanding samples (what ``window: auto`` reads) and finished samples in its meter (what
+the dashboard shows), hands out the engine (registered so a
 run-level stop or a drain can abort its requests), and gives everything back when the partition ends,
 however it ends.  Partition code reaches the plugin only through its slot and the plugin's public
 methods.
@@ -11,14 +12,12 @@ methods.
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
-from daskgen.agents import EngineHandle
+from daskgen.agents import EngineHandle, Trajectory
 
 if TYPE_CHECKING:
     from daskgen.worker.plugin import EnginePlugin
-
-T = TypeVar("T")
 
 
 class PartitionSlot:
@@ -47,10 +46,12 @@ class PartitionSlot:
             await handle.abort_all()
         return handle
 
-    async def counted(self, sample: Awaitable[T]) -> T:
-        """Await one sample and count it finished however it ends."""
+    async def counted(self, sample: Awaitable[list[Trajectory]]) -> list[Trajectory]:
+        """Await one sample and count it finished however it ends (its tokens go to the plugin's meter)."""
         try:
-            return await sample
+            trajectories = await sample
+            self.plugin.meter.record(trajectories)
+            return trajectories
         finally:
             if self.left > 0:
                 self.left -= 1
