@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -43,10 +44,13 @@ def _engine_cores(root: int) -> list[psutil.Process]:
     return found
 
 
-def _wait_for_core(root: int, exclude: set[int], timeout: float = 900) -> psutil.Process:
+def _wait_for_core(run: subprocess.Popen, exclude: set[int], timeout: float = 900) -> psutil.Process:
+    """The run's vLLM EngineCore other than ``exclude``, once it appears (fails when the run ends first)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        fresh = [p for p in _engine_cores(root) if p.pid not in exclude]
+        if run.poll() is not None:
+            raise AssertionError(f"the run ended (exit {run.returncode}) first:\n{run.stdout.read()[-6000:]}")
+        fresh = [p for p in _engine_cores(run.pid) if p.pid not in exclude]
         if fresh:
             return fresh[0]
         time.sleep(0.5)
@@ -80,11 +84,11 @@ def test_engine_core_killed_mid_run_is_restarted_and_the_run_completes(tmp_path:
         *("--partition-size", "4", "--window", "1", "--max-retries", "3", "--n-workers", "1", "--no-progress"),
     )
     try:
-        first = _wait_for_core(run.pid, set())
+        first = _wait_for_core(run, set())
         _wait_for_some_done(out, run, minimum=8, timeout=900)
         before = _done_rows(out)
         first.kill()
-        second = _wait_for_core(run.pid, {first.pid})
+        second = _wait_for_core(run, {first.pid})
         output, _ = run.communicate(timeout=1200)
     finally:
         if run.poll() is None:
