@@ -24,7 +24,9 @@ How it works
   registered the request is remembered and applied at its first output.  A cancelled caller
   (a cancelled Dask task) cancels the collecting coroutine, and vLLM aborts the request.
 * **Crashes.**  When the ``EngineCore`` process dies, vLLM raises ``EngineDeadError``: requests
-  then return an error and :meth:`VLLMEngine.health` raises, so the plugin restarts the engine.
+  then return an error, :meth:`VLLMEngine.crash` names the cause (so the partition fails as a whole
+  and is retried, see :meth:`~daskgen.engines.base.Engine.died`) and :meth:`VLLMEngine.health`
+  raises, so the plugin restarts the engine.
 * **Daemonic workers.**  vLLM starts subprocesses, which a daemonic process may not have;
   :meth:`VLLMEngine.start` refuses with the fix (as the sglang engine does).
 * **CPU.**  Without CUDA the engine defaults to :data:`CPU_DEFAULTS` (eager mode, no chunked
