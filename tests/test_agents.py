@@ -227,3 +227,43 @@ def test_a_request_whose_engine_was_shut_down_for_a_restart_ends_abort_not_faile
     assert on_live.finish_reason == FinishReason.ERROR and "closed" in on_live.error
     assert replaced.finish_reason == FinishReason.ABORT and replaced.error is None and replaced.logprobs == []
     assert after_restart.finish_reason == FinishReason.ABORT
+
+
+def test_a_request_whose_engine_died_raises_so_the_partition_is_retried():
+    """An error answer from a running engine whose backend died (its ``crash()`` hook says so, as vLLM's
+    does once its EngineCore process is gone) is not the request's fault: the handle raises, so the
+    partition fails, the worker restarts the engine and Dask retries it.  A bad request to a live engine,
+    or a request to an engine that was shut down, stays an error answer."""
+    from daskgen.engines.base import error_result
+    from daskgen.engines.simulated import SimulatedEngine
+    from daskgen.errors import EngineError
+
+    class DyingEngine(SimulatedEngine):
+        """Test double: the simulated engine whose backend can be declared dead (``death``)."""
+
+        death: str | None = None
+
+        def crash(self):
+            return self.death
+
+        async def generate(self, request):
+            if self.death is not None:
+                return error_result(request, f"crashed: {self.death}")
+            return await super().generate(request)
+
+    async def scenario():
+        engine = DyingEngine("sim", time_scale=0)
+        await engine.start()
+        handle = EngineHandle(engine, live=lambda: engine)
+        params = SamplingParams(max_new_tokens=4)
+        bad = await handle.generate("p0-s0", [10**9], params)  # out of vocabulary: the request's fault
+        engine.death = "its EngineCore process exited"
+        with pytest.raises(EngineError, match="died while request 'p1-s0' ran: its EngineCore process exited"):
+            await handle.generate("p1-s0", [5, 6], params)
+        await engine.shutdown()
+        closed = await handle.generate("p2-s0", [5, 6], params)
+        return bad, closed
+
+    bad, closed = asyncio.run(scenario())
+    assert bad.finish_reason == FinishReason.ERROR and "vocab" in bad.error, bad
+    assert closed.finish_reason == FinishReason.ERROR, closed

@@ -144,6 +144,28 @@ def test_overhead(tmp_path, tiny_model):
     assert "same engine on a Dask worker" in out
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize(
+    "engine", [pytest.param("sglang", marks=pytest.mark.sglang), pytest.param("vllm", marks=pytest.mark.vllm)]
+)
+def test_overhead_engine_part_with_sglang_and_vllm(tmp_path, engine):
+    """``--part engine --engine sglang|vllm`` in its lane: both sides run and the ratio is printed."""
+    if engine == "vllm":
+        from tests.test_engine_vllm import tiny_model_path
+    else:
+        from tests.test_engine_sglang import tiny_model_path
+    out, text = run_script(
+        "overhead.py",
+        tmp_path,
+        *("--part", "engine", "--engine", engine, "--repeats", "1", "--model", tiny_model_path()),
+        *("--engine-prompts", "4", "--engine-samples", "1", "--engine-max-new-tokens", "8"),
+        *("--max-requests", "4", "--engine-partition-size", "2"),
+        timeout=1400,
+    )
+    assert f"daskgen / direct tokens/s, `{engine}` engine" in out and "load avg (1 min) at start" in text
+
+
 @pytest.mark.timeout(240)
 def test_storage(tmp_path):
     out, _ = run_script(

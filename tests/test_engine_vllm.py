@@ -106,6 +106,21 @@ def test_launch_kwargs_cpu_defaults() -> None:
     assert CPU_DEFAULTS == {"enforce_eager": True, "enable_chunked_prefill": False}
 
 
+def test_vllm_processes_start_without_the_workers_thread_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU vLLM sizes its processes' threads itself; a Dask worker's OMP_NUM_THREADS would override it."""
+    import os
+
+    from daskgen.engines.vllm import vllm_thread_environment
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    with vllm_thread_environment(cuda=False):
+        assert "OMP_NUM_THREADS" not in os.environ and "MKL_NUM_THREADS" not in os.environ
+    assert os.environ["OMP_NUM_THREADS"] == "2" and "MKL_NUM_THREADS" not in os.environ
+    with vllm_thread_environment(cuda=True):
+        assert os.environ["OMP_NUM_THREADS"] == "2"
+
+
 def test_unknown_engine_args_suggest_close_matches() -> None:
     valid = ["tensor_parallel_size", "max_num_seqs", "dtype"]
     check_engine_args({"dtype": "float32"}, valid)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daskgen.engines.base import Engine, FinishReason, GenerationRequest, GenerationResult, SamplingParams
+from daskgen.errors import EngineError
 
 
 @dataclass
@@ -67,7 +68,10 @@ class EngineHandle:
     ``live`` (the worker's :meth:`~daskgen.worker.plugin.EnginePlugin.live_engine`) tells whether the engine
     a request went to is still the worker's running engine.  A request that errors or raises because
     its engine was shut down for a restart meanwhile (a crash caused by another request) ends
-    ``abort`` — its row is requeued — instead of failing its row as a bad request would.
+    ``abort`` — its row is requeued — instead of failing its row as a bad request would.  A request that
+    errors because the backend of the running engine died (:meth:`~daskgen.engines.base.Engine.died`,
+    e.g. vLLM's ``EngineCore`` process was killed) raises :class:`~daskgen.errors.EngineError`: its
+    partition fails, the worker restarts the engine and Dask retries the partition.
     """
 
     def __init__(self, engine: Engine, live: Callable[[], Engine | None] | None = None) -> None:
@@ -92,6 +96,8 @@ class EngineHandle:
             self.in_flight.discard(request_id)
         if result.finish_reason == FinishReason.ERROR and self._replaced(engine):
             return _aborted(request_id, params)
+        if result.finish_reason == FinishReason.ERROR and (death := engine.died()) is not None:
+            raise EngineError(f"{engine.name} engine died while request {request_id!r} ran: {death}")
         return result
 
     def _replaced(self, engine: Engine) -> bool:

@@ -289,6 +289,18 @@ class Engine(abc.ABC):
         already released backend.
         """
 
+    def crash(self) -> str | None:
+        """Hook: what killed the backend while running, or ``None`` while it is alive (or when the engine
+        cannot tell)."""
+        return None
+
+    def died(self) -> str | None:
+        """Why the backend of this started engine died (its :meth:`crash`), or ``None``: alive, never
+        started, or shut down.  A request that fails because its engine died is not the request's fault."""
+        if self.status not in (EngineStatus.RUNNING, EngineStatus.CRASHED):
+            return None
+        return self.crash()
+
     def not_serving(self) -> str | None:
         """Why the engine cannot take requests now, or ``None`` when it can."""
         if self.status is not EngineStatus.RUNNING:

@@ -126,7 +126,8 @@ class InProcessEngine(Engine):
     """Base of the engines whose backend runs inside the worker process (see the module docstring).
 
     A subclass implements :meth:`~daskgen.engines.base.Engine.load`/``unload``, ``generate`` and
-    ``abort``, and, where they apply, the hooks :meth:`crash`, :meth:`requests_in_flight` and
+    ``abort``, and, where they apply, the hooks :meth:`~daskgen.engines.base.Engine.crash`,
+    :meth:`requests_in_flight` and
     :meth:`set_memory`.  It fills :attr:`info` with the backend's identity when it loads.
     """
 
@@ -160,10 +161,6 @@ class InProcessEngine(Engine):
         return f"{self.name} engine for {self.model!r}"
 
     # ------------------------------------------------------------------ serving
-
-    def crash(self) -> str | None:
-        """Hook: what killed the backend while running, or ``None`` while it is alive."""
-        return None
 
     def not_serving(self) -> str | None:
         """Not running, crashed, or asleep: why requests are refused now (``None`` when serving)."""

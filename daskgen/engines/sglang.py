@@ -27,7 +27,9 @@ How it works
   generated so far.
 * **Crashes.**  sglang runs its scheduler and detokenizer as subprocesses.  A monitor on the
   engine's loop notices when one of them exits; in-flight and later requests then get an
-  error and :meth:`SGLangEngine.health` raises, so the plugin restarts the engine.  A failing
+  error, :meth:`SGLangEngine.crash` names the cause (so the partition fails as a whole and is
+  retried, see :meth:`~daskgen.engines.base.Engine.died`) and :meth:`SGLangEngine.health` raises,
+  so the plugin restarts the engine.  A failing
   sglang subprocess also sends ``SIGQUIT`` to its parent, i.e. the Dask worker process, whose
   default action kills it (sglang only installs its own handler when ``sglang.Engine`` is
   created on the main thread, which it is not here).  :meth:`SGLangEngine.start` installs a

