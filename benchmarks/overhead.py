@@ -211,7 +211,12 @@ ENGINE_ARGS: dict[str, Any] = {
         "num_threads": a.threads,
     },
     "sglang": lambda a: {"device": "cpu", "dtype": "float32", "max_running_requests": a.max_requests},
-    "vllm": lambda a: {"dtype": "float32", "max_model_len": 2048, "max_num_seqs": a.max_requests},
+    "vllm": lambda a: {
+        "dtype": "float32",
+        "max_model_len": 2048,
+        "max_num_seqs": a.max_requests,
+        "gpu_memory_utilization": 0.5,
+    },
 }
 
 
