@@ -25,6 +25,7 @@ import pytest
 
 import daskgen
 from daskgen.analysis.accessor import open_store
+from daskgen.client.interrupt import EXIT_INTERRUPTED
 from tests.conftest import REPO, cli_env, popen_cli, run_cli, write_prompts
 from tests.test_object_store import s3, s3_server  # noqa: F401 - the moto server and bucket fixtures
 
@@ -142,6 +143,34 @@ def test_a_killed_trainer_consumes_every_sample_of_a_live_run_exactly_once(tmp_p
 def test_a_killed_trainer_consumes_a_live_run_on_s3_exactly_once(tmp_path, s3):  # noqa: F811
     bucket, _ = s3
     follow_beside_a_run(tmp_path, f"s3://{bucket}/out.zarr")
+
+
+def test_a_trainer_follows_an_interrupted_and_resumed_run_exactly_once(tmp_path):
+    """The run is stopped (SIGTERM, exit 3) while the consumer follows it: the consumer ends with prompts still
+    pending; the rerun finishes the job and the restarted consumer receives exactly the samples it lacked."""
+    prompts = write_prompts(tmp_path / "p.jsonl", 120)
+    store = str(tmp_path / "out.zarr")
+    out, log = tmp_path / "batches", tmp_path / "consumer.log"
+    run = popen_cli("run", "--prompts", prompts, "--store", store, *LIVE_RUN)
+    consumer = start_consumer(store, out, log)
+    try:
+        wait_until(lambda: count(log, "acked") >= 2, "two acknowledged batches")
+        os.kill(run.pid, signal.SIGTERM)
+        output, _ = run.communicate(timeout=200)
+        assert run.returncode == EXIT_INTERRUPTED, output
+        assert consumer.wait(timeout=200) == 0
+        stopped = events(log)[-1]
+        assert stopped["event"] == "end" and stopped["pending"] > 0, stopped
+        rerun = run_cli("run", "--prompts", prompts, "--store", store, *LIVE_RUN, timeout=200)
+        assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+        consumer = start_consumer(store, out, log)
+        assert consumer.wait(timeout=200) == 0
+    finally:
+        for proc in (run, consumer):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert events(log)[-1] == {**events(log)[-1], "event": "end", "pending": 0}
+    check_exactly_once(store, out, log)
 
 
 def test_cli_follow_writes_each_sample_once_into_a_parquet_folder_across_a_kill(tmp_path):
