@@ -15,9 +15,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from selenium import webdriver
-from selenium.webdriver.chrome.service import Service
-
 #: Environment variable naming the folder that keeps screenshots.
 ARTIFACTS_ENV = "DASKGEN_TEST_ARTIFACTS"
 
@@ -43,6 +40,10 @@ def artifacts_dir(tmp_path: Path) -> Path:
 @contextlib.contextmanager
 def chromium(width: int = 1600, height: int = 1250) -> Iterator[Any]:
     """A headless Chromium (the system's browser and driver; nothing is downloaded)."""
+    # plain imports, inside: the sglang/vllm lanes collect tests/test_dashboard.py without selenium installed
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
     options = webdriver.ChromeOptions()
     options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
