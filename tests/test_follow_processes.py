@@ -169,7 +169,8 @@ def test_a_trainer_follows_an_interrupted_and_resumed_run_exactly_once(tmp_path)
         for proc in (run, consumer):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-    assert events(log)[-1] == {**events(log)[-1], "event": "end", "pending": 0}
+    finished = events(log)[-1]
+    assert finished["event"] == "end" and finished["pending"] == 0, finished
     check_exactly_once(store, out, log)
 
 
