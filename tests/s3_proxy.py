@@ -2,11 +2,14 @@
 
 Test double, labelled: it forwards every request unchanged to the server behind it and, for a seeded
 share of them, answers as a struggling object store would instead: ``503 SlowDown``, ``500
-InternalError``, a connection reset without an answer (reads only: the object-store client retries a
-read whose connection dropped, but not a write, which may have landed), or an answer delayed by
-``slow_s``.  It can also
+InternalError``, a connection reset without an answer, or an answer delayed by ``slow_s``.  Resets hit
+reads only, unless ``reset_writes`` is set: then a PUT that draws a fault is reset instead, either
+before it is forwarded (``reset-put``: the write never reached the server) or after the server stored
+it (``reset-after-put``: the write landed, its answer is lost).  It can also
 stand in for the credential check moto skips (``403 InvalidAccessKeyId`` for one access key id), and an
-outage mode fails every request until it is lifted.  What it injected is counted per kind, so a test can
+outage mode fails every request until it is lifted (set ``outage``, or ``outage_after = (fragment, n)``
+to begin it right after the ``n``-th forwarded PUT whose path holds ``fragment``: mid-run, whatever the
+machine's speed).  What it injected is counted per kind, so a test can
 show that each fault really happened.
 """
 
@@ -37,11 +40,22 @@ _BAD_KEY = (
 class FaultProxy:
     """Forwards to ``upstream`` (``http://host:port``); see the module docstring for the faults."""
 
-    def __init__(self, upstream: str, share: float = 0.0, seed: int = 0, slow_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        share: float = 0.0,
+        seed: int = 0,
+        slow_s: float = 0.5,
+        reset_writes: bool = False,
+        methods: tuple[str, ...] = ("GET", "HEAD", "PUT", "POST", "DELETE"),
+    ) -> None:
+        self.methods = methods  # only requests of these methods get faults
         self.upstream = urllib.parse.urlsplit(upstream)
+        self.reset_writes = reset_writes
         self.share, self.slow_s = share, slow_s
         self.random = random.Random(seed)
         self.outage = False
+        self.outage_after: tuple[str, int] | None = None
         self.refused_key: str | None = None
         self.injected: collections.Counter[str] = collections.Counter()
         self.forwarded = 0
@@ -49,6 +63,15 @@ class FaultProxy:
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def _count_towards_outage(self, method: str, path: str) -> None:
+        if self.outage_after is None or method != "PUT" or self.outage_after[0] not in path:
+            return
+        fragment, left = self.outage_after
+        if left <= 0:  # the n-th matching PUT went through: every request from here on fails
+            self.outage, self.outage_after = True, None
+        else:
+            self.outage_after = (fragment, left - 1)
 
     @property
     def url(self) -> str:
@@ -63,15 +86,18 @@ class FaultProxy:
         self._server.shutdown()
         self._server.server_close()
 
-    def pick_fault(self, method: str, authorization: str) -> str | None:
+    def pick_fault(self, method: str, authorization: str, path: str = "") -> str | None:
         """The fault to inject for one request, or ``None`` to forward it."""
         with self._lock:
+            self._count_towards_outage(method, path)
             if self.refused_key and f"Credential={self.refused_key}/" in authorization:
                 fault = "bad-key"
             elif self.outage:
                 fault = "outage"
-            elif self.random.random() < self.share:
+            elif method in self.methods and self.random.random() < self.share:
                 fault = self.random.choice(FAULTS if method in ("GET", "HEAD") else FAULTS[:2] + FAULTS[3:])
+                if self.reset_writes and method == "PUT":
+                    fault = self.random.choice(("reset-put", "reset-after-put"))
             else:
                 self.forwarded += 1
                 return None
@@ -89,13 +115,11 @@ class FaultProxy:
 
             def _relay(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                fault = proxy.pick_fault(self.command, self.headers.get("Authorization", ""))
-                if fault == "reset":
-                    linger = b"\x01\x00\x00\x00\x00\x00\x00\x00"  # close with RST, not FIN
-                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
-                    self.close_connection = True
-                    self.connection.close()
-                    return
+                fault = proxy.pick_fault(self.command, self.headers.get("Authorization", ""), self.path)
+                if fault == "reset-after-put":
+                    self._forward(body, answer=False)
+                if fault in ("reset", "reset-put", "reset-after-put"):
+                    return self._reset()
                 if fault in ("slowdown", "outage"):
                     return self._answer(503, _SLOWDOWN)
                 if fault == "internal":
@@ -106,22 +130,30 @@ class FaultProxy:
                     time.sleep(proxy.slow_s)
                 self._forward(body)
 
-            def _forward(self, body: bytes) -> None:
+            def _reset(self) -> None:
+                linger = b"\x01\x00\x00\x00\x00\x00\x00\x00"  # close with RST, not FIN
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+                self.close_connection = True
+                self.connection.close()
+
+            def _forward(self, body: bytes, answer: bool = True) -> None:
                 up = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
                 up.request(self.command, self.path, body=body if body else None, headers=headers)
-                answer = up.getresponse()
-                data = answer.read()
-                self.send_response(answer.status, answer.reason)
-                for key, value in answer.getheaders():
+                reply = up.getresponse()
+                data = reply.read()
+                up.close()
+                if not answer:
+                    return
+                self.send_response(reply.status, reply.reason)
+                for key, value in reply.getheaders():
                     if key.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(key, value)
-                length = answer.getheader("Content-Length") if self.command == "HEAD" else None
+                length = reply.getheader("Content-Length") if self.command == "HEAD" else None
                 self.send_header("Content-Length", length or str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
-                up.close()
 
             def _answer(self, status: int, body: bytes) -> None:
                 self.send_response(status)

@@ -256,9 +256,10 @@ class GenerationStore:
 
     def _write_attrs(self) -> None:
         zarr, target = import_zarr(), self.location.zarr_store()
-        group = zarr.open_group(target, mode="r+")
-        group.attrs[ATTRS_KEY] = self.attrs.to_json()
-        zarr.consolidate_metadata(target)
+        with self.write_errors("writing the attrs (run history, settings)"):
+            group = zarr.open_group(target, mode="r+")
+            group.attrs[ATTRS_KEY] = self.attrs.to_json()
+            zarr.consolidate_metadata(target)
 
     def add_missing_arrays(self) -> list[str]:
         """Create arrays of the layout that an older store lacks (client only, under the lock).

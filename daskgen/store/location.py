@@ -211,9 +211,9 @@ class ObjectLocation(StoreLocation):
 
     def zarr_store(self, read_only: bool = False) -> Any:
         if read_only not in self._zarr:
-            from zarr.storage import ObjectStore
+            from daskgen.store.object_retry import RetryingObjectStore
 
-            self._zarr[read_only] = ObjectStore(self.store, read_only=read_only)
+            self._zarr[read_only] = RetryingObjectStore(self.store, read_only=read_only)
         return self._zarr[read_only]
 
     def read_bytes(self, key: str) -> bytes | None:
@@ -239,10 +239,12 @@ class ObjectLocation(StoreLocation):
         import obstore
         from obstore.exceptions import AlreadyExistsError
 
+        from daskgen.store.object_retry import retry_write
+
         try:
-            obstore.put(self.store, key, data, mode="create")
+            retry_write(lambda: obstore.put(self.store, key, data, mode="create"))
         except AlreadyExistsError:
-            return False
+            return self.read_bytes(key) == data  # ours, when a dropped first attempt landed
         return True
 
     def read_versioned(self, key: str) -> tuple[bytes, Any] | None:
@@ -259,22 +261,29 @@ class ObjectLocation(StoreLocation):
         import obstore
         from obstore.exceptions import PreconditionError
 
+        from daskgen.store.object_retry import retry_write
+
         try:
-            result = obstore.put(self.store, key, data, mode=version)
+            result = retry_write(lambda: obstore.put(self.store, key, data, mode=version))
         except PreconditionError:
-            return None
+            got = self.read_versioned(key)  # a dropped first attempt that landed is ours: its new version
+            return got[1] if got is not None and got[0] == data else None
         return _version(result)
 
     def write_object(self, key: str, data: bytes) -> None:
         """One PUT: object stores replace a whole object atomically."""
         import obstore
 
-        obstore.put(self.store, key, data)
+        from daskgen.store.object_retry import retry_write
+
+        retry_write(lambda: obstore.put(self.store, key, data))
 
     def delete_object(self, key: str) -> None:
         import obstore
 
-        obstore.delete(self.store, key)
+        from daskgen.store.object_retry import retry_write
+
+        retry_write(lambda: obstore.delete(self.store, key))
 
     def files(self) -> Iterator[tuple[str, int]]:
         import obstore
