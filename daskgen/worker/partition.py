@@ -208,7 +208,7 @@ async def _prepare_inputs(
     Returns the stored region (``None`` unless the task continues partial samples) and the samples to keep.
     """
     if task.prompts is None:
-        task.prompts = await asyncio.to_thread(tokenize_rows, task.inputs or [], plugin.tokenizer())
+        task.prompts = await asyncio.to_thread(lambda: tokenize_rows(task.inputs or [], plugin.tokenizer()))
     # Only a partition with stored samples of its pending rows (an earlier attempt was interrupted)
     # reads its region before generating; otherwise the padded region is allocated once the results
     # are in, so partitions waiting in a large in-flight window do not each hold one.

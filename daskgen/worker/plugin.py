@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import threading
 import traceback
 from collections.abc import AsyncIterator
 from typing import Any
@@ -120,6 +121,7 @@ class EnginePlugin(WorkerPlugin):
 
         self._worker = worker
         self._ready = asyncio.Event()
+        self._tokenizer_lock = threading.Lock()  # the warm-up and a first partition may both ask
         self._starter = asyncio.create_task(self._start())
         if tunables.get("dashboard.enabled"):
             self._reporter = asyncio.create_task(self._report_metrics())
@@ -130,6 +132,7 @@ class EnginePlugin(WorkerPlugin):
         self.state, self.error = PluginState.STARTING, None
         try:
             await self._load_engine()
+            await asyncio.to_thread(self._warm_up)  # after: transformers' lazy imports are not thread-safe
         except Exception as exc:  # recorded and shown to the client; the worker takes no partitions
             self.state, self.error = PluginState.FAILED, f"{type(exc).__name__}: {exc}"
             logger.error("daskgen engine failed to start on %s:\n%s", self._worker.address, traceback.format_exc())
@@ -246,11 +249,24 @@ class EnginePlugin(WorkerPlugin):
 
     def tokenizer(self) -> Any:
         """The model's tokenizer on this worker (loaded once), e.g. to decode for verifiers."""
-        if getattr(self, "_tokenizer", None) is None:
-            from daskgen.input.tokenizer import load_tokenizer
+        with self._tokenizer_lock:
+            if getattr(self, "_tokenizer", None) is None:
+                from daskgen.input.tokenizer import load_tokenizer
 
-            self._tokenizer = load_tokenizer(self.model, self.engine_name, self.engine_args)
+                self._tokenizer = load_tokenizer(self.model, self.engine_name, self.engine_args)
         return self._tokenizer
+
+    def _warm_up(self) -> None:
+        """Load what the first partition needs besides the engine (the tokenizer its inputs are tokenized
+        with, Zarr), so that its requests reach the engine without that delay.  A failure here is left to
+        the partition that needs the part, which reports it."""
+        from daskgen.store.generation_store import import_zarr
+
+        import_zarr()
+        try:
+            self.tokenizer()
+        except Exception as exc:  # e.g. a remote engine's model name with no local tokenizer
+            logger.debug("no tokenizer loaded ahead of the first partition: %s", exc)
 
     @contextlib.asynccontextmanager
     async def partition(self, samples: int) -> AsyncIterator[PartitionSlot]:
