@@ -238,12 +238,14 @@ def _read_until(proc: subprocess.Popen, marker: str, timeout: float = 120) -> st
 
 
 @pytest.mark.timeout(120)
-def test_dask_scheduler_with_the_preload_serves_the_page(tmp_path):
+@pytest.mark.parametrize("prefix", ["", "/dask"])
+def test_dask_scheduler_with_the_preload_serves_the_page(tmp_path, prefix):
     """``dask scheduler --preload daskgen.dashboard``: a scheduler daskgen did not start serves the page
-    before any run, and its navigation bar links to it."""
+    before any run, and its navigation bar links to it; under ``--dashboard-prefix`` the page is too."""
     scheduler_file = tmp_path / "scheduler.json"
     cmd = [sys.executable, "-m", "distributed.cli.dask_scheduler", "--preload", "daskgen.dashboard"]
     cmd += ["--scheduler-file", str(scheduler_file), "--host", "127.0.0.1", "--port", "0", "--dashboard-address", ":0"]
+    cmd += ["--dashboard-prefix", prefix] if prefix else []
     proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         from distributed import Client
@@ -253,7 +255,10 @@ def test_dask_scheduler_with_the_preload_serves_the_page(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
             time.sleep(0.2)
         with Client(scheduler_file=str(scheduler_file), timeout="30s") as client:
-            url = page_link(client.dashboard_link)
+            port = client.scheduler_info()["services"]["dashboard"]
+            url = f"http://127.0.0.1:{port}{prefix}/daskgen"
+            if not prefix:  # Dask's own link (the one the progress line prints) leads to the same page
+                assert page_link(client.dashboard_link) == url
             state = _state(url)
             assert state["run"] is None and state["progress"]["state"] == "waiting for a run"
             with urllib.request.urlopen(url, timeout=10) as answer:

@@ -105,15 +105,26 @@ def serve_page(scheduler: Any) -> Any:
         if f"/{PAGE}" in getattr(existing, "app_paths", ()):
             return existing
 
+    prefix = dashboard_prefix(server)
     variables = template_variables(scheduler)  # Dask's own (memoized per scheduler, shared with its pages)
     if PAGE not in variables["pages"]:
         variables["pages"].append(PAGE)  # so the navigation bar of every dashboard page links to it
-    app = BokehApplication({f"/{PAGE}": document}, scheduler, template_variables=variables)
-    server.add_handlers(r".*", [(rf"/{PAGE}/state\.json", StateHandler, {"dask_server": scheduler})])
+    app = BokehApplication({f"/{PAGE}": document}, scheduler, prefix=prefix, template_variables=variables)
+    server.add_handlers(r".*", [(rf"{prefix}/{PAGE}/state\.json", StateHandler, {"dask_server": scheduler})])
     server.add_application(app)
     app.initialize(IOLoop.current())
     app.start()
     return app
+
+
+def dashboard_prefix(server: Any) -> str:
+    """The path prefix of Dask's own dashboard pages (``dask scheduler --dashboard-prefix``), e.g. ``/dask``,
+    or ``""``: the page is served under the same prefix."""
+    for app in server.applications:
+        if "/status" in getattr(app, "app_paths", ()):
+            text = str(getattr(app, "prefix", "") or "").strip("/")
+            return f"/{text}" if text else ""
+    return ""
 
 
 def withdraw_page(scheduler: Any, app: Any) -> None:
