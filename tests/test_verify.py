@@ -9,6 +9,7 @@ import zarr
 from daskgen import store
 from daskgen.store.verify import verify
 from tests.conftest import run_cli, simulated_run, write_prompts
+from tests.fault_tally import record
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -68,6 +69,7 @@ def test_a_flipped_byte_is_found_repaired_and_regenerated_alone(finished, tmp_pa
     for name, values in after.read_region(0, 20, after.layout.data_arrays()).items():
         np.testing.assert_array_equal(values, before[name], err_msg=name)  # seeded: the same tokens again
     assert run_cli("verify", out, "--no-progress").returncode == 0
+    record("a flipped byte in a finished chunk: verify --repair, rerun", rows=20, regenerated=4)
 
 
 def test_a_corrupted_status_chunk_makes_its_rows_pending_never_a_crash(finished, tmp_path):
@@ -84,6 +86,7 @@ def test_a_corrupted_status_chunk_makes_its_rows_pending_never_a_crash(finished,
     assert (after.read_status() == store.DONE).all()
     np.testing.assert_array_equal(after.read_region(0, 20, ("response_ids",))["response_ids"], before["response_ids"])
     assert verify(out, progress=False).sound
+    record("a corrupted status chunk: verify --repair, rerun", rows=20, regenerated=20)
 
 
 def test_broken_invariants_and_missing_chunks_name_their_rows(finished):
