@@ -107,6 +107,10 @@ def test_named_cursors_are_independent(tmp_path):
     finish(run, 8)
     assert rows_of(daskgen.follow(path, batch_prompts=8, cursor="a", wait=False)) == [[8, 9, 10, 11]]
     assert rows_of(daskgen.follow(path, batch_prompts=8, cursor="b", wait=False)) == [list(range(8)), [8, 9, 10, 11]]
+    finish(run, 12)
+    shown = run_cli("status", path).stdout  # where each consumer is
+    assert "a: 12 prompts acknowledged (0 failed) in 2 batches, 4 finished prompts after it" in shown, shown
+    assert "b: 12 prompts acknowledged (0 failed) in 2 batches, 4 finished prompts after it" in shown, shown
 
 
 def test_failed_prompts_are_reported_and_a_retried_prompt_comes_once_done(tmp_path):

@@ -28,9 +28,31 @@ def status_report(path: StoreRef) -> str:
         "settings: " + json.dumps(attrs.identity, sort_keys=True),
         "input:    " + json.dumps(attrs.input, sort_keys=True),
         "checksums: " + _checksum_summary(store),
+        *_cursor_lines(store, status),
         *_first_errors(store, status),
     ]
     return "\n".join(lines)
+
+
+def _cursor_lines(store: GenerationStore, status: np.ndarray) -> list[str]:
+    """One line per consumer cursor kept in the store (``daskgen follow``): what it acknowledged and how many
+    finished prompts were committed after its position."""
+    from daskgen.stream.cursor import stored_cursors
+
+    cursors = stored_cursors(store.location)
+    if not cursors:
+        return []
+    seq = store.read_region(0, len(status), ("commit_seq",))["commit_seq"] if store.has_array("commit_seq") else None
+    finished, rows = status != PENDING, np.arange(len(status))
+    lines = ["cursors:"]
+    for name, state in cursors:
+        line = f"  {name}: {state.prompts} prompts acknowledged ({state.failed} failed) in {state.batches} batches"
+        if seq is not None:
+            at = state.position
+            after = (seq > at.seq) | ((seq == at.seq) & (rows > at.row))
+            line += f", {int((finished & after).sum())} finished prompts after it"
+        lines.append(line)
+    return lines
 
 
 def _checksum_summary(store: GenerationStore) -> str:

@@ -98,8 +98,8 @@ class StoreLocation:
         """Delete ``key`` (no error when it is gone)."""
         raise NotImplementedError
 
-    def files(self) -> Iterator[tuple[str, int]]:
-        """Every stored object as ``(key, size in bytes)``."""
+    def files(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        """Every stored object (under the key prefix ``prefix``, a folder) as ``(key, size in bytes)``."""
         raise NotImplementedError
 
     def sibling(self, suffix: str) -> StoreLocation:
@@ -175,8 +175,8 @@ class LocalLocation(StoreLocation):
     def delete_object(self, key: str) -> None:
         (self.path / key).unlink(missing_ok=True)
 
-    def files(self) -> Iterator[tuple[str, int]]:
-        for p in sorted(self.path.rglob("*")):
+    def files(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        for p in sorted((self.path / prefix).rglob("*")):
             if p.is_file():
                 yield p.relative_to(self.path).as_posix(), p.stat().st_size
 
@@ -285,10 +285,10 @@ class ObjectLocation(StoreLocation):
 
         retry_write(lambda: obstore.delete(self.store, key))
 
-    def files(self) -> Iterator[tuple[str, int]]:
+    def files(self, prefix: str = "") -> Iterator[tuple[str, int]]:
         import obstore
 
-        for batch in obstore.list(self.store):
+        for batch in obstore.list(self.store, prefix=prefix or None):
             for meta in batch:
                 yield meta["path"], int(meta["size"])
 

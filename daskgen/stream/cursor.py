@@ -89,3 +89,9 @@ class Cursor:
         doc = {**asdict(state.position), **{k: v for k, v in asdict(state).items() if k != "position"}}
         doc |= {"cursor": self.name, "updated": utc_now()}
         self.location.write_object(self.key, json.dumps(doc).encode())
+
+
+def stored_cursors(store: StoreLocation) -> list[tuple[str, CursorState]]:
+    """The cursors kept inside the store (not those in a ``cursor_dir``), by name, with their states."""
+    names = sorted(key.rsplit("/", 1)[-1][: -len(".json")] for key, _ in store.files(CURSORS_PREFIX))
+    return [(name, Cursor(store, name).load()) for name in names if _NAME.match(name)]
