@@ -217,6 +217,29 @@ def test_bad_requests_name_the_fix(tmp_path):
         daskgen.follow(path, batch_prompts=0)
 
 
+def test_a_cursor_acknowledged_while_pack_swaps_the_store_in_is_kept(tmp_path, monkeypatch):
+    """An ack that lands in the old store after pack copied the cursors (the last moment: right before the
+    swap) is carried over: the follower goes on after it."""
+    from daskgen.store import pack as pack_module
+
+    prompts = write_prompts(tmp_path / "p.jsonl", 24)
+    out = tmp_path / "out.zarr"
+    assert run_cli("run", "--prompts", prompts, "--store", out, *simulated_run()).returncode == 0
+    follower = daskgen.follow(out, batch_prompts=10, wait=False, auto_ack=False)
+    next(follower).ack()
+    second = next(follower)
+    swap = pack_module._swap
+
+    def ack_then_swap(src, work):  # labelled test hook: the ack comes after the copy, before the swap
+        second.ack()
+        swap(src, work)
+
+    monkeypatch.setattr(pack_module, "_swap", ack_then_swap)
+    pack_module.pack(out, n_workers=1)
+    assert store.GenerationStore.open(out).attrs.packed
+    assert [b.number for b in daskgen.follow(out, batch_prompts=10, wait=False)] == [2]
+
+
 def test_a_packed_store_is_followed_and_its_cursors_survive_packing(tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", 24)
     out = tmp_path / "out.zarr"

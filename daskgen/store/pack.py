@@ -272,7 +272,18 @@ def _swap(src: LocalLocation, work: LocalLocation) -> None:
     if src.path.exists():
         src.path.rename(old.path)
     work.path.rename(src.path)
+    _keep_newer_cursors(old, src)
     shutil.rmtree(old.path)
+
+
+def _keep_newer_cursors(old: StoreLocation, new: StoreLocation) -> None:
+    """Carry over the cursors a follower acknowledged in the old store after they were copied (the ack
+    landed there between the copy and the swap): a cursor further on in commit order replaces the copy's."""
+    from daskgen.stream.cursor import Cursor, stored_cursors
+
+    for name, state in stored_cursors(old):
+        if state.position > Cursor(new, name).load().position:
+            Cursor(new, name).save(state)
 
 
 def _finish_interrupted_swap(src: StoreLocation) -> bool:
