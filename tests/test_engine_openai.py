@@ -467,8 +467,9 @@ def test_zz_server_killed_mid_run() -> None:
     The patient engine talks to the server through :class:`tests.probing.InFlightProxy` (a test double
     that forwards everything and counts what is in flight), so the test kills the server once a request
     is in flight and checks that one really broke under it.  Killed for good: requests come back with
-    errors after their retries (nothing is raised) and health() fails, so the plugin would restart the
-    engine.  Runs last: it kills the shared server.
+    errors after their retries (nothing is raised), the engine reports its server as dead (``died()``) and
+    health() fails, so the plugin restarts the engine instead of failing the prompts.  Runs last: it kills
+    the shared server.
     """
     from tests.probing import InFlightProxy
 
@@ -491,6 +492,9 @@ def test_zz_server_killed_mid_run() -> None:
             r.finish_reason == FinishReason.ERROR and "cannot reach" in r.error and "2 attempts" in r.error
             for r in doomed
         ), doomed
+        assert patient.died() is None  # its requests all got answers in the end
+        death = quick.died()  # not the prompts' fault: the worker restarts the engine instead of failing rows
+        assert death is not None and "the server stopped answering" in death and server.url in death, death
         with pytest.raises(EngineError):
             runner.run(quick.health(), 120)
     finally:

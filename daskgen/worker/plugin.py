@@ -240,10 +240,12 @@ class EnginePlugin(WorkerPlugin):
         broken (it restarts)."""
         if self.state is not PluginState.READY:
             return False
+        timeout = tunables.seconds("health-timeout") if timeout is None else timeout
         try:
-            await asyncio.wait_for(
-                self.engine.health(), tunables.seconds("health-timeout") if timeout is None else timeout
-            )
+            await asyncio.wait_for(self.engine.health(), timeout)
+        except asyncio.TimeoutError:
+            await self.mark_broken(f"health check failed: no token within {timeout:g} s (daskgen.health-timeout)")
+            return False
         except Exception as exc:
             await self.mark_broken(f"health check failed: {type(exc).__name__}: {exc}")
             return False
