@@ -35,6 +35,14 @@ class EngineError(DaskgenError, RuntimeError):
     """The engine failed to start, crashed or failed its health check."""
 
 
+class EngineUnavailable(EngineError):
+    """A worker's engine cannot take work: its restart failed (e.g. its server stopped answering).
+
+    Not the prompts' fault: a partition that fails with it is not marked failed; it waits for an engine,
+    and the run stops (exit status 2, finished work kept) when no worker has one left.
+    """
+
+
 class EngineNotFoundError(ConfigError):
     """No engine registered under the requested name."""
 

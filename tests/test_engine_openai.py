@@ -1,9 +1,8 @@
 """The ``openai`` engine against a real OpenAI-compatible server: ``transformers serve`` on loopback.
 
-``transformers serve`` (transformers 5.23, FastAPI + uvicorn) runs the project's tiny Llama on the
-CPU, offline, from a local folder.  It has no token endpoints, so the engine takes the
-re-tokenizing completions path.  One server is shared by the whole module; the tests that kill
-a server start their own.
+``transformers serve`` (:mod:`tests.openai_server`) runs the project's tiny Llama on the CPU, offline,
+from a local folder.  It has no token endpoints, so the engine takes the re-tokenizing completions
+path.  One server is shared by the whole module; ``tests/test_engine_hang.py`` freezes servers of its own.
 
 Two tests put a **test double** in front of the real server: :class:`FlakyProxy`, a tiny stdlib
 reverse proxy that answers 429 a given number of times and checks the bearer token (``transformers
@@ -17,20 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import functools
 import http.server
 import json
 import logging
 import math
-import os
-import shutil
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -52,20 +44,11 @@ from daskgen.engines.openai import (
 from daskgen.errors import ConfigError, EngineError
 from daskgen.redaction import redact_url
 from daskgen.testing.conformance import EngineConformance, EventLoopThread
+from tests.openai_server import ServeProcess, tiny_model
 
 SECRET = "sk-daskgen-planted-secret-8d1f0c"
 KEY_ENV = "DASKGEN_TEST_OPENAI_KEY"
 PROMPT = [1, 504, 3458, 282, 4649, 314]
-
-
-@functools.lru_cache(maxsize=1)
-def tiny_model() -> str:
-    """The project's tiny Llama with the real SmolLM2 tokenizer, in a temporary folder."""
-    from daskgen.models import build_tiny_model
-
-    folder = tempfile.mkdtemp(prefix="daskgen-openai-tiny-")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    return str(build_tiny_model(Path(folder) / "tiny", seed=0))
 
 
 def request(rid: str, prompt: list[int] | None = None, **params: Any) -> GenerationRequest:
@@ -75,64 +58,6 @@ def request(rid: str, prompt: list[int] | None = None, **params: Any) -> Generat
 
 
 # --------------------------------------------------------------------------- servers
-
-
-class ServeProcess:
-    """``transformers serve MODEL`` on a loopback port, in its own process group."""
-
-    def __init__(self, model: str, port: int | None = None) -> None:
-        self.model = model
-        self.port = port or free_port()
-        self.process: subprocess.Popen | None = None
-        self.log = Path(tiny_model()).parent / f"transformers-serve-{self.port}.log"  # removed with the model
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 240.0) -> ServeProcess:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        cmd = [
-            sys.executable,
-            "-m",
-            "transformers.cli.transformers",
-            "serve",
-            self.model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--device",
-            "cpu",
-            "--log-level",
-            "warning",
-        ]
-        with self.log.open("ab") as log:
-            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.log.read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.3)
-        self.stop()
-        raise AssertionError(f"transformers serve did not start within {timeout} s:\n{self.log.read_text()[-3000:]}")
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        """Stop (or with SIGKILL: kill) the server's process group and reap it."""
-        if self.process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, sig)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=30)
-        self.process = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -542,8 +467,9 @@ def test_zz_server_killed_mid_run() -> None:
     The patient engine talks to the server through :class:`tests.probing.InFlightProxy` (a test double
     that forwards everything and counts what is in flight), so the test kills the server once a request
     is in flight and checks that one really broke under it.  Killed for good: requests come back with
-    errors after their retries (nothing is raised) and health() fails, so the plugin would restart the
-    engine.  Runs last: it kills the shared server.
+    errors after their retries (nothing is raised), the engine reports its server as dead (``died()``) and
+    health() fails, so the plugin restarts the engine instead of failing the prompts.  Runs last: it kills
+    the shared server.
     """
     from tests.probing import InFlightProxy
 
@@ -566,6 +492,9 @@ def test_zz_server_killed_mid_run() -> None:
             r.finish_reason == FinishReason.ERROR and "cannot reach" in r.error and "2 attempts" in r.error
             for r in doomed
         ), doomed
+        assert patient.died() is None  # its requests all got answers in the end
+        death = quick.died()  # not the prompts' fault: the worker restarts the engine instead of failing rows
+        assert death is not None and "the server stopped answering" in death and server.url in death, death
         with pytest.raises(EngineError):
             runner.run(quick.health(), 120)
     finally:

@@ -19,7 +19,10 @@ from distributed.utils_test import gen_cluster
 
 from daskgen.engines.base import GenerationRequest, SamplingParams
 from daskgen.engines.simulated import SimulatedEngine
-from daskgen.errors import EngineError
+from daskgen.errors import EngineError, EngineUnavailable
+from daskgen.store import GenerationStore, Layout, StoreAttrs
+from daskgen.store.location import locate
+from daskgen.worker.partition import PartitionTask, run_partition
 from daskgen.worker.plugin import PLUGIN_NAME, RESOURCE, EnginePlugin
 
 SIM = {"time_scale": 0.0, "length_mean": 4, "length_dist": "fixed"}
@@ -82,7 +85,8 @@ async def test_broken_engine_restarts_in_place_and_keeps_the_resource(c, s, a):
     first = await plugin.get_engine()
     await plugin.mark_broken("engine crashed (test)")
     assert plugin.state == "restarting" and plugin.error == "engine crashed (test)"
-    second = await plugin.get_engine()  # waits for the restart
+    assert await plugin.came_back()  # waits for the restart, which succeeds
+    second = await plugin.get_engine()
     assert second is not first and plugin.state == "ready" and plugin.error is None
     assert _advertised(s, a) == 2.0  # never dropped while restarting
     await plugin.mark_broken("again")  # restarts any number of times
@@ -117,8 +121,34 @@ async def test_failed_restart_withdraws_the_resource(c, s, a):
     await _until(lambda: _advertised(s, a) == 2.0, "the resource to be advertised")
     plugin.engine_args = {"max_batch": 0}  # the restart now fails (invalid engine args)
     await plugin.mark_broken("engine crashed (test)")
-    with pytest.raises(EngineError, match="failed"):
+    assert not await plugin.came_back()  # waits for the restart, which fails
+    with pytest.raises(EngineUnavailable, match="failed"):  # not the prompts' fault: the client requeues
         await plugin.get_engine()
     assert plugin.state == "failed"
     await _until(lambda: _advertised(s, a) == 0.0, "the scheduler to see the resource withdrawn")
     assert a.state.total_resources[RESOURCE] == 0.0
+
+
+@pytest.mark.timeout(120)
+@gen_cluster(client=True, nthreads=ONE_WORKER, clean_kwargs={"threads": False})  # zarr's I/O threads stay
+async def test_an_isolated_row_is_not_failed_when_its_engine_cannot_be_restarted(c, s, a):
+    """``isolate`` mode blames a row only if the engine runs again after it failed.  Here the engine hangs
+    (health check included) and its restart fails, as when its server stopped answering: the partition task
+    raises EngineUnavailable (the client requeues it) instead of committing its rows failed.  The same on
+    real parts, through the client: ``tests/test_engine_hang.py``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        where = locate(str(Path(tmp) / "out.zarr"))
+        GenerationStore.create(where, StoreAttrs(Layout(2, 1, 8, 4, 2, 0)), ["a", "b"])
+        args = {"inner": "simulated", "hang_once_flag": str(Path(tmp) / "hung"), "hang_after": 0, **SIM}
+        plugin = await _register(c, a, EnginePlugin("daskgen.testing.engines:RecordingEngine", "sim", args))
+        await plugin.get_engine()
+        plugin.engine_args = {"max_batch": 0}  # the restart now fails (invalid engine args)
+        task = PartitionTask(
+            GenerationStore.open(where), 0, 2, [0, 1], [[5, 6], [7, 8]], 1, SamplingParams(max_new_tokens=4), 0
+        )
+        task.timeout_s, task.isolate = 0.5, True
+        blamed_on_the_engine = pytest.raises(EngineUnavailable, match="row 0 failed .* could not be restarted: Config")
+        with dask.config.set({"daskgen.health-timeout": 0.5}), blamed_on_the_engine:
+            await c.submit(run_partition, task, pure=False)
+        assert plugin.state == "failed"
+        assert not GenerationStore.open(where).read_region(0, 2, ("response_length",))["response_length"].any()

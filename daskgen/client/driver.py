@@ -24,6 +24,10 @@ from the first response to a failure to the last:
    when a one-token health check fails (``check_health``).  A worker whose restart fails withdraws
    its ``daskgen-engine`` resource and takes no more partitions; when every worker's engine has
    failed the run stops with each worker's error (:func:`daskgen.client.engines.check_engines`).
+   A partition that failed because its worker's engine could not be restarted (e.g. its server
+   stopped answering: :class:`~daskgen.errors.EngineUnavailable`, also raised in ``isolate`` mode
+   instead of failing a row) is not held against its prompts: it is requeued as it was, for a
+   worker whose engine runs.
 4. **Requeue of aborted rows.**  Rows that came back ``abort`` while the run is not stopping
    (their engine was restarted under them, or their worker was drained before leaving) are
    requeued at once, restricted to those rows (:func:`only_rows`); the stored tokens of their
@@ -61,7 +65,7 @@ from daskgen.client.progress import Progress
 from daskgen.client.scheduler_watch import SchedulerWatch
 from daskgen.client.stopping import abandon, begin_stop, check_interrupt, housekeeping, stop_reason, wait_s
 from daskgen.client.windows import WindowBoard
-from daskgen.errors import StoreError
+from daskgen.errors import EngineUnavailable, StoreError
 from daskgen.redaction import redact
 from daskgen.store.commit_log import COMMIT_TOPIC
 from daskgen.worker.partition import PartitionResult, PartitionTask, run_partition
@@ -202,6 +206,11 @@ class Driver:
                     continue
                 self.board.release(fut.key)
                 self.watch.check_cancelled(fut)
+                if (waiting := engine_unavailable(fut, value)) is not None:  # no prompt's fault: wait for an engine
+                    fut.release()
+                    logger.warning("partition %d-%d is requeued: %s", task.start, task.stop, waiting)
+                    self.retry.append(task)
+                    continue
                 result = collect(fut, value, task)
                 fut.release()
                 if result is None:  # retried enough as a whole: retry its rows one by one
@@ -285,6 +294,12 @@ def submit(client: Any, keys: list[str], tasks: list[PartitionTask], retries: in
     worker is gone)."""
     where = {} if worker is None else {"workers": [worker], "allow_other_workers": True}
     return client.map(run_partition, tasks, key=keys, pure=False, retries=retries, resources={RESOURCE: 1}, **where)
+
+
+def engine_unavailable(fut: Any, value: Any) -> EngineUnavailable | None:
+    """The :class:`~daskgen.errors.EngineUnavailable` a failed partition task raised, else ``None``."""
+    exc = value[1] if fut.status == "error" and isinstance(value, tuple) else value
+    return exc if isinstance(exc, EngineUnavailable) else None
 
 
 def collect(fut: Any, value: Any, task: PartitionTask) -> PartitionResult | None:

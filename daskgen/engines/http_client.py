@@ -28,7 +28,7 @@ except ModuleNotFoundError as _missing:  # an optional extra; the engine says ho
 else:
     MISSING_HTTP = None
 
-__all__ = ["HTTPClient", "RequestFailed", "require_http", "split_base_url", "stream_events"]
+__all__ = ["HTTPClient", "NoAnswer", "RequestFailed", "require_http", "split_base_url", "stream_events"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,10 @@ def _max_wait() -> float:
 
 class RequestFailed(Exception):
     """A request failed for good (after any retries); the message holds no secret."""
+
+
+class NoAnswer(RequestFailed):
+    """The server was not reached or sent nothing in time, on every attempt (it is down, stopped or hung)."""
 
 
 class StatusFailure(RequestFailed):
@@ -173,7 +177,13 @@ class HTTPClient:
     # ------------------------------------------------------------------ messages
 
     def unreachable(self, exc: BaseException) -> str:
-        """Why the server could not be reached, and what to check."""
+        """Why the server could not be reached (or did not answer), and what to check."""
+        if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+            return (
+                f"the server at {self.where} sent nothing for {self.timeout_s:g} s (timeout_s; "
+                f"{type(exc).__name__}): it is stopped, hung or overloaded. Check the server process "
+                "(restart it if it hangs), or raise the engine arg timeout_s if it is only slow"
+            )
         detail = f"{type(exc).__name__}: {str(exc) or 'no detail'}"
         return self.redact(
             f"cannot reach the server at {self.where} ({detail}). "
@@ -279,12 +289,7 @@ class HTTPClient:
             raise RequestFailed(f"{exc} ({retrying.statistics.get('attempt_number', 1)} attempts)") from None
         except httpx.HTTPError as exc:
             attempts = retrying.statistics.get("attempt_number", 1)
-            if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
-                raise RequestFailed(
-                    f"{what} on {self.where}: the server sent nothing for {self.timeout_s} s "
-                    f"(timeout_s; {type(exc).__name__}) ({attempts} attempts)"
-                ) from None
-            raise RequestFailed(f"{what}: {self.unreachable(exc)} ({attempts} attempts)") from None
+            raise NoAnswer(f"{what}: {self.unreachable(exc)} ({attempts} attempts)") from None
         except (ValueError, KeyError) as exc:  # a malformed answer
             raise RequestFailed(self.redact(f"{what} on {self.where}: malformed answer ({exc})")) from None
 

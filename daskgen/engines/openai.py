@@ -15,7 +15,9 @@
 * :meth:`~OpenAIEngine.start` fails fast (:class:`~daskgen.errors.EngineError`) when the server
   is unreachable, the key is refused, or the model is not served.  429, 408, 5xx and connection
   errors are retried (tenacity, exponential backoff with jitter); then the request returns
-  ``error``.
+  ``error``.  When the server never answered it (unreachable, or nothing for ``timeout_s``: stopped
+  or hung), :meth:`~OpenAIEngine.crash` reports the server down, so the partition fails as a whole
+  and the worker restarts the engine instead of marking the prompt failed.
 * ``managed=True`` starts one sglang server subprocess per engine
   (:class:`~daskgen.engines.http_server.ManagedServer`) with a random API key of its own; when it
   dies, ``generate`` raises (the partition is retried after the plugin restarts the engine) and
@@ -50,7 +52,7 @@ from daskgen.engines.base import (
     request_error,
 )
 from daskgen.engines.common import started
-from daskgen.engines.http_client import HTTPClient, RequestFailed
+from daskgen.engines.http_client import HTTPClient, NoAnswer, RequestFailed
 from daskgen.engines.http_server import ManagedServer
 from daskgen.engines.openai_args import OpenAIArgs
 from daskgen.engines.openai_protocol import (
@@ -97,6 +99,7 @@ class OpenAIEngine(Engine):
         self._limit = asyncio.Semaphore(self.args.max_concurrency)
         self.concurrency = self.args.max_concurrency
         self.server_capacity: int | None = None
+        self._no_answer: str | None = None
 
     @property
     def supports_seed(self) -> bool:
@@ -301,6 +304,8 @@ class OpenAIEngine(Engine):
             return flight.task.result()
         except RequestFailed as exc:
             self._check_server()
+            if isinstance(exc, NoAnswer):  # not the request's fault: the server is down or hangs (crash())
+                self._no_answer = str(exc)
             return error_result(request, str(exc))
 
     def _connection(self) -> tuple[WireProtocol, HTTPClient]:
@@ -312,6 +317,14 @@ class OpenAIEngine(Engine):
     def _check_server(self) -> None:
         if self._server is not None and self._server_died():
             raise EngineError(f"the managed sglang server {self._server.exit_description()}")
+
+    def crash(self) -> str | None:
+        """The last request the server never answered (after its retries), or ``None``.
+
+        A request that errors once the server stopped answering is not the prompt's fault: the worker
+        restarts the engine (whose start checks the server) and Dask retries the partition.
+        """
+        return None if self._no_answer is None else f"the server stopped answering: {self._no_answer}"
 
     def _forget(self, request_id: str, flight: Flight) -> None:
         flights = self._flights.get(request_id, [])

@@ -19,7 +19,7 @@ import numpy as np
 
 from daskgen.agents import AgentLoop, EngineHandle, Trajectory, create_agent
 from daskgen.engines.base import FinishReason, SamplingParams
-from daskgen.errors import EngineError
+from daskgen.errors import EngineError, EngineUnavailable
 from daskgen.input.rows import tokenize_rows
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import Layout, clear_response, empty_region
@@ -380,12 +380,24 @@ class _Generation:
         )
 
     async def isolated(self) -> list:
-        """Row by row; a row whose generation raises gets error trajectories instead of failing the task."""
+        """Row by row; a row whose generation raises gets error trajectories instead of failing the task.
+
+        Only when the worker's engine runs again afterwards (restarted, or it passed its health check):
+        an engine that cannot be restarted (its server stopped answering) is no row's fault, and the
+        task fails with :class:`~daskgen.errors.EngineUnavailable` (the client requeues it).
+        """
         task, samples = self.task, []
         for i in range(len(task.rows)):
             try:
                 samples += await self.rows(range(i, i + 1))
+            except EngineUnavailable:
+                raise
             except Exception as exc:
+                if not await self.plugin.came_back():
+                    raise EngineUnavailable(
+                        f"row {task.rows[i]} failed ({type(exc).__name__}: {exc}) and the engine on this worker "
+                        f"could not be restarted: {self.plugin.error}"
+                    ) from exc
                 message = f"{type(exc).__name__}: {exc} (failed again when retried alone)"
                 failed = [[Trajectory(error=message, finish_reason=FinishReason.ERROR)] for _ in range(task.n_samples)]
                 outcome = RowOutcome(failed, [np.nan] * task.n_samples, task.n_samples)

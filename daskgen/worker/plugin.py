@@ -23,7 +23,7 @@ from distributed import WorkerPlugin
 
 from daskgen import tunables
 from daskgen.dashboard.metrics import WORKER_TOPIC, WorkerMeter
-from daskgen.errors import EngineError
+from daskgen.errors import EngineError, EngineUnavailable
 from daskgen.worker.admission import (  # noqa: F401 - resolve_window and the bounds are part of this module's API
     AUTO_DEFAULT_CAPACITY,
     AUTO_MAX_WINDOW,
@@ -210,11 +210,16 @@ class EnginePlugin(WorkerPlugin):
         )
 
     async def get_engine(self) -> Any:
-        """The started engine; raises :class:`EngineError` when it failed or is restarting."""
+        """The started engine (waiting while it restarts); raises :class:`EngineUnavailable` when it failed."""
         await self.ready_event.wait()
         if self.state is not PluginState.READY:
-            raise EngineError(f"engine on worker {self._worker.address} is {self.state.value}: {self.error}")
+            raise EngineUnavailable(f"engine on worker {self._worker.address} is {self.state.value}: {self.error}")
         return self.engine
+
+    async def came_back(self) -> bool:
+        """After a failure: wait for a restart in progress; true when the engine is running (again)."""
+        await self.ready_event.wait()
+        return self.state is PluginState.READY
 
     def live_engine(self) -> Any:
         """The running engine, or ``None`` while it is restarting, failed or closed."""
@@ -238,10 +243,12 @@ class EnginePlugin(WorkerPlugin):
         broken (it restarts)."""
         if self.state is not PluginState.READY:
             return False
+        timeout = tunables.seconds("health-timeout") if timeout is None else timeout
         try:
-            await asyncio.wait_for(
-                self.engine.health(), tunables.seconds("health-timeout") if timeout is None else timeout
-            )
+            await asyncio.wait_for(self.engine.health(), timeout)
+        except asyncio.TimeoutError:
+            await self.mark_broken(f"health check failed: no token within {timeout:g} s (daskgen.health-timeout)")
+            return False
         except Exception as exc:
             await self.mark_broken(f"health check failed: {type(exc).__name__}: {exc}")
             return False
