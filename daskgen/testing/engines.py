@@ -4,11 +4,11 @@
 request id of each ``generate`` call to a log file, so a test can count how often a prompt
 was generated across processes and crashes.  It can also be told to misbehave, to exercise
 failure handling: raise on chosen prompts (``poison_rows``), never answer chosen prompts
-(``hang_rows``), kill the worker process at once on chosen prompts (``kill_rows``: a real SIGKILL to
-its own process, as an engine segfault or an OOM kill would end it), or hang completely — health checks included — until it is restarted
-(``hang_once_flag``: after ``hang_after`` generate calls, the first engine instance that finds
-no file at that path creates it and hangs).  It accepts and ignores an ``api_key`` (for
-secret-leak tests).  Never use these for real runs.
+(``hang_rows``), kill its own process at once on chosen prompts (``kill_rows``: a real SIGKILL,
+as an engine segfault or an OOM kill would end it), or hang completely — health checks included —
+until it is restarted (``hang_once_flag``: after ``hang_after`` generate calls, the first engine
+instance that finds no file at that path creates it and hangs).  It accepts and ignores an
+``api_key`` (for secret-leak tests).  Never use these for real runs.
 """
 
 from __future__ import annotations
