@@ -363,7 +363,7 @@ def failed_alone(task: PartitionTask, exc: KilledWorker) -> PartitionResult:
     logger.error("row %d failed: the worker died %d times while generating it alone", row, deaths)
     msg = (
         f"the worker process died while generating this row ({deaths} times, with no other such row in flight; "
-        f"distributed.scheduler.allowed-failures is {exc.allowed_failures}): it kills the process the engine "
-        "runs in (a crash or out-of-memory kill); rerun with --retry-failed to try it again"
+        f"distributed.scheduler.allowed-failures is {exc.allowed_failures}): it appears to kill the process the engine "
+        "runs in (a crash or an out-of-memory kill: see the worker logs); rerun with --retry-failed to try it again"
     )
     return PartitionResult(task.start, task.stop, [row], failed={row: msg})
