@@ -20,8 +20,8 @@ from the first response to a failure to the last:
    Dask retries): row by row, and a row that fails alone is committed ``failed`` with its error,
    so one poison prompt cannot sink its partition (:func:`collect`).
 3. **Worker deaths.**  When the worker process dies under a task (a segfault, an OOM kill), Dask
-   reschedules the task; after ``distributed.scheduler.allowed-failures`` such deaths (default 3) the
-   task ends :class:`~distributed.scheduler.KilledWorker`.  In-process isolation cannot help then (the
+   reschedules the task; after ``distributed.scheduler.allowed-failures`` + 1 such deaths (the option is
+   3 by default) the task ends :class:`~distributed.scheduler.KilledWorker`.  In-process isolation cannot help then (the
    row that kills the process takes the whole task with it), so each of its rows becomes a one-row
    ``alone`` task (:func:`split_alone`), and only one ``alone`` task is in flight at a time in the run
    (:meth:`Driver.next_task`; other partitions keep going).  Every other task on a dying worker is
