@@ -212,7 +212,7 @@ def test_one_partition_stays_submitted_when_no_worker_admits_any():
     drv.run = SimpleNamespace(
         stop=SimpleNamespace(stopping=False), plan=SimpleNamespace(config=SimpleNamespace(max_retries=0))
     )
-    drv.tasks = iter([SimpleNamespace(isolate=False, start=s) for s in (0, 4, 8)])
+    drv.tasks = iter([SimpleNamespace(isolate=False, alone=False, start=s) for s in (0, 4, 8)])
     drv.done = SimpleNamespace(add=lambda fut: None)
     drv.submit_up_to(1)
     assert len(drv.futures) == 1 and "workers" not in client.submitted[0][1], "one unpinned partition is submitted"

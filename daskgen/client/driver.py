@@ -19,7 +19,22 @@ from the first response to a failure to the last:
 2. **Row isolation.**  A partition that still fails is resubmitted once in ``isolate`` mode (no
    Dask retries): row by row, and a row that fails alone is committed ``failed`` with its error,
    so one poison prompt cannot sink its partition (:func:`collect`).
-3. **Engine restart.**  Before the task fails, the worker's :class:`~daskgen.worker.plugin.EnginePlugin`
+3. **Worker deaths.**  When the worker process dies under a task (a segfault, an OOM kill), Dask
+   reschedules the task; after ``distributed.scheduler.allowed-failures`` + 1 such deaths (the option is
+   3 by default) the task ends :class:`~distributed.scheduler.KilledWorker`.  In-process isolation cannot help then (the
+   row that kills the process takes the whole task with it), so each of its rows becomes a one-row
+   ``alone`` task (:func:`split_alone`), and only one ``alone`` task is in flight at a time in the run
+   (:meth:`Driver.next_task`; other partitions keep going).  Every other task on a dying worker is
+   rescheduled with it, so running these rows one at a time is what tells the killer from its
+   neighbours: a one-row ``alone`` task that ends ``KilledWorker`` again is the only row committed
+   ``failed``, with an error saying how often the worker died under it (``--retry-failed`` tries it
+   again); the others are generated and committed ``done`` one by one.  One row that kills its worker
+   costs ``2 * (allowed-failures + 1)`` worker deaths (its partition's task, then its own), whatever
+   the partition size: bisecting the partition would cost that many deaths per halving, and each
+   death is an engine restart on the new worker process.  A task that dies writes nothing, so the rows
+   of the killed partition are generated again (their partial responses stored before are continued).
+   ``tests/test_worker_kill_prompt.py``.
+4. **Engine restart.**  Before the task fails, the worker's :class:`~daskgen.worker.plugin.EnginePlugin`
    restarts the engine in place: after an engine exception (``mark_broken``), or after a timeout
    when a one-token health check fails (``check_health``).  A worker whose restart fails withdraws
    its ``daskgen-engine`` resource and takes no more partitions; when every worker's engine has
@@ -28,7 +43,7 @@ from the first response to a failure to the last:
    stopped answering: :class:`~daskgen.errors.EngineUnavailable`, also raised in ``isolate`` mode
    instead of failing a row) is not held against its prompts: it is requeued as it was, for a
    worker whose engine runs.
-4. **Requeue of aborted rows.**  Rows that came back ``abort`` while the run is not stopping
+5. **Requeue of aborted rows.**  Rows that came back ``abort`` while the run is not stopping
    (their engine was restarted under them, or their worker was drained before leaving) are
    requeued at once, restricted to those rows (:func:`only_rows`); the stored tokens of their
    aborted samples are kept and continued.  A row aborted more than ``daskgen.abort-requeue-limit``
@@ -36,7 +51,7 @@ from the first response to a failure to the last:
    (:meth:`Driver.requeue_aborted`); its stored tokens stay, and ``--retry-failed`` continues it.
    During a stop (target, budget, deadline, SIGTERM) aborted rows are not requeued: they stay
    pending for the next run.
-5. **``--retry-failed``.**  Rows committed ``failed`` stay failed on resume unless the run is
+6. **``--retry-failed``.**  Rows committed ``failed`` stay failed on resume unless the run is
    started again with ``--retry-failed`` (:func:`daskgen.client.plan.pending_rows`).
 
 A partition that still fails with a storage error (:class:`~daskgen.errors.StoreError`: a disk
@@ -55,6 +70,8 @@ import logging
 import time
 from collections.abc import Iterator
 from typing import Any
+
+from distributed.scheduler import KilledWorker
 
 from daskgen import tunables
 from daskgen.client.commit import CommitBatch, Outcome
@@ -101,6 +118,7 @@ class Driver:
 
         self.client, self.run, self.tasks, self.info, self.link = client, run, tasks, info, link
         self.retry: list[PartitionTask] = []
+        self.alone_in_flight = 0  # one-row tasks of partitions whose worker died too often (at most 1)
         self.futures: dict[Any, PartitionTask] = {}
         self.watch = SchedulerWatch(client)
         self.done = FinishedPartitions(
@@ -165,10 +183,17 @@ class Driver:
         return True
 
     def next_task(self) -> PartitionTask | None:
-        """The next partition to submit: retries first; none once a stop began."""
+        """The next partition to submit: retries first (an ``alone`` task only while no other is in
+        flight); none once a stop began."""
         if self.run.stop.stopping:
             return None
-        return self.retry.pop() if self.retry else next(self.tasks, None)
+        for i in range(len(self.retry) - 1, -1, -1):
+            if not self.retry[i].alone:
+                return self.retry.pop(i)
+            if not self.alone_in_flight:
+                self.alone_in_flight += 1
+                return self.retry.pop(i)
+        return next(self.tasks, None)
 
     def submit_up_to(self, cap: int) -> None:
         """Submit partitions to the workers with free admitted slots, at most ``cap`` in flight; beyond the
@@ -206,6 +231,7 @@ class Driver:
                     continue
                 self.board.release(fut.key)
                 self.watch.check_cancelled(fut)
+                self.alone_in_flight -= task.alone
                 if (waiting := engine_unavailable(fut, value)) is not None:  # no prompt's fault: wait for an engine
                     fut.release()
                     logger.warning("partition %d-%d is requeued: %s", task.start, task.stop, waiting)
@@ -213,8 +239,8 @@ class Driver:
                     continue
                 result = collect(fut, value, task)
                 fut.release()
-                if result is None:  # retried enough as a whole: retry its rows one by one
-                    self.retry.append(dataclasses.replace(task, isolate=True))
+                if isinstance(result, list):  # retried enough as a whole: its rows one by one (or alone)
+                    self.retry.extend(reversed(result))  # popped from the end: in row order
                     continue
                 outcomes.append(self.outcome(task, result, bar))
         finally:
@@ -286,7 +312,8 @@ def record_engine(client: Any, plan: Plan) -> None:
 
 def task_key(task: PartitionTask) -> str:
     """A fresh Dask key for one attempt at ``task`` (its mode and first row, for the dashboard and logs)."""
-    return f"daskgen-{'isolated' if task.isolate else 'partition'}-{task.start}-{time.time_ns()}"
+    mode = "alone" if task.alone else "isolated" if task.isolate else "partition"
+    return f"daskgen-{mode}-{task.rows[0] if task.alone else task.start}-{time.time_ns()}"
 
 
 def submit(client: Any, keys: list[str], tasks: list[PartitionTask], retries: int, worker: str | None = None) -> list:
@@ -302,11 +329,13 @@ def engine_unavailable(fut: Any, value: Any) -> EngineUnavailable | None:
     return exc if isinstance(exc, EngineUnavailable) else None
 
 
-def collect(fut: Any, value: Any, task: PartitionTask) -> PartitionResult | None:
-    """The partition's result; ``None`` to retry it row by row; all rows failed if that failed too.
+def collect(fut: Any, value: Any, task: PartitionTask) -> PartitionResult | list[PartitionTask]:
+    """The partition's result, or the tasks to run in its place; all its rows failed if nothing is left to try.
 
     ``value`` is what ``as_completed(with_results=True, raise_errors=False)`` gave: the result, the
-    ``(type, exception, traceback)`` of a failed task, or the exception of a cancelled one.
+    ``(type, exception, traceback)`` of a failed task, or the exception of a cancelled one.  A task that
+    failed after its retries is run again row by row in one ``isolate`` task; one whose worker died too
+    often (``KilledWorker``), as one-row ``alone`` tasks (:func:`split_alone`).
     """
     try:
         if fut.status == "error" and isinstance(value, tuple):
@@ -318,10 +347,38 @@ def collect(fut: Any, value: Any, task: PartitionTask) -> PartitionResult | None
         return value
     except StoreError:
         raise  # the storage is the problem, not the prompts: stop the run, keep what is committed
+    except KilledWorker as exc:
+        if task.alone:
+            return failed_alone(task, exc)
+        logger.error(
+            "the worker died %d times while generating rows %d..%d: they are run again one at a time",
+            exc.allowed_failures + 1,
+            task.rows[0],
+            task.rows[-1],
+        )
+        return split_alone(task)
     except Exception as exc:
         mode = " in isolated mode" if task.isolate else " after retries"
         logger.error("partition %d-%d failed%s: %s", task.start, task.stop, mode, exc)
         if not task.isolate and len(task.rows) > 1:
-            return None
+            return [dataclasses.replace(task, isolate=True)]
         msg = f"partition failed after retries: {type(exc).__name__}: {exc}"
         return PartitionResult(task.start, task.stop, list(task.rows), failed={r: msg for r in task.rows})
+
+
+def split_alone(task: PartitionTask) -> list[PartitionTask]:
+    """One ``alone`` task per row of ``task`` (whose worker died too often), in row order."""
+    return [dataclasses.replace(only_rows(task, [r]), isolate=True, alone=True) for r in task.rows]
+
+
+def failed_alone(task: PartitionTask, exc: KilledWorker) -> PartitionResult:
+    """A one-row ``alone`` task whose worker died too often again: its row is committed failed, saying so."""
+    (row,) = task.rows
+    deaths = exc.allowed_failures + 1
+    logger.error("row %d failed: the worker died %d times while generating it alone", row, deaths)
+    msg = (
+        f"the worker process died while generating this row ({deaths} times, with no other such row in flight; "
+        f"distributed.scheduler.allowed-failures is {exc.allowed_failures}): it appears to kill the process the engine "
+        "runs in (a crash or an out-of-memory kill: see the worker logs); rerun with --retry-failed to try it again"
+    )
+    return PartitionResult(task.start, task.stop, [row], failed={row: msg})

@@ -4,10 +4,11 @@
 request id of each ``generate`` call to a log file, so a test can count how often a prompt
 was generated across processes and crashes.  It can also be told to misbehave, to exercise
 failure handling: raise on chosen prompts (``poison_rows``), never answer chosen prompts
-(``hang_rows``), or hang completely — health checks included — until it is restarted
-(``hang_once_flag``: after ``hang_after`` generate calls, the first engine instance that finds
-no file at that path creates it and hangs).  It accepts and ignores an ``api_key`` (for
-secret-leak tests).  Never use these for real runs.
+(``hang_rows``), kill its own process at once on chosen prompts (``kill_rows``: a real SIGKILL,
+as an engine segfault or an OOM kill would end it), or hang completely — health checks included —
+until it is restarted (``hang_once_flag``: after ``hang_after`` generate calls, the first engine
+instance that finds no file at that path creates it and hangs).  It accepts and ignores an
+``api_key`` (for secret-leak tests).  Never use these for real runs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 from typing import Any
 
 from daskgen.engines import resolve_engine_class
@@ -49,8 +51,9 @@ class RecordingEngine(_Wrapper):
 
     Engine args: ``inner`` (engine name), ``log_path`` (file to append request ids to),
     ``prompts_log`` (file to append one JSON line per request to: its id and the token ids it was sent),
-    ``poison_rows`` (rows whose requests raise, simulating an engine crash), and every other
-    key is passed to the inner engine.
+    ``poison_rows`` (rows whose requests raise, simulating an engine crash), ``kill_rows`` (rows whose
+    requests SIGKILL the process the engine runs in, after logging the call), and every other key is
+    passed to the inner engine.
     """
 
     name = "recording"
@@ -61,6 +64,7 @@ class RecordingEngine(_Wrapper):
         inner: str = "simulated",
         log_path: str | None = None,
         poison_rows: list[int] | None = None,
+        kill_rows: list[int] | None = None,
         hang_rows: list[int] | None = None,
         hang_once_flag: str | None = None,
         hang_after: int = 0,
@@ -76,6 +80,7 @@ class RecordingEngine(_Wrapper):
         self.log_path = log_path
         self.poison = {f"p{r}-" for r in (poison_rows or [])}
         self.hang = {f"p{r}-" for r in (hang_rows or [])}
+        self.kill = {f"p{r}-" for r in (kill_rows or [])}
         self.hang_all = False
         self.hang_once_flag, self.hang_after, self.calls = hang_once_flag, hang_after, 0
 
@@ -95,6 +100,8 @@ class RecordingEngine(_Wrapper):
         if self.hang_once_flag and self.calls > self.hang_after and not os.path.exists(self.hang_once_flag):
             open(self.hang_once_flag, "w").close()
             self.hang_all = True
+        if any(request.request_id.startswith(p) for p in self.kill):
+            os.kill(os.getpid(), signal.SIGKILL)  # the whole process dies at once, as in a segfault
         if any(request.request_id.startswith(p) for p in self.poison):
             raise RuntimeError(f"poison prompt crashed the engine ({request.request_id})")
         if self.hang_all or any(request.request_id.startswith(p) for p in self.hang):

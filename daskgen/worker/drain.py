@@ -32,6 +32,8 @@ from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from daskgen.worker.placement import keep_resource_restrictions
+
 logger = logging.getLogger(__name__)
 
 #: Worker RPC handler name (added by :func:`install_worker_hooks`).
@@ -115,6 +117,7 @@ class DrainBeforeRetire(SchedulerPlugin):
         scheduler.retire_workers = retire_workers
         scheduler.handlers["retire_workers"] = retire_workers
         _schedule_unrunnable_on_new_resources(scheduler)
+        keep_resource_restrictions(scheduler)
 
     async def drain(self, scheduler: Any, addresses: list[str]) -> None:
         """Drain every worker in ``addresses`` at once (workers without daskgen answer with an error)."""

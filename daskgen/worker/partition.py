@@ -50,6 +50,9 @@ class PartitionTask:
     plugin_name: str = "daskgen-engine"
     timeout_s: float | None = None
     isolate: bool = False
+    #: Client side only: a one-row task run while no other such task runs, because its worker died too often
+    #: while generating its partition (:mod:`daskgen.client.driver`); the worker runs it like ``isolate``.
+    alone: bool = False
     agent: str = "single_turn"
     agent_args: dict[str, Any] = field(default_factory=dict)
     model: str = ""
