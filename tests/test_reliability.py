@@ -17,6 +17,7 @@ from daskgen.analysis.accessor import open_store
 from daskgen.errors import StoreLockedError
 from daskgen.store.lock import LOCK_NAME, StoreLock
 from tests.conftest import popen_cli, run_cli, write_prompts
+from tests.fault_tally import record
 from tests.probing import gate_args, probe_args, wait_for_arrival
 from tests.test_run import _wait_for_some_done, calls, sim_args
 
@@ -99,6 +100,8 @@ def test_worker_sigkill_mid_run_completes_exactly_once(tmp_path, cluster):
     assert all(s["state"] == "ready" for s in states.values()), states
     new_pids = set(client.run(os.getpid).values())
     assert victim_pid not in new_pids and len(new_pids) == 2
+    redone_rows = {int(rid[1:].split("-")[0]) for rid in repeated}
+    record("SIGKILL of a worker process mid-run", rows=96, regenerated=len(redone_rows))
 
 
 def test_client_killed_between_data_write_and_commit(tmp_path):
@@ -134,6 +137,7 @@ def test_client_killed_between_data_write_and_commit(tmp_path):
     res = run_cli("run", *probe_args(tmp_path, out, *common, events="second.log"))
     assert res.returncode == 0, res.stdout + res.stderr
     assert_same_store(ref, out)
+    record("SIGKILL of the client after a worker wrote a partition, before its commit", rows=16, regenerated=4)
 
 
 def test_hung_engine_is_detected_restarted_and_the_run_completes(tmp_path):
