@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import multiprocessing as mp
 import os
@@ -255,7 +256,7 @@ async def _direct_engine(engine: str, model: str, engine_args: dict[str, Any], r
     await backend.start()
     await backend.health()
     try:
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         results = await asyncio.gather(*(backend.generate(r) for r in requests))
         seconds = time.perf_counter() - t0
     finally:
@@ -263,7 +264,7 @@ async def _direct_engine(engine: str, model: str, engine_args: dict[str, Any], r
     errors = [r.error for r in results if r.error]
     if errors:
         raise RuntimeError(f"direct engine run failed: {errors[0]}")
-    return {"seconds": seconds, "tokens": sum(len(r.output_ids) for r in results)}
+    return {"seconds": seconds, "tokens": sum(len(r.output_ids) for r in results), "window": (wall0, wall0 + seconds)}
 
 
 def _engine_on_worker(config: RunConfig, requests: list[Any]) -> dict[str, Any]:
@@ -287,19 +288,35 @@ ENGINE_DRIVERS = {
 }
 
 
+#: The engine both sides drive when spans are measured: the labelled recording wrapper of
+#: ``daskgen.testing.engines`` around the real engine, logging each request's wall-clock start and end.
+TIMED = "daskgen.testing.engines:RecordingEngine"
+
+
 def _drive(
-    driver: str, a: argparse.Namespace, model: str, cfg: RunConfig, rows: list[Any], requests: list[Any]
+    driver: str, a: argparse.Namespace, model: str, cfg: RunConfig, rows: list[Any], requests: list[Any], log: Path
 ) -> dict:
     """One side of one repeat, with the 1-minute load average at its start."""
     load = os.getloadavg()[0]
+    timed = {"inner": a.engine, "timing_log": str(log), **cfg.engine_args}
     if driver == "direct":
-        res = asyncio.run(_direct_engine(a.engine, model, cfg.engine_args, requests))
+        res = asyncio.run(_direct_engine(TIMED, model, timed, requests))
         gc.collect()
     elif driver == "worker":
         res = _engine_on_worker(cfg, requests)
     else:
-        res = run_daskgen(cfg, rows)
-    return {**res, "load": load}
+        with _bench.instrument_run() as marks:
+            res = run_daskgen(dataclasses.replace(cfg, engine=TIMED, engine_args=timed), rows)
+        res["window"] = (marks["ready_wall"], marks["ready_wall"] + marks["generate_s"])
+    return {**res, "load": load, **(engine_span(log, res["window"]) if "window" in res else {})}
+
+
+def engine_span(log: Path, window: tuple[float, float]) -> dict[str, float]:
+    """From the timing log: the engine's own span (first request in to last result out), and what the
+    driver spent before the first request reached the engine and after the last result left it."""
+    times = [(float(start), float(end)) for _, start, end, _ in (line.split() for line in log.read_text().splitlines())]
+    first, last = min(t[0] for t in times), max(t[1] for t in times)
+    return {"span": last - first, "before": first - window[0], "after": window[1] - last}
 
 
 def part_engine(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
@@ -315,14 +332,25 @@ def part_engine(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
     for rep in range(a.engine_repeats or a.repeats):
         cfg = engine_config(a, model, work / f"engine-{rep}.zarr")
         requests = _bench.run_requests(engine_config(a, model, work / f"engine-req-{rep}.zarr"), rows)
-        results.append({driver: _drive(driver, a, model, cfg, rows, requests) for driver in drivers})
+        logs = {driver: work / f"timing-{rep}-{driver}.log" for driver in drivers}
+        results.append({driver: _drive(driver, a, model, cfg, rows, requests, logs[driver]) for driver in drivers})
     table = []
     for rep, out in enumerate(results):
         direct = out["direct"]["tokens"] / out["direct"]["seconds"]
         for driver, res in out.items():
             rate = res["tokens"] / res["seconds"]
+            spans = [res.get(k, float("nan")) for k in ("span", "before", "after")]
             table.append(
-                [rep + 1, ENGINE_DRIVERS[driver], res["load"], res["seconds"], res["tokens"], rate, rate / direct]
+                [
+                    rep + 1,
+                    ENGINE_DRIVERS[driver],
+                    res["load"],
+                    res["seconds"],
+                    *spans,
+                    res["tokens"],
+                    rate,
+                    rate / direct,
+                ]
             )
     cfg = engine_config(a, model, work / "x.zarr")
     sampling = "greedy" if cfg.temperature == 0 else f"temperature {cfg.temperature:g} seeded"
@@ -330,10 +358,26 @@ def part_engine(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
         f"Part engine: `{a.engine}` engine, {Path(model).name}, {a.engine_prompts} prompts × {a.engine_samples} "
         f"samples, {sampling}, max_new_tokens {a.engine_max_new_tokens}, CPU, engine_args {cfg.engine_args}; "
         f"daskgen partitions of {a.engine_partition_size}, window {cfg.window} (≥ 2 × the engine's batch "
-        "requests in flight). Model load excluded; the drivers alternate within each repeat."
+        "requests in flight). Model load excluded; the drivers alternate within each repeat. Both the direct "
+        "and the daskgen side drive the engine through the labelled recording wrapper (`daskgen.testing.engines`), "
+        "which logs each request's wall-clock start and end: *engine span* is first request in to last result "
+        "out; *before* / *after* are the driver's time before the first request reached the engine and after "
+        "the last result left it (for daskgen: engines ready to the first request, the last result to the last "
+        "commit). Spans differ between sides also because the engine admits the requests in another order."
     )
     rec.table(
-        ["repeat", "driver", "load avg (1 min) at start", "seconds", "tokens", "tokens/s", "tokens/s vs direct"],
+        [
+            "repeat",
+            "driver",
+            "load avg (1 min) at start",
+            "seconds",
+            "engine span s",
+            "before first request s",
+            "after last result s",
+            "tokens",
+            "tokens/s",
+            "tokens/s vs direct",
+        ],
         table,
     )
     for driver in drivers[1:]:
@@ -345,6 +389,17 @@ def part_engine(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
             f"**{driver} / direct tokens/s, `{a.engine}` engine: {', '.join(f'{r:.3f}' for r in ratios)} (median "
             f"{float(np.median(ratios)):.3f}; target ≥ 0.97).**"
         )
+        own = [
+            (o[driver]["before"] + o[driver]["after"]) / o[driver]["seconds"] for o in results if "before" in o[driver]
+        ]
+        spans = [o[driver]["span"] / o["direct"]["span"] for o in results if "span" in o[driver]]
+        if own:
+            rec.note(
+                f"{driver}: time outside the engine's span (before its first request + after its last result) "
+                f"{', '.join(f'{100 * x:.1f} %' for x in own)} of the run (median {100 * float(np.median(own)):.1f} %); "
+                f"engine span vs the direct side's {', '.join(f'{x:.3f}' for x in spans)} (median "
+                f"{float(np.median(spans)):.3f})."
+            )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

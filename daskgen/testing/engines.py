@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 from typing import Any
 
 from daskgen.engines import resolve_engine_class
@@ -51,6 +52,8 @@ class RecordingEngine(_Wrapper):
 
     Engine args: ``inner`` (engine name), ``log_path`` (file to append request ids to),
     ``prompts_log`` (file to append one JSON line per request to: its id and the token ids it was sent),
+    ``timing_log`` (file to append ``id start end output_tokens`` to as each request finishes, wall-clock
+    seconds: where a benchmark sees the engine's own span),
     ``poison_rows`` (rows whose requests raise, simulating an engine crash), ``kill_rows`` (rows whose
     requests SIGKILL the process the engine runs in, after logging the call), and every other key is
     passed to the inner engine.
@@ -70,10 +73,11 @@ class RecordingEngine(_Wrapper):
         hang_after: int = 0,
         api_key: str | None = None,
         prompts_log: str | None = None,
+        timing_log: str | None = None,
         **inner_args: Any,
     ) -> None:
         super().__init__(model, inner=inner, log_path=log_path, poison_rows=poison_rows, **inner_args)
-        self.prompts_log = prompts_log
+        self.prompts_log, self.timing_log = prompts_log, timing_log
         self.inner = resolve_engine_class(inner)(model, **inner_args)
         self.simulated = self.inner.simulated
         self.supports_seed = self.inner.supports_seed
@@ -106,7 +110,12 @@ class RecordingEngine(_Wrapper):
             raise RuntimeError(f"poison prompt crashed the engine ({request.request_id})")
         if self.hang_all or any(request.request_id.startswith(p) for p in self.hang):
             await asyncio.Event().wait()  # never answers
-        return await self.inner.generate(request)
+        start = time.time()
+        result = await self.inner.generate(request)
+        if self.timing_log and request.request_id != "daskgen-health":
+            with open(self.timing_log, "a") as fh:  # one O_APPEND write per line
+                fh.write(f"{request.request_id} {start} {time.time()} {len(result.output_ids)}\n")
+        return result
 
 
 class ScriptedToolEngine(_Wrapper):
