@@ -389,16 +389,15 @@ def part_engine(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
             f"**{driver} / direct tokens/s, `{a.engine}` engine: {', '.join(f'{r:.3f}' for r in ratios)} (median "
             f"{float(np.median(ratios)):.3f}; target ≥ 0.97).**"
         )
-        own = [
-            (o[driver]["before"] + o[driver]["after"]) / o[driver]["seconds"] for o in results if "before" in o[driver]
-        ]
-        spans = [o[driver]["span"] / o["direct"]["span"] for o in results if "span" in o[driver]]
+        timed = [o for o in results if "before" in o[driver]]
+        own = [(o[driver]["before"] + o[driver]["after"]) / o[driver]["seconds"] for o in timed]
+        spans = [o[driver]["span"] / o["direct"]["span"] for o in timed]
         if own:
+            shares = ", ".join(f"{100 * x:.1f} %" for x in own)
             rec.note(
                 f"{driver}: time outside the engine's span (before its first request + after its last result) "
-                f"{', '.join(f'{100 * x:.1f} %' for x in own)} of the run (median {100 * float(np.median(own)):.1f} %); "
-                f"engine span vs the direct side's {', '.join(f'{x:.3f}' for x in spans)} (median "
-                f"{float(np.median(spans)):.3f})."
+                f"{shares} of the run (median {100 * float(np.median(own)):.1f} %); engine span vs the direct "
+                f"side's {', '.join(f'{x:.3f}' for x in spans)} (median {float(np.median(spans)):.3f})."
             )
 
 
