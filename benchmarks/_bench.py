@@ -257,3 +257,48 @@ def contiguous_shards(items: Sequence[Any], n: int) -> list[list[Any]]:
         out.append(list(items[start:stop]))
         start = stop
     return out
+
+
+# --------------------------------------------------------------------------- CPU by process
+
+#: Where a benchmark side spent its CPU, in :func:`cpu_by_role` order.
+CPU_ROLES = ("engine's own processes", "engine's host process", "driver process", "other processes")
+
+
+def tree_cpu_seconds() -> dict[int, float]:
+    """CPU seconds (user + system) used so far by this process and each process below it, by pid."""
+    import psutil
+
+    me = psutil.Process()
+    out: dict[int, float] = {}
+    for proc in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            out[proc.pid] = times.user + times.system
+    return out
+
+
+def cpu_by_role(before: dict[int, float], after: dict[int, float], host: int) -> dict[str, float]:
+    """CPU seconds used between two :func:`tree_cpu_seconds` snapshots, by role (:data:`CPU_ROLES`).
+
+    ``host`` is the process that holds the engine's front end (this process when the engine is driven
+    directly, the Dask worker under daskgen); the engine's own processes are the processes below it.
+    The driver process is this one (daskgen's client and, on its local cluster, the scheduler).
+    """
+    import psutil
+
+    engine: set[int] = set()
+    with contextlib.suppress(psutil.Error):
+        engine = {p.pid for p in psutil.Process(host).children(recursive=True)}
+    used = dict.fromkeys(CPU_ROLES, 0.0)
+    for pid, seconds in after.items():
+        if pid in engine:
+            role = CPU_ROLES[0]
+        elif pid == host:
+            role = CPU_ROLES[1]
+        elif pid == os.getpid():
+            role = CPU_ROLES[2]
+        else:
+            role = CPU_ROLES[3]
+        used[role] += seconds - before.get(pid, 0.0)
+    return used

@@ -256,15 +256,22 @@ async def _direct_engine(engine: str, model: str, engine_args: dict[str, Any], r
     await backend.start()
     await backend.health()
     try:
-        t0, wall0 = time.perf_counter(), time.time()
+        cpu0, t0, wall0 = _bench.tree_cpu_seconds(), time.perf_counter(), time.time()
         results = await asyncio.gather(*(backend.generate(r) for r in requests))
         seconds = time.perf_counter() - t0
+        cpu = _bench.cpu_by_role(cpu0, _bench.tree_cpu_seconds(), os.getpid())
     finally:
         await backend.shutdown()
     errors = [r.error for r in results if r.error]
     if errors:
         raise RuntimeError(f"direct engine run failed: {errors[0]}")
-    return {"seconds": seconds, "tokens": sum(len(r.output_ids) for r in results), "window": (wall0, wall0 + seconds)}
+    tokens = sum(len(r.output_ids) for r in results)
+    return {"seconds": seconds, "tokens": tokens, "window": (wall0, wall0 + seconds), "cpu": cpu}
+
+
+def _worker_pid(client: Any) -> int:
+    """The pid of the run's one worker process (the engine's host under daskgen)."""
+    return int(next(iter(client.run(os.getpid).values())))
 
 
 def _engine_on_worker(config: RunConfig, requests: list[Any]) -> dict[str, Any]:
@@ -275,10 +282,11 @@ def _engine_on_worker(config: RunConfig, requests: list[Any]) -> dict[str, Any]:
     with connect(config) as connection:
         client = _bench.as_client(connection)
         start_engines(client, config)
-        t0 = time.perf_counter()
+        host, cpu0, t0 = _worker_pid(client), _bench.tree_cpu_seconds(), time.perf_counter()
         lengths = client.submit(_bench.generate_on_worker, requests, pure=False).result()
         seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "tokens": sum(lengths)}
+        cpu = _bench.cpu_by_role(cpu0, _bench.tree_cpu_seconds(), host)
+    return {"seconds": seconds, "tokens": sum(lengths), "cpu": cpu}
 
 
 ENGINE_DRIVERS = {
@@ -305,9 +313,18 @@ def _drive(
     elif driver == "worker":
         res = _engine_on_worker(cfg, requests)
     else:
-        with _bench.instrument_run() as marks:
+        snap: dict[str, Any] = {}
+
+        def on_ready(client: Any) -> None:
+            snap.update(host=_worker_pid(client), cpu0=_bench.tree_cpu_seconds())
+
+        def on_done(client: Any) -> dict[str, float]:
+            return _bench.cpu_by_role(snap["cpu0"], _bench.tree_cpu_seconds(), snap["host"])
+
+        with _bench.instrument_run(on_ready, on_done) as marks:
             res = run_daskgen(dataclasses.replace(cfg, engine=TIMED, engine_args=timed), rows)
         res["window"] = (marks["ready_wall"], marks["ready_wall"] + marks["generate_s"])
+        res["cpu"] = marks["on_done"]
     return {**res, "load": load, **(engine_span(log, res["window"]) if "window" in res else {})}
 
 
@@ -379,6 +396,26 @@ def part_engine(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
             "tokens/s vs direct",
         ],
         table,
+    )
+    rec.note(
+        "Where each side's CPU went while it generated (CPU seconds of each process / the side's seconds, i.e. "
+        "cores in use; processes read with psutil at the window's start and end). *Engine's host process*: "
+        "the one holding the engine's front end (this process for the direct side, the Dask worker under "
+        "daskgen); *engine's own processes*: the processes below it; *driver process*: this one (daskgen's "
+        "client and its local cluster's scheduler); *other*: the Dask nanny and helpers."
+    )
+    rec.table(
+        ["repeat", "driver", *_bench.CPU_ROLES, "all"],
+        [
+            [
+                rep + 1,
+                ENGINE_DRIVERS[d],
+                *(res["cpu"][r] / res["seconds"] for r in _bench.CPU_ROLES),
+                sum(res["cpu"].values()) / res["seconds"],
+            ]
+            for rep, out in enumerate(results)
+            for d, res in out.items()
+        ],
     )
     for driver in drivers[1:]:
         ratios = [
