@@ -39,13 +39,42 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 RESOURCE = "daskgen-engine"
 
 
-def cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
-    """User + system CPU seconds of each process (children not included)."""
+def cpu_seconds(procs: dict[Any, psutil.Process]) -> dict[Any, float]:
+    """User + system CPU seconds of each process (children not included); a process that ended is left out."""
     out = {}
     for name, proc in procs.items():
-        times = proc.cpu_times()
-        out[name] = times.user + times.system
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = proc.cpu_times()
+            out[name] = times.user + times.system
     return out
+
+
+#: Where a side of ``overhead.py --part engine`` spent its CPU (:func:`cpu_by_role`).
+CPU_ROLES = ("engine's own processes", "engine's host process", "driver process", "other processes")
+
+
+def tree_cpu_seconds() -> dict[int, float]:
+    """:func:`cpu_seconds` of this process and every process below it, by pid."""
+    me = psutil.Process()
+    return cpu_seconds({p.pid: p for p in [me, *me.children(recursive=True)]})
+
+
+def cpu_by_role(before: dict[int, float], after: dict[int, float], host: int) -> dict[str, float]:
+    """CPU seconds used between two :func:`tree_cpu_seconds` snapshots, by :data:`CPU_ROLES`.
+
+    ``host`` holds the engine's front end (this process when the engine is driven directly, the Dask
+    worker under daskgen); the engine's own processes are those below it.  The driver process is this
+    one: daskgen's client and, on a local cluster, the scheduler and the nannies.
+    """
+    engine: set[int] = set()
+    with contextlib.suppress(psutil.NoSuchProcess):
+        engine = {p.pid for p in psutil.Process(host).children(recursive=True)}
+    roles = {**dict.fromkeys(engine, CPU_ROLES[0]), host: CPU_ROLES[1]}
+    roles.setdefault(os.getpid(), CPU_ROLES[2])
+    used = dict.fromkeys(CPU_ROLES, 0.0)
+    for pid, seconds in after.items():
+        used[roles.get(pid, CPU_ROLES[3])] += seconds - before.get(pid, 0.0)
+    return used
 
 
 def scheduler_child() -> psutil.Process:

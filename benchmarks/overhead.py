@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import _bench
+import _client_cost
 import numpy as np
 
 from daskgen.config import RunConfig
@@ -256,10 +257,10 @@ async def _direct_engine(engine: str, model: str, engine_args: dict[str, Any], r
     await backend.start()
     await backend.health()
     try:
-        cpu0, t0, wall0 = _bench.tree_cpu_seconds(), time.perf_counter(), time.time()
+        cpu0, t0, wall0 = _client_cost.tree_cpu_seconds(), time.perf_counter(), time.time()
         results = await asyncio.gather(*(backend.generate(r) for r in requests))
         seconds = time.perf_counter() - t0
-        cpu = _bench.cpu_by_role(cpu0, _bench.tree_cpu_seconds(), os.getpid())
+        cpu = _client_cost.cpu_by_role(cpu0, _client_cost.tree_cpu_seconds(), os.getpid())
     finally:
         await backend.shutdown()
     errors = [r.error for r in results if r.error]
@@ -282,10 +283,10 @@ def _engine_on_worker(config: RunConfig, requests: list[Any]) -> dict[str, Any]:
     with connect(config) as connection:
         client = _bench.as_client(connection)
         start_engines(client, config)
-        host, cpu0, t0 = _worker_pid(client), _bench.tree_cpu_seconds(), time.perf_counter()
+        host, cpu0, t0 = _worker_pid(client), _client_cost.tree_cpu_seconds(), time.perf_counter()
         lengths = client.submit(_bench.generate_on_worker, requests, pure=False).result()
         seconds = time.perf_counter() - t0
-        cpu = _bench.cpu_by_role(cpu0, _bench.tree_cpu_seconds(), host)
+        cpu = _client_cost.cpu_by_role(cpu0, _client_cost.tree_cpu_seconds(), host)
     return {"seconds": seconds, "tokens": sum(lengths), "cpu": cpu}
 
 
@@ -316,10 +317,10 @@ def _drive(
         snap: dict[str, Any] = {}
 
         def on_ready(client: Any) -> None:
-            snap.update(host=_worker_pid(client), cpu0=_bench.tree_cpu_seconds())
+            snap.update(host=_worker_pid(client), cpu0=_client_cost.tree_cpu_seconds())
 
         def on_done(client: Any) -> dict[str, float]:
-            return _bench.cpu_by_role(snap["cpu0"], _bench.tree_cpu_seconds(), snap["host"])
+            return _client_cost.cpu_by_role(snap["cpu0"], _client_cost.tree_cpu_seconds(), snap["host"])
 
         with _bench.instrument_run(on_ready, on_done) as marks:
             res = run_daskgen(dataclasses.replace(cfg, engine=TIMED, engine_args=timed), rows)
@@ -334,6 +335,30 @@ def engine_span(log: Path, window: tuple[float, float]) -> dict[str, float]:
     times = [(float(start), float(end)) for _, start, end, _ in (line.split() for line in log.read_text().splitlines())]
     first, last = min(t[0] for t in times), max(t[1] for t in times)
     return {"span": last - first, "before": first - window[0], "after": window[1] - last}
+
+
+def cores(res: dict[str, Any]) -> list[float]:
+    """Cores a side kept busy, by :data:`_client_cost.CPU_ROLES` and in all (CPU seconds / its seconds)."""
+    per_role = [res["cpu"][role] / res["seconds"] for role in _client_cost.CPU_ROLES]
+    return [*per_role, sum(per_role)]
+
+
+def record_cpu(rec: _bench.Record, results: list[dict[str, dict[str, Any]]]) -> None:
+    """The table of where each side's CPU went, and its medians: the engine's processes vs the rest."""
+    rec.note(
+        "Where each side's CPU went while it generated (CPU seconds of each process / the side's seconds, i.e. "
+        "cores in use; processes read with psutil at the window's start and end). *Engine's host process*: "
+        "the one holding the engine's front end (this process for the direct side, the Dask worker otherwise); "
+        "*engine's own processes*: the processes below it; *driver process*: this one (daskgen's client and, "
+        "on its local cluster, the scheduler and the nanny); *other*: any other process below this one."
+    )
+    rows = [[rep + 1, ENGINE_DRIVERS[d], *cores(res)] for rep, out in enumerate(results) for d, res in out.items()]
+    rec.table(["repeat", "driver", *_client_cost.CPU_ROLES, "all"], rows)
+    medians = []
+    for driver in results[0]:
+        engine, *_, everything = np.median([cores(o[driver]) for o in results], axis=0)
+        medians.append(f"{driver} {engine:.3f} / {everything - engine:.3f}")
+    rec.note(f"**Median cores, the engine's own processes / every other process: {'; '.join(medians)}.**")
 
 
 def part_engine(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
@@ -397,26 +422,7 @@ def part_engine(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
         ],
         table,
     )
-    rec.note(
-        "Where each side's CPU went while it generated (CPU seconds of each process / the side's seconds, i.e. "
-        "cores in use; processes read with psutil at the window's start and end). *Engine's host process*: "
-        "the one holding the engine's front end (this process for the direct side, the Dask worker under "
-        "daskgen); *engine's own processes*: the processes below it; *driver process*: this one (daskgen's "
-        "client and its local cluster's scheduler); *other*: the Dask nanny and helpers."
-    )
-    rec.table(
-        ["repeat", "driver", *_bench.CPU_ROLES, "all"],
-        [
-            [
-                rep + 1,
-                ENGINE_DRIVERS[d],
-                *(res["cpu"][r] / res["seconds"] for r in _bench.CPU_ROLES),
-                sum(res["cpu"].values()) / res["seconds"],
-            ]
-            for rep, out in enumerate(results)
-            for d, res in out.items()
-        ],
-    )
+    record_cpu(rec, results)
     for driver in drivers[1:]:
         ratios = [
             (o[driver]["tokens"] / o[driver]["seconds"]) / (o["direct"]["tokens"] / o["direct"]["seconds"])

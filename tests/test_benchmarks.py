@@ -142,7 +142,7 @@ def test_overhead(tmp_path, tiny_model):
     )
     assert "daskgen / direct write rate" in out and "daskgen / direct tokens/s" in out
     assert "same engine on a Dask worker" in out
-    assert "engine's host process" in out and "driver process" in out  # where each side's CPU went
+    assert "engine's host process" in out and "Median cores, the engine's own processes" in out  # where CPU went
 
 
 @pytest.mark.slow
