@@ -46,9 +46,10 @@ def sim_args(tmp_path, store_path, *extra, log="calls.log", step=0.0):
 
 
 def calls(path) -> Counter:
+    """How often each request id reached the engine (the RecordingEngine's ``<id> <pid>`` lines at ``path``)."""
     if not path.exists():
         return Counter()
-    return Counter(line.split()[0] for line in path.read_text().splitlines())
+    return Counter(line.split()[0] for line in path.read_text().splitlines() if line.strip())
 
 
 @pytest.mark.slow

@@ -15,7 +15,6 @@ import json
 import os
 import signal
 import time
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -25,13 +24,15 @@ from daskgen import store
 from tests.conftest import REPO, popen_cli, run_cli, simulated_run, write_prompts
 from tests.fault_tally import record
 from tests.test_reliability import assert_same_store
+from tests.test_run import calls, sim_args
 
 pytestmark = pytest.mark.timeout(300)
 
 RUN = simulated_run()  # 4 rows per partition, one worker process
 HOOK = Path(__file__).parent / "freeze_hook"
 N = 16
-RECORDING = "daskgen.testing.engines:RecordingEngine"  # labelled wrapper around the simulated engine
+#: ``RUN``'s partitions, samples and worker, for runs through the recording wrapper (``sim_args``).
+SHAPE = ["--partition-size", "4", "--n-samples", "2", "--n-workers", "1", "--no-progress"]
 
 
 def _clean(tmp_path: Path, prompts: Path) -> Path:
@@ -41,14 +42,15 @@ def _clean(tmp_path: Path, prompts: Path) -> Path:
     return ref
 
 
-def _frozen_run(tmp_path: Path, prompts: Path, out: Path, key: str, mode: str, run: list[str] = RUN):
-    """Start a run whose first write of chunk ``key`` freezes its process; return the run and that pid."""
+def _frozen_run(tmp_path: Path, prompts: Path, key: str, mode: str, run: list):
+    """Start ``daskgen run`` with ``run`` (store included) whose first write of chunk ``key`` freezes its
+    process; return the run and that pid."""
     marker = tmp_path / "frozen.pid"
     env = {
         "DASKGEN_TEST_FREEZE": json.dumps({"key": key, "mode": mode, "marker": str(marker)}),
         "PYTHONPATH": os.pathsep.join([str(HOOK), str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
-    proc = popen_cli("run", "--prompts", prompts, "--store", out, *run, env=env)
+    proc = popen_cli("run", "--prompts", prompts, *run, env=env)
     deadline = time.monotonic() + 120
     while not marker.exists():
         assert proc.poll() is None, proc.stdout.read()
@@ -81,10 +83,8 @@ def _verify_passes(out: Path) -> None:
 def test_a_worker_killed_while_it_writes_its_region(tmp_path, key, mode):
     prompts = write_prompts(tmp_path / "p.jsonl", N)
     ref, out = _clean(tmp_path, prompts), tmp_path / "out.zarr"
-    log = tmp_path / "calls.log"  # the recording wrapper logs "<request id> <pid>" per request it is sent
-    recorded = [RECORDING if arg == "simulated" else arg for arg in RUN]
-    recorded += ["--engine-arg", "inner=simulated", "--engine-arg", f"log_path={log}"]
-    proc, pid = _frozen_run(tmp_path, prompts, out, key, mode, recorded)
+    # the simulated engine inside the recording wrapper, which logs each request it is sent to calls.log
+    proc, pid = _frozen_run(tmp_path, prompts, key, mode, sim_args(tmp_path, out, *SHAPE))
     assert pid != proc.pid, "the data write happens in the worker process"
     # the moment the kill lands
     if mode == "after":
@@ -105,8 +105,8 @@ def test_a_worker_killed_while_it_writes_its_region(tmp_path, key, mode):
         assert set(torn) <= set(left), left
         assert all(_chunk_of(p).exists() for p in left), "every chunk whose write was cut is written again"
     _verify_passes(out)
-    requests = Counter(line.split()[0] for line in log.read_text().splitlines())
-    redone = {rid.split("-")[0] for rid, n in requests.items() if n > 1}  # every partition the dead worker held
+    # rows sent to the engine twice: every partition the dead worker held, the frozen one among them
+    redone = {rid.split("-")[0] for rid, n in calls(tmp_path / "calls.log").items() if n > 1}
     assert {f"p{row}" for row in range(4, 8)} <= redone, redone
     record(f"worker SIGKILL while writing its region ({mode}: {key})", rows=N, regenerated=len(redone))
 
@@ -121,7 +121,7 @@ def test_a_worker_killed_while_it_writes_its_region(tmp_path, key, mode):
 def test_a_client_killed_while_it_commits(tmp_path, key, mode):
     prompts = write_prompts(tmp_path / "p.jsonl", N)
     ref, out = _clean(tmp_path, prompts), tmp_path / "out.zarr"
-    proc, pid = _frozen_run(tmp_path, prompts, out, key, mode)
+    proc, pid = _frozen_run(tmp_path, prompts, key, mode, ["--store", out, *RUN])
     assert pid == proc.pid, "commits happen in the client process"
     status_before = store.GenerationStore.open(out).read_status()
     os.killpg(proc.pid, signal.SIGKILL)  # the client and every process of its cluster

@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import pytest
 
 from daskgen import store
 from tests.conftest import popen_cli, write_prompts
-from tests.test_run import _wait_for_some_done
+from tests.test_run import _wait_for_some_done, calls
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -55,11 +54,6 @@ def _wait_for_core(run: subprocess.Popen, exclude: set[int], timeout: float = 90
             return fresh[0]
         time.sleep(0.5)
     raise AssertionError(f"no vLLM EngineCore (other than {sorted(exclude)}) appeared within {timeout} s")
-
-
-def _requests(log: Path) -> Counter[str]:
-    """How often each request id reached the engine (the RecordingEngine's log: ``<id> <pid>`` lines)."""
-    return Counter(line.split()[0] for line in log.read_text().splitlines() if line.strip())
 
 
 def _done_rows(path: Path) -> dict[int, Any]:
@@ -101,7 +95,7 @@ def test_engine_core_killed_mid_run_is_restarted_and_the_run_completes(tmp_path:
     assert sorted(after) == list(range(N))
     for row, ids in before.items():
         np.testing.assert_array_equal(after[row], ids, err_msg=f"row {row} changed after the crash")
-    sent = _requests(log)
+    sent = calls(log)  # how often each request id reached the engine
     assert all(sent[f"p{row}-s{s}"] == 1 for row in before for s in range(2)), (
         "a row committed before the kill ran again"
     )
