@@ -199,8 +199,8 @@ def test_smollm2_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         raise AssertionError("a second call fetched or converted again")
 
     with monkeypatch.context() as patch:  # the second call returns the cached folder, doing no work
-        patch.setattr(daskgen.models.smollm2, "_fetch_wheel", must_not_run)
-        patch.setattr(daskgen.models.smollm2, "_convert", must_not_run)
+        patch.setattr(daskgen.models.smollm2, "fetch_wheel", must_not_run)
+        patch.setattr(daskgen.models.smollm2, "convert_wheel", must_not_run)
         assert smollm2_instruct() == folder
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(f".{SMOLLM2_NAME}.tmp-")]
     config = AutoConfig.from_pretrained(folder, local_files_only=True)

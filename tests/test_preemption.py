@@ -18,7 +18,7 @@ import pytest
 import xarray as xr
 
 from daskgen import store
-from daskgen.client.interrupt import EXIT_INTERRUPTED, Interrupt, _parse_slurm_time
+from daskgen.client.interrupt import EXIT_INTERRUPTED, Interrupt, parse_slurm_time
 from daskgen.engines.base import FinishReason
 from daskgen.testing.probes import in_flight_after, read_events
 from tests.conftest import popen_cli, run_cli, write_prompts
@@ -318,8 +318,8 @@ def test_allocation_end_from_slurm(monkeypatch):
     monkeypatch.delenv("SLURM_JOB_END_TIME")
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     assert allocation_end() is None
-    assert _parse_slurm_time("Unknown") is None and _parse_slurm_time("N/A") is None
-    assert _parse_slurm_time("2030-01-01T00:00:00") is not None
+    assert parse_slurm_time("Unknown") is None and parse_slurm_time("N/A") is None
+    assert parse_slurm_time("2030-01-01T00:00:00") is not None
 
 
 def test_allocation_end_stops_the_run_gracefully(tmp_path):

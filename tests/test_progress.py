@@ -11,7 +11,7 @@ def test_progress_counts_and_shows_the_postfix_only_when_enabled(capsys):
             bar.in_flight = "2/4"
             bar.update(4, 100, failed=1)
             bar.update(2, 50)
-        assert (shown.tokens, shown.failed, shown._bar.n) == (150, 1, 6)
-        assert (hidden.tokens, hidden.failed) == (150, 1)  # --no-progress still counts
-        assert "in_flight=2/4" in shown._bar.postfix and "failed=1" in shown._bar.postfix
-        assert not getattr(hidden._bar, "postfix", None)  # nothing formatted for a bar nobody sees
+        assert (shown.tokens, shown.failed, shown.prompts) == (150, 1, 6)
+        assert (hidden.tokens, hidden.failed, hidden.prompts) == (150, 1, 6)  # --no-progress still counts
+        assert "in_flight=2/4" in shown.postfix and "failed=1" in shown.postfix
+        assert hidden.postfix == ""  # nothing formatted for a bar nobody sees

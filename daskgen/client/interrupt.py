@@ -108,10 +108,10 @@ def allocation_end() -> float | None:
         out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%e"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return _parse_slurm_time(out.stdout.strip())
+    return parse_slurm_time(out.stdout.strip())
 
 
-def _parse_slurm_time(text: str) -> float | None:
+def parse_slurm_time(text: str) -> float | None:
     """``2026-11-22T20:00:00`` (local time) as a Unix time; ``None`` for N/A, Unknown or garbage."""
     import datetime as dt
 

@@ -22,6 +22,7 @@ class Progress:
             total=total, unit="prompt", desc="daskgen", disable=not enabled, dynamic_ncols=True, smoothing=0.1
         )
         self._t0 = time.perf_counter()
+        self.prompts = 0
         self.tokens = 0
         self.failed = 0
         #: Partitions in flight after the last top-up, against the target (e.g. ``"16/16"``).
@@ -29,6 +30,7 @@ class Progress:
 
     def update(self, prompts: int, tokens: int, failed: int = 0) -> None:
         """Record a committed partition (the postfix also shows :attr:`in_flight` when set)."""
+        self.prompts += prompts
         self.tokens += tokens
         self.failed += failed
         if self._bar.disable:  # --no-progress: count only (the postfix is never shown)
@@ -39,6 +41,11 @@ class Progress:
             postfix["in_flight"] = self.in_flight
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(prompts)
+
+    @property
+    def postfix(self) -> str:
+        """The bar's postfix as shown (empty for a hidden bar: nothing is formatted)."""
+        return str(getattr(self._bar, "postfix", None) or "")
 
     def __enter__(self) -> Progress:
         return self

