@@ -144,7 +144,7 @@ def data_bytes(path: Path) -> int:
 
 def engine_cpu_seconds(config: RunConfig, prompts: list[str]) -> float:
     """CPU seconds the instant simulated engine itself spends planning these requests (in this process)."""
-    from daskgen.engines.simulated import SimulatedArgs, plan_output
+    from daskgen.engines.simulated.plan import SimulatedArgs, plan_output
 
     requests = _bench.run_requests(config, prompts)
     args = SimulatedArgs(**config.engine_args)

@@ -91,7 +91,7 @@ def make_prompts(model: str, n: int, length: int) -> list[list[int]]:
 
 def full_launch_args(model: str, args: dict[str, Any]) -> dict[str, Any]:
     """The raw side's ``sglang.Engine`` kwargs: exactly what daskgen would pass."""
-    from daskgen.engines.sglang import check_engine_args, launch_kwargs
+    from daskgen.engines.sglang.args import check_engine_args, launch_kwargs
 
     kwargs = launch_kwargs(model, args, cuda_available=args["device"] == "cuda")
     check_engine_args({k: v for k, v in kwargs.items() if k != "model_path"})
@@ -125,7 +125,7 @@ def run_raw_vllm(
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.inputs import TokensPrompt
 
-    from daskgen.engines.vllm import launch_kwargs
+    from daskgen.engines.vllm.args import launch_kwargs
 
     llm = LLM(**launch_kwargs(model, args, cuda_available=cuda))
     try:

@@ -65,7 +65,7 @@ def request(rid: str, prompt: list[int] | None = None, **params: Any) -> Generat
 
 def keyed_server() -> Any:
     """A real sglang server that requires ``SECRET`` as its API key (the test's own server)."""
-    from daskgen.engines.http_server import ManagedServer
+    from daskgen.engines.http.server import ManagedServer
 
     return ManagedServer(tiny_model(), start_timeout_s=600, api_key=SECRET)
 
@@ -95,7 +95,7 @@ def _stop_external_server():
 
 
 def engine_on(runner: EventLoopThread, **engine_args: Any) -> Any:
-    from daskgen.engines.openai import OpenAIEngine
+    from daskgen.engines.http import OpenAIEngine
 
     engine = OpenAIEngine(tiny_model(), **engine_args)
     runner.run(engine.start(), 900)
@@ -120,7 +120,7 @@ class TestSGLangNativeConformance(EngineConformance):
 
     @classmethod
     def setup_class(cls) -> None:
-        from daskgen.engines.openai import OpenAIEngine
+        from daskgen.engines.http import OpenAIEngine
 
         os.environ[KEY_ENV] = SECRET
         cls.engine_class = OpenAIEngine
@@ -364,7 +364,7 @@ async def _loads_while_generating(
 
 
 def test_managed_launch_failure_quotes_the_server_log() -> None:
-    from daskgen.engines.openai import OpenAIEngine
+    from daskgen.engines.http import OpenAIEngine
 
     engine = OpenAIEngine("/nonexistent/daskgen-model", managed=True, server_start_timeout_s=300)
     with pytest.raises(EngineError) as info:

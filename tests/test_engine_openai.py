@@ -32,15 +32,10 @@ import pytest
 
 from daskgen.engines import create_engine
 from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
-from daskgen.engines.http_client import split_base_url
-from daskgen.engines.http_server import free_port, server_flags
-from daskgen.engines.openai import (
-    OpenAIEngine,
-    apply_limits,
-    native_payload,
-    native_result,
-    openai_payload,
-)
+from daskgen.engines.http import OpenAIEngine
+from daskgen.engines.http.client import split_base_url
+from daskgen.engines.http.protocol import apply_limits, native_payload, native_result, openai_payload
+from daskgen.engines.http.server import free_port, server_flags
 from daskgen.errors import ConfigError, EngineError
 from daskgen.redaction import redact_url
 from daskgen.testing.conformance import EngineConformance, EventLoopThread
@@ -505,7 +500,7 @@ def test_zz_server_killed_mid_run() -> None:
 
 
 def test_server_capacity_is_read_from_sglang_server_info() -> None:
-    from daskgen.engines.sglang_mapping import max_running_requests
+    from daskgen.engines.sglang.mapping import max_running_requests
 
     state = {"effective_max_running_requests_per_dp": 48, "dp_size": 2}
     assert max_running_requests(state) == 96

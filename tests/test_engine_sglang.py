@@ -24,16 +24,11 @@ import pytest
 
 from daskgen.engines import create_engine
 from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
-from daskgen.engines.sglang import (
-    CPU_DEFAULTS,
-    DAEMON_FIX,
-    SGLangEngine,
-    check_engine_args,
-    install_sigquit_handler,
-    launch_kwargs,
-    result_from_output,
-    sampling_params_for,
-)
+from daskgen.engines.inprocess import DAEMON_FIX
+from daskgen.engines.sglang import SGLangEngine
+from daskgen.engines.sglang.args import CPU_DEFAULTS, check_engine_args, launch_kwargs
+from daskgen.engines.sglang.mapping import result_from_output, sampling_params_for
+from daskgen.engines.sglang.sigquit import install_sigquit_handler
 from daskgen.errors import ConfigError, EngineError
 from daskgen.testing.conformance import EngineConformance, EventLoopThread
 from tests.conftest import run_cli, tiny_model_once, write_prompts
@@ -203,7 +198,7 @@ class TestSGLangConformance(_SharedSGLang, EngineConformance):
         """The lane runs the pinned sglang; sgl_kernel (on CPU) is the import-only shim."""
         import sglang
 
-        from daskgen.engines.sglang import TESTED_SGLANG_VERSION
+        from daskgen.engines.sglang.engine import TESTED_SGLANG_VERSION
 
         assert sglang.__version__ == TESTED_SGLANG_VERSION
         info = self.engine.describe()

@@ -9,7 +9,8 @@ import pytest
 
 from daskgen.engines import create_engine
 from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
-from daskgen.engines.simulated import SimulatedEngine, plan_output
+from daskgen.engines.simulated import SimulatedEngine
+from daskgen.engines.simulated.plan import plan_output
 from daskgen.errors import ConfigError
 from daskgen.testing.conformance import EngineConformance
 

@@ -12,7 +12,8 @@ import torch
 
 from daskgen.engines import create_engine
 from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
-from daskgen.engines.transformers import TransformersEngine, step_seed
+from daskgen.engines.transformers import TransformersEngine
+from daskgen.engines.transformers.sampler import step_seed
 from daskgen.errors import ConfigError, EngineError
 from daskgen.testing.conformance import EngineConformance, EventLoopThread
 from tests.conftest import tiny_model_once

@@ -24,16 +24,9 @@ import pytest
 
 from daskgen.engines import create_engine
 from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
-from daskgen.engines.vllm import (
-    CPU_DEFAULTS,
-    CollectedOutput,
-    VLLMEngine,
-    check_engine_args,
-    collect_output,
-    launch_kwargs,
-    result_from_collected,
-    vllm_sampling_kwargs,
-)
+from daskgen.engines.vllm import VLLMEngine
+from daskgen.engines.vllm.args import CPU_DEFAULTS, check_engine_args, launch_kwargs
+from daskgen.engines.vllm.mapping import CollectedOutput, collect_output, result_from_collected, vllm_sampling_kwargs
 from daskgen.errors import ConfigError, EngineError
 from daskgen.testing.conformance import EngineConformance
 from tests.conftest import run_cli, write_prompts
@@ -110,7 +103,7 @@ def test_vllm_processes_start_without_the_workers_thread_counts(monkeypatch: pyt
     """On a CPU vLLM sizes its processes' threads itself; a Dask worker's OMP_NUM_THREADS would override it."""
     import os
 
-    from daskgen.engines.vllm import vllm_thread_environment
+    from daskgen.engines.vllm.args import vllm_thread_environment
 
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
@@ -158,7 +151,12 @@ def test_result_from_deltas(kind: str, finish: FinishReason) -> None:
 
 def test_openai_vllm_protocol_mapping() -> None:
     """The openai engine's token-exact vLLM protocol: request body and streamed chunks."""
-    from daskgen.engines.openai_vllm import is_vllm_version, take_vllm_event, vllm_completions_payload, vllm_result
+    from daskgen.engines.http.vllm_protocol import (
+        is_vllm_version,
+        take_vllm_event,
+        vllm_completions_payload,
+        vllm_result,
+    )
 
     req = request("r", max_new_tokens=5, temperature=0.5, top_k=7, seed=3, stop_token_ids=(9, 2), logprobs=True)
     body = vllm_completions_payload("m", req, {"min_p": 0.1})
@@ -231,7 +229,7 @@ class TestVLLMConformance(_SharedVLLM, EngineConformance):
     def test_vllm_is_the_pinned_release(self) -> None:
         import vllm
 
-        from daskgen.engines.vllm import TESTED_VLLM_VERSION
+        from daskgen.engines.vllm.engine import TESTED_VLLM_VERSION
 
         assert vllm.__version__ == TESTED_VLLM_VERSION
         info = self.engine.describe()

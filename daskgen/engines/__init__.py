@@ -14,14 +14,7 @@ from importlib import import_module
 from importlib.metadata import entry_points
 from typing import Any
 
-from daskgen.engines.base import (
-    Engine,
-    EngineStatus,
-    FinishReason,
-    GenerationRequest,
-    GenerationResult,
-    SamplingParams,
-)
+from daskgen.engines.base import Engine, EngineStatus, FinishReason, GenerationRequest, GenerationResult, SamplingParams
 from daskgen.errors import EngineNotFoundError
 
 __all__ = [

@@ -14,14 +14,16 @@ in any state (-> ``CLOSED``).  An engine implements the two hooks :meth:`Engine.
 from __future__ import annotations
 
 import abc
-import dataclasses
+import asyncio
+import contextlib
 import enum
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-_ArgsT = TypeVar("_ArgsT")
+from daskgen.errors import EngineError
+
+_T = TypeVar("_T")
 
 
 class FinishReason(enum.IntEnum):
@@ -172,19 +174,35 @@ def aborted_result(request: GenerationRequest) -> GenerationResult:
     return GenerationResult(request.request_id, [], FinishReason.ABORT, [] if request.params.logprobs else None)
 
 
-def parse_engine_args(engine: str, args_class: type[_ArgsT], args: Mapping[str, Any]) -> _ArgsT:
-    """Build the dataclass ``args_class`` from ``args``.
+def set_result(future: asyncio.Future, result: Any) -> None:
+    """Resolve ``future`` with ``result`` unless it is done; callable from any thread.
 
-    Unknown keys raise :class:`daskgen.errors.ConfigError` naming them and the valid ones; the
-    dataclass's ``__post_init__`` checks the values.
+    On the future's own (running) loop it is set at once; from elsewhere it is scheduled on that
+    loop, and dropped when the loop is closed (nobody waits any more).
     """
-    from daskgen.errors import ConfigError
+    loop = future.get_loop()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if loop is running:
+        if not future.done():
+            future.set_result(result)
+        return
 
-    valid = [f.name for f in dataclasses.fields(args_class)]  # type: ignore[arg-type]
-    unknown = sorted(set(args) - set(valid))
-    if unknown:
-        raise ConfigError(f"engine {engine!r} has no option(s) {unknown}; valid engine_args are {valid}")
-    return args_class(**args)
+    def settle() -> None:
+        if not future.done():
+            future.set_result(result)
+
+    with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits any more
+        loop.call_soon_threadsafe(settle)
+
+
+def started(engine: str, part: _T | None) -> _T:
+    """``part`` (a backend object the engine sets when it starts); ``EngineError`` while it is ``None``."""
+    if part is None:
+        raise EngineError(f"{engine} engine not started")
+    return part
 
 
 class Engine(abc.ABC):
@@ -256,8 +274,6 @@ class Engine(abc.ABC):
         raises, :meth:`unload` releases what it acquired, the status becomes ``FAILED`` and the
         exception propagates.
         """
-        from daskgen.errors import EngineError
-
         if self.status is not EngineStatus.NEW:
             raise EngineError(f"{self.name} engine is {self.status.value}; create a new engine to start again")
         self.status = EngineStatus.STARTING
@@ -327,8 +343,6 @@ class Engine(abc.ABC):
 
     async def health(self) -> None:
         """Raise unless the engine is serving (:meth:`not_serving`) and really generates one token."""
-        from daskgen.errors import EngineError
-
         problem = self.not_serving()
         if problem is not None:
             raise EngineError(problem)

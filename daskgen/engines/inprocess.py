@@ -4,11 +4,13 @@
   start failures wrapped as :class:`~daskgen.errors.EngineError` naming the backend, the
   refusal of requests (not running, crashed, asleep, invalid), the health check's prompt token,
   sleep/wake (only when :attr:`~daskgen.engines.base.Engine.sleep_supported`, only when idle),
-  ``describe()`` from the backend's identity (:attr:`InProcessEngine.info`), and the refusal to
-  start subprocesses in a daemonic process (:data:`DAEMON_FIX`).
+  ``describe()`` from the backend's identity (:attr:`InProcessEngine.info`), aborts run on the
+  backend's loop (:meth:`InProcessEngine.abort_on_loop`), and the refusal to start subprocesses in
+  a daemonic process (:data:`DAEMON_FIX`).
 * :class:`LoopThread`: an asyncio event loop owned by a daemon thread of its own, for backends
   that must not run on (or stall) the Dask worker's loop; callers submit coroutines to it and
   await them with :func:`asyncio.wrap_future`.
+* :func:`cuda_available`: whether torch sees a CUDA device, which picks the backends' device defaults.
 """
 
 from __future__ import annotations
@@ -19,13 +21,12 @@ import contextlib
 import multiprocessing
 import threading
 from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from daskgen.engines.base import Engine, GenerationRequest, request_error
-from daskgen.engines.common import bos_or_zero
+from daskgen.engines.base import Engine, EngineStatus, GenerationRequest, request_error
 from daskgen.errors import ConfigError, EngineError
 
-__all__ = ["DAEMON_FIX", "InProcessEngine", "LoopClosed", "LoopThread"]
+__all__ = ["DAEMON_FIX", "InProcessEngine", "LoopClosed", "LoopThread", "cuda_available"]
 
 _T = TypeVar("_T")
 
@@ -36,6 +37,17 @@ DAEMON_FIX = (
     "`DASK_DISTRIBUTED__WORKER__DAEMON=False` in the environment of `dask worker`/dask-jobqueue jobs), "
     "or run workers without a nanny (`dask worker --no-nanny`)"
 )
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device; ``False`` when torch is not installed (imports torch)."""
+    from importlib.util import find_spec
+
+    if find_spec("torch") is None:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 class LoopClosed(RuntimeError):
@@ -122,6 +134,15 @@ def _settle(future: concurrent.futures.Future[None], exc: BaseException | None) 
             future.set_exception(exc)
 
 
+class _Submits(Protocol):
+    """What runs coroutines on a backend's loop (a :class:`LoopThread`, or a backend wrapping one)."""
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]: ...
+
+
+_OwnerT = TypeVar("_OwnerT", bound=_Submits)
+
+
 class InProcessEngine(Engine):
     """Base of the engines whose backend runs inside the worker process (see the module docstring).
 
@@ -181,8 +202,25 @@ class InProcessEngine(Engine):
         )
 
     def health_token_id(self) -> int:
-        """The model's BOS token (or 0)."""
-        return bos_or_zero(self.info.get("bos_token_id"), self.vocab_size)
+        """The model's BOS token when it is inside the vocabulary, else 0."""
+        bos, vocab = self.info.get("bos_token_id"), self.vocab_size or 1
+        return bos if isinstance(bos, int) and 0 <= bos < vocab else 0
+
+    async def abort_on_loop(
+        self,
+        owner: _OwnerT | None,
+        call: Callable[[_OwnerT], Coroutine[Any, Any, Any]],
+        ignore: type[Exception],
+    ) -> None:
+        """Run the abort ``call(owner)`` on ``owner``'s loop and await it; nothing unless the engine runs.
+
+        An abort that arrives before start or after shutdown has nothing to stop; exceptions of type
+        ``ignore`` (a backend closing meanwhile) are dropped.
+        """
+        if owner is None or self.status is not EngineStatus.RUNNING:
+            return
+        with contextlib.suppress(ignore):
+            await asyncio.wrap_future(owner.submit(call(owner)))
 
     # ------------------------------------------------------------------ sleep and wake
 

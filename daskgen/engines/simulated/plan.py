@@ -1,7 +1,7 @@
 """The ``simulated`` engine's options and output model: what each request produces.
 
 :func:`plan_output` is a pure function of the prompt ids, the sampling params and
-:class:`SimulatedArgs` (see :mod:`daskgen.engines.simulated` for the timing model that decides
+:class:`SimulatedArgs` (see :mod:`daskgen.engines.simulated.engine` for the timing model that decides
 when it is delivered).
 """
 
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from daskgen.engines.args import is_number, require
 from daskgen.engines.base import FinishReason, GenerationRequest
-from daskgen.engines.common import is_number, require
 
 __all__ = ["OutputPlan", "SimulatedArgs", "plan_output"]
 

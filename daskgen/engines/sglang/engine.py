@@ -53,8 +53,8 @@ How it works
   re-import the parent's ``__main__``: a script that creates a cluster needs the usual
   ``if __name__ == "__main__":`` guard.
 * **CPU.**  Without CUDA (or with ``device="cpu"``) the engine sets ``SGLANG_USE_CPU_ENGINE=1``
-  and defaults to :data:`CPU_DEFAULTS`.  sglang on CPU still imports its CUDA kernel package
-  ``sgl_kernel``; see ``.ci/sglang-env.sh`` for the CPU test lane.
+  and defaults to :data:`~daskgen.engines.sglang.args.CPU_DEFAULTS`.  sglang on CPU still imports
+  its CUDA kernel package ``sgl_kernel``; see ``.ci/sglang-env.sh`` for the CPU test lane.
 * **Sleep.**  :meth:`~SGLangEngine.sleep`/:meth:`~SGLangEngine.wake` release and resume GPU
   memory (weights, KV cache, CUDA graphs) when the engine runs on CUDA with
   ``enable_memory_saver=True``; otherwise they do nothing (on CPU sglang's release crashes its
@@ -66,12 +66,12 @@ through unchanged (``tp_size``, ``mem_fraction_static``, ``context_length``,
 :class:`~daskgen.errors.ConfigError` listing the valid ones.  Heavy imports (sglang, torch)
 happen inside methods only.
 
-Module layout: this module is the engine (daskgen's contract);
-:mod:`daskgen.engines.sglang_mapping` translates requests and outputs (shared with the HTTP
-engine's native protocol); :mod:`daskgen.engines.sglang_args` holds the engine args (shared with
-the managed HTTP server); :mod:`daskgen.engines.sglang_backend` launches and owns the
+Package layout: this module is the engine (daskgen's contract);
+:mod:`daskgen.engines.sglang.mapping` translates requests and outputs (shared with the HTTP
+engine's native protocol); :mod:`daskgen.engines.sglang.args` holds the engine args (shared with
+the managed HTTP server); :mod:`daskgen.engines.sglang.backend` launches and owns the
 ``sglang.Engine`` (the engine's thread and loop, subprocess monitoring, shutdown);
-:mod:`daskgen.engines.sglang_sigquit` holds the ``SIGQUIT`` handler.  What all in-process engines
+:mod:`daskgen.engines.sglang.sigquit` holds the ``SIGQUIT`` handler.  What all in-process engines
 share (start errors, refusals, health, sleep/wake, ``describe``) is
 :class:`~daskgen.engines.inprocess.InProcessEngine`.
 """
@@ -79,44 +79,22 @@ share (start errors, refusals, health, sleep/wake, ``describe``) is
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
-from daskgen.engines.base import (
-    EngineStatus,
-    GenerationRequest,
-    GenerationResult,
-    aborted_result,
-    error_result,
-)
-from daskgen.engines.common import cuda_available, started
-from daskgen.engines.inprocess import DAEMON_FIX, InProcessEngine
-from daskgen.engines.sglang_args import (
-    CPU_DEFAULTS,
-    check_engine_args,
+from daskgen.engines.base import GenerationRequest, GenerationResult, aborted_result, error_result, started
+from daskgen.engines.inprocess import InProcessEngine, cuda_available
+from daskgen.engines.sglang.args import (
     is_cpu_device,
     launch_kwargs,
     refuse_model_path,
-    server_arg_names,
 )
-from daskgen.engines.sglang_backend import BackendClosed, BackendCrashed, SGLangBackend, read_max_running_requests
-from daskgen.engines.sglang_mapping import result_from_output, sampling_params_for
-from daskgen.engines.sglang_sigquit import install_sigquit_handler, restore_sigquit_handler
+from daskgen.engines.sglang.backend import BackendClosed, BackendCrashed, SGLangBackend, read_max_running_requests
+from daskgen.engines.sglang.mapping import result_from_output, sampling_params_for
+from daskgen.engines.sglang.sigquit import install_sigquit_handler, restore_sigquit_handler
 from daskgen.redaction import redact
 
-__all__ = [
-    "CPU_DEFAULTS",
-    "DAEMON_FIX",
-    "TESTED_SGLANG_VERSION",
-    "SGLangEngine",
-    "check_engine_args",
-    "install_sigquit_handler",
-    "launch_kwargs",
-    "result_from_output",
-    "sampling_params_for",
-    "server_arg_names",
-]
+__all__ = ["TESTED_SGLANG_VERSION", "SGLangEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -213,11 +191,7 @@ class SGLangEngine(InProcessEngine):
 
     async def abort(self, request_id: str) -> None:
         """End the request; its ``generate`` returns ``ABORT`` with the tokens so far."""
-        backend = self._backend
-        if backend is None or self.status is not EngineStatus.RUNNING:
-            return
-        with contextlib.suppress(BackendClosed):
-            await asyncio.wrap_future(backend.submit(backend.abort(request_id)))
+        await self.abort_on_loop(self._backend, lambda backend: backend.abort(request_id), BackendClosed)
 
     # ------------------------------------------------------------------ crash, memory, identity
 

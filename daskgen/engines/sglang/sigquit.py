@@ -2,10 +2,9 @@
 
 A failing sglang subprocess sends ``SIGQUIT`` to its parent (the Dask worker), whose default
 action kills it.  :func:`install_sigquit_handler` replaces that with a crash check of every
-registered :class:`~daskgen.engines.sglang_backend.SGLangBackend` (:func:`register`), so the
+registered :class:`~daskgen.engines.sglang.backend.SGLangBackend` (:func:`register`), so the
 engine is marked crashed and restarted instead.  :func:`restore_sigquit_handler` gives the
-signal its previous handler back once no backend is alive.  Records are logged under
-``daskgen.engines.sglang``.
+signal its previous handler back once no backend is alive.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from typing import Any
 
 __all__ = ["install_sigquit_handler", "live_backends", "register", "restore_sigquit_handler", "unregister"]
 
-logger = logging.getLogger("daskgen.engines.sglang")
+logger = logging.getLogger(__name__)
 
 
 _BACKENDS: weakref.WeakSet[Any] = weakref.WeakSet()

@@ -15,10 +15,10 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from daskgen.engines.base import FinishReason, GenerationRequest, GenerationResult, error_result, finish_from_name
-from daskgen.engines.openai_protocol import Flight, WireProtocol
+from daskgen.engines.http.protocol import Flight, WireProtocol
 
 if TYPE_CHECKING:
-    from daskgen.engines.http_client import HTTPClient
+    from daskgen.engines.http.client import HTTPClient
 
 __all__ = ["VLLMProtocol", "is_vllm_version", "take_vllm_event", "vllm_completions_payload", "vllm_result"]
 

@@ -13,7 +13,7 @@ key of its own (``--api-key``), which the engine's client sends.  The key travel
 
 A server subprocess (unlike an in-process ``sglang.Engine``) also starts from a daemonic Dask
 worker process: ``subprocess`` is allowed where ``multiprocessing`` children are not.  The HTTP
-client that talks to it lives in :mod:`daskgen.engines.http_client`.
+client that talks to it lives in :mod:`daskgen.engines.http.client`.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from daskgen import tunables
-from daskgen.engines.common import cuda_available
-from daskgen.engines.http_client import httpx, require_http
-from daskgen.engines.sglang_args import launch_kwargs
+from daskgen.engines.http.client import httpx, require_http
+from daskgen.engines.inprocess import cuda_available
+from daskgen.engines.sglang.args import launch_kwargs
 from daskgen.errors import ConfigError, EngineError
 from daskgen.redaction import is_secret_key
 

@@ -1,7 +1,7 @@
 """Launching and owning the in-process ``sglang.Engine`` behind :class:`~daskgen.engines.sglang.SGLangEngine`.
 
-:mod:`daskgen.engines.sglang` is the public engine module (its docstring explains the design);
-this module holds the machinery underneath:
+:mod:`daskgen.engines.sglang.engine` is the engine (its docstring explains the design); this
+module holds the machinery underneath:
 
 * :class:`SGLangBackend`: the ``sglang.Engine`` created on, and driven from, its own thread and
   event loop (``daskgen-sglang``, a :class:`~daskgen.engines.inprocess.LoopThread`), the monitor
@@ -12,8 +12,8 @@ this module holds the machinery underneath:
   backend raises.
 
 The process-wide ``SIGQUIT`` handler and the registry of live backends it checks are in
-:mod:`daskgen.engines.sglang_sigquit`.  Records are logged under ``daskgen.engines.sglang``.  Heavy imports (sglang,
-torch, psutil, zmq) happen inside functions only.
+:mod:`daskgen.engines.sglang.sigquit`.  Heavy imports (sglang, torch, psutil, zmq) happen inside
+functions only.
 """
 
 from __future__ import annotations
@@ -30,15 +30,14 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from daskgen import tunables
-from daskgen.engines import sglang_sigquit
 from daskgen.engines.inprocess import LoopThread
-from daskgen.engines.sglang_args import check_engine_args, is_cpu_device
-from daskgen.engines.sglang_mapping import max_running_requests
+from daskgen.engines.sglang.args import check_engine_args, is_cpu_device
+from daskgen.engines.sglang.mapping import max_running_requests
+from daskgen.engines.sglang.sigquit import register, unregister
 
 __all__ = ["BackendClosed", "BackendCrashed", "SGLangBackend", "read_max_running_requests"]
 
-# The engine's logger, so log configuration and records are the same as before the module split.
-logger = logging.getLogger("daskgen.engines.sglang")
+logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
@@ -77,7 +76,7 @@ class SGLangBackend:
 
         The backend is registered for the ``SIGQUIT`` crash check until :meth:`stop`.
         """
-        sglang_sigquit.register(self)
+        register(self)
         return self.runner.start()
 
     def submit(self, coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
@@ -103,7 +102,7 @@ class SGLangBackend:
         """Blocking: stop the loop and thread, kill exactly this engine's processes."""
         with self._lock:
             self.closing = True
-        sglang_sigquit.unregister(self)
+        unregister(self)
         if self.runner.thread.is_alive():
             concurrent.futures.wait([self.runner.ready], tunables.seconds("sglang.launch-wait"))
         engine = self.engine

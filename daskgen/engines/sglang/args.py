@@ -1,7 +1,7 @@
 """The ``sglang.Engine`` / ``launch_server`` arguments: daskgen's defaults and their validation.
 
-Shared by the in-process engine (:mod:`daskgen.engines.sglang`) and the managed HTTP server
-(:mod:`daskgen.engines.http_server`): :func:`launch_kwargs` fills in the model, the device and,
+Shared by the in-process engine (:mod:`daskgen.engines.sglang.engine`) and the managed HTTP server
+(:mod:`daskgen.engines.http.server`): :func:`launch_kwargs` fills in the model, the device and,
 on CPU, :data:`CPU_DEFAULTS`; :func:`check_engine_args` refuses names sglang's ``ServerArgs``
 does not know, suggesting close matches.  Importing this module does not import sglang.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from daskgen.engines.common import check_known_args
+from daskgen.engines.args import check_known_args
 from daskgen.errors import ConfigError
 
 __all__ = [

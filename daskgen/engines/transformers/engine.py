@@ -45,11 +45,12 @@ Limits: the engine uses transformers' continuous-batching internals (the manager
 with transformers 5.23.  Because the sampler runs Python each step, CUDA graphs, ``torch.compile``
 and async double-buffering stay off: on a GPU this engine is correct but slower than ``sglang``.
 
-Engine args (``engine_args``): see :class:`TransformersArgs`.
+Engine args (``engine_args``): see :class:`~daskgen.engines.transformers.args.TransformersArgs`.
 
-Module layout: this module is the engine (daskgen's contract, jobs, the reader thread);
-:mod:`daskgen.engines.transformers_backend` holds the seeded sampler and the model and manager
-loading helpers.  ``step_seed`` is re-exported here.
+Package layout: this module is the engine (daskgen's contract, jobs, the reader thread);
+:mod:`daskgen.engines.transformers.args` holds the engine args,
+:mod:`daskgen.engines.transformers.sampler` the seeded sampler and
+:mod:`daskgen.engines.transformers.backend` the model and manager loading.
 """
 
 from __future__ import annotations
@@ -65,107 +66,23 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from daskgen.engines.args import parse_engine_args
 from daskgen.engines.base import (
     EngineStatus,
     FinishReason,
     GenerationRequest,
     GenerationResult,
     error_result,
-    parse_engine_args,
+    set_result,
 )
-from daskgen.engines.common import check_positive_int, set_result
 from daskgen.engines.inprocess import InProcessEngine
-from daskgen.engines.transformers_backend import (
-    SampledSequence,
-    SamplerTable,
-    free_device_memory,
-    load_backend,
-    step_seed,
-)
-from daskgen.errors import ConfigError
+from daskgen.engines.transformers.args import TransformersArgs
+from daskgen.engines.transformers.backend import free_device_memory, load_backend
+from daskgen.engines.transformers.sampler import SampledSequence, SamplerTable
 
-__all__ = ["TransformersArgs", "TransformersEngine", "step_seed"]
+__all__ = ["TransformersEngine"]
 
 logger = logging.getLogger(__name__)
-
-_DEVICES = ("auto", "cpu", "cuda")
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-# --------------------------------------------------------------------------- engine args
-
-
-@dataclass
-class TransformersArgs:
-    """Options of the ``transformers`` engine.
-
-    Attributes
-    ----------
-    device:
-        ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-    dtype:
-        ``"auto"`` (float32 on CPU, bfloat16 on GPU), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
-    max_batch_tokens:
-        Tokens per forward step (prefill chunks plus one per decoding request).  Default 512 on
-        CPU, sized by transformers on GPU.
-    max_requests_per_batch:
-        Requests per forward step.  Default 64 on CPU.
-    kv_cache_tokens:
-        KV-cache capacity in tokens (all requests together).  Default 16384 on CPU; on GPU
-        sized from free memory (``max_memory_percent``).
-    page_size:
-        Tokens per KV-cache page.
-    max_memory_percent:
-        Fraction of free accelerator memory for the cache when ``kv_cache_tokens`` is unset.
-    prefix_sharing:
-        Reuse the KV cache of shared prompt prefixes (the n samples of one prompt).
-    attn_implementation:
-        Passed to ``from_pretrained`` (``"sdpa"``, ``"eager"``, a flash implementation...).
-    num_threads:
-        ``torch.set_num_threads`` for CPU inference (process-wide); default: torch's choice.
-    max_model_len:
-        Cap on prompt plus new tokens; default the model's ``max_position_embeddings``.
-    revision, trust_remote_code:
-        Passed to ``from_pretrained``.
-    """
-
-    device: str = "auto"
-    dtype: str = "auto"
-    max_batch_tokens: int | None = None
-    max_requests_per_batch: int | None = None
-    kv_cache_tokens: int | None = None
-    page_size: int = 128
-    max_memory_percent: float | None = None
-    prefix_sharing: bool = True
-    attn_implementation: str | None = None
-    num_threads: int | None = None
-    max_model_len: int | None = None
-    revision: str | None = None
-    trust_remote_code: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.device, str) or (self.device not in _DEVICES and not self.device.startswith("cuda:")):
-            raise ConfigError(
-                f"transformers engine: device must be one of {list(_DEVICES)} or 'cuda:N', got {self.device!r}"
-            )
-        if self.dtype not in _DTYPES:
-            raise ConfigError(f"transformers engine: dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
-        for name in (
-            "max_batch_tokens",
-            "max_requests_per_batch",
-            "kv_cache_tokens",
-            "page_size",
-            "num_threads",
-            "max_model_len",
-        ):
-            check_positive_int("transformers", name, getattr(self, name))
-        if self.max_memory_percent is not None and not 0 < self.max_memory_percent <= 1:
-            raise ConfigError(
-                f"transformers engine: max_memory_percent must be in (0, 1], got {self.max_memory_percent!r}"
-            )
-        for name in ("prefix_sharing", "trust_remote_code"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"transformers engine: {name} must be true or false, got {getattr(self, name)!r}")
 
 
 # --------------------------------------------------------------------------- jobs

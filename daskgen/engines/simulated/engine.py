@@ -26,8 +26,8 @@ The model
   probabilities).
 
 :meth:`SimulatedEngine.stats` reports steps, busy time, busy fraction and per-step batch sizes.
-The options (:class:`SimulatedArgs`) and the output model (:func:`plan_output`) live in
-:mod:`daskgen.engines.simulated_plan`, re-exported here.
+The options (:class:`~daskgen.engines.simulated.plan.SimulatedArgs`) and the output model
+(:func:`~daskgen.engines.simulated.plan.plan_output`) live in :mod:`daskgen.engines.simulated.plan`.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from daskgen.engines.args import parse_engine_args
 from daskgen.engines.base import (
     Engine,
     EngineStatus,
@@ -49,13 +50,13 @@ from daskgen.engines.base import (
     GenerationRequest,
     GenerationResult,
     error_result,
-    parse_engine_args,
     request_error,
+    set_result,
+    started,
 )
-from daskgen.engines.common import set_result, started
-from daskgen.engines.simulated_plan import OutputPlan, SimulatedArgs, plan_output
+from daskgen.engines.simulated.plan import OutputPlan, SimulatedArgs, plan_output
 
-__all__ = ["SimulatedArgs", "SimulatedEngine", "plan_output"]
+__all__ = ["SimulatedEngine"]
 
 # --------------------------------------------------------------------------- requests in flight
 

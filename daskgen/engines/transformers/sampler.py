@@ -1,0 +1,171 @@
+"""The seeded sampler of the ``transformers`` engine, installed as the manager's only logits processor.
+
+:class:`SamplerTable` maps backend request ids to their :class:`SampledSequence` and picks one token
+per row of each forward pass: Gumbel-max with noise from a generator reseeded with
+:func:`step_seed` (``splitmix64(seed, step)``), so a token depends only on its request's seed and
+position (the design is explained in :mod:`daskgen.engines.transformers.engine`).
+:func:`processor_list` wraps the table for transformers' continuous-batching manager.  Heavy
+imports (torch, transformers) happen inside functions only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from daskgen.engines.base import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["SampledSequence", "SamplerTable", "processor_list", "step_seed"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _seed64(seed: int) -> int:
+    """``seed`` itself when it fits in 64 unsigned bits, else a 64-bit hash of it."""
+    if 0 <= seed <= _MASK64:
+        return seed
+    digest = hashlib.blake2b(str(seed).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The generator seed for token ``step`` of a request seeded with ``seed`` (counter-based)."""
+    return _splitmix64(_splitmix64(_seed64(seed)) ^ (step & _MASK64))
+
+
+@dataclass
+class SampledSequence:
+    """Per-request sampling settings and what the sampler picked so far (written by the backend thread)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    want_logprobs: bool
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    generator: Any = None
+
+    @classmethod
+    def from_params(cls, params: SamplingParams) -> SampledSequence:
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        return cls(params.temperature, params.top_p, params.top_k, seed, params.logprobs)
+
+    def pick(self, row: torch.Tensor) -> int:
+        """Choose the next token from the float32 logits ``row`` and record it."""
+        import torch
+
+        if self.temperature == 0:
+            token = int(torch.argmax(row))
+        else:
+            token = int(torch.argmax(_filtered(row / self.temperature, self) + self._gumbel(row)))
+        if self.want_logprobs:
+            self.logprobs.append(float(row[token] - torch.logsumexp(row, dim=0)))
+        self.tokens.append(token)
+        return token
+
+    def _gumbel(self, row: torch.Tensor) -> torch.Tensor:
+        """Gumbel noise for this step, one value per token id, from a generator reseeded per step."""
+        import torch
+
+        if self.generator is None:
+            self.generator = torch.Generator(device=row.device)
+        self.generator.manual_seed(step_seed(self.seed, len(self.tokens)))
+        uniform = torch.rand(row.shape, generator=self.generator, device=row.device, dtype=row.dtype)
+        return -torch.log(-torch.log(uniform))
+
+
+def _filtered(scores: torch.Tensor, seq: SampledSequence) -> torch.Tensor:
+    """``scores`` with tokens outside top-k and then outside the top-p nucleus set to ``-inf``."""
+    import torch
+
+    if 0 < seq.top_k < scores.numel():
+        kth = torch.topk(scores, seq.top_k, sorted=False).values.min()
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if seq.top_p < 1:
+        probs = torch.softmax(scores, dim=0)
+        scores = scores.masked_fill(probs < _nucleus_threshold(probs, seq.top_p), float("-inf"))
+    return scores
+
+
+def _nucleus_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Smallest probability inside the top-p nucleus (searches the largest 256, 2048, ... first)."""
+    import torch
+
+    k = min(probs.numel(), 256)
+    while True:
+        top = torch.topk(probs, k).values
+        cumulative = torch.cumsum(top, 0)
+        if cumulative[-1] >= top_p or k == probs.numel():
+            break
+        k = min(probs.numel(), k * 8)
+    keep = max(1, int(((cumulative - top) < top_p).sum()))
+    return top[keep - 1]
+
+
+class SamplerTable:
+    """The engine's sampler: maps backend request ids to :class:`SampledSequence` and picks tokens.
+
+    Driven by the manager's thread through a ``ContinuousBatchingLogitsProcessor`` adapter:
+    ``prepare`` receives the ids of the rows of the next forward pass, ``process`` their logits.
+    """
+
+    def __init__(self) -> None:
+        self.sequences: dict[str, SampledSequence] = {}
+        self._rows: list[str] = []
+
+    def prepare(self, request_ids: list[str]) -> None:
+        self._rows = request_ids
+
+    def process(self, scores: torch.Tensor) -> torch.Tensor:
+        """Pick one token per row; return scores whose argmax is that token."""
+        import torch
+
+        picked = []
+        for i, rid in enumerate(self._rows[: scores.size(0)]):
+            seq = self.sequences.get(rid)  # None for warmup rows or requests aborted meanwhile
+            picked.append(seq.pick(scores[i]) if seq is not None else int(torch.argmax(scores[i])))
+        out = torch.full_like(scores, float("-inf"))
+        rows = torch.arange(len(picked), device=scores.device)
+        out[rows, torch.tensor(picked, device=scores.device)] = 0.0
+        return out
+
+
+def processor_list(table: SamplerTable) -> Any:
+    """Wrap ``table`` as the manager's (only) logits processor."""
+    import torch
+    from transformers.generation.continuous_batching.cb_logits_processors import (
+        ContinuousBatchingLogitsProcessor,
+        ContinuousBatchingLogitsProcessorList,
+    )
+    from transformers.generation.logits_process import LogitsProcessorList
+
+    class DaskgenSampler(ContinuousBatchingLogitsProcessor):
+        supported_kwargs: dict[str, type] = {}
+        ignored_kwargs: tuple[str, ...] = ()
+
+        def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+            int32_tensor.fill_(0)
+
+        def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> torch.Tensor:
+            table.prepare([r.state.request_id for r in requests_with_new_token])
+            return torch.zeros(len(requests_with_new_token), dtype=torch.int32)
+
+        def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+            return table.process(scores)
+
+    processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([DaskgenSampler()]))
+    processors.tensors_required = 1  # one (unused) row of per-request tensor args
+    return processors

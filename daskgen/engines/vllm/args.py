@@ -1,0 +1,59 @@
+"""The ``vllm`` engine's arguments: ``vllm.AsyncEngineArgs`` fields, daskgen's CPU defaults and environment.
+
+:func:`check_engine_args` refuses names ``AsyncEngineArgs`` does not know (with close matches);
+:func:`launch_kwargs` adds the model and, without CUDA, :data:`CPU_DEFAULTS`;
+:func:`vllm_thread_environment` keeps the worker's thread counts from vLLM's processes on a CPU.
+Importing this module does not import vllm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from daskgen.engines.args import check_known_args
+
+__all__ = ["CPU_DEFAULTS", "THREAD_VARIABLES", "check_engine_args", "launch_kwargs", "vllm_thread_environment"]
+
+#: Defaults on machines without CUDA (any of them can be overridden in ``engine_args``): eager
+#: mode (no torch.compile of the model at start; vLLM runs its CPU worker in a process of its own),
+#: and no chunked prefill: with it, vllm 0.32.0 on CPU rewinds the generator of a seeded request
+#: whose sampled token it discards (a partly prefilled prompt) with ``Generator.set_offset``, which
+#: CPU generators refuse ("RuntimeError: CPU Generator does not use offset"), and its EngineCore dies.
+CPU_DEFAULTS: dict[str, Any] = {"enforce_eager": True, "enable_chunked_prefill": False}
+#: Thread counts a Dask worker's environment carries (the nanny sets 1; daskgen's local cluster sets
+#: CPUs / workers) that vLLM's processes must not inherit on a CPU (:func:`vllm_thread_environment`).
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def check_engine_args(args: Mapping[str, Any], valid: list[str]) -> None:
+    """Raise :class:`ConfigError` for keys of ``args`` not in ``valid`` (with close matches)."""
+    check_known_args("vllm", args, valid, "vllm.AsyncEngineArgs fields")
+
+
+def launch_kwargs(model: str, engine_args: Mapping[str, Any], cuda_available: bool) -> dict[str, Any]:
+    """``AsyncEngineArgs`` keyword arguments: ``model``, CPU defaults without CUDA, then ``engine_args``."""
+    defaults = {} if cuda_available else CPU_DEFAULTS
+    return {"model": model, **defaults, **engine_args}
+
+
+@contextlib.contextmanager
+def vllm_thread_environment(cuda: bool) -> Iterator[None]:
+    """While vLLM starts its processes on a CPU, the environment without :data:`THREAD_VARIABLES`.
+
+    vLLM's CPU build sizes its threads itself: its model worker binds to cores
+    (``VLLM_CPU_OMP_THREADS_BIND``, default ``auto``) with one thread per bound core, and its
+    ``EngineCore`` process keeps one torch thread, because idle OpenMP threads spin-wait and take the
+    CPU from the step's serial work -- unless ``OMP_NUM_THREADS`` is set, which vLLM respects.  A Dask
+    worker always has it set, so vLLM inherited e.g. 2 threads in the ``EngineCore`` on a 2-core
+    machine whose other core its model worker was bound to, and generated many times slower than
+    the same engine started from a shell (``benchmarks/overhead.py --part engine --engine vllm``).
+    The variables are restored once the processes started; with CUDA nothing changes.
+    """
+    saved = {} if cuda else {name: os.environ.pop(name) for name in THREAD_VARIABLES if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)

@@ -1,0 +1,73 @@
+"""vLLM's request and output format: daskgen's sampling params in, streamed ``RequestOutput`` deltas out.
+
+:func:`vllm_sampling_kwargs` gives the ``vllm.SamplingParams`` of one sample;
+:func:`collect_output` adds a streamed delta to a :class:`CollectedOutput` and
+:func:`result_from_collected` turns it into a :class:`~daskgen.engines.base.GenerationResult`.
+Pure functions, no imports of vllm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from daskgen.engines.base import GenerationRequest, GenerationResult, SamplingParams, error_result, finish_from_name
+
+__all__ = ["CollectedOutput", "collect_output", "result_from_collected", "vllm_sampling_kwargs"]
+
+
+def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
+    """``vllm.SamplingParams`` keyword arguments for daskgen's :class:`SamplingParams` (one sample).
+
+    ``top_k == 0`` is off in both; ``temperature == 0`` is greedy in both.  ``logprobs=0`` asks for
+    the sampled token's logprob only.
+    """
+    out: dict[str, Any] = {
+        "n": 1,
+        "max_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "seed": params.seed,
+        "detokenize": False,
+        "logprobs": 0 if params.logprobs else None,
+    }
+    if params.stop_token_ids:
+        out["stop_token_ids"] = sorted(set(params.stop_token_ids))
+    return out
+
+
+@dataclasses.dataclass
+class CollectedOutput:
+    """What the stream of one request delivered so far."""
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    finish: str | None = None
+    cached_tokens: int | None = None
+
+
+def collect_output(acc: CollectedOutput, output: Any) -> None:
+    """Add one ``RequestOutput`` delta (``outputs[0]``) to ``acc``."""
+    if getattr(output, "num_cached_tokens", None) is not None:
+        acc.cached_tokens = int(output.num_cached_tokens)
+    completion = output.outputs[0] if output.outputs else None
+    if completion is None:
+        return
+    new = [int(t) for t in completion.token_ids]
+    acc.tokens += new
+    if completion.logprobs is not None:
+        for token, entry in zip(new, list(completion.logprobs)[-len(new) :] if new else [], strict=True):
+            acc.logprobs.append(float(entry[token].logprob))
+    if completion.finish_reason is not None:
+        acc.finish = str(completion.finish_reason)
+
+
+def result_from_collected(request: GenerationRequest, acc: CollectedOutput) -> GenerationResult:
+    """The :class:`GenerationResult` of a finished (or aborted) stream."""
+    finish, error = finish_from_name(acc.finish, "vllm")
+    logprobs = list(acc.logprobs) if request.params.logprobs else None
+    if logprobs is not None and len(logprobs) != len(acc.tokens):
+        return error_result(request, f"vllm returned {len(logprobs)} logprobs for {len(acc.tokens)} tokens")
+    meta = {} if acc.cached_tokens is None else {"cached_tokens": acc.cached_tokens}
+    return GenerationResult(request.request_id, list(acc.tokens), finish, logprobs, error=error, meta=meta)
