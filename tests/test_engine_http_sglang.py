@@ -284,7 +284,7 @@ class TestManagedServer:
     def test_managed_server_serves_natively(self) -> None:
         info = self.engine.describe()
         assert info["api"] == "sglang" and info["engine_args"]["managed"] is True, info
-        assert self.engine._server.url.startswith("http://127.0.0.1:")
+        assert self.engine.managed_server.url.startswith("http://127.0.0.1:")
         result = self.runner.run(self.engine.generate(request("managed", logprobs=True)), 120)
         assert result.error is None and len(result.logprobs) == len(result.output_ids) > 0
         self.runner.run(self.engine.health(), 120)
@@ -294,7 +294,7 @@ class TestManagedServer:
         so the server holds a queue: seen in its own load report (``/v1/loads``) while requests run."""
         import httpx
 
-        server = self.engine._server
+        server = self.engine.managed_server
         url, headers = server.url, {"Authorization": f"Bearer {server.api_key}"}
         info = httpx.get(url + "/get_server_info", timeout=60, headers=headers).json()
         running = int(info["internal_states"][0]["effective_max_running_requests_per_dp"])
@@ -310,7 +310,7 @@ class TestManagedServer:
         """Loopback is open to every user of the node: the server refuses requests without its random key."""
         import httpx
 
-        server = self.engine._server
+        server = self.engine.managed_server
         body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
         anonymous = httpx.post(server.url + "/generate", json=body, timeout=120)
         assert anonymous.status_code == 401, anonymous.text
@@ -328,7 +328,7 @@ class TestManagedServer:
         assert server.api_key not in json.dumps(self.engine.describe())
 
     def test_zz_server_death_fails_health_and_shutdown_stops_the_group(self) -> None:
-        server = self.engine._server
+        server = self.engine.managed_server
         group = server.process.pid
         os.kill(server.process.pid, signal.SIGKILL)  # the server leader dies (its children may linger)
         deadline = time.monotonic() + 30
@@ -372,7 +372,7 @@ def test_managed_launch_failure_quotes_the_server_log() -> None:
     message = str(info.value)
     assert "exited with code" in message and "last lines of its log" in message, message
     assert "/nonexistent/daskgen-model" in message, message
-    engine._server.log_path.unlink()  # kept on failure for the user to read
+    engine.managed_server.log_path.unlink()  # kept on failure for the user to read
 
 
 # --------------------------------------------------------------------------- a whole run, server killed mid-run

@@ -142,7 +142,7 @@ class TestVLLMServerConformance(EngineConformance):
         )
         stopped = [r for r in results if r.finish_reason == FinishReason.STOP]
         assert stopped, "no sample reached EOS"
-        eos = self.engine._tokenizer.eos_token_id
+        eos = self.engine.tokenizer.eos_token_id
         assert all(r.output_ids[-1] == eos for r in stopped), [r.output_ids[-3:] for r in stopped]
 
 

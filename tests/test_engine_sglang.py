@@ -259,7 +259,7 @@ class TestSGLangConformance(_SharedSGLang, EngineConformance):
 
     def test_cancelled_caller_aborts_inside_sglang(self) -> None:
         """Cancelling the awaiting task (e.g. a cancelled Dask task) also ends the request in sglang."""
-        backend = self.engine._backend
+        backend = self.engine.backend
         long_request = self.long_greedy("cancel-me")
 
         def in_sglang() -> list[str]:
@@ -319,7 +319,7 @@ class TestSGLangCrashAndShutdown:
         try:
             self._crash_the_scheduler()
             self._check_crash_is_reported()
-            children = list(self.engine._backend._children)
+            children = list(self.engine.backend.children)
             assert children
             self.runner.run(self.engine.shutdown(), 120)
             assert all(not p.is_running() for p in children), children
@@ -330,7 +330,7 @@ class TestSGLangCrashAndShutdown:
 
     def _crash_the_scheduler(self) -> None:
         """An out-of-vocabulary token (which generate() refuses) kills sglang's scheduler."""
-        backend = self.engine._backend
+        backend = self.engine.backend
         bad = {"input_ids": [1, 10**7], "sampling_params": {"max_new_tokens": 4}}
         future = backend.submit(backend.generate("poison", bad))
         with pytest.raises(Exception):  # noqa: B017 - whatever sglang raises; the point is we survive
@@ -338,9 +338,9 @@ class TestSGLangCrashAndShutdown:
 
     def _check_crash_is_reported(self) -> None:
         deadline = time.monotonic() + 30
-        while self.engine._backend.problem is None and time.monotonic() < deadline:
+        while self.engine.backend.problem is None and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert self.engine._backend.problem, "the crash went unnoticed"
+        assert self.engine.backend.problem, "the crash went unnoticed"
         result = self.runner.run(self.engine.generate(request("after-crash")), 60)
         assert result.finish_reason == FinishReason.ERROR and "crashed" in result.error, result
         with pytest.raises(EngineError, match="crashed"):

@@ -165,13 +165,13 @@ def test_outputs_are_deterministic_and_prefix_consistent() -> None:
 def _wall_waits(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, float]]:
     """Record every ``(steps, wall seconds per step)`` the engine waits for (a spy: the real wait still runs)."""
     waits: list[tuple[int, float]] = []
-    original = SimulatedEngine._sleep_steps
+    original = SimulatedEngine.wait_steps
 
     async def recording(self, steps: int, wall_per_step: float) -> int:
         waits.append((steps, wall_per_step))
         return await original(self, steps, wall_per_step)
 
-    monkeypatch.setattr(SimulatedEngine, "_sleep_steps", recording)
+    monkeypatch.setattr(SimulatedEngine, "wait_steps", recording)
     return waits
 
 
@@ -276,7 +276,7 @@ def test_late_request_joins_running_batch() -> None:
             order.append(rid)
 
         long = asyncio.ensure_future(generate("long", [1], 1000))
-        while engine._current_step() < 10:  # the long request is running
+        while engine.current_step() < 10:  # the long request is running
             await asyncio.sleep(0.002)
         await generate("short", [2], 4)
         await long
@@ -304,7 +304,7 @@ def test_abort_waiting_and_running() -> None:
             asyncio.ensure_future(engine.generate(req(r, [1], max_new_tokens=500, logprobs=True)))
             for r in ("running", "waiting")
         ]
-        while engine._current_step() < 5:  # "running" has generated a few tokens
+        while engine.current_step() < 5:  # "running" has generated a few tokens
             await asyncio.sleep(0.002)
         await engine.abort("waiting")
         await engine.abort("running")

@@ -286,7 +286,7 @@ def test_backend_crash_fails_requests_and_health(loop) -> None:
         def explode(scores):
             raise RuntimeError("injected failure")
 
-        engine._table.process = explode
+        engine.sampler_table.process = explode
         result = loop.run(engine.generate(GenerationRequest("x", [1, 2], SamplingParams(max_new_tokens=4))), 60)
         assert result.finish_reason == FinishReason.ERROR and "injected failure" in result.error
         with pytest.raises(EngineError):

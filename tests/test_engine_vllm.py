@@ -238,7 +238,7 @@ class TestVLLMConformance(_SharedVLLM, EngineConformance):
     def test_capacity_is_max_num_seqs(self) -> None:
         capacity = self.engine.capacity
         assert isinstance(capacity, int) and capacity >= 1, capacity
-        scheduler = self.engine._llm.vllm_config.scheduler_config
+        scheduler = self.engine.async_llm.vllm_config.scheduler_config
         assert self.engine.describe()["max_num_seqs"] == capacity == scheduler.max_num_seqs
 
     def test_eos_is_kept_and_reported_as_stop(self) -> None:

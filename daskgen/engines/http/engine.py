@@ -98,6 +98,16 @@ class OpenAIEngine(Engine):
         self._no_answer: str | None = None
 
     @property
+    def managed_server(self) -> ManagedServer | None:
+        """The sglang server this engine started (``managed: true``); ``None`` for a given ``base_url``."""
+        return self._server
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer, loaded at :meth:`start` when ids go over the wire as text; else ``None``."""
+        return self._tokenizer
+
+    @property
     def supports_seed(self) -> bool:
         """True against vLLM, or an SGLang server with deterministic inference on (known after :meth:`start`)."""
         return self._server_seeds or self.protocol == "vllm"  # vLLM seeds each request's sampler

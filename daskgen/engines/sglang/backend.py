@@ -158,6 +158,11 @@ class SGLangBackend:
             await asyncio.sleep(tunables.seconds("sglang.monitor-interval"))
             self._check_children()
 
+    @property
+    def children(self) -> list[Any]:
+        """The sglang subprocesses this backend started (``psutil.Process``), killed at shutdown."""
+        return list(self._children)
+
     def _check_children(self) -> None:
         if self.problem is not None or self.closing or self.engine is None:
             return

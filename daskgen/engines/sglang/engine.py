@@ -200,6 +200,11 @@ class SGLangEngine(InProcessEngine):
         return self._backend.problem if self._backend is not None else "the backend is stopped"
 
     @property
+    def backend(self) -> SGLangBackend | None:
+        """The running backend (its thread, ``sglang.Engine`` and subprocesses); ``None`` when not started."""
+        return self._backend
+
+    @property
     def supports_seed(self) -> bool:
         """sglang honours ``sampling_seed`` only with ``enable_deterministic_inference=True``."""
         return bool(self.engine_args.get("enable_deterministic_inference", False))

@@ -190,7 +190,7 @@ class SimulatedEngine(Engine):
             done = 0
         else:
             self._running -= 1
-            done = self._current_step() - sim.start_step
+            done = self.current_step() - sim.start_step
         self._forget(sim)
         if sim.start_step >= 0:  # the tokens it produced before it was dropped count as generated
             self._stats.tokens += max(0, min(done, len(sim.plan.tokens) - 1))
@@ -207,7 +207,7 @@ class SimulatedEngine(Engine):
             if not sims:
                 del self._by_id[sim.request.request_id]
 
-    def _current_step(self) -> int:
+    def current_step(self) -> int:
         """Steps completed by now, counting those elapsed inside the current (scaled) sleep."""
         if self._wall_per_step <= 0:
             return self._step
@@ -275,7 +275,7 @@ class SimulatedEngine(Engine):
         steps = self._next_finish() - self._step
         slept = self.args.time_scale > 0 and step_s > 0
         if slept:
-            steps = await self._sleep_steps(steps, step_s * self.args.time_scale)
+            steps = await self.wait_steps(steps, step_s * self.args.time_scale)
         self._step += steps
         stats = self._stats
         stats.steps += steps
@@ -284,7 +284,7 @@ class SimulatedEngine(Engine):
         self._finish_due()
         return slept
 
-    async def _sleep_steps(self, steps: int, wall_per_step: float) -> int:
+    async def wait_steps(self, steps: int, wall_per_step: float) -> int:
         """Sleep through up to ``steps`` steps; on a wake-up stop at the end of the step in progress."""
         self._wall_per_step = wall_per_step
         self._step_wakeup.clear()

@@ -147,6 +147,11 @@ class TransformersEngine(InProcessEngine):
     # ------------------------------------------------------------------ lifecycle
 
     @property
+    def sampler_table(self) -> SamplerTable:
+        """The per-sequence sampling state the continuous-batching thread calls at every step."""
+        return self._table
+
+    @property
     def capacity(self) -> int | None:
         """``max_requests_per_batch`` (64 on CPU unless set; transformers decides on GPU: unknown)."""
         return self._capacity

@@ -233,6 +233,11 @@ class VLLMEngine(InProcessEngine):
         return None
 
     @property
+    def async_llm(self) -> Any:
+        """The running ``vllm.AsyncLLM`` (``None`` before start and after shutdown)."""
+        return self._llm
+
+    @property
     def sleep_supported(self) -> bool:
         """True when :meth:`sleep` really releases memory (CUDA with ``enable_sleep_mode=True``)."""
         return self.info.get("device") == "cuda" and bool(self._kwargs.get("enable_sleep_mode"))
