@@ -8,7 +8,10 @@ from typing import Annotated, Any
 
 import typer
 
+from daskgen.cli_options import given, options_command
 from daskgen.errors import DaskgenError
+from daskgen.run_options import RunCommand, RunOptions
+from daskgen.stream.options import FollowOptions, SinkOptions
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Distributed LLM generation on Dask with resumable Zarr stores."
@@ -17,113 +20,23 @@ app = typer.Typer(
 Opt = typer.Option
 
 
-def _key_values(pairs: list[str] | None, flag: str) -> dict[str, Any] | None:
-    import yaml
-
-    if not pairs:
-        return None
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise DaskgenError(f"{flag} expects KEY=VALUE, found {pair!r}")
-        out[key] = yaml.safe_load(value)
-    return out
-
-
-@app.command()
-def run(
-    prompts: Annotated[Path | None, Opt(help="JSONL or Parquet file of prompts.")] = None,
-    model: Annotated[str | None, Opt(help="Local model folder (or name the engine understands).")] = None,
-    store: Annotated[
-        str | None, Opt(help="Output Zarr store (folder or s3://, gs://, az:// URL); rerun against it to resume.")
-    ] = None,
-    config: Annotated[Path | None, Opt(help="YAML file with the same keys; flags override it.")] = None,
-    engine: Annotated[
-        str | None, Opt(help="Engine: transformers, sglang, vllm, openai, simulated, or module:Class.")
-    ] = None,
-    engine_arg: Annotated[list[str] | None, Opt(help="Engine option KEY=VALUE (repeatable).")] = None,
-    agent: Annotated[str | None, Opt(help="Agent loop: single_turn, tool, or module:Class.")] = None,
-    agent_arg: Annotated[list[str] | None, Opt(help="Agent option KEY=VALUE (repeatable).")] = None,
-    n_samples: Annotated[int | None, Opt(help="Samples per prompt.")] = None,
-    max_new_tokens: Annotated[int | None, Opt(help="Response token limit.")] = None,
-    max_prompt_tokens: Annotated[int | None, Opt(help="Prompt token limit (longer prompts are an error).")] = None,
-    temperature: Annotated[float | None, Opt(help="Sampling temperature; 0 = greedy.")] = None,
-    top_p: Annotated[float | None, Opt()] = None,
-    top_k: Annotated[int | None, Opt()] = None,
-    seed: Annotated[int | None, Opt(help="Run seed; per-sample seeds derive from it.")] = None,
-    logprobs: Annotated[bool | None, Opt("--logprobs/--no-logprobs", help="Store per-token logprobs.")] = None,
-    partition_size: Annotated[int | None, Opt(help="Prompts per task = store chunk rows.")] = None,
-    scheduler_address: Annotated[
-        str | None, Opt(help="Use this Dask scheduler instead of a LocalCluster (tls://HOST:PORT with --tls-*).")
-    ] = None,
-    tls_ca: Annotated[Path | None, Opt(help="CA file of a tls:// --scheduler-address.")] = None,
-    tls_cert: Annotated[Path | None, Opt(help="Client certificate for a tls:// --scheduler-address.")] = None,
-    tls_key: Annotated[Path | None, Opt(help="Client key for a tls:// --scheduler-address.")] = None,
-    insecure: Annotated[bool, Opt(help="No TLS on the SLURM/PBS cluster daskgen starts (not recommended).")] = False,
-    cluster: Annotated[str | None, Opt(help="local, slurm or pbs (details in the config's cluster: section).")] = None,
-    n_workers: Annotated[int | None, Opt(help="LocalCluster workers (default: per GPU, else cores/4).")] = None,
-    min_workers: Annotated[int | None, Opt(help="Adaptive scaling lower bound.")] = None,
-    max_workers: Annotated[int | None, Opt(help="Adaptive scaling upper bound.")] = None,
-    window: Annotated[
-        str | None,
-        Opt(help="Partitions in flight per worker, or 'auto' (sized from the engine's batch slots; the default)."),
-    ] = None,
-    max_retries: Annotated[int | None, Opt(help="Retries of a failed partition before its prompts fail.")] = None,
-    partition_timeout_s: Annotated[float | None, Opt(help="Treat a partition running longer as hung.")] = None,
-    max_prompts_in_memory: Annotated[int | None, Opt(help="Cap on prompts held in memory at once.")] = None,
-    target_done: Annotated[int | None, Opt(help="Stop once this many prompts are done.")] = None,
-    token_budget: Annotated[int | None, Opt(help="Stop once this run generated this many tokens.")] = None,
-    deadline: Annotated[str | None, Opt(help="Stop at this time (ISO 8601) or after 90m / 2h / 3600s.")] = None,
-    keep_partial: Annotated[
-        bool | None,
-        Opt(
-            "--keep-partial/--no-keep-partial",
-            help="Store aborted partial responses and continue them next attempt "
-            "(default: on for the single_turn agent).",
-        ),
-    ] = None,
-    grace: Annotated[
-        str | None,
-        Opt(
-            help="On SIGTERM/SIGINT or at the end of the SLURM allocation: seconds to "
-            "abort, save partial responses and commit before exiting with status 3 "
-            "(default 25s)."
-        ),
-    ] = None,
-    skip_overlong: Annotated[bool, Opt(help="Record overlong prompts as failed instead of stopping.")] = False,
-    retry_failed: Annotated[bool, Opt(help="Regenerate prompts that failed in earlier runs.")] = False,
-    length_hints: Annotated[
-        str | None,
-        Opt(help="Store of an earlier run over the same prompts: start the partitions that were longest there first."),
-    ] = None,
-    progress: Annotated[bool, Opt("--progress/--no-progress")] = True,
-    show: Annotated[int, Opt(help="Print this many decoded answers at the end.")] = 0,
-) -> None:
+@options_command(app, RunOptions, RunCommand)
+def run(**values: Any) -> None:
     """Generate (or resume) responses for every prompt into a Zarr store."""
-    overrides = {
-        k: v
-        for k, v in locals().items()
-        if k not in ("config", "engine_arg", "agent_arg", "show", "cluster", "insecure")
-    }
     from daskgen.client.runner import run as run_generation
     from daskgen.config import RunConfig
 
-    overrides["engine_args"] = _key_values(engine_arg, "--engine-arg")
-    overrides["agent_args"] = _key_values(agent_arg, "--agent-arg")
-    overrides = {k: (str(v) if isinstance(v, Path) else v) for k, v in overrides.items()}
-    overrides["skip_overlong"] = skip_overlong or None
-    overrides["retry_failed"] = retry_failed or None
-    cfg = RunConfig.load(config, **overrides)
-    if cluster:
-        cfg.cluster = {**(cfg.cluster or {}), "kind": cluster}
-    if insecure:
+    command = RunCommand(**given(RunCommand, values))
+    cfg = RunConfig.load(command.config, **given(RunOptions, values))
+    if command.cluster_kind:
+        cfg.cluster = {**(cfg.cluster or {}), "kind": command.cluster_kind}
+    if command.insecure:
         cfg.cluster = {**(cfg.cluster or {}), "tls": False}
     summary = run_generation(cfg)
-    if show:
+    if command.show:
         from daskgen.analysis.summary import print_answers
 
-        print_answers(cfg.location(), show)
+        print_answers(cfg.location(), command.show)
     typer.echo(summary.line())
     raise typer.Exit(exit_status(summary))
 
@@ -179,25 +92,17 @@ def export(
         typer.echo(f"uploaded {target} to W&B project {wandb_project!r}")
 
 
-@app.command()
+@options_command(app, FollowOptions, SinkOptions)
 def follow(
     store: Annotated[str, typer.Argument(help="A daskgen store (folder or URL), also one a run is writing.")],
-    cursor: Annotated[str, Opt(help="Name of the durable position (independent names follow independently).")] = (
-        "default"
-    ),
-    format: Annotated[str, Opt("--format", "-f", help="jsonl (stdout) or parquet-dir (one file per batch).")] = (
-        "jsonl"
-    ),
-    batch: Annotated[int, Opt(help="Done prompt groups per batch.")] = 64,
-    out: Annotated[Path | None, Opt(help="Folder of the parquet-dir batches.")] = None,
-    wait: Annotated[bool, Opt("--wait/--no-wait", help="Wait while a run writes the store.")] = True,
-    timeout: Annotated[float | None, Opt(help="Seconds to wait for one batch (exit 2 after).")] = None,
+    **values: Any,
 ) -> None:
     """Stream finished samples in commit order, each batch once per cursor (acknowledged after it is written)."""
     from daskgen.stream.sinks import follow_to
 
-    summary = follow_to(store, format, out, batch_prompts=batch, cursor=cursor, wait=wait, timeout=timeout)
-    typer.echo(summary.line(cursor), err=True)
+    options = FollowOptions(**given(FollowOptions, values))
+    summary = follow_to(store, SinkOptions(**given(SinkOptions, values)), options)
+    typer.echo(summary.line(options.cursor), err=True)
 
 
 @app.command()
@@ -281,13 +186,12 @@ def main() -> None:
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:  # a second SIGTERM/SIGINT: stopped at once, committed work is kept
         sys.exit(130)
-    except Exception as exc:  # click usage errors
-        import click
-
-        if isinstance(exc, click.exceptions.Abort):  # click's form of KeyboardInterrupt
+    except Exception as exc:  # click's usage errors, by shape: typer may carry its own copy of click
+        if type(exc).__name__ == "Abort":  # click's form of KeyboardInterrupt
             sys.exit(130)
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
+        show, exit_code = getattr(exc, "show", None), getattr(exc, "exit_code", None)
+        if callable(show) and isinstance(exit_code, int):
+            show()
+            sys.exit(exit_code)
         raise
     sys.exit(code if isinstance(code, int) else 0)

@@ -26,6 +26,8 @@ from daskgen.client.plan import Plan, keep_scan, pending_rows, pending_tasks, pr
 from daskgen.client.run_summary import RunSummary, summarize
 from daskgen.config import RunConfig
 from daskgen.errors import RunInterrupted
+from daskgen.options import takes_options
+from daskgen.run_options import RunOptions
 from daskgen.store.commit_log import read_head
 from daskgen.store.layout import PENDING
 
@@ -95,18 +97,29 @@ def _record_partial_partitions(run: LiveRun) -> None:
         plan.store.update_attrs(partial_partitions=keep)
 
 
-def generate(prompts: str | Path | Sequence[Any], *, model: str, store: str | Path, **options: Any):
+@takes_options(RunOptions)
+def generate(prompts: str | Path | Sequence[Any], **options: Any) -> Any:
     """Generate (or resume) into ``store`` and return it as an ``xarray.Dataset``.
 
-    ``prompts`` is a JSONL/Parquet path or a list of rows (dicts with ``messages`` or
-    ``prompt``, or plain strings).  ``options`` are :class:`RunConfig` fields.
+    The keyword arguments are the run options (:class:`daskgen.run_options.RunOptions`, the keys of a
+    ``daskgen run --config`` file); ``model`` and ``store`` are required.
+
+    Parameters
+    ----------
+    prompts:
+        A JSONL/Parquet path or a list of rows (dicts with ``messages`` or ``prompt``, or plain strings).
+
+    Returns
+    -------
+    xarray.Dataset
+        The whole store (:func:`daskgen.open_store`).
     """
     from daskgen.analysis.accessor import open_store
 
     source = None if isinstance(prompts, (str, Path)) else prompts
+    paths = {"model": str(options["model"]), "store": str(options["store"])}
     config = RunConfig.from_dict(
-        {**options, "model": str(model), "store": str(store), "prompts": str(prompts) if source is None else None},
-        source="generate()",
+        {**options, **paths, "prompts": str(prompts) if source is None else None}, source="generate()"
     )
     summary = run(config, source)
     if summary.interrupted:

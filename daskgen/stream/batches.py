@@ -14,14 +14,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any
 
 import numpy as np
 
 from daskgen import tunables
-from daskgen.errors import FollowError, FollowTimeout, StoreError
+from daskgen.errors import FollowTimeout, StoreError
 from daskgen.store.commit_log import read_head
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import DONE, FAILED
@@ -30,6 +30,7 @@ from daskgen.stream.cursor import Cursor, CursorState, Position
 from daskgen.stream.events import CommitEvents
 from daskgen.stream.formats import PromptIds, build, fields_to_read, read_rows, to_dataset
 from daskgen.stream.log import Snapshot, read_snapshot, writer_live
+from daskgen.stream.options import FollowOptions
 
 logger = logging.getLogger(__name__)
 
@@ -83,29 +84,20 @@ class Batch:
 
 
 class Follower:
-    """Iterator of :class:`Batch` es of a store's newly finished prompts; see :func:`daskgen.follow`."""
+    """Iterator of :class:`Batch` es of a store's newly finished prompts; see :func:`daskgen.follow`.
 
-    def __init__(
-        self,
-        store: StoreRef,
-        *,
-        batch_prompts: int = 64,
-        cursor: str = "default",
-        fields: tuple[str, ...] | list[str] | None = None,
-        format: str = "xarray",
-        wait: bool = True,
-        timeout: float | None = None,
-        auto_ack: bool = True,
-        client: Any = None,
-        cursor_dir: StoreRef | None = None,
-        storage_options: dict[str, Any] | None = None,
-    ) -> None:
-        if not isinstance(batch_prompts, int) or batch_prompts < 1:
-            raise FollowError(f"batch_prompts must be an integer >= 1, got {batch_prompts!r}")
-        self.location = locate(store, storage_options)
-        self.batch_prompts, self.format, self.fields = batch_prompts, format, tuple(fields) if fields else None
-        self.wait, self.timeout, self.auto_ack = wait, timeout, auto_ack
-        self.cursor = Cursor(self.location, cursor, cursor_dir)
+    ``options`` (:class:`~daskgen.stream.options.FollowOptions`), with the ``given`` ones replaced, say how
+    the store is read.
+    """
+
+    def __init__(self, store: StoreRef, options: FollowOptions | None = None, **given: Any) -> None:
+        options = replace(options, **given) if options else FollowOptions(**given)
+        self.options = options
+        self.location = locate(store, options.storage_options)
+        self.batch_prompts, self.format = options.batch_prompts, options.format
+        self.fields = tuple(options.fields) if options.fields else None
+        self.wait, self.timeout, self.auto_ack = options.wait, options.timeout, options.auto_ack
+        self.cursor = Cursor(self.location, options.cursor, options.cursor_dir)
         self.state = self.cursor.load()
         self.position, self.number = self.state.position, self.state.batches
         self.outstanding: list[Batch] = []
@@ -116,7 +108,7 @@ class Follower:
         self.pending_at_end = 0
         self.poll_interval = tunables.seconds("follow.poll-interval")
         self.wake = threading.Event()
-        self.events = None if client is None else CommitEvents(client, self.location, self.wake)
+        self.events = None if options.client is None else CommitEvents(options.client, self.location, self.wake)
 
     # --- iteration ----------------------------------------------------------------------------
     def __iter__(self) -> Follower:

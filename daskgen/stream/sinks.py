@@ -20,6 +20,7 @@ from daskgen.errors import FollowError
 from daskgen.store.location import StoreRef
 from daskgen.stream.batches import Batch, Follower
 from daskgen.stream.formats import TOKEN_FIELDS, arrow_table
+from daskgen.stream.options import FollowOptions, SinkOptions
 
 SINKS = ("jsonl", "parquet-dir")
 
@@ -44,26 +45,27 @@ class FollowSummary:
 
 
 def follow_to(
-    store: StoreRef, sink: str, out: Path | None, *, stdout: IO[str] = sys.stdout, **options: Any
+    store: StoreRef, sink: SinkOptions, options: FollowOptions, *, stdout: IO[str] = sys.stdout
 ) -> FollowSummary:
-    """Write every batch of ``store`` to ``sink`` (``jsonl`` on ``stdout``, or ``parquet-dir`` in ``out``).
+    """Write every batch of ``store`` to ``sink.sink`` (``jsonl`` on ``stdout``, or ``parquet-dir`` in ``sink.out``).
 
-    ``options`` are :class:`~daskgen.stream.batches.Follower` options (``cursor``, ``batch_prompts``,
-    ``wait``, ``timeout``, ...); batches are acknowledged here, after their output is durable.
+    ``options`` say how the store is followed (``cursor``, ``batch_prompts``, ``wait``, ``timeout``, ...);
+    batches are acknowledged here, after their output is durable.
     """
-    if sink not in SINKS:
-        raise FollowError(f"unknown --format {sink!r}; choose one of {', '.join(SINKS)}.")
-    if sink == "parquet-dir":
+    out = sink.out
+    if sink.sink not in SINKS:
+        raise FollowError(f"unknown --format {sink.sink!r}; choose one of {', '.join(SINKS)}.")
+    if sink.sink == "parquet-dir":
         if out is None:
             raise FollowError("--format parquet-dir writes one file per batch into --out DIR: pass --out.")
         out.mkdir(parents=True, exist_ok=True)
     fields = (*TOKEN_FIELDS, "logprobs")
     summary = FollowSummary()
-    with Follower(store, format="xarray", fields=fields, auto_ack=False, **options) as follower:
+    with Follower(store, options, format="xarray", fields=fields, auto_ack=False) as follower:
         for batch in follower:
             assert follower.store is not None  # opened before the first batch
             table = arrow_table(follower.store, batch.data)
-            if sink == "jsonl":
+            if sink.sink == "jsonl":
                 _write_jsonl(table, stdout)
             else:
                 _write_parquet(table, out / f"{batch.name}.parquet")  # type: ignore[operator]

@@ -1,0 +1,171 @@
+"""The options of a run, each declared once (see :mod:`daskgen.options`).
+
+:class:`RunOptions` holds every run setting: a key of the ``--config`` YAML file, a keyword of
+:func:`daskgen.generate`, a field of :class:`daskgen.config.RunConfig` (which adds loading and
+validation) and, unless it is a mapping, a flag of ``daskgen run``.  :class:`RunCommand` holds the
+flags of ``daskgen run`` that are not run settings.  The README's option table is rendered from both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from daskgen.options import option
+
+IO, ENGINE, SAMPLING, ROUNDS, CLUSTER, TASKS, STOPPING = (
+    "Input and output",
+    "Engine and agent",
+    "Sampling",
+    "Verifier rounds",
+    "Cluster",
+    "Tasks and failures",
+    "Stopping",
+)
+
+
+def key_values(what: str, flag: str) -> Any:
+    """A mapping of options, given on the command line as repeatable ``flag KEY=VALUE``."""
+    help = f"{what} options (on the command line KEY=VALUE, VALUE read as YAML)."
+    return option(help=help, group=ENGINE, flags=(flag,), pairs=True, factory=dict)
+
+
+@dataclass
+class RunOptions:
+    """Every setting of a run, with its default; the help of each is in its declaration."""
+
+    prompts: str | None = option(None, "JSONL or Parquet file of prompts.", group=IO, cli_type=Path, required=True)
+    model: str | None = option(None, "Local model folder (or a name the engine understands).", group=IO, required=True)
+    store: str | None = option(
+        None,
+        "Output Zarr store: a folder or an object-storage URL (s3://, gs://, az://); rerun against it to resume.",
+        group=IO,
+        required=True,
+    )
+    storage_options: dict[str, Any] | None = option(
+        None,
+        "Options of an object-storage store (endpoint, region, credentials, client_options) for "
+        "obstore.store.from_url; default: from the environment (AWS_*, ...). Never written to the store.",
+        group=IO,
+        flags=None,
+    )
+    engine: str = option(
+        "transformers", "Engine: transformers, sglang, vllm, openai, simulated, or module:Class.", group=ENGINE
+    )
+    engine_args: dict[str, Any] = key_values("Engine", "--engine-arg")
+    agent: str = option("single_turn", "Agent loop: single_turn, tool, or module:Class.", group=ENGINE)
+    agent_args: dict[str, Any] = key_values("Agent", "--agent-arg")
+    verifier: str | None = option(
+        None, "Score each response with this package.module:function (multi-round sampling).", group=ROUNDS
+    )
+    round_size: int = option(1, "With a verifier: samples per round, up to n_samples (must divide it).", group=ROUNDS)
+    until_correct: int | None = option(
+        None, "With a verifier: stop a prompt once this many responses scored >= correct_threshold.", group=ROUNDS
+    )
+    correct_threshold: float = option(1.0, "With a verifier: the score from which a response is correct.", group=ROUNDS)
+    stop_when: str | None = option(
+        None, "With a verifier: package.module:function(scores) that stops a prompt when it returns true.", group=ROUNDS
+    )
+    count_truncated: bool = option(
+        False, "With a verifier: truncated responses count towards until_correct.", group=ROUNDS
+    )
+    n_samples: int = option(1, "Samples per prompt; all samples of a prompt stay in one partition.", group=SAMPLING)
+    max_new_tokens: int = option(256, "Response token limit (the store's padded response width).", group=SAMPLING)
+    max_prompt_tokens: int = option(
+        1024, "Prompt token limit; longer prompts are an error (or failed rows with skip_overlong).", group=SAMPLING
+    )
+    temperature: float = option(1.0, "Sampling temperature; 0 = greedy.", group=SAMPLING)
+    top_p: float = option(1.0, "Nucleus sampling: the probability mass sampled from (1 = all tokens).", group=SAMPLING)
+    top_k: int = option(0, "Sample from the k most likely tokens (0 = all tokens).", group=SAMPLING)
+    seed: int = option(0, "Run seed; per-sample seeds derive from it.", group=SAMPLING)
+    logprobs: bool = option(False, "Store per-token logprobs.", group=SAMPLING)
+    partition_size: int = option(64, "Prompts per Dask task = the store's chunk rows along prompt.", group=TASKS)
+    scheduler_address: str | None = option(
+        None, "Use this Dask scheduler instead of a LocalCluster (tls://HOST:PORT with --tls-*).", group=CLUSTER
+    )
+    tls_ca: str | None = option(
+        None,
+        "CA file that signed a tls:// scheduler's certificate (default: Dask's TLS config).",
+        group=CLUSTER,
+        cli_type=Path,
+    )
+    tls_cert: str | None = option(
+        None, "Client certificate for a tls:// scheduler_address.", group=CLUSTER, cli_type=Path
+    )
+    tls_key: str | None = option(None, "Client key for a tls:// scheduler_address.", group=CLUSTER, cli_type=Path)
+    n_workers: int | None = option(
+        None, "LocalCluster workers (default: one per GPU, else one per 4 cores).", group=CLUSTER
+    )
+    cluster: dict[str, Any] | None = option(
+        None,
+        "Cluster spec for daskgen.deploy: kind (local, slurm or pbs) and its keys (docs/hpc.md).",
+        group=CLUSTER,
+        flags=None,
+    )
+    min_workers: int | None = option(None, "Adaptive scaling lower bound.", group=CLUSTER)
+    max_workers: int | None = option(None, "Adaptive scaling upper bound.", group=CLUSTER)
+    window: int | str = option(
+        "auto",
+        "Partitions in flight per worker, or 'auto': each worker starts at about 8x its engine's batch slots of "
+        "requests, then admits partitions while its engine holds fewer than 2x its slots of unfinished requests "
+        "(2 to 64 partitions).",
+        group=TASKS,
+        cli_type=str,
+    )
+    max_prompts_in_memory: int = option(
+        65536, "Cap on prompts held anywhere (client, scheduler, workers) at once; the input is streamed.", group=TASKS
+    )
+    max_retries: int = option(
+        2,
+        "Retries of a failed partition task; then its rows are retried one by one and only those that still "
+        "fail are marked failed.",
+        group=TASKS,
+    )
+    partition_timeout_s: float | None = option(
+        None,
+        "A partition running longer counts as hung: its requests are aborted, the engine checked (restarted "
+        "if it fails) and the task retried.",
+        group=TASKS,
+    )
+    target_done: int | None = option(None, "Stop once this many prompts are done in the store.", group=STOPPING)
+    token_budget: int | None = option(None, "Stop once this run generated this many response tokens.", group=STOPPING)
+    deadline: str | None = option(
+        None, "Stop at this time (ISO 8601) or after a duration from the start (90m, 2h, 3600s).", group=STOPPING
+    )
+    keep_partial: bool | None = option(
+        None,
+        "Store aborted partial responses and continue them token-exactly in the next attempt (default: on for "
+        "the single_turn agent; other agent loops restart an interrupted sample).",
+        group=STOPPING,
+    )
+    grace: str = option(
+        "25s",
+        "On SIGTERM/SIGINT or at the end of the SLURM allocation: seconds (or 30s, 2m) to abort, save partial "
+        "responses and commit before exiting with status 3.",
+        group=STOPPING,
+    )
+    skip_overlong: bool = option(False, "Record overlong prompts as failed instead of stopping.", group=TASKS)
+    retry_failed: bool = option(False, "Regenerate prompts that failed in earlier runs.", group=TASKS)
+    length_hints: str | None = option(
+        None,
+        "Store of an earlier run over the same prompts (same storage_options): the partitions that were "
+        "longest there start first (rows matched by position or id).",
+        group=TASKS,
+    )
+    progress: bool = option(True, "Show a progress bar.", group=IO)
+
+
+@dataclass
+class RunCommand:
+    """The flags of ``daskgen run`` that are not run settings."""
+
+    config: Path | None = option(None, "YAML file with the run settings; flags override it.", group=IO)
+    show: int = option(0, "Print this many decoded answers at the end.", group=IO)
+    cluster_kind: str | None = option(
+        None,
+        "local, slurm or pbs: sets the kind of the config's cluster: section.",
+        group=CLUSTER,
+        flags=("--cluster",),
+    )
+    insecure: bool = option(False, "No TLS on the SLURM/PBS cluster daskgen starts (not recommended).", group=CLUSTER)

@@ -1,0 +1,81 @@
+"""The options of following a store, each declared once (see :mod:`daskgen.options`).
+
+:class:`FollowOptions` are the keywords of :func:`daskgen.follow` and the settings of a
+:class:`~daskgen.stream.batches.Follower`; those with a flag are options of ``daskgen follow`` too.
+:class:`SinkOptions` are the flags of ``daskgen follow`` that say where the batches go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from daskgen.errors import FollowError
+from daskgen.options import option
+
+if TYPE_CHECKING:
+    from daskgen.store.location import StoreRef
+
+
+@dataclass(frozen=True)
+class FollowOptions:
+    """How a follower reads a store; the help of each option is in its declaration."""
+
+    batch_prompts: int = option(
+        64,
+        "Done prompt groups (all samples of a prompt) per batch. While a run writes the store, a batch is "
+        "handed out once this many are committed; the last batch may be smaller.",
+        flags=("--batch",),
+    )
+    cursor: str = option("default", "The name of the durable position (independent names follow independently).")
+    fields: tuple[str, ...] | list[str] | None = option(
+        None,
+        "Data arrays to read (default: all for xarray; the tensor and row formats always read the token arrays "
+        "they are built from).",
+        flags=None,
+    )
+    format: str = option(
+        "xarray",
+        "xarray (a Dataset over prompt), tensordict, dataproto (verl) or rows (a list of dicts, one per "
+        "generated sample).",
+        flags=None,
+    )
+    wait: bool = option(
+        True, "Wait while a run writes the store (or one is starting); off: deliver what is committed now, then stop."
+    )
+    timeout: float | None = option(
+        None,
+        "Seconds to wait for one batch; then a FollowTimeout error (exit status 2 on the command line), the "
+        "cursor keeping the last acknowledged position. Default: wait as long as a run writes the store.",
+    )
+    auto_ack: bool = option(
+        True,
+        "Acknowledge each batch when the next one is asked for (and the last when the iteration ends); off: "
+        "call Batch.ack yourself (acknowledging a batch acknowledges the ones before it).",
+        flags=None,
+    )
+    client: Any = option(
+        None,
+        "A distributed.Client of the run's cluster: commits are noticed through the run's commit events at "
+        "once, not only at the next poll (the tunable daskgen.follow.poll-interval).",
+        flags=None,
+    )
+    cursor_dir: StoreRef | None = option(
+        None, "Keep the cursor in this folder or URL instead of inside the store.", flags=None
+    )
+    storage_options: dict[str, Any] | None = option(
+        None, "obstore options of an object-storage store (as for daskgen run).", flags=None
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch_prompts, int) or self.batch_prompts < 1:
+            raise FollowError(f"batch_prompts must be an integer >= 1, got {self.batch_prompts!r}")
+
+
+@dataclass(frozen=True)
+class SinkOptions:
+    """Where ``daskgen follow`` writes the batches."""
+
+    sink: str = option("jsonl", "jsonl (stdout) or parquet-dir (one file per batch).", flags=("--format", "-f"))
+    out: Path | None = option(None, "Folder of the parquet-dir batches.")
