@@ -163,11 +163,14 @@ def check_value(key: ClusterKey, value: Any) -> Any:
     if key.is_list:
         return _str_list(key.name, value)
     if kind is bool and not isinstance(value, bool):
-        raise ConfigError(f"cluster.{key.name} must be true or false, got {value!r}")
+        raise ConfigError(f"cluster.{key.name} must be true or false, got {value!r}; write it unquoted in YAML")
     if kind is int:
         lowest = key.at_least if key.at_least is not None else -(2**63)
         if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
-            raise ConfigError(f"cluster.{key.name} must be an integer >= {lowest}, got {value!r}")
+            raise ConfigError(
+                f"cluster.{key.name} must be an integer >= {lowest}, got {value!r} ({type(value).__name__}); "
+                "write a whole number, unquoted in YAML"
+            )
     if kind is str:
         return _str_value(key.name, value)
     return value
