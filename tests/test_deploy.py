@@ -10,6 +10,7 @@ import copy
 import inspect
 import os
 import time
+from pathlib import Path
 
 import dask
 import pytest
@@ -18,7 +19,6 @@ from daskgen.deploy import (
     CLUSTER_KEYS,
     DEPLOYMENTS,
     KINDS,
-    BatchDeployment,
     ClusterInfo,
     LocalDeployment,
     PBSDeployment,
@@ -32,6 +32,8 @@ from daskgen.deploy import (
     render_job_script,
     worker_lifetime,
 )
+from daskgen.deploy.keys import class_keys
+from daskgen.deploy.spec import keys_table
 from daskgen.errors import ConfigError
 from tests.conftest import wait_for_jobs
 from tests.test_scheduler_process import scheduler_pid_and  # pickled by value
@@ -282,10 +284,14 @@ def test_spec_overrides_config():
     assert "#SBATCH -A from-config" not in got
 
 
-def test_unset_keys_are_left_to_dask_jobqueue():
+def test_unset_keys_take_the_jobqueue_config():
     kwargs = jobqueue_kwargs({"kind": "slurm", "gpus_per_node": 2, "memory": "100GB"})
-    for key in ("queue", "account", "local_directory", "interface", "job_name"):
+    for key in ("queue", "account", "local_directory", "interface"):  # unset in dask-jobqueue's defaults too
         assert key not in kwargs
+    assert kwargs["job_name"] == dask.config.get("jobqueue.slurm.name")
+    with dask.config.set({"jobqueue.slurm.account": "site", "jobqueue.slurm.interface": "ib0"}):
+        configured = jobqueue_kwargs({"kind": "slurm", "memory": "4GB"})
+    assert (configured["account"], configured["interface"]) == ("site", "ib0")
     assert kwargs["walltime"] == dask.config.get("jobqueue.slurm.walltime")  # also sets the workers' lifetime
     assert kwargs["processes"] == 2 and kwargs["cores"] == 8
     # the python is jobqueue's (config, else this interpreter), exec'd so the batch shell's signal reaches it
@@ -396,13 +402,36 @@ def test_in_flight_window():
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_each_kind_class_takes_exactly_the_keys_of_its_kind(kind):
+def test_the_keys_of_a_kind_are_its_class_signature(kind):
     cls = DEPLOYMENTS[kind]
-    params = {name for name, p in inspect.signature(cls).parameters.items() if p.kind is p.KEYWORD_ONLY}
-    if cls is not LocalDeployment:  # subclass keywords plus those of BatchDeployment
-        params |= {n for n, p in inspect.signature(BatchDeployment).parameters.items() if p.kind is p.KEYWORD_ONLY}
-    assert params == {key for key, (kinds, _) in CLUSTER_KEYS.items() if kind in kinds} - {"kind"}
-    assert cls.kind == kind
+    params: set[str] = set()
+    for klass in cls.__mro__[:-1]:  # each __init__ forwards **keys to the next one
+        params |= {n for n, p in inspect.signature(klass.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    assert params == {key for key, spec in CLUSTER_KEYS.items() if kind in spec.kinds} - {"kind"}
+    assert set(class_keys(cls)) == params and cls.kind == kind
+    assert all(key.help for key in class_keys(cls).values())
+
+
+def test_a_key_without_help_is_refused():
+    class Bare:
+        def __init__(self, *, size: int = 1) -> None:
+            pass
+
+    with pytest.raises(TypeError, match="document 'size' in the docstring"):
+        class_keys(Bare)
+
+
+def test_types_and_defaults_come_from_the_signatures():
+    assert (CLUSTER_KEYS["nodes"].default, CLUSTER_KEYS["nodes"].type_name()) == (1, "integer >= 1")
+    assert CLUSTER_KEYS["job_script_prologue"].is_list
+    assert CLUSTER_KEYS["tls"].type_name() == "true/false"
+    assert CLUSTER_KEYS["partition"].kinds == ("slurm",) and CLUSTER_KEYS["resource_spec"].kinds == ("pbs",)
+    assert CLUSTER_KEYS["workers_per_node"].jobqueue == ("processes",)
+
+
+def test_the_docs_table_is_the_one_generated_from_the_signatures():
+    docs = (Path(__file__).parents[1] / "docs" / "hpc.md").read_text()
+    assert keys_table() in docs, "docs/hpc.md: paste the output of daskgen.deploy.spec.keys_table()"
 
 
 def test_batch_classes_name_their_system_in_class_attributes():

@@ -23,8 +23,8 @@ from distributed import Client
 from daskgen.client.runner import run
 from daskgen.config import RunConfig
 from daskgen.deploy import deployment, make_cluster, parse_cluster_spec
+from daskgen.deploy.deployment import runs_scheduler_process
 from daskgen.deploy.scheduler_process import SchedulerProcess
-from daskgen.deploy.spec import runs_scheduler_process
 from daskgen.errors import ConfigError
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the scheduler process cannot import tests/

@@ -1,19 +1,21 @@
 """Build the Dask cluster a run executes on: a local cluster, or SLURM/PBS jobs via dask-jobqueue.
 
-The ``cluster:`` section of a run config (see ``docs/hpc.md``) is a flat mapping; ``kind`` picks
-the deployment class, one per kind: :class:`LocalDeployment`, :class:`SLURMDeployment`,
-:class:`PBSDeployment`.  Each takes the keys of its kind as keyword arguments; for SLURM and PBS a key
-left out falls back to Dask's ``jobqueue.<kind>.*`` configuration (``~/.config/dask/jobqueue.yaml``),
-as with plain dask-jobqueue, and list settings (prologue, directives, worker arguments) extend the
-configured ones.  ``dask_jobqueue`` is optional (extra ``[hpc]``) and imported lazily.
+The ``cluster:`` section of a run config (see ``docs/hpc.md``) is a flat mapping; ``kind`` picks the
+deployment class, one per kind: :class:`LocalDeployment`, :class:`SLURMDeployment`,
+:class:`PBSDeployment`. Each takes the keys of its kind as keyword arguments, and its signature is the
+schema of those keys (types, defaults, help); for SLURM and PBS a key left out falls back to Dask's
+``jobqueue.<kind>.*`` configuration (``~/.config/dask/jobqueue.yaml``), as with plain dask-jobqueue, and
+list settings (prologue, directives, worker arguments) extend the configured ones. ``dask_jobqueue`` is
+optional (extra ``[hpc]``) and imported lazily.
 
-Modules, one concern each: :mod:`~daskgen.deploy.spec` (the ``cluster:`` keys, validation,
-:class:`ClusterInfo`), :mod:`~daskgen.deploy.walltime` (walltimes and worker lifetimes),
-:mod:`~daskgen.deploy.job_script` (the lines daskgen adds to a worker job),
-:mod:`~daskgen.deploy.assembly` (adaptive bounds, partition durations, the job reaper),
-:mod:`~daskgen.deploy.batch` (what SLURM and PBS share), :mod:`~daskgen.deploy.slurm`,
-:mod:`~daskgen.deploy.pbs`, :mod:`~daskgen.deploy.local`, :mod:`~daskgen.deploy.scheduler_process`
-and :mod:`~daskgen.deploy.security`.
+Modules, one concern each: :mod:`~daskgen.deploy.keys` (reading the keys from a class's signature,
+checking a value), :mod:`~daskgen.deploy.spec` (the keys of all kinds, validation, CLI overrides),
+:mod:`~daskgen.deploy.deployment` (the keys every kind shares, :class:`ClusterInfo`),
+:mod:`~daskgen.deploy.walltime` (walltimes and worker lifetimes), :mod:`~daskgen.deploy.job_script` (the
+lines daskgen adds to a worker job), :mod:`~daskgen.deploy.assembly` (adaptive bounds, partition
+durations, the job reaper), :mod:`~daskgen.deploy.batch` (what SLURM and PBS share),
+:mod:`~daskgen.deploy.slurm`, :mod:`~daskgen.deploy.pbs`, :mod:`~daskgen.deploy.local`,
+:mod:`~daskgen.deploy.scheduler_process` and :mod:`~daskgen.deploy.security`.
 """
 
 from __future__ import annotations
@@ -24,14 +26,14 @@ from typing import Any
 
 from daskgen.deploy.assembly import JobReaperMixin, job_of_worker
 from daskgen.deploy.batch import BatchDeployment
+from daskgen.deploy.deployment import DEFAULT_THREADS_PER_WORKER, ClusterInfo, Deployment
 from daskgen.deploy.local import LocalDeployment
 from daskgen.deploy.pbs import PBSDeployment
 from daskgen.deploy.slurm import SLURMDeployment
 from daskgen.deploy.spec import (
     CLUSTER_KEYS,
-    DEFAULT_THREADS_PER_WORKER,
+    DEPLOYMENTS,
     KINDS,
-    ClusterInfo,
     ClusterSpec,
     apply_cli_overrides,
     ignored_notes,
@@ -49,6 +51,7 @@ __all__ = [
     "BatchDeployment",
     "ClusterInfo",
     "ClusterSpec",
+    "Deployment",
     "JobReaperMixin",
     "LocalDeployment",
     "PBSDeployment",
@@ -63,9 +66,6 @@ __all__ = [
     "render_job_script",
     "worker_lifetime",
 ]
-
-#: The deployment class of each ``cluster.kind``.
-DEPLOYMENTS: dict[str, type] = {cls.kind: cls for cls in (LocalDeployment, SLURMDeployment, PBSDeployment)}
 
 
 def deployment(spec: Mapping[str, Any] | ClusterSpec | None) -> Any:

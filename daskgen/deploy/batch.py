@@ -14,7 +14,7 @@ walltime (:mod:`daskgen.deploy.walltime`) so that adaptive scaling submits a rep
 from __future__ import annotations
 
 import shutil
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import dask
 from dask.utils import parse_bytes
@@ -26,17 +26,17 @@ from daskgen.deploy.assembly import (
     declare_partition_duration,
     job_of_worker,
 )
+from daskgen.deploy.deployment import DEFAULT_THREADS_PER_WORKER, ClusterInfo, Deployment
 from daskgen.deploy.job_script import JobLayout, prologue_lines, worker_arguments
+from daskgen.deploy.keys import AtLeast, Check, Jobqueue, check_duration, check_walltime, class_keys
 from daskgen.deploy.security import (
     RemoveTLSFilesOnClose,
     TLSFiles,
-    cluster_tls,
     job_script_security,
     temporary_security,
     tls_directory,
     warn_insecure,
 )
-from daskgen.deploy.spec import DEFAULT_THREADS_PER_WORKER, ClusterInfo, runs_scheduler_process
 from daskgen.deploy.walltime import describe_lifetime, lifetime_plan
 from daskgen.errors import ConfigError
 
@@ -46,10 +46,57 @@ if TYPE_CHECKING:
 __all__ = ["BatchDeployment"]
 
 
-class BatchDeployment:
+class BatchDeployment(Deployment):
     """A cluster of worker jobs on one batch system; subclasses set the class attributes.
 
-    Parameters are the ``cluster:`` keys of the kind (``docs/hpc.md``); ``None`` means "not given".
+    Parameters are the ``cluster:`` keys of the kind (``docs/hpc.md``): these and, through ``**keys``,
+    those of :class:`~daskgen.deploy.deployment.Deployment`; ``None`` means "not given".  A key left out
+    falls back to the ``jobqueue.<kind>.*`` settings its annotation names (:meth:`setting`).
+
+    Parameters
+    ----------
+    nodes
+        Jobs (nodes) of a fixed-size cluster.
+    gpus_per_node
+        GPUs per job; one worker per `gpus_per_worker` of them (0: CPU nodes).
+    workers_per_node
+        Worker processes per job on CPU-only nodes (e.g. HTTP engines).
+    cpus_per_gpu
+        CPUs requested per GPU (or give `cores`).
+    cores
+        CPUs requested per job (or give `cpus_per_gpu`).
+    memory
+        Memory per job, e.g. `480GB`, split evenly between its workers (required).
+    walltime
+        Job time limit, quoted: `"04:00:00"`, SLURM also `"1-00:00:00"`.
+    queue
+        Queue / partition.
+    account
+        Account / project to charge.
+    job_name
+        Batch job name.
+    job_script_prologue
+        Shell lines before the workers start (module load, conda).
+    job_extra_directives
+        Extra `#SBATCH`/`#PBS` lines; a `--gres`/`--gpus` here replaces the generated `--gres=gpu:N`.
+    job_directives_skip
+        Generated directives to drop (substring match, e.g. `--mem` where a site forbids it).
+    worker_extra_args
+        Extra `dask worker` arguments; your own `--lifetime`/`--resources` replace daskgen's.
+    lifetime
+        When workers retire: `auto` (before the walltime), a duration, or `false`.
+    lifetime_margin
+        Time kept free before the walltime (default 10%, 2-10 min).
+    lifetime_stagger
+        Random spread of job retirements (default 5%, 1-10 min).
+    interface
+        Network interface of scheduler and workers, e.g. `ib0`.
+    log_directory
+        Where job stdout/stderr go.
+    python
+        Python on the compute nodes (SLURM default: the client's).
+    tls_directory
+        Parent of the per-run certificate folders, shared with the nodes (default `~/.daskgen/tls`).
 
     Raises
     ------
@@ -57,8 +104,6 @@ class BatchDeployment:
         Without dask-jobqueue, or without a memory size (keyword or ``jobqueue.<kind>.memory``).
     """
 
-    #: ``cluster.kind`` and the ``jobqueue.<kind>`` configuration section.
-    kind: ClassVar[str]
     #: Command that submits a job; it must be on ``PATH`` to start a cluster.
     submit_command: ClassVar[str]
     #: Environment variable holding the job id inside a job (names the workers of rendered scripts).
@@ -69,74 +114,63 @@ class BatchDeployment:
     def __init__(
         self,
         *,
-        nodes: int | None = None,
-        gpus_per_node: int | None = None,
-        gpus_per_worker: int | None = None,
-        threads_per_worker: int | None = None,
-        workers_per_node: int | None = None,
-        cpus_per_gpu: int | None = None,
-        cores: int | None = None,
-        memory: str | None = None,
-        walltime: str | None = None,
-        queue: str | None = None,
-        account: str | None = None,
-        job_name: str | None = None,
-        job_script_prologue: list[str] | None = None,
-        job_extra_directives: list[str] | None = None,
-        job_directives_skip: list[str] | None = None,
-        worker_extra_args: list[str] | None = None,
-        lifetime: Any = "auto",
-        lifetime_margin: Any = None,
-        lifetime_stagger: Any = None,
-        interface: str | None = None,
-        log_directory: str | None = None,
-        python: str | None = None,
-        local_directory: str | None = None,
-        dashboard_address: str | None = None,
-        min_workers: int | None = None,
-        max_workers: int | None = None,
-        tls: bool | None = None,
+        nodes: Annotated[int, AtLeast(1)] = 1,
+        gpus_per_node: Annotated[int, AtLeast(0)] = 0,
+        workers_per_node: Annotated[int | None, AtLeast(1), Jobqueue("processes")] = None,
+        cpus_per_gpu: Annotated[int | None, AtLeast(1)] = None,
+        cores: Annotated[int | None, AtLeast(1), Jobqueue("job-cpu", "cores")] = None,
+        memory: Annotated[str | None, Jobqueue("memory")] = None,
+        walltime: Annotated[str | None, Jobqueue("walltime"), Check(check_walltime)] = None,
+        queue: Annotated[str | None, Jobqueue("queue")] = None,
+        account: Annotated[str | None, Jobqueue("account")] = None,
+        job_name: Annotated[str | None, Jobqueue("name")] = None,
+        job_script_prologue: Annotated[list[str] | None, Jobqueue("job-script-prologue")] = None,
+        job_extra_directives: Annotated[list[str] | None, Jobqueue("job-extra-directives")] = None,
+        job_directives_skip: Annotated[list[str] | None, Jobqueue("job-directives-skip")] = None,
+        worker_extra_args: Annotated[list[str] | None, Jobqueue("worker-extra-args")] = None,
+        lifetime: Annotated[Any, Check(check_duration)] = "auto",
+        lifetime_margin: Annotated[Any, Check(check_duration)] = None,
+        lifetime_stagger: Annotated[Any, Check(check_duration)] = None,
+        interface: Annotated[str | None, Jobqueue("interface")] = None,
+        log_directory: Annotated[str | None, Jobqueue("log-directory")] = None,
+        python: Annotated[str | None, Jobqueue("python")] = None,
         tls_directory: str | None = None,
-        scheduler_process: bool | None = None,
+        **keys: Any,
     ) -> None:
         self.cluster_base()  # importing dask_jobqueue loads its jobqueue.* configuration defaults
-        self.nodes, self.min_workers, self.max_workers = nodes or 1, min_workers, max_workers
-        self.gpus_per_node, self.gpus_per_worker = gpus_per_node or 0, gpus_per_worker or 1
-        self.threads_per_worker = threads_per_worker or DEFAULT_THREADS_PER_WORKER
-        self.workers_per_node, self.cpus_per_gpu, self.cores = workers_per_node, cpus_per_gpu, cores
-        self.memory = self._checked_memory(memory or self.config("memory"))
-        self.walltime = walltime or self.config("walltime")
+        super().__init__(**keys)
+        self.nodes, self.gpus_per_node = nodes or 1, gpus_per_node or 0
+        self.workers_per_node, self.cpus_per_gpu = workers_per_node, cpus_per_gpu
+        self.cores = self.setting("cores", cores)
+        self.memory = self._checked_memory(self.setting("memory", memory))
+        self.walltime = self.setting("walltime", walltime)
         self.lifetime = lifetime_plan(lifetime, self.walltime, self.kind, lifetime_margin, lifetime_stagger)
-        self.job_script_prologue = self.config_list("job-script-prologue") + list(job_script_prologue or [])
-        self.job_extra_directives = self.config_list("job-extra-directives") + list(job_extra_directives or [])
-        self.job_directives_skip = self.config_list("job-directives-skip") + list(job_directives_skip or [])
-        self.worker_extra_args = self.config_list("worker-extra-args") + list(worker_extra_args or [])
-        self.passed_through = {  # dask-jobqueue falls back to its configuration for these itself
-            "account": account,
-            "local_directory": local_directory,
-            "interface": interface,
-            "log_directory": log_directory,
-            "python": python,
-            "job_name": job_name,
-            "queue": queue,
-        }
-        self.dashboard_address = dashboard_address
-        self.tls, self.tls_directory = cluster_tls(self.kind, tls), tls_directory
-        self.scheduler_process = runs_scheduler_process(self.kind, scheduler_process)
+        self.job_script_prologue = self.setting("job_script_prologue", job_script_prologue)
+        self.job_extra_directives = self.setting("job_extra_directives", job_extra_directives)
+        self.job_directives_skip = self.setting("job_directives_skip", job_directives_skip)
+        self.worker_extra_args = self.setting("worker_extra_args", worker_extra_args)
+        given = {"account": account, "local_directory": self.local_directory, "interface": interface}
+        given |= {"log_directory": log_directory, "python": python, "job_name": job_name, "queue": queue}
+        self.passed_through = {key: self.setting(key, value) for key, value in given.items()}
+        self.tls_directory = tls_directory
 
     # ------------------------------------------------------------------ configuration
+
+    def setting(self, key: str, given: Any) -> Any:
+        """The value of ``cluster.<key>`` merged with Dask's ``jobqueue.<kind>.*`` configuration.
+
+        A key left out (``None``) takes the first configured of the ``jobqueue`` settings its annotation
+        names (:class:`~daskgen.deploy.keys.Jobqueue`); list keys extend the configured list.
+        """
+        spec = class_keys(type(self))[key]
+        configured = next((c for c in map(self.config, spec.jobqueue) if c is not None), None)
+        if spec.is_list:
+            return list(configured or []) + list(given or [])
+        return configured if given is None else given
 
     def config(self, key: str) -> Any:
         """``jobqueue.<kind>.<key>`` from Dask's configuration, or ``None``."""
         return dask.config.get(f"jobqueue.{self.kind}.{key}", None)
-
-    def config_list(self, key: str) -> list[str]:
-        """A configured list setting (empty when unset)."""
-        return list(self.config(key) or [])
-
-    def configured_cpus(self) -> int | None:
-        """CPUs per job from the configuration (``cores``)."""
-        return self.config("cores")
 
     def _checked_memory(self, memory: Any) -> str:
         if not memory:
@@ -162,7 +196,7 @@ class BatchDeployment:
         """
         gpus, per_worker, threads = self.gpus_per_node, self.gpus_per_worker, self.threads_per_worker
         workers = self._workers_per_node()
-        cpus = self.cpus_per_gpu * gpus if gpus and self.cpus_per_gpu else self.cores or self.configured_cpus()
+        cpus = self.cpus_per_gpu * gpus if gpus and self.cpus_per_gpu else self.cores
         # Task slots are not CPUs (partition tasks are async and wait on the engine): by default a
         # job asks for at most DEFAULT_THREADS_PER_WORKER CPUs per worker however many slots it runs.
         cpus = cpus or workers * min(threads, DEFAULT_THREADS_PER_WORKER)
@@ -171,7 +205,7 @@ class BatchDeployment:
     def _workers_per_node(self) -> int:
         gpus, per_worker = self.gpus_per_node, self.gpus_per_worker
         if not gpus:
-            return int(self.workers_per_node or self.config("processes") or 1)
+            return int(self.setting("workers_per_node", self.workers_per_node) or 1)
         if gpus % per_worker:
             raise ConfigError(f"cluster.gpus_per_node={gpus} is not a multiple of gpus_per_worker={per_worker}")
         if self.workers_per_node not in (None, gpus // per_worker):

@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import dask
 
 from daskgen.deploy.assembly import adaptive_bounds, dashboard_link, declare_partition_duration
-from daskgen.deploy.security import TLSFiles, cluster_tls, temporary_security
-from daskgen.deploy.spec import DEFAULT_THREADS_PER_WORKER, ClusterInfo, runs_scheduler_process
+from daskgen.deploy.deployment import DEFAULT_THREADS_PER_WORKER, ClusterInfo, Deployment
+from daskgen.deploy.keys import AtLeast
+from daskgen.deploy.security import TLSFiles, temporary_security
 from daskgen.errors import ConfigError
 from daskgen.worker.gpu import ENV_GPUS_PER_WORKER, ENV_LOCAL_RANK, ENV_WORKERS_PER_NODE, count_visible_gpus
 
@@ -37,11 +38,19 @@ def keep_glibc_malloc_defaults() -> None:
         dask.config.set({"distributed.nanny.pre-spawn-environ": environ})
 
 
-class LocalDeployment:
+class LocalDeployment(Deployment):
     """A ``distributed.LocalCluster`` on this machine: one worker process per ``gpus_per_worker`` visible GPUs.
 
-    Parameters are the ``cluster:`` keys of kind ``local`` (``docs/hpc.md``); ``None`` means "not given".
+    Parameters are the ``cluster:`` keys of kind ``local`` (``docs/hpc.md``): these and, through
+    ``**keys``, those of :class:`~daskgen.deploy.deployment.Deployment`; ``None`` means "not given".
     Without GPUs, ``n_workers`` defaults to a quarter of the CPUs (1 to 4) with 2 task slots each.
+
+    Parameters
+    ----------
+    n_workers
+        Worker processes (default: one per visible GPU, else a CPU-based count).
+    memory_limit
+        Memory limit per worker (default: machine memory / workers).
 
     Raises
     ------
@@ -54,28 +63,23 @@ class LocalDeployment:
     def __init__(
         self,
         *,
-        n_workers: int | None = None,
-        threads_per_worker: int | None = None,
-        gpus_per_worker: int | None = None,
-        min_workers: int | None = None,
-        max_workers: int | None = None,
+        n_workers: Annotated[int | None, AtLeast(1)] = None,
         memory_limit: str | None = None,
-        local_directory: str | None = None,
-        dashboard_address: str | None = None,
-        tls: bool | None = None,
-        scheduler_process: bool | None = None,
+        **keys: Any,
     ) -> None:
-        gpus = count_visible_gpus()
-        self.n_workers, self.gpus_per_worker = self._workers(gpus, n_workers, gpus_per_worker or 1)
-        self.elastic = min_workers is not None or max_workers is not None
-        if gpus and self.elastic:
+        self.gpus = count_visible_gpus()
+        super().__init__(**keys)
+        self.n_workers, self.gpus_per_worker = self._workers(self.gpus, n_workers, self.gpus_per_worker)
+        self.elastic = self.min_workers is not None or self.max_workers is not None
+        if self.gpus and self.elastic:
             raise ConfigError("min_workers/max_workers (adaptive scaling) are not supported on a local GPU machine")
-        self.min_workers, self.max_workers, _ = adaptive_bounds(min_workers, max_workers, self.n_workers)
-        self.threads_per_worker = threads_per_worker or (DEFAULT_THREADS_PER_WORKER if gpus else 2)
-        self.options = {"memory_limit": memory_limit, "local_directory": local_directory}
-        self.dashboard_address = dashboard_address or ":0"
-        self.tls = cluster_tls(self.kind, tls)
-        self.scheduler_process = runs_scheduler_process(self.kind, scheduler_process)
+        self.bounds = adaptive_bounds(self.min_workers, self.max_workers, self.n_workers)[:2]
+        self.options = {"memory_limit": memory_limit, "local_directory": self.local_directory}
+        self.dashboard_address = self.dashboard_address or ":0"
+
+    def default_threads_per_worker(self) -> int:
+        """4 task slots per GPU worker, 2 per CPU worker."""
+        return DEFAULT_THREADS_PER_WORKER if self.gpus else 2
 
     @staticmethod
     def _workers(gpus: int, n_workers: int | None, per_worker: int) -> tuple[int, int]:
@@ -141,7 +145,7 @@ class LocalDeployment:
         else:
             cluster = LocalCluster(**kwargs)
         if self.elastic:
-            cluster.adapt(minimum=self.min_workers, maximum=self.max_workers)
+            cluster.adapt(minimum=self.bounds[0], maximum=self.bounds[1])
         notes = (("TLS with a per-run certificate",) if self.tls else ()) + own.notes(cluster)
-        sizes = (self.n_workers, self.threads_per_worker, self.gpus_per_worker, self.min_workers, self.max_workers)
+        sizes = (self.n_workers, self.threads_per_worker, self.gpus_per_worker, *self.bounds)
         return cluster, ClusterInfo("local", *sizes, self.elastic, None, notes, dashboard_link(cluster))

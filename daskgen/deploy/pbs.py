@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from dask.utils import parse_bytes
 
 from daskgen.deploy.batch import BatchDeployment
 from daskgen.deploy.job_script import JobLayout
+from daskgen.deploy.keys import Jobqueue
 
 __all__ = ["PBSDeployment"]
 
@@ -17,6 +18,11 @@ class PBSDeployment(BatchDeployment):
 
     Takes the keywords of :class:`~daskgen.deploy.batch.BatchDeployment` plus ``resource_spec`` (the whole
     ``-l`` line), which falls back to ``jobqueue.pbs.resource-spec``, else is generated with ``ngpus``.
+
+    Parameters
+    ----------
+    resource_spec
+        The whole `-l select=...` resource line (replaces the generated one).
     """
 
     kind = "pbs"
@@ -24,9 +30,9 @@ class PBSDeployment(BatchDeployment):
     job_id_variable = "PBS_JOBID"
     jobqueue_cluster = "PBSCluster"
 
-    def __init__(self, *, resource_spec: str | None = None, **keys: Any) -> None:
+    def __init__(self, *, resource_spec: Annotated[str | None, Jobqueue("resource-spec")] = None, **keys: Any) -> None:
         super().__init__(**keys)
-        self.resource_spec = resource_spec or self.config("resource-spec")
+        self.resource_spec = self.setting("resource_spec", resource_spec)
 
     def system_kwargs(self, layout: JobLayout) -> dict[str, Any]:
         """The ``-l`` resource line: the given or configured one, else ``select=1:ncpus=..:ngpus=..:mem=..``."""

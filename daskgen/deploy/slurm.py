@@ -8,7 +8,7 @@ from typing import Any
 
 from daskgen.deploy.batch import BatchDeployment
 from daskgen.deploy.job_script import JobLayout
-from daskgen.errors import ConfigError
+from daskgen.deploy.keys import same_queue
 
 __all__ = ["SIGNAL_LEAD_S", "SLURMDeployment"]
 
@@ -21,8 +21,13 @@ class SLURMDeployment(BatchDeployment):
     """A SLURM cluster: one job per node, ``#SBATCH`` directives, GPUs requested with ``--gres``.
 
     Takes the keywords of :class:`~daskgen.deploy.batch.BatchDeployment` plus ``partition``, an alias
-    of ``queue``.  ``job_cpu`` falls back to ``jobqueue.slurm.job-cpu``, then ``jobqueue.slurm.cores``,
+    of ``queue``.  ``cores`` falls back to ``jobqueue.slurm.job-cpu``, then ``jobqueue.slurm.cores``,
     and ``python`` to ``jobqueue.slurm.python``, then this interpreter.
+
+    Parameters
+    ----------
+    partition
+        Alias of `queue` (SLURM's word for it).
     """
 
     kind = "slurm"
@@ -32,14 +37,8 @@ class SLURMDeployment(BatchDeployment):
     #: Directives (either one) by which a job already requests GPUs.
     gpu_directives = re.compile(r"^\s*(--gres|--gpus|-G\b)")
 
-    def __init__(self, *, partition: str | None = None, queue: str | None = None, **keys: Any) -> None:
-        if queue and partition and queue != partition:
-            raise ConfigError(f"cluster.queue={queue!r} and cluster.partition={partition!r} differ")
-        super().__init__(queue=queue or partition, **keys)
-
-    def configured_cpus(self) -> int | None:
-        """``jobqueue.slurm.job-cpu``, else ``jobqueue.slurm.cores``."""
-        return self.config("job-cpu") or super().configured_cpus()
+    def __init__(self, *, partition: str | None = None, **keys: Any) -> None:
+        super().__init__(queue=same_queue(keys.pop("queue", None), partition), **keys)
 
     def directives(self, layout: JobLayout) -> list[str]:
         """The configured and given directives, the GPU request unless one is there, and the drain signal."""
@@ -53,6 +52,6 @@ class SLURMDeployment(BatchDeployment):
     def system_kwargs(self, layout: JobLayout) -> dict[str, Any]:
         """CPUs per job (``job_cpu``) and the job's python prefixed with ``exec``: the batch shell becomes
         ``dask worker`` and receives the ``--signal`` itself."""
-        python = self.passed_through.get("python") or self.config("python") or sys.executable
+        python = self.passed_through.get("python") or sys.executable
         kwargs = {"python": python if python.lstrip().startswith("exec ") else f"exec {python}"}
         return {**kwargs, "job_cpu": layout.cpus} if layout.cpus else kwargs
