@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import _bench
+from common import cli, runs
 
 SIDES = {"checksummed": True, "no checksum": False}
 
@@ -71,7 +71,7 @@ def one_run(a: argparse.Namespace, path: Path, checksummed: bool) -> dict[str, f
         progress=False,
     )
     prompts = [f"Question {i}: what is {i} times {i % 13}?" for i in range(a.prompts)]
-    with codec_chain(checksummed), _bench.instrument_run() as marks:
+    with codec_chain(checksummed), runs.instrument_run() as marks:
         t0 = time.perf_counter()
         summary = run(config, prompts, handle_signals=False)
         total = time.perf_counter() - t0
@@ -106,7 +106,7 @@ def part_checksums(a: argparse.Namespace, work: Path, rec: Any) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("--part", default="checksums", help="checksums")
     p.add_argument("--prompts", type=int, default=8192)
     p.add_argument("--n-samples", type=int, default=4)
@@ -115,13 +115,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--partition-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
-    _bench.add_common_args(p)
-    return p.parse_args(argv)
+    return cli.parse(p, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run, print, write the record."""
-    return _bench.run_parts(
+    return cli.run_parts(
         parse_args(argv),
         "Checksums: CRC32C on every chunk vs none (a whole run, a full-column read)",
         {"checksums": part_checksums},

@@ -31,15 +31,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _bench
 import numpy as np
+from common import cli, records, runs, workers
 
 HERE = Path(__file__).resolve().parent
 
 
 def child(a: argparse.Namespace) -> int:
     """One ``daskgen run`` invocation (this process may get SIGTERM); writes its measurements as JSON."""
-    _bench.quiet_logs()
+    cli.quiet_logs()
     from daskgen.client.runner import run
     from daskgen.config import RunConfig
 
@@ -66,7 +66,7 @@ def child(a: argparse.Namespace) -> int:
     )
     stats: list[Any] = []
     t0 = time.perf_counter()
-    with _bench.instrument_run(on_done=lambda client: stats.extend(client.run(_bench.engine_stats).values())):
+    with runs.instrument_run(on_done=lambda client: stats.extend(client.run(workers.engine_stats).values())):
         summary = run(cfg)
     out = {
         "wall_s": time.perf_counter() - t0,
@@ -133,9 +133,9 @@ def main() -> int:
     a = parse()
     if a.child:
         return child(a)
-    _bench.quiet_logs()
-    rec = _bench.Record("Preemption: SIGTERM at 50 % and resume vs run through (simulated engine, long tail)")
-    with _bench.workdir(a.workdir) as work:
+    cli.quiet_logs()
+    rec = records.Record("Preemption: SIGTERM at 50 % and resume vs run through (simulated engine, long tail)")
+    with cli.workdir(a.workdir) as work:
         a.prompts_file = work / "prompts.jsonl"
         with a.prompts_file.open("w") as fh:
             for i in range(a.prompts):
@@ -145,18 +145,18 @@ def main() -> int:
         second = invoke(a, work / "preempted.zarr", work / "second.json")
         final_through, final_pre = stored_tokens(work / "through.zarr"), stored_tokens(work / "preempted.zarr")
     rows = []
-    for name, runs, final in (
+    for name, parts, final in (
         ("run through", [through], final_through),
         ("SIGTERM at 50 % + resume", [first, second], final_pre),
     ):
-        engine = sum(r["engine_tokens"] for r in runs)
+        engine = sum(r["engine_tokens"] for r in parts)
         regenerated = engine - final
         rows.append(
             [
                 name,
-                " + ".join(f"{r['wall_s']:.1f}" for r in runs),
-                f"{sum(r['wall_s'] for r in runs):.1f}",
-                f"{sum(r['engine_busy_s'] for r in runs):.1f}",
+                " + ".join(f"{r['wall_s']:.1f}" for r in parts),
+                f"{sum(r['wall_s'] for r in parts):.1f}",
+                f"{sum(r['engine_busy_s'] for r in parts):.1f}",
                 engine,
                 final,
                 regenerated,
@@ -186,7 +186,7 @@ def main() -> int:
         f"responses ({first['partial_tokens']} tokens) saved; the resume kept {second['carried_tokens']} "
         "stored tokens instead of regenerating them."
     )
-    rec.finish(_bench.record_folder(a))
+    rec.finish(cli.record_folder(a))
     return 0 if first["exit"] == 3 else 1
 
 
@@ -205,7 +205,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--store", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--prompts-file", type=Path, help=argparse.SUPPRESS)
-    _bench.add_common_args(p)
+    cli.add_common_args(p)
     return p.parse_args()
 
 

@@ -37,8 +37,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import _bench
 import numpy as np
+from common import cli, records
 
 from daskgen.config import RunConfig
 
@@ -119,7 +119,7 @@ def median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]
     return statistics.median(times), times[0], value
 
 
-def part_pending(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
+def part_pending(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     """The 1M-prompt store: time to the pending set at store, xarray and runner level."""
     from daskgen import store
     from daskgen.client.plan import pending_tasks, prepare
@@ -200,7 +200,7 @@ def cli_env() -> dict[str, str]:
     """Environment for the CLI subprocesses (repository importable, no progress bars)."""
     env = dict(os.environ)
     env.update(PYTHONUNBUFFERED="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(_bench.DASKGEN_SRC), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(records.DASKGEN_SRC), env.get("PYTHONPATH", "")])
     return env
 
 
@@ -258,7 +258,7 @@ def logged_rows(log: Path, offset: int = 0) -> list[int]:
         return [int(line.split()[0].split("-")[0][1:]) for line in fh if line.strip()]
 
 
-def part_crash(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
+def part_crash(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     """SIGKILL a real run mid-way, rerun the same command, count regenerated prompts."""
     from daskgen import store
 
@@ -332,7 +332,7 @@ def part_crash(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("--part", default="pending,crash", help="comma-separated: pending, crash")
     p.add_argument("--prompts", type=int, default=1_000_000, help="rows of the big store")
     p.add_argument("--partition-size", type=int, default=64)
@@ -344,13 +344,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--crash-time-scale", type=float, default=0.5)
     p.add_argument("--kill-at", type=float, default=0.4, help="fraction of prompts committed before SIGKILL")
     p.add_argument("--crash-timeout", type=float, default=240.0)
-    _bench.add_common_args(p)
-    return p.parse_args(argv)
+    return cli.parse(p, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the selected parts, print the tables, write their record."""
-    return _bench.run_parts(
+    return cli.run_parts(
         parse_args(argv),
         "Resume: pending set of a 1M-prompt store, crash and resume",
         {"pending": part_pending, "crash": part_crash},

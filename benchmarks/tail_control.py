@@ -19,7 +19,7 @@ import json
 import time
 from pathlib import Path
 
-import _bench
+from common import cli, records
 
 
 def _prompts(path: Path, n: int) -> Path:
@@ -73,11 +73,11 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--time-scale", type=float, default=0.2)
     parser.add_argument("--fraction", type=float, default=0.9, help="share of prompts the target/deadline aims at")
-    _bench.add_common_args(parser)
+    cli.add_common_args(parser)
     args = parser.parse_args()
-    _bench.quiet_logs()
-    record = _bench.Record("Tail control: full run vs target / deadline stop (simulated engine)")
-    with _bench.workdir(args.workdir) as work:
+    cli.quiet_logs()
+    record = records.Record("Tail control: full run vs target / deadline stop (simulated engine)")
+    with cli.workdir(args.workdir) as work:
         prompts = _prompts(work / "prompts.jsonl", args.prompts)
         full_s, full = _run(work / "full.zarr", prompts, args)
         target = max(1, int(args.fraction * args.prompts))
@@ -99,7 +99,7 @@ def main() -> None:
         f"time_scale {args.time_scale}. Wall times include cluster start-up (a few seconds). "
         "Stopped prompts stay pending and finish with a later run (or continue with --keep-partial)."
     )
-    record.finish(_bench.record_folder(args))
+    record.finish(cli.record_folder(args))
 
 
 if __name__ == "__main__":
