@@ -108,24 +108,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = cli.parser(__doc__)
     p.add_argument("--part", default="checksums", help="checksums")
-    p.add_argument("--prompts", type=int, default=8192)
-    p.add_argument("--n-samples", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--length-mean", type=float, default=120.0)
-    p.add_argument("--partition-size", type=int, default=64)
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
+    cli.add_flags(
+        p, prompts=8192, n_samples=4, max_new_tokens=256, length_mean=120.0, partition_size=64, workers=1, repeats=3
+    )
     return cli.parse(p, argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run, print, write the record."""
-    return cli.run_parts(
-        parse_args(argv),
-        "Checksums: CRC32C on every chunk vs none (a whole run, a full-column read)",
-        {"checksums": part_checksums},
-    )
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(
+        cli.run_parts(
+            parse_args(),
+            "Checksums: CRC32C on every chunk vs none (a whole run, a full-column read)",
+            {"checksums": part_checksums},
+        )
+    )

@@ -112,23 +112,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = cli.parser(__doc__)
     p.add_argument("--part", default="export", help="export")
+    cli.add_flags(
+        p,
+        prompts=20_000,
+        n_samples=4,
+        max_new_tokens=256,
+        max_prompt_tokens=256,
+        length_mean=120.0,
+        partition_size=64,
+        done_fraction=1.0,
+    )
     p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, from {', '.join(STEPS)}")
-    p.add_argument("--prompts", type=int, default=20_000)
-    p.add_argument("--n-samples", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-prompt-tokens", type=int, default=256)
-    p.add_argument("--length-mean", type=float, default=120.0)
-    p.add_argument("--partition-size", type=int, default=64)
-    p.add_argument("--done-fraction", type=float, default=1.0)
     return cli.parse(p, argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run, print, write the record."""
-    return cli.run_parts(
-        parse_args(argv), "Export: daskgen export, report and statistics on a synthetic store", {"export": part_export}
-    )
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(
+        cli.run_parts(
+            parse_args(), "Export: daskgen export, report and statistics on a synthetic store", {"export": part_export}
+        )
+    )

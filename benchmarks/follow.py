@@ -270,12 +270,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = cli.parser(__doc__)
     p.add_argument("--part", default="lag,throughput,first-batch", help="lag, throughput, first-batch")
+    cli.add_flags(p, n_samples=2, length_mean=64.0, max_new_tokens=512, max_batch=256, partition_size=4)
     p.add_argument("--lag-prompts", type=int, default=400)
-    p.add_argument("--n-samples", type=int, default=2)
-    p.add_argument("--length-mean", type=float, default=64.0)
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--max-batch", type=int, default=256)
-    p.add_argument("--partition-size", type=int, default=4)
     p.add_argument("--store-prompts", type=int, default=20_000)
     p.add_argument("--catchup-batch", type=int, default=256)
     p.add_argument("--trainer-batch", type=int, default=32)
@@ -285,11 +281,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return cli.parse(p, argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run, print, write the record."""
-    parts = {"lag": part_lag, "throughput": part_throughput, "first-batch": part_first_batch}
-    return cli.run_parts(parse_args(argv), "Follow: streaming finished samples to a trainer", parts)
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(
+        cli.run_parts(
+            parse_args(),
+            "Follow: streaming finished samples to a trainer",
+            {"lag": part_lag, "throughput": part_throughput, "first-batch": part_first_batch},
+        )
+    )

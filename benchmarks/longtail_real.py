@@ -129,24 +129,22 @@ def run_daskgen(config: RunConfig, rows: list[dict[str, Any]]) -> dict[str, Any]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = cli.parser(__doc__)
+    cli.add_flags(p, max_new_tokens=192, partition_size=4, seed=0)
     p.add_argument("--model", default=None, help="local HF model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--prompts", type=int, default=32, help="number of prompts")
     p.add_argument("--prompts-file", default=None, help="JSONL with messages/prompt rows instead of the built-in mix")
-    p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument(
         "--batch-size",
         type=int,
         default=16,
         help="static batch size = the engine's max_requests_per_batch (same peak concurrency)",
     )
-    p.add_argument("--partition-size", type=int, default=4)
     p.add_argument(
         "--threads",
         type=int,
         default=1,
         help="torch threads, both sides (more than 1 on a shared machine can be many times slower)",
     )
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--sides",
         default="static,daskgen",

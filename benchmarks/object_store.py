@@ -208,23 +208,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = cli.parser(__doc__)
     p.add_argument("--part", default="store,run", help="comma-separated: store, run")
+    cli.add_flags(p, n_samples=4, max_new_tokens=256, partition_size=64, workers=2)
     p.add_argument("--prompts", type=int, default=8192, help="rows of the store-call part")
     p.add_argument("--run-prompts", type=int, default=4096, help="prompts of the whole-run part")
-    p.add_argument("--n-samples", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--partition-size", type=int, default=64)
-    p.add_argument("--workers", type=int, default=2)
     return cli.parse(p, argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run, print, write the record."""
-    return cli.run_parts(
-        parse_args(argv),
-        "Object storage: store calls and whole runs, S3 vs local folder",
-        {"store": part_store, "run": part_run},
-    )
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(
+        cli.run_parts(
+            parse_args(),
+            "Object storage: store calls and whole runs, S3 vs local folder",
+            {"store": part_store, "run": part_run},
+        )
+    )

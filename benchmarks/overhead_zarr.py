@@ -125,19 +125,19 @@ def part_zarr(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     """daskgen with an instant engine vs direct Zarr writes of the same arrays."""
     prompts = [f"Row {i}: summarise document {i * 31 % 997}." for i in range(a.prompts)]
     config = zarr_config(a, work / "daskgen.zarr")
-    runs = []
+    results = []
     for rep in range(a.repeats):
         cfg = zarr_config(a, work / f"daskgen-{rep}.zarr")
         dg = runs.measured_side(cfg, prompts)
         direct = run_direct(Path(cfg.store), work / f"direct-{rep}.zarr", a.workers)
         direct1 = run_direct(Path(cfg.store), work / f"direct1-{rep}.zarr", 1)
-        runs.append((dg, direct, direct1))
+        results.append((dg, direct, direct1))
         config = cfg
     rows_total = a.prompts * a.n_samples
     nbytes = data_bytes(Path(config.store))
     eng_cpu = engine_cpu_seconds(zarr_config(a, work / "plan.zarr"), prompts)
     table = []
-    for rep, (dg, direct, direct1) in enumerate(runs):
+    for rep, (dg, direct, direct1) in enumerate(results):
         for name, res in (
             (f"daskgen, {a.workers} workers, instant engine", dg),
             (f"direct zarr, {a.workers} processes", direct),
@@ -153,12 +153,12 @@ def part_zarr(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
                     direct["seconds"] / res["seconds"],
                 ]
             )
-    ratios = [direct["seconds"] / dg["seconds"] for dg, direct, _ in runs]
+    ratios = [direct["seconds"] / dg["seconds"] for dg, direct, _ in results]
     rec.note(
         f"Part zarr: {a.prompts:,} prompts × {a.n_samples} samples, max_new_tokens {a.max_new_tokens}, "
         f"lognormal lengths mean {a.length_mean:g}, logprobs on; partitions of {a.partition_size}, window "
         f"{a.window}; {nbytes / MIB:,.0f} MiB of uncompressed data arrays per store "
-        f"({runs[0][0]['partitions']} partition regions). The instant engine's own CPU work for these requests "
+        f"({results[0][0]['partitions']} partition regions). The instant engine's own CPU work for these requests "
         f"is {eng_cpu:.1f} s (in daskgen's time, not in the direct writes)."
     )
     rec.table(["repeat", "writer", "seconds", "rows/s", "MiB/s (uncompressed)", "rate vs direct (same procs)"], table)

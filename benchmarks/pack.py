@@ -122,24 +122,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = cli.parser(__doc__)
     p.add_argument("--part", default="pack", help="pack")
-    p.add_argument("--prompts", type=int, default=1_000_000)
-    p.add_argument("--n-samples", type=int, default=1)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-prompt-tokens", type=int, default=64)
-    p.add_argument("--length-mean", type=float, default=40.0)
-    p.add_argument("--partition-size", type=int, default=64)
-    p.add_argument("--done-fraction", type=float, default=0.9)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
+    cli.add_flags(
+        p,
+        prompts=1_000_000,
+        n_samples=1,
+        max_new_tokens=128,
+        max_prompt_tokens=64,
+        length_mean=40.0,
+        partition_size=64,
+        done_fraction=0.9,
+        workers=2,
+        repeats=5,
+    )
     return cli.parse(p, argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run, print, write the record."""
-    return cli.run_parts(
-        parse_args(argv), "Pack: files, bytes and read times of a 1M-prompt store", {"pack": part_pack}
-    )
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(
+        cli.run_parts(parse_args(), "Pack: files, bytes and read times of a 1M-prompt store", {"pack": part_pack})
+    )

@@ -334,10 +334,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = cli.parser(__doc__)
     p.add_argument("--part", default="pending,crash", help="comma-separated: pending, crash")
+    cli.add_flags(p, partition_size=64, done_fraction=0.7, repeats=5)
     p.add_argument("--prompts", type=int, default=1_000_000, help="rows of the big store")
-    p.add_argument("--partition-size", type=int, default=64)
-    p.add_argument("--done-fraction", type=float, default=0.7)
-    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--target-ms", type=float, default=100.0)
     p.add_argument("--crash-prompts", type=int, default=1024)
     p.add_argument("--crash-partition-size", type=int, default=32)
@@ -347,14 +345,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return cli.parse(p, argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the selected parts, print the tables, write their record."""
-    return cli.run_parts(
-        parse_args(argv),
-        "Resume: pending set of a 1M-prompt store, crash and resume",
-        {"pending": part_pending, "crash": part_crash},
-    )
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(
+        cli.run_parts(
+            parse_args(),
+            "Resume: pending set of a 1M-prompt store, crash and resume",
+            {"pending": part_pending, "crash": part_crash},
+        )
+    )

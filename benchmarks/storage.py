@@ -236,14 +236,10 @@ def timed(fn: Callable[[Path], float], path: Path, repeats: int) -> tuple[float,
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = cli.parser(__doc__)
+    cli.add_flags(
+        p, prompts=4096, n_samples=4, max_new_tokens=2048, length_mean=384.0, length_sigma=1.0, workers=2, repeats=3
+    )
     p.add_argument("--store", type=Path, default=None, help="existing daskgen store (default: generate one)")
-    p.add_argument("--prompts", type=int, default=4096)
-    p.add_argument("--n-samples", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=2048)
-    p.add_argument("--length-mean", type=float, default=384.0)
-    p.add_argument("--length-sigma", type=float, default=1.0)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-slow-readers", action="store_true", help="time only the fastest JSONL reader")
     return cli.parse(p, argv)
 

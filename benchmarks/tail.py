@@ -111,8 +111,8 @@ def one(a: argparse.Namespace, work: Path, name: str, mean: float, sigma: float)
             fixed[best_w] / rule_hinted,
             rule / rule_hinted,
         ]
-    runs = [measure(f"default{i}") for i in range(a.repeat)]
-    spans = [span for span, _ in runs]
+    measured = [measure(f"default{i}") for i in range(a.repeat)]
+    spans = [span for span, _ in measured]
     ratios = [fixed[best_w] / span for span in spans]
     row = [
         name,
@@ -123,8 +123,8 @@ def one(a: argparse.Namespace, work: Path, name: str, mean: float, sigma: float)
         records.spread(ratios),
         records.spread([span / rule for span in spans]),
     ]
-    tail = " / ".join(f"{last.get('tail_share'):.3f}" for _, last in runs)
-    peak = " / ".join(f"{last.get('peak_prompts_in_flight'):,}" for _, last in runs)
+    tail = " / ".join(f"{last.get('tail_share'):.3f}" for _, last in measured)
+    peak = " / ".join(f"{last.get('peak_prompts_in_flight'):,}" for _, last in measured)
     if a.no_hints:
         return [*row, tail, peak]
     measured_hinted, last_hinted = measure("hinted", length_hints=str(hint_store(d, work, prompts)))

@@ -29,6 +29,8 @@ FLAGS: dict[str, tuple[type, str]] = {
     "step_per_seq": (float, "simulated engine: model seconds per step per request"),
     "time_scale": (float, "simulated engine: wall seconds per model second"),
     "partition_size": (int, "prompts per daskgen partition"),
+    "max_prompt_tokens": (int, "prompt length cap"),
+    "done_fraction": (float, "share of the store's partitions that are done"),
     "repeats": (int, "side-by-side repeats of the comparison"),
     "sample_period": (float, "wall seconds between utilisation samples"),
     "seed": (int, "run seed"),

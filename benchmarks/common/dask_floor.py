@@ -68,9 +68,9 @@ def dask_floor(
     (``None``: as fast as the cluster takes them)."""
     from distributed import as_completed
 
-    workers = list(client.scheduler_info(n_workers=-1)["workers"])
-    seconds = 0.0 if rate is None else len(workers) * window / max(rate, 1e-9)  # each worker holds `window`
-    load = dict.fromkeys(workers, 0)
+    addresses = list(client.scheduler_info(n_workers=-1)["workers"])
+    seconds = 0.0 if rate is None else len(addresses) * window / max(rate, 1e-9)  # each worker holds `window`
+    load = dict.fromkeys(addresses, 0)
     done = as_completed(with_results=True, raise_errors=False)
     owner: dict[Any, str] = {}
     submitted = finished = 0
@@ -96,7 +96,7 @@ def dask_floor(
         submitted += 1
 
     before, c0, t0 = cpu.cpu_seconds(procs or {}), time.process_time(), time.perf_counter()
-    for _ in range(min(n_tasks, window * len(workers))):
+    for _ in range(min(n_tasks, window * len(addresses))):
         submit()
     while finished < n_tasks:
         for fut, value in done.next_batch(block=True):

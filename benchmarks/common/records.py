@@ -20,7 +20,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
+#: The ``benchmarks/`` folder (the scripts) and the repository holding it.
+HERE = Path(__file__).resolve().parents[1]
 REPO = HERE.parent
 #: Where ``daskgen`` is imported from: ``$DASKGEN_SRC`` (e.g. a ``git archive`` snapshot of a commit, so
 #: that edits in the working tree cannot change a running benchmark), else this repository.

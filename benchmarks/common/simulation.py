@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import cli
+from .workers import contiguous_shards
 
 #: The step model of the long-tail workload: model seconds per step, fixed part and per running request.
 STEP_BASE_S = 0.02
@@ -97,7 +98,7 @@ def computed_sync(requests: list[Any], args: dict[str, Any], workers: int, batch
     total, busy, lengths, steps, weighted = 0.0, 0.0, [], 0, 0.0
     for start in range(0, len(requests), batch_requests):
         batch = requests[start : start + batch_requests]
-        shards = workers.contiguous_shards(batch, workers)
+        shards = contiguous_shards(batch, workers)
         stats = [asyncio.run(instant_shard(s, args)) for s in shards if s]
         total += max(s["busy_s"] for s in stats)
         busy += sum(s["busy_s"] for s in stats)
