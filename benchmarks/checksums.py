@@ -33,6 +33,8 @@ from common import cli, runs
 
 SIDES = {"checksummed": True, "no checksum": False}
 
+TITLE = "Checksums: CRC32C on every chunk vs none (a whole run, a full-column read)"
+
 
 @contextlib.contextmanager
 def codec_chain(checksummed: bool) -> Iterator[None]:
@@ -114,11 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return cli.parse(p, argv)
 
 
+PARTS = {"checksums": part_checksums}
+
 if __name__ == "__main__":
-    raise SystemExit(
-        cli.run_parts(
-            parse_args(),
-            "Checksums: CRC32C on every chunk vs none (a whole run, a full-column read)",
-            {"checksums": part_checksums},
-        )
-    )
+    raise SystemExit(cli.run_parts(parse_args(), TITLE, PARTS))

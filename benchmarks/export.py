@@ -61,6 +61,8 @@ STEPS = {
     "statistics": "length_stats() + throughput()",
 }
 
+TITLE = "Export: daskgen export, report and statistics on a synthetic store"
+
 
 def run_step(store: Path, out: Path, step: str) -> dict[str, float]:
     """One step in a child process importing daskgen from ``DASKGEN_SRC``; its measurements."""
@@ -112,23 +114,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = cli.parser(__doc__)
     p.add_argument("--part", default="export", help="export")
-    cli.add_flags(
-        p,
-        prompts=20_000,
-        n_samples=4,
-        max_new_tokens=256,
-        max_prompt_tokens=256,
-        length_mean=120.0,
-        partition_size=64,
-        done_fraction=1.0,
-    )
+    cli.add_flags(p, prompts=20_000, **synthetic_store.DEFAULTS)
     p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, from {', '.join(STEPS)}")
     return cli.parse(p, argv)
 
 
+PARTS = {"export": part_export}
+
 if __name__ == "__main__":
-    raise SystemExit(
-        cli.run_parts(
-            parse_args(), "Export: daskgen export, report and statistics on a synthetic store", {"export": part_export}
-        )
-    )
+    raise SystemExit(cli.run_parts(parse_args(), TITLE, PARTS))

@@ -41,6 +41,8 @@ SIMULATED = [
     *("--engine-arg", "length_dist=lognormal", "--max-prompt-tokens", "128", "--no-progress"),
 ]
 
+TITLE = "Follow: streaming finished samples to a trainer"
+
 
 def write_prompts(path: Path, n: int) -> Path:
     """``n`` chat prompts with ids."""
@@ -178,15 +180,7 @@ def part_throughput(a: argparse.Namespace, work: Path, rec: records.Record) -> N
     """A catching-up consumer's read rate per format."""
     store = work / "catchup.zarr"
     built = synthetic_store.build_store(
-        argparse.Namespace(
-            prompts=a.store_prompts,
-            n_samples=4,
-            max_prompt_tokens=256,
-            max_new_tokens=256,
-            partition_size=64,
-            done_fraction=1.0,
-            length_mean=120.0,
-        ),
+        argparse.Namespace(prompts=a.store_prompts, **synthetic_store.DEFAULTS),
         store,
     )
     rows = []
@@ -281,11 +275,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return cli.parse(p, argv)
 
 
+PARTS = {"lag": part_lag, "throughput": part_throughput, "first-batch": part_first_batch}
+
 if __name__ == "__main__":
-    raise SystemExit(
-        cli.run_parts(
-            parse_args(),
-            "Follow: streaming finished samples to a trainer",
-            {"lag": part_lag, "throughput": part_throughput, "first-batch": part_first_batch},
-        )
-    )
+    raise SystemExit(cli.run_parts(parse_args(), TITLE, PARTS))

@@ -36,6 +36,8 @@ from common import cli, records
 
 from daskgen.config import RunConfig
 
+TITLE = "Object storage: store calls and whole runs, S3 vs local folder"
+
 
 @contextlib.contextmanager
 def moto_server() -> Iterator[str]:
@@ -214,11 +216,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return cli.parse(p, argv)
 
 
+PARTS = {"store": part_store, "run": part_run}
+
 if __name__ == "__main__":
-    raise SystemExit(
-        cli.run_parts(
-            parse_args(),
-            "Object storage: store calls and whole runs, S3 vs local folder",
-            {"store": part_store, "run": part_run},
-        )
-    )
+    raise SystemExit(cli.run_parts(parse_args(), TITLE, PARTS))

@@ -23,12 +23,7 @@ TITLE = "Pipeline overhead: daskgen vs direct Zarr writes and vs the engine alon
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options: ``--part`` and the flags of both comparisons."""
-    p = cli.parser(__doc__)
-    p.add_argument("--part", default="zarr,engine", help="comma-separated: zarr, engine")
-    cli.add_flags(p, repeats=2)
-    overhead_zarr.add_args(p)
-    overhead_engine.add_args(p)
-    return cli.parse(p, argv)
+    return cli.parse_parts(__doc__, argv, overhead_zarr.add_args, overhead_engine.add_args, part="zarr,engine")
 
 
 if __name__ == "__main__":

@@ -274,7 +274,8 @@ def part_engine(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    """This comparison's flags (``--repeats`` aside: :func:`parse_args` and ``overhead.py`` add it)."""
+    """This comparison's flags."""
+    cli.add_flags(p, repeats=2)
     p.add_argument("--engine-repeats", type=int, default=None, help="repeats of this comparison (default --repeats)")
     p.add_argument("--model", default=None, help="local HF model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--engine-prompts", type=int, default=16)
@@ -315,10 +316,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = cli.parser(__doc__)
-    cli.add_flags(p, repeats=2)
-    add_args(p)
-    return cli.parse(p, argv)
+    return cli.parse_parts(__doc__, argv, add_args)
 
 
 if __name__ == "__main__":

@@ -169,17 +169,16 @@ def part_zarr(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    """This comparison's flags (``--repeats`` aside: :func:`parse_args` and ``overhead.py`` add it)."""
-    cli.add_flags(p, workers=2, prompts=8192, n_samples=4, max_new_tokens=512, length_mean=128.0, partition_size=64)
+    """This comparison's flags."""
+    cli.add_flags(
+        p, repeats=2, workers=2, prompts=8192, n_samples=4, max_new_tokens=512, length_mean=128.0, partition_size=64
+    )
     p.add_argument("--window", default="auto", help="daskgen partitions in flight per worker (default: daskgen's auto)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = cli.parser(__doc__)
-    cli.add_flags(p, repeats=2)
-    add_args(p)
-    return cli.parse(p, argv)
+    return cli.parse_parts(__doc__, argv, add_args)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ import numpy as np
 from common import cli, records
 from common.synthetic_store import build_store, files_and_bytes
 
+TITLE = "Pack: files, bytes and read times of a 1M-prompt store"
+
 
 def read_times(a: argparse.Namespace, path: Path) -> dict[str, float]:
     """Median seconds of each read (see the module docstring)."""
@@ -137,7 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return cli.parse(p, argv)
 
 
+PARTS = {"pack": part_pack}
+
 if __name__ == "__main__":
-    raise SystemExit(
-        cli.run_parts(parse_args(), "Pack: files, bytes and read times of a 1M-prompt store", {"pack": part_pack})
-    )
+    raise SystemExit(cli.run_parts(parse_args(), TITLE, PARTS))

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import cli, records, runs, workers
+from common import cli, records, runs, simulation, workers
 
 HERE = Path(__file__).resolve().parent
 
@@ -48,13 +48,7 @@ def child(a: argparse.Namespace) -> int:
         model="sim",
         store=str(a.store),
         engine="simulated",
-        engine_args={
-            "time_scale": a.time_scale,
-            "length_dist": "lognormal",
-            "length_mean": a.length_mean,
-            "length_sigma": a.sigma,
-            "max_batch": a.max_batch,
-        },
+        engine_args=simulation.lognormal_engine(a.time_scale, a.length_mean, a.sigma, max_batch=a.max_batch),
         max_new_tokens=a.max_new_tokens,
         max_prompt_tokens=128,
         partition_size=a.partition_size,
@@ -191,22 +185,16 @@ def main() -> int:
 
 
 def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", type=int, default=512)
-    p.add_argument("--n-samples", type=int, default=2)
-    p.add_argument("--length-mean", type=float, default=300.0)
-    p.add_argument("--sigma", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=2048)
-    p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--partition-size", type=int, default=8)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--time-scale", type=float, default=0.2)
+    """Command-line options (the hidden ones start a child run)."""
+    p = cli.parser(__doc__)
+    cli.add_flags(p, prompts=512, n_samples=2, length_mean=300.0, max_new_tokens=2048, max_batch=64)
+    p.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the response lengths")
+    cli.add_flags(p, partition_size=8, workers=2, time_scale=0.2)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--store", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--prompts-file", type=Path, help=argparse.SUPPRESS)
-    cli.add_common_args(p)
-    return p.parse_args()
+    return cli.parse(p)
 
 
 if __name__ == "__main__":

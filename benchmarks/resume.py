@@ -44,6 +44,8 @@ from daskgen.config import RunConfig
 
 MAX_SHOWN = 5
 
+TITLE = "Resume: pending set of a 1M-prompt store, crash and resume"
+
 
 def write_input(path: Path, n: int) -> None:
     """``n`` short prompt rows with ids, as JSONL."""
@@ -55,16 +57,14 @@ def write_input(path: Path, n: int) -> None:
 def pending_config(a: argparse.Namespace, store: Path, prompts: Path) -> RunConfig:
     """Settings of the 1M-prompt store (simulated engine: a byte tokenizer, no model needed)."""
     return RunConfig(
+        prompts=str(prompts),
+        store=str(store),
         model="simulated-resume",
         engine="simulated",
-        store=str(store),
-        prompts=str(prompts),
         n_samples=4,
         max_new_tokens=1024,
         max_prompt_tokens=64,
-        temperature=1.0,
-        seed=0,
-        partition_size=a.partition_size,
+        partition_size=a.partition_size,  # temperature 1, seed 0: RunConfig's defaults
         progress=False,
     )
 
@@ -345,11 +345,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return cli.parse(p, argv)
 
 
+PARTS = {"pending": part_pending, "crash": part_crash}
+
 if __name__ == "__main__":
-    raise SystemExit(
-        cli.run_parts(
-            parse_args(),
-            "Resume: pending set of a 1M-prompt store, crash and resume",
-            {"pending": part_pending, "crash": part_crash},
-        )
-    )
+    raise SystemExit(cli.run_parts(parse_args(), TITLE, PARTS))

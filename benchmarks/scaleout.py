@@ -23,13 +23,8 @@ TITLE = "Scale-out: 1, 2, 4 workers and the client bottleneck"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options: ``--part`` and the flags of both comparisons."""
-    p = cli.parser(__doc__)
-    p.add_argument("--part", default="longtail,client", help="comma-separated: longtail, client")
-    p.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated")
-    cli.add_flags(p, n_samples=4, partition_size=64)
-    scaleout_workers.add_args(p)
-    scaleout_client.add_args(p)
-    return cli.parse(p, argv)
+    adders = (scaleout_workers.add_args, scaleout_client.add_args)
+    return cli.parse_parts(__doc__, argv, *adders, part="longtail,client")
 
 
 if __name__ == "__main__":

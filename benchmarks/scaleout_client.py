@@ -98,9 +98,7 @@ def client_run(a: argparse.Namespace, work: Path, w: int, scheduler: str, instan
         n_samples=a.n_samples,
         max_new_tokens=16,
         max_prompt_tokens=64,
-        temperature=1.0,
-        seed=0,
-        partition_size=a.partition_size,
+        partition_size=a.partition_size,  # temperature 1, seed 0: RunConfig's defaults
         n_workers=w,
         window=window,
         progress=False,
@@ -293,7 +291,9 @@ def schedulers(a: argparse.Namespace) -> list[str]:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    """This comparison's own flags (``--workers``, ``--n-samples`` and ``--partition-size`` aside)."""
+    """This comparison's flags."""
+    p.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated")
+    cli.add_flags(p, n_samples=4, partition_size=64)
     p.add_argument("--client-prompts", type=int, default=16384)
     p.add_argument("--client-window", type=int, default=4)
     p.add_argument(
@@ -329,11 +329,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = cli.parser(__doc__)
-    p.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated")
-    cli.add_flags(p, n_samples=4, partition_size=64)
-    add_args(p)
-    return cli.parse(p, argv)
+    return cli.parse_parts(__doc__, argv, add_args)
 
 
 if __name__ == "__main__":

@@ -78,18 +78,16 @@ def part_longtail(a: argparse.Namespace, work: Path, rec: records.Record) -> lis
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    """This comparison's own flags (``--workers``, ``--n-samples`` and ``--partition-size`` aside)."""
+    """This comparison's flags."""
+    p.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated")
+    cli.add_flags(p, n_samples=4, partition_size=64)
     p.add_argument("--prompts-per-worker", type=int, default=512, help="prompts per worker (weak scaling)")
     cli.add_flags(p, max_batch=256, length_mean=2048.0, length_sigma=1.0, max_new_tokens=16384, time_scale=0.01)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = cli.parser(__doc__)
-    p.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated")
-    cli.add_flags(p, n_samples=4, partition_size=64)
-    add_args(p)
-    return cli.parse(p, argv)
+    return cli.parse_parts(__doc__, argv, add_args)
 
 
 if __name__ == "__main__":

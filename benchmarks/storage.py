@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import cli, records
+from common import cli, records, simulation
 
 from daskgen.config import RunConfig
 
@@ -51,12 +51,7 @@ def make_store(a: argparse.Namespace, path: Path) -> None:
         engine="simulated",
         store=str(path),
         n_samples=a.n_samples,
-        engine_args={
-            "time_scale": 0.0,
-            "length_dist": "lognormal",
-            "length_mean": a.length_mean,
-            "length_sigma": a.length_sigma,
-        },
+        engine_args=simulation.lognormal_engine(0.0, a.length_mean, a.length_sigma),
         max_new_tokens=a.max_new_tokens,
         max_prompt_tokens=128,
         temperature=1.0,

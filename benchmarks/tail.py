@@ -140,22 +140,16 @@ def one(a: argparse.Namespace, work: Path, name: str, mean: float, sigma: float)
 
 def main() -> int:
     p = cli.parser(__doc__)
-    cli.add_flags(p, workers=2, prompts=4096, n_samples=4)
+    cli.add_flags(p, workers=2, prompts=4096, n_samples=4, max_new_tokens=16384, partition_size=64)
+    cli.add_flags(p, sample_period=0.05, seed=0)
     simulation.add_engine_flags(p, time_scale=0.05)
-    cli.add_flags(p, max_new_tokens=16384)
     p.add_argument(
         "--length-prompt-share",
         type=float,
         default=0.7,
         help="share of the log-length variance that belongs to the prompt (samples of one prompt alike)",
     )
-    cli.add_flags(p, partition_size=64, sample_period=0.05, seed=0)
-    p.add_argument(
-        "--repeat",
-        type=int,
-        default=1,
-        help="measured runs with default settings per distribution (their spread is reported)",
-    )
+    p.add_argument("--repeat", type=int, default=1, help="measured runs per distribution (their spread is reported)")
     p.add_argument("--no-hints", action="store_true", help="skip the measured run with --length-hints")
     p.add_argument(
         "--only", default="", help="comma-separated distribution numbers (1-3) to run, in the order of the table"

@@ -74,6 +74,20 @@ def parse(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse
     return p.parse_args(argv)
 
 
+def parse_parts(doc: str, argv: list[str] | None, *adders: Callable[[Any], None], part: str = "") -> Any:
+    """Parse the command line of one comparison or of several into one record: each ``adder`` adds one
+    comparison's flags (a flag two comparisons share is declared alike in both: the last one stands), and
+    ``part`` (when given) is ``--part``'s default, the comparisons to run."""
+    p = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter, conflict_handler="resolve"
+    )
+    if part:
+        p.add_argument("--part", default=part, help=f"comma-separated: {', '.join(part.split(','))}")
+    for add in adders:
+        add(p)
+    return parse(p, argv)
+
+
 def record_folder(a: Any) -> Path | None:
     """Where the parsed arguments of :func:`add_common_args` say to write the record (``None``: print only)."""
     return None if a.no_record else Path(a.results)

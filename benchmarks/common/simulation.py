@@ -28,6 +28,12 @@ def add_engine_flags(p: argparse.ArgumentParser, time_scale: float) -> None:
     cli.add_flags(p, max_batch=256, step_base=STEP_BASE_S, step_per_seq=STEP_PER_SEQ_S, time_scale=time_scale)
 
 
+def lognormal_engine(time_scale: float, length_mean: float, length_sigma: float, **extra: Any) -> dict[str, Any]:
+    """``engine_args`` of a simulated engine with lognormal response lengths (``extra``: more of its options)."""
+    lengths = {"length_dist": "lognormal", "length_mean": length_mean, "length_sigma": length_sigma}
+    return {"time_scale": time_scale, **lengths, **extra}
+
+
 def simulated_capacity(max_batch: int, base_s: float, per_seq_s: float) -> float:
     """Peak tokens per model second of one simulated engine (every step at ``max_batch``)."""
     return max_batch / (base_s + per_seq_s * max_batch)

@@ -14,6 +14,16 @@ from typing import Any
 
 import numpy as np
 
+#: The synthetic store of ``export.py`` and ``follow.py``: 4 samples of up to 256 tokens, every partition done.
+DEFAULTS = {
+    "n_samples": 4,
+    "max_new_tokens": 256,
+    "max_prompt_tokens": 256,
+    "length_mean": 120.0,
+    "partition_size": 64,
+    "done_fraction": 1.0,
+}
+
 
 def build_store(a: argparse.Namespace, path: Path) -> dict[str, Any]:
     """Create a store of ``a.prompts`` rows and fill the done partitions' data arrays."""
