@@ -29,9 +29,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import _bench
+from common import cli, runs
 
 SIDES = {"checksummed": True, "no checksum": False}
+
+TITLE = "Checksums: CRC32C on every chunk vs none (a whole run, a full-column read)"
 
 
 @contextlib.contextmanager
@@ -71,7 +73,7 @@ def one_run(a: argparse.Namespace, path: Path, checksummed: bool) -> dict[str, f
         progress=False,
     )
     prompts = [f"Question {i}: what is {i} times {i % 13}?" for i in range(a.prompts)]
-    with codec_chain(checksummed), _bench.instrument_run() as marks:
+    with codec_chain(checksummed), runs.instrument_run() as marks:
         t0 = time.perf_counter()
         summary = run(config, prompts, handle_signals=False)
         total = time.perf_counter() - t0
@@ -106,27 +108,15 @@ def part_checksums(a: argparse.Namespace, work: Path, rec: Any) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("--part", default="checksums", help="checksums")
-    p.add_argument("--prompts", type=int, default=8192)
-    p.add_argument("--n-samples", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--length-mean", type=float, default=120.0)
-    p.add_argument("--partition-size", type=int, default=64)
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
-    _bench.add_common_args(p)
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run, print, write the record."""
-    return _bench.run_parts(
-        parse_args(argv),
-        "Checksums: CRC32C on every chunk vs none (a whole run, a full-column read)",
-        {"checksums": part_checksums},
+    cli.add_flags(
+        p, prompts=8192, n_samples=4, max_new_tokens=256, length_mean=120.0, partition_size=64, workers=1, repeats=3
     )
+    return cli.parse(p, argv)
 
+
+PARTS = {"checksums": part_checksums}
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli.run_parts(parse_args(), TITLE, PARTS))

@@ -1,7 +1,7 @@
 """Benchmark: ``daskgen export`` and the analysis helpers on a synthetic store — time, output size, peak memory.
 
-The store is made like ``pack.py`` makes its one (:func:`pack.build_store`: the layout a run creates, its
-data arrays filled directly as finished partitions leave them; lognormal response lengths, random token
+The store is made like ``pack.py`` makes its one (:func:`common.synthetic_store.build_store`: the layout a run
+creates, its data arrays filled directly as finished partitions leave them; lognormal response lengths, random token
 ids, random log-probabilities, every partition done).  Then, each in a fresh child process (so that its peak resident
 memory, ``ru_maxrss``, is its own):
 
@@ -26,8 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import _bench
-import pack
+from common import cli, records, synthetic_store
 
 #: Run in a child process: one step, then its wall time, rows, output bytes and peak RSS as JSON.
 CHILD = """
@@ -62,10 +61,12 @@ STEPS = {
     "statistics": "length_stats() + throughput()",
 }
 
+TITLE = "Export: daskgen export, report and statistics on a synthetic store"
+
 
 def run_step(store: Path, out: Path, step: str) -> dict[str, float]:
     """One step in a child process importing daskgen from ``DASKGEN_SRC``; its measurements."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_bench.DASKGEN_SRC), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(records.DASKGEN_SRC), os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run(
         [sys.executable, "-c", CHILD, str(store), str(out), step], capture_output=True, text=True, env=env, timeout=3600
     )
@@ -75,7 +76,7 @@ def run_step(store: Path, out: Path, step: str) -> dict[str, float]:
 
 
 def fill_logprobs(path: Path, block: int = 4096) -> None:
-    """Random log-probabilities (<= 0) where ``response_mask`` is set: ``pack.build_store`` leaves NaN."""
+    """Random log-probabilities (<= 0) where ``response_mask`` is set: ``build_store`` leaves NaN."""
     import numpy as np
     import zarr
 
@@ -88,12 +89,12 @@ def fill_logprobs(path: Path, block: int = 4096) -> None:
         logprobs[start : start + block] = np.where(m, values, np.nan).astype("float32")
 
 
-def part_export(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
+def part_export(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     """Build the store, run every step, one table row per step."""
     path = work / "store.zarr"
-    built = pack.build_store(a, path)
+    built = synthetic_store.build_store(a, path)
     fill_logprobs(path)
-    files, size = pack.files_and_bytes(path)
+    files, size = synthetic_store.files_and_bytes(path)
     rec.note(
         f"Store: {a.prompts:,} prompts x {a.n_samples} samples, prompts up to {a.max_prompt_tokens} tokens, "
         f"responses up to {a.max_new_tokens} (lognormal lengths, mean {a.length_mean}), logprobs stored, "
@@ -111,26 +112,14 @@ def part_export(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("--part", default="export", help="export")
+    cli.add_flags(p, prompts=20_000, **synthetic_store.DEFAULTS)
     p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, from {', '.join(STEPS)}")
-    p.add_argument("--prompts", type=int, default=20_000)
-    p.add_argument("--n-samples", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-prompt-tokens", type=int, default=256)
-    p.add_argument("--length-mean", type=float, default=120.0)
-    p.add_argument("--partition-size", type=int, default=64)
-    p.add_argument("--done-fraction", type=float, default=1.0)
-    _bench.add_common_args(p)
-    return p.parse_args(argv)
+    return cli.parse(p, argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run, print, write the record."""
-    return _bench.run_parts(
-        parse_args(argv), "Export: daskgen export, report and statistics on a synthetic store", {"export": part_export}
-    )
-
+PARTS = {"export": part_export}
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli.run_parts(parse_args(), TITLE, PARTS))

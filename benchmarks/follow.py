@@ -8,7 +8,7 @@ Three parts, one record:
   (the client's clock when it began the commit; same machine, same clock).  Second side: the same run
   on a cluster the benchmark starts, the follower subscribed to the run's commit events
   (``client=``).  Goal: p99 <= 1 s.
-* ``throughput``: a catching-up consumer.  A synthetic store (``pack.build_store``: the layout a run
+* ``throughput``: a catching-up consumer.  A synthetic store (``common.synthetic_store.build_store``: the layout a run
   creates, every partition done, lognormal lengths) is read start to end by a fresh cursor: token
   arrays only (``fields=("response_ids", "response_length")``, xarray), every data array (xarray), the
   verl tensor fields (``tensordict``) and dicts (``rows``).  Samples per second, after one warm-up pass
@@ -33,14 +33,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _bench
 import numpy as np
-import pack
+from common import cli, records, synthetic_store
 
 SIMULATED = [
     *("--engine", "simulated", "--model", "sim", "--engine-arg", "time_scale=1"),
     *("--engine-arg", "length_dist=lognormal", "--max-prompt-tokens", "128", "--no-progress"),
 ]
+
+TITLE = "Follow: streaming finished samples to a trainer"
 
 
 def write_prompts(path: Path, n: int) -> Path:
@@ -55,7 +56,7 @@ def launch(args: list[str]) -> subprocess.Popen:
     """``python -m daskgen ARGS`` importing daskgen from ``DASKGEN_SRC``."""
     import os
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_bench.DASKGEN_SRC), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(records.DASKGEN_SRC), os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen(
         [sys.executable, "-m", "daskgen", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
@@ -99,7 +100,7 @@ def follow_lags(store: Path, client: Any = None) -> list[float]:
     return lags
 
 
-def part_lag(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
+def part_lag(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     """Commit-to-delivery lag, polling and with commit events."""
     from daskgen import tunables
 
@@ -120,8 +121,8 @@ def part_lag(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
                 if side == "poll"
                 else "commit events",
                 len(lags),
-                _bench.percentile(lags, 50),
-                _bench.percentile(lags, 99),
+                records.percentile(lags, 50),
+                records.percentile(lags, 99),
                 max(lags),
             ]
         )
@@ -175,19 +176,11 @@ def read_through(store: Path, cursor: str, fmt: str, fields: Any, batch: int) ->
     return samples, time.perf_counter() - t0
 
 
-def part_throughput(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
+def part_throughput(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     """A catching-up consumer's read rate per format."""
     store = work / "catchup.zarr"
-    built = pack.build_store(
-        argparse.Namespace(
-            prompts=a.store_prompts,
-            n_samples=4,
-            max_prompt_tokens=256,
-            max_new_tokens=256,
-            partition_size=64,
-            done_fraction=1.0,
-            length_mean=120.0,
-        ),
+    built = synthetic_store.build_store(
+        argparse.Namespace(prompts=a.store_prompts, **synthetic_store.DEFAULTS),
         store,
     )
     rows = []
@@ -216,7 +209,7 @@ def commits_after(store: Path, t_launch: float) -> tuple[float, float]:
     return float(np.nanmin(times)) - t_launch, float(np.nanmax(times)) - t_launch
 
 
-def part_first_batch(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
+def part_first_batch(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     """Time to a trainer's first batch of B prompt groups: synchronous batch vs streaming a larger pool."""
     import dask
     from distributed import Client, LocalCluster
@@ -269,29 +262,20 @@ def first_batch_after(store: Path, prompts: int, t_launch: float) -> tuple[float
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("--part", default="lag,throughput,first-batch", help="lag, throughput, first-batch")
+    cli.add_flags(p, n_samples=2, length_mean=64.0, max_new_tokens=512, max_batch=256, partition_size=4)
     p.add_argument("--lag-prompts", type=int, default=400)
-    p.add_argument("--n-samples", type=int, default=2)
-    p.add_argument("--length-mean", type=float, default=64.0)
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--max-batch", type=int, default=256)
-    p.add_argument("--partition-size", type=int, default=4)
     p.add_argument("--store-prompts", type=int, default=20_000)
     p.add_argument("--catchup-batch", type=int, default=256)
     p.add_argument("--trainer-batch", type=int, default=32)
     p.add_argument("--pool-factor", type=int, default=2, help="the streaming run generates this many x B prompts")
     p.add_argument("--first-partition-size", type=int, default=1, help="partition size of the first-batch runs")
     p.add_argument("--sigma", type=float, default=1.2, help="lognormal sigma of the first-batch job's lengths")
-    _bench.add_common_args(p)
-    return p.parse_args(argv)
+    return cli.parse(p, argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run, print, write the record."""
-    parts = {"lag": part_lag, "throughput": part_throughput, "first-batch": part_first_batch}
-    return _bench.run_parts(parse_args(argv), "Follow: streaming finished samples to a trainer", parts)
-
+PARTS = {"lag": part_lag, "throughput": part_throughput, "first-batch": part_first_batch}
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli.run_parts(parse_args(), TITLE, PARTS))

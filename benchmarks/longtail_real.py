@@ -25,78 +25,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from pathlib import Path
 from typing import Any
 
-import _bench
 import numpy as np
+from common import cli, records, runs, workers
+from common.prompts import builtin_prompts
 
 from daskgen.config import RunConfig
-
-SHORT = [
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "What is 12 times 12?",
-    "What is the boiling point of water in Celsius?",
-    "Give a synonym for 'happy'.",
-    "Who wrote 'Romeo and Juliet'?",
-    "What is the largest planet in our solar system?",
-    "Translate 'good morning' into Spanish.",
-    "What does DNA stand for?",
-    "What is the square root of 81?",
-    "Suggest a name for a pet cat.",
-    "How many days are in a leap year?",
-    "What is the chemical symbol for gold?",
-    "Which ocean is the largest?",
-    "What is 7 plus 15?",
-    "Name a mammal that can fly.",
-]
-MEDIUM = [
-    "Explain what a CPU does.",
-    "What is photosynthesis?",
-    "Describe how a bicycle works.",
-    "Why is the sky blue?",
-    "Explain the difference between weather and climate.",
-    "What is a black hole?",
-    "How do vaccines work?",
-    "What causes the seasons on Earth?",
-    "Explain what an API is.",
-    "What is machine learning?",
-    "How does a refrigerator keep food cold?",
-    "What is inflation in economics?",
-    "Explain how rainbows form.",
-    "What is the water cycle?",
-    "Describe the role of the heart.",
-    "What is a prime number?",
-]
-LONG = [
-    "Write a short story about a robot who learns to paint.",
-    "Write a Python function that sorts a list with merge sort, and explain it.",
-    "List ten tips for studying effectively, with a sentence on each.",
-    "Write a letter to a friend describing your summer holiday.",
-    "Explain step by step how to bake bread.",
-    "Write a poem about the sea with several stanzas.",
-    "Describe the history of the internet in detail.",
-    "Write a recipe for a vegetable soup with ingredients and steps.",
-    "Compare cats and dogs as pets in several paragraphs.",
-    "Write a Python class for a bank account with deposit and withdraw methods.",
-    "Explain the causes of the First World War.",
-    "Write a dialogue between a teacher and a student about climate change.",
-    "Describe a day in the life of a medieval farmer.",
-    "Give a detailed plan for a week-long trip to Japan.",
-    "Write a fairy tale about a dragon and a princess.",
-    "Explain how a computer network works, layer by layer.",
-]
-
-
-def builtin_prompts(n: int, seed: int = 0) -> list[dict[str, Any]]:
-    """``n`` chat rows drawn from short, medium and long requests in equal parts, in a seeded order."""
-    pool = [q for trio in zip(SHORT, MEDIUM, LONG, strict=True) for q in trio]
-    rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": pool[i % len(pool)]}]} for i in range(n)]
-    random.Random(seed).shuffle(rows)
-    return rows
 
 
 def load_prompt_rows(a: argparse.Namespace) -> list[dict[str, Any]]:
@@ -173,7 +110,7 @@ def run_daskgen(config: RunConfig, rows: list[dict[str, Any]]) -> dict[str, Any]
     from daskgen import store
     from daskgen.client.runner import run
 
-    with _bench.instrument_run() as marks:
+    with runs.instrument_run() as marks:
         summary = run(config, rows)
     if not summary.ok:
         raise SystemExit(f"daskgen run did not finish: {summary.line()}")
@@ -191,25 +128,23 @@ def run_daskgen(config: RunConfig, rows: list[dict[str, Any]]) -> dict[str, Any]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = cli.parser(__doc__)
+    cli.add_flags(p, max_new_tokens=192, partition_size=4, seed=0)
     p.add_argument("--model", default=None, help="local HF model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--prompts", type=int, default=32, help="number of prompts")
     p.add_argument("--prompts-file", default=None, help="JSONL with messages/prompt rows instead of the built-in mix")
-    p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument(
         "--batch-size",
         type=int,
         default=16,
         help="static batch size = the engine's max_requests_per_batch (same peak concurrency)",
     )
-    p.add_argument("--partition-size", type=int, default=4)
     p.add_argument(
         "--threads",
         type=int,
         default=1,
         help="torch threads, both sides (more than 1 on a shared machine can be many times slower)",
     )
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--sides",
         default="static,daskgen",
@@ -217,8 +152,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "through the same transformers engine), daskgen",
     )
     p.add_argument("--no-plot", action="store_true")
-    _bench.add_common_args(p)
-    return p.parse_args(argv)
+    return cli.parse(p, argv)
 
 
 def plot(path: Path, static: dict[str, Any], dg: dict[str, Any], a: argparse.Namespace) -> None:
@@ -265,14 +199,14 @@ def run_sync_engine(config: RunConfig, requests: list[Any], batch: int) -> dict[
     from daskgen.client.engines import start_engines
 
     with connect(config) as connection:
-        client = _bench.as_client(connection)
+        client = workers.as_client(connection)
         start_engines(client, config)
         (worker,) = sorted(client.scheduler_info(n_workers=-1)["workers"])
         lengths: list[int] = []
         t0 = time.perf_counter()
         for start in range(0, len(requests), batch):
             fut = client.submit(
-                _bench.generate_on_worker, requests[start : start + batch], workers=[worker], pure=False
+                workers.generate_on_worker, requests[start : start + batch], workers=[worker], pure=False
             )
             lengths.extend(fut.result())
         seconds = time.perf_counter() - t0
@@ -289,16 +223,16 @@ SIDES = {
 def main(argv: list[str] | None = None) -> int:
     """Run the sides, print the table, write its record."""
     a = parse_args(argv)
-    _bench.quiet_logs()
+    cli.quiet_logs()
     sides = [x.strip() for x in a.sides.split(",") if x.strip()]
     if not sides or set(sides) - set(SIDES):
         raise SystemExit(f"--sides takes a comma-separated subset of {list(SIDES)}")
     model = a.model or str(__import__("daskgen.models", fromlist=["smollm2_instruct"]).smollm2_instruct())
     rows = load_prompt_rows(a)
-    rec = _bench.Record("Long tail, real model on CPU: static model.generate batches vs daskgen")
+    rec = records.Record("Long tail, real model on CPU: static model.generate batches vs daskgen")
     results: dict[str, dict[str, Any]] = {}
-    with _bench.workdir(a.workdir) as work:
-        requests = _bench.run_requests(make_config(a, model, work / "ids.zarr"), rows)
+    with cli.workdir(a.workdir) as work:
+        requests = runs.run_requests(make_config(a, model, work / "ids.zarr"), rows)
         for side in sides:
             if side == "static":
                 results[side] = run_static(model, [r.prompt_ids for r in requests], a)
@@ -344,10 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     rec.table(header, table)
     if not a.no_plot and "static" in results and "daskgen" in results:
-        path = rec.plot_path(_bench.plot_folder(a), "longtail_real")
+        path = rec.plot_path(cli.plot_folder(a), "longtail_real")
         plot(path, results["static"], results["daskgen"], a)
         rec.plot(path)
-    rec.finish(_bench.record_folder(a))
+    rec.finish(cli.record_folder(a))
     return 0
 
 

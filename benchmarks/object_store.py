@@ -31,10 +31,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import _bench
 import numpy as np
+from common import cli, records
 
 from daskgen.config import RunConfig
+
+TITLE = "Object storage: store calls and whole runs, S3 vs local folder"
 
 
 @contextlib.contextmanager
@@ -132,7 +134,7 @@ def store_calls(a: argparse.Namespace, where: Any) -> dict[str, float]:
     return out
 
 
-def part_store(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
+def part_store(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     """The store calls on a local folder, memory:// and S3 (moto)."""
     warm = argparse.Namespace(**{**vars(a), "prompts": 2 * a.partition_size})
     store_calls(warm, work / "warm-up.zarr")  # first imports and zarr/xarray caches: not part of any side
@@ -187,7 +189,7 @@ def timed_run(a: argparse.Namespace, where: str) -> float:
     return time.perf_counter() - t0
 
 
-def part_run(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
+def part_run(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     """The whole ``daskgen run`` into a local folder and into S3."""
     local = timed_run(a, str(work / "run-local.zarr"))
     with moto_server() as endpoint:
@@ -206,26 +208,15 @@ def part_run(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("--part", default="store,run", help="comma-separated: store, run")
+    cli.add_flags(p, n_samples=4, max_new_tokens=256, partition_size=64, workers=2)
     p.add_argument("--prompts", type=int, default=8192, help="rows of the store-call part")
     p.add_argument("--run-prompts", type=int, default=4096, help="prompts of the whole-run part")
-    p.add_argument("--n-samples", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--partition-size", type=int, default=64)
-    p.add_argument("--workers", type=int, default=2)
-    _bench.add_common_args(p)
-    return p.parse_args(argv)
+    return cli.parse(p, argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run, print, write the record."""
-    return _bench.run_parts(
-        parse_args(argv),
-        "Object storage: store calls and whole runs, S3 vs local folder",
-        {"store": part_store, "run": part_run},
-    )
-
+PARTS = {"store": part_store, "run": part_run}
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli.run_parts(parse_args(), TITLE, PARTS))

@@ -27,72 +27,12 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import _bench
 import numpy as np
+from common import cli, records
+from common.synthetic_store import build_store, files_and_bytes
 
-
-def build_store(a: argparse.Namespace, path: Path) -> dict[str, Any]:
-    """Create a store of ``a.prompts`` rows and fill the done partitions' data arrays."""
-    import zarr
-
-    from daskgen import store
-
-    layout = store.Layout(a.prompts, a.n_samples, a.max_prompt_tokens, a.max_new_tokens, a.partition_size, 0)
-    attrs = {
-        "identity": {"model": "bench-pack", "engine": "simulated"},
-        "input": {"n_prompts": a.prompts},
-        "simulated": True,
-    }
-    t0 = time.perf_counter()
-    store.GenerationStore.create(path, store.StoreAttrs(layout, **attrs), [f"r{i}" for i in range(a.prompts)])
-    rng = np.random.default_rng(0)
-    n_parts = -(-a.prompts // a.partition_size)
-    done = rng.random(n_parts) < a.done_fraction
-    status = np.repeat(done.astype("int8"), a.partition_size)[: a.prompts]
-    arrays = {name: zarr.open_array(str(path), path=name, mode="r+") for name in layout.data_arrays()}
-    block = a.partition_size * max(1, 8192 // a.partition_size)
-    for start in range(0, a.prompts, block):
-        stop = min(start + block, a.prompts)
-        rows = np.flatnonzero(status[start:stop]) + start
-        if not len(rows):
-            continue
-        for name, values in _partition_data(rng, a, stop - start).items():
-            keep = np.zeros(stop - start, dtype=bool)
-            keep[rows - start] = True
-            fill = arrays[name].fill_value
-            values[~keep] = fill  # pending rows stay at the fill value (their chunks are not written)
-            arrays[name][start:stop] = values
-    zarr.open_array(str(path), path="status", mode="r+")[:] = status
-    zarr.open_array(str(path), path="committed_at", mode="r+")[:] = np.where(status == 1, time.time(), np.nan)
-    return {"seconds": time.perf_counter() - t0, "done_rows": int(status.sum()), "partitions": n_parts}
-
-
-def _partition_data(rng: np.random.Generator, a: argparse.Namespace, n: int) -> dict[str, np.ndarray]:
-    s, r, p = a.n_samples, a.max_new_tokens, a.max_prompt_tokens
-    lengths = np.clip(rng.lognormal(np.log(a.length_mean), 0.8, size=(n, s)), 1, r).astype("int32")
-    positions = np.arange(r)
-    mask = positions[None, None, :] < lengths[..., None]
-    ids = np.where(mask, rng.integers(1, 32000, size=(n, s, r), dtype="int32"), 0).astype("int32")
-    plen = rng.integers(8, p, size=n).astype("int32")
-    prompt_ids = np.where(np.arange(p)[None, :] < plen[:, None], rng.integers(1, 32000, size=(n, p)), 0)
-    return {
-        "prompt_ids": prompt_ids.astype("int32"),
-        "prompt_length": plen,
-        "response_ids": ids,
-        "response_length": lengths,
-        "response_mask": mask.astype("uint8"),
-        "logprobs": np.full((n, s, r), np.nan, "float32"),
-        "finish_reason": np.where(lengths == r, 1, 0).astype("int8"),
-        "num_turns": np.ones((n, s), "int16"),
-    }
-
-
-def files_and_bytes(path: Path) -> tuple[int, int]:
-    """Files and their bytes under ``path``."""
-    sizes = [p.stat().st_size for p in path.rglob("*") if p.is_file()]
-    return len(sizes), sum(sizes)
+TITLE = "Pack: files, bytes and read times of a 1M-prompt store"
 
 
 def read_times(a: argparse.Namespace, path: Path) -> dict[str, float]:
@@ -141,7 +81,7 @@ def read_times(a: argparse.Namespace, path: Path) -> dict[str, float]:
     return out
 
 
-def part_pack(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
+def part_pack(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     """Build, measure, pack, measure again, check the values are unchanged."""
     from daskgen import store
     from daskgen.store.pack import pack
@@ -165,7 +105,7 @@ def part_pack(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
         f"lengths, mean {a.length_mean}), partitions of {a.partition_size} ({built['partitions']:,}), "
         f"{built['done_rows']:,} rows done ({a.done_fraction:.0%} of partitions), logprobs off; built in "
         f"{built['seconds']:.0f} s. Packed in place on a LocalCluster of {a.workers} worker(s) in "
-        f"{result.seconds:.0f} s; values of the first 4,096 rows identical after packing: {_bench.fmt(same)}."
+        f"{result.seconds:.0f} s; values of the first 4,096 rows identical after packing: {records.fmt(same)}."
     )
     rec.table(
         ["", "before (one file per partition per array)", "after `daskgen pack`", "after / before"],
@@ -182,27 +122,24 @@ def part_pack(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("--part", default="pack", help="pack")
-    p.add_argument("--prompts", type=int, default=1_000_000)
-    p.add_argument("--n-samples", type=int, default=1)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-prompt-tokens", type=int, default=64)
-    p.add_argument("--length-mean", type=float, default=40.0)
-    p.add_argument("--partition-size", type=int, default=64)
-    p.add_argument("--done-fraction", type=float, default=0.9)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
-    _bench.add_common_args(p)
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run, print, write the record."""
-    return _bench.run_parts(
-        parse_args(argv), "Pack: files, bytes and read times of a 1M-prompt store", {"pack": part_pack}
+    cli.add_flags(
+        p,
+        prompts=1_000_000,
+        n_samples=1,
+        max_new_tokens=128,
+        max_prompt_tokens=64,
+        length_mean=40.0,
+        partition_size=64,
+        done_fraction=0.9,
+        workers=2,
+        repeats=5,
     )
+    return cli.parse(p, argv)
 
+
+PARTS = {"pack": part_pack}
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli.run_parts(parse_args(), TITLE, PARTS))

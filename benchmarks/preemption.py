@@ -31,15 +31,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _bench
 import numpy as np
+from common import cli, records, runs, simulation, workers
 
 HERE = Path(__file__).resolve().parent
 
 
 def child(a: argparse.Namespace) -> int:
     """One ``daskgen run`` invocation (this process may get SIGTERM); writes its measurements as JSON."""
-    _bench.quiet_logs()
+    cli.quiet_logs()
     from daskgen.client.runner import run
     from daskgen.config import RunConfig
 
@@ -48,13 +48,7 @@ def child(a: argparse.Namespace) -> int:
         model="sim",
         store=str(a.store),
         engine="simulated",
-        engine_args={
-            "time_scale": a.time_scale,
-            "length_dist": "lognormal",
-            "length_mean": a.length_mean,
-            "length_sigma": a.sigma,
-            "max_batch": a.max_batch,
-        },
+        engine_args=simulation.lognormal_engine(a.time_scale, a.length_mean, a.sigma, max_batch=a.max_batch),
         max_new_tokens=a.max_new_tokens,
         max_prompt_tokens=128,
         partition_size=a.partition_size,
@@ -66,7 +60,7 @@ def child(a: argparse.Namespace) -> int:
     )
     stats: list[Any] = []
     t0 = time.perf_counter()
-    with _bench.instrument_run(on_done=lambda client: stats.extend(client.run(_bench.engine_stats).values())):
+    with runs.instrument_run(on_done=lambda client: stats.extend(client.run(workers.engine_stats).values())):
         summary = run(cfg)
     out = {
         "wall_s": time.perf_counter() - t0,
@@ -133,9 +127,9 @@ def main() -> int:
     a = parse()
     if a.child:
         return child(a)
-    _bench.quiet_logs()
-    rec = _bench.Record("Preemption: SIGTERM at 50 % and resume vs run through (simulated engine, long tail)")
-    with _bench.workdir(a.workdir) as work:
+    cli.quiet_logs()
+    rec = records.Record("Preemption: SIGTERM at 50 % and resume vs run through (simulated engine, long tail)")
+    with cli.workdir(a.workdir) as work:
         a.prompts_file = work / "prompts.jsonl"
         with a.prompts_file.open("w") as fh:
             for i in range(a.prompts):
@@ -145,18 +139,18 @@ def main() -> int:
         second = invoke(a, work / "preempted.zarr", work / "second.json")
         final_through, final_pre = stored_tokens(work / "through.zarr"), stored_tokens(work / "preempted.zarr")
     rows = []
-    for name, runs, final in (
+    for name, parts, final in (
         ("run through", [through], final_through),
         ("SIGTERM at 50 % + resume", [first, second], final_pre),
     ):
-        engine = sum(r["engine_tokens"] for r in runs)
+        engine = sum(r["engine_tokens"] for r in parts)
         regenerated = engine - final
         rows.append(
             [
                 name,
-                " + ".join(f"{r['wall_s']:.1f}" for r in runs),
-                f"{sum(r['wall_s'] for r in runs):.1f}",
-                f"{sum(r['engine_busy_s'] for r in runs):.1f}",
+                " + ".join(f"{r['wall_s']:.1f}" for r in parts),
+                f"{sum(r['wall_s'] for r in parts):.1f}",
+                f"{sum(r['engine_busy_s'] for r in parts):.1f}",
                 engine,
                 final,
                 regenerated,
@@ -186,27 +180,21 @@ def main() -> int:
         f"responses ({first['partial_tokens']} tokens) saved; the resume kept {second['carried_tokens']} "
         "stored tokens instead of regenerating them."
     )
-    rec.finish(_bench.record_folder(a))
+    rec.finish(cli.record_folder(a))
     return 0 if first["exit"] == 3 else 1
 
 
 def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", type=int, default=512)
-    p.add_argument("--n-samples", type=int, default=2)
-    p.add_argument("--length-mean", type=float, default=300.0)
-    p.add_argument("--sigma", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=2048)
-    p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--partition-size", type=int, default=8)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--time-scale", type=float, default=0.2)
+    """Command-line options (the hidden ones start a child run)."""
+    p = cli.parser(__doc__)
+    cli.add_flags(p, prompts=512, n_samples=2, length_mean=300.0, max_new_tokens=2048, max_batch=64)
+    p.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the response lengths")
+    cli.add_flags(p, partition_size=8, workers=2, time_scale=0.2)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--store", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--prompts-file", type=Path, help=argparse.SUPPRESS)
-    _bench.add_common_args(p)
-    return p.parse_args()
+    return cli.parse(p)
 
 
 if __name__ == "__main__":

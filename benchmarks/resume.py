@@ -37,12 +37,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import _bench
 import numpy as np
+from common import cli, records
 
 from daskgen.config import RunConfig
 
 MAX_SHOWN = 5
+
+TITLE = "Resume: pending set of a 1M-prompt store, crash and resume"
 
 
 def write_input(path: Path, n: int) -> None:
@@ -55,16 +57,14 @@ def write_input(path: Path, n: int) -> None:
 def pending_config(a: argparse.Namespace, store: Path, prompts: Path) -> RunConfig:
     """Settings of the 1M-prompt store (simulated engine: a byte tokenizer, no model needed)."""
     return RunConfig(
+        prompts=str(prompts),
+        store=str(store),
         model="simulated-resume",
         engine="simulated",
-        store=str(store),
-        prompts=str(prompts),
         n_samples=4,
         max_new_tokens=1024,
         max_prompt_tokens=64,
-        temperature=1.0,
-        seed=0,
-        partition_size=a.partition_size,
+        partition_size=a.partition_size,  # temperature 1, seed 0: RunConfig's defaults
         progress=False,
     )
 
@@ -119,7 +119,7 @@ def median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]
     return statistics.median(times), times[0], value
 
 
-def part_pending(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
+def part_pending(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     """The 1M-prompt store: time to the pending set at store, xarray and runner level."""
     from daskgen import store
     from daskgen.client.plan import pending_tasks, prepare
@@ -200,7 +200,7 @@ def cli_env() -> dict[str, str]:
     """Environment for the CLI subprocesses (repository importable, no progress bars)."""
     env = dict(os.environ)
     env.update(PYTHONUNBUFFERED="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(_bench.DASKGEN_SRC), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(records.DASKGEN_SRC), env.get("PYTHONPATH", "")])
     return env
 
 
@@ -258,7 +258,7 @@ def logged_rows(log: Path, offset: int = 0) -> list[int]:
         return [int(line.split()[0].split("-")[0][1:]) for line in fh if line.strip()]
 
 
-def part_crash(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
+def part_crash(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     """SIGKILL a real run mid-way, rerun the same command, count regenerated prompts."""
     from daskgen import store
 
@@ -332,30 +332,20 @@ def part_crash(a: argparse.Namespace, work: Path, rec: _bench.Record) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = cli.parser(__doc__)
     p.add_argument("--part", default="pending,crash", help="comma-separated: pending, crash")
+    cli.add_flags(p, partition_size=64, done_fraction=0.7, repeats=5)
     p.add_argument("--prompts", type=int, default=1_000_000, help="rows of the big store")
-    p.add_argument("--partition-size", type=int, default=64)
-    p.add_argument("--done-fraction", type=float, default=0.7)
-    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--target-ms", type=float, default=100.0)
     p.add_argument("--crash-prompts", type=int, default=1024)
     p.add_argument("--crash-partition-size", type=int, default=32)
     p.add_argument("--crash-time-scale", type=float, default=0.5)
     p.add_argument("--kill-at", type=float, default=0.4, help="fraction of prompts committed before SIGKILL")
     p.add_argument("--crash-timeout", type=float, default=240.0)
-    _bench.add_common_args(p)
-    return p.parse_args(argv)
+    return cli.parse(p, argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the selected parts, print the tables, write their record."""
-    return _bench.run_parts(
-        parse_args(argv),
-        "Resume: pending set of a 1M-prompt store, crash and resume",
-        {"pending": part_pending, "crash": part_crash},
-    )
-
+PARTS = {"pending": part_pending, "crash": part_crash}
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli.run_parts(parse_args(), TITLE, PARTS))

@@ -33,8 +33,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import _bench
 import numpy as np
+from common import cli, records, simulation
 
 from daskgen.config import RunConfig
 
@@ -51,12 +51,7 @@ def make_store(a: argparse.Namespace, path: Path) -> None:
         engine="simulated",
         store=str(path),
         n_samples=a.n_samples,
-        engine_args={
-            "time_scale": 0.0,
-            "length_dist": "lognormal",
-            "length_mean": a.length_mean,
-            "length_sigma": a.length_sigma,
-        },
+        engine_args=simulation.lognormal_engine(0.0, a.length_mean, a.length_sigma),
         max_new_tokens=a.max_new_tokens,
         max_prompt_tokens=128,
         temperature=1.0,
@@ -235,28 +230,23 @@ def timed(fn: Callable[[Path], float], path: Path, repeats: int) -> tuple[float,
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = cli.parser(__doc__)
+    cli.add_flags(
+        p, prompts=4096, n_samples=4, max_new_tokens=2048, length_mean=384.0, length_sigma=1.0, workers=2, repeats=3
+    )
     p.add_argument("--store", type=Path, default=None, help="existing daskgen store (default: generate one)")
-    p.add_argument("--prompts", type=int, default=4096)
-    p.add_argument("--n-samples", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=2048)
-    p.add_argument("--length-mean", type=float, default=384.0)
-    p.add_argument("--length-sigma", type=float, default=1.0)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-slow-readers", action="store_true", help="time only the fastest JSONL reader")
-    _bench.add_common_args(p)
-    return p.parse_args(argv)
+    return cli.parse(p, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Build the three formats, measure, print, write the record."""
     a = parse_args(argv)
-    _bench.quiet_logs()
+    cli.quiet_logs()
     from daskgen import store
 
-    rec = _bench.Record("Storage: daskgen store vs JSONL vs pickled batches")
-    with _bench.workdir(a.workdir) as work:
+    rec = records.Record("Storage: daskgen store vs JSONL vs pickled batches")
+    with cli.workdir(a.workdir) as work:
         src = a.store
         if src is None:
             src = work / "daskgen.zarr"
@@ -343,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         f"**Store bytes / JSONL bytes = {zbytes:.3f} (target ≤ 0.333); column load {zload:.0f}× faster than the "
         f"fastest JSONL reader (target ≥ 10×).**"
     )
-    rec.finish(_bench.record_folder(a))
+    rec.finish(cli.record_folder(a))
     return 0
 
 

@@ -4,7 +4,7 @@ against the best fixed window, on three length distributions, and what ``--lengt
 For each distribution the same job (simulated engines, 2 workers; samples of one prompt have similar
 lengths: ``--length-prompt-share`` of the log-length variance belongs to the prompt) is
 
-* **emulated** with zero pipeline overhead (``longtail.emulate_streaming``, an exact event simulation of
+* **emulated** with zero pipeline overhead (``common.simulation.emulate_streaming``, an exact event simulation of
   the step model) for fixed windows of 1..64 partitions per worker, and for the ``window: auto``
   occupancy rule (:class:`daskgen.worker.admission.Admission`), in input order and in the order length
   hints give (partitions by the longest response another seed's run got for their prompts,
@@ -32,9 +32,9 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-import _bench
-import longtail
 import numpy as np
+from common import cli, records, runs, simulation
+from common.prompts import prompt_rows
 
 #: name -> (lognormal mean, sigma); the first is a lognormal with median 400 and sigma 1.6 (mean 400·e^1.28).
 DISTRIBUTIONS = {
@@ -48,9 +48,9 @@ FIXED = (1, 2, 4, 8, 16, 32, 64)
 def lengths_of(a: argparse.Namespace, d: argparse.Namespace, work: Path, prompts: list[str], seed: int) -> np.ndarray:
     """Every sample's length (row order, samples of a row together) in a run with ``seed``."""
     tag = f"{d.length_mean:.0f}-{d.length_sigma:g}-{seed}"
-    config = longtail.make_config(argparse.Namespace(**{**vars(d), "seed": seed}), work / f"req-{tag}.zarr", "auto")
-    requests = _bench.run_requests(config, prompts)
-    return np.array(asyncio.run(longtail._instant_shard(requests, longtail.engine_args(d)))["lengths"])
+    config = simulation.make_config(argparse.Namespace(**{**vars(d), "seed": seed}), work / f"req-{tag}.zarr", "auto")
+    requests = runs.run_requests(config, prompts)
+    return np.array(asyncio.run(simulation.instant_shard(requests, simulation.engine_args(d)))["lengths"])
 
 
 def hint_store(d: argparse.Namespace, work: Path, prompts: list[str]) -> Path:
@@ -59,7 +59,7 @@ def hint_store(d: argparse.Namespace, work: Path, prompts: list[str]) -> Path:
 
     path = work / f"earlier-{d.length_mean:.0f}-{d.length_sigma:g}.zarr"
     earlier = argparse.Namespace(**{**vars(d), "seed": d.seed + 1, "time_scale": 0.0})
-    if not run(longtail.make_config(earlier, path, "auto"), prompts).ok:
+    if not run(simulation.make_config(earlier, path, "auto"), prompts).ok:
         raise SystemExit(f"the run making the length-hints store {path} did not finish")
     return path
 
@@ -71,7 +71,7 @@ def one(a: argparse.Namespace, work: Path, name: str, mean: float, sigma: float)
     from daskgen.config import RunConfig
 
     d = argparse.Namespace(**{**vars(a), "length_mean": mean, "length_sigma": sigma})
-    prompts = longtail.prompt_rows(a.prompts)
+    prompts = prompt_rows(a.prompts)
     lengths = lengths_of(a, d, work, prompts, a.seed)
     per = a.partition_size * a.n_samples
     parts = [lengths[i : i + per] for i in range(0, len(lengths), per)]
@@ -83,21 +83,21 @@ def one(a: argparse.Namespace, work: Path, name: str, mean: float, sigma: float)
     hinted = [parts[s // a.partition_size] for s in longest + rest]
 
     def emulate(partitions: list[np.ndarray], window: int, occupancy: bool = False) -> float:
-        return longtail.emulate_streaming(
+        return simulation.emulate_streaming(
             partitions, a.workers, window, a.max_batch, a.step_base, a.step_per_seq, occupancy=occupancy
         )["makespan"]
 
     fixed = {w: emulate(parts, w) for w in FIXED}
     best_w = min(fixed, key=fixed.get)
-    start = longtail.auto_window(d)
+    start = simulation.auto_window(d)
     rule, rule_hinted = emulate(parts, start, True), emulate(hinted, start, True)
 
     def measure(tag: str, **extra: Any) -> tuple[float, dict[str, Any]]:
         path = work / f"{tag}-{mean:.0f}-{sigma:g}.zarr"
-        config = longtail.make_config(d, path, "auto")
+        config = simulation.make_config(d, path, "auto")
         for key, value in extra.items():
             setattr(config, key, value)
-        side = longtail.run_streaming(d, config, prompts)
+        side = runs.run_streaming(config, prompts, d.time_scale, d.sample_period)
         return side.makespan_model_s, store.read_store_attrs(path).runs[-1]
 
     if a.emulate_only:
@@ -111,8 +111,8 @@ def one(a: argparse.Namespace, work: Path, name: str, mean: float, sigma: float)
             fixed[best_w] / rule_hinted,
             rule / rule_hinted,
         ]
-    runs = [measure(f"default{i}") for i in range(a.repeat)]
-    spans = [span for span, _ in runs]
+    measured = [measure(f"default{i}") for i in range(a.repeat)]
+    spans = [span for span, _ in measured]
     ratios = [fixed[best_w] / span for span in spans]
     row = [
         name,
@@ -120,11 +120,11 @@ def one(a: argparse.Namespace, work: Path, name: str, mean: float, sigma: float)
         f"{fixed[best_w]:,.0f} (w={best_w})",
         f"{rule:,.0f}",
         " / ".join(f"{span:,.0f}" for span in spans),
-        spread(ratios),
-        spread([span / rule for span in spans]),
+        records.spread(ratios),
+        records.spread([span / rule for span in spans]),
     ]
-    tail = " / ".join(f"{last.get('tail_share'):.3f}" for _, last in runs)
-    peak = " / ".join(f"{last.get('peak_prompts_in_flight'):,}" for _, last in runs)
+    tail = " / ".join(f"{last.get('tail_share'):.3f}" for _, last in measured)
+    peak = " / ".join(f"{last.get('peak_prompts_in_flight'):,}" for _, last in measured)
     if a.no_hints:
         return [*row, tail, peak]
     measured_hinted, last_hinted = measure("hinted", length_hints=str(hint_store(d, work, prompts)))
@@ -138,38 +138,18 @@ def one(a: argparse.Namespace, work: Path, name: str, mean: float, sigma: float)
     ]
 
 
-def spread(values: list[float]) -> str:
-    """One value as is; several as ``median (min-max)``."""
-    if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{float(np.median(values)):.3f} ({min(values):.3f}-{max(values):.3f})"
-
-
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--prompts", type=int, default=4096)
-    p.add_argument("--n-samples", type=int, default=4)
-    p.add_argument("--max-batch", type=int, default=256)
-    p.add_argument("--step-base", type=float, default=0.02)
-    p.add_argument("--step-per-seq", type=float, default=0.0002)
-    p.add_argument("--max-new-tokens", type=int, default=16384)
-    p.add_argument("--time-scale", type=float, default=0.05)
+    p = cli.parser(__doc__)
+    cli.add_flags(p, workers=2, prompts=4096, n_samples=4, max_new_tokens=16384, partition_size=64)
+    cli.add_flags(p, sample_period=0.05, seed=0)
+    simulation.add_engine_flags(p, time_scale=0.05)
     p.add_argument(
         "--length-prompt-share",
         type=float,
         default=0.7,
         help="share of the log-length variance that belongs to the prompt (samples of one prompt alike)",
     )
-    p.add_argument("--partition-size", type=int, default=64)
-    p.add_argument("--sample-period", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--repeat",
-        type=int,
-        default=1,
-        help="measured runs with default settings per distribution (their spread is reported)",
-    )
+    p.add_argument("--repeat", type=int, default=1, help="measured runs per distribution (their spread is reported)")
     p.add_argument("--no-hints", action="store_true", help="skip the measured run with --length-hints")
     p.add_argument(
         "--only", default="", help="comma-separated distribution numbers (1-3) to run, in the order of the table"
@@ -180,19 +160,18 @@ def main() -> int:
         help="only the zero-overhead emulation (deterministic, independent of the machine's load); the "
         "ratio columns then compare the best fixed window with the emulated rule",
     )
-    _bench.add_common_args(p)
-    a = p.parse_args()
+    a = cli.parse(p)
     items = list(DISTRIBUTIONS.items())
     try:
         a.distributions = [items[int(x) - 1] for x in a.only.split(",") if x.strip()] or items
     except (ValueError, IndexError):
         p.error(f"--only takes distribution numbers 1-{len(items)}, not {a.only!r}")
-    _bench.quiet_logs()
-    rec = _bench.Record(
+    cli.quiet_logs()
+    rec = records.Record(
         "Tail: window auto (occupancy) vs the best fixed window, three length distributions"
         + (" (emulated only)" if a.emulate_only else "")
     )
-    with _bench.workdir(a.workdir) as work:
+    with cli.workdir(a.workdir) as work:
         rows = [one(a, work, name, mean, sigma) for name, (mean, sigma) in a.distributions]
     header = (
         [
@@ -238,7 +217,7 @@ def main() -> int:
         "response, as --length-hints does); measured = daskgen with default settings on a LocalCluster, "
         "and with --length-hints an earlier store of the same prompts made with another seed.",
     )
-    rec.finish(_bench.record_folder(a))
+    rec.finish(cli.record_folder(a))
     return 0
 
 

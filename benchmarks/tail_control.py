@@ -19,7 +19,7 @@ import json
 import time
 from pathlib import Path
 
-import _bench
+from common import cli, records, simulation
 
 
 def _prompts(path: Path, n: int) -> Path:
@@ -38,13 +38,9 @@ def _run(store: Path, prompts: Path, args: argparse.Namespace, **extra: object) 
         model="sim",
         store=str(store),
         engine="simulated",
-        engine_args={
-            "time_scale": args.time_scale,
-            "length_dist": "lognormal",
-            "length_mean": args.length_mean,
-            "length_sigma": args.length_sigma,
-            "max_batch": args.max_batch,
-        },
+        engine_args=simulation.lognormal_engine(
+            args.time_scale, args.length_mean, args.length_sigma, max_batch=args.max_batch
+        ),
         n_samples=args.n_samples,
         max_new_tokens=args.max_new_tokens,
         max_prompt_tokens=256,
@@ -61,23 +57,16 @@ def _run(store: Path, prompts: Path, args: argparse.Namespace, **extra: object) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--n-samples", type=int, default=4)
-    parser.add_argument("--partition-size", type=int, default=4)
-    parser.add_argument("--window", type=int, default=4)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--max-new-tokens", type=int, default=4096)
-    parser.add_argument("--length-mean", type=float, default=300.0)
-    parser.add_argument("--length-sigma", type=float, default=1.2)
-    parser.add_argument("--max-batch", type=int, default=64)
-    parser.add_argument("--time-scale", type=float, default=0.2)
+    parser = cli.parser(__doc__)
+    cli.add_flags(parser, prompts=256, n_samples=4, partition_size=4)
+    parser.add_argument("--window", type=int, default=4, help="daskgen partitions in flight per worker")
+    cli.add_flags(parser, workers=2, max_new_tokens=4096, length_mean=300.0, length_sigma=1.2, max_batch=64)
+    cli.add_flags(parser, time_scale=0.2)
     parser.add_argument("--fraction", type=float, default=0.9, help="share of prompts the target/deadline aims at")
-    _bench.add_common_args(parser)
-    args = parser.parse_args()
-    _bench.quiet_logs()
-    record = _bench.Record("Tail control: full run vs target / deadline stop (simulated engine)")
-    with _bench.workdir(args.workdir) as work:
+    args = cli.parse(parser)
+    cli.quiet_logs()
+    record = records.Record("Tail control: full run vs target / deadline stop (simulated engine)")
+    with cli.workdir(args.workdir) as work:
         prompts = _prompts(work / "prompts.jsonl", args.prompts)
         full_s, full = _run(work / "full.zarr", prompts, args)
         target = max(1, int(args.fraction * args.prompts))
@@ -99,7 +88,7 @@ def main() -> None:
         f"time_scale {args.time_scale}. Wall times include cluster start-up (a few seconds). "
         "Stopped prompts stay pending and finish with a later run (or continue with --keep-partial)."
     )
-    record.finish(_bench.record_folder(args))
+    record.finish(cli.record_folder(args))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import records
+from benchmarks.common import records
 from tests.conftest import REPO, cli_env
 
 BENCH = REPO / "benchmarks"

@@ -2,7 +2,7 @@
 
 A record is one Markdown file in ``benchmarks/results/`` written by :meth:`Record.finish`; its
 ``Commit:`` line comes from :func:`provenance`, which marks a run from a tree with uncommitted changes in
-``daskgen/`` or ``benchmarks/``.  Every benchmark script reaches this module through ``_bench``.
+``daskgen/`` or ``benchmarks/``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
+#: The ``benchmarks/`` folder (the scripts) and the repository holding it.
+HERE = Path(__file__).resolve().parents[1]
 REPO = HERE.parent
 #: Where ``daskgen`` is imported from: ``$DASKGEN_SRC`` (e.g. a ``git archive`` snapshot of a commit, so
 #: that edits in the working tree cannot change a running benchmark), else this repository.
@@ -203,6 +204,22 @@ def fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values`` (NaN when there are none)."""
+    import numpy as np
+
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else float("nan")
+
+
+def spread(values: Sequence[float]) -> str:
+    """One value as is; several as ``median (min-max)``."""
+    import numpy as np
+
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{float(np.median(values)):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A GitHub-flavoured Markdown table."""
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
@@ -290,31 +307,3 @@ class Record:
         if not source.clean:
             print(f"not a record of a commit: uncommitted changes in {', '.join(source.changed)}")
         return path
-
-
-def record_folder(a: Any) -> Path | None:
-    """Where the parsed arguments of :func:`add_common_args` say to write the record (``None``: print only)."""
-    return None if a.no_record else Path(a.results)
-
-
-def add_common_args(parser: Any) -> None:
-    """``--results``, ``--no-record``, ``--plot-dir`` and ``--workdir`` for every script."""
-    parser.add_argument(
-        "--results", type=Path, default=RESULTS, help="folder the record file (and its plots) is written to"
-    )
-    parser.add_argument("--no-record", action="store_true", help="print only; write no record file")
-    parser.add_argument(
-        "--plot-dir", type=Path, default=None, help="where PNG plots are written (default: the --results folder)"
-    )
-    parser.add_argument(
-        "--workdir", type=Path, default=None, help="scratch directory for stores (default: a fresh temporary directory)"
-    )
-
-
-def plot_folder(a: Any) -> Path:
-    """``--plot-dir``, else the ``--results`` folder (the temporary folder with ``--no-record``); created."""
-    import tempfile
-
-    folder = Path(a.plot_dir or (tempfile.gettempdir() if a.no_record else a.results))
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
