@@ -2,7 +2,7 @@
 
 * :mod:`~daskgen.stream.batches`: the :class:`Follower` iterator and its :class:`Batch` es;
 * :mod:`~daskgen.stream.log`: reading the store's commit log (order, completeness);
-* :mod:`~daskgen.stream.cursor`: durable, atomic per-name consumer positions;
+* :mod:`~daskgen.store.cursors`: durable, atomic per-name consumer positions (kept with the store);
 * :mod:`~daskgen.stream.formats`: xarray, TensorDict, verl ``DataProto`` and rows;
 * :mod:`~daskgen.stream.events`: waking on a run's commit events on the same Dask cluster.
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from daskgen.store.cursors import Position
 from daskgen.store.location import StoreRef
 from daskgen.stream.batches import Batch, Follower
-from daskgen.stream.cursor import Position
 from daskgen.stream.formats import FORMATS
 
 __all__ = ["FORMATS", "Batch", "Follower", "Position", "follow"]
