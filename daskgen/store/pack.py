@@ -22,6 +22,10 @@ How it stays safe:
   e.g. after a run on the source in between), and a swap interrupted between its renames is finished;
 * the store's lock (:mod:`daskgen.store.lock`) is held throughout: no run can write the store meanwhile.
 
+The source is read through its :class:`~daskgen.store.generation_store.GenerationStore` (pickled to the
+copy tasks); the copy is written as a plain Zarr group, file by file, since it is no daskgen store until
+its attrs are written.
+
 A packed store that still has pending or failed rows cannot be resumed as it is (partitions
 share shards): runs refuse it and name the fix, ``daskgen unpack STORE`` (see
 :meth:`daskgen.store.generation_store.GenerationStore.check_resumable`).
