@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from daskgen import store
-from daskgen.client.dispatch import dispatch_order, long_first, read_length_hints, still_partial, tail_share
+from daskgen.client.dispatch import dispatch_order, long_first, read_length_hints, still_partial
 from daskgen.client.plan import pending_tasks, prepare
 from daskgen.config import RunConfig
 from daskgen.errors import ConfigError
 from daskgen.store.location import locate
+from daskgen.tail import tail_share
 from tests.conftest import run_cli, write_prompts
 
 

@@ -20,7 +20,6 @@ This module imports numpy, pandas, dask and xarray only (no torch, transformers 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,7 +46,7 @@ from daskgen.analysis.stats import (
 )
 from daskgen.errors import ConfigError, StoreError, StoreMismatchError
 from daskgen.store.attrs import ATTRS_KEY, StoreAttrs
-from daskgen.store.generation_store import read_store_attrs
+from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import DONE, FAILED, PENDING
 from daskgen.store.location import StoreLocation, locate
 
@@ -77,26 +76,13 @@ def open_store(path: str | Path | StoreLocation) -> xr.Dataset:
     and adds a lazy ``finish_label`` variable (``finish_reason`` decoded to
     ``stop``/``length``/``abort``/``error``/``not_generated``).
     """
-    loc = locate(path)
-    rows = _packed_read_rows(loc)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ds = xr.open_zarr(loc.zarr_store(read_only=True), chunks={"prompt": rows} if rows else {})
-    return ds.daskgen.labelled()
-
-
-def _packed_read_rows(loc: StoreLocation) -> int | None:
-    """Rows per dask chunk of a packed store (one chunk per shard reads each shard file once), else ``None``.
-
-    Raises :class:`StoreError` when ``loc`` holds no daskgen store.
-    """
-    attrs = read_store_attrs(loc)
-    if attrs is None:
+    store = GenerationStore.open_if_exists(path)
+    if store is None:
         raise StoreError(
-            f"{loc.url!r} is not a daskgen store (no {ATTRS_KEY!r} attrs in its zarr.json); "
+            f"{locate(path).url!r} is not a daskgen store (no {ATTRS_KEY!r} attrs in its zarr.json); "
             "pass the --store path of a daskgen run."
         )
-    return (attrs.packed or {}).get("read_rows")
+    return store.dataset().daskgen.labelled()
 
 
 @xr.register_dataset_accessor("daskgen")

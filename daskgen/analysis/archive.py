@@ -8,8 +8,8 @@ from typing import Any
 
 from daskgen.errors import ExportError
 from daskgen.store.attrs import ATTRS_KEY, StoreAttrs
-from daskgen.store.location import StoreRef, locate
-from daskgen.store.lock import LOCK_NAME
+from daskgen.store.generation_store import GenerationStore
+from daskgen.store.location import StoreRef
 
 # Written first into a zip: with status before the data, every row done in the zip is complete.
 _ZIP_FIRST = ("zarr.json", "status", "error", "committed_at")
@@ -18,19 +18,16 @@ _ZIP_FIRST = ("zarr.json", "status", "error", "committed_at")
 # -- zip and W&B ----------------------------------------------------------------------------------
 def zip_store(path: StoreRef, out: str | Path) -> None:
     """Write the whole store into one uncompressed zip (chunks are already compressed) and verify it."""
-    loc = locate(path)
-    keys = sorted(
-        (key for key, _ in loc.files() if key.rsplit("/", 1)[-1] != LOCK_NAME),
-        key=lambda key: (key.split("/", 1)[0] not in _ZIP_FIRST, key),
-    )
+    store = GenerationStore.open(path)
+    keys = sorted(store.object_keys(), key=lambda key: (key.split("/", 1)[0] not in _ZIP_FIRST, key))
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
         for key in keys:
-            data = loc.read_bytes(key)
+            data = store.read_object(key)
             if data is not None:  # deleted meanwhile (a running client's temporary file)
                 zf.writestr(key, data)
     import zarr
 
-    with zarr.storage.ZipStore(str(out), mode="r") as zs:
+    with zarr.storage.ZipStore(str(out), mode="r") as zs:  # the zip written, checked as a reader will open it
         group = zarr.open_group(zs, mode="r")
         if ATTRS_KEY not in group.attrs or "status" not in group:
             raise ExportError(f"the zip {str(out)!r} does not open as a daskgen store")

@@ -5,8 +5,8 @@ export started (the checkpoint mask is read first; data of done rows is final), 
 block, so a store larger than memory exports in bounded memory, also while a run writes it.
 
 * ``parquet`` / ``jsonl``: one record per row with token lists, finish reason,
-  turns, optional decoded text and the raw input prompt (see :func:`arrow_block`).
-* ``tensordict``: verl's DataProto batch fields (see :func:`verl_block`) plus metadata, saved as a
+  turns, optional decoded text and the raw input prompt (:func:`daskgen.analysis.arrow.arrow_block`).
+* ``tensordict``: verl's DataProto batch fields (:func:`daskgen.analysis.verl.verl_block`) plus metadata, saved as a
   memory-mapped TensorDict folder (``TensorDict.load_memmap(path)``; :func:`load_tensordict`).
 * ``zip``: the whole store as one uncompressed zip that ``zarr.storage.ZipStore`` opens.
 """
@@ -25,16 +25,17 @@ import numpy as np
 from daskgen.analysis.accessor import (
     decode_many,
     decode_prompts,
-    finish_labels,
     flatten_samples,
     iter_raw_prompts,
     open_store,
 )
 from daskgen.analysis.archive import require_wandb, upload_wandb, zip_store
+from daskgen.analysis.arrow import arrow_block, json_records
 from daskgen.analysis.output import check_output, output_size, staged_output
+from daskgen.analysis.verl import VERL_KEYS, tensordict_of, verl_block
 from daskgen.errors import ExportError, StoreError
 from daskgen.store.attrs import StoreAttrs
-from daskgen.store.generation_store import read_store_attrs
+from daskgen.store.generation_store import GenerationStore
 from daskgen.store.location import StoreRef, locate
 
 __all__ = [
@@ -55,16 +56,6 @@ __all__ = [
 FORMATS = ("parquet", "jsonl", "tensordict", "zip")
 #: Suffix of the default output path per format (``out.zarr`` -> ``out.parquet``, ``out.td``, ...).
 DEFAULT_SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl", "tensordict": ".td", "zip": ".zarr.zip"}
-#: Keys of the verl DataProto ``batch`` written by the tensordict export.
-VERL_KEYS = (
-    "prompts",
-    "responses",
-    "response_mask",
-    "input_ids",
-    "attention_mask",
-    "position_ids",
-    "rollout_log_probs",
-)
 _READ = (
     "prompt_ids",
     "prompt_length",
@@ -116,7 +107,7 @@ class Source:
         self.rows = self.ds.daskgen.rows("done")
         self.total = _units(self.ds, self.rows)
         self.pad = self.attrs.layout.pad_token_id
-        self.has_logprobs = bool(self.attrs.identity.get("logprobs", False))
+        self.has_logprobs = self.attrs.logprobs_recorded
         self.tokenizer = self.ds.daskgen.tokenizer(tokenizer) if text else None
         source = self.ds.daskgen.input_path(prompts) if raw or prompts else None
         self.raw = None if source is None else iter_raw_prompts(source, self.rows)  # consumed block by block
@@ -149,56 +140,6 @@ def _units(ds: Any, rows: np.ndarray) -> int:
 
 
 # -- Parquet and JSONL --------------------------------------------------------------------------
-def _ragged(values: np.ndarray, lengths: np.ndarray) -> Any:
-    """A pyarrow list array of ``values[i, :lengths[i]]``."""
-    import pyarrow as pa
-
-    valid = np.arange(values.shape[1])[None, :] < lengths[:, None]
-    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values[valid]))
-
-
-def arrow_block(block: dict[str, np.ndarray], has_logprobs: bool) -> Any:
-    """A pyarrow table: ids, lengths, ``finish_reason`` label, token lists, optional text and raw prompt."""
-    import pyarrow as pa
-
-    plen, rlen = block["prompt_length"], block["response_length"]
-    columns = _arrow_index_columns(block)
-    columns |= {
-        "finish_reason": pa.array(finish_labels(block["finish_reason"]).tolist()),
-        "num_turns": pa.array(block["num_turns"]),
-        "prompt_length": pa.array(plen),
-        "response_length": pa.array(rlen),
-        "prompt_ids": _ragged(block["prompt_ids"], plen),
-        "response_ids": _ragged(block["response_ids"], rlen),
-        "response_mask": _ragged(block["response_mask"], rlen),
-    }
-    return pa.table(columns | _arrow_optional_columns(block, has_logprobs))
-
-
-def _arrow_index_columns(block: dict[str, np.ndarray]) -> dict[str, Any]:
-    """The columns naming each row: ``prompt_index``, ``prompt_id``, ``sample`` and ``trajectory`` if any."""
-    import pyarrow as pa
-
-    columns = {"prompt_index": pa.array(block["prompt_index"]), "prompt_id": pa.array(block["prompt_id"].tolist())}
-    for name in ("sample", "trajectory") if "trajectory" in block else ("sample",):
-        columns[name] = pa.array(block[name].astype(np.int32))
-    return columns
-
-
-def _arrow_optional_columns(block: dict[str, np.ndarray], has_logprobs: bool) -> dict[str, Any]:
-    """The columns a block may lack: ``logprobs`` (when recorded), decoded text and the raw prompt."""
-    import pyarrow as pa
-
-    columns = {}
-    if has_logprobs:
-        columns["logprobs"] = _ragged(block["logprobs"], block["response_length"])
-    for name in ("prompt_text", "response_text", "raw_prompt"):
-        if name in block:
-            columns[name] = pa.array(block[name].tolist(), type=pa.string())
-    return columns
-
-
 def _write_parquet(src: Source, path: Path) -> int:
     import pyarrow.parquet as pq
 
@@ -219,9 +160,7 @@ def _write_jsonl(src: Source, path: Path) -> int:
     rows = 0
     with path.open("w", encoding="utf-8") as fh:
         for block in src.blocks():
-            for record in arrow_block(block, src.has_logprobs).to_pylist():
-                if "logprobs" in record:
-                    record["logprobs"] = [None if v != v else v for v in record["logprobs"]]
+            for record in json_records(arrow_block(block, src.has_logprobs)):
                 if "raw_prompt" in record:
                     record["raw_prompt"] = json.loads(record["raw_prompt"])
                 fh.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -230,65 +169,6 @@ def _write_jsonl(src: Source, path: Path) -> int:
 
 
 # -- TensorDict (verl DataProto layout) ---------------------------------------------------------
-def verl_block(
-    block: dict[str, np.ndarray], prompt_width: int, response_width: int, pad: int, has_logprobs: bool
-) -> dict[str, np.ndarray]:
-    """verl batch fields of one block: left-padded ``prompts``, right-padded ``responses``, masks, positions.
-
-    ``attention_mask`` is 1 on prompt tokens and on every response token (model or tool), 0 on
-    padding; ``response_mask`` is 1 only on model-generated tokens; ``position_ids`` count attended
-    tokens from 0.  Token fields are int64 as in verl; ``rollout_log_probs`` is float32, 0 where unset.
-    """
-    prompts, prompt_attn = _left_padded_prompts(block, prompt_width, pad)
-    responses, response_attn = _right_padded_responses(block, response_width, pad)
-    return {
-        "prompts": prompts.astype(np.int64),
-        "responses": responses.astype(np.int64),
-        "response_mask": (block["response_mask"][:, :response_width] * response_attn).astype(np.int64),
-        "input_ids": np.concatenate([prompts, responses], axis=1).astype(np.int64),
-        **_attention_fields(prompt_attn, response_attn),
-        **_verl_extras(block, response_attn, has_logprobs),
-    }
-
-
-def _attention_fields(prompt_attn: np.ndarray, response_attn: np.ndarray) -> dict[str, np.ndarray]:
-    """``attention_mask`` over prompt and response columns, and ``position_ids`` counting attended tokens."""
-    attention = np.concatenate([prompt_attn, response_attn], axis=1).astype(np.int64)
-    return {"attention_mask": attention, "position_ids": np.clip(np.cumsum(attention, axis=1) - 1, 0, None)}
-
-
-def _verl_extras(block: dict[str, np.ndarray], response_attn: np.ndarray, has_logprobs: bool) -> dict[str, np.ndarray]:
-    """``rollout_log_probs`` (when recorded; 0 outside the response) and the per-row metadata fields, as verl types."""
-    extras = {}
-    if has_logprobs:
-        logprobs = block["logprobs"][:, : response_attn.shape[1]].astype(np.float32)
-        extras["rollout_log_probs"] = np.where(response_attn & np.isfinite(logprobs), logprobs, 0.0).astype(np.float32)
-    for name in _VERL_META:
-        if name in block:
-            extras[name] = block[name].astype(np.int64)
-    return extras
-
-
-#: Per-row integer fields copied as they are into the verl batch (when the block has them).
-_VERL_META = ("prompt_index", "sample", "trajectory", "num_turns", "finish_reason", "prompt_length", "response_length")
-
-
-def _left_padded_prompts(block: dict[str, np.ndarray], width: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
-    """Prompt ids moved to the right end of ``width`` columns (``pad`` before them) and their attention mask."""
-    plen = block["prompt_length"].astype(np.int64)
-    shift = np.arange(width)[None, :] - (width - plen)[:, None]
-    attn = shift >= 0
-    src = block["prompt_ids"][:, :width]
-    return np.where(attn, np.take_along_axis(src, np.clip(shift, 0, None), axis=1), pad), attn
-
-
-def _right_padded_responses(block: dict[str, np.ndarray], width: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
-    """Response ids in the first ``width`` columns (``pad`` after them) and their attention mask."""
-    rlen = block["response_length"].astype(np.int64)
-    attn = np.arange(width)[None, :] < rlen[:, None]
-    return np.where(attn, block["response_ids"][:, :width], pad), attn
-
-
 _NON_TENSOR = ("prompt_id", "raw_prompt", "prompt_text", "response_text")
 
 
@@ -302,15 +182,9 @@ def _widths(src: Source) -> tuple[int, int]:
 
 def _tensor_blocks(src: Source) -> Iterator[tuple[Any, dict[str, list[Any]]]]:
     """(TensorDict of tensor fields, lists of non-tensor fields) per block."""
-    import torch
-    from tensordict import TensorDict
-
     width = _widths(src)
     for block in src.blocks():
-        fields = verl_block(block, *width, src.pad, src.has_logprobs)
-        tensors = TensorDict(
-            {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in fields.items()}, batch_size=[len(block["sample"])]
-        )
+        tensors = tensordict_of(verl_block(block, *width, src.pad, src.has_logprobs), len(block["sample"]))
         yield tensors, {k: [str(v) for v in block[k]] for k in _NON_TENSOR if k in block}
 
 
@@ -426,13 +300,13 @@ def _checked_request(path: StoreRef, fmt: str, wandb_project: str | None) -> Sto
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}.")
     if wandb_project and fmt != "zip":
         raise ExportError("--wandb-project uploads the whole store as a zip; use it with --format zip.")
-    attrs = read_store_attrs(path)
-    if attrs is None:
+    store = GenerationStore.open_if_exists(path)
+    if store is None:
         raise StoreError(
             f"{str(locate(path))!r} is not a daskgen store (no zarr.json with daskgen attrs); "
             "pass the --store path of a daskgen run."
         )
-    return attrs
+    return store.attrs
 
 
 def _write(path: StoreRef, tmp: Path, fmt: str, **options: Any) -> int:

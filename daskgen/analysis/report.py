@@ -24,7 +24,7 @@ import numpy as np
 from daskgen.analysis.report_engines import ENGINE_PANELS, draw_balance, draw_engine_throughput, latest_record
 from daskgen.errors import ExportError, StoreError
 from daskgen.store.attrs import StoreAttrs
-from daskgen.store.generation_store import read_store_attrs
+from daskgen.store.generation_store import GenerationStore
 
 __all__ = ["PANELS", "ReportData", "collect", "write_report"]
 
@@ -319,7 +319,7 @@ def write_report(path: str | Path, out: str | Path, *, overwrite: bool = False) 
     kind = out.suffix.lower()
     if kind not in (".html", ".htm", ".png"):
         raise ExportError(f"report output {str(out)!r} must end in .html or .png")
-    if read_store_attrs(path) is None:
+    if GenerationStore.open_if_exists(path) is None:
         raise StoreError(f"{str(path)!r} is not a daskgen store; pass the --store path of a daskgen run.")
     check_output(out, overwrite=overwrite, protect=path)
     _pyplot()

@@ -37,9 +37,7 @@ def status_report(path: StoreRef) -> str:
 def _cursor_lines(store: GenerationStore, status: np.ndarray) -> list[str]:
     """One line per consumer cursor kept in the store (``daskgen follow``): what it acknowledged and how many
     finished prompts were committed after its position."""
-    from daskgen.stream.cursor import stored_cursors
-
-    cursors = stored_cursors(store.location)
+    cursors = store.cursors()
     if not cursors:
         return []
     seq = store.read_region(0, len(status), ("commit_seq",))["commit_seq"] if store.has_array("commit_seq") else None

@@ -18,8 +18,8 @@ What is known about lengths before generating, in the order partitions are dispa
 Once partitions run, each worker admits more of them while its engine's batch has room
 (:mod:`daskgen.worker.admission`), so a partition kept alive by one long sample does not idle the engine.
 
-The *tail share* of a run — the fraction of its generating time spent committing the last 10 % of
-its prompts — says how much the tail cost; it is printed and kept in the run history.
+The *tail share* of a run (:mod:`daskgen.tail`) — the fraction of its generating time spent committing
+the last 10 % of its prompts — says how much the tail cost; it is printed and kept in the run history.
 """
 
 from __future__ import annotations
@@ -30,9 +30,6 @@ from typing import Any
 import numpy as np
 
 from daskgen.errors import ConfigError
-
-#: The tail is the last this fraction of a run's committed prompts.
-TAIL_FRACTION = 0.10
 
 
 def dispatch_order(starts: Iterable[int], first: Iterable[int]) -> tuple[list[int], list[int]]:
@@ -108,16 +105,3 @@ def still_partial(previous: Iterable[int], new: Iterable[int], pending_starts: I
     """Partitions to record: earlier and new ones with partial responses that still have pending rows."""
     pending = set(pending_starts)
     return sorted((set(previous) | set(new)) & pending)
-
-
-def tail_share(committed_at: np.ndarray, since: float) -> float | None:
-    """Fraction of the time since ``since`` (Unix time) spent committing the last 10 % of the prompts
-    committed after it; ``None`` with fewer than 10 such prompts."""
-    times = np.sort(committed_at[np.isfinite(committed_at) & (committed_at >= since)])
-    if len(times) < 10:
-        return None
-    end = times[-1]
-    if end <= since:
-        return 0.0
-    cut = times[int(np.floor((1 - TAIL_FRACTION) * (len(times) - 1)))]
-    return float((end - cut) / (end - since))

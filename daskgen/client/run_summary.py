@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from daskgen.client.dispatch import tail_share
 from daskgen.store.layout import DONE, FAILED, PENDING
+from daskgen.tail import tail_share
 
 if TYPE_CHECKING:
     from daskgen.client.live import LiveRun

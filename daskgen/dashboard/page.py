@@ -13,6 +13,7 @@ from __future__ import annotations
 import html
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from daskgen.dashboard.metrics import FINISH_NAMES
@@ -21,6 +22,8 @@ from daskgen.dashboard.state import RATE_WINDOW_S
 #: Colours by finish reason (as in ``daskgen report``) and of the two throughputs.
 COLORS = {"stop": "#2e7d32", "length": "#ef6c00", "abort": "#757575", "error": "#c62828"}
 ENGINE_COLOR, COMMITTED_COLOR, GAP_COLOR = "#1565c0", "#2e7d32", "#ef6c00"
+#: What the page shows, from the scheduler: the plugin's current snapshot, ``None`` without the plugin.
+SnapshotSource = Callable[[Any], "dict[str, Any] | None"]
 #: Milliseconds between updates of an open page.
 UPDATE_MS = 1000
 
@@ -38,11 +41,12 @@ vertical-align:middle}.dg-meter span{display:block;height:9px;background:#1565c0
 </style>"""
 
 
-def document(scheduler: Any, extra: dict[str, Any], doc: Any) -> None:
-    """Build the page for one browser session (the signature of Dask's dashboard applications)."""
+def document(snapshot_of: SnapshotSource, scheduler: Any, extra: dict[str, Any], doc: Any) -> None:
+    """Build the page for one browser session (after ``snapshot_of``, the signature of Dask's dashboard
+    applications: the plugin serves ``functools.partial(document, snapshot_of)``)."""
     from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 
-    page = Page(scheduler)
+    page = Page(scheduler, snapshot_of)
     doc.title = "Dask: daskgen"
     doc.add_root(page.root)
     doc.add_periodic_callback(page.update, UPDATE_MS)
@@ -55,12 +59,12 @@ def document(scheduler: Any, extra: dict[str, Any], doc: Any) -> None:
 class Page:
     """The page's Bokeh models and how a snapshot updates them."""
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, snapshot_of: SnapshotSource) -> None:
         from bokeh.layouts import column, row
         from bokeh.models import ColumnDataSource
         from bokeh.models.widgets import Div
 
-        self.scheduler = scheduler
+        self.scheduler, self.snapshot_of = scheduler, snapshot_of
         self.header = Div(sizing_mode="stretch_width")
         self.errors = Div(sizing_mode="stretch_width")
         self.table = Div(sizing_mode="stretch_width")
@@ -78,13 +82,10 @@ class Page:
 
     def update(self) -> None:
         """Redraw from the plugin's current snapshot."""
-        from daskgen.dashboard.plugin import dashboard_of
-
-        plugin = dashboard_of(self.scheduler)
-        if plugin is None:
+        snap = self.snapshot_of(self.scheduler)
+        if snap is None:
             self.header.text = "<p>daskgen's dashboard plugin is not installed on this scheduler.</p>"
             return
-        snap = plugin.state.snapshot()
         self.header.text = _STYLE + header_html(snap)
         rates = snap["throughput"]
         self.rates.data = {**rates, "time": [t * 1000 for t in rates["time"]]}  # datetime axes take ms

@@ -14,6 +14,7 @@ adds it at start, and ``dask scheduler --preload daskgen.dashboard`` adds it to 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -67,6 +68,12 @@ def dashboard_of(scheduler: Any) -> DashboardPlugin | None:
     return plugin if isinstance(plugin, DashboardPlugin) else None
 
 
+def current_snapshot(scheduler: Any) -> dict[str, Any] | None:
+    """What the page shows now (:meth:`DashboardState.snapshot` of the scheduler's plugin), ``None`` without it."""
+    plugin = dashboard_of(scheduler)
+    return None if plugin is None else plugin.state.snapshot()
+
+
 def page_served(dask_scheduler: Any) -> bool:
     """Run on the scheduler: true when its dashboard serves the daskgen page."""
     plugin = dashboard_of(dask_scheduler)
@@ -109,7 +116,12 @@ def serve_page(scheduler: Any) -> Any:
     variables = template_variables(scheduler)  # Dask's own (memoized per scheduler, shared with its pages)
     if PAGE not in variables["pages"]:
         variables["pages"].append(PAGE)  # so the navigation bar of every dashboard page links to it
-    app = BokehApplication({f"/{PAGE}": document}, scheduler, prefix=prefix, template_variables=variables)
+    app = BokehApplication(
+        {f"/{PAGE}": functools.partial(document, current_snapshot)},
+        scheduler,
+        prefix=prefix,
+        template_variables=variables,
+    )
     server.add_handlers(r".*", [(rf"{prefix}/{PAGE}/state\.json", StateHandler, {"dask_server": scheduler})])
     server.add_application(app)
     app.initialize(IOLoop.current())

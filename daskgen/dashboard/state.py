@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from daskgen.dashboard.metrics import FINISH_NAMES, RUN_TOPIC, WORKER_TOPIC
+from daskgen.tail import series_tail_share
 
 #: Seconds over which the page's rates are measured.
 RATE_WINDOW_S = 10.0
@@ -41,8 +42,6 @@ LENGTH_BINS = 40
 RECENT_ERRORS = 12
 #: A worker that sent nothing for this many seconds is shown as silent.
 SILENT_AFTER_S = 15.0
-#: The share of prompts whose time is the tail share (as ``daskgen.client.dispatch.tail_share``).
-TAIL_FRACTION = 0.1
 
 
 @dataclass
@@ -201,7 +200,8 @@ class DashboardState:
         out["gap_tokens"] = int(max(0.0, cols[1][-1] - cols[2][-1])) if len(cols[0]) else 0  # as of the last point
         out["state"] = run.get("state", "waiting for a run")
         out["eta_s"] = _eta(cols, out["pending"], run.get("state"))
-        out["tail_share"] = _tail_share(cols, run.get("started"))
+        started = run.get("started")
+        out["tail_share"] = None if started is None else series_tail_share(cols[0], cols[3], started)
         out["elapsed_s"] = (run["time"] - run["started"]) if run.get("started") else None
         return out
 
@@ -290,14 +290,3 @@ def _eta(cols: np.ndarray, pending: int, state: str | None) -> float | None:
         return 0.0 if state == "finished" or (len(t) and not pending) else None
     rate = _rate(t, prompts, ETA_WINDOW_S)[-1]
     return pending / rate if rate > 0 else None
-
-
-def _tail_share(cols: np.ndarray, started: float | None) -> float | None:
-    """The share of the generating time so far spent committing the latest 10 % of this run's prompts."""
-    t, _, _, prompts = cols
-    if started is None or not len(t) or prompts[-1] < 10:
-        return None
-    n = prompts[-1]
-    end = t[np.argmax(prompts >= n)]  # the commit that reached the latest count
-    cut = t[np.argmax(prompts > math.floor((1 - TAIL_FRACTION) * (n - 1)))]
-    return float((end - cut) / (end - started)) if end > started else 0.0

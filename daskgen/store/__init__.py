@@ -1,4 +1,4 @@
-"""The Zarr store: its layout, typed attrs, the store object, where it lives, its lock, packing.
+"""The Zarr store: its layout, typed attrs, the store object, where it lives, its lock, cursors, packing.
 
 :class:`GenerationStore` is the one object through which a run reads and writes a store; its layout
 (:class:`Layout`) and attrs (:class:`StoreAttrs`) are defined once, in :mod:`daskgen.store.layout` and

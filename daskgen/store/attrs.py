@@ -89,6 +89,11 @@ class StoreAttrs:
         doc["layout"] = dataclasses.asdict(self.layout)
         return jsonable({**self.extra, **doc})
 
+    @property
+    def logprobs_recorded(self) -> bool:
+        """True when the run recorded per-token log-probabilities (the ``logprobs`` setting)."""
+        return bool(self.identity.get("logprobs", False))
+
     def identity_sections(self) -> dict[str, dict[str, Any]]:
         """The sections a resume must match, by name."""
         return {"identity": self.identity, "input": self.input, "tokenizer": self.tokenizer}

@@ -5,7 +5,7 @@ Each client commit gives the rows whose status it changes the next commit sequen
 ``daskgen.commits`` (JSON: ``seq``, ``time``) in one atomic write.  A reader that reads the head first
 and the arrays after it sees every row of every commit up to the head's ``seq`` complete, whatever
 commits come later (:mod:`daskgen.stream` delivers in this order).  Per-cursor consumer positions
-live under :data:`CURSORS_PREFIX` (see :mod:`daskgen.stream.cursor`).
+live under :data:`CURSORS_PREFIX` (:mod:`daskgen.store.cursors`).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from daskgen.errors import StoreError, StoreMismatchError, StoreWriteError
 from daskgen.store.attrs import ATTRS_KEY, StoreAttrs, jsonable, utc_now
 from daskgen.store.codecs import chunks_checksummed, compressors
 from daskgen.store.commit_log import write_head
+from daskgen.store.cursors import CursorState, stored_cursors
 from daskgen.store.layout import (
     COORDS,
     DATA_ARRAYS,
@@ -36,9 +37,20 @@ from daskgen.store.layout import (
     Layout,
 )
 from daskgen.store.location import StoreLocation, StoreRef, describe_failure, locate, write_failures
+from daskgen.store.lock import LOCK_NAME
 
 #: The client-written arrays of the commit record, in the order a commit writes them (``status`` last).
 COMMIT_ARRAYS = ("committed_at", "error", "commit_seq", "status")
+#: What a failed write leaves and how to go on.
+WRITE_ADVICE = (
+    "Finished work is saved (each chunk is replaced atomically); free disk space, fix permissions (or the object "
+    "store's credentials or connection), then rerun the same command to resume."
+)
+#: What a failed read leaves and how to go on.
+READ_ADVICE = (
+    "Nothing was lost: check the disk, or the object store's connection and credentials, then rerun the same "
+    "command to resume."
+)
 
 
 def import_zarr() -> Any:
@@ -162,6 +174,33 @@ class GenerationStore:
         with self.read_errors(f"reading rows {start}..{stop - 1} of {', '.join(names)}"):
             return {name: np.asarray(self.array(name)[start:stop]) for name in names}
 
+    def array_names(self) -> list[str]:
+        """Names of every array the store holds (its layout's, as far as it has them, and any other)."""
+        group = import_zarr().open_group(self.location.zarr_store(read_only=True), mode="r")
+        return sorted(group.array_keys())
+
+    def dataset(self) -> Any:
+        """The store as a lazy ``xarray.Dataset`` (one dask chunk per shard of a packed store: each shard file is
+        read once)."""
+        import xarray as xr
+
+        rows = (self.attrs.packed or {}).get("read_rows")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return xr.open_zarr(self.location.zarr_store(read_only=True), chunks={"prompt": rows} if rows else {})
+
+    def object_keys(self) -> list[str]:
+        """Every object of the store (Zarr metadata and chunks, the commit log, cursors) but its lock, sorted."""
+        return sorted(key for key, _ in self.location.files() if key.rsplit("/", 1)[-1] != LOCK_NAME)
+
+    def read_object(self, key: str) -> bytes | None:
+        """The object ``key`` of :meth:`object_keys` as it is now (``None``: deleted meanwhile)."""
+        return self.location.read_bytes(key)
+
+    def cursors(self) -> list[tuple[str, CursorState]]:
+        """The followers' cursors kept inside the store, by name (:mod:`daskgen.store.cursors`)."""
+        return stored_cursors(self.location)
+
     def refresh_attrs(self) -> StoreAttrs:
         """Re-read the attrs (another process, e.g. a running client, may have changed them)."""
         found = read_store_attrs(self.location)
@@ -218,28 +257,20 @@ class GenerationStore:
             return False
         return True
 
-    @contextlib.contextmanager
-    def write_errors(self, what: str) -> Iterator[None]:
+    def write_errors(self, what: str) -> contextlib.AbstractContextManager[None]:
         """Turn OS and object-storage write failures into :class:`StoreWriteError` naming the store and the fix."""
-        try:
-            yield
-        except write_failures() as exc:
-            raise StoreWriteError(
-                f"{what} of store {self.url!r} failed: {describe_failure(exc)}. Finished work is saved (each "
-                "chunk is replaced atomically); free disk space, fix permissions (or the object store's "
-                "credentials or connection), then rerun the same command to resume."
-            ) from exc
+        return self._failures_as(StoreWriteError, what, WRITE_ADVICE)
+
+    def read_errors(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Turn OS and object-storage read failures (after the client's own retries) into :class:`StoreError`."""
+        return self._failures_as(StoreError, what, READ_ADVICE)
 
     @contextlib.contextmanager
-    def read_errors(self, what: str) -> Iterator[None]:
-        """Turn OS and object-storage read failures (after the client's own retries) into :class:`StoreError`."""
+    def _failures_as(self, error: type[StoreError], what: str, advice: str) -> Iterator[None]:
         try:
             yield
         except write_failures() as exc:
-            raise StoreError(
-                f"{what} of store {self.url!r} failed: {describe_failure(exc)}. Nothing was lost: check the disk, "
-                "or the object store's connection and credentials, then rerun the same command to resume."
-            ) from exc
+            raise error(f"{what} of store {self.url!r} failed: {describe_failure(exc)}. {advice}") from exc
 
     def update_attrs(self, **updates: Any) -> None:
         """Set fields of the attrs (client only, under the lock) and re-consolidate the metadata."""

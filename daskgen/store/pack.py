@@ -22,6 +22,10 @@ How it stays safe:
   e.g. after a run on the source in between), and a swap interrupted between its renames is finished;
 * the store's lock (:mod:`daskgen.store.lock`) is held throughout: no run can write the store meanwhile.
 
+The source is read through its :class:`~daskgen.store.generation_store.GenerationStore` (pickled to the
+copy tasks); the copy is written as a plain Zarr group, file by file, since it is no daskgen store until
+its attrs are written.
+
 A packed store that still has pending or failed rows cannot be resumed as it is (partitions
 share shards): runs refuse it and name the fix, ``daskgen unpack STORE`` (see
 :meth:`daskgen.store.generation_store.GenerationStore.check_resumable`).
@@ -29,6 +33,7 @@ share shards): runs refuse it and name the fix, ``daskgen unpack STORE`` (see
 
 from __future__ import annotations
 
+import copy
 import logging
 import shutil
 import time
@@ -38,10 +43,11 @@ from typing import Any
 import numpy as np
 
 from daskgen.errors import PackError
-from daskgen.store.attrs import ATTRS_KEY, StoreAttrs, utc_now
+from daskgen.store.attrs import ATTRS_KEY, utc_now
 from daskgen.store.codecs import with_checksum
 from daskgen.store.commit_log import LOG_KEYS
-from daskgen.store.generation_store import import_zarr, read_store_attrs
+from daskgen.store.cursors import Cursor, stored_cursors
+from daskgen.store.generation_store import GenerationStore, import_zarr
 from daskgen.store.layout import client_written_arrays
 from daskgen.store.location import LocalLocation, StoreLocation, StoreRef, locate
 from daskgen.store.lock import LOCK_NAME, StoreLock
@@ -89,7 +95,7 @@ def shard_rows(chunk_rows: int, row_bytes: int, n_rows: int, *, coarse: bool) ->
 
 
 def copy_block(
-    src: StoreLocation, dst: StoreLocation, name: str, start: int, stop: int, copied_before: bool = False
+    src: GenerationStore, dst: StoreLocation, name: str, start: int, stop: int, copied_before: bool = False
 ) -> int:
     """Copy rows ``[start, stop)`` (whole shards of the target) of array ``name``, then verify them.
 
@@ -97,9 +103,8 @@ def copy_block(
     from the source now (a run may have changed the source in between).  Runs on a Dask worker;
     returns the bytes written (uncompressed).
     """
-    zarr = import_zarr()
-    values = np.asarray(zarr.open_array(src.zarr_store(read_only=True), path=name, mode="r")[start:stop])
-    target = zarr.open_array(dst.zarr_store(), path=name, mode="r+")
+    values = src.read_region(start, stop, (name,))[name]
+    target = import_zarr().open_array(dst.zarr_store(), path=name, mode="r+")
     if copied_before and _same(values, target[start:stop]):
         return 0
     target[start:stop] = values
@@ -121,12 +126,10 @@ def _same(a: np.ndarray, b: Any) -> bool:
     return a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
 
 
-def _array_plans(src: StoreLocation, packing: bool) -> dict[str, dict[str, Any]]:
+def _array_plans(src: GenerationStore, packing: bool) -> dict[str, dict[str, Any]]:
     """name -> create_array arguments of the target (same values, sharded or not)."""
-    zarr = import_zarr()
-    group = zarr.open_group(src.zarr_store(read_only=True), mode="r")
     client_written = client_written_arrays()
-    return {name: _array_plan(arr, packing, coarse=name in client_written) for name, arr in group.arrays()}
+    return {name: _array_plan(src.array(name), packing, coarse=name in client_written) for name in src.array_names()}
 
 
 def _array_plan(arr: Any, packing: bool, coarse: bool) -> dict[str, Any]:
@@ -177,8 +180,8 @@ def _resume_target(src: StoreLocation, dst: StoreLocation, plans: dict[str, dict
     Raises :class:`PackError` when the target is something else.
     """
     progress = _read_progress(dst)
-    finished = read_store_attrs(dst) if progress is None and dst == src.sibling(WORK_SUFFIX) else None
-    if finished is not None and bool(finished.packed) == (mode == "pack"):
+    finished = GenerationStore.open_if_exists(dst) if progress is None and dst == src.sibling(WORK_SUFFIX) else None
+    if finished is not None and bool(finished.attrs.packed) == (mode == "pack"):
         logger.info("%s is a finished %s of %s that was not swapped in: re-checking it", dst.url, mode, src.url)
         return {f"{name}/{start}" for name, start, _ in _tasks(plans)}  # every block re-checked, then swap
     if not progress or progress.get("source") != src.url or progress.get("mode") != mode:
@@ -206,7 +209,7 @@ def _record(dst: StoreLocation, done: set[str], src: StoreLocation, mode: str) -
 
 
 def _copy_all(
-    client: Any, src: StoreLocation, dst: StoreLocation, tasks: list[tuple[str, int, int]], done: set[str], mode: str
+    client: Any, src: GenerationStore, dst: StoreLocation, tasks: list[tuple[str, int, int]], done: set[str], mode: str
 ) -> None:
     from distributed import as_completed
 
@@ -222,15 +225,13 @@ def _copy_all(
         name, start, _ = futures.pop(future)
         done.add(f"{name}/{start}")
         if time.monotonic() - last > 2.0 or not futures:
-            _record(dst, done, src, mode)
+            _record(dst, done, src.location, mode)
             last = time.monotonic()
 
 
-def _finish(
-    src: StoreLocation, dst: StoreLocation, plans: dict[str, dict[str, Any]], mode: str, attrs: StoreAttrs
-) -> None:
+def _finish(src: GenerationStore, dst: StoreLocation, plans: dict[str, dict[str, Any]], mode: str) -> None:
     """Check the copy as a whole, then make it a daskgen store (its attrs are written last)."""
-    zarr = import_zarr()
+    zarr, attrs = import_zarr(), copy.copy(src.attrs)  # the source keeps its own
     group = zarr.open_group(dst.zarr_store(), mode="r+")
     _check_copy(src, dst, group, plans, mode)
     if mode == "pack":
@@ -238,7 +239,7 @@ def _finish(
         attrs.packed = {"shard_rows": shards, "read_rows": min(shards.values()), "packed": utc_now()}
     else:
         attrs.packed = None
-    _copy_log_objects(src, dst)
+    _copy_log_objects(src.location, dst)
     group.attrs.update({ATTRS_KEY: attrs.to_json()})
     if PROGRESS_KEY in group.attrs:
         del group.attrs[PROGRESS_KEY]
@@ -255,14 +256,13 @@ def _copy_log_objects(src: StoreLocation, dst: StoreLocation) -> None:
 
 
 def _check_copy(
-    src: StoreLocation, dst: StoreLocation, group: Any, plans: dict[str, dict[str, Any]], mode: str
+    src: GenerationStore, dst: StoreLocation, group: Any, plans: dict[str, dict[str, Any]], mode: str
 ) -> None:
     """Raise :class:`PackError` unless every target array has its planned shape and the checkpoints agree."""
     for name, p in plans.items():
         if group[name].shape != p["shape"]:
             raise PackError(f"array {name!r} of {dst.url!r} has shape {group[name].shape}, expected {p['shape']}")
-    source_status = import_zarr().open_array(src.zarr_store(read_only=True), path="status", mode="r")[:]
-    if not np.array_equal(np.asarray(source_status), np.asarray(group["status"][:])):
+    if not np.array_equal(src.read_status(), np.asarray(group["status"][:])):
         raise PackError(f"the checkpoint of {dst.url!r} differs from {src.url!r}; rerun the {mode}.")
 
 
@@ -279,8 +279,6 @@ def _swap(src: LocalLocation, work: LocalLocation) -> None:
 def _keep_newer_cursors(old: StoreLocation, new: StoreLocation) -> None:
     """Carry over the cursors a follower acknowledged in the old store after they were copied (the ack
     landed there between the copy and the swap): a cursor further on in commit order replaces the copy's."""
-    from daskgen.stream.cursor import Cursor, stored_cursors
-
     for name, state in stored_cursors(old):
         if state.position > Cursor(new, name).load().position:
             Cursor(new, name).save(state)
@@ -291,7 +289,7 @@ def _finish_interrupted_swap(src: StoreLocation) -> bool:
     if not isinstance(src, LocalLocation) or src.path.exists():
         return False
     work, old = src.sibling(WORK_SUFFIX), src.sibling(OLD_SUFFIX)
-    if old.path.is_dir() and read_store_attrs(work) is not None:
+    if old.path.is_dir() and GenerationStore.open_if_exists(work) is not None:
         _swap(src, work)
         return True
     return False
@@ -321,10 +319,10 @@ def pack(
     if _finish_interrupted_swap(src):
         files, size = _size(src)
         return PackResult(src.url, mode, files, size, files, size, time.perf_counter() - t0)
-    attrs = read_store_attrs(src)
-    if attrs is None:
+    source = GenerationStore.open_if_exists(src)
+    if source is None:
         raise PackError(f"{src.url!r} is not a daskgen store; pass the --store path of a daskgen run.")
-    if bool(attrs.packed) != unpack:
+    if bool(source.attrs.packed) != unpack:
         state = "already packed" if not unpack else "not packed"
         raise PackError(f"{src.url!r} is {state}; nothing to {mode}.")
     if out is None and not src.is_local:
@@ -335,11 +333,11 @@ def pack(
     dst = src.sibling(WORK_SUFFIX) if out is None else locate(out, storage_options)
     files_before, bytes_before = _size(src)
     with StoreLock(src):
-        plans = _array_plans(src, packing=not unpack)
+        plans = _array_plans(source, packing=not unpack)
         done = _prepare_target(src, dst, plans, mode)
         with _client(scheduler_address, n_workers) as client:
-            _copy_all(client, src, dst, _tasks(plans), done, mode)
-        _finish(src, dst, plans, mode, attrs)
+            _copy_all(client, source, dst, _tasks(plans), done, mode)
+        _finish(source, dst, plans, mode)
         if out is None:
             _swap(src, dst)  # type: ignore[arg-type]
     final = src if out is None else dst

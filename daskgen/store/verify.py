@@ -136,7 +136,7 @@ def missing_chunks(store: GenerationStore, done: np.ndarray) -> list[Problem]:
     stores; a packed store's chunks live inside shard files and are checked by reading them)."""
     if store.attrs.packed:
         return []
-    present = {key for key, _ in store.location.files()}
+    present = set(store.object_keys())
     size, problems = store.layout.partition_size, []
     for start in range(0, store.layout.n_prompts, size):
         if not done[start : start + size].any():

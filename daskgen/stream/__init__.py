@@ -2,7 +2,7 @@
 
 * :mod:`~daskgen.stream.batches`: the :class:`Follower` iterator and its :class:`Batch` es;
 * :mod:`~daskgen.stream.log`: reading the store's commit log (order, completeness);
-* :mod:`~daskgen.stream.cursor`: durable, atomic per-name consumer positions;
+* :mod:`~daskgen.store.cursors`: durable, atomic per-name consumer positions (kept with the store);
 * :mod:`~daskgen.stream.formats`: xarray, TensorDict, verl ``DataProto`` and rows;
 * :mod:`~daskgen.stream.events`: waking on a run's commit events on the same Dask cluster.
 
@@ -48,7 +48,7 @@ def follow(store: StoreRef, **options: Any) -> Follower:
 LAZY = {
     "Batch": "daskgen.stream.batches",
     "Follower": "daskgen.stream.batches",
-    "Position": "daskgen.stream.cursor",
+    "Position": "daskgen.store.cursors",
     "FORMATS": "daskgen.stream.formats",
 }
 

@@ -3,7 +3,7 @@
 :class:`Follower` iterates :class:`Batch` objects.  A batch holds up to ``batch_prompts`` done prompt
 groups (all samples of a prompt together) committed after the previous batch, plus the failed prompts
 committed in between (reported with their errors, never dropped).  Acknowledging a batch
-(:meth:`Batch.ack`, or the next iteration with ``auto_ack``) saves the cursor (:mod:`daskgen.stream.cursor`):
+(:meth:`Batch.ack`, or the next iteration with ``auto_ack``) saves the cursor (:mod:`daskgen.store.cursors`):
 a follower started again with the same cursor name resumes after the last acknowledged batch, so after
 an ack nothing is delivered twice and nothing is skipped (order and completeness: :mod:`daskgen.stream.log`).
 A batch that was delivered but not acknowledged is delivered again, with the same :attr:`Batch.number`.
@@ -23,10 +23,10 @@ import numpy as np
 from daskgen import tunables
 from daskgen.errors import FollowTimeout, StoreError
 from daskgen.store.commit_log import read_head
+from daskgen.store.cursors import Cursor, CursorState, Position
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import DONE, FAILED
 from daskgen.store.location import StoreRef, locate
-from daskgen.stream.cursor import Cursor, CursorState, Position
 from daskgen.stream.events import CommitEvents
 from daskgen.stream.formats import PromptIds, build, fields_to_read, read_rows, to_dataset
 from daskgen.stream.log import Snapshot, read_snapshot, writer_live

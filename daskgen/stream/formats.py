@@ -2,7 +2,7 @@
 
 :func:`read_rows` reads only the delivered rows (contiguous runs of rows as slices, so each data chunk
 is read once per batch); :func:`build` shapes them.  The tensor formats use the field layout of
-``daskgen export --format tensordict`` (:func:`daskgen.analysis.export.verl_block`): left-padded
+``daskgen export --format tensordict`` (:mod:`daskgen.analysis.verl`): left-padded
 ``prompts``, right-padded ``responses``, ``response_mask``, ``input_ids``, ``attention_mask``,
 ``position_ids``, ``rollout_log_probs`` (when recorded), one row per generated (prompt, sample), padded
 to the store's widths (``max_prompt_tokens``, ``max_new_tokens``): every batch has the same shape, so
@@ -31,8 +31,6 @@ TOKEN_FIELDS = (
     "finish_reason",
     "num_turns",
 )
-#: Per-sample integer fields of the verl batch that go into ``DataProto.non_tensor_batch``.
-_META = ("prompt_index", "sample", "trajectory", "num_turns", "finish_reason", "prompt_length", "response_length")
 
 
 def fields_to_read(store: GenerationStore, fmt: str, fields: tuple[str, ...] | None) -> tuple[str, ...]:
@@ -46,12 +44,8 @@ def fields_to_read(store: GenerationStore, fmt: str, fields: tuple[str, ...] | N
         raise FollowError(f"unknown field(s) {unknown} of store {store.url!r}; its data arrays are {list(available)}.")
     wanted = list(fields or (available if fmt == "xarray" else ()))
     if fmt != "xarray":
-        wanted += [*TOKEN_FIELDS, *(["logprobs"] if _has_logprobs(store) else [])]
+        wanted += [*TOKEN_FIELDS, *(["logprobs"] if store.attrs.logprobs_recorded else [])]
     return tuple(dict.fromkeys(wanted))
-
-
-def _has_logprobs(store: GenerationStore) -> bool:
-    return bool(store.attrs.identity.get("logprobs", False))
 
 
 def read_rows(store: GenerationStore, rows: np.ndarray, names: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -129,7 +123,9 @@ def build(fmt: str, store: GenerationStore, ds: Any) -> Any:
 
     block = flatten_samples(ds)
     if fmt == "rows":
-        return _rows(block, _has_logprobs(store))
+        from daskgen.analysis.arrow import arrow_block, json_records
+
+        return json_records(arrow_block(block, store.attrs.logprobs_recorded))
     tensors, extra = _verl(block, store)
     if fmt == "tensordict":
         return _tensordict(tensors, extra)
@@ -138,33 +134,21 @@ def build(fmt: str, store: GenerationStore, ds: Any) -> Any:
 
 def arrow_table(store: GenerationStore, ds: Any) -> Any:
     """A pyarrow table of a batch's dataset, one row per generated sample: the columns of ``daskgen export``."""
+    from daskgen.analysis.arrow import arrow_block
     from daskgen.analysis.decode import flatten_samples
-    from daskgen.analysis.export import arrow_block
 
-    return arrow_block(flatten_samples(ds), _has_logprobs(store))
-
-
-def _rows(block: dict[str, np.ndarray], has_logprobs: bool) -> list[dict[str, Any]]:
-    """One dict per generated sample: ids, finish-reason label, token lists cut to their lengths (NaN: None)."""
-    from daskgen.analysis.export import arrow_block
-
-    records = arrow_block(block, has_logprobs).to_pylist()
-    for record in records:
-        if "logprobs" in record:
-            record["logprobs"] = [None if v != v else v for v in record["logprobs"]]
-    return records
+    return arrow_block(flatten_samples(ds), store.attrs.logprobs_recorded)
 
 
 def _verl(block: dict[str, np.ndarray], store: GenerationStore) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """verl's batch fields and the per-sample extras (ids, metadata) of a flattened block."""
-    from daskgen.analysis.export import VERL_KEYS, verl_block
+    from daskgen.analysis.verl import VERL_KEYS, VERL_META, verl_block
 
     layout = store.layout
-    fields = verl_block(
-        block, layout.max_prompt_tokens, layout.max_new_tokens, layout.pad_token_id, _has_logprobs(store)
-    )
+    widths = (layout.max_prompt_tokens, layout.max_new_tokens)
+    fields = verl_block(block, *widths, layout.pad_token_id, store.attrs.logprobs_recorded)
     tensors = {k: v for k, v in fields.items() if k in VERL_KEYS}
-    extra = {k: fields[k] for k in _META if k in fields}
+    extra = {k: fields[k] for k in VERL_META if k in fields}  # they go into DataProto.non_tensor_batch
     ids = np.asarray(block["prompt_id"], dtype=object)
     extra |= {"prompt_id": ids, "uid": ids.copy()}  # uid: verl groups a prompt's samples by it (GRPO)
     return tensors, extra
@@ -176,18 +160,15 @@ def _tensordict(tensors: dict[str, np.ndarray], extra: dict[str, np.ndarray]) ->
     The string ids are left out (per-row strings make a ``TensorDict`` slow to build): they are
     :attr:`~daskgen.stream.batches.Batch.prompt_ids`, in the order of ``prompt_index``.
     """
-    import torch
-    from tensordict import TensorDict
+    from daskgen.analysis.verl import tensordict_of
 
     numeric = {k: v for k, v in extra.items() if v.dtype != object}
-    n = len(extra["prompt_id"])
-    return TensorDict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in (tensors | numeric).items()}, [n])
+    return tensordict_of(tensors | numeric, len(extra["prompt_id"]))
 
 
 def _dataproto(tensors: dict[str, np.ndarray], extra: dict[str, np.ndarray]) -> Any:
     """A verl ``DataProto``: the verl fields as its ``batch``, ids and metadata in ``non_tensor_batch``."""
-    import torch
-    from tensordict import TensorDict
+    from daskgen.analysis.verl import tensordict_of
 
     try:
         from verl.protocol import DataProto
@@ -196,6 +177,5 @@ def _dataproto(tensors: dict[str, np.ndarray], extra: dict[str, np.ndarray]) -> 
             f"format='dataproto' needs verl ({exc}). Install it with `pip install ray omegaconf` and "
             "`pip install --no-deps verl` (DataProto needs only those), or use format='tensordict'."
         ) from exc
-    n = len(extra["prompt_id"])
-    batch = TensorDict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()}, [n])
+    batch = tensordict_of(tensors, len(extra["prompt_id"]))
     return DataProto(batch=batch, non_tensor_batch={k: np.asarray(v) for k, v in extra.items()})

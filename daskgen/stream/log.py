@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from daskgen.store.commit_log import read_head
+from daskgen.store.cursors import Position
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import DONE, FAILED, PENDING
 from daskgen.store.lock import live_holder
-from daskgen.stream.cursor import Position
 
 
 @dataclass

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from daskgen.analysis.arrow import json_records
 from daskgen.errors import FollowError
 from daskgen.store.location import StoreRef
 from daskgen.stream.batches import Batch, Follower
@@ -78,9 +79,7 @@ def follow_to(
 
 
 def _write_jsonl(table: Any, stdout: IO[str]) -> None:
-    for record in table.to_pylist():
-        if "logprobs" in record:
-            record["logprobs"] = [None if v != v else v for v in record["logprobs"]]
+    for record in json_records(table):
         stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
     stdout.flush()
     try:

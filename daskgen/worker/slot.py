@@ -12,12 +12,23 @@ methods.
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from daskgen.agents import EngineHandle, Trajectory
+from daskgen.dashboard.metrics import WorkerMeter
 
-if TYPE_CHECKING:
-    from daskgen.worker.plugin import EnginePlugin
+
+class SlotOwner(Protocol):
+    """What a slot holds of its worker's engine plugin (:class:`daskgen.worker.plugin.EnginePlugin` is one)."""
+
+    outstanding: int
+    stopping: bool
+    handles: set[Any]
+    meter: WorkerMeter
+
+    async def get_engine(self) -> Any: ...
+
+    def live_engine(self) -> Any: ...
 
 
 class PartitionSlot:
@@ -26,12 +37,12 @@ class PartitionSlot:
     Parameters
     ----------
     plugin:
-        The worker's :class:`~daskgen.worker.plugin.EnginePlugin`.
+        The worker's :class:`~daskgen.worker.plugin.EnginePlugin` (a :class:`SlotOwner`).
     samples:
         Samples the partition will generate (counted outstanding until each finishes).
     """
 
-    def __init__(self, plugin: EnginePlugin, samples: int) -> None:
+    def __init__(self, plugin: SlotOwner, samples: int) -> None:
         self.plugin = plugin
         self.left = samples
         self.handle: EngineHandle | None = None

@@ -6,6 +6,9 @@ was delivered and acknowledged.  By default cursors live inside the store, at
 ``daskgen.cursors/<name>.json`` (written with write-temp-and-rename in a folder, one PUT on object
 storage: a reader sees the old or the new position, never a mix); ``cursor_dir`` keeps them in another
 folder or URL instead (e.g. for a store you may only read).
+
+A cursor is kept at a location, not through :class:`~daskgen.store.generation_store.GenerationStore`:
+a ``cursor_dir`` is no store, and a follower loads its cursor before a run has created the store.
 """
 
 from __future__ import annotations

@@ -1,0 +1,73 @@
+"""One row per generated sample as Arrow columns, and as JSON records.
+
+The Parquet and JSONL exports (:mod:`daskgen.analysis.export`), ``daskgen follow`` (:mod:`daskgen.stream.sinks`)
+and ``daskgen.follow(format="rows")`` (:mod:`daskgen.stream.formats`) all build their rows here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from daskgen.analysis.decode import finish_labels
+
+
+def _ragged(values: np.ndarray, lengths: np.ndarray) -> Any:
+    """A pyarrow list array of ``values[i, :lengths[i]]``."""
+    import pyarrow as pa
+
+    valid = np.arange(values.shape[1])[None, :] < lengths[:, None]
+    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values[valid]))
+
+
+def arrow_block(block: dict[str, np.ndarray], has_logprobs: bool) -> Any:
+    """A pyarrow table: ids, lengths, ``finish_reason`` label, token lists, optional text and raw prompt."""
+    import pyarrow as pa
+
+    plen, rlen = block["prompt_length"], block["response_length"]
+    columns = _arrow_index_columns(block)
+    columns |= {
+        "finish_reason": pa.array(finish_labels(block["finish_reason"]).tolist()),
+        "num_turns": pa.array(block["num_turns"]),
+        "prompt_length": pa.array(plen),
+        "response_length": pa.array(rlen),
+        "prompt_ids": _ragged(block["prompt_ids"], plen),
+        "response_ids": _ragged(block["response_ids"], rlen),
+        "response_mask": _ragged(block["response_mask"], rlen),
+    }
+    return pa.table(columns | _arrow_optional_columns(block, has_logprobs))
+
+
+def _arrow_index_columns(block: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The columns naming each row: ``prompt_index``, ``prompt_id``, ``sample`` and ``trajectory`` if any."""
+    import pyarrow as pa
+
+    columns = {"prompt_index": pa.array(block["prompt_index"]), "prompt_id": pa.array(block["prompt_id"].tolist())}
+    for name in ("sample", "trajectory") if "trajectory" in block else ("sample",):
+        columns[name] = pa.array(block[name].astype(np.int32))
+    return columns
+
+
+def _arrow_optional_columns(block: dict[str, np.ndarray], has_logprobs: bool) -> dict[str, Any]:
+    """The columns a block may lack: ``logprobs`` (when recorded), decoded text and the raw prompt."""
+    import pyarrow as pa
+
+    columns = {}
+    if has_logprobs:
+        columns["logprobs"] = _ragged(block["logprobs"], block["response_length"])
+    for name in ("prompt_text", "response_text", "raw_prompt"):
+        if name in block:
+            columns[name] = pa.array(block[name].tolist(), type=pa.string())
+    return columns
+
+
+def json_records(table: Any) -> list[dict[str, Any]]:
+    """The rows of an :func:`arrow_block` table as dicts fit for JSON: a ``logprobs`` value that is NaN (not
+    recorded for that token) becomes ``None``."""
+    records = table.to_pylist()
+    for record in records:
+        if "logprobs" in record:
+            record["logprobs"] = [None if v != v else v for v in record["logprobs"]]  # NaN != NaN
+    return records

@@ -1,0 +1,91 @@
+"""verl's DataProto field layout: the batch fields of flattened samples, and their assembly into a TensorDict.
+
+:func:`verl_block` shapes one block of flattened samples (:func:`daskgen.analysis.decode.flatten_samples`)
+into verl's batch fields; :func:`tensordict_of` builds the ``TensorDict``.  ``daskgen export --format
+tensordict`` (:mod:`daskgen.analysis.export`) and the tensor formats of ``daskgen.follow``
+(:mod:`daskgen.stream.formats`) both build their batches here.  torch and tensordict are imported only
+by :func:`tensordict_of`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+#: Keys of the verl DataProto ``batch``.
+VERL_KEYS = (
+    "prompts",
+    "responses",
+    "response_mask",
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "rollout_log_probs",
+)
+#: Per-row integer fields copied as they are into the verl fields (when the block has them).
+VERL_META = ("prompt_index", "sample", "trajectory", "num_turns", "finish_reason", "prompt_length", "response_length")
+
+
+def verl_block(
+    block: dict[str, np.ndarray], prompt_width: int, response_width: int, pad: int, has_logprobs: bool
+) -> dict[str, np.ndarray]:
+    """verl batch fields of one block: left-padded ``prompts``, right-padded ``responses``, masks, positions.
+
+    ``attention_mask`` is 1 on prompt tokens and on every response token (model or tool), 0 on
+    padding; ``response_mask`` is 1 only on model-generated tokens; ``position_ids`` count attended
+    tokens from 0.  Token fields are int64 as in verl; ``rollout_log_probs`` is float32, 0 where unset.
+    """
+    prompts, prompt_attn = _left_padded_prompts(block, prompt_width, pad)
+    responses, response_attn = _right_padded_responses(block, response_width, pad)
+    return {
+        "prompts": prompts.astype(np.int64),
+        "responses": responses.astype(np.int64),
+        "response_mask": (block["response_mask"][:, :response_width] * response_attn).astype(np.int64),
+        "input_ids": np.concatenate([prompts, responses], axis=1).astype(np.int64),
+        **_attention_fields(prompt_attn, response_attn),
+        **_verl_extras(block, response_attn, has_logprobs),
+    }
+
+
+def _attention_fields(prompt_attn: np.ndarray, response_attn: np.ndarray) -> dict[str, np.ndarray]:
+    """``attention_mask`` over prompt and response columns, and ``position_ids`` counting attended tokens."""
+    attention = np.concatenate([prompt_attn, response_attn], axis=1).astype(np.int64)
+    return {"attention_mask": attention, "position_ids": np.clip(np.cumsum(attention, axis=1) - 1, 0, None)}
+
+
+def _verl_extras(block: dict[str, np.ndarray], response_attn: np.ndarray, has_logprobs: bool) -> dict[str, np.ndarray]:
+    """``rollout_log_probs`` (when recorded; 0 outside the response) and the per-row metadata fields, as verl types."""
+    extras = {}
+    if has_logprobs:
+        logprobs = block["logprobs"][:, : response_attn.shape[1]].astype(np.float32)
+        extras["rollout_log_probs"] = np.where(response_attn & np.isfinite(logprobs), logprobs, 0.0).astype(np.float32)
+    for name in VERL_META:
+        if name in block:
+            extras[name] = block[name].astype(np.int64)
+    return extras
+
+
+def _left_padded_prompts(block: dict[str, np.ndarray], width: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt ids moved to the right end of ``width`` columns (``pad`` before them) and their attention mask."""
+    plen = block["prompt_length"].astype(np.int64)
+    shift = np.arange(width)[None, :] - (width - plen)[:, None]
+    attn = shift >= 0
+    src = block["prompt_ids"][:, :width]
+    return np.where(attn, np.take_along_axis(src, np.clip(shift, 0, None), axis=1), pad), attn
+
+
+def _right_padded_responses(block: dict[str, np.ndarray], width: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """Response ids in the first ``width`` columns (``pad`` after them) and their attention mask."""
+    rlen = block["response_length"].astype(np.int64)
+    attn = np.arange(width)[None, :] < rlen[:, None]
+    return np.where(attn, block["response_ids"][:, :width], pad), attn
+
+
+def tensordict_of(fields: dict[str, np.ndarray], rows: int) -> Any:
+    """A ``tensordict.TensorDict`` of ``rows`` rows holding each numpy field as a torch tensor (no copy where the
+    array is contiguous)."""
+    import torch
+    from tensordict import TensorDict
+
+    return TensorDict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in fields.items()}, batch_size=[rows])
