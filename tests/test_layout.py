@@ -1,0 +1,145 @@
+"""The package's structure rules, read from the source with ``ast`` (function-level imports included).
+
+- no import circle between daskgen's modules;
+- ``store/`` imports nothing that reads stores or runs a run (``stream/``, ``analysis/``, ``client/``, ``worker/``);
+- no module imports another module's private (underscore) names;
+- no module over 450 lines, in ``daskgen/`` or ``benchmarks/``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "daskgen"
+MAX_LINES = 450
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    if path.name != "__init__.py":
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def _imports(module: str, path: Path, known: dict[str, Path]) -> list[tuple[str, str | None]]:
+    """(imported daskgen module, imported name or None) for every import statement in the file."""
+    found: list[tuple[str, str | None]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None) for alias in node.names if alias.name.startswith("daskgen")]
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve(module, path, node)
+            if not source.startswith("daskgen"):
+                continue
+            for alias in node.names:
+                submodule = f"{source}.{alias.name}"
+                found.append((submodule, None) if submodule in known else (source, alias.name))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    known = _modules()
+    graph: dict[str, set[str]] = {}
+    for module, path in known.items():
+        targets = {target for target, _ in _imports(module, path, known)}
+        # a package's __init__ is where its names come from: ``from daskgen.x import y`` depends on ``daskgen.x``
+        graph[module] = {t for t in targets if t in known and t != module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _is_package_init(module: str) -> bool:
+    return (PACKAGE.parent / module.replace(".", "/") / "__init__.py").exists()
+
+
+def test_no_import_circles_between_modules() -> None:
+    graph = _graph()
+    # a package's __init__ that re-exports its own submodules is not a circle of code: leave those edges out
+    for module in graph:
+        graph[module] = {
+            t for t in graph[module] if not (_is_package_init(module) and t.startswith(module + "."))
+        }
+    assert _cycles(graph) == []
+
+
+@pytest.mark.parametrize("layer", ["stream", "analysis", "client", "worker"])
+def test_the_store_imports_nothing_from_the_layers_above_it(layer: str) -> None:
+    graph = _graph()
+    upward = {(m, t) for m, targets in graph.items() if m.startswith("daskgen.store") for t in targets}
+    assert {(m, t) for m, t in upward if t.startswith(f"daskgen.{layer}")} == set()
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    known = _modules()
+    private = sorted(
+        f"{module} imports {name} from {source}"
+        for module, path in known.items()
+        for source, name in _imports(module, path, known)
+        if name and name.startswith("_") and not name.startswith("__") and source != module
+    )
+    assert private == []
+
+
+@pytest.mark.parametrize("folder", ["daskgen", "benchmarks"])
+def test_no_module_is_over_the_size_limit(folder: str) -> None:
+    sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in (REPO / folder).rglob("*.py")}
+    assert sizes, f"no modules found under {folder}/"
+    assert {path: n for path, n in sizes.items() if n > MAX_LINES} == {}
+
+
+def test_the_cycle_finder_finds_a_circle() -> None:
+    """The check above can fail: a two-module circle and a three-module circle are both found."""
+    graph = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}, "f": {"a"}}
+    assert sorted(_cycles(graph)) == [["a", "b"], ["c", "d", "e"]]
