@@ -228,13 +228,13 @@ def test_a_cursor_acknowledged_while_pack_swaps_the_store_in_is_kept(tmp_path, m
     follower = daskgen.follow(out, batch_prompts=10, wait=False, auto_ack=False)
     next(follower).ack()
     second = next(follower)
-    swap = pack_module._swap
+    swap = pack_module.swap_in
 
     def ack_then_swap(src, work):  # labelled test hook: the ack comes after the copy, before the swap
         second.ack()
         swap(src, work)
 
-    monkeypatch.setattr(pack_module, "_swap", ack_then_swap)
+    monkeypatch.setattr(pack_module, "swap_in", ack_then_swap)
     pack_module.pack(out, n_workers=1)
     assert store.GenerationStore.open(out).attrs.packed
     assert [b.number for b in daskgen.follow(out, batch_prompts=10, wait=False)] == [2]

@@ -108,9 +108,7 @@ def test_no_import_circles_between_modules() -> None:
     graph = _graph()
     # a package's __init__ that re-exports its own submodules is not a circle of code: leave those edges out
     for module in graph:
-        graph[module] = {
-            t for t in graph[module] if not (_is_package_init(module) and t.startswith(module + "."))
-        }
+        graph[module] = {t for t in graph[module] if not (_is_package_init(module) and t.startswith(module + "."))}
     assert _cycles(graph) == []
 
 

@@ -92,8 +92,8 @@ def test_pack_in_place_same_values_fewer_files_exports_the_same(tmp_path, small_
 def test_every_copy_task_owns_whole_target_shards(tmp_path, small_shards):
     out = tmp_path / "out.zarr"
     _run(tmp_path, out)
-    plans = packing._array_plans(store.GenerationStore.open(out), packing=True)
-    for name, start, stop in packing._tasks(plans):
+    plans = packing.plan_arrays(store.GenerationStore.open(out), packing=True)
+    for name, start, stop in packing.copy_tasks(plans):
         shard = plans[name]["shards"][0]
         assert start % shard == 0 and (stop - start == shard or stop == plans[name]["shape"][0]), (name, start)
 
@@ -126,13 +126,13 @@ def test_interrupted_pack_and_interrupted_swap_resume(tmp_path, small_shards):
     before = _values(out)
     source, work = store.GenerationStore.open(out), locate(tmp_path / "out.zarr.packing")
     src = source.location
-    plans = packing._array_plans(source, packing=True)
-    tasks = packing._tasks(plans)
-    packing._prepare_target(src, work, plans, "pack")  # a pack that copied a third of its blocks, then died
+    plans = packing.plan_arrays(source, packing=True)
+    tasks = packing.copy_tasks(plans)
+    packing.prepare_target(src, work, plans, "pack")  # a pack that copied a third of its blocks, then died
     copied = [*tasks[: len(tasks) // 3], ("response_length", 0, 8)]
     for task in copied:
         packing.copy_block(source, work, *task)
-    packing._record(work, {f"{n}/{s}" for n, s, _ in copied}, src, "pack")
+    packing.record_progress(work, {f"{n}/{s}" for n, s, _ in copied}, src, "pack")
     assert store.read_store_attrs(work) is None, "an unfinished copy is not a daskgen store"
     # then the source changed (as a run would change it) in a block the interrupted pack had copied
     store.GenerationStore.open(out).write_region(0, {"response_length": before["response_length"][:4] + 1})

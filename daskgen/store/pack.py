@@ -126,7 +126,7 @@ def _same(a: np.ndarray, b: Any) -> bool:
     return a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
 
 
-def _array_plans(src: GenerationStore, packing: bool) -> dict[str, dict[str, Any]]:
+def plan_arrays(src: GenerationStore, packing: bool) -> dict[str, dict[str, Any]]:
     """name -> create_array arguments of the target (same values, sharded or not)."""
     client_written = client_written_arrays()
     return {name: _array_plan(src.array(name), packing, coarse=name in client_written) for name in src.array_names()}
@@ -154,7 +154,8 @@ def _array_plan(arr: Any, packing: bool, coarse: bool) -> dict[str, Any]:
     }
 
 
-def _tasks(plans: dict[str, dict[str, Any]]) -> list[tuple[str, int, int]]:
+def copy_tasks(plans: dict[str, dict[str, Any]]) -> list[tuple[str, int, int]]:
+    """One ``(array, start, stop)`` copy task per target shard (packing) or source block (unpacking)."""
     return [
         (name, start, min(start + p["step"], p["shape"][0]))
         for name, p in plans.items()
@@ -162,7 +163,7 @@ def _tasks(plans: dict[str, dict[str, Any]]) -> list[tuple[str, int, int]]:
     ]
 
 
-def _prepare_target(src: StoreLocation, dst: StoreLocation, plans: dict[str, dict[str, Any]], mode: str) -> set[str]:
+def prepare_target(src: StoreLocation, dst: StoreLocation, plans: dict[str, dict[str, Any]], mode: str) -> set[str]:
     """Create the target's arrays (or reopen a pack in progress); returns the blocks already copied."""
     zarr = import_zarr()
     if not dst.is_empty():
@@ -183,7 +184,7 @@ def _resume_target(src: StoreLocation, dst: StoreLocation, plans: dict[str, dict
     finished = GenerationStore.open_if_exists(dst) if progress is None and dst == src.sibling(WORK_SUFFIX) else None
     if finished is not None and bool(finished.attrs.packed) == (mode == "pack"):
         logger.info("%s is a finished %s of %s that was not swapped in: re-checking it", dst.url, mode, src.url)
-        return {f"{name}/{start}" for name, start, _ in _tasks(plans)}  # every block re-checked, then swap
+        return {f"{name}/{start}" for name, start, _ in copy_tasks(plans)}  # every block re-checked, then swap
     if not progress or progress.get("source") != src.url or progress.get("mode") != mode:
         raise PackError(
             f"the output {dst.url!r} exists and is not an interrupted {mode} of {src.url!r}; "
@@ -203,7 +204,8 @@ def _read_progress(dst: StoreLocation) -> dict[str, Any] | None:
     return (json.loads(raw).get("attributes") or {}).get(PROGRESS_KEY)
 
 
-def _record(dst: StoreLocation, done: set[str], src: StoreLocation, mode: str) -> None:
+def record_progress(dst: StoreLocation, done: set[str], src: StoreLocation, mode: str) -> None:
+    """Write the blocks copied so far into the target's attributes (a pack resumes from them)."""
     group = import_zarr().open_group(dst.zarr_store(), mode="r+")
     group.attrs[PROGRESS_KEY] = {"source": src.url, "mode": mode, "done": sorted(done)}
 
@@ -225,7 +227,7 @@ def _copy_all(
         name, start, _ = futures.pop(future)
         done.add(f"{name}/{start}")
         if time.monotonic() - last > 2.0 or not futures:
-            _record(dst, done, src.location, mode)
+            record_progress(dst, done, src.location, mode)
             last = time.monotonic()
 
 
@@ -266,7 +268,7 @@ def _check_copy(
         raise PackError(f"the checkpoint of {dst.url!r} differs from {src.url!r}; rerun the {mode}.")
 
 
-def _swap(src: LocalLocation, work: LocalLocation) -> None:
+def swap_in(src: LocalLocation, work: LocalLocation) -> None:
     """``src`` -> ``src.unpacked-old``, ``work`` -> ``src``, delete the old copy (each step resumable)."""
     old = src.sibling(OLD_SUFFIX)
     if src.path.exists():
@@ -290,7 +292,7 @@ def _finish_interrupted_swap(src: StoreLocation) -> bool:
         return False
     work, old = src.sibling(WORK_SUFFIX), src.sibling(OLD_SUFFIX)
     if old.path.is_dir() and GenerationStore.open_if_exists(work) is not None:
-        _swap(src, work)
+        swap_in(src, work)
         return True
     return False
 
@@ -333,13 +335,13 @@ def pack(
     dst = src.sibling(WORK_SUFFIX) if out is None else locate(out, storage_options)
     files_before, bytes_before = _size(src)
     with StoreLock(src):
-        plans = _array_plans(source, packing=not unpack)
-        done = _prepare_target(src, dst, plans, mode)
+        plans = plan_arrays(source, packing=not unpack)
+        done = prepare_target(src, dst, plans, mode)
         with _client(scheduler_address, n_workers) as client:
-            _copy_all(client, source, dst, _tasks(plans), done, mode)
+            _copy_all(client, source, dst, copy_tasks(plans), done, mode)
         _finish(source, dst, plans, mode)
         if out is None:
-            _swap(src, dst)  # type: ignore[arg-type]
+            swap_in(src, dst)  # type: ignore[arg-type]
     final = src if out is None else dst
     files_after, bytes_after = _size(final)
     return PackResult(final.url, mode, files_before, bytes_before, files_after, bytes_after, time.perf_counter() - t0)
