@@ -2,7 +2,7 @@
 
 - no import circle between daskgen's modules;
 - ``store/`` imports nothing that reads stores or runs a run (``stream/``, ``analysis/``, ``client/``, ``worker/``);
-- no module imports another module's private (underscore) names;
+- no module imports another module's private (underscore) names, and tests import none of daskgen's;
 - no module over 450 lines, in ``daskgen/`` or ``benchmarks/``.
 """
 
@@ -126,6 +126,19 @@ def test_no_module_imports_another_modules_private_names() -> None:
         for module, path in known.items()
         for source, name in _imports(module, path, known)
         if name and name.startswith("_") and not name.startswith("__") and source != module
+    )
+    assert private == []
+
+
+def test_tests_import_no_private_names_of_daskgen() -> None:
+    """Tests go through public seams: no ``from daskgen.x import _name`` in tests/."""
+    private = sorted(
+        f"{path.name} imports {alias.name} from {node.module}"
+        for path in (REPO / "tests").rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("daskgen")
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
     )
     assert private == []
 
