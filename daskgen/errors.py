@@ -1,4 +1,9 @@
-"""Typed errors.  Every message says what was expected, what was found and how to fix it."""
+"""Typed errors: every error daskgen raises for its users to catch, all :class:`DaskgenError`.
+
+Every message says what was expected, what was found and how to fix it.  Signals that never leave
+the engine that raises them (a closed event loop, a stopped sglang backend, a failed HTTP request)
+are defined beside that engine, which turns them into a request's error or an :class:`EngineError`.
+"""
 
 from __future__ import annotations
 
@@ -41,6 +46,10 @@ class EngineUnavailable(EngineError):
     Not the prompts' fault: a partition that fails with it is not marked failed; it waits for an engine,
     and the run stops (exit status 2, finished work kept) when no worker has one left.
     """
+
+
+class GpuPinningError(ConfigError):
+    """This worker cannot be given its own GPU (too few GPUs, or its local rank is unknown)."""
 
 
 class EngineNotFoundError(ConfigError):

@@ -105,7 +105,7 @@ def drive(client: Any, run: LiveRun, tasks: Iterator[PartitionTask], info: Any =
     record_engine(client, run.plan)
     run.generating()
     Driver(client, run, tasks, info, link).stream(n_pending)
-    run.engine_record = link.finish()
+    run.keep_engine_record(link.finish())
 
 
 class Driver:

@@ -138,3 +138,7 @@ class LiveRun:
     def generating(self) -> None:
         """Engines are ready: the generating time starts (for the tail share)."""
         self.generating_since = time.time()
+
+    def keep_engine_record(self, record: dict[str, Any] | None) -> None:
+        """The engines' record from the dashboard link (engine vs committed tokens, per-worker totals)."""
+        self.engine_record = record

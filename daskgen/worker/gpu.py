@@ -24,7 +24,7 @@ import subprocess
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
-from daskgen.errors import ConfigError
+from daskgen.errors import GpuPinningError
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +58,6 @@ ENV_PINNED_DEVICES = "DASKGEN_PINNED_CUDA_VISIBLE_DEVICES"
 
 _UNSET = "<unset>"
 _NO_DEVICE_VALUES = {"nodevfiles", "none", "void"}
-
-
-class GpuPinningError(ConfigError):
-    """This worker cannot be given its own GPU (too few GPUs, or its local rank is unknown)."""
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,7 @@ from daskgen.engines.base import (
     GenerationResult,
     error_result,
     set_result,
+    started,
 )
 from daskgen.engines.inprocess import InProcessEngine
 from daskgen.engines.transformers.args import TransformersArgs
@@ -222,7 +223,7 @@ class TransformersEngine(InProcessEngine):
             self._jobs[backend_id] = job
             self._by_request[request.request_id].add(backend_id)
             self._table.sequences[backend_id] = job.sequence
-        added = self._manager.add_request(
+        added = started(self.name, self._manager).add_request(
             list(request.prompt_ids),
             request_id=backend_id,
             max_new_tokens=request.params.max_new_tokens,
