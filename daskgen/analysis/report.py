@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from daskgen.analysis.palette import FINISH_COLORS
 from daskgen.analysis.report_engines import ENGINE_PANELS, draw_balance, draw_engine_throughput, latest_record
 from daskgen.errors import ExportError, StoreError
 from daskgen.store.attrs import StoreAttrs
@@ -37,11 +38,7 @@ PANELS = (
     "Settings",
 )
 _COLORS = {
-    "stop": "#2e7d32",
-    "length": "#ef6c00",
-    "abort": "#757575",
-    "error": "#c62828",
-    "not_generated": "#bdbdbd",
+    **FINISH_COLORS,
     "pending": "#90a4ae",
     "done": "#2e7d32",
     "failed": "#c62828",

@@ -16,11 +16,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from daskgen.analysis.palette import FINISH_COLORS
 from daskgen.dashboard.metrics import FINISH_NAMES
 from daskgen.dashboard.state import RATE_WINDOW_S
 
 #: Colours by finish reason (as in ``daskgen report``) and of the two throughputs.
-COLORS = {"stop": "#2e7d32", "length": "#ef6c00", "abort": "#757575", "error": "#c62828"}
+COLORS = FINISH_COLORS
 ENGINE_COLOR, COMMITTED_COLOR, GAP_COLOR = "#1565c0", "#2e7d32", "#ef6c00"
 #: What the page shows, from the scheduler: the plugin's current snapshot, ``None`` without the plugin.
 SnapshotSource = Callable[[Any], "dict[str, Any] | None"]
