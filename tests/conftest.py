@@ -3,9 +3,10 @@
 The lane check (``--lane-expects N``, used by ``.ci/run`` and ``.ci/sglang-lane``) fails the session
 when fewer than ``N`` tests ran, when a selected test did not run (skipped, xfailed, or never reached),
 or when anything was skipped at all: a test that cannot run in a lane is deselected by marker
-(``gpu``, ``sglang``, ``not_applicable``), which the summary lists with the reason.
+(``gpu``, ``sglang``, ``not_applicable``), which the summary lists with the reason.  Under pytest-xdist
+(``-n N``) the controller checks: the workers report what they selected and deselected.
 
-Test modules import what ``.[dev,hpc]`` installs plainly, never with ``importorskip``; a package only
+Test modules import what ``.[dev]`` installs plainly, never with ``importorskip``; a package only
 some tests need (dask-jobqueue, gguf) is imported inside the code under test, so a lane without it
 (the sglang lane's venv) still collects every module and a test that needs it fails loudly.
 """
@@ -142,6 +143,7 @@ def wait_for_jobs(spool: Path, n: int, timeout: float = 30) -> list[str]:
 NOT_APPLICABLE = "not_applicable"
 _NOT_APPLICABLE_KEY = pytest.StashKey[list]()
 _LANE_PROBLEMS_KEY = pytest.StashKey[list]()
+_XDIST_SELECTED_KEY = pytest.StashKey[list]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -170,8 +172,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.stash[_NOT_APPLICABLE_KEY] = [(i.nodeid, i.get_closest_marker(NOT_APPLICABLE).args[0]) for i in dropped]
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
+    """Under xdist: the controller learns the selected tests from the workers (each collects them all)."""
+    node.config.stash[_XDIST_SELECTED_KEY] = list(ids)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """Under xdist: the controller gathers the checks each worker deselected as not applicable."""
+    reported = getattr(node, "workeroutput", {}).get(NOT_APPLICABLE, [])
+    known = node.config.stash.setdefault(_NOT_APPLICABLE_KEY, [])
+    known.extend(tuple(entry) for entry in reported if tuple(entry) not in known)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     expected = session.config.getoption("--lane-expects")
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: the controller checks the lane
+        workeroutput[NOT_APPLICABLE] = session.config.stash.get(_NOT_APPLICABLE_KEY, [])
+        return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if (
         expected is None
@@ -181,7 +201,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     stats = reporter.stats
     ran = {r.nodeid for key in ("passed", "failed") for r in stats.get(key, []) if r.when == "call"}
-    selected = [item.nodeid for item in session.items]
+    selected = session.config.stash.get(_XDIST_SELECTED_KEY, None)
+    if selected is None:
+        selected = [item.nodeid for item in session.items]
     problems = []
     if len(ran) < expected:
         problems.append(f"{len(ran)} tests ran, this lane expects at least {expected} (--lane-expects)")
