@@ -168,8 +168,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         (dropped if marker else keep).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-        items[:] = keep
         config.stash[_NOT_APPLICABLE_KEY] = [(i.nodeid, i.get_closest_marker(NOT_APPLICABLE).args[0]) for i in dropped]
+    # modules marked slow as a whole go first (order otherwise kept): under `-n 2 --dist loadscope` the
+    # longest modules then start early instead of ending the lane on one process while the other idles
+    items[:] = sorted(keep, key=lambda item: not _module_is_slow(item))
+
+
+def _module_is_slow(item: pytest.Item) -> bool:
+    marks = getattr(getattr(item, "module", None), "pytestmark", [])
+    return any(mark.name == "slow" for mark in (marks if isinstance(marks, list) else [marks]))
 
 
 @pytest.hookimpl(optionalhook=True)
