@@ -102,7 +102,7 @@ def _response_padding(region: dict[str, np.ndarray], rules: RowRules) -> dict[in
     found.update(_rows(~inside & (mask != 0), "response_mask set after response_length"))
     found.update(_rows(inside & (mask > 1), "response_mask not 0 or 1"))
     if rules.model_tokens_only:
-        found.update(_rows(inside & (mask != 1), "response_mask 0 inside a single-turn response"))
+        found.update(_rows(inside & (mask == 0), "response_mask 0 inside a single-turn response"))
     if "logprobs" in region:
         found.update(_rows(~inside & ~np.isnan(region["logprobs"]), "logprobs after response_length"))
     return found
