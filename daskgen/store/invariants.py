@@ -25,11 +25,13 @@ KNOWN_FINISH = (NOT_GENERATED, 0, 1, 2, 3)
 
 @dataclass(frozen=True)
 class RowRules:
-    """What the store's attrs say about its rows: the layout, the vocabulary size, whether masks are all 1."""
+    """What the store's attrs say about its rows: the layout, the vocabulary size, whether masks are all 1,
+    whether the run recorded log-probabilities."""
 
     layout: Layout
     vocab_size: int | None
     model_tokens_only: bool
+    logprobs: bool = False
 
 
 def broken_rows(region: dict[str, np.ndarray], done: np.ndarray, rules: RowRules) -> dict[int, str]:
@@ -51,7 +53,7 @@ def _rows(bad: np.ndarray, why: str) -> dict[int, str]:
     return {int(r): why for r in np.flatnonzero(_per_row(bad))}
 
 
-def _expected_samples(region: dict[str, np.ndarray], rules: RowRules) -> np.ndarray:
+def expected_samples(region: dict[str, np.ndarray], rules: RowRules) -> np.ndarray:
     """Per sample (and trajectory): whether it must have been generated."""
     reasons = region["finish_reason"]
     want = np.ones(reasons.shape, dtype=bool)
@@ -67,7 +69,7 @@ def _expected_samples(region: dict[str, np.ndarray], rules: RowRules) -> np.ndar
 def _finish_reasons(region: dict[str, np.ndarray], rules: RowRules) -> dict[int, str]:
     reasons = region["finish_reason"]
     unknown = _rows(~np.isin(reasons, KNOWN_FINISH), "a finish_reason code that is not one of -1, 0, 1, 2, 3")
-    missing = _rows((reasons == NOT_GENERATED) & _expected_samples(region, rules), "a sample without finish_reason")
+    missing = _rows((reasons == NOT_GENERATED) & expected_samples(region, rules), "a sample without finish_reason")
     return {**missing, **unknown}
 
 
@@ -100,7 +102,7 @@ def _response_padding(region: dict[str, np.ndarray], rules: RowRules) -> dict[in
     found.update(_rows(~inside & (mask != 0), "response_mask set after response_length"))
     found.update(_rows(inside & (mask > 1), "response_mask not 0 or 1"))
     if rules.model_tokens_only:
-        found.update(_rows(inside & (mask != 1), "response_mask 0 inside a single-turn response"))
+        found.update(_rows(inside & (mask == 0), "response_mask 0 inside a single-turn response"))
     if "logprobs" in region:
         found.update(_rows(~inside & ~np.isnan(region["logprobs"]), "logprobs after response_length"))
     return found

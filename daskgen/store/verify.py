@@ -2,10 +2,11 @@
 
 Every chunk of every array is read (in parallel: tasks on a Dask cluster when given, else local
 threads), so a chunk whose checksum fails or that does not decode is found; the rows of finished
-(``done``) partitions are checked against :mod:`daskgen.store.invariants`; the data chunks that every
-finished partition must have written are checked to exist.  The result names the affected rows (index
-and ``id``), arrays and chunk keys; :func:`daskgen.store.repair.repair` resets exactly the affected
-partitions to pending.
+(``done``) partitions are checked against :mod:`daskgen.store.invariants`; the data chunks that each
+finished partition must have written, derived per array from its rows (:mod:`daskgen.store.expected_chunks`),
+are checked to exist (a chunk that is not there reads back as fill values without an error).  The result
+names the affected rows (index and ``id``), arrays and chunk keys; :func:`daskgen.store.repair.repair`
+resets exactly the affected partitions to pending.
 """
 
 from __future__ import annotations
@@ -17,13 +18,11 @@ from typing import Any
 
 import numpy as np
 
+from daskgen.store.expected_chunks import ExpectedChunk, PartitionRows, expected_chunks
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.invariants import RowRules, broken_rows
 from daskgen.store.layout import DONE
 from daskgen.store.location import StoreRef
-
-#: Arrays every finished partition writes with values other than their fill (so their chunks exist).
-ALWAYS_WRITTEN = ("prompt_ids", "prompt_length", "finish_reason")
 
 
 @dataclass(frozen=True)
@@ -84,7 +83,7 @@ def row_rules(store: GenerationStore) -> RowRules:
     """
     vocab = None if store.attrs.simulated else store.attrs.tokenizer.get("vocab_size")
     agent = store.attrs.config.get("agent") or "single_turn"
-    return RowRules(store.layout, int(vocab) if vocab else None, agent == "single_turn")
+    return RowRules(store.layout, int(vocab) if vocab else None, agent == "single_turn", store.attrs.logprobs_recorded)
 
 
 def read_chunk(store: GenerationStore, name: str, start: int, stop: int) -> tuple[np.ndarray | None, Problem | None]:
@@ -99,13 +98,24 @@ def read_chunk(store: GenerationStore, name: str, start: int, stop: int) -> tupl
 def check_coarse_chunk(
     store: GenerationStore, name: str, start: int, stop: int
 ) -> tuple[np.ndarray | None, Problem | None]:
-    """Read one chunk of a client-written array; its values are handed back only for ``status`` (the mask)."""
+    """Read one chunk of a client-written array; its values are handed back only for ``status`` and ``error``."""
     values, problem = read_chunk(store, name, start, stop)
-    return (values if name == "status" else None), problem
+    return (values if name in ("status", "error") else None), problem
 
 
-def check_partition(store: GenerationStore, start: int, done: np.ndarray, rules: RowRules) -> list[Problem]:
-    """Read each of one partition's data arrays once; check the invariants of its ``done`` rows."""
+@dataclass(frozen=True)
+class PartitionCheck:
+    """What reading one partition found: its problems, and the chunks it must have written."""
+
+    problems: list[Problem]
+    expected: list[ExpectedChunk]
+
+
+def check_partition(
+    store: GenerationStore, start: int, done: np.ndarray, noted: np.ndarray, rules: RowRules
+) -> PartitionCheck:
+    """Read each of one partition's data arrays once; check the invariants of its ``done`` rows and derive the
+    chunks they must have written (``noted``: rows whose ``error`` holds a note)."""
     stop = min(start + store.layout.partition_size, store.layout.n_prompts)
     region: dict[str, np.ndarray] = {}
     problems: list[Problem] = []
@@ -116,39 +126,33 @@ def check_partition(store: GenerationStore, start: int, done: np.ndarray, rules:
         if problem is not None:
             problems.append(problem)
     if problems or not done.any():
-        return problems
+        return PartitionCheck(problems, [])
     broken = broken_rows(region, done, rules)
-    return [
+    problems = [
         Problem("invariant", "rows", chunk_key(store, "finish_reason", start), start + r, start + r + 1, why)
         for r, why in sorted(broken.items())
     ]
+    chunks = {name: tuple(store.array(name).chunks) for name in region}
+    return PartitionCheck(problems, expected_chunks(PartitionRows(region, done, noted, rules), start, chunks))
 
 
-def chunk_key(store: GenerationStore, name: str, start: int) -> str:
-    """The key (path in the store) of the chunk of ``name`` that holds row ``start``."""
+def chunk_key(store: GenerationStore, name: str, start: int, index: tuple[int, ...] | None = None) -> str:
+    """The key (path in the store) of the chunk of ``name`` at grid ``index`` (default: the first chunk of
+    the row ``start``)."""
     arr = store.array(name)
-    index = (start // arr.chunks[0], *([0] * (len(arr.shape) - 1)))
+    index = index or (start // arr.chunks[0], *([0] * (len(arr.shape) - 1)))
     return f"{name}/{arr.metadata.encode_chunk_key(index)}"
 
 
-def missing_chunks(store: GenerationStore, done: np.ndarray) -> list[Problem]:
-    """Data chunks that finished partitions must have written but that are not in the store (unpacked
-    stores; a packed store's chunks live inside shard files and are checked by reading them)."""
-    if store.attrs.packed:
+def missing_chunks(store: GenerationStore, expected: list[ExpectedChunk]) -> list[Problem]:
+    """The ``expected`` chunks that are not in the store (unpacked stores; a packed store's chunks live inside
+    shard files and are checked by reading them)."""
+    if store.attrs.packed or not expected:
         return []
     present = set(store.object_keys())
-    size, problems = store.layout.partition_size, []
-    for start in range(0, store.layout.n_prompts, size):
-        if not done[start : start + size].any():
-            continue
-        for name in ALWAYS_WRITTEN:
-            key = chunk_key(store, name, start)
-            if key not in present:
-                stop = min(start + size, store.layout.n_prompts)
-                problems.append(
-                    Problem("missing chunk", name, key, start, stop, "a finished partition's chunk is gone")
-                )
-    return problems
+    gone = "a finished partition's chunk is gone (its rows hold values other than the fill value)"
+    found = [(chunk_key(store, e.array, e.start, e.index), e) for e in expected]
+    return [Problem("missing chunk", e.array, key, e.start, e.stop, gone) for key, e in found if key not in present]
 
 
 def verify(
@@ -173,28 +177,32 @@ def verify(
     """
     store = GenerationStore.open(where, storage_options)
     report = VerifyReport(store.url, store.checksummed)
-    status = _coarse_problems(store, report, scheduler_address, progress)
+    status, noted = _coarse_problems(store, report, scheduler_address, progress)
     done = status == DONE
     report.done_rows = int(done.sum())
     rules, size = row_rules(store), store.layout.partition_size
-    starts = list(range(0, store.layout.n_prompts, size))
-    jobs = [(check_partition, (store, s, done[s : s + size], rules)) for s in starts]
+    starts = list(store.layout.partitions())
+    jobs = [(check_partition, (store, s, done[s : s + size], noted[s : s + size], rules)) for s in starts]
+    expected: list[ExpectedChunk] = []
     for found in _run(jobs, scheduler_address, progress, "partitions"):
-        report.problems += found
+        report.problems += found.problems
+        expected += found.expected
     report.chunks += len(starts) * len(store.layout.data_arrays())
-    report.problems += missing_chunks(store, done)
+    report.problems += missing_chunks(store, expected)
     report.ids = _ids(store, report.rows())
     return report
 
 
-def _coarse_problems(store: GenerationStore, report: VerifyReport, address: str | None, progress: bool) -> np.ndarray:
-    """Check the coarse-chunked arrays (commit record, coordinates); the status mask they read, with the rows
-    of an unreadable ``status`` chunk treated as not done."""
+def _coarse_problems(
+    store: GenerationStore, report: VerifyReport, address: str | None, progress: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Check the coarse-chunked arrays (commit record, coordinates); the status mask they read (the rows of an
+    unreadable ``status`` chunk treated as not done) and which rows' ``error`` holds a note."""
     n, coarse = store.layout.n_prompts, store.commit_chunk_rows
     specs = store.layout.array_specs()
     names = [name for name, spec in specs.items() if not spec.worker_written and store.has_array(name)]
     jobs = [(check_coarse_chunk, (store, name, s, min(s + coarse, n))) for name in names for s in range(0, n, coarse)]
-    status = np.zeros(n, dtype="int8")
+    status, noted = np.zeros(n, dtype="int8"), np.zeros(n, dtype=bool)
     for (_, (_, name, s, stop)), (values, problem) in zip(
         jobs, _run(jobs, address, progress, "commit record"), strict=True
     ):
@@ -202,8 +210,10 @@ def _coarse_problems(store: GenerationStore, report: VerifyReport, address: str 
             report.problems.append(problem)
         elif name == "status":
             status[s:stop] = values
+        elif name == "error":
+            noted[s:stop] = values != ""
     report.chunks += len(jobs)
-    return status
+    return status, noted
 
 
 def _run(jobs: list[tuple[Callable[..., Any], tuple]], address: str | None, progress: bool, what: str) -> list[Any]:

@@ -1,0 +1,125 @@
+"""``daskgen verify`` finds a deleted chunk of every worker-written array in a finished partition.
+
+The arrays come from the layouts (:data:`daskgen.store.layout.WORKER_ARRAYS`), so an array added to the
+layout is covered here without a change: the arrays of a plain layout and of a verifier's are checked on a
+store written by a real run (simulated engine, ``--logprobs``, a verifier); the trajectory axis's on a store
+written through the store API.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from daskgen import store
+from daskgen.store.expected_chunks import UNDERIVABLE
+from daskgen.store.layout import WORKER_ARRAYS, empty_region
+from daskgen.store.verify import verify
+from tests.conftest import run_cli, simulated_run, write_prompts
+
+pytestmark = pytest.mark.timeout(300)
+
+#: 12 prompts in 3 partitions of 4, logprobs recorded, every response scored.
+RUN = [*simulated_run(), "--logprobs", "--verifier", "tests.verifiers:even_first_token"]
+#: The partition whose chunks are deleted.
+ROWS = list(range(4, 8))
+
+
+def _run(prompts, out):
+    res = run_cli("run", "--prompts", prompts, "--store", out, *RUN)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.fixture(scope="module")
+def run_store(tmp_path_factory):
+    """A finished store of a real run, and its prompts (copied per test)."""
+    base = tmp_path_factory.mktemp("run")
+    prompts = write_prompts(base / "p.jsonl", 12)
+    _run(prompts, base / "out.zarr")
+    return base
+
+
+@pytest.fixture(scope="module")
+def trajectory_store(tmp_path_factory):
+    """A finished store with a trajectory axis (two per sample; the second used by sample 0 only)."""
+    out = tmp_path_factory.mktemp("traj") / "out.zarr"
+    layout = store.Layout(12, 2, 6, 5, 4, 0, n_trajectories=2)
+    made = store.GenerationStore.create(out, store.StoreAttrs(layout), [f"q{i}" for i in range(12)])
+    region = empty_region(layout, 12)
+    region["prompt_ids"][:, :3], region["prompt_length"][:] = [5, 6, 7], 3
+    region["num_trajectories"][:] = [2, 1]
+    for t in (0, 1):
+        region["response_ids"][:, : 2 - t, t, :2] = [8, 9]
+        region["response_length"][:, : 2 - t, t] = 2
+        region["response_mask"][:, : 2 - t, t, :2] = 1
+        region["finish_reason"][:, : 2 - t, t] = 0
+        region["num_turns"][:, : 2 - t, t] = 1
+    made.write_region(0, region)
+    made.commit(0, np.full(12, store.DONE, dtype="int8"), [""] * 12)
+    return out
+
+
+def _store_for(name, run_store, trajectory_store, tmp_path):
+    """A copy of the store whose layout has ``name``, and its prompts file (None for the trajectory store)."""
+    run_layout = store.GenerationStore.open(run_store / "out.zarr").layout
+    if name in run_layout.data_arrays():
+        shutil.copytree(run_store, tmp_path, dirs_exist_ok=True)
+        return tmp_path / "out.zarr", tmp_path / "p.jsonl"
+    shutil.copytree(trajectory_store, tmp_path / "out.zarr")
+    return tmp_path / "out.zarr", None
+
+
+def _chunk_file(out, name):
+    """The key and file of ``name``'s (first) chunk of the partition holding :data:`ROWS`."""
+    arr = store.GenerationStore.open(out).array(name)
+    key = f"{name}/{arr.metadata.encode_chunk_key((ROWS[0] // arr.chunks[0],) + (0,) * (arr.ndim - 1))}"
+    return key, out / key
+
+
+def test_the_stores_are_sound_and_cover_every_worker_array(run_store, trajectory_store):
+    names = set()
+    for out in (run_store / "out.zarr", trajectory_store):
+        report = verify(out, progress=False)
+        assert report.sound, report.lines()
+        names |= set(store.GenerationStore.open(out).layout.data_arrays())
+    assert names == set(WORKER_ARRAYS)
+
+
+@pytest.mark.parametrize("name", WORKER_ARRAYS)
+def test_a_deleted_chunk_of_every_array_is_named(name, run_store, trajectory_store, tmp_path):
+    out, _ = _store_for(name, run_store, trajectory_store, tmp_path)
+    key, path = _chunk_file(out, name)
+    if name in UNDERIVABLE:  # all fill values in a run that was never interrupted: no chunk to lose
+        assert not path.exists() and verify(out, progress=False).sound
+        return
+    assert path.is_file(), key
+    path.unlink()
+    report = verify(out, progress=False)
+    missing = [(p.array, p.chunk, p.start, p.stop) for p in report.problems if p.kind == "missing chunk"]
+    assert missing == [(name, key, ROWS[0], ROWS[-1] + 1)], report.lines()
+    assert report.rows() == ROWS, report.lines()
+    assert {p.array for p in report.problems} <= {name, "rows"}, report.lines()
+    line = f"missing chunk: {name} chunk {key}, rows 4..7 (id 'q4', 'q5', 'q6', ...)"
+    assert any(text.startswith(line) for text in report.lines()), report.lines()
+
+
+def test_a_deleted_logprobs_chunk_is_repaired_and_regenerated(run_store, tmp_path):
+    out, prompts = _store_for("logprobs", run_store, None, tmp_path)
+    before = store.GenerationStore.open(out)
+    values = before.read_region(0, 12, before.layout.data_arrays())
+    key, path = _chunk_file(out, "logprobs")
+    path.unlink()
+    res = run_cli("verify", out, "--no-progress")
+    assert res.returncode == 1 and f"missing chunk: logprobs chunk {key}, rows 4..7" in res.stdout, res.stdout
+    res = run_cli("verify", out, "--repair", "--no-progress")
+    assert res.returncode == 1 and "repaired: 1 partition(s)" in res.stdout, res.stdout
+    status = store.GenerationStore.open(out).read_status()
+    assert (status[4:8] == store.PENDING).all() and (np.delete(status, ROWS) == store.DONE).all()
+    _run(prompts, out)
+    after = store.GenerationStore.open(out)
+    assert path.is_file() and (after.read_status() == store.DONE).all()
+    for name, regenerated in after.read_region(0, 12, after.layout.data_arrays()).items():
+        np.testing.assert_array_equal(regenerated, values[name], err_msg=name)  # seeded: the same again
+    assert verify(out, progress=False).sound
