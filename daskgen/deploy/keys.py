@@ -116,6 +116,10 @@ def value_type(annotation: Any) -> Any:
     return annotation
 
 
+#: Keys read per class, once (a class's signature and docstring do not change while it runs).
+_KEYS: dict[type, dict[str, ClusterKey]] = {}
+
+
 def class_keys(cls: type) -> dict[str, ClusterKey]:
     """The ``cluster:`` keys a deployment class takes: its keyword-only ``__init__`` parameters.
 
@@ -123,6 +127,13 @@ def class_keys(cls: type) -> dict[str, ClusterKey]:
     ``__init__`` along the method resolution order follow.  A parameter missing from its class's
     ``Parameters`` docstring section is a programming error (``TypeError``).
     """
+    if cls not in _KEYS:
+        _KEYS[cls] = _read_class_keys(cls)
+    return _KEYS[cls]
+
+
+def _read_class_keys(cls: type) -> dict[str, ClusterKey]:
+    """:func:`class_keys`, read from the class."""
     keys: dict[str, ClusterKey] = {}
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")

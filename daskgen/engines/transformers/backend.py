@@ -8,7 +8,6 @@ dropped.  Heavy imports (torch, transformers) happen inside functions only.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,7 +22,6 @@ if TYPE_CHECKING:
 
 __all__ = ["LoadedBackend", "free_device_memory", "load_backend"]
 
-logger = logging.getLogger(__name__)
 
 #: Defaults that keep a CPU worker's memory small; on a GPU, ``None`` lets transformers size from free memory.
 _CPU_DEFAULTS = {"max_batch_tokens": 512, "max_requests_per_batch": 64, "kv_cache_tokens": 16384}
