@@ -16,7 +16,7 @@ import pytest
 from daskgen import store
 from daskgen.store.expected_chunks import UNDERIVABLE
 from daskgen.store.layout import WORKER_ARRAYS, empty_region
-from daskgen.store.verify import verify
+from daskgen.store.verify import chunk_key, verify
 from tests.conftest import run_cli, simulated_run, write_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -73,8 +73,7 @@ def _store_for(name, run_store, trajectory_store, tmp_path):
 
 def _chunk_file(out, name):
     """The key and file of ``name``'s (first) chunk of the partition holding :data:`ROWS`."""
-    arr = store.GenerationStore.open(out).array(name)
-    key = f"{name}/{arr.metadata.encode_chunk_key((ROWS[0] // arr.chunks[0],) + (0,) * (arr.ndim - 1))}"
+    key = chunk_key(store.GenerationStore.open(out), name, ROWS[0])
     return key, out / key
 
 

@@ -21,7 +21,6 @@ from daskgen.dashboard.metrics import FINISH_NAMES
 from daskgen.dashboard.state import RATE_WINDOW_S
 
 #: Colours by finish reason (as in ``daskgen report``) and of the two throughputs.
-COLORS = FINISH_COLORS
 ENGINE_COLOR, COMMITTED_COLOR, GAP_COLOR = "#1565c0", "#2e7d32", "#ef6c00"
 #: What the page shows, from the scheduler: the plugin's current snapshot, ``None`` without the plugin.
 SnapshotSource = Callable[[Any], "dict[str, Any] | None"]
@@ -265,7 +264,7 @@ def _length_figure(source: Any) -> Any:
             bottom=below,
             top=stack(*FINISH_NAMES[: i + 1]),
             source=source,
-            color=COLORS[reason],
+            color=FINISH_COLORS[reason],
             line_color="white",
             legend_label=reason,
         )

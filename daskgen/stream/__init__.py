@@ -41,7 +41,7 @@ def follow(store: StoreRef, **options: Any) -> Follower:
     """
     from daskgen.stream.batches import Follower
 
-    return Follower(store, FollowOptions(**options))
+    return Follower(store, **options)
 
 
 #: Names imported on first use, so that reading the options (``daskgen --help``) loads no store code.

@@ -92,7 +92,6 @@ class Follower:
 
     def __init__(self, store: StoreRef, options: FollowOptions | None = None, **given: Any) -> None:
         options = replace(options, **given) if options else FollowOptions(**given)
-        self.options = options
         self.location = locate(store, options.storage_options)
         self.batch_prompts, self.format = options.batch_prompts, options.format
         self.fields = tuple(options.fields) if options.fields else None
