@@ -165,7 +165,9 @@ def test_slurm_job_retires_before_walltime_and_is_replaced(tmp_path):
                 deadline = time.monotonic() + 200
                 while len(jobs) < 2 and time.monotonic() < deadline:
                     time.sleep(1)
-                    jobs.update(j for j in client.run(job_id).values() if j)
+                    # a worker retiring while the broadcast reaches it answers with a closed comm: skip it
+                    answers = client.run(job_id, on_error="return").values()
+                    jobs.update(j for j in answers if isinstance(j, str))
                 assert len(jobs) >= 2, f"no replacement job after the first retired: {jobs}"
                 client.wait_for_workers(2, timeout=60)
         finally:
