@@ -1,8 +1,9 @@
 """A headless Chromium for tests that look at a page as a person would (Debian's ``chromium`` and
-``chromium-driver``, driven by selenium), and where its screenshots go.
+``chromium-driver``, driven by selenium): the numbers and the Bokeh data sources it shows, its console
+errors, and where its screenshots go.
 
-Screenshots are test artifacts: they go to ``$DASKGEN_TEST_ARTIFACTS`` (created if needed) or, when
-that is not set, to the test's temporary folder.
+Screenshots are kept as test artifacts: in ``$DASKGEN_TEST_ARTIFACTS`` or, when that is not set, in
+``artifacts/dashboard/`` of the repository (created if needed, ignored by git).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 #: Environment variable naming the folder that keeps screenshots.
 ARTIFACTS_ENV = "DASKGEN_TEST_ARTIFACTS"
+#: Where screenshots go without it.
+DEFAULT_ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "dashboard"
 
 #: Reads every element with a ``data-daskgen`` attribute, also inside Bokeh's shadow roots.
 _READ_VALUES = """
@@ -29,10 +32,23 @@ walk(document);
 return out;
 """
 
+#: The ``data`` of the Bokeh document's ColumnDataSources named in ``arguments[0]`` (columns as plain arrays).
+_READ_SOURCES = """
+const doc = Bokeh.documents[0], out = {};
+if (doc === undefined) return out;
+for (const name of arguments[0]) {
+  const source = doc.get_model_by_name(name);
+  if (source === null) continue;
+  out[name] = {};
+  for (const [column, values] of Object.entries(source.data)) out[name][column] = Array.from(values);
+}
+return out;
+"""
 
-def artifacts_dir(tmp_path: Path) -> Path:
-    """Where screenshots go: ``$DASKGEN_TEST_ARTIFACTS`` or ``tmp_path``."""
-    folder = Path(os.environ.get(ARTIFACTS_ENV) or tmp_path)
+
+def artifacts_dir() -> Path:
+    """Where screenshots are kept: ``$DASKGEN_TEST_ARTIFACTS`` or :data:`DEFAULT_ARTIFACTS`."""
+    folder = Path(os.environ.get(ARTIFACTS_ENV) or DEFAULT_ARTIFACTS)
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
@@ -49,6 +65,7 @@ def chromium(width: int = 1600, height: int = 1250) -> Iterator[Any]:
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
         options.add_argument(arg)
     options.add_argument(f"--window-size={width},{height}")
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console, for severe_console_errors
     service = Service(executable_path=shutil.which("chromedriver") or "/usr/bin/chromedriver")
     driver = webdriver.Chrome(options=options, service=service)
     try:
@@ -77,3 +94,45 @@ def wait_until_shown(driver: Any, check: Callable[[dict[str, str]], bool], timeo
 def number(text: str) -> float:
     """A displayed number (``"1,234"`` -> 1234.0)."""
     return float(text.replace(",", "").rstrip("%"))
+
+
+def bokeh_sources(driver: Any, *names: str) -> dict[str, dict[str, list[Any]]]:
+    """The columns of the page's Bokeh data sources called ``names``, as the browser holds them (a name the
+    document does not have yet is left out)."""
+    return driver.execute_script(_READ_SOURCES, list(names))
+
+
+def wait_for_sources(
+    driver: Any, names: tuple[str, ...], check: Callable[[dict[str, dict[str, list[Any]]]], bool], timeout: float = 60.0
+) -> dict[str, dict[str, list[Any]]]:
+    """Poll :func:`bokeh_sources` until every one of ``names`` is there and ``check`` accepts them; the sources."""
+    deadline = time.monotonic() + timeout
+    sources: dict[str, dict[str, list[Any]]] = {}
+    while time.monotonic() < deadline:
+        sources = bokeh_sources(driver, *names)
+        if len(sources) == len(names) and check(sources):
+            return sources
+        time.sleep(0.3)
+    raise AssertionError(f"the page's data sources never matched within {timeout} s; they hold {sources}")
+
+
+def severe_console_errors(driver: Any) -> list[str]:
+    """Messages the page logged to the browser console at level SEVERE since the last call (errors,
+    uncaught exceptions, failed loads)."""
+    return [entry["message"] for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+
+
+def screenshot(driver: Any, path: Path) -> set[tuple[int, int, int]]:
+    """Save the page as a PNG at ``path`` and return the colours it holds (read back from the file)."""
+    from PIL import Image
+
+    assert driver.save_screenshot(str(path)), f"no screenshot written to {path}"
+    with Image.open(path) as image:
+        colours = image.convert("RGB").getcolors(maxcolors=1 << 24) or []
+    return {rgb for _, rgb in colours}
+
+
+def rgb(hex_colour: str) -> tuple[int, int, int]:
+    """``"#1565c0"`` -> ``(21, 101, 192)``."""
+    value = hex_colour.lstrip("#")
+    return int(value[0:2], 16), int(value[2:4], 16), int(value[4:6], 16)

@@ -1,15 +1,17 @@
 """daskgen's page on the Dask dashboard: the aggregation, the plugin on real clusters, the page in a real browser.
 
-The browser tests open the page in headless Chromium (Debian's ``chromium`` + ``chromium-driver``,
-driven by selenium) while a real run streams on a real cluster, read the numbers the page displays,
-compare them with the store and save screenshots (``$DASKGEN_TEST_ARTIFACTS``, default the test's
-temporary folder; see ``tests/browser.py``).
+The browser tests open the page in one headless Chromium (Debian's ``chromium`` + ``chromium-driver``,
+driven by selenium) while a real run streams on a real cluster, read the numbers the page displays and
+the data sources its figures draw (through the page's Bokeh document), compare them with the store,
+fail on severe console errors and keep screenshots (``$DASKGEN_TEST_ARTIFACTS``, default
+``artifacts/dashboard/``; see ``tests/browser.py``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -20,17 +22,33 @@ from pathlib import Path
 import dask
 import numpy as np
 import pytest
-from distributed import LocalCluster
+from distributed import Client, LocalCluster
 
-from daskgen.analysis.accessor import open_store
+from daskgen.analysis.palette import FINISH_COLORS
 from daskgen.dashboard import PLUGIN_NAME, DashboardPlugin, page_link
-from daskgen.dashboard.metrics import RUN_TOPIC, WORKER_TOPIC
-from daskgen.dashboard.state import DashboardState, load_ratio
-from tests.browser import artifacts_dir, chromium, number, wait_until_shown
+from daskgen.dashboard.metrics import FINISH_NAMES, RUN_TOPIC, WORKER_TOPIC
+from daskgen.dashboard.page import ENGINE_COLOR, LENGTHS_SOURCE, THROUGHPUT_SOURCE, WORKERS_SOURCE
+from daskgen.dashboard.state import DashboardState, bin_lengths, load_ratio
+from daskgen.engines.base import FinishReason
+from daskgen.store.generation_store import GenerationStore
+from daskgen.store.layout import DONE
+from daskgen.testing.probes import read_events
+from tests.browser import (
+    artifacts_dir,
+    chromium,
+    number,
+    rgb,
+    screenshot,
+    severe_console_errors,
+    wait_for_sources,
+    wait_until_shown,
+)
 from tests.conftest import cli_env, popen_cli, write_prompts
 
 N_PROMPTS, PARTITION, N_SAMPLES = 96, 4, 2
 HELD_ROWS = [93, 94]  # two rows of the last partition wait at the probe's gate until the test opens it
+N_SAMPLED = N_PROMPTS * N_SAMPLES
+SOURCES = (THROUGHPUT_SOURCE, WORKERS_SOURCE, LENGTHS_SOURCE)
 
 
 # --------------------------------------------------------------------------- aggregation (no cluster)
@@ -141,18 +159,64 @@ def _finish(proc: subprocess.Popen, gate: Path, timeout: float = 120) -> str:
 
 
 def _store_truth(store: Path) -> dict:
-    ds = open_store(store)
-    done = ds.status.values == 1
-    lengths = ds.response_length.values[done]
+    """The store's done rows: their count, response tokens and samples."""
+    gs = GenerationStore.open(store)
+    done = gs.read_status() == DONE
+    lengths = gs.array("response_length")[:][done]
     return {"done": int(done.sum()), "tokens": int(lengths.sum()), "samples": int(lengths.size)}
+
+
+def _store_histogram(store: Path) -> dict:
+    """The done rows' ``response_length`` by finish reason, in the dashboard's bars (its own binning rule)."""
+    gs = GenerationStore.open(store)
+    done = gs.read_status() == DONE
+    lengths, reasons = gs.array("response_length")[:][done], gs.array("finish_reason")[:][done]
+    counts = {FinishReason(code).name.lower(): np.bincount(lengths[reasons == code]) for code in np.unique(reasons)}
+    return bin_lengths(counts, gs.layout.max_new_tokens)
+
+
+def _store_by_worker(store: Path, events: Path, pids: dict[str, int]) -> dict[str, dict]:
+    """Samples and response tokens in the store by the worker that generated them: the store does not say
+    which worker wrote a partition, the probe's request log says which worker process ended each request."""
+    ended = [e for e in read_events(events) if e.kind == "end"]
+    assert len({e.request_id for e in ended}) == len(ended), "a request ended twice: the counts would not be exact"
+    lengths = GenerationStore.open(store).array("response_length")[:]
+    worker_of = {pid: address for address, pid in pids.items()}
+    out = {address: {"samples": 0, "tokens": 0} for address in pids}
+    for event in ended:
+        row, sample = (int(part[1:]) for part in event.request_id.split("-")[:2])  # p<row>-s<sample>
+        out[worker_of[event.pid]]["samples"] += 1
+        out[worker_of[event.pid]]["tokens"] += int(lengths[row, sample])
+    return out
+
+
+def _last(sources: dict, column: str) -> float | None:
+    values = sources[THROUGHPUT_SOURCE][column]
+    return values[-1] if values else None
+
+
+def _assert_drawn(colours: set[tuple[int, int, int]], *hex_colours: str) -> None:
+    """A screenshot is a picture of the page: many colours, among them those the figures are drawn in."""
+    assert len(colours) > 50, f"a blank screenshot: {len(colours)} colours"
+    missing = [c for c in hex_colours if rgb(c) not in colours]
+    assert not missing, f"colours of the figures not in the screenshot: {missing}"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """One Chromium for the module's browser tests."""
+    with chromium() as driver:
+        yield driver
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_the_page_in_a_browser_during_and_after_a_run(tmp_path):
+def test_the_page_in_a_browser_during_and_after_a_run(tmp_path, browser):
     """A run on an existing LocalCluster (worker processes): the page shows progress while it streams and,
-    after it, the store's numbers; the per-worker and histogram data add up to the store's samples."""
-    store, gate, shots = tmp_path / "out.zarr", tmp_path / "gate", artifacts_dir(tmp_path)
+    after it, the store's numbers; its figures' data, read in the browser, are the store's: the committed
+    series ends at the store's committed prompts and tokens, the histogram holds the store's response
+    lengths by finish reason, the per-worker data the samples each worker generated."""
+    store, gate, shots = tmp_path / "out.zarr", tmp_path / "gate", artifacts_dir()
     # As daskgen's local clusters: nannies export Dask's pre-spawn environment into *this* process's
     # os.environ, and MALLOC_TRIM_THRESHOLD_ would then reach every later worker of the test session.
     spawn_env = dict(dask.config.get("distributed.nanny.pre-spawn-environ"))
@@ -162,41 +226,61 @@ def test_the_page_in_a_browser_during_and_after_a_run(tmp_path):
         LocalCluster(n_workers=2, threads_per_worker=8, processes=True, dashboard_address="127.0.0.1:0") as cluster,
     ):
         url = page_link(cluster.dashboard_link)
+        with Client(cluster) as client:  # the probe's request log names worker processes
+            pids = client.run(os.getpid)
         proc = popen_cli(*_run_args(tmp_path, store, "--scheduler-address", cluster.scheduler_address, "--no-progress"))
         try:
-            with chromium() as browser:
-                _wait_state(url, lambda s: s["run"] is not None)  # the run installed the plugin and reported
-                browser.get(url)
-                assert "Daskgen" in browser.find_element("id", "myTopnav").text  # in Dask's navigation bar
-                during = wait_until_shown(
-                    browser,
-                    lambda v: number(v["done"]) == N_PROMPTS - PARTITION and number(v["gap"]) > 0,
-                )
-                assert number(during["pending"]) == PARTITION and during["state"] == "generating"
-                time.sleep(1.5)  # one more refresh of the figures before the picture
-                browser.save_screenshot(str(shots / "dashboard-during-run.png"))
-                _finish(proc, gate)
-                truth = _store_truth(store)
-                after = wait_until_shown(browser, lambda v: v["state"] == "finished" and number(v["gap"]) == 0)
-                assert number(after["done"]) == truth["done"] == N_PROMPTS
-                assert number(after["pending"]) == 0 and number(after["failed"]) == 0
-                assert number(after["samples-0"]) + number(after["samples-1"]) == N_PROMPTS * N_SAMPLES
-                browser.save_screenshot(str(shots / "dashboard-after-run.png"))
+            _wait_state(url, lambda s: s["run"] is not None)  # the run installed the plugin and reported
+            severe_console_errors(browser)  # forget an earlier page's
+            browser.get(url)
+            assert "Daskgen" in browser.find_element("id", "myTopnav").text  # in Dask's navigation bar
+            during = wait_until_shown(
+                browser,
+                lambda v: number(v["done"]) == N_PROMPTS - PARTITION and number(v["gap"]) > 0,
+            )
+            assert number(during["pending"]) == PARTITION and during["state"] == "generating"
+            held = _store_truth(store)  # the held partition keeps the store still
+            sources = wait_for_sources(browser, SOURCES, lambda s: _last(s, "committed_prompts") == held["done"])
+            assert _last(sources, "committed_tokens") == held["tokens"]
+            _assert_drawn(screenshot(browser, shots / "dashboard-during-run.png"), ENGINE_COLOR)
+            _finish(proc, gate)
+            truth = _store_truth(store)
+            after = wait_until_shown(browser, lambda v: v["state"] == "finished" and number(v["gap"]) == 0)
+            assert number(after["done"]) == truth["done"] == N_PROMPTS
+            assert number(after["pending"]) == 0 and number(after["failed"]) == 0
+            assert number(after["samples-0"]) + number(after["samples-1"]) == N_SAMPLED
+            sources = wait_for_sources(  # the figures are redrawn after the numbers: wait for their last update
+                browser,
+                SOURCES,
+                lambda s: _last(s, "committed_prompts") == N_PROMPTS and sum(s[WORKERS_SOURCE]["samples"]) == N_SAMPLED,
+            )
+            colours = screenshot(browser, shots / "dashboard-after-run.png")
+            console = severe_console_errors(browser)
             state = _state(url)
         finally:
             if proc.poll() is None:
                 proc.kill()
+    assert not console, f"severe errors in the browser console: {console}"
+    assert _last(sources, "committed_tokens") == _last(sources, "engine_tokens") == truth["tokens"]
+    assert _last(sources, "gap") == 0
+    hist, bars = _store_histogram(store), sources[LENGTHS_SOURCE]
+    assert sum(map(sum, hist["counts"].values())) == truth["samples"]  # every done sample is in a bar
+    assert bars["left"] == hist["edges"][:-1] and bars["right"] == hist["edges"][1:]
+    for reason in FINISH_NAMES:
+        assert bars[reason] == hist["counts"].get(reason, [0] * len(bars["left"])), reason
+    workers = sources[WORKERS_SOURCE]
+    columns = zip(workers["worker"], workers["samples"], workers["tokens"], strict=True)
+    by_worker = _store_by_worker(store, tmp_path / "events.log", pids)
+    assert {w: {"samples": n, "tokens": t} for w, n, t in columns} == by_worker
+    assert all(w["samples"] > 0 for w in by_worker.values())
+    _assert_drawn(colours, ENGINE_COLOR, *(FINISH_COLORS[r] for r in hist["counts"]))
     progress = state["progress"]
     assert progress["engine_tokens"] == progress["committed_tokens"] == truth["tokens"]
-    assert sum(w["samples"] for w in state["workers"]) == truth["samples"] == N_PROMPTS * N_SAMPLES
-    assert len(state["workers"]) == 2 and all(w["tokens"] > 0 for w in state["workers"])
-    assert sum(sum(c) for c in state["lengths"]["counts"].values()) == truth["samples"]
-    assert (shots / "dashboard-after-run.png").stat().st_size > 10_000
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_the_page_of_daskgens_own_scheduler_process_over_tls(tmp_path):
+def test_the_page_of_daskgens_own_scheduler_process_over_tls(tmp_path, browser):
     """``cluster.scheduler_process`` with TLS: the scheduler process serves the page from its start, the
     progress line prints its address, the browser shows the run; the store keeps the run's record."""
     store, gate = tmp_path / "out.zarr", tmp_path / "gate"
@@ -208,10 +292,11 @@ def test_the_page_of_daskgens_own_scheduler_process_over_tls(tmp_path):
     try:
         line = _read_until(proc, "daskgen: live view at ")
         url = line.split("live view at ", 1)[1].strip()
-        with chromium() as browser:
-            browser.get(url)
-            shown = wait_until_shown(browser, lambda v: number(v["done"]) > 0 and number(v["engine-tps"]) > 0)
-            assert number(shown["pending"]) > 0  # the held rows keep the run going
+        severe_console_errors(browser)  # forget an earlier page's
+        browser.get(url)
+        shown = wait_until_shown(browser, lambda v: number(v["done"]) > 0 and number(v["engine-tps"]) > 0)
+        assert number(shown["pending"]) > 0  # the held rows keep the run going
+        assert not severe_console_errors(browser)
         state = _state(url)
         assert len(state["workers"]) == 2 and state["run"]["store"] == str(store)
         _finish(proc, gate)
@@ -248,8 +333,6 @@ def test_dask_scheduler_with_the_preload_serves_the_page(tmp_path, prefix):
     cmd += ["--dashboard-prefix", prefix] if prefix else []
     proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        from distributed import Client
-
         deadline = time.monotonic() + 60
         while not scheduler_file.exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""

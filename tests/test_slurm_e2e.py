@@ -265,7 +265,7 @@ def test_slurm_run_serves_the_daskgen_dashboard_page(tmp_path):
                 browser, lambda v: number(v["done"]) > 0 and number(v["engine-tps"]) > 0, timeout=240
             )
             assert number(shown["pending"]) > 0 and shown["state"] == "generating"
-            browser.save_screenshot(str(artifacts_dir(tmp_path) / "dashboard-slurm.png"))
+            browser.save_screenshot(str(artifacts_dir() / "dashboard-slurm.png"))
         assert len(_state(url)["workers"]) == 2
         _finish(proc, gate, timeout=240)
     finally:

@@ -26,6 +26,10 @@ ENGINE_COLOR, COMMITTED_COLOR, GAP_COLOR = "#1565c0", "#2e7d32", "#ef6c00"
 SnapshotSource = Callable[[Any], "dict[str, Any] | None"]
 #: Milliseconds between updates of an open page.
 UPDATE_MS = 1000
+#: Names of the page's data sources in its Bokeh document (scripts and tests find them with
+#: ``Bokeh.documents[0].get_model_by_name``): the throughput series (rates, gap and totals so far),
+#: the per-worker rows, the length histogram's bars.
+THROUGHPUT_SOURCE, WORKERS_SOURCE, LENGTHS_SOURCE = "daskgen-throughput", "daskgen-workers", "daskgen-lengths"
 
 _STYLE = """<style>
 .dg{font-family:sans-serif;color:#222}.dg h2{margin:4px 0 8px;font-size:18px}
@@ -68,9 +72,11 @@ class Page:
         self.header = Div(sizing_mode="stretch_width")
         self.errors = Div(sizing_mode="stretch_width")
         self.table = Div(sizing_mode="stretch_width")
-        self.rates = ColumnDataSource({"time": [], "engine": [], "committed": [], "gap": []})
-        self.workers = ColumnDataSource(_worker_columns([]))
-        self.lengths = ColumnDataSource({"left": [], "right": [], **{r: [] for r in FINISH_NAMES}})
+        series = ("time", "engine", "committed", "gap", "engine_tokens", "committed_tokens", "committed_prompts")
+        self.rates = ColumnDataSource({k: [] for k in series}, name=THROUGHPUT_SOURCE)
+        self.workers = ColumnDataSource(_worker_columns([]), name=WORKERS_SOURCE)
+        lengths: dict[str, list[Any]] = {"left": [], "right": [], **{r: [] for r in FINISH_NAMES}}
+        self.lengths = ColumnDataSource(lengths, name=LENGTHS_SOURCE)
         self.worker_figure = _worker_figure(self.workers)
         self.root = column(
             self.header,
@@ -184,7 +190,12 @@ def _throughput_figure(source: Any) -> Any:
     fig.line("time", "committed", source=source, color=COMMITTED_COLOR, line_width=2, legend_label="committed")
     fig.legend.location = "top_left"
     fig.yaxis.axis_label = "tokens/s"
-    fig.add_tools(HoverTool(tooltips=[("engines", "@engine{0,0}"), ("committed", "@committed{0,0}")]))
+    tips = [
+        ("engines", "@engine{0,0}"),
+        ("committed", "@committed{0,0}"),
+        ("tokens committed", "@committed_tokens{0,0}"),
+    ]
+    fig.add_tools(HoverTool(tooltips=tips))
     return fig
 
 
@@ -197,7 +208,7 @@ def _gap_figure(source: Any) -> Any:
 
 
 def _worker_columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    data: dict[str, list[Any]] = {k: [r[k] for r in rows] for k in ("worker", "tokens_per_s")}
+    data: dict[str, list[Any]] = {k: [r[k] for r in rows] for k in ("worker", "tokens_per_s", "tokens", "samples")}
     data["label"] = [_short(r["worker"]) for r in rows]
     data["occupancy_pct"] = [100 * r["occupancy"] for r in rows]
     return data
@@ -212,7 +223,8 @@ def _worker_figure(source: Any) -> Any:
 
     fig = _figure("Engine tokens/s per worker", y_range=FactorRange())
     fig.hbar(y="label", right="tokens_per_s", height=0.7, source=source, color=ENGINE_COLOR)
-    tips = [("worker", "@worker"), ("tokens/s", "@tokens_per_s{0,0}"), ("batch occupancy", "@occupancy_pct{0}%")]
+    tips = [("worker", "@worker"), ("tokens/s", "@tokens_per_s{0,0}"), ("batch occupancy", "@occupancy_pct{0}%"),
+            ("samples", "@samples{0,0}"), ("engine tokens", "@tokens{0,0}")]  # fmt: skip
     fig.add_tools(HoverTool(tooltips=tips))
     fig.x_range.start = 0
     fig.xaxis.axis_label = "tokens/s"

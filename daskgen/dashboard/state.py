@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,13 +207,17 @@ class DashboardState:
         return out
 
     def throughput(self) -> dict[str, list[float]]:
-        """Engine and committed tokens/s over time (rates over :data:`RATE_WINDOW_S`), and the gap in tokens."""
-        t, engine, committed, _ = self.series.columns()
+        """Engine and committed tokens/s over time (rates over :data:`RATE_WINDOW_S`), the gap in tokens, and
+        the totals so far at each point (engine tokens, committed tokens, committed prompts)."""
+        t, engine, committed, prompts = self.series.columns()
         return {
             "time": t.tolist(),
             "engine": _rate(t, engine, RATE_WINDOW_S).tolist(),
             "committed": _rate(t, committed, RATE_WINDOW_S).tolist(),
             "gap": np.maximum(engine - committed, 0).tolist(),
+            "engine_tokens": engine.tolist(),
+            "committed_tokens": committed.tolist(),
+            "committed_prompts": prompts.tolist(),
         }
 
     def worker_rows(self, now: float) -> list[dict[str, Any]]:
@@ -241,19 +246,8 @@ class DashboardState:
         return rows
 
     def length_histogram(self) -> dict[str, Any]:
-        """Response lengths of finished samples by finish reason, in :data:`LENGTH_BINS` bars."""
-        longest = max((len(c) - 1 for c in self.lengths.values() if len(c)), default=0)
-        top = max(longest, int((self.run or {}).get("max_new_tokens") or 0), 1)
-        width = max(1, math.ceil((top + 1) / LENGTH_BINS))
-        n_bins = math.ceil((top + 1) / width)
-        counts = {}
-        for reason in FINISH_NAMES:
-            c = self.lengths.get(reason)
-            if c is not None and c.sum():
-                padded = np.zeros(n_bins * width, dtype=np.int64)
-                padded[: len(c)] = c
-                counts[reason] = padded.reshape(n_bins, width).sum(axis=1).tolist()
-        return {"edges": (np.arange(n_bins + 1) * width).tolist(), "counts": counts}
+        """Response lengths of finished samples by finish reason (:func:`bin_lengths`)."""
+        return bin_lengths(self.lengths, int((self.run or {}).get("max_new_tokens") or 0))
 
     def record(self) -> dict[str, Any]:
         """What a run keeps in its store: totals per worker and a thinned throughput series."""
@@ -273,6 +267,27 @@ class DashboardState:
                 "committed_prompts": [int(prompts[i]) for i in keep],
             },
         }
+
+
+def bin_lengths(counts: Mapping[str, np.ndarray], max_new_tokens: int) -> dict[str, Any]:
+    """The length histogram's bars: ``counts[reason][n]`` samples of ``n`` tokens, in :data:`LENGTH_BINS` bars
+    of equal integer width spanning ``0 .. max(longest, max_new_tokens)``.
+
+    Returns ``{"edges": [...], "counts": {reason: [...]}}`` (bar ``i`` counts lengths in
+    ``edges[i] <= n < edges[i + 1]``); reasons without samples are left out.
+    """
+    longest = max((len(c) - 1 for c in counts.values() if len(c)), default=0)
+    top = max(longest, max_new_tokens, 1)
+    width = max(1, math.ceil((top + 1) / LENGTH_BINS))
+    n_bins = math.ceil((top + 1) / width)
+    bars = {}
+    for reason in FINISH_NAMES:
+        c = counts.get(reason)
+        if c is not None and c.sum():
+            padded = np.zeros(n_bins * width, dtype=np.int64)
+            padded[: len(c)] = c
+            bars[reason] = padded.reshape(n_bins, width).sum(axis=1).tolist()
+    return {"edges": (np.arange(n_bins + 1) * width).tolist(), "counts": bars}
 
 
 def load_ratio(workers: list[dict[str, Any]]) -> float | None:
