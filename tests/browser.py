@@ -45,6 +45,23 @@ for (const name of arguments[0]) {
 return out;
 """
 
+#: Per data source name in ``arguments[0]``: the boxes of the figures whose glyphs draw it, in device pixels.
+_FIGURE_BOXES = """
+const names = arguments[0], out = {}, ratio = window.devicePixelRatio || 1;
+function walk(view) {
+  const renderers = view.model.renderers ?? [];
+  for (const name of names) {
+    if (view.model.type === 'Figure' && renderers.some((r) => r.data_source && r.data_source.name === name)) {
+      const r = view.el.getBoundingClientRect();
+      (out[name] ??= []).push([r.left, r.top, r.right, r.bottom].map((v) => Math.round(v * ratio)));
+    }
+  }
+  for (const child of view.child_views ?? []) walk(child);
+}
+for (const root of Bokeh.index.roots) walk(root);
+return out;
+"""
+
 
 def artifacts_dir() -> Path:
     """Where screenshots are kept: ``$DASKGEN_TEST_ARTIFACTS`` or :data:`DEFAULT_ARTIFACTS`."""
@@ -122,14 +139,33 @@ def severe_console_errors(driver: Any) -> list[str]:
     return [entry["message"] for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
 
 
-def screenshot(driver: Any, path: Path) -> set[tuple[int, int, int]]:
-    """Save the page as a PNG at ``path`` and return the colours it holds (read back from the file)."""
+Box = tuple[int, int, int, int]
+
+
+def figure_boxes(driver: Any, *names: str) -> dict[str, list[Box]]:
+    """Where the page draws the figures of the data sources called ``names``: per source, the
+    ``(left, top, right, bottom)`` of each figure that draws it, in screenshot pixels (a source no figure
+    draws yet is left out)."""
+    found = driver.execute_script(_FIGURE_BOXES, list(names))
+    return {name: [(b[0], b[1], b[2], b[3]) for b in boxes] for name, boxes in found.items()}
+
+
+def screenshot(driver: Any, path: Path) -> Path:
+    """Save the page (its window) as a PNG at ``path``."""
+    assert driver.save_screenshot(str(path)), f"no screenshot written to {path}"
+    return path
+
+
+def colours(path: Path, boxes: list[Box] | None = None) -> set[tuple[int, int, int]]:
+    """The colours of a saved screenshot (inside ``boxes``, when given), read back from the file."""
     from PIL import Image
 
-    assert driver.save_screenshot(str(path)), f"no screenshot written to {path}"
     with Image.open(path) as image:
-        colours = image.convert("RGB").getcolors(maxcolors=1 << 24) or []
-    return {rgb for _, rgb in colours}
+        whole = image.convert("RGB")
+    found: set[tuple[int, int, int]] = set()
+    for part in [whole] if boxes is None else [whole.crop(box) for box in boxes]:
+        found.update(rgb for _, rgb in part.getcolors(maxcolors=part.width * part.height) or [])
+    return found
 
 
 def rgb(hex_colour: str) -> tuple[int, int, int]:

@@ -27,7 +27,14 @@ from distributed import Client, LocalCluster
 from daskgen.analysis.palette import FINISH_COLORS
 from daskgen.dashboard import PLUGIN_NAME, DashboardPlugin, page_link
 from daskgen.dashboard.metrics import FINISH_NAMES, RUN_TOPIC, WORKER_TOPIC
-from daskgen.dashboard.page import ENGINE_COLOR, LENGTHS_SOURCE, THROUGHPUT_SOURCE, WORKERS_SOURCE
+from daskgen.dashboard.page import (
+    COMMITTED_COLOR,
+    ENGINE_COLOR,
+    GAP_COLOR,
+    LENGTHS_SOURCE,
+    THROUGHPUT_SOURCE,
+    WORKERS_SOURCE,
+)
 from daskgen.dashboard.state import DashboardState, bin_lengths, load_ratio
 from daskgen.engines.base import FinishReason
 from daskgen.store.generation_store import GenerationStore
@@ -36,6 +43,8 @@ from daskgen.testing.probes import read_events
 from tests.browser import (
     artifacts_dir,
     chromium,
+    colours,
+    figure_boxes,
     number,
     rgb,
     screenshot,
@@ -195,11 +204,16 @@ def _last(sources: dict, column: str) -> float | None:
     return values[-1] if values else None
 
 
-def _assert_drawn(colours: set[tuple[int, int, int]], *hex_colours: str) -> None:
-    """A screenshot is a picture of the page: many colours, among them those the figures are drawn in."""
-    assert len(colours) > 50, f"a blank screenshot: {len(colours)} colours"
-    missing = [c for c in hex_colours if rgb(c) not in colours]
-    assert not missing, f"colours of the figures not in the screenshot: {missing}"
+def _assert_drawn(browser, path: Path, figures: dict[str, tuple[str, ...]]) -> None:
+    """Keep a screenshot of the page at ``path`` and check it is a picture of it: many colours, and each
+    data source drawn in its colours inside the figures that show it."""
+    boxes = figure_boxes(browser, *figures)
+    screenshot(browser, path)
+    assert len(colours(path)) > 50, f"a blank screenshot: {path}"
+    for name, hex_colours in figures.items():
+        found = colours(path, boxes[name])
+        missing = [c for c in hex_colours if rgb(c) not in found]
+        assert not missing, f"{path.name}: colours {missing} not drawn in the figures of {name} at {boxes[name]}"
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +256,11 @@ def test_the_page_in_a_browser_during_and_after_a_run(tmp_path, browser):
             held = _store_truth(store)  # the held partition keeps the store still
             sources = wait_for_sources(browser, SOURCES, lambda s: _last(s, "committed_prompts") == held["done"])
             assert _last(sources, "committed_tokens") == held["tokens"]
-            _assert_drawn(screenshot(browser, shots / "dashboard-during-run.png"), ENGINE_COLOR)
+            _assert_drawn(
+                browser,
+                shots / "dashboard-during-run.png",
+                {THROUGHPUT_SOURCE: (ENGINE_COLOR, COMMITTED_COLOR, GAP_COLOR)},
+            )
             _finish(proc, gate)
             truth = _store_truth(store)
             after = wait_until_shown(browser, lambda v: v["state"] == "finished" and number(v["gap"]) == 0)
@@ -254,7 +272,12 @@ def test_the_page_in_a_browser_during_and_after_a_run(tmp_path, browser):
                 SOURCES,
                 lambda s: _last(s, "committed_prompts") == N_PROMPTS and sum(s[WORKERS_SOURCE]["samples"]) == N_SAMPLED,
             )
-            colours = screenshot(browser, shots / "dashboard-after-run.png")
+            hist = _store_histogram(store)
+            drawn = {
+                THROUGHPUT_SOURCE: (ENGINE_COLOR, COMMITTED_COLOR, GAP_COLOR),
+                LENGTHS_SOURCE: tuple(map(FINISH_COLORS.get, hist["counts"])),
+            }
+            _assert_drawn(browser, shots / "dashboard-after-run.png", drawn)
             console = severe_console_errors(browser)
             state = _state(url)
         finally:
@@ -263,7 +286,7 @@ def test_the_page_in_a_browser_during_and_after_a_run(tmp_path, browser):
     assert not console, f"severe errors in the browser console: {console}"
     assert _last(sources, "committed_tokens") == _last(sources, "engine_tokens") == truth["tokens"]
     assert _last(sources, "gap") == 0
-    hist, bars = _store_histogram(store), sources[LENGTHS_SOURCE]
+    bars = sources[LENGTHS_SOURCE]
     assert sum(map(sum, hist["counts"].values())) == truth["samples"]  # every done sample is in a bar
     assert bars["left"] == hist["edges"][:-1] and bars["right"] == hist["edges"][1:]
     for reason in FINISH_NAMES:
@@ -273,7 +296,6 @@ def test_the_page_in_a_browser_during_and_after_a_run(tmp_path, browser):
     by_worker = _store_by_worker(store, tmp_path / "events.log", pids)
     assert {w: {"samples": n, "tokens": t} for w, n, t in columns} == by_worker
     assert all(w["samples"] > 0 for w in by_worker.values())
-    _assert_drawn(colours, ENGINE_COLOR, *(FINISH_COLORS[r] for r in hist["counts"]))
     progress = state["progress"]
     assert progress["engine_tokens"] == progress["committed_tokens"] == truth["tokens"]
 
