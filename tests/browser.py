@@ -91,6 +91,14 @@ def chromium(width: int = 1600, height: int = 1250) -> Iterator[Any]:
         driver.quit()
 
 
+def open_page(driver: Any, url: str) -> None:
+    """Load ``url`` after leaving the page open before and forgetting its console messages (so
+    :func:`severe_console_errors` reports this page's only)."""
+    driver.get("about:blank")
+    driver.get_log("browser")
+    driver.get(url)
+
+
 def shown_values(driver: Any) -> dict[str, str]:
     """The page's ``data-daskgen`` values as displayed (text)."""
     return driver.execute_script(_READ_VALUES)

@@ -46,6 +46,7 @@ from tests.browser import (
     colours,
     figure_boxes,
     number,
+    open_page,
     rgb,
     screenshot,
     severe_console_errors,
@@ -245,8 +246,7 @@ def test_the_page_in_a_browser_during_and_after_a_run(tmp_path, browser):
         proc = popen_cli(*_run_args(tmp_path, store, "--scheduler-address", cluster.scheduler_address, "--no-progress"))
         try:
             _wait_state(url, lambda s: s["run"] is not None)  # the run installed the plugin and reported
-            severe_console_errors(browser)  # forget an earlier page's
-            browser.get(url)
+            open_page(browser, url)
             assert "Daskgen" in browser.find_element("id", "myTopnav").text  # in Dask's navigation bar
             during = wait_until_shown(
                 browser,
@@ -314,8 +314,7 @@ def test_the_page_of_daskgens_own_scheduler_process_over_tls(tmp_path, browser):
     try:
         line = _read_until(proc, "daskgen: live view at ")
         url = line.split("live view at ", 1)[1].strip()
-        severe_console_errors(browser)  # forget an earlier page's
-        browser.get(url)
+        open_page(browser, url)
         shown = wait_until_shown(browser, lambda v: number(v["done"]) > 0 and number(v["engine-tps"]) > 0)
         assert number(shown["pending"]) > 0  # the held rows keep the run going
         assert not severe_console_errors(browser)
