@@ -183,12 +183,18 @@ WORKER_ARRAYS = Layout(1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True).data_arr
 
 
 def empty_region(layout: Layout, n_rows: int) -> dict[str, np.ndarray]:
-    """Fill-valued arrays for ``n_rows`` rows of every data array."""
+    """Fill-valued arrays for ``n_rows`` rows of every data array (string arrays of any length: numpy's
+    ``StringDType``, as Zarr reads them)."""
     specs = layout.array_specs()
     return {
-        name: np.full((n_rows, *specs[name].shape[1:]), specs[name].fill, dtype=specs[name].dtype)
+        name: np.full((n_rows, *specs[name].shape[1:]), specs[name].fill, dtype=_numpy_dtype(specs[name].dtype))
         for name in layout.data_arrays()
     }
+
+
+def _numpy_dtype(dtype: str) -> Any:
+    """The numpy dtype of a layout dtype (``"str"``: variable-length strings)."""
+    return np.dtypes.StringDType() if dtype == "str" else dtype
 
 
 def clear_response(region: dict[str, np.ndarray], index: tuple[int, ...], layout: Layout) -> None:
