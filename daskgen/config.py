@@ -13,6 +13,7 @@ from daskgen.errors import ConfigError
 from daskgen.run_options import RunOptions
 
 if TYPE_CHECKING:
+    from daskgen.input.chat_template import ChatTemplate
     from daskgen.store.location import StoreLocation
 
 #: Settings that define what a store holds; a resume must match them exactly.
@@ -56,6 +57,7 @@ class RunConfig(RunOptions):
             self.window = int(self.window)
         self._check_types()
         self._check_ranges()
+        self.kept_columns()
         self.deadline_timestamp(0.0)
         self.grace_seconds()
 
@@ -138,6 +140,18 @@ class RunConfig(RunOptions):
     def continues_partial(self) -> bool:
         """Whether aborted samples are stored and continued (``keep_partial``, default on for single_turn)."""
         return self.agent == "single_turn" if self.keep_partial is None else bool(self.keep_partial)
+
+    def kept_columns(self) -> tuple[str, ...] | str:
+        """The ``keep_columns`` setting as column names, or ``"*"`` (:mod:`daskgen.input.columns`)."""
+        from daskgen.input.columns import normalize
+
+        return normalize(self.keep_columns)
+
+    def chat_template_options(self) -> ChatTemplate:
+        """The run's chat-template options (its ``chat_template`` file read and checked)."""
+        from daskgen.input.chat_template import ChatTemplate
+
+        return ChatTemplate.from_settings(self.chat_template, self.chat_template_kwargs)
 
     def identity(self) -> dict[str, Any]:
         """The settings a resumed run must share with the store."""

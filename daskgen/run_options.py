@@ -50,6 +50,27 @@ class RunOptions:
         group=IO,
         flags=None,
     )
+    chat_template: str | None = option(
+        None,
+        "Jinja chat-template file rendering 'messages' rows instead of the model's own.",
+        group=IO,
+        cli_type=Path,
+    )
+    chat_template_kwargs: dict[str, Any] = option(
+        help="Chat-template variables for every row, e.g. enable_thinking=false (a row's own chat_template_kwargs "
+        "column overrides them key by key; on the command line KEY=VALUE, VALUE read as YAML).",
+        group=IO,
+        flags=("--chat-template-kwarg",),
+        pairs=True,
+        factory=dict,
+    )
+    keep_columns: list[str] | str | None = option(
+        None,
+        "Input columns stored per prompt and handed to exports, followers and verifiers: a list (on the command "
+        "line comma-separated) or '*' (every column of the first row but the prompt and daskgen's own keys).",
+        group=IO,
+        cli_type=str,
+    )
     engine: str = option(
         "transformers", "Engine: transformers, sglang, vllm, openai, simulated, or module:Class.", group=ENGINE
     )

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from daskgen.analysis.decode import finish_labels
+from daskgen.analysis.decode import finish_labels, kept_fields
 
 
 def _ragged(values: np.ndarray, lengths: np.ndarray) -> Any:
@@ -51,7 +51,8 @@ def _arrow_index_columns(block: dict[str, np.ndarray]) -> dict[str, Any]:
 
 
 def _arrow_optional_columns(block: dict[str, np.ndarray], has_logprobs: bool) -> dict[str, Any]:
-    """The columns a block may lack: ``logprobs`` (when recorded), decoded text and the raw prompt."""
+    """The columns a block may lack: ``logprobs`` (when recorded), decoded text, the raw prompt and the input's
+    kept columns (by their own names)."""
     import pyarrow as pa
 
     columns = {}
@@ -60,6 +61,8 @@ def _arrow_optional_columns(block: dict[str, np.ndarray], has_logprobs: bool) ->
     for name in ("prompt_text", "response_text", "raw_prompt"):
         if name in block:
             columns[name] = pa.array(block[name].tolist(), type=pa.string())
+    for name, values in kept_fields(block).items():
+        columns[name] = pa.array(values.tolist(), type=pa.string())
     return columns
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import xarray as xr
 
 from daskgen.engines.base import FinishReason
+from daskgen.store.layout import column_name
 
 #: Labels of the ``finish_reason`` codes, indexed by ``code + 1`` (code -1: the sample was not generated).
 FINISH_LABELS: tuple[str, ...] = ("not_generated", *(r.name.lower() for r in FinishReason))
@@ -71,6 +72,17 @@ def flatten_samples(sub: xr.Dataset) -> dict[str, np.ndarray]:
     out |= _entry_numbers(n, s, t, "trajectory" in sub.dims)
     keep = out["finish_reason"] >= 0
     return {k: v[keep] for k, v in out.items()}
+
+
+def kept_fields(block: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The input's kept columns in a flattened block, by their own names (object arrays of ``str``): the
+    fields every export and ``daskgen.follow`` format adds for them."""
+    out = {}
+    for key, values in block.items():
+        name = column_name(key)
+        if name is not None:
+            out[name] = np.array([str(v) for v in values], dtype=object)
+    return out
 
 
 def _flat_values(name: str, var: Any, lead: list[str], entries: int, per_prompt: int) -> np.ndarray | None:

@@ -31,8 +31,9 @@ from daskgen.analysis.accessor import (
 )
 from daskgen.analysis.archive import require_wandb, upload_wandb, zip_store
 from daskgen.analysis.arrow import arrow_block, json_records
+from daskgen.analysis.decode import kept_fields
 from daskgen.analysis.output import check_output, output_size, staged_output
-from daskgen.analysis.verl import VERL_KEYS, tensordict_of, verl_block
+from daskgen.analysis.verl import VERL_KEYS, attach_non_tensor, tensordict_of, verl_block
 from daskgen.errors import ExportError, StoreError
 from daskgen.store.attrs import StoreAttrs
 from daskgen.store.generation_store import GenerationStore
@@ -108,6 +109,7 @@ class Source:
         self.total = _units(self.ds, self.rows)
         self.pad = self.attrs.layout.pad_token_id
         self.has_logprobs = self.attrs.logprobs_recorded
+        self.read = (*_READ, *self.attrs.layout.column_arrays())  # the input's kept columns too
         self.tokenizer = self.ds.daskgen.tokenizer(tokenizer) if text else None
         source = self.ds.daskgen.input_path(prompts) if raw or prompts else None
         self.raw = None if source is None else iter_raw_prompts(source, self.rows)  # consumed block by block
@@ -116,11 +118,11 @@ class Source:
         """Per-sample numpy arrays of the done rows, in chunk-aligned blocks of about ``block_bytes``."""
         block_bytes = block_bytes or _BLOCK_BYTES
         chunk = self.attrs.layout.partition_size
-        per_row = sum(self.ds[v].dtype.itemsize * int(np.prod(self.ds[v].shape[1:])) for v in _READ)
+        per_row = sum(self.ds[v].dtype.itemsize * int(np.prod(self.ds[v].shape[1:])) for v in self.read)
         span = chunk * max(1, block_bytes // max(per_row * chunk, 1))
         keys = self.rows // span
         for part in np.split(self.rows, np.flatnonzero(np.diff(keys)) + 1):  # one empty part when none is done
-            yield self._flatten(part, self.ds[list(_READ)].isel(prompt=part).compute())
+            yield self._flatten(part, self.ds[list(self.read)].isel(prompt=part).compute())
 
     def _flatten(self, rows: np.ndarray, sub: Any) -> dict[str, np.ndarray]:
         out = flatten_samples(sub)
@@ -185,16 +187,8 @@ def _tensor_blocks(src: Source) -> Iterator[tuple[Any, dict[str, list[Any]]]]:
     width = _widths(src)
     for block in src.blocks():
         tensors = tensordict_of(verl_block(block, *width, src.pad, src.has_logprobs), len(block["sample"]))
-        yield tensors, {k: [str(v) for v in block[k]] for k in _NON_TENSOR if k in block}
-
-
-def _attach(td: Any, non_tensor: dict[str, list[Any]]) -> Any:
-    from tensordict import NonTensorStack
-
-    for key, values in non_tensor.items():
-        if values:
-            td.set(key, NonTensorStack.from_list(values))
-    return td
+        strings = {k: [str(v) for v in block[k]] for k in _NON_TENSOR if k in block}
+        yield tensors, strings | {k: v.tolist() for k, v in kept_fields(block).items()}
 
 
 def to_tensordict(
@@ -210,13 +204,14 @@ def to_tensordict(
     One row per (prompt, sample[, trajectory]) of done prompts: the :data:`VERL_KEYS` batch fields
     (logprobs only when the run recorded them), int64 metadata (``prompt_index``, ``sample``,
     ``num_turns``, ``finish_reason``, lengths) and non-tensor ``prompt_id``, ``raw_prompt`` (JSON of the
-    input's messages or prompt, when the input file is found) and, with ``text``, decoded text.
+    input's messages or prompt, when the input file is found), the input's kept columns (``keep_columns``,
+    by their own names) and, with ``text``, decoded text.
     """
     import torch
 
     parts = list(_tensor_blocks(Source(path, text=text, tokenizer=tokenizer, prompts=prompts, raw=raw)))
     td = torch.cat([p[0] for p in parts], dim=0)
-    return _attach(td, {k: [v for p in parts for v in p[1][k]] for k in parts[0][1]})
+    return attach_non_tensor(td, {k: [v for p in parts for v in p[1][k]] for k in parts[0][1]})
 
 
 def _write_tensordict(src: Source, path: Path) -> int:
@@ -234,7 +229,7 @@ def _write_tensordict(src: Source, path: Path) -> int:
         for key, values in strings.items():
             non_tensor.setdefault(key, []).extend(values)
     out.unlock_()
-    _attach(out, non_tensor).memmap_(str(path), num_threads=0)
+    attach_non_tensor(out, non_tensor).memmap_(str(path), num_threads=0)
     return rows
 
 
@@ -249,14 +244,17 @@ def verl_parts(td: Any) -> tuple[Any, dict[str, np.ndarray]]:
     """Split an export into verl's ``DataProto(batch=..., non_tensor_batch=...)`` parts.
 
     ``batch`` holds the :data:`VERL_KEYS` tensors; ``non_tensor_batch`` holds numpy arrays of the
-    per-sample metadata (``num_turns``, ``prompt_index``, ``sample``, ``prompt_id``, ``raw_prompt``, ...).
+    per-sample metadata (``num_turns``, ``prompt_index``, ``sample``, ``prompt_id``, ``raw_prompt``, the
+    input's kept columns, ...): object arrays of ``str`` for the non-tensor fields.
     """
+    from tensordict import is_non_tensor
+
     keys = set(td.keys())
     batch = td.select(*[k for k in VERL_KEYS if k in keys])
-    extra = {k: np.asarray(td.get(k).numpy()) for k in keys if k not in VERL_KEYS and k not in _NON_TENSOR}
-    for key in _NON_TENSOR:
-        if key in keys:
-            extra[key] = np.array(td.get(key).tolist(), dtype=object)
+    extra = {}
+    for key in keys - set(VERL_KEYS):
+        value = td.get(key)
+        extra[key] = np.array(value.tolist(), dtype=object) if is_non_tensor(value) else np.asarray(value.numpy())
     return batch, extra
 
 

@@ -89,3 +89,13 @@ def tensordict_of(fields: dict[str, np.ndarray], rows: int) -> Any:
     from tensordict import TensorDict
 
     return TensorDict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in fields.items()}, batch_size=[rows])
+
+
+def attach_non_tensor(td: Any, non_tensor: dict[str, Any]) -> Any:
+    """``td`` with each list of per-row strings set as a ``NonTensorStack`` (empty lists are left out)."""
+    from tensordict import NonTensorStack
+
+    for key, values in non_tensor.items():
+        if len(values):
+            td.set(key, NonTensorStack.from_list(list(values)))
+    return td

@@ -21,6 +21,8 @@ import numpy as np
 from daskgen.agents import create_agent
 from daskgen.client.dispatch import dispatch_order, long_first, read_length_hints
 from daskgen.config import RunConfig
+from daskgen.input.chat_template import ChatTemplate
+from daskgen.input.columns import kept_values
 from daskgen.input.rows import InputScan, iter_selected_rows, scan_prompts
 from daskgen.input.scan_cache import load_scan, scan_key, scan_record
 from daskgen.input.tokenizer import load_tokenizer, tokenizer_identity
@@ -51,6 +53,7 @@ class Plan:
     started: float = dataclasses.field(default_factory=time.time)
     first_partitions: tuple[int, ...] = ()  # dispatched first (partitions left with partial responses)
     predicted: np.ndarray | None = None  # per row: longest response in the length_hints store (NaN: unknown)
+    template: ChatTemplate = dataclasses.field(default_factory=ChatTemplate)  # the run's chat-template options
 
     @property
     def layout(self) -> Layout:
@@ -64,9 +67,11 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     config.location().check_reachable()  # a missing bucket or refused credentials: said before anything starts
     source = _input_source(config, prompts)
     tokenizer = load_tokenizer(str(config.model), config.engine, config.engine_args)
+    template = config.chat_template_options()
     existing = GenerationStore.open_if_exists(config.location())
-    scan, record = _scan_input(config, source, tokenizer, existing)
-    store, record = _create_or_check_store(config, _store_attrs(config, scan, tokenizer), scan, existing, record)
+    scan, record = _scan_input(config, source, tokenizer, template, existing)
+    wanted = _store_attrs(config, scan, tokenizer, template)
+    store, record = _create_or_check_store(config, wanted, scan, existing, record)
     eos = tokenizer.eos_token_id
     return Plan(
         config,
@@ -77,6 +82,7 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
         scan_record=record,
         first_partitions=tuple(store.attrs.partial_partitions),
         predicted=_predicted_lengths(config, scan),
+        template=template,
     )
 
 
@@ -90,18 +96,28 @@ def _input_source(config: RunConfig, prompts: str | Path | Sequence[Any] | None)
 
 
 def _scan_input(
-    config: RunConfig, source: str | Path | Sequence[Any], tokenizer: Any, existing: GenerationStore | None
+    config: RunConfig,
+    source: str | Path | Sequence[Any],
+    tokenizer: Any,
+    template: ChatTemplate,
+    existing: GenerationStore | None,
 ) -> tuple[InputScan, dict[str, Any] | None]:
     """The input scan, reused from the store's attrs when input and tokenizer are unchanged, else tokenized anew.
 
     Returns the scan and, for a fresh scan, the record to keep in the attrs (``None`` when reused).
     """
-    key = scan_key(source, tokenizer_identity(tokenizer), config.max_prompt_tokens, config.skip_overlong)
+    identity = tokenizer_identity(tokenizer, template)
+    key = scan_key(source, identity, config.max_prompt_tokens, config.skip_overlong)
     scan = load_scan(existing.attrs.input_scan if existing else None, key, source)
     if scan is not None:
         return scan, None
     scan = scan_prompts(
-        source, tokenizer, max_prompt_tokens=config.max_prompt_tokens, skip_overlong=config.skip_overlong
+        source,
+        tokenizer,
+        max_prompt_tokens=config.max_prompt_tokens,
+        skip_overlong=config.skip_overlong,
+        template=template,
+        keep_columns=config.kept_columns(),
     )
     return scan, scan_record(key, scan, source)
 
@@ -151,18 +167,20 @@ def _layout(config: RunConfig, scan: InputScan, tokenizer: Any) -> Layout:
         int(tokenizer.pad_token_id),
         agent.max_trajectories,
         scored=config.verify_policy() is not None,
+        columns=scan.columns,
     )
 
 
-def _store_attrs(config: RunConfig, scan: InputScan, tokenizer: Any) -> StoreAttrs:
+def _store_attrs(config: RunConfig, scan: InputScan, tokenizer: Any, template: ChatTemplate) -> StoreAttrs:
     from daskgen.engines import resolve_engine_class
     from daskgen.versions import package_versions
 
+    keep = config.kept_columns()
     return StoreAttrs(
         layout=_layout(config, scan, tokenizer),
         identity=config.identity(),
-        input={"fingerprint": scan.fingerprint, "n_prompts": len(scan)},
-        tokenizer=tokenizer_identity(tokenizer),
+        input={"fingerprint": scan.fingerprint, "n_prompts": len(scan), **({"keep_columns": keep} if keep else {})},
+        tokenizer=tokenizer_identity(tokenizer, template),
         config=redact(config.to_dict()),
         simulated=resolve_engine_class(config.engine).is_simulated(config.engine_args),
         versions=package_versions(),
@@ -229,6 +247,7 @@ def _shared_task_fields(plan: Plan) -> dict[str, Any]:
         "model": str(cfg.model),
         "verify": cfg.verify_policy(),
         "continue_partial": cfg.continues_partial(),
+        "chat_template": None if plan.template.is_default else plan.template,
     }
 
 
@@ -259,12 +278,16 @@ def _partition_task(
         None,
         agent_args=dict(plan.config.agent_args),
         rows_meta=full if shared["verify"] is not None else None,
-        inputs=[_to_tokenize(r) for r in full],
+        inputs=[_task_input(r, plan.layout.columns) for r in full],
         **shared,
     )
 
 
-def _to_tokenize(row: dict[str, Any]) -> dict[str, Any]:
-    """The part of an input row the worker tokenizes (other columns stay on the client)."""
-    key = "messages" if row.get("messages") is not None else "prompt"
-    return {key: row[key]}
+def _task_input(row: dict[str, Any], columns: tuple[str, ...]) -> dict[str, Any]:
+    """The part of an input row the worker needs: what it tokenizes (the prompt or messages, with their
+    chat-template columns) and the text of the kept columns; other columns stay on the client."""
+    keys = ("messages", "chat_template_kwargs", "tools") if row.get("messages") is not None else ("prompt",)
+    out = {key: row[key] for key in keys if row.get(key) is not None}
+    if columns:
+        out["columns"] = kept_values(row, columns)
+    return out

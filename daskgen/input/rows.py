@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from daskgen.errors import InputError
+from daskgen.input import chat_template
+from daskgen.input.chat_template import ChatTemplate
+from daskgen.input.columns import ColumnCheck
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_REPORTED = 20
@@ -99,7 +102,7 @@ def _row_errors(row: Any) -> list[str]:
     errors = _messages_errors(row["messages"]) if has_messages else _prompt_errors(row["prompt"])
     if row.get("id") is not None and not isinstance(row["id"], (str, int)):
         errors.append(f"column 'id': expected a string or integer, found {type(row['id']).__name__}")
-    return errors
+    return errors + chat_template.row_errors(row)
 
 
 def _prompt_errors(prompt: Any) -> list[str]:
@@ -159,27 +162,19 @@ def fingerprint(rows: Iterable[dict[str, Any]]) -> str:
     return digest.value()
 
 
-def tokenize_rows(rows: Sequence[dict[str, Any]], tokenizer: Any) -> list[list[int]]:
-    """Token ids per row: ``messages`` through the chat template, ``prompt`` as plain text."""
+def tokenize_rows(
+    rows: Sequence[dict[str, Any]], tokenizer: Any, template: ChatTemplate | None = None, first: int = 1
+) -> list[list[int]]:
+    """Token ids per row: ``messages`` through the chat template (with the run's ``template`` options and the
+    row's own), ``prompt`` as plain text.  ``first`` is the row number of ``rows[0]`` (for errors)."""
+    template = template or ChatTemplate()
     out = []
-    for number, row in enumerate(rows, start=1):
+    for number, row in enumerate(rows, start=first):
         if row.get("messages") is not None:
-            out.append(_chat_ids(tokenizer, row["messages"], number))
+            out.append(template.ids(tokenizer, row, number))
         else:
             out.append(list(tokenizer(row["prompt"])["input_ids"]))
     return out
-
-
-def _chat_ids(tokenizer: Any, messages: list[dict[str, str]], number: int) -> list[int]:
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise InputError(
-            f"row {number}: column 'messages' needs a chat template, but the model's tokenizer has none; "
-            "use 'prompt' strings or a model with a chat template."
-        )
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return list(ids)
 
 
 def check_lengths(lengths: dict[int, int], limit: int, *, skip: bool) -> dict[int, str]:
@@ -205,30 +200,44 @@ class InputScan:
     ids: list[str]
     fingerprint: str
     overlong: dict[int, str] = field(default_factory=dict)
+    columns: tuple[str, ...] = ()  # the kept input columns (``keep_columns``, ``"*"`` resolved)
 
     def __len__(self) -> int:
         return self.n_rows
 
 
 def scan_prompts(
-    source: str | Path | Sequence[Any], tokenizer: Any, *, max_prompt_tokens: int, skip_overlong: bool = False
+    source: str | Path | Sequence[Any],
+    tokenizer: Any,
+    *,
+    max_prompt_tokens: int,
+    skip_overlong: bool = False,
+    template: ChatTemplate | None = None,
+    keep_columns: tuple[str, ...] | str = (),
 ) -> InputScan:
     """Validate, fingerprint and length-check every row in one streaming pass.
 
     Raises :class:`InputError` listing every bad row (row number and column); overlong prompts
     are an error unless ``skip_overlong`` (then they are returned to be recorded as failed).
+    ``template`` renders ``messages`` rows; every row must have the ``keep_columns``
+    (:mod:`daskgen.input.columns`).
     """
     name = str(source) if isinstance(source, (str, Path)) else "input"
-    ids, fingerprint, errors, lengths = _scan_rows(source, tokenizer, max_prompt_tokens)
+    kept = ColumnCheck(keep_columns)
+    ids, fingerprint, errors, lengths = _scan_rows(source, tokenizer, max_prompt_tokens, template, kept)
     _raise_if(errors, name)
     if not ids:
         raise InputError(f"{name} has no prompts; expected at least one row.")
     overlong = check_lengths({i: n for i, n in lengths.items()}, max_prompt_tokens, skip=skip_overlong)
-    return InputScan(source, len(ids), ids, fingerprint, overlong)
+    return InputScan(source, len(ids), ids, fingerprint, overlong, kept.names)
 
 
 def _scan_rows(
-    source: str | Path | Sequence[Any], tokenizer: Any, max_prompt_tokens: int
+    source: str | Path | Sequence[Any],
+    tokenizer: Any,
+    max_prompt_tokens: int,
+    template: ChatTemplate | None,
+    kept: ColumnCheck,
 ) -> tuple[list[str], str, list[str], dict[int, int]]:
     """One pass over the rows: their ids, the input fingerprint, every row error, and the token count of
     each prompt longer than ``max_prompt_tokens`` (tokenizing stops at the first error)."""
@@ -239,10 +248,12 @@ def _scan_rows(
     lengths: dict[int, int] = {}
     for number, row in iter_rows(source):
         errors += [f"row {number}: {msg}" for msg in _row_errors(row)]
+        if isinstance(row, dict):
+            errors += [f"row {number}: {msg}" for msg in kept.row_errors(row, number)]
         digest.add(row)
         ids.append(_row_id(row, number, seen, errors))
         if not errors:
-            n_tokens = len(tokenize_rows([row], tokenizer)[0])
+            n_tokens = len(tokenize_rows([row], tokenizer, template, number)[0])
             if n_tokens > max_prompt_tokens:
                 lengths[len(ids) - 1] = n_tokens
     return ids, digest.value(), errors, lengths
@@ -270,8 +281,8 @@ def iter_selected_rows(source: str | Path | Sequence[Any], wanted: Iterator[int]
 
 
 def iter_token_ids(
-    source: str | Path | Sequence[Any], tokenizer: Any, wanted: Iterator[int]
+    source: str | Path | Sequence[Any], tokenizer: Any, wanted: Iterator[int], template: ChatTemplate | None = None
 ) -> Iterator[tuple[int, list[int], dict[str, Any]]]:
     """``(index, token ids, row)`` of the rows whose 0-based indices ``wanted`` yields (ascending), streaming."""
     for index, row in iter_selected_rows(source, wanted):
-        yield index, tokenize_rows([row], tokenizer)[0], row
+        yield index, tokenize_rows([row], tokenizer, template, index + 1)[0], row

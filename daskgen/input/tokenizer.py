@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from daskgen.errors import ConfigError
+from daskgen.input.chat_template import ChatTemplate
 
 
 class ByteTokenizer:
@@ -54,14 +55,16 @@ def load_tokenizer(model: str, engine: str, engine_args: dict[str, Any] | None =
     )
 
 
-def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
-    """What must match between runs on one store: vocabulary size, special ids, chat template hash."""
-    template = getattr(tokenizer, "chat_template", None) or ""
+def tokenizer_identity(tokenizer: Any, template: ChatTemplate | None = None) -> dict[str, Any]:
+    """What must match between runs on one store: vocabulary size, special ids, chat template hash, and the
+    run's chat-template options (``template``: an overriding template's hash, its variables)."""
+    own = getattr(tokenizer, "chat_template", None) or ""
     vocab = len(tokenizer) if hasattr(tokenizer, "__len__") else 259
     return {
         "name": str(getattr(tokenizer, "name_or_path", type(tokenizer).__name__)),
         "vocab_size": vocab,
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
-        "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest()[:16],
+        "chat_template_sha256": hashlib.sha256(str(own).encode()).hexdigest()[:16],
+        **(template.identity() if template is not None else {}),
     }

@@ -31,10 +31,10 @@ from daskgen.store.layout import (
     DATA_ARRAYS,
     DONE,
     SCHEMA_VERSIONS,
-    VARIABLE_ATTRS,
     WORKER_ARRAYS,
     ArraySpec,
     Layout,
+    variable_attrs,
 )
 from daskgen.store.location import StoreLocation, StoreRef, describe_failure, locate, write_failures
 from daskgen.store.lock import LOCK_NAME
@@ -213,8 +213,8 @@ class GenerationStore:
     def write_region(self, start: int, arrays: dict[str, np.ndarray]) -> None:
         """Worker side: overwrite one chunk-aligned row region of each given data array."""
         for name, values in arrays.items():
-            if name not in WORKER_ARRAYS:
-                raise StoreError(f"workers may only write data arrays {WORKER_ARRAYS}, not {name!r}")
+            if name not in WORKER_ARRAYS and name not in self.layout.data_arrays():
+                raise StoreError(f"workers may only write data arrays {self.layout.data_arrays()}, not {name!r}")
             with self.write_errors(f"writing {name} rows {start}..{start + len(values) - 1}"):
                 self.array(name, writable=True)[start : start + len(values)] = values
 
@@ -366,5 +366,5 @@ def _create_array(group: Any, name: str, spec: ArraySpec) -> None:
         fill_value=spec.fill,
         dimension_names=list(spec.dims),
         compressors=compressors(),
-        attributes={**VARIABLE_ATTRS[name], **extra},
+        attributes={**variable_attrs(name), **extra},
     )

@@ -24,6 +24,18 @@ SCHEMA_VERSIONS = (SCHEMA_VERSION, SCHEMA_VERSION_TRAJECTORIES)
 PENDING, DONE, FAILED = 0, 1, 2
 #: The ``coordinates`` attribute of every non-coordinate array (CF conventions, read by xarray).
 COORDS = "prompt_index prompt_id"
+#: Prefix of the arrays holding the input's kept columns (``keep_columns``): ``column_answer``.
+COLUMN_PREFIX = "column_"
+
+
+def column_array(name: str) -> str:
+    """The store array of the kept input column ``name``."""
+    return COLUMN_PREFIX + name
+
+
+def column_name(array: str) -> str | None:
+    """The kept input column an array (or flattened field) holds, or ``None`` when it holds none."""
+    return array[len(COLUMN_PREFIX) :] if array.startswith(COLUMN_PREFIX) else None
 
 
 def coarse_chunk() -> int:
@@ -87,6 +99,10 @@ class Layout:
     pad_token_id: int
     n_trajectories: int = 1
     scored: bool = False
+    columns: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "columns", tuple(self.columns))  # a list when read from the attrs
 
     @property
     def schema_version(self) -> int:
@@ -96,6 +112,10 @@ class Layout:
     def data_arrays(self) -> tuple[str, ...]:
         """Worker-written arrays of this layout (from :meth:`array_specs`)."""
         return tuple(name for name, spec in self.array_specs().items() if spec.worker_written)
+
+    def column_arrays(self) -> tuple[str, ...]:
+        """The arrays of the input's kept columns (``keep_columns``), in the order they were listed."""
+        return tuple(column_array(name) for name in self.columns)
 
     def partitions(self) -> range:
         """Start rows of every partition."""
@@ -132,6 +152,8 @@ class Layout:
             "num_turns": ArraySpec((n, s), (rows, s), "int16", 0, per_sample, "response"),
             "continued_tokens": ArraySpec((n, s), (rows, s), "int32", 0, per_sample, "response"),
         }
+        for name in self.columns:  # the input's kept columns (as text), written with the row's data
+            specs[column_array(name)] = ArraySpec((n,), (rows,), "str", "", per_prompt, "prompt")
         if self.scored:
             specs["score"] = ArraySpec((n, s), (rows, s), "float32", float("nan"), per_sample, "sample")
             specs["samples_used"] = ArraySpec((n,), (rows,), "int16", 0, per_prompt, "sample")
@@ -161,12 +183,18 @@ WORKER_ARRAYS = Layout(1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True).data_arr
 
 
 def empty_region(layout: Layout, n_rows: int) -> dict[str, np.ndarray]:
-    """Fill-valued arrays for ``n_rows`` rows of every data array."""
+    """Fill-valued arrays for ``n_rows`` rows of every data array (string arrays of any length: numpy's
+    ``StringDType``, as Zarr reads them)."""
     specs = layout.array_specs()
     return {
-        name: np.full((n_rows, *specs[name].shape[1:]), specs[name].fill, dtype=specs[name].dtype)
+        name: np.full((n_rows, *specs[name].shape[1:]), specs[name].fill, dtype=_numpy_dtype(specs[name].dtype))
         for name in layout.data_arrays()
     }
+
+
+def _numpy_dtype(dtype: str) -> Any:
+    """The numpy dtype of a layout dtype (``"str"``: variable-length strings)."""
+    return np.dtypes.StringDType() if dtype == "str" else dtype
 
 
 def clear_response(region: dict[str, np.ndarray], index: tuple[int, ...], layout: Layout) -> None:
@@ -209,3 +237,11 @@ CODED_ATTRS: dict[str, dict[str, Any]] = {
 VARIABLE_ATTRS: dict[str, dict[str, Any]] = {
     name: {"long_name": text, **CODED_ATTRS.get(name, {})} for name, text in LONG_NAMES.items()
 }
+
+
+def variable_attrs(name: str) -> dict[str, Any]:
+    """The CF attributes of the array ``name`` (a kept input column's name its column)."""
+    column = column_name(name)
+    if column is not None:
+        return {"long_name": f"input column {column!r} (text; JSON for other values; '' until the row is generated)"}
+    return VARIABLE_ATTRS[name]

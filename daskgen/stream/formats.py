@@ -6,7 +6,9 @@ is read once per batch); :func:`build` shapes them.  The tensor formats use the 
 ``prompts``, right-padded ``responses``, ``response_mask``, ``input_ids``, ``attention_mask``,
 ``position_ids``, ``rollout_log_probs`` (when recorded), one row per generated (prompt, sample), padded
 to the store's widths (``max_prompt_tokens``, ``max_new_tokens``): every batch has the same shape, so
-batches concatenate (``DataProto.concat``, ``torch.cat``).
+batches concatenate (``DataProto.concat``, ``torch.cat``).  The input's kept columns (``keep_columns``) come
+in every format: as ``column_<name>`` variables of the xarray dataset, and by their own names as row keys,
+``DataProto.non_tensor_batch`` entries and ``TensorDict`` non-tensor entries (one string per sample).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def fields_to_read(store: GenerationStore, fmt: str, fields: tuple[str, ...] | N
     wanted = list(fields or (available if fmt == "xarray" else ()))
     if fmt != "xarray":
         wanted += [*TOKEN_FIELDS, *(["logprobs"] if store.attrs.logprobs_recorded else [])]
+        wanted += store.layout.column_arrays()
     return tuple(dict.fromkeys(wanted))
 
 
@@ -142,6 +145,7 @@ def arrow_table(store: GenerationStore, ds: Any) -> Any:
 
 def _verl(block: dict[str, np.ndarray], store: GenerationStore) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """verl's batch fields and the per-sample extras (ids, metadata) of a flattened block."""
+    from daskgen.analysis.decode import kept_fields
     from daskgen.analysis.verl import VERL_KEYS, VERL_META, verl_block
 
     layout = store.layout
@@ -151,19 +155,21 @@ def _verl(block: dict[str, np.ndarray], store: GenerationStore) -> tuple[dict[st
     extra = {k: fields[k] for k in VERL_META if k in fields}  # they go into DataProto.non_tensor_batch
     ids = np.asarray(block["prompt_id"], dtype=object)
     extra |= {"prompt_id": ids, "uid": ids.copy()}  # uid: verl groups a prompt's samples by it (GRPO)
-    return tensors, extra
+    return tensors, extra | kept_fields(block)
 
 
 def _tensordict(tensors: dict[str, np.ndarray], extra: dict[str, np.ndarray]) -> Any:
-    """A ``TensorDict`` of the verl fields and the integer metadata (``prompt_index``, ``sample``, ...).
+    """A ``TensorDict`` of the verl fields, the integer metadata (``prompt_index``, ``sample``, ...) and the input's
+    kept columns (non-tensor entries).
 
     The string ids are left out (per-row strings make a ``TensorDict`` slow to build): they are
     :attr:`~daskgen.stream.batches.Batch.prompt_ids`, in the order of ``prompt_index``.
     """
-    from daskgen.analysis.verl import tensordict_of
+    from daskgen.analysis.verl import attach_non_tensor, tensordict_of
 
     numeric = {k: v for k, v in extra.items() if v.dtype != object}
-    return tensordict_of(tensors | numeric, len(extra["prompt_id"]))
+    kept = {k: v for k, v in extra.items() if v.dtype == object and k not in ("prompt_id", "uid")}
+    return attach_non_tensor(tensordict_of(tensors | numeric, len(extra["prompt_id"])), kept)
 
 
 def _dataproto(tensors: dict[str, np.ndarray], extra: dict[str, np.ndarray]) -> Any:

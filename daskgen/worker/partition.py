@@ -20,9 +20,10 @@ import numpy as np
 from daskgen.agents import AgentLoop, EngineHandle, Trajectory, create_agent
 from daskgen.engines.base import FinishReason, SamplingParams
 from daskgen.errors import EngineError, EngineUnavailable
+from daskgen.input.chat_template import ChatTemplate
 from daskgen.input.rows import tokenize_rows
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.layout import Layout, clear_response, empty_region
+from daskgen.store.layout import Layout, clear_response, column_array, empty_region
 from daskgen.worker.rounds import RowOutcome, sample_in_rounds
 from daskgen.worker.slot import PartitionSlot
 
@@ -60,6 +61,7 @@ class PartitionTask:
     verify: Any = None
     rows_meta: list[dict[str, Any]] | None = None
     inputs: list[dict[str, Any]] | None = None
+    chat_template: ChatTemplate | None = None  # the run's chat-template options (None: the tokenizer's own)
 
     @property
     def layout(self) -> Layout:
@@ -108,6 +110,8 @@ def fill_region(
     for i, (row, prompt) in enumerate(zip(task.rows, task.prompts, strict=True)):
         r = row - task.start
         _place_prompt(region, r, prompt, layout.pad_token_id)
+        for name, text in (task.inputs[i].get("columns", {}) if task.inputs else {}).items():
+            region[column_array(name)][r] = text
         out.prompt_tokens += len(prompt)
         for s in range(task.n_samples):
             trajectories = samples[i * task.n_samples + s][: layout.n_trajectories]
@@ -211,7 +215,9 @@ async def _prepare_inputs(
     Returns the stored region (``None`` unless the task continues partial samples) and the samples to keep.
     """
     if task.prompts is None:
-        task.prompts = await asyncio.to_thread(lambda: tokenize_rows(task.inputs or [], plugin.tokenizer()))
+        task.prompts = await asyncio.to_thread(
+            lambda: tokenize_rows(task.inputs or [], plugin.tokenizer(), task.chat_template)
+        )
     # Only a partition with stored samples of its pending rows (an earlier attempt was interrupted)
     # reads its region before generating; otherwise the padded region is allocated once the results
     # are in, so partitions waiting in a large in-flight window do not each hold one.

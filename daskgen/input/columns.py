@@ -1,0 +1,108 @@
+"""The row's own columns kept through to the trainer (``keep_columns``).
+
+``keep_columns`` lists input columns (``[answer, data_source]``) or is ``"*"``: every column of the first
+row but the prompt and daskgen's own keys (:data:`DASKGEN_KEYS`).  Each kept column is stored per prompt as
+a string (strings as they are, every other value as JSON text: ``3``, ``true``, ``null``, ``{"a": 1}``) in the
+store array ``column_<name>`` (:func:`daskgen.store.layout.column_array`), written with the row's data.  A
+listed column missing from a row is an error naming the row and the column (with ``"*"``, every row must
+have the first row's columns and no others).  Column names may not be names daskgen's outputs use.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from daskgen.errors import ConfigError
+from daskgen.input.chat_template import ROW_KEYS
+
+#: Row keys daskgen reads itself: never kept by ``"*"``, refused in a list.
+DASKGEN_KEYS = ("id", "prompt", "messages", "sampling", *ROW_KEYS)
+
+
+def reserved_names() -> frozenset[str]:
+    """Names a kept column may not have: daskgen's row keys, the store's arrays and dimensions, and the fields of
+    its exports and ``daskgen.follow`` formats (a kept column appears there under its own name)."""
+    from daskgen.analysis.verl import VERL_KEYS, VERL_META
+    from daskgen.store.layout import Layout
+
+    layout = Layout(1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True)
+    dims = {d for spec in layout.array_specs().values() for d in spec.dims}
+    derived = {"prompt_text", "response_text", "raw_prompt", "finish_label", "uid"}
+    return frozenset({*DASKGEN_KEYS, *layout.array_specs(), *dims, *derived, *VERL_KEYS, *VERL_META})
+
+
+def normalize(keep: Any) -> tuple[str, ...] | str:
+    """The ``keep_columns`` setting as a tuple of names, or ``"*"`` (``()`` when unset).
+
+    A string is ``"*"`` or comma-separated names (the command line's ``--keep-columns answer,data_source``).
+    """
+    if keep is None:
+        return ()
+    if isinstance(keep, str):
+        if keep.strip() == "*":
+            return "*"
+        keep = [name.strip() for name in keep.split(",") if name.strip()]
+    if not isinstance(keep, (list, tuple)) or not all(isinstance(k, str) and k for k in keep):
+        raise ConfigError(
+            f"setting 'keep_columns' must be a list of column names or '*', found {keep!r}; "
+            "e.g. keep_columns: [answer, data_source]."
+        )
+    check_names(keep)
+    return tuple(dict.fromkeys(keep))
+
+
+def check_names(names: Any) -> None:
+    """:class:`ConfigError` for column names daskgen uses itself or that cannot name a store array."""
+    bad = sorted(n for n in names if n in reserved_names())
+    if bad:
+        raise ConfigError(
+            f"setting 'keep_columns': {bad} are names daskgen uses itself (row keys, store arrays or output "
+            "fields); rename those input columns."
+        )
+    odd = sorted(n for n in names if "/" in n or n.startswith("__"))
+    if odd:
+        raise ConfigError(f"setting 'keep_columns': {odd} cannot name a store array (no '/', no leading '__').")
+
+
+def as_text(value: Any) -> str:
+    """A column value as stored: a string as it is, any other value as JSON text."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+
+
+class ColumnCheck:
+    """Checks each row has the kept columns, one row at a time; :attr:`names` are the columns kept.
+
+    With ``"*"`` the first row's columns are kept (daskgen's own keys left out) and every row must have
+    exactly those.
+    """
+
+    def __init__(self, keep: tuple[str, ...] | str) -> None:
+        self.every = keep == "*"
+        self.names: tuple[str, ...] = () if self.every else tuple(keep)
+        self.first = 0
+
+    def row_errors(self, row: dict[str, Any], number: int) -> list[str]:
+        """What ``row`` (row ``number``) lacks of the kept columns (or, with ``"*"``, has beyond them)."""
+        if self.every and not self.first:
+            self.first, self.names = number, tuple(k for k in row if k not in DASKGEN_KEYS)
+            check_names(self.names)
+            return []
+        errors = [
+            f"column {name!r} is missing (keep_columns keeps it); add it to every row or leave it out of keep_columns"
+            for name in self.names
+            if name not in row
+        ]
+        if self.every:
+            errors += [
+                f"column {k!r} is not in the first row (keep_columns '*' keeps row {self.first}'s columns); "
+                "give every row the same columns, or list the columns to keep"
+                for k in row
+                if k not in DASKGEN_KEYS and k not in self.names
+            ]
+        return errors
+
+
+def kept_values(row: dict[str, Any], names: tuple[str, ...]) -> dict[str, str]:
+    """The stored text of each kept column of ``row``."""
+    return {name: as_text(row[name]) for name in names}
