@@ -20,7 +20,9 @@ How it stays safe:
 * **resumable**: the shards already copied are recorded (``daskgen_pack`` attrs of the copy); an
   interrupted pack rewrites only the rest (and any recorded shard that no longer equals the source,
   e.g. after a run on the source in between), and a swap interrupted between its renames is finished;
-* the store's lock (:mod:`daskgen.store.lock`) is held throughout: no run can write the store meanwhile.
+* the store's lock (:mod:`daskgen.store.lock`) is held throughout: no run can write the store meanwhile;
+* **damage stays visible**: unpacking copies an inner chunk that does not read back (checksum, decoding)
+  as it is stored, so ``daskgen verify`` finds it in the unpacked store and ``--repair`` resets it.
 
 The source is read through its :class:`~daskgen.store.generation_store.GenerationStore` (pickled to the
 copy tasks); the copy is written as a plain Zarr group, file by file, since it is no daskgen store until
