@@ -13,6 +13,8 @@ import pytest
 import zarr
 
 from daskgen import store
+from daskgen.errors import StoreError
+from daskgen.store.repair import repair
 from daskgen.store.shard_index import ABSENT, read_index, shard_of
 from daskgen.store.verify import row_rules, verify
 from tests.conftest import run_cli, write_prompts
@@ -144,14 +146,14 @@ def test_damage_inside_a_shard_is_named_and_repaired_after_unpack(tmp_path):
     assert (_inner_entry(out, "response_mask", (2, 0, 0))[1] == ABSENT).all(), "the index entry is gone"
     inner = "response_ids/c/0/0/0 inner chunk 1/0/0", "response_mask/c/0/0/0 inner chunk 2/0/0"
     _assert_shard_damage(verify(out, progress=False), *inner)
-    res = run_cli("verify", out, "--repair", "--no-progress")
-    assert res.returncode == 2 and "daskgen unpack" in res.stderr, res.stdout + res.stderr
+    with pytest.raises(StoreError, match="daskgen unpack"):  # partitions share shard files
+        repair(store.GenerationStore.open(out), verify(out, progress=False))
     res = run_cli("unpack", out, "--n-workers", "1")
     assert res.returncode == 0, res.stdout + res.stderr
     # the damage survives unpacking, as damage: the corrupt inner chunk copied as stored, the lost one not there
-    _assert_shard_damage(verify(out, progress=False), "response_ids/c/1/0/0", "response_mask/c/2/0/0")
-    res = run_cli("verify", out, "--repair", "--no-progress")
-    assert res.returncode == 1 and "repaired: 2 partition(s)" in res.stdout, res.stdout + res.stderr
+    report = verify(out, progress=False)
+    _assert_shard_damage(report, "response_ids/c/1/0/0", "response_mask/c/2/0/0")
+    assert repair(store.GenerationStore.open(out), report)["partitions"] == [4, 8]
     res = run_cli("run", *sim_args(tmp_path, out, "--prompts", prompts, *COMMON, log="rerun.log"))
     assert res.returncode == 0, res.stdout + res.stderr
     regenerated = _rows_requested(tmp_path / "rerun.log")
