@@ -163,3 +163,22 @@ def test_damage_inside_a_shard_is_named_and_repaired_after_unpack(tmp_path):
     record(
         "damage inside a shard of a packed store: unpack, verify --repair, rerun", rows=N, regenerated=len(regenerated)
     )
+
+
+def test_a_shard_index_is_read_from_object_storage_too():
+    """The index read (only the shard's last bytes) through an object store's range request: ``memory://``."""
+    import uuid
+
+    from daskgen.store.location import locate
+    from daskgen.store.shard_index import inner_chunk_bytes, inner_present
+
+    where = locate(f"memory:///{uuid.uuid4().hex}")
+    arr = zarr.create_array(where.zarr_store(), name="a", shape=(12, 3), chunks=(4, 3), shards=(12, 3), dtype="int32")
+    arr[:] = 1
+    arr[4:8] = arr.fill_value  # the middle inner chunk holds only fill values: the shard leaves it out
+    index = read_index(where, arr, "a", (0, 0))
+    assert [inner_present(index, (i, 0)) for i in range(3)] == [True, False, True]
+    assert inner_chunk_bytes(where, arr, "a", (1, 0)) is None
+    stored = inner_chunk_bytes(where, arr, "a", (2, 0))
+    assert stored is not None and len(stored) == index[2, 0, 1]
+    assert read_index(where, arr, "a", (1, 0)) is None  # no such shard
