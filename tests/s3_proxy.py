@@ -9,8 +9,10 @@ it (``reset-after-put``: the write landed, its answer is lost).  It can also
 stand in for the credential check moto skips (``403 InvalidAccessKeyId`` for one access key id), and an
 outage mode fails every request until it is lifted (set ``outage``, or ``outage_after = (fragment, n)``
 to begin it right after the ``n``-th forwarded PUT whose path holds ``fragment``: mid-run, whatever the
-machine's speed).  What it injected is counted per kind, so a test can
-show that each fault really happened.
+machine's speed).  ``lose_answers = (fragment, n)`` stores the next ``n`` PUTs whose path holds ``fragment``
+and resets their connections (``lost-answer``); ``kinds`` narrows the faults drawn to the ones named, and
+``slow_after_forward`` delays a ``slow`` answer after the server stored the write instead of before.  What it
+injected is counted per kind, so a test can show that each fault really happened.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ class FaultProxy:
         self.random = random.Random(seed)
         self.outage = False
         self.outage_after: tuple[str, int] | None = None
+        self.lose_answers: tuple[str, int] | None = None
+        self.kinds: tuple[str, ...] | None = None
+        self.slow_after_forward = False
         self.refused_key: str | None = None
         self.injected: collections.Counter[str] = collections.Counter()
         self.forwarded = 0
@@ -90,12 +95,18 @@ class FaultProxy:
         """The fault to inject for one request, or ``None`` to forward it."""
         with self._lock:
             self._count_towards_outage(method, path)
-            if self.refused_key and f"Credential={self.refused_key}/" in authorization:
+            lose = self.lose_answers
+            if lose and method == "PUT" and lose[0] in path and lose[1] > 0:
+                self.lose_answers = (lose[0], lose[1] - 1)
+                fault = "lost-answer"
+            elif self.refused_key and f"Credential={self.refused_key}/" in authorization:
                 fault = "bad-key"
             elif self.outage:
                 fault = "outage"
             elif method in self.methods and self.random.random() < self.share:
-                fault = self.random.choice(FAULTS if method in ("GET", "HEAD") else FAULTS[:2] + FAULTS[3:])
+                fault = self.random.choice(
+                    self.kinds or (FAULTS if method in ("GET", "HEAD") else FAULTS[:2] + FAULTS[3:])
+                )
                 if self.reset_writes and method == "PUT":
                     fault = self.random.choice(("reset-put", "reset-after-put"))
             else:
@@ -116,9 +127,9 @@ class FaultProxy:
             def _relay(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 fault = proxy.pick_fault(self.command, self.headers.get("Authorization", ""), self.path)
-                if fault == "reset-after-put":
+                if fault in ("reset-after-put", "lost-answer"):
                     self._forward(body, answer=False)
-                if fault in ("reset", "reset-put", "reset-after-put"):
+                if fault in ("reset", "reset-put", "reset-after-put", "lost-answer"):
                     return self._reset()
                 if fault in ("slowdown", "outage"):
                     return self._answer(503, _SLOWDOWN)
@@ -126,9 +137,9 @@ class FaultProxy:
                     return self._answer(500, _INTERNAL)
                 if fault == "bad-key":
                     return self._answer(403, _BAD_KEY)
-                if fault == "slow":
+                if fault == "slow" and not proxy.slow_after_forward:
                     time.sleep(proxy.slow_s)
-                self._forward(body)
+                self._forward(body, delay=proxy.slow_s if fault == "slow" and proxy.slow_after_forward else 0.0)
 
             def _reset(self) -> None:
                 linger = b"\x01\x00\x00\x00\x00\x00\x00\x00"  # close with RST, not FIN
@@ -136,7 +147,7 @@ class FaultProxy:
                 self.close_connection = True
                 self.connection.close()
 
-            def _forward(self, body: bytes, answer: bool = True) -> None:
+            def _forward(self, body: bytes, answer: bool = True, delay: float = 0.0) -> None:
                 up = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
                 up.request(self.command, self.path, body=body if body else None, headers=headers)
@@ -145,6 +156,7 @@ class FaultProxy:
                 up.close()
                 if not answer:
                     return
+                time.sleep(delay)
                 self.send_response(reply.status, reply.reason)
                 for key, value in reply.getheaders():
                     if key.lower() not in ("transfer-encoding", "connection", "content-length"):

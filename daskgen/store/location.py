@@ -74,6 +74,10 @@ class StoreLocation:
         """The object ``key``, or ``None`` when it does not exist."""
         raise NotImplementedError
 
+    def read_tail(self, key: str, size: int) -> bytes | None:
+        """The last ``size`` bytes of ``key`` (all of it when shorter); ``None`` when it does not exist."""
+        raise NotImplementedError
+
     def is_empty(self) -> bool:
         """True when nothing is stored at this location yet."""
         raise NotImplementedError
@@ -131,6 +135,14 @@ class LocalLocation(StoreLocation):
     def read_bytes(self, key: str) -> bytes | None:
         try:
             return (self.path / key).read_bytes()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+
+    def read_tail(self, key: str, size: int) -> bytes | None:
+        try:
+            with (self.path / key).open("rb") as fh:
+                fh.seek(max(fh.seek(0, os.SEEK_END) - size, 0))
+                return fh.read()
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return None
 
@@ -220,6 +232,15 @@ class ObjectLocation(StoreLocation):
         got = self.read_versioned(key)
         return None if got is None else got[0]
 
+    def read_tail(self, key: str, size: int) -> bytes | None:
+        import obstore
+        from obstore.exceptions import NotFoundError
+
+        try:
+            return bytes(obstore.get(self.store, key, options={"range": {"suffix": size}}).bytes())
+        except (NotFoundError, FileNotFoundError):
+            return None
+
     def is_empty(self) -> bool:
         import obstore
 
@@ -233,7 +254,8 @@ class ObjectLocation(StoreLocation):
         try:
             self.is_empty()
         except Exception as exc:  # obstore raises its own types (not found, permission, generic)
-            raise StoreError(f"cannot use the object store {self.url!r}: {_object_store_problem(exc)}") from exc
+            problem = _object_store_problem(exc, _endpoint(self.storage_options) or "the default endpoint")
+            raise StoreError(f"cannot use the object store {self.url!r}: {problem}") from exc
 
     def create_object(self, key: str, data: bytes) -> bool:
         import obstore
@@ -296,10 +318,14 @@ class ObjectLocation(StoreLocation):
         return ObjectLocation(self.url + suffix, self.storage_options)
 
 
-def _object_store_problem(exc: BaseException) -> str:
-    """What an object-store error means for the user, and the fix."""
+def _endpoint(options: dict[str, Any]) -> str:
+    """The endpoint requests go to: ``storage_options``' own, else ``AWS_ENDPOINT_URL`` (empty: the default)."""
+    return str(options.get("endpoint") or options.get("aws_endpoint") or os.environ.get("AWS_ENDPOINT_URL", ""))
+
+
+def _object_store_problem(exc: BaseException, endpoint: str) -> str:
+    """What an object-store error at ``endpoint`` means for the user, and the fix."""
     text = describe_failure(exc)
-    endpoint = os.environ.get("AWS_ENDPOINT_URL") or "the default endpoint"
     if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
         return f"the bucket does not exist at {endpoint}. Create it, or fix the URL. ({text})"
     auth = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "Forbidden", "403", "Unauthenticated")
@@ -307,6 +333,11 @@ def _object_store_problem(exc: BaseException) -> str:
         return (
             f"access was refused at {endpoint}: check the credentials (AWS_ACCESS_KEY_ID / "
             f"AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or storage_options) and their permissions. ({text})"
+        )
+    if any(sign in str(exc).lower() for sign in ("error sending request", "connect", "dns error")):
+        return (
+            f"{endpoint} could not be reached (after retries): check the endpoint (AWS_ENDPOINT_URL or "
+            f"storage_options' endpoint) and that the service is up. ({text})"
         )
     return f"it did not answer as expected at {endpoint} (after retries): {text}"
 
@@ -361,7 +392,7 @@ def _build(url: str, options: dict[str, Any]) -> Any:
 
     opts = dict(options)
     client = cast("ClientConfig", {**_client_defaults(), **(opts.pop("client_options", {}) or {})})
-    endpoint = opts.get("endpoint") or opts.get("aws_endpoint") or os.environ.get("AWS_ENDPOINT_URL", "")
+    endpoint = _endpoint(opts)
     if endpoint.startswith("http://"):
         client.setdefault("allow_http", True)  # a plain-HTTP endpoint (MinIO, moto, a local gateway)
     retry = opts.pop("retry_config", None) or retry_config()

@@ -113,15 +113,22 @@ class StoreLock:
         raise StoreLockedError(f"could not take the lock {self.path!r}: another client keeps taking it")
 
     def _taken(self, doc: bytes) -> None:
-        current = self.location.read_versioned(LOCK_NAME)
-        self._version = None if current is None else current[1]
-        self._last_beat = time.monotonic()
-        if not self.location.is_local and self.location.create_object(LOCK_NAME, doc):
+        """After creating the lock: probe whether the store honours create-if-absent, then note its version.
+
+        The probe's bytes differ from the lock's: a create that fails its condition when repeated counts as
+        done when the object holds the bytes it wrote (a first attempt whose answer was lost), so a probe
+        with the lock's own bytes would always seem to succeed.
+        """
+        probe = json.dumps({**json.loads(doc), "probe": True}).encode()
+        if not self.location.is_local and self.location.create_object(LOCK_NAME, probe):
             logger.warning(
                 "the object store at %s ignores conditional writes (If-None-Match): the lock cannot "
                 "keep a second client out; run one client per store yourself",
                 self.location.url,
             )
+        current = self.location.read_versioned(LOCK_NAME)
+        self._version = None if current is None else current[1]
+        self._last_beat = time.monotonic()
 
     def heartbeat(self, *, force: bool = False) -> None:
         """Refresh the heartbeat (cheap; writes at most every ``daskgen.lock.heartbeat-interval``, 30 s).

@@ -20,7 +20,9 @@ How it stays safe:
 * **resumable**: the shards already copied are recorded (``daskgen_pack`` attrs of the copy); an
   interrupted pack rewrites only the rest (and any recorded shard that no longer equals the source,
   e.g. after a run on the source in between), and a swap interrupted between its renames is finished;
-* the store's lock (:mod:`daskgen.store.lock`) is held throughout: no run can write the store meanwhile.
+* the store's lock (:mod:`daskgen.store.lock`) is held throughout: no run can write the store meanwhile;
+* **damage stays visible**: unpacking copies an inner chunk that does not read back (checksum, decoding)
+  as it is stored, so ``daskgen verify`` finds it in the unpacked store and ``--repair`` resets it.
 
 The source is read through its :class:`~daskgen.store.generation_store.GenerationStore` (pickled to the
 copy tasks); the copy is written as a plain Zarr group, file by file, since it is no daskgen store until
@@ -34,6 +36,7 @@ share shards): runs refuse it and name the fix, ``daskgen unpack STORE`` (see
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import shutil
 import time
@@ -51,6 +54,7 @@ from daskgen.store.generation_store import GenerationStore, import_zarr
 from daskgen.store.layout import client_written_arrays
 from daskgen.store.location import LocalLocation, StoreLocation, StoreRef, locate
 from daskgen.store.lock import LOCK_NAME, StoreLock
+from daskgen.store.shard_index import inner_chunk_bytes, sharding
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +107,12 @@ def copy_block(
     from the source now (a run may have changed the source in between).  Runs on a Dask worker;
     returns the bytes written (uncompressed).
     """
-    values = src.read_region(start, stop, (name,))[name]
+    try:
+        values = src.read_region(start, stop, (name,))[name]
+    except Exception:  # a checksum or decoding failure: zarr raises many types
+        if not src.attrs.packed:
+            raise
+        return copy_damaged_block(src, dst, name, start, stop)
     target = import_zarr().open_array(dst.zarr_store(), path=name, mode="r+")
     if copied_before and _same(values, target[start:stop]):
         return 0
@@ -111,6 +120,42 @@ def copy_block(
     if not _same(values, target[start:stop]):
         raise _verification_error(dst, name, start, stop)
     return int(values.nbytes)
+
+
+def copy_damaged_block(src: GenerationStore, dst: StoreLocation, name: str, start: int, stop: int) -> int:
+    """Unpack rows ``[start, stop)`` of ``name`` that do not read back: row chunk by row chunk, the inner
+    chunks of one that does not read copied as they are stored (still damaged, so ``daskgen verify`` finds
+    them in the unpacked store and ``--repair`` resets their partitions).  Returns the bytes copied."""
+    arr, rows = src.array(name), src.array(name).chunks[0]
+    target = import_zarr().open_array(dst.zarr_store(), path=name, mode="r+")
+    codec = sharding(arr)
+    if codec is None or tuple(codec.codecs) != tuple(target.metadata.codecs):
+        raise PackError(f"cannot copy the damaged rows {start}..{stop - 1} of {name!r}: the target's codecs differ")
+    copied = 0
+    for lo in range(start, stop, rows):
+        hi = min(lo + rows, stop)
+        try:
+            values = src.read_region(lo, hi, (name,))[name]
+        except Exception as exc:
+            logger.warning("rows %d..%d of %r do not read (%s): copied as stored", lo, hi - 1, name, exc)
+            copied += _copy_stored(src, dst, target, name, lo // rows)
+            continue
+        target[lo:hi] = values
+        copied += int(values.nbytes)
+    return copied
+
+
+def _copy_stored(src: GenerationStore, dst: StoreLocation, target: Any, name: str, row_chunk: int) -> int:
+    """Copy every inner chunk of grid row ``row_chunk`` of the packed ``name`` into ``target``'s chunk files,
+    byte for byte; returns the bytes copied."""
+    arr, copied = src.array(name), 0
+    others = [range(-(-size // step)) for size, step in zip(arr.shape[1:], arr.chunks[1:], strict=True)]
+    for index in itertools.product([row_chunk], *others):
+        data = inner_chunk_bytes(src.location, arr, name, index)
+        if data is not None:
+            dst.write_object(f"{name}/{target.metadata.encode_chunk_key(index)}", data)
+            copied += len(data)
+    return copied
 
 
 def _verification_error(dst: StoreLocation, name: str, start: int, stop: int) -> PackError:

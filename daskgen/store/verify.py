@@ -4,7 +4,8 @@ Every chunk of every array is read (in parallel: tasks on a Dask cluster when gi
 threads), so a chunk whose checksum fails or that does not decode is found; the rows of finished
 (``done``) partitions are checked against :mod:`daskgen.store.invariants`; the data chunks that each
 finished partition must have written, derived per array from its rows (:mod:`daskgen.store.expected_chunks`),
-are checked to exist (a chunk that is not there reads back as fill values without an error).  The result
+are checked to exist (a chunk that is not there reads back as fill values without an error): a chunk file,
+or in a packed store an entry in its shard's index (:mod:`daskgen.store.shard_index`).  The result
 names the affected rows (index and ``id``), arrays and chunk keys; :func:`daskgen.store.repair.repair`
 resets exactly the affected partitions to pending.
 """
@@ -23,6 +24,7 @@ from daskgen.store.generation_store import GenerationStore
 from daskgen.store.invariants import RowRules, broken_rows
 from daskgen.store.layout import DONE
 from daskgen.store.location import StoreRef
+from daskgen.store.shard_index import inner_present, read_index, shard_key, shard_of, sharding
 
 
 @dataclass(frozen=True)
@@ -132,29 +134,51 @@ def check_partition(
         Problem("invariant", "rows", chunk_key(store, "finish_reason", start), start + r, start + r + 1, why)
         for r, why in sorted(broken.items())
     ]
-    if store.attrs.packed:  # inner chunks live inside shard files: reading them is the check
-        return PartitionCheck(problems, [])
     chunks = {name: tuple(store.array(name).chunks) for name in region}
     return PartitionCheck(problems, expected_chunks(PartitionRows(region, done, noted, rules), start, chunks))
 
 
 def chunk_key(store: GenerationStore, name: str, start: int, index: tuple[int, ...] | None = None) -> str:
     """The key (path in the store) of the chunk of ``name`` at grid ``index`` (default: the first chunk of
-    the row ``start``)."""
+    the row ``start``); in a sharded array, the shard's key and the inner chunk's index inside it."""
     arr = store.array(name)
     index = index or (start // arr.chunks[0], *([0] * (len(arr.shape) - 1)))
-    return f"{name}/{arr.metadata.encode_chunk_key(index)}"
+    if sharding(arr) is None:
+        return f"{name}/{arr.metadata.encode_chunk_key(index)}"
+    shard, inner = shard_of(arr, index)
+    return f"{shard_key(arr, name, shard)} inner chunk {'/'.join(map(str, inner))}"
 
 
 def missing_chunks(store: GenerationStore, expected: list[ExpectedChunk]) -> list[Problem]:
-    """The ``expected`` chunks that are not in the store (unpacked stores; a packed store's chunks live inside
-    shard files and are checked by reading them)."""
-    if store.attrs.packed or not expected:
-        return []
-    present = {key for array in {e.array for e in expected} for key, _ in store.location.files(array)}
+    """The ``expected`` chunks that are not in the store: no chunk file, or (packed stores) no entry in its
+    shard's index.  Each array is listed once, each shard's index read once."""
     gone = "a finished partition's chunk is gone (its rows hold values other than the fill value)"
-    found = [(chunk_key(store, e.array, e.start, e.index), e) for e in expected]
-    return [Problem("missing chunk", e.array, key, e.start, e.stop, gone) for key, e in found if key not in present]
+    listed: dict[str, set[str]] = {}
+    indexes: dict[tuple[str, tuple[int, ...]], np.ndarray | None] = {}
+    return [
+        Problem("missing chunk", e.array, chunk_key(store, e.array, e.start, e.index), e.start, e.stop, gone)
+        for e in expected
+        if not _present(store, e, listed, indexes)
+    ]
+
+
+def _present(
+    store: GenerationStore,
+    chunk: ExpectedChunk,
+    listed: dict[str, set[str]],
+    indexes: dict[tuple[str, tuple[int, ...]], np.ndarray | None],
+) -> bool:
+    """True when ``chunk``'s file is in the listing of its array, or its shard's index has an entry for it."""
+    arr = store.array(chunk.array)
+    if sharding(arr) is None:
+        if chunk.array not in listed:
+            listed[chunk.array] = {key for key, _ in store.location.files(chunk.array)}
+        return f"{chunk.array}/{arr.metadata.encode_chunk_key(chunk.index)}" in listed[chunk.array]
+    shard, inner = shard_of(arr, chunk.index)
+    if (chunk.array, shard) not in indexes:
+        indexes[chunk.array, shard] = read_index(store.location, arr, chunk.array, shard)
+    index = indexes[chunk.array, shard]
+    return index is not None and inner_present(index, inner)
 
 
 def verify(
