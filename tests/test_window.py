@@ -30,7 +30,7 @@ def test_auto_window(capacity, per_partition, nthreads, expected):
 
 
 def test_admission_follows_occupancy():
-    rule = Admission.for_engine(capacity=100, requests_per_partition=40, nthreads=65)
+    rule = Admission.for_engine(capacity=100, requests_per_partition=40, slots=65)
     assert rule.window(running_partitions=1, outstanding_requests=40) == 5  # 160 missing of 200: 4 more
     assert rule.window(running_partitions=5, outstanding_requests=200) == 5  # full: no more
     # a heavy tail: 12 partitions running, only 30 requests left in them (mostly finished samples)
@@ -146,7 +146,7 @@ def test_auto_window_grows_to_what_the_rule_says_and_the_run_completes(tmp_path)
         },
     )
     nthreads = AUTO_MAX_WINDOW + 1
-    rule = Admission.for_engine(capacity=16, requests_per_partition=8, nthreads=nthreads)
+    rule = Admission.for_engine(capacity=16, requests_per_partition=8, slots=nthreads)
     start = resolve_window("auto", 16, 8, nthreads)
     expected = _fixed_point(rule, start)
     assert (start, expected) == (16, 32)
