@@ -23,7 +23,8 @@ WANTED = 32  # the rule's fixed point for this engine (tests/test_window.py)
 ROWS = 4 * (WANTED + 4)
 
 
-def _config(tmp_path) -> RunConfig:
+def gated_config(tmp_path, rows: int = ROWS) -> RunConfig:
+    """A run of the probe engine (16 slots) that holds sample 0 of every partition of 4 rows at a gate."""
     return RunConfig(
         model="sim",
         store=str(tmp_path / "s.zarr"),
@@ -35,7 +36,7 @@ def _config(tmp_path) -> RunConfig:
         engine_args={
             "events_path": str(tmp_path / "events.log"),
             "gate_path": str(tmp_path / "gate"),
-            "gate_rows": list(range(0, ROWS, 4)),  # the first row of every partition,
+            "gate_rows": list(range(0, rows, 4)),  # the first row of every partition,
             "gate_sample": 0,  # its first sample
             "max_batch": 16,
             "time_scale": 0.0,
@@ -52,7 +53,7 @@ def _gated_run(tmp_path, nthreads: int, hold_threads: bool) -> Iterator[tuple[An
     from daskgen.client.runner import run
     from daskgen.testing.probes import in_flight_after, read_events
 
-    config = _config(tmp_path)
+    config = gated_config(tmp_path)
 
     def held() -> int:
         return sum(len(ids) for ids in in_flight_after(read_events(tmp_path / "events.log")).values())
