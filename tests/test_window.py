@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -30,7 +31,7 @@ def test_auto_window(capacity, per_partition, nthreads, expected):
 
 
 def test_admission_follows_occupancy():
-    rule = Admission.for_engine(capacity=100, requests_per_partition=40, nthreads=65)
+    rule = Admission.for_engine(capacity=100, requests_per_partition=40, slots=65)
     assert rule.window(running_partitions=1, outstanding_requests=40) == 5  # 160 missing of 200: 4 more
     assert rule.window(running_partitions=5, outstanding_requests=200) == 5  # full: no more
     # a heavy tail: 12 partitions running, only 30 requests left in them (mostly finished samples)
@@ -126,27 +127,12 @@ def test_auto_window_grows_to_what_the_rule_says_and_the_run_completes(tmp_path)
     from daskgen.client.runner import run
     from daskgen.testing.probes import in_flight_after, read_events
     from daskgen.worker.plugin import RESOURCE
+    from tests.test_thread_slots import gated_config
 
     events, gate = tmp_path / "events.log", tmp_path / "gate"
-    config = RunConfig(
-        model="sim",
-        store=str(tmp_path / "s.zarr"),
-        engine="daskgen.testing.probes:ProbeEngine",
-        n_samples=2,
-        partition_size=4,
-        max_prompt_tokens=64,
-        progress=False,
-        engine_args={
-            "events_path": str(events),
-            "gate_path": str(gate),
-            "gate_rows": list(range(0, 200, 4)),  # the first row of every partition,
-            "gate_sample": 0,  # its first sample
-            "max_batch": 16,
-            "time_scale": 0.0,
-        },
-    )
+    config = gated_config(tmp_path, 200)
     nthreads = AUTO_MAX_WINDOW + 1
-    rule = Admission.for_engine(capacity=16, requests_per_partition=8, nthreads=nthreads)
+    rule = Admission.for_engine(capacity=16, requests_per_partition=8, slots=nthreads)
     start = resolve_window("auto", 16, 8, nthreads)
     expected = _fixed_point(rule, start)
     assert (start, expected) == (16, 32)
@@ -212,9 +198,17 @@ def test_one_partition_stays_submitted_when_no_worker_admits_any():
     drv.run = SimpleNamespace(
         stop=SimpleNamespace(stopping=False), plan=SimpleNamespace(config=SimpleNamespace(max_retries=0))
     )
-    drv.tasks = iter([SimpleNamespace(isolate=False, alone=False, start=s) for s in (0, 4, 8)])
+    drv.tasks = iter([_bare_task(s) for s in (0, 4, 8)])
     drv.done = SimpleNamespace(add=lambda fut: None)
     drv.submit_up_to(1)
     assert len(drv.futures) == 1 and "workers" not in client.submitted[0][1], "one unpinned partition is submitted"
     drv.submit_up_to(1)
     assert len(drv.futures) == 1, "but not more while no worker admits any"
+
+
+def _bare_task(start: int) -> Any:
+    """A partition task with only what the submit step reads (a real ``PartitionTask``, no store)."""
+    from daskgen.engines.base import SamplingParams
+    from daskgen.worker.partition import PartitionTask
+
+    return PartitionTask(None, start, start + 4, [start], None, 1, SamplingParams(), 0)  # type: ignore[arg-type]

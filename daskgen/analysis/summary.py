@@ -28,10 +28,17 @@ def status_report(path: StoreRef) -> str:
         "settings: " + json.dumps(attrs.identity, sort_keys=True),
         "input:    " + json.dumps(attrs.input, sort_keys=True),
         "checksums: " + _checksum_summary(store),
+        *_thread_slots_line(attrs),
         *_cursor_lines(store, status),
         *_first_errors(store, status),
     ]
     return "\n".join(lines)
+
+
+def _thread_slots_line(attrs: object) -> list[str]:
+    """The last run's note that workers' thread slots kept its engines underfed, if it made one."""
+    note = (getattr(attrs, "engine", None) or {}).get("thread_slots")
+    return [f"workers:  {note}"] if note else []
 
 
 def _cursor_lines(store: GenerationStore, status: np.ndarray) -> list[str]:

@@ -95,14 +95,14 @@ def drive(client: Any, run: LiveRun, tasks: Iterator[PartitionTask], info: Any =
     """Start the engines, then stream ``tasks`` through the cluster and commit each as it finishes (the
     counts go into ``run``)."""
     from daskgen.client.dashboard import DashboardLink
-    from daskgen.client.engines import start_engines
+    from daskgen.client.engines import start_engines, thread_slots_note
     from daskgen.client.progress import announce_page
 
     link = DashboardLink(client, run)
     announce_page(link.url, enabled=run.plan.config.progress)
     link.report("starting engines", force=True)
     start_engines(client, run.plan.config, run.stop.interrupt)
-    record_engine(client, run.plan)
+    record_engine(client, run.plan, thread_slots_note(client))
     run.generating()
     Driver(client, run, tasks, info, link).stream(n_pending)
     run.keep_engine_record(link.finish())
@@ -301,13 +301,14 @@ def only_rows(task: PartitionTask, rows: list[int]) -> PartitionTask:
     return dataclasses.replace(task, rows=[task.rows[i] for i in keep], prompts=prompts, rows_meta=meta, inputs=inputs)
 
 
-def record_engine(client: Any, plan: Plan) -> None:
-    """Store what the engine says about itself (e.g. ``retokenized`` for chat/completions servers)."""
+def record_engine(client: Any, plan: Plan, slots_note: str | None = None) -> None:
+    """Store what the engine says about itself (e.g. ``retokenized`` for chat/completions servers), with
+    ``slots_note`` (:func:`~daskgen.client.engines.thread_slots_note`) as its ``thread_slots`` when given."""
     from daskgen.worker.plugin import engine_description
 
     described = [d for d in client.run(engine_description).values() if d]
     if described:
-        plan.store.update_attrs(engine=redact(described[0]))
+        plan.store.update_attrs(engine=redact({**described[0], **({"thread_slots": slots_note} if slots_note else {})}))
 
 
 def task_key(task: PartitionTask) -> str:
@@ -320,7 +321,8 @@ def submit(client: Any, keys: list[str], tasks: list[PartitionTask], retries: in
     """Submit partitions under ``keys`` in one graph; to ``worker`` when given (loosely: elsewhere if that
     worker is gone)."""
     where = {} if worker is None else {"workers": [worker], "allow_other_workers": True}
-    return client.map(run_partition, tasks, key=keys, pure=False, retries=retries, resources={RESOURCE: 1}, **where)
+    keyed = [dataclasses.replace(task, key=key) for key, task in zip(keys, tasks, strict=True)]
+    return client.map(run_partition, keyed, key=keys, pure=False, retries=retries, resources={RESOURCE: 1}, **where)
 
 
 def engine_unavailable(fut: Any, value: Any) -> EngineUnavailable | None:

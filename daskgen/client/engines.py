@@ -115,6 +115,30 @@ def check_engines(client: Any, config: RunConfig) -> None:
         )
 
 
+def thread_slots_note(client: Any) -> str | None:
+    """One line (also logged as a warning) when some workers' thread slots cap their partitions in flight
+    below what their engine wants, naming the slots, the wanted window and the fix; else ``None``.
+
+    Only workers whose partition tasks hold a thread slot (``daskgen.partitions-hold-threads: true`` where
+    they run) report ``slots``.
+    """
+    states = client.run(plugin_status).values()
+    short = [s for s in states if s.get("slots") is not None and (s.get("wanted") or 0) > s["slots"]]
+    if not short:
+        return None
+    slots = min(s["slots"] for s in short)
+    wanted = max(s["wanted"] for s in short)
+    capacity = max(s.get("capacity") or 0 for s in short)
+    note = (
+        f"{len(short)} of {len(states)} workers run {slots} partitions at most (their thread slots) but their "
+        f"engine (capacity {capacity} requests) wants {wanted} in flight, so it runs underfed; fix: start the "
+        f"workers with `dask worker ADDRESS --nthreads {wanted}`, or set daskgen.partitions-hold-threads: "
+        "false where they run"
+    )
+    logger.warning(note)
+    return note
+
+
 def _resource_visible(client: Any) -> bool:
     info = client.scheduler_info(n_workers=-1)["workers"]
     return any(w.get("resources", {}).get(RESOURCE, 0) > 0 for w in info.values())

@@ -71,7 +71,8 @@ class WorkerMeter:
         """The message for :data:`WORKER_TOPIC`; the lengths sent are forgotten here.
 
         ``engine`` holds the plugin's current state: ``state``, ``outstanding`` (unfinished requests),
-        ``capacity`` (batch slots), ``window`` (partitions admitted), ``running`` (partitions running).
+        ``capacity`` (batch slots), ``window`` (partitions admitted), ``running`` (partitions running),
+        ``wanted`` (partitions the engine wants) and ``slots`` (task slots capping the window, ``None``: none).
         """
         lengths, self._lengths = dict(self._lengths), defaultdict(list)
         return {

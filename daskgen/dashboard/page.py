@@ -42,6 +42,7 @@ background:#cfd8dc;margin:8px 0}
 border-bottom:2px solid #ddd;padding:4px 10px}.dg-tab td{border-bottom:1px solid #eee;padding:4px 10px}
 .dg-meter{display:inline-block;width:60px;height:9px;background:#e3e8eb;border-radius:3px;margin-right:6px;
 vertical-align:middle}.dg-meter span{display:block;height:9px;background:#1565c0;border-radius:3px}
+.dg-flag{color:#b71c1c;font-size:12px}
 </style>"""
 
 
@@ -242,11 +243,22 @@ def workers_html(rows: list[dict[str, Any]]) -> str:
         f'<tr data-daskgen-worker="{html.escape(r["worker"])}"><td>{html.escape(_short(r["worker"]))}</td>'
         f"<td>{html.escape(r['state'])}</td>"
         f"<td>{_meter(r['occupancy'])} {r['outstanding']:,} / {r['capacity']:,}</td>"
-        f"<td>{r['window']} / {r['running']}</td><td>{r['tokens_per_s']:,.0f}</td>"
+        f"<td>{r['window']} / {r['running']}{_slots_flag(r)}</td><td>{r['tokens_per_s']:,.0f}</td>"
         f'<td data-daskgen="samples-{i}">{r["samples"]:,}</td><td>{r["restarts"]}</td></tr>'
         for i, r in enumerate(rows)
     )
     return f'<div class="dg"><h2>Workers</h2><table class="dg-tab" data-daskgen="workers">{head}{body}</table></div>'
+
+
+def _slots_flag(row: dict[str, Any]) -> str:
+    """A flag when the worker's thread slots cap its window below what its engine wants, else ``""``."""
+    slots, wanted = row.get("slots"), row.get("wanted") or 0
+    if slots is None or wanted <= slots:
+        return ""
+    return (
+        f' <b class="dg-flag" data-daskgen="slots-short" title="dask worker --nthreads {wanted}">'
+        f"{slots} thread slots / {wanted} wanted</b>"
+    )
 
 
 def _meter(fraction: float) -> str:

@@ -236,6 +236,8 @@ class DashboardState:
                     "capacity": capacity,
                     "window": r.get("window") or 0,
                     "running": r.get("running", 0),
+                    "wanted": r.get("wanted") or 0,
+                    "slots": r.get("slots"),
                     "tokens_per_s": 0.0 if silent else view.tokens_per_s(now),
                     "tokens": r["tokens"],
                     "samples": r["samples"],

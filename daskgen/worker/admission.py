@@ -9,6 +9,10 @@ finished samples waiting for one long one, gets many partitions in flight, and a
 The amount is advertised as the worker's ``daskgen-engine`` resource (the scheduler then hands it
 that many partitions at once) and announced to the client, which keeps the sum of all advertised
 amounts submitted.  ``window: N`` fixes it at ``N``.
+
+A partition task leaves its worker thread slot as soon as it starts (:mod:`daskgen.worker.thread_slots`),
+so the window does not depend on the worker's thread count; with ``daskgen.partitions-hold-threads: true``
+tasks keep their slot, the thread count caps the window, and the worker reports how many it wanted.
 """
 
 from __future__ import annotations
@@ -35,27 +39,39 @@ START_MAX_WINDOW = 16
 WINDOW_TOPIC = "daskgen-window"
 
 
-def resolve_window(window: int | str, capacity: int | None, requests_per_partition: int, nthreads: int) -> int:
-    """Partitions a worker admits when its engine starts.
+def wanted_window(window: int | str, capacity: int | None, requests_per_partition: int) -> int:
+    """Partitions a worker wants in flight when its engine starts, whatever its task slots.
 
     An integer ``window`` is used as given.  ``"auto"`` starts at ``AUTO_FILL x capacity`` requests
     divided by ``requests_per_partition``, rounded up and clipped to ``[2, 16]`` partitions; from
-    then on :class:`Admission` follows the engine's occupancy.  Both are capped by the worker's task
-    slots (``nthreads``; partition tasks are async but still take one).
+    then on :class:`Admission` follows the engine's occupancy.
     """
     if window == "auto":
         wanted = math.ceil(AUTO_FILL * (capacity or AUTO_DEFAULT_CAPACITY) / max(1, requests_per_partition))
-        window = min(START_MAX_WINDOW, max(AUTO_MIN_WINDOW, wanted))
-    window = int(window)
-    if window > nthreads:
+        return min(START_MAX_WINDOW, max(AUTO_MIN_WINDOW, wanted))
+    return max(1, int(window))
+
+
+def resolve_window(window: int | str, capacity: int | None, requests_per_partition: int, slots: int | None) -> int:
+    """Partitions a worker admits when its engine starts: :func:`wanted_window`, capped by ``slots``.
+
+    ``slots`` is the worker's task slots (``nthreads``) when partition tasks hold one for their whole
+    run (``daskgen.partitions-hold-threads``), else ``None``: partition tasks leave their slot as soon
+    as they start (:mod:`daskgen.worker.thread_slots`), and nothing but the window bounds them.
+    """
+    wanted = wanted_window(window, capacity, requests_per_partition)
+    if slots is not None and wanted > slots:
         logger.warning(
             "window %d is more than this worker's %d task slots; using %d. Give workers more threads "
-            "(cluster.threads_per_worker, dask worker --nthreads) to keep more partitions in flight.",
-            window,
-            nthreads,
-            nthreads,
+            "(dask worker --nthreads %d), or let partitions leave their thread slot "
+            "(daskgen.partitions-hold-threads: false).",
+            wanted,
+            slots,
+            slots,
+            wanted,
         )
-    return max(1, min(int(window), nthreads))
+        return max(1, slots)
+    return wanted
 
 
 @dataclass(frozen=True)
@@ -65,23 +81,29 @@ class Admission:
     Attributes:
         capacity: the engine's batch slots (``Engine.capacity``, or :data:`AUTO_DEFAULT_CAPACITY`).
         requests_per_partition: engine requests one partition makes (prompts x samples).
-        max_window: most partitions at once (task slots, :data:`AUTO_MAX_WINDOW`).
+        slots: the worker's task slots when partitions hold one (``None``: they do not), capping the window.
     """
 
     capacity: int
     requests_per_partition: int
-    max_window: int
+    slots: int | None = None
 
     @classmethod
-    def for_engine(cls, capacity: int | None, requests_per_partition: int, nthreads: int) -> Admission:
-        """The rule for an engine with ``capacity`` slots on a worker with ``nthreads`` task slots."""
-        return cls(
-            capacity or AUTO_DEFAULT_CAPACITY, max(1, requests_per_partition), max(1, min(AUTO_MAX_WINDOW, nthreads))
-        )
+    def for_engine(cls, capacity: int | None, requests_per_partition: int, slots: int | None) -> Admission:
+        """The rule for an engine with ``capacity`` slots on a worker with ``slots`` task slots (or unbounded)."""
+        return cls(capacity or AUTO_DEFAULT_CAPACITY, max(1, requests_per_partition), slots)
 
-    def window(self, running_partitions: int, outstanding_requests: int) -> int:
-        """Partitions to admit now: the running ones plus enough new ones to bring the engine's
-        outstanding requests up to :data:`OCCUPANCY_TARGET` x its capacity."""
+    def wanted(self, running_partitions: int, outstanding_requests: int) -> int:
+        """Partitions the engine wants now: the running ones plus enough new ones to bring its outstanding
+        requests up to :data:`OCCUPANCY_TARGET` x its capacity, within ``[2, 64]`` (task slots aside)."""
         deficit = OCCUPANCY_TARGET * self.capacity - outstanding_requests
         extra = math.ceil(max(0.0, deficit) / self.requests_per_partition)
-        return max(min(AUTO_MIN_WINDOW, self.max_window), min(self.max_window, running_partitions + extra))
+        return max(AUTO_MIN_WINDOW, min(AUTO_MAX_WINDOW, running_partitions + extra))
+
+    def window(self, running_partitions: int, outstanding_requests: int) -> int:
+        """Partitions to admit now: :meth:`wanted`, capped by the task slots."""
+        return self.capped(self.wanted(running_partitions, outstanding_requests))
+
+    def capped(self, wanted: int) -> int:
+        """``wanted`` within this worker's task slots (unchanged when partitions hold none)."""
+        return wanted if self.slots is None else max(1, min(wanted, self.slots))

@@ -26,6 +26,7 @@ from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import Layout, clear_response, column_array, empty_region
 from daskgen.worker.rounds import RowOutcome, sample_in_rounds
 from daskgen.worker.slot import PartitionSlot
+from daskgen.worker.thread_slots import leave_thread_slot
 
 if TYPE_CHECKING:
     from daskgen.worker.plugin import EnginePlugin
@@ -62,6 +63,8 @@ class PartitionTask:
     rows_meta: list[dict[str, Any]] | None = None
     inputs: list[dict[str, Any]] | None = None
     chat_template: ChatTemplate | None = None  # the run's chat-template options (None: the tokenizer's own)
+    #: The Dask key it runs under (set at submission), by which the running task gives back its thread slot.
+    key: str = ""
 
     @property
     def layout(self) -> Layout:
@@ -194,11 +197,13 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
     Normal mode runs every (row, sample) at once; an engine exception or a timeout fails the
     task (Dask retries it).  ``isolate`` mode (used after those retries) goes row by row and
     records a failing row as failed, so one poison prompt cannot take its partition down.
+    The task gives back its worker thread slot first (:mod:`daskgen.worker.thread_slots`).
     """
     from distributed import get_worker
 
     t0 = time.perf_counter()
     worker = get_worker()
+    leave_thread_slot(worker, task.key)
     plugin = cast("EnginePlugin", worker.plugins[task.plugin_name])
     agent = create_agent(task.agent, task.model, task.agent_args)
     async with plugin.partition(len(task.rows) * task.n_samples) as slot:

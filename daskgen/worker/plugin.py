@@ -31,8 +31,10 @@ from daskgen.worker.admission import (  # noqa: F401 - resolve_window and the bo
     WINDOW_TOPIC,
     Admission,
     resolve_window,
+    wanted_window,
 )
 from daskgen.worker.slot import PartitionSlot
+from daskgen.worker.thread_slots import partitions_hold_threads, start_admitted_tasks
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,8 @@ class EnginePlugin(WorkerPlugin):
         self.window = window
         self.requests_per_partition = requests_per_partition
         self.resolved_window: int | None = None
+        self.wanted_window: int | None = None  # what the engine wants, before the task slots cap it
+        self.slots: int | None = None  # the worker's task slots when partitions hold one, else None
         self.engine: Any = None
         self.state = PluginState.NEW
         self.error: str | None = None
@@ -157,8 +161,9 @@ class EnginePlugin(WorkerPlugin):
 
     async def _advertise(self, capacity: int | None) -> None:
         """Resolve the window for an engine of ``capacity``, offer that many slots, follow occupancy under ``auto``."""
-        nthreads = self._worker.state.nthreads
-        self.resolved_window = resolve_window(self.window, capacity, self.requests_per_partition, nthreads)
+        self.slots = self._worker.state.nthreads if partitions_hold_threads() else None
+        self.wanted_window = wanted_window(self.window, capacity, self.requests_per_partition)
+        self.resolved_window = resolve_window(self.window, capacity, self.requests_per_partition, self.slots)
         logger.info(
             "daskgen engine ready on %s: %d partitions in flight (window %s, engine capacity %s, "
             "%d requests per partition)",
@@ -172,7 +177,7 @@ class EnginePlugin(WorkerPlugin):
         self._advertised = True
         self._announce_window()
         if self.window == "auto":
-            admission = Admission.for_engine(capacity, self.requests_per_partition, nthreads)
+            admission = Admission.for_engine(capacity, self.requests_per_partition, self.slots)
             self._admitter = asyncio.create_task(self._follow_occupancy(admission))
 
     async def _follow_occupancy(self, admission: Admission) -> None:
@@ -181,10 +186,12 @@ class EnginePlugin(WorkerPlugin):
             await asyncio.sleep(tunables.seconds("admission-interval"))
             if self.state is not PluginState.READY or self.draining or self.stopping or not self.running:
                 continue  # idle: nothing measured, keep the window
-            wanted = admission.window(self.running, self.outstanding)
-            if wanted != self.resolved_window:
-                self.resolved_window = wanted
-                await self._worker.set_resources(**{RESOURCE: float(wanted)})
+            self.wanted_window = admission.wanted(self.running, self.outstanding)
+            window = admission.capped(self.wanted_window)
+            if window != self.resolved_window:
+                self.resolved_window = window
+                await self._worker.set_resources(**{RESOURCE: float(window)})
+                start_admitted_tasks(self._worker)
                 self._announce_window()
 
     def _announce_window(self) -> None:
@@ -207,6 +214,8 @@ class EnginePlugin(WorkerPlugin):
             capacity=(engine.capacity or AUTO_DEFAULT_CAPACITY) if engine is not None else 0,
             window=self.resolved_window,
             running=self.running,
+            wanted=self.wanted_window,
+            slots=self.slots,
         )
 
     async def get_engine(self) -> Any:
@@ -356,6 +365,9 @@ class EnginePlugin(WorkerPlugin):
             "gpu": self.gpu,
             "engine": self.engine_name,
             "window": self.resolved_window,
+            "wanted": self.wanted_window,
+            "slots": self.slots,
+            "capacity": getattr(self.engine, "capacity", None),
         }
 
     async def teardown(self, worker: Any) -> None:
