@@ -21,7 +21,7 @@ Three parts, one record:
   (``--pool-factor``), time from launch until the follower hands out its first batch of B prompt groups.
   Both runs join one cluster started beforehand.
 
-    python benchmarks/follow.py                       # ~6 minutes on 2 cores
+    python benchmarks/follow.py
     python benchmarks/follow.py --no-record           # print only
 """
 

@@ -11,7 +11,7 @@ honours seeds only on a GPU, so its default here is greedy decoding. sglang and 
 virtualenvs (``.ci/sglang-env.sh``, ``.ci/vllm-env.sh``; sglang on a CPU also needs ``tests/sglang_shim`` on
 ``PYTHONPATH`` and ``SGLANG_USE_CPU_ENGINE=1``). ``overhead.py --part engine`` runs the same comparison.
 
-    python benchmarks/overhead_engine.py                    # 10 repeats, ~8-12 minutes on 2 cores
+    python benchmarks/overhead_engine.py                    # 10 repeats, the order alternating
     python benchmarks/overhead_engine.py --engine vllm --engine-repeats 10
 """
 

@@ -16,6 +16,7 @@ from daskgen import store
 from daskgen.analysis.accessor import open_store
 from daskgen.errors import StoreLockedError
 from daskgen.store.lock import LOCK_NAME, StoreLock
+from daskgen.testing.probes import row_of
 from tests.conftest import popen_cli, run_cli, write_prompts
 from tests.fault_tally import count, logged_requests, probed_requests, record
 from tests.probing import gate_args, probe_args, wait_for_arrival
@@ -142,6 +143,9 @@ def test_client_killed_between_data_write_and_commit(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     assert_same_store(ref, out)
     tally = count(probed_requests(tmp_path / "events.log"), probed_requests(tmp_path / "second.log"))
+    resent = {row_of(request) for request in probed_requests(tmp_path / "second.log")}
+    assert not resent & {0, 1, 2, 3}, "the rerun keeps the written partition's finished samples"
+    assert tally.kept >= 4 and tally.regenerated == 0, tally
     record("SIGKILL of the client after a worker wrote a partition, before its commit", rows=16, tally=tally)
 
 

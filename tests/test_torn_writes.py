@@ -163,4 +163,5 @@ def test_a_torn_chunk_of_finished_rows_is_found_repaired_and_regenerated(tmp_pat
     assert_same_store(ref, out)
     _verify_passes(out)
     tally = count(logged_requests(tmp_path / "calls.log"), logged_requests(tmp_path / "rerun.log"))
+    assert (tally.kept, tally.regenerated) == (N - 4, 4), tally  # the repaired partition alone is generated again
     record("torn chunk of finished rows (truncated), verify --repair, rerun", rows=N, tally=tally)
