@@ -148,10 +148,10 @@ def test_overhead(tmp_path, tiny_model):
     assert_same_tokens_in_each_repeat(text, sides=3)
 
 
-def table_rows(text: str, first_column: str) -> list[dict[str, str]]:
-    """The rows of the record's Markdown table whose header begins with ``first_column``, as dicts."""
+def table_rows(text: str, *columns: str) -> list[dict[str, str]]:
+    """The rows, as dicts, of the record's first Markdown table whose header begins with ``columns``."""
     lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_column} |"))
+    start = next(i for i, line in enumerate(lines) if line.startswith("| " + " | ".join(columns) + " |"))
     header = [cell.strip() for cell in lines[start].strip("|").split("|")]
     rows = []
     for line in lines[start + 2 :]:
@@ -164,7 +164,7 @@ def table_rows(text: str, first_column: str) -> list[dict[str, str]]:
 def assert_same_tokens_in_each_repeat(text: str, sides: int) -> None:
     """Every side of each repeat of the engine comparison generated the same number of tokens, and the sides'
     order alternated (ABBA)."""
-    rows = [row for row in table_rows(text, "repeat") if "tokens/s vs direct" in row]
+    rows = table_rows(text, "repeat", "driver", "order")
     by_repeat: dict[str, list[dict[str, str]]] = {}
     for row in rows:
         by_repeat.setdefault(row["repeat"], []).append(row)
