@@ -199,7 +199,7 @@ def test_overhead_engine_part_with_sglang_and_vllm(tmp_path, engine):
     assert_same_tokens_in_each_repeat(text, sides=2)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(450)
 def test_follow(tmp_path):
     """Every part at a tiny size: the lag runs (both sides, alternating), catch-up reads, first batch."""
     out, text = run_script(
@@ -208,7 +208,7 @@ def test_follow(tmp_path):
         *("--lag-prompts", "8", "--lag-repeats", "2", "--n-samples", "1", "--length-mean", "4"),
         *("--max-new-tokens", "16", "--max-batch", "8", "--partition-size", "2", "--store-prompts", "256"),
         *("--catchup-batch", "64", "--trainer-batch", "4", "--first-partition-size", "2"),
-        timeout=280,
+        timeout=420,
     )
     lag = table_rows(text, "follower wakes by")
     assert [(row["follower wakes by"].split()[0], row["run"]) for row in lag] == [
