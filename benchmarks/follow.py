@@ -4,10 +4,12 @@ Three parts, one record:
 
 * ``lag``: a real ``daskgen run`` (subprocess, the simulated engine in real time, lognormal lengths, its
   own LocalCluster) writes a local store while a follower in this process (``batch_prompts=1``, the
-  default poll interval) takes every commit.  Per delivered prompt: delivery time minus ``committed_at``
-  (the client's clock when it began the commit; same machine, same clock).  Second side: the same run
-  on a cluster the benchmark starts, the follower subscribed to the run's commit events
-  (``client=``).  Goal: p99 <= 1 s.
+  default poll interval) takes every commit.  Per delivered prompt, two lags (same machine, same clock):
+  delivery time minus ``committed_at`` (the client's clock when it began the commit), and delivery time
+  minus the moment its last sample finished in the engine (the engine runs inside the labelled recording
+  wrapper of ``daskgen.testing.engines``, whose timing log has each request's wall-clock end).  Second
+  side: the same run on a cluster the benchmark starts, the follower subscribed to the run's commit
+  events (``client=``).  ``--lag-repeats`` runs per side, the sides alternating.  Goal: p99 <= 1 s.
 * ``throughput``: a catching-up consumer.  A synthetic store (``common.synthetic_store.build_store``: the layout a run
   creates, every partition done, lognormal lengths) is read start to end by a fresh cursor: token
   arrays only (``fields=("response_ids", "response_length")``, xarray), every data array (xarray), the
@@ -19,7 +21,7 @@ Three parts, one record:
   (``--pool-factor``), time from launch until the follower hands out its first batch of B prompt groups.
   Both runs join one cluster started beforehand.
 
-    python benchmarks/follow.py                       # ~3 minutes on 2 cores
+    python benchmarks/follow.py
     python benchmarks/follow.py --no-record           # print only
 """
 
@@ -37,7 +39,7 @@ import numpy as np
 from common import cli, records, synthetic_store
 
 SIMULATED = [
-    *("--engine", "simulated", "--model", "sim", "--engine-arg", "time_scale=1"),
+    *("--model", "sim", "--engine-arg", "time_scale=1"),
     *("--engine-arg", "length_dist=lognormal", "--max-prompt-tokens", "128", "--no-progress"),
 ]
 
@@ -69,13 +71,29 @@ def finished(proc: subprocess.Popen, what: str) -> None:
         raise SystemExit(f"{what} failed (exit {proc.returncode}):\n{out[-4000:]}")
 
 
+def engine_args(timing_log: Path | None) -> list[str]:
+    """The simulated engine; with ``timing_log``, inside the labelled recording wrapper that appends each
+    request's ``id start end tokens`` (wall-clock seconds) to that file as it finishes."""
+    if timing_log is None:
+        return ["--engine", "simulated"]
+    wrapper = ("--engine", "daskgen.testing.engines:RecordingEngine", "--engine-arg", "inner=simulated")
+    return [*wrapper, "--engine-arg", f"timing_log={timing_log}"]
+
+
 def run_args(
-    a: argparse.Namespace, prompts: Path, store: Path, *, n_samples: int, sigma: float, partition_size: int = 0
+    a: argparse.Namespace,
+    prompts: Path,
+    store: Path,
+    *,
+    n_samples: int,
+    sigma: float,
+    partition_size: int = 0,
+    timing_log: Path | None = None,
 ) -> list[str]:
     """``daskgen run`` arguments of a simulated job over ``prompts`` into ``store``."""
     return [
         "run",
-        *("--prompts", str(prompts), "--store", str(store), *SIMULATED),
+        *("--prompts", str(prompts), "--store", str(store), *engine_args(timing_log), *SIMULATED),
         *("--engine-arg", f"length_mean={a.length_mean}", "--engine-arg", f"length_sigma={sigma}"),
         *("--engine-arg", f"max_batch={a.max_batch}", "--max-new-tokens", str(a.max_new_tokens)),
         *("--n-samples", str(n_samples), "--partition-size", str(partition_size or a.partition_size)),
@@ -85,57 +103,81 @@ def run_args(
 # --------------------------------------------------------------------------- lag
 
 
-def follow_lags(store: Path, client: Any = None) -> list[float]:
-    """Follow ``store`` to its end, one prompt per batch; delivery time minus commit time of each."""
+def follow_deliveries(store: Path, client: Any = None) -> dict[int, tuple[float, float]]:
+    """Follow ``store`` to its end, one prompt per batch: prompt row -> (delivery time, its ``committed_at``)."""
     import daskgen
     from daskgen.stream.formats import read_rows
 
-    lags: list[float] = []
+    delivered: dict[int, tuple[float, float]] = {}
     with daskgen.follow(store, batch_prompts=1, fields=("response_length",), timeout=600, client=client) as follower:
         for batch in follower:
             now = time.time()
             assert follower.store is not None
             committed = read_rows(follower.store, batch.prompts, ("committed_at",))["committed_at"]
-            lags += [now - float(t) for t in committed]
-    return lags
+            delivered.update({int(row): (now, float(t)) for row, t in zip(batch.prompts, committed, strict=True)})
+    return delivered
+
+
+def finished_in_engine(timing_log: Path) -> dict[int, float]:
+    """Prompt row -> when its last sample finished in the engine (the recording wrapper's timing log)."""
+    ends: dict[int, float] = {}
+    for line in timing_log.read_text().splitlines():
+        request_id, _, end, _ = line.split()
+        row = int(request_id[1:].split("-")[0])  # request ids are p<row>-s<sample>
+        ends[row] = max(ends.get(row, 0.0), float(end))
+    return ends
+
+
+def lag_row(label: str, repeat: int, delivered: dict[int, tuple[float, float]], ends: dict[int, float]) -> list:
+    """One table row: commit-to-delivery and finish-to-delivery lag percentiles of one run."""
+    commit = [now - committed for now, committed in delivered.values()]
+    finish = [now - ends[row] for row, (now, _) in delivered.items()]
+    figures = [f(lags) for lags in (commit, finish) for f in (median_of, p99_of, max)]
+    return [label, repeat, len(delivered), *figures]
+
+
+def median_of(values: list[float]) -> float:
+    """The 50th percentile of ``values``."""
+    return records.percentile(values, 50)
+
+
+def p99_of(values: list[float]) -> float:
+    """The 99th percentile of ``values``."""
+    return records.percentile(values, 99)
 
 
 def part_lag(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
-    """Commit-to-delivery lag, polling and with commit events."""
+    """Commit-to-delivery and finish-to-delivery lag, polling and with commit events, sides alternating."""
     from daskgen import tunables
 
     prompts = write_prompts(work / "lag.jsonl", a.lag_prompts)
+    labels = {"poll": f"poll every {tunables.seconds('follow.poll-interval'):g} s", "events": "commit events"}
     rows = []
-    for side in ("poll", "events"):
-        store = work / f"lag-{side}.zarr"
-        args = run_args(a, prompts, store, n_samples=a.n_samples, sigma=0.8)
-        if side == "poll":
-            proc = launch([*args, "--n-workers", "1"])
-            lags = follow_lags(store)
-        else:
-            lags, proc = events_side(args, store)
-        finished(proc, f"the {side} run")
-        rows.append(
-            [
-                "poll every " + f"{tunables.seconds('follow.poll-interval'):g} s"
-                if side == "poll"
-                else "commit events",
-                len(lags),
-                records.percentile(lags, 50),
-                records.percentile(lags, 99),
-                max(lags),
-            ]
-        )
+    for repeat in range(1, a.lag_repeats + 1):
+        for side in ("poll", "events") if repeat % 2 else ("events", "poll"):
+            store, timing = work / f"lag-{side}-{repeat}.zarr", work / f"timing-{side}-{repeat}.log"
+            args = run_args(a, prompts, store, n_samples=a.n_samples, sigma=0.8, timing_log=timing)
+            if side == "poll":
+                proc = launch([*args, "--n-workers", "1"])
+                delivered = follow_deliveries(store)
+            else:
+                delivered, proc = events_side(args, store)
+            finished(proc, f"the {side} run")
+            rows.append(lag_row(labels[side], repeat, delivered, finished_in_engine(timing)))
+    rows.sort(key=lambda row: (row[0] != labels["poll"], row[1]))
     rec.note(
         f"Lag: a daskgen run of {a.lag_prompts} prompts x {a.n_samples} samples (simulated engine in real time, "
         f"lognormal lengths mean {a.length_mean}, {a.max_batch} requests at once, partitions of {a.partition_size}, "
         "commit interval 0.5 s) into a local store; a follower in the benchmark process takes one prompt per "
-        "batch. Lag = delivery time - committed_at (the client's clock when it began the commit)."
+        f"batch; {a.lag_repeats} runs per side, the sides alternating. Commit lag = delivery time - committed_at "
+        "(the client's clock when it began the commit); finish lag = delivery time - when the prompt's last "
+        "sample finished in the engine (the recording wrapper's timing log, written in the worker process)."
     )
-    rec.table(["follower wakes by", "prompts", "lag p50 s", "lag p99 s", "lag max s"], rows)
+    header = ["follower wakes by", "run", "prompts", "commit lag p50 s", "commit lag p99 s", "commit lag max s"]
+    rec.table([*header, "finish lag p50 s", "finish lag p99 s", "finish lag max s"], rows)
 
 
-def events_side(args: list[str], store: Path) -> tuple[list[float], subprocess.Popen]:
+def events_side(args: list[str], store: Path) -> tuple[dict[int, tuple[float, float]], subprocess.Popen]:
     """The run joins a cluster started here; the follower subscribes to its commit events."""
     import dask
     from distributed import Client, LocalCluster
@@ -146,9 +188,9 @@ def events_side(args: list[str], store: Path) -> tuple[list[float], subprocess.P
         Client(cluster) as client,
     ):
         proc = launch([*args, "--scheduler-address", cluster.scheduler_address])
-        lags = follow_lags(store, client)
+        delivered = follow_deliveries(store, client)
         proc.wait(timeout=600)
-    return lags, proc
+    return delivered, proc
 
 
 # --------------------------------------------------------------------------- throughput
@@ -266,6 +308,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--part", default="lag,throughput,first-batch", help="lag, throughput, first-batch")
     cli.add_flags(p, n_samples=2, length_mean=64.0, max_new_tokens=512, max_batch=256, partition_size=4)
     p.add_argument("--lag-prompts", type=int, default=400)
+    p.add_argument("--lag-repeats", type=int, default=3, help="runs per side of the lag part")
     p.add_argument("--store-prompts", type=int, default=20_000)
     p.add_argument("--catchup-batch", type=int, default=256)
     p.add_argument("--trainer-batch", type=int, default=32)

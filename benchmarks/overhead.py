@@ -5,9 +5,9 @@ arrays); ``--part engine`` is ``overhead_engine.py`` (daskgen with an in-process
 driven directly).  Each script's docstring says how its comparison is built; this one takes the flags of
 both.
 
-    python benchmarks/overhead.py                       # both parts, ~4 minutes on 2 cores
+    python benchmarks/overhead.py                       # both parts
     python benchmarks/overhead.py --part zarr --prompts 512 --no-record
-    python benchmarks/overhead.py --part engine --engine vllm --repeats 3
+    python benchmarks/overhead.py --part engine --engine vllm --engine-repeats 10
 """
 
 from __future__ import annotations

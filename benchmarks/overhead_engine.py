@@ -1,17 +1,18 @@
 """Pipeline overhead, engine side: daskgen with a real in-process engine vs the same engine driven directly.
 
-daskgen with a real in-process engine (``--engine transformers``, ``sglang`` or ``vllm``; one worker) vs
-the same engine class, same settings, driven directly in this process with every request submitted at
-once: generated tokens per second, model load excluded on both sides.  The sides alternate (direct,
-daskgen, direct, daskgen, ...); each row records the 1-minute load average at its start, and the ratio
-is the median over the repeats.  Seeded sampling in ``transformers`` and ``vllm`` does not depend on the
-batch, so both sides generate the same tokens; sglang honours seeds only on a GPU, so its default here is
-greedy decoding.  sglang and vllm run in their lanes' virtualenvs (``.ci/sglang-env.sh``,
-``.ci/vllm-env.sh``; sglang on a CPU also needs ``tests/sglang_shim`` on ``PYTHONPATH`` and
-``SGLANG_USE_CPU_ENGINE=1``).  ``overhead.py --part engine`` runs the same comparison.
+daskgen with a real in-process engine (``--engine transformers``, ``sglang`` or ``vllm``; one worker) vs the
+same engine class, same settings, driven directly in this process with every request submitted at once:
+generated tokens per second, model load excluded on both sides. The order of the sides alternates from one
+repeat to the next (ABBA: direct, daskgen, then daskgen, direct, ...), so that neither side always runs first;
+each row records the 1-minute load average at its start. The figure is the per-repeat ratio (daskgen / direct
+within one repeat): its mean with a 95 % bootstrap interval, and its median. Seeded sampling in
+``transformers`` and ``vllm`` does not depend on the batch, so both sides generate the same tokens; sglang
+honours seeds only on a GPU, so its default here is greedy decoding. sglang and vllm run in their lanes'
+virtualenvs (``.ci/sglang-env.sh``, ``.ci/vllm-env.sh``; sglang on a CPU also needs ``tests/sglang_shim`` on
+``PYTHONPATH`` and ``SGLANG_USE_CPU_ENGINE=1``). ``overhead.py --part engine`` runs the same comparison.
 
-    python benchmarks/overhead_engine.py                    # ~2-4 minutes on 2 cores
-    python benchmarks/overhead_engine.py --engine vllm --repeats 3
+    python benchmarks/overhead_engine.py                    # 10 repeats, the order alternating
+    python benchmarks/overhead_engine.py --engine vllm --engine-repeats 10
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import cli, cpu, records, runs, workers
+from common import cli, cpu, records, runs, stats, workers
 from common.prompts import builtin_prompts
 
 from daskgen.config import RunConfig
@@ -192,6 +193,11 @@ def record_cpu(rec: records.Record, results: list[dict[str, dict[str, Any]]]) ->
     rec.note(f"**Median cores, the engine's own processes / every other process: {'; '.join(medians)}.**")
 
 
+def abba(drivers: list[str], rep: int) -> list[str]:
+    """The order the drivers run in repeat ``rep``: as given in even repeats, reversed in odd ones."""
+    return list(drivers) if rep % 2 == 0 else list(reversed(drivers))
+
+
 def part_engine(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     """daskgen + an in-process engine vs the same engine driven directly, sides alternating."""
     drivers = [d.strip() for d in a.engine_drivers.split(",") if d.strip()]
@@ -200,11 +206,12 @@ def part_engine(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     model = a.model or str(__import__("daskgen.models", fromlist=["smollm2_instruct"]).smollm2_instruct())
     rows = builtin_prompts(a.engine_prompts, seed=1)
     results: list[dict[str, dict[str, Any]]] = []
-    for rep in range(a.engine_repeats or a.repeats):
+    for rep in range(a.engine_repeats):
         cfg = engine_config(a, model, work / f"engine-{rep}.zarr")
         requests = runs.run_requests(engine_config(a, model, work / f"engine-req-{rep}.zarr"), rows)
         logs = {driver: work / f"timing-{rep}-{driver}.log" for driver in drivers}
-        results.append({driver: drive(driver, a, model, cfg, rows, requests, logs[driver]) for driver in drivers})
+        ran = {driver: drive(driver, a, model, cfg, rows, requests, logs[driver]) for driver in abba(drivers, rep)}
+        results.append({driver: ran[driver] for driver in drivers})
     table = []
     for rep, out in enumerate(results):
         direct = out["direct"]["tokens"] / out["direct"]["seconds"]
@@ -215,6 +222,7 @@ def part_engine(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
                 [
                     rep + 1,
                     ENGINE_DRIVERS[driver],
+                    abba(drivers, rep).index(driver) + 1,
                     res["load"],
                     res["seconds"],
                     *spans,
@@ -229,7 +237,8 @@ def part_engine(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
         f"Part engine: `{a.engine}` engine, {Path(model).name}, {a.engine_prompts} prompts × {a.engine_samples} "
         f"samples, {sampling}, max_new_tokens {a.engine_max_new_tokens}, CPU, engine_args {cfg.engine_args}; "
         f"daskgen partitions of {a.engine_partition_size}, window {cfg.window} (≥ 2 × the engine's batch "
-        "requests in flight). Model load excluded; the drivers alternate within each repeat. Both the direct "
+        "requests in flight). Model load excluded; the drivers' order alternates from one repeat to the next "
+        "(ABBA: the reverse order in every other repeat; column *order*). Both the direct "
         "and the daskgen side drive the engine through the labelled recording wrapper (`daskgen.testing.engines`), "
         "which logs each request's wall-clock start and end: *engine span* is first request in to last result "
         "out; *before* / *after* are the driver's time before the first request reached the engine and after "
@@ -240,6 +249,7 @@ def part_engine(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
         [
             "repeat",
             "driver",
+            "order",
             "load avg (1 min) at start",
             "seconds",
             "engine span s",
@@ -251,14 +261,18 @@ def part_engine(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
         ],
         table,
     )
+    same = sum(len({res["tokens"] for res in out.values()}) == 1 for out in results)
+    rec.note(f"Generated tokens equal on every side in {same} of {len(results)} repeats.")
     record_cpu(rec, results)
     for driver in drivers[1:]:
         ratios = [
             (o[driver]["tokens"] / o[driver]["seconds"]) / (o["direct"]["tokens"] / o["direct"]["seconds"])
             for o in results
         ]
+        low, high = stats.bootstrap_interval(ratios)
         rec.note(
-            f"**{driver} / direct tokens/s, `{a.engine}` engine: {', '.join(f'{r:.3f}' for r in ratios)} (median "
+            f"**{driver} / direct tokens/s, `{a.engine}` engine, per repeat: {', '.join(f'{r:.3f}' for r in ratios)} "
+            f"(mean {float(np.mean(ratios)):.3f}, 95 % bootstrap interval {low:.3f}-{high:.3f}; median "
             f"{float(np.median(ratios)):.3f}; target ≥ 0.97).**"
         )
         timed = [o for o in results if "before" in o[driver]]
@@ -276,7 +290,7 @@ def part_engine(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
 def add_args(p: argparse.ArgumentParser) -> None:
     """This comparison's flags."""
     cli.add_flags(p, repeats=2)
-    p.add_argument("--engine-repeats", type=int, default=None, help="repeats of this comparison (default --repeats)")
+    p.add_argument("--engine-repeats", type=int, default=10, help="repeats of this comparison (order alternating)")
     p.add_argument("--model", default=None, help="local HF model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--engine-prompts", type=int, default=16)
     p.add_argument("--engine-samples", type=int, default=2)

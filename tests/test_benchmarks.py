@@ -110,11 +110,13 @@ def test_longtail_real(tmp_path, tiny_model):
 
 @pytest.mark.timeout(300)
 def test_overhead(tmp_path, tiny_model):
-    out, _ = run_script(
+    out, text = run_script(
         "overhead.py",
         tmp_path,
         "--repeats",
         "1",
+        "--engine-repeats",
+        "2",
         "--engine-drivers",
         "direct,worker,daskgen",
         "--prompts",
@@ -143,6 +145,35 @@ def test_overhead(tmp_path, tiny_model):
     assert "daskgen / direct write rate" in out and "daskgen / direct tokens/s" in out
     assert "same engine on a Dask worker" in out
     assert "engine's host process" in out and "Median cores, the engine's own processes" in out  # where CPU went
+    assert_same_tokens_in_each_repeat(text, sides=3)
+
+
+def table_rows(text: str, *columns: str) -> list[dict[str, str]]:
+    """The rows, as dicts, of the record's first Markdown table whose header begins with ``columns``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| " + " | ".join(columns) + " |"))
+    header = [cell.strip() for cell in lines[start].strip("|").split("|")]
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append(dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")), strict=True)))
+    return rows
+
+
+def assert_same_tokens_in_each_repeat(text: str, sides: int) -> None:
+    """Every side of each repeat of the engine comparison generated the same number of tokens, and the sides'
+    order alternated (ABBA)."""
+    rows = table_rows(text, "repeat", "driver", "order")
+    by_repeat: dict[str, list[dict[str, str]]] = {}
+    for row in rows:
+        by_repeat.setdefault(row["repeat"], []).append(row)
+    assert len(by_repeat) >= 2 and all(len(side) == sides for side in by_repeat.values()), rows
+    for repeat, side in by_repeat.items():
+        assert len({row["tokens"] for row in side}) == 1 and int(side[0]["tokens"]) > 0, (repeat, side)
+    first = [next(r["driver"] for r in side if r["order"] == "1") for side in by_repeat.values()]
+    assert first[0] != first[1], f"the same side ran first in both repeats: {first}"
+    assert "95 % bootstrap interval" in text and f"equal on every side in {len(by_repeat)} of" in text
 
 
 @pytest.mark.slow
@@ -159,12 +190,41 @@ def test_overhead_engine_part_with_sglang_and_vllm(tmp_path, engine):
     out, text = run_script(
         "overhead.py",
         tmp_path,
-        *("--part", "engine", "--engine", engine, "--repeats", "1", "--model", tiny_model_path()),
+        *("--part", "engine", "--engine", engine, "--engine-repeats", "2", "--model", tiny_model_path()),
         *("--engine-prompts", "4", "--engine-samples", "1", "--engine-max-new-tokens", "8"),
         *("--max-requests", "4", "--engine-partition-size", "2"),
         timeout=1400,
     )
     assert f"daskgen / direct tokens/s, `{engine}` engine" in out and "load avg (1 min) at start" in text
+    assert_same_tokens_in_each_repeat(text, sides=2)
+
+
+@pytest.mark.timeout(450)
+def test_follow(tmp_path):
+    """Every part at a tiny size: the lag runs (both sides, alternating), catch-up reads, first batch."""
+    out, text = run_script(
+        "follow.py",
+        tmp_path,
+        *("--lag-prompts", "8", "--lag-repeats", "2", "--n-samples", "1", "--length-mean", "4"),
+        *("--max-new-tokens", "16", "--max-batch", "8", "--partition-size", "2", "--store-prompts", "256"),
+        *("--catchup-batch", "64", "--trainer-batch", "4", "--first-partition-size", "2"),
+        timeout=420,
+    )
+    lag = table_rows(text, "follower wakes by")
+    assert [(row["follower wakes by"].split()[0], row["run"]) for row in lag] == [
+        ("poll", "1"),
+        ("poll", "2"),
+        ("commit", "1"),
+        ("commit", "2"),
+    ], lag
+    for row in lag:
+        assert row["prompts"] == "8", row  # every prompt delivered once, in every run
+        assert {"commit lag p99 s", "finish lag p50 s", "finish lag p99 s", "finish lag max s"} <= set(row), row
+    reads = table_rows(text, "what is read")
+    assert len(reads) == 5 and all(row["samples"] == "1,024" for row in reads), reads
+    first = table_rows(text, "trainer waits for")
+    assert [row["prompts generated"] for row in first] == ["4", "8"], first
+    assert "Lag: a daskgen run of 8 prompts" in out
 
 
 @pytest.mark.timeout(240)

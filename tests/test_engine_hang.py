@@ -25,7 +25,7 @@ import pytest
 from daskgen import store
 from daskgen.store.lock import LOCK_NAME
 from tests.conftest import popen_cli, run_cli, write_prompts
-from tests.fault_tally import record
+from tests.fault_tally import Tally, record
 from tests.openai_server import ServeProcess, tiny_model
 from tests.test_reliability import assert_same_store
 
@@ -139,7 +139,7 @@ def test_a_server_that_stops_answering_then_resumes_is_waited_out(tmp_path, faul
     record(
         "the engine's server stops answering (SIGSTOP) past the partition and health timeouts, then resumes",
         rows=N,
-        regenerated=len(regenerated),
+        tally=Tally(kept=int(before["done"].sum()), regenerated=len(regenerated)),
     )
 
 
@@ -182,5 +182,5 @@ def test_a_server_that_stays_stopped_stops_the_run_which_resumes_later(tmp_path,
     record(
         "the engine's server stops answering (SIGSTOP) for good: the run stops; rerun once it resumes",
         rows=N,
-        regenerated=len(in_flight),
+        tally=Tally(kept=int(before["done"].sum()), regenerated=len(in_flight)),
     )

@@ -22,7 +22,7 @@ from daskgen.client.interrupt import EXIT_INTERRUPTED, Interrupt, parse_slurm_ti
 from daskgen.engines.base import FinishReason
 from daskgen.testing.probes import in_flight_after, read_events
 from tests.conftest import popen_cli, run_cli, write_prompts
-from tests.fault_tally import record
+from tests.fault_tally import count, logged_requests, record
 from tests.probing import OutputLines, gate_args, probe_args, wait_for_arrival
 from tests.test_run import _wait_for_some_done, sim_args
 
@@ -135,7 +135,10 @@ def test_sigterm_keeps_finished_and_partial_work_and_the_rerun_continues_it_toke
         untouched[key] = False
     assert (ds.continued_tokens.values[untouched] == 0).all()
     assert "kept " in res.stdout and "tokens stored by interrupted attempts" in res.stdout
-    record("SIGTERM to the run (preemption), rerun continues partial samples", rows=24, regenerated=0)
+    resumed = [f"p{r}-s{s}" for r, s in saved]
+    tally = count(logged_requests(tmp_path / "first.log"), logged_requests(tmp_path / "second.log"), resumed)
+    assert tally.continued == len({r for r, _ in saved}), tally
+    record("SIGTERM to the run (preemption), rerun continues partial samples", rows=24, tally=tally)
 
 
 def test_a_second_signal_stops_at_once_and_keeps_what_was_committed(tmp_path):

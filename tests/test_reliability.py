@@ -16,8 +16,9 @@ from daskgen import store
 from daskgen.analysis.accessor import open_store
 from daskgen.errors import StoreLockedError
 from daskgen.store.lock import LOCK_NAME, StoreLock
+from daskgen.testing.probes import row_of
 from tests.conftest import popen_cli, run_cli, write_prompts
-from tests.fault_tally import record
+from tests.fault_tally import count, logged_requests, probed_requests, record
 from tests.probing import gate_args, probe_args, wait_for_arrival
 from tests.test_run import _wait_for_some_done, calls, sim_args
 
@@ -77,6 +78,7 @@ def test_worker_sigkill_mid_run_completes_exactly_once(tmp_path, cluster):
     done_at_kill = _wait_for_some_done(out, proc, minimum=8)
     pids = client.run(os.getpid)
     victim_addr, victim_pid = sorted(pids.items())[0]
+    at_kill = len(logged_requests(tmp_path / "run.log"))
     os.kill(victim_pid, signal.SIGKILL)
     assert proc.wait(timeout=240) == 0, proc.stdout.read()
     assert_same_store(ref, out)
@@ -101,7 +103,10 @@ def test_worker_sigkill_mid_run_completes_exactly_once(tmp_path, cluster):
     new_pids = set(client.run(os.getpid).values())
     assert victim_pid not in new_pids and len(new_pids) == 2
     redone_rows = {int(rid[1:].split("-")[0]) for rid in repeated}
-    record("SIGKILL of a worker process mid-run", rows=96, regenerated=len(redone_rows))
+    requests = logged_requests(tmp_path / "run.log")
+    tally = count(requests[:at_kill], requests[at_kill:])
+    assert tally.regenerated == len(redone_rows), tally
+    record("SIGKILL of a worker process mid-run", rows=96, tally=tally)
 
 
 def test_client_killed_between_data_write_and_commit(tmp_path):
@@ -137,7 +142,11 @@ def test_client_killed_between_data_write_and_commit(tmp_path):
     res = run_cli("run", *probe_args(tmp_path, out, *common, events="second.log"))
     assert res.returncode == 0, res.stdout + res.stderr
     assert_same_store(ref, out)
-    record("SIGKILL of the client after a worker wrote a partition, before its commit", rows=16, regenerated=4)
+    tally = count(probed_requests(tmp_path / "events.log"), probed_requests(tmp_path / "second.log"))
+    resent = {row_of(request) for request in probed_requests(tmp_path / "second.log")}
+    assert not resent & {0, 1, 2, 3}, "the rerun keeps the written partition's finished samples"
+    assert tally.kept >= 4 and tally.regenerated == 0, tally
+    record("SIGKILL of the client after a worker wrote a partition, before its commit", rows=16, tally=tally)
 
 
 def test_hung_engine_is_detected_restarted_and_the_run_completes(tmp_path):

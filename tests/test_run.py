@@ -14,7 +14,7 @@ import xarray as xr
 from daskgen import store
 from daskgen.analysis.accessor import open_store
 from tests.conftest import popen_cli, run_cli, write_prompts
-from tests.fault_tally import record
+from tests.fault_tally import count, logged_requests, record
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -149,7 +149,9 @@ def test_resume_after_sigkill_regenerates_nothing_finished(tmp_path):
     for name in ("status", "response_ids", "response_length", "finish_reason", "prompt_ids"):
         np.testing.assert_array_equal(a[name].values, b[name].values, err_msg=name)
     worked_before = rows_second & rows_first  # pending rows the killed run had started: generated again
-    record("SIGKILL of the client (whole process tree), rerun", rows=48, regenerated=len(worked_before))
+    tally = count(logged_requests(tmp_path / "first.log"), logged_requests(tmp_path / "second.log"))
+    assert tally.regenerated == len(worked_before), tally
+    record("SIGKILL of the client (whole process tree), rerun", rows=48, tally=tally)
 
 
 def _wait_for_some_done(path, proc, minimum, timeout=120.0):

@@ -16,7 +16,7 @@ import pytest
 from daskgen import store
 from daskgen.store.lock import LOCK_NAME
 from tests.conftest import cli_env, popen_cli, run_cli, write_prompts
-from tests.fault_tally import record
+from tests.fault_tally import count, logged_requests, record, recorded
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -83,7 +83,8 @@ def test_scheduler_lost_mid_run_exits_3_and_the_rerun_keeps_earlier_rows(tmp_pat
         worker = _dask("worker", address, "--nthreads", "4", "--no-dashboard", "--no-nanny")
         client = popen_cli(
             "run",
-            *("--prompts", prompts, "--store", out, "--scheduler-address", address, *RUN),
+            *("--prompts", prompts, "--store", out, "--scheduler-address", address),
+            *recorded(RUN, tmp_path / "first.log"),
             env={"DASK_DASKGEN__SCHEDULER_LOST_AFTER": "3s"},
         )
         deadline = time.monotonic() + 120
@@ -110,7 +111,8 @@ def test_scheduler_lost_mid_run_exits_3_and_the_rerun_keeps_earlier_rows(tmp_pat
     before = opened.read_region(0, 120, ("committed_at", "response_ids", "response_length"))
     kept = before_status == store.DONE
     assert 8 <= kept.sum() < 120 and (before_status != store.FAILED).all(), "no row may be marked failed"
-    res = run_cli("run", "--prompts", prompts, "--store", out, *RUN, "--n-workers", "1")
+    rerun = recorded(RUN, tmp_path / "rerun.log")
+    res = run_cli("run", "--prompts", prompts, "--store", out, *rerun, "--n-workers", "1")
     assert res.returncode == 0, res.stdout + res.stderr
     after = store.GenerationStore.open(out)
     assert (after.read_status() == store.DONE).all()
@@ -118,12 +120,9 @@ def test_scheduler_lost_mid_run_exits_3_and_the_rerun_keeps_earlier_rows(tmp_pat
     for name, values in before.items():
         np.testing.assert_array_equal(again[name][kept], values[kept], err_msg=name)
     what = "SIGKILLed" if how == signal.SIGKILL else "hung (SIGSTOP)"
-    record(
-        f"the Dask scheduler {what} mid-run, rerun on a new cluster",
-        rows=120,
-        regenerated=120 - kept.sum(),
-        exact=False,
-    )
+    tally = count(logged_requests(tmp_path / "first.log"), logged_requests(tmp_path / "rerun.log"))
+    assert tally.kept >= kept.sum(), tally  # every committed row, at least
+    record(f"the Dask scheduler {what} mid-run, rerun on a new cluster", rows=120, tally=tally)
 
 
 def test_daskgens_own_scheduler_process_killed_mid_run_exits_3_and_leaves_nothing_behind(tmp_path):

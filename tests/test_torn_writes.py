@@ -22,7 +22,7 @@ import pytest
 
 from daskgen import store
 from tests.conftest import REPO, popen_cli, run_cli, simulated_run, write_prompts
-from tests.fault_tally import record
+from tests.fault_tally import count, logged_requests, record
 from tests.test_reliability import assert_same_store
 from tests.test_run import calls, sim_args
 
@@ -96,6 +96,7 @@ def test_a_worker_killed_while_it_writes_its_region(tmp_path, key, mode):
         torn = [p for p in _partials(out) if _chunk_of(p) == out / key]
         assert len(torn) == 1 and torn[0].stat().st_size > 0, _partials(out)
     assert (store.GenerationStore.open(out).read_status()[4:8] == store.PENDING).all()
+    at_kill = len(logged_requests(tmp_path / "calls.log"))  # the frozen process sends nothing more
     os.kill(pid, signal.SIGKILL)
     output, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, output  # the nanny's new worker runs the partition again
@@ -108,7 +109,10 @@ def test_a_worker_killed_while_it_writes_its_region(tmp_path, key, mode):
     # rows sent to the engine twice: every partition the dead worker held, the frozen one among them
     redone = {rid.split("-")[0] for rid, n in calls(tmp_path / "calls.log").items() if n > 1}
     assert {f"p{row}" for row in range(4, 8)} <= redone, redone
-    record(f"worker SIGKILL while writing its region ({mode}: {key})", rows=N, regenerated=len(redone))
+    requests = logged_requests(tmp_path / "calls.log")
+    tally = count(requests[:at_kill], requests[at_kill:])
+    assert tally.regenerated == len(redone)
+    record(f"worker SIGKILL while writing its region ({mode}: {key})", rows=N, tally=tally)
 
 
 @pytest.mark.parametrize(
@@ -121,7 +125,7 @@ def test_a_worker_killed_while_it_writes_its_region(tmp_path, key, mode):
 def test_a_client_killed_while_it_commits(tmp_path, key, mode):
     prompts = write_prompts(tmp_path / "p.jsonl", N)
     ref, out = _clean(tmp_path, prompts), tmp_path / "out.zarr"
-    proc, pid = _frozen_run(tmp_path, prompts, key, mode, ["--store", out, *RUN])
+    proc, pid = _frozen_run(tmp_path, prompts, key, mode, sim_args(tmp_path, out, *SHAPE))
     assert pid == proc.pid, "commits happen in the client process"
     status_before = store.GenerationStore.open(out).read_status()
     os.killpg(proc.pid, signal.SIGKILL)  # the client and every process of its cluster
@@ -131,11 +135,12 @@ def test_a_client_killed_while_it_commits(tmp_path, key, mode):
     pending = int((status_before != store.DONE).sum())
     assert pending == N, "the first commit was the one cut"
     _verify_passes(out)  # before the rerun: sound (rows not done are not checked)
-    rerun = run_cli("run", "--prompts", prompts, "--store", out, *RUN)
+    rerun = run_cli("run", "--prompts", prompts, *sim_args(tmp_path, out, *SHAPE, log="rerun.log"))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert_same_store(ref, out)
     _verify_passes(out)
-    record(f"client SIGKILL while committing ({mode}: {key})", rows=N, regenerated=pending)
+    tally = count(logged_requests(tmp_path / "calls.log"), logged_requests(tmp_path / "rerun.log"))
+    record(f"client SIGKILL while committing ({mode}: {key})", rows=N, tally=tally)
 
 
 def test_a_torn_chunk_of_finished_rows_is_found_repaired_and_regenerated(tmp_path):
@@ -144,7 +149,7 @@ def test_a_torn_chunk_of_finished_rows_is_found_repaired_and_regenerated(tmp_pat
     prompts = write_prompts(tmp_path / "p.jsonl", N)
     ref = _clean(tmp_path, prompts)
     out = tmp_path / "out.zarr"
-    assert run_cli("run", "--prompts", prompts, "--store", out, *RUN).returncode == 0
+    assert run_cli("run", "--prompts", prompts, *sim_args(tmp_path, out, *SHAPE)).returncode == 0
     chunk = out / "response_ids" / "c" / "2" / "0" / "0"  # rows 8..11
     chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
     res = run_cli("verify", out, "--no-progress")
@@ -153,8 +158,10 @@ def test_a_torn_chunk_of_finished_rows_is_found_repaired_and_regenerated(tmp_pat
     assert "repaired: 1 partition(s)" in res.stdout, res.stdout + res.stderr
     status = store.GenerationStore.open(out).read_status()
     assert (status[8:12] == store.PENDING).all() and (np.delete(status, range(8, 12)) == store.DONE).all()
-    rerun = run_cli("run", "--prompts", prompts, "--store", out, *RUN)
+    rerun = run_cli("run", "--prompts", prompts, *sim_args(tmp_path, out, *SHAPE, log="rerun.log"))
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert_same_store(ref, out)
     _verify_passes(out)
-    record("torn chunk of finished rows (truncated), verify --repair, rerun", rows=N, regenerated=4)
+    tally = count(logged_requests(tmp_path / "calls.log"), logged_requests(tmp_path / "rerun.log"))
+    assert (tally.kept, tally.regenerated) == (N - 4, 4), tally  # the repaired partition alone is generated again
+    record("torn chunk of finished rows (truncated), verify --repair, rerun", rows=N, tally=tally)

@@ -9,15 +9,15 @@ import zarr
 from daskgen import store
 from daskgen.store.verify import verify
 from tests.conftest import run_cli, simulated_run, write_prompts
-from tests.fault_tally import record
+from tests.fault_tally import count, logged_requests, record, recorded
 
 pytestmark = pytest.mark.timeout(300)
 
 RUN = simulated_run()
 
 
-def _run(tmp_path, out):
-    res = run_cli("run", "--prompts", tmp_path / "p.jsonl", "--store", out, *RUN)
+def _run(tmp_path, out, log="first.log"):
+    res = run_cli("run", "--prompts", tmp_path / "p.jsonl", "--store", out, *recorded(RUN, tmp_path / log))
     assert res.returncode == 0, res.stdout + res.stderr
     return res
 
@@ -59,7 +59,7 @@ def test_a_flipped_byte_is_found_repaired_and_regenerated_alone(finished, tmp_pa
     assert (status[8:12] == store.PENDING).all() and (np.delete(status, range(8, 12)) == store.DONE).all()
     assert store.read_store_attrs(out).runs[-1]["kind"] == "repair"
     assert run_cli("verify", out, "--no-progress").returncode == 0, "repaired rows are pending and empty"
-    _run(tmp_path, out)  # the rerun regenerates rows 8..11 only
+    _run(tmp_path, out, log="rerun.log")  # the rerun regenerates rows 8..11 only
     after = store.GenerationStore.open(out)
     assert (after.read_status() == store.DONE).all()
     kept = np.delete(np.arange(20), range(8, 12))
@@ -69,7 +69,9 @@ def test_a_flipped_byte_is_found_repaired_and_regenerated_alone(finished, tmp_pa
     for name, values in after.read_region(0, 20, after.layout.data_arrays()).items():
         np.testing.assert_array_equal(values, before[name], err_msg=name)  # seeded: the same tokens again
     assert run_cli("verify", out, "--no-progress").returncode == 0
-    record("a flipped byte in a finished chunk: verify --repair, rerun", rows=20, regenerated=4)
+    tally = count(logged_requests(tmp_path / "first.log"), logged_requests(tmp_path / "rerun.log"))
+    assert (tally.kept, tally.regenerated) == (16, 4), tally
+    record("a flipped byte in a finished chunk: verify --repair, rerun", rows=20, tally=tally)
 
 
 def test_a_corrupted_status_chunk_makes_its_rows_pending_never_a_crash(finished, tmp_path):
@@ -81,12 +83,14 @@ def test_a_corrupted_status_chunk_makes_its_rows_pending_never_a_crash(finished,
     res = run_cli("verify", out, "--repair", "--no-progress")
     assert "1 commit chunk(s)" in res.stdout, res.stdout
     assert (store.GenerationStore.open(out).read_status() == store.PENDING).all()
-    _run(tmp_path, out)
+    _run(tmp_path, out, log="rerun.log")
     after = store.GenerationStore.open(out)
     assert (after.read_status() == store.DONE).all()
     np.testing.assert_array_equal(after.read_region(0, 20, ("response_ids",))["response_ids"], before["response_ids"])
     assert verify(out, progress=False).sound
-    record("a corrupted status chunk: verify --repair, rerun", rows=20, regenerated=20)
+    tally = count(logged_requests(tmp_path / "first.log"), logged_requests(tmp_path / "rerun.log"))
+    assert (tally.kept, tally.regenerated) == (20, 0), tally  # sound data: the rerun keeps every finished sample
+    record("a corrupted status chunk: verify --repair, rerun", rows=20, tally=tally)
 
 
 def test_broken_invariants_and_missing_chunks_name_their_rows(finished):

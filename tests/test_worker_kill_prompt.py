@@ -19,7 +19,7 @@ import xarray as xr
 
 from daskgen.store.layout import DONE, FAILED
 from tests.conftest import run_cli, write_prompts
-from tests.fault_tally import record
+from tests.fault_tally import count, logged_requests, record
 from tests.test_reliability import assert_same_store, reference
 from tests.test_run import sim_args
 
@@ -84,4 +84,8 @@ def test_a_prompt_that_kills_its_worker_fails_alone_and_retry_failed_regenerates
     assert f"{N} done, 0 failed" in fixed.stdout
     assert list(_attempts(tmp_path / "fixed.log")) == [killer]
     assert_same_store(out, reference(tmp_path, common))
-    record("a prompt that kills the worker process", rows=N, regenerated=regenerated)
+    # the fault is there the whole run: every request is "before"; the killer row ends failed, neither kept
+    # nor regenerated
+    tally = count(r for r in logged_requests(tmp_path / "calls.log") if r != killer)
+    assert tally.regenerated == regenerated and tally.kept + tally.regenerated == N - 1, tally
+    record("a prompt that kills the worker process", rows=N, tally=tally)

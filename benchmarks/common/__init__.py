@@ -5,6 +5,7 @@
 * :mod:`.runs` — timed daskgen runs and the engine requests they send;
 * :mod:`.workers` — probes that run on Dask workers (engine statistics, utilisation sampler, sync shards);
 * :mod:`.simulation` — the simulated long-tail workload, computed sync batches, emulated streaming;
+* :mod:`.stats` — intervals of side-by-side ratios over repeats;
 * :mod:`.prompts`, :mod:`.synthetic_store`, :mod:`.plots` — inputs, a store made without generating, plots;
 * :mod:`.cpu`, :mod:`.processes`, :mod:`.dask_floor` — where the client's CPU goes, and Dask's own floor.
 
