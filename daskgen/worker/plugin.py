@@ -97,6 +97,7 @@ class EnginePlugin(WorkerPlugin):
         self.handles: set[Any] = set()
         self.running = 0  # partition tasks executing on this worker
         self.outstanding = 0  # their samples not finished yet (requests running or queued in the engine)
+        self.admission_ticks = 0  # times ``window: auto`` applied its rule to a measured occupancy
         self._leaving: asyncio.Task | None = None
         self._admitter: asyncio.Task | None = None
         self._reporter: asyncio.Task | None = None
@@ -182,6 +183,7 @@ class EnginePlugin(WorkerPlugin):
             if self.state is not PluginState.READY or self.draining or self.stopping or not self.running:
                 continue  # idle: nothing measured, keep the window
             wanted = admission.window(self.running, self.outstanding)
+            self.admission_ticks += 1
             if wanted != self.resolved_window:
                 self.resolved_window = wanted
                 await self._worker.set_resources(**{RESOURCE: float(wanted)})
@@ -356,6 +358,7 @@ class EnginePlugin(WorkerPlugin):
             "gpu": self.gpu,
             "engine": self.engine_name,
             "window": self.resolved_window,
+            "admission_ticks": self.admission_ticks,
         }
 
     async def teardown(self, worker: Any) -> None:
