@@ -66,21 +66,28 @@ class OutputLines:
 
     def __init__(self, proc: subprocess.Popen) -> None:
         self.lines: list[str] = []
+        self.arrived: list[float] = []  # time.monotonic() when each line was read
         self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
         self._thread.start()
 
     def _read(self, proc: subprocess.Popen) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
+            self.arrived.append(time.monotonic())
             self.lines.append(line)
 
-    def wait_for(self, text: str, timeout: float = 120.0) -> None:
-        """Wait until a line containing ``text`` was printed."""
+    def wait_for(self, text: str, timeout: float = 120.0) -> float:
+        """Wait until a line containing ``text`` was printed; when it was read (``time.monotonic()``)."""
         deadline = time.monotonic() + timeout
-        while not any(text in line for line in self.lines):
+        while (found := self.first(text)) is None:
             assert time.monotonic() < deadline, f"{text!r} not printed in {timeout} s:\n{self.text()}"
-            assert self._thread.is_alive() or any(text in line for line in self.lines), self.text()
+            assert self._thread.is_alive() or self.first(text) is not None, self.text()
             time.sleep(0.05)
+        return found
+
+    def first(self, text: str) -> float | None:
+        """When the first line containing ``text`` was read, or ``None``."""
+        return next((t for t, line in zip(self.arrived, list(self.lines), strict=False) if text in line), None)
 
     def text(self) -> str:
         """Everything read so far (all of it once the process ended and :meth:`join` returned)."""

@@ -27,6 +27,7 @@ from daskgen.store.lock import LOCK_NAME
 from tests.conftest import popen_cli, run_cli, write_prompts
 from tests.fault_tally import Tally, record
 from tests.openai_server import ServeProcess, tiny_model
+from tests.probing import OutputLines
 from tests.test_reliability import assert_same_store
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
@@ -113,6 +114,16 @@ def finish(proc: subprocess.Popen, timeout: float) -> str:
         raise AssertionError(f"the run did not end within {timeout} s:\n{proc.communicate()[0][-5000:]}") from None
 
 
+def finish_reading(proc: subprocess.Popen, lines: OutputLines, timeout: float) -> str:
+    """:func:`finish` for a run whose output ``lines`` collects."""
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"the run did not end within {timeout} s:\n{lines.join()[-5000:]}") from None
+    return lines.join()
+
+
 def test_a_server_that_stops_answering_then_resumes_is_waited_out(tmp_path, fault_free, server):
     """Frozen for longer than the partition and health timeouts: the hung partition's health check fails,
     the engine is restarted in place (its start waits until the server answers again), the partition is
@@ -121,11 +132,13 @@ def test_a_server_that_stops_answering_then_resumes_is_waited_out(tmp_path, faul
     out = tmp_path / "out.zarr"
     timeouts = ("--partition-timeout-s", "6", "--engine-arg", "timeout_s=30")
     proc = popen_cli("run", *run_args(prompts, out, server, *timeouts), env={"DASK_DASKGEN__HEALTH_TIMEOUT": "4s"})
+    lines = OutputLines(proc)
     try:
         before = freeze_once_some_are_done(server, out, proc)
-        time.sleep(14)  # > partition timeout + health timeout, < those + timeout_s of the restart's first request
+        # woken once the hang was noticed: the restart's start then waits (timeout_s) for the server to answer
+        lines.wait_for("health check failed: no token within 4 s", timeout=120)
         server.send(signal.SIGCONT)
-        output = finish(proc, 240)
+        output = finish_reading(proc, lines, 240)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

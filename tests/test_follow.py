@@ -273,3 +273,113 @@ def test_cli_follow_prints_jsonl_once_per_cursor_and_cursors_may_live_elsewhere(
     assert len(list(daskgen.follow(out, wait=False, cursor_dir=elsewhere))) == 1
     assert (elsewhere / "daskgen.cursors" / "default.json").exists()
     assert list(daskgen.follow(out, wait=False, cursor_dir=elsewhere)) == []
+
+
+@pytest.fixture(scope="module")
+def run_store(tmp_path_factory):
+    """The prompts and store of a real finished run (24 prompts, 2 samples, logprobs); tests change copies."""
+    folder = tmp_path_factory.mktemp("follow-run")
+    prompts, out = write_prompts(folder / "p.jsonl", 24), folder / "out.zarr"
+    res = run_cli("run", "--prompts", prompts, "--store", out, *simulated_run(), "--logprobs")
+    assert res.returncode == 0, res.stdout + res.stderr
+    return prompts, out
+
+
+def copy_of(run_store, tmp_path):
+    prompts, out = run_store
+    shutil.copytree(out, tmp_path / "out.zarr")
+    return prompts, tmp_path / "out.zarr"
+
+
+def test_a_batch_delivered_again_equals_its_first_delivery_sample_for_sample(tmp_path, run_store):
+    import xarray as xr
+
+    _, out = copy_of(run_store, tmp_path)
+    for _ in daskgen.follow(out, batch_prompts=10, wait=False, auto_ack=False):
+        pass  # a consumer that takes every batch and dies before any ack
+    redelivered = list(daskgen.follow(out, batch_prompts=10, wait=False, auto_ack=False))
+    delivered = list(daskgen.follow(out, batch_prompts=10, wait=False))
+    assert [b.number for b in delivered] == [b.number for b in redelivered] == [0, 1, 2]
+    for first, again in zip(delivered, redelivered, strict=True):
+        assert (first.start, first.end, first.prompts.tolist()) == (again.start, again.end, again.prompts.tolist())
+        assert first.prompt_ids.tolist() == again.prompt_ids.tolist()
+        xr.testing.assert_identical(first.data, again.data)  # every array: ids, tokens, logprobs, ...
+        logprobs = first.data.logprobs.values[first.data.response_mask.values.astype(bool)]
+        assert len(logprobs) and np.isfinite(logprobs).all() and (logprobs <= 0).all()
+
+
+def test_rows_repaired_and_regenerated_are_delivered_again_once(tmp_path, run_store):
+    prompts, out = copy_of(run_store, tmp_path)
+    assert sum(len(b) for b in daskgen.follow(out, batch_prompts=10, wait=False)) == 24
+    chunk = out / "response_ids" / "c" / "2" / "0" / "0"  # partition rows 8..11
+    data = bytearray(chunk.read_bytes())
+    data[7] ^= 0x10
+    chunk.write_bytes(bytes(data))
+    res = run_cli("verify", out, "--repair", "--no-progress")
+    assert res.returncode == 1 and "repaired: 1 partition(s)" in res.stdout, res.stdout
+    assert list(daskgen.follow(out, wait=False)) == [], "pending rows are not delivered"
+    res = run_cli("run", "--prompts", prompts, "--store", out, *simulated_run(), "--logprobs")
+    assert res.returncode == 0, res.stdout + res.stderr
+    again = list(daskgen.follow(out, batch_prompts=10, wait=False, format="rows"))
+    assert rows_of(again) == [[8, 9, 10, 11]] and again[0].failed == {}
+    stored = open_store(out).isel(prompt=slice(8, 12))
+    assert [r["response_ids"] for r in again[0].data] == [
+        ids[:n].tolist()
+        for ids, n in zip(stored.response_ids.values.reshape(8, -1), stored.response_length.values.ravel(), strict=True)
+    ]
+    assert list(daskgen.follow(out, wait=False)) == [], "delivered once"
+
+
+def test_an_ack_while_pack_swaps_the_store_is_refused_and_the_follower_goes_on(tmp_path, run_store, monkeypatch):
+    """``daskgen pack`` renames the store away, then its packed copy in: an ack in between raises a clear
+    error and does not re-create the store's folder (pack's second rename would fail on it); nothing was
+    acknowledged.  Acknowledged again after the swap, the same follower goes on through the packed layout."""
+    from pathlib import Path
+
+    from daskgen.store import pack as pack_module
+
+    _, out = copy_of(run_store, tmp_path)
+    follower = daskgen.follow(out, batch_prompts=10, wait=False, auto_ack=False, format="rows")
+    first = next(follower)
+    rename, refused = Path.rename, []
+
+    def rename_then_ack(self, target):  # labelled test hook: the ack lands between pack's two renames
+        moved = rename(self, target)
+        if self == out:
+            with pytest.raises(FollowError, match=r"was not saved: the store's folder .* is gone") as info:
+                first.ack()
+            refused.append(info.value)
+            assert not out.exists(), "the ack re-created the store's folder"
+        return moved
+
+    monkeypatch.setattr(Path, "rename", rename_then_ack)
+    pack_module.pack(out, n_workers=1)
+    monkeypatch.undo()
+    assert refused and not first.acked and store.GenerationStore.open(out).attrs.packed
+    first.ack()
+    rest = list(follower)  # opened before the swap: it reads the packed store now
+    assert [b.number for b in rest] == [1, 2]
+    rest[-1].ack()
+    records = [r for b in (first, *rest) for r in b.data]
+    expected = open_store(out)
+    assert sorted(r["prompt_index"] for r in records) == sorted([*range(24)] * SAMPLES)
+    by_index = {(r["prompt_index"], r["sample"]): r["response_ids"] for r in records}
+    for p in range(24):
+        for s in range(SAMPLES):
+            n = int(expected.response_length.values[p, s])
+            assert by_index[p, s] == expected.response_ids.values[p, s, :n].tolist(), (p, s)
+    assert list(daskgen.follow(out, wait=False)) == [], "every batch acknowledged once"
+
+
+def test_a_torn_cursor_file_is_a_clear_error_naming_the_file_and_the_fix(tmp_path, run_store):
+    _, out = copy_of(run_store, tmp_path)
+    next(daskgen.follow(out, batch_prompts=10, wait=False, auto_ack=False)).ack()
+    path = out / "daskgen.cursors" / "default.json"
+    path.write_bytes(path.read_bytes()[:17])  # cut short, as by a file system that lost its tail
+    with pytest.raises(FollowError) as info:
+        daskgen.follow(out, wait=False)
+    message = str(info.value)
+    assert str(path) in message and "JSONDecodeError" in message and "17 bytes" in message, message
+    assert "delete the file to start this cursor from the beginning" in message and '{"seq": S' in message
+    path.write_text(json.dumps({"seq": 1, "row": 9, "batches": 1, "prompts": 10, "failed": 0}))
+    assert next(daskgen.follow(out, batch_prompts=10, wait=False)).number == 1, "a rewritten cursor is read"

@@ -126,7 +126,7 @@ def test_auto_window_grows_to_what_the_rule_says_and_the_run_completes(tmp_path)
     from daskgen import store
     from daskgen.client.runner import run
     from daskgen.testing.probes import in_flight_after, read_events
-    from daskgen.worker.plugin import RESOURCE
+    from daskgen.worker.plugin import RESOURCE, plugin_status
     from tests.test_thread_slots import gated_config
 
     events, gate = tmp_path / "events.log", tmp_path / "gate"
@@ -139,6 +139,10 @@ def test_auto_window_grows_to_what_the_rule_says_and_the_run_completes(tmp_path)
 
     def held() -> int:
         return sum(len(ids) for ids in in_flight_after(read_events(events)).values())
+
+    def worker_status() -> dict:
+        (status,) = client.run(plugin_status).values()  # the one worker's
+        return status
 
     with (
         dask.config.set({"distributed.worker.daemon": False}),
@@ -155,7 +159,13 @@ def test_auto_window_grows_to_what_the_rule_says_and_the_run_completes(tmp_path)
             while held() < expected:
                 assert time.monotonic() < deadline and runner.is_alive(), f"{held()} partitions reached the engine"
                 time.sleep(0.1)
-            time.sleep(2.0)  # forty admission intervals: a window past the rule's would admit more by now
+            # forty more applications of the rule to the frozen occupancy: a window past the rule's would
+            # have grown on one of them (it never shrinks while every partition stays running)
+            ticks_at = worker_status()["admission_ticks"]
+            while (now := worker_status())["admission_ticks"] < ticks_at + 40:
+                assert time.monotonic() < deadline and runner.is_alive(), f"{now} after {ticks_at} admission ticks"
+                time.sleep(0.05)
+            assert now["window"] == expected, now
             assert held() == expected, f"the engine holds {held()} partitions, the rule says {expected}"
             resources = [w["resources"] for w in client.scheduler_info(n_workers=-1)["workers"].values()]
             assert resources == [{RESOURCE: expected}], "the worker advertises the grown window"

@@ -65,6 +65,7 @@ class Cursor:
             )
         self.name = name
         self.location = store if cursor_dir is None else locate(cursor_dir)
+        self.in_store = cursor_dir is None
         self.key = f"{CURSORS_PREFIX}/{name}.json"
 
     @property
@@ -83,15 +84,32 @@ class Cursor:
             return CursorState(position, int(doc["batches"]), int(doc["prompts"]), int(doc["failed"]))
         except (ValueError, KeyError, TypeError) as exc:
             raise FollowError(
-                f"cursor {self.url!r} is not a daskgen cursor ({exc}). It is written atomically, so something "
-                "else wrote it: delete it to start this cursor from the beginning, or use another cursor name."
+                f"cursor file {self.url!r} is not a daskgen cursor: {type(exc).__name__}: {exc} (it holds "
+                f"{len(raw)} bytes, starting {raw[:60]!r}). daskgen replaces it in one atomic write, so it was "
+                "cut short or overwritten outside daskgen (a file system that lost data, a copy, an edit). Fix: "
+                'write the position of the last batch your consumer made durable, {"seq": S, "row": R, "batches": '
+                'B, "prompts": P, "failed": F} (its batch.end is Position(S, R), its batch.number + 1 is B); or '
+                "delete the file to start this cursor from the beginning (every batch is delivered again); or "
+                "follow with another cursor name."
             ) from exc
 
     def save(self, state: CursorState) -> None:
-        """Replace the cursor with ``state`` in one atomic write."""
+        """Replace the cursor with ``state`` in one atomic write.
+
+        A cursor kept in the store never re-creates the store's folder: while ``daskgen pack`` swaps the
+        store in place (the folder is away for a moment) the ack raises :class:`FollowError`; nothing was
+        acknowledged, and acknowledging again once the swap is over works.
+        """
         doc = {**asdict(state.position), **{k: v for k, v in asdict(state).items() if k != "position"}}
         doc |= {"cursor": self.name, "updated": utc_now()}
-        self.location.write_object(self.key, json.dumps(doc).encode())
+        try:
+            self.location.write_object(self.key, json.dumps(doc).encode(), create_location=not self.in_store)
+        except FileNotFoundError as exc:
+            raise FollowError(
+                f"cursor {self.url!r} was not saved: the store's folder {self.location.url!r} is gone (daskgen "
+                "pack swapping it in place, or the store was moved or deleted). Nothing was acknowledged: "
+                "acknowledge the batch again once the store is back (a follower started again delivers it again)."
+            ) from exc
 
 
 def stored_cursors(store: StoreLocation) -> list[tuple[str, CursorState]]:

@@ -94,8 +94,12 @@ class StoreLocation:
         """Overwrite ``key`` only if it is still at ``version``; the new version, or ``None`` when it changed."""
         raise NotImplementedError
 
-    def write_object(self, key: str, data: bytes) -> None:
-        """Replace ``key`` atomically with ``data``: readers see the old or the new object, never a part."""
+    def write_object(self, key: str, data: bytes, *, create_location: bool = True) -> None:
+        """Replace ``key`` atomically with ``data``: readers see the old or the new object, never a part.
+
+        ``create_location=False``: when the location's own folder is missing (e.g. a store that ``daskgen
+        pack`` is swapping in place), raise ``FileNotFoundError`` instead of creating it (object storage has
+        no folders: ignored there)."""
         raise NotImplementedError
 
     def delete_object(self, key: str) -> None:
@@ -173,10 +177,14 @@ class LocalLocation(StoreLocation):
         os.replace(tmp, self.path / key)
         return data
 
-    def write_object(self, key: str, data: bytes) -> None:
+    def write_object(self, key: str, data: bytes, *, create_location: bool = True) -> None:
         """Write a temporary file beside ``key``, flush it to disk, then rename it into place."""
         target = self.path / key
-        target.parent.mkdir(parents=True, exist_ok=True)
+        if create_location:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        else:  # folder by folder below the location: each fails at once if the location's folder is gone
+            for folder in reversed(Path(key).parents[:-1]):
+                (self.path / folder).mkdir(exist_ok=True)
         tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
         with tmp.open("wb") as fh:
             fh.write(data)
@@ -292,7 +300,7 @@ class ObjectLocation(StoreLocation):
             return got[1] if got is not None and got[0] == data else None
         return _version(result)
 
-    def write_object(self, key: str, data: bytes) -> None:
+    def write_object(self, key: str, data: bytes, *, create_location: bool = True) -> None:
         """One PUT: object stores replace a whole object atomically."""
         import obstore
 

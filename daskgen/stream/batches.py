@@ -161,9 +161,21 @@ class Follower:
         live, head = writer_live(self.store), read_head(self.location)
         self.saw_writer |= live
         if self.snapshot is None or (live, head) != (self.snapshot.live, self.snapshot.head):
+            if self._swapped():
+                return self._refresh()
             self.snapshot = read_snapshot(self.store)
             self.saw_writer |= self.snapshot.live
         return self.snapshot
+
+    def _swapped(self) -> bool:
+        """True when the store at the location is no longer the one opened (``daskgen pack``/``unpack`` swapped
+        it in place: its arrays are laid out anew); then it is opened again (or not yet, mid-swap)."""
+        assert self.store is not None
+        now = GenerationStore.open_if_exists(self.location)
+        if now is not None and now.version == self.store.version:
+            return False
+        self.store, self.snapshot, self.prompt_ids = now, None, None
+        return True
 
     def _ended(self, snap: Snapshot) -> bool:
         """True when nothing more will be committed: no run holds the store and its run is over (every row
@@ -187,18 +199,24 @@ class Follower:
             )
 
     # --- delivering ---------------------------------------------------------------------------
-    def _deliver(self, snap: Snapshot, idx: np.ndarray, end: Position) -> Batch:
-        """Read the batch's rows and hand it out (unacknowledged)."""
+    def _deliver(self, snap: Snapshot, idx: np.ndarray, end: Position) -> Batch | None:
+        """Read the batch's rows and hand it out (unacknowledged); ``None`` when the store was swapped meanwhile."""
         store = self.store
         assert store is not None
         rows, status = snap.rows[idx], snap.status[idx]
         done, failed = rows[status == DONE], rows[status == FAILED]
-        if self.prompt_ids is None:
-            self.prompt_ids = PromptIds(store)
-        ids = self.prompt_ids(done)
-        errors: Any = read_rows(store, failed, ("error",))["error"] if len(failed) else []
-        names = fields_to_read(store, self.format, self.fields)
-        ds = to_dataset(store, done, ids, read_rows(store, done, names))
+        try:
+            if self.prompt_ids is None:
+                self.prompt_ids = PromptIds(store)
+            ids = self.prompt_ids(done)
+            errors: Any = read_rows(store, failed, ("error",))["error"] if len(failed) else []
+            ds = to_dataset(store, done, ids, read_rows(store, done, fields_to_read(store, self.format, self.fields)))
+        except Exception:
+            if self._swapped():  # the old layout's metadata, the new layout's files: read again
+                return None
+            raise
+        if self._swapped():  # read while pack swapped the store: maybe through the old layout; read again
+            return None
         batch = Batch(
             data=build(self.format, store, ds),
             prompts=done,

@@ -101,6 +101,7 @@ class EnginePlugin(WorkerPlugin):
         self.handles: set[Any] = set()
         self.running = 0  # partition tasks executing on this worker
         self.outstanding = 0  # their samples not finished yet (requests running or queued in the engine)
+        self.admission_ticks = 0  # times ``window: auto`` applied its rule to a measured occupancy
         self._leaving: asyncio.Task | None = None
         self._admitter: asyncio.Task | None = None
         self._reporter: asyncio.Task | None = None
@@ -187,6 +188,7 @@ class EnginePlugin(WorkerPlugin):
             if self.state is not PluginState.READY or self.draining or self.stopping or not self.running:
                 continue  # idle: nothing measured, keep the window
             self.wanted_window = admission.wanted(self.running, self.outstanding)
+            self.admission_ticks += 1
             window = admission.capped(self.wanted_window)
             if window != self.resolved_window:
                 self.resolved_window = window
@@ -368,6 +370,7 @@ class EnginePlugin(WorkerPlugin):
             "wanted": self.wanted_window,
             "slots": self.slots,
             "capacity": getattr(self.engine, "capacity", None),
+            "admission_ticks": self.admission_ticks,
         }
 
     async def teardown(self, worker: Any) -> None:
