@@ -19,12 +19,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 from daskgen.errors import StoreError
-
-if TYPE_CHECKING:
-    from obstore.store import ClientConfig
+from daskgen.store.object_client import endpoint_of, object_store_for
 
 #: URL schemes served by object storage (``file://`` is a local folder).
 OBJECT_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "memory", "http", "https")
@@ -226,7 +224,7 @@ class ObjectLocation(StoreLocation):
     def store(self) -> Any:
         """The ``obstore`` store of this prefix (built on first use)."""
         if self._store is None:
-            self._store = _from_url(self.url, self.storage_options)
+            self._store = object_store_for(self.url, self.storage_options)
         return self._store
 
     def zarr_store(self, read_only: bool = False) -> Any:
@@ -262,7 +260,7 @@ class ObjectLocation(StoreLocation):
         try:
             self.is_empty()
         except Exception as exc:  # obstore raises its own types (not found, permission, generic)
-            problem = _object_store_problem(exc, _endpoint(self.storage_options) or "the default endpoint")
+            problem = _object_store_problem(exc, endpoint_of(self.storage_options) or "the default endpoint")
             raise StoreError(f"cannot use the object store {self.url!r}: {problem}") from exc
 
     def create_object(self, key: str, data: bytes) -> bool:
@@ -326,11 +324,6 @@ class ObjectLocation(StoreLocation):
         return ObjectLocation(self.url + suffix, self.storage_options)
 
 
-def _endpoint(options: dict[str, Any]) -> str:
-    """The endpoint requests go to: ``storage_options``' own, else ``AWS_ENDPOINT_URL`` (empty: the default)."""
-    return str(options.get("endpoint") or options.get("aws_endpoint") or os.environ.get("AWS_ENDPOINT_URL", ""))
-
-
 def _object_store_problem(exc: BaseException, endpoint: str) -> str:
     """What an object-store error at ``endpoint`` means for the user, and the fix."""
     text = describe_failure(exc)
@@ -352,65 +345,6 @@ def _object_store_problem(exc: BaseException, endpoint: str) -> str:
 
 def _version(meta: Any) -> dict[str, str]:
     return {k: meta[k] for k in ("e_tag", "version") if meta.get(k) is not None}
-
-
-#: One client per (URL, options) per process: ``memory://`` stores live in it; S3 clients pool connections.
-_STORES: dict[tuple[str, str], Any] = {}
-
-
-def _from_url(url: str, options: dict[str, Any]) -> Any:
-    import json
-
-    key = (url, json.dumps(options, sort_keys=True, default=str))
-    if key not in _STORES:
-        _STORES[key] = _build(url, options)
-    return _STORES[key]
-
-
-def retry_config() -> Any:
-    """obstore's retry configuration from the ``daskgen.object-store`` tunables (Dask config): requests that
-    fail with 5xx, a dropped connection or a timeout are retried with exponential backoff and jitter."""
-    from datetime import timedelta
-
-    from daskgen import tunables
-
-    def seconds(key: str) -> timedelta:
-        return timedelta(seconds=tunables.seconds(f"object-store.{key}"))
-
-    backoff = {"init_backoff": seconds("init-backoff"), "max_backoff": seconds("max-backoff"), "base": 2.0}
-    return {
-        "max_retries": int(tunables.get("object-store.max-retries")),
-        "retry_timeout": seconds("retry-timeout"),
-        "backoff": backoff,
-    }
-
-
-def _client_defaults() -> dict[str, Any]:
-    """Per-attempt timeouts of object-storage requests, from the ``daskgen.object-store`` tunables."""
-    from daskgen import tunables
-
-    return {
-        "connect_timeout": f"{tunables.seconds('object-store.connect-timeout')}s",
-        "timeout": f"{tunables.seconds('object-store.timeout')}s",
-    }
-
-
-def _build(url: str, options: dict[str, Any]) -> Any:
-    from obstore.store import from_url
-
-    opts = dict(options)
-    client = cast("ClientConfig", {**_client_defaults(), **(opts.pop("client_options", {}) or {})})
-    endpoint = _endpoint(opts)
-    if endpoint.startswith("http://"):
-        client.setdefault("allow_http", True)  # a plain-HTTP endpoint (MinIO, moto, a local gateway)
-    retry = opts.pop("retry_config", None) or retry_config()
-    try:
-        return from_url(url, client_options=client, retry_config=retry, **opts)
-    except Exception as exc:  # obstore raises several types for bad URLs/options
-        raise StoreError(
-            f"cannot open the object store {url!r}: {exc}. Check the URL (s3://bucket/path, gs://, "
-            "az://, memory:///) and the credentials in the environment or storage_options."
-        ) from exc
 
 
 #: A store given by the user: a local path, an object-storage URL (``s3://bucket/run.zarr``) or a location.
