@@ -22,6 +22,7 @@ from daskgen.agents import create_agent
 from daskgen.client.dispatch import dispatch_order, long_first, read_length_hints
 from daskgen.config import RunConfig
 from daskgen.input.rows import InputScan, iter_selected_rows, scan_prompts
+from daskgen.input.sampling import STOP_KEYS, RowSamplingCheck, merged, requested_features, row_params, run_settings
 from daskgen.input.scan_cache import load_scan, scan_key, scan_record
 from daskgen.input.tokenizer import load_tokenizer, tokenizer_identity
 from daskgen.redaction import redact
@@ -65,8 +66,10 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     source = _input_source(config, prompts)
     tokenizer = load_tokenizer(str(config.model), config.engine, config.engine_args)
     existing = GenerationStore.open_if_exists(config.location())
-    scan, record = _scan_input(config, source, tokenizer, existing)
-    store, record = _create_or_check_store(config, _store_attrs(config, scan, tokenizer), scan, existing, record)
+    scan, record, keys = _scan_input(config, source, tokenizer, existing)
+    _check_features(config, keys)
+    attrs = _store_attrs(config, scan, tokenizer, keys)
+    store, record = _create_or_check_store(config, attrs, scan, existing, record)
     eos = tokenizer.eos_token_id
     return Plan(
         config,
@@ -80,6 +83,15 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     )
 
 
+def _check_features(config: RunConfig, keys: frozenset[str]) -> None:
+    """Refuse a run that asks its engine for a feature it does not serve (before any engine starts)."""
+    from daskgen.engines import resolve_engine_class
+    from daskgen.engines.features import check_features
+
+    cls = resolve_engine_class(config.engine)
+    check_features(config.engine, cls.features, requested_features(run_settings(config), keys))
+
+
 def _input_source(config: RunConfig, prompts: str | Path | Sequence[Any] | None) -> str | Path | Sequence[Any]:
     """The prompts to run: ``prompts`` when given, else the configured ``prompts`` file (then required)."""
     if prompts is None:
@@ -91,19 +103,25 @@ def _input_source(config: RunConfig, prompts: str | Path | Sequence[Any] | None)
 
 def _scan_input(
     config: RunConfig, source: str | Path | Sequence[Any], tokenizer: Any, existing: GenerationStore | None
-) -> tuple[InputScan, dict[str, Any] | None]:
+) -> tuple[InputScan, dict[str, Any] | None, frozenset[str]]:
     """The input scan, reused from the store's attrs when input and tokenizer are unchanged, else tokenized anew.
 
-    Returns the scan and, for a fresh scan, the record to keep in the attrs (``None`` when reused).
+    Returns the scan, for a fresh scan the record to keep in the attrs (``None`` when reused), and the
+    sampling keys the rows set (those of the store's layout for a reused scan).
     """
     key = scan_key(source, tokenizer_identity(tokenizer), config.max_prompt_tokens, config.skip_overlong)
     scan = load_scan(existing.attrs.input_scan if existing else None, key, source)
-    if scan is not None:
-        return scan, None
+    if scan is not None:  # the store exists and was checked when created: its layout holds
+        return scan, None, frozenset()
+    check = RowSamplingCheck(config.max_new_tokens)
     scan = scan_prompts(
-        source, tokenizer, max_prompt_tokens=config.max_prompt_tokens, skip_overlong=config.skip_overlong
+        source,
+        tokenizer,
+        max_prompt_tokens=config.max_prompt_tokens,
+        skip_overlong=config.skip_overlong,
+        check_row=check,
     )
-    return scan, scan_record(key, scan, source)
+    return scan, scan_record(key, scan, source), frozenset(check.keys)
 
 
 def _create_or_check_store(
@@ -140,7 +158,7 @@ def keep_scan(plan: Plan) -> None:
         plan.store.update_attrs(input_scan=plan.scan_record)
 
 
-def _layout(config: RunConfig, scan: InputScan, tokenizer: Any) -> Layout:
+def _layout(config: RunConfig, scan: InputScan, tokenizer: Any, keys: frozenset[str]) -> Layout:
     agent = create_agent(config.agent, str(config.model), config.agent_args)
     return Layout(
         len(scan),
@@ -151,15 +169,17 @@ def _layout(config: RunConfig, scan: InputScan, tokenizer: Any) -> Layout:
         int(tokenizer.pad_token_id),
         agent.max_trajectories,
         scored=config.verify_policy() is not None,
+        row_sampling=bool(keys),
+        stops=bool(config.stop or config.stop_token_ids or keys & set(STOP_KEYS)),
     )
 
 
-def _store_attrs(config: RunConfig, scan: InputScan, tokenizer: Any) -> StoreAttrs:
+def _store_attrs(config: RunConfig, scan: InputScan, tokenizer: Any, keys: frozenset[str]) -> StoreAttrs:
     from daskgen.engines import resolve_engine_class
     from daskgen.versions import package_versions
 
     return StoreAttrs(
-        layout=_layout(config, scan, tokenizer),
+        layout=_layout(config, scan, tokenizer, keys),
         identity=config.identity(),
         input={"fingerprint": scan.fingerprint, "n_prompts": len(scan)},
         tokenizer=tokenizer_identity(tokenizer),
@@ -229,22 +249,14 @@ def _shared_task_fields(plan: Plan) -> dict[str, Any]:
         "model": str(cfg.model),
         "verify": cfg.verify_policy(),
         "continue_partial": cfg.continues_partial(),
+        "eos_ids": plan.stop_ids,
+        "run_settings": run_settings(cfg) if plan.layout.stops or plan.layout.row_sampling else None,
     }
 
 
 def _sampling_params(plan: Plan) -> SamplingParams:
     """The run's sampling settings, with the tokenizer's stop ids."""
-    from daskgen.engines.base import SamplingParams
-
-    cfg = plan.config
-    return SamplingParams(
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        logprobs=cfg.logprobs,
-        stop_token_ids=plan.stop_ids,
-    )
+    return row_params(run_settings(plan.config), plan.stop_ids, plan.config.logprobs)
 
 
 def _partition_task(
@@ -260,6 +272,9 @@ def _partition_task(
         agent_args=dict(plan.config.agent_args),
         rows_meta=full if shared["verify"] is not None else None,
         inputs=[_to_tokenize(r) for r in full],
+        row_settings=[merged(shared["run_settings"], r.get("sampling")) for r in full]
+        if plan.layout.row_sampling
+        else None,
         **shared,
     )
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,15 +211,21 @@ class InputScan:
 
 
 def scan_prompts(
-    source: str | Path | Sequence[Any], tokenizer: Any, *, max_prompt_tokens: int, skip_overlong: bool = False
+    source: str | Path | Sequence[Any],
+    tokenizer: Any,
+    *,
+    max_prompt_tokens: int,
+    skip_overlong: bool = False,
+    check_row: Callable[[Any], list[str]] | None = None,
 ) -> InputScan:
     """Validate, fingerprint and length-check every row in one streaming pass.
 
     Raises :class:`InputError` listing every bad row (row number and column); overlong prompts
     are an error unless ``skip_overlong`` (then they are returned to be recorded as failed).
+    ``check_row`` adds the problems it finds in a row (e.g. its ``sampling`` column) to the report.
     """
     name = str(source) if isinstance(source, (str, Path)) else "input"
-    ids, fingerprint, errors, lengths = _scan_rows(source, tokenizer, max_prompt_tokens)
+    ids, fingerprint, errors, lengths = _scan_rows(source, tokenizer, max_prompt_tokens, check_row)
     _raise_if(errors, name)
     if not ids:
         raise InputError(f"{name} has no prompts; expected at least one row.")
@@ -228,7 +234,10 @@ def scan_prompts(
 
 
 def _scan_rows(
-    source: str | Path | Sequence[Any], tokenizer: Any, max_prompt_tokens: int
+    source: str | Path | Sequence[Any],
+    tokenizer: Any,
+    max_prompt_tokens: int,
+    check_row: Callable[[Any], list[str]] | None = None,
 ) -> tuple[list[str], str, list[str], dict[int, int]]:
     """One pass over the rows: their ids, the input fingerprint, every row error, and the token count of
     each prompt longer than ``max_prompt_tokens`` (tokenizing stops at the first error)."""
@@ -238,7 +247,7 @@ def _scan_rows(
     seen: dict[str, int] = {}
     lengths: dict[int, int] = {}
     for number, row in iter_rows(source):
-        errors += [f"row {number}: {msg}" for msg in _row_errors(row)]
+        errors += [f"row {number}: {msg}" for msg in _row_errors(row) + (check_row(row) if check_row else [])]
         digest.add(row)
         ids.append(_row_id(row, number, seen, errors))
         if not errors:

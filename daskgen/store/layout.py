@@ -34,7 +34,7 @@ def coarse_chunk() -> int:
 
 def client_written_arrays() -> frozenset[str]:
     """Names of the arrays only the client writes (coordinates and the commit record), in every layout."""
-    layout = Layout(1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True)
+    layout = Layout(1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True, row_sampling=True, stops=True)
     return frozenset(name for name, spec in layout.array_specs().items() if not spec.worker_written)
 
 
@@ -87,6 +87,10 @@ class Layout:
     pad_token_id: int
     n_trajectories: int = 1
     scored: bool = False
+    #: Some row carries its own sampling settings: the per-prompt ``sampling`` array records them.
+    row_sampling: bool = False
+    #: The run uses stop strings or stop token ids: the per-sample ``stop_reason`` array says which ended it.
+    stops: bool = False
 
     @property
     def schema_version(self) -> int:
@@ -132,6 +136,10 @@ class Layout:
             "num_turns": ArraySpec((n, s), (rows, s), "int16", 0, per_sample, "response"),
             "continued_tokens": ArraySpec((n, s), (rows, s), "int32", 0, per_sample, "response"),
         }
+        if self.row_sampling:
+            specs["sampling"] = ArraySpec((n,), (rows,), "str", "", per_prompt, "prompt")
+        if self.stops:
+            specs["stop_reason"] = ArraySpec((n, s), (rows, s), "int16", -1, per_sample, "response")
         if self.scored:
             specs["score"] = ArraySpec((n, s), (rows, s), "float32", float("nan"), per_sample, "sample")
             specs["samples_used"] = ArraySpec((n,), (rows,), "int16", 0, per_prompt, "sample")
@@ -157,16 +165,21 @@ class Layout:
 #: Worker-written arrays of the plain layout (v1, no verifier).
 DATA_ARRAYS = Layout(1, 1, 1, 1, 1, 0).data_arrays()
 #: Every array a worker may write, in any layout.
-WORKER_ARRAYS = Layout(1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True).data_arrays()
+WORKER_ARRAYS = Layout(1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True, row_sampling=True, stops=True).data_arrays()
 
 
 def empty_region(layout: Layout, n_rows: int) -> dict[str, np.ndarray]:
     """Fill-valued arrays for ``n_rows`` rows of every data array."""
     specs = layout.array_specs()
     return {
-        name: np.full((n_rows, *specs[name].shape[1:]), specs[name].fill, dtype=specs[name].dtype)
+        name: np.full((n_rows, *specs[name].shape[1:]), specs[name].fill, dtype=_numpy_dtype(specs[name].dtype))
         for name in layout.data_arrays()
     }
+
+
+def _numpy_dtype(dtype: str) -> str:
+    """The numpy dtype of a region of an array of ``dtype`` (variable-length strings are objects)."""
+    return "object" if dtype == "str" else dtype
 
 
 def clear_response(region: dict[str, np.ndarray], index: tuple[int, ...], layout: Layout) -> None:
@@ -198,6 +211,10 @@ LONG_NAMES: dict[str, str] = {
     "score": "verifier score of the sample (NaN: not generated, or the verifier raised)",
     "samples_used": "samples generated for the prompt before it was satisfied",
     "num_trajectories": "trajectories of the sample (the rest of the trajectory axis is padding)",
+    "sampling": "the row's own sampling settings as sorted JSON (\"\": the run's settings); the run's "
+    "settings fill in the keys it does not set",
+    "stop_reason": "which stop ended the sample: index into the row's stop strings then its stop_token_ids; "
+    "-2 the model's end-of-sequence token; -1 no stop (see finish_reason)",
 }
 #: CF attributes beyond the long name: the flags of the coded variables, the units of the commit time.
 CODED_ATTRS: dict[str, dict[str, Any]] = {

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -24,6 +25,7 @@ from daskgen.input.rows import tokenize_rows
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import Layout, clear_response, empty_region
 from daskgen.worker.rounds import RowOutcome, sample_in_rounds
+from daskgen.worker.row_sampling import apply_stops, place_row_settings, row_settings, sample_params
 from daskgen.worker.slot import PartitionSlot
 
 if TYPE_CHECKING:
@@ -60,6 +62,11 @@ class PartitionTask:
     verify: Any = None
     rows_meta: list[dict[str, Any]] | None = None
     inputs: list[dict[str, Any]] | None = None
+    #: The tokenizer's end ids (added to each row's stop ids), the run's sampling settings (``None`` in a run
+    #: with neither per-row settings nor stops) and each pending row's (``None`` when no row has its own).
+    eos_ids: tuple[int, ...] = ()
+    run_settings: dict[str, Any] | None = None
+    row_settings: list[dict[str, Any]] | None = None
 
     @property
     def layout(self) -> Layout:
@@ -88,12 +95,6 @@ class PartitionResult:
     worker: str = ""
 
 
-def sample_seed(seed: int, row: int, sample: int) -> int:
-    """Per-sample seed from (run seed, prompt row, sample), stable across runs and machines."""
-    state = np.random.SeedSequence([seed, row, sample]).generate_state(1, dtype=np.uint32)[0]
-    return int(state) & 0x7FFFFFFF
-
-
 def fill_region(
     region: dict[str, np.ndarray],
     task: PartitionTask,
@@ -103,6 +104,7 @@ def fill_region(
     """Place prompts and trajectories (and verifier scores) into the region; collect per-row failures."""
     out = PartitionResult(task.start, task.stop, list(task.rows))
     _record_rounds(region, task, rounds or [], out)
+    place_row_settings(region, task)
     layout = task.layout
     assert task.prompts is not None, "the worker tokenizes a task's inputs before filling its region"
     for i, (row, prompt) in enumerate(zip(task.rows, task.prompts, strict=True)):
@@ -181,6 +183,8 @@ def _place(region: dict[str, np.ndarray], index: tuple[int, ...], traj: Trajecto
     region["finish_reason"][index] = int(reason)
     region["num_turns"][index] = traj.num_turns
     region["continued_tokens"][index] = min(traj.continued, n)
+    if "stop_reason" in region:
+        region["stop_reason"][index] = traj.stop_reason
     return int(sum(traj.response_mask[:n]))
 
 
@@ -268,6 +272,7 @@ def _stored_sample(region: dict[str, np.ndarray], r: int, s: int, stops: set[int
         int(region["num_turns"][r, s]),
         continued=int(region["continued_tokens"][r, s]) if "continued_tokens" in region else 0,
         carried=n,
+        stop_reason=int(region["stop_reason"][r, s]) if "stop_reason" in region else -1,
     )
 
 
@@ -322,6 +327,7 @@ def _joined(prefix: Trajectory, tail: Trajectory) -> Trajectory:
         tail.error,
         continued=len(prefix.response_ids),
         carried=len(prefix.response_ids),
+        stop_reason=tail.stop_reason,
     )
 
 
@@ -376,11 +382,20 @@ class _Generation:
         """Sample ``s`` of the partition's ``i``-th row, seeded per sample, counted on the slot."""
         task, row = self.task, self.task.rows[i]
         assert task.prompts is not None
-        params = SamplingParams(**{**task.params.__dict__, "seed": sample_seed(task.seed, row, s)})
         prefix = self.prefixes.get((row, s))
-        return self.slot.counted(
-            _sample(self.agent, self.handle, f"p{row}-s{s}", list(task.prompts[i]), params, prefix)
+        sample = _sample(
+            self.agent, self.handle, f"p{row}-s{s}", list(task.prompts[i]), sample_params(task, i, s), prefix
         )
+        settings = row_settings(task, i)
+        if settings is not None:  # a run with stops or per-row settings
+            sample = self.stopped(sample, settings)
+        return self.slot.counted(sample)
+
+    async def stopped(self, sample: Awaitable[list[Trajectory]], settings: dict[str, Any]) -> list[Trajectory]:
+        """``sample``'s trajectories under the stop rule (:func:`~daskgen.worker.row_sampling.apply_stops`)."""
+        trajectories = await sample
+        apply_stops(trajectories, settings, self.plugin.tokenizer().decode)
+        return trajectories
 
     async def isolated(self) -> list:
         """Row by row; a row whose generation raises gets error trajectories instead of failing the task.
