@@ -16,6 +16,7 @@ from daskgen.errors import ConfigError, InputError, StoreMismatchError
 from daskgen.input.rows import scan_prompts
 from daskgen.input.sampling import RowSamplingCheck
 from daskgen.input.tokenizer import load_tokenizer
+from daskgen.store.layout import Layout
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,34 +27,45 @@ def run_options(model, store, **extra):
     """A greedy run of the tiny model on one local worker, partitions of two rows."""
     options = dict(model=str(model), store=str(store), engine="transformers", n_workers=1, progress=False)
     options.update(max_new_tokens=12, max_prompt_tokens=64, partition_size=2, temperature=0.0)
-    options["engine_args"] = {"device": "cpu", "kv_cache_tokens": 2048, "max_batch_tokens": 128}
+    options["engine_args"] = ENGINE_ARGS
     return {**options, **extra}
 
 
+ENGINE_ARGS = {"device": "cpu", "kv_cache_tokens": 2048, "max_batch_tokens": 128}
+
+
+def greedy_outputs(model, prompts, max_new_tokens):
+    """Each prompt's greedy response ids from the transformers engine itself (no run: the reference)."""
+    from daskgen.engines.base import GenerationRequest, SamplingParams
+    from daskgen.engines.transformers import TransformersEngine
+    from daskgen.testing.harness import EventLoopThread, gather
+
+    tokenizer = load_tokenizer(str(model), "transformers")
+    engine, loop = TransformersEngine(str(model), **ENGINE_ARGS), EventLoopThread()
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
+    requests = [GenerationRequest(f"r{i}", tokenizer(p)["input_ids"], params) for i, p in enumerate(prompts)]
+    try:
+        loop.run(engine.start(), 300)
+        results = loop.run(gather(*[engine.generate(r) for r in requests]), 120)
+    finally:
+        loop.run(engine.shutdown(), 60)
+        loop.close()
+    return [r.output_ids for r in results], tokenizer.decode
+
+
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from daskgen.models import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
-
-
-@pytest.fixture(scope="module")
-def runs(tiny, tmp_path_factory):
-    """A plain greedy run, then one whose rows set their own limits and stops found in the plain run's output."""
+def runs(tiny_model, tmp_path_factory):
+    """One run whose rows set their own limits and stops, found in the greedy outputs of the same engine."""
     folder = tmp_path_factory.mktemp("sampling")
-    daskgen.generate([{"prompt": p, "id": f"q{i}"} for i, p in enumerate(PROMPTS)], **run_options(tiny, folder / "a"))
-    plain = xr.open_zarr(folder / "a")
-    decode = load_tokenizer(str(tiny), "transformers").decode
-    ids = [plain.response_ids.values[i, 0, : plain.response_length.values[i, 0]].tolist() for i in range(4)]
-    stop_text = _stop_text(ids[2], decode)
+    ids, decode = greedy_outputs(tiny_model, PROMPTS, 12)
     rows = [
         {"prompt": PROMPTS[0], "id": "q0"},
         {"prompt": PROMPTS[1], "id": "q1", "sampling": {"max_new_tokens": 3, "min_new_tokens": 3}},
-        {"prompt": PROMPTS[2], "id": "q2", "sampling": {"stop": ["\x00never", stop_text]}},
+        {"prompt": PROMPTS[2], "id": "q2", "sampling": {"stop": ["\x00never", _stop_text(ids[2], decode)]}},
         {"prompt": PROMPTS[3], "id": "q3", "sampling": {"stop_token_ids": [ids[3][2]]}},
     ]
-    daskgen.generate(rows, **run_options(tiny, folder / "b"))
-    return plain, xr.open_zarr(folder / "b"), ids, rows, decode, folder
+    daskgen.generate(rows, **run_options(tiny_model, folder / "b"))
+    return xr.open_zarr(folder / "b"), ids, rows, decode, folder
 
 
 def _stop_text(ids, decode):
@@ -65,8 +77,9 @@ def _stop_text(ids, decode):
     raise AssertionError(f"no stop string in {decode(ids)!r}")
 
 
+@pytest.mark.slow
 def test_rows_get_their_own_limits_and_stops(runs):
-    plain, ds, ids, rows, decode, _ = runs
+    ds, ids, rows, decode, _ = runs
     lengths, reasons = ds.response_length.values[:, 0], ds.stop_reason.values[:, 0]
     got = [ds.response_ids.values[i, 0, : lengths[i]].tolist() for i in range(4)]
     assert got[0] == ids[0]  # no settings: the run's
@@ -77,31 +90,35 @@ def test_rows_get_their_own_limits_and_stops(runs):
     cut = ids[3].index(ids[3][2]) + 1
     assert got[3] == ids[3][:cut] and reasons[3] == 0 and ds.finish_reason.values[3, 0] == 0
     assert reasons[0] == (EOS if ds.finish_reason.values[0, 0] == 0 else NO_STOP)
-    assert "stop_reason" not in plain and "sampling" not in plain  # the default path's layout is unchanged
+    plain = Layout(4, 1, 64, 12, 2, 0).array_specs()  # a run without row settings or stops: no new arrays
+    assert "stop_reason" not in plain and "sampling" not in plain
 
 
+@pytest.mark.slow
 def test_store_records_each_rows_settings(runs):
-    _, ds, _, rows, _, _ = runs
+    ds, _, rows, _, _ = runs
     used = [json.loads(text) for text in ds.sampling.values]
     assert used[1]["max_new_tokens"] == 3 and used[1]["min_new_tokens"] == 3 and used[0]["max_new_tokens"] == 12
-    assert used[2]["stop"] == rows[2]["sampling"]["stop"] and used[3]["stop_token_ids"] == rows[3]["sampling"][
-        "stop_token_ids"
-    ]
+    assert (
+        used[2]["stop"] == rows[2]["sampling"]["stop"]
+        and used[3]["stop_token_ids"] == rows[3]["sampling"]["stop_token_ids"]
+    )
     assert all(u["temperature"] == 0.0 for u in used)
     assert len(set(ds.sampling.values.tolist())) == 4  # one group per distinct setting
 
 
-def test_resume_refused_when_a_rows_settings_changed(runs, tiny):
-    _, _, _, rows, _, folder = runs
+@pytest.mark.slow
+def test_resume_refused_when_a_rows_settings_changed(runs, tiny_model):
+    _, _, rows, _, folder = runs
     changed = [dict(r) for r in rows]
     changed[1] = {**rows[1], "sampling": {"max_new_tokens": 4}}
     with pytest.raises(StoreMismatchError, match="fingerprint"):
-        daskgen.generate(changed, **run_options(tiny, folder / "b"))
+        daskgen.generate(changed, **run_options(tiny_model, folder / "b"))
     with pytest.raises(StoreMismatchError, match="stop: store has None, this run has"):
-        daskgen.generate(rows, **run_options(tiny, folder / "b", stop=["x"]))
+        daskgen.generate(rows, **run_options(tiny_model, folder / "b", stop=["x"]))
 
 
-def test_bad_row_settings_are_named_with_row_key_range_and_fix(tiny):
+def test_bad_row_settings_are_named_with_row_key_range_and_fix(tiny_model):
     rows = [
         {"prompt": "a", "id": "a", "sampling": {"top_p": 1.5}},
         {"prompt": "b", "sampling": {"temprature": 0.5}},
@@ -111,7 +128,7 @@ def test_bad_row_settings_are_named_with_row_key_range_and_fix(tiny):
     ]
     check = RowSamplingCheck(max_new_tokens=16)
     with pytest.raises(InputError) as info:
-        scan_prompts(rows, load_tokenizer(str(tiny), "transformers"), max_prompt_tokens=64, check_row=check)
+        scan_prompts(rows, load_tokenizer(str(tiny_model), "transformers"), max_prompt_tokens=64, check_row=check)
     text = str(info.value)
     assert "row 1: column 'sampling' (id 'a'): key 'top_p' is 1.5; it must be a number in (0, 1] (1 = off). Fix" in text
     assert "row 2: column 'sampling': unknown sampling key 'temprature'; valid keys are [" in text
