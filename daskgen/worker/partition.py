@@ -25,7 +25,7 @@ from daskgen.input.rows import tokenize_rows
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import Layout, clear_response, empty_region
 from daskgen.worker.rounds import RowOutcome, sample_in_rounds
-from daskgen.worker.row_sampling import apply_stops, place_row_settings, row_settings, sample_params
+from daskgen.worker.row_sampling import apply_stops, place_row_settings, sample_params
 from daskgen.worker.slot import PartitionSlot
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ def fill_region(
     """Place prompts and trajectories (and verifier scores) into the region; collect per-row failures."""
     out = PartitionResult(task.start, task.stop, list(task.rows))
     _record_rounds(region, task, rounds or [], out)
-    place_row_settings(region, task)
+    place_row_settings(region, task.start, task.rows, task.row_settings)
     layout = task.layout
     assert task.prompts is not None, "the worker tokenizes a task's inputs before filling its region"
     for i, (row, prompt) in enumerate(zip(task.rows, task.prompts, strict=True)):
@@ -383,10 +383,10 @@ class _Generation:
         task, row = self.task, self.task.rows[i]
         assert task.prompts is not None
         prefix = self.prefixes.get((row, s))
-        sample = _sample(
-            self.agent, self.handle, f"p{row}-s{s}", list(task.prompts[i]), sample_params(task, i, s), prefix
-        )
-        settings = row_settings(task, i)
+        own = task.row_settings[i] if task.row_settings is not None else None
+        params = sample_params(task.params, own, task.eos_ids, task.seed, row, s)
+        sample = _sample(self.agent, self.handle, f"p{row}-s{s}", list(task.prompts[i]), params, prefix)
+        settings = own if own is not None else task.run_settings
         if settings is not None:  # a run with stops or per-row settings
             sample = self.stopped(sample, settings)
         return self.slot.counted(sample)

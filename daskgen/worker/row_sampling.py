@@ -1,7 +1,7 @@
 """A partition's per-row sampling on the worker: each sample's params, its stop rule, the stored settings.
 
-A run without per-row settings or stops (``task.run_settings is None``) takes none of these paths but
-:func:`sample_params`, which then only sets the per-sample seed, as before.
+A run without per-row settings or stops takes none of these paths but :func:`sample_params`, which then
+only sets the per-sample seed, as before.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from daskgen.input.sampling import canonical_json, row_params
 
 if TYPE_CHECKING:
     from daskgen.agents import Trajectory
-    from daskgen.worker.partition import PartitionTask
 
 
 def sample_seed(seed: int, row: int, sample: int) -> int:
@@ -27,24 +26,19 @@ def sample_seed(seed: int, row: int, sample: int) -> int:
     return int(state) & 0x7FFFFFFF
 
 
-def row_settings(task: PartitionTask, i: int) -> dict[str, Any] | None:
-    """The settings the task's ``i``-th row uses, or ``None`` for a run with neither row settings nor stops."""
-    return task.row_settings[i] if task.row_settings is not None else task.run_settings
-
-
-def sample_params(task: PartitionTask, i: int, s: int) -> SamplingParams:
-    """The params of sample ``s`` of the task's ``i``-th row: its row's settings, seeded per sample.
+def sample_params(
+    run: SamplingParams, settings: dict[str, Any] | None, eos_ids: tuple[int, ...], seed: int, row: int, s: int
+) -> SamplingParams:
+    """The params of sample ``s`` of ``row``: the ``run``'s, or those of the row's own ``settings`` (with the
+    tokenizer's ``eos_ids``), seeded per sample from the run ``seed``.
 
     A row's own ``seed`` replaces the run seed and the row position in the derivation, so that the row
     samples alike wherever it sits in the input.
     """
-    settings = task.row_settings[i] if task.row_settings is not None else None
-    base = task.params if settings is None else row_params(settings, task.eos_ids, task.params.logprobs)
+    base = run if settings is None else row_params(settings, eos_ids, run.logprobs)
     if settings is not None and settings.get("seed") is not None:
-        seed = sample_seed(settings["seed"], 0, s)
-    else:
-        seed = sample_seed(task.seed, task.rows[i], s)
-    return dataclasses.replace(base, seed=seed)
+        return dataclasses.replace(base, seed=sample_seed(settings["seed"], 0, s))
+    return dataclasses.replace(base, seed=sample_seed(seed, row, s))
 
 
 def apply_stops(trajectories: list[Trajectory], settings: dict[str, Any], decode: Callable[[list[int]], str]) -> None:
@@ -72,9 +66,11 @@ def _cut(traj: Trajectory, keep: int) -> None:
         traj.logprobs = traj.logprobs[:keep]
 
 
-def place_row_settings(region: dict[str, np.ndarray], task: PartitionTask) -> None:
-    """Store each pending row's settings (sorted JSON) in the region's ``sampling`` array, when it has one."""
-    if "sampling" not in region or task.row_settings is None:
+def place_row_settings(
+    region: dict[str, np.ndarray], start: int, rows: list[int], settings: list[dict[str, Any]] | None
+) -> None:
+    """Store the ``settings`` of each pending row (sorted JSON) in the region's ``sampling`` array, when it has one."""
+    if "sampling" not in region or settings is None:
         return
-    for row, settings in zip(task.rows, task.row_settings, strict=True):
-        region["sampling"][row - task.start] = canonical_json(settings)
+    for row, used in zip(rows, settings, strict=True):
+        region["sampling"][row - start] = canonical_json(used)
