@@ -166,3 +166,23 @@ def test_stop_rule_cuts_overshoot_and_tells_ids_from_strings():
     assert settle([1, 2, 3], True, ("zz",), (9,), decode) == (3, EOS)
     assert settle([1, 2, 3], False, (), (), decode) == (3, NO_STOP)
     assert np.int16(EOS) == -2
+
+
+def test_transformers_penalties_and_min_new_tokens_follow_vllms_definitions():
+    import torch
+
+    from daskgen.engines.base import SamplingParams
+    from daskgen.engines.transformers.shaping import Shaping
+
+    params = SamplingParams(
+        repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25, min_new_tokens=4, stop_token_ids=(4,)
+    )
+    shaping = Shaping.of(params, [0], None, None)
+    assert shaping is not None and Shaping.of(SamplingParams(), [0], None, None) is None  # the plain path: none
+    for n in range(1, 4):  # the response so far: 1, 1, 2
+        shaping.after([1, 1, 2][:n])
+    row = torch.tensor([2.0, -1.0, 3.0, 1.0, 5.0])
+    # 0: prompt token, 2 / 2; 1: twice in the response, -1 * 2 - 0.5 - 2 * 0.25; 2: once, 3 / 2 - 0.5 - 0.25;
+    # 3: unseen; 4: a stop id, masked while fewer than min_new_tokens tokens exist
+    assert shaping.adjusted(row, [1, 1, 2]).tolist() == [1.0, -3.0, 0.75, 1.0, float("-inf")]
+    assert shaping.adjusted(row, [1, 1, 2, 3])[4] == 5.0
