@@ -26,6 +26,13 @@ IDENTITY_KEYS = (
     "temperature",
     "top_p",
     "top_k",
+    "min_p",
+    "min_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
     "seed",
     "logprobs",
     "partition_size",
@@ -204,12 +211,13 @@ class RunConfig(RunOptions):
 
     def _check_sampling(self) -> None:
         """Sampling parameters are in range, and ``keep_partial`` is used with the single-turn agent only."""
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0 (0 = greedy), found {self.temperature}.")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], found {self.top_p}.")
-        if self.top_k < 0 or self.max_retries < 0:
-            raise ConfigError("top_k and max_retries must be >= 0.")
+        from daskgen.input.sampling import run_defaults, setting_errors
+
+        errors = setting_errors({**run_defaults(self), "seed": self.seed}, self.max_new_tokens, "run settings")
+        if errors:
+            raise ConfigError("; ".join(errors) + ".")
+        if self.max_retries < 0:
+            raise ConfigError("max_retries must be >= 0.")
         if self.keep_partial and self.agent != "single_turn":
             raise ConfigError(
                 f"keep_partial continues single-turn responses only; agent is {self.agent!r}. "

@@ -99,7 +99,22 @@ class RunOptions:
     temperature: float = option(1.0, "Sampling temperature; 0 = greedy.", group=SAMPLING)
     top_p: float = option(1.0, "Nucleus sampling: the probability mass sampled from (1 = all tokens).", group=SAMPLING)
     top_k: int = option(0, "Sample from the k most likely tokens (0 = all tokens).", group=SAMPLING)
-    seed: int = option(0, "Run seed; per-sample seeds derive from it.", group=SAMPLING)
+    min_p: float = option(0.0, "Drop tokens below min_p times the top token's probability (0 = off).", group=SAMPLING)
+    min_new_tokens: int = option(0, "End-of-sequence and stops are ignored before this many tokens.", group=SAMPLING)
+    stop: list[str] | None = option(
+        None, "Stop strings: a sample ends with the token completing one (kept in the response).", group=SAMPLING
+    )
+    stop_token_ids: list[int] | None = option(
+        None, "Token ids that end a sample (kept in the response), besides the model's EOS.", group=SAMPLING
+    )
+    repetition_penalty: float = option(
+        1.0, "Penalty on tokens already in the prompt or response (1 = off).", group=SAMPLING
+    )
+    presence_penalty: float = option(0.0, "Penalty on tokens already in the response (0 = off).", group=SAMPLING)
+    frequency_penalty: float = option(
+        0.0, "Penalty per occurrence of a token in the response (0 = off).", group=SAMPLING
+    )
+    seed: int = option(0, "Run seed; per-sample seeds derive from it (or from a row's own seed).", group=SAMPLING)
     logprobs: bool = option(False, "Store per-token logprobs.", group=SAMPLING)
     partition_size: int = option(64, "Prompts per Dask task = the store's chunk rows along prompt.", group=TASKS)
     scheduler_address: str | None = option(

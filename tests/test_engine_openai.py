@@ -307,6 +307,13 @@ class TestTransformersServeConformance(EngineConformance):
         "at a time, so a short request waits behind a long one on the server; "
         "the engine's side is checked against sglang's server "
         "(test_engine_http_sglang.py) and the completions path there",
+        "test_feature_per_row_sampling": "transformers serve refuses min_tokens (a vLLM/SGLang extension of the "
+        "OpenAI API); checked against sglang's and vLLM's servers in their lanes",
+        "test_feature_min_p": "transformers serve refuses min_p (a vLLM/SGLang extension of the OpenAI API); "
+        "checked against sglang's and vLLM's servers in their lanes",
+        "test_feature_stop_strings": "transformers serve leaves the matched stop string out of its text without "
+        "naming it, so the re-tokenized output cannot keep it; checked token-exactly against sglang's and "
+        "vLLM's servers in their lanes",
     }
 
     @classmethod

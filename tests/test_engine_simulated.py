@@ -20,6 +20,10 @@ class TestSimulatedConformance(EngineConformance):
 
     engine_class = SimulatedEngine
     model = "simulated-test"
+    not_applicable = {
+        "test_feature_min_p": "a timing model: of the sampling settings only max_new_tokens, seed and stop ids "
+        "shape its output (temperature, top-k, top-p and min-p have no effect)",
+    }
     engine_args = {
         "time_scale": 1.0,
         "step_time_base_s": 0.002,

@@ -111,6 +111,8 @@ def sample(opt):
         return [opt.flags[0], SAMPLES[opt.name][0]], SAMPLES[opt.name][1]
     if opt.spec.pairs:
         return [opt.flags[0], "a=1", opt.flags[0], "b=[x]"], {"a": 1, "b": ["x"]}
+    if opt.cli_type in (list[str], list[int]):  # a repeatable flag
+        return [opt.flags[0], "7", opt.flags[0], "8"], ["7", "8"] if opt.cli_type == list[str] else [7, 8]
     on, off = opt.flags[0].split("/") if opt.switch else (opt.flags[0], None)
     if opt.switch:
         return ([on], True) if opt.default is False else ([off], False)

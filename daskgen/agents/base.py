@@ -37,6 +37,8 @@ class Trajectory:
     continued: int = 0
     #: Tokens of this trajectory taken from the store rather than generated now (accounting only).
     carried: int = 0
+    #: Which stop ended it (:mod:`daskgen.engines.stops`), set by the worker in runs with stops.
+    stop_reason: int = -1
 
     def add_model_tokens(self, result: GenerationResult) -> None:
         """Append one engine result as model tokens."""

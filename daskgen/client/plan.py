@@ -24,6 +24,7 @@ from daskgen.config import RunConfig
 from daskgen.input.chat_template import ChatTemplate
 from daskgen.input.columns import kept_values
 from daskgen.input.rows import InputScan, iter_selected_rows, scan_prompts
+from daskgen.input.sampling import STOP_KEYS, RowSamplingCheck, merged, requested_features, row_params, run_settings
 from daskgen.input.scan_cache import load_scan, scan_key, scan_record
 from daskgen.input.tokenizer import load_tokenizer, tokenizer_identity
 from daskgen.redaction import redact
@@ -69,8 +70,9 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     tokenizer = load_tokenizer(str(config.model), config.engine, config.engine_args)
     template = config.chat_template_options()
     existing = GenerationStore.open_if_exists(config.location())
-    scan, record = _scan_input(config, source, tokenizer, template, existing)
-    wanted = _store_attrs(config, scan, tokenizer, template)
+    scan, record, keys = _scan_input(config, source, tokenizer, template, existing)
+    _check_features(config, keys)
+    wanted = _store_attrs(config, scan, tokenizer, template, keys)
     store, record = _create_or_check_store(config, wanted, scan, existing, record)
     eos = tokenizer.eos_token_id
     return Plan(
@@ -84,6 +86,15 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
         predicted=_predicted_lengths(config, scan),
         template=template,
     )
+
+
+def _check_features(config: RunConfig, keys: frozenset[str]) -> None:
+    """Refuse a run that asks its engine for a feature it does not serve (before any engine starts)."""
+    from daskgen.engines import resolve_engine_class
+    from daskgen.engines.features import check_features
+
+    cls = resolve_engine_class(config.engine)
+    check_features(config.engine, cls.features, requested_features(run_settings(config), keys))
 
 
 def _input_source(config: RunConfig, prompts: str | Path | Sequence[Any] | None) -> str | Path | Sequence[Any]:
@@ -101,16 +112,18 @@ def _scan_input(
     tokenizer: Any,
     template: ChatTemplate,
     existing: GenerationStore | None,
-) -> tuple[InputScan, dict[str, Any] | None]:
+) -> tuple[InputScan, dict[str, Any] | None, frozenset[str]]:
     """The input scan, reused from the store's attrs when input and tokenizer are unchanged, else tokenized anew.
 
-    Returns the scan and, for a fresh scan, the record to keep in the attrs (``None`` when reused).
+    Returns the scan, for a fresh scan the record to keep in the attrs (``None`` when reused), and the
+    sampling keys the rows set (those of the store's layout for a reused scan).
     """
     identity = tokenizer_identity(tokenizer, template)
     key = scan_key(source, identity, config.max_prompt_tokens, config.skip_overlong)
     scan = load_scan(existing.attrs.input_scan if existing else None, key, source)
-    if scan is not None:
-        return scan, None
+    if scan is not None:  # the store exists and was checked when created: its layout holds
+        return scan, None, frozenset()
+    check = RowSamplingCheck(config.max_new_tokens)
     scan = scan_prompts(
         source,
         tokenizer,
@@ -118,8 +131,9 @@ def _scan_input(
         skip_overlong=config.skip_overlong,
         template=template,
         keep_columns=config.kept_columns(),
+        check_row=check,
     )
-    return scan, scan_record(key, scan, source)
+    return scan, scan_record(key, scan, source), frozenset(check.keys)
 
 
 def _create_or_check_store(
@@ -156,7 +170,7 @@ def keep_scan(plan: Plan) -> None:
         plan.store.update_attrs(input_scan=plan.scan_record)
 
 
-def _layout(config: RunConfig, scan: InputScan, tokenizer: Any) -> Layout:
+def _layout(config: RunConfig, scan: InputScan, tokenizer: Any, keys: frozenset[str]) -> Layout:
     agent = create_agent(config.agent, str(config.model), config.agent_args)
     return Layout(
         len(scan),
@@ -168,16 +182,20 @@ def _layout(config: RunConfig, scan: InputScan, tokenizer: Any) -> Layout:
         agent.max_trajectories,
         scored=config.verify_policy() is not None,
         columns=scan.columns,
+        row_sampling=bool(keys),
+        stops=bool(config.stop or config.stop_token_ids or keys & set(STOP_KEYS)),
     )
 
 
-def _store_attrs(config: RunConfig, scan: InputScan, tokenizer: Any, template: ChatTemplate) -> StoreAttrs:
+def _store_attrs(
+    config: RunConfig, scan: InputScan, tokenizer: Any, template: ChatTemplate, keys: frozenset[str]
+) -> StoreAttrs:
     from daskgen.engines import resolve_engine_class
     from daskgen.versions import package_versions
 
     keep = config.kept_columns()
     return StoreAttrs(
-        layout=_layout(config, scan, tokenizer),
+        layout=_layout(config, scan, tokenizer, keys),
         identity=config.identity(),
         input={"fingerprint": scan.fingerprint, "n_prompts": len(scan), **({"keep_columns": keep} if keep else {})},
         tokenizer=tokenizer_identity(tokenizer, template),
@@ -248,22 +266,14 @@ def _shared_task_fields(plan: Plan) -> dict[str, Any]:
         "verify": cfg.verify_policy(),
         "continue_partial": cfg.continues_partial(),
         "chat_template": None if plan.template.is_default else plan.template,
+        "eos_ids": plan.stop_ids,
+        "run_settings": run_settings(cfg) if plan.layout.stops or plan.layout.row_sampling else None,
     }
 
 
 def _sampling_params(plan: Plan) -> SamplingParams:
     """The run's sampling settings, with the tokenizer's stop ids."""
-    from daskgen.engines.base import SamplingParams
-
-    cfg = plan.config
-    return SamplingParams(
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        logprobs=cfg.logprobs,
-        stop_token_ids=plan.stop_ids,
-    )
+    return row_params(run_settings(plan.config), plan.stop_ids, plan.config.logprobs)
 
 
 def _partition_task(
@@ -279,6 +289,9 @@ def _partition_task(
         agent_args=dict(plan.config.agent_args),
         rows_meta=full if shared["verify"] is not None else None,
         inputs=[_task_input(r, plan.layout.columns) for r in full],
+        row_settings=[merged(shared["run_settings"], r.get("sampling")) for r in full]
+        if plan.layout.row_sampling
+        else None,
         **shared,
     )
 

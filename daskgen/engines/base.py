@@ -80,7 +80,12 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy decoding.  ``seed`` makes sampling reproducible where
     the engine supports it.  ``logprobs`` asks for the log-probability of each sampled token
-    under the model's distribution (before temperature/top-p).
+    under the model's distribution (before temperature/top-p).  ``stop`` strings and
+    ``stop_token_ids`` end a sample (``STOP``); the response keeps every token up to and including
+    the one that completed the stop (stop text and stop token are in the output, the same on
+    every engine: :mod:`daskgen.engines.stops`).  ``min_p``, ``min_new_tokens`` and the penalties
+    (``repetition_penalty`` on prompt and output tokens, ``presence_penalty``/``frequency_penalty`` on
+    output tokens) mean what they mean in vLLM and SGLang; their defaults are off.
     """
 
     max_new_tokens: int = 256
@@ -90,6 +95,27 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
+    min_p: float = 0.0
+    min_new_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+
+
+#: The :class:`SamplingParams` fields vLLM and SGLang take under the same name, with their "off" values.
+SHAPING_OFF = {
+    "min_p": 0.0,
+    "min_new_tokens": 0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+
+
+def shaping_kwargs(params: SamplingParams, renamed: dict[str, str]) -> dict[str, Any]:
+    """The fields of :data:`SHAPING_OFF` that ``params`` turn on, named as a backend names them (``renamed``)."""
+    return {renamed.get(k, k): getattr(params, k) for k, off in SHAPING_OFF.items() if getattr(params, k) != off}
 
 
 @dataclass(frozen=True)
@@ -161,6 +187,12 @@ def _params_error(params: SamplingParams) -> str | None:
         return f"seed must be an integer or None, got {params.seed!r}"
     if any(not isinstance(t, int) or t < 0 for t in params.stop_token_ids):
         return f"stop_token_ids must be non-negative integers, got {params.stop_token_ids!r}"
+    if not 0 <= params.min_p <= 1 or params.repetition_penalty <= 0:
+        return (
+            f"min_p must be in [0, 1] and repetition_penalty > 0, got {params.min_p!r}, {params.repetition_penalty!r}"
+        )
+    if not 0 <= params.min_new_tokens <= params.max_new_tokens:
+        return f"min_new_tokens must be in [0, max_new_tokens], got {params.min_new_tokens!r}"
     return None
 
 
@@ -228,6 +260,9 @@ class Engine(abc.ABC):
     name: str = ""
     #: True when stores produced by the engine are not real model output (simulations).
     simulated: bool = False
+    #: The request features the engine serves (names of :data:`daskgen.engines.features.FEATURES`); the
+    #: plan refuses a run asking for one the engine lacks.  Read on the class.
+    features: frozenset[str] = frozenset()
 
     @property
     def supports_seed(self) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -214,17 +214,19 @@ def scan_prompts(
     skip_overlong: bool = False,
     template: ChatTemplate | None = None,
     keep_columns: tuple[str, ...] | str = (),
+    check_row: Callable[[Any], list[str]] | None = None,
 ) -> InputScan:
     """Validate, fingerprint and length-check every row in one streaming pass.
 
     Raises :class:`InputError` listing every bad row (row number and column); overlong prompts
     are an error unless ``skip_overlong`` (then they are returned to be recorded as failed).
     ``template`` renders ``messages`` rows; every row must have the ``keep_columns``
-    (:mod:`daskgen.input.columns`).
+    (:mod:`daskgen.input.columns`); ``check_row`` adds the problems it finds in a row (e.g. its ``sampling``
+    column) to the report.
     """
     name = str(source) if isinstance(source, (str, Path)) else "input"
     kept = ColumnCheck(keep_columns)
-    ids, fingerprint, errors, lengths = _scan_rows(source, tokenizer, max_prompt_tokens, template, kept)
+    ids, fingerprint, errors, lengths = _scan_rows(source, tokenizer, max_prompt_tokens, template, kept, check_row)
     _raise_if(errors, name)
     if not ids:
         raise InputError(f"{name} has no prompts; expected at least one row.")
@@ -238,6 +240,7 @@ def _scan_rows(
     max_prompt_tokens: int,
     template: ChatTemplate | None,
     kept: ColumnCheck,
+    check_row: Callable[[Any], list[str]] | None = None,
 ) -> tuple[list[str], str, list[str], dict[int, int]]:
     """One pass over the rows: their ids, the input fingerprint, every row error, and the token count of
     each prompt longer than ``max_prompt_tokens`` (tokenizing stops at the first error)."""
@@ -247,7 +250,7 @@ def _scan_rows(
     seen: dict[str, int] = {}
     lengths: dict[int, int] = {}
     for number, row in iter_rows(source):
-        errors += [f"row {number}: {msg}" for msg in _row_errors(row)]
+        errors += [f"row {number}: {msg}" for msg in _row_errors(row) + (check_row(row) if check_row else [])]
         if isinstance(row, dict):
             errors += [f"row {number}: {msg}" for msg in kept.row_errors(row, number)]
         digest.add(row)

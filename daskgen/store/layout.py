@@ -46,7 +46,7 @@ def coarse_chunk() -> int:
 
 def client_written_arrays() -> frozenset[str]:
     """Names of the arrays only the client writes (coordinates and the commit record), in every layout."""
-    layout = Layout(1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True)
+    layout = Layout(1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True, row_sampling=True, stops=True)
     return frozenset(name for name, spec in layout.array_specs().items() if not spec.worker_written)
 
 
@@ -100,6 +100,10 @@ class Layout:
     n_trajectories: int = 1
     scored: bool = False
     columns: tuple[str, ...] = ()
+    #: Some row carries its own sampling settings: the per-prompt ``sampling`` array records them.
+    row_sampling: bool = False
+    #: The run uses stop strings or stop token ids: the per-sample ``stop_reason`` array says which ended it.
+    stops: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "columns", tuple(self.columns))  # a list when read from the attrs
@@ -154,6 +158,10 @@ class Layout:
         }
         for name in self.columns:  # the input's kept columns (as text), written with the row's data
             specs[column_array(name)] = ArraySpec((n,), (rows,), "str", "", per_prompt, "prompt")
+        if self.row_sampling:
+            specs["sampling"] = ArraySpec((n,), (rows,), "str", "", per_prompt, "prompt")
+        if self.stops:
+            specs["stop_reason"] = ArraySpec((n, s), (rows, s), "int16", -1, per_sample, "response")
         if self.scored:
             specs["score"] = ArraySpec((n, s), (rows, s), "float32", float("nan"), per_sample, "sample")
             specs["samples_used"] = ArraySpec((n,), (rows,), "int16", 0, per_prompt, "sample")
@@ -179,7 +187,7 @@ class Layout:
 #: Worker-written arrays of the plain layout (v1, no verifier).
 DATA_ARRAYS = Layout(1, 1, 1, 1, 1, 0).data_arrays()
 #: Every array a worker may write, in any layout.
-WORKER_ARRAYS = Layout(1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True).data_arrays()
+WORKER_ARRAYS = Layout(1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True, row_sampling=True, stops=True).data_arrays()
 
 
 def empty_region(layout: Layout, n_rows: int) -> dict[str, np.ndarray]:
@@ -226,6 +234,10 @@ LONG_NAMES: dict[str, str] = {
     "score": "verifier score of the sample (NaN: not generated, or the verifier raised)",
     "samples_used": "samples generated for the prompt before it was satisfied",
     "num_trajectories": "trajectories of the sample (the rest of the trajectory axis is padding)",
+    "sampling": "the row's own sampling settings as sorted JSON (\"\": the run's settings); the run's "
+    "settings fill in the keys it does not set",
+    "stop_reason": "which stop ended the sample: index into the row's stop strings then its stop_token_ids; "
+    "-2 the model's end-of-sequence token; -1 no stop (see finish_reason)",
 }
 #: CF attributes beyond the long name: the flags of the coded variables, the units of the commit time.
 CODED_ATTRS: dict[str, dict[str, Any]] = {

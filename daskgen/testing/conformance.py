@@ -21,7 +21,8 @@ an engine without seed support) is declared in the subclass's ``not_applicable``
 reason: the project's ``tests/conftest.py`` deselects it and lists the reason, and
 :func:`run_conformance` reports it as ``"not applicable: <reason>"``.  A check that meets an engine
 it does not apply to *without* such a declaration raises :class:`unittest.SkipTest` (pytest: skipped),
-which the CI lanes count as a failure.
+which the CI lanes count as a failure.  Feature checks (:mod:`daskgen.testing.features`) of features
+the engine does not declare are not applicable by themselves.
 """
 
 from __future__ import annotations
@@ -42,15 +43,15 @@ from daskgen.engines.base import (
     SamplingParams,
 )
 from daskgen.errors import ConfigError, EngineError
+from daskgen.testing.features import FeatureChecks
 from daskgen.testing.harness import EventLoopThread, check_result, gather, longest_running, run_checks
 
 __all__ = ["EngineConformance", "EventLoopThread", "longest_running", "run_conformance"]
 
 _T = TypeVar("_T")
-GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0)
 
 
-class EngineConformance:
+class EngineConformance(FeatureChecks):
     """Base class of the conformance tests; subclasses set the engine to test.
 
     Required class attributes: ``engine_class``, ``model`` (and ``engine_args``).  Tunables:
@@ -131,8 +132,6 @@ class EngineConformance:
                 runner.run(engine.shutdown(), cls.timeout_s)
         finally:
             runner.close()
-
-    # ------------------------------------------------------------------ helpers
 
     def run(self, coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
         """Run ``coro`` on the engine's loop with a timeout."""

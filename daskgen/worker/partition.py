@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -24,7 +25,9 @@ from daskgen.input.chat_template import ChatTemplate
 from daskgen.input.rows import tokenize_rows
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import Layout, clear_response, column_array, empty_region
+from daskgen.worker.continuation import sample_with_prefix, stored_samples
 from daskgen.worker.rounds import RowOutcome, sample_in_rounds
+from daskgen.worker.row_sampling import apply_stops, place_row_settings, sample_params
 from daskgen.worker.slot import PartitionSlot
 from daskgen.worker.thread_slots import leave_thread_slot
 
@@ -65,6 +68,11 @@ class PartitionTask:
     chat_template: ChatTemplate | None = None  # the run's chat-template options (None: the tokenizer's own)
     #: The Dask key it runs under (set at submission), by which the running task gives back its thread slot.
     key: str = ""
+    #: The tokenizer's end ids (added to each row's stop ids), the run's sampling settings (``None`` in a run
+    #: with neither per-row settings nor stops) and each pending row's (``None`` when no row has its own).
+    eos_ids: tuple[int, ...] = ()
+    run_settings: dict[str, Any] | None = None
+    row_settings: list[dict[str, Any]] | None = None
 
     @property
     def layout(self) -> Layout:
@@ -93,12 +101,6 @@ class PartitionResult:
     worker: str = ""
 
 
-def sample_seed(seed: int, row: int, sample: int) -> int:
-    """Per-sample seed from (run seed, prompt row, sample), stable across runs and machines."""
-    state = np.random.SeedSequence([seed, row, sample]).generate_state(1, dtype=np.uint32)[0]
-    return int(state) & 0x7FFFFFFF
-
-
 def fill_region(
     region: dict[str, np.ndarray],
     task: PartitionTask,
@@ -108,6 +110,7 @@ def fill_region(
     """Place prompts and trajectories (and verifier scores) into the region; collect per-row failures."""
     out = PartitionResult(task.start, task.stop, list(task.rows))
     _record_rounds(region, task, rounds or [], out)
+    place_row_settings(region, task.start, task.rows, task.row_settings)
     layout = task.layout
     assert task.prompts is not None, "the worker tokenizes a task's inputs before filling its region"
     for i, (row, prompt) in enumerate(zip(task.rows, task.prompts, strict=True)):
@@ -188,6 +191,8 @@ def _place(region: dict[str, np.ndarray], index: tuple[int, ...], traj: Trajecto
     region["finish_reason"][index] = int(reason)
     region["num_turns"][index] = traj.num_turns
     region["continued_tokens"][index] = min(traj.continued, n)
+    if "stop_reason" in region:
+        region["stop_reason"][index] = traj.stop_reason
     return int(sum(traj.response_mask[:n]))
 
 
@@ -227,7 +232,10 @@ async def _prepare_inputs(
     # reads its region before generating; otherwise the padded region is allocated once the results
     # are in, so partitions waiting in a large in-flight window do not each hold one.
     region = await asyncio.to_thread(_stored_region, task) if task.continue_partial else None
-    return region, partial_prefixes(region, task) if region is not None else {}
+    if region is None:
+        return None, {}
+    stops = set(task.params.stop_token_ids)
+    return region, stored_samples(region, task.start, task.rows, task.n_samples, stops, task.params.logprobs)
 
 
 async def _finish(
@@ -245,95 +253,6 @@ async def _finish(
     outcome.seconds = time.perf_counter() - t0
     outcome.worker = worker
     return outcome
-
-
-def partial_prefixes(region: dict[str, np.ndarray], task: PartitionTask) -> dict[tuple[int, int], Trajectory]:
-    """Stored samples of pending rows to keep: finished ones as they are, aborted ones as prefixes.
-
-    An aborted prefix that already ends with a stop token is finished (``stop``), not continued.
-    """
-    out = {}
-    stops = set(task.params.stop_token_ids)
-    for row in task.rows:
-        for s in range(task.n_samples):
-            stored = _stored_sample(region, row - task.start, s, stops, task.params.logprobs)
-            if stored is not None:
-                out[row, s] = stored
-    return out
-
-
-def _stored_sample(region: dict[str, np.ndarray], r: int, s: int, stops: set[int], logprobs: bool) -> Trajectory | None:
-    """Sample ``s`` of region row ``r`` as stored, or ``None`` when it was never generated (or failed)."""
-    reason = int(region["finish_reason"][r, s])
-    if reason not in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT):
-        return None
-    n = int(region["response_length"][r, s])
-    ids = region["response_ids"][r, s, :n].tolist()
-    if reason == FinishReason.ABORT and ids and ids[-1] in stops:
-        reason = FinishReason.STOP
-    return Trajectory(
-        ids,
-        region["response_mask"][r, s, :n].tolist(),
-        region["logprobs"][r, s, :n].tolist() if logprobs else None,
-        FinishReason(reason),
-        int(region["num_turns"][r, s]),
-        continued=int(region["continued_tokens"][r, s]) if "continued_tokens" in region else 0,
-        carried=n,
-    )
-
-
-async def _sample(
-    agent: AgentLoop,
-    handle: EngineHandle,
-    request_id: str,
-    prompt: list[int],
-    params: SamplingParams,
-    prefix: Trajectory | None,
-) -> list[Trajectory]:
-    """One sample through the agent loop, continuing a stored aborted prefix when given.
-
-    The continuation is token-exact: the stored ids (and logprobs) followed by what the engine
-    generates after ``prompt + prefix``, with the remaining token budget.
-    """
-    if prefix is None:
-        return await agent.run(handle, request_id, prompt, params)
-    if prefix.finish_reason != FinishReason.ABORT:
-        return [prefix]
-    return await _continue_aborted(agent, handle, request_id, prompt, params, prefix)
-
-
-async def _continue_aborted(
-    agent: AgentLoop,
-    handle: EngineHandle,
-    request_id: str,
-    prompt: list[int],
-    params: SamplingParams,
-    prefix: Trajectory,
-) -> list[Trajectory]:
-    """Continue an aborted ``prefix`` with the token budget it left (finished at ``length`` when none is left)."""
-    budget = params.max_new_tokens - len(prefix.response_ids)
-    if budget <= 0:
-        prefix.finish_reason = FinishReason.LENGTH
-        return [prefix]
-    if not prefix.response_ids:
-        return await agent.run(handle, request_id, prompt, params)
-    rest = params.__class__(**{**params.__dict__, "max_new_tokens": budget})
-    (tail,) = await agent.run(handle, request_id, prompt + prefix.response_ids, rest)
-    return [_joined(prefix, tail)]
-
-
-def _joined(prefix: Trajectory, tail: Trajectory) -> Trajectory:
-    """``prefix`` followed by its continuation ``tail``: one trajectory that counts the prefix as carried over."""
-    return Trajectory(
-        prefix.response_ids + tail.response_ids,
-        prefix.response_mask + tail.response_mask,
-        None if prefix.logprobs is None else prefix.logprobs + (tail.logprobs or []),
-        tail.finish_reason,
-        max(prefix.num_turns, tail.num_turns),
-        tail.error,
-        continued=len(prefix.response_ids),
-        carried=len(prefix.response_ids),
-    )
 
 
 @dataclass
@@ -387,11 +306,20 @@ class _Generation:
         """Sample ``s`` of the partition's ``i``-th row, seeded per sample, counted on the slot."""
         task, row = self.task, self.task.rows[i]
         assert task.prompts is not None
-        params = SamplingParams(**{**task.params.__dict__, "seed": sample_seed(task.seed, row, s)})
         prefix = self.prefixes.get((row, s))
-        return self.slot.counted(
-            _sample(self.agent, self.handle, f"p{row}-s{s}", list(task.prompts[i]), params, prefix)
-        )
+        own = task.row_settings[i] if task.row_settings is not None else None
+        params = sample_params(task.params, own, task.eos_ids, task.seed, row, s)
+        sample = sample_with_prefix(self.agent, self.handle, f"p{row}-s{s}", list(task.prompts[i]), params, prefix)
+        settings = own if own is not None else task.run_settings
+        if settings is not None:  # a run with stops or per-row settings
+            sample = self.stopped(sample, settings)
+        return self.slot.counted(sample)
+
+    async def stopped(self, sample: Awaitable[list[Trajectory]], settings: dict[str, Any]) -> list[Trajectory]:
+        """``sample``'s trajectories under the stop rule (:func:`~daskgen.worker.row_sampling.apply_stops`)."""
+        trajectories = await sample
+        apply_stops(trajectories, settings, self.plugin.tokenizer().decode)
+        return trajectories
 
     async def isolated(self) -> list:
         """Row by row; a row whose generation raises gets error trajectories instead of failing the task.

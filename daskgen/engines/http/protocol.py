@@ -30,6 +30,7 @@ from daskgen.engines.base import (
     aborted_result,
     error_result,
     finish_from_name,
+    shaping_kwargs,
 )
 from daskgen.engines.sglang.mapping import result_from_output, sampling_params_for
 
@@ -60,10 +61,12 @@ class Flight:
     logprobs: list[float] = field(default_factory=list)
     tokens: list[str] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
+    #: The stop string the server says it matched (vLLM's ``stop_reason``, SGLang's ``matched_stop``).
+    matched: Any = None
 
     def reset(self) -> None:
         """Forget partial output (a retry starts over)."""
-        self.text, self.logprobs, self.tokens, self.ids = "", [], [], []
+        self.text, self.logprobs, self.tokens, self.ids, self.matched = "", [], [], [], None
 
     def cancel(self) -> None:
         """Close the connection of the request (the server stops generating)."""
@@ -162,7 +165,9 @@ class OpenAITextProtocol(WireProtocol):
         self, request: GenerationRequest, flight: Flight, finish: str | None, partial: bool = False
     ) -> GenerationResult:
         """Re-tokenize the streamed text; align logprobs; apply the request's limits."""
-        ids = self.tokenizer.encode(flight.text, add_special_tokens=False)
+        ids = self.tokenizer.encode(
+            with_stop_text(flight.text, flight.matched, request.params.stop), add_special_tokens=False
+        )
         if partial:
             ids = ids[:-1]
         logprobs = self.aligned_logprobs(ids, flight) if request.params.logprobs else None
@@ -227,6 +232,9 @@ def openai_payload(
         body["top_k"] = params.top_k
     if params.seed is not None:
         body["seed"] = params.seed
+    body.update(shaping_kwargs(params, {"min_new_tokens": "min_tokens"}))
+    if params.stop:
+        body["stop"] = list(params.stop)
     if api == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
         if params.logprobs:
@@ -255,7 +263,13 @@ def take_event(event: dict[str, Any], flight: Flight) -> str | None:
     elif isinstance(logprobs.get("token_logprobs"), list):  # completions
         flight.tokens += [str(t) for t in logprobs.get("tokens") or []]
         flight.logprobs += [math.nan if x is None else float(x) for x in logprobs["token_logprobs"]]
+    flight.matched = choice.get("stop_reason", choice.get("matched_stop", flight.matched))
     return choice.get("finish_reason")
+
+
+def with_stop_text(text: str, matched: Any, stop: tuple[str, ...]) -> str:
+    """``text`` with the stop string the server matched (and left out, as OpenAI servers do) put back."""
+    return text + matched if isinstance(matched, str) and matched in stop and not text.endswith(matched) else text
 
 
 def apply_limits(

@@ -3,8 +3,9 @@
 vLLM's OpenAI-compatible ``POST /v1/completions`` takes the prompt as a list of token ids and,
 with ``return_token_ids: true``, streams the generated ids (``choices[0].token_ids``, one delta
 per chunk) next to the text; with ``logprobs: 1`` each chunk's ``token_logprobs`` line up with
-its ``token_ids``.  vLLM-specific sampling fields (``top_k``, ``seed``, ``stop_token_ids``) are
-accepted in the same body.  Nothing is re-tokenized.  Tested against ``vllm serve`` 0.32.0.
+its ``token_ids``.  vLLM-specific sampling fields (``top_k``, ``seed``, ``stop_token_ids``, ``min_tokens``, ``min_p``,
+``repetition_penalty``, ``include_stop_str_in_output``) are accepted in the same body.
+Nothing is re-tokenized.  Tested against ``vllm serve`` 0.32.0.
 
 A server is recognised as vLLM by ``GET /version`` answering ``{"version": ...}``.
 """
@@ -14,7 +15,14 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from daskgen.engines.base import FinishReason, GenerationRequest, GenerationResult, error_result, finish_from_name
+from daskgen.engines.base import (
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    error_result,
+    finish_from_name,
+    shaping_kwargs,
+)
 from daskgen.engines.http.protocol import Flight, WireProtocol
 
 if TYPE_CHECKING:
@@ -67,6 +75,9 @@ def vllm_completions_payload(
         body["seed"] = params.seed
     if params.stop_token_ids:
         body["stop_token_ids"] = sorted(set(params.stop_token_ids))
+    body.update(shaping_kwargs(params, {"min_new_tokens": "min_tokens"}))
+    if params.stop:
+        body.update(stop=list(params.stop), include_stop_str_in_output=True)
     if params.logprobs:
         body["logprobs"] = 1
     return {**body, **extra_body}

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from daskgen.engines.base import GenerationRequest, GenerationResult, SamplingParams, finish_from_name
+from daskgen.engines.base import GenerationRequest, GenerationResult, SamplingParams, finish_from_name, shaping_kwargs
 
 __all__ = ["logprobs_of", "max_running_requests", "result_from_output", "sampling_params_for"]
 
@@ -37,6 +37,9 @@ def sampling_params_for(params: SamplingParams) -> dict[str, Any]:
         out["stop_token_ids"] = sorted(set(params.stop_token_ids))
     if params.seed is not None:
         out["sampling_seed"] = params.seed
+    out.update(shaping_kwargs(params, {}))
+    if params.stop:  # matched on sglang's detokenized text; no_stop_trim keeps the stop in the output
+        out.update(stop=list(params.stop), no_stop_trim=True)
     return out
 
 

@@ -114,6 +114,8 @@ class SimulatedEngine(Engine):
     name = "simulated"
     simulated = True
     supports_seed = True
+    #: A timing model: a row's max_new_tokens, seed and stop ids shape its output; it has no text to stop on.
+    features = frozenset({"per_row_sampling", "stop_token_ids"})
 
     def __init__(self, model: str = "simulated", **engine_args: Any) -> None:
         super().__init__(model, **engine_args)

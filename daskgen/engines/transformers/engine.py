@@ -31,7 +31,10 @@ How it works
 * **Logprobs.**  ``log_softmax`` of the raw float32 logits at the chosen token: the model's
   untempered, unfiltered distribution, as :class:`~daskgen.engines.base.SamplingParams` says.
 * **Stops.**  The model's EOS ids plus ``stop_token_ids`` end a request (``STOP``; the stop
-  token is kept in the output); reaching ``max_new_tokens`` is ``LENGTH``.
+  token is kept in the output); reaching ``max_new_tokens`` is ``LENGTH``.  Stop strings are checked
+  by the sampler after each token (:class:`~daskgen.engines.stops.StopMatcher` over the tokenizer's
+  ``decode``): the token completing one ends the request (``STOP``, the token kept).  Penalties,
+  ``min_p`` and ``min_new_tokens`` are the sampler's too (:mod:`daskgen.engines.transformers.shaping`).
 * **Errors.**  A bad request inside a batch would crash the manager's loop for everyone, so the
   engine validates every request before submitting it (prompt ids within the vocabulary, prompt
   plus ``max_new_tokens`` within the context and cache, sane sampling params) and returns
@@ -57,6 +60,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import gc
 import itertools
 import logging
@@ -128,6 +133,7 @@ class TransformersEngine(InProcessEngine):
     name = "transformers"
     simulated = False
     supports_seed = True
+    features = frozenset({"per_row_sampling", "stop", "stop_token_ids"})
 
     def __init__(self, model: str, **engine_args: Any) -> None:
         super().__init__(model, **engine_args)
@@ -144,6 +150,7 @@ class TransformersEngine(InProcessEngine):
         self._vocab_size = 0
         self._max_total_tokens = 0
         self._capacity: int | None = None
+        self._tokenizer: Any = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -211,14 +218,13 @@ class TransformersEngine(InProcessEngine):
 
     def _submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> _Job | GenerationResult:
         backend_id = f"{request.request_id}#{next(self._ids)}"
-        job = _Job(
-            request,
-            backend_id,
-            loop,
-            loop.create_future(),
-            SampledSequence.from_params(request.params),
-            self._eos_ids | frozenset(request.params.stop_token_ids),
+        stop_ids = self._eos_ids | frozenset(request.params.stop_token_ids)
+        params = dataclasses.replace(request.params, stop_token_ids=tuple(sorted(stop_ids)))
+        decode = self._decoder() if params.stop else None
+        sequence = SampledSequence.from_params(
+            params, request.prompt_ids, decode, functools.partial(self._stop_early, backend_id)
         )
+        job = _Job(request, backend_id, loop, loop.create_future(), sequence, stop_ids)
         with self._lock:
             self._jobs[backend_id] = job
             self._by_request[request.request_id].add(backend_id)
@@ -242,6 +248,21 @@ class TransformersEngine(InProcessEngine):
             job = self._cancel(backend_id)
             if job is not None:
                 job.resolve(job.partial(FinishReason.ABORT))
+
+    def _stop_early(self, backend_id: str) -> None:
+        """End a request whose newest token completed a stop string (called from the sampling thread)."""
+        job = self._cancel(backend_id)
+        if job is not None:
+            job.resolve(job.partial(FinishReason.STOP))
+
+    def _decoder(self) -> Any:
+        """The tokenizer's ``decode`` (loaded on the first request with stop strings)."""
+        with self._lock:
+            if self._tokenizer is None:
+                from daskgen.input.tokenizer import load_tokenizer
+
+                self._tokenizer = load_tokenizer(self.model, self.name, self.engine_args)
+        return functools.partial(self._tokenizer.decode, skip_special_tokens=False)
 
     def _cancel(self, backend_id: str) -> _Job | None:
         job = self._pop_job(backend_id)

@@ -11,11 +11,14 @@ imports (torch, transformers) happen inside functions only.
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from daskgen.engines.base import SamplingParams
+from daskgen.engines.transformers.shaping import Shaping
 
 if TYPE_CHECKING:
     import torch
@@ -57,23 +60,40 @@ class SampledSequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     generator: Any = None
+    min_p: float = 0.0
+    #: Penalties, ``min_new_tokens`` and stop strings (``None``: none of them, the plain path).
+    shaping: Shaping | None = None
 
     @classmethod
-    def from_params(cls, params: SamplingParams) -> SampledSequence:
+    def from_params(
+        cls,
+        params: SamplingParams,
+        prompt: list[int] | None = None,
+        decode: Callable[[list[int]], str] | None = None,
+        on_stop: Callable[[], None] | None = None,
+    ) -> SampledSequence:
+        """The sequence of a request; ``decode`` and ``on_stop`` serve its stop strings (``on_stop`` is called
+        from the sampling thread when the newest token completes one)."""
         seed = params.seed if params.seed is not None else secrets.randbits(64)
-        return cls(params.temperature, params.top_p, params.top_k, seed, params.logprobs)
+        shaping = Shaping.of(params, prompt or [], decode, on_stop)
+        return cls(
+            params.temperature, params.top_p, params.top_k, seed, params.logprobs, min_p=params.min_p, shaping=shaping
+        )
 
     def pick(self, row: torch.Tensor) -> int:
         """Choose the next token from the float32 logits ``row`` and record it."""
         import torch
 
+        scores = row if self.shaping is None else self.shaping.adjusted(row, self.tokens)
         if self.temperature == 0:
-            token = int(torch.argmax(row))
+            token = int(torch.argmax(scores))
         else:
-            token = int(torch.argmax(_filtered(row / self.temperature, self) + self._gumbel(row)))
+            token = int(torch.argmax(_filtered(scores / self.temperature, self) + self._gumbel(row)))
         if self.want_logprobs:
             self.logprobs.append(float(row[token] - torch.logsumexp(row, dim=0)))
         self.tokens.append(token)
+        if self.shaping is not None:
+            self.shaping.after(self.tokens)
         return token
 
     def _gumbel(self, row: torch.Tensor) -> torch.Tensor:
@@ -88,12 +108,14 @@ class SampledSequence:
 
 
 def _filtered(scores: torch.Tensor, seq: SampledSequence) -> torch.Tensor:
-    """``scores`` with tokens outside top-k and then outside the top-p nucleus set to ``-inf``."""
+    """``scores`` with tokens outside top-k, then below min-p, then outside the top-p nucleus set to ``-inf``."""
     import torch
 
     if 0 < seq.top_k < scores.numel():
         kth = torch.topk(scores, seq.top_k, sorted=False).values.min()
         scores = scores.masked_fill(scores < kth, float("-inf"))
+    if seq.min_p > 0:  # probability below min_p x the top token's: log(p) < log(min_p) + max log(p)
+        scores = scores.masked_fill(scores < scores.max() + math.log(seq.min_p), float("-inf"))
     if seq.top_p < 1:
         probs = torch.softmax(scores, dim=0)
         scores = scores.masked_fill(probs < _nucleus_threshold(probs, seq.top_p), float("-inf"))

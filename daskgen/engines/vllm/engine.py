@@ -121,6 +121,7 @@ class VLLMEngine(InProcessEngine):
 
     name = "vllm"
     supports_seed = True
+    features = frozenset({"per_row_sampling", "stop", "stop_token_ids"})
     starts_subprocesses = True
 
     def __init__(self, model: str, **engine_args: Any) -> None:

@@ -11,7 +11,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from daskgen.engines.base import GenerationRequest, GenerationResult, SamplingParams, error_result, finish_from_name
+from daskgen.engines.base import (
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    error_result,
+    finish_from_name,
+    shaping_kwargs,
+)
 
 __all__ = ["CollectedOutput", "collect_output", "result_from_collected", "vllm_sampling_kwargs"]
 
@@ -34,6 +41,9 @@ def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     }
     if params.stop_token_ids:
         out["stop_token_ids"] = sorted(set(params.stop_token_ids))
+    out.update(shaping_kwargs(params, {"min_new_tokens": "min_tokens"}))
+    if params.stop:  # vLLM matches stop strings on its detokenized text; the stop text stays in the output
+        out.update(stop=list(params.stop), include_stop_str_in_output=True, detokenize=True)
     return out
 
 

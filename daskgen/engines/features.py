@@ -1,0 +1,56 @@
+"""Request features: what a run may ask of its engine beyond plain sampling, and the check at plan time.
+
+Each engine declares the features it serves in its ``features`` class attribute (names of
+:data:`FEATURES`); :func:`check_features` refuses, before any engine starts, a run that asks its
+engine for one it lacks, naming the registered engines that serve it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from daskgen.errors import ConfigError
+
+#: Every request feature, with what a run asks for when it uses it.
+FEATURES: dict[str, str] = {
+    "per_row_sampling": "a row's own sampling settings (its 'sampling' column) or a non-default min_p, "
+    "min_new_tokens or penalty",
+    "stop": "stop strings ('stop', run-level or per row)",
+    "stop_token_ids": "stop token ids ('stop_token_ids', run-level or per row)",
+    "chat_template_kwargs": "chat-template options ('chat_template_kwargs')",
+    "keep_columns": "the row's own columns in the store ('keep_columns')",
+    "structured_outputs": "structured outputs ('response_format')",
+    "lora": "LoRA adapters ('adapter')",
+    "top_logprobs": "top-k logprobs ('top_logprobs')",
+}
+
+
+def engines_serving(feature: str) -> list[str]:
+    """Registered engines (importable here) that declare ``feature``."""
+    from daskgen.engines import available_engines, get_engine_class
+
+    out = []
+    for name in available_engines():
+        try:
+            cls = get_engine_class(name)
+        except Exception:  # an engine whose module fails to import serves nothing here
+            continue
+        if feature in cls.features:
+            out.append(name)
+    return out
+
+
+def check_features(engine: str, features: frozenset[str], wanted: Iterable[str]) -> None:
+    """Raise :class:`ConfigError` when engine ``engine`` (serving ``features``) lacks a feature in ``wanted``."""
+    missing = sorted(set(wanted) - features)
+    if not missing:
+        return
+    lines = [
+        f"{name}: {FEATURES.get(name, name)}; engines that serve it: {engines_serving(name) or 'none'}"
+        for name in missing
+    ]
+    raise ConfigError(
+        f"engine {engine!r} cannot serve what this run asks for:\n  "
+        + "\n  ".join(lines)
+        + "\nUse one of the engines listed, or drop these settings."
+    )

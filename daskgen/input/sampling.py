@@ -1,0 +1,192 @@
+"""Sampling settings: the keys a run (its defaults) and a row (its ``sampling`` column) may set, checked once.
+
+:data:`KEYS` is the one table of the settings: each key's type and valid range.  The run's values
+(config and flags) are the defaults; a row's ``sampling: {...}`` overrides them for that row.
+:func:`setting_errors` checks a mapping against the table (at input scan for rows, at config load for
+the run, before any engine starts); :class:`RowSamplingCheck` is the per-row check the input scan
+calls; :func:`row_params` turns a row's settings into the :class:`~daskgen.engines.base.SamplingParams`
+of its samples.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from daskgen.engines.base import SHAPING_OFF, SamplingParams
+
+#: Most stop strings (and stop token ids) one row or run may give.
+MAX_STOPS = 32
+
+
+@dataclass(frozen=True)
+class Key:
+    """One sampling setting: what values it takes (``valid``) and how the range reads in a message."""
+
+    kind: str  # "float", "int" or "list"
+    valid: Callable[[Any], bool]
+    range: str
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _strings(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) <= MAX_STOPS
+        and all(isinstance(s, str) and s for s in value)
+        and len(set(value)) == len(value)
+    )
+
+
+def _token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) <= MAX_STOPS
+        and all(_integer(t) and t >= 0 for t in value)
+        and len(set(value)) == len(value)
+    )
+
+
+#: Every sampling key a run or a row may set: its type and valid range.
+KEYS: dict[str, Key] = {
+    "temperature": Key("float", lambda v: _number(v) and v >= 0, "a number >= 0 (0 = greedy)"),
+    "top_p": Key("float", lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1] (1 = off)"),
+    "top_k": Key("int", lambda v: _integer(v) and v >= 0, "an integer >= 0 (0 = off)"),
+    "min_p": Key("float", lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1] (0 = off)"),
+    "max_new_tokens": Key("int", lambda v: _integer(v) and v >= 1, "an integer in [1, the run's max_new_tokens]"),
+    "min_new_tokens": Key("int", lambda v: _integer(v) and v >= 0, "an integer in [0, max_new_tokens]"),
+    "stop": Key("list", _strings, f"a list of at most {MAX_STOPS} distinct non-empty strings"),
+    "stop_token_ids": Key("list", _token_ids, f"a list of at most {MAX_STOPS} distinct token ids >= 0"),
+    "repetition_penalty": Key("float", lambda v: _number(v) and v > 0, "a number > 0 (1 = off)"),
+    "presence_penalty": Key("float", lambda v: _number(v) and -2 <= v <= 2, "a number in [-2, 2] (0 = off)"),
+    "frequency_penalty": Key("float", lambda v: _number(v) and -2 <= v <= 2, "a number in [-2, 2] (0 = off)"),
+    "seed": Key("int", lambda v: _integer(v) and v >= 0, "an integer >= 0"),
+}
+#: The keys that end a sample early (the ``stop`` feature of the engines).
+STOP_KEYS = ("stop", "stop_token_ids")
+
+
+def setting_errors(settings: Any, max_new_tokens: int, where: str) -> list[str]:
+    """Every problem of ``settings`` (a mapping of :data:`KEYS`), each naming ``where``, the key, the range and the fix.
+
+    ``max_new_tokens`` is the run's limit (the store's response width), which a row may lower only.
+    """
+    if not isinstance(settings, Mapping):
+        return [f"{where}: expected a mapping of sampling settings, found {type(settings).__name__}"]
+    errors = []
+    for key, value in settings.items():
+        spec = KEYS.get(key)
+        if spec is None:
+            errors.append(f"{where}: unknown sampling key {key!r}; valid keys are {sorted(KEYS)}")
+        elif value is not None and not spec.valid(_normalized(key, value)):
+            errors.append(f"{where}: key {key!r} is {value!r}; it must be {spec.range}. Fix or remove it")
+    errors += _limit_errors(settings, max_new_tokens, where)
+    return errors
+
+
+def _limit_errors(settings: Mapping[str, Any], max_new_tokens: int, where: str) -> list[str]:
+    """The token limits against each other and against the run's ``max_new_tokens``."""
+    limit, floor = settings.get("max_new_tokens"), settings.get("min_new_tokens")
+    errors = []
+    if isinstance(limit, int) and limit > max_new_tokens:
+        errors.append(
+            f"{where}: key 'max_new_tokens' is {limit}, more than the run's max_new_tokens={max_new_tokens} (the "
+            "store's response width); lower it, or raise the run's max_new_tokens"
+        )
+    if isinstance(floor, int) and floor > (limit if isinstance(limit, int) else max_new_tokens):
+        errors.append(f"{where}: key 'min_new_tokens' is {floor}, more than max_new_tokens; lower it")
+    return errors
+
+
+def _normalized(key: str, value: Any) -> Any:
+    """A single stop string is a list of one; ints are numbers too."""
+    if key == "stop" and isinstance(value, str):
+        return [value]
+    if KEYS[key].kind == "float" and _integer(value):
+        return float(value)
+    return value
+
+
+def normalized(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Checked ``settings`` in canonical form (``None`` values dropped, a stop string as a list of one)."""
+    return {k: _normalized(k, v) for k, v in settings.items() if v is not None}
+
+
+def canonical_json(settings: Mapping[str, Any]) -> str:
+    """The stored text of a row's settings: sorted JSON ("" for none)."""
+    return json.dumps(normalized(settings), sort_keys=True, ensure_ascii=False) if settings else ""
+
+
+class RowSamplingCheck:
+    """The input scan's check of each row's ``sampling`` column; it also records which keys the rows set."""
+
+    def __init__(self, max_new_tokens: int) -> None:
+        self.max_new_tokens = max_new_tokens
+        self.keys: set[str] = set()
+
+    def __call__(self, row: Any) -> list[str]:
+        """Problems of ``row``'s ``sampling`` (messages without the row number, which the scan adds)."""
+        if not isinstance(row, dict) or row.get("sampling") is None:
+            return []
+        settings = row["sampling"]
+        where = "column 'sampling'" + (f" (id {row['id']!r})" if row.get("id") is not None else "")
+        errors = setting_errors(settings, self.max_new_tokens, where)
+        if not errors:
+            self.keys.update(k for k, v in settings.items() if v is not None)
+        return errors
+
+
+def run_defaults(config: Any) -> dict[str, Any]:
+    """The run's sampling settings (every key of :data:`KEYS` but ``seed``, which seeds the run)."""
+    return {key: getattr(config, key) for key in KEYS if key != "seed"}
+
+
+def run_settings(config: Any) -> dict[str, Any]:
+    """The run's settings in canonical form (the defaults of every row)."""
+    return normalized(run_defaults(config))
+
+
+def requested_features(run: Mapping[str, Any], row_keys: frozenset[str]) -> set[str]:
+    """The engine features (:data:`daskgen.engines.features.FEATURES`) a run with settings ``run`` asks for,
+    when its rows set ``row_keys``."""
+    wanted = (
+        {"per_row_sampling"} if row_keys or any(run.get(k, off) != off for k, off in SHAPING_OFF.items()) else set()
+    )
+    return wanted | {k for k in STOP_KEYS if run.get(k) or k in row_keys}
+
+
+def merged(defaults: Mapping[str, Any], row: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The settings a row uses: its own over the run's ``defaults``."""
+    return {**normalized(defaults), **normalized(row or {})}
+
+
+def row_params(settings: Mapping[str, Any], eos_ids: tuple[int, ...], logprobs: bool) -> SamplingParams:
+    """The :class:`SamplingParams` of a row's samples (the per-sample seed is set later).
+
+    ``stop_token_ids`` are the row's own ids followed by the tokenizer's end ids (``eos_ids``).
+    """
+    own = tuple(settings.get("stop_token_ids") or ())
+    return SamplingParams(
+        max_new_tokens=settings["max_new_tokens"],
+        temperature=settings["temperature"],
+        top_p=settings["top_p"],
+        top_k=settings["top_k"],
+        min_p=settings["min_p"],
+        min_new_tokens=settings["min_new_tokens"],
+        repetition_penalty=settings["repetition_penalty"],
+        presence_penalty=settings["presence_penalty"],
+        frequency_penalty=settings["frequency_penalty"],
+        stop=tuple(settings.get("stop") or ()),
+        stop_token_ids=own + tuple(t for t in eos_ids if t not in own),
+        logprobs=logprobs,
+    )

@@ -1,0 +1,102 @@
+"""Continuing what an interrupted attempt stored: the samples of pending rows to keep, and one sample
+generated on from its stored aborted prefix, token-exact."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from daskgen.agents import AgentLoop, EngineHandle, Trajectory
+from daskgen.engines.base import FinishReason, SamplingParams
+
+
+def stored_samples(
+    region: dict[str, np.ndarray], start: int, rows: list[int], n_samples: int, stops: set[int], logprobs: bool
+) -> dict[tuple[int, int], Trajectory]:
+    """Stored samples of the pending ``rows`` (store rows; the region starts at ``start``) to keep: finished
+    ones as they are, aborted ones as prefixes.
+
+    An aborted prefix that already ends with a stop token is finished (``stop``), not continued.
+    """
+    out = {}
+    for row in rows:
+        for s in range(n_samples):
+            stored = _stored_sample(region, row - start, s, stops, logprobs)
+            if stored is not None:
+                out[row, s] = stored
+    return out
+
+
+def _stored_sample(region: dict[str, np.ndarray], r: int, s: int, stops: set[int], logprobs: bool) -> Trajectory | None:
+    """Sample ``s`` of region row ``r`` as stored, or ``None`` when it was never generated (or failed)."""
+    reason = int(region["finish_reason"][r, s])
+    if reason not in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT):
+        return None
+    n = int(region["response_length"][r, s])
+    ids = region["response_ids"][r, s, :n].tolist()
+    if reason == FinishReason.ABORT and ids and ids[-1] in stops:
+        reason = FinishReason.STOP
+    return Trajectory(
+        ids,
+        region["response_mask"][r, s, :n].tolist(),
+        region["logprobs"][r, s, :n].tolist() if logprobs else None,
+        FinishReason(reason),
+        int(region["num_turns"][r, s]),
+        continued=int(region["continued_tokens"][r, s]) if "continued_tokens" in region else 0,
+        carried=n,
+        stop_reason=int(region["stop_reason"][r, s]) if "stop_reason" in region else -1,
+    )
+
+
+async def sample_with_prefix(
+    agent: AgentLoop,
+    handle: EngineHandle,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    prefix: Trajectory | None,
+) -> list[Trajectory]:
+    """One sample through the agent loop, continuing a stored aborted prefix when given.
+
+    The continuation is token-exact: the stored ids (and logprobs) followed by what the engine
+    generates after ``prompt + prefix``, with the remaining token budget.
+    """
+    if prefix is None:
+        return await agent.run(handle, request_id, prompt, params)
+    if prefix.finish_reason != FinishReason.ABORT:
+        return [prefix]
+    return await _continue_aborted(agent, handle, request_id, prompt, params, prefix)
+
+
+async def _continue_aborted(
+    agent: AgentLoop,
+    handle: EngineHandle,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    prefix: Trajectory,
+) -> list[Trajectory]:
+    """Continue an aborted ``prefix`` with the token budget it left (finished at ``length`` when none is left)."""
+    budget = params.max_new_tokens - len(prefix.response_ids)
+    if budget <= 0:
+        prefix.finish_reason = FinishReason.LENGTH
+        return [prefix]
+    if not prefix.response_ids:
+        return await agent.run(handle, request_id, prompt, params)
+    rest = params.__class__(**{**params.__dict__, "max_new_tokens": budget})
+    (tail,) = await agent.run(handle, request_id, prompt + prefix.response_ids, rest)
+    return [_joined(prefix, tail)]
+
+
+def _joined(prefix: Trajectory, tail: Trajectory) -> Trajectory:
+    """``prefix`` followed by its continuation ``tail``: one trajectory that counts the prefix as carried over."""
+    return Trajectory(
+        prefix.response_ids + tail.response_ids,
+        prefix.response_mask + tail.response_mask,
+        None if prefix.logprobs is None else prefix.logprobs + (tail.logprobs or []),
+        tail.finish_reason,
+        max(prefix.num_turns, tail.num_turns),
+        tail.error,
+        continued=len(prefix.response_ids),
+        carried=len(prefix.response_ids),
+        stop_reason=tail.stop_reason,
+    )

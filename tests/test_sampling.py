@@ -1,0 +1,188 @@
+"""Per-row sampling and stop conditions: validation before any engine starts, real runs on the tiny model,
+the stored settings and stop reasons, resume refusal, and the plan's capability check."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import xarray as xr
+
+import daskgen
+from daskgen.config import RunConfig
+from daskgen.engines.stops import EOS, NO_STOP, first_stop
+from daskgen.errors import ConfigError, InputError, StoreMismatchError
+from daskgen.input.rows import scan_prompts
+from daskgen.input.sampling import RowSamplingCheck
+from daskgen.input.tokenizer import load_tokenizer
+from daskgen.store.layout import Layout
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = [f"Question {i}: what is {i} plus {i % 7}?" for i in range(4)]
+
+
+def run_options(model, store, **extra):
+    """A greedy run of the tiny model on one local worker, partitions of two rows."""
+    options = dict(model=str(model), store=str(store), engine="transformers", n_workers=1, progress=False)
+    options.update(max_new_tokens=12, max_prompt_tokens=64, partition_size=2, temperature=0.0)
+    options["engine_args"] = ENGINE_ARGS
+    return {**options, **extra}
+
+
+ENGINE_ARGS = {"device": "cpu", "kv_cache_tokens": 2048, "max_batch_tokens": 128}
+
+
+def greedy_outputs(model, prompts, max_new_tokens):
+    """Each prompt's greedy response ids from the transformers engine itself (no run: the reference)."""
+    from daskgen.engines.base import GenerationRequest, SamplingParams
+    from daskgen.engines.transformers import TransformersEngine
+    from daskgen.testing.harness import EventLoopThread, gather
+
+    tokenizer = load_tokenizer(str(model), "transformers")
+    engine, loop = TransformersEngine(str(model), **ENGINE_ARGS), EventLoopThread()
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tokenizer.eos_token_id,))
+    requests = [GenerationRequest(f"r{i}", tokenizer(p)["input_ids"], params) for i, p in enumerate(prompts)]
+    try:
+        loop.run(engine.start(), 300)
+        results = loop.run(gather(*[engine.generate(r) for r in requests]), 120)
+    finally:
+        loop.run(engine.shutdown(), 60)
+        loop.close()
+    return [r.output_ids for r in results], tokenizer.decode
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, tmp_path_factory):
+    """One run whose rows set their own limits and stops, found in the greedy outputs of the same engine."""
+    folder = tmp_path_factory.mktemp("sampling")
+    ids, decode = greedy_outputs(tiny_model, PROMPTS, 12)
+    rows = [
+        {"prompt": PROMPTS[0], "id": "q0"},
+        {"prompt": PROMPTS[1], "id": "q1", "sampling": {"max_new_tokens": 3, "min_new_tokens": 3}},
+        {"prompt": PROMPTS[2], "id": "q2", "sampling": {"stop": ["\x00never", _stop_text(ids[2], decode)]}},
+        {"prompt": PROMPTS[3], "id": "q3", "sampling": {"stop_token_ids": [ids[3][2]]}},
+    ]
+    daskgen.generate(rows, **run_options(tiny_model, folder / "b"))
+    return xr.open_zarr(folder / "b"), ids, rows, decode, folder
+
+
+def _stop_text(ids, decode):
+    """Two ASCII letters or digits ending the text of a prefix of ``ids`` (a stop string in a known output)."""
+    for k in range(3, len(ids)):
+        text = decode(ids[:k])
+        if text[-2:].isascii() and text[-2:].isalnum() and len(text) >= 2:
+            return text[-2:]
+    raise AssertionError(f"no stop string in {decode(ids)!r}")
+
+
+@pytest.mark.slow
+def test_rows_get_their_own_limits_and_stops(runs):
+    ds, ids, rows, decode, _ = runs
+    lengths, reasons = ds.response_length.values[:, 0], ds.stop_reason.values[:, 0]
+    got = [ds.response_ids.values[i, 0, : lengths[i]].tolist() for i in range(4)]
+    assert got[0] == ids[0]  # no settings: the run's
+    assert lengths[1] == 3 and got[1] == ids[1][:3] and ds.finish_reason.values[1, 0] == 1 and reasons[1] == NO_STOP
+    end, which = first_stop(ids[2], rows[2]["sampling"]["stop"], (), decode)
+    assert got[2] == ids[2][:end] and which == 1 and reasons[2] == 1  # stop text kept: the matching token ends it
+    assert rows[2]["sampling"]["stop"][1] in decode(got[2])
+    cut = ids[3].index(ids[3][2]) + 1
+    assert got[3] == ids[3][:cut] and reasons[3] == 0 and ds.finish_reason.values[3, 0] == 0
+    assert reasons[0] == (EOS if ds.finish_reason.values[0, 0] == 0 else NO_STOP)
+    plain = Layout(4, 1, 64, 12, 2, 0).array_specs()  # a run without row settings or stops: no new arrays
+    assert "stop_reason" not in plain and "sampling" not in plain
+
+
+@pytest.mark.slow
+def test_store_records_each_rows_settings(runs):
+    ds, _, rows, _, _ = runs
+    used = [json.loads(text) for text in ds.sampling.values]
+    assert used[1]["max_new_tokens"] == 3 and used[1]["min_new_tokens"] == 3 and used[0]["max_new_tokens"] == 12
+    assert (
+        used[2]["stop"] == rows[2]["sampling"]["stop"]
+        and used[3]["stop_token_ids"] == rows[3]["sampling"]["stop_token_ids"]
+    )
+    assert all(u["temperature"] == 0.0 for u in used)
+    assert len(set(ds.sampling.values.tolist())) == 4  # one group per distinct setting
+
+
+@pytest.mark.slow
+def test_resume_refused_when_a_rows_settings_changed(runs, tiny_model):
+    _, _, rows, _, folder = runs
+    changed = [dict(r) for r in rows]
+    changed[1] = {**rows[1], "sampling": {"max_new_tokens": 4}}
+    with pytest.raises(StoreMismatchError, match="fingerprint"):
+        daskgen.generate(changed, **run_options(tiny_model, folder / "b"))
+    with pytest.raises(StoreMismatchError, match="stop: store has None, this run has"):
+        daskgen.generate(rows, **run_options(tiny_model, folder / "b", stop=["x"]))
+
+
+def test_bad_row_settings_are_named_with_row_key_range_and_fix(tiny_model):
+    rows = [
+        {"prompt": "a", "id": "a", "sampling": {"top_p": 1.5}},
+        {"prompt": "b", "sampling": {"temprature": 0.5}},
+        {"prompt": "c", "id": 7, "sampling": {"max_new_tokens": 99}},
+        {"prompt": "d", "sampling": {"stop": ["ok", ""], "seed": -1}},
+        {"prompt": "e", "sampling": "greedy"},
+    ]
+    check = RowSamplingCheck(max_new_tokens=16)
+    with pytest.raises(InputError) as info:
+        scan_prompts(rows, load_tokenizer(str(tiny_model), "transformers"), max_prompt_tokens=64, check_row=check)
+    text = str(info.value)
+    assert "row 1: column 'sampling' (id 'a'): key 'top_p' is 1.5; it must be a number in (0, 1] (1 = off). Fix" in text
+    assert "row 2: column 'sampling': unknown sampling key 'temprature'; valid keys are [" in text
+    assert "row 3: column 'sampling' (id 7): key 'max_new_tokens' is 99, more than the run's max_new_tokens=16" in text
+    assert "key 'stop' is ['ok', '']; it must be a list of at most 32 distinct non-empty strings" in text
+    assert "row 4: column 'sampling': key 'seed' is -1; it must be an integer >= 0" in text
+    assert "row 5: column 'sampling': expected a mapping of sampling settings, found str" in text
+
+
+def test_bad_run_settings_are_refused():
+    with pytest.raises(ConfigError, match=r"run settings: key 'stop_token_ids' is \[-1\]; it must be a list"):
+        RunConfig(stop_token_ids=[-1])
+    with pytest.raises(ConfigError, match="key 'min_new_tokens' is 20, more than max_new_tokens"):
+        RunConfig(max_new_tokens=10, min_new_tokens=20)
+    assert RunConfig(stop="</answer>").stop == "</answer>"  # a single string is a list of one
+
+
+def test_engine_without_a_feature_is_refused_at_plan_time(tmp_path):
+    rows = [{"prompt": "a", "sampling": {"stop": ["\n\n"]}}]
+    options = dict(model="sim", store=str(tmp_path / "s"), engine="simulated", n_workers=1, progress=False)
+    with pytest.raises(ConfigError) as info:
+        daskgen.generate(rows, **options)
+    text = str(info.value)
+    assert "engine 'simulated' cannot serve" in text and "stop: stop strings" in text
+    assert "transformers" in text.split("engines that serve it:")[1]
+    assert not (tmp_path / "s").exists()
+
+
+def test_stop_rule_cuts_overshoot_and_tells_ids_from_strings():
+    from daskgen.engines.stops import settle
+
+    decode = lambda ids: "".join(chr(96 + i) for i in ids)  # noqa: E731 - 1 -> "a", 2 -> "b", ...
+    assert settle([1, 2, 3, 4, 5], True, ("cd",), (), decode) == (4, 0)
+    assert settle([1, 2, 3, 4, 5], False, ("zz", "bc"), (9, 2), decode) == (2, 3)  # id 2 completes before "bc"
+    assert settle([1, 2, 3], True, ("zz",), (9,), decode) == (3, EOS)
+    assert settle([1, 2, 3], False, (), (), decode) == (3, NO_STOP)
+    assert np.int16(EOS) == -2
+
+
+def test_transformers_penalties_and_min_new_tokens_follow_vllms_definitions():
+    import torch
+
+    from daskgen.engines.base import SamplingParams
+    from daskgen.engines.transformers.shaping import Shaping
+
+    params = SamplingParams(
+        repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25, min_new_tokens=4, stop_token_ids=(4,)
+    )
+    shaping = Shaping.of(params, [0], None, None)
+    assert shaping is not None and Shaping.of(SamplingParams(), [0], None, None) is None  # the plain path: none
+    for n in range(1, 4):  # the response so far: 1, 1, 2
+        shaping.after([1, 1, 2][:n])
+    row = torch.tensor([2.0, -1.0, 3.0, 1.0, 5.0])
+    # 0: prompt token, 2 / 2; 1: twice in the response, -1 * 2 - 0.5 - 2 * 0.25; 2: once, 3 / 2 - 0.5 - 0.25;
+    # 3: unseen; 4: a stop id, masked while fewer than min_new_tokens tokens exist
+    assert shaping.adjusted(row, [1, 1, 2]).tolist() == [1.0, -3.0, 0.75, 1.0, float("-inf")]
+    assert shaping.adjusted(row, [1, 1, 2, 3])[4] == 5.0
