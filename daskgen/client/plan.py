@@ -21,6 +21,7 @@ import numpy as np
 from daskgen.agents import create_agent
 from daskgen.client.dispatch import dispatch_order, long_first, read_length_hints
 from daskgen.config import RunConfig
+from daskgen.input import response_format
 from daskgen.input.chat_template import ChatTemplate
 from daskgen.input.columns import kept_values
 from daskgen.input.rows import InputScan, iter_selected_rows, scan_prompts
@@ -34,6 +35,7 @@ from daskgen.worker.partition import PartitionTask
 
 if TYPE_CHECKING:
     from daskgen.engines.base import SamplingParams
+    from daskgen.input.response_format import ResponseFormat
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,8 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     template = config.chat_template_options()
     existing = GenerationStore.open_if_exists(config.location())
     scan, record = _scan_input(config, source, tokenizer, template, existing)
+    if scan.structured or config.response_format is not None:
+        response_format.check_engine(config.engine)
     wanted = _store_attrs(config, scan, tokenizer, template)
     store, record = _create_or_check_store(config, wanted, scan, existing, record)
     eos = tokenizer.eos_token_id
@@ -168,6 +172,7 @@ def _layout(config: RunConfig, scan: InputScan, tokenizer: Any) -> Layout:
         agent.max_trajectories,
         scored=config.verify_policy() is not None,
         columns=scan.columns,
+        structured=scan.structured or config.response_format is not None,
     )
 
 
@@ -263,6 +268,7 @@ def _sampling_params(plan: Plan) -> SamplingParams:
         top_k=cfg.top_k,
         logprobs=cfg.logprobs,
         stop_token_ids=plan.stop_ids,
+        response_format=cfg.structured_output(),
     )
 
 
@@ -278,16 +284,20 @@ def _partition_task(
         None,
         agent_args=dict(plan.config.agent_args),
         rows_meta=full if shared["verify"] is not None else None,
-        inputs=[_task_input(r, plan.layout.columns) for r in full],
+        inputs=[_task_input(r, plan.layout.columns, shared["params"].response_format) for r in full],
         **shared,
     )
 
 
-def _task_input(row: dict[str, Any], columns: tuple[str, ...]) -> dict[str, Any]:
+def _task_input(row: dict[str, Any], columns: tuple[str, ...], run_format: ResponseFormat | None) -> dict[str, Any]:
     """The part of an input row the worker needs: what it tokenizes (the prompt or messages, with their
-    chat-template columns) and the text of the kept columns; other columns stay on the client."""
+    chat-template columns), the text of the kept columns and the row's structured-output format (its own or
+    the run's); other columns stay on the client."""
     keys = ("messages", "chat_template_kwargs", "tools") if row.get("messages") is not None else ("prompt",)
     out = {key: row[key] for key in keys if row.get(key) is not None}
     if columns:
         out["columns"] = kept_values(row, columns)
+    structured = response_format.for_row(row, run_format)
+    if structured is not None:
+        out["response_format"] = structured
     return out

@@ -19,9 +19,12 @@ import contextlib
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from daskgen.errors import EngineError
+
+if TYPE_CHECKING:
+    from daskgen.input.response_format import ResponseFormat
 
 _T = TypeVar("_T")
 
@@ -80,7 +83,8 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy decoding.  ``seed`` makes sampling reproducible where
     the engine supports it.  ``logprobs`` asks for the log-probability of each sampled token
-    under the model's distribution (before temperature/top-p).
+    under the model's distribution (before temperature/top-p).  ``response_format`` constrains the
+    response (:mod:`daskgen.input.response_format`; engines that support it map it to their own fields).
     """
 
     max_new_tokens: int = 256
@@ -90,6 +94,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
+    response_format: ResponseFormat | None = None
 
 
 @dataclass(frozen=True)
@@ -228,6 +233,8 @@ class Engine(abc.ABC):
     name: str = ""
     #: True when stores produced by the engine are not real model output (simulations).
     simulated: bool = False
+    #: True when the engine honours ``SamplingParams.response_format`` (read on the class at plan time).
+    structured_outputs: bool = False
 
     @property
     def supports_seed(self) -> bool:

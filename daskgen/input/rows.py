@@ -17,6 +17,7 @@ from daskgen.errors import InputError
 from daskgen.input import chat_template
 from daskgen.input.chat_template import ChatTemplate
 from daskgen.input.columns import ColumnCheck
+from daskgen.input.response_format import FormatCheck
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_REPORTED = 20
@@ -201,6 +202,7 @@ class InputScan:
     fingerprint: str
     overlong: dict[int, str] = field(default_factory=dict)
     columns: tuple[str, ...] = ()  # the kept input columns (``keep_columns``, ``"*"`` resolved)
+    structured: bool = False  # some row has its own ``response_format`` (:mod:`daskgen.input.response_format`)
 
     def __len__(self) -> int:
         return self.n_rows
@@ -223,13 +225,13 @@ def scan_prompts(
     (:mod:`daskgen.input.columns`).
     """
     name = str(source) if isinstance(source, (str, Path)) else "input"
-    kept = ColumnCheck(keep_columns)
-    ids, fingerprint, errors, lengths = _scan_rows(source, tokenizer, max_prompt_tokens, template, kept)
+    kept, formats = ColumnCheck(keep_columns), FormatCheck()
+    ids, fingerprint, errors, lengths = _scan_rows(source, tokenizer, max_prompt_tokens, template, kept, formats)
     _raise_if(errors, name)
     if not ids:
         raise InputError(f"{name} has no prompts; expected at least one row.")
     overlong = check_lengths({i: n for i, n in lengths.items()}, max_prompt_tokens, skip=skip_overlong)
-    return InputScan(source, len(ids), ids, fingerprint, overlong, kept.names)
+    return InputScan(source, len(ids), ids, fingerprint, overlong, kept.names, formats.used)
 
 
 def _scan_rows(
@@ -238,6 +240,7 @@ def _scan_rows(
     max_prompt_tokens: int,
     template: ChatTemplate | None,
     kept: ColumnCheck,
+    formats: FormatCheck,
 ) -> tuple[list[str], str, list[str], dict[int, int]]:
     """One pass over the rows: their ids, the input fingerprint, every row error, and the token count of
     each prompt longer than ``max_prompt_tokens`` (tokenizing stops at the first error)."""
@@ -249,7 +252,7 @@ def _scan_rows(
     for number, row in iter_rows(source):
         errors += [f"row {number}: {msg}" for msg in _row_errors(row)]
         if isinstance(row, dict):
-            errors += [f"row {number}: {msg}" for msg in kept.row_errors(row, number)]
+            errors += [f"row {number}: {msg}" for msg in kept.row_errors(row, number) + formats.row_errors(row)]
         digest.add(row)
         ids.append(_row_id(row, number, seen, errors))
         if not errors:

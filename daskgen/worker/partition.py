@@ -10,6 +10,7 @@ idempotent.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from daskgen.worker.rounds import RowOutcome, sample_in_rounds
 from daskgen.worker.slot import PartitionSlot
 
 if TYPE_CHECKING:
+    from daskgen.input.response_format import ResponseFormat
     from daskgen.worker.plugin import EnginePlugin
 
 
@@ -112,11 +114,18 @@ def fill_region(
         _place_prompt(region, r, prompt, layout.pad_token_id)
         for name, text in (task.inputs[i].get("columns", {}) if task.inputs else {}).items():
             region[column_array(name)][r] = text
+        if layout.structured:
+            region["response_format"][r] = row_format.text() if (row_format := _row_format(task, i)) else ""
         out.prompt_tokens += len(prompt)
         for s in range(task.n_samples):
             trajectories = samples[i * task.n_samples + s][: layout.n_trajectories]
             _place_sample(region, row, r, s, trajectories, layout, out)
     return out
+
+
+def _row_format(task: PartitionTask, i: int) -> ResponseFormat | None:
+    """The structured-output format of the task's ``i``-th row (its own or the run's), or ``None``."""
+    return task.inputs[i].get("response_format") if task.inputs else task.params.response_format
 
 
 def _place_prompt(region: dict[str, np.ndarray], r: int, prompt: list[int], pad_token_id: int) -> None:
@@ -310,7 +319,7 @@ async def _continue_aborted(
     if budget <= 0:
         prefix.finish_reason = FinishReason.LENGTH
         return [prefix]
-    if not prefix.response_ids:
+    if not prefix.response_ids or params.response_format is not None:  # a grammar starts at the response's start
         return await agent.run(handle, request_id, prompt, params)
     rest = params.__class__(**{**params.__dict__, "max_new_tokens": budget})
     (tail,) = await agent.run(handle, request_id, prompt + prefix.response_ids, rest)
@@ -383,6 +392,8 @@ class _Generation:
         task, row = self.task, self.task.rows[i]
         assert task.prompts is not None
         params = SamplingParams(**{**task.params.__dict__, "seed": sample_seed(task.seed, row, s)})
+        if (row_format := _row_format(task, i)) is not None:
+            params = dataclasses.replace(params, response_format=row_format)
         prefix = self.prefixes.get((row, s))
         return self.slot.counted(
             _sample(self.agent, self.handle, f"p{row}-s{s}", list(task.prompts[i]), params, prefix)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from daskgen.engines.base import FinishReason, GenerationRequest, GenerationResult, error_result, finish_from_name
 from daskgen.engines.http.protocol import Flight, WireProtocol
+from daskgen.engines.vllm.mapping import vllm_structured_outputs
 
 if TYPE_CHECKING:
     from daskgen.engines.http.client import HTTPClient
@@ -69,6 +70,8 @@ def vllm_completions_payload(
         body["stop_token_ids"] = sorted(set(params.stop_token_ids))
     if params.logprobs:
         body["logprobs"] = 1
+    if params.response_format is not None:
+        body["structured_outputs"] = vllm_structured_outputs(params.response_format)
     return {**body, **extra_body}
 
 

@@ -116,6 +116,7 @@ class SGLangEngine(InProcessEngine):
     """
 
     name = "sglang"
+    structured_outputs = True
     starts_subprocesses = True
 
     def __init__(self, model: str, **engine_args: Any) -> None:

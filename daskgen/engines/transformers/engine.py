@@ -37,6 +37,9 @@ How it works
   plus ``max_new_tokens`` within the context and cache, sane sampling params) and returns
   ``GenerationResult.error`` instead.  If the manager's thread dies, pending and new requests
   get an error and :meth:`~TransformersEngine.health` raises.
+* **Structured outputs.**  A request's ``response_format`` masks, before each pick, the tokens its
+  format does not allow (xgrammar, :mod:`daskgen.engines.transformers.grammar`); logprobs stay those
+  of the unconstrained distribution.
 * **Abort.**  ``manager.cancel_request``; the engine resolves the request at once with
   ``ABORT`` and the tokens sampled so far.
 
@@ -79,6 +82,7 @@ from daskgen.engines.base import (
 from daskgen.engines.inprocess import InProcessEngine
 from daskgen.engines.transformers.args import TransformersArgs
 from daskgen.engines.transformers.backend import free_device_memory, load_backend
+from daskgen.engines.transformers.grammar import Grammars
 from daskgen.engines.transformers.sampler import SampledSequence, SamplerTable
 
 __all__ = ["TransformersEngine"]
@@ -126,6 +130,7 @@ class TransformersEngine(InProcessEngine):
     """A Hugging Face causal LM driven by transformers' continuous batching (see the module docstring)."""
 
     name = "transformers"
+    structured_outputs = True
     simulated = False
     supports_seed = True
 
@@ -144,6 +149,7 @@ class TransformersEngine(InProcessEngine):
         self._vocab_size = 0
         self._max_total_tokens = 0
         self._capacity: int | None = None
+        self._grammars: Grammars | None = None  # compiled response formats, made on first use
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -200,7 +206,13 @@ class TransformersEngine(InProcessEngine):
         problem = self.refusal(request)
         if problem is not None:
             return error_result(request, problem)
-        job = self._submit(request, asyncio.get_running_loop())
+        constraint = None
+        if request.params.response_format is not None:
+            try:
+                constraint = await asyncio.to_thread(self._constraint, request)
+            except Exception as exc:  # xgrammar refuses a schema, regex or grammar it cannot compile
+                return error_result(request, f"response_format cannot be compiled: {type(exc).__name__}: {exc}")
+        job = self._submit(request, asyncio.get_running_loop(), constraint)
         if isinstance(job, GenerationResult):
             return job
         try:
@@ -209,7 +221,19 @@ class TransformersEngine(InProcessEngine):
             self._cancel(job.backend_id)
             raise
 
-    def _submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> _Job | GenerationResult:
+    def _constraint(self, request: GenerationRequest) -> Any:
+        """The grammar state of a request with a ``response_format`` (blocking: compiles on first use)."""
+        if self._grammars is None:
+            tokenizer_args = {"trust_remote_code": self.args.trust_remote_code, "revision": self.args.revision}
+            self._grammars = Grammars(self.model, self._vocab_size, tokenizer_args)
+        assert request.params.response_format is not None
+        return self._grammars.constraint(
+            request.params.response_format, self._eos_ids | frozenset(request.params.stop_token_ids)
+        )
+
+    def _submit(
+        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, constraint: Any = None
+    ) -> _Job | GenerationResult:
         backend_id = f"{request.request_id}#{next(self._ids)}"
         job = _Job(
             request,
@@ -219,6 +243,7 @@ class TransformersEngine(InProcessEngine):
             SampledSequence.from_params(request.params),
             self._eos_ids | frozenset(request.params.stop_token_ids),
         )
+        job.sequence.constraint = constraint
         with self._lock:
             self._jobs[backend_id] = job
             self._by_request[request.request_id].add(backend_id)

@@ -57,6 +57,7 @@ class SampledSequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     generator: Any = None
+    constraint: Any = None  # a response_format's grammar state (:mod:`daskgen.engines.transformers.grammar`)
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> SampledSequence:
@@ -67,10 +68,13 @@ class SampledSequence:
         """Choose the next token from the float32 logits ``row`` and record it."""
         import torch
 
+        allowed = row if self.constraint is None else self.constraint.masked(row)
         if self.temperature == 0:
-            token = int(torch.argmax(row))
+            token = int(torch.argmax(allowed))
         else:
-            token = int(torch.argmax(_filtered(row / self.temperature, self) + self._gumbel(row)))
+            token = int(torch.argmax(_filtered(allowed / self.temperature, self) + self._gumbel(row)))
+        if self.constraint is not None:
+            self.constraint.accept(token)
         if self.want_logprobs:
             self.logprobs.append(float(row[token] - torch.logsumexp(row, dim=0)))
         self.tokens.append(token)

@@ -9,11 +9,20 @@ Pure functions, no imports of vllm.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from daskgen.engines.base import GenerationRequest, GenerationResult, SamplingParams, error_result, finish_from_name
 
-__all__ = ["CollectedOutput", "collect_output", "result_from_collected", "vllm_sampling_kwargs"]
+if TYPE_CHECKING:
+    from daskgen.input.response_format import ResponseFormat
+
+__all__ = [
+    "CollectedOutput",
+    "collect_output",
+    "result_from_collected",
+    "vllm_sampling_kwargs",
+    "vllm_structured_outputs",
+]
 
 
 def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
@@ -34,7 +43,15 @@ def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     }
     if params.stop_token_ids:
         out["stop_token_ids"] = sorted(set(params.stop_token_ids))
+    if params.response_format is not None:
+        out["structured_outputs"] = vllm_structured_outputs(params.response_format)
     return out
+
+
+def vllm_structured_outputs(fmt: ResponseFormat) -> dict[str, Any]:
+    """The fields of vLLM's ``StructuredOutputsParams`` (and its servers' ``structured_outputs``) for a format."""
+    names = {"json_schema": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+    return {names[fmt.kind]: fmt.as_dict()[fmt.kind]}
 
 
 @dataclasses.dataclass
