@@ -18,24 +18,14 @@ from daskgen.errors import ConfigError, InputError, StoreMismatchError
 from daskgen.input.response_format import ResponseFormat, from_setting
 from daskgen.input.rows import scan_prompts
 from daskgen.input.tokenizer import ByteTokenizer
+from daskgen.testing.structured import CASES, PERSON
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.timeout(600)
 
-PERSON = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
-#: The run's format (rows without their own use it), then one row per kind of format.
-RUN_FORMAT = {"choice": ["yes", "no"]}
-ROWS = [
-    ("Is the sky blue? Answer yes or no.", None),
-    ("Describe a person as JSON with a name and an age.", {"json_schema": PERSON}),
-    ("How many legs does a spider have? Answer with a number.", {"regex": "[0-9]{1,3}"}),
-    ("What colour is grass?", {"grammar": 'root ::= "The answer is " ("red" | "green" | "blue") "."'}),
-]
+#: The run's format (the first row, without its own, uses it), then one row per kind of format.
+RUN_FORMAT = CASES[0][1]
+ROWS = [(CASES[0][0], None), *CASES[1:]]
 
 
 def input_rows(formats=None) -> list[dict]:
@@ -61,9 +51,9 @@ def run(tmp_path_factory):
     prompts, store = write_rows(tmp / "p.jsonl", input_rows()), str(tmp / "out.zarr")
     options = {"model": str(smollm2_instruct()), "store": store, "engine": "transformers", "max_new_tokens": 40,
                "n_samples": 2, "partition_size": 4, "response_format": RUN_FORMAT, "seed": 3}  # fmt: skip
-    result = run_cli("run", "--prompts", prompts, "--model", options["model"], "--store", store,
-                     "--engine", "transformers", "--max-new-tokens", "40", "--n-samples", "2", "--partition-size", "4",
-                     "--response-format", json.dumps(RUN_FORMAT), "--seed", "3", "--n-workers", "1", "--no-progress")  # fmt: skip
+    flags = [f"--{key.replace('_', '-')}={json.dumps(value) if key == 'response_format' else value}"
+             for key, value in options.items()]  # fmt: skip
+    result = run_cli("run", "--prompts", prompts, *flags, "--n-workers", "1", "--no-progress")
     assert result.returncode == 0, result.stdout + result.stderr
     return prompts, options, tmp
 

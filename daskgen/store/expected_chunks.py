@@ -39,7 +39,10 @@ from daskgen.engines.base import FinishReason
 from daskgen.store.invariants import RowRules, expected_samples
 
 #: Data arrays whose chunks no other value of a row can show to be needed, and why.
-UNDERIVABLE = {"continued_tokens": "0 is the value of every sample generated in one go"}
+UNDERIVABLE = {
+    "continued_tokens": "0 is the value of every sample generated in one go",
+    "response_format": "'' is the value of every row without a response_format",
+}
 
 
 @dataclass(frozen=True)
