@@ -146,3 +146,38 @@ def test_violation_checks_each_kind():
     assert choice.violation('say "hi"') is None and choice.violation("hi") is not None
     assert choice.ebnf() == 'root ::= "say \\"hi\\"" | "no"'
     assert np.array_equal(json.loads(choice.text())["choice"], ['say "hi"', "no"])
+
+
+def test_each_engine_maps_every_kind_to_its_own_fields():
+    from daskgen.engines.base import GenerationRequest, SamplingParams
+    from daskgen.engines.http.protocol import openai_payload
+    from daskgen.engines.http.vllm_protocol import vllm_completions_payload
+    from daskgen.engines.sglang.mapping import sampling_params_for
+    from daskgen.engines.vllm.mapping import vllm_sampling_kwargs
+
+    grammar = CASES[3][1]["grammar"]
+    expected = {  # kind -> (sglang's sampling field, vLLM's structured_outputs)
+        "json_schema": ({"json_schema": json.dumps(PERSON, sort_keys=True)}, {"json": PERSON}),
+        "regex": ({"regex": "[0-9]{1,3}"}, {"regex": "[0-9]{1,3}"}),
+        "choice": ({"ebnf": 'root ::= "yes" | "no"'}, {"choice": ["yes", "no"]}),
+        "grammar": ({"ebnf": grammar}, {"grammar": grammar}),
+    }
+    for _, raw in CASES:
+        fmt = ResponseFormat.parse(raw)
+        params = SamplingParams(8, response_format=fmt)
+        sglang, vllm = expected[fmt.kind]
+        assert sglang.items() <= sampling_params_for(params).items()
+        assert vllm_sampling_kwargs(params)["structured_outputs"] == vllm
+        request = GenerationRequest("r", [1, 2], params)
+        assert vllm_completions_payload("m", request, {})["structured_outputs"] == vllm
+        _, body = openai_payload("chat", "m", "hi", request, {})
+        if fmt.kind == "json_schema":
+            assert body["response_format"] == {
+                "type": "json_schema",
+                "json_schema": {"name": "response", "schema": PERSON},
+            }
+        else:
+            assert body["structured_outputs"] == vllm
+    plain = SamplingParams(8)
+    assert not {"json_schema", "regex", "ebnf"} & set(sampling_params_for(plain))
+    assert "structured_outputs" not in vllm_sampling_kwargs(plain)
