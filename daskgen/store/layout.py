@@ -182,7 +182,7 @@ class Layout:
 #: Worker-written arrays of the plain layout (v1, no verifier).
 DATA_ARRAYS = Layout(1, 1, 1, 1, 1, 0).data_arrays()
 #: Every array a worker may write, in any layout.
-WORKER_ARRAYS = Layout(1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True, structured=True).data_arrays()
+WORKER_ARRAYS = Layout(1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True).data_arrays()
 
 
 def empty_region(layout: Layout, n_rows: int) -> dict[str, np.ndarray]:
