@@ -21,7 +21,7 @@ from daskgen.input.tokenizer import ByteTokenizer
 from daskgen.testing.structured import CASES, PERSON
 from tests.conftest import run_cli
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # one real SmolLM2 run through the CLI
 
 #: The run's format (the first row, without its own, uses it), then one row per kind of format.
 RUN_FORMAT = CASES[0][1]
