@@ -14,6 +14,7 @@ from daskgen.run_options import RunOptions
 
 if TYPE_CHECKING:
     from daskgen.input.chat_template import ChatTemplate
+    from daskgen.input.response_format import ResponseFormat
     from daskgen.store.location import StoreLocation
 
 #: Settings that define what a store holds; a resume must match them exactly.
@@ -35,6 +36,7 @@ IDENTITY_KEYS = (
     "frequency_penalty",
     "seed",
     "logprobs",
+    "response_format",
     "partition_size",
     "agent",
     "agent_args",
@@ -62,6 +64,8 @@ class RunConfig(RunOptions):
             self.grace = f"{self.grace}s"
         if isinstance(self.window, str) and self.window.strip().isdigit():  # from a CLI flag or YAML string
             self.window = int(self.window)
+        structured = self.structured_output()  # JSON text from a flag becomes an object
+        self.response_format = None if structured is None else structured.as_dict()
         self._check_types()
         self._check_ranges()
         self.kept_columns()
@@ -153,6 +157,12 @@ class RunConfig(RunOptions):
         from daskgen.input.columns import normalize
 
         return normalize(self.keep_columns)
+
+    def structured_output(self) -> ResponseFormat | None:
+        """The run's ``response_format``, checked (:mod:`daskgen.input.response_format`); ``None`` when unset."""
+        from daskgen.input.response_format import from_setting
+
+        return from_setting(self.response_format)
 
     def chat_template_options(self) -> ChatTemplate:
         """The run's chat-template options (its ``chat_template`` file read and checked)."""

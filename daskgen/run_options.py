@@ -116,6 +116,13 @@ class RunOptions:
     )
     seed: int = option(0, "Run seed; per-sample seeds derive from it (or from a row's own seed).", group=SAMPLING)
     logprobs: bool = option(False, "Store per-token logprobs.", group=SAMPLING)
+    response_format: dict[str, Any] | None = option(
+        None,
+        "Structured outputs for every row: {json_schema: {...}}, {regex: '...'}, {choice: [...]} or {grammar: EBNF} "
+        "(a row's own response_format column replaces it; on the command line JSON text).",
+        group=SAMPLING,
+        cli_type=str,
+    )
     partition_size: int = option(64, "Prompts per Dask task = the store's chunk rows along prompt.", group=TASKS)
     scheduler_address: str | None = option(
         None, "Use this Dask scheduler instead of a LocalCluster (tls://HOST:PORT with --tls-*).", group=CLUSTER

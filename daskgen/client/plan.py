@@ -21,6 +21,7 @@ import numpy as np
 from daskgen.agents import create_agent
 from daskgen.client.dispatch import dispatch_order, long_first, read_length_hints
 from daskgen.config import RunConfig
+from daskgen.input import response_format
 from daskgen.input.chat_template import ChatTemplate
 from daskgen.input.columns import kept_values
 from daskgen.input.rows import InputScan, iter_selected_rows, scan_prompts
@@ -35,6 +36,7 @@ from daskgen.worker.partition import PartitionTask
 
 if TYPE_CHECKING:
     from daskgen.engines.base import SamplingParams
+    from daskgen.input.response_format import ResponseFormat
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     template = config.chat_template_options()
     existing = GenerationStore.open_if_exists(config.location())
     scan, record, keys = _scan_input(config, source, tokenizer, template, existing)
-    _check_features(config, keys)
+    _check_features(config, keys, structured=scan.structured or config.response_format is not None)
     wanted = _store_attrs(config, scan, tokenizer, template, keys)
     store, record = _create_or_check_store(config, wanted, scan, existing, record)
     eos = tokenizer.eos_token_id
@@ -88,13 +90,14 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     )
 
 
-def _check_features(config: RunConfig, keys: frozenset[str]) -> None:
+def _check_features(config: RunConfig, keys: frozenset[str], structured: bool) -> None:
     """Refuse a run that asks its engine for a feature it does not serve (before any engine starts)."""
     from daskgen.engines import resolve_engine_class
     from daskgen.engines.features import check_features
 
     cls = resolve_engine_class(config.engine)
-    check_features(config.engine, cls.features, requested_features(run_settings(config), keys))
+    wanted = requested_features(run_settings(config), keys) | ({"structured_outputs"} if structured else set())
+    check_features(config.engine, cls.features, wanted)
 
 
 def _input_source(config: RunConfig, prompts: str | Path | Sequence[Any] | None) -> str | Path | Sequence[Any]:
@@ -184,6 +187,7 @@ def _layout(config: RunConfig, scan: InputScan, tokenizer: Any, keys: frozenset[
         columns=scan.columns,
         row_sampling=bool(keys),
         stops=bool(config.stop or config.stop_token_ids or keys & set(STOP_KEYS)),
+        structured=scan.structured or config.response_format is not None,
     )
 
 
@@ -273,7 +277,8 @@ def _shared_task_fields(plan: Plan) -> dict[str, Any]:
 
 def _sampling_params(plan: Plan) -> SamplingParams:
     """The run's sampling settings, with the tokenizer's stop ids."""
-    return row_params(run_settings(plan.config), plan.stop_ids, plan.config.logprobs)
+    params = row_params(run_settings(plan.config), plan.stop_ids, plan.config.logprobs)
+    return dataclasses.replace(params, response_format=plan.config.structured_output())
 
 
 def _partition_task(
@@ -288,7 +293,7 @@ def _partition_task(
         None,
         agent_args=dict(plan.config.agent_args),
         rows_meta=full if shared["verify"] is not None else None,
-        inputs=[_task_input(r, plan.layout.columns) for r in full],
+        inputs=[_task_input(r, plan.layout.columns, shared["params"].response_format) for r in full],
         row_settings=[merged(shared["run_settings"], r.get("sampling")) for r in full]
         if plan.layout.row_sampling
         else None,
@@ -296,11 +301,15 @@ def _partition_task(
     )
 
 
-def _task_input(row: dict[str, Any], columns: tuple[str, ...]) -> dict[str, Any]:
+def _task_input(row: dict[str, Any], columns: tuple[str, ...], run_format: ResponseFormat | None) -> dict[str, Any]:
     """The part of an input row the worker needs: what it tokenizes (the prompt or messages, with their
-    chat-template columns) and the text of the kept columns; other columns stay on the client."""
+    chat-template columns), the text of the kept columns and the row's structured-output format (its own or
+    the run's); other columns stay on the client."""
     keys = ("messages", "chat_template_kwargs", "tools") if row.get("messages") is not None else ("prompt",)
     out = {key: row[key] for key in keys if row.get(key) is not None}
     if columns:
         out["columns"] = kept_values(row, columns)
+    structured = response_format.for_row(row, run_format)
+    if structured is not None:
+        out["response_format"] = structured
     return out

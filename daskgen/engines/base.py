@@ -19,9 +19,12 @@ import contextlib
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from daskgen.errors import EngineError
+
+if TYPE_CHECKING:
+    from daskgen.input.response_format import ResponseFormat
 
 _T = TypeVar("_T")
 
@@ -85,7 +88,9 @@ class SamplingParams:
     the one that completed the stop (stop text and stop token are in the output, the same on
     every engine: :mod:`daskgen.engines.stops`).  ``min_p``, ``min_new_tokens`` and the penalties
     (``repetition_penalty`` on prompt and output tokens, ``presence_penalty``/``frequency_penalty`` on
-    output tokens) mean what they mean in vLLM and SGLang; their defaults are off.
+    output tokens) mean what they mean in vLLM and SGLang; their defaults are off.  ``response_format``
+    constrains the response (:mod:`daskgen.input.response_format`; engines that serve it map it to their own
+    fields).
     """
 
     max_new_tokens: int = 256
@@ -101,6 +106,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     stop: tuple[str, ...] = ()
+    response_format: ResponseFormat | None = None
 
 
 #: The :class:`SamplingParams` fields vLLM and SGLang take under the same name, with their "off" values.

@@ -17,8 +17,6 @@ FEATURES: dict[str, str] = {
     "min_new_tokens or penalty",
     "stop": "stop strings ('stop', run-level or per row)",
     "stop_token_ids": "stop token ids ('stop_token_ids', run-level or per row)",
-    "chat_template_kwargs": "chat-template options ('chat_template_kwargs')",
-    "keep_columns": "the row's own columns in the store ('keep_columns')",
     "structured_outputs": "structured outputs ('response_format')",
     "lora": "LoRA adapters ('adapter')",
     "top_logprobs": "top-k logprobs ('top_logprobs')",

@@ -17,6 +17,7 @@ from daskgen.errors import InputError
 from daskgen.input import chat_template
 from daskgen.input.chat_template import ChatTemplate
 from daskgen.input.columns import ColumnCheck
+from daskgen.input.response_format import FormatCheck
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_REPORTED = 20
@@ -201,6 +202,7 @@ class InputScan:
     fingerprint: str
     overlong: dict[int, str] = field(default_factory=dict)
     columns: tuple[str, ...] = ()  # the kept input columns (``keep_columns``, ``"*"`` resolved)
+    structured: bool = False  # some row has its own ``response_format`` (:mod:`daskgen.input.response_format`)
 
     def __len__(self) -> int:
         return self.n_rows
@@ -225,13 +227,15 @@ def scan_prompts(
     column) to the report.
     """
     name = str(source) if isinstance(source, (str, Path)) else "input"
-    kept = ColumnCheck(keep_columns)
-    ids, fingerprint, errors, lengths = _scan_rows(source, tokenizer, max_prompt_tokens, template, kept, check_row)
+    kept, formats = ColumnCheck(keep_columns), FormatCheck()
+    ids, fingerprint, errors, lengths = _scan_rows(
+        source, tokenizer, max_prompt_tokens, template, kept, formats, check_row
+    )
     _raise_if(errors, name)
     if not ids:
         raise InputError(f"{name} has no prompts; expected at least one row.")
     overlong = check_lengths({i: n for i, n in lengths.items()}, max_prompt_tokens, skip=skip_overlong)
-    return InputScan(source, len(ids), ids, fingerprint, overlong, kept.names)
+    return InputScan(source, len(ids), ids, fingerprint, overlong, kept.names, formats.used)
 
 
 def _scan_rows(
@@ -240,6 +244,7 @@ def _scan_rows(
     max_prompt_tokens: int,
     template: ChatTemplate | None,
     kept: ColumnCheck,
+    formats: FormatCheck,
     check_row: Callable[[Any], list[str]] | None = None,
 ) -> tuple[list[str], str, list[str], dict[int, int]]:
     """One pass over the rows: their ids, the input fingerprint, every row error, and the token count of
@@ -252,7 +257,7 @@ def _scan_rows(
     for number, row in iter_rows(source):
         errors += [f"row {number}: {msg}" for msg in _row_errors(row) + (check_row(row) if check_row else [])]
         if isinstance(row, dict):
-            errors += [f"row {number}: {msg}" for msg in kept.row_errors(row, number)]
+            errors += [f"row {number}: {msg}" for msg in kept.row_errors(row, number) + formats.row_errors(row)]
         digest.add(row)
         ids.append(_row_id(row, number, seen, errors))
         if not errors:

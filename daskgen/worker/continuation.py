@@ -80,7 +80,7 @@ async def _continue_aborted(
     if budget <= 0:
         prefix.finish_reason = FinishReason.LENGTH
         return [prefix]
-    if not prefix.response_ids:
+    if not prefix.response_ids or params.response_format is not None:  # a grammar starts at the response's start
         return await agent.run(handle, request_id, prompt, params)
     rest = params.__class__(**{**params.__dict__, "max_new_tokens": budget})
     (tail,) = await agent.run(handle, request_id, prompt + prefix.response_ids, rest)

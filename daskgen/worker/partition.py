@@ -10,6 +10,7 @@ idempotent.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 from collections.abc import Awaitable
@@ -32,6 +33,7 @@ from daskgen.worker.slot import PartitionSlot
 from daskgen.worker.thread_slots import leave_thread_slot
 
 if TYPE_CHECKING:
+    from daskgen.input.response_format import ResponseFormat
     from daskgen.worker.plugin import EnginePlugin
 
 
@@ -118,11 +120,18 @@ def fill_region(
         _place_prompt(region, r, prompt, layout.pad_token_id)
         for name, text in (task.inputs[i].get("columns", {}) if task.inputs else {}).items():
             region[column_array(name)][r] = text
+        if layout.structured:
+            region["response_format"][r] = row_format.text() if (row_format := _row_format(task, i)) else ""
         out.prompt_tokens += len(prompt)
         for s in range(task.n_samples):
             trajectories = samples[i * task.n_samples + s][: layout.n_trajectories]
             _place_sample(region, row, r, s, trajectories, layout, out)
     return out
+
+
+def _row_format(task: PartitionTask, i: int) -> ResponseFormat | None:
+    """The structured-output format of the task's ``i``-th row (its own or the run's), or ``None``."""
+    return task.inputs[i].get("response_format") if task.inputs else task.params.response_format
 
 
 def _place_prompt(region: dict[str, np.ndarray], r: int, prompt: list[int], pad_token_id: int) -> None:
@@ -309,6 +318,8 @@ class _Generation:
         prefix = self.prefixes.get((row, s))
         own = task.row_settings[i] if task.row_settings is not None else None
         params = sample_params(task.params, own, task.eos_ids, task.seed, row, s)
+        if (row_format := _row_format(task, i)) is not None:
+            params = dataclasses.replace(params, response_format=row_format)
         sample = sample_with_prefix(self.agent, self.handle, f"p{row}-s{s}", list(task.prompts[i]), params, prefix)
         settings = own if own is not None else task.run_settings
         if settings is not None:  # a run with stops or per-row settings

@@ -33,9 +33,11 @@ from daskgen.engines.base import (
     shaping_kwargs,
 )
 from daskgen.engines.sglang.mapping import result_from_output, sampling_params_for
+from daskgen.engines.vllm.mapping import vllm_structured_outputs
 
 if TYPE_CHECKING:
     from daskgen.engines.http.client import HTTPClient
+    from daskgen.input.response_format import ResponseFormat
 
 __all__ = [
     "Flight",
@@ -243,8 +245,19 @@ def openai_payload(
         body["prompt"] = prompt
         if params.logprobs:
             body["logprobs"] = 1
+    if params.response_format is not None:
+        body.update(openai_response_format(params.response_format))
     path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
     return path, {**body, **extra_body}
+
+
+def openai_response_format(fmt: ResponseFormat) -> dict[str, Any]:
+    """The request fields of a format for an OpenAI-compatible server: a JSON schema as OpenAI's
+    ``response_format``; a regex, choice or grammar as vLLM's ``structured_outputs`` (other servers: send
+    their own fields in ``extra_body``, or use ``api="sglang"``/``"vllm"``, which map every format natively)."""
+    if fmt.kind == "json_schema":
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "response", "schema": fmt.schema}}}
+    return {"structured_outputs": vllm_structured_outputs(fmt)}
 
 
 def take_event(event: dict[str, Any], flight: Flight) -> str | None:

@@ -24,6 +24,7 @@ from daskgen.engines.base import (
     shaping_kwargs,
 )
 from daskgen.engines.http.protocol import Flight, WireProtocol
+from daskgen.engines.vllm.mapping import vllm_structured_outputs
 
 if TYPE_CHECKING:
     from daskgen.engines.http.client import HTTPClient
@@ -80,6 +81,8 @@ def vllm_completions_payload(
         body.update(stop=list(params.stop), include_stop_str_in_output=True)
     if params.logprobs:
         body["logprobs"] = 1
+    if params.response_format is not None:
+        body["structured_outputs"] = vllm_structured_outputs(params.response_format)
     return {**body, **extra_body}
 
 

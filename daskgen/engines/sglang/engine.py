@@ -117,7 +117,7 @@ class SGLangEngine(InProcessEngine):
 
     name = "sglang"
     starts_subprocesses = True
-    features = frozenset({"per_row_sampling", "stop", "stop_token_ids"})
+    features = frozenset({"per_row_sampling", "stop", "stop_token_ids", "structured_outputs"})
 
     def __init__(self, model: str, **engine_args: Any) -> None:
         super().__init__(model, **engine_args)

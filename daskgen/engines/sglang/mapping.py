@@ -12,11 +12,14 @@ of sglang.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from daskgen.engines.base import GenerationRequest, GenerationResult, SamplingParams, finish_from_name, shaping_kwargs
 
-__all__ = ["logprobs_of", "max_running_requests", "result_from_output", "sampling_params_for"]
+if TYPE_CHECKING:
+    from daskgen.input.response_format import ResponseFormat
+
+__all__ = ["logprobs_of", "max_running_requests", "result_from_output", "sampling_params_for", "sglang_constraint"]
 
 #: ``meta_info`` keys copied into ``GenerationResult.meta``.
 META_KEYS = ("prompt_tokens", "cached_tokens")
@@ -40,7 +43,17 @@ def sampling_params_for(params: SamplingParams) -> dict[str, Any]:
     out.update(shaping_kwargs(params, {}))
     if params.stop:  # matched on sglang's detokenized text; no_stop_trim keeps the stop in the output
         out.update(stop=list(params.stop), no_stop_trim=True)
+    if params.response_format is not None:
+        out.update(sglang_constraint(params.response_format))
     return out
+
+
+def sglang_constraint(fmt: ResponseFormat) -> dict[str, str]:
+    """sglang's sampling field of a ``response_format``: ``json_schema`` (text), ``regex``, or ``ebnf`` (a grammar,
+    or the choices as an EBNF alternation: sglang has no choice field)."""
+    if fmt.kind in ("json_schema", "regex"):
+        return {fmt.kind: str(fmt.value)}
+    return {"ebnf": fmt.ebnf()}
 
 
 def logprobs_of(meta: Mapping[str, Any]) -> list[float]:

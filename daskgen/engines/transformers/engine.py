@@ -40,6 +40,9 @@ How it works
   plus ``max_new_tokens`` within the context and cache, sane sampling params) and returns
   ``GenerationResult.error`` instead.  If the manager's thread dies, pending and new requests
   get an error and :meth:`~TransformersEngine.health` raises.
+* **Structured outputs.**  A request's ``response_format`` masks, before each pick, the tokens its
+  format does not allow (xgrammar, :mod:`daskgen.engines.transformers.grammar`); logprobs stay those
+  of the unconstrained distribution.
 * **Abort.**  ``manager.cancel_request``; the engine resolves the request at once with
   ``ABORT`` and the tokens sampled so far.
 
@@ -84,6 +87,7 @@ from daskgen.engines.base import (
 from daskgen.engines.inprocess import InProcessEngine
 from daskgen.engines.transformers.args import TransformersArgs
 from daskgen.engines.transformers.backend import free_device_memory, load_backend
+from daskgen.engines.transformers.grammar import Grammars
 from daskgen.engines.transformers.sampler import SampledSequence, SamplerTable
 
 __all__ = ["TransformersEngine"]
@@ -133,7 +137,7 @@ class TransformersEngine(InProcessEngine):
     name = "transformers"
     simulated = False
     supports_seed = True
-    features = frozenset({"per_row_sampling", "stop", "stop_token_ids"})
+    features = frozenset({"per_row_sampling", "stop", "stop_token_ids", "structured_outputs"})
 
     def __init__(self, model: str, **engine_args: Any) -> None:
         super().__init__(model, **engine_args)
@@ -151,6 +155,7 @@ class TransformersEngine(InProcessEngine):
         self._max_total_tokens = 0
         self._capacity: int | None = None
         self._tokenizer: Any = None
+        self._grammars: Grammars | None = None  # compiled response formats, made on first use
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -207,7 +212,13 @@ class TransformersEngine(InProcessEngine):
         problem = self.refusal(request)
         if problem is not None:
             return error_result(request, problem)
-        job = self._submit(request, asyncio.get_running_loop())
+        constraint = None
+        if request.params.response_format is not None:
+            try:
+                constraint = await asyncio.to_thread(self._constraint, request)
+            except Exception as exc:  # xgrammar refuses a schema, regex or grammar it cannot compile
+                return error_result(request, f"response_format cannot be compiled: {type(exc).__name__}: {exc}")
+        job = self._submit(request, asyncio.get_running_loop(), constraint)
         if isinstance(job, GenerationResult):
             return job
         try:
@@ -216,7 +227,19 @@ class TransformersEngine(InProcessEngine):
             self._cancel(job.backend_id)
             raise
 
-    def _submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> _Job | GenerationResult:
+    def _constraint(self, request: GenerationRequest) -> Any:
+        """The grammar state of a request with a ``response_format`` (blocking: compiles on first use)."""
+        if self._grammars is None:
+            tokenizer_args = {"trust_remote_code": self.args.trust_remote_code, "revision": self.args.revision}
+            self._grammars = Grammars(self.model, self._vocab_size, tokenizer_args)
+        assert request.params.response_format is not None
+        return self._grammars.constraint(
+            request.params.response_format, self._eos_ids | frozenset(request.params.stop_token_ids)
+        )
+
+    def _submit(
+        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, constraint: Any = None
+    ) -> _Job | GenerationResult:
         backend_id = f"{request.request_id}#{next(self._ids)}"
         stop_ids = self._eos_ids | frozenset(request.params.stop_token_ids)
         params = dataclasses.replace(request.params, stop_token_ids=tuple(sorted(stop_ids)))
@@ -225,6 +248,7 @@ class TransformersEngine(InProcessEngine):
             params, request.prompt_ids, decode, functools.partial(self._stop_early, backend_id)
         )
         job = _Job(request, backend_id, loop, loop.create_future(), sequence, stop_ids)
+        job.sequence.constraint = constraint
         with self._lock:
             self._jobs[backend_id] = job
             self._by_request[request.request_id].add(backend_id)

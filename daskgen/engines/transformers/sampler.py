@@ -63,6 +63,7 @@ class SampledSequence:
     min_p: float = 0.0
     #: Penalties, ``min_new_tokens`` and stop strings (``None``: none of them, the plain path).
     shaping: Shaping | None = None
+    constraint: Any = None  # a response_format's grammar state (:mod:`daskgen.engines.transformers.grammar`)
 
     @classmethod
     def from_params(
@@ -85,10 +86,14 @@ class SampledSequence:
         import torch
 
         scores = row if self.shaping is None else self.shaping.adjusted(row, self.tokens)
+        if self.constraint is not None:
+            scores = self.constraint.masked(scores)
         if self.temperature == 0:
             token = int(torch.argmax(scores))
         else:
             token = int(torch.argmax(_filtered(scores / self.temperature, self) + self._gumbel(row)))
+        if self.constraint is not None:
+            self.constraint.accept(token)
         if self.want_logprobs:
             self.logprobs.append(float(row[token] - torch.logsumexp(row, dim=0)))
         self.tokens.append(token)

@@ -121,7 +121,7 @@ class VLLMEngine(InProcessEngine):
 
     name = "vllm"
     supports_seed = True
-    features = frozenset({"per_row_sampling", "stop", "stop_token_ids"})
+    features = frozenset({"per_row_sampling", "stop", "stop_token_ids", "structured_outputs"})
     starts_subprocesses = True
 
     def __init__(self, model: str, **engine_args: Any) -> None:
@@ -190,7 +190,12 @@ class VLLMEngine(InProcessEngine):
         from vllm.sampling_params import RequestOutputKind
 
         rid = request.request_id
-        params = VLLMSamplingParams(**vllm_sampling_kwargs(request.params), output_kind=RequestOutputKind.DELTA)
+        kwargs = vllm_sampling_kwargs(request.params)
+        if "structured_outputs" in kwargs:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
+        params = VLLMSamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
         acc = CollectedOutput()
         self._live[rid] = self._live.get(rid, 0) + 1
         try:

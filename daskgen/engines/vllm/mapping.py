@@ -9,7 +9,7 @@ Pure functions, no imports of vllm.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from daskgen.engines.base import (
     GenerationRequest,
@@ -20,7 +20,16 @@ from daskgen.engines.base import (
     shaping_kwargs,
 )
 
-__all__ = ["CollectedOutput", "collect_output", "result_from_collected", "vllm_sampling_kwargs"]
+if TYPE_CHECKING:
+    from daskgen.input.response_format import ResponseFormat
+
+__all__ = [
+    "CollectedOutput",
+    "collect_output",
+    "result_from_collected",
+    "vllm_sampling_kwargs",
+    "vllm_structured_outputs",
+]
 
 
 def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
@@ -44,7 +53,15 @@ def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     out.update(shaping_kwargs(params, {"min_new_tokens": "min_tokens"}))
     if params.stop:  # vLLM matches stop strings on its detokenized text; the stop text stays in the output
         out.update(stop=list(params.stop), include_stop_str_in_output=True, detokenize=True)
+    if params.response_format is not None:
+        out["structured_outputs"] = vllm_structured_outputs(params.response_format)
     return out
+
+
+def vllm_structured_outputs(fmt: ResponseFormat) -> dict[str, Any]:
+    """The fields of vLLM's ``StructuredOutputsParams`` (and its servers' ``structured_outputs``) for a format."""
+    names = {"json_schema": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+    return {names[fmt.kind]: fmt.as_dict()[fmt.kind]}
 
 
 @dataclasses.dataclass
