@@ -28,6 +28,7 @@ IDENTITY_KEYS = (
     "top_k",
     "seed",
     "logprobs",
+    "top_logprobs",
     "partition_size",
     "agent",
     "agent_args",
@@ -38,6 +39,10 @@ IDENTITY_KEYS = (
     "stop_when",
     "count_truncated",
 )
+
+#: Identity settings added after stores existed, with their default: left out of the identity at that
+#: default, so that a store written before them resumes.
+LATER_IDENTITY_KEYS: dict[str, Any] = {"top_logprobs": 0}
 
 
 @dataclass
@@ -155,7 +160,8 @@ class RunConfig(RunOptions):
 
     def identity(self) -> dict[str, Any]:
         """The settings a resumed run must share with the store."""
-        return {k: getattr(self, k) for k in IDENTITY_KEYS}
+        values = {k: getattr(self, k) for k in IDENTITY_KEYS}
+        return {k: v for k, v in values.items() if k not in LATER_IDENTITY_KEYS or v != LATER_IDENTITY_KEYS[k]}
 
     def location(self) -> StoreLocation:
         """The :class:`daskgen.store.location.StoreLocation` of :attr:`store` (with :attr:`storage_options`)."""
@@ -208,8 +214,8 @@ class RunConfig(RunOptions):
             raise ConfigError(f"temperature must be >= 0 (0 = greedy), found {self.temperature}.")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], found {self.top_p}.")
-        if self.top_k < 0 or self.max_retries < 0:
-            raise ConfigError("top_k and max_retries must be >= 0.")
+        if self.top_k < 0 or self.max_retries < 0 or self.top_logprobs < 0:
+            raise ConfigError("top_k, top_logprobs and max_retries must be >= 0.")
         if self.keep_partial and self.agent != "single_turn":
             raise ConfigError(
                 f"keep_partial continues single-turn responses only; agent is {self.agent!r}. "

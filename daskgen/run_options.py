@@ -101,6 +101,11 @@ class RunOptions:
     top_k: int = option(0, "Sample from the k most likely tokens (0 = all tokens).", group=SAMPLING)
     seed: int = option(0, "Run seed; per-sample seeds derive from it.", group=SAMPLING)
     logprobs: bool = option(False, "Store per-token logprobs.", group=SAMPLING)
+    top_logprobs: int = option(
+        0,
+        "Store the k most likely tokens and their logprobs at each response position (0 = off).",
+        group=SAMPLING,
+    )
     partition_size: int = option(64, "Prompts per Dask task = the store's chunk rows along prompt.", group=TASKS)
     scheduler_address: str | None = option(
         None, "Use this Dask scheduler instead of a LocalCluster (tls://HOST:PORT with --tls-*).", group=CLUSTER

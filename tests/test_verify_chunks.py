@@ -2,8 +2,8 @@
 
 The arrays come from the layouts (:data:`daskgen.store.layout.WORKER_ARRAYS`), so an array added to the
 layout is covered here without a change: the arrays of a plain layout and of a verifier's are checked on a
-store written by a real run (simulated engine, ``--logprobs``, a verifier); the trajectory axis's on a store
-written through the store API.
+store written by a real run (simulated engine, ``--logprobs``, ``--top-logprobs``, a verifier); the trajectory
+axis's on a store written through the store API.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from tests.conftest import run_cli, simulated_run, write_prompts
 
 pytestmark = pytest.mark.timeout(300)
 
-#: 12 prompts in 3 partitions of 4, logprobs recorded, every response scored.
-RUN = [*simulated_run(), "--logprobs", "--verifier", "tests.verifiers:even_first_token"]
+#: 12 prompts in 3 partitions of 4, logprobs and top-2 logprobs recorded, every response scored.
+RUN = [*simulated_run(), "--logprobs", "--top-logprobs", "2", "--verifier", "tests.verifiers:even_first_token"]
 #: The partition whose chunks are deleted.
 ROWS = list(range(4, 8))
 

@@ -65,6 +65,7 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     """Validate input and settings, create or check the store, record overlong prompts as failed."""
     config.require("model", "store")
     config.location().check_reachable()  # a missing bucket or refused credentials: said before anything starts
+    _check_engine_features(config)
     source = _input_source(config, prompts)
     tokenizer = load_tokenizer(str(config.model), config.engine, config.engine_args)
     template = config.chat_template_options()
@@ -83,6 +84,20 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
         first_partitions=tuple(store.attrs.partial_partitions),
         predicted=_predicted_lengths(config, scan),
         template=template,
+    )
+
+
+def _check_engine_features(config: RunConfig) -> None:
+    """Refuse settings the configured engine cannot serve (``top_logprobs``), naming the engines that can."""
+    from daskgen.engines import available_engines, get_engine_class, resolve_engine_class
+    from daskgen.errors import ConfigError
+
+    if not config.top_logprobs or resolve_engine_class(config.engine).top_logprobs_supported:
+        return
+    able = [name for name in available_engines() if get_engine_class(name).top_logprobs_supported]
+    raise ConfigError(
+        f"engine {config.engine!r} cannot return top-k logprobs, found top_logprobs: {config.top_logprobs}. "
+        f"Use an engine that can ({', '.join(able)}) or set top_logprobs: 0."
     )
 
 
@@ -168,6 +183,7 @@ def _layout(config: RunConfig, scan: InputScan, tokenizer: Any) -> Layout:
         agent.max_trajectories,
         scored=config.verify_policy() is not None,
         columns=scan.columns,
+        top_logprobs=config.top_logprobs,
     )
 
 
@@ -262,6 +278,7 @@ def _sampling_params(plan: Plan) -> SamplingParams:
         top_p=cfg.top_p,
         top_k=cfg.top_k,
         logprobs=cfg.logprobs,
+        top_logprobs=cfg.top_logprobs,
         stop_token_ids=plan.stop_ids,
     )
 

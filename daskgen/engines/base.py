@@ -80,7 +80,8 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy decoding.  ``seed`` makes sampling reproducible where
     the engine supports it.  ``logprobs`` asks for the log-probability of each sampled token
-    under the model's distribution (before temperature/top-p).
+    under the model's distribution (before temperature/top-p); ``top_logprobs = k > 0`` asks, per
+    output token, for the ``k`` most likely tokens of that same distribution (:data:`TopLogprobs`).
     """
 
     max_new_tokens: int = 256
@@ -90,6 +91,12 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
+    top_logprobs: int = 0
+
+
+#: Per output token, the ``k`` most likely ``(token_id, logprob)`` pairs, most likely first (fewer
+#: where the engine returned fewer, none for tokens the model did not generate).
+TopLogprobs = list[list[tuple[int, float]]]
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,7 @@ class GenerationResult:
     logprobs: list[float] | None = None
     error: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    top_logprobs: TopLogprobs | None = None
 
 
 def request_error(
@@ -157,6 +165,8 @@ def _params_error(params: SamplingParams) -> str | None:
         return f"top_p must be in (0, 1], got {params.top_p!r}"
     if not isinstance(params.top_k, int) or params.top_k < 0:
         return f"top_k must be an integer >= 0 (0 = off), got {params.top_k!r}"
+    if not isinstance(params.top_logprobs, int) or params.top_logprobs < 0:
+        return f"top_logprobs must be an integer >= 0 (0 = off), got {params.top_logprobs!r}"
     if params.seed is not None and not isinstance(params.seed, int):
         return f"seed must be an integer or None, got {params.seed!r}"
     if any(not isinstance(t, int) or t < 0 for t in params.stop_token_ids):
@@ -171,7 +181,10 @@ def error_result(request: GenerationRequest, message: str) -> GenerationResult:
 
 def aborted_result(request: GenerationRequest) -> GenerationResult:
     """The result of a request aborted before it produced a token (empty logprobs when asked)."""
-    return GenerationResult(request.request_id, [], FinishReason.ABORT, [] if request.params.logprobs else None)
+    top: TopLogprobs | None = [] if request.params.top_logprobs else None
+    return GenerationResult(
+        request.request_id, [], FinishReason.ABORT, [] if request.params.logprobs else None, top_logprobs=top
+    )
 
 
 def set_result(future: asyncio.Future, result: Any) -> None:
@@ -228,6 +241,8 @@ class Engine(abc.ABC):
     name: str = ""
     #: True when stores produced by the engine are not real model output (simulations).
     simulated: bool = False
+    #: True when the engine returns ``SamplingParams.top_logprobs`` (read on the class at plan time).
+    top_logprobs_supported: bool = False
 
     @property
     def supports_seed(self) -> bool:

@@ -16,7 +16,8 @@ values of its finished (``done``) rows; a chunk of that array covering any marke
   the pad id);
 * ``response_mask`` before each length in single-turn runs (every token is the model's); in agent runs, the
   positions with a log-probability (model tokens);
-* ``logprobs`` (when the run recorded them) at the model's tokens before each length;
+* ``logprobs`` (when the run recorded them) at the model's tokens before each length, and there the first
+  entry of ``top_logprob_ids``/``top_logprobs`` (when the run recorded top-k logprobs);
 * ``num_turns`` of a sample with a model token;
 * ``score`` of each sample a verifier scored in a row without a verifier note in ``error``; ``samples_used``
   of every done row of a verified run; ``num_trajectories`` of every generated sample.
@@ -109,9 +110,21 @@ def _response_length(rows: PartitionRows) -> np.ndarray:
 def _logprobs(rows: PartitionRows) -> np.ndarray:
     if not rows.rules.logprobs:
         return np.zeros(rows.region["logprobs"].shape, dtype=bool)
+    return _generated_tokens(rows)
+
+
+def _generated_tokens(rows: PartitionRows) -> np.ndarray:
+    """Per response position of a done row: a token the model generated (by the mask)."""
     if rows.rules.model_tokens_only:
         return _inside(rows)
     return _inside(rows) & (rows.region["response_mask"] == 1)
+
+
+def _top_first(rows: PartitionRows) -> np.ndarray:
+    """The first top-k entry (``top_rank`` 0) of every generated token."""
+    must = np.zeros(rows.region["top_logprobs"].shape, dtype=bool)
+    must[..., 0] = _generated_tokens(rows)
+    return must
 
 
 def _num_turns(rows: PartitionRows) -> np.ndarray:
@@ -137,6 +150,8 @@ RULES: dict[str, Callable[[PartitionRows], np.ndarray]] = {
     "response_length": _response_length,
     "response_mask": _model_tokens,
     "logprobs": _logprobs,
+    "top_logprob_ids": _top_first,
+    "top_logprobs": _top_first,
     "finish_reason": _generated,
     "num_turns": _num_turns,
     "score": _score,

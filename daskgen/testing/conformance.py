@@ -15,13 +15,13 @@ worker's loop, and is shut down in ``teardown_class``.  Every engine call runs u
 so a hung engine fails instead of hanging.  Tunables (class attributes) let an engine adapt
 prompts, lengths and timeouts; see :class:`EngineConformance`.
 
-Without pytest, :func:`run_conformance` runs the same checks and returns a report.  This
-module imports neither pytest nor torch.  A check that cannot apply to an engine (e.g. seeds on
-an engine without seed support) is declared in the subclass's ``not_applicable`` mapping with the
-reason: the project's ``tests/conftest.py`` deselects it and lists the reason, and
-:func:`run_conformance` reports it as ``"not applicable: <reason>"``.  A check that meets an engine
-it does not apply to *without* such a declaration raises :class:`unittest.SkipTest` (pytest: skipped),
-which the CI lanes count as a failure.
+Without pytest, :func:`run_conformance` runs the same checks and returns a report (pytest and torch
+are not imported).  Checks of optional features are mixed in (:mod:`daskgen.testing.top_logprobs`).
+A check that cannot apply to an engine (e.g. seeds on an engine without seed support) is declared in
+the subclass's ``not_applicable`` mapping with the reason: the project's ``tests/conftest.py``
+deselects it and lists the reason, and :func:`run_conformance` reports it as ``"not applicable:
+<reason>"``.  A check that meets an engine it does not apply to *without* such a declaration raises
+:class:`unittest.SkipTest` (pytest: skipped), which the CI lanes count as a failure.
 """
 
 from __future__ import annotations
@@ -33,16 +33,10 @@ import unittest
 from collections.abc import Coroutine, Sequence
 from typing import Any, ClassVar, TypeVar
 
-from daskgen.engines.base import (
-    Engine,
-    EngineStatus,
-    FinishReason,
-    GenerationRequest,
-    GenerationResult,
-    SamplingParams,
-)
+from daskgen.engines.base import Engine, EngineStatus, FinishReason, GenerationRequest, GenerationResult, SamplingParams
 from daskgen.errors import ConfigError, EngineError
 from daskgen.testing.harness import EventLoopThread, check_result, gather, longest_running, run_checks
+from daskgen.testing.top_logprobs import TopLogprobsCheck
 
 __all__ = ["EngineConformance", "EventLoopThread", "longest_running", "run_conformance"]
 
@@ -50,7 +44,7 @@ _T = TypeVar("_T")
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0)
 
 
-class EngineConformance:
+class EngineConformance(TopLogprobsCheck):
     """Base class of the conformance tests; subclasses set the engine to test.
 
     Required class attributes: ``engine_class``, ``model`` (and ``engine_args``).  Tunables:
@@ -183,9 +177,9 @@ class EngineConformance:
     async def _longest_request(self, request_id: str, tries: int = 4) -> GenerationRequest:
         """A greedy request capped at ``long_max_new_tokens`` that runs as long as any of ``tries`` candidates.
 
-        A candidate only promises ``probe_max_new_tokens``; one that stops soon after could finish
-        before a short request sent just after it is back, so up to ``tries`` of them run to the cap
-        once (greedy: the same prompt runs as long again) and the longest is kept."""
+        A candidate only promises ``probe_max_new_tokens``; one that stops soon after could finish before a
+        short request sent just after it is back, so up to ``tries`` of them run to the cap once (greedy: the
+        same prompt runs as long again) and the longest is kept."""
         runs = [
             GenerationRequest(
                 f"{request_id}-probe-{i}",

@@ -26,6 +26,7 @@ from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import Layout, clear_response, column_array, empty_region
 from daskgen.worker.rounds import RowOutcome, sample_in_rounds
 from daskgen.worker.slot import PartitionSlot
+from daskgen.worker.top_logprobs import place_top_logprobs, stored_top_logprobs
 
 if TYPE_CHECKING:
     from daskgen.worker.plugin import EnginePlugin
@@ -181,6 +182,7 @@ def _place(region: dict[str, np.ndarray], index: tuple[int, ...], traj: Trajecto
     region["logprobs"][index] = np.nan
     if traj.logprobs is not None:
         region["logprobs"][index][: min(n, len(traj.logprobs))] = traj.logprobs[:n]
+    place_top_logprobs(region, index, traj.top_logprobs, n)
     reason = FinishReason.ERROR if traj.error is not None else traj.finish_reason
     region["finish_reason"][index] = int(reason)
     region["num_turns"][index] = traj.num_turns
@@ -274,6 +276,7 @@ def _stored_sample(region: dict[str, np.ndarray], r: int, s: int, stops: set[int
         int(region["num_turns"][r, s]),
         continued=int(region["continued_tokens"][r, s]) if "continued_tokens" in region else 0,
         carried=n,
+        top_logprobs=stored_top_logprobs(region, (r, s), n),
     )
 
 
@@ -328,6 +331,7 @@ def _joined(prefix: Trajectory, tail: Trajectory) -> Trajectory:
         tail.error,
         continued=len(prefix.response_ids),
         carried=len(prefix.response_ids),
+        top_logprobs=None if prefix.top_logprobs is None else prefix.top_logprobs + (tail.top_logprobs or []),
     )
 
 

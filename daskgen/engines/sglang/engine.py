@@ -90,7 +90,7 @@ from daskgen.engines.sglang.args import (
     refuse_model_path,
 )
 from daskgen.engines.sglang.backend import BackendClosed, BackendCrashed, SGLangBackend, read_max_running_requests
-from daskgen.engines.sglang.mapping import result_from_output, sampling_params_for
+from daskgen.engines.sglang.mapping import logprob_request, result_from_output, sampling_params_for
 from daskgen.engines.sglang.sigquit import install_sigquit_handler, restore_sigquit_handler
 from daskgen.redaction import redact
 
@@ -116,6 +116,7 @@ class SGLangEngine(InProcessEngine):
     """
 
     name = "sglang"
+    top_logprobs_supported = True
     starts_subprocesses = True
 
     def __init__(self, model: str, **engine_args: Any) -> None:
@@ -161,7 +162,7 @@ class SGLangEngine(InProcessEngine):
         kwargs = {
             "input_ids": list(request.prompt_ids),
             "sampling_params": sampling_params_for(request.params),
-            "return_logprob": request.params.logprobs,
+            **logprob_request(request.params),
         }
         return await self._run(request, kwargs)
 

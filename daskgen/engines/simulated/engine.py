@@ -80,13 +80,24 @@ class _Sim:
         plan, request = self.plan, self.request
         if tokens_done is None:
             result = GenerationResult(
-                request.request_id, plan.tokens, plan.finish, plan.logprobs, meta={"simulated": True}
+                request.request_id,
+                plan.tokens,
+                plan.finish,
+                plan.logprobs,
+                meta={"simulated": True},
+                top_logprobs=plan.top_logprobs,
             )
         else:
             n = max(0, min(tokens_done, len(plan.tokens) - 1))
             logprobs = None if plan.logprobs is None else plan.logprobs[:n]
+            top = None if plan.top_logprobs is None else plan.top_logprobs[:n]
             result = GenerationResult(
-                request.request_id, plan.tokens[:n], FinishReason.ABORT, logprobs, meta={"simulated": True}
+                request.request_id,
+                plan.tokens[:n],
+                FinishReason.ABORT,
+                logprobs,
+                meta={"simulated": True},
+                top_logprobs=top,
             )
         self.done = True
         set_result(self.future, result)
@@ -112,6 +123,7 @@ class SimulatedEngine(Engine):
     """Timing model of a continuous-batching server (see the module docstring)."""
 
     name = "simulated"
+    top_logprobs_supported = True
     simulated = True
     supports_seed = True
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from daskgen.engines.args import is_number, require
-from daskgen.engines.base import FinishReason, GenerationRequest
+from daskgen.engines.base import FinishReason, GenerationRequest, TopLogprobs
 
 __all__ = ["OutputPlan", "SimulatedArgs", "plan_output"]
 
@@ -103,11 +103,12 @@ class SimulatedArgs:
 
 @dataclass
 class OutputPlan:
-    """What a request will produce: its tokens, finish reason and (fake) logprobs."""
+    """What a request will produce: its tokens, finish reason and (fake) logprobs and top-k logprobs."""
 
     tokens: list[int]
     finish: FinishReason
     logprobs: list[float] | None
+    top_logprobs: TopLogprobs | None = None
 
 
 def _prompt_digest(prompt_ids: list[int]) -> int:
@@ -151,8 +152,15 @@ def plan_output(request: GenerationRequest, args: SimulatedArgs) -> OutputPlan:
     cut = next((i for i, t in enumerate(out) if t in stops), None)
     if cut is not None:
         out, finish = out[: cut + 1], FinishReason.STOP
-    logprobs = None
-    if params.logprobs:
-        fake = np.random.default_rng([*key, 2])  # its own stream: a shorter cap gives a prefix
-        logprobs = (-5.0 * fake.random(len(out))).tolist()
-    return OutputPlan(out, finish, logprobs)
+    fake = (-5.0 * np.random.default_rng([*key, 2]).random(len(out))).tolist()  # own stream: a shorter cap, a prefix
+    top = _fake_top_logprobs(out, fake, params.top_logprobs, args.vocab_size) if params.top_logprobs else None
+    return OutputPlan(out, finish, fake if params.logprobs else None, top)
+
+
+def _fake_top_logprobs(tokens: list[int], logprobs: list[float], k: int, vocab: int) -> TopLogprobs:
+    """Made-up top-k entries that agree with the made-up logprobs: each sampled token first, with its
+    logprob, then the next ids with logprobs 0.5 apart below it."""
+    return [
+        [((token + j) % vocab, logprob - 0.5 * j) for j in range(min(k, vocab))]
+        for token, logprob in zip(tokens, logprobs, strict=True)
+    ]

@@ -115,8 +115,13 @@ class _Job:
         if self.request.params.logprobs:
             logprobs = list(self.sequence.logprobs[: len(tokens)])
             tokens = tokens[: len(logprobs)]
+        top = None
+        if self.request.params.top_logprobs:
+            top = list(self.sequence.top[: len(tokens)])
+            tokens = tokens[: len(top)]
+            logprobs = None if logprobs is None else logprobs[: len(tokens)]
         meta = {"prompt_tokens": len(self.request.prompt_ids)}
-        return GenerationResult(self.request.request_id, tokens, finish, logprobs, error, meta)
+        return GenerationResult(self.request.request_id, tokens, finish, logprobs, error, meta, top)
 
 
 # --------------------------------------------------------------------------- engine
@@ -126,6 +131,7 @@ class TransformersEngine(InProcessEngine):
     """A Hugging Face causal LM driven by transformers' continuous batching (see the module docstring)."""
 
     name = "transformers"
+    top_logprobs_supported = True
     simulated = False
     supports_seed = True
 

@@ -54,14 +54,16 @@ class SampledSequence:
     top_k: int
     seed: int
     want_logprobs: bool
+    want_top: int = 0
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
     generator: Any = None
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> SampledSequence:
         seed = params.seed if params.seed is not None else secrets.randbits(64)
-        return cls(params.temperature, params.top_p, params.top_k, seed, params.logprobs)
+        return cls(params.temperature, params.top_p, params.top_k, seed, params.logprobs, params.top_logprobs)
 
     def pick(self, row: torch.Tensor) -> int:
         """Choose the next token from the float32 logits ``row`` and record it."""
@@ -73,6 +75,9 @@ class SampledSequence:
             token = int(torch.argmax(_filtered(row / self.temperature, self) + self._gumbel(row)))
         if self.want_logprobs:
             self.logprobs.append(float(row[token] - torch.logsumexp(row, dim=0)))
+        if self.want_top:
+            values, ids = torch.topk(row - torch.logsumexp(row, dim=0), min(self.want_top, row.numel()))
+            self.top.append(list(zip(ids.tolist(), values.tolist(), strict=True)))
         self.tokens.append(token)
         return token
 

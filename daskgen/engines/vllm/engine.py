@@ -120,6 +120,7 @@ class VLLMEngine(InProcessEngine):
     """
 
     name = "vllm"
+    top_logprobs_supported = True
     supports_seed = True
     starts_subprocesses = True
 
@@ -197,7 +198,7 @@ class VLLMEngine(InProcessEngine):
                 return aborted_result(request)
             stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params, rid)
             async for output in stream:
-                collect_output(acc, output)
+                collect_output(acc, output, request.params.top_logprobs)
                 if rid in self._aborting and acc.finish is None:
                     await self._llm.abort(rid)
         finally:
