@@ -19,13 +19,11 @@ from daskgen.analysis.accessor import open_store
 from daskgen.analysis.export import export, load_tensordict
 from daskgen.engines.base import FinishReason, GenerationResult
 from daskgen.engines.http.top_logprobs import retokenized_top, server_top, token_id_top
-from daskgen.engines.simulated.plan import SimulatedArgs
 from daskgen.store.verify import verify
 from tests.conftest import run_cli, simulated_run, write_prompts
 
 pytestmark = pytest.mark.timeout(300)
 K = 3
-VOCAB = SimulatedArgs().vocab_size
 
 
 def check_stored_top_logprobs(ds, model: str, k: int) -> None:
@@ -60,26 +58,29 @@ def top_store(tmp_path_factory):
 
 
 def _expected(ds):
-    """Per (prompt, sample): the simulated engine's entries for its stored tokens and logprobs."""
+    """Per (prompt, sample): the stored ``(id, logprob)`` entries of its tokens."""
     out = {}
     for i in range(ds.sizes["prompt"]):
         for s in range(ds.sizes["sample"]):
             n = int(ds.response_length.values[i, s])
-            tokens, lps = ds.response_ids.values[i, s, :n], ds.logprobs.values[i, s, :n]
-            out[i, s] = [
-                [(int(t) + j, float(lp) - 0.5 * j) for j in range(K)] for t, lp in zip(tokens, lps, strict=True)
-            ]
+            ids, values = ds.top_logprob_ids.values[i, s, :n].tolist(), ds.top_logprobs.values[i, s, :n].tolist()
+            out[i, s] = [list(zip(a, b, strict=True)) for a, b in zip(ids, values, strict=True)]
     return out
 
 
 def test_the_store_holds_each_tokens_top_k_and_verifies(top_store):
+    """The simulated engine's entries: the sampled token first with its logprob, then others, most likely first."""
     ds = open_store(top_store)
     assert ds.top_logprob_ids.dims == ("prompt", "sample", "response_position", "top_rank")
     assert ds.top_logprob_ids.shape == (6, 2, 8, K) and ds.attrs["daskgen"]["layout"]["top_logprobs"] == K
     for (i, s), entries in _expected(ds).items():
         n = len(entries)
-        assert ds.top_logprob_ids.values[i, s, :n].tolist() == [[t for t, _ in e] for e in entries]
-        assert np.allclose(ds.top_logprobs.values[i, s, :n], [[v for _, v in e] for e in entries], atol=1e-6)
+        assert n and ds.top_logprob_ids.values[i, s, :n, 0].tolist() == ds.response_ids.values[i, s, :n].tolist()
+        assert np.allclose(ds.top_logprobs.values[i, s, :n, 0], ds.logprobs.values[i, s, :n])
+        assert all(
+            len({t for t, _ in e}) == K and [v for _, v in e] == sorted((v for _, v in e), reverse=True)
+            for e in entries
+        )
         assert (ds.top_logprob_ids.values[i, s, n:] == -1).all() and np.isnan(ds.top_logprobs.values[i, s, n:]).all()
     assert verify(top_store, progress=False).sound
 

@@ -21,8 +21,12 @@ def place_top_logprobs(region: dict[str, np.ndarray], index: tuple[int, ...], to
         return
     ids, values = region["top_logprob_ids"][index], region["top_logprobs"][index]
     ids[...], values[...] = NO_TOKEN, np.nan
-    k = ids.shape[-1]
-    for position, entries in enumerate((top or [])[:n]):
+    rows, k = (top or [])[:n], ids.shape[-1]
+    if rows and all(len(entries) == k for entries in rows):  # the usual case: one conversion for all tokens
+        pairs = np.asarray(rows, dtype=np.float64)
+        ids[: len(rows)], values[: len(rows)] = pairs[..., 0], pairs[..., 1]
+        return
+    for position, entries in enumerate(rows):
         for rank, (token, logprob) in enumerate(entries[:k]):
             ids[position, rank], values[position, rank] = token, logprob
 

@@ -153,14 +153,19 @@ def plan_output(request: GenerationRequest, args: SimulatedArgs) -> OutputPlan:
     if cut is not None:
         out, finish = out[: cut + 1], FinishReason.STOP
     fake = (-5.0 * np.random.default_rng([*key, 2]).random(len(out))).tolist()  # own stream: a shorter cap, a prefix
-    top = _fake_top_logprobs(out, fake, params.top_logprobs, args.vocab_size) if params.top_logprobs else None
+    k = min(params.top_logprobs, args.vocab_size)
+    top = _fake_top_logprobs(out, fake, k, args.vocab_size, key) if k else None
     return OutputPlan(out, finish, fake if params.logprobs else None, top)
 
 
-def _fake_top_logprobs(tokens: list[int], logprobs: list[float], k: int, vocab: int) -> TopLogprobs:
-    """Made-up top-k entries that agree with the made-up logprobs: each sampled token first, with its
-    logprob, then the next ids with logprobs 0.5 apart below it."""
-    return [
-        [((token + j) % vocab, logprob - 0.5 * j) for j in range(min(k, vocab))]
-        for token, logprob in zip(tokens, logprobs, strict=True)
-    ]
+def _fake_top_logprobs(tokens: list[int], logprobs: list[float], k: int, vocab: int, key: list[int]) -> TopLogprobs:
+    """Made-up top-k entries that agree with the made-up logprobs: each sampled token first, with its logprob,
+    then ``k - 1`` other distinct random ids with random logprobs below it, most likely first (own streams: a
+    shorter cap gives a prefix)."""
+    n = len(tokens)
+    steps = np.random.default_rng([*key, 3]).integers(1, max(vocab // k, 1), size=(n, k), endpoint=True)
+    gaps = np.random.default_rng([*key, 4]).exponential(1.0, size=(n, k))
+    steps[:, 0], gaps[:, 0] = 0, 0.0
+    ids = ((np.asarray(tokens)[:, None] + np.cumsum(steps, axis=1)) % vocab).tolist()
+    values = (np.asarray(logprobs)[:, None] - np.cumsum(gaps, axis=1)).tolist()
+    return [list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
