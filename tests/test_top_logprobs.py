@@ -19,7 +19,9 @@ from daskgen.analysis.accessor import open_store
 from daskgen.analysis.export import export, load_tensordict
 from daskgen.engines.base import FinishReason, GenerationResult
 from daskgen.engines.http.top_logprobs import retokenized_top, server_top, token_id_top
+from daskgen.store.layout import Layout, empty_region
 from daskgen.store.verify import verify
+from daskgen.worker.top_logprobs import place_top_logprobs, stored_top_logprobs
 from tests.conftest import run_cli, simulated_run, write_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -190,3 +192,20 @@ def test_server_alternatives_map_to_ids_ranked_and_cut_to_k(tiny_model):
     assert retokenized_top(server_top(completions), 5, tok) == expected  # a text of several tokens is left out
     vllm = {"top_logprobs": [{"token_id:7": -3.0, "token_id:3": -0.1, "token_id:9": -1.0}]}  # k = 2 plus the sampled
     assert token_id_top(server_top(vllm), 2) == [[(3, -0.1), (9, -1.0)]]
+
+
+def test_region_round_trip_keeps_each_tokens_entries():
+    """Full rows take the one-conversion path, short rows (fewer entries, tool tokens) the other; reading back
+    gives the entries (what a continued sample starts from)."""
+    layout = Layout(2, 1, 4, 5, 2, 0, top_logprobs=2)
+    region = empty_region(layout, 2)
+    full = [[(5, -0.1), (6, -2.0)], [(7, -0.3), (1, -1.5)]]
+    short = [[(5, -0.1), (6, -2.0)], [], [(9, -0.2)]]
+    place_top_logprobs(region, (0, 0), full, 2)
+    place_top_logprobs(region, (1, 0), short, 3)
+    assert region["top_logprob_ids"][0, 0].tolist() == [[5, 6], [7, 1], [-1, -1], [-1, -1], [-1, -1]]
+    assert stored_top_logprobs(region, (0, 0), 2) == [
+        [(5, pytest.approx(-0.1)), (6, -2.0)],
+        [(7, pytest.approx(-0.3)), (1, -1.5)],
+    ]
+    assert [[t for t, _ in e] for e in stored_top_logprobs(region, (1, 0), 3)] == [[5, 6], [], [9]]

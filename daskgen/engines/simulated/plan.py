@@ -152,6 +152,8 @@ def plan_output(request: GenerationRequest, args: SimulatedArgs) -> OutputPlan:
     cut = next((i for i, t in enumerate(out) if t in stops), None)
     if cut is not None:
         out, finish = out[: cut + 1], FinishReason.STOP
+    if not (params.logprobs or params.top_logprobs):
+        return OutputPlan(out, finish, None)
     fake = (-5.0 * np.random.default_rng([*key, 2]).random(len(out))).tolist()  # own stream: a shorter cap, a prefix
     k = min(params.top_logprobs, args.vocab_size)
     top = _fake_top_logprobs(out, fake, k, args.vocab_size, key) if k else None
