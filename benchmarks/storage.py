@@ -11,13 +11,18 @@ done rows are exported as
 * **pickled batches** — one pickle per 1000 samples, each a list of per-sample dicts holding unpadded
   ``int32``/``float32`` numpy arrays (the compact way to pickle; highest protocol, uncompressed).
 
-Reported: bytes on disk per generated token (with and without logprobs), and the time to load one column
-(response lengths) and compute the mean response length — xarray on the store; ``json`` line by line and
-``pyarrow.json`` on JSONL (the faster one is the baseline); ``pickle`` on the batches.  Files were just
-written, so every reader sees a warm page cache; medians of ``--repeats``.
+Reported: bytes on disk per generated token (with and without logprobs; the top-k logprob arrays of a run with
+``--top-logprobs K`` are left out of that comparison, which the other formats do not hold, and reported per array),
+and the time to load one column (response lengths) and compute the mean response length — xarray on the store;
+``json`` line by line and ``pyarrow.json`` on JSONL (the faster one is the baseline); ``pickle`` on the batches.
+Files were just written, so every reader sees a warm page cache; medians of ``--repeats``.
 
     python benchmarks/storage.py                              # ~1-2 minutes
     python benchmarks/storage.py --store path/to/out.zarr     # any existing daskgen store
+    python benchmarks/storage.py --top-logprobs 20 --prompts 512   # with the top-20 logprobs of every token
+
+The simulated engine's top-k entries are the sampled token with its logprob, then random distinct ids with
+random logprobs below it: they compress worse than a real model's.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ def make_store(a: argparse.Namespace, path: Path) -> None:
         temperature=1.0,
         seed=0,
         logprobs=True,
+        top_logprobs=a.top_logprobs,
         partition_size=64,
         n_workers=a.workers,
         progress=False,
@@ -167,11 +173,17 @@ def disk_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def store_without_logprobs(src: Path, dst: Path) -> None:
-    """A copy of the store folder without the ``logprobs`` array's chunks (metadata kept)."""
+def store_without(src: Path, dst: Path, arrays: tuple[str, ...]) -> None:
+    """A copy of the store folder without the chunks of ``arrays`` (metadata kept)."""
     import shutil
 
-    shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if Path(d).name == "logprobs" and n == "c"])
+    shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if Path(d).name in arrays and n == "c"])
+
+
+def array_rows(path: Path, tokens: int) -> list[list[Any]]:
+    """Per data array of the store: MiB on disk and bytes per generated token (largest first)."""
+    sizes = {p.name: disk_bytes(p) for p in path.iterdir() if p.is_dir()}
+    return [[name, size / 2**20, size / tokens] for name, size in sorted(sizes.items(), key=lambda kv: -kv[1])]
 
 
 # --------------------------------------------------------------------------- column loads
@@ -235,6 +247,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p, prompts=4096, n_samples=4, max_new_tokens=2048, length_mean=384.0, length_sigma=1.0, workers=2, repeats=3
     )
     p.add_argument("--store", type=Path, default=None, help="existing daskgen store (default: generate one)")
+    p.add_argument("--top-logprobs", type=int, default=0, help="k most likely tokens stored per token (generated)")
     p.add_argument("--skip-slow-readers", action="store_true", help="time only the fastest JSONL reader")
     return cli.parse(p, argv)
 
@@ -244,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     cli.quiet_logs()
     from daskgen import store
+    from daskgen.store.layout import top_logprob_arrays
 
     rec = records.Record("Storage: daskgen store vs JSONL vs pickled batches")
     with cli.workdir(a.workdir) as work:
@@ -264,11 +278,13 @@ def main(argv: list[str] | None = None) -> int:
         variants = [True, False] if has_lp else [False]
         sizes: dict[tuple[str, bool], int] = {}
         paths: dict[str, Path] = {}
+        top = top_logprob_arrays(layout)
         for lp in variants:
             tag = "lp" if lp else "nolp"
-            zpath = src if lp or not has_lp else work / "store-nolp.zarr"
-            if zpath != src:
-                store_without_logprobs(src, zpath)
+            dropped = top + (() if lp else ("logprobs",))
+            zpath = work / f"store-{tag}.zarr" if dropped else src
+            if dropped:
+                store_without(src, zpath, dropped)
             sizes[("daskgen store (zarr, zstd)", lp)] = disk_bytes(zpath)
             for name, gz in (("JSONL", False), ("JSONL.gz", True)):
                 path = work / f"data-{tag}.jsonl{'.gz' if gz else ''}"
@@ -291,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             loads["JSONL: json.loads per line"] = timed(load_json_lines, paths[f"JSONL-{main_tag}"], a.repeats)
             loads["JSONL.gz: json.loads per line"] = timed(load_json_lines, paths[f"JSONL.gz-{main_tag}"], a.repeats)
         loads["pickled batches: pickle.load"] = timed(load_pickles, paths[f"pickle-{main_tag}"], a.repeats)
+        arrays = array_rows(src, tokens)
 
     n_samples = int(lengths.size)
     origin = (
@@ -303,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{int((status == 1).sum()):,} prompts × {layout.n_samples} samples = {n_samples:,} samples, "
         f"{tokens:,} generated tokens (mean {lengths.mean():.0f}, max_new_tokens {layout.max_new_tokens}, "
         f"padded width in the store), prompt ids included in every format; logprobs "
-        f"{'stored' if has_lp else 'not stored'}."
+        f"{'stored' if has_lp else 'not stored'}; top-k logprobs "
+        f"{f'stored (k = {layout.top_logprobs}; left out of the format comparison)' if top else 'not stored'}."
     )
     jsonl = {lp: sizes[("JSONL", lp)] for lp in variants}
     jsonl_gz = {lp: sizes[("JSONL.gz", lp)] for lp in variants}
@@ -329,6 +347,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     zbytes = sizes[("daskgen store (zarr, zstd)", variants[0])] / jsonl[variants[0]]
     zload = base / loads["daskgen store: xarray.open_zarr(...).response_length"][0]
+    rec.table(["store array (chunks on disk)", "MiB", "bytes per generated token"], arrays)
+    if top:
+        per_token = sum(row[2] for row in arrays if row[0] in top)
+        rec.note(
+            f"**Top-{layout.top_logprobs} logprobs (ids and logprobs): {per_token:.1f} bytes per generated token.**"
+        )
     rec.note(
         f"**Store bytes / JSONL bytes = {zbytes:.3f} (target ≤ 0.333); column load {zload:.0f}× faster than the "
         f"fastest JSONL reader (target ≥ 10×).**"

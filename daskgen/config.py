@@ -37,6 +37,7 @@ IDENTITY_KEYS = (
     "seed",
     "logprobs",
     "response_format",
+    "top_logprobs",
     "partition_size",
     "agent",
     "agent_args",
@@ -47,6 +48,10 @@ IDENTITY_KEYS = (
     "stop_when",
     "count_truncated",
 )
+
+#: Identity settings added after stores existed, with their default: left out of the identity at that
+#: default, so that a store written before them resumes.
+LATER_IDENTITY_KEYS: dict[str, Any] = {"top_logprobs": 0}
 
 
 @dataclass
@@ -172,7 +177,8 @@ class RunConfig(RunOptions):
 
     def identity(self) -> dict[str, Any]:
         """The settings a resumed run must share with the store."""
-        return {k: getattr(self, k) for k in IDENTITY_KEYS}
+        values = {k: getattr(self, k) for k in IDENTITY_KEYS}
+        return {k: v for k, v in values.items() if k not in LATER_IDENTITY_KEYS or v != LATER_IDENTITY_KEYS[k]}
 
     def location(self) -> StoreLocation:
         """The :class:`daskgen.store.location.StoreLocation` of :attr:`store` (with :attr:`storage_options`)."""
@@ -226,8 +232,10 @@ class RunConfig(RunOptions):
         errors = setting_errors({**run_defaults(self), "seed": self.seed}, self.max_new_tokens, "run settings")
         if errors:
             raise ConfigError("; ".join(errors) + ".")
-        if self.max_retries < 0:
-            raise ConfigError("max_retries must be >= 0.")
+        if self.max_retries < 0 or self.top_logprobs < 0:
+            raise ConfigError(
+                f"max_retries and top_logprobs must be >= 0, found {self.max_retries} and {self.top_logprobs}."
+            )
         if self.keep_partial and self.agent != "single_turn":
             raise ConfigError(
                 f"keep_partial continues single-turn responses only; agent is {self.agent!r}. "

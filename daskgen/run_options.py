@@ -123,6 +123,11 @@ class RunOptions:
         group=SAMPLING,
         cli_type=str,
     )
+    top_logprobs: int = option(
+        0,
+        "Store the k most likely tokens and their logprobs at each response position (0 = off).",
+        group=SAMPLING,
+    )
     partition_size: int = option(64, "Prompts per Dask task = the store's chunk rows along prompt.", group=TASKS)
     scheduler_address: str | None = option(
         None, "Use this Dask scheduler instead of a LocalCluster (tls://HOST:PORT with --tls-*).", group=CLUSTER

@@ -340,6 +340,16 @@ class TestTransformersServeConformance(EngineConformance):
         assert len(with_lp.logprobs) == len(with_lp.output_ids) and all(math.isnan(x) for x in with_lp.logprobs)
         assert with_lp.meta["logprobs"] == "unavailable"
 
+    def test_top_logprobs(self) -> None:
+        """Not applicable as written: ``transformers serve`` returns no logprobs.
+
+        What the engine guarantees instead: no entries for any token, flagged in ``meta``, same tokens.
+        """
+        plain = self.run(self.one(self.request("top-off", 5, max_new_tokens=12)))
+        top = self.run(self.one(self.request("top-on", 5, max_new_tokens=12, top_logprobs=3)))
+        assert top.output_ids == plain.output_ids and top.top_logprobs == [[] for _ in top.output_ids]
+        assert top.meta["top_logprobs"] == "unavailable"
+
     def test_length_cap(self) -> None:
         """Weakened: re-tokenizing N generated tokens' text can give fewer than N tokens.
 

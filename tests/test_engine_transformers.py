@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -160,6 +161,19 @@ def test_logprobs_are_untempered_model_logprobs(loop, engine, reference, params)
         logits = reference(ids).logits[0, len(prompt) - 1 : -1].float()
     expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(result.output_ids)[:, None])[:, 0]
     assert result.logprobs == pytest.approx(expected.tolist(), abs=1e-4)
+
+
+def test_top_logprobs_are_the_model_top_k(loop, engine, reference) -> None:
+    """Each position's top-k ids and logprobs are those of a direct forward pass (untempered)."""
+    prompt = [1, 7, 8, 9, 10]
+    result = gen(loop, engine, prompt, max_new_tokens=12, temperature=1.3, seed=5, logprobs=True, top_logprobs=6)
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + result.output_ids])).logits[0, len(prompt) - 1 : -1].float()
+    expected = torch.topk(torch.log_softmax(logits, dim=-1), 6)
+    assert result.top_logprobs is not None and len(result.top_logprobs) == len(result.output_ids)
+    assert [[t for t, _ in row] for row in result.top_logprobs] == expected.indices.tolist()
+    found = [[v for _, v in row] for row in result.top_logprobs]
+    assert np.allclose(found, expected.values.numpy(), atol=1e-4, rtol=0)
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy(loop, engine) -> None:

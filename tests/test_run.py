@@ -15,6 +15,7 @@ from daskgen import store
 from daskgen.analysis.accessor import open_store
 from tests.conftest import popen_cli, run_cli, write_prompts
 from tests.fault_tally import count, logged_requests, record
+from tests.test_top_logprobs import check_stored_top_logprobs
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -75,6 +76,8 @@ def test_transformers_end_to_end(tmp_path, tiny_model):
         "--temperature",
         "1.0",
         "--logprobs",
+        "--top-logprobs",
+        "4",
         "--seed",
         "3",
     )
@@ -102,6 +105,7 @@ def test_transformers_end_to_end(tmp_path, tiny_model):
             if reasons[i, s] == 0:
                 assert ids[i, s, n - 1] == tok.eos_token_id
             assert isinstance(tok.decode(ids[i, s, :n]), str)
+    check_stored_top_logprobs(ds, tiny_model, 4)
 
 
 def test_resume_after_sigkill_regenerates_nothing_finished(tmp_path):

@@ -2,12 +2,13 @@
 
 The arrays come from the layouts (:data:`daskgen.store.layout.WORKER_ARRAYS`), so an array added to the
 layout is covered here without a change: the arrays of a plain layout and of a verifier's are checked on a
-store written by a real run (simulated engine, ``--logprobs``, a verifier); the trajectory axis's on a store
-written through the store API.
+store written by a real run (simulated engine, ``--logprobs``, ``--top-logprobs``, a verifier); the trajectory
+axis's on a store written through the store API.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -21,8 +22,14 @@ from tests.conftest import run_cli, simulated_run, write_prompts
 
 pytestmark = pytest.mark.timeout(300)
 
-#: 12 prompts in 3 partitions of 4, logprobs recorded, every response scored.
-RUN = [*simulated_run(), "--logprobs", "--verifier", "tests.verifiers:even_first_token"]
+#: 12 prompts in 3 partitions of 4 (each row with its own sampling settings), logprobs and top-2 logprobs
+#: recorded, stop token ids (so ``stop_reason`` is stored), outputs of about 12 of the 16 tokens (most end at
+#: the end-of-sequence token), every response scored.
+RUN = [
+    *simulated_run(),
+    *("--logprobs", "--top-logprobs", "2", "--stop-token-ids", "7", "--engine-arg", "length_mean=12"),
+    *("--verifier", "tests.verifiers:even_first_token"),
+]
 #: The partition whose chunks are deleted.
 ROWS = list(range(4, 8))
 
@@ -37,6 +44,8 @@ def run_store(tmp_path_factory):
     """A finished store of a real run, and its prompts (copied per test)."""
     base = tmp_path_factory.mktemp("run")
     prompts = write_prompts(base / "p.jsonl", 12)
+    rows = [json.loads(line) for line in prompts.read_text().splitlines()]
+    prompts.write_text("".join(json.dumps({**row, "sampling": {"top_k": 50}}) + "\n" for row in rows))
     _run(prompts, base / "out.zarr")
     return base
 

@@ -14,7 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from daskgen.engines.base import Engine, FinishReason, GenerationRequest, GenerationResult, SamplingParams
+from daskgen.engines.base import (
+    Engine,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    TopLogprobs,
+)
 from daskgen.errors import EngineError
 
 
@@ -24,7 +31,8 @@ class Trajectory:
 
     ``response_ids`` hold model tokens and tool/observation tokens in order; ``response_mask``
     is 1 exactly for model tokens; ``logprobs`` (when requested) has one entry per response
-    token, NaN for non-model tokens.
+    token, NaN for non-model tokens; ``top_logprobs`` (when requested) likewise, an empty list for
+    non-model tokens.
     """
 
     response_ids: list[int] = field(default_factory=list)
@@ -39,6 +47,12 @@ class Trajectory:
     carried: int = 0
     #: Which stop ended it (:mod:`daskgen.engines.stops`), set by the worker in runs with stops.
     stop_reason: int = -1
+    top_logprobs: TopLogprobs | None = None
+
+    @classmethod
+    def for_params(cls, params: SamplingParams) -> Trajectory:
+        """An empty trajectory recording what ``params`` ask for (logprobs, top-k logprobs)."""
+        return cls(logprobs=[] if params.logprobs else None, top_logprobs=[] if params.top_logprobs else None)
 
     def add_model_tokens(self, result: GenerationResult) -> None:
         """Append one engine result as model tokens."""
@@ -50,6 +64,7 @@ class Trajectory:
             self.logprobs += [math.nan] * (len(result.output_ids) - len(result.logprobs))
         elif self.logprobs is not None:
             self.logprobs += [math.nan] * len(result.output_ids)
+        self._add_top_logprobs(result)
         self.num_turns += 1
         self.finish_reason = result.finish_reason
         if result.error is not None:
@@ -61,6 +76,18 @@ class Trajectory:
         self.response_mask += [0] * len(ids)
         if self.logprobs is not None:
             self.logprobs += [math.nan] * len(ids)
+        if self.top_logprobs is not None:
+            self.top_logprobs += [[] for _ in ids]
+
+    def _add_top_logprobs(self, result: GenerationResult) -> None:
+        """Append ``result``'s top-k entries, one per output token (empty where it returned none)."""
+        n, top = len(result.output_ids), result.top_logprobs
+        if top is None and self.top_logprobs is None:
+            return
+        if self.top_logprobs is None:
+            self.top_logprobs = [[] for _ in range(len(self.response_ids) - n)]
+        given = list(top[:n]) if top is not None else []
+        self.top_logprobs += given + [[] for _ in range(n - len(given))]
 
 
 class EngineHandle:
@@ -114,7 +141,8 @@ class EngineHandle:
 
 
 def _aborted(request_id: str, params: SamplingParams) -> GenerationResult:
-    return GenerationResult(request_id, [], FinishReason.ABORT, [] if params.logprobs else None)
+    top: TopLogprobs | None = [] if params.top_logprobs else None
+    return GenerationResult(request_id, [], FinishReason.ABORT, [] if params.logprobs else None, top_logprobs=top)
 
 
 class AgentLoop(abc.ABC):
@@ -155,6 +183,6 @@ class SingleTurn(AgentLoop):
     async def run(
         self, engine: EngineHandle, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> list[Trajectory]:
-        trajectory = Trajectory(logprobs=[] if params.logprobs else None)
+        trajectory = Trajectory.for_params(params)
         trajectory.add_model_tokens(await engine.generate(request_id, prompt_ids, params))
         return [trajectory]

@@ -119,7 +119,7 @@ class ToolLoop(AgentLoop):
 
     @staticmethod
     def _new(params: SamplingParams) -> Trajectory:
-        return Trajectory(logprobs=[] if params.logprobs else None)
+        return Trajectory.for_params(params)
 
     async def _call(self, call: ToolCall) -> str:
         if call.name == self.reset_tool:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from daskgen.analysis.decode import finish_labels, kept_fields
+from daskgen.store.layout import NO_TOKEN
 
 
 def _ragged(values: np.ndarray, lengths: np.ndarray) -> Any:
@@ -20,6 +21,21 @@ def _ragged(values: np.ndarray, lengths: np.ndarray) -> Any:
     valid = np.arange(values.shape[1])[None, :] < lengths[:, None]
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
     return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values[valid]))
+
+
+def _ragged_top(block: dict[str, np.ndarray]) -> dict[str, Any]:
+    """``top_logprob_ids``/``top_logprobs`` as lists (one per response token) of each token's entries."""
+    import pyarrow as pa
+
+    ids, values, lengths = block["top_logprob_ids"], block["top_logprobs"], block["response_length"]
+    inside = np.arange(ids.shape[1])[None, :] < lengths[:, None]
+    have = (ids != NO_TOKEN) & inside[..., None]
+    outer = pa.array(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
+    inner = pa.array(np.concatenate([[0], np.cumsum(have[inside].sum(axis=-1), dtype=np.int64)]))
+    return {
+        name: pa.LargeListArray.from_arrays(outer, pa.LargeListArray.from_arrays(inner, pa.array(array[have])))
+        for name, array in (("top_logprob_ids", ids), ("top_logprobs", values))
+    }
 
 
 def arrow_block(block: dict[str, np.ndarray], has_logprobs: bool) -> Any:
@@ -51,13 +67,15 @@ def _arrow_index_columns(block: dict[str, np.ndarray]) -> dict[str, Any]:
 
 
 def _arrow_optional_columns(block: dict[str, np.ndarray], has_logprobs: bool) -> dict[str, Any]:
-    """The columns a block may lack: ``logprobs`` (when recorded), decoded text, the raw prompt and the input's
-    kept columns (by their own names)."""
+    """The columns a block may lack: ``logprobs`` and top-k logprobs (when recorded), decoded text, the raw prompt
+    and the input's kept columns (by their own names)."""
     import pyarrow as pa
 
     columns = {}
     if has_logprobs:
         columns["logprobs"] = _ragged(block["logprobs"], block["response_length"])
+    if "top_logprobs" in block:
+        columns |= _ragged_top(block)
     for name in ("prompt_text", "response_text", "raw_prompt"):
         if name in block:
             columns[name] = pa.array(block[name].tolist(), type=pa.string())

@@ -33,10 +33,11 @@ from daskgen.analysis.archive import require_wandb, upload_wandb, zip_store
 from daskgen.analysis.arrow import arrow_block, json_records
 from daskgen.analysis.decode import kept_fields
 from daskgen.analysis.output import check_output, output_size, staged_output
-from daskgen.analysis.verl import VERL_KEYS, attach_non_tensor, tensordict_of, verl_block
+from daskgen.analysis.verl import BATCH_KEYS, VERL_KEYS, attach_non_tensor, tensordict_of, verl_block
 from daskgen.errors import ExportError, StoreError
 from daskgen.store.attrs import StoreAttrs
 from daskgen.store.generation_store import GenerationStore
+from daskgen.store.layout import top_logprob_arrays
 from daskgen.store.location import StoreRef, locate
 
 __all__ = [
@@ -109,7 +110,7 @@ class Source:
         self.total = _units(self.ds, self.rows)
         self.pad = self.attrs.layout.pad_token_id
         self.has_logprobs = self.attrs.logprobs_recorded
-        self.read = (*_READ, *self.attrs.layout.column_arrays())  # the input's kept columns too
+        self.read = (*_READ, *top_logprob_arrays(self.attrs.layout), *self.attrs.layout.column_arrays())
         self.tokenizer = self.ds.daskgen.tokenizer(tokenizer) if text else None
         source = self.ds.daskgen.input_path(prompts) if raw or prompts else None
         self.raw = None if source is None else iter_raw_prompts(source, self.rows)  # consumed block by block
@@ -201,11 +202,11 @@ def to_tensordict(
 ) -> Any:
     """The done samples of a store as an in-memory ``tensordict.TensorDict`` (verl field names).
 
-    One row per (prompt, sample[, trajectory]) of done prompts: the :data:`VERL_KEYS` batch fields
-    (logprobs only when the run recorded them), int64 metadata (``prompt_index``, ``sample``,
-    ``num_turns``, ``finish_reason``, lengths) and non-tensor ``prompt_id``, ``raw_prompt`` (JSON of the
-    input's messages or prompt, when the input file is found), the input's kept columns (``keep_columns``,
-    by their own names) and, with ``text``, decoded text.
+    One row per (prompt, sample[, trajectory]) of done prompts: the :data:`VERL_KEYS` batch fields (logprobs only
+    when the run recorded them; ``top_logprob_ids``/``top_logprobs`` likewise), int64 metadata (``prompt_index``,
+    ``sample``, ``num_turns``, ``finish_reason``, lengths) and non-tensor ``prompt_id``, ``raw_prompt`` (JSON of the
+    input's messages or prompt, when the input file is found), the input's kept columns (``keep_columns``, by their
+    own names) and, with ``text``, decoded text.
     """
     import torch
 
@@ -243,16 +244,16 @@ def load_tensordict(path: str | Path) -> Any:
 def verl_parts(td: Any) -> tuple[Any, dict[str, np.ndarray]]:
     """Split an export into verl's ``DataProto(batch=..., non_tensor_batch=...)`` parts.
 
-    ``batch`` holds the :data:`VERL_KEYS` tensors; ``non_tensor_batch`` holds numpy arrays of the
-    per-sample metadata (``num_turns``, ``prompt_index``, ``sample``, ``prompt_id``, ``raw_prompt``, the
-    input's kept columns, ...): object arrays of ``str`` for the non-tensor fields.
+    ``batch`` holds the :data:`VERL_KEYS` tensors (and the top-k logprobs when recorded); ``non_tensor_batch`` holds
+    numpy arrays of the per-sample metadata (``num_turns``, ``prompt_index``, ``sample``, ``prompt_id``,
+    ``raw_prompt``, the input's kept columns, ...): object arrays of ``str`` for the non-tensor fields.
     """
     from tensordict import is_non_tensor
 
     keys = set(td.keys())
-    batch = td.select(*[k for k in VERL_KEYS if k in keys])
+    batch = td.select(*[k for k in BATCH_KEYS if k in keys])
     extra = {}
-    for key in keys - set(VERL_KEYS):
+    for key in keys - set(BATCH_KEYS):
         value = td.get(key)
         extra[key] = np.array(value.tolist(), dtype=object) if is_non_tensor(value) else np.asarray(value.numpy())
     return batch, extra

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from daskgen.store.layout import NO_TOKEN
+
 #: Keys of the verl DataProto ``batch``.
 VERL_KEYS = (
     "prompts",
@@ -23,6 +25,11 @@ VERL_KEYS = (
     "position_ids",
     "rollout_log_probs",
 )
+#: The top-k logprob fields (when the run recorded them), per response token: ``(rows, response, k)``, ``-1``
+#: and ``-inf`` where there is no entry.
+TOP_LOGPROB_KEYS = ("top_logprob_ids", "top_logprobs")
+#: Keys of the DataProto ``batch`` daskgen builds: verl's and the top-k logprobs.
+BATCH_KEYS = (*VERL_KEYS, *TOP_LOGPROB_KEYS)
 #: Per-row integer fields copied as they are into the verl fields (when the block has them).
 VERL_META = ("prompt_index", "sample", "trajectory", "num_turns", "finish_reason", "prompt_length", "response_length")
 
@@ -34,7 +41,8 @@ def verl_block(
 
     ``attention_mask`` is 1 on prompt tokens and on every response token (model or tool), 0 on
     padding; ``response_mask`` is 1 only on model-generated tokens; ``position_ids`` count attended
-    tokens from 0.  Token fields are int64 as in verl; ``rollout_log_probs`` is float32, 0 where unset.
+    tokens from 0.  Token fields are int64 as in verl; ``rollout_log_probs`` is float32, 0 where unset;
+    ``top_logprob_ids``/``top_logprobs`` (when the block has them) are int64/float32, ``-1``/``-inf`` where unset.
     """
     prompts, prompt_attn = _left_padded_prompts(block, prompt_width, pad)
     responses, response_attn = _right_padded_responses(block, response_width, pad)
@@ -60,10 +68,23 @@ def _verl_extras(block: dict[str, np.ndarray], response_attn: np.ndarray, has_lo
     if has_logprobs:
         logprobs = block["logprobs"][:, : response_attn.shape[1]].astype(np.float32)
         extras["rollout_log_probs"] = np.where(response_attn & np.isfinite(logprobs), logprobs, 0.0).astype(np.float32)
+    if "top_logprobs" in block:
+        extras |= _top_logprob_fields(block, response_attn)
     for name in VERL_META:
         if name in block:
             extras[name] = block[name].astype(np.int64)
     return extras
+
+
+def _top_logprob_fields(block: dict[str, np.ndarray], response_attn: np.ndarray) -> dict[str, np.ndarray]:
+    """``top_logprob_ids`` (int64, ``-1`` where unset) and ``top_logprobs`` (float32, ``-inf`` where unset)."""
+    width = response_attn.shape[1]
+    ids, values = block["top_logprob_ids"][:, :width], block["top_logprobs"][:, :width]
+    have = response_attn[..., None] & (ids != NO_TOKEN)
+    return {
+        "top_logprob_ids": np.where(have, ids, NO_TOKEN).astype(np.int64),
+        "top_logprobs": np.where(have, values, -np.inf).astype(np.float32),
+    }
 
 
 def _left_padded_prompts(block: dict[str, np.ndarray], width: int, pad: int) -> tuple[np.ndarray, np.ndarray]:

@@ -96,7 +96,9 @@ def _check_features(config: RunConfig, keys: frozenset[str], structured: bool) -
     from daskgen.engines.features import check_features
 
     cls = resolve_engine_class(config.engine)
-    wanted = requested_features(run_settings(config), keys) | ({"structured_outputs"} if structured else set())
+    wanted = requested_features(run_settings(config), keys)
+    wanted |= {"structured_outputs"} if structured else set()
+    wanted |= {"top_logprobs"} if config.top_logprobs else set()
     check_features(config.engine, cls.features, wanted)
 
 
@@ -188,6 +190,7 @@ def _layout(config: RunConfig, scan: InputScan, tokenizer: Any, keys: frozenset[
         row_sampling=bool(keys),
         stops=bool(config.stop or config.stop_token_ids or keys & set(STOP_KEYS)),
         structured=scan.structured or config.response_format is not None,
+        top_logprobs=config.top_logprobs,
     )
 
 
@@ -278,7 +281,9 @@ def _shared_task_fields(plan: Plan) -> dict[str, Any]:
 def _sampling_params(plan: Plan) -> SamplingParams:
     """The run's sampling settings, with the tokenizer's stop ids."""
     params = row_params(run_settings(plan.config), plan.stop_ids, plan.config.logprobs)
-    return dataclasses.replace(params, response_format=plan.config.structured_output())
+    return dataclasses.replace(
+        params, response_format=plan.config.structured_output(), top_logprobs=plan.config.top_logprobs
+    )
 
 
 def _partition_task(

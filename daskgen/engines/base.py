@@ -90,7 +90,8 @@ class SamplingParams:
     (``repetition_penalty`` on prompt and output tokens, ``presence_penalty``/``frequency_penalty`` on
     output tokens) mean what they mean in vLLM and SGLang; their defaults are off.  ``response_format``
     constrains the response (:mod:`daskgen.input.response_format`; engines that serve it map it to their own
-    fields).
+    fields).  ``top_logprobs = k > 0`` asks, per
+    output token, for the ``k`` most likely tokens of the logprobs' distribution (:data:`TopLogprobs`).
     """
 
     max_new_tokens: int = 256
@@ -107,6 +108,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     stop: tuple[str, ...] = ()
     response_format: ResponseFormat | None = None
+    top_logprobs: int = 0
+
+
+#: Per output token, the ``k`` most likely ``(token_id, logprob)`` pairs, most likely first (fewer
+#: where the engine returned fewer, none for tokens the model did not generate).
+TopLogprobs = list[list[tuple[int, float]]]
 
 
 #: The :class:`SamplingParams` fields vLLM and SGLang take under the same name, with their "off" values.
@@ -143,6 +150,7 @@ class GenerationResult:
     logprobs: list[float] | None = None
     error: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    top_logprobs: TopLogprobs | None = None
 
 
 def request_error(
@@ -189,6 +197,8 @@ def _params_error(params: SamplingParams) -> str | None:
         return f"top_p must be in (0, 1], got {params.top_p!r}"
     if not isinstance(params.top_k, int) or params.top_k < 0:
         return f"top_k must be an integer >= 0 (0 = off), got {params.top_k!r}"
+    if not isinstance(params.top_logprobs, int) or params.top_logprobs < 0:
+        return f"top_logprobs must be an integer >= 0 (0 = off), got {params.top_logprobs!r}"
     if params.seed is not None and not isinstance(params.seed, int):
         return f"seed must be an integer or None, got {params.seed!r}"
     if any(not isinstance(t, int) or t < 0 for t in params.stop_token_ids):
@@ -209,7 +219,10 @@ def error_result(request: GenerationRequest, message: str) -> GenerationResult:
 
 def aborted_result(request: GenerationRequest) -> GenerationResult:
     """The result of a request aborted before it produced a token (empty logprobs when asked)."""
-    return GenerationResult(request.request_id, [], FinishReason.ABORT, [] if request.params.logprobs else None)
+    top: TopLogprobs | None = [] if request.params.top_logprobs else None
+    return GenerationResult(
+        request.request_id, [], FinishReason.ABORT, [] if request.params.logprobs else None, top_logprobs=top
+    )
 
 
 def set_result(future: asyncio.Future, result: Any) -> None:

@@ -27,7 +27,7 @@ def reserved_names() -> frozenset[str]:
     from daskgen.analysis.verl import VERL_KEYS, VERL_META
     from daskgen.store.layout import Layout
 
-    layout = Layout(1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True)
+    layout = Layout(1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True, top_logprobs=1)
     dims = {d for spec in layout.array_specs().values() for d in spec.dims}
     derived = {"prompt_text", "response_text", "raw_prompt", "finish_label", "uid"}
     return frozenset({*DASKGEN_KEYS, *layout.array_specs(), *dims, *derived, *VERL_KEYS, *VERL_META})

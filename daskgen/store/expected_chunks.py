@@ -16,8 +16,12 @@ values of its finished (``done``) rows; a chunk of that array covering any marke
   the pad id);
 * ``response_mask`` before each length in single-turn runs (every token is the model's); in agent runs, the
   positions with a log-probability (model tokens);
-* ``logprobs`` (when the run recorded them) at the model's tokens before each length;
+* ``logprobs`` (when the run recorded them) at the model's tokens before each length, and there the first
+  entry of ``top_logprob_ids``/``top_logprobs`` (when the run recorded top-k logprobs);
 * ``num_turns`` of a sample with a model token;
+* ``sampling`` of every done row (runs whose rows carry their own settings: each row's settings, run defaults
+  filled in, never empty); ``stop_reason`` of every generated sample that finished by ``stop`` (a stop string,
+  a stop id or the end-of-sequence token, each a value other than the fill -1);
 * ``score`` of each sample a verifier scored in a row without a verifier note in ``error``; ``samples_used``
   of every done row of a verified run; ``num_trajectories`` of every generated sample.
 
@@ -109,9 +113,21 @@ def _response_length(rows: PartitionRows) -> np.ndarray:
 def _logprobs(rows: PartitionRows) -> np.ndarray:
     if not rows.rules.logprobs:
         return np.zeros(rows.region["logprobs"].shape, dtype=bool)
+    return _generated_tokens(rows)
+
+
+def _generated_tokens(rows: PartitionRows) -> np.ndarray:
+    """Per response position of a done row: a token the model generated (by the mask)."""
     if rows.rules.model_tokens_only:
         return _inside(rows)
     return _inside(rows) & (rows.region["response_mask"] == 1)
+
+
+def _top_first(rows: PartitionRows) -> np.ndarray:
+    """The first top-k entry (``top_rank`` 0) of every generated token."""
+    must = np.zeros(rows.region["top_logprobs"].shape, dtype=bool)
+    must[..., 0] = _generated_tokens(rows)
+    return must
 
 
 def _num_turns(rows: PartitionRows) -> np.ndarray:
@@ -137,8 +153,12 @@ RULES: dict[str, Callable[[PartitionRows], np.ndarray]] = {
     "response_length": _response_length,
     "response_mask": _model_tokens,
     "logprobs": _logprobs,
+    "top_logprob_ids": _top_first,
+    "top_logprobs": _top_first,
     "finish_reason": _generated,
     "num_turns": _num_turns,
+    "sampling": lambda rows: rows.done,
+    "stop_reason": lambda rows: _generated(rows) & (rows.region["finish_reason"] == int(FinishReason.STOP)),
     "score": _score,
     "samples_used": lambda rows: rows.done,
     "num_trajectories": _num_trajectories,

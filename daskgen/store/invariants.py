@@ -6,7 +6,8 @@ Each rule returns the rows (store indices) that break it, with one line saying h
 * every generated sample has a finish reason (``-1`` only for samples a verifier did not need), and
   every code is a known one;
 * lengths lie within their caps (``1..max_prompt_tokens`` for prompts, ``0..max_new_tokens`` for responses);
-* after each length comes only padding: ``pad_token_id`` in the ids, ``0`` in the mask, NaN in logprobs;
+* after each length comes only padding: ``pad_token_id`` in the ids, ``0`` in the mask, NaN in logprobs,
+  no top-k entry (``-1``, NaN);
 * token ids before each length lie in the tokenizer's vocabulary;
 * the response mask is 0 or 1 (all 1 for single-turn runs, where every token is the model's).
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from daskgen.store.layout import NOT_GENERATED, Layout
+from daskgen.store.layout import NO_TOKEN, NOT_GENERATED, Layout
 
 #: Finish-reason codes a stored sample may carry.
 KNOWN_FINISH = (NOT_GENERATED, 0, 1, 2, 3)
@@ -105,6 +106,9 @@ def _response_padding(region: dict[str, np.ndarray], rules: RowRules) -> dict[in
         found.update(_rows(inside & (mask == 0), "response_mask 0 inside a single-turn response"))
     if "logprobs" in region:
         found.update(_rows(~inside & ~np.isnan(region["logprobs"]), "logprobs after response_length"))
+    if "top_logprobs" in region:
+        entries = (region["top_logprob_ids"] != NO_TOKEN) | ~np.isnan(region["top_logprobs"])
+        found.update(_rows(~inside & entries.any(axis=-1), "top_logprobs after response_length"))
     return found
 
 

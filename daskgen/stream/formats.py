@@ -1,14 +1,14 @@
 """Turning the rows of a batch into what a trainer takes: xarray, TensorDict, verl ``DataProto`` or rows.
 
-:func:`read_rows` reads only the delivered rows (contiguous runs of rows as slices, so each data chunk
-is read once per batch); :func:`build` shapes them.  The tensor formats use the field layout of
-``daskgen export --format tensordict`` (:mod:`daskgen.analysis.verl`): left-padded
-``prompts``, right-padded ``responses``, ``response_mask``, ``input_ids``, ``attention_mask``,
-``position_ids``, ``rollout_log_probs`` (when recorded), one row per generated (prompt, sample), padded
-to the store's widths (``max_prompt_tokens``, ``max_new_tokens``): every batch has the same shape, so
-batches concatenate (``DataProto.concat``, ``torch.cat``).  The input's kept columns (``keep_columns``) come
-in every format: as ``column_<name>`` variables of the xarray dataset, and by their own names as row keys,
-``DataProto.non_tensor_batch`` entries and ``TensorDict`` non-tensor entries (one string per sample).
+:func:`read_rows` reads only the delivered rows (contiguous runs of rows as slices, so each data chunk is read once
+per batch); :func:`build` shapes them.  The tensor formats use the field layout of ``daskgen export --format
+tensordict`` (:mod:`daskgen.analysis.verl`): left-padded ``prompts``, right-padded ``responses``, ``response_mask``,
+``input_ids``, ``attention_mask``, ``position_ids``, ``rollout_log_probs`` and ``top_logprob_ids``/``top_logprobs``
+(when recorded), one row per generated (prompt, sample), padded to the store's widths (``max_prompt_tokens``,
+``max_new_tokens``): every batch has the same shape, so batches concatenate (``DataProto.concat``, ``torch.cat``).
+The input's kept columns (``keep_columns``) come in every format: as ``column_<name>`` variables of the xarray
+dataset, and by their own names as row keys, ``DataProto.non_tensor_batch`` entries and ``TensorDict`` non-tensor
+entries (one string per sample).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import numpy as np
 
 from daskgen.errors import FollowError
 from daskgen.store.generation_store import GenerationStore
+from daskgen.store.layout import TOP_LOGPROB_ARRAYS, top_logprob_arrays
 
 FORMATS = ("xarray", "tensordict", "dataproto", "rows")
 #: The arrays the tensor and row formats are built from (``logprobs`` too when the run recorded them).
@@ -36,17 +37,20 @@ TOKEN_FIELDS = (
 
 
 def fields_to_read(store: GenerationStore, fmt: str, fields: tuple[str, ...] | None) -> tuple[str, ...]:
-    """The store arrays a batch of format ``fmt`` needs: ``fields`` (default: every data array for xarray),
-    plus what the tensor and row formats are built from."""
+    """The store arrays a batch of format ``fmt`` needs: ``fields`` (default: every data array for xarray; the
+    top-k logprob arrays only when the store records them), plus what the tensor and row formats are built from."""
     if fmt not in FORMATS:
         raise FollowError(f"unknown follow format {fmt!r}; choose one of {', '.join(FORMATS)}.")
     available = store.layout.data_arrays()
+    if fields is not None:  # the top-k logprob arrays are read when the store records them
+        fields = tuple(f for f in fields if f in available or f not in TOP_LOGPROB_ARRAYS)
     unknown = [f for f in fields or () if f not in available]
     if unknown:
         raise FollowError(f"unknown field(s) {unknown} of store {store.url!r}; its data arrays are {list(available)}.")
     wanted = list(fields or (available if fmt == "xarray" else ()))
     if fmt != "xarray":
         wanted += [*TOKEN_FIELDS, *(["logprobs"] if store.attrs.logprobs_recorded else [])]
+        wanted += top_logprob_arrays(store.layout)
         wanted += store.layout.column_arrays()
     return tuple(dict.fromkeys(wanted))
 
@@ -146,12 +150,12 @@ def arrow_table(store: GenerationStore, ds: Any) -> Any:
 def _verl(block: dict[str, np.ndarray], store: GenerationStore) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """verl's batch fields and the per-sample extras (ids, metadata) of a flattened block."""
     from daskgen.analysis.decode import kept_fields
-    from daskgen.analysis.verl import VERL_KEYS, VERL_META, verl_block
+    from daskgen.analysis.verl import BATCH_KEYS, VERL_META, verl_block
 
     layout = store.layout
     widths = (layout.max_prompt_tokens, layout.max_new_tokens)
     fields = verl_block(block, *widths, layout.pad_token_id, store.attrs.logprobs_recorded)
-    tensors = {k: v for k, v in fields.items() if k in VERL_KEYS}
+    tensors = {k: v for k, v in fields.items() if k in BATCH_KEYS}
     extra = {k: fields[k] for k in VERL_META if k in fields}  # they go into DataProto.non_tensor_batch
     ids = np.asarray(block["prompt_id"], dtype=object)
     extra |= {"prompt_id": ids, "uid": ids.copy()}  # uid: verl groups a prompt's samples by it (GRPO)

@@ -22,7 +22,8 @@ reason: the project's ``tests/conftest.py`` deselects it and lists the reason, a
 :func:`run_conformance` reports it as ``"not applicable: <reason>"``.  A check that meets an engine
 it does not apply to *without* such a declaration raises :class:`unittest.SkipTest` (pytest: skipped),
 which the CI lanes count as a failure.  Feature checks (:mod:`daskgen.testing.features`) of features
-the engine does not declare are not applicable by themselves.
+the engine does not declare are not applicable by themselves; the top-k logprobs check is mixed in
+(:mod:`daskgen.testing.top_logprobs`).
 """
 
 from __future__ import annotations
@@ -34,24 +35,18 @@ import unittest
 from collections.abc import Coroutine, Sequence
 from typing import Any, ClassVar, TypeVar
 
-from daskgen.engines.base import (
-    Engine,
-    EngineStatus,
-    FinishReason,
-    GenerationRequest,
-    GenerationResult,
-    SamplingParams,
-)
+from daskgen.engines.base import Engine, EngineStatus, FinishReason, GenerationRequest, GenerationResult, SamplingParams
 from daskgen.errors import ConfigError, EngineError
 from daskgen.testing.features import FeatureChecks
 from daskgen.testing.harness import EventLoopThread, check_result, gather, longest_running, run_checks
+from daskgen.testing.top_logprobs import TopLogprobsCheck
 
 __all__ = ["EngineConformance", "EventLoopThread", "longest_running", "run_conformance"]
 
 _T = TypeVar("_T")
 
 
-class EngineConformance(FeatureChecks):
+class EngineConformance(FeatureChecks, TopLogprobsCheck):
     """Base class of the conformance tests; subclasses set the engine to test.
 
     Required class attributes: ``engine_class``, ``model`` (and ``engine_args``).  Tunables:
@@ -182,9 +177,9 @@ class EngineConformance(FeatureChecks):
     async def _longest_request(self, request_id: str, tries: int = 4) -> GenerationRequest:
         """A greedy request capped at ``long_max_new_tokens`` that runs as long as any of ``tries`` candidates.
 
-        A candidate only promises ``probe_max_new_tokens``; one that stops soon after could finish
-        before a short request sent just after it is back, so up to ``tries`` of them run to the cap
-        once (greedy: the same prompt runs as long again) and the longest is kept."""
+        A candidate only promises ``probe_max_new_tokens``; one that stops soon after could finish before a
+        short request sent just after it is back, so up to ``tries`` of them run to the cap once (greedy: the
+        same prompt runs as long again) and the longest is kept."""
         runs = [
             GenerationRequest(
                 f"{request_id}-probe-{i}",

@@ -72,6 +72,10 @@ def check_result(request: GenerationRequest, result: GenerationResult) -> None:
         assert result.logprobs is not None and len(result.logprobs) == len(result.output_ids), result
     else:
         assert result.logprobs is None, result
+    if request.params.top_logprobs:
+        assert result.top_logprobs is not None and len(result.top_logprobs) == len(result.output_ids), result
+    else:
+        assert result.top_logprobs is None, result
 
 
 async def longest_running(engine: Engine, requests: Sequence[GenerationRequest]) -> GenerationRequest:

@@ -7,6 +7,7 @@ import numpy as np
 
 from daskgen.agents import AgentLoop, EngineHandle, Trajectory
 from daskgen.engines.base import FinishReason, SamplingParams
+from daskgen.worker.top_logprobs import stored_top_logprobs
 
 
 def stored_samples(
@@ -44,6 +45,7 @@ def _stored_sample(region: dict[str, np.ndarray], r: int, s: int, stops: set[int
         continued=int(region["continued_tokens"][r, s]) if "continued_tokens" in region else 0,
         carried=n,
         stop_reason=int(region["stop_reason"][r, s]) if "stop_reason" in region else -1,
+        top_logprobs=stored_top_logprobs(region, (r, s), n),
     )
 
 
@@ -99,4 +101,5 @@ def _joined(prefix: Trajectory, tail: Trajectory) -> Trajectory:
         continued=len(prefix.response_ids),
         carried=len(prefix.response_ids),
         stop_reason=tail.stop_reason,
+        top_logprobs=None if prefix.top_logprobs is None else prefix.top_logprobs + (tail.top_logprobs or []),
     )

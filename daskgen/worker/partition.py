@@ -31,6 +31,7 @@ from daskgen.worker.rounds import RowOutcome, sample_in_rounds
 from daskgen.worker.row_sampling import apply_stops, place_row_settings, sample_params
 from daskgen.worker.slot import PartitionSlot
 from daskgen.worker.thread_slots import leave_thread_slot
+from daskgen.worker.top_logprobs import place_top_logprobs
 
 if TYPE_CHECKING:
     from daskgen.input.response_format import ResponseFormat
@@ -196,6 +197,7 @@ def _place(region: dict[str, np.ndarray], index: tuple[int, ...], traj: Trajecto
     region["logprobs"][index] = np.nan
     if traj.logprobs is not None:
         region["logprobs"][index][: min(n, len(traj.logprobs))] = traj.logprobs[:n]
+    place_top_logprobs(region, index, traj.top_logprobs, n)
     reason = FinishReason.ERROR if traj.error is not None else traj.finish_reason
     region["finish_reason"][index] = int(reason)
     region["num_turns"][index] = traj.num_turns

@@ -77,7 +77,7 @@ class OpenAIEngine(Engine):
     """Generate through an SGLang-native or OpenAI-compatible HTTP server (see the module docstring)."""
 
     name = "openai"
-    features = frozenset({"per_row_sampling", "stop", "stop_token_ids", "structured_outputs"})
+    features = frozenset({"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs"})
     #: The server's context length and the tokenizer's size, known after :meth:`start`.
     max_total_tokens: int | None = None
     vocab_size: int | None = None

@@ -32,7 +32,8 @@ from daskgen.engines.base import (
     finish_from_name,
     shaping_kwargs,
 )
-from daskgen.engines.sglang.mapping import result_from_output, sampling_params_for
+from daskgen.engines.http.top_logprobs import ServerTop, retokenized_top, server_top
+from daskgen.engines.sglang.mapping import logprob_request, result_from_output, sampling_params_for
 from daskgen.engines.vllm.mapping import vllm_structured_outputs
 
 if TYPE_CHECKING:
@@ -65,10 +66,11 @@ class Flight:
     ids: list[int] = field(default_factory=list)
     #: The stop string the server says it matched (vLLM's ``stop_reason``, SGLang's ``matched_stop``).
     matched: Any = None
+    top: ServerTop = field(default_factory=list)
 
     def reset(self) -> None:
         """Forget partial output (a retry starts over)."""
-        self.text, self.logprobs, self.tokens, self.ids, self.matched = "", [], [], [], None
+        self.text, self.logprobs, self.tokens, self.ids, self.matched, self.top = "", [], [], [], None, []
 
     def cancel(self) -> None:
         """Close the connection of the request (the server stops generating)."""
@@ -172,20 +174,25 @@ class OpenAITextProtocol(WireProtocol):
         )
         if partial:
             ids = ids[:-1]
-        logprobs = self.aligned_logprobs(ids, flight) if request.params.logprobs else None
+        params, aligned = request.params, self.aligned(ids, flight)
+        logprobs = (flight.logprobs[: len(ids)] if aligned else [math.nan] * len(ids)) if params.logprobs else None
         reason, error = finish_from_name(finish, "server") if not partial else (FinishReason.ABORT, None)
         ids, logprobs, reason = apply_limits(ids, logprobs, reason, request)
         meta: dict[str, Any] = {"retokenized": True, "server_finish_reason": finish}
-        if request.params.logprobs and logprobs is not None and any(math.isnan(x) for x in logprobs):
+        if params.logprobs and logprobs is not None and any(math.isnan(x) for x in logprobs):
             meta["logprobs"] = "unavailable"
-        return GenerationResult(request.request_id, ids, reason, logprobs, error=error, meta=meta)
+        top = None
+        if params.top_logprobs:
+            top = retokenized_top(flight.top[: len(ids)], params.top_logprobs, self.tokenizer) if aligned else []
+            top += [[] for _ in range(len(ids) - len(top))]
+            if ids and not any(top):
+                meta["top_logprobs"] = "unavailable"
+        return GenerationResult(request.request_id, ids, reason, logprobs, error=error, meta=meta, top_logprobs=top)
 
-    def aligned_logprobs(self, ids: list[int], flight: Flight) -> list[float]:
-        """The server's logprobs when its tokens decode like ``ids``, else NaN for each."""
+    def aligned(self, ids: list[int], flight: Flight) -> bool:
+        """Whether the server's tokens (of its logprobs) decode like ``ids``: then its logprobs are theirs."""
         pieces = [self.tokenizer.decode([i]) for i in ids]
-        if len(flight.logprobs) >= len(ids) and flight.tokens[: len(ids)] == pieces:
-            return flight.logprobs[: len(ids)]
-        return [math.nan] * len(ids)
+        return len(flight.logprobs) >= len(ids) and flight.tokens[: len(ids)] == pieces
 
 
 # --------------------------------------------------------------------------- payloads and answers
@@ -200,7 +207,7 @@ def native_payload(request: GenerationRequest, rid: str, extra_body: dict[str, A
         "input_ids": list(request.prompt_ids),
         "sampling_params": sampling,
         "rid": rid,
-        "return_logprob": request.params.logprobs,
+        **logprob_request(request.params),
         "stream": False,
         **extra,
     }
@@ -211,10 +218,9 @@ def native_result(request: GenerationRequest, out: Any) -> GenerationResult:
     if not isinstance(out, dict) or not isinstance(out.get("output_ids"), list):
         return error_result(request, f"unexpected answer from /generate: {str(out)[:300]}")
     result = result_from_output(request, out, source="server")
-    if result.logprobs is not None and len(result.logprobs) != len(result.output_ids):
-        return error_result(
-            request, f"server returned {len(result.logprobs)} logprobs for {len(result.output_ids)} tokens"
-        )
+    for name, values in (("logprobs", result.logprobs), ("top_logprobs", result.top_logprobs)):
+        if values is not None and len(values) != len(result.output_ids):
+            return error_result(request, f"server returned {len(values)} {name} for {len(result.output_ids)} tokens")
     return result
 
 
@@ -239,12 +245,14 @@ def openai_payload(
         body["stop"] = list(params.stop)
     if api == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
-        if params.logprobs:
+        if params.logprobs or params.top_logprobs:
             body["logprobs"] = True
+        if params.top_logprobs:
+            body["top_logprobs"] = params.top_logprobs
     else:
         body["prompt"] = prompt
-        if params.logprobs:
-            body["logprobs"] = 1
+        if params.logprobs or params.top_logprobs:
+            body["logprobs"] = max(1, params.top_logprobs)
     if params.response_format is not None:
         body.update(openai_response_format(params.response_format))
     path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
@@ -277,6 +285,7 @@ def take_event(event: dict[str, Any], flight: Flight) -> str | None:
         flight.tokens += [str(t) for t in logprobs.get("tokens") or []]
         flight.logprobs += [math.nan if x is None else float(x) for x in logprobs["token_logprobs"]]
     flight.matched = choice.get("stop_reason", choice.get("matched_stop", flight.matched))
+    flight.top += server_top(logprobs)
     return choice.get("finish_reason")
 
 

@@ -3,8 +3,9 @@
 vLLM's OpenAI-compatible ``POST /v1/completions`` takes the prompt as a list of token ids and,
 with ``return_token_ids: true``, streams the generated ids (``choices[0].token_ids``, one delta
 per chunk) next to the text; with ``logprobs: 1`` each chunk's ``token_logprobs`` line up with
-its ``token_ids``.  vLLM-specific sampling fields (``top_k``, ``seed``, ``stop_token_ids``, ``min_tokens``, ``min_p``,
-``repetition_penalty``, ``include_stop_str_in_output``) are accepted in the same body.
+its ``token_ids``, and with ``logprobs: k`` plus ``return_tokens_as_token_ids`` its ``top_logprobs``
+name their tokens ``token_id:<id>``.  vLLM-specific sampling fields (``top_k``, ``seed``, ``stop_token_ids``,
+``min_tokens``, ``min_p``, ``repetition_penalty``, ``include_stop_str_in_output``) are accepted in the same body.
 Nothing is re-tokenized.  Tested against ``vllm serve`` 0.32.0.
 
 A server is recognised as vLLM by ``GET /version`` answering ``{"version": ...}``.
@@ -24,6 +25,7 @@ from daskgen.engines.base import (
     shaping_kwargs,
 )
 from daskgen.engines.http.protocol import Flight, WireProtocol
+from daskgen.engines.http.top_logprobs import ServerTop, server_top, token_id_top
 from daskgen.engines.vllm.mapping import vllm_structured_outputs
 
 if TYPE_CHECKING:
@@ -42,14 +44,15 @@ class VLLMProtocol(WireProtocol):
         finish = await http.stream(
             "/v1/completions",
             vllm_completions_payload(self.model_name, request, self.extra_body),
-            lambda event: take_vllm_event(event, flight.ids, flight.logprobs),
+            lambda event: take_vllm_event(event, flight.ids, flight.logprobs, flight.top),
             on_attempt=flight.reset,
         )
-        return vllm_result(request, flight.ids, flight.logprobs, finish)
+        return vllm_result(request, flight.ids, flight.logprobs, finish, top=flight.top)
 
     def aborted(self, request: GenerationRequest, flight: Flight) -> GenerationResult:
         """The tokens streamed before the abort closed the connection."""
-        return vllm_result(request, flight.ids, flight.logprobs[: len(flight.ids)], None, aborted=True)
+        n = len(flight.ids)
+        return vllm_result(request, flight.ids, flight.logprobs[:n], None, aborted=True, top=flight.top[:n])
 
 
 def is_vllm_version(status: int, info: Any) -> bool:
@@ -79,15 +82,20 @@ def vllm_completions_payload(
     body.update(shaping_kwargs(params, {"min_new_tokens": "min_tokens"}))
     if params.stop:
         body.update(stop=list(params.stop), include_stop_str_in_output=True)
-    if params.logprobs:
-        body["logprobs"] = 1
+    if params.logprobs or params.top_logprobs:
+        body["logprobs"] = max(1, params.top_logprobs)
+    if params.top_logprobs:
+        body["return_tokens_as_token_ids"] = True
     if params.response_format is not None:
         body["structured_outputs"] = vllm_structured_outputs(params.response_format)
     return {**body, **extra_body}
 
 
-def take_vllm_event(event: dict[str, Any], ids: list[int], logprobs: list[float]) -> str | None:
-    """Append one streamed chunk's token ids (and logprobs) to ``ids``/``logprobs``; return its finish reason."""
+def take_vllm_event(
+    event: dict[str, Any], ids: list[int], logprobs: list[float], top: ServerTop | None = None
+) -> str | None:
+    """Append one streamed chunk's token ids (and logprobs, top logprobs) to ``ids``/``logprobs``/``top``;
+    return its finish reason."""
     choices = event.get("choices") or []
     if not choices:
         return None
@@ -97,15 +105,25 @@ def take_vllm_event(event: dict[str, Any], ids: list[int], logprobs: list[float]
     values = (choice.get("logprobs") or {}).get("token_logprobs")
     if isinstance(values, list):
         logprobs += [math.nan if x is None else float(x) for x in values[-len(new) :]] if new else []
+    if top is not None and new:
+        top += server_top(choice.get("logprobs") or {})[-len(new) :]
     return choice.get("finish_reason")
 
 
 def vllm_result(
-    request: GenerationRequest, ids: list[int], logprobs: list[float], finish: str | None, aborted: bool = False
+    request: GenerationRequest,
+    ids: list[int],
+    logprobs: list[float],
+    finish: str | None,
+    aborted: bool = False,
+    top: ServerTop | None = None,
 ) -> GenerationResult:
     """The :class:`GenerationResult` of a (finished or aborted) vLLM stream."""
     reason, error = (FinishReason.ABORT, None) if aborted else finish_from_name(finish, "server")
+    k = request.params.top_logprobs
     lps = list(logprobs) if request.params.logprobs else None
-    if lps is not None and len(lps) != len(ids):
-        return error_result(request, f"server returned {len(lps)} logprobs for {len(ids)} tokens")
-    return GenerationResult(request.request_id, list(ids), reason, lps, error=error)
+    tops = token_id_top(top or [], k) if k else None
+    for name, values in (("logprobs", lps), ("top_logprobs", tops)):
+        if values is not None and len(values) != len(ids):
+            return error_result(request, f"server returned {len(values)} {name} for {len(ids)} tokens")
+    return GenerationResult(request.request_id, list(ids), reason, lps, error=error, top_logprobs=tops)

@@ -90,7 +90,7 @@ from daskgen.engines.sglang.args import (
     refuse_model_path,
 )
 from daskgen.engines.sglang.backend import BackendClosed, BackendCrashed, SGLangBackend, read_max_running_requests
-from daskgen.engines.sglang.mapping import result_from_output, sampling_params_for
+from daskgen.engines.sglang.mapping import logprob_request, result_from_output, sampling_params_for
 from daskgen.engines.sglang.sigquit import install_sigquit_handler, restore_sigquit_handler
 from daskgen.redaction import redact
 
@@ -117,7 +117,7 @@ class SGLangEngine(InProcessEngine):
 
     name = "sglang"
     starts_subprocesses = True
-    features = frozenset({"per_row_sampling", "stop", "stop_token_ids", "structured_outputs"})
+    features = frozenset({"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs"})
 
     def __init__(self, model: str, **engine_args: Any) -> None:
         super().__init__(model, **engine_args)
@@ -162,7 +162,7 @@ class SGLangEngine(InProcessEngine):
         kwargs = {
             "input_ids": list(request.prompt_ids),
             "sampling_params": sampling_params_for(request.params),
-            "return_logprob": request.params.logprobs,
+            **logprob_request(request.params),
         }
         return await self._run(request, kwargs)
 

@@ -3,7 +3,8 @@
 The in-process engine (:mod:`daskgen.engines.sglang.engine`, ``sglang.Engine.async_generate``) and the
 HTTP engine's native protocol (:mod:`daskgen.engines.http.protocol`, ``POST /generate``) speak the same
 dialect: ``input_ids`` plus a ``sampling_params`` dict in, ``output_ids`` plus ``meta_info``
-(``finish_reason.type``, ``output_token_logprobs``, ``prompt_tokens``, ``cached_tokens``) out.
+(``finish_reason.type``, ``output_token_logprobs``, ``output_top_logprobs``, ``prompt_tokens``,
+``cached_tokens``) out.
 This module maps daskgen's :class:`~daskgen.engines.base.SamplingParams` to that dict and an
 output dict back to a :class:`~daskgen.engines.base.GenerationResult`.  Pure functions, no imports
 of sglang.
@@ -14,12 +15,27 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from daskgen.engines.base import GenerationRequest, GenerationResult, SamplingParams, finish_from_name, shaping_kwargs
+from daskgen.engines.base import (
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    TopLogprobs,
+    finish_from_name,
+    shaping_kwargs,
+)
 
 if TYPE_CHECKING:
     from daskgen.input.response_format import ResponseFormat
 
-__all__ = ["logprobs_of", "max_running_requests", "result_from_output", "sampling_params_for", "sglang_constraint"]
+__all__ = [
+    "logprob_request",
+    "logprobs_of",
+    "max_running_requests",
+    "result_from_output",
+    "sampling_params_for",
+    "sglang_constraint",
+    "top_logprobs_of",
+]
 
 #: ``meta_info`` keys copied into ``GenerationResult.meta``.
 META_KEYS = ("prompt_tokens", "cached_tokens")
@@ -61,6 +77,20 @@ def logprobs_of(meta: Mapping[str, Any]) -> list[float]:
     return [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
 
 
+def logprob_request(params: SamplingParams) -> dict[str, Any]:
+    """The request fields asking for logprobs: ``return_logprob`` (also needed for top-k) and ``top_logprobs_num``."""
+    out: dict[str, Any] = {"return_logprob": params.logprobs or params.top_logprobs > 0}
+    if params.top_logprobs:
+        out["top_logprobs_num"] = params.top_logprobs
+    return out
+
+
+def top_logprobs_of(meta: Mapping[str, Any]) -> TopLogprobs:
+    """Each position's ``(id, logprob)`` pairs from ``meta_info.output_top_logprobs`` (``[logprob, id, text]``
+    entries; ``None`` for a position without any)."""
+    return [[(int(e[1]), float(e[0])) for e in entries or []] for entries in meta.get("output_top_logprobs") or []]
+
+
 def result_from_output(
     request: GenerationRequest, output: Mapping[str, Any], source: str = "sglang"
 ) -> GenerationResult:
@@ -74,8 +104,9 @@ def result_from_output(
     finish, error = finish_from_name(raw.get("type") if isinstance(raw, Mapping) else raw, source)
     tokens = [int(t) for t in output.get("output_ids") or []]
     logprobs = logprobs_of(meta) if request.params.logprobs else None
+    top = top_logprobs_of(meta) if request.params.top_logprobs else None
     extra = {k: meta[k] for k in META_KEYS if k in meta}
-    return GenerationResult(request.request_id, tokens, finish, logprobs, error=error, meta=extra)
+    return GenerationResult(request.request_id, tokens, finish, logprobs, error=error, meta=extra, top_logprobs=top)
 
 
 def max_running_requests(state: Any) -> int | None:

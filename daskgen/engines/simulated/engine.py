@@ -80,13 +80,24 @@ class _Sim:
         plan, request = self.plan, self.request
         if tokens_done is None:
             result = GenerationResult(
-                request.request_id, plan.tokens, plan.finish, plan.logprobs, meta={"simulated": True}
+                request.request_id,
+                plan.tokens,
+                plan.finish,
+                plan.logprobs,
+                meta={"simulated": True},
+                top_logprobs=plan.top_logprobs,
             )
         else:
             n = max(0, min(tokens_done, len(plan.tokens) - 1))
             logprobs = None if plan.logprobs is None else plan.logprobs[:n]
+            top = None if plan.top_logprobs is None else plan.top_logprobs[:n]
             result = GenerationResult(
-                request.request_id, plan.tokens[:n], FinishReason.ABORT, logprobs, meta={"simulated": True}
+                request.request_id,
+                plan.tokens[:n],
+                FinishReason.ABORT,
+                logprobs,
+                meta={"simulated": True},
+                top_logprobs=top,
             )
         self.done = True
         set_result(self.future, result)
@@ -115,7 +126,7 @@ class SimulatedEngine(Engine):
     simulated = True
     supports_seed = True
     #: A timing model: a row's max_new_tokens, seed and stop ids shape its output; it has no text to stop on.
-    features = frozenset({"per_row_sampling", "stop_token_ids"})
+    features = frozenset({"per_row_sampling", "stop_token_ids", "top_logprobs"})
 
     def __init__(self, model: str = "simulated", **engine_args: Any) -> None:
         super().__init__(model, **engine_args)

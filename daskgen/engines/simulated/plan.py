@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from daskgen.engines.args import is_number, require
-from daskgen.engines.base import FinishReason, GenerationRequest
+from daskgen.engines.base import FinishReason, GenerationRequest, TopLogprobs
 
 __all__ = ["OutputPlan", "SimulatedArgs", "plan_output"]
 
@@ -103,11 +103,12 @@ class SimulatedArgs:
 
 @dataclass
 class OutputPlan:
-    """What a request will produce: its tokens, finish reason and (fake) logprobs."""
+    """What a request will produce: its tokens, finish reason and (fake) logprobs and top-k logprobs."""
 
     tokens: list[int]
     finish: FinishReason
     logprobs: list[float] | None
+    top_logprobs: TopLogprobs | None = None
 
 
 def _prompt_digest(prompt_ids: list[int]) -> int:
@@ -151,8 +152,22 @@ def plan_output(request: GenerationRequest, args: SimulatedArgs) -> OutputPlan:
     cut = next((i for i, t in enumerate(out) if t in stops), None)
     if cut is not None:
         out, finish = out[: cut + 1], FinishReason.STOP
-    logprobs = None
-    if params.logprobs:
-        fake = np.random.default_rng([*key, 2])  # its own stream: a shorter cap gives a prefix
-        logprobs = (-5.0 * fake.random(len(out))).tolist()
-    return OutputPlan(out, finish, logprobs)
+    if not (params.logprobs or params.top_logprobs):
+        return OutputPlan(out, finish, None)
+    fake = (-5.0 * np.random.default_rng([*key, 2]).random(len(out))).tolist()  # own stream: a shorter cap, a prefix
+    k = min(params.top_logprobs, args.vocab_size)
+    top = _fake_top_logprobs(out, fake, k, args.vocab_size, key) if k else None
+    return OutputPlan(out, finish, fake if params.logprobs else None, top)
+
+
+def _fake_top_logprobs(tokens: list[int], logprobs: list[float], k: int, vocab: int, key: list[int]) -> TopLogprobs:
+    """Made-up top-k entries that agree with the made-up logprobs: each sampled token first, with its logprob,
+    then ``k - 1`` other distinct random ids with random logprobs below it, most likely first (own streams: a
+    shorter cap gives a prefix)."""
+    n = len(tokens)
+    steps = np.random.default_rng([*key, 3]).integers(1, max(vocab // k, 1), size=(n, k), endpoint=True)
+    gaps = np.random.default_rng([*key, 4]).exponential(1.0, size=(n, k))
+    steps[:, 0], gaps[:, 0] = 0, 0.0
+    ids = ((np.asarray(tokens)[:, None] + np.cumsum(steps, axis=1)) % vocab).tolist()
+    values = (np.asarray(logprobs)[:, None] - np.cumsum(gaps, axis=1)).tolist()
+    return [list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]

@@ -124,8 +124,13 @@ class _Job:
         if self.request.params.logprobs:
             logprobs = list(self.sequence.logprobs[: len(tokens)])
             tokens = tokens[: len(logprobs)]
+        top = None
+        if self.request.params.top_logprobs:
+            top = list(self.sequence.top[: len(tokens)])
+            tokens = tokens[: len(top)]
+            logprobs = None if logprobs is None else logprobs[: len(tokens)]
         meta = {"prompt_tokens": len(self.request.prompt_ids)}
-        return GenerationResult(self.request.request_id, tokens, finish, logprobs, error, meta)
+        return GenerationResult(self.request.request_id, tokens, finish, logprobs, error, meta, top)
 
 
 # --------------------------------------------------------------------------- engine
@@ -137,7 +142,7 @@ class TransformersEngine(InProcessEngine):
     name = "transformers"
     simulated = False
     supports_seed = True
-    features = frozenset({"per_row_sampling", "stop", "stop_token_ids", "structured_outputs"})
+    features = frozenset({"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs"})
 
     def __init__(self, model: str, **engine_args: Any) -> None:
         super().__init__(model, **engine_args)

@@ -57,8 +57,10 @@ class SampledSequence:
     top_k: int
     seed: int
     want_logprobs: bool
+    want_top: int = 0
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
     generator: Any = None
     min_p: float = 0.0
     #: Penalties, ``min_new_tokens`` and stop strings (``None``: none of them, the plain path).
@@ -78,7 +80,14 @@ class SampledSequence:
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         shaping = Shaping.of(params, prompt or [], decode, on_stop)
         return cls(
-            params.temperature, params.top_p, params.top_k, seed, params.logprobs, min_p=params.min_p, shaping=shaping
+            params.temperature,
+            params.top_p,
+            params.top_k,
+            seed,
+            params.logprobs,
+            params.top_logprobs,
+            min_p=params.min_p,
+            shaping=shaping,
         )
 
     def pick(self, row: torch.Tensor) -> int:
@@ -96,6 +105,9 @@ class SampledSequence:
             self.constraint.accept(token)
         if self.want_logprobs:
             self.logprobs.append(float(row[token] - torch.logsumexp(row, dim=0)))
+        if self.want_top:
+            values, ids = torch.topk(row - torch.logsumexp(row, dim=0), min(self.want_top, row.numel()))
+            self.top.append(list(zip(ids.tolist(), values.tolist(), strict=True)))
         self.tokens.append(token)
         if self.shaping is not None:
             self.shaping.after(self.tokens)

@@ -121,7 +121,7 @@ class VLLMEngine(InProcessEngine):
 
     name = "vllm"
     supports_seed = True
-    features = frozenset({"per_row_sampling", "stop", "stop_token_ids", "structured_outputs"})
+    features = frozenset({"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs"})
     starts_subprocesses = True
 
     def __init__(self, model: str, **engine_args: Any) -> None:
@@ -203,7 +203,7 @@ class VLLMEngine(InProcessEngine):
                 return aborted_result(request)
             stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params, rid)
             async for output in stream:
-                collect_output(acc, output)
+                collect_output(acc, output, request.params.top_logprobs)
                 if rid in self._aborting and acc.finish is None:
                     await self._llm.abort(rid)
         finally:

@@ -15,6 +15,7 @@ from daskgen.engines.base import (
     GenerationRequest,
     GenerationResult,
     SamplingParams,
+    TopLogprobs,
     error_result,
     finish_from_name,
     shaping_kwargs,
@@ -36,7 +37,7 @@ def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     """``vllm.SamplingParams`` keyword arguments for daskgen's :class:`SamplingParams` (one sample).
 
     ``top_k == 0`` is off in both; ``temperature == 0`` is greedy in both.  ``logprobs=0`` asks for
-    the sampled token's logprob only.
+    the sampled token's logprob only, ``logprobs=k`` also for the ``k`` most likely tokens'.
     """
     out: dict[str, Any] = {
         "n": 1,
@@ -46,7 +47,7 @@ def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
         "top_k": params.top_k,
         "seed": params.seed,
         "detokenize": False,
-        "logprobs": 0 if params.logprobs else None,
+        "logprobs": params.top_logprobs if params.top_logprobs else 0 if params.logprobs else None,
     }
     if params.stop_token_ids:
         out["stop_token_ids"] = sorted(set(params.stop_token_ids))
@@ -70,12 +71,14 @@ class CollectedOutput:
 
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    top: TopLogprobs = dataclasses.field(default_factory=list)
     finish: str | None = None
     cached_tokens: int | None = None
 
 
-def collect_output(acc: CollectedOutput, output: Any) -> None:
-    """Add one ``RequestOutput`` delta (``outputs[0]``) to ``acc``."""
+def collect_output(acc: CollectedOutput, output: Any, k: int = 0) -> None:
+    """Add one ``RequestOutput`` delta (``outputs[0]``) to ``acc`` (with the ``k`` most likely tokens of each
+    position when ``k > 0``)."""
     if getattr(output, "num_cached_tokens", None) is not None:
         acc.cached_tokens = int(output.num_cached_tokens)
     completion = output.outputs[0] if output.outputs else None
@@ -86,15 +89,29 @@ def collect_output(acc: CollectedOutput, output: Any) -> None:
     if completion.logprobs is not None:
         for token, entry in zip(new, list(completion.logprobs)[-len(new) :] if new else [], strict=True):
             acc.logprobs.append(float(entry[token].logprob))
+            if k:
+                acc.top.append(_top_entries(entry, k))
     if completion.finish_reason is not None:
         acc.finish = str(completion.finish_reason)
+
+
+def _top_entries(entry: Any, k: int) -> list[tuple[int, float]]:
+    """The ``k`` entries of rank 1..k of one position's ``{token_id: Logprob}`` (vLLM adds the sampled token)."""
+    ranked = sorted(
+        (lp.rank, int(t), float(lp.logprob)) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k
+    )
+    return [(t, v) for _, t, v in ranked]
 
 
 def result_from_collected(request: GenerationRequest, acc: CollectedOutput) -> GenerationResult:
     """The :class:`GenerationResult` of a finished (or aborted) stream."""
     finish, error = finish_from_name(acc.finish, "vllm")
     logprobs = list(acc.logprobs) if request.params.logprobs else None
-    if logprobs is not None and len(logprobs) != len(acc.tokens):
-        return error_result(request, f"vllm returned {len(logprobs)} logprobs for {len(acc.tokens)} tokens")
+    top = list(acc.top) if request.params.top_logprobs else None
+    for name, values in (("logprobs", logprobs), ("top_logprobs", top)):
+        if values is not None and len(values) != len(acc.tokens):
+            return error_result(request, f"vllm returned {len(values)} {name} for {len(acc.tokens)} tokens")
     meta = {} if acc.cached_tokens is None else {"cached_tokens": acc.cached_tokens}
-    return GenerationResult(request.request_id, list(acc.tokens), finish, logprobs, error=error, meta=meta)
+    return GenerationResult(
+        request.request_id, list(acc.tokens), finish, logprobs, error=error, meta=meta, top_logprobs=top
+    )
