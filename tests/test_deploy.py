@@ -671,6 +671,7 @@ def test_workers_join_and_retire_mid_run_without_losing_prompts(tmp_path):
             "length_mean": 16,
         },
         partition_size=2,
+        window=3,  # three partitions in flight per worker: most wait, some for the worker that joins
         progress=False,
     )
     cluster, _ = make_cluster({"kind": "local", "n_workers": 1, "threads_per_worker": 3})

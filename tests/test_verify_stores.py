@@ -18,7 +18,7 @@ from daskgen.store.repair import repair
 from daskgen.store.shard_index import ABSENT, read_index, shard_of
 from daskgen.store.verify import row_rules, verify
 from tests.conftest import run_cli, write_prompts
-from tests.fault_tally import record
+from tests.fault_tally import count, logged_requests, record
 from tests.test_object_store import s3, s3_server  # noqa: F401 - the moto server and bucket fixtures
 from tests.test_run import calls, sim_args
 
@@ -120,7 +120,9 @@ def test_a_deleted_chunk_object_on_s3_is_found_repaired_and_regenerated_alone(tm
     assert regenerated == pending, regenerated  # exactly the repaired rows, each once per sample
     _assert_same(url, before)
     assert verify(url, progress=False).sound
-    record("a deleted chunk object on S3: verify --repair, rerun", rows=N, regenerated=len(regenerated))
+    tally = count(logged_requests(tmp_path / "first.log"), logged_requests(tmp_path / "rerun.log"))
+    assert tally.regenerated == len(pending), tally
+    record("a deleted chunk object on S3: verify --repair, rerun", rows=N, tally=tally)
 
 
 def _inner_entry(out, name, index):
@@ -160,9 +162,9 @@ def test_damage_inside_a_shard_is_named_and_repaired_after_unpack(tmp_path):
     assert regenerated == set(range(4, 12)), regenerated
     _assert_same(out, before)
     assert verify(out, progress=False).sound
-    record(
-        "damage inside a shard of a packed store: unpack, verify --repair, rerun", rows=N, regenerated=len(regenerated)
-    )
+    tally = count(logged_requests(tmp_path / "first.log"), logged_requests(tmp_path / "rerun.log"))
+    assert tally.regenerated == 8, tally
+    record("damage inside a shard of a packed store: unpack, verify --repair, rerun", rows=N, tally=tally)
 
 
 def test_a_shard_index_is_read_from_object_storage_too():
