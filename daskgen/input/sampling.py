@@ -166,8 +166,8 @@ def requested_features(run: Mapping[str, Any], row_keys: frozenset[str]) -> set[
 
 
 def merged(defaults: Mapping[str, Any], row: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The settings a row uses: its own over the run's ``defaults``."""
-    return {**normalized(defaults), **normalized(row or {})}
+    """The settings a row uses: its own over the run's ``defaults`` (canonical already: :func:`run_settings`)."""
+    return {**defaults, **normalized(row)} if row else dict(defaults)
 
 
 def row_params(settings: Mapping[str, Any], eos_ids: tuple[int, ...], logprobs: bool) -> SamplingParams:

@@ -103,10 +103,12 @@ class SampledSequence:
             token = int(torch.argmax(_filtered(scores / self.temperature, self) + self._gumbel(row)))
         if self.constraint is not None:
             self.constraint.accept(token)
+        if self.want_logprobs or self.want_top:
+            log_norm = torch.logsumexp(row, dim=0)  # the untempered distribution's normalizer, once per token
         if self.want_logprobs:
-            self.logprobs.append(float(row[token] - torch.logsumexp(row, dim=0)))
+            self.logprobs.append(float(row[token] - log_norm))
         if self.want_top:
-            values, ids = torch.topk(row - torch.logsumexp(row, dim=0), min(self.want_top, row.numel()))
+            values, ids = torch.topk(row - log_norm, min(self.want_top, row.numel()))
             self.top.append(list(zip(ids.tolist(), values.tolist(), strict=True)))
         self.tokens.append(token)
         if self.shaping is not None:
