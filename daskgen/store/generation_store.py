@@ -211,8 +211,13 @@ class GenerationStore:
 
     # --- writing -------------------------------------------------------------------------------
     def write_region(self, start: int, arrays: dict[str, np.ndarray]) -> None:
-        """Worker side: overwrite one chunk-aligned row region of each given data array."""
-        for name, values in arrays.items():
+        """Worker side: overwrite one chunk-aligned row region of each given data array.
+
+        ``finish_reason`` is written last: a later attempt keeps a stored sample on the strength of its
+        finish reason (:mod:`daskgen.worker.continuation`), so a writer killed part-way through the region
+        must not leave a finish reason beside arrays it never wrote.
+        """
+        for name, values in sorted(arrays.items(), key=lambda item: item[0] == "finish_reason"):
             if name not in WORKER_ARRAYS and name not in self.layout.data_arrays():
                 raise StoreError(f"workers may only write data arrays {self.layout.data_arrays()}, not {name!r}")
             with self.write_errors(f"writing {name} rows {start}..{start + len(values) - 1}"):
