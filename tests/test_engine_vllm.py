@@ -239,7 +239,7 @@ class TestVLLMConformance(_SharedVLLM, EngineConformance):
         found = VLLMEngine.top_logprobs_limit(self.engine.engine_args)
         assert found is not None and found[1] == "max_logprobs"
         limit = found[0]
-        over = self.run(self.one(request("over-limit", top_logprobs=limit + 1, max_new_tokens=2)))
+        over = self.run(self.engine.generate(request("over-limit", top_logprobs=limit + 1, max_new_tokens=2)))
         assert over.error is not None and f"greater than max allowed: {limit}" in over.error, over.error
         at = self.run(self.one(request("at-limit", top_logprobs=limit, max_new_tokens=2)))
         assert at.error is None and at.top_logprobs is not None and len(at.top_logprobs[0]) == limit

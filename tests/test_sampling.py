@@ -20,6 +20,7 @@ from daskgen.input.rows import scan_prompts
 from daskgen.input.sampling import RowSamplingCheck
 from daskgen.input.tokenizer import load_tokenizer
 from daskgen.store.layout import Layout
+from tests.conftest import run_cli
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -126,8 +127,14 @@ def carried(fmt, store, tmp):
             pd.read_parquet(tmp / "out.parquet") if fmt == "parquet" else pd.read_json(tmp / "out.jsonl", lines=True)
         )
         return list(zip(frame.prompt_id, frame.sampling, frame.stop_reason.tolist(), strict=True))
-    data = next(daskgen.follow(store, batch_prompts=8, wait=False, format=fmt[7:], cursor=fmt)).data
-    if fmt == "follow-rows":
+    if fmt == "follow-cli":  # `daskgen follow`: JSONL on stdout
+        res = run_cli("follow", store, "--no-wait", "--cursor", "cli")
+        assert res.returncode == 0, res.stderr
+        data = [json.loads(line) for line in res.stdout.splitlines()]
+    else:
+        data = next(daskgen.follow(store, batch_prompts=8, wait=False, format=fmt[7:], cursor=fmt)).data
+    if fmt in ("follow-rows", "follow-arrow", "follow-cli"):
+        data = data.to_pylist() if fmt == "follow-arrow" else data
         return [(r["prompt_id"], r["sampling"], r["stop_reason"]) for r in data]
     if fmt == "follow-xarray":
         return list(
@@ -142,7 +149,11 @@ def carried(fmt, store, tmp):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "fmt", ["parquet", "jsonl", "tensordict", "follow-rows", "follow-xarray", "follow-tensordict", "follow-dataproto"]
+    "fmt",
+    [
+        *("parquet", "jsonl", "tensordict", "follow-rows", "follow-arrow", "follow-xarray", "follow-tensordict"),
+        *("follow-dataproto", "follow-cli"),
+    ],
 )
 def test_every_export_and_follow_format_carries_each_rows_settings_and_stop_reason(runs, fmt, tmp_path):
     _, _, rows, _, folder = runs

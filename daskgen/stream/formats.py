@@ -1,4 +1,4 @@
-"""Turning the rows of a batch into what a trainer takes: xarray, TensorDict, verl ``DataProto`` or rows.
+"""Turning the rows of a batch into what a trainer takes: xarray, TensorDict, verl ``DataProto``, rows or Arrow.
 
 :func:`read_rows` reads only the delivered rows (contiguous runs of rows as slices, so each data chunk is read once
 per batch); :func:`build` shapes them.  The tensor formats use the field layout of ``daskgen export --format
@@ -10,6 +10,8 @@ The input's kept columns (``keep_columns``) and the row's settings (``sampling``
 when the run records them) come in every format: as variables of the xarray dataset (``column_<name>`` for a kept
 column), and by their own names as row keys, ``DataProto.non_tensor_batch`` entries and ``TensorDict`` non-tensor
 entries (one string per sample); ``stop_reason`` (when the run uses stops) likewise, as an integer per sample.
+The ``rows`` and ``arrow`` formats hold the columns of ``daskgen export --format parquet``
+(:func:`daskgen.analysis.arrow.arrow_block`); ``daskgen follow`` writes the ``arrow`` batches.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from daskgen.errors import FollowError
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import TOP_LOGPROB_ARRAYS
 
-FORMATS = ("xarray", "tensordict", "dataproto", "rows")
+FORMATS = ("xarray", "tensordict", "dataproto", "rows", "arrow")
 #: The arrays the tensor and row formats are built from (``logprobs`` too when the run recorded them).
 TOKEN_FIELDS = (
     "prompt_ids",
@@ -129,22 +131,15 @@ def build(fmt: str, store: GenerationStore, ds: Any) -> Any:
     from daskgen.analysis.decode import flatten_samples
 
     block = flatten_samples(ds)
-    if fmt == "rows":
+    if fmt in ("rows", "arrow"):
         from daskgen.analysis.arrow import arrow_block, json_records
 
-        return json_records(arrow_block(block, store.attrs.logprobs_recorded))
+        table = arrow_block(block, store.attrs.logprobs_recorded)
+        return table if fmt == "arrow" else json_records(table)
     tensors, extra = _verl(block, store)
     if fmt == "tensordict":
         return _tensordict(tensors, extra)
     return _dataproto(tensors, extra)
-
-
-def arrow_table(store: GenerationStore, ds: Any) -> Any:
-    """A pyarrow table of a batch's dataset, one row per generated sample: the columns of ``daskgen export``."""
-    from daskgen.analysis.arrow import arrow_block
-    from daskgen.analysis.decode import flatten_samples
-
-    return arrow_block(flatten_samples(ds), store.attrs.logprobs_recorded)
 
 
 def _verl(block: dict[str, np.ndarray], store: GenerationStore) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
