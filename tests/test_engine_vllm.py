@@ -235,6 +235,15 @@ class TestVLLMConformance(_SharedVLLM, EngineConformance):
         info = self.engine.describe()
         assert info["vllm_version"] == TESTED_VLLM_VERSION and info["dtype"] == "float32"
 
+    def test_vllm_refuses_above_the_top_logprobs_limit_the_plan_checks(self) -> None:
+        found = VLLMEngine.top_logprobs_limit(self.engine.engine_args)
+        assert found is not None and found[1] == "max_logprobs"
+        limit = found[0]
+        over = self.run(self.engine.generate(request("over-limit", top_logprobs=limit + 1, max_new_tokens=2)))
+        assert over.error is not None and f"greater than max allowed: {limit}" in over.error, over.error
+        at = self.run(self.one(request("at-limit", top_logprobs=limit, max_new_tokens=2)))
+        assert at.error is None and at.top_logprobs is not None and len(at.top_logprobs[0]) == limit
+
     def test_capacity_is_max_num_seqs(self) -> None:
         capacity = self.engine.capacity
         assert isinstance(capacity, int) and capacity >= 1, capacity

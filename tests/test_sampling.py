@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 import xarray as xr
 
 import daskgen
+from daskgen.analysis import export as ex
+from daskgen.analysis.accessor import open_store
 from daskgen.config import RunConfig
 from daskgen.engines.stops import EOS, NO_STOP, first_stop
 from daskgen.errors import ConfigError, InputError, StoreMismatchError
@@ -17,6 +20,7 @@ from daskgen.input.rows import scan_prompts
 from daskgen.input.sampling import RowSamplingCheck
 from daskgen.input.tokenizer import load_tokenizer
 from daskgen.store.layout import Layout
+from tests.conftest import run_cli
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,6 +67,7 @@ def runs(tiny_model, tmp_path_factory):
         {"prompt": PROMPTS[1], "id": "q1", "sampling": {"max_new_tokens": 3, "min_new_tokens": 3}},
         {"prompt": PROMPTS[2], "id": "q2", "sampling": {"stop": ["\x00never", _stop_text(ids[2], decode)]}},
         {"prompt": PROMPTS[3], "id": "q3", "sampling": {"stop_token_ids": [ids[3][2]]}},
+        {"prompt": PROMPTS[0], "id": "q4", "sampling": {"temperature": 0.7, "seed": 5}},
     ]
     daskgen.generate(rows, **run_options(tiny_model, folder / "b"))
     return xr.open_zarr(folder / "b"), ids, rows, decode, folder
@@ -96,15 +101,67 @@ def test_rows_get_their_own_limits_and_stops(runs):
 
 @pytest.mark.slow
 def test_store_records_each_rows_settings(runs):
-    ds, _, rows, _, _ = runs
+    ds, _, rows, _, folder = runs
     used = [json.loads(text) for text in ds.sampling.values]
     assert used[1]["max_new_tokens"] == 3 and used[1]["min_new_tokens"] == 3 and used[0]["max_new_tokens"] == 12
     assert (
         used[2]["stop"] == rows[2]["sampling"]["stop"]
         and used[3]["stop_token_ids"] == rows[3]["sampling"]["stop_token_ids"]
     )
-    assert all(u["temperature"] == 0.0 for u in used)
-    assert len(set(ds.sampling.values.tolist())) == 4  # one group per distinct setting
+    assert all(u["temperature"] == 0.0 for u in used[:4])
+    assert used[4]["temperature"] == 0.7 and used[4]["seed"] == 5
+    assert len(set(ds.sampling.values.tolist())) == 5  # one group per distinct setting
+    frame = open_store(folder / "b").daskgen.settings()  # one row per prompt, one column per key: to group by
+    assert frame.loc[4, "temperature"] == 0.7 and frame.loc[2, "stop"] == rows[2]["sampling"]["stop"]
+    assert frame.groupby("temperature").size().to_dict() == {0.0: 4, 0.7: 1}
+
+
+def carried(fmt, store, tmp):
+    """``(prompt_id, sampling JSON, stop_reason)`` of each sample in export or follow format ``fmt``."""
+    if fmt in ("parquet", "jsonl", "tensordict"):
+        ex.export(store, tmp / f"out.{fmt}", fmt, text=False, raw=False, overwrite=True)
+        if fmt == "tensordict":
+            _, extra = ex.verl_parts(ex.load_tensordict(tmp / f"out.{fmt}"))
+            return list(zip(extra["prompt_id"], extra["sampling"], extra["stop_reason"].tolist(), strict=True))
+        frame = (
+            pd.read_parquet(tmp / "out.parquet") if fmt == "parquet" else pd.read_json(tmp / "out.jsonl", lines=True)
+        )
+        return list(zip(frame.prompt_id, frame.sampling, frame.stop_reason.tolist(), strict=True))
+    if fmt == "follow-cli":  # `daskgen follow`: JSONL on stdout
+        res = run_cli("follow", store, "--no-wait", "--cursor", "cli")
+        assert res.returncode == 0, res.stderr
+        data = [json.loads(line) for line in res.stdout.splitlines()]
+    else:
+        data = next(daskgen.follow(store, batch_prompts=8, wait=False, format=fmt[7:], cursor=fmt)).data
+    if fmt in ("follow-rows", "follow-arrow", "follow-cli"):
+        data = data.to_pylist() if fmt == "follow-arrow" else data
+        return [(r["prompt_id"], r["sampling"], r["stop_reason"]) for r in data]
+    if fmt == "follow-xarray":
+        return list(
+            zip(data.prompt_id.values, data.sampling.values, data.stop_reason.values[:, 0].tolist(), strict=True)
+        )
+    if fmt == "follow-tensordict":  # string ids are the batch's prompt_ids, by prompt_index
+        ids = [f"q{i}" for i in data["prompt_index"].tolist()]
+        return list(zip(ids, data["sampling"].tolist(), data["stop_reason"].tolist(), strict=True))
+    extra = data.non_tensor_batch
+    return list(zip(extra["prompt_id"], extra["sampling"], extra["stop_reason"].tolist(), strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        *("parquet", "jsonl", "tensordict", "follow-rows", "follow-arrow", "follow-xarray", "follow-tensordict"),
+        *("follow-dataproto", "follow-cli"),
+    ],
+)
+def test_every_export_and_follow_format_carries_each_rows_settings_and_stop_reason(runs, fmt, tmp_path):
+    _, _, rows, _, folder = runs
+    got = {str(pid): (json.loads(str(text)), int(reason)) for pid, text, reason in carried(fmt, folder / "b", tmp_path)}
+    assert sorted(got) == [r["id"] for r in rows]
+    assert got["q4"][0]["temperature"] == 0.7 and got["q0"][0]["temperature"] == 0.0  # a row's own, the run's
+    assert got["q1"][0]["max_new_tokens"] == 3 and got["q2"][0]["stop"] == rows[2]["sampling"]["stop"]
+    assert got["q2"][1] == 1 and got["q3"][1] == 0 and got["q1"][1] == NO_STOP  # the 2nd string, the 1st id, none
 
 
 @pytest.mark.slow

@@ -210,3 +210,30 @@ def test_region_round_trip_keeps_each_tokens_entries():
         [(7, pytest.approx(-0.3)), (1, -1.5)],
     ]
     assert [[t for t, _ in e] for e in stored_top_logprobs(region, (1, 0), 3)] == [[5, 6], [], [9]]
+
+
+def test_more_top_logprobs_than_vllm_gives_is_refused_at_plan_time_naming_k_the_limit_and_the_fix(tiny_model, tmp_path):
+    from daskgen.client.plan import prepare
+    from daskgen.config import RunConfig
+    from daskgen.engines import get_engine_class
+    from daskgen.engines.features import check_top_logprobs
+    from daskgen.errors import ConfigError
+
+    prompts = write_prompts(tmp_path / "p.jsonl", 2)
+    settings = dict(model=str(tiny_model), prompts=str(prompts), engine="vllm", max_new_tokens=4)
+    with pytest.raises(ConfigError) as info:  # vLLM's own default max_logprobs is 20
+        prepare(RunConfig(**settings, store=str(tmp_path / "a.zarr"), top_logprobs=21))
+    text = str(info.value)
+    assert (
+        "top_logprobs=21 is more than engine 'vllm' gives per request: at most 20 (its engine arg max_logprobs" in text
+    )
+    assert "Lower top_logprobs to 20 or less" in text and "--engine-arg max_logprobs=21" in text
+    assert not (tmp_path / "a.zarr").exists()  # refused before the store or any engine
+    vllm, sglang = get_engine_class("vllm"), get_engine_class("sglang")
+    with pytest.raises(ConfigError, match="top_logprobs=9 is more .* at most 8 "):
+        check_top_logprobs("vllm", vllm, 9, {"max_logprobs": 8})
+    raised = prepare(RunConfig(**settings, store=str(tmp_path / "c.zarr"), top_logprobs=32,
+                               engine_args={"max_logprobs": 32}))  # fmt: skip
+    assert raised.layout.top_logprobs == 32
+    assert vllm.top_logprobs_limit({"max_logprobs": -1}) is None  # vLLM's "no cap"
+    assert sglang.top_logprobs_limit({}) is None and get_engine_class("transformers").top_logprobs_limit({}) is None

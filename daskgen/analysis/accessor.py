@@ -8,6 +8,7 @@ Importing this module registers the accessor on every :class:`xarray.Dataset`::
     done = ds.daskgen.done()                  # lazy: the done rows only
     ds.daskgen.length_stats()                 # response lengths per finish reason (pandas)
     ds.daskgen.texts(limit=3)                 # decoded prompts and responses (pandas)
+    ds.daskgen.settings()                     # the sampling settings each row used (pandas)
 
 Everything works on stores larger than memory and while a run writes the store: the checkpoint
 mask ``status`` (one byte per prompt) is read first and held in memory, so only rows that were
@@ -19,6 +20,7 @@ This module imports numpy, pandas, dask and xarray only (no torch, transformers 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,7 +49,7 @@ from daskgen.analysis.stats import (
 from daskgen.errors import ConfigError, StoreError, StoreMismatchError
 from daskgen.store.attrs import ATTRS_KEY, StoreAttrs
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.layout import DONE, FAILED, PENDING
+from daskgen.store.layout import DONE, FAILED, NUMBER_RECORDS, PENDING
 from daskgen.store.location import StoreLocation, locate
 
 __all__ = [
@@ -289,6 +291,19 @@ class DaskgenAccessor:
         )
         return hits, counted
 
+    def settings(self, which: str = "done") -> pd.DataFrame:
+        """The sampling settings each row of status ``which`` used, one column per key, indexed by ``prompt_index``
+        (group by them: ``ds.daskgen.settings().groupby("temperature")``).  A run whose rows set nothing of their own
+        gives the run's settings on every row."""
+        from daskgen.input.sampling import run_settings
+
+        rows = self.rows(which)
+        texts = self._ds["sampling"].isel(prompt=rows).values if "sampling" in self._ds else [""] * len(rows)
+        default = run_settings(self.attrs.config)
+        records = [json.loads(str(text)) if str(text) else default for text in texts]
+        index = pd.Index(self._ds["prompt_index"].values[rows], name="prompt_index")
+        return pd.DataFrame.from_records(records, index=index, columns=sorted({k for r in records for k in r}))
+
     # -- decoding -----------------------------------------------------------------------------
     def input_path(self, path: str | Path | None = None) -> Path | None:
         """The run's input file if it still holds the store's input (same fingerprint), else ``None``.
@@ -358,6 +373,7 @@ class DaskgenAccessor:
         picked = self.rows("done") if rows is None else np.asarray(rows, dtype=np.int64)
         picked = picked[:limit] if limit is not None else picked
         names = ["prompt_ids", "prompt_length", "response_ids", "response_length", "finish_reason"]
+        names += [name for name in NUMBER_RECORDS if name in self._ds]
         sub = self._ds[names].isel(prompt=picked).compute()
         flat = flatten_samples(sub)
         prompts, responses = _decode_flat(tok, sub, flat, skip_special_tokens)
@@ -377,8 +393,8 @@ def _pass_dataset(rows: np.ndarray, hits: np.ndarray, used: np.ndarray, ks: Sequ
 
 
 def _sample_frame(flat: dict[str, np.ndarray]) -> pd.DataFrame:
-    """One row per flattened sample: its indices, finish label and response length."""
-    columns = ["prompt_index", "prompt_id", "sample", "trajectory", "response_length"]
+    """One row per flattened sample: its indices, finish label, stop reason (when recorded) and response length."""
+    columns = ["prompt_index", "prompt_id", "sample", "trajectory", *NUMBER_RECORDS, "response_length"]
     frame = pd.DataFrame({c: flat[c] for c in columns if c in flat})
     frame.insert(len(frame.columns) - 1, "finish_reason", finish_labels(flat["finish_reason"]))
     return frame

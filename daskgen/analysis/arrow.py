@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from daskgen.analysis.decode import finish_labels, kept_fields
-from daskgen.store.layout import NO_TOKEN
+from daskgen.analysis.decode import finish_labels, text_fields
+from daskgen.store.layout import NO_TOKEN, NUMBER_RECORDS
 
 
 def _ragged(values: np.ndarray, lengths: np.ndarray) -> Any:
@@ -67,11 +67,11 @@ def _arrow_index_columns(block: dict[str, np.ndarray]) -> dict[str, Any]:
 
 
 def _arrow_optional_columns(block: dict[str, np.ndarray], has_logprobs: bool) -> dict[str, Any]:
-    """The columns a block may lack: ``logprobs`` and top-k logprobs (when recorded), decoded text, the raw prompt
-    and the input's kept columns (by their own names)."""
+    """The columns a block may lack: ``stop_reason``, ``logprobs`` and top-k logprobs (when recorded), decoded text,
+    the raw prompt, the row's settings and the input's kept columns (by their own names)."""
     import pyarrow as pa
 
-    columns = {}
+    columns = {name: pa.array(block[name]) for name in NUMBER_RECORDS if name in block}
     if has_logprobs:
         columns["logprobs"] = _ragged(block["logprobs"], block["response_length"])
     if "top_logprobs" in block:
@@ -79,7 +79,7 @@ def _arrow_optional_columns(block: dict[str, np.ndarray], has_logprobs: bool) ->
     for name in ("prompt_text", "response_text", "raw_prompt"):
         if name in block:
             columns[name] = pa.array(block[name].tolist(), type=pa.string())
-    for name, values in kept_fields(block).items():
+    for name, values in text_fields(block).items():
         columns[name] = pa.array(values.tolist(), type=pa.string())
     return columns
 

@@ -11,7 +11,7 @@ import numpy as np
 import xarray as xr
 
 from daskgen.engines.base import FinishReason
-from daskgen.store.layout import column_name
+from daskgen.store.layout import TEXT_RECORDS, column_name
 
 #: Labels of the ``finish_reason`` codes, indexed by ``code + 1`` (code -1: the sample was not generated).
 FINISH_LABELS: tuple[str, ...] = ("not_generated", *(r.name.lower() for r in FinishReason))
@@ -74,12 +74,13 @@ def flatten_samples(sub: xr.Dataset) -> dict[str, np.ndarray]:
     return {k: v[keep] for k, v in out.items()}
 
 
-def kept_fields(block: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The input's kept columns in a flattened block, by their own names (object arrays of ``str``): the
-    fields every export and ``daskgen.follow`` format adds for them."""
+def text_fields(block: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The per-row text of a flattened block, by name (object arrays of ``str``): what the row asked for
+    (:data:`~daskgen.store.layout.TEXT_RECORDS`: ``sampling``, ``response_format``, JSON text) and the input's kept
+    columns by their own names.  Every export and ``daskgen.follow`` format adds these fields."""
     out = {}
     for key, values in block.items():
-        name = column_name(key)
+        name = key if key in TEXT_RECORDS else column_name(key)
         if name is not None:
             out[name] = np.array([str(v) for v in values], dtype=object)
     return out

@@ -31,13 +31,12 @@ from daskgen.analysis.accessor import (
 )
 from daskgen.analysis.archive import require_wandb, upload_wandb, zip_store
 from daskgen.analysis.arrow import arrow_block, json_records
-from daskgen.analysis.decode import kept_fields
+from daskgen.analysis.decode import text_fields
 from daskgen.analysis.output import check_output, output_size, staged_output
 from daskgen.analysis.verl import BATCH_KEYS, VERL_KEYS, attach_non_tensor, tensordict_of, verl_block
 from daskgen.errors import ExportError, StoreError
 from daskgen.store.attrs import StoreAttrs
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.layout import top_logprob_arrays
 from daskgen.store.location import StoreRef, locate
 
 __all__ = [
@@ -110,7 +109,7 @@ class Source:
         self.total = _units(self.ds, self.rows)
         self.pad = self.attrs.layout.pad_token_id
         self.has_logprobs = self.attrs.logprobs_recorded
-        self.read = (*_READ, *top_logprob_arrays(self.attrs.layout), *self.attrs.layout.column_arrays())
+        self.read = (*_READ, *self.attrs.layout.sample_records())
         self.tokenizer = self.ds.daskgen.tokenizer(tokenizer) if text else None
         source = self.ds.daskgen.input_path(prompts) if raw or prompts else None
         self.raw = None if source is None else iter_raw_prompts(source, self.rows)  # consumed block by block
@@ -189,7 +188,7 @@ def _tensor_blocks(src: Source) -> Iterator[tuple[Any, dict[str, list[Any]]]]:
     for block in src.blocks():
         tensors = tensordict_of(verl_block(block, *width, src.pad, src.has_logprobs), len(block["sample"]))
         strings = {k: [str(v) for v in block[k]] for k in _NON_TENSOR if k in block}
-        yield tensors, strings | {k: v.tolist() for k, v in kept_fields(block).items()}
+        yield tensors, strings | {k: v.tolist() for k, v in text_fields(block).items()}
 
 
 def to_tensordict(
@@ -204,9 +203,10 @@ def to_tensordict(
 
     One row per (prompt, sample[, trajectory]) of done prompts: the :data:`VERL_KEYS` batch fields (logprobs only
     when the run recorded them; ``top_logprob_ids``/``top_logprobs`` likewise), int64 metadata (``prompt_index``,
-    ``sample``, ``num_turns``, ``finish_reason``, lengths) and non-tensor ``prompt_id``, ``raw_prompt`` (JSON of the
-    input's messages or prompt, when the input file is found), the input's kept columns (``keep_columns``, by their
-    own names) and, with ``text``, decoded text.
+    ``sample``, ``num_turns``, ``finish_reason``, lengths, ``stop_reason`` when the run used stops) and non-tensor
+    ``prompt_id``, ``raw_prompt`` (JSON of the input's messages or prompt, when the input file is found), the row's
+    settings (``sampling``, ``response_format``: JSON text, when recorded), the input's kept columns
+    (``keep_columns``, by their own names) and, with ``text``, decoded text.
     """
     import torch
 
@@ -246,7 +246,8 @@ def verl_parts(td: Any) -> tuple[Any, dict[str, np.ndarray]]:
 
     ``batch`` holds the :data:`VERL_KEYS` tensors (and the top-k logprobs when recorded); ``non_tensor_batch`` holds
     numpy arrays of the per-sample metadata (``num_turns``, ``prompt_index``, ``sample``, ``prompt_id``,
-    ``raw_prompt``, the input's kept columns, ...): object arrays of ``str`` for the non-tensor fields.
+    ``raw_prompt``, ``stop_reason``, ``sampling``, the input's kept columns, ...): object arrays of ``str`` for the
+    non-tensor fields.
     """
     from tensordict import is_non_tensor
 

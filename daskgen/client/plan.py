@@ -91,15 +91,17 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
 
 
 def _check_features(config: RunConfig, keys: frozenset[str], structured: bool) -> None:
-    """Refuse a run that asks its engine for a feature it does not serve (before any engine starts)."""
+    """Refuse a run that asks its engine for a feature it does not serve, or for more top-k logprobs than it gives
+    (before any engine starts)."""
     from daskgen.engines import resolve_engine_class
-    from daskgen.engines.features import check_features
+    from daskgen.engines.features import check_features, check_top_logprobs
 
     cls = resolve_engine_class(config.engine)
     wanted = requested_features(run_settings(config), keys)
     wanted |= {"structured_outputs"} if structured else set()
     wanted |= {"top_logprobs"} if config.top_logprobs else set()
     check_features(config.engine, cls.features, wanted)
+    check_top_logprobs(config.engine, cls, config.top_logprobs, config.engine_args)
 
 
 def _input_source(config: RunConfig, prompts: str | Path | Sequence[Any] | None) -> str | Path | Sequence[Any]:

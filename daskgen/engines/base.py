@@ -283,6 +283,12 @@ class Engine(abc.ABC):
     #: plan refuses a run asking for one the engine lacks.  Read on the class.
     features: frozenset[str] = frozenset()
 
+    @classmethod
+    def top_logprobs_limit(cls, engine_args: dict[str, Any]) -> tuple[int, str] | None:
+        """The most top-k logprobs one request may ask for with ``engine_args``, and the engine arg that raises it;
+        ``None`` when the engine sets no limit.  Read on the class: the plan refuses a larger ``top_logprobs``."""
+        return None
+
     @property
     def supports_seed(self) -> bool:
         """True when ``SamplingParams.seed`` makes outputs reproducible."""

@@ -2,14 +2,19 @@
 
 Each engine declares the features it serves in its ``features`` class attribute (names of
 :data:`FEATURES`); :func:`check_features` refuses, before any engine starts, a run that asks its
-engine for one it lacks, naming the registered engines that serve it.
+engine for one it lacks, naming the registered engines that serve it; :func:`check_top_logprobs` refuses a
+``top_logprobs`` above the engine's limit (:meth:`~daskgen.engines.base.Engine.top_logprobs_limit`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from daskgen.errors import ConfigError
+
+if TYPE_CHECKING:
+    from daskgen.engines.base import Engine
 
 #: Every request feature, with what a run asks for when it uses it.
 FEATURES: dict[str, str] = {
@@ -51,4 +56,18 @@ def check_features(engine: str, features: frozenset[str], wanted: Iterable[str])
         f"engine {engine!r} cannot serve what this run asks for:\n  "
         + "\n  ".join(lines)
         + "\nUse one of the engines listed, or drop these settings."
+    )
+
+
+def check_top_logprobs(engine: str, cls: type[Engine], k: int, engine_args: dict[str, Any]) -> None:
+    """Raise :class:`ConfigError` when ``top_logprobs=k`` is more than engine ``engine`` (class ``cls``) gives per
+    request with ``engine_args``."""
+    found = cls.top_logprobs_limit(engine_args) if k else None
+    if found is None or k <= found[0]:
+        return
+    limit, arg = found
+    raise ConfigError(
+        f"top_logprobs={k} is more than engine {engine!r} gives per request: at most {limit} (its engine arg "
+        f"{arg}={limit}). Lower top_logprobs to {limit} or less, or raise the engine's limit: "
+        f"--engine-arg {arg}={k} (engine_args: {{{arg}: {k}}} in the config)."
     )

@@ -147,8 +147,10 @@ class RowSamplingCheck:
 
 
 def run_defaults(config: Any) -> dict[str, Any]:
-    """The run's sampling settings (every key of :data:`KEYS` but ``seed``, which seeds the run)."""
-    return {key: getattr(config, key) for key in KEYS if key != "seed"}
+    """The run's sampling settings (every key of :data:`KEYS` but ``seed``, which seeds the run) of a
+    :class:`~daskgen.config.RunConfig` or of the config mapping a store's attrs keep."""
+    read = config.get if isinstance(config, Mapping) else lambda key: getattr(config, key)
+    return {key: read(key) for key in KEYS if key != "seed"}
 
 
 def run_settings(config: Any) -> dict[str, Any]:

@@ -24,6 +24,11 @@ SCHEMA_VERSIONS = (SCHEMA_VERSION, SCHEMA_VERSION_TRAJECTORIES)
 PENDING, DONE, FAILED = 0, 1, 2
 #: The ``coordinates`` attribute of every non-coordinate array (CF conventions, read by xarray).
 COORDS = "prompt_index prompt_id"
+#: Per-prompt records of what each row asked for (JSON text, ``""``: none), given by name to every sample in exports
+#: and followed batches.
+TEXT_RECORDS = ("sampling", "response_format")
+#: Per-sample integer records beside ``finish_reason`` (in exports and followed batches as they are).
+NUMBER_RECORDS = ("stop_reason",)
 #: Prefix of the arrays holding the input's kept columns (``keep_columns``): ``column_answer``.
 COLUMN_PREFIX = "column_"
 
@@ -124,6 +129,14 @@ class Layout:
     def column_arrays(self) -> tuple[str, ...]:
         """The arrays of the input's kept columns (``keep_columns``), in the order they were listed."""
         return tuple(column_array(name) for name in self.columns)
+
+    def sample_records(self) -> tuple[str, ...]:
+        """The arrays every export and followed batch carries beside the token arrays, as far as this layout has
+        them: the row's settings (:data:`TEXT_RECORDS`), :data:`NUMBER_RECORDS`, the top-k logprobs and the input's
+        kept columns."""
+        specs = self.array_specs()
+        records = (name for name in (*TEXT_RECORDS, *NUMBER_RECORDS) if name in specs)
+        return (*records, *top_logprob_arrays(self), *self.column_arrays())
 
     def partitions(self) -> range:
         """Start rows of every partition."""

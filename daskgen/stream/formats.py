@@ -1,4 +1,4 @@
-"""Turning the rows of a batch into what a trainer takes: xarray, TensorDict, verl ``DataProto`` or rows.
+"""Turning the rows of a batch into what a trainer takes: xarray, TensorDict, verl ``DataProto``, rows or Arrow.
 
 :func:`read_rows` reads only the delivered rows (contiguous runs of rows as slices, so each data chunk is read once
 per batch); :func:`build` shapes them.  The tensor formats use the field layout of ``daskgen export --format
@@ -6,9 +6,12 @@ tensordict`` (:mod:`daskgen.analysis.verl`): left-padded ``prompts``, right-padd
 ``input_ids``, ``attention_mask``, ``position_ids``, ``rollout_log_probs`` and ``top_logprob_ids``/``top_logprobs``
 (when recorded), one row per generated (prompt, sample), padded to the store's widths (``max_prompt_tokens``,
 ``max_new_tokens``): every batch has the same shape, so batches concatenate (``DataProto.concat``, ``torch.cat``).
-The input's kept columns (``keep_columns``) come in every format: as ``column_<name>`` variables of the xarray
-dataset, and by their own names as row keys, ``DataProto.non_tensor_batch`` entries and ``TensorDict`` non-tensor
-entries (one string per sample).
+The input's kept columns (``keep_columns``) and the row's settings (``sampling``, ``response_format``: JSON text,
+when the run records them) come in every format: as variables of the xarray dataset (``column_<name>`` for a kept
+column), and by their own names as row keys, ``DataProto.non_tensor_batch`` entries and ``TensorDict`` non-tensor
+entries (one string per sample); ``stop_reason`` (when the run uses stops) likewise, as an integer per sample.
+The ``rows`` and ``arrow`` formats hold the columns of ``daskgen export --format parquet``
+(:func:`daskgen.analysis.arrow.arrow_block`); ``daskgen follow`` writes the ``arrow`` batches.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ import numpy as np
 
 from daskgen.errors import FollowError
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.layout import TOP_LOGPROB_ARRAYS, top_logprob_arrays
+from daskgen.store.layout import TOP_LOGPROB_ARRAYS
 
-FORMATS = ("xarray", "tensordict", "dataproto", "rows")
+FORMATS = ("xarray", "tensordict", "dataproto", "rows", "arrow")
 #: The arrays the tensor and row formats are built from (``logprobs`` too when the run recorded them).
 TOKEN_FIELDS = (
     "prompt_ids",
@@ -50,8 +53,7 @@ def fields_to_read(store: GenerationStore, fmt: str, fields: tuple[str, ...] | N
     wanted = list(fields or (available if fmt == "xarray" else ()))
     if fmt != "xarray":
         wanted += [*TOKEN_FIELDS, *(["logprobs"] if store.attrs.logprobs_recorded else [])]
-        wanted += top_logprob_arrays(store.layout)
-        wanted += store.layout.column_arrays()
+        wanted += store.layout.sample_records()
     return tuple(dict.fromkeys(wanted))
 
 
@@ -129,27 +131,20 @@ def build(fmt: str, store: GenerationStore, ds: Any) -> Any:
     from daskgen.analysis.decode import flatten_samples
 
     block = flatten_samples(ds)
-    if fmt == "rows":
+    if fmt in ("rows", "arrow"):
         from daskgen.analysis.arrow import arrow_block, json_records
 
-        return json_records(arrow_block(block, store.attrs.logprobs_recorded))
+        table = arrow_block(block, store.attrs.logprobs_recorded)
+        return table if fmt == "arrow" else json_records(table)
     tensors, extra = _verl(block, store)
     if fmt == "tensordict":
         return _tensordict(tensors, extra)
     return _dataproto(tensors, extra)
 
 
-def arrow_table(store: GenerationStore, ds: Any) -> Any:
-    """A pyarrow table of a batch's dataset, one row per generated sample: the columns of ``daskgen export``."""
-    from daskgen.analysis.arrow import arrow_block
-    from daskgen.analysis.decode import flatten_samples
-
-    return arrow_block(flatten_samples(ds), store.attrs.logprobs_recorded)
-
-
 def _verl(block: dict[str, np.ndarray], store: GenerationStore) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """verl's batch fields and the per-sample extras (ids, metadata) of a flattened block."""
-    from daskgen.analysis.decode import kept_fields
+    from daskgen.analysis.decode import text_fields
     from daskgen.analysis.verl import BATCH_KEYS, VERL_META, verl_block
 
     layout = store.layout
@@ -159,12 +154,12 @@ def _verl(block: dict[str, np.ndarray], store: GenerationStore) -> tuple[dict[st
     extra = {k: fields[k] for k in VERL_META if k in fields}  # they go into DataProto.non_tensor_batch
     ids = np.asarray(block["prompt_id"], dtype=object)
     extra |= {"prompt_id": ids, "uid": ids.copy()}  # uid: verl groups a prompt's samples by it (GRPO)
-    return tensors, extra | kept_fields(block)
+    return tensors, extra | text_fields(block)
 
 
 def _tensordict(tensors: dict[str, np.ndarray], extra: dict[str, np.ndarray]) -> Any:
-    """A ``TensorDict`` of the verl fields, the integer metadata (``prompt_index``, ``sample``, ...) and the input's
-    kept columns (non-tensor entries).
+    """A ``TensorDict`` of the verl fields, the integer metadata (``prompt_index``, ``sample``, ``stop_reason``, ...)
+    and the per-row text (the row's settings and the input's kept columns: non-tensor entries).
 
     The string ids are left out (per-row strings make a ``TensorDict`` slow to build): they are
     :attr:`~daskgen.stream.batches.Batch.prompt_ids`, in the order of ``prompt_index``.

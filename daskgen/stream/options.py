@@ -37,8 +37,8 @@ class FollowOptions:
     )
     format: str = option(
         "xarray",
-        "xarray (a Dataset over prompt), tensordict, dataproto (verl) or rows (a list of dicts, one per "
-        "generated sample).",
+        "xarray (a Dataset over prompt), tensordict, dataproto (verl), rows (a list of dicts, one per "
+        "generated sample) or arrow (a pyarrow Table of those rows).",
         flags=None,
     )
     wait: bool = option(

@@ -18,10 +18,8 @@ from typing import IO, Any
 
 from daskgen.analysis.arrow import json_records
 from daskgen.errors import FollowError
-from daskgen.store.layout import TOP_LOGPROB_ARRAYS
 from daskgen.store.location import StoreRef
 from daskgen.stream.batches import Batch, Follower
-from daskgen.stream.formats import TOKEN_FIELDS, arrow_table
 from daskgen.stream.options import FollowOptions, SinkOptions
 
 SINKS = ("jsonl", "parquet-dir")
@@ -61,12 +59,10 @@ def follow_to(
         if out is None:
             raise FollowError("--format parquet-dir writes one file per batch into --out DIR: pass --out.")
         out.mkdir(parents=True, exist_ok=True)
-    fields = (*TOKEN_FIELDS, "logprobs", *TOP_LOGPROB_ARRAYS)  # the top-k arrays when the store has them
     summary = FollowSummary()
-    with Follower(store, options, format="xarray", fields=fields, auto_ack=False) as follower:
+    with Follower(store, options, format="arrow", auto_ack=False) as follower:
         for batch in follower:
-            assert follower.store is not None  # opened before the first batch
-            table = arrow_table(follower.store, batch.data)
+            table = batch.data
             if sink.sink == "jsonl":
                 _write_jsonl(table, stdout)
             else:

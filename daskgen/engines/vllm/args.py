@@ -15,7 +15,15 @@ from typing import Any
 
 from daskgen.engines.args import check_known_args
 
-__all__ = ["CPU_DEFAULTS", "THREAD_VARIABLES", "check_engine_args", "launch_kwargs", "vllm_thread_environment"]
+__all__ = [
+    "CPU_DEFAULTS",
+    "MAX_LOGPROBS_DEFAULT",
+    "THREAD_VARIABLES",
+    "check_engine_args",
+    "launch_kwargs",
+    "max_logprobs",
+    "vllm_thread_environment",
+]
 
 #: Defaults on machines without CUDA (any of them can be overridden in ``engine_args``): eager
 #: mode (no torch.compile of the model at start; vLLM runs its CPU worker in a process of its own),
@@ -23,6 +31,17 @@ __all__ = ["CPU_DEFAULTS", "THREAD_VARIABLES", "check_engine_args", "launch_kwar
 #: whose sampled token it discards (a partly prefilled prompt) with ``Generator.set_offset``, which
 #: CPU generators refuse ("RuntimeError: CPU Generator does not use offset"), and its EngineCore dies.
 CPU_DEFAULTS: dict[str, Any] = {"enforce_eager": True, "enable_chunked_prefill": False}
+#: vLLM's ``max_logprobs`` when the engine args do not set it (``ModelConfig.max_logprobs``; -1 there: no cap).
+MAX_LOGPROBS_DEFAULT = 20
+
+
+def max_logprobs(engine_args: Mapping[str, Any]) -> int | None:
+    """The most logprobs vLLM gives per token with these engine args: its ``max_logprobs`` (``None``: no cap; a
+    value that is not an integer is vLLM's to refuse at start)."""
+    value = engine_args.get("max_logprobs", MAX_LOGPROBS_DEFAULT)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 #: Thread counts a Dask worker's environment carries (the nanny sets 1; daskgen's local cluster sets
 #: CPUs / workers) that vLLM's processes must not inherit on a CPU (:func:`vllm_thread_environment`).
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")

@@ -62,7 +62,7 @@ from typing import Any
 
 from daskgen.engines.base import GenerationRequest, GenerationResult, aborted_result, error_result, started
 from daskgen.engines.inprocess import InProcessEngine, LoopThread, cuda_available
-from daskgen.engines.vllm.args import check_engine_args, launch_kwargs, vllm_thread_environment
+from daskgen.engines.vllm.args import check_engine_args, launch_kwargs, max_logprobs, vllm_thread_environment
 from daskgen.engines.vllm.mapping import CollectedOutput, collect_output, result_from_collected, vllm_sampling_kwargs
 
 __all__ = ["TESTED_VLLM_VERSION", "VLLMEngine"]
@@ -132,6 +132,12 @@ class VLLMEngine(InProcessEngine):
         self._live: dict[str, int] = {}
         self._aborting: set[str] = set()
         self._problem: str | None = None
+
+    @classmethod
+    def top_logprobs_limit(cls, engine_args: dict[str, Any]) -> tuple[int, str] | None:
+        """vLLM refuses a request asking for more logprobs than its ``max_logprobs`` engine arg (default 20)."""
+        limit = max_logprobs(engine_args)
+        return None if limit is None else (limit, "max_logprobs")
 
     # ------------------------------------------------------------------ lifecycle
 
