@@ -332,6 +332,18 @@ def order_row(label: str, repeat: int, batches: list) -> list:
     return [label, repeat, len(batches), first, whole, first / whole, quarter[-1][0], sum(waits), max(waits)]
 
 
+def input_row(store: Path, repeat: int, batch: int) -> list:
+    """The reference row: the first 25 % of the prompts by input index, what strict input order delivers first."""
+    import zarr
+
+    lengths = np.asarray(zarr.open_array(str(store), path="response_length", mode="r")[:], float)
+    generated = np.asarray(zarr.open_array(str(store), path="finish_reason", mode="r")[:]) >= 0
+    quarter = max(1, -(-len(lengths) // batch) // 4) * batch
+    first, whole = lengths[:quarter][generated[:quarter]].mean(), lengths[generated].mean()
+    batches = -(-len(lengths) // batch)
+    return ["input order (the first prompts by index)", repeat, batches, first, whole, first / whole, "—", "—", "—"]
+
+
 def weighted_mean(batches: list) -> float:
     """The mean length over the samples of ``batches``."""
     return sum(b[1] * b[2] for b in batches) / sum(b[2] for b in batches)
@@ -359,15 +371,17 @@ def part_order(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
         for t in threads:
             t.join()
         finished(proc, "the order run")
+        rows += [input_row(store, repeat, a.trainer_batch)]
         rows += [order_row(label, repeat, out) for (label, _, _), out in zip(sides, got, strict=True)]
     rec.note(
         f"Order: a daskgen run of {a.order_prompts} prompts x {a.n_samples} samples (simulated engine in real time, "
         f"lognormal lengths mean {a.length_mean}, sigma {a.sigma}, up to {a.max_new_tokens} tokens, {a.max_batch} "
         "requests at once, partitions of 1 prompt, 1 worker) into a local store, followed at once by one follower "
         f"per order (threads in the benchmark process, own cursors, batches of {a.trainer_batch} prompt groups). "
-        "First quarter = the follower's first 25 % of batches; lengths are over the delivered samples; head wait = "
-        "seconds committed prompts were held back by the window's head (batch.head_wait), summed and the longest "
-        f"before one batch; {a.order_repeats} runs."
+        "First quarter = the follower's first 25 % of batches (for the input-order reference row: the prompts "
+        "of as many full batches, by index, read from the store after the run); lengths are over the delivered "
+        "samples; head wait = seconds committed prompts were held back by the window's head (batch.head_wait), "
+        f"summed and the longest before one batch; {a.order_repeats} runs."
     )
     header = ["order", "run", "batches", "mean length, first quarter", "mean length, whole run", "first / whole"]
     rec.table([*header, "first quarter delivered after s", "head wait total s", "head wait max s"], rows)
@@ -387,7 +401,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--first-partition-size", type=int, default=1, help="partition size of the first-batch runs")
     p.add_argument("--sigma", type=float, default=1.2, help="lognormal sigma of the first-batch job's lengths")
     p.add_argument("--order-prompts", type=int, default=512, help="prompts of the order part's job")
-    p.add_argument("--order-windows", default="64,256", help="window sizes (prompts) of the order part")
+    p.add_argument("--order-windows", default="32,64,256", help="window sizes (prompts) of the order part")
     p.add_argument("--order-repeats", type=int, default=2, help="runs of the order part")
     return cli.parse(p, argv)
 
