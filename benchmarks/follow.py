@@ -401,7 +401,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--first-partition-size", type=int, default=1, help="partition size of the first-batch runs")
     p.add_argument("--sigma", type=float, default=1.2, help="lognormal sigma of the first-batch job's lengths")
     p.add_argument("--order-prompts", type=int, default=512, help="prompts of the order part's job")
-    p.add_argument("--order-windows", default="32,64,256", help="window sizes (prompts) of the order part")
+    p.add_argument("--order-windows", default="1,8,32,64,256", help="window sizes (prompts) of the order part")
     p.add_argument("--order-repeats", type=int, default=2, help="runs of the order part")
     return cli.parse(p, argv)
 
