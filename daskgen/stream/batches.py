@@ -147,7 +147,7 @@ class Follower:
         if self.clock is not None and self.window is not None:
             head, held = held_back(snap, todo, self.window)
             self.clock.observe(head, 0 if ended else held)
-        candidates = eligible(snap, todo, self.window, ended)
+        candidates = eligible(snap, todo, self.window, ended, self.batch_prompts)
         ready = np.count_nonzero(snap.status[candidates] == DONE) >= self.batch_prompts
         if len(candidates) and (ended or ready):
             return self._deliver(snap, take(snap, candidates, self.batch_prompts))

@@ -25,15 +25,18 @@ from daskgen.store.layout import DONE
 from daskgen.stream.log import Snapshot
 
 
-def eligible(snap: Snapshot, todo: np.ndarray, window: int | None, ended: bool) -> np.ndarray:
-    """The indices of ``todo`` a batch may take, in delivery order: commit order (``window`` None), or
-    input order within the window (all of them, in input order, once ``ended``)."""
+def eligible(snap: Snapshot, todo: np.ndarray, window: int | None, ended: bool, prompts: int) -> np.ndarray:
+    """The indices of ``todo`` a batch of ``prompts`` done prompts may take, in delivery order: commit order
+    (``window`` None), or input order within the window (all of them, in input order, once ``ended``); in
+    input order only up to the ``prompts``-th done one (sorting the rest would be wasted)."""
     if window is None:
         return todo
     rows = snap.rows[todo]
-    if not ended:
-        keep = rows < snap.first_waiting + window
-        todo, rows = todo[keep], rows[keep]
+    keep = rows < snap.first_waiting + window if not ended else np.ones(len(rows), bool)
+    done = rows[keep & (snap.status[todo] == DONE)]
+    if len(done) > prompts:
+        keep &= rows <= np.partition(done, prompts - 1)[prompts - 1]
+    todo, rows = todo[keep], rows[keep]
     return todo[np.argsort(rows, kind="stable")]
 
 
