@@ -124,6 +124,10 @@ def test_prompts_never_generated_do_not_block_the_window_once_the_run_stopped(tm
     assert follower.pending_at_end == 8
     finish(run, 0)  # a later run generates rows 0..3: the same cursor receives them
     assert rows_of(daskgen.follow(path, order="window", window=4, wait=False)) == [[0, 1, 2, 3]]
+    res = run_cli("follow", path, "--order", "window", "--window", "4", "--batch", "5", "--no-wait", "--cursor", "cli")
+    assert res.returncode == 0, res.stderr
+    assert [json.loads(line)["prompt_index"] for line in res.stdout.splitlines()][::2] == [*range(8), *range(12, 16)]
+    assert "12 prompts in 3 batches" in res.stderr and "window of 4: prompts held back by its head" in res.stderr
 
 
 def test_a_window_cursor_survives_packing_and_a_torn_one_is_a_clear_error(tmp_path):
