@@ -20,6 +20,12 @@ Three parts, one record:
   for the whole batch, so for its slowest sample).  Streaming side: a run over 2 B prompts
   (``--pool-factor``), time from launch until the follower hands out its first batch of B prompt groups.
   Both runs join one cluster started beforehand.
+* ``order``: the length bias of the delivery order.  A long-tailed simulated job (lognormal lengths,
+  partitions of one prompt) is followed by several followers at once (threads, one cursor each, batches of
+  B prompt groups): commit order, and input order within windows of ``--order-windows`` prompts.  Per
+  follower: the mean response length of the samples in its first 25 % of batches against the whole run's
+  (what a trainer consuming mid-run sees first), the time to that first quarter, and how long the window's
+  head held prompts back (summed, and the longest before one batch).  ``--order-repeats`` runs.
 
     python benchmarks/follow.py
     python benchmarks/follow.py --no-record           # print only
@@ -302,10 +308,89 @@ def first_batch_after(store: Path, prompts: int, t_launch: float) -> tuple[float
         return time.time() - t_launch, len(first)
 
 
+# --------------------------------------------------------------------------- order
+
+
+def follow_lengths(store: Path, order: str, window: int | None, batch: int, out: list, t0: float) -> None:
+    """Follow ``store`` to its end; append per batch (seconds from ``t0``, mean response length, samples,
+    seconds the window's head held prompts back before it)."""
+    import daskgen
+
+    cursor = f"{order}-{window or 0}"
+    options = {"order": order, "window": window, "batch_prompts": batch, "cursor": cursor, "timeout": 900}
+    with daskgen.follow(store, fields=("response_length", "finish_reason"), **options) as follower:
+        for b in follower:
+            lengths = b.data.response_length.values[b.data.finish_reason.values >= 0]
+            out.append((time.time() - t0, float(lengths.mean()), lengths.size, b.head_wait))
+
+
+def order_row(label: str, repeat: int, batches: list) -> list:
+    """One table row: a follower's first-quarter and whole-run mean delivered length, and its head's wait."""
+    quarter = batches[: max(1, len(batches) // 4)]
+    first, whole = weighted_mean(quarter), weighted_mean(batches)
+    waits = [b[3] for b in batches]
+    return [label, repeat, len(batches), first, whole, first / whole, quarter[-1][0], sum(waits), max(waits)]
+
+
+def input_row(store: Path, repeat: int, batch: int) -> list:
+    """The reference row: the first 25 % of the prompts by input index, what strict input order delivers first."""
+    import zarr
+
+    lengths = np.asarray(zarr.open_array(str(store), path="response_length", mode="r")[:], float)
+    generated = np.asarray(zarr.open_array(str(store), path="finish_reason", mode="r")[:]) >= 0
+    quarter = max(1, -(-len(lengths) // batch) // 4) * batch
+    first, whole = lengths[:quarter][generated[:quarter]].mean(), lengths[generated].mean()
+    batches = -(-len(lengths) // batch)
+    return ["input order (the first prompts by index)", repeat, batches, first, whole, first / whole, "—", "—", "—"]
+
+
+def weighted_mean(batches: list) -> float:
+    """The mean length over the samples of ``batches``."""
+    return sum(b[1] * b[2] for b in batches) / sum(b[2] for b in batches)
+
+
+def part_order(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
+    """Mean delivered response length early in the run vs over the whole run, commit order vs windows."""
+    import threading
+
+    windows = cli.counts(a.order_windows)
+    sides = [("commit order", "commit", None)] + [(f"window of {w}", "window", w) for w in windows]
+    prompts, rows = write_prompts(work / "order.jsonl", a.order_prompts), []
+    for repeat in range(1, a.order_repeats + 1):
+        store = work / f"order-{repeat}.zarr"
+        args = run_args(a, prompts, store, n_samples=a.n_samples, sigma=a.sigma, partition_size=1)
+        got: list[list] = [[] for _ in sides]
+        t0 = time.time()
+        proc = launch([*args, "--n-workers", "1"])
+        threads = [
+            threading.Thread(target=follow_lengths, args=(store, order, w, a.trainer_batch, out, t0))
+            for (_, order, w), out in zip(sides, got, strict=True)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        finished(proc, "the order run")
+        rows += [input_row(store, repeat, a.trainer_batch)]
+        rows += [order_row(label, repeat, out) for (label, _, _), out in zip(sides, got, strict=True)]
+    rec.note(
+        f"Order: a daskgen run of {a.order_prompts} prompts x {a.n_samples} samples (simulated engine in real time, "
+        f"lognormal lengths mean {a.length_mean}, sigma {a.sigma}, up to {a.max_new_tokens} tokens, {a.max_batch} "
+        "requests at once, partitions of 1 prompt, 1 worker) into a local store, followed at once by one follower "
+        f"per order (threads in the benchmark process, own cursors, batches of {a.trainer_batch} prompt groups). "
+        "First quarter = the follower's first 25 % of batches (for the input-order reference row: the prompts "
+        "of as many full batches, by index, read from the store after the run); lengths are over the delivered "
+        "samples; head wait = seconds committed prompts were held back by the window's head (batch.head_wait), "
+        f"summed and the longest before one batch; {a.order_repeats} runs."
+    )
+    header = ["order", "run", "batches", "mean length, first quarter", "mean length, whole run", "first / whole"]
+    rec.table([*header, "first quarter delivered after s", "head wait total s", "head wait max s"], rows)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = cli.parser(__doc__)
-    p.add_argument("--part", default="lag,throughput,first-batch", help="lag, throughput, first-batch")
+    p.add_argument("--part", default="lag,throughput,first-batch", help="lag, throughput, first-batch, order")
     cli.add_flags(p, n_samples=2, length_mean=64.0, max_new_tokens=512, max_batch=256, partition_size=4)
     p.add_argument("--lag-prompts", type=int, default=400)
     p.add_argument("--lag-repeats", type=int, default=3, help="runs per side of the lag part")
@@ -315,10 +400,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pool-factor", type=int, default=2, help="the streaming run generates this many x B prompts")
     p.add_argument("--first-partition-size", type=int, default=1, help="partition size of the first-batch runs")
     p.add_argument("--sigma", type=float, default=1.2, help="lognormal sigma of the first-batch job's lengths")
+    p.add_argument("--order-prompts", type=int, default=512, help="prompts of the order part's job")
+    p.add_argument("--order-windows", default="1,8,32,64,256", help="window sizes (prompts) of the order part")
+    p.add_argument("--order-repeats", type=int, default=2, help="runs of the order part")
     return cli.parse(p, argv)
 
 
-PARTS = {"lag": part_lag, "throughput": part_throughput, "first-batch": part_first_batch}
+PARTS = {"lag": part_lag, "throughput": part_throughput, "first-batch": part_first_batch, "order": part_order}
 
 if __name__ == "__main__":
     raise SystemExit(cli.run_parts(parse_args(), TITLE, PARTS))

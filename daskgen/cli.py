@@ -97,7 +97,7 @@ def follow(
     store: Annotated[str, typer.Argument(help="A daskgen store (folder or URL), also one a run is writing.")],
     **values: Any,
 ) -> None:
-    """Stream finished samples in commit order, each batch once per cursor (acknowledged after it is written)."""
+    """Stream finished samples (commit order, or input order within a window), each batch once per cursor."""
     from daskgen.stream.sinks import follow_to
 
     options = FollowOptions(**given(FollowOptions, values))

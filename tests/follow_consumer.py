@@ -3,8 +3,9 @@
 It follows STORE with ``daskgen.follow(format="dataproto")``; for each batch it builds nothing more than
 verl's ``DataProto`` (what a trainer step gets), saves it as ``OUT/<batch name>.pkl`` (written beside and
 renamed: a batch delivered again after a kill overwrites its own file), logs the delivery, spends a
-"training step" (``CONSUMER_STEP_S``), acknowledges, and logs the ack.  The log (JSON lines, synced) lets
-the test check that no acknowledged sample is ever delivered again.
+"training step" (``CONSUMER_STEP_S``), acknowledges, and logs the ack.  ``CONSUMER_ORDER`` and
+``CONSUMER_WINDOW`` set the follower's ``order`` and ``window`` (default: commit order).  The log (JSON
+lines, synced) lets the test check that no acknowledged sample is ever delivered again.
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ def main(store: str, out: Path, log: Path) -> None:
             os.fsync(fh.fileno())
 
         note(event="start")
-        follower = daskgen.follow(store, batch_prompts=8, cursor="trainer", format="dataproto", auto_ack=False)
+        order = os.environ.get("CONSUMER_ORDER", "commit")
+        window = int(os.environ["CONSUMER_WINDOW"]) if "CONSUMER_WINDOW" in os.environ else None
+        follower = daskgen.follow(
+            store, batch_prompts=8, cursor="trainer", format="dataproto", auto_ack=False, order=order, window=window
+        )
         follower.timeout = 120
         for batch in follower:
             proto = batch.data
@@ -39,7 +44,8 @@ def main(store: str, out: Path, log: Path) -> None:
                 [str(p), int(s)]
                 for p, s in zip(proto.non_tensor_batch["prompt_id"], proto.non_tensor_batch["sample"], strict=True)
             ]
-            note(event="delivered", number=batch.number, samples=samples, failed=len(batch.failed))
+            failed = sorted(batch.failed)
+            note(event="delivered", number=batch.number, samples=samples, failed=failed, prompts=batch.prompts.tolist())
             tmp = out / f"{batch.name}.pkl.tmp"
             proto.save_to_disk(tmp)
             os.replace(tmp, out / f"{batch.name}.pkl")

@@ -201,13 +201,15 @@ def test_overhead_engine_part_with_sglang_and_vllm(tmp_path, engine):
 
 @pytest.mark.timeout(450)
 def test_follow(tmp_path):
-    """Every part at a tiny size: the lag runs (both sides, alternating), catch-up reads, first batch."""
+    """Every part at a tiny size: the lag runs (both sides, alternating), catch-up reads, first batch, order."""
     out, text = run_script(
         "follow.py",
         tmp_path,
         *("--lag-prompts", "8", "--lag-repeats", "2", "--n-samples", "1", "--length-mean", "4"),
         *("--max-new-tokens", "16", "--max-batch", "8", "--partition-size", "2", "--store-prompts", "256"),
         *("--catchup-batch", "64", "--trainer-batch", "4", "--first-partition-size", "2"),
+        *("--part", "lag,throughput,first-batch,order", "--order-prompts", "16", "--order-repeats", "1"),
+        *("--order-windows", "4"),
         timeout=420,
     )
     lag = table_rows(text, "follower wakes by")
@@ -225,6 +227,10 @@ def test_follow(tmp_path):
     first = table_rows(text, "trainer waits for")
     assert [row["prompts generated"] for row in first] == ["4", "8"], first
     assert "Lag: a daskgen run of 8 prompts" in out
+    orders = table_rows(text, "order")
+    assert [row["order"].split()[0] for row in orders] == ["input", "commit", "window"], orders
+    assert all(row["batches"] == "4" for row in orders), orders  # every prompt delivered, in batches of 4
+    assert orders[1]["mean length, whole run"] == orders[2]["mean length, whole run"], "the same samples"
 
 
 @pytest.mark.timeout(240)

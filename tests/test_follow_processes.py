@@ -108,8 +108,10 @@ def check_exactly_once(store: str, out: Path, log: Path) -> None:
     assert acked == set(expected)
 
 
-def follow_beside_a_run(tmp_path: Path, store: str) -> None:
-    prompts = write_prompts(tmp_path / "p.jsonl", 120)
+def follow_beside_a_run(tmp_path: Path, store: str, n_prompts: int = 120) -> None:
+    """A run of ``n_prompts`` and a consumer (tests/follow_consumer.py, its log at ``tmp_path/consumer.log``)
+    killed twice and restarted: every sample consumed exactly once."""
+    prompts = write_prompts(tmp_path / "p.jsonl", n_prompts)
     out, log = tmp_path / "batches", tmp_path / "consumer.log"
     run = popen_cli("run", "--prompts", prompts, "--store", store, *LIVE_RUN)
     try:

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 
+from daskgen.store.cursors import not_acknowledged
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import DONE, FAILED, PENDING
 from daskgen.store.location import StoreRef
@@ -53,9 +54,13 @@ def _cursor_lines(store: GenerationStore, status: np.ndarray) -> list[str]:
     for name, state in cursors:
         line = f"  {name}: {state.prompts} prompts acknowledged ({state.failed} failed) in {state.batches} batches"
         if seq is not None:
-            at = state.position
-            after = (seq > at.seq) | ((seq == at.seq) & (rows > at.row))
+            after = not_acknowledged(state, seq, rows)
             line += f", {int((finished & after).sum())} finished prompts after it"
+        if state.order == "window":
+            line += (
+                f"; window of {state.window} prompts, head at prompt {state.head}, prompts held back by the head "
+                f"{state.head_wait:.1f} s in total (longest before one batch {state.max_head_wait:.1f} s)"
+            )
         lines.append(line)
     return lines
 

@@ -325,9 +325,11 @@ def swap_in(src: LocalLocation, work: LocalLocation) -> None:
 
 def _keep_newer_cursors(old: StoreLocation, new: StoreLocation) -> None:
     """Carry over the cursors a follower acknowledged in the old store after they were copied (the ack
-    landed there between the copy and the swap): a cursor further on in commit order replaces the copy's."""
+    landed there between the copy and the swap): a cursor that acknowledged more batches, or is further on in
+    commit order, replaces the copy's."""
     for name, state in stored_cursors(old):
-        if state.position > Cursor(new, name).load().position:
+        copied = Cursor(new, name).load()
+        if (state.batches, state.position) > (copied.batches, copied.position):
             Cursor(new, name).save(state)
 
 

@@ -26,7 +26,8 @@ __all__ = ["FORMATS", "Batch", "Follower", "FollowOptions", "Position", "follow"
 
 @takes_options(FollowOptions)
 def follow(store: StoreRef, **options: Any) -> Follower:
-    """Iterate batches of newly finished prompt groups of ``store``, in commit order, each exactly once.
+    """Iterate batches of newly finished prompt groups of ``store`` (``order``: as committed, or input
+    order within a sliding window), each exactly once.
 
     Parameters
     ----------

@@ -1,8 +1,9 @@
-"""The follower: batches of newly finished prompt groups, in commit order, each acknowledged once.
+"""The follower: batches of newly finished prompt groups, each acknowledged once.
 
 :class:`Follower` iterates :class:`Batch` objects.  A batch holds up to ``batch_prompts`` done prompt
-groups (all samples of a prompt together) committed after the previous batch, plus the failed prompts
-committed in between (reported with their errors, never dropped).  Acknowledging a batch
+groups (all samples of a prompt together) not delivered before, plus the failed prompts among them
+(reported with their errors, never dropped), in commit order or in input order within a sliding window
+(:mod:`daskgen.stream.order`).  Acknowledging a batch
 (:meth:`Batch.ack`, or the next iteration with ``auto_ack``) saves the cursor (:mod:`daskgen.store.cursors`):
 a follower started again with the same cursor name resumes after the last acknowledged batch, so after
 an ack nothing is delivered twice and nothing is skipped (order and completeness: :mod:`daskgen.stream.log`).
@@ -23,7 +24,7 @@ import numpy as np
 from daskgen import tunables
 from daskgen.errors import FollowTimeout, StoreError
 from daskgen.store.commit_log import read_head
-from daskgen.store.cursors import Cursor, CursorState, Position
+from daskgen.store.cursors import Ahead, Cursor, CursorState, Position
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import DONE, FAILED
 from daskgen.store.location import StoreRef, locate
@@ -31,13 +32,14 @@ from daskgen.stream.events import CommitEvents
 from daskgen.stream.formats import PromptIds, build, fields_to_read, read_rows, to_dataset
 from daskgen.stream.log import Snapshot, read_snapshot, writer_live
 from daskgen.stream.options import FollowOptions
+from daskgen.stream.order import HeadClock, WindowStats, eligible, held_back, take
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class Batch:
-    """One delivery: done prompt groups in commit order, and the failed prompts committed among them.
+    """One delivery: done prompt groups (in the follower's order), and the failed prompts among them.
 
     Attributes
     ----------
@@ -45,14 +47,18 @@ class Batch:
         The done prompts' samples in the follower's format (xarray ``Dataset`` over ``prompt``,
         ``TensorDict`` / ``DataProto`` / list of dicts with one entry per generated sample).
     prompts, prompt_ids:
-        Row indices (``prompt_index``) and ids of the done prompts, in commit order.
+        Row indices (``prompt_index``) and ids of the done prompts, in delivery order.
     failed:
-        ``{prompt_index: error}`` of the failed prompts in this span of the commit log.
+        ``{prompt_index: error}`` of the failed prompts delivered with them.
     number:
         The cursor's batch number (0, 1, ...): a batch delivered again after a crash has the same number,
         so a sink can name its output by it and overwrite a half-finished one.
-    start, end:
-        Commit-order positions before the first and after the last prompt of the batch.
+    start, end, ahead:
+        The cursor's commit-order position before and after the batch, and the commits after ``end`` that
+        are delivered once this batch is (``order="window"`` delivers out of commit order).
+    head, head_wait:
+        With ``order="window"``: the window's head once this batch is delivered (the first prompt, in input
+        order, not delivered), and the seconds committed prompts were held back by the head before it.
     """
 
     data: Any
@@ -63,6 +69,9 @@ class Batch:
     start: Position
     end: Position
     follower: Follower = field(repr=False)
+    ahead: Ahead = ()
+    head: int | None = None
+    head_wait: float = 0.0
     acked: bool = False
 
     @property
@@ -93,12 +102,15 @@ class Follower:
     def __init__(self, store: StoreRef, options: FollowOptions | None = None, **given: Any) -> None:
         options = replace(options, **given) if options else FollowOptions(**given)
         self.location = locate(store, options.storage_options)
-        self.batch_prompts, self.format = options.batch_prompts, options.format
+        self.batch_prompts, self.format, self.order = options.batch_prompts, options.format, options.order
+        window = options.window or int(tunables.get("follow.window"))
+        self.window = window if self.order == "window" else None
+        self.clock = HeadClock(window) if self.window else None
         self.fields = tuple(options.fields) if options.fields else None
         self.wait, self.timeout, self.auto_ack = options.wait, options.timeout, options.auto_ack
         self.cursor = Cursor(self.location, options.cursor, options.cursor_dir)
         self.state = self.cursor.load()
-        self.position, self.number = self.state.position, self.state.batches
+        self.position, self.ahead, self.number = self.state.position, self.state.ahead, self.state.batches
         self.outstanding: list[Batch] = []
         self.store: GenerationStore | None = None
         self.snapshot: Snapshot | None = None
@@ -130,11 +142,16 @@ class Follower:
             if not self.wait:
                 raise StoreError(f"{self.location.url!r} is not a daskgen store (yet): nothing to follow.")
             return None
-        taken = snap.take(self.position, self.batch_prompts)
+        todo = snap.unacknowledged(self.delivered)
         ended = not self.wait or self._ended(snap)
-        if taken is not None and (ended or snap.done_after(self.position) >= self.batch_prompts):
-            return self._deliver(snap, *taken)
-        if taken is None and ended:
+        if self.clock is not None and self.window is not None:
+            head, held = held_back(snap, todo, self.window)
+            self.clock.observe(head, 0 if ended else held)
+        candidates = eligible(snap, todo, self.window, ended, self.batch_prompts)
+        ready = np.count_nonzero(snap.status[candidates] == DONE) >= self.batch_prompts
+        if len(candidates) and (ended or ready):
+            return self._deliver(snap, take(snap, candidates, self.batch_prompts))
+        if not len(todo) and ended:
             self._finish(snap)
             raise StopIteration
         return None
@@ -150,6 +167,16 @@ class Follower:
             )
         self.wake.wait(self.poll_interval if left is None else min(self.poll_interval, left))
         self.wake.clear()
+
+    @property
+    def delivered(self) -> CursorState:
+        """What this follower delivered so far (acknowledged or not), as a cursor would record it."""
+        return CursorState(self.position, ahead=self.ahead)
+
+    @property
+    def stats(self) -> WindowStats | None:
+        """Where the window is and how long its head held prompts back (``order="window"``; else None)."""
+        return None if self.clock is None else self.clock.stats
 
     # --- reading the commit log ---------------------------------------------------------------
     def _refresh(self) -> Snapshot | None:
@@ -199,11 +226,12 @@ class Follower:
             )
 
     # --- delivering ---------------------------------------------------------------------------
-    def _deliver(self, snap: Snapshot, idx: np.ndarray, end: Position) -> Batch | None:
+    def _deliver(self, snap: Snapshot, idx: np.ndarray) -> Batch | None:
         """Read the batch's rows and hand it out (unacknowledged); ``None`` when the store was swapped meanwhile."""
         store = self.store
         assert store is not None
         rows, status = snap.rows[idx], snap.status[idx]
+        end, ahead = snap.after_delivering(self.delivered, idx)
         done, failed = rows[status == DONE], rows[status == FAILED]
         try:
             if self.prompt_ids is None:
@@ -226,21 +254,37 @@ class Follower:
             start=self.position,
             end=end,
             follower=self,
+            ahead=ahead,
+            head=None if self.clock is None else self._head_after(snap, end, ahead),
+            head_wait=0.0 if self.clock is None else self.clock.charge(),
         )
-        self.position, self.number = end, self.number + 1
+        self.position, self.ahead, self.number = end, ahead, self.number + 1
         self.outstanding.append(batch)
         return batch
+
+    @staticmethod
+    def _head_after(snap: Snapshot, end: Position, ahead: Ahead) -> int:
+        """The first prompt (input order) not delivered once the commits up to ``end`` and ``ahead`` are."""
+        rows = snap.rows[snap.unacknowledged(CursorState(end, ahead=ahead))]
+        return min(snap.first_waiting, int(rows.min(initial=snap.first_waiting)))
 
     def ack(self, batch: Batch) -> None:
         """Save the cursor after ``batch`` (acknowledging every earlier outstanding batch with it)."""
         if batch.acked:
             return
         covered = [b for b in self.outstanding if b.number <= batch.number]
+        waits = [b.head_wait for b in covered]
         state = CursorState(
             batch.end,
             batch.number + 1,
             self.state.prompts + sum(len(b) for b in covered),
             self.state.failed + sum(b.n_failed for b in covered),
+            batch.ahead,
+            self.order,
+            self.window,
+            batch.head,
+            self.state.head_wait + sum(waits),
+            max([self.state.max_head_wait, *waits]),
         )
         self.cursor.save(state)
         self.state = state

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from daskgen.store.commit_log import read_head
-from daskgen.store.cursors import Position
+from daskgen.store.cursors import Ahead, CursorState, Position, not_acknowledged
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import DONE, FAILED, PENDING
 from daskgen.store.lock import live_holder
@@ -40,6 +40,9 @@ class Snapshot:
         True when a live run held the store's lock while it was read.
     head:
         The commit log's head when read (what a cheap poll compares).
+    first_waiting:
+        The first row (input order) not committed yet (pending, or of a commit newer than the head);
+        the number of rows when there is none.
     """
 
     rows: np.ndarray
@@ -48,24 +51,30 @@ class Snapshot:
     pending: int
     live: bool
     head: int
+    first_waiting: int
 
-    def take(self, after: Position, prompts: int) -> tuple[np.ndarray, Position] | None:
-        """Rows after ``after`` up to and including the ``prompts``-th done one (or all there are), and the
-        position after them; ``None`` when nothing after ``after`` is committed."""
-        keep = (self.seqs > after.seq) | ((self.seqs == after.seq) & (self.rows > after.row))
-        idx = np.flatnonzero(keep)
-        if not len(idx):
-            return None
-        done = np.flatnonzero(self.status[idx] == DONE)
-        if len(done) >= prompts:
-            idx = idx[: done[prompts - 1] + 1]
-        last = idx[-1]
-        return idx, Position(int(self.seqs[last]), int(self.rows[last]))
+    def unacknowledged(self, state: CursorState) -> np.ndarray:
+        """Indices (commit order) of the committed rows that ``state`` did not acknowledge."""
+        return np.flatnonzero(not_acknowledged(state, self.seqs, self.rows))
 
-    def done_after(self, after: Position) -> int:
-        """Done prompts committed after ``after``."""
-        keep = (self.seqs > after.seq) | ((self.seqs == after.seq) & (self.rows > after.row))
-        return int(np.count_nonzero(keep & (self.status == DONE)))
+    def after_delivering(self, state: CursorState, taken: np.ndarray) -> tuple[Position, Ahead]:
+        """What is acknowledged once ``state``'s commits and the ``taken`` indices are: the position moves
+        over every delivered commit with nothing undelivered before it; the rest is ``ahead``."""
+        at = state.position
+        todo = np.flatnonzero((self.seqs > at.seq) | ((self.seqs == at.seq) & (self.rows > at.row)))
+        if not state.ahead and np.array_equal(todo[: len(taken)], taken):  # commit order: a prefix
+            return (Position(int(self.seqs[taken[-1]]), int(self.rows[taken[-1]])) if len(taken) else at), ()
+        delivered = np.isin(todo, taken) | ~not_acknowledged(state, self.seqs[todo], self.rows[todo])
+        gap = np.flatnonzero(~delivered)
+        upto = len(todo) if not len(gap) else int(gap[0])
+        position = state.position
+        if upto:
+            last = todo[upto - 1]
+            position = Position(int(self.seqs[last]), int(self.rows[last]))
+        later = todo[upto:][delivered[upto:]]
+        pairs = {(int(self.seqs[i]), int(self.rows[i])) for i in later}
+        pairs |= {pair for pair in state.ahead if pair > (position.seq, position.row)}
+        return position, tuple(sorted(pairs))
 
 
 def writer_live(store: GenerationStore) -> bool:
@@ -90,4 +99,6 @@ def read_snapshot(store: GenerationStore) -> Snapshot:
     order = np.lexsort((rows, seqs[rows]))
     rows = rows[order]
     pending = int(np.count_nonzero(status == PENDING))
-    return Snapshot(rows, seqs[rows], status[rows], pending, live, head)
+    waiting = np.flatnonzero(~committed)
+    first_waiting = int(waiting[0]) if len(waiting) else len(status)
+    return Snapshot(rows, seqs[rows], status[rows], pending, live, head, first_waiting)

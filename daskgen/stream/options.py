@@ -18,6 +18,10 @@ if TYPE_CHECKING:
     from daskgen.store.location import StoreRef
 
 
+#: The orders a follower delivers in (:mod:`daskgen.stream.order`).
+ORDERS = ("commit", "window")
+
+
 @dataclass(frozen=True)
 class FollowOptions:
     """How a follower reads a store; the help of each option is in its declaration."""
@@ -27,6 +31,15 @@ class FollowOptions:
         "Done prompt groups (all samples of a prompt) per batch. While a run writes the store, a batch is "
         "handed out once this many are committed; the last batch may be smaller.",
         flags=("--batch",),
+    )
+    order: str = option(
+        "commit",
+        "commit: prompts as they were committed (short samples first); window: input order within a sliding "
+        "window of --window prompts (a finished prompt past the window waits for the first undelivered one; "
+        "failed prompts and the end of the run move the window on).",
+    )
+    window: int | None = option(
+        None, "Prompts in the sliding window of order window (default: the tunable daskgen.follow.window)."
     )
     cursor: str = option("default", "The name of the durable position (independent names follow independently).")
     fields: tuple[str, ...] | list[str] | None = option(
@@ -71,6 +84,14 @@ class FollowOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.batch_prompts, int) or self.batch_prompts < 1:
             raise FollowError(f"batch_prompts must be an integer >= 1, got {self.batch_prompts!r}")
+        if self.order not in ORDERS:
+            raise FollowError(
+                f"unknown follow order {self.order!r}: choose 'commit' (as committed) or 'window' (input order "
+                "within a sliding window)."
+            )
+        w = self.window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise FollowError(f"window must be an integer >= 1 (prompts), got {w!r}; e.g. window=256.")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from daskgen.errors import FollowError
 from daskgen.store.location import StoreRef
 from daskgen.stream.batches import Batch, Follower
 from daskgen.stream.options import FollowOptions, SinkOptions
+from daskgen.stream.order import WindowStats
 
 SINKS = ("jsonl", "parquet-dir")
 
@@ -34,6 +35,7 @@ class FollowSummary:
     samples: int = 0
     failed: int = 0
     pending: int = 0
+    window: WindowStats | None = None
 
     def line(self, cursor: str) -> str:
         """The closing line (stderr)."""
@@ -41,6 +43,12 @@ class FollowSummary:
             f"daskgen follow: {self.samples} samples of {self.prompts} prompts in {self.batches} batches, "
             f"{self.failed} failed prompts (cursor {cursor!r})"
         )
+        if self.window is not None:
+            w = self.window
+            text += (
+                f"; window of {w.window}: prompts held back by its head {w.total_head_wait:.1f} s in total "
+                f"(longest before one batch {w.max_head_wait:.1f} s)"
+            )
         return text + (f"; {self.pending} prompts still pending" if self.pending else "")
 
 
@@ -71,7 +79,7 @@ def follow_to(
             batch.ack()
             summary.batches, summary.prompts = summary.batches + 1, summary.prompts + len(batch)
             summary.samples, summary.failed = summary.samples + table.num_rows, summary.failed + batch.n_failed
-        summary.pending = follower.pending_at_end
+        summary.pending, summary.window = follower.pending_at_end, follower.stats
     return summary
 
 
