@@ -9,6 +9,7 @@ import numpy as np
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import DONE, FAILED, PENDING
 from daskgen.store.location import StoreRef
+from daskgen.store.policy import read_versions
 
 
 def status_report(path: StoreRef) -> str:
@@ -30,6 +31,7 @@ def status_report(path: StoreRef) -> str:
         "checksums: " + _checksum_summary(store),
         *_thread_slots_line(attrs),
         *_cursor_lines(store, status),
+        *_policy_lines(store),
         *_first_errors(store, status),
     ]
     return "\n".join(lines)
@@ -39,6 +41,14 @@ def _thread_slots_line(attrs: object) -> list[str]:
     """The last run's note that workers' thread slots kept its engines underfed, if it made one."""
     note = (getattr(attrs, "engine", None) or {}).get("thread_slots")
     return [f"workers:  {note}"] if note else []
+
+
+def _policy_lines(store: GenerationStore) -> list[str]:
+    """The published policy versions (``daskgen policy publish``), oldest first."""
+    versions = read_versions(store.location)
+    if not versions:
+        return []
+    return ["policy versions:", *(f"  {v.version}: {v.path} (published {v.time})" for v in versions)]
 
 
 def _cursor_lines(store: GenerationStore, status: np.ndarray) -> list[str]:
