@@ -21,6 +21,7 @@ from daskgen.store.attrs import utc_now
 from daskgen.store.commit_log import POLICY_KEY
 from daskgen.store.generation_store import read_store_attrs
 from daskgen.store.location import StoreLocation, StoreRef, locate
+
 #: The version of the run's own ``model`` (before anything was published).
 BASE_VERSION = 0
 #: Attempts at replacing the record while other publishers replace it too.
