@@ -56,6 +56,7 @@ def finish(run: LiveRun, start: int, failed: tuple[int, ...] = ()) -> None:
     region["response_length"][:] = 3
     region["finish_reason"][:] = 0
     region["num_turns"][:] = 1
+    region["policy_version"][:] = region["policy_version_end"][:] = 0
     region["response_ids"][:, :, :3] = (rows[:, None] * 10 + np.arange(SAMPLES)[None, :])[:, :, None]
     region["response_mask"][:, :, :3] = 1
     run.plan.store.write_region(start, region)

@@ -16,14 +16,13 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
+from daskgen.engines.base import BASE_POLICY_VERSION
 from daskgen.errors import PolicyError, PolicyVersionError
 from daskgen.store.attrs import utc_now
-from daskgen.store.commit_log import POLICY_KEY
+from daskgen.store.commit_log import POLICY_KEY, POLICY_WORKERS_PREFIX
 from daskgen.store.generation_store import read_store_attrs
 from daskgen.store.location import StoreLocation, StoreRef, locate
 
-#: The version of the run's own ``model`` (before anything was published).
-BASE_VERSION = 0
 #: Attempts at replacing the record while other publishers replace it too.
 _ATTEMPTS = 20
 
@@ -108,8 +107,42 @@ def publish(location: StoreLocation, path: str, version: int) -> PolicyVersion:
     )
 
 
+@dataclass(frozen=True)
+class WorkerPolicy:
+    """Where one worker's engine is: the version it runs, and a refresh loading or failed (``state``)."""
+
+    worker: str
+    version: int
+    state: str  # "running", "loading" (stopped admitting, emptying the engine) or "failed" (kept ``version``)
+    asked: int  # the version being loaded or that failed (== ``version`` when running)
+    error: str | None
+    time: str
+
+
+def write_worker_policy(location: StoreLocation, state: WorkerPolicy) -> None:
+    """Record a worker's policy state (one small object per worker, replaced atomically)."""
+    key = f"{POLICY_WORKERS_PREFIX}/{_safe_name(state.worker)}.json"
+    location.write_object(key, json.dumps(asdict(state)).encode(), create_location=False)
+
+
+def read_worker_policies(location: StoreLocation) -> list[WorkerPolicy]:
+    """Every worker's recorded policy state, by worker."""
+    out = []
+    for key, _ in sorted(location.files(POLICY_WORKERS_PREFIX)):
+        raw = location.read_bytes(key)
+        try:
+            out.append(WorkerPolicy(**json.loads(raw or b"")))
+        except (ValueError, TypeError):  # written atomically: a foreign object, not a worker's state
+            continue
+    return out
+
+
+def _safe_name(worker: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in worker)
+
+
 def _checked_version(version: int) -> int:
-    if isinstance(version, bool) or not isinstance(version, int) or version < BASE_VERSION + 1:
+    if isinstance(version, bool) or not isinstance(version, int) or version < BASE_POLICY_VERSION + 1:
         raise PolicyError(
             f"policy version must be an integer >= 1 (0 is the run's own model), got {version!r}. "
             "Publish 1, 2, ... as the trainer saves new weights."
@@ -130,7 +163,7 @@ def _checked_path(path: str) -> str:
 
 
 def _check_increases(versions: list[PolicyVersion], asked: int, location: StoreLocation) -> None:
-    current = versions[-1].version if versions else BASE_VERSION
+    current = versions[-1].version if versions else BASE_POLICY_VERSION
     if asked <= current:
         raise PolicyVersionError(
             f"policy version {asked} is not above the newest version {current} of {location.url!r}: versions "
