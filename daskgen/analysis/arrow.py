@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from daskgen.analysis.decode import finish_labels, kept_fields
-from daskgen.store.layout import NO_TOKEN
+from daskgen.store.layout import NO_TOKEN, VERSION_ARRAYS
 
 
 def _ragged(values: np.ndarray, lengths: np.ndarray) -> Any:
@@ -67,11 +67,11 @@ def _arrow_index_columns(block: dict[str, np.ndarray]) -> dict[str, Any]:
 
 
 def _arrow_optional_columns(block: dict[str, np.ndarray], has_logprobs: bool) -> dict[str, Any]:
-    """The columns a block may lack: ``logprobs`` and top-k logprobs (when recorded), decoded text, the raw prompt
-    and the input's kept columns (by their own names)."""
+    """The columns a block may lack: the policy versions and ``logprobs`` and top-k logprobs (when recorded), decoded
+    text, the raw prompt and the input's kept columns (by their own names)."""
     import pyarrow as pa
 
-    columns = {}
+    columns = {name: pa.array(block[name].astype(np.int32)) for name in VERSION_ARRAYS if name in block}
     if has_logprobs:
         columns["logprobs"] = _ragged(block["logprobs"], block["response_length"])
     if "top_logprobs" in block:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from daskgen.store.layout import NO_TOKEN
+from daskgen.store.layout import NO_TOKEN, VERSION_ARRAYS
 
 #: Keys of the verl DataProto ``batch``.
 VERL_KEYS = (
@@ -31,7 +31,10 @@ TOP_LOGPROB_KEYS = ("top_logprob_ids", "top_logprobs")
 #: Keys of the DataProto ``batch`` daskgen builds: verl's and the top-k logprobs.
 BATCH_KEYS = (*VERL_KEYS, *TOP_LOGPROB_KEYS)
 #: Per-row integer fields copied as they are into the verl fields (when the block has them).
-VERL_META = ("prompt_index", "sample", "trajectory", "num_turns", "finish_reason", "prompt_length", "response_length")
+VERL_META = (
+    *("prompt_index", "sample", "trajectory", "num_turns", "finish_reason", "prompt_length", "response_length"),
+    *VERSION_ARRAYS,  # the policy versions of the sample's tokens (stores that record them)
+)
 
 
 def verl_block(

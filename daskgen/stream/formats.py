@@ -8,7 +8,8 @@ tensordict`` (:mod:`daskgen.analysis.verl`): left-padded ``prompts``, right-padd
 ``max_new_tokens``): every batch has the same shape, so batches concatenate (``DataProto.concat``, ``torch.cat``).
 The input's kept columns (``keep_columns``) come in every format: as ``column_<name>`` variables of the xarray
 dataset, and by their own names as row keys, ``DataProto.non_tensor_batch`` entries and ``TensorDict`` non-tensor
-entries (one string per sample).
+entries (one string per sample); so do the policy versions of each sample's tokens (``policy_version``,
+``policy_version_end``, ``version_changed_at``: row keys, ``non_tensor_batch`` and ``TensorDict`` entries).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 
 from daskgen.errors import FollowError
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.layout import TOP_LOGPROB_ARRAYS, top_logprob_arrays
+from daskgen.store.layout import TOP_LOGPROB_ARRAYS, VERSION_ARRAYS, top_logprob_arrays
 
 FORMATS = ("xarray", "tensordict", "dataproto", "rows")
 #: The arrays the tensor and row formats are built from (``logprobs`` too when the run recorded them).
@@ -41,7 +42,7 @@ def fields_to_read(store: GenerationStore, fmt: str, fields: tuple[str, ...] | N
     top-k logprob arrays only when the store records them), plus what the tensor and row formats are built from."""
     if fmt not in FORMATS:
         raise FollowError(f"unknown follow format {fmt!r}; choose one of {', '.join(FORMATS)}.")
-    available = store.layout.data_arrays()
+    available = tuple(name for name in store.layout.data_arrays() if store.has_array(name))  # older stores lack some
     if fields is not None:  # the top-k logprob arrays are read when the store records them
         fields = tuple(f for f in fields if f in available or f not in TOP_LOGPROB_ARRAYS)
     unknown = [f for f in fields or () if f not in available]
@@ -51,6 +52,7 @@ def fields_to_read(store: GenerationStore, fmt: str, fields: tuple[str, ...] | N
     if fmt != "xarray":
         wanted += [*TOKEN_FIELDS, *(["logprobs"] if store.attrs.logprobs_recorded else [])]
         wanted += top_logprob_arrays(store.layout)
+        wanted += [name for name in VERSION_ARRAYS if name in available]
         wanted += store.layout.column_arrays()
     return tuple(dict.fromkeys(wanted))
 
