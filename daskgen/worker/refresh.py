@@ -68,7 +68,8 @@ class PolicyRefresher:
         self.version = BASE_POLICY_VERSION
         self.refreshes = 0
         self.error: str | None = None
-        self.refused: set[int] = set()  # versions whose load failed (not tried again)
+        self.refused: set[int] = set()  # versions whose load failed on this engine (not tried again)
+        self.looking = asyncio.Lock()  # one look at a time (the loop, and the plugin when an engine starts)
         self.loading = False
         self.changed = asyncio.Condition()
         self.in_flight: dict[str, Engine] = {}
@@ -86,13 +87,17 @@ class PolicyRefresher:
 
     async def check(self, on_error: Callable[[str], None]) -> None:
         """Bring the running engine to the newest published version (one look at the record)."""
+        async with self.looking:
+            await self._look(on_error)
+
+    async def _look(self, on_error: Callable[[str], None]) -> None:
         engine = self.live_engine()
         if engine is None:
             return
         entry = await asyncio.to_thread(newest, self.location)
         if engine is not self.engine:  # first look, or a restarted engine: it runs the run's model again
             async with self.changed:
-                self.engine, self.version = engine, BASE_POLICY_VERSION
+                self.engine, self.version, self.refused = engine, BASE_POLICY_VERSION, set()
             await self._record("running", self.version)
         if entry is not None and entry.version > self.version and entry.version not in self.refused:
             await self.refresh(engine, entry, on_error)
