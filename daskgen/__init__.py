@@ -10,7 +10,7 @@ from typing import Any
 import daskgen.tunables  # noqa: F401 - merges the `daskgen:` defaults into Dask's config
 
 __version__ = "0.1.0"
-__all__ = ["RunConfig", "follow", "generate", "open_store", "run", "verify"]
+__all__ = ["RunConfig", "follow", "generate", "open_store", "publish_policy", "run", "verify"]
 
 
 def __getattr__(name: str) -> Any:
@@ -26,6 +26,10 @@ def __getattr__(name: str) -> Any:
         from daskgen.stream import follow
 
         return follow
+    if name == "publish_policy":
+        from daskgen.store.policy import publish_policy
+
+        return publish_policy
     if name == "verify":
         from daskgen.store.verify import verify
 

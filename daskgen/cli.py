@@ -119,6 +119,23 @@ def report(
     typer.echo(f"daskgen: report written to {write_report(store, target, overwrite=overwrite)}")
 
 
+policy_app = typer.Typer(no_args_is_help=True, help="Publish policy versions for running engines to load.")
+app.add_typer(policy_app, name="policy")
+
+
+@policy_app.command("publish")
+def policy_publish(
+    store: Annotated[str, typer.Argument(help="The run's daskgen store (folder or URL).")],
+    path: Annotated[str, typer.Argument(help="Checkpoint folder (save_pretrained) readable by every worker.")],
+    version: Annotated[int, Opt(help="Version number, above the newest published one (the run's model is 0).")],
+) -> None:
+    """Publish a checkpoint as the next policy version; runs with `refresh` load it without restarting."""
+    from daskgen.store.policy import publish_policy
+
+    entry = publish_policy(store, path, version)
+    typer.echo(f"daskgen: published policy version {entry.version}: {entry.path} ({entry.time})")
+
+
 @app.command()
 def pack(
     store: Annotated[str, typer.Argument(help="A daskgen store (folder or URL).")],

@@ -236,6 +236,10 @@ class RunConfig(RunOptions):
             raise ConfigError(
                 f"max_retries and top_logprobs must be >= 0, found {self.max_retries} and {self.top_logprobs}."
             )
+        if self.refresh not in (None, "drain", "continue"):
+            raise ConfigError(
+                f"setting 'refresh' must be 'drain' or 'continue' (or unset: off), found {self.refresh!r}."
+            )
         if self.keep_partial and self.agent != "single_turn":
             raise ConfigError(
                 f"keep_partial continues single-turn responses only; agent is {self.agent!r}. "

@@ -92,3 +92,25 @@ class FollowTimeout(FollowError, TimeoutError):
 
     Nothing was lost: the cursor still holds the last acknowledged position; follow again to go on.
     """
+
+
+class PolicyError(DaskgenError):
+    """A policy version cannot be published or read (not a store, a path that does not exist, a foreign record)."""
+
+
+class PolicyVersionError(PolicyError, ValueError):
+    """A published policy version is not above the newest one: versions only increase.
+
+    ``current`` is the newest published version, ``asked`` the one refused.
+    """
+
+    def __init__(self, message: str, current: int, asked: int) -> None:
+        super().__init__(message)
+        self.current, self.asked = current, asked
+
+
+class RefreshError(EngineError):
+    """An engine cannot load new weights in place (it does not support it, or the load failed).
+
+    A worker whose refresh fails keeps generating on the version it has and reports the error.
+    """

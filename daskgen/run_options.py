@@ -161,6 +161,13 @@ class RunOptions:
         group=TASKS,
         cli_type=str,
     )
+    refresh: str | None = option(
+        None,
+        "Load policy versions published to the store (daskgen policy publish) into the running engines: 'drain' "
+        "finishes requests in flight on the old weights first, 'continue' aborts them and continues each from "
+        "its tokens on the new weights (default: off).",
+        group=ENGINE,
+    )
     max_prompts_in_memory: int = option(
         65536, "Cap on prompts held anywhere (client, scheduler, workers) at once; the input is streamed.", group=TASKS
     )

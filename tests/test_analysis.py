@@ -27,6 +27,7 @@ from daskgen.engines.base import FinishReason
 from daskgen.errors import StoreError, StoreMismatchError
 from daskgen.input.rows import fingerprint, tokenize_rows
 from daskgen.input.tokenizer import ByteTokenizer, tokenizer_identity
+from daskgen.store.layout import VERSION_ARRAYS
 
 T0 = 1_760_000_000.0  # commit time of the first partition (seconds since 1970)
 GAP = 90.0  # seconds between partition commits
@@ -133,6 +134,7 @@ def _arrays(
         "finish_reason": np.full(shape, -1, np.int8),
         "num_turns": np.zeros(shape, np.int16),
         "num_trajectories": rng.integers(1, t + 1, size=(n, s)).astype(np.int16),
+        **{name: np.full(shape, -1, np.int32) for name in VERSION_ARRAYS},
     }
     for i in range(n):
         a["prompt_ids"][i, : len(prompt_ids[i])] = prompt_ids[i]
@@ -152,6 +154,10 @@ def _arrays(
                 model = a["response_mask"][i, j, k, :m] == 1
                 a["logprobs"][i, j, k, :m][model] = -rng.random(int(model.sum()), dtype=np.float32)
                 a["finish_reason"][i, j, k] = int(reason)
+                if m > 2:  # sample 1 continued onto the next policy version at position 2
+                    a["policy_version"][i, j, k] = i % 3
+                    a["policy_version_end"][i, j, k] = i % 3 + (j == 1)
+                    a["version_changed_at"][i, j, k] = 2 if j == 1 else -1
     if t == 1:
         a = {k: v[:, :, 0] if k not in ("prompt_ids", "prompt_length", "num_trajectories") else v for k, v in a.items()}
         del a["num_trajectories"]

@@ -216,6 +216,25 @@ class TestSGLangConformance(_SharedSGLang, EngineConformance):
         assert isinstance(capacity, int) and capacity >= 1, capacity
         assert self.engine.describe()["max_running_requests"] == capacity
 
+    def test_update_weights_loads_a_checkpoint_in_place_and_keeps_its_weights_on_a_bad_one(self, tmp_path) -> None:
+        """The refresh path: other weights (seed 1) change the greedy answer, a folder without weights is refused
+        (sglang keeps the loaded ones), and loading the first checkpoint again gives its answer back."""
+        from daskgen.errors import RefreshError
+        from daskgen.models import build_tiny_model
+
+        assert "refresh" in SGLangEngine.features
+        greedy = request("policy", max_new_tokens=12, temperature=0.0)
+        before = self.run(self.one(greedy)).output_ids
+        other = build_tiny_model(tmp_path / "step1", seed=1)
+        self.run(self.engine.update_weights(str(other)))
+        after = self.run(self.one(greedy)).output_ids
+        (tmp_path / "empty").mkdir()
+        with pytest.raises(RefreshError, match="keeps its weights"):
+            self.run(self.engine.update_weights(str(tmp_path / "empty")))
+        assert self.run(self.one(greedy)).output_ids == after != before
+        self.run(self.engine.update_weights(tiny_model_path()))
+        assert self.run(self.one(greedy)).output_ids == before
+
     def test_eos_is_kept_and_reported_as_stop(self) -> None:
         results = self.run(
             self.generate_all(

@@ -250,6 +250,19 @@ class TestVLLMConformance(_SharedVLLM, EngineConformance):
         scheduler = self.engine.async_llm.vllm_config.scheduler_config
         assert self.engine.describe()["max_num_seqs"] == capacity == scheduler.max_num_seqs
 
+    def test_update_weights_reloads_a_checkpoint_in_place(self, tmp_path) -> None:
+        """The refresh path: other weights (seed 2, the same architecture) change the greedy answer; loading the
+        first checkpoint again gives its answer back."""
+        from daskgen.models import build_tiny_model
+
+        assert "refresh" in VLLMEngine.features
+        greedy = request("policy", max_new_tokens=12, temperature=0.0)
+        before = self.run(self.one(greedy)).output_ids
+        self.run(self.engine.update_weights(str(build_tiny_model(tmp_path / "step2", seed=2, head_dim=32))))
+        after = self.run(self.one(greedy)).output_ids
+        self.run(self.engine.update_weights(tiny_model_path()))
+        assert self.run(self.one(greedy)).output_ids == before != after
+
     def test_eos_is_kept_and_reported_as_stop(self) -> None:
         results = self.run(
             self.generate_all(

@@ -15,6 +15,7 @@ import xarray as xr
 from daskgen import store
 from daskgen.analysis import export as ex
 from daskgen.errors import ExportError, OutputExistsError, StoreError, StoreMismatchError
+from daskgen.store.layout import VERSION_ARRAYS
 from tests.conftest import run_cli, write_prompts
 from tests.test_analysis import build_store
 
@@ -54,6 +55,8 @@ def test_records_hold_every_done_sample_exactly(truth, tmp_path, fmt):
         assert row.response_text == truth.response_texts[(row.prompt_index, row.sample)]
         assert row.prompt_text == truth.prompt_texts[row.prompt_index]
         assert row.prompt_id == f"q{row.prompt_index}"
+        for name in VERSION_ARRAYS:
+            assert getattr(row, name) == truth.arrays[name][row.prompt_index, row.sample], name
     raw = frame.raw_prompt[0]
     assert (json.loads(raw) if fmt == "parquet" else raw) == [{"role": "user", "content": "prompt 0"}]
 
@@ -97,6 +100,9 @@ def test_tensordict_in_memory_and_memmap_reconstruct_tokens(truth, tmp_path):
     assert sorted(batch.keys()) == sorted(ex.VERL_KEYS)
     assert non_tensor["num_turns"].tolist() == [truth.arrays["num_turns"][k] for k in truth.units()]
     assert non_tensor["prompt_id"][0] == "q0"
+    for name in VERSION_ARRAYS:
+        assert non_tensor[name].tolist() == [truth.arrays[name][k] for k in truth.units()], name
+    assert {-1, 2} <= set(non_tensor["version_changed_at"].tolist()), "continued samples are among them"
 
 
 def test_small_blocks_and_no_logprobs(truth, tmp_path, monkeypatch):

@@ -56,6 +56,9 @@ def finish(run: LiveRun, start: int, failed: tuple[int, ...] = ()) -> None:
     region["response_length"][:] = 3
     region["finish_reason"][:] = 0
     region["num_turns"][:] = 1
+    region["policy_version"][:] = (rows % 3)[:, None]  # sample s continued onto version + s at position 2
+    region["policy_version_end"][:] = region["policy_version"] + np.arange(SAMPLES)[None, :]
+    region["version_changed_at"][:] = np.where(np.arange(SAMPLES) > 0, 2, -1)[None, :]
     region["response_ids"][:, :, :3] = (rows[:, None] * 10 + np.arange(SAMPLES)[None, :])[:, :, None]
     region["response_mask"][:, :, :3] = 1
     run.plan.store.write_region(start, region)
@@ -201,6 +204,13 @@ def test_formats_hold_the_same_samples(tmp_path):
     assert td["prompt_index"].tolist() == dp.non_tensor_batch["prompt_index"].tolist()
     assert dp.non_tensor_batch["uid"].tolist() == [f"q{r}" for r in ds.prompt_index.values for _ in range(SAMPLES)]
     assert dp.batch["responses"].shape[1] == run.plan.layout.max_new_tokens, "the store's width: batches concatenate"
+    versions = {
+        "policy_version": [r % 3 for r in ds.prompt_index.values for _ in range(SAMPLES)],
+        "policy_version_end": [r % 3 + s for r in ds.prompt_index.values for s in range(SAMPLES)],
+        "version_changed_at": [2 if s else -1 for _ in ds.prompt_index.values for s in range(SAMPLES)],
+    }
+    for name, values in versions.items():
+        assert dp.non_tensor_batch[name].tolist() == td[name].tolist() == [r[name] for r in rows] == values, name
 
 
 def test_bad_requests_name_the_fix(tmp_path):

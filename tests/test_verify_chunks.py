@@ -65,6 +65,7 @@ def trajectory_store(tmp_path_factory):
         region["response_mask"][:, : 2 - t, t, :2] = 1
         region["finish_reason"][:, : 2 - t, t] = 0
         region["num_turns"][:, : 2 - t, t] = 1
+        region["policy_version"][:, : 2 - t, t] = region["policy_version_end"][:, : 2 - t, t] = 0
     made.write_region(0, region)
     made.commit(0, np.full(12, store.DONE, dtype="int8"), [""] * 12)
     return out

@@ -27,6 +27,7 @@ def _sound_region(layout: store.Layout = LAYOUT) -> dict[str, np.ndarray]:
     region["logprobs"][..., :2] = [-0.1, -0.2]
     region["finish_reason"][:] = 0
     region["num_turns"][:] = 1
+    region["policy_version"][:] = region["policy_version_end"][:] = 0
     return region
 
 
@@ -101,9 +102,9 @@ def _expected(region, chunks=None, done=None, noted=None, rules=None, start=0):
     return {(e.array, e.index, e.start, e.stop) for e in found}
 
 
-def test_a_finished_partition_expects_every_written_chunk_but_continued_tokens():
+def test_a_finished_partition_expects_every_written_chunk_but_the_underivable_ones():
     found = _expected(_sound_region())
-    assert {name for name, *_ in found} == set(LAYOUT.data_arrays()) - {"continued_tokens"}
+    assert {name for name, *_ in found} == set(LAYOUT.data_arrays()) - set(UNDERIVABLE)
     assert ("response_ids", (0, 0, 0), 0, 4) in found
     assert _expected(_sound_region(), done=np.zeros(4, dtype=bool)) == set(), "nothing is expected of pending rows"
 

@@ -12,9 +12,10 @@ import abc
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from daskgen.engines.base import (
+    BASE_POLICY_VERSION,
     Engine,
     FinishReason,
     GenerationRequest,
@@ -48,6 +49,29 @@ class Trajectory:
     #: Which stop ended it (:mod:`daskgen.engines.stops`), set by the worker in runs with stops.
     stop_reason: int = -1
     top_logprobs: TopLogprobs | None = None
+    #: ``(response position, policy version)`` where each run of model tokens from one policy version starts.
+    versions: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def policy_version(self) -> int:
+        """The policy version of the first model token (-1: no model token)."""
+        return self.versions[0][1] if self.versions else -1
+
+    @property
+    def policy_version_end(self) -> int:
+        """The policy version of the last model token (-1: no model token)."""
+        return self.versions[-1][1] if self.versions else -1
+
+    @property
+    def version_changed_at(self) -> int:
+        """The response position of the first token from another version than the first token's (-1: none)."""
+        return self.versions[1][0] if len(self.versions) > 1 else -1
+
+    def add_versions(self, segments: list[tuple[int, int]], offset: int, n: int) -> None:
+        """Record ``(position, version)`` segments of ``n`` tokens placed at response position ``offset``."""
+        for position, version in segments:
+            if position < n and (not self.versions or self.versions[-1][1] != version):
+                self.versions.append((offset + position, version))
 
     @classmethod
     def for_params(cls, params: SamplingParams) -> Trajectory:
@@ -55,7 +79,9 @@ class Trajectory:
         return cls(logprobs=[] if params.logprobs else None, top_logprobs=[] if params.top_logprobs else None)
 
     def add_model_tokens(self, result: GenerationResult) -> None:
-        """Append one engine result as model tokens."""
+        """Append one engine result as model tokens (and the policy versions that generated them)."""
+        segments = result.meta.get("policy_versions") or [(0, BASE_POLICY_VERSION)]
+        self.add_versions(segments, len(self.response_ids), len(result.output_ids))
         self.response_ids += result.output_ids
         self.response_mask += [1] * len(result.output_ids)
         if result.logprobs is not None:
@@ -90,6 +116,15 @@ class Trajectory:
         self.top_logprobs += given + [[] for _ in range(n - len(given))]
 
 
+class PolicyGate(Protocol):
+    """What runs a request when the run refreshes its policy (:class:`daskgen.worker.refresh.PolicyRefresher`):
+    admits it at the current version and stamps the result's ``meta["policy_versions"]``."""
+
+    async def generate(
+        self, engine: Engine, request: GenerationRequest, stopped: Callable[[], bool]
+    ) -> GenerationResult: ...
+
+
 class EngineHandle:
     """What a loop sees of the engine: ``generate`` with in-flight tracking, so a hung partition
     can abort every request of its loops.
@@ -100,12 +135,17 @@ class EngineHandle:
     ``abort`` — its row is requeued — instead of failing its row as a bad request would.  A request that
     errors because the backend of the running engine died (:meth:`~daskgen.engines.base.Engine.died`,
     e.g. vLLM's ``EngineCore`` process was killed) raises :class:`~daskgen.errors.EngineError`: its
-    partition fails, the worker restarts the engine and Dask retries the partition.
+    partition fails, the worker restarts the engine and Dask retries the partition.  ``policy`` (the worker's
+    :class:`~daskgen.worker.refresh.PolicyRefresher` in runs with ``refresh``) runs each request: it waits while a
+    policy refresh loads and stamps the result with its tokens' policy versions.
     """
 
-    def __init__(self, engine: Engine, live: Callable[[], Engine | None] | None = None) -> None:
+    def __init__(
+        self, engine: Engine, live: Callable[[], Engine | None] | None = None, policy: PolicyGate | None = None
+    ) -> None:
         self.engine = engine
         self.live = live
+        self.policy = policy
         self.in_flight: set[str] = set()
         self.stopped = False
 
@@ -116,7 +156,11 @@ class EngineHandle:
         engine = self.engine
         self.in_flight.add(request_id)
         try:
-            result = await engine.generate(GenerationRequest(request_id, list(prompt_ids), params))
+            request = GenerationRequest(request_id, list(prompt_ids), params)
+            if self.policy is not None:
+                result = await self.policy.generate(engine, request, lambda: self.stopped)
+            else:
+                result = await engine.generate(request)
         except Exception:
             if self._replaced(engine):
                 return _aborted(request_id, params)

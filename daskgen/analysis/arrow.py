@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from daskgen.analysis.decode import finish_labels, text_fields
-from daskgen.store.layout import NO_TOKEN, NUMBER_RECORDS
+from daskgen.store.layout import NO_TOKEN, NUMBER_RECORDS, VERSION_ARRAYS
 
 
 def _ragged(values: np.ndarray, lengths: np.ndarray) -> Any:
@@ -67,11 +67,12 @@ def _arrow_index_columns(block: dict[str, np.ndarray]) -> dict[str, Any]:
 
 
 def _arrow_optional_columns(block: dict[str, np.ndarray], has_logprobs: bool) -> dict[str, Any]:
-    """The columns a block may lack: ``stop_reason``, ``logprobs`` and top-k logprobs (when recorded), decoded text,
-    the raw prompt, the row's settings and the input's kept columns (by their own names)."""
+    """The columns a block may lack: ``stop_reason``, the policy versions, ``logprobs`` and top-k logprobs (when
+    recorded), decoded text, the raw prompt, the row's settings and the input's kept columns (by their own names)."""
     import pyarrow as pa
 
     columns = {name: pa.array(block[name]) for name in NUMBER_RECORDS if name in block}
+    columns |= {name: pa.array(block[name].astype(np.int32)) for name in VERSION_ARRAYS if name in block}
     if has_logprobs:
         columns["logprobs"] = _ragged(block["logprobs"], block["response_length"])
     if "top_logprobs" in block:

@@ -37,6 +37,7 @@ from daskgen.analysis.verl import BATCH_KEYS, VERL_KEYS, attach_non_tensor, tens
 from daskgen.errors import ExportError, StoreError
 from daskgen.store.attrs import StoreAttrs
 from daskgen.store.generation_store import GenerationStore
+from daskgen.store.layout import VERSION_ARRAYS
 from daskgen.store.location import StoreRef, locate
 
 __all__ = [
@@ -109,7 +110,8 @@ class Source:
         self.total = _units(self.ds, self.rows)
         self.pad = self.attrs.layout.pad_token_id
         self.has_logprobs = self.attrs.logprobs_recorded
-        self.read = (*_READ, *self.attrs.layout.sample_records())
+        versions = tuple(name for name in VERSION_ARRAYS if name in self.ds)  # stores from before versions lack them
+        self.read = (*_READ, *versions, *self.attrs.layout.sample_records())
         self.tokenizer = self.ds.daskgen.tokenizer(tokenizer) if text else None
         source = self.ds.daskgen.input_path(prompts) if raw or prompts else None
         self.raw = None if source is None else iter_raw_prompts(source, self.rows)  # consumed block by block

@@ -10,6 +10,7 @@ from daskgen.store.cursors import not_acknowledged
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import DONE, FAILED, PENDING
 from daskgen.store.location import StoreRef
+from daskgen.store.policy import read_versions, read_worker_policies
 
 
 def status_report(path: StoreRef) -> str:
@@ -31,6 +32,7 @@ def status_report(path: StoreRef) -> str:
         "checksums: " + _checksum_summary(store),
         *_thread_slots_line(attrs),
         *_cursor_lines(store, status),
+        *_policy_lines(store, done),
         *_first_errors(store, status),
     ]
     return "\n".join(lines)
@@ -40,6 +42,28 @@ def _thread_slots_line(attrs: object) -> list[str]:
     """The last run's note that workers' thread slots kept its engines underfed, if it made one."""
     note = (getattr(attrs, "engine", None) or {}).get("thread_slots")
     return [f"workers:  {note}"] if note else []
+
+
+def _policy_lines(store: GenerationStore, done: np.ndarray) -> list[str]:
+    """The published policy versions (``daskgen policy publish``), the workers' states (runs with ``refresh``)
+    and the generated samples of done prompts per policy version."""
+    versions = read_versions(store.location)
+    lines = ["policy versions:", *(f"  {v.version}: {v.path} (published {v.time})" for v in versions)]
+    for w in read_worker_policies(store.location):
+        note = {"loading": f", loading version {w.asked}", "failed": f", loading version {w.asked} failed: {w.error}"}
+        lines.append(f"  worker {w.worker}: version {w.version}{note.get(w.state, '')} ({w.time})")
+    return [*lines, *_samples_per_version(store, done)] if len(lines) > 1 else []
+
+
+def _samples_per_version(store: GenerationStore, done: np.ndarray) -> list[str]:
+    """``samples per version: 0: n0, 1: n1 (k continued across a refresh)`` over the done prompts' samples."""
+    if not store.has_array("policy_version") or not done.any():
+        return []
+    region = store.read_region(0, len(done), ("policy_version", "version_changed_at"))
+    first, changed = region["policy_version"][done], region["version_changed_at"][done]
+    values, counts = np.unique(first[first >= 0], return_counts=True)
+    per = ", ".join(f"{v}: {c}" for v, c in zip(values.tolist(), counts.tolist(), strict=True))
+    return [f"  samples per version (first token): {per} ({int((changed >= 0).sum())} continued across a refresh)"]
 
 
 def _cursor_lines(store: GenerationStore, status: np.ndarray) -> list[str]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from daskgen.store.layout import NO_TOKEN, NUMBER_RECORDS
+from daskgen.store.layout import NO_TOKEN, NUMBER_RECORDS, VERSION_ARRAYS
 
 #: Keys of the verl DataProto ``batch``.
 VERL_KEYS = (
@@ -34,6 +34,7 @@ BATCH_KEYS = (*VERL_KEYS, *TOP_LOGPROB_KEYS)
 VERL_META = (
     *("prompt_index", "sample", "trajectory", "num_turns", "finish_reason", "prompt_length", "response_length"),
     *NUMBER_RECORDS,
+    *VERSION_ARRAYS,  # the policy versions of the sample's tokens (stores that record them)
 )
 
 

@@ -100,6 +100,7 @@ def _check_features(config: RunConfig, keys: frozenset[str], structured: bool) -
     wanted = requested_features(run_settings(config), keys)
     wanted |= {"structured_outputs"} if structured else set()
     wanted |= {"top_logprobs"} if config.top_logprobs else set()
+    wanted |= {"refresh"} if config.refresh else set()
     check_features(config.engine, cls.features, wanted)
     check_top_logprobs(config.engine, cls, config.top_logprobs, config.engine_args)
 

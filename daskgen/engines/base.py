@@ -21,12 +21,15 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from daskgen.errors import EngineError
+from daskgen.errors import EngineError, RefreshError
 
 if TYPE_CHECKING:
     from daskgen.input.response_format import ResponseFormat
 
 _T = TypeVar("_T")
+
+#: The policy version of the weights an engine starts with (the run's ``model``); published versions start at 1.
+BASE_POLICY_VERSION = 0
 
 
 class FinishReason(enum.IntEnum):
@@ -414,6 +417,23 @@ class Engine(abc.ABC):
     def health_token_id(self) -> int:
         """A token id that is valid for the model (used by :meth:`health`)."""
         return 1
+
+    async def update_weights(self, path: str) -> None:
+        """Load the weights saved in the folder ``path`` into the running model, in place (no second copy).
+
+        Called by the worker's policy refresher (:mod:`daskgen.worker.refresh`) while no request of the run is in
+        the engine.  An engine that serves it declares the ``refresh`` feature; when the load fails the engine must
+        still serve its previous weights, or raise :class:`~daskgen.errors.EngineError` to be restarted.
+
+        Raises
+        ------
+        RefreshError
+            This engine cannot load new weights in place (the default), or the checkpoint does not fit the model.
+        """
+        raise RefreshError(
+            f"engine {self.name!r} cannot load new weights in place; use an engine that serves 'refresh' "
+            "(transformers) or run without `refresh`."
+        )
 
     async def sleep(self) -> None:  # noqa: B027 - optional hook
         """Release accelerator memory while idle, where the backend supports it."""

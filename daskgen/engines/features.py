@@ -25,6 +25,7 @@ FEATURES: dict[str, str] = {
     "structured_outputs": "structured outputs ('response_format')",
     "lora": "LoRA adapters ('adapter')",
     "top_logprobs": "top-k logprobs ('top_logprobs')",
+    "refresh": "loading published policy versions into the running engine ('refresh')",
 }
 
 

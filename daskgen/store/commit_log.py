@@ -19,10 +19,15 @@ from daskgen.store.location import StoreLocation
 HEAD_KEY = "daskgen.commits"
 #: Folder (key prefix) of the follow cursors inside a store.
 CURSORS_PREFIX = "daskgen.cursors"
+#: The policy record: the versions a trainer published (:mod:`daskgen.store.policy`).
+POLICY_KEY = "daskgen.policy"
+#: Folder (key prefix) of the workers' policy states: the version each engine runs, a refresh loading or failed.
+POLICY_WORKERS_PREFIX = "daskgen.policy.workers"
 #: The Dask event topic on which a run announces each commit (``{"store": url, "seq": n}``), a hint to followers.
 COMMIT_TOPIC = "daskgen-commits"
-#: Objects of a store outside zarr that belong to its commit log and its consumers (kept by ``daskgen pack``).
-LOG_KEYS = (HEAD_KEY, CURSORS_PREFIX)
+#: Objects of a store outside zarr that belong to its commit log, its consumers and its policy record (kept by
+#: ``daskgen pack``).
+LOG_KEYS = (HEAD_KEY, CURSORS_PREFIX, POLICY_KEY)
 
 
 def write_head(location: StoreLocation, seq: int) -> None:

@@ -58,7 +58,7 @@ def import_zarr() -> Any:
     import zarr
 
     warnings.filterwarnings("ignore", message=".*Consolidated metadata.*")
-    warnings.filterwarnings("ignore", message=".*daskgen.(lock|commits|cursors) is not recognized.*")
+    warnings.filterwarnings("ignore", message=".*daskgen.(lock|commits|cursors|policy[.a-z]*) is not recognized.*")
     return zarr
 
 

@@ -12,6 +12,8 @@ column), and by their own names as row keys, ``DataProto.non_tensor_batch`` entr
 entries (one string per sample); ``stop_reason`` (when the run uses stops) likewise, as an integer per sample.
 The ``rows`` and ``arrow`` formats hold the columns of ``daskgen export --format parquet``
 (:func:`daskgen.analysis.arrow.arrow_block`); ``daskgen follow`` writes the ``arrow`` batches.
+The policy versions of each sample's tokens (``policy_version``, ``policy_version_end``, ``version_changed_at``)
+come likewise as integers per sample (row keys, ``non_tensor_batch`` and ``TensorDict`` entries).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 
 from daskgen.errors import FollowError
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.layout import TOP_LOGPROB_ARRAYS
+from daskgen.store.layout import TOP_LOGPROB_ARRAYS, VERSION_ARRAYS
 
 FORMATS = ("xarray", "tensordict", "dataproto", "rows", "arrow")
 #: The arrays the tensor and row formats are built from (``logprobs`` too when the run recorded them).
@@ -44,7 +46,7 @@ def fields_to_read(store: GenerationStore, fmt: str, fields: tuple[str, ...] | N
     top-k logprob arrays only when the store records them), plus what the tensor and row formats are built from."""
     if fmt not in FORMATS:
         raise FollowError(f"unknown follow format {fmt!r}; choose one of {', '.join(FORMATS)}.")
-    available = store.layout.data_arrays()
+    available = tuple(name for name in store.layout.data_arrays() if store.has_array(name))  # older stores lack some
     if fields is not None:  # the top-k logprob arrays are read when the store records them
         fields = tuple(f for f in fields if f in available or f not in TOP_LOGPROB_ARRAYS)
     unknown = [f for f in fields or () if f not in available]
@@ -54,6 +56,7 @@ def fields_to_read(store: GenerationStore, fmt: str, fields: tuple[str, ...] | N
     if fmt != "xarray":
         wanted += [*TOKEN_FIELDS, *(["logprobs"] if store.attrs.logprobs_recorded else [])]
         wanted += store.layout.sample_records()
+        wanted += [name for name in VERSION_ARRAYS if name in available]
     return tuple(dict.fromkeys(wanted))
 
 

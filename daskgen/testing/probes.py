@@ -58,6 +58,8 @@ class ProbeEngine(Engine):
     """
 
     name = "probe"
+    #: Serves what its inner engine serves at run time; ``refresh`` is forwarded (the inner engine may refuse it).
+    features = frozenset({"refresh"})
     #: Copied from the inner engine; its other capabilities are read from it (known once it started).
     supports_seed: bool = False
 
@@ -119,6 +121,9 @@ class ProbeEngine(Engine):
 
     async def abort(self, request_id: str) -> None:
         await self.inner.abort(request_id)
+
+    async def update_weights(self, path: str) -> None:
+        await self.inner.update_weights(path)
 
     def health_token_id(self) -> int:
         return self.inner.health_token_id()

@@ -46,7 +46,17 @@ def _stored_sample(region: dict[str, np.ndarray], r: int, s: int, stops: set[int
         carried=n,
         stop_reason=int(region["stop_reason"][r, s]) if "stop_reason" in region else -1,
         top_logprobs=stored_top_logprobs(region, (r, s), n),
+        versions=stored_versions(region, (r, s)),
     )
+
+
+def stored_versions(region: dict[str, np.ndarray], index: tuple[int, int]) -> list[tuple[int, int]]:
+    """The ``(position, version)`` segments a stored sample records (first token's, and where it changed)."""
+    if "policy_version" not in region or int(region["policy_version"][index]) < 0:
+        return []
+    first, changed = int(region["policy_version"][index]), int(region["version_changed_at"][index])
+    end = int(region["policy_version_end"][index])
+    return [(0, first)] if changed < 0 else [(0, first), (changed, end)]
 
 
 async def sample_with_prefix(
@@ -102,4 +112,12 @@ def _joined(prefix: Trajectory, tail: Trajectory) -> Trajectory:
         carried=len(prefix.response_ids),
         stop_reason=tail.stop_reason,
         top_logprobs=None if prefix.top_logprobs is None else prefix.top_logprobs + (tail.top_logprobs or []),
+        versions=_joined_versions(prefix, tail),
     )
+
+
+def _joined_versions(prefix: Trajectory, tail: Trajectory) -> list[tuple[int, int]]:
+    """The version segments of ``prefix`` followed by ``tail``'s (shifted past the prefix)."""
+    joined = Trajectory(versions=list(prefix.versions))
+    joined.add_versions(tail.versions, len(prefix.response_ids), len(tail.response_ids))
+    return joined.versions

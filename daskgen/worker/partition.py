@@ -202,9 +202,18 @@ def _place(region: dict[str, np.ndarray], index: tuple[int, ...], traj: Trajecto
     region["finish_reason"][index] = int(reason)
     region["num_turns"][index] = traj.num_turns
     region["continued_tokens"][index] = min(traj.continued, n)
+    _place_versions(region, index, traj, n)
     if "stop_reason" in region:
         region["stop_reason"][index] = traj.stop_reason
     return int(sum(traj.response_mask[:n]))
+
+
+def _place_versions(region: dict[str, np.ndarray], index: tuple[int, ...], traj: Trajectory, n: int) -> None:
+    """Store the policy versions of a trajectory's first ``n`` response tokens."""
+    versions = [(position, version) for position, version in traj.versions if position < n]
+    region["policy_version"][index] = versions[0][1] if versions else -1
+    region["policy_version_end"][index] = versions[-1][1] if versions else -1
+    region["version_changed_at"][index] = versions[1][0] if len(versions) > 1 else -1
 
 
 async def run_partition(task: PartitionTask) -> PartitionResult:

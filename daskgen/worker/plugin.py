@@ -78,6 +78,8 @@ class EnginePlugin(WorkerPlugin):
         window: int | str = "auto",
         requests_per_partition: int = 1,
         drain_timeout_s: float = 20.0,
+        refresh: str | None = None,
+        policy_store: Any = None,
     ):
         self.engine_name = engine
         self.model = model
@@ -106,6 +108,9 @@ class EnginePlugin(WorkerPlugin):
         self._admitter: asyncio.Task | None = None
         self._reporter: asyncio.Task | None = None
         self.meter = WorkerMeter()  # what the dashboard shows of this worker (daskgen.dashboard.metrics)
+        self.refresh, self.policy_store = refresh, policy_store  # ``refresh`` runs: daskgen.worker.refresh
+        self.refresher: Any = None
+        self._policy_follower: asyncio.Task | None = None
 
     @property
     def ready_event(self) -> asyncio.Event:
@@ -127,6 +132,11 @@ class EnginePlugin(WorkerPlugin):
         self._worker = worker
         self._ready = asyncio.Event()
         self._tokenizer_lock = threading.Lock()  # the warm-up and a first partition may both ask
+        if self.refresh is not None:
+            from daskgen.worker.refresh import PolicyRefresher
+
+            self.refresher = PolicyRefresher(self.policy_store, self.refresh, self.live_engine, str(worker.name))
+            self._policy_follower = asyncio.create_task(self.refresher.follow(self._refresh_failed))
         self._starter = asyncio.create_task(self._start())
         if tunables.get("dashboard.enabled"):
             self._reporter = asyncio.create_task(self._report_metrics())
@@ -147,6 +157,8 @@ class EnginePlugin(WorkerPlugin):
         finally:
             self.ready_event.set()
         self.state = PluginState.READY
+        if self.refresher is not None:  # the newest policy version before the first request (and after restarts)
+            await self.refresher.check(self._refresh_failed)
         if not self._advertised:
             await self._advertise(self.engine.capacity)
 
@@ -196,6 +208,10 @@ class EnginePlugin(WorkerPlugin):
                 start_admitted_tasks(self._worker)
                 self._announce_window()
 
+    def _refresh_failed(self, message: str) -> None:
+        """A policy refresh failed: the engine keeps its version; the dashboard shows the error."""
+        self.meter.last_error = message
+
     def _announce_window(self) -> None:
         """Tell the client (subscribed to :data:`WINDOW_TOPIC`) how many partitions this worker admits."""
         self._worker.log_event(WINDOW_TOPIC, {"worker": self._worker.address, "window": self.resolved_window})
@@ -218,6 +234,7 @@ class EnginePlugin(WorkerPlugin):
             running=self.running,
             wanted=self.wanted_window,
             slots=self.slots,
+            **(self.refresher.status() if self.refresher is not None else {}),
         )
 
     async def get_engine(self) -> Any:
@@ -371,11 +388,12 @@ class EnginePlugin(WorkerPlugin):
             "slots": self.slots,
             "capacity": getattr(self.engine, "capacity", None),
             "admission_ticks": self.admission_ticks,
+            **(self.refresher.status() if self.refresher is not None else {}),
         }
 
     async def teardown(self, worker: Any) -> None:
         """Shut the engine down when the worker closes or the plugin is replaced."""
-        for task in (self._starter, self._admitter, self._reporter):
+        for task in (self._starter, self._admitter, self._reporter, self._policy_follower):
             if task is not None and not task.done():
                 task.cancel()
         await _quietly_shutdown(self.engine)

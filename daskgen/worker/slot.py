@@ -25,6 +25,7 @@ class SlotOwner(Protocol):
     stopping: bool
     handles: set[Any]
     meter: WorkerMeter
+    refresher: Any  # a daskgen.worker.refresh.PolicyRefresher in runs with ``refresh``, else None
 
     async def get_engine(self) -> Any: ...
 
@@ -50,7 +51,9 @@ class PartitionSlot:
 
     async def engine_handle(self) -> EngineHandle:
         """The engine for this partition's requests (aborted at once when the run is stopping)."""
-        handle = EngineHandle(await self.plugin.get_engine(), live=self.plugin.live_engine)
+        handle = EngineHandle(
+            await self.plugin.get_engine(), live=self.plugin.live_engine, policy=self.plugin.refresher
+        )
         self.plugin.handles.add(handle)
         self.handle = handle
         if self.plugin.stopping:

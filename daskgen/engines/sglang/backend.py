@@ -246,6 +246,16 @@ class SGLangBackend:
         else:
             await manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(), None)
 
+    async def update_weights(self, path: str) -> tuple[bool, str]:
+        """Load the checkpoint in ``path`` into the running model (sglang's update from disk; it rolls back to the
+        weights it had when the load fails); ``(success, message)``."""
+        from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+        found = await self.engine.tokenizer_manager.update_weights_from_disk(
+            UpdateWeightFromDiskReqInput(model_path=path), None
+        )
+        return bool(found[0]), str(found[1])
+
 
 def _prepare_environment(device: str) -> None:
     """Environment sglang reads at import and passes to its subprocesses."""

@@ -92,6 +92,7 @@ from daskgen.engines.sglang.args import (
 from daskgen.engines.sglang.backend import BackendClosed, BackendCrashed, SGLangBackend, read_max_running_requests
 from daskgen.engines.sglang.mapping import logprob_request, result_from_output, sampling_params_for
 from daskgen.engines.sglang.sigquit import install_sigquit_handler, restore_sigquit_handler
+from daskgen.errors import RefreshError
 from daskgen.redaction import redact
 
 __all__ = ["TESTED_SGLANG_VERSION", "SGLangEngine"]
@@ -117,7 +118,9 @@ class SGLangEngine(InProcessEngine):
 
     name = "sglang"
     starts_subprocesses = True
-    features = frozenset({"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs"})
+    features = frozenset(
+        {"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs", "refresh"}
+    )
 
     def __init__(self, model: str, **engine_args: Any) -> None:
         super().__init__(model, **engine_args)
@@ -219,6 +222,14 @@ class SGLangEngine(InProcessEngine):
     def requests_in_flight(self) -> int:
         """Requests the backend tracks."""
         return len(self._backend.tasks) if self._backend is not None else 0
+
+    async def update_weights(self, path: str) -> None:
+        """Load the checkpoint in the folder ``path`` in place (sglang's ``update_weights_from_disk``, which keeps
+        the old weights when the load fails: then :class:`~daskgen.errors.RefreshError`)."""
+        backend = started(self.name, self._backend)
+        ok, message = await asyncio.wrap_future(backend.submit(backend.update_weights(path)))
+        if not ok:
+            raise RefreshError(f"sglang could not load policy checkpoint {path!r} (it keeps its weights): {message}")
 
     async def set_memory(self, release: bool) -> None:
         """Release or resume sglang's GPU memory (weights, KV cache, CUDA graphs)."""

@@ -142,7 +142,9 @@ class TransformersEngine(InProcessEngine):
     name = "transformers"
     simulated = False
     supports_seed = True
-    features = frozenset({"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs"})
+    features = frozenset(
+        {"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs", "refresh"}
+    )
 
     def __init__(self, model: str, **engine_args: Any) -> None:
         super().__init__(model, **engine_args)
@@ -188,6 +190,15 @@ class TransformersEngine(InProcessEngine):
         self._reader = threading.Thread(target=self._read_outputs, name="daskgen-transformers-reader", daemon=True)
         self._reader.start()
         logger.info("transformers engine ready: %s", self.info)
+
+    async def update_weights(self, path: str) -> None:
+        """Load the checkpoint in the folder ``path`` into the running model in place
+        (:func:`~daskgen.engines.transformers.weights.refresh_weights`); the model is untouched when it does not
+        fit."""
+        from daskgen.engines.transformers.weights import refresh_weights
+
+        model, manager = started(self.name, self._model), started(self.name, self._manager)
+        await asyncio.to_thread(refresh_weights, model, manager, path)
 
     async def unload(self) -> None:
         """Fail pending requests, stop the backend thread and free the model."""

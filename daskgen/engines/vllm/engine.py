@@ -64,6 +64,7 @@ from daskgen.engines.base import GenerationRequest, GenerationResult, aborted_re
 from daskgen.engines.inprocess import InProcessEngine, LoopThread, cuda_available
 from daskgen.engines.vllm.args import check_engine_args, launch_kwargs, max_logprobs, vllm_thread_environment
 from daskgen.engines.vllm.mapping import CollectedOutput, collect_output, result_from_collected, vllm_sampling_kwargs
+from daskgen.errors import RefreshError
 
 __all__ = ["TESTED_VLLM_VERSION", "VLLMEngine"]
 
@@ -121,7 +122,9 @@ class VLLMEngine(InProcessEngine):
 
     name = "vllm"
     supports_seed = True
-    features = frozenset({"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs"})
+    features = frozenset(
+        {"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs", "refresh"}
+    )
     starts_subprocesses = True
 
     def __init__(self, model: str, **engine_args: Any) -> None:
@@ -257,6 +260,21 @@ class VLLMEngine(InProcessEngine):
     def requests_in_flight(self) -> int:
         """Request ids being streamed."""
         return len(self._live)
+
+    async def update_weights(self, path: str) -> None:
+        """Load the checkpoint in the folder ``path`` in place: every worker's ``reload_weights`` (vLLM's in-place
+        reload from disk, through ``AsyncLLM.collective_rpc``), then the prefix cache the old weights computed is
+        dropped.  A failure raises :class:`~daskgen.errors.RefreshError`."""
+        thread, llm = started(self.name, self._thread), started(self.name, self._llm)
+
+        async def reload() -> None:
+            await llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+            await llm.reset_prefix_cache()
+
+        try:
+            await asyncio.wrap_future(thread.submit(reload()))
+        except Exception as exc:
+            raise RefreshError(f"vLLM could not load policy checkpoint {path!r}: {type(exc).__name__}: {exc}") from exc
 
     async def set_memory(self, release: bool) -> None:
         """``AsyncLLM.sleep(level=1)`` (weights offloaded, KV cache dropped) or ``wake_up()``."""

@@ -1,0 +1,184 @@
+"""The policy record: the versions of the policy a trainer published for a run's engines, in order.
+
+A trainer that saved new weights publishes them as the next version (:func:`publish`, ``daskgen policy
+publish``): the record ``daskgen.policy`` at the root of the store (JSON, ``{"versions": [{"version", "path",
+"time"}, ...]}``) gains one entry.  It is replaced in one atomic write (write-temp-and-rename in a folder, one
+conditional PUT on object storage), compared with what was read first, so two publishers never lose each
+other's version.  Versions only increase: a version at or below the newest is refused
+(:class:`~daskgen.errors.PolicyVersionError`).  Version 0 is the run's own ``model``; published versions start
+at 1.  A running ``daskgen run`` with ``refresh`` set reads the record and loads the newest version into every
+worker's engine (:mod:`daskgen.worker.refresh`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+from daskgen.engines.base import BASE_POLICY_VERSION
+from daskgen.errors import PolicyError, PolicyVersionError
+from daskgen.store.attrs import utc_now
+from daskgen.store.commit_log import POLICY_KEY, POLICY_WORKERS_PREFIX
+from daskgen.store.generation_store import read_store_attrs
+from daskgen.store.location import StoreLocation, StoreRef, locate
+
+#: Attempts at replacing the record while other publishers replace it too.
+_ATTEMPTS = 20
+
+
+@dataclass(frozen=True)
+class PolicyVersion:
+    """One published version: its number, the checkpoint folder the engines load, when it was published."""
+
+    version: int
+    path: str
+    time: str
+
+
+def read_versions(location: StoreLocation) -> list[PolicyVersion]:
+    """Every published version, oldest first (empty when none was published)."""
+    raw = location.read_bytes(POLICY_KEY)
+    return [] if raw is None else _parse(raw, location)
+
+
+def newest(location: StoreLocation) -> PolicyVersion | None:
+    """The newest published version, or ``None``."""
+    versions = read_versions(location)
+    return versions[-1] if versions else None
+
+
+def publish_policy(store: StoreRef, path: str, version: int) -> PolicyVersion:
+    """Publish the checkpoint folder ``path`` as policy ``version`` of the store ``store`` (a folder or URL).
+
+    A ``daskgen run`` with ``refresh`` set loads it into every worker's engine without restarting; its samples
+    record the versions that generated them (``policy_version``, ``policy_version_end``, ``version_changed_at``).
+
+    Parameters
+    ----------
+    store:
+        The run's store (it must exist: publish after the run created it).
+    path:
+        The folder the trainer saved the weights to (``model.save_pretrained(path)``), readable by every worker.
+    version:
+        An integer above the newest published version (the run's own model is version 0).
+
+    Returns
+    -------
+    PolicyVersion
+        The recorded entry.
+
+    Raises
+    ------
+    PolicyVersionError
+        ``version`` is not above the newest one (``.current`` and ``.asked`` name both).
+    PolicyError
+        ``store`` is no daskgen store, ``path`` is no folder, or ``version`` is below 1.
+    """
+    location = locate(store)
+    if read_store_attrs(location) is None:
+        raise PolicyError(
+            f"{location.url!r} is not a daskgen store: publish a policy version to the store of a run, after "
+            "`daskgen run` created it."
+        )
+    return publish(location, path, version)
+
+
+def publish(location: StoreLocation, path: str, version: int) -> PolicyVersion:
+    """Add ``version`` (checkpoint folder ``path``) to the record; refused unless above the newest one.
+
+    Raises :class:`~daskgen.errors.PolicyVersionError` (naming the newest and the asked version) for a version
+    at or below the newest, :class:`~daskgen.errors.PolicyError` for a version below 1 or a ``path`` that is
+    neither an existing folder nor a URL.
+    """
+    entry = PolicyVersion(_checked_version(version), _checked_path(path), utc_now())
+    for _ in range(_ATTEMPTS):
+        found = location.read_versioned(POLICY_KEY)
+        versions = [] if found is None else _parse(found[0], location)
+        _check_increases(versions, version, location)
+        data = json.dumps({"versions": [asdict(v) for v in [*versions, entry]]}, indent=1).encode()
+        if found is None and location.create_object(POLICY_KEY, data):
+            return entry
+        if found is not None and location.replace_object(POLICY_KEY, data, found[1]) is not None:
+            return entry
+    raise PolicyError(
+        f"could not publish version {version} to {location.url!r}: the policy record kept changing under "
+        f"{_ATTEMPTS} attempts (other publishers). Publish again."
+    )
+
+
+@dataclass(frozen=True)
+class WorkerPolicy:
+    """Where one worker's engine is: the version it runs, and a refresh loading or failed (``state``)."""
+
+    worker: str
+    version: int
+    state: str  # "running", "loading" (stopped admitting, emptying the engine) or "failed" (kept ``version``)
+    asked: int  # the version being loaded or that failed (== ``version`` when running)
+    error: str | None
+    time: str
+
+
+def write_worker_policy(location: StoreLocation, state: WorkerPolicy) -> None:
+    """Record a worker's policy state (one small object per worker, replaced atomically)."""
+    key = f"{POLICY_WORKERS_PREFIX}/{_safe_name(state.worker)}.json"
+    location.write_object(key, json.dumps(asdict(state)).encode(), create_location=False)
+
+
+def read_worker_policies(location: StoreLocation) -> list[WorkerPolicy]:
+    """Every worker's recorded policy state, by worker."""
+    out = []
+    for key, _ in sorted(location.files(POLICY_WORKERS_PREFIX)):
+        raw = location.read_bytes(key)
+        try:
+            out.append(WorkerPolicy(**json.loads(raw or b"")))
+        except (ValueError, TypeError):  # written atomically: a foreign object, not a worker's state
+            continue
+    return out
+
+
+def _safe_name(worker: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in worker)
+
+
+def _checked_version(version: int) -> int:
+    if isinstance(version, bool) or not isinstance(version, int) or version < BASE_POLICY_VERSION + 1:
+        raise PolicyError(
+            f"policy version must be an integer >= 1 (0 is the run's own model), got {version!r}. "
+            "Publish 1, 2, ... as the trainer saves new weights."
+        )
+    return version
+
+
+def _checked_path(path: str) -> str:
+    text = str(path)
+    if "://" in text:
+        return text
+    if not os.path.isdir(text):
+        raise PolicyError(
+            f"policy checkpoint {text!r} is not a folder. Publish the folder the trainer saved the weights to "
+            "(model.save_pretrained(folder)), readable by every worker."
+        )
+    return os.path.abspath(text)
+
+
+def _check_increases(versions: list[PolicyVersion], asked: int, location: StoreLocation) -> None:
+    current = versions[-1].version if versions else BASE_POLICY_VERSION
+    if asked <= current:
+        raise PolicyVersionError(
+            f"policy version {asked} is not above the newest version {current} of {location.url!r}: versions "
+            f"only increase. Publish version {current + 1} or higher.",
+            current=current,
+            asked=asked,
+        )
+
+
+def _parse(raw: bytes, location: StoreLocation) -> list[PolicyVersion]:
+    try:
+        return [PolicyVersion(int(v["version"]), str(v["path"]), str(v["time"])) for v in json.loads(raw)["versions"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PolicyError(
+            f"{location.url}/{POLICY_KEY} is not a daskgen policy record ({type(exc).__name__}: {exc}); it is "
+            "replaced in one atomic write, so it was changed outside daskgen. Delete it and publish the newest "
+            "version again."
+        ) from exc

@@ -1,0 +1,237 @@
+"""Refreshing a worker's engine in place when a trainer publishes a new policy version.
+
+A run with ``refresh`` set gives each worker's :class:`~daskgen.worker.plugin.EnginePlugin` a
+:class:`PolicyRefresher`.  It reads the store's policy record (:mod:`daskgen.store.policy`) once per
+``daskgen.policy.poll-interval``; when the newest version is above the one its engine runs, it stops admitting
+the run's requests, empties the engine as the ``refresh`` policy says, loads the version
+(:meth:`~daskgen.engines.base.Engine.update_weights`) and admits again:
+
+* ``drain``: the requests in flight finish on the old weights first;
+* ``continue``: they are aborted keeping their tokens, and each goes on from its prefix on the new weights (the
+  same request, ``prompt + tokens so far`` with the budget left: a partial rollout).
+
+Every request goes through :meth:`PolicyRefresher.generate`, which stamps its result with the versions of its
+tokens (``meta["policy_versions"]``: ``[(response position, version), ...]``, read by
+:meth:`daskgen.agents.Trajectory.add_model_tokens`).  A load that fails leaves the engine on its version: the
+error is logged, shown on the dashboard and in the plugin's status, the version is not tried again, and the run
+goes on.  A restarted engine starts again from version 0 (the run's ``model``) and is refreshed before it
+takes a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from daskgen import tunables
+from daskgen.engines.base import (
+    BASE_POLICY_VERSION,
+    Engine,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    aborted_result,
+)
+from daskgen.store.attrs import utc_now
+from daskgen.store.location import StoreLocation
+from daskgen.store.policy import PolicyVersion, WorkerPolicy, newest, write_worker_policy
+
+logger = logging.getLogger(__name__)
+
+#: The ``refresh`` run option's policies for requests in flight.
+REFRESH_POLICIES = ("drain", "continue")
+
+
+class PolicyRefresher:
+    """One worker's policy versions: which version its engine runs, the gate requests pass, the refresh.
+
+    Parameters
+    ----------
+    location:
+        The run's store (where the policy record is).
+    policy:
+        ``"drain"`` or ``"continue"`` (:data:`REFRESH_POLICIES`).
+    live_engine:
+        The worker's running engine, or ``None`` while it restarts (the plugin's ``live_engine``).
+    worker:
+        The worker's name, under which it records its state in the store (``daskgen status`` shows it).
+    """
+
+    def __init__(
+        self, location: StoreLocation, policy: str, live_engine: Callable[[], Engine | None], worker: str
+    ) -> None:
+        self.location, self.policy, self.live_engine, self.worker = location, policy, live_engine, worker
+        self.engine: Engine | None = None  # the engine whose version is known
+        self.version = BASE_POLICY_VERSION
+        self.refreshes = 0
+        self.error: str | None = None
+        self.refused: set[int] = set()  # versions whose load failed on this engine (not tried again)
+        self.looking = asyncio.Lock()  # one look at a time (the loop, and the plugin when an engine starts)
+        self.loading = False
+        self.changed = asyncio.Condition()
+        self.in_flight: dict[str, Engine] = {}
+        self.interrupted: set[str] = set()  # requests aborted by a ``continue`` refresh
+
+    # ------------------------------------------------------------------ the loop
+    async def follow(self, on_error: Callable[[str], None]) -> None:
+        """Read the record once per ``daskgen.policy.poll-interval``; refresh when a newer version shows."""
+        while True:
+            try:
+                await self.check(on_error)
+            except Exception as exc:  # a record that cannot be read now: the engine keeps its version
+                self._report(on_error, f"reading the policy record failed: {type(exc).__name__}: {exc}")
+            await asyncio.sleep(tunables.seconds("policy.poll-interval"))
+
+    async def check(self, on_error: Callable[[str], None]) -> None:
+        """Bring the running engine to the newest published version (one look at the record)."""
+        async with self.looking:
+            await self._look(on_error)
+
+    async def _look(self, on_error: Callable[[str], None]) -> None:
+        engine = self.live_engine()
+        if engine is None:
+            return
+        entry = await asyncio.to_thread(newest, self.location)
+        if engine is not self.engine:  # first look, or a restarted engine: it runs the run's model again
+            async with self.changed:
+                self.engine, self.version, self.refused = engine, BASE_POLICY_VERSION, set()
+            await self._record("running", self.version)
+        if entry is not None and entry.version > self.version and entry.version not in self.refused:
+            await self.refresh(engine, entry, on_error)
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def refresh(self, engine: Engine, entry: PolicyVersion, on_error: Callable[[str], None]) -> None:
+        """Stop admitting, empty the engine (``drain`` or ``continue``), load ``entry``, admit again."""
+        async with self.changed:
+            self.loading = True
+        await self._record("loading", entry.version)
+        try:
+            if self.policy == "continue":
+                await self._interrupt(engine)
+            async with self.changed:
+                await self.changed.wait_for(lambda: not self.in_flight)
+            await engine.update_weights(entry.path)
+        except Exception as exc:
+            self.refused.add(entry.version)
+            self._report(on_error, f"loading policy version {entry.version} failed: {type(exc).__name__}: {exc}")
+            await self._record("failed", entry.version)
+        else:
+            self.version, self.error, self.refreshes = entry.version, None, self.refreshes + 1
+            logger.info("daskgen: engine now runs policy version %d (%s)", entry.version, entry.path)
+            await self._record("running", entry.version)
+        finally:
+            async with self.changed:
+                self.loading = False
+                self.changed.notify_all()
+
+    async def _interrupt(self, engine: Engine) -> None:
+        """``continue``: abort every request in flight; each goes on from its prefix after the load."""
+        for request_id in list(self.in_flight):
+            self.interrupted.add(request_id)
+            await engine.abort(request_id)
+
+    async def _record(self, state: str, asked: int) -> None:
+        """Record this worker's state in the store (a failed write is logged: the refresh goes on)."""
+        record = WorkerPolicy(self.worker, self.version, state, asked, self.error, utc_now())
+        try:
+            await asyncio.to_thread(write_worker_policy, self.location, record)
+        except Exception:
+            logger.warning("daskgen: recording the policy state of %s failed", self.worker, exc_info=True)
+
+    def _report(self, on_error: Callable[[str], None], message: str) -> None:
+        self.error = message
+        logger.error("daskgen: %s; the engine keeps policy version %d", message, self.version)
+        on_error(message)
+
+    # ------------------------------------------------------------------ requests
+    async def generate(
+        self, engine: Engine, request: GenerationRequest, stopped: Callable[[], bool]
+    ) -> GenerationResult:
+        """Run ``request`` on ``engine`` at the current version, across refreshes, stamped with its versions."""
+        version = await self._admitted(engine)
+        if stopped():  # the run stopped (or the worker drained) while the request waited
+            return aborted_result(request)
+        result = await self._tracked(engine, request)
+        segments = [(0, version)]
+        while request.request_id in self.interrupted or result.request_id in self.interrupted:
+            self.interrupted.discard(request.request_id)
+            rest = _rest(request, result, engine.eos_token_ids)
+            if rest is None or stopped():
+                break
+            version = await self._admitted(engine)
+            tail = await self._tracked(engine, rest)
+            segments.append((len(result.output_ids), version))
+            result = _joined(result, tail)
+        result.meta["policy_versions"] = _merged(segments, len(result.output_ids))
+        return result
+
+    async def _admitted(self, engine: Engine) -> int:
+        """Wait until ``engine`` runs a known version and no refresh is loading; that version."""
+        async with self.changed:
+            await self.changed.wait_for(
+                lambda: not self.loading and (self.engine is engine or self.live_engine() is not engine)
+            )
+            return self.version
+
+    async def _tracked(self, engine: Engine, request: GenerationRequest) -> GenerationResult:
+        self.in_flight[request.request_id] = engine
+        try:
+            return await engine.generate(request)
+        finally:
+            self.in_flight.pop(request.request_id, None)
+            async with self.changed:
+                self.changed.notify_all()
+
+    def status(self) -> dict[str, Any]:
+        """The worker's policy: version, refreshes done, last error (``None`` after a successful load)."""
+        return {"policy_version": self.version, "refreshes": self.refreshes, "refresh_error": self.error}
+
+
+def _rest(request: GenerationRequest, partial: GenerationResult, eos: frozenset[int]) -> GenerationRequest | None:
+    """The request that continues an interrupted ``partial`` result, or ``None`` when it had ended anyway."""
+    if partial.finish_reason != FinishReason.ABORT:
+        return None
+    done, params = partial.output_ids, request.params
+    if done and done[-1] in eos | set(params.stop_token_ids):
+        partial.finish_reason = FinishReason.STOP
+        return None
+    budget = params.max_new_tokens - len(done)
+    if budget <= 0:
+        partial.finish_reason = FinishReason.LENGTH
+        return None
+    rest = dataclasses.replace(params, max_new_tokens=budget, min_new_tokens=max(0, params.min_new_tokens - len(done)))
+    return GenerationRequest(request.request_id, [*request.prompt_ids, *done], rest)
+
+
+def _joined(head: GenerationResult, tail: GenerationResult) -> GenerationResult:
+    """``head``'s tokens followed by ``tail``'s (logprobs and top-k entries too), ending as ``tail`` ends."""
+    n = len(head.output_ids)
+    logprobs = None if head.logprobs is None else [*head.logprobs[:n], *(tail.logprobs or [])]
+    top = None if head.top_logprobs is None else [*head.top_logprobs[:n], *(tail.top_logprobs or [])]
+    return GenerationResult(
+        head.request_id,
+        [*head.output_ids, *tail.output_ids],
+        tail.finish_reason,
+        logprobs,
+        tail.error,
+        {**head.meta, **tail.meta},
+        top,
+    )
+
+
+def _merged(segments: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """``(position, version)`` segments of ``n`` tokens: one per change of version (the first always kept; a
+    later segment at the same position replaces it: no token came from that version)."""
+    out: list[tuple[int, int]] = []
+    for position, version in segments:
+        if out and position >= n:
+            continue
+        if out and out[-1][0] == position:
+            out.pop()
+        if not out or out[-1][1] != version:
+            out.append((position, version))
+    return out

@@ -1,0 +1,156 @@
+"""Refreshing the policy while a run goes on: every worker's engine loads a published version in place.
+
+A ``daskgen run --refresh drain`` of the tiny model on a LocalCluster: a probe engine holds one row at a gate
+while a new checkpoint (other seeded weights, ``save_pretrained``) is published; once the worker records that it
+is loading the version (it stopped admitting and waits for the held row), the row is released.  Every sample
+records the version that generated it, and each equals that version's own greedy answer token for token (a
+greedy probe against the checkpoint loaded in this process).  In process: ``continue`` aborts a request mid-way
+and continues it from its tokens on the new weights; a checkpoint that does not fit is refused and the engine
+keeps its version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+import daskgen
+from daskgen import store
+from daskgen.engines.base import GenerationRequest, SamplingParams
+from daskgen.engines.transformers import TransformersEngine
+from daskgen.store.policy import read_worker_policies
+from daskgen.testing.probes import read_events, row_of
+from daskgen.worker.refresh import PolicyRefresher
+from tests.conftest import popen_cli, write_prompts
+from tests.probing import gate_args, wait_for_arrival
+
+pytestmark = pytest.mark.timeout(600)
+
+HELD = 2
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def new_policy(tmp_path_factory):
+    """A checkpoint of the tiny model's architecture with other weights (seed 1), saved with save_pretrained."""
+    from daskgen.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("policy") / "step1", seed=1)
+
+
+def greedy(model, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Each prompt's greedy answer from the checkpoint ``model``, loaded in this process."""
+
+    async def answers():
+        engine = TransformersEngine(str(model))
+        await engine.start()
+        try:
+            return [
+                (await engine.generate(GenerationRequest(f"g{i}", p, params))).output_ids for i, p in enumerate(prompts)
+            ]
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(answers())
+
+
+def wait_until(predicate, proc, what: str, timeout: float = 180.0):
+    deadline = time.monotonic() + timeout
+    while not (found := predicate()):
+        assert proc.poll() is None, f"the run ended before {what}: {proc.stdout.read()}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)
+    return found
+
+
+def test_a_run_refreshes_in_place_and_records_versions(tiny_model, new_policy, tmp_path):
+    out, events, gate = tmp_path / "out.zarr", tmp_path / "events.log", tmp_path / "gate"
+    prompts = write_prompts(tmp_path / "p.jsonl", 6)
+    proc = popen_cli(
+        *("run", "--prompts", prompts, "--store", out, "--model", tiny_model, "--refresh", "drain"),
+        *("--engine", "daskgen.testing.probes:ProbeEngine", "--engine-arg", "inner=transformers"),
+        *("--engine-arg", f"events_path={events}", *gate_args(gate, [HELD])),
+        *("--temperature", "0", "--max-new-tokens", str(NEW_TOKENS), "--max-prompt-tokens", "128"),
+        *("--partition-size", "1", "--window", "1", "--n-workers", "1", "--no-progress"),
+        env={"DASK_DASKGEN__POLICY__POLL_INTERVAL": "0.1s"},
+    )
+    try:
+        wait_for_arrival(events, proc, HELD, timeout=300)
+        daskgen.publish_policy(out, str(new_policy), 1)
+        loading = wait_until(
+            lambda: [w for w in read_worker_policies(store.locate(out)) if w.state == "loading"], proc, "refresh"
+        )
+        assert (loading[0].version, loading[0].asked) == (0, 1)  # the held row keeps the refresh waiting
+        gate.touch()
+        assert proc.wait(timeout=300) == 0, proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    arrivals = [row_of(e.request_id) for e in read_events(events) if e.kind == "arrive"]
+    after = set(arrivals[arrivals.index(HELD) + 1 :])
+    made = store.GenerationStore.open(out)
+    got = made.read_region(0, 6, made.layout.data_arrays())
+    expected = {0: set(range(6)) - after, 1: after}
+    assert after and {v: set(np.flatnonzero(got["policy_version"][:, 0] == v)) for v in (0, 1)} == expected
+    np.testing.assert_array_equal(got["policy_version_end"], got["policy_version"])
+    assert (got["version_changed_at"] == -1).all()
+    prompts_ids = [got["prompt_ids"][r, : got["prompt_length"][r]].tolist() for r in range(6)]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
+    answers = {0: greedy(tiny_model, prompts_ids, params), 1: greedy(new_policy, prompts_ids, params)}
+    for r in range(6):
+        version = int(got["policy_version"][r, 0])
+        assert got["response_ids"][r, 0, : got["response_length"][r, 0]].tolist() == answers[version][r], r
+    assert answers[0] != answers[1]  # the probe tells the versions apart
+    (state,) = read_worker_policies(store.locate(out))
+    assert (state.state, state.version, state.error) == ("running", 1, None)
+    status = daskgen_status(out)
+    assert f"  1: {new_policy}" in status and "samples per version (first token): " in status, status
+
+
+def daskgen_status(out) -> str:
+    from daskgen.analysis.summary import status_report
+
+    return status_report(str(out))
+
+
+def test_continue_carries_a_request_onto_the_new_weights(tiny_model, new_policy, tmp_path):
+    layout = store.Layout(1, 1, 4, 4, 1, 0)
+    out = tmp_path / "out.zarr"
+    store.GenerationStore.create(out, store.StoreAttrs(layout), ["q0"])
+    prompt, n = [1, 2, 3, 4, 5], 48
+    params = SamplingParams(max_new_tokens=n, temperature=0.0, min_new_tokens=n)
+    errors: list[str] = []
+
+    async def scenario():
+        engine = TransformersEngine(str(tiny_model))
+        await engine.start()
+        refresher = PolicyRefresher(store.locate(out), "continue", lambda: engine, "w0")
+        await refresher.check(errors.append)
+        running = asyncio.create_task(refresher.generate(engine, GenerationRequest("r", prompt, params), lambda: False))
+        while not any(len(s.tokens) >= 4 for s in engine.sampler_table.sequences.values()):
+            await asyncio.sleep(0.005)
+        daskgen.publish_policy(out, str(new_policy), 1)
+        await refresher.check(errors.append)
+        result = await running
+        empty = tmp_path / "not-a-checkpoint"
+        empty.mkdir()
+        daskgen.publish_policy(out, str(empty), 2)
+        await refresher.check(errors.append)
+        after = await refresher.generate(engine, GenerationRequest("s", prompt, params), lambda: False)
+        await engine.shutdown()
+        return result, after, refresher
+
+    result, after, refresher = asyncio.run(scenario())
+    (first, second) = result.meta["policy_versions"]
+    k = second[0]
+    assert first == (0, 0) and second[1] == 1 and 4 <= k < n and len(result.output_ids) == n
+    assert result.output_ids[:k] == greedy(tiny_model, [prompt], params)[0][:k]
+    rest = SamplingParams(max_new_tokens=n - k, temperature=0.0, min_new_tokens=n - k)
+    assert result.output_ids[k:] == greedy(new_policy, [prompt + result.output_ids[:k]], rest)[0]
+    assert refresher.version == 1 and "loading policy version 2 failed" in errors[-1] and "RefreshError" in errors[-1]
+    assert after.meta["policy_versions"] == [(0, 1)]
+    assert after.output_ids == greedy(new_policy, [prompt], params)[0]  # still on version 1
+    assert read_worker_policies(store.locate(out))[0].state == "failed"
