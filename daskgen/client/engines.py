@@ -40,6 +40,7 @@ def start_engines(client: Any, config: RunConfig, interrupt: Any = None) -> int:
         window=config.window,
         requests_per_partition=config.partition_size * config.n_samples,
         drain_timeout_s=drain_s,
+        adapters=config.adapters,
     )
     client.register_plugin(plugin, name=plugin.name)
     _drain_before_retire(client, drain_s)

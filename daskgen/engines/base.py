@@ -92,6 +92,8 @@ class SamplingParams:
     constrains the response (:mod:`daskgen.input.response_format`; engines that serve it map it to their own
     fields).  ``top_logprobs = k > 0`` asks, per
     output token, for the ``k`` most likely tokens of the logprobs' distribution (:data:`TopLogprobs`).
+    ``adapter`` names the LoRA adapter to generate with (one of the ``adapters`` the engine was built with;
+    ``None``: the base model).
     """
 
     max_new_tokens: int = 256
@@ -109,6 +111,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     response_format: ResponseFormat | None = None
     top_logprobs: int = 0
+    adapter: str | None = None
 
 
 #: Per output token, the ``k`` most likely ``(token_id, logprob)`` pairs, most likely first (fewer

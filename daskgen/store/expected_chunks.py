@@ -27,8 +27,9 @@ values of its finished (``done``) rows; a chunk of that array covering any marke
 
 ``continued_tokens`` has no rule: 0 is the value of every sample generated in one go, so no other value
 shows that it must be anything else (:data:`UNDERIVABLE`); nor have the kept input columns (``column_<name>``,
-per store) and ``response_format``: the empty string is a valid value of each.  The expected chunks are computed
-on the worker that read the partition; whether their keys exist is checked against one listing of the store.
+per store), ``response_format`` and ``adapter``: the empty string is a valid value of each.  The expected
+chunks are computed on the worker that read the partition; whether their keys exist is checked against one
+listing of the store.
 """
 
 from __future__ import annotations
