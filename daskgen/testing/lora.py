@@ -42,9 +42,14 @@ def make_adapter(model: str | Path, path: str | Path, *, seed: int = 0, rank: in
 
 
 def merged_greedy(
-    model: str | Path, adapter: str | Path | None, prompt: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int]
+    model: str | Path,
+    adapter: str | Path | None,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    eos_ids: Sequence[int] | None = None,
 ) -> list[int]:
-    """Greedy output ids of ``model`` with ``adapter`` merged into its weights (``None``: the base model), float32."""
+    """Greedy output ids of ``model`` with ``adapter`` merged into its weights (``None``: the base model), float32,
+    ending at ``eos_ids`` (default: the model's own generation config)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -58,7 +63,7 @@ def merged_greedy(
             torch.tensor([list(prompt)]),
             max_new_tokens=max_new_tokens,
             do_sample=False,
-            eos_token_id=list(eos_ids),
+            **({} if eos_ids is None else {"eos_token_id": list(eos_ids)}),
             pad_token_id=0,
         )
     return [int(t) for t in out[0, len(prompt) :]]
