@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import enum
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -157,15 +158,23 @@ class GenerationResult:
 
 
 def request_error(
-    request: GenerationRequest, *, vocab_size: int | None = None, max_total_tokens: int | None = None
+    request: GenerationRequest,
+    *,
+    vocab_size: int | None = None,
+    max_total_tokens: int | None = None,
+    adapters: Collection[str] = (),
 ) -> str | None:
     """Why ``request`` cannot be served, or ``None`` when it is valid.
 
     Shared by the engines so that they reject the same requests with the same messages.
     ``vocab_size`` bounds the prompt token ids; ``max_total_tokens`` bounds prompt length plus
-    ``max_new_tokens`` (the engine's context or cache limit).
+    ``max_new_tokens`` (the engine's context or cache limit); ``adapters`` are the LoRA adapters the engine
+    serves (a request's ``adapter`` must be one).
     """
     prompt, params = request.prompt_ids, request.params
+    if params.adapter is not None and params.adapter not in adapters:
+        loaded = sorted(adapters)
+        return f"request {request.request_id!r}: LoRA adapter {params.adapter!r} is not loaded (loaded: {loaded})"
     if len(prompt) == 0:
         return f"request {request.request_id!r}: prompt_ids is empty; a request needs at least one prompt token"
     upper = vocab_size if vocab_size is not None else 2**31

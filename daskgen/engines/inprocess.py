@@ -203,11 +203,8 @@ class InProcessEngine(Engine):
 
     def refusal(self, request: GenerationRequest) -> str | None:
         """Why ``request`` is refused before it reaches the backend, or ``None``."""
-        adapter = request.params.adapter
-        if adapter is not None and adapter not in self.adapters:
-            return f"LoRA adapter {adapter!r} is not loaded on this engine (loaded: {sorted(self.adapters)})"
         return self.not_serving() or request_error(
-            request, vocab_size=self.vocab_size, max_total_tokens=self.max_total_tokens
+            request, vocab_size=self.vocab_size, max_total_tokens=self.max_total_tokens, adapters=self.adapters
         )
 
     def health_token_id(self) -> int:

@@ -217,10 +217,10 @@ def processor_list(table: SamplerTable) -> Any:
             return table.process(scores)
 
     class DaskgenProcessors(ContinuousBatchingLogitsProcessorList):
-        def prepare_tensor_args(self, requests_in_batch: list[Any], arg_storage: torch.Tensor) -> None:
+        def prepare_tensor_args(self, requests_in_batch: list[Any], arg_storage: torch.Tensor) -> torch.Tensor:
             if table.on_batch is not None:  # runs before the forward pass of these requests
                 table.on_batch(requests_in_batch)
-            super().prepare_tensor_args(requests_in_batch=requests_in_batch, arg_storage=arg_storage)
+            return super().prepare_tensor_args(requests_in_batch=requests_in_batch, arg_storage=arg_storage)
 
     processors = DaskgenProcessors(LogitsProcessorList([DaskgenSampler()]))
     processors.tensors_required = 1  # one (unused) row of per-request tensor args

@@ -33,10 +33,32 @@ def check_engine_args(args: Mapping[str, Any], valid: list[str]) -> None:
     check_known_args("vllm", args, valid, "vllm.AsyncEngineArgs fields")
 
 
-def launch_kwargs(model: str, engine_args: Mapping[str, Any], cuda_available: bool) -> dict[str, Any]:
-    """``AsyncEngineArgs`` keyword arguments: ``model``, CPU defaults without CUDA, then ``engine_args``."""
+#: The LoRA ranks vLLM's ``max_lora_rank`` accepts (vllm.config.lora.MaxLoRARanks).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def launch_kwargs(
+    model: str, engine_args: Mapping[str, Any], cuda_available: bool, adapters: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """``AsyncEngineArgs`` keyword arguments: ``model``, CPU defaults without CUDA, LoRA settings for the
+    ``adapters`` (:func:`lora_kwargs`), then ``engine_args``."""
     defaults = {} if cuda_available else CPU_DEFAULTS
-    return {"model": model, **defaults, **engine_args}
+    return {"model": model, **defaults, **lora_kwargs(adapters or {}), **engine_args}
+
+
+def lora_kwargs(adapters: Mapping[str, str]) -> dict[str, Any]:
+    """``enable_lora``, ``max_loras`` (every adapter in one batch) and ``max_lora_rank`` (the smallest rank vLLM
+    accepts that holds the largest adapter) for ``adapters``; nothing without adapters."""
+    if not adapters:
+        return {}
+    from daskgen.input.adapters import max_rank
+
+    rank = max_rank(adapters)
+    return {
+        "enable_lora": True,
+        "max_loras": len(adapters),
+        "max_lora_rank": next((r for r in LORA_RANKS if r >= rank), rank),
+    }
 
 
 @contextlib.contextmanager
