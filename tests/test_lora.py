@@ -140,3 +140,32 @@ def test_the_adapter_digest_covers_names_and_bytes(tmp_path):
     second = adapter_digest(str(folder))
     (folder / "w.bin").write_bytes(np.ones(4, "u1").tobytes())
     assert len({first, second, adapter_digest(str(folder))}) == 3
+
+
+def test_each_engine_maps_adapters_to_its_own_settings(adapters):
+    """vLLM: enable_lora and the smallest max_lora_rank it accepts; sglang (and its managed server): lora_paths,
+    the CPU LoRA backend; engine args set by the user win; HTTP bodies name the adapter as the model (OpenAI,
+    vLLM) or its lora_path (SGLang)."""
+    from daskgen.engines.base import GenerationRequest, SamplingParams
+    from daskgen.engines.http.protocol import native_payload, openai_payload
+    from daskgen.engines.http.server import ManagedServer
+    from daskgen.engines.http.vllm_protocol import vllm_completions_payload
+    from daskgen.engines.sglang.args import launch_kwargs as sglang_kwargs
+    from daskgen.engines.vllm.args import launch_kwargs as vllm_kwargs
+
+    vllm = vllm_kwargs("m", {"max_loras": 1}, False, adapters)
+    assert vllm["enable_lora"] is True and vllm["max_lora_rank"] == 8 and vllm["max_loras"] == 1
+    assert "enable_lora" not in vllm_kwargs("m", {}, False, {})
+    sglang = sglang_kwargs("m", {}, False, adapters)
+    assert sglang["lora_paths"] == [f"{n}={p}" for n, p in adapters.items()] and sglang["max_loras_per_batch"] == 3
+    assert sglang["lora_backend"] == "torch_native" and "lora_backend" not in sglang_kwargs("m", {}, True, adapters)
+    command = ManagedServer("m", adapters=adapters).command(1234, False)
+    assert "--enable-lora" in command and command[command.index("--lora-paths") + 1] == f"a={adapters['a']}"
+    request = GenerationRequest("r", [1, 2], SamplingParams(adapter="b"))
+    assert openai_payload("completions", "base", "hi", request, {})[1]["model"] == "b"
+    assert vllm_completions_payload("base", request, {})["model"] == "b"
+    assert native_payload(request, "rid", {})["lora_path"] == "b"
+    plain = GenerationRequest("r", [1, 2], SamplingParams())
+    assert vllm_completions_payload("base", plain, {})["model"] == "base" and "lora_path" not in native_payload(
+        plain, "rid", {}
+    )
