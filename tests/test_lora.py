@@ -153,8 +153,9 @@ def test_each_engine_maps_adapters_to_its_own_settings(adapters):
     from daskgen.engines.sglang.args import launch_kwargs as sglang_kwargs
     from daskgen.engines.vllm.args import launch_kwargs as vllm_kwargs
 
-    vllm = vllm_kwargs("m", {"max_loras": 1}, False, adapters)
-    assert vllm["enable_lora"] is True and vllm["max_lora_rank"] == 8 and vllm["max_loras"] == 1
+    vllm = vllm_kwargs("m", {}, False, adapters)
+    assert vllm["enable_lora"] is True and vllm["max_lora_rank"] == 8 and vllm["max_loras"] == 3  # an empty slot
+    assert vllm_kwargs("m", {"max_loras": 1}, True, adapters)["max_loras"] == 1  # engine args win
     assert "enable_lora" not in vllm_kwargs("m", {}, False, {})
     sglang = sglang_kwargs("m", {}, False, adapters)
     assert sglang["lora_paths"] == [f"{n}={p}" for n, p in adapters.items()] and sglang["max_loras_per_batch"] == 3
