@@ -80,9 +80,10 @@ pip_install \
   pyzmq regex requests scipy sentencepiece setproctitle soundfile tiktoken tokenizers torch_memory_saver \
   tqdm transformers uvicorn uvloop watchfiles xgrammar xxhash zstandard
 # 4. daskgen's dependencies and test tools, then daskgen itself (editable, no dependency resolution).
-# (tenacity: the openai engine's retries, tested against sglang's HTTP server in the same lane.)
+# (tenacity: the openai engine's retries, tested against sglang's HTTP server in the same lane; peft: the LoRA
+# adapters the tests make.)
 pip_install 'dask[distributed]' zarr numcodecs xarray numpy pyarrow pyyaml tqdm typer accelerate httpx \
-  tenacity pytest pytest-timeout
+  tenacity peft pytest pytest-timeout
 pip_install --no-deps -e "$REPO"
 
 smoke_test

@@ -87,9 +87,10 @@ PY
 )
 pip_install "${requirements[@]}"
 # 3. daskgen's dependencies and test tools, then daskgen itself (editable, no dependency resolution).
-# (gguf, dask-jobqueue: daskgen's models/hpc extras, imported by test modules that pytest collects here too.)
+# (gguf, dask-jobqueue: daskgen's models/hpc extras, imported by test modules that pytest collects here too;
+# peft: LoRA on the transformers engine and the adapters the tests make.)
 pip_install 'dask[distributed]' zarr numcodecs xarray numpy pyarrow pyyaml tqdm typer accelerate httpx \
-  tenacity scipy psutil gguf dask-jobqueue pytest pytest-timeout
+  tenacity scipy psutil gguf dask-jobqueue peft pytest pytest-timeout
 pip_install --no-deps -e "$REPO"
 
 smoke_test

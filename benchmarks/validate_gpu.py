@@ -13,6 +13,9 @@ process, so they never share the GPU.
     python benchmarks/validate_gpu.py --model M --n-prompts 512 --max-new-tokens 256 \\
         --engine-arg mem_fraction_static=0.8 --json result.json
 
+``--lora`` adds a LoRA step (`benchmarks/lora_check.py`): daskgen's engine serving a peft adapter made for the
+model, in one batch with base requests, against the same engine on the merged model (``merge_and_unload``).
+
 ``--device cpu`` runs the same comparison on a CPU (for a smoke test of the script only; the
 numbers mean nothing for GPUs).  Exit code 2 when no CUDA GPU is visible and ``--device cuda``.
 """
@@ -63,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="sglang.Engine / vllm.AsyncEngineArgs option for both sides (VALUE parsed as JSON when it can be)",
     )
+    parser.add_argument("--lora", action="store_true", help="also check LoRA adapters against the merged model")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     return parser.parse_args(argv)
 
@@ -218,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     result.update(
         engine=a.engine, model=a.model, max_new_tokens=a.max_new_tokens, prompt_len=a.prompt_len, engine_args=args
     )
+    if a.lora:
+        from lora_check import lora_check
+
+        result["lora"] = lora_check(a.engine, a.model, args, prompts[:32], min(a.max_new_tokens, 32))
     if a.json:
         a.json.write_text(json.dumps(result, indent=2))
     return 0

@@ -38,6 +38,7 @@ IDENTITY_KEYS = (
     "logprobs",
     "response_format",
     "top_logprobs",
+    "adapter",
     "partition_size",
     "agent",
     "agent_args",
@@ -51,7 +52,7 @@ IDENTITY_KEYS = (
 
 #: Identity settings added after stores existed, with their default: left out of the identity at that
 #: default, so that a store written before them resumes.
-LATER_IDENTITY_KEYS: dict[str, Any] = {"top_logprobs": 0}
+LATER_IDENTITY_KEYS: dict[str, Any] = {"top_logprobs": 0, "adapter": None}
 
 
 @dataclass
@@ -74,6 +75,7 @@ class RunConfig(RunOptions):
         self._check_types()
         self._check_ranges()
         self.kept_columns()
+        self.adapters = self.adapter_paths()
         self.deadline_timestamp(0.0)
         self.grace_seconds()
 
@@ -169,6 +171,12 @@ class RunConfig(RunOptions):
 
         return from_setting(self.response_format)
 
+    def adapter_paths(self) -> dict[str, str]:
+        """The ``adapters`` setting, each folder checked and made absolute (:mod:`daskgen.input.adapters`)."""
+        from daskgen.input.adapters import check_adapters
+
+        return check_adapters(self.adapters, self.adapter)
+
     def chat_template_options(self) -> ChatTemplate:
         """The run's chat-template options (its ``chat_template`` file read and checked)."""
         from daskgen.input.chat_template import ChatTemplate
@@ -178,7 +186,12 @@ class RunConfig(RunOptions):
     def identity(self) -> dict[str, Any]:
         """The settings a resumed run must share with the store."""
         values = {k: getattr(self, k) for k in IDENTITY_KEYS}
-        return {k: v for k, v in values.items() if k not in LATER_IDENTITY_KEYS or v != LATER_IDENTITY_KEYS[k]}
+        out = {k: v for k, v in values.items() if k not in LATER_IDENTITY_KEYS or v != LATER_IDENTITY_KEYS[k]}
+        if self.adapters:  # the content of each adapter, not where it lies
+            from daskgen.input.adapters import adapter_identity
+
+            out["adapters"] = adapter_identity(self.adapters)
+        return out
 
     def location(self) -> StoreLocation:
         """The :class:`daskgen.store.location.StoreLocation` of :attr:`store` (with :attr:`storage_options`)."""

@@ -75,6 +75,18 @@ class RunOptions:
         "transformers", "Engine: transformers, sglang, vllm, openai, simulated, or module:Class.", group=ENGINE
     )
     engine_args: dict[str, Any] = key_values("Engine", "--engine-arg")
+    adapters: dict[str, str] = option(
+        help="LoRA adapters the run may use: name -> PEFT adapter folder (on the command line NAME=PATH).",
+        group=ENGINE,
+        flags=("--adapter-path",),
+        pairs=True,
+        factory=dict,
+    )
+    adapter: str | None = option(
+        None,
+        "The LoRA adapter (a name of 'adapters') for every row; a row's own adapter column replaces it.",
+        group=ENGINE,
+    )
     agent: str = option("single_turn", "Agent loop: single_turn, tool, or module:Class.", group=ENGINE)
     agent_args: dict[str, Any] = key_values("Agent", "--agent-arg")
     verifier: str | None = option(

@@ -115,7 +115,10 @@ class TestSGLangNativeConformance(EngineConformance):
     concurrency = 24
     not_applicable = {
         "test_seeded_reproducible": "the CPU sglang server runs without enable_deterministic_inference "
-        "(GPU attention backends only), so it does not honour seeds"
+        "(GPU attention backends only), so it does not honour seeds",
+        "test_feature_lora": "the shared server runs without LoRA adapters (serving them takes a server start of "
+        "its own); the engine's LoRA requests (the adapter as the served model, SGLang's lora_path, a managed "
+        "server's LoRA flags) are checked in tests/test_lora.py",
     }
 
     @classmethod

@@ -109,6 +109,9 @@ class TestVLLMServerConformance(EngineConformance):
     abort_timeout_s = 30.0
     concurrency = 24
     not_applicable = {
+        "test_feature_lora": "the shared server runs without LoRA adapters (serving them takes a server start of "
+        "its own); the engine's LoRA requests (the adapter as the served model, SGLang's lora_path, a managed "
+        "server's LoRA flags) are checked in tests/test_lora.py",
         "test_results_arrive_as_each_finishes": (
             "vLLM's CPU server on this 2-core machine holds its answers while its engine core decodes: a lone "
             "1-token request takes 11-15 ms, but sent after 1 or 8 long streams its answer mostly came back only "

@@ -301,6 +301,8 @@ class TestTransformersServeConformance(EngineConformance):
     long_max_new_tokens = 512
     concurrency = 16
     not_applicable = {
+        "test_feature_lora": "transformers serve does not serve LoRA adapters as models; the engine's LoRA requests "
+        "are checked in tests/test_lora.py",
         "test_seeded_reproducible": "transformers serve takes no per-request seed (the engine reports "
         "supports_seed False, checked in test_detects_completions_and_says_retokenized)",
         "test_results_arrive_as_each_finishes": "transformers serve (without --continuous-batching) runs one request "

@@ -106,10 +106,10 @@ SAMPLES = {"window": ("3", 3), "deadline": ("90m", "90m"), "grace": ("30s", "30s
            "response_format": ('{"regex": "x"}', {"regex": "x"}), "refresh": ("drain", "drain")}  # fmt: skip
 
 
-def sample(opt):
+def sample(opt, samples=SAMPLES):
     """A non-default value of ``opt`` on the command line, and what the config holds then."""
-    if opt.name in SAMPLES:
-        return [opt.flags[0], SAMPLES[opt.name][0]], SAMPLES[opt.name][1]
+    if opt.name in samples:
+        return [opt.flags[0], samples[opt.name][0]], samples[opt.name][1]
     if opt.spec.pairs:
         return [opt.flags[0], "a=1", opt.flags[0], "b=[x]"], {"a": 1, "b": ["x"]}
     if opt.cli_type in (list[str], list[int]):  # a repeatable flag
@@ -122,10 +122,14 @@ def sample(opt):
 
 
 def test_every_run_flag_reaches_the_config_and_unset_ones_leave_it(captured, tmp_path):
+    adapter = tmp_path / "lora"  # adapters must be LoRA adapter folders
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    samples = {**SAMPLES, "adapters": (f"x={adapter}", {"x": str(adapter)}), "adapter": ("x", "x")}
     args, expected = [], {}
     for opt in declared(RunOptions):
         if opt.flags:
-            given, expected[opt.name] = sample(opt)
+            given, expected[opt.name] = sample(opt, samples)
             args += given
     config = captured(*args)
     assert {k: getattr(config, k) for k in expected} == expected

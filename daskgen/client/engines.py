@@ -42,6 +42,7 @@ def start_engines(client: Any, config: RunConfig, interrupt: Any = None) -> int:
         drain_timeout_s=drain_s,
         refresh=config.refresh,
         policy_store=config.location() if config.refresh else None,
+        adapters=config.adapters,
     )
     client.register_plugin(plugin, name=plugin.name)
     _drain_before_retire(client, drain_s)

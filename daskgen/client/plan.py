@@ -21,7 +21,7 @@ import numpy as np
 from daskgen.agents import create_agent
 from daskgen.client.dispatch import dispatch_order, long_first, read_length_hints
 from daskgen.config import RunConfig
-from daskgen.input import response_format
+from daskgen.input import adapters, response_format
 from daskgen.input.chat_template import ChatTemplate
 from daskgen.input.columns import kept_values
 from daskgen.input.rows import InputScan, iter_selected_rows, scan_prompts
@@ -36,7 +36,6 @@ from daskgen.worker.partition import PartitionTask
 
 if TYPE_CHECKING:
     from daskgen.engines.base import SamplingParams
-    from daskgen.input.response_format import ResponseFormat
 
 
 @dataclass(frozen=True)
@@ -101,6 +100,7 @@ def _check_features(config: RunConfig, keys: frozenset[str], structured: bool) -
     wanted |= {"structured_outputs"} if structured else set()
     wanted |= {"top_logprobs"} if config.top_logprobs else set()
     wanted |= {"refresh"} if config.refresh else set()
+    wanted |= {"lora"} if config.adapters else set()
     check_features(config.engine, cls.features, wanted)
     check_top_logprobs(config.engine, cls, config.top_logprobs, config.engine_args)
 
@@ -132,6 +132,7 @@ def _scan_input(
     if scan is not None:  # the store exists and was checked when created: its layout holds
         return scan, None, frozenset()
     check = RowSamplingCheck(config.max_new_tokens)
+    adapter_check = adapters.AdapterCheck(config.adapters)
     scan = scan_prompts(
         source,
         tokenizer,
@@ -139,7 +140,7 @@ def _scan_input(
         skip_overlong=config.skip_overlong,
         template=template,
         keep_columns=config.kept_columns(),
-        check_row=check,
+        check_row=lambda row: check(row) + adapter_check(row),
     )
     return scan, scan_record(key, scan, source), frozenset(check.keys)
 
@@ -194,6 +195,7 @@ def _layout(config: RunConfig, scan: InputScan, tokenizer: Any, keys: frozenset[
         stops=bool(config.stop or config.stop_token_ids or keys & set(STOP_KEYS)),
         structured=scan.structured or config.response_format is not None,
         top_logprobs=config.top_logprobs,
+        adapters=bool(config.adapters),
     )
 
 
@@ -285,7 +287,10 @@ def _sampling_params(plan: Plan) -> SamplingParams:
     """The run's sampling settings, with the tokenizer's stop ids."""
     params = row_params(run_settings(plan.config), plan.stop_ids, plan.config.logprobs)
     return dataclasses.replace(
-        params, response_format=plan.config.structured_output(), top_logprobs=plan.config.top_logprobs
+        params,
+        response_format=plan.config.structured_output(),
+        top_logprobs=plan.config.top_logprobs,
+        adapter=plan.config.adapter,
     )
 
 
@@ -301,7 +306,7 @@ def _partition_task(
         None,
         agent_args=dict(plan.config.agent_args),
         rows_meta=full if shared["verify"] is not None else None,
-        inputs=[_task_input(r, plan.layout.columns, shared["params"].response_format) for r in full],
+        inputs=[_task_input(r, plan.layout.columns, shared["params"]) for r in full],
         row_settings=[merged(shared["run_settings"], r.get("sampling")) for r in full]
         if plan.layout.row_sampling
         else None,
@@ -309,15 +314,18 @@ def _partition_task(
     )
 
 
-def _task_input(row: dict[str, Any], columns: tuple[str, ...], run_format: ResponseFormat | None) -> dict[str, Any]:
+def _task_input(row: dict[str, Any], columns: tuple[str, ...], run: SamplingParams) -> dict[str, Any]:
     """The part of an input row the worker needs: what it tokenizes (the prompt or messages, with their
-    chat-template columns), the text of the kept columns and the row's structured-output format (its own or
-    the run's); other columns stay on the client."""
+    chat-template columns), the text of the kept columns, the row's structured-output format and LoRA adapter
+    (its own or the run's ``run`` params'); other columns stay on the client."""
     keys = ("messages", "chat_template_kwargs", "tools") if row.get("messages") is not None else ("prompt",)
     out = {key: row[key] for key in keys if row.get(key) is not None}
     if columns:
         out["columns"] = kept_values(row, columns)
-    structured = response_format.for_row(row, run_format)
+    structured = response_format.for_row(row, run.response_format)
     if structured is not None:
         out["response_format"] = structured
+    adapter = adapters.for_row(row, run.adapter)
+    if adapter is not None:
+        out["adapter"] = adapter
     return out

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import enum
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -95,6 +96,8 @@ class SamplingParams:
     constrains the response (:mod:`daskgen.input.response_format`; engines that serve it map it to their own
     fields).  ``top_logprobs = k > 0`` asks, per
     output token, for the ``k`` most likely tokens of the logprobs' distribution (:data:`TopLogprobs`).
+    ``adapter`` names the LoRA adapter to generate with (one of the ``adapters`` the engine was built with;
+    ``None``: the base model).
     """
 
     max_new_tokens: int = 256
@@ -112,6 +115,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     response_format: ResponseFormat | None = None
     top_logprobs: int = 0
+    adapter: str | None = None
 
 
 #: Per output token, the ``k`` most likely ``(token_id, logprob)`` pairs, most likely first (fewer
@@ -157,15 +161,23 @@ class GenerationResult:
 
 
 def request_error(
-    request: GenerationRequest, *, vocab_size: int | None = None, max_total_tokens: int | None = None
+    request: GenerationRequest,
+    *,
+    vocab_size: int | None = None,
+    max_total_tokens: int | None = None,
+    adapters: Collection[str] = (),
 ) -> str | None:
     """Why ``request`` cannot be served, or ``None`` when it is valid.
 
     Shared by the engines so that they reject the same requests with the same messages.
     ``vocab_size`` bounds the prompt token ids; ``max_total_tokens`` bounds prompt length plus
-    ``max_new_tokens`` (the engine's context or cache limit).
+    ``max_new_tokens`` (the engine's context or cache limit); ``adapters`` are the LoRA adapters the engine
+    serves (a request's ``adapter`` must be one).
     """
     prompt, params = request.prompt_ids, request.params
+    if params.adapter is not None and params.adapter not in adapters:
+        loaded = sorted(adapters)
+        return f"request {request.request_id!r}: LoRA adapter {params.adapter!r} is not loaded (loaded: {loaded})"
     if len(prompt) == 0:
         return f"request {request.request_id!r}: prompt_ids is empty; a request needs at least one prompt token"
     upper = vocab_size if vocab_size is not None else 2**31

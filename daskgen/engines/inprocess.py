@@ -155,10 +155,16 @@ class InProcessEngine(Engine):
     #: True when the backend starts subprocesses (so it cannot run in a daemonic process).
     starts_subprocesses = False
 
-    def __init__(self, model: str, **engine_args: Any) -> None:
+    def __init__(self, model: str, adapters: dict[str, str] | None = None, **engine_args: Any) -> None:
         super().__init__(model, **engine_args)
         self.info: dict[str, Any] = {}
         self.asleep = False
+        #: The LoRA adapters (name -> folder) the engine loads, for engines with the ``lora`` feature.
+        self.adapters: dict[str, str] = dict(adapters or {})
+        if self.adapters and "lora" not in self.features:
+            raise ConfigError(
+                f"the {self.name} engine does not serve LoRA adapters; drop 'adapters' or use another engine"
+            )
 
     # ------------------------------------------------------------------ start
 
@@ -198,7 +204,7 @@ class InProcessEngine(Engine):
     def refusal(self, request: GenerationRequest) -> str | None:
         """Why ``request`` is refused before it reaches the backend, or ``None``."""
         return self.not_serving() or request_error(
-            request, vocab_size=self.vocab_size, max_total_tokens=self.max_total_tokens
+            request, vocab_size=self.vocab_size, max_total_tokens=self.max_total_tokens, adapters=self.adapters
         )
 
     def health_token_id(self) -> int:

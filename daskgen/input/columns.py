@@ -14,11 +14,11 @@ import json
 from typing import Any
 
 from daskgen.errors import ConfigError
-from daskgen.input import response_format
+from daskgen.input import adapters, response_format
 from daskgen.input.chat_template import ROW_KEYS
 
 #: Row keys daskgen reads itself: never kept by ``"*"``, refused in a list.
-DASKGEN_KEYS = ("id", "prompt", "messages", "sampling", *ROW_KEYS, response_format.ROW_KEY)
+DASKGEN_KEYS = ("id", "prompt", "messages", "sampling", *ROW_KEYS, response_format.ROW_KEY, adapters.ROW_KEY)
 
 
 def reserved_names() -> frozenset[str]:

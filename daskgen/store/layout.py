@@ -116,6 +116,7 @@ class Layout:
     stops: bool = False
     structured: bool = False  # rows carry a ``response_format`` (stored per prompt as JSON text)
     top_logprobs: int = 0
+    adapters: bool = False  # the run declares LoRA adapters: each row's adapter name is stored per prompt
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "columns", tuple(self.columns))  # a list when read from the attrs
@@ -185,6 +186,8 @@ class Layout:
             specs["stop_reason"] = ArraySpec((n, s), (rows, s), "int16", -1, per_sample, "response")
         if self.structured:
             specs["response_format"] = ArraySpec((n,), (rows,), "str", "", per_prompt, "prompt")
+        if self.adapters:
+            specs["adapter"] = ArraySpec((n,), (rows,), "str", "", per_prompt, "prompt")
         if self.top_logprobs:
             specs.update(self._top_logprob_specs())
         if self.scored:
@@ -284,6 +287,7 @@ LONG_NAMES: dict[str, str] = {
     "version_changed_at": "response position of the first token from another policy version than the first "
     "token's (-1: one version; continued across a refresh otherwise)",
     "response_format": "the row's structured-output format as JSON text ('': none)",
+    "adapter": "the name of the LoRA adapter the row was generated with ('': the base model)",
     "score": "verifier score of the sample (NaN: not generated, or the verifier raised)",
     "samples_used": "samples generated for the prompt before it was satisfied",
     "num_trajectories": "trajectories of the sample (the rest of the trajectory axis is padding)",

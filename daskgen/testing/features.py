@@ -9,6 +9,8 @@ declaration of its own for it.
 from __future__ import annotations
 
 import functools
+import tempfile
+from pathlib import Path
 from typing import Any, ClassVar
 
 from daskgen.engines.base import FinishReason
@@ -20,6 +22,7 @@ CHECKS: dict[str, str] = {
     "test_feature_min_p": "per_row_sampling",
     "test_feature_stop_strings": "stop",
     "test_feature_stop_token_ids": "stop_token_ids",
+    "test_feature_lora": "lora",
 }
 #: Text never generated (a stop string that cannot match).
 NEVER = "\x00never\x00"
@@ -36,6 +39,8 @@ class FeatureChecks:
     one: Any
     request: Any
     generate_all: Any
+    make_engine: Any
+    start_timeout_s: ClassVar[float]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -92,6 +97,35 @@ class FeatureChecks:
         assert settle(result.output_ids, True, (), (unused, token), self.decode)[1] == 1
         assert settle(result.output_ids, True, (), (), self.decode) == (len(result.output_ids), EOS)
 
+    def test_feature_lora(self) -> None:
+        """An engine built with a LoRA adapter (made with peft, non-zero ``lora_B``): in one batch, greedy requests
+        with the adapter equal the merged model's greedy output (``merge_and_unload``), those without it the base
+        model's, and an unknown adapter name is a per-request error."""
+        from daskgen.testing.lora import make_adapter, merged_greedy
+
+        with tempfile.TemporaryDirectory(prefix="daskgen-lora-") as folder:
+            adapter = str(make_adapter(self.model, Path(folder) / "adapter", seed=1))
+            engine = self.make_engine(adapters={"delta": adapter})
+            try:
+                self.run(engine.start(), self.start_timeout_s)
+                requests = [
+                    self.request(f"lora-{i}", 50 + i // 2, max_new_tokens=12, adapter="delta" if i % 2 else None)
+                    for i in range(4)
+                ]
+                unknown = self.request("lora-unknown", 50, max_new_tokens=4, adapter="missing")
+                *results, refused = self.run(_generate_all(engine, [*requests, unknown]))
+            finally:
+                self.run(engine.shutdown())
+            eos = sorted(engine.eos_token_ids)
+            expected = [
+                merged_greedy(self.model, adapter if r.params.adapter else None, r.prompt_ids, 12, eos)
+                for r in requests
+            ]
+        assert refused.error is not None and "missing" in refused.error, refused
+        for request, result, merged in zip(requests, results, expected, strict=True):
+            assert result.error is None and result.output_ids == merged, (request.params.adapter, result, merged)
+        assert results[0].output_ids != results[1].output_ids, "the adapter left the greedy output unchanged"
+
     def _stop_text(self) -> tuple[list[int], str]:
         """A greedy output of prompt 40 and a stop string in it: two ASCII letters or digits that end the text of
         one of its prefixes (so the engine's detokenizer and the tokenizer's agree on it)."""
@@ -102,6 +136,12 @@ class FeatureChecks:
             if len(tail) == 2 and tail.isascii() and tail.isalnum() and self.decode(base[: k + 1]).startswith(text):
                 return base, tail
         raise AssertionError(f"no stop string found in the greedy output {base!r} ({self.decode(base)!r})")
+
+
+async def _generate_all(engine: Any, requests: list[Any]) -> list[Any]:
+    import asyncio
+
+    return list(await asyncio.gather(*(engine.generate(r) for r in requests)))
 
 
 @functools.cache

@@ -123,6 +123,8 @@ def fill_region(
             region[column_array(name)][r] = text
         if layout.structured:
             region["response_format"][r] = row_format.text() if (row_format := _row_format(task, i)) else ""
+        if layout.adapters:
+            region["adapter"][r] = _row_adapter(task, i) or ""
         out.prompt_tokens += len(prompt)
         for s in range(task.n_samples):
             trajectories = samples[i * task.n_samples + s][: layout.n_trajectories]
@@ -133,6 +135,11 @@ def fill_region(
 def _row_format(task: PartitionTask, i: int) -> ResponseFormat | None:
     """The structured-output format of the task's ``i``-th row (its own or the run's), or ``None``."""
     return task.inputs[i].get("response_format") if task.inputs else task.params.response_format
+
+
+def _row_adapter(task: PartitionTask, i: int) -> str | None:
+    """The LoRA adapter of the task's ``i``-th row (its own or the run's), or ``None`` for the base model."""
+    return task.inputs[i].get("adapter") if task.inputs else task.params.adapter
 
 
 def _place_prompt(region: dict[str, np.ndarray], r: int, prompt: list[int], pad_token_id: int) -> None:
@@ -331,6 +338,8 @@ class _Generation:
         params = sample_params(task.params, own, task.eos_ids, task.seed, row, s)
         if (row_format := _row_format(task, i)) is not None:
             params = dataclasses.replace(params, response_format=row_format)
+        if task.inputs:
+            params = dataclasses.replace(params, adapter=task.inputs[i].get("adapter"))
         sample = sample_with_prefix(self.agent, self.handle, f"p{row}-s{s}", list(task.prompts[i]), params, prefix)
         settings = own if own is not None else task.run_settings
         if settings is not None:  # a run with stops or per-row settings

@@ -66,6 +66,8 @@ class EnginePlugin(WorkerPlugin):
         ``"auto"``: sized from the engine's capacity by :func:`resolve_window` once it started.
     requests_per_partition:
         Engine requests one partition makes (prompts x samples), for ``window="auto"``.
+    adapters:
+        The run's LoRA adapters (name -> folder), given to the engine as its ``adapters`` argument when any.
     """
 
     name = PLUGIN_NAME
@@ -80,10 +82,12 @@ class EnginePlugin(WorkerPlugin):
         drain_timeout_s: float = 20.0,
         refresh: str | None = None,
         policy_store: Any = None,
+        adapters: dict[str, str] | None = None,
     ):
         self.engine_name = engine
         self.model = model
         self.engine_args = dict(engine_args or {})
+        self.adapters = dict(adapters or {})
         self.window = window
         self.requests_per_partition = requests_per_partition
         self.resolved_window: int | None = None
@@ -168,7 +172,8 @@ class EnginePlugin(WorkerPlugin):
 
         if self.gpu is None:
             self.gpu = _pin_gpu(self._worker.name)
-        self.engine = resolve_engine_class(self.engine_name)(self.model, **self.engine_args)
+        lora = {"adapters": self.adapters} if self.adapters else {}
+        self.engine = resolve_engine_class(self.engine_name)(self.model, **self.engine_args, **lora)
         await self.engine.start()
         await asyncio.wait_for(self.engine.health(), tunables.seconds("health-timeout"))
 

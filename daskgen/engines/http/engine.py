@@ -77,14 +77,16 @@ class OpenAIEngine(Engine):
     """Generate through an SGLang-native or OpenAI-compatible HTTP server (see the module docstring)."""
 
     name = "openai"
-    features = frozenset({"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs"})
+    features = frozenset({"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs", "lora"})
     #: The server's context length and the tokenizer's size, known after :meth:`start`.
     max_total_tokens: int | None = None
     vocab_size: int | None = None
 
-    def __init__(self, model: str, **engine_args: Any) -> None:
+    def __init__(self, model: str, adapters: dict[str, str] | None = None, **engine_args: Any) -> None:
         super().__init__(model, **engine_args)
         self.args = parse_engine_args("openai", OpenAIArgs, engine_args)
+        #: LoRA adapters (name -> folder): a managed server loads them; any server serves each under its name.
+        self.adapters: dict[str, str] = dict(adapters or {})
         self.protocol: str | None = None
         self.wire: WireProtocol | None = None
         self._server_seeds = False
@@ -152,7 +154,10 @@ class OpenAIEngine(Engine):
 
     async def _start_server(self) -> str:
         self._server = ManagedServer(
-            self.model, self.args.server_args, start_timeout_s=self.args.server_start_timeout_s
+            self.model,
+            self.args.server_args,
+            start_timeout_s=self.args.server_start_timeout_s,
+            adapters=self.adapters,
         )
         await self._server.start()
         return self._server.url
@@ -187,6 +192,8 @@ class OpenAIEngine(Engine):
             self.model_name = self.model_name or self.model
             return
         served = [str(card.get("id")) for card in cards]
+        self._check_adapters_served(http, served)
+        served = [name for name in served if name not in self.adapters]
         if self.model_name is not None and self.model_name not in served:
             raise EngineError(f"model_name {self.model_name!r} is not served by {http.where}; it serves {served}")
         if self.model_name is None:
@@ -195,6 +202,16 @@ class OpenAIEngine(Engine):
             self.model_name = self.model if self.model in served else served[0]
         length = cards[served.index(self.model_name)].get("max_model_len")
         self.max_total_tokens = int(length) if isinstance(length, int) and length > 0 else None
+
+    def _check_adapters_served(self, http: HTTPClient, served: list[str]) -> None:
+        """Raise :class:`EngineError` when an adapter of the run is not a model the server lists."""
+        missing = sorted(set(self.adapters) - set(served))
+        if missing:
+            raise EngineError(
+                f"LoRA adapters {missing} are not served by {http.where} (it serves {served}); serve each under its "
+                "adapter name: vLLM `--enable-lora --lora-modules NAME=FOLDER`, SGLang `--enable-lora --lora-paths "
+                "NAME=FOLDER`"
+            )
 
     async def _load_tokenizer(self) -> None:
         path = self.args.tokenizer or self.model
@@ -281,7 +298,7 @@ class OpenAIEngine(Engine):
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Generate one sample; failures come back as ``error`` (a dead managed server raises)."""
         problem = self.not_serving() or request_error(
-            request, vocab_size=self.vocab_size, max_total_tokens=self.max_total_tokens
+            request, vocab_size=self.vocab_size, max_total_tokens=self.max_total_tokens, adapters=self.adapters
         )
         if problem is not None:
             return error_result(request, problem)

@@ -208,6 +208,7 @@ def native_payload(request: GenerationRequest, rid: str, extra_body: dict[str, A
         "sampling_params": sampling,
         "rid": rid,
         **logprob_request(request.params),
+        **({"lora_path": request.params.adapter} if request.params.adapter else {}),
         "stream": False,
         **extra,
     }
@@ -227,10 +228,11 @@ def native_result(request: GenerationRequest, out: Any) -> GenerationResult:
 def openai_payload(
     api: str, model_name: str | None, prompt: str, request: GenerationRequest, extra_body: dict[str, Any]
 ) -> tuple[str, dict[str, Any]]:
-    """Path and streaming body of an OpenAI completions or chat request for ``prompt``."""
+    """Path and streaming body of an OpenAI completions or chat request for ``prompt`` (a request's LoRA adapter
+    is the served model it names)."""
     params = request.params
     body: dict[str, Any] = {
-        "model": model_name,
+        "model": params.adapter or model_name,
         "max_tokens": params.max_new_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,

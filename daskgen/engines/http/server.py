@@ -124,8 +124,10 @@ class ManagedServer:
         start_timeout_s: float = 600.0,
         python: str | None = None,
         api_key: str | None = None,
+        adapters: Mapping[str, str] | None = None,
     ) -> None:
         self.model = model
+        self.adapters = dict(adapters or {})
         self.server_args = dict(server_args or {})
         check_server_args(self.server_args)
         self.start_timeout_s = start_timeout_s
@@ -147,7 +149,7 @@ class ManagedServer:
 
     def command(self, port: int, cuda_available: bool) -> list[str]:
         """The ``launch_server`` command line for ``port``."""
-        kwargs = launch_kwargs(self.model, self.server_args, cuda_available)
+        kwargs = launch_kwargs(self.model, self.server_args, cuda_available, self.adapters)
         kwargs.update(host=LOOPBACK, port=port)
         if self.config_dir is not None:  # the API key, read by sglang as if given as --api-key
             kwargs["config"] = str(self.config_dir / "server.yaml")

@@ -63,10 +63,11 @@ def is_vllm_version(status: int, info: Any) -> bool:
 def vllm_completions_payload(
     model_name: str | None, request: GenerationRequest, extra_body: dict[str, Any]
 ) -> dict[str, Any]:
-    """The streaming ``/v1/completions`` body for ``request`` (prompt as token ids)."""
+    """The streaming ``/v1/completions`` body for ``request`` (prompt as token ids; its LoRA adapter is the served
+    model it names)."""
     params = request.params
     body: dict[str, Any] = {
-        "model": model_name,
+        "model": params.adapter or model_name,
         "prompt": list(request.prompt_ids),
         "stream": True,
         "max_tokens": params.max_new_tokens,

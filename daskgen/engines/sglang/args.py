@@ -58,11 +58,16 @@ def check_engine_args(engine_args: Mapping[str, Any], valid: list[str] | None = 
     check_known_args("sglang", engine_args, names, "sglang ServerArgs fields (they are passed to sglang.Engine)")
 
 
-def launch_kwargs(model: str, engine_args: Mapping[str, Any], cuda_available: bool) -> dict[str, Any]:
+def launch_kwargs(
+    model: str, engine_args: Mapping[str, Any], cuda_available: bool, adapters: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """The keyword arguments for ``sglang.Engine``: ``engine_args`` plus daskgen's defaults.
 
     The device is ``engine_args['device']`` or, when absent, ``cuda`` if available else
-    ``cpu``; on CPU the :data:`CPU_DEFAULTS` fill options ``engine_args`` leaves unset.
+    ``cpu``; on CPU the :data:`CPU_DEFAULTS` fill options ``engine_args`` leaves unset.  LoRA ``adapters``
+    (name -> folder) fill ``enable_lora``, ``lora_paths`` (``NAME=PATH``) and ``max_loras_per_batch`` (every
+    adapter and the base model in one batch), and on CPU ``lora_backend`` ``torch_native`` (sglang's default
+    backend runs Triton kernels).
     """
     kwargs = dict(engine_args)
     kwargs["model_path"] = model
@@ -70,6 +75,13 @@ def launch_kwargs(model: str, engine_args: Mapping[str, Any], cuda_available: bo
     kwargs["device"] = device
     if is_cpu_device(device):
         for key, value in CPU_DEFAULTS.items():
+            kwargs.setdefault(key, value)
+    if adapters:
+        lora = {"enable_lora": True, "lora_paths": [f"{name}={path}" for name, path in adapters.items()]}
+        lora["max_loras_per_batch"] = len(adapters) + 1
+        if is_cpu_device(device):
+            lora["lora_backend"] = "torch_native"
+        for key, value in lora.items():
             kwargs.setdefault(key, value)
     return kwargs
 

@@ -119,11 +119,11 @@ class SGLangEngine(InProcessEngine):
     name = "sglang"
     starts_subprocesses = True
     features = frozenset(
-        {"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs", "refresh"}
+        {"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs", "refresh", "lora"}
     )
 
-    def __init__(self, model: str, **engine_args: Any) -> None:
-        super().__init__(model, **engine_args)
+    def __init__(self, model: str, adapters: dict[str, str] | None = None, **engine_args: Any) -> None:
+        super().__init__(model, adapters, **engine_args)
         refuse_model_path(engine_args)
         self._backend: SGLangBackend | None = None
         self._kwargs: dict[str, Any] = {}
@@ -137,7 +137,8 @@ class SGLangEngine(InProcessEngine):
                 "sglang engine started off the main thread: cannot install a SIGQUIT handler, so a "
                 "crashing sglang subprocess will terminate this process (SIGQUIT's default action)"
             )
-        self._kwargs = launch_kwargs(self.model, self.engine_args, await asyncio.to_thread(cuda_available))
+        cuda = await asyncio.to_thread(cuda_available)
+        self._kwargs = launch_kwargs(self.model, self.engine_args, cuda, self.adapters)
         backend = self._backend = SGLangBackend(self._kwargs)
         await asyncio.wrap_future(backend.launch())
         backend.info["max_running_requests"] = await read_max_running_requests(backend)
@@ -166,6 +167,7 @@ class SGLangEngine(InProcessEngine):
             "input_ids": list(request.prompt_ids),
             "sampling_params": sampling_params_for(request.params),
             **logprob_request(request.params),
+            **({"lora_path": request.params.adapter} if request.params.adapter else {}),
         }
         return await self._run(request, kwargs)
 

@@ -40,8 +40,11 @@ class LoadedBackend:
     identity: dict[str, Any]
 
 
-def load_backend(path: str, args: TransformersArgs, table: SamplerTable) -> LoadedBackend:
-    """Load the model at ``path`` and create its manager with ``table`` as the sampler (blocking)."""
+def load_backend(
+    path: str, args: TransformersArgs, table: SamplerTable, adapters: dict[str, str] | None = None
+) -> LoadedBackend:
+    """Load the model at ``path`` (with the LoRA ``adapters``, name -> folder) and create its manager with
+    ``table`` as the sampler (blocking)."""
     import torch
 
     if args.num_threads is not None:
@@ -49,6 +52,8 @@ def load_backend(path: str, args: TransformersArgs, table: SamplerTable) -> Load
     device = _resolve_device(args.device)
     dtype = _resolve_dtype(args.dtype, device)
     model = _load_model(path, args, device, dtype)
+    if adapters:
+        model = _with_adapters(model, adapters, table, device)
     eos = _eos_ids(model)
     manager = _create_manager(model, table, args, device)
     return LoadedBackend(
@@ -58,8 +63,18 @@ def load_backend(path: str, args: TransformersArgs, table: SamplerTable) -> Load
         vocab_size=int(model.get_input_embeddings().num_embeddings),
         capacity=_cb_defaults(args, device)["max_requests_per_batch"],
         max_total_tokens=_max_total_tokens(manager, model.config.get_text_config(), args),
-        identity=_identity(model, args, device, dtype, eos),
+        identity={**_identity(model, args, device, dtype, eos), **({"adapters": sorted(adapters)} if adapters else {})},
     )
+
+
+def _with_adapters(model: Any, adapters: dict[str, str], table: SamplerTable, device: str) -> Any:
+    """``model`` with the LoRA ``adapters`` loaded, each request's tokens routed to its own (``table.on_batch``)."""
+    from daskgen.engines.transformers.lora import LoraRouting, attach_adapters
+
+    routing = LoraRouting(table.adapter_of)
+    model = attach_adapters(model, adapters, routing)
+    table.on_batch = lambda requests: routing.route(requests, device)
+    return model
 
 
 def _resolve_device(device: str) -> str:

@@ -43,6 +43,9 @@ How it works
 * **Structured outputs.**  A request's ``response_format`` masks, before each pick, the tokens its
   format does not allow (xgrammar, :mod:`daskgen.engines.transformers.grammar`); logprobs stay those
   of the unconstrained distribution.
+* **LoRA adapters.**  peft loads the ``adapters`` the engine is built with onto the one model; each request's
+  tokens go through its own adapter (``SamplingParams.adapter``) inside the shared batch
+  (:mod:`daskgen.engines.transformers.lora`).
 * **Abort.**  ``manager.cancel_request``; the engine resolves the request at once with
   ``ABORT`` and the tokens sampled so far.
 
@@ -143,11 +146,11 @@ class TransformersEngine(InProcessEngine):
     simulated = False
     supports_seed = True
     features = frozenset(
-        {"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs", "refresh"}
+        {"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs", "refresh", "lora"}
     )
 
-    def __init__(self, model: str, **engine_args: Any) -> None:
-        super().__init__(model, **engine_args)
+    def __init__(self, model: str, adapters: dict[str, str] | None = None, **engine_args: Any) -> None:
+        super().__init__(model, adapters, **engine_args)
         self.args = parse_engine_args(self.name, TransformersArgs, engine_args)
         self._model: Any = None
         self._manager: Any = None
@@ -181,7 +184,7 @@ class TransformersEngine(InProcessEngine):
         await asyncio.to_thread(self._load)
 
     def _load(self) -> None:
-        loaded = load_backend(self.model, self.args, self._table)
+        loaded = load_backend(self.model, self.args, self._table, self.adapters)
         self._model, self._manager = loaded.model, loaded.manager
         self._eos_ids, self._vocab_size = loaded.eos_ids, loaded.vocab_size
         self._capacity, self._max_total_tokens = loaded.capacity, loaded.max_total_tokens

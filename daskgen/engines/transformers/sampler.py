@@ -66,6 +66,7 @@ class SampledSequence:
     #: Penalties, ``min_new_tokens`` and stop strings (``None``: none of them, the plain path).
     shaping: Shaping | None = None
     constraint: Any = None  # a response_format's grammar state (:mod:`daskgen.engines.transformers.grammar`)
+    adapter: str | None = None  # the LoRA adapter generating this sequence (:mod:`daskgen.engines.transformers.lora`)
 
     @classmethod
     def from_params(
@@ -88,6 +89,7 @@ class SampledSequence:
             params.top_logprobs,
             min_p=params.min_p,
             shaping=shaping,
+            adapter=params.adapter,
         )
 
     def pick(self, row: torch.Tensor) -> int:
@@ -166,6 +168,13 @@ class SamplerTable:
     def __init__(self) -> None:
         self.sequences: dict[str, SampledSequence] = {}
         self._rows: list[str] = []
+        #: Called with the requests of each forward pass before it runs (LoRA routing), when set.
+        self.on_batch: Callable[[list[Any]], None] | None = None
+
+    def adapter_of(self, request_id: str) -> str | None:
+        """The LoRA adapter of a running request (``None``: the base model, or a warm-up row)."""
+        seq = self.sequences.get(request_id)
+        return None if seq is None else seq.adapter
 
     def prepare(self, request_ids: list[str]) -> None:
         self._rows = request_ids
@@ -207,6 +216,12 @@ def processor_list(table: SamplerTable) -> Any:
         def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
             return table.process(scores)
 
-    processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList([DaskgenSampler()]))
+    class DaskgenProcessors(ContinuousBatchingLogitsProcessorList):
+        def prepare_tensor_args(self, requests_in_batch: list[Any], arg_storage: torch.Tensor) -> torch.Tensor:
+            if table.on_batch is not None:  # runs before the forward pass of these requests
+                table.on_batch(requests_in_batch)
+            return super().prepare_tensor_args(requests_in_batch=requests_in_batch, arg_storage=arg_storage)
+
+    processors = DaskgenProcessors(LogitsProcessorList([DaskgenSampler()]))
     processors.tensors_required = 1  # one (unused) row of per-request tensor args
     return processors

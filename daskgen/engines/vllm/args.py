@@ -52,10 +52,38 @@ def check_engine_args(args: Mapping[str, Any], valid: list[str]) -> None:
     check_known_args("vllm", args, valid, "vllm.AsyncEngineArgs fields")
 
 
-def launch_kwargs(model: str, engine_args: Mapping[str, Any], cuda_available: bool) -> dict[str, Any]:
-    """``AsyncEngineArgs`` keyword arguments: ``model``, CPU defaults without CUDA, then ``engine_args``."""
+#: The LoRA ranks vLLM's ``max_lora_rank`` accepts (vllm.config.lora.MaxLoRARanks).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def launch_kwargs(
+    model: str, engine_args: Mapping[str, Any], cuda_available: bool, adapters: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """``AsyncEngineArgs`` keyword arguments: ``model``, CPU defaults without CUDA, LoRA settings for the
+    ``adapters`` (:func:`lora_kwargs`), then ``engine_args``."""
     defaults = {} if cuda_available else CPU_DEFAULTS
-    return {"model": model, **defaults, **engine_args}
+    return {"model": model, **defaults, **lora_kwargs(adapters or {}, cuda_available), **engine_args}
+
+
+def lora_kwargs(adapters: Mapping[str, str], cuda_available: bool) -> dict[str, Any]:
+    """``enable_lora``, ``max_loras`` and ``max_lora_rank`` (the smallest rank vLLM accepts that holds the largest
+    adapter) for ``adapters``; nothing without adapters.
+
+    ``max_loras`` is the number of adapters (all in one batch), plus one slot on a CPU: vllm 0.32.0's CPU LoRA ops
+    pick each token's weights with ``weights[lora_index]``, and a token without an adapter has index -1, which
+    Python indexing reads as the last slot; that slot, never loaded, holds zeros (measured: with exactly one slot
+    per adapter, requests without an adapter in a batch with adapter requests got the adapter's output).
+    """
+    if not adapters:
+        return {}
+    from daskgen.input.adapters import max_rank
+
+    rank = max_rank(adapters)
+    return {
+        "enable_lora": True,
+        "max_loras": len(adapters) + (0 if cuda_available else 1),
+        "max_lora_rank": next((r for r in LORA_RANKS if r >= rank), rank),
+    }
 
 
 @contextlib.contextmanager

@@ -116,6 +116,8 @@ class VLLMEngine(InProcessEngine):
     ----------
     model:
         Model folder (or a name vLLM can load; no hub access is assumed).
+    adapters:
+        LoRA adapters (name -> folder) served by name (``SamplingParams.adapter``) as vLLM ``LoRARequest`` objects.
     **engine_args:
         ``vllm.AsyncEngineArgs`` fields.
     """
@@ -123,12 +125,12 @@ class VLLMEngine(InProcessEngine):
     name = "vllm"
     supports_seed = True
     features = frozenset(
-        {"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs", "refresh"}
+        {"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs", "refresh", "lora"}
     )
     starts_subprocesses = True
 
-    def __init__(self, model: str, **engine_args: Any) -> None:
-        super().__init__(model, **engine_args)
+    def __init__(self, model: str, adapters: dict[str, str] | None = None, **engine_args: Any) -> None:
+        super().__init__(model, adapters, **engine_args)
         self._thread: LoopThread | None = None
         self._llm: Any = None
         self._kwargs: dict[str, Any] = {}
@@ -149,7 +151,7 @@ class VLLMEngine(InProcessEngine):
         self._thread = LoopThread("daskgen-vllm")
         await asyncio.wrap_future(self._thread.start())
         cuda = await asyncio.to_thread(cuda_available)
-        self._kwargs = launch_kwargs(self.model, self.engine_args, cuda)
+        self._kwargs = launch_kwargs(self.model, self.engine_args, cuda, self.adapters)
         self._llm, self.info = await asyncio.wrap_future(self._thread.submit(self._create(cuda)))
         logger.info("vllm engine ready: %s", self.info)
 
@@ -210,7 +212,8 @@ class VLLMEngine(InProcessEngine):
         try:
             if rid in self._aborting:
                 return aborted_result(request)
-            stream = self._llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params, rid)
+            prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
+            stream = self._llm.generate(prompt, params, rid, lora_request=self._lora_request(request.params.adapter))
             async for output in stream:
                 collect_output(acc, output, request.params.top_logprobs)
                 if rid in self._aborting and acc.finish is None:
@@ -221,6 +224,14 @@ class VLLMEngine(InProcessEngine):
                 del self._live[rid]
                 self._aborting.discard(rid)
         return result_from_collected(request, acc)
+
+    def _lora_request(self, adapter: str | None) -> Any:
+        """vLLM's ``LoRARequest`` of a named adapter (its id: its position in ``adapters``, from 1), or ``None``."""
+        if adapter is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(adapter, list(self.adapters).index(adapter) + 1, self.adapters[adapter])
 
     def _failed(self, request: GenerationRequest, exc: Exception) -> GenerationResult:
         from vllm.v1.engine.exceptions import EngineDeadError
