@@ -23,7 +23,8 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 
-from daskgen.engines.base import Engine, EngineStatus, GenerationRequest, request_error
+from daskgen.engines.base import Engine, EngineStatus, GenerationRequest
+from daskgen.engines.request_check import request_error
 from daskgen.errors import ConfigError, EngineError
 
 __all__ = ["DAEMON_FIX", "InProcessEngine", "LoopClosed", "LoopThread", "cuda_available"]

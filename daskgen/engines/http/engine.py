@@ -49,7 +49,6 @@ from daskgen.engines.base import (
     SamplingParams,
     aborted_result,
     error_result,
-    request_error,
     started,
 )
 from daskgen.engines.http.args import OpenAIArgs
@@ -62,6 +61,7 @@ from daskgen.engines.http.protocol import (
 )
 from daskgen.engines.http.server import ManagedServer
 from daskgen.engines.http.vllm_protocol import VLLMProtocol, is_vllm_version
+from daskgen.engines.request_check import request_error
 from daskgen.engines.sglang.mapping import max_running_requests
 from daskgen.errors import EngineError
 from daskgen.redaction import redact_url

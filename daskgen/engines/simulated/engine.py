@@ -50,10 +50,10 @@ from daskgen.engines.base import (
     GenerationRequest,
     GenerationResult,
     error_result,
-    request_error,
     set_result,
     started,
 )
+from daskgen.engines.request_check import request_error
 from daskgen.engines.simulated.plan import OutputPlan, SimulatedArgs, plan_output
 
 __all__ = ["SimulatedEngine"]
