@@ -13,8 +13,9 @@ Three parts, one record:
 * ``throughput``: a catching-up consumer.  A synthetic store (``common.synthetic_store.build_store``: the layout a run
   creates, every partition done, lognormal lengths) is read start to end by a fresh cursor: token
   arrays only (``fields=("response_ids", "response_length")``, xarray), every data array (xarray), the
-  verl tensor fields (``tensordict``) and dicts (``rows``).  Samples per second, after one warm-up pass
-  (imports, page cache).  Goal: >= 100k samples/s of token arrays.
+  verl tensor fields (``tensordict``, ``dataproto``; and ``tensordict`` with ``pad="batch"``) and dicts
+  (``rows``).  Samples per second and per CPU second, after one warm-up pass (imports, page cache).
+  Goals: >= 100k samples/s of token arrays and of the tensor formats, >= 50k of rows.
 * ``first-batch``: a long-tailed simulated job (lognormal lengths, sigma 1.2).  Synchronous side: a run of
   exactly B prompts, time from launch until its last prompt is committed (a synchronous trainer waits
   for the whole batch, so for its slowest sample).  Streaming side: a run over 2 B prompts
@@ -202,20 +203,26 @@ READS = {
     "token arrays, xarray, batches of 1024 prompts": ("xarray", TOKENS, 1024),
     "every data array, xarray": ("xarray", None, 0),
     "verl fields, tensordict": ("tensordict", None, 0),
+    "verl fields, DataProto": ("dataproto", None, 0),
+    "verl fields, tensordict, pad to the batch's longest": ("tensordict", None, -1),
     "rows (dicts)": ("rows", None, 0),
 }
 
 
-def read_through(store: Path, cursor: str, fmt: str, fields: Any, batch: int) -> tuple[int, float]:
-    """Samples read by a fresh cursor from start to end, and the seconds it took."""
+def read_through(
+    store: Path, cursor: str, fmt: str, fields: Any, batch: int, pad: str = "store"
+) -> tuple[int, float, float]:
+    """Samples read by a fresh cursor from start to end, the seconds it took and the CPU seconds of this process
+    (every thread: the reads decode chunks in Zarr's threads)."""
     import daskgen
 
-    t0, samples = time.perf_counter(), 0
-    for b in daskgen.follow(store, batch_prompts=batch, cursor=cursor, format=fmt, fields=fields, wait=False):
+    t0, cpu0, samples = time.perf_counter(), time.process_time(), 0
+    reads = daskgen.follow(store, batch_prompts=batch, cursor=cursor, format=fmt, fields=fields, wait=False, pad=pad)
+    for b in reads:
         samples += int((b.data["finish_reason"] >= 0).sum()) if fmt == "xarray" and fields is None else 0
-        samples += len(b.data) if fmt == "rows" else b.data.batch_size[0] if fmt == "tensordict" else 0
+        samples += len(b.data) if fmt in ("rows", "dataproto") else b.data.batch_size[0] if fmt == "tensordict" else 0
         samples += int(b.data["response_length"].size) if fmt == "xarray" and fields is not None else 0
-    return samples, time.perf_counter() - t0
+    return samples, time.perf_counter() - t0, time.process_time() - cpu0
 
 
 def part_throughput(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
@@ -227,17 +234,19 @@ def part_throughput(a: argparse.Namespace, work: Path, rec: records.Record) -> N
     )
     rows = []
     for number, (label, (fmt, fields, batch)) in enumerate(READS.items()):
+        pad, batch = ("batch", 0) if batch < 0 else ("store", batch)
         batch = batch or a.catchup_batch
-        read_through(store, f"warm-{number}", fmt, fields, batch)  # imports, page cache
-        samples, seconds = read_through(store, f"bench-{number}", fmt, fields, batch)
-        rows.append([label, samples, seconds, samples / seconds])
+        read_through(store, f"warm-{number}", fmt, fields, batch, pad)  # imports, page cache
+        samples, seconds, cpu = read_through(store, f"bench-{number}", fmt, fields, batch, pad)
+        rows.append([label, samples, seconds, samples / seconds, cpu, samples / cpu])
     rec.note(
         f"Throughput: a synthetic local store of {a.store_prompts:,} prompts x 4 samples (prompts and responses "
         f"up to 256 tokens, lognormal lengths mean 120, partitions of 64, built in {built['seconds']:.0f} s), "
         f"read start to end by a fresh cursor in batches of {a.catchup_batch} prompts unless said otherwise "
-        "(acknowledged: each batch also writes and syncs the cursor), after one warm-up pass with another cursor."
+        "(acknowledged: each batch also writes and syncs the cursor), after one warm-up pass with another cursor. "
+        "CPU s: this process's CPU time during the read, every thread (chunks are decoded in Zarr's threads)."
     )
-    rec.table(["what is read", "samples", "seconds", "samples/s"], rows)
+    rec.table(["what is read", "samples", "seconds", "samples/s", "CPU s", "samples per CPU s"], rows)
 
 
 # --------------------------------------------------------------------------- first batch

@@ -11,9 +11,11 @@ A batch that was delivered but not acknowledged is delivered again, with the sam
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any
@@ -28,7 +30,7 @@ from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import DONE, FAILED
 from daskgen.store.location import StoreRef, locate
 from daskgen.stream.events import CommitEvents
-from daskgen.stream.formats import PromptIds, build, fields_to_read, read_rows, to_dataset
+from daskgen.stream.formats import PromptIds, build, fields_to_read, read_rows
 from daskgen.stream.log import Snapshot, read_snapshot, writer_live
 from daskgen.stream.options import FollowOptions
 
@@ -93,7 +95,7 @@ class Follower:
     def __init__(self, store: StoreRef, options: FollowOptions | None = None, **given: Any) -> None:
         options = replace(options, **given) if options else FollowOptions(**given)
         self.location = locate(store, options.storage_options)
-        self.batch_prompts, self.format = options.batch_prompts, options.format
+        self.batch_prompts, self.format, self.pad = options.batch_prompts, options.format, options.pad
         self.fields = tuple(options.fields) if options.fields else None
         self.wait, self.timeout, self.auto_ack = options.wait, options.timeout, options.auto_ack
         self.cursor = Cursor(self.location, options.cursor, options.cursor_dir)
@@ -114,14 +116,36 @@ class Follower:
         return self
 
     def __next__(self) -> Batch:
-        if self.auto_ack and self.outstanding:
-            self.outstanding[-1].ack()
+        previous = self.outstanding[-1] if self.auto_ack and self.outstanding else None
+        saving = None if previous is None or previous.acked else self._save_in_background(previous)
+        try:
+            batch = self._next_batch()
+        finally:  # the previous batch is acknowledged (durably) before the next one is handed out
+            if saving is not None:
+                self._acknowledged(previous, saving.result())  # type: ignore[arg-type]
+        self.position, self.number = batch.end, batch.number + 1
+        self.outstanding.append(batch)
+        return batch
+
+    def _next_batch(self) -> Batch:
+        """The next batch, read (not yet handed out), waiting for it as the options say."""
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
             batch = self._try_batch()
             if batch is not None:
                 return batch
             self._sleep(deadline)
+
+    def _save_in_background(self, batch: Batch) -> Future[CursorState]:
+        """Start saving the cursor after ``batch`` in a thread: the write and its flush to disk overlap with
+        reading the next batch, which is handed out only once the save returned."""
+        state = self._state_after(batch)
+
+        def save() -> CursorState:
+            self.cursor.save(state)
+            return state
+
+        return _saver().submit(save)
 
     def _try_batch(self) -> Batch | None:
         """The next batch if one is ready now; raises ``StopIteration`` when there will be none."""
@@ -200,7 +224,8 @@ class Follower:
 
     # --- delivering ---------------------------------------------------------------------------
     def _deliver(self, snap: Snapshot, idx: np.ndarray, end: Position) -> Batch | None:
-        """Read the batch's rows and hand it out (unacknowledged); ``None`` when the store was swapped meanwhile."""
+        """Read the batch's rows (handed out by ``__next__``, unacknowledged); ``None`` when the store was swapped
+        meanwhile."""
         store = self.store
         assert store is not None
         rows, status = snap.rows[idx], snap.status[idx]
@@ -210,7 +235,7 @@ class Follower:
                 self.prompt_ids = PromptIds(store)
             ids = self.prompt_ids(done)
             errors: Any = read_rows(store, failed, ("error",))["error"] if len(failed) else []
-            ds = to_dataset(store, done, ids, read_rows(store, done, fields_to_read(store, self.format, self.fields)))
+            data = read_rows(store, done, fields_to_read(store, self.format, self.fields))
         except Exception:
             if self._swapped():  # the old layout's metadata, the new layout's files: read again
                 return None
@@ -218,7 +243,7 @@ class Follower:
         if self._swapped():  # read while pack swapped the store: maybe through the old layout; read again
             return None
         batch = Batch(
-            data=build(self.format, store, ds),
+            data=build(self.format, store, done, ids, data, self.pad),
             prompts=done,
             prompt_ids=ids,
             failed={int(r): str(e) for r, e in zip(failed, errors, strict=True)},
@@ -227,22 +252,29 @@ class Follower:
             end=end,
             follower=self,
         )
-        self.position, self.number = end, self.number + 1
-        self.outstanding.append(batch)
         return batch
 
     def ack(self, batch: Batch) -> None:
         """Save the cursor after ``batch`` (acknowledging every earlier outstanding batch with it)."""
         if batch.acked:
             return
+        state = self._state_after(batch)
+        self.cursor.save(state)
+        self._acknowledged(batch, state)
+
+    def _state_after(self, batch: Batch) -> CursorState:
+        """The cursor's state once ``batch`` and every outstanding batch before it are acknowledged."""
         covered = [b for b in self.outstanding if b.number <= batch.number]
-        state = CursorState(
+        return CursorState(
             batch.end,
             batch.number + 1,
             self.state.prompts + sum(len(b) for b in covered),
             self.state.failed + sum(b.n_failed for b in covered),
         )
-        self.cursor.save(state)
+
+    def _acknowledged(self, batch: Batch, state: CursorState) -> None:
+        """Record that the cursor was saved after ``batch`` (as ``state``)."""
+        covered = [b for b in self.outstanding if b.number <= batch.number]
         self.state = state
         for b in covered:
             b.acked = True
@@ -262,3 +294,9 @@ class Follower:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+@functools.cache
+def _saver() -> ThreadPoolExecutor:
+    """The thread that saves cursors while the next batch is read."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="daskgen-follow-ack")

@@ -17,6 +17,9 @@ from daskgen.options import option
 if TYPE_CHECKING:
     from daskgen.store.location import StoreRef
 
+#: How the tensor formats pad a batch: to the store's widths, or to the batch's own longest prompt and response.
+PADDINGS = ("store", "batch")
+
 
 @dataclass(frozen=True)
 class FollowOptions:
@@ -39,6 +42,12 @@ class FollowOptions:
         "xarray",
         "xarray (a Dataset over prompt), tensordict, dataproto (verl) or rows (a list of dicts, one per "
         "generated sample).",
+        flags=None,
+    )
+    pad: str = option(
+        "store",
+        "How the tensor formats pad a batch: store (to the store's max_prompt_tokens and max_new_tokens: every batch "
+        "has one shape, so batches concatenate) or batch (to the batch's own longest prompt and response).",
         flags=None,
     )
     wait: bool = option(
@@ -71,6 +80,8 @@ class FollowOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.batch_prompts, int) or self.batch_prompts < 1:
             raise FollowError(f"batch_prompts must be an integer >= 1, got {self.batch_prompts!r}")
+        if self.pad not in PADDINGS:
+            raise FollowError(f"pad must be one of {', '.join(PADDINGS)}, got {self.pad!r}.")
 
 
 @dataclass(frozen=True)
