@@ -16,6 +16,9 @@ Three parts, one record:
   verl tensor fields (``tensordict``, ``dataproto``; and ``tensordict`` with ``pad="batch"``) and dicts
   (``rows``).  Samples per second and per CPU second, after one warm-up pass (imports, page cache).
   Goals: >= 100k samples/s of token arrays and of the tensor formats, >= 50k of rows.
+* ``profile`` (asked for by name): where the catching-up consumer's CPU time goes, per stage of a batch (reading
+  the arrays, assembling the format, acknowledging, ...) and per trainer format; with ``DASKGEN_SRC`` it profiles
+  another commit's daskgen (a stage that code has not is left out).
 * ``first-batch``: a long-tailed simulated job (lognormal lengths, sigma 1.2).  Synchronous side: a run of
   exactly B prompts, time from launch until its last prompt is committed (a synchronous trainer waits
   for the whole batch, so for its slowest sample).  Streaming side: a run over 2 B prompts
@@ -29,10 +32,12 @@ Three parts, one record:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -249,6 +254,77 @@ def part_throughput(a: argparse.Namespace, work: Path, rec: records.Record) -> N
     rec.table(["what is read", "samples", "seconds", "samples/s", "CPU s", "samples per CPU s"], rows)
 
 
+# --------------------------------------------------------------------------- profile
+
+#: Stages of a follower's batch, as (module, attribute, label): each is timed where it is called from, in CPU
+#: time of its own thread, but reading the arrays: of the whole process (Zarr decodes chunks in its threads).
+STAGES = (
+    ("daskgen.stream.batches", "read_rows", "read the arrays"),
+    ("daskgen.stream.batches", "to_dataset", "xarray dataset"),
+    ("daskgen.stream.batches", "build", "assemble the format"),
+    ("daskgen.store.cursors", "Cursor.save", "acknowledge: write and flush the cursor"),
+    ("daskgen.stream.batches", "read_snapshot", "read the commit log"),
+    ("daskgen.stream.formats", "PromptIds.__call__", "prompt ids"),
+)
+
+
+@contextlib.contextmanager
+def stage_clocks() -> Iterator[dict[str, float]]:
+    """CPU seconds of this process spent in each of :data:`STAGES` (those the daskgen imported has) while the
+    block runs: the functions are wrapped where they are looked up, and put back afterwards."""
+    import importlib
+
+    spent: dict[str, float] = {}
+    undo = []
+    for module_name, attribute, label in STAGES:
+        owner: Any = importlib.import_module(module_name)
+        *path, name = attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        original = getattr(owner, name, None)
+        if original is None:
+            continue
+
+        clock = time.process_time if name == "read_rows" else time.thread_time
+
+        def timed(*args: Any, _f: Any = original, _label: str = label, _clock: Any = clock, **kwargs: Any) -> Any:
+            t0 = _clock()
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                spent[_label] = spent.get(_label, 0.0) + _clock() - t0
+
+        setattr(owner, name, timed)
+        undo.append((owner, name, original))
+    try:
+        yield spent
+    finally:
+        for owner, name, original in undo:
+            setattr(owner, name, original)
+
+
+def part_profile(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
+    """Where a catching-up consumer's CPU time goes, per stage of a batch and per format."""
+    store = work / "profile.zarr"
+    synthetic_store.build_store(argparse.Namespace(prompts=a.store_prompts, **synthetic_store.DEFAULTS), store)
+    rows = []
+    for fmt in ("tensordict", "dataproto", "rows"):
+        read_through(store, f"warm-{fmt}", fmt, None, a.catchup_batch)
+        with stage_clocks() as spent:
+            samples, seconds, cpu = read_through(store, f"profile-{fmt}", fmt, None, a.catchup_batch)
+        for label, used in [*spent.items(), ("the rest (the follower's own loop)", cpu - sum(spent.values()))]:
+            rows.append([fmt, label, used, 1e6 * used / samples, used / cpu])
+        rows.append([fmt, "total", cpu, 1e6 * cpu / samples, 1.0])
+    rec.note(
+        f"Profile: the store of the throughput part ({a.store_prompts:,} prompts x 4 samples) read by a fresh "
+        f"cursor per format in batches of {a.catchup_batch} prompts (acknowledged), after a warm-up pass; the CPU "
+        "time inside each stage of a batch, the stages wrapped where the follower calls them (a stage the daskgen "
+        "imported has not is left out): the stage's own thread's, but reading the arrays: the whole process's "
+        "(Zarr decodes chunks in its threads; a cursor saved meanwhile in another thread is counted there too)."
+    )
+    rec.table(["format", "stage", "CPU s", "CPU us per sample", "share"], rows)
+
+
 # --------------------------------------------------------------------------- first batch
 
 
@@ -314,7 +390,7 @@ def first_batch_after(store: Path, prompts: int, t_launch: float) -> tuple[float
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = cli.parser(__doc__)
-    p.add_argument("--part", default="lag,throughput,first-batch", help="lag, throughput, first-batch")
+    p.add_argument("--part", default="lag,throughput,first-batch", help="lag, throughput, profile, first-batch")
     cli.add_flags(p, n_samples=2, length_mean=64.0, max_new_tokens=512, max_batch=256, partition_size=4)
     p.add_argument("--lag-prompts", type=int, default=400)
     p.add_argument("--lag-repeats", type=int, default=3, help="runs per side of the lag part")
@@ -327,7 +403,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return cli.parse(p, argv)
 
 
-PARTS = {"lag": part_lag, "throughput": part_throughput, "first-batch": part_first_batch}
+PARTS = {"lag": part_lag, "throughput": part_throughput, "profile": part_profile, "first-batch": part_first_batch}
 
 if __name__ == "__main__":
     raise SystemExit(cli.run_parts(parse_args(), TITLE, PARTS))
