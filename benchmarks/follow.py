@@ -222,7 +222,8 @@ def read_through(
     import daskgen
 
     t0, cpu0, samples = time.perf_counter(), time.process_time(), 0
-    reads = daskgen.follow(store, batch_prompts=batch, cursor=cursor, format=fmt, fields=fields, wait=False, pad=pad)
+    padding = {"pad": pad} if pad != "store" else {}  # daskgen before pad= (DASKGEN_SRC) pads to the store
+    reads = daskgen.follow(store, batch_prompts=batch, cursor=cursor, format=fmt, fields=fields, wait=False, **padding)
     for b in reads:
         samples += int((b.data["finish_reason"] >= 0).sum()) if fmt == "xarray" and fields is None else 0
         samples += len(b.data) if fmt in ("rows", "dataproto") else b.data.batch_size[0] if fmt == "tensordict" else 0
