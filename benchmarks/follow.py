@@ -13,8 +13,12 @@ Three parts, one record:
 * ``throughput``: a catching-up consumer.  A synthetic store (``common.synthetic_store.build_store``: the layout a run
   creates, every partition done, lognormal lengths) is read start to end by a fresh cursor: token
   arrays only (``fields=("response_ids", "response_length")``, xarray), every data array (xarray), the
-  verl tensor fields (``tensordict``) and dicts (``rows``).  Samples per second, after one warm-up pass
-  (imports, page cache).  Goal: >= 100k samples/s of token arrays.
+  verl tensor fields (``tensordict``, ``dataproto``; and ``tensordict`` with ``pad="batch"``) and dicts
+  (``rows``).  Samples per second and per CPU second, after one warm-up pass (imports, page cache).
+  Goals: >= 100k samples/s of token arrays and of the tensor formats, >= 50k of rows.
+* ``profile`` (asked for by name): where the catching-up consumer's CPU time goes, per stage of a batch (reading
+  the arrays, assembling the format, acknowledging, ...) and per trainer format; with ``DASKGEN_SRC`` it profiles
+  another commit's daskgen (a stage that code has not is left out).
 * ``first-batch``: a long-tailed simulated job (lognormal lengths, sigma 1.2).  Synchronous side: a run of
   exactly B prompts, time from launch until its last prompt is committed (a synchronous trainer waits
   for the whole batch, so for its slowest sample).  Streaming side: a run over 2 B prompts
@@ -43,6 +47,8 @@ from typing import Any
 
 import numpy as np
 from common import cli, records, synthetic_store
+from common.order_lengths import follow_lengths, input_row, order_row
+from common.stage_clocks import stage_clocks
 
 SIMULATED = [
     *("--model", "sim", "--engine-arg", "time_scale=1"),
@@ -208,20 +214,27 @@ READS = {
     "token arrays, xarray, batches of 1024 prompts": ("xarray", TOKENS, 1024),
     "every data array, xarray": ("xarray", None, 0),
     "verl fields, tensordict": ("tensordict", None, 0),
+    "verl fields, DataProto": ("dataproto", None, 0),
+    "verl fields, tensordict, pad to the batch's longest": ("tensordict", None, -1),
     "rows (dicts)": ("rows", None, 0),
 }
 
 
-def read_through(store: Path, cursor: str, fmt: str, fields: Any, batch: int) -> tuple[int, float]:
-    """Samples read by a fresh cursor from start to end, and the seconds it took."""
+def read_through(
+    store: Path, cursor: str, fmt: str, fields: Any, batch: int, pad: str = "store"
+) -> tuple[int, float, float]:
+    """Samples read by a fresh cursor from start to end, the seconds it took and the CPU seconds of this process
+    (every thread: the reads decode chunks in Zarr's threads)."""
     import daskgen
 
-    t0, samples = time.perf_counter(), 0
-    for b in daskgen.follow(store, batch_prompts=batch, cursor=cursor, format=fmt, fields=fields, wait=False):
+    t0, cpu0, samples = time.perf_counter(), time.process_time(), 0
+    padding = {"pad": pad} if pad != "store" else {}  # daskgen before pad= (DASKGEN_SRC) pads to the store
+    reads = daskgen.follow(store, batch_prompts=batch, cursor=cursor, format=fmt, fields=fields, wait=False, **padding)
+    for b in reads:
         samples += int((b.data["finish_reason"] >= 0).sum()) if fmt == "xarray" and fields is None else 0
-        samples += len(b.data) if fmt == "rows" else b.data.batch_size[0] if fmt == "tensordict" else 0
+        samples += len(b.data) if fmt in ("rows", "dataproto") else b.data.batch_size[0] if fmt == "tensordict" else 0
         samples += int(b.data["response_length"].size) if fmt == "xarray" and fields is not None else 0
-    return samples, time.perf_counter() - t0
+    return samples, time.perf_counter() - t0, time.process_time() - cpu0
 
 
 def part_throughput(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
@@ -233,17 +246,44 @@ def part_throughput(a: argparse.Namespace, work: Path, rec: records.Record) -> N
     )
     rows = []
     for number, (label, (fmt, fields, batch)) in enumerate(READS.items()):
+        pad, batch = ("batch", 0) if batch < 0 else ("store", batch)
         batch = batch or a.catchup_batch
-        read_through(store, f"warm-{number}", fmt, fields, batch)  # imports, page cache
-        samples, seconds = read_through(store, f"bench-{number}", fmt, fields, batch)
-        rows.append([label, samples, seconds, samples / seconds])
+        read_through(store, f"warm-{number}", fmt, fields, batch, pad)  # imports, page cache
+        samples, seconds, cpu = read_through(store, f"bench-{number}", fmt, fields, batch, pad)
+        rows.append([label, samples, seconds, samples / seconds, cpu, samples / cpu])
     rec.note(
         f"Throughput: a synthetic local store of {a.store_prompts:,} prompts x 4 samples (prompts and responses "
         f"up to 256 tokens, lognormal lengths mean 120, partitions of 64, built in {built['seconds']:.0f} s), "
         f"read start to end by a fresh cursor in batches of {a.catchup_batch} prompts unless said otherwise "
-        "(acknowledged: each batch also writes and syncs the cursor), after one warm-up pass with another cursor."
+        "(acknowledged: each batch also writes and syncs the cursor), after one warm-up pass with another cursor. "
+        "CPU s: this process's CPU time during the read, every thread (chunks are decoded in Zarr's threads)."
     )
-    rec.table(["what is read", "samples", "seconds", "samples/s"], rows)
+    rec.table(["what is read", "samples", "seconds", "samples/s", "CPU s", "samples per CPU s"], rows)
+
+
+# --------------------------------------------------------------------------- profile
+
+
+def part_profile(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
+    """Where a catching-up consumer's CPU time goes, per stage of a batch and per format."""
+    store = work / "profile.zarr"
+    synthetic_store.build_store(argparse.Namespace(prompts=a.store_prompts, **synthetic_store.DEFAULTS), store)
+    rows = []
+    for fmt in ("tensordict", "dataproto", "rows"):
+        read_through(store, f"warm-{fmt}", fmt, None, a.catchup_batch)
+        with stage_clocks() as spent:
+            samples, seconds, cpu = read_through(store, f"profile-{fmt}", fmt, None, a.catchup_batch)
+        for label, used in [*spent.items(), ("the rest (the follower's own loop)", cpu - sum(spent.values()))]:
+            rows.append([fmt, label, used, 1e6 * used / samples, used / cpu])
+        rows.append([fmt, "total", cpu, 1e6 * cpu / samples, 1.0])
+    rec.note(
+        f"Profile: the store of the throughput part ({a.store_prompts:,} prompts x 4 samples) read by a fresh "
+        f"cursor per format in batches of {a.catchup_batch} prompts (acknowledged), after a warm-up pass; the CPU "
+        "time inside each stage of a batch, the stages wrapped where the follower calls them (a stage the daskgen "
+        "imported has not is left out): the stage's own thread's, but reading the arrays: the whole process's "
+        "(Zarr decodes chunks in its threads; a cursor saved meanwhile in another thread is counted there too)."
+    )
+    rec.table(["format", "stage", "CPU s", "CPU us per sample", "share"], rows)
 
 
 # --------------------------------------------------------------------------- first batch
@@ -311,44 +351,6 @@ def first_batch_after(store: Path, prompts: int, t_launch: float) -> tuple[float
 # --------------------------------------------------------------------------- order
 
 
-def follow_lengths(store: Path, order: str, window: int | None, batch: int, out: list, t0: float) -> None:
-    """Follow ``store`` to its end; append per batch (seconds from ``t0``, mean response length, samples,
-    seconds the window's head held prompts back before it)."""
-    import daskgen
-
-    cursor = f"{order}-{window or 0}"
-    options = {"order": order, "window": window, "batch_prompts": batch, "cursor": cursor, "timeout": 900}
-    with daskgen.follow(store, fields=("response_length", "finish_reason"), **options) as follower:
-        for b in follower:
-            lengths = b.data.response_length.values[b.data.finish_reason.values >= 0]
-            out.append((time.time() - t0, float(lengths.mean()), lengths.size, b.head_wait))
-
-
-def order_row(label: str, repeat: int, batches: list) -> list:
-    """One table row: a follower's first-quarter and whole-run mean delivered length, and its head's wait."""
-    quarter = batches[: max(1, len(batches) // 4)]
-    first, whole = weighted_mean(quarter), weighted_mean(batches)
-    waits = [b[3] for b in batches]
-    return [label, repeat, len(batches), first, whole, first / whole, quarter[-1][0], sum(waits), max(waits)]
-
-
-def input_row(store: Path, repeat: int, batch: int) -> list:
-    """The reference row: the first 25 % of the prompts by input index, what strict input order delivers first."""
-    import zarr
-
-    lengths = np.asarray(zarr.open_array(str(store), path="response_length", mode="r")[:], float)
-    generated = np.asarray(zarr.open_array(str(store), path="finish_reason", mode="r")[:]) >= 0
-    quarter = max(1, -(-len(lengths) // batch) // 4) * batch
-    first, whole = lengths[:quarter][generated[:quarter]].mean(), lengths[generated].mean()
-    batches = -(-len(lengths) // batch)
-    return ["input order (the first prompts by index)", repeat, batches, first, whole, first / whole, "—", "—", "—"]
-
-
-def weighted_mean(batches: list) -> float:
-    """The mean length over the samples of ``batches``."""
-    return sum(b[1] * b[2] for b in batches) / sum(b[2] for b in batches)
-
-
 def part_order(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     """Mean delivered response length early in the run vs over the whole run, commit order vs windows."""
     import threading
@@ -390,7 +392,7 @@ def part_order(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = cli.parser(__doc__)
-    p.add_argument("--part", default="lag,throughput,first-batch", help="lag, throughput, first-batch, order")
+    p.add_argument("--part", default="lag,throughput,first-batch", help="lag, throughput, profile, first-batch, order")
     cli.add_flags(p, n_samples=2, length_mean=64.0, max_new_tokens=512, max_batch=256, partition_size=4)
     p.add_argument("--lag-prompts", type=int, default=400)
     p.add_argument("--lag-repeats", type=int, default=3, help="runs per side of the lag part")
@@ -406,7 +408,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return cli.parse(p, argv)
 
 
-PARTS = {"lag": part_lag, "throughput": part_throughput, "first-batch": part_first_batch, "order": part_order}
+PARTS = {
+    "lag": part_lag,
+    "throughput": part_throughput,
+    "profile": part_profile,
+    "first-batch": part_first_batch,
+    "order": part_order,
+}
 
 if __name__ == "__main__":
     raise SystemExit(cli.run_parts(parse_args(), TITLE, PARTS))

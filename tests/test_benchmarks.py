@@ -223,7 +223,7 @@ def test_follow(tmp_path):
         assert row["prompts"] == "8", row  # every prompt delivered once, in every run
         assert {"commit lag p99 s", "finish lag p50 s", "finish lag p99 s", "finish lag max s"} <= set(row), row
     reads = table_rows(text, "what is read")
-    assert len(reads) == 5 and all(row["samples"] == "1,024" for row in reads), reads
+    assert len(reads) == 7 and all(row["samples"] == "1,024" for row in reads), reads
     first = table_rows(text, "trainer waits for")
     assert [row["prompts generated"] for row in first] == ["4", "8"], first
     assert "Lag: a daskgen run of 8 prompts" in out
@@ -231,6 +231,17 @@ def test_follow(tmp_path):
     assert [row["order"].split()[0] for row in orders] == ["input", "commit", "window"], orders
     assert all(row["batches"] == "4" for row in orders), orders  # every prompt delivered, in batches of 4
     assert orders[1]["mean length, whole run"] == orders[2]["mean length, whole run"], "the same samples"
+
+
+@pytest.mark.timeout(300)
+def test_thread_slots(tmp_path):
+    """One run per side at a tiny size: a worker of 2 threads; holding threads caps the requests running."""
+    tiny = ("--prompts", "16", "--repeats", "1", "--time-scale", "0.2", "--length-mean", "8")
+    rows = table_rows(text := run_script("thread_slots.py", tmp_path, *tiny, timeout=270)[1], "partitions", "run")
+    labels = ["partitions hold a thread (true)", "partitions free their thread (false, default)", "median", "median"]
+    assert [row["partitions"].split(":")[0] for row in rows] == labels, rows
+    assert int(rows[0]["peak running"]) <= 2 * 4 * 2, "2 partitions of 4 prompts x 2 samples at most"
+    assert "The same token count in every run: True." in text
 
 
 @pytest.mark.timeout(240)

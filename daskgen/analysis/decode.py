@@ -61,17 +61,29 @@ def flatten_samples(sub: xr.Dataset) -> dict[str, np.ndarray]:
     number the entries.  Only generated entries are kept (``finish_reason >= 0``): samples a verifier
     run never needed and padding trajectories are left out.  Needs ``finish_reason`` in ``sub``.
     """
-    n, s = sub.sizes["prompt"], sub.sizes["sample"]
-    t = sub.sizes.get("trajectory", 1)
     lead = ["prompt", "sample", "trajectory"][: 3 if "trajectory" in sub.dims else 2]
-    out: dict[str, np.ndarray] = {}
+    variables = {}
     for name, var in sub.variables.items():
-        flat = _flat_values(str(name), var, lead, n * s * t, s * t)
+        ordered = var.transpose(*lead, ...) if set(lead) <= set(var.dims) else var
+        variables[str(name)] = (ordered.dims, ordered.values)
+    return flatten_arrays(variables, dict(sub.sizes))
+
+
+def flatten_arrays(variables: dict[str, tuple[Any, np.ndarray]], sizes: dict[Any, int]) -> dict[str, np.ndarray]:
+    """:func:`flatten_samples` of ``name -> (dims, values)`` (per-sample arrays with their dimensions ``prompt``,
+    ``sample`` [, ``trajectory``] first) and the dimension ``sizes``: no copy of a per-sample array when every
+    entry was generated."""
+    n, s = sizes["prompt"], sizes["sample"]
+    t = sizes.get("trajectory", 1)
+    lead = ["prompt", "sample", "trajectory"][: 3 if "trajectory" in sizes else 2]
+    out: dict[str, np.ndarray] = {}
+    for name, (dims, values) in variables.items():
+        flat = _flat_values(name, tuple(dims), values, lead, n * s * t, s * t)
         if flat is not None:
-            out[str(name)] = flat
-    out |= _entry_numbers(n, s, t, "trajectory" in sub.dims)
+            out[name] = flat
+    out |= _entry_numbers(n, s, t, "trajectory" in sizes)
     keep = out["finish_reason"] >= 0
-    return {k: v[keep] for k, v in out.items()}
+    return out if keep.all() else {k: v[keep] for k, v in out.items()}
 
 
 def text_fields(block: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -86,14 +98,15 @@ def text_fields(block: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def _flat_values(name: str, var: Any, lead: list[str], entries: int, per_prompt: int) -> np.ndarray | None:
+def _flat_values(
+    name: str, dims: tuple[Any, ...], values: np.ndarray, lead: list[str], entries: int, per_prompt: int
+) -> np.ndarray | None:
     """One variable as one value per entry: per-sample ones flattened over ``lead``, per-prompt ones repeated
     ``per_prompt`` times; ``None`` for other variables (coordinates of other axes, ``num_trajectories``)."""
-    if set(lead) <= set(var.dims) and name != "num_trajectories":
-        values = var.transpose(*lead, ...).values
+    if tuple(dims[: len(lead)]) == tuple(lead) and name != "num_trajectories":
         return values.reshape(entries, *values.shape[len(lead) :])
-    if var.dims and var.dims[0] == "prompt" and "sample" not in var.dims:
-        values = var.values.astype(object) if var.dtype.kind in "TUO" else var.values
+    if dims and dims[0] == "prompt" and "sample" not in dims:
+        values = values.astype(object) if values.dtype.kind in "TUO" else values
         return np.repeat(values, per_prompt, axis=0)
     return None
 

@@ -30,9 +30,10 @@ from daskgen.analysis.accessor import (
     open_store,
 )
 from daskgen.analysis.archive import require_wandb, upload_wandb, zip_store
-from daskgen.analysis.arrow import arrow_block, json_records
+from daskgen.analysis.arrow import arrow_block
 from daskgen.analysis.decode import text_fields
 from daskgen.analysis.output import check_output, output_size, staged_output
+from daskgen.analysis.row_dicts import record_dicts
 from daskgen.analysis.verl import BATCH_KEYS, VERL_KEYS, attach_non_tensor, tensordict_of, verl_block
 from daskgen.errors import ExportError, StoreError
 from daskgen.store.attrs import StoreAttrs
@@ -164,7 +165,7 @@ def _write_jsonl(src: Source, path: Path) -> int:
     rows = 0
     with path.open("w", encoding="utf-8") as fh:
         for block in src.blocks():
-            for record in json_records(arrow_block(block, src.has_logprobs)):
+            for record in record_dicts(block, src.has_logprobs):
                 if "raw_prompt" in record:
                     record["raw_prompt"] = json.loads(record["raw_prompt"])
                 fh.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -48,22 +48,47 @@ def verl_block(
     tokens from 0.  Token fields are int64 as in verl; ``rollout_log_probs`` is float32, 0 where unset;
     ``top_logprob_ids``/``top_logprobs`` (when the block has them) are int64/float32, ``-1``/``-inf`` where unset.
     """
-    prompts, prompt_attn = _left_padded_prompts(block, prompt_width, pad)
-    responses, response_attn = _right_padded_responses(block, response_width, pad)
-    return {
-        "prompts": prompts.astype(np.int64),
-        "responses": responses.astype(np.int64),
-        "response_mask": (block["response_mask"][:, :response_width] * response_attn).astype(np.int64),
-        "input_ids": np.concatenate([prompts, responses], axis=1).astype(np.int64),
-        **_attention_fields(prompt_attn, response_attn),
-        **_verl_extras(block, response_attn, has_logprobs),
-    }
+    plen = np.minimum(block["prompt_length"].astype(np.int64), prompt_width)
+    rlen = np.minimum(block["response_length"].astype(np.int64), response_width)
+    prompt_attn = np.arange(prompt_width)[None, :] >= (prompt_width - plen)[:, None]
+    response_attn = np.arange(response_width)[None, :] < rlen[:, None]
+    out = _int64_fields(len(plen), prompt_width, response_width)
+    input_ids = out["input_ids"]
+    input_ids.fill(pad)
+    prompt_ids = block["prompt_ids"][:, :prompt_width]
+    input_ids[:, :prompt_width][prompt_attn] = prompt_ids[np.arange(prompt_ids.shape[1])[None, :] < plen[:, None]]
+    np.copyto(input_ids[:, prompt_width:], block["response_ids"][:, :response_width], where=response_attn)
+    out["prompts"][...], out["responses"][...] = input_ids[:, :prompt_width], input_ids[:, prompt_width:]
+    np.multiply(block["response_mask"][:, :response_width], response_attn, out=out["response_mask"])
+    out["attention_mask"][:, :prompt_width], out["attention_mask"][:, prompt_width:] = prompt_attn, response_attn
+    _positions(out["position_ids"], prompt_width - plen, plen + rlen)
+    return out | _verl_extras(block, response_attn, has_logprobs)
 
 
-def _attention_fields(prompt_attn: np.ndarray, response_attn: np.ndarray) -> dict[str, np.ndarray]:
-    """``attention_mask`` over prompt and response columns, and ``position_ids`` counting attended tokens."""
-    attention = np.concatenate([prompt_attn, response_attn], axis=1).astype(np.int64)
-    return {"attention_mask": attention, "position_ids": np.clip(np.cumsum(attention, axis=1) - 1, 0, None)}
+def _int64_fields(rows: int, prompt_width: int, response_width: int) -> dict[str, np.ndarray]:
+    """Uninitialised int64 arrays of the token fields, carved from one allocation: the operating system maps
+    fresh memory once for the whole batch (not once per field), which is most of the cost of building it."""
+    both = prompt_width + response_width
+    widths = {"prompts": prompt_width, "responses": response_width, "response_mask": response_width}
+    widths |= {"input_ids": both, "attention_mask": both, "position_ids": both}
+    buffer = np.empty(rows * sum(widths.values()), dtype=np.int64)
+    offsets = np.cumsum([0, *widths.values()]) * rows
+    return {name: buffer[offsets[i] : offsets[i + 1]].reshape(rows, w) for i, (name, w) in enumerate(widths.items())}
+
+
+def batch_widths(block: dict[str, np.ndarray]) -> tuple[int, int]:
+    """The longest prompt and the longest response of a block (at least 1): its widths padded to its own longest."""
+    longest = [max(int(block[name].max(initial=0)), 1) for name in ("prompt_length", "response_length")]
+    return longest[0], longest[1]
+
+
+def _positions(out: np.ndarray, first: np.ndarray, attended: np.ndarray) -> np.ndarray:
+    """``position_ids`` (into ``out``) of rows whose ``attended`` tokens are contiguous from column ``first``: 0
+    before them, counting from 0 over them, the last position after them (the cumulative sum of the attention
+    mask, less 1, clipped at 0)."""
+    np.subtract(np.arange(out.shape[1], dtype=np.int64)[None, :], first[:, None], out=out)
+    np.minimum(out, (attended - 1)[:, None], out=out)
+    return np.maximum(out, 0, out=out)
 
 
 def _verl_extras(block: dict[str, np.ndarray], response_attn: np.ndarray, has_logprobs: bool) -> dict[str, np.ndarray]:
@@ -89,22 +114,6 @@ def _top_logprob_fields(block: dict[str, np.ndarray], response_attn: np.ndarray)
         "top_logprob_ids": np.where(have, ids, NO_TOKEN).astype(np.int64),
         "top_logprobs": np.where(have, values, -np.inf).astype(np.float32),
     }
-
-
-def _left_padded_prompts(block: dict[str, np.ndarray], width: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
-    """Prompt ids moved to the right end of ``width`` columns (``pad`` before them) and their attention mask."""
-    plen = block["prompt_length"].astype(np.int64)
-    shift = np.arange(width)[None, :] - (width - plen)[:, None]
-    attn = shift >= 0
-    src = block["prompt_ids"][:, :width]
-    return np.where(attn, np.take_along_axis(src, np.clip(shift, 0, None), axis=1), pad), attn
-
-
-def _right_padded_responses(block: dict[str, np.ndarray], width: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
-    """Response ids in the first ``width`` columns (``pad`` after them) and their attention mask."""
-    rlen = block["response_length"].astype(np.int64)
-    attn = np.arange(width)[None, :] < rlen[:, None]
-    return np.where(attn, block["response_ids"][:, :width], pad), attn
 
 
 def tensordict_of(fields: dict[str, np.ndarray], rows: int) -> Any:

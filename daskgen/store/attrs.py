@@ -94,6 +94,12 @@ class StoreAttrs:
         """True when the run recorded per-token log-probabilities (the ``logprobs`` setting)."""
         return bool(self.identity.get("logprobs", False))
 
+    @property
+    def model_tokens_only(self) -> bool:
+        """True when every response token is the model's (a single-turn run, no agent): ``response_mask`` is then
+        1 before each sample's ``response_length`` and 0 after it (``daskgen verify`` checks it)."""
+        return (self.config.get("agent") or "single_turn") == "single_turn"
+
     def identity_sections(self) -> dict[str, dict[str, Any]]:
         """The sections a resume must match, by name."""
         return {"identity": self.identity, "input": self.input, "tokenizer": self.tokenizer}

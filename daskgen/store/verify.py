@@ -84,8 +84,8 @@ def row_rules(store: GenerationStore) -> RowRules:
     whose ids are not a model's tokens.
     """
     vocab = None if store.attrs.simulated else store.attrs.tokenizer.get("vocab_size")
-    agent = store.attrs.config.get("agent") or "single_turn"
-    return RowRules(store.layout, int(vocab) if vocab else None, agent == "single_turn", store.attrs.logprobs_recorded)
+    attrs = store.attrs
+    return RowRules(store.layout, int(vocab) if vocab else None, attrs.model_tokens_only, attrs.logprobs_recorded)
 
 
 def read_chunk(store: GenerationStore, name: str, start: int, stop: int) -> tuple[np.ndarray | None, Problem | None]:

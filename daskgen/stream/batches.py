@@ -12,9 +12,11 @@ A batch that was delivered but not acknowledged is delivered again, with the sam
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any
@@ -29,7 +31,7 @@ from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import DONE, FAILED
 from daskgen.store.location import StoreRef, locate
 from daskgen.stream.events import CommitEvents
-from daskgen.stream.formats import PromptIds, build, fields_to_read, read_rows, to_dataset
+from daskgen.stream.formats import PromptIds, build, fields_to_read, read_rows
 from daskgen.stream.log import Snapshot, read_snapshot, writer_live
 from daskgen.stream.options import FollowOptions
 from daskgen.stream.order import HeadClock, WindowStats, eligible, held_back, take
@@ -103,6 +105,7 @@ class Follower:
         options = replace(options, **given) if options else FollowOptions(**given)
         self.location = locate(store, options.storage_options)
         self.batch_prompts, self.format, self.order = options.batch_prompts, options.format, options.order
+        self.pad = options.pad
         window = options.window or int(tunables.get("follow.window"))
         self.window = window if self.order == "window" else None
         self.clock = HeadClock(window) if self.window else None
@@ -126,14 +129,36 @@ class Follower:
         return self
 
     def __next__(self) -> Batch:
-        if self.auto_ack and self.outstanding:
-            self.outstanding[-1].ack()
+        previous = self.outstanding[-1] if self.auto_ack and self.outstanding else None
+        saving = None if previous is None or previous.acked else self._save_in_background(previous)
+        try:
+            batch = self._next_batch()
+        finally:  # the previous batch is acknowledged (durably) before the next one is handed out
+            if saving is not None:
+                self._acknowledged(previous, saving.result())  # type: ignore[arg-type]
+        self.position, self.ahead, self.number = batch.end, batch.ahead, batch.number + 1
+        self.outstanding.append(batch)
+        return batch
+
+    def _next_batch(self) -> Batch:
+        """The next batch, read (not yet handed out), waiting for it as the options say."""
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
             batch = self._try_batch()
             if batch is not None:
                 return batch
             self._sleep(deadline)
+
+    def _save_in_background(self, batch: Batch) -> Future[CursorState]:
+        """Start saving the cursor after ``batch`` in a thread: the write and its flush to disk overlap with
+        reading the next batch, which is handed out only once the save returned."""
+        state = self._state_after(batch)
+
+        def save() -> CursorState:
+            self.cursor.save(state)
+            return state
+
+        return _saver().submit(save)
 
     def _try_batch(self) -> Batch | None:
         """The next batch if one is ready now; raises ``StopIteration`` when there will be none."""
@@ -227,7 +252,8 @@ class Follower:
 
     # --- delivering ---------------------------------------------------------------------------
     def _deliver(self, snap: Snapshot, idx: np.ndarray) -> Batch | None:
-        """Read the batch's rows and hand it out (unacknowledged); ``None`` when the store was swapped meanwhile."""
+        """Read the batch's rows (handed out by ``__next__``, unacknowledged); ``None`` when the store was swapped
+        meanwhile."""
         store = self.store
         assert store is not None
         rows, status = snap.rows[idx], snap.status[idx]
@@ -238,7 +264,7 @@ class Follower:
                 self.prompt_ids = PromptIds(store)
             ids = self.prompt_ids(done)
             errors: Any = read_rows(store, failed, ("error",))["error"] if len(failed) else []
-            ds = to_dataset(store, done, ids, read_rows(store, done, fields_to_read(store, self.format, self.fields)))
+            data = read_rows(store, done, fields_to_read(store, self.format, self.fields))
         except Exception:
             if self._swapped():  # the old layout's metadata, the new layout's files: read again
                 return None
@@ -246,7 +272,7 @@ class Follower:
         if self._swapped():  # read while pack swapped the store: maybe through the old layout; read again
             return None
         batch = Batch(
-            data=build(self.format, store, ds),
+            data=build(self.format, store, done, ids, data, self.pad),
             prompts=done,
             prompt_ids=ids,
             failed={int(r): str(e) for r, e in zip(failed, errors, strict=True)},
@@ -258,8 +284,6 @@ class Follower:
             head=None if self.clock is None else self._head_after(snap, end, ahead),
             head_wait=0.0 if self.clock is None else self.clock.charge(),
         )
-        self.position, self.ahead, self.number = end, ahead, self.number + 1
-        self.outstanding.append(batch)
         return batch
 
     @staticmethod
@@ -272,9 +296,15 @@ class Follower:
         """Save the cursor after ``batch`` (acknowledging every earlier outstanding batch with it)."""
         if batch.acked:
             return
+        state = self._state_after(batch)
+        self.cursor.save(state)
+        self._acknowledged(batch, state)
+
+    def _state_after(self, batch: Batch) -> CursorState:
+        """The cursor's state once ``batch`` and every outstanding batch before it are acknowledged."""
         covered = [b for b in self.outstanding if b.number <= batch.number]
         waits = [b.head_wait for b in covered]
-        state = CursorState(
+        return CursorState(
             batch.end,
             batch.number + 1,
             self.state.prompts + sum(len(b) for b in covered),
@@ -286,7 +316,10 @@ class Follower:
             self.state.head_wait + sum(waits),
             max([self.state.max_head_wait, *waits]),
         )
-        self.cursor.save(state)
+
+    def _acknowledged(self, batch: Batch, state: CursorState) -> None:
+        """Record that the cursor was saved after ``batch`` (as ``state``)."""
+        covered = [b for b in self.outstanding if b.number <= batch.number]
         self.state = state
         for b in covered:
             b.acked = True
@@ -306,3 +339,9 @@ class Follower:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+@functools.cache
+def _saver() -> ThreadPoolExecutor:
+    """The thread that saves cursors while the next batch is read."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="daskgen-follow-ack")

@@ -1,25 +1,25 @@
-"""Turning the rows of a batch into what a trainer takes: xarray, TensorDict, verl ``DataProto``, rows or Arrow.
+"""Turning the rows of a batch into what a trainer takes: xarray, TensorDict, verl ``DataProto`` or rows.
 
 :func:`read_rows` reads only the delivered rows (contiguous runs of rows as slices, so each data chunk is read once
 per batch); :func:`build` shapes them.  The tensor formats use the field layout of ``daskgen export --format
 tensordict`` (:mod:`daskgen.analysis.verl`): left-padded ``prompts``, right-padded ``responses``, ``response_mask``,
 ``input_ids``, ``attention_mask``, ``position_ids``, ``rollout_log_probs`` and ``top_logprob_ids``/``top_logprobs``
-(when recorded), one row per generated (prompt, sample), padded to the store's widths (``max_prompt_tokens``,
-``max_new_tokens``): every batch has the same shape, so batches concatenate (``DataProto.concat``, ``torch.cat``).
+(when recorded), one row per generated (prompt, sample).  ``pad="store"`` (the default) pads them to the store's
+widths (``max_prompt_tokens``, ``max_new_tokens``): every batch has the same shape, so batches concatenate
+(``DataProto.concat``, ``torch.cat``) and a trainer sees one shape; ``pad="batch"`` pads them to the batch's own
+longest prompt and response (narrower tensors, a shape per batch).  In stores of single-turn runs the tensor and
+row formats derive ``response_mask`` (1 before each length) instead of reading it.
 The input's kept columns (``keep_columns``) and the row's settings (``sampling``, ``response_format``: JSON text,
 when the run records them) come in every format: as variables of the xarray dataset (``column_<name>`` for a kept
 column), and by their own names as row keys, ``DataProto.non_tensor_batch`` entries and ``TensorDict`` non-tensor
-entries (one string per sample); ``stop_reason`` (when the run uses stops) likewise, as an integer per sample.
-The ``rows`` and ``arrow`` formats hold the columns of ``daskgen export --format parquet``
+entries (one string per sample); ``stop_reason`` (when the run uses stops) and the policy versions of each
+sample's tokens (``policy_version``, ``policy_version_end``, ``version_changed_at``) likewise, as integers per
+sample.  The ``rows`` and ``arrow`` formats hold the columns of ``daskgen export --format parquet``
 (:func:`daskgen.analysis.arrow.arrow_block`); ``daskgen follow`` writes the ``arrow`` batches.
-The policy versions of each sample's tokens (``policy_version``, ``policy_version_end``, ``version_changed_at``)
-come likewise as integers per sample (row keys, ``non_tensor_batch`` and ``TensorDict`` entries).
 """
 
 from __future__ import annotations
 
-import functools
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -43,7 +43,8 @@ TOKEN_FIELDS = (
 
 def fields_to_read(store: GenerationStore, fmt: str, fields: tuple[str, ...] | None) -> tuple[str, ...]:
     """The store arrays a batch of format ``fmt`` needs: ``fields`` (default: every data array for xarray; the
-    top-k logprob arrays only when the store records them), plus what the tensor and row formats are built from."""
+    top-k logprob arrays only when the store records them), plus what the tensor and row formats are built from
+    (``response_mask`` only when asked for or when the run's responses can hold other tokens than the model's)."""
     if fmt not in FORMATS:
         raise FollowError(f"unknown follow format {fmt!r}; choose one of {', '.join(FORMATS)}.")
     available = tuple(name for name in store.layout.data_arrays() if store.has_array(name))  # older stores lack some
@@ -54,7 +55,9 @@ def fields_to_read(store: GenerationStore, fmt: str, fields: tuple[str, ...] | N
         raise FollowError(f"unknown field(s) {unknown} of store {store.url!r}; its data arrays are {list(available)}.")
     wanted = list(fields or (available if fmt == "xarray" else ()))
     if fmt != "xarray":
-        wanted += [*TOKEN_FIELDS, *(["logprobs"] if store.attrs.logprobs_recorded else [])]
+        derived = ("response_mask",) if store.attrs.model_tokens_only else ()
+        wanted += [f for f in TOKEN_FIELDS if f not in derived]
+        wanted += ["logprobs"] if store.attrs.logprobs_recorded else []
         wanted += store.layout.sample_records()
         wanted += [name for name in VERSION_ARRAYS if name in available]
     return tuple(dict.fromkeys(wanted))
@@ -63,27 +66,20 @@ def fields_to_read(store: GenerationStore, fmt: str, fields: tuple[str, ...] | N
 def read_rows(store: GenerationStore, rows: np.ndarray, names: tuple[str, ...]) -> dict[str, np.ndarray]:
     """``names`` of the given ``rows`` (in that order), reading each contiguous run of rows as one slice.
 
-    The arrays are read concurrently (each read waits mostly on zarr's decoding, which releases the GIL).
+    Every array and run is read at once (:meth:`~daskgen.store.generation_store.GenerationStore.read_spans`), so
+    each data chunk is read once per batch and chunks are decoded side by side.
     """
     order = np.argsort(rows, kind="stable")
     ranked = rows[order]
     runs = [run for run in np.split(ranked, np.flatnonzero(np.diff(ranked) != 1) + 1) if len(run)]
+    if not runs:
+        return {name: np.empty((0, *store.array(name).shape[1:]), dtype=store.array(name).dtype) for name in names}
+    parts = store.read_spans([(int(run[0]), int(run[-1]) + 1) for run in runs], names)
+    if len(runs) == 1 and np.array_equal(order, np.arange(len(order))):
+        return {name: values[0] for name, values in parts.items()}
     back = np.empty_like(order)
     back[order] = np.arange(len(order))
-
-    def one(name: str) -> np.ndarray:
-        if not runs:
-            return np.empty((0, *store.array(name).shape[1:]), dtype=store.array(name).dtype)
-        parts = [store.read_region(int(run[0]), int(run[-1]) + 1, (name,))[name] for run in runs]
-        return np.concatenate(parts)[back]
-
-    return dict(zip(names, _pool().map(one, names), strict=True))
-
-
-@functools.cache
-def _pool() -> ThreadPoolExecutor:
-    """Threads that read a batch's arrays side by side."""
-    return ThreadPoolExecutor(max_workers=8, thread_name_prefix="daskgen-follow-read")
+    return {name: np.concatenate(values)[back] for name, values in parts.items()}
 
 
 class PromptIds:
@@ -127,31 +123,54 @@ def to_dataset(store: GenerationStore, rows: np.ndarray, prompt_ids: np.ndarray,
     return xr.Dataset(variables, coords=coords)
 
 
-def build(fmt: str, store: GenerationStore, ds: Any) -> Any:
-    """The batch's data in format ``fmt`` from its dataset ``ds`` (see the module docstring)."""
+def build(
+    fmt: str, store: GenerationStore, rows: np.ndarray, prompt_ids: np.ndarray, data: dict[str, np.ndarray], pad: str
+) -> Any:
+    """The batch's data in format ``fmt`` from the arrays ``data`` read for its ``rows`` (see the module docstring)."""
     if fmt == "xarray":
-        return ds
-    from daskgen.analysis.decode import flatten_samples
+        return to_dataset(store, rows, prompt_ids, data)
+    block = flat_block(store, rows, prompt_ids, data)
+    if fmt == "rows":
+        from daskgen.analysis.row_dicts import record_dicts
 
-    block = flatten_samples(ds)
-    if fmt in ("rows", "arrow"):
-        from daskgen.analysis.arrow import arrow_block, json_records
+        return record_dicts(block, store.attrs.logprobs_recorded)
+    if fmt == "arrow":
+        from daskgen.analysis.arrow import arrow_block
 
-        table = arrow_block(block, store.attrs.logprobs_recorded)
-        return table if fmt == "arrow" else json_records(table)
-    tensors, extra = _verl(block, store)
+        return arrow_block(block, store.attrs.logprobs_recorded)
+    tensors, extra = _verl(block, store, pad)
     if fmt == "tensordict":
         return _tensordict(tensors, extra)
     return _dataproto(tensors, extra)
 
 
-def _verl(block: dict[str, np.ndarray], store: GenerationStore) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """verl's batch fields and the per-sample extras (ids, metadata) of a flattened block."""
-    from daskgen.analysis.decode import text_fields
-    from daskgen.analysis.verl import BATCH_KEYS, VERL_META, verl_block
+def flat_block(
+    store: GenerationStore, rows: np.ndarray, prompt_ids: np.ndarray, data: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """One entry per generated sample of the rows (:func:`daskgen.analysis.decode.flatten_arrays`), with
+    ``response_mask`` derived when it was not read (a single-turn run's: 1 before each length)."""
+    from daskgen.analysis.decode import flatten_arrays
 
     layout = store.layout
-    widths = (layout.max_prompt_tokens, layout.max_new_tokens)
+    specs = layout.array_specs()
+    variables = {name: (specs[name].dims, values) for name, values in data.items()}
+    variables |= {"prompt_index": (("prompt",), rows.astype(np.int64)), "prompt_id": (("prompt",), prompt_ids)}
+    block = flatten_arrays(variables, dict(zip(specs["finish_reason"].dims, data["finish_reason"].shape, strict=True)))
+    if "response_mask" not in block:
+        width = np.arange(layout.max_new_tokens)[None, :]
+        block["response_mask"] = (width < block["response_length"][:, None]).astype(np.uint8)
+    return block
+
+
+def _verl(
+    block: dict[str, np.ndarray], store: GenerationStore, pad: str
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """verl's batch fields (padded as ``pad`` says) and the per-sample extras (ids, metadata) of a flattened block."""
+    from daskgen.analysis.decode import text_fields
+    from daskgen.analysis.verl import BATCH_KEYS, VERL_META, batch_widths, verl_block
+
+    layout = store.layout
+    widths = batch_widths(block) if pad == "batch" else (layout.max_prompt_tokens, layout.max_new_tokens)
     fields = verl_block(block, *widths, layout.pad_token_id, store.attrs.logprobs_recorded)
     tensors = {k: v for k, v in fields.items() if k in BATCH_KEYS}
     extra = {k: fields[k] for k in VERL_META if k in fields}  # they go into DataProto.non_tensor_batch

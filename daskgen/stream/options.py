@@ -17,6 +17,9 @@ from daskgen.options import option
 if TYPE_CHECKING:
     from daskgen.store.location import StoreRef
 
+#: How the tensor formats pad a batch: to the store's widths, or to the batch's own longest prompt and response.
+PADDINGS = ("store", "batch")
+
 
 #: The orders a follower delivers in (:mod:`daskgen.stream.order`).
 ORDERS = ("commit", "window")
@@ -52,6 +55,12 @@ class FollowOptions:
         "xarray",
         "xarray (a Dataset over prompt), tensordict, dataproto (verl), rows (a list of dicts, one per "
         "generated sample) or arrow (a pyarrow Table of those rows).",
+        flags=None,
+    )
+    pad: str = option(
+        "store",
+        "How the tensor formats pad a batch: store (to the store's max_prompt_tokens and max_new_tokens: every batch "
+        "has one shape, so batches concatenate) or batch (to the batch's own longest prompt and response).",
         flags=None,
     )
     wait: bool = option(
@@ -92,6 +101,8 @@ class FollowOptions:
         w = self.window
         if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
             raise FollowError(f"window must be an integer >= 1 (prompts), got {w!r}; e.g. window=256.")
+        if self.pad not in PADDINGS:
+            raise FollowError(f"pad must be one of {', '.join(PADDINGS)}, got {self.pad!r}.")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,78 @@
+"""One dict per generated sample, built column by column from a flattened block (no Arrow table in between).
+
+The records are those of :func:`daskgen.analysis.arrow.json_records` of :func:`daskgen.analysis.arrow.arrow_block`
+(same keys, same order, same values: token lists, the ``finish_reason`` label, ``None`` for a log-probability
+that was not recorded); ``daskgen.follow(format="rows")`` and ``daskgen export --format jsonl`` build theirs here.
+Each column becomes Python objects in one ``tolist`` of its valid values, cut into per-sample lists by offset.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from daskgen.analysis.decode import finish_labels, text_fields
+from daskgen.store.layout import NO_TOKEN, NUMBER_RECORDS, VERSION_ARRAYS
+
+
+def record_dicts(block: dict[str, np.ndarray], has_logprobs: bool) -> list[dict[str, Any]]:
+    """The block's samples as dicts fit for JSON (see the module docstring)."""
+    plen, rlen = block["prompt_length"], block["response_length"]
+    columns: dict[str, list[Any]] = {
+        "prompt_index": block["prompt_index"].tolist(),
+        "prompt_id": [str(v) for v in block["prompt_id"]],
+        **{name: block[name].tolist() for name in ("sample", "trajectory") if name in block},
+        "finish_reason": finish_labels(block["finish_reason"]).tolist(),
+        "num_turns": block["num_turns"].tolist(),
+        "prompt_length": plen.tolist(),
+        "response_length": rlen.tolist(),
+        "prompt_ids": ragged_lists(block["prompt_ids"], plen),
+        "response_ids": ragged_lists(block["response_ids"], rlen),
+        "response_mask": ragged_lists(block["response_mask"], rlen),
+    }
+    columns |= {name: block[name].tolist() for name in (*NUMBER_RECORDS, *VERSION_ARRAYS) if name in block}
+    if has_logprobs:
+        columns["logprobs"] = ragged_lists(block["logprobs"], rlen, nan_as_none=True)
+    if "top_logprobs" in block:
+        columns |= _top_lists(block)
+    for name in ("prompt_text", "response_text", "raw_prompt"):
+        if name in block:
+            columns[name] = [str(v) for v in block[name]]
+    columns |= {name: values.tolist() for name, values in text_fields(block).items()}
+    keys = list(columns)
+    return [dict(zip(keys, values, strict=True)) for values in zip(*columns.values(), strict=True)]
+
+
+def ragged_lists(values: np.ndarray, lengths: np.ndarray, nan_as_none: bool = False) -> list[list[Any]]:
+    """``values[i, :lengths[i]]`` of each row as a list of Python values; with ``nan_as_none``, a NaN (a
+    log-probability that was not recorded) becomes ``None``, as in JSON."""
+    lengths = np.minimum(lengths.astype(np.int64), values.shape[1])
+    valid = values[np.arange(values.shape[1])[None, :] < lengths[:, None]]
+    if len(valid) and valid.min() == valid.max():  # one value (a single-turn run's mask): slices of one list
+        same = [valid[0].item()] * values.shape[1]
+        return [same[:n] for n in lengths.tolist()]
+    if nan_as_none and np.isnan(valid).any():
+        nan = np.isnan(valid)
+        valid = valid.astype(object)
+        valid[nan] = None
+    return split_list(valid.tolist(), lengths)
+
+
+def split_list(flat: list[Any], counts: np.ndarray) -> list[list[Any]]:
+    """``flat`` cut into consecutive lists of ``counts`` items."""
+    ends = np.cumsum(counts).tolist()
+    return [flat[start:end] for start, end in zip([0, *ends][:-1], ends, strict=True)]
+
+
+def _top_lists(block: dict[str, np.ndarray]) -> dict[str, list[Any]]:
+    """``top_logprob_ids``/``top_logprobs``: per sample, per response token, the list of its recorded entries."""
+    ids, values = block["top_logprob_ids"], block["top_logprobs"]
+    rlen = np.minimum(block["response_length"].astype(np.int64), ids.shape[1])
+    inside = np.arange(ids.shape[1])[None, :] < rlen[:, None]
+    have = (ids != NO_TOKEN) & inside[..., None]
+    per_token = have[inside].sum(axis=-1)
+    return {
+        name: split_list(split_list(array[have].tolist(), per_token), rlen)
+        for name, array in (("top_logprob_ids", ids), ("top_logprobs", values))
+    }
