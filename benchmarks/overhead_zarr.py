@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import cli, records, runs
+from common import cli, profiling, records, runs
 
 from daskgen.config import RunConfig
 
@@ -128,7 +128,7 @@ def part_zarr(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     results = []
     for rep in range(a.repeats):
         cfg = zarr_config(a, work / f"daskgen-{rep}.zarr")
-        dg = runs.measured_side(cfg, prompts)
+        dg = runs.measured_side(cfg, prompts, *profiling.hooks(profile=False))
         direct = run_direct(Path(cfg.store), work / f"direct-{rep}.zarr", a.workers)
         direct1 = run_direct(Path(cfg.store), work / f"direct1-{rep}.zarr", 1)
         results.append((dg, direct, direct1))
@@ -166,6 +166,56 @@ def part_zarr(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
         f"**daskgen / direct write rate: {', '.join(f'{r:.2f}' for r in ratios)} (median "
         f"{float(np.median(ratios)):.2f}; target ≥ 0.8).**"
     )
+    cpu_table(rec, results, rows_total, eng_cpu)
+    if a.profile:
+        profile_tables(rec, zarr_config(a, work / "profiled.zarr"), prompts, rows_total)
+
+
+def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: float) -> None:
+    """CPU per sample of each daskgen repeat (no profiler): the workers, the workers without the engine's own
+    work, the client process (scheduler included), and the machine's cores kept busy."""
+    rows = []
+    for rep, (dg, _direct, direct1) in enumerate(results):
+        cpu = dg["marks"]["on_done"]
+        workers = sum(w["process"] for w in cpu["workers"].values())
+        client = cpu["client"]["process"]
+        rows.append(
+            [
+                rep + 1,
+                workers / samples * 1e6,
+                (workers - engine_s) / samples * 1e6,
+                client / samples * 1e6,
+                (workers + client) / dg["seconds"],
+                direct1["seconds"] / samples * 1e6,
+            ]
+        )
+    rec.table(
+        [
+            "repeat",
+            "workers' CPU µs/sample (all threads)",
+            "the same without the engine's own planning",
+            "client process CPU µs/sample (scheduler included)",
+            "cores busy (workers + client)",
+            "direct zarr, 1 process: µs/sample",
+        ],
+        rows,
+        "CPU per sample, daskgen side (process CPU time from engines ready to the last commit, no profiler). "
+        "The direct writer's time per sample is what the Zarr writes alone cost one core.",
+    )
+
+
+def profile_tables(rec: records.Record, config: RunConfig, prompts: list[str], samples: int) -> None:
+    """One more daskgen run under cProfile (workers' event loops, the client's thread): CPU per stage per sample."""
+    dg = runs.measured_side(config, prompts, *profiling.hooks(profile=True))
+    cpu = dg["marks"]["on_done"]
+    header = ["stage", "µs per sample (profiled)", "share of the profiled thread"]
+    rec.table(
+        header,
+        profiling.worker_rows(cpu["workers"], samples),
+        f"Workers, CPU per stage per sample (cProfile, thread CPU time, summed over the workers; one extra run at "
+        f"{samples / dg['seconds']:,.0f} rows/s under the profiler, which inflates every call: read the shares).",
+    )
+    rec.table(header, profiling.client_rows(cpu["client"], samples), "Client, CPU per stage per sample (same run).")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -174,6 +224,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         p, repeats=2, workers=2, prompts=8192, n_samples=4, max_new_tokens=512, length_mean=128.0, partition_size=64
     )
     p.add_argument("--window", default="auto", help="daskgen partitions in flight per worker (default: daskgen's auto)")
+    p.add_argument(
+        "--profile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one more daskgen run under cProfile: CPU per stage per sample",
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

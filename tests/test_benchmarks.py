@@ -115,6 +115,7 @@ def test_overhead(tmp_path, tiny_model):
         tmp_path,
         "--repeats",
         "1",
+        "--no-profile",
         "--engine-repeats",
         "2",
         "--engine-drivers",

@@ -25,13 +25,14 @@ from daskgen.errors import EngineError, EngineUnavailable
 from daskgen.input.chat_template import ChatTemplate
 from daskgen.input.rows import tokenize_rows
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.layout import Layout, clear_response, column_array, empty_region
+from daskgen.store.layout import Layout, column_array, empty_region
 from daskgen.worker.continuation import sample_with_prefix, stored_samples
+from daskgen.worker.region import place_prompts, place_samples
 from daskgen.worker.rounds import RowOutcome, sample_in_rounds
 from daskgen.worker.row_sampling import apply_stops, place_row_settings, sample_params
+from daskgen.worker.seeds import sample_seeds, with_seed
 from daskgen.worker.slot import PartitionSlot
 from daskgen.worker.thread_slots import leave_thread_slot
-from daskgen.worker.top_logprobs import place_top_logprobs
 
 if TYPE_CHECKING:
     from daskgen.input.response_format import ResponseFormat
@@ -110,26 +111,36 @@ def fill_region(
     samples: list[list[Trajectory]],
     rounds: list[RowOutcome] | None = None,
 ) -> PartitionResult:
-    """Place prompts and trajectories (and verifier scores) into the region; collect per-row failures."""
+    """Place prompts and trajectories (and verifier scores) into the region; collect per-row failures.
+
+    Every sample of the partition is placed at once (:mod:`daskgen.worker.region`)."""
     out = PartitionResult(task.start, task.stop, list(task.rows))
     _record_rounds(region, task, rounds or [], out)
     place_row_settings(region, task.start, task.rows, task.row_settings)
     layout = task.layout
     assert task.prompts is not None, "the worker tokenizes a task's inputs before filling its region"
-    for i, (row, prompt) in enumerate(zip(task.rows, task.prompts, strict=True)):
-        r = row - task.start
-        _place_prompt(region, r, prompt, layout.pad_token_id)
+    offsets = [row - task.start for row in task.rows]
+    out.prompt_tokens = place_prompts(region, offsets, task.prompts, layout.pad_token_id)
+    _place_row_texts(region, task, offsets)
+    counts = place_samples(region, task.rows, offsets, task.n_samples, samples, layout)
+    out.failed, out.aborted = counts.failed, counts.aborted
+    out.response_tokens, out.carried_tokens = counts.response_tokens, counts.carried_tokens
+    out.partial_samples, out.partial_tokens = counts.partial_samples, counts.partial_tokens
+    return out
+
+
+def _place_row_texts(region: dict[str, np.ndarray], task: PartitionTask, offsets: list[int]) -> None:
+    """Store each pending row's extra input columns and (in a structured store) its response format."""
+    layout = task.layout
+    if not task.inputs and not layout.structured and not layout.adapters:
+        return
+    for i, r in enumerate(offsets):
         for name, text in (task.inputs[i].get("columns", {}) if task.inputs else {}).items():
             region[column_array(name)][r] = text
         if layout.structured:
             region["response_format"][r] = row_format.text() if (row_format := _row_format(task, i)) else ""
         if layout.adapters:
             region["adapter"][r] = _row_adapter(task, i) or ""
-        out.prompt_tokens += len(prompt)
-        for s in range(task.n_samples):
-            trajectories = samples[i * task.n_samples + s][: layout.n_trajectories]
-            _place_sample(region, row, r, s, trajectories, layout, out)
-    return out
 
 
 def _row_format(task: PartitionTask, i: int) -> ResponseFormat | None:
@@ -142,13 +153,6 @@ def _row_adapter(task: PartitionTask, i: int) -> str | None:
     return task.inputs[i].get("adapter") if task.inputs else task.params.adapter
 
 
-def _place_prompt(region: dict[str, np.ndarray], r: int, prompt: list[int], pad_token_id: int) -> None:
-    """Store a prompt's ids (padded) and length in region row ``r``."""
-    region["prompt_ids"][r] = pad_token_id
-    region["prompt_ids"][r, : len(prompt)] = prompt
-    region["prompt_length"][r] = len(prompt)
-
-
 def _record_rounds(
     region: dict[str, np.ndarray], task: PartitionTask, rounds: list[RowOutcome], out: PartitionResult
 ) -> None:
@@ -159,68 +163,6 @@ def _record_rounds(
         region["samples_used"][r] = outcome.used
         if outcome.notes:
             out.notes[task.rows[i]] = "; ".join(outcome.notes)
-
-
-def _place_sample(
-    region: dict[str, np.ndarray],
-    row: int,
-    r: int,
-    s: int,
-    trajectories: list[Trajectory],
-    layout: Layout,
-    out: PartitionResult,
-) -> None:
-    """Store sample ``s`` of ``row`` (region row ``r``): its trajectories, or an empty response when there are none."""
-    if layout.n_trajectories > 1:
-        region["num_trajectories"][r, s] = len(trajectories)
-    if not trajectories:  # not needed: the verifier was satisfied earlier
-        clear_response(region, (r, s), layout)
-    for t, traj in enumerate(trajectories):
-        index = (r, s, t) if layout.n_trajectories > 1 else (r, s)
-        _count_trajectory(out, row, s, traj, _place(region, index, traj, layout))
-
-
-def _count_trajectory(out: PartitionResult, row: int, s: int, traj: Trajectory, tokens: int) -> None:
-    """Add a stored trajectory of ``tokens`` response tokens to the counters, failures and aborted rows of ``out``."""
-    out.response_tokens += max(0, tokens - traj.carried)
-    out.carried_tokens += min(traj.carried, tokens)
-    if traj.error is not None:
-        out.failed.setdefault(row, f"sample {s}: {traj.error}")
-    if traj.finish_reason == FinishReason.ABORT:
-        if row not in out.aborted:
-            out.aborted.append(row)
-        if tokens:
-            out.partial_samples += 1
-            out.partial_tokens += tokens
-
-
-def _place(region: dict[str, np.ndarray], index: tuple[int, ...], traj: Trajectory, layout: Layout) -> int:
-    n = min(len(traj.response_ids), layout.max_new_tokens)
-    region["response_ids"][index] = layout.pad_token_id
-    region["response_ids"][index][:n] = traj.response_ids[:n]
-    region["response_length"][index] = n
-    region["response_mask"][index] = 0
-    region["response_mask"][index][:n] = traj.response_mask[:n]
-    region["logprobs"][index] = np.nan
-    if traj.logprobs is not None:
-        region["logprobs"][index][: min(n, len(traj.logprobs))] = traj.logprobs[:n]
-    place_top_logprobs(region, index, traj.top_logprobs, n)
-    reason = FinishReason.ERROR if traj.error is not None else traj.finish_reason
-    region["finish_reason"][index] = int(reason)
-    region["num_turns"][index] = traj.num_turns
-    region["continued_tokens"][index] = min(traj.continued, n)
-    _place_versions(region, index, traj, n)
-    if "stop_reason" in region:
-        region["stop_reason"][index] = traj.stop_reason
-    return int(sum(traj.response_mask[:n]))
-
-
-def _place_versions(region: dict[str, np.ndarray], index: tuple[int, ...], traj: Trajectory, n: int) -> None:
-    """Store the policy versions of a trajectory's first ``n`` response tokens."""
-    versions = [(position, version) for position, version in traj.versions if position < n]
-    region["policy_version"][index] = versions[0][1] if versions else -1
-    region["policy_version_end"][index] = versions[-1][1] if versions else -1
-    region["version_changed_at"][index] = versions[1][0] if len(versions) > 1 else -1
 
 
 async def run_partition(task: PartitionTask) -> PartitionResult:
@@ -321,7 +263,9 @@ class _Generation:
         """The coroutines generating the given rows: one per sample, or one per row in verifier rounds."""
         task = self.task
         if task.verify is None:
-            return [self.one(i, s) for i in indices for s in range(task.n_samples)]
+            seeds = sample_seeds(task.seed, [task.rows[i] for i in indices], task.n_samples)
+            n = task.n_samples
+            return [self.one(i, s, seeds[k * n + s]) for k, i in enumerate(indices) for s in range(n)]
         assert task.rows_meta is not None, "tasks with a verifier carry their input rows"
         decode = self.plugin.tokenizer().decode
         return [
@@ -329,13 +273,19 @@ class _Generation:
             for i in indices
         ]
 
-    def one(self, i: int, s: int) -> Any:
-        """Sample ``s`` of the partition's ``i``-th row, seeded per sample, counted on the slot."""
+    def one(self, i: int, s: int, seed: int | None = None) -> Any:
+        """Sample ``s`` of the partition's ``i``-th row, seeded per sample, counted on the slot.
+
+        ``seed``: the sample's seed under the run's settings (:func:`~daskgen.worker.seeds.sample_seeds`),
+        when the caller computed it with its neighbours'."""
         task, row = self.task, self.task.rows[i]
         assert task.prompts is not None
-        prefix = self.prefixes.get((row, s))
+        prefix = self.prefixes.get((row, s)) if self.prefixes else None
         own = task.row_settings[i] if task.row_settings is not None else None
-        params = sample_params(task.params, own, task.eos_ids, task.seed, row, s)
+        if own is None and seed is not None:
+            params = with_seed(task.params, seed)
+        else:
+            params = sample_params(task.params, own, task.eos_ids, task.seed, row, s)
         if (row_format := _row_format(task, i)) is not None:
             params = dataclasses.replace(params, response_format=row_format)
         if task.inputs:

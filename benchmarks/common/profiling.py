@@ -1,0 +1,171 @@
+"""Where a daskgen run's CPU goes, by stage: cProfile on each worker's event-loop thread and the client's thread.
+
+:func:`profiled_hooks` gives the ``on_ready`` / ``on_done`` hooks of :func:`common.runs.measured_side`: at
+engines ready it starts a profiler (timer: the thread's own CPU time) on every worker's event-loop thread
+(``client.run`` runs a plain function there) and on the client's thread, and at the last commit stops them;
+each worker sums its profile by stage before sending it (small), next to its process's CPU time.
+
+A stage is the cumulative time of its root functions minus that of roots of another stage called inside
+them (roots absent from the profiled code count 0, so the same table reads several versions of daskgen).
+The profiler's own cost inflates every function call, so the stages' sum is larger than the CPU an
+unprofiled run spends: the shares matter, and :func:`cpu_hooks` measures the unprofiled CPU per process.
+
+Functions here run on Dask workers; the ``common`` package is pickled by value.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+#: A function named by the end of its file's path and its name.
+Root = tuple[str, str]
+_SIM, _CONT = "engines/simulated/engine.py", "worker/continuation.py"
+_PART = "worker/partition.py"
+
+#: Worker event-loop stages: (name, roots counted, roots subtracted).
+WORKER_STAGES: tuple[tuple[str, tuple[Root, ...], tuple[Root, ...]], ...] = (
+    ("engine: the instant simulated engine (planning, step loop)", ((_SIM, "generate"), (_SIM, "_run")), ()),
+    ("request path: agent loop, engine handle, trajectory", ((_CONT, "sample_with_prefix"),), ((_SIM, "generate"),)),
+    (
+        "sample status and dashboard metrics",
+        (("worker/slot.py", "counted"), ("dashboard/metrics.py", "report")),
+        ((_CONT, "sample_with_prefix"),),
+    ),
+    ("sample setup: seeds, params, coroutines", ((_PART, "calls"),), ()),
+    ("result handling: gathering finished samples", (("asyncio/tasks.py", "_done_callback"),), ()),
+    ("region assembly: prompts and samples into arrays", ((_PART, "fill_region"),), ()),
+    (
+        "partition task, rest: task creation, hand-offs to threads",
+        ((_PART, "run_partition"),),
+        ((_PART, "calls"), (_PART, "fill_region")),
+    ),
+)
+#: Client thread stages.
+CLIENT_STAGES: tuple[tuple[str, tuple[Root, ...], tuple[Root, ...]], ...] = (
+    (
+        "commit: status, commit times, commit log",
+        (("client/commit.py", "commit_outcomes"), ("client/commit.py", "commit_overlong")),
+        (),
+    ),
+    ("progress bar", (("client/progress.py", "update"),), ()),
+)
+_ATTR = "_daskgen_bench_profile"
+
+
+def _cumulative(stats: dict[Any, Any], roots: tuple[Root, ...]) -> float:
+    """Summed cumulative seconds of the profiled functions named by ``roots``."""
+    total = 0.0
+    for (path, _line, name), (_cc, _nc, _tt, cumulative, _callers) in stats.items():
+        if any(name == n and path.replace("\\", "/").endswith(p) for p, n in roots):
+            total += cumulative
+    return total
+
+
+def stage_seconds(
+    profiler: Any, stages: tuple[tuple[str, tuple[Root, ...], tuple[Root, ...]], ...]
+) -> dict[str, float]:
+    """Seconds per stage in a stopped ``cProfile.Profile``; ``"profiled total"`` is every function's own time."""
+    profiler.create_stats()
+    stats = profiler.stats
+    out = {name: max(0.0, _cumulative(stats, add) - _cumulative(stats, sub)) for name, add, sub in stages}
+    out["profiled total"] = sum(tt for _cc, _nc, tt, _ct, _callers in stats.values())
+    return out
+
+
+def start_worker(dask_worker: Any, profile: bool = True) -> bool:
+    """``client.run`` target: note this process's and thread's CPU time; start profiling the event-loop thread."""
+    import cProfile
+
+    profiler = cProfile.Profile(time.thread_time) if profile else None
+    setattr(dask_worker, _ATTR, (profiler, time.process_time(), time.thread_time()))
+    if profiler is not None:
+        profiler.enable()
+    return True
+
+
+def stop_worker(dask_worker: Any) -> dict[str, float]:
+    """``client.run`` target: stop; the worker's CPU seconds since :func:`start_worker` (process, event-loop
+    thread) and, when profiled, per stage."""
+    profiler, process0, thread0 = getattr(dask_worker, _ATTR)
+    if profiler is not None:
+        profiler.disable()
+    out = {"process": time.process_time() - process0, "event loop": time.thread_time() - thread0}
+    if profiler is not None:
+        out.update(stage_seconds(profiler, WORKER_STAGES))
+    return out
+
+
+def hooks(profile: bool) -> tuple[Callable[[Any], None], Callable[[Any], dict[str, Any]]]:
+    """``(on_ready, on_done)`` for :func:`common.runs.measured_side`: CPU time of every worker and of the
+    client (process and its own thread), per stage when ``profile``.  ``on_done`` returns
+    ``{"workers": {address: {...}}, "client": {...}}``."""
+    import cProfile
+
+    state: dict[str, Any] = {}
+
+    def on_ready(client: Any) -> None:
+        client.run(start_worker, profile=profile)
+        state["profiler"] = cProfile.Profile(time.thread_time) if profile else None
+        state["t0"] = (time.process_time(), time.thread_time())
+        if state["profiler"] is not None:
+            state["profiler"].enable()
+
+    def on_done(client: Any) -> dict[str, Any]:
+        profiler = state["profiler"]
+        if profiler is not None:
+            profiler.disable()
+        process0, thread0 = state["t0"]
+        own = {"process": time.process_time() - process0, "thread": time.thread_time() - thread0}
+        if profiler is not None:
+            own.update(stage_seconds(profiler, CLIENT_STAGES))
+        return {"workers": client.run(stop_worker), "client": own}
+
+    return on_ready, on_done
+
+
+def worker_rows(workers: dict[str, dict[str, float]], samples: int) -> list[list[Any]]:
+    """Table rows ``[stage, µs per sample, share of the event loop's profiled time]``, summed over workers."""
+    total = {k: sum(w.get(k, 0.0) for w in workers.values()) for k in next(iter(workers.values()))}
+    loop = total["profiled total"]
+    rows, named = [], 0.0
+    for name, _add, _sub in WORKER_STAGES:
+        named += total[name]
+        rows.append([name, total[name] / samples * 1e6, total[name] / loop])
+    rest = max(0.0, loop - named)
+    rows.append(
+        ["event loop, rest: asyncio, Dask worker (task state, comms, heartbeats)", rest / samples * 1e6, rest / loop]
+    )
+    rows.append(["event-loop thread, profiled total", loop / samples * 1e6, 1.0])
+    threads = max(0.0, total["process"] - total["event loop"])
+    rows.append(
+        [
+            "other threads (Zarr region writes, region allocation, tokenizing), not profiled",
+            threads / samples * 1e6,
+            None,
+        ]
+    )
+    return rows
+
+
+def client_rows(client: dict[str, float], samples: int) -> list[list[Any]]:
+    """Table rows ``[stage, µs per sample, share of the client thread's profiled time]``."""
+    loop = client["profiled total"]
+    rows, named = [], 0.0
+    for name, _add, _sub in CLIENT_STAGES:
+        named += client[name]
+        rows.append([name, client[name] / samples * 1e6, client[name] / loop])
+    rows.append(
+        [
+            "run loop, rest: submitting, collecting results, housekeeping",
+            max(0.0, loop - named) / samples * 1e6,
+            max(0.0, loop - named) / loop,
+        ]
+    )
+    rows.append(["client thread, profiled total", loop / samples * 1e6, 1.0])
+    others = max(0.0, client["process"] - client["thread"])
+    rows.append(
+        ["client process, other threads (scheduler, Dask client loop), not profiled", others / samples * 1e6, None]
+    )
+    return rows

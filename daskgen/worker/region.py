@@ -1,0 +1,237 @@
+"""Placing a partition's prompts and finished samples into its region, all samples at once.
+
+The region holds one chunk-aligned block of rows (``[n_rows, n_samples, (n_trajectories,) width]`` per
+response array).  Rather than a dozen small numpy assignments per sample, the samples' token lists are
+joined once and scattered into the padded arrays with one fancy-indexed assignment per array; the
+per-sample scalars (length, finish reason, turns, ...) likewise.  What a sample stores is unchanged:
+every placed slot is reset to its fill values first, so a region read back from the store (kept rows)
+is overwritten exactly where a pending sample lands.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from daskgen.agents import Trajectory
+from daskgen.engines.base import FinishReason
+from daskgen.store.layout import VERSION_ARRAYS, Layout, clear_response
+from daskgen.worker.top_logprobs import place_top_logprobs
+
+
+@dataclass
+class SampleCounts:
+    """What the placed samples add to a partition's result (see ``PartitionResult``)."""
+
+    failed: dict[int, str] = field(default_factory=dict)
+    aborted: list[int] = field(default_factory=list)
+    response_tokens: int = 0
+    partial_samples: int = 0
+    partial_tokens: int = 0
+    carried_tokens: int = 0
+
+
+@dataclass
+class _Slots:
+    """The trajectories to place, in row, sample, trajectory order: their flat slot, owner and contents."""
+
+    slots: list[int] = field(default_factory=list)
+    owners: list[tuple[int, int]] = field(default_factory=list)  # (store row, sample)
+    trajectories: list[Trajectory] = field(default_factory=list)
+
+
+def _rows_view(region: dict[str, np.ndarray], name: str, width: int | None) -> np.ndarray:
+    """``region[name]`` as a view of one row per slot (``width`` columns) or a flat vector (``width=None``)."""
+    array = region[name]
+    if not array.flags.c_contiguous:
+        region[name] = array = np.ascontiguousarray(array)
+    return array.reshape(-1) if width is None else array.reshape(-1, width)
+
+
+def scatter(
+    region: dict[str, np.ndarray], name: str, slots: np.ndarray, lengths: np.ndarray, values: np.ndarray, fill: Any
+) -> None:
+    """Reset rows ``slots`` of ``region[name]`` (viewed one row per slot) to ``fill``, then write the joined
+    ``values`` there: ``lengths[k]`` of them at the start of slot ``slots[k]``."""
+    width = region[name].shape[-1]
+    if len(lengths) and int(lengths.max(initial=0)) > width:
+        raise ValueError(f"{name}: {int(lengths.max())} values do not fit in its {width} positions")
+    rows = _rows_view(region, name, width)
+    rows[slots] = fill
+    if len(values):
+        starts = np.cumsum(lengths) - lengths
+        positions = np.repeat(slots * width - starts, lengths) + np.arange(len(values))
+        rows.reshape(-1)[positions] = values
+
+
+def _joined(lists: Sequence[Sequence[Any]], total: int, dtype: Any) -> np.ndarray:
+    """The lists one after the other as one array of ``total`` values."""
+    return np.fromiter(itertools.chain.from_iterable(lists), dtype=dtype, count=total)
+
+
+def place_prompts(
+    region: dict[str, np.ndarray], offsets: Sequence[int], prompts: Sequence[Sequence[int]], pad: int
+) -> int:
+    """Store each prompt's ids (padded) and length in region row ``offsets[i]``; returns the prompt tokens."""
+    lengths = np.fromiter(map(len, prompts), dtype=np.int64, count=len(prompts))
+    slots = np.asarray(offsets, dtype=np.int64)
+    total = int(lengths.sum())
+    scatter(region, "prompt_ids", slots, lengths, _joined(prompts, total, region["prompt_ids"].dtype), pad)
+    _rows_view(region, "prompt_length", None)[slots] = lengths
+    return total
+
+
+def _collect(where: Sequence[tuple[int, int, int]], layout: Layout) -> _Slots:
+    """Each sample's owner and first flat slot, from its ``(store row, region row, sample)``."""
+    out, n_traj, n_samples = _Slots(), layout.n_trajectories, layout.n_samples
+    for row, r, s in where:
+        out.owners.append((row, s))
+        out.slots.append((r * n_samples + s) * n_traj)
+    return out
+
+
+def _expand(
+    region: dict[str, np.ndarray], collected: _Slots, samples: Sequence[list[Trajectory]], layout: Layout
+) -> _Slots:
+    """One entry per stored trajectory (samples with several trajectories, or none, are rare)."""
+    if layout.n_trajectories == 1 and all(len(t) == 1 for t in samples):
+        collected.trajectories = [t[0] for t in samples]
+        return collected
+    out, n_samples = _Slots(), layout.n_samples
+    for (row, s), base, trajectories in zip(collected.owners, collected.slots, samples, strict=True):
+        trajectories = trajectories[: layout.n_trajectories]
+        r = base // layout.n_trajectories // n_samples
+        if layout.n_trajectories > 1:
+            region["num_trajectories"][r, s] = len(trajectories)
+        if not trajectories:  # not needed: the verifier was satisfied earlier
+            clear_response(region, (r, s), layout)
+        for t, traj in enumerate(trajectories):
+            out.slots.append(base + t)
+            out.owners.append((row, s))
+            out.trajectories.append(traj)
+    return out
+
+
+@dataclass
+class _Columns:
+    """The placed trajectories' contents, one entry per trajectory (token lists cut to the store's width)."""
+
+    ids: list[list[int]] = field(default_factory=list)
+    masks: list[list[int]] = field(default_factory=list)  # lists: ``count`` checks for all ones
+    logprobs: list[list[float]] = field(default_factory=list)  # only the non-empty ones
+    lengths: list[int] = field(default_factory=list)
+    logprob_lengths: list[int] = field(default_factory=list)
+    scalars: dict[str, list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, trajectories: list[Trajectory], width: int) -> _Columns:
+        """Gather what each trajectory stores (its first ``width`` tokens)."""
+        out = cls()
+        reasons, turns, continued, stops = [], [], [], []
+        versions: dict[str, list[int]] = {name: [] for name in VERSION_ARRAYS}
+        for traj in trajectories:
+            ids, mask, lps = traj.response_ids, traj.response_mask, traj.logprobs
+            n = len(ids)
+            if n > width:
+                n, ids = width, ids[:width]
+            m = min(n, len(lps)) if lps is not None else 0
+            out.ids.append(ids)
+            out.masks.append(mask if len(mask) == n else mask[:n])
+            if lps is not None and m:
+                out.logprobs.append(lps if len(lps) == m else lps[:m])
+            out.lengths.append(n)
+            out.logprob_lengths.append(m)
+            reasons.append(int(FinishReason.ERROR if traj.error is not None else traj.finish_reason))
+            turns.append(traj.num_turns)
+            continued.append(min(traj.continued, n))
+            stops.append(traj.stop_reason)
+            for name, value in zip(VERSION_ARRAYS, versions_of(traj, n), strict=True):
+                versions[name].append(value)
+        out.scalars = {"response_length": out.lengths, "finish_reason": reasons, "num_turns": turns}
+        out.scalars.update(continued_tokens=continued, stop_reason=stops, **versions)
+        return out
+
+
+def versions_of(traj: Trajectory, n: int) -> tuple[int, int, int]:
+    """The policy versions of a trajectory's first ``n`` response tokens: of the first token, of the last, and
+    the position where the version first changed (-1: no model token, or no change)."""
+    versions = [(position, version) for position, version in traj.versions if position < n]
+    if not versions:
+        return -1, -1, -1
+    return versions[0][1], versions[-1][1], versions[1][0] if len(versions) > 1 else -1
+
+
+def place_samples(
+    region: dict[str, np.ndarray],
+    rows: Sequence[int],
+    offsets: Sequence[int],
+    n_samples: int,
+    samples: Sequence[list[Trajectory]],
+    layout: Layout,
+) -> SampleCounts:
+    """Store every sample of the pending ``rows`` (region rows ``offsets``; ``samples`` row-major) and count them."""
+    where = [(row, r, s) for row, r in zip(rows, offsets, strict=True) for s in range(n_samples)]
+    placed = _expand(region, _collect(where, layout), samples, layout)
+    counts = SampleCounts()
+    if not placed.trajectories:
+        return counts
+    columns = _Columns.of(placed.trajectories, layout.max_new_tokens)
+    slots = np.asarray(placed.slots, dtype=np.int64)
+    length = np.asarray(columns.lengths, dtype=np.int64)
+    total = int(length.sum())
+    ids = _joined(columns.ids, total, region["response_ids"].dtype)
+    scatter(region, "response_ids", slots, length, ids, layout.pad_token_id)
+    if sum(m.count(1) for m in columns.masks) == total:  # model tokens only (single turn): no list to convert
+        mask = np.ones(total, dtype=region["response_mask"].dtype)
+    else:
+        mask = _joined(columns.masks, total, region["response_mask"].dtype)
+    scatter(region, "response_mask", slots, length, mask, 0)
+    lp_length = np.asarray(columns.logprob_lengths, dtype=np.int64)
+    logprobs = _joined(columns.logprobs, int(lp_length.sum()), region["logprobs"].dtype)
+    scatter(region, "logprobs", slots, lp_length, logprobs, np.nan)
+    for name, values in columns.scalars.items():
+        if name in region:
+            _rows_view(region, name, None)[slots] = values
+    if "top_logprobs" in region:
+        for slot, traj, n in zip(placed.slots, placed.trajectories, columns.lengths, strict=True):
+            place_top_logprobs(region, _index(slot, layout.n_samples, layout.n_trajectories), traj.top_logprobs, n)
+    _count(counts, placed, _segment_sums(mask, length), columns.scalars["finish_reason"])
+    return counts
+
+
+def _segment_sums(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The sum of each consecutive segment of ``values`` (``lengths[k]`` values each, empty segments 0)."""
+    bounds = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
+    ends = np.cumsum(lengths)
+    return bounds[ends] - bounds[ends - lengths]
+
+
+def _index(slot: int, n_samples: int, n_traj: int) -> tuple[int, ...]:
+    """The region index of flat slot ``slot``: ``(row, sample)``, or ``(row, sample, trajectory)``."""
+    if n_traj == 1:
+        return divmod(slot, n_samples)
+    r_s, t = divmod(slot, n_traj)
+    return (*divmod(r_s, n_samples), t)
+
+
+def _count(counts: SampleCounts, placed: _Slots, tokens: np.ndarray, reasons: list[int]) -> None:
+    """Add the placed trajectories' tokens, failures, aborted rows and partial samples to ``counts``."""
+    carried = np.fromiter((t.carried for t in placed.trajectories), dtype=np.int64, count=len(placed.trajectories))
+    kept = np.minimum(carried, tokens)
+    counts.response_tokens += int((tokens - kept).sum())
+    counts.carried_tokens += int(kept.sum())
+    reason = np.asarray(reasons, dtype=np.int64)
+    for k in np.flatnonzero((reason == FinishReason.ERROR) | (reason == FinishReason.ABORT)).tolist():
+        traj, (row, s) = placed.trajectories[k], placed.owners[k]
+        if traj.error is not None:
+            counts.failed.setdefault(row, f"sample {s}: {traj.error}")
+        if traj.finish_reason == FinishReason.ABORT:
+            if row not in counts.aborted:
+                counts.aborted.append(row)
+            if tokens[k]:
+                counts.partial_samples += 1
+                counts.partial_tokens += int(tokens[k])
