@@ -26,7 +26,7 @@ import numpy as np
 
 from daskgen.errors import FollowError
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.layout import TOP_LOGPROB_ARRAYS, VERSION_ARRAYS
+from daskgen.store.layout import STALE_FIELD, TOP_LOGPROB_ARRAYS, VERSION_ARRAYS
 
 FORMATS = ("xarray", "tensordict", "dataproto", "rows", "arrow")
 #: The arrays the tensor and row formats are built from (``logprobs`` too when the run recorded them).
@@ -154,7 +154,7 @@ def _verl(block: dict[str, np.ndarray], store: GenerationStore) -> tuple[dict[st
     widths = (layout.max_prompt_tokens, layout.max_new_tokens)
     fields = verl_block(block, *widths, layout.pad_token_id, store.attrs.logprobs_recorded)
     tensors = {k: v for k, v in fields.items() if k in BATCH_KEYS}
-    extra = {k: fields[k] for k in VERL_META if k in fields}  # they go into DataProto.non_tensor_batch
+    extra = {k: fields[k] for k in (*VERL_META, STALE_FIELD) if k in fields}  # into DataProto.non_tensor_batch
     ids = np.asarray(block["prompt_id"], dtype=object)
     extra |= {"prompt_id": ids, "uid": ids.copy()}  # uid: verl groups a prompt's samples by it (GRPO)
     return tensors, extra | text_fields(block)
