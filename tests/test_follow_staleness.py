@@ -154,6 +154,7 @@ def test_a_real_run_regenerates_what_a_follower_sent_back(tmp_path):
     daskgen.publish_policy(out, str(tmp_path / "step2"), 2)  # the run's samples (version 0) are 2 behind
     res = run_cli("follow", out, "--max-staleness", "1", "--stale", "regenerate", "--no-wait", "--batch", "8")
     assert res.returncode == 0 and res.stdout.strip() == "", res.stderr
+    assert "0 stale samples flagged, 8 prompts requeued for generation" in res.stderr, res.stderr
     assert len(read_requeue(store.locate(out))) == 8
     assert run_cli("run", "--prompts", prompts, "--store", out, *simulated_run()).returncode == 0
     assert not read_requeue(store.locate(out))
