@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from daskgen.analysis.decode import finish_labels, text_fields
-from daskgen.store.layout import NO_TOKEN, NUMBER_RECORDS, VERSION_ARRAYS
+from daskgen.store.layout import NO_TOKEN, NUMBER_RECORDS, STALE_FIELD, VERSION_ARRAYS
 
 
 def record_dicts(block: dict[str, np.ndarray], has_logprobs: bool) -> list[dict[str, Any]]:
@@ -32,6 +32,8 @@ def record_dicts(block: dict[str, np.ndarray], has_logprobs: bool) -> list[dict[
         "response_mask": ragged_lists(block["response_mask"], rlen),
     }
     columns |= {name: block[name].tolist() for name in (*NUMBER_RECORDS, *VERSION_ARRAYS) if name in block}
+    if STALE_FIELD in block:  # a follower with max_staleness: the sample is too stale
+        columns[STALE_FIELD] = block[STALE_FIELD].astype(bool).tolist()
     if has_logprobs:
         columns["logprobs"] = ragged_lists(block["logprobs"], rlen, nan_as_none=True)
     if "top_logprobs" in block:

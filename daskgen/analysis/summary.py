@@ -85,6 +85,11 @@ def _cursor_lines(store: GenerationStore, status: np.ndarray) -> list[str]:
                 f"; window of {state.window} prompts, head at prompt {state.head}, prompts held back by the head "
                 f"{state.head_wait:.1f} s in total (longest before one batch {state.max_head_wait:.1f} s)"
             )
+        if state.max_staleness is not None or state.stale or state.requeued:
+            line += (
+                f"; max staleness {state.max_staleness}: {state.stale} stale samples delivered flagged, "
+                f"{state.requeued} prompts requeued for generation"
+            )
         lines.append(line)
     return lines
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from daskgen.store.layout import NO_TOKEN, NUMBER_RECORDS, VERSION_ARRAYS
+from daskgen.store.layout import NO_TOKEN, NUMBER_RECORDS, STALE_FIELD, VERSION_ARRAYS
 
 #: Keys of the verl DataProto ``batch``.
 VERL_KEYS = (
@@ -102,6 +102,8 @@ def _verl_extras(block: dict[str, np.ndarray], response_attn: np.ndarray, has_lo
     for name in VERL_META:
         if name in block:
             extras[name] = block[name].astype(np.int64)
+    if STALE_FIELD in block:  # a follower with max_staleness: the sample is too stale
+        extras[STALE_FIELD] = block[STALE_FIELD].astype(bool)
     return extras
 
 

@@ -87,6 +87,22 @@ def commit_rows(
     run.record_commit(start, new, rows, now, seq)
 
 
+def reset_rows(run: LiveRun, rows: Sequence[int]) -> None:
+    """Commit ``rows`` back to pending (a follower requeued them, :mod:`daskgen.client.requeue`): one commit per
+    coarse chunk, the rows losing their commit time; their stored samples are cleared by the caller."""
+    size = run.plan.store.commit_chunk_rows
+    for chunk in sorted({r // size for r in rows}):
+        start = chunk * size
+        stop = min(start + size, run.plan.layout.n_prompts)
+        mine = [r for r in rows if start <= r < stop]
+        new = run.status[start:stop].copy()
+        new[[r - start for r in mine]] = PENDING
+        run.committed_at[mine] = np.nan
+        seq, head = _new_commit_seq(run, start, new)
+        run.plan.store.commit(start, new, None, run.committed_at[start:stop].copy(), seq, head)
+        run.record_commit(start, new, [], time.time(), seq)
+
+
 def _new_commit_seq(run: LiveRun, start: int, new: np.ndarray) -> tuple[np.ndarray, int]:
     """``commit_seq`` of rows ``[start, start + len(new))`` after this commit, and this commit's number.
 

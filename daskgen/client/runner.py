@@ -23,6 +23,7 @@ from daskgen.client.dispatch import still_partial
 from daskgen.client.interrupt import Interrupt, allocation_end
 from daskgen.client.live import LiveRun, StopControl
 from daskgen.client.plan import Plan, keep_scan, pending_rows, pending_tasks, prepare
+from daskgen.client.requeue import take_requeued
 from daskgen.client.run_summary import RunSummary, summarize
 from daskgen.config import RunConfig
 from daskgen.errors import RunInterrupted
@@ -84,6 +85,7 @@ def _start_live(plan: Plan, stop: StopControl, lock: Any) -> LiveRun:
     run = LiveRun(plan, store.read_status(), record["committed_at"], seq, last, stop, lock)
     keep_scan(plan)
     commit_overlong(run)
+    take_requeued(run)
     return run
 
 

@@ -23,11 +23,13 @@ CURSORS_PREFIX = "daskgen.cursors"
 POLICY_KEY = "daskgen.policy"
 #: Folder (key prefix) of the workers' policy states: the version each engine runs, a refresh loading or failed.
 POLICY_WORKERS_PREFIX = "daskgen.policy.workers"
+#: The requeue record: committed prompts a follower sent back for generation (:mod:`daskgen.store.requeue`).
+REQUEUE_KEY = "daskgen.requeue"
 #: The Dask event topic on which a run announces each commit (``{"store": url, "seq": n}``), a hint to followers.
 COMMIT_TOPIC = "daskgen-commits"
-#: Objects of a store outside zarr that belong to its commit log, its consumers and its policy record (kept by
-#: ``daskgen pack``).
-LOG_KEYS = (HEAD_KEY, CURSORS_PREFIX, POLICY_KEY)
+#: Objects of a store outside zarr that belong to its commit log, its consumers, its policy record and its requeue
+#: record (kept by ``daskgen pack``).
+LOG_KEYS = (HEAD_KEY, CURSORS_PREFIX, POLICY_KEY, REQUEUE_KEY)
 
 
 def write_head(location: StoreLocation, seq: int) -> None:

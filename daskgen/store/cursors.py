@@ -50,7 +50,9 @@ class CursorState:
     ``order``, ``window``, ``head``, ``head_wait`` and ``max_head_wait`` describe the follower that last
     acknowledged (shown by ``daskgen status``): for ``order="window"``, its window size, the first prompt
     (input order) it had not delivered, and the seconds its acknowledged batches waited for the window's
-    head (summed, and the longest wait of one batch).
+    head (summed, and the longest wait of one batch).  ``max_staleness`` is the bound of a follower with one
+    (``None``: none), ``stale`` the samples it delivered flagged too stale, ``requeued`` the prompts it sent
+    back for generation.
     """
 
     position: Position = Position()
@@ -63,6 +65,9 @@ class CursorState:
     head: int | None = None
     head_wait: float = 0.0
     max_head_wait: float = 0.0
+    max_staleness: int | None = None
+    stale: int = 0
+    requeued: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """The cursor object's fields."""
@@ -73,12 +78,14 @@ class CursorState:
         if self.order == "window":
             doc |= {"window": self.window, "head": self.head}
             doc |= {"head_wait_s": round(self.head_wait, 3), "max_head_wait_s": round(self.max_head_wait, 3)}
+        if self.max_staleness is not None or self.stale or self.requeued:
+            doc |= {"max_staleness": self.max_staleness, "stale": self.stale, "requeued": self.requeued}
         return doc
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> CursorState:
         """Read a cursor object (``KeyError``, ``TypeError`` or ``ValueError`` when it is not one)."""
-        window, head = doc.get("window"), doc.get("head")
+        window, head, bound = doc.get("window"), doc.get("head"), doc.get("max_staleness")
         return cls(
             Position(int(doc["seq"]), int(doc["row"])),
             int(doc["batches"]),
@@ -90,6 +97,9 @@ class CursorState:
             None if head is None else int(head),
             float(doc.get("head_wait_s", 0.0)),
             float(doc.get("max_head_wait_s", 0.0)),
+            None if bound is None else int(bound),
+            int(doc.get("stale", 0)),
+            int(doc.get("requeued", 0)),
         )
 
 

@@ -4,6 +4,7 @@
 * :mod:`~daskgen.stream.log`: reading the store's commit log (order, completeness);
 * :mod:`~daskgen.store.cursors`: durable, atomic per-name consumer positions (kept with the store);
 * :mod:`~daskgen.stream.formats`: xarray, TensorDict, verl ``DataProto`` and rows;
+* :mod:`~daskgen.stream.staleness`: ``max_staleness``: too-stale samples flagged or sent back for generation;
 * :mod:`~daskgen.stream.events`: waking on a run's commit events on the same Dask cluster.
 
 The options of a follower are declared once in :mod:`~daskgen.stream.options`.  See docs/streaming.md.

@@ -8,6 +8,8 @@ groups (all samples of a prompt together) not delivered before, plus the failed 
 a follower started again with the same cursor name resumes after the last acknowledged batch, so after
 an ack nothing is delivered twice and nothing is skipped (order and completeness: :mod:`daskgen.stream.log`).
 A batch that was delivered but not acknowledged is delivered again, with the same :attr:`Batch.number`.
+With ``max_staleness`` (:mod:`daskgen.stream.staleness`) too-stale samples are flagged, or their prompts are
+sent back for generation (requeue record written before the batch is handed out) and not delivered.
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ from daskgen.errors import FollowTimeout, StoreError
 from daskgen.store.commit_log import read_head
 from daskgen.store.cursors import Ahead, Cursor, CursorState, Position
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.layout import DONE, FAILED
+from daskgen.store.layout import DONE, FAILED, STALE_FIELD
 from daskgen.store.location import StoreRef, locate
+from daskgen.store.requeue import add_requeue
 from daskgen.stream.events import CommitEvents
 from daskgen.stream.formats import PromptIds, build, fields_to_read, read_rows
 from daskgen.stream.log import Snapshot, read_snapshot, writer_live
 from daskgen.stream.options import FollowOptions
-from daskgen.stream.order import HeadClock, WindowStats, eligible, held_back, take
+from daskgen.stream.order import HeadClock, WindowStats, counted, eligible, held_back, take
+from daskgen.stream.staleness import Staleness
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +65,9 @@ class Batch:
     head, head_wait:
         With ``order="window"``: the window's head once this batch is delivered (the first prompt, in input
         order, not delivered), and the seconds committed prompts were held back by the head before it.
+    stale, requeued:
+        With ``max_staleness``: the samples delivered flagged ``stale``, and the row indices of the prompts sent
+        back for generation (``stale="regenerate"``) instead of being delivered.
     """
 
     data: Any
@@ -74,6 +81,8 @@ class Batch:
     ahead: Ahead = ()
     head: int | None = None
     head_wait: float = 0.0
+    stale: int = 0
+    requeued: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     acked: bool = False
 
     @property
@@ -111,6 +120,8 @@ class Follower:
         self.clock = HeadClock(window) if self.window else None
         self.fields = tuple(options.fields) if options.fields else None
         self.wait, self.timeout, self.auto_ack = options.wait, options.timeout, options.auto_ack
+        k = options.max_staleness
+        self.staleness = None if k is None else Staleness(k, options.stale)
         self.cursor = Cursor(self.location, options.cursor, options.cursor_dir)
         self.state = self.cursor.load()
         self.position, self.ahead, self.number = self.state.position, self.state.ahead, self.state.batches
@@ -172,10 +183,17 @@ class Follower:
         if self.clock is not None and self.window is not None:
             head, held = held_back(snap, todo, self.window)
             self.clock.observe(head, 0 if ended else held)
-        candidates = eligible(snap, todo, self.window, ended, self.batch_prompts)
-        ready = np.count_nonzero(snap.status[candidates] == DONE) >= self.batch_prompts
+        counts, stale, bound = counted(snap), np.zeros(len(snap.rows), dtype=bool), None
+        if self.staleness is not None:
+            assert self.store is not None
+            bound = self.staleness.oldest_allowed(self.store)  # the newest version, read as the batch is formed
+            if self.staleness.regenerate:
+                stale[todo] = self.staleness.stale_prompts(self.store, snap, todo, bound)
+                counts &= ~stale  # a batch counts the prompts it delivers
+        candidates = eligible(snap, todo, self.window, ended, self.batch_prompts, counts)
+        ready = np.count_nonzero(counts[candidates]) >= self.batch_prompts
         if len(candidates) and (ended or ready):
-            return self._deliver(snap, take(snap, candidates, self.batch_prompts))
+            return self._deliver(snap, take(candidates, self.batch_prompts, counts), stale[candidates], bound)
         if not len(todo) and ended:
             self._finish(snap)
             raise StopIteration
@@ -251,26 +269,31 @@ class Follower:
             )
 
     # --- delivering ---------------------------------------------------------------------------
-    def _deliver(self, snap: Snapshot, idx: np.ndarray) -> Batch | None:
-        """Read the batch's rows (handed out by ``__next__``, unacknowledged); ``None`` when the store was swapped
-        meanwhile."""
+    def _deliver(self, snap: Snapshot, idx: np.ndarray, stale: np.ndarray, bound: int | None) -> Batch | None:
+        """Read the batch's rows and hand it out (unacknowledged); ``None`` when the store was swapped meanwhile.
+
+        ``stale`` marks, per candidate (``idx`` is a prefix of the candidates), the prompts sent back instead of
+        delivered (recorded before the batch is handed out); ``bound`` is the oldest version delivered unflagged."""
         store = self.store
         assert store is not None
-        rows, status = snap.rows[idx], snap.status[idx]
+        rows, status, stale = snap.rows[idx], snap.status[idx], stale[: len(idx)]
         end, ahead = snap.after_delivering(self.delivered, idx)
-        done, failed = rows[status == DONE], rows[status == FAILED]
+        fresh = (status == DONE) & ~stale
+        done, failed, done_at = rows[fresh], rows[status == FAILED], idx[fresh]
         try:
             if self.prompt_ids is None:
                 self.prompt_ids = PromptIds(store)
             ids = self.prompt_ids(done)
             errors: Any = read_rows(store, failed, ("error",))["error"] if len(failed) else []
             data = read_rows(store, done, fields_to_read(store, self.format, self.fields))
+            flagged = self._flag(snap, done_at, bound, data)
         except Exception:
             if self._swapped():  # the old layout's metadata, the new layout's files: read again
                 return None
             raise
         if self._swapped():  # read while pack swapped the store: maybe through the old layout; read again
             return None
+        add_requeue(store.location, zip(rows[stale].tolist(), snap.seqs[idx][stale].tolist(), strict=True))
         batch = Batch(
             data=build(self.format, store, done, ids, data, self.pad),
             prompts=done,
@@ -283,8 +306,20 @@ class Follower:
             ahead=ahead,
             head=None if self.clock is None else self._head_after(snap, end, ahead),
             head_wait=0.0 if self.clock is None else self.clock.charge(),
+            stale=flagged,
+            requeued=rows[stale],
         )
         return batch
+
+    def _flag(self, snap: Snapshot, at: np.ndarray, bound: int | None, data: dict[str, np.ndarray]) -> int:
+        """With ``max_staleness``: add the per-sample ``stale`` field to the batch's ``data`` (the rows at snapshot
+        indices ``at``); the number of samples flagged."""
+        if self.staleness is None or bound is None:
+            return 0
+        assert self.store is not None
+        flags = self.staleness.stale_samples(self.store, snap, at, bound) & ~self.staleness.regenerate
+        data[STALE_FIELD] = flags
+        return int(flags.sum())
 
     @staticmethod
     def _head_after(snap: Snapshot, end: Position, ahead: Ahead) -> int:
@@ -315,6 +350,9 @@ class Follower:
             batch.head,
             self.state.head_wait + sum(waits),
             max([self.state.max_head_wait, *waits]),
+            None if self.staleness is None else self.staleness.max_staleness,
+            self.state.stale + sum(b.stale for b in covered),
+            self.state.requeued + sum(len(b.requeued) for b in covered),
         )
 
     def _acknowledged(self, batch: Batch, state: CursorState) -> None:

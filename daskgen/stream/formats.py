@@ -26,7 +26,7 @@ import numpy as np
 
 from daskgen.errors import FollowError
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.layout import TOP_LOGPROB_ARRAYS, VERSION_ARRAYS
+from daskgen.store.layout import STALE_FIELD, TOP_LOGPROB_ARRAYS, VERSION_ARRAYS
 
 FORMATS = ("xarray", "tensordict", "dataproto", "rows", "arrow")
 #: The arrays the tensor and row formats are built from (``logprobs`` too when the run recorded them).
@@ -113,12 +113,17 @@ def strings(values: np.ndarray) -> np.ndarray:
     return np.array([str(v) for v in values], dtype=object)
 
 
+def dims_of(specs: dict[str, Any], name: str) -> tuple[str, ...]:
+    """The dimensions of a batch field: its array's, or per sample for the follower's ``stale`` flag."""
+    return tuple(specs["response_length" if name == STALE_FIELD else name].dims)
+
+
 def to_dataset(store: GenerationStore, rows: np.ndarray, prompt_ids: np.ndarray, data: dict[str, np.ndarray]) -> Any:
     """The rows as an ``xarray.Dataset`` with the store's dimension names and coordinates."""
     import xarray as xr
 
     specs = store.layout.array_specs()
-    variables = {name: (specs[name].dims, values) for name, values in data.items()}
+    variables = {name: (dims_of(specs, name), values) for name, values in data.items()}
     coords = {"prompt_index": ("prompt", rows.astype(np.int64)), "prompt_id": ("prompt", strings(prompt_ids))}
     return xr.Dataset(variables, coords=coords)
 
@@ -153,7 +158,7 @@ def flat_block(
 
     layout = store.layout
     specs = layout.array_specs()
-    variables = {name: (specs[name].dims, values) for name, values in data.items()}
+    variables = {name: (dims_of(specs, name), values) for name, values in data.items()}
     variables |= {"prompt_index": (("prompt",), rows.astype(np.int64)), "prompt_id": (("prompt",), prompt_ids)}
     block = flatten_arrays(variables, dict(zip(specs["finish_reason"].dims, data["finish_reason"].shape, strict=True)))
     if "response_mask" not in block:
@@ -173,7 +178,7 @@ def _verl(
     widths = batch_widths(block) if pad == "batch" else (layout.max_prompt_tokens, layout.max_new_tokens)
     fields = verl_block(block, *widths, layout.pad_token_id, store.attrs.logprobs_recorded)
     tensors = {k: v for k, v in fields.items() if k in BATCH_KEYS}
-    extra = {k: fields[k] for k in VERL_META if k in fields}  # they go into DataProto.non_tensor_batch
+    extra = {k: fields[k] for k in (*VERL_META, STALE_FIELD) if k in fields}  # into DataProto.non_tensor_batch
     ids = np.asarray(block["prompt_id"], dtype=object)
     extra |= {"prompt_id": ids, "uid": ids.copy()}  # uid: verl groups a prompt's samples by it (GRPO)
     return tensors, extra | text_fields(block)

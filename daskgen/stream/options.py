@@ -23,6 +23,8 @@ PADDINGS = ("store", "batch")
 
 #: The orders a follower delivers in (:mod:`daskgen.stream.order`).
 ORDERS = ("commit", "window")
+#: What a follower with ``max_staleness`` does with a sample too stale (:mod:`daskgen.stream.staleness`).
+STALE_MODES = ("flag", "regenerate")
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,16 @@ class FollowOptions:
     )
     window: int | None = option(
         None, "Prompts in the sliding window of order window (default: the tunable daskgen.follow.window)."
+    )
+    max_staleness: int | None = option(
+        None,
+        "Deliver as fresh only samples whose first token's policy version is at most this many versions behind "
+        "the newest published one (daskgen policy publish), read when each batch is formed; default: no bound.",
+    )
+    stale: str = option(
+        "flag",
+        "With --max-staleness, what is too stale: flag (delivered, with a per-sample boolean field stale) or "
+        "regenerate (the whole prompt group is not delivered and is generated again by the next run on the store).",
     )
     cursor: str = option("default", "The name of the durable position (independent names follow independently).")
     fields: tuple[str, ...] | list[str] | None = option(
@@ -103,6 +115,14 @@ class FollowOptions:
             raise FollowError(f"window must be an integer >= 1 (prompts), got {w!r}; e.g. window=256.")
         if self.pad not in PADDINGS:
             raise FollowError(f"pad must be one of {', '.join(PADDINGS)}, got {self.pad!r}.")
+        k = self.max_staleness
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+            raise FollowError(f"max_staleness must be an integer >= 0 (policy versions), got {k!r}; e.g. 1.")
+        if self.stale not in STALE_MODES:
+            raise FollowError(
+                f"unknown stale mode {self.stale!r}: choose 'flag' (deliver, flagged) or 'regenerate' (send the "
+                "prompt back to be generated again)."
+            )
 
 
 @dataclass(frozen=True)

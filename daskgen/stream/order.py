@@ -25,24 +25,32 @@ from daskgen.store.layout import DONE
 from daskgen.stream.log import Snapshot
 
 
-def eligible(snap: Snapshot, todo: np.ndarray, window: int | None, ended: bool, prompts: int) -> np.ndarray:
-    """The indices of ``todo`` a batch of ``prompts`` done prompts may take, in delivery order: commit order
+def eligible(
+    snap: Snapshot, todo: np.ndarray, window: int | None, ended: bool, prompts: int, counts: np.ndarray
+) -> np.ndarray:
+    """The indices of ``todo`` a batch of ``prompts`` counted prompts may take, in delivery order: commit order
     (``window`` None), or input order within the window (all of them, in input order, once ``ended``); in
-    input order only up to the ``prompts``-th done one (sorting the rest would be wasted)."""
+    input order only up to the ``prompts``-th counted one (sorting the rest would be wasted).  ``counts`` (per
+    snapshot index) marks the prompts a batch counts: the done ones (:func:`counted`)."""
     if window is None:
         return todo
     rows = snap.rows[todo]
     keep = rows < snap.first_waiting + window if not ended else np.ones(len(rows), bool)
-    done = rows[keep & (snap.status[todo] == DONE)]
+    done = rows[keep & counts[todo]]
     if len(done) > prompts:
         keep &= rows <= np.partition(done, prompts - 1)[prompts - 1]
     todo, rows = todo[keep], rows[keep]
     return todo[np.argsort(rows, kind="stable")]
 
 
-def take(snap: Snapshot, candidates: np.ndarray, prompts: int) -> np.ndarray:
-    """``candidates`` up to and including the ``prompts``-th done one (or all of them)."""
-    done = np.flatnonzero(snap.status[candidates] == DONE)
+def counted(snap: Snapshot) -> np.ndarray:
+    """Per snapshot index: True for the done prompts (what a batch of ``batch_prompts`` counts)."""
+    return snap.status == DONE
+
+
+def take(candidates: np.ndarray, prompts: int, counts: np.ndarray) -> np.ndarray:
+    """``candidates`` up to and including the ``prompts``-th counted one (or all of them)."""
+    done = np.flatnonzero(counts[candidates])
     return candidates[: done[prompts - 1] + 1] if len(done) >= prompts else candidates
 
 

@@ -36,6 +36,8 @@ class FollowSummary:
     failed: int = 0
     pending: int = 0
     window: WindowStats | None = None
+    stale: int = 0  # samples delivered flagged too stale (--max-staleness)
+    requeued: int = 0  # prompts sent back for generation (--stale regenerate)
 
     def line(self, cursor: str) -> str:
         """The closing line (stderr)."""
@@ -49,6 +51,8 @@ class FollowSummary:
                 f"; window of {w.window}: prompts held back by its head {w.total_head_wait:.1f} s in total "
                 f"(longest before one batch {w.max_head_wait:.1f} s)"
             )
+        if self.stale or self.requeued:
+            text += f"; {self.stale} stale samples flagged, {self.requeued} prompts requeued for generation"
         return text + (f"; {self.pending} prompts still pending" if self.pending else "")
 
 
@@ -79,6 +83,7 @@ def follow_to(
             batch.ack()
             summary.batches, summary.prompts = summary.batches + 1, summary.prompts + len(batch)
             summary.samples, summary.failed = summary.samples + table.num_rows, summary.failed + batch.n_failed
+            summary.stale, summary.requeued = summary.stale + batch.stale, summary.requeued + len(batch.requeued)
         summary.pending, summary.window = follower.pending_at_end, follower.stats
     return summary
 
