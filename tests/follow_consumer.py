@@ -14,22 +14,30 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 from verl.protocol import DataProto
 
 import daskgen
 
 
+def synced_log(fh: TextIO) -> Callable[..., None]:
+    """A function that appends one JSON line (with this process's id) to ``fh`` and syncs it to disk."""
+
+    def note(**record: object) -> None:
+        fh.write(json.dumps({**record, "pid": os.getpid()}) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+    return note
+
+
 def main(store: str, out: Path, log: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with log.open("a") as fh:
-
-        def note(**record: object) -> None:
-            fh.write(json.dumps({**record, "pid": os.getpid()}) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-
+        note = synced_log(fh)
         note(event="start")
         order = os.environ.get("CONSUMER_ORDER", "commit")
         window = int(os.environ["CONSUMER_WINDOW"]) if "CONSUMER_WINDOW" in os.environ else None

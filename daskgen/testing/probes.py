@@ -51,7 +51,8 @@ class ProbeEngine(Engine):
     """Test double: a real ``inner`` engine whose requests are recorded (and optionally held).
 
     Engine args: ``inner`` (engine name), ``events_path`` (file the events are appended to),
-    ``gate_path`` (a file whose existence releases held requests), ``gate_rows`` (rows whose
+    ``gate_path`` (a file whose existence releases held requests; ``{row}`` in it gives every row a gate of
+    its own), ``gate_rows`` (rows whose
     requests are held; all rows when ``None`` and a ``gate_path`` is given), ``gate_sample``
     (only this sample index of those rows is held; every sample when ``None``); every other key
     goes to the inner engine.
@@ -113,7 +114,7 @@ class ProbeEngine(Engine):
         self._record("arrive", request.request_id)
         try:
             if self._held(request.request_id):
-                while not os.path.exists(str(self.gate_path)):
+                while not os.path.exists(self._gate_of(request.request_id)):
                     await asyncio.sleep(GATE_POLL_S)
             return await self.inner.generate(request)
         finally:
@@ -127,6 +128,10 @@ class ProbeEngine(Engine):
 
     def health_token_id(self) -> int:
         return self.inner.health_token_id()
+
+    def _gate_of(self, request_id: str) -> str:
+        """The gate file of a request: ``gate_path`` with ``{row}`` replaced by the request's row."""
+        return str(self.gate_path).replace("{row}", str(row_of(request_id)))
 
     def _held(self, request_id: str) -> bool:
         if self.gate_path is None:

@@ -1,0 +1,164 @@
+"""A real RL loop: a trainer process (tests/rl_trainer.py: a torch optimizer step per batch, a new policy version
+published every two batches) follows a ``daskgen run --refresh drain`` of the tiny model, which loads every
+version in place.  The trainer is SIGKILLed and restarted; the run is stopped with SIGTERM while a refresh
+waits for a held request, and rerun.  Afterwards: every prompt was delivered and acknowledged exactly once
+(``daskgen verify`` passes), every delivered sample was at most ``MAX_STALENESS`` versions behind the newest
+at its delivery, and every sample (greedy) equals the greedy answer of the checkpoint of its recorded version,
+token for token, loaded in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from daskgen import store
+from daskgen.client.interrupt import EXIT_INTERRUPTED
+from daskgen.engines.base import SamplingParams
+from daskgen.store.policy import read_versions, read_worker_policies
+from daskgen.testing.probes import read_events
+from tests.conftest import REPO, cli_env, popen_cli, run_cli, write_prompts
+from tests.probing import wait_for_arrival
+from tests.test_follow_processes import events, wait_until
+from tests.test_policy_refresh import greedy
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+N_PROMPTS = 16
+NEW_TOKENS = 6
+#: The row whose request the trainer never releases: a refresh waits for it (drain), the run is stopped then.
+HELD = 13
+#: The bound the trainer's pacing gives (tests/rl_trainer.py: at most 4 rows released past the highest delivered,
+#: a version every 2 batches of 2 prompts, the run one version behind while it refreshes).
+MAX_STALENESS = 2
+
+
+def start_trainer(out: Path, base: Path, tmp_path: Path) -> subprocess.Popen:
+    args = [str(out), str(base), str(tmp_path / "ckpts"), str(tmp_path / "gates"), str(tmp_path / "trainer.log")]
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "rl_trainer.py"), *args],
+        env={**cli_env(), "TRAINER_CLOSED": str(HELD)},
+        start_new_session=True,
+    )
+
+
+def run_args(prompts: Path, out: Path, base: Path, tmp_path: Path, refresh: str) -> list:
+    return [
+        *("run", "--prompts", prompts, "--store", out, "--model", base, "--refresh", refresh),
+        *("--engine", "daskgen.testing.probes:ProbeEngine", "--engine-arg", "inner=transformers"),
+        *("--engine-arg", f"events_path={tmp_path / 'events.log'}"),
+        *("--engine-arg", f"gate_path={tmp_path / 'gates' / '{row}'}"),
+        *("--temperature", "0", "--max-new-tokens", str(NEW_TOKENS), "--max-prompt-tokens", "128"),
+        *("--partition-size", "1", "--window", "2", "--n-workers", "1", "--no-progress"),
+    ]
+
+
+POLL = {"DASK_DASKGEN__POLICY__POLL_INTERVAL": "0.1s"}
+
+
+def refresh_waiting(out: Path) -> bool:
+    """A worker that already refreshed in place is loading a newer version (waiting for the held row)."""
+    return any(w.state == "loading" and w.version >= 1 for w in read_worker_policies(store.locate(out)))
+
+
+def kill_left(*procs: subprocess.Popen | None) -> None:
+    """SIGKILL the process group of every process still running (a failed test leaves none behind)."""
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def loop_with_kills(tmp_path: Path, base: Path, refresh: str) -> Path:
+    """The loop, with the trainer SIGKILLed once and the run SIGTERMed during a refresh; the store."""
+    out, log = tmp_path / "out.zarr", tmp_path / "trainer.log"
+    prompts = write_prompts(tmp_path / "p.jsonl", N_PROMPTS)
+    command = run_args(prompts, out, base, tmp_path, refresh)
+    run = popen_cli(*command, env=POLL)
+    trainer = None
+    try:
+        wait_for_arrival(tmp_path / "events.log", run, 0, timeout=300)  # the store exists
+        trainer = start_trainer(out, base, tmp_path)
+        wait_until(lambda: any(e["event"] == "published" for e in events(log)), "a first version", timeout=300)
+        os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait(timeout=30)
+        trainer = start_trainer(out, base, tmp_path)
+        wait_until(lambda: refresh_waiting(out), "a refresh waiting for the held row", timeout=300)
+        os.kill(run.pid, signal.SIGTERM)
+        output, _ = run.communicate(timeout=300)
+        assert run.returncode == EXIT_INTERRUPTED, output
+        assert trainer.wait(timeout=300) == 0
+        assert events(log)[-1]["pending"] > 0
+        (tmp_path / "gates" / str(HELD)).touch()
+        before = len(read_events(tmp_path / "events.log"))
+        run = popen_cli(*command, env=POLL)
+        wait_until(
+            lambda: len(read_events(tmp_path / "events.log")) > before, "the rerun writing the store", timeout=300
+        )
+        trainer = start_trainer(out, base, tmp_path)
+        assert trainer.wait(timeout=600) == 0
+        output, _ = run.communicate(timeout=300)
+        assert run.returncode == 0, output
+    finally:
+        kill_left(run, trainer)
+    assert events(log)[-1] == {**events(log)[-1], "event": "end", "pending": 0}
+    return out
+
+
+def check_exactly_once(out: Path, log: Path) -> None:
+    """Every prompt's sample was acknowledged exactly once and nothing acknowledged came again."""
+    acked: Counter = Counter()
+    delivered: dict[int, list] = {}
+    for e in events(log):
+        if e["event"] == "delivered":
+            again = {tuple(s[:2]) for s in e["samples"]} & set(acked)
+            assert not again, f"acknowledged samples delivered again in batch {e['number']}: {again}"
+            delivered[e["number"]] = e["samples"]
+        elif e["event"] == "acked":
+            acked.update(tuple(s[:2]) for s in delivered[e["number"]])
+    assert sorted(acked) == sorted((f"q{i}", 0) for i in range(N_PROMPTS)) and max(acked.values()) == 1
+    check = run_cli("verify", out, timeout=300)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def check_staleness(log: Path) -> list[int]:
+    """Every delivered sample's first-token version is within ``MAX_STALENESS`` of the newest at delivery."""
+    stale = [e["newest"] - s[2] for e in events(log) if e["event"] == "delivered" for s in e["samples"]]
+    assert stale and min(stale) >= 0 and max(stale) <= MAX_STALENESS, stale
+    return stale
+
+
+def check_versions_exact(out: Path, base: Path) -> set[int]:
+    """Each sample equals the greedy answer of its recorded version's checkpoint; the versions used."""
+    made = store.GenerationStore.open(out)
+    got = made.read_region(0, N_PROMPTS, made.layout.data_arrays())
+    paths = {0: str(base)} | {v.version: v.path for v in read_versions(store.locate(out))}
+    used = sorted(set(got["policy_version"][:, 0].tolist()))
+    assert len(used) >= 3, f"the run generated on versions {used} only"
+    np.testing.assert_array_equal(got["policy_version_end"], got["policy_version"])
+    assert (got["version_changed_at"] == -1).all()
+    prompts = [got["prompt_ids"][r, : got["prompt_length"][r]].tolist() for r in range(N_PROMPTS)]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
+    answers = {v: greedy(paths[v], prompts, params) for v in used}
+    for r in range(N_PROMPTS):
+        version = int(got["policy_version"][r, 0])
+        assert got["response_ids"][r, 0, : got["response_length"][r, 0]].tolist() == answers[version][r], (r, version)
+    assert len({json.dumps(a) for a in answers.values()}) == len(used), "the probe tells every version apart"
+    return set(used)
+
+
+def test_a_trainer_and_a_draining_run_form_a_loop_that_survives_kills(tiny_model, tmp_path):
+    out = loop_with_kills(tmp_path, tiny_model, "drain")
+    log = tmp_path / "trainer.log"
+    check_exactly_once(out, log)
+    stale = check_staleness(log)
+    used = check_versions_exact(out, tiny_model)
+    print(f"staleness at delivery: {Counter(stale)}; versions generated on: {sorted(used)}")
+    assert sum(e["event"] == "start" for e in events(log)) == 3
