@@ -5,7 +5,8 @@ engine on a LocalCluster of ``--workers`` workers (one torch thread each), over 
 so the engines stay busy.  Once the first commit landed and a warm-up interval passed, the run goes on for
 ``--steady`` intervals of ``--interval`` seconds with no publish (the steady state), then ``--versions``
 intervals each opened by publishing the next checkpoint (``save_pretrained`` of the model's weights, each
-multiplied by ``1 + --noise × N(0, 1)``, made before the run).  Then the run is stopped (SIGTERM) and read:
+multiplied by ``1 + --noise × N(0, 1)``, made before the run: ``refresh_check.checkpoints``).  Then the run
+is stopped (SIGTERM) and read:
 
 * **notice / loaded**: from the policy record's publish time to each worker's recorded state
   (``daskgen.policy.workers/<worker>.json``, polled every 50 ms) showing the version loading, then running;
@@ -39,6 +40,7 @@ import numpy as np
 from common import cli, records
 from common.prompts import builtin_prompts
 from follow import launch
+from refresh_check import checkpoints
 
 TITLE = "Policy refresh: publish to every worker on the new version, and throughput lost per refresh"
 
@@ -57,25 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return cli.parse(p, argv)
 
 
-# --------------------------------------------------------------------------- checkpoints
-
-
-def checkpoints(base: str, folder: Path, k: int, noise: float) -> list[Path]:
-    """``k`` checkpoints of ``base``: every weight times ``1 + noise × N(0, 1)`` (seeded), ``save_pretrained``."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base)
-    out = []
-    for version in range(1, k + 1):
-        generator = torch.Generator().manual_seed(version)
-        with torch.no_grad():
-            for param in model.parameters():
-                param.mul_(1 + noise * torch.randn(param.shape, generator=generator, dtype=param.dtype))
-        path = folder / f"v{version}"
-        model.save_pretrained(path)
-        out.append(path)
-    return out
+# --------------------------------------------------------------------------- the model
 
 
 def base_model(a: argparse.Namespace, work: Path) -> str:
