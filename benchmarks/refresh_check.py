@@ -75,14 +75,15 @@ def refresh_check(engine_name: str, model: str, args: dict[str, Any], prompts: l
         (ckpt,) = checkpoints(model, Path(folder), 1, 0.05)
         before, after, seconds = asyncio.run(answers(engine_name, model, args, prompts, max_new, str(ckpt)))
         fresh, _, _ = asyncio.run(answers(engine_name, str(ckpt), args, prompts, max_new, None))
-    result = {
+    equal = sum(a == b for a, b in zip(after, fresh, strict=True))
+    changed = sum(a != b for a, b in zip(after, before, strict=True))
+    print(
+        f"refresh: update_weights took {seconds:.2f} s; of {len(prompts)} greedy answers after the load, {equal} equal"
+    )
+    print(f"refresh: a fresh engine's on the checkpoint, and {changed} differ from the answers before the load")
+    return {
         "update_weights_s": seconds,
-        "refreshed_equal_fresh": sum(a == b for a, b in zip(after, fresh, strict=True)),
-        "changed_by_refresh": sum(a != b for a, b in zip(after, before, strict=True)),
+        "refreshed_equal_fresh": equal,
+        "changed_by_refresh": changed,
         "prompts": len(prompts),
     }
-    n = len(prompts)
-    print(f"refresh: update_weights took {seconds:.2f} s")
-    print(f"refresh: answers after the load equal to a fresh engine's: {result['refreshed_equal_fresh']}/{n}")
-    print(f"refresh: answers the load changed: {result['changed_by_refresh']}/{n}")
-    return result
