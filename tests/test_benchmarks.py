@@ -517,6 +517,7 @@ def test_checksums(tmp_path):
     assert "checksummed (A)" in record and "no checksum (B)" in record
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_refresh(tmp_path, tiny_model):
     out, record = run_script(
