@@ -16,6 +16,9 @@ process, so they never share the GPU.
 ``--lora`` adds a LoRA step (`benchmarks/lora_check.py`): daskgen's engine serving a peft adapter made for the
 model, in one batch with base requests, against the same engine on the merged model (``merge_and_unload``).
 
+``--refresh`` adds a policy refresh step (`benchmarks/refresh_check.py`): daskgen's engine loads perturbed weights
+in place (timed), and its greedy answers are compared with a fresh engine started on those weights.
+
 ``--device cpu`` runs the same comparison on a CPU (for a smoke test of the script only; the
 numbers mean nothing for GPUs).  Exit code 2 when no CUDA GPU is visible and ``--device cuda``.
 """
@@ -67,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="sglang.Engine / vllm.AsyncEngineArgs option for both sides (VALUE parsed as JSON when it can be)",
     )
     parser.add_argument("--lora", action="store_true", help="also check LoRA adapters against the merged model")
+    parser.add_argument("--refresh", action="store_true", help="also check loading new weights in place")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     return parser.parse_args(argv)
 
@@ -226,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         from lora_check import lora_check
 
         result["lora"] = lora_check(a.engine, a.model, args, prompts[:32], min(a.max_new_tokens, 32))
+    if a.refresh:
+        from refresh_check import refresh_check
+
+        result["refresh"] = refresh_check(a.engine, a.model, args, prompts[:32], min(a.max_new_tokens, 32))
     if a.json:
         a.json.write_text(json.dumps(result, indent=2))
     return 0

@@ -527,3 +527,26 @@ def test_checksums(tmp_path):
         ratio = float(row.rstrip(" |").rsplit("|", 1)[1])
         assert 0 < ratio < 100, row  # both sides ran and were timed (no figure is asserted)
     assert "checksummed (A)" in record and "no checksum (B)" in record
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_refresh(tmp_path, tiny_model):
+    out, record = run_script(
+        "refresh.py",
+        tmp_path,
+        *("--model", str(tiny_model), "--workers", "1", "--prompts", "400", "--policies", "continue"),
+        *("--interval", "3", "--steady", "1", "--versions", "1", "--bin", "1"),
+    )
+    assert "### `refresh: continue`" in out and "| steady 1 |" in out and "| after publish 1 |" in out
+    (version_row,) = table_rows(record, "version")
+    assert (version_row["version"], version_row["workers loaded"]) == ("1", "1")  # the worker loaded version 1
+
+
+@pytest.mark.timeout(300)
+def test_refresh_check_loads_weights_in_place(tiny_model):
+    from benchmarks.refresh_check import refresh_check
+
+    prompts = [[1, 2, 3, 4, 5], [17, 230, 4051, 88], [900, 12, 7], [3000, 3001, 3002, 3003, 3004, 3005]]
+    result = refresh_check("transformers", str(tiny_model), {"device": "cpu"}, prompts, 12)
+    assert result["refreshed_equal_fresh"] == len(prompts) and result["changed_by_refresh"] >= 1, result
