@@ -17,7 +17,7 @@ the store.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,21 @@ class StoreLocation:
     def replace_object(self, key: str, data: bytes, version: Any) -> Any | None:
         """Overwrite ``key`` only if it is still at ``version``; the new version, or ``None`` when it changed."""
         raise NotImplementedError
+
+    def update_object(self, key: str, change: Callable[[bytes | None], bytes | None], attempts: int) -> bool:
+        """Read ``key`` (``None`` when missing), let ``change`` give its new content (``None``: leave it), and write
+        that only if ``key`` was not changed meanwhile (:meth:`create_object`, :meth:`replace_object`); retried
+        from the read up to ``attempts`` times.  False when another writer changed it every time."""
+        for _ in range(attempts):
+            found = self.read_versioned(key)
+            data = change(None if found is None else found[0])
+            if data is None:
+                return True
+            if found is None and self.create_object(key, data):
+                return True
+            if found is not None and self.replace_object(key, data, found[1]) is not None:
+                return True
+        return False
 
     def write_object(self, key: str, data: bytes, *, create_location: bool = True) -> None:
         """Replace ``key`` atomically with ``data``: readers see the old or the new object, never a part.

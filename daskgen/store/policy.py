@@ -92,15 +92,14 @@ def publish(location: StoreLocation, path: str, version: int) -> PolicyVersion:
     neither an existing folder nor a URL.
     """
     entry = PolicyVersion(_checked_version(version), _checked_path(path), utc_now())
-    for _ in range(_ATTEMPTS):
-        found = location.read_versioned(POLICY_KEY)
-        versions = [] if found is None else _parse(found[0], location)
+
+    def appended(raw: bytes | None) -> bytes:
+        versions = [] if raw is None else _parse(raw, location)
         _check_increases(versions, version, location)
-        data = json.dumps({"versions": [asdict(v) for v in [*versions, entry]]}, indent=1).encode()
-        if found is None and location.create_object(POLICY_KEY, data):
-            return entry
-        if found is not None and location.replace_object(POLICY_KEY, data, found[1]) is not None:
-            return entry
+        return json.dumps({"versions": [asdict(v) for v in [*versions, entry]]}, indent=1).encode()
+
+    if location.update_object(POLICY_KEY, appended, _ATTEMPTS):
+        return entry
     raise PolicyError(
         f"could not publish version {version} to {location.url!r}: the policy record kept changing under "
         f"{_ATTEMPTS} attempts (other publishers). Publish again."

@@ -48,17 +48,13 @@ def drop_requeue(location: StoreLocation, entries: Iterable[Entry]) -> None:
 
 
 def _update(location: StoreLocation, change: Callable[[set[Entry]], set[Entry]]) -> None:
-    for _ in range(_ATTEMPTS):
-        found = location.read_versioned(REQUEUE_KEY)
-        old = set() if found is None else _parse(found[0], location)
+    def encoded(raw: bytes | None) -> bytes | None:
+        old = set() if raw is None else _parse(raw, location)
         new = change(old)
-        if new == old:
-            return
-        data = json.dumps({"rows": sorted([list(e) for e in new])}).encode()
-        if found is None and location.create_object(REQUEUE_KEY, data):
-            return
-        if found is not None and location.replace_object(REQUEUE_KEY, data, found[1]) is not None:
-            return
+        return None if new == old else json.dumps({"rows": sorted([list(e) for e in new])}).encode()
+
+    if location.update_object(REQUEUE_KEY, encoded, _ATTEMPTS):
+        return
     raise StoreError(
         f"could not update the requeue record {location.url}/{REQUEUE_KEY}: it kept changing under {_ATTEMPTS} "
         "attempts (other followers or a run). Nothing was acknowledged: follow again."
