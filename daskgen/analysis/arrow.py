@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from daskgen.analysis.decode import finish_labels, text_fields
-from daskgen.store.layout import NO_TOKEN, NUMBER_RECORDS, STALE_FIELD, VERSION_ARRAYS
+from daskgen.store.layout import NO_TOKEN, SAMPLE_NUMBERS, STALE_FIELD
 
 
 def _ragged(values: np.ndarray, lengths: np.ndarray) -> Any:
@@ -71,8 +71,7 @@ def _arrow_optional_columns(block: dict[str, np.ndarray], has_logprobs: bool) ->
     recorded), decoded text, the raw prompt, the row's settings and the input's kept columns (by their own names)."""
     import pyarrow as pa
 
-    columns = {name: pa.array(block[name]) for name in NUMBER_RECORDS if name in block}
-    columns |= {name: pa.array(block[name].astype(np.int32)) for name in VERSION_ARRAYS if name in block}
+    columns = {name: pa.array(block[name]) for name in SAMPLE_NUMBERS if name in block}
     if STALE_FIELD in block:  # a follower with max_staleness: the sample is too stale
         columns[STALE_FIELD] = pa.array(block[STALE_FIELD].astype(bool))
     if has_logprobs:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from daskgen.analysis.decode import finish_labels, text_fields
-from daskgen.store.layout import NO_TOKEN, NUMBER_RECORDS, STALE_FIELD, VERSION_ARRAYS
+from daskgen.store.layout import NO_TOKEN, SAMPLE_NUMBERS, STALE_FIELD
 
 
 def record_dicts(block: dict[str, np.ndarray], has_logprobs: bool) -> list[dict[str, Any]]:
@@ -31,7 +31,7 @@ def record_dicts(block: dict[str, np.ndarray], has_logprobs: bool) -> list[dict[
         "response_ids": ragged_lists(block["response_ids"], rlen),
         "response_mask": ragged_lists(block["response_mask"], rlen),
     }
-    columns |= {name: block[name].tolist() for name in (*NUMBER_RECORDS, *VERSION_ARRAYS) if name in block}
+    columns |= {name: block[name].tolist() for name in SAMPLE_NUMBERS if name in block}
     if STALE_FIELD in block:  # a follower with max_staleness: the sample is too stale
         columns[STALE_FIELD] = block[STALE_FIELD].astype(bool).tolist()
     if has_logprobs:

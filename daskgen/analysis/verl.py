@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from daskgen.store.layout import NO_TOKEN, NUMBER_RECORDS, STALE_FIELD, VERSION_ARRAYS
+from daskgen.store.layout import NO_TOKEN, SAMPLE_NUMBERS, STALE_FIELD
 
 #: Keys of the verl DataProto ``batch``.
 VERL_KEYS = (
@@ -33,8 +33,7 @@ BATCH_KEYS = (*VERL_KEYS, *TOP_LOGPROB_KEYS)
 #: Per-row integer fields copied as they are into the verl fields (when the block has them).
 VERL_META = (
     *("prompt_index", "sample", "trajectory", "num_turns", "finish_reason", "prompt_length", "response_length"),
-    *NUMBER_RECORDS,
-    *VERSION_ARRAYS,  # the policy versions of the sample's tokens (stores that record them)
+    *SAMPLE_NUMBERS,  # stop reasons and the policy versions of the sample's tokens (stores that record them)
 )
 
 

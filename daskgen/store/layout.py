@@ -58,6 +58,8 @@ def client_written_arrays() -> frozenset[str]:
 #: The policy versions of each sample's tokens (:mod:`daskgen.store.policy`): its first and last model token's
 #: version and the response position where the version changed (-1 each: no model token, or no change).
 VERSION_ARRAYS = ("policy_version", "policy_version_end", "version_changed_at")
+#: The per-sample integers every export and followed batch carries as they are (when the store has them).
+SAMPLE_NUMBERS = (*NUMBER_RECORDS, *VERSION_ARRAYS)
 #: Not stored: the per-sample boolean a follower with ``max_staleness`` adds to every format (True: the sample's
 #: first token is too many policy versions behind the newest, :mod:`daskgen.stream.staleness`).
 STALE_FIELD = "stale"
