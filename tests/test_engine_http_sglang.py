@@ -340,6 +340,35 @@ class TestManagedServer:
         assert server.api_key not in cmdline and server.config_dir is None  # not in `ps`; key file removed
         assert server.api_key not in json.dumps(self.engine.describe())
 
+    def test_update_weights_refreshes_the_server_in_place(self, tmp_path: Path) -> None:
+        """A new policy checkpoint (the tiny model with other weights, saved locally) loaded through the server's
+        ``/update_weights_from_disk``: the same server process then answers greedy probes as the new checkpoint does
+        (each token its argmax, the logprobs its log-softmax); a folder without weights is refused and the new
+        weights stay; the base model loads back and gives the first answers again."""
+        from daskgen.errors import RefreshError
+        from daskgen.models import build_tiny_model
+
+        assert "refresh" in type(self.engine).features_with(self.engine.engine_args)
+        probes = [request(f"probe-{i}", [1, 504 + 37 * i, 3458, 282], max_new_tokens=12, logprobs=True) for i in (0, 1)]
+
+        def answers() -> list[Any]:
+            return [self.runner.run(self.engine.generate(probe), 300) for probe in probes]
+
+        before, pid = answers(), self.engine.managed_server.process.pid
+        new = build_tiny_model(tmp_path / "step-1", seed=1)
+        self.runner.run(self.engine.update_weights(str(new)), 600)
+        after = answers()
+        assert self.engine.managed_server.process.pid == pid  # in place: no restart
+        for probe, result in zip(probes, after, strict=True):
+            assert_greedy_answer_of(new, probe.prompt_ids, result)
+        assert [r.output_ids for r in after] != [r.output_ids for r in before]
+        (tmp_path / "empty").mkdir()
+        with pytest.raises(RefreshError, match="could not load policy checkpoint"):
+            self.runner.run(self.engine.update_weights(str(tmp_path / "empty")), 600)
+        assert [r.output_ids for r in answers()] == [r.output_ids for r in after]
+        self.runner.run(self.engine.update_weights(tiny_model()), 600)
+        assert [r.output_ids for r in answers()] == [r.output_ids for r in before]
+
     def test_zz_server_death_fails_health_and_shutdown_stops_the_group(self) -> None:
         server = self.engine.managed_server
         group = server.process.pid
@@ -374,6 +403,22 @@ async def _loads_while_generating(
     results = await tasks
     assert all(r.error is None for r in results), results
     return loads
+
+
+def assert_greedy_answer_of(model: Path, prompt: list[int], result: Any) -> None:
+    """``result`` is the greedy answer of the checkpoint ``model`` to ``prompt``: over prompt + answer (one forward
+    pass), each answer token is the most likely one (up to float noise) and its logprob is the model's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    assert result.error is None and result.output_ids, result
+    checkpoint = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    with torch.no_grad():
+        logits = checkpoint(torch.tensor([prompt + result.output_ids])).logits[0, len(prompt) - 1 : -1]
+    logprobs = torch.log_softmax(logits.float(), -1)
+    chosen = logprobs.gather(1, torch.tensor(result.output_ids)[:, None])[:, 0]
+    assert (chosen >= logprobs.max(-1).values - 2e-3).all(), (result.output_ids, logprobs.argmax(-1).tolist())
+    assert torch.allclose(torch.tensor(result.logprobs), chosen, atol=2e-3), (result.logprobs, chosen)
 
 
 def test_managed_launch_failure_quotes_the_server_log() -> None:

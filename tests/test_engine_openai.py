@@ -197,6 +197,27 @@ def test_registered_and_args_are_checked() -> None:
             OpenAIEngine("/m", **args)
 
 
+def test_only_a_managed_server_refreshes_and_the_plan_says_so(tmp_path: Path) -> None:
+    """`refresh` on someone else's server is refused before anything starts, naming the engines (and the openai
+    engine arg) that refresh; the engine itself refuses too.  A managed server's refresh: the sglang lane."""
+    import daskgen
+    from daskgen.errors import RefreshError
+
+    assert "refresh" in OpenAIEngine.features_with({"managed": True})
+    assert "refresh" not in OpenAIEngine.features_with({"base_url": "http://h"}) | OpenAIEngine.features
+    external = {"base_url": "http://127.0.0.1:1"}
+    options = dict(model=tiny_model(), store=str(tmp_path / "s"), engine="openai", engine_args=external)
+    with pytest.raises(ConfigError) as info:
+        daskgen.generate(["a"], **options, refresh="drain", n_workers=1, progress=False)
+    text = str(info.value)
+    assert "engine 'openai' cannot serve" in text and "refresh: loading published policy versions" in text
+    serving = text.split("engines that serve it:")[1]
+    assert "openai (with engine arg managed=true)" in serving and "transformers" in serving, text
+    assert not (tmp_path / "s").exists()
+    with pytest.raises(RefreshError, match=r"only a server daskgen starts \(managed=true\)"):
+        asyncio.run(OpenAIEngine(tiny_model(), **external).update_weights(str(tmp_path)))
+
+
 def test_a_key_given_as_api_key_env_is_not_echoed() -> None:
     with pytest.raises(ConfigError) as info:
         OpenAIEngine("/m", base_url="http://h", api_key_env=SECRET)

@@ -17,8 +17,10 @@ from daskgen.client.plan import prepare
 from daskgen.config import RunConfig
 from daskgen.errors import ConfigError, InputError, StoreMismatchError
 from daskgen.input.adapters import adapter_digest
+from daskgen.store.layout import Layout
 from daskgen.testing.lora import make_adapter, merged_greedy
 from tests.conftest import run_cli
+from tests.test_sampling import CARRYING_FORMATS, carried
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -72,6 +74,17 @@ def test_each_row_generates_with_its_adapter_equal_to_the_merged_model(run, adap
         assert got == merged_greedy(options["model"], adapters.get(name or ""), prompt, MAX_NEW), (row, name)
         outputs[name] = got
     assert len({tuple(v) for v in outputs.values()}) == 3, "each adapter changes the greedy output"
+
+
+@pytest.mark.parametrize("fmt", [f for f in CARRYING_FORMATS if f != "follow-cli"])  # the CLI prints follow-rows
+def test_every_export_and_follow_format_carries_each_rows_adapter(run, fmt, tmp_path):
+    """The per-prompt ``adapter`` goes with every sample, where the other per-row records go; a store without
+    adapters has no such field."""
+    _, options = run
+    got = {str(pid): adapter for pid, adapter in carried(fmt, options["store"], tmp_path, ("adapter",))}
+    assert got == {row["id"]: row.get("adapter", "") for row in rows()}, fmt
+    assert "adapter" not in Layout(6, 1, 64, MAX_NEW, 3, 0).sample_records()
+    assert "adapter" in Layout(6, 1, 64, MAX_NEW, 3, 0, adapters=True).sample_records()
 
 
 def test_the_run_adapter_applies_to_rows_without_their_own(adapters, tiny_model, tmp_path):

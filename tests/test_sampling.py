@@ -116,45 +116,52 @@ def test_store_records_each_rows_settings(runs):
     assert frame.groupby("temperature").size().to_dict() == {0.0: 4, 0.7: 1}
 
 
-def carried(fmt, store, tmp):
-    """``(prompt_id, sampling JSON, stop_reason)`` of each sample in export or follow format ``fmt``."""
+#: Every export and ``daskgen.follow`` format (``follow-cli``: ``daskgen follow``'s JSONL on stdout).
+CARRYING_FORMATS = (
+    *("parquet", "jsonl", "tensordict", "follow-rows", "follow-arrow", "follow-xarray", "follow-tensordict"),
+    *("follow-dataproto", "follow-cli"),
+)
+
+
+def carried(fmt, store, tmp, names=("sampling", "stop_reason")):
+    """``(prompt_id, *names)`` of each sample in export or follow format ``fmt`` (per-sample integers as ``int``)."""
+    columns = _carried_columns(fmt, store, tmp, ("prompt_id", *names))
+    return list(zip(*(_plain(columns[name]) for name in ("prompt_id", *names)), strict=True))
+
+
+def _carried_columns(fmt, store, tmp, names):
+    """``{name: one value per sample}`` read from export or follow format ``fmt``."""
     if fmt in ("parquet", "jsonl", "tensordict"):
         ex.export(store, tmp / f"out.{fmt}", fmt, text=False, raw=False, overwrite=True)
         if fmt == "tensordict":
-            _, extra = ex.verl_parts(ex.load_tensordict(tmp / f"out.{fmt}"))
-            return list(zip(extra["prompt_id"], extra["sampling"], extra["stop_reason"].tolist(), strict=True))
-        frame = (
-            pd.read_parquet(tmp / "out.parquet") if fmt == "parquet" else pd.read_json(tmp / "out.jsonl", lines=True)
-        )
-        return list(zip(frame.prompt_id, frame.sampling, frame.stop_reason.tolist(), strict=True))
-    if fmt == "follow-cli":  # `daskgen follow`: JSONL on stdout
+            return ex.verl_parts(ex.load_tensordict(tmp / f"out.{fmt}"))[1]
+        return pd.read_parquet(tmp / "out.parquet") if fmt == "parquet" else pd.read_json(tmp / "out.jsonl", lines=True)
+    if fmt == "follow-cli":
         res = run_cli("follow", store, "--no-wait", "--cursor", "cli")
         assert res.returncode == 0, res.stderr
         data = [json.loads(line) for line in res.stdout.splitlines()]
     else:
-        data = next(daskgen.follow(store, batch_prompts=8, wait=False, format=fmt[7:], cursor=fmt)).data
+        batch = next(daskgen.follow(store, batch_prompts=8, wait=False, format=fmt[7:], cursor=fmt))
+        data = batch.data
     if fmt in ("follow-rows", "follow-arrow", "follow-cli"):
         data = data.to_pylist() if fmt == "follow-arrow" else data
-        return [(r["prompt_id"], r["sampling"], r["stop_reason"]) for r in data]
-    if fmt == "follow-xarray":
-        return list(
-            zip(data.prompt_id.values, data.sampling.values, data.stop_reason.values[:, 0].tolist(), strict=True)
-        )
+        return {name: [r[name] for r in data] for name in names}
+    if fmt == "follow-xarray":  # per-sample arrays: the first (only) sample
+        return {name: data[name].values if data[name].ndim == 1 else data[name].values[:, 0] for name in names}
     if fmt == "follow-tensordict":  # string ids are the batch's prompt_ids, by prompt_index
-        ids = [f"q{i}" for i in data["prompt_index"].tolist()]
-        return list(zip(ids, data["sampling"].tolist(), data["stop_reason"].tolist(), strict=True))
-    extra = data.non_tensor_batch
-    return list(zip(extra["prompt_id"], extra["sampling"], extra["stop_reason"].tolist(), strict=True))
+        ids_of = dict(zip(batch.prompts.tolist(), batch.prompt_ids, strict=True))
+        ids = [ids_of[i] for i in data["prompt_index"].tolist()]
+        return {name: ids if name == "prompt_id" else data[name] for name in names}
+    return data.non_tensor_batch
+
+
+def _plain(values):
+    """A column as a list of plain Python values."""
+    return values.tolist() if hasattr(values, "tolist") else list(values)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "fmt",
-    [
-        *("parquet", "jsonl", "tensordict", "follow-rows", "follow-arrow", "follow-xarray", "follow-tensordict"),
-        *("follow-dataproto", "follow-cli"),
-    ],
-)
+@pytest.mark.parametrize("fmt", CARRYING_FORMATS)
 def test_every_export_and_follow_format_carries_each_rows_settings_and_stop_reason(runs, fmt, tmp_path):
     _, _, rows, _, folder = runs
     got = {str(pid): (json.loads(str(text)), int(reason)) for pid, text, reason in carried(fmt, folder / "b", tmp_path)}

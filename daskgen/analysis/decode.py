@@ -88,8 +88,9 @@ def flatten_arrays(variables: dict[str, tuple[Any, np.ndarray]], sizes: dict[Any
 
 def text_fields(block: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The per-row text of a flattened block, by name (object arrays of ``str``): what the row asked for
-    (:data:`~daskgen.store.layout.TEXT_RECORDS`: ``sampling``, ``response_format``, JSON text) and the input's kept
-    columns by their own names.  Every export and ``daskgen.follow`` format adds these fields."""
+    (:data:`~daskgen.store.layout.TEXT_RECORDS`: ``sampling``, ``response_format`` as JSON text, the ``adapter``
+    name) and the input's kept columns by their own names.  Every export and ``daskgen.follow`` format adds these
+    fields."""
     out = {}
     for key, values in block.items():
         name = key if key in TEXT_RECORDS else column_name(key)

@@ -208,8 +208,8 @@ def to_tensordict(
     when the run recorded them; ``top_logprob_ids``/``top_logprobs`` likewise), int64 metadata (``prompt_index``,
     ``sample``, ``num_turns``, ``finish_reason``, lengths, ``stop_reason`` when the run used stops) and non-tensor
     ``prompt_id``, ``raw_prompt`` (JSON of the input's messages or prompt, when the input file is found), the row's
-    settings (``sampling``, ``response_format``: JSON text, when recorded), the input's kept columns
-    (``keep_columns``, by their own names) and, with ``text``, decoded text.
+    settings (``sampling``, ``response_format``: JSON text; ``adapter``: its LoRA adapter; when recorded), the
+    input's kept columns (``keep_columns``, by their own names) and, with ``text``, decoded text.
     """
     import torch
 
@@ -249,8 +249,8 @@ def verl_parts(td: Any) -> tuple[Any, dict[str, np.ndarray]]:
 
     ``batch`` holds the :data:`VERL_KEYS` tensors (and the top-k logprobs when recorded); ``non_tensor_batch`` holds
     numpy arrays of the per-sample metadata (``num_turns``, ``prompt_index``, ``sample``, ``prompt_id``,
-    ``raw_prompt``, ``stop_reason``, ``sampling``, the input's kept columns, ...): object arrays of ``str`` for the
-    non-tensor fields.
+    ``raw_prompt``, ``stop_reason``, ``sampling``, ``adapter``, the input's kept columns, ...): object arrays of
+    ``str`` for the non-tensor fields.
     """
     from tensordict import is_non_tensor
 

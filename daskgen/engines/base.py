@@ -228,6 +228,16 @@ class Engine(abc.ABC):
     #: The request features the engine serves (names of :data:`daskgen.engines.features.FEATURES`); the
     #: plan refuses a run asking for one the engine lacks.  Read on the class.
     features: frozenset[str] = frozenset()
+    #: Features the engine serves only when an engine arg has a value: ``{feature: (engine arg, value)}`` (the
+    #: ``openai`` engine refreshes its policy only on the servers it manages).  Read on the class.
+    features_by_arg: dict[str, tuple[str, Any]] = {}
+
+    @classmethod
+    def features_with(cls, engine_args: dict[str, Any]) -> frozenset[str]:
+        """The features an engine built with ``engine_args`` serves: :attr:`features`, and those of
+        :attr:`features_by_arg` whose engine arg has its value.  Read on the class: the plan checks a run with it."""
+        by_arg = {name for name, (arg, value) in cls.features_by_arg.items() if engine_args.get(arg) == value}
+        return cls.features | by_arg
 
     @classmethod
     def top_logprobs_limit(cls, engine_args: dict[str, Any]) -> tuple[int, str] | None:
@@ -375,7 +385,7 @@ class Engine(abc.ABC):
         """
         raise RefreshError(
             f"engine {self.name!r} cannot load new weights in place; use an engine that serves 'refresh' "
-            "(transformers) or run without `refresh`."
+            "(transformers, sglang, vllm, openai with managed=true) or run without `refresh`."
         )
 
     async def sleep(self) -> None:  # noqa: B027 - optional hook

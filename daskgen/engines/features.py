@@ -1,13 +1,15 @@
 """Request features: what a run may ask of its engine beyond plain sampling, and the check at plan time.
 
 Each engine declares the features it serves in its ``features`` class attribute (names of
-:data:`FEATURES`); :func:`check_features` refuses, before any engine starts, a run that asks its
-engine for one it lacks, naming the registered engines that serve it; :func:`check_top_logprobs` refuses a
-``top_logprobs`` above the engine's limit (:meth:`~daskgen.engines.base.Engine.top_logprobs_limit`).
+:data:`FEATURES`; those it serves only with an engine arg set in ``features_by_arg``); :func:`check_features`
+refuses, before any engine starts, a run that asks its engine for one it lacks, naming the registered engines
+that serve it; :func:`check_top_logprobs` refuses a ``top_logprobs`` above the engine's limit
+(:meth:`~daskgen.engines.base.Engine.top_logprobs_limit`).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +32,8 @@ FEATURES: dict[str, str] = {
 
 
 def engines_serving(feature: str) -> list[str]:
-    """Registered engines (importable here) that declare ``feature``."""
+    """Registered engines (importable here) that declare ``feature``; one that serves it only with an engine arg
+    set is named with it (``"openai (with engine arg managed=true)"``)."""
     from daskgen.engines import available_engines, get_engine_class
 
     out = []
@@ -41,6 +44,9 @@ def engines_serving(feature: str) -> list[str]:
             continue
         if feature in cls.features:
             out.append(name)
+        elif feature in cls.features_by_arg:
+            arg, value = cls.features_by_arg[feature]
+            out.append(f"{name} (with engine arg {arg}={json.dumps(value)})")
     return out
 
 

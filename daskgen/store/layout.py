@@ -24,9 +24,10 @@ SCHEMA_VERSIONS = (SCHEMA_VERSION, SCHEMA_VERSION_TRAJECTORIES)
 PENDING, DONE, FAILED = 0, 1, 2
 #: The ``coordinates`` attribute of every non-coordinate array (CF conventions, read by xarray).
 COORDS = "prompt_index prompt_id"
-#: Per-prompt records of what each row asked for (JSON text, ``""``: none), given by name to every sample in exports
-#: and followed batches.
-TEXT_RECORDS = ("sampling", "response_format")
+#: Per-prompt records of what each row asked for (its sampling settings and structured-output format as JSON text,
+#: its LoRA adapter's name; ``""``: none, the base model), given by name to every sample in exports and followed
+#: batches (in stores that record them).
+TEXT_RECORDS = ("sampling", "response_format", "adapter")
 #: Per-sample integer records beside ``finish_reason`` (in exports and followed batches as they are).
 NUMBER_RECORDS = ("stop_reason",)
 #: Prefix of the arrays holding the input's kept columns (``keep_columns``): ``column_answer``.

@@ -21,7 +21,8 @@
 * ``managed=True`` starts one sglang server subprocess per engine
   (:class:`~daskgen.engines.http.server.ManagedServer`) with a random API key of its own; when it
   dies, ``generate`` raises (the partition is retried after the plugin restarts the engine) and
-  ``health`` fails.
+  ``health`` fails.  Only a managed server loads published policy versions in place
+  (:meth:`~OpenAIEngine.update_weights`: the ``refresh`` feature with ``managed=true``).
 * The API key comes from the environment variable named by ``api_key_env`` and never appears in
   logs, ``describe()`` or messages.
 
@@ -59,11 +60,11 @@ from daskgen.engines.http.protocol import (
     SGLangNativeProtocol,
     WireProtocol,
 )
-from daskgen.engines.http.server import ManagedServer
+from daskgen.engines.http.server import ManagedServer, update_server_weights
 from daskgen.engines.http.vllm_protocol import VLLMProtocol, is_vllm_version
 from daskgen.engines.request_check import request_error
 from daskgen.engines.sglang.mapping import max_running_requests
-from daskgen.errors import EngineError
+from daskgen.errors import EngineError, RefreshError
 from daskgen.redaction import redact_url
 
 __all__ = ["OpenAIEngine"]
@@ -78,6 +79,8 @@ class OpenAIEngine(Engine):
 
     name = "openai"
     features = frozenset({"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs", "lora"})
+    #: Policy refresh: only the servers the engine starts itself (someone else's server is not daskgen's to change).
+    features_by_arg = {"refresh": ("managed", True)}
     #: The server's context length and the tokenizer's size, known after :meth:`start`.
     max_total_tokens: int | None = None
     vocab_size: int | None = None
@@ -363,6 +366,30 @@ class OpenAIEngine(Engine):
             flight.aborted = True
             wire, http = self._connection()
             await wire.abort(http, flight)
+
+    async def update_weights(self, path: str) -> None:
+        """Load the checkpoint in the folder ``path`` into the managed server in place
+        (:func:`~daskgen.engines.http.server.update_server_weights`); called with no request of the run in flight.
+
+        Raises
+        ------
+        RefreshError
+            The server is not managed (``base_url``: not daskgen's to change), or it refused the checkpoint.
+        EngineError
+            The managed server died or did not answer.
+        """
+        if self._server is None:
+            raise RefreshError(
+                "openai engine: only a server daskgen starts (managed=true) loads new weights in place; the server "
+                "at base_url is not daskgen's to change. Use --engine-arg managed=true or an in-process engine "
+                "(transformers, sglang, vllm), or run without `refresh`."
+            )
+        self._check_server()
+        try:
+            await update_server_weights(started(self.name, self._http), path)
+        except EngineError:
+            self._check_server()  # a dead server says so (and why)
+            raise
 
     # ------------------------------------------------------------------ misc
 

@@ -11,6 +11,8 @@ key of its own (``--api-key``), which the engine's client sends.  The key travel
 ``--config`` YAML file (mode 0600, removed once the server answers), never on the command line
 (visible to all users in ``ps``), in logs, messages or store attributes.
 
+:func:`update_server_weights` loads a policy checkpoint into a running server in place (policy refresh).
+
 A server subprocess (unlike an in-process ``sglang.Engine``) also starts from a daemonic Dask
 worker process: ``subprocess`` is allowed where ``multiprocessing`` children are not.  The HTTP
 client that talks to it lives in :mod:`daskgen.engines.http.client`.
@@ -36,13 +38,21 @@ from pathlib import Path
 from typing import Any
 
 from daskgen import tunables
-from daskgen.engines.http.client import httpx, require_http
+from daskgen.engines.http.client import HTTPClient, NoAnswer, RequestFailed, httpx, require_http
 from daskgen.engines.inprocess import cuda_available
 from daskgen.engines.sglang.args import launch_kwargs
-from daskgen.errors import ConfigError, EngineError
+from daskgen.errors import ConfigError, EngineError, RefreshError
 from daskgen.redaction import is_secret_key
 
-__all__ = ["ManagedServer", "check_server_args", "free_port", "new_api_key", "server_env", "server_flags"]
+__all__ = [
+    "ManagedServer",
+    "check_server_args",
+    "free_port",
+    "new_api_key",
+    "server_env",
+    "server_flags",
+    "update_server_weights",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -250,6 +260,31 @@ class ManagedServer:
             await asyncio.to_thread(_stop_group, process)
             logger.info("stopped sglang server pid %d", process.pid)
             self.process = process  # keep the exit code for messages
+
+
+async def update_server_weights(http: HTTPClient, path: str) -> None:
+    """Load the checkpoint in the folder ``path`` into the server behind ``http`` (SGLang's
+    ``POST /update_weights_from_disk``, once, with ``flush_cache``).
+
+    SGLang holds the load until the requests it runs have finished and holds new ones until it is done, then drops
+    its prefix cache (KV computed by the old weights).  A load that fails answers HTTP 400
+    ``{"success": false, "message": ...}`` and the server rolls back to the weights it had.
+
+    Raises
+    ------
+    RefreshError
+        The server refused the checkpoint (it keeps its weights).
+    EngineError
+        The server did not answer (down, or nothing for ``timeout_s``).
+    """
+    try:
+        answer = await http.post_json("/update_weights_from_disk", {"model_path": path, "flush_cache": True}, False)
+    except NoAnswer as exc:
+        raise EngineError(f"the managed sglang server did not answer its weight update: {exc}") from None
+    except RequestFailed as exc:
+        raise RefreshError(f"the managed sglang server could not load policy checkpoint {path!r}: {exc}") from None
+    if not (isinstance(answer, dict) and answer.get("success") is True):
+        raise RefreshError(f"the managed sglang server did not confirm loading {path!r}: {answer!r}")
 
 
 def new_api_key() -> str:
