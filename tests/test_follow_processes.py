@@ -217,7 +217,8 @@ def own_cluster():
 
 
 def test_a_follower_on_the_runs_cluster_is_woken_by_its_commit_events(tmp_path, own_cluster):
-    """With a poll interval of 10 minutes, only the run's commit events can deliver within the timeout."""
+    """With a poll interval of 10 minutes, only the run's commit events can deliver within the timeout, and
+    the run's announced end lets the follower end soon after the run (not at its timeout)."""
     cluster, client = own_cluster
     prompts = write_prompts(tmp_path / "p.jsonl", 40)
     store = str(tmp_path / "out.zarr")
@@ -230,10 +231,12 @@ def test_a_follower_on_the_runs_cluster_is_woken_by_its_commit_events(tmp_path, 
         with follower:
             got = [(r["prompt_id"], r["sample"]) for batch in follower for r in batch.data]
             seen = follower.events.seen if follower.events else 0
+            ended = follower.events.ended_at if follower.events else None
         output, _ = run.communicate(timeout=200)
         assert run.returncode == 0, output
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
     assert seen > 0
+    assert ended is not None, "the run's end was not announced: the follower waited for its timeout"
     assert sorted(got) == sorted(store_samples(store))

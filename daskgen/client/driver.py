@@ -161,6 +161,18 @@ class Driver:
         finally:  # a storage error or a lost scheduler stops the run: what finished is still committed
             self.batch.flush(force=True)
             self.board.close()
+            self.announce_end()
+
+    def announce_end(self) -> None:
+        """Tell followers on this cluster that the run stops streaming (its lock is released soon after).
+
+        Waits at most 2 s for the scheduler, and a failure is only logged: the hint must not hold up the run's end.
+        """
+        msg = {"store": self.run.plan.store.url, "seq": self.run.last_seq, "ending": True}
+        try:
+            self.client.sync(self.client.scheduler.log_event, topic=COMMIT_TOPIC, msg=msg, callback_timeout=2)
+        except Exception as exc:  # noqa: BLE001 - a lost or hung scheduler: followers fall back to polling
+            logger.debug("could not announce the run's end to followers: %r", exc)
 
     def step(self, bar: Progress) -> bool:
         """Submit up to the target, collect what finished, commit, check stops; false when the run is over."""

@@ -25,7 +25,8 @@ POLICY_KEY = "daskgen.policy"
 POLICY_WORKERS_PREFIX = "daskgen.policy.workers"
 #: The requeue record: committed prompts a follower sent back for generation (:mod:`daskgen.store.requeue`).
 REQUEUE_KEY = "daskgen.requeue"
-#: The Dask event topic on which a run announces each commit (``{"store": url, "seq": n}``), a hint to followers.
+#: The Dask event topic on which a run announces each commit (``{"store": url, "seq": n}``) and, when it stops
+#: streaming, its end (``{"store": url, "seq": n, "ending": True}``): hints to followers.
 COMMIT_TOPIC = "daskgen-commits"
 #: Objects of a store outside zarr that belong to its commit log, its consumers, its policy record and its requeue
 #: record (kept by ``daskgen pack``).

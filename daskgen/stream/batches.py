@@ -208,7 +208,10 @@ class Follower:
                 f"{self.timeout} s (cursor {self.cursor.name!r} is at {self.position}). Nothing was lost: "
                 "follow again to go on, or pass a longer timeout (None waits while a run writes the store)."
             )
-        self.wake.wait(self.poll_interval if left is None else min(self.poll_interval, left))
+        interval = self.poll_interval
+        if self.events is not None:
+            interval = self.events.poll_interval(interval, tunables.seconds("follow.end-poll-interval"))
+        self.wake.wait(interval if left is None else min(interval, left))
         self.wake.clear()
 
     @property
