@@ -20,8 +20,13 @@ is stopped (SIGTERM) and read:
 
 Workers read the record once per ``daskgen.policy.poll-interval`` (1 s by default), which bounds the notice.
 
+``--engine sglang`` or ``vllm`` runs the in-process engine of that name (in its lane's virtualenv, as
+``overhead_engine.py`` does; one worker: each of those engines keeps a 2-core machine busy) and refreshes it
+through its own weight-update call.
+
     python benchmarks/refresh.py                             # the tiny model, ~5 minutes on 2 cores
     python benchmarks/refresh.py --model "$(python -m daskgen.models smollm2)" --interval 30
+    <vllm lane venv>/bin/python benchmarks/refresh.py --engine vllm --workers 1 --model <tiny model, 32-wide heads>
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import numpy as np
 from common import cli, records
 from common.prompts import builtin_prompts
 from follow import launch
+from overhead_engine import ENGINE_ARGS
 from refresh_check import checkpoints
 
 TITLE = "Policy refresh: publish to every worker on the new version, and throughput lost per refresh"
@@ -50,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__)
     cli.add_flags(p, workers=2, prompts=20000, max_new_tokens=64, partition_size=4)
     p.add_argument("--model", default=None, help="model folder (default: the tiny model, built in the workdir)")
+    p.add_argument("--engine", default="transformers", choices=sorted(ENGINE_ARGS), help="the in-process engine")
+    p.add_argument("--max-requests", type=int, default=16, help="sglang/vllm: requests the engine runs at once")
     p.add_argument("--policies", default="drain,continue", help="comma-separated `refresh` policies, one run each")
     p.add_argument("--versions", type=int, default=3, help="checkpoints published per run (K)")
     p.add_argument("--steady", type=int, default=2, help="intervals with no publish before the first one")
@@ -63,12 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def base_model(a: argparse.Namespace, work: Path) -> str:
-    """``--model``, else the tiny model built in ``work``."""
+    """``--model``, else the tiny model built in ``work`` (32-wide heads for vLLM's CPU kernels)."""
     if a.model:
         return str(a.model)
     from daskgen.models import build_tiny_model
 
-    return str(build_tiny_model(work / "tiny", seed=0))
+    return str(build_tiny_model(work / "tiny", seed=0, **({"head_dim": 32} if a.engine == "vllm" else {})))
 
 
 # --------------------------------------------------------------------------- one run
@@ -97,11 +105,20 @@ def epoch(iso: str) -> float:
     return dt.datetime.fromisoformat(iso).timestamp()
 
 
+def engine_args(a: argparse.Namespace) -> dict[str, Any]:
+    """The engine's ``engine_args``: one torch thread for transformers, the CPU settings of
+    ``overhead_engine.ENGINE_ARGS`` for sglang and vllm."""
+    if a.engine == "transformers":
+        return {"device": "cpu", "num_threads": 1}
+    return ENGINE_ARGS[a.engine](argparse.Namespace(max_requests=a.max_requests, threads=1))
+
+
 def run_args(a: argparse.Namespace, model: str, prompts: Path, store: Path, policy: str) -> list[str]:
     """The ``daskgen run`` command line of one policy's run."""
+    pairs = [f"{key}={value}" for key, value in engine_args(a).items()]
     return [
         *("run", "--prompts", str(prompts), "--store", str(store), "--model", model, "--refresh", policy),
-        *("--engine", "transformers", "--engine-arg", "device=cpu", "--engine-arg", "num_threads=1"),
+        *("--engine", a.engine, *(x for pair in pairs for x in ("--engine-arg", pair))),
         *("--max-new-tokens", str(a.max_new_tokens), "--max-prompt-tokens", "256", "--temperature", "1"),
         *("--partition-size", str(a.partition_size), "--n-workers", str(a.workers), "--no-progress"),
     ]
@@ -264,7 +281,7 @@ def part_refresh(a: argparse.Namespace, work: Path, rec: records.Record) -> None
     model = base_model(a, work)
     ckpts = checkpoints(model, work / "ckpt", a.versions, a.noise)
     rec.note(
-        f"Model {model}; {a.workers} workers (LocalCluster, one torch thread each) on a machine of "
+        f"Engine `{a.engine}` ({engine_args(a)}); model {model}; {a.workers} workers (LocalCluster) on a machine of "
         f"{os.cpu_count()} cores shared with other jobs; {a.versions} checkpoints (weights × (1 + "
         f"{a.noise:g} N(0, 1))); publishes every {a.interval:g} s after {a.steady} steady intervals; "
         f"{a.max_new_tokens} new tokens at most, temperature 1, partitions of {a.partition_size} prompts."
