@@ -294,6 +294,8 @@ class Follower:
         if self._swapped():  # read while pack swapped the store: maybe through the old layout; read again
             return None
         add_requeue(store.location, zip(rows[stale].tolist(), snap.seqs[idx][stale].tolist(), strict=True))
+        if stale.any() and self.events is not None:  # the run on this cluster takes them at once
+            self.events.requeued()
         batch = Batch(
             data=build(self.format, store, done, ids, data, self.pad),
             prompts=done,

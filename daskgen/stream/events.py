@@ -3,7 +3,9 @@
 A run announces each commit as a Dask event on :data:`~daskgen.store.commit_log.COMMIT_TOPIC`
 (``Client.log_event``); a follower given a ``distributed.Client`` of that cluster subscribes to the
 topic and wakes as soon as one for its store arrives, instead of at its next poll.  Events are only a
-hint: what is delivered is always read from the store's commit log.
+hint: what is delivered is always read from the store's commit log.  The other way, such a follower announces
+what it adds to the requeue record on :data:`~daskgen.store.commit_log.REQUEUE_TOPIC`, so that the run takes it
+at once instead of at its next look (:class:`daskgen.client.requeue.LiveRequeue`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 import threading
 from typing import Any
 
-from daskgen.store.commit_log import COMMIT_TOPIC
+from daskgen.store.commit_log import COMMIT_TOPIC, REQUEUE_TOPIC
 from daskgen.store.location import StoreLocation
 
 
@@ -36,6 +38,10 @@ class CommitEvents:
         if isinstance(msg, dict) and same_store(str(msg.get("store", "")), self.location):
             self.seen += 1
             self.wake.set()
+
+    def requeued(self) -> None:
+        """Tell the run writing the store that prompts were added to its requeue record."""
+        self.client.log_event(REQUEUE_TOPIC, {"store": self.location.url})
 
     def close(self) -> None:
         """Stop listening."""
