@@ -32,7 +32,7 @@ from daskgen.store.cursors import Ahead, Cursor, CursorState, Position
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import DONE, FAILED, STALE_FIELD
 from daskgen.store.location import StoreRef, locate
-from daskgen.store.requeue import add_requeue
+from daskgen.store.requeue import add_requeue, read_requeue
 from daskgen.stream.events import CommitEvents
 from daskgen.stream.formats import PromptIds, build, fields_to_read, read_rows
 from daskgen.stream.log import Snapshot, read_snapshot, writer_live
@@ -265,6 +265,15 @@ class Follower:
                 "and follow again with cursor %r to receive them",
                 self.location.url,
                 snap.pending,
+                self.cursor.name,
+            )
+        listed = len(read_requeue(self.location)) if self.staleness is not None and self.staleness.regenerate else 0
+        if listed and self.wait:
+            logger.warning(
+                "%s: %d prompt(s) sent back for generation wait in its requeue record and no run is writing the "
+                "store; rerun it to regenerate them and follow again with cursor %r to receive them",
+                self.location.url,
+                listed,
                 self.cursor.name,
             )
 
