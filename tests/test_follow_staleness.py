@@ -158,7 +158,8 @@ def test_a_real_run_regenerates_what_a_follower_sent_back(tmp_path):
     assert res.returncode == 0 and res.stdout.strip() == "", res.stderr
     assert "0 stale samples flagged, 8 prompts requeued for generation" in res.stderr, res.stderr
     assert len(read_requeue(store.locate(out))) == 8
-    assert run_cli("run", "--prompts", prompts, "--store", out, *simulated_run()).returncode == 0
+    again = run_cli("run", "--prompts", prompts, "--store", out, *simulated_run())
+    assert again.returncode == 0 and "8 prompts requeued by followers, regenerated" in again.stdout, again.stdout
     assert not read_requeue(store.locate(out))
     rows = [json.loads(line) for line in run_cli("follow", out, "--no-wait").stdout.splitlines()]
     assert sorted({r["prompt_index"] for r in rows}) == list(range(8)) and len(rows) == 8 * 2, "each once"

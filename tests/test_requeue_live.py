@@ -25,8 +25,9 @@ import pytest
 
 import daskgen
 from daskgen import store
+from daskgen.client.commit import reset_rows
 from daskgen.client.plan import row_tasks
-from daskgen.client.requeue import LiveRequeue
+from daskgen.client.requeue import LiveRequeue, take_requeued
 from daskgen.input.rows import InputScan
 from daskgen.store.commit_log import REQUEUE_TOPIC
 from daskgen.store.layout import DONE, PENDING
@@ -35,7 +36,7 @@ from daskgen.store.requeue import add_requeue, read_requeue
 from tests.conftest import popen_cli, write_prompts
 from tests.probing import probe_args, wait_for_arrival
 from tests.test_follow import PART, N, finish, new_run
-from tests.test_follow_staleness import regenerate
+from tests.test_follow_staleness import next_run, regenerate
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -104,6 +105,20 @@ def test_rows_sent_back_mid_run_go_pending_and_are_committed_again_with_a_newer_
     assert run.status[1] == DONE and not read_requeue(location) and run.requeued_prompts == 2
     assert (stored.read_region(1, 2, ("finish_reason",))["finish_reason"] >= 0).all(), "the new attempt is kept"
     live.close()
+
+
+def test_a_run_killed_between_the_reset_and_the_clearing_leaves_the_next_run_to_clear_it(tmp_path):
+    """The mid-run take's first step landed (the row committed pending), the run died before clearing its samples
+    and dropping the entry: the next run, as it starts, clears the samples (none is kept) and drops the entry."""
+    run = new_run(tmp_path)
+    for start in range(0, N, PART):
+        finish(run, start)
+    add_requeue(run.plan.store.location, [(3, int(run.commit_seq[3]))])
+    reset_rows(run, [3])  # then killed
+    assert (run.plan.store.read_region(3, 4, ("finish_reason",))["finish_reason"] >= 0).all()
+    assert take_requeued(next_run(run)) == 0, "nothing left to reset"
+    assert run.plan.store.read_status()[3] == PENDING and not read_requeue(run.plan.store.location)
+    assert (run.plan.store.read_region(3, 4, ("finish_reason",))["finish_reason"] == -1).all(), "cleared"
 
 
 N_LIVE = 10
