@@ -355,3 +355,25 @@ def test_engine_survives_a_new_event_loop() -> None:
     assert run(engine.generate(req("a", [1], max_new_tokens=3))).error is None
     assert run(engine.generate(req("b", [1], max_new_tokens=3))).error is None
     run(engine.shutdown())
+
+
+def test_a_published_folder_loads_in_place_and_changes_no_output(tmp_path) -> None:
+    """No weights: ``refresh`` loads a version folder (or URL) at once; outputs stay what they were; a path that
+    is no folder is refused as a model's engine would fail to read it."""
+    from daskgen.errors import RefreshError
+
+    async def scenario():
+        engine = await _started(time_scale=0)
+        try:
+            before = (await engine.generate(req("a", [5, 6, 7], max_new_tokens=8, temperature=0.0))).output_ids
+            await engine.update_weights(str(tmp_path))
+            await engine.update_weights("s3://bucket/step-1")
+            with pytest.raises(RefreshError, match="is not a folder"):
+                await engine.update_weights(str(tmp_path / "missing"))
+            after = (await engine.generate(req("b", [5, 6, 7], max_new_tokens=8, temperature=0.0))).output_ids
+            return before, after
+        finally:
+            await engine.shutdown()
+
+    before, after = run(scenario())
+    assert "refresh" in SimulatedEngine.features and before == after and before

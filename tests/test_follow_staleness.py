@@ -2,14 +2,16 @@
 
 Stores are written through the client's real commit path (test_follow.py's helpers): prompt ``r``'s samples
 start on policy version ``r % 3``; the policy record's newest version is 3, so with ``max_staleness=1`` only
-the prompts at version 2 are fresh.  The requeue record is taken by the next run's client
-(:func:`daskgen.client.requeue.take_requeued`, on a live run read back from the store as ``daskgen run``
-does), and once by a real ``daskgen run`` (the simulated engine) to check the run's own path.
+the prompts at version 2 are fresh.  With no run writing the store, the requeue record is taken by the next
+run's client (:func:`daskgen.client.requeue.take_requeued`, on a live run read back from the store as
+``daskgen run`` does), and once by a real ``daskgen run`` (the simulated engine) to check the run's own path.
+A run writing the store takes it while it streams: test_requeue_live.py.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 
 import numpy as np
@@ -156,7 +158,8 @@ def test_a_real_run_regenerates_what_a_follower_sent_back(tmp_path):
     assert res.returncode == 0 and res.stdout.strip() == "", res.stderr
     assert "0 stale samples flagged, 8 prompts requeued for generation" in res.stderr, res.stderr
     assert len(read_requeue(store.locate(out))) == 8
-    assert run_cli("run", "--prompts", prompts, "--store", out, *simulated_run()).returncode == 0
+    again = run_cli("run", "--prompts", prompts, "--store", out, *simulated_run())
+    assert again.returncode == 0 and "8 prompts requeued by followers, regenerated" in again.stdout, again.stdout
     assert not read_requeue(store.locate(out))
     rows = [json.loads(line) for line in run_cli("follow", out, "--no-wait").stdout.splitlines()]
     assert sorted({r["prompt_index"] for r in rows}) == list(range(8)) and len(rows) == 8 * 2, "each once"
@@ -170,3 +173,11 @@ def test_a_packed_store_with_prompts_sent_back_asks_to_be_unpacked(written):
     with pytest.raises(StoreError, match="daskgen unpack"):
         take_requeued(next_run(replace(written, plan=reopened)))
     assert (reopened.store.read_status() == DONE).all() and len(read_requeue(reopened.store.location)) == len(STALE)
+
+
+def test_a_follower_ending_with_prompts_sent_back_and_no_run_says_so(written, caplog):
+    path = written.plan.config.store
+    with caplog.at_level(logging.WARNING, logger="daskgen.stream.batches"):
+        batches = list(daskgen.follow(path, batch_prompts=4, max_staleness=1, stale="regenerate", timeout=60))
+    assert sum(len(b.requeued) for b in batches) == len(STALE)
+    assert f"{len(STALE)} prompt(s) sent back for generation wait in its requeue record" in caplog.text, caplog.text

@@ -54,6 +54,9 @@ from the first response to a failure to the last:
 6. **``--retry-failed``.**  Rows committed ``failed`` stay failed on resume unless the run is
    started again with ``--retry-failed`` (:func:`daskgen.client.plan.pending_rows`).
 
+Done prompts a follower sends back as too stale (``follow(..., stale="regenerate")``) are set pending again
+and queued like retries while the run streams, and once more before it ends (:mod:`daskgen.client.requeue`).
+
 A partition that still fails with a storage error (:class:`~daskgen.errors.StoreError`: a disk
 that is full, an object store that stays unreachable after the client's own retries and Dask's task
 retries) is not held against its prompts: the run stops, keeping every partition committed before it.
@@ -77,8 +80,9 @@ from daskgen import tunables
 from daskgen.client.commit import CommitBatch, Outcome
 from daskgen.client.finished import FinishedPartitions
 from daskgen.client.live import LiveRun
-from daskgen.client.plan import Plan
+from daskgen.client.plan import Plan, row_tasks
 from daskgen.client.progress import Progress
+from daskgen.client.requeue import LiveRequeue
 from daskgen.client.scheduler_watch import SchedulerWatch
 from daskgen.client.stopping import abandon, begin_stop, check_interrupt, housekeeping, stop_reason, wait_s
 from daskgen.client.windows import WindowBoard
@@ -126,6 +130,9 @@ class Driver:
         )
         self.board = WindowBoard(client, RESOURCE, on_change=self.done.wake)  # more admitted: submit at once
         self.batch = CommitBatch(run, on_commit=self.announce)
+        self.requeue = LiveRequeue(client, run, self.busy, wake=self.done.wake)  # prompts followers send back
+        self.tasks = self.requeue.track(tasks)
+        self.bar: Progress | None = None
 
     def announce(self, seq: int) -> None:
         """Tell followers on this cluster (:mod:`daskgen.stream`) that commit ``seq`` landed: a Dask event.
@@ -140,7 +147,20 @@ class Driver:
         """While waiting: is the scheduler still there; lock, deadline, signals (true: stop waiting now)."""
         self.watch.check()
         self.report()
-        return housekeeping(self.client, self.run, self.tasks, self.retry)
+        return housekeeping(self.client, self.run, self.tasks, self.retry) or self.requeue.due()
+
+    def busy(self) -> set[int]:
+        """Partitions with a task in flight or waiting for a retry (their rows are not reset meanwhile)."""
+        return {t.start for t in self.futures.values()} | {t.start for t in self.retry}
+
+    def take_requeued(self, force: bool = False) -> bool:
+        """Queue the rows followers sent back for generation (when due, or ``force``); true if there were any."""
+        rows = self.requeue.take(force)
+        if rows:
+            self.retry.extend(reversed(list(row_tasks(self.run.plan, rows))))  # popped from the end: in row order
+            if self.bar is not None:
+                self.bar.grow(len(rows))
+        return bool(rows)
 
     def report(self) -> None:
         """Tell the dashboard page how the run is going (at most once per ``daskgen.dashboard.interval``)."""
@@ -154,6 +174,7 @@ class Driver:
         self.board.refresh()
         try:
             with Progress(n_pending, enabled=self.run.plan.config.progress) as bar:
+                self.bar = bar
                 while self.step(bar):
                     if time.monotonic() - refreshed > refresh_every:  # workers joined/left
                         self.board.refresh()
@@ -161,6 +182,7 @@ class Driver:
         finally:  # a storage error or a lost scheduler stops the run: what finished is still committed
             self.batch.flush(force=True)
             self.board.close()
+            self.requeue.close()
             self.announce_end()
 
     def announce_end(self) -> None:
@@ -177,10 +199,11 @@ class Driver:
     def step(self, bar: Progress) -> bool:
         """Submit up to the target, collect what finished, commit, check stops; false when the run is over."""
         run = self.run
+        self.take_requeued()
         cap = in_flight_target(run.plan, self.board, self.info)
         self.submit_up_to(cap)
-        if not self.futures:
-            return False
+        if not self.futures:  # every row finished: a last look for rows sent back before the run ends
+            return self.take_requeued(force=True)
         if run.stop.grace_over():
             abandon(self.client, self.futures)
             return False

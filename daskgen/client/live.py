@@ -82,6 +82,7 @@ class LiveRun:
     generating_since: float | None = None
     aborts: dict[int, int] = field(default_factory=dict)  # row -> times requeued after an abort
     created: float = field(default_factory=time.time)  # names the run on the dashboard
+    requeued_prompts: int = 0  # sent back by followers (too stale) and set pending again by this run
     committed_prompts: int = 0  # committed by this run (done or failed)
     committed_tokens: int = 0  # response tokens of the partitions this run committed
     new_failures: list[tuple[int, str]] = field(default_factory=list)  # committed failed, not yet reported
@@ -108,6 +109,10 @@ class LiveRun:
         self.committed_prompts += prompts
         self.committed_tokens += tokens
         self.new_failures += list(failed.items())[:100]
+
+    def count_requeued(self, prompts: int) -> None:
+        """``prompts`` done rows that followers sent back were set pending again, to be generated anew."""
+        self.requeued_prompts += prompts
 
     def take_new_failures(self) -> list[tuple[int, str]]:
         """The failed rows committed since the last call (for the dashboard's recent errors)."""

@@ -246,6 +246,15 @@ def pending_tasks(plan: Plan, status: np.ndarray) -> Iterator[PartitionTask]:
         yield from _tasks_for(plan, group, todo)
 
 
+def row_tasks(plan: Plan, rows: list[int]) -> Iterator[PartitionTask]:
+    """One task per partition of ``rows`` (rows sent back for generation while the run goes on), in row order,
+    each restricted to those rows."""
+    todo = np.zeros(plan.layout.n_prompts, dtype=bool)
+    todo[rows] = True
+    size = plan.layout.partition_size
+    yield from _tasks_for(plan, sorted({r - r % size for r in rows}), todo)
+
+
 def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[PartitionTask]:
     """Tasks of the partitions at ``starts``, reading their prompts in one pass over the input (a group
     not in ascending order is read whole, then yielded in its order)."""

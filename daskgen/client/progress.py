@@ -22,6 +22,7 @@ class Progress:
             total=total, unit="prompt", desc="daskgen", disable=not enabled, dynamic_ncols=True, smoothing=0.1
         )
         self._t0 = time.perf_counter()
+        self.total = total
         self.prompts = 0
         self.tokens = 0
         self.failed = 0
@@ -41,6 +42,13 @@ class Progress:
             postfix["in_flight"] = self.in_flight
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(prompts)
+
+    def grow(self, prompts: int) -> None:
+        """``prompts`` more to generate (rows sent back for generation while the run goes on)."""
+        self.total += prompts
+        if not self._bar.disable:
+            self._bar.total = self.total
+            self._bar.refresh()
 
     @property
     def postfix(self) -> str:

@@ -31,6 +31,8 @@ class RunSummary:
     carried_tokens: int = 0
     tail_share: float | None = None
     peak_prompts_in_flight: int = 0
+    #: Done prompts followers sent back as too stale (``stale="regenerate"``), set pending again by this run.
+    requeued: int = 0
     #: Engine vs committed tokens over the run and per-worker totals, from the dashboard plugin (or ``None``).
     engines: dict | None = None
 
@@ -50,6 +52,8 @@ class RunSummary:
         )
         if self.tail_share is not None:
             text += f"; the last 10% of prompts took {100 * self.tail_share:.0f}% of the generating time"
+        if self.requeued:
+            text += f"\n{self.requeued} prompts requeued by followers, regenerated"
         if self.carried_tokens:
             text += f"\nkept {self.carried_tokens} tokens stored by interrupted attempts instead of regenerating them"
         if self.interrupted:
@@ -91,5 +95,6 @@ def summarize(run: LiveRun, seconds: float) -> RunSummary:
         carried_tokens=run.carried_tokens,
         tail_share=None if run.generating_since is None else tail_share(run.committed_at, run.generating_since),
         peak_prompts_in_flight=run.peak_prompts,
+        requeued=run.requeued_prompts,
         engines=run.engine_record,
     )

@@ -28,6 +28,9 @@ REQUEUE_KEY = "daskgen.requeue"
 #: The Dask event topic on which a run announces each commit (``{"store": url, "seq": n}``) and, when it stops
 #: streaming, its end (``{"store": url, "seq": n, "ending": True}``): hints to followers.
 COMMIT_TOPIC = "daskgen-commits"
+#: The Dask event topic on which a follower announces additions to the requeue record (``{"store": url}``), a hint
+#: to the run writing the store (:class:`daskgen.client.requeue.LiveRequeue`).
+REQUEUE_TOPIC = "daskgen-requeue"
 #: Objects of a store outside zarr that belong to its commit log, its consumers, its policy record and its requeue
 #: record (kept by ``daskgen pack``).
 LOG_KEYS = (HEAD_KEY, CURSORS_PREFIX, POLICY_KEY, REQUEUE_KEY)

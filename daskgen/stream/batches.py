@@ -32,7 +32,7 @@ from daskgen.store.cursors import Ahead, Cursor, CursorState, Position
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import DONE, FAILED, STALE_FIELD
 from daskgen.store.location import StoreRef, locate
-from daskgen.store.requeue import add_requeue
+from daskgen.store.requeue import add_requeue, read_requeue
 from daskgen.stream.events import CommitEvents
 from daskgen.stream.formats import PromptIds, build, fields_to_read, read_rows
 from daskgen.stream.log import Snapshot, read_snapshot, writer_live
@@ -270,6 +270,15 @@ class Follower:
                 snap.pending,
                 self.cursor.name,
             )
+        listed = len(read_requeue(self.location)) if self.staleness is not None and self.staleness.regenerate else 0
+        if listed and self.wait:
+            logger.warning(
+                "%s: %d prompt(s) sent back for generation wait in its requeue record and no run is writing the "
+                "store; rerun it to regenerate them and follow again with cursor %r to receive them",
+                self.location.url,
+                listed,
+                self.cursor.name,
+            )
 
     # --- delivering ---------------------------------------------------------------------------
     def _deliver(self, snap: Snapshot, idx: np.ndarray, stale: np.ndarray, bound: int | None) -> Batch | None:
@@ -297,6 +306,8 @@ class Follower:
         if self._swapped():  # read while pack swapped the store: maybe through the old layout; read again
             return None
         add_requeue(store.location, zip(rows[stale].tolist(), snap.seqs[idx][stale].tolist(), strict=True))
+        if stale.any() and self.events is not None:  # the run on this cluster takes them at once
+            self.events.requeued()
         batch = Batch(
             data=build(self.format, store, done, ids, data, self.pad),
             prompts=done,

@@ -6,7 +6,9 @@ topic and wakes as soon as one for its store arrives, instead of at its next pol
 streaming it announces its end; the follower then re-reads the store at least every
 ``daskgen.follow.end-poll-interval`` until the run's lock is gone, so that it ends soon after the run does
 even with a long poll interval.  Events are only a hint: what is delivered is always read from the store's
-commit log.
+commit log.  The other way, such a follower announces what it adds to the requeue record on
+:data:`~daskgen.store.commit_log.REQUEUE_TOPIC`, so that the run takes it at once instead of at its next look
+(:class:`daskgen.client.requeue.LiveRequeue`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from daskgen.store.commit_log import COMMIT_TOPIC
+from daskgen.store.commit_log import COMMIT_TOPIC, REQUEUE_TOPIC
 from daskgen.store.location import StoreLocation
 
 
@@ -50,6 +52,10 @@ class CommitEvents:
         if self.ended_at is not None and time.monotonic() - self.ended_at < watch:
             return min(interval, end_interval)
         return interval
+
+    def requeued(self) -> None:
+        """Tell the run writing the store that prompts were added to its requeue record."""
+        self.client.log_event(REQUEUE_TOPIC, {"store": self.location.url})
 
     def close(self) -> None:
         """Stop listening."""

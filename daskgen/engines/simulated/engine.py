@@ -24,6 +24,9 @@ The model
   batching.  ``temperature``, ``top_p`` and ``top_k`` otherwise have no effect.
 * Logprobs, when asked, are deterministic fake values in (-5, 0] (**simulated**, not model
   probabilities).
+* It has no weights: a policy version published to a ``refresh`` run (docs/async-rl.md) loads at once when
+  its folder exists and changes no output, so the refresh around the engine (the drain or the continuation,
+  the versions recorded per sample) runs as with a model.
 
 :meth:`SimulatedEngine.stats` reports steps, busy time, busy fraction and per-step batch sizes.
 The options (:class:`~daskgen.engines.simulated.plan.SimulatedArgs`) and the output model
@@ -37,6 +40,7 @@ import contextlib
 import heapq
 import itertools
 import math
+import os
 import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
@@ -55,6 +59,7 @@ from daskgen.engines.base import (
 )
 from daskgen.engines.request_check import request_error
 from daskgen.engines.simulated.plan import OutputPlan, SimulatedArgs, plan_output
+from daskgen.errors import RefreshError
 
 __all__ = ["SimulatedEngine"]
 
@@ -126,7 +131,7 @@ class SimulatedEngine(Engine):
     simulated = True
     supports_seed = True
     #: A timing model: a row's max_new_tokens, seed and stop ids shape its output; it has no text to stop on.
-    features = frozenset({"per_row_sampling", "stop_token_ids", "top_logprobs"})
+    features = frozenset({"per_row_sampling", "stop_token_ids", "top_logprobs", "refresh"})
 
     def __init__(self, model: str = "simulated", **engine_args: Any) -> None:
         super().__init__(model, **engine_args)
@@ -167,6 +172,19 @@ class SimulatedEngine(Engine):
                 with contextlib.suppress(RuntimeError):
                     self._loop.call_soon_threadsafe(self._task.cancel)
         self._task = None
+
+    async def update_weights(self, path: str) -> None:
+        """No weights to load: a version whose path is a folder (or a URL) "loads" at once, changing no output.
+
+        Raises
+        ------
+        RefreshError
+            ``path`` is neither an existing folder nor a URL (as a model's engine would fail to read it).
+        """
+        if "://" not in path and not os.path.isdir(path):
+            raise RefreshError(
+                f"engine {self.name!r}: the policy path {path!r} is not a folder; publish a checkpoint folder"
+            )
 
     # ------------------------------------------------------------------ requests
 
