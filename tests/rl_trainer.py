@@ -10,14 +10,18 @@ its cursor.
 
 It paces the run: the run's probe engine holds each row's requests until ``GATES/<row>`` exists, and the
 trainer opens the gates of the rows up to ``AHEAD`` past the highest row it was given (never the row named by
-``TRAINER_CLOSED``), so samples wait for it a bounded time.  The log (JSON lines, synced) records every
-delivery with the newest published version at that moment, every publish and every acknowledgement.
+``TRAINER_CLOSED``), so samples wait for it a bounded time.  With ``TRAINER_PAUSED`` (the probe's event file,
+for a run whose held requests pause part-way) it publishes its first version only while a request waits
+part-way, and goes on once the run's worker runs that version: the refresh found that request mid-way.  The log
+(JSON lines, synced) records every delivery with the newest published version at that moment, every publish and
+every acknowledgement.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,7 +29,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import daskgen
 from daskgen import store
-from daskgen.store.policy import newest
+from daskgen.store.policy import newest, read_worker_policies
+from daskgen.testing.probes import read_events, row_of
 from tests.follow_consumer import synced_log
 
 BATCH_PROMPTS = 2
@@ -39,6 +44,25 @@ def open_gates(gates: Path, upto: int, closed: int) -> None:
     for row in range(upto + 1):
         if row != closed:
             (gates / str(row)).touch()
+
+
+def wait_for(check, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout} s")
+        time.sleep(0.02)
+
+
+def paused_now(events: Path, gates: Path) -> bool:
+    """A request of the run waits part-way at a closed gate (paused, not ended since, its gate not opened)."""
+    waiting: set[str] = set()
+    for event in read_events(events):
+        if event.kind == "pause":
+            waiting.add(event.request_id)
+        elif event.kind == "end":
+            waiting.discard(event.request_id)
+    return any(not (gates / str(row_of(request_id))).exists() for request_id in waiting)
 
 
 def step(model, optimizer, rows: list[dict]) -> float:
@@ -63,6 +87,7 @@ def step(model, optimizer, rows: list[dict]) -> float:
 
 def main(out: str, base: str, ckpts: Path, gates: Path, log: Path) -> None:
     closed = int(os.environ.get("TRAINER_CLOSED", "-1"))
+    paused = Path(os.environ["TRAINER_PAUSED"]) if "TRAINER_PAUSED" in os.environ else None
     location = store.locate(out)
     latest = newest(location)
     model = AutoModelForCausalLM.from_pretrained(latest.path if latest else base, dtype=torch.float32)
@@ -89,7 +114,11 @@ def main(out: str, base: str, ckpts: Path, gates: Path, log: Path) -> None:
                 folder = ckpts / f"v{version}"
                 model.save_pretrained(folder)
                 tokenizer.save_pretrained(folder)
+                if paused and version == 1:
+                    wait_for(lambda: paused_now(paused, gates), "request waiting part-way")
                 daskgen.publish_policy(out, str(folder), version)
+                if paused and version == 1:
+                    wait_for(lambda: any(w.version >= 1 for w in read_worker_policies(location)), "worker on version 1")
                 note(event="published", version=version, path=str(folder), loss=loss)
             batch.ack()
             note(event="acked", number=batch.number)

@@ -33,6 +33,8 @@ from daskgen.dashboard.page import (
     GAP_COLOR,
     LENGTHS_SOURCE,
     THROUGHPUT_SOURCE,
+    VERSION_COLOR,
+    VERSIONS_SOURCE,
     WORKERS_SOURCE,
 )
 from daskgen.dashboard.state import DashboardState, bin_lengths, load_ratio
@@ -58,7 +60,7 @@ from tests.conftest import cli_env, popen_cli, write_prompts
 N_PROMPTS, PARTITION, N_SAMPLES = 96, 4, 2
 HELD_ROWS = [93, 94]  # two rows of the last partition wait at the probe's gate until the test opens it
 N_SAMPLED = N_PROMPTS * N_SAMPLES
-SOURCES = (THROUGHPUT_SOURCE, WORKERS_SOURCE, LENGTHS_SOURCE)
+SOURCES = (THROUGHPUT_SOURCE, WORKERS_SOURCE, LENGTHS_SOURCE, VERSIONS_SOURCE)
 
 
 # --------------------------------------------------------------------------- aggregation (no cluster)
@@ -185,6 +187,16 @@ def _store_histogram(store: Path) -> dict:
     return bin_lengths(counts, gs.layout.max_new_tokens)
 
 
+def _store_versions(store: Path) -> dict:
+    """The done rows' samples per policy version of their first token, and of those the continued ones."""
+    gs = GenerationStore.open(store)
+    done = gs.read_status() == DONE
+    first, changed = gs.array("policy_version")[:][done], gs.array("version_changed_at")[:][done]
+    versions = np.unique(first).tolist()
+    return {"version": versions, "samples": [int((first == v).sum()) for v in versions],
+            "continued": [int(((first == v) & (changed >= 0)).sum()) for v in versions]}  # fmt: skip
+
+
 def _store_by_worker(store: Path, events: Path, pids: dict[str, int]) -> dict[str, dict]:
     """Samples and response tokens in the store by the worker that generated them: the store does not say
     which worker wrote a partition, the probe's request log says which worker process ended each request."""
@@ -230,7 +242,8 @@ def test_the_page_in_a_browser_during_and_after_a_run(tmp_path, browser):
     """A run on an existing LocalCluster (worker processes): the page shows progress while it streams and,
     after it, the store's numbers; its figures' data, read in the browser, are the store's: the committed
     series ends at the store's committed prompts and tokens, the histogram holds the store's response
-    lengths by finish reason, the per-worker data the samples each worker generated."""
+    lengths by finish reason, the per-worker data the samples each worker generated, the samples per policy
+    version the store's (every sample on the run's model, version 0, here)."""
     store, gate, shots = tmp_path / "out.zarr", tmp_path / "gate", artifacts_dir()
     # As daskgen's local clusters: nannies export Dask's pre-spawn environment into *this* process's
     # os.environ, and MALLOC_TRIM_THRESHOLD_ would then reach every later worker of the test session.
@@ -270,12 +283,16 @@ def test_the_page_in_a_browser_during_and_after_a_run(tmp_path, browser):
             sources = wait_for_sources(  # the figures are redrawn after the numbers: wait for their last update
                 browser,
                 SOURCES,
-                lambda s: _last(s, "committed_prompts") == N_PROMPTS and sum(s[WORKERS_SOURCE]["samples"]) == N_SAMPLED,
+                lambda s: (
+                    _last(s, "committed_prompts") == N_PROMPTS
+                    and sum(s[WORKERS_SOURCE]["samples"]) == sum(s[VERSIONS_SOURCE]["samples"]) == N_SAMPLED
+                ),
             )
             hist = _store_histogram(store)
             drawn = {
                 THROUGHPUT_SOURCE: (ENGINE_COLOR, COMMITTED_COLOR, GAP_COLOR),
                 LENGTHS_SOURCE: tuple(map(FINISH_COLORS.get, hist["counts"])),
+                VERSIONS_SOURCE: (VERSION_COLOR,),
             }
             _assert_drawn(browser, shots / "dashboard-after-run.png", drawn)
             console = severe_console_errors(browser)
@@ -291,6 +308,8 @@ def test_the_page_in_a_browser_during_and_after_a_run(tmp_path, browser):
     assert bars["left"] == hist["edges"][:-1] and bars["right"] == hist["edges"][1:]
     for reason in FINISH_NAMES:
         assert bars[reason] == hist["counts"].get(reason, [0] * len(bars["left"])), reason
+    versions = sources[VERSIONS_SOURCE]
+    assert {k: versions[k] for k in ("version", "samples", "continued")} == _store_versions(store)
     workers = sources[WORKERS_SOURCE]
     columns = zip(workers["worker"], workers["samples"], workers["tokens"], strict=True)
     by_worker = _store_by_worker(store, tmp_path / "events.log", pids)
@@ -398,3 +417,22 @@ def test_worker_meter_counts_generated_tokens_not_carried_ones():
     assert report["lengths"] == {"length": [4], "stop": [3], "error": [0]}
     assert meter.report("tcp://w:1")["lengths"] == {}  # sent once
     assert np.isfinite(report["time"])
+
+
+def test_samples_per_policy_version_from_the_workers_cumulative_reports():
+    from daskgen.agents import Trajectory
+    from daskgen.dashboard.metrics import WorkerMeter
+
+    meter = WorkerMeter()
+    meter.record([Trajectory([1, 2], [1, 1], versions=[(0, 0)])])
+    meter.record([Trajectory([3, 4, 5], [1, 1, 1], versions=[(0, 0), (2, 1)])])  # continued onto version 1
+    meter.record([Trajectory([6], [1], versions=[(0, 1)]), Trajectory(error="EngineError: x")])  # no model token
+    assert meter.report("tcp://a:1")["versions"] == [[0, 2, 1], [1, 1, 0]]
+    assert meter.report("tcp://a:1")["versions"] == [[0, 2, 1], [1, 1, 0]]  # cumulative: a lost report loses none
+    state = DashboardState()
+    state.ingest(WORKER_TOPIC, _worker_msg("tcp://a:1", 1000.0, 0, versions=[[0, 1, 0]]))
+    state.ingest(WORKER_TOPIC, _worker_msg("tcp://b:1", 1000.0, 0, versions=[[0, 4, 0], [2, 3, 1]]))
+    state.ingest(WORKER_TOPIC, _worker_msg("tcp://a:1", 1001.0, 0, versions=[[0, 2, 1], [1, 1, 0]]))  # replaces a's
+    expected = {"version": [0, 1, 2], "samples": [6, 1, 3], "continued": [1, 0, 1]}
+    assert state.snapshot(now=1001.0)["versions"] == expected == state.record()["versions"]
+    assert DashboardState().snapshot(now=0.0)["versions"] == {"version": [], "samples": [], "continued": []}

@@ -15,6 +15,7 @@ import pytest
 from daskgen.analysis.accessor import open_store
 from daskgen.client.plan import prepare
 from daskgen.config import RunConfig
+from daskgen.engines.transformers import TransformersEngine
 from daskgen.errors import ConfigError, InputError, StoreMismatchError
 from daskgen.input.adapters import adapter_digest
 from daskgen.store.layout import Layout
@@ -144,6 +145,23 @@ def test_an_engine_without_lora_is_refused_at_plan_time(adapters, tmp_path):
     assert "transformers" in str(info.value) and not (tmp_path / "s.zarr").exists()
 
 
+class AdaptersWithoutRefresh(TransformersEngine):
+    """The transformers engine declared as serving adapters and refresh, but not both at once."""
+
+    features = TransformersEngine.features - {"refresh_with_lora"}
+
+
+def test_an_engine_that_cannot_refresh_under_adapters_is_refused_at_plan_time(tiny_model, adapters, tmp_path):
+    options = {"model": str(tiny_model), "engine": f"{__name__}:AdaptersWithoutRefresh", "adapters": adapters}
+    config = RunConfig(**options, store=str(tmp_path / "s.zarr"))
+    assert prepare(config, [{"prompt": "hello", "adapter": "a"}]).layout.adapters  # adapters alone: served
+    refreshing = RunConfig(**options, store=str(tmp_path / "r.zarr"), refresh="drain")
+    with pytest.raises(ConfigError, match="refresh_with_lora: loading published policy versions") as info:
+        prepare(refreshing, [{"prompt": "hello", "adapter": "a"}])
+    assert "engines that serve it: ['sglang', 'transformers'" in str(info.value), info.value
+    assert not (tmp_path / "r.zarr").exists()
+
+
 def test_the_adapter_digest_covers_names_and_bytes(tmp_path):
     folder = tmp_path / "x"
     folder.mkdir()
@@ -183,3 +201,41 @@ def test_each_engine_maps_adapters_to_its_own_settings(adapters):
     assert vllm_completions_payload("base", plain, {})["model"] == "base" and "lora_path" not in native_payload(
         plain, "rid", {}
     )
+
+
+def test_a_refresh_loads_new_base_weights_under_the_adapters_and_keeps_them(tiny_model, adapters, tmp_path):
+    """A published checkpoint of the base model (``save_pretrained``, plain names) loads into the engine that holds
+    the adapters: afterwards each adapter's rows equal that adapter merged into the new weights, the base rows
+    the new model's."""
+    import asyncio
+
+    from daskgen.engines.base import GenerationRequest, SamplingParams
+    from daskgen.engines.transformers import TransformersEngine
+    from daskgen.models import build_tiny_model
+
+    new_policy = build_tiny_model(tmp_path / "step1", seed=1)
+    prompt = [5, 9, 13, 2, 7]
+
+    async def outputs(engine) -> dict:
+        got = {}
+        for name in (None, "a", "b"):
+            params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, adapter=name)
+            got[name] = (await engine.generate(GenerationRequest(f"r{name}", prompt, params))).output_ids
+        return got
+
+    async def scenario():
+        engine = TransformersEngine(str(tiny_model), adapters=adapters, device="cpu")
+        await engine.start()
+        try:
+            before = await outputs(engine)
+            await engine.update_weights(str(new_policy))
+            return before, await outputs(engine)
+        finally:
+            await engine.shutdown()
+
+    before, after = asyncio.run(scenario())
+    for name in (None, "a", "b"):
+        path = adapters.get(name or "")
+        assert before[name] == merged_greedy(tiny_model, path, prompt, MAX_NEW), name
+        assert after[name] == merged_greedy(new_policy, path, prompt, MAX_NEW), name
+    assert before != after and len({tuple(v) for v in after.values()}) == 3

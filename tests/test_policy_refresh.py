@@ -104,6 +104,10 @@ def test_a_run_refreshes_in_place_and_records_versions(tiny_model, new_policy, t
         version = int(got["policy_version"][r, 0])
         assert got["response_ids"][r, 0, : got["response_length"][r, 0]].tolist() == answers[version][r], r
     assert answers[0] != answers[1]  # the probe tells the versions apart
+    first = got["policy_version"][:, 0]
+    record = made.attrs.runs[-1]["engines"]  # the dashboard's record of the run, from the workers' reports
+    assert record["versions"] == {"version": [0, 1], "samples": [int((first == v).sum()) for v in (0, 1)],
+                                  "continued": [0, 0]}  # fmt: skip
     (state,) = read_worker_policies(store.locate(out))
     assert (state.state, state.version, state.error) == ("running", 1, None)
     status = daskgen_status(out)

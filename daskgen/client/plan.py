@@ -101,6 +101,7 @@ def _check_features(config: RunConfig, keys: frozenset[str], structured: bool) -
     wanted |= {"top_logprobs"} if config.top_logprobs else set()
     wanted |= {"refresh"} if config.refresh else set()
     wanted |= {"lora"} if config.adapters else set()
+    wanted |= {"refresh_with_lora"} if config.refresh and config.adapters else set()
     check_features(config.engine, cls.features_with(config.engine_args), wanted)
     check_top_logprobs(config.engine, cls, config.top_logprobs, config.engine_args)
 

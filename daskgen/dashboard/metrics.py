@@ -9,8 +9,9 @@ for the page.  Every message is a small dict of numbers and short strings (msgpa
 
 * :data:`WORKER_TOPIC`: one message per worker and interval, :meth:`WorkerMeter.report`: cumulative
   engine tokens and samples (so a lost message loses no counts), the response lengths of the samples
-  finished since the last message by finish reason, the engine's occupancy, the partitions admitted
-  and running, restarts and the latest engine error.
+  finished since the last message by finish reason, cumulative samples per policy version of their first
+  token (and how many of them a ``continue`` refresh carried onto a newer version), the engine's occupancy,
+  the partitions admitted and running, restarts and the latest engine error.
 * :data:`RUN_TOPIC`: one message per interval from the client, :func:`run_report`: store-wide done /
   pending / failed prompts, prompts and response tokens committed by this run, and new errors.
 """
@@ -53,6 +54,7 @@ class WorkerMeter:
         self.restarts = 0
         self.last_error: str | None = None
         self._lengths: dict[str, list[int]] = defaultdict(list)
+        self._versions: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # version -> [samples, continued]
         self._waiting: list[Iterable[Any]] = []
 
     def record(self, trajectories: Iterable[Any]) -> None:
@@ -73,6 +75,10 @@ class WorkerMeter:
                     self.last_error = str(traj.error)[:ERROR_CHARS]
                 else:
                     lengths[FINISH_NAMES[traj.finish_reason]].append(len(traj.response_ids))
+                if traj.policy_version >= 0:
+                    counts = self._versions[traj.policy_version]
+                    counts[0] += 1
+                    counts[1] += traj.version_changed_at >= 0
         self._tokens += tokens
         self._samples += len(waiting)
 
@@ -111,6 +117,7 @@ class WorkerMeter:
             "restarts": self.restarts,
             "error": self.last_error,
             "lengths": lengths,
+            "versions": [[version, *counts] for version, counts in sorted(self._versions.items())],
             **engine,
         }
 

@@ -3,9 +3,10 @@
 From top to bottom: the run's numbers (prompts done / pending / failed with a progress bar, ETA, tail
 share so far, engine and committed tokens/s and the gap, the workers' load ratio); engine versus
 committed tokens/s over time and the gap in tokens; per worker, engine tokens/s (chart) and a table with
-batch occupancy, partitions admitted and running, tokens/s, samples and restarts; response lengths of finished
-samples by finish reason; the latest errors.  Numbers carry ``data-daskgen`` attributes, so scripts
-and tests read what the page shows.
+batch occupancy, partitions admitted and running, tokens/s, samples, restarts and policy version; response lengths
+of finished samples by finish reason and samples per policy version (of their first token; those continued onto
+a newer version by a ``continue`` refresh drawn over them); the latest errors.  Numbers carry ``data-daskgen``
+attributes, so scripts and tests read what the page shows.
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ SnapshotSource = Callable[[Any], "dict[str, Any] | None"]
 UPDATE_MS = 1000
 #: Names of the page's data sources in its Bokeh document (scripts and tests find them with
 #: ``Bokeh.documents[0].get_model_by_name``): the throughput series (rates, gap and totals so far),
-#: the per-worker rows, the length histogram's bars.
+#: the per-worker rows, the length histogram's bars, the samples per policy version.
 THROUGHPUT_SOURCE, WORKERS_SOURCE, LENGTHS_SOURCE = "daskgen-throughput", "daskgen-workers", "daskgen-lengths"
+VERSIONS_SOURCE = "daskgen-versions"
+#: Colours of the samples per policy version and of those continued across a refresh.
+VERSION_COLOR, CONTINUED_COLOR = "#5e35b1", "#f9a825"
 
 _STYLE = """<style>
 .dg{font-family:sans-serif;color:#222}.dg h2{margin:4px 0 8px;font-size:18px}
@@ -78,12 +82,15 @@ class Page:
         self.workers = ColumnDataSource(_worker_columns([]), name=WORKERS_SOURCE)
         lengths: dict[str, list[Any]] = {"left": [], "right": [], **{r: [] for r in FINISH_NAMES}}
         self.lengths = ColumnDataSource(lengths, name=LENGTHS_SOURCE)
+        self.versions = ColumnDataSource(_version_columns({}), name=VERSIONS_SOURCE)
         self.worker_figure = _worker_figure(self.workers)
+        self.version_figure = _version_figure(self.versions)
         self.root = column(
             self.header,
             row(_throughput_figure(self.rates), _gap_figure(self.rates), sizing_mode="stretch_width"),
             row(self.worker_figure, self.table, sizing_mode="stretch_width"),
-            row(_length_figure(self.lengths), self.errors, sizing_mode="stretch_width"),
+            row(_length_figure(self.lengths), self.version_figure, sizing_mode="stretch_width"),
+            self.errors,
             sizing_mode="stretch_width",
         )
 
@@ -101,6 +108,9 @@ class Page:
             self.worker_figure.y_range.factors = columns["label"]
         self.table.text = _STYLE + workers_html(snap["workers"])
         self.lengths.data = _length_columns(snap["lengths"])
+        self.versions.data = versions = _version_columns(snap["versions"])
+        if list(self.version_figure.x_range.factors) != versions["label"]:
+            self.version_figure.x_range.factors = versions["label"]
         self.errors.text = _STYLE + errors_html(snap["errors"])
 
 
@@ -237,17 +247,22 @@ def workers_html(rows: list[dict[str, Any]]) -> str:
     head = "".join(
         f"<th>{h}</th>"
         for h in ("worker", "engine", "batch occupancy", "partitions admitted / running", "tokens/s", "samples",
-                  "restarts")
+                  "restarts", "policy version")
     )  # fmt: skip
     body = "".join(
         f'<tr data-daskgen-worker="{html.escape(r["worker"])}"><td>{html.escape(_short(r["worker"]))}</td>'
         f"<td>{html.escape(r['state'])}</td>"
         f"<td>{_meter(r['occupancy'])} {r['outstanding']:,} / {r['capacity']:,}</td>"
         f"<td>{r['window']} / {r['running']}{_slots_flag(r)}</td><td>{r['tokens_per_s']:,.0f}</td>"
-        f'<td data-daskgen="samples-{i}">{r["samples"]:,}</td><td>{r["restarts"]}</td></tr>'
+        f'<td data-daskgen="samples-{i}">{r["samples"]:,}</td><td>{r["restarts"]}</td>'
+        f'<td data-daskgen="version-{i}">{_version(r.get("policy_version"))}</td></tr>'
         for i, r in enumerate(rows)
     )
     return f'<div class="dg"><h2>Workers</h2><table class="dg-tab" data-daskgen="workers">{head}{body}</table></div>'
+
+
+def _version(version: int | None) -> str:
+    return "—" if version is None else str(version)
 
 
 def _slots_flag(row: dict[str, Any]) -> str:
@@ -293,6 +308,27 @@ def _length_figure(source: Any) -> Any:
             legend_label=reason,
         )
     fig.xaxis.axis_label = "response tokens"
+    fig.yaxis.axis_label = "samples"
+    fig.y_range.start = 0
+    fig.legend.location = "top_right"
+    return fig
+
+
+def _version_columns(versions: dict[str, list[int]]) -> dict[str, list[Any]]:
+    data: dict[str, list[Any]] = {k: list(versions.get(k, [])) for k in ("version", "samples", "continued")}
+    data["label"] = [str(v) for v in data["version"]]
+    return data
+
+
+def _version_figure(source: Any) -> Any:
+    from bokeh.models import FactorRange, HoverTool
+
+    fig = _figure("Samples per policy version (of their first token)", x_range=FactorRange())
+    fig.vbar(x="label", top="samples", width=0.7, source=source, color=VERSION_COLOR, legend_label="samples")
+    fig.vbar(x="label", top="continued", width=0.4, source=source, color=CONTINUED_COLOR, legend_label="continued")
+    tips = [("version", "@label"), ("samples", "@samples{0,0}"), ("continued on a newer version", "@continued{0,0}")]
+    fig.add_tools(HoverTool(tooltips=tips))
+    fig.xaxis.axis_label = "policy version (0: the run's model)"
     fig.yaxis.axis_label = "samples"
     fig.y_range.start = 0
     fig.legend.location = "top_right"

@@ -188,6 +188,7 @@ class DashboardState:
             "workers": workers,
             "load_ratio": load_ratio(workers),
             "lengths": self.length_histogram(),
+            "versions": self.policy_versions(),
             "errors": [{"time": t, "source": s, "message": m} for t, s, m in reversed(self.errors)],
         }
 
@@ -243,16 +244,34 @@ class DashboardState:
                     "samples": r["samples"],
                     "partitions": r.get("partitions", 0),
                     "restarts": r.get("restarts", 0),
+                    "policy_version": r.get("policy_version"),
                 }
             )
         return rows
+
+    def policy_versions(self) -> dict[str, list[int]]:
+        """Samples finished per policy version of their first token, over every worker that reported (departed
+        ones included), and of those how many were continued onto a newer version; in increasing version."""
+        totals: dict[int, list[int]] = {}
+        for view in self.workers.values():
+            for version, samples, continued in view.report.get("versions") or []:
+                counts = totals.setdefault(int(version), [0, 0])
+                counts[0] += int(samples)
+                counts[1] += int(continued)
+        versions = sorted(totals)
+        return {
+            "version": versions,
+            "samples": [totals[v][0] for v in versions],
+            "continued": [totals[v][1] for v in versions],
+        }
 
     def length_histogram(self) -> dict[str, Any]:
         """Response lengths of finished samples by finish reason (:func:`bin_lengths`)."""
         return bin_lengths(self.lengths, int((self.run or {}).get("max_new_tokens") or 0))
 
     def record(self) -> dict[str, Any]:
-        """What a run keeps in its store: totals per worker and a thinned throughput series."""
+        """What a run keeps in its store: totals per worker, samples per policy version and a thinned throughput
+        series."""
         t, engine, committed, prompts = self.series.columns()
         start = (self.run or {}).get("started") or (float(t[0]) if len(t) else 0.0)
         keep: list[int] = np.unique(np.linspace(0, len(t) - 1, min(len(t), RECORD_POINTS)).round()).astype(int).tolist()
@@ -262,6 +281,7 @@ class DashboardState:
             "engine_tokens": self.engine_tokens(),
             "committed_tokens": int((self.run or {}).get("committed_tokens", 0)),
             "workers": {a: {k: int(w.report.get(k, 0)) for k in fields} for a, w in sorted(self.workers.items())},
+            "versions": self.policy_versions(),
             "series": {
                 "seconds": [round(float(t[i] - start), 2) for i in keep],
                 "engine_tokens": [int(engine[i]) for i in keep],

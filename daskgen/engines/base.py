@@ -17,7 +17,7 @@ import abc
 import asyncio
 import contextlib
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from daskgen.errors import EngineError, RefreshError
@@ -168,6 +168,40 @@ def aborted_result(request: GenerationRequest) -> GenerationResult:
     top: TopLogprobs | None = [] if request.params.top_logprobs else None
     return GenerationResult(
         request.request_id, [], FinishReason.ABORT, [] if request.params.logprobs else None, top_logprobs=top
+    )
+
+
+def continuation_of(
+    request: GenerationRequest, partial: GenerationResult, eos: frozenset[int]
+) -> GenerationRequest | None:
+    """The request that continues an interrupted ``partial`` result, or ``None`` when it had ended anyway."""
+    if partial.finish_reason != FinishReason.ABORT:
+        return None
+    done, params = partial.output_ids, request.params
+    if done and done[-1] in eos | set(params.stop_token_ids):
+        partial.finish_reason = FinishReason.STOP
+        return None
+    budget = params.max_new_tokens - len(done)
+    if budget <= 0:
+        partial.finish_reason = FinishReason.LENGTH
+        return None
+    rest = replace(params, max_new_tokens=budget, min_new_tokens=max(0, params.min_new_tokens - len(done)))
+    return GenerationRequest(request.request_id, [*request.prompt_ids, *done], rest)
+
+
+def joined(head: GenerationResult, tail: GenerationResult) -> GenerationResult:
+    """``head``'s tokens followed by ``tail``'s (logprobs and top-k entries too), ending as ``tail`` ends."""
+    n = len(head.output_ids)
+    logprobs = None if head.logprobs is None else [*head.logprobs[:n], *(tail.logprobs or [])]
+    top = None if head.top_logprobs is None else [*head.top_logprobs[:n], *(tail.top_logprobs or [])]
+    return GenerationResult(
+        head.request_id,
+        [*head.output_ids, *tail.output_ids],
+        tail.finish_reason,
+        logprobs,
+        tail.error,
+        {**head.meta, **tail.meta},
+        top,
     )
 
 

@@ -28,6 +28,8 @@ FEATURES: dict[str, str] = {
     "lora": "LoRA adapters ('adapter')",
     "top_logprobs": "top-k logprobs ('top_logprobs')",
     "refresh": "loading published policy versions into the running engine ('refresh')",
+    "refresh_with_lora": "loading published policy versions into an engine that holds LoRA adapters ('refresh' "
+    "with 'adapters'; the adapters apply to the new base weights)",
 }
 
 

@@ -6,12 +6,17 @@ counters.  :class:`ProbeEngine` wraps a real registered engine and appends one l
 event to a file that the test reads with :func:`read_events`:
 
 * ``arrive`` -- the request reached the engine (it is now in flight: running or queued),
+* ``pause`` -- a held request stopped part-way (``pause_after``, below) and waits at its gate,
 * ``end`` -- its ``generate`` returned (however it ended: finished, aborted, failed).
 
 It can also hold chosen requests at a **gate** (``gate_path``): they arrive, then wait until that
 file exists before they reach the inner engine, so a test can freeze the engine's occupancy, look
-at it, and release it.  Health checks (request id ``daskgen-health``) are neither recorded nor held.
-Never use these for real runs.
+at it, and release it.  With ``pause_after=k`` a held request (of ``pause_rows``) whose gate is closed
+on its first arrival first gets ``k`` tokens from the inner engine, then waits at the gate part-way: an
+abort then ends it with those tokens (a request stopped mid-way, for as long as the test wants), an
+opened gate lets it go on from them.  The same request arriving again (continued) waits before the inner
+engine like any held request, an abort does not end that wait.  Health checks (request id
+``daskgen-health``) are neither recorded nor held.  Never use these for real runs.
 
 Request ids of daskgen's partitions are ``p<row>-s<sample>`` (an agent may append ``-t<turn>``);
 :func:`row_of` reads the row back.
@@ -23,12 +28,19 @@ import asyncio
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from daskgen.engines import resolve_engine_class
-from daskgen.engines.base import Engine, GenerationRequest, GenerationResult
+from daskgen.engines.base import (
+    Engine,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    continuation_of,
+    joined,
+)
 
 __all__ = ["Event", "ProbeEngine", "in_flight_after", "peak_in_flight", "read_events", "row_of"]
 
@@ -43,7 +55,7 @@ class Event:
 
     time: float
     pid: int
-    kind: str  # "arrive" or "end"
+    kind: str  # "arrive", "pause" or "end"
     request_id: str
 
 
@@ -54,8 +66,9 @@ class ProbeEngine(Engine):
     ``gate_path`` (a file whose existence releases held requests; ``{row}`` in it gives every row a gate of
     its own), ``gate_rows`` (rows whose
     requests are held; all rows when ``None`` and a ``gate_path`` is given), ``gate_sample``
-    (only this sample index of those rows is held; every sample when ``None``); every other key
-    goes to the inner engine.
+    (only this sample index of those rows is held; every sample when ``None``), ``pause_after`` (tokens a
+    held request gets before it waits, aborted by an abort; 0: none), ``pause_rows`` (the held rows that
+    pause part-way; every held row when ``None``); every other key goes to the inner engine.
     """
 
     name = "probe"
@@ -72,6 +85,8 @@ class ProbeEngine(Engine):
         gate_path: str | None = None,
         gate_rows: Iterable[int] | None = None,
         gate_sample: int | None = None,
+        pause_after: int = 0,
+        pause_rows: Iterable[int] | None = None,
         **inner_args: Any,
     ) -> None:
         super().__init__(model, inner=inner, events_path=events_path, gate_path=gate_path, **inner_args)
@@ -81,6 +96,11 @@ class ProbeEngine(Engine):
         self.events_path, self.gate_path = events_path, gate_path
         self.gate_rows = None if gate_rows is None else {int(r) for r in gate_rows}
         self.gate_sample = gate_sample
+        self.pause_after = int(pause_after)
+        self.pause_rows = None if pause_rows is None else {int(r) for r in pause_rows}
+        self.seen: set[str] = set()  # request ids that arrived before (a continued request)
+        self.pausing: set[str] = set()  # request ids waiting part-way
+        self.aborted: set[str] = set()  # of those, the ones an abort ended
 
     @classmethod
     def is_simulated(cls, engine_args: dict[str, Any]) -> bool:
@@ -112,15 +132,52 @@ class ProbeEngine(Engine):
         if request.request_id == HEALTH_ID:
             return await self.inner.generate(request)
         self._record("arrive", request.request_id)
+        first = request.request_id not in self.seen
+        self.seen.add(request.request_id)
         try:
-            if self._held(request.request_id):
-                while not os.path.exists(self._gate_of(request.request_id)):
-                    await asyncio.sleep(GATE_POLL_S)
+            if not self._held(request.request_id) or os.path.exists(self._gate_of(request.request_id)):
+                return await self.inner.generate(request)
+            if first and self._pauses(request.request_id):
+                return await self._paused(request)
+            await self._gate_opens(request.request_id)
             return await self.inner.generate(request)
         finally:
             self._record("end", request.request_id)
 
+    async def _paused(self, request: GenerationRequest) -> GenerationResult:
+        """``pause_after`` tokens, a wait at the gate (an abort ends it there), then the rest of the request."""
+        params = request.params
+        first = replace(
+            params,
+            max_new_tokens=min(self.pause_after, params.max_new_tokens),
+            min_new_tokens=min(self.pause_after, params.min_new_tokens),
+        )
+        head = await self.inner.generate(GenerationRequest(request.request_id, request.prompt_ids, first))
+        if head.finish_reason != FinishReason.LENGTH or len(head.output_ids) >= params.max_new_tokens:
+            return head  # it ended (or was aborted) within its first tokens
+        head.finish_reason = FinishReason.ABORT
+        self.pausing.add(request.request_id)
+        self._record("pause", request.request_id)
+        try:
+            await self._gate_opens(request.request_id)
+        finally:
+            self.pausing.discard(request.request_id)
+        rest = continuation_of(request, head, self.eos_token_ids)
+        if request.request_id in self.aborted or rest is None:
+            self.aborted.discard(request.request_id)
+            return head
+        return joined(head, await self.inner.generate(rest))
+
+    async def _gate_opens(self, request_id: str) -> None:
+        """Wait until the request's gate exists (or, waiting part-way, an abort came)."""
+        while not os.path.exists(self._gate_of(request_id)):
+            if request_id in self.aborted:
+                return
+            await asyncio.sleep(GATE_POLL_S)
+
     async def abort(self, request_id: str) -> None:
+        if request_id in self.pausing:
+            self.aborted.add(request_id)
         await self.inner.abort(request_id)
 
     async def update_weights(self, path: str) -> None:
@@ -138,6 +195,9 @@ class ProbeEngine(Engine):
             return False
         row, sample = row_of(request_id), _sample_of(request_id)
         return (self.gate_rows is None or row in self.gate_rows) and self.gate_sample in (None, sample)
+
+    def _pauses(self, request_id: str) -> bool:
+        return self.pause_after > 0 and (self.pause_rows is None or row_of(request_id) in self.pause_rows)
 
     def _record(self, kind: str, request_id: str) -> None:
         if self.events_path:  # one short O_APPEND write per line: lines of several processes do not mix
@@ -173,7 +233,7 @@ def in_flight_after(events: list[Event]) -> dict[int, set[str]]:
         ids = flying.setdefault(event.pid, set())
         if event.kind == "arrive":
             ids.add(event.request_id)
-        else:
+        elif event.kind == "end":
             ids.discard(event.request_id)
     return flying
 
@@ -183,6 +243,8 @@ def peak_in_flight(events: list[Event]) -> int:
     flying: dict[int, int] = {}  # row -> its requests in flight
     peak = 0
     for event in events:
+        if event.kind == "pause":
+            continue
         row = row_of(event.request_id)
         flying[row] = flying.get(row, 0) + (1 if event.kind == "arrive" else -1)
         if not flying[row]:

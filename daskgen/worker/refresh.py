@@ -21,7 +21,6 @@ takes a request.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -30,10 +29,11 @@ from daskgen import tunables
 from daskgen.engines.base import (
     BASE_POLICY_VERSION,
     Engine,
-    FinishReason,
     GenerationRequest,
     GenerationResult,
     aborted_result,
+    continuation_of,
+    joined,
 )
 from daskgen.store.attrs import utc_now
 from daskgen.store.location import StoreLocation
@@ -159,13 +159,13 @@ class PolicyRefresher:
         segments = [(0, version)]
         while request.request_id in self.interrupted or result.request_id in self.interrupted:
             self.interrupted.discard(request.request_id)
-            rest = _rest(request, result, engine.eos_token_ids)
+            rest = continuation_of(request, result, engine.eos_token_ids)
             if rest is None or stopped():
                 break
             version = await self._admitted(engine)
             tail = await self._tracked(engine, rest)
             segments.append((len(result.output_ids), version))
-            result = _joined(result, tail)
+            result = joined(result, tail)
         result.meta["policy_versions"] = _merged(segments, len(result.output_ids))
         return result
 
@@ -189,38 +189,6 @@ class PolicyRefresher:
     def status(self) -> dict[str, Any]:
         """The worker's policy: version, refreshes done, last error (``None`` after a successful load)."""
         return {"policy_version": self.version, "refreshes": self.refreshes, "refresh_error": self.error}
-
-
-def _rest(request: GenerationRequest, partial: GenerationResult, eos: frozenset[int]) -> GenerationRequest | None:
-    """The request that continues an interrupted ``partial`` result, or ``None`` when it had ended anyway."""
-    if partial.finish_reason != FinishReason.ABORT:
-        return None
-    done, params = partial.output_ids, request.params
-    if done and done[-1] in eos | set(params.stop_token_ids):
-        partial.finish_reason = FinishReason.STOP
-        return None
-    budget = params.max_new_tokens - len(done)
-    if budget <= 0:
-        partial.finish_reason = FinishReason.LENGTH
-        return None
-    rest = dataclasses.replace(params, max_new_tokens=budget, min_new_tokens=max(0, params.min_new_tokens - len(done)))
-    return GenerationRequest(request.request_id, [*request.prompt_ids, *done], rest)
-
-
-def _joined(head: GenerationResult, tail: GenerationResult) -> GenerationResult:
-    """``head``'s tokens followed by ``tail``'s (logprobs and top-k entries too), ending as ``tail`` ends."""
-    n = len(head.output_ids)
-    logprobs = None if head.logprobs is None else [*head.logprobs[:n], *(tail.logprobs or [])]
-    top = None if head.top_logprobs is None else [*head.top_logprobs[:n], *(tail.top_logprobs or [])]
-    return GenerationResult(
-        head.request_id,
-        [*head.output_ids, *tail.output_ids],
-        tail.finish_reason,
-        logprobs,
-        tail.error,
-        {**head.meta, **tail.meta},
-        top,
-    )
 
 
 def _merged(segments: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:

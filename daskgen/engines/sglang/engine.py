@@ -119,7 +119,10 @@ class SGLangEngine(InProcessEngine):
     name = "sglang"
     starts_subprocesses = True
     features = frozenset(
-        {"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs", "refresh", "lora"}
+        {
+            *("per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs"),
+            *("refresh", "lora", "refresh_with_lora"),
+        }
     )
 
     def __init__(self, model: str, adapters: dict[str, str] | None = None, **engine_args: Any) -> None:

@@ -146,7 +146,10 @@ class TransformersEngine(InProcessEngine):
     simulated = False
     supports_seed = True
     features = frozenset(
-        {"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs", "refresh", "lora"}
+        {
+            *("per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs"),
+            *("refresh", "lora", "refresh_with_lora"),
+        }
     )
 
     def __init__(self, model: str, adapters: dict[str, str] | None = None, **engine_args: Any) -> None:

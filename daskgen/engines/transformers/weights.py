@@ -5,7 +5,10 @@ against the model (every saved tensor names a parameter of the same shape; every
 one that is) before changing anything, copies tensor by tensor into the existing parameters (``safetensors``
 reads each straight onto the parameter's device: no second copy of the model), then drops the KV blocks the
 manager keeps cached for prefix sharing (computed with the old weights).  A checkpoint that does not fit raises
-:class:`~daskgen.errors.RefreshError` with the model untouched.  Heavy imports happen inside functions only.
+:class:`~daskgen.errors.RefreshError` with the model untouched.  A model that holds LoRA adapters (peft injected
+them into its linear layers: the base weight of ``x.q_proj`` is then ``x.q_proj.base_layer.weight``, beside the
+adapters' ``lora_A``/``lora_B``) loads the base checkpoint under peft's names and keeps its adapters, which apply
+to the new base weights.  Heavy imports happen inside functions only.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from daskgen.errors import RefreshError
 
 __all__ = ["refresh_weights"]
 
+#: The prefix of a ``PeftModel``'s own names for the model it wraps.
+PEFT_PREFIX = "base_model.model."
 #: How long a refresh waits for the manager to drop the requests the engine cancelled (seconds).
 IDLE_TIMEOUT = 60.0
 
@@ -27,7 +32,7 @@ IDLE_TIMEOUT = 60.0
 def refresh_weights(model: Any, manager: Any, path: str) -> None:
     """Load the safetensors checkpoint in the folder ``path`` into ``model`` (blocking; no request in flight)."""
     files = _checkpoint_files(Path(path))
-    params = dict(model.state_dict(keep_vars=True))
+    params = _base_parameters(model)
     saved = _saved_shapes(files)
     _check_fits(params, saved, path)
     _wait_idle(manager)
@@ -35,6 +40,17 @@ def refresh_weights(model: Any, manager: Any, path: str) -> None:
     cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
     if cache is not None:
         cache.evict_cached_blocks()
+
+
+def _base_parameters(model: Any) -> dict[str, Any]:
+    """The model's parameters and buffers by their names in a plain ``save_pretrained`` checkpoint: LoRA adapters'
+    tensors (peft's ``lora_*``) left out, peft's ``.base_layer`` and ``base_model.model.`` parts removed."""
+    out = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        parts = name.removeprefix(PEFT_PREFIX).split(".")
+        if not any(part.startswith("lora_") for part in parts):
+            out[".".join(p for p in parts if p != "base_layer")] = tensor
+    return out
 
 
 def _checkpoint_files(folder: Path) -> list[Path]:

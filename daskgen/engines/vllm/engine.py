@@ -125,7 +125,10 @@ class VLLMEngine(InProcessEngine):
     name = "vllm"
     supports_seed = True
     features = frozenset(
-        {"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs", "refresh", "lora"}
+        {
+            *("per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs"),
+            *("refresh", "lora", "refresh_with_lora"),
+        }
     )
     starts_subprocesses = True
 
