@@ -78,6 +78,7 @@ from daskgen.client.commit import CommitBatch, Outcome
 from daskgen.client.finished import FinishedPartitions
 from daskgen.client.live import LiveRun
 from daskgen.client.plan import Plan
+from daskgen.client.prefix_dispatch import TaskPool
 from daskgen.client.progress import Progress
 from daskgen.client.scheduler_watch import SchedulerWatch
 from daskgen.client.stopping import abandon, begin_stop, check_interrupt, housekeeping, stop_reason, wait_s
@@ -117,6 +118,8 @@ class Driver:
         from daskgen.client.engines import check_engines
 
         self.client, self.run, self.tasks, self.info, self.link = client, run, tasks, info, link
+        lookahead = run.plan.config.max_prompts_in_memory // 2 if run.plan.prefix is not None else 0
+        self.pool = TaskPool(tasks, lookahead)  # which task a free worker gets (prefix dispatch)
         self.retry: list[PartitionTask] = []
         self.alone_in_flight = 0  # one-row tasks of partitions whose worker died too often (at most 1)
         self.futures: dict[Any, PartitionTask] = {}
@@ -161,6 +164,8 @@ class Driver:
         finally:  # a storage error or a lost scheduler stops the run: what finished is still committed
             self.batch.flush(force=True)
             self.board.close()
+            if self.pool.placed:
+                self.run.plan.store.update_attrs(dispatch=self.pool.record(self.run.plan.prefix))
 
     def step(self, bar: Progress) -> bool:
         """Submit up to the target, collect what finished, commit, check stops; false when the run is over."""
@@ -182,18 +187,20 @@ class Driver:
         self.report()
         return True
 
-    def next_task(self) -> PartitionTask | None:
-        """The next partition to submit: retries first (an ``alone`` task only while no other is in
-        flight); none once a stop began."""
+    def next_task(self, worker: str | None) -> PartitionTask | None:
+        """The next partition to submit to ``worker``: retries first (an ``alone`` task only while no other
+        is in flight), then the task pool's choice (:mod:`daskgen.client.prefix_dispatch`); none once a stop
+        began."""
         if self.run.stop.stopping:
             return None
         for i in range(len(self.retry) - 1, -1, -1):
-            if not self.retry[i].alone:
-                return self.retry.pop(i)
-            if not self.alone_in_flight:
-                self.alone_in_flight += 1
-                return self.retry.pop(i)
-        return next(self.tasks, None)
+            task = self.retry[i]
+            if task.alone and self.alone_in_flight:
+                continue
+            self.alone_in_flight += task.alone
+            self.pool.started(task, worker)
+            return self.retry.pop(i)
+        return self.pool.take(worker)
 
     def submit_up_to(self, cap: int) -> None:
         """Submit partitions to the workers with free admitted slots, at most ``cap`` in flight; beyond the
@@ -205,7 +212,7 @@ class Driver:
             worker = self.board.pick()
             if worker is None and in_flight >= max(1, self.board.total()):  # one always goes: the run must
                 break  # not end while no worker admits anything (every worker draining, a job starting)
-            task = self.next_task()
+            task = self.next_task(worker)
             if task is None:
                 break
             key = task_key(task)
