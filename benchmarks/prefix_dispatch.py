@@ -157,7 +157,7 @@ def part_prefix(a: argparse.Namespace, work: Path, rec: Any) -> None:
     )
     rows_out = []
     for name, (kind, sides) in WORKLOADS.items():
-        if kind == "grouped" and not a.grouped:
+        if kind not in a.workloads.split(",") and not (kind == "grouped" and a.grouped):
             continue
         rows = workload(a, kind)
         caches = cli.counts(a.cache_tokens) if a.engine == "simulated" else [0]
@@ -223,6 +223,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--system-tokens", type=int, default=600, help="characters per system prompt")
     p.add_argument("--questions", type=int, default=512, help="questions, each paired with every system prompt")
     p.add_argument("--grouped", action="store_true", help="also the prefix-heavy rows grouped by system prompt")
+    p.add_argument("--workloads", default="shuffled,plain", help="of shuffled, grouped, plain (comma-separated)")
     p.add_argument("--prefill-per-token", type=float, default=5e-5, help="model seconds per computed prompt token")
     cli.add_flags(
         p, max_new_tokens=32, max_batch=64, step_base=0.02, step_per_seq=0.0002, partition_size=64, repeats=2, seed=0
