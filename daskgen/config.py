@@ -234,6 +234,8 @@ class RunConfig(RunOptions):
             not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1
         ):
             raise ConfigError(f"setting 'window' must be 'auto' or an integer >= 1, found {self.window!r}.")
+        if self.dispatch not in ("auto", "prefix", "order"):
+            raise ConfigError(f"setting 'dispatch' must be 'auto', 'prefix' or 'order', found {self.dispatch!r}.")
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"setting {key!r} must be >= 1, found {getattr(self, key)}.")

@@ -220,6 +220,14 @@ class RunOptions:
         "longest there start first (rows matched by position or id).",
         group=TASKS,
     )
+    dispatch: str = option(
+        "auto",
+        "prefix: each partition's prompts reach the engine with shared prefixes (system prompt, few-shot "
+        "examples) next to each other, and partitions of one prefix go to the same worker, for the engines' "
+        "prefix caches; order: input order; auto: prefix when shared prefixes hold at least 20 % of the prompt "
+        "tokens (docs/dispatch.md).",
+        group=TASKS,
+    )
     progress: bool = option(True, "Show a progress bar.", group=IO)
 
 

@@ -186,6 +186,7 @@ def test_one_partition_stays_submitted_when_no_worker_admits_any():
     import dataclasses
 
     from daskgen.client.driver import Driver
+    from daskgen.client.prefix_dispatch import TaskPool
     from daskgen.client.windows import WindowBoard
 
     @dataclasses.dataclass(frozen=True)
@@ -209,6 +210,7 @@ def test_one_partition_stays_submitted_when_no_worker_admits_any():
         stop=SimpleNamespace(stopping=False), plan=SimpleNamespace(config=SimpleNamespace(max_retries=0))
     )
     drv.tasks = iter([_bare_task(s) for s in (0, 4, 8)])
+    drv.pool = TaskPool(drv.tasks)
     drv.done = SimpleNamespace(add=lambda fut: None)
     drv.submit_up_to(1)
     assert len(drv.futures) == 1 and "workers" not in client.submitted[0][1], "one unpinned partition is submitted"

@@ -81,6 +81,7 @@ from daskgen.client.commit import CommitBatch, Outcome
 from daskgen.client.finished import FinishedPartitions
 from daskgen.client.live import LiveRun
 from daskgen.client.plan import Plan, row_tasks
+from daskgen.client.prefix_dispatch import TaskPool
 from daskgen.client.progress import Progress
 from daskgen.client.requeue import LiveRequeue
 from daskgen.client.scheduler_watch import SchedulerWatch
@@ -132,6 +133,8 @@ class Driver:
         self.batch = CommitBatch(run, on_commit=self.announce)
         self.requeue = LiveRequeue(client, run, self.busy, wake=self.done.wake)  # prompts followers send back
         self.tasks = self.requeue.track(tasks)
+        lookahead = run.plan.config.max_prompts_in_memory // 2 if run.plan.prefix is not None else 0
+        self.pool = TaskPool(self.tasks, lookahead)  # which task a free worker gets (prefix dispatch)
         self.bar: Progress | None = None
 
     def announce(self, seq: int) -> None:
@@ -150,8 +153,9 @@ class Driver:
         return housekeeping(self.client, self.run, self.tasks, self.retry) or self.requeue.due()
 
     def busy(self) -> set[int]:
-        """Partitions with a task in flight or waiting for a retry (their rows are not reset meanwhile)."""
-        return {t.start for t in self.futures.values()} | {t.start for t in self.retry}
+        """Partitions with a task in flight, waiting for a retry or held in the task pool (their rows are not reset
+        meanwhile)."""
+        return {t.start for t in (*self.futures.values(), *self.retry, *self.pool.pool)}
 
     def take_requeued(self, force: bool = False) -> bool:
         """Queue the rows followers sent back for generation (when due, or ``force``); true if there were any."""
@@ -183,6 +187,8 @@ class Driver:
             self.batch.flush(force=True)
             self.board.close()
             self.requeue.close()
+            if self.pool.placed:
+                self.run.plan.store.update_attrs(dispatch=self.pool.record(self.run.plan.prefix))
             self.announce_end()
 
     def announce_end(self) -> None:
@@ -217,18 +223,20 @@ class Driver:
         self.report()
         return True
 
-    def next_task(self) -> PartitionTask | None:
-        """The next partition to submit: retries first (an ``alone`` task only while no other is in
-        flight); none once a stop began."""
+    def next_task(self, worker: str | None) -> PartitionTask | None:
+        """The next partition to submit to ``worker``: retries first (an ``alone`` task only while no other
+        is in flight), then the task pool's choice (:mod:`daskgen.client.prefix_dispatch`); none once a stop
+        began."""
         if self.run.stop.stopping:
             return None
         for i in range(len(self.retry) - 1, -1, -1):
-            if not self.retry[i].alone:
-                return self.retry.pop(i)
-            if not self.alone_in_flight:
-                self.alone_in_flight += 1
-                return self.retry.pop(i)
-        return next(self.tasks, None)
+            task = self.retry[i]
+            if task.alone and self.alone_in_flight:
+                continue
+            self.alone_in_flight += task.alone
+            self.pool.started(task, worker)
+            return self.retry.pop(i)
+        return self.pool.take(worker)
 
     def submit_up_to(self, cap: int) -> None:
         """Submit partitions to the workers with free admitted slots, at most ``cap`` in flight; beyond the
@@ -240,7 +248,7 @@ class Driver:
             worker = self.board.pick()
             if worker is None and in_flight >= max(1, self.board.total()):  # one always goes: the run must
                 break  # not end while no worker admits anything (every worker draining, a job starting)
-            task = self.next_task()
+            task = self.next_task(worker)
             if task is None:
                 break
             key = task_key(task)

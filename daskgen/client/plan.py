@@ -20,10 +20,12 @@ import numpy as np
 
 from daskgen.agents import create_agent
 from daskgen.client.dispatch import dispatch_order, long_first, read_length_hints
+from daskgen.client.prefix_dispatch import resolve_prefix, with_prefix
 from daskgen.config import RunConfig
 from daskgen.input import adapters, response_format
 from daskgen.input.chat_template import ChatTemplate
 from daskgen.input.columns import kept_values
+from daskgen.input.prefix import PrefixKeys
 from daskgen.input.rows import InputScan, iter_selected_rows, scan_prompts
 from daskgen.input.sampling import STOP_KEYS, RowSamplingCheck, merged, requested_features, row_params, run_settings
 from daskgen.input.scan_cache import load_scan, scan_key, scan_record
@@ -56,6 +58,7 @@ class Plan:
     first_partitions: tuple[int, ...] = ()  # dispatched first (partitions left with partial responses)
     predicted: np.ndarray | None = None  # per row: longest response in the length_hints store (NaN: unknown)
     template: ChatTemplate = dataclasses.field(default_factory=ChatTemplate)  # the run's chat-template options
+    prefix: PrefixKeys | None = None  # the shared-prefix keys dispatch goes by (None: input order)
 
     @property
     def layout(self) -> Layout:
@@ -86,6 +89,7 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
         first_partitions=tuple(store.attrs.partial_partitions),
         predicted=_predicted_lengths(config, scan),
         template=template,
+        prefix=resolve_prefix(config.dispatch, scan, store.attrs.input_scan, tokenizer, template),
     )
 
 
@@ -232,8 +236,10 @@ def pending_tasks(plan: Plan, status: np.ndarray) -> Iterator[PartitionTask]:
 
     Likely-long partitions come first (:mod:`daskgen.client.dispatch`): those holding partial responses of an
     interrupted earlier run, then those the ``length_hints`` store predicts longest (longest first),
-    then the others in order.  Only the prompts of tasks the caller holds, and of the predicted-long
-    group (at most half of ``max_prompts_in_memory``), are in memory: the input is re-read, not kept.
+    then the others in order; with prefix dispatch each task is sent in prompt order and carries its
+    partition's prefix key (:mod:`daskgen.client.prefix_dispatch`).  Only the prompts of tasks the caller
+    holds, and of the predicted-long group (at most half of ``max_prompts_in_memory``), are in memory: the
+    input is re-read, not kept.
     """
     layout, todo = plan.layout, pending_rows(plan, status)
     starts = [s for s in layout.partitions() if todo[s : s + layout.partition_size].any()]
@@ -244,7 +250,8 @@ def pending_tasks(plan: Plan, status: np.ndarray) -> Iterator[PartitionTask]:
         longest, rest = long_first(rest, np.where(todo, plan.predicted, np.nan), layout.partition_size, limit)
         groups.append(longest)
     for group in [*groups, rest]:
-        yield from _tasks_for(plan, group, todo)
+        for task in _tasks_for(plan, group, todo):
+            yield task if plan.prefix is None else with_prefix(task, plan.prefix.keys)
 
 
 def row_tasks(plan: Plan, rows: list[int]) -> Iterator[PartitionTask]:

@@ -17,6 +17,7 @@ from daskgen.errors import InputError
 from daskgen.input import chat_template
 from daskgen.input.chat_template import ChatTemplate
 from daskgen.input.columns import ColumnCheck
+from daskgen.input.prefix import PrefixKeys, PrefixScan
 from daskgen.input.response_format import FormatCheck
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -203,6 +204,7 @@ class InputScan:
     overlong: dict[int, str] = field(default_factory=dict)
     columns: tuple[str, ...] = ()  # the kept input columns (``keep_columns``, ``"*"`` resolved)
     structured: bool = False  # some row has its own ``response_format`` (:mod:`daskgen.input.response_format`)
+    prefix: PrefixKeys | None = None  # shared-prefix keys per row (:mod:`daskgen.input.prefix`); None: not known
 
     def __len__(self) -> int:
         return self.n_rows
@@ -227,15 +229,15 @@ def scan_prompts(
     column) to the report.
     """
     name = str(source) if isinstance(source, (str, Path)) else "input"
-    kept, formats = ColumnCheck(keep_columns), FormatCheck()
+    kept, formats, prefixes = ColumnCheck(keep_columns), FormatCheck(), PrefixScan()
     ids, fingerprint, errors, lengths = _scan_rows(
-        source, tokenizer, max_prompt_tokens, template, kept, formats, check_row
+        source, tokenizer, max_prompt_tokens, template, (kept, formats, prefixes), check_row
     )
     _raise_if(errors, name)
     if not ids:
         raise InputError(f"{name} has no prompts; expected at least one row.")
     overlong = check_lengths({i: n for i, n in lengths.items()}, max_prompt_tokens, skip=skip_overlong)
-    return InputScan(source, len(ids), ids, fingerprint, overlong, kept.names, formats.used)
+    return InputScan(source, len(ids), ids, fingerprint, overlong, kept.names, formats.used, prefixes.result())
 
 
 def _scan_rows(
@@ -243,12 +245,13 @@ def _scan_rows(
     tokenizer: Any,
     max_prompt_tokens: int,
     template: ChatTemplate | None,
-    kept: ColumnCheck,
-    formats: FormatCheck,
+    checks: tuple[ColumnCheck, FormatCheck, PrefixScan],
     check_row: Callable[[Any], list[str]] | None = None,
 ) -> tuple[list[str], str, list[str], dict[int, int]]:
     """One pass over the rows: their ids, the input fingerprint, every row error, and the token count of
-    each prompt longer than ``max_prompt_tokens`` (tokenizing stops at the first error)."""
+    each prompt longer than ``max_prompt_tokens`` (tokenizing stops at the first error); each prompt's
+    tokens go to the prefix scan."""
+    kept, formats, prefixes = checks
     digest = _Fingerprint()
     errors: list[str] = []
     ids: list[str] = []
@@ -261,8 +264,9 @@ def _scan_rows(
         digest.add(row)
         ids.append(_row_id(row, number, seen, errors))
         if not errors:
-            n_tokens = len(tokenize_rows([row], tokenizer, template, number)[0])
-            if n_tokens > max_prompt_tokens:
+            tokens = tokenize_rows([row], tokenizer, template, number)[0]
+            prefixes.add(tokens)
+            if (n_tokens := len(tokens)) > max_prompt_tokens:
                 lengths[len(ids) - 1] = n_tokens
     return ids, digest.value(), errors, lengths
 

@@ -85,4 +85,5 @@ def scan_record(key: dict[str, Any] | None, scan: InputScan, source: Any) -> dic
         "n_rows": scan.n_rows,
         "fingerprint": scan.fingerprint,
         "overlong": {str(row): why for row, why in scan.overlong.items()},
+        "prefix": scan.prefix.summary() if scan.prefix is not None else None,
     }

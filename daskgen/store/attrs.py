@@ -55,6 +55,9 @@ class StoreAttrs:
         Start rows of partitions holding partial responses, dispatched first by the next run.
     packed:
         The packing record of ``daskgen pack`` (shard rows, rows read per chunk), or ``None``.
+    dispatch:
+        How the last run dispatched its tasks (``mode``, shared-prefix summary, ``n_tasks``, the first tasks'
+        partition start, prefix key and worker index into ``workers``), or ``None``.
     extra:
         Keys this version does not know, kept as they are.
     """
@@ -73,6 +76,7 @@ class StoreAttrs:
     input_scan: dict[str, Any] | None = None
     partial_partitions: list[int] = field(default_factory=list)
     packed: dict[str, Any] | None = None
+    dispatch: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

@@ -27,6 +27,7 @@ from daskgen.input.rows import tokenize_rows
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import Layout, column_array, empty_region
 from daskgen.worker.continuation import sample_with_prefix, stored_samples
+from daskgen.worker.prefix_order import gather_in_prompt_order
 from daskgen.worker.region import place_prompts, place_samples
 from daskgen.worker.rounds import RowOutcome, sample_in_rounds
 from daskgen.worker.row_sampling import apply_stops, place_row_settings, sample_params
@@ -77,6 +78,10 @@ class PartitionTask:
     eos_ids: tuple[int, ...] = ()
     run_settings: dict[str, Any] | None = None
     row_settings: list[dict[str, Any]] | None = None
+    #: Send the requests in prompt order (shared prefixes together: :mod:`daskgen.worker.prefix_order`).
+    prefix_order: bool = False
+    #: Client side only: the partition's shared-prefix key (-1: none; :mod:`daskgen.client.prefix_dispatch`).
+    prefix_key: int = -1
 
     @property
     def layout(self) -> Layout:
@@ -246,8 +251,14 @@ class _Generation:
         task, plugin = self.task, self.plugin
         self.handle.engine = await plugin.get_engine()  # the engine may have been restarted meanwhile
         calls = self.calls(indices)
+        started: Awaitable[list[Any]]
+        if task.prefix_order and task.prompts is not None:  # shared prefixes reach the engine together
+            per_row = task.n_samples if task.verify is None else 1
+            started = gather_in_prompt_order(calls, task.prompts, indices, per_row)
+        else:
+            started = asyncio.gather(*calls)
         try:
-            return list(await asyncio.wait_for(asyncio.gather(*calls), task.timeout_s))
+            return list(await asyncio.wait_for(started, task.timeout_s))
         except asyncio.TimeoutError:
             await self.handle.abort_all()
             await plugin.check_health()

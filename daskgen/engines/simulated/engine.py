@@ -27,6 +27,9 @@ The model
 * It has no weights: a policy version published to a ``refresh`` run (docs/async-rl.md) loads at once when
   its folder exists and changes no output, so the refresh around the engine (the drain or the continuation,
   the versions recorded per sample) runs as with a model.
+* Prefill (off by default): each prompt token the engine computes costs ``prefill_time_per_token_s``
+  model seconds, paid before the next step; tokens its prefix cache holds
+  (:mod:`~daskgen.engines.simulated.prefix_cache`, ``prefix_cache_tokens``) are not computed again.
 
 :meth:`SimulatedEngine.stats` reports steps, busy time, busy fraction and per-step batch sizes.
 The options (:class:`~daskgen.engines.simulated.plan.SimulatedArgs`) and the output model
@@ -59,6 +62,7 @@ from daskgen.engines.base import (
 )
 from daskgen.engines.request_check import request_error
 from daskgen.engines.simulated.plan import OutputPlan, SimulatedArgs, plan_output
+from daskgen.engines.simulated.prefix_cache import PrefixCache
 from daskgen.errors import RefreshError
 
 __all__ = ["SimulatedEngine"]
@@ -119,6 +123,9 @@ class _Stats:
     finished: int = 0
     aborted: int = 0
     tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_s: float = 0.0
 
 
 # --------------------------------------------------------------------------- engine
@@ -145,6 +152,8 @@ class SimulatedEngine(Engine):
         self._boundary_wall = 0.0  # wall time of the last step boundary (time_scale > 0)
         self._wall_per_step = 0.0  # of the step(s) in progress
         self._stats = _Stats()
+        self._cache = PrefixCache(self.args.prefix_cache_tokens, self.args.prefix_cache_block)
+        self._prefill_s = 0.0  # of the requests admitted since the last step
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
@@ -290,6 +299,14 @@ class SimulatedEngine(Engine):
             sim.start_step = self._step
             self._running += 1
             heapq.heappush(self._finishing, (sim.finish_step, next(self._order), sim))
+            self._prefill(sim.request.prompt_ids)
+
+    def _prefill(self, prompt: list[int]) -> None:
+        """Count a joining request's prompt: cached tokens, and the prefill time of the others."""
+        cached = self._cache.admit(prompt)
+        self._stats.prompt_tokens += len(prompt)
+        self._stats.cached_tokens += cached
+        self._prefill_s += (len(prompt) - cached) * self.args.prefill_time_per_token_s
 
     def _next_finish(self) -> int:
         while self._finishing[0][2].done:
@@ -301,6 +318,13 @@ class SimulatedEngine(Engine):
 
         Returns whether it slept (``False`` in instant mode).
         """
+        if self._prefill_s > 0:  # the joining requests' prefill delays the next step
+            prefill, self._prefill_s = self._prefill_s, 0.0
+            self._stats.busy_s += prefill
+            self._stats.prefill_s += prefill
+            if self.args.time_scale > 0:
+                await asyncio.sleep(prefill * self.args.time_scale)
+                self._boundary_wall = time.perf_counter()
         batch = self._running
         step_s = self.args.step_time_base_s + self.args.step_time_per_seq_s * batch
         steps = self._next_finish() - self._step
@@ -347,7 +371,8 @@ class SimulatedEngine(Engine):
 
         ``busy_s`` and ``elapsed_s`` are model seconds (wall seconds / ``time_scale``);
         ``busy_fraction = busy_s / elapsed_s`` is ``None`` when ``time_scale == 0``.
-        ``batch_size_hist`` maps a batch size to the number of steps run at that size.
+        ``batch_size_hist`` maps a batch size to the number of steps run at that size; ``prompt_tokens``,
+        ``cached_prompt_tokens`` and ``prefill_tokens`` count the prompts admitted (computed = prompt - cached).
         """
         s = self._stats
         elapsed = None
@@ -365,6 +390,10 @@ class SimulatedEngine(Engine):
             "requests_finished": s.finished,
             "requests_aborted": s.aborted,
             "tokens_generated": s.tokens,
+            "prompt_tokens": s.prompt_tokens,
+            "cached_prompt_tokens": s.cached_tokens,
+            "prefill_tokens": s.prompt_tokens - s.cached_tokens,
+            "prefill_s": s.prefill_s,
             "running": self._running,
             "waiting": len(self._waiting),
         }

@@ -42,6 +42,12 @@ class SimulatedArgs:
         ``1``: all samples of a prompt about as long.
     vocab_size, eos_token_id:
         Token ids are drawn from ``[0, vocab_size)``; prompts must use ids in that range.
+    prefill_time_per_token_s:
+        Model seconds per prompt token the engine computes (the prefill of the requests joining a step
+        delays that step); ``0``: prefill is free.
+    prefix_cache_tokens, prefix_cache_block:
+        The engine's prefix cache (:mod:`~daskgen.engines.simulated.prefix_cache`): tokens it holds (``0``:
+        none) and its block size; cached prompt tokens are not computed again.
     """
 
     max_batch: int = 256
@@ -54,6 +60,9 @@ class SimulatedArgs:
     length_prompt_share: float = 0.0
     vocab_size: int = 32000
     eos_token_id: int = 2
+    prefill_time_per_token_s: float = 0.0
+    prefix_cache_tokens: int = 0
+    prefix_cache_block: int = 16
 
     def __post_init__(self) -> None:
         require(
@@ -63,9 +72,21 @@ class SimulatedArgs:
             "an integer >= 1",
             self.max_batch,
         )
-        for name in ("step_time_base_s", "step_time_per_seq_s", "time_scale", "length_sigma"):
+        for name in (
+            "step_time_base_s",
+            "step_time_per_seq_s",
+            "time_scale",
+            "length_sigma",
+            "prefill_time_per_token_s",
+        ):
             value = getattr(self, name)
             require("simulated", is_number(value) and value >= 0, name, "a finite number >= 0", value)
+        for name in ("prefix_cache_tokens", "prefix_cache_block"):
+            value = getattr(self, name)
+            ok = isinstance(value, int) and value >= (name == "prefix_cache_block")
+            require(
+                "simulated", ok, name, "an integer >= 1" if name == "prefix_cache_block" else "an integer >= 0", value
+            )
         require(
             "simulated",
             is_number(self.length_mean) and self.length_mean >= 1,
