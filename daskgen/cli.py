@@ -128,11 +128,20 @@ def policy_publish(
     store: Annotated[str, typer.Argument(help="The run's daskgen store (folder or URL).")],
     path: Annotated[str, typer.Argument(help="Checkpoint folder (save_pretrained) readable by every worker.")],
     version: Annotated[int, Opt(help="Version number, above the newest published one (the run's model is 0).")],
+    scheduler_address: Annotated[
+        str | None, Opt(help="The run's Dask scheduler: announce the version there, so workers load it at once.")
+    ] = None,
 ) -> None:
     """Publish a checkpoint as the next policy version; runs with `refresh` load it without restarting."""
     from daskgen.store.policy import publish_policy
 
-    entry = publish_policy(store, path, version)
+    if scheduler_address is None:
+        entry = publish_policy(store, path, version)
+    else:
+        from distributed import Client
+
+        with Client(scheduler_address, timeout="30s") as client:
+            entry = publish_policy(store, path, version, client=client)
     typer.echo(f"daskgen: published policy version {entry.version}: {entry.path} ({entry.time})")
 
 

@@ -158,3 +158,48 @@ def test_continue_carries_a_request_onto_the_new_weights(tiny_model, new_policy,
     assert after.meta["policy_versions"] == [(0, 1)]
     assert after.output_ids == greedy(new_policy, [prompt], params)[0]  # still on version 1
     assert read_worker_policies(store.locate(out))[0].state == "failed"
+
+
+def test_a_version_announced_on_the_runs_cluster_loads_without_waiting_for_the_poll(tmp_path):
+    """``daskgen policy publish --scheduler-address``: the run's worker, whose poll interval is 10 minutes, starts
+    loading the version at once (its refresher is woken by the Dask event), and the run ends on it."""
+    import dask
+    from distributed import LocalCluster
+
+    from tests.conftest import run_cli
+    from tests.probing import probe_args
+
+    gates, step1, out = tmp_path / "gates", tmp_path / "step1", tmp_path / "out.zarr"
+    gates.mkdir(), step1.mkdir()
+    prompts = write_prompts(tmp_path / "p.jsonl", 3)
+    location = store.locate(out)
+    with (
+        dask.config.set({"distributed.worker.daemon": False, "daskgen.policy.poll-interval": "600s"}),
+        LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address=":0") as cluster,
+    ):
+        proc = popen_cli(
+            "run", "--prompts", prompts,
+            *probe_args(tmp_path, out, "--engine-arg", f"gate_path={gates / '{row}'}", "--refresh", "drain"),
+            *("--partition-size", "1", "--window", "1", "--no-progress"),
+            *("--scheduler-address", cluster.scheduler_address),
+        )  # fmt: skip
+        try:
+            wait_for_arrival(tmp_path / "events.log", proc, 0)  # row 0 is held at its gate
+            wait_until(lambda: [w for w in read_worker_policies(location) if w.state == "running"], proc, "a look")
+            published = run_cli(
+                *("policy", "publish", out, step1, "--version", "1", "--scheduler-address", cluster.scheduler_address)
+            )
+            assert published.returncode == 0, published.stdout + published.stderr
+            loading = wait_until(
+                lambda: [w for w in read_worker_policies(location) if w.state == "loading"], proc, "the refresh", 60
+            )
+            assert (loading[0].version, loading[0].asked) == (0, 1)  # the held row keeps it waiting (drain)
+            for row in range(3):
+                (gates / str(row)).touch()
+            assert proc.wait(timeout=120) == 0, proc.stdout.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    (state,) = read_worker_policies(location)
+    assert (state.state, state.version) == ("running", 1)
+    assert (store.GenerationStore.open(out).read_region(0, 3, ("policy_version",))["policy_version"][1:] == 1).all()

@@ -36,8 +36,8 @@ from daskgen.client.plan import pending_rows
 from daskgen.errors import StoreError
 from daskgen.store.commit_log import REQUEUE_KEY, REQUEUE_TOPIC
 from daskgen.store.layout import DONE, PENDING, empty_region
+from daskgen.store.location import same_store
 from daskgen.store.requeue import Entry, drop_requeue, read_requeue
-from daskgen.stream.events import same_store
 
 if TYPE_CHECKING:
     from daskgen.client.live import LiveRun

@@ -31,6 +31,9 @@ COMMIT_TOPIC = "daskgen-commits"
 #: The Dask event topic on which a follower announces additions to the requeue record (``{"store": url}``), a hint
 #: to the run writing the store (:class:`daskgen.client.requeue.LiveRequeue`).
 REQUEUE_TOPIC = "daskgen-requeue"
+#: The Dask event topic on which a publisher announces a new policy version (``{"store": url, "version": n}``):
+#: the run's workers on that cluster look at the policy record at once instead of at their next poll.
+POLICY_TOPIC = "daskgen-policy"
 #: Objects of a store outside zarr that belong to its commit log, its consumers, its policy record and its requeue
 #: record (kept by ``daskgen pack``).
 LOG_KEYS = (HEAD_KEY, CURSORS_PREFIX, POLICY_KEY, REQUEUE_KEY)

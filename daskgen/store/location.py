@@ -402,3 +402,10 @@ def locate(store: str | Path | StoreLocation | None, storage_options: dict[str, 
             f"{str(store)!r} is a local path. Remove storage_options or use a URL."
         )
     return LocalLocation(store)
+
+
+def same_store(url: str, location: StoreLocation) -> bool:
+    """True when ``url`` (a store announced in a Dask event) is ``location`` (local paths compared after resolving)."""
+    if location.is_local:
+        return os.path.realpath(url) == os.path.realpath(location.url)
+    return url.rstrip("/") == location.url

@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from daskgen.engines.base import BASE_POLICY_VERSION
 from daskgen.errors import PolicyError, PolicyVersionError
 from daskgen.store.attrs import utc_now
-from daskgen.store.commit_log import POLICY_KEY, POLICY_WORKERS_PREFIX
+from daskgen.store.commit_log import POLICY_KEY, POLICY_TOPIC, POLICY_WORKERS_PREFIX
 from daskgen.store.generation_store import read_store_attrs
 from daskgen.store.location import StoreLocation, StoreRef, locate
 
@@ -48,7 +49,7 @@ def newest(location: StoreLocation) -> PolicyVersion | None:
     return versions[-1] if versions else None
 
 
-def publish_policy(store: StoreRef, path: str, version: int) -> PolicyVersion:
+def publish_policy(store: StoreRef, path: str, version: int, client: Any = None) -> PolicyVersion:
     """Publish the checkpoint folder ``path`` as policy ``version`` of the store ``store`` (a folder or URL).
 
     A ``daskgen run`` with ``refresh`` set loads it into every worker's engine without restarting; its samples
@@ -62,6 +63,10 @@ def publish_policy(store: StoreRef, path: str, version: int) -> PolicyVersion:
         The folder the trainer saved the weights to (``model.save_pretrained(path)``), readable by every worker.
     version:
         An integer above the newest published version (the run's own model is version 0).
+    client:
+        A ``distributed.Client`` of the run's cluster (optional): the version is also announced as a Dask event
+        (:data:`~daskgen.store.commit_log.POLICY_TOPIC`), so the run's workers load it at once instead of at their
+        next look at the record (``daskgen.policy.poll-interval``).  The record is the truth; the event a hint.
 
     Returns
     -------
@@ -81,7 +86,10 @@ def publish_policy(store: StoreRef, path: str, version: int) -> PolicyVersion:
             f"{location.url!r} is not a daskgen store: publish a policy version to the store of a run, after "
             "`daskgen run` created it."
         )
-    return publish(location, path, version)
+    entry = publish(location, path, version)
+    if client is not None:
+        client.log_event(POLICY_TOPIC, {"store": location.url, "version": entry.version})
+    return entry
 
 
 def publish(location: StoreLocation, path: str, version: int) -> PolicyVersion:

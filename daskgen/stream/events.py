@@ -13,20 +13,12 @@ commit log.  The other way, such a follower announces what it adds to the requeu
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Any
 
 from daskgen.store.commit_log import COMMIT_TOPIC, REQUEUE_TOPIC
-from daskgen.store.location import StoreLocation
-
-
-def same_store(url: str, location: StoreLocation) -> bool:
-    """True when the announced store ``url`` is ``location`` (local paths compared after resolving)."""
-    if location.is_local:
-        return os.path.realpath(url) == os.path.realpath(location.url)
-    return url.rstrip("/") == location.url
+from daskgen.store.location import StoreLocation, same_store
 
 
 class CommitEvents:

@@ -137,9 +137,10 @@ class EnginePlugin(WorkerPlugin):
         self._ready = asyncio.Event()
         self._tokenizer_lock = threading.Lock()  # the warm-up and a first partition may both ask
         if self.refresh is not None:
-            from daskgen.worker.refresh import PolicyRefresher
+            from daskgen.worker.refresh import PolicyRefresher, listen_for_versions
 
             self.refresher = PolicyRefresher(self.policy_store, self.refresh, self.live_engine, str(worker.name))
+            listen_for_versions(worker, self.refresher)
             self._policy_follower = asyncio.create_task(self.refresher.follow(self._refresh_failed))
         self._starter = asyncio.create_task(self._start())
         if tunables.get("dashboard.enabled"):

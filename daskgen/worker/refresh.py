@@ -2,7 +2,9 @@
 
 A run with ``refresh`` set gives each worker's :class:`~daskgen.worker.plugin.EnginePlugin` a
 :class:`PolicyRefresher`.  It reads the store's policy record (:mod:`daskgen.store.policy`) once per
-``daskgen.policy.poll-interval``; when the newest version is above the one its engine runs, it stops admitting
+``daskgen.policy.poll-interval``, and at once when a publisher on the run's cluster announces a version of the
+store (:func:`listen_for_versions`: a Dask event on :data:`~daskgen.store.commit_log.POLICY_TOPIC`); when the
+newest version is above the one its engine runs, it stops admitting
 the run's requests, empties the engine as the ``refresh`` policy says, loads the version
 (:meth:`~daskgen.engines.base.Engine.update_weights`) and admits again:
 
@@ -21,6 +23,7 @@ takes a request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -36,7 +39,8 @@ from daskgen.engines.base import (
     joined,
 )
 from daskgen.store.attrs import utc_now
-from daskgen.store.location import StoreLocation
+from daskgen.store.commit_log import POLICY_TOPIC
+from daskgen.store.location import StoreLocation, same_store
 from daskgen.store.policy import PolicyVersion, WorkerPolicy, newest, write_worker_policy
 
 logger = logging.getLogger(__name__)
@@ -74,16 +78,20 @@ class PolicyRefresher:
         self.changed = asyncio.Condition()
         self.in_flight: dict[str, Engine] = {}
         self.interrupted: set[str] = set()  # requests aborted by a ``continue`` refresh
+        self.announced = asyncio.Event()  # a publisher announced a version: look now
 
     # ------------------------------------------------------------------ the loop
     async def follow(self, on_error: Callable[[str], None]) -> None:
-        """Read the record once per ``daskgen.policy.poll-interval``; refresh when a newer version shows."""
+        """Read the record once per ``daskgen.policy.poll-interval`` (or when a version is announced); refresh
+        when a newer version shows."""
         while True:
+            self.announced.clear()
             try:
                 await self.check(on_error)
             except Exception as exc:  # a record that cannot be read now: the engine keeps its version
                 self._report(on_error, f"reading the policy record failed: {type(exc).__name__}: {exc}")
-            await asyncio.sleep(tunables.seconds("policy.poll-interval"))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.announced.wait(), tunables.seconds("policy.poll-interval"))
 
     async def check(self, on_error: Callable[[str], None]) -> None:
         """Bring the running engine to the newest published version (one look at the record)."""
@@ -189,6 +197,22 @@ class PolicyRefresher:
     def status(self) -> dict[str, Any]:
         """The worker's policy: version, refreshes done, last error (``None`` after a successful load)."""
         return {"policy_version": self.version, "refreshes": self.refreshes, "refresh_error": self.error}
+
+
+def listen_for_versions(worker: Any, refresher: PolicyRefresher) -> None:
+    """Wake ``refresher`` when a version of its store is announced on the worker's cluster (``publish_policy``
+    with a ``client``).  Uses the worker's own client (``Worker._get_client``, created on first use); when none can
+    be made the refresher keeps polling, which is only logged."""
+
+    def on_event(event: tuple[float, Any]) -> None:
+        _, msg = event
+        if isinstance(msg, dict) and same_store(str(msg.get("store", "")), refresher.location):
+            refresher.announced.set()
+
+    try:
+        worker._get_client().subscribe_topic(POLICY_TOPIC, on_event)
+    except Exception:  # noqa: BLE001 - the record is still read every poll interval
+        logger.warning("daskgen: policy announcements not received on %s; polling the record", worker.address)
 
 
 def _merged(segments: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
