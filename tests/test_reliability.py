@@ -230,11 +230,15 @@ def test_secrets_never_reach_store_logs_or_output(tmp_path):
 
 
 def test_full_disk_stops_the_run_clearly_and_the_store_resumes(tmp_path):
-    """A real full filesystem: a 600 KiB tmpfs (needs root, as CI has for SLURM: fails there, skips elsewhere)."""
+    """A real full filesystem: a 2 MiB tmpfs (needs root, as CI has for SLURM: fails there, skips elsewhere).
+
+    The whole store takes ~4.3 MiB (400 prompts x 256 tokens, ~9 files of 4 KiB pages or more per partition), so
+    the disk fills about half-way; 2 MiB leaves room for ~20 partitions before the first commit, which an instant
+    engine on a loaded machine can write before the client commits (with 600 KiB, CI once saw no commit at all)."""
     mnt = tmp_path / "small"
     mnt.mkdir()
     mount = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mnt)], capture_output=True, text=True
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True
     )
     if mount.returncode != 0:
         why = f"needs permission to mount a small tmpfs (root): {mount.stderr.strip()}"
