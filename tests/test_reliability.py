@@ -237,9 +237,7 @@ def test_full_disk_stops_the_run_clearly_and_the_store_resumes(tmp_path):
     engine on a loaded machine can write before the client commits (with 600 KiB, CI once saw no commit at all)."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    mount = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True
-    )
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
     if mount.returncode != 0:
         why = f"needs permission to mount a small tmpfs (root): {mount.stderr.strip()}"
         if os.environ.get("CI", "").lower() == "true":
