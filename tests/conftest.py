@@ -14,6 +14,7 @@ some tests need (dask-jobqueue, gguf) is imported inside the code under test, so
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import os
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,6 +62,22 @@ def simulated_run(*, max_new_tokens: int = 16, partition_size: int = 4, n_sample
         *("--partition-size", str(partition_size), "--n-samples", str(n_samples)),
         *("--n-workers", "1", "--no-progress"),
     ]
+
+
+@contextlib.contextmanager
+def runs_cluster(**config: object) -> Iterator[tuple[object, object]]:
+    """A LocalCluster of one worker process (4 threads) and a client of it, for ``daskgen run --scheduler-address``;
+    ``config``: Dask settings the worker starts with (e.g. ``{"daskgen.policy.poll-interval": "600s"}``)."""
+    import dask
+    from distributed import Client, LocalCluster
+
+    with (
+        dask.config.set({"distributed.worker.daemon": False, **config}),
+        LocalCluster(n_workers=1, threads_per_worker=4, processes=True, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        client.wait_for_workers(1)
+        yield cluster, client
 
 
 def write_prompts(path: Path, n: int, *, chat: bool = True) -> Path:

@@ -26,7 +26,7 @@ import pytest
 import daskgen
 from daskgen.analysis.accessor import open_store
 from daskgen.client.interrupt import EXIT_INTERRUPTED
-from tests.conftest import REPO, cli_env, popen_cli, run_cli, write_prompts
+from tests.conftest import REPO, cli_env, popen_cli, run_cli, runs_cluster, write_prompts
 from tests.test_object_store import s3, s3_server  # noqa: F401 - the moto server and bucket fixtures
 
 pytestmark = pytest.mark.timeout(300)
@@ -205,14 +205,7 @@ def test_cli_follow_writes_each_sample_once_into_a_parquet_folder_across_a_kill(
 
 @pytest.fixture
 def own_cluster():
-    from distributed import Client, LocalCluster
-
-    with (
-        dask.config.set({"distributed.worker.daemon": False}),
-        LocalCluster(n_workers=1, threads_per_worker=4, processes=True, dashboard_address=":0") as lc,
-        Client(lc) as client,
-    ):
-        client.wait_for_workers(1)
+    with runs_cluster() as (lc, client):
         yield lc, client
 
 

@@ -163,20 +163,14 @@ def test_continue_carries_a_request_onto_the_new_weights(tiny_model, new_policy,
 def test_a_version_announced_on_the_runs_cluster_loads_without_waiting_for_the_poll(tmp_path):
     """``daskgen policy publish --scheduler-address``: the run's worker, whose poll interval is 10 minutes, starts
     loading the version at once (its refresher is woken by the Dask event), and the run ends on it."""
-    import dask
-    from distributed import LocalCluster
-
-    from tests.conftest import run_cli
+    from tests.conftest import run_cli, runs_cluster
     from tests.probing import probe_args
 
     gates, step1, out = tmp_path / "gates", tmp_path / "step1", tmp_path / "out.zarr"
     gates.mkdir(), step1.mkdir()
     prompts = write_prompts(tmp_path / "p.jsonl", 3)
     location = store.locate(out)
-    with (
-        dask.config.set({"distributed.worker.daemon": False, "daskgen.policy.poll-interval": "600s"}),
-        LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address=":0") as cluster,
-    ):
+    with runs_cluster(**{"daskgen.policy.poll-interval": "600s"}) as (cluster, _):
         proc = popen_cli(
             "run", "--prompts", prompts,
             *probe_args(tmp_path, out, "--engine-arg", f"gate_path={gates / '{row}'}", "--refresh", "drain"),

@@ -33,7 +33,7 @@ from daskgen.store.commit_log import REQUEUE_TOPIC
 from daskgen.store.layout import DONE, PENDING
 from daskgen.store.policy import read_worker_policies
 from daskgen.store.requeue import add_requeue, read_requeue
-from tests.conftest import popen_cli, write_prompts
+from tests.conftest import popen_cli, runs_cluster, write_prompts
 from tests.probing import probe_args, wait_for_arrival
 from tests.test_follow import PART, N, finish, new_run
 from tests.test_follow_staleness import next_run, regenerate
@@ -43,14 +43,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def cluster():
-    from distributed import Client, LocalCluster
-
-    with (
-        dask.config.set({"distributed.worker.daemon": False}),
-        LocalCluster(n_workers=1, threads_per_worker=4, processes=True, dashboard_address=":0") as lc,
-        Client(lc) as client,
-    ):
-        client.wait_for_workers(1)
+    with runs_cluster() as (lc, client):
         yield lc, client
 
 

@@ -100,6 +100,7 @@ class TaskPool:
     def __init__(self, tasks: Iterator[PartitionTask], lookahead_rows: int = 0) -> None:
         self.tasks, self.lookahead_rows = tasks, lookahead_rows
         self.pool: list[PartitionTask] = []
+        self.pooled_rows = 0  # rows of the tasks in the pool
         self.held: dict[str, OrderedDict[int, None]] = defaultdict(OrderedDict)  # worker -> its keys
         self.homes: Counter[int] = Counter()  # key -> workers holding it
         self.placed: list[tuple[int, int, str]] = []  # (partition start, key, worker) of each task sent
@@ -111,6 +112,7 @@ class TaskPool:
         if not self.pool:
             return None
         task = self.pool.pop(self._choose(worker))
+        self.pooled_rows -= len(task.rows)
         self.started(task, worker)
         return task
 
@@ -130,13 +132,14 @@ class TaskPool:
     def _fill(self) -> None:
         """Pull tasks until the pool holds ``lookahead_rows`` rows and at least one task (or the input ended)."""
         while not self.exhausted:
-            if self.pool and sum(len(t.rows) for t in self.pool) >= self.lookahead_rows:
+            if self.pool and self.pooled_rows >= self.lookahead_rows:
                 return
             task = next(self.tasks, None)
             if task is None:
                 self.exhausted = True
                 return
             self.pool.append(task)
+            self.pooled_rows += len(task.rows)
 
     def _choose(self, worker: str | None) -> int:
         """Index in the pool of the task for ``worker``: its own latest key, no key, a new key, the rarest key."""

@@ -36,7 +36,7 @@ from daskgen.client.plan import pending_rows
 from daskgen.errors import StoreError
 from daskgen.store.commit_log import REQUEUE_KEY, REQUEUE_TOPIC
 from daskgen.store.layout import DONE, PENDING, empty_region
-from daskgen.store.location import same_store
+from daskgen.store.location import announced_for
 from daskgen.store.requeue import Entry, drop_requeue, read_requeue
 
 if TYPE_CHECKING:
@@ -115,8 +115,7 @@ class LiveRequeue:
         client.subscribe_topic(REQUEUE_TOPIC, self._on_event)
 
     def _on_event(self, event: tuple[float, Any]) -> None:
-        _, msg = event
-        if isinstance(msg, dict) and same_store(str(msg.get("store", "")), self.run.plan.store.location):
+        if announced_for(event, self.run.plan.store.location) is not None:
             self.announced.set()
             if self.wake is not None:
                 self.wake()

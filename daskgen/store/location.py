@@ -404,6 +404,15 @@ def locate(store: str | Path | StoreLocation | None, storage_options: dict[str, 
     return LocalLocation(store)
 
 
+def announced_for(event: Any, location: StoreLocation) -> dict[str, Any] | None:
+    """The message of a Dask event (``(time, msg)``, as ``Client.subscribe_topic`` hands it) when it names the
+    store at ``location`` (its ``"store"`` key), else ``None``: one rule for every daskgen announcement topic."""
+    _, msg = event
+    if isinstance(msg, dict) and same_store(str(msg.get("store", "")), location):
+        return msg
+    return None
+
+
 def same_store(url: str, location: StoreLocation) -> bool:
     """True when ``url`` (a store announced in a Dask event) is ``location`` (local paths compared after resolving)."""
     if location.is_local:

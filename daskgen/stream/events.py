@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from daskgen.store.commit_log import COMMIT_TOPIC, REQUEUE_TOPIC
-from daskgen.store.location import StoreLocation, same_store
+from daskgen.store.location import StoreLocation, announced_for
 
 
 class CommitEvents:
@@ -31,8 +31,8 @@ class CommitEvents:
         client.subscribe_topic(COMMIT_TOPIC, self._handle)
 
     def _handle(self, event: Any) -> None:
-        _, msg = event
-        if isinstance(msg, dict) and same_store(str(msg.get("store", "")), self.location):
+        msg = announced_for(event, self.location)
+        if msg is not None:
             self.seen += 1
             if msg.get("ending"):
                 self.ended_at = time.monotonic()

@@ -40,7 +40,7 @@ from daskgen.engines.base import (
 )
 from daskgen.store.attrs import utc_now
 from daskgen.store.commit_log import POLICY_TOPIC
-from daskgen.store.location import StoreLocation, same_store
+from daskgen.store.location import StoreLocation, announced_for
 from daskgen.store.policy import PolicyVersion, WorkerPolicy, newest, write_worker_policy
 
 logger = logging.getLogger(__name__)
@@ -201,16 +201,15 @@ class PolicyRefresher:
 
 def listen_for_versions(worker: Any, refresher: PolicyRefresher) -> None:
     """Wake ``refresher`` when a version of its store is announced on the worker's cluster (``publish_policy``
-    with a ``client``).  Uses the worker's own client (``Worker._get_client``, created on first use); when none can
-    be made the refresher keeps polling, which is only logged."""
+    with a ``client``).  Uses the worker's own client (``Worker.client``, made on first use); when none can be
+    made the refresher keeps polling, which is only logged."""
 
     def on_event(event: tuple[float, Any]) -> None:
-        _, msg = event
-        if isinstance(msg, dict) and same_store(str(msg.get("store", "")), refresher.location):
+        if announced_for(event, refresher.location) is not None:
             refresher.announced.set()
 
     try:
-        worker._get_client().subscribe_topic(POLICY_TOPIC, on_event)
+        worker.client.subscribe_topic(POLICY_TOPIC, on_event)
     except Exception:  # noqa: BLE001 - the record is still read every poll interval
         logger.warning("daskgen: policy announcements not received on %s; polling the record", worker.address)
 
