@@ -26,7 +26,7 @@ def commit_overlong(run: LiveRun) -> None:
     """Commit the prompts longer than ``max_prompt_tokens`` (with ``--skip-overlong``) as failed with the reason."""
     overlong, layout = run.plan.prompts.overlong, run.plan.layout
     pending = [i for i in overlong if run.status[i] == PENDING]
-    for start in sorted({i - i % layout.partition_size for i in pending}):
+    for start in layout.partitions_of(pending):
         stop = min(start + layout.partition_size, layout.n_prompts)
         rows = [i for i in pending if start <= i < stop]
         commit_rows(run, start, stop, {i: overlong[i] for i in rows})

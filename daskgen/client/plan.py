@@ -259,8 +259,7 @@ def row_tasks(plan: Plan, rows: list[int]) -> Iterator[PartitionTask]:
     each restricted to those rows."""
     todo = np.zeros(plan.layout.n_prompts, dtype=bool)
     todo[rows] = True
-    size = plan.layout.partition_size
-    yield from _tasks_for(plan, sorted({r - r % size for r in rows}), todo)
+    yield from _tasks_for(plan, plan.layout.partitions_of(rows), todo)
 
 
 def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[PartitionTask]:

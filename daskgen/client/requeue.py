@@ -123,8 +123,8 @@ class LiveRequeue:
     def track(self, tasks: Iterator[PartitionTask]) -> Iterator[PartitionTask]:
         """``tasks`` (the run's lazy task stream, which computes its pending rows as it starts), noting the
         partitions it has yet to hand out."""
-        size = self.run.plan.layout.partition_size
-        self.unstarted = {int(r) - int(r) % size for r in np.flatnonzero(pending_rows(self.run.plan, self.run.status))}
+        pending = np.flatnonzero(pending_rows(self.run.plan, self.run.status))
+        self.unstarted = set(self.run.plan.layout.partitions_of(pending))
         for task in tasks:
             self.unstarted.discard(task.start)
             yield task
@@ -146,9 +146,8 @@ class LiveRequeue:
         entries = read_requeue(self.run.plan.store.location)
         if not entries:
             return []
-        size = self.run.plan.layout.partition_size
-        busy = self.busy() | (self.unstarted or set())
-        return _take(self.run, {(r, s) for r, s in entries if r - r % size not in busy}, clear_pending=False)
+        busy, layout = self.busy() | (self.unstarted or set()), self.run.plan.layout
+        return _take(self.run, {(r, s) for r, s in entries if layout.partition_of(r) not in busy}, clear_pending=False)
 
     def close(self) -> None:
         """Stop listening."""

@@ -92,8 +92,7 @@ def _start_live(plan: Plan, stop: StopControl, lock: Any) -> LiveRun:
 def _record_partial_partitions(run: LiveRun) -> None:
     """Keep the partitions that hold partial responses in the attrs, for the next run to start with."""
     plan = run.plan
-    size = plan.layout.partition_size
-    pending = {int(r) - int(r) % size for r in np.flatnonzero(run.status == PENDING)}
+    pending = set(plan.layout.partitions_of(np.flatnonzero(run.status == PENDING)))
     keep = still_partial(plan.first_partitions, run.partial_starts, pending)
     if keep != sorted(plan.first_partitions):
         plan.store.update_attrs(partial_partitions=keep)

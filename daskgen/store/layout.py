@@ -9,6 +9,7 @@ along ``prompt`` by the partition size; the client-written arrays (coordinates a
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -151,6 +152,14 @@ class Layout:
     def partitions(self) -> range:
         """Start rows of every partition."""
         return range(0, self.n_prompts, self.partition_size)
+
+    def partition_of(self, row: int) -> int:
+        """The start row of the partition holding ``row``."""
+        return int(row) - int(row) % self.partition_size
+
+    def partitions_of(self, rows: Iterable[int]) -> list[int]:
+        """The start rows of the partitions holding any of ``rows``, ascending."""
+        return sorted({self.partition_of(r) for r in rows})
 
     def array_specs(self) -> dict[str, ArraySpec]:
         """Every array of the layout, by name."""

@@ -41,7 +41,7 @@ def repair(store: GenerationStore, report: VerifyReport) -> dict[str, list[int]]
     coordinates = sorted({(p.array, p.start) for p in report.problems if p.array in COORDINATE_ARRAYS})
     data = [p for p in report.problems if p.array not in (*COMMIT_ARRAYS, *COORDINATE_ARRAYS)]
     data_rows = {r for p in data for r in range(p.start, p.stop)}
-    partitions = sorted({r - r % size for r in data_rows})
+    partitions = store.layout.partitions_of(data_rows)
     with StoreLock(store.location):
         store.refresh_attrs()  # under the lock: the run history is appended to what is there now
         for start in commit_chunks:  # first: a partition's commit below then reads a sound chunk
