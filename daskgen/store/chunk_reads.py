@@ -74,7 +74,8 @@ def _checked(data: np.ndarray, path: Path) -> np.ndarray:
     if np.uint32(google_crc32c.value(body)).tobytes() != bytes(data[-4:]):
         raise StoreError(
             f"chunk file {path} fails its CRC32C checksum: its bytes changed on disk. "
-            "Run `daskgen verify` on the store to list the damaged chunks, then `daskgen repair` to regenerate them."
+            "`daskgen verify STORE` lists the damaged chunks; `daskgen verify STORE --repair` and a rerun "
+            "regenerate them."
         )
     return body
 
