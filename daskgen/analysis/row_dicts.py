@@ -3,11 +3,16 @@
 The records are those of :func:`daskgen.analysis.arrow.json_records` of :func:`daskgen.analysis.arrow.arrow_block`
 (same keys, same order, same values: token lists, the ``finish_reason`` label, ``None`` for a log-probability
 that was not recorded); ``daskgen.follow(format="rows")`` and ``daskgen export --format jsonl`` build theirs here.
-Each column becomes Python objects in one ``tolist`` of its valid values, cut into per-sample lists by offset.
+Each column becomes Python objects in one ``tolist`` of its valid values, cut into per-sample lists by offset; a
+prompt's token list is made once and copied for each of its samples.  The cyclic garbage collector is paused while
+the records are built: they hold no cycles, and its passes over the growing heap would cost more than building them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -18,6 +23,23 @@ from daskgen.store.layout import NO_TOKEN, SAMPLE_NUMBERS, STALE_FIELD
 
 def record_dicts(block: dict[str, np.ndarray], has_logprobs: bool) -> list[dict[str, Any]]:
     """The block's samples as dicts fit for JSON (see the module docstring)."""
+    with collector_paused():
+        return _records(block, has_logprobs)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (when it runs) while the block runs."""
+    running = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if running:
+            gc.enable()
+
+
+def _records(block: dict[str, np.ndarray], has_logprobs: bool) -> list[dict[str, Any]]:
     plen, rlen = block["prompt_length"], block["response_length"]
     columns: dict[str, list[Any]] = {
         "prompt_index": block["prompt_index"].tolist(),
@@ -27,9 +49,9 @@ def record_dicts(block: dict[str, np.ndarray], has_logprobs: bool) -> list[dict[
         "num_turns": block["num_turns"].tolist(),
         "prompt_length": plen.tolist(),
         "response_length": rlen.tolist(),
-        "prompt_ids": ragged_lists(block["prompt_ids"], plen),
+        "prompt_ids": per_prompt_lists(block["prompt_ids"], plen, block["prompt_index"]),
         "response_ids": ragged_lists(block["response_ids"], rlen),
-        "response_mask": ragged_lists(block["response_mask"], rlen),
+        "response_mask": _mask_lists(block, rlen),
     }
     columns |= {name: block[name].tolist() for name in SAMPLE_NUMBERS if name in block}
     if STALE_FIELD in block:  # a follower with max_staleness: the sample is too stale
@@ -59,6 +81,26 @@ def ragged_lists(values: np.ndarray, lengths: np.ndarray, nan_as_none: bool = Fa
         valid = valid.astype(object)
         valid[nan] = None
     return split_list(valid.tolist(), lengths)
+
+
+def _mask_lists(block: dict[str, np.ndarray], rlen: np.ndarray) -> list[list[Any]]:
+    """``response_mask`` per sample; a block without it (a single-turn run's, not derived) has 1 on every token."""
+    if "response_mask" in block:
+        return ragged_lists(block["response_mask"], rlen)
+    width = block["response_ids"].shape[1]
+    ones = [1] * width
+    return [ones[:n] for n in np.minimum(rlen.astype(np.int64), width).tolist()]
+
+
+def per_prompt_lists(values: np.ndarray, lengths: np.ndarray, prompts: np.ndarray) -> list[list[Any]]:
+    """:func:`ragged_lists` of a per-prompt field repeated for each sample: made once per run of equal ``prompts``
+    (a prompt's samples are consecutive) and copied for the other samples of the run."""
+    starts = np.flatnonzero(np.r_[True, prompts[1:] != prompts[:-1]]) if len(prompts) else np.zeros(0, np.int64)
+    if len(starts) == len(prompts):
+        return ragged_lists(values, lengths)
+    once = ragged_lists(values[starts], lengths[starts])
+    runs = np.diff(np.r_[starts, len(prompts)]).tolist()
+    return [row.copy() if i else row for row, k in zip(once, runs, strict=True) for i in range(k)]
 
 
 def split_list(flat: list[Any], counts: np.ndarray) -> list[list[Any]]:

@@ -49,19 +49,29 @@ def verl_block(
     """
     plen = np.minimum(block["prompt_length"].astype(np.int64), prompt_width)
     rlen = np.minimum(block["response_length"].astype(np.int64), response_width)
-    prompt_attn = np.arange(prompt_width)[None, :] >= (prompt_width - plen)[:, None]
     response_attn = np.arange(response_width)[None, :] < rlen[:, None]
     out = _int64_fields(len(plen), prompt_width, response_width)
-    input_ids = out["input_ids"]
-    input_ids.fill(pad)
-    prompt_ids = block["prompt_ids"][:, :prompt_width]
-    input_ids[:, :prompt_width][prompt_attn] = prompt_ids[np.arange(prompt_ids.shape[1])[None, :] < plen[:, None]]
-    np.copyto(input_ids[:, prompt_width:], block["response_ids"][:, :response_width], where=response_attn)
-    out["prompts"][...], out["responses"][...] = input_ids[:, :prompt_width], input_ids[:, prompt_width:]
+    prompts, responses, attention = out["prompts"], out["responses"], out["attention_mask"]
+    _left_padded(prompts, block["prompt_ids"][:, :prompt_width], plen, pad)
+    responses.fill(pad)
+    np.copyto(responses, block["response_ids"][:, :response_width], where=response_attn)
+    np.concatenate((prompts, responses), axis=1, out=out["input_ids"])
     np.multiply(block["response_mask"][:, :response_width], response_attn, out=out["response_mask"])
-    out["attention_mask"][:, :prompt_width], out["attention_mask"][:, prompt_width:] = prompt_attn, response_attn
+    np.greater_equal(np.arange(prompt_width)[None, :], (prompt_width - plen)[:, None], out=attention[:, :prompt_width])
+    attention[:, prompt_width:] = response_attn
     _positions(out["position_ids"], prompt_width - plen, plen + rlen)
     return out | _verl_extras(block, response_attn, has_logprobs)
+
+
+def _left_padded(out: np.ndarray, ids: np.ndarray, lengths: np.ndarray, pad: int) -> None:
+    """Each row's first ``lengths`` tokens of ``ids`` at the end of its row of ``out``, ``pad`` before them: row ``i``
+    is the window at column ``lengths[i]`` of ``ids`` with a row's width of ``pad`` before it."""
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    width = out.shape[1]
+    wide = np.full((len(ids), 2 * width), pad, dtype=ids.dtype)
+    wide[:, width : width + ids.shape[1]] = ids
+    out[...] = sliding_window_view(wide, width, axis=1)[np.arange(len(ids)), lengths]
 
 
 def _int64_fields(rows: int, prompt_width: int, response_width: int) -> dict[str, np.ndarray]:

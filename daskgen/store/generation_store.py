@@ -23,6 +23,7 @@ import numpy as np
 
 from daskgen.errors import StoreError, StoreMismatchError, StoreWriteError
 from daskgen.store.attrs import ATTRS_KEY, StoreAttrs, jsonable, utc_now
+from daskgen.store.chunk_reads import PlainArray, plain_array
 from daskgen.store.codecs import chunks_checksummed, compressors
 from daskgen.store.commit_log import write_head
 from daskgen.store.cursors import CursorState, stored_cursors
@@ -36,7 +37,7 @@ from daskgen.store.layout import (
     Layout,
     variable_attrs,
 )
-from daskgen.store.location import StoreLocation, StoreRef, describe_failure, locate, write_failures
+from daskgen.store.location import LocalLocation, StoreLocation, StoreRef, describe_failure, locate, write_failures
 from daskgen.store.lock import LOCK_NAME
 
 #: The client-written arrays of the commit record, in the order a commit writes them (``status`` last).
@@ -89,6 +90,7 @@ class GenerationStore:
         self.location = location
         self.attrs = attrs
         self._arrays: dict[tuple[str, bool], Any] = {}
+        self._plain_arrays: dict[str, PlainArray | None] = {}
 
     # --- opening ------------------------------------------------------------------------------
     @classmethod
@@ -176,7 +178,8 @@ class GenerationStore:
     def read_spans(self, spans: list[tuple[int, int]], names: tuple[str, ...]) -> dict[str, list[np.ndarray]]:
         """Rows ``[start, stop)`` of each span of the named arrays: name -> one array per span.
 
-        Every (array, span) read is issued at once on Zarr's event loop, so their chunks are fetched and
+        The plain arrays of a local store are read chunk file by chunk file (:mod:`daskgen.store.chunk_reads`);
+        every other (array, span) read is issued at once on Zarr's event loop, so their chunks are fetched and
         decoded side by side (decoding releases the GIL) in one hand-over, not one per array and span.
         """
         if not spans:
@@ -185,16 +188,28 @@ class GenerationStore:
 
         from zarr.core.sync import sync
 
-        arrays = [self.array(name).async_array for name in names]
+        what = f"reading rows {spans[0][0]}..{spans[-1][1] - 1} ({len(spans)} span(s)) of {', '.join(names)}"
+        plain = {name: self._plain(name) for name in names}
+        rest = [name for name in names if plain[name] is None]
+        arrays = [self.array(name).async_array for name in rest]
 
         async def gather() -> list[Any]:
             return await asyncio.gather(*(a.getitem(slice(lo, hi)) for a in arrays for lo, hi in spans))
 
-        what = f"reading rows {spans[0][0]}..{spans[-1][1] - 1} ({len(spans)} span(s)) of {', '.join(names)}"
         with self.read_errors(what):
-            values = sync(gather())
+            out = {name: [p.read(lo, hi) for lo, hi in spans] for name, p in plain.items() if p is not None}
+            values = sync(gather()) if rest else []
         k = len(spans)
-        return {name: [np.asarray(v) for v in values[i * k : (i + 1) * k]] for i, name in enumerate(names)}
+        out |= {name: [np.asarray(v) for v in values[i * k : (i + 1) * k]] for i, name in enumerate(rest)}
+        return {name: out[name] for name in names}
+
+    def _plain(self, name: str) -> PlainArray | None:
+        """How to read array ``name`` chunk file by chunk file (a plain array of a local store), else ``None``."""
+        if name not in self._plain_arrays:
+            where = self.location
+            folder = where.path / name if isinstance(where, LocalLocation) else None
+            self._plain_arrays[name] = None if folder is None else plain_array(folder, self.array(name))
+        return self._plain_arrays[name]
 
     def array_names(self) -> list[str]:
         """Names of every array the store holds (its layout's, as far as it has them, and any other)."""

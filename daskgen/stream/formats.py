@@ -134,7 +134,7 @@ def build(
     """The batch's data in format ``fmt`` from the arrays ``data`` read for its ``rows`` (see the module docstring)."""
     if fmt == "xarray":
         return to_dataset(store, rows, prompt_ids, data)
-    block = flat_block(store, rows, prompt_ids, data)
+    block = flat_block(store, rows, prompt_ids, data, derive_mask=fmt != "rows")  # rows: lists of 1s
     if fmt == "rows":
         from daskgen.analysis.row_dicts import record_dicts
 
@@ -150,10 +150,15 @@ def build(
 
 
 def flat_block(
-    store: GenerationStore, rows: np.ndarray, prompt_ids: np.ndarray, data: dict[str, np.ndarray]
+    store: GenerationStore,
+    rows: np.ndarray,
+    prompt_ids: np.ndarray,
+    data: dict[str, np.ndarray],
+    derive_mask: bool = True,
 ) -> dict[str, np.ndarray]:
     """One entry per generated sample of the rows (:func:`daskgen.analysis.decode.flatten_arrays`), with
-    ``response_mask`` derived when it was not read (a single-turn run's: 1 before each length)."""
+    ``response_mask`` derived when it was not read (a single-turn run's: 1 before each length) and ``derive_mask``
+    says so."""
     from daskgen.analysis.decode import flatten_arrays
 
     layout = store.layout
@@ -161,7 +166,7 @@ def flat_block(
     variables = {name: (dims_of(specs, name), values) for name, values in data.items()}
     variables |= {"prompt_index": (("prompt",), rows.astype(np.int64)), "prompt_id": (("prompt",), prompt_ids)}
     block = flatten_arrays(variables, dict(zip(specs["finish_reason"].dims, data["finish_reason"].shape, strict=True)))
-    if "response_mask" not in block:
+    if derive_mask and "response_mask" not in block:
         width = np.arange(layout.max_new_tokens)[None, :]
         block["response_mask"] = (width < block["response_length"][:, None]).astype(np.uint8)
     return block
