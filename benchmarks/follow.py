@@ -224,7 +224,7 @@ def read_through(
     store: Path, cursor: str, fmt: str, fields: Any, batch: int, pad: str = "store"
 ) -> tuple[int, float, float]:
     """Samples read by a fresh cursor from start to end, the seconds it took and the CPU seconds of this process
-    (every thread: the reads decode chunks in Zarr's threads)."""
+    (every thread: Zarr decodes in threads of its own)."""
     import daskgen
 
     t0, cpu0, samples = time.perf_counter(), time.process_time(), 0
@@ -256,7 +256,7 @@ def part_throughput(a: argparse.Namespace, work: Path, rec: records.Record) -> N
         f"up to 256 tokens, lognormal lengths mean 120, partitions of 64, built in {built['seconds']:.0f} s), "
         f"read start to end by a fresh cursor in batches of {a.catchup_batch} prompts unless said otherwise "
         "(acknowledged: each batch also writes and syncs the cursor), after one warm-up pass with another cursor. "
-        "CPU s: this process's CPU time during the read, every thread (chunks are decoded in Zarr's threads)."
+        "CPU s: this process's CPU time during the read, every thread (Zarr decodes in threads of its own)."
     )
     rec.table(["what is read", "samples", "seconds", "samples/s", "CPU s", "samples per CPU s"], rows)
 
