@@ -48,3 +48,11 @@ def test_a_renamed_environment_variable_warns_with_its_replacement() -> None:
         found = tunables.warn_renamed_env({"DASKGEN_ENGINE_START_TIMEOUT": "3", "PATH": "/bin"})
     assert found == ["DASKGEN_ENGINE_START_TIMEOUT"]
     assert tunables.warn_renamed_env({"DASK_DASKGEN__HEALTH_TIMEOUT": "3s"}) == []
+
+
+def test_workers_daskgen_starts_run_without_dasks_stack_sampling_unless_asked() -> None:
+    from daskgen.client.cluster import worker_settings
+
+    assert worker_settings() == {"distributed.worker.daemon": False, "distributed.worker.profile.enabled": False}
+    with dask.config.set({"daskgen.worker-profile": True}):
+        assert worker_settings() == {"distributed.worker.daemon": False}

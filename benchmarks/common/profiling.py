@@ -23,15 +23,16 @@ from typing import Any
 Root = tuple[str, str]
 _SIM, _CONT = "engines/simulated/engine.py", "worker/continuation.py"
 _PART = "worker/partition.py"
+_AGENT = "agents/base.py"  # the single-turn loop's ``run``: one sample, the continuation of a stored one too
 
 #: Worker event-loop stages: (name, roots counted, roots subtracted).
 WORKER_STAGES: tuple[tuple[str, tuple[Root, ...], tuple[Root, ...]], ...] = (
     ("engine: the instant simulated engine (planning, step loop)", ((_SIM, "generate"), (_SIM, "_run")), ()),
-    ("request path: agent loop, engine handle, trajectory", ((_CONT, "sample_with_prefix"),), ((_SIM, "generate"),)),
+    ("request path: agent loop, engine handle, trajectory", ((_AGENT, "run"),), ((_SIM, "generate"),)),
     (
         "sample status and dashboard metrics",
         (("worker/slot.py", "counted"), ("dashboard/metrics.py", "report")),
-        ((_CONT, "sample_with_prefix"),),
+        ((_AGENT, "run"),),
     ),
     ("sample setup: seeds, params, coroutines", ((_PART, "calls"),), ()),
     ("result handling: gathering finished samples", (("asyncio/tasks.py", "_done_callback"),), ()),

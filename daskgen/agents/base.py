@@ -80,16 +80,18 @@ class Trajectory:
 
     def add_model_tokens(self, result: GenerationResult) -> None:
         """Append one engine result as model tokens (and the policy versions that generated them)."""
+        n, offset = len(result.output_ids), len(self.response_ids)
         segments = result.meta.get("policy_versions") or [(0, BASE_POLICY_VERSION)]
-        self.add_versions(segments, len(self.response_ids), len(result.output_ids))
+        self.add_versions(segments, offset, n)
         self.response_ids += result.output_ids
-        self.response_mask += [1] * len(result.output_ids)
-        if result.logprobs is not None:
-            self.logprobs = self.logprobs or [math.nan] * (len(self.response_ids) - len(result.output_ids))
-            self.logprobs += list(result.logprobs[: len(result.output_ids)])
-            self.logprobs += [math.nan] * (len(result.output_ids) - len(result.logprobs))
+        self.response_mask += [1] * n
+        if (given := result.logprobs) is not None:
+            self.logprobs = self.logprobs or [math.nan] * offset
+            self.logprobs += given if len(given) <= n else given[:n]
+            if len(given) < n:
+                self.logprobs += [math.nan] * (n - len(given))
         elif self.logprobs is not None:
-            self.logprobs += [math.nan] * len(result.output_ids)
+            self.logprobs += [math.nan] * n
         self._add_top_logprobs(result)
         self.num_turns += 1
         self.finish_reason = result.finish_reason

@@ -10,6 +10,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from daskgen import tunables
 from daskgen.config import RunConfig
 from daskgen.errors import SchedulerLost
 from daskgen.worker.admission import AUTO_MAX_WINDOW
@@ -26,8 +27,7 @@ def connect(config: RunConfig) -> Iterator[tuple[Any, Any]]:
     import dask
     from distributed import Client
 
-    # Engines such as SGLang start subprocesses: worker processes must not be daemonic.
-    with dask.config.set({"distributed.worker.daemon": False}):
+    with dask.config.set(worker_settings()):
         if config.scheduler_address:
             from daskgen.deploy.security import client_security
 
@@ -100,6 +100,15 @@ def _closing_quietly(client: Any) -> Iterator[None]:
         raise
     finally:
         loop_log.removeFilter(quiet)
+
+
+def worker_settings() -> dict[str, Any]:
+    """Dask settings of the workers a run starts (a LocalCluster's workers receive the client's config)."""
+    # Engines such as SGLang start subprocesses: worker processes must not be daemonic.
+    settings: dict[str, Any] = {"distributed.worker.daemon": False}
+    if not tunables.get("worker-profile"):  # Dask's stack sampling costs worker CPU on the result path
+        settings["distributed.worker.profile.enabled"] = False
+    return settings
 
 
 def _make_cluster(config: RunConfig) -> tuple[Any, Any]:

@@ -69,7 +69,7 @@ class WorkerMeter:
         lengths, tokens = self._lengths, 0
         for trajectories in waiting:
             for traj in trajectories:
-                tokens += max(0, sum(traj.response_mask) - traj.carried)
+                tokens += max(0, traj.response_mask.count(1) - traj.carried)  # a mask holds 0s and 1s
                 if traj.error is not None:
                     lengths["error"].append(len(traj.response_ids))
                     self.last_error = str(traj.error)[:ERROR_CHARS]

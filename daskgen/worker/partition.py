@@ -297,11 +297,15 @@ class _Generation:
             params = with_seed(task.params, seed)
         else:
             params = sample_params(task.params, own, task.eos_ids, task.seed, row, s)
-        if (row_format := _row_format(task, i)) is not None:
+        if (row_format := _row_format(task, i)) is not None and row_format is not params.response_format:
             params = dataclasses.replace(params, response_format=row_format)
-        if task.inputs:
-            params = dataclasses.replace(params, adapter=task.inputs[i].get("adapter"))
-        sample = sample_with_prefix(self.agent, self.handle, f"p{row}-s{s}", list(task.prompts[i]), params, prefix)
+        if task.inputs and (adapter := task.inputs[i].get("adapter")) != params.adapter:
+            params = dataclasses.replace(params, adapter=adapter)
+        request_id, prompt = f"p{row}-s{s}", list(task.prompts[i])
+        if prefix is None:  # nothing stored to continue: straight to the agent loop
+            sample = self.agent.run(self.handle, request_id, prompt, params)
+        else:
+            sample = sample_with_prefix(self.agent, self.handle, request_id, prompt, params, prefix)
         settings = own if own is not None else task.run_settings
         if settings is not None:  # a run with stops or per-row settings
             sample = self.stopped(sample, settings)

@@ -129,36 +129,38 @@ class _Columns:
 
     @classmethod
     def of(cls, trajectories: list[Trajectory], width: int) -> _Columns:
-        """Gather what each trajectory stores (its first ``width`` tokens)."""
+        """Gather what each trajectory stores (its first ``width`` tokens), one list per column."""
         out = cls()
-        reasons, turns, continued, stops = [], [], [], []
-        versions: dict[str, list[int]] = {name: [] for name in VERSION_ARRAYS}
-        for traj in trajectories:
-            ids, mask, lps = traj.response_ids, traj.response_mask, traj.logprobs
-            n = len(ids)
-            if n > width:
-                n, ids = width, ids[:width]
-            m = min(n, len(lps)) if lps is not None else 0
-            out.ids.append(ids)
-            out.masks.append(mask if len(mask) == n else mask[:n])
-            if lps is not None and m:
-                out.logprobs.append(lps if len(lps) == m else lps[:m])
-            out.lengths.append(n)
-            out.logprob_lengths.append(m)
-            reasons.append(int(FinishReason.ERROR if traj.error is not None else traj.finish_reason))
-            turns.append(traj.num_turns)
-            continued.append(min(traj.continued, n))
-            stops.append(traj.stop_reason)
-            for name, value in zip(VERSION_ARRAYS, versions_of(traj, n), strict=True):
-                versions[name].append(value)
-        out.scalars = {"response_length": out.lengths, "finish_reason": reasons, "num_turns": turns}
-        out.scalars.update(continued_tokens=continued, stop_reason=stops, **versions)
+        out.ids = [t.response_ids if len(t.response_ids) <= width else t.response_ids[:width] for t in trajectories]
+        out.lengths = lengths = list(map(len, out.ids))
+        pairs = list(zip(trajectories, lengths, strict=True))
+        out.masks = [t.response_mask if len(t.response_mask) == n else t.response_mask[:n] for t, n in pairs]
+        out.logprob_lengths = [0 if t.logprobs is None else min(n, len(t.logprobs)) for t, n in pairs]
+        out.logprobs = [
+            lps if len(lps) == m else lps[:m]
+            for t, m in zip(trajectories, out.logprob_lengths, strict=True)
+            if m and (lps := t.logprobs) is not None
+        ]
+        error = int(FinishReason.ERROR)
+        out.scalars = {
+            "response_length": lengths,
+            "finish_reason": [error if t.error is not None else int(t.finish_reason) for t in trajectories],
+            "num_turns": [t.num_turns for t in trajectories],
+            "continued_tokens": [min(t.continued, n) for t, n in pairs],
+            "stop_reason": [t.stop_reason for t in trajectories],
+        }
+        versions = [versions_of(t, n) for t, n in pairs]
+        for k, name in enumerate(VERSION_ARRAYS):
+            out.scalars[name] = [v[k] for v in versions]
         return out
 
 
 def versions_of(traj: Trajectory, n: int) -> tuple[int, int, int]:
     """The policy versions of a trajectory's first ``n`` response tokens: of the first token, of the last, and
     the position where the version first changed (-1: no model token, or no change)."""
+    if len(traj.versions) == 1:  # one policy version (every run without a refresh): no list to build
+        ((position, version),) = traj.versions
+        return (version, version, -1) if position < n else (-1, -1, -1)
     versions = [(position, version) for position, version in traj.versions if position < n]
     if not versions:
         return -1, -1, -1

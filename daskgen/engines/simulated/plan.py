@@ -170,7 +170,7 @@ def plan_output(request: GenerationRequest, args: SimulatedArgs) -> OutputPlan:
         tokens[-1], finish = args.eos_token_id, FinishReason.STOP
     out = tokens.tolist()
     stops = set(params.stop_token_ids)
-    cut = next((i for i, t in enumerate(out) if t in stops), None)
+    cut = next((i for i, t in enumerate(out) if t in stops), None) if stops else None
     if cut is not None:
         out, finish = out[: cut + 1], FinishReason.STOP
     if not (params.logprobs or params.top_logprobs):
