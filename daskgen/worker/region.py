@@ -131,7 +131,7 @@ class _Columns:
     def of(cls, trajectories: list[Trajectory], width: int) -> _Columns:
         """Gather what each trajectory stores (its first ``width`` tokens)."""
         out = cls()
-        reasons, turns, continued, stops = [], [], [], []
+        reasons, turns, continued, stops, cached = [], [], [], [], []
         versions: dict[str, list[int]] = {name: [] for name in VERSION_ARRAYS}
         for traj in trajectories:
             ids, mask, lps = traj.response_ids, traj.response_mask, traj.logprobs
@@ -149,10 +149,11 @@ class _Columns:
             turns.append(traj.num_turns)
             continued.append(min(traj.continued, n))
             stops.append(traj.stop_reason)
+            cached.append(traj.cached_prompt_tokens)
             for name, value in zip(VERSION_ARRAYS, versions_of(traj, n), strict=True):
                 versions[name].append(value)
         out.scalars = {"response_length": out.lengths, "finish_reason": reasons, "num_turns": turns}
-        out.scalars.update(continued_tokens=continued, stop_reason=stops, **versions)
+        out.scalars.update(continued_tokens=continued, stop_reason=stops, cached_prompt_tokens=cached, **versions)
         return out
 
 
