@@ -90,6 +90,7 @@ def engine_settings(a: argparse.Namespace, cache: int) -> tuple[str, str, dict[s
 
 def one_run(a: argparse.Namespace, rows: list[dict[str, Any]], dispatch: str, n_workers: int, cache: int) -> dict:
     """One daskgen run on a fresh cluster; prompt tokens computed, the engines' mean batch, the makespan."""
+    import dask
     from distributed import LocalCluster
 
     from daskgen.config import RunConfig
@@ -99,7 +100,8 @@ def one_run(a: argparse.Namespace, rows: list[dict[str, Any]], dispatch: str, n_
     shutil.rmtree(store, ignore_errors=True)
     model, engine, engine_args = engine_settings(a, cache)
     spec = {"n_workers": n_workers, "threads_per_worker": 1, "processes": a.processes == "yes"}
-    with LocalCluster(**spec, dashboard_address=None) as cluster:
+    daemon = {"distributed.worker.daemon": False}  # worker processes may start the engines' own subprocesses
+    with dask.config.set(daemon), LocalCluster(**spec, dashboard_address=None) as cluster:
         config = RunConfig(
             model=model,
             engine=engine,
