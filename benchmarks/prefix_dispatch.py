@@ -163,7 +163,7 @@ def part_prefix(a: argparse.Namespace, work: Path, rec: Any) -> None:
             f": max_batch {a.max_batch}, step {a.step_base} + {a.step_per_seq} x running s, prefill "
             f"{a.prefill_per_token} s per computed prompt token (byte tokenizer: one token per character)"
             if a.engine == "simulated"
-            else f" ({a.model})"
+            else f" ({engine_settings(a, 0)[0]}, {engine_settings(a, 0)[2]}, greedy)"
         )
         + f"; {a.max_new_tokens} new tokens per row; partitions of {a.partition_size}; {a.repeats} interleaved "
         f"repeats per side; LocalCluster with processes={a.processes} (one thread per worker)."
