@@ -14,16 +14,21 @@ process unless ``--processes yes``).  With ``--engine simulated`` (the default) 
 simulated engine with the prefill model on: every prompt token an engine computes costs
 ``--prefill-per-token`` model seconds, and each engine has a prefix cache of ``--cache-tokens`` tokens
 (:mod:`daskgen.engines.simulated.prefix_cache`; one row per cache size).  With ``--engine vllm`` or
-``sglang`` (``--model`` a local model folder; the lanes' environments) the engines are real and prompt
-tokens computed are counted only where the engine reports ``prefill_tokens`` in its statistics.
-Measured per run: the prompt tokens the engines computed (prompt tokens minus those their caches held),
+``sglang`` the engines are real, in-process, on the CPU (``--model``: a local model folder, by default
+SmolLM2-135M-Instruct from :func:`daskgen.models.smollm2_instruct`; the lanes' environments; engine arguments
+of ``overhead_engine.ENGINE_ARGS``, ``--max-batch`` requests per engine; greedy), one worker process each.
+Measured per run: the prompt tokens the engines computed (every sample's prompt less the tokens its engine
+served from its prefix cache, as the engine reported them per request: the store's ``cached_prompt_tokens``),
 the makespan (engines ready to the last commit, wall seconds; ``time_scale`` 1, so that model seconds are
-wall seconds), the engines' mean batch (occupancy) and the rows stored without their full response.
+wall seconds), response tokens per second of makespan, the engines' mean batch (occupancy; the simulated
+engine's statistics) and the rows stored without their full response (simulated: fixed lengths).
 Reported: medians over ``--repeats`` and the ratios order / prefix (tokens: > 1 means prefix computes
 fewer; makespan: > 1 means prefix is faster).
 
     python benchmarks/prefix_dispatch.py                       # ~10 minutes on 2 cores
     python benchmarks/prefix_dispatch.py --questions 32 --repeats 1 --no-record
+    python benchmarks/prefix_dispatch.py --engine vllm --systems 4 --system-tokens 2400 --questions 32 \
+        --max-new-tokens 8 --max-batch 16 --partition-size 16 --workloads shuffled   # the vllm lane's venv
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from common import cli, runs, workers
+from overhead_engine import ENGINE_ARGS
 
 TITLE = "Prefix-aware dispatch: prompt tokens computed and makespan, prefix vs order"
 WORDS = "the of model data token engine cache batch prompt system answer short long write read store".split()  # noqa: SIM905
@@ -67,7 +73,8 @@ def workload(a: argparse.Namespace, kind: str) -> list[dict[str, Any]]:
 def engine_settings(a: argparse.Namespace, cache: int) -> tuple[str, str, dict[str, Any]]:
     """The model, engine name and engine arguments of a run (``cache``: the simulated prefix cache)."""
     if a.engine != "simulated":
-        return a.model, a.engine, {}
+        model = a.model or str(__import__("daskgen.models", fromlist=["smollm2_instruct"]).smollm2_instruct())
+        return model, a.engine, ENGINE_ARGS[a.engine](argparse.Namespace(max_requests=a.max_batch, threads=1))
     args = {
         "max_batch": a.max_batch,
         "step_time_base_s": a.step_base,
@@ -83,6 +90,7 @@ def engine_settings(a: argparse.Namespace, cache: int) -> tuple[str, str, dict[s
 
 def one_run(a: argparse.Namespace, rows: list[dict[str, Any]], dispatch: str, n_workers: int, cache: int) -> dict:
     """One daskgen run on a fresh cluster; prompt tokens computed, the engines' mean batch, the makespan."""
+    import dask
     from distributed import LocalCluster
 
     from daskgen.config import RunConfig
@@ -92,7 +100,8 @@ def one_run(a: argparse.Namespace, rows: list[dict[str, Any]], dispatch: str, n_
     shutil.rmtree(store, ignore_errors=True)
     model, engine, engine_args = engine_settings(a, cache)
     spec = {"n_workers": n_workers, "threads_per_worker": 1, "processes": a.processes == "yes"}
-    with LocalCluster(**spec, dashboard_address=None) as cluster:
+    daemon = {"distributed.worker.daemon": False}  # worker processes may start the engines' own subprocesses
+    with dask.config.set(daemon), LocalCluster(**spec, dashboard_address=None) as cluster:
         config = RunConfig(
             model=model,
             engine=engine,
@@ -103,6 +112,7 @@ def one_run(a: argparse.Namespace, rows: list[dict[str, Any]], dispatch: str, n_
             partition_size=a.partition_size,
             scheduler_address=cluster.scheduler_address,
             dispatch=dispatch,
+            temperature=0.0 if engine != "simulated" else 1.0,
             progress=False,
         )
         summary, marks = runs.timed_run(
@@ -114,12 +124,15 @@ def one_run(a: argparse.Namespace, rows: list[dict[str, Any]], dispatch: str, n_
     stats = [s for s in marks["on_done"] if s]
     written = GenerationStore.open(store)
     record = written.attrs.dispatch or {}
-    lengths = written.read_region(0, len(rows), ("response_length",))["response_length"]
+    data = written.read_region(0, len(rows), ("prompt_length", "response_length", "cached_prompt_tokens"))
+    lengths, cached = data["response_length"], data["cached_prompt_tokens"]
     return {
         "short": int((lengths < a.max_new_tokens).sum()) if engine == "simulated" else 0,  # rows missing tokens
-        "prefill": sum(s["prefill_tokens"] for s in stats) if stats and "prefill_tokens" in stats[0] else None,
+        "prompt": int(data["prompt_length"].sum()),
+        "prefill": int(data["prompt_length"].sum() - cached.sum()) if (cached >= 0).all() else None,
         "batch": statistics.mean(mean_batch(s) for s in stats) if stats else None,
         "makespan": marks["generate_s"],
+        "tokens_s": int(lengths.sum()) / marks["generate_s"],
         "mode": record.get("mode", "?"),
         "tasks": record.get("n_tasks", 0),
         "prompts": summary.generated_prompts,
@@ -150,7 +163,7 @@ def part_prefix(a: argparse.Namespace, work: Path, rec: Any) -> None:
             f": max_batch {a.max_batch}, step {a.step_base} + {a.step_per_seq} x running s, prefill "
             f"{a.prefill_per_token} s per computed prompt token (byte tokenizer: one token per character)"
             if a.engine == "simulated"
-            else f" ({a.model})"
+            else f" ({engine_settings(a, 0)[0]}, {engine_settings(a, 0)[2]}, greedy)"
         )
         + f"; {a.max_new_tokens} new tokens per row; partitions of {a.partition_size}; {a.repeats} interleaved "
         f"repeats per side; LocalCluster with processes={a.processes} (one thread per worker)."
@@ -180,6 +193,8 @@ def part_prefix(a: argparse.Namespace, work: Path, rec: Any) -> None:
             "makespan s, median (A; B)",
             "A / B makespan",
             "per repeat A / B makespan",
+            "response tokens/s, median (A; B)",
+            "prompt tokens in all",
             "engines' mean batch (A; B)",
             "rows without their full response (all runs)",
         ],
@@ -206,6 +221,8 @@ def table_row(name: str, n_workers: int, cache: int, base: list[dict], other: li
         f"{med(base, 'makespan'):.2f}; {med(other, 'makespan'):.2f}",
         f"{med(base, 'makespan') / med(other, 'makespan'):.3f}",
         per_repeat,
+        f"{med(base, 'tokens_s'):.1f}; {med(other, 'tokens_s'):.1f}",
+        f"{base[0]['prompt']:,}",
         f"{med(base, 'batch'):.1f}; {med(other, 'batch'):.1f}",
         sum(r["short"] for r in base + other),
     ]
@@ -216,9 +233,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__)
     p.add_argument("--workers", default="2", help="worker counts, comma-separated")
     p.add_argument("--engine", default="simulated", choices=("simulated", "vllm", "sglang"), help="the engines")
-    p.add_argument("--model", default="", help="local model folder (--engine vllm or sglang)")
+    p.add_argument("--model", default="", help="local model folder (--engine vllm or sglang; default SmolLM2)")
     p.add_argument("--cache-tokens", default="4096,65536", help="each simulated engine's prefix-cache sizes")
-    p.add_argument("--processes", default="no", help="yes: one process per worker (as deployed); no: in-process")
+    p.add_argument(
+        "--processes",
+        default="",
+        help="yes: one process per worker (as deployed; default with a "
+        "real engine); no: in-process (default with the simulated engine)",
+    )
     p.add_argument("--systems", type=int, default=8, help="distinct system prompts")
     p.add_argument("--system-tokens", type=int, default=600, help="characters per system prompt")
     p.add_argument("--questions", type=int, default=512, help="questions, each paired with every system prompt")
@@ -229,8 +251,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p, max_new_tokens=32, max_batch=64, step_base=0.02, step_per_seq=0.0002, partition_size=64, repeats=2, seed=0
     )
     a = cli.parse(p, argv)
-    if a.engine != "simulated" and not a.model:
-        p.error(f"--engine {a.engine} needs --model (a local model folder)")
+    a.processes = a.processes or ("no" if a.engine == "simulated" else "yes")
     return a
 
 

@@ -32,6 +32,7 @@ from daskgen.engines.sglang.sigquit import install_sigquit_handler
 from daskgen.errors import ConfigError, EngineError
 from daskgen.testing.conformance import EngineConformance, EventLoopThread
 from tests.conftest import run_cli, tiny_model_once, write_prompts
+from tests.prefix_cache_stored import stored_cached_prompt_tokens
 
 HAVE_SGLANG = find_spec("sglang") is not None
 HAVE_CUDA = HAVE_SGLANG and find_spec("torch") is not None and __import__("torch").cuda.is_available()
@@ -196,6 +197,11 @@ class TestSGLangConformance(_SharedSGLang, EngineConformance):
         "test_seeded_reproducible": "sglang honours seeds only with enable_deterministic_inference, "
         "which needs a GPU attention backend (TestSGLangConformanceCUDA)",
     }
+
+    def test_cached_prompt_tokens_reach_the_stored_sample(self) -> None:
+        """A prompt sharing 300 tokens with the one before: its stored sample says the radix cache held them."""
+        first, second = stored_cached_prompt_tokens(self)
+        assert 0 <= first < second and second >= 256, (first, second)
 
     def test_sglang_and_shim_are_real(self) -> None:
         """The lane runs the pinned sglang; sgl_kernel (on CPU) is the import-only shim."""

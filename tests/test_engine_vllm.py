@@ -30,6 +30,7 @@ from daskgen.engines.vllm.mapping import CollectedOutput, collect_output, result
 from daskgen.errors import ConfigError, EngineError
 from daskgen.testing.conformance import EngineConformance
 from tests.conftest import run_cli, write_prompts
+from tests.prefix_cache_stored import stored_cached_prompt_tokens
 
 HAVE_VLLM = find_spec("vllm") is not None
 HAVE_CUDA = HAVE_VLLM and __import__("torch").cuda.is_available()
@@ -301,6 +302,11 @@ class TestVLLMConformance(_SharedVLLM, EngineConformance):
         )
         assert first.error is None and all(r.error is None for r in rest)
         assert all(r.meta.get("cached_tokens", 0) >= 128 for r in rest), [r.meta for r in rest]
+
+    def test_cached_prompt_tokens_reach_the_stored_sample(self) -> None:
+        """A prompt sharing 300 tokens with the one before: its stored sample says the cache held 2 blocks of 128."""
+        first, second = stored_cached_prompt_tokens(self)
+        assert 0 <= first < second and second >= 256, (first, second)
 
     def test_seeded_requests_with_long_prompts_in_one_batch(self) -> None:
         """More seeded prompt tokens than one step takes (vllm 0.32.0's CPU crash with chunked prefill)."""

@@ -161,6 +161,13 @@ def run_on(address: str, rows: list[dict], path, dispatch: str, partition_size: 
     return GenerationStore.open(path), computed
 
 
+def computed_in_store(store: GenerationStore) -> int:
+    """Prompt tokens computed, from the store: every sample's prompt less what the engine's cache held."""
+    data = store.read_region(0, store.layout.n_prompts, ("prompt_length", "cached_prompt_tokens"))
+    assert (data["cached_prompt_tokens"] >= 0).all(), "the simulated engine with a cache reports every sample's"
+    return int(data["prompt_length"].sum() * store.layout.n_samples - data["cached_prompt_tokens"].sum())
+
+
 def test_prompt_order_computes_fewer_prefix_tokens_and_keeps_every_row(two_workers, tmp_path):
     rows = chat_rows(SYSTEMS, 8)
     store, by_prefix = run_on(two_workers, rows, tmp_path / "p.zarr", "prefix", partition_size=16)
@@ -172,8 +179,10 @@ def test_prompt_order_computes_fewer_prefix_tokens_and_keeps_every_row(two_worke
     for r, ids in enumerate(tokenize_rows(rows, ByteTokenizer())):  # results back in row order
         assert data["prompt_length"][r] == len(ids) and list(data["prompt_ids"][r][: len(ids)]) == ids
     assert (data["response_length"] == 4).all()
-    _, by_order = run_on(two_workers, rows, tmp_path / "o.zarr", "order", partition_size=16)
+    ordered, by_order = run_on(two_workers, rows, tmp_path / "o.zarr", "order", partition_size=16)
     assert by_prefix < by_order, (by_prefix, by_order)
+    for engines, written in ((by_prefix, store), (by_order, ordered)):  # the counters add 1-token health checks
+        assert 0 <= engines - computed_in_store(written) <= 4, (engines, computed_in_store(written))
 
 
 def test_partitions_of_a_key_go_to_the_worker_that_ran_it(two_workers, tmp_path):

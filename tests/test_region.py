@@ -5,7 +5,7 @@ import math
 import numpy as np
 
 from daskgen.agents import Trajectory
-from daskgen.engines.base import FinishReason
+from daskgen.engines.base import FinishReason, GenerationResult, SamplingParams
 from daskgen.store.layout import Layout, empty_region
 from daskgen.worker.region import place_prompts, place_samples
 
@@ -34,7 +34,7 @@ def test_samples_land_in_their_slots_and_are_counted():
         [Trajectory([11], [1], None, FinishReason.ABORT, 1, carried=0)],
         [Trajectory([], [], None, FinishReason.ERROR, 1, error="bad request")],
         [Trajectory([12, 13, 14], [1, 0, 1], [-0.1], FinishReason.ABORT, 2, continued=2, carried=2)],
-        [Trajectory([15], [1], [-2.0], FinishReason.STOP, 1)],
+        [Trajectory([15], [1], [-2.0], FinishReason.STOP, 1, cached_prompt_tokens=48)],
     ]
     counts = place_samples(region, [5, 7, 4], [1, 3, 0], 2, samples, layout)
     assert region["response_ids"][1, 0].tolist() == [1, 2, PAD, PAD, PAD]
@@ -45,6 +45,7 @@ def test_samples_land_in_their_slots_and_are_counted():
     assert region["response_mask"][0, 0].tolist() == [1, 0, 1, 0, 0]
     assert region["logprobs"][0, 0, 0] == np.float32(-0.1) and math.isnan(region["logprobs"][0, 0, 1])
     assert region["continued_tokens"][0].tolist() == [2, 0] and region["num_turns"][0].tolist() == [2, 1]
+    assert region["cached_prompt_tokens"][0].tolist() == [-1, 48], "-1: the engine did not say"
     assert np.all(region["finish_reason"][2] == empty_region(layout, 1)["finish_reason"][0])  # untouched row
     assert counts.failed == {7: "sample 1: bad request"}
     assert counts.aborted == [7, 4]
@@ -71,3 +72,12 @@ def test_prompts_are_padded_per_row():
     assert place_prompts(region, [2, 0], [[5, 6, 8], [9]], PAD) == 4
     assert region["prompt_ids"][2].tolist() == [5, 6, 8, PAD] and region["prompt_ids"][0].tolist() == [9, PAD, PAD, PAD]
     assert region["prompt_length"].tolist()[:3] == [1, 0, 3]
+
+
+def test_cached_prompt_tokens_sum_over_turns_where_the_engine_reports_them():
+    traj = Trajectory.for_params(SamplingParams(max_new_tokens=4))
+    traj.add_model_tokens(GenerationResult("r", [1], FinishReason.STOP, None))
+    assert traj.cached_prompt_tokens == -1, "no report: unknown"
+    traj.add_model_tokens(GenerationResult("r", [2], FinishReason.STOP, None, meta={"cached_tokens": 0}))
+    traj.add_model_tokens(GenerationResult("r", [3], FinishReason.STOP, None, meta={"cached_tokens": 30}))
+    assert traj.cached_prompt_tokens == 30

@@ -51,6 +51,8 @@ class Trajectory:
     top_logprobs: TopLogprobs | None = None
     #: ``(response position, policy version)`` where each run of model tokens from one policy version starts.
     versions: list[tuple[int, int]] = field(default_factory=list)
+    #: Prompt tokens the engine served from its prefix cache, summed over the turns (-1: the engine does not say).
+    cached_prompt_tokens: int = -1
 
     @property
     def policy_version(self) -> int:
@@ -85,6 +87,8 @@ class Trajectory:
         self.add_versions(segments, offset, n)
         self.response_ids += result.output_ids
         self.response_mask += [1] * n
+        if (cached := result.meta.get("cached_tokens")) is not None:
+            self.cached_prompt_tokens = max(self.cached_prompt_tokens, 0) + int(cached)
         if (given := result.logprobs) is not None:
             self.logprobs = self.logprobs or [math.nan] * offset
             self.logprobs += given if len(given) <= n else given[:n]

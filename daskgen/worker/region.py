@@ -148,6 +148,7 @@ class _Columns:
             "num_turns": [t.num_turns for t in trajectories],
             "continued_tokens": [min(t.continued, n) for t, n in pairs],
             "stop_reason": [t.stop_reason for t in trajectories],
+            "cached_prompt_tokens": [t.cached_prompt_tokens for t in trajectories],
         }
         versions = [versions_of(t, n) for t, n in pairs]
         for k, name in enumerate(VERSION_ARRAYS):

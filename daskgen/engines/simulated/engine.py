@@ -29,7 +29,8 @@ The model
   the versions recorded per sample) runs as with a model.
 * Prefill (off by default): each prompt token the engine computes costs ``prefill_time_per_token_s``
   model seconds, paid before the next step; tokens its prefix cache holds
-  (:mod:`~daskgen.engines.simulated.prefix_cache`, ``prefix_cache_tokens``) are not computed again.
+  (:mod:`~daskgen.engines.simulated.prefix_cache`, ``prefix_cache_tokens``) are not computed again; a
+  result's ``meta["cached_tokens"]`` says how many of its prompt's the cache held (with a cache only).
 
 :meth:`SimulatedEngine.stats` reports steps, busy time, busy fraction and per-step batch sizes.
 The options (:class:`~daskgen.engines.simulated.plan.SimulatedArgs`) and the output model
@@ -79,6 +80,7 @@ class _Sim:
     future: asyncio.Future
     start_step: int = -1
     done: bool = False
+    meta: dict[str, Any] = field(default_factory=lambda: {"simulated": True})  # with the prompt tokens its cache held
 
     @property
     def finish_step(self) -> int:
@@ -93,7 +95,7 @@ class _Sim:
                 plan.tokens,
                 plan.finish,
                 plan.logprobs,
-                meta={"simulated": True},
+                meta=dict(self.meta),
                 top_logprobs=plan.top_logprobs,
             )
         else:
@@ -105,7 +107,7 @@ class _Sim:
                 plan.tokens[:n],
                 FinishReason.ABORT,
                 logprobs,
-                meta={"simulated": True},
+                meta=dict(self.meta),
                 top_logprobs=top,
             )
         self.done = True
@@ -299,11 +301,15 @@ class SimulatedEngine(Engine):
             sim.start_step = self._step
             self._running += 1
             heapq.heappush(self._finishing, (sim.finish_step, next(self._order), sim))
-            self._prefill(sim.request.prompt_ids)
+            self._prefill(sim)
 
-    def _prefill(self, prompt: list[int]) -> None:
-        """Count a joining request's prompt: cached tokens, and the prefill time of the others."""
+    def _prefill(self, sim: _Sim) -> None:
+        """Count a joining request's prompt: cached tokens (in its result's ``meta["cached_tokens"]`` when the
+        engine has a prefix cache), and the prefill time of the others."""
+        prompt = sim.request.prompt_ids
         cached = self._cache.admit(prompt)
+        if self._cache.enabled:
+            sim.meta["cached_tokens"] = cached
         self._stats.prompt_tokens += len(prompt)
         self._stats.cached_tokens += cached
         self._prefill_s += (len(prompt) - cached) * self.args.prefill_time_per_token_s

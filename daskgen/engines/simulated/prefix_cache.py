@@ -22,9 +22,14 @@ class PrefixCache:
         self.capacity, self.block = capacity, block
         self.blocks: OrderedDict[int, None] = OrderedDict()
 
+    @property
+    def enabled(self) -> bool:
+        """Whether the cache can hold a block (else every prompt token is computed)."""
+        return self.capacity >= self.block
+
     def admit(self, prompt: Sequence[int]) -> int:
         """The number of leading tokens of ``prompt`` found in the cache; its full blocks are cached after."""
-        if self.capacity < self.block:
+        if not self.enabled:
             return 0
         hashes, h = [], 0
         for end in range(self.block, len(prompt) + 1, self.block):
