@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from transformers import AutoTokenizer
 from daskgen import store
 from daskgen.client.interrupt import EXIT_INTERRUPTED
 from daskgen.engines.base import FinishReason
+from daskgen.testing.probes import read_events, row_of
 from tests.conftest import popen_cli, run_cli, write_prompts
 from tests.test_preemption import _partials
 from tests.test_run import _wait_for_some_done
@@ -26,16 +29,54 @@ N = 48  # prompts: enough that many requests are mid-response when the run is st
 COMPARED = ("response_ids", "response_length", "response_mask", "finish_reason", "prompt_ids", "prompt_length")
 
 
-def _args(model, prompts, out, log, inner="transformers", engine_args=()):
+RECORDING, PROBE = "daskgen.testing.engines:RecordingEngine", "daskgen.testing.probes:ProbeEngine"
+
+
+def _args(model, prompts, out, log, inner="transformers", engine_args=(), new_tokens=160, engine=RECORDING):
     return [
         "run",
         *("--prompts", prompts, "--model", model, "--store", out),
-        *("--engine", "daskgen.testing.engines:RecordingEngine", "--engine-arg", f"inner={inner}"),
+        *("--engine", engine, "--engine-arg", f"inner={inner}"),
         *("--engine-arg", f"prompts_log={log}"),
         *(a for arg in engine_args for a in ("--engine-arg", arg)),
-        *("--partition-size", "2", "--max-new-tokens", "160", "--temperature", "0"),
+        *("--partition-size", "2", "--max-new-tokens", str(new_tokens), "--temperature", "0"),
         *("--no-progress", "--n-workers", "1", "--grace", "60s"),
     ]
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Rows whose first request stops after ``after`` tokens and waits there (the probe engine's gate, closed
+    for the interrupted run): the stop then finds them mid-response whatever the engine's speed."""
+
+    rows: tuple[int, ...]
+    after: int
+    prompts: int
+    new_tokens: int
+
+    def engine(self, tmp_path) -> tuple[str, ...]:
+        """Engine args of the probe engine that replaces the recording one (``inner`` and ``prompts_log``
+        are the same; the gate opens before the resumed run)."""
+        return (
+            f"events_path={tmp_path / 'events.log'}",
+            f"gate_path={tmp_path / 'gate'}",
+            f"gate_rows={list(self.rows)}",
+            f"pause_after={self.after}",
+        )
+
+    def wait(self, tmp_path, proc, timeout) -> None:
+        """Wait until every paused row's request waits part-way (or ended within its first tokens)."""
+        deadline = time.monotonic() + timeout
+        while {row_of(e.request_id) for e in read_events(tmp_path / "events.log") if e.kind != "arrive"} < set(
+            self.rows
+        ):
+            assert proc.poll() is None, f"run ended before the stop: {proc.stdout.read()}"
+            assert time.monotonic() < deadline, f"rows {self.rows} did not all pause within {timeout} s"
+            time.sleep(0.05)
+
+
+#: the SGLang engine is fast enough that a stop rarely finds a request mid-response: five rows pause part-way
+SGLANG_PAUSE = Pause(rows=(2, 5, 8, 11, 14), after=32, prompts=16, new_tokens=96)
 
 
 def _sent(log) -> dict[str, list[list[int]]]:
@@ -66,37 +107,47 @@ def test_sglang_continues_token_exactly(tmp_path):
     """The same proof with the in-process SGLang engine (greedy: sglang has no seeds on a CPU, and needs none here)."""
     from tests.test_engine_sglang import tiny_model_path
 
-    check_continuation(tmp_path, tiny_model_path(), "sglang", start_s=600)
+    check_continuation(tmp_path, tiny_model_path(), "sglang", start_s=600, pause=SGLANG_PAUSE)
 
 
-def check_continuation(tmp_path, model, inner="transformers", engine_args=(), start_s=240):
+def check_continuation(tmp_path, model, inner="transformers", engine_args=(), start_s=240, pause=None):
     """Interrupt a greedy run with SIGTERM, resume it, run it uninterrupted; compare what was sent and stored.
 
     ``start_s``: how long the first run may take to commit its first rows (engine start included).
+    ``pause``: a :class:`Pause` (rows held part-way until the stop, fewer prompts and tokens); without it the
+    stop lands wherever the engine is, which takes many long prompts to find some mid-response.
     """
-    prompts = write_prompts(tmp_path / "p.jsonl", N)
+    n, new_tokens = (N, 160) if pause is None else (pause.prompts, pause.new_tokens)
+    prompts = write_prompts(tmp_path / "p.jsonl", n)
     out, whole = tmp_path / "out.zarr", tmp_path / "whole.zarr"
+    if pause is not None:
+        engine_args = (*engine_args, *pause.engine(tmp_path))
 
     def args(store_path, log_name):
-        return _args(model, prompts, store_path, tmp_path / log_name, inner, engine_args)
+        engine = RECORDING if pause is None else PROBE
+        return _args(model, prompts, store_path, tmp_path / log_name, inner, engine_args, new_tokens, engine)
 
     proc = popen_cli(*args(out, "first.jsonl"))
     try:
         _wait_for_some_done(out, proc, minimum=1, timeout=start_s)
+        if pause is not None:
+            pause.wait(tmp_path, proc, timeout=start_s)
         os.kill(proc.pid, signal.SIGTERM)
         output, _ = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == EXIT_INTERRUPTED, output
+    if pause is not None:
+        (tmp_path / "gate").touch()  # the resumed and the uninterrupted runs are not held
     saved = _partials(out)
     opened = store.GenerationStore.open(out)
-    prompt_ids, prompt_length = (opened.read_region(0, N, (n,))[n] for n in ("prompt_ids", "prompt_length"))
+    prompt_ids, prompt_length = (opened.read_region(0, n, (name,))[name] for name in ("prompt_ids", "prompt_length"))
     eos = AutoTokenizer.from_pretrained(model).eos_token_id
     continued = {key: ids for key, (ids, _) in saved.items() if len(ids) and ids[-1] != eos}
     assert continued, "the interruption must leave some response partial (the precondition of this test)"
     res = run_cli(*args(out, "second.jsonl"), timeout=600 + start_s)
-    assert res.returncode == 0 and f"{N} done" in res.stdout, res.stdout + res.stderr[-4000:]
+    assert res.returncode == 0 and f"{n} done" in res.stdout, res.stdout + res.stderr[-4000:]
     sent = _sent(tmp_path / "second.jsonl")
     for (r, s), ids in continued.items():
         prompt = prompt_ids[r, : prompt_length[r]].tolist()
@@ -106,7 +157,7 @@ def check_continuation(tmp_path, model, inner="transformers", engine_args=(), st
     resumed, uninterrupted = store.GenerationStore.open(out), store.GenerationStore.open(whole)
     for name in COMPARED:
         np.testing.assert_array_equal(
-            resumed.read_region(0, N, (name,))[name], uninterrupted.read_region(0, N, (name,))[name], err_msg=name
+            resumed.read_region(0, n, (name,))[name], uninterrupted.read_region(0, n, (name,))[name], err_msg=name
         )
-    reasons = resumed.read_region(0, N, ("finish_reason",))["finish_reason"]
+    reasons = resumed.read_region(0, n, ("finish_reason",))["finish_reason"]
     assert not (reasons == FinishReason.ABORT).any()

@@ -2,12 +2,13 @@
 
 Everything here needs the pinned sglang (``.ci/sglang-lane``: ``SGLANG_USE_CPU_ENGINE=1`` and the
 import-only ``sgl_kernel`` shim on ``PYTHONPATH``, both inherited by the server subprocesses).
-Servers are real ``python -m sglang.launch_server`` processes on loopback:
+Servers are real ``python -m sglang.launch_server`` processes on loopback, started by the engine itself
+(``managed=True``):
 
-* one external server started by this module with ``--api-key`` (shared by the native conformance
-  suite, the completions path, model-name and API-key checks);
-* managed servers started by the engine itself (``managed=True``), including a full
-  ``daskgen run`` whose server is killed mid-run.
+* the module's managed engine, whose server (its own random API key, a small ``max_running_requests``)
+  also serves, as an external server, the native conformance suite, the completions path, model-name and
+  API-key checks; the managed-mode checks run after those and end with the server's death;
+* a full ``daskgen run`` whose server is killed mid-run.
 
 A launch costs ~20-60 s on 2 cores, hence the sharing.
 """
@@ -46,8 +47,7 @@ pytestmark = [
     ),
 ]
 
-SECRET = "sk-daskgen-sglang-planted-4b7e2a"
-MANAGED_RUNNING = 4  # the managed server's max_running_requests (TestManagedServer)
+MANAGED_RUNNING = 4  # the shared managed server's max_running_requests
 KEY_ENV = "DASKGEN_TEST_SGLANG_KEY"
 PROMPT = [1, 504, 3458, 282, 4649, 314]
 
@@ -63,20 +63,24 @@ def request(rid: str, prompt: list[int] | None = None, **params: Any) -> Generat
     )
 
 
-def keyed_server() -> Any:
-    """A real sglang server that requires ``SECRET`` as its API key (the test's own server)."""
-    from daskgen.engines.http.server import ManagedServer
-
-    return ManagedServer(tiny_model(), start_timeout_s=600, api_key=SECRET)
-
-
 @functools.lru_cache(maxsize=1)
-def external_server() -> Any:
-    """The module's keyed server, started on first use (stopped by the module fixture)."""
-    server = keyed_server()
-    asyncio.run(server.start())
-    atexit.register(_kill_group, server)
-    return server
+def managed_engine() -> tuple[EventLoopThread, Any]:
+    """The module's managed engine and the loop it runs on, started on first use (stopped by the module fixture).
+
+    A small max_running_requests, so that more requests than the server runs at once are cheap
+    (``TestManagedServer``)."""
+    runner = EventLoopThread()
+    engine = engine_on(
+        runner, managed=True, server_start_timeout_s=600, server_args={"max_running_requests": MANAGED_RUNNING}
+    )
+    atexit.register(_kill_group, engine.managed_server)
+    return runner, engine
+
+
+def shared_server() -> Any:
+    """The managed engine's server (its ``url`` and ``api_key``), which the other engines here use as an external
+    server."""
+    return managed_engine()[1].managed_server
 
 
 def _kill_group(server: Any) -> None:
@@ -87,11 +91,15 @@ def _kill_group(server: Any) -> None:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _stop_external_server():
+def _stop_managed_engine():
     yield
-    if external_server.cache_info().currsize:
-        asyncio.run(external_server().stop())
-        external_server.cache_clear()
+    if managed_engine.cache_info().currsize:
+        runner, engine = managed_engine()
+        try:
+            runner.run(engine.shutdown(), 120)
+        finally:
+            runner.close()
+            managed_engine.cache_clear()
 
 
 def engine_on(runner: EventLoopThread, **engine_args: Any) -> Any:
@@ -106,7 +114,8 @@ def engine_on(runner: EventLoopThread, **engine_args: Any) -> Any:
 
 
 class TestSGLangNativeConformance(EngineConformance):
-    """The shared suite through SGLang's native ``/generate`` (token ids in and out), with an API key."""
+    """The shared suite through SGLang's native ``/generate`` (token ids in and out), with an API key: the managed
+    engine's server, used as an external one."""
 
     timeout_s = 300.0
     probe_max_new_tokens = 64
@@ -125,10 +134,10 @@ class TestSGLangNativeConformance(EngineConformance):
     def setup_class(cls) -> None:
         from daskgen.engines.http import OpenAIEngine
 
-        os.environ[KEY_ENV] = SECRET
+        os.environ[KEY_ENV] = shared_server().api_key
         cls.engine_class = OpenAIEngine
         cls.model = tiny_model()
-        cls.engine_args = {"base_url": external_server().url, "api_key_env": KEY_ENV}
+        cls.engine_args = {"base_url": shared_server().url, "api_key_env": KEY_ENV}
         super().setup_class()
 
     def test_native_and_token_exact(self) -> None:
@@ -189,7 +198,7 @@ class TestSGLangNativeConformance(EngineConformance):
     def test_completions_path_on_the_same_server(self) -> None:
         """api='completions' re-tokenizes; sglang returns logprobs, used where the tokens line up."""
         runner = EventLoopThread()
-        engine = engine_on(runner, base_url=external_server().url + "/v1", api="completions", api_key_env=KEY_ENV)
+        engine = engine_on(runner, base_url=shared_server().url + "/v1", api="completions", api_key_env=KEY_ENV)
         try:
             assert engine.describe()["retokenized"] is True
             results = runner.run(
@@ -211,7 +220,7 @@ class TestSGLangNativeConformance(EngineConformance):
         runner = EventLoopThread()
         try:
             with pytest.raises(EngineError) as info:
-                engine_on(runner, base_url=external_server().url, api_key_env=KEY_ENV, model_name="other")
+                engine_on(runner, base_url=shared_server().url, api_key_env=KEY_ENV, model_name="other")
             assert "'other' is not served" in str(info.value) and tiny_model() in str(info.value)
         finally:
             runner.close()
@@ -223,19 +232,19 @@ class TestSGLangNativeConformance(EngineConformance):
         runner = EventLoopThread()
         try:
             with pytest.raises(EngineError, match="needs an API key"):
-                engine_on(runner, base_url=external_server().url)
+                engine_on(runner, base_url=shared_server().url)
             monkeypatch.setenv("DASKGEN_TEST_WRONG_KEY", "sk-wrong-key-123")
             with pytest.raises(EngineError) as wrong:
-                engine_on(runner, base_url=external_server().url, api_key_env="DASKGEN_TEST_WRONG_KEY")
+                engine_on(runner, base_url=shared_server().url, api_key_env="DASKGEN_TEST_WRONG_KEY")
             assert "HTTP 401" in str(wrong.value) and "DASKGEN_TEST_WRONG_KEY" in str(wrong.value)
             assert "sk-wrong-key-123" not in str(wrong.value)
-            engine = engine_on(runner, base_url=external_server().url, api_key_env=KEY_ENV)
+            engine = engine_on(runner, base_url=shared_server().url, api_key_env=KEY_ENV)
             runner.run(engine.health(), 120)
-            assert SECRET not in json.dumps(engine.describe())
+            assert shared_server().api_key not in json.dumps(engine.describe())
             runner.run(engine.shutdown(), 60)
         finally:
             runner.close()
-        assert SECRET not in caplog.text and "sk-wrong-key-123" not in caplog.text
+        assert shared_server().api_key not in caplog.text and "sk-wrong-key-123" not in caplog.text
 
 
 async def _gather(engine: Any, requests: list[GenerationRequest]) -> list[Any]:
@@ -277,22 +286,11 @@ async def _short_overtakes_long(engine: Any) -> list[str]:
 
 
 class TestManagedServer:
-    """One engine with its own sglang server subprocess."""
+    """One engine with its own sglang server subprocess (the module's managed engine; its server dies last)."""
 
     @classmethod
     def setup_class(cls) -> None:
-        cls.runner = EventLoopThread()
-        # a small max_running_requests, so that more requests than the server runs at once are cheap
-        cls.engine = engine_on(
-            cls.runner, managed=True, server_start_timeout_s=600, server_args={"max_running_requests": MANAGED_RUNNING}
-        )
-
-    @classmethod
-    def teardown_class(cls) -> None:
-        try:
-            cls.runner.run(cls.engine.shutdown(), 120)
-        finally:
-            cls.runner.close()
+        cls.runner, cls.engine = managed_engine()
 
     def test_managed_server_serves_natively(self) -> None:
         info = self.engine.describe()

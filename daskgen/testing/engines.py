@@ -14,7 +14,6 @@ instance that finds no file at that path creates it and hangs).  It accepts and 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -22,6 +21,7 @@ from typing import Any
 
 from daskgen.engines import resolve_engine_class
 from daskgen.engines.base import Engine, GenerationRequest, GenerationResult
+from daskgen.testing.probes import append_prompt
 
 
 class _Wrapper(Engine):
@@ -97,8 +97,7 @@ class RecordingEngine(_Wrapper):
             with open(self.log_path, "a") as fh:
                 fh.write(f"{request.request_id} {os.getpid()}\n")
         if request.request_id != "daskgen-health" and self.prompts_log:
-            with open(self.prompts_log, "a") as fh:  # one O_APPEND write per line
-                fh.write(json.dumps({"id": request.request_id, "prompt": list(request.prompt_ids)}) + "\n")
+            append_prompt(self.prompts_log, request)
         if request.request_id != "daskgen-health":
             self.calls += 1
         if self.hang_once_flag and self.calls > self.hang_after and not os.path.exists(self.hang_once_flag):

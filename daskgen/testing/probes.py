@@ -25,6 +25,7 @@ Request ids of daskgen's partitions are ``p<row>-s<sample>`` (an agent may appen
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import Iterable
@@ -42,7 +43,7 @@ from daskgen.engines.base import (
     joined,
 )
 
-__all__ = ["Event", "ProbeEngine", "in_flight_after", "peak_in_flight", "read_events", "row_of"]
+__all__ = ["Event", "ProbeEngine", "append_prompt", "in_flight_after", "peak_in_flight", "read_events", "row_of"]
 
 HEALTH_ID = "daskgen-health"
 #: How often a held request looks for the gate file.
@@ -68,7 +69,8 @@ class ProbeEngine(Engine):
     requests are held; all rows when ``None`` and a ``gate_path`` is given), ``gate_sample``
     (only this sample index of those rows is held; every sample when ``None``), ``pause_after`` (tokens a
     held request gets before it waits, aborted by an abort; 0: none), ``pause_rows`` (the held rows that
-    pause part-way; every held row when ``None``); every other key goes to the inner engine.
+    pause part-way; every held row when ``None``), ``prompts_log`` (file to append one JSON line per request to,
+    :func:`append_prompt`); every other key goes to the inner engine.
     """
 
     name = "probe"
@@ -87,6 +89,7 @@ class ProbeEngine(Engine):
         gate_sample: int | None = None,
         pause_after: int = 0,
         pause_rows: Iterable[int] | None = None,
+        prompts_log: str | None = None,
         **inner_args: Any,
     ) -> None:
         super().__init__(model, inner=inner, events_path=events_path, gate_path=gate_path, **inner_args)
@@ -98,6 +101,7 @@ class ProbeEngine(Engine):
         self.gate_sample = gate_sample
         self.pause_after = int(pause_after)
         self.pause_rows = None if pause_rows is None else {int(r) for r in pause_rows}
+        self.prompts_log = prompts_log
         self.seen: set[str] = set()  # request ids that arrived before (a continued request)
         self.pausing: set[str] = set()  # request ids waiting part-way
         self.aborted: set[str] = set()  # of those, the ones an abort ended
@@ -132,6 +136,8 @@ class ProbeEngine(Engine):
         if request.request_id == HEALTH_ID:
             return await self.inner.generate(request)
         self._record("arrive", request.request_id)
+        if self.prompts_log:
+            append_prompt(self.prompts_log, request)
         first = request.request_id not in self.seen
         self.seen.add(request.request_id)
         try:
@@ -203,6 +209,12 @@ class ProbeEngine(Engine):
         if self.events_path:  # one short O_APPEND write per line: lines of several processes do not mix
             with open(self.events_path, "a") as fh:
                 fh.write(f"{time.time():.6f} {os.getpid()} {kind} {request_id}\n")
+
+
+def append_prompt(path: str, request: GenerationRequest) -> None:
+    """Append the request's id and the token ids it was sent to ``path`` (one JSON line)."""
+    with open(path, "a") as fh:  # one O_APPEND write per line: lines of several processes do not mix
+        fh.write(json.dumps({"id": request.request_id, "prompt": list(request.prompt_ids)}) + "\n")
 
 
 def row_of(request_id: str) -> int:
