@@ -74,7 +74,7 @@ async def test_start_failure_is_recorded_and_nothing_is_advertised(c, s, a):
     with pytest.raises(EngineError, match="failed: ConfigError: simulated engine: max_batch"):
         await plugin.get_engine()
     assert plugin.state == "failed" and plugin.status()["state"] == "failed"
-    assert RESOURCE not in s.workers[a.address].resources and RESOURCE not in a.state.total_resources
+    assert RESOURCE not in s.workers[a.address].resources and a.state.total_resources[RESOURCE] == 0  # no slot
     assert not await plugin.check_health()  # nothing to check: stays failed
 
 

@@ -147,6 +147,8 @@ def _schedule_unrunnable_on_new_resources(scheduler: Any) -> None:
     scheduler._daskgen_add_resources = original
 
     def set_resources(worker: str, resources: dict | None = None) -> str:
+        if worker not in scheduler.workers:  # a draining worker the scheduler already removed: nothing to update
+            return "OK"
         result = original(worker=worker, resources=resources)
         _revisit_unrunnable(scheduler, worker)
         return result

@@ -34,7 +34,7 @@ from daskgen.worker.admission import (  # noqa: F401 - resolve_window and the bo
     wanted_window,
 )
 from daskgen.worker.slot import PartitionSlot
-from daskgen.worker.thread_slots import partitions_hold_threads, start_admitted_tasks
+from daskgen.worker.thread_slots import offer_no_slot_yet, partitions_hold_threads, start_admitted_tasks
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +134,7 @@ class EnginePlugin(WorkerPlugin):
         from daskgen.worker.drain import install_worker_hooks
 
         self._worker = worker
+        offer_no_slot_yet(worker, RESOURCE)
         self._ready = asyncio.Event()
         self._tokenizer_lock = threading.Lock()  # the warm-up and a first partition may both ask
         if self.refresh is not None:
@@ -184,15 +185,11 @@ class EnginePlugin(WorkerPlugin):
         self.wanted_window = wanted_window(self.window, capacity, self.requests_per_partition)
         self.resolved_window = resolve_window(self.window, capacity, self.requests_per_partition, self.slots)
         logger.info(
-            "daskgen engine ready on %s: %d partitions in flight (window %s, engine capacity %s, "
-            "%d requests per partition)",
-            self._worker.address,
-            self.resolved_window,
-            self.window,
-            capacity,
-            self.requests_per_partition,
+            "daskgen engine ready on %s: %d partitions in flight (window %s, engine capacity %s, %d requests each)",
+            *(self._worker.address, self.resolved_window, self.window, capacity, self.requests_per_partition),
         )
         await self._worker.set_resources(**{RESOURCE: float(self.resolved_window)})
+        start_admitted_tasks(self._worker)
         self._advertised = True
         self._announce_window()
         if self.window == "auto":

@@ -51,3 +51,14 @@ def start_admitted_tasks(worker: Any) -> None:
 
     if worker.state.running:
         worker.handle_stimulus(UnpauseEvent(stimulus_id=f"daskgen-window-{time.time()}"))
+
+
+def offer_no_slot_yet(worker: Any, resource: str) -> None:
+    """Give ``worker`` the ``resource`` at 0 until its engine is ready (only if it has none yet).
+
+    The scheduler may still hand such a worker a partition (a loose worker preference); with the resource
+    known at 0 the task waits for its slot, where an unknown resource fails the worker's state machine
+    (``KeyError``) and the scheduler loses the worker.
+    """
+    worker.state.total_resources.setdefault(resource, 0.0)
+    worker.state.available_resources.setdefault(resource, 0.0)
