@@ -251,7 +251,7 @@ def test_slurm_run_serves_the_daskgen_dashboard_page(tmp_path):
 
     from tests.browser import artifacts_dir, chromium, number, wait_until_shown
     from tests.conftest import popen_cli
-    from tests.test_dashboard import N_PROMPTS, _finish, _read_until, _run_args, _state, _store_truth
+    from tests.test_dashboard import N_PROMPTS, _finish, _read_until, _run_args, _store_truth, _wait_state
 
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"cluster": _spec(tmp_path, gpus_per_node=2)}))
@@ -266,7 +266,8 @@ def test_slurm_run_serves_the_daskgen_dashboard_page(tmp_path):
             )
             assert number(shown["pending"]) > 0 and shown["state"] == "generating"
             browser.save_screenshot(str(artifacts_dir() / "dashboard-slurm.png"))
-        assert len(_state(url)["workers"]) == 2
+        # the second worker's engine may still be loading when the first shows progress: wait for both to report
+        _wait_state(url, lambda state: len(state["workers"]) == 2, timeout=180)
         _finish(proc, gate, timeout=240)
     finally:
         if proc.poll() is None:
