@@ -144,11 +144,15 @@ def check_continuation(tmp_path, model, inner="transformers", engine_args=(), st
     opened = store.GenerationStore.open(out)
     prompt_ids, prompt_length = (opened.read_region(0, n, (name,))[name] for name in ("prompt_ids", "prompt_length"))
     eos = AutoTokenizer.from_pretrained(model).eos_token_id
-    continued = {key: ids for key, (ids, _) in saved.items() if len(ids) and ids[-1] != eos}
+    unfinished = {key: ids for key, (ids, _) in saved.items() if len(ids) and ids[-1] != eos}
+    # an abort that raced the last token leaves no budget: the resumed run finishes it from the store, sends nothing
+    spent = {key for key, ids in unfinished.items() if len(ids) >= new_tokens}
+    continued = {key: ids for key, ids in unfinished.items() if key not in spent}
     assert continued, "the interruption must leave some response partial (the precondition of this test)"
     res = run_cli(*args(out, "second.jsonl"), timeout=600 + start_s)
     assert res.returncode == 0 and f"{n} done" in res.stdout, res.stdout + res.stderr[-4000:]
     sent = _sent(tmp_path / "second.jsonl")
+    assert not {f"p{r}-s{s}" for r, s in spent} & set(sent), "a response with no budget left was sent again"
     for (r, s), ids in continued.items():
         prompt = prompt_ids[r, : prompt_length[r]].tolist()
         assert sent[f"p{r}-s{s}"] == [prompt + ids.tolist()], f"row {r} sample {s}: not prompt + stored prefix"
