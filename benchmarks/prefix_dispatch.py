@@ -17,6 +17,9 @@ simulated engine with the prefill model on: every prompt token an engine compute
 ``sglang`` the engines are real, in-process, on the CPU (``--model``: a local model folder, by default
 SmolLM2-135M-Instruct from :func:`daskgen.models.smollm2_instruct`; the lanes' environments; engine arguments
 of ``overhead_engine.ENGINE_ARGS``, ``--max-batch`` requests per engine; greedy), one worker process each.
+``--engine-arg KEY=VALUE`` (repeatable, VALUE read as YAML) adds or overrides an engine argument of either kind:
+e.g. ``num_gpu_blocks_override=16`` gives each vLLM engine a KV cache of 16 blocks (128 tokens each on a CPU),
+fewer than the shared prefixes need, so that input order evicts prefixes an engine needs again.
 Measured per run: the prompt tokens the engines computed (every sample's prompt less the tokens its engine
 served from its prefix cache, as the engine reported them per request: the store's ``cached_prompt_tokens``),
 the makespan (engines ready to the last commit, wall seconds; ``time_scale`` 1, so that model seconds are
@@ -29,6 +32,9 @@ fewer; makespan: > 1 means prefix is faster).
     python benchmarks/prefix_dispatch.py --questions 32 --repeats 1 --no-record
     python benchmarks/prefix_dispatch.py --engine vllm --systems 4 --system-tokens 2400 --questions 32 \
         --max-new-tokens 8 --max-batch 16 --partition-size 16 --workloads shuffled   # the vllm lane's venv
+    python benchmarks/prefix_dispatch.py --engine vllm --systems 8 --system-tokens 2400 --questions 16 \
+        --max-new-tokens 8 --max-batch 4 --partition-size 32 --workloads shuffled \
+        --engine-arg num_gpu_blocks_override=16 --engine-arg max_model_len=1024   # a KV cache of ~2 prefixes
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ from typing import Any
 
 from common import cli, runs, workers
 from overhead_engine import ENGINE_ARGS
+
+from daskgen.cli_options import key_values
 
 TITLE = "Prefix-aware dispatch: prompt tokens computed and makespan, prefix vs order"
 WORDS = "the of model data token engine cache batch prompt system answer short long write read store".split()  # noqa: SIM905
@@ -72,9 +80,11 @@ def workload(a: argparse.Namespace, kind: str) -> list[dict[str, Any]]:
 
 def engine_settings(a: argparse.Namespace, cache: int) -> tuple[str, str, dict[str, Any]]:
     """The model, engine name and engine arguments of a run (``cache``: the simulated prefix cache)."""
+    extra = key_values(a.engine_arg, "--engine-arg")
     if a.engine != "simulated":
         model = a.model or str(__import__("daskgen.models", fromlist=["smollm2_instruct"]).smollm2_instruct())
-        return model, a.engine, ENGINE_ARGS[a.engine](argparse.Namespace(max_requests=a.max_batch, threads=1))
+        defaults = ENGINE_ARGS[a.engine](argparse.Namespace(max_requests=a.max_batch, threads=1))
+        return model, a.engine, {**defaults, **extra}
     args = {
         "max_batch": a.max_batch,
         "step_time_base_s": a.step_base,
@@ -85,7 +95,7 @@ def engine_settings(a: argparse.Namespace, cache: int) -> tuple[str, str, dict[s
         "prefill_time_per_token_s": a.prefill_per_token,
         "prefix_cache_tokens": cache,
     }
-    return "simulated-prefix", "simulated", args
+    return "simulated-prefix", "simulated", {**args, **extra}
 
 
 def one_run(a: argparse.Namespace, rows: list[dict[str, Any]], dispatch: str, n_workers: int, cache: int) -> dict:
@@ -246,6 +256,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--questions", type=int, default=512, help="questions, each paired with every system prompt")
     p.add_argument("--grouped", action="store_true", help="also the prefix-heavy rows grouped by system prompt")
     p.add_argument("--workloads", default="shuffled,plain", help="of shuffled, grouped, plain (comma-separated)")
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine argument added to (or overriding) the defaults, VALUE read as YAML; repeatable\n"
+        "(e.g. num_gpu_blocks_override=16: each vLLM engine's KV cache in blocks)",
+    )
     p.add_argument("--prefill-per-token", type=float, default=5e-5, help="model seconds per computed prompt token")
     cli.add_flags(
         p, max_new_tokens=32, max_batch=64, step_base=0.02, step_per_seq=0.0002, partition_size=64, repeats=2, seed=0
