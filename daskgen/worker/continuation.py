@@ -3,6 +3,8 @@ generated on from its stored aborted prefix, token-exact."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+
 import numpy as np
 
 from daskgen.agents import AgentLoop, EngineHandle, Trajectory
@@ -59,21 +61,34 @@ def stored_versions(region: dict[str, np.ndarray], index: tuple[int, int]) -> li
     return [(0, first)] if changed < 0 else [(0, first), (changed, end)]
 
 
-async def sample_with_prefix(
+def sample_with_prefix(
     agent: AgentLoop,
     handle: EngineHandle,
     request_id: str,
     prompt: list[int],
     params: SamplingParams,
     prefix: Trajectory | None,
-) -> list[Trajectory]:
+) -> Awaitable[list[Trajectory]]:
     """One sample through the agent loop, continuing a stored aborted prefix when given.
 
     The continuation is token-exact: the stored ids (and logprobs) followed by what the engine
-    generates after ``prompt + prefix``, with the remaining token budget.
+    generates after ``prompt + prefix``, with the remaining token budget.  Without a prefix it is the agent
+    loop's own coroutine (no wrapper: this runs once per sample).
     """
     if prefix is None:
-        return await agent.run(handle, request_id, prompt, params)
+        return agent.run(handle, request_id, prompt, params)
+    return _stored_or_continued(agent, handle, request_id, prompt, params, prefix)
+
+
+async def _stored_or_continued(
+    agent: AgentLoop,
+    handle: EngineHandle,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    prefix: Trajectory,
+) -> list[Trajectory]:
+    """A stored sample as it is, or its aborted prefix continued."""
     if prefix.finish_reason != FinishReason.ABORT:
         return [prefix]
     return await _continue_aborted(agent, handle, request_id, prompt, params, prefix)

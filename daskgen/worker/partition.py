@@ -301,11 +301,7 @@ class _Generation:
             params = dataclasses.replace(params, response_format=row_format)
         if task.inputs and (adapter := task.inputs[i].get("adapter")) != params.adapter:
             params = dataclasses.replace(params, adapter=adapter)
-        request_id, prompt = f"p{row}-s{s}", list(task.prompts[i])
-        if prefix is None:  # nothing stored to continue: straight to the agent loop
-            sample = self.agent.run(self.handle, request_id, prompt, params)
-        else:
-            sample = sample_with_prefix(self.agent, self.handle, request_id, prompt, params, prefix)
+        sample = sample_with_prefix(self.agent, self.handle, f"p{row}-s{s}", list(task.prompts[i]), params, prefix)
         settings = own if own is not None else task.run_settings
         if settings is not None:  # a run with stops or per-row settings
             sample = self.stopped(sample, settings)
