@@ -56,3 +56,16 @@ def test_workers_daskgen_starts_run_without_dasks_stack_sampling_unless_asked() 
     assert worker_settings() == {"distributed.worker.daemon": False, "distributed.worker.profile.enabled": False}
     with dask.config.set({"daskgen.worker-profile": True}):
         assert worker_settings() == {"distributed.worker.daemon": False}
+
+
+@pytest.mark.timeout(120)
+def test_worker_processes_of_a_run_start_with_the_profiler_setting(tmp_path) -> None:
+    """The setting reaches the worker processes a run starts (a LocalCluster's nannies pass the client's config)."""
+    from daskgen.client.cluster import connect
+    from daskgen.config import RunConfig
+
+    config = RunConfig(model="sim", store=str(tmp_path / "s.zarr"), engine="simulated", n_workers=1, progress=False)
+    with connect(config) as (client, _):
+        client.wait_for_workers(1)
+        seen = client.run(lambda: dask.config.get("distributed.worker.profile.enabled"))
+    assert list(seen.values()) == [False]
