@@ -206,3 +206,33 @@ def test_daskgens_own_scheduler_process_killed_mid_run_exits_3_and_the_rerun_kee
     assert not (out / LOCK_NAME).exists(), "the lock must be released"
     assert _group_gone(client.pid), "a process of the run was left behind"
     _rerun_commits_each_row_once(tmp_path, prompts, out, *config)
+
+
+@pytest.mark.timeout(120)
+def test_connection_loss_tracebacks_of_the_client_are_not_printed_while_a_run_is_connected(tmp_path, caplog):
+    """The client's event loop and its batched stream log a traceback when the scheduler's connection closes
+    under them; a run reports the loss itself, so inside :func:`connect` those records are dropped and every
+    other record of the same loggers still reaches the handlers."""
+    import logging
+
+    from distributed.comm.core import CommClosedError
+
+    from daskgen.client.cluster import connect
+    from daskgen.config import RunConfig
+
+    def closed() -> tuple:
+        try:
+            raise CommClosedError("in: TCP closed")
+        except CommClosedError:
+            return sys.exc_info()
+
+    config = RunConfig(model="sim", store=str(tmp_path / "s.zarr"), engine="simulated", n_workers=1, progress=False)
+    names = ("distributed.batched", "tornado.application")
+    with caplog.at_level(logging.INFO), connect(config):
+        for name in names:
+            logging.getLogger(name).error("Batched Comm Closed", exc_info=closed())
+            logging.getLogger(name).error("kept: %s", name, exc_info=ValueError("not a connection loss"))
+    kept = [r for r in caplog.records if r.name in names]
+    assert [r.getMessage() for r in kept] == [f"kept: {name}" for name in names]
+    logging.getLogger(names[0]).info("after the run", exc_info=closed())
+    assert caplog.records[-1].getMessage() == "after the run", "the filter outlived the run"

@@ -74,9 +74,14 @@ def _muted(*names: str) -> Iterator[None]:
             log.setLevel(level)
 
 
+#: Loggers that print a traceback when the client's connection to the scheduler closes: its event loop's
+#: (a background fetch) and its batched stream's (a send in flight).
+_CONNECTION_LOGGERS = ("tornado.application", "distributed.batched")
+
+
 class _ConnectionLossFilter(logging.Filter):
-    """Drops the tracebacks the client's event loop logs when a connection to the scheduler closes under a
-    background fetch: the run reports a lost scheduler itself (:mod:`daskgen.client.scheduler_watch`)."""
+    """Drops the tracebacks the client logs when its connection to the scheduler closes under a background
+    fetch or send: the run reports a lost scheduler itself (:mod:`daskgen.client.scheduler_watch`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         from distributed.comm.core import CommClosedError
@@ -90,8 +95,9 @@ def _closing_quietly(client: Any) -> Iterator[None]:
     """While the client runs, connection-loss tracebacks of background fetches are not logged; after the
     scheduler was lost, the client is closed at once without ``distributed`` logging the traceback of
     its cancelled reconnection attempt (the run already said what happened)."""
-    loop_log, quiet = logging.getLogger("tornado.application"), _ConnectionLossFilter()
-    loop_log.addFilter(quiet)
+    logs, quiet = [logging.getLogger(name) for name in _CONNECTION_LOGGERS], _ConnectionLossFilter()
+    for log in logs:
+        log.addFilter(quiet)
     try:
         yield
     except SchedulerLost:
@@ -99,7 +105,8 @@ def _closing_quietly(client: Any) -> Iterator[None]:
             client.close(timeout=5)
         raise
     finally:
-        loop_log.removeFilter(quiet)
+        for log in logs:
+            log.removeFilter(quiet)
 
 
 def worker_settings() -> dict[str, Any]:
