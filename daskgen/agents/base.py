@@ -9,8 +9,9 @@ import path (``package.module:Class``).
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,6 +24,7 @@ from daskgen.engines.base import (
     SamplingParams,
     TopLogprobs,
 )
+from daskgen.engines.batch import Finished, each_as_finished
 from daskgen.errors import EngineError
 
 
@@ -79,6 +81,13 @@ class Trajectory:
     def for_params(cls, params: SamplingParams) -> Trajectory:
         """An empty trajectory recording what ``params`` ask for (logprobs, top-k logprobs)."""
         return cls(logprobs=[] if params.logprobs else None, top_logprobs=[] if params.top_logprobs else None)
+
+    @classmethod
+    def of_turn(cls, params: SamplingParams, result: GenerationResult) -> Trajectory:
+        """The trajectory of one engine call (``result``) made with ``params``."""
+        trajectory = cls.for_params(params)
+        trajectory.add_model_tokens(result)
+        return trajectory
 
     def add_model_tokens(self, result: GenerationResult) -> None:
         """Append one engine result as model tokens (and the policy versions that generated them)."""
@@ -173,10 +182,47 @@ class EngineHandle:
             raise
         finally:
             self.in_flight.discard(request_id)
-        if result.finish_reason == FinishReason.ERROR and self._replaced(engine):
-            return _aborted(request_id, params)
-        if result.finish_reason == FinishReason.ERROR and (death := engine.died()) is not None:
-            raise EngineError(f"{engine.name} engine died while request {request_id!r} ran: {death}")
+        return self._checked(engine, request, result)
+
+    async def generate_batch(self, requests: Sequence[GenerationRequest]) -> AsyncGenerator[Finished, None]:
+        """One turn of every request at once: ``(index, result)`` groups as they finish, each result what
+        :meth:`generate` would return for it (:meth:`~daskgen.engines.base.Engine.generate_batch`)."""
+        if self.stopped:
+            yield [(i, _aborted(r.request_id, r.params)) for i, r in enumerate(requests)]
+            return
+        if self.policy is not None:  # the policy gate admits each request on its own
+            async for group in each_as_finished(
+                lambda r: self.generate(r.request_id, r.prompt_ids, r.params), requests
+            ):
+                yield group
+            return
+        engine, left = self.engine, dict(enumerate(requests))
+        self.in_flight.update(r.request_id for r in requests)
+        try:
+            async with contextlib.aclosing(engine.generate_batch(requests)) as groups:
+                async for group in groups:
+                    for i, _ in group:
+                        self.in_flight.discard(left.pop(i).request_id)
+                    yield [(i, self._checked(engine, requests[i], result)) for i, result in group]
+        except Exception:
+            if not self._replaced(engine):
+                raise
+            yield [(i, _aborted(r.request_id, r.params)) for i, r in left.items()]
+        finally:
+            self.in_flight.difference_update(r.request_id for r in left.values())
+
+    def _one(self, request: GenerationRequest) -> Awaitable[GenerationResult]:
+        return self.generate(request.request_id, request.prompt_ids, request.params)
+
+    def _checked(self, engine: Engine, request: GenerationRequest, result: GenerationResult) -> GenerationResult:
+        """``result`` of ``request``: ``abort`` when it failed because its engine was replaced; raises
+        :class:`~daskgen.errors.EngineError` when it failed because the running engine's backend died."""
+        if result.finish_reason != FinishReason.ERROR:
+            return result
+        if self._replaced(engine):
+            return _aborted(request.request_id, request.params)
+        if (death := engine.died()) is not None:
+            raise EngineError(f"{engine.name} engine died while request {request.request_id!r} ran: {death}")
         return result
 
     def _replaced(self, engine: Engine) -> bool:
@@ -233,6 +279,4 @@ class SingleTurn(AgentLoop):
     async def run(
         self, engine: EngineHandle, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> list[Trajectory]:
-        trajectory = Trajectory.for_params(params)
-        trajectory.add_model_tokens(await engine.generate(request_id, prompt_ids, params))
-        return [trajectory]
+        return [Trajectory.of_turn(params, await engine.generate(request_id, prompt_ids, params))]

@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from daskgen.errors import EngineError, RefreshError
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncGenerator, Sequence
+
+    from daskgen.engines.batch import Finished
     from daskgen.input.response_format import ResponseFormat
 
 _T = TypeVar("_T")
@@ -382,6 +385,14 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
         """Stop a request in flight; its ``generate`` returns with ``FinishReason.ABORT``."""
+
+    def generate_batch(self, requests: Sequence[GenerationRequest]) -> AsyncGenerator[Finished, None]:
+        """Generate ``requests`` at once, yielding ``(index, result)`` groups as they finish
+        (:mod:`daskgen.engines.batch`); each result is what :meth:`generate` returns.  Default: one
+        :meth:`generate` per request."""
+        from daskgen.engines.batch import each_as_finished
+
+        return each_as_finished(self.generate, requests)
 
     @property
     def capacity(self) -> int | None:

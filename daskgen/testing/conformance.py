@@ -38,7 +38,7 @@ from typing import Any, ClassVar, TypeVar
 from daskgen.engines.base import Engine, EngineStatus, FinishReason, GenerationRequest, GenerationResult, SamplingParams
 from daskgen.errors import ConfigError, EngineError
 from daskgen.testing.features import FeatureChecks
-from daskgen.testing.harness import EventLoopThread, check_result, gather, longest_running, run_checks
+from daskgen.testing.harness import EventLoopThread, batch_results, check_result, gather, longest_running, run_checks
 from daskgen.testing.top_logprobs import TopLogprobsCheck
 
 __all__ = ["EngineConformance", "EventLoopThread", "longest_running", "run_conformance"]
@@ -279,7 +279,8 @@ class EngineConformance(FeatureChecks, TopLogprobsCheck):
         assert len(outputs) > 1, "eight different seeds gave identical samples"
 
     def test_many_concurrent_requests(self) -> None:
-        """Many concurrent requests all complete, each with its own request id, cap and output.
+        """Many concurrent requests all complete, each with its own request id, cap and output, sent one by one
+        and as one batch (``generate_batch``).
 
         The greedy ones with the longest caps are generated again alone: each concurrent result must be
         the output of its own request (a result handed to the wrong request would differ).
@@ -291,15 +292,16 @@ class EngineConformance(FeatureChecks, TopLogprobsCheck):
             for i in range(self.concurrency)
         ]
         results = self.run(self.generate_all(requests))
-        for request, result in zip(requests, results, strict=True):
+        batched = self.run(batch_results(self.engine, requests))
+        for request, result in zip(requests * 2, results + batched, strict=True):
             check_result(request, result)
             assert result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH), result
-        greedy = [(q, r) for q, r in zip(requests, results, strict=True) if q.params.temperature == 0.0]
-        checked = sorted(greedy, key=lambda pair: -pair[0].params.max_new_tokens)[:6]
-        for request, result in checked:
-            alone = self.run(self.one(request))
-            assert result.output_ids == alone.output_ids, (request.request_id, result.output_ids, alone.output_ids)
-        assert len({tuple(r.output_ids) for _, r in checked}) > 1, "the checked outputs are all equal: no evidence"
+        greedy = [(q, r, b) for q, r, b in zip(requests, results, batched, strict=True) if q.params.temperature == 0.0]
+        checked = sorted(greedy, key=lambda item: -item[0].params.max_new_tokens)[:6]
+        for request, result, in_batch in checked:
+            alone = self.run(self.one(request)).output_ids
+            assert result.output_ids == alone == in_batch.output_ids, (request.request_id, result, in_batch, alone)
+        assert len({tuple(r.output_ids) for _, r, _ in checked}) > 1, "the checked outputs are all equal: no evidence"
 
     def test_results_arrive_as_each_finishes(self) -> None:
         """A short request submitted after a long one comes back first (no static batch barrier).

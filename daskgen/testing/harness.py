@@ -87,6 +87,20 @@ async def longest_running(engine: Engine, requests: Sequence[GenerationRequest])
     return max(zip(requests, results, strict=True), key=lambda pair: len(pair[1].output_ids))[0]
 
 
+async def batch_results(engine: Engine, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    """The results of ``requests`` sent as one batch (:meth:`~daskgen.engines.base.Engine.generate_batch`), in the
+    requests' order; checks that the groups give each request exactly once."""
+    out: list[GenerationResult | None] = [None] * len(requests)
+    async for group in engine.generate_batch(requests):
+        assert group, "generate_batch yielded an empty group"
+        for index, result in group:
+            assert out[index] is None, f"request {index} came back twice"
+            out[index] = result
+    missing = [i for i, result in enumerate(out) if result is None]
+    assert not missing, f"generate_batch never gave back requests {missing}"
+    return [result for result in out if result is not None]
+
+
 async def gather(*aws: Awaitable[Any]) -> list[Any]:
     """``asyncio.gather`` as a coroutine returning a list."""
     return list(await asyncio.gather(*aws))

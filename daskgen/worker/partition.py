@@ -10,6 +10,7 @@ idempotent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import time
@@ -19,15 +20,15 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from daskgen.agents import AgentLoop, EngineHandle, Trajectory, create_agent
-from daskgen.engines.base import FinishReason, SamplingParams
+from daskgen.agents import AgentLoop, EngineHandle, SingleTurn, Trajectory, create_agent
+from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
 from daskgen.errors import EngineError, EngineUnavailable
 from daskgen.input.chat_template import ChatTemplate
 from daskgen.input.rows import tokenize_rows
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import Layout, column_array, empty_region
 from daskgen.worker.continuation import sample_with_prefix, stored_samples
-from daskgen.worker.prefix_order import gather_in_prompt_order
+from daskgen.worker.prefix_order import gather_in_prompt_order, prompt_order
 from daskgen.worker.region import place_prompts, place_samples
 from daskgen.worker.rounds import RowOutcome, sample_in_rounds
 from daskgen.worker.row_sampling import apply_stops, place_row_settings, sample_params
@@ -250,13 +251,14 @@ class _Generation:
         """All samples of the given rows at once; a crash or hang marks the engine broken and raises."""
         task, plugin = self.task, self.plugin
         self.handle.engine = await plugin.get_engine()  # the engine may have been restarted meanwhile
-        calls = self.calls(indices)
         started: Awaitable[list[Any]]
-        if task.prefix_order and task.prompts is not None:  # shared prefixes reach the engine together
+        if self.batched:
+            started = self.batch(indices)
+        elif task.prefix_order and task.prompts is not None:  # shared prefixes reach the engine together
             per_row = task.n_samples if task.verify is None else 1
-            started = gather_in_prompt_order(calls, task.prompts, indices, per_row)
+            started = gather_in_prompt_order(self.calls(indices), task.prompts, indices, per_row)
         else:
-            started = asyncio.gather(*calls)
+            started = asyncio.gather(*self.calls(indices))
         try:
             return list(await asyncio.wait_for(started, task.timeout_s))
         except asyncio.TimeoutError:
@@ -292,6 +294,16 @@ class _Generation:
         task, row = self.task, self.task.rows[i]
         assert task.prompts is not None
         prefix = self.prefixes.get((row, s)) if self.prefixes else None
+        params = self.params(i, s, seed)
+        sample = sample_with_prefix(self.agent, self.handle, f"p{row}-s{s}", list(task.prompts[i]), params, prefix)
+        if (settings := self.settings(i)) is not None:  # a run with stops or per-row settings
+            sample = self.stopped(sample, settings)
+        return self.slot.counted(sample)
+
+    def params(self, i: int, s: int, seed: int | None) -> SamplingParams:
+        """The sampling params of sample ``s`` of the ``i``-th row: the run's with the sample's seed, or the row's
+        own settings; the row's response format and adapter."""
+        task, row = self.task, self.task.rows[i]
         own = task.row_settings[i] if task.row_settings is not None else None
         if own is None and seed is not None:
             params = with_seed(task.params, seed)
@@ -301,11 +313,46 @@ class _Generation:
             params = dataclasses.replace(params, response_format=row_format)
         if task.inputs and (adapter := task.inputs[i].get("adapter")) != params.adapter:
             params = dataclasses.replace(params, adapter=adapter)
-        sample = sample_with_prefix(self.agent, self.handle, f"p{row}-s{s}", list(task.prompts[i]), params, prefix)
-        settings = own if own is not None else task.run_settings
-        if settings is not None:  # a run with stops or per-row settings
-            sample = self.stopped(sample, settings)
-        return self.slot.counted(sample)
+        return params
+
+    def settings(self, i: int) -> dict[str, Any] | None:
+        """The stop and sampling settings of the ``i``-th row (its own or the run's); ``None``: a run with neither."""
+        task = self.task
+        own = task.row_settings[i] if task.row_settings is not None else None
+        return own if own is not None else task.run_settings
+
+    @property
+    def batched(self) -> bool:
+        """Plain samples (one engine call each, nothing stored to continue, no verifier) go as one batch."""
+        return self.task.verify is None and type(self.agent) is SingleTurn and not self.prefixes
+
+    async def batch(self, indices: range) -> list[list[Trajectory]]:
+        """Every sample of the given rows as one batch of requests (:meth:`EngineHandle.generate_batch`): each
+        finished group made into trajectories, cut at its stops and counted on the slot at once."""
+        task, n = self.task, self.task.n_samples
+        assert task.prompts is not None
+        seeds = sample_seeds(task.seed, [task.rows[i] for i in indices], n)
+        order = prompt_order(task.prompts, indices) if task.prefix_order else range(len(indices))
+        where = [(k, s) for k in order for s in range(n)]
+        requests = [self.request(indices[k], s, seeds[k * n + s]) for k, s in where]
+        out: list[list[Trajectory]] = [[] for _ in where]
+        decode = self.plugin.tokenizer().decode if task.run_settings is not None or task.row_settings else None
+        async with contextlib.aclosing(self.handle.generate_batch(requests)) as groups:
+            async for group in groups:
+                finished = []
+                for j, result in group:
+                    (k, s), trajectories = where[j], [Trajectory.of_turn(requests[j].params, result)]
+                    if decode is not None and (settings := self.settings(indices[k])) is not None:
+                        apply_stops(trajectories, settings, decode)
+                    out[k * n + s] = trajectories
+                    finished.append(trajectories)
+                self.slot.count(finished)
+        return out
+
+    def request(self, i: int, s: int, seed: int) -> GenerationRequest:
+        """The request of sample ``s`` of the ``i``-th row (its prompt, its params)."""
+        assert self.task.prompts is not None
+        return GenerationRequest(f"p{self.task.rows[i]}-s{s}", list(self.task.prompts[i]), self.params(i, s, seed))
 
     async def stopped(self, sample: Awaitable[list[Trajectory]], settings: dict[str, Any]) -> list[Trajectory]:
         """``sample``'s trajectories under the stop rule (:func:`~daskgen.worker.row_sampling.apply_stops`)."""

@@ -67,9 +67,19 @@ class PartitionSlot:
             self.plugin.meter.record(trajectories)
             return trajectories
         finally:
-            if self.left > 0:
-                self.left -= 1
-                self.plugin.outstanding -= 1
+            self._finished(1)
+
+    def count(self, samples: list[list[Trajectory]]) -> None:
+        """Count finished ``samples`` (each a sample's trajectories) at once: their tokens go to the meter."""
+        for trajectories in samples:
+            self.plugin.meter.record(trajectories)
+        self._finished(len(samples))
+
+    def _finished(self, n: int) -> None:
+        """``n`` samples are no longer outstanding."""
+        done = min(n, self.left)
+        self.left -= done
+        self.plugin.outstanding -= done
 
     def release(self) -> None:
         """The partition is over: its handle is dropped, and samples it did not generate (e.g. a satisfied

@@ -41,94 +41,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import itertools
 import math
 import os
 import time
-from collections import Counter, deque
-from dataclasses import asdict, dataclass, field
+from collections import deque
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import asdict
 from typing import Any
 
 from daskgen.engines.args import parse_engine_args
 from daskgen.engines.base import (
     Engine,
     EngineStatus,
-    FinishReason,
     GenerationRequest,
     GenerationResult,
     error_result,
     set_result,
     started,
 )
+from daskgen.engines.batch import Finished, FinishedGroups
 from daskgen.engines.request_check import request_error
-from daskgen.engines.simulated.plan import OutputPlan, SimulatedArgs, plan_output
+from daskgen.engines.simulated.inflight import SimRequest, SimStats
+from daskgen.engines.simulated.plan import SimulatedArgs, plan_output
 from daskgen.engines.simulated.prefix_cache import PrefixCache
 from daskgen.errors import RefreshError
 
 __all__ = ["SimulatedEngine"]
-
-# --------------------------------------------------------------------------- requests in flight
-
-
-@dataclass(eq=False)
-class _Sim:
-    """A request in the simulator: its plan, the future its caller awaits and its timing."""
-
-    request: GenerationRequest
-    plan: OutputPlan
-    future: asyncio.Future
-    start_step: int = -1
-    done: bool = False
-    meta: dict[str, Any] = field(default_factory=lambda: {"simulated": True})  # with the prompt tokens its cache held
-
-    @property
-    def finish_step(self) -> int:
-        return self.start_step + len(self.plan.tokens)
-
-    def resolve(self, tokens_done: int | None = None) -> None:
-        """Finish the caller's ``generate``: fully, or as ``ABORT`` after ``tokens_done`` tokens."""
-        plan, request = self.plan, self.request
-        if tokens_done is None:
-            result = GenerationResult(
-                request.request_id,
-                plan.tokens,
-                plan.finish,
-                plan.logprobs,
-                meta=dict(self.meta),
-                top_logprobs=plan.top_logprobs,
-            )
-        else:
-            n = max(0, min(tokens_done, len(plan.tokens) - 1))
-            logprobs = None if plan.logprobs is None else plan.logprobs[:n]
-            top = None if plan.top_logprobs is None else plan.top_logprobs[:n]
-            result = GenerationResult(
-                request.request_id,
-                plan.tokens[:n],
-                FinishReason.ABORT,
-                logprobs,
-                meta=dict(self.meta),
-                top_logprobs=top,
-            )
-        self.done = True
-        set_result(self.future, result)
-
-
-@dataclass
-class _Stats:
-    """Counters since start or :meth:`SimulatedEngine.reset_stats`."""
-
-    since: float = field(default_factory=time.perf_counter)
-    steps: int = 0
-    busy_s: float = 0.0
-    batch_steps: Counter = field(default_factory=Counter)
-    finished: int = 0
-    aborted: int = 0
-    tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    prefill_s: float = 0.0
-
 
 # --------------------------------------------------------------------------- engine
 
@@ -145,15 +86,15 @@ class SimulatedEngine(Engine):
     def __init__(self, model: str = "simulated", **engine_args: Any) -> None:
         super().__init__(model, **engine_args)
         self.args = parse_engine_args(self.name, SimulatedArgs, engine_args)
-        self._waiting: deque[_Sim] = deque()
-        self._finishing: list[tuple[int, int, _Sim]] = []  # heap of (finish_step, order, sim)
+        self._waiting: deque[SimRequest] = deque()
+        self._finishing: list[tuple[int, int, SimRequest]] = []  # heap of (finish_step, order, sim)
         self._running = 0
         self._order = itertools.count()
-        self._by_id: dict[str, list[_Sim]] = {}
+        self._by_id: dict[str, list[SimRequest]] = {}
         self._step = 0
         self._boundary_wall = 0.0  # wall time of the last step boundary (time_scale > 0)
         self._wall_per_step = 0.0  # of the step(s) in progress
-        self._stats = _Stats()
+        self._stats = SimStats()
         self._cache = PrefixCache(self.args.prefix_cache_tokens, self.args.prefix_cache_block)
         self._prefill_s = 0.0  # of the requests admitted since the last step
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -169,7 +110,7 @@ class SimulatedEngine(Engine):
 
     async def load(self) -> None:
         """Nothing to load; starts the statistics clock."""
-        self._stats = _Stats()
+        self._stats = SimStats()
 
     async def unload(self) -> None:
         """Stop the step loop; requests in flight end with ``ABORT``."""
@@ -205,16 +146,46 @@ class SimulatedEngine(Engine):
         if problem is not None:
             return error_result(request, problem)
         loop = asyncio.get_running_loop()
-        sim = _Sim(request, plan_output(request, self.args), loop.create_future())
-        self._by_id.setdefault(request.request_id, []).append(sim)
-        self._waiting.append(sim)
+        future: asyncio.Future[GenerationResult] = loop.create_future()
+        sim = self._queue(request, functools.partial(set_result, future))
         self._ensure_stepper(loop)
         self._wake()
         try:
-            return await sim.future
+            return await future
         except asyncio.CancelledError:
             self._drop(sim, aborted=False)
             raise
+
+    def generate_batch(self, requests: Sequence[GenerationRequest]) -> AsyncGenerator[Finished, None]:
+        """Queue every request at once; the step loop hands their results to one :class:`FinishedGroups`
+        (a subclass that changes :meth:`generate` keeps it: one :meth:`generate` per request)."""
+        if type(self).generate is not SimulatedEngine.generate:
+            return super().generate_batch(requests)
+        return self._batch(requests)
+
+    async def _batch(self, requests: Sequence[GenerationRequest]) -> AsyncGenerator[Finished, None]:
+        groups, sims = FinishedGroups(len(requests)), []
+        for index, request in enumerate(requests):
+            problem = self.not_serving() or request_error(request, vocab_size=self.args.vocab_size)
+            if problem is not None:
+                groups.add(index, error_result(request, problem))
+            else:
+                sims.append(self._queue(request, functools.partial(groups.add, index)))
+        self._ensure_stepper(asyncio.get_running_loop())
+        self._wake()
+        try:
+            async for group in groups.each():
+                yield group
+        finally:  # the caller stopped early: drop what still runs
+            for sim in sims:
+                self._drop(sim, aborted=False)
+
+    def _queue(self, request: GenerationRequest, deliver: Callable[[GenerationResult], None]) -> SimRequest:
+        """Plan ``request`` and queue it; its result goes to ``deliver``."""
+        sim = SimRequest(request, plan_output(request, self.args), deliver)
+        self._by_id.setdefault(request.request_id, []).append(sim)
+        self._waiting.append(sim)
+        return sim
 
     async def abort(self, request_id: str) -> None:
         """End the request(s) with this id at once with ``ABORT`` and the tokens produced so far."""
@@ -222,7 +193,7 @@ class SimulatedEngine(Engine):
             self._drop(sim, aborted=True)
         self._wake()
 
-    def _drop(self, sim: _Sim, aborted: bool) -> None:
+    def _drop(self, sim: SimRequest, aborted: bool) -> None:
         """Remove ``sim`` from the queue or the batch; resolve it as aborted when asked."""
         if sim.done:
             return
@@ -241,7 +212,7 @@ class SimulatedEngine(Engine):
             sim.resolve(tokens_done=done)
         sim.done = True
 
-    def _forget(self, sim: _Sim) -> None:
+    def _forget(self, sim: SimRequest) -> None:
         sims = self._by_id.get(sim.request.request_id)
         if sims is not None:
             with contextlib.suppress(ValueError):
@@ -303,7 +274,7 @@ class SimulatedEngine(Engine):
             heapq.heappush(self._finishing, (sim.finish_step, next(self._order), sim))
             self._prefill(sim)
 
-    def _prefill(self, sim: _Sim) -> None:
+    def _prefill(self, sim: SimRequest) -> None:
         """Count a joining request's prompt: cached tokens (in its result's ``meta["cached_tokens"]`` when the
         engine has a prefix cache), and the prefill time of the others."""
         prompt = sim.request.prompt_ids
@@ -406,7 +377,7 @@ class SimulatedEngine(Engine):
 
     def reset_stats(self) -> None:
         """Start a new statistics window (e.g. after a benchmark's warm-up)."""
-        self._stats = _Stats()
+        self._stats = SimStats()
 
     def health_token_id(self) -> int:
         """Token 0 (valid for any vocabulary)."""
