@@ -24,12 +24,15 @@ Measured per run: the prompt tokens the engines computed (every sample's prompt 
 served from its prefix cache, as the engine reported them per request: the store's ``cached_prompt_tokens``),
 the makespan (engines ready to the last commit, wall seconds; ``time_scale`` 1, so that model seconds are
 wall seconds), response tokens per second of makespan, the engines' mean batch (occupancy; the simulated
-engine's statistics) and the rows stored without their full response (simulated: fixed lengths).
+engine's statistics), the busiest simulated engine's model seconds (prefill and steps: the makespan's floor;
+what the makespan has above it is the host's share, e.g. many in-process workers on few cores) and the rows
+stored without their full response (simulated: fixed lengths).
 Reported: medians over ``--repeats`` and the ratios order / prefix (tokens: > 1 means prefix computes
 fewer; makespan: > 1 means prefix is faster).
 
     python benchmarks/prefix_dispatch.py                       # ~10 minutes on 2 cores
     python benchmarks/prefix_dispatch.py --questions 32 --repeats 1 --no-record
+    python benchmarks/prefix_dispatch.py --workers 16,32,64 --questions 1536 --cache-tokens 4096   # ~25 minutes
     python benchmarks/prefix_dispatch.py --engine vllm --systems 4 --system-tokens 2400 --questions 32 \
         --max-new-tokens 8 --max-batch 16 --partition-size 16 --workloads shuffled   # the vllm lane's venv
     python benchmarks/prefix_dispatch.py --engine vllm --systems 8 --system-tokens 2400 --questions 16 \
@@ -109,7 +112,9 @@ def one_run(a: argparse.Namespace, rows: list[dict[str, Any]], dispatch: str, n_
     store = a.work / "store.zarr"
     shutil.rmtree(store, ignore_errors=True)
     model, engine, engine_args = engine_settings(a, cache)
-    spec = {"n_workers": n_workers, "threads_per_worker": 1, "processes": a.processes == "yes"}
+    spec: dict[str, Any] = {"n_workers": n_workers, "threads_per_worker": 1, "processes": a.processes == "yes"}
+    if a.processes != "yes":  # workers in one process: each would hold the process's memory to its share alone
+        spec["memory_limit"] = 0  # (64 workers: a 24 GiB machine's 375 MiB), so all would spill and pause
     daemon = {"distributed.worker.daemon": False}  # worker processes may start the engines' own subprocesses
     with dask.config.set(daemon), LocalCluster(**spec, dashboard_address=None) as cluster:
         config = RunConfig(
@@ -141,6 +146,7 @@ def one_run(a: argparse.Namespace, rows: list[dict[str, Any]], dispatch: str, n_
         "prompt": int(data["prompt_length"].sum()),
         "prefill": int(data["prompt_length"].sum() - cached.sum()) if (cached >= 0).all() else None,
         "batch": statistics.mean(mean_batch(s) for s in stats) if stats else None,
+        "busy": max((s["busy_s"] for s in stats if "busy_s" in s), default=None),  # model s: makespan's floor
         "makespan": marks["generate_s"],
         "tokens_s": int(lengths.sum()) / marks["generate_s"],
         "mode": record.get("mode", "?"),
@@ -206,6 +212,7 @@ def part_prefix(a: argparse.Namespace, work: Path, rec: Any) -> None:
             "response tokens/s, median (A; B)",
             "prompt tokens in all",
             "engines' mean batch (A; B)",
+            "busiest engine's model s, median (A; B)",
             "rows without their full response (all runs)",
         ],
         rows_out,
@@ -234,6 +241,7 @@ def table_row(name: str, n_workers: int, cache: int, base: list[dict], other: li
         f"{med(base, 'tokens_s'):.1f}; {med(other, 'tokens_s'):.1f}",
         f"{base[0]['prompt']:,}",
         f"{med(base, 'batch'):.1f}; {med(other, 'batch'):.1f}",
+        f"{med(base, 'busy'):.2f}; {med(other, 'busy'):.2f}",
         sum(r["short"] for r in base + other),
     ]
 

@@ -563,3 +563,5 @@ def test_prefix_dispatch(tmp_path):
     plain = next(line for line in out.splitlines() if line.startswith("| no shared prefix"))
     assert "A order; B order" in plain, plain  # auto kept input order without shared prefixes
     assert "prompt tokens computed" in record
+    busy = [float(x) for x in heavy.split(" | ")[-2].split(";")]  # the busiest engine's model s, both sides
+    assert "busiest engine's model s" in record and min(busy) > 0, heavy
