@@ -38,6 +38,7 @@ __all__ = [
     "GpuPinningError",
     "choose_gpu",
     "count_visible_gpus",
+    "export_local_rank",
     "local_rank_from_name",
     "parse_visible_devices",
     "pin_gpu",
@@ -144,6 +145,22 @@ def _resolve_rank(
     if rank is not None:
         return rank, f"from worker name {worker_name!r}"
     return None, f"worker name {worker_name!r} has no numeric suffix"
+
+
+def export_local_rank(worker_name: str | int, environ: MutableMapping[str, str] | None = None) -> int | None:
+    """Resolve this worker's local rank (module docstring) and set ``DASKGEN_LOCAL_RANK`` to it, for the
+    engine's processes (its CPU thread binding, :mod:`daskgen.engines.cpus`); ``None`` when it cannot be told.
+
+    Raises
+    ------
+    GpuPinningError
+        When ``DASKGEN_LOCAL_RANK`` or ``DASKGEN_WORKERS_PER_NODE`` is set but not an integer.
+    """
+    env = os.environ if environ is None else environ
+    rank, _ = _resolve_rank(worker_name, _int_env(env, ENV_LOCAL_RANK), _int_env(env, ENV_WORKERS_PER_NODE))
+    if rank is not None:
+        env[ENV_LOCAL_RANK] = str(rank)
+    return rank
 
 
 def choose_gpu(
