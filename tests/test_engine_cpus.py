@@ -8,8 +8,8 @@ from daskgen.engines.cpus import node_position, one_cpu_per_core
 
 
 def test_node_position_reads_the_rank_and_the_workers_per_node() -> None:
-    assert node_position({"DASKGEN_LOCAL_RANK": "1", "DASKGEN_WORKERS_PER_NODE": "2"}) == (1, 2)
-    assert node_position({"DASKGEN_LOCAL_RANK": "", "DASKGEN_WORKERS_PER_NODE": "x"}) == (None, None)
+    assert node_position({"DASKGEN_RESOLVED_LOCAL_RANK": "1", "DASKGEN_WORKERS_PER_NODE": "2"}) == (1, 2)
+    assert node_position({"DASKGEN_RESOLVED_LOCAL_RANK": "", "DASKGEN_WORKERS_PER_NODE": "x"}) == (None, None)
     assert node_position({}) == (None, None)
 
 

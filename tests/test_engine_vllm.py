@@ -144,7 +144,7 @@ def test_vllm_processes_start_with_the_workers_cores_unless_the_user_chose(monke
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setenv("DASKGEN_WORKERS_PER_NODE", "2")
-    monkeypatch.setenv("DASKGEN_LOCAL_RANK", "1")
+    monkeypatch.setenv("DASKGEN_RESOLVED_LOCAL_RANK", "1")
     monkeypatch.delenv(BIND_VARIABLE, raising=False)
     with vllm_thread_environment(cuda=False):
         assert os.environ[BIND_VARIABLE] == "1"

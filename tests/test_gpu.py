@@ -225,8 +225,10 @@ def test_count_visible_gpus_without_nvidia_smi(no_nvidia_smi):
 
 def test_export_local_rank_sets_the_rank_the_name_gives():
     env = {"DASKGEN_WORKERS_PER_NODE": "2", "DASKGEN_LOCAL_RANK": ""}
-    assert export_local_rank("job-1", env) == 1 and env["DASKGEN_LOCAL_RANK"] == "1"
-    assert export_local_rank("job-0", env) == 1  # an explicit rank wins, so exporting again changes nothing
+    assert export_local_rank("job-1", env) == 1 and env["DASKGEN_RESOLVED_LOCAL_RANK"] == "1"
+    assert env["DASKGEN_LOCAL_RANK"] == ""  # not an explicit rank for another worker of the same process
+    assert export_local_rank("job-0", env) == 0 and env["DASKGEN_RESOLVED_LOCAL_RANK"] == "0"
+    assert export_local_rank("job-0", {**env, "DASKGEN_LOCAL_RANK": "3"}) == 3  # an explicit rank wins
     assert export_local_rank("tcp://10.0.0.1:4000", {"DASKGEN_WORKERS_PER_NODE": "1"}) == 0
-    nameless: dict[str, str] = {}
+    nameless = {"DASKGEN_RESOLVED_LOCAL_RANK": "1"}
     assert export_local_rank("tcp://10.0.0.1:4000", nameless) is None and nameless == {}

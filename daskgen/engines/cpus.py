@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from daskgen.worker.gpu import ENV_LOCAL_RANK, ENV_WORKERS_PER_NODE
+from daskgen.worker.gpu import ENV_RESOLVED_RANK, ENV_WORKERS_PER_NODE
 
 __all__ = ["node_position", "one_cpu_per_core"]
 
@@ -20,11 +20,12 @@ CPU_TOPOLOGY = Path("/sys/devices/system/cpu")
 
 
 def node_position(environ: Mapping[str, str] | None = None) -> tuple[int | None, int | None]:
-    """(this worker's local rank, Dask workers on its node) from ``DASKGEN_LOCAL_RANK`` and
+    """(this worker's local rank, Dask workers on its node) from ``DASKGEN_RESOLVED_LOCAL_RANK`` and
     ``DASKGEN_WORKERS_PER_NODE``; ``None`` for either when unset or not an integer.
 
     daskgen's deployments set the node's worker count, and the engine plugin sets the rank it resolved
-    (:func:`daskgen.worker.gpu.export_local_rank`); an engine outside a Dask worker sees neither.
+    (``DASKGEN_LOCAL_RANK``, else the worker name's number: :func:`daskgen.worker.gpu.export_local_rank`);
+    an engine outside a Dask worker sees neither.
     """
     env = os.environ if environ is None else environ
 
@@ -32,7 +33,7 @@ def node_position(environ: Mapping[str, str] | None = None) -> tuple[int | None,
         value = env.get(name, "").strip()
         return int(value) if value.isdigit() else None
 
-    return integer(ENV_LOCAL_RANK), integer(ENV_WORKERS_PER_NODE)
+    return integer(ENV_RESOLVED_RANK), integer(ENV_WORKERS_PER_NODE)
 
 
 def one_cpu_per_core(cpus: list[int], topology: Path = CPU_TOPOLOGY) -> list[int]:

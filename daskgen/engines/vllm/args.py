@@ -137,9 +137,11 @@ def omp_threads_bind(rank: int | None, workers: int | None, cpus: list[int], use
 
 
 def worker_omp_threads_bind() -> str | None:
-    """:func:`omp_threads_bind` for this process: its node position, affinity and environment."""
+    """:func:`omp_threads_bind` for this process: its node position, CPU affinity (every CPU where the system
+    has none) and environment."""
     rank, workers = node_position()
-    cpus = one_cpu_per_core(sorted(os.sched_getaffinity(0)))
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cpus = one_cpu_per_core(sorted(affinity))
     return omp_threads_bind(rank, workers, cpus, os.environ.get(BIND_VARIABLE))
 
 
