@@ -115,6 +115,48 @@ def test_vllm_processes_start_without_the_workers_thread_counts(monkeypatch: pyt
         assert os.environ["OMP_NUM_THREADS"] == "2"
 
 
+@pytest.mark.parametrize(
+    ("rank", "workers", "cpus", "user", "expected"),
+    [
+        (0, 2, [0, 1], None, "0"),  # two workers on 2 cores: one core each
+        (1, 2, [0, 1], None, "1"),
+        (1, 2, list(range(8)), None, "4,5,6"),  # a share of 4, its last core left to the EngineCore
+        (1, 2, [2, 3, 6, 7], None, "6"),  # the worker's own affinity, not the machine's cores
+        (0, 1, [0, 1], None, None),  # the only worker of its node: vLLM's auto
+        (0, None, [0, 1], None, None),  # outside a worker daskgen started: vLLM's auto
+        (None, 2, [0, 1], None, "nobind"),  # rank unknown: the operating system places the threads
+        (2, 2, [0, 1], None, "nobind"),
+        (0, 3, [0, 1], None, "nobind"),  # fewer cores than workers
+        (1, 2, [0, 1], "0-1", "0-1"),  # the user's setting is kept
+        (0, 1, [0, 1], "nobind", "nobind"),
+    ],
+)
+def test_each_workers_engine_binds_its_own_share_of_the_cores(rank, workers, cpus, user, expected) -> None:
+    from daskgen.engines.vllm.args import omp_threads_bind
+
+    assert omp_threads_bind(rank, workers, cpus, user) == expected
+
+
+def test_vllm_processes_start_with_the_workers_cores_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from daskgen.engines.vllm.args import BIND_VARIABLE, vllm_thread_environment
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("DASKGEN_WORKERS_PER_NODE", "2")
+    monkeypatch.setenv("DASKGEN_RESOLVED_LOCAL_RANK", "1")
+    monkeypatch.delenv(BIND_VARIABLE, raising=False)
+    with vllm_thread_environment(cuda=False):
+        assert os.environ[BIND_VARIABLE] == "1"
+    assert BIND_VARIABLE not in os.environ
+    with vllm_thread_environment(cuda=True):
+        assert BIND_VARIABLE not in os.environ
+    monkeypatch.setenv(BIND_VARIABLE, "auto")
+    with vllm_thread_environment(cuda=False):
+        assert os.environ[BIND_VARIABLE] == "auto"
+    assert os.environ[BIND_VARIABLE] == "auto"
+
+
 def test_unknown_engine_args_suggest_close_matches() -> None:
     valid = ["tensor_parallel_size", "max_num_seqs", "dtype"]
     check_engine_args({"dtype": "float32"}, valid)
@@ -523,3 +565,46 @@ def test_structured_outputs_of_smollm2_conform_to_their_formats() -> None:
 
     stopped, sent = check_engine(VLLMEngine(str(smollm2_instruct()), **_SharedVLLM.engine_args))
     assert stopped >= sent // 2, f"only {stopped} of {sent} constrained responses ended by stop"
+
+
+def _model_worker_cores(dask_worker: Any) -> list[int]:
+    """Run on a worker: the cores the threads of vLLM's model worker processes below it (``VLLM::Worker``) may use."""
+    import os
+
+    import psutil
+
+    cores: set[int] = set()
+    for process in psutil.Process().children(recursive=True):
+        if process.name().startswith("VLLM::Worker"):
+            for thread in process.threads():
+                cores |= os.sched_getaffinity(thread.id)
+    return sorted(cores)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1500)
+@NEEDS_VLLM
+def test_two_workers_engines_bind_their_threads_to_disjoint_cores() -> None:
+    """Two workers of daskgen's local cluster, each with its engine: their model workers' threads share no core."""
+    import os
+    import time
+
+    from distributed import Client
+
+    from daskgen.deploy.local import LocalDeployment
+    from daskgen.worker.plugin import EnginePlugin, plugin_status
+
+    assert len(os.sched_getaffinity(0)) >= 2, "two engines need two cores to bind apart"
+    cluster, _ = LocalDeployment(n_workers=2, threads_per_worker=1).start()
+    with cluster, Client(cluster) as client:
+        plugin = EnginePlugin("vllm", tiny_model_path(), _SharedVLLM.engine_args, window=1)
+        client.register_plugin(plugin, name=plugin.name)
+        deadline = time.monotonic() + 1200
+        while {s["state"] for s in client.run(plugin_status).values()} != {"ready"}:
+            states = client.run(plugin_status)
+            assert time.monotonic() < deadline and "failed" not in {s["state"] for s in states.values()}, states
+            time.sleep(2)
+        cores = list(client.run(_model_worker_cores).values())
+    print(f"model workers' cores: {cores}")
+    assert len(cores) == 2 and all(cores), cores
+    assert not set(cores[0]) & set(cores[1]), cores

