@@ -37,7 +37,7 @@ def tree_has_changes() -> bool:
     return bool(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip())
 
 
-def run_script(name: str, tmp_path: Path, *args: str, timeout: float = 240) -> tuple[str, str]:
+def run_script(name: str, tmp_path: Path, *args: str, timeout: float = 480) -> tuple[str, str]:
     """Run ``benchmarks/<name>`` with a scratch results folder and workdir; return (stdout, the record's text)."""
     results = tmp_path / "results"
     cmd = [sys.executable, str(BENCH / name), "--results", str(results), "--workdir", str(tmp_path / "work"), *args]
@@ -54,7 +54,7 @@ def run_script(name: str, tmp_path: Path, *args: str, timeout: float = 240) -> t
     return res.stdout, text
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 def test_longtail(tmp_path):
     out, readme = run_script(
         "longtail.py",
@@ -108,7 +108,7 @@ def test_longtail_real(tmp_path, tiny_model):
     assert png.stat().st_size > 0
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(540)
 def test_overhead(tmp_path, tiny_model):
     out, text = run_script(
         "overhead.py",
@@ -247,7 +247,7 @@ def test_thread_slots(tmp_path):
     assert "The same token count in every run: True." in text
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 def test_storage(tmp_path):
     out, _ = run_script(
         "storage.py",
@@ -290,7 +290,7 @@ def test_resume(tmp_path):
     assert "| **prompts regenerated although already done** | 0 |" in out
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(540)
 def test_scaleout(tmp_path):
     out, _ = run_script(
         "scaleout.py",
@@ -331,7 +331,7 @@ def test_scaleout(tmp_path):
     assert out.count("full speed: client CPU ms per partition") == 3 and out.count("(at full speed,") == 3
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 def test_tail(tmp_path):
     out, _ = run_script(
         "tail.py",
@@ -353,7 +353,7 @@ def test_tail(tmp_path):
     assert "default + --length-hints, measured" in out
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 def test_tail_emulated_only(tmp_path):
     out, _ = run_script(
         "tail.py",
@@ -373,7 +373,7 @@ def test_tail_emulated_only(tmp_path):
     assert "speed-up from hints" in out and "measured" not in out.split("| distribution")[1].split("\n")[0]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 def test_preemption(tmp_path):
     out, _ = run_script(
         "preemption.py",
