@@ -25,22 +25,34 @@ _SIM, _CONT = "engines/simulated/engine.py", "worker/continuation.py"
 _PART = "worker/partition.py"
 _AGENT = "agents/base.py"  # the single-turn loop's ``run``: one sample, the continuation of a stored one too
 
-#: Worker event-loop stages: (name, roots counted, roots subtracted).
+#: The simulated engine's own work: one request (``generate``), a batch (``_batch``), the step loop (``_run``).
+_ENGINE: tuple[Root, ...] = ((_SIM, "generate"), (_SIM, "_batch"), (_SIM, "_run"))
+#: Worker event-loop stages: (name, roots counted, roots subtracted).  A partition's plain samples go as one batch
+#: (``batch``: requests built in ``request``; its trajectories made, stopped and counted as each group finishes);
+#: other samples one by one (``calls``).
 WORKER_STAGES: tuple[tuple[str, tuple[Root, ...], tuple[Root, ...]], ...] = (
-    ("engine: the instant simulated engine (planning, step loop)", ((_SIM, "generate"), (_SIM, "_run")), ()),
-    ("request path: agent loop, engine handle, trajectory", ((_AGENT, "run"),), ((_SIM, "generate"),)),
+    ("engine: the instant simulated engine (planning, step loop)", _ENGINE, ()),
+    (
+        "request path: agent loop, engine handle, trajectory",
+        ((_AGENT, "run"), (_AGENT, "generate_batch")),
+        _ENGINE[:2],  # the requests' own engine work (the step loop runs in its own task)
+    ),
     (
         "sample status and dashboard metrics",
-        (("worker/slot.py", "counted"), ("dashboard/metrics.py", "report")),
+        (("worker/slot.py", "counted"), ("worker/slot.py", "count"), ("dashboard/metrics.py", "report")),
         ((_AGENT, "run"),),
     ),
-    ("sample setup: seeds, params, coroutines", ((_PART, "calls"),), ()),
-    ("result handling: gathering finished samples", (("asyncio/tasks.py", "_done_callback"),), ()),
+    ("sample setup: seeds, params, coroutines", ((_PART, "calls"), (_PART, "request")), ()),
+    (
+        "result handling: gathering finished samples",
+        (("asyncio/tasks.py", "_done_callback"), (_PART, "batch")),
+        ((_PART, "request"), (_AGENT, "generate_batch"), ("worker/slot.py", "count")),
+    ),
     ("region assembly: prompts and samples into arrays", ((_PART, "fill_region"),), ()),
     (
         "partition task, rest: task creation, hand-offs to threads",
         ((_PART, "run_partition"),),
-        ((_PART, "calls"), (_PART, "fill_region")),
+        ((_PART, "calls"), (_PART, "batch"), (_PART, "fill_region")),
     ),
 )
 #: Client thread stages.
