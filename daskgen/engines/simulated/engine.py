@@ -11,8 +11,9 @@ The model
 * One asyncio step loop advances every running request by one token per step (that is what
   makes it continuous batching: requests join and leave between steps).  A step costs
   ``step_time_base_s + step_time_per_seq_s * running`` model seconds; wall time is model time
-  times ``time_scale`` (``0`` = instant: the loop jumps from one finish to the next and
-  thousands of requests per second go through).
+  times ``time_scale`` (``0`` = instant: the loop jumps from one finish to the next, handing the
+  event loop back every :data:`INSTANT_SLICE_S` wall seconds, and thousands of requests per second go
+  through).
 * A request's natural length is drawn from ``length_dist`` (``"fixed"``: ``length_mean``;
   ``"uniform"``: integers 1 .. ``2 * length_mean - 1``; ``"lognormal"``: mean ``length_mean``,
   log-space standard deviation ``length_sigma``; ``length_prompt_share`` of its log-variance is
@@ -70,6 +71,10 @@ from daskgen.engines.simulated.prefix_cache import PrefixCache
 from daskgen.errors import RefreshError
 
 __all__ = ["SimulatedEngine"]
+
+#: Instant mode: the step loop runs finish after finish for up to this many wall seconds before it lets the
+#: event loop run its callers (one pass of the loop per finish would cost more than the finishes).
+INSTANT_SLICE_S = 0.002
 
 # --------------------------------------------------------------------------- engine
 
@@ -255,7 +260,7 @@ class SimulatedEngine(Engine):
                 self._loop.call_soon_threadsafe(self._wakeup.set)
 
     async def _run(self) -> None:
-        self._boundary_wall = time.perf_counter()
+        self._boundary_wall = yield_at = time.perf_counter()
         while self.status is EngineStatus.RUNNING:
             self._admit()
             if self._running == 0:
@@ -263,8 +268,9 @@ class SimulatedEngine(Engine):
                 await self._step_wakeup.wait()
                 self._boundary_wall = time.perf_counter()
                 continue
-            if not await self._advance():
-                await asyncio.sleep(0)  # instant mode: let callers queue more requests
+            if not await self._advance() and time.perf_counter() >= yield_at:
+                await asyncio.sleep(0)  # instant mode: let callers queue more requests and take their results
+                yield_at = time.perf_counter() + INSTANT_SLICE_S
 
     def _admit(self) -> None:
         while self._waiting and self._running < self.args.max_batch:
