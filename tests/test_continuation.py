@@ -75,8 +75,8 @@ class Pause:
             time.sleep(0.05)
 
 
-#: the SGLang engine is fast enough that a stop rarely finds a request mid-response: five rows pause part-way
-SGLANG_PAUSE = Pause(rows=(2, 5, 8, 11, 14), after=32, prompts=16, new_tokens=96)
+#: the SGLang and vLLM engines are fast enough that a stop may find no request mid-response: five rows pause part-way
+FAST_ENGINE_PAUSE = Pause(rows=(2, 5, 8, 11, 14), after=32, prompts=16, new_tokens=96)
 
 
 def _sent(log) -> dict[str, list[list[int]]]:
@@ -98,7 +98,8 @@ def test_vllm_continues_token_exactly(tmp_path):
     kernels need)."""
     from tests.test_engine_vllm import tiny_model_path
 
-    check_continuation(tmp_path, tiny_model_path(), "vllm", ("dtype=float32", "max_model_len=2048"), start_s=900)
+    args = ("dtype=float32", "max_model_len=2048")
+    check_continuation(tmp_path, tiny_model_path(), "vllm", args, start_s=900, pause=FAST_ENGINE_PAUSE)
 
 
 @pytest.mark.sglang
@@ -107,7 +108,7 @@ def test_sglang_continues_token_exactly(tmp_path):
     """The same proof with the in-process SGLang engine (greedy: sglang has no seeds on a CPU, and needs none here)."""
     from tests.test_engine_sglang import tiny_model_path
 
-    check_continuation(tmp_path, tiny_model_path(), "sglang", start_s=600, pause=SGLANG_PAUSE)
+    check_continuation(tmp_path, tiny_model_path(), "sglang", start_s=600, pause=FAST_ENGINE_PAUSE)
 
 
 def check_continuation(tmp_path, model, inner="transformers", engine_args=(), start_s=240, pause=None):
