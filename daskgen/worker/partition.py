@@ -304,7 +304,7 @@ class _Generation:
         """The sampling params of sample ``s`` of the ``i``-th row: the run's with the sample's seed, or the row's
         own settings; the row's response format and adapter."""
         task, row = self.task, self.task.rows[i]
-        own = task.row_settings[i] if task.row_settings is not None else None
+        own = self.own_settings(i)
         if own is None and seed is not None:
             params = with_seed(task.params, seed)
         else:
@@ -315,11 +315,14 @@ class _Generation:
             params = dataclasses.replace(params, adapter=adapter)
         return params
 
+    def own_settings(self, i: int) -> dict[str, Any] | None:
+        """The ``i``-th row's own sampling settings, or ``None`` when it has none."""
+        return self.task.row_settings[i] if self.task.row_settings is not None else None
+
     def settings(self, i: int) -> dict[str, Any] | None:
         """The stop and sampling settings of the ``i``-th row (its own or the run's); ``None``: a run with neither."""
-        task = self.task
-        own = task.row_settings[i] if task.row_settings is not None else None
-        return own if own is not None else task.run_settings
+        own = self.own_settings(i)
+        return own if own is not None else self.task.run_settings
 
     @property
     def batched(self) -> bool:
@@ -336,13 +339,14 @@ class _Generation:
         where = [(k, s) for k in order for s in range(n)]
         requests = [self.request(indices[k], s, seeds[k * n + s]) for k, s in where]
         out: list[list[Trajectory]] = [[] for _ in where]
-        decode = self.plugin.tokenizer().decode if task.run_settings is not None or task.row_settings else None
+        stops = [self.settings(i) for i in indices]  # per row; all None in a run with neither stops nor settings
+        decode = self.plugin.tokenizer().decode if any(settings is not None for settings in stops) else None
         async with contextlib.aclosing(self.handle.generate_batch(requests)) as groups:
             async for group in groups:
                 finished = []
                 for j, result in group:
                     (k, s), trajectories = where[j], [Trajectory.of_turn(requests[j].params, result)]
-                    if decode is not None and (settings := self.settings(indices[k])) is not None:
+                    if decode is not None and (settings := stops[k]) is not None:
                         apply_stops(trajectories, settings, decode)
                     out[k * n + s] = trajectories
                     finished.append(trajectories)

@@ -147,9 +147,8 @@ class SimulatedEngine(Engine):
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Queue the request and await its simulated completion."""
-        problem = self.not_serving() or request_error(request, vocab_size=self.args.vocab_size)
-        if problem is not None:
-            return error_result(request, problem)
+        if (refused := self._refused(request)) is not None:
+            return refused
         loop = asyncio.get_running_loop()
         future: asyncio.Future[GenerationResult] = loop.create_future()
         sim = self._queue(request, functools.partial(set_result, future))
@@ -171,9 +170,8 @@ class SimulatedEngine(Engine):
     async def _batch(self, requests: Sequence[GenerationRequest]) -> AsyncGenerator[Finished, None]:
         groups, sims = FinishedGroups(len(requests)), []
         for index, request in enumerate(requests):
-            problem = self.not_serving() or request_error(request, vocab_size=self.args.vocab_size)
-            if problem is not None:
-                groups.add(index, error_result(request, problem))
+            if (refused := self._refused(request)) is not None:
+                groups.add(index, refused)
             else:
                 sims.append(self._queue(request, functools.partial(groups.add, index)))
         self._ensure_stepper(asyncio.get_running_loop())
@@ -184,6 +182,11 @@ class SimulatedEngine(Engine):
         finally:  # the caller stopped early: drop what still runs
             for sim in sims:
                 self._drop(sim, aborted=False)
+
+    def _refused(self, request: GenerationRequest) -> GenerationResult | None:
+        """The error result of a request the engine cannot take now (not running, or invalid), else ``None``."""
+        problem = self.not_serving() or request_error(request, vocab_size=self.args.vocab_size)
+        return None if problem is None else error_result(request, problem)
 
     def _queue(self, request: GenerationRequest, deliver: Callable[[GenerationResult], None]) -> SimRequest:
         """Plan ``request`` and queue it; its result goes to ``deliver``."""
