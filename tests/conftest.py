@@ -127,7 +127,8 @@ def fake_batch(tmp_path, monkeypatch):
     spool.mkdir()
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    submit = f'#!/bin/sh\ncp "$1" {spool}/job-$$.sh\necho "%s"\n'  # $$: unique per submission
+    # $$: unique per submission; copied under a hidden name and renamed, so a reader never sees a half-written job
+    submit = f'#!/bin/sh\ncp "$1" {spool}/.job-$$.part && mv {spool}/.job-$$.part {spool}/job-$$.sh\necho "%s"\n'
     scripts = {
         "sbatch": submit % "Submitted batch job $$",
         "qsub": submit % "$$.pbs-server",
