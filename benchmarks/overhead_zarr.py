@@ -111,13 +111,13 @@ def data_bytes(path: Path) -> int:
 
 def engine_cpu_seconds(config: RunConfig, prompts: list[str]) -> float:
     """CPU seconds the instant simulated engine itself spends planning these requests (in this process)."""
-    from daskgen.engines.simulated.plan import SimulatedArgs, plan_output
+    from daskgen.engines.simulated.plan import SimulatedArgs, plan_outputs
 
     requests = runs.run_requests(config, prompts)
     args = SimulatedArgs(**config.engine_args)
     t0 = time.process_time()
-    for req in requests:
-        plan_output(req, args)
+    for start in range(0, len(requests), args.max_batch):  # as the engine plans them: the requests joining a batch
+        plan_outputs(requests[start : start + args.max_batch], args)
     return time.process_time() - t0
 
 

@@ -10,7 +10,7 @@ import pytest
 from daskgen.engines import create_engine
 from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
 from daskgen.engines.simulated import SimulatedEngine
-from daskgen.engines.simulated.plan import plan_output
+from daskgen.engines.simulated.plan import plan_output, plan_outputs
 from daskgen.errors import ConfigError
 from daskgen.testing.conformance import EngineConformance
 
@@ -164,6 +164,23 @@ def test_outputs_are_deterministic_and_prefix_consistent() -> None:
     assert other_seed.tokens != long.tokens
     greedy = [plan_output(req("g", [1, 2, 3], max_new_tokens=40, temperature=0, seed=s), args) for s in (1, 2)]
     assert greedy[0].tokens == greedy[1].tokens
+
+
+@pytest.mark.parametrize("dist", ["fixed", "uniform", "lognormal"])
+def test_a_batch_plans_each_request_as_it_would_alone(dist: str) -> None:
+    args = SimulatedEngine("sim", length_dist=dist, length_mean=12, length_prompt_share=0.5, time_scale=0).args
+    requests = [
+        req(f"r{i}", [i % 7, 3], max_new_tokens=4 + i % 20, seed=i // 2, logprobs=i % 2 == 0, temperature=i % 3)
+        for i in range(60)
+    ]
+    requests.append(GenerationRequest("k", [5, 6], SamplingParams(max_new_tokens=30, seed=1, top_logprobs=3)))
+    requests.append(GenerationRequest("s", [5, 6], SamplingParams(max_new_tokens=30, seed=1, stop_token_ids=[9])))
+    alone = [plan_output(r, args) for r in requests]
+    together = plan_outputs(requests, args)
+    assert together == alone
+    assert plan_outputs(list(reversed(requests)), args) == list(reversed(alone))
+    assert {p.finish for p in alone} == {FinishReason.STOP, FinishReason.LENGTH}
+    assert len(alone[-2].top_logprobs) == len(alone[-2].tokens) and alone[-1].logprobs is None
 
 
 def _wall_waits(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, float]]:

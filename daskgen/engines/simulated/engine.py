@@ -35,7 +35,7 @@ The model
 
 :meth:`SimulatedEngine.stats` reports steps, busy time, busy fraction and per-step batch sizes.
 The options (:class:`~daskgen.engines.simulated.plan.SimulatedArgs`) and the output model
-(:func:`~daskgen.engines.simulated.plan.plan_output`) live in :mod:`daskgen.engines.simulated.plan`.
+(:func:`~daskgen.engines.simulated.plan.plan_outputs`) live in :mod:`daskgen.engines.simulated.plan`.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ from daskgen.engines.base import (
 from daskgen.engines.batch import Finished, FinishedGroups
 from daskgen.engines.request_check import request_error
 from daskgen.engines.simulated.inflight import SimRequest, SimStats
-from daskgen.engines.simulated.plan import SimulatedArgs, plan_output
+from daskgen.engines.simulated.plan import SimulatedArgs, plan_outputs
 from daskgen.engines.simulated.prefix_cache import PrefixCache
 from daskgen.errors import RefreshError
 
@@ -190,7 +190,7 @@ class SimulatedEngine(Engine):
 
     def _queue(self, request: GenerationRequest, deliver: Callable[[GenerationResult], None]) -> SimRequest:
         """Plan ``request`` and queue it; its result goes to ``deliver``."""
-        sim = SimRequest(request, plan_output(request, self.args), deliver)
+        sim = SimRequest(request, deliver)  # planned when it joins the batch, with the others joining then
         self._by_id.setdefault(request.request_id, []).append(sim)
         self._waiting.append(sim)
         return sim
@@ -213,7 +213,7 @@ class SimulatedEngine(Engine):
             self._running -= 1
             done = self.current_step() - sim.start_step
         self._forget(sim)
-        if sim.start_step >= 0:  # the tokens it produced before it was dropped count as generated
+        if sim.plan is not None:  # it ran: the tokens it produced before it was dropped count as generated
             self._stats.tokens += max(0, min(done, len(sim.plan.tokens) - 1))
         if aborted:
             self._stats.aborted += 1
@@ -276,10 +276,14 @@ class SimulatedEngine(Engine):
                 yield_at = time.perf_counter() + INSTANT_SLICE_S
 
     def _admit(self) -> None:
+        joining = []
         while self._waiting and self._running < self.args.max_batch:
             sim = self._waiting.popleft()
             sim.start_step = self._step
             self._running += 1
+            joining.append(sim)
+        for sim, plan in zip(joining, plan_outputs([sim.request for sim in joining], self.args), strict=True):
+            sim.plan = plan
             heapq.heappush(self._finishing, (sim.finish_step, next(self._order), sim))
             self._prefill(sim)
 
@@ -347,7 +351,7 @@ class SimulatedEngine(Engine):
             self._running -= 1
             self._forget(sim)
             self._stats.finished += 1
-            self._stats.tokens += len(sim.plan.tokens)
+            self._stats.tokens += sim.finish_step - sim.start_step
             sim.resolve()
 
     # ------------------------------------------------------------------ introspection

@@ -17,19 +17,26 @@ class SimRequest:
     """A request in the simulator: its plan, where its result goes (its caller's future or batch) and its timing."""
 
     request: GenerationRequest
-    plan: OutputPlan
     deliver: Callable[[GenerationResult], None]
+    plan: OutputPlan | None = None  # set when it joins the batch
     start_step: int = -1
     done: bool = False
     meta: dict[str, Any] = field(default_factory=lambda: {"simulated": True})  # with the prompt tokens its cache held
 
     @property
     def finish_step(self) -> int:
+        assert self.plan is not None, "a request is planned when it joins the batch"
         return self.start_step + len(self.plan.tokens)
 
     def resolve(self, tokens_done: int | None = None) -> None:
-        """Finish the caller's ``generate``: fully, or as ``ABORT`` after ``tokens_done`` tokens."""
-        plan, request = self.plan, self.request
+        """Finish the caller's ``generate``: fully, or as ``ABORT`` after ``tokens_done`` tokens (none when it
+        never joined the batch)."""
+        request = self.request
+        plan = self.plan
+        if plan is None:
+            params = request.params  # aborted before it joined the batch: no tokens
+            plan = OutputPlan([], FinishReason.ABORT, [] if params.logprobs else None)
+            plan.top_logprobs = [] if params.top_logprobs else None
         if tokens_done is None:
             result = GenerationResult(
                 request.request_id,

@@ -10,14 +10,15 @@ from __future__ import annotations
 import hashlib
 import math
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from daskgen.engines.args import is_number, require
-from daskgen.engines.base import FinishReason, GenerationRequest, TopLogprobs
+from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams, TopLogprobs
 
-__all__ = ["OutputPlan", "SimulatedArgs", "plan_output"]
+__all__ = ["OutputPlan", "SimulatedArgs", "plan_output", "plan_outputs"]
 
 _LENGTH_DISTS = ("fixed", "uniform", "lognormal")
 
@@ -137,48 +138,111 @@ def _prompt_digest(prompt_ids: list[int]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
-def _natural_length(rng: np.random.Generator, args: SimulatedArgs, prompt_digest: int) -> int:
+# Counter-based random numbers: value ``j`` of stream ``stream`` of key ``k`` is a 64-bit mix of
+# ``(k, stream, j)`` (the splitmix64 finaliser), so a request's tokens are drawn for all requests of a
+# batch in a few array operations, and a shorter cap reads a prefix of the same stream.
+_GOLDEN_INT, _STREAM_INT = 0x9E3779B97F4A7C15, 0xD1B54A32D192ED03
+_GOLDEN, _ONE = np.uint64(_GOLDEN_INT), np.uint64(1)
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser of each uint64 (a bijection that spreads every input bit)."""
+    x = (x ^ (x >> np.uint64(30))) * _M1
+    x = (x ^ (x >> np.uint64(27))) * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+def _uniform(keys: np.ndarray, stream: int, positions: np.ndarray | int) -> np.ndarray:
+    """Uniform numbers in ``[0, 1)``: value ``positions`` of stream ``stream`` of each key."""
+    if isinstance(positions, int):  # one value per key: the offset in Python integers (no scalar overflow)
+        counter = keys + np.uint64((stream * _STREAM_INT + (positions + 1) * _GOLDEN_INT) & _MASK64)
+    else:
+        counter = keys + np.uint64(stream * _STREAM_INT & _MASK64) + (positions.astype(np.uint64) + _ONE) * _GOLDEN
+    return (_mix(counter) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def _normal(keys: np.ndarray, stream: int) -> np.ndarray:
+    """One standard normal number per key (Box-Muller of the stream's first two values)."""
+    radius = np.sqrt(-2.0 * np.log1p(-_uniform(keys, stream, 0)))
+    return radius * np.cos(2 * math.pi * _uniform(keys, stream, 1))
+
+
+def _request_key(digest: int, params: SamplingParams) -> int:
+    """The key of a request's streams: its prompt's digest, and its seed unless it is greedy (a random seed
+    when it has none)."""
+    if params.temperature == 0:
+        return digest
+    seed = params.seed if params.seed is not None else secrets.randbits(64)
+    return (digest ^ (1 + 2 * (seed & _MASK64) + (seed < 0)) * _GOLDEN_INT) & _MASK64
+
+
+def _natural_lengths(keys: np.ndarray, digests: np.ndarray, args: SimulatedArgs) -> np.ndarray:
+    """Each request's length before any cap (its EOS is its last token)."""
     if args.length_dist == "fixed":
-        return max(1, round(args.length_mean))
+        return np.full(len(keys), max(1, round(args.length_mean)), dtype=np.int64)
     if args.length_dist == "uniform":
-        return int(rng.integers(1, max(2, round(2 * args.length_mean))))
-    mu = math.log(args.length_mean) - args.length_sigma**2 / 2
-    share = args.length_prompt_share
-    if not share:
-        return max(1, math.ceil(rng.lognormal(mu, args.length_sigma)))
+        high = max(2, round(2 * args.length_mean))  # lengths 1 .. high - 1
+        return 1 + (_uniform(keys, 0, 0) * (high - 1)).astype(np.int64)
+    share, sigma = args.length_prompt_share, args.length_sigma
+    mu = math.log(args.length_mean) - sigma**2 / 2
     # log-length = mu + a per-prompt part (variance share x sigma^2) + a per-sample part (the rest)
-    per_prompt = np.random.default_rng([prompt_digest, 3]).normal(0.0, args.length_sigma * math.sqrt(share))
-    return max(1, math.ceil(rng.lognormal(mu + per_prompt, args.length_sigma * math.sqrt(1 - share))))
+    logs = mu + sigma * math.sqrt(1 - share) * _normal(keys, 0)
+    if share:
+        logs += sigma * math.sqrt(share) * _normal(digests, 3)
+    return np.maximum(1, np.ceil(np.exp(np.minimum(logs, 60.0)))).astype(np.int64)
 
 
 def plan_output(request: GenerationRequest, args: SimulatedArgs) -> OutputPlan:
     """The deterministic output of ``request`` under ``args`` (seed drawn at random if unset)."""
-    params = request.params
-    digest = _prompt_digest(request.prompt_ids)
-    if params.temperature == 0:
-        key = [digest, 0]
-    else:
-        seed = params.seed if params.seed is not None else secrets.randbits(64)
-        key = [digest, 1, int(seed < 0), abs(seed)]
-    rng = np.random.default_rng(key)
-    natural = _natural_length(rng, args, digest)
-    n = min(natural, params.max_new_tokens)
-    tokens = rng.integers(0, args.vocab_size, size=n)
+    return plan_outputs([request], args)[0]
+
+
+def plan_outputs(requests: Sequence[GenerationRequest], args: SimulatedArgs) -> list[OutputPlan]:
+    """:func:`plan_output` of every request, drawn for all of them at once (each plan is the request's own,
+    whatever else is in the batch)."""
+    if not requests:
+        return []
+    digests = [_prompt_digest(r.prompt_ids) for r in requests]
+    keys = np.array([_request_key(d, r.params) for d, r in zip(digests, requests, strict=True)], dtype=np.uint64)
+    caps = np.fromiter((r.params.max_new_tokens for r in requests), dtype=np.int64, count=len(requests))
+    natural = _natural_lengths(keys, np.array(digests, dtype=np.uint64), args)
+    lengths = np.minimum(natural, caps)
+    owners = np.repeat(keys, lengths)
+    positions = np.arange(len(owners)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    tokens = (_uniform(owners, 1, positions) * args.vocab_size).astype(np.int64)
     tokens[tokens == args.eos_token_id] = (args.eos_token_id + 1) % args.vocab_size
-    finish = FinishReason.LENGTH
-    if natural <= params.max_new_tokens:
-        tokens[-1], finish = args.eos_token_id, FinishReason.STOP
-    out = tokens.tolist()
-    stops = set(params.stop_token_ids)
-    cut = next((i for i, t in enumerate(out) if t in stops), None) if stops else None
-    if cut is not None:
-        out, finish = out[: cut + 1], FinishReason.STOP
-    if not (params.logprobs or params.top_logprobs):
-        return OutputPlan(out, finish, None)
-    fake = (-5.0 * np.random.default_rng([*key, 2]).random(len(out))).tolist()  # own stream: a shorter cap, a prefix
+    ends = np.cumsum(lengths)
+    stopped = natural <= caps
+    tokens[ends[stopped] - 1] = args.eos_token_id
+    wants = [bool(r.params.logprobs or r.params.top_logprobs) for r in requests]
+    fake = (-5.0 * _uniform(owners, 2, positions)).tolist() if any(wants) else []
+    flat, bounds = tokens.tolist(), [0, *ends.tolist()]
+    out = []
+    for k, request in enumerate(requests):
+        a, b = bounds[k], bounds[k + 1]
+        finish = FinishReason.STOP if stopped[k] else FinishReason.LENGTH
+        out.append(_finished(request, flat[a:b], finish, fake[a:b] if wants[k] else None, int(keys[k]), args))
+    return out
+
+
+def _finished(
+    request: GenerationRequest, tokens: list[int], finish: FinishReason, fake: list[float] | None, key: int, args
+) -> OutputPlan:
+    """A request's plan from its drawn tokens: cut at its first stop id, with its logprobs as it asked."""
+    params = request.params
+    if params.stop_token_ids:
+        stops = set(params.stop_token_ids)
+        cut = next((i for i, t in enumerate(tokens) if t in stops), None)
+        if cut is not None:
+            tokens, finish = tokens[: cut + 1], FinishReason.STOP
+            fake = None if fake is None else fake[: cut + 1]
+    if fake is None:
+        return OutputPlan(tokens, finish, None)
     k = min(params.top_logprobs, args.vocab_size)
-    top = _fake_top_logprobs(out, fake, k, args.vocab_size, key) if k else None
-    return OutputPlan(out, finish, fake if params.logprobs else None, top)
+    top = _fake_top_logprobs(tokens, fake, k, args.vocab_size, [key]) if k else None
+    return OutputPlan(tokens, finish, fake if params.logprobs else None, top)
 
 
 def _fake_top_logprobs(tokens: list[int], logprobs: list[float], k: int, vocab: int, key: list[int]) -> TopLogprobs:
