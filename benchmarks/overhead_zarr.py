@@ -56,8 +56,12 @@ def zarr_config(a: argparse.Namespace, store: Path) -> RunConfig:
 
 
 def direct_writer(src: str, dst: str, starts: list[int], barrier: Any) -> tuple[float, float]:
-    """Child process: load its partitions from ``src`` into memory, wait, then write them into ``dst``."""
+    """Child process: load its partitions from ``src`` into memory, wait, then write them into ``dst`` (each
+    partition's arrays written side by side in one call on Zarr's event loop, the fastest way Zarr offers)."""
+    import asyncio
+
     import zarr
+    from zarr.core.sync import sync
 
     from daskgen import store
 
@@ -68,12 +72,15 @@ def direct_writer(src: str, dst: str, starts: list[int], barrier: Any) -> tuple[
         stop = min(start + layout.partition_size, layout.n_prompts)
         data.append((start, {name: np.asarray(src_group[name][start:stop]) for name in layout.data_arrays()}))
     group = zarr.open_group(dst, mode="r+")
-    arrays = {name: group[name] for name in layout.data_arrays()}
+    arrays = {name: group[name].async_array for name in layout.data_arrays()}
+
+    async def write(start: int, region: dict[str, np.ndarray]) -> None:  # a region's arrays side by side
+        await asyncio.gather(*(arrays[n].setitem(slice(start, start + len(v)), v) for n, v in region.items()))
+
     barrier.wait()
     t0 = time.perf_counter()
     for start, region in data:
-        for name, values in region.items():
-            arrays[name][start : start + len(values)] = values
+        sync(write(start, region))
     return t0, time.perf_counter()
 
 

@@ -250,15 +250,37 @@ class GenerationStore:
     def write_region(self, start: int, arrays: dict[str, np.ndarray]) -> None:
         """Worker side: overwrite one chunk-aligned row region of each given data array.
 
-        ``finish_reason`` is written last: a later attempt keeps a stored sample on the strength of its
-        finish reason (:mod:`daskgen.worker.continuation`), so a writer killed part-way through the region
-        must not leave a finish reason beside arrays it never wrote.
+        The arrays are written side by side, ``finish_reason`` after all the others have landed: a later attempt
+        keeps a stored sample on the strength of its finish reason (:mod:`daskgen.worker.continuation`), so a
+        writer killed part-way through the region must not leave a finish reason beside arrays it never wrote.
         """
-        for name, values in sorted(arrays.items(), key=lambda item: item[0] == "finish_reason"):
+        for name in arrays:
             if name not in WORKER_ARRAYS and name not in self.layout.data_arrays():
                 raise StoreError(f"workers may only write data arrays {self.layout.data_arrays()}, not {name!r}")
-            with self.write_errors(f"writing {name} rows {start}..{start + len(values) - 1}"):
-                self.array(name, writable=True)[start : start + len(values)] = values
+        first = {name: values for name, values in arrays.items() if name != "finish_reason"}
+        last = {name: values for name, values in arrays.items() if name == "finish_reason"}
+        for group in (first, last):
+            if group:
+                self._write_side_by_side(start, group)
+
+    def _write_side_by_side(self, start: int, arrays: dict[str, np.ndarray]) -> None:
+        """Write each array's rows from ``start`` in one hand-over to Zarr's event loop (their chunks encoded and
+        stored side by side); the first failure is raised once every write has ended."""
+        import asyncio
+
+        from zarr.core.sync import sync
+
+        targets = [(self.array(name, writable=True).async_array, values) for name, values in arrays.items()]
+
+        async def write() -> None:
+            writes = (array.setitem(slice(start, start + len(values)), values) for array, values in targets)
+            failed = [e for e in await asyncio.gather(*writes, return_exceptions=True) if e is not None]
+            if failed:
+                raise failed[0]
+
+        rows = f"rows {start}..{start + len(targets[0][1]) - 1}"
+        with self.write_errors(f"writing {rows} of {', '.join(arrays)}"):
+            sync(write())
 
     @property
     def commit_chunk_rows(self) -> int:
