@@ -66,7 +66,7 @@ from daskgen.engines.base import (
 from daskgen.engines.batch import Finished, FinishedGroups
 from daskgen.engines.request_check import request_error
 from daskgen.engines.simulated.inflight import SimRequest, SimStats
-from daskgen.engines.simulated.plan import SimulatedArgs, plan_outputs
+from daskgen.engines.simulated.plan import OutputPlan, SimulatedArgs, plan_outputs
 from daskgen.engines.simulated.prefix_cache import PrefixCache
 from daskgen.errors import RefreshError
 
@@ -168,12 +168,15 @@ class SimulatedEngine(Engine):
         return self._batch(requests)
 
     async def _batch(self, requests: Sequence[GenerationRequest]) -> AsyncGenerator[Finished, None]:
-        groups, sims = FinishedGroups(len(requests)), []
+        groups, sims, taken = FinishedGroups(len(requests)), [], []
         for index, request in enumerate(requests):
             if (refused := self._refused(request)) is not None:
                 groups.add(index, refused)
             else:
-                sims.append(self._queue(request, functools.partial(groups.add, index)))
+                taken.append((index, request))
+        plans = plan_outputs([request for _, request in taken], self.args)  # all at once: a few array operations
+        for (index, request), plan in zip(taken, plans, strict=True):
+            sims.append(self._queue(request, functools.partial(groups.add, index), plan))
         self._ensure_stepper(asyncio.get_running_loop())
         self._wake()
         try:
@@ -188,9 +191,12 @@ class SimulatedEngine(Engine):
         problem = self.not_serving() or request_error(request, vocab_size=self.args.vocab_size)
         return None if problem is None else error_result(request, problem)
 
-    def _queue(self, request: GenerationRequest, deliver: Callable[[GenerationResult], None]) -> SimRequest:
-        """Plan ``request`` and queue it; its result goes to ``deliver``."""
-        sim = SimRequest(request, deliver)  # planned when it joins the batch, with the others joining then
+    def _queue(
+        self, request: GenerationRequest, deliver: Callable[[GenerationResult], None], plan: OutputPlan | None = None
+    ) -> SimRequest:
+        """Queue ``request`` (planned when it joins the batch unless ``plan`` is given); its result goes to
+        ``deliver``."""
+        sim = SimRequest(request, deliver, plan)
         self._by_id.setdefault(request.request_id, []).append(sim)
         self._waiting.append(sim)
         return sim
@@ -282,8 +288,10 @@ class SimulatedEngine(Engine):
             sim.start_step = self._step
             self._running += 1
             joining.append(sim)
-        for sim, plan in zip(joining, plan_outputs([sim.request for sim in joining], self.args), strict=True):
+        unplanned = [sim for sim in joining if sim.plan is None]  # planned together, with the others joining now
+        for sim, plan in zip(unplanned, plan_outputs([sim.request for sim in unplanned], self.args), strict=True):
             sim.plan = plan
+        for sim in joining:
             heapq.heappush(self._finishing, (sim.finish_step, next(self._order), sim))
             self._prefill(sim)
 
