@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -195,20 +196,26 @@ def part_zarr(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
 
 def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: float) -> None:
     """CPU per sample of each daskgen repeat (no profiler): the workers, the workers without the engine's own
-    work, the client process (scheduler included), and the machine's cores kept busy."""
-    rows = []
-    for rep, (dg, _direct, direct1) in enumerate(results):
+    work (and without the Zarr writes), the client process (scheduler included), the machine's cores kept busy,
+    and the best rate vs direct the run could reach on this machine if its workers only wrote."""
+    rows, cores = [], len(os.sched_getaffinity(0))
+    for rep, (dg, direct, direct1) in enumerate(results):
         cpu = dg["marks"]["on_done"]
         workers = sum(w["process"] for w in cpu["workers"].values())
         client = cpu["client"]["process"]
+        # if the workers did nothing but the writes, the run would still spend the writes, the engine's own work
+        # and the client's process on the machine's cores: the best rate vs direct it could reach here
+        floor_s = (direct1["seconds"] + engine_s + client) / cores
         rows.append(
             [
                 rep + 1,
                 workers / samples * 1e6,
                 (workers - engine_s) / samples * 1e6,
+                (workers - engine_s - direct1["seconds"]) / samples * 1e6,
                 client / samples * 1e6,
                 (workers + client) / dg["seconds"],
                 direct1["seconds"] / samples * 1e6,
+                direct["seconds"] / floor_s,
             ]
         )
     rec.table(
@@ -216,13 +223,17 @@ def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: f
             "repeat",
             "workers' CPU µs/sample (all threads)",
             "the same without the engine's own work",
+            "the same without the Zarr writes (the direct writer's time)",
             "client process CPU µs/sample (scheduler included)",
             "cores busy (workers + client)",
             "direct zarr, 1 process: µs/sample",
+            "bound: rate vs direct if the workers only wrote",
         ],
         rows,
         "CPU per sample, daskgen side (process CPU time from engines ready to the last commit, no profiler). "
-        "The direct writer's time per sample is what the Zarr writes alone cost one core.",
+        "The direct writer's time per sample is what the Zarr writes alone cost one core. The bound is the rate vs "
+        "direct a run would reach if its workers did nothing but the Zarr writes: the writes, the engine's own "
+        f"work and the client's process CPU, spread over all {cores} cores at best.",
     )
 
 
