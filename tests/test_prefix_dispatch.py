@@ -21,7 +21,7 @@ from daskgen.input.tokenizer import ByteTokenizer
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import DONE
 from daskgen.worker.partition import PartitionTask
-from daskgen.worker.prefix_order import gather_in_prompt_order, prompt_order
+from daskgen.worker.prefix_order import AlternatingOrder, gather_in_prompt_order, prompt_order
 
 SYSTEMS = [f"System {k}: " + "you answer briefly and exactly. " * 6 for k in range(2)]
 
@@ -125,9 +125,40 @@ def test_calls_start_in_prompt_order_and_results_come_back_in_row_order():
         return row, sample
 
     calls = [call(r, s) for r in range(4) for s in range(2)]
-    results = asyncio.run(gather_in_prompt_order(calls, prompts, range(4), per_row=2))
+    results = asyncio.run(gather_in_prompt_order(calls, prompt_order(prompts, range(4)), per_row=2))
     assert results == [(r, s) for r in range(4) for s in range(2)]
     assert [r for r, _ in started] == [3, 3, 1, 1, 2, 2, 0, 0]
+
+
+def test_an_engines_partitions_alternate_their_prompt_order_so_each_starts_with_the_last_prefixes():
+    prompts = [[7, 1], [3, 1], [7, 2], [5, 0], [3, 2], [3, 1]]
+    order = AlternatingOrder()
+    first, second, third = (order.order(prompts, range(6)) for _ in range(3))
+    assert first == [1, 5, 4, 3, 0, 2]  # ascending; equal prompts keep row order
+    assert second == [2, 0, 3, 4, 1, 5]  # descending: the prefixes sent last come first; ties still in row order
+    assert third == first
+    groups = [prompts[k][0] for k in second]
+    assert groups == sorted(groups, reverse=True)  # a shared prefix's rows stay together either way
+
+
+def test_a_small_prefix_cache_keeps_more_prefixes_when_partitions_alternate():
+    """Partitions of 8 keys each, on an engine whose cache holds 6 prefixes (least recently used evicted):
+    sorting every partition the same way finds every prefix evicted; alternating finds the last ones held."""
+    system = {key: [key] * 64 for key in range(8)}
+    partitions = [[system[key] + [q] for key in range(8)] for q in range(20)]
+
+    def computed(order_of) -> int:
+        cache, total = PrefixCache(capacity=6 * 64, block=16), 0
+        for prompts in partitions:
+            for k in order_of(prompts):
+                total += len(prompts[k]) - cache.admit(prompts[k])
+        return total
+
+    alternating_order = AlternatingOrder()
+    same = computed(lambda prompts: prompt_order(prompts, range(len(prompts))))
+    alternating = computed(lambda prompts: alternating_order.order(prompts, range(len(prompts))))
+    assert same == 20 * 8 * 65  # every prefix computed again every time
+    assert alternating < 0.8 * same
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from daskgen.input.rows import tokenize_rows
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import Layout, column_array, empty_region
 from daskgen.worker.continuation import sample_with_prefix, stored_samples
-from daskgen.worker.prefix_order import gather_in_prompt_order, prompt_order
+from daskgen.worker.prefix_order import gather_in_prompt_order
 from daskgen.worker.region import place_prompts, place_samples
 from daskgen.worker.rounds import RowOutcome, sample_in_rounds
 from daskgen.worker.row_sampling import apply_stops, place_row_settings, sample_params
@@ -256,7 +256,8 @@ class _Generation:
             started = self.batch(indices)
         elif task.prefix_order and task.prompts is not None:  # shared prefixes reach the engine together
             per_row = task.n_samples if task.verify is None else 1
-            started = gather_in_prompt_order(self.calls(indices), task.prompts, indices, per_row)
+            rows_order = self.plugin.prompt_order.order(task.prompts, indices)
+            started = gather_in_prompt_order(self.calls(indices), rows_order, per_row)
         else:
             started = asyncio.gather(*self.calls(indices))
         try:
@@ -335,7 +336,7 @@ class _Generation:
         task, n = self.task, self.task.n_samples
         assert task.prompts is not None
         seeds = sample_seeds(task.seed, [task.rows[i] for i in indices], n)
-        order = prompt_order(task.prompts, indices) if task.prefix_order else range(len(indices))
+        order = self.plugin.prompt_order.order(task.prompts, indices) if task.prefix_order else range(len(indices))
         where = [(k, s) for k in order for s in range(n)]
         requests = [self.request(indices[k], s, seeds[k * n + s]) for k, s in where]
         out: list[list[Trajectory]] = [[] for _ in where]

@@ -34,6 +34,7 @@ from daskgen.worker.admission import (  # noqa: F401 - resolve_window and the bo
     wanted_window,
 )
 from daskgen.worker.gpu import export_local_rank
+from daskgen.worker.prefix_order import AlternatingOrder
 from daskgen.worker.slot import PartitionSlot
 from daskgen.worker.thread_slots import offer_no_slot_yet, partitions_hold_threads, start_admitted_tasks
 
@@ -85,8 +86,7 @@ class EnginePlugin(WorkerPlugin):
         policy_store: Any = None,
         adapters: dict[str, str] | None = None,
     ):
-        self.engine_name = engine
-        self.model = model
+        self.engine_name, self.model = engine, model
         self.engine_args = dict(engine_args or {})
         self.adapters = dict(adapters or {})
         self.window = window
@@ -113,6 +113,7 @@ class EnginePlugin(WorkerPlugin):
         self._admitter: asyncio.Task | None = None
         self._reporter: asyncio.Task | None = None
         self.meter = WorkerMeter()  # what the dashboard shows of this worker (daskgen.dashboard.metrics)
+        self.prompt_order = AlternatingOrder()  # the direction of its partitions' prompt order (prefix dispatch)
         self.refresh, self.policy_store = refresh, policy_store  # ``refresh`` runs: daskgen.worker.refresh
         self.refresher: Any = None
         self._policy_follower: asyncio.Task | None = None
