@@ -164,6 +164,8 @@ def test_outputs_are_deterministic_and_prefix_consistent() -> None:
     assert other_seed.tokens != long.tokens
     greedy = [plan_output(req("g", [1, 2, 3], max_new_tokens=40, temperature=0, seed=s), args) for s in (1, 2)]
     assert greedy[0].tokens == greedy[1].tokens
+    signed = [plan_output(req("n", [1, 2, 3], max_new_tokens=40, seed=s), args).tokens for s in (-1, 1, -5, 0)]
+    assert len({tuple(t) for t in [*signed, greedy[0].tokens, long.tokens]}) == 6  # every seed its own stream
 
 
 @pytest.mark.parametrize("dist", ["fixed", "uniform", "lognormal"])

@@ -141,7 +141,7 @@ def _prompt_digest(prompt_ids: list[int]) -> int:
 # Counter-based random numbers: value ``j`` of stream ``stream`` of key ``k`` is a 64-bit mix of
 # ``(k, stream, j)`` (the splitmix64 finaliser), so a request's tokens are drawn for all requests of a
 # batch in a few array operations, and a shorter cap reads a prefix of the same stream.
-_GOLDEN_INT, _STREAM_INT = 0x9E3779B97F4A7C15, 0xD1B54A32D192ED03
+_GOLDEN_INT, _STREAM_INT = 0x9E3779B97F4A7C15, 0xD1B54A32D192ED03  # odd 64-bit constants
 _GOLDEN, _ONE = np.uint64(_GOLDEN_INT), np.uint64(1)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _MASK64 = (1 << 64) - 1
@@ -169,13 +169,13 @@ def _normal(keys: np.ndarray, stream: int) -> np.ndarray:
     return radius * np.cos(2 * math.pi * _uniform(keys, stream, 1))
 
 
-def _request_key(digest: int, params: SamplingParams) -> int:
-    """The key of a request's streams: its prompt's digest, and its seed unless it is greedy (a random seed
-    when it has none)."""
+def _seed_code(params: SamplingParams) -> int:
+    """What a request's seed adds to its key: 0 for a greedy request (its prompt alone decides), else a distinct
+    non-zero code per seed (a random seed when it has none)."""
     if params.temperature == 0:
-        return digest
-    seed = params.seed if params.seed is not None else secrets.randbits(64)
-    return (digest ^ (1 + 2 * (seed & _MASK64) + (seed < 0)) * _GOLDEN_INT) & _MASK64
+        return 0
+    seed = params.seed if params.seed is not None else secrets.randbits(63)
+    return (2 * abs(seed) + (seed < 0) + 1) & _MASK64  # 0 only for seeds of magnitude 2**63 and beyond
 
 
 def _natural_lengths(keys: np.ndarray, digests: np.ndarray, args: SimulatedArgs) -> np.ndarray:
@@ -204,10 +204,11 @@ def plan_outputs(requests: Sequence[GenerationRequest], args: SimulatedArgs) -> 
     whatever else is in the batch)."""
     if not requests:
         return []
-    digests = [_prompt_digest(r.prompt_ids) for r in requests]
-    keys = np.array([_request_key(d, r.params) for d, r in zip(digests, requests, strict=True)], dtype=np.uint64)
+    digests = np.array([_prompt_digest(r.prompt_ids) for r in requests], dtype=np.uint64)
+    codes = np.array([_seed_code(r.params) for r in requests], dtype=np.uint64)
+    keys = np.where(codes == 0, digests, digests ^ _mix(codes))  # the splitmix finaliser maps only 0 to 0
     caps = np.fromiter((r.params.max_new_tokens for r in requests), dtype=np.int64, count=len(requests))
-    natural = _natural_lengths(keys, np.array(digests, dtype=np.uint64), args)
+    natural = _natural_lengths(keys, digests, args)
     lengths = np.minimum(natural, caps)
     owners = np.repeat(keys, lengths)
     positions = np.arange(len(owners)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
@@ -228,7 +229,12 @@ def plan_outputs(requests: Sequence[GenerationRequest], args: SimulatedArgs) -> 
 
 
 def _finished(
-    request: GenerationRequest, tokens: list[int], finish: FinishReason, fake: list[float] | None, key: int, args
+    request: GenerationRequest,
+    tokens: list[int],
+    finish: FinishReason,
+    fake: list[float] | None,
+    key: int,
+    args: SimulatedArgs,
 ) -> OutputPlan:
     """A request's plan from its drawn tokens: cut at its first stop id, with its logprobs as it asked."""
     params = request.params
