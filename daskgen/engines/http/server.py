@@ -267,7 +267,8 @@ async def update_server_weights(http: HTTPClient, path: str) -> None:
     ``POST /update_weights_from_disk``, once, with ``flush_cache``).
 
     SGLang holds the load until the requests it runs have finished and holds new ones until it is done, then drops
-    its prefix cache (KV computed by the old weights).  A load that fails answers HTTP 400
+    its prefix cache (KV computed by the old weights); when requests still ran it loads but keeps the cache, and
+    the cache is dropped once they have finished (:func:`_flush_cache`).  A load that fails answers HTTP 400
     ``{"success": false, "message": ...}`` and the server rolls back to the weights it had.
 
     Raises
@@ -282,9 +283,31 @@ async def update_server_weights(http: HTTPClient, path: str) -> None:
     except NoAnswer as exc:
         raise EngineError(f"the managed sglang server did not answer its weight update: {exc}") from None
     except RequestFailed as exc:
-        raise RefreshError(f"the managed sglang server could not load policy checkpoint {path!r}: {exc}") from None
+        if _NOT_FLUSHED not in str(exc):
+            raise RefreshError(f"the managed sglang server could not load policy checkpoint {path!r}: {exc}") from None
+        await _flush_cache(http, path)  # loaded; requests ran, so the old weights' prefix cache stayed
+        return
     if not (isinstance(answer, dict) and answer.get("success") is True):
         raise RefreshError(f"the managed sglang server did not confirm loading {path!r}: {answer!r}")
+
+
+#: SGLang's answer when the weights loaded but requests still ran, so it kept its prefix cache.
+_NOT_FLUSHED = "cache was not flushed"
+#: How long the flush waits in all for the server's requests to finish (in calls of 5 s each).
+_FLUSH_WAIT_S = 120
+
+
+async def _flush_cache(http: HTTPClient, path: str) -> None:
+    """Drop the server's prefix cache once no request runs (``GET /flush_cache?timeout=5``: SGLang waits up to 5 s
+    for them, answering HTTP 400 when they still run)."""
+    for _ in range(_FLUSH_WAIT_S // 5):
+        status, _ = await http.probe_json("/flush_cache?timeout=5", allow_status=(400,))
+        if status == 200:
+            return
+    raise RefreshError(
+        f"the managed sglang server loaded {path!r} but kept serving requests for {_FLUSH_WAIT_S} s, so its prefix "
+        "cache of the old weights could not be dropped"
+    )
 
 
 def new_api_key() -> str:
