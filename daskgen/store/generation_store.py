@@ -257,9 +257,9 @@ class GenerationStore:
         for name in arrays:
             if name not in WORKER_ARRAYS and name not in self.layout.data_arrays():
                 raise StoreError(f"workers may only write data arrays {self.layout.data_arrays()}, not {name!r}")
-        first = {name: values for name, values in arrays.items() if name != "finish_reason"}
-        last = {name: values for name, values in arrays.items() if name == "finish_reason"}
-        for group in (first, last):
+        rest = dict(arrays)
+        last = {"finish_reason": rest.pop("finish_reason")} if "finish_reason" in rest else {}
+        for group in (rest, last):
             if group:
                 self._write_side_by_side(start, group)
 
