@@ -26,7 +26,7 @@ from daskgen.engines import create_engine
 from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
 from daskgen.engines.inprocess import DAEMON_FIX
 from daskgen.engines.sglang import SGLangEngine
-from daskgen.engines.sglang.args import CPU_DEFAULTS, check_engine_args, launch_kwargs
+from daskgen.engines.sglang.args import CPU_DEFAULTS, DEFAULTS, check_engine_args, launch_kwargs
 from daskgen.engines.sglang.mapping import result_from_output, sampling_params_for
 from daskgen.engines.sglang.sigquit import install_sigquit_handler
 from daskgen.errors import ConfigError, EngineError
@@ -114,9 +114,11 @@ def test_unknown_engine_args_suggest_close_matches() -> None:
 
 def test_launch_kwargs_cpu_defaults() -> None:
     cpu = launch_kwargs("/m", {"dtype": "bfloat16"}, cuda_available=False)
-    assert cpu == {**CPU_DEFAULTS, "model_path": "/m", "device": "cpu", "dtype": "bfloat16"}
+    assert cpu == {**DEFAULTS, **CPU_DEFAULTS, "model_path": "/m", "device": "cpu", "dtype": "bfloat16"}
     gpu = launch_kwargs("/m", {"tp_size": 2}, cuda_available=True)
-    assert gpu == {"model_path": "/m", "device": "cuda", "tp_size": 2}
+    assert gpu == {"model_path": "/m", "device": "cuda", "tp_size": 2, "schedule_policy": "lpm"}
+    own = launch_kwargs("/m", {"schedule_policy": "fcfs"}, cuda_available=True)
+    assert own["schedule_policy"] == "fcfs"  # the user's setting wins
     forced = launch_kwargs("/m", {"device": "cpu"}, cuda_available=True)
     assert forced["attention_backend"] == "torch_native"
 

@@ -1,8 +1,8 @@
 """The ``sglang.Engine`` / ``launch_server`` arguments: daskgen's defaults and their validation.
 
 Shared by the in-process engine (:mod:`daskgen.engines.sglang.engine`) and the managed HTTP server
-(:mod:`daskgen.engines.http.server`): :func:`launch_kwargs` fills in the model, the device and,
-on CPU, :data:`CPU_DEFAULTS`; :func:`check_engine_args` refuses names sglang's ``ServerArgs``
+(:mod:`daskgen.engines.http.server`): :func:`launch_kwargs` fills in the model, the device,
+:data:`DEFAULTS` and, on CPU, :data:`CPU_DEFAULTS`; :func:`check_engine_args` refuses names sglang's ``ServerArgs``
 does not know, suggesting close matches.  Importing this module does not import sglang.
 """
 
@@ -16,12 +16,20 @@ from daskgen.errors import ConfigError
 
 __all__ = [
     "CPU_DEFAULTS",
+    "DEFAULTS",
     "check_engine_args",
     "is_cpu_device",
     "launch_kwargs",
     "refuse_model_path",
     "server_arg_names",
 ]
+
+#: ``sglang.Engine`` options filled in on every device when ``engine_args`` does not set them.
+#: ``schedule_policy: lpm`` (longest prefix match; sglang's own default is ``fcfs``): sglang then admits
+#: first the waiting requests its radix cache serves most of, and holds back a waiting request whose
+#: prefix another one waiting beside it shares, so a prefix shared by requests that arrive together is
+#: computed once, not once each.  sglang falls back to ``fcfs`` by itself while more than 128 requests wait.
+DEFAULTS: dict[str, Any] = {"schedule_policy": "lpm"}
 
 #: ``sglang.Engine`` options filled in on CPU when ``engine_args`` does not set them.  float32
 #: matches the ``transformers`` engine's CPU default (sglang's ``auto`` would pick float16).
@@ -64,15 +72,17 @@ def launch_kwargs(
     """The keyword arguments for ``sglang.Engine``: ``engine_args`` plus daskgen's defaults.
 
     The device is ``engine_args['device']`` or, when absent, ``cuda`` if available else
-    ``cpu``; on CPU the :data:`CPU_DEFAULTS` fill options ``engine_args`` leaves unset.  LoRA ``adapters``
-    (name -> folder) fill ``enable_lora``, ``lora_paths`` (``NAME=PATH``) and ``max_loras_per_batch`` (every
-    adapter and the base model in one batch), and on CPU ``lora_backend`` ``torch_native`` (sglang's default
-    backend runs Triton kernels).
+    ``cpu``; :data:`DEFAULTS` and, on CPU, :data:`CPU_DEFAULTS` fill options ``engine_args`` leaves unset.
+    LoRA ``adapters`` (name -> folder) fill ``enable_lora``, ``lora_paths`` (``NAME=PATH``) and
+    ``max_loras_per_batch`` (every adapter and the base model in one batch), and on CPU ``lora_backend``
+    ``torch_native`` (sglang's default backend runs Triton kernels).
     """
     kwargs = dict(engine_args)
     kwargs["model_path"] = model
     device = kwargs.get("device") or ("cuda" if cuda_available else "cpu")
     kwargs["device"] = device
+    for key, value in DEFAULTS.items():
+        kwargs.setdefault(key, value)
     if is_cpu_device(device):
         for key, value in CPU_DEFAULTS.items():
             kwargs.setdefault(key, value)
