@@ -511,3 +511,13 @@ def test_structured_outputs_of_smollm2_conform_to_their_formats() -> None:
     install_sigquit_handler()
     stopped, sent = check_engine(SGLangEngine(str(smollm2_instruct())))
     assert stopped >= sent // 2, f"only {stopped} of {sent} constrained responses ended by stop"
+
+
+def test_sglang_admits_by_prefix_under_its_lpm_default_unless_another_policy_is_set() -> None:
+    from daskgen.engines.http.engine import OpenAIEngine
+
+    assert SGLangEngine.admits_by_prefix({}) and SGLangEngine.admits_by_prefix({"schedule_policy": "dfs-weight"})
+    assert not SGLangEngine.admits_by_prefix({"schedule_policy": "fcfs"})
+    assert OpenAIEngine.admits_by_prefix({"managed": True})
+    assert not OpenAIEngine.admits_by_prefix({"managed": True, "server_args": {"schedule_policy": "fcfs"}})
+    assert not OpenAIEngine.admits_by_prefix({"base_url": "http://127.0.0.1:1"}), "someone else's server: unknown"

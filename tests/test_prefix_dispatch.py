@@ -14,6 +14,7 @@ from distributed import Client, LocalCluster
 import daskgen
 from daskgen.client.prefix_dispatch import TaskPool, partition_key, resolve_prefix
 from daskgen.engines.base import SamplingParams
+from daskgen.engines.simulated.engine import SimulatedEngine
 from daskgen.engines.simulated.prefix_cache import PrefixCache
 from daskgen.input.prefix import NO_KEY, PrefixScan, choose_prefix_length
 from daskgen.input.rows import InputScan, tokenize_rows
@@ -172,12 +173,14 @@ def prefill_tokens(dask_worker) -> int:
     return dask_worker.plugins["daskgen-engine"].engine.stats()["prefill_tokens"]
 
 
-def run_on(address: str, rows: list[dict], path, dispatch: str, partition_size: int = 4) -> tuple[GenerationStore, int]:
+def run_on(
+    address: str, rows: list[dict], path, dispatch: str, partition_size: int = 4, engine: str = "simulated"
+) -> tuple[GenerationStore, int]:
     engine_args = {"time_scale": 0, "length_dist": "fixed", "length_mean": 4, "prefix_cache_tokens": 256}
     daskgen.generate(
         rows,
         model="sim",
-        engine="simulated",
+        engine=engine,
         engine_args=engine_args,
         store=str(path),
         max_new_tokens=8,
@@ -227,3 +230,37 @@ def test_partitions_of_a_key_go_to_the_worker_that_ran_it(two_workers, tmp_path)
     assert (store.read_status() == DONE).all()
     store, _ = run_on(two_workers, chat_rows(SYSTEMS, 4), tmp_path / "order.zarr", "order")
     assert store.attrs.dispatch["mode"] == "order"
+
+
+class PrefixAdmitting(SimulatedEngine):
+    """Test double: the simulated engine declaring that it admits its waiting requests by shared prefix itself (as
+    sglang does under its ``lpm`` policy), keeping the ids of its requests in the order they arrived."""
+
+    arrived: list[str] = []
+
+    @classmethod
+    def admits_by_prefix(cls, engine_args):
+        return True
+
+    def generate_batch(self, requests):
+        type(self).arrived += [r.request_id for r in requests]
+        return super().generate_batch(requests)
+
+
+def test_an_engine_that_admits_by_prefix_gets_each_partition_in_input_order(two_workers, tmp_path):
+    rows = chat_rows(SYSTEMS, 8)
+    store, _ = run_on(two_workers, rows, tmp_path / "s.zarr", "prefix", 8)
+    assert store.attrs.dispatch["prompt_order"] is True, "the simulated engine gets its partitions sorted"
+    PrefixAdmitting.arrived = []
+    store, _ = run_on(two_workers, rows, tmp_path / "a.zarr", "prefix", 8, f"{__name__}:PrefixAdmitting")
+    record = store.attrs.dispatch
+    assert record["mode"] == "prefix" and record["prompt_order"] is False
+    assert (store.read_status() == DONE).all()
+    arrived = [int(request_id[1:].split("-")[0]) for request_id in PrefixAdmitting.arrived]
+    assert sorted(arrived) == list(range(len(rows)))
+    for start in range(0, len(rows), 8):  # each partition's rows arrived in row order (partitions in any order)
+        rows_of = [r for r in arrived if start <= r < start + 8]
+        assert rows_of == sorted(rows_of), rows_of
+    prompts = tokenize_rows(rows, ByteTokenizer())
+    unsorted = [s for s in range(0, len(rows), 8) if prompts[s : s + 8] != sorted(prompts[s : s + 8])]
+    assert unsorted, "some partition's row order is not its prompt order"

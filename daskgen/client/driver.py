@@ -188,7 +188,8 @@ class Driver:
             self.board.close()
             self.requeue.close()
             if self.pool.placed:
-                self.run.plan.store.update_attrs(dispatch=self.pool.record(self.run.plan.prefix))
+                plan = self.run.plan
+                plan.store.update_attrs(dispatch=self.pool.record(plan.prefix, plan.prefix_order))
             self.announce_end()
 
     def announce_end(self) -> None:

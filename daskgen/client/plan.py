@@ -59,6 +59,9 @@ class Plan:
     predicted: np.ndarray | None = None  # per row: longest response in the length_hints store (NaN: unknown)
     template: ChatTemplate = dataclasses.field(default_factory=ChatTemplate)  # the run's chat-template options
     prefix: PrefixKeys | None = None  # the shared-prefix keys dispatch goes by (None: input order)
+    #: With prefix dispatch, each partition's requests are sent in prompt order (False: the engine admits its
+    #: waiting requests by shared prefix itself, :meth:`~daskgen.engines.base.Engine.admits_by_prefix`).
+    prefix_order: bool = True
 
     @property
     def layout(self) -> Layout:
@@ -90,7 +93,14 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
         predicted=_predicted_lengths(config, scan),
         template=template,
         prefix=resolve_prefix(config.dispatch, scan, store.attrs.input_scan, tokenizer, template),
+        prefix_order=not _engine_admits_by_prefix(config),
     )
+
+
+def _engine_admits_by_prefix(config: RunConfig) -> bool:
+    from daskgen.engines import resolve_engine_class
+
+    return resolve_engine_class(config.engine).admits_by_prefix(config.engine_args)
 
 
 def _check_features(config: RunConfig, keys: frozenset[str], structured: bool) -> None:
@@ -251,7 +261,7 @@ def pending_tasks(plan: Plan, status: np.ndarray) -> Iterator[PartitionTask]:
         groups.append(longest)
     for group in [*groups, rest]:
         for task in _tasks_for(plan, group, todo):
-            yield task if plan.prefix is None else with_prefix(task, plan.prefix.keys)
+            yield task if plan.prefix is None else with_prefix(task, plan.prefix.keys, plan.prefix_order)
 
 
 def row_tasks(plan: Plan, rows: list[int]) -> Iterator[PartitionTask]:

@@ -9,7 +9,10 @@ With ``dispatch: prefix`` (or ``auto`` when the input has shared prefixes worth 
 1. **Within a partition** the worker sends the requests to its engine in prompt order
    (:func:`daskgen.worker.prefix_order.prompt_order`), so that rows sharing a prefix are admitted one
    after the other: the engine computes each shared prefix once per partition however the input mixes
-   them.
+   them.  Not for an engine that admits its waiting requests by shared prefix itself
+   (:meth:`~daskgen.engines.base.Engine.admits_by_prefix`: sglang under its ``lpm`` policy): it computes
+   a prefix once for requests that arrive together in any order, but not when they all reach one prefill
+   batch, which sorted requests arriving one after the other do.
 2. **Across partitions** a partition whose rows mostly share one prefix key (:func:`partition_key`) goes
    to a worker that ran that key last (:class:`TaskPool`): when a free worker asks for a task it gets,
    from the next tasks of the input (a look-ahead of at most half of ``max_prompts_in_memory``
@@ -86,9 +89,9 @@ def partition_key(keys: np.ndarray, rows: list[int]) -> int:
     return int(values[best]) if 2 * counts[best] > len(rows) else NO_KEY
 
 
-def with_prefix(task: PartitionTask, keys: np.ndarray) -> PartitionTask:
-    """``task`` sent in prompt order, with its :func:`partition_key`."""
-    return dataclasses.replace(task, prefix_key=partition_key(keys, task.rows), prefix_order=True)
+def with_prefix(task: PartitionTask, keys: np.ndarray, prompt_order: bool = True) -> PartitionTask:
+    """``task`` with its :func:`partition_key`, sent in prompt order unless ``prompt_order`` is false."""
+    return dataclasses.replace(task, prefix_key=partition_key(keys, task.rows), prefix_order=prompt_order)
 
 
 class TaskPool:
@@ -152,14 +155,14 @@ class TaskPool:
             return keys.index(NO_KEY)
         return min(range(len(keys)), key=lambda j: (self.homes[keys[j]], j))
 
-    def record(self, keys: PrefixKeys | None) -> dict[str, Any]:
-        """What the store's attrs keep: the mode, the keys' summary, the number of tasks and the first
-        :data:`MAX_RECORDED_TASKS` tasks' (partition start, key, worker index)."""
+    def record(self, keys: PrefixKeys | None, prompt_order: bool = True) -> dict[str, Any]:
+        """What the store's attrs keep: the mode, the keys' summary, whether partitions went in prompt order, the
+        number of tasks and the first :data:`MAX_RECORDED_TASKS` tasks' (partition start, key, worker index)."""
         workers = sorted({w for _, _, w in self.placed})
         index = {w: i for i, w in enumerate(workers)}
         return {
             "mode": "order" if keys is None else "prefix",
-            **({"prefix": keys.summary()} if keys is not None else {}),
+            **({"prefix": keys.summary(), "prompt_order": prompt_order} if keys is not None else {}),
             "workers": workers,
             "n_tasks": len(self.placed),
             "tasks": [[start, key, index[w]] for start, key, w in self.placed[:MAX_RECORDED_TASKS]],

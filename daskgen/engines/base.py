@@ -251,22 +251,17 @@ class Engine(abc.ABC):
         does not know, listing the valid ones.
     """
 
-    # Capabilities: declared here with their defaults; an engine overrides them as class
-    # attributes, or as properties when they are only known after :meth:`start` (or depend on
-    # ``engine_args``).  Callers read them on any engine, never with ``getattr`` fallbacks.
-    # ``name`` and ``simulated`` are read on the class too (registry, :meth:`is_simulated`), so
-    # they are class attributes; the others are read-only properties here so that an engine may
-    # override them with a property or with a class attribute.
+    # Capabilities, with their defaults: an engine overrides them as class attributes, or as properties when
+    # known only after :meth:`start`; callers never use ``getattr`` fallbacks.  ``name`` and ``simulated`` are
+    # read on the class too (registry, :meth:`is_simulated`); the others are read-only properties here.
 
     #: Name under which the engine is registered in the ``daskgen.engines`` group.
     name: str = ""
     #: True when stores produced by the engine are not real model output (simulations).
     simulated: bool = False
-    #: The request features the engine serves (names of :data:`daskgen.engines.features.FEATURES`); the
-    #: plan refuses a run asking for one the engine lacks.  Read on the class.
+    #: Request features served (:data:`daskgen.engines.features.FEATURES`); the plan refuses others.  Read on the class.
     features: frozenset[str] = frozenset()
-    #: Features the engine serves only when an engine arg has a value: ``{feature: (engine arg, value)}`` (the
-    #: ``openai`` engine refreshes its policy only on the servers it manages).  Read on the class.
+    #: Features served only when an engine arg has a value: ``{feature: (engine arg, value)}``.  Read on the class.
     features_by_arg: dict[str, tuple[str, Any]] = {}
 
     @classmethod
@@ -281,6 +276,12 @@ class Engine(abc.ABC):
         """The most top-k logprobs one request may ask for with ``engine_args``, and the engine arg that raises it;
         ``None`` when the engine sets no limit.  Read on the class: the plan refuses a larger ``top_logprobs``."""
         return None
+
+    @classmethod
+    def admits_by_prefix(cls, engine_args: dict[str, Any]) -> bool:
+        """Whether an engine built with ``engine_args`` admits its waiting requests by shared prefix itself; prefix
+        dispatch then keeps a partition's requests in input order (:mod:`daskgen.client.prefix_dispatch`)."""
+        return False
 
     @property
     def supports_seed(self) -> bool:

@@ -63,6 +63,7 @@ from daskgen.engines.http.protocol import (
 from daskgen.engines.http.server import ManagedServer, update_server_weights
 from daskgen.engines.http.vllm_protocol import VLLMProtocol, is_vllm_version
 from daskgen.engines.request_check import request_error
+from daskgen.engines.sglang.args import admits_by_prefix
 from daskgen.engines.sglang.mapping import max_running_requests
 from daskgen.errors import EngineError, RefreshError
 from daskgen.redaction import redact_url
@@ -84,6 +85,11 @@ class OpenAIEngine(Engine):
     #: The server's context length and the tokenizer's size, known after :meth:`start`.
     max_total_tokens: int | None = None
     vocab_size: int | None = None
+
+    @classmethod
+    def admits_by_prefix(cls, engine_args: dict[str, Any]) -> bool:
+        """A managed sglang server under a prefix-aware ``schedule_policy`` (its default); another server: unknown."""
+        return engine_args.get("managed") is True and admits_by_prefix(engine_args.get("server_args") or {})
 
     def __init__(self, model: str, adapters: dict[str, str] | None = None, **engine_args: Any) -> None:
         super().__init__(model, **engine_args)

@@ -17,6 +17,7 @@ from daskgen.errors import ConfigError
 __all__ = [
     "CPU_DEFAULTS",
     "DEFAULTS",
+    "admits_by_prefix",
     "check_engine_args",
     "is_cpu_device",
     "launch_kwargs",
@@ -30,6 +31,9 @@ __all__ = [
 #: prefix another one waiting beside it shares, so a prefix shared by requests that arrive together is
 #: computed once, not once each.  sglang falls back to ``fcfs`` by itself while more than 128 requests wait.
 DEFAULTS: dict[str, Any] = {"schedule_policy": "lpm"}
+
+#: sglang's schedule policies that admit waiting requests by what they share with the radix cache and each other.
+PREFIX_POLICIES = frozenset({"lpm", "dfs-weight"})
 
 #: ``sglang.Engine`` options filled in on CPU when ``engine_args`` does not set them.  float32
 #: matches the ``transformers`` engine's CPU default (sglang's ``auto`` would pick float16).
@@ -99,3 +103,9 @@ def launch_kwargs(
 def is_cpu_device(device: str) -> bool:
     """Whether an sglang ``device`` string (``"cpu"``, ``"cuda:1"``...) names the CPU."""
     return str(device).split(":", 1)[0] == "cpu"
+
+
+def admits_by_prefix(engine_args: Mapping[str, Any]) -> bool:
+    """Whether sglang launched with ``engine_args`` orders its waiting requests by shared prefix itself
+    (``schedule_policy`` one of :data:`PREFIX_POLICIES`, :data:`DEFAULTS`' when unset)."""
+    return engine_args.get("schedule_policy", DEFAULTS["schedule_policy"]) in PREFIX_POLICIES
