@@ -26,7 +26,7 @@ from daskgen.engines import create_engine
 from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
 from daskgen.engines.inprocess import DAEMON_FIX
 from daskgen.engines.sglang import SGLangEngine
-from daskgen.engines.sglang.args import CPU_DEFAULTS, DEFAULTS, check_engine_args, launch_kwargs
+from daskgen.engines.sglang.args import CPU_DEFAULTS, check_engine_args, launch_kwargs
 from daskgen.engines.sglang.mapping import result_from_output, sampling_params_for
 from daskgen.engines.sglang.sigquit import install_sigquit_handler
 from daskgen.errors import ConfigError, EngineError
@@ -114,11 +114,9 @@ def test_unknown_engine_args_suggest_close_matches() -> None:
 
 def test_launch_kwargs_cpu_defaults() -> None:
     cpu = launch_kwargs("/m", {"dtype": "bfloat16"}, cuda_available=False)
-    assert cpu == {**DEFAULTS, **CPU_DEFAULTS, "model_path": "/m", "device": "cpu", "dtype": "bfloat16"}
+    assert cpu == {**CPU_DEFAULTS, "model_path": "/m", "device": "cpu", "dtype": "bfloat16"}
     gpu = launch_kwargs("/m", {"tp_size": 2}, cuda_available=True)
-    assert gpu == {"model_path": "/m", "device": "cuda", "tp_size": 2, "schedule_policy": "lpm"}
-    own = launch_kwargs("/m", {"schedule_policy": "fcfs"}, cuda_available=True)
-    assert own["schedule_policy"] == "fcfs"  # the user's setting wins
+    assert gpu == {"model_path": "/m", "device": "cuda", "tp_size": 2}
     forced = launch_kwargs("/m", {"device": "cpu"}, cuda_available=True)
     assert forced["attention_backend"] == "torch_native"
 
@@ -513,11 +511,16 @@ def test_structured_outputs_of_smollm2_conform_to_their_formats() -> None:
     assert stopped >= sent // 2, f"only {stopped} of {sent} constrained responses ended by stop"
 
 
-def test_sglang_admits_by_prefix_under_its_lpm_default_unless_another_policy_is_set() -> None:
+def test_runs_dispatched_by_prefix_start_sglang_under_lpm_unless_another_policy_is_set() -> None:
     from daskgen.engines.http.engine import OpenAIEngine
 
-    assert SGLangEngine.admits_by_prefix({}) and SGLangEngine.admits_by_prefix({"schedule_policy": "dfs-weight"})
-    assert not SGLangEngine.admits_by_prefix({"schedule_policy": "fcfs"})
-    assert OpenAIEngine.admits_by_prefix({"managed": True})
-    assert not OpenAIEngine.admits_by_prefix({"managed": True, "server_args": {"schedule_policy": "fcfs"}})
-    assert not OpenAIEngine.admits_by_prefix({"base_url": "http://127.0.0.1:1"}), "someone else's server: unknown"
+    assert SGLangEngine.prefix_admission({"tp_size": 2}) == ({"tp_size": 2, "schedule_policy": "lpm"}, True)
+    assert SGLangEngine.prefix_admission({"schedule_policy": "dfs-weight"}) == ({"schedule_policy": "dfs-weight"}, True)
+    assert SGLangEngine.prefix_admission({"schedule_policy": "fcfs"}) == ({"schedule_policy": "fcfs"}, False)
+    managed = OpenAIEngine.prefix_admission({"managed": True})
+    assert managed == ({"managed": True, "server_args": {"schedule_policy": "lpm"}}, True)
+    own = {"managed": True, "server_args": {"schedule_policy": "fcfs"}}
+    assert OpenAIEngine.prefix_admission(own) == (own, False)
+    theirs = {"base_url": "http://127.0.0.1:1"}
+    assert OpenAIEngine.prefix_admission(theirs) == (theirs, False), "someone else's server is not changed"
+    assert "schedule_policy" not in launch_kwargs("/m", {}, cuda_available=True), "other runs keep sglang's default"

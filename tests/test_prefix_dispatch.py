@@ -233,26 +233,36 @@ def test_partitions_of_a_key_go_to_the_worker_that_ran_it(two_workers, tmp_path)
 
 
 class PrefixAdmitting(SimulatedEngine):
-    """Test double: the simulated engine declaring that it admits its waiting requests by shared prefix itself (as
-    sglang does under its ``lpm`` policy), keeping the ids of its requests in the order they arrived."""
+    """Test double: the simulated engine declaring that, with ``max_batch: 7`` added to its args, it admits its
+    waiting requests by shared prefix itself (as sglang does under ``lpm``); it keeps its requests' arrival order."""
 
     arrived: list[str] = []
 
     @classmethod
-    def admits_by_prefix(cls, engine_args):
-        return True
+    def prefix_admission(cls, engine_args):
+        return {**engine_args, "max_batch": 7}, True
 
     def generate_batch(self, requests):
         type(self).arrived += [r.request_id for r in requests]
         return super().generate_batch(requests)
 
 
-def test_an_engine_that_admits_by_prefix_gets_each_partition_in_input_order(two_workers, tmp_path):
+def engines_max_batch(dask_worker) -> int:
+    return dask_worker.plugins["daskgen-engine"].engine.args.max_batch
+
+
+def test_an_engine_that_admits_by_prefix_gets_its_args_and_each_partition_in_input_order(two_workers, tmp_path):
     rows = chat_rows(SYSTEMS, 8)
     store, _ = run_on(two_workers, rows, tmp_path / "s.zarr", "prefix", 8)
     assert store.attrs.dispatch["prompt_order"] is True, "the simulated engine gets its partitions sorted"
+    double = f"{__name__}:PrefixAdmitting"
+    run_on(two_workers, [{"prompt": f"{i} is a number"} for i in range(16)], tmp_path / "plain.zarr", "auto", 8, double)
+    with Client(two_workers) as client:
+        assert set(client.run(engines_max_batch).values()) != {7}, "no shared prefix: the run's own engine args"
     PrefixAdmitting.arrived = []
-    store, _ = run_on(two_workers, rows, tmp_path / "a.zarr", "prefix", 8, f"{__name__}:PrefixAdmitting")
+    store, _ = run_on(two_workers, rows, tmp_path / "a.zarr", "prefix", 8, double)
+    with Client(two_workers) as client:
+        assert set(client.run(engines_max_batch).values()) == {7}, "dispatched by prefix: the engine's additions"
     record = store.attrs.dispatch
     assert record["mode"] == "prefix" and record["prompt_order"] is False
     assert (store.read_status() == DONE).all()

@@ -25,8 +25,12 @@ logger = logging.getLogger(__name__)
 DEAD_STATES = (PluginState.FAILED.value, "missing")
 
 
-def start_engines(client: Any, config: RunConfig, interrupt: Any = None) -> int:
+def start_engines(
+    client: Any, config: RunConfig, interrupt: Any = None, engine_args: dict[str, Any] | None = None
+) -> int:
     """Register the engine plugin and wait until at least one engine is ready.
+
+    The engines start with ``engine_args`` (default: the run's; a plan dispatched by prefix may add some).
 
     Returns the number of workers with a ready engine.  Raises :class:`EngineError` with every
     worker's error when all engines failed, or when none is ready within the timeout, and
@@ -36,7 +40,7 @@ def start_engines(client: Any, config: RunConfig, interrupt: Any = None) -> int:
     plugin = EnginePlugin(
         config.engine,
         str(config.model),
-        config.engine_args,
+        config.engine_args if engine_args is None else engine_args,
         window=config.window,
         requests_per_partition=config.partition_size * config.n_samples,
         drain_timeout_s=drain_s,

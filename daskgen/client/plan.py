@@ -10,6 +10,7 @@ drives them.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,9 @@ if TYPE_CHECKING:
     from daskgen.engines.base import SamplingParams
 
 
+logger = logging.getLogger(__name__)
+
+
 @dataclass(frozen=True)
 class Plan:
     """What the client decided before any engine starts; it never changes during the run.
@@ -60,8 +64,11 @@ class Plan:
     template: ChatTemplate = dataclasses.field(default_factory=ChatTemplate)  # the run's chat-template options
     prefix: PrefixKeys | None = None  # the shared-prefix keys dispatch goes by (None: input order)
     #: With prefix dispatch, each partition's requests are sent in prompt order (False: the engine admits its
-    #: waiting requests by shared prefix itself, :meth:`~daskgen.engines.base.Engine.admits_by_prefix`).
+    #: waiting requests by shared prefix itself, :meth:`~daskgen.engines.base.Engine.prefix_admission`).
     prefix_order: bool = True
+    #: The engine args the workers' engines start with when not the run's: with prefix dispatch, the run's and the
+    #: engine's own additions (:meth:`~daskgen.engines.base.Engine.prefix_admission`).
+    engine_args: dict[str, Any] | None = None
 
     @property
     def layout(self) -> Layout:
@@ -82,6 +89,8 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
     wanted = _store_attrs(config, scan, tokenizer, template, keys)
     store, record = _create_or_check_store(config, wanted, scan, existing, record)
     eos = tokenizer.eos_token_id
+    prefix = resolve_prefix(config.dispatch, scan, store.attrs.input_scan, tokenizer, template)
+    engine_args, admits = _prefix_admission(config) if prefix is not None else (None, False)
     return Plan(
         config,
         scan,
@@ -92,15 +101,21 @@ def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None
         first_partitions=tuple(store.attrs.partial_partitions),
         predicted=_predicted_lengths(config, scan),
         template=template,
-        prefix=resolve_prefix(config.dispatch, scan, store.attrs.input_scan, tokenizer, template),
-        prefix_order=not _engine_admits_by_prefix(config),
+        prefix=prefix,
+        prefix_order=not admits,
+        engine_args=engine_args,
     )
 
 
-def _engine_admits_by_prefix(config: RunConfig) -> bool:
+def _prefix_admission(config: RunConfig) -> tuple[dict[str, Any], bool]:
+    """The engine args of a run dispatched by prefix, and whether its engine then admits requests by prefix."""
     from daskgen.engines import resolve_engine_class
 
-    return resolve_engine_class(config.engine).admits_by_prefix(config.engine_args)
+    engine_args, admits = resolve_engine_class(config.engine).prefix_admission(dict(config.engine_args))
+    if engine_args != config.engine_args:
+        added = {k: v for k, v in engine_args.items() if config.engine_args.get(k) != v}
+        logger.info("dispatch by prefix: the %s engines start with %s", config.engine, added)
+    return engine_args, admits
 
 
 def _check_features(config: RunConfig, keys: frozenset[str], structured: bool) -> None:

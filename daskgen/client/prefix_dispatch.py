@@ -10,9 +10,9 @@ With ``dispatch: prefix`` (or ``auto`` when the input has shared prefixes worth 
    (:func:`daskgen.worker.prefix_order.prompt_order`), so that rows sharing a prefix are admitted one
    after the other: the engine computes each shared prefix once per partition however the input mixes
    them.  Not for an engine that admits its waiting requests by shared prefix itself
-   (:meth:`~daskgen.engines.base.Engine.admits_by_prefix`: sglang under its ``lpm`` policy): it computes
-   a prefix once for requests that arrive together in any order, but not when they all reach one prefill
-   batch, which sorted requests arriving one after the other do.
+   (:meth:`~daskgen.engines.base.Engine.prefix_admission`: sglang under ``lpm``, which such runs start it
+   with): it computes a prefix once for requests that wait together in any order, but not when they all
+   reach one prefill batch, which sorted requests arriving one after the other do.
 2. **Across partitions** a partition whose rows mostly share one prefix key (:func:`partition_key`) goes
    to a worker that ran that key last (:class:`TaskPool`): when a free worker asks for a task it gets,
    from the next tasks of the input (a look-ahead of at most half of ``max_prompts_in_memory``

@@ -278,10 +278,10 @@ class Engine(abc.ABC):
         return None
 
     @classmethod
-    def admits_by_prefix(cls, engine_args: dict[str, Any]) -> bool:
-        """Whether an engine built with ``engine_args`` admits its waiting requests by shared prefix itself; prefix
-        dispatch then keeps a partition's requests in input order (:mod:`daskgen.client.prefix_dispatch`)."""
-        return False
+    def prefix_admission(cls, engine_args: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """The engine args of a run dispatched by prefix, and whether the engine then admits its waiting requests by
+        shared prefix itself (its partitions then keep input order: :mod:`daskgen.client.prefix_dispatch`)."""
+        return engine_args, False
 
     @property
     def supports_seed(self) -> bool:

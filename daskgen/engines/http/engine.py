@@ -63,7 +63,7 @@ from daskgen.engines.http.protocol import (
 from daskgen.engines.http.server import ManagedServer, update_server_weights
 from daskgen.engines.http.vllm_protocol import VLLMProtocol, is_vllm_version
 from daskgen.engines.request_check import request_error
-from daskgen.engines.sglang.args import admits_by_prefix
+from daskgen.engines.sglang.args import prefix_admission
 from daskgen.engines.sglang.mapping import max_running_requests
 from daskgen.errors import EngineError, RefreshError
 from daskgen.redaction import redact_url
@@ -87,9 +87,12 @@ class OpenAIEngine(Engine):
     vocab_size: int | None = None
 
     @classmethod
-    def admits_by_prefix(cls, engine_args: dict[str, Any]) -> bool:
-        """A managed sglang server under a prefix-aware ``schedule_policy`` (its default); another server: unknown."""
-        return engine_args.get("managed") is True and admits_by_prefix(engine_args.get("server_args") or {})
+    def prefix_admission(cls, engine_args: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """A managed sglang server launched as the ``sglang`` engine would be; someone else's server is not changed."""
+        if engine_args.get("managed") is not True:
+            return engine_args, False
+        server_args, admits = prefix_admission(engine_args.get("server_args") or {})
+        return {**engine_args, "server_args": server_args}, admits
 
     def __init__(self, model: str, adapters: dict[str, str] | None = None, **engine_args: Any) -> None:
         super().__init__(model, **engine_args)

@@ -1,8 +1,8 @@
 """The ``sglang.Engine`` / ``launch_server`` arguments: daskgen's defaults and their validation.
 
 Shared by the in-process engine (:mod:`daskgen.engines.sglang.engine`) and the managed HTTP server
-(:mod:`daskgen.engines.http.server`): :func:`launch_kwargs` fills in the model, the device,
-:data:`DEFAULTS` and, on CPU, :data:`CPU_DEFAULTS`; :func:`check_engine_args` refuses names sglang's ``ServerArgs``
+(:mod:`daskgen.engines.http.server`): :func:`launch_kwargs` fills in the model, the device and,
+on CPU, :data:`CPU_DEFAULTS`; :func:`check_engine_args` refuses names sglang's ``ServerArgs``
 does not know, suggesting close matches.  Importing this module does not import sglang.
 """
 
@@ -16,8 +16,8 @@ from daskgen.errors import ConfigError
 
 __all__ = [
     "CPU_DEFAULTS",
-    "DEFAULTS",
-    "admits_by_prefix",
+    "PREFIX_ARGS",
+    "prefix_admission",
     "check_engine_args",
     "is_cpu_device",
     "launch_kwargs",
@@ -25,12 +25,11 @@ __all__ = [
     "server_arg_names",
 ]
 
-#: ``sglang.Engine`` options filled in on every device when ``engine_args`` does not set them.
-#: ``schedule_policy: lpm`` (longest prefix match; sglang's own default is ``fcfs``): sglang then admits
-#: first the waiting requests its radix cache serves most of, and holds back a waiting request whose
-#: prefix another one waiting beside it shares, so a prefix shared by requests that arrive together is
-#: computed once, not once each.  sglang falls back to ``fcfs`` by itself while more than 128 requests wait.
-DEFAULTS: dict[str, Any] = {"schedule_policy": "lpm"}
+#: Options filled in, when unset, for a run dispatched by prefix.  ``schedule_policy: lpm`` (longest prefix match;
+#: sglang's own default is ``fcfs``): sglang admits first the waiting requests its radix cache serves most of and
+#: holds back a waiting request that shares its prefix with another one waiting, so a prefix shared by requests
+#: that wait together is computed once, not once each.  sglang falls back to ``fcfs`` while over 128 requests wait.
+PREFIX_ARGS: dict[str, Any] = {"schedule_policy": "lpm"}
 
 #: sglang's schedule policies that admit waiting requests by what they share with the radix cache and each other.
 PREFIX_POLICIES = frozenset({"lpm", "dfs-weight"})
@@ -76,7 +75,7 @@ def launch_kwargs(
     """The keyword arguments for ``sglang.Engine``: ``engine_args`` plus daskgen's defaults.
 
     The device is ``engine_args['device']`` or, when absent, ``cuda`` if available else
-    ``cpu``; :data:`DEFAULTS` and, on CPU, :data:`CPU_DEFAULTS` fill options ``engine_args`` leaves unset.
+    ``cpu``; on CPU the :data:`CPU_DEFAULTS` fill options ``engine_args`` leaves unset.
     LoRA ``adapters`` (name -> folder) fill ``enable_lora``, ``lora_paths`` (``NAME=PATH``) and
     ``max_loras_per_batch`` (every adapter and the base model in one batch), and on CPU ``lora_backend``
     ``torch_native`` (sglang's default backend runs Triton kernels).
@@ -85,8 +84,6 @@ def launch_kwargs(
     kwargs["model_path"] = model
     device = kwargs.get("device") or ("cuda" if cuda_available else "cpu")
     kwargs["device"] = device
-    for key, value in DEFAULTS.items():
-        kwargs.setdefault(key, value)
     if is_cpu_device(device):
         for key, value in CPU_DEFAULTS.items():
             kwargs.setdefault(key, value)
@@ -105,7 +102,8 @@ def is_cpu_device(device: str) -> bool:
     return str(device).split(":", 1)[0] == "cpu"
 
 
-def admits_by_prefix(engine_args: Mapping[str, Any]) -> bool:
-    """Whether sglang launched with ``engine_args`` orders its waiting requests by shared prefix itself
-    (``schedule_policy`` one of :data:`PREFIX_POLICIES`, :data:`DEFAULTS`' when unset)."""
-    return engine_args.get("schedule_policy", DEFAULTS["schedule_policy"]) in PREFIX_POLICIES
+def prefix_admission(engine_args: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+    """``engine_args`` with :data:`PREFIX_ARGS` filled in, and whether sglang then admits its waiting requests by
+    shared prefix itself (its ``schedule_policy`` one of :data:`PREFIX_POLICIES`)."""
+    args = {**PREFIX_ARGS, **engine_args}
+    return args, args["schedule_policy"] in PREFIX_POLICIES

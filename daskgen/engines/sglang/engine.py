@@ -84,8 +84,7 @@ from typing import Any
 
 from daskgen.engines.base import GenerationRequest, GenerationResult, aborted_result, error_result, started
 from daskgen.engines.inprocess import InProcessEngine, cuda_available
-from daskgen.engines.sglang.args import admits_by_prefix as args_admit_by_prefix
-from daskgen.engines.sglang.args import is_cpu_device, launch_kwargs, refuse_model_path
+from daskgen.engines.sglang.args import is_cpu_device, launch_kwargs, prefix_admission, refuse_model_path
 from daskgen.engines.sglang.backend import BackendClosed, BackendCrashed, SGLangBackend, read_max_running_requests
 from daskgen.engines.sglang.mapping import logprob_request, result_from_output, sampling_params_for
 from daskgen.engines.sglang.sigquit import install_sigquit_handler, restore_sigquit_handler
@@ -123,9 +122,9 @@ class SGLangEngine(InProcessEngine):
     )
 
     @classmethod
-    def admits_by_prefix(cls, engine_args: dict[str, Any]) -> bool:
-        """sglang under a prefix-aware ``schedule_policy`` (``lpm`` unless set) orders its own waiting requests."""
-        return args_admit_by_prefix(engine_args)
+    def prefix_admission(cls, engine_args: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """sglang under ``schedule_policy: lpm`` unless ``engine_args`` set another (:data:`PREFIX_ARGS`)."""
+        return prefix_admission(engine_args)
 
     def __init__(self, model: str, adapters: dict[str, str] | None = None, **engine_args: Any) -> None:
         super().__init__(model, adapters, **engine_args)
