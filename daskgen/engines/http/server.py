@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ from daskgen import tunables
 from daskgen.engines.http.client import HTTPClient, NoAnswer, RequestFailed, httpx, require_http
 from daskgen.engines.inprocess import cuda_available
 from daskgen.engines.sglang.args import launch_kwargs
+from daskgen.engines.sglang.weights import flush_when_idle, loaded_but_not_flushed
 from daskgen.errors import ConfigError, EngineError, RefreshError
 from daskgen.redaction import is_secret_key
 
@@ -268,8 +270,8 @@ async def update_server_weights(http: HTTPClient, path: str) -> None:
 
     SGLang holds the load until the requests it runs have finished and holds new ones until it is done, then drops
     its prefix cache (KV computed by the old weights); when requests still ran it loads but keeps the cache, and
-    the cache is dropped once they have finished (:func:`_flush_cache`).  A load that fails answers HTTP 400
-    ``{"success": false, "message": ...}`` and the server rolls back to the weights it had.
+    the cache is dropped once they have finished (:mod:`daskgen.engines.sglang.weights`).  A load that fails
+    answers HTTP 400 ``{"success": false, "message": ...}`` and the server rolls back to the weights it had.
 
     Raises
     ------
@@ -283,31 +285,19 @@ async def update_server_weights(http: HTTPClient, path: str) -> None:
     except NoAnswer as exc:
         raise EngineError(f"the managed sglang server did not answer its weight update: {exc}") from None
     except RequestFailed as exc:
-        if _NOT_FLUSHED not in str(exc):
+        if not loaded_but_not_flushed(str(exc)):
             raise RefreshError(f"the managed sglang server could not load policy checkpoint {path!r}: {exc}") from None
-        await _flush_cache(http, path)  # loaded; requests ran, so the old weights' prefix cache stayed
+        await flush_when_idle(functools.partial(_flush_cache, http), path, "the managed sglang server")
         return
     if not (isinstance(answer, dict) and answer.get("success") is True):
         raise RefreshError(f"the managed sglang server did not confirm loading {path!r}: {answer!r}")
 
 
-#: SGLang's answer when the weights loaded but requests still ran, so it kept its prefix cache.
-_NOT_FLUSHED = "cache was not flushed"
-#: How long the flush waits in all for the server's requests to finish (in calls of 5 s each).
-_FLUSH_WAIT_S = 120
-
-
-async def _flush_cache(http: HTTPClient, path: str) -> None:
-    """Drop the server's prefix cache once no request runs (``GET /flush_cache?timeout=5``: SGLang waits up to 5 s
-    for them, answering HTTP 400 when they still run)."""
-    for _ in range(_FLUSH_WAIT_S // 5):
-        status, _ = await http.probe_json("/flush_cache?timeout=5", allow_status=(400,))
-        if status == 200:
-            return
-    raise RefreshError(
-        f"the managed sglang server loaded {path!r} but kept serving requests for {_FLUSH_WAIT_S} s, so its prefix "
-        "cache of the old weights could not be dropped"
-    )
+async def _flush_cache(http: HTTPClient, timeout_s: float) -> bool:
+    """``GET /flush_cache?timeout=...``: SGLang waits up to ``timeout_s`` for running requests; HTTP 400 (false)
+    when they still run."""
+    status, _ = await http.probe_json(f"/flush_cache?timeout={timeout_s:g}", allow_status=(400,))
+    return status == 200
 
 
 def new_api_key() -> str:

@@ -256,6 +256,10 @@ class SGLangBackend:
         )
         return bool(found[0]), str(found[1])
 
+    async def flush_cache(self, timeout_s: float) -> bool:
+        """Drop sglang's prefix cache once no request runs, waiting up to ``timeout_s`` for them; whether it did."""
+        return bool((await self.engine.tokenizer_manager.flush_cache(timeout_s=timeout_s)).success)
+
 
 def _prepare_environment(device: str) -> None:
     """Environment sglang reads at import and passes to its subprocesses."""

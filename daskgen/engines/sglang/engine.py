@@ -88,6 +88,7 @@ from daskgen.engines.sglang.args import is_cpu_device, launch_kwargs, prefix_adm
 from daskgen.engines.sglang.backend import BackendClosed, BackendCrashed, SGLangBackend, read_max_running_requests
 from daskgen.engines.sglang.mapping import logprob_request, result_from_output, sampling_params_for
 from daskgen.engines.sglang.sigquit import install_sigquit_handler, restore_sigquit_handler
+from daskgen.engines.sglang.weights import flush_when_idle, loaded_but_not_flushed
 from daskgen.errors import RefreshError
 from daskgen.redaction import redact
 
@@ -234,7 +235,13 @@ class SGLangEngine(InProcessEngine):
         the old weights when the load fails: then :class:`~daskgen.errors.RefreshError`)."""
         backend = started(self.name, self._backend)
         ok, message = await asyncio.wrap_future(backend.submit(backend.update_weights(path)))
-        if not ok:
+        if not ok and loaded_but_not_flushed(message):  # loaded while requests ran: the old weights' cache stays
+
+            async def flush(timeout_s: float) -> bool:
+                return await asyncio.wrap_future(backend.submit(backend.flush_cache(timeout_s)))
+
+            await flush_when_idle(flush, path, "sglang")
+        elif not ok:
             raise RefreshError(f"sglang could not load policy checkpoint {path!r} (it keeps its weights): {message}")
 
     async def set_memory(self, release: bool) -> None:
