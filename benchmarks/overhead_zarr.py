@@ -7,10 +7,12 @@ counts the uncompressed bytes of the data arrays.  daskgen's time runs from engi
 commit and includes the instant engine's own CPU work (planning fake tokens, its step loop and result
 objects; measured alone and reported, so the workers' CPU is also given without it), the worker-side region
 building, the Zarr writes, Dask scheduling and the client's commits.  ``overhead.py --part zarr`` runs the
-same comparison.
+same comparison.  ``--writer-processes 0,1`` runs the daskgen side once per setting of
+``daskgen.writer-processes`` in each repeat (the writer processes' CPU counts with their worker's).
 
     python benchmarks/overhead_zarr.py                       # ~2 minutes on 2 cores
     python benchmarks/overhead_zarr.py --prompts 512 --no-record
+    python benchmarks/overhead_zarr.py --workers 1 --writer-processes 0,1
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import dask.config
 import numpy as np
 from common import cli, profiling, records, runs
 
@@ -147,24 +150,26 @@ def part_zarr(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     """daskgen with an instant engine vs direct Zarr writes of the same arrays."""
     prompts = [f"Row {i}: summarise document {i * 31 % 997}." for i in range(a.prompts)]
     config = zarr_config(a, work / "daskgen.zarr")
-    results = []
+    results, settings = [], cli.counts(a.writer_processes)
     for rep in range(a.repeats):
-        cfg = zarr_config(a, work / f"daskgen-{rep}.zarr")
-        dg = runs.measured_side(cfg, prompts, *profiling.hooks(profile=False))
+        sides = {}
+        for writers in settings:  # each setting of daskgen.writer-processes, one after the other
+            cfg = zarr_config(a, work / f"daskgen-{rep}-{writers}.zarr")
+            with dask.config.set({"daskgen.writer-processes": writers}):
+                sides[writers] = runs.measured_side(cfg, prompts, *profiling.hooks(profile=False))
         direct = run_direct(Path(cfg.store), work / f"direct-{rep}.zarr", a.workers)
         direct1 = run_direct(Path(cfg.store), work / f"direct1-{rep}.zarr", 1)
-        results.append((dg, direct, direct1))
+        results += [(dg, direct, direct1, writers) for writers, dg in sides.items()]
         config = cfg
     rows_total = a.prompts * a.n_samples
     nbytes = data_bytes(Path(config.store))
     eng_cpu = engine_cpu_seconds(zarr_config(a, work / "plan.zarr"), prompts)
     table = []
-    for rep, (dg, direct, direct1) in enumerate(results):
-        for name, res in (
-            (f"daskgen, {a.workers} workers, instant engine", dg),
-            (f"direct zarr, {a.workers} processes", direct),
-            ("direct zarr, 1 process", direct1),
-        ):
+    for k, (dg, direct, direct1, writers) in enumerate(results):
+        rep = k // len(settings)
+        daskgen_side = [(f"daskgen, {a.workers} workers, instant engine, writer processes {writers}", dg)]
+        direct_sides = [(f"direct zarr, {a.workers} processes", direct), ("direct zarr, 1 process", direct1)]
+        for name, res in daskgen_side + (direct_sides if k % len(settings) == len(settings) - 1 else []):
             table.append(
                 [
                     rep + 1,
@@ -175,7 +180,7 @@ def part_zarr(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
                     direct["seconds"] / res["seconds"],
                 ]
             )
-    ratios = [direct["seconds"] / dg["seconds"] for dg, direct, _ in results]
+    ratios = {w: [direct["seconds"] / dg["seconds"] for dg, direct, _, n in results if n == w] for w in settings}
     rec.note(
         f"Part zarr: {a.prompts:,} prompts × {a.n_samples} samples, max_new_tokens {a.max_new_tokens}, "
         f"lognormal lengths mean {a.length_mean:g}, logprobs on; partitions of {a.partition_size}, window "
@@ -185,13 +190,15 @@ def part_zarr(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
         "writes)."
     )
     rec.table(["repeat", "writer", "seconds", "rows/s", "MiB/s (uncompressed)", "rate vs direct (same procs)"], table)
-    rec.note(
-        f"**daskgen / direct write rate: {', '.join(f'{r:.2f}' for r in ratios)} (median "
-        f"{float(np.median(ratios)):.2f}; goal ≥ 0.5).**"
-    )
+    for writers, values in ratios.items():
+        rec.note(
+            f"**daskgen / direct write rate, writer processes {writers}: {', '.join(f'{r:.2f}' for r in values)} "
+            f"(median {float(np.median(values)):.2f}; goal ≥ 0.5).**"
+        )
     cpu_table(rec, results, rows_total, eng_cpu)
     if a.profile:
-        profile_tables(rec, zarr_config(a, work / "profiled.zarr"), prompts, rows_total)
+        with dask.config.set({"daskgen.writer-processes": settings[-1]}):
+            profile_tables(rec, zarr_config(a, work / "profiled.zarr"), prompts, rows_total, settings[-1])
 
 
 def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: float) -> None:
@@ -199,9 +206,9 @@ def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: f
     work (and without the Zarr writes), the client process (scheduler included), the machine's cores kept busy,
     and the best rate vs direct the run could reach on this machine if its workers only wrote."""
     rows, cores = [], len(os.sched_getaffinity(0))
-    for rep, (dg, direct, direct1) in enumerate(results):
+    for rep, (dg, direct, direct1, writers_n) in enumerate(results):
         cpu = dg["marks"]["on_done"]
-        workers = sum(w["process"] for w in cpu["workers"].values())
+        workers = sum(w["process"] + w.get("child processes", 0.0) for w in cpu["workers"].values())
         client = cpu["client"]["process"]
         # if the workers did nothing but the writes, the run would still spend the writes, the engine's own work
         # and the client's process on the machine's cores: the best rate vs direct it could reach here
@@ -209,6 +216,7 @@ def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: f
         rows.append(
             [
                 rep + 1,
+                writers_n,
                 workers / samples * 1e6,
                 (workers - engine_s) / samples * 1e6,
                 (workers - engine_s - direct1["seconds"]) / samples * 1e6,
@@ -220,8 +228,9 @@ def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: f
         )
     rec.table(
         [
-            "repeat",
-            "workers' CPU µs/sample (all threads)",
+            "run",
+            "writer processes",
+            "workers' CPU µs/sample (all threads, writer processes included)",
             "the same without the engine's own work",
             "the same without the Zarr writes (the direct writer's time)",
             "client process CPU µs/sample (scheduler included)",
@@ -237,7 +246,7 @@ def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: f
     )
 
 
-def profile_tables(rec: records.Record, config: RunConfig, prompts: list[str], samples: int) -> None:
+def profile_tables(rec: records.Record, config: RunConfig, prompts: list[str], samples: int, writers: int) -> None:
     """One more daskgen run under cProfile (workers' event loops, the client's thread): CPU per stage per sample."""
     dg = runs.measured_side(config, prompts, *profiling.hooks(profile=True))
     cpu = dg["marks"]["on_done"]
@@ -245,7 +254,8 @@ def profile_tables(rec: records.Record, config: RunConfig, prompts: list[str], s
     rec.table(
         header,
         profiling.worker_rows(cpu["workers"], samples),
-        f"Workers, CPU per stage per sample (cProfile, thread CPU time, summed over the workers; one extra run at "
+        f"Workers, CPU per stage per sample (cProfile, thread CPU time, summed over the workers; writer processes "
+        f"{writers}; one extra run at "
         f"{samples / dg['seconds']:,.0f} rows/s under the profiler, which inflates every call: read the shares).",
     )
     rec.table(header, profiling.client_rows(cpu["client"], samples), "Client, CPU per stage per sample (same run).")
@@ -257,6 +267,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
         p, repeats=2, workers=2, prompts=8192, n_samples=4, max_new_tokens=512, length_mean=128.0, partition_size=64
     )
     p.add_argument("--window", default="auto", help="daskgen partitions in flight per worker (default: daskgen's auto)")
+    p.add_argument(
+        "--writer-processes",
+        default="0",
+        help="comma-separated settings of daskgen.writer-processes, each run side by side in every repeat",
+    )
     p.add_argument(
         "--profile",
         action=argparse.BooleanOptionalAction,

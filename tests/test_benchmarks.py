@@ -142,8 +142,14 @@ def test_overhead(tmp_path, tiny_model):
         "4",
         "--engine-partition-size",
         "2",
+        "--writer-processes",
+        "0,1",
     )
-    assert "daskgen / direct write rate" in out and "daskgen / direct tokens/s" in out
+    assert "daskgen / direct write rate, writer processes 0" in out and "daskgen / direct tokens/s" in out
+    assert "daskgen / direct write rate, writer processes 1" in out
+    cpu_rows = table_rows(text, "run", "writer processes")  # the writer processes' CPU counts with their worker's
+    assert [row["writer processes"] for row in cpu_rows] == ["0", "1"]
+    assert all(float(row[next(k for k in row if k.startswith("workers' CPU"))]) > 0 for row in cpu_rows)
     assert "same engine on a Dask worker" in out
     assert "engine's host process" in out and "Median cores, the engine's own processes" in out  # where CPU went
     assert_same_tokens_in_each_repeat(text, sides=3)

@@ -48,7 +48,7 @@ WORKER_STAGES: tuple[tuple[str, tuple[Root, ...], tuple[Root, ...]], ...] = (
         (("asyncio/tasks.py", "_done_callback"), (_PART, "batch")),
         ((_PART, "request"), (_AGENT, "generate_batch"), ("worker/slot.py", "count")),
     ),
-    ("region assembly: prompts and samples into arrays", ((_PART, "fill_region"),), ()),
+    ("region assembly on the event loop (0 where the write thread does it)", ((_PART, "fill_region"),), ()),
     (
         "partition task, rest: task creation, hand-offs to threads",
         ((_PART, "run_partition"),),
@@ -92,19 +92,34 @@ def start_worker(dask_worker: Any, profile: bool = True) -> bool:
     import cProfile
 
     profiler = cProfile.Profile(time.thread_time) if profile else None
-    setattr(dask_worker, _ATTR, (profiler, time.process_time(), time.thread_time()))
+    setattr(dask_worker, _ATTR, (profiler, time.process_time(), time.thread_time(), children_cpu()))
     if profiler is not None:
         profiler.enable()
     return True
 
 
+def children_cpu() -> dict[int, float]:
+    """CPU seconds of each process below this one (a worker's writer processes, an engine's own processes)."""
+    import psutil
+
+    out = {}
+    for child in psutil.Process().children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        out[child.pid] = times.user + times.system
+    return out
+
+
 def stop_worker(dask_worker: Any) -> dict[str, float]:
     """``client.run`` target: stop; the worker's CPU seconds since :func:`start_worker` (process, event-loop
-    thread) and, when profiled, per stage."""
-    profiler, process0, thread0 = getattr(dask_worker, _ATTR)
+    thread, the processes below it) and, when profiled, per stage."""
+    profiler, process0, thread0, children0 = getattr(dask_worker, _ATTR)
     if profiler is not None:
         profiler.disable()
     out = {"process": time.process_time() - process0, "event loop": time.thread_time() - thread0}
+    out["child processes"] = sum(seconds - children0.get(pid, 0.0) for pid, seconds in children_cpu().items())
     if profiler is not None:
         out.update(stage_seconds(profiler, WORKER_STAGES))
     return out
@@ -154,11 +169,14 @@ def worker_rows(workers: dict[str, dict[str, float]], samples: int) -> list[list
     threads = max(0.0, total["process"] - total["event loop"])
     rows.append(
         [
-            "other threads (Zarr region writes, region allocation, tokenizing), not profiled",
+            "other threads (region assembly and Zarr writes, tokenizing), not profiled",
             threads / samples * 1e6,
             None,
         ]
     )
+    if total.get("child processes"):
+        writers = total["child processes"]
+        rows.append(["writer processes (region assembly and Zarr writes), not profiled", writers / samples * 1e6, None])
     return rows
 
 

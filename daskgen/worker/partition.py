@@ -189,7 +189,15 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
     async with plugin.partition(len(task.rows) * task.n_samples) as slot:
         region, prefixes = await _prepare_inputs(task, plugin)
         generation = _Generation(plugin, await slot.engine_handle(), agent, task, prefixes, slot)
-        return await _finish(task, region, await generation.run(), worker.address, t0)
+        results = await generation.run()
+        rounds = results if task.verify is not None else None
+        samples = [t for o in results for t in o.samples] if rounds is not None else results
+        if plugin.writers is None:  # a thread of the worker, or a writer process (daskgen.worker.writers)
+            outcome = await asyncio.to_thread(write_partition, task, region, samples, rounds)
+        else:
+            outcome = await plugin.writers.run(write_partition, task, region, samples, rounds)
+    outcome.seconds, outcome.worker = time.perf_counter() - t0, worker.address
+    return outcome
 
 
 async def _prepare_inputs(
@@ -213,20 +221,20 @@ async def _prepare_inputs(
     return region, stored_samples(region, task.start, task.rows, task.n_samples, stops, task.params.logprobs)
 
 
-async def _finish(
-    task: PartitionTask, region: dict[str, np.ndarray] | None, results: list, worker: str, t0: float
+def write_partition(
+    task: PartitionTask,
+    region: dict[str, np.ndarray] | None,
+    samples: list[list[Trajectory]],
+    rounds: list[RowOutcome] | None,
 ) -> PartitionResult:
-    """Place the results into the region and write it; the task finishes only after its data landed."""
-    rounds = results if task.verify is not None else None
-    samples = [t for o in results for t in o.samples] if rounds is not None else results
+    """Place the results into the region and write it (in a thread of the worker or a writer process): the task
+    finishes only after its data landed.  ``region``: the stored one read before generating, or ``None``."""
     if region is None:
-        region = await asyncio.to_thread(_initial_region, task)
+        region = _initial_region(task)
     outcome = fill_region(region, task, samples, rounds)
     if not task.params.logprobs:
         region.pop("logprobs")
-    await asyncio.to_thread(task.store.write_region, task.start, region)
-    outcome.seconds = time.perf_counter() - t0
-    outcome.worker = worker
+    task.store.write_region(task.start, region)
     return outcome
 
 

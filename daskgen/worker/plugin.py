@@ -37,6 +37,7 @@ from daskgen.worker.gpu import export_local_rank
 from daskgen.worker.prefix_order import AlternatingOrder
 from daskgen.worker.slot import PartitionSlot
 from daskgen.worker.thread_slots import offer_no_slot_yet, partitions_hold_threads, start_admitted_tasks
+from daskgen.worker.writers import WriterPool, start_writers
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class EnginePlugin(WorkerPlugin):
         self.refresh, self.policy_store = refresh, policy_store  # ``refresh`` runs: daskgen.worker.refresh
         self.refresher: Any = None
         self._policy_follower: asyncio.Task | None = None
+        self.writers: WriterPool | None = None  # daskgen.writer-processes: started in setup (daskgen.worker.writers)
 
     @property
     def ready_event(self) -> asyncio.Event:
@@ -145,6 +147,7 @@ class EnginePlugin(WorkerPlugin):
             self.refresher = PolicyRefresher(self.policy_store, self.refresh, self.live_engine, str(worker.name))
             listen_for_versions(worker, self.refresher)
             self._policy_follower = asyncio.create_task(self.refresher.follow(self._refresh_failed))
+        self.writers = start_writers()
         self._starter = asyncio.create_task(self._start())
         if tunables.get("dashboard.enabled"):
             self._reporter = asyncio.create_task(self._report_metrics())
@@ -298,9 +301,8 @@ class EnginePlugin(WorkerPlugin):
         return self._tokenizer
 
     def _warm_up(self) -> None:
-        """Load what the first partition needs besides the engine (the tokenizer its inputs are tokenized
-        with, Zarr), so that its requests reach the engine without that delay.  A failure here is left to
-        the partition that needs the part, which reports it."""
+        """Load what the first partition needs besides the engine (its tokenizer, Zarr), so that its requests reach
+        the engine without that delay.  A failure here is left to the partition that needs the part."""
         from daskgen.store.generation_store import import_zarr
 
         import_zarr()
@@ -311,11 +313,8 @@ class EnginePlugin(WorkerPlugin):
 
     @contextlib.asynccontextmanager
     async def partition(self, samples: int) -> AsyncIterator[PartitionSlot]:
-        """Run one partition of ``samples`` samples on this worker (``async with plugin.partition(n) as slot``).
-
-        The partition counts as running until the block ends; the slot hands out the engine and counts
-        its samples (:class:`~daskgen.worker.slot.PartitionSlot`).
-        """
+        """Run one partition of ``samples`` samples on this worker, counted as running until the block ends; the
+        slot hands out the engine and counts its samples (:class:`~daskgen.worker.slot.PartitionSlot`)."""
         self.running += 1
         slot = PartitionSlot(self, samples)
         try:
@@ -403,6 +402,8 @@ class EnginePlugin(WorkerPlugin):
             if task is not None and not task.done():
                 task.cancel()
         await _quietly_shutdown(self.engine)
+        if self.writers is not None:
+            self.writers.close()
         self.state = PluginState.CLOSED
 
 

@@ -1,0 +1,124 @@
+"""Writer processes: a worker's finished partitions placed into their regions and written beside its event loop.
+
+A worker's event loop drives its engine and every partition it has in flight.  Placing a finished
+partition's samples into its padded region and writing the region to the store is CPU work in Python
+(and Zarr's codecs); in a thread of the worker it competes with the loop for the interpreter lock.  With
+``daskgen.writer-processes`` set to N > 0, each worker starts N processes that do that work: the
+partition's task and results go to one of them, and the task ends when that process answered, so a
+partition still finishes only after its data landed.  Worth it where a worker has cores to spare (GPU
+nodes usually have many cores per GPU); where every core already runs a worker, it only adds the hand-over.
+
+The processes are spawned (a Dask worker runs threads, so it is not forked) from the worker's event-loop
+thread, which needs a non-daemonic worker process, as daskgen's clusters and job scripts start them.  On
+Linux each dies with its worker (``PR_SET_PDEATHSIG``), so no write outlives the worker that asked for it; a
+writer process that died is replaced and its partition written again by the new one (a region write is
+idempotent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, TypeVar
+
+from daskgen import tunables
+from daskgen.errors import ConfigError, StoreWriteError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_PR_SET_PDEATHSIG = 1
+
+
+def writer_processes() -> int:
+    """``daskgen.writer-processes``: how many writer processes each worker starts (0: none)."""
+    value = tunables.get("writer-processes")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(
+            f"daskgen.writer-processes must be a whole number >= 0 (0: a worker writes its partitions in a thread of "
+            f"its own), got {value!r}; set it with DASK_DASKGEN__WRITER_PROCESSES=2 or dask.config.set."
+        )
+    return value
+
+
+class WriterPool:
+    """``processes`` spawned writer processes of one worker, each dying with it."""
+
+    def __init__(self, processes: int):
+        if multiprocessing.current_process().daemon:
+            raise ConfigError(
+                f"daskgen.writer-processes={processes} needs a non-daemonic worker process (a daemonic one cannot "
+                "start processes), found a daemonic one. Start workers with DASK_DISTRIBUTED__WORKER__DAEMON=False "
+                "(daskgen's clusters and job scripts do), or set daskgen.writer-processes to 0."
+            )
+        self.processes = processes
+        self.written = 0  # partitions the processes wrote
+        self.replaced = 0  # times a process died and the pool was started again
+        self._pool = self._new_pool()
+        for _ in range(processes):  # start them (and import the writing code) while the engine starts
+            self._pool.submit(_import_writer)
+
+    def _new_pool(self) -> ProcessPoolExecutor:
+        context = multiprocessing.get_context("spawn")
+        return ProcessPoolExecutor(self.processes, mp_context=context, initializer=_die_with, initargs=(os.getpid(),))
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a writer process; once more in a new pool when a process of the pool died."""
+        loop = asyncio.get_running_loop()
+        for attempt in (1, 2):
+            pool = self._pool
+            try:
+                out = await loop.run_in_executor(pool, fn, *args)
+            except BrokenProcessPool as exc:
+                if attempt == 2:
+                    raise StoreWriteError(
+                        f"a daskgen writer process died twice while writing one partition ({exc}); the partition is "
+                        "run again. If it keeps happening, look at the processes' memory use, or set "
+                        "daskgen.writer-processes to 0 to write in the worker itself."
+                    ) from exc
+                self._replace(pool, exc)
+            else:
+                self.written += 1
+                return out
+        raise AssertionError("unreachable")
+
+    def _replace(self, broken: ProcessPoolExecutor, exc: BaseException) -> None:
+        """Start a new pool in place of ``broken`` (once: the first partition that found it broken does)."""
+        if self._pool is broken:
+            logger.warning("a daskgen writer process died (%s); starting new ones and writing again", exc)
+            broken.shutdown(wait=False, cancel_futures=True)
+            self._pool, self.replaced = self._new_pool(), self.replaced + 1
+
+    def close(self) -> None:
+        """Stop the processes (a write in progress ends with its worker anyway)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def start_writers() -> WriterPool | None:
+    """The worker's writer processes under ``daskgen.writer-processes``, or ``None`` when it is 0."""
+    processes = writer_processes()
+    return WriterPool(processes) if processes else None
+
+
+def _die_with(parent: int) -> None:
+    """Writer process start: die when the worker ``parent`` does (Linux), or now if it is already gone."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _import_writer() -> int:
+    """Import what a writer process runs (the partition module), and say which process this is."""
+    import daskgen.worker.partition  # noqa: F401 - imported ahead of the first partition
+
+    return os.getpid()
