@@ -208,7 +208,8 @@ def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: f
     rows, cores = [], len(os.sched_getaffinity(0))
     for rep, (dg, direct, direct1, writers_n) in enumerate(results):
         cpu = dg["marks"]["on_done"]
-        workers = sum(w["process"] + w.get("child processes", 0.0) for w in cpu["workers"].values())
+        writers = sum(w.get("child processes", 0.0) for w in cpu["workers"].values())
+        workers = sum(w["process"] for w in cpu["workers"].values()) + writers
         client = cpu["client"]["process"]
         # if the workers did nothing but the writes, the run would still spend the writes, the engine's own work
         # and the client's process on the machine's cores: the best rate vs direct it could reach here
@@ -220,6 +221,7 @@ def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: f
                 workers / samples * 1e6,
                 (workers - engine_s) / samples * 1e6,
                 (workers - engine_s - direct1["seconds"]) / samples * 1e6,
+                writers / samples * 1e6,
                 client / samples * 1e6,
                 (workers + client) / dg["seconds"],
                 direct1["seconds"] / samples * 1e6,
@@ -233,6 +235,7 @@ def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: f
             "workers' CPU µs/sample (all threads, writer processes included)",
             "the same without the engine's own work",
             "the same without the Zarr writes (the direct writer's time)",
+            "of the workers' CPU: in writer processes",
             "client process CPU µs/sample (scheduler included)",
             "cores busy (workers + client)",
             "direct zarr, 1 process: µs/sample",

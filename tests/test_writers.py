@@ -1,4 +1,4 @@
-"""Writer processes (``daskgen.writer-processes``): partitions placed and written beside the worker's event loop.
+"""Writer processes (``daskgen.writer-processes``): partitions' regions written beside the worker's event loop.
 
 Real runs on a LocalCluster of worker processes with the instant simulated engine: a run whose workers write
 through writer processes stores exactly what a run writing in the worker's own thread stores; a writer

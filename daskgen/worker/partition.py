@@ -192,10 +192,11 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
         results = await generation.run()
         rounds = results if task.verify is not None else None
         samples = [t for o in results for t in o.samples] if rounds is not None else results
-        if plugin.writers is None:  # a thread of the worker, or a writer process (daskgen.worker.writers)
+        if plugin.writers is None:  # placed and written in a thread of the worker
             outcome = await asyncio.to_thread(write_partition, task, region, samples, rounds)
-        else:
-            outcome = await plugin.writers.run(write_partition, task, region, samples, rounds)
+        else:  # placed in a thread, written by a writer process (daskgen.worker.writers): only arrays go there
+            filled, outcome = await asyncio.to_thread(place_partition, task, region, samples, rounds)
+            await plugin.writers.run(task.store.write_region, task.start, filled)
     outcome.seconds, outcome.worker = time.perf_counter() - t0, worker.address
     return outcome
 
@@ -221,20 +222,31 @@ async def _prepare_inputs(
     return region, stored_samples(region, task.start, task.rows, task.n_samples, stops, task.params.logprobs)
 
 
+def place_partition(
+    task: PartitionTask,
+    region: dict[str, np.ndarray] | None,
+    samples: list[list[Trajectory]],
+    rounds: list[RowOutcome] | None,
+) -> tuple[dict[str, np.ndarray], PartitionResult]:
+    """The partition's region with its results placed, and its outcome.  ``region``: the stored one read before
+    generating, or ``None``."""
+    if region is None:
+        region = _initial_region(task)
+    outcome = fill_region(region, task, samples, rounds)
+    if not task.params.logprobs:
+        region.pop("logprobs")
+    return region, outcome
+
+
 def write_partition(
     task: PartitionTask,
     region: dict[str, np.ndarray] | None,
     samples: list[list[Trajectory]],
     rounds: list[RowOutcome] | None,
 ) -> PartitionResult:
-    """Place the results into the region and write it (in a thread of the worker or a writer process): the task
-    finishes only after its data landed.  ``region``: the stored one read before generating, or ``None``."""
-    if region is None:
-        region = _initial_region(task)
-    outcome = fill_region(region, task, samples, rounds)
-    if not task.params.logprobs:
-        region.pop("logprobs")
-    task.store.write_region(task.start, region)
+    """:func:`place_partition`, then write the region: the task finishes only after its data landed."""
+    filled, outcome = place_partition(task, region, samples, rounds)
+    task.store.write_region(task.start, filled)
     return outcome
 
 

@@ -1,12 +1,14 @@
-"""Writer processes: a worker's finished partitions placed into their regions and written beside its event loop.
+"""Writer processes: a worker's finished partitions written to the store beside its event loop.
 
-A worker's event loop drives its engine and every partition it has in flight.  Placing a finished
-partition's samples into its padded region and writing the region to the store is CPU work in Python
-(and Zarr's codecs); in a thread of the worker it competes with the loop for the interpreter lock.  With
-``daskgen.writer-processes`` set to N > 0, each worker starts N processes that do that work: the
-partition's task and results go to one of them, and the task ends when that process answered, so a
-partition still finishes only after its data landed.  Worth it where a worker has cores to spare (GPU
-nodes usually have many cores per GPU); where every core already runs a worker, it only adds the hand-over.
+A worker's event loop drives its engine and every partition it has in flight; a finished partition's
+samples are placed into its padded region in a thread of the worker, and writing the region to the store
+(Zarr's codecs, checksums and I/O, much of it Python) is the larger part of the CPU a sample costs after
+the engine.  In a thread of the worker it competes with the loop for the interpreter lock.  With
+``daskgen.writer-processes`` set to N > 0, each worker starts N processes that write: the partition's
+region (numpy arrays, so the hand-over is a copy of their bytes) goes to one of them, and the task ends
+when that process answered, so a partition still finishes only after its data landed.  Worth it where a
+worker has cores to spare (GPU nodes usually have many cores per GPU); where every core already runs a
+worker, it only adds the hand-over.
 
 The processes are spawned (a Dask worker runs threads, so it is not forked) from the worker's event-loop
 thread, which needs a non-daemonic worker process, as daskgen's clusters and job scripts start them.  On
@@ -118,7 +120,9 @@ def _die_with(parent: int) -> None:
 
 
 def _import_writer() -> int:
-    """Import what a writer process runs (the partition module), and say which process this is."""
-    import daskgen.worker.partition  # noqa: F401 - imported ahead of the first partition
+    """Import what a writer process runs (the store and Zarr), and say which process this is."""
+    from daskgen.store.generation_store import import_zarr
+
+    import_zarr()  # ahead of the first partition
 
     return os.getpid()
