@@ -169,11 +169,15 @@ def test_a_second_signal_stops_at_once_and_keeps_what_was_committed(tmp_path):
 
 
 def _lose_one_of_two_workers(
-    tmp_path: Path, lose, env: dict[str, str] | None = None, expect: str = "24 done, 0 failed, 0 pending"
+    tmp_path: Path,
+    lose,
+    env: dict[str, str] | None = None,
+    expect: str = "24 done, 0 failed, 0 pending",
+    settings: dict[str, object] | None = None,
 ) -> tuple[Path, str]:
     """Run 24 long prompts on two worker processes; once some are done call ``lose(client)`` (it returns the
-    address of the worker it made leave); the run must end as ``expect`` without that worker.  Returns
-    (store, output)."""
+    address of the worker it made leave); the run must end as ``expect`` without that worker.  ``settings``:
+    Dask settings the workers start with.  Returns (store, output)."""
     import dask
     from distributed import Client, LocalCluster
 
@@ -181,7 +185,7 @@ def _lose_one_of_two_workers(
     out = tmp_path / "out.zarr"
     common = ["--prompts", prompts, "--partition-size", "2", "--seed", "4", "--window", "3", *LONG]
     with (
-        dask.config.set({"distributed.worker.daemon": False}),
+        dask.config.set({"distributed.worker.daemon": False, **(settings or {})}),
         LocalCluster(n_workers=2, threads_per_worker=4, processes=True, dashboard_address=":0") as lc,
         Client(lc) as client,
     ):
@@ -437,6 +441,29 @@ def test_sigterm_to_a_worker_process_drains_it_and_it_leaves(tmp_path):
 
     out, _ = _lose_one_of_two_workers(tmp_path, terminate)
     assert (xr.open_zarr(out).continued_tokens.values > 0).any()
+
+
+def test_sigterm_to_a_worker_and_its_writer_processes_drains_it(tmp_path, capfd):
+    """With ``daskgen.writer-processes: 1``, SLURM's SIGTERM reaches the worker and its writer process: the
+    writer dies at once, the draining worker starts another, writes its partitions' partial responses, and
+    leaves; they are continued elsewhere."""
+
+    def terminate_with_writers(client):
+        def processes() -> list[int]:
+            import psutil
+
+            return [os.getpid(), *(child.pid for child in psutil.Process().children())]
+
+        victim, pids = sorted(client.run(processes).items())[0]
+        assert len(pids) >= 2, f"the worker should have a writer process: {pids}"
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        return victim
+
+    settings = {"daskgen.writer-processes": 1}
+    out, _ = _lose_one_of_two_workers(tmp_path, terminate_with_writers, settings=settings)
+    assert (xr.open_zarr(out).continued_tokens.values > 0).any()
+    assert "a daskgen writer process died" in capfd.readouterr().err  # the worker's log: it wrote again
 
 
 def test_drain_before_retire_keeps_every_way_of_choosing_workers():
