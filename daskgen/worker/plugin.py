@@ -37,7 +37,7 @@ from daskgen.worker.gpu import export_local_rank
 from daskgen.worker.prefix_order import AlternatingOrder
 from daskgen.worker.slot import PartitionSlot
 from daskgen.worker.thread_slots import offer_no_slot_yet, partitions_hold_threads, start_admitted_tasks
-from daskgen.worker.writers import WriterPool, start_writers
+from daskgen.worker.writers import WriterPool, start_writers, stop_writers
 
 logger = logging.getLogger(__name__)
 
@@ -402,16 +402,14 @@ class EnginePlugin(WorkerPlugin):
             if task is not None and not task.done():
                 task.cancel()
         await _quietly_shutdown(self.engine)
-        if self.writers is not None:
-            self.writers.close()
+        stop_writers(self.writers)
         self.state = PluginState.CLOSED
 
 
 async def _quietly_shutdown(engine: Any) -> None:
-    if engine is None:
-        return
     try:
-        await engine.shutdown()
+        if engine is not None:
+            await engine.shutdown()
     except Exception:  # shutting down a broken engine may fail; never mask the original problem
         logger.warning("engine shutdown raised", exc_info=True)
 

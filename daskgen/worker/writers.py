@@ -109,6 +109,12 @@ def start_writers() -> WriterPool | None:
     return WriterPool(processes) if processes else None
 
 
+def stop_writers(pool: WriterPool | None) -> None:
+    """Stop the worker's writer processes, if it has any."""
+    if pool is not None:
+        pool.close()
+
+
 def _die_with(parent: int) -> None:
     """Writer process start: die when the worker ``parent`` does (Linux), or now if it is already gone."""
     if sys.platform.startswith("linux"):
