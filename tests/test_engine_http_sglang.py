@@ -273,8 +273,11 @@ async def _short_overtakes_long(engine: Any) -> list[str]:
         order.append(name)
 
     # a cap the greedy prompt runs far past 64 tokens towards, aborted once the short one is back: a fast
-    # server could finish a few hundred tokens before the short request even arrives
-    long = asyncio.ensure_future(timed("long", request("long", long_prompt, max_new_tokens=cap)))
+    # server could finish a few hundred tokens before the short request even arrives.  min_new_tokens (min_tokens on
+    # this path) keeps it from ending at an end token: re-tokenized text and batch-dependent numerics on a CPU can
+    # make the greedy run end sooner than the probe did
+    long_request = request("long", long_prompt, max_new_tokens=cap, min_new_tokens=cap)
+    long = asyncio.ensure_future(timed("long", long_request))
     await asyncio.sleep(0.2)
     await timed("short", request("short", max_new_tokens=1))
     await engine.abort("long")
