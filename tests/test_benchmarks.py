@@ -151,6 +151,7 @@ def test_overhead(tmp_path, tiny_model):
     assert [row["writer processes"] for row in cpu_rows] == ["0", "1"]
     in_writers = [float(row["of the workers' CPU: in writer processes"].replace(",", "")) for row in cpu_rows]
     assert in_writers[0] == 0 and in_writers[1] > 0
+    assert all(any(k.startswith("worker processes' own CPU") for k in row) for row in cpu_rows)
     assert "same engine on a Dask worker" in out
     assert "engine's host process" in out and "Median cores, the engine's own processes" in out  # where CPU went
     assert_same_tokens_in_each_repeat(text, sides=3)

@@ -82,13 +82,7 @@ def kill_writers(dask_worker) -> list[int]:
 
 def test_writer_processes_store_what_the_worker_thread_stores(tmp_path):
     in_thread = run(config(str(tmp_path / "thread.zarr")), prompts())
-    with (
-        dask.config.set({"daskgen.writer-processes": 1}),
-        runs_cluster(**{"daskgen.writer-processes": 1}) as (
-            cluster,
-            client,
-        ),
-    ):
+    with runs_cluster(**{"daskgen.writer-processes": 1}) as (cluster, client):
         in_process = run(config(str(tmp_path / "process.zarr"), cluster.scheduler_address), prompts())
         seen = client.run(writers_of)
     assert in_thread.ok and in_process.ok
@@ -187,5 +181,5 @@ def test_writer_processes_setting_is_checked(value):
     assert repr(value) in str(info.value)
 
 
-def test_writer_processes_default_is_none():
+def test_writer_processes_default_is_zero():
     assert writer_processes() == 0
