@@ -14,6 +14,7 @@ import xarray as xr
 
 from daskgen import store
 from daskgen.analysis.accessor import open_store
+from daskgen.engines.base import FinishReason
 from daskgen.errors import StoreLockedError
 from daskgen.store.lock import LOCK_NAME, StoreLock
 from daskgen.testing.probes import row_of
@@ -109,6 +110,17 @@ def test_worker_sigkill_mid_run_completes_exactly_once(tmp_path, cluster):
     record("SIGKILL of a worker process mid-run", rows=96, tally=tally)
 
 
+def finish_reasons_stored(out, rows: int) -> bool:
+    """Whether the first ``rows`` rows' finish reasons (the array a store's region write ends with) have landed."""
+    if not (out / "finish_reason" / "c" / "0" / "0").exists():
+        return False
+    try:
+        reasons = store.GenerationStore.open(out).read_region(0, rows, ("finish_reason",))["finish_reason"]
+    except Exception:  # the chunk is still being written
+        return False
+    return bool(np.isin(reasons, (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT)).all())
+
+
 def test_client_killed_between_data_write_and_commit(tmp_path):
     """The worker has written a partition's data, the client has not committed it: nothing is done.
 
@@ -125,9 +137,8 @@ def test_client_killed_between_data_write_and_commit(tmp_path):
         wait_for_arrival(tmp_path / "events.log", proc, row=0)
         os.kill(proc.pid, signal.SIGSTOP)  # the client can no longer commit
         gate.touch()
-        chunk = out / "response_length" / "c" / "0" / "0"
         deadline = time.monotonic() + 120
-        while not chunk.exists():  # the worker writes partition 0's data
+        while not finish_reasons_stored(out, rows=4):  # the worker writes partition 0's data, finish reasons last
             assert time.monotonic() < deadline, "the worker did not write partition 0"
             time.sleep(0.05)
         assert (store.GenerationStore.open(out).read_status() == store.PENDING).all(), (
