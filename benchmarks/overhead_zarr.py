@@ -8,7 +8,10 @@ commit and includes the instant engine's own CPU work (planning fake tokens, its
 objects; measured alone and reported, so the workers' CPU is also given without it), the worker-side region
 building, the Zarr writes, Dask scheduling and the client's commits.  ``overhead.py --part zarr`` runs the
 same comparison.  ``--writer-processes 0,1`` runs the daskgen side once per setting of
-``daskgen.writer-processes`` in each repeat (the writer processes' CPU counts with their worker's).
+``daskgen.writer-processes`` in each repeat (the writer processes' CPU counts with their worker's).  Each
+repeat also runs the floor (``common/pipeline_floor.py``; ``--no-floor`` skips it): plain Dask tasks on the
+same cluster shape running the same engine and the same region writes and nothing else, whose rate vs the
+direct writes is the most daskgen's can be on this machine with one process per worker (writer processes 0).
 
     python benchmarks/overhead_zarr.py                       # ~2 minutes on 2 cores
     python benchmarks/overhead_zarr.py --prompts 512 --no-record
@@ -26,7 +29,7 @@ from typing import Any
 
 import dask.config
 import numpy as np
-from common import cli, profiling, records, runs
+from common import cli, pipeline_floor, profiling, records, runs
 
 from daskgen.config import RunConfig
 
@@ -63,8 +66,6 @@ def zarr_config(a: argparse.Namespace, store: Path) -> RunConfig:
 def direct_writer(src: str, dst: str, starts: list[int], barrier: Any) -> tuple[float, float]:
     """Child process: load its partitions from ``src`` into memory, wait, then write them into ``dst`` (each
     partition's arrays written side by side in one call on Zarr's event loop, the fastest way Zarr offers)."""
-    import asyncio
-
     import zarr
     from zarr.core.sync import sync
 
@@ -78,27 +79,28 @@ def direct_writer(src: str, dst: str, starts: list[int], barrier: Any) -> tuple[
         data.append((start, {name: np.asarray(src_group[name][start:stop]) for name in layout.data_arrays()}))
     group = zarr.open_group(dst, mode="r+")
     arrays = {name: group[name].async_array for name in layout.data_arrays()}
-
-    async def write(start: int, region: dict[str, np.ndarray]) -> None:  # a region's arrays side by side
-        await asyncio.gather(*(arrays[n].setitem(slice(start, start + len(v)), v) for n, v in region.items()))
-
     barrier.wait()
     t0 = time.perf_counter()
     for start, region in data:
-        sync(write(start, region))
+        sync(pipeline_floor.write_region(arrays, start, region))
     return t0, time.perf_counter()
+
+
+def fresh_store(src: Path, dst: Path, what: str) -> Any:
+    """An empty store at ``dst`` with the layout and prompt ids of ``src``; its layout."""
+    from daskgen import store
+
+    layout = store.read_store_attrs(src).layout
+    ids = [
+        str(x) for x in store.GenerationStore.open(src).read_region(0, layout.n_prompts, ("prompt_id",))["prompt_id"]
+    ]
+    store.GenerationStore.create(dst, store.StoreAttrs(layout, extra={"benchmark": what}), ids)
+    return layout
 
 
 def run_direct(src: Path, dst: Path, processes: int) -> dict[str, Any]:
     """Write every partition of ``src`` into a fresh store of the same layout from ``processes`` processes."""
-    from daskgen import store
-
-    attrs = store.read_store_attrs(src)
-    layout = (attrs).layout
-    ids = [
-        str(x) for x in store.GenerationStore.open(src).read_region(0, layout.n_prompts, ("prompt_id",))["prompt_id"]
-    ]
-    store.GenerationStore.create(dst, store.StoreAttrs(layout, extra={"benchmark": "direct zarr writes"}), ids)
+    layout = fresh_store(src, dst, "direct zarr writes")
     starts = list(layout.partitions())
     shares = [starts[i::processes] for i in range(processes)]
     ctx = mp.get_context("spawn")
@@ -121,15 +123,14 @@ def data_bytes(path: Path) -> int:
     return sum(int(np.prod(group[n].shape)) * group[n].dtype.itemsize for n in names)
 
 
-def engine_cpu_seconds(config: RunConfig, prompts: list[str]) -> float:
-    """CPU seconds the instant simulated engine itself spends on these requests (planning, its step loop, its
-    result objects), each partition's requests sent as one batch as daskgen's workers send them, in this
-    process with nothing of daskgen around it."""
+def engine_cpu_seconds(config: RunConfig, requests: list[Any]) -> float:
+    """CPU seconds the instant simulated engine itself spends on ``requests`` (a run's, row-major: planning, its
+    step loop, its result objects), each partition's requests sent as one batch as daskgen's workers send them,
+    in this process with nothing of daskgen around it."""
     import asyncio
 
     from daskgen.engines.simulated import SimulatedEngine
 
-    requests = runs.run_requests(config, prompts)
     per_task = config.partition_size * config.n_samples
 
     async def run() -> float:
@@ -150,20 +151,26 @@ def part_zarr(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     """daskgen with an instant engine vs direct Zarr writes of the same arrays."""
     prompts = [f"Row {i}: summarise document {i * 31 % 997}." for i in range(a.prompts)]
     config = zarr_config(a, work / "daskgen.zarr")
-    results, settings = [], cli.counts(a.writer_processes)
+    requests = runs.run_requests(zarr_config(a, work / "plan.zarr"), prompts)  # every request of the run
+    results, floors, settings = [], [], cli.counts(a.writer_processes)
     for rep in range(a.repeats):
         sides = {}
         for writers in settings:  # each setting of daskgen.writer-processes, one after the other
             cfg = zarr_config(a, work / f"daskgen-{rep}-{writers}.zarr")
             with dask.config.set({"daskgen.writer-processes": writers}):
                 sides[writers] = runs.measured_side(cfg, prompts, *profiling.hooks(profile=False))
+        if a.floor:
+            floor_store = work / f"floor-{rep}.zarr"
+            fresh_store(Path(cfg.store), floor_store, "pipeline floor")
+            floor = pipeline_floor.run_floor(str(floor_store), cfg, prompts, requests)
         direct = run_direct(Path(cfg.store), work / f"direct-{rep}.zarr", a.workers)
         direct1 = run_direct(Path(cfg.store), work / f"direct1-{rep}.zarr", 1)
         results += [(dg, direct, direct1, writers) for writers, dg in sides.items()]
+        floors += [(floor, direct)] if a.floor else []
         config = cfg
     rows_total = a.prompts * a.n_samples
     nbytes = data_bytes(Path(config.store))
-    eng_cpu = engine_cpu_seconds(zarr_config(a, work / "plan.zarr"), prompts)
+    eng_cpu = engine_cpu_seconds(config, requests)
     table = []
     for k, (dg, direct, direct1, writers) in enumerate(results):
         rep = k // len(settings)
@@ -196,6 +203,8 @@ def part_zarr(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
             f"(median {float(np.median(values)):.2f}; goal ≥ 0.5).**"
         )
     cpu_table(rec, results, rows_total, eng_cpu)
+    if floors:
+        floor_table(rec, floors, results, rows_total, eng_cpu)
     if a.profile:
         with dask.config.set({"daskgen.writer-processes": settings[-1]}):
             profile_tables(rec, zarr_config(a, work / "profiled.zarr"), prompts, rows_total, settings[-1])
@@ -251,6 +260,55 @@ def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: f
     )
 
 
+def floor_table(rec: records.Record, floors: list[Any], results: list[Any], samples: int, engine_s: float) -> None:
+    """The floor pipeline's repeats (:mod:`common.pipeline_floor`) against the direct writes, and daskgen against
+    the floor of its repeat."""
+    rows = []
+    for rep, (floor, direct) in enumerate(floors):
+        rows.append(
+            [
+                rep + 1,
+                floor["seconds"],
+                samples / floor["seconds"],
+                direct["seconds"] / floor["seconds"],
+                floor["workers_cpu"] / samples * 1e6,
+                (floor["workers_cpu"] - engine_s) / samples * 1e6,
+                floor["client_cpu"] / samples * 1e6,
+            ]
+        )
+    rec.table(
+        [
+            "repeat",
+            "seconds",
+            "rows/s",
+            "rate vs direct (same procs)",
+            "workers' CPU µs/sample",
+            "the same without the engine's own work",
+            "client process CPU µs/sample (scheduler included)",
+        ],
+        rows,
+        "The floor: the same cluster shape, one plain Dask task per partition running the same instant engine and "
+        "writing the same region the way the direct writer does (`common/pipeline_floor.py`; nothing checkpointed, "
+        "validated or reported). Its rate bounds what a pipeline of one process per worker reaches with this "
+        "engine, cluster and store layout.",
+    )
+    ceiling = [direct["seconds"] / floor["seconds"] for floor, direct in floors]
+    rec.note(
+        f"**The floor / direct write rate: {', '.join(f'{r:.2f}' for r in ceiling)} "
+        f"(median {float(np.median(ceiling)):.2f}): the most the daskgen / direct ratio can be here with one "
+        "process per worker.**"
+    )
+    per_rep = len(results) // len(floors)
+    for writers in sorted({w for *_, w in results}):
+        shares = [
+            floors[k // per_rep][0]["seconds"] / dg["seconds"] for k, (dg, *_, w) in enumerate(results) if w == writers
+        ]
+        rec.note(
+            f"**daskgen / the floor's rate, writer processes {writers}: {', '.join(f'{r:.2f}' for r in shares)} "
+            f"(median {float(np.median(shares)):.2f}).**"
+        )
+
+
 def profile_tables(rec: records.Record, config: RunConfig, prompts: list[str], samples: int, writers: int) -> None:
     """One more daskgen run under cProfile (workers' event loops, the client's thread): CPU per stage per sample."""
     dg = runs.measured_side(config, prompts, *profiling.hooks(profile=True))
@@ -276,6 +334,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--writer-processes",
         default="0",
         help="comma-separated settings of daskgen.writer-processes, each run side by side in every repeat",
+    )
+    p.add_argument(
+        "--floor",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="in every repeat, also the floor pipeline (plain Dask tasks, the same engine and writes; no daskgen)",
     )
     p.add_argument(
         "--profile",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -183,6 +184,30 @@ def test_a_batch_plans_each_request_as_it_would_alone(dist: str) -> None:
     assert plan_outputs(list(reversed(requests)), args) == list(reversed(alone))
     assert {p.finish for p in alone} == {FinishReason.STOP, FinishReason.LENGTH}
     assert len(alone[-2].top_logprobs) == len(alone[-2].tokens) and alone[-1].logprobs is None
+
+
+def test_each_request_ends_at_the_first_of_its_own_stop_ids() -> None:
+    """In one batch, requests with different stop ids (or none) each end at the first of their own stop ids, as
+    the same request without stop ids would have gone on, and a neighbour's stop ids never cut them."""
+    args = SimulatedEngine("sim", vocab_size=12, eos_token_id=0, length_mean=20, time_scale=0).args
+    stop_sets = [(), (3,), (3, 7), (11,), (5, 6, 7, 8)]
+    requests = [
+        req(f"r{i}", [i % 5, 2], max_new_tokens=5 + i % 30, seed=i, stop_token_ids=stop_sets[i % len(stop_sets)])
+        for i in range(80)
+    ]
+    uncut = plan_outputs(
+        [dataclasses.replace(r, params=dataclasses.replace(r.params, stop_token_ids=())) for r in requests], args
+    )
+    cut_somewhere = 0
+    for request, plan, full in zip(requests, plan_outputs(requests, args), uncut, strict=True):
+        stops = set(request.params.stop_token_ids)
+        first = next((k for k, t in enumerate(full.tokens) if t in stops), None)
+        if first is None:
+            assert (plan.tokens, plan.finish) == (full.tokens, full.finish)
+        else:
+            assert (plan.tokens, plan.finish) == (full.tokens[: first + 1], FinishReason.STOP)
+            cut_somewhere += first + 1 < len(full.tokens)
+    assert cut_somewhere > 10
 
 
 def _wall_waits(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, float]]:

@@ -217,15 +217,39 @@ def plan_outputs(requests: Sequence[GenerationRequest], args: SimulatedArgs) -> 
     ends = np.cumsum(lengths)
     stopped = natural <= caps
     tokens[ends[stopped] - 1] = args.eos_token_id
+    starts = ends - lengths
+    cuts = _first_stops(requests, tokens, starts, ends)  # a request ends at its first stop id
+    cut = cuts >= 0
+    ends[cut], stopped[cut] = cuts[cut] + 1, True
     wants = [bool(r.params.logprobs or r.params.top_logprobs) for r in requests]
     fake = (-5.0 * _uniform(owners, 2, positions)).tolist() if any(wants) else []
-    flat, bounds = tokens.tolist(), [0, *ends.tolist()]
+    flat, spans = tokens.tolist(), zip(starts.tolist(), ends.tolist(), strict=True)
     out = []
-    for k, request in enumerate(requests):
-        a, b = bounds[k], bounds[k + 1]
+    for k, (request, (a, b)) in enumerate(zip(requests, spans, strict=True)):
         finish = FinishReason.STOP if stopped[k] else FinishReason.LENGTH
         out.append(_finished(request, flat[a:b], finish, fake[a:b] if wants[k] else None, int(keys[k]), args))
     return out
+
+
+def _first_stops(
+    requests: Sequence[GenerationRequest], tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray
+) -> np.ndarray:
+    """For each request, the position in ``tokens`` of the first of its stop ids within its span
+    ``[starts[k], ends[k])``, or -1: found with one array search per distinct set of stop ids in the batch."""
+    cuts = np.full(len(requests), -1, dtype=np.int64)
+    by_stops: dict[tuple[int, ...], list[int]] = {}
+    for k, request in enumerate(requests):
+        if request.params.stop_token_ids:
+            by_stops.setdefault(tuple(request.params.stop_token_ids), []).append(k)
+    for stops, members in by_stops.items():
+        hits = np.flatnonzero(np.isin(tokens, stops))
+        if not len(hits):
+            continue
+        ks = np.asarray(members, dtype=np.int64)
+        first = hits[np.minimum(np.searchsorted(hits, starts[ks]), len(hits) - 1)]
+        inside = (first >= starts[ks]) & (first < ends[ks])
+        cuts[ks[inside]] = first[inside]
+    return cuts
 
 
 def _finished(
@@ -236,14 +260,8 @@ def _finished(
     key: int,
     args: SimulatedArgs,
 ) -> OutputPlan:
-    """A request's plan from its drawn tokens: cut at its first stop id, with its logprobs as it asked."""
+    """A request's plan from its drawn tokens (already cut at its first stop id), with its logprobs as it asked."""
     params = request.params
-    if params.stop_token_ids:
-        stops = set(params.stop_token_ids)
-        cut = next((i for i, t in enumerate(tokens) if t in stops), None)
-        if cut is not None:
-            tokens, finish = tokens[: cut + 1], FinishReason.STOP
-            fake = None if fake is None else fake[: cut + 1]
     if fake is None:
         return OutputPlan(tokens, finish, None)
     k = min(params.top_logprobs, args.vocab_size)

@@ -1,0 +1,168 @@
+"""The floor under daskgen's pipeline: the least a Dask cluster does to run the instant engine and store its output.
+
+:func:`run_floor` starts a LocalCluster of the same shape as a daskgen run and runs one plain Dask task per
+partition: the worker tokenizes the partition's prompts (as daskgen's workers do); its instant engine (started
+once per worker by :class:`FloorWorker`, with the model's tokenizer) generates the partition's samples as one
+batch; their tokens, logprobs, lengths and finish reasons are placed into a padded region of the store's data
+arrays (the other arrays keep their fill values) and written the way the direct writer writes
+(:func:`write_region`: every array of the region side by side on Zarr's event loop), in a worker thread; the
+task returns the partition's start.  The client submits every partition at once and waits for them with
+``as_completed``.  Nothing is checkpointed, resumed, validated, counted or reported: besides Dask, Zarr and the
+engine, this pipeline does only what must happen to store a sample, so its rate bounds what a pipeline with one
+process per worker (daskgen with ``writer-processes: 0``) can reach on this cluster, engine and store layout.
+
+Functions here run on Dask workers; the ``common`` package is pickled by value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any
+
+import numpy as np
+from distributed.diagnostics.plugin import WorkerPlugin
+
+PLUGIN = "daskgen-bench-floor"
+
+
+async def write_region(arrays: dict[str, Any], start: int, region: dict[str, np.ndarray]) -> None:
+    """Write each array of ``region`` at rows ``start..`` of the Zarr async ``arrays``, side by side."""
+    await asyncio.gather(*(arrays[n].setitem(slice(start, start + len(v)), v) for n, v in region.items()))
+
+
+class FloorWorker(WorkerPlugin):
+    """A worker's instant engine, the model's tokenizer and the store's arrays, opened once when the plugin is set
+    up."""
+
+    name = PLUGIN
+
+    def __init__(self, store: str, model: str, engine_args: dict[str, Any]) -> None:
+        self.store, self.model, self.engine_args = store, model, engine_args
+        self.engine: Any = None
+        self.tokenizer: Any = None
+        self.layout: Any = None
+        self.arrays: dict[str, Any] = {}
+
+    async def setup(self, worker: Any) -> None:
+        """Start the engine, load the tokenizer; open the store's data arrays."""
+        import zarr
+
+        from daskgen import store
+        from daskgen.engines.simulated import SimulatedEngine
+        from daskgen.input.tokenizer import load_tokenizer
+
+        self.engine = SimulatedEngine(self.model, **self.engine_args)
+        await self.engine.start()
+        self.tokenizer = load_tokenizer(self.model, "simulated", self.engine_args)
+        self.layout = store.read_store_attrs(self.store).layout
+        group = zarr.open_group(self.store, mode="r+")
+        self.arrays = {name: group[name].async_array for name in self.layout.data_arrays()}
+
+    async def teardown(self, worker: Any) -> None:
+        """Stop the engine."""
+        await self.engine.shutdown()
+
+
+def _region(layout: Any, prompts: list[list[int]], results: list[Any], n_samples: int) -> dict[str, np.ndarray]:
+    """The padded region of a partition: its prompts, and its samples' tokens, mask, logprobs, length and finish
+    reason (row-major ``results``); every other array at its fill values."""
+    from daskgen.store.layout import empty_region
+
+    region = empty_region(layout, len(prompts))
+    prompt_lengths = np.fromiter(map(len, prompts), dtype=np.int64, count=len(prompts))
+    region["prompt_length"][:] = prompt_lengths
+    _pack(region["prompt_ids"], prompt_lengths, prompts)
+    lengths = np.fromiter((len(r.output_ids) for r in results), dtype=np.int64, count=len(results))
+    filled = _pack(region["response_ids"], lengths, [r.output_ids for r in results])
+    region["response_mask"].reshape(filled.shape)[filled] = 1
+    _pack(region["logprobs"], lengths, [r.logprobs for r in results])
+    region["response_length"][:] = lengths.reshape(len(prompts), n_samples)
+    reasons = np.fromiter((int(r.finish_reason) for r in results), dtype=np.int64, count=len(results))
+    region["finish_reason"][:] = reasons.reshape(len(prompts), n_samples)
+    region["num_turns"][:] = 1
+    return region
+
+
+def _pack(array: np.ndarray, lengths: np.ndarray, lists: list[Any]) -> np.ndarray:
+    """Write the ``lists`` one per row of ``array`` (viewed as rows of its last axis), left-aligned; returns the
+    mask of the positions written."""
+    rows = array.reshape(-1, array.shape[-1])
+    filled = np.arange(rows.shape[1]) < lengths[:, None]
+    rows[filled] = np.fromiter(itertools.chain.from_iterable(lists), dtype=array.dtype, count=int(lengths.sum()))
+    return filled
+
+
+async def floor_partition(start: int, texts: list[str], seeds: list[int], params: Any, n_samples: int) -> int:
+    """Dask task: tokenize one partition's prompts, generate its samples on the worker's instant engine, store them;
+    returns ``start``."""
+    from distributed import get_worker
+    from zarr.core.sync import sync
+
+    from daskgen.engines.base import GenerationRequest
+    from daskgen.worker.seeds import with_seed
+
+    plugin = get_worker().plugins[PLUGIN]
+    prompts = await asyncio.to_thread(lambda: [list(plugin.tokenizer(text)["input_ids"]) for text in texts])
+    requests = [
+        GenerationRequest(f"p{start + r}-s{s}", prompt, with_seed(params, seeds[r * n_samples + s]))
+        for r, prompt in enumerate(prompts)
+        for s in range(n_samples)
+    ]
+    results: list[Any] = [None] * len(requests)
+    async for group in plugin.engine.generate_batch(requests):
+        for j, result in group:
+            results[j] = result
+
+    def store() -> None:
+        sync(write_region(plugin.arrays, start, _region(plugin.layout, prompts, results, n_samples)))
+
+    await asyncio.to_thread(store)
+    return start
+
+
+def _process_cpu() -> float:
+    """``client.run`` target: this worker process's CPU seconds."""
+    return time.process_time()
+
+
+def run_floor(store: str, config: Any, texts: list[str], requests: list[Any], in_flight: int = 4) -> dict[str, Any]:
+    """Store the samples of ``texts`` (the prompts of a daskgen run of ``config``; ``requests``: every request of
+    that run, row-major, for its sampling params and seeds) into ``store`` (created with
+    the run's layout) through the floor pipeline on ``config.n_workers`` workers, each running up to ``in_flight``
+    partitions at once (its threads); ``seconds`` from the first submit to the last result, and the CPU seconds
+    of the workers and of this process (the scheduler included)."""
+    import dataclasses
+
+    import dask.config
+    from distributed import Client, LocalCluster, as_completed
+
+    from daskgen import store as stores
+
+    layout = stores.read_store_attrs(store).layout
+    n, size = config.n_samples, layout.partition_size
+    params = dataclasses.replace(requests[0].params, seed=None)
+    with (
+        dask.config.set({"distributed.worker.daemon": False}),
+        LocalCluster(n_workers=config.n_workers, threads_per_worker=in_flight, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+    ):
+        client.register_plugin(FloorWorker(store, config.model, config.engine_args))
+        cpu0, client0, t0 = client.run(_process_cpu), time.process_time(), time.perf_counter()
+        futures = []
+        for start in layout.partitions():
+            stop = min(start + size, layout.n_prompts)
+            seeds = [r.params.seed for r in requests[start * n : stop * n]]
+            futures.append(client.submit(floor_partition, start, texts[start:stop], seeds, params, n, pure=False))
+        for future in as_completed(futures):
+            future.result()
+        seconds = time.perf_counter() - t0
+        client_cpu = time.process_time() - client0
+        cpu1 = client.run(_process_cpu)
+    return {
+        "seconds": seconds,
+        "workers_cpu": sum(cpu1[w] - cpu0[w] for w in cpu1),
+        "client_cpu": client_cpu,
+        "partitions": len(futures),
+    }
