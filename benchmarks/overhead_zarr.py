@@ -10,8 +10,8 @@ building, the Zarr writes, Dask scheduling and the client's commits.  ``overhead
 same comparison.  ``--writer-processes 0,1`` runs the daskgen side once per setting of
 ``daskgen.writer-processes`` in each repeat (the writer processes' CPU counts with their worker's).  Each
 repeat also runs the floor (``common/pipeline_floor.py``; ``--no-floor`` skips it): plain Dask tasks on the
-same cluster shape running the same engine and the same region writes and nothing else, whose rate vs the
-direct writes is the most daskgen's can be on this machine with one process per worker (writer processes 0).
+same cluster shape running the same engine and the same region writes and nothing else: how close to the direct
+writes a pipeline of one process per worker (writer processes 0) gets on this machine when it does nothing more.
 
     python benchmarks/overhead_zarr.py                       # ~2 minutes on 2 cores
     python benchmarks/overhead_zarr.py --prompts 512 --no-record
@@ -229,6 +229,7 @@ def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: f
         writers = sum(w.get("child processes", 0.0) for w in cpu["workers"].values())
         workers = sum(w["process"] for w in cpu["workers"].values()) + writers
         client = cpu["client"]["process"]
+        collector = sum(w.get("garbage collector", 0.0) for w in cpu["workers"].values())
         # if the workers did nothing but the writes, the run would still spend the writes, the engine's own work
         # and the client's process on the machine's cores: the best rate vs direct it could reach here
         floor_s = (direct1["seconds"] + engine_s + client) / cores
@@ -241,7 +242,9 @@ def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: f
                 (workers - engine_s - direct1["seconds"]) / samples * 1e6,
                 writers / samples * 1e6,
                 (workers - engine_s - writers) / samples * 1e6,
+                collector / samples * 1e6,
                 client / samples * 1e6,
+                cpu["client"].get("garbage collector", 0.0) / samples * 1e6,
                 (workers + client) / dg["seconds"],
                 direct1["seconds"] / samples * 1e6,
                 direct["seconds"] / floor_s,
@@ -256,7 +259,9 @@ def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: f
             "the same without the Zarr writes (the direct writer's time)",
             "of the workers' CPU: in writer processes",
             "worker processes' own CPU µs/sample (without the engine's own work and the writer processes)",
+            "worker processes: CPU in the garbage collector µs/sample",
             "client process CPU µs/sample (scheduler included)",
+            "client process: CPU in the garbage collector µs/sample",
             "cores busy (workers + client)",
             "direct zarr, 1 process: µs/sample",
             "bound: rate vs direct if the workers only wrote",
@@ -298,14 +303,15 @@ def floor_table(rec: records.Record, floors: list[Any], results: list[Any], samp
         rows,
         "The floor: the same cluster shape, one plain Dask task per partition running the same instant engine and "
         "writing the same region the way the direct writer does (`common/pipeline_floor.py`; nothing checkpointed, "
-        "validated or reported), run after daskgen's sides in odd repeats and before them in even ones. Its rate "
-        "bounds what a pipeline of one process per worker reaches with this engine, cluster and store layout.",
+        "validated or reported), run after daskgen's sides in odd repeats and before them in even ones: what a "
+        "pipeline of one process per worker reaches with this engine, cluster and store layout when it does nothing "
+        "more.",
     )
     ceiling = [direct["seconds"] / floor["seconds"] for floor, direct in floors]
     rec.note(
         f"**The floor / direct write rate: {', '.join(f'{r:.2f}' for r in ceiling)} "
-        f"(median {float(np.median(ceiling)):.2f}): the most the daskgen / direct ratio can be here with one "
-        "process per worker.**"
+        f"(median {float(np.median(ceiling)):.2f}): how close to the direct writes a pipeline of one process per "
+        "worker gets here when it does nothing more.**"
     )
     per_rep = len(results) // len(floors)
     for writers in sorted({w for *_, w in results}):

@@ -10,8 +10,7 @@ import pytest
 
 from daskgen.config import RunConfig
 from daskgen.errors import ConfigError
-from daskgen.worker.admission import START_MAX_WINDOW, Admission
-from daskgen.worker.plugin import AUTO_MAX_WINDOW, AUTO_MIN_WINDOW, resolve_window
+from daskgen.worker.admission import AUTO_MAX_WINDOW, AUTO_MIN_WINDOW, START_MAX_WINDOW, Admission, resolve_window
 
 
 @pytest.mark.parametrize(

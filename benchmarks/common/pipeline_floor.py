@@ -8,8 +8,9 @@ arrays (the other arrays keep their fill values) and written the way the direct 
 (:func:`write_region`: every array of the region side by side on Zarr's event loop), in a worker thread; the
 task returns the partition's start.  The client submits every partition at once and waits for them with
 ``as_completed``.  Nothing is checkpointed, resumed, validated, counted or reported: besides Dask, Zarr and the
-engine, this pipeline does only what must happen to store a sample, so its rate bounds what a pipeline with one
-process per worker (daskgen with ``writer-processes: 0``) can reach on this cluster, engine and store layout.
+engine, this pipeline does only what must happen to store a sample: its rate is what a pipeline with one process
+per worker (as daskgen with ``writer-processes: 0``) reaches on this cluster, engine and store layout when it does
+nothing more.
 
 Functions here run on Dask workers; the ``common`` package is pickled by value.
 """

@@ -87,12 +87,46 @@ def stage_seconds(
     return out
 
 
+class CollectorClock:
+    """CPU seconds this process spends in Python's garbage collector (in whichever thread it runs), counted from
+    ``gc.callbacks`` between :meth:`start` and :meth:`stop`."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._began: dict[int, float] = {}
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        import threading
+
+        ident, now = threading.get_ident(), time.thread_time()
+        if phase == "start":
+            self._began[ident] = now
+        else:
+            self.seconds += now - self._began.pop(ident, now)
+
+    def start(self) -> CollectorClock:
+        """Count from now on."""
+        import gc
+
+        gc.callbacks.append(self)
+        return self
+
+    def stop(self) -> float:
+        """Stop counting; the seconds counted."""
+        import gc
+
+        gc.callbacks.remove(self)
+        return self.seconds
+
+
 def start_worker(dask_worker: Any, profile: bool = True) -> bool:
-    """``client.run`` target: note this process's and thread's CPU time; start profiling the event-loop thread."""
+    """``client.run`` target: note this process's and thread's CPU time, count its garbage collector's; start
+    profiling the event-loop thread."""
     import cProfile
 
     profiler = cProfile.Profile(time.thread_time) if profile else None
-    setattr(dask_worker, _ATTR, (profiler, time.process_time(), time.thread_time(), children_cpu()))
+    clock = CollectorClock().start()
+    setattr(dask_worker, _ATTR, (profiler, time.process_time(), time.thread_time(), children_cpu(), clock))
     if profiler is not None:
         profiler.enable()
     return True
@@ -114,11 +148,12 @@ def children_cpu() -> dict[int, float]:
 
 def stop_worker(dask_worker: Any) -> dict[str, float]:
     """``client.run`` target: stop; the worker's CPU seconds since :func:`start_worker` (process, event-loop
-    thread, the processes below it) and, when profiled, per stage."""
-    profiler, process0, thread0, children0 = getattr(dask_worker, _ATTR)
+    thread, garbage collector, the processes below it) and, when profiled, per stage."""
+    profiler, process0, thread0, children0, clock = getattr(dask_worker, _ATTR)
     if profiler is not None:
         profiler.disable()
     out = {"process": time.process_time() - process0, "event loop": time.thread_time() - thread0}
+    out["garbage collector"] = clock.stop()
     out["child processes"] = sum(seconds - children0.get(pid, 0.0) for pid, seconds in children_cpu().items())
     if profiler is not None:
         out.update(stage_seconds(profiler, WORKER_STAGES))
@@ -137,6 +172,7 @@ def hooks(profile: bool) -> tuple[Callable[[Any], None], Callable[[Any], dict[st
         client.run(start_worker, profile=profile)
         state["profiler"] = cProfile.Profile(time.thread_time) if profile else None
         state["t0"] = (time.process_time(), time.thread_time())
+        state["collector"] = CollectorClock().start()
         if state["profiler"] is not None:
             state["profiler"].enable()
 
@@ -146,6 +182,7 @@ def hooks(profile: bool) -> tuple[Callable[[Any], None], Callable[[Any], dict[st
             profiler.disable()
         process0, thread0 = state["t0"]
         own = {"process": time.process_time() - process0, "thread": time.thread_time() - thread0}
+        own["garbage collector"] = state["collector"].stop()
         if profiler is not None:
             own.update(stage_seconds(profiler, CLIENT_STAGES))
         return {"workers": client.run(stop_worker), "client": own}

@@ -55,7 +55,7 @@ def engine_args(a: argparse.Namespace) -> dict[str, Any]:
 
 def auto_window(a: argparse.Namespace) -> int:
     """The window daskgen's ``window: auto`` picks for this engine (capacity = ``max_batch``)."""
-    from daskgen.worker.plugin import AUTO_MAX_WINDOW, resolve_window
+    from daskgen.worker.admission import AUTO_MAX_WINDOW, resolve_window
 
     return resolve_window("auto", a.max_batch, a.partition_size * a.n_samples, AUTO_MAX_WINDOW)
 

@@ -24,15 +24,8 @@ from distributed import WorkerPlugin
 from daskgen import tunables
 from daskgen.dashboard.metrics import WORKER_TOPIC, WorkerMeter
 from daskgen.errors import EngineError, EngineUnavailable
-from daskgen.worker.admission import (  # noqa: F401 - resolve_window and the bounds are part of this module's API
-    AUTO_DEFAULT_CAPACITY,
-    AUTO_MAX_WINDOW,
-    AUTO_MIN_WINDOW,
-    WINDOW_TOPIC,
-    Admission,
-    resolve_window,
-    wanted_window,
-)
+from daskgen.worker.admission import AUTO_DEFAULT_CAPACITY, WINDOW_TOPIC, Admission, resolve_window, wanted_window
+from daskgen.worker.collector import tune_collector
 from daskgen.worker.gpu import export_local_rank
 from daskgen.worker.prefix_order import AlternatingOrder
 from daskgen.worker.slot import PartitionSlot
@@ -168,6 +161,7 @@ class EnginePlugin(WorkerPlugin):
         finally:
             self.ready_event.set()
         self.state = PluginState.READY
+        tune_collector()  # after every start: what the engine loaded is frozen too
         if self.refresher is not None:  # the newest policy version before the first request (and after restarts)
             await self.refresher.check(self._refresh_failed)
         if not self._advertised:

@@ -1,0 +1,82 @@
+"""A worker's garbage collector (``daskgen.worker-gc``): frozen and with a higher threshold once its engine started.
+
+Real runs on a LocalCluster worker process with the instant simulated engine (the runs of tests/test_writers.py):
+after the run the worker's collector holds the objects it had loaded in its permanent generation and collects young
+objects at the configured threshold, or is left as Python sets it when configured so; bad settings are refused
+with the fix.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import dask
+import numpy as np
+import pytest
+
+from daskgen.client.runner import run
+from daskgen.engines.base import FinishReason
+from daskgen.errors import ConfigError
+from daskgen.store.generation_store import GenerationStore
+from daskgen.worker.collector import collector_settings, tune_collector
+from tests.conftest import runs_cluster
+from tests.test_writers import ROWS, config, prompts
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def collector_state() -> tuple[int, int]:
+    """``client.run`` target: the worker process's frozen objects and its youngest generation's threshold."""
+    return gc.get_freeze_count(), gc.get_threshold()[0]
+
+
+def run_and_read_collector(tmp_path, **settings: object) -> tuple[int, int]:
+    """A run on a worker started with ``settings``; the worker's collector state after it (every row done)."""
+    with runs_cluster(**settings) as (cluster, client):
+        before = next(iter(client.run(collector_state).values()))
+        summary = run(config(str(tmp_path / "s.zarr"), cluster.scheduler_address), prompts())
+        after = next(iter(client.run(collector_state).values()))
+    assert summary.ok and summary.done == ROWS, summary.line()
+    reasons = GenerationStore.open(str(tmp_path / "s.zarr")).read_region(0, ROWS, ("finish_reason",))
+    assert np.isin(reasons["finish_reason"], (FinishReason.STOP, FinishReason.LENGTH)).all()
+    assert before == (0, 700), before  # a fresh worker process: Python's own collector settings
+    return after
+
+
+def test_a_worker_freezes_what_it_loaded_and_collects_young_objects_less_often(tmp_path):
+    frozen, threshold = run_and_read_collector(tmp_path)
+    assert frozen > 10_000, "Dask, the engine and the worker's modules are in the permanent generation"
+    assert threshold == 10_000
+
+
+def test_a_worker_configured_to_leave_the_collector_alone_does(tmp_path):
+    settings = {"daskgen.worker-gc.freeze": False, "daskgen.worker-gc.threshold": 0}
+    assert run_and_read_collector(tmp_path, **settings) == (0, 700)
+
+
+def test_tune_collector_in_this_process_and_undo():
+    before = gc.get_threshold()
+    try:
+        with dask.config.set({"daskgen.worker-gc.freeze": True, "daskgen.worker-gc.threshold": 5000}):
+            tune_collector()
+        assert gc.get_freeze_count() > 0 and gc.get_threshold() == (5000, *before[1:])
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("freeze", "yes", "must be true or false"),
+        ("threshold", -1, "integer >= 0"),
+        ("threshold", 2.5, "integer >= 0"),
+        ("threshold", True, "integer >= 0"),
+    ],
+)
+def test_bad_collector_settings_are_refused_with_the_fix(key, value, expected):
+    with dask.config.set({f"daskgen.worker-gc.{key}": value}), pytest.raises(ConfigError) as err:
+        collector_settings()
+    assert (
+        expected in str(err.value) and "DASK_DASKGEN__WORKER_GC__" in str(err.value) and repr(value) in str(err.value)
+    )
