@@ -7,10 +7,10 @@ batch; their tokens, logprobs, lengths and finish reasons are placed into a padd
 arrays (the other arrays keep their fill values) and written the way the direct writer writes
 (:func:`write_region`: every array of the region side by side on Zarr's event loop), in a worker thread; the
 task returns the partition's start.  The client submits every partition at once and waits for them with
-``as_completed``.  Nothing is checkpointed, resumed, validated, counted or reported: besides Dask, Zarr and the
-engine, this pipeline does only what must happen to store a sample: its rate is what a pipeline with one process
-per worker (as daskgen with ``writer-processes: 0``) reaches on this cluster, engine and store layout when it does
-nothing more.
+``as_completed``.  Its workers' garbage collector is set as daskgen's defaults set a worker's.  Nothing is
+checkpointed, resumed, validated, counted or reported: besides Dask, Zarr and the engine, this pipeline does only
+what must happen to store a sample: its rate is what a pipeline with one process per worker (as daskgen with
+``writer-processes: 0``) reaches on this cluster, engine and store layout when it does nothing more.
 
 Functions here run on Dask workers; the ``common`` package is pickled by value.
 """
@@ -57,6 +57,7 @@ class FloorWorker(WorkerPlugin):
         self.engine = SimulatedEngine(self.model, **self.engine_args)
         await self.engine.start()
         self.tokenizer = load_tokenizer(self.model, "simulated", self.engine_args)
+        tune_collector()
         self.layout = store.read_store_attrs(self.store).layout
         group = zarr.open_group(self.store, mode="r+")
         self.arrays = {name: group[name].async_array for name in self.layout.data_arrays()}
@@ -64,6 +65,18 @@ class FloorWorker(WorkerPlugin):
     async def teardown(self, worker: Any) -> None:
         """Stop the engine."""
         await self.engine.shutdown()
+
+
+def tune_collector() -> None:
+    """The garbage collector as daskgen's defaults set a worker's once its engine started, whatever the daskgen
+    under test does: what the process holds frozen, young objects collected every ``daskgen.worker-gc.threshold``
+    allocations (10,000 where that daskgen has no such setting)."""
+    import gc
+
+    import dask.config
+
+    gc.freeze()
+    gc.set_threshold(int(dask.config.get("daskgen.worker-gc.threshold", 10_000)), *gc.get_threshold()[1:])
 
 
 def _region(layout: Any, prompts: list[list[int]], results: list[Any], n_samples: int) -> dict[str, np.ndarray]:
