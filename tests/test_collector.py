@@ -9,6 +9,7 @@ with the fix.
 from __future__ import annotations
 
 import gc
+import weakref
 
 import dask
 import numpy as np
@@ -18,7 +19,7 @@ from daskgen.client.runner import run
 from daskgen.engines.base import FinishReason
 from daskgen.errors import ConfigError
 from daskgen.store.generation_store import GenerationStore
-from daskgen.worker.collector import collector_settings, tune_collector
+from daskgen.worker.collector import collector_settings, thaw_collector, tune_collector
 from tests.conftest import runs_cluster
 from tests.test_writers import ROWS, config, prompts
 
@@ -63,6 +64,26 @@ def test_tune_collector_in_this_process_and_undo():
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_thawing_frees_an_old_engines_objects_held_only_in_cycles():
+    """What the worker froze at its engine's start is collected once the engine shut down (thaw_collector)."""
+
+    class Node:
+        pass
+
+    engine = Node()
+    engine.myself = engine  # a reference cycle: only the collector frees it
+    alive = weakref.ref(engine)
+    gc.freeze()
+    try:
+        del engine
+        gc.collect()
+        assert alive() is not None, "frozen: no collection sees it"
+        thaw_collector()
+        assert alive() is None and gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
 
 
 @pytest.mark.parametrize(

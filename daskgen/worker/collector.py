@@ -8,7 +8,8 @@ CPU per sample in the collector, and 2.6-5.2 µs with the settings here (``bench
 has started, :func:`tune_collector` moves every object then alive into the collector's permanent generation
 (``gc.freeze``: never scanned again) and raises the youngest generation's threshold to
 ``daskgen.worker-gc.threshold``, so most per-sample objects are freed by reference counting before any collection
-sees them.  Cycles are still collected, only less often.
+sees them.  Cycles are still collected, only less often.  When the engine shuts down (before a restart, at the
+worker's end) :func:`thaw_collector` makes the frozen objects collectable again, so an old engine's cycles are freed.
 """
 
 from __future__ import annotations
@@ -42,3 +43,12 @@ def tune_collector() -> None:
         gc.freeze()
     if threshold:
         gc.set_threshold(threshold, *gc.get_threshold()[1:])
+
+
+def thaw_collector() -> None:
+    """Make what :func:`tune_collector` froze collectable again and collect it: called once an engine has shut down
+    (before a restart, or at teardown), so that an old engine's objects held only in reference cycles (with the
+    memory or devices they hold) are freed rather than kept in the permanent generation."""
+    if gc.get_freeze_count():
+        gc.unfreeze()
+        gc.collect()

@@ -25,7 +25,7 @@ from daskgen import tunables
 from daskgen.dashboard.metrics import WORKER_TOPIC, WorkerMeter
 from daskgen.errors import EngineError, EngineUnavailable
 from daskgen.worker.admission import AUTO_DEFAULT_CAPACITY, WINDOW_TOPIC, Admission, resolve_window, wanted_window
-from daskgen.worker.collector import tune_collector
+from daskgen.worker.collector import thaw_collector, tune_collector
 from daskgen.worker.gpu import export_local_rank
 from daskgen.worker.prefix_order import AlternatingOrder
 from daskgen.worker.slot import PartitionSlot
@@ -406,6 +406,7 @@ async def _quietly_shutdown(engine: Any) -> None:
             await engine.shutdown()
     except Exception:  # shutting down a broken engine may fail; never mask the original problem
         logger.warning("engine shutdown raised", exc_info=True)
+    thaw_collector()  # what was frozen with the engine can be freed now
 
 
 def _pin_gpu(worker_name: Any) -> str:
