@@ -31,7 +31,7 @@ def collector_settings() -> tuple[bool, int]:
     if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
         raise ConfigError(
             f"daskgen.worker-gc.threshold must be an integer >= 0 (0: Python's own threshold), found {threshold!r}; "
-            "set e.g. DASK_DASKGEN__WORKER_GC__THRESHOLD=10000 in the workers' environment"
+            "set e.g. DASK_DASKGEN__WORKER_GC__THRESHOLD=50000 in the workers' environment"
         )
     return freeze, threshold
 
