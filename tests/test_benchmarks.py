@@ -519,6 +519,17 @@ def test_provenance_of_a_snapshot_still_checks_the_scripts(scratch_repo, tmp_pat
     assert records.provenance(scratch_repo, snap).changed == ("benchmarks/bench.py",)
 
 
+def test_a_records_command_names_the_settings_that_change_daskgen(monkeypatch):
+    """The command line a record shows carries ``DASKGEN_SRC`` and every ``DASK_DASKGEN__*`` setting it ran with."""
+    monkeypatch.setenv("DASK_DASKGEN__WORKER_GC__THRESHOLD", "10000")
+    monkeypatch.setenv("DASKGEN_SRC", "/tmp/some checkout")
+    monkeypatch.setenv("DASK_DISTRIBUTED__WORKER__DAEMON", "False")  # not daskgen's: not shown
+    monkeypatch.setattr(sys, "argv", [str(BENCH / "overhead.py"), "--repeats", "2"])
+    line = records.command_line()
+    env = "DASKGEN_SRC='/tmp/some checkout' DASK_DASKGEN__WORKER_GC__THRESHOLD=10000"
+    assert line == f"{env} python benchmarks/overhead.py --repeats 2"
+
+
 def test_no_git_checkout_is_not_a_commit(tmp_path):
     (tmp_path / "daskgen").mkdir()
     assert not records.provenance(tmp_path, tmp_path).clean

@@ -176,11 +176,15 @@ def provenance(repo: Path = REPO, daskgen_src: Path = DASKGEN_SRC) -> Provenance
 
 
 def command_line() -> str:
-    """The command that started this process, relative to the repository root when possible."""
+    """The command that started this process, relative to the repository root when possible, with the environment
+    variables that change which daskgen runs or how (``DASKGEN_SRC``, ``DASK_DASKGEN__*``)."""
     argv = list(sys.argv)
     with contextlib.suppress(ValueError):
         argv[0] = str(Path(argv[0]).resolve().relative_to(REPO))
-    env = f"DASKGEN_SRC={shlex.quote(os.environ['DASKGEN_SRC'])} " if os.environ.get("DASKGEN_SRC") else ""
+    names = sorted(
+        n for n in os.environ if n == "DASKGEN_SRC" or n.startswith("DASK_DASKGEN__")
+    )  # what changes daskgen
+    env = "".join(f"{n}={shlex.quote(os.environ[n])} " for n in names)
     return env + "python " + " ".join(shlex.quote(a) for a in argv)
 
 
