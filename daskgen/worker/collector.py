@@ -4,12 +4,13 @@ A worker makes a dozen short-lived container objects per sample (requests, resul
 With CPython's defaults a collection of the youngest generation runs every 700 allocations, the objects it finds
 alive move to older generations, and every so often a full collection scans them again together with everything
 the worker loaded at start (Dask, the engine, its tokenizer): on the instant engine a worker spent 13.9-23.7 µs of
-CPU per sample in the collector, and 2.6-5.2 µs with the settings here (``benchmarks/README.md``).  Once the engine
-has started, :func:`tune_collector` moves every object then alive into the collector's permanent generation
-(``gc.freeze``: never scanned again) and raises the youngest generation's threshold to
-``daskgen.worker-gc.threshold``, so most per-sample objects are freed by reference counting before any collection
-sees them.  Cycles are still collected, only less often.  When the engine shuts down (before a restart, at the
-worker's end) :func:`thaw_collector` makes the frozen objects collectable again, so an old engine's cycles are freed.
+CPU per sample in the collector, 2.6-5.2 µs with the freeze and a threshold of 10,000, and 0.0-1.3 µs with the
+default 50,000 (``benchmarks/README.md``).  Once the engine has started, :func:`tune_collector` moves every object
+then alive into the collector's permanent generation (``gc.freeze``: never scanned again) and raises the youngest
+generation's threshold to ``daskgen.worker-gc.threshold``, so most per-sample objects are freed by reference
+counting before any collection sees them.  Cycles are still collected, only less often.  When the engine shuts
+down (before a restart, at the worker's end) :func:`thaw_collector` makes the frozen objects collectable again, so
+an old engine's cycles are freed.
 """
 
 from __future__ import annotations
