@@ -92,6 +92,29 @@ def test_locate_tells_urls_from_paths(tmp_path):
         locate(tmp_path / "run.zarr", {"endpoint": "http://x"})
 
 
+def test_a_local_listing_never_shows_or_trips_on_writes_in_progress(tmp_path):
+    """A writer replaces an object over and over (each write: a temporary file renamed into place) while another
+    thread lists the folder, as a follower reads the workers' policy records during a run: every listing shows the
+    object alone, never its temporary file, and never fails on a file renamed between listing and reading it."""
+    import threading
+
+    location, stop = LocalLocation(tmp_path / "s"), threading.Event()
+    location.write_object("workers/0.json", b"{}")
+
+    def write_again() -> None:
+        while not stop.is_set():
+            location.write_object("workers/0.json", b'{"state": "running"}')
+
+    writer = threading.Thread(target=write_again)
+    writer.start()
+    try:
+        listings = [list(location.files("workers")) for _ in range(3000)]
+    finally:
+        stop.set()
+        writer.join()
+    assert {tuple(key for key, _ in listing) for listing in listings} == {("workers/0.json",)}
+
+
 def test_memory_store_create_commit_read_and_xarray():
     loc = locate(f"memory:///{uuid.uuid4().hex}")
     layout = store.Layout(10, 2, 8, 4, 5, 0)

@@ -17,6 +17,8 @@ the store.
 from __future__ import annotations
 
 import os
+import re
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -185,7 +187,7 @@ class LocalLocation(StoreLocation):
         current = self.read_bytes(key)
         if current != version:
             return None
-        tmp = self.path / f"{key}.tmp-{os.getpid()}"
+        tmp = _temporary(self.path / key)
         tmp.write_bytes(data)
         os.replace(tmp, self.path / key)
         return data
@@ -198,7 +200,7 @@ class LocalLocation(StoreLocation):
         else:  # folder by folder below the location: each fails at once if the location's folder is gone
             for folder in reversed(Path(key).parents[:-1]):
                 (self.path / folder).mkdir(exist_ok=True)
-        tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+        tmp = _temporary(target)
         with tmp.open("wb") as fh:
             fh.write(data)
             fh.flush()
@@ -209,12 +211,29 @@ class LocalLocation(StoreLocation):
         (self.path / key).unlink(missing_ok=True)
 
     def files(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        """Like an object listing: without the temporary files of writes in progress, nor files that were renamed
+        or deleted while the folder was listed."""
         for p in sorted((self.path / prefix).rglob("*")):
-            if p.is_file():
-                yield p.relative_to(self.path).as_posix(), p.stat().st_size
+            if _TEMPORARY.search(p.name):
+                continue
+            try:
+                found = p.stat()
+            except FileNotFoundError:  # a temporary file renamed into place, or a file deleted, since the listing
+                continue
+            if stat.S_ISREG(found.st_mode):
+                yield p.relative_to(self.path).as_posix(), found.st_size
 
     def sibling(self, suffix: str) -> LocalLocation:
         return LocalLocation(self.path.with_name(self.path.name + suffix))
+
+
+#: A local write goes to a temporary file first (:func:`_temporary`), renamed into place once complete.
+_TEMPORARY = re.compile(r"\.tmp-\d+$")
+
+
+def _temporary(target: Path) -> Path:
+    """The temporary file a local write of ``target`` goes through (this process's own)."""
+    return target.with_name(f"{target.name}.tmp-{os.getpid()}")
 
 
 class ObjectLocation(StoreLocation):
