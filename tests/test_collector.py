@@ -101,3 +101,9 @@ def test_bad_collector_settings_are_refused_with_the_fix(key, value, expected):
     assert (
         expected in str(err.value) and "DASK_DASKGEN__WORKER_GC__" in str(err.value) and repr(value) in str(err.value)
     )
+
+
+def test_a_worker_with_a_bad_collector_setting_refuses_the_run_before_loading_its_engine(tmp_path):
+    with runs_cluster(**{"daskgen.worker-gc.threshold": -5}) as (cluster, _client), pytest.raises(Exception) as err:
+        run(config(str(tmp_path / "s.zarr"), cluster.scheduler_address), prompts())
+    assert "daskgen.worker-gc.threshold must be an integer >= 0" in str(err.value), err.value

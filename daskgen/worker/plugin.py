@@ -25,7 +25,7 @@ from daskgen import tunables
 from daskgen.dashboard.metrics import WORKER_TOPIC, WorkerMeter
 from daskgen.errors import EngineError, EngineUnavailable
 from daskgen.worker.admission import AUTO_DEFAULT_CAPACITY, WINDOW_TOPIC, Admission, resolve_window, wanted_window
-from daskgen.worker.collector import thaw_collector, tune_collector
+from daskgen.worker.collector import collector_settings, thaw_collector, tune_collector
 from daskgen.worker.gpu import export_local_rank
 from daskgen.worker.prefix_order import AlternatingOrder
 from daskgen.worker.slot import PartitionSlot
@@ -140,6 +140,7 @@ class EnginePlugin(WorkerPlugin):
             self.refresher = PolicyRefresher(self.policy_store, self.refresh, self.live_engine, str(worker.name))
             listen_for_versions(worker, self.refresher)
             self._policy_follower = asyncio.create_task(self.refresher.follow(self._refresh_failed))
+        collector_settings()  # a bad daskgen.worker-gc setting fails here, before the engine loads
         self.writers = start_writers()
         self._starter = asyncio.create_task(self._start())
         if tunables.get("dashboard.enabled"):
