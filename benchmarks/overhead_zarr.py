@@ -161,7 +161,7 @@ def part_zarr(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     config = zarr_config(a, work / "daskgen.zarr")
     plan = zarr_config(a, work / "plan.zarr")  # a store of the run's layout, planned with no data
     requests = runs.run_requests(plan, prompts)  # every request of the run
-    results, floors, settings = [], [], cli.counts(a.writer_processes)
+    results, settings = [], cli.counts(a.writer_processes)
     for rep in range(a.repeats):
         floor_first = a.floor and rep % 2 == 1  # the floor after daskgen's sides, then before them: ABBA
         floor = run_floor_side(work, rep, plan, prompts, requests) if floor_first else None
@@ -174,14 +174,13 @@ def part_zarr(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
             floor = run_floor_side(work, rep, plan, prompts, requests)
         direct = run_direct(Path(cfg.store), work / f"direct-{rep}.zarr", a.workers)
         direct1 = run_direct(Path(cfg.store), work / f"direct1-{rep}.zarr", 1)
-        results += [(dg, direct, direct1, writers) for writers, dg in sides.items()]
-        floors += [(floor, direct)] if floor is not None else []
+        results += [(dg, direct, direct1, writers, floor) for writers, dg in sides.items()]
         config = cfg
     rows_total = a.prompts * a.n_samples
     nbytes = data_bytes(Path(config.store))
     eng_cpu = engine_cpu_seconds(config, requests)
     table = []
-    for k, (dg, direct, direct1, writers) in enumerate(results):
+    for k, (dg, direct, direct1, writers, _floor) in enumerate(results):
         rep = k // len(settings)
         daskgen_side = [(f"daskgen, {a.workers} workers, instant engine, writer processes {writers}", dg)]
         direct_sides = [(f"direct zarr, {a.workers} processes", direct), ("direct zarr, 1 process", direct1)]
@@ -196,7 +195,9 @@ def part_zarr(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
                     direct["seconds"] / res["seconds"],
                 ]
             )
-    ratios = {w: [direct["seconds"] / dg["seconds"] for dg, direct, _, n in results if n == w] for w in settings}
+    ratios = {
+        w: [direct["seconds"] / dg["seconds"] for dg, direct, _, n, _floor in results if n == w] for w in settings
+    }
     rec.note(
         f"Part zarr: {a.prompts:,} prompts × {a.n_samples} samples, max_new_tokens {a.max_new_tokens}, "
         f"lognormal lengths mean {a.length_mean:g}, logprobs on; partitions of {a.partition_size}, window "
@@ -212,8 +213,14 @@ def part_zarr(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
             f"(median {float(np.median(values)):.2f}; goal ≥ 0.5).**"
         )
     cpu_table(rec, results, rows_total, eng_cpu)
-    if floors:
-        floor_table(rec, floors, results, rows_total, eng_cpu)
+    if a.floor:
+        floor_table(rec, results[:: len(settings)], rows_total, eng_cpu)
+        for writers in settings:
+            shares = [floor["seconds"] / dg["seconds"] for dg, *_, w, floor in results if w == writers]
+            rec.note(
+                f"**daskgen / the floor's rate, writer processes {writers}: {', '.join(f'{r:.2f}' for r in shares)} "
+                f"(median {float(np.median(shares)):.2f}).**"
+            )
     if a.profile:
         with dask.config.set({"daskgen.writer-processes": settings[-1]}):
             profile_tables(rec, zarr_config(a, work / "profiled.zarr"), prompts, rows_total, settings[-1])
@@ -224,7 +231,7 @@ def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: f
     work (and without the Zarr writes), the client process (scheduler included), the machine's cores kept busy,
     and the best rate vs direct the run could reach on this machine if its workers only wrote."""
     rows, cores = [], len(os.sched_getaffinity(0))
-    for rep, (dg, direct, direct1, writers_n) in enumerate(results):
+    for rep, (dg, direct, direct1, writers_n, _floor) in enumerate(results):
         cpu = dg["marks"]["on_done"]
         writers = sum(w.get("child processes", 0.0) for w in cpu["workers"].values())
         workers = sum(w["process"] for w in cpu["workers"].values()) + writers
@@ -274,11 +281,11 @@ def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: f
     )
 
 
-def floor_table(rec: records.Record, floors: list[Any], results: list[Any], samples: int, engine_s: float) -> None:
-    """The floor pipeline's repeats (:mod:`common.pipeline_floor`) against the direct writes, and daskgen against
-    the floor of its repeat."""
+def floor_table(rec: records.Record, repeats: list[Any], samples: int, engine_s: float) -> None:
+    """The floor pipeline (:mod:`common.pipeline_floor`) of each repeat (one result of it) against the direct
+    writes."""
     rows = []
-    for rep, (floor, direct) in enumerate(floors):
+    for rep, (_dg, direct, _direct1, _writers, floor) in enumerate(repeats):
         rows.append(
             [
                 rep + 1,
@@ -307,21 +314,12 @@ def floor_table(rec: records.Record, floors: list[Any], results: list[Any], samp
         "pipeline of one process per worker reaches with this engine, cluster and store layout when it does nothing "
         "more.",
     )
-    ceiling = [direct["seconds"] / floor["seconds"] for floor, direct in floors]
+    ceiling = [direct["seconds"] / floor["seconds"] for _dg, direct, _direct1, _writers, floor in repeats]
     rec.note(
         f"**The floor / direct write rate: {', '.join(f'{r:.2f}' for r in ceiling)} "
         f"(median {float(np.median(ceiling)):.2f}): how close to the direct writes a pipeline of one process per "
         "worker gets here when it does nothing more.**"
     )
-    per_rep = len(results) // len(floors)
-    for writers in sorted({w for *_, w in results}):
-        shares = [
-            floors[k // per_rep][0]["seconds"] / dg["seconds"] for k, (dg, *_, w) in enumerate(results) if w == writers
-        ]
-        rec.note(
-            f"**daskgen / the floor's rate, writer processes {writers}: {', '.join(f'{r:.2f}' for r in shares)} "
-            f"(median {float(np.median(shares)):.2f}).**"
-        )
 
 
 def profile_tables(rec: records.Record, config: RunConfig, prompts: list[str], samples: int, writers: int) -> None:

@@ -7,7 +7,7 @@ batch; their tokens, logprobs, lengths and finish reasons are placed into a padd
 arrays (the other arrays keep their fill values) and written the way the direct writer writes
 (:func:`write_region`: every array of the region side by side on Zarr's event loop), in a worker thread; the
 task returns the partition's start.  The client submits every partition at once and waits for them with
-``as_completed``.  Its workers' garbage collector is set as daskgen's defaults set a worker's.  Nothing is
+``as_completed``.  Its workers' garbage collector is set as the daskgen under test sets a worker's.  Nothing is
 checkpointed, resumed, validated, counted or reported: besides Dask, Zarr and the engine, this pipeline does only
 what must happen to store a sample: its rate is what a pipeline with one process per worker (as daskgen with
 ``writer-processes: 0``) reaches on this cluster, engine and store layout when it does nothing more.
@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 from distributed.diagnostics.plugin import WorkerPlugin
+
+from . import profiling
 
 PLUGIN = "daskgen-bench-floor"
 
@@ -68,44 +70,43 @@ class FloorWorker(WorkerPlugin):
 
 
 def tune_collector() -> None:
-    """The garbage collector as daskgen's defaults set a worker's once its engine started, whatever the daskgen
-    under test does: what the process holds frozen, young objects collected every ``daskgen.worker-gc.threshold``
-    allocations (10,000 where that daskgen has no such setting)."""
+    """The garbage collector as the daskgen under test sets a worker's once its engine started
+    (:func:`daskgen.worker.collector.tune_collector`); with a daskgen that has no such setting, frozen and collected
+    every 10,000 allocations."""
     import gc
 
-    import dask.config
-
-    gc.freeze()
-    gc.set_threshold(int(dask.config.get("daskgen.worker-gc.threshold", 10_000)), *gc.get_threshold()[1:])
+    try:
+        from daskgen.worker.collector import tune_collector as daskgens
+    except ImportError:
+        gc.freeze()
+        gc.set_threshold(10_000, *gc.get_threshold()[1:])
+    else:
+        daskgens()
 
 
 def _region(layout: Any, prompts: list[list[int]], results: list[Any], n_samples: int) -> dict[str, np.ndarray]:
     """The padded region of a partition: its prompts, and its samples' tokens, mask, logprobs, length and finish
-    reason (row-major ``results``); every other array at its fill values."""
+    reason (row-major ``results``), placed with daskgen's array scatter; every other array at its fill values."""
     from daskgen.store.layout import empty_region
+    from daskgen.worker.region import place_prompts, scatter
 
     region = empty_region(layout, len(prompts))
-    prompt_lengths = np.fromiter(map(len, prompts), dtype=np.int64, count=len(prompts))
-    region["prompt_length"][:] = prompt_lengths
-    _pack(region["prompt_ids"], prompt_lengths, prompts)
+    place_prompts(region, range(len(prompts)), prompts, layout.pad_token_id)
+    slots = np.arange(len(results))
     lengths = np.fromiter((len(r.output_ids) for r in results), dtype=np.int64, count=len(results))
-    filled = _pack(region["response_ids"], lengths, [r.output_ids for r in results])
-    region["response_mask"].reshape(filled.shape)[filled] = 1
-    _pack(region["logprobs"], lengths, [r.logprobs for r in results])
+    total = int(lengths.sum())
+    for name, lists, fill in (
+        ("response_ids", [r.output_ids for r in results], layout.pad_token_id),
+        ("logprobs", [r.logprobs for r in results], np.nan),
+    ):
+        values = np.fromiter(itertools.chain.from_iterable(lists), dtype=region[name].dtype, count=total)
+        scatter(region, name, slots, lengths, values, fill)
+    scatter(region, "response_mask", slots, lengths, np.ones(total, dtype=region["response_mask"].dtype), 0)
     region["response_length"][:] = lengths.reshape(len(prompts), n_samples)
     reasons = np.fromiter((int(r.finish_reason) for r in results), dtype=np.int64, count=len(results))
     region["finish_reason"][:] = reasons.reshape(len(prompts), n_samples)
     region["num_turns"][:] = 1
     return region
-
-
-def _pack(array: np.ndarray, lengths: np.ndarray, lists: list[Any]) -> np.ndarray:
-    """Write the ``lists`` one per row of ``array`` (viewed as rows of its last axis), left-aligned; returns the
-    mask of the positions written."""
-    rows = array.reshape(-1, array.shape[-1])
-    filled = np.arange(rows.shape[1]) < lengths[:, None]
-    rows[filled] = np.fromiter(itertools.chain.from_iterable(lists), dtype=array.dtype, count=int(lengths.sum()))
-    return filled
 
 
 async def floor_partition(start: int, texts: list[str], seeds: list[int], params: Any, n_samples: int) -> int:
@@ -136,11 +137,6 @@ async def floor_partition(start: int, texts: list[str], seeds: list[int], params
     return start
 
 
-def _process_cpu() -> float:
-    """``client.run`` target: this worker process's CPU seconds."""
-    return time.process_time()
-
-
 def run_floor(store: str, config: Any, texts: list[str], requests: list[Any], in_flight: int = 4) -> dict[str, Any]:
     """Store the samples of ``texts`` (the prompts of a daskgen run of ``config``; ``requests``: every request of
     that run, row-major, for its sampling params and seeds) into ``store`` (created with
@@ -163,7 +159,8 @@ def run_floor(store: str, config: Any, texts: list[str], requests: list[Any], in
         Client(cluster) as client,
     ):
         client.register_plugin(FloorWorker(store, config.model, config.engine_args))
-        cpu0, client0, t0 = client.run(_process_cpu), time.process_time(), time.perf_counter()
+        client.run(profiling.start_worker, profile=False)
+        client0, t0 = time.process_time(), time.perf_counter()
         futures = []
         for start in layout.partitions():
             stop = min(start + size, layout.n_prompts)
@@ -173,10 +170,10 @@ def run_floor(store: str, config: Any, texts: list[str], requests: list[Any], in
             future.result()
         seconds = time.perf_counter() - t0
         client_cpu = time.process_time() - client0
-        cpu1 = client.run(_process_cpu)
+        workers = client.run(profiling.stop_worker)
     return {
         "seconds": seconds,
-        "workers_cpu": sum(cpu1[w] - cpu0[w] for w in cpu1),
+        "workers_cpu": sum(w["process"] for w in workers.values()),
         "client_cpu": client_cpu,
         "partitions": len(futures),
     }

@@ -181,9 +181,7 @@ def command_line() -> str:
     argv = list(sys.argv)
     with contextlib.suppress(ValueError):
         argv[0] = str(Path(argv[0]).resolve().relative_to(REPO))
-    names = sorted(
-        n for n in os.environ if n == "DASKGEN_SRC" or n.startswith("DASK_DASKGEN__")
-    )  # what changes daskgen
+    names = sorted(n for n in os.environ if n == "DASKGEN_SRC" or n.startswith("DASK_DASKGEN__"))
     env = "".join(f"{n}={shlex.quote(os.environ[n])} " for n in names)
     return env + "python " + " ".join(shlex.quote(a) for a in argv)
 
