@@ -40,6 +40,29 @@ def test_admission_follows_occupancy():
     assert Admission.for_engine(None, 40, 8).window(1, 0) == 8  # task slots bound it; unknown capacity: 256
 
 
+def test_a_window_below_its_target_never_shrinks_while_partitions_are_on_their_way():
+    """A fast engine empties its queue before the next partitions arrive: fewer running than admitted, no
+    requests outstanding.  The window keeps what it admitted (and grows when the running ones reach it)."""
+    rule = Admission.for_engine(capacity=256, requests_per_partition=256, slots=None)
+    assert rule.window(running_partitions=3, outstanding_requests=0, current=12) == 12  # not 3 + 2
+    assert rule.window(running_partitions=11, outstanding_requests=0, current=12) == 13  # 11 + 2
+    assert rule.window(running_partitions=3, outstanding_requests=0) == 5  # without a current window: the rule alone
+
+
+def test_a_window_at_its_target_comes_down_one_partition_per_reading():
+    """At or above the target no new partition is admitted, and the window comes down to the running ones one
+    partition per reading: one reading of a queue that jumped by whole partitions cannot empty the pipeline."""
+    rule = Admission.for_engine(capacity=256, requests_per_partition=256, slots=None)
+    window, seen = 12, []
+    while window > 4:
+        window = rule.window(running_partitions=4, outstanding_requests=768, current=window)
+        seen.append(window)
+    assert seen == [11, 10, 9, 8, 7, 6, 5, 4]
+    assert rule.window(running_partitions=9, outstanding_requests=512, current=12) == 11
+    assert rule.window(running_partitions=12, outstanding_requests=512, current=12) == 12  # all running: kept
+    assert rule.window(running_partitions=1, outstanding_requests=600, current=3) == AUTO_MIN_WINDOW
+
+
 def test_integer_window_is_kept_but_capped_by_task_slots(caplog):
     assert resolve_window(3, 1000, 1, 17) == 3
     assert resolve_window(8, None, 1, 3) == 3

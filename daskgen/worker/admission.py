@@ -5,7 +5,9 @@ full depends on the length distribution, which nobody knows in advance.  With ``
 worker measures it instead: it counts the requests its engine holds (running or queued, i.e. every
 sample of its running partitions that has not finished) and admits more partitions whenever that is
 below :data:`OCCUPANCY_TARGET` × the engine's batch slots — so a heavy tail, whose partitions are mostly
-finished samples waiting for one long one, gets many partitions in flight, and a light one few.
+finished samples waiting for one long one, gets many partitions in flight, and a light one few.  The window
+shrinks only while the engine holds its target: a fast engine (short answers, a small model) empties its
+queue faster than finished partitions are replaced, and must keep the partitions it was given coming.
 The amount is advertised as the worker's ``daskgen-engine`` resource (the scheduler then hands it
 that many partitions at once) and announced to the client, which keeps the sum of all advertised
 amounts submitted.  ``window: N`` fixes it at ``N``.
@@ -93,16 +95,27 @@ class Admission:
         """The rule for an engine with ``capacity`` slots on a worker with ``slots`` task slots (or unbounded)."""
         return cls(capacity or AUTO_DEFAULT_CAPACITY, max(1, requests_per_partition), slots)
 
-    def wanted(self, running_partitions: int, outstanding_requests: int) -> int:
-        """Partitions the engine wants now: the running ones plus enough new ones to bring its outstanding
-        requests up to :data:`OCCUPANCY_TARGET` x its capacity, within ``[2, 64]`` (task slots aside)."""
-        deficit = OCCUPANCY_TARGET * self.capacity - outstanding_requests
-        extra = math.ceil(max(0.0, deficit) / self.requests_per_partition)
-        return max(AUTO_MIN_WINDOW, min(AUTO_MAX_WINDOW, running_partitions + extra))
+    def wanted(self, running_partitions: int, outstanding_requests: int, current: int = 0) -> int:
+        """Partitions the engine wants now, within ``[2, 64]`` (task slots aside).
 
-    def window(self, running_partitions: int, outstanding_requests: int) -> int:
+        Below its target (:data:`OCCUPANCY_TARGET` x its capacity outstanding), the running partitions plus
+        enough new ones to reach it, and never fewer than the ``current`` window: fewer partitions running
+        than admitted means the next ones are still on their way (the client and the scheduler answer a
+        finished partition with a new one after a delay), and taking that as a reason to admit fewer would
+        starve the engine further.  At or above the target, no new partitions: the window comes down to the
+        running ones, by at most one partition per call (a fast engine's queue jumps by whole partitions
+        between two readings, and one high reading must not empty the pipeline behind it).
+        """
+        deficit = OCCUPANCY_TARGET * self.capacity - outstanding_requests
+        if deficit > 0:
+            wanted = max(current, running_partitions + math.ceil(deficit / self.requests_per_partition))
+        else:
+            wanted = max(running_partitions, current - 1)
+        return max(AUTO_MIN_WINDOW, min(AUTO_MAX_WINDOW, wanted))
+
+    def window(self, running_partitions: int, outstanding_requests: int, current: int = 0) -> int:
         """Partitions to admit now: :meth:`wanted`, capped by the task slots."""
-        return self.capped(self.wanted(running_partitions, outstanding_requests))
+        return self.capped(self.wanted(running_partitions, outstanding_requests, current))
 
     def capped(self, wanted: int) -> int:
         """``wanted`` within this worker's task slots (unchanged when partitions hold none)."""

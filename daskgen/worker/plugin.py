@@ -203,7 +203,7 @@ class EnginePlugin(WorkerPlugin):
             await asyncio.sleep(tunables.seconds("admission-interval"))
             if self.state is not PluginState.READY or self.draining or self.stopping or not self.running:
                 continue  # idle: nothing measured, keep the window
-            self.wanted_window = admission.wanted(self.running, self.outstanding)
+            self.wanted_window = admission.wanted(self.running, self.outstanding, self.wanted_window or 0)
             self.admission_ticks += 1
             window = admission.capped(self.wanted_window)
             if window != self.resolved_window:
