@@ -10,8 +10,8 @@ building, the Zarr writes, Dask scheduling and the client's commits.  ``overhead
 same comparison.  ``--writer-processes 0,1`` runs the daskgen side once per setting of
 ``daskgen.writer-processes`` in each repeat (the writer processes' CPU counts with their worker's).  Each
 repeat also runs the floor (``common/pipeline_floor.py``; ``--no-floor`` skips it): plain Dask tasks on the
-same cluster shape running the same engine and the same region writes and nothing else: how close to the direct
-writes a pipeline of one process per worker (writer processes 0) gets on this machine when it does nothing more.
+same cluster shape running the same engine and the same region writes and nothing else, once per writer-process
+setting: how close to the direct writes a pipeline of that shape gets on this machine when it does nothing more.
 
     python benchmarks/overhead_zarr.py                       # ~2 minutes on 2 cores
     python benchmarks/overhead_zarr.py --prompts 512 --no-record
@@ -98,12 +98,17 @@ def fresh_store(src: Path, dst: Path, what: str) -> Any:
     return layout
 
 
-def run_floor_side(work: Path, rep: int, config: RunConfig, prompts: list[str], requests: list[Any]) -> dict[str, Any]:
-    """The floor pipeline (:mod:`common.pipeline_floor`) of repeat ``rep``, into a fresh store of ``config``'s
-    layout."""
-    floor_store = work / f"floor-{rep}.zarr"
-    fresh_store(Path(config.store), floor_store, "pipeline floor")
-    return pipeline_floor.run_floor(str(floor_store), config, prompts, requests)
+def run_floor_sides(
+    work: Path, rep: int, config: RunConfig, prompts: list[str], requests: list[Any], settings: list[int]
+) -> dict[int, dict[str, Any]]:
+    """The floor pipeline (:mod:`common.pipeline_floor`) of repeat ``rep`` with each number of writer processes in
+    ``settings``, each into a fresh store of ``config``'s layout."""
+    floors = {}
+    for writers in settings:
+        floor_store = work / f"floor-{rep}-{writers}.zarr"
+        fresh_store(Path(config.store), floor_store, "pipeline floor")
+        floors[writers] = pipeline_floor.run_floor(str(floor_store), config, prompts, requests, writers)
+    return floors
 
 
 def run_direct(src: Path, dst: Path, processes: int) -> dict[str, Any]:
@@ -164,17 +169,17 @@ def part_zarr(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     results, settings = [], cli.counts(a.writer_processes)
     for rep in range(a.repeats):
         floor_first = a.floor and rep % 2 == 1  # the floor after daskgen's sides, then before them: ABBA
-        floor = run_floor_side(work, rep, plan, prompts, requests) if floor_first else None
+        floors = run_floor_sides(work, rep, plan, prompts, requests, settings) if floor_first else {}
         sides = {}
         for writers in settings:  # each setting of daskgen.writer-processes, one after the other
             cfg = zarr_config(a, work / f"daskgen-{rep}-{writers}.zarr")
             with dask.config.set({"daskgen.writer-processes": writers}):
                 sides[writers] = runs.measured_side(cfg, prompts, *profiling.hooks(profile=False))
         if a.floor and not floor_first:
-            floor = run_floor_side(work, rep, plan, prompts, requests)
+            floors = run_floor_sides(work, rep, plan, prompts, requests, settings)
         direct = run_direct(Path(cfg.store), work / f"direct-{rep}.zarr", a.workers)
         direct1 = run_direct(Path(cfg.store), work / f"direct1-{rep}.zarr", 1)
-        results += [(dg, direct, direct1, writers, floor) for writers, dg in sides.items()]
+        results += [(dg, direct, direct1, writers, floors.get(writers)) for writers, dg in sides.items()]
         config = cfg
     rows_total = a.prompts * a.n_samples
     nbytes = data_bytes(Path(config.store))
@@ -214,7 +219,7 @@ def part_zarr(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
         )
     cpu_table(rec, results, rows_total, eng_cpu)
     if a.floor:
-        floor_table(rec, results[:: len(settings)], rows_total, eng_cpu)
+        floor_table(rec, results, len(settings), rows_total, eng_cpu)
         for writers in settings:
             shares = [floor["seconds"] / dg["seconds"] for dg, *_, w, floor in results if w == writers]
             rec.note(
@@ -281,14 +286,15 @@ def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: f
     )
 
 
-def floor_table(rec: records.Record, repeats: list[Any], samples: int, engine_s: float) -> None:
-    """The floor pipeline (:mod:`common.pipeline_floor`) of each repeat (one result of it) against the direct
-    writes."""
+def floor_table(rec: records.Record, results: list[Any], settings: int, samples: int, engine_s: float) -> None:
+    """The floor pipeline (:mod:`common.pipeline_floor`) of each repeat and writer-process setting (``settings``
+    of them per repeat) against the direct writes."""
     rows = []
-    for rep, (_dg, direct, _direct1, _writers, floor) in enumerate(repeats):
+    for k, (_dg, direct, _direct1, writers, floor) in enumerate(results):
         rows.append(
             [
-                rep + 1,
+                k // settings + 1,
+                writers,
                 floor["seconds"],
                 samples / floor["seconds"],
                 direct["seconds"] / floor["seconds"],
@@ -300,26 +306,28 @@ def floor_table(rec: records.Record, repeats: list[Any], samples: int, engine_s:
     rec.table(
         [
             "repeat",
+            "writer processes",
             "seconds",
             "rows/s",
             "rate vs direct (same procs)",
-            "workers' CPU µs/sample",
+            "workers' CPU µs/sample (writer processes included)",
             "the same without the engine's own work",
             "client process CPU µs/sample (scheduler included)",
         ],
         rows,
         "The floor: the same cluster shape, one plain Dask task per partition running the same instant engine and "
-        "writing the same region the way the direct writer does (`common/pipeline_floor.py`; nothing checkpointed, "
-        "validated or reported), run after daskgen's sides in odd repeats and before them in even ones: what a "
-        "pipeline of one process per worker reaches with this engine, cluster and store layout when it does nothing "
-        "more.",
+        "writing the same region, in a thread of the worker the way the direct writer does (writer processes 0) or "
+        "in spawned writer processes of the worker (`common/pipeline_floor.py`; nothing checkpointed, validated or "
+        "reported), run after daskgen's sides in odd repeats and before them in even ones: what a pipeline of that "
+        "shape reaches with this engine, cluster and store layout when it does nothing more.",
     )
-    ceiling = [direct["seconds"] / floor["seconds"] for _dg, direct, _direct1, _writers, floor in repeats]
-    rec.note(
-        f"**The floor / direct write rate: {', '.join(f'{r:.2f}' for r in ceiling)} "
-        f"(median {float(np.median(ceiling)):.2f}): how close to the direct writes a pipeline of one process per "
-        "worker gets here when it does nothing more.**"
-    )
+    for writers in sorted({row[1] for row in rows}):
+        ceiling = [row[4] for row in rows if row[1] == writers]
+        rec.note(
+            f"**The floor / direct write rate, writer processes {writers}: {', '.join(f'{r:.2f}' for r in ceiling)} "
+            f"(median {float(np.median(ceiling)):.2f}): how close to the direct writes a pipeline of this shape gets "
+            "here when it does nothing more.**"
+        )
 
 
 def profile_tables(rec: records.Record, config: RunConfig, prompts: list[str], samples: int, writers: int) -> None:

@@ -152,23 +152,27 @@ def test_overhead(tmp_path, tiny_model):
     in_writers = [float(row["of the workers' CPU: in writer processes"].replace(",", "")) for row in cpu_rows]
     assert in_writers[0] == 0 and in_writers[1] > 0
     assert all(any(k.startswith("worker processes' own CPU") for k in row) for row in cpu_rows)
-    assert "The floor / direct write rate" in out and "daskgen / the floor's rate, writer processes 1" in out
-    assert_floor_stores_what_daskgen_stores(tmp_path / "work")
+    assert (
+        "The floor / direct write rate, writer processes 1" in out
+        and "daskgen / the floor's rate, writer processes 1" in out
+    )
+    for writers in (0, 1):  # the floor in a thread of the worker, and through a writer process
+        assert_floor_stores_what_daskgen_stores(tmp_path / "work", writers)
     assert "same engine on a Dask worker" in out
     assert "engine's host process" in out and "Median cores, the engine's own processes" in out  # where CPU went
     assert_same_tokens_in_each_repeat(text, sides=3)
 
 
-def assert_floor_stores_what_daskgen_stores(work: Path) -> None:
+def assert_floor_stores_what_daskgen_stores(work: Path, writers: int) -> None:
     """The floor pipeline (``common/pipeline_floor.py``) generated and stored the same samples as daskgen's run of
-    the same repeat: it does the same work, so its rate bounds daskgen's."""
+    the same repeat, with ``writers`` writer processes: it does the same work, so its rate bounds daskgen's."""
     import numpy as np
 
     from daskgen.store import GenerationStore
 
     daskgen_store, floor_store = (
         GenerationStore.open(work / "daskgen-0-0.zarr"),
-        GenerationStore.open(work / "floor-0.zarr"),
+        GenerationStore.open(work / f"floor-0-{writers}.zarr"),
     )
     n = daskgen_store.layout.n_prompts
     names = ("prompt_ids", "prompt_length", "response_ids", "response_mask", "response_length", "finish_reason")

@@ -1,16 +1,18 @@
 """The floor under daskgen's pipeline: the least a Dask cluster does to run the instant engine and store its output.
 
 :func:`run_floor` starts a LocalCluster of the same shape as a daskgen run and runs one plain Dask task per
-partition: the worker tokenizes the partition's prompts (as daskgen's workers do); its instant engine (started
-once per worker by :class:`FloorWorker`, with the model's tokenizer) generates the partition's samples as one
-batch; their tokens, logprobs, lengths and finish reasons are placed into a padded region of the store's data
-arrays (the other arrays keep their fill values) and written the way the direct writer writes
-(:func:`write_region`: every array of the region side by side on Zarr's event loop), in a worker thread; the
-task returns the partition's start.  The client submits every partition at once and waits for them with
-``as_completed``.  Its workers' garbage collector is set as the daskgen under test sets a worker's.  Nothing is
-checkpointed, resumed, validated, counted or reported: besides Dask, Zarr and the engine, this pipeline does only
-what must happen to store a sample: its rate is what a pipeline with one process per worker (as daskgen with
-``writer-processes: 0``) reaches on this cluster, engine and store layout when it does nothing more.
+partition: the worker tokenizes the partition's prompts (as daskgen's workers do); its instant engine (started once
+per worker by :class:`FloorWorker`, with the model's tokenizer) generates the partition's samples as one batch;
+their tokens, logprobs, lengths and finish reasons are placed into a padded region of the store's data arrays (the
+other arrays keep their fill values) and written the way the direct writer writes (:func:`write_region`: every array
+of the region side by side on Zarr's event loop), in a worker thread; or, with writer processes, handed to a pool of
+spawned processes on the worker that write it as daskgen's workers do (the store's region write), as
+``daskgen.writer-processes`` does. The task returns the partition's start. The client submits every partition at
+once and waits for them with ``as_completed``. Its workers' garbage collector is set as the daskgen under test sets
+a worker's. Nothing is checkpointed, resumed, validated, counted or reported: besides Dask, Zarr and the engine,
+this pipeline does only what must happen to store a sample: its rate is what a pipeline with one process per worker
+(as daskgen with ``writer-processes: 0``), or with N writer processes per worker, reaches on this cluster, engine
+and store layout when it does nothing more.
 
 Functions here run on Dask workers; the ``common`` package is pickled by value.
 """
@@ -41,18 +43,25 @@ class FloorWorker(WorkerPlugin):
 
     name = PLUGIN
 
-    def __init__(self, store: str, model: str, engine_args: dict[str, Any]) -> None:
+    def __init__(self, store: str, model: str, engine_args: dict[str, Any], writer_processes: int = 0) -> None:
         self.store, self.model, self.engine_args = store, model, engine_args
+        self.writer_processes = writer_processes
+        self.writers: Any = None  # the spawned writer processes, or None: the worker writes in a thread
+        self.opened: Any = None  # the store, as the writer processes get it
         self.engine: Any = None
         self.tokenizer: Any = None
         self.layout: Any = None
         self.arrays: dict[str, Any] = {}
 
     async def setup(self, worker: Any) -> None:
-        """Start the engine, load the tokenizer; open the store's data arrays."""
+        """Start the writer processes (if any), the engine, load the tokenizer; open the store's data arrays."""
         import zarr
 
         from daskgen import store
+
+        if self.writer_processes:
+            self.writers = start_writer_processes(self.writer_processes)
+            self.opened = store.GenerationStore.open(self.store)
         from daskgen.engines.simulated import SimulatedEngine
         from daskgen.input.tokenizer import load_tokenizer
 
@@ -65,8 +74,22 @@ class FloorWorker(WorkerPlugin):
         self.arrays = {name: group[name].async_array for name in self.layout.data_arrays()}
 
     async def teardown(self, worker: Any) -> None:
-        """Stop the engine."""
+        """Stop the engine and the writer processes."""
         await self.engine.shutdown()
+        if self.writers is not None:
+            self.writers.shutdown(wait=True)
+
+
+def start_writer_processes(processes: int) -> Any:
+    """``processes`` spawned processes with Zarr and daskgen's store imported (before the timed part)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
+    imports = "from daskgen.store.generation_store import import_zarr; import_zarr()"  # a builtin pickles by name
+    for started in [pool.submit(exec, imports) for _ in range(processes)]:
+        started.result()
+    return pool
 
 
 def tune_collector() -> None:
@@ -133,16 +156,24 @@ async def floor_partition(start: int, texts: list[str], seeds: list[int], params
     def store() -> None:
         sync(write_region(plugin.arrays, start, _region(plugin.layout, prompts, results, n_samples)))
 
-    await asyncio.to_thread(store)
+    if plugin.writers is None:
+        await asyncio.to_thread(store)
+    else:  # placed in a thread, written by a writer process (the arrays are pickled to it)
+        region = await asyncio.to_thread(_region, plugin.layout, prompts, results, n_samples)
+        write = plugin.opened.write_region
+        await asyncio.get_running_loop().run_in_executor(plugin.writers, write, start, region)
     return start
 
 
-def run_floor(store: str, config: Any, texts: list[str], requests: list[Any], in_flight: int = 4) -> dict[str, Any]:
+def run_floor(
+    store: str, config: Any, texts: list[str], requests: list[Any], writer_processes: int = 0, in_flight: int = 4
+) -> dict[str, Any]:
     """Store the samples of ``texts`` (the prompts of a daskgen run of ``config``; ``requests``: every request of
     that run, row-major, for its sampling params and seeds) into ``store`` (created with
     the run's layout) through the floor pipeline on ``config.n_workers`` workers, each running up to ``in_flight``
-    partitions at once (its threads); ``seconds`` from the first submit to the last result, and the CPU seconds
-    of the workers and of this process (the scheduler included)."""
+    partitions at once (its threads) and writing through ``writer_processes`` spawned processes (0: in a thread of
+    the worker); ``seconds`` from the first submit to the last result, and the CPU seconds
+    of the workers (their writer processes included) and of this process (the scheduler included)."""
     import dataclasses
 
     import dask.config
@@ -158,7 +189,7 @@ def run_floor(store: str, config: Any, texts: list[str], requests: list[Any], in
         LocalCluster(n_workers=config.n_workers, threads_per_worker=in_flight, dashboard_address=None) as cluster,
         Client(cluster) as client,
     ):
-        client.register_plugin(FloorWorker(store, config.model, config.engine_args))
+        client.register_plugin(FloorWorker(store, config.model, config.engine_args, writer_processes))
         client.run(profiling.start_worker, profile=False)
         client0, t0 = time.process_time(), time.perf_counter()
         futures = []
@@ -173,7 +204,7 @@ def run_floor(store: str, config: Any, texts: list[str], requests: list[Any], in
         workers = client.run(profiling.stop_worker)
     return {
         "seconds": seconds,
-        "workers_cpu": sum(w["process"] for w in workers.values()),
+        "workers_cpu": sum(w["process"] + w["child processes"] for w in workers.values()),
         "client_cpu": client_cpu,
         "partitions": len(futures),
     }
