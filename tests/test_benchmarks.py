@@ -534,6 +534,21 @@ def test_a_records_command_names_the_settings_that_change_daskgen(monkeypatch):
     assert line == f"{env} python benchmarks/overhead.py --repeats 2"
 
 
+def test_a_record_names_the_file_system_of_its_stores(tmp_path):
+    """A record says where its stores were and on what file system: a RAM disk and a disk give different times."""
+    import psutil
+
+    rec = records.Record("t")
+    rec.workdir = tmp_path
+    mount = max(
+        (p for p in psutil.disk_partitions(all=True) if tmp_path.resolve().is_relative_to(p.mountpoint)),
+        key=lambda p: len(p.mountpoint),
+    )
+    text = rec.render(tmp_path, records.provenance(REPO, REPO))
+    assert f"Stores: in {tmp_path} ({mount.fstype} file system)." in text
+    assert records.file_system(Path("/proc")) == "proc"  # the deepest mount holding the path, not "/"
+
+
 def test_no_git_checkout_is_not_a_commit(tmp_path):
     (tmp_path / "daskgen").mkdir()
     assert not records.provenance(tmp_path, tmp_path).clean

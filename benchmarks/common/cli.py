@@ -142,6 +142,7 @@ def run_parts(a: Any, title: str, parts: dict[str, Part], chosen: str | None = N
         raise SystemExit(f"unknown part(s) {sorted(picked - set(parts))}; choose from {', '.join(parts)}")
     rec = Record(title)
     with workdir(a.workdir) as work:
+        rec.workdir = work
         for name, run_part in parts.items():
             if name in picked:
                 run_part(a, work, rec)

@@ -88,6 +88,15 @@ def machine_info() -> str:
     )
 
 
+def file_system(path: Path) -> str:
+    """The type of the file system holding ``path`` (``ext4``, ``tmpfs``, ...; ``unknown`` when not found)."""
+    import psutil
+
+    target = Path(path).resolve()
+    mounts = [p for p in psutil.disk_partitions(all=True) if target.is_relative_to(p.mountpoint)]
+    return max(mounts, key=lambda p: len(p.mountpoint)).fstype if mounts else "unknown"
+
+
 def package_versions() -> str:
     """Installed versions of the packages that shape the results."""
     found = []
@@ -238,6 +247,8 @@ class Record:
     load_before: str = field(default_factory=load_average)
     sections: list[str] = field(default_factory=list)
     plots: list[Path] = field(default_factory=list)
+    #: Where the run kept its stores (``--workdir``, or a temporary folder), named in the record.
+    workdir: Path | None = None
 
     def table(self, header: Sequence[str], rows: Sequence[Sequence[Any]], caption: str = "") -> str:
         """Add a table (with an optional caption line above it); returns its Markdown."""
@@ -273,6 +284,8 @@ class Record:
             f"Versions: {package_versions()}",
             "",
         ]
+        if self.workdir is not None:
+            head += [f"Stores: in {self.workdir} ({file_system(self.workdir)} file system).", ""]
         body = "\n" + "\n\n".join(self.sections)
         pics = ""
         for p in self.plots:
