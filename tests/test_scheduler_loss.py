@@ -157,8 +157,9 @@ def test_scheduler_lost_mid_run_exits_3_and_the_rerun_keeps_earlier_rows(tmp_pat
         )
         lines = OutputLines(client)
         _wait_for_commits(out, client, lines)
+        lost_at = time.monotonic()  # before the signal: the client may read the closed connection before kill returns
         os.kill(scheduler.pid, how)
-        output = _stopped_in_time(client, lines, time.monotonic(), hung=how == signal.SIGSTOP)
+        output = _stopped_in_time(client, lines, lost_at, hung=how == signal.SIGSTOP)
         assert f"lost the Dask scheduler {address}" in output and why in output, output
         assert "Traceback" not in output, output[-6000:]
         # beside a hung scheduler the worker goes on with the partitions it holds: one of them finishes with
@@ -201,8 +202,9 @@ def test_daskgens_own_scheduler_process_killed_mid_run_exits_3_and_the_rerun_kee
         for c in psutil.Process(client.pid).children(recursive=True)
         if "daskgen.deploy.scheduler_process" in " ".join(c.cmdline())
     ]
+    lost_at = time.monotonic()  # before the kill, as above
     scheduler.kill()
-    _stopped_in_time(client, lines, time.monotonic(), hung=False)
+    _stopped_in_time(client, lines, lost_at, hung=False)
     assert not (out / LOCK_NAME).exists(), "the lock must be released"
     assert _group_gone(client.pid), "a process of the run was left behind"
     _rerun_commits_each_row_once(tmp_path, prompts, out, *config)
