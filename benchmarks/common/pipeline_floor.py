@@ -5,9 +5,9 @@ partition: the worker tokenizes the partition's prompts (as daskgen's workers do
 per worker by :class:`FloorWorker`, with the model's tokenizer) generates the partition's samples as one batch;
 their tokens, logprobs, lengths and finish reasons are placed into a padded region of the store's data arrays (the
 other arrays keep their fill values) and written the way the direct writer writes (:func:`write_region`: every array
-of the region side by side on Zarr's event loop), in a worker thread; or, with writer processes, handed to a pool of
-spawned processes on the worker that write it as daskgen's workers do (the store's region write), as
-``daskgen.writer-processes`` does. The task returns the partition's start. The client submits every partition at
+of the region side by side on Zarr's event loop), in a worker thread; or, with writer processes, handed to daskgen's
+own writer processes (:class:`daskgen.worker.writers.WriterPool`) that write it as daskgen's workers do (the store's
+region write). The task returns the partition's start. The client submits every partition at
 once and waits for them with ``as_completed``. Its workers' garbage collector is set as the daskgen under test sets
 a worker's. Nothing is checkpointed, resumed, validated, counted or reported: besides Dask, Zarr and the engine,
 this pipeline does only what must happen to store a sample: its rate is what a pipeline with one process per worker
@@ -46,8 +46,8 @@ class FloorWorker(WorkerPlugin):
     def __init__(self, store: str, model: str, engine_args: dict[str, Any], writer_processes: int = 0) -> None:
         self.store, self.model, self.engine_args = store, model, engine_args
         self.writer_processes = writer_processes
-        self.writers: Any = None  # the spawned writer processes, or None: the worker writes in a thread
-        self.opened: Any = None  # the store, as the writer processes get it
+        self.writers: Any = None  # daskgen's writer processes of this worker, or None: it writes in a thread
+        self.opened: Any = None  # the store whose region write the writer processes run
         self.engine: Any = None
         self.tokenizer: Any = None
         self.layout: Any = None
@@ -58,13 +58,14 @@ class FloorWorker(WorkerPlugin):
         import zarr
 
         from daskgen import store
-
-        if self.writer_processes:
-            self.writers = start_writer_processes(self.writer_processes)
-            self.opened = store.GenerationStore.open(self.store)
         from daskgen.engines.simulated import SimulatedEngine
         from daskgen.input.tokenizer import load_tokenizer
 
+        if self.writer_processes:
+            from daskgen.worker.writers import WriterPool
+
+            self.writers = WriterPool(self.writer_processes)
+            self.opened = store.GenerationStore.open(self.store)
         self.engine = SimulatedEngine(self.model, **self.engine_args)
         await self.engine.start()
         self.tokenizer = load_tokenizer(self.model, "simulated", self.engine_args)
@@ -77,19 +78,7 @@ class FloorWorker(WorkerPlugin):
         """Stop the engine and the writer processes."""
         await self.engine.shutdown()
         if self.writers is not None:
-            self.writers.shutdown(wait=True)
-
-
-def start_writer_processes(processes: int) -> Any:
-    """``processes`` spawned processes with Zarr and daskgen's store imported (before the timed part)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"))
-    imports = "from daskgen.store.generation_store import import_zarr; import_zarr()"  # a builtin pickles by name
-    for started in [pool.submit(exec, imports) for _ in range(processes)]:
-        started.result()
-    return pool
+            self.writers.close()
 
 
 def tune_collector() -> None:
@@ -158,10 +147,9 @@ async def floor_partition(start: int, texts: list[str], seeds: list[int], params
 
     if plugin.writers is None:
         await asyncio.to_thread(store)
-    else:  # placed in a thread, written by a writer process (the arrays are pickled to it)
+    else:  # placed in a thread, written by a writer process (the arrays are pickled to it), as daskgen's workers do
         region = await asyncio.to_thread(_region, plugin.layout, prompts, results, n_samples)
-        write = plugin.opened.write_region
-        await asyncio.get_running_loop().run_in_executor(plugin.writers, write, start, region)
+        await plugin.writers.run(plugin.opened.write_region, start, region)
     return start
 
 
