@@ -147,12 +147,9 @@ async def floor_partition(start: int, texts: list[str], seeds: list[int], params
 
     if plugin.writers is None:
         await asyncio.to_thread(store)
-    else:  # placed in a thread, written by a writer process, handed over as daskgen's workers hand theirs over
+    else:  # placed in a thread, written by a writer process (the arrays are pickled to it), as daskgen's workers do
         region = await asyncio.to_thread(_region, plugin.layout, prompts, results, n_samples)
-        if hasattr(plugin.writers, "write_region"):  # in shared memory
-            await plugin.writers.write_region(plugin.opened, start, region)
-        else:  # daskgen before its shared-memory hand-over (DASKGEN_SRC): pickled
-            await plugin.writers.run(plugin.opened.write_region, start, region)
+        await plugin.writers.run(plugin.opened.write_region, start, region)
     return start
 
 
