@@ -1,8 +1,9 @@
 """Writer processes (``daskgen.writer-processes``): partitions' regions written beside the worker's event loop.
 
 Real runs on a LocalCluster of worker processes with the instant simulated engine: a run whose workers write
-through writer processes stores exactly what a run writing in the worker's own thread stores; a writer
-process killed before the run is replaced and nothing is lost; writer processes die with their worker.
+through writer processes (their regions handed over in shared memory) stores exactly what a run writing in
+the worker's own thread stores; a writer process killed before the run is replaced and nothing is lost;
+writer processes die with their worker.
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ def writers_of(dask_worker) -> dict[str, object]:
     pool = plugin.writers if plugin is not None else None
     children = [p.pid for p in psutil.Process().children() if p.is_running()]
     if pool is None:
-        return {"processes": 0, "written": 0, "replaced": 0, "children": children}
-    return {"processes": pool.processes, "written": pool.written, "replaced": pool.replaced, "children": children}
+        return {"processes": 0, "written": 0, "replaced": 0, "shared": 0, "children": children}
+    counts = {"written": pool.written, "replaced": pool.replaced, "shared": pool.blocks.shared}
+    return {"processes": pool.processes, **counts, "children": children}
 
 
 def kill_writers(dask_worker) -> list[int]:
@@ -89,6 +91,7 @@ def test_writer_processes_store_what_the_worker_thread_stores(tmp_path):
     (worker,) = seen.values()
     assert worker["processes"] == 1 and len(worker["children"]) == 1
     assert worker["written"] == ROWS // 4  # every partition went through the writer process
+    assert worker["shared"] == ROWS // 4  # its arrays in shared memory (daskgen.worker.shared_regions)
     a = GenerationStore.open(str(tmp_path / "thread.zarr")).read_region(0, ROWS, COMPARED)
     b = GenerationStore.open(str(tmp_path / "process.zarr")).read_region(0, ROWS, COMPARED)
     for name in COMPARED:
@@ -183,3 +186,51 @@ def test_writer_processes_setting_is_checked(value):
 
 def test_writer_processes_default_is_zero():
     assert writer_processes() == 0
+
+
+BLOCK_SCRIPT = """
+import asyncio, os, signal, sys, time
+import numpy as np
+from daskgen.worker.writers import WriterPool
+
+class Slow:  # a store whose region write takes long: the writer process reads the block when its worker dies
+    def write_region(self, start, arrays):
+        print("writing", flush=True)
+        time.sleep(300)
+
+def blocks():
+    return {name for name in os.listdir("/dev/shm") if name.startswith("psm_")}
+
+async def main():
+    before = blocks()
+    pool = WriterPool(1)
+    write = asyncio.ensure_future(pool.write_region(Slow(), 0, {"response_ids": np.arange(4096)}))
+    while not blocks() - before and not write.done():
+        await asyncio.sleep(0.01)
+    print(" ".join(blocks() - before), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+def test_a_killed_workers_shared_memory_is_removed(tmp_path):
+    """A worker killed while its writer process reads a region's block: the block does not outlive them (the
+    worker's resource tracker removes it; Linux shows POSIX shared memory in /dev/shm)."""
+    script = tmp_path / "worker.py"
+    script.write_text(BLOCK_SCRIPT)
+    cmd = [sys.executable, str(script)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    assert proc.stdout is not None and proc.stdin is not None
+    names = proc.stdout.readline().split()
+    assert len(names) == 1, "the region should be in one shared-memory block"
+    assert proc.stdout.readline().strip() == "writing"  # the writer process holds the block
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/dev/shm/{names[0]}"):
+        assert time.monotonic() < deadline, f"shared-memory block {names[0]} outlived its worker"
+        time.sleep(0.1)

@@ -149,7 +149,7 @@ async def floor_partition(start: int, texts: list[str], seeds: list[int], params
         await asyncio.to_thread(store)
     else:  # placed in a thread, written by a writer process (the arrays are pickled to it), as daskgen's workers do
         region = await asyncio.to_thread(_region, plugin.layout, prompts, results, n_samples)
-        await plugin.writers.run(plugin.opened.write_region, start, region)
+        await plugin.writers.write_region(plugin.opened, start, region)
     return start
 
 

@@ -196,7 +196,7 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
             outcome = await asyncio.to_thread(write_partition, task, region, samples, rounds)
         else:  # placed in a thread, written by a writer process (daskgen.worker.writers): only arrays go there
             filled, outcome = await asyncio.to_thread(place_partition, task, region, samples, rounds)
-            await plugin.writers.run(task.store.write_region, task.start, filled)
+            await plugin.writers.write_region(task.store, task.start, filled)
     outcome.seconds, outcome.worker = time.perf_counter() - t0, worker.address
     return outcome
 

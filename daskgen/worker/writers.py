@@ -5,8 +5,9 @@ samples are placed into its padded region in a thread of the worker, and writing
 (Zarr's codecs, checksums and I/O, much of it Python) is the larger part of the CPU a sample costs after
 the engine.  In a thread of the worker it competes with the loop for the interpreter lock.  With
 ``daskgen.writer-processes`` set to N > 0, each worker starts N processes that write: the partition's
-region (numpy arrays, so the hand-over is a copy of their bytes) goes to one of them, and the task ends
-when that process answered, so a partition still finishes only after its data landed.  Worth it where a
+region goes to one of them through shared memory (:mod:`daskgen.worker.shared_regions`: one copy of its
+arrays' bytes, no pipe), and the task ends when that process answered, so a partition still finishes only
+after its data landed.  Worth it where a
 worker has cores to spare (GPU nodes usually have many cores per GPU); where every core already runs a
 worker, it only adds the hand-over.
 
@@ -26,12 +27,15 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
+import numpy as np
+
 from daskgen import tunables
 from daskgen.errors import ConfigError, StoreWriteError
+from daskgen.worker.shared_regions import Block, SharedBlocks, write_shared
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +67,7 @@ class WriterPool:
         self.processes = processes
         self.written = 0  # partitions the processes wrote
         self.replaced = 0  # times a process died and the pool was started again
+        self.blocks = SharedBlocks(keep=processes + 1)
         self._pool = self._new_pool()
         for _ in range(processes):  # start them (and import the writing code) while the engine starts
             self._pool.submit(_import_writer)
@@ -71,13 +76,14 @@ class WriterPool:
         context = multiprocessing.get_context("spawn")
         return ProcessPoolExecutor(self.processes, mp_context=context, initializer=_die_with, initargs=(os.getpid(),))
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` in a writer process; once more in a new pool when a process of the pool died."""
-        loop = asyncio.get_running_loop()
+    async def run(self, fn: Callable[..., T], *args: Any, block: Block | None = None) -> T:
+        """``fn(*args)`` in a writer process; once more in a new pool when a process of the pool died.
+
+        ``block``: a shared-memory block the call reads, held until the process is done with it."""
         for attempt in (1, 2):
             pool = self._pool
             try:
-                out = await loop.run_in_executor(pool, fn, *args)
+                out = await asyncio.wrap_future(self._submit(pool, block, fn, *args))
             except BrokenProcessPool as exc:
                 if attempt == 2:
                     raise StoreWriteError(
@@ -91,6 +97,27 @@ class WriterPool:
                 return out
         raise AssertionError("unreachable")
 
+    async def write_region(self, store: Any, start: int, arrays: dict[str, np.ndarray]) -> None:
+        """``store.write_region(start, arrays)`` in a writer process, the arrays handed over in shared memory
+        (:mod:`daskgen.worker.shared_regions`; pickled where there is no room for them)."""
+        shared = self.blocks.share(arrays)
+        if shared is None:
+            await self.run(store.write_region, start, arrays)
+            return
+        region, block = shared
+        try:
+            await self.run(write_shared, store, start, region, block=block)
+        finally:
+            self.blocks.drop(block)
+
+    def _submit(self, pool: ProcessPoolExecutor, block: Block | None, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Submit ``fn(*args)``; ``block`` is held until it has run (or was cancelled before it started)."""
+        future = pool.submit(fn, *args)
+        if block is not None:
+            self.blocks.hold(block)
+            future.add_done_callback(lambda _: self.blocks.drop(block))
+        return future
+
     def _replace(self, broken: ProcessPoolExecutor, exc: BaseException) -> None:
         """Start a new pool in place of ``broken`` (once: the first partition that found it broken does)."""
         if self._pool is broken:
@@ -101,6 +128,7 @@ class WriterPool:
     def close(self) -> None:
         """Stop the processes (a write in progress ends with its worker anyway)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.blocks.close()
 
 
 def start_writers() -> WriterPool | None:

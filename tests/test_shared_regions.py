@@ -1,0 +1,107 @@
+"""Regions handed to writer processes through shared memory (:mod:`daskgen.worker.shared_regions`).
+
+In one process: a region's arrays come back equal from their block (text arrays pickled beside it), blocks are
+reused and removed on close, a block read by a write is not reused before the write ends, and a shared-memory
+folder without room sends the region pickled.  Writer processes reading the blocks for real:
+``tests/test_writers.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import namedtuple
+
+import numpy as np
+
+from daskgen.worker import shared_regions
+from daskgen.worker.shared_regions import SharedBlocks, arrays_of
+
+
+def region(rows: int = 4, seed: int = 0) -> dict[str, np.ndarray]:
+    """A small region of each kind of array a partition writes: ints, floats, bools, text."""
+    rng = np.random.default_rng(seed)
+    return {
+        "response_ids": rng.integers(0, 50_000, size=(rows, 2, 16), dtype=np.int32),
+        "logprobs": rng.standard_normal((rows, 2, 16)).astype(np.float32),
+        "response_mask": rng.integers(0, 2, size=(rows, 2, 16), dtype=np.int8),
+        "finish_reason": rng.integers(0, 4, size=(rows, 2), dtype=np.uint8),
+        "flags": rng.integers(0, 2, size=(rows,)).astype(bool),
+        "col_source": np.array([f"doc {i}" for i in range(rows)], dtype=object),
+    }
+
+
+def on_disk(name: str) -> bool:
+    """Whether the block ``name`` still exists (Linux keeps POSIX shared memory as files in /dev/shm)."""
+    return os.path.exists(os.path.join("/dev/shm", name))
+
+
+def test_a_region_comes_back_equal_and_its_text_goes_pickled():
+    blocks = SharedBlocks(keep=1)
+    arrays = region()
+    shared, block = blocks.share(arrays)
+    try:
+        back = arrays_of(shared)
+        assert set(back) == set(arrays)
+        for name, values in arrays.items():
+            assert back[name].dtype == values.dtype and back[name].shape == values.shape, name
+            np.testing.assert_array_equal(back[name], values, err_msg=name)
+        assert set(shared.others) == {"col_source"}  # text is not put in the block
+        assert not any(np.shares_memory(back[n], arrays[n]) for n in shared.places)  # copied, not aliased
+        del back
+    finally:
+        blocks.drop(block)
+        blocks.close()
+    assert blocks.shared == 1 and blocks.pickled == 0
+
+
+def test_blocks_are_reused_and_removed_on_close():
+    blocks = SharedBlocks(keep=1)
+    first, block = blocks.share(region(seed=1))
+    blocks.drop(block)
+    second, again = blocks.share(region(rows=3, seed=2))  # a smaller region fits the kept block
+    assert second.block == first.block and again is block
+    np.testing.assert_array_equal(arrays_of(second)["response_ids"], region(rows=3, seed=2)["response_ids"])
+    blocks.drop(again)
+    assert on_disk(first.block)
+    blocks.close()
+    assert not on_disk(first.block)
+
+
+def test_a_block_read_by_a_write_is_not_reused_before_the_write_ends():
+    blocks = SharedBlocks(keep=2)
+    shared, block = blocks.share(region(seed=3))
+    blocks.hold(block)  # a write that reads it was submitted
+    blocks.drop(block)  # the task awaiting the write was cancelled: its own hold ends
+    other, other_block = blocks.share(region(seed=4))
+    assert other.block != shared.block  # the write may still be reading the first block
+    np.testing.assert_array_equal(arrays_of(shared)["logprobs"], region(seed=3)["logprobs"])
+    blocks.drop(block)  # the write ended
+    blocks.drop(other_block)
+    third, third_block = blocks.share(region(seed=5))
+    assert third.block in (shared.block, other.block)
+    blocks.drop(third_block)
+    blocks.close()
+    assert not on_disk(shared.block) and not on_disk(other.block)
+
+
+def test_beyond_the_kept_blocks_a_free_block_is_removed():
+    blocks = SharedBlocks(keep=1)
+    (a, block_a), (b, block_b) = blocks.share(region(seed=6)), blocks.share(region(seed=7))
+    blocks.drop(block_a)
+    blocks.drop(block_b)  # one block is kept: the second is removed at once
+    assert on_disk(a.block) != on_disk(b.block)
+    blocks.close()
+    assert not on_disk(a.block) and not on_disk(b.block)
+
+
+def test_without_room_in_the_shared_memory_folder_the_region_goes_pickled(monkeypatch):
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shared_regions.shutil, "disk_usage", lambda path: Usage(64 << 20, 64 << 20, 1000))
+    blocks = SharedBlocks(keep=1)
+    assert blocks.share(region()) is None
+    assert blocks.pickled == 1 and blocks.shared == 0
+    monkeypatch.undo()
+    shared, block = blocks.share(region())
+    blocks.drop(block)
+    blocks.close()
+    assert blocks.shared == 1 and not on_disk(shared.block)
