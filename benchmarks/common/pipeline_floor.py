@@ -147,9 +147,12 @@ async def floor_partition(start: int, texts: list[str], seeds: list[int], params
 
     if plugin.writers is None:
         await asyncio.to_thread(store)
-    else:  # placed in a thread, written by a writer process (the arrays are pickled to it), as daskgen's workers do
+    else:  # placed in a thread, written by a writer process, handed over as daskgen's workers hand theirs over
         region = await asyncio.to_thread(_region, plugin.layout, prompts, results, n_samples)
-        await plugin.writers.write_region(plugin.opened, start, region)
+        if hasattr(plugin.writers, "write_region"):  # in shared memory
+            await plugin.writers.write_region(plugin.opened, start, region)
+        else:  # daskgen before its shared-memory hand-over (DASKGEN_SRC): pickled
+            await plugin.writers.run(plugin.opened.write_region, start, region)
     return start
 
 
