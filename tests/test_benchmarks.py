@@ -623,3 +623,16 @@ def test_prefix_dispatch(tmp_path):
     assert "prompt tokens computed" in record
     busy = [float(x) for x in heavy.split(" | ")[-2].split(";")]  # the busiest engine's model s, both sides
     assert "busiest engine's model s" in record and min(busy) > 0, heavy
+
+
+@pytest.mark.timeout(300)
+def test_worker_path(tmp_path):
+    """The worker's result path, stage by stage, in one process: every stage ran and was timed (no figure is
+    asserted), the regions the writer process wrote are the ones the worker wrote itself."""
+    out, record = run_script("worker_path.py", tmp_path, "--prompts", "256", "--repeats", "2")
+    for stage in ("engine alone", "generation", "placement", "hand-over to a writer process: the worker's side"):
+        row = next(line for line in out.splitlines() if line.startswith(f"| {stage} |"))
+        values = [float(v) for v in row.strip(" |").split("|")[1:]]
+        assert len(values) == 3 and all(v > 0 for v in values), row
+    assert "daskgen's own work per sample on a worker besides its engine" in record
+    assert "equals every region handed over: True." in record

@@ -14,7 +14,7 @@ from collections import namedtuple
 import numpy as np
 
 from daskgen.worker import shared_regions
-from daskgen.worker.shared_regions import SharedBlocks, arrays_of
+from daskgen.worker.shared_regions import Handover, SharedBlocks, arrays_of
 
 
 def region(rows: int = 4, seed: int = 0) -> dict[str, np.ndarray]:
@@ -105,3 +105,28 @@ def test_without_room_in_the_shared_memory_folder_the_region_goes_pickled(monkey
     blocks.drop(block)
     blocks.close()
     assert blocks.shared == 1 and not on_disk(shared.block)
+
+
+def test_a_hand_over_dropped_unwritten_gives_its_block_back():
+    """A task cancelled between placing its region and writing it drops its hand-over: the block is reused."""
+    blocks = SharedBlocks(keep=1)
+    handover = Handover(blocks, region(seed=8))
+    assert handover.region is not None and handover.arrays is None
+    name = handover.region.block
+    del handover  # never written
+    again = Handover(blocks, region(seed=9))
+    assert again.region is not None and again.region.block == name
+    np.testing.assert_array_equal(arrays_of(again.region)["response_ids"], region(seed=9)["response_ids"])
+    again.release()
+    again.release()  # released once only
+    blocks.close()
+    assert not on_disk(name)
+
+
+def test_a_hand_over_without_room_keeps_its_arrays(monkeypatch):
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shared_regions.shutil, "disk_usage", lambda path: Usage(64 << 20, 64 << 20, 1000))
+    arrays = region()
+    handover = Handover(SharedBlocks(keep=1), arrays)
+    assert handover.region is None and handover.arrays is arrays
+    handover.release()

@@ -39,6 +39,8 @@ from daskgen.worker.thread_slots import leave_thread_slot
 if TYPE_CHECKING:
     from daskgen.input.response_format import ResponseFormat
     from daskgen.worker.plugin import EnginePlugin
+    from daskgen.worker.shared_regions import Handover
+    from daskgen.worker.writers import WriterPool
 
 
 @dataclass
@@ -188,15 +190,15 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
     agent = create_agent(task.agent, task.model, task.agent_args)
     async with plugin.partition(len(task.rows) * task.n_samples) as slot:
         region, prefixes = await _prepare_inputs(task, plugin)
-        generation = _Generation(plugin, await slot.engine_handle(), agent, task, prefixes, slot)
+        generation = PartitionGeneration(plugin, await slot.engine_handle(), agent, task, prefixes, slot)
         results = await generation.run()
         rounds = results if task.verify is not None else None
         samples = [t for o in results for t in o.samples] if rounds is not None else results
         if plugin.writers is None:  # placed and written in a thread of the worker
             outcome = await asyncio.to_thread(write_partition, task, region, samples, rounds)
-        else:  # placed in a thread, written by a writer process (daskgen.worker.writers): only arrays go there
-            filled, outcome = await asyncio.to_thread(place_partition, task, region, samples, rounds)
-            await plugin.writers.write_region(task.store, task.start, filled)
+        else:  # placed and handed over in a thread, written by a writer process (daskgen.worker.writers)
+            handover, outcome = await asyncio.to_thread(place_for_writer, plugin.writers, task, region, samples, rounds)
+            await plugin.writers.write(task.store, task.start, handover)
     outcome.seconds, outcome.worker = time.perf_counter() - t0, worker.address
     return outcome
 
@@ -238,6 +240,18 @@ def place_partition(
     return region, outcome
 
 
+def place_for_writer(
+    writers: WriterPool,
+    task: PartitionTask,
+    region: dict[str, np.ndarray] | None,
+    samples: list[list[Trajectory]],
+    rounds: list[RowOutcome] | None,
+) -> tuple[Handover, PartitionResult]:
+    """:func:`place_partition`, the region then made ready for one of ``writers`` (in the same thread)."""
+    filled, outcome = place_partition(task, region, samples, rounds)
+    return writers.hand_over(filled), outcome
+
+
 def write_partition(
     task: PartitionTask,
     region: dict[str, np.ndarray] | None,
@@ -251,8 +265,13 @@ def write_partition(
 
 
 @dataclass
-class _Generation:
-    """One partition's generation on its worker: the engine handle, agent loop, kept prefixes and slot."""
+class PartitionGeneration:
+    """One partition's generation on its worker: the engine handle, agent loop, kept prefixes and slot.
+
+    ``plugin`` is the worker's :class:`~daskgen.worker.plugin.EnginePlugin` (or anything with its ``get_engine``,
+    ``tokenizer``, ``prompt_order``, ``check_health``, ``mark_broken`` and ``came_back``); :meth:`run` returns
+    each sample's trajectories in row-major order (one :class:`~daskgen.worker.rounds.RowOutcome` per row
+    with a verifier)."""
 
     plugin: Any
     handle: EngineHandle

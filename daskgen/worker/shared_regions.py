@@ -23,7 +23,9 @@ import os
 import shutil
 import sys
 import threading
+import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 from typing import Any
@@ -154,6 +156,23 @@ def _room_for(size: int) -> bool:
         logger.info("%s has %d bytes free, too few for a %d-byte region: it goes pickled", _SHM_FOLDER, free, size)
         return False
     return True
+
+
+class Handover:
+    """A finished region ready for a writer process: in a shared block of ``blocks`` (held until :meth:`release`,
+    or until the hand-over is dropped unwritten, e.g. by a cancelled task), or as its arrays where there was no
+    room.  Made in any thread (the one that placed the region), written on the worker's event loop."""
+
+    def __init__(self, blocks: SharedBlocks, arrays: dict[str, np.ndarray]):
+        shared = blocks.share(arrays)
+        self.arrays = None if shared is not None else arrays
+        self.region: SharedRegion | None = shared[0] if shared is not None else None
+        self.block: Block | None = shared[1] if shared is not None else None
+        self.release: Callable[[], Any] = _nothing if shared is None else weakref.finalize(self, blocks.drop, shared[1])
+
+
+def _nothing() -> None:
+    """A hand-over without a block has nothing to release."""
 
 
 # --------------------------------------------------------------------------- writer process side

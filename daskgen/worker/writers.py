@@ -35,7 +35,7 @@ import numpy as np
 
 from daskgen import tunables
 from daskgen.errors import ConfigError, StoreWriteError
-from daskgen.worker.shared_regions import Block, SharedBlocks, write_shared
+from daskgen.worker.shared_regions import Block, Handover, SharedBlocks, write_shared
 
 logger = logging.getLogger(__name__)
 
@@ -97,18 +97,24 @@ class WriterPool:
                 return out
         raise AssertionError("unreachable")
 
-    async def write_region(self, store: Any, start: int, arrays: dict[str, np.ndarray]) -> None:
-        """``store.write_region(start, arrays)`` in a writer process, the arrays handed over in shared memory
-        (:mod:`daskgen.worker.shared_regions`; pickled where there is no room for them)."""
-        shared = self.blocks.share(arrays)
-        if shared is None:
-            await self.run(store.write_region, start, arrays)
+    def hand_over(self, arrays: dict[str, np.ndarray]) -> Handover:
+        """Any thread: the region made ready for a writer process (copied into shared memory,
+        :mod:`daskgen.worker.shared_regions`, or kept to be pickled where there is no room there)."""
+        return Handover(self.blocks, arrays)
+
+    async def write(self, store: Any, start: int, handover: Handover) -> None:
+        """``store.write_region(start, arrays)`` of the handed-over region, in a writer process."""
+        if handover.region is None:
+            await self.run(store.write_region, start, handover.arrays)
             return
-        region, block = shared
         try:
-            await self.run(write_shared, store, start, region, block=block)
+            await self.run(write_shared, store, start, handover.region, block=handover.block)
         finally:
-            self.blocks.drop(block)
+            handover.release()
+
+    async def write_region(self, store: Any, start: int, arrays: dict[str, np.ndarray]) -> None:
+        """:meth:`hand_over` then :meth:`write`, both on the calling loop."""
+        await self.write(store, start, self.hand_over(arrays))
 
     def _submit(self, pool: ProcessPoolExecutor, block: Block | None, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Submit ``fn(*args)``; ``block`` is held until it has run (or was cancelled before it started)."""
