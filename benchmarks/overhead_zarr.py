@@ -242,6 +242,7 @@ def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: f
         workers = sum(w["process"] for w in cpu["workers"].values()) + writers
         client = cpu["client"]["process"]
         collector = sum(w.get("garbage collector", 0.0) for w in cpu["workers"].values())
+        loops = sum(w.get("event loop", 0.0) for w in cpu["workers"].values())
         # if the workers did nothing but the writes, the run would still spend the writes, the engine's own work
         # and the client's process on the machine's cores: the best rate vs direct it could reach here
         floor_s = (direct1["seconds"] + engine_s + client) / cores
@@ -254,8 +255,10 @@ def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: f
                 (workers - engine_s - direct1["seconds"]) / samples * 1e6,
                 writers / samples * 1e6,
                 (workers - engine_s - writers) / samples * 1e6,
+                loops / samples * 1e6,
                 collector / samples * 1e6,
                 client / samples * 1e6,
+                cpu["client"].get("thread", 0.0) / samples * 1e6,
                 cpu["client"].get("garbage collector", 0.0) / samples * 1e6,
                 (workers + client) / dg["seconds"],
                 direct1["seconds"] / samples * 1e6,
@@ -271,8 +274,10 @@ def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: f
             "the same without the Zarr writes (the direct writer's time)",
             "of the workers' CPU: in writer processes",
             "worker processes' own CPU µs/sample (without the engine's own work and the writer processes)",
+            "of the worker processes' CPU: their event-loop threads µs/sample (the engine's own work included)",
             "worker processes: CPU in the garbage collector µs/sample",
             "client process CPU µs/sample (scheduler included)",
+            "of the client process: the run's own thread µs/sample (the rest: the scheduler and Dask's comms)",
             "client process: CPU in the garbage collector µs/sample",
             "cores busy (workers + client)",
             "direct zarr, 1 process: µs/sample",
@@ -282,7 +287,9 @@ def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: f
         "CPU per sample, daskgen side (process CPU time from engines ready to the last commit, no profiler). "
         "The direct writer's time per sample is what the Zarr writes alone cost one core. The bound is the rate vs "
         "direct a run would reach if its workers did nothing but the Zarr writes: the writes, the engine's own "
-        f"work and the client's process CPU, spread over all {cores} cores at best.",
+        f"work and the client's process CPU, spread over all {cores} cores at best. A worker's event-loop thread runs "
+        "its engine (here the instant one), the partitions' generation and Dask's task and comms handling: one core "
+        "at most, whatever the cores beside it.",
     )
 
 

@@ -152,6 +152,11 @@ def test_overhead(tmp_path, tiny_model):
     in_writers = [float(row["of the workers' CPU: in writer processes"].replace(",", "")) for row in cpu_rows]
     assert in_writers[0] == 0 and in_writers[1] > 0
     assert all(any(k.startswith("worker processes' own CPU") for k in row) for row in cpu_rows)
+    for row in cpu_rows:  # a worker's event-loop thread is part of its process; the client's thread of its process
+        value = {key.split(" µs")[0]: float(cell.replace(",", "")) for key, cell in row.items() if "µs/sample" in key}
+        loop, workers = value["of the worker processes' CPU: their event-loop threads"], value["workers' CPU"]
+        own, client = value["of the client process: the run's own thread"], value["client process CPU"]
+        assert 0 < loop < workers and 0 < own < client, row
     assert (
         "The floor / direct write rate, writer processes 1" in out
         and "daskgen / the floor's rate, writer processes 1" in out
