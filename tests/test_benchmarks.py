@@ -157,6 +157,8 @@ def test_overhead(tmp_path, tiny_model):
         loop, workers = value["of the worker processes' CPU: their event-loop threads"], value["workers' CPU"]
         own, client = value["of the client process: the run's own thread"], value["client process CPU"]
         assert 0 < loop < workers and 0 < own < client, row
+        busy = row["a worker's event-loop thread busy (share of the run's time, mean over the workers)"]
+        assert 0 < float(busy) < 1.5, row  # one thread: about one core at most
     assert (
         "The floor / direct write rate, writer processes 1" in out
         and "daskgen / the floor's rate, writer processes 1" in out
