@@ -37,6 +37,11 @@ MIB = 2**20
 TITLE = "Pipeline overhead: daskgen vs direct Zarr writes"
 
 
+def prompt_texts(n: int) -> list[str]:
+    """The comparison's ``n`` prompts."""
+    return [f"Row {i}: summarise document {i * 31 % 997}." for i in range(n)]
+
+
 def zarr_config(a: argparse.Namespace, store: Path) -> RunConfig:
     """daskgen settings of the instant-engine run."""
     return RunConfig(
@@ -162,7 +167,7 @@ def engine_cpu_seconds(config: RunConfig, requests: list[Any]) -> float:
 
 def part_zarr(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     """daskgen with an instant engine vs direct Zarr writes of the same arrays."""
-    prompts = [f"Row {i}: summarise document {i * 31 % 997}." for i in range(a.prompts)]
+    prompts = prompt_texts(a.prompts)
     config = zarr_config(a, work / "daskgen.zarr")
     plan = zarr_config(a, work / "plan.zarr")  # a store of the run's layout, planned with no data
     requests = runs.run_requests(plan, prompts)  # every request of the run
@@ -242,7 +247,7 @@ def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: f
         workers = sum(w["process"] for w in cpu["workers"].values()) + writers
         client = cpu["client"]["process"]
         collector = sum(w.get("garbage collector", 0.0) for w in cpu["workers"].values())
-        loops = sum(w.get("event loop", 0.0) for w in cpu["workers"].values())
+        loops = sum(w["event loop"] for w in cpu["workers"].values())
         # if the workers did nothing but the writes, the run would still spend the writes, the engine's own work
         # and the client's process on the machine's cores: the best rate vs direct it could reach here
         floor_s = (direct1["seconds"] + engine_s + client) / cores
@@ -259,7 +264,7 @@ def cpu_table(rec: records.Record, results: list[Any], samples: int, engine_s: f
                 loops / len(cpu["workers"]) / dg["seconds"],
                 collector / samples * 1e6,
                 client / samples * 1e6,
-                cpu["client"].get("thread", 0.0) / samples * 1e6,
+                cpu["client"]["thread"] / samples * 1e6,
                 cpu["client"].get("garbage collector", 0.0) / samples * 1e6,
                 (workers + client) / dg["seconds"],
                 direct1["seconds"] / samples * 1e6,

@@ -36,7 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from common import cli, records, runs
+import overhead_zarr
+from common import cli, profiling, records, runs
+from common.pipeline_floor import write_by_writer
 
 TITLE = "Worker result path: CPU per sample by stage"
 STAGES = (
@@ -71,26 +73,13 @@ class BenchPlugin:
 
 
 def workload(a: argparse.Namespace, work: Path) -> tuple[Any, list[Any], list[Any]]:
-    """The run's config, its partition tasks (prompts tokenized) and every request of the run, row-major."""
+    """The pipeline comparison's config and prompts (:mod:`overhead_zarr`), its partition tasks (prompts tokenized)
+    and every request of the run, row-major."""
     from daskgen.client.plan import pending_tasks, prepare
-    from daskgen.config import RunConfig
     from daskgen.input.rows import tokenize_rows
 
-    texts = [f"Row {i}: summarise document {i * 31 % 997}." for i in range(a.prompts)]
-    engine_args = {"time_scale": 0.0, "length_dist": "lognormal", "length_mean": a.length_mean}
-    config = RunConfig(
-        model="sim",
-        store=str(work / "path.zarr"),
-        engine="simulated",
-        engine_args=engine_args,
-        n_samples=a.n_samples,
-        max_new_tokens=a.max_new_tokens,
-        partition_size=a.partition_size,
-        logprobs=True,
-        temperature=1.0,
-        seed=1,
-        progress=False,
-    )
+    texts = overhead_zarr.prompt_texts(a.prompts)
+    config = overhead_zarr.zarr_config(a, work / "path.zarr")
     plan = prepare(config, texts)
     tasks = list(pending_tasks(plan, plan.store.read_status()))
     for task in tasks:
@@ -107,9 +96,9 @@ def generation_class() -> Any:
     return getattr(partition, "PartitionGeneration", None) or getattr(partition, "_Generation")  # noqa: B009
 
 
-async def one_pass(config: Any, tasks: list[Any], requests: list[Any], pool: Any) -> dict[str, float]:
-    """CPU seconds of each stage over every partition, in this order: engine alone, generation, placement,
-    hand-over (worker and writer process), Zarr write in the worker."""
+async def one_pass(config: Any, tasks: list[Any], pool: Any, engine_s: float) -> dict[str, float]:
+    """CPU seconds of each stage over every partition, in this order: generation, placement, hand-over (worker and
+    writer process), Zarr write in the worker; ``engine_s``: the engine alone on the same requests."""
     from daskgen.agents import EngineHandle, create_agent
     from daskgen.engines.simulated import SimulatedEngine
     from daskgen.worker.partition import place_partition
@@ -118,12 +107,7 @@ async def one_pass(config: Any, tasks: list[Any], requests: list[Any], pool: Any
     engine = SimulatedEngine(config.model, **config.engine_args)
     await engine.start()
     spent = dict.fromkeys(STAGES, 0.0)
-    per_task = config.partition_size * config.n_samples
-    t0 = time.process_time()
-    for start in range(0, len(requests), per_task):
-        async for _group in engine.generate_batch(requests[start : start + per_task]):
-            pass
-    spent["engine alone"] = time.process_time() - t0
+    spent["engine alone"] = engine_s
     plugin, agent, generation = BenchPlugin(engine), create_agent("single_turn", config.model, {}), generation_class()
     regions = []
     for task in tasks:  # partition by partition, as a worker goes: its samples live until they are placed
@@ -154,7 +138,7 @@ async def hand_over(tasks: list[Any], regions: list[Any], pool: Any, spent: dict
     for task, region in zip(tasks, regions, strict=True):
         if len(waiting) >= 2:
             _done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        waiting.add(asyncio.ensure_future(write_in_writer(pool, task, region)))
+        waiting.add(asyncio.ensure_future(write_by_writer(pool, task.store, task.start, region)))
     await asyncio.gather(*waiting)
     spent["hand-over to a writer process: the worker's side"] = time.process_time() - t0
     spent["hand-over to a writer process: the writer process (its Zarr write included)"] = writer_cpu() - writer0
@@ -166,23 +150,9 @@ def stored_equal(task: Any, region: dict[str, Any]) -> bool:
     return all(np.array_equal(stored[n], values, equal_nan=values.dtype.kind == "f") for n, values in region.items())
 
 
-async def write_in_writer(pool: Any, task: Any, region: Any) -> None:
-    """``region`` written by a writer process of ``pool`` as the daskgen under test hands it over."""
-    if hasattr(pool, "write_region"):
-        await pool.write_region(task.store, task.start, region)
-    else:
-        await pool.run(task.store.write_region, task.start, region)
-
-
 def writer_cpu() -> float:
     """CPU seconds of this process's child processes (the writer process)."""
-    import psutil
-
-    total = 0.0
-    for child in psutil.Process().children(recursive=True):
-        times = child.cpu_times()
-        total += times.user + times.system
-    return total
+    return sum(profiling.children_cpu().values())
 
 
 def part_path(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
@@ -197,7 +167,10 @@ def part_path(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     tune_collector()  # as a worker's once its engine started: what is loaded frozen, young objects collected rarely
     try:
         asyncio.run(pool.run(os.getpid))  # after the writer process has started and imported Zarr
-        passes = [asyncio.run(one_pass(config, tasks, requests, pool)) for _ in range(a.repeats)]
+        passes = []
+        for _ in range(a.repeats):
+            engine_s = overhead_zarr.engine_cpu_seconds(config, requests)
+            passes.append(asyncio.run(one_pass(config, tasks, pool, engine_s)))
     finally:
         pool.close()
     rows = []
@@ -227,6 +200,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = cli.parser(__doc__)
     cli.add_flags(p, prompts=8192, n_samples=4, max_new_tokens=512, length_mean=16.0, partition_size=64, repeats=5)
+    p.set_defaults(workers=1, window="auto")  # what the pipeline comparison's config reads; no cluster here
     return cli.parse(p, argv)
 
 

@@ -149,11 +149,17 @@ async def floor_partition(start: int, texts: list[str], seeds: list[int], params
         await asyncio.to_thread(store)
     else:  # placed in a thread, written by a writer process, handed over as daskgen's workers hand theirs over
         region = await asyncio.to_thread(_region, plugin.layout, prompts, results, n_samples)
-        if hasattr(plugin.writers, "write_region"):  # in shared memory
-            await plugin.writers.write_region(plugin.opened, start, region)
-        else:  # daskgen before its shared-memory hand-over (DASKGEN_SRC): pickled
-            await plugin.writers.run(plugin.opened.write_region, start, region)
+        await write_by_writer(plugin.writers, plugin.opened, start, region)
     return start
+
+
+async def write_by_writer(writers: Any, store: Any, start: int, region: dict[str, np.ndarray]) -> None:
+    """``region`` written at rows ``start..`` of ``store`` by one of daskgen's writer processes ``writers``, handed
+    over as the daskgen under test hands a region over (in shared memory; pickled before it had that)."""
+    if hasattr(writers, "write_region"):
+        await writers.write_region(store, start, region)
+    else:  # a daskgen before its shared-memory hand-over (DASKGEN_SRC)
+        await writers.run(store.write_region, start, region)
 
 
 def run_floor(

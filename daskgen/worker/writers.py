@@ -7,9 +7,8 @@ the engine.  In a thread of the worker it competes with the loop for the interpr
 ``daskgen.writer-processes`` set to N > 0, each worker starts N processes that write: the partition's
 region goes to one of them through shared memory (:mod:`daskgen.worker.shared_regions`: one copy of its
 arrays' bytes, no pipe), and the task ends when that process answered, so a partition still finishes only
-after its data landed.  Worth it where a
-worker has cores to spare (GPU nodes usually have many cores per GPU); where every core already runs a
-worker, it only adds the hand-over.
+after its data landed.  Worth it where a worker has cores to spare (GPU nodes usually have many cores per
+GPU); where every core already runs a worker, it only adds the hand-over.
 
 The processes are spawned (a Dask worker runs threads, so it is not forked) from the worker's event-loop
 thread, which needs a non-daemonic worker process, as daskgen's clusters and job scripts start them.  On
