@@ -3,15 +3,17 @@
 In one process: a region's arrays come back equal from their block (text arrays pickled beside it), blocks are
 reused and removed on close, a block read by a write is not reused before the write ends, and a shared-memory
 folder without room sends the region pickled.  Writer processes reading the blocks for real:
-``tests/test_writers.py``.
+``tests/test_writers.py``; here one writer process gets a region both ways.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections import namedtuple
 
 import numpy as np
+import pytest
 
 from daskgen.worker import shared_regions
 from daskgen.worker.shared_regions import Handover, SharedBlocks, arrays_of
@@ -130,3 +132,34 @@ def test_a_hand_over_without_room_keeps_its_arrays(monkeypatch):
     handover = Handover(SharedBlocks(keep=1), arrays)
     assert handover.region is None and handover.arrays is arrays
     handover.release()
+
+
+class FileStore:
+    """A stand-in store whose region write saves the arrays to a file (the writer process runs it)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def write_region(self, start: int, arrays: dict[str, np.ndarray]) -> None:
+        np.savez(self.path, start=start, **arrays)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("room", [True, False])
+def test_a_writer_process_writes_the_region_in_shared_memory_or_pickled(tmp_path, monkeypatch, room):
+    """Through a real writer process: the same arrays arrive whichever way the region went."""
+    from daskgen.worker.writers import WriterPool
+
+    if not room:
+        Usage = namedtuple("Usage", "total used free")
+        monkeypatch.setattr(shared_regions.shutil, "disk_usage", lambda path: Usage(64 << 20, 64 << 20, 1000))
+    pool, arrays = WriterPool(1), region(seed=10)
+    try:
+        asyncio.run(pool.write_region(FileStore(str(tmp_path / "out.npz")), 8, arrays))
+    finally:
+        pool.close()
+    with np.load(tmp_path / "out.npz", allow_pickle=True) as written:
+        assert int(written["start"]) == 8
+        for name, values in arrays.items():
+            np.testing.assert_array_equal(written[name], values, err_msg=name)
+    assert (pool.blocks.shared, pool.blocks.pickled) == ((1, 0) if room else (0, 1))
