@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from daskgen.engines.base import FinishReason
+from daskgen.engines.base import BASE_POLICY_VERSION, FinishReason
 
 #: Topic of the workers' engine reports.
 WORKER_TOPIC = "daskgen-dashboard-worker"
@@ -62,6 +62,22 @@ class WorkerMeter:
         self._waiting.append(trajectories)
         if len(self._waiting) >= FOLD_EVERY:
             self._fold()
+
+    def record_turns(self, results: Iterable[Any]) -> None:
+        """Count finished plain samples at once, each one engine result that finished normally with the base
+        policy's tokens (:func:`daskgen.worker.plain_turns.is_plain`): what :meth:`record` counts of their
+        trajectories."""
+        lengths, samples, tokens, first = self._lengths, 0, 0, 0
+        for result in results:
+            n = len(result.output_ids)
+            lengths[FINISH_NAMES[result.finish_reason]].append(n)
+            tokens += n
+            samples += 1
+            first += n > 0
+        self._tokens += tokens
+        self._samples += samples
+        if first:
+            self._versions[BASE_POLICY_VERSION][0] += first
 
     def _fold(self) -> None:
         """Add the samples recorded since the last fold to the counts."""

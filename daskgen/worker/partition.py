@@ -28,6 +28,7 @@ from daskgen.input.rows import tokenize_rows
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import Layout, column_array, empty_region
 from daskgen.worker.continuation import sample_with_prefix, stored_samples
+from daskgen.worker.plain_turns import PlainTurns, Samples, TurnBatch, as_trajectories
 from daskgen.worker.prefix_order import gather_in_prompt_order
 from daskgen.worker.region import place_prompts, place_samples
 from daskgen.worker.rounds import RowOutcome, sample_in_rounds
@@ -116,7 +117,7 @@ class PartitionResult:
 def fill_region(
     region: dict[str, np.ndarray],
     task: PartitionTask,
-    samples: list[list[Trajectory]],
+    samples: Samples,
     rounds: list[RowOutcome] | None = None,
 ) -> PartitionResult:
     """Place prompts and trajectories (and verifier scores) into the region; collect per-row failures.
@@ -227,7 +228,7 @@ async def _prepare_inputs(
 def place_partition(
     task: PartitionTask,
     region: dict[str, np.ndarray] | None,
-    samples: list[list[Trajectory]],
+    samples: Samples,
     rounds: list[RowOutcome] | None,
 ) -> tuple[dict[str, np.ndarray], PartitionResult]:
     """The partition's region with its results placed, and its outcome.  ``region``: the stored one read before
@@ -244,7 +245,7 @@ def place_for_writer(
     writers: WriterPool,
     task: PartitionTask,
     region: dict[str, np.ndarray] | None,
-    samples: list[list[Trajectory]],
+    samples: Samples,
     rounds: list[RowOutcome] | None,
 ) -> tuple[Handover, PartitionResult]:
     """:func:`place_partition`, the region then made ready for one of ``writers`` (in the same thread)."""
@@ -255,7 +256,7 @@ def place_for_writer(
 def write_partition(
     task: PartitionTask,
     region: dict[str, np.ndarray] | None,
-    samples: list[list[Trajectory]],
+    samples: Samples,
     rounds: list[RowOutcome] | None,
 ) -> PartitionResult:
     """:func:`place_partition`, then write the region: the task finishes only after its data landed."""
@@ -280,17 +281,17 @@ class PartitionGeneration:
     prefixes: dict[tuple[int, int], Trajectory]
     slot: PartitionSlot
 
-    async def run(self) -> list:
+    async def run(self) -> Any:
         """Every row at once, or row by row in ``isolate`` mode."""
         if self.task.isolate:
             return await self.isolated()
         return await self.rows(range(len(self.task.rows)))
 
-    async def rows(self, indices: range) -> list:
+    async def rows(self, indices: range) -> Any:
         """All samples of the given rows at once; a crash or hang marks the engine broken and raises."""
         task, plugin = self.task, self.plugin
         self.handle.engine = await plugin.get_engine()  # the engine may have been restarted meanwhile
-        started: Awaitable[list[Any]]
+        started: Awaitable[Any]
         if self.batched:
             started = self.batch(indices)
         elif task.prefix_order and task.prompts is not None:  # shared prefixes reach the engine together
@@ -300,7 +301,7 @@ class PartitionGeneration:
         else:
             started = asyncio.gather(*self.calls(indices))
         try:
-            return list(await asyncio.wait_for(started, task.timeout_s))
+            return await asyncio.wait_for(started, task.timeout_s)  # a list, or plain turns
         except asyncio.TimeoutError:
             await self.handle.abort_all()
             await plugin.check_health()
@@ -369,29 +370,28 @@ class PartitionGeneration:
         """Plain samples (one engine call each, nothing stored to continue, no verifier) go as one batch."""
         return self.task.verify is None and type(self.agent) is SingleTurn and not self.prefixes
 
-    async def batch(self, indices: range) -> list[list[Trajectory]]:
-        """Every sample of the given rows as one batch of requests (:meth:`EngineHandle.generate_batch`): each
-        finished group made into trajectories, cut at its stops and counted on the slot at once."""
+    async def batch(self, indices: range) -> PlainTurns | list[list[Trajectory]]:
+        """Every sample of the given rows as one batch of requests (:meth:`EngineHandle.generate_batch`), each
+        finished group counted on the slot at once: kept as the engine's plain results while they all are
+        (:mod:`daskgen.worker.plain_turns`), else made into trajectories and cut at their stops."""
         task, n = self.task, self.task.n_samples
         assert task.prompts is not None
         seeds = sample_seeds(task.seed, [task.rows[i] for i in indices], n)
         order = self.plugin.prompt_order.order(task.prompts, indices) if task.prefix_order else range(len(indices))
         where = [(k, s) for k in order for s in range(n)]
         requests = [self.request(indices[k], s, seeds[k * n + s]) for k, s in where]
-        out: list[list[Trajectory]] = [[] for _ in where]
         stops = [self.settings(i) for i in indices]  # per row; all None in a run with neither stops nor settings
         decode = self.plugin.tokenizer().decode if any(settings is not None for settings in stops) else None
+        plain = decode is None and task.layout.n_trajectories == 1 and not task.layout.top_logprobs
+        turns = TurnBatch([r.params for r in requests], [k * n + s for k, s in where], plain)
         async with contextlib.aclosing(self.handle.generate_batch(requests)) as groups:
             async for group in groups:
-                finished = []
-                for j, result in group:
-                    (k, s), trajectories = where[j], [Trajectory.of_turn(requests[j].params, result)]
-                    if decode is not None and (settings := stops[k]) is not None:
+                kept, made = turns.add(group)
+                for j, trajectories in made:
+                    if decode is not None and (settings := stops[where[j][0]]) is not None:
                         apply_stops(trajectories, settings, decode)
-                    out[k * n + s] = trajectories
-                    finished.append(trajectories)
-                self.slot.count(finished)
-        return out
+                self.slot.count([trajectories for _, trajectories in made], kept)
+        return turns.outcome()
 
     def request(self, i: int, s: int, seed: int) -> GenerationRequest:
         """The request of sample ``s`` of the ``i``-th row (its prompt, its params)."""
@@ -411,10 +411,10 @@ class PartitionGeneration:
         an engine that cannot be restarted (its server stopped answering) is no row's fault, and the
         task fails with :class:`~daskgen.errors.EngineUnavailable` (the client requeues it).
         """
-        task, samples = self.task, []
+        task, samples = self.task, list[Any]()
         for i in range(len(task.rows)):
             try:
-                samples += await self.rows(range(i, i + 1))
+                samples += as_trajectories(await self.rows(range(i, i + 1)))
             except EngineUnavailable:
                 raise
             except Exception as exc:

@@ -11,6 +11,7 @@ is overwritten exactly where a pending sample lands.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,8 +19,9 @@ from typing import Any
 import numpy as np
 
 from daskgen.agents import Trajectory
-from daskgen.engines.base import FinishReason
+from daskgen.engines.base import BASE_POLICY_VERSION, FinishReason, GenerationResult
 from daskgen.store.layout import VERSION_ARRAYS, Layout, clear_response
+from daskgen.worker.plain_turns import PlainTurns
 from daskgen.worker.top_logprobs import place_top_logprobs
 
 
@@ -173,10 +175,14 @@ def place_samples(
     rows: Sequence[int],
     offsets: Sequence[int],
     n_samples: int,
-    samples: Sequence[list[Trajectory]],
+    samples: Sequence[list[Trajectory]] | PlainTurns,
     layout: Layout,
 ) -> SampleCounts:
-    """Store every sample of the pending ``rows`` (region rows ``offsets``; ``samples`` row-major) and count them."""
+    """Store every sample of the pending ``rows`` (region rows ``offsets``; ``samples`` row-major) and count them.
+
+    ``samples``: each sample's trajectories, or the partition's plain turns (:func:`place_turns`)."""
+    if isinstance(samples, PlainTurns):
+        return place_turns(region, offsets, n_samples, samples, layout)
     where = [(row, r, s) for row, r in zip(rows, offsets, strict=True) for s in range(n_samples)]
     placed = _expand(region, _collect(where, layout), samples, layout)
     counts = SampleCounts()
@@ -204,6 +210,63 @@ def place_samples(
             place_top_logprobs(region, _index(slot, layout.n_samples, layout.n_trajectories), traj.top_logprobs, n)
     _count(counts, placed, _segment_sums(mask, length), columns.scalars["finish_reason"])
     return counts
+
+
+def place_turns(
+    region: dict[str, np.ndarray],
+    offsets: Sequence[int],
+    n_samples: int,
+    turns: PlainTurns,
+    layout: Layout,
+) -> SampleCounts:
+    """Store every sample of the pending rows (region rows ``offsets``; ``turns`` row-major) from the engine's
+    plain results (:mod:`daskgen.worker.plain_turns`): what :func:`place_samples` stores of their trajectories."""
+    assert layout.n_trajectories == 1 and "top_logprobs" not in region, "plain turns: one trajectory, no top-k"
+    width, results = layout.max_new_tokens, turns.results
+    slots = (np.asarray(offsets, dtype=np.int64)[:, None] * n_samples + np.arange(n_samples)).reshape(-1)
+    ids = [r.output_ids if len(r.output_ids) <= width else r.output_ids[:width] for r in results]
+    length = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    total = int(length.sum())
+    joined = _joined(ids, total, region["response_ids"].dtype)
+    scatter(region, "response_ids", slots, length, joined, layout.pad_token_id)
+    scatter(region, "response_mask", slots, length, np.ones(total, dtype=region["response_mask"].dtype), 0)
+    _place_turn_logprobs(region, slots, turns, length)
+    reasons = np.fromiter((r.finish_reason for r in results), dtype=np.int64, count=len(results))
+    cached = np.fromiter(map(_cached_tokens, results), dtype=np.int64, count=len(results))
+    version = np.where(length > 0, BASE_POLICY_VERSION, -1)
+    scalars = {
+        "response_length": length,
+        "finish_reason": reasons,
+        "num_turns": 1,
+        "continued_tokens": 0,
+        "stop_reason": -1,
+        "cached_prompt_tokens": cached,
+        **dict(zip(VERSION_ARRAYS, (version, version, -1), strict=True)),
+    }
+    for name, values in scalars.items():
+        if name in region:
+            _rows_view(region, name, None)[slots] = values
+    return SampleCounts(response_tokens=total)
+
+
+def _cached_tokens(result: GenerationResult) -> int:
+    """Prompt tokens the engine served ``result`` from its prefix cache (-1: it does not say)."""
+    cached = result.meta.get("cached_tokens")
+    return -1 if cached is None else int(cached)
+
+
+def _place_turn_logprobs(
+    region: dict[str, np.ndarray], slots: np.ndarray, turns: PlainTurns, length: np.ndarray
+) -> None:
+    """The turns' logprobs (their first ``length`` each; NaN for a sample that asked for some and got none)."""
+    stored = np.asarray(turns.logprob_lengths(length.tolist()), dtype=np.int64)
+    given = (
+        (r.logprobs[:n] if r.logprobs is not None else [math.nan] * n)
+        for r, n in zip(turns.results, stored.tolist(), strict=True)
+        if n
+    )
+    values = np.fromiter(itertools.chain.from_iterable(given), dtype=region["logprobs"].dtype, count=int(stored.sum()))
+    scatter(region, "logprobs", slots, stored, values, np.nan)
 
 
 def _segment_sums(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:

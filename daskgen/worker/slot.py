@@ -11,11 +11,12 @@ methods.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any, Protocol
 
 from daskgen.agents import EngineHandle, Trajectory
 from daskgen.dashboard.metrics import WorkerMeter
+from daskgen.engines.base import GenerationResult
 
 
 class SlotOwner(Protocol):
@@ -69,11 +70,14 @@ class PartitionSlot:
         finally:
             self._finished(1)
 
-    def count(self, samples: list[list[Trajectory]]) -> None:
-        """Count finished ``samples`` (each a sample's trajectories) at once: their tokens go to the meter."""
+    def count(self, samples: list[list[Trajectory]], turns: Sequence[GenerationResult] = ()) -> None:
+        """Count finished ``samples`` (each a sample's trajectories) and plain ``turns`` (each a sample's one engine
+        result, :mod:`daskgen.worker.plain_turns`) at once: their tokens go to the meter."""
         for trajectories in samples:
             self.plugin.meter.record(trajectories)
-        self._finished(len(samples))
+        if turns:
+            self.plugin.meter.record_turns(turns)
+        self._finished(len(samples) + len(turns))
 
     def _finished(self, n: int) -> None:
         """``n`` samples are no longer outstanding."""
