@@ -1,8 +1,10 @@
-"""A worker's garbage collector (``daskgen.worker-gc``): frozen and with a higher threshold once its engine started.
+"""A daskgen process's garbage collector: a worker's (``daskgen.worker-gc``) frozen and with a higher threshold once
+its engine started, the client's (``daskgen.client-gc``) while a run streams.
 
 Real runs on a LocalCluster worker process with the instant simulated engine (the runs of tests/test_writers.py):
 after the run the worker's collector holds the objects it had loaded in its permanent generation and collects young
-objects at the configured threshold, or is left as Python sets it when configured so; bad settings are refused
+objects at the configured threshold, or is left as Python sets it when configured so; the client's collector is
+tuned during the run (seen by the collections themselves) and Python's again after it; bad settings are refused
 with the fix.
 """
 
@@ -16,10 +18,10 @@ import numpy as np
 import pytest
 
 from daskgen.client.runner import run
+from daskgen.collector import CLIENT, collector_settings, collector_tuned, thaw_collector, tune_collector
 from daskgen.engines.base import FinishReason
 from daskgen.errors import ConfigError
 from daskgen.store.generation_store import GenerationStore
-from daskgen.worker.collector import collector_settings, thaw_collector, tune_collector
 from tests.conftest import runs_cluster
 from tests.test_writers import ROWS, config, prompts
 
@@ -95,12 +97,46 @@ def test_thawing_frees_an_old_engines_objects_held_only_in_cycles():
         ("threshold", True, "integer >= 0"),
     ],
 )
-def test_bad_collector_settings_are_refused_with_the_fix(key, value, expected):
-    with dask.config.set({f"daskgen.worker-gc.{key}": value}), pytest.raises(ConfigError) as err:
-        collector_settings()
-    assert (
-        expected in str(err.value) and "DASK_DASKGEN__WORKER_GC__" in str(err.value) and repr(value) in str(err.value)
-    )
+@pytest.mark.parametrize("section", ["worker-gc", "client-gc"])
+def test_bad_collector_settings_are_refused_with_the_fix(key, value, expected, section):
+    with dask.config.set({f"daskgen.{section}.{key}": value}), pytest.raises(ConfigError) as err:
+        collector_settings(section)
+    env = f"DASK_DASKGEN__{section.upper().replace('-', '_')}__"
+    assert expected in str(err.value) and env in str(err.value) and repr(value) in str(err.value)
+    assert f"daskgen.{section}.{key}" in str(err.value)
+
+
+def test_the_client_tunes_its_collector_while_a_run_streams_and_gives_it_back(tmp_path):
+    seen: list[tuple[int, int]] = []  # (youngest threshold, frozen objects) at each collection during the run
+
+    def look(phase: str, info: dict) -> None:
+        if phase == "start":
+            seen.append((gc.get_threshold()[0], gc.get_freeze_count()))
+
+    before = gc.get_threshold()
+    with runs_cluster() as (cluster, _client):
+        gc.callbacks.append(look)
+        try:  # a low threshold: the short run's streaming sees collections
+            with dask.config.set({"daskgen.client-gc.threshold": 500}):
+                summary = run(config(str(tmp_path / "s.zarr"), cluster.scheduler_address), prompts())
+        finally:
+            gc.callbacks.remove(look)
+    assert summary.ok and summary.done == ROWS, summary.line()
+    tuned = [(threshold, frozen) for threshold, frozen in seen if threshold == 500]
+    assert tuned and all(frozen > 10_000 for _, frozen in tuned), seen[:5]
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0, "Python's settings again after the run"
+
+
+def test_collector_tuned_leaves_a_process_that_froze_objects_itself_frozen():
+    before = gc.get_threshold()
+    gc.freeze()
+    try:
+        with dask.config.set({"daskgen.client-gc.threshold": 7000}), collector_tuned(CLIENT):
+            assert gc.get_threshold()[0] == 7000
+        assert gc.get_threshold() == before and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
 
 
 def test_a_worker_with_a_bad_collector_setting_refuses_the_run_before_loading_its_engine(tmp_path):

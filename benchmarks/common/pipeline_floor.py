@@ -83,17 +83,20 @@ class FloorWorker(WorkerPlugin):
 
 def tune_collector() -> None:
     """The garbage collector as the daskgen under test sets a worker's once its engine started
-    (:func:`daskgen.worker.collector.tune_collector`); with a daskgen that has no such setting, frozen and collected
+    (:func:`daskgen.collector.tune_collector`); with a daskgen that has no such setting, frozen and collected
     every 10,000 allocations."""
     import gc
 
     try:
-        from daskgen.worker.collector import tune_collector as daskgens
+        from daskgen.collector import tune_collector as daskgens
     except ImportError:
-        gc.freeze()
-        gc.set_threshold(10_000, *gc.get_threshold()[1:])
-    else:
-        daskgens()
+        try:  # a daskgen whose collector setting was the worker's only
+            from daskgen.worker.collector import tune_collector as daskgens
+        except ImportError:
+            gc.freeze()
+            gc.set_threshold(10_000, *gc.get_threshold()[1:])
+            return
+    daskgens()
 
 
 def _region(layout: Any, prompts: list[list[int]], results: list[Any], n_samples: int) -> dict[str, np.ndarray]:

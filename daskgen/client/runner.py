@@ -25,6 +25,7 @@ from daskgen.client.live import LiveRun, StopControl
 from daskgen.client.plan import Plan, keep_scan, pending_rows, pending_tasks, prepare
 from daskgen.client.requeue import take_requeued
 from daskgen.client.run_summary import RunSummary, summarize
+from daskgen.collector import CLIENT, collector_tuned
 from daskgen.config import RunConfig
 from daskgen.errors import RunInterrupted
 from daskgen.options import takes_options
@@ -62,7 +63,7 @@ def _run_locked(plan: Plan, stop: StopControl, t0: float) -> RunSummary:
         n_pending = int(pending_rows(plan, run.status).sum())
         try:
             if n_pending and stop.interrupted() is None:
-                with connect(plan.config) as (client, info):
+                with connect(plan.config) as (client, info), collector_tuned(CLIENT):
                     tasks = pending_tasks(plan, run.status)
                     driver.drive(client, run, tasks, info, n_pending)
         except RunInterrupted as exc:  # stopped while the engines started, or the scheduler was lost
