@@ -123,3 +123,12 @@ def test_a_batch_that_may_not_stay_plain_makes_trajectories_at_once():
     assert kept == [] and [j for j, _ in made] == [1, 0]
     samples = batch.outcome()
     assert isinstance(samples, list) and [s[0].response_ids for s in samples] == [[0], [0, 1]]
+
+
+def test_an_empty_batch_is_empty_plain_turns_and_places_nothing():
+    layout = _layout()
+    samples = TurnBatch([], [], plain=True).outcome()
+    assert isinstance(samples, PlainTurns) and len(samples) == 0
+    region = empty_region(layout, 16)
+    assert place_samples(region, [], [], layout.n_samples, samples, layout).response_tokens == 0
+    _same(region, empty_region(layout, 16))

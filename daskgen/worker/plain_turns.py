@@ -106,7 +106,7 @@ class TurnBatch:
         if self.samples is not None:
             return self.samples
         assert all(r is not None for r in self.results), "every request of the batch finished"
-        params = [self.params[0]] * len(self.places)
+        params: list[SamplingParams | None] = [None] * len(self.places)
         for j, place in enumerate(self.places):
             params[place] = self.params[j]
         return PlainTurns(self.results, params)  # type: ignore[arg-type]  # every slot filled (asserted)
