@@ -65,7 +65,7 @@ def thaw_collector() -> None:
 
 
 @contextlib.contextmanager
-def collector_tuned(section: str = CLIENT) -> Iterator[None]:
+def collector_tuned(section: str) -> Iterator[None]:
     """:func:`tune_collector` for the block; afterwards the thresholds are Python's again and what was frozen is
     collectable (left to the collector's next full pass: the process goes on, e.g. a notebook)."""
     before, frozen_before = gc.get_threshold(), gc.get_freeze_count()

@@ -90,9 +90,10 @@ def _result(j, n=2, **kw):
     ids=["error", "abort", "policy-versions", "top-k", "short-logprobs"],
 )
 def test_a_batch_with_one_result_that_is_not_plain_becomes_trajectories(odd):
-    params = SamplingParams(max_new_tokens=6)
-    batch = TurnBatch([params] * 4, [2, 0, 3, 1], plain=True)
-    kept, made = batch.add([(0, _result(0)), (1, _result(1, n=0))])
+    params, asked = SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=6, logprobs=True)
+    batch = TurnBatch([asked, params, params, params], [2, 0, 3, 1], plain=True)
+    first = _result(0)
+    kept, made = batch.add([(0, first), (1, _result(1, n=0))])
     assert len(kept) == 2 and made == []
     odd_result = dataclasses.replace(_result(2), **odd)
     assert not is_plain(odd_result)
@@ -102,6 +103,8 @@ def test_a_batch_with_one_result_that_is_not_plain_becomes_trajectories(odd):
     assert isinstance(samples, list)
     assert [s[0].response_ids for s in samples] == [[], [0, 1, 2, 3], [0, 1], [0, 1]], "row-major, by place"
     assert samples[3] == [Trajectory.of_turn(params, odd_result)]
+    assert samples[2] == [Trajectory.of_turn(asked, first)], "a kept result made a trajectory with its own params"
+    assert samples[2][0].logprobs is not None and len(samples[2][0].logprobs) == 2
 
 
 def test_a_plain_batch_keeps_its_results_in_row_major_order():
@@ -128,7 +131,7 @@ def test_a_batch_that_may_not_stay_plain_makes_trajectories_at_once():
 def test_an_empty_batch_is_empty_plain_turns_and_places_nothing():
     layout = _layout()
     samples = TurnBatch([], [], plain=True).outcome()
-    assert isinstance(samples, PlainTurns) and len(samples) == 0
+    assert isinstance(samples, PlainTurns) and samples.results == []
     region = empty_region(layout, 16)
     assert place_samples(region, [], [], layout.n_samples, samples, layout).response_tokens == 0
     _same(region, empty_region(layout, 16))

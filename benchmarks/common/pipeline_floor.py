@@ -86,17 +86,17 @@ def tune_collector() -> None:
     (:func:`daskgen.collector.tune_collector`); with a daskgen that has no such setting, frozen and collected
     every 10,000 allocations."""
     import gc
+    import importlib
 
-    try:
-        from daskgen.collector import tune_collector as daskgens
-    except ImportError:
-        try:  # a daskgen whose collector setting was the worker's only
-            from daskgen.worker.collector import tune_collector as daskgens
+    for module in ("daskgen.collector", "daskgen.worker.collector"):  # the latter: where older versions had it
+        try:
+            daskgens = importlib.import_module(module).tune_collector
         except ImportError:
-            gc.freeze()
-            gc.set_threshold(10_000, *gc.get_threshold()[1:])
-            return
-    daskgens()
+            continue
+        daskgens()
+        return
+    gc.freeze()
+    gc.set_threshold(10_000, *gc.get_threshold()[1:])
 
 
 def _region(layout: Any, prompts: list[list[int]], results: list[Any], n_samples: int) -> dict[str, np.ndarray]:

@@ -193,8 +193,8 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
         region, prefixes = await _prepare_inputs(task, plugin)
         generation = PartitionGeneration(plugin, await slot.engine_handle(), agent, task, prefixes, slot)
         results = await generation.run()
-        rounds = results if task.verify is not None else None
-        samples = [t for o in results for t in o.samples] if rounds is not None else results
+        rounds = results if task.verify is not None and isinstance(results, list) else None  # RowOutcomes
+        samples = [t for o in rounds for t in o.samples] if rounds is not None else results
         if plugin.writers is None:  # placed and written in a thread of the worker
             outcome = await asyncio.to_thread(write_partition, task, region, samples, rounds)
         else:  # placed and handed over in a thread, written by a writer process (daskgen.worker.writers)
@@ -281,13 +281,13 @@ class PartitionGeneration:
     prefixes: dict[tuple[int, int], Trajectory]
     slot: PartitionSlot
 
-    async def run(self) -> Any:
+    async def run(self) -> list[Any] | PlainTurns:
         """Every row at once, or row by row in ``isolate`` mode."""
         if self.task.isolate:
             return await self.isolated()
         return await self.rows(range(len(self.task.rows)))
 
-    async def rows(self, indices: range) -> Any:
+    async def rows(self, indices: range) -> list[Any] | PlainTurns:
         """All samples of the given rows at once; a crash or hang marks the engine broken and raises."""
         task, plugin = self.task, self.plugin
         self.handle.engine = await plugin.get_engine()  # the engine may have been restarted meanwhile

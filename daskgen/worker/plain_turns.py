@@ -48,9 +48,6 @@ class PlainTurns:
     results: list[GenerationResult]
     params: list[SamplingParams]
 
-    def __len__(self) -> int:
-        return len(self.results)
-
     def trajectories(self) -> list[list[Trajectory]]:
         """Each sample's trajectories, as the single-turn loop makes them."""
         return [[Trajectory.of_turn(p, r)] for p, r in zip(self.params, self.results, strict=True)]
@@ -80,7 +77,9 @@ class TurnBatch:
 
     def __init__(self, params: Sequence[SamplingParams], places: Sequence[int], plain: bool) -> None:
         self.places = list(places)
-        self.params = list(params)
+        self.params: list[SamplingParams] = list(params)  # by place from here on
+        for j, place in enumerate(self.places):
+            self.params[place] = params[j]
         self.results: list[GenerationResult | None] = [None] * len(self.places)
         self.samples: list[list[Trajectory]] | None = None if plain else [[] for _ in self.places]
 
@@ -90,14 +89,16 @@ class TurnBatch:
         plain: list[GenerationResult] = []
         made: list[tuple[int, list[Trajectory]]] = []
         for j, result in group:
+            place = self.places[j]
             if self.samples is None and is_plain(result):
-                self.results[self.places[j]] = result
+                self.results[place] = result
                 plain.append(result)
                 continue
             if self.samples is None:  # the first result that is not plain: the kept ones become trajectories too
-                self.samples = self._kept_as_trajectories()
-            trajectories = [Trajectory.of_turn(self.params[j], result)]
-            self.samples[self.places[j]] = trajectories
+                kept = zip(self.params, self.results, strict=True)
+                self.samples = [[] if r is None else [Trajectory.of_turn(p, r)] for p, r in kept]
+            trajectories = [Trajectory.of_turn(self.params[place], result)]
+            self.samples[place] = trajectories
             made.append((j, trajectories))
         return plain, made
 
@@ -106,17 +107,7 @@ class TurnBatch:
         if self.samples is not None:
             return self.samples
         assert all(r is not None for r in self.results), "every request of the batch finished"
-        params: list[SamplingParams | None] = [None] * len(self.places)
-        for j, place in enumerate(self.places):
-            params[place] = self.params[j]
-        return PlainTurns(self.results, params)  # type: ignore[arg-type]  # every slot filled (asserted)
-
-    def _kept_as_trajectories(self) -> list[list[Trajectory]]:
-        samples: list[list[Trajectory]] = [[] for _ in self.places]
-        for j, place in enumerate(self.places):
-            if (result := self.results[place]) is not None:
-                samples[place] = [Trajectory.of_turn(self.params[j], result)]
-        return samples
+        return PlainTurns(self.results, self.params)  # type: ignore[arg-type]  # every slot filled (asserted)
 
 
 #: A partition's samples, row-major, as generation hands them to placement.

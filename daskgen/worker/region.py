@@ -123,7 +123,7 @@ class _Columns:
     """The placed trajectories' contents, one entry per trajectory (token lists cut to the store's width)."""
 
     ids: list[list[int]] = field(default_factory=list)
-    masks: list[list[int]] = field(default_factory=list)  # lists: ``count`` checks for all ones
+    masks: list[list[int]] | None = None  # lists (``count`` checks for all ones); None: model tokens only
     logprobs: list[list[float]] = field(default_factory=list)  # only the non-empty ones
     lengths: list[int] = field(default_factory=list)
     logprob_lengths: list[int] = field(default_factory=list)
@@ -157,6 +157,37 @@ class _Columns:
             out.scalars[name] = [v[k] for v in versions]
         return out
 
+    @classmethod
+    def of_turns(cls, turns: PlainTurns, width: int) -> _Columns:
+        """What :meth:`of` gathers of the trajectories ``turns`` would make (one engine call each, base policy), from
+        the engine's results themselves."""
+        out, results = cls(), turns.results
+        out.ids = [r.output_ids if len(r.output_ids) <= width else r.output_ids[:width] for r in results]
+        out.lengths = lengths = list(map(len, out.ids))
+        out.logprob_lengths = turns.logprob_lengths(lengths)
+        out.logprobs = [
+            r.logprobs[:m] if r.logprobs is not None else [math.nan] * m
+            for r, m in zip(results, out.logprob_lengths, strict=True)
+            if m
+        ]
+        k, version = len(results), [BASE_POLICY_VERSION if n else -1 for n in lengths]
+        out.scalars = {
+            "response_length": lengths,
+            "finish_reason": [int(r.finish_reason) for r in results],
+            "num_turns": [1] * k,
+            "continued_tokens": [0] * k,
+            "stop_reason": [-1] * k,
+            "cached_prompt_tokens": list(map(_cached_tokens, results)),
+            **dict(zip(VERSION_ARRAYS, (version, version, [-1] * k), strict=True)),
+        }
+        return out
+
+
+def _cached_tokens(result: GenerationResult) -> int:
+    """Prompt tokens the engine served ``result`` from its prefix cache (-1: it does not say)."""
+    cached = result.meta.get("cached_tokens")
+    return -1 if cached is None else int(cached)
+
 
 def versions_of(traj: Trajectory, n: int) -> tuple[int, int, int]:
     """The policy versions of a trajectory's first ``n`` response tokens: of the first token, of the last, and
@@ -189,22 +220,7 @@ def place_samples(
     if not placed.trajectories:
         return counts
     columns = _Columns.of(placed.trajectories, layout.max_new_tokens)
-    slots = np.asarray(placed.slots, dtype=np.int64)
-    length = np.asarray(columns.lengths, dtype=np.int64)
-    total = int(length.sum())
-    ids = _joined(columns.ids, total, region["response_ids"].dtype)
-    scatter(region, "response_ids", slots, length, ids, layout.pad_token_id)
-    if sum(m.count(1) for m in columns.masks) == total:  # model tokens only (single turn): no list to convert
-        mask = np.ones(total, dtype=region["response_mask"].dtype)
-    else:
-        mask = _joined(columns.masks, total, region["response_mask"].dtype)
-    scatter(region, "response_mask", slots, length, mask, 0)
-    lp_length = np.asarray(columns.logprob_lengths, dtype=np.int64)
-    logprobs = _joined(columns.logprobs, int(lp_length.sum()), region["logprobs"].dtype)
-    scatter(region, "logprobs", slots, lp_length, logprobs, np.nan)
-    for name, values in columns.scalars.items():
-        if name in region:
-            _rows_view(region, name, None)[slots] = values
+    mask, length = _store_columns(region, np.asarray(placed.slots, dtype=np.int64), columns, layout)
     if "top_logprobs" in region:
         for slot, traj, n in zip(placed.slots, placed.trajectories, columns.lengths, strict=True):
             place_top_logprobs(region, _index(slot, layout.n_samples, layout.n_trajectories), traj.top_logprobs, n)
@@ -222,51 +238,33 @@ def place_turns(
     """Store every sample of the pending rows (region rows ``offsets``; ``turns`` row-major) from the engine's
     plain results (:mod:`daskgen.worker.plain_turns`): what :func:`place_samples` stores of their trajectories."""
     assert layout.n_trajectories == 1 and "top_logprobs" not in region, "plain turns: one trajectory, no top-k"
-    width, results = layout.max_new_tokens, turns.results
     slots = (np.asarray(offsets, dtype=np.int64)[:, None] * n_samples + np.arange(n_samples)).reshape(-1)
-    ids = [r.output_ids if len(r.output_ids) <= width else r.output_ids[:width] for r in results]
-    length = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    _mask, length = _store_columns(region, slots, _Columns.of_turns(turns, layout.max_new_tokens), layout)
+    return SampleCounts(response_tokens=int(length.sum()))
+
+
+def _store_columns(
+    region: dict[str, np.ndarray], slots: np.ndarray, columns: _Columns, layout: Layout
+) -> tuple[np.ndarray, np.ndarray]:
+    """Write ``columns`` into flat slots ``slots`` of the region: tokens, mask and logprobs scattered, the per-sample
+    scalars assigned; returns the joined mask and each slot's length."""
+    length = np.asarray(columns.lengths, dtype=np.int64)
     total = int(length.sum())
-    joined = _joined(ids, total, region["response_ids"].dtype)
-    scatter(region, "response_ids", slots, length, joined, layout.pad_token_id)
-    scatter(region, "response_mask", slots, length, np.ones(total, dtype=region["response_mask"].dtype), 0)
-    _place_turn_logprobs(region, slots, turns, length)
-    reasons = np.fromiter((r.finish_reason for r in results), dtype=np.int64, count=len(results))
-    cached = np.fromiter(map(_cached_tokens, results), dtype=np.int64, count=len(results))
-    version = np.where(length > 0, BASE_POLICY_VERSION, -1)
-    scalars = {
-        "response_length": length,
-        "finish_reason": reasons,
-        "num_turns": 1,
-        "continued_tokens": 0,
-        "stop_reason": -1,
-        "cached_prompt_tokens": cached,
-        **dict(zip(VERSION_ARRAYS, (version, version, -1), strict=True)),
-    }
-    for name, values in scalars.items():
+    ids = _joined(columns.ids, total, region["response_ids"].dtype)
+    scatter(region, "response_ids", slots, length, ids, layout.pad_token_id)
+    masks = columns.masks
+    if masks is None or sum(m.count(1) for m in masks) == total:  # model tokens only: no list to convert
+        mask = np.ones(total, dtype=region["response_mask"].dtype)
+    else:
+        mask = _joined(masks, total, region["response_mask"].dtype)
+    scatter(region, "response_mask", slots, length, mask, 0)
+    lp_length = np.asarray(columns.logprob_lengths, dtype=np.int64)
+    logprobs = _joined(columns.logprobs, int(lp_length.sum()), region["logprobs"].dtype)
+    scatter(region, "logprobs", slots, lp_length, logprobs, np.nan)
+    for name, values in columns.scalars.items():
         if name in region:
             _rows_view(region, name, None)[slots] = values
-    return SampleCounts(response_tokens=total)
-
-
-def _cached_tokens(result: GenerationResult) -> int:
-    """Prompt tokens the engine served ``result`` from its prefix cache (-1: it does not say)."""
-    cached = result.meta.get("cached_tokens")
-    return -1 if cached is None else int(cached)
-
-
-def _place_turn_logprobs(
-    region: dict[str, np.ndarray], slots: np.ndarray, turns: PlainTurns, length: np.ndarray
-) -> None:
-    """The turns' logprobs (their first ``length`` each; NaN for a sample that asked for some and got none)."""
-    stored = np.asarray(turns.logprob_lengths(length.tolist()), dtype=np.int64)
-    given = (
-        (r.logprobs[:n] if r.logprobs is not None else [math.nan] * n)
-        for r, n in zip(turns.results, stored.tolist(), strict=True)
-        if n
-    )
-    values = np.fromiter(itertools.chain.from_iterable(given), dtype=region["logprobs"].dtype, count=int(stored.sum()))
-    scatter(region, "logprobs", slots, stored, values, np.nan)
+    return mask, length
 
 
 def _segment_sums(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
