@@ -10,7 +10,14 @@ import pytest
 
 from daskgen.config import RunConfig
 from daskgen.errors import ConfigError
-from daskgen.worker.admission import AUTO_MAX_WINDOW, AUTO_MIN_WINDOW, START_MAX_WINDOW, Admission, resolve_window
+from daskgen.worker.admission import (
+    AUTO_MAX_WINDOW,
+    AUTO_MIN_WINDOW,
+    SHRINK_AFTER_READINGS,
+    START_MAX_WINDOW,
+    Admission,
+    resolve_window,
+)
 
 
 @pytest.mark.parametrize(
@@ -42,25 +49,47 @@ def test_admission_follows_occupancy():
 
 def test_a_window_below_its_target_never_shrinks_while_partitions_are_on_their_way():
     """A fast engine empties its queue before the next partitions arrive: fewer running than admitted, no
-    requests outstanding.  The window keeps what it admitted (and grows when the running ones reach it)."""
+    requests outstanding.  The window keeps what it admitted, plus one partition for the empty engine (the
+    pipe to it is too short), and grows further when the running ones reach it."""
     rule = Admission.for_engine(capacity=256, requests_per_partition=256, slots=None)
-    assert rule.window(running_partitions=3, outstanding_requests=0, current=12) == 12  # not 3 + 2
-    assert rule.window(running_partitions=11, outstanding_requests=0, current=12) == 13  # 11 + 2
-    assert rule.window(running_partitions=3, outstanding_requests=0) == 5  # without a current window: the rule alone
+    assert rule.window(running_partitions=3, outstanding_requests=0, current=12) == 13  # not 3 + 2, and not 12
+    assert rule.window(running_partitions=3, outstanding_requests=100, current=12) == 12  # not empty: kept
+    assert rule.window(running_partitions=11, outstanding_requests=0, current=12) == 14  # 11 + 2, + 1 empty
+    assert rule.window(running_partitions=3, outstanding_requests=0) == 6  # without a current window: the rule alone
+    assert rule.window(running_partitions=64, outstanding_requests=0, current=64) == AUTO_MAX_WINDOW  # bounded
 
 
-def test_a_window_at_its_target_comes_down_one_partition_per_reading():
-    """At or above the target no new partition is admitted, and the window comes down to the running ones one
-    partition per reading: one reading of a queue that jumped by whole partitions cannot empty the pipeline."""
+def test_a_window_at_its_target_comes_down_one_partition_per_reading_once_held():
+    """At or above the target no new partition is admitted.  Once the engine held its target for
+    SHRINK_AFTER_READINGS readings in a row, the window comes down to the running ones one partition per
+    reading: one reading of a queue that jumped by whole partitions cannot empty the pipeline."""
     rule = Admission.for_engine(capacity=256, requests_per_partition=256, slots=None)
-    window, seen = 12, []
+    window, seen, held = 12, [], 0
     while window > 4:
-        window = rule.window(running_partitions=4, outstanding_requests=768, current=window)
+        window = rule.window(running_partitions=4, outstanding_requests=768, current=window, held=held)
+        held += 1
         seen.append(window)
-    assert seen == [11, 10, 9, 8, 7, 6, 5, 4]
-    assert rule.window(running_partitions=9, outstanding_requests=512, current=12) == 11
-    assert rule.window(running_partitions=12, outstanding_requests=512, current=12) == 12  # all running: kept
-    assert rule.window(running_partitions=1, outstanding_requests=600, current=3) == AUTO_MIN_WINDOW
+    assert seen == [12] * (SHRINK_AFTER_READINGS - 1) + [11, 10, 9, 8, 7, 6, 5, 4]
+    late = SHRINK_AFTER_READINGS - 1  # readings before this one at the target: it comes down
+    assert rule.window(running_partitions=9, outstanding_requests=512, current=12, held=late) == 11
+    assert rule.window(running_partitions=9, outstanding_requests=512, current=12, held=late - 1) == 12
+    assert rule.window(running_partitions=12, outstanding_requests=512, current=12, held=late) == 12  # all running
+    assert rule.window(running_partitions=1, outstanding_requests=600, current=3, held=late) == AUTO_MIN_WINDOW
+
+
+def test_a_fast_engines_swinging_queue_never_shrinks_its_window():
+    """An engine that empties its queue between readings swings between empty and full: the full readings never
+    come SHRINK_AFTER_READINGS in a row, so the window only grows (one per empty reading) up to its bound."""
+    rule = Admission.for_engine(capacity=256, requests_per_partition=256, slots=None)
+    window, held, seen = 8, 0, []
+    pattern = [0, 768] + [768] * (SHRINK_AFTER_READINGS - 2) + [0]  # never SHRINK_AFTER_READINGS full in a row
+    for outstanding in pattern * 40:
+        window = rule.window(running_partitions=5, outstanding_requests=outstanding, current=window, held=held)
+        held = held + 1 if rule.at_target(outstanding) else 0
+        seen.append(window)
+    assert seen == sorted(seen), "the window never came down"
+    assert seen[-1] == AUTO_MAX_WINDOW
+    assert rule.at_target(512) and not rule.at_target(511)
 
 
 def test_integer_window_is_kept_but_capped_by_task_slots(caplog):

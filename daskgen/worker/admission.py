@@ -6,8 +6,9 @@ worker measures it instead: it counts the requests its engine holds (running or 
 sample of its running partitions that has not finished) and admits more partitions whenever that is
 below :data:`OCCUPANCY_TARGET` × the engine's batch slots — so a heavy tail, whose partitions are mostly
 finished samples waiting for one long one, gets many partitions in flight, and a light one few.  The window
-shrinks only while the engine holds its target: a fast engine (short answers, a small model) empties its
-queue faster than finished partitions are replaced, and must keep the partitions it was given coming.
+shrinks only once the engine has held its target for :data:`SHRINK_AFTER_READINGS` readings in a row: a fast
+engine (short answers, a small model) empties its queue faster than finished partitions are replaced, so its
+readings swing between an empty queue and a full one, and it must keep the partitions it was given coming.
 The amount is advertised as the worker's ``daskgen-engine`` resource (the scheduler then hands it
 that many partitions at once) and announced to the client, which keeps the sum of all advertised
 amounts submitted.  ``window: N`` fixes it at ``N``.
@@ -28,6 +29,10 @@ logger = logging.getLogger(__name__)
 #: Requests kept outstanding per batch slot: one batch running and about one batch queued behind it,
 #: so a slot that frees up is refilled at the next step.
 OCCUPANCY_TARGET = 2.0
+#: Readings in a row at or above the target before the window comes down (one partition per reading from
+#: then on).  Any reading below the target starts the count again: a queue that empties between two
+#: readings is a pipeline that needs its partitions, not one that has too many.
+SHRINK_AFTER_READINGS = 4
 #: Capacity assumed for engines that do not report one (``Engine.capacity`` is ``None``).
 AUTO_DEFAULT_CAPACITY = 256
 #: The starting window (before the engine reports anything) is ``AUTO_FILL x capacity`` requests.
@@ -95,27 +100,37 @@ class Admission:
         """The rule for an engine with ``capacity`` slots on a worker with ``slots`` task slots (or unbounded)."""
         return cls(capacity or AUTO_DEFAULT_CAPACITY, max(1, requests_per_partition), slots)
 
-    def wanted(self, running_partitions: int, outstanding_requests: int, current: int = 0) -> int:
+    def at_target(self, outstanding_requests: int) -> bool:
+        """Whether the engine holds its target (:data:`OCCUPANCY_TARGET` x its capacity) of outstanding requests."""
+        return outstanding_requests >= OCCUPANCY_TARGET * self.capacity
+
+    def wanted(self, running_partitions: int, outstanding_requests: int, current: int = 0, held: int = 0) -> int:
         """Partitions the engine wants now, within ``[2, 64]`` (task slots aside).
 
         Below its target (:data:`OCCUPANCY_TARGET` x its capacity outstanding), the running partitions plus
         enough new ones to reach it, and never fewer than the ``current`` window: fewer partitions running
         than admitted means the next ones are still on their way (the client and the scheduler answer a
         finished partition with a new one after a delay), and taking that as a reason to admit fewer would
-        starve the engine further.  At or above the target, no new partitions: the window comes down to the
-        running ones, by at most one partition per call (a fast engine's queue jumps by whole partitions
-        between two readings, and one high reading must not empty the pipeline behind it).
+        starve the engine further; an engine found empty while partitions run (every admitted one past its
+        generation or still on its way) gets one partition more than that.  At or above the target, no new
+        partitions; once the ``held`` readings before this one were at the target too
+        (:data:`SHRINK_AFTER_READINGS` in a row with this one), the window comes down to the running ones, by
+        at most one partition per reading (a fast engine's queue jumps by whole partitions between two
+        readings, and one high reading must not empty the pipeline behind it).
         """
         deficit = OCCUPANCY_TARGET * self.capacity - outstanding_requests
         if deficit > 0:
             wanted = max(current, running_partitions + math.ceil(deficit / self.requests_per_partition))
+            wanted += outstanding_requests == 0 and running_partitions > 0  # starved: the pipe is too short
+        elif held + 1 < SHRINK_AFTER_READINGS:
+            wanted = max(running_partitions, current)
         else:
             wanted = max(running_partitions, current - 1)
         return max(AUTO_MIN_WINDOW, min(AUTO_MAX_WINDOW, wanted))
 
-    def window(self, running_partitions: int, outstanding_requests: int, current: int = 0) -> int:
+    def window(self, running_partitions: int, outstanding_requests: int, current: int = 0, held: int = 0) -> int:
         """Partitions to admit now: :meth:`wanted`, capped by the task slots."""
-        return self.capped(self.wanted(running_partitions, outstanding_requests, current))
+        return self.capped(self.wanted(running_partitions, outstanding_requests, current, held))
 
     def capped(self, wanted: int) -> int:
         """``wanted`` within this worker's task slots (unchanged when partitions hold none)."""

@@ -103,6 +103,7 @@ class EnginePlugin(WorkerPlugin):
         self.running = 0  # partition tasks executing on this worker
         self.outstanding = 0  # their samples not finished yet (requests running or queued in the engine)
         self.admission_ticks = 0  # times ``window: auto`` applied its rule to a measured occupancy
+        self.held_readings = 0  # readings in a row at which the engine held its occupancy target
         self._leaving: asyncio.Task | None = None
         self._admitter: asyncio.Task | None = None
         self._reporter: asyncio.Task | None = None
@@ -203,7 +204,9 @@ class EnginePlugin(WorkerPlugin):
             await asyncio.sleep(tunables.seconds("admission-interval"))
             if self.state is not PluginState.READY or self.draining or self.stopping or not self.running:
                 continue  # idle: nothing measured, keep the window
-            self.wanted_window = admission.wanted(self.running, self.outstanding, self.wanted_window or 0)
+            held = self.held_readings
+            self.held_readings = held + 1 if admission.at_target(self.outstanding) else 0
+            self.wanted_window = admission.wanted(self.running, self.outstanding, self.wanted_window or 0, held)
             self.admission_ticks += 1
             window = admission.capped(self.wanted_window)
             if window != self.resolved_window:
