@@ -84,12 +84,25 @@ def test_a_fast_engines_swinging_queue_never_shrinks_its_window():
     window, held, seen = 8, 0, []
     pattern = [0, 768] + [768] * (SHRINK_AFTER_READINGS - 2) + [0]  # never SHRINK_AFTER_READINGS full in a row
     for outstanding in pattern * 40:
-        window = rule.window(running_partitions=5, outstanding_requests=outstanding, current=window, held=held)
-        held = held + 1 if rule.at_target(outstanding) else 0
+        window, held = rule.follow(running_partitions=5, outstanding_requests=outstanding, current=window, held=held)
         seen.append(window)
     assert seen == sorted(seen), "the window never came down"
     assert seen[-1] == AUTO_MAX_WINDOW
     assert rule.at_target(512) and not rule.at_target(511)
+
+
+def test_following_a_full_engine_counts_the_readings_in_a_row_and_comes_down_after_them():
+    """``follow`` counts the readings in a row at the target (a reading below starts again) and the window comes
+    down at the SHRINK_AFTER_READINGS-th of them, the way the plugin applies it every admission interval."""
+    rule = Admission.for_engine(capacity=256, requests_per_partition=256, slots=None)
+    window, held, trace = 12, 0, []
+    for outstanding in [768] * (SHRINK_AFTER_READINGS - 1) + [300] + [768] * (SHRINK_AFTER_READINGS + 1):
+        window, held = rule.follow(running_partitions=4, outstanding_requests=outstanding, current=window, held=held)
+        trace.append((window, held))
+    full = SHRINK_AFTER_READINGS - 1
+    assert trace[:full] == [(12, k + 1) for k in range(full)], "held, not yet shrunk"
+    assert trace[full] == (12, 0), "a reading below the target starts the count again"
+    assert [w for w, _ in trace[full + 1 :]] == [12] * full + [11, 10]
 
 
 def test_integer_window_is_kept_but_capped_by_task_slots(caplog):

@@ -118,15 +118,22 @@ class Admission:
         at most one partition per reading (a fast engine's queue jumps by whole partitions between two
         readings, and one high reading must not empty the pipeline behind it).
         """
-        deficit = OCCUPANCY_TARGET * self.capacity - outstanding_requests
-        if deficit > 0:
+        if not self.at_target(outstanding_requests):
+            deficit = OCCUPANCY_TARGET * self.capacity - outstanding_requests
             wanted = max(current, running_partitions + math.ceil(deficit / self.requests_per_partition))
-            wanted += outstanding_requests == 0 and running_partitions > 0  # starved: the pipe is too short
+            if outstanding_requests == 0 and running_partitions > 0:  # starved: the pipe to the engine is too short
+                wanted += 1
         elif held + 1 < SHRINK_AFTER_READINGS:
             wanted = max(running_partitions, current)
         else:
             wanted = max(running_partitions, current - 1)
         return max(AUTO_MIN_WINDOW, min(AUTO_MAX_WINDOW, wanted))
+
+    def follow(self, running_partitions: int, outstanding_requests: int, current: int, held: int) -> tuple[int, int]:
+        """One reading of a worker's occupancy: :meth:`wanted` given the ``held`` readings in a row at the target
+        before it, and the readings in a row at the target after it (0 when this one is below)."""
+        wanted = self.wanted(running_partitions, outstanding_requests, current, held)
+        return wanted, held + 1 if self.at_target(outstanding_requests) else 0
 
     def window(self, running_partitions: int, outstanding_requests: int, current: int = 0, held: int = 0) -> int:
         """Partitions to admit now: :meth:`wanted`, capped by the task slots."""

@@ -203,10 +203,11 @@ class EnginePlugin(WorkerPlugin):
         while True:
             await asyncio.sleep(tunables.seconds("admission-interval"))
             if self.state is not PluginState.READY or self.draining or self.stopping or not self.running:
-                continue  # idle: nothing measured, keep the window
-            held = self.held_readings
-            self.held_readings = held + 1 if admission.at_target(self.outstanding) else 0
-            self.wanted_window = admission.wanted(self.running, self.outstanding, self.wanted_window or 0, held)
+                self.held_readings = 0  # idle: nothing measured, keep the window; a gap ends a run of readings
+                continue
+            self.wanted_window, self.held_readings = admission.follow(
+                self.running, self.outstanding, self.wanted_window or 0, self.held_readings
+            )
             self.admission_ticks += 1
             window = admission.capped(self.wanted_window)
             if window != self.resolved_window:
