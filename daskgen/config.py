@@ -217,7 +217,8 @@ class RunConfig(RunOptions):
                 continue
             if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
                 raise ConfigError(
-                    f"setting {f.name!r} must be {expected.__name__}, found {type(value).__name__} {value!r}."
+                    f"setting {f.name!r} must be {expected.__name__}, found {type(value).__name__} {value!r}; give "
+                    f"it a value of type {expected.__name__}, or leave it unset for the default."
                 )
 
     def _check_ranges(self) -> None:
@@ -247,9 +248,15 @@ class RunConfig(RunOptions):
         errors = setting_errors({**run_defaults(self), "seed": self.seed}, self.max_new_tokens, "run settings")
         if errors:
             raise ConfigError("; ".join(errors) + ".")
-        if self.max_retries < 0 or self.top_logprobs < 0:
+        if self.top_logprobs < 0:
             raise ConfigError(
-                f"max_retries and top_logprobs must be >= 0, found {self.max_retries} and {self.top_logprobs}."
+                f"setting 'top_logprobs' is {self.top_logprobs}; it must be an integer >= 0 (the k most likely "
+                "tokens stored per response position; 0 = off). Give 0 or more (--top-logprobs K), or leave it unset."
+            )
+        if self.max_retries < 0:
+            raise ConfigError(
+                f"setting 'max_retries' is {self.max_retries}; it must be an integer >= 0 (retries of a failed "
+                "partition task). Give 0 or more (--max-retries N), or leave it unset for the default."
             )
         if self.refresh not in (None, "drain", "continue"):
             raise ConfigError(

@@ -93,6 +93,39 @@ def test_bad_values_name_the_row_the_key_and_the_fix(tokenizer, tmp_path):
                      template=ChatTemplate.from_settings(failing, None))  # fmt: skip
 
 
+def test_the_simulated_engines_byte_tokenizer_refuses_chat_template_options(template_file, tmp_path):
+    """A model that is no folder with tokenizer files gets the simulated engine's byte tokenizer, which renders
+    ``messages`` rows as plain lines: a template file, template variables or tools are refused at the input scan,
+    naming the row, the options, the tokenizer found and the fix; a row without options still renders."""
+    byte_tokenizer = load_tokenizer("sim", "simulated")
+    assert tokenize_rows([{"messages": HI}], byte_tokenizer) == [byte_tokenizer("user: Hi\nassistant: ")["input_ids"]]
+    cases = [
+        ([{"messages": HI}, {"messages": HI, "chat_template_kwargs": {"enable_thinking": False}}], None, 2,
+         "['enable_thinking']"),
+        ([{"messages": HI, "tools": TOOLS}], None, 1, "['tools']"),
+        ([{"messages": HI}], ChatTemplate.from_settings(template_file, None), 1, "['chat_template']"),
+        ([{"messages": HI}], ChatTemplate(None, {"enable_thinking": False}), 1, "['enable_thinking']"),
+    ]  # fmt: skip
+    for rows, template, number, options in cases:
+        with pytest.raises(InputError) as err:
+            scan_prompts(rows, byte_tokenizer, max_prompt_tokens=100, template=template)
+        assert str(err.value).startswith(
+            f"row {number}: chat-template options {options} need the model's Hugging Face tokenizer, found the "
+            "simulated engine's byte tokenizer (the model is no folder with tokenizer files), which has no template. "
+            "Give a model folder with tokenizer files, or drop the chat_template and chat_template_kwargs settings"
+        ), str(err.value)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"messages": HI, "id": "a"}) + "\n")
+    out = tmp_path / "out.zarr"
+    res = run_cli("run", "--prompts", prompts, "--store", out, "--model", "sim", "--engine", "simulated",
+                  "--chat-template-kwarg", "enable_thinking=false", "--n-workers", "1", "--no-progress")  # fmt: skip
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "error: row 1: chat-template options ['enable_thinking'] need the model's Hugging Face tokenizer" in (
+        res.stderr
+    )
+    assert not out.exists(), "refused before any store is made"
+
+
 def test_a_run_renders_with_the_options_records_them_and_refuses_a_resume_with_others(
     tiny_model, tokenizer, template_file, tmp_path
 ):

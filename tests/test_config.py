@@ -37,6 +37,28 @@ def test_bad_values_are_named(key, value, fragment):
     assert fragment in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "expected", "fix"),
+    [
+        (
+            "top_logprobs",
+            -1,
+            "it must be an integer >= 0 (the k most likely tokens",
+            "Give 0 or more (--top-logprobs K)",
+        ),
+        ("max_retries", -1, "it must be an integer >= 0 (retries of a failed partition", "(--max-retries N)"),
+        ("top_logprobs", True, "must be int, found bool True", "give it a value of type int"),
+    ],
+)
+def test_negative_counts_are_refused_naming_found_expected_and_fix(key, value, expected, fix):
+    with pytest.raises(ConfigError) as err:
+        RunConfig(**{key: value})
+    text = str(err.value)
+    assert text.startswith(f"setting {key!r} "), text
+    assert str(value) in text and expected in text and fix in text, text
+    assert RunConfig(**{key: 0}) is not None  # the edge passes
+
+
 def test_missing_required_names_flags():
     with pytest.raises(ConfigError, match="--store"):
         RunConfig(model="m").require("model", "store")

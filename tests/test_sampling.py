@@ -4,6 +4,8 @@ the stored settings and stop reasons, resume refusal, and the plan's capability 
 from __future__ import annotations
 
 import json
+import reprlib
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -17,7 +19,7 @@ from daskgen.config import RunConfig
 from daskgen.engines.stops import EOS, NO_STOP, first_stop
 from daskgen.errors import ConfigError, InputError, StoreMismatchError
 from daskgen.input.rows import scan_prompts
-from daskgen.input.sampling import RowSamplingCheck
+from daskgen.input.sampling import KEYS, RowSamplingCheck
 from daskgen.input.tokenizer import load_tokenizer
 from daskgen.store.layout import Layout
 from tests.conftest import run_cli
@@ -194,19 +196,151 @@ def test_bad_row_settings_are_named_with_row_key_range_and_fix(tiny_model):
     with pytest.raises(InputError) as info:
         scan_prompts(rows, load_tokenizer(str(tiny_model), "transformers"), max_prompt_tokens=64, check_row=check)
     text = str(info.value)
-    assert "row 1: column 'sampling' (id 'a'): key 'top_p' is 1.5; it must be a number in (0, 1] (1 = off). Fix" in text
+    assert (
+        "row 1: column 'sampling' (id 'a'): key 'top_p' is 1.5; it must be a number in (0, 1] (1 = off). Give" in text
+    )
     assert "row 2: column 'sampling': unknown sampling key 'temprature'; valid keys are [" in text
+    assert "]. Rename or remove it" in text
     assert "row 3: column 'sampling' (id 7): key 'max_new_tokens' is 99, more than the run's max_new_tokens=16" in text
     assert "key 'stop' is ['ok', '']; it must be a list of at most 32 distinct non-empty strings" in text
-    assert "row 4: column 'sampling': key 'seed' is -1; it must be an integer >= 0" in text
-    assert "row 5: column 'sampling': expected a mapping of sampling settings, found str" in text
+    assert "row 4: column 'sampling': key 'seed' is -1; it must be an integer >= 0. Give a value in that range" in text
+    assert "row 5: column 'sampling': expected a mapping of sampling settings such as {\"temperature\": 0.7}, " in text
+    assert "found str 'greedy'; give an object of keys ['frequency_penalty', " in text
+    assert "or leave it out (null) for the run's settings" in text
+
+
+NAN, INF = float("nan"), float("inf")
+#: Per key of ``KEYS``: values a row's ``sampling`` is refused with (the run's ``max_new_tokens`` being 16), and the
+#: values at the edges of its range that pass.  A key added to ``KEYS`` fails
+#: ``test_every_sampling_key_refuses_values_outside_its_range`` until it is given its own here.
+EDGES: dict[str, tuple[list[Any], list[Any]]] = {
+    "temperature": ([-1e-9, -1, NAN, INF, -INF, True, False, "0.5", [0.5]], [0, 0.0, 1e-9, 2, 100.0]),
+    "top_p": ([0, 0.0, -0.1, 1.0000001, 2, NAN, True, "1"], [1e-9, 0.5, 1, 1.0]),
+    "top_k": ([-1, 1.5, 2.0, NAN, True, False, "5"], [0, 1, 50]),
+    "min_p": ([-1e-9, 1.0000001, -1, NAN, INF, True, "0"], [0, 0.0, 0.5, 1, 1.0]),
+    "max_new_tokens": ([0, -1, 1.0, 4.5, NAN, True, "8"], [1, 15, 16]),
+    "min_new_tokens": ([-1, 1.0, NAN, True, "2"], [0, 1, 16]),
+    "stop": (
+        [[""], "", ["a", "a"], [f"s{i}" for i in range(33)], [1], ["a", None], 5, {"a": 1}],
+        ["x", [], ["a", "b"], [f"s{i}" for i in range(32)]],
+    ),
+    "stop_token_ids": (
+        [[-1], [1, 1], [True], [1.0], [NAN], list(range(33)), 5, "1", [None], ["3"]],
+        [[], [0], list(range(32))],
+    ),
+    "repetition_penalty": ([0, 0.0, -1, NAN, INF, True, "1"], [1e-9, 1, 2.5]),
+    "presence_penalty": ([-2.0000001, 2.0000001, -3, 3, NAN, INF, True, "0"], [-2, -2.0, 0, 2, 2.0]),
+    "frequency_penalty": ([-2.0000001, 2.0000001, -3, 3, NAN, -INF, False, "0"], [-2, -2.0, 0, 2, 2.0]),
+    "seed": ([-1, 1.0, 2.5, NAN, True, "7"], [0, 1, 2**63 - 1]),
+}
+#: Values refused against the run's ``max_new_tokens`` (16) instead of the key's own range: the message each gives.
+ABOVE_THE_RUN = {
+    "max_new_tokens": (17, "key 'max_new_tokens' is 17, more than the run's max_new_tokens=16 (the store's response "
+                       "width); lower it, or raise the run's max_new_tokens"),
+    "min_new_tokens": (17, "key 'min_new_tokens' is 17, more than the run's max_new_tokens=16; it must be at most 16: "
+                       "lower min_new_tokens, or raise the run's max_new_tokens"),
+}  # fmt: skip
+
+
+def sampling_errors(settings: Any) -> list[str]:
+    """The per-row check's messages for a row ``r`` whose ``sampling`` is ``settings`` (the run's limit: 16)."""
+    return RowSamplingCheck(max_new_tokens=16)({"prompt": "p", "id": "r", "sampling": settings})
+
+
+@pytest.mark.parametrize("key", sorted(KEYS))
+def test_every_sampling_key_refuses_values_outside_its_range(key):
+    """Each key of the table refuses the values just past its range, NaN, infinities, booleans and other types, with a
+    message naming the row, the key, the value found, the range expected and the fix; its edge values pass."""
+    assert key in EDGES, f"sampling key {key!r} has no refusal cases: add its refused and edge values to EDGES"
+    refused, accepted = EDGES[key]
+    for value in refused:
+        errors = sampling_errors({key: value})
+        assert len(errors) == 1, (value, errors)
+        (message,) = errors
+        assert message.startswith(f"column 'sampling' (id 'r'): key {key!r} is "), message
+        assert f" is {reprlib.repr(value)}" in message or f" is dict {reprlib.repr(value)}" in message, message
+        assert message.endswith(f"; it must be {KEYS[key].range}. Give a value in that range, or remove the key")
+    for value in accepted:
+        assert sampling_errors({key: value}) == [], value
+    assert sampling_errors({key: None}) == [], "None leaves the run's value"
+    if key in ABOVE_THE_RUN:
+        value, text = ABOVE_THE_RUN[key]
+        assert sampling_errors({key: value}) == [f"column 'sampling' (id 'r'): {text}"]
+
+
+def test_the_sampling_edge_table_holds_the_keys_of_the_table_only():
+    assert sorted(EDGES) == sorted(KEYS)
+
+
+@pytest.mark.parametrize(
+    ("value", "note"),
+    [
+        (NAN, "nan (not a finite number)"),
+        (INF, "inf (not a finite number)"),
+        (True, "True (a boolean, not a number)"),
+    ],
+)
+def test_nan_infinities_and_booleans_are_named_as_what_they_are(value, note):
+    for key in ("temperature", "top_k", "seed", "presence_penalty"):
+        (message,) = sampling_errors({key: value})
+        assert f"key {key!r} is {note}; it must be " in message, message
+
+
+def test_stop_token_id_lists_name_what_is_wrong_with_them():
+    notes = {
+        "[1, 1] (with repeated entries)": [1, 1],
+        "[True] (holding a boolean)": [True],
+        "[0, 1, 2, 3, 4, 5, ...] (33 entries)": list(range(33)),
+        "[-1]": [-1],
+        "'1'": "1",
+    }
+    for shown, value in notes.items():
+        (message,) = sampling_errors({"stop_token_ids": value})
+        assert f"key 'stop_token_ids' is {shown}" in message, message
+        assert "it must be a list of at most 32 distinct token ids >= 0. Give a value in that range" in message
+
+
+def test_a_rows_min_new_tokens_above_the_rows_own_max_new_tokens_is_refused():
+    (message,) = sampling_errors({"max_new_tokens": 4, "min_new_tokens": 5})
+    assert message == (
+        "column 'sampling' (id 'r'): key 'min_new_tokens' is 5, more than max_new_tokens=4; it must be at most 4: "
+        "lower min_new_tokens, or raise max_new_tokens"
+    )
+    assert sampling_errors({"max_new_tokens": 4, "min_new_tokens": 4}) == []
+    assert sampling_errors({"max_new_tokens": None, "min_new_tokens": 16}) == []  # the run's 16 stands
+    # a row limit above the run's: both refused, the floor against the run's limit, the one that stands
+    above = sampling_errors({"max_new_tokens": 99, "min_new_tokens": 20})
+    assert len(above) == 2 and "more than the run's max_new_tokens=16; it must be at most 16" in above[1], above
+    # a bad row limit is named once; the floor is held to the run's limit, which it is within
+    assert len(sampling_errors({"max_new_tokens": 0, "min_new_tokens": 8})) == 1
+
+
+def test_bad_row_settings_are_refused_before_any_store_or_engine(tmp_path):
+    """A run whose rows carry NaN and a boolean is refused at the input scan, naming both rows; no store is made."""
+    rows = [
+        {"prompt": "a", "sampling": {"temperature": NAN}},
+        {"prompt": "b", "sampling": {"top_k": True}},
+        {"prompt": "c", "sampling": {"max_new_tokens": 2, "min_new_tokens": 3}},
+    ]
+    options = dict(model="sim", store=str(tmp_path / "s"), engine="simulated", n_workers=1, progress=False)
+    with pytest.raises(InputError) as info:
+        daskgen.generate(rows, **options, max_new_tokens=8)
+    text = str(info.value)
+    assert "row 1: column 'sampling': key 'temperature' is nan (not a finite number); it must be a number >= 0" in text
+    assert "row 2: column 'sampling': key 'top_k' is True (a boolean, not a number); it must be an integer >= 0" in text
+    assert "row 3: column 'sampling': key 'min_new_tokens' is 3, more than max_new_tokens=2" in text
+    assert not (tmp_path / "s").exists()
 
 
 def test_bad_run_settings_are_refused():
     with pytest.raises(ConfigError, match=r"run settings: key 'stop_token_ids' is \[-1\]; it must be a list"):
         RunConfig(stop_token_ids=[-1])
-    with pytest.raises(ConfigError, match="key 'min_new_tokens' is 20, more than max_new_tokens"):
+    with pytest.raises(
+        ConfigError, match="key 'min_new_tokens' is 20, more than max_new_tokens=10; it must be at most"
+    ):
         RunConfig(max_new_tokens=10, min_new_tokens=20)
+    with pytest.raises(ConfigError, match=r"key 'temperature' is nan \(not a finite number\); it must be a number"):
+        RunConfig(temperature=NAN)
     assert RunConfig(stop="</answer>").stop == "</answer>"  # a single string is a list of one
 
 

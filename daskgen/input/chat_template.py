@@ -75,8 +75,10 @@ class ChatTemplate:
         options = self._options(row)
         if options and not hasattr(tokenizer, "get_chat_template"):  # the simulated engine's byte tokenizer
             raise InputError(
-                f"row {number}: chat-template options {sorted(options)} need the model's Hugging Face tokenizer; "
-                "the simulated engine's byte tokenizer has no template. Use a model folder with tokenizer files."
+                f"row {number}: chat-template options {sorted(options)} need the model's Hugging Face tokenizer, "
+                "found the simulated engine's byte tokenizer (the model is no folder with tokenizer files), which "
+                "has no template. Give a model folder with tokenizer files, or drop the chat_template and "
+                "chat_template_kwargs settings and the row's chat_template_kwargs/tools."
             )
         import jinja2
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from daskgen.engines.base import SHAPING_OFF, SamplingParams
 
@@ -35,7 +36,7 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _integer(value: Any) -> bool:
+def _integer(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -77,34 +78,64 @@ STOP_KEYS = ("stop", "stop_token_ids")
 
 
 def setting_errors(settings: Any, max_new_tokens: int, where: str) -> list[str]:
-    """Every problem of ``settings`` (a mapping of :data:`KEYS`), each naming ``where``, the key, the range and the fix.
+    """Every problem of ``settings`` (a mapping of :data:`KEYS`), each naming ``where``, the key, the value
+    found, the range expected and the fix.
 
     ``max_new_tokens`` is the run's limit (the store's response width), which a row may lower only.
     """
     if not isinstance(settings, Mapping):
-        return [f"{where}: expected a mapping of sampling settings, found {type(settings).__name__}"]
+        return [
+            f'{where}: expected a mapping of sampling settings such as {{"temperature": 0.7}}, found '
+            f"{type(settings).__name__} {reprlib.repr(settings)}; give an object of keys {sorted(KEYS)}, or leave "
+            "it out (null) for the run's settings"
+        ]
     errors = []
     for key, value in settings.items():
         spec = KEYS.get(key)
         if spec is None:
-            errors.append(f"{where}: unknown sampling key {key!r}; valid keys are {sorted(KEYS)}")
+            errors.append(f"{where}: unknown sampling key {key!r}; valid keys are {sorted(KEYS)}. Rename or remove it")
         elif value is not None and not spec.valid(_normalized(key, value)):
-            errors.append(f"{where}: key {key!r} is {value!r}; it must be {spec.range}. Fix or remove it")
+            errors.append(
+                f"{where}: key {key!r} is {_found(value)}; it must be {spec.range}. Give a value in that range, or "
+                "remove the key"
+            )
     errors += _limit_errors(settings, max_new_tokens, where)
     return errors
+
+
+def _found(value: Any) -> str:
+    """``value`` as a message shows it: a short repr, with what makes it wrong when that is not plain to see."""
+    text = reprlib.repr(value)
+    if isinstance(value, bool):
+        return f"{text} (a boolean, not a number)"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{text} (not a finite number)"
+    if isinstance(value, (list, tuple)) and len(value) > MAX_STOPS:
+        return f"{text} ({len(value)} entries)"
+    if isinstance(value, (list, tuple)) and len(set(map(repr, value))) < len(value):
+        return f"{text} (with repeated entries)"
+    if isinstance(value, (list, tuple)) and any(isinstance(v, bool) for v in value):
+        return f"{text} (holding a boolean)"
+    return text if isinstance(value, (int, float, str, list, tuple)) else f"{type(value).__name__} {text}"
 
 
 def _limit_errors(settings: Mapping[str, Any], max_new_tokens: int, where: str) -> list[str]:
     """The token limits against each other and against the run's ``max_new_tokens``."""
     limit, floor = settings.get("max_new_tokens"), settings.get("min_new_tokens")
     errors = []
-    if isinstance(limit, int) and limit > max_new_tokens:
+    if _integer(limit) and limit > max_new_tokens:
         errors.append(
             f"{where}: key 'max_new_tokens' is {limit}, more than the run's max_new_tokens={max_new_tokens} (the "
             "store's response width); lower it, or raise the run's max_new_tokens"
         )
-    if isinstance(floor, int) and floor > (limit if isinstance(limit, int) else max_new_tokens):
-        errors.append(f"{where}: key 'min_new_tokens' is {floor}, more than max_new_tokens; lower it")
+    own = limit if _integer(limit) and 1 <= limit <= max_new_tokens else None  # a row's valid limit, else the run's
+    bound = max_new_tokens if own is None else own
+    if _integer(floor) and floor > bound:
+        limit_name = "the run's max_new_tokens" if own is None else "max_new_tokens"
+        errors.append(
+            f"{where}: key 'min_new_tokens' is {floor}, more than {limit_name}={bound}; it must be at most "
+            f"{bound}: lower min_new_tokens, or raise {limit_name}"
+        )
     return errors
 
 
