@@ -114,15 +114,18 @@ def test_bad_adapter_settings_fail_naming_the_adapter_and_the_fix(adapters, tmp_
     (tmp_path / "empty").mkdir()
     (tmp_path / "ia3").mkdir()
     (tmp_path / "ia3" / "adapter_config.json").write_text('{"peft_type": "IA3"}')
-    cases = {
-        str(tmp_path / "nowhere"): "does not exist",
-        str(tmp_path / "empty"): "has no adapter_config.json",
-        str(tmp_path / "ia3"): "peft_type 'IA3'",
+    saved_to = "give the folder a PEFT LoRA adapter was saved to"
+    cases = {  # the folder: what is wrong with it, and the fix
+        str(tmp_path / "nowhere"): ("does not exist", saved_to),
+        str(tmp_path / "empty"): ("has no adapter_config.json", saved_to),
+        str(tmp_path / "ia3"): ("peft_type 'IA3'", "only LoRA adapters (peft_type 'LORA') are served"),
     }
-    for path, reason in cases.items():
+    for path, (reason, fix) in cases.items():
         with pytest.raises(ConfigError, match=reason) as info:
             RunConfig(model="m", adapters={"x": path})
-        assert "'x'" in str(info.value) and "PEFT" in str(info.value) or "LoRA" in str(info.value)
+        message = str(info.value)
+        assert "adapter 'x'" in message, message  # the adapter's name
+        assert fix in message, message
     with pytest.raises(ConfigError, match=r"'c' is not an adapter of this run; the adapters known are \['a', 'b'\]"):
         RunConfig(model="m", adapters=adapters, adapter="c")
 
