@@ -84,13 +84,34 @@ def _wait_for(held: Any, n: int) -> None:
         time.sleep(0.1)
 
 
+def _worker_status(client: Any) -> dict:
+    """The engine plugin's status on the run's one worker (its window and its count of admission ticks)."""
+    from daskgen.worker.plugin import plugin_status
+
+    (status,) = client.run(plugin_status).values()
+    return status
+
+
+def _after_admission_ticks(client: Any, ticks: int = 40) -> dict:
+    """The worker's status once ``window: auto`` applied its rule ``ticks`` more times to the frozen occupancy:
+    a window past the rule's would have grown on one of them (it never shrinks while every partition stays
+    running), and the partitions it admitted would have reached the engine."""
+    at = _worker_status(client)["admission_ticks"]
+    deadline = time.monotonic() + 120
+    while (now := _worker_status(client))["admission_ticks"] < at + ticks:
+        assert time.monotonic() < deadline, f"{now} after {at} admission ticks"
+        time.sleep(0.05)
+    return now
+
+
 @pytest.mark.timeout(240)
 def test_one_thread_slot_keeps_the_window_the_engine_wants(tmp_path):
     """Partition tasks give their thread slot back: one slot per worker still holds the 32 partitions."""
     with _gated_run(tmp_path, nthreads=1, hold_threads=False) as (client, held, _):
         _wait_for(held, WANTED)
-        time.sleep(1.0)  # twenty admission intervals: a window past the rule's would admit more by now
-        assert held() == WANTED
+        status = _after_admission_ticks(client)
+        assert status["window"] == WANTED, status
+        assert held() == WANTED, f"the engine holds {held()} partitions, the rule says {WANTED}"
 
 
 @pytest.mark.timeout(240)
@@ -107,8 +128,9 @@ def test_thread_slots_capping_the_window_are_named_with_the_fix(tmp_path, caplog
     caplog.set_level(logging.WARNING, logger="daskgen.client.engines")
     with _gated_run(tmp_path, nthreads=2, hold_threads=True) as (client, held, outcome):
         _wait_for(held, 2)
-        time.sleep(1.0)
-        assert held() == 2
+        status = _after_admission_ticks(client)  # the rule ran on: the two thread slots still cap what runs
+        assert status["window"] == 2, status
+        assert held() == 2, f"the engine holds {held()} partitions; 2 thread slots hold 2"
         notes = [r.getMessage() for r in caplog.records if r.name == "daskgen.client.engines"]
         assert len(notes) == 1, notes
         assert "1 of 1 workers run 2 partitions at most (their thread slots)" in notes[0]
