@@ -1,13 +1,15 @@
 """``daskgen verify`` finds a deleted chunk of every worker-written array in a finished partition.
 
-The arrays come from the layouts (:data:`daskgen.store.layout.WORKER_ARRAYS`), so an array added to the
-layout is covered here without a change: the arrays of a plain layout and of a verifier's are checked on a
-store written by a real run (simulated engine, ``--logprobs``, ``--top-logprobs``, a verifier); the trajectory
-axis's on a store written through the store API.
+The arrays come from the layout with every optional array on (:func:`daskgen.store.layout.every_array_layout`,
+one kept column ``answer``), so an array added to the layout is covered here without a change: every array but
+the trajectory axis's is checked on a store written by a real run (the simulated engine taking structured
+outputs and LoRA adapters, ``--logprobs``, ``--top-logprobs``, stop ids, per-row settings, a verifier, a kept
+column); the trajectory axis's on a store written through the store API.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -15,27 +17,59 @@ import numpy as np
 import pytest
 
 from daskgen import store
+from daskgen.engines.base import GenerationRequest, GenerationResult
+from daskgen.engines.simulated import SimulatedEngine
 from daskgen.store.expected_chunks import UNDERIVABLE
-from daskgen.store.layout import WORKER_ARRAYS, empty_region
+from daskgen.store.layout import empty_region, every_array_layout
 from daskgen.store.verify import chunk_key, verify
 from tests.conftest import run_cli, simulated_run, write_prompts
 
 pytestmark = pytest.mark.timeout(300)
 
+#: Every array a store can have, with the kept column of :data:`RUN`.
+ARRAYS = every_array_layout(columns=("answer",)).data_arrays()
+
+
+class FormatsAndAdapters(SimulatedEngine):
+    """Test double: the simulated engine taking structured outputs and LoRA adapters (its outputs the same with
+    either or without), so that its stores hold ``response_format`` and ``adapter``."""
+
+    features = SimulatedEngine.features | {"structured_outputs", "lora"}
+
+    def __init__(self, model: str = "simulated", adapters: dict[str, str] | None = None, **engine_args) -> None:
+        super().__init__(model, **engine_args)
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        params = dataclasses.replace(request.params, adapter=None, response_format=None)
+        return await super().generate(dataclasses.replace(request, params=params))
+
+
 #: 12 prompts in 3 partitions of 4 (each row with its own sampling settings), logprobs and top-2 logprobs
 #: recorded, stop token ids (so ``stop_reason`` is stored), outputs of about 12 of the 16 tokens (most end at
-#: the end-of-sequence token), every response scored.
+#: the end-of-sequence token), every response scored, a run-level response format, the column ``answer`` kept and
+#: the adapters the input rows name (the adapter folder is added by :func:`_run`).
 RUN = [
-    *simulated_run(),
+    *("tests.test_verify_chunks:FormatsAndAdapters" if arg == "simulated" else arg for arg in simulated_run()),
     *("--logprobs", "--top-logprobs", "2", "--stop-token-ids", "7", "--engine-arg", "length_mean=12"),
     *("--verifier", "tests.verifiers:even_first_token"),
+    *("--response-format", '{"choice": ["yes", "no"]}', "--keep-columns", "answer"),
 ]
 #: The partition whose chunks are deleted.
 ROWS = list(range(4, 8))
 
 
+def _row(i: int) -> dict:
+    """Row ``i``'s own columns: its sampling settings; its answer (a number, text, or empty in the last partition
+    and row 6); the adapter ``math`` for row 5 alone."""
+    answer = "" if i >= 8 or i == 6 else (i if i % 2 else f"answer {i}")
+    return {"sampling": {"top_k": 50}, "answer": answer, **({"adapter": "math"} if i == 5 else {})}
+
+
 def _run(prompts, out):
-    res = run_cli("run", "--prompts", prompts, "--store", out, *RUN)
+    adapter = prompts.parent / "lora-math"
+    adapter.mkdir(exist_ok=True)
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    res = run_cli("run", "--prompts", prompts, "--store", out, *RUN, "--adapter-path", f"math={adapter}")
     assert res.returncode == 0, res.stdout + res.stderr
 
 
@@ -45,7 +79,7 @@ def run_store(tmp_path_factory):
     base = tmp_path_factory.mktemp("run")
     prompts = write_prompts(base / "p.jsonl", 12)
     rows = [json.loads(line) for line in prompts.read_text().splitlines()]
-    prompts.write_text("".join(json.dumps({**row, "sampling": {"top_k": 50}}) + "\n" for row in rows))
+    prompts.write_text("".join(json.dumps({**row, **_row(i)}) + "\n" for i, row in enumerate(rows)))
     _run(prompts, base / "out.zarr")
     return base
 
@@ -93,14 +127,25 @@ def test_the_stores_are_sound_and_cover_every_worker_array(run_store, trajectory
         report = verify(out, progress=False)
         assert report.sound, report.lines()
         names |= set(store.GenerationStore.open(out).layout.data_arrays())
-    assert names == set(WORKER_ARRAYS)
+    assert names == set(ARRAYS)
 
 
-@pytest.mark.parametrize("name", WORKER_ARRAYS)
+def test_partitions_whose_text_arrays_hold_only_empty_strings_have_no_chunk_and_are_sound(run_store):
+    out = run_store / "out.zarr"
+    opened = store.GenerationStore.open(out)
+    assert not (out / chunk_key(opened, "adapter", 0)).exists(), "rows 0..3 use the base model"
+    assert not (out / chunk_key(opened, "column_answer", 8)).exists(), "rows 8..11 answer ''"
+    assert (out / chunk_key(opened, "response_format", 8)).is_file(), "every row has the run's format"
+    report = verify(out, progress=False)
+    assert report.sound and not report.notes, report.lines()
+
+
+@pytest.mark.parametrize("name", ARRAYS)
 def test_a_deleted_chunk_of_every_array_is_named(name, run_store, trajectory_store, tmp_path):
     out, _ = _store_for(name, run_store, trajectory_store, tmp_path)
     key, path = _chunk_file(out, name)
     if name in UNDERIVABLE:  # all fill values in a run that was never interrupted: no chunk to lose
+        assert UNDERIVABLE[name], "the reason no value shows the chunk is needed is recorded"
         assert not path.exists() and verify(out, progress=False).sound
         return
     assert path.is_file(), key
@@ -132,3 +177,19 @@ def test_a_deleted_logprobs_chunk_is_repaired_and_regenerated(run_store, tmp_pat
     for name, regenerated in after.read_region(0, 12, after.layout.data_arrays()).items():
         np.testing.assert_array_equal(regenerated, values[name], err_msg=name)  # seeded: the same again
     assert verify(out, progress=False).sound
+
+
+def test_a_lost_kept_column_or_row_adapter_chunk_goes_unchecked_with_a_note_once_the_input_changed(run_store, tmp_path):
+    out, prompts = _store_for("column_answer", run_store, None, tmp_path)
+    prompts.write_text(prompts.read_text().replace('"answer 4"', '"answer four"'))
+    opened = store.GenerationStore.open(out)
+    opened.update_attrs(config={**opened.attrs.config, "prompts": str(prompts)})
+    for name in ("column_answer", "adapter", "response_format"):
+        _chunk_file(out, name)[1].unlink()
+    report = verify(out, progress=False)
+    assert [p.array for p in report.problems] == ["response_format"], "the run's format needs no input"
+    assert report.notes == [
+        f"adapter, column_answer not checked for lost chunks: the run's input file {str(prompts)!r} is gone or no "
+        "longer holds the store's input (its fingerprint); restore it to check them"
+    ]
+    assert f"note: {report.notes[0]}" in report.lines()

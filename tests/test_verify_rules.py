@@ -4,13 +4,26 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 
 from daskgen import store
-from daskgen.store.expected_chunks import RULES, UNDERIVABLE, PartitionRows, expected_chunks
+from daskgen.input.rows import fingerprint
+from daskgen.store.expected_chunks import (
+    FAMILY_RULES,
+    NEEDS_INPUT,
+    RULES,
+    UNDERIVABLE,
+    PartitionRows,
+    expected_chunks,
+    known_texts,
+    rule_of,
+)
 from daskgen.store.invariants import RowRules, broken_rows
-from daskgen.store.layout import WORKER_ARRAYS, empty_region
+from daskgen.store.layout import WORKER_ARRAYS, Layout, empty_region, every_array_layout
 
 LAYOUT = store.Layout(4, 2, 6, 5, 4, 0)
 VOCAB = 100
@@ -85,9 +98,25 @@ def test_agent_masks_may_be_0_inside_a_response():
     assert broken_rows(region, np.ones(4, dtype=bool), _rules(single_turn=False)) == {}
 
 
-def test_every_worker_array_has_a_chunk_rule_or_a_reason_it_cannot_have_one():
-    assert set(WORKER_ARRAYS) == set(RULES) | set(UNDERIVABLE)
-    assert not set(RULES) & set(UNDERIVABLE)
+#: Every array a store can have (two kept columns: each a member of the ``column_`` family).
+ARRAYS = every_array_layout(columns=("answer", "data_source")).data_arrays()
+
+
+def test_the_full_layout_turns_every_optional_layout_field_on():
+    full = every_array_layout(columns=("answer",))
+    for option in dataclasses.fields(Layout):
+        if option.default is not dataclasses.MISSING:
+            assert getattr(full, option.name) != option.default, option.name
+    assert set(WORKER_ARRAYS) == set(ARRAYS) - {"column_answer", "column_data_source"}
+
+
+def test_every_array_has_a_chunk_rule_or_a_reason_it_cannot_have_one():
+    for name in ARRAYS:
+        assert (rule_of(name) is not None) != (name in UNDERIVABLE), name
+        assert name not in UNDERIVABLE or UNDERIVABLE[name], f"{name}: the reason is recorded"
+    assert set(RULES) | set(UNDERIVABLE) <= set(ARRAYS), "no rule for an array the layout no longer has"
+    assert all(any(name.startswith(prefix) for name in ARRAYS) for prefix in FAMILY_RULES)
+    assert set(NEEDS_INPUT) <= set(RULES) | set(FAMILY_RULES) and all(NEEDS_INPUT.values())
 
 
 def _expected(region, chunks=None, done=None, noted=None, rules=None, start=0):
@@ -139,3 +168,76 @@ def test_logprobs_are_expected_only_when_recorded_and_scores_only_without_a_note
     rows = PartitionRows(region, np.ones(4, dtype=bool), np.ones(4, dtype=bool), RowRules(scored, VOCAB, True))
     found = {e.array for e in expected_chunks(rows, 0, {name: specs[name].chunks for name in region})}
     assert "samples_used" in found and "score" not in found, "every row's verifier raised: its scores are NaN"
+
+
+#: Four rows of a store that keeps the column ``answer`` and declares adapters; rows carry their own formats.
+TEXTS = Layout(4, 1, 6, 5, 4, 0, columns=("answer",), structured=True, adapters=True)
+#: Its input: row 1 names an adapter, row 2 has its own format, rows 0 and 2 answer (3 is stored as "3").
+INPUT = [
+    {"prompt": "a", "answer": "x"},
+    {"prompt": "b", "answer": "", "adapter": "math"},
+    {"prompt": "c", "answer": 3, "response_format": {"choice": ["y", "n"]}},
+    {"prompt": "d", "answer": "", "adapter": None},
+]
+
+
+def _attrs(tmp_path, rows=INPUT, **identity) -> store.StoreAttrs:
+    """Attrs of a store of :data:`TEXTS` made from ``rows``, written to ``p.jsonl``; ``identity``: the run's
+    ``adapter``/``response_format``."""
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return store.StoreAttrs(
+        TEXTS,
+        identity={"response_format": None, **identity},
+        input={"fingerprint": fingerprint(INPUT), "n_prompts": 4},
+        config={"prompts": str(path)},
+    )
+
+
+def test_row_adapters_formats_and_kept_columns_are_known_from_the_runs_input_file(tmp_path):
+    known = known_texts(_attrs(tmp_path))
+    assert known.note is None
+    assert {name: rows.tolist() for name, rows in known.rows.items()} == {
+        "adapter": [False, True, False, False],
+        "response_format": [False, False, True, False],
+        "column_answer": [True, False, True, False],
+    }
+    assert {name: rows.tolist() for name, rows in known.part(2, 4).items()}["adapter"] == [False, False]
+
+
+def test_a_run_level_adapter_or_format_marks_every_row(tmp_path):
+    known = known_texts(_attrs(tmp_path, adapter="math", response_format={"regex": "[0-9]+"}))
+    assert known.rows["adapter"].all() and known.rows["response_format"].all()
+    assert known.rows["column_answer"].tolist() == [True, False, True, False]
+    attrs = _attrs(tmp_path, adapter="math", response_format={"regex": "[0-9]+"})
+    known = known_texts(dataclasses.replace(attrs, layout=dataclasses.replace(TEXTS, columns=()), config={}))
+    assert set(known.rows) == {"adapter", "response_format"} and known.note is None, "no input needed"
+
+
+@pytest.mark.parametrize("input_file", ["gone", "changed"])
+def test_an_input_file_gone_or_changed_leaves_what_only_it_shows_unknown_and_says_so(input_file, tmp_path):
+    changed = [*INPUT[:3], {**INPUT[3], "answer": "z"}]
+    attrs = _attrs(tmp_path, changed, adapter="math")
+    if input_file == "gone":
+        (tmp_path / "p.jsonl").unlink()
+    known = known_texts(attrs)
+    assert set(known.rows) == {"adapter"}, "the run's adapter is every row's"
+    path = str(tmp_path / "p.jsonl")
+    assert known.note == (
+        f"response_format, column_answer not checked for lost chunks: the run's input file {path!r} is gone or no "
+        "longer holds the store's input (its fingerprint); restore it to check them"
+    )
+
+
+def test_a_text_array_is_expected_where_a_done_row_is_known_to_hold_a_value(tmp_path):
+    region = _sound_region(TEXTS)
+    known = known_texts(_attrs(tmp_path)).rows
+    chunks = {name: spec.chunks for name, spec in TEXTS.array_specs().items() if name in region}
+
+    def expected(done, texts):
+        rows = PartitionRows(region, np.array(done), np.zeros(4, dtype=bool), RowRules(TEXTS, VOCAB, True), texts)
+        return {e.array for e in expected_chunks(rows, 0, chunks)} & {"adapter", "response_format", "column_answer"}
+
+    assert expected([True] * 4, known) == {"adapter", "response_format", "column_answer"}
+    assert expected([True, False, False, True], known) == {"column_answer"}, "rows 1 and 2 are not done"
+    assert expected([True] * 4, {}) == set(), "nothing known: nothing expected"

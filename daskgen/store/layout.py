@@ -10,7 +10,7 @@ along ``prompt`` by the partition size; the client-written arrays (coordinates a
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -237,12 +237,27 @@ class Layout:
         return out
 
 
+def every_array_layout(columns: tuple[str, ...] = ()) -> Layout:
+    """A layout with every array a store can have: each optional field of :class:`Layout` turned on (a flag true,
+    a count one above its default: two trajectories, top-1 logprobs) and the kept input ``columns`` (names are per
+    store).  A field of another kind raises :class:`TypeError`: a new kind of field is turned on here by hand."""
+    changes: dict[str, Any] = {"columns": tuple(columns)}
+    for option in fields(Layout):
+        if option.name in changes or option.default is MISSING:
+            continue
+        if isinstance(option.default, bool):
+            changes[option.name] = True
+        elif isinstance(option.default, int):
+            changes[option.name] = option.default + 1
+        else:
+            raise TypeError(f"Layout field {option.name!r}: every_array_layout does not know how to turn it on")
+    return Layout(1, 1, 1, 1, 1, 0, **changes)
+
+
 #: Worker-written arrays of the plain layout (v1, no verifier).
 DATA_ARRAYS = Layout(1, 1, 1, 1, 1, 0).data_arrays()
-#: Every array a worker may write, in any layout.
-WORKER_ARRAYS = Layout(
-    1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True, row_sampling=True, stops=True, top_logprobs=1
-).data_arrays()
+#: Every array a worker may write, in any layout, but the kept input columns (``column_<name>``: named per store).
+WORKER_ARRAYS = every_array_layout().data_arrays()
 
 
 #: The arrays of the top-k logprobs (in stores of runs with ``top_logprobs``).

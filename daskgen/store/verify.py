@@ -3,10 +3,11 @@
 Every chunk of every array is read (in parallel: tasks on a Dask cluster when given, else local
 threads), so a chunk whose checksum fails or that does not decode is found; the rows of finished
 (``done``) partitions are checked against :mod:`daskgen.store.invariants`; the data chunks that each
-finished partition must have written, derived per array from its rows (:mod:`daskgen.store.expected_chunks`),
-are checked to exist (a chunk that is not there reads back as fill values without an error): a chunk file,
-or in a packed store an entry in its shard's index (:mod:`daskgen.store.shard_index`).  The result
-names the affected rows (index and ``id``), arrays and chunk keys; :func:`daskgen.store.repair.repair`
+finished partition must have written, derived per array from its rows and the run's settings (a row's own
+adapter, format and kept input columns from the run's input file: :mod:`daskgen.store.expected_chunks`), are
+checked to exist (a chunk that is not there reads back as fill values without an error): a chunk file, or in a
+packed store an entry in its shard's index (:mod:`daskgen.store.shard_index`).  The result names the affected
+rows (index and ``id``), arrays and chunk keys, and what could not be checked; :func:`daskgen.store.repair.repair`
 resets exactly the affected partitions to pending.
 """
 
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from daskgen.store.expected_chunks import ExpectedChunk, PartitionRows, expected_chunks
+from daskgen.store.expected_chunks import ExpectedChunk, PartitionRows, expected_chunks, known_texts
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.invariants import RowRules, broken_rows
 from daskgen.store.layout import DONE
@@ -49,6 +50,7 @@ class VerifyReport:
     done_rows: int = 0
     problems: list[Problem] = field(default_factory=list)
     ids: dict[int, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what could not be checked, and why
 
     @property
     def sound(self) -> bool:
@@ -64,6 +66,7 @@ class VerifyReport:
         out = [self._line(p) for p in self.problems[:limit]]
         if len(self.problems) > limit:
             out.append(f"... and {len(self.problems) - limit} more problem(s)")
+        out += [f"note: {note}" for note in self.notes]
         checks = f"{self.chunks} chunks read, {self.done_rows} done rows checked"
         checks += "" if self.checksummed else " (this store has no chunk checksums: decoding and invariants only)"
         if self.sound:
@@ -114,10 +117,16 @@ class PartitionCheck:
 
 
 def check_partition(
-    store: GenerationStore, start: int, done: np.ndarray, noted: np.ndarray, rules: RowRules
+    store: GenerationStore,
+    start: int,
+    done: np.ndarray,
+    noted: np.ndarray,
+    rules: RowRules,
+    texts: dict[str, np.ndarray] | None = None,
 ) -> PartitionCheck:
     """Read each of one partition's data arrays once; check the invariants of its ``done`` rows and derive the
-    chunks they must have written (``noted``: rows whose ``error`` holds a note)."""
+    chunks they must have written (``noted``: rows whose ``error`` holds a note; ``texts``: the partition's rows
+    of each text array known to hold a value, :func:`daskgen.store.expected_chunks.known_texts`)."""
     stop = min(start + store.layout.partition_size, store.layout.n_prompts)
     region: dict[str, np.ndarray] = {}
     problems: list[Problem] = []
@@ -135,7 +144,8 @@ def check_partition(
         for r, why in sorted(broken.items())
     ]
     chunks = {name: tuple(store.array(name).chunks) for name in region}
-    return PartitionCheck(problems, expected_chunks(PartitionRows(region, done, noted, rules), start, chunks))
+    rows = PartitionRows(region, done, noted, rules, texts or {})
+    return PartitionCheck(problems, expected_chunks(rows, start, chunks))
 
 
 def chunk_key(store: GenerationStore, name: str, start: int, index: tuple[int, ...] | None = None) -> str:
@@ -207,8 +217,13 @@ def verify(
     done = status == DONE
     report.done_rows = int(done.sum())
     rules, size = row_rules(store), store.layout.partition_size
+    texts = known_texts(store.attrs)
+    report.notes += [texts.note] if texts.note else []
     starts = list(store.layout.partitions())
-    jobs = [(check_partition, (store, s, done[s : s + size], noted[s : s + size], rules)) for s in starts]
+    jobs = [
+        (check_partition, (store, s, done[s : s + size], noted[s : s + size], rules, texts.part(s, s + size)))
+        for s in starts
+    ]
     expected: list[ExpectedChunk] = []
     for found in _run(jobs, scheduler_address, progress, "partitions"):
         report.problems += found.problems
