@@ -13,7 +13,7 @@ import pytest
 
 from daskgen.store.generation_store import GenerationStore
 from tests.conftest import popen_cli, run_cli, simulated_run, write_prompts
-from tests.fault_tally import count, logged_requests, record, recorded
+from tests.fault_tally import Tally, count, logged_requests, record, recorded
 from tests.s3_proxy import FAULTS, FaultProxy
 from tests.test_object_store import _same, s3, s3_server  # noqa: F401 - the moto server and bucket fixtures
 
@@ -43,6 +43,7 @@ def test_faults_on_a_share_of_requests_are_retried_and_the_data_is_exact(tmp_pat
     assert all(proxy.injected[kind] > 0 for kind in FAULTS), proxy.injected  # every kind really happened
     _same(f"s3://{bucket}/clean.zarr", f"s3://{bucket}/faulty.zarr")
     tally = count(logged_requests(tmp_path / "calls.log"))  # the faults span the run: every request is "before"
+    assert tally == Tally(kept=24, regenerated=0, continued=0), f"retried requests regenerate no row: {tally}"
     record("object store: 503 / 500 / reset on reads / slow answers on 20% of requests", rows=24, tally=tally)
 
 
@@ -59,6 +60,7 @@ def test_writes_whose_connection_drops_are_retried_and_the_data_is_exact(tmp_pat
     assert proxy.injected["reset-put"] > 0 and proxy.injected["reset-after-put"] > 0, proxy.injected
     _same(f"s3://{bucket}/clean.zarr", f"s3://{bucket}/faulty.zarr")
     tally = count(logged_requests(tmp_path / "calls.log"))  # the faults span the run: every request is "before"
+    assert tally == Tally(kept=24, regenerated=0, continued=0), f"retried requests regenerate no row: {tally}"
     record("object store: PUT connection reset (before / after it landed)", rows=24, tally=tally)
 
 
