@@ -104,15 +104,36 @@ def plot_folder(a: Any) -> Path:
 
 @contextlib.contextmanager
 def workdir(path: Path | None) -> Iterator[Path]:
-    """``path`` (created) or a temporary directory removed afterwards."""
+    """``path`` (created; refused when it holds anything: :func:`fresh_folder`) or a temporary directory removed
+    afterwards."""
     import tempfile
 
     if path is not None:
-        path.mkdir(parents=True, exist_ok=True)
-        yield path
+        yield fresh_folder(path)
         return
     with tempfile.TemporaryDirectory(prefix="daskgen-bench-") as tmp:
         yield Path(tmp)
+
+
+def fresh_folder(path: Path) -> Path:
+    """``path`` as an empty folder (created when missing) for a benchmark's stores; ``SystemExit`` naming what it
+    holds and the fix when it is not empty.
+
+    A benchmark times runs from fresh stores: a store an earlier run left under the same name would be resumed
+    (a finished one generates nothing) or refused, instead of timed.
+    """
+    if path.exists() and not path.is_dir():
+        raise SystemExit(f"--workdir {path} is a file; give a new or empty folder for the benchmark's stores.")
+    held = sorted(entry.name for entry in path.iterdir()) if path.is_dir() else []
+    if held:
+        shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        raise SystemExit(
+            f"--workdir {path} is not empty: it holds {shown}. A benchmark writes fresh stores there (a store an "
+            "earlier run left would be resumed instead of timed); give a new or empty folder, or empty this one "
+            f"first (rm -r {path}/*)."
+        )
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def quiet_logs() -> None:
