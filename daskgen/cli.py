@@ -32,7 +32,7 @@ def run(**values: Any) -> None:
         cfg.cluster = {**(cfg.cluster or {}), "kind": command.cluster_kind}
     if command.insecure:
         cfg.cluster = {**(cfg.cluster or {}), "tls": False}
-    summary = run_generation(cfg)
+    summary = run_generation(cfg, then_exit=True)  # a SIGTERM from here on: the process shuts down, status kept
     if command.show:
         from daskgen.analysis.summary import print_answers
 

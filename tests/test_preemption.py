@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from daskgen import store
 from daskgen.client.interrupt import EXIT_INTERRUPTED, Interrupt, parse_slurm_time
 from daskgen.engines.base import FinishReason
 from daskgen.testing.probes import in_flight_after, read_events
-from tests.conftest import popen_cli, run_cli, write_prompts
+from tests.conftest import cli_env, popen_cli, run_cli, simulated_run, write_prompts
 from tests.fault_tally import count, logged_requests, record
 from tests.probing import OutputLines, gate_args, probe_args, wait_for_arrival
 from tests.test_run import _wait_for_some_done, sim_args
@@ -315,6 +316,77 @@ def test_interrupt_turns_the_first_signal_into_a_request_and_the_second_into_an_
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGTERM)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "handlers are restored"
+
+
+#: ``daskgen run`` (its real entry point, ``daskgen.cli.main``) in a process that holds at its last exit step until
+#: the file named by ``argv[1]`` exists: a test double (labelled) that keeps the shutdown after the summary line
+#: going for as long as the test needs.  Registered before the CLI starts, the hook runs last of the atexit hooks.
+HELD_AT_EXIT = """
+import atexit, pathlib, sys, time
+
+go = pathlib.Path(sys.argv[1])
+
+
+def held() -> None:
+    deadline = time.monotonic() + 120
+    while not go.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+atexit.register(held)
+sys.argv = ["daskgen", *sys.argv[2:]]
+from daskgen.cli import main
+
+main()
+"""
+
+
+def test_sigterm_after_the_summary_line_lets_the_shutdown_finish_with_the_runs_status(tmp_path):
+    """The run is over and everything committed once its summary line is printed: a SIGTERM that reaches the process
+    while it shuts down (here: held at its last exit step) no longer kills it; it exits 0, cleanly."""
+    prompts, out, go = write_prompts(tmp_path / "p.jsonl", 8), tmp_path / "out.zarr", tmp_path / "go"
+    cmd = [sys.executable, "-c", HELD_AT_EXIT, str(go), "run", "--prompts", str(prompts), "--store", str(out)]
+    proc = subprocess.Popen(
+        [*cmd, *simulated_run()], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(),
+        start_new_session=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines = []
+    try:
+        for line in proc.stdout:  # wait for the summary line
+            lines.append(line)
+            if line.startswith("daskgen: 8 done, 0 failed, 0 pending of 8 prompts"):
+                break
+        else:
+            raise AssertionError("no summary line:\n" + "".join(lines))
+        assert proc.poll() is None, "held at its last exit step until the go file exists"
+        os.kill(proc.pid, signal.SIGTERM)
+    finally:
+        go.touch()
+    output = "".join(lines) + proc.stdout.read()
+    assert proc.wait(timeout=120) == 0, output
+    assert "Traceback" not in output and "SIGTERM received: stopping" not in output, output
+    assert (store.GenerationStore.open(out).read_status() == store.DONE).all()
+    assert run_cli("status", out).returncode == 0  # the store opens: its lock was released
+
+
+def test_a_finished_runs_interrupt_leaves_sigterm_ignored_only_when_asked():
+    """``daskgen run`` asks (the process only shuts down after the run): SIGTERM is then ignored, SIGINT restored;
+    a library call leaves both as they were; a run that raised restores both."""
+    try:
+        with Interrupt(10.0, ignore_sigterm_after=True):
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        with pytest.raises(RuntimeError), Interrupt(10.0, ignore_sigterm_after=True):
+            raise RuntimeError("the run failed")
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        with Interrupt(10.0):
+            pass
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def test_allocation_end_from_slurm(monkeypatch):

@@ -3,7 +3,9 @@
 The first signal asks the run to stop gracefully (nothing more is submitted, every in-flight
 request is aborted keeping its tokens, finished partitions and partial responses are committed
 within the grace period, the lock is released) and the run exits with :data:`EXIT_INTERRUPTED`.
-A second signal stops at once (what was committed stays committed).
+A second signal stops at once (what was committed stays committed).  Once a run of the ``daskgen run``
+command is over (everything committed, its summary taken), a SIGTERM no longer stops the process: it
+only shuts down, and exits with the run's status.
 """
 
 from __future__ import annotations
@@ -37,13 +39,18 @@ class Interrupt:
         Seconds from the request until the process should have exited.
     install:
         Install signal handlers (only possible, and only done, in the main thread).
+    ignore_sigterm_after:
+        When the ``with`` block ends without an exception, leave SIGTERM ignored instead of restoring its
+        previous handler (SIGINT's is restored): for a process that only shuts down after the run (the
+        ``daskgen run`` command), which then ends with the run's status whenever a SIGTERM comes.
     """
 
-    def __init__(self, grace_s: float, install: bool = True) -> None:
+    def __init__(self, grace_s: float, install: bool = True, ignore_sigterm_after: bool = False) -> None:
         self.grace_s = float(grace_s)
         self.reason: str | None = None
         self.requested_at: float | None = None
         self._install = install and threading.current_thread() is threading.main_thread()
+        self._ignore_sigterm_after = ignore_sigterm_after
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> Interrupt:
@@ -53,8 +60,11 @@ class Interrupt:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        """Restore the handlers from before; after a run that returned, SIGTERM ignored when asked (no gap between:
+        a SIGTERM reaching the process from here on finds one or the other)."""
+        ignore = self._ignore_sigterm_after and kind is None
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if ignore and sig == signal.SIGTERM else handler)
         self._previous.clear()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:

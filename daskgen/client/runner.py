@@ -37,16 +37,22 @@ logger = logging.getLogger(__name__)
 
 
 def run(
-    config: RunConfig, prompts: str | Path | Sequence[Any] | None = None, *, handle_signals: bool = True
+    config: RunConfig,
+    prompts: str | Path | Sequence[Any] | None = None,
+    *,
+    handle_signals: bool = True,
+    then_exit: bool = False,
 ) -> RunSummary:
     """Run (or resume) generation for ``config``; returns the summary of the whole store.
 
     With ``handle_signals`` (main thread only) SIGTERM/SIGINT and the end of the SLURM allocation
     stop the run gracefully within ``config.grace`` (see :mod:`daskgen.client.interrupt`); the summary's
-    ``interrupted`` then says why.
+    ``interrupted`` then says why.  ``then_exit``: the caller ends its process once the run returns (the
+    ``daskgen run`` command), so from the run's end on a SIGTERM is ignored: everything is committed, the
+    process shuts down cleanly and exits with the run's status.
     """
     t0 = time.perf_counter()
-    with Interrupt(config.grace_seconds(), install=handle_signals) as interrupt:
+    with Interrupt(config.grace_seconds(), install=handle_signals, ignore_sigterm_after=then_exit) as interrupt:
         plan = prepare(config, prompts)
         stop = StopControl(interrupt, allocation_end() if handle_signals else None)
         return _run_locked(plan, stop, t0)
