@@ -32,7 +32,7 @@ COMPARED = ("response_ids", "response_length", "response_mask", "finish_reason",
 RECORDING, PROBE = "daskgen.testing.engines:RecordingEngine", "daskgen.testing.probes:ProbeEngine"
 
 
-def _args(model, prompts, out, log, inner="transformers", engine_args=(), new_tokens=160, engine=RECORDING):
+def _args(model, prompts, out, log, inner="transformers", engine_args=(), new_tokens=160, engine=RECORDING, extra=()):
     return [
         "run",
         *("--prompts", prompts, "--model", model, "--store", out),
@@ -41,6 +41,7 @@ def _args(model, prompts, out, log, inner="transformers", engine_args=(), new_to
         *(a for arg in engine_args for a in ("--engine-arg", arg)),
         *("--partition-size", "2", "--max-new-tokens", str(new_tokens), "--temperature", "0"),
         *("--no-progress", "--n-workers", "1", "--grace", "60s"),
+        *extra,
     ]
 
 
@@ -91,6 +92,13 @@ def test_a_resumed_greedy_run_sends_prompt_plus_prefix_and_equals_an_uninterrupt
     check_continuation(tmp_path, str(tiny_model))
 
 
+def test_a_resumed_run_continues_min_new_tokens_with_what_is_left(tmp_path, tiny_model):
+    """Samples stopped part-way below their ``min_new_tokens`` continue with the tokens they still had to make
+    (a continuation that kept the whole minimum above its remaining budget would fail every such row)."""
+    pause = Pause(rows=(1, 4, 6), after=16, prompts=8, new_tokens=64)
+    check_continuation(tmp_path, str(tiny_model), pause=pause, extra=("--min-new-tokens", "56"))
+
+
 @pytest.mark.vllm
 @pytest.mark.timeout(2400)
 def test_vllm_continues_token_exactly(tmp_path):
@@ -111,12 +119,13 @@ def test_sglang_continues_token_exactly(tmp_path):
     check_continuation(tmp_path, tiny_model_path(), "sglang", start_s=600, pause=FAST_ENGINE_PAUSE)
 
 
-def check_continuation(tmp_path, model, inner="transformers", engine_args=(), start_s=240, pause=None):
+def check_continuation(tmp_path, model, inner="transformers", engine_args=(), start_s=240, pause=None, extra=()):
     """Interrupt a greedy run with SIGTERM, resume it, run it uninterrupted; compare what was sent and stored.
 
     ``start_s``: how long the first run may take to commit its first rows (engine start included).
     ``pause``: a :class:`Pause` (rows held part-way until the stop, fewer prompts and tokens); without it the
-    stop lands wherever the engine is, which takes many long prompts to find some mid-response.
+    stop lands wherever the engine is, which takes many long prompts to find some mid-response.  ``extra``: more
+    ``daskgen run`` arguments, the same for the three runs.
     """
     n, new_tokens = (N, 160) if pause is None else (pause.prompts, pause.new_tokens)
     prompts = write_prompts(tmp_path / "p.jsonl", n)
@@ -126,7 +135,7 @@ def check_continuation(tmp_path, model, inner="transformers", engine_args=(), st
 
     def args(store_path, log_name):
         engine = RECORDING if pause is None else PROBE
-        return _args(model, prompts, store_path, tmp_path / log_name, inner, engine_args, new_tokens, engine)
+        return _args(model, prompts, store_path, tmp_path / log_name, inner, engine_args, new_tokens, engine, extra)
 
     proc = popen_cli(*args(out, "first.jsonl"))
     try:

@@ -33,6 +33,7 @@ class TestSimulatedConformance(EngineConformance):
         "length_mean": 300,
         "length_sigma": 0.8,
         "max_batch": 64,
+        "max_model_len": 2048,
     }
     timeout_s = 60.0
 

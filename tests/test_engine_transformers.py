@@ -45,6 +45,22 @@ class TestTransformersConformance(EngineConformance):
         cls.model = tiny_model()
         super().setup_class()
 
+    def reference_greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """The model's own ``generate`` (greedy, the engine's stop ids), the reference at the context limit."""
+        from transformers import AutoModelForCausalLM
+
+        if getattr(type(self), "hf_model", None) is None:
+            type(self).hf_model = AutoModelForCausalLM.from_pretrained(self.model, dtype=torch.float32).eval()
+        with torch.no_grad():
+            out = self.hf_model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=sorted(self.engine.eos_token_ids),
+                pad_token_id=0,
+            )
+        return out[0, len(prompt) :].tolist()
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -297,7 +313,7 @@ def test_backend_crash_fails_requests_and_health(loop) -> None:
     loop.run(engine.start(), 600)
     try:
 
-        def explode(scores):
+        def explode(*args):
             raise RuntimeError("injected failure")
 
         engine.sampler_table.process = explode
@@ -307,5 +323,42 @@ def test_backend_crash_fails_requests_and_health(loop) -> None:
             loop.run(engine.health(), 60)
         later = loop.run(engine.generate(GenerationRequest("y", [1, 2], SamplingParams(max_new_tokens=4))), 60)
         assert later.error is not None
+    finally:
+        loop.run(engine.shutdown(), 60)
+
+
+def test_a_failing_pick_fails_its_request_alone(loop) -> None:
+    """An error while sampling one request's token fails that request only: the others in the same forward
+    passes finish with their own greedy output, and the engine stays healthy."""
+    engine = TransformersEngine(tiny_model(), **ENGINE_ARGS)
+    loop.run(engine.start(), 600)
+    try:
+        table, add = engine.sampler_table, engine.sampler_table.add
+
+        def add_failing(request_id, sequence):
+            if request_id.startswith("bad#"):
+
+                def explode(row):
+                    raise RuntimeError("injected pick failure")
+
+                sequence.pick = explode
+            add(request_id, sequence)
+
+        table.add = add_failing
+        requests = [
+            GenerationRequest(rid, [1, 50 + i, 60], SamplingParams(max_new_tokens=12, temperature=0.0))
+            for i, rid in enumerate(["good-0", "bad", "good-1"])
+        ]
+
+        async def together():
+            return await asyncio.gather(*(engine.generate(r) for r in requests))
+
+        results = loop.run(together(), 120)
+        assert results[1].finish_reason == FinishReason.ERROR and "injected pick failure" in results[1].error
+        table.add = add
+        for request, result in zip(requests[::2], results[::2], strict=True):
+            alone = loop.run(engine.generate(request), 60)
+            assert result.error is None and result.output_ids == alone.output_ids, (result, alone)
+        loop.run(engine.health(), 60)
     finally:
         loop.run(engine.shutdown(), 60)

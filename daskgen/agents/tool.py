@@ -95,8 +95,11 @@ class ToolLoop(AgentLoop):
     ) -> GenerationResult:
         """Generate the model's next turn after ``context`` and ``traj`` within the budget left; add it to ``traj``."""
         budget = params.max_new_tokens - len(traj.response_ids)
-        turn_params = dataclasses.replace(
-            params, max_new_tokens=budget, seed=None if params.seed is None else params.seed + turn
+        turn_params = dataclasses.replace(  # a continuation's tokens so far precede its first turn only
+            params,
+            max_new_tokens=budget,
+            seed=None if params.seed is None else params.seed + turn,
+            continued=params.continued if turn == 0 else 0,
         )
         result = await engine.generate(request_id, context + traj.response_ids, turn_params)
         traj.add_model_tokens(result)

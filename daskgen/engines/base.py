@@ -17,7 +17,7 @@ import abc
 import asyncio
 import contextlib
 import enum
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from daskgen.errors import EngineError, RefreshError
@@ -98,7 +98,9 @@ class SamplingParams:
     fields).  ``top_logprobs = k > 0`` asks, per
     output token, for the ``k`` most likely tokens of the logprobs' distribution (:data:`TopLogprobs`).
     ``adapter`` names the LoRA adapter to generate with (one of the ``adapters`` the engine was built with;
-    ``None``: the base model).
+    ``None``: the base model).  ``continued = n > 0`` marks a continuation of an interrupted sample: the last ``n``
+    prompt ids are the sample's own tokens so far, and ``max_new_tokens``/``min_new_tokens`` count what is left
+    (:mod:`daskgen.engines.continuation`).
     """
 
     max_new_tokens: int = 256
@@ -117,6 +119,7 @@ class SamplingParams:
     response_format: ResponseFormat | None = None
     top_logprobs: int = 0
     adapter: str | None = None
+    continued: int = 0
 
 
 #: Per output token, the ``k`` most likely ``(token_id, logprob)`` pairs, most likely first (fewer
@@ -174,40 +177,6 @@ def aborted_result(request: GenerationRequest) -> GenerationResult:
     )
 
 
-def continuation_of(
-    request: GenerationRequest, partial: GenerationResult, eos: frozenset[int]
-) -> GenerationRequest | None:
-    """The request that continues an interrupted ``partial`` result, or ``None`` when it had ended anyway."""
-    if partial.finish_reason != FinishReason.ABORT:
-        return None
-    done, params = partial.output_ids, request.params
-    if done and done[-1] in eos | set(params.stop_token_ids):
-        partial.finish_reason = FinishReason.STOP
-        return None
-    budget = params.max_new_tokens - len(done)
-    if budget <= 0:
-        partial.finish_reason = FinishReason.LENGTH
-        return None
-    rest = replace(params, max_new_tokens=budget, min_new_tokens=max(0, params.min_new_tokens - len(done)))
-    return GenerationRequest(request.request_id, [*request.prompt_ids, *done], rest)
-
-
-def joined(head: GenerationResult, tail: GenerationResult) -> GenerationResult:
-    """``head``'s tokens followed by ``tail``'s (logprobs and top-k entries too), ending as ``tail`` ends."""
-    n = len(head.output_ids)
-    logprobs = None if head.logprobs is None else [*head.logprobs[:n], *(tail.logprobs or [])]
-    top = None if head.top_logprobs is None else [*head.top_logprobs[:n], *(tail.top_logprobs or [])]
-    return GenerationResult(
-        head.request_id,
-        [*head.output_ids, *tail.output_ids],
-        tail.finish_reason,
-        logprobs,
-        tail.error,
-        {**head.meta, **tail.meta},
-        top,
-    )
-
-
 def set_result(future: asyncio.Future, result: Any) -> None:
     """Resolve ``future`` with ``result`` unless it is done; callable from any thread.
 
@@ -261,6 +230,9 @@ class Engine(abc.ABC):
     simulated: bool = False
     #: Request features served (:data:`daskgen.engines.features.FEATURES`); the plan refuses others.  Read on the class.
     features: frozenset[str] = frozenset()
+    #: Features whose state a sample's tokens so far carry that the engine continues exactly (names of
+    #: :data:`daskgen.engines.continuation.CONTINUABLE`); a sample using another restarts from its prompt.
+    continues: frozenset[str] = frozenset()
     #: Features served only when an engine arg has a value: ``{feature: (engine arg, value)}``.  Read on the class.
     features_by_arg: dict[str, tuple[str, Any]] = {}
 

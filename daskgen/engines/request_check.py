@@ -39,6 +39,11 @@ def request_error(
             f"[0, {upper}) (the model's vocabulary)"
         )
     problem = _params_error(params)
+    if problem is None and not 0 <= params.continued < len(prompt):
+        problem = (
+            f"continued must be in [0, {len(prompt) - 1}] (the tokens so far follow at least one prompt token), "
+            f"got {params.continued!r}"
+        )
     if problem is not None:
         return f"request {request.request_id!r}: {problem}"
     total = len(prompt) + params.max_new_tokens

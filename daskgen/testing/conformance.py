@@ -22,8 +22,9 @@ reason: the project's ``tests/conftest.py`` deselects it and lists the reason, a
 :func:`run_conformance` reports it as ``"not applicable: <reason>"``.  A check that meets an engine
 it does not apply to *without* such a declaration raises :class:`unittest.SkipTest` (pytest: skipped),
 which the CI lanes count as a failure.  Feature checks (:mod:`daskgen.testing.features`) of features
-the engine does not declare are not applicable by themselves; the top-k logprobs check is mixed in
-(:mod:`daskgen.testing.top_logprobs`).
+the engine does not declare are not applicable by themselves; the top-k logprobs check
+(:mod:`daskgen.testing.top_logprobs`), the continuation checks (:mod:`daskgen.testing.continuation`) and the
+checks at the context limit (:mod:`daskgen.testing.long_context`) are mixed in.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ from typing import Any, ClassVar, TypeVar
 
 from daskgen.engines.base import Engine, EngineStatus, FinishReason, GenerationRequest, GenerationResult, SamplingParams
 from daskgen.errors import ConfigError, EngineError
+from daskgen.testing.continuation import ContinuationChecks
 from daskgen.testing.features import FeatureChecks
 from daskgen.testing.harness import EventLoopThread, batch_results, check_result, gather, longest_running, run_checks
+from daskgen.testing.long_context import LongContextChecks
 from daskgen.testing.top_logprobs import TopLogprobsCheck
 
 __all__ = ["EngineConformance", "EventLoopThread", "longest_running", "run_conformance"]
@@ -46,7 +49,7 @@ __all__ = ["EngineConformance", "EventLoopThread", "longest_running", "run_confo
 _T = TypeVar("_T")
 
 
-class EngineConformance(FeatureChecks, TopLogprobsCheck):
+class EngineConformance(FeatureChecks, TopLogprobsCheck, ContinuationChecks, LongContextChecks):
     """Base class of the conformance tests; subclasses set the engine to test.
 
     Required class attributes: ``engine_class``, ``model`` (and ``engine_args``).  Tunables:

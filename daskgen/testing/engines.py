@@ -81,6 +81,7 @@ class RecordingEngine(_Wrapper):
         self.inner = resolve_engine_class(inner)(model, **inner_args)
         self.simulated = self.inner.simulated
         self.supports_seed = self.inner.supports_seed
+        self.continues = self.inner.continues
         self.log_path = log_path
         self.poison = {f"p{r}-" for r in (poison_rows or [])}
         self.hang = {f"p{r}-" for r in (hang_rows or [])}
@@ -91,6 +92,12 @@ class RecordingEngine(_Wrapper):
     @classmethod
     def is_simulated(cls, engine_args: dict[str, Any]) -> bool:
         return resolve_engine_class(engine_args.get("inner", "simulated")).is_simulated(engine_args)
+
+    @classmethod
+    def features_with(cls, engine_args: dict[str, Any]) -> frozenset[str]:
+        """The inner engine's features (the requests pass through to it), and this wrapper's own."""
+        inner = resolve_engine_class(engine_args.get("inner", "simulated"))
+        return cls.features | inner.features_with(engine_args)
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         if request.request_id != "daskgen-health" and self.log_path:
@@ -134,6 +141,7 @@ class ScriptedToolEngine(_Wrapper):
         super().__init__(model, inner=inner, script=script, **inner_args)
         self.inner = resolve_engine_class(inner)(model, **inner_args)
         self.supports_seed = self.inner.supports_seed
+        self.continues = self.inner.continues
         self.script = {int(k): v for k, v in (script or {}).items()}
         self.tokenizer: Any = None
 

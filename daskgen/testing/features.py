@@ -23,6 +23,12 @@ CHECKS: dict[str, str] = {
     "test_feature_stop_strings": "stop",
     "test_feature_stop_token_ids": "stop_token_ids",
     "test_feature_lora": "lora",
+    "test_continuation_min_new_tokens": "per_row_sampling",
+    "test_continuation_penalties": "per_row_sampling",
+    "test_continuation_stop_token_ids": "stop_token_ids",
+    "test_continuation_stop_string_across_the_interruption": "stop",
+    "test_continuation_response_format": "structured_outputs",
+    "test_continuation_top_logprobs": "top_logprobs",
 }
 #: Text never generated (a stop string that cannot match).
 NEVER = "\x00never\x00"

@@ -34,14 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from daskgen.engines import resolve_engine_class
-from daskgen.engines.base import (
-    Engine,
-    FinishReason,
-    GenerationRequest,
-    GenerationResult,
-    continuation_of,
-    joined,
-)
+from daskgen.engines.base import Engine, FinishReason, GenerationRequest, GenerationResult
+from daskgen.engines.continuation import continuation_of, joined
 
 __all__ = ["Event", "ProbeEngine", "append_prompt", "in_flight_after", "peak_in_flight", "read_events", "row_of"]
 
@@ -96,6 +90,7 @@ class ProbeEngine(Engine):
         self.inner = resolve_engine_class(inner)(model, **inner_args)
         self.simulated = self.inner.simulated
         self.supports_seed = self.inner.supports_seed
+        self.continues = self.inner.continues
         self.events_path, self.gate_path = events_path, gate_path
         self.gate_rows = None if gate_rows is None else {int(r) for r in gate_rows}
         self.gate_sample = gate_sample
@@ -109,6 +104,12 @@ class ProbeEngine(Engine):
     @classmethod
     def is_simulated(cls, engine_args: dict[str, Any]) -> bool:
         return resolve_engine_class(engine_args.get("inner", "simulated")).is_simulated(engine_args)
+
+    @classmethod
+    def features_with(cls, engine_args: dict[str, Any]) -> frozenset[str]:
+        """The inner engine's features (the requests pass through to it), and this wrapper's own."""
+        inner = resolve_engine_class(engine_args.get("inner", "simulated"))
+        return cls.features | inner.features_with(engine_args)
 
     @property
     def capacity(self) -> int | None:

@@ -3,13 +3,17 @@ generated on from its stored aborted prefix, token-exact."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable
 
 import numpy as np
 
 from daskgen.agents import AgentLoop, EngineHandle, Trajectory
 from daskgen.engines.base import FinishReason, SamplingParams
+from daskgen.engines.continuation import continued_params, restart_reason
 from daskgen.worker.top_logprobs import stored_top_logprobs
+
+logger = logging.getLogger(__name__)
 
 
 def stored_samples(
@@ -102,14 +106,18 @@ async def _continue_aborted(
     params: SamplingParams,
     prefix: Trajectory,
 ) -> list[Trajectory]:
-    """Continue an aborted ``prefix`` with the token budget it left (finished at ``length`` when none is left)."""
-    budget = params.max_new_tokens - len(prefix.response_ids)
-    if budget <= 0:
+    """Continue an aborted ``prefix`` with the token budget it left (finished at ``length`` when none is left), or
+    generate the sample again from its prompt when the engine cannot continue one of its features
+    (:mod:`daskgen.engines.continuation`)."""
+    if params.max_new_tokens - len(prefix.response_ids) <= 0:
         prefix.finish_reason = FinishReason.LENGTH
         return [prefix]
-    if not prefix.response_ids or params.response_format is not None:  # a grammar starts at the response's start
+    if not prefix.response_ids:
         return await agent.run(handle, request_id, prompt, params)
-    rest = params.__class__(**{**params.__dict__, "max_new_tokens": budget})
+    if (why := restart_reason(params, handle.engine.continues)) is not None:
+        logger.info("daskgen: sample %s restarts from its prompt: %s", request_id, why)
+        return await agent.run(handle, request_id, prompt, params)
+    rest = continued_params(params, len(prefix.response_ids))
     (tail,) = await agent.run(handle, request_id, prompt + prefix.response_ids, rest)
     return [_joined(prefix, tail)]
 

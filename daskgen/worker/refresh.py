@@ -35,9 +35,8 @@ from daskgen.engines.base import (
     GenerationRequest,
     GenerationResult,
     aborted_result,
-    continuation_of,
-    joined,
 )
+from daskgen.engines.continuation import continuation_of, joined, restart_reason
 from daskgen.store.attrs import utc_now
 from daskgen.store.commit_log import POLICY_TOPIC
 from daskgen.store.location import StoreLocation, announced_for
@@ -171,6 +170,10 @@ class PolicyRefresher:
             if rest is None or stopped():
                 break
             version = await self._admitted(engine)
+            if (why := restart_reason(request.params, engine.continues)) is not None:
+                logger.info("daskgen: request %s restarts on version %d: %s", request.request_id, version, why)
+                result, segments = await self._tracked(engine, request), [(0, version)]
+                continue
             tail = await self._tracked(engine, rest)
             segments.append((len(result.output_ids), version))
             result = joined(result, tail)

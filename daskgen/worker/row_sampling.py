@@ -69,6 +69,9 @@ def _cut(traj: Trajectory, keep: int) -> None:
     traj.response_mask = traj.response_mask[:keep]
     if traj.logprobs is not None:
         traj.logprobs = traj.logprobs[:keep]
+    if traj.top_logprobs is not None:
+        traj.top_logprobs = traj.top_logprobs[:keep]
+    traj.versions = [seg for i, seg in enumerate(traj.versions) if i == 0 or seg[0] < keep]
 
 
 def place_row_settings(

@@ -87,6 +87,8 @@ class SimulatedEngine(Engine):
     supports_seed = True
     #: A timing model: a row's max_new_tokens, seed and stop ids shape its output; it has no text to stop on.
     features = frozenset({"per_row_sampling", "stop_token_ids", "top_logprobs", "refresh"})
+    #: A continuation is drawn from its position on (penalties have no effect on a timing model).
+    continues = frozenset({"seed", "output_penalties"})
 
     def __init__(self, model: str = "simulated", **engine_args: Any) -> None:
         super().__init__(model, **engine_args)
@@ -188,7 +190,9 @@ class SimulatedEngine(Engine):
 
     def _refused(self, request: GenerationRequest) -> GenerationResult | None:
         """The error result of a request the engine cannot take now (not running, or invalid), else ``None``."""
-        problem = self.not_serving() or request_error(request, vocab_size=self.args.vocab_size)
+        problem = self.not_serving() or request_error(
+            request, vocab_size=self.args.vocab_size, max_total_tokens=self.max_total_tokens
+        )
         return None if problem is None else error_result(request, problem)
 
     def _queue(
@@ -408,6 +412,11 @@ class SimulatedEngine(Engine):
     def vocab_size(self) -> int:
         """``engine_args['vocab_size']``: generated ids are drawn below it."""
         return self.args.vocab_size
+
+    @property
+    def max_total_tokens(self) -> int | None:
+        """``engine_args['max_model_len']`` (``None`` when 0: no limit)."""
+        return self.args.max_model_len or None
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

@@ -49,6 +49,9 @@ class SimulatedArgs:
     prefix_cache_tokens, prefix_cache_block:
         The engine's prefix cache (:mod:`~daskgen.engines.simulated.prefix_cache`): tokens it holds (``0``:
         none) and its block size; cached prompt tokens are not computed again.
+    max_model_len:
+        The context the engine models: a request's prompt plus ``max_new_tokens`` above it is refused with the
+        limit named (``0``: no limit).
     """
 
     max_batch: int = 256
@@ -64,6 +67,7 @@ class SimulatedArgs:
     prefill_time_per_token_s: float = 0.0
     prefix_cache_tokens: int = 0
     prefix_cache_block: int = 16
+    max_model_len: int = 0
 
     def __post_init__(self) -> None:
         require(
@@ -82,7 +86,7 @@ class SimulatedArgs:
         ):
             value = getattr(self, name)
             require("simulated", is_number(value) and value >= 0, name, "a finite number >= 0", value)
-        for name in ("prefix_cache_tokens", "prefix_cache_block"):
+        for name in ("prefix_cache_tokens", "prefix_cache_block", "max_model_len"):
             value = getattr(self, name)
             ok = isinstance(value, int) and value >= (name == "prefix_cache_block")
             require(
@@ -204,19 +208,24 @@ def plan_outputs(requests: Sequence[GenerationRequest], args: SimulatedArgs) -> 
     whatever else is in the batch)."""
     if not requests:
         return []
-    digests = np.array([_prompt_digest(r.prompt_ids) for r in requests], dtype=np.uint64)
+    # a continuation (params.continued = c) is the rest of its sample: drawn from the prompt without the tokens so
+    # far, from position c on, so that it equals the uninterrupted sample's tokens
+    done = np.fromiter((r.params.continued for r in requests), dtype=np.int64, count=len(requests))
+    digests = np.array(
+        [_prompt_digest(r.prompt_ids[: len(r.prompt_ids) - r.params.continued]) for r in requests], dtype=np.uint64
+    )
     codes = np.array([_seed_code(r.params) for r in requests], dtype=np.uint64)
     keys = np.where(codes == 0, digests, digests ^ _mix(codes))  # the splitmix finaliser maps only 0 to 0
     caps = np.fromiter((r.params.max_new_tokens for r in requests), dtype=np.int64, count=len(requests))
-    natural = _natural_lengths(keys, digests, args)
-    lengths = np.minimum(natural, caps)
+    natural = _natural_lengths(keys, digests, args) - done
+    lengths = np.maximum(np.minimum(natural, caps), 0)
     owners = np.repeat(keys, lengths)
-    positions = np.arange(len(owners)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    positions = np.arange(len(owners)) - np.repeat(np.cumsum(lengths) - lengths - done, lengths)
     tokens = (_uniform(owners, 1, positions) * args.vocab_size).astype(np.int64)
     tokens[tokens == args.eos_token_id] = (args.eos_token_id + 1) % args.vocab_size
     ends = np.cumsum(lengths)
     stopped = natural <= caps
-    tokens[ends[stopped] - 1] = args.eos_token_id
+    tokens[ends[stopped & (lengths > 0)] - 1] = args.eos_token_id
     starts = ends - lengths
     cuts = _first_stops(requests, tokens, starts, ends)  # a request ends at its first stop id
     cut = cuts >= 0
@@ -265,17 +274,20 @@ def _finished(
     if fake is None:
         return OutputPlan(tokens, finish, None)
     k = min(params.top_logprobs, args.vocab_size)
-    top = _fake_top_logprobs(tokens, fake, k, args.vocab_size, [key]) if k else None
+    top = _fake_top_logprobs(tokens, fake, k, args.vocab_size, [key], params.continued) if k else None
     return OutputPlan(tokens, finish, fake if params.logprobs else None, top)
 
 
-def _fake_top_logprobs(tokens: list[int], logprobs: list[float], k: int, vocab: int, key: list[int]) -> TopLogprobs:
+def _fake_top_logprobs(
+    tokens: list[int], logprobs: list[float], k: int, vocab: int, key: list[int], offset: int = 0
+) -> TopLogprobs:
     """Made-up top-k entries that agree with the made-up logprobs: each sampled token first, with its logprob,
     then ``k - 1`` other distinct random ids with random logprobs below it, most likely first (own streams: a
-    shorter cap gives a prefix)."""
+    shorter cap gives a prefix; a continuation from ``offset`` the rest of the uninterrupted entries)."""
     n = len(tokens)
-    steps = np.random.default_rng([*key, 3]).integers(1, max(vocab // k, 1), size=(n, k), endpoint=True)
-    gaps = np.random.default_rng([*key, 4]).exponential(1.0, size=(n, k))
+    steps = np.random.default_rng([*key, 3]).integers(1, max(vocab // k, 1), size=(offset + n, k), endpoint=True)
+    gaps = np.random.default_rng([*key, 4]).exponential(1.0, size=(offset + n, k))
+    steps, gaps = steps[offset:], gaps[offset:]
     steps[:, 0], gaps[:, 0] = 0, 0.0
     ids = ((np.asarray(tokens)[:, None] + np.cumsum(steps, axis=1)) % vocab).tolist()
     values = (np.asarray(logprobs)[:, None] - np.cumsum(gaps, axis=1)).tolist()

@@ -145,6 +145,7 @@ class TransformersEngine(InProcessEngine):
     name = "transformers"
     simulated = False
     supports_seed = True
+    continues = frozenset({"structured_outputs", "output_penalties", "seed"})
     features = frozenset(
         {
             *("per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs"),
@@ -158,6 +159,7 @@ class TransformersEngine(InProcessEngine):
         self._model: Any = None
         self._manager: Any = None
         self._table = SamplerTable()
+        self._table.on_error = self._fail_one
         self._jobs: dict[str, _Job] = {}
         self._by_request: dict[str, set[str]] = defaultdict(set)
         self._lock = threading.Lock()
@@ -240,6 +242,11 @@ class TransformersEngine(InProcessEngine):
                 constraint = await asyncio.to_thread(self._constraint, request)
             except Exception as exc:  # xgrammar refuses a schema, regex or grammar it cannot compile
                 return error_result(request, f"response_format cannot be compiled: {type(exc).__name__}: {exc}")
+            if request.params.continued:
+                try:
+                    constraint.advance(request.prompt_ids[len(request.prompt_ids) - request.params.continued :])
+                except ValueError as exc:
+                    return error_result(request, f"response_format cannot continue this response: {exc}")
         job = self._submit(request, asyncio.get_running_loop(), constraint)
         if isinstance(job, GenerationResult):
             return job
@@ -274,7 +281,7 @@ class TransformersEngine(InProcessEngine):
         with self._lock:
             self._jobs[backend_id] = job
             self._by_request[request.request_id].add(backend_id)
-            self._table.sequences[backend_id] = job.sequence
+            self._table.add(backend_id, job.sequence)
         added = started(self.name, self._manager).add_request(
             list(request.prompt_ids),
             request_id=backend_id,
@@ -301,6 +308,13 @@ class TransformersEngine(InProcessEngine):
         if job is not None:
             job.resolve(job.partial(FinishReason.STOP))
 
+    def _fail_one(self, backend_id: str, message: str) -> None:
+        """End one request whose sampling raised (called from the sampling thread); the others go on."""
+        job = self._cancel(backend_id)
+        if job is not None:
+            logger.warning("transformers engine: request %s failed: %s", job.request.request_id, message)
+            job.resolve(job.partial(FinishReason.ERROR, message))
+
     def _decoder(self) -> Any:
         """The tokenizer's ``decode`` (loaded on the first request with stop strings)."""
         with self._lock:
@@ -319,7 +333,7 @@ class TransformersEngine(InProcessEngine):
     def _pop_job(self, backend_id: str) -> _Job | None:
         with self._lock:
             job = self._jobs.pop(backend_id, None)
-            self._table.sequences.pop(backend_id, None)
+            self._table.remove(backend_id)
             if job is not None:
                 ids = self._by_request.get(job.request.request_id)
                 if ids is not None:

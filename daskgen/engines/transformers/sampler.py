@@ -11,6 +11,7 @@ imports (torch, transformers) happen inside functions only.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import secrets
 from collections.abc import Callable
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 __all__ = ["SampledSequence", "SamplerTable", "processor_list", "step_seed"]
 
 _MASK64 = (1 << 64) - 1
+#: Handles are ``int32`` values in ``1 .. _HANDLES`` (0: a row of no sequence).
+_HANDLES = (1 << 31) - 2
 
 
 def _splitmix64(x: int) -> int:
@@ -67,6 +70,9 @@ class SampledSequence:
     shaping: Shaping | None = None
     constraint: Any = None  # a response_format's grammar state (:mod:`daskgen.engines.transformers.grammar`)
     adapter: str | None = None  # the LoRA adapter generating this sequence (:mod:`daskgen.engines.transformers.lora`)
+    #: A continuation's tokens so far (the prompt's last ``SamplingParams.continued`` ids): the seeds' positions,
+    #: the penalties and the stop strings count them as the response's own.
+    carried: list[int] = field(default_factory=list)
 
     @classmethod
     def from_params(
@@ -79,7 +85,8 @@ class SampledSequence:
         """The sequence of a request; ``decode`` and ``on_stop`` serve its stop strings (``on_stop`` is called
         from the sampling thread when the newest token completes one)."""
         seed = params.seed if params.seed is not None else secrets.randbits(64)
-        shaping = Shaping.of(params, prompt or [], decode, on_stop)
+        carried = list(prompt[len(prompt) - params.continued :]) if prompt and params.continued else []
+        shaping = Shaping.of(params, prompt or [], decode, on_stop, carried)
         return cls(
             params.temperature,
             params.top_p,
@@ -90,6 +97,7 @@ class SampledSequence:
             min_p=params.min_p,
             shaping=shaping,
             adapter=params.adapter,
+            carried=carried,
         )
 
     def pick(self, row: torch.Tensor) -> int:
@@ -123,7 +131,7 @@ class SampledSequence:
 
         if self.generator is None:
             self.generator = torch.Generator(device=row.device)
-        self.generator.manual_seed(step_seed(self.seed, len(self.tokens)))
+        self.generator.manual_seed(step_seed(self.seed, len(self.carried) + len(self.tokens)))
         uniform = torch.rand(row.shape, generator=self.generator, device=row.device, dtype=row.dtype)
         return -torch.log(-torch.log(uniform))
 
@@ -161,36 +169,76 @@ def _nucleus_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 class SamplerTable:
     """The engine's sampler: maps backend request ids to :class:`SampledSequence` and picks tokens.
 
-    Driven by the manager's thread through a ``ContinuousBatchingLogitsProcessor`` adapter:
-    ``prepare`` receives the ids of the rows of the next forward pass, ``process`` their logits.
+    Driven by the manager's thread through a ``ContinuousBatchingLogitsProcessor`` adapter.  Each sequence gets
+    an ``int32`` handle; before a forward pass the adapter writes the handle of every request that gets a new
+    token into the pass's per-row argument tensor, in the order of the rows of its logits, and zeros in every
+    other slot.  :meth:`process` then reads which sequence each row of the logits belongs to from those
+    handles, so rows that belong to no sequence are told apart from the rest: a batch whose requests are all
+    part-way through a chunked prefill (no logits row at all), padding rows, the manager's own warm-up rows, and
+    requests removed between the two calls.  A sequence whose pick raises fails alone (``on_error``); the
+    other rows of the pass go on.
     """
 
     def __init__(self) -> None:
         self.sequences: dict[str, SampledSequence] = {}
-        self._rows: list[str] = []
+        self._handles: dict[str, int] = {}
+        self._by_handle: dict[int, str] = {}
+        self._counter = itertools.count(1)
         #: Called with the requests of each forward pass before it runs (LoRA routing), when set.
         self.on_batch: Callable[[list[Any]], None] | None = None
+        #: Called from the sampling thread with a request id and a message when its pick raised.
+        self.on_error: Callable[[str, str], None] | None = None
+
+    def add(self, request_id: str, sequence: SampledSequence) -> None:
+        """Sample ``request_id``'s rows with ``sequence`` from now on."""
+        handle = next(self._counter) % _HANDLES + 1
+        self._handles[request_id], self._by_handle[handle] = handle, request_id
+        self.sequences[request_id] = sequence
+
+    def remove(self, request_id: str) -> None:
+        """Forget ``request_id`` (its later rows, if any, are picked by argmax and discarded)."""
+        self.sequences.pop(request_id, None)
+        handle = self._handles.pop(request_id, None)
+        if handle is not None:
+            self._by_handle.pop(handle, None)
 
     def adapter_of(self, request_id: str) -> str | None:
         """The LoRA adapter of a running request (``None``: the base model, or a warm-up row)."""
         seq = self.sequences.get(request_id)
         return None if seq is None else seq.adapter
 
-    def prepare(self, request_ids: list[str]) -> None:
-        self._rows = request_ids
+    def handles(self, request_ids: list[str]) -> list[int]:
+        """The handles of ``request_ids`` (0 for a request the table does not know: a warm-up row)."""
+        return [self._handles.get(rid, 0) for rid in request_ids]
 
-    def process(self, scores: torch.Tensor) -> torch.Tensor:
-        """Pick one token per row; return scores whose argmax is that token."""
+    def process(self, scores: torch.Tensor, handles: list[int]) -> torch.Tensor:
+        """Pick one token per row of ``scores`` (row ``i`` belongs to ``handles[i]``; 0: no sequence); return
+        scores whose argmax is that token."""
         import torch
 
-        picked = []
-        for i, rid in enumerate(self._rows[: scores.size(0)]):
-            seq = self.sequences.get(rid)  # None for warmup rows or requests aborted meanwhile
-            picked.append(seq.pick(scores[i]) if seq is not None else int(torch.argmax(scores[i])))
+        picked = torch.zeros(scores.size(0), dtype=torch.long, device=scores.device)
+        for i, handle in enumerate(handles[: scores.size(0)]):
+            if handle:
+                picked[i] = self._pick(handle, scores[i])
         out = torch.full_like(scores, float("-inf"))
-        rows = torch.arange(len(picked), device=scores.device)
-        out[rows, torch.tensor(picked, device=scores.device)] = 0.0
+        out.scatter_(1, picked.unsqueeze(1), 0.0)
         return out
+
+    def _pick(self, handle: int, row: torch.Tensor) -> int:
+        """The token of the sequence with ``handle``; argmax for a row whose sequence is gone or failed."""
+        import torch
+
+        rid = self._by_handle.get(handle)
+        seq = None if rid is None else self.sequences.get(rid)
+        if seq is None or rid is None:  # removed between the pass's preparation and its logits
+            return int(torch.argmax(row))
+        try:
+            return seq.pick(row)
+        except Exception as exc:  # this request fails alone; the forward pass and its other rows go on
+            self.remove(rid)
+            if self.on_error is not None:
+                self.on_error(rid, f"sampling failed: {type(exc).__name__}: {exc}")
+            return int(torch.argmax(row))
 
 
 def processor_list(table: SamplerTable) -> Any:
@@ -210,16 +258,17 @@ def processor_list(table: SamplerTable) -> Any:
             int32_tensor.fill_(0)
 
         def prepare_tensor_args(self, requests_with_new_token: list[Any]) -> torch.Tensor:
-            table.prepare([r.state.request_id for r in requests_with_new_token])
-            return torch.zeros(len(requests_with_new_token), dtype=torch.int32)
+            handles = table.handles([r.state.request_id for r in requests_with_new_token])
+            return torch.tensor(handles, dtype=torch.int32)
 
         def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
-            return table.process(scores)
+            return table.process(scores, tensor_arg[: scores.size(0)].tolist())
 
     class DaskgenProcessors(ContinuousBatchingLogitsProcessorList):
         def prepare_tensor_args(self, requests_in_batch: list[Any], arg_storage: torch.Tensor) -> torch.Tensor:
             if table.on_batch is not None:  # runs before the forward pass of these requests
                 table.on_batch(requests_in_batch)
+            arg_storage[0].zero_()  # the manager keeps earlier passes' handles beyond this pass's rows
             return super().prepare_tensor_args(requests_in_batch=requests_in_batch, arg_storage=arg_storage)
 
     processors = DaskgenProcessors(LogitsProcessorList([DaskgenSampler()]))

@@ -32,6 +32,7 @@ class Shaping:
     on_stop: Callable[[], None] | None = None
     stopped: bool = False
     counts: Counter[int] = field(default_factory=Counter)
+    carried: list[int] = field(default_factory=list)
 
     @classmethod
     def of(
@@ -40,13 +41,15 @@ class Shaping:
         prompt: list[int],
         decode: Callable[[list[int]], str] | None,
         on_stop: Callable[[], None] | None,
+        carried: list[int] | None = None,
     ) -> Shaping | None:
-        """The shaping ``params`` ask for, or ``None`` when they ask for none."""
+        """The shaping ``params`` ask for, or ``None`` when they ask for none; ``carried`` are a continuation's
+        tokens so far, counted as the response's own (penalties, stop strings)."""
         penalties = params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty
         if not (penalties or params.min_new_tokens or params.stop):
             return None
         matcher = StopMatcher(params.stop, decode) if params.stop and decode is not None else None
-        return cls(params, list(prompt), matcher, on_stop)
+        return cls(params, list(prompt), matcher, on_stop, counts=Counter(carried or ()), carried=list(carried or ()))
 
     def adjusted(self, row: torch.Tensor, tokens: list[int]) -> torch.Tensor:
         """The logits ``row`` with the penalties applied and stop ids masked before ``min_new_tokens``."""
@@ -71,7 +74,8 @@ class Shaping:
         self.counts[tokens[-1]] += 1
         if self.matcher is None or self.stopped or len(tokens) <= self.params.min_new_tokens:
             return
-        if self.matcher.matched(tokens):
+        window = self.matcher.window
+        if self.matcher.matched(tokens if len(tokens) >= window else self.carried[-window:] + tokens):
             self.stopped = True
             if self.on_stop is not None:
                 self.on_stop()
