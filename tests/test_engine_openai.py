@@ -321,6 +321,7 @@ class TestTransformersServeConformance(EngineConformance):
     probe_prompts = 8
     long_max_new_tokens = 512
     concurrency = 16
+    context_tokens = 2048  # the tiny model's positions: transformers serve lists no max_model_len
     not_applicable = {
         "test_feature_lora": "transformers serve does not serve LoRA adapters as models; the engine's LoRA requests "
         "are checked in tests/test_lora.py",
@@ -334,6 +335,18 @@ class TestTransformersServeConformance(EngineConformance):
         "OpenAI API); checked against sglang's and vLLM's servers in their lanes",
         "test_feature_min_p": "transformers serve refuses min_p (a vLLM/SGLang extension of the OpenAI API); "
         "checked against sglang's and vLLM's servers in their lanes",
+        "test_long_prompts": "transformers serve answers in text that the engine re-tokenizes: near the context "
+        "limit its answers do not match the model's tokens (one came back empty); long prompts are checked token "
+        "for token against vLLM's and sglang's servers in their lanes",
+        "test_prompt_over_the_limit": "transformers serve lists no max_model_len and generates past the model's "
+        "positions instead of refusing; the refusal is checked against vLLM's and sglang's servers in their lanes",
+        "test_long_continuation": "a continuation through re-tokenized text is not token-exact; checked against "
+        "vLLM's and sglang's servers in their lanes",
+        "test_continuation_min_new_tokens": "transformers serve refuses min_tokens (see test_feature_per_row_sampling)",
+        "test_continuation_penalties": "transformers serve refuses repetition_penalty (an extension of the OpenAI API)",
+        "test_continuation_response_format": "transformers serve refuses response_format on its completions path",
+        "test_continuation_top_logprobs": "transformers serve returns no top-k alternatives (the engine flags them "
+        "unavailable); checked against vLLM's and sglang's servers in their lanes",
         "test_feature_stop_strings": "transformers serve leaves the matched stop string out of its text without "
         "naming it, so the re-tokenized output cannot keep it; checked token-exactly against sglang's and "
         "vLLM's servers in their lanes",

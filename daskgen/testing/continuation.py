@@ -14,6 +14,7 @@ string that begins in the tokens so far, each kind of ``response_format``, penal
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, ClassVar
 
@@ -46,6 +47,7 @@ class ContinuationChecks:
     """Continuation checks; uses the helpers of :class:`~daskgen.testing.conformance.EngineConformance`."""
 
     engine_class: ClassVar[Any]
+    model: ClassVar[str]
     engine: ClassVar[Any]
     run: Any
     one: Any
@@ -94,6 +96,16 @@ class ContinuationChecks:
         cut, reason = self.settled(request, result)
         return Continued(cut, reason, restarted)
 
+    def running(self, rid: str, first_index: int, **params: Any) -> GenerationRequest:
+        """A request with ``params`` whose uninterrupted greedy answer runs past the interruption point (the first
+        of 16 prompts from ``first_index`` that does)."""
+        for index in range(first_index, first_index + 16):
+            request = self.request(rid, index, **params)
+            whole, _ = self.settled(request, self.run(self.one(request)))
+            if whole.error is None and len(whole.output_ids) > self.interrupt_after + 1:
+                return request
+        raise AssertionError(f"{rid}: no prompt from index {first_index} answered past {self.interrupt_after + 1}")
+
     def assert_continues(self, request: GenerationRequest, k: int | None = None) -> Continued:
         """The continued sample of ``request`` equals its uninterrupted sample (tokens, finish, stop reason,
         logprobs and top-k entries); returns it."""
@@ -119,7 +131,7 @@ class ContinuationChecks:
 
     def test_continuation_plain(self) -> None:
         """A greedy sample interrupted after 1, a few and all but one of its tokens continues to itself."""
-        request = self.request("cont-plain", 60, max_new_tokens=24)
+        request = self.running("cont-plain", 60, max_new_tokens=24)
         whole = self.run(self.one(request))
         n = len(whole.output_ids)
         assert n > 2, f"the greedy probe stopped after {n} tokens: {whole}"
@@ -129,17 +141,17 @@ class ContinuationChecks:
     def test_continuation_min_new_tokens(self) -> None:
         """``min_new_tokens`` above the interruption point: the continuation asks for what is left of it."""
         self._need("per_row_sampling")
-        request = self.request("cont-min", 61, max_new_tokens=24, min_new_tokens=20)
+        request = self.running("cont-min", 61, max_new_tokens=24, min_new_tokens=20)
         assert not self.assert_continues(request).restarted
 
     def test_continuation_stop_token_ids(self) -> None:
         """A stop id met after the interruption ends the continued sample where it ends the uninterrupted one."""
         self._need("stop_token_ids")
-        base = self.run(self.one(self.request("cont-stop-id-probe", 62, max_new_tokens=24))).output_ids
-        k = self.interrupt_after
-        assert len(base) > k + 2, base
-        token = next(t for t in base[k + 1 :] if t not in base[: k + 1])
-        self.assert_continues(self.request("cont-stop-id", 62, max_new_tokens=24, stop_token_ids=(token,)))
+        probe = self.running("cont-stop-id", 62, max_new_tokens=24)
+        base, k = self.run(self.one(probe)).output_ids, self.interrupt_after
+        token = next((t for t in base[k + 1 :] if t not in base[: k + 1]), base[-1])
+        params = dataclasses.replace(probe.params, stop_token_ids=(token,))
+        self.assert_continues(GenerationRequest(probe.request_id, probe.prompt_ids, params))
 
     def test_continuation_stop_string_across_the_interruption(self) -> None:
         """A stop string that begins in the tokens so far and ends in the first new token stops the sample there."""
@@ -168,26 +180,24 @@ class ContinuationChecks:
             continued = self.assert_continues(request, 2)
             assert continued.restarted == ("structured_outputs" not in self.engine.continues), (kind, continued)
             if continued.result.finish_reason == FinishReason.STOP:
-                text = self.decode(continued.result.output_ids)
-                for eos_text in self._eos_texts():
-                    text = text.removesuffix(eos_text)
+                text = _plain_text(self.model, self.engine_class.name, continued.result.output_ids)
                 assert fmt.violation(text) is None, (kind, text, fmt.violation(text))
 
     def test_continuation_penalties(self) -> None:
         """Penalties counting the response continue where the engine counts the tokens so far, else restart."""
         self._need("per_row_sampling")
         params = {"repetition_penalty": 1.3, "presence_penalty": 0.8, "frequency_penalty": 0.6}
-        continued = self.assert_continues(self.request("cont-penalties", 65, max_new_tokens=24, **params))
+        continued = self.assert_continues(self.running("cont-penalties", 65, max_new_tokens=24, **params))
         assert continued.restarted == ("output_penalties" not in self.engine.continues), continued
 
     def test_continuation_top_logprobs(self) -> None:
         """Logprobs and top-k entries of the continued sample are those of the uninterrupted one."""
         self._need("top_logprobs")
-        self.assert_continues(self.request("cont-top", 66, max_new_tokens=24, logprobs=True, top_logprobs=3))
+        self.assert_continues(self.running("cont-top", 66, max_new_tokens=24, logprobs=True, top_logprobs=3))
 
     def test_continuation_seeded(self) -> None:
         """A seeded sampled sample: token for token on engines that continue seeds, else a finished sample."""
-        request = self.request("cont-seed", 67, max_new_tokens=24, temperature=1.0, seed=4321)
+        request = self.running("cont-seed", 67, max_new_tokens=24, temperature=1.0, seed=4321)
         if self.engine.supports_seed and "seed" in self.engine.continues:
             self.assert_continues(request)
             return
@@ -202,5 +212,14 @@ class ContinuationChecks:
 
             raise unittest.SkipTest(f"{self.engine.name} does not declare {feature!r}")
 
-    def _eos_texts(self) -> list[str]:
-        return [self.decode([t]) for t in sorted(self.engine.eos_token_ids)]
+
+@functools.cache
+def _tokenizer(model: str, engine: str) -> Any:
+    from daskgen.input.tokenizer import load_tokenizer
+
+    return load_tokenizer(model, engine)
+
+
+def _plain_text(model: str, engine: str, ids: list[int]) -> str:
+    """The text of ``ids`` without special tokens (the end-of-sequence token a format's text ends before)."""
+    return _tokenizer(model, engine).decode(ids, skip_special_tokens=True)

@@ -256,6 +256,9 @@ class OpenAIEngine(Engine):
         status, info = await http.probe_json("/get_server_info", allow_status=(404, 405))
         info = info if status == 200 and isinstance(info, dict) else {}
         self._server_seeds = bool(info.get("enable_deterministic_inference"))
+        prompts = info.get("max_req_input_len")
+        if isinstance(prompts, int) and prompts > 0:  # a continuation's prompt and tokens so far must fit it too
+            self.max_total_tokens = min(self.max_total_tokens or prompts + 1, prompts + 1)
         self.server_capacity = _server_running_requests(info)
         wanted = 2 * (self.server_capacity or 0)
         if "max_concurrency" not in self.engine_args and wanted > self.concurrency:

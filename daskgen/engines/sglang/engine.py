@@ -251,9 +251,13 @@ class SGLangEngine(InProcessEngine):
 
     @property
     def max_total_tokens(self) -> int | None:
-        """Largest prompt plus ``max_new_tokens`` of one request; known after :meth:`start`."""
+        """Largest prompt plus ``max_new_tokens`` of one request such that every continuation of it fits too (its
+        prompt and tokens so far at most sglang's ``max_req_input_len``); known after :meth:`start`."""
         context, pool = self.info.get("context_length"), self.info.get("max_total_num_tokens")
-        return None if context is None else min(context, pool or context)
+        if context is None:
+            return None
+        prompts = self.info.get("max_req_input_len")
+        return min(context, pool or context, (prompts or context) + 1)
 
     @property
     def capacity(self) -> int | None:
