@@ -87,7 +87,7 @@ def captured(monkeypatch):
         def line(self):
             return "done"
 
-    def fake_run(config):
+    def fake_run(config, **_):
         seen["config"] = config
         return Summary()
 

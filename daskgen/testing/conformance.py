@@ -21,10 +21,9 @@ an engine without seed support) is declared in the subclass's ``not_applicable``
 reason: the project's ``tests/conftest.py`` deselects it and lists the reason, and
 :func:`run_conformance` reports it as ``"not applicable: <reason>"``.  A check that meets an engine
 it does not apply to *without* such a declaration raises :class:`unittest.SkipTest` (pytest: skipped),
-which the CI lanes count as a failure.  Feature checks (:mod:`daskgen.testing.features`) of features
-the engine does not declare are not applicable by themselves; the top-k logprobs check
-(:mod:`daskgen.testing.top_logprobs`), the continuation checks (:mod:`daskgen.testing.continuation`) and the
-checks at the context limit (:mod:`daskgen.testing.long_context`) are mixed in.
+which the CI lanes count as a failure.  Feature checks (:mod:`daskgen.testing.features`) of features the
+engine does not declare are not applicable by themselves; the top-k logprobs, continuation and context-limit
+checks (:mod:`daskgen.testing.top_logprobs`, ``.continuation``, ``.long_context``) are mixed in.
 """
 
 from __future__ import annotations

@@ -93,12 +93,6 @@ class RecordingEngine(_Wrapper):
     def is_simulated(cls, engine_args: dict[str, Any]) -> bool:
         return resolve_engine_class(engine_args.get("inner", "simulated")).is_simulated(engine_args)
 
-    @classmethod
-    def features_with(cls, engine_args: dict[str, Any]) -> frozenset[str]:
-        """The inner engine's features (the requests pass through to it), and this wrapper's own."""
-        inner = resolve_engine_class(engine_args.get("inner", "simulated"))
-        return cls.features | inner.features_with(engine_args)
-
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         if request.request_id != "daskgen-health" and self.log_path:
             with open(self.log_path, "a") as fh:
