@@ -24,10 +24,22 @@ continuation is a sample of the same distribution, not the same tokens.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from daskgen.engines.base import FinishReason, GenerationRequest, GenerationResult, SamplingParams
 
-__all__ = ["CONTINUABLE", "continuation_of", "continued_params", "joined", "restart_reason", "stateful_features"]
+__all__ = [
+    "CONTINUABLE",
+    "continuation_of",
+    "continued_params",
+    "joined",
+    "request_limit",
+    "restart_reason",
+    "split_prompt",
+    "stateful_features",
+]
+
+logger = logging.getLogger(__name__)
 
 #: Features whose state a sample's tokens so far carry, with what an engine that continues them exactly does.
 CONTINUABLE: dict[str, str] = {
@@ -56,6 +68,19 @@ def restart_reason(params: SamplingParams, continues: frozenset[str]) -> str | N
     return "the engine cannot continue " + " or ".join(missing) + " from a sample's tokens so far"
 
 
+def request_limit(max_prompt: int) -> int:
+    """The largest prompt plus ``max_new_tokens`` of a request whose every continuation fits an engine that takes
+    prompts of at most ``max_prompt`` tokens (a continuation's prompt holds all its tokens but the last)."""
+    return max_prompt + 1
+
+
+def split_prompt(prompt_ids: list[int], continued: int) -> tuple[list[int], list[int]]:
+    """The ``prompt_ids`` of a request whose params have ``continued`` set, split into the sample's own prompt and
+    its tokens so far (the last ``continued`` ids)."""
+    cut = len(prompt_ids) - continued
+    return prompt_ids[:cut], prompt_ids[cut:]
+
+
 def continued_params(params: SamplingParams, done: int) -> SamplingParams:
     """The params of the request that generates the rest of a sample with ``params`` whose first ``done`` tokens
     exist (``done`` below ``params.max_new_tokens``)."""
@@ -68,10 +93,17 @@ def continued_params(params: SamplingParams, done: int) -> SamplingParams:
 
 
 def continuation_of(
-    request: GenerationRequest, partial: GenerationResult, eos: frozenset[int]
+    request: GenerationRequest, partial: GenerationResult, eos: frozenset[int], continues: frozenset[str]
 ) -> GenerationRequest | None:
-    """The request that continues an interrupted ``partial`` result, or ``None`` when it had ended anyway (its
-    finish reason is then set: ``stop`` after a stop token, ``length`` with no tokens left)."""
+    """What goes on from an interrupted ``partial`` result of ``request`` on an engine that continues ``continues``
+    exactly (:attr:`~daskgen.engines.base.Engine.continues`):
+
+    * ``None`` when the sample had ended anyway; its finish reason is then set (``stop`` after a stop token,
+      ``length`` with no tokens left);
+    * ``request`` itself when the sample starts again from its prompt: it has no tokens yet, or the engine cannot
+      continue one of its features (:func:`restart_reason`, logged);
+    * else the continuation: the prompt followed by the tokens so far, with :func:`continued_params`.
+    """
     if partial.finish_reason != FinishReason.ABORT:
         return None
     done, params = partial.output_ids, request.params
@@ -81,6 +113,11 @@ def continuation_of(
     if params.max_new_tokens - len(done) <= 0:
         partial.finish_reason = FinishReason.LENGTH
         return None
+    if not done:
+        return request
+    if (why := restart_reason(params, continues)) is not None:
+        logger.info("daskgen: sample %s starts again from its prompt: %s", request.request_id, why)
+        return request
     return GenerationRequest(request.request_id, [*request.prompt_ids, *done], continued_params(params, len(done)))
 
 

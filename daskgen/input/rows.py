@@ -164,6 +164,24 @@ def fingerprint(rows: Iterable[dict[str, Any]]) -> str:
     return digest.value()
 
 
+def holds_input(source: Any, wanted: Any, on_row: Callable[[Any], None] | None = None) -> bool:
+    """True when ``source`` is a file whose rows have the fingerprint ``wanted`` (a store's input, from its attrs);
+    ``on_row`` sees each row as it is read (one pass).  A missing, unreadable or other file is ``False``."""
+    if not isinstance(source, (str, Path)) or not Path(source).is_file():
+        return False
+
+    def rows() -> Iterator[Any]:
+        for _, row in iter_rows(source):
+            if on_row is not None:
+                on_row(row)
+            yield row
+
+    try:
+        return fingerprint(rows()) == wanted
+    except (OSError, InputError):
+        return False
+
+
 def tokenize_rows(
     rows: Sequence[dict[str, Any]], tokenizer: Any, template: ChatTemplate | None = None, first: int = 1
 ) -> list[list[int]]:

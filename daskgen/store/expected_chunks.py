@@ -50,7 +50,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -319,22 +318,14 @@ def _column_test(name: str) -> Callable[[dict[str, Any]], bool]:
 def _read_input(attrs: StoreAttrs, tests: dict[str, Callable[[dict[str, Any]], bool]]) -> dict[str, np.ndarray] | None:
     """Each test's result per row of the run's input file, or ``None`` when the file is gone, unreadable or not
     the store's input (another fingerprint)."""
-    from daskgen.errors import InputError
-    from daskgen.input.rows import fingerprint, iter_rows
+    from daskgen.input.rows import holds_input
 
-    source = attrs.config.get("prompts")
-    if not isinstance(source, str) or not Path(source).is_file():
-        return None
     found: dict[str, list[bool]] = {name: [] for name in tests}
 
-    def rows() -> Iterator[Any]:
-        for _, row in iter_rows(source):
-            for name, test in tests.items():
-                found[name].append(isinstance(row, dict) and test(row))
-            yield row
+    def test(row: Any) -> None:
+        for name, one in tests.items():
+            found[name].append(isinstance(row, dict) and one(row))
 
-    try:
-        same = fingerprint(rows()) == attrs.input.get("fingerprint")
-    except (OSError, InputError):
+    if not holds_input(attrs.config.get("prompts"), attrs.input.get("fingerprint"), test):
         return None
-    return {name: np.array(values, dtype=bool) for name, values in found.items()} if same else None
+    return {name: np.array(values, dtype=bool) for name, values in found.items()}

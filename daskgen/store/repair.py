@@ -83,13 +83,10 @@ def _input_ids(store: GenerationStore, start: int, stop: int) -> list[str]:
     """The input's ``id`` values of rows ``[start, stop)``, read from the run's input file."""
     from pathlib import Path
 
-    from daskgen.input.rows import fingerprint, iter_rows, iter_selected_rows
+    from daskgen.input.rows import holds_input, iter_selected_rows
 
     source = Path(str(store.attrs.config.get("prompts") or ""))
-    sound = source.is_file() and fingerprint(row for _, row in iter_rows(source)) == store.attrs.input.get(
-        "fingerprint"
-    )
-    if not sound:
+    if not holds_input(source, store.attrs.input.get("fingerprint")):
         raise StoreError(
             f"cannot rewrite prompt_id rows {start}..{stop - 1} of {store.url!r}: the run's input file "
             f"({store.attrs.config.get('prompts')!r}) is gone or changed. Restore it, then repair again."

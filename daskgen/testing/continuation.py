@@ -19,7 +19,7 @@ import math
 from typing import Any, ClassVar
 
 from daskgen.engines.base import FinishReason, GenerationRequest, GenerationResult
-from daskgen.engines.continuation import continuation_of, joined, restart_reason
+from daskgen.engines.continuation import continuation_of, joined
 from daskgen.engines.stops import settle
 from daskgen.input.response_format import ResponseFormat
 
@@ -84,15 +84,14 @@ class ContinuationChecks:
         restarted = False
         if head.finish_reason == FinishReason.LENGTH and k < p.max_new_tokens:
             head.finish_reason = FinishReason.ABORT  # what an abort after these k tokens leaves
-        rest = continuation_of(request, head, self.engine.eos_token_ids)
+        rest = continuation_of(request, head, self.engine.eos_token_ids, self.engine.continues)
         if rest is None:
             result = head
-        elif restart_reason(p, self.engine.continues) is not None:
-            result, restarted = self.run(self.one(request)), True
         else:
             tail = self.run(self.one(rest))
             assert tail.error is None, tail
-            result = joined(head, tail)
+            restarted = rest is request
+            result = tail if restarted else joined(head, tail)
         cut, reason = self.settled(request, result)
         return Continued(cut, reason, restarted)
 

@@ -169,11 +169,12 @@ class ProbeEngine(Engine):
             await self._gate_opens(request.request_id)
         finally:
             self.pausing.discard(request.request_id)
-        rest = continuation_of(request, head, self.eos_token_ids)
+        rest = continuation_of(request, head, self.eos_token_ids, self.continues)
         if request.request_id in self.aborted or rest is None:
             self.aborted.discard(request.request_id)
             return head
-        return joined(head, await self.inner.generate(rest))
+        tail = await self.inner.generate(rest)
+        return tail if rest is request else joined(head, tail)
 
     async def _gate_opens(self, request_id: str) -> None:
         """Wait until the request's gate exists (or, waiting part-way, an abort came)."""

@@ -3,17 +3,14 @@ generated on from its stored aborted prefix, token-exact."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable
 
 import numpy as np
 
 from daskgen.agents import AgentLoop, EngineHandle, Trajectory
-from daskgen.engines.base import FinishReason, SamplingParams
-from daskgen.engines.continuation import continued_params, restart_reason
+from daskgen.engines.base import FinishReason, GenerationRequest, GenerationResult, SamplingParams
+from daskgen.engines.continuation import continuation_of
 from daskgen.worker.top_logprobs import stored_top_logprobs
-
-logger = logging.getLogger(__name__)
 
 
 def stored_samples(
@@ -106,19 +103,17 @@ async def _continue_aborted(
     params: SamplingParams,
     prefix: Trajectory,
 ) -> list[Trajectory]:
-    """Continue an aborted ``prefix`` with the token budget it left (finished at ``length`` when none is left), or
-    generate the sample again from its prompt when the engine cannot continue one of its features
-    (:mod:`daskgen.engines.continuation`)."""
-    if params.max_new_tokens - len(prefix.response_ids) <= 0:
-        prefix.finish_reason = FinishReason.LENGTH
+    """Continue an aborted ``prefix`` as :func:`~daskgen.engines.continuation.continuation_of` says: finished as it
+    is (no tokens left), generated again from its prompt, or its prompt and tokens so far with what is left."""
+    request = GenerationRequest(request_id, prompt, params)
+    partial = GenerationResult(request_id, prefix.response_ids, FinishReason.ABORT)
+    rest = continuation_of(request, partial, frozenset(), handle.engine.continues)  # stop tokens: stored_samples
+    if rest is None:
+        prefix.finish_reason = partial.finish_reason
         return [prefix]
-    if not prefix.response_ids:
+    if rest is request:
         return await agent.run(handle, request_id, prompt, params)
-    if (why := restart_reason(params, handle.engine.continues)) is not None:
-        logger.info("daskgen: sample %s restarts from its prompt: %s", request_id, why)
-        return await agent.run(handle, request_id, prompt, params)
-    rest = continued_params(params, len(prefix.response_ids))
-    (tail,) = await agent.run(handle, request_id, prompt + prefix.response_ids, rest)
+    (tail,) = await agent.run(handle, request_id, rest.prompt_ids, rest.params)
     return [_joined(prefix, tail)]
 
 

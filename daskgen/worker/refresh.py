@@ -36,7 +36,7 @@ from daskgen.engines.base import (
     GenerationResult,
     aborted_result,
 )
-from daskgen.engines.continuation import continuation_of, joined, restart_reason
+from daskgen.engines.continuation import continuation_of, joined
 from daskgen.store.attrs import utc_now
 from daskgen.store.commit_log import POLICY_TOPIC
 from daskgen.store.location import StoreLocation, announced_for
@@ -166,17 +166,16 @@ class PolicyRefresher:
         segments = [(0, version)]
         while request.request_id in self.interrupted or result.request_id in self.interrupted:
             self.interrupted.discard(request.request_id)
-            rest = continuation_of(request, result, engine.eos_token_ids)
+            rest = continuation_of(request, result, engine.eos_token_ids, engine.continues)
             if rest is None or stopped():
                 break
             version = await self._admitted(engine)
-            if (why := restart_reason(request.params, engine.continues)) is not None:
-                logger.info("daskgen: request %s restarts on version %d: %s", request.request_id, version, why)
-                result, segments = await self._tracked(engine, request), [(0, version)]
-                continue
             tail = await self._tracked(engine, rest)
-            segments.append((len(result.output_ids), version))
-            result = joined(result, tail)
+            if rest is request:  # generated again from its prompt
+                result, segments = tail, [(0, version)]
+            else:
+                segments.append((len(result.output_ids), version))
+                result = joined(result, tail)
         result.meta["policy_versions"] = _merged(segments, len(result.output_ids))
         return result
 

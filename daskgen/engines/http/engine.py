@@ -52,6 +52,7 @@ from daskgen.engines.base import (
     error_result,
     started,
 )
+from daskgen.engines.continuation import request_limit
 from daskgen.engines.http.args import OpenAIArgs
 from daskgen.engines.http.client import HTTPClient, NoAnswer, RequestFailed
 from daskgen.engines.http.protocol import (
@@ -258,7 +259,7 @@ class OpenAIEngine(Engine):
         self._server_seeds = bool(info.get("enable_deterministic_inference"))
         prompts = info.get("max_req_input_len")
         if isinstance(prompts, int) and prompts > 0:  # a continuation's prompt and tokens so far must fit it too
-            self.max_total_tokens = min(self.max_total_tokens or prompts + 1, prompts + 1)
+            self.max_total_tokens = min(self.max_total_tokens or request_limit(prompts), request_limit(prompts))
         self.server_capacity = _server_running_requests(info)
         wanted = 2 * (self.server_capacity or 0)
         if "max_concurrency" not in self.engine_args and wanted > self.concurrency:

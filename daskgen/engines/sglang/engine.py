@@ -83,6 +83,7 @@ import logging
 from typing import Any
 
 from daskgen.engines.base import GenerationRequest, GenerationResult, aborted_result, error_result, started
+from daskgen.engines.continuation import request_limit
 from daskgen.engines.inprocess import InProcessEngine, cuda_available
 from daskgen.engines.sglang.args import is_cpu_device, launch_kwargs, prefix_admission, refuse_model_path
 from daskgen.engines.sglang.backend import BackendClosed, BackendCrashed, SGLangBackend, read_max_running_requests
@@ -257,7 +258,7 @@ class SGLangEngine(InProcessEngine):
         if context is None:
             return None
         prompts = self.info.get("max_req_input_len")
-        return min(context, pool or context, (prompts or context) + 1)
+        return min(context, pool or context, request_limit(prompts or context))
 
     @property
     def capacity(self) -> int | None:

@@ -17,6 +17,7 @@ import numpy as np
 
 from daskgen.engines.args import is_number, require
 from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams, TopLogprobs
+from daskgen.engines.continuation import split_prompt
 
 __all__ = ["OutputPlan", "SimulatedArgs", "plan_output", "plan_outputs"]
 
@@ -212,7 +213,7 @@ def plan_outputs(requests: Sequence[GenerationRequest], args: SimulatedArgs) -> 
     # far, from position c on, so that it equals the uninterrupted sample's tokens
     done = np.fromiter((r.params.continued for r in requests), dtype=np.int64, count=len(requests))
     digests = np.array(
-        [_prompt_digest(r.prompt_ids[: len(r.prompt_ids) - r.params.continued]) for r in requests], dtype=np.uint64
+        [_prompt_digest(split_prompt(r.prompt_ids, r.params.continued)[0]) for r in requests], dtype=np.uint64
     )
     codes = np.array([_seed_code(r.params) for r in requests], dtype=np.uint64)
     keys = np.where(codes == 0, digests, digests ^ _mix(codes))  # the splitmix finaliser maps only 0 to 0

@@ -87,6 +87,7 @@ from daskgen.engines.base import (
     set_result,
     started,
 )
+from daskgen.engines.continuation import split_prompt
 from daskgen.engines.inprocess import InProcessEngine
 from daskgen.engines.transformers.args import TransformersArgs
 from daskgen.engines.transformers.backend import free_device_memory, load_backend
@@ -239,14 +240,11 @@ class TransformersEngine(InProcessEngine):
         constraint = None
         if request.params.response_format is not None:
             try:
-                constraint = await asyncio.to_thread(self._constraint, request)
+                constraint, broken = await asyncio.to_thread(self._constraint, request)
             except Exception as exc:  # xgrammar refuses a schema, regex or grammar it cannot compile
                 return error_result(request, f"response_format cannot be compiled: {type(exc).__name__}: {exc}")
-            if request.params.continued:
-                try:
-                    constraint.advance(request.prompt_ids[len(request.prompt_ids) - request.params.continued :])
-                except ValueError as exc:
-                    return error_result(request, f"response_format cannot continue this response: {exc}")
+            if broken is not None:
+                return error_result(request, f"response_format cannot continue this response: {broken}")
         job = self._submit(request, asyncio.get_running_loop(), constraint)
         if isinstance(job, GenerationResult):
             return job
@@ -256,15 +254,16 @@ class TransformersEngine(InProcessEngine):
             self._cancel(job.backend_id)
             raise
 
-    def _constraint(self, request: GenerationRequest) -> Any:
-        """The grammar state of a request with a ``response_format`` (blocking: compiles on first use)."""
+    def _constraint(self, request: GenerationRequest) -> tuple[Any, str | None]:
+        """The grammar state of a request with a ``response_format``, advanced over a continuation's tokens so far,
+        and what is wrong when they break the format (blocking: compiles on first use)."""
         if self._grammars is None:
             tokenizer_args = {"trust_remote_code": self.args.trust_remote_code, "revision": self.args.revision}
             self._grammars = Grammars(self.model, self._vocab_size, tokenizer_args)
-        assert request.params.response_format is not None
-        return self._grammars.constraint(
-            request.params.response_format, self._eos_ids | frozenset(request.params.stop_token_ids)
-        )
+        params = request.params
+        assert params.response_format is not None
+        constraint = self._grammars.constraint(params.response_format, self._eos_ids | frozenset(params.stop_token_ids))
+        return constraint, constraint.advance(split_prompt(request.prompt_ids, params.continued)[1])
 
     def _submit(
         self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, constraint: Any = None

@@ -42,11 +42,12 @@ class Constraint:
         xgrammar.apply_token_bitmask_inplace(scores, self.bitmask.to(scores.device), vocab_size=self.vocab_size)
         return scores[0]
 
-    def advance(self, tokens: list[int]) -> None:
-        """Advance the grammar over a continuation's tokens so far; ``ValueError`` when the format refuses one."""
+    def advance(self, tokens: list[int]) -> str | None:
+        """Advance the grammar over a continuation's tokens so far; what is wrong when the format refuses one."""
         for i, token in enumerate(tokens):
             if not self.matcher.is_terminated() and not self.matcher.accept_token(token):
-                raise ValueError(f"token {token} at position {i} of the response so far does not match its format")
+                return f"token {token} at position {i} of the response so far does not match its format"
+        return None
 
     def accept(self, token: int) -> None:
         """Advance the grammar past the picked ``token`` (a stop token once complete ends it)."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from daskgen.engines.base import SamplingParams
+from daskgen.engines.continuation import split_prompt
 from daskgen.engines.transformers.shaping import Shaping
 
 if TYPE_CHECKING:
@@ -70,9 +71,9 @@ class SampledSequence:
     shaping: Shaping | None = None
     constraint: Any = None  # a response_format's grammar state (:mod:`daskgen.engines.transformers.grammar`)
     adapter: str | None = None  # the LoRA adapter generating this sequence (:mod:`daskgen.engines.transformers.lora`)
-    #: A continuation's tokens so far (the prompt's last ``SamplingParams.continued`` ids): the seeds' positions,
-    #: the penalties and the stop strings count them as the response's own.
-    carried: list[int] = field(default_factory=list)
+    #: The response position of the first token this sequence picks (a continuation's tokens so far): its noise
+    #: is that of its position in the whole response.
+    first_step: int = 0
 
     @classmethod
     def from_params(
@@ -85,7 +86,7 @@ class SampledSequence:
         """The sequence of a request; ``decode`` and ``on_stop`` serve its stop strings (``on_stop`` is called
         from the sampling thread when the newest token completes one)."""
         seed = params.seed if params.seed is not None else secrets.randbits(64)
-        carried = list(prompt[len(prompt) - params.continued :]) if prompt and params.continued else []
+        _, carried = split_prompt(prompt or [], params.continued)
         shaping = Shaping.of(params, prompt or [], decode, on_stop, carried)
         return cls(
             params.temperature,
@@ -97,7 +98,7 @@ class SampledSequence:
             min_p=params.min_p,
             shaping=shaping,
             adapter=params.adapter,
-            carried=carried,
+            first_step=len(carried),
         )
 
     def pick(self, row: torch.Tensor) -> int:
@@ -131,7 +132,7 @@ class SampledSequence:
 
         if self.generator is None:
             self.generator = torch.Generator(device=row.device)
-        self.generator.manual_seed(step_seed(self.seed, len(self.carried) + len(self.tokens)))
+        self.generator.manual_seed(step_seed(self.seed, self.first_step + len(self.tokens)))
         uniform = torch.rand(row.shape, generator=self.generator, device=row.device, dtype=row.dtype)
         return -torch.log(-torch.log(uniform))
 
@@ -216,21 +217,21 @@ class SamplerTable:
         scores whose argmax is that token."""
         import torch
 
-        picked = torch.zeros(scores.size(0), dtype=torch.long, device=scores.device)
+        picked = [0] * scores.size(0)
         for i, handle in enumerate(handles[: scores.size(0)]):
             if handle:
                 picked[i] = self._pick(handle, scores[i])
         out = torch.full_like(scores, float("-inf"))
-        out.scatter_(1, picked.unsqueeze(1), 0.0)
+        out.scatter_(1, torch.tensor(picked, dtype=torch.long, device=scores.device).unsqueeze(1), 0.0)
         return out
 
     def _pick(self, handle: int, row: torch.Tensor) -> int:
         """The token of the sequence with ``handle``; argmax for a row whose sequence is gone or failed."""
         import torch
 
-        rid = self._by_handle.get(handle)
-        seq = None if rid is None else self.sequences.get(rid)
-        if seq is None or rid is None:  # removed between the pass's preparation and its logits
+        rid = self._by_handle.get(handle, "")
+        seq = self.sequences.get(rid)
+        if seq is None:  # removed between the pass's preparation and its logits
             return int(torch.argmax(row))
         try:
             return seq.pick(row)
