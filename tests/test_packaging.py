@@ -1,0 +1,60 @@
+"""The package's metadata: its license, and the same dependencies in pyproject.toml and environment.yml."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import tomllib
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+# pip names whose conda-forge package is called otherwise
+CONDA_NAMES = {"torch": "pytorch", "ray": "ray-core", "types-pyyaml": "types-pyyaml", "moto[server]": "moto"}
+# extras installed from pip on GPU nodes only (environment.yml's header says how), and dask's own extra
+PIP_ONLY = {"sglang", "vllm"}
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _requirement(spec: str) -> tuple[str, str]:
+    """Split ``name[extra]>=1.0,<2`` into a lower-cased conda-style name and its version bounds."""
+    match = re.match(r"^([A-Za-z0-9_.\-]+(?:\[[a-z,]+\])?)\s*(.*)$", spec.strip())
+    assert match, spec
+    name = match.group(1).lower()
+    return CONDA_NAMES.get(name, name), match.group(2).replace(" ", "")
+
+
+def test_the_license_file_is_the_one_pyproject_declares() -> None:
+    project = _pyproject()["project"]
+    assert project["license"] == "Apache-2.0"
+    assert project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
+    assert "Copyright 2026 The daskgen authors" in text
+
+
+def test_every_dependency_is_in_environment_yml_with_the_same_bounds() -> None:
+    project = _pyproject()["project"]
+    specs = list(project["dependencies"])
+    for extra, items in project["optional-dependencies"].items():
+        specs += [item for item in items if not item.startswith("daskgen[") and extra not in PIP_ONLY]
+    conda = {}
+    for entry in yaml.safe_load((ROOT / "environment.yml").read_text())["dependencies"]:
+        if isinstance(entry, str):
+            name, bounds = _requirement(entry.split("=", 1)[0] if "python=" in entry else entry)
+            conda[name] = bounds
+    missing, differing = [], []
+    for spec in specs:
+        name, bounds = _requirement(spec)
+        if name == "dask[distributed]":
+            assert conda.get("dask") == bounds and conda.get("distributed") == bounds, (bounds, conda)
+        elif name not in conda:
+            missing.append(spec)
+        elif conda[name] != bounds:
+            differing.append((spec, conda[name]))
+    assert not missing, f"in pyproject.toml but not in environment.yml: {missing}"
+    assert not differing, f"bounds differ between pyproject.toml and environment.yml: {differing}"
