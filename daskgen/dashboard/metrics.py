@@ -34,7 +34,7 @@ ERRORS_PER_REPORT = 5
 #: Longest error message sent (characters).
 ERROR_CHARS = 300
 #: Finish-reason names by code (``daskgen.engines.base.FinishReason``), in the order the page lists them.
-FINISH_NAMES = tuple(reason.name.lower() for reason in FinishReason)
+FINISH_NAMES = tuple(reason.label for reason in FinishReason)
 #: Finished samples a worker keeps before counting them (at the latest, they are counted once per report).
 FOLD_EVERY = 4096
 

@@ -42,6 +42,12 @@ class FinishReason(enum.IntEnum):
     ABORT = 2
     ERROR = 3
 
+    @property
+    def label(self) -> str:
+        """The reason's name in the store's CF attributes, exports, followed batches and the dashboard (``stop``,
+        ``length``, ``abort``, ``error``)."""
+        return self.name.lower()
+
 
 class EngineStatus(enum.Enum):
     """Where an engine is in its lifecycle (see the module docstring)."""
@@ -58,7 +64,7 @@ class EngineStatus(enum.Enum):
 
 #: CF ``flag_values``/``flag_meanings`` for the stored ``finish_reason`` array.
 FINISH_FLAG_VALUES = [int(r) for r in FinishReason]
-FINISH_FLAG_MEANINGS = " ".join(r.name.lower() for r in FinishReason)
+FINISH_FLAG_MEANINGS = " ".join(r.label for r in FinishReason)
 
 #: Finish-reason names the backends report (sglang's ``meta_info.finish_reason.type``, vLLM's
 #: ``finish_reason``, OpenAI-compatible servers' ``finish_reason``) and daskgen's reasons.
