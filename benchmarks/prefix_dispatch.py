@@ -142,6 +142,7 @@ def one_run(a: argparse.Namespace, rows: list[dict[str, Any]], dispatch: str, n_
     data = written.read_region(0, len(rows), ("prompt_length", "response_length", "cached_prompt_tokens"))
     lengths, cached = data["response_length"], data["cached_prompt_tokens"]
     return {
+        "engine_args": applied_args(engine, engine_args, record.get("mode", "?")),
         "short": int((lengths < a.max_new_tokens).sum()) if engine == "simulated" else 0,  # rows missing tokens
         "prompt": int(data["prompt_length"].sum()),
         "prefill": int(data["prompt_length"].sum() - cached.sum()) if (cached >= 0).all() else None,
@@ -153,6 +154,16 @@ def one_run(a: argparse.Namespace, rows: list[dict[str, Any]], dispatch: str, n_
         "tasks": record.get("n_tasks", 0),
         "prompts": summary.generated_prompts,
     }
+
+
+def applied_args(engine: str, engine_args: dict[str, Any], mode: str) -> dict[str, Any]:
+    """The engine arguments a run's engines started with: a run dispatched by prefix adds the engine class's own
+    (:meth:`daskgen.engines.base.Engine.prefix_admission`, e.g. sglang's ``schedule_policy: lpm``)."""
+    if mode != "prefix":
+        return dict(engine_args)
+    from daskgen.engines import resolve_engine_class
+
+    return resolve_engine_class(engine).prefix_admission(dict(engine_args))[0]
 
 
 def mean_batch(stats: dict[str, Any]) -> float:
@@ -227,6 +238,12 @@ def table_row(name: str, n_workers: int, cache: int, base: list[dict], other: li
         return statistics.median(values) if values else float("nan")
 
     sides = f"A {base[0]['mode']}; B {other[0]['mode']} ({other[0]['tasks']} tasks)"
+    args_a, args_b = base[0]["engine_args"], other[0]["engine_args"]
+    differ = sorted(k for k in {*args_a, *args_b} if args_a.get(k) != args_b.get(k))
+    if differ:  # the engine arguments the two sides' engines started with, where they differ
+        sides += " — engine args differ: " + ", ".join(f"{k} A {args_a.get(k)}, B {args_b.get(k)}" for k in differ)
+    elif "schedule_policy" in args_a:
+        sides += f" — schedule_policy {args_a['schedule_policy']} on both"
     per_repeat = ", ".join(f"{x['makespan'] / y['makespan']:.3f}" for x, y in zip(base, other, strict=True))
     return [
         name,
