@@ -148,6 +148,24 @@ def test_an_engine_without_lora_is_refused_at_plan_time(adapters, tmp_path):
     assert "transformers" in str(info.value) and not (tmp_path / "s.zarr").exists()
 
 
+def test_sglang_with_adapters_on_a_cpu_is_refused_at_plan_time_with_the_reason(tiny_model, adapters, tmp_path):
+    """sglang declares LoRA, but its LoRA layers need CUDA: on a CPU device the plan refuses the run (sglang is
+    not imported); with a CUDA device the plan accepts it (the workers may have a GPU the client lacks)."""
+    options = {"model": str(tiny_model), "engine": "sglang", "adapters": adapters}
+    rows = [{"prompt": "hello", "adapter": "a"}]
+    for extra in ({"engine_args": {"device": "cpu"}}, {"engine_args": {"device": "cpu"}, "refresh": "drain"}):
+        config = RunConfig(**options, **extra, store=str(tmp_path / "s.zarr"))
+        with pytest.raises(ConfigError, match="lora: LoRA adapters") as info:
+            prepare(config, rows)
+        message = str(info.value)
+        assert "engine 'sglang' cannot serve" in message and "pin_memory=True" in message, message
+        assert "device=cuda" in message and "'transformers'" in message and "'vllm'" in message, message
+        assert ("refresh_with_lora: " in message) is ("refresh" in extra), message
+        assert not (tmp_path / "s.zarr").exists()
+    config = RunConfig(**options, engine_args={"device": "cuda"}, store=str(tmp_path / "gpu.zarr"))
+    assert prepare(config, rows).layout.adapters
+
+
 class AdaptersWithoutRefresh(TransformersEngine):
     """The transformers engine declared as serving adapters and refresh, but not both at once."""
 

@@ -131,7 +131,8 @@ def _check_features(config: RunConfig, keys: frozenset[str], structured: bool) -
     wanted |= {"refresh"} if config.refresh else set()
     wanted |= {"lora"} if config.adapters else set()
     wanted |= {"refresh_with_lora"} if config.refresh and config.adapters else set()
-    check_features(config.engine, cls.features_with(config.engine_args), wanted)
+    features, refused = cls.features_with(config.engine_args), cls.refused_features(config.engine_args)
+    check_features(config.engine, features, wanted, refused)
     check_top_logprobs(config.engine, cls, config.top_logprobs, config.engine_args)
 
 

@@ -247,7 +247,13 @@ class Engine(abc.ABC):
         """The features an engine built with ``engine_args`` serves: :attr:`features`, and those of
         :attr:`features_by_arg` whose engine arg has its value.  Read on the class: the plan checks a run with it."""
         by_arg = {name for name, (arg, value) in cls.features_by_arg.items() if engine_args.get(arg) == value}
-        return cls.features | by_arg
+        return (cls.features | by_arg) - cls.refused_features(engine_args).keys()
+
+    @classmethod
+    def refused_features(cls, engine_args: dict[str, Any]) -> dict[str, str]:
+        """Declared features an engine built with ``engine_args`` cannot serve on this machine, each with the reason
+        (the plan refuses a run asking for one, giving it); none by default.  Read on the class."""
+        return {}
 
     @classmethod
     def top_logprobs_limit(cls, engine_args: dict[str, Any]) -> tuple[int, str] | None:

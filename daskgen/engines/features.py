@@ -10,7 +10,7 @@ that serve it; :func:`check_top_logprobs` refuses a ``top_logprobs`` above the e
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from daskgen.errors import ConfigError
@@ -52,13 +52,20 @@ def engines_serving(feature: str) -> list[str]:
     return out
 
 
-def check_features(engine: str, features: frozenset[str], wanted: Iterable[str]) -> None:
-    """Raise :class:`ConfigError` when engine ``engine`` (serving ``features``) lacks a feature in ``wanted``."""
+def check_features(
+    engine: str, features: frozenset[str], wanted: Iterable[str], refused: Mapping[str, str] | None = None
+) -> None:
+    """Raise :class:`ConfigError` when engine ``engine`` (serving ``features``) lacks a feature in ``wanted``;
+    ``refused`` gives the reason of a declared feature the engine cannot serve here
+    (:meth:`~daskgen.engines.base.Engine.refused_features`)."""
     missing = sorted(set(wanted) - features)
     if not missing:
         return
+    refused = refused or {}
     lines = [
-        f"{name}: {FEATURES.get(name, name)}; engines that serve it: {engines_serving(name) or 'none'}"
+        f"{name}: {FEATURES.get(name, name)}; "
+        + (f"not with these engine args on this machine: {refused[name]}; " if name in refused else "")
+        + f"engines that serve it: {engines_serving(name) or 'none'}"
         for name in missing
     ]
     raise ConfigError(

@@ -8,7 +8,7 @@ does not know, suggesting close matches.  Importing this module does not import 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from daskgen.engines.args import check_known_args
@@ -21,6 +21,8 @@ __all__ = [
     "check_engine_args",
     "is_cpu_device",
     "launch_kwargs",
+    "LORA_ON_CPU",
+    "lora_refusal",
     "refuse_model_path",
     "server_arg_names",
 ]
@@ -95,6 +97,22 @@ def launch_kwargs(
         for key, value in lora.items():
             kwargs.setdefault(key, value)
     return kwargs
+
+
+#: Why sglang serves no LoRA adapter on a CPU (the plan refuses such a run before any engine starts).
+LORA_ON_CPU = (
+    "sglang's LoRA layers allocate pinned host memory (torch.tensor(..., pin_memory=True) in "
+    "sglang/srt/lora/layers.py), which needs CUDA: on a CPU the engine fails to start ('Found no NVIDIA driver on "
+    "your system'). Run on a CUDA GPU (--engine-arg device=cuda when the workers have a GPU this machine lacks), "
+    "or use the transformers or vllm engine, which serve LoRA adapters on a CPU"
+)
+
+
+def lora_refusal(engine_args: Mapping[str, Any], cuda_available: Callable[[], bool]) -> dict[str, str]:
+    """``{feature: reason}`` for the LoRA features when the engine's device is the CPU: ``engine_args['device']`` or,
+    when absent, the CPU unless ``cuda_available()`` (as :func:`launch_kwargs` picks it)."""
+    device = engine_args.get("device") or ("cuda" if cuda_available() else "cpu")
+    return dict.fromkeys(("lora", "refresh_with_lora"), LORA_ON_CPU) if is_cpu_device(device) else {}
 
 
 def is_cpu_device(device: str) -> bool:

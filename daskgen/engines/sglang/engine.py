@@ -85,7 +85,13 @@ from typing import Any
 from daskgen.engines.base import GenerationRequest, GenerationResult, aborted_result, error_result, started
 from daskgen.engines.continuation import request_limit
 from daskgen.engines.inprocess import InProcessEngine, cuda_available
-from daskgen.engines.sglang.args import is_cpu_device, launch_kwargs, prefix_admission, refuse_model_path
+from daskgen.engines.sglang.args import (
+    is_cpu_device,
+    launch_kwargs,
+    lora_refusal,
+    prefix_admission,
+    refuse_model_path,
+)
 from daskgen.engines.sglang.backend import BackendClosed, BackendCrashed, SGLangBackend, read_max_running_requests
 from daskgen.engines.sglang.mapping import logprob_request, result_from_output, sampling_params_for
 from daskgen.engines.sglang.sigquit import install_sigquit_handler, restore_sigquit_handler
@@ -122,6 +128,11 @@ class SGLangEngine(InProcessEngine):
             *("refresh", "lora", "refresh_with_lora"),
         }
     )
+
+    @classmethod
+    def refused_features(cls, engine_args: dict[str, Any]) -> dict[str, str]:
+        """LoRA (and a refresh under adapters) on a CPU device: :data:`~daskgen.engines.sglang.args.LORA_ON_CPU`."""
+        return lora_refusal(engine_args, cuda_available)
 
     @classmethod
     def prefix_admission(cls, engine_args: dict[str, Any]) -> tuple[dict[str, Any], bool]:
