@@ -345,8 +345,14 @@ class TestTransformersServeConformance(EngineConformance):
         "test_continuation_min_new_tokens": "transformers serve refuses min_tokens (see test_feature_per_row_sampling)",
         "test_continuation_penalties": "transformers serve refuses repetition_penalty (an extension of the OpenAI API)",
         "test_continuation_response_format": "transformers serve refuses response_format on its completions path",
+        "test_feature_structured_outputs": "transformers serve refuses response_format on its completions path; "
+        "checked against sglang's and vLLM's servers in their lanes",
         "test_continuation_top_logprobs": "transformers serve returns no top-k alternatives (the engine flags them "
         "unavailable); checked against vLLM's and sglang's servers in their lanes",
+        "test_top_logprobs_equal_a_forward_pass": "transformers serve returns no top-k alternatives (the engine "
+        "flags them unavailable); checked against vLLM's and sglang's servers in their lanes",
+        "test_feature_penalties": "transformers serve refuses repetition_penalty (an extension of the OpenAI API); "
+        "checked against sglang's and vLLM's servers in their lanes",
         "test_feature_stop_strings": "transformers serve leaves the matched stop string out of its text without "
         "naming it, so the re-tokenized output cannot keep it; checked token-exactly against sglang's and "
         "vLLM's servers in their lanes",

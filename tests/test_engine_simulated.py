@@ -24,6 +24,9 @@ class TestSimulatedConformance(EngineConformance):
     not_applicable = {
         "test_feature_min_p": "a timing model: of the sampling settings only max_new_tokens, seed and stop ids "
         "shape its output (temperature, top-k, top-p and min-p have no effect)",
+        "test_feature_penalties": "a timing model: penalties have no effect on its made-up tokens",
+        "test_top_logprobs_equal_a_forward_pass": "a timing model: no weights to run a forward pass of, its top-k "
+        "entries are made up by its own rule (checked in tests/test_top_logprobs.py)",
     }
     engine_args = {
         "time_scale": 1.0,

@@ -21,10 +21,9 @@ an engine without seed support) is declared in the subclass's ``not_applicable``
 reason: the project's ``tests/conftest.py`` deselects it and lists the reason, and
 :func:`run_conformance` reports it as ``"not applicable: <reason>"``.  A check that meets an engine
 it does not apply to *without* such a declaration raises :class:`unittest.SkipTest` (pytest: skipped),
-which the CI lanes count as a failure.  Feature checks (:mod:`daskgen.testing.features`) of features the
-engine does not declare are not applicable by themselves; the top-k logprobs, continuation and context-limit
-checks (:mod:`daskgen.testing.top_logprobs`, ``.continuation``, ``.long_context``) are mixed in.
-"""
+which the CI lanes count as a failure.  Feature checks (:mod:`daskgen.testing.features`, ``.effects``) of features
+the engine does not declare are not applicable by themselves; the top-k, continuation and context-limit checks
+(:mod:`daskgen.testing.top_logprobs`, ``.continuation``, ``.long_context``) are mixed in too."""
 
 from __future__ import annotations
 
@@ -38,6 +37,7 @@ from typing import Any, ClassVar, TypeVar
 from daskgen.engines.base import Engine, EngineStatus, FinishReason, GenerationRequest, GenerationResult, SamplingParams
 from daskgen.errors import ConfigError, EngineError
 from daskgen.testing.continuation import ContinuationChecks
+from daskgen.testing.effects import EffectChecks
 from daskgen.testing.features import FeatureChecks
 from daskgen.testing.harness import EventLoopThread, batch_results, check_result, gather, longest_running, run_checks
 from daskgen.testing.long_context import LongContextChecks
@@ -48,7 +48,7 @@ __all__ = ["EngineConformance", "EventLoopThread", "longest_running", "run_confo
 _T = TypeVar("_T")
 
 
-class EngineConformance(FeatureChecks, TopLogprobsCheck, ContinuationChecks, LongContextChecks):
+class EngineConformance(FeatureChecks, EffectChecks, TopLogprobsCheck, ContinuationChecks, LongContextChecks):
     """Base class of the conformance tests; subclasses set the engine to test.
 
     Required class attributes: ``engine_class``, ``model`` (and ``engine_args``).  Tunables:

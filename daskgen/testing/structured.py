@@ -1,8 +1,8 @@
 """A structured-outputs check for any engine: chat prompts, one per kind of ``response_format``, sent with their
-format; every response that finished by ``stop`` must conform to it.
+format; every response must end by ``stop`` and conform to it.
 
 Used by the test suites of the engines that declare ``structured_outputs`` (with a real instruct model, so
-that responses end by ``stop`` within a few dozen tokens).  Imports neither pytest nor torch (transformers
+that responses end by ``stop`` within :data:`MAX_NEW_TOKENS`).  Imports neither pytest nor torch (transformers
 only in :func:`check_engine`, for the model's tokenizer).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from daskgen.engines.base import Engine, FinishReason, GenerationRequest, GenerationResult, SamplingParams
+from daskgen.engines.base import Engine, GenerationRequest, GenerationResult, SamplingParams
 from daskgen.input.response_format import ResponseFormat
 
 __all__ = ["CASES", "PERSON", "check_engine", "check_structured", "structured_requests", "structured_run"]
@@ -30,8 +30,12 @@ CASES: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
+#: Enough new tokens for every answer of :data:`CASES` to end.
+MAX_NEW_TOKENS = 160
+
+
 def structured_requests(
-    tokenizer: Any, *, n_samples: int = 2, max_new_tokens: int = 40, temperature: float = 0.7
+    tokenizer: Any, *, n_samples: int = 2, max_new_tokens: int = MAX_NEW_TOKENS, temperature: float = 0.7
 ) -> list[GenerationRequest]:
     """``n_samples`` requests per case of :data:`CASES`, its question rendered by the tokenizer's chat template."""
     out = []
@@ -44,25 +48,18 @@ def structured_requests(
 
 
 def check_structured(requests: list[GenerationRequest], results: list[GenerationResult], tokenizer: Any) -> int:
-    """Raise :class:`AssertionError` for an error result or a ``stop`` response that breaks its format; return
-    how many responses finished by ``stop``."""
-    stopped = 0
-    for request, result in zip(requests, results, strict=True):
-        assert result.error is None, f"{request.request_id}: {result.error}"
-        if result.finish_reason != FinishReason.STOP:
-            continue
-        text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
-        fmt = request.params.response_format
-        assert fmt is not None
-        problem = fmt.violation(text)
-        assert problem is None, f"{request.request_id} ({fmt.kind}): {problem}"
-        stopped += 1
-    return stopped
+    """Raise :class:`AssertionError` unless every response ended by ``stop`` and is valid under its format (a
+    ``length`` one must be reported so, with its ``max_new_tokens`` tokens, and fails the check too); return how
+    many responses are valid (all of them)."""
+    from daskgen.testing.effects import check_every_format
+
+    verdicts = check_every_format(requests, results, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    return len(verdicts)
 
 
 async def structured_run(engine: Engine, tokenizer: Any, **options: Any) -> tuple[int, int]:
     """Send :func:`structured_requests` to a started ``engine`` at once and :func:`check_structured` the results;
-    returns ``(stopped, sent)``."""
+    returns ``(valid, sent)``, equal."""
     import asyncio
 
     requests = structured_requests(tokenizer, **options)
@@ -72,7 +69,7 @@ async def structured_run(engine: Engine, tokenizer: Any, **options: Any) -> tupl
 
 def check_engine(engine: Engine, timeout_s: float = 900.0, **options: Any) -> tuple[int, int]:
     """Start ``engine`` (not started yet) on a loop of its own, :func:`structured_run` it with its model's tokenizer
-    and shut it down; returns ``(stopped, sent)``."""
+    and shut it down; returns ``(valid, sent)``, equal."""
     from transformers import AutoTokenizer
 
     from daskgen.testing.harness import EventLoopThread
