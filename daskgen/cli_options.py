@@ -55,7 +55,7 @@ def _source(ctx: typer.Context, name: str) -> str:
 def _parameter(opt: Declared) -> inspect.Parameter:
     info = typer.Option(
         *opt.flags,
-        help=opt.spec.help + (" Repeatable." if opt.spec.pairs else ""),
+        help=opt.help + (" Repeatable." if opt.spec.pairs else ""),
         rich_help_panel=opt.spec.group or None,
         metavar="KEY=VALUE" if opt.spec.pairs else None,
     )

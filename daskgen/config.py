@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from daskgen.errors import ConfigError
+from daskgen.options import Declared, declared, identity_keys, later_identity
 from daskgen.run_options import RunOptions
 
 if TYPE_CHECKING:
@@ -17,42 +18,12 @@ if TYPE_CHECKING:
     from daskgen.input.response_format import ResponseFormat
     from daskgen.store.location import StoreLocation
 
-#: Settings that define what a store holds; a resume must match them exactly.
-IDENTITY_KEYS = (
-    "model",
-    "engine",
-    "n_samples",
-    "max_new_tokens",
-    "max_prompt_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "min_new_tokens",
-    "stop",
-    "stop_token_ids",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "seed",
-    "logprobs",
-    "response_format",
-    "top_logprobs",
-    "adapter",
-    "partition_size",
-    "agent",
-    "agent_args",
-    "verifier",
-    "round_size",
-    "until_correct",
-    "correct_threshold",
-    "stop_when",
-    "count_truncated",
-)
+#: Settings that define what a store holds; a resume must match them exactly (``option(identity=...)``).
+IDENTITY_KEYS = identity_keys(RunOptions)
 
 #: Identity settings added after stores existed, with their default: left out of the identity at that
-#: default, so that a store written before them resumes.
-LATER_IDENTITY_KEYS: dict[str, Any] = {"top_logprobs": 0, "adapter": None}
+#: default, so that a store written before them resumes (``option(identity=LATER)``).
+LATER_IDENTITY_KEYS: dict[str, Any] = later_identity(RunOptions)
 
 
 @dataclass
@@ -207,17 +178,29 @@ class RunConfig(RunOptions):
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "storage_options"}
 
     def _check_types(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            expected = None if f.name == "window" else _expected_type(f.type)  # int or "auto": _check_ranges
-            if value is None or expected is None:
+        """Each setting has its declared type (``int | str`` and lists: :meth:`_check_ranges` and the inputs'
+        own checks); the value of a ``Literal[...]`` setting is one of its choices."""
+        for opt in _DECLARED:
+            value = getattr(self, opt.name)
+            if value is None:
+                continue
+            if opt.choices:
+                if value not in opt.choices:
+                    unset = " (or unset: off)" if opt.default is None else ""
+                    raise ConfigError(
+                        f"setting {opt.name!r} must be one of {', '.join(map(repr, opt.choices))}{unset}, found "
+                        f"{value!r}."
+                    )
+                continue
+            expected = _expected_type(opt)
+            if expected is None:
                 continue
             if expected is float and isinstance(value, int) and not isinstance(value, bool):
-                setattr(self, f.name, float(value))
+                setattr(self, opt.name, float(value))
                 continue
             if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
                 raise ConfigError(
-                    f"setting {f.name!r} must be {expected.__name__}, found {type(value).__name__} {value!r}; give "
+                    f"setting {opt.name!r} must be {expected.__name__}, found {type(value).__name__} {value!r}; give "
                     f"it a value of type {expected.__name__}, or leave it unset for the default."
                 )
 
@@ -235,8 +218,6 @@ class RunConfig(RunOptions):
             not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1
         ):
             raise ConfigError(f"setting 'window' must be 'auto' or an integer >= 1, found {self.window!r}.")
-        if self.dispatch not in ("auto", "prefix", "order"):
-            raise ConfigError(f"setting 'dispatch' must be 'auto', 'prefix' or 'order', found {self.dispatch!r}.")
         for key in positive:
             if getattr(self, key) < 1:
                 raise ConfigError(f"setting {key!r} must be >= 1, found {getattr(self, key)}.")
@@ -257,10 +238,6 @@ class RunConfig(RunOptions):
             raise ConfigError(
                 f"setting 'max_retries' is {self.max_retries}; it must be an integer >= 0 (retries of a failed "
                 "partition task). Give 0 or more (--max-retries N), or leave it unset for the default."
-            )
-        if self.refresh not in (None, "drain", "continue"):
-            raise ConfigError(
-                f"setting 'refresh' must be 'drain' or 'continue' (or unset: off), found {self.refresh!r}."
             )
         if self.keep_partial and self.agent != "single_turn":
             raise ConfigError(
@@ -286,8 +263,11 @@ class RunConfig(RunOptions):
             raise ConfigError(f"n_workers must be >= 1, found {self.n_workers}.")
 
 
-_TYPES = {"str": str, "int": int, "float": float, "bool": bool, "dict": dict}
-# ``deadline`` may also be given as a number of seconds in YAML.
+#: The run options, read once from their declarations (types resolved).
+_DECLARED = tuple(declared(RunOptions))
+#: The declared types checked by ``isinstance`` (``deadline`` and ``grace`` may also be numbers of seconds in
+#: YAML: made text before the check).
+_CHECKED = (str, int, float, bool, dict)
 
 
 def _duration_seconds(text: str) -> float | None:
@@ -296,9 +276,12 @@ def _duration_seconds(text: str) -> float | None:
     return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600}[match[2]] if match else None
 
 
-def _expected_type(annotation: Any) -> type | None:
-    text = str(annotation).split("|")[0].strip()
-    return _TYPES.get(text.split("[")[0])
+def _expected_type(opt: Declared) -> type | None:
+    """The type a value of ``opt`` must have, or ``None`` when ``isinstance`` cannot tell (unions, lists)."""
+    import typing
+
+    base = typing.get_origin(opt.base_type) or opt.base_type
+    return base if base in _CHECKED else None
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

@@ -9,7 +9,10 @@ the field's, its help text, ``--help`` group and command-line spelling are in th
 
 * the options of a ``daskgen`` command (:mod:`daskgen.cli_options`);
 * the keyword arguments and docstring of a Python entry point (:func:`takes_options`);
-* the option table of the README (:func:`markdown_table`).
+* the option table of the README (:func:`markdown_table`);
+* the settings that form a store's identity (:func:`identity_keys`), those a row may set in its
+  ``sampling`` column with their ranges (:func:`row_ranges`), and the values that leave a sampling
+  setting off (:func:`off_values`).
 """
 
 from __future__ import annotations
@@ -23,9 +26,16 @@ import types
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+if TYPE_CHECKING:
+    from daskgen.ranges import Range
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: ``option(identity=LATER)``: part of the store's identity only when not at its default (a setting added
+#: after stores existed, so that a store written before it resumes).
+LATER = "later"
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,14 @@ class OptionSpec:
         The flag's type where it is not the field's (a path, or ``str`` for ``int | str``).
     required:
         Needed for a run (from a flag or the config file); a required keyword of the Python entry point.
+    identity:
+        Part of the store's identity (a resume must match it): ``True``, or :data:`LATER` (only when not
+        at its default).
+    row:
+        A row may set it in its ``sampling`` column: the values it takes (:class:`daskgen.ranges.Range`).
+    off:
+        The value that leaves a sampling setting off; any other asks the engine for per-row sampling (the
+        ``per_row_sampling`` feature), and the engines that take it by name are sent it then.
     """
 
     help: str
@@ -55,6 +73,9 @@ class OptionSpec:
     pairs: bool = False
     cli_type: Any = None
     required: bool = False
+    identity: bool | str = False
+    row: Range | None = None
+    off: Any = None
 
 
 def option(
@@ -67,9 +88,15 @@ def option(
     cli_type: Any = None,
     required: bool = False,
     factory: Callable[[], Any] | None = None,
+    identity: bool | str = False,
+    row: Range | None = None,
+    off: Any = None,
 ) -> Any:
-    """A dataclass field declaring one option (``factory`` builds a mutable default such as ``{}``)."""
-    metadata = {"option": OptionSpec(help, group, flags, pairs, cli_type, required)}
+    """A dataclass field declaring one option (``factory`` builds a mutable default such as ``{}``; the other
+    keywords are the fields of :class:`OptionSpec`)."""
+    if row is not None:
+        row = row.with_off(off)
+    metadata = {"option": OptionSpec(help, group, flags, pairs, cli_type, required, identity, row, off)}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -91,6 +118,18 @@ class Declared:
         if typing.get_origin(self.type) in (typing.Union, types.UnionType):
             return args[0] if len(args) == 1 else self.type
         return self.type
+
+    @property
+    def choices(self) -> tuple[Any, ...]:
+        """The values of a ``Literal[...]`` option (empty for other types)."""
+        return typing.get_args(self.base_type) if typing.get_origin(self.base_type) is Literal else ()
+
+    @property
+    def help(self) -> str:
+        """The help text, naming the choices of a ``Literal[...]`` option."""
+        if not self.choices:
+            return self.spec.help
+        return f"{self.spec.help} One of: {', '.join(map(str, self.choices))}."
 
     @property
     def switch(self) -> bool:
@@ -131,6 +170,26 @@ def declared(table: type) -> Iterator[Declared]:
 def names(table: type) -> list[str]:
     """The option names of ``table``."""
     return [opt.name for opt in declared(table)]
+
+
+def identity_keys(table: type) -> tuple[str, ...]:
+    """The options of ``table`` that form a store's identity (``option(identity=...)``)."""
+    return tuple(opt.name for opt in declared(table) if opt.spec.identity)
+
+
+def later_identity(table: type) -> dict[str, Any]:
+    """The identity options declared :data:`LATER`, with the default at which they stay out of the identity."""
+    return {opt.name: opt.default for opt in declared(table) if opt.spec.identity == LATER}
+
+
+def row_ranges(table: type) -> dict[str, Range]:
+    """The options of ``table`` a row may set (``option(row=...)``), with their ranges."""
+    return {opt.name: opt.spec.row for opt in declared(table) if opt.spec.row is not None}
+
+
+def off_values(table: type) -> dict[str, Any]:
+    """The options of ``table`` with an off value (``option(off=...)``), with it."""
+    return {opt.name: opt.spec.off for opt in declared(table) if opt.spec.off is not None}
 
 
 def own_parameters(func: Callable[..., Any]) -> list[inspect.Parameter]:
@@ -178,7 +237,7 @@ def takes_options(table: type, *, after: str = "Returns") -> Callable[[F], F]:
         ]
         call.__signature__ = inspect.Signature([*own, *keywords])  # type: ignore[attr-defined]
         entries = "".join(
-            f"{o.name}:\n{textwrap.fill(o.spec.help, 100, initial_indent='    ', subsequent_indent='    ')}\n"
+            f"{o.name}:\n{textwrap.fill(o.help, 100, initial_indent='    ', subsequent_indent='    ')}\n"
             for o in options
         )
         doc = inspect.cleandoc(func.__doc__ or "")
@@ -209,4 +268,4 @@ def _markdown_row(opt: Declared, setting: bool) -> str:
     else:
         flag = " ".join(f"`{f}`" for f in opt.flags) or "(config only)"
     default = "required" if opt.spec.required else f"`{opt.default!r}`"
-    return f"| {name} | {flag} | {default} | {opt.spec.help.replace('|', '/')} |"
+    return f"| {name} | {flag} | {default} | {opt.help.replace('|', '/')} |"

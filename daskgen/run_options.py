@@ -4,15 +4,21 @@
 :func:`daskgen.generate`, a field of :class:`daskgen.config.RunConfig` (which adds loading and
 validation) and, unless it is a mapping, a flag of ``daskgen run``.  :class:`RunCommand` holds the
 flags of ``daskgen run`` that are not run settings.  The README's option table is rendered from both.
+
+A declaration also says whether the setting is part of the store's identity (``identity``), whether a
+row may set it in its ``sampling`` column and to what (``row``, a :class:`daskgen.ranges.Range`), and
+which value leaves a sampling setting off (``off``); the identity list, the per-row keys and the off
+values are derived from here (:mod:`daskgen.options`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from daskgen.options import option
+from daskgen.options import LATER, option
+from daskgen.ranges import distinct, integer, is_integer, number
 
 IO, ENGINE, SAMPLING, ROUNDS, CLUSTER, TASKS, STOPPING = (
     "Input and output",
@@ -25,10 +31,16 @@ IO, ENGINE, SAMPLING, ROUNDS, CLUSTER, TASKS, STOPPING = (
 )
 
 
-def key_values(what: str, flag: str) -> Any:
+#: How a ``refresh`` run treats the requests in flight when a new policy version is loaded.
+RefreshPolicy = Literal["drain", "continue"]
+#: The order in which partitions and their prompts reach the engines.
+Dispatch = Literal["auto", "prefix", "order"]
+
+
+def key_values(what: str, flag: str, *, identity: bool = False) -> Any:
     """A mapping of options, given on the command line as repeatable ``flag KEY=VALUE``."""
     help = f"{what} options (on the command line KEY=VALUE, VALUE read as YAML)."
-    return option(help=help, group=ENGINE, flags=(flag,), pairs=True, factory=dict)
+    return option(help=help, group=ENGINE, flags=(flag,), pairs=True, factory=dict, identity=identity)
 
 
 @dataclass
@@ -36,7 +48,9 @@ class RunOptions:
     """Every setting of a run, with its default; the help of each is in its declaration."""
 
     prompts: str | None = option(None, "JSONL or Parquet file of prompts.", group=IO, cli_type=Path, required=True)
-    model: str | None = option(None, "Local model folder (or a name the engine understands).", group=IO, required=True)
+    model: str | None = option(
+        None, "Local model folder (or a name the engine understands).", group=IO, required=True, identity=True
+    )
     store: str | None = option(
         None,
         "Output Zarr store: a folder or an object-storage URL (s3://, gs://, az://); rerun against it to resume.",
@@ -72,7 +86,10 @@ class RunOptions:
         cli_type=str,
     )
     engine: str = option(
-        "transformers", "Engine: transformers, sglang, vllm, openai, simulated, or module:Class.", group=ENGINE
+        "transformers",
+        "Engine: transformers, sglang, vllm, openai, simulated, or module:Class.",
+        group=ENGINE,
+        identity=True,
     )
     engine_args: dict[str, Any] = key_values("Engine", "--engine-arg")
     adapters: dict[str, str] = option(
@@ -86,61 +103,151 @@ class RunOptions:
         None,
         "The LoRA adapter (a name of 'adapters') for every row; a row's own adapter column replaces it.",
         group=ENGINE,
+        identity=LATER,
     )
-    agent: str = option("single_turn", "Agent loop: single_turn, tool, or module:Class.", group=ENGINE)
-    agent_args: dict[str, Any] = key_values("Agent", "--agent-arg")
+    agent: str = option("single_turn", "Agent loop: single_turn, tool, or module:Class.", group=ENGINE, identity=True)
+    agent_args: dict[str, Any] = key_values("Agent", "--agent-arg", identity=True)
     verifier: str | None = option(
-        None, "Score each response with this package.module:function (multi-round sampling).", group=ROUNDS
+        None,
+        "Score each response with this package.module:function (multi-round sampling).",
+        group=ROUNDS,
+        identity=True,
     )
-    round_size: int = option(1, "With a verifier: samples per round, up to n_samples (must divide it).", group=ROUNDS)
+    round_size: int = option(
+        1, "With a verifier: samples per round, up to n_samples (must divide it).", group=ROUNDS, identity=True
+    )
     until_correct: int | None = option(
-        None, "With a verifier: stop a prompt once this many responses scored >= correct_threshold.", group=ROUNDS
+        None,
+        "With a verifier: stop a prompt once this many responses scored >= correct_threshold.",
+        group=ROUNDS,
+        identity=True,
     )
-    correct_threshold: float = option(1.0, "With a verifier: the score from which a response is correct.", group=ROUNDS)
+    correct_threshold: float = option(
+        1.0, "With a verifier: the score from which a response is correct.", group=ROUNDS, identity=True
+    )
     stop_when: str | None = option(
-        None, "With a verifier: package.module:function(scores) that stops a prompt when it returns true.", group=ROUNDS
+        None,
+        "With a verifier: package.module:function(scores) that stops a prompt when it returns true.",
+        group=ROUNDS,
+        identity=True,
     )
     count_truncated: bool = option(
-        False, "With a verifier: truncated responses count towards until_correct.", group=ROUNDS
+        False, "With a verifier: truncated responses count towards until_correct.", group=ROUNDS, identity=True
     )
-    n_samples: int = option(1, "Samples per prompt; all samples of a prompt stay in one partition.", group=SAMPLING)
-    max_new_tokens: int = option(256, "Response token limit (the store's padded response width).", group=SAMPLING)
+    n_samples: int = option(
+        1, "Samples per prompt; all samples of a prompt stay in one partition.", group=SAMPLING, identity=True
+    )
+    # Sampling settings a row may set in its ``sampling`` column (``row``); those with an ``off`` value ask the
+    # engine for per-row sampling when not off.
+    max_new_tokens: int = option(
+        256,
+        "Response token limit (the store's padded response width).",
+        group=SAMPLING,
+        identity=True,
+        row=integer(1, "the run's max_new_tokens"),
+    )
     max_prompt_tokens: int = option(
-        1024, "Prompt token limit; longer prompts are an error (or failed rows with skip_overlong).", group=SAMPLING
+        1024,
+        "Prompt token limit; longer prompts are an error (or failed rows with skip_overlong).",
+        group=SAMPLING,
+        identity=True,
     )
-    temperature: float = option(1.0, "Sampling temperature; 0 = greedy.", group=SAMPLING)
-    top_p: float = option(1.0, "Nucleus sampling: the probability mass sampled from (1 = all tokens).", group=SAMPLING)
-    top_k: int = option(0, "Sample from the k most likely tokens (0 = all tokens).", group=SAMPLING)
-    min_p: float = option(0.0, "Drop tokens below min_p times the top token's probability (0 = off).", group=SAMPLING)
-    min_new_tokens: int = option(0, "End-of-sequence and stops are ignored before this many tokens.", group=SAMPLING)
+    temperature: float = option(
+        1.0, "Sampling temperature; 0 = greedy.", group=SAMPLING, identity=True, row=number(0, note="0 = greedy")
+    )
+    top_p: float = option(
+        1.0,
+        "Nucleus sampling: the probability mass sampled from (1 = all tokens).",
+        group=SAMPLING,
+        identity=True,
+        row=number(0, 1, low_open=True, note="1 = off"),
+    )
+    top_k: int = option(
+        0,
+        "Sample from the k most likely tokens (0 = all tokens).",
+        group=SAMPLING,
+        identity=True,
+        row=integer(0, note="0 = off"),
+    )
+    min_p: float = option(
+        0.0,
+        "Drop tokens below min_p times the top token's probability (0 = off).",
+        group=SAMPLING,
+        identity=True,
+        row=number(0, 1),
+        off=0.0,
+    )
+    min_new_tokens: int = option(
+        0,
+        "End-of-sequence and stops are ignored before this many tokens.",
+        group=SAMPLING,
+        identity=True,
+        row=integer(0, "max_new_tokens"),
+        off=0,
+    )
     stop: list[str] | None = option(
-        None, "Stop strings: a sample ends with the token completing one (kept in the response).", group=SAMPLING
+        None,
+        "Stop strings: a sample ends with the token completing one (kept in the response).",
+        group=SAMPLING,
+        identity=True,
+        row=distinct(lambda s: isinstance(s, str) and bool(s), "non-empty strings"),
     )
     stop_token_ids: list[int] | None = option(
-        None, "Token ids that end a sample (kept in the response), besides the model's EOS.", group=SAMPLING
+        None,
+        "Token ids that end a sample (kept in the response), besides the model's EOS.",
+        group=SAMPLING,
+        identity=True,
+        row=distinct(lambda t: is_integer(t) and t >= 0, "token ids >= 0"),
     )
     repetition_penalty: float = option(
-        1.0, "Penalty on tokens already in the prompt or response (1 = off).", group=SAMPLING
+        1.0,
+        "Penalty on tokens already in the prompt or response (1 = off).",
+        group=SAMPLING,
+        identity=True,
+        row=number(0, low_open=True),
+        off=1.0,
     )
-    presence_penalty: float = option(0.0, "Penalty on tokens already in the response (0 = off).", group=SAMPLING)
+    presence_penalty: float = option(
+        0.0,
+        "Penalty on tokens already in the response (0 = off).",
+        group=SAMPLING,
+        identity=True,
+        row=number(-2, 2),
+        off=0.0,
+    )
     frequency_penalty: float = option(
-        0.0, "Penalty per occurrence of a token in the response (0 = off).", group=SAMPLING
+        0.0,
+        "Penalty per occurrence of a token in the response (0 = off).",
+        group=SAMPLING,
+        identity=True,
+        row=number(-2, 2),
+        off=0.0,
     )
-    seed: int = option(0, "Run seed; per-sample seeds derive from it (or from a row's own seed).", group=SAMPLING)
-    logprobs: bool = option(False, "Store per-token logprobs.", group=SAMPLING)
+    seed: int = option(
+        0,
+        "Run seed; per-sample seeds derive from it (or from a row's own seed).",
+        group=SAMPLING,
+        identity=True,
+        row=integer(0),
+    )
+    logprobs: bool = option(False, "Store per-token logprobs.", group=SAMPLING, identity=True)
     response_format: dict[str, Any] | None = option(
         None,
         "Structured outputs for every row: {json_schema: {...}}, {regex: '...'}, {choice: [...]} or {grammar: EBNF} "
         "(a row's own response_format column replaces it; on the command line JSON text).",
         group=SAMPLING,
         cli_type=str,
+        identity=True,
     )
     top_logprobs: int = option(
         0,
         "Store the k most likely tokens and their logprobs at each response position (0 = off).",
         group=SAMPLING,
+        identity=LATER,
     )
-    partition_size: int = option(64, "Prompts per Dask task = the store's chunk rows along prompt.", group=TASKS)
+    partition_size: int = option(
+        64, "Prompts per Dask task = the store's chunk rows along prompt.", group=TASKS, identity=True
+    )
     scheduler_address: str | None = option(
         None, "Use this Dask scheduler instead of a LocalCluster (tls://HOST:PORT with --tls-*).", group=CLUSTER
     )
@@ -173,7 +280,7 @@ class RunOptions:
         group=TASKS,
         cli_type=str,
     )
-    refresh: str | None = option(
+    refresh: RefreshPolicy | None = option(
         None,
         "Load policy versions published to the store (daskgen policy publish) into the running engines: 'drain' "
         "finishes requests in flight on the old weights first, 'continue' aborts them and continues each from "
@@ -220,7 +327,7 @@ class RunOptions:
         "longest there start first (rows matched by position or id).",
         group=TASKS,
     )
-    dispatch: str = option(
+    dispatch: Dispatch = option(
         "auto",
         "prefix: each partition's prompts reach the engine with shared prefixes (system prompt, few-shot "
         "examples) next to each other, and partitions of one prefix go to the same worker, for the engines' "

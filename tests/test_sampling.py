@@ -259,7 +259,7 @@ def test_every_sampling_key_refuses_values_outside_its_range(key):
         (message,) = errors
         assert message.startswith(f"column 'sampling' (id 'r'): key {key!r} is "), message
         assert f" is {reprlib.repr(value)}" in message or f" is dict {reprlib.repr(value)}" in message, message
-        assert message.endswith(f"; it must be {KEYS[key].range}. Give a value in that range, or remove the key")
+        assert message.endswith(f"; it must be {KEYS[key].text}. Give a value in that range, or remove the key")
     for value in accepted:
         assert sampling_errors({key: value}) == [], value
     assert sampling_errors({key: None}) == [], "None leaves the run's value"

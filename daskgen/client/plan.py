@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from daskgen.agents import create_agent
 from daskgen.client.dispatch import dispatch_order, long_first, read_length_hints
 from daskgen.client.prefix_dispatch import resolve_prefix, with_prefix
 from daskgen.config import RunConfig
+from daskgen.engines.base import SamplingParams
 from daskgen.input import adapters, response_format
 from daskgen.input.chat_template import ChatTemplate
 from daskgen.input.columns import kept_values
@@ -36,10 +37,6 @@ from daskgen.store.attrs import StoreAttrs
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import FAILED, PENDING, Layout
 from daskgen.worker.partition import PartitionTask
-
-if TYPE_CHECKING:
-    from daskgen.engines.base import SamplingParams
-
 
 logger = logging.getLogger(__name__)
 
@@ -327,13 +324,14 @@ def _shared_task_fields(plan: Plan) -> dict[str, Any]:
 
 def _sampling_params(plan: Plan) -> SamplingParams:
     """The run's sampling settings, with the tokenizer's stop ids."""
-    params = row_params(run_settings(plan.config), plan.stop_ids, plan.config.logprobs)
-    return dataclasses.replace(
-        params,
-        response_format=plan.config.structured_output(),
-        top_logprobs=plan.config.top_logprobs,
-        adapter=plan.config.adapter,
+    cfg = plan.config
+    run = SamplingParams(
+        logprobs=cfg.logprobs,
+        response_format=cfg.structured_output(),
+        top_logprobs=cfg.top_logprobs,
+        adapter=cfg.adapter,
     )
+    return row_params(run_settings(cfg), plan.stop_ids, run)
 
 
 def _partition_task(

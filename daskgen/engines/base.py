@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from daskgen.errors import EngineError, RefreshError
+from daskgen.options import off_values
+from daskgen.run_options import RunOptions
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Sequence
@@ -133,14 +135,9 @@ class SamplingParams:
 TopLogprobs = list[list[tuple[int, float]]]
 
 
-#: The :class:`SamplingParams` fields vLLM and SGLang take under the same name, with their "off" values.
-SHAPING_OFF = {
-    "min_p": 0.0,
-    "min_new_tokens": 0,
-    "repetition_penalty": 1.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-}
+#: The :class:`SamplingParams` fields with an off value (``option(off=...)`` in :mod:`daskgen.run_options`), with
+#: it: vLLM and SGLang take them under the same name (or one a backend's mapping renames).
+SHAPING_OFF: dict[str, Any] = off_values(RunOptions)
 
 
 def shaping_kwargs(params: SamplingParams, renamed: dict[str, str]) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from daskgen.engines.base import SHAPING_OFF
 from daskgen.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -20,8 +21,8 @@ if TYPE_CHECKING:
 
 #: Every request feature, with what a run asks for when it uses it.
 FEATURES: dict[str, str] = {
-    "per_row_sampling": "a row's own sampling settings (its 'sampling' column) or a non-default min_p, "
-    "min_new_tokens or penalty",
+    "per_row_sampling": "a row's own sampling settings (its 'sampling' column) or a setting of "
+    f"{', '.join(SHAPING_OFF)} other than off",
     "stop": "stop strings ('stop', run-level or per row)",
     "stop_token_ids": "stop token ids ('stop_token_ids', run-level or per row)",
     "structured_outputs": "structured outputs ('response_format')",

@@ -1,7 +1,8 @@
 """Sampling settings: the keys a run (its defaults) and a row (its ``sampling`` column) may set, checked once.
 
-:data:`KEYS` is the one table of the settings: each key's type and valid range.  The run's values
-(config and flags) are the defaults; a row's ``sampling: {...}`` overrides them for that row.
+:data:`KEYS` holds the settings a row may set, each with its range, as their declarations give them
+(``option(row=...)`` in :mod:`daskgen.run_options`).  The run's values (config and flags) are the defaults;
+a row's ``sampling: {...}`` overrides them for that row.
 :func:`setting_errors` checks a mapping against the table (at input scan for rows, at config load for
 the run, before any engine starts); :class:`RowSamplingCheck` is the per-row check the input scan
 calls; :func:`row_params` turns a row's settings into the :class:`~daskgen.engines.base.SamplingParams`
@@ -10,69 +11,22 @@ of its samples.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import reprlib
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, TypeGuard
+from collections.abc import Mapping
+from typing import Any
 
-from daskgen.engines.base import SHAPING_OFF, SamplingParams
+from daskgen.engines.base import SamplingParams
+from daskgen.options import off_values, row_ranges
+from daskgen.ranges import MAX_STOPS, Range, is_integer
+from daskgen.run_options import RunOptions
 
-#: Most stop strings (and stop token ids) one row or run may give.
-MAX_STOPS = 32
-
-
-@dataclass(frozen=True)
-class Key:
-    """One sampling setting: what values it takes (``valid``) and how the range reads in a message."""
-
-    kind: str  # "float", "int" or "list"
-    valid: Callable[[Any], bool]
-    range: str
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _integer(value: Any) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _strings(value: Any) -> bool:
-    return (
-        isinstance(value, list)
-        and len(value) <= MAX_STOPS
-        and all(isinstance(s, str) and s for s in value)
-        and len(set(value)) == len(value)
-    )
-
-
-def _token_ids(value: Any) -> bool:
-    return (
-        isinstance(value, list)
-        and len(value) <= MAX_STOPS
-        and all(_integer(t) and t >= 0 for t in value)
-        and len(set(value)) == len(value)
-    )
-
-
-#: Every sampling key a run or a row may set: its type and valid range.
-KEYS: dict[str, Key] = {
-    "temperature": Key("float", lambda v: _number(v) and v >= 0, "a number >= 0 (0 = greedy)"),
-    "top_p": Key("float", lambda v: _number(v) and 0 < v <= 1, "a number in (0, 1] (1 = off)"),
-    "top_k": Key("int", lambda v: _integer(v) and v >= 0, "an integer >= 0 (0 = off)"),
-    "min_p": Key("float", lambda v: _number(v) and 0 <= v <= 1, "a number in [0, 1] (0 = off)"),
-    "max_new_tokens": Key("int", lambda v: _integer(v) and v >= 1, "an integer in [1, the run's max_new_tokens]"),
-    "min_new_tokens": Key("int", lambda v: _integer(v) and v >= 0, "an integer in [0, max_new_tokens]"),
-    "stop": Key("list", _strings, f"a list of at most {MAX_STOPS} distinct non-empty strings"),
-    "stop_token_ids": Key("list", _token_ids, f"a list of at most {MAX_STOPS} distinct token ids >= 0"),
-    "repetition_penalty": Key("float", lambda v: _number(v) and v > 0, "a number > 0 (1 = off)"),
-    "presence_penalty": Key("float", lambda v: _number(v) and -2 <= v <= 2, "a number in [-2, 2] (0 = off)"),
-    "frequency_penalty": Key("float", lambda v: _number(v) and -2 <= v <= 2, "a number in [-2, 2] (0 = off)"),
-    "seed": Key("int", lambda v: _integer(v) and v >= 0, "an integer >= 0"),
-}
+#: Every sampling key a row may set (and the run sets for every row), with its type and valid range.
+KEYS: dict[str, Range] = row_ranges(RunOptions)
+#: The settings with an off value: any other value asks the engine for per-row sampling.
+OFF: dict[str, Any] = off_values(RunOptions)
 #: The keys that end a sample early (the ``stop`` feature of the engines).
 STOP_KEYS = ("stop", "stop_token_ids")
 
@@ -96,7 +50,7 @@ def setting_errors(settings: Any, max_new_tokens: int, where: str) -> list[str]:
             errors.append(f"{where}: unknown sampling key {key!r}; valid keys are {sorted(KEYS)}. Rename or remove it")
         elif value is not None and not spec.valid(_normalized(key, value)):
             errors.append(
-                f"{where}: key {key!r} is {_found(value)}; it must be {spec.range}. Give a value in that range, or "
+                f"{where}: key {key!r} is {_found(value)}; it must be {spec.text}. Give a value in that range, or "
                 "remove the key"
             )
     errors += _limit_errors(settings, max_new_tokens, where)
@@ -123,14 +77,14 @@ def _limit_errors(settings: Mapping[str, Any], max_new_tokens: int, where: str) 
     """The token limits against each other and against the run's ``max_new_tokens``."""
     limit, floor = settings.get("max_new_tokens"), settings.get("min_new_tokens")
     errors = []
-    if _integer(limit) and limit > max_new_tokens:
+    if is_integer(limit) and limit > max_new_tokens:
         errors.append(
             f"{where}: key 'max_new_tokens' is {limit}, more than the run's max_new_tokens={max_new_tokens} (the "
             "store's response width); lower it, or raise the run's max_new_tokens"
         )
-    own = limit if _integer(limit) and 1 <= limit <= max_new_tokens else None  # a row's valid limit, else the run's
+    own = limit if is_integer(limit) and 1 <= limit <= max_new_tokens else None  # a row's valid limit, else the run's
     bound = max_new_tokens if own is None else own
-    if _integer(floor) and floor > bound:
+    if is_integer(floor) and floor > bound:
         limit_name = "the run's max_new_tokens" if own is None else "max_new_tokens"
         errors.append(
             f"{where}: key 'min_new_tokens' is {floor}, more than {limit_name}={bound}; it must be at most "
@@ -143,7 +97,7 @@ def _normalized(key: str, value: Any) -> Any:
     """A single stop string is a list of one; ints are numbers too."""
     if key == "stop" and isinstance(value, str):
         return [value]
-    if KEYS[key].kind == "float" and _integer(value):
+    if KEYS[key].kind == "float" and is_integer(value):
         return float(value)
     return value
 
@@ -192,9 +146,7 @@ def run_settings(config: Any) -> dict[str, Any]:
 def requested_features(run: Mapping[str, Any], row_keys: frozenset[str]) -> set[str]:
     """The engine features (:data:`daskgen.engines.features.FEATURES`) a run with settings ``run`` asks for,
     when its rows set ``row_keys``."""
-    wanted = (
-        {"per_row_sampling"} if row_keys or any(run.get(k, off) != off for k, off in SHAPING_OFF.items()) else set()
-    )
+    wanted = {"per_row_sampling"} if row_keys or any(run.get(k, off) != off for k, off in OFF.items()) else set()
     return wanted | {k for k in STOP_KEYS if run.get(k) or k in row_keys}
 
 
@@ -203,23 +155,19 @@ def merged(defaults: Mapping[str, Any], row: Mapping[str, Any] | None) -> dict[s
     return {**defaults, **normalized(row)} if row else dict(defaults)
 
 
-def row_params(settings: Mapping[str, Any], eos_ids: tuple[int, ...], logprobs: bool) -> SamplingParams:
-    """The :class:`SamplingParams` of a row's samples (the per-sample seed is set later).
+def row_params(settings: Mapping[str, Any], eos_ids: tuple[int, ...], base: SamplingParams) -> SamplingParams:
+    """The :class:`SamplingParams` of a row's samples: ``base`` (the run-level fields: logprobs, structured
+    output, top-k logprobs, adapter) with every key of :data:`KEYS` but ``seed`` taken from ``settings``
+    (the per-sample seed is set later).
 
+    ``settings`` are canonical (:func:`merged`, :func:`run_settings`); lists become tuples, and
     ``stop_token_ids`` are the row's own ids followed by the tokenizer's end ids (``eos_ids``).
     """
-    own = tuple(settings.get("stop_token_ids") or ())
-    return SamplingParams(
-        max_new_tokens=settings["max_new_tokens"],
-        temperature=settings["temperature"],
-        top_p=settings["top_p"],
-        top_k=settings["top_k"],
-        min_p=settings["min_p"],
-        min_new_tokens=settings["min_new_tokens"],
-        repetition_penalty=settings["repetition_penalty"],
-        presence_penalty=settings["presence_penalty"],
-        frequency_penalty=settings["frequency_penalty"],
-        stop=tuple(settings.get("stop") or ()),
-        stop_token_ids=own + tuple(t for t in eos_ids if t not in own),
-        logprobs=logprobs,
-    )
+    values: dict[str, Any] = {
+        key: tuple(settings.get(key) or ()) if spec.kind == "list" else settings[key]
+        for key, spec in KEYS.items()
+        if key != "seed"
+    }
+    own = values["stop_token_ids"]
+    values["stop_token_ids"] = own + tuple(t for t in eos_ids if t not in own)
+    return dataclasses.replace(base, **values)

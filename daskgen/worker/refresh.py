@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 
 from daskgen import tunables
 from daskgen.engines.base import (
@@ -37,6 +37,7 @@ from daskgen.engines.base import (
     aborted_result,
 )
 from daskgen.engines.continuation import continuation_of, joined
+from daskgen.run_options import RefreshPolicy
 from daskgen.store.attrs import utc_now
 from daskgen.store.commit_log import POLICY_TOPIC
 from daskgen.store.location import StoreLocation, announced_for
@@ -44,8 +45,8 @@ from daskgen.store.policy import PolicyVersion, WorkerPolicy, newest, write_work
 
 logger = logging.getLogger(__name__)
 
-#: The ``refresh`` run option's policies for requests in flight.
-REFRESH_POLICIES = ("drain", "continue")
+#: The ``refresh`` run option's policies for requests in flight (its declared type).
+REFRESH_POLICIES: tuple[str, ...] = get_args(RefreshPolicy)
 
 
 class PolicyRefresher:

@@ -37,10 +37,7 @@ def sample_params(
     """
     base = run
     if settings is not None:  # the row's sampling over the run's; what no row sets stays the run's
-        own = row_params(settings, eos_ids, run.logprobs)
-        base = dataclasses.replace(
-            own, top_logprobs=run.top_logprobs, response_format=run.response_format, adapter=run.adapter
-        )
+        base = row_params(settings, eos_ids, run)
     if settings is not None and settings.get("seed") is not None:
         return dataclasses.replace(base, seed=sample_seed(settings["seed"], 0, s))
     return dataclasses.replace(base, seed=sample_seed(seed, row, s))
