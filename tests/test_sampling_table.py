@@ -5,6 +5,8 @@ ranges, the store's identity and the off values are read from it, and the engine
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -116,3 +118,30 @@ def test_a_choice_setting_is_checked_and_listed_from_its_type(name, bad, choices
     assert OPTIONS[name].help.endswith(f"One of: {choices.replace(chr(39), '')}.")
     res = CliRunner().invoke(app, ["run", f"--{name}", bad])
     assert res.exit_code == 2 and bad in res.output, res.output
+
+
+PACKAGE = Path(__file__).resolve().parents[1] / "daskgen"
+#: Where a per-row key is named besides its declaration, the engines and the conformance suite: a rule of its own.
+OWN_RULES = {
+    "max_new_tokens": "the store's response width and the row limit against the run's",
+    "min_new_tokens": "at most max_new_tokens (input/sampling.py)",
+    "stop": "the stop rule and a sample's stop reason",
+    "stop_token_ids": "the stop rule and the tokenizer's end ids",
+    "seed": "per-sample seeds",
+    "temperature": "examples in messages and docstrings",
+}
+
+
+@pytest.mark.parametrize("key", sorted(set(KEYS) - set(OWN_RULES)))
+def test_a_sampling_setting_is_named_only_by_its_declaration_and_the_engines(key):
+    """What docs/architecture.md ("Adding a sampling setting") promises: input/, config, client/, worker/ and the
+    CLI read a setting from the table; only the engines (engines/, the conformance suite in testing/) name it."""
+    assert set(OWN_RULES) < set(KEYS)
+    homes = {PACKAGE / "run_options.py", PACKAGE / "engines", PACKAGE / "testing"}
+    named = [
+        str(path.relative_to(PACKAGE))
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not any(path == home or home in path.parents for home in homes)
+        and re.search(rf"\b{key}\b", path.read_text())
+    ]
+    assert named == [], f"{key!r} is named outside its declaration and the engines: {named}"
