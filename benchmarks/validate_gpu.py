@@ -19,6 +19,10 @@ model, in one batch with base requests, against the same engine on the merged mo
 ``--refresh`` adds a policy refresh step (`benchmarks/refresh_check.py`): daskgen's engine loads perturbed weights
 in place (timed), and its greedy answers are compared with a fresh engine started on those weights.
 
+``--lora --refresh`` adds a step of a refresh under adapters (`benchmarks/refresh_lora_check.py`): the engine
+holding an adapter loads new weights in place, and its adapter answers are compared with the adapter merged into
+those weights.  :data:`FEATURE_FLAGS` names the options that check each request feature.
+
 ``--device cpu`` runs the same comparison on a CPU (for a smoke test of the script only; the
 numbers mean nothing for GPUs).  Exit code 2 when no CUDA GPU is visible and ``--device cuda``.
 """
@@ -38,6 +42,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+
+#: The request features (``daskgen/engines/features.py``) a GPU run checks, with the options that check each.
+FEATURE_FLAGS: dict[str, tuple[str, ...]] = {
+    "lora": ("--lora",),
+    "refresh": ("--refresh",),
+    "refresh_with_lora": ("--lora", "--refresh"),
+}
 
 
 @dataclass
@@ -234,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
         from refresh_check import refresh_check
 
         result["refresh"] = refresh_check(a.engine, a.model, args, prompts[:32], min(a.max_new_tokens, 32))
+    if a.lora and a.refresh:
+        from refresh_lora_check import refresh_lora_check
+
+        result["refresh_with_lora"] = refresh_lora_check(
+            a.engine, a.model, args, prompts[:32], min(a.max_new_tokens, 32)
+        )
     if a.json:
         a.json.write_text(json.dumps(result, indent=2))
     return 0

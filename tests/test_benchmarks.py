@@ -643,6 +643,31 @@ def test_refresh_check_loads_weights_in_place(tiny_model):
     assert result["refreshed_equal_fresh"] == len(prompts) and result["changed_by_refresh"] >= 1, result
 
 
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize(
+    "engine",
+    [
+        pytest.param("transformers", marks=pytest.mark.proves("transformers", "refresh_with_lora")),
+        pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.proves("vllm", "refresh_with_lora")]),
+    ],
+)
+def test_a_refresh_under_adapters_applies_them_to_the_new_weights(tiny_model, engine):
+    """``validate_gpu.py --lora --refresh``'s step on a CPU: after the engine holding an adapter loads new weights in
+    place, its adapter answers equal the adapter merged into the new weights, its base answers the new weights'."""
+    from benchmarks.refresh_lora_check import refresh_lora_check
+
+    if engine == "vllm":
+        from tests.test_engine_vllm import _SharedVLLM, tiny_model_path
+
+        model, args = tiny_model_path(), dict(_SharedVLLM.engine_args)
+    else:
+        model, args = str(tiny_model), {"device": "cpu"}
+    prompts = [[1, 2, 3, 4, 5], [17, 230, 4051, 88], [900, 12, 7], [3000, 3001, 3002, 3003, 3004, 3005]]
+    result = refresh_lora_check(engine, model, args, prompts, 12)
+    assert result["lora_equal_merged_new"] == result["base_equal_new"] == len(prompts), result
+    assert result["lora_changed_by_refresh"] >= 1, result
+
+
 @pytest.mark.timeout(300)
 def test_prefix_dispatch(tmp_path):
     args = ("--questions", "8", "--systems", "2", "--repeats", "1", "--cache-tokens", "4096", "--max-new-tokens", "4")

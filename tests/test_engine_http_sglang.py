@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 
 from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
+from daskgen.engines.http import OpenAIEngine
 from daskgen.errors import EngineError
 from daskgen.testing.conformance import EngineConformance, EventLoopThread, longest_running
 from tests.conftest import tiny_model_once
@@ -117,6 +118,7 @@ class TestSGLangNativeConformance(EngineConformance):
     """The shared suite through SGLang's native ``/generate`` (token ids in and out), with an API key: the managed
     engine's server, used as an external one."""
 
+    engine_class = OpenAIEngine
     timeout_s = 300.0
     probe_max_new_tokens = 64
     long_max_new_tokens = 1500
@@ -132,10 +134,7 @@ class TestSGLangNativeConformance(EngineConformance):
 
     @classmethod
     def setup_class(cls) -> None:
-        from daskgen.engines.http import OpenAIEngine
-
         os.environ[KEY_ENV] = shared_server().api_key
-        cls.engine_class = OpenAIEngine
         cls.model = tiny_model()
         cls.engine_args = {"base_url": shared_server().url, "api_key_env": KEY_ENV}
         super().setup_class()
@@ -270,7 +269,9 @@ async def _short_overtakes_long(engine: Any) -> list[str]:
     # make the greedy run end sooner than the probe did
     long_request = request("long", long_prompt, max_new_tokens=cap, min_new_tokens=cap)
     long = asyncio.ensure_future(timed("long", long_request))
-    await asyncio.sleep(0.2)
+    while not engine.answering("long"):  # the long request streams before the short one is sent
+        assert not long.done(), "the long request ended before it streamed"
+        await asyncio.sleep(0.01)
     await timed("short", request("short", max_new_tokens=1))
     await engine.abort("long")
     await asyncio.wait_for(long, TestSGLangNativeConformance.abort_timeout_s)
@@ -333,6 +334,7 @@ class TestManagedServer:
         assert server.api_key not in cmdline and server.config_dir is None  # not in `ps`; key file removed
         assert server.api_key not in json.dumps(self.engine.describe())
 
+    @pytest.mark.proves("openai", "refresh")  # a managed server (engine arg managed=true)
     def test_update_weights_refreshes_the_server_in_place(self, tmp_path: Path) -> None:
         """A new policy checkpoint (the tiny model with other weights, saved locally) loaded through the server's
         ``/update_weights_from_disk``: the same server process then answers greedy probes as the new checkpoint does

@@ -225,6 +225,7 @@ class TestSGLangConformance(_SharedSGLang, EngineConformance):
         assert isinstance(capacity, int) and capacity >= 1, capacity
         assert self.engine.describe()["max_running_requests"] == capacity
 
+    @pytest.mark.proves("sglang", "refresh")
     def test_update_weights_loads_a_checkpoint_in_place_and_keeps_its_weights_on_a_bad_one(self, tmp_path) -> None:
         """The refresh path: other weights (seed 1) change the greedy answer, a folder without weights is refused
         (sglang keeps the loaded ones), and loading the first checkpoint again gives its answer back."""

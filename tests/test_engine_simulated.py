@@ -405,6 +405,7 @@ def test_engine_survives_a_new_event_loop() -> None:
     run(engine.shutdown())
 
 
+@pytest.mark.proves("simulated", "refresh")
 def test_a_published_folder_loads_in_place_and_changes_no_output(tmp_path) -> None:
     """No weights: ``refresh`` loads a version folder (or URL) at once; outputs stay what they were; a path that
     is no folder is refused as a model's engine would fail to read it."""

@@ -293,6 +293,7 @@ class TestVLLMConformance(_SharedVLLM, EngineConformance):
         scheduler = self.engine.async_llm.vllm_config.scheduler_config
         assert self.engine.describe()["max_num_seqs"] == capacity == scheduler.max_num_seqs
 
+    @pytest.mark.proves("vllm", "refresh")
     def test_update_weights_reloads_a_checkpoint_in_place(self, tmp_path) -> None:
         """The refresh path: other weights (seed 2, the same architecture) change the greedy answer; loading the
         first checkpoint again gives its answer back."""

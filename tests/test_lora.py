@@ -224,6 +224,7 @@ def test_each_engine_maps_adapters_to_its_own_settings(adapters):
     )
 
 
+@pytest.mark.proves("transformers", "refresh_with_lora")
 def test_a_refresh_loads_new_base_weights_under_the_adapters_and_keeps_them(tiny_model, adapters, tmp_path):
     """A published checkpoint of the base model (``save_pretrained``, plain names) loads into the engine that holds
     the adapters: afterwards each adapter's rows equal that adapter merged into the new weights, the base rows

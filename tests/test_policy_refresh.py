@@ -66,6 +66,7 @@ def wait_until(predicate, proc, what: str, timeout: float = 180.0):
     return found
 
 
+@pytest.mark.proves("transformers", "refresh")  # the probe engine passes the refresh to its inner engine
 def test_a_run_refreshes_in_place_and_records_versions(tiny_model, new_policy, tmp_path):
     out, events, gate = tmp_path / "out.zarr", tmp_path / "events.log", tmp_path / "gate"
     prompts = write_prompts(tmp_path / "p.jsonl", 6)
