@@ -119,16 +119,39 @@ def test_sglang_continues_token_exactly(tmp_path):
     check_continuation(tmp_path, tiny_model_path(), "sglang", start_s=600, pause=FAST_ENGINE_PAUSE)
 
 
-def check_continuation(tmp_path, model, inner="transformers", engine_args=(), start_s=240, pause=None, extra=()):
+def test_a_long_answer_near_the_context_limit_resumes_to_the_uninterrupted_tokens(tmp_path, tiny_model):
+    """Prompts of about 1,200 tokens and answers of up to 700 (the tiny model's context is 2,048), stopped
+    with SIGTERM once the rows of the second partition stored about 590 tokens each: the resumed run continues
+    prompt + prefix near the limit and equals an uninterrupted run.  The random model ends its greedy answers to
+    these prompts after about 70 tokens, so ``--min-new-tokens`` keeps them going to the limit."""
+    pause = Pause(rows=(2, 3), after=590, prompts=4, new_tokens=700)
+    extra = ("--max-prompt-tokens", "1320", "--min-new-tokens", "660")
+    check_continuation(tmp_path, str(tiny_model), start_s=480, pause=pause, extra=extra, words=340)
+
+
+def _long_prompts(path, n: int, words: int):
+    """``n`` chat rows whose question is followed by ``words`` numbered words (about 3.6 tokens each)."""
+    filler = " ".join(f"w{j}" for j in range(words))
+    with path.open("w") as fh:
+        for i in range(n):
+            row = {"messages": [{"role": "user", "content": f"Question {i}: {filler}"}], "id": f"q{i}"}
+            fh.write(json.dumps(row) + "\n")
+    return path
+
+
+def check_continuation(
+    tmp_path, model, inner="transformers", engine_args=(), start_s=240, pause=None, extra=(), words=0
+):
     """Interrupt a greedy run with SIGTERM, resume it, run it uninterrupted; compare what was sent and stored.
 
     ``start_s``: how long the first run may take to commit its first rows (engine start included).
     ``pause``: a :class:`Pause` (rows held part-way until the stop, fewer prompts and tokens); without it the
     stop lands wherever the engine is, which takes many long prompts to find some mid-response.  ``extra``: more
-    ``daskgen run`` arguments, the same for the three runs.
+    ``daskgen run`` arguments, the same for the three runs.  ``words``: prompts that long (in numbered words)
+    instead of short questions.
     """
     n, new_tokens = (N, 160) if pause is None else (pause.prompts, pause.new_tokens)
-    prompts = write_prompts(tmp_path / "p.jsonl", n)
+    prompts = _long_prompts(tmp_path / "p.jsonl", n, words) if words else write_prompts(tmp_path / "p.jsonl", n)
     out, whole = tmp_path / "out.zarr", tmp_path / "whole.zarr"
     if pause is not None:
         engine_args = (*engine_args, *pause.engine(tmp_path))
