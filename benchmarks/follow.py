@@ -118,7 +118,7 @@ def run_args(
 def follow_deliveries(store: Path, client: Any = None) -> dict[int, tuple[float, float]]:
     """Follow ``store`` to its end, one prompt per batch: prompt row -> (delivery time, its ``committed_at``)."""
     import daskgen
-    from daskgen.stream.formats import read_rows
+    from daskgen.formats.read import read_rows
 
     delivered: dict[int, tuple[float, float]] = {}
     with daskgen.follow(store, batch_prompts=1, fields=("response_length",), timeout=600, client=client) as follower:

@@ -91,7 +91,7 @@ def build_store(
         },
         "input": {"fingerprint": fingerprint(rows), "n_prompts": n},
         "tokenizer": tokenizer_identity(tok),
-        "config": {"prompts": str(input_path), "engine_args": {}},
+        "config": {"prompts": str(input_path), "engine_args": {}, "agent": "tool"},  # tool tokens in responses
         "simulated": True,
     }
     path = tmp_path / name

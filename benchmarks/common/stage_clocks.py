@@ -11,10 +11,10 @@ from typing import Any
 #: time of its own thread, but reading the arrays: of the whole process (Zarr decodes chunks in its threads).
 STAGES = (
     ("daskgen.stream.batches", "read_rows", "read the arrays"),
-    ("daskgen.stream.batches", "build", "assemble the format"),
+    ("daskgen.stream.batches", "batch_data", "assemble the format"),
     ("daskgen.store.cursors", "Cursor.save", "acknowledge: write and flush the cursor"),
     ("daskgen.stream.batches", "read_snapshot", "read the commit log"),
-    ("daskgen.stream.formats", "PromptIds.__call__", "prompt ids"),
+    ("daskgen.formats.read", "PromptIds.__call__", "prompt ids"),
 )
 
 

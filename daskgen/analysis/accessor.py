@@ -30,14 +30,7 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
-from daskgen.analysis.decode import (
-    FINISH_LABELS,
-    decode_many,
-    decode_prompts,
-    finish_labels,
-    flatten_samples,
-    iter_raw_prompts,
-)
+from daskgen.analysis.decode import decode_many, decode_prompts, iter_raw_prompts
 from daskgen.analysis.stats import (
     bincount,
     epoch_seconds,
@@ -47,6 +40,8 @@ from daskgen.analysis.stats import (
     per_sample,
 )
 from daskgen.errors import ConfigError, StoreError, StoreMismatchError
+from daskgen.formats.block import flatten_samples
+from daskgen.formats.finish import FINISH_LABELS, finish_labels
 from daskgen.store.attrs import ATTRS_KEY, StoreAttrs
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import DONE, FAILED, NUMBER_RECORDS, PENDING

@@ -1,19 +1,22 @@
 """Exports of a daskgen store: Parquet, JSONL, TensorDict (verl DataProto field names) and zip.
 
 Rows are the generated (prompt, sample[, trajectory]) entries of prompts that were done when the
-export started (the checkpoint mask is read first; data of done rows is final), streamed block by
-block, so a store larger than memory exports in bounded memory, also while a run writes it.
+export started (the checkpoint mask is read first; data of done rows is final), read block by block
+through the one read path of :mod:`daskgen.formats` (:func:`daskgen.formats.read.read_block`), so a store larger
+than memory exports in bounded memory, also while a run writes it.  Each format is written by its module of
+:mod:`daskgen.formats`, which ``daskgen.follow`` uses too:
 
-* ``parquet`` / ``jsonl``: one record per row with token lists, finish reason,
-  turns, optional decoded text and the raw input prompt (:func:`daskgen.analysis.arrow.arrow_block`).
-* ``tensordict``: verl's DataProto batch fields (:func:`daskgen.analysis.verl.verl_block`) plus metadata, saved as a
-  memory-mapped TensorDict folder (``TensorDict.load_memmap(path)``; :func:`load_tensordict`).
+* ``parquet`` / ``jsonl``: one record per row (:mod:`daskgen.formats.arrow`, :mod:`daskgen.formats.records`);
+* ``tensordict``: verl's DataProto fields (:mod:`daskgen.formats.verl`), saved as a memory-mapped TensorDict folder
+  (:mod:`daskgen.formats.tensordict`; :func:`load_tensordict`, :func:`verl_parts`);
 * ``zip``: the whole store as one uncompressed zip that ``zarr.storage.ZipStore`` opens.
+
+An export adds what the store does not hold: decoded text (``prompt_text``, ``response_text``, with ``text``) and
+the input's ``raw_prompt`` (when the input file is found).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,23 +25,21 @@ from typing import Any
 
 import numpy as np
 
-from daskgen.analysis.accessor import (
-    decode_many,
-    decode_prompts,
-    flatten_samples,
-    iter_raw_prompts,
-    open_store,
-)
+from daskgen.analysis.accessor import decode_many, iter_raw_prompts, open_store
 from daskgen.analysis.archive import require_wandb, upload_wandb, zip_store
-from daskgen.analysis.arrow import arrow_block
-from daskgen.analysis.decode import text_fields
 from daskgen.analysis.output import check_output, output_size, staged_output
-from daskgen.analysis.row_dicts import record_dicts
-from daskgen.analysis.verl import BATCH_KEYS, VERL_KEYS, attach_non_tensor, tensordict_of, verl_block
 from daskgen.errors import ExportError, StoreError
+from daskgen.formats.arrow import write_parquet
+from daskgen.formats.block import Block
+from daskgen.formats.dataproto import dataproto_parts as verl_parts
+from daskgen.formats.read import PromptIds, block_fields, read_block, read_rows
+from daskgen.formats.records import write_jsonl
+from daskgen.formats.tensordict import load_tensordict, write_memmap
+from daskgen.formats.tensordict import to_tensordict as parts_tensordict
+from daskgen.formats.verl import VERL_KEYS, VerlParts, to_verl
 from daskgen.store.attrs import StoreAttrs
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.layout import VERSION_ARRAYS
+from daskgen.store.layout import DONE
 from daskgen.store.location import StoreRef, locate
 
 __all__ = [
@@ -59,16 +60,6 @@ __all__ = [
 FORMATS = ("parquet", "jsonl", "tensordict", "zip")
 #: Suffix of the default output path per format (``out.zarr`` -> ``out.parquet``, ``out.td``, ...).
 DEFAULT_SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl", "tensordict": ".td", "zip": ".zarr.zip"}
-_READ = (
-    "prompt_ids",
-    "prompt_length",
-    "response_ids",
-    "response_length",
-    "response_mask",
-    "logprobs",
-    "finish_reason",
-    "num_turns",
-)
 _BLOCK_BYTES = 16 * 2**20
 
 
@@ -93,7 +84,7 @@ class ExportResult:
 
 # -- reading done rows block by block -----------------------------------------------------------
 class Source:
-    """A store opened for export: the dataset, its attrs, the done rows (snapshot) and extras."""
+    """A store opened for export: the done rows (snapshot), read in blocks, with decoded text and raw prompts."""
 
     def __init__(
         self,
@@ -104,94 +95,61 @@ class Source:
         prompts: str | Path | None = None,
         raw: bool = True,
     ) -> None:
-        self.path = locate(path)
-        self.ds = open_store(path)
-        self.attrs = self.ds.daskgen.attrs
-        self.rows = self.ds.daskgen.rows("done")
-        self.total = _units(self.ds, self.rows)
-        self.pad = self.attrs.layout.pad_token_id
-        self.has_logprobs = self.attrs.logprobs_recorded
-        versions = tuple(name for name in VERSION_ARRAYS if name in self.ds)  # stores from before versions lack them
-        self.read = (*_READ, *versions, *self.attrs.layout.sample_records())
-        self.tokenizer = self.ds.daskgen.tokenizer(tokenizer) if text else None
-        source = self.ds.daskgen.input_path(prompts) if raw or prompts else None
+        self.store = GenerationStore.open(locate(path))
+        self.rows = done_rows(self.store)
+        self.ids = PromptIds(self.store)
+        accessor = open_store(path).daskgen if text or raw or prompts else None
+        self.tokenizer = accessor.tokenizer(tokenizer) if accessor is not None and text else None
+        source = accessor.input_path(prompts) if accessor is not None and (raw or prompts) else None
         self.raw = None if source is None else iter_raw_prompts(source, self.rows)  # consumed block by block
 
-    def blocks(self, block_bytes: int | None = None) -> Iterator[dict[str, np.ndarray]]:
-        """Per-sample numpy arrays of the done rows, in chunk-aligned blocks of about ``block_bytes``."""
-        block_bytes = block_bytes or _BLOCK_BYTES
-        chunk = self.attrs.layout.partition_size
-        per_row = sum(self.ds[v].dtype.itemsize * int(np.prod(self.ds[v].shape[1:])) for v in self.read)
-        span = chunk * max(1, block_bytes // max(per_row * chunk, 1))
-        keys = self.rows // span
-        for part in np.split(self.rows, np.flatnonzero(np.diff(keys)) + 1):  # one empty part when none is done
-            yield self._flatten(part, self.ds[list(self.read)].isel(prompt=part).compute())
+    def parts(self) -> list[np.ndarray]:
+        """The done rows in chunk-aligned parts of about ``_BLOCK_BYTES`` of store data (one empty part when none
+        is done)."""
+        layout = self.store.layout
+        arrays = [self.store.array(name) for name in block_fields(self.store)]
+        per_row = sum(a.dtype.itemsize * int(np.prod(a.shape[1:])) for a in arrays)
+        span = layout.partition_size * max(1, _BLOCK_BYTES // max(per_row * layout.partition_size, 1))
+        return np.split(self.rows, np.flatnonzero(np.diff(self.rows // span)) + 1)
 
-    def _flatten(self, rows: np.ndarray, sub: Any) -> dict[str, np.ndarray]:
-        out = flatten_samples(sub)
-        where = np.searchsorted(sub["prompt_index"].values, out["prompt_index"])
+    def blocks(self) -> Iterator[Block]:
+        """The done rows' blocks, with the decoded text and raw prompts asked for."""
+        for part in self.parts():
+            yield self._extended(part, read_block(self.store, part, self.ids))
+
+    def _extended(self, rows: np.ndarray, block: Block) -> Block:
+        fields, index = block.fields, block["prompt_index"]
         if self.tokenizer is not None:
-            out["prompt_text"] = np.array(decode_prompts(self.tokenizer, sub), dtype=object)[where]
-            pairs = zip(out["response_ids"], out["response_length"], strict=True)
-            out["response_text"] = np.array(decode_many(self.tokenizer, [ids[:n] for ids, n in pairs]), dtype=object)
+            starts = np.flatnonzero(np.r_[True, index[1:] != index[:-1]]) if len(index) else np.zeros(0, np.int64)
+            prompts = [block["prompt_ids"][i][: block["prompt_length"][i]] for i in starts]
+            texts = np.array(decode_many(self.tokenizer, prompts), dtype=object)
+            fields["prompt_text"] = np.repeat(texts, np.diff(np.r_[starts, len(index)]))
+            pairs = zip(block["response_ids"], block["response_length"], strict=True)
+            fields["response_text"] = np.array(decode_many(self.tokenizer, [ids[:n] for ids, n in pairs]), dtype=object)
         if self.raw is not None:
-            out["raw_prompt"] = np.array([next(self.raw) for _ in rows], dtype=object)[where]
-        return out
+            raw = np.array([next(self.raw) for _ in rows], dtype=object)
+            fields["raw_prompt"] = raw[np.searchsorted(rows, index)]
+        return block
+
+    def survey(self) -> tuple[int, tuple[int, int]]:
+        """The samples the done rows generated, and the longest done prompt and response (at least 1)."""
+        total, longest = 0, [1, 1]
+        for part in self.parts():
+            got = read_rows(self.store, part, ("prompt_length", "response_length", "finish_reason"))
+            total += int((got["finish_reason"] >= 0).sum())
+            for i, name in enumerate(("prompt_length", "response_length")):
+                longest[i] = max(longest[i], int(got[name].max(initial=0)))
+        return total, (longest[0], longest[1])
 
 
-def _units(ds: Any, rows: np.ndarray) -> int:
-    """Export rows of the done ``rows``: their generated samples (trajectories), ``finish_reason >= 0``."""
-    return int((ds["finish_reason"].isel(prompt=rows) >= 0).sum())
-
-
-# -- Parquet and JSONL --------------------------------------------------------------------------
-def _write_parquet(src: Source, path: Path) -> int:
-    import pyarrow.parquet as pq
-
-    rows, writer = 0, None
-    try:
-        for block in src.blocks():
-            table = arrow_block(block, src.has_logprobs)
-            writer = writer or pq.ParquetWriter(path, table.schema, compression="zstd")
-            writer.write_table(table)
-            rows += table.num_rows
-    finally:
-        if writer is not None:
-            writer.close()
-    return rows
-
-
-def _write_jsonl(src: Source, path: Path) -> int:
-    rows = 0
-    with path.open("w", encoding="utf-8") as fh:
-        for block in src.blocks():
-            for record in record_dicts(block, src.has_logprobs):
-                if "raw_prompt" in record:
-                    record["raw_prompt"] = json.loads(record["raw_prompt"])
-                fh.write(json.dumps(record, ensure_ascii=False) + "\n")
-                rows += 1
-    return rows
+def done_rows(store: GenerationStore) -> np.ndarray:
+    """The rows done now (the checkpoint mask read once: data of done rows is final)."""
+    return np.flatnonzero(store.read_status() == DONE)
 
 
 # -- TensorDict (verl DataProto layout) ---------------------------------------------------------
-_NON_TENSOR = ("prompt_id", "raw_prompt", "prompt_text", "response_text")
-
-
-def _widths(src: Source) -> tuple[int, int]:
-    """Prompt and response widths: the longest done prompt and response (at least 1)."""
-    if not len(src.rows):
-        return 1, 1
-    done = src.ds[["prompt_length", "response_length"]].isel(prompt=src.rows).max().compute()
-    return max(int(done["prompt_length"]), 1), max(int(done["response_length"]), 1)
-
-
-def _tensor_blocks(src: Source) -> Iterator[tuple[Any, dict[str, list[Any]]]]:
-    """(TensorDict of tensor fields, lists of non-tensor fields) per block."""
-    width = _widths(src)
-    for block in src.blocks():
-        tensors = tensordict_of(verl_block(block, *width, src.pad, src.has_logprobs), len(block["sample"]))
-        strings = {k: [str(v) for v in block[k]] for k in _NON_TENSOR if k in block}
-        yield tensors, strings | {k: v.tolist() for k, v in text_fields(block).items()}
+def _verl_blocks(src: Source, width: tuple[int, int]) -> Iterator[VerlParts]:
+    return (to_verl(block, width) for block in src.blocks())
 
 
 def to_tensordict(
@@ -207,60 +165,28 @@ def to_tensordict(
     One row per (prompt, sample[, trajectory]) of done prompts: the :data:`VERL_KEYS` batch fields (logprobs only
     when the run recorded them; ``top_logprob_ids``/``top_logprobs`` likewise), int64 metadata (``prompt_index``,
     ``sample``, ``num_turns``, ``finish_reason``, lengths, ``stop_reason`` when the run used stops) and non-tensor
-    ``prompt_id``, ``raw_prompt`` (JSON of the input's messages or prompt, when the input file is found), the row's
-    settings (``sampling``, ``response_format``: JSON text; ``adapter``: its LoRA adapter; when recorded), the
-    input's kept columns (``keep_columns``, by their own names) and, with ``text``, decoded text.
+    ``prompt_id``, ``uid`` (the same id), ``raw_prompt`` (JSON of the input's messages or prompt, when the input
+    file is found), the row's settings (``sampling``, ``response_format``: JSON text; ``adapter``: its LoRA
+    adapter; when recorded), the input's kept columns (``keep_columns``, by their own names) and, with ``text``,
+    decoded text.
     """
-    import torch
-
-    parts = list(_tensor_blocks(Source(path, text=text, tokenizer=tokenizer, prompts=prompts, raw=raw)))
-    td = torch.cat([p[0] for p in parts], dim=0)
-    return attach_non_tensor(td, {k: [v for p in parts for v in p[1][k]] for k in parts[0][1]})
+    src = Source(path, text=text, tokenizer=tokenizer, prompts=prompts, raw=raw)
+    return parts_tensordict(VerlParts.concat(list(_verl_blocks(src, src.survey()[1]))))
 
 
-def _write_tensordict(src: Source, path: Path) -> int:
-    """Stream blocks into a memory-mapped TensorDict folder (bounded memory)."""
-    total = src.total
-    out: Any = None  # the memory-mapped TensorDict, shaped on the first block (there is always one)
-    rows = 0
-    non_tensor: dict[str, list[str]] = {}
-    for tensors, strings in _tensor_blocks(src):
-        if out is None:
-            out = tensors[:1].expand(total).memmap_like(str(path), num_threads=0) if total else tensors
-        if len(tensors):
-            out[rows : rows + len(tensors)] = tensors
-        rows += len(tensors)
-        for key, values in strings.items():
-            non_tensor.setdefault(key, []).extend(values)
-    out.unlock_()
-    attach_non_tensor(out, non_tensor).memmap_(str(path), num_threads=0)
-    return rows
-
-
-def load_tensordict(path: str | Path) -> Any:
-    """Open a tensordict export (memory-mapped: nothing is read until used)."""
-    from tensordict import TensorDict
-
-    return TensorDict.load_memmap(str(path))
-
-
-def verl_parts(td: Any) -> tuple[Any, dict[str, np.ndarray]]:
-    """Split an export into verl's ``DataProto(batch=..., non_tensor_batch=...)`` parts.
-
-    ``batch`` holds the :data:`VERL_KEYS` tensors (and the top-k logprobs when recorded); ``non_tensor_batch`` holds
-    numpy arrays of the per-sample metadata (``num_turns``, ``prompt_index``, ``sample``, ``prompt_id``,
-    ``raw_prompt``, ``stop_reason``, ``sampling``, ``adapter``, the input's kept columns, ...): object arrays of
-    ``str`` for the non-tensor fields.
-    """
-    from tensordict import is_non_tensor
-
-    keys = set(td.keys())
-    batch = td.select(*[k for k in BATCH_KEYS if k in keys])
-    extra = {}
-    for key in keys - set(BATCH_KEYS):
-        value = td.get(key)
-        extra[key] = np.array(value.tolist(), dtype=object) if is_non_tensor(value) else np.asarray(value.numpy())
-    return batch, extra
+def _write(path: StoreRef, tmp: Path, fmt: str, **options: Any) -> int:
+    if fmt == "zip":
+        store = GenerationStore.open(locate(path))
+        rows = Source(store.location, raw=False).survey()[0]  # before zipping: at least these rows are in it
+        zip_store(path, tmp)
+        return rows
+    src = Source(path, **options)
+    if fmt == "parquet":
+        return write_parquet(src.blocks(), tmp)
+    if fmt == "jsonl":
+        return write_jsonl(src.blocks(), tmp)
+    total, width = src.survey()
+    return write_memmap(_verl_blocks(src, width), tmp, total)
 
 
 # -- entry point ----------------------------------------------------------------------------------
@@ -310,14 +236,3 @@ def _checked_request(path: StoreRef, fmt: str, wandb_project: str | None) -> Sto
             "pass the --store path of a daskgen run."
         )
     return store.attrs
-
-
-def _write(path: StoreRef, tmp: Path, fmt: str, **options: Any) -> int:
-    if fmt == "zip":
-        ds = open_store(path)
-        rows = _units(ds, ds.daskgen.rows("done"))  # before zipping: at least these rows are complete in it
-        zip_store(path, tmp)
-        return rows
-    src = Source(path, **options)
-    writer = {"parquet": _write_parquet, "jsonl": _write_jsonl, "tensordict": _write_tensordict}[fmt]
-    return writer(src, tmp)

@@ -24,13 +24,12 @@ DASKGEN_KEYS = ("id", "prompt", "messages", "sampling", *ROW_KEYS, response_form
 def reserved_names() -> frozenset[str]:
     """Names a kept column may not have: daskgen's row keys, the store's arrays and dimensions, and the fields of
     its exports and ``daskgen.follow`` formats (a kept column appears there under its own name)."""
-    from daskgen.analysis.verl import VERL_KEYS, VERL_META
+    from daskgen.formats import output_names
     from daskgen.store.layout import Layout
 
     layout = Layout(1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True, top_logprobs=1)
     dims = {d for spec in layout.array_specs().values() for d in spec.dims}
-    derived = {"prompt_text", "response_text", "raw_prompt", "finish_label", "uid"}
-    return frozenset({*DASKGEN_KEYS, *layout.array_specs(), *dims, *derived, *VERL_KEYS, *VERL_META})
+    return frozenset({*DASKGEN_KEYS, *layout.array_specs(), *dims, *output_names()})
 
 
 def normalize(keep: Any) -> tuple[str, ...] | str:

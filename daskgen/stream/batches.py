@@ -27,6 +27,7 @@ import numpy as np
 
 from daskgen import tunables
 from daskgen.errors import FollowTimeout, StoreError
+from daskgen.formats.read import PromptIds, read_rows
 from daskgen.store.commit_log import read_head
 from daskgen.store.cursors import Ahead, Cursor, CursorState, Position
 from daskgen.store.generation_store import GenerationStore
@@ -34,7 +35,7 @@ from daskgen.store.layout import DONE, FAILED, STALE_FIELD
 from daskgen.store.location import StoreRef, locate
 from daskgen.store.requeue import add_requeue, read_requeue
 from daskgen.stream.events import CommitEvents
-from daskgen.stream.formats import PromptIds, build, fields_to_read, read_rows
+from daskgen.stream.formats import batch_data, fields_to_read
 from daskgen.stream.log import Snapshot, read_snapshot, writer_live
 from daskgen.stream.options import FollowOptions
 from daskgen.stream.order import HeadClock, WindowStats, counted, eligible, held_back, take
@@ -309,7 +310,7 @@ class Follower:
         if stale.any() and self.events is not None:  # the run on this cluster takes them at once
             self.events.requeued()
         batch = Batch(
-            data=build(self.format, store, done, ids, data, self.pad),
+            data=batch_data(self.format, store, done, ids, data, self.pad),
             prompts=done,
             prompt_ids=ids,
             failed={int(r): str(e) for r, e in zip(failed, errors, strict=True)},

@@ -9,15 +9,14 @@ finished sample exactly once; on stdout the lines of that one batch appear twice
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from daskgen.analysis.arrow import json_records
 from daskgen.errors import FollowError
+from daskgen.formats.records import json_line
 from daskgen.store.location import StoreRef
 from daskgen.stream.batches import Batch, Follower
 from daskgen.stream.options import FollowOptions, SinkOptions
@@ -72,25 +71,25 @@ def follow_to(
             raise FollowError("--format parquet-dir writes one file per batch into --out DIR: pass --out.")
         out.mkdir(parents=True, exist_ok=True)
     summary = FollowSummary()
-    with Follower(store, options, format="arrow", auto_ack=False) as follower:
+    fmt = "rows" if sink.sink == "jsonl" else "arrow"  # the records of the JSONL export, the Parquet export's table
+    with Follower(store, options, format=fmt, auto_ack=False) as follower:
         for batch in follower:
-            table = batch.data
             if sink.sink == "jsonl":
-                _write_jsonl(table, stdout)
+                _write_jsonl(batch.data, stdout)
             else:
-                _write_parquet(table, out / f"{batch.name}.parquet")  # type: ignore[operator]
+                _write_parquet(batch.data, out / f"{batch.name}.parquet")  # type: ignore[operator]
             _report_failed(batch)
             batch.ack()
             summary.batches, summary.prompts = summary.batches + 1, summary.prompts + len(batch)
-            summary.samples, summary.failed = summary.samples + table.num_rows, summary.failed + batch.n_failed
+            summary.samples, summary.failed = summary.samples + len(batch.data), summary.failed + batch.n_failed
             summary.stale, summary.requeued = summary.stale + batch.stale, summary.requeued + len(batch.requeued)
         summary.pending, summary.window = follower.pending_at_end, follower.stats
     return summary
 
 
-def _write_jsonl(table: Any, stdout: IO[str]) -> None:
-    for record in json_records(table):
-        stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
+def _write_jsonl(records: list[dict[str, Any]], stdout: IO[str]) -> None:
+    for record in records:
+        stdout.write(json_line(record) + "\n")
     stdout.flush()
     try:
         if os.path.isfile(f"/proc/self/fd/{stdout.fileno()}"):

@@ -17,10 +17,10 @@ from __future__ import annotations
 import numpy as np
 
 from daskgen.engines.base import BASE_POLICY_VERSION
+from daskgen.formats.read import read_rows
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import DONE
 from daskgen.store.policy import newest
-from daskgen.stream.formats import read_rows
 from daskgen.stream.log import Snapshot
 
 
