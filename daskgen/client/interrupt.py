@@ -20,10 +20,12 @@ import time
 from types import FrameType, TracebackType
 from typing import Any
 
+from daskgen.exit_codes import ExitCode
+
 logger = logging.getLogger(__name__)
 
 #: Exit status of a run stopped from outside before it finished (resumable: rerun the same command).
-EXIT_INTERRUPTED = 3
+EXIT_INTERRUPTED = ExitCode.INTERRUPTED
 #: Signals that stop a run gracefully.
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 #: Part of the grace period kept for closing the cluster and releasing the lock after collecting.
