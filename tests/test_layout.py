@@ -1,7 +1,9 @@
 """The package's structure rules, read from the source with ``ast`` (function-level imports included).
 
 - no import circle between daskgen's modules;
-- ``store/`` imports nothing that reads stores or runs a run (``stream/``, ``analysis/``, ``client/``, ``worker/``);
+- ``store/`` imports nothing that reads stores or runs a run (``formats/``, ``stream/``, ``analysis/``, ``client/``,
+  ``worker/``), and ``formats/`` nothing of the entry points that write through it (``stream/``, ``analysis/``,
+  the CLI);
 - no module imports another module's private (underscore) names, and tests import none of daskgen's;
 - no module over 450 lines, in ``daskgen/`` or ``benchmarks/``.
 """
@@ -112,11 +114,18 @@ def test_no_import_circles_between_modules() -> None:
     assert _cycles(graph) == []
 
 
-@pytest.mark.parametrize("layer", ["stream", "analysis", "client", "worker"])
+@pytest.mark.parametrize("layer", ["formats", "stream", "analysis", "client", "worker"])
 def test_the_store_imports_nothing_from_the_layers_above_it(layer: str) -> None:
     graph = _graph()
     upward = {(m, t) for m, targets in graph.items() if m.startswith("daskgen.store") for t in targets}
     assert {(m, t) for m, t in upward if t.startswith(f"daskgen.{layer}")} == set()
+
+
+@pytest.mark.parametrize("caller", ["stream", "analysis", "cli"])
+def test_the_formats_import_nothing_of_the_entry_points_that_call_them(caller: str) -> None:
+    graph = _graph()
+    found = {(m, t) for m, targets in graph.items() if m.startswith("daskgen.formats") for t in targets}
+    assert {(m, t) for m, t in found if t == f"daskgen.{caller}" or t.startswith(f"daskgen.{caller}.")} == set()
 
 
 def test_no_module_imports_another_modules_private_names() -> None:

@@ -18,8 +18,15 @@ from daskgen.formats.verl import VerlParts
 
 
 def to_tensordict(parts: VerlParts) -> Any:
-    """A ``TensorDict`` of the parts: tensors and integers as tensors, strings as non-tensor entries."""
-    return attach_non_tensor(tensordict_of(parts.tensors | parts.numbers, len(parts)), parts.strings)
+    """A ``TensorDict`` of the parts: tensors and integers as tensors, strings as non-tensor entries.
+
+    ``uid`` holds the same ids as ``prompt_id``: the one stack of them is set under both names (building a stack
+    of per-row strings costs far more than the token fields)."""
+    strings = {k: v for k, v in parts.strings.items() if k != "uid"}
+    td = attach_non_tensor(tensordict_of(parts.tensors | parts.numbers, len(parts)), strings)
+    if len(parts):  # an empty block has no string entries
+        td.set("uid", td.get("prompt_id"))
+    return td
 
 
 def write_memmap(parts: Iterable[VerlParts], path: Path, total: int) -> int:
