@@ -458,6 +458,33 @@ def test_daskgen_run_through_transformers_serve(tmp_path: Path) -> None:
     assert (ds.response_length.values <= 12).all()
 
 
+def test_top_logprobs_a_server_does_not_give_leave_a_store_that_verifies(tmp_path: Path) -> None:
+    """``transformers serve`` gives no top-k alternatives (flagged ``top_logprobs: unavailable``): a run asking for
+    them completes, its store verifies sound, and a follow reads every row."""
+    from daskgen.analysis.accessor import open_store
+    from daskgen.worker.top_logprobs import TOP_UNAVAILABLE
+    from tests.conftest import run_cli, write_prompts
+
+    out = tmp_path / "out.zarr"
+    res = run_cli(
+        *("run", "--prompts", write_prompts(tmp_path / "p.jsonl", 4), "--model", tiny_model(), "--store", out),
+        *("--engine", "openai", "--engine-arg", f"base_url={shared_server().url}/v1", "--top-logprobs", "3"),
+        *("--max-new-tokens", "8", "--partition-size", "2"),
+        timeout=400,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    ds = open_store(str(out))
+    assert (ds.status.values == 1).all() and (ds.response_length.values >= 1).all()
+    assert (ds.top_logprob_ids.values == -1).all(), "transformers serve gives no alternatives"
+    assert all(note == TOP_UNAVAILABLE for note in ds.error.values), ds.error.values  # each row says so
+    checked = run_cli("verify", out, timeout=300)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    exported = run_cli("export", out, "--format", "jsonl", "--out", tmp_path / "out.jsonl", timeout=300)
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 * ds.sizes["sample"] and all(not any(r["top_logprob_ids"]) for r in rows), rows[0]
+
+
 # --------------------------------------------------------------------------- 429, API keys, secrets
 
 

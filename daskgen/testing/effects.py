@@ -37,7 +37,7 @@ JSON_FORMAT: dict[str, Any] = {
 }
 #: The penalties, each strong enough to change a greedy output that repeats a token.
 PENALTIES: tuple[dict[str, float], ...] = (
-    {"repetition_penalty": 3.0},
+    {"repetition_penalty": 2.0},  # sglang takes at most 2
     {"presence_penalty": 2.0},
     {"frequency_penalty": 2.0},
 )

@@ -132,7 +132,7 @@ def fill_region(
     out.prompt_tokens = place_prompts(region, offsets, task.prompts, layout.pad_token_id)
     _place_row_texts(region, task, offsets)
     counts = place_samples(region, task.rows, offsets, task.n_samples, samples, layout)
-    out.failed, out.aborted = counts.failed, counts.aborted
+    out.failed, out.aborted, out.notes = counts.failed, counts.aborted, {**counts.notes, **out.notes}
     out.response_tokens, out.carried_tokens = counts.response_tokens, counts.carried_tokens
     out.partial_samples, out.partial_tokens = counts.partial_samples, counts.partial_tokens
     return out

@@ -22,7 +22,7 @@ from daskgen.agents import Trajectory
 from daskgen.engines.base import BASE_POLICY_VERSION, FinishReason, GenerationResult
 from daskgen.store.layout import VERSION_ARRAYS, Layout, clear_response
 from daskgen.worker.plain_turns import PlainTurns
-from daskgen.worker.top_logprobs import place_top_logprobs
+from daskgen.worker.top_logprobs import TOP_UNAVAILABLE, lacks_top, place_top_logprobs
 
 
 @dataclass
@@ -35,6 +35,8 @@ class SampleCounts:
     partial_samples: int = 0
     partial_tokens: int = 0
     carried_tokens: int = 0
+    #: Notes of rows that stay done (:data:`~daskgen.worker.top_logprobs.TOP_UNAVAILABLE`), by store row.
+    notes: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -222,8 +224,12 @@ def place_samples(
     columns = _Columns.of(placed.trajectories, layout.max_new_tokens)
     mask, length = _store_columns(region, np.asarray(placed.slots, dtype=np.int64), columns, layout)
     if "top_logprobs" in region:
-        for slot, traj, n in zip(placed.slots, placed.trajectories, columns.lengths, strict=True):
+        for slot, traj, n, (row, _) in zip(
+            placed.slots, placed.trajectories, columns.lengths, placed.owners, strict=True
+        ):
             place_top_logprobs(region, _index(slot, layout.n_samples, layout.n_trajectories), traj.top_logprobs, n)
+            if lacks_top(traj):
+                counts.notes[row] = TOP_UNAVAILABLE
     _count(counts, placed, _segment_sums(mask, length), columns.scalars["finish_reason"])
     return counts
 

@@ -7,12 +7,19 @@ k)`` arrays, padded with :data:`~daskgen.store.layout.NO_TOKEN` and NaN.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from daskgen.engines.base import TopLogprobs
 from daskgen.store.layout import NO_TOKEN
 
-__all__ = ["place_top_logprobs", "stored_top_logprobs"]
+__all__ = ["TOP_UNAVAILABLE", "lacks_top", "place_top_logprobs", "stored_top_logprobs"]
+
+#: The note a row gets (its ``error`` column, the row still done) when the engine gave no top-k entries for a token it
+#: generated (``meta["top_logprobs"] = "unavailable"``: e.g. ``transformers serve``); ``daskgen verify`` then expects
+#: no top-k chunk for it.
+TOP_UNAVAILABLE = "top_logprobs unavailable: the engine gave no top-k entries for tokens it generated"
 
 
 def place_top_logprobs(region: dict[str, np.ndarray], index: tuple[int, ...], top: TopLogprobs | None, n: int) -> None:
@@ -40,3 +47,10 @@ def stored_top_logprobs(region: dict[str, np.ndarray], index: tuple[int, ...], n
         [(t, v) for t, v in zip(row_ids, row_values, strict=True) if t != NO_TOKEN]
         for row_ids, row_values in zip(ids, values, strict=True)
     ]
+
+
+def lacks_top(traj: Any) -> bool:
+    """Whether a trajectory (:class:`~daskgen.agents.base.Trajectory`) has a generated token without top-k entries."""
+    top = traj.top_logprobs or []
+    generated = [p for p, m in enumerate(traj.response_mask) if m == 1]
+    return any(p >= len(top) or not top[p] for p in generated)
