@@ -126,3 +126,31 @@ def test_the_export_adds_only_text_and_raw_prompts_to_what_follow_gives(finished
         fields = [set(ex.load_tensordict(p).keys()) for p in (plain, full)]
     assert fields[1] - fields[0] == set(EXTERNAL_FIELDS) and fields[0] <= fields[1]
     np.testing.assert_equal(len(fields[0]) + 3, len(fields[1]))
+
+
+def test_every_sample_record_of_a_layout_with_every_array_reaches_every_format(tmp_path):
+    """A store with every optional array (and a kept column): each array the layout lists for the outputs
+    (``sample_records``, the policy versions, ``logprobs``) is a field of every format, under its output name."""
+    from daskgen import formats
+    from daskgen.formats.read import read_block
+    from daskgen.store import GenerationStore, StoreAttrs
+    from daskgen.store.layout import VERSION_ARRAYS, column_name, every_array_layout
+
+    layout = every_array_layout(columns=("answer",))
+    identity = {"logprobs": True, "n_samples": layout.n_samples}
+    attrs = StoreAttrs(layout, identity=identity, config={"agent": "tool"})
+    store = GenerationStore.create(tmp_path / "all.zarr", attrs, ["q0"])
+    generated = np.zeros(layout.array_specs()["finish_reason"].shape, dtype=np.int8)
+    store.write_region(0, {"finish_reason": generated, "response_length": generated.astype(np.int32) + 1})
+    block = read_block(store, np.array([0]))
+    assert len(block) == generated.size
+    wanted = ("logprobs", *layout.sample_records(), *VERSION_ARRAYS)
+    names = {column_name(name) or name for name in wanted}
+    in_verl = {"rollout_log_probs" if name == "logprobs" else name for name in names}
+    assert {"answer", "stop_reason", "top_logprobs", "sampling", "adapter"} <= names
+    assert names <= set(formats.build("rows", block)[0])
+    assert names <= set(formats.build("arrow", block).column_names)
+    assert in_verl <= set(formats.build("tensordict", block).keys())
+    pytest.importorskip("verl.protocol", reason="format='dataproto' needs verl (installed in CI's main lane)")
+    proto = formats.build("dataproto", block)
+    assert in_verl <= {*proto.batch.keys(), *proto.non_tensor_batch}
