@@ -3,7 +3,8 @@
 * :mod:`~daskgen.stream.batches`: the :class:`Follower` iterator and its :class:`Batch` es;
 * :mod:`~daskgen.stream.log`: reading the store's commit log (order, completeness);
 * :mod:`~daskgen.store.cursors`: durable, atomic per-name consumer positions (kept with the store);
-* :mod:`~daskgen.stream.formats`: xarray, TensorDict, verl ``DataProto`` and rows;
+* :mod:`~daskgen.stream.formats`: the arrays a batch reads for its format, built by :mod:`daskgen.formats`
+  (xarray, TensorDict, verl ``DataProto``, rows, Arrow: the fields of the export of each);
 * :mod:`~daskgen.stream.staleness`: ``max_staleness``: too-stale samples flagged or sent back for generation;
 * :mod:`~daskgen.stream.events`: waking on a run's commit events on the same Dask cluster.
 
