@@ -25,7 +25,7 @@ from daskgen.formats.verl import ID_KEYS, VERL_KEYS, VERL_META, to_verl, widths
 __all__ = ["BLOCK_FORMATS", "Block", "build", "output_names"]
 
 #: The formats built from a block (every ``daskgen.follow`` format but ``xarray``).
-BLOCK_FORMATS = ("rows", "arrow", "tensordict", "dataproto")
+BLOCK_FORMATS = ("tensordict", "dataproto", "rows", "arrow")
 
 
 def build(fmt: str, block: Block, width: tuple[int, int] | str = "store") -> Any:
