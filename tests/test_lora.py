@@ -15,6 +15,7 @@ import pytest
 from daskgen.analysis.accessor import open_store
 from daskgen.client.plan import prepare
 from daskgen.config import RunConfig
+from daskgen.engines.http import OpenAIEngine
 from daskgen.engines.transformers import TransformersEngine
 from daskgen.errors import ConfigError, InputError, StoreMismatchError
 from daskgen.input.adapters import adapter_digest
@@ -164,6 +165,12 @@ def test_sglang_with_adapters_on_a_cpu_is_refused_at_plan_time_with_the_reason(t
         assert not (tmp_path / "s.zarr").exists()
     config = RunConfig(**options, engine_args={"device": "cuda"}, store=str(tmp_path / "gpu.zarr"))
     assert prepare(config, rows).layout.adapters
+    managed = {"managed": True, "server_args": {"device": "cpu"}}  # a managed sglang server: the same layers
+    config = RunConfig(**{**options, "engine": "openai"}, engine_args=managed, store=str(tmp_path / "m.zarr"))
+    with pytest.raises(ConfigError, match="engine 'openai' cannot serve") as info:
+        prepare(config, rows)
+    assert "pin_memory=True" in str(info.value) and not (tmp_path / "m.zarr").exists()
+    assert "lora" in OpenAIEngine.features_with({"base_url": "http://127.0.0.1:9"})  # someone else's server
 
 
 class AdaptersWithoutRefresh(TransformersEngine):

@@ -63,8 +63,9 @@ from daskgen.engines.http.protocol import (
 )
 from daskgen.engines.http.server import ManagedServer, update_server_weights
 from daskgen.engines.http.vllm_protocol import VLLMProtocol, is_vllm_version
+from daskgen.engines.inprocess import cuda_available
 from daskgen.engines.request_check import request_error
-from daskgen.engines.sglang.args import prefix_admission
+from daskgen.engines.sglang.args import lora_refusal, prefix_admission
 from daskgen.engines.sglang.mapping import max_running_requests
 from daskgen.errors import EngineError, RefreshError
 from daskgen.redaction import redact_url
@@ -86,6 +87,13 @@ class OpenAIEngine(Engine):
     #: The server's context length and the tokenizer's size, known after :meth:`start`.
     max_total_tokens: int | None = None
     vocab_size: int | None = None
+
+    @classmethod
+    def refused_features(cls, engine_args: dict[str, Any]) -> dict[str, str]:
+        """A managed sglang server on a CPU device: no LoRA (:data:`~daskgen.engines.sglang.args.LORA_ON_CPU`)."""
+        if engine_args.get("managed") is not True:
+            return {}
+        return lora_refusal(engine_args.get("server_args") or {}, cuda_available)
 
     @classmethod
     def prefix_admission(cls, engine_args: dict[str, Any]) -> tuple[dict[str, Any], bool]:
