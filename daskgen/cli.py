@@ -28,11 +28,9 @@ def run(**values: Any) -> None:
 
     command = RunCommand(**given(RunCommand, values))
     cfg = RunConfig.load(command.config, **given(RunOptions, values))
-    if command.cluster_kind:
-        cfg.cluster = {**(cfg.cluster or {}), "kind": command.cluster_kind}
-    if command.insecure:
-        cfg.cluster = {**(cfg.cluster or {}), "tls": False}
-    summary = run_generation(cfg, then_exit=True)  # a SIGTERM from here on: the process shuts down, status kept
+    # the command's cluster flags are merged into the cluster section once (daskgen.config.cluster_section); a
+    # SIGTERM from here on: the process shuts down, status kept
+    summary = run_generation(cfg, then_exit=True, command=command)
     if command.show:
         from daskgen.analysis.summary import print_answers
 

@@ -10,7 +10,7 @@ from daskgen import store
 from daskgen.client.commit import CommitBatch, Outcome, commit_outcomes
 from daskgen.client.live import LiveRun
 from daskgen.client.plan import Plan
-from daskgen.config import RunConfig
+from daskgen.config import RunConfig, resolve
 
 
 @pytest.fixture
@@ -22,8 +22,8 @@ def plan(tmp_path, monkeypatch):
     )
     path = tmp_path / "s.zarr"
     created = store.GenerationStore.create(path, store.StoreAttrs(layout), [f"r{i}" for i in range(40)])
-    config = RunConfig(model="m", store=str(path))
-    return LiveRun(Plan(config, None, created), created.read_status(), committed_at=np.full(40, np.nan))
+    settings = resolve(RunConfig(model="m", store=str(path), engine="simulated"), [])
+    return LiveRun(Plan(settings, None, created), created.read_status(), committed_at=np.full(40, np.nan))
 
 
 def test_outcomes_in_one_or_several_coarse_chunks_are_committed_exactly(plan):

@@ -75,7 +75,7 @@ def _earlier_store(tmp_path, prompts, lengths: dict[int, list[int]]):
     for row, sample_lengths in lengths.items():
         region["response_length"][row] = sample_lengths
         region["finish_reason"][row] = 0
-    store.GenerationStore.open(plan.config.location()).write_region(
+    store.GenerationStore.open(plan.settings.location).write_region(
         0, {k: region[k] for k in ("response_length", "finish_reason")}
     )
     return tmp_path / "earlier.zarr"

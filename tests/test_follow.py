@@ -22,7 +22,7 @@ from daskgen.analysis.accessor import open_store
 from daskgen.client.commit import commit_rows
 from daskgen.client.live import LiveRun
 from daskgen.client.plan import Plan
-from daskgen.config import RunConfig
+from daskgen.config import RunConfig, resolve
 from daskgen.errors import FollowError, FollowTimeout
 from daskgen.store.commit_log import HEAD_KEY, read_head
 from daskgen.store.layout import empty_region
@@ -43,7 +43,9 @@ def new_run(tmp_path, n: int = N) -> LiveRun:
     path = tmp_path / "s.zarr"
     created = store.GenerationStore.create(path, store.StoreAttrs(layout), [f"q{i}" for i in range(n)])
     return LiveRun(
-        Plan(RunConfig(model="m", store=str(path)), None, created), created.read_status(), np.full(n, np.nan)
+        Plan(resolve(RunConfig(model="m", store=str(path), engine="simulated"), []), None, created),
+        created.read_status(),
+        np.full(n, np.nan),
     )
 
 

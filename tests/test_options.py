@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 import daskgen
 from daskgen.cli import app
+from daskgen.config import cluster_section
 from daskgen.options import declared, markdown_table, names
 from daskgen.run_options import RunCommand, RunOptions
 from daskgen.stream.options import FollowOptions, SinkOptions
@@ -87,8 +88,8 @@ def captured(monkeypatch):
         def line(self):
             return "done"
 
-    def fake_run(config, **_):
-        seen["config"] = config
+    def fake_run(config, **kwargs):
+        seen["config"], seen["command"] = config, kwargs.get("command")
         return Summary()
 
     monkeypatch.setattr(runner, "run", fake_run)
@@ -98,6 +99,7 @@ def captured(monkeypatch):
         assert res.exit_code == 0, (res.output, res.exception)
         return seen.pop("config")
 
+    invoke.command = lambda: seen["command"]
     return invoke
 
 
@@ -145,7 +147,9 @@ def test_every_run_flag_reaches_the_config_and_unset_ones_leave_it(captured, tmp
     )
     assert from_file.top_p == RunOptions().top_p
     flags_only = captured("--config", cfg, "--cluster", "pbs", "--insecure")
-    assert flags_only.cluster == {"kind": "pbs", "cores": 4, "tls": False}
+    merged = cluster_section(flags_only, captured.command())
+    assert merged == {"kind": "pbs", "cores": 4, "tls": False, "threads_per_worker": 65}  # auto window: 64 + 1
+    assert flags_only.cluster == {"kind": "slurm", "cores": 4}, "the options stay as given; the flags merge once"
 
 
 def test_generate_takes_every_run_option():

@@ -11,22 +11,26 @@ from collections.abc import Iterator
 from typing import Any
 
 from daskgen import tunables
-from daskgen.config import RunConfig
+from daskgen.config import RunConfig, RunSettings, cluster_section
 from daskgen.errors import SchedulerLost
-from daskgen.worker.admission import AUTO_MAX_WINDOW
 
 logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def connect(config: RunConfig) -> Iterator[tuple[Any, Any]]:
+def connect(settings: RunSettings | RunConfig) -> Iterator[tuple[Any, Any]]:
     """Yield ``(client, info)``: an existing scheduler (``info`` None), an HPC cluster or a LocalCluster.
 
-    ``info`` is the :class:`daskgen.deploy.ClusterInfo` of a cluster daskgen started.
+    ``info`` is the :class:`daskgen.deploy.ClusterInfo` of a cluster daskgen started; its section is the
+    settings' (or, given options only, theirs with the run's flags merged).
     """
     import dask
     from distributed import Client
 
+    if isinstance(settings, RunSettings):
+        config, section = settings.options, settings.cluster
+    else:
+        config, section = settings, cluster_section(settings)
     with dask.config.set(worker_settings()):
         if config.scheduler_address:
             from daskgen.deploy.security import client_security
@@ -35,7 +39,7 @@ def connect(config: RunConfig) -> Iterator[tuple[Any, Any]]:
             with Client(config.scheduler_address, security=security) as client, _closing_quietly(client):
                 yield client, None
             return
-        cluster, info = _make_cluster(config)
+        cluster, info = _make_cluster(section)
         lost = False
         try:
             with Client(cluster) as client, _closing_quietly(client):
@@ -118,16 +122,9 @@ def worker_settings() -> dict[str, Any]:
     return settings
 
 
-def _make_cluster(config: RunConfig) -> tuple[Any, Any]:
-    from daskgen.deploy import apply_cli_overrides, make_cluster
+def _make_cluster(section: dict[str, Any]) -> tuple[Any, Any]:
+    from daskgen.deploy import make_cluster
 
-    spec = apply_cli_overrides(
-        config.cluster or {"kind": "local"}, min_workers=config.min_workers, max_workers=config.max_workers
-    )
-    if spec.get("kind", "local") == "local" and config.n_workers:
-        spec["n_workers"] = config.n_workers
-    # Task slots per worker: the window (partition tasks are async, an idle slot costs nothing) + 1.
-    spec.setdefault("threads_per_worker", (AUTO_MAX_WINDOW if config.window == "auto" else int(config.window)) + 1)
-    cluster, info = make_cluster(spec)
+    cluster, info = make_cluster(dict(section))
     logger.info("started %s", info)
     return cluster, info

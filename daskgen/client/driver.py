@@ -106,7 +106,7 @@ def drive(client: Any, run: LiveRun, tasks: Iterator[PartitionTask], info: Any =
     link = DashboardLink(client, run)
     announce_page(link.url, enabled=run.plan.config.progress)
     link.report("starting engines", force=True)
-    start_engines(client, run.plan.config, run.stop.interrupt, run.plan.engine_args)
+    start_engines(client, run.plan.settings, run.stop.interrupt, run.plan.engine_args)
     record_engine(client, run.plan, thread_slots_note(client))
     run.generating()
     Driver(client, run, tasks, info, link).stream(n_pending)

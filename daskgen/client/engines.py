@@ -15,7 +15,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from daskgen import tunables
-from daskgen.config import RunConfig
+from daskgen.config import RunConfig, RunSettings
 from daskgen.errors import EngineError, RunInterrupted
 from daskgen.worker.plugin import RESOURCE, EnginePlugin, PluginState, plugin_status
 
@@ -26,7 +26,7 @@ DEAD_STATES = (PluginState.FAILED.value, "missing")
 
 
 def start_engines(
-    client: Any, config: RunConfig, interrupt: Any = None, engine_args: dict[str, Any] | None = None
+    client: Any, settings: RunSettings | RunConfig, interrupt: Any = None, engine_args: dict[str, Any] | None = None
 ) -> int:
     """Register the engine plugin and wait until at least one engine is ready.
 
@@ -36,7 +36,11 @@ def start_engines(
     worker's error when all engines failed, or when none is ready within the timeout, and
     :class:`RunInterrupted` when ``interrupt`` (a :class:`daskgen.client.interrupt.Interrupt`) is requested.
     """
-    drain_s = config.grace_seconds() * 0.5  # a drained worker hands back within half the grace period
+    if isinstance(settings, RunSettings):
+        config, grace_s, location = settings.options, settings.grace_s, settings.location
+    else:  # options only: derived here
+        config, grace_s, location = settings, settings.grace_seconds(), settings.location()
+    drain_s = grace_s * 0.5  # a drained worker hands back within half the grace period
     plugin = EnginePlugin(
         config.engine,
         str(config.model),
@@ -45,7 +49,7 @@ def start_engines(
         requests_per_partition=config.partition_size * config.n_samples,
         drain_timeout_s=drain_s,
         refresh=config.refresh,
-        policy_store=config.location() if config.refresh else None,
+        policy_store=location if config.refresh else None,
         adapters=config.adapters,
     )
     client.register_plugin(plugin, name=plugin.name)

@@ -1,7 +1,9 @@
 """The plan of a run: what the client knows before any engine starts, and the tasks it will submit.
 
-:func:`prepare` validates the input and the settings (tokenizing every prompt once, or reusing the
-input scan kept in the store, :mod:`daskgen.input.scan_cache`), creates the store or checks that it matches;
+:func:`make_plan` takes the run's settings, resolved once (:func:`daskgen.config.resolve`; :func:`prepare`
+resolves them from the options), validates the input
+(tokenizing every prompt once, or reusing the input scan kept in the store, :mod:`daskgen.input.scan_cache`),
+creates the store or checks that it matches;
 :func:`pending_tasks` then yields one :class:`~daskgen.worker.partition.PartitionTask` per partition that
 still has rows to generate, in dispatch order (:mod:`daskgen.client.dispatch`).  :mod:`daskgen.client.runner`
 drives them.
@@ -9,12 +11,9 @@ drives them.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +21,7 @@ import numpy as np
 from daskgen.agents import create_agent
 from daskgen.client.dispatch import dispatch_order, long_first, read_length_hints
 from daskgen.client.prefix_dispatch import resolve_prefix, with_prefix
-from daskgen.config import RunConfig
+from daskgen.config import Prompts, RunConfig, RunSettings, resolve
 from daskgen.engines.base import SamplingParams
 from daskgen.input import adapters, response_format
 from daskgen.input.chat_template import ChatTemplate
@@ -31,8 +30,6 @@ from daskgen.input.prefix import PrefixKeys
 from daskgen.input.rows import InputScan, iter_selected_rows, scan_prompts
 from daskgen.input.sampling import STOP_KEYS, RowSamplingCheck, merged, requested_features, row_params, run_settings
 from daskgen.input.scan_cache import load_scan, scan_key, scan_record
-from daskgen.input.tokenizer import load_tokenizer, tokenizer_identity
-from daskgen.redaction import redact
 from daskgen.store.attrs import StoreAttrs
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import FAILED, PENDING, Layout
@@ -49,16 +46,12 @@ class Plan:
     :class:`~daskgen.client.live.LiveRun` built from it.
     """
 
-    config: RunConfig
+    settings: RunSettings
     prompts: InputScan
     store: GenerationStore
-    stop_ids: tuple[int, ...] = ()
-    tokenizer: Any = None
     scan_record: dict[str, Any] | None = None  # a fresh input scan to keep in the attrs (under the lock)
-    started: float = dataclasses.field(default_factory=time.time)
     first_partitions: tuple[int, ...] = ()  # dispatched first (partitions left with partial responses)
     predicted: np.ndarray | None = None  # per row: longest response in the length_hints store (NaN: unknown)
-    template: ChatTemplate = dataclasses.field(default_factory=ChatTemplate)  # the run's chat-template options
     prefix: PrefixKeys | None = None  # the shared-prefix keys dispatch goes by (None: input order)
     #: With prefix dispatch, each partition's requests are sent in prompt order (False: the engine admits its
     #: waiting requests by shared prefix itself, :meth:`~daskgen.engines.base.Engine.prefix_admission`).
@@ -68,113 +61,117 @@ class Plan:
     engine_args: dict[str, Any] | None = None
 
     @property
+    def config(self) -> RunConfig:
+        """The run's options (:attr:`settings` holds what derives from them)."""
+        return self.settings.options
+
+    @property
     def layout(self) -> Layout:
         """The store's layout."""
         return self.store.layout
 
+    @property
+    def tokenizer(self) -> Any:
+        """The run's tokenizer."""
+        return self.settings.tokenizer
 
-def prepare(config: RunConfig, prompts: str | Path | Sequence[Any] | None = None) -> Plan:
-    """Validate input and settings, create or check the store, record overlong prompts as failed."""
-    config.require("model", "store")
-    config.location().check_reachable()  # a missing bucket or refused credentials: said before anything starts
-    source = _input_source(config, prompts)
-    tokenizer = load_tokenizer(str(config.model), config.engine, config.engine_args)
-    template = config.chat_template_options()
-    existing = GenerationStore.open_if_exists(config.location())
-    scan, record, keys = _scan_input(config, source, tokenizer, template, existing)
-    _check_features(config, keys, structured=scan.structured or config.response_format is not None)
-    wanted = _store_attrs(config, scan, tokenizer, template, keys)
-    store, record = _create_or_check_store(config, wanted, scan, existing, record)
-    eos = tokenizer.eos_token_id
-    prefix = resolve_prefix(config.dispatch, scan, store.attrs.input_scan, tokenizer, template)
-    engine_args, admits = _prefix_admission(config) if prefix is not None else (None, False)
+    @property
+    def template(self) -> ChatTemplate:
+        """The run's chat-template options."""
+        return self.settings.template
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The tokenizer's end-of-sequence id (empty without one)."""
+        return self.settings.stop_ids
+
+
+def prepare(config: RunConfig, prompts: Prompts | None = None) -> Plan:
+    """The plan of a run of ``config`` over ``prompts``: its settings resolved, then :func:`make_plan`."""
+    return make_plan(resolve(config, prompts))
+
+
+def make_plan(settings: RunSettings) -> Plan:
+    """Validate the input of a run with ``settings`` (:func:`daskgen.config.resolve`), create or check the store."""
+    existing = GenerationStore.open_if_exists(settings.location)
+    scan, record, keys = _scan_input(settings, existing)
+    _check_features(settings, keys, structured=scan.structured or settings.structured is not None)
+    wanted = _store_attrs(settings, scan, keys)
+    store, record = _create_or_check_store(settings, wanted, scan, existing, record)
+    prefix = resolve_prefix(
+        settings.options.dispatch, scan, store.attrs.input_scan, settings.tokenizer, settings.template
+    )
+    engine_args, admits = _prefix_admission(settings) if prefix is not None else (None, False)
     return Plan(
-        config,
+        settings,
         scan,
         store,
-        () if eos is None else (int(eos),),
-        tokenizer=tokenizer,
         scan_record=record,
         first_partitions=tuple(store.attrs.partial_partitions),
-        predicted=_predicted_lengths(config, scan),
-        template=template,
+        predicted=_predicted_lengths(settings, scan),
         prefix=prefix,
         prefix_order=not admits,
         engine_args=engine_args,
     )
 
 
-def _prefix_admission(config: RunConfig) -> tuple[dict[str, Any], bool]:
+def _prefix_admission(settings: RunSettings) -> tuple[dict[str, Any], bool]:
     """The engine args of a run dispatched by prefix, and whether its engine then admits requests by prefix."""
-    from daskgen.engines import resolve_engine_class
-
-    engine_args, admits = resolve_engine_class(config.engine).prefix_admission(dict(config.engine_args))
-    if engine_args != config.engine_args:
-        added = {k: v for k, v in engine_args.items() if config.engine_args.get(k) != v}
-        logger.info("dispatch by prefix: the %s engines start with %s", config.engine, added)
+    given = settings.options.engine_args
+    engine_args, admits = settings.engine_cls.prefix_admission(dict(given))
+    if engine_args != given:
+        added = {k: v for k, v in engine_args.items() if given.get(k) != v}
+        logger.info("dispatch by prefix: the %s engines start with %s", settings.options.engine, added)
     return engine_args, admits
 
 
-def _check_features(config: RunConfig, keys: frozenset[str], structured: bool) -> None:
+def _check_features(settings: RunSettings, keys: frozenset[str], structured: bool) -> None:
     """Refuse a run that asks its engine for a feature it does not serve, or for more top-k logprobs than it gives
     (before any engine starts)."""
-    from daskgen.engines import resolve_engine_class
     from daskgen.engines.features import check_features, check_top_logprobs
 
-    cls = resolve_engine_class(config.engine)
+    cls, config = settings.engine_cls, settings.options
     wanted = requested_features(run_settings(config), keys)
     wanted |= {"structured_outputs"} if structured else set()
     wanted |= {"top_logprobs"} if config.top_logprobs else set()
     wanted |= {"refresh"} if config.refresh else set()
-    wanted |= {"lora"} if config.adapters else set()
-    wanted |= {"refresh_with_lora"} if config.refresh and config.adapters else set()
+    wanted |= {"lora"} if settings.adapters else set()
+    wanted |= {"refresh_with_lora"} if config.refresh and settings.adapters else set()
     features, refused = cls.features_with(config.engine_args), cls.refused_features(config.engine_args)
     check_features(config.engine, features, wanted, refused)
     check_top_logprobs(config.engine, cls, config.top_logprobs, config.engine_args)
 
 
-def _input_source(config: RunConfig, prompts: str | Path | Sequence[Any] | None) -> str | Path | Sequence[Any]:
-    """The prompts to run: ``prompts`` when given, else the configured ``prompts`` file (then required)."""
-    if prompts is None:
-        config.require("prompts")
-    source = prompts if prompts is not None else config.prompts
-    assert source is not None  # require() raised otherwise
-    return source
-
-
 def _scan_input(
-    config: RunConfig,
-    source: str | Path | Sequence[Any],
-    tokenizer: Any,
-    template: ChatTemplate,
-    existing: GenerationStore | None,
+    settings: RunSettings, existing: GenerationStore | None
 ) -> tuple[InputScan, dict[str, Any] | None, frozenset[str]]:
     """The input scan, reused from the store's attrs when input and tokenizer are unchanged, else tokenized anew.
 
     Returns the scan, for a fresh scan the record to keep in the attrs (``None`` when reused), and the
     sampling keys the rows set (those of the store's layout for a reused scan).
     """
-    identity = tokenizer_identity(tokenizer, template)
-    key = scan_key(source, identity, config.max_prompt_tokens, config.skip_overlong)
+    config, source, tokenizer = settings.options, settings.source, settings.tokenizer
+    assert source is not None  # resolve() requires prompts unless given
+    key = scan_key(source, settings.tokenizer_identity, config.max_prompt_tokens, config.skip_overlong)
     scan = load_scan(existing.attrs.input_scan if existing else None, key, source)
     if scan is not None:  # the store exists and was checked when created: its layout holds
         return scan, None, frozenset()
     check = RowSamplingCheck(config.max_new_tokens)
-    adapter_check = adapters.AdapterCheck(config.adapters)
+    adapter_check = adapters.AdapterCheck(settings.adapters)
     scan = scan_prompts(
         source,
         tokenizer,
         max_prompt_tokens=config.max_prompt_tokens,
         skip_overlong=config.skip_overlong,
-        template=template,
-        keep_columns=config.kept_columns(),
+        template=settings.template,
+        keep_columns=settings.kept_columns,
         check_row=lambda row: check(row) + adapter_check(row),
     )
     return scan, scan_record(key, scan, source), frozenset(check.keys)
 
 
 def _create_or_check_store(
-    config: RunConfig,
+    settings: RunSettings,
     wanted: StoreAttrs,
     scan: InputScan,
     existing: GenerationStore | None,
@@ -186,13 +183,14 @@ def _create_or_check_store(
     """
     if existing is None:
         wanted.input_scan = record
-        return GenerationStore.create(config.location(), wanted, scan.ids), None
+        return GenerationStore.create(settings.location, wanted, scan.ids), None
     existing.check_resumable(wanted)
     return existing, record
 
 
-def _predicted_lengths(config: RunConfig, scan: InputScan) -> np.ndarray | None:
+def _predicted_lengths(settings: RunSettings, scan: InputScan) -> np.ndarray | None:
     """Per row, the longest response in the ``length_hints`` store (NaN: unknown); ``None`` without hints."""
+    config = settings.options
     if not config.length_hints:
         return None
     from daskgen.store.location import locate
@@ -207,7 +205,8 @@ def keep_scan(plan: Plan) -> None:
         plan.store.update_attrs(input_scan=plan.scan_record)
 
 
-def _layout(config: RunConfig, scan: InputScan, tokenizer: Any, keys: frozenset[str]) -> Layout:
+def _layout(settings: RunSettings, scan: InputScan, keys: frozenset[str]) -> Layout:
+    config = settings.options
     agent = create_agent(config.agent, str(config.model), config.agent_args)
     return Layout(
         len(scan),
@@ -215,32 +214,29 @@ def _layout(config: RunConfig, scan: InputScan, tokenizer: Any, keys: frozenset[
         config.max_prompt_tokens,
         config.max_new_tokens,
         config.partition_size,
-        int(tokenizer.pad_token_id),
+        int(settings.tokenizer.pad_token_id),
         agent.max_trajectories,
-        scored=config.verify_policy() is not None,
+        scored=settings.verify is not None,
         columns=scan.columns,
         row_sampling=bool(keys),
         stops=bool(config.stop or config.stop_token_ids or keys & set(STOP_KEYS)),
-        structured=scan.structured or config.response_format is not None,
+        structured=scan.structured or settings.structured is not None,
         top_logprobs=config.top_logprobs,
-        adapters=bool(config.adapters),
+        adapters=bool(settings.adapters),
     )
 
 
-def _store_attrs(
-    config: RunConfig, scan: InputScan, tokenizer: Any, template: ChatTemplate, keys: frozenset[str]
-) -> StoreAttrs:
-    from daskgen.engines import resolve_engine_class
+def _store_attrs(settings: RunSettings, scan: InputScan, keys: frozenset[str]) -> StoreAttrs:
     from daskgen.versions import package_versions
 
-    keep = config.kept_columns()
+    keep = settings.kept_columns
     return StoreAttrs(
-        layout=_layout(config, scan, tokenizer, keys),
-        identity=config.identity(),
+        layout=_layout(settings, scan, keys),
+        identity=settings.identity,
         input={"fingerprint": scan.fingerprint, "n_prompts": len(scan), **({"keep_columns": keep} if keep else {})},
-        tokenizer=tokenizer_identity(tokenizer, template),
-        config=redact(config.to_dict()),
-        simulated=resolve_engine_class(config.engine).is_simulated(config.engine_args),
+        tokenizer=settings.tokenizer_identity,
+        config=settings.record,
+        simulated=settings.simulated,
         versions=package_versions(),
     )
 
@@ -314,7 +310,7 @@ def _shared_task_fields(plan: Plan) -> dict[str, Any]:
         "timeout_s": cfg.partition_timeout_s,
         "agent": cfg.agent,
         "model": str(cfg.model),
-        "verify": cfg.verify_policy(),
+        "verify": plan.settings.verify,
         "continue_partial": cfg.continues_partial(),
         "chat_template": None if plan.template.is_default else plan.template,
         "eos_ids": plan.stop_ids,
@@ -327,7 +323,7 @@ def _sampling_params(plan: Plan) -> SamplingParams:
     cfg = plan.config
     run = SamplingParams(
         logprobs=cfg.logprobs,
-        response_format=cfg.structured_output(),
+        response_format=plan.settings.structured,
         top_logprobs=cfg.top_logprobs,
         adapter=cfg.adapter,
     )

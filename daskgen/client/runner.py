@@ -22,14 +22,14 @@ from daskgen.client.commit import commit_overlong
 from daskgen.client.dispatch import still_partial
 from daskgen.client.interrupt import Interrupt, allocation_end
 from daskgen.client.live import LiveRun, StopControl
-from daskgen.client.plan import Plan, keep_scan, pending_rows, pending_tasks, prepare
+from daskgen.client.plan import Plan, keep_scan, make_plan, pending_rows, pending_tasks
 from daskgen.client.requeue import take_requeued
 from daskgen.client.run_summary import RunSummary, summarize
 from daskgen.collector import CLIENT, collector_tuned
-from daskgen.config import RunConfig
+from daskgen.config import RunConfig, resolve
 from daskgen.errors import RunInterrupted
 from daskgen.options import takes_options
-from daskgen.run_options import RunOptions
+from daskgen.run_options import RunCommand, RunOptions
 from daskgen.store.commit_log import read_head
 from daskgen.store.layout import PENDING
 
@@ -42,6 +42,7 @@ def run(
     *,
     handle_signals: bool = True,
     then_exit: bool = False,
+    command: RunCommand | None = None,
 ) -> RunSummary:
     """Run (or resume) generation for ``config``; returns the summary of the whole store.
 
@@ -49,11 +50,13 @@ def run(
     stop the run gracefully within ``config.grace`` (see :mod:`daskgen.client.interrupt`); the summary's
     ``interrupted`` then says why.  ``then_exit``: the caller ends its process once the run returns (the
     ``daskgen run`` command), so from the run's end on a SIGTERM is ignored: everything is committed, the
-    process shuts down cleanly and exits with the run's status.
+    process shuts down cleanly and exits with the run's status.  ``command``: the flags of ``daskgen run`` that
+    are no settings (its cluster kind and ``--insecure`` are merged into the cluster section).
     """
     t0 = time.perf_counter()
     with Interrupt(config.grace_seconds(), install=handle_signals, ignore_sigterm_after=then_exit) as interrupt:
-        plan = prepare(config, prompts)
+        settings = resolve(config, prompts, command=command)
+        plan = make_plan(settings)
         stop = StopControl(interrupt, allocation_end() if handle_signals else None)
         return _run_locked(plan, stop, t0)
 
@@ -69,7 +72,7 @@ def _run_locked(plan: Plan, stop: StopControl, t0: float) -> RunSummary:
         n_pending = int(pending_rows(plan, run.status).sum())
         try:
             if n_pending and stop.interrupted() is None:
-                with connect(plan.config) as (client, info), collector_tuned(CLIENT):
+                with connect(plan.settings) as (client, info), collector_tuned(CLIENT):
                     tasks = pending_tasks(plan, run.status)
                     driver.drive(client, run, tasks, info, n_pending)
         except RunInterrupted as exc:  # stopped while the engines started, or the scheduler was lost

@@ -48,7 +48,7 @@ def housekeeping(client: Any, run: LiveRun, tasks: Iterator[PartitionTask], retr
     if run.lock is not None:
         run.lock.heartbeat()
     plan = run.plan
-    deadline = plan.config.deadline_timestamp(plan.started)
+    deadline = plan.settings.deadline_at
     if not run.stop.stopping and deadline is not None and time.time() >= deadline:
         begin_stop(client, run, f"deadline {plan.config.deadline} reached", tasks, retry)
         return True
@@ -83,7 +83,7 @@ def stop_reason(run: LiveRun, tokens: int) -> str | None:
         return f"target of {cfg.target_done} done prompts reached"
     if cfg.token_budget is not None and tokens >= cfg.token_budget:
         return f"token budget of {cfg.token_budget} reached ({tokens} generated)"
-    deadline = cfg.deadline_timestamp(run.plan.started)
+    deadline = run.plan.settings.deadline_at
     if deadline is not None and time.time() >= deadline:
         return f"deadline {cfg.deadline} reached"
     return None
@@ -101,6 +101,6 @@ def begin_stop(
     from daskgen.worker.plugin import stop_run_on_worker
 
     logger.warning("stopping early: %s", reason)
-    run.stop.begin(reason, run.plan.config.grace_seconds(), collect_until)
+    run.stop.begin(reason, run.plan.settings.grace_s, collect_until)
     retry.clear()  # and the lazy task stream is no longer pulled (see drive)
     client.run(stop_run_on_worker)

@@ -117,14 +117,18 @@ def apply_cli_overrides(
     section: Mapping[str, Any] | None,
     *,
     kind: str | None = None,
+    tls: bool | None = None,
     min_workers: int | None = None,
     max_workers: int | None = None,
+    n_workers: int | None = None,
 ) -> dict[str, Any]:
-    """Merge command-line flags (``--cluster``, ``--min-workers``, ``--max-workers``) over a config section."""
+    """Merge the run's flags (``--cluster``, ``--insecure`` as ``tls=False``, ``--min-workers``, ``--max-workers``,
+    and ``--n-workers`` for a local cluster) over a config section: the one place they meet it."""
     merged = dict(section or {})
-    for key, value in (("kind", kind), ("min_workers", min_workers), ("max_workers", max_workers)):
-        if value is not None:
-            merged[key] = value
+    given = {"kind": kind, "tls": tls, "min_workers": min_workers, "max_workers": max_workers}
+    merged.update({key: value for key, value in given.items() if value is not None})
+    if n_workers and str(merged.get("kind") or "local").lower() == "local":
+        merged["n_workers"] = n_workers
     return merged
 
 

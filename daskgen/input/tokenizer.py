@@ -38,16 +38,28 @@ class ByteTokenizer:
 
 def load_tokenizer(model: str, engine: str, engine_args: dict[str, Any] | None = None) -> Any:
     """Load the model's Hugging Face tokenizer (offline), or a byte tokenizer for simulated engines."""
-    if Path(model).is_dir() and any(Path(model).glob("tokenizer*")):
+    if _has_tokenizer(model):
+        return model_tokenizer(model, engine, simulated=False)
+    from daskgen.engines import resolve_engine_class
+
+    return model_tokenizer(model, engine, simulated=resolve_engine_class(engine).is_simulated(engine_args or {}))
+
+
+def _has_tokenizer(model: str) -> bool:
+    return Path(model).is_dir() and any(Path(model).glob("tokenizer*"))
+
+
+def model_tokenizer(model: str, engine: str, *, simulated: bool) -> Any:
+    """The tokenizer of ``model`` for engine ``engine``: the folder's Hugging Face tokenizer (offline), else a byte
+    tokenizer when the engine is ``simulated`` (the engine class says so)."""
+    if _has_tokenizer(model):
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model)
         if tok.pad_token_id is None:
             tok.pad_token = tok.eos_token
         return tok
-    from daskgen.engines import resolve_engine_class
-
-    if resolve_engine_class(engine).is_simulated(engine_args or {}):
+    if simulated:
         return ByteTokenizer()
     raise ConfigError(
         f"model {model!r} is not a folder with tokenizer files; engine {engine!r} needs a local Hugging Face "

@@ -13,6 +13,7 @@ recorded (score NaN, message in ``error``), never fatal.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import inspect
 import math
@@ -36,6 +37,18 @@ class VerifyPolicy:
     correct_threshold: float = 1.0
     stop_when: str | None = None
     count_truncated: bool = False
+
+    @classmethod
+    def of(cls, options: Any) -> VerifyPolicy | None:
+        """The policy of a run's ``options`` (a :class:`~daskgen.config.RunConfig`), checked; ``None`` without a
+        verifier (then ``until_correct`` and ``stop_when`` must be unset)."""
+        if options.verifier is None:
+            if options.until_correct is not None or options.stop_when is not None:
+                raise ConfigError("until_correct/stop_when need a verifier: set verifier: 'package.module:function'.")
+            return None
+        policy = cls(**{f.name: getattr(options, f.name) for f in dataclasses.fields(cls)})
+        policy.check(options.n_samples)
+        return policy
 
     def check(self, n_samples: int) -> None:
         """Validate against ``n_samples`` and import the callables (clear errors on the client)."""
