@@ -64,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--interval", type=float, default=20.0, help="seconds between publishes (and interval length)")
     p.add_argument("--bin", type=float, default=2.0, help="seconds per tokens/s bin around each publish")
     p.add_argument("--noise", type=float, default=0.02, help="relative weight perturbation of each checkpoint")
+    p.add_argument("--window", default="auto", help="partitions in flight per worker (daskgen run --window)")
     return cli.parse(p, argv)
 
 
@@ -120,7 +121,8 @@ def run_args(a: argparse.Namespace, model: str, prompts: Path, store: Path, poli
         *("run", "--prompts", str(prompts), "--store", str(store), "--model", model, "--refresh", policy),
         *("--engine", a.engine, *(x for pair in pairs for x in ("--engine-arg", pair))),
         *("--max-new-tokens", str(a.max_new_tokens), "--max-prompt-tokens", "256", "--temperature", "1"),
-        *("--partition-size", str(a.partition_size), "--n-workers", str(a.workers), "--no-progress"),
+        *("--partition-size", str(a.partition_size), "--n-workers", str(a.workers), "--window", str(a.window)),
+        "--no-progress",
     ]
 
 
@@ -284,7 +286,8 @@ def part_refresh(a: argparse.Namespace, work: Path, rec: records.Record) -> None
         f"Engine `{a.engine}` ({engine_args(a)}); model {model}; {a.workers} workers (LocalCluster) on a machine of "
         f"{os.cpu_count()} cores shared with other jobs; {a.versions} checkpoints (weights × (1 + "
         f"{a.noise:g} N(0, 1))); publishes every {a.interval:g} s after {a.steady} steady intervals; "
-        f"{a.max_new_tokens} new tokens at most, temperature 1, partitions of {a.partition_size} prompts."
+        f"{a.max_new_tokens} new tokens at most, temperature 1, partitions of {a.partition_size} prompts, "
+        f"window {a.window}."
     )
     for policy in a.policies.split(","):
         record_policy(rec, a, policy, run_policy(a, model, ckpts, work, policy.strip()))
