@@ -3,7 +3,8 @@
 :class:`ManagedServer` is one ``python -m sglang.launch_server`` subprocess per engine.  It picks
 a free loopback port, starts the server in its own process group (so that stopping it also stops
 the scheduler and detokenizer processes it spawns), waits until ``/health_generate`` answers
-200, and stops the whole group on :meth:`~ManagedServer.stop`.  The server's output goes to a
+200, and stops the whole group on :meth:`~ManagedServer.stop` (removing the load-report files its
+processes held open in ``/dev/shm``: :mod:`daskgen.engines.leftovers`).  The server's output goes to a
 log file whose last lines are quoted by every error, so a failed launch says why.
 
 Loopback is reachable by every user of a shared node, so each managed server gets a random API
@@ -41,6 +42,7 @@ from typing import Any
 from daskgen import tunables
 from daskgen.engines.http.client import HTTPClient, NoAnswer, RequestFailed, httpx, require_http
 from daskgen.engines.inprocess import cuda_available
+from daskgen.engines.leftovers import SGLANG_LOADS, SHARED_MEMORY, held_files, remove_files
 from daskgen.engines.sglang.args import launch_kwargs
 from daskgen.engines.sglang.weights import flush_when_idle, loaded_but_not_flushed
 from daskgen.errors import ConfigError, EngineError, RefreshError
@@ -259,7 +261,9 @@ class ManagedServer:
             self.log_path.unlink(missing_ok=True)
         process, self.process = self.process, None
         if process is not None:
+            left = await asyncio.to_thread(_loads_files, process.pid)
             await asyncio.to_thread(_stop_group, process)
+            remove_files(left, f"the sglang server pid {process.pid}")
             logger.info("stopped sglang server pid %d", process.pid)
             self.process = process  # keep the exit code for messages
 
@@ -325,6 +329,17 @@ def _die_with_parent() -> None:
 
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def _loads_files(pid: int) -> set[Path]:
+    """The load-report files in the shared-memory folder that the server ``pid`` and its descendants hold open
+    (removed once they are gone: sglang does not remove them when killed)."""
+    import psutil
+
+    pids = [pid]
+    with contextlib.suppress(psutil.Error):
+        pids.extend(child.pid for child in psutil.Process(pid).children(recursive=True))
+    return held_files(pids, SHARED_MEMORY, SGLANG_LOADS)
 
 
 def _stop_group(process: subprocess.Popen) -> None:

@@ -6,7 +6,8 @@ module holds the machinery underneath:
 * :class:`SGLangBackend`: the ``sglang.Engine`` created on, and driven from, its own thread and
   event loop (``daskgen-sglang``, a :class:`~daskgen.engines.inprocess.LoopThread`), the monitor
   of sglang's subprocesses, request bookkeeping (rids, abort), and a shutdown that kills exactly
-  the processes this engine launched, stops sglang's watchdog, closes its ZeroMQ sockets and
+  the processes this engine launched, removes the load-report file they leave in ``/dev/shm``
+  (:mod:`daskgen.engines.leftovers`), stops sglang's watchdog, closes its ZeroMQ sockets and
   removes its ``atexit`` hook;
 * :class:`BackendClosed` and :class:`BackendCrashed`, what a request on a stopped or crashed
   backend raises.
@@ -27,10 +28,12 @@ import logging
 import os
 import threading
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 from daskgen import tunables
 from daskgen.engines.inprocess import LoopThread
+from daskgen.engines.leftovers import SGLANG_LOADS, SHARED_MEMORY, held_files, remove_files
 from daskgen.engines.sglang.args import check_engine_args, is_cpu_device
 from daskgen.engines.sglang.mapping import max_running_requests
 from daskgen.engines.sglang.sigquit import register, unregister
@@ -111,7 +114,9 @@ class SGLangBackend:
         self.runner.call_soon(self._cancel_all)
         self.runner.stop(tunables.seconds("sglang.stop-timeout"))
         self._fail_unstarted()
+        left = _loads_files(engine, self._children)
         _kill(self._children)
+        remove_files(left, "the sglang engine")
         self._children = []
         self.engine = None
         if engine is not None:
@@ -317,6 +322,25 @@ def _kill(children: list[Any]) -> None:
     _, alive = psutil.wait_procs(victims, timeout=tunables.seconds("sglang.stop-timeout"))
     if alive:
         logger.warning("sglang processes still alive after SIGKILL: %s", [p.pid for p in alive])
+
+
+def _loads_files(engine: Any, children: list[Any]) -> set[Path]:
+    """The load-report files of this engine in the shared-memory folder: those its processes hold open, and the
+    one sglang names after the engine's instance (``port_args.instance_id``), removed once they are gone."""
+    import psutil
+
+    pids = [proc.pid for proc in children]
+    for proc in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            pids.extend(child.pid for child in proc.children(recursive=True))
+    found = held_files(pids, SHARED_MEMORY, SGLANG_LOADS)
+    instance = getattr(getattr(engine, "port_args", None), "instance_id", None)
+    if instance:
+        with contextlib.suppress(ImportError):
+            from sglang.srt.managers.load_snapshot import shm_path_for
+
+            found.add(Path(shm_path_for(instance)))
+    return found
 
 
 def _stop_watchdog(engine: Any) -> None:
