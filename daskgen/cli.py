@@ -10,6 +10,7 @@ import typer
 
 from daskgen.cli_options import given, options_command
 from daskgen.errors import DaskgenError
+from daskgen.exit_codes import ExitCode
 from daskgen.run_options import RunCommand, RunOptions
 from daskgen.stream.options import FollowOptions, SinkOptions
 
@@ -40,12 +41,10 @@ def run(**values: Any) -> None:
 
 
 def exit_status(summary: Any) -> int:
-    """0 all done (or stopped early by a stop condition), 1 some prompt failed, 3 interrupted (resumable)."""
-    from daskgen.client.interrupt import EXIT_INTERRUPTED
-
+    """OK all done (or stopped early by a stop condition), FAILED some prompt failed, INTERRUPTED (resumable)."""
     if summary.interrupted:
-        return EXIT_INTERRUPTED
-    return 0 if summary.failed == 0 else 1
+        return ExitCode.INTERRUPTED
+    return ExitCode.OK if summary.failed == 0 else ExitCode.FAILED
 
 
 @app.command()
@@ -196,7 +195,7 @@ def verify(
             f"repaired: {len(done['partitions'])} partition(s) and {len(done['commit_chunks'])} commit chunk(s) "
             f"reset to pending ({len(done['rows'])} rows); rerun the same `daskgen run` command to regenerate them."
         )
-    raise typer.Exit(0 if report.sound else 1)
+    raise typer.Exit(ExitCode.OK if report.sound else ExitCode.FAILED)
 
 
 def main() -> None:
@@ -205,17 +204,17 @@ def main() -> None:
         code = app(standalone_mode=False)
     except DaskgenError as exc:
         typer.echo(f"error: {exc}", err=True)
-        sys.exit(2)
+        sys.exit(ExitCode.ERROR)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:  # a second SIGTERM/SIGINT: stopped at once, committed work is kept
-        sys.exit(130)
+        sys.exit(ExitCode.STOPPED_AT_ONCE)
     except Exception as exc:  # click's usage errors, by shape: typer may carry its own copy of click
         if type(exc).__name__ == "Abort":  # click's form of KeyboardInterrupt
-            sys.exit(130)
+            sys.exit(ExitCode.STOPPED_AT_ONCE)
         show, exit_code = getattr(exc, "show", None), getattr(exc, "exit_code", None)
         if callable(show) and isinstance(exit_code, int):
             show()
             sys.exit(exit_code)
         raise
-    sys.exit(code if isinstance(code, int) else 0)
+    sys.exit(code if isinstance(code, int) else ExitCode.OK)

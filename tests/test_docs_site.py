@@ -97,3 +97,12 @@ def test_every_extra_is_on_its_page_and_the_api_page_has_the_entry_points(site: 
     api = page_text(site, "reference/api")
     for name in ("generate", "follow", "verify", "open_store", "publish_policy", "export", "DaskgenAccessor"):
         assert f" {name} " in api or f".{name}" in api, name
+
+
+def test_the_command_line_exits_only_with_statuses_of_the_table() -> None:
+    """The table is complete: the CLI's own exits name an ExitCode, never a bare number."""
+    source = (ROOT / "daskgen" / "cli.py").read_text()
+    exits = re.findall(r"(?:sys\.exit|typer\.Exit)\(([^()]*(?:\([^()]*\))?[^()]*)\)", source)
+    assert exits, "no exits found: the pattern no longer matches daskgen/cli.py"
+    bare = [call for call in exits if re.search(r"(?<![\w.])\d+(?![\w.])", call)]
+    assert not bare, f"exit statuses given as numbers in daskgen/cli.py: {bare}"
