@@ -176,8 +176,7 @@ def to_tensordict(
 
 def _write(path: StoreRef, tmp: Path, fmt: str, **options: Any) -> int:
     if fmt == "zip":
-        store = GenerationStore.open(locate(path))
-        rows = Source(store.location, raw=False).survey()[0]  # before zipping: at least these rows are in it
+        rows = Source(path, raw=False).survey()[0]  # before zipping: at least these rows are complete in it
         zip_store(path, tmp)
         return rows
     src = Source(path, **options)
