@@ -62,14 +62,18 @@ class EffectChecks:
 
     def test_feature_penalties(self) -> None:
         """Greedy with a strong repetition, presence or frequency penalty differs from greedy without, on a prompt
-        whose greedy output repeats a token."""
-        base, index = None, -1
-        for index in range(60, 76):
-            base = self.run(self.one(self.request(f"penalty-probe-{index}", index, max_new_tokens=24)))
+        whose greedy output repeats a token (48 tokens each, EOS held off by ``min_new_tokens``)."""
+        n, base, index = 48, None, -1
+        for index in range(60, 92):
+            request = self.request(f"penalty-probe-{index}", index, max_new_tokens=n, min_new_tokens=n)
+            base = self.run(self.one(request))
             if len(set(base.output_ids)) < len(base.output_ids):
                 break
         assert base is not None and len(set(base.output_ids)) < len(base.output_ids), "no greedy output repeats"
-        requests = [self.request(f"penalty-{i}", index, max_new_tokens=24, **p) for i, p in enumerate(PENALTIES)]
+        requests = [
+            self.request(f"penalty-{i}", index, max_new_tokens=n, min_new_tokens=n, **penalty)
+            for i, penalty in enumerate(PENALTIES)
+        ]
         for penalty, result in zip(PENALTIES, self.run(self.generate_all(requests)), strict=True):
             assert result.error is None, (penalty, result)
             assert result.output_ids != base.output_ids, (penalty, base.output_ids, "the penalty changed nothing")
