@@ -10,7 +10,8 @@ from daskgen import store
 from daskgen.client.commit import CommitBatch, Outcome, commit_outcomes
 from daskgen.client.live import LiveRun
 from daskgen.client.plan import Plan
-from daskgen.config import RunConfig, resolve
+from daskgen.config import RunConfig
+from daskgen.settings import resolve
 
 
 @pytest.fixture

@@ -22,8 +22,9 @@ from daskgen.analysis.accessor import open_store
 from daskgen.client.commit import commit_rows
 from daskgen.client.live import LiveRun
 from daskgen.client.plan import Plan
-from daskgen.config import RunConfig, resolve
+from daskgen.config import RunConfig
 from daskgen.errors import FollowError, FollowTimeout
+from daskgen.settings import resolve
 from daskgen.store.commit_log import HEAD_KEY, read_head
 from daskgen.store.layout import empty_region
 from daskgen.store.lock import StoreLock

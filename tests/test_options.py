@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 
 import daskgen
 from daskgen.cli import app
-from daskgen.config import cluster_section
 from daskgen.options import declared, markdown_table, names
 from daskgen.run_options import RunCommand, RunOptions
+from daskgen.settings import cluster_section
 from daskgen.stream.options import FollowOptions, SinkOptions
 
 README = Path(__file__).resolve().parents[1] / "README.md"

@@ -11,8 +11,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from daskgen import tunables
-from daskgen.config import RunConfig, RunSettings, cluster_section
+from daskgen.config import RunConfig
 from daskgen.errors import SchedulerLost
+from daskgen.settings import RunSettings, cluster_section
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from daskgen import tunables
-from daskgen.config import RunConfig, RunSettings
+from daskgen.config import RunConfig
 from daskgen.errors import EngineError, RunInterrupted
+from daskgen.settings import RunSettings
 from daskgen.worker.plugin import RESOURCE, EnginePlugin, PluginState, plugin_status
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ import numpy as np
 from daskgen.agents import create_agent
 from daskgen.client.dispatch import dispatch_order, long_first, read_length_hints
 from daskgen.client.prefix_dispatch import resolve_prefix, with_prefix
-from daskgen.config import Prompts, RunConfig, RunSettings, resolve
+from daskgen.config import RunConfig
 from daskgen.engines.base import SamplingParams
 from daskgen.input import adapters, response_format
 from daskgen.input.chat_template import ChatTemplate
@@ -30,6 +30,7 @@ from daskgen.input.prefix import PrefixKeys
 from daskgen.input.rows import InputScan, iter_selected_rows, scan_prompts
 from daskgen.input.sampling import STOP_KEYS, RowSamplingCheck, merged, requested_features, row_params, run_settings
 from daskgen.input.scan_cache import load_scan, scan_key, scan_record
+from daskgen.settings import Prompts, RunSettings, resolve
 from daskgen.store.attrs import StoreAttrs
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import FAILED, PENDING, Layout
@@ -93,36 +94,29 @@ def prepare(config: RunConfig, prompts: Prompts | None = None) -> Plan:
 
 def make_plan(settings: RunSettings) -> Plan:
     """Validate the input of a run with ``settings`` (:func:`daskgen.config.resolve`), create or check the store."""
-    existing = GenerationStore.open_if_exists(settings.location)
-    scan, record, keys = _scan_input(settings, existing)
+    existing, scan, record, keys = _scan_input(settings)
     _check_features(settings, keys, structured=scan.structured or settings.structured is not None)
     wanted = _store_attrs(settings, scan, keys)
     store, record = _create_or_check_store(settings, wanted, scan, existing, record)
     prefix = resolve_prefix(
         settings.options.dispatch, scan, store.attrs.input_scan, settings.tokenizer, settings.template
     )
-    engine_args, admits = _prefix_admission(settings) if prefix is not None else (None, False)
+    engine_args, admits = (settings.prefix_engine_args, settings.prefix_admits) if prefix else (None, False)
+    if engine_args is not None and engine_args != settings.options.engine_args:
+        added = {k: v for k, v in engine_args.items() if settings.options.engine_args.get(k) != v}
+        logger.info("dispatch by prefix: the %s engines start with %s", settings.options.engine, added)
+    hints = settings.length_hints
     return Plan(
         settings,
         scan,
         store,
         scan_record=record,
         first_partitions=tuple(store.attrs.partial_partitions),
-        predicted=_predicted_lengths(settings, scan),
+        predicted=None if hints is None else read_length_hints(hints, scan.ids, scan.fingerprint, len(scan)),
         prefix=prefix,
         prefix_order=not admits,
         engine_args=engine_args,
     )
-
-
-def _prefix_admission(settings: RunSettings) -> tuple[dict[str, Any], bool]:
-    """The engine args of a run dispatched by prefix, and whether its engine then admits requests by prefix."""
-    given = settings.options.engine_args
-    engine_args, admits = settings.engine_cls.prefix_admission(dict(given))
-    if engine_args != given:
-        added = {k: v for k, v in engine_args.items() if given.get(k) != v}
-        logger.info("dispatch by prefix: the %s engines start with %s", settings.options.engine, added)
-    return engine_args, admits
 
 
 def _check_features(settings: RunSettings, keys: frozenset[str], structured: bool) -> None:
@@ -143,19 +137,21 @@ def _check_features(settings: RunSettings, keys: frozenset[str], structured: boo
 
 
 def _scan_input(
-    settings: RunSettings, existing: GenerationStore | None
-) -> tuple[InputScan, dict[str, Any] | None, frozenset[str]]:
-    """The input scan, reused from the store's attrs when input and tokenizer are unchanged, else tokenized anew.
+    settings: RunSettings,
+) -> tuple[GenerationStore | None, InputScan, dict[str, Any] | None, frozenset[str]]:
+    """The store if it exists, and the input scan: reused from the store's attrs when input and tokenizer are
+    unchanged, else tokenized anew.
 
-    Returns the scan, for a fresh scan the record to keep in the attrs (``None`` when reused), and the
-    sampling keys the rows set (those of the store's layout for a reused scan).
+    Returns the existing store (``None``: none yet), the scan, for a fresh scan the record to keep in the attrs
+    (``None`` when reused), and the sampling keys the rows set (those of the store's layout for a reused scan).
     """
+    existing = GenerationStore.open_if_exists(settings.location)
     config, source, tokenizer = settings.options, settings.source, settings.tokenizer
     assert source is not None  # resolve() requires prompts unless given
     key = scan_key(source, settings.tokenizer_identity, config.max_prompt_tokens, config.skip_overlong)
     scan = load_scan(existing.attrs.input_scan if existing else None, key, source)
     if scan is not None:  # the store exists and was checked when created: its layout holds
-        return scan, None, frozenset()
+        return existing, scan, None, frozenset()
     check = RowSamplingCheck(config.max_new_tokens)
     adapter_check = adapters.AdapterCheck(settings.adapters)
     scan = scan_prompts(
@@ -167,7 +163,7 @@ def _scan_input(
         keep_columns=settings.kept_columns,
         check_row=lambda row: check(row) + adapter_check(row),
     )
-    return scan, scan_record(key, scan, source), frozenset(check.keys)
+    return existing, scan, scan_record(key, scan, source), frozenset(check.keys)
 
 
 def _create_or_check_store(
@@ -186,17 +182,6 @@ def _create_or_check_store(
         return GenerationStore.create(settings.location, wanted, scan.ids), None
     existing.check_resumable(wanted)
     return existing, record
-
-
-def _predicted_lengths(settings: RunSettings, scan: InputScan) -> np.ndarray | None:
-    """Per row, the longest response in the ``length_hints`` store (NaN: unknown); ``None`` without hints."""
-    config = settings.options
-    if not config.length_hints:
-        return None
-    from daskgen.store.location import locate
-
-    hints = locate(config.length_hints, config.storage_options)
-    return read_length_hints(hints, scan.ids, scan.fingerprint, len(scan))
 
 
 def keep_scan(plan: Plan) -> None:
@@ -311,7 +296,7 @@ def _shared_task_fields(plan: Plan) -> dict[str, Any]:
         "agent": cfg.agent,
         "model": str(cfg.model),
         "verify": plan.settings.verify,
-        "continue_partial": cfg.continues_partial(),
+        "continue_partial": plan.settings.continue_partial,
         "chat_template": None if plan.template.is_default else plan.template,
         "eos_ids": plan.stop_ids,
         "run_settings": run_settings(cfg) if plan.layout.stops or plan.layout.row_sampling else None,

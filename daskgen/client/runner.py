@@ -26,10 +26,11 @@ from daskgen.client.plan import Plan, keep_scan, make_plan, pending_rows, pendin
 from daskgen.client.requeue import take_requeued
 from daskgen.client.run_summary import RunSummary, summarize
 from daskgen.collector import CLIENT, collector_tuned
-from daskgen.config import RunConfig, resolve
+from daskgen.config import RunConfig
 from daskgen.errors import RunInterrupted
 from daskgen.options import takes_options
 from daskgen.run_options import RunCommand, RunOptions
+from daskgen.settings import resolve
 from daskgen.store.commit_log import read_head
 from daskgen.store.layout import PENDING
 
