@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(900)
 #: What vLLM's processes make in the temporary folder: the rendezvous file, ZeroMQ sockets named by a uuid, and
 #: the folder daskgen gives them.
 VLLM_NAMES = re.compile(
-    r"vllm_dist_[0-9a-f]{32}|[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|daskgen-vllm-.*"
+    r"vllm_dist_[0-9a-f]{32}|[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|daskgen-vllm-tmp-.*"
 )
 
 
@@ -87,7 +87,7 @@ def test_vllm_leaves_nothing_in_the_temporary_folder(tiny: str) -> None:
     before = vllm_files()
 
     def made_while_running() -> set[str]:
-        (folder,) = [Path(tempfile.gettempdir(), n) for n in vllm_files() - before if n.startswith("daskgen-vllm-")]
+        (folder,) = [Path(tempfile.gettempdir(), n) for n in vllm_files() - before if n.startswith("daskgen-vllm-tmp-")]
         return set(os.listdir(folder))
 
     engine = VLLMEngine(tiny, dtype="float32", max_model_len=1024)

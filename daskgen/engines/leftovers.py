@@ -9,9 +9,13 @@ every process of the machine shares would outlive them, one set per engine start
   sockets (``<uuid>``), made in the temporary folder by the processes it starts.
 
 Only files of the engine being stopped are removed, never another process's: sglang's are the ones its own
-processes hold open (:func:`held_files`, read before they are stopped) or the one named after its instance; vLLM's
+processes hold open (:func:`held_files`, read and unlinked before they are stopped: a process keeps what it holds
+open until it exits, and a worker killed while its engine stops then leaves nothing) or the one named after its
+instance; vLLM's
 processes start with a temporary folder of their own (:func:`temp_folder_for_children`), removed with everything
-in it once they are gone.  Linux only (``/proc``); elsewhere nothing is found and nothing removed.
+in it once they are gone, or, when the worker is killed first (a nanny kills a worker that takes more than a
+few seconds to close), by a small watcher process once the worker has exited (:func:`remove_when_gone`).  Linux
+only (``/proc``); elsewhere nothing is found and nothing removed.
 """
 
 from __future__ import annotations
@@ -20,11 +24,21 @@ import contextlib
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-__all__ = ["SGLANG_LOADS", "SHARED_MEMORY", "held_files", "remove_files", "remove_folder", "temp_folder_for_children"]
+__all__ = [
+    "SGLANG_LOADS",
+    "SHARED_MEMORY",
+    "held_files",
+    "remove_files",
+    "remove_folder",
+    "remove_when_gone",
+    "temp_folder_for_children",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -87,3 +101,33 @@ def temp_folder_for_children(prefix: str) -> Iterator[Path]:
             os.environ.pop("TMPDIR", None)
         else:
             os.environ["TMPDIR"] = saved_env
+
+
+#: The watcher of :func:`remove_when_gone`: removes the folder once the process has exited (or ends when the folder
+#: is gone); the engine's own processes follow their parent, and get a few seconds to do so.
+_WATCHER = """
+import os, shutil, sys, time
+pid, folder = int(sys.argv[1]), sys.argv[2]
+while os.path.exists(folder):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        time.sleep(5)
+        shutil.rmtree(folder, ignore_errors=True)
+        break
+    time.sleep(1)
+"""
+
+
+def remove_when_gone(folder: Path) -> subprocess.Popen | None:
+    """Start a watcher process (its own session, so it outlives this one) that removes ``folder`` once this process
+    has exited, in case it is killed before it removes the folder itself; it ends by itself once the folder is
+    gone.  ``None`` when it cannot start (logged: the folder is then removed only by a clean shutdown)."""
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-c", _WATCHER, str(os.getpid()), str(folder)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+    except OSError as exc:
+        logger.warning("daskgen: no watcher for %s (%s); it is removed at a clean shutdown only", folder, exc)
+        return None

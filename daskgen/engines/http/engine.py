@@ -388,6 +388,10 @@ class OpenAIEngine(Engine):
             wire, http = self._connection()
             await wire.abort(http, flight)
 
+    def answering(self, request_id: str) -> bool:
+        """Whether the server has sent output for a request with this id in flight (its first token, or text)."""
+        return any(flight.ids or flight.tokens or flight.text for flight in self._flights.get(request_id, ()))
+
     async def update_weights(self, path: str) -> None:
         """Load the checkpoint in the folder ``path`` into the managed server in place
         (:func:`~daskgen.engines.http.server.update_server_weights`); called with no request of the run in flight.

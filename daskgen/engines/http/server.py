@@ -261,9 +261,10 @@ class ManagedServer:
             self.log_path.unlink(missing_ok=True)
         process, self.process = self.process, None
         if process is not None:
-            left = await asyncio.to_thread(_loads_files, process.pid)
+            # unlinked first (its processes keep what they hold open until they exit): a worker killed while it
+            # waits for the group leaves none behind
+            remove_files(await asyncio.to_thread(_loads_files, process.pid), f"the sglang server pid {process.pid}")
             await asyncio.to_thread(_stop_group, process)
-            remove_files(left, f"the sglang server pid {process.pid}")
             logger.info("stopped sglang server pid %d", process.pid)
             self.process = process  # keep the exit code for messages
 

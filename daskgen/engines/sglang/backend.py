@@ -114,9 +114,8 @@ class SGLangBackend:
         self.runner.call_soon(self._cancel_all)
         self.runner.stop(tunables.seconds("sglang.stop-timeout"))
         self._fail_unstarted()
-        left = _loads_files(engine, self._children)
+        remove_files(_loads_files(engine, self._children), "the sglang engine")  # its processes are killed next
         _kill(self._children)
-        remove_files(left, "the sglang engine")
         self._children = []
         self.engine = None
         if engine is not None:

@@ -64,12 +64,13 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import subprocess
 from pathlib import Path
 from typing import Any
 
 from daskgen.engines.base import GenerationRequest, GenerationResult, aborted_result, error_result, started
 from daskgen.engines.inprocess import InProcessEngine, LoopThread, cuda_available
-from daskgen.engines.leftovers import remove_folder, temp_folder_for_children
+from daskgen.engines.leftovers import remove_folder, remove_when_gone, temp_folder_for_children
 from daskgen.engines.vllm.args import check_engine_args, launch_kwargs, max_logprobs, vllm_thread_environment
 from daskgen.engines.vllm.mapping import CollectedOutput, collect_output, result_from_collected, vllm_sampling_kwargs
 from daskgen.engines.vllm.memory import cpu_kv_cache, start_hint
@@ -150,6 +151,7 @@ class VLLMEngine(InProcessEngine):
         self._aborting: set[str] = set()
         self._problem: str | None = None
         self._temp_folder: Path | None = None  # the temporary folder of vLLM's processes (removed at shutdown)
+        self._watcher: subprocess.Popen | None = None  # removes that folder if this process is killed first
 
     @classmethod
     def top_logprobs_limit(cls, engine_args: dict[str, Any]) -> tuple[int, str] | None:
@@ -182,8 +184,9 @@ class VLLMEngine(InProcessEngine):
         return f"vllm AsyncLLM({self._kwargs})"
 
     async def _create(self, cuda: bool) -> tuple[Any, dict[str, Any]]:
-        with vllm_thread_environment(cuda), temp_folder_for_children("daskgen-vllm-") as folder:
+        with vllm_thread_environment(cuda), temp_folder_for_children("daskgen-vllm-tmp-") as folder:
             self._temp_folder = folder  # its file-store rendezvous file and sockets: removed at shutdown
+            self._watcher = remove_when_gone(folder)  # or after this process, if it is killed first
             return _create_async_llm(self._kwargs)
 
     async def unload(self) -> None:
@@ -198,6 +201,10 @@ class VLLMEngine(InProcessEngine):
         await asyncio.to_thread(thread.stop)
         folder, self._temp_folder = self._temp_folder, None
         remove_folder(folder, "the vllm engine")
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:  # it ends once the folder is gone (it looks every second)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(watcher.wait, 10)
 
     @staticmethod
     async def _shutdown_llm(llm: Any) -> None:
