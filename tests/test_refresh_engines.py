@@ -44,11 +44,14 @@ SHARED = " ".join(f"w{j}" for j in range(60))
 
 _SGLANG = [pytest.mark.sglang, pytest.mark.skipif(find_spec("sglang") is None, reason="needs sglang (its lane)")]
 _VLLM = [pytest.mark.vllm, pytest.mark.skipif(find_spec("vllm") is None, reason="needs vllm (its lane)")]
-#: engine -> (lane marks, engine args of the engine under test)
+#: case -> (lane marks and the engine whose refresh it proves, engine args of the engine under test)
 ENGINES = {
-    "vllm": (_VLLM, ["inner=vllm", "dtype=float32", "max_model_len=1024"]),
-    "sglang": (_SGLANG, ["inner=sglang"]),
-    "sglang-server": (_SGLANG, ["inner=openai", "managed=true", "server_start_timeout_s=600"]),
+    "vllm": ([*_VLLM, pytest.mark.proves("vllm", "refresh")], ["inner=vllm", "dtype=float32", "max_model_len=1024"]),
+    "sglang": ([*_SGLANG, pytest.mark.proves("sglang", "refresh")], ["inner=sglang"]),
+    "sglang-server": (
+        [*_SGLANG, pytest.mark.proves("openai", "refresh")],  # a managed server (engine arg managed=true)
+        ["inner=openai", "managed=true", "server_start_timeout_s=600"],
+    ),
 }
 CASES = [
     pytest.param(engine, refresh, marks=[*marks, pytest.mark.timeout(900)], id=f"{engine}-{refresh}")
