@@ -131,8 +131,9 @@ class RunConfig(RunOptions):
     def kept_columns(self) -> tuple[str, ...] | str:
         """The ``keep_columns`` setting as column names, or ``"*"`` (:mod:`daskgen.input.columns`)."""
         from daskgen.input.columns import normalize
+        from daskgen.reserved import reserved_names
 
-        return normalize(self.keep_columns)
+        return normalize(self.keep_columns, reserved_names())
 
     def structured_output(self) -> ResponseFormat | None:
         """The run's ``response_format``, checked (:mod:`daskgen.input.response_format`); ``None`` when unset."""

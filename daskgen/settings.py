@@ -101,6 +101,7 @@ def resolve(config: RunConfig, prompts: Prompts | None = None, *, command: RunCo
     from daskgen.input.response_format import from_setting
     from daskgen.input.tokenizer import model_tokenizer, tokenizer_identity
     from daskgen.redaction import redact
+    from daskgen.reserved import reserved_names
     from daskgen.store.location import locate
     from daskgen.worker.rounds import VerifyPolicy
 
@@ -137,7 +138,7 @@ def resolve(config: RunConfig, prompts: Prompts | None = None, *, command: RunCo
         tokenizer_identity=tokenizer_identity(tokenizer, template),
         template=template,
         structured=from_setting(config.response_format),
-        kept_columns=normalize(config.keep_columns),
+        kept_columns=normalize(config.keep_columns, reserved_names()),
         adapters=adapters,
         verify=verify,
         identity=identity,

@@ -20,7 +20,7 @@ from daskgen.engines.stops import EOS, NO_STOP, first_stop
 from daskgen.errors import ConfigError, InputError, StoreMismatchError
 from daskgen.input.rows import scan_prompts
 from daskgen.input.sampling import KEYS, RowSamplingCheck
-from daskgen.input.tokenizer import load_tokenizer
+from daskgen.engines.tokenizer import load_tokenizer
 from daskgen.store.layout import Layout
 from tests.conftest import run_cli
 

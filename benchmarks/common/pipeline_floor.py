@@ -59,7 +59,7 @@ class FloorWorker(WorkerPlugin):
 
         from daskgen import store
         from daskgen.engines.simulated import SimulatedEngine
-        from daskgen.input.tokenizer import load_tokenizer
+        from daskgen.engines.tokenizer import load_tokenizer
 
         if self.writer_processes:
             from daskgen.worker.writers import WriterPool

@@ -335,7 +335,8 @@ class DaskgenAccessor:
         """The run's tokenizer (from the model folder in the attrs, or ``path``), checked against the store."""
         if self._tokenizer is not None and path is None:
             return self._tokenizer
-        from daskgen.input.tokenizer import load_tokenizer, tokenizer_identity
+        from daskgen.engines.tokenizer import load_tokenizer
+        from daskgen.input.tokenizer import tokenizer_identity
 
         attrs = self.attrs
         identity = attrs.identity

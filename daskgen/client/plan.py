@@ -28,13 +28,15 @@ from daskgen.input.chat_template import ChatTemplate
 from daskgen.input.columns import kept_values
 from daskgen.input.prefix import PrefixKeys
 from daskgen.input.rows import InputScan, iter_selected_rows, scan_prompts
-from daskgen.input.sampling import STOP_KEYS, RowSamplingCheck, merged, requested_features, row_params, run_settings
+from daskgen.input.sampling import STOP_KEYS, RowSamplingCheck, merged, requested_features, run_settings
 from daskgen.input.scan_cache import load_scan, scan_key, scan_record
+from daskgen.reserved import reserved_names
 from daskgen.settings import Prompts, RunSettings, resolve
 from daskgen.store.attrs import StoreAttrs
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import FAILED, PENDING, Layout
 from daskgen.worker.partition import PartitionTask
+from daskgen.worker.row_sampling import row_params
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +163,7 @@ def _scan_input(
         skip_overlong=config.skip_overlong,
         template=settings.template,
         keep_columns=settings.kept_columns,
+        reserved_columns=reserved_names(),
         check_row=lambda row: check(row) + adapter_check(row),
     )
     return existing, scan, scan_record(key, scan, source), frozenset(check.keys)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from daskgen.worker.gpu import ENV_GPUS_PER_WORKER, ENV_LOCAL_RANK, ENV_WORKERS_PER_NODE
+from daskgen.node import ENV_GPUS_PER_WORKER, ENV_LOCAL_RANK, ENV_WORKERS_PER_NODE
 
 __all__ = ["DAEMON_ENV", "LIFETIME_VAR", "NANNY_PRELOAD", "JobLayout", "has_flag", "prologue_lines", "worker_arguments"]
 

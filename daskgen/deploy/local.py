@@ -19,7 +19,8 @@ from daskgen.deploy.deployment import DEFAULT_THREADS_PER_WORKER, ClusterInfo, D
 from daskgen.deploy.keys import AtLeast
 from daskgen.deploy.security import TLSFiles, temporary_security
 from daskgen.errors import ConfigError
-from daskgen.worker.gpu import ENV_GPUS_PER_WORKER, ENV_LOCAL_RANK, ENV_WORKERS_PER_NODE, count_visible_gpus
+from daskgen.node import ENV_GPUS_PER_WORKER, ENV_LOCAL_RANK, ENV_WORKERS_PER_NODE
+from daskgen.worker.gpu import count_visible_gpus
 
 __all__ = ["LocalDeployment", "keep_glibc_malloc_defaults"]
 

@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
-from daskgen.worker.gpu import ENV_RESOLVED_RANK, ENV_WORKERS_PER_NODE
+from daskgen.node import ENV_RESOLVED_RANK, ENV_WORKERS_PER_NODE
 
 __all__ = ["ENV_MEMORY_LIMIT", "export_memory_limit", "node_position", "one_cpu_per_core", "worker_memory_limit"]
 

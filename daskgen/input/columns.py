@@ -5,12 +5,14 @@ row but the prompt and daskgen's own keys (:data:`DASKGEN_KEYS`).  Each kept col
 a string (strings as they are, every other value as JSON text: ``3``, ``true``, ``null``, ``{"a": 1}``) in the
 store array ``column_<name>`` (:func:`daskgen.store.layout.column_array`), written with the row's data.  A
 listed column missing from a row is an error naming the row and the column (with ``"*"``, every row must
-have the first row's columns and no others).  Column names may not be names daskgen's outputs use.
+have the first row's columns and no others).  Column names may not be names daskgen's outputs use
+(:mod:`daskgen.reserved`: the callers hand those names to the checks here).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from typing import Any
 
 from daskgen.errors import ConfigError
@@ -21,19 +23,9 @@ from daskgen.input.chat_template import ROW_KEYS
 DASKGEN_KEYS = ("id", "prompt", "messages", "sampling", *ROW_KEYS, response_format.ROW_KEY, adapters.ROW_KEY)
 
 
-def reserved_names() -> frozenset[str]:
-    """Names a kept column may not have: daskgen's row keys, the store's arrays and dimensions, and the fields of
-    its exports and ``daskgen.follow`` formats (a kept column appears there under its own name)."""
-    from daskgen.formats import output_names
-    from daskgen.store.layout import Layout
-
-    layout = Layout(1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True, top_logprobs=1)
-    dims = {d for spec in layout.array_specs().values() for d in spec.dims}
-    return frozenset({*DASKGEN_KEYS, *layout.array_specs(), *dims, *output_names()})
-
-
-def normalize(keep: Any) -> tuple[str, ...] | str:
-    """The ``keep_columns`` setting as a tuple of names, or ``"*"`` (``()`` when unset).
+def normalize(keep: Any, reserved: Collection[str]) -> tuple[str, ...] | str:
+    """The ``keep_columns`` setting as a tuple of names, or ``"*"`` (``()`` when unset); a name in ``reserved``
+    (:func:`daskgen.reserved.reserved_names`) is refused.
 
     A string is ``"*"`` or comma-separated names (the command line's ``--keep-columns answer,data_source``).
     """
@@ -48,13 +40,13 @@ def normalize(keep: Any) -> tuple[str, ...] | str:
             f"setting 'keep_columns' must be a list of column names or '*', found {keep!r}; "
             "e.g. keep_columns: [answer, data_source]."
         )
-    check_names(keep)
+    check_names(keep, reserved)
     return tuple(dict.fromkeys(keep))
 
 
-def check_names(names: Any) -> None:
-    """:class:`ConfigError` for column names daskgen uses itself or that cannot name a store array."""
-    bad = sorted(n for n in names if n in reserved_names())
+def check_names(names: Any, reserved: Collection[str]) -> None:
+    """:class:`ConfigError` for column names daskgen uses itself (``reserved``) or that cannot name a store array."""
+    bad = sorted(n for n in names if n in reserved)
     if bad:
         raise ConfigError(
             f"setting 'keep_columns': {bad} are names daskgen uses itself (row keys, store arrays or output "
@@ -74,11 +66,11 @@ class ColumnCheck:
     """Checks each row has the kept columns, one row at a time; :attr:`names` are the columns kept.
 
     With ``"*"`` the first row's columns are kept (daskgen's own keys left out) and every row must have
-    exactly those.
+    exactly those; those columns may not take a ``reserved`` name (:func:`daskgen.reserved.reserved_names`).
     """
 
-    def __init__(self, keep: tuple[str, ...] | str) -> None:
-        self.every = keep == "*"
+    def __init__(self, keep: tuple[str, ...] | str, reserved: Collection[str]) -> None:
+        self.every, self.reserved = keep == "*", reserved
         self.names: tuple[str, ...] = () if self.every else tuple(keep)
         self.first = 0
 
@@ -86,7 +78,7 @@ class ColumnCheck:
         """What ``row`` (row ``number``) lacks of the kept columns (or, with ``"*"``, has beyond them)."""
         if self.every and not self.first:
             self.first, self.names = number, tuple(k for k in row if k not in DASKGEN_KEYS)
-            check_names(self.names)
+            check_names(self.names, self.reserved)
             return []
         errors = [
             f"column {name!r} is missing (keep_columns keeps it); add it to every row or leave it out of keep_columns"

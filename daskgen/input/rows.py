@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -236,6 +236,7 @@ def scan_prompts(
     skip_overlong: bool = False,
     template: ChatTemplate | None = None,
     keep_columns: tuple[str, ...] | str = (),
+    reserved_columns: Collection[str] = (),
     check_row: Callable[[Any], list[str]] | None = None,
 ) -> InputScan:
     """Validate, fingerprint and length-check every row in one streaming pass.
@@ -243,11 +244,12 @@ def scan_prompts(
     Raises :class:`InputError` listing every bad row (row number and column); overlong prompts
     are an error unless ``skip_overlong`` (then they are returned to be recorded as failed).
     ``template`` renders ``messages`` rows; every row must have the ``keep_columns``
-    (:mod:`daskgen.input.columns`); ``check_row`` adds the problems it finds in a row (e.g. its ``sampling``
-    column) to the report.
+    (:mod:`daskgen.input.columns`), and with ``"*"`` the first row's columns may not take a ``reserved_columns``
+    name (the planner passes :func:`daskgen.reserved.reserved_names`); ``check_row`` adds the problems it finds
+    in a row (e.g. its ``sampling`` column) to the report.
     """
     name = str(source) if isinstance(source, (str, Path)) else "input"
-    kept, formats, prefixes = ColumnCheck(keep_columns), FormatCheck(), PrefixScan()
+    kept, formats, prefixes = ColumnCheck(keep_columns, reserved_columns), FormatCheck(), PrefixScan()
     ids, fingerprint, errors, lengths = _scan_rows(
         source, tokenizer, max_prompt_tokens, template, (kept, formats, prefixes), check_row
     )

@@ -5,20 +5,17 @@
 a row's ``sampling: {...}`` overrides them for that row.
 :func:`setting_errors` checks a mapping against the table (at input scan for rows, at config load for
 the run, before any engine starts); :class:`RowSamplingCheck` is the per-row check the input scan
-calls; :func:`row_params` turns a row's settings into the :class:`~daskgen.engines.base.SamplingParams`
-of its samples.
+calls; :func:`daskgen.worker.row_sampling.row_params` turns a row's settings into the params of its samples.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import reprlib
 from collections.abc import Mapping
 from typing import Any
 
-from daskgen.engines.base import SamplingParams
 from daskgen.options import off_values, row_ranges
 from daskgen.ranges import MAX_STOPS, Range, is_integer
 from daskgen.run_options import RunOptions
@@ -153,21 +150,3 @@ def requested_features(run: Mapping[str, Any], row_keys: frozenset[str]) -> set[
 def merged(defaults: Mapping[str, Any], row: Mapping[str, Any] | None) -> dict[str, Any]:
     """The settings a row uses: its own over the run's ``defaults`` (canonical already: :func:`run_settings`)."""
     return {**defaults, **normalized(row)} if row else dict(defaults)
-
-
-def row_params(settings: Mapping[str, Any], eos_ids: tuple[int, ...], base: SamplingParams) -> SamplingParams:
-    """The :class:`SamplingParams` of a row's samples: ``base`` (the run-level fields: logprobs, structured
-    output, top-k logprobs, adapter) with every key of :data:`KEYS` but ``seed`` taken from ``settings``
-    (the per-sample seed is set later).
-
-    ``settings`` are canonical (:func:`merged`, :func:`run_settings`); lists become tuples, and
-    ``stop_token_ids`` are the row's own ids followed by the tokenizer's end ids (``eos_ids``).
-    """
-    values: dict[str, Any] = {
-        key: tuple(settings.get(key) or ()) if spec.kind == "list" else settings[key]
-        for key, spec in KEYS.items()
-        if key != "seed"
-    }
-    own = values["stop_token_ids"]
-    values["stop_token_ids"] = own + tuple(t for t in eos_ids if t not in own)
-    return dataclasses.replace(base, **values)

@@ -36,23 +36,15 @@ class ByteTokenizer:
         return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
 
 
-def load_tokenizer(model: str, engine: str, engine_args: dict[str, Any] | None = None) -> Any:
-    """Load the model's Hugging Face tokenizer (offline), or a byte tokenizer for simulated engines."""
-    if _has_tokenizer(model):
-        return model_tokenizer(model, engine, simulated=False)
-    from daskgen.engines import resolve_engine_class
-
-    return model_tokenizer(model, engine, simulated=resolve_engine_class(engine).is_simulated(engine_args or {}))
-
-
-def _has_tokenizer(model: str) -> bool:
+def has_tokenizer(model: str) -> bool:
+    """Whether ``model`` is a local folder with tokenizer files."""
     return Path(model).is_dir() and any(Path(model).glob("tokenizer*"))
 
 
 def model_tokenizer(model: str, engine: str, *, simulated: bool) -> Any:
     """The tokenizer of ``model`` for engine ``engine``: the folder's Hugging Face tokenizer (offline), else a byte
     tokenizer when the engine is ``simulated`` (the engine class says so)."""
-    if _has_tokenizer(model):
+    if has_tokenizer(model):
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model)

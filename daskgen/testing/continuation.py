@@ -214,7 +214,7 @@ class ContinuationChecks:
 
 @functools.cache
 def _tokenizer(model: str, engine: str) -> Any:
-    from daskgen.input.tokenizer import load_tokenizer
+    from daskgen.engines.tokenizer import load_tokenizer
 
     return load_tokenizer(model, engine)
 

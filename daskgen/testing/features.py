@@ -156,6 +156,6 @@ async def _generate_all(engine: Any, requests: list[Any]) -> list[Any]:
 
 @functools.cache
 def _tokenizer(model: str, engine: str) -> Any:
-    from daskgen.input.tokenizer import load_tokenizer
+    from daskgen.engines.tokenizer import load_tokenizer
 
     return load_tokenizer(model, engine)

@@ -295,7 +295,7 @@ class EnginePlugin(WorkerPlugin):
         """The model's tokenizer on this worker (loaded once), e.g. to decode for verifiers."""
         with self._tokenizer_lock:
             if getattr(self, "_tokenizer", None) is None:
-                from daskgen.input.tokenizer import load_tokenizer
+                from daskgen.engines.tokenizer import load_tokenizer
 
                 self._tokenizer = load_tokenizer(self.model, self.engine_name, self.engine_args)
         return self._tokenizer

@@ -7,17 +7,36 @@ only sets the per-sample seed, as before.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from daskgen.engines.base import FinishReason, SamplingParams
 from daskgen.engines.stops import NO_STOP, settle
-from daskgen.input.sampling import canonical_json, row_params
+from daskgen.input.sampling import KEYS, canonical_json
 
 if TYPE_CHECKING:
     from daskgen.agents import Trajectory
+
+
+def row_params(settings: Mapping[str, Any], eos_ids: tuple[int, ...], base: SamplingParams) -> SamplingParams:
+    """The :class:`SamplingParams` of a row's samples: ``base`` (the run-level fields: logprobs, structured
+    output, top-k logprobs, adapter) with every key of :data:`daskgen.input.sampling.KEYS` but ``seed`` taken
+    from ``settings`` (the per-sample seed is set later).
+
+    ``settings`` are canonical (:func:`daskgen.input.sampling.merged`, :func:`~daskgen.input.sampling.run_settings`);
+    lists become tuples, and ``stop_token_ids`` are the row's own ids followed by the tokenizer's end ids
+    (``eos_ids``).
+    """
+    values: dict[str, Any] = {
+        key: tuple(settings.get(key) or ()) if spec.kind == "list" else settings[key]
+        for key, spec in KEYS.items()
+        if key != "seed"
+    }
+    own = values["stop_token_ids"]
+    values["stop_token_ids"] = own + tuple(t for t in eos_ids if t not in own)
+    return dataclasses.replace(base, **values)
 
 
 def sample_seed(seed: int, row: int, sample: int) -> int:

@@ -318,7 +318,7 @@ class TransformersEngine(InProcessEngine):
         """The tokenizer's ``decode`` (loaded on the first request with stop strings)."""
         with self._lock:
             if self._tokenizer is None:
-                from daskgen.input.tokenizer import load_tokenizer
+                from daskgen.engines.tokenizer import load_tokenizer
 
                 self._tokenizer = load_tokenizer(self.model, self.name, self.engine_args)
         return functools.partial(self._tokenizer.decode, skip_special_tokens=False)
