@@ -7,6 +7,7 @@ import json
 import sys
 import zipfile
 
+import dask
 import numpy as np
 import pandas as pd
 import pytest
@@ -105,8 +106,12 @@ def test_tensordict_in_memory_and_memmap_reconstruct_tokens(truth, tmp_path):
     assert {-1, 2} <= set(non_tensor["version_changed_at"].tolist()), "continued samples are among them"
 
 
-def test_small_blocks_and_no_logprobs(truth, tmp_path, monkeypatch):
-    monkeypatch.setattr(ex, "_BLOCK_BYTES", 1)  # one partition per block
+def test_small_blocks_and_no_logprobs(truth, tmp_path):
+    with dask.config.set({"daskgen.export.block-bytes": 1}):  # one partition per block
+        _export_small_blocks(tmp_path)
+
+
+def _export_small_blocks(tmp_path):
     plain = build_store(tmp_path, logprobs=False, name="nolp.zarr")
     ex.export(plain.path, tmp_path / "a.td", "tensordict", text=False)
     td = ex.load_tensordict(tmp_path / "a.td")

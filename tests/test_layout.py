@@ -1,10 +1,12 @@
 """The package's structure rules, read from the source with ``ast`` (function-level imports included).
 
-- no import circle between daskgen's modules;
+- no import circle between daskgen's modules, nor between its folders (no two folders of ``daskgen/`` import each
+  other, directly or through others);
 - ``store/`` imports nothing that reads stores or runs a run (``formats/``, ``stream/``, ``analysis/``, ``client/``,
   ``worker/``), and ``formats/`` nothing of the entry points that write through it (``stream/``, ``analysis/``,
   the CLI);
-- no module imports another module's private (underscore) names, and tests import none of daskgen's;
+- no module imports another module's private (underscore) names or reaches them as ``module._name`` (attribute,
+  ``getattr``/``setattr``, ``monkeypatch.setattr``), and tests do neither with daskgen's;
 - no module over 450 lines, in ``daskgen/`` or ``benchmarks/``.
 """
 
@@ -114,6 +116,44 @@ def test_no_import_circles_between_modules() -> None:
     assert _cycles(graph) == []
 
 
+def _folder(module: str) -> str | None:
+    """The folder of ``daskgen/`` a module lies in (``daskgen.store.layout`` -> ``store``), ``None`` at the top."""
+    parts = module.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and _is_package_init(module)):
+        return parts[1]
+    return None
+
+
+def _folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Folder -> the other folders its modules import (every import: module level, in functions, type-only)."""
+    folders: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        source = _folder(module)
+        if source is not None:
+            found = {_folder(t) for t in targets} - {source, None}
+            folders.setdefault(source, set()).update(f for f in found if f is not None)
+    return folders
+
+
+def test_no_import_circles_between_folders() -> None:
+    """The folders of ``daskgen/`` form layers: no two import each other, directly or through a circle."""
+    graph = _graph()
+    circles = _cycles(_folder_graph(graph))
+    ties = {
+        f"{m} imports {t}"
+        for m, targets in graph.items()
+        for t in targets
+        if any(_folder(m) in c and _folder(t) in c and _folder(m) != _folder(t) for c in circles)
+    }
+    assert circles == [], sorted(ties)
+
+
+def test_the_folder_graph_sees_a_folder_circle() -> None:
+    """The folder check can fail: two modules of two folders importing each other make a circle of folders."""
+    graph = {"daskgen.store.layout": {"daskgen.input.rows"}, "daskgen.input.rows": {"daskgen.store.layout"}}
+    assert _cycles(_folder_graph(graph)) == [["input", "store"]]
+
+
 @pytest.mark.parametrize("layer", ["formats", "stream", "analysis", "client", "worker"])
 def test_the_store_imports_nothing_from_the_layers_above_it(layer: str) -> None:
     graph = _graph()
@@ -137,6 +177,85 @@ def test_no_module_imports_another_modules_private_names() -> None:
         if name and name.startswith("_") and not name.startswith("__") and source != module
     )
     assert private == []
+
+
+def _module_aliases(tree: ast.AST, module: str, path: Path | None, known: dict[str, Path]) -> dict[str, str]:
+    """Local name -> daskgen module, for every import that binds a daskgen module to a name."""
+    aliases: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in known and alias.asname:
+                    aliases[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve(module, path, node) if path is not None else (node.module or "")
+            for alias in node.names:
+                if f"{source}.{alias.name}" in known:
+                    aliases[alias.asname or alias.name] = f"{source}.{alias.name}"
+    return aliases
+
+
+def _private_reaches(tree: ast.AST, aliases: dict[str, str], own: str | None = None) -> list[str]:
+    """``alias._name`` reaches into a daskgen module other than ``own``: attribute access, and the name given as a
+    string to ``getattr``, ``setattr``, ``hasattr``, ``delattr`` or ``monkeypatch.setattr``/``delattr``."""
+
+    def private(name: object) -> bool:
+        return isinstance(name, str) and name.startswith("_") and not name.startswith("__")
+
+    def target(node: ast.AST) -> str | None:
+        name = aliases.get(node.id) if isinstance(node, ast.Name) else None
+        return name if name != own else None
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and private(node.attr) and target(node.value):
+            found.append(f"{target(node.value)}.{node.attr} (line {node.lineno})")
+        elif isinstance(node, ast.Call) and len(node.args) >= 2 and target(node.args[0]):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            second = node.args[1]
+            named = name in {"getattr", "setattr", "hasattr", "delattr"} and isinstance(second, ast.Constant)
+            if named and private(second.value):
+                found.append(f"{target(node.args[0])}.{second.value} (line {node.lineno})")
+    return found
+
+
+def test_no_module_reaches_another_modules_private_names_as_attributes() -> None:
+    known = _modules()
+    found = sorted(
+        f"{module}: {reach}"
+        for module, path in known.items()
+        for tree in [ast.parse(path.read_text())]
+        for reach in _private_reaches(tree, _module_aliases(tree, module, path, known), own=module)
+    )
+    assert found == []
+
+
+def test_tests_reach_no_private_names_of_daskgen_modules() -> None:
+    """Tests go through public seams: no ``module._name`` (read, set or monkeypatched) of a daskgen module."""
+    known = _modules()
+    found = sorted(
+        f"{path.name}: {reach}"
+        for path in (REPO / "tests").rglob("*.py")
+        for tree in [ast.parse(path.read_text())]
+        for reach in _private_reaches(tree, _module_aliases(tree, "tests", None, known))
+    )
+    assert found == []
+
+
+def test_the_private_reach_finder_finds_attribute_and_setattr_reaches() -> None:
+    """The checks above can fail: a read, an assignment and a monkeypatch of a module's private name are found."""
+    source = (
+        "import daskgen.config as cfg\nfrom daskgen.analysis import export as ex\n"
+        "cfg._DECLARED\nex._X = 1\nmonkeypatch.setattr(ex, '_Y', 1)\nex.public\nself._z\n"
+    )
+    tree = ast.parse(source)
+    found = _private_reaches(tree, _module_aliases(tree, "tests", None, _modules()))
+    assert found == [
+        "daskgen.config._DECLARED (line 3)",
+        "daskgen.analysis.export._X (line 4)",
+        "daskgen.analysis.export._Y (line 5)",
+    ]
 
 
 def test_tests_import_no_private_names_of_daskgen() -> None:

@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from dask.utils import parse_bytes
 
+from daskgen import tunables
 from daskgen.analysis.accessor import decode_many, iter_raw_prompts, open_store
 from daskgen.analysis.archive import require_wandb, upload_wandb, zip_store
 from daskgen.analysis.output import check_output, output_size, staged_output
@@ -60,7 +62,6 @@ __all__ = [
 FORMATS = ("parquet", "jsonl", "tensordict", "zip")
 #: Suffix of the default output path per format (``out.zarr`` -> ``out.parquet``, ``out.td``, ...).
 DEFAULT_SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl", "tensordict": ".td", "zip": ".zarr.zip"}
-_BLOCK_BYTES = 16 * 2**20
 
 
 @dataclass
@@ -104,12 +105,13 @@ class Source:
         self.raw = None if source is None else iter_raw_prompts(source, self.rows)  # consumed block by block
 
     def parts(self) -> list[np.ndarray]:
-        """The done rows in chunk-aligned parts of about ``_BLOCK_BYTES`` of store data (one empty part when none
-        is done)."""
+        """The done rows in chunk-aligned parts of about the ``export.block-bytes`` tunable of store data (whole
+        partitions, at least one; one empty part when none is done)."""
         layout = self.store.layout
         arrays = [self.store.array(name) for name in block_fields(self.store)]
         per_row = sum(a.dtype.itemsize * int(np.prod(a.shape[1:])) for a in arrays)
-        span = layout.partition_size * max(1, _BLOCK_BYTES // max(per_row * layout.partition_size, 1))
+        block_bytes = parse_bytes(tunables.get("export.block-bytes"))
+        span = layout.partition_size * max(1, block_bytes // max(per_row * layout.partition_size, 1))
         return np.split(self.rows, np.flatnonzero(np.diff(self.rows // span)) + 1)
 
     def blocks(self) -> Iterator[Block]:
