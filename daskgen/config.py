@@ -39,18 +39,12 @@ class RunConfig(RunOptions):
     """
 
     def __post_init__(self) -> None:
-        if isinstance(self.deadline, (int, float)) and not isinstance(self.deadline, bool):
-            self.deadline = f"{self.deadline}s"
-        if isinstance(self.grace, (int, float)) and not isinstance(self.grace, bool):
-            self.grace = f"{self.grace}s"
-        if isinstance(self.window, str) and self.window.strip().isdigit():  # from a CLI flag or YAML string
-            self.window = int(self.window)
-        structured = self.structured_output()  # JSON text from a flag becomes an object
-        self.response_format = None if structured is None else structured.as_dict()
+        # Checks only: the fields stay as given; :meth:`to_dict` is their canonical form, :func:`resolve` their meaning.
         self._check_types()
         self._check_ranges()
+        self.structured_output()
         self.kept_columns()
-        self.adapters = self.adapter_paths()
+        self.adapter_paths()
         self.deadline_timestamp(0.0)
         self.grace_seconds()
 
@@ -163,8 +157,10 @@ class RunConfig(RunOptions):
         return out
 
     def declared_identity(self) -> dict[str, Any]:
-        """The identity settings' values (``option(identity=...)``; those declared ``LATER`` only when set)."""
-        values = {k: getattr(self, k) for k in IDENTITY_KEYS}
+        """The identity settings' values (``option(identity=...)``; those declared ``LATER`` only when set), in their
+        canonical form (:meth:`to_dict`)."""
+        canonical = self.to_dict()
+        values = {k: canonical[k] for k in IDENTITY_KEYS}
         return {k: v for k, v in values.items() if k not in LATER_IDENTITY_KEYS or v != LATER_IDENTITY_KEYS[k]}
 
     def location(self) -> StoreLocation:
@@ -174,11 +170,26 @@ class RunConfig(RunOptions):
         return locate(self.store, self.storage_options)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain-dict form (for store attrs; engine args are redacted by the caller).
+        """The options in the form the store keeps them (engine args are redacted by the caller).
 
-        ``storage_options`` (endpoints, credentials) are left out: they never reach the store.
+        The fields hold what was given; here a number of seconds becomes text (``90`` -> ``"90s"``), a window
+        given as text an integer, a ``response_format`` given as JSON text an object, the adapters absolute
+        folders, and a whole number given to a float setting a float.  ``storage_options`` (endpoints,
+        credentials) are left out: they never reach the store.
         """
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "storage_options"}
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "storage_options"}
+        for key in ("deadline", "grace"):
+            if _is_number(out[key]):
+                out[key] = f"{out[key]}s"
+        if isinstance(self.window, str) and self.window.strip().isdigit():  # from a CLI flag or YAML string
+            out["window"] = int(self.window)
+        structured = self.structured_output()
+        out["response_format"] = None if structured is None else structured.as_dict()
+        out["adapters"] = self.adapter_paths()
+        for opt in _DECLARED:
+            if _expected_type(opt) is float and _is_number(out[opt.name]):
+                out[opt.name] = float(out[opt.name])
+        return out
 
     def _check_types(self) -> None:
         """Each setting has its declared type (``int | str`` and lists: :meth:`_check_ranges` and the inputs'
@@ -196,10 +207,9 @@ class RunConfig(RunOptions):
                     )
                 continue
             expected = _expected_type(opt)
-            if expected is None:
+            if expected is None or isinstance(value, _ALSO_GIVEN.get(opt.name, ())):
                 continue
-            if expected is float and isinstance(value, int) and not isinstance(value, bool):
-                setattr(self, opt.name, float(value))
+            if expected is float and _is_number(value):
                 continue
             if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
                 raise ConfigError(
@@ -217,9 +227,8 @@ class RunConfig(RunOptions):
     def _check_sizes(self) -> None:
         """``window`` is ``'auto'`` or a positive integer; counts and sizes are >= 1."""
         positive = ("n_samples", "max_new_tokens", "max_prompt_tokens", "partition_size", "max_prompts_in_memory")
-        if self.window != "auto" and (
-            not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1
-        ):
+        window = int(self.window) if isinstance(self.window, str) and self.window.strip().isdigit() else self.window
+        if window != "auto" and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise ConfigError(f"setting 'window' must be 'auto' or an integer >= 1, found {self.window!r}.")
         for key in positive:
             if getattr(self, key) < 1:
@@ -268,9 +277,15 @@ class RunConfig(RunOptions):
 
 #: The run options, read once from their declarations (types resolved).
 _DECLARED = tuple(declared(RunOptions))
-#: The declared types checked by ``isinstance`` (``deadline`` and ``grace`` may also be numbers of seconds in
-#: YAML: made text before the check).
+#: The declared types checked by ``isinstance``.
 _CHECKED = (str, int, float, bool, dict)
+#: Other forms a setting may be given in (:meth:`RunConfig.to_dict` makes them canonical): ``deadline`` and
+#: ``grace`` as numbers of seconds (YAML), ``response_format`` as JSON text (the command line).
+_ALSO_GIVEN: dict[str, tuple[type, ...]] = {"deadline": (int, float), "grace": (int, float), "response_format": (str,)}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _duration_seconds(text: str) -> float | None:

@@ -47,14 +47,16 @@ class RunSettings:
     tokenizer, stop_ids, tokenizer_identity:
         The model's tokenizer (a byte tokenizer for simulated engines), its end-of-sequence id, and what a resume
         must match of it and of the chat-template options.
-    template, structured, kept_columns, adapters:
+    template, structured, kept_columns, adapters, window:
         The chat-template options, the run's structured output (``None``: unset), the kept input columns
-        (names or ``"*"``), the LoRA adapters (absolute folders).
+        (names or ``"*"``), the LoRA adapters (absolute folders), the partitions a worker admits (``"auto"`` or a
+        number).
     verify:
         The :class:`~daskgen.worker.rounds.VerifyPolicy`, or ``None`` without a verifier.
     identity, record:
         The settings a resumed run must share with the store; the options as the store's attrs keep them
-        (redacted, without ``storage_options``).
+        (:meth:`RunConfig.to_dict <daskgen.config.RunConfig.to_dict>`: canonical, redacted, without
+        ``storage_options``).
     cluster:
         The ``cluster:`` section with the command line's flags merged (kind, TLS, worker bounds, local workers).
     grace_s, started, deadline_at, continue_partial:
@@ -77,6 +79,7 @@ class RunSettings:
     structured: ResponseFormat | None
     kept_columns: tuple[str, ...] | str
     adapters: dict[str, str]
+    window: int | str
     verify: VerifyPolicy | None
     identity: dict[str, Any]
     record: dict[str, Any]
@@ -121,7 +124,7 @@ def resolve(config: RunConfig, prompts: Prompts | None = None, *, command: RunCo
     tokenizer = model_tokenizer(str(config.model), config.engine, simulated=simulated)
     eos = tokenizer.eos_token_id
     template = ChatTemplate.from_settings(config.chat_template, config.chat_template_kwargs)
-    adapters = dict(config.adapters)  # checked and made absolute with the options
+    adapters = options["adapters"]  # checked, absolute folders (the options' canonical form)
     if adapters:  # the content of each adapter, not where it lies
         identity["adapters"] = adapter_identity(adapters)
     return RunSettings(
@@ -140,6 +143,7 @@ def resolve(config: RunConfig, prompts: Prompts | None = None, *, command: RunCo
         structured=from_setting(config.response_format),
         kept_columns=normalize(config.keep_columns, reserved_names()),
         adapters=adapters,
+        window=options["window"],
         verify=verify,
         identity=identity,
         record=redact(options),

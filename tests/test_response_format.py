@@ -112,7 +112,8 @@ def test_bad_formats_fail_at_input_scan_naming_row_key_and_fix():
 
 
 def test_the_setting_is_checked_and_read_from_json_text():
-    assert RunConfig(model="m", response_format='{"regex": "[a-z]+"}').response_format == {"regex": "[a-z]+"}
+    given = RunConfig(model="m", response_format='{"regex": "[a-z]+"}')
+    assert given.to_dict()["response_format"] == {"regex": "[a-z]+"}, "kept as an object in the store's record"
     assert from_setting({"choice": ["a", "b"]}) == ResponseFormat("choice", ("a", "b"))
     with pytest.raises(ConfigError, match="setting 'response_format': not valid JSON"):
         RunConfig(model="m", response_format="{regex")

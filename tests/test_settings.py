@@ -106,3 +106,19 @@ def test_only_the_cluster_section_merges_flags_into_a_section():
         if re.search(r"\bapply_cli_overrides\(", p.read_text()) and p.name not in ("spec.py",)
     ]
     assert callers == ["settings.py"], callers
+
+
+def test_the_options_stay_as_given_and_the_settings_hold_their_canonical_form(tmp_path):
+    given = {"grace": 90, "deadline": 60, "window": "3", "temperature": 1, "response_format": '{"regex": "x+"}'}
+    config = options(tmp_path, **given)
+    assert {k: getattr(config, k) for k in given} == given, "checking the options rewrites none of them"
+    settings = resolve(config, [])
+    assert (settings.window, settings.grace_s, settings.structured.as_dict()) == (3, 90, {"regex": "x+"})
+    record = settings.record
+    assert (record["grace"], record["deadline"], record["window"], record["response_format"]) == (
+        "90s",
+        "60s",
+        3,
+        {"regex": "x+"},
+    )
+    assert isinstance(record["temperature"], float) and settings.identity["temperature"] == 1.0

@@ -10,6 +10,7 @@ import pytest
 
 from daskgen.config import RunConfig
 from daskgen.errors import ConfigError
+from daskgen.settings import resolve
 from daskgen.worker.admission import (
     AUTO_MAX_WINDOW,
     AUTO_MIN_WINDOW,
@@ -112,9 +113,11 @@ def test_integer_window_is_kept_but_capped_by_task_slots(caplog):
 
 
 @pytest.mark.parametrize(("given", "expected"), [(None, "auto"), ("auto", "auto"), (4, 4), ("6", 6)])
-def test_window_setting(given, expected):
+def test_window_setting(given, expected, tmp_path):
     options = {} if given is None else {"window": given}
-    assert RunConfig(model="m", store="s", **options).window == expected
+    config = RunConfig(model="sim", engine="simulated", store=str(tmp_path / "s.zarr"), **options)
+    assert resolve(config, []).window == expected
+    assert config.window == ("auto" if given is None else given), "the options stay as given"
 
 
 @pytest.mark.parametrize("bad", [0, -1, "fast", 2.5, True])

@@ -39,19 +39,22 @@ def start_engines(
     """
     if isinstance(settings, RunSettings):
         config, grace_s, location = settings.options, settings.grace_s, settings.location
+        window, adapters = settings.window, settings.adapters
     else:  # options only: derived here
         config, grace_s, location = settings, settings.grace_seconds(), settings.location()
+        canonical = settings.to_dict()
+        window, adapters = canonical["window"], canonical["adapters"]
     drain_s = grace_s * 0.5  # a drained worker hands back within half the grace period
     plugin = EnginePlugin(
         config.engine,
         str(config.model),
         config.engine_args if engine_args is None else engine_args,
-        window=config.window,
+        window=window,
         requests_per_partition=config.partition_size * config.n_samples,
         drain_timeout_s=drain_s,
         refresh=config.refresh,
         policy_store=location if config.refresh else None,
-        adapters=config.adapters,
+        adapters=adapters,
     )
     client.register_plugin(plugin, name=plugin.name)
     _drain_before_retire(client, drain_s)
