@@ -38,6 +38,14 @@ fewer; makespan: > 1 means prefix is faster).
     python benchmarks/prefix_dispatch.py --engine vllm --systems 8 --system-tokens 2400 --questions 16 \
         --max-new-tokens 8 --max-batch 4 --partition-size 32 --workloads shuffled \
         --engine-arg num_gpu_blocks_override=16 --engine-arg max_model_len=1024   # a KV cache of ~2 prefixes
+    python benchmarks/prefix_dispatch.py --engine sglang --systems 8 --system-tokens 2400 --questions 40 \
+        --max-new-tokens 8 --max-batch 16 --partition-size 16 --workers 1,2 --workloads shuffled,grouped \
+        --engine-arg schedule_policy=lpm --repeats 1   # the same sglang schedule on both sides (the sglang lane's venv)
+
+A run dispatched by prefix may start its engines with arguments of the engine's own
+(:meth:`daskgen.engines.base.Engine.prefix_admission`: sglang's ``schedule_policy: lpm`` unless set); each table
+row names the arguments where the two sides' engines started differently, so set the policy with ``--engine-arg``
+to compare like with like.
 """
 
 from __future__ import annotations
