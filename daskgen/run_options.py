@@ -329,10 +329,10 @@ class RunOptions:
     )
     dispatch: Dispatch = option(
         "auto",
-        "prefix: each partition's prompts reach the engine with shared prefixes (system prompt, few-shot "
-        "examples) next to each other, and partitions of one prefix go to the same worker, for the engines' "
-        "prefix caches; order: input order; auto: prefix when shared prefixes hold at least 20 % of the prompt "
-        "tokens (docs/dispatch.md).",
+        "prefix: partitions of one shared prefix (system prompt, few-shot examples) go to the same worker, and "
+        "each partition's prompts reach the engine with shared prefixes next to each other (an engine that "
+        "admits by prefix itself, sglang under its lpm schedule, gets them in input order); order: input order; "
+        "auto: prefix when shared prefixes hold at least 20 % of the prompt tokens (docs/dispatch.md).",
         group=TASKS,
     )
     progress: bool = option(True, "Show a progress bar.", group=IO)
