@@ -55,12 +55,7 @@ from daskgen.engines.base import (
 from daskgen.engines.continuation import request_limit
 from daskgen.engines.http.args import OpenAIArgs
 from daskgen.engines.http.client import HTTPClient, NoAnswer, RequestFailed
-from daskgen.engines.http.protocol import (
-    Flight,
-    OpenAITextProtocol,
-    SGLangNativeProtocol,
-    WireProtocol,
-)
+from daskgen.engines.http.protocol import Flight, OpenAITextProtocol, SGLangNativeProtocol, WireProtocol
 from daskgen.engines.http.server import ManagedServer, update_server_weights
 from daskgen.engines.http.vllm_protocol import VLLMProtocol, is_vllm_version
 from daskgen.engines.inprocess import cuda_available
@@ -389,8 +384,8 @@ class OpenAIEngine(Engine):
             await wire.abort(http, flight)
 
     def answering(self, request_id: str) -> bool:
-        """Whether the server has sent output for a request with this id in flight (its first token, or text)."""
-        return any(flight.ids or flight.tokens or flight.text for flight in self._flights.get(request_id, ()))
+        """Whether the server sent output (a token, or text) for a request with this id in flight."""
+        return any(f.ids or f.tokens or f.text for f in self._flights.get(request_id, ()))
 
     async def update_weights(self, path: str) -> None:
         """Load the checkpoint in the folder ``path`` into the managed server in place
@@ -428,17 +423,10 @@ class OpenAIEngine(Engine):
         info = super().describe()
         args = asdict(self.args)
         args["base_url"] = None if self.args.managed else redact_url(self.args.base_url)
-        info.update(
-            api=self.protocol or self.args.api,
-            retokenized=self.retokenized,
-            model=self.model,
-            model_name=self.model_name,
-            supports_seed=self.supports_seed,
-            tokenizer=self.args.tokenizer or self.model,
-            engine_args=args,
-            concurrency=self.concurrency,
-            server_max_running_requests=self.server_capacity,
-        )
+        info.update(api=self.protocol or self.args.api, retokenized=self.retokenized, model=self.model)
+        info.update(model_name=self.model_name, supports_seed=self.supports_seed)
+        info.update(tokenizer=self.args.tokenizer or self.model, engine_args=args, concurrency=self.concurrency)
+        info.update(server_max_running_requests=self.server_capacity)
         return info
 
 
