@@ -41,6 +41,9 @@ class RunSettings:
     location, length_hints:
         Where the store lives (:class:`~daskgen.store.location.StoreLocation`, reachable); the ``length_hints``
         store's location (``None``: unset).
+    max_trajectories:
+        The most trajectories the run's agent loop makes of one sample (the store's width; the agent is created,
+        and so its arguments checked, here).
     engine_cls, simulated, prefix_engine_args, prefix_admits:
         The engine class ``engine`` names, and whether it generates without a model (engine args included); the
         engine args of a run dispatched by prefix, and whether the engine then admits requests by prefix itself.
@@ -68,6 +71,7 @@ class RunSettings:
     source: Prompts | None
     location: StoreLocation
     length_hints: StoreLocation | None
+    max_trajectories: int
     engine_cls: type[Engine]
     simulated: bool
     prefix_engine_args: dict[str, Any]
@@ -97,6 +101,7 @@ def resolve(config: RunConfig, prompts: Prompts | None = None, *, command: RunCo
     Raises :class:`ConfigError` for a missing setting, an unreachable store, an unknown engine, a model folder
     without a tokenizer or verifier settings without a verifier, before anything is created.
     """
+    from daskgen.agents import create_agent
     from daskgen.engines import resolve_engine_class
     from daskgen.input.adapters import adapter_identity
     from daskgen.input.chat_template import ChatTemplate
@@ -118,9 +123,10 @@ def resolve(config: RunConfig, prompts: Prompts | None = None, *, command: RunCo
     location = locate(config.store, config.storage_options)
     location.check_reachable()  # a missing bucket or refused credentials: said before anything starts
     hints = locate(config.length_hints, config.storage_options) if config.length_hints else None
+    agent = create_agent(config.agent, str(config.model), config.agent_args)
     engine_cls = resolve_engine_class(config.engine)
-    prefix_engine_args, prefix_admits = engine_cls.prefix_admission(dict(config.engine_args))
     simulated = engine_cls.is_simulated(config.engine_args)
+    prefix_engine_args, prefix_admits = engine_cls.prefix_admission(dict(config.engine_args))
     tokenizer = model_tokenizer(str(config.model), config.engine, simulated=simulated)
     eos = tokenizer.eos_token_id
     template = ChatTemplate.from_settings(config.chat_template, config.chat_template_kwargs)
@@ -132,6 +138,7 @@ def resolve(config: RunConfig, prompts: Prompts | None = None, *, command: RunCo
         source=prompts if prompts is not None else config.prompts,
         location=location,
         length_hints=hints,
+        max_trajectories=agent.max_trajectories,
         engine_cls=engine_cls,
         simulated=simulated,
         prefix_engine_args=prefix_engine_args,

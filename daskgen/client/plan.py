@@ -18,16 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from daskgen.agents import create_agent
 from daskgen.client.dispatch import dispatch_order, long_first, read_length_hints
 from daskgen.client.prefix_dispatch import resolve_prefix, with_prefix
 from daskgen.config import RunConfig
 from daskgen.engines.base import SamplingParams
-from daskgen.input import adapters, response_format
+from daskgen.input import adapters
 from daskgen.input.chat_template import ChatTemplate
-from daskgen.input.columns import kept_values
 from daskgen.input.prefix import PrefixKeys
-from daskgen.input.rows import InputScan, iter_selected_rows, scan_prompts
+from daskgen.input.rows import InputScan, iter_selected_rows, scan_prompts, worker_input
 from daskgen.input.sampling import STOP_KEYS, RowSamplingCheck, merged, requested_features, run_settings
 from daskgen.input.scan_cache import load_scan, scan_key, scan_record
 from daskgen.reserved import reserved_names
@@ -95,11 +93,16 @@ def prepare(config: RunConfig, prompts: Prompts | None = None) -> Plan:
 
 
 def make_plan(settings: RunSettings) -> Plan:
-    """Validate the input of a run with ``settings`` (:func:`daskgen.config.resolve`), create or check the store."""
+    """Plan a run with ``settings`` (:func:`daskgen.settings.resolve`), one step after the other and each on what
+    the step before found: the input scanned (or its scan reused from the store), the length hints read, the engine
+    checked for every feature the run and its rows ask for, the store created or checked, the prefix keys resolved.
+    """
     existing, scan, record, keys = _scan_input(settings)
-    _check_features(settings, keys, structured=scan.structured or settings.structured is not None)
-    wanted = _store_attrs(settings, scan, keys)
-    store, record = _create_or_check_store(settings, wanted, scan, existing, record)
+    hints = settings.length_hints
+    predicted = None if hints is None else read_length_hints(hints, scan.ids, scan.fingerprint, len(scan))
+    structured = scan.structured or settings.structured is not None
+    _check_features(settings, keys, structured)
+    store, record = _open_store(settings, scan, keys, existing, record)
     prefix = resolve_prefix(
         settings.options.dispatch, scan, store.attrs.input_scan, settings.tokenizer, settings.template
     )
@@ -107,14 +110,13 @@ def make_plan(settings: RunSettings) -> Plan:
     if engine_args is not None and engine_args != settings.options.engine_args:
         added = {k: v for k, v in engine_args.items() if settings.options.engine_args.get(k) != v}
         logger.info("dispatch by prefix: the %s engines start with %s", settings.options.engine, added)
-    hints = settings.length_hints
     return Plan(
         settings,
         scan,
         store,
         scan_record=record,
         first_partitions=tuple(store.attrs.partial_partitions),
-        predicted=None if hints is None else read_length_hints(hints, scan.ids, scan.fingerprint, len(scan)),
+        predicted=predicted,
         prefix=prefix,
         prefix_order=not admits,
         engine_args=engine_args,
@@ -169,19 +171,32 @@ def _scan_input(
     return existing, scan, scan_record(key, scan, source), frozenset(check.keys)
 
 
-def _create_or_check_store(
+def _open_store(
     settings: RunSettings,
-    wanted: StoreAttrs,
     scan: InputScan,
+    keys: frozenset[str],
     existing: GenerationStore | None,
     record: dict[str, Any] | None,
 ) -> tuple[GenerationStore, dict[str, Any] | None]:
-    """Create the store (with the scan ``record`` in its attrs) or check the existing one can be resumed.
+    """Create the store (with the scan ``record`` in its attrs) or check that the existing one can be resumed;
+    ``keys`` are the sampling keys the rows set.
 
     Returns the store and the scan record still to be kept by :func:`keep_scan` (``None`` once written).
     """
+    from daskgen.versions import package_versions
+
+    keep = settings.kept_columns
+    wanted = StoreAttrs(
+        layout=_layout(settings, scan, keys),
+        identity=settings.identity,
+        input={"fingerprint": scan.fingerprint, "n_prompts": len(scan), **({"keep_columns": keep} if keep else {})},
+        tokenizer=settings.tokenizer_identity,
+        config=settings.record,
+        simulated=settings.simulated,
+        versions=package_versions(),
+        input_scan=record if existing is None else None,
+    )
     if existing is None:
-        wanted.input_scan = record
         return GenerationStore.create(settings.location, wanted, scan.ids), None
     existing.check_resumable(wanted)
     return existing, record
@@ -195,7 +210,6 @@ def keep_scan(plan: Plan) -> None:
 
 def _layout(settings: RunSettings, scan: InputScan, keys: frozenset[str]) -> Layout:
     config = settings.options
-    agent = create_agent(config.agent, str(config.model), config.agent_args)
     return Layout(
         len(scan),
         config.n_samples,
@@ -203,7 +217,7 @@ def _layout(settings: RunSettings, scan: InputScan, keys: frozenset[str]) -> Lay
         config.max_new_tokens,
         config.partition_size,
         int(settings.tokenizer.pad_token_id),
-        agent.max_trajectories,
+        settings.max_trajectories,
         scored=settings.verify is not None,
         columns=scan.columns,
         row_sampling=bool(keys),
@@ -211,21 +225,6 @@ def _layout(settings: RunSettings, scan: InputScan, keys: frozenset[str]) -> Lay
         structured=scan.structured or settings.structured is not None,
         top_logprobs=config.top_logprobs,
         adapters=bool(settings.adapters),
-    )
-
-
-def _store_attrs(settings: RunSettings, scan: InputScan, keys: frozenset[str]) -> StoreAttrs:
-    from daskgen.versions import package_versions
-
-    keep = settings.kept_columns
-    return StoreAttrs(
-        layout=_layout(settings, scan, keys),
-        identity=settings.identity,
-        input={"fingerprint": scan.fingerprint, "n_prompts": len(scan), **({"keep_columns": keep} if keep else {})},
-        tokenizer=settings.tokenizer_identity,
-        config=settings.record,
-        simulated=settings.simulated,
-        versions=package_versions(),
     )
 
 
@@ -278,14 +277,27 @@ def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[Part
         return
 
     shared = _shared_task_fields(plan)
-    layout = plan.layout
+    layout, params = plan.layout, shared["params"]
     ranges = [(start, min(start + layout.partition_size, layout.n_prompts)) for start in starts]
     wanted = (int(i) for start, stop in ranges for i in np.flatnonzero(todo[start:stop]) + start)
     selected = iter_selected_rows(plan.prompts.source, wanted)
     for start, stop in ranges:
         rows = (np.flatnonzero(todo[start:stop]) + start).tolist()
-        full = [next(selected)[1] for _ in rows]
-        yield _partition_task(plan, shared, start, stop, rows, full)
+        full = [next(selected)[1] for _ in rows]  # the pending rows' input rows
+        yield PartitionTask(
+            plan.store,
+            start,
+            stop,
+            rows,
+            None,
+            agent_args=dict(plan.config.agent_args),
+            rows_meta=full if shared["verify"] is not None else None,
+            inputs=[worker_input(r, layout.columns, params.response_format, params.adapter) for r in full],
+            row_settings=[merged(shared["run_settings"], r.get("sampling")) for r in full]
+            if layout.row_sampling
+            else None,
+            **shared,
+        )
 
 
 def _shared_task_fields(plan: Plan) -> dict[str, Any]:
@@ -316,40 +328,3 @@ def _sampling_params(plan: Plan) -> SamplingParams:
         adapter=cfg.adapter,
     )
     return row_params(run_settings(cfg), plan.stop_ids, run)
-
-
-def _partition_task(
-    plan: Plan, shared: dict[str, Any], start: int, stop: int, rows: list[int], full: list[dict[str, Any]]
-) -> PartitionTask:
-    """The task of partition ``[start, stop)``, whose pending ``rows`` hold the input rows ``full``."""
-    return PartitionTask(
-        plan.store,
-        start,
-        stop,
-        rows,
-        None,
-        agent_args=dict(plan.config.agent_args),
-        rows_meta=full if shared["verify"] is not None else None,
-        inputs=[_task_input(r, plan.layout.columns, shared["params"]) for r in full],
-        row_settings=[merged(shared["run_settings"], r.get("sampling")) for r in full]
-        if plan.layout.row_sampling
-        else None,
-        **shared,
-    )
-
-
-def _task_input(row: dict[str, Any], columns: tuple[str, ...], run: SamplingParams) -> dict[str, Any]:
-    """The part of an input row the worker needs: what it tokenizes (the prompt or messages, with their
-    chat-template columns), the text of the kept columns, the row's structured-output format and LoRA adapter
-    (its own or the run's ``run`` params'); other columns stay on the client."""
-    keys = ("messages", "chat_template_kwargs", "tools") if row.get("messages") is not None else ("prompt",)
-    out = {key: row[key] for key in keys if row.get(key) is not None}
-    if columns:
-        out["columns"] = kept_values(row, columns)
-    structured = response_format.for_row(row, run.response_format)
-    if structured is not None:
-        out["response_format"] = structured
-    adapter = adapters.for_row(row, run.adapter)
-    if adapter is not None:
-        out["adapter"] = adapter
-    return out

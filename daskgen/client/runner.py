@@ -66,7 +66,8 @@ def _run_locked(plan: Plan, stop: StopControl, t0: float) -> RunSummary:
     from daskgen.client.cluster import connect
     from daskgen.store.lock import StoreLock
 
-    with StoreLock(plan.store.location) as lock:
+    store = plan.store
+    with StoreLock(store.location) as lock:
         if lock.took_over:
             logger.warning("took over the stale lock of a dead run: %s", lock.took_over)
         run = _start_live(plan, stop, lock)
@@ -81,20 +82,21 @@ def _run_locked(plan: Plan, stop: StopControl, t0: float) -> RunSummary:
                 stop.interrupt.request(str(exc))  # the first reason wins: a signal's, if one came first
         _record_partial_partitions(run)
         summary = summarize(run, time.perf_counter() - t0)
-        plan.store.append_run(summary.__dict__)
+        store.append_run(summary.__dict__)
     return summary
 
 
 def _start_live(plan: Plan, stop: StopControl, lock: Any) -> LiveRun:
-    """Under the lock: re-read the store, bring it up to date, commit overlong prompts; the live run."""
+    """Under the lock: re-read the store, bring it up to date, keep a fresh input scan in its attrs, commit overlong
+    prompts; the live run."""
     store = plan.store
     store.refresh_attrs()  # from here on, only this client writes them
     store.add_missing_arrays()
+    keep_scan(plan)
     record = store.read_region(0, plan.layout.n_prompts, ("committed_at", "commit_seq"))
     seq = record["commit_seq"].astype("int64")
     last = max(int(seq.max(initial=0)), read_head(store.location))
     run = LiveRun(plan, store.read_status(), record["committed_at"], seq, last, stop, lock)
-    keep_scan(plan)
     commit_overlong(run)
     take_requeued(run)
     return run

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from daskgen.errors import InputError
-from daskgen.input import chat_template
+from daskgen.input import adapters, chat_template, response_format
 from daskgen.input.chat_template import ChatTemplate
-from daskgen.input.columns import ColumnCheck
+from daskgen.input.columns import ColumnCheck, kept_values
 from daskgen.input.prefix import PrefixKeys, PrefixScan
-from daskgen.input.response_format import FormatCheck
+from daskgen.input.response_format import FormatCheck, ResponseFormat
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_REPORTED = 20
@@ -318,3 +318,22 @@ def iter_token_ids(
     """``(index, token ids, row)`` of the rows whose 0-based indices ``wanted`` yields (ascending), streaming."""
     for index, row in iter_selected_rows(source, wanted):
         yield index, tokenize_rows([row], tokenizer, template, index + 1)[0], row
+
+
+def worker_input(
+    row: dict[str, Any], columns: tuple[str, ...], run_format: ResponseFormat | None, run_adapter: str | None
+) -> dict[str, Any]:
+    """The part of an input row the worker needs: what it tokenizes (the prompt or messages, with their
+    chat-template columns), the text of the kept ``columns``, the row's structured-output format and LoRA adapter
+    (its own, else the run's ``run_format`` and ``run_adapter``); other columns stay on the client."""
+    keys = ("messages", "chat_template_kwargs", "tools") if row.get("messages") is not None else ("prompt",)
+    out = {key: row[key] for key in keys if row.get(key) is not None}
+    if columns:
+        out["columns"] = kept_values(row, columns)
+    structured = response_format.for_row(row, run_format)
+    if structured is not None:
+        out["response_format"] = structured
+    adapter = adapters.for_row(row, run_adapter)
+    if adapter is not None:
+        out["adapter"] = adapter
+    return out
