@@ -24,6 +24,7 @@ import subprocess
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
+from daskgen import node
 from daskgen.errors import GpuPinningError
 from daskgen.node import (
     ENV_GPUS_PER_WORKER,
@@ -36,13 +37,8 @@ from daskgen.node import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "ENV_GPUS_PER_WORKER",
-    "ENV_LOCAL_RANK",
-    "ENV_ORIGINAL_DEVICES",
-    "ENV_PINNED_DEVICES",
-    "ENV_RESOLVED_RANK",
-    "ENV_WORKERS_PER_NODE",
+__all__ = [  # the node's environment names too (daskgen.node), where they were always importable from
+    *node.__all__,
     "GpuAssignment",
     "GpuPinningError",
     "choose_gpu",
