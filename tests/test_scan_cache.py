@@ -86,7 +86,7 @@ def test_a_touched_file_is_scanned_again_and_the_new_scan_kept_under_the_lock(tm
     assert len(scans) == 2 and plan.scan_record is not None
     run_plan.prepare(_config(tmp_path, prompts))
     assert len(scans) == 3  # not kept yet: only a run holding the lock writes the attrs
-    run_plan.keep_scan(plan)
+    plan.store.update_attrs(input_scan=plan.scan_record)  # what a run does with it under the lock
     run_plan.prepare(_config(tmp_path, prompts))
     assert len(scans) == 3
 

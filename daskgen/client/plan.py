@@ -181,7 +181,8 @@ def _open_store(
     """Create the store (with the scan ``record`` in its attrs) or check that the existing one can be resumed;
     ``keys`` are the sampling keys the rows set.
 
-    Returns the store and the scan record still to be kept by :func:`keep_scan` (``None`` once written).
+    Returns the store and the scan record still to be kept in its attrs (``None`` once written): the run keeps it
+    under the store's lock (:mod:`daskgen.client.runner`).
     """
     from daskgen.versions import package_versions
 
@@ -200,12 +201,6 @@ def _open_store(
         return GenerationStore.create(settings.location, wanted, scan.ids), None
     existing.check_resumable(wanted)
     return existing, record
-
-
-def keep_scan(plan: Plan) -> None:
-    """Keep a fresh input scan of an existing store in its attrs (client holding the lock only)."""
-    if plan.scan_record is not None:
-        plan.store.update_attrs(input_scan=plan.scan_record)
 
 
 def _layout(settings: RunSettings, scan: InputScan, keys: frozenset[str]) -> Layout:

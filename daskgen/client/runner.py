@@ -9,9 +9,10 @@ policy); each finished partition is committed (``status`` written after its data
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from daskgen.client.commit import commit_overlong
 from daskgen.client.dispatch import still_partial
 from daskgen.client.interrupt import Interrupt, allocation_end
 from daskgen.client.live import LiveRun, StopControl
-from daskgen.client.plan import Plan, keep_scan, make_plan, pending_rows, pending_tasks
+from daskgen.client.plan import Plan, make_plan, pending_rows, pending_tasks
 from daskgen.client.requeue import take_requeued
 from daskgen.client.run_summary import RunSummary, summarize
 from daskgen.collector import CLIENT, collector_tuned
@@ -64,13 +65,8 @@ def run(
 
 def _run_locked(plan: Plan, stop: StopControl, t0: float) -> RunSummary:
     from daskgen.client.cluster import connect
-    from daskgen.store.lock import StoreLock
 
-    store = plan.store
-    with StoreLock(store.location) as lock:
-        if lock.took_over:
-            logger.warning("took over the stale lock of a dead run: %s", lock.took_over)
-        run = _start_live(plan, stop, lock)
+    with _live(plan, stop) as run:
         n_pending = int(pending_rows(plan, run.status).sum())
         try:
             if n_pending and stop.interrupted() is None:
@@ -82,24 +78,31 @@ def _run_locked(plan: Plan, stop: StopControl, t0: float) -> RunSummary:
                 stop.interrupt.request(str(exc))  # the first reason wins: a signal's, if one came first
         _record_partial_partitions(run)
         summary = summarize(run, time.perf_counter() - t0)
-        store.append_run(summary.__dict__)
+        plan.store.append_run(summary.__dict__)
     return summary
 
 
-def _start_live(plan: Plan, stop: StopControl, lock: Any) -> LiveRun:
-    """Under the lock: re-read the store, bring it up to date, keep a fresh input scan in its attrs, commit overlong
-    prompts; the live run."""
+@contextlib.contextmanager
+def _live(plan: Plan, stop: StopControl) -> Iterator[LiveRun]:
+    """The live run, while this client holds the store's lock: the store re-read and brought up to date, a fresh
+    input scan kept in its attrs, the overlong prompts committed and the rows followers sent back taken."""
+    from daskgen.store.lock import StoreLock
+
     store = plan.store
-    store.refresh_attrs()  # from here on, only this client writes them
-    store.add_missing_arrays()
-    keep_scan(plan)
-    record = store.read_region(0, plan.layout.n_prompts, ("committed_at", "commit_seq"))
-    seq = record["commit_seq"].astype("int64")
-    last = max(int(seq.max(initial=0)), read_head(store.location))
-    run = LiveRun(plan, store.read_status(), record["committed_at"], seq, last, stop, lock)
-    commit_overlong(run)
-    take_requeued(run)
-    return run
+    with StoreLock(store.location) as lock:
+        if lock.took_over:
+            logger.warning("took over the stale lock of a dead run: %s", lock.took_over)
+        store.refresh_attrs()  # from here on, only this client writes them
+        store.add_missing_arrays()
+        if plan.scan_record is not None:  # a fresh scan of an existing store (the plan keeps no attrs itself)
+            store.update_attrs(input_scan=plan.scan_record)
+        record = store.read_region(0, plan.layout.n_prompts, ("committed_at", "commit_seq"))
+        seq = record["commit_seq"].astype("int64")
+        last = max(int(seq.max(initial=0)), read_head(store.location))
+        run = LiveRun(plan, store.read_status(), record["committed_at"], seq, last, stop, lock)
+        commit_overlong(run)
+        take_requeued(run)
+        yield run
 
 
 def _record_partial_partitions(run: LiveRun) -> None:
