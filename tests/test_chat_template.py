@@ -10,10 +10,10 @@ import pytest
 
 from daskgen.client.plan import prepare
 from daskgen.config import RunConfig
+from daskgen.engines.tokenizer import load_tokenizer
 from daskgen.errors import ConfigError, InputError, StoreMismatchError
 from daskgen.input.chat_template import ChatTemplate
 from daskgen.input.rows import scan_prompts, tokenize_rows
-from daskgen.engines.tokenizer import load_tokenizer
 from daskgen.store import GenerationStore
 from tests.conftest import run_cli
 

@@ -17,10 +17,10 @@ from daskgen.analysis import export as ex
 from daskgen.analysis.accessor import open_store
 from daskgen.config import RunConfig
 from daskgen.engines.stops import EOS, NO_STOP, first_stop
+from daskgen.engines.tokenizer import load_tokenizer
 from daskgen.errors import ConfigError, InputError, StoreMismatchError
 from daskgen.input.rows import scan_prompts
 from daskgen.input.sampling import KEYS, RowSamplingCheck
-from daskgen.engines.tokenizer import load_tokenizer
 from daskgen.store.layout import Layout
 from tests.conftest import run_cli
 
