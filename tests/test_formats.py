@@ -130,11 +130,12 @@ def test_the_export_adds_only_text_and_raw_prompts_to_what_follow_gives(finished
 
 def test_every_sample_record_of_a_layout_with_every_array_reaches_every_format(tmp_path):
     """A store with every optional array (and a kept column): each array the layout lists for the outputs
-    (``sample_records``, the policy versions, ``logprobs``) is a field of every format, under its output name."""
+    (``sample_records``, the policy versions and their fingerprints, ``logprobs``) is a field of every format, under
+    its output name."""
     from daskgen import formats
     from daskgen.formats.read import read_block
     from daskgen.store import GenerationStore, StoreAttrs
-    from daskgen.store.layout import VERSION_ARRAYS, column_name, every_array_layout
+    from daskgen.store.layout import FINGERPRINT_ARRAYS, VERSION_ARRAYS, column_name, every_array_layout
 
     layout = every_array_layout(columns=("answer",))
     identity = {"logprobs": True, "n_samples": layout.n_samples}
@@ -144,7 +145,7 @@ def test_every_sample_record_of_a_layout_with_every_array_reaches_every_format(t
     store.write_region(0, {"finish_reason": generated, "response_length": generated.astype(np.int32) + 1})
     block = read_block(store, np.array([0]))
     assert len(block) == generated.size
-    wanted = ("logprobs", *layout.sample_records(), *VERSION_ARRAYS)
+    wanted = ("logprobs", *layout.sample_records(), *VERSION_ARRAYS, *FINGERPRINT_ARRAYS)
     names = {column_name(name) or name for name in wanted}
     in_verl = {"rollout_log_probs" if name == "logprobs" else name for name in names}
     assert {"answer", "stop_reason", "top_logprobs", "sampling", "adapter"} <= names

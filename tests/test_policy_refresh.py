@@ -3,7 +3,8 @@
 A ``daskgen run --refresh drain`` of the tiny model on a LocalCluster: a probe engine holds one row at a gate
 while a new checkpoint (other seeded weights, ``save_pretrained``) is published; once the worker records that it
 is loading the version (it stopped admitting and waits for the held row), the row is released.  Every sample
-records the version that generated it, and each equals that version's own greedy answer token for token (a
+records the version that generated it (and the published digest of version 1, checked against the weights the
+worker's engine loaded), and each equals that version's own greedy answer token for token (a
 greedy probe against the checkpoint loaded in this process).  In process: ``continue`` aborts a request mid-way
 and continues it from its tokens on the new weights; a checkpoint that does not fit is refused and the engine
 keeps its version.
@@ -21,7 +22,9 @@ import daskgen
 from daskgen import store
 from daskgen.engines.base import GenerationRequest, SamplingParams
 from daskgen.engines.transformers import TransformersEngine
-from daskgen.store.policy import read_worker_policies
+from daskgen.store.fingerprint import digest_number
+from daskgen.store.policy import read_versions, read_worker_policies
+from daskgen.store.verify import verify
 from daskgen.testing.probes import read_events, row_of
 from daskgen.worker.refresh import PolicyRefresher
 from tests.conftest import popen_cli, write_prompts
@@ -98,6 +101,10 @@ def test_a_run_refreshes_in_place_and_records_versions(tiny_model, new_policy, t
     assert after and {v: set(np.flatnonzero(got["policy_version"][:, 0] == v)) for v in (0, 1)} == expected
     np.testing.assert_array_equal(got["policy_version_end"], got["policy_version"])
     assert (got["version_changed_at"] == -1).all()
+    digest = digest_number(read_versions(store.locate(out))[0].digest)  # checked against the loaded weights
+    for name in ("policy_fingerprint", "policy_fingerprint_end"):
+        np.testing.assert_array_equal(got[name], np.where(got["policy_version"] == 1, digest, 0))
+    assert verify(out, progress=False).sound
     prompts_ids = [got["prompt_ids"][r, : got["prompt_length"][r]].tolist() for r in range(6)]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
     answers = {0: greedy(tiny_model, prompts_ids, params), 1: greedy(new_policy, prompts_ids, params)}

@@ -53,6 +53,9 @@ class Trajectory:
     top_logprobs: TopLogprobs | None = None
     #: ``(response position, policy version)`` where each run of model tokens from one policy version starts.
     versions: list[tuple[int, int]] = field(default_factory=list)
+    #: The fingerprint (:func:`daskgen.store.fingerprint.digest_number`) of each policy version in ``versions``
+    #: whose loaded weights the worker checked against the published fingerprint; 0 or absent: unchecked.
+    fingerprints: dict[int, int] = field(default_factory=dict)
     #: Prompt tokens the engine served from its prefix cache, summed over the turns (-1: the engine does not say).
     cached_prompt_tokens: int = -1
 
@@ -94,6 +97,8 @@ class Trajectory:
         n, offset = len(result.output_ids), len(self.response_ids)
         segments = result.meta.get("policy_versions") or [(0, BASE_POLICY_VERSION)]
         self.add_versions(segments, offset, n)
+        if fingerprints := result.meta.get("policy_fingerprints"):
+            self.fingerprints.update(fingerprints)
         self.response_ids += result.output_ids
         self.response_mask += [1] * n
         if (cached := result.meta.get("cached_tokens")) is not None:

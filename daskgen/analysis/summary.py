@@ -10,7 +10,7 @@ from daskgen.store.cursors import not_acknowledged
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import DONE, FAILED, PENDING
 from daskgen.store.location import StoreRef
-from daskgen.store.policy import read_versions, read_worker_policies
+from daskgen.store.policy import PolicyVersion, read_versions, read_worker_policies
 
 
 def status_report(path: StoreRef) -> str:
@@ -48,11 +48,16 @@ def _policy_lines(store: GenerationStore, done: np.ndarray) -> list[str]:
     """The published policy versions (``daskgen policy publish``), the workers' states (runs with ``refresh``)
     and the generated samples of done prompts per policy version."""
     versions = read_versions(store.location)
-    lines = ["policy versions:", *(f"  {v.version}: {v.path} (published {v.time})" for v in versions)]
+    lines = ["policy versions:", *(f"  {v.version}: {v.path} (published {v.time}{_digest(v)})" for v in versions)]
     for w in read_worker_policies(store.location):
         note = {"loading": f", loading version {w.asked}", "failed": f", loading version {w.asked} failed: {w.error}"}
         lines.append(f"  worker {w.worker}: version {w.version}{note.get(w.state, '')} ({w.time})")
     return [*lines, *_samples_per_version(store, done)] if len(lines) > 1 else []
+
+
+def _digest(version: PolicyVersion) -> str:
+    """The version's fingerprint as status shows it (its digest and tensor count), or nothing when it has none."""
+    return f", fingerprint {version.digest} of {len(version.tensors or ())} tensors" if version.digest else ""
 
 
 def _samples_per_version(store: GenerationStore, done: np.ndarray) -> list[str]:

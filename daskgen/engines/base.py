@@ -415,6 +415,23 @@ class Engine(abc.ABC):
             "(transformers, sglang, vllm, openai with managed=true) or run without `refresh`."
         )
 
+    async def loaded_fingerprint(self, dtypes: dict[str, str]) -> dict[str, str]:
+        """The fingerprint (:func:`daskgen.engines.fingerprint.tensor_fingerprint`) of each checkpoint tensor named in
+        ``dtypes`` as the running engine holds it, read from the engine's own tensors (not from the files it loaded).
+        ``dtypes`` gives each name's published dtype (a safetensors code), for an engine that reads its tensors as
+        another type of value and must convert them back.
+
+        A name the engine does not hold as one tensor of its own (fused into another, or absent) is left out.  An
+        engine that serves it declares the ``policy_fingerprint`` feature; the worker's policy refresher compares
+        the result with the published fingerprint before it serves a version (:mod:`daskgen.worker.refresh`).
+
+        Raises
+        ------
+        RefreshError
+            This engine cannot read its loaded tensors (the default).
+        """
+        raise RefreshError(f"engine {self.name!r} cannot fingerprint the weights it holds")
+
     async def sleep(self) -> None:  # noqa: B027 - optional hook
         """Release accelerator memory while idle, where the backend supports it."""
 

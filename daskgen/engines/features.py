@@ -29,6 +29,9 @@ FEATURES: dict[str, str] = {
     "lora": "LoRA adapters ('adapter')",
     "top_logprobs": "top-k logprobs ('top_logprobs')",
     "refresh": "loading published policy versions into the running engine ('refresh')",
+    "policy_fingerprint": "checking each loaded policy version's weights, read from the engine's own tensors, "
+    "against the fingerprint its publisher recorded (used by 'refresh' runs; a version loads unchecked on an "
+    "engine without it)",
     "refresh_with_lora": "loading published policy versions into an engine that holds LoRA adapters ('refresh' "
     "with 'adapters'; the adapters apply to the new base weights)",
 }

@@ -14,7 +14,7 @@ import numpy as np
 
 from daskgen.formats.block import Block, flatten_arrays
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.layout import STALE_FIELD, VERSION_ARRAYS
+from daskgen.store.layout import FINGERPRINT_ARRAYS, STALE_FIELD, VERSION_ARRAYS
 
 #: The token arrays every block is built from (``response_mask`` only when a response can hold other tokens
 #: than the model's; ``logprobs`` too when the run recorded them).
@@ -31,12 +31,14 @@ TOKEN_FIELDS = (
 
 def block_fields(store: GenerationStore) -> tuple[str, ...]:
     """The store arrays a block is built from: the token arrays, ``logprobs`` when recorded, the arrays of
-    :meth:`~daskgen.store.layout.Layout.sample_records` and the policy versions (stores that hold them)."""
+    :meth:`~daskgen.store.layout.Layout.sample_records` and the policy versions and their fingerprints (stores
+    that hold them)."""
     derived = ("response_mask",) if store.attrs.model_tokens_only else ()
     wanted = [name for name in TOKEN_FIELDS if name not in derived]
     wanted += ["logprobs"] if store.attrs.logprobs_recorded else []
     wanted += store.layout.sample_records()
-    wanted += [name for name in VERSION_ARRAYS if store.has_array(name)]  # stores from before versions lack them
+    # stores from before versions (or fingerprints) were recorded lack them
+    wanted += [name for name in (*VERSION_ARRAYS, *FINGERPRINT_ARRAYS) if store.has_array(name)]
     return tuple(dict.fromkeys(wanted))
 
 

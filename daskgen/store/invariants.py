@@ -9,12 +9,16 @@ Each rule returns the rows (store indices) that break it, with one line saying h
 * after each length comes only padding: ``pad_token_id`` in the ids, ``0`` in the mask, NaN in logprobs,
   no top-k entry (``-1``, NaN);
 * token ids before each length lie in the tokenizer's vocabulary;
-* the response mask is 0 or 1 (all 1 for single-turn runs, where every token is the model's).
+* the response mask is 0 or 1 (all 1 for single-turn runs, where every token is the model's);
+* a sample's ``policy_fingerprint`` (``policy_fingerprint_end``) is 0 (unchecked) or the digest the policy record
+  holds for its ``policy_version`` (``policy_version_end``): a sample labelled with other weights than its
+  version's published ones is found.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,18 +31,28 @@ KNOWN_FINISH = (NOT_GENERATED, 0, 1, 2, 3)
 @dataclass(frozen=True)
 class RowRules:
     """What the store's attrs say about its rows: the layout, the vocabulary size, whether masks are all 1,
-    whether the run recorded log-probabilities."""
+    whether the run recorded log-probabilities, and each published policy version's digest
+    (:func:`~daskgen.store.fingerprint.digest_number`; versions published without a fingerprint are absent)."""
 
     layout: Layout
     vocab_size: int | None
     model_tokens_only: bool
     logprobs: bool = False
+    digests: Mapping[int, int] = field(default_factory=dict)
 
 
 def broken_rows(region: dict[str, np.ndarray], done: np.ndarray, rules: RowRules) -> dict[int, str]:
     """Local row index -> the first rule it breaks, for the ``done`` rows of one partition's ``region``."""
     found: dict[int, str] = {}
-    for rule in (_finish_reasons, _prompt_part, _response_lengths, _response_padding, _response_tokens):
+    rules_of_rows = (
+        _finish_reasons,
+        _prompt_part,
+        _response_lengths,
+        _response_padding,
+        _response_tokens,
+        _fingerprints,
+    )
+    for rule in rules_of_rows:
         for row, why in rule(region, rules).items():
             if done[row]:
                 found.setdefault(row, why)
@@ -118,3 +132,20 @@ def _response_tokens(region: dict[str, np.ndarray], rules: RowRules) -> dict[int
     ids = region["response_ids"]
     outside = _inside(region) & ((ids < 0) | (ids >= rules.vocab_size))
     return _rows(outside, f"a response token id outside the vocabulary (0..{rules.vocab_size - 1})")
+
+
+def _fingerprints(region: dict[str, np.ndarray], rules: RowRules) -> dict[int, str]:
+    """Samples whose stored fingerprint is neither 0 (unchecked) nor their version's published digest."""
+    found: dict[int, str] = {}
+    if not rules.digests or "policy_fingerprint" not in region:
+        return found
+    for version_name, name in (
+        ("policy_version", "policy_fingerprint"),
+        ("policy_version_end", "policy_fingerprint_end"),
+    ):
+        versions, stored = region[version_name], region[name]
+        for version, digest in rules.digests.items():
+            wrong = (versions == version) & (stored != 0) & (stored != digest)
+            for row, why in _rows(wrong, f"{name} differs from version {version}'s published digest {digest}").items():
+                found.setdefault(row, why)
+    return found

@@ -60,8 +60,12 @@ def client_written_arrays() -> frozenset[str]:
 #: The policy versions of each sample's tokens (:mod:`daskgen.store.policy`): its first and last model token's
 #: version and the response position where the version changed (-1 each: no model token, or no change).
 VERSION_ARRAYS = ("policy_version", "policy_version_end", "version_changed_at")
+#: The fingerprints of the policy versions of each sample's first and last model token: the version's published
+#: digest as a signed 64-bit integer (:func:`daskgen.store.fingerprint.digest_number`), stored once the worker
+#: checked its engine's loaded weights against it; 0: no model token, version 0 (the run's model), or unchecked.
+FINGERPRINT_ARRAYS = ("policy_fingerprint", "policy_fingerprint_end")
 #: The per-sample integers every export and followed batch carries as they are (when the store has them).
-SAMPLE_NUMBERS = (*NUMBER_RECORDS, *VERSION_ARRAYS)
+SAMPLE_NUMBERS = (*NUMBER_RECORDS, *VERSION_ARRAYS, *FINGERPRINT_ARRAYS)
 #: Not stored: the per-sample boolean a follower with ``max_staleness`` adds to every format (True: the sample's
 #: first token is too many policy versions behind the newest, :mod:`daskgen.stream.staleness`).
 STALE_FIELD = "stale"
@@ -193,6 +197,7 @@ class Layout:
             "continued_tokens": ArraySpec((n, s), (rows, s), "int32", 0, per_sample, "response"),
             "cached_prompt_tokens": ArraySpec((n, s), (rows, s), "int32", -1, per_sample, "response"),
             **{name: ArraySpec((n, s), (rows, s), "int32", -1, per_sample, "response") for name in VERSION_ARRAYS},
+            **{name: ArraySpec((n, s), (rows, s), "int64", 0, per_sample, "response") for name in FINGERPRINT_ARRAYS},
         }
         for name in self.columns:  # the input's kept columns (as text), written with the row's data
             specs[column_array(name)] = ArraySpec((n,), (rows,), "str", "", per_prompt, "prompt")
@@ -319,6 +324,9 @@ LONG_NAMES: dict[str, str] = {
     "policy_version_end": "policy version of the sample's last model token (-1: no model token)",
     "version_changed_at": "response position of the first token from another policy version than the first "
     "token's (-1: one version; continued across a refresh otherwise)",
+    "policy_fingerprint": "digest of policy_version's published weights as a signed 64-bit integer, stored once "
+    "the worker checked its engine's loaded tensors against it (0: version 0, no model token, or unchecked)",
+    "policy_fingerprint_end": "digest of policy_version_end's published weights, as policy_fingerprint",
     "response_format": "the row's structured-output format as JSON text ('': none)",
     "adapter": "the name of the LoRA adapter the row was generated with ('': the base model)",
     "score": "verifier score of the sample (NaN: not generated, or the verifier raised)",

@@ -2,8 +2,11 @@
 
 A trainer that saved new weights publishes them as the next version (:func:`publish`, ``daskgen policy
 publish``): the record ``daskgen.policy`` at the root of the store (JSON, ``{"versions": [{"version", "path",
-"time"}, ...]}``) gains one entry.  It is replaced in one atomic write (write-temp-and-rename in a folder, one
-conditional PUT on object storage), compared with what was read first, so two publishers never lose each
+"time", "digest", "tensors"}, ...]}``) gains one entry: ``tensors`` holds the fingerprint of every
+tensor of the checkpoint and ``digest`` the version's, derived from them (:mod:`daskgen.store.fingerprint`;
+both ``None`` for a checkpoint given as a URL, which is not read, or a folder without safetensors files).
+It is replaced in one atomic write (write-temp-and-rename in a folder, one conditional PUT on object storage),
+compared with what was read first, so two publishers never lose each
 other's version.  Versions only increase: a version at or below the newest is refused
 (:class:`~daskgen.errors.PolicyVersionError`).  Version 0 is the run's own ``model``; published versions start
 at 1.  A running ``daskgen run`` with ``refresh`` set reads the record and loads the newest version into every
@@ -21,6 +24,7 @@ from daskgen.engines.base import BASE_POLICY_VERSION
 from daskgen.errors import PolicyError, PolicyVersionError
 from daskgen.store.attrs import utc_now
 from daskgen.store.commit_log import POLICY_KEY, POLICY_TOPIC, POLICY_WORKERS_PREFIX
+from daskgen.store.fingerprint import checkpoint_fingerprint
 from daskgen.store.generation_store import read_store_attrs
 from daskgen.store.location import StoreLocation, StoreRef, locate
 
@@ -30,11 +34,14 @@ _ATTEMPTS = 20
 
 @dataclass(frozen=True)
 class PolicyVersion:
-    """One published version: its number, the checkpoint folder the engines load, when it was published."""
+    """One published version: its number, the checkpoint folder the engines load, when it was published, and
+    its fingerprint (``None`` for a URL checkpoint): the version's digest and each tensor's hash by name."""
 
     version: int
     path: str
     time: str
+    digest: str | None = None
+    tensors: dict[str, str] | None = None
 
 
 def read_versions(location: StoreLocation) -> list[PolicyVersion]:
@@ -54,6 +61,9 @@ def publish_policy(store: StoreRef, path: str, version: int, client: Any = None)
 
     A ``daskgen run`` with ``refresh`` set loads it into every worker's engine without restarting; its samples
     record the versions that generated them (``policy_version``, ``policy_version_end``, ``version_changed_at``).
+    The record keeps the fingerprint of every tensor of the checkpoint (read from its safetensors files), which
+    each worker compares with what its engine loaded before serving the version; the samples carry the version's
+    digest (``policy_fingerprint``, ``policy_fingerprint_end``).
 
     Parameters
     ----------
@@ -78,7 +88,8 @@ def publish_policy(store: StoreRef, path: str, version: int, client: Any = None)
     PolicyVersionError
         ``version`` is not above the newest one (``.current`` and ``.asked`` name both).
     PolicyError
-        ``store`` is no daskgen store, ``path`` is no folder, or ``version`` is below 1.
+        ``store`` is no daskgen store, ``path`` is no folder (or holds a broken safetensors file), or
+        ``version`` is below 1.
     """
     location = locate(store)
     if read_store_attrs(location) is None:
@@ -99,7 +110,15 @@ def publish(location: StoreLocation, path: str, version: int) -> PolicyVersion:
     at or below the newest, :class:`~daskgen.errors.PolicyError` for a version below 1 or a ``path`` that is
     neither an existing folder nor a URL.
     """
-    entry = PolicyVersion(_checked_version(version), _checked_path(path), utc_now())
+    number, checked = _checked_version(version), _checked_path(path)
+    fingerprint = None if "://" in checked else checkpoint_fingerprint(checked)
+    entry = PolicyVersion(
+        number,
+        checked,
+        utc_now(),
+        fingerprint.digest if fingerprint else None,
+        fingerprint.tensors if fingerprint else None,
+    )
 
     def appended(raw: bytes | None) -> bytes:
         versions = [] if raw is None else _parse(raw, location)
@@ -182,7 +201,10 @@ def _check_increases(versions: list[PolicyVersion], asked: int, location: StoreL
 
 def _parse(raw: bytes, location: StoreLocation) -> list[PolicyVersion]:
     try:
-        return [PolicyVersion(int(v["version"]), str(v["path"]), str(v["time"])) for v in json.loads(raw)["versions"]]
+        return [
+            PolicyVersion(int(v["version"]), str(v["path"]), str(v["time"]), v.get("digest"), v.get("tensors"))
+            for v in json.loads(raw)["versions"]
+        ]
     except (ValueError, KeyError, TypeError) as exc:
         raise PolicyError(
             f"{location.url}/{POLICY_KEY} is not a daskgen policy record ({type(exc).__name__}: {exc}); it is "

@@ -21,10 +21,12 @@ from typing import Any
 import numpy as np
 
 from daskgen.store.expected_chunks import ExpectedChunk, PartitionRows, expected_chunks, known_texts
+from daskgen.store.fingerprint import digest_number
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.invariants import RowRules, broken_rows
 from daskgen.store.layout import DONE
 from daskgen.store.location import StoreRef
+from daskgen.store.policy import read_versions
 from daskgen.store.shard_index import inner_present, read_index, shard_key, shard_of, sharding
 
 
@@ -84,11 +86,14 @@ def row_rules(store: GenerationStore) -> RowRules:
     """The rules a finished row of ``store`` must follow, from its attrs.
 
     Token ids are checked against the tokenizer's vocabulary, except in stores of the simulated engine,
-    whose ids are not a model's tokens.
+    whose ids are not a model's tokens; the samples' fingerprints against the policy record's digests.
     """
     vocab = None if store.attrs.simulated else store.attrs.tokenizer.get("vocab_size")
     attrs = store.attrs
-    return RowRules(store.layout, int(vocab) if vocab else None, attrs.model_tokens_only, attrs.logprobs_recorded)
+    digests = {v.version: digest_number(v.digest) for v in read_versions(store.location) if v.digest}
+    return RowRules(
+        store.layout, int(vocab) if vocab else None, attrs.model_tokens_only, attrs.logprobs_recorded, digests
+    )
 
 
 def read_chunk(store: GenerationStore, name: str, start: int, stop: int) -> tuple[np.ndarray | None, Problem | None]:

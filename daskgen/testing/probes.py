@@ -191,6 +191,9 @@ class ProbeEngine(Engine):
     async def update_weights(self, path: str) -> None:
         await self.inner.update_weights(path)
 
+    async def loaded_fingerprint(self, dtypes: dict[str, str]) -> dict[str, str]:
+        return await self.inner.loaded_fingerprint(dtypes)
+
     def health_token_id(self) -> int:
         return self.inner.health_token_id()
 

@@ -50,6 +50,7 @@ def _stored_sample(region: dict[str, np.ndarray], r: int, s: int, stops: set[int
         stop_reason=int(region["stop_reason"][r, s]) if "stop_reason" in region else -1,
         top_logprobs=stored_top_logprobs(region, (r, s), n),
         versions=stored_versions(region, (r, s)),
+        fingerprints=stored_fingerprints(region, (r, s)),
     )
 
 
@@ -60,6 +61,16 @@ def stored_versions(region: dict[str, np.ndarray], index: tuple[int, int]) -> li
     first, changed = int(region["policy_version"][index]), int(region["version_changed_at"][index])
     end = int(region["policy_version_end"][index])
     return [(0, first)] if changed < 0 else [(0, first), (changed, end)]
+
+
+def stored_fingerprints(region: dict[str, np.ndarray], index: tuple[int, int]) -> dict[int, int]:
+    """The checked fingerprints a stored sample records, by version (empty: none stored)."""
+    if "policy_fingerprint" not in region or int(region["policy_version"][index]) < 0:
+        return {}
+    return {
+        int(region["policy_version"][index]): int(region["policy_fingerprint"][index]),
+        int(region["policy_version_end"][index]): int(region["policy_fingerprint_end"][index]),
+    }
 
 
 def sample_with_prefix(

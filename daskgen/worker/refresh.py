@@ -6,7 +6,9 @@ A run with ``refresh`` set gives each worker's :class:`~daskgen.worker.plugin.En
 store (:func:`listen_for_versions`: a Dask event on :data:`~daskgen.store.commit_log.POLICY_TOPIC`); when the
 newest version is above the one its engine runs, it stops admitting
 the run's requests, empties the engine as the ``refresh`` policy says, loads the version
-(:meth:`~daskgen.engines.base.Engine.update_weights`) and admits again:
+(:meth:`~daskgen.engines.base.Engine.update_weights`), checks what the engine loaded against the version's
+published fingerprint (:meth:`~daskgen.engines.base.Engine.loaded_fingerprint`, on engines that declare
+``policy_fingerprint``) and admits again:
 
 * ``drain``: the requests in flight finish on the old weights first;
 * ``continue``: they are aborted keeping their tokens, and each goes on from its prefix on the new weights (the
@@ -16,7 +18,11 @@ Every request goes through :meth:`PolicyRefresher.generate`, which stamps its re
 tokens (``meta["policy_versions"]``: ``[(response position, version), ...]``, read by
 :meth:`daskgen.agents.Trajectory.add_model_tokens`).  A load that fails leaves the engine on its version: the
 error is logged, shown on the dashboard and in the plugin's status, the version is not tried again, and the run
-goes on.  A restarted engine starts again from version 0 (the run's ``model``) and is refreshed before it
+goes on.  A load whose tensors differ from the published fingerprint is refused the same way, after the engine
+loaded its previous version again: it is never recorded as the new version.  Each result also carries the
+fingerprint of every version it was generated under (``meta["policy_fingerprints"]``: ``{version: number}``,
+:func:`daskgen.store.fingerprint.digest_number` of the checked version's digest; 0 for version 0 and unchecked
+loads).  A restarted engine starts again from version 0 (the run's ``model``) and is refreshed before it
 takes a request.
 """
 
@@ -26,7 +32,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any, get_args
+from typing import Any, NoReturn, get_args
 
 from daskgen import tunables
 from daskgen.engines.base import (
@@ -37,9 +43,11 @@ from daskgen.engines.base import (
     aborted_result,
 )
 from daskgen.engines.continuation import continuation_of, joined
+from daskgen.errors import RefreshError
 from daskgen.run_options import RefreshPolicy
 from daskgen.store.attrs import utc_now
 from daskgen.store.commit_log import POLICY_TOPIC
+from daskgen.store.fingerprint import NO_FINGERPRINT, digest_number, dtype_of, mismatched
 from daskgen.store.location import StoreLocation, announced_for
 from daskgen.store.policy import PolicyVersion, WorkerPolicy, newest, write_worker_policy
 
@@ -70,6 +78,8 @@ class PolicyRefresher:
         self.location, self.policy, self.live_engine, self.worker = location, policy, live_engine, worker
         self.engine: Engine | None = None  # the engine whose version is known
         self.version = BASE_POLICY_VERSION
+        self.path: str | None = None  # the checkpoint of ``version`` (None: the run's model)
+        self.fingerprints: dict[int, int] = {}  # per version loaded: its checked digest's number (0: unchecked)
         self.refreshes = 0
         self.error: str | None = None
         self.refused: set[int] = set()  # versions whose load failed on this engine (not tried again)
@@ -106,6 +116,7 @@ class PolicyRefresher:
         if engine is not self.engine:  # first look, or a restarted engine: it runs the run's model again
             async with self.changed:
                 self.engine, self.version, self.refused = engine, BASE_POLICY_VERSION, set()
+                self.path = None
             await self._record("running", self.version)
         if entry is not None and entry.version > self.version and entry.version not in self.refused:
             await self.refresh(engine, entry, on_error)
@@ -123,18 +134,56 @@ class PolicyRefresher:
             async with self.changed:
                 await self.changed.wait_for(lambda: not self.in_flight)
             await engine.update_weights(entry.path)
+            checked = await self._checked(engine, entry)
         except Exception as exc:
             self.refused.add(entry.version)
             self._report(on_error, f"loading policy version {entry.version} failed: {type(exc).__name__}: {exc}")
             await self._record("failed", entry.version)
         else:
             self.version, self.error, self.refreshes = entry.version, None, self.refreshes + 1
+            self.path, self.fingerprints[entry.version] = entry.path, digest_number(entry.digest) if checked else 0
             logger.info("daskgen: engine now runs policy version %d (%s)", entry.version, entry.path)
             await self._record("running", entry.version)
         finally:
             async with self.changed:
                 self.loading = False
                 self.changed.notify_all()
+
+    async def _checked(self, engine: Engine, entry: PolicyVersion) -> bool:
+        """Whether the engine's loaded tensors were checked against ``entry``'s published fingerprint (``False``:
+        no fingerprint was published, or the engine cannot read its tensors).  Raises
+        :class:`~daskgen.errors.RefreshError` when a compared tensor differs (or none could be compared), after
+        loading the previous version again."""
+        if not entry.tensors or "policy_fingerprint" not in type(engine).features_with(engine.engine_args):
+            logger.warning("daskgen: policy version %d loaded unchecked (no fingerprint to compare)", entry.version)
+            return False
+        loaded = await engine.loaded_fingerprint({name: dtype_of(f) for name, f in entry.tensors.items()})
+        wrong, compared = mismatched(entry.tensors, loaded)
+        if compared and not wrong:
+            return True
+        shown = ", ".join(wrong[:5]) + (f" and {len(wrong) - 5} more" if len(wrong) > 5 else "")
+        problem = (
+            f"the weights the engine holds after loading version {entry.version} differ from its published "
+            f"fingerprint in {len(wrong)} of {compared} tensors ({shown}): a partial or stale load"
+            if compared
+            else f"the engine holds none of version {entry.version}'s {len(entry.tensors)} published tensors under "
+            "its name: nothing to check the load against"
+        )
+        await self._restore(engine, problem)
+
+    async def _restore(self, engine: Engine, problem: str) -> NoReturn:
+        """Load the version the engine ran before a refused load again, then raise the refusal."""
+        if self.path is None and engine.model is None:
+            raise RefreshError(f"{problem}; refused")
+        try:
+            await engine.update_weights(self.path or engine.model)
+        except Exception as exc:  # the engine holds the refused load: its samples are labelled unchecked
+            self.fingerprints[self.version] = NO_FINGERPRINT
+            raise RefreshError(
+                f"{problem}; refused, and loading version {self.version} again failed ({type(exc).__name__}: "
+                f"{exc}): samples carry no fingerprint until a version loads"
+            ) from exc
+        raise RefreshError(f"{problem}; refused, version {self.version} loaded again")
 
     async def _interrupt(self, engine: Engine) -> None:
         """``continue``: abort every request in flight; each goes on from its prefix after the load."""
@@ -177,7 +226,8 @@ class PolicyRefresher:
             else:
                 segments.append((len(result.output_ids), version))
                 result = joined(result, tail)
-        result.meta["policy_versions"] = _merged(segments, len(result.output_ids))
+        result.meta["policy_versions"] = merged = _merged(segments, len(result.output_ids))
+        result.meta["policy_fingerprints"] = {v: self.fingerprints.get(v, NO_FINGERPRINT) for _, v in merged}
         return result
 
     async def _admitted(self, engine: Engine) -> int:
@@ -199,7 +249,12 @@ class PolicyRefresher:
 
     def status(self) -> dict[str, Any]:
         """The worker's policy: version, refreshes done, last error (``None`` after a successful load)."""
-        return {"policy_version": self.version, "refreshes": self.refreshes, "refresh_error": self.error}
+        return {
+            "policy_version": self.version,
+            "policy_fingerprint": self.fingerprints.get(self.version, NO_FINGERPRINT),
+            "refreshes": self.refreshes,
+            "refresh_error": self.error,
+        }
 
 
 def listen_for_versions(worker: Any, refresher: PolicyRefresher) -> None:

@@ -20,7 +20,8 @@ import numpy as np
 
 from daskgen.agents import Trajectory
 from daskgen.engines.base import BASE_POLICY_VERSION, FinishReason, GenerationResult
-from daskgen.store.layout import VERSION_ARRAYS, Layout, clear_response
+from daskgen.store.fingerprint import NO_FINGERPRINT
+from daskgen.store.layout import FINGERPRINT_ARRAYS, VERSION_ARRAYS, Layout, clear_response
 from daskgen.worker.plain_turns import PlainTurns
 from daskgen.worker.top_logprobs import TOP_UNAVAILABLE, lacks_top, place_top_logprobs
 
@@ -157,6 +158,11 @@ class _Columns:
         versions = [versions_of(t, n) for t, n in pairs]
         for k, name in enumerate(VERSION_ARRAYS):
             out.scalars[name] = [v[k] for v in versions]
+        for k, name in enumerate(FINGERPRINT_ARRAYS):  # the checked fingerprints of the first and last versions
+            out.scalars[name] = [
+                t.fingerprints.get(v[k], NO_FINGERPRINT) if t.fingerprints else NO_FINGERPRINT
+                for t, v in zip(trajectories, versions, strict=True)
+            ]
         return out
 
     @classmethod
@@ -181,6 +187,7 @@ class _Columns:
             "stop_reason": [-1] * k,
             "cached_prompt_tokens": list(map(_cached_tokens, results)),
             **dict(zip(VERSION_ARRAYS, (version, version, [-1] * k), strict=True)),
+            **dict.fromkeys(FINGERPRINT_ARRAYS, [NO_FINGERPRINT] * k),
         }
         return out
 

@@ -150,7 +150,7 @@ class TransformersEngine(InProcessEngine):
     features = frozenset(
         {
             *("per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs"),
-            *("refresh", "lora", "refresh_with_lora"),
+            *("refresh", "lora", "refresh_with_lora", "policy_fingerprint"),
         }
     )
 
@@ -208,6 +208,15 @@ class TransformersEngine(InProcessEngine):
 
         model, manager = started(self.name, self._model), started(self.name, self._manager)
         await asyncio.to_thread(refresh_weights, model, manager, path)
+
+    async def loaded_fingerprint(self, dtypes: dict[str, str]) -> dict[str, str]:
+        """The fingerprint of each tensor named in ``dtypes`` in the running model's state dict (under a plain
+        checkpoint's names: :func:`~daskgen.engines.transformers.weights.checkpoint_tensors`)."""
+        from daskgen.engines.fingerprint import fingerprint_tensors
+        from daskgen.engines.transformers.weights import checkpoint_tensors
+
+        model = started(self.name, self._model)
+        return await asyncio.to_thread(lambda: fingerprint_tensors(checkpoint_tensors(model), dtypes))
 
     async def unload(self) -> None:
         """Fail pending requests, stop the backend thread and free the model."""

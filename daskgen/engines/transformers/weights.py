@@ -21,7 +21,7 @@ from typing import Any
 
 from daskgen.errors import RefreshError
 
-__all__ = ["refresh_weights"]
+__all__ = ["checkpoint_tensors", "refresh_weights"]
 
 #: The prefix of a ``PeftModel``'s own names for the model it wraps.
 PEFT_PREFIX = "base_model.model."
@@ -40,6 +40,11 @@ def refresh_weights(model: Any, manager: Any, path: str) -> None:
     cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
     if cache is not None:
         cache.evict_cached_blocks()
+
+
+def checkpoint_tensors(model: Any) -> dict[str, Any]:
+    """The model's tensors by their names in a plain ``save_pretrained`` checkpoint (what a refresh loads into)."""
+    return _base_parameters(model)
 
 
 def _base_parameters(model: Any) -> dict[str, Any]:

@@ -1,0 +1,173 @@
+"""Fingerprints of policy versions: recorded when a version is published, checked where the tokens are made.
+
+The publisher hashes every tensor of the checkpoint's safetensors files; the ``transformers`` engine hashes the
+tensors its model holds, and the two agree tensor for tensor (float32 and bfloat16).  A labelled test double of
+the engine's loader (:class:`StaleLoadEngine`: it loads the checkpoint, then silently puts one tensor's old
+values back) is caught by the worker's refresher: the version is refused, the engine loads its previous version
+again and generates exactly what it did before, and the refusal shows in the refresher's status (the dashboard's
+worker data), in the worker's record and in ``daskgen status``.  A good load is accepted and its results carry
+the version's digest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import daskgen
+from daskgen import store
+from daskgen.engines.base import GenerationRequest, SamplingParams
+from daskgen.engines.fingerprint import fingerprint_tensors
+from daskgen.engines.transformers import TransformersEngine
+from daskgen.store.fingerprint import checkpoint_fingerprint, digest_number, version_digest
+from daskgen.store.policy import read_versions, read_worker_policies
+from daskgen.worker.refresh import PolicyRefresher
+
+pytestmark = pytest.mark.timeout(300)
+
+#: The tensor the test double's loader leaves stale.
+STALE = "model.layers.1.mlp.down_proj.weight"
+
+
+class StaleLoadEngine(TransformersEngine):
+    """TEST DOUBLE of the transformers engine's loader: it loads a checkpoint as the engine does, then silently
+    puts the values :data:`STALE` held before back (a partial load that raises nothing)."""
+
+    async def update_weights(self, path: str) -> None:
+        import torch
+
+        from daskgen.engines.transformers.weights import checkpoint_tensors
+
+        tensor = checkpoint_tensors(self._model)[STALE]
+        before = tensor.detach().clone()
+        await super().update_weights(path)
+        with torch.no_grad():
+            tensor.copy_(before)
+
+
+@pytest.fixture(scope="module")
+def policies(tmp_path_factory):
+    """Two checkpoints of the tiny model's architecture with other weights (seeds 1 and 2)."""
+    from daskgen.models import build_tiny_model
+
+    root = tmp_path_factory.mktemp("policies")
+    return build_tiny_model(root / "step1", seed=1), build_tiny_model(root / "step2", seed=2)
+
+
+def test_the_published_fingerprint_equals_the_loaded_one_tensor_for_tensor(tiny_model, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    published = checkpoint_fingerprint(tiny_model)
+    assert published is not None and published.digest == version_digest(published.tensors)
+
+    async def loaded():
+        engine = TransformersEngine(str(tiny_model))
+        await engine.start()
+        try:
+            return await engine.loaded_fingerprint({**dict.fromkeys(published.tensors, "F32"), "not.a.tensor": "F32"})
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(loaded()) == published.tensors  # every tensor, and no name the model lacks
+    tensors = {"a": torch.randn(3, 5).to(torch.bfloat16), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(4)}
+    (tmp_path / "bf16").mkdir()
+    save_file(tensors, str(tmp_path / "bf16" / "model.safetensors"))
+    found = checkpoint_fingerprint(tmp_path / "bf16")
+    assert found is not None and found.tensors == fingerprint_tensors(tensors, {"a": "BF16", "b": "I64", "c": "F32"})
+    widened = fingerprint_tensors({"a": tensors["a"].float()}, {"a": "BF16"})  # held in float32: converted back
+    assert widened == {"a": found.tensors["a"]}
+    changed = {**tensors, "a": tensors["a"].clone()}
+    changed["a"][1, 2] += 1
+    assert fingerprint_tensors(changed, {"a": "BF16"})["a"] != found.tensors["a"]  # one value changed: another hash
+    narrowed = fingerprint_tensors({"c": tensors["c"].to(torch.bfloat16)}, {"c": "F32"})  # held with fewer bits
+    assert narrowed["c"] != found.tensors["c"]
+
+
+def test_publishing_records_every_tensors_fingerprint_and_the_versions_digest(tiny_model, tmp_path):
+    out = tmp_path / "out.zarr"
+    store.GenerationStore.create(out, store.StoreAttrs(store.Layout(1, 1, 4, 4, 1, 0)), ["q0"])
+    (tmp_path / "no-weights").mkdir()
+    entry = daskgen.publish_policy(out, str(tiny_model), 1)
+    daskgen.publish_policy(out, str(tmp_path / "no-weights"), 2)
+    first, second = read_versions(store.locate(out))
+    expected = checkpoint_fingerprint(tiny_model)
+    assert first == entry and (first.digest, first.tensors) == (expected.digest, expected.tensors)
+    assert len(first.tensors) >= 20 and digest_number(first.digest) != 0
+    assert (second.digest, second.tensors) == (None, None)  # nothing to fingerprint: loads unchecked
+
+
+@pytest.mark.proves("transformers", "policy_fingerprint")
+def test_a_load_that_keeps_a_stale_tensor_is_refused_and_the_old_version_kept(tiny_model, policies, tmp_path):
+    out = tmp_path / "out.zarr"
+    store.GenerationStore.create(out, store.StoreAttrs(store.Layout(1, 1, 4, 4, 1, 0)), ["q0"])
+    location, errors = store.locate(out), []
+    prompt, params = [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=12, temperature=0.0)
+
+    async def answer(engine, refresher, request_id):
+        return await refresher.generate(engine, GenerationRequest(request_id, prompt, params), lambda: False)
+
+    async def scenario():
+        stale, good = StaleLoadEngine(str(tiny_model)), TransformersEngine(str(tiny_model))
+        await stale.start()
+        await good.start()
+        try:
+            refresher = PolicyRefresher(location, "drain", lambda: stale, "w0")
+            await refresher.check(errors.append)
+            before = await answer(stale, refresher, "before")
+            daskgen.publish_policy(out, str(policies[0]), 1)
+            await refresher.check(errors.append)
+            after = await answer(stale, refresher, "after")
+            refused = (refresher.version, refresher.status(), read_worker_policies(location))
+            healthy = PolicyRefresher(location, "drain", lambda: good, "w1")
+            await healthy.check(errors.append)
+            loaded = await answer(good, healthy, "loaded")
+            return before, after, refused, loaded, healthy.status()
+        finally:
+            await stale.shutdown()
+            await good.shutdown()
+
+    before, after, (version, status, states), loaded, healthy = asyncio.run(scenario())
+    assert version == 0 and after.meta["policy_versions"] == [(0, 0)] and after.meta["policy_fingerprints"] == {0: 0}
+    assert after.output_ids == before.output_ids  # the previous version was loaded again, every tensor of it
+    why = f"differ from its published fingerprint in 1 of {len(read_versions(location)[0].tensors)} tensors ({STALE})"
+    assert len(errors) == 1 and why in errors[0] and "refused, version 0 loaded again" in errors[0], errors
+    assert status["refresh_error"] == errors[0] and status["policy_fingerprint"] == 0  # the dashboard's worker data
+    (state,) = [s for s in states if s.worker == "w0"]
+    assert (state.state, state.version, state.asked, state.error) == ("failed", 0, 1, errors[0])
+    from daskgen.analysis.summary import status_report
+
+    assert f"worker w0: version 0, loading version 1 failed: {errors[0]}" in status_report(str(out))
+    digest = digest_number(read_versions(location)[0].digest)
+    assert loaded.meta["policy_versions"] == [(0, 1)] and loaded.meta["policy_fingerprints"] == {1: digest}
+    assert healthy["policy_fingerprint"] == digest and healthy["refresh_error"] is None
+    assert loaded.output_ids != before.output_ids  # the accepted version generates with its own weights
+
+
+def test_verify_names_a_sample_whose_fingerprint_is_not_its_versions_digest(tiny_model, tmp_path):
+    """A finished store whose samples claim version 1: the ones with its digest (or 0: unchecked) are sound, one
+    labelled with other weights' fingerprint is a problem naming its row, array and version."""
+    from daskgen.analysis.summary import status_report
+    from daskgen.store.verify import verify
+    from tests.conftest import run_cli, simulated_run, write_prompts
+
+    out = tmp_path / "out.zarr"
+    res = run_cli("run", "--prompts", write_prompts(tmp_path / "p.jsonl", 8), "--store", out, *simulated_run())
+    assert res.returncode == 0, res.stdout + res.stderr
+    entry = daskgen.publish_policy(out, str(tiny_model), 1)
+    assert f", fingerprint {entry.digest} of {len(entry.tensors)} tensors" in status_report(str(out))
+    made, digest = store.GenerationStore.open(out), digest_number(entry.digest)
+    region = made.read_region(0, 4, made.layout.data_arrays())
+    region["policy_version"][:] = region["policy_version_end"][:] = 1
+    region["policy_fingerprint"][:] = region["policy_fingerprint_end"][:] = digest
+    region["policy_fingerprint"][3, 1] = 0  # unchecked: not a problem
+    region["policy_fingerprint_end"][2, 0] = digest ^ 1
+    made.write_region(0, region)
+    report = verify(out, progress=False)
+    (problem,) = report.problems
+    assert (problem.kind, problem.start, problem.stop) == ("invariant", 2, 3)
+    assert problem.detail == f"policy_fingerprint_end differs from version 1's published digest {digest}"
+    region["policy_fingerprint_end"][2, 0] = digest
+    made.write_region(0, region)
+    assert verify(out, progress=False).sound
