@@ -19,6 +19,7 @@ import daskgen
 from daskgen import store
 from daskgen.engines.base import GenerationRequest, SamplingParams
 from daskgen.engines.fingerprint import fingerprint_tensors
+from daskgen.engines.simulated import SimulatedEngine
 from daskgen.engines.transformers import TransformersEngine
 from daskgen.store.fingerprint import checkpoint_fingerprint, digest_number, version_digest
 from daskgen.store.policy import read_versions, read_worker_policies
@@ -171,3 +172,50 @@ def test_verify_names_a_sample_whose_fingerprint_is_not_its_versions_digest(tiny
     region["policy_fingerprint_end"][2, 0] = digest
     made.write_region(0, region)
     assert verify(out, progress=False).sound
+
+
+class NothingComparableEngine(SimulatedEngine):
+    """TEST DOUBLE: a simulated engine that claims ``policy_fingerprint`` but holds no checkpoint tensor by name."""
+
+    features = SimulatedEngine.features | {"policy_fingerprint"}
+
+    async def loaded_fingerprint(self, dtypes: dict[str, str]) -> dict[str, str]:
+        return {}
+
+
+def test_an_engine_without_the_feature_loads_unchecked_and_one_with_nothing_to_compare_is_refused(tiny_model, tmp_path):
+    out = tmp_path / "out.zarr"
+    store.GenerationStore.create(out, store.StoreAttrs(store.Layout(1, 1, 4, 4, 1, 0)), ["q0"])
+    location, errors = store.locate(out), []
+    request = GenerationRequest("r", [1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0.0))
+
+    async def scenario():
+        plain, claiming = SimulatedEngine("sim", time_scale=0), NothingComparableEngine("sim", time_scale=0)
+        await plain.start()
+        await claiming.start()
+        try:
+            unchecked = PolicyRefresher(location, "drain", lambda: plain, "w0")
+            refused = PolicyRefresher(location, "drain", lambda: claiming, "w1")
+            daskgen.publish_policy(out, str(tiny_model), 1)
+            await unchecked.check(errors.append)
+            await refused.check(errors.append)
+            result = await unchecked.generate(plain, request, lambda: False)
+            return result, unchecked.version, refused.version
+        finally:
+            await plain.shutdown()
+            await claiming.shutdown()
+
+    result, unchecked_version, refused_version = asyncio.run(scenario())
+    assert unchecked_version == 1 and result.meta["policy_fingerprints"] == {1: 0}  # loaded, labelled unchecked
+    assert refused_version == 0 and len(errors) == 1
+    assert "the engine holds none of version 1's" in errors[0] and "nothing to check the load against" in errors[0]
+
+
+def test_vllm_checks_through_its_worker_extension_unless_the_run_sets_another():
+    from daskgen.engines.vllm import VLLMEngine
+    from daskgen.engines.vllm.fingerprint import EXTENSION, with_extension
+
+    assert with_extension({"dtype": "float32"})["worker_extension_cls"] == EXTENSION
+    assert with_extension({"worker_extension_cls": "mine.Ext"})["worker_extension_cls"] == "mine.Ext"
+    assert "policy_fingerprint" in VLLMEngine.features_with({})
+    assert "policy_fingerprint" not in VLLMEngine.features_with({"worker_extension_cls": "mine.Ext"})  # unchecked

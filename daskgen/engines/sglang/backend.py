@@ -260,6 +260,13 @@ class SGLangBackend:
         )
         return bool(found[0]), str(found[1])
 
+    async def weights(self, name: str, rows: int) -> Any:
+        """The parameter ``name`` as sglang returns it (float32 values of its first ``rows`` rows, or ``None``)."""
+        from sglang.srt.managers.io_struct import GetWeightsByNameReqInput
+
+        request = GetWeightsByNameReqInput(name=name, truncate_size=rows)
+        return await self.engine.tokenizer_manager.get_weights_by_name(request, None)
+
     async def flush_cache(self, timeout_s: float) -> bool:
         """Drop sglang's prefix cache once no request runs, waiting up to ``timeout_s`` for them; whether it did."""
         return bool((await self.engine.tokenizer_manager.flush_cache(timeout_s=timeout_s)).success)

@@ -125,7 +125,7 @@ class SGLangEngine(InProcessEngine):
     features = frozenset(
         {
             *("per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs"),
-            *("refresh", "lora", "refresh_with_lora"),
+            *("refresh", "lora", "refresh_with_lora", "policy_fingerprint"),
         }
     )
 
@@ -255,6 +255,20 @@ class SGLangEngine(InProcessEngine):
             await flush_when_idle(flush, path, "sglang")
         elif not ok:
             raise RefreshError(f"sglang could not load policy checkpoint {path!r} (it keeps its weights): {message}")
+
+    async def loaded_fingerprint(self, dtypes: dict[str, str]) -> dict[str, str]:
+        """The fingerprint of each tensor named in ``dtypes`` as sglang holds it, read back with its
+        ``get_weights_by_name`` (:mod:`daskgen.engines.sglang.fingerprint`)."""
+        from daskgen.engines.sglang.fingerprint import ALL_ROWS, fingerprint_of_values, unsliceable
+
+        backend, out, skipped = started(self.name, self._backend), {}, unsliceable(self.model)
+        for name, dtype in dtypes.items():
+            if any(part in name for part in skipped):
+                continue
+            values = await asyncio.wrap_future(backend.submit(backend.weights(name, ALL_ROWS)))
+            if (found := await asyncio.to_thread(fingerprint_of_values, values, dtype)) is not None:
+                out[name] = found
+        return out
 
     async def set_memory(self, release: bool) -> None:
         """Release or resume sglang's GPU memory (weights, KV cache, CUDA graphs)."""

@@ -72,6 +72,7 @@ from daskgen.engines.base import GenerationRequest, GenerationResult, aborted_re
 from daskgen.engines.inprocess import InProcessEngine, LoopThread, cuda_available
 from daskgen.engines.leftovers import remove_folder, remove_when_gone, temp_folder_for_children
 from daskgen.engines.vllm.args import check_engine_args, launch_kwargs, max_logprobs, vllm_thread_environment
+from daskgen.engines.vllm.fingerprint import EXTENSION, agreed, with_extension
 from daskgen.engines.vllm.mapping import CollectedOutput, collect_output, result_from_collected, vllm_sampling_kwargs
 from daskgen.engines.vllm.memory import cpu_kv_cache, start_hint
 from daskgen.errors import EngineError, RefreshError
@@ -137,7 +138,7 @@ class VLLMEngine(InProcessEngine):
     features = frozenset(
         {
             *("per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs"),
-            *("refresh", "lora", "refresh_with_lora"),
+            *("refresh", "lora", "refresh_with_lora", "policy_fingerprint"),
         }
     )
     starts_subprocesses = True
@@ -154,6 +155,12 @@ class VLLMEngine(InProcessEngine):
         self._watcher: subprocess.Popen | None = None  # removes that folder if this process is killed first
 
     @classmethod
+    def refused_features(cls, engine_args: dict[str, Any]) -> dict[str, str]:
+        """``policy_fingerprint`` needs daskgen's worker extension: not with another ``worker_extension_cls``."""
+        other = engine_args.get("worker_extension_cls")
+        return {"policy_fingerprint": f"engine arg worker_extension_cls={other!r} replaces daskgen's"} if other else {}
+
+    @classmethod
     def top_logprobs_limit(cls, engine_args: dict[str, Any]) -> tuple[int, str] | None:
         """vLLM refuses a request asking for more logprobs than its ``max_logprobs`` engine arg (default 20)."""
         limit = max_logprobs(engine_args)
@@ -166,7 +173,7 @@ class VLLMEngine(InProcessEngine):
         self._thread = LoopThread("daskgen-vllm")
         await asyncio.wrap_future(self._thread.start())
         cuda = await asyncio.to_thread(cuda_available)
-        self._kwargs = launch_kwargs(self.model, self.engine_args, cuda, self.adapters)
+        self._kwargs = with_extension(launch_kwargs(self.model, self.engine_args, cuda, self.adapters))
         if not cuda:
             self._kwargs.update(await asyncio.to_thread(cpu_kv_cache, self.model, self._kwargs))
         try:
@@ -318,6 +325,15 @@ class VLLMEngine(InProcessEngine):
             await asyncio.wrap_future(thread.submit(reload()))
         except Exception as exc:
             raise RefreshError(f"vLLM could not load policy checkpoint {path!r}: {type(exc).__name__}: {exc}") from exc
+
+    async def loaded_fingerprint(self, dtypes: dict[str, str]) -> dict[str, str]:
+        """The fingerprint of each tensor named in ``dtypes`` as every vLLM worker's model holds it
+        (:mod:`daskgen.engines.vllm.fingerprint`: fused and tensor-parallel-split tensors left out)."""
+        thread, llm = started(self.name, self._thread), started(self.name, self._llm)
+        if self._kwargs.get("worker_extension_cls") != EXTENSION:
+            raise RefreshError(f"vLLM runs another worker_extension_cls ({self._kwargs['worker_extension_cls']!r})")
+        call = llm.collective_rpc("daskgen_fingerprint", args=(dict(dtypes),))
+        return agreed(list(await asyncio.wrap_future(thread.submit(call))))
 
     async def set_memory(self, release: bool) -> None:
         """``AsyncLLM.sleep(level=1)`` (weights offloaded, KV cache dropped) or ``wake_up()``."""

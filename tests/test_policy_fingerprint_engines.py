@@ -1,0 +1,82 @@
+"""The loaded fingerprint of the lane engines (vLLM, in-process sglang): after a refresh, what the engine holds is
+what was published.
+
+Per engine, in process, greedy, float32 (the dtype of the tiny model's checkpoints): a worker's policy refresher
+brings the engine from the run's model to a published checkpoint with other weights; the tensors the engine reads
+back from its own model (:meth:`~daskgen.engines.base.Engine.loaded_fingerprint`) equal the published ones, every
+result generated after the refresh carries the published version's digest (what the worker stores per sample as
+``policy_fingerprint``), and its tokens are the new checkpoint's greedy answer.  Which tensors each engine can
+compare is stated in docs/async-rl.md: vLLM on a CPU the embeddings, norms and ``lm_head`` (it packs its linear
+layers' weights for its kernels, emptying their parameters; the fused ``qkv_proj`` and ``gate_up_proj`` are never
+checkpoint names), sglang every tensor (it maps the fused ones itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from importlib.util import find_spec
+
+import pytest
+
+import daskgen
+from daskgen import store
+from daskgen.engines import get_engine_class
+from daskgen.engines.base import GenerationRequest, SamplingParams
+from daskgen.store.fingerprint import digest_number
+from daskgen.store.policy import read_versions
+from daskgen.worker.refresh import PolicyRefresher
+
+_SGLANG = [pytest.mark.sglang, pytest.mark.skipif(find_spec("sglang") is None, reason="needs sglang (its lane)")]
+_VLLM = [pytest.mark.vllm, pytest.mark.skipif(find_spec("vllm") is None, reason="needs vllm (its lane)")]
+#: engine -> (lane marks, engine args, parts of the names of the checkpoint tensors it compares)
+ENGINES = {
+    # on a CPU, vLLM packs its linear layers' weights for its kernels and empties their parameters
+    "vllm": (
+        _VLLM,
+        {"dtype": "float32", "max_model_len": 1024, "enforce_eager": True},
+        ("embed_tokens", "norm", "lm_head"),
+    ),
+    # every tensor (it maps the fused ones itself) but q/k/v: the model's head_dim is not hidden_size / heads
+    "sglang": (_SGLANG, {}, ("embed_tokens", "norm", "lm_head", "o_proj", "mlp.")),
+}
+CASES = [
+    pytest.param(name, marks=[*marks, pytest.mark.proves(name, "policy_fingerprint"), pytest.mark.timeout(900)])
+    for name, (marks, _, _) in ENGINES.items()
+]
+
+
+@pytest.mark.parametrize("engine_name", CASES)
+def test_after_a_refresh_the_engine_holds_the_published_tensors(engine_name, tmp_path):
+    from daskgen.models import build_tiny_model
+    from tests.test_policy_refresh import greedy
+
+    _, engine_args, compared = ENGINES[engine_name]
+    base = build_tiny_model(tmp_path / "base", seed=0, head_dim=32)  # vLLM's CPU attention needs head_dim 32
+    step1 = build_tiny_model(tmp_path / "step1", seed=1, head_dim=32)
+    out = tmp_path / "out.zarr"
+    store.GenerationStore.create(out, store.StoreAttrs(store.Layout(1, 1, 4, 4, 1, 0)), ["q0"])
+    location, errors = store.locate(out), []
+    prompt, params = [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=8, temperature=0.0)
+
+    async def scenario():
+        engine = get_engine_class(engine_name)(str(base), **engine_args)
+        await engine.start()
+        try:
+            refresher = PolicyRefresher(location, "drain", lambda: engine, "w0")
+            await refresher.check(errors.append)
+            daskgen.publish_policy(out, str(step1), 1)
+            await refresher.check(errors.append)
+            published = read_versions(location)[0]
+            loaded = await engine.loaded_fingerprint(dict.fromkeys(published.tensors, "F32"))
+            result = await refresher.generate(engine, GenerationRequest("r", prompt, params), lambda: False)
+            return published, loaded, result, refresher.version
+        finally:
+            await engine.shutdown()
+
+    published, loaded, result, version = asyncio.run(scenario())
+    assert errors == [] and version == 1
+    expected = {n: f for n, f in published.tensors.items() if any(part in n for part in compared)}
+    assert loaded == expected, sorted(set(loaded) ^ set(expected))
+    assert result.meta["policy_versions"] == [(0, 1)]
+    assert result.meta["policy_fingerprints"] == {1: digest_number(published.digest)} != {1: 0}
+    assert result.output_ids == greedy(step1, [prompt], params)[0]
