@@ -1,14 +1,15 @@
-"""The loaded fingerprint of the lane engines (vLLM, in-process sglang): after a refresh, what the engine holds is
-what was published.
+"""The loaded fingerprint of the lane engines (vLLM, in-process sglang, a managed sglang server): after a refresh,
+what the engine holds is what was published.
 
-Per engine, in process, greedy, float32 (the dtype of the tiny model's checkpoints): a worker's policy refresher
-brings the engine from the run's model to a published checkpoint with other weights; the tensors the engine reads
-back from its own model (:meth:`~daskgen.engines.base.Engine.loaded_fingerprint`) equal the published ones, every
-result generated after the refresh carries the published version's digest (what the worker stores per sample as
-``policy_fingerprint``), and its tokens are the new checkpoint's greedy answer.  Which tensors each engine can
-compare is stated in docs/async-rl.md: vLLM on a CPU the embeddings, norms and ``lm_head`` (it packs its linear
-layers' weights for its kernels, emptying their parameters; the fused ``qkv_proj`` and ``gate_up_proj`` are never
-checkpoint names), sglang every tensor (it maps the fused ones itself).
+Per engine (in process, and the ``openai`` engine with ``managed=true`` for the server), greedy, float32 (the
+dtype of the tiny model's checkpoints): a worker's policy refresher brings the engine from the run's model to a
+published checkpoint with other weights; the tensors the engine reads back from its own model
+(:meth:`~daskgen.engines.base.Engine.loaded_fingerprint`) equal the published ones, every result generated after
+the refresh carries the published version's digest (what the worker stores per sample as ``policy_fingerprint``),
+and its tokens are the new checkpoint's greedy answer.  Which tensors each engine can compare is stated in
+docs/async-rl.md: vLLM on a CPU the embeddings, norms and ``lm_head`` (it packs its linear layers' weights for its
+kernels, emptying their parameters; the fused ``qkv_proj`` and ``gate_up_proj`` are never checkpoint names),
+sglang every tensor (it maps the fused ones itself) but, for this model's ``head_dim``, q/k/v.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from daskgen.worker.refresh import PolicyRefresher
 
 _SGLANG = [pytest.mark.sglang, pytest.mark.skipif(find_spec("sglang") is None, reason="needs sglang (its lane)")]
 _VLLM = [pytest.mark.vllm, pytest.mark.skipif(find_spec("vllm") is None, reason="needs vllm (its lane)")]
-#: engine -> (lane marks, engine args, parts of the names of the checkpoint tensors it compares)
+#: case -> (lane marks, engine args, parts of the names of the checkpoint tensors it compares)
 ENGINES = {
     # on a CPU, vLLM packs its linear layers' weights for its kernels and empties their parameters
     "vllm": (
@@ -38,6 +39,12 @@ ENGINES = {
     ),
     # every tensor (it maps the fused ones itself) but q/k/v: the model's head_dim is not hidden_size / heads
     "sglang": (_SGLANG, {}, ("embed_tokens", "norm", "lm_head", "o_proj", "mlp.")),
+    # a managed sglang server (the openai engine with managed=true): the same reads, over HTTP
+    "openai": (
+        _SGLANG,
+        {"managed": True, "server_start_timeout_s": 600},
+        ("embed_tokens", "norm", "lm_head", "o_proj", "mlp."),
+    ),
 }
 CASES = [
     pytest.param(name, marks=[*marks, pytest.mark.proves(name, "policy_fingerprint"), pytest.mark.timeout(900)])

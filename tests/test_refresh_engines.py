@@ -16,11 +16,19 @@ sample's tokens before ``version_changed_at`` under the old checkpoint and from 
 sample of version 1 is not the old checkpoint's answer.  Every prompt begins with the same text of more than one
 KV-cache block (vLLM's CPU block is 128 tokens, sglang's page one token), so a prefix cache that kept what the old
 weights computed would give the later rows (and the continued one) the old checkpoint's keys and values.
+
+Each run is also a start and stop of its engine on a real worker: the files the engine makes while it runs
+(sglang's load-report file in the shared-memory folder, vLLM's rendezvous file and ZeroMQ sockets in the folder
+daskgen gives its processes) are seen during the run and are all gone after it (:mod:`daskgen.engines.leftovers`).
+Each lane runs its tests one at a time, so no other engine adds such files meanwhile.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import tempfile
 import time
 from importlib.util import find_spec
 from pathlib import Path
@@ -30,6 +38,7 @@ import pytest
 
 import daskgen
 from daskgen import store
+from daskgen.engines.leftovers import SGLANG_LOADS, SHARED_MEMORY
 from daskgen.store.policy import read_worker_policies
 from daskgen.testing.probes import read_events, row_of
 from tests.conftest import popen_cli
@@ -58,6 +67,21 @@ CASES = [
     for engine, (marks, _) in ENGINES.items()
     for refresh in ("drain", "continue")
 ]
+
+
+#: What vLLM's processes make in the temporary folder: the folder daskgen gives them, and (should one be made
+#: outside it) the rendezvous file and ZeroMQ sockets named by a uuid.
+VLLM_NAMES = re.compile(
+    r"vllm_dist_[0-9a-f]{32}|[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|daskgen-vllm-tmp-.*"
+)
+
+
+def engine_files(engine: str) -> set[str]:
+    """The files of the kind ``engine`` leaves when it does not clean up: sglang's in the shared-memory folder,
+    vLLM's in the temporary folder."""
+    if engine == "vllm":
+        return {name for name in os.listdir(tempfile.gettempdir()) if VLLM_NAMES.fullmatch(name)}
+    return {name for name in os.listdir(SHARED_MEMORY) if name.startswith(SGLANG_LOADS)}
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +123,7 @@ def test_a_run_refreshes_mid_run_and_every_sample_is_its_versions_greedy_answer(
     prompts.write_text("".join(json.dumps({"prompt": f"{SHARED} q{i}", "id": f"q{i}"}) + "\n" for i in range(ROWS)))
     inner = [x for arg in ENGINES[engine][1] for x in ("--engine-arg", arg)]
     paused = ["--engine-arg", f"pause_after={PAUSE}", "--engine-arg", f"pause_rows={[HELD]}"]
+    before = engine_files(engine)
     proc = popen_cli(
         *("run", "--prompts", prompts, "--store", out, "--model", checkpoints[0], "--refresh", refresh),
         *("--engine", "daskgen.testing.probes:ProbeEngine", *inner, "--engine-arg", f"events_path={events}"),
@@ -111,6 +136,7 @@ def test_a_run_refreshes_mid_run_and_every_sample_is_its_versions_greedy_answer(
     try:
         # drain: row 1 waits before the engine; continue: it got its first tokens and waits part-way
         wait_until(lambda: event_of(events, "pause" if refresh == "continue" else "arrive", HELD), proc, "row 1")
+        assert engine_files(engine) - before, f"{engine} made none of its files while it ran (the check below is void)"
         daskgen.publish_policy(out, str(checkpoints[1]), 1)
         if refresh == "drain":
             (loading,) = wait_until(lambda: worker_state(out, "loading", 1), proc, "the refresh")
@@ -123,6 +149,12 @@ def test_a_run_refreshes_mid_run_and_every_sample_is_its_versions_greedy_answer(
         if proc.poll() is None:
             proc.kill()
     check_samples(out, checkpoints, refresh)
+    # a worker the nanny killed while its engine shut down leaves vLLM's folder to a watcher that removes it once the
+    # worker process has exited: wait for that, within a bound
+    deadline = time.monotonic() + 60
+    while (left := engine_files(engine) - before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"{engine} left files behind: {left}"
 
 
 def check_samples(out: Path, checkpoints: dict[int, Path], refresh: str) -> None:

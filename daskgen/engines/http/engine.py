@@ -55,6 +55,7 @@ from daskgen.engines.base import (
 from daskgen.engines.continuation import request_limit
 from daskgen.engines.http.args import OpenAIArgs
 from daskgen.engines.http.client import HTTPClient, NoAnswer, RequestFailed
+from daskgen.engines.http.fingerprint import ServerFingerprint
 from daskgen.engines.http.protocol import Flight, OpenAITextProtocol, SGLangNativeProtocol, WireProtocol
 from daskgen.engines.http.server import ManagedServer, update_server_weights
 from daskgen.engines.http.vllm_protocol import VLLMProtocol, is_vllm_version
@@ -72,13 +73,13 @@ logger = logging.getLogger(__name__)
 _PING = SamplingParams(max_new_tokens=1, temperature=0.0)
 
 
-class OpenAIEngine(Engine):
+class OpenAIEngine(ServerFingerprint, Engine):
     """Generate through an SGLang-native or OpenAI-compatible HTTP server (see the module docstring)."""
 
     name = "openai"
     features = frozenset({"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs", "lora"})
     #: Policy refresh: only the servers the engine starts itself (someone else's server is not daskgen's to change).
-    features_by_arg = {"refresh": ("managed", True)}
+    features_by_arg = {"refresh": ("managed", True), "policy_fingerprint": ("managed", True)}
     #: The server's context length and the tokenizer's size, known after :meth:`start`.
     max_total_tokens: int | None = None
     vocab_size: int | None = None
