@@ -13,7 +13,9 @@ run's model (version 0); row 1 is held at a gate while a checkpoint with other w
 Each sample is checked against its recorded versions' checkpoints with one forward pass (transformers, float32):
 every token is the most likely one (end-of-sequence excluded: ``--min-new-tokens`` is the budget), a continued
 sample's tokens before ``version_changed_at`` under the old checkpoint and from there under the new one; and a
-sample of version 1 is not the old checkpoint's answer.  Every prompt begins with the same text of more than one
+sample of version 1 is not the old checkpoint's answer; and each sample's fingerprints are version 1's published
+digest where its version is 1 (the worker checked the engine's loaded tensors against it), 0 for version 0.
+Every prompt begins with the same text of more than one
 KV-cache block (vLLM's CPU block is 128 tokens, sglang's page one token), so a prefix cache that kept what the old
 weights computed would give the later rows (and the continued one) the old checkpoint's keys and values.
 
@@ -39,7 +41,8 @@ import pytest
 import daskgen
 from daskgen import store
 from daskgen.engines.leftovers import SGLANG_LOADS, SHARED_MEMORY
-from daskgen.store.policy import read_worker_policies
+from daskgen.store.fingerprint import digest_number
+from daskgen.store.policy import read_versions, read_worker_policies
 from daskgen.testing.probes import read_events, row_of
 from tests.conftest import popen_cli
 from tests.probing import gate_args
@@ -167,6 +170,9 @@ def check_samples(out: Path, checkpoints: dict[int, Path], refresh: str) -> None
     continued = refresh == "continue"
     assert first == [0, 0, 1] and last == [0, 1 if continued else 0, 1], (first, last)
     assert changed == [-1, PAUSE if continued else -1, -1], changed
+    digest = digest_number(read_versions(made.location)[0].digest)  # version 1's, checked on the engine's tensors
+    for name, versions in (("policy_fingerprint", first), ("policy_fingerprint_end", last)):
+        assert got[name][:, 0].tolist() == [digest if v == 1 else 0 for v in versions], (name, got[name])
     assert (got["response_length"][:, 0] == NEW_TOKENS).all(), got["response_length"]
     for r in range(ROWS):
         prompt = got["prompt_ids"][r, : got["prompt_length"][r]].tolist()
