@@ -100,22 +100,11 @@ async def _stored_or_continued(
     params: SamplingParams,
     prefix: Trajectory,
 ) -> list[Trajectory]:
-    """A stored sample as it is, or its aborted prefix continued."""
+    """A stored sample as it is, or its aborted ``prefix`` continued as
+    :func:`~daskgen.engines.continuation.continuation_of` says: finished as it is (no tokens left), generated again
+    from its prompt, or its prompt and tokens so far with what is left."""
     if prefix.finish_reason != FinishReason.ABORT:
         return [prefix]
-    return await _continue_aborted(agent, handle, request_id, prompt, params, prefix)
-
-
-async def _continue_aborted(
-    agent: AgentLoop,
-    handle: EngineHandle,
-    request_id: str,
-    prompt: list[int],
-    params: SamplingParams,
-    prefix: Trajectory,
-) -> list[Trajectory]:
-    """Continue an aborted ``prefix`` as :func:`~daskgen.engines.continuation.continuation_of` says: finished as it
-    is (no tokens left), generated again from its prompt, or its prompt and tokens so far with what is left."""
     request = GenerationRequest(request_id, prompt, params)
     partial = GenerationResult(request_id, prefix.response_ids, FinishReason.ABORT)
     rest = continuation_of(request, partial, frozenset(), handle.engine.continues)  # stop tokens: stored_samples
