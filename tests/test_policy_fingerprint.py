@@ -21,7 +21,7 @@ from daskgen.engines.base import GenerationRequest, SamplingParams
 from daskgen.engines.fingerprint import fingerprint_tensors
 from daskgen.engines.simulated import SimulatedEngine
 from daskgen.engines.transformers import TransformersEngine
-from daskgen.store.fingerprint import checkpoint_fingerprint, digest_number, version_digest
+from daskgen.store.fingerprint import checkpoint_fingerprint, digest_number, mismatched, version_digest
 from daskgen.store.policy import read_versions, read_worker_policies
 from daskgen.worker.refresh import PolicyRefresher
 
@@ -71,19 +71,23 @@ def test_the_published_fingerprint_equals_the_loaded_one_tensor_for_tensor(tiny_
         finally:
             await engine.shutdown()
 
-    assert asyncio.run(loaded()) == published.tensors  # every tensor, and no name the model lacks
+    held = asyncio.run(loaded())
+    assert held.keys() == published.tensors.keys()  # every tensor, and no name the model lacks
+    assert mismatched(published.tensors, held) == ([], len(held))
+    assert all(published.tensors[name].startswith(f + "|") for name, f in held.items())  # float32 first
     tensors = {"a": torch.randn(3, 5).to(torch.bfloat16), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(4)}
     (tmp_path / "bf16").mkdir()
     save_file(tensors, str(tmp_path / "bf16" / "model.safetensors"))
     found = checkpoint_fingerprint(tmp_path / "bf16")
-    assert found is not None and found.tensors == fingerprint_tensors(tensors, {"a": "BF16", "b": "I64", "c": "F32"})
+    assert found is not None
+    assert mismatched(found.tensors, fingerprint_tensors(tensors, {"a": "BF16", "b": "I64", "c": "F32"})) == ([], 3)
     widened = fingerprint_tensors({"a": tensors["a"].float()}, {"a": "BF16"})  # held in float32: converted back
     assert widened == {"a": found.tensors["a"]}
     changed = {**tensors, "a": tensors["a"].clone()}
     changed["a"][1, 2] += 1
     assert fingerprint_tensors(changed, {"a": "BF16"})["a"] != found.tensors["a"]  # one value changed: another hash
     narrowed = fingerprint_tensors({"c": tensors["c"].to(torch.bfloat16)}, {"c": "F32"})  # held with fewer bits
-    assert narrowed["c"] != found.tensors["c"]
+    assert narrowed["c"].startswith("BF16:") and narrowed["c"] in found.tensors["c"].split("|")
 
 
 def test_publishing_records_every_tensors_fingerprint_and_the_versions_digest(tiny_model, tmp_path):
@@ -219,3 +223,33 @@ def test_vllm_checks_through_its_worker_extension_unless_the_run_sets_another():
     assert with_extension({"worker_extension_cls": "mine.Ext"})["worker_extension_cls"] == "mine.Ext"
     assert "policy_fingerprint" in VLLMEngine.features_with({})
     assert "policy_fingerprint" not in VLLMEngine.features_with({"worker_extension_cls": "mine.Ext"})  # unchecked
+
+
+@pytest.mark.parametrize("held", ["bfloat16", "float16"])
+def test_a_float32_checkpoint_served_in_fewer_bits_is_checked_against_its_cast(tmp_path, held):
+    """An engine serving a float32 checkpoint in bfloat16 or float16 holds the published values cast (round to
+    nearest even): that matches; one changed value does not."""
+    import torch
+    from safetensors.torch import save_file
+
+    from daskgen.engines.fingerprint import fingerprint_tensor
+    from daskgen.store.fingerprint import dtype_of
+
+    generator = torch.Generator().manual_seed(0)
+    weights = {"w": torch.randn(64, 33, generator=generator), "b": torch.tensor([1.0, 1e-8, -3.5, 65504.0])}
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    published = checkpoint_fingerprint(tmp_path).tensors
+    assert all(f.count("|") == 2 for f in published.values())  # F32, and its BF16 and F16 casts
+
+    def loaded(tensors):
+        return {
+            name: fingerprint_tensor(t.to(getattr(torch, held)), dtype_of(published[name]))
+            for name, t in tensors.items()
+        }
+
+    assert mismatched(published, loaded(weights)) == ([], 2)
+    changed = {**weights, "w": weights["w"].clone()}
+    changed["w"][3, 7] += 0.5
+    assert mismatched(published, loaded(changed)) == (["w"], 2)
+    wider = {name: fingerprint_tensor(t.to(torch.float64), "F32") for name, t in weights.items()}
+    assert mismatched(published, wider) == ([], 2), "a wider copy converts back to the published float32 exactly"

@@ -141,10 +141,10 @@ def test_continue_carries_a_request_onto_the_new_weights(tiny_model, new_policy,
         await engine.start()
         refresher = PolicyRefresher(store.locate(out), "continue", lambda: engine, "w0")
         await refresher.check(errors.append)
+        daskgen.publish_policy(out, str(new_policy), 1)  # published now (hashing it takes a while), seen below
         running = asyncio.create_task(refresher.generate(engine, GenerationRequest("r", prompt, params), lambda: False))
         while not any(len(s.tokens) >= 4 for s in engine.sampler_table.sequences.values()):
             await asyncio.sleep(0.005)
-        daskgen.publish_policy(out, str(new_policy), 1)
         await refresher.check(errors.append)
         result = await running
         empty = tmp_path / "not-a-checkpoint"

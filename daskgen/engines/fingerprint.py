@@ -48,14 +48,18 @@ def tensor_fingerprint(dtype: str, shape: Iterable[int], data: Iterable[memoryvi
 
 def fingerprint_tensor(tensor: Any, dtype: str | None = None) -> str:
     """The fingerprint of one torch tensor (copied to the CPU, contiguous, when it is not already), in the
-    published safetensors ``dtype`` when both are floats (an engine may hold a bfloat16 checkpoint in float32:
-    converting back is exact; one that holds fewer bits than were published cannot match)."""
+    published safetensors ``dtype`` when both are floats and the tensor holds at least as many bits (an engine may
+    hold a bfloat16 checkpoint in float32: converting back is exact).  A tensor held in fewer bits (a float32
+    checkpoint served in bfloat16 or float16) is hashed as it is held, to be compared with the published tensor
+    cast to that dtype (:func:`daskgen.store.fingerprint.checkpoint_fingerprint` records those casts too)."""
     import torch
 
     data = tensor.detach()
     wanted = FLOAT_DTYPES.get(dtype or "")
     if wanted is not None and data.is_floating_point():
-        data = data.to(getattr(torch, wanted))
+        target = getattr(torch, wanted)
+        if data.element_size() >= target.itemsize:
+            data = data.to(target)
     name = str(data.dtype).removeprefix("torch.")
     flat = data.to("cpu").contiguous().reshape(-1)
     raw = flat.view(torch.uint8).numpy() if flat.numel() else b""

@@ -2,7 +2,9 @@
 
 A tensor's fingerprint is ``"<dtype>:<hash>"``: its safetensors dtype code (``F32``, ``BF16``, ...) and the
 BLAKE2b hash (16 bytes, hex) of that code, its shape and its raw bytes in row-major order
-(:func:`daskgen.engines.fingerprint.tensor_fingerprint`).  ``publish_policy``
+(:func:`daskgen.engines.fingerprint.tensor_fingerprint`).  A float32 tensor's entry also holds the fingerprints of
+its values cast to bfloat16 and float16 (round to nearest even, as torch casts), ``"F32:<h>|BF16:<h>|F16:<h>"``,
+so that an engine serving a float32 checkpoint in fewer bits is checked against what it should hold.  ``publish_policy``
 takes it of every tensor of the checkpoint, from the safetensors files (:func:`checkpoint_fingerprint`: the
 header is parsed and each tensor's bytes hashed where they lie, no framework needed); each worker takes it of the
 tensors its engine holds (:meth:`daskgen.engines.base.Engine.loaded_fingerprint`, through
@@ -18,17 +20,21 @@ import hashlib
 import json
 import mmap
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from daskgen.engines.fingerprint import DIGEST_BYTES, tensor_fingerprint
 from daskgen.errors import PolicyError
 
 #: The per-sample value of a sample without a checked version (version 0, no model token, an unchecked load).
 NO_FINGERPRINT = 0
-#: Bytes hashed per update (keeps memory flat on large tensors).
+#: Bytes hashed per update (keeps memory flat on large tensors; a multiple of every element size).
 _BLOCK = 64 << 20
+#: The narrower float dtypes an engine may serve a float32 checkpoint in, each with its cast of float32 bytes.
+_NARROWER = ("BF16", "F16")
 
 
 @dataclass(frozen=True)
@@ -92,11 +98,32 @@ def _file_fingerprints(file: Path) -> dict[str, str]:
                     if name == "__metadata__":
                         continue
                     begin, end = (base + int(x) for x in info["data_offsets"])
-                    pieces = (view[at : min(at + _BLOCK, end)] for at in range(begin, end, _BLOCK))
-                    out[name] = tensor_fingerprint(info["dtype"], info["shape"], pieces)
+                    out[name] = _fingerprints(view, begin, end, info["dtype"], info["shape"])
             finally:
                 view.release()
     return out
+
+
+def _fingerprints(view: memoryview, begin: int, end: int, dtype: str, shape: list[int]) -> str:
+    """The fingerprint of the tensor in ``view[begin:end]``; of a float32 tensor also those of its narrower casts."""
+
+    def pieces() -> Iterator[memoryview]:
+        return (view[at : min(at + _BLOCK, end)] for at in range(begin, end, _BLOCK))
+
+    found = [tensor_fingerprint(dtype, shape, pieces())]
+    if dtype == "F32":
+        for code in _NARROWER:
+            found.append(tensor_fingerprint(code, shape, (_cast(piece, code) for piece in pieces())))
+    return "|".join(found)
+
+
+def _cast(piece: memoryview, code: str) -> bytes:
+    """Little-endian float32 bytes cast to bfloat16 or float16 bytes, rounding to nearest even as torch does."""
+    values = np.frombuffer(piece, dtype="<f4")
+    if code == "F16":
+        return values.astype("<f2").tobytes()
+    bits = values.view("<u4").astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2").tobytes()  # NaN bits differ between kernels
 
 
 def dtype_of(fingerprint: str) -> str:
@@ -108,4 +135,4 @@ def mismatched(published: Mapping[str, str], loaded: Mapping[str, str]) -> tuple
     """The published tensors whose loaded hash differs, and how many were compared (names the engine holds as
     they were published; the others, e.g. fused into another tensor, are not compared)."""
     compared = [name for name in published if name in loaded]
-    return sorted(name for name in compared if loaded[name] != published[name]), len(compared)
+    return sorted(name for name in compared if loaded[name] not in published[name].split("|")), len(compared)
