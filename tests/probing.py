@@ -180,3 +180,13 @@ class InFlightProxy:
                 self.wfile.write(payload)
 
         return Handler
+
+
+def wait_until(predicate, proc: subprocess.Popen, what: str, timeout: float = 180.0) -> Any:
+    """Poll ``predicate`` until it is truthy and return what it gave; the run ``proc`` must still be going."""
+    deadline = time.monotonic() + timeout
+    while not (found := predicate()):
+        assert proc.poll() is None, f"the run ended before {what}: {proc.stdout.read()[-6000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)
+    return found

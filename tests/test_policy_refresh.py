@@ -13,7 +13,6 @@ keeps its version.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import numpy as np
 import pytest
@@ -28,7 +27,7 @@ from daskgen.store.verify import verify
 from daskgen.testing.probes import read_events, row_of
 from daskgen.worker.refresh import PolicyRefresher
 from tests.conftest import popen_cli, write_prompts
-from tests.probing import gate_args, wait_for_arrival
+from tests.probing import gate_args, wait_for_arrival, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -58,15 +57,6 @@ def greedy(model, prompts: list[list[int]], params: SamplingParams) -> list[list
             await engine.shutdown()
 
     return asyncio.run(answers())
-
-
-def wait_until(predicate, proc, what: str, timeout: float = 180.0):
-    deadline = time.monotonic() + timeout
-    while not (found := predicate()):
-        assert proc.poll() is None, f"the run ended before {what}: {proc.stdout.read()}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
-        time.sleep(0.05)
-    return found
 
 
 @pytest.mark.proves("transformers", "refresh")  # the probe engine passes the refresh to its inner engine

@@ -45,7 +45,7 @@ from daskgen.store.fingerprint import digest_number
 from daskgen.store.policy import read_versions, read_worker_policies
 from daskgen.testing.probes import read_events, row_of
 from tests.conftest import popen_cli
-from tests.probing import gate_args
+from tests.probing import gate_args, wait_until
 
 HELD = 1  # the row held while the refresh is asked for
 PAUSE = 4  # continue: the tokens the held row gets on the old weights before it waits
@@ -97,16 +97,6 @@ def checkpoints(tmp_path_factory) -> dict[int, Path]:
     return {v: build_tiny_model(folder / f"v{v}", seed=v, head_dim=32) for v in (0, 1)}
 
 
-def wait_until(predicate, proc, what: str, timeout: float = 600.0):
-    """Poll ``predicate`` until it is truthy (the run must still be going)."""
-    deadline = time.monotonic() + timeout
-    while not (found := predicate()):
-        assert proc.poll() is None, f"the run ended before {what}: {proc.stdout.read()[-6000:]}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
-        time.sleep(0.05)
-    return found
-
-
 def worker_state(out: Path, state: str, version: int):
     """The worker's recorded policy state when it is ``state`` for ``version`` (asked, for ``loading``)."""
     found = read_worker_policies(store.locate(out))
@@ -138,14 +128,14 @@ def test_a_run_refreshes_mid_run_and_every_sample_is_its_versions_greedy_answer(
     )  # fmt: skip
     try:
         # drain: row 1 waits before the engine; continue: it got its first tokens and waits part-way
-        wait_until(lambda: event_of(events, "pause" if refresh == "continue" else "arrive", HELD), proc, "row 1")
+        wait_until(lambda: event_of(events, "pause" if refresh == "continue" else "arrive", HELD), proc, "row 1", 600)
         assert engine_files(engine) - before, f"{engine} made none of its files while it ran (the check below is void)"
         daskgen.publish_policy(out, str(checkpoints[1]), 1)
         if refresh == "drain":
-            (loading,) = wait_until(lambda: worker_state(out, "loading", 1), proc, "the refresh")
+            (loading,) = wait_until(lambda: worker_state(out, "loading", 1), proc, "the refresh", 600)
             assert loading.version == 0  # the held row keeps the load waiting
         else:  # the held row was aborted with its tokens; it waits at its gate again until the load is done
-            wait_until(lambda: worker_state(out, "running", 1), proc, "the load")
+            wait_until(lambda: worker_state(out, "running", 1), proc, "the load", 600)
         gate.touch()
         assert proc.wait(timeout=600) == 0, proc.stdout.read()[-6000:]
     finally:
