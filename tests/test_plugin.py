@@ -83,8 +83,10 @@ async def test_start_failure_is_recorded_and_nothing_is_advertised(c, s, a):
 async def test_broken_engine_restarts_in_place_and_keeps_the_resource(c, s, a):
     plugin = await _register(c, a, EnginePlugin("simulated", "sim", SIM, window=2))
     first = await plugin.get_engine()
+    await _until(lambda: _advertised(s, a) == 2.0, "the resource to be advertised")  # sent after the engine is ready
     await plugin.mark_broken("engine crashed (test)")
     assert plugin.state == "restarting" and plugin.error == "engine crashed (test)"
+    assert _advertised(s, a) == 2.0
     assert await plugin.came_back()  # waits for the restart, which succeeds
     second = await plugin.get_engine()
     assert second is not first and plugin.state == "ready" and plugin.error is None
