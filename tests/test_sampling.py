@@ -384,3 +384,24 @@ def test_transformers_penalties_and_min_new_tokens_follow_vllms_definitions():
     # 3: unseen; 4: a stop id, masked while fewer than min_new_tokens tokens exist
     assert shaping.adjusted(row, [1, 1, 2]).tolist() == [1.0, -3.0, 0.75, 1.0, float("-inf")]
     assert shaping.adjusted(row, [1, 1, 2, 3])[4] == 5.0
+
+
+def test_values_an_engine_refuses_per_request_are_refused_at_plan_time(tiny_model, tmp_path):
+    """sglang refuses a repetition_penalty above 2 per request, which daskgen's table allows: the run's value and a
+    row's are refused before any store or engine (sglang is not imported), naming the engine and its range."""
+    from daskgen.client.plan import prepare
+
+    options = {"model": str(tiny_model), "engine": "sglang"}
+    rows = [{"prompt": "a"}, {"prompt": "b", "id": "b", "sampling": {"repetition_penalty": 2.5}}]
+    with pytest.raises(InputError) as info:
+        prepare(RunConfig(**options, store=str(tmp_path / "rows.zarr")), rows)
+    text = str(info.value)
+    assert "row 2: column 'sampling' (id 'b'): key 'repetition_penalty' is 2.5; engine 'sglang' takes" in text, text
+    assert "(0, 2]" in text and not (tmp_path / "rows.zarr").exists()
+    with pytest.raises(ConfigError, match=r"the run's settings: key 'repetition_penalty' is 3.0; engine 'sglang'"):
+        prepare(RunConfig(**options, repetition_penalty=3.0, store=str(tmp_path / "run.zarr")), rows[:1])
+    assert not (tmp_path / "run.zarr").exists()
+    accepted = [{"prompt": "b", "sampling": {"repetition_penalty": 2.0}}]
+    assert prepare(RunConfig(**options, store=str(tmp_path / "ok.zarr")), accepted).layout.row_sampling
+    simulated = RunConfig(model="sim", engine="simulated", repetition_penalty=3.0, store=str(tmp_path / "sim.zarr"))
+    assert prepare(simulated, ["a"]) is not None  # an engine without the limit takes it

@@ -22,11 +22,19 @@ from daskgen.client.dispatch import dispatch_order, long_first, read_length_hint
 from daskgen.client.prefix_dispatch import resolve_prefix, with_prefix
 from daskgen.config import RunConfig
 from daskgen.engines.base import SamplingParams
+from daskgen.errors import ConfigError
 from daskgen.input import adapters
 from daskgen.input.chat_template import ChatTemplate
 from daskgen.input.prefix import PrefixKeys
 from daskgen.input.rows import InputScan, iter_selected_rows, scan_prompts, worker_input
-from daskgen.input.sampling import STOP_KEYS, RowSamplingCheck, merged, requested_features, run_settings
+from daskgen.input.sampling import (
+    STOP_KEYS,
+    RowSamplingCheck,
+    engine_range_errors,
+    merged,
+    requested_features,
+    run_settings,
+)
 from daskgen.input.scan_cache import load_scan, scan_key, scan_record
 from daskgen.reserved import reserved_names
 from daskgen.settings import Prompts, RunSettings, resolve
@@ -138,6 +146,9 @@ def _check_features(settings: RunSettings, keys: frozenset[str], structured: boo
     features, refused = cls.features_with(config.engine_args), cls.refused_features(config.engine_args)
     check_features(config.engine, features, wanted, refused)
     check_top_logprobs(config.engine, cls, config.top_logprobs, config.engine_args)
+    ranges = cls.sampling_ranges
+    if wrong := engine_range_errors(run_settings(config), ranges, config.engine, "the run's settings"):
+        raise ConfigError("; ".join(wrong))
 
 
 def _scan_input(
@@ -156,7 +167,7 @@ def _scan_input(
     scan = load_scan(existing.attrs.input_scan if existing else None, key, source)
     if scan is not None:  # the store exists and was checked when created: its layout holds
         return existing, scan, None, frozenset()
-    check = RowSamplingCheck(config.max_new_tokens)
+    check = RowSamplingCheck(config.max_new_tokens, settings.engine_cls.sampling_ranges, config.engine)
     adapter_check = adapters.AdapterCheck(settings.adapters)
     scan = scan_prompts(
         source,

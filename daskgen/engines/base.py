@@ -238,6 +238,8 @@ class Engine(abc.ABC):
     continues: frozenset[str] = frozenset()
     #: Features served only when an engine arg has a value: ``{feature: (engine arg, value)}``.  Read on the class.
     features_by_arg: dict[str, tuple[str, Any]] = {}
+    #: Sampling values the engine refuses per request that the table allows (``{key: Range}``): refused at plan time.
+    sampling_ranges: dict[str, Any] = {}
 
     @classmethod
     def features_with(cls, engine_args: dict[str, Any]) -> frozenset[str]:

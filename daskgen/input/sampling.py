@@ -110,10 +110,15 @@ def canonical_json(settings: Mapping[str, Any]) -> str:
 
 
 class RowSamplingCheck:
-    """The input scan's check of each row's ``sampling`` column; it also records which keys the rows set."""
+    """The input scan's check of each row's ``sampling`` column; it also records which keys the rows set.
 
-    def __init__(self, max_new_tokens: int) -> None:
+    ``engine_ranges`` (``{key: Range}``, :meth:`~daskgen.engines.base.Engine.sampling_ranges`) are the narrower
+    ranges the run's engine, named ``engine``, takes; a row's value outside one is refused like a value outside
+    the table's."""
+
+    def __init__(self, max_new_tokens: int, engine_ranges: Mapping[str, Range] | None = None, engine: str = "") -> None:
         self.max_new_tokens = max_new_tokens
+        self.engine_ranges, self.engine = dict(engine_ranges or {}), engine
         self.keys: set[str] = set()
 
     def __call__(self, row: Any) -> list[str]:
@@ -124,8 +129,20 @@ class RowSamplingCheck:
         where = "column 'sampling'" + (f" (id {row['id']!r})" if row.get("id") is not None else "")
         errors = setting_errors(settings, self.max_new_tokens, where)
         if not errors:
+            errors = engine_range_errors(settings, self.engine_ranges, self.engine, where)
+        if not errors:
             self.keys.update(k for k, v in settings.items() if v is not None)
         return errors
+
+
+def engine_range_errors(settings: Mapping[str, Any], ranges: Mapping[str, Range], engine: str, where: str) -> list[str]:
+    """Each value of ``settings`` (valid for the table) outside the narrower range engine ``engine`` takes."""
+    return [
+        f"{where}: key {key!r} is {_found(value)}; engine {engine!r} takes {ranges[key].text}. Give a value in that "
+        "range, or use another engine"
+        for key, value in settings.items()
+        if key in ranges and value is not None and not ranges[key].valid(_normalized(key, value))
+    ]
 
 
 def run_defaults(config: Any) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import Any
 
 from daskgen.engines.args import check_known_args
 from daskgen.errors import ConfigError
+from daskgen.ranges import number
 
 __all__ = [
     "CPU_DEFAULTS",
@@ -106,6 +107,11 @@ LORA_ON_CPU = (
     "your system'). Run on a CUDA GPU (--engine-arg device=cuda when the workers have a GPU this machine lacks), "
     "or use the transformers or vllm engine, which serve LoRA adapters on a CPU"
 )
+
+
+#: The sampling values sglang 0.5.23 refuses per request that daskgen's table allows
+#: (``sglang/srt/sampling/sampling_params.py``, ``SamplingParams.verify``).
+SAMPLING_RANGES = {"repetition_penalty": number(0, 2, low_open=True, note="1 = off; sglang's maximum is 2")}
 
 
 def lora_refusal(engine_args: Mapping[str, Any], cuda_available: Callable[[], bool]) -> dict[str, str]:

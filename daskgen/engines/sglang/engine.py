@@ -86,6 +86,7 @@ from daskgen.engines.base import GenerationRequest, GenerationResult, aborted_re
 from daskgen.engines.continuation import request_limit
 from daskgen.engines.inprocess import InProcessEngine, cuda_available
 from daskgen.engines.sglang.args import (
+    SAMPLING_RANGES,
     is_cpu_device,
     launch_kwargs,
     lora_refusal,
@@ -128,6 +129,7 @@ class SGLangEngine(InProcessEngine):
             *("refresh", "lora", "refresh_with_lora", "policy_fingerprint"),
         }
     )
+    sampling_ranges = SAMPLING_RANGES
 
     @classmethod
     def refused_features(cls, engine_args: dict[str, Any]) -> dict[str, str]:
