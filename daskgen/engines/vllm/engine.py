@@ -75,7 +75,7 @@ from daskgen.engines.vllm.args import check_engine_args, launch_kwargs, max_logp
 from daskgen.engines.vllm.fingerprint import EXTENSION, agreed, with_extension
 from daskgen.engines.vllm.mapping import CollectedOutput, collect_output, result_from_collected, vllm_sampling_kwargs
 from daskgen.engines.vllm.memory import cpu_kv_cache, start_hint
-from daskgen.errors import EngineError, RefreshError
+from daskgen.errors import ConfigError, EngineError, RefreshError
 
 __all__ = ["TESTED_VLLM_VERSION", "VLLMEngine"]
 
@@ -179,7 +179,7 @@ class VLLMEngine(InProcessEngine):
         try:
             self._llm, self.info = await asyncio.wrap_future(self._thread.submit(self._create(cuda)))
         except Exception as exc:
-            if cuda:
+            if cuda or isinstance(exc, ConfigError):  # a bad engine arg is said as it is, not as a start failure
                 raise
             raise EngineError(
                 f"{self.launch_description()} failed to start: {type(exc).__name__}: {exc}\n{start_hint(self._kwargs)}"
