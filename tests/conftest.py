@@ -80,11 +80,13 @@ def runs_cluster(**config: object) -> Iterator[tuple[object, object]]:
         yield cluster, client
 
 
-def write_prompts(path: Path, n: int, *, chat: bool = True) -> Path:
-    """``n`` prompt rows with ids; chat rows by default."""
+def write_prompts(path: Path, n: int, *, chat: bool = True, words: int = 0) -> Path:
+    """``n`` prompt rows with ids; chat rows by default; with ``words``, each question followed by that many numbered
+    words (about 3.6 tokens each with the SmolLM2 tokenizer)."""
+    filler = "".join(f" w{j}" for j in range(words))
     with path.open("w") as fh:
         for i in range(n):
-            text = f"Question {i}: what is {i} plus {i % 7}?"
+            text = f"Question {i}: what is {i} plus {i % 7}?{filler}"
             row = {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
             fh.write(json.dumps({**row, "id": f"q{i}"}) + "\n")
     return path

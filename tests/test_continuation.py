@@ -129,16 +129,6 @@ def test_a_long_answer_near_the_context_limit_resumes_to_the_uninterrupted_token
     check_continuation(tmp_path, str(tiny_model), start_s=480, pause=pause, extra=extra, words=340)
 
 
-def _long_prompts(path, n: int, words: int):
-    """``n`` chat rows whose question is followed by ``words`` numbered words (about 3.6 tokens each)."""
-    filler = " ".join(f"w{j}" for j in range(words))
-    with path.open("w") as fh:
-        for i in range(n):
-            row = {"messages": [{"role": "user", "content": f"Question {i}: {filler}"}], "id": f"q{i}"}
-            fh.write(json.dumps(row) + "\n")
-    return path
-
-
 def check_continuation(
     tmp_path, model, inner="transformers", engine_args=(), start_s=240, pause=None, extra=(), words=0
 ):
@@ -151,7 +141,7 @@ def check_continuation(
     instead of short questions.
     """
     n, new_tokens = (N, 160) if pause is None else (pause.prompts, pause.new_tokens)
-    prompts = _long_prompts(tmp_path / "p.jsonl", n, words) if words else write_prompts(tmp_path / "p.jsonl", n)
+    prompts = write_prompts(tmp_path / "p.jsonl", n, words=words)
     out, whole = tmp_path / "out.zarr", tmp_path / "whole.zarr"
     if pause is not None:
         engine_args = (*engine_args, *pause.engine(tmp_path))
