@@ -118,7 +118,7 @@ def store_layout_page() -> str:
         turned_on = Layout(1, 1, 1, 1, 1, 0, **{option.name: _on(option.default)})
         for name in turned_on.array_specs():
             added.setdefault(name, f"with `{option.name}`")
-    added[f"column_{'{name}'}"] = "with `keep_columns`"
+    added["column_{name}"] = "with `keep_columns`"
     every = every_array_layout(("{name}",))
     specs = {
         **replace(every, n_trajectories=1).array_specs(),

@@ -137,7 +137,8 @@ def _check_features(settings: RunSettings, keys: frozenset[str], structured: boo
     from daskgen.engines.features import check_features, check_top_logprobs
 
     cls, config = settings.engine_cls, settings.options
-    wanted = requested_features(run_settings(config), keys)
+    run = run_settings(config)
+    wanted = requested_features(run, keys)
     wanted |= {"structured_outputs"} if structured else set()
     wanted |= {"top_logprobs"} if config.top_logprobs else set()
     wanted |= {"refresh"} if config.refresh else set()
@@ -147,7 +148,7 @@ def _check_features(settings: RunSettings, keys: frozenset[str], structured: boo
     check_features(config.engine, features, wanted, refused)
     check_top_logprobs(config.engine, cls, config.top_logprobs, config.engine_args)
     ranges = cls.sampling_ranges
-    if wrong := engine_range_errors(run_settings(config), ranges, config.engine, "the run's settings"):
+    if wrong := engine_range_errors(run, ranges, config.engine, "the run's settings"):
         raise ConfigError("; ".join(wrong))
 
 
