@@ -53,10 +53,13 @@ def test_the_weights_of_the_model_folder_are_left_out(tmp_path) -> None:
     assert with_weights <= 0.4 * available - (1 << 20) + 64 * (1 << 20)  # (available moves a little meanwhile)
 
 
-def test_inside_a_dask_worker_its_memory_limit_caps_the_size(tmp_path) -> None:
+def test_inside_a_dask_worker_its_memory_limit_caps_the_size(tmp_path, monkeypatch) -> None:
     """A real worker with a 1 GiB limit and the engine plugin (which exports the limit for the engine): 0.4 GiB,
-    whatever the machine has available."""
+    whatever the machine has available.  The worker process inherits this process's environment, where an earlier
+    in-process worker may have left its own limit: the test waits for this worker's."""
     from distributed import Client, LocalCluster
+
+    monkeypatch.delenv(ENV_MEMORY_LIMIT, raising=False)
 
     from daskgen.worker.plugin import EnginePlugin
 
@@ -67,7 +70,7 @@ def test_inside_a_dask_worker_its_memory_limit_caps_the_size(tmp_path) -> None:
     ):  # fmt: skip
         client.register_plugin(EnginePlugin("simulated", "sim", {}, window=1))
         deadline = time.monotonic() + 60  # the plugin starts its engine in the background
-        while not all(client.run(lambda: ENV_MEMORY_LIMIT in os.environ).values()):
+        while not all(v == str(GIB) for v in client.run(lambda: os.environ.get(ENV_MEMORY_LIMIT)).values()):
             assert time.monotonic() < deadline, "the plugin exported no memory limit"
             time.sleep(0.05)
         (size,) = client.run(lambda: cpu_kv_cache(str(tmp_path), {}, {**os.environ, KV_ENV: ""})[KV_ARG]).values()
