@@ -128,18 +128,22 @@ def policy_publish(
     scheduler_address: Annotated[
         str | None, Opt(help="The run's Dask scheduler: announce the version there, so workers load it at once.")
     ] = None,
+    delta: Annotated[
+        bool, Opt(help="Store only what changed since the newest version; workers rebuild it in a local cache.")
+    ] = False,
 ) -> None:
     """Publish a checkpoint as the next policy version; runs with `refresh` load it without restarting."""
     from daskgen.store.policy import publish_policy
 
     if scheduler_address is None:
-        entry = publish_policy(store, path, version)
+        entry = publish_policy(store, path, version, delta=delta)
     else:
         from distributed import Client
 
         with Client(scheduler_address, timeout="30s") as client:
-            entry = publish_policy(store, path, version, client=client)
-    typer.echo(f"daskgen: published policy version {entry.version}: {entry.path} ({entry.time})")
+            entry = publish_policy(store, path, version, client=client, delta=delta)
+    stored = f" as a delta on version {entry.base} ({entry.delta})" if entry.delta else ""
+    typer.echo(f"daskgen: published policy version {entry.version}: {entry.path}{stored} ({entry.time})")
 
 
 @app.command()

@@ -109,6 +109,12 @@ class PolicyVersionError(PolicyError, ValueError):
         self.current, self.asked = current, asked
 
 
+class PolicyDeltaError(PolicyError):
+    """A delta policy version cannot be made or applied: the checkpoints do not hold the same tensors (names,
+    dtypes, shapes), the delta is not a daskgen delta, or the weights rebuilt from it differ from the version's
+    published fingerprint."""
+
+
 class RefreshError(EngineError):
     """An engine cannot load new weights in place (it does not support it, or the load failed).
 

@@ -5,6 +5,10 @@ publish``): the record ``daskgen.policy`` at the root of the store (JSON, ``{"ve
 "time", "digest", "tensors"}, ...]}``) gains one entry: ``tensors`` holds the fingerprint of every
 tensor of the checkpoint and ``digest`` the version's, derived from them (:mod:`daskgen.store.fingerprint`;
 both ``None`` for a checkpoint given as a URL, which is not read, or a folder without safetensors files).
+A delta version (``delta=True``) also names the version it applies to (``base``: always the version before it)
+and its delta's key in the store (``delta``, under :data:`POLICY_DELTAS_PREFIX`: what changed since ``base``,
+:mod:`daskgen.store.policy_delta`); workers rebuild its full weights in a node-local cache
+(:mod:`daskgen.store.policy_cache`).
 It is replaced in one atomic write (write-temp-and-rename in a folder, one conditional PUT on object storage),
 compared with what was read first, so two publishers never lose each
 other's version.  Versions only increase: a version at or below the newest is refused
@@ -21,13 +25,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from daskgen.engines.base import BASE_POLICY_VERSION
-from daskgen.errors import PolicyError, PolicyVersionError
+from daskgen.errors import PolicyDeltaError, PolicyError, PolicyVersionError
 from daskgen.store.attrs import utc_now
 from daskgen.store.commit_log import POLICY_KEY, POLICY_TOPIC, POLICY_WORKERS_PREFIX
 from daskgen.store.fingerprint import checkpoint_fingerprint
 from daskgen.store.generation_store import read_store_attrs
 from daskgen.store.location import StoreLocation, StoreRef, locate
 
+#: Where the deltas of delta versions are stored, one object per version, beside the policy record.
+POLICY_DELTAS_PREFIX = "daskgen.policy.deltas"
 #: Attempts at replacing the record while other publishers replace it too.
 _ATTEMPTS = 20
 
@@ -35,13 +41,17 @@ _ATTEMPTS = 20
 @dataclass(frozen=True)
 class PolicyVersion:
     """One published version: its number, the checkpoint folder the engines load, when it was published, and
-    its fingerprint (``None`` for a URL checkpoint): the version's digest and each tensor's hash by name."""
+    its fingerprint (``None`` for a URL checkpoint): the version's digest and each tensor's hash by name.  A delta
+    version also has ``base``, the version its delta applies to, and ``delta``, the delta's key in the store (its
+    ``path`` is then the publisher's folder, which workers do not read)."""
 
     version: int
     path: str
     time: str
     digest: str | None = None
     tensors: dict[str, str] | None = None
+    base: int | None = None
+    delta: str | None = None
 
 
 def read_versions(location: StoreLocation) -> list[PolicyVersion]:
@@ -56,7 +66,7 @@ def newest(location: StoreLocation) -> PolicyVersion | None:
     return versions[-1] if versions else None
 
 
-def publish_policy(store: StoreRef, path: str, version: int, client: Any = None) -> PolicyVersion:
+def publish_policy(store: StoreRef, path: str, version: int, client: Any = None, delta: bool = False) -> PolicyVersion:
     """Publish the checkpoint folder ``path`` as policy ``version`` of the store ``store`` (a folder or URL).
 
     A ``daskgen run`` with ``refresh`` set loads it into every worker's engine without restarting; its samples
@@ -77,6 +87,12 @@ def publish_policy(store: StoreRef, path: str, version: int, client: Any = None)
         A ``distributed.Client`` of the run's cluster (optional): the version is also announced as a Dask event
         (:data:`~daskgen.store.commit_log.POLICY_TOPIC`), so the run's workers load it at once instead of at their
         next look at the record (``daskgen.policy.poll-interval``).  The record is the truth; the event a hint.
+    delta:
+        Store only what changed since the newest published version (compressed, in the store's policy area,
+        :mod:`daskgen.store.delta_codec`) instead of naming ``path`` for workers to read: each node's workers
+        rebuild the full weights once in a local cache from the previous version, check them against this
+        version's fingerprint and load them from there.  ``path`` need not be readable by the workers; it must
+        hold the same tensors (names, dtypes, shapes) as the newest version, which must have a fingerprint.
 
     Returns
     -------
@@ -90,6 +106,8 @@ def publish_policy(store: StoreRef, path: str, version: int, client: Any = None)
     PolicyError
         ``store`` is no daskgen store, ``path`` is no folder (or holds a broken safetensors file), or
         ``version`` is below 1.
+    PolicyDeltaError
+        ``delta=True`` and no version with a fingerprint to apply it to, or the checkpoints' tensors differ.
     """
     location = locate(store)
     if read_store_attrs(location) is None:
@@ -97,32 +115,41 @@ def publish_policy(store: StoreRef, path: str, version: int, client: Any = None)
             f"{location.url!r} is not a daskgen store: publish a policy version to the store of a run, after "
             "`daskgen run` created it."
         )
-    entry = publish(location, path, version)
+    entry = publish(location, path, version, delta)
     if client is not None:
         client.log_event(POLICY_TOPIC, {"store": location.url, "version": entry.version})
     return entry
 
 
-def publish(location: StoreLocation, path: str, version: int) -> PolicyVersion:
+def publish(location: StoreLocation, path: str, version: int, delta: bool = False) -> PolicyVersion:
     """Add ``version`` (checkpoint folder ``path``) to the record; refused unless above the newest one.
 
     Raises :class:`~daskgen.errors.PolicyVersionError` (naming the newest and the asked version) for a version
     at or below the newest, :class:`~daskgen.errors.PolicyError` for a version below 1 or a ``path`` that is
-    neither an existing folder nor a URL.
+    neither an existing folder nor a URL, :class:`~daskgen.errors.PolicyDeltaError` for a ``delta`` that cannot
+    be made.
     """
     number, checked = _checked_version(version), _checked_path(path)
     fingerprint = None if "://" in checked else checkpoint_fingerprint(checked)
+    base, key = _stored_delta(location, checked, number, fingerprint) if delta else (None, None)
     entry = PolicyVersion(
         number,
         checked,
         utc_now(),
         fingerprint.digest if fingerprint else None,
         fingerprint.tensors if fingerprint else None,
+        base,
+        key,
     )
 
     def appended(raw: bytes | None) -> bytes:
         versions = [] if raw is None else _parse(raw, location)
         _check_increases(versions, version, location)
+        if base is not None and versions[-1].version != base:
+            raise PolicyError(
+                f"version {versions[-1].version} of {location.url!r} was published while version {version} was "
+                f"made as a delta on version {base}. Publish version {version} again."
+            )
         return json.dumps({"versions": [asdict(v) for v in [*versions, entry]]}, indent=1).encode()
 
     if location.update_object(POLICY_KEY, appended, _ATTEMPTS):
@@ -131,6 +158,39 @@ def publish(location: StoreLocation, path: str, version: int) -> PolicyVersion:
         f"could not publish version {version} to {location.url!r}: the policy record kept changing under "
         f"{_ATTEMPTS} attempts (other publishers). Publish again."
     )
+
+
+def _stored_delta(location: StoreLocation, path: str, version: int, fingerprint: Any) -> tuple[int, str]:
+    """Write the delta from the newest version to the checkpoint ``path`` into the store; its base and key."""
+    from daskgen.store.policy_cache import checkpoint_for
+    from daskgen.store.policy_delta import StaleBase, make_delta
+
+    versions = read_versions(location)
+    _check_increases(versions, version, location)
+    previous = versions[-1] if versions else None
+    if previous is None or not previous.tensors or fingerprint is None:
+        raise PolicyDeltaError(
+            f"version {version} cannot be published as a delta: "
+            + (
+                "no version of the store has a fingerprint to apply it to"
+                if fingerprint
+                else f"{path!r} holds no safetensors file"
+            )
+            + ". Publish it in full (delta=False); later versions can then be deltas."
+        )
+    source = previous.path
+    if previous.delta is not None and not os.path.isdir(source):  # the publisher's folder is gone: rebuild it
+        source = checkpoint_for(location, previous).path
+    try:
+        raw = make_delta(source, path, previous.version, version, previous.tensors)
+    except StaleBase as exc:
+        if previous.delta is None:
+            raise PolicyDeltaError(f"{exc}: publish version {version} in full (delta=False).") from exc
+        source = checkpoint_for(location, previous).path  # the publisher's folder changed: its checked rebuild
+        raw = make_delta(source, path, previous.version, version, previous.tensors)
+    key = f"{POLICY_DELTAS_PREFIX}/v{version}-on-v{previous.version}-{fingerprint.digest[:16]}.delta"
+    location.write_object(key, raw)
+    return previous.version, key
 
 
 @dataclass(frozen=True)
@@ -202,7 +262,15 @@ def _check_increases(versions: list[PolicyVersion], asked: int, location: StoreL
 def _parse(raw: bytes, location: StoreLocation) -> list[PolicyVersion]:
     try:
         return [
-            PolicyVersion(int(v["version"]), str(v["path"]), str(v["time"]), v.get("digest"), v.get("tensors"))
+            PolicyVersion(
+                int(v["version"]),
+                str(v["path"]),
+                str(v["time"]),
+                v.get("digest"),
+                v.get("tensors"),
+                v.get("base"),
+                v.get("delta"),
+            )
             for v in json.loads(raw)["versions"]
         ]
     except (ValueError, KeyError, TypeError) as exc:

@@ -4,7 +4,9 @@ A run with ``refresh`` set gives each worker's :class:`~daskgen.worker.plugin.En
 :class:`PolicyRefresher`.  It reads the store's policy record (:mod:`daskgen.store.policy`) once per
 ``daskgen.policy.poll-interval``, and at once when a publisher on the run's cluster announces a version of the
 store (:func:`listen_for_versions`: a Dask event on :data:`~daskgen.store.commit_log.POLICY_TOPIC`); when the
-newest version is above the one its engine runs, it stops admitting
+newest version is above the one its engine runs, it gets a folder holding its full weights (the published one,
+or for a delta version its rebuild in the node's cache, :mod:`daskgen.store.policy_cache`, made while the engine
+goes on generating and checked against the version's fingerprint), stops admitting
 the run's requests, empties the engine as the ``refresh`` policy says, loads the version
 (:meth:`~daskgen.engines.base.Engine.update_weights`), checks what the engine loaded against the version's
 published fingerprint (:meth:`~daskgen.engines.base.Engine.loaded_fingerprint`, on engines that declare
@@ -50,6 +52,7 @@ from daskgen.store.commit_log import POLICY_TOPIC
 from daskgen.store.fingerprint import NO_FINGERPRINT, digest_number, dtype_of, mismatched
 from daskgen.store.location import StoreLocation, announced_for
 from daskgen.store.policy import PolicyVersion, WorkerPolicy, newest, write_worker_policy
+from daskgen.store.policy_cache import checkpoint_for
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +127,15 @@ class PolicyRefresher:
             self.changed.notify_all()
 
     async def refresh(self, engine: Engine, entry: PolicyVersion, on_error: Callable[[str], None]) -> None:
-        """Stop admitting, empty the engine (``drain`` or ``continue``), load ``entry``, admit again."""
+        """Rebuild ``entry`` when it is a delta version (while the engine goes on), then stop admitting, empty the
+        engine (``drain`` or ``continue``), load it, admit again."""
+        try:
+            path = (await asyncio.to_thread(checkpoint_for, self.location, entry)).path
+        except Exception as exc:  # a delta that cannot be rebuilt or whose rebuild is not the published weights
+            self.refused.add(entry.version)
+            self._report(on_error, f"loading policy version {entry.version} failed: {type(exc).__name__}: {exc}")
+            await self._record("failed", entry.version)
+            return
         async with self.changed:
             self.loading = True
         await self._record("loading", entry.version)
@@ -133,7 +144,7 @@ class PolicyRefresher:
                 await self._interrupt(engine)
             async with self.changed:
                 await self.changed.wait_for(lambda: not self.in_flight)
-            await engine.update_weights(entry.path)
+            await engine.update_weights(path)
             checked = await self._checked(engine, entry)
         except Exception as exc:
             self.refused.add(entry.version)
@@ -141,8 +152,8 @@ class PolicyRefresher:
             await self._record("failed", entry.version)
         else:
             self.version, self.error, self.refreshes = entry.version, None, self.refreshes + 1
-            self.path, self.fingerprints[entry.version] = entry.path, digest_number(entry.digest) if checked else 0
-            logger.info("daskgen: engine now runs policy version %d (%s)", entry.version, entry.path)
+            self.path, self.fingerprints[entry.version] = path, digest_number(entry.digest) if checked else 0
+            logger.info("daskgen: engine now runs policy version %d (%s)", entry.version, path)
             await self._record("running", entry.version)
         finally:
             async with self.changed:
