@@ -6,7 +6,7 @@ scan, the tokenizer).  With CPython's defaults a collection of the youngest gene
 the objects it finds alive move to older generations, and every so often a full collection scans them again
 together with everything the process loaded: on the instant engine a worker spent 13.9-23.7 µs of CPU per sample in
 the collector, 2.6-5.2 µs with the freeze and a threshold of 10,000, and 0.0-1.3 µs with the default 50,000; the
-client of a one-run process about 4 µs, none with the freeze (``benchmarks/README.md``).
+client of a one-run process about 4 µs, none with the freeze (``docs/hpc.md``).
 
 :func:`tune_collector` moves every object alive then into the collector's permanent generation (``gc.freeze``:
 never scanned again) and raises the youngest generation's threshold, as a ``daskgen:`` config section says
