@@ -1,4 +1,4 @@
-"""``python -m daskgen.models``: convert SmolLM2 or build the tiny model from the command line."""
+"""``python -m daskgen.models``: convert SmolLM2 or build the tiny models from the command line."""
 
 from __future__ import annotations
 
@@ -11,15 +11,23 @@ from daskgen.errors import DaskgenError
 from daskgen.models.cache import CACHE_ENV
 from daskgen.models.smollm2 import smollm2_instruct
 from daskgen.models.tiny import build_tiny_model
+from daskgen.models.tiny_vl import build_tiny_vl_model
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: ``smollm2 [--cache-dir DIR]`` or ``tiny PATH [--seed N] [--tokenizer-from DIR] [--head-dim N]``."""
+    """Command line: ``smollm2 [--cache-dir DIR]``, ``tiny PATH [--seed N] [--tokenizer-from DIR] [--head-dim N]``
+    or ``tiny-vl [PATH] [--seed N] [--tokenizer-from DIR] [--cache-dir DIR]``."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         if args.command == "smollm2":
             print(smollm2_instruct(args.cache_dir))
+        elif args.command == "tiny-vl":
+            print(
+                build_tiny_vl_model(
+                    args.path, seed=args.seed, tokenizer_from=args.tokenizer_from, cache_dir=args.cache_dir
+                )
+            )
         else:
             print(
                 build_tiny_model(args.path, seed=args.seed, tokenizer_from=args.tokenizer_from, head_dim=args.head_dim)
@@ -31,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The ``python -m daskgen.models`` argument parser, with its ``smollm2`` and ``tiny`` commands."""
+    """The ``python -m daskgen.models`` argument parser, with its ``smollm2``, ``tiny`` and ``tiny-vl`` commands."""
     parser = argparse.ArgumentParser(
         prog="python -m daskgen.models", description="Build the project's local models offline."
     )
@@ -43,4 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--tokenizer-from", type=Path, default=None)
     tiny.add_argument("--head-dim", type=int, default=None, help="attention head width (vLLM on CPU needs >= 32)")
+    vl = sub.add_parser("tiny-vl", help="build the tiny vision model (into PATH, default the cache); print its folder")
+    vl.add_argument("path", type=Path, nargs="?", default=None)
+    vl.add_argument("--seed", type=int, default=0)
+    vl.add_argument("--tokenizer-from", type=Path, default=None)
+    vl.add_argument(
+        "--cache-dir", type=Path, default=None, help=f"without PATH; default: ${CACHE_ENV} or ~/.cache/daskgen"
+    )
     return parser
