@@ -129,7 +129,8 @@ def _check(rebuilt: Path, entry: PolicyVersion) -> None:
     found = checkpoint_fingerprint(rebuilt)
     if found is not None and found.digest == entry.digest:
         return
-    wrong, compared = mismatched(entry.tensors or {}, found.tensors if found else {})
+    rebuilt_tensors = {name: f.split("|")[0] for name, f in (found.tensors if found else {}).items()}
+    wrong, compared = mismatched(entry.tensors or {}, rebuilt_tensors)  # each in its checkpoint dtype
     shown = ", ".join(wrong[:5]) + (f" and {len(wrong) - 5} more" if len(wrong) > 5 else "")
     raise PolicyDeltaError(
         f"the weights rebuilt for delta version {entry.version} differ from its published fingerprint in "
