@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,6 +24,7 @@ from daskgen.client.prefix_dispatch import resolve_prefix, with_prefix
 from daskgen.config import RunConfig
 from daskgen.engines.base import SamplingParams
 from daskgen.errors import ConfigError
+from daskgen.images.scan import ImageCheck
 from daskgen.input import adapters
 from daskgen.input.chat_template import ChatTemplate
 from daskgen.input.prefix import PrefixKeys
@@ -43,6 +45,9 @@ from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import FAILED, PENDING, Layout
 from daskgen.worker.partition import PartitionTask
 from daskgen.worker.row_sampling import row_params
+
+if TYPE_CHECKING:
+    from daskgen.images.processor import ImageProcessing
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +114,7 @@ def make_plan(settings: RunSettings) -> Plan:
     hints = settings.length_hints
     predicted = None if hints is None else read_length_hints(hints, scan.ids, scan.fingerprint, len(scan))
     structured = scan.structured or settings.structured is not None
-    _check_features(settings, keys, structured)
+    _check_features(settings, keys, structured, images=bool(scan.max_images))
     store, record = _open_store(settings, scan, keys, existing, record)
     prefix = resolve_prefix(
         settings.options.dispatch, scan, store.attrs.input_scan, settings.tokenizer, settings.template
@@ -131,7 +136,7 @@ def make_plan(settings: RunSettings) -> Plan:
     )
 
 
-def _check_features(settings: RunSettings, keys: frozenset[str], structured: bool) -> None:
+def _check_features(settings: RunSettings, keys: frozenset[str], structured: bool, *, images: bool = False) -> None:
     """Refuse a run that asks its engine for a feature it does not serve, or for more top-k logprobs than it gives
     (before any engine starts)."""
     from daskgen.engines.features import check_features, check_top_logprobs
@@ -144,6 +149,7 @@ def _check_features(settings: RunSettings, keys: frozenset[str], structured: boo
     wanted |= {"refresh"} if config.refresh else set()
     wanted |= {"lora"} if settings.adapters else set()
     wanted |= {"refresh_with_lora"} if config.refresh and settings.adapters else set()
+    wanted |= {"images"} if images else set()
     features, refused = cls.features_with(config.engine_args), cls.refused_features(config.engine_args)
     check_features(config.engine, features, wanted, refused)
     check_top_logprobs(config.engine, cls, config.top_logprobs, config.engine_args)
@@ -170,6 +176,7 @@ def _scan_input(
         return existing, scan, None, frozenset()
     check = RowSamplingCheck(config.max_new_tokens, settings.engine_cls.sampling_ranges, config.engine)
     adapter_check = adapters.AdapterCheck(settings.adapters)
+    images = ImageCheck(lambda: _image_processing(settings), config.storage_options, input_folder(source))
     scan = scan_prompts(
         source,
         tokenizer,
@@ -179,6 +186,7 @@ def _scan_input(
         keep_columns=settings.kept_columns,
         reserved_columns=reserved_names(),
         check_row=lambda row: check(row) + adapter_check(row),
+        images=images,
     )
     return existing, scan, scan_record(key, scan, source), frozenset(check.keys)
 
@@ -202,7 +210,12 @@ def _open_store(
     wanted = StoreAttrs(
         layout=_layout(settings, scan, keys),
         identity=settings.identity,
-        input={"fingerprint": scan.fingerprint, "n_prompts": len(scan), **({"keep_columns": keep} if keep else {})},
+        input={
+            "fingerprint": scan.fingerprint,
+            "n_prompts": len(scan),
+            **({"keep_columns": keep} if keep else {}),
+            **({"images": scan.images, "image_processor": scan.image_processor} if scan.images else {}),
+        },
         tokenizer=settings.tokenizer_identity,
         config=settings.record,
         simulated=settings.simulated,
@@ -232,7 +245,22 @@ def _layout(settings: RunSettings, scan: InputScan, keys: frozenset[str]) -> Lay
         structured=scan.structured or settings.structured is not None,
         top_logprobs=config.top_logprobs,
         adapters=bool(settings.adapters),
+        max_images=scan.max_images,
     )
+
+
+def _image_processing(settings: RunSettings) -> ImageProcessing:
+    """The image processing of the run's model (rows with images need a model folder with an image processor)."""
+    from daskgen.images.processor import ImageProcessing
+
+    trust = bool(settings.options.engine_args.get("trust_remote_code", False))
+    return ImageProcessing(str(settings.options.model), trust_remote_code=trust)
+
+
+def input_folder(source: Any) -> Path | None:
+    """The folder of the prompt file ``source`` (relative image paths are read from it); ``None`` for rows given
+    in memory (read from the current folder)."""
+    return Path(source).resolve().parent if isinstance(source, (str, Path)) else None
 
 
 def pending_rows(plan: Plan, status: np.ndarray) -> np.ndarray:
@@ -284,7 +312,7 @@ def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[Part
         return
 
     shared = _shared_task_fields(plan)
-    layout, params = plan.layout, shared["params"]
+    layout, params, base = plan.layout, shared["params"], input_folder(plan.prompts.source)
     ranges = [(start, min(start + layout.partition_size, layout.n_prompts)) for start in starts]
     wanted = (int(i) for start, stop in ranges for i in np.flatnonzero(todo[start:stop]) + start)
     selected = iter_selected_rows(plan.prompts.source, wanted)
@@ -299,7 +327,7 @@ def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[Part
             None,
             agent_args=dict(plan.config.agent_args),
             rows_meta=full if shared["verify"] is not None else None,
-            inputs=[worker_input(r, layout.columns, params.response_format, params.adapter) for r in full],
+            inputs=[worker_input(r, layout.columns, params.response_format, params.adapter, base) for r in full],
             row_settings=[merged(shared["run_settings"], r.get("sampling")) for r in full]
             if layout.row_sampling
             else None,

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Sequence
 
     from daskgen.engines.batch import Finished
+    from daskgen.engines.media import ImageInput
     from daskgen.input.response_format import ResponseFormat
 
 _T = TypeVar("_T")
@@ -81,11 +82,8 @@ FINISH_NAMES: dict[str, FinishReason] = {
 
 
 def finish_from_name(name: Any, source: str) -> tuple[FinishReason, str | None]:
-    """``(reason, error)`` for a backend's finish-reason ``name``.
-
-    A name outside :data:`FINISH_NAMES` (``None`` included) is ``ERROR`` with the message
-    ``f"{source} finished with {name!r}"``; a known one has no error.
-    """
+    """``(reason, error)`` for a backend's finish-reason ``name``: a name outside :data:`FINISH_NAMES` (``None``
+    included) is ``ERROR`` with the message ``f"{source} finished with {name!r}"``; a known one has no error."""
     reason = FINISH_NAMES.get(name, FinishReason.ERROR) if isinstance(name, str) else FinishReason.ERROR
     return reason, None if reason != FinishReason.ERROR else f"{source} finished with {name!r}"
 
@@ -108,7 +106,8 @@ class SamplingParams:
     ``adapter`` names the LoRA adapter to generate with (one of the ``adapters`` the engine was built with;
     ``None``: the base model).  ``continued = n > 0`` marks a continuation of an interrupted sample: the last ``n``
     prompt ids are the sample's own tokens so far, and ``max_new_tokens``/``min_new_tokens`` count what is left
-    (:mod:`daskgen.engines.continuation`).
+    (:mod:`daskgen.engines.continuation`).  ``images`` are the request's images, placed in the prompt ids
+    (:class:`~daskgen.engines.media.ImageInput`).
     """
 
     max_new_tokens: int = 256
@@ -128,6 +127,7 @@ class SamplingParams:
     top_logprobs: int = 0
     adapter: str | None = None
     continued: int = 0
+    images: tuple[ImageInput, ...] = ()
 
 
 #: Per output token, the ``k`` most likely ``(token_id, logprob)`` pairs, most likely first (fewer
@@ -219,13 +219,11 @@ class Engine(abc.ABC):
     model:
         Model path or name understood by the backend.
     **engine_args:
-        Backend options; an engine raises :class:`daskgen.errors.ConfigError` for keys it
-        does not know, listing the valid ones.
+        Backend options; :class:`daskgen.errors.ConfigError` for unknown keys, listing the valid ones.
     """
 
-    # Capabilities, with their defaults: an engine overrides them as class attributes, or as properties when
-    # known only after :meth:`start`; callers never use ``getattr`` fallbacks.  ``name`` and ``simulated`` are
-    # read on the class too (registry, :meth:`is_simulated`); the others are read-only properties here.
+    # Capabilities with their defaults: overridden as class attributes, or properties when known only after start;
+    # callers never use getattr fallbacks.  name and simulated are read on the class too (registry, is_simulated).
 
     #: Name under which the engine is registered in the ``daskgen.engines`` group.
     name: str = ""

@@ -32,6 +32,7 @@ FEATURES: dict[str, str] = {
     "policy_fingerprint": "checking each loaded policy version's weights, read from the engine's own tensors, "
     "against the fingerprint its publisher recorded (used by 'refresh' runs; a version loads unchecked on an "
     "engine without it)",
+    "images": "images in prompts (image_url content parts of 'messages' rows, an 'images' column of 'prompt' rows)",
     "refresh_with_lora": "loading published policy versions into an engine that holds LoRA adapters ('refresh' "
     "with 'adapters'; the adapters apply to the new base weights)",
 }

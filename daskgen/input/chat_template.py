@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from daskgen.errors import ConfigError, InputError
+from daskgen.input.image_refs import template_messages
 
 #: Row columns this module reads.
 ROW_KEYS = ("chat_template_kwargs", "tools")
@@ -83,7 +84,8 @@ class ChatTemplate:
         import jinja2
 
         try:
-            ids = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True, **options)
+            messages = template_messages(row["messages"])  # image parts as the template's {"type": "image"}
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **options)
         except jinja2.TemplateError as exc:
             raise InputError(
                 f"row {number}: the chat template failed on this row ({type(exc).__name__}: {exc}); fix the row's "

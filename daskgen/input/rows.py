@@ -11,14 +11,18 @@ import json
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from daskgen.errors import InputError
 from daskgen.input import adapters, chat_template, response_format
+from daskgen.input import image_refs as refs
 from daskgen.input.chat_template import ChatTemplate
 from daskgen.input.columns import ColumnCheck, kept_values
 from daskgen.input.prefix import PrefixKeys, PrefixScan
 from daskgen.input.response_format import FormatCheck, ResponseFormat
+
+if TYPE_CHECKING:
+    from daskgen.input.image_tokens import VisionTokens
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_REPORTED = 20
@@ -102,6 +106,7 @@ def _row_errors(row: Any) -> list[str]:
     if not (has_messages or has_prompt):
         return [f"missing column 'messages' or 'prompt' (found columns {sorted(row)})"]
     errors = _messages_errors(row["messages"]) if has_messages else _prompt_errors(row["prompt"])
+    errors += refs.images_column_errors(row)
     if row.get("id") is not None and not isinstance(row["id"], (str, int)):
         errors.append(f"column 'id': expected a string or integer, found {type(row['id']).__name__}")
     return errors + chat_template.row_errors(row)
@@ -128,8 +133,7 @@ def _messages_errors(messages: Any) -> list[str]:
             continue
         if msg.get("role") not in ROLES:
             errors.append(f"{where}: role {msg.get('role')!r} is not one of {list(ROLES)}")
-        if not isinstance(msg.get("content"), str):
-            errors.append(f"{where}: 'content' must be a string, found {type(msg.get('content')).__name__}")
+        errors += refs.content_errors(msg.get("content"), where)
     return errors
 
 
@@ -183,17 +187,30 @@ def holds_input(source: Any, wanted: Any, on_row: Callable[[Any], None] | None =
 
 
 def tokenize_rows(
-    rows: Sequence[dict[str, Any]], tokenizer: Any, template: ChatTemplate | None = None, first: int = 1
+    rows: Sequence[dict[str, Any]],
+    tokenizer: Any,
+    template: ChatTemplate | None = None,
+    first: int = 1,
+    vision: VisionTokens | None = None,
 ) -> list[list[int]]:
     """Token ids per row: ``messages`` through the chat template (with the run's ``template`` options and the
-    row's own), ``prompt`` as plain text.  ``first`` is the row number of ``rows[0]`` (for errors)."""
+    row's own), ``prompt`` as plain text after one image block per image (``vision``: the model's image tokens).
+    Each image is one placeholder token here (:func:`daskgen.input.image_tokens.expand` expands them).  ``first`` is
+    the row number of ``rows[0]`` (for errors)."""
     template = template or ChatTemplate()
     out = []
     for number, row in enumerate(rows, start=first):
         if row.get("messages") is not None:
             out.append(template.ids(tokenizer, row, number))
-        else:
-            out.append(list(tokenizer(row["prompt"])["input_ids"]))
+            continue
+        ids = list(tokenizer(row["prompt"])["input_ids"])
+        if row.get(refs.IMAGES_COLUMN):
+            if vision is None:
+                raise InputError(f"row {number}: column 'images' needs a model with image tokens")
+            from daskgen.input.image_tokens import prompt_with_images
+
+            ids = prompt_with_images(ids, vision, len(row[refs.IMAGES_COLUMN]))
+        out.append(ids)
     return out
 
 
@@ -223,6 +240,9 @@ class InputScan:
     columns: tuple[str, ...] = ()  # the kept input columns (``keep_columns``, ``"*"`` resolved)
     structured: bool = False  # some row has its own ``response_format`` (:mod:`daskgen.input.response_format`)
     prefix: PrefixKeys | None = None  # shared-prefix keys per row (:mod:`daskgen.input.prefix`); None: not known
+    max_images: int = 0  # the most images one row names (:mod:`daskgen.images`)
+    images: str = ""  # the digest of every image's hash in input order ("": no images)
+    image_processor: dict[str, Any] | None = None  # the model's image processor's identity (None: no images)
 
     def __len__(self) -> int:
         return self.n_rows
@@ -238,6 +258,7 @@ def scan_prompts(
     keep_columns: tuple[str, ...] | str = (),
     reserved_columns: Collection[str] = (),
     check_row: Callable[[Any], list[str]] | None = None,
+    images: Any = None,
 ) -> InputScan:
     """Validate, fingerprint and length-check every row in one streaming pass.
 
@@ -246,18 +267,23 @@ def scan_prompts(
     ``template`` renders ``messages`` rows; every row must have the ``keep_columns``
     (:mod:`daskgen.input.columns`), and with ``"*"`` the first row's columns may not take a ``reserved_columns``
     name (the planner passes :func:`daskgen.reserved.reserved_names`); ``check_row`` adds the problems it finds
-    in a row (e.g. its ``sampling`` column) to the report.
+    in a row (e.g. its ``sampling`` column) to the report; ``images`` checks the images rows name
+    (a :class:`daskgen.images.scan.ImageCheck`; without it a row with images is an error).
     """
     name = str(source) if isinstance(source, (str, Path)) else "input"
     kept, formats, prefixes = ColumnCheck(keep_columns, reserved_columns), FormatCheck(), PrefixScan()
     ids, fingerprint, errors, lengths = _scan_rows(
-        source, tokenizer, max_prompt_tokens, template, (kept, formats, prefixes), check_row
+        source, tokenizer, max_prompt_tokens, template, (kept, formats, prefixes), check_row, images
     )
     _raise_if(errors, name)
     if not ids:
         raise InputError(f"{name} has no prompts; expected at least one row.")
     overlong = check_lengths({i: n for i, n in lengths.items()}, max_prompt_tokens, skip=skip_overlong)
-    return InputScan(source, len(ids), ids, fingerprint, overlong, kept.names, formats.used, prefixes.result())
+    scan = InputScan(source, len(ids), ids, fingerprint, overlong, kept.names, formats.used, prefixes.result())
+    if images is not None and images.n_images:
+        scan.max_images, scan.images = images.max_images, images.digest()
+        scan.image_processor = images.processing.identity()
+    return scan
 
 
 def _scan_rows(
@@ -267,6 +293,7 @@ def _scan_rows(
     template: ChatTemplate | None,
     checks: tuple[ColumnCheck, FormatCheck, PrefixScan],
     check_row: Callable[[Any], list[str]] | None = None,
+    images: Any = None,
 ) -> tuple[list[str], str, list[str], dict[int, int]]:
     """One pass over the rows: their ids, the input fingerprint, every row error, and the token count of
     each prompt longer than ``max_prompt_tokens`` (tokenizing stops at the first error); each prompt's
@@ -283,10 +310,18 @@ def _scan_rows(
             errors += [f"row {number}: {msg}" for msg in kept.row_errors(row, number) + formats.row_errors(row)]
         digest.add(row)
         ids.append(_row_id(row, number, seen, errors))
+        extra, vision = 0, None
+        if not errors and refs.has_images(row):
+            if images is None:
+                errors.append(f"row {number}: names images, but this input is read without image support")
+            else:
+                row_errors, extra = images.row(row)
+                errors += [f"row {number}: {msg}" for msg in row_errors]
+                vision = images.processing.tokens if not errors else None
         if not errors:
-            tokens = tokenize_rows([row], tokenizer, template, number)[0]
+            tokens = tokenize_rows([row], tokenizer, template, number, vision)[0]
             prefixes.add(tokens)
-            if (n_tokens := len(tokens)) > max_prompt_tokens:
+            if (n_tokens := len(tokens) + extra) > max_prompt_tokens:
                 lengths[len(ids) - 1] = n_tokens
     return ids, digest.value(), errors, lengths
 
@@ -321,13 +356,20 @@ def iter_token_ids(
 
 
 def worker_input(
-    row: dict[str, Any], columns: tuple[str, ...], run_format: ResponseFormat | None, run_adapter: str | None
+    row: dict[str, Any],
+    columns: tuple[str, ...],
+    run_format: ResponseFormat | None,
+    run_adapter: str | None,
+    base: Path | None = None,
 ) -> dict[str, Any]:
     """The part of an input row the worker needs: what it tokenizes (the prompt or messages, with their
     chat-template columns), the text of the kept ``columns``, the row's structured-output format and LoRA adapter
-    (its own, else the run's ``run_format`` and ``run_adapter``); other columns stay on the client."""
-    keys = ("messages", "chat_template_kwargs", "tools") if row.get("messages") is not None else ("prompt",)
+    (its own, else the run's ``run_format`` and ``run_adapter``), the URLs of its images (``image_urls``, relative
+    paths resolved against ``base``, the prompt file's folder); other columns stay on the client."""
+    keys = ("messages", "chat_template_kwargs", "tools") if row.get("messages") is not None else ("prompt", "images")
     out = {key: row[key] for key in keys if row.get(key) is not None}
+    if urls := [refs.resolved(ref.url, base) for ref in refs.image_refs(row)]:
+        out["image_urls"] = urls
     if columns:
         out["columns"] = kept_values(row, columns)
     structured = response_format.for_row(row, run_format)

@@ -76,8 +76,8 @@ def scan_record(key: dict[str, Any] | None, scan: InputScan, source: Any) -> dic
 
     ``key`` is the one taken before the scan: when the file changed since, nothing is kept.
     """
-    if key is None or len(scan.overlong) > MAX_KEPT_OVERLONG:
-        return None
+    if key is None or len(scan.overlong) > MAX_KEPT_OVERLONG or scan.images:
+        return None  # an input with images is scanned again: its images may change without the file
     if scan_key(source, key["tokenizer"], key["max_prompt_tokens"], key["skip_overlong"]) != key:
         return None
     return {

@@ -128,6 +128,7 @@ class Layout:
     structured: bool = False  # rows carry a ``response_format`` (stored per prompt as JSON text)
     top_logprobs: int = 0
     adapters: bool = False  # the run declares LoRA adapters: each row's adapter name is stored per prompt
+    max_images: int = 0  # the most images a prompt has: the width of the per-image arrays (0: none)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "columns", tuple(self.columns))  # a list when read from the attrs
@@ -211,6 +212,8 @@ class Layout:
             specs["adapter"] = ArraySpec((n,), (rows,), "str", "", per_prompt, "prompt")
         if self.top_logprobs:
             specs.update(self._top_logprob_specs())
+        if self.max_images:
+            specs.update(self._image_specs())
         if self.scored:
             specs["score"] = ArraySpec((n, s), (rows, s), "float32", float("nan"), per_sample, "sample")
             specs["samples_used"] = ArraySpec((n,), (rows,), "int16", 0, per_prompt, "sample")
@@ -223,6 +226,19 @@ class Layout:
         return {
             "top_logprob_ids": ArraySpec((n, s, r, k), (rows, s, r, k), "int32", NO_TOKEN, dims, "response"),
             "top_logprobs": ArraySpec((n, s, r, k), (rows, s, r, k), "float32", float("nan"), dims, "response"),
+        }
+
+    def _image_specs(self) -> dict[str, ArraySpec]:
+        """Each prompt's images (:mod:`daskgen.images`): hash, modality, placeholder span, grid; its mRoPE delta."""
+        n, m, rows = self.n_prompts, self.max_images, self.partition_size
+        per_image = ("prompt", "image")
+        return {
+            "image_hash": ArraySpec((n, m), (rows, m), "str", "", per_image, "prompt"),
+            "image_modality": ArraySpec((n, m), (rows, m), "str", "", per_image, "prompt"),
+            "image_offset": ArraySpec((n, m), (rows, m), "int32", -1, per_image, "prompt"),
+            "image_length": ArraySpec((n, m), (rows, m), "int32", 0, per_image, "prompt"),
+            "image_grid": ArraySpec((n, m, 3), (rows, m, 3), "int32", 0, (*per_image, "grid_axis"), "prompt"),
+            "rope_delta": ArraySpec((n,), (rows,), "int32", 0, ("prompt",), "prompt"),
         }
 
     def _with_trajectories(self, specs: dict[str, ArraySpec]) -> dict[str, ArraySpec]:
@@ -329,6 +345,13 @@ LONG_NAMES: dict[str, str] = {
     "policy_fingerprint_end": "digest of policy_version_end's published weights, as policy_fingerprint",
     "response_format": "the row's structured-output format as JSON text ('': none)",
     "adapter": "the name of the LoRA adapter the row was generated with ('': the base model)",
+    "image_hash": "SHA-256 of each image's bytes (hex; the image is stored under images/<h[:2]>/<h>; '': no image)",
+    "image_modality": "the modality of each item ('image'; '': none)",
+    "image_offset": "where each image's placeholder tokens start in prompt_ids (-1: no image)",
+    "image_length": "how many placeholder tokens each image has in prompt_ids (0: no image)",
+    "image_grid": "each image's grid of patches (t, h, w) as the model's image processor made it",
+    "rope_delta": "mRoPE position offset of the tokens after the prompt's images (position = index + rope_delta; "
+    "0 without images)",
     "score": "verifier score of the sample (NaN: not generated, or the verifier raised)",
     "samples_used": "samples generated for the prompt before it was satisfied",
     "num_trajectories": "trajectories of the sample (the rest of the trajectory axis is padding)",

@@ -24,21 +24,21 @@ from daskgen.agents import AgentLoop, EngineHandle, SingleTurn, Trajectory, crea
 from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
 from daskgen.errors import EngineError, EngineUnavailable
 from daskgen.input.chat_template import ChatTemplate
-from daskgen.input.rows import tokenize_rows
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.layout import Layout, column_array, empty_region
+from daskgen.store.layout import Layout, empty_region
 from daskgen.worker.continuation import sample_with_prefix, stored_samples
+from daskgen.worker.images import RowImages, place_images
 from daskgen.worker.plain_turns import PlainTurns, Samples, TurnBatch, as_trajectories
 from daskgen.worker.prefix_order import gather_in_prompt_order
 from daskgen.worker.region import place_prompts, place_samples
 from daskgen.worker.rounds import RowOutcome, sample_in_rounds
+from daskgen.worker.row_inputs import input_format, place_row_texts, tokenize_inputs
 from daskgen.worker.row_sampling import apply_stops, place_row_settings, sample_params
 from daskgen.worker.seeds import sample_seeds, with_seed
 from daskgen.worker.slot import PartitionSlot
 from daskgen.worker.thread_slots import leave_thread_slot
 
 if TYPE_CHECKING:
-    from daskgen.input.response_format import ResponseFormat
     from daskgen.worker.plugin import EnginePlugin
     from daskgen.worker.shared_regions import Handover
     from daskgen.worker.writers import WriterPool
@@ -86,6 +86,8 @@ class PartitionTask:
     prefix_order: bool = False
     #: Client side only: the partition's shared-prefix key (-1: none; :mod:`daskgen.client.prefix_dispatch`).
     prefix_key: int = -1
+    #: Worker side only: each pending row's images, placed in its prompt (``None``: a run without images).
+    images: list[RowImages | None] | None = None
 
     @property
     def layout(self) -> Layout:
@@ -130,36 +132,14 @@ def fill_region(
     assert task.prompts is not None, "the worker tokenizes a task's inputs before filling its region"
     offsets = [row - task.start for row in task.rows]
     out.prompt_tokens = place_prompts(region, offsets, task.prompts, layout.pad_token_id)
-    _place_row_texts(region, task, offsets)
+    place_row_texts(region, task, offsets)
+    if task.images is not None:
+        place_images(region, offsets, task.images)
     counts = place_samples(region, task.rows, offsets, task.n_samples, samples, layout)
     out.failed, out.aborted, out.notes = counts.failed, counts.aborted, {**counts.notes, **out.notes}
     out.response_tokens, out.carried_tokens = counts.response_tokens, counts.carried_tokens
     out.partial_samples, out.partial_tokens = counts.partial_samples, counts.partial_tokens
     return out
-
-
-def _place_row_texts(region: dict[str, np.ndarray], task: PartitionTask, offsets: list[int]) -> None:
-    """Store each pending row's extra input columns and (in a structured store) its response format."""
-    layout = task.layout
-    if not task.inputs and not layout.structured and not layout.adapters:
-        return
-    for i, r in enumerate(offsets):
-        for name, text in (task.inputs[i].get("columns", {}) if task.inputs else {}).items():
-            region[column_array(name)][r] = text
-        if layout.structured:
-            region["response_format"][r] = row_format.text() if (row_format := _row_format(task, i)) else ""
-        if layout.adapters:
-            region["adapter"][r] = _row_adapter(task, i) or ""
-
-
-def _row_format(task: PartitionTask, i: int) -> ResponseFormat | None:
-    """The structured-output format of the task's ``i``-th row (its own or the run's), or ``None``."""
-    return task.inputs[i].get("response_format") if task.inputs else task.params.response_format
-
-
-def _row_adapter(task: PartitionTask, i: int) -> str | None:
-    """The LoRA adapter of the task's ``i``-th row (its own or the run's), or ``None`` for the base model."""
-    return task.inputs[i].get("adapter") if task.inputs else task.params.adapter
 
 
 def _record_rounds(
@@ -212,9 +192,7 @@ async def _prepare_inputs(
     Returns the stored region (``None`` unless the task continues partial samples) and the samples to keep.
     """
     if task.prompts is None:
-        task.prompts = await asyncio.to_thread(
-            lambda: tokenize_rows(task.inputs or [], plugin.tokenizer(), task.chat_template)
-        )
+        await tokenize_inputs(task, plugin)
     # Only a partition with stored samples of its pending rows (an earlier attempt was interrupted)
     # reads its region before generating; otherwise the padded region is allocated once the results
     # are in, so partitions waiting in a large in-flight window do not each hold one.
@@ -350,10 +328,12 @@ class PartitionGeneration:
             params = with_seed(task.params, seed)
         else:
             params = sample_params(task.params, own, task.eos_ids, task.seed, row, s)
-        if (row_format := _row_format(task, i)) is not None and row_format is not params.response_format:
+        if (row_format := input_format(task, i)) is not None and row_format is not params.response_format:
             params = dataclasses.replace(params, response_format=row_format)
         if task.inputs and (adapter := task.inputs[i].get("adapter")) != params.adapter:
             params = dataclasses.replace(params, adapter=adapter)
+        if task.images is not None and (row_images := task.images[i]) is not None:
+            params = dataclasses.replace(params, images=row_images.images)
         return params
 
     def own_settings(self, i: int) -> dict[str, Any] | None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from daskgen.engines.inprocess import cuda_available
 from daskgen.engines.transformers.args import TransformersArgs
 from daskgen.engines.transformers.sampler import SamplerTable, processor_list
+from daskgen.engines.transformers.vision import GenerateManager, is_vision_model
 from daskgen.errors import ConfigError, EngineError
 
 if TYPE_CHECKING:
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
 __all__ = ["LoadedBackend", "free_device_memory", "load_backend"]
 
 
+#: Requests a vision-language model's engine takes at once (they queue, and run one after the other).
+VISION_CAPACITY = 8
 #: Defaults that keep a CPU worker's memory small; on a GPU, ``None`` lets transformers size from free memory.
 _CPU_DEFAULTS = {"max_batch_tokens": 512, "max_requests_per_batch": 64, "kv_cache_tokens": 16384}
 
@@ -51,17 +54,18 @@ def load_backend(
         torch.set_num_threads(args.num_threads)
     device = _resolve_device(args.device)
     dtype = _resolve_dtype(args.dtype, device)
-    model = _load_model(path, args, device, dtype)
+    vision = is_vision_model(path, args.trust_remote_code)
+    model = _load_model(path, args, device, dtype, vision)
     if adapters:
         model = _with_adapters(model, adapters, table, device)
     eos = _eos_ids(model)
-    manager = _create_manager(model, table, args, device)
+    manager = _vision_manager(model, table) if vision else _create_manager(model, table, args, device)
     return LoadedBackend(
         model=model,
         manager=manager,
         eos_ids=eos,
         vocab_size=int(model.get_input_embeddings().num_embeddings),
-        capacity=_cb_defaults(args, device)["max_requests_per_batch"],
+        capacity=VISION_CAPACITY if vision else _cb_defaults(args, device)["max_requests_per_batch"],
         max_total_tokens=_max_total_tokens(manager, model.config.get_text_config(), args),
         identity={**_identity(model, args, device, dtype, eos), **({"adapters": sorted(adapters)} if adapters else {})},
     )
@@ -96,8 +100,15 @@ def _resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-def _load_model(path: str, args: TransformersArgs, device: str, dtype: torch.dtype) -> Any:
-    from transformers import AutoModelForCausalLM
+def _vision_manager(model: Any, table: SamplerTable) -> GenerateManager:
+    """The backend of a vision-language model (:mod:`daskgen.engines.transformers.vision`)."""
+    text = model.config.get_text_config()
+    pad = getattr(text, "pad_token_id", None)
+    return GenerateManager(model, table, int(pad if pad is not None else min(_eos_ids(model), default=0)))
+
+
+def _load_model(path: str, args: TransformersArgs, device: str, dtype: torch.dtype, vision: bool = False) -> Any:
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": args.trust_remote_code}
     if args.revision is not None:
@@ -105,7 +116,7 @@ def _load_model(path: str, args: TransformersArgs, device: str, dtype: torch.dty
     if args.attn_implementation is not None:
         kwargs["attn_implementation"] = args.attn_implementation
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(path, **kwargs)
     except (OSError, ValueError) as exc:
         raise EngineError(f"transformers engine could not load model {path!r}: {exc}") from exc
     # PreTrainedModel.to is decorated with functools.wraps, whose typing leaves `self` unbound.
@@ -160,7 +171,8 @@ def _create_manager(model: Any, table: SamplerTable, args: TransformersArgs, dev
 def _max_total_tokens(manager: Any, config: Any, args: TransformersArgs) -> int:
     from transformers.generation.continuous_batching.model_runner import infer_max_single_request_tokens
 
-    limits = [infer_max_single_request_tokens(manager.batch_processor.cache)]
+    cache = getattr(manager.batch_processor, "cache", None)  # none: model.generate sizes its own per request
+    limits = [] if cache is None else [infer_max_single_request_tokens(cache)]
     context = getattr(config, "max_position_embeddings", None)
     limits += [v for v in (context, args.max_model_len) if isinstance(v, int) and v > 0]
     return min(limits)

@@ -150,7 +150,7 @@ class TransformersEngine(InProcessEngine):
     features = frozenset(
         {
             *("per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs"),
-            *("refresh", "lora", "refresh_with_lora", "policy_fingerprint"),
+            *("refresh", "lora", "refresh_with_lora", "policy_fingerprint", "images"),
         }
     )
 
@@ -295,6 +295,7 @@ class TransformersEngine(InProcessEngine):
             request_id=backend_id,
             max_new_tokens=request.params.max_new_tokens,
             eos_token_id=sorted(job.stop_ids),
+            **({"images": request.params.images} if request.params.images else {}),  # a vision model's backend
         )
         if added is None:
             self._pop_job(backend_id)

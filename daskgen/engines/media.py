@@ -1,0 +1,41 @@
+"""What a request sends beside its token ids: its images, each already placed in the prompt.
+
+The worker preprocesses each image once (:mod:`daskgen.worker.images`) and every sample of its prompt shares the
+one :class:`ImageInput` (no copy per sample).  An engine that takes pixel values reads :attr:`ImageInput.pixel_values`
+and :attr:`ImageInput.grid`; one that preprocesses itself reads :attr:`ImageInput.data`, the image's bytes.  Either
+way the prompt ids already hold each image's placeholder tokens, expanded (``span``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+#: The modality of every :class:`ImageInput` (stored per item, so other modalities can follow).
+IMAGE = "image"
+
+
+@dataclass(frozen=True, eq=False)
+class ImageInput:
+    """One image of a request.
+
+    Attributes
+    ----------
+    digest:
+        The SHA-256 of its bytes (hex): its name in the store.
+    data:
+        The image file's bytes (PNG, JPEG, ...).
+    pixel_values:
+        The model's image processor's output for it (a float32 array), or ``None`` when not preprocessed.
+    grid:
+        Its grid of patches ``(t, h, w)`` as the processor made it.
+    span:
+        ``(offset, length)``: where its placeholder tokens lie in the request's prompt ids.
+    """
+
+    digest: str
+    data: bytes
+    pixel_values: Any
+    grid: tuple[int, int, int]
+    span: tuple[int, int]
+    modality: str = IMAGE

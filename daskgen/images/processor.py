@@ -1,0 +1,100 @@
+"""The model's image processor: how many placeholder tokens an image takes, and its pixel values.
+
+:class:`ImageProcessing` loads the processor from the model folder (transformers' ``AutoImageProcessor``) and
+answers for the client's scan (:meth:`~ImageProcessing.tokens_for`: the placeholder count from the image's size,
+without decoding it) and for the workers (:meth:`~ImageProcessing.process`: decode, resize, normalize).  Its
+:meth:`~ImageProcessing.identity` (class, settings, transformers version) is part of the store's identity, so a
+resume with other preprocessing is refused.  Importing this module imports neither Pillow nor transformers.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from daskgen.errors import ConfigError, InputError
+from daskgen.input.image_tokens import VisionTokens
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    """One image as the model takes it: ``pixel_values`` (the processor's patches), its ``grid`` (t, h, w patches)
+    and the number of placeholder ``tokens`` it expands to in the prompt."""
+
+    pixel_values: np.ndarray
+    grid: tuple[int, int, int]
+    tokens: int
+
+
+def open_image(data: bytes) -> Any:
+    """The Pillow image of ``data`` (not decoded yet); :class:`InputError` when it is no image Pillow reads."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        return Image.open(io.BytesIO(data))
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise InputError(f"not an image Pillow can read ({type(exc).__name__}: {exc})") from exc
+
+
+def decoded_rgb(data: bytes) -> Any:
+    """``data`` decoded into an RGB Pillow image; :class:`InputError` when it cannot be decoded."""
+    image = open_image(data)
+    try:
+        return image.convert("RGB")
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise InputError(f"the image cannot be decoded ({type(exc).__name__}: {exc})") from exc
+
+
+class ImageProcessing:
+    """The image processor of the model folder ``model`` (raises :class:`ConfigError` when it has none)."""
+
+    def __init__(self, model: str, trust_remote_code: bool = False) -> None:
+        import transformers
+        from transformers import AutoImageProcessor
+
+        try:
+            self.processor = AutoImageProcessor.from_pretrained(model, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError(
+                f"model {model!r} has no image processor ({type(exc).__name__}: {exc}); rows with images need a "
+                "vision-language model folder (with preprocessor_config.json), such as Qwen2-VL's, or "
+                "`daskgen models tiny-vl` for tests."
+            ) from exc
+        self.merge = int(getattr(self.processor, "merge_size", 1) or 1)
+        self._version = transformers.__version__
+        tokens = VisionTokens.of(transformers.AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code))
+        if tokens is None:
+            raise ConfigError(
+                f"model {model!r} has an image processor but its config names no image placeholder token "
+                "(image_token_id); rows with images need a vision-language model such as Qwen2-VL."
+            )
+        self.tokens = tokens
+
+    def identity(self) -> dict[str, Any]:
+        """What a resume must share: the processor's class, settings and the transformers version."""
+        settings = json.loads(json.dumps(self.processor.to_dict(), sort_keys=True, default=str))
+        return {"class": type(self.processor).__name__, "settings": settings, "transformers": self._version}
+
+    def tokens_for(self, width: int, height: int) -> int:
+        """Placeholder tokens of an image of ``width`` x ``height`` pixels (after the processor's resizing)."""
+        counter = getattr(self.processor, "get_number_of_image_patches", None)
+        if counter is not None:
+            return int(counter(height, width, {})) // (self.merge * self.merge)
+        from PIL import Image
+
+        return self._processed(Image.new("RGB", (width, height))).tokens
+
+    def process(self, data: bytes) -> ProcessedImage:
+        """Decode ``data`` and run the processor on it (CPU; blocking)."""
+        return self._processed(decoded_rgb(data))
+
+    def _processed(self, image: Any) -> ProcessedImage:
+        out = self.processor(images=[image], return_tensors="np")
+        grid = tuple(int(v) for v in np.asarray(out["image_grid_thw"])[0])
+        pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+        t, h, w = grid
+        return ProcessedImage(pixels, (t, h, w), (t * h * w) // (self.merge * self.merge))
