@@ -214,7 +214,7 @@ def _open_store(
             "fingerprint": scan.fingerprint,
             "n_prompts": len(scan),
             **({"keep_columns": keep} if keep else {}),
-            **({"images": scan.images, "image_processor": scan.image_processor} if scan.images else {}),
+            **(scan.image_identity() if scan.images else {}),
         },
         tokenizer=settings.tokenizer_identity,
         config=settings.record,

@@ -1,5 +1,5 @@
 """Images in prompts: reading their bytes (:mod:`~daskgen.images.fetch`), the checks of the input scan
-(:mod:`~daskgen.images.scan`), the store's content-addressed copies (:mod:`~daskgen.images.blobs`) and the model's
+(:mod:`~daskgen.images.scan`), the store's content-addressed copies (:mod:`~daskgen.store.images`) and the model's
 image processor (:mod:`~daskgen.images.processor`).  Where rows name images is :mod:`daskgen.input.image_refs`,
 the placeholder tokens they expand to :mod:`daskgen.input.image_tokens`; the worker's side
 :mod:`daskgen.worker.images`.

@@ -18,10 +18,10 @@ from typing import Any
 
 from daskgen import tunables
 from daskgen.errors import InputError
-from daskgen.images.blobs import image_hash
 from daskgen.images.fetch import read_image_bytes
 from daskgen.images.processor import ImageProcessing, open_image
 from daskgen.input.image_refs import image_refs, resolved
+from daskgen.store.images import image_hash
 
 
 class ImageCheck:

@@ -243,9 +243,14 @@ class InputScan:
     max_images: int = 0  # the most images one row names (:mod:`daskgen.images`)
     images: str = ""  # the digest of every image's hash in input order ("": no images)
     image_processor: dict[str, Any] | None = None  # the model's image processor's identity (None: no images)
+    image_token: int | None = None  # the model's image placeholder token (None: no images)
 
     def __len__(self) -> int:
         return self.n_rows
+
+    def image_identity(self) -> dict[str, Any]:
+        """What the store's input identity records of the images (a resume with others is refused)."""
+        return {"images": self.images, "image_processor": self.image_processor, "image_token_id": self.image_token}
 
 
 def scan_prompts(
@@ -282,7 +287,7 @@ def scan_prompts(
     scan = InputScan(source, len(ids), ids, fingerprint, overlong, kept.names, formats.used, prefixes.result())
     if images is not None and images.n_images:
         scan.max_images, scan.images = images.max_images, images.digest()
-        scan.image_processor = images.processing.identity()
+        scan.image_processor, scan.image_token = images.processing.identity(), images.processing.tokens.image
     return scan
 
 

@@ -12,7 +12,8 @@ Each rule returns the rows (store indices) that break it, with one line saying h
 * the response mask is 0 or 1 (all 1 for single-turn runs, where every token is the model's);
 * a sample's ``policy_fingerprint`` (``policy_fingerprint_end``) is 0 (unchecked) or the digest the policy record
   holds for its ``policy_version`` (``policy_version_end``): a sample labelled with other weights than its
-  version's published ones is found.
+  version's published ones is found;
+* each image's span holds exactly its placeholder tokens and its bytes are stored (:mod:`daskgen.store.image_checks`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from daskgen.store.image_checks import ImageRules, image_rows
 from daskgen.store.layout import NO_TOKEN, NOT_GENERATED, Layout
 
 #: Finish-reason codes a stored sample may carry.
@@ -39,6 +41,7 @@ class RowRules:
     model_tokens_only: bool
     logprobs: bool = False
     digests: Mapping[int, int] = field(default_factory=dict)
+    images: ImageRules | None = None  # a store with images (:mod:`daskgen.store.image_checks`)
 
 
 def broken_rows(region: dict[str, np.ndarray], done: np.ndarray, rules: RowRules) -> dict[int, str]:
@@ -51,12 +54,17 @@ def broken_rows(region: dict[str, np.ndarray], done: np.ndarray, rules: RowRules
         _response_padding,
         _response_tokens,
         _fingerprints,
+        _images,
     )
     for rule in rules_of_rows:
         for row, why in rule(region, rules).items():
             if done[row]:
                 found.setdefault(row, why)
     return found
+
+
+def _images(region: dict[str, np.ndarray], rules: RowRules) -> dict[int, str]:
+    return {} if rules.images is None else image_rows(region, rules.images)
 
 
 def _per_row(bad: np.ndarray) -> np.ndarray:

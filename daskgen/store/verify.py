@@ -23,6 +23,7 @@ import numpy as np
 from daskgen.store.expected_chunks import ExpectedChunk, PartitionRows, expected_chunks, known_texts
 from daskgen.store.fingerprint import digest_number
 from daskgen.store.generation_store import GenerationStore
+from daskgen.store.image_checks import ImageRules, blob_problems
 from daskgen.store.invariants import RowRules, broken_rows
 from daskgen.store.layout import DONE
 from daskgen.store.location import StoreRef
@@ -92,7 +93,12 @@ def row_rules(store: GenerationStore) -> RowRules:
     attrs = store.attrs
     digests = {v.version: digest_number(v.digest) for v in read_versions(store.location) if v.digest}
     return RowRules(
-        store.layout, int(vocab) if vocab else None, attrs.model_tokens_only, attrs.logprobs_recorded, digests
+        store.layout,
+        int(vocab) if vocab else None,
+        attrs.model_tokens_only,
+        attrs.logprobs_recorded,
+        digests,
+        ImageRules.of(attrs, store.location),
     )
 
 
@@ -235,6 +241,8 @@ def verify(
         expected += found.expected
     report.chunks += len(starts) * len(store.layout.data_arrays())
     report.problems += missing_chunks(store, expected)
+    if rules.images is not None:  # every stored image read back and hashed
+        report.problems += [Problem("image", "images", key, 0, 0, why) for key, why in blob_problems(store.location)]
     report.ids = _ids(store, report.rows())
     return report
 

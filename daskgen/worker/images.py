@@ -1,7 +1,7 @@
 """Images on a worker: each image of a partition's rows read, stored once, preprocessed, and placed in its prompt.
 
 For each image URL a row names (checked by the client's scan), the worker reads the bytes, stores them in the
-store under their hash unless this process or another already did (:mod:`daskgen.images.blobs`), and runs the
+store under their hash unless this process or another already did (:mod:`daskgen.store.images`), and runs the
 model's image processor on them (:class:`~daskgen.images.processor.ImageProcessing`) in a small thread pool
 (``daskgen.images.preprocess-threads``), never on the worker's event loop.  Processed images are kept by hash
 (``daskgen.images.cache-items``), so a prompt's samples, prompts sharing an image and retried partitions
@@ -26,10 +26,10 @@ import numpy as np
 from daskgen import tunables
 from daskgen.engines.media import IMAGE, ImageInput
 from daskgen.errors import InputError
-from daskgen.images.blobs import image_hash, write_blob
 from daskgen.images.fetch import read_image_bytes
 from daskgen.images.processor import ImageProcessing, ProcessedImage
 from daskgen.input.image_tokens import VisionTokens, expand, mrope_delta
+from daskgen.store.images import image_hash, write_blob
 
 
 @dataclass(frozen=True)

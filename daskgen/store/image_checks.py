@@ -1,0 +1,82 @@
+"""What ``daskgen verify`` checks of a store's images (:mod:`daskgen.images`).
+
+Per finished row (:func:`image_rows`, one of the row rules of :mod:`daskgen.store.invariants`): each image's span
+lies inside the prompt and holds only the model's image placeholder token, as many as its grid asks for
+(``t*h*w / merge²``); the prompt holds no placeholder outside the spans; an image slot without a hash has no span;
+its hash is stored.  Per stored image (:func:`blob_problems`): its bytes hash to its name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from daskgen.store.images import blob_key, image_hash, stored_hashes
+
+
+@dataclass(frozen=True)
+class ImageRules:
+    """What the store's attrs say of its images: the placeholder token, the processor's merge size, and the
+    hashes of the images the store holds."""
+
+    token: int
+    merge: int
+    stored: frozenset[str]
+
+    @classmethod
+    def of(cls, attrs: Any, location: Any) -> ImageRules | None:
+        """The rules of a store with images (``None`` without: no ``images`` in its input identity)."""
+        found = attrs.input.get("image_token_id")
+        if found is None:
+            return None
+        settings = (attrs.input.get("image_processor") or {}).get("settings", {})
+        return cls(int(found), int(settings.get("merge_size", 1) or 1), frozenset(stored_hashes(location)))
+
+
+def image_rows(region: dict[str, np.ndarray], rules: ImageRules) -> dict[int, str]:
+    """Local row -> how its images break the rules (the module docstring), for every row of ``region``."""
+    found: dict[int, str] = {}
+    for r in range(len(region["prompt_length"])):
+        why = _row_problem(region, r, rules)
+        if why:
+            found[r] = why
+    return found
+
+
+def _row_problem(region: dict[str, np.ndarray], r: int, rules: ImageRules) -> str:
+    ids = np.asarray(region["prompt_ids"][r, : int(region["prompt_length"][r])])
+    covered = 0
+    for k, digest in enumerate(region["image_hash"][r]):
+        offset, length = int(region["image_offset"][r, k]), int(region["image_length"][r, k])
+        if not digest:
+            if offset != -1 or length != 0:
+                return f"image slot {k} has a span ({offset}, {length}) but no hash"
+            continue
+        t, h, w = (int(v) for v in region["image_grid"][r, k])
+        if length != t * h * w // (rules.merge * rules.merge) or length < 1:
+            return (
+                f"image {k}: {length} placeholder tokens, its grid {(t, h, w)} asks for {t * h * w // rules.merge**2}"
+            )
+        if offset < 0 or offset + length > len(ids) or (ids[offset : offset + length] != rules.token).any():
+            return (
+                f"image {k}: span ({offset}, {length}) is not {length} placeholder tokens {rules.token} in the prompt"
+            )
+        if str(digest) not in rules.stored:
+            return f"image {k}: {digest} is not stored ({blob_key(str(digest))} missing)"
+        covered += length
+    if int((ids == rules.token).sum()) != covered:
+        return (
+            f"the prompt holds {int((ids == rules.token).sum())} image placeholder tokens, its images' spans {covered}"
+        )
+    return ""
+
+
+def blob_problems(location: Any) -> Iterator[tuple[str, str]]:
+    """``(key, what is wrong)`` for each stored image whose bytes do not hash to its name."""
+    for digest in sorted(stored_hashes(location)):
+        data = location.read_bytes(blob_key(digest))
+        if data is not None and image_hash(data) != digest:
+            yield blob_key(digest), f"its bytes hash to {image_hash(data)}, not to its name"
