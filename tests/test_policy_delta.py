@@ -29,6 +29,7 @@ from daskgen.store.fingerprint import checkpoint_fingerprint
 from daskgen.store.policy import read_versions
 from daskgen.store.policy_cache import cache_folder, checkpoint_for
 from daskgen.store.policy_delta import make_delta
+from tests.conftest import run_cli, write_prompts
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -67,6 +68,16 @@ def test_a_sparse_bf16_delta_is_a_fraction_of_the_tensor():
     assert delta.kind == "sparse" and delta.changed == 256 and len(delta.payload) < 256 * 6
 
 
+@pytest.mark.parametrize("changed,kind", [(999, "sparse"), (1000, "dense")])
+def test_a_bf16_tensor_is_sparse_below_a_third_of_its_values_changed(changed, kind):
+    old = torch.zeros(3000, dtype=torch.bfloat16)
+    new = old.clone()
+    new[:changed] = 1.0
+    delta = encode_tensor("w", "BF16", (3000,), raw(old), raw(new))
+    assert (delta.kind, delta.changed) == (kind, changed)
+    assert decode_tensor(delta, raw(old)).tobytes() == raw(new)
+
+
 def test_a_blob_that_is_not_a_delta_is_refused():
     with pytest.raises(PolicyDeltaError, match="not a daskgen policy delta"):
         unpack(b"PK\x03\x04 a zip file", "s3://b/x.delta")
@@ -82,6 +93,9 @@ def test_checkpoints_with_other_shapes_or_names_are_refused_with_the_fix(tmp_pat
     a = checkpoint(tmp_path / "a", w=torch.zeros(4, 4), b=torch.zeros(4))
     wider = checkpoint(tmp_path / "wider", w=torch.zeros(4, 5), b=torch.zeros(4))
     renamed = checkpoint(tmp_path / "renamed", w=torch.zeros(4, 4), bias=torch.zeros(4))
+    narrower = checkpoint(tmp_path / "narrower", w=torch.zeros(4, 4, dtype=torch.bfloat16), b=torch.zeros(4))
+    with pytest.raises(PolicyDeltaError, match=r"w: F32\[4, 4\] -> BF16\[4, 4\]"):
+        make_delta(a, narrower, 1, 2)
     with pytest.raises(PolicyDeltaError, match=r"w: F32\[4, 4\] -> F32\[4, 5\].*Publish this version in full"):
         make_delta(a, wider, 1, 2)
     with pytest.raises(PolicyDeltaError, match=r"missing \['b'\]; added \['bias'\]"):
@@ -196,3 +210,55 @@ def test_a_first_delta_has_nothing_to_apply_to(tiny_model, tmp_path):
     with pytest.raises(PolicyDeltaError, match=r"no version of the store has a fingerprint.*Publish it in full"):
         daskgen.publish_policy(out, str(tiny_model), 1, delta=True)
     assert read_versions(store.locate(out)) == []
+
+
+@pytest.mark.parametrize("folder", ["gone", "changed"])
+def test_the_next_delta_is_made_from_the_stores_versions_when_the_publishers_folder_is(folder, published, tmp_path):
+    out, (_, _, v3) = published
+    location = store.locate(out)
+    v4 = derived(Path(v3.path), tmp_path / "v4", nudge("lm_head.weight", slice(0, 2)))
+    shutil.rmtree(v3.path)  # the trainer kept only its newest checkpoint, or wrote another in its place
+    if folder == "changed":
+        derived(v4, Path(v3.path), nudge("model.norm.weight", slice(0, 1)))
+    with dask.config.set({"daskgen.policy.cache-dir": str(tmp_path / "publisher")}):
+        entry = daskgen.publish_policy(out, str(v4), 4, delta=True)  # version 3 rebuilt from the store
+    with dask.config.set({"daskgen.policy.cache-dir": str(tmp_path / "worker")}):
+        assert checkpoint_fingerprint(checkpoint_for(location, entry).path).digest == entry.digest
+
+
+def test_a_delta_on_a_full_version_whose_folder_changed_is_refused(tiny_model, tmp_path):
+    out = tmp_path / "out.zarr"
+    store.GenerationStore.create(out, store.StoreAttrs(store.Layout(1, 1, 4, 4, 1, 0)), ["q0"])
+    v1 = derived(tiny_model, tmp_path / "v1", nudge("model.norm.weight", slice(None)))
+    daskgen.publish_policy(out, str(v1), 1)
+    v2 = derived(v1, tmp_path / "v2", nudge("model.norm.weight", slice(0, 1)))
+    shutil.rmtree(v1)
+    derived(tiny_model, v1, nudge("model.embed_tokens.weight", slice(0, 1)))  # overwritten after publishing
+    with pytest.raises(PolicyDeltaError, match=r"no longer holds version 1's tensor .*publish version 2 in full"):
+        daskgen.publish_policy(out, str(v2), 2, delta=True)
+
+
+def test_rebuilds_older_than_cache_keep_versions_are_deleted(published, tmp_path):
+    out, (_, v2, v3) = published
+    location = store.locate(out)
+    with dask.config.set({"daskgen.policy.cache-dir": str(tmp_path / "node"), "daskgen.policy.cache-keep": 0}):
+        checkpoint_for(location, v2)
+        checkpoint_for(location, v3)
+        assert [p.name for p in cache_folder(location).glob("v*")] == [f"v3-{v3.digest[:16]}"]
+
+
+def test_pack_keeps_the_deltas(published, tmp_path):
+    from daskgen.store.pack import pack
+    from tests.test_run import sim_args
+
+    out, (_, _, v3) = published
+    finished = tmp_path / "run.zarr"
+    prompts = write_prompts(tmp_path / "p.jsonl", 4)
+    assert run_cli("run", *sim_args(tmp_path, finished, "--prompts", prompts, "--no-progress")).returncode == 0
+    for entry in read_versions(store.locate(out)):  # the same versions, published to the finished run's store
+        folder = entry.path if entry.delta is None else str(tmp_path / f"v{entry.version}")
+        daskgen.publish_policy(finished, folder, entry.version, delta=entry.delta is not None)
+    pack(finished, n_workers=1)
+    with dask.config.set({"daskgen.policy.cache-dir": str(tmp_path / "node")}):
+        rebuilt = checkpoint_for(store.locate(finished), read_versions(store.locate(finished))[-1])
+    assert rebuilt.rebuilt and checkpoint_fingerprint(rebuilt.path).digest == v3.digest

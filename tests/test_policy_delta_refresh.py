@@ -121,7 +121,9 @@ def test_a_late_worker_serves_the_newest_delta_and_refuses_a_corrupt_one(tiny_mo
     one, v2, v3 = versions
     daskgen.publish_policy(out, str(one), 1)
     daskgen.publish_policy(out, str(v2), 2, delta=True)
-    entry3 = daskgen.publish_policy(out, str(v3), 3, delta=True)
+    publishers = shutil.copytree(v3, tmp_path / "publishers-v3")
+    entry3 = daskgen.publish_policy(out, str(publishers), 3, delta=True)
+    shutil.rmtree(publishers)  # the workers never read the folder of a delta version
     prompt, errors = [1, 2, 3, 4, 5], []
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
 

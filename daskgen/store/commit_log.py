@@ -23,6 +23,8 @@ CURSORS_PREFIX = "daskgen.cursors"
 POLICY_KEY = "daskgen.policy"
 #: Folder (key prefix) of the workers' policy states: the version each engine runs, a refresh loading or failed.
 POLICY_WORKERS_PREFIX = "daskgen.policy.workers"
+#: Folder (key prefix) of the deltas of delta policy versions, one object per version (:mod:`daskgen.store.policy`).
+POLICY_DELTAS_PREFIX = "daskgen.policy.deltas"
 #: The requeue record: committed prompts a follower sent back for generation (:mod:`daskgen.store.requeue`).
 REQUEUE_KEY = "daskgen.requeue"
 #: The Dask event topic on which a run announces each commit (``{"store": url, "seq": n}``) and, when it stops
@@ -34,9 +36,9 @@ REQUEUE_TOPIC = "daskgen-requeue"
 #: The Dask event topic on which a publisher announces a new policy version (``{"store": url, "version": n}``):
 #: the run's workers on that cluster look at the policy record at once instead of at their next poll.
 POLICY_TOPIC = "daskgen-policy"
-#: Objects of a store outside zarr that belong to its commit log, its consumers, its policy record and its requeue
-#: record (kept by ``daskgen pack``).
-LOG_KEYS = (HEAD_KEY, CURSORS_PREFIX, POLICY_KEY, REQUEUE_KEY)
+#: Objects of a store outside zarr that belong to its commit log, its consumers, its policy record (with the deltas
+#: of its delta versions) and its requeue record (kept by ``daskgen pack``).
+LOG_KEYS = (HEAD_KEY, CURSORS_PREFIX, POLICY_KEY, POLICY_DELTAS_PREFIX, REQUEUE_KEY)
 
 
 def write_head(location: StoreLocation, seq: int) -> None:

@@ -6,9 +6,9 @@ publish``): the record ``daskgen.policy`` at the root of the store (JSON, ``{"ve
 tensor of the checkpoint and ``digest`` the version's, derived from them (:mod:`daskgen.store.fingerprint`;
 both ``None`` for a checkpoint given as a URL, which is not read, or a folder without safetensors files).
 A delta version (``delta=True``) also names the version it applies to (``base``: always the version before it)
-and its delta's key in the store (``delta``, under :data:`POLICY_DELTAS_PREFIX`: what changed since ``base``,
-:mod:`daskgen.store.policy_delta`); workers rebuild its full weights in a node-local cache
-(:mod:`daskgen.store.policy_cache`).
+and its delta's key in the store (``delta``, under :data:`~daskgen.store.commit_log.POLICY_DELTAS_PREFIX`: what
+changed since ``base``, :mod:`daskgen.store.policy_delta`); workers rebuild its full weights in a node-local
+cache (:mod:`daskgen.store.policy_cache`).
 It is replaced in one atomic write (write-temp-and-rename in a folder, one conditional PUT on object storage),
 compared with what was read first, so two publishers never lose each
 other's version.  Versions only increase: a version at or below the newest is refused
@@ -27,43 +27,27 @@ from typing import Any
 from daskgen.engines.base import BASE_POLICY_VERSION
 from daskgen.errors import PolicyDeltaError, PolicyError, PolicyVersionError
 from daskgen.store.attrs import utc_now
-from daskgen.store.commit_log import POLICY_KEY, POLICY_TOPIC, POLICY_WORKERS_PREFIX
+from daskgen.store.commit_log import POLICY_DELTAS_PREFIX, POLICY_KEY, POLICY_TOPIC, POLICY_WORKERS_PREFIX
 from daskgen.store.fingerprint import checkpoint_fingerprint
 from daskgen.store.generation_store import read_store_attrs
 from daskgen.store.location import StoreLocation, StoreRef, locate
+from daskgen.store.policy_cache import checkpoint_for
+from daskgen.store.policy_delta import StaleBase, make_delta
+from daskgen.store.policy_versions import PolicyVersion, newest, parse_versions, read_versions
 
-#: Where the deltas of delta versions are stored, one object per version, beside the policy record.
-POLICY_DELTAS_PREFIX = "daskgen.policy.deltas"
+__all__ = [
+    "PolicyVersion",
+    "WorkerPolicy",
+    "newest",
+    "publish",
+    "publish_policy",
+    "read_versions",
+    "read_worker_policies",
+    "write_worker_policy",
+]
+
 #: Attempts at replacing the record while other publishers replace it too.
 _ATTEMPTS = 20
-
-
-@dataclass(frozen=True)
-class PolicyVersion:
-    """One published version: its number, the checkpoint folder the engines load, when it was published, and
-    its fingerprint (``None`` for a URL checkpoint): the version's digest and each tensor's hash by name.  A delta
-    version also has ``base``, the version its delta applies to, and ``delta``, the delta's key in the store (its
-    ``path`` is then the publisher's folder, which workers do not read)."""
-
-    version: int
-    path: str
-    time: str
-    digest: str | None = None
-    tensors: dict[str, str] | None = None
-    base: int | None = None
-    delta: str | None = None
-
-
-def read_versions(location: StoreLocation) -> list[PolicyVersion]:
-    """Every published version, oldest first (empty when none was published)."""
-    raw = location.read_bytes(POLICY_KEY)
-    return [] if raw is None else _parse(raw, location)
-
-
-def newest(location: StoreLocation) -> PolicyVersion | None:
-    """The newest published version, or ``None``."""
-    versions = read_versions(location)
-    return versions[-1] if versions else None
 
 
 def publish_policy(store: StoreRef, path: str, version: int, client: Any = None, delta: bool = False) -> PolicyVersion:
@@ -143,7 +127,7 @@ def publish(location: StoreLocation, path: str, version: int, delta: bool = Fals
     )
 
     def appended(raw: bytes | None) -> bytes:
-        versions = [] if raw is None else _parse(raw, location)
+        versions = [] if raw is None else parse_versions(raw, location)
         _check_increases(versions, version, location)
         if base is not None and versions[-1].version != base:
             raise PolicyError(
@@ -162,9 +146,6 @@ def publish(location: StoreLocation, path: str, version: int, delta: bool = Fals
 
 def _stored_delta(location: StoreLocation, path: str, version: int, fingerprint: Any) -> tuple[int, str]:
     """Write the delta from the newest version to the checkpoint ``path`` into the store; its base and key."""
-    from daskgen.store.policy_cache import checkpoint_for
-    from daskgen.store.policy_delta import StaleBase, make_delta
-
     versions = read_versions(location)
     _check_increases(versions, version, location)
     previous = versions[-1] if versions else None
@@ -257,25 +238,3 @@ def _check_increases(versions: list[PolicyVersion], asked: int, location: StoreL
             current=current,
             asked=asked,
         )
-
-
-def _parse(raw: bytes, location: StoreLocation) -> list[PolicyVersion]:
-    try:
-        return [
-            PolicyVersion(
-                int(v["version"]),
-                str(v["path"]),
-                str(v["time"]),
-                v.get("digest"),
-                v.get("tensors"),
-                v.get("base"),
-                v.get("delta"),
-            )
-            for v in json.loads(raw)["versions"]
-        ]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise PolicyError(
-            f"{location.url}/{POLICY_KEY} is not a daskgen policy record ({type(exc).__name__}: {exc}); it is "
-            "replaced in one atomic write, so it was changed outside daskgen. Delete it and publish the newest "
-            "version again."
-        ) from exc

@@ -31,8 +31,8 @@ from daskgen.errors import PolicyDeltaError
 from daskgen.store.delta_codec import unpack
 from daskgen.store.fingerprint import checkpoint_fingerprint, mismatched
 from daskgen.store.location import StoreLocation
-from daskgen.store.policy import PolicyVersion, read_versions
 from daskgen.store.policy_delta import apply_delta
+from daskgen.store.policy_versions import PolicyVersion, read_versions
 
 logger = logging.getLogger(__name__)
 
