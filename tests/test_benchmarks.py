@@ -469,6 +469,13 @@ def test_pack(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_delta(tmp_path):
+    out, _ = run_script("delta.py", tmp_path, "--models", "tiny", "--lrs", "1e-5", "--steps", "1", "--batch", "2")
+    (row,) = [line for line in out.splitlines() if line.startswith("| tiny | 1e-05 | 1 |")]
+    assert row.endswith("| yes |"), out  # the rebuild has the published fingerprint
+
+
+@pytest.mark.timeout(300)
 def test_object_store(tmp_path):
     out, _ = run_script(
         "object_store.py",
