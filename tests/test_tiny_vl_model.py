@@ -122,6 +122,7 @@ def test_the_config_names_the_vision_tokens_and_a_head_dim_of_32(vl) -> None:
     assert sum(text.rope_parameters["mrope_section"]) == 16
     assert text.max_position_embeddings == 4096
     assert config.vision_config.spatial_merge_size == processor.merge_size == 2
+    assert config.vision_config.in_chans == config.vision_config.in_channels == 3  # SGLang reads in_chans
     assert (processor.size["shortest_edge"], processor.size["longest_edge"]) == (TINY_VL_MIN_PIXELS, TINY_VL_MAX_PIXELS)
     assert config.eos_token_id == tokenizer.eos_token_id == model.generation_config.eos_token_id == 2
 

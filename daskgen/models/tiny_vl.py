@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 #: Version of what :func:`build_tiny_vl_model` writes; part of the cached folder's name, so a changed
 #: builder never reuses a folder written by an older one.
-TINY_VL_VERSION = 1
+TINY_VL_VERSION = 2
 #: The vision special tokens added to the SmolLM2 tokenizer, in the order their ids are assigned.
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 #: What one image part of a message renders as; the processor widens ``<|image_pad|>`` to the image's tokens.
@@ -84,6 +84,7 @@ _VISION = {
     "patch_size": 14,
     "spatial_merge_size": 2,
     "temporal_patch_size": 2,
+    "in_chans": 3,  # Qwen2-VL's releases carry the input channels under this name too; SGLang reads it
 }
 
 
