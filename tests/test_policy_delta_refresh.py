@@ -30,7 +30,7 @@ from daskgen.worker.refresh import PolicyRefresher
 from tests.conftest import popen_cli, run_cli, write_prompts
 from tests.probing import wait_for_arrival, wait_until
 from tests.test_policy_delta import flip_one_value
-from tests.test_policy_refresh import greedy
+from tests.test_policy_refresh import daskgen_status, greedy
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -112,6 +112,9 @@ def test_a_run_serves_delta_versions_with_their_published_fingerprints(tiny_mode
     assert rebuilt == [f"v2-{record[1].digest[:16]}"]  # the worker's rebuild, checked and renamed into place
     (state,) = read_worker_policies(location)
     assert (state.state, state.version, state.error) == ("running", 2, None)
+    status = daskgen_status(out)
+    assert f"  2: {versions[1]} (published " in status, status
+    assert f"tensors, a delta on version 1 ({record[1].delta})" in status, status
 
 
 def test_a_late_worker_serves_the_newest_delta_and_refuses_a_corrupt_one(tiny_model, versions, tmp_path):

@@ -56,8 +56,10 @@ def _policy_lines(store: GenerationStore, done: np.ndarray) -> list[str]:
 
 
 def _digest(version: PolicyVersion) -> str:
-    """The version's fingerprint as status shows it (its digest and tensor count), or nothing when it has none."""
-    return f", fingerprint {version.digest} of {len(version.tensors or ())} tensors" if version.digest else ""
+    """The version's fingerprint as status shows it (its digest and tensor count), or nothing when it has none;
+    for a delta version, the version it applies to and its delta's key."""
+    delta = f", a delta on version {version.base} ({version.delta})" if version.delta else ""
+    return (f", fingerprint {version.digest} of {len(version.tensors or ())} tensors" if version.digest else "") + delta
 
 
 def _samples_per_version(store: GenerationStore, done: np.ndarray) -> list[str]:
