@@ -20,6 +20,7 @@ from daskgen import store
 from daskgen.engines.base import GenerationRequest, GenerationResult
 from daskgen.engines.simulated import SimulatedEngine
 from daskgen.store.expected_chunks import UNDERIVABLE
+from daskgen.store.images import image_hash, write_blob
 from daskgen.store.layout import empty_region, every_array_layout
 from daskgen.store.verify import chunk_key, verify
 from tests.conftest import run_cli, simulated_run, write_prompts
@@ -86,12 +87,19 @@ def run_store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trajectory_store(tmp_path_factory):
-    """A finished store with a trajectory axis (two per sample; the second used by sample 0 only)."""
+    """A finished store with a trajectory axis (two per sample; the second used by sample 0 only), each prompt
+    holding one image."""
     out = tmp_path_factory.mktemp("traj") / "out.zarr"
-    layout = store.Layout(12, 2, 6, 5, 4, 0, n_trajectories=2)
-    made = store.GenerationStore.create(out, store.StoreAttrs(layout), [f"q{i}" for i in range(12)])
+    layout = store.Layout(12, 2, 6, 5, 4, 0, n_trajectories=2, max_images=1)
+    image = {"image_token_id": 6, "image_processor": {"settings": {"merge_size": 2}}, "images": "one"}
+    attrs = store.StoreAttrs(layout, input=image)
+    made = store.GenerationStore.create(out, attrs, [f"q{i}" for i in range(12)])
     region = empty_region(layout, 12)
-    region["prompt_ids"][:, :3], region["prompt_length"][:] = [5, 6, 7], 3
+    region["prompt_ids"][:, :3], region["prompt_length"][:] = [5, 6, 7], 3  # 6: one image of one token
+    digest = image_hash(b"an image")
+    write_blob(made.location, digest, b"an image")
+    region["image_hash"][:, 0], region["image_modality"][:, 0] = digest, "image"
+    region["image_offset"][:, 0], region["image_length"][:, 0], region["image_grid"][:, 0] = 1, 1, (1, 2, 2)
     region["num_trajectories"][:] = [2, 1]
     for t in (0, 1):
         region["response_ids"][:, : 2 - t, t, :2] = [8, 9]

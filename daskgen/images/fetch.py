@@ -38,7 +38,7 @@ def read_image_bytes(url: str, storage_options: dict[str, Any] | None = None) ->
     except InputError:
         raise
     except FileNotFoundError as exc:
-        raise InputError(f"image {url!r:.100}: no such file ({exc.strerror}); check the path") from exc
+        raise InputError(f"image {url!r:.100}: not found (no such file or object); check the path or URL") from exc
     except Exception as exc:  # OSError, obstore's errors, bad base64
         raise InputError(f"image {url!r:.100} cannot be read: {type(exc).__name__}: {exc}") from exc
 

@@ -310,19 +310,20 @@ def _scan_rows(
     seen: dict[str, int] = {}
     lengths: dict[int, int] = {}
     for number, row in iter_rows(source):
-        errors += [f"row {number}: {msg}" for msg in _row_errors(row) + (check_row(row) if check_row else [])]
+        found = _row_errors(row) + (check_row(row) if check_row else [])
         if isinstance(row, dict):
-            errors += [f"row {number}: {msg}" for msg in kept.row_errors(row, number) + formats.row_errors(row)]
+            found += kept.row_errors(row, number) + formats.row_errors(row)
         digest.add(row)
         ids.append(_row_id(row, number, seen, errors))
         extra, vision = 0, None
-        if not errors and refs.has_images(row):
+        if not found and refs.has_images(row):  # every row's images are checked, whatever other rows hold
             if images is None:
-                errors.append(f"row {number}: names images, but this input is read without image support")
+                found.append("names images, but this input is read without image support")
             else:
-                row_errors, extra = images.row(row)
-                errors += [f"row {number}: {msg}" for msg in row_errors]
-                vision = images.processing.tokens if not errors else None
+                image_errors, extra = images.row(row)
+                found += image_errors
+                vision = images.processing.tokens if not found else None
+        errors += [f"row {number}: {msg}" for msg in found]
         if not errors:
             tokens = tokenize_rows([row], tokenizer, template, number, vision)[0]
             prefixes.add(tokens)

@@ -28,6 +28,8 @@ file; a chunk of that array covering any marked element must exist.
   of every done row of a verified run; ``num_trajectories`` of every generated sample;
 * ``adapter`` and ``response_format`` of every done row when the run set one for every row (the run's ``adapter``
   or ``response_format``, in the store's identity); else of every done row whose own input row names one;
+* ``image_hash``, ``image_modality``, ``image_offset``, ``image_length`` and ``image_grid``: the first image slot
+  of every done row whose prompt holds the image placeholder token (:mod:`daskgen.store.image_checks`);
 * each kept input column (``column_<name>``, the :data:`~daskgen.store.layout.COLUMN_PREFIX` family) of every
   done row whose input value is not the empty string (strings are stored as they are, every other value as JSON
   text, never empty).
@@ -69,6 +71,7 @@ UNDERIVABLE = {
     "policy_fingerprint": "0 is the value of every sample of version 0 and of a version its worker loaded unchecked",
     "policy_fingerprint_end": "0 is the value of every sample of version 0 and of a version its worker loaded "
     "unchecked",
+    "rope_delta": "0 is the value of every prompt without images and of one whose images each take one token",
 }
 #: Data arrays (``column_`` the kept input columns' family) whose expected chunks the input file alone may show, and
 #: when a lost chunk of one cannot be found.
@@ -185,6 +188,20 @@ def _num_trajectories(rows: PartitionRows) -> np.ndarray:
     return generated[..., 0] if generated.ndim > 2 else generated
 
 
+def _images(rows: PartitionRows) -> np.ndarray:
+    """The first image slot of every done row whose prompt holds the image placeholder token."""
+    images = rows.rules.images
+    ids = rows.region["prompt_ids"]
+    has = rows.done & (False if images is None else (ids == images.token).any(axis=1))
+    must = np.zeros(rows.region["image_offset"].shape, dtype=bool)
+    must[:, 0] = has
+    return must
+
+
+def _image_grid(rows: PartitionRows) -> np.ndarray:
+    return np.repeat(_images(rows)[..., None], 3, axis=-1)
+
+
 def _known_text(name: str) -> Rule:
     """The rule of the text array ``name``: the done rows :attr:`PartitionRows.texts` knows to hold a value."""
 
@@ -216,6 +233,8 @@ RULES: dict[str, Rule] = {
     "num_trajectories": _num_trajectories,
     "adapter": _known_text("adapter"),
     "response_format": _known_text("response_format"),
+    **{name: _images for name in ("image_hash", "image_modality", "image_offset", "image_length")},
+    "image_grid": _image_grid,
 }
 #: Per family of data arrays named per store (a name prefix): the rule of each member, made from its name.
 FAMILY_RULES: dict[str, Callable[[str], Rule]] = {COLUMN_PREFIX: _known_text}

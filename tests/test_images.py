@@ -1,0 +1,277 @@
+"""Images in prompts (daskgen.images): checked at the input scan, stored once by hash, preprocessed on the
+worker, placed in the prompt with their spans, and generated from by the transformers engine exactly as the
+model's own ``generate`` with the same pixels does.  A tiny seeded Qwen2-VL (daskgen.models.build_tiny_vl_model)
+and images that ship with matplotlib or are generated."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import dask
+import pytest
+
+from daskgen.client.plan import prepare
+from daskgen.config import RunConfig
+from daskgen.errors import ConfigError, InputError, StoreMismatchError
+from daskgen.images.fetch import read_image_bytes
+from daskgen.input.image_refs import template_messages
+from daskgen.input.image_tokens import expand, mrope_delta
+from daskgen.store.generation_store import GenerationStore
+from daskgen.store.images import blob_key, stored_hashes
+from daskgen.store.verify import verify
+from tests.conftest import run_cli
+from tests.test_object_store import s3, s3_server  # noqa: F401 - fixtures (moto's S3 server)
+
+pytestmark = pytest.mark.timeout(600)
+
+QUESTION = "What is in the picture?"
+
+
+def image_part(path: Path | str) -> dict:
+    return {"type": "image_url", "image_url": {"url": str(path)}}
+
+
+def user(*parts: dict) -> list[dict]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+@pytest.fixture(scope="module")
+def vl_model() -> Path:
+    from daskgen.models import build_tiny_vl_model
+
+    return build_tiny_vl_model()
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> dict[str, Path]:
+    from daskgen.testing.images import sample_image_paths
+
+    return sample_image_paths(tmp_path_factory.mktemp("images"))
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run_args(prompts: Path, store: Path, model: Path, *extra: str) -> list[str]:
+    return [
+        *("run", "--prompts", prompts, "--store", store, "--model", model, "--engine", "transformers"),
+        *("--max-new-tokens", "6", "--temperature", "0", "--n-samples", "2", "--partition-size", "2"),
+        *("--n-workers", "1", "--no-progress", *extra),
+    ]
+
+
+@pytest.fixture(scope="module")
+def image_run(tmp_path_factory, vl_model, images):
+    """One run over rows that name images every way (relative paths, file://, data:), share them, and mix in a
+    text-only row; returns the folder, the rows and the store."""
+    folder = tmp_path_factory.mktemp("run")
+    shutil.copy(images["gradient"], folder / "gradient.png")
+    photo = images["grace_hopper"].read_bytes()
+    data_url = "data:image/jpeg;base64," + base64.b64encode(photo).decode()
+    rows = [
+        {"id": "photo", "messages": user(image_part(images["grace_hopper"]), {"type": "text", "text": QUESTION})},
+        {"id": "relative", "messages": user(image_part("gradient.png"), {"type": "text", "text": QUESTION})},
+        {"id": "two", "prompt": QUESTION, "images": [f"file://{images['noise']}", data_url]},
+        {"id": "text", "prompt": QUESTION},
+    ]
+    prompts = write_rows(folder / "prompts.jsonl", rows)
+    store = folder / "out.zarr"
+    result = run_cli(*run_args(prompts, store, vl_model))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return folder, rows, GenerationStore.open(store)
+
+
+def reference_generate(model_path: Path, messages_or_prompt, image_paths: list[Path], max_new_tokens: int):
+    """The expanded prompt and greedy tokens of the model's own ``generate`` on ``image_paths``, built with
+    transformers alone (processor, tokenizer, placeholder expansion by hand)."""
+    import torch
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    processor = AutoImageProcessor.from_pretrained(model_path)
+    model = AutoModelForImageTextToText.from_pretrained(model_path).eval()
+    out = processor(images=[Image.open(p).convert("RGB") for p in image_paths], return_tensors="pt")
+    grids = out["image_grid_thw"].tolist()
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    if isinstance(messages_or_prompt, str):
+        block = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
+        ids = block * len(image_paths) + tokenizer(messages_or_prompt)["input_ids"]
+    else:
+        encoded = tokenizer.apply_chat_template(messages_or_prompt, add_generation_prompt=True, tokenize=True)
+        ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+    expanded, k = [], 0
+    for token in ids:
+        if token == pad:
+            t, h, w = grids[k]
+            expanded += [pad] * (t * h * w // processor.merge_size**2)
+            k += 1
+        else:
+            expanded.append(token)
+    input_ids = torch.tensor([expanded])
+    with torch.no_grad():
+        generated = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), pixel_values=out["pixel_values"],
+            image_grid_thw=out["image_grid_thw"], max_new_tokens=max_new_tokens, do_sample=False,
+        )  # fmt: skip
+        types = (input_ids == pad).int()  # 1: an image token
+        _, deltas = model.model.get_rope_index(input_ids, types, image_grid_thw=out["image_grid_thw"])
+    return expanded, generated[0, len(expanded) :].tolist(), int(deltas[0])
+
+
+@pytest.mark.proves("transformers", "images")
+def test_greedy_answers_equal_the_models_own_generate_with_the_same_pixels(image_run, vl_model, images) -> None:
+    folder, rows, store = image_run
+    data = store.read_region(0, 4, ("prompt_ids", "prompt_length", "response_ids", "response_length", "rope_delta"))
+    cases = {
+        0: (rows[0]["messages"], [images["grace_hopper"]]),
+        1: (rows[1]["messages"], [folder / "gradient.png"]),
+        2: (QUESTION, [images["noise"], images["grace_hopper"]]),
+    }
+    for row, (prompt, paths) in cases.items():
+        template_view = template_messages(prompt) if isinstance(prompt, list) else prompt
+        expanded, tokens, delta = reference_generate(vl_model, template_view, paths, 6)
+        stored = data["prompt_ids"][row, : data["prompt_length"][row]].tolist()
+        assert stored == expanded, f"row {row}: the stored prompt is not the one the model saw"
+        for s in range(2):
+            assert data["response_ids"][row, s, : data["response_length"][row, s]].tolist() == tokens, (row, s)
+        assert int(data["rope_delta"][row]) == delta, f"row {row}: rope_delta is not the model's own"
+
+
+def test_the_model_sees_the_image(image_run) -> None:
+    """Rows 0 and 1 ask the same question of different images: their answers differ."""
+    _, _, store = image_run
+    data = store.read_region(0, 2, ("response_ids",))
+    assert data["response_ids"][0, 0].tolist() != data["response_ids"][1, 0].tolist()
+
+
+def test_each_distinct_image_is_stored_once_and_spans_cover_exactly_the_placeholders(image_run, images) -> None:
+    folder, _, store = image_run
+    arrays = store.read_region(0, 4, ("image_hash", "image_offset", "image_length", "image_grid", "prompt_ids"))
+    hashes = arrays["image_hash"]
+    photo = hashlib.sha256(images["grace_hopper"].read_bytes()).hexdigest()
+    expected = [
+        [photo, ""],
+        [hashlib.sha256((folder / "gradient.png").read_bytes()).hexdigest(), ""],
+        [hashlib.sha256(images["noise"].read_bytes()).hexdigest(), photo],
+        ["", ""],
+    ]
+    assert hashes.tolist() == expected
+    assert stored_hashes(store.location) == {h for row in expected for h in row if h}  # the photo once, for 2 rows
+    assert store.location.read_bytes(blob_key(photo)) == images["grace_hopper"].read_bytes()
+    assert (arrays["image_offset"][3] == -1).all() and (arrays["image_length"][3] == 0).all()
+    report = verify(store.url, progress=False)
+    assert report.sound, report.lines()
+
+
+def test_verify_finds_a_span_that_misses_its_placeholders_and_a_damaged_image(image_run, tmp_path) -> None:
+    folder, _, store = image_run
+    copy = tmp_path / "copy.zarr"
+    shutil.copytree(store.url, copy)
+    damaged = GenerationStore.open(copy)
+    offsets = damaged.array("image_offset", writable=True)
+    offsets[0, 0] = int(offsets[0, 0]) - 1  # the span now starts one token before the placeholders
+    digest = str(damaged.read_region(2, 4, ("image_hash",))["image_hash"][0, 0])
+    (copy / blob_key(digest)).write_bytes(b"not the image")
+    report = verify(str(copy), progress=False)
+    text = "\n".join(report.lines())
+    assert 0 in report.rows() and "span" in text, text
+    assert any(p.kind == "image" and digest in p.chunk for p in report.problems), text
+
+
+def test_a_rerun_resumes_and_a_changed_image_is_refused(image_run, vl_model, images) -> None:
+    folder, _, store = image_run
+    settings = {"prompts": str(folder / "prompts.jsonl"), "store": store.url, "model": str(vl_model)}
+    settings |= {"engine": "transformers", "max_new_tokens": 6, "temperature": 0, "n_samples": 2, "partition_size": 2}
+    prepare(RunConfig(**settings))  # the same input and images: the store resumes
+    original = (folder / "gradient.png").read_bytes()
+    shutil.copy(images["checkerboard"], folder / "gradient.png")
+    try:
+        with pytest.raises(StoreMismatchError, match="images: store has"):
+            prepare(RunConfig(**settings))
+    finally:
+        (folder / "gradient.png").write_bytes(original)
+
+
+def test_bad_images_are_refused_at_the_scan_naming_the_row_and_the_image(tmp_path, vl_model, images) -> None:
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG but not really")
+    rows = [
+        {"messages": user(image_part(tmp_path / "missing.png"), {"type": "text", "text": "a"})},
+        {"prompt": "b", "images": [str(tmp_path / "broken.png")]},
+        {"messages": user({"type": "image_url", "image_url": {}}, {"type": "text", "text": "c"})},
+        {"prompt": "d", "images": [str(images["large"])]},
+        {"prompt": "e", "images": [str(images["tiny"])] * 3},
+        {"messages": user({"type": "video", "video": "x.mp4"})},
+    ]
+    prompts = write_rows(tmp_path / "p.jsonl", rows)
+    config = RunConfig(prompts=str(prompts), store=str(tmp_path / "s.zarr"), model=str(vl_model), engine="transformers")
+    limits = {"daskgen.images.max-pixels": 1_000_000, "daskgen.images.max-per-prompt": 2}
+    with dask.config.set(limits), pytest.raises(InputError) as refused:
+        prepare(config)
+    text = str(refused.value)
+    assert "row 1: column 'messages'[0].content[0]: image" in text and "not found" in text
+    assert "row 2: column 'images'[0]: not an image Pillow can read" in text
+    assert "row 3: column 'messages'[0].content[0]: expected an image URL" in text
+    assert "row 4: column 'images'[0]: image" in text and "2000x1500 = 3000000 pixels" in text
+    assert "row 5: 3 images, more than daskgen.images.max-per-prompt=2" in text
+    assert "row 6: column 'messages'[0].content[0]: expected a content part" in text
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_an_engine_or_model_without_vision_is_refused_before_any_engine_starts(tmp_path, vl_model, images) -> None:
+    from daskgen.models import build_tiny_model
+
+    prompts = write_rows(tmp_path / "p.jsonl", [{"prompt": "x", "images": [str(images["noise"])]}])
+    settings = {"prompts": str(prompts), "store": str(tmp_path / "s.zarr")}
+    with pytest.raises(ConfigError) as no_images:
+        prepare(RunConfig(**settings, model=str(vl_model), engine="simulated"))
+    assert "images in prompts" in str(no_images.value) and "transformers" in str(no_images.value)
+    with pytest.raises(ConfigError, match="has no image processor"):
+        prepare(RunConfig(**settings, model=str(build_tiny_model(tmp_path / "tiny")), engine="transformers"))
+
+
+def test_placeholders_expand_to_each_images_tokens_and_the_delta_follows_the_grid() -> None:
+    ids, spans = expand([1, 9, 2, 9, 3], 9, [4, 2])
+    assert ids == [1, 9, 9, 9, 9, 2, 9, 9, 3] and spans == [(1, 4), (6, 2)]
+    with pytest.raises(ValueError, match="rendered 2 image placeholder"):
+        expand([1, 9, 2, 9], 9, [4])
+    assert mrope_delta([(1, 34, 28)], 2) == 17 - 238  # 17 x 14 tokens advance the positions by 17
+    assert mrope_delta([], 2) == 0
+
+
+def test_image_urls_read_from_files_file_urls_and_data_urls(tmp_path) -> None:
+    (tmp_path / "a.bin").write_bytes(b"abc")
+    assert read_image_bytes(str(tmp_path / "a.bin")) == b"abc"
+    assert read_image_bytes(f"file://{tmp_path / 'a.bin'}") == b"abc"
+    assert read_image_bytes("data:image/png;base64," + base64.b64encode(b"abc").decode()) == b"abc"
+    with pytest.raises(InputError, match="must be base64"):
+        read_image_bytes("data:image/png,abc")
+    with pytest.raises(InputError, match="scheme 'ftp' is not read"):
+        read_image_bytes("ftp://host/a.png")
+
+
+def test_text_parts_only_become_one_string_and_image_parts_the_templates_image() -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert template_messages(messages) == [{"role": "user", "content": "ab"}]
+    with_image = [{"role": "user", "content": [image_part("x.png"), {"type": "text", "text": "a"}]}]
+    assert template_messages(with_image)[0]["content"] == [{"type": "image"}, {"type": "text", "text": "a"}]
+
+
+def test_image_urls_read_from_object_storage_and_http(s3, s3_server) -> None:  # noqa: F811
+    """An image on S3 (moto's server on loopback) read with the run's storage options, and over plain HTTP."""
+    import boto3
+
+    bucket, _ = s3
+    boto3.client("s3", endpoint_url=s3_server).put_object(
+        Bucket=bucket, Key="pics/a b.png", Body=b"png bytes", ACL="public-read"
+    )
+    assert read_image_bytes(f"s3://{bucket}/pics/a b.png", {"endpoint": s3_server}) == b"png bytes"
+    assert read_image_bytes(f"{s3_server}/{bucket}/pics/a%20b.png") == b"png bytes"
+    with pytest.raises(InputError, match="not found"):
+        read_image_bytes(f"s3://{bucket}/pics/missing.png", {"endpoint": s3_server})
