@@ -87,9 +87,12 @@ def image_run(tmp_path_factory, vl_model, images):
     return folder, rows, GenerationStore.open(store)
 
 
-def reference_generate(model_path: Path, messages_or_prompt, image_paths: list[Path], max_new_tokens: int):
+def reference_generate(
+    model_path: Path, messages_or_prompt, image_paths: list[Path], max_new_tokens: int, adapter=None
+):
     """The expanded prompt and greedy tokens of the model's own ``generate`` on ``image_paths``, built with
-    transformers alone (processor, tokenizer, placeholder expansion by hand)."""
+    transformers alone (processor, tokenizer, placeholder expansion by hand); ``adapter``: a LoRA adapter merged
+    into the weights first."""
     import torch
     from PIL import Image
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
@@ -97,6 +100,10 @@ def reference_generate(model_path: Path, messages_or_prompt, image_paths: list[P
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     processor = AutoImageProcessor.from_pretrained(model_path)
     model = AutoModelForImageTextToText.from_pretrained(model_path).eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
     out = processor(images=[Image.open(p).convert("RGB") for p in image_paths], return_tensors="pt")
     grids = out["image_grid_thw"].tolist()
     pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -275,3 +282,37 @@ def test_image_urls_read_from_object_storage_and_http(s3, s3_server) -> None:  #
     assert read_image_bytes(f"{s3_server}/{bucket}/pics/a%20b.png") == b"png bytes"
     with pytest.raises(InputError, match="not found"):
         read_image_bytes(f"s3://{bucket}/pics/missing.png", {"endpoint": s3_server})
+
+
+def make_vl_adapter(model_path: Path, path: Path) -> Path:
+    """A seeded LoRA adapter on the language model's attention projections of the tiny Qwen2-VL."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    base = AutoModelForImageTextToText.from_pretrained(model_path, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, bias="none")
+    peft_model = get_peft_model(base, config)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * (0.5 if "lora_B" in name else 0.3))
+    peft_model.save_pretrained(str(path))
+    return path
+
+
+def test_rows_with_images_generate_with_their_lora_adapter_equal_to_the_merged_model(tmp_path, vl_model, images):
+    adapter = make_vl_adapter(vl_model, tmp_path / "lora")
+    photo = [image_part(images["grace_hopper"]), {"type": "text", "text": QUESTION}]
+    rows = [{"messages": user(*photo), "adapter": "style"}, {"messages": user(*photo)}]
+    prompts = write_rows(tmp_path / "p.jsonl", rows)
+    out = tmp_path / "out.zarr"
+    result = run_cli(*run_args(prompts, out, vl_model, "--adapter-path", f"style={adapter}"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = GenerationStore.open(out).read_region(0, 2, ("response_ids", "response_length"))
+    got = [data["response_ids"][r, 0, : data["response_length"][r, 0]].tolist() for r in range(2)]
+    view = template_messages(user(*photo))
+    assert got[0] == reference_generate(vl_model, view, [images["grace_hopper"]], 6, adapter)[1]
+    assert got[1] == reference_generate(vl_model, view, [images["grace_hopper"]], 6)[1]
+    assert got[0] != got[1], "the adapter changes the answer"

@@ -26,7 +26,7 @@ class LoraRouting:
 
     def __init__(self, adapter_of: Callable[[str], str | None]) -> None:
         self.adapter_of = adapter_of  # backend request id -> adapter name (None: the base model)
-        self.groups: dict[str, Any] = {}  # adapter name -> index tensor of its positions
+        self.groups: dict[str, Any] = {}  # adapter name -> index tensor of its positions (None: all of them)
 
     def route(self, requests_in_batch: list[Any], device: Any) -> None:
         """Group the positions of the packed batch (requests in order, ``query_length`` tokens each) by adapter."""
@@ -35,8 +35,11 @@ class LoraRouting:
         positions: dict[str, list[int]] = {}
         offset = 0
         for future_state in requests_in_batch:
-            length = int(future_state.query_length)
             name = self.adapter_of(future_state.state.request_id)
+            if future_state.query_length is None:  # the pass is this request's alone (a vision model's backend)
+                self.groups = {} if name is None else {name: None}
+                return
+            length = int(future_state.query_length)
             if name is not None:
                 positions.setdefault(name, []).extend(range(offset, offset + length))
             offset += length
@@ -52,6 +55,11 @@ class LoraRouting:
             if name not in module.lora_A:
                 continue  # this adapter leaves the layer unchanged
             lora_a, lora_b = module.lora_A[name], module.lora_B[name]
+            if index is None:  # every position
+                flat_out.add_(
+                    (lora_b(lora_a(flat_x.to(lora_a.weight.dtype))) * module.scaling[name]).to(flat_out.dtype)
+                )
+                continue
             delta = lora_b(lora_a(flat_x.index_select(0, index).to(lora_a.weight.dtype))) * module.scaling[name]
             flat_out.index_add_(0, index, delta.to(flat_out.dtype))
         return output

@@ -63,6 +63,19 @@ class _Request:
 
 
 @dataclass
+class _State:
+    request_id: str
+
+
+@dataclass
+class _Pass:
+    """A forward pass as the LoRA routing sees it: one request's, all of its positions (``query_length`` None)."""
+
+    state: _State
+    query_length: int | None = None
+
+
+@dataclass
 class _Status:
     fatal_error: BaseException | None = None
 
@@ -148,6 +161,8 @@ class GenerateManager:
             def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
                 return torch.tensor([rid in cancelled], device=input_ids.device)
 
+        if table.on_batch is not None:  # LoRA routing: every position of every pass is this request's
+            table.on_batch([_Pass(_State(rid))])
         device = self.model.device
         ids = torch.tensor([request.ids], device=device)
         config = GenerationConfig(
