@@ -99,6 +99,26 @@ def test_a_resumed_run_continues_min_new_tokens_with_what_is_left(tmp_path, tiny
     check_continuation(tmp_path, str(tiny_model), pause=pause, extra=("--min-new-tokens", "56"))
 
 
+def test_a_resumed_run_with_images_continues_prompt_plus_prefix_with_the_same_images(tmp_path):
+    """Rows naming images (the tiny Qwen2-VL), stopped part-way: the resumed run sends the expanded prompt and the
+    stored prefix, with the row's images, and equals an uninterrupted run."""
+    from daskgen.models import build_tiny_vl_model
+    from daskgen.testing.images import write_generated_images
+
+    images = list(write_generated_images(tmp_path / "images").values())
+    rows = [
+        {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": str(images[i % len(images)])}},
+            {"type": "text", "text": f"Question {i}?"}]}]}
+        for i in range(4)
+    ]  # fmt: skip
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pause = Pause(rows=(2, 3), after=8, prompts=4, new_tokens=24)
+    extra = ("--min-new-tokens", "20")
+    check_continuation(tmp_path, str(build_tiny_vl_model()), pause=pause, extra=extra, prompts=prompts)
+
+
 @pytest.mark.vllm
 @pytest.mark.timeout(2400)
 def test_vllm_continues_token_exactly(tmp_path):
@@ -130,7 +150,7 @@ def test_a_long_answer_near_the_context_limit_resumes_to_the_uninterrupted_token
 
 
 def check_continuation(
-    tmp_path, model, inner="transformers", engine_args=(), start_s=240, pause=None, extra=(), words=0
+    tmp_path, model, inner="transformers", engine_args=(), start_s=240, pause=None, extra=(), words=0, prompts=None
 ):
     """Interrupt a greedy run with SIGTERM, resume it, run it uninterrupted; compare what was sent and stored.
 
@@ -138,10 +158,10 @@ def check_continuation(
     ``pause``: a :class:`Pause` (rows held part-way until the stop, fewer prompts and tokens); without it the
     stop lands wherever the engine is, which takes many long prompts to find some mid-response.  ``extra``: more
     ``daskgen run`` arguments, the same for the three runs.  ``words``: prompts that long (in numbered words)
-    instead of short questions.
+    instead of short questions.  ``prompts``: a prompt file of ``pause.prompts`` rows to use instead.
     """
     n, new_tokens = (N, 160) if pause is None else (pause.prompts, pause.new_tokens)
-    prompts = write_prompts(tmp_path / "p.jsonl", n, words=words)
+    prompts = prompts or write_prompts(tmp_path / "p.jsonl", n, words=words)
     out, whole = tmp_path / "out.zarr", tmp_path / "whole.zarr"
     if pause is not None:
         engine_args = (*engine_args, *pause.engine(tmp_path))
