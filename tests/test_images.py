@@ -237,7 +237,7 @@ def test_an_engine_or_model_without_vision_is_refused_before_any_engine_starts(t
     prompts = write_rows(tmp_path / "p.jsonl", [{"prompt": "x", "images": [str(images["noise"])]}])
     settings = {"prompts": str(prompts), "store": str(tmp_path / "s.zarr")}
     with pytest.raises(ConfigError) as no_images:
-        prepare(RunConfig(**settings, model=str(vl_model), engine="simulated"))
+        prepare(RunConfig(**settings, model=str(vl_model), engine="openai", engine_args={"base_url": "http://x:1"}))
     assert "images in prompts" in str(no_images.value) and "transformers" in str(no_images.value)
     with pytest.raises(ConfigError, match="has no image processor"):
         prepare(RunConfig(**settings, model=str(build_tiny_model(tmp_path / "tiny")), engine="transformers"))
@@ -316,3 +316,34 @@ def test_rows_with_images_generate_with_their_lora_adapter_equal_to_the_merged_m
     assert got[0] == reference_generate(vl_model, view, [images["grace_hopper"]], 6, adapter)[1]
     assert got[1] == reference_generate(vl_model, view, [images["grace_hopper"]], 6)[1]
     assert got[0] != got[1], "the adapter changes the answer"
+
+
+@pytest.mark.proves("simulated", "images")
+def test_the_simulated_engine_charges_image_tokens_prefill_and_encoder_time(tmp_path, vl_model, images) -> None:
+    """A run with the simulated engine stores the images like any other; each image token costs its prefill plus
+    ``image_token_time_s`` of vision encoder in the engine's time model."""
+    import asyncio
+
+    from daskgen.engines.base import GenerationRequest, SamplingParams
+    from daskgen.engines.media import ImageInput
+    from daskgen.engines.simulated import SimulatedEngine
+
+    async def prefill_seconds(images: tuple) -> float:
+        engine = SimulatedEngine("sim", time_scale=0, prefill_time_per_token_s=0.001, image_token_time_s=0.01)
+        await engine.start()
+        params = SamplingParams(max_new_tokens=2, images=images)
+        await engine.generate(GenerationRequest("r", [5] * 30, params))
+        seconds = engine.stats()["prefill_s"]
+        await engine.shutdown()
+        return seconds
+
+    image = ImageInput("h", b"", None, (1, 4, 5), (2, 20))
+    assert asyncio.run(prefill_seconds(())) == pytest.approx(0.03)
+    assert asyncio.run(prefill_seconds((image,))) == pytest.approx(0.03 + 0.2)
+    rows = [{"prompt": QUESTION, "images": [str(images["noise"])]}]
+    prompts = write_rows(tmp_path / "p.jsonl", rows)
+    args = run_args(prompts, tmp_path / "out.zarr", vl_model)
+    args[args.index("transformers")] = "simulated"
+    result = run_cli(*args, "--engine-arg", "vocab_size=49156", "--engine-arg", "time_scale=0")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert verify(str(tmp_path / "out.zarr"), progress=False).sound

@@ -32,6 +32,8 @@ The model
   model seconds, paid before the next step; tokens its prefix cache holds
   (:mod:`~daskgen.engines.simulated.prefix_cache`, ``prefix_cache_tokens``) are not computed again; a
   result's ``meta["cached_tokens"]`` says how many of its prompt's the cache held (with a cache only).
+  Images (the worker expands their placeholder tokens in the prompt) cost their tokens' prefill, plus
+  ``image_token_time_s`` per image token for the vision encoder.
 
 :meth:`SimulatedEngine.stats` reports steps, busy time, busy fraction and per-step batch sizes.
 The options (:class:`~daskgen.engines.simulated.plan.SimulatedArgs`) and the output model
@@ -86,7 +88,7 @@ class SimulatedEngine(Engine):
     simulated = True
     supports_seed = True
     #: A timing model: a row's max_new_tokens, seed and stop ids shape its output; it has no text to stop on.
-    features = frozenset({"per_row_sampling", "stop_token_ids", "top_logprobs", "refresh"})
+    features = frozenset({"per_row_sampling", "stop_token_ids", "top_logprobs", "refresh", "images"})
     #: A continuation is drawn from its position on (penalties have no effect on a timing model).
     continues = frozenset({"seed", "output_penalties"})
 
@@ -309,6 +311,7 @@ class SimulatedEngine(Engine):
         self._stats.prompt_tokens += len(prompt)
         self._stats.cached_tokens += cached
         self._prefill_s += (len(prompt) - cached) * self.args.prefill_time_per_token_s
+        self._prefill_s += sum(image.span[1] for image in sim.request.params.images) * self.args.image_token_time_s
 
     def _next_finish(self) -> int:
         while self._finishing[0][2].done:

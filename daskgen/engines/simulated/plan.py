@@ -47,6 +47,9 @@ class SimulatedArgs:
     prefill_time_per_token_s:
         Model seconds per prompt token the engine computes (the prefill of the requests joining a step
         delays that step); ``0``: prefill is free.
+    image_token_time_s:
+        Model seconds of the vision encoder per image placeholder token of a request's images, on top of their
+        prefill (``0``: images cost only their tokens' prefill).
     prefix_cache_tokens, prefix_cache_block:
         The engine's prefix cache (:mod:`~daskgen.engines.simulated.prefix_cache`): tokens it holds (``0``:
         none) and its block size; cached prompt tokens are not computed again.
@@ -66,6 +69,7 @@ class SimulatedArgs:
     vocab_size: int = 32000
     eos_token_id: int = 2
     prefill_time_per_token_s: float = 0.0
+    image_token_time_s: float = 0.0
     prefix_cache_tokens: int = 0
     prefix_cache_block: int = 16
     max_model_len: int = 0
@@ -84,6 +88,7 @@ class SimulatedArgs:
             "time_scale",
             "length_sigma",
             "prefill_time_per_token_s",
+            "image_token_time_s",
         ):
             value = getattr(self, name)
             require("simulated", is_number(value) and value >= 0, name, "a finite number >= 0", value)
