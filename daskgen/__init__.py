@@ -10,7 +10,7 @@ from typing import Any
 import daskgen.tunables  # noqa: F401 - merges the `daskgen:` defaults into Dask's config
 
 __version__ = "0.1.0"
-__all__ = ["RunConfig", "follow", "generate", "open_store", "publish_policy", "run", "verify"]
+__all__ = ["RunConfig", "follow", "generate", "open_store", "publish_policy", "read_image", "run", "verify"]
 
 
 def __getattr__(name: str) -> Any:
@@ -30,6 +30,10 @@ def __getattr__(name: str) -> Any:
         from daskgen.store.policy import publish_policy
 
         return publish_policy
+    if name == "read_image":
+        from daskgen.store.images import read_image
+
+        return read_image
     if name == "verify":
         from daskgen.store.verify import verify
 

@@ -66,6 +66,9 @@ def export(
     prompts: Annotated[Path | None, Opt(help="The run's input file, for raw prompts (default: recorded path).")] = None,
     raw_prompts: Annotated[bool, Opt("--raw-prompts/--no-raw-prompts", help="Add the input's raw prompts.")] = True,
     wandb_project: Annotated[str | None, Opt(help="Upload the zip export as a W&B artifact to this project.")] = None,
+    images: Annotated[
+        str, Opt(help="parquet: reference (each image by hash and store key) or bytes (also OUT.images.parquet).")
+    ] = "reference",
 ) -> None:
     """Export done samples (parquet, jsonl, verl-layout tensordict) or the whole store as one zip."""
     from daskgen.analysis.export import DEFAULT_SUFFIX
@@ -83,6 +86,7 @@ def export(
         prompts=prompts,
         raw=raw_prompts,
         wandb_project=wandb_project,
+        images=images,
     )
     typer.echo(result.line())
     if wandb_project:

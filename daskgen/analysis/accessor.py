@@ -20,6 +20,7 @@ This module imports numpy, pandas, dask and xarray only (no torch, transformers 
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from collections.abc import Sequence
@@ -44,8 +45,9 @@ from daskgen.formats.block import flatten_samples
 from daskgen.formats.finish import FINISH_LABELS, finish_labels
 from daskgen.store.attrs import ATTRS_KEY, StoreAttrs
 from daskgen.store.generation_store import GenerationStore
+from daskgen.store.images import read_image
 from daskgen.store.layout import DONE, FAILED, NUMBER_RECORDS, PENDING
-from daskgen.store.location import StoreLocation, locate
+from daskgen.store.location import StoreLocation, StoreRef, locate
 
 __all__ = [
     "FINISH_LABELS",
@@ -60,6 +62,8 @@ __all__ = [
 
 #: Columns of :meth:`DaskgenAccessor.throughput`.
 THROUGHPUT_COLUMNS = ["start", "prompts", "tokens", "prompts_per_min", "tokens_per_min"]
+#: The dataset encoding key under which :func:`open_store` records the store's location.
+LOCATION_KEY = "daskgen_location"
 STATUS_NAMES = {"pending": PENDING, "done": DONE, "failed": FAILED}
 #: Tokenizer identity keys that must match the store's for decoding to be trusted.
 IDENTITY_KEYS = ("vocab_size", "eos_token_id", "pad_token_id", "chat_template_sha256")
@@ -79,7 +83,9 @@ def open_store(path: str | Path | StoreLocation) -> xr.Dataset:
             f"{locate(path).url!r} is not a daskgen store (no {ATTRS_KEY!r} attrs in its zarr.json); "
             "pass the --store path of a daskgen run."
         )
-    return store.dataset().daskgen.labelled()
+    ds = store.dataset().daskgen.labelled()
+    ds.encoding[LOCATION_KEY] = store.location  # where ds.daskgen.image reads the images
+    return ds
 
 
 @xr.register_dataset_accessor("daskgen")
@@ -298,6 +304,19 @@ class DaskgenAccessor:
         records = [json.loads(str(text)) if str(text) else default for text in texts]
         index = pd.Index(self._ds["prompt_index"].values[rows], name="prompt_index")
         return pd.DataFrame.from_records(records, index=index, columns=sorted({k for r in records for k in r}))
+
+    def image(self, digest: str, store: StoreRef | None = None) -> Any:
+        """The stored image with SHA-256 ``digest`` (a value of ``image_hash``) as a Pillow image, its bytes checked
+        against the hash (:func:`daskgen.read_image`); ``store``: the store (default: the one :func:`open_store`
+        opened)."""
+        where = store if store is not None else self._ds.encoding.get(LOCATION_KEY)
+        if where is None:
+            raise StoreError("this dataset does not name its store; open it with daskgen.open_store or pass store=.")
+        from PIL import Image
+
+        image = Image.open(io.BytesIO(read_image(where, str(digest))))
+        image.load()
+        return image
 
     # -- decoding -----------------------------------------------------------------------------
     def input_path(self, path: str | Path | None = None) -> Path | None:

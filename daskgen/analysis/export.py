@@ -12,7 +12,10 @@ than memory exports in bounded memory, also while a run writes it.  Each format 
 * ``zip``: the whole store as one uncompressed zip that ``zarr.storage.ZipStore`` opens.
 
 An export adds what the store does not hold: decoded text (``prompt_text``, ``response_text``, with ``text``) and
-the input's ``raw_prompt`` (when the input file is found).
+the input's ``raw_prompt`` (when the input file is found).  A store with images exports each sample's image
+hashes, spans and grids (:mod:`daskgen.formats.images`), never pixels per sample: a Parquet export names each image
+by hash and store key (``images="reference"``) or, with ``images="bytes"``, also writes the images' bytes once per
+distinct image into a second Parquet file beside it (:func:`image_file`: ``out.parquet`` -> ``out.images.parquet``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from daskgen.analysis.accessor import decode_many, iter_raw_prompts, open_store
 from daskgen.analysis.archive import require_wandb, upload_wandb, zip_store
 from daskgen.analysis.output import check_output, output_size, staged_output
 from daskgen.errors import ExportError, StoreError
-from daskgen.formats.arrow import write_parquet
+from daskgen.formats.arrow import write_image_table, write_parquet
 from daskgen.formats.block import Block
 from daskgen.formats.dataproto import dataproto_parts as verl_parts
 from daskgen.formats.read import PromptIds, block_fields, read_block, read_rows
@@ -41,6 +44,7 @@ from daskgen.formats.tensordict import to_tensordict as parts_tensordict
 from daskgen.formats.verl import VERL_KEYS, VerlParts, to_verl
 from daskgen.store.attrs import StoreAttrs
 from daskgen.store.generation_store import GenerationStore
+from daskgen.store.images import checked_blob
 from daskgen.store.layout import DONE
 from daskgen.store.location import StoreRef, locate
 
@@ -60,6 +64,8 @@ __all__ = [
 ]
 
 FORMATS = ("parquet", "jsonl", "tensordict", "zip")
+#: How a Parquet export holds the images: by reference (hash and store key) or their bytes too, in a second file.
+IMAGE_MODES = ("reference", "bytes")
 #: Suffix of the default output path per format (``out.zarr`` -> ``out.parquet``, ``out.td``, ...).
 DEFAULT_SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl", "tensordict": ".td", "zip": ".zarr.zip"}
 
@@ -73,6 +79,7 @@ class ExportResult:
     rows: int
     seconds: float
     bytes: int
+    images: int = 0  # the distinct images written into the images file (``images="bytes"``)
 
     def line(self) -> str:
         """One-line summary for the command line."""
@@ -80,7 +87,14 @@ class ExportResult:
         return (
             f"daskgen: exported {self.rows} samples as {self.format} to {self.path} "
             f"({self.bytes / 2**20:.1f} MiB in {self.seconds:.1f} s, {rate:.0f} samples/s)"
+            + (f", {self.images} images to {image_file(self.path)}" if self.images else "")
         )
+
+
+def image_file(out: str | Path) -> Path:
+    """The file beside a Parquet export ``out`` that ``images="bytes"`` writes the images into."""
+    out = Path(out)
+    return out.with_name(out.name.removesuffix(".parquet") + ".images.parquet")
 
 
 # -- reading done rows block by block -----------------------------------------------------------
@@ -176,14 +190,14 @@ def to_tensordict(
     return parts_tensordict(VerlParts.concat(list(_verl_blocks(src, src.survey()[1]))))
 
 
-def _write(path: StoreRef, tmp: Path, fmt: str, **options: Any) -> int:
+def _write(path: StoreRef, tmp: Path, fmt: str, seen: dict[str, None], **options: Any) -> int:
     if fmt == "zip":
         rows = Source(path, raw=False).survey()[0]  # before zipping: at least these rows are complete in it
         zip_store(path, tmp)
         return rows
     src = Source(path, **options)
     if fmt == "parquet":
-        return write_parquet(src.blocks(), tmp)
+        return write_parquet(src.blocks(), tmp, seen)
     if fmt == "jsonl":
         return write_jsonl(src.blocks(), tmp)
     total, width = src.survey()
@@ -202,6 +216,7 @@ def export(
     prompts: str | Path | None = None,
     raw: bool = True,
     wandb_project: str | None = None,
+    images: str = "reference",
 ) -> ExportResult:
     """Export a store to ``out`` as ``parquet``, ``jsonl``, ``tensordict`` or ``zip``.
 
@@ -209,19 +224,41 @@ def export(
     model folder) for parquet/jsonl/tensordict.  ``prompts`` is the run's input file, to include raw
     prompts (by default the recorded input path is used when it still holds the same input; ``raw=False``
     skips that).
-    ``wandb_project`` uploads a zip export as a W&B artifact.
+    ``wandb_project`` uploads a zip export as a W&B artifact.  ``images`` (parquet): ``"reference"`` names each
+    image by its hash and store key; ``"bytes"`` also writes each distinct image once, as stored, into
+    :func:`image_file` (columns ``image_hash``, ``image_key``, ``image_bytes``).
     """
     attrs = _checked_request(path, fmt, wandb_project)
-    check_output(out, overwrite=overwrite, protect=path)
+    side = _image_output(fmt, images, out)
+    for target in (Path(out), *([side] if side else [])):
+        check_output(target, overwrite=overwrite, protect=path)
     if wandb_project:
         require_wandb()
     t0 = time.perf_counter()
+    seen: dict[str, None] = {}
     with staged_output(out, overwrite=overwrite, protect=path) as tmp:
-        rows = _write(path, tmp, fmt, text=text, tokenizer=tokenizer, prompts=prompts, raw=raw)
-    result = ExportResult(Path(out), fmt, rows, time.perf_counter() - t0, output_size(Path(out)))
+        rows = _write(path, tmp, fmt, seen, text=text, tokenizer=tokenizer, prompts=prompts, raw=raw)
+    written = 0
+    if side is not None:
+        location = locate(path)
+        with staged_output(side, overwrite=overwrite, protect=path) as tmp:
+            written = write_image_table(seen, lambda digest: checked_blob(location, digest), tmp)
+    result = ExportResult(Path(out), fmt, rows, time.perf_counter() - t0, output_size(Path(out)), written)
     if wandb_project:
         upload_wandb(out, wandb_project, attrs)
     return result
+
+
+def _image_output(fmt: str, images: str, out: str | Path) -> Path | None:
+    """The images file of the export (``images="bytes"``), or ``None``; :class:`ExportError` for a bad choice."""
+    if images not in IMAGE_MODES:
+        raise ExportError(f"unknown images choice {images!r}; choose one of {', '.join(IMAGE_MODES)}.")
+    if images == "bytes" and fmt != "parquet":
+        raise ExportError(
+            f"images='bytes' writes the images beside a Parquet export; use it with --format parquet, not {fmt!r} "
+            "(the other formats name each image by its hash: daskgen.read_image(store, hash) reads it)."
+        )
+    return image_file(out) if images == "bytes" else None
 
 
 def _checked_request(path: StoreRef, fmt: str, wandb_project: str | None) -> StoreAttrs:

@@ -8,7 +8,9 @@
 * :mod:`~daskgen.formats.verl`: verl's field layout (padding, masks, positions; ids, integers and strings);
 * :mod:`~daskgen.formats.tensordict`: ``TensorDict`` (the tensordict export, ``format="tensordict"``);
 * :mod:`~daskgen.formats.dataproto`: verl ``DataProto`` (``format="dataproto"``, a tensordict export's parts);
-* :mod:`~daskgen.formats.xarray`: the unflattened rows as an ``xarray.Dataset`` (``format="xarray"``).
+* :mod:`~daskgen.formats.xarray`: the unflattened rows as an ``xarray.Dataset`` (``format="xarray"``);
+* :mod:`~daskgen.formats.images`: the prompt's image hashes, spans and grids in every format (stores with images);
+* :mod:`~daskgen.formats.multimodal`: verl's ``multi_modal_data``/``multi_modal_inputs`` from the stored images.
 
 ``daskgen export`` (:mod:`daskgen.analysis.export`) and ``daskgen.follow`` (:mod:`daskgen.stream`) both read
 through :mod:`~daskgen.formats.read` and write through :func:`build` (or the file writers of the format modules),
@@ -17,10 +19,14 @@ so a format carries the same fields from both.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from daskgen.formats.block import EXTERNAL_FIELDS, Block
+from daskgen.formats.images import IMAGE_ARRAYS, IMAGE_KEY, MULTI_MODAL_FIELDS
 from daskgen.formats.verl import ID_KEYS, VERL_KEYS, VERL_META, to_verl, widths
+
+if TYPE_CHECKING:
+    from daskgen.formats.multimodal import StoreImages
 
 __all__ = ["BLOCK_FORMATS", "Block", "build", "output_names"]
 
@@ -28,9 +34,11 @@ __all__ = ["BLOCK_FORMATS", "Block", "build", "output_names"]
 BLOCK_FORMATS = ("tensordict", "dataproto", "rows", "arrow")
 
 
-def build(fmt: str, block: Block, width: tuple[int, int] | str = "store") -> Any:
+def build(fmt: str, block: Block, width: tuple[int, int] | str = "store", images: StoreImages | None = None) -> Any:
     """The block in format ``fmt`` (one of :data:`BLOCK_FORMATS`); ``width``: the tensor formats' prompt and
-    response widths, or how to pad them: ``"store"`` (the store's widths) or ``"batch"`` (the block's longest)."""
+    response widths, or how to pad them: ``"store"`` (the store's widths) or ``"batch"`` (the block's longest);
+    ``images``: the store's images, which give the tensor formats verl's ``multi_modal_data`` and
+    ``multi_modal_inputs`` (:mod:`daskgen.formats.multimodal`; none without)."""
     if fmt == "rows":
         from daskgen.formats.records import records
 
@@ -40,6 +48,8 @@ def build(fmt: str, block: Block, width: tuple[int, int] | str = "store") -> Any
 
         return arrow_table(block)
     parts = to_verl(block, widths(block, width) if isinstance(width, str) else width)
+    if images is not None:
+        parts.objects |= images.fields(block)
     if fmt == "tensordict":
         from daskgen.formats.tensordict import to_tensordict
 
@@ -53,4 +63,5 @@ def build(fmt: str, block: Block, width: tuple[int, int] | str = "store") -> Any
 
 def output_names() -> frozenset[str]:
     """Field names the formats write beyond the store's arrays (a kept input column may not take one)."""
-    return frozenset({*EXTERNAL_FIELDS, "finish_label", *ID_KEYS, *VERL_KEYS, *VERL_META})
+    images = (*IMAGE_ARRAYS, IMAGE_KEY, *MULTI_MODAL_FIELDS)
+    return frozenset({*EXTERNAL_FIELDS, "finish_label", *ID_KEYS, *VERL_KEYS, *VERL_META, *images})

@@ -16,6 +16,7 @@ import numpy as np
 
 from daskgen.formats.block import Block
 from daskgen.formats.finish import finish_labels
+from daskgen.formats.images import distinct_hashes, image_columns
 from daskgen.store.layout import NO_TOKEN, SAMPLE_NUMBERS, STALE_FIELD
 
 
@@ -37,13 +38,16 @@ def arrow_table(block: Block) -> Any:
     return pa.table(columns | _optional_columns(block))
 
 
-def write_parquet(blocks: Iterable[Block], path: Path) -> int:
-    """Write the blocks' tables into one Parquet file (zstd); the rows written."""
+def write_parquet(blocks: Iterable[Block], path: Path, seen: dict[str, None] | None = None) -> int:
+    """Write the blocks' tables into one Parquet file (zstd); the rows written.  ``seen`` collects the hashes of
+    the images the rows name (:func:`~daskgen.formats.images.distinct_hashes`), in the order they first appear."""
     import pyarrow.parquet as pq
 
     rows, writer = 0, None
     try:
         for block in blocks:
+            if seen is not None:
+                seen.update(dict.fromkeys(distinct_hashes(block)))
             table = arrow_table(block)
             writer = writer or pq.ParquetWriter(path, table.schema, compression="zstd")
             writer.write_table(table)
@@ -52,6 +56,24 @@ def write_parquet(blocks: Iterable[Block], path: Path) -> int:
         if writer is not None:
             writer.close()
     return rows
+
+
+def write_image_table(hashes: Iterable[str], read: Any, path: Path) -> int:
+    """Write one Parquet row per image (``image_hash``, ``image_key``, ``image_bytes``: the stored bytes, as
+    ``read(hash)`` returns them); the images written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from daskgen.store.images import blob_key
+
+    schema = pa.schema([("image_hash", pa.string()), ("image_key", pa.string()), ("image_bytes", pa.large_binary())])
+    written = 0
+    with pq.ParquetWriter(path, schema) as writer:  # one row group per image: one image in memory at a time
+        for digest in hashes:
+            data = read(digest)
+            writer.write_table(pa.table([[digest], [blob_key(digest)], [data]], schema=schema))
+            written += 1
+    return written
 
 
 def _ragged(values: np.ndarray, lengths: np.ndarray) -> Any:
@@ -90,7 +112,8 @@ def _index_columns(block: Block) -> dict[str, Any]:
 
 def _optional_columns(block: Block) -> dict[str, Any]:
     """The columns a block may lack: ``stop_reason``, the policy versions, ``stale``, ``logprobs`` and top-k
-    logprobs (when recorded), decoded text, the raw prompt, the row's settings and the input's kept columns."""
+    logprobs (when recorded), the prompt's images (:mod:`daskgen.formats.images`), decoded text, the raw prompt,
+    the row's settings and the input's kept columns."""
     import pyarrow as pa
 
     columns = {name: pa.array(block[name]) for name in SAMPLE_NUMBERS if name in block}
@@ -100,6 +123,7 @@ def _optional_columns(block: Block) -> dict[str, Any]:
         columns["logprobs"] = _ragged(block["logprobs"], block["response_length"])
     if "top_logprobs" in block:
         columns |= _ragged_top(block)
+    columns |= image_columns(block)
     for name, values in (block.external() | block.texts()).items():
         columns[name] = pa.array(values.tolist(), type=pa.string())
     return columns

@@ -26,7 +26,7 @@ def to_dataproto(parts: VerlParts) -> Any:
             f"format='dataproto' needs verl ({exc}). Install it with `pip install ray omegaconf` and "
             "`pip install --no-deps verl` (DataProto needs only those), or use format='tensordict'."
         ) from exc
-    non_tensor = {k: np.asarray(v) for k, v in (parts.numbers | parts.strings).items()}
+    non_tensor = {k: np.asarray(v) for k, v in (parts.numbers | parts.strings | parts.objects).items()}
     return DataProto(batch=tensordict_of(parts.tensors, len(parts)), non_tensor_batch=non_tensor)
 
 

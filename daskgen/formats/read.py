@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from daskgen.formats.block import Block, flatten_arrays
+from daskgen.formats.images import image_arrays
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import FINGERPRINT_ARRAYS, STALE_FIELD, VERSION_ARRAYS
 
@@ -31,14 +32,15 @@ TOKEN_FIELDS = (
 
 def block_fields(store: GenerationStore) -> tuple[str, ...]:
     """The store arrays a block is built from: the token arrays, ``logprobs`` when recorded, the arrays of
-    :meth:`~daskgen.store.layout.Layout.sample_records` and the policy versions and their fingerprints (stores
-    that hold them)."""
+    :meth:`~daskgen.store.layout.Layout.sample_records`, the policy versions and their fingerprints (stores
+    that hold them) and the prompt's images (:mod:`daskgen.formats.images`; stores whose rows name images)."""
     derived = ("response_mask",) if store.attrs.model_tokens_only else ()
     wanted = [name for name in TOKEN_FIELDS if name not in derived]
     wanted += ["logprobs"] if store.attrs.logprobs_recorded else []
     wanted += store.layout.sample_records()
     # stores from before versions (or fingerprints) were recorded lack them
     wanted += [name for name in (*VERSION_ARRAYS, *FINGERPRINT_ARRAYS) if store.has_array(name)]
+    wanted += image_arrays(store.layout)
     return tuple(dict.fromkeys(wanted))
 
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from daskgen.formats.block import EXTERNAL_FIELDS, Block
 from daskgen.formats.finish import finish_labels
+from daskgen.formats.images import image_lists
 from daskgen.store.layout import NO_TOKEN, SAMPLE_NUMBERS, STALE_FIELD
 
 
@@ -82,6 +83,7 @@ def _records(block: Block) -> list[dict[str, Any]]:
         columns["logprobs"] = ragged_lists(block["logprobs"], rlen, nan_as_none=True)
     if "top_logprobs" in block:
         columns |= _top_lists(block)
+    columns |= image_lists(block)
     columns |= {name: [str(v) for v in block[name]] for name in EXTERNAL_FIELDS if name in block}
     columns |= {name: values.tolist() for name, values in block.texts().items()}
     keys = list(columns)

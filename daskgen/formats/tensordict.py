@@ -22,7 +22,7 @@ def to_tensordict(parts: VerlParts) -> Any:
 
     ``uid`` holds the same ids as ``prompt_id``: the one stack of them is set under both names (building a stack
     of per-row strings costs far more than the token fields)."""
-    strings = {k: v for k, v in parts.strings.items() if k != "uid"}
+    strings = {k: v for k, v in parts.strings.items() if k != "uid"} | parts.objects
     td = attach_non_tensor(tensordict_of(parts.tensors | parts.numbers, len(parts)), strings)
     if len(parts):  # an empty block has no string entries
         td.set("uid", td.get("prompt_id"))
@@ -66,10 +66,12 @@ def tensordict_of(fields: dict[str, np.ndarray], rows: int) -> Any:
 
 
 def attach_non_tensor(td: Any, non_tensor: dict[str, Any]) -> Any:
-    """``td`` with each list of per-row strings set as a ``NonTensorStack`` (empty lists are left out)."""
+    """``td`` with each list of per-row values (strings, lists of strings, dicts) set as a ``NonTensorStack`` (empty
+    lists are left out); an array of several dimensions gives each row its list."""
     from tensordict import NonTensorStack
 
     for key, values in non_tensor.items():
         if len(values):
-            td.set(key, NonTensorStack.from_list(list(values)))
+            rows = values.tolist() if isinstance(values, np.ndarray) and values.ndim > 1 else list(values)
+            td.set(key, NonTensorStack.from_list(rows))
     return td

@@ -4,17 +4,20 @@
 writes (:mod:`daskgen.formats.tensordict`, :mod:`daskgen.formats.dataproto`): the :data:`BATCH_KEYS` tensors
 (left-padded ``prompts``, right-padded ``responses``, masks, positions, logprobs), the per-sample integers
 (:data:`VERL_META`, ``stale``) and the per-sample strings (``prompt_id``, ``uid``, the row's settings, kept input
-columns, and the export's decoded text and raw prompt).
+columns, and the export's decoded text and raw prompt); a store with images adds the prompt's image fields
+(:func:`~daskgen.formats.images.verl_image_fields`) and, where built, verl's ``multi_modal_data`` and
+``multi_modal_inputs`` (:mod:`daskgen.formats.multimodal`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from daskgen.formats.block import Block
+from daskgen.formats.images import verl_image_fields
 from daskgen.store.layout import NO_TOKEN, SAMPLE_NUMBERS, STALE_FIELD
 
 #: Keys of the verl DataProto ``batch``.
@@ -45,11 +48,14 @@ ID_KEYS = ("prompt_id", "uid")
 @dataclass
 class VerlParts:
     """A block in verl's layout: ``tensors`` (the :data:`BATCH_KEYS` present), ``numbers`` (per-sample integers and
-    the ``stale`` flag) and ``strings`` (per-sample object arrays of ``str``)."""
+    the ``stale`` flag), ``strings`` (per-sample object arrays of ``str``; ``(rows, max_images)`` for the image
+    hashes and modalities) and ``objects`` (per-sample Python objects: verl's ``multi_modal_data`` and
+    ``multi_modal_inputs`` dicts, when built)."""
 
     tensors: dict[str, np.ndarray]
     numbers: dict[str, np.ndarray]
     strings: dict[str, np.ndarray]
+    objects: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.strings["prompt_id"])
@@ -61,7 +67,12 @@ class VerlParts:
         def joined(pick: Callable[[VerlParts], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
             return {k: np.concatenate([pick(p)[k] for p in parts]) for k in pick(parts[0])}
 
-        return cls(joined(lambda p: p.tensors), joined(lambda p: p.numbers), joined(lambda p: p.strings))
+        return cls(
+            joined(lambda p: p.tensors),
+            joined(lambda p: p.numbers),
+            joined(lambda p: p.strings),
+            joined(lambda p: p.objects),
+        )
 
 
 def widths(block: Block, pad: str) -> tuple[int, int]:
@@ -76,9 +87,10 @@ def to_verl(block: Block, width: tuple[int, int]) -> VerlParts:
     """The block in verl's layout (see :class:`VerlParts`), tokens padded to ``width`` (prompt, response)."""
     fields = verl_fields(block, *width)
     ids = np.asarray(block["prompt_id"], dtype=object)
-    strings = {"prompt_id": ids, "uid": ids.copy()} | block.external() | block.texts()
+    image_numbers, image_strings = verl_image_fields(block)
+    strings = {"prompt_id": ids, "uid": ids.copy()} | image_strings | block.external() | block.texts()
     tensors = {k: v for k, v in fields.items() if k in BATCH_KEYS}
-    return VerlParts(tensors, {k: v for k, v in fields.items() if k not in BATCH_KEYS}, strings)
+    return VerlParts(tensors, {k: v for k, v in fields.items() if k not in BATCH_KEYS} | image_numbers, strings)
 
 
 def verl_fields(block: Block, prompt_width: int, response_width: int) -> dict[str, np.ndarray]:

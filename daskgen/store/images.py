@@ -9,10 +9,12 @@ store's location), so two workers writing the same image at once leave one whole
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from daskgen.errors import StoreError
 
 if TYPE_CHECKING:
-    from daskgen.store.location import StoreLocation
+    from daskgen.store.location import StoreLocation, StoreRef
 
 #: The folder of the store holding the images.
 IMAGES_FOLDER = "images"
@@ -40,6 +42,38 @@ def write_blob(location: StoreLocation, digest: str, data: bytes) -> bool:
 def read_blob(location: StoreLocation, digest: str) -> bytes | None:
     """The stored bytes of the image with hash ``digest`` (``None``: not stored)."""
     return location.read_bytes(blob_key(digest))
+
+
+def checked_blob(location: StoreLocation, digest: str) -> bytes:
+    """The stored bytes of the image with hash ``digest``, checked against it; :class:`StoreError` when the store
+    does not hold it or its bytes hash to something else."""
+    data = read_blob(location, digest)
+    if data is None:
+        raise StoreError(
+            f"the store {location.url!r} holds no image {digest!r} (no object {blob_key(digest)!r}); pass a hash "
+            "from the store's image_hash array, or run `daskgen verify` to list the images it misses."
+        )
+    found = image_hash(data)
+    if found != digest:
+        raise StoreError(
+            f"the image {blob_key(digest)!r} of the store {location.url!r} is damaged: its bytes hash to {found!r}, "
+            "not to its name; rerun the run that wrote it (its input still names the image) or restore the object."
+        )
+    return data
+
+
+def read_image(store: StoreRef, digest: str, storage_options: dict[str, Any] | None = None) -> bytes:
+    """The bytes of the image with SHA-256 ``digest`` (hex) stored in ``store`` (a folder, URL or location), as
+    they were read from the input, checked against the hash (``daskgen.read_image``).
+
+    Raises
+    ------
+    StoreError
+        When the store does not hold the image, or its stored bytes do not hash to ``digest``.
+    """
+    from daskgen.store.location import locate
+
+    return checked_blob(locate(store, storage_options), str(digest))
 
 
 def stored_hashes(location: StoreLocation) -> set[str]:

@@ -35,7 +35,7 @@ from daskgen.store.layout import DONE, FAILED, STALE_FIELD
 from daskgen.store.location import StoreRef, locate
 from daskgen.store.requeue import add_requeue, read_requeue
 from daskgen.stream.events import CommitEvents
-from daskgen.stream.formats import batch_data, fields_to_read
+from daskgen.stream.formats import BatchImages, batch_data, fields_to_read
 from daskgen.stream.log import Snapshot, read_snapshot, writer_live
 from daskgen.stream.options import FollowOptions
 from daskgen.stream.order import HeadClock, WindowStats, counted, eligible, held_back, take
@@ -115,7 +115,7 @@ class Follower:
         options = replace(options, **given) if options else FollowOptions(**given)
         self.location = locate(store, options.storage_options)
         self.batch_prompts, self.format, self.order = options.batch_prompts, options.format, options.order
-        self.pad = options.pad
+        self.pad, self.images = options.pad, BatchImages(options.multi_modal, options.image_model)
         window = options.window or int(tunables.get("follow.window"))
         self.window = window if self.order == "window" else None
         self.clock = HeadClock(window) if self.window else None
@@ -310,7 +310,7 @@ class Follower:
         if stale.any() and self.events is not None:  # the run on this cluster takes them at once
             self.events.requeued()
         batch = Batch(
-            data=batch_data(self.format, store, done, ids, data, self.pad),
+            data=batch_data(self.format, store, done, ids, data, self.pad, self.images),
             prompts=done,
             prompt_ids=ids,
             failed={int(r): str(e) for r, e in zip(failed, errors, strict=True)},

@@ -75,6 +75,19 @@ class FollowOptions:
         "has one shape, so batches concatenate) or batch (to the batch's own longest prompt and response).",
         flags=None,
     )
+    multi_modal: bool = option(
+        True,
+        "Give the tensordict and dataproto formats of a store with images verl's multi_modal_data (the images) and "
+        "multi_modal_inputs (pixel_values, image_grid_thw), made from the stored images by the model's image "
+        "processor once per distinct image; off: only the images' hashes, spans and grids.",
+        flags=None,
+    )
+    image_model: str | None = option(
+        None,
+        "The model folder whose image processor makes multi_modal_inputs (default: the run's model, as the store "
+        "records it); its processor must be the one the run used.",
+        flags=None,
+    )
     wait: bool = option(
         True, "Wait while a run writes the store (or one is starting); off: deliver what is committed now, then stop."
     )
