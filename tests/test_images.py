@@ -347,3 +347,41 @@ def test_the_simulated_engine_charges_image_tokens_prefill_and_encoder_time(tmp_
     result = run_cli(*args, "--engine-arg", "vocab_size=49156", "--engine-arg", "time_scale=0")
     assert result.returncode == 0, result.stdout + result.stderr
     assert verify(str(tmp_path / "out.zarr"), progress=False).sound
+
+
+def test_preprocessing_is_counted_cached_by_hash_and_shown_on_the_dashboard(tmp_path, vl_model, images) -> None:
+    """A worker's preparer preprocesses each distinct image once (two rows naming one image, then the same rows
+    again from its cache), stores it once, and counts images and wait time; the dashboard's worker table shows
+    images preprocessed per second and the wait."""
+    import asyncio
+
+    from daskgen.dashboard.metrics import WORKER_TOPIC
+    from daskgen.dashboard.page import workers_html
+    from daskgen.dashboard.state import DashboardState
+    from daskgen.store.location import locate
+    from daskgen.worker.images import ImagePreparer, image_metrics
+
+    preparer = ImagePreparer(str(vl_model))
+    rows = [{"image_urls": [str(images["noise"])]}, {"image_urls": [str(images["noise"]), str(images["gradient"])]}]
+    block = [preparer.vision.start, preparer.vision.image, preparer.vision.end]
+    prompts = [block + [5], block + block + [6]]
+    location = locate(tmp_path / "store")
+    expanded, placed = asyncio.run(preparer.prepare(rows, prompts, location))
+    assert preparer.counters.processed == 2 and preparer.counters.cache_hits == 1
+    assert stored_hashes(location) == {
+        hashlib.sha256(images[n].read_bytes()).hexdigest() for n in ("noise", "gradient")
+    }
+    assert placed[1].images[0].pixel_values is placed[0].images[0].pixel_values, "one copy of an image per worker"
+    asyncio.run(preparer.prepare(rows, prompts, location))
+    assert preparer.counters.processed == 2 and preparer.counters.cache_hits == 4 and preparer.counters.stored == 2
+    metrics = image_metrics()
+    assert metrics["images"] >= 2 and metrics["image_wait_s"] > 0
+    state = DashboardState()
+    base = {"samples": 0, "partitions": 0, "restarts": 0, "error": None, "lengths": {}, "state": "ready"}
+    for t, count in ((1000.0, 0), (1002.0, 10)):
+        report = {**base, "worker": "tcp://a:1", "time": t, "tokens": 0, "images": count, "image_wait_s": 1.5}
+        state.ingest(WORKER_TOPIC, report)
+    (row,) = state.worker_rows(1002.0)
+    assert row["images"] == 10 and row["images_per_s"] == pytest.approx(5.0) and row["image_wait_s"] == 1.5
+    page = workers_html([row])
+    assert "images preprocessed" in page and "10 (5.0/s)" in page and "1.5 s" in page

@@ -242,12 +242,22 @@ def _worker_figure(source: Any) -> Any:
     return fig
 
 
+def _images(r: dict[str, Any], i: int) -> str:
+    """A worker's image cells: images preprocessed and per second, seconds its partitions waited for them."""
+    return (
+        f'<td data-daskgen="images-{i}">{r["images"]:,} ({r["images_per_s"]:.1f}/s)</td>'
+        f'<td data-daskgen="image-wait-{i}">{r["image_wait_s"]:.1f} s</td>'
+    )
+
+
 def workers_html(rows: list[dict[str, Any]]) -> str:
-    """The per-worker table: engine state, batch occupancy, partitions admitted and running, tokens/s, restarts."""
+    """The per-worker table: engine state, batch occupancy, partitions admitted and running, tokens/s, restarts,
+    policy version; in runs with images, images preprocessed (per second) and the seconds partitions waited."""
+    images = any(r.get("images") for r in rows)
     head = "".join(
         f"<th>{h}</th>"
         for h in ("worker", "engine", "batch occupancy", "partitions admitted / running", "tokens/s", "samples",
-                  "restarts", "policy version")
+                  "restarts", "policy version", *(("images preprocessed (/s)", "waited for images") if images else ()))
     )  # fmt: skip
     body = "".join(
         f'<tr data-daskgen-worker="{html.escape(r["worker"])}"><td>{html.escape(_short(r["worker"]))}</td>'
@@ -255,7 +265,7 @@ def workers_html(rows: list[dict[str, Any]]) -> str:
         f"<td>{_meter(r['occupancy'])} {r['outstanding']:,} / {r['capacity']:,}</td>"
         f"<td>{r['window']} / {r['running']}{_slots_flag(r)}</td><td>{r['tokens_per_s']:,.0f}</td>"
         f'<td data-daskgen="samples-{i}">{r["samples"]:,}</td><td>{r["restarts"]}</td>'
-        f'<td data-daskgen="version-{i}">{_version(r.get("policy_version"))}</td></tr>'
+        f'<td data-daskgen="version-{i}">{_version(r.get("policy_version"))}</td>{_images(r, i) if images else ""}</tr>'
         for i, r in enumerate(rows)
     )
     return f'<div class="dg"><h2>Workers</h2><table class="dg-tab" data-daskgen="workers">{head}{body}</table></div>'

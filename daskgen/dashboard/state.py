@@ -50,18 +50,24 @@ class WorkerView:
     """The latest report of one worker and its recent token counts (for tokens/s)."""
 
     report: dict[str, Any]
-    history: deque = field(default_factory=lambda: deque(maxlen=64))  # (time, cumulative tokens)
+    history: deque = field(default_factory=lambda: deque(maxlen=64))  # (time, cumulative tokens, images)
 
     def update(self, report: dict[str, Any]) -> None:
         """Take a newer report."""
         self.report = report
-        self.history.append((report["time"], report["tokens"]))
+        self.history.append((report["time"], report["tokens"], report.get("images", 0)))
 
     def tokens_per_s(self, now: float) -> float:
         """Engine tokens/s over the last :data:`RATE_WINDOW_S` (0 with fewer than two reports)."""
-        points = [(t, v) for t, v in self.history if t >= now - RATE_WINDOW_S - 1e-9]
+        return self.rate_of("tokens", now)
+
+    def rate_of(self, count: str, now: float) -> float:
+        """Per second over the last :data:`RATE_WINDOW_S` of a cumulative count (``tokens``: engine tokens,
+        ``images``: images preprocessed); 0 with fewer than two reports."""
+        column = 1 if count == "tokens" else 2
+        points = [(p[0], p[column]) for p in self.history if p[0] >= now - RATE_WINDOW_S - 1e-9]
         if len(points) < 2 and len(self.history) >= 2:
-            points = list(self.history)[-2:]
+            points = [(p[0], p[column]) for p in list(self.history)[-2:]]
         if len(points) < 2 or points[-1][0] <= points[0][0]:
             return 0.0
         return (points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])
@@ -168,7 +174,7 @@ class DashboardState:
         """Engine tokens of all workers at time ``t`` (interpolated between each worker's reports)."""
         total = 0.0
         for view in self.workers.values():
-            times, tokens = zip(*view.history, strict=True)
+            times, tokens, _ = zip(*view.history, strict=True)
             total += float(np.interp(t, times, tokens, left=0.0))
         return total
 
@@ -245,6 +251,9 @@ class DashboardState:
                     "partitions": r.get("partitions", 0),
                     "restarts": r.get("restarts", 0),
                     "policy_version": r.get("policy_version"),
+                    "images": r.get("images", 0),
+                    "images_per_s": 0.0 if silent else view.rate_of("images", now),
+                    "image_wait_s": r.get("image_wait_s", 0.0),
                 }
             )
         return rows

@@ -42,12 +42,18 @@ class RowImages:
 
 @dataclass
 class ImageCounters:
-    """What this worker's preprocessing did: images processed and their seconds, cache hits, images stored."""
+    """What this worker's preprocessing did: images processed and their seconds, cache hits, images stored, and
+    how long partitions waited for their images before their requests could go to the engine."""
 
     processed: int = 0
     seconds: float = 0.0
     cache_hits: int = 0
     stored: int = 0
+    wait_s: float = 0.0
+
+
+#: This process's preparers (one per model), whose counters :func:`image_metrics` sums.
+_PREPARERS: list[ImagePreparer] = []
 
 
 class ImagePreparer:
@@ -56,11 +62,13 @@ class ImagePreparer:
     def __init__(self, model: str, trust_remote_code: bool = False) -> None:
         self.model, self.trust_remote_code = model, trust_remote_code
         self._processing: ImageProcessing | None = None
-        self._lock = threading.Lock()
+        self._lock, self._store_lock = threading.Lock(), threading.Lock()
         self._cache: OrderedDict[str, ProcessedImage] = OrderedDict()
-        self._stored: set[str] = set()
+        self._running: dict[str, threading.Event] = {}  # images being processed, by hash
+        self._stored: set[tuple[str, str]] = set()  # (store, image) pairs this process stored or found stored
         self._pool = ThreadPoolExecutor(int(tunables.get("images.preprocess-threads")), "daskgen-images")
         self.counters = ImageCounters()
+        _PREPARERS.append(self)
 
     @property
     def processing(self) -> ImageProcessing:
@@ -81,7 +89,7 @@ class ImagePreparer:
         """The rows' prompts with their images' placeholders expanded, and each row's images (``None``: none);
         ``location`` is the store's (images are stored there)."""
         options = dict(getattr(location, "storage_options", {}) or {})
-        loop = asyncio.get_running_loop()
+        loop, t0 = asyncio.get_running_loop(), time.perf_counter()
         jobs = [
             [loop.run_in_executor(self._pool, self._image, url, location, options) for url in row.get("image_urls", ())]
             for row in inputs
@@ -97,6 +105,7 @@ class ImagePreparer:
             expanded, row_images = self._placed(ids, images, number)
             out_prompts.append(expanded)
             out_images.append(row_images)
+        self.counters.wait_s += time.perf_counter() - t0
         return out_prompts, out_images
 
     def _placed(self, ids: list[int], images: list[tuple[str, bytes, ProcessedImage]], number: int) -> tuple:
@@ -115,34 +124,63 @@ class ImagePreparer:
         """Read, store and preprocess one image (blocking; in the pool)."""
         data = read_image_bytes(url, options)
         digest = image_hash(data)
-        if digest not in self._stored:
-            if write_blob(location, digest, data):
-                self.counters.stored += 1
-            self._stored.add(digest)
-        with self._lock:
-            cached = self._cache.get(digest)
-            if cached is not None:
-                self._cache.move_to_end(digest)
-                self.counters.cache_hits += 1
-                return digest, data, cached
-        t0 = time.perf_counter()
-        try:
-            processed = self.processing.process(data)
-        except InputError as exc:
-            raise InputError(f"image {url!r:.100}: {exc}") from exc
-        with self._lock:
-            self.counters.processed += 1
-            self.counters.seconds += time.perf_counter() - t0
-            self._cache[digest] = processed
-            while len(self._cache) > int(tunables.get("images.cache-items")):
-                self._cache.popitem(last=False)
+        with self._store_lock:  # one writer per process (its temporary file is named by the process)
+            if (location.url, digest) not in self._stored:
+                if write_blob(location, digest, data):
+                    self.counters.stored += 1
+                self._stored.add((location.url, digest))
+        processed = self._processed(digest, data, url)
         return digest, data, processed
+
+    def _processed(self, digest: str, data: bytes, url: str) -> ProcessedImage:
+        """The image ``digest`` preprocessed: from the cache, or by the one thread processing it (single flight)."""
+        while True:
+            with self._lock:
+                cached = self._cache.get(digest)
+                if cached is not None:
+                    self._cache.move_to_end(digest)
+                    self.counters.cache_hits += 1
+                    return cached
+                running = self._running.get(digest)
+                if running is None:
+                    self._running[digest] = threading.Event()
+                    break
+            running.wait()  # another thread processes it; then it is cached (or that thread failed: try again)
+        try:
+            t0 = time.perf_counter()
+            try:
+                processed = self.processing.process(data)
+            except InputError as exc:
+                raise InputError(f"image {url!r:.100}: {exc}") from exc
+            with self._lock:
+                self.counters.processed += 1
+                self.counters.seconds += time.perf_counter() - t0
+                self._cache[digest] = processed
+                while len(self._cache) > int(tunables.get("images.cache-items")):
+                    self._cache.popitem(last=False)
+            return processed
+        finally:
+            with self._lock:
+                self._running.pop(digest).set()
 
 
 @functools.cache
 def preparer(model: str, trust_remote_code: bool = False) -> ImagePreparer:
     """This process's :class:`ImagePreparer` for ``model`` (one per model and process)."""
     return ImagePreparer(model, trust_remote_code)
+
+
+def image_metrics() -> dict[str, float]:
+    """This process's image preprocessing for the dashboard (nothing when no partition named images): images
+    preprocessed, their preprocessing seconds, and the seconds partitions waited for their images."""
+    if not _PREPARERS:
+        return {}
+    counters = [p.counters for p in _PREPARERS]
+    return {
+        "images": sum(c.processed for c in counters),
+        "image_seconds": sum(c.seconds for c in counters),
+        "image_wait_s": sum(c.wait_s for c in counters),
+    }
 
 
 def place_images(region: dict[str, np.ndarray], offsets: list[int], rows: Sequence[RowImages | None]) -> None:

@@ -27,6 +27,7 @@ from daskgen.engines.cpus import export_memory_limit
 from daskgen.errors import EngineError, EngineUnavailable
 from daskgen.worker.admission import AUTO_DEFAULT_CAPACITY, WINDOW_TOPIC, Admission, resolve_window, wanted_window
 from daskgen.worker.gpu import export_local_rank
+from daskgen.worker.images import image_metrics
 from daskgen.worker.prefix_order import AlternatingOrder
 from daskgen.worker.slot import PartitionSlot
 from daskgen.worker.thread_slots import offer_no_slot_yet, partitions_hold_threads, start_admitted_tasks
@@ -244,6 +245,7 @@ class EnginePlugin(WorkerPlugin):
             wanted=self.wanted_window,
             slots=self.slots,
             **(self.refresher.status() if self.refresher is not None else {}),
+            **image_metrics(),
         )
 
     async def get_engine(self) -> Any:
@@ -276,8 +278,7 @@ class EnginePlugin(WorkerPlugin):
         self._starter = asyncio.create_task(self._start())
 
     async def check_health(self, timeout: float | None = None) -> bool:
-        """Generate one token; on failure or timeout (default ``daskgen.health-timeout``) mark the engine
-        broken (it restarts)."""
+        """Generate one token; on failure or timeout (default ``daskgen.health-timeout``) mark it broken (restart)."""
         if self.state is not PluginState.READY:
             return False
         timeout = tunables.seconds("health-timeout") if timeout is None else timeout
@@ -338,11 +339,8 @@ class EnginePlugin(WorkerPlugin):
         await worker.close_gracefully(reason="daskgen: SIGTERM")
 
     async def stop_run(self) -> int:
-        """Run-level stop (target/budget/deadline reached): abort every request in flight.
-
-        Partitions already running finish at once with ``abort`` samples; partitions that
-        start afterwards generate nothing.  Returns the number of requests aborted.
-        """
+        """Run-level stop (target/budget/deadline reached): abort every request in flight.  Partitions already
+        running finish at once with ``abort`` samples; later ones generate nothing.  Returns the requests aborted."""
         self.stopping = True
         aborted = 0
         for handle in list(self.handles):
