@@ -18,6 +18,11 @@ How it works
   specifies.  Requests that sglang would choke on are rejected before they reach it
   (:func:`~daskgen.engines.base.request_error`): a prompt token outside the vocabulary kills
   sglang's scheduler process (seen with 0.5.23), not just the request.
+* **Images.**  A request's images go in as ``image_data``: one ``processor_output`` item with the pixel
+  values the worker's image processor made, each image's grid and its placeholder offsets in the
+  (already expanded) ``input_ids`` (:mod:`daskgen.engines.sglang.images`); sglang neither reloads,
+  resizes nor re-expands them, so it generates from the pixels and prompt the store records.  A
+  request with images to an sglang started without a multimodal processor is an error.
 * **Seeds.**  sglang honours ``sampling_seed`` only with ``enable_deterministic_inference=True``
   (which needs the fa3, flashinfer, triton, ... attention backends, i.e. a GPU).  The seed is
   always passed; :attr:`SGLangEngine.supports_seed` is true only when that option is on.
@@ -94,6 +99,7 @@ from daskgen.engines.sglang.args import (
     refuse_model_path,
 )
 from daskgen.engines.sglang.backend import BackendClosed, BackendCrashed, SGLangBackend, read_max_running_requests
+from daskgen.engines.sglang.images import image_data, images_refusal
 from daskgen.engines.sglang.mapping import logprob_request, result_from_output, sampling_params_for
 from daskgen.engines.sglang.sigquit import install_sigquit_handler, restore_sigquit_handler
 from daskgen.engines.sglang.weights import flush_when_idle, loaded_but_not_flushed
@@ -126,15 +132,16 @@ class SGLangEngine(InProcessEngine):
     features = frozenset(
         {
             *("per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs"),
-            *("refresh", "lora", "refresh_with_lora", "policy_fingerprint"),
+            *("refresh", "lora", "refresh_with_lora", "policy_fingerprint", "images"),
         }
     )
     sampling_ranges = SAMPLING_RANGES
 
     @classmethod
     def refused_features(cls, engine_args: dict[str, Any]) -> dict[str, str]:
-        """LoRA (and a refresh under adapters) on a CPU device: :data:`~daskgen.engines.sglang.args.LORA_ON_CPU`."""
-        return lora_refusal(engine_args, cuda_available)
+        """LoRA (and a refresh under adapters) on a CPU device (:data:`~daskgen.engines.sglang.args.LORA_ON_CPU`);
+        images under engine args that turn sglang's image path off (:mod:`daskgen.engines.sglang.images`)."""
+        return {**lora_refusal(engine_args, cuda_available), **images_refusal(engine_args)}
 
     @classmethod
     def prefix_admission(cls, engine_args: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -161,6 +168,7 @@ class SGLangEngine(InProcessEngine):
         backend = self._backend = SGLangBackend(self._kwargs)
         await asyncio.wrap_future(backend.launch())
         backend.info["max_running_requests"] = await read_max_running_requests(backend)
+        backend.info["images"] = getattr(backend.engine.tokenizer_manager, "mm_processor", None) is not None
         self.info = backend.info
         logger.info("sglang engine ready: %s", self.info)
 
@@ -179,7 +187,7 @@ class SGLangEngine(InProcessEngine):
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Generate one sample; errors come back in ``GenerationResult.error``."""
-        problem = self.refusal(request) or self._prompt_too_long(request)
+        problem = self.refusal(request) or self._prompt_too_long(request) or self._no_images(request)
         if problem is not None:
             return error_result(request, problem)
         kwargs = {
@@ -187,6 +195,7 @@ class SGLangEngine(InProcessEngine):
             "sampling_params": sampling_params_for(request.params),
             **logprob_request(request.params),
             **({"lora_path": request.params.adapter} if request.params.adapter else {}),
+            **({"image_data": image_data(request.params.images)} if request.params.images else {}),
         }
         return await self._run(request, kwargs)
 
@@ -211,6 +220,14 @@ class SGLangEngine(InProcessEngine):
             return (
                 f"request {request.request_id!r}: prompt has {len(request.prompt_ids)} tokens; "
                 f"sglang accepts at most {limit}"
+            )
+        return None
+
+    def _no_images(self, request: GenerationRequest) -> str | None:
+        if request.params.images and not self.info.get("images", False):
+            return (
+                f"request {request.request_id!r} has images, but sglang started without a multimodal processor for "
+                f"{self.model!r}: it would read the image placeholders as text"
             )
         return None
 

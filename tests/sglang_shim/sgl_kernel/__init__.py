@@ -3,7 +3,7 @@
 PyPI has no CPU build of ``sgl_kernel``, yet sglang 0.5.23 imports it at module level on the
 CPU path (``SGLANG_USE_CPU_ENGINE=1``).  This package provides exactly the names those imports
 ask for and nothing else.  None of them may ever run: on this path sglang's layers fall back to
-plain torch because ``torch.ops.sgl_kernel`` (the real package's compiled ops) is empty, so a
+plain torch because ``torch.ops.sgl_kernel`` lacks the real package's compiled ops, so a
 call would mean the lane no longer tests what it claims to.  Every function therefore raises
 :class:`ShimCalledError` and records the call:
 
@@ -14,6 +14,14 @@ call would mean the lane no longer tests what it claims to.  Every function ther
 Looking up a name the shim does not provide raises ``AttributeError`` (so ``from sgl_kernel
 import x`` fails with ``ImportError``, as it would for a real package without ``x``) and is
 logged with ``"kind": "missing"``: informative, not a failure.
+
+Some sglang modules also look up ``torch.ops.sgl_kernel.<name>`` at import time (on the CPU path
+``sglang.srt.models.qwen3_5``, which sglang's Qwen-VL image processor imports): without those names
+the import fails, sglang logs "Ignore import error" and registers no image processor for the Qwen-VL
+family.  The shim therefore puts the names of :data:`TORCH_OPS` on ``torch.ops.sgl_kernel``, each a
+placeholder raising :class:`ShimCalledError` (and recording the call) like the functions above.
+Only those names are added: sglang's checks for optional kernels (``hasattr(torch.ops.sgl_kernel,
+...)``) ask for others and still find none.
 
 Only daskgen's sglang CI lane puts this folder on ``PYTHONPATH``; it is never installed.
 """
@@ -42,6 +50,16 @@ PROVIDED = (
     "fill_accept_out_cache_loc_cpu",
     "fill_bonus_tokens_cpu",
     "verify_tree_greedy_cpu",
+)
+
+
+#: The ``torch.ops.sgl_kernel`` operators sglang 0.5.23 looks up at import on the CPU path (in
+#: ``sglang.srt.models.qwen3_5``, imported by its Qwen-VL image processor).
+TORCH_OPS = (
+    "fused_qk_gemma_rmsnorm_cpu",
+    "fused_qk_gemma_rmsnorm_with_gate_cpu",
+    "fused_qkvzba_split_reshape_cat_contiguous_cpu",
+    "fused_sigmoid_mul_cpu",
 )
 
 
@@ -78,6 +96,20 @@ def _placeholder(name: str) -> Callable[..., NoReturn]:
 for _name in PROVIDED:
     globals()[_name] = _placeholder(_name)
 del _name
+
+
+def _provide_torch_ops() -> None:
+    """Put a placeholder for each name of :data:`TORCH_OPS` on ``torch.ops.sgl_kernel`` (a plain attribute of that
+    namespace, so a call with any arguments reaches the placeholder), unless a real operator has the name."""
+    import torch
+
+    namespace = torch.ops.sgl_kernel
+    for name in TORCH_OPS:
+        if not hasattr(namespace, name):
+            setattr(namespace, name, _placeholder(name))
+
+
+_provide_torch_ops()
 
 
 def __getattr__(name: str) -> Any:
