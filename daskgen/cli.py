@@ -187,11 +187,19 @@ def verify(
     ] = False,
     scheduler_address: Annotated[str | None, Opt(help="Read the chunks on this Dask scheduler's workers.")] = None,
     progress: Annotated[bool, Opt(help="Show a progress bar.")] = True,
+    deep: Annotated[
+        bool, Opt(help="Also run the model's image processor again on each stored image and compare grids and spans.")
+    ] = False,
 ) -> None:
     """Read every chunk (checksums, decoding) and check every finished row; exit 1 when anything is wrong."""
     from daskgen.store.verify import verify as run_verify
 
     report = run_verify(store, scheduler_address=scheduler_address, progress=progress)
+    if deep:
+        from daskgen.images.deep_check import verify_deeply
+        from daskgen.store.generation_store import GenerationStore
+
+        report = verify_deeply(report, GenerationStore.open(store))
     for line in report.lines():
         typer.echo(line)
     if repair and not report.sound:

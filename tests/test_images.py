@@ -79,7 +79,10 @@ def image_run(tmp_path_factory, vl_model, images):
         {"id": "relative", "messages": user(image_part("gradient.png"), {"type": "text", "text": QUESTION})},
         {"id": "two", "prompt": QUESTION, "images": [f"file://{images['noise']}", data_url]},
         {"id": "text", "prompt": QUESTION},
-    ]
+        {"id": "turn2", "messages": [
+            {"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi. Show me."},
+            *user(image_part(images["checkerboard"]), {"type": "text", "text": QUESTION})]},
+    ]  # fmt: skip
     prompts = write_rows(folder / "prompts.jsonl", rows)
     store = folder / "out.zarr"
     result = run_cli(*run_args(prompts, store, vl_model))
@@ -135,11 +138,12 @@ def reference_generate(
 @pytest.mark.proves("transformers", "images")
 def test_greedy_answers_equal_the_models_own_generate_with_the_same_pixels(image_run, vl_model, images) -> None:
     folder, rows, store = image_run
-    data = store.read_region(0, 4, ("prompt_ids", "prompt_length", "response_ids", "response_length", "rope_delta"))
+    data = store.read_region(0, 5, ("prompt_ids", "prompt_length", "response_ids", "response_length", "rope_delta"))
     cases = {
         0: (rows[0]["messages"], [images["grace_hopper"]]),
         1: (rows[1]["messages"], [folder / "gradient.png"]),
         2: (QUESTION, [images["noise"], images["grace_hopper"]]),
+        4: (rows[4]["messages"], [images["checkerboard"]]),  # the image in the conversation's second user turn
     }
     for row, (prompt, paths) in cases.items():
         template_view = template_messages(prompt) if isinstance(prompt, list) else prompt
@@ -160,7 +164,7 @@ def test_the_model_sees_the_image(image_run) -> None:
 
 def test_each_distinct_image_is_stored_once_and_spans_cover_exactly_the_placeholders(image_run, images) -> None:
     folder, _, store = image_run
-    arrays = store.read_region(0, 4, ("image_hash", "image_offset", "image_length", "image_grid", "prompt_ids"))
+    arrays = store.read_region(0, 5, ("image_hash", "image_offset", "image_length", "image_grid", "prompt_ids"))
     hashes = arrays["image_hash"]
     photo = hashlib.sha256(images["grace_hopper"].read_bytes()).hexdigest()
     expected = [
@@ -168,6 +172,7 @@ def test_each_distinct_image_is_stored_once_and_spans_cover_exactly_the_placehol
         [hashlib.sha256((folder / "gradient.png").read_bytes()).hexdigest(), ""],
         [hashlib.sha256(images["noise"].read_bytes()).hexdigest(), photo],
         ["", ""],
+        [hashlib.sha256(images["checkerboard"].read_bytes()).hexdigest(), ""],
     ]
     assert hashes.tolist() == expected
     assert stored_hashes(store.location) == {h for row in expected for h in row if h}  # the photo once, for 2 rows
@@ -385,3 +390,21 @@ def test_preprocessing_is_counted_cached_by_hash_and_shown_on_the_dashboard(tmp_
     assert row["images"] == 10 and row["images_per_s"] == pytest.approx(5.0) and row["image_wait_s"] == 1.5
     page = workers_html([row])
     assert "images preprocessed" in page and "10 (5.0/s)" in page and "1.5 s" in page
+
+
+def test_verify_deep_runs_the_processor_again_and_finds_other_preprocessing(image_run, vl_model, tmp_path) -> None:
+    """``verify --deep`` on the store passes; against a processor that resizes to fewer pixels, every image's
+    stored grid and span differ from what it gives, and the recorded processor identity differs too."""
+    from daskgen.images.deep_check import deep_image_problems
+
+    _, _, store = image_run
+    result = run_cli("verify", store.url, "--deep", "--no-progress")
+    assert result.returncode == 0, result.stdout + result.stderr
+    other = tmp_path / "model"
+    shutil.copytree(vl_model, other)
+    config = json.loads((other / "preprocessor_config.json").read_text())
+    config["max_pixels"] = config["size"]["longest_edge"] = 112 * 112
+    (other / "preprocessor_config.json").write_text(json.dumps(config))
+    problems, notes = deep_image_problems(store, str(other))
+    assert {p.start for p in problems} == {0, 1, 2, 4} and "the processor gives" in problems[0].detail
+    assert notes and "not the one the store recorded" in notes[0]

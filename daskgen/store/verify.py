@@ -35,7 +35,7 @@ from daskgen.store.shard_index import inner_present, read_index, shard_key, shar
 class Problem:
     """One thing wrong: the array and chunk it is in, the rows ``[start, stop)`` it affects, and what it is."""
 
-    kind: str  # "checksum", "decode", "missing chunk" or "invariant"
+    kind: str  # "checksum", "decode", "missing chunk", "invariant" or "image"
     array: str
     chunk: str
     start: int
