@@ -83,3 +83,23 @@ def test_the_trainer_example_takes_every_sample_once_with_its_ground_truth(disti
     assert f"{len(ROWS)} samples taken" in first.stdout and "batch 1: 1 prompts, 1 samples" in first.stdout
     again = subprocess.run(command, capture_output=True, text=True, timeout=240, env=cli_env())
     assert again.returncode == 0 and "0 samples taken" in again.stdout, again.stdout + again.stderr
+
+
+@pytest.mark.timeout(300)
+def test_the_vision_example_runs_and_stores_each_image_once(tmp_path):
+    """``examples/vision.yaml`` as its header says (the tiny Qwen2-VL), then ``verify --deep``: every row done,
+    three distinct images stored once though rows share them, two samples per row."""
+    from daskgen.models import build_tiny_vl_model
+    from daskgen.store.generation_store import GenerationStore
+    from daskgen.store.images import stored_hashes
+
+    store = tmp_path / "vision.zarr"
+    config, prompts = EXAMPLES / "vision.yaml", EXAMPLES / "vision.jsonl"
+    args = ["--config", config, "--prompts", prompts, "--store", store, "--model", build_tiny_vl_model()]
+    result = run_cli("run", *args, "--n-workers", "1", "--no-progress", timeout=280)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ds = open_store(store)
+    assert ds.daskgen.counts()["done"] == 4 and ds.sizes["sample"] == 2
+    assert len(stored_hashes(GenerationStore.open(store).location)) == 3
+    result = run_cli("verify", store, "--deep", "--no-progress")
+    assert result.returncode == 0, result.stdout + result.stderr
