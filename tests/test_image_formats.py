@@ -1,12 +1,13 @@
 """The trainer's side of images in prompts: every format carries each sample's image hashes, spans, grids and
 mRoPE delta; verl's formats carry multi_modal_data and multi_modal_inputs built once per distinct image from the
 stored images; a Parquet export names images by reference or writes their bytes once; daskgen.read_image and the
-xarray view give an image back by hash.  A real run of the tiny Qwen2-VL (the image_run fixture of
-tests/test_images.py: a photo, a relative path, a row with two images one of which is the photo again, a
-text-only row; two samples each)."""
+xarray view give an image back by hash.  A real run of the tiny Qwen2-VL (as tests/test_images.py makes one: a
+photo, a relative path, a row with two images one of which is the photo again, a text-only row; two samples
+each)."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import json
@@ -20,10 +21,39 @@ import daskgen
 from daskgen.analysis import export as ex
 from daskgen.errors import ExportError, StoreError, StoreMismatchError
 from daskgen.formats.images import ROW_IMAGE_FIELDS
+from daskgen.store.generation_store import GenerationStore
 from daskgen.store.images import blob_key
-from tests.test_images import image_run, images, vl_model  # noqa: F401 - fixtures (a real image run)
+from tests.conftest import run_cli
+from tests.test_images import (  # images, vl_model: fixtures (sample images, the tiny Qwen2-VL)
+    QUESTION,
+    image_part,
+    images,  # noqa: F401
+    run_args,
+    user,
+    vl_model,  # noqa: F401
+    write_rows,
+)
 
 pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def image_run(tmp_path_factory, vl_model, images):  # noqa: F811
+    """One run of 4 rows x 2 samples: a photo, a relative path, two images (the photo again, as a data: URL),
+    text only; returns the folder, the rows and the store."""
+    folder = tmp_path_factory.mktemp("trainer")
+    shutil.copy(images["gradient"], folder / "gradient.png")
+    data_url = "data:image/jpeg;base64," + base64.b64encode(images["grace_hopper"].read_bytes()).decode()
+    rows = [
+        {"id": "photo", "messages": user(image_part(images["grace_hopper"]), {"type": "text", "text": QUESTION})},
+        {"id": "relative", "messages": user(image_part("gradient.png"), {"type": "text", "text": QUESTION})},
+        {"id": "two", "prompt": QUESTION, "images": [f"file://{images['noise']}", data_url]},
+        {"id": "text", "prompt": QUESTION},
+    ]
+    store = folder / "out.zarr"
+    result = run_cli(*run_args(write_rows(folder / "prompts.jsonl", rows), store, vl_model))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return folder, rows, GenerationStore.open(store)
 
 
 def followed(store, fmt: str, **options):
@@ -107,6 +137,13 @@ def test_verl_formats_carry_multi_modal_inputs_made_once_per_distinct_image(imag
     np.testing.assert_array_equal(
         extra["image_hash"][first["two"]], [hashlib.sha256(b).hexdigest() for b in originals["two"]]
     )
+    (records,) = followed(store, "rows")  # the verl layout: the same spans, padded to the store's image slots
+    spans = {r["prompt_id"]: (r["image_offset"], r["image_length"]) for r in records}
+    for i, name in enumerate(ids):
+        offsets, lengths = spans[name]
+        assert extra["image_offset"][i].tolist() == offsets + [-1] * (2 - len(offsets))
+        assert extra["image_length"][i].tolist() == lengths + [0] * (2 - len(lengths))
+    assert proto.batch["position_ids"].dim() == 2  # 1-D positions per sample; mRoPE from the grids and rope_delta
     (td,) = followed(store, "tensordict")
     assert td.get("image_hash").tolist() == extra["image_hash"].tolist()
     assert torch.equal(td["image_offset"], torch.from_numpy(extra["image_offset"]))
@@ -114,6 +151,14 @@ def test_verl_formats_carry_multi_modal_inputs_made_once_per_distinct_image(imag
         td.get("multi_modal_inputs").tolist()[0]["pixel_values"]
         is td.get("multi_modal_inputs").tolist()[1]["pixel_values"]
     )
+
+
+def test_a_follower_processes_each_image_once_across_batches(image_run) -> None:  # noqa: F811
+    _, _, store = image_run
+    follower = daskgen.follow(store.url, batch_prompts=1, wait=False, format="tensordict", auto_ack=False)
+    assert len([b for b in follower]) == 4
+    (reader,) = follower.images.readers.values()
+    assert reader.processed == 3  # the photo of two prompts, in two batches, once
 
 
 def test_multi_modal_can_be_left_out_and_a_different_processor_is_refused(image_run, vl_model, tmp_path) -> None:  # noqa: F811
@@ -142,6 +187,9 @@ def test_parquet_export_names_images_by_reference_or_writes_each_once(image_run,
     for row in side:
         assert hashlib.sha256(row["image_bytes"]).hexdigest() == row["image_hash"]
         assert row["image_key"] == blob_key(row["image_hash"])
+    cli = run_cli("export", store.url, "--out", tmp_path / "c.parquet", "--no-text", "--images", "bytes")
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    assert pq.read_table(tmp_path / "c.images.parquet").num_rows == 3 and "3 images" in cli.stdout
     with pytest.raises(ExportError, match="with --format parquet"):
         ex.export(store.url, tmp_path / "x.jsonl", "jsonl", images="bytes")
     td = ex.load_tensordict(ex.export(store.url, tmp_path / "x.td", "tensordict", text=False, raw=False).path)
