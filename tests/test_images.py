@@ -408,3 +408,30 @@ def test_verify_deep_runs_the_processor_again_and_finds_other_preprocessing(imag
     problems, notes = deep_image_problems(store, str(other))
     assert {p.start for p in problems} == {0, 1, 2, 4} and "the processor gives" in problems[0].detail
     assert notes and "not the one the store recorded" in notes[0]
+
+
+def test_cpu_workers_preprocess_the_images_for_the_engine_worker(tmp_path, vl_model, images) -> None:
+    """A cluster with a preprocessing worker (the ``daskgen-preprocess`` resource, no engine): the images are read,
+    stored and preprocessed there, the engine worker preprocesses none, and the answers equal the model's own."""
+    from daskgen.deploy.local import add_preprocess_workers
+    from daskgen.worker.images import image_metrics
+    from daskgen.worker.plugin import plugin_status
+    from tests.conftest import runs_cluster
+
+    photo = [image_part(images["grace_hopper"]), {"type": "text", "text": QUESTION}]
+    rows = [{"messages": user(*photo)}, {"prompt": QUESTION, "images": [str(images["noise"])]}]
+    prompts = write_rows(tmp_path / "p.jsonl", rows)
+    with runs_cluster() as (cluster, client):
+        add_preprocess_workers(cluster, 1)
+        client.wait_for_workers(2)
+        result = run_cli(*run_args(prompts, tmp_path / "out.zarr", vl_model)[:-3], "--no-progress",
+                         "--scheduler-address", cluster.scheduler_address)  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        done = {name: metrics for name, metrics in client.run(image_metrics).items()}
+        states = {address: status["state"] for address, status in client.run(plugin_status).items()}
+    by_role = {states[address]: metrics for address, metrics in done.items()}
+    assert by_role["preprocess"]["images"] == 2, by_role
+    assert by_role["ready"].get("images", 0) == 0, "the engine worker preprocessed nothing itself"
+    data = GenerationStore.open(tmp_path / "out.zarr").read_region(0, 2, ("response_ids", "response_length"))
+    got = data["response_ids"][0, 0, : data["response_length"][0, 0]].tolist()
+    assert got == reference_generate(vl_model, template_messages(user(*photo)), [images["grace_hopper"]], 6)[1]

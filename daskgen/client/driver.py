@@ -82,6 +82,7 @@ from daskgen.client.finished import FinishedPartitions
 from daskgen.client.live import LiveRun
 from daskgen.client.plan import Plan, row_tasks
 from daskgen.client.prefix_dispatch import TaskPool
+from daskgen.client.preprocess import preprocessing
 from daskgen.client.progress import Progress
 from daskgen.client.requeue import LiveRequeue
 from daskgen.client.scheduler_watch import SchedulerWatch
@@ -366,7 +367,10 @@ def submit(client: Any, keys: list[str], tasks: list[PartitionTask], retries: in
     worker is gone)."""
     where = {} if worker is None else {"workers": [worker], "allow_other_workers": True}
     keyed = [dataclasses.replace(task, key=key) for key, task in zip(keys, tasks, strict=True)]
-    return client.map(run_partition, keyed, key=keys, pure=False, retries=retries, resources={RESOURCE: 1}, **where)
+    images = preprocessing(client, keyed, retries)  # None for each partition its engine worker prepares itself
+    return client.map(
+        run_partition, keyed, images, key=keys, pure=False, retries=retries, resources={RESOURCE: 1}, **where
+    )
 
 
 def engine_unavailable(fut: Any, value: Any) -> EngineUnavailable | None:

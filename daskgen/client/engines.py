@@ -106,6 +106,7 @@ def _drain_before_retire(client: Any, timeout: float) -> None:
 
 
 def _raise_if_all_failed(config: RunConfig, states: dict[str, Any], deadline: float) -> None:
+    states = {w: s for w, s in states.items() if s["state"] != PluginState.PREPROCESS.value}  # no engine there
     failed = {w: s["error"] for w, s in states.items() if s["state"] == PluginState.FAILED.value}
     if states and len(failed) == len(states):
         details = "\n  ".join(f"{w}: {e}" for w, e in failed.items())
@@ -120,7 +121,7 @@ def _raise_if_all_failed(config: RunConfig, states: dict[str, Any], deadline: fl
 
 def check_engines(client: Any, config: RunConfig) -> None:
     """Raise :class:`EngineError` when every worker's engine has failed (nothing can progress)."""
-    states = client.run(plugin_status)
+    states = {w: s for w, s in client.run(plugin_status).items() if s["state"] != PluginState.PREPROCESS.value}
     failed = {w: s["error"] for w, s in states.items() if s["state"] in DEAD_STATES}
     if states and len(failed) == len(states):
         details = "\n  ".join(f"{w}: {e}" for w, e in failed.items())

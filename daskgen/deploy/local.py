@@ -7,6 +7,7 @@ environment, and keep glibc's dynamic malloc threshold.
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 from pathlib import Path
@@ -39,6 +40,19 @@ def keep_glibc_malloc_defaults() -> None:
         dask.config.set({"distributed.nanny.pre-spawn-environ": environ})
 
 
+def add_preprocess_workers(cluster: Any, n: int) -> None:
+    """Start ``n`` workers named ``preprocess-<i>`` beside ``cluster``'s, with the preprocessing resource (they run
+    no engine: :data:`~daskgen.worker.images.PREPROCESS_RESOURCE`)."""
+    from daskgen.worker.images import PREPROCESS_RESOURCE
+
+    for i in range(n):
+        spec = copy.deepcopy(cluster.new_spec)
+        spec["options"] = {**spec.get("options", {}), "resources": {PREPROCESS_RESOURCE: 1}}
+        cluster.worker_spec[f"preprocess-{i}"] = spec
+    if n:
+        cluster.sync(cluster._correct_state)
+
+
 class LocalDeployment(Deployment):
     """A ``distributed.LocalCluster`` on this machine: one worker process per ``gpus_per_worker`` visible GPUs.
 
@@ -52,6 +66,9 @@ class LocalDeployment(Deployment):
         Worker processes (default: one per visible GPU, else a CPU-based count).
     memory_limit
         Memory limit per worker (default: machine memory / workers).
+    preprocess_workers
+        Worker processes beside them that run no engine and preprocess the images of prompts
+        (``daskgen-preprocess`` resource, :mod:`daskgen.client.preprocess`; default 0: each engine worker does).
 
     Raises
     ------
@@ -66,6 +83,7 @@ class LocalDeployment(Deployment):
         *,
         n_workers: Annotated[int | None, AtLeast(1)] = None,
         memory_limit: str | None = None,
+        preprocess_workers: Annotated[int, AtLeast(0)] = 0,
         **keys: Any,
     ) -> None:
         self.gpus = count_visible_gpus()
@@ -76,6 +94,9 @@ class LocalDeployment(Deployment):
             raise ConfigError("min_workers/max_workers (adaptive scaling) are not supported on a local GPU machine")
         self.bounds = adaptive_bounds(self.min_workers, self.max_workers, self.n_workers)[:2]
         self.options = {"memory_limit": memory_limit, "local_directory": self.local_directory}
+        self.preprocess_workers = preprocess_workers
+        if preprocess_workers and self.elastic:
+            raise ConfigError("cluster.preprocess_workers cannot be combined with min_workers/max_workers")
         self.dashboard_address = self.dashboard_address or ":0"
 
     def default_threads_per_worker(self) -> int:
@@ -147,6 +168,7 @@ class LocalDeployment(Deployment):
             cluster = LocalCluster(**kwargs)
         if self.elastic:
             cluster.adapt(minimum=self.bounds[0], maximum=self.bounds[1])
+        add_preprocess_workers(cluster, self.preprocess_workers)
         notes = (("TLS with a per-run certificate",) if self.tls else ()) + own.notes(cluster)
         sizes = (self.n_workers, self.threads_per_worker, self.gpus_per_worker, *self.bounds)
         return cluster, ClusterInfo("local", *sizes, self.elastic, None, notes, dashboard_link(cluster))

@@ -52,6 +52,8 @@ class ImageCounters:
     wait_s: float = 0.0
 
 
+#: The Dask resource of a worker that preprocesses images for the engine workers and runs no engine itself.
+PREPROCESS_RESOURCE = "daskgen-preprocess"
 #: This process's preparers (one per model), whose counters :func:`image_metrics` sums.
 _PREPARERS: list[ImagePreparer] = []
 
@@ -84,16 +86,18 @@ class ImagePreparer:
         return self.processing.tokens
 
     async def prepare(
-        self, inputs: Sequence[dict[str, Any]], prompts: list[list[int]], location: Any
+        self, inputs: Sequence[dict[str, Any]], prompts: list[list[int]], location: Any, given: Any = None
     ) -> tuple[list[list[int]], list[RowImages | None]]:
         """The rows' prompts with their images' placeholders expanded, and each row's images (``None``: none);
-        ``location`` is the store's (images are stored there)."""
-        options = dict(getattr(location, "storage_options", {}) or {})
+        ``location`` is the store's (images are stored there); ``given``: each row's images as a preprocessing
+        worker returned them (:func:`preprocess_images`), instead of preparing them here."""
         loop, t0 = asyncio.get_running_loop(), time.perf_counter()
-        jobs = [
-            [loop.run_in_executor(self._pool, self._image, url, location, options) for url in row.get("image_urls", ())]
-            for row in inputs
-        ]
+        if given is not None:
+            jobs = [[_done(loop, image) for image in row] for row in given]
+        else:
+            options = dict(getattr(location, "storage_options", {}) or {})
+            urls = [row.get("image_urls", ()) for row in inputs]
+            jobs = [[loop.run_in_executor(self._pool, self._image, url, location, options) for url in u] for u in urls]
         out_prompts: list[list[int]] = []
         out_images: list[RowImages | None] = []
         for number, (ids, row_jobs) in enumerate(zip(prompts, jobs, strict=True)):
@@ -162,6 +166,29 @@ class ImagePreparer:
         finally:
             with self._lock:
                 self._running.pop(digest).set()
+
+    def preprocess(self, urls: Sequence[Sequence[str]], location: Any) -> list[list[tuple[str, bytes, ProcessedImage]]]:
+        """Each row's images read, stored and preprocessed (blocking; the images of all rows at once in the pool)."""
+        options = dict(getattr(location, "storage_options", {}) or {})
+        t0 = time.perf_counter()
+        jobs = [[self._pool.submit(self._image, url, location, options) for url in row] for row in urls]
+        out = [[job.result() for job in row] for row in jobs]
+        self.counters.wait_s += time.perf_counter() - t0
+        return out
+
+
+def _done(loop: asyncio.AbstractEventLoop, value: Any) -> asyncio.Future:
+    future = loop.create_future()
+    future.set_result(value)
+    return future
+
+
+def preprocess_images(
+    store: Any, model: str, trust_remote_code: bool, urls: list[list[str]]
+) -> list[list[tuple[str, bytes, ProcessedImage]]]:
+    """Dask task of a preprocessing worker (one with the :data:`PREPROCESS_RESOURCE`): each row's images of one
+    partition read, stored in ``store`` and preprocessed, for the engine worker that generates the partition."""
+    return preparer(model, trust_remote_code).preprocess(urls, store.location)
 
 
 @functools.cache

@@ -86,8 +86,10 @@ class PartitionTask:
     prefix_order: bool = False
     #: Client side only: the partition's shared-prefix key (-1: none; :mod:`daskgen.client.prefix_dispatch`).
     prefix_key: int = -1
-    #: Worker side only: each pending row's images, placed in its prompt (``None``: a run without images).
+    #: Worker side only: each pending row's images, placed in its prompt (``None``: a run without images), and as a
+    #: preprocessing worker gave them (``None``: prepared on this worker).
     images: list[RowImages | None] | None = None
+    preprocessed: Any = None
 
     @property
     def layout(self) -> Layout:
@@ -154,13 +156,14 @@ def _record_rounds(
             out.notes[task.rows[i]] = "; ".join(outcome.notes)
 
 
-async def run_partition(task: PartitionTask) -> PartitionResult:
+async def run_partition(task: PartitionTask, preprocessed: Any = None) -> PartitionResult:
     """Dask task body (``async``: runs on the worker's event loop, engine calls are awaited).
 
     Normal mode runs every (row, sample) at once; an engine exception or a timeout fails the
     task (Dask retries it).  ``isolate`` mode (used after those retries) goes row by row and
     records a failing row as failed, so one poison prompt cannot take its partition down.
-    The task gives back its worker thread slot first (:mod:`daskgen.worker.thread_slots`).
+    The task gives back its worker thread slot first (:mod:`daskgen.worker.thread_slots`).  ``preprocessed``: its
+    rows' images as a preprocessing worker prepared them (:func:`daskgen.worker.images.preprocess_images`).
     """
     from distributed import get_worker
 
@@ -168,6 +171,7 @@ async def run_partition(task: PartitionTask) -> PartitionResult:
     worker = get_worker()
     leave_thread_slot(worker, task.key)
     plugin = cast("EnginePlugin", worker.plugins[task.plugin_name])
+    task.preprocessed = preprocessed
     agent = create_agent(task.agent, task.model, task.agent_args)
     async with plugin.partition(len(task.rows) * task.n_samples) as slot:
         region, prefixes = await _prepare_inputs(task, plugin)

@@ -27,7 +27,7 @@ from daskgen.engines.cpus import export_memory_limit
 from daskgen.errors import EngineError, EngineUnavailable
 from daskgen.worker.admission import AUTO_DEFAULT_CAPACITY, WINDOW_TOPIC, Admission, resolve_window, wanted_window
 from daskgen.worker.gpu import export_local_rank
-from daskgen.worker.images import image_metrics
+from daskgen.worker.images import PREPROCESS_RESOURCE, image_metrics
 from daskgen.worker.prefix_order import AlternatingOrder
 from daskgen.worker.slot import PartitionSlot
 from daskgen.worker.thread_slots import offer_no_slot_yet, partitions_hold_threads, start_admitted_tasks
@@ -41,7 +41,8 @@ RESOURCE = "daskgen-engine"
 
 class PluginState(str, enum.Enum):
     """Where a worker's engine is: ``new`` -> ``starting`` -> ``ready`` (-> ``restarting`` -> ``ready``) or
-    ``failed``; ``closed`` after teardown.  Partitions run only while it is ``ready``."""
+    ``failed``; ``closed`` after teardown.  Partitions run only while it is ``ready``.  ``preprocess``: a worker
+    that preprocesses images and runs no engine (:data:`~daskgen.worker.images.PREPROCESS_RESOURCE`)."""
 
     NEW = "new"
     STARTING = "starting"
@@ -49,6 +50,7 @@ class PluginState(str, enum.Enum):
     RESTARTING = "restarting"
     FAILED = "failed"
     CLOSED = "closed"
+    PREPROCESS = "preprocess"
 
 
 class EnginePlugin(WorkerPlugin):
@@ -123,14 +125,14 @@ class EnginePlugin(WorkerPlugin):
         return self._ready
 
     async def setup(self, worker: Any) -> None:
-        """Start loading the engine in the background and return at once.
-
-        Also makes the worker hand back its in-flight work before it goes: the scheduler-side
-        :class:`daskgen.worker.drain.DrainBeforeRetire` and a nanny closing its worker call the
-        ``daskgen_drain`` handler; a SIGTERM to a nanny-spawned worker process drains it and
-        retires it (:mod:`daskgen.worker.drain`).
-        """
+        """Start loading the engine in the background and return at once (not on a preprocessing worker).  Also
+        makes the worker hand back its in-flight work before it goes (:mod:`daskgen.worker.drain`): retirement, a
+        nanny closing its worker and a SIGTERM to its process drain it first."""
         from daskgen.worker.drain import install_worker_hooks
+
+        if worker.state.total_resources.get(PREPROCESS_RESOURCE):  # a CPU worker preprocessing images
+            self._worker, self._ready, self.state = worker, asyncio.Event(), PluginState.PREPROCESS
+            return
 
         self._worker = worker
         offer_no_slot_yet(worker, RESOURCE)

@@ -26,6 +26,7 @@ class PartitionTask(Protocol):
     inputs: list[dict[str, Any]] | None
     prompts: list[list[int]] | None
     images: Any
+    preprocessed: Any
     params: SamplingParams
     chat_template: ChatTemplate | None
 
@@ -49,7 +50,7 @@ async def tokenize_inputs(task: PartitionTask, plugin: Any) -> None:
         lambda: tokenize_rows(inputs, plugin.tokenizer(), task.chat_template, vision=vision)
     )
     if images is not None:
-        prompts, task.images = await images.prepare(inputs, prompts, task.store.location)
+        prompts, task.images = await images.prepare(inputs, prompts, task.store.location, task.preprocessed)
     task.prompts = prompts
 
 
