@@ -18,7 +18,17 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Repository files shown on the site as they are (besides README.md, which becomes the front page).
-COPIED = ("CHANGELOG.md", "benchmarks/README.md", "docs/*.md", "benchmarks/results/*.md", "benchmarks/results/*.png")
+COPIED = (
+    "CHANGELOG.md",
+    "benchmarks/README.md",
+    "docs/*.md",
+    "docs/guides/*.md",
+    "benchmarks/results/*.md",
+    "benchmarks/results/*.png",
+    "examples/*/*.sbatch",  # the task guides' files, which the guides link to
+    "examples/*/*.yaml",
+    "examples/*/*.py",
+)
 
 
 def write(path: str, text: str | bytes, source: str | None = None) -> None:

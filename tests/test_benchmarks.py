@@ -592,7 +592,7 @@ RECORD_LINK = re.compile(r"\]\(((?:\.\./)*(?:benchmarks/)?results/[^)#\s]+)\)")
 
 def test_figures_link_to_record_files_that_exist():
     """Every link to a record in the docs resolves, and the current-figures table quotes only clean records."""
-    docs = [REPO / "README.md", BENCH / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    docs = [REPO / "README.md", BENCH / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
     links = [(doc, link) for doc in docs for link in RECORD_LINK.findall(doc.read_text())]
     assert len(links) >= 10, links
     missing = [f"{doc.name}: {link}" for doc, link in links if not (doc.parent / link).is_file()]

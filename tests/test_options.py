@@ -1,7 +1,7 @@
 """Each option is declared once (daskgen/run_options.py, daskgen/stream/options.py): the CLI, the Python
-entry points and the README's option table agree with the declarations, name for name and default for default.
+entry points and the option table of docs/usage.md agree with the declarations, name for name and default for default.
 
-``python -m tests.test_options`` rewrites the README's option table from the declarations.
+``python -m tests.test_options`` rewrites that option table from the declarations.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from daskgen.run_options import RunCommand, RunOptions
 from daskgen.settings import cluster_section
 from daskgen.stream.options import FollowOptions, SinkOptions
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+USAGE = Path(__file__).resolve().parents[1] / "docs" / "usage.md"
 BLOCK = re.compile(r"(<!-- run-options: begin[^\n]*-->\n)(.*?)(<!-- run-options: end -->)", re.S)
 
 
@@ -175,23 +175,23 @@ def test_follow_takes_every_follow_option():
     assert all(f"\n{name}:\n" in daskgen.follow.__doc__ for name in names(FollowOptions))
 
 
-def readme_block() -> str:
-    match = BLOCK.search(README.read_text())
-    assert match, "README.md has no run-options block"
+def usage_block() -> str:
+    match = BLOCK.search(USAGE.read_text())
+    assert match, "docs/usage.md has no run-options block"
     return match[2]
 
 
-def test_readme_option_table_is_the_declared_one():
-    assert readme_block() == markdown_table(RunOptions, RunCommand), "run `python -m tests.test_options`"
+def test_usage_option_table_is_the_declared_one():
+    assert usage_block() == markdown_table(RunOptions, RunCommand), "run `python -m tests.test_options`"
 
 
-def test_readme_usage_line_uses_declared_flags():
-    usage = README.read_text().split("## Running", 1)[1].split("```", 2)[1]
+def test_usage_line_uses_declared_flags():
+    usage = USAGE.read_text().split("## Running", 1)[1].split("```", 2)[1]
     spelled = {f for t in (RunOptions, RunCommand) for o in declared(t) for flag in o.flags for f in flag.split("/")}
     used = set(re.findall(r"--[a-z][a-z-]*", usage))
     assert used and used <= spelled, used - spelled
 
 
 if __name__ == "__main__":
-    text = README.read_text()
-    README.write_text(BLOCK.sub(lambda m: m[1] + markdown_table(RunOptions, RunCommand) + m[3], text))
+    text = USAGE.read_text()
+    USAGE.write_text(BLOCK.sub(lambda m: m[1] + markdown_table(RunOptions, RunCommand) + m[3], text))

