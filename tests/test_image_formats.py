@@ -230,3 +230,33 @@ def test_a_store_without_images_adds_no_image_fields(tmp_path) -> None:
     assert not new & set(formats.build("rows", block)[0])
     assert not new & set(formats.build("arrow", block).column_names)
     assert not new & set(formats.build("tensordict", block).keys())
+
+
+def test_mrope_positions_from_the_stored_spans_equal_the_models_own(image_run, vl_model) -> None:  # noqa: F811
+    """vision_position_ids of a followed DataProto (prompt and response) equal the model's get_rope_index on the
+    same ids and mask; the text after each prompt's images is rope_delta off its index."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from daskgen.formats.mrope import mrope_positions, vision_position_ids
+
+    _, _, store = image_run
+    (proto,) = followed(store, "dataproto", multi_modal=False)
+    batch, extra = proto.batch, proto.non_tensor_batch
+    width = batch["prompts"].shape[1]
+    ours = vision_position_ids(
+        batch["attention_mask"], width, extra["image_offset"], extra["image_length"], extra["image_grid"]
+    )
+    model = AutoModelForImageTextToText.from_pretrained(vl_model).eval()
+    pad = store.attrs.input["image_token_id"]
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    types = ((ids == pad) & (torch.arange(ids.shape[1]) < width)[None, :]).int()  # placeholders of the prompt only
+    grids = torch.tensor([g for row in extra["image_grid"] for g in row.tolist() if g[0]], dtype=torch.int64)
+    theirs, deltas = model.model.get_rope_index(ids, types, image_grid_thw=grids, attention_mask=mask)
+    np.testing.assert_array_equal(ours, theirs.permute(1, 0, 2).numpy())
+    np.testing.assert_array_equal(deltas.flatten().numpy(), extra["rope_delta"])
+    assert (extra["rope_delta"] != 0).any()
+    both = torch.cat([batch["position_ids"][:, None], torch.from_numpy(ours)], dim=1)  # verl's layout
+    assert both.shape == (len(ids), 4, ids.shape[1])
+    with pytest.raises(ValueError, match="does not fit its grid"):
+        mrope_positions(10, [2], [5], [[1, 4, 4]])

@@ -11,6 +11,7 @@
 * :mod:`~daskgen.formats.xarray`: the unflattened rows as an ``xarray.Dataset`` (``format="xarray"``);
 * :mod:`~daskgen.formats.images`: the prompt's image hashes, spans and grids in every format (stores with images);
 * :mod:`~daskgen.formats.multimodal`: verl's ``multi_modal_data``/``multi_modal_inputs`` from the stored images.
+* :mod:`~daskgen.formats.mrope`: mRoPE positions of samples with images, from their spans and grids.
 
 ``daskgen export`` (:mod:`daskgen.analysis.export`) and ``daskgen.follow`` (:mod:`daskgen.stream`) both read
 through :mod:`~daskgen.formats.read` and write through :func:`build` (or the file writers of the format modules),
