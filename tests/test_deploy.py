@@ -412,7 +412,7 @@ BATCH_KEYS = SHARED_KEYS | {
 }  # fmt: skip
 #: The documented ``cluster:`` keys of each kind: a key added to or dropped from a class fails here first.
 KEYS_BY_KIND = {
-    "local": SHARED_KEYS | {"memory_limit", "n_workers"},
+    "local": SHARED_KEYS | {"memory_limit", "n_workers", "preprocess_workers"},
     "slurm": BATCH_KEYS | {"partition"},
     "pbs": BATCH_KEYS | {"resource_spec"},
 }
