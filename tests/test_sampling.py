@@ -405,3 +405,15 @@ def test_values_an_engine_refuses_per_request_are_refused_at_plan_time(tiny_mode
     assert prepare(RunConfig(**options, store=str(tmp_path / "ok.zarr")), accepted).layout.row_sampling
     simulated = RunConfig(model="sim", engine="simulated", repetition_penalty=3.0, store=str(tmp_path / "sim.zarr"))
     assert prepare(simulated, ["a"]) is not None  # an engine without the limit takes it
+
+
+def test_a_managed_sglang_server_is_refused_what_sglang_refuses_and_any_other_server_is_not(tiny_model, tmp_path):
+    """The openai engine with ``managed=true`` starts an sglang server: its ranges are sglang's, refused at plan
+    time; someone else's server (``base_url``) is not known here, so the plan leaves the value to it."""
+    from daskgen.client.plan import prepare
+
+    managed = {"model": str(tiny_model), "engine": "openai", "engine_args": {"managed": True}}
+    with pytest.raises(ConfigError, match=r"key 'repetition_penalty' is 2.5; engine 'openai' takes"):
+        prepare(RunConfig(**managed, repetition_penalty=2.5, store=str(tmp_path / "managed.zarr")), ["a"])
+    given = {**managed, "engine_args": {"base_url": "http://127.0.0.1:9"}}
+    assert prepare(RunConfig(**given, repetition_penalty=2.5, store=str(tmp_path / "given.zarr")), ["a"]) is not None

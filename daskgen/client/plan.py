@@ -153,7 +153,7 @@ def _check_features(settings: RunSettings, keys: frozenset[str], structured: boo
     features, refused = cls.features_with(config.engine_args), cls.refused_features(config.engine_args)
     check_features(config.engine, features, wanted, refused)
     check_top_logprobs(config.engine, cls, config.top_logprobs, config.engine_args)
-    ranges = cls.sampling_ranges
+    ranges = cls.ranges_with(config.engine_args)
     if wrong := engine_range_errors(run, ranges, config.engine, "the run's settings"):
         raise ConfigError("; ".join(wrong))
 
@@ -174,7 +174,8 @@ def _scan_input(
     scan = load_scan(existing.attrs.input_scan if existing else None, key, source)
     if scan is not None:  # the store exists and was checked when created: its layout holds
         return existing, scan, None, frozenset()
-    check = RowSamplingCheck(config.max_new_tokens, settings.engine_cls.sampling_ranges, config.engine)
+    ranges = settings.engine_cls.ranges_with(config.engine_args)
+    check = RowSamplingCheck(config.max_new_tokens, ranges, config.engine)
     adapter_check = adapters.AdapterCheck(settings.adapters)
     images = ImageCheck(lambda: _image_processing(settings), config.storage_options, input_folder(source))
     scan = scan_prompts(

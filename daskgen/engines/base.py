@@ -253,6 +253,11 @@ class Engine(abc.ABC):
         return {}
 
     @classmethod
+    def ranges_with(cls, engine_args: dict[str, Any]) -> dict[str, Any]:
+        """:attr:`sampling_ranges` of an engine built with ``engine_args`` (read on the class, by the plan)."""
+        return cls.sampling_ranges
+
+    @classmethod
     def top_logprobs_limit(cls, engine_args: dict[str, Any]) -> tuple[int, str] | None:
         """The most top-k logprobs one request may ask for with ``engine_args``, and the engine arg that raises it;
         ``None`` when the engine sets no limit.  Read on the class: the plan refuses a larger ``top_logprobs``."""
@@ -417,13 +422,10 @@ class Engine(abc.ABC):
 
     async def loaded_fingerprint(self, dtypes: dict[str, str]) -> dict[str, str]:
         """The fingerprint (:func:`daskgen.engines.fingerprint.tensor_fingerprint`) of each checkpoint tensor named in
-        ``dtypes`` as the running engine holds it, read from the engine's own tensors (not from the files it loaded).
-        ``dtypes`` gives each name's published dtype (a safetensors code), for an engine that reads its tensors as
-        another type of value and must convert them back.
-
-        A name the engine does not hold as one tensor of its own (fused into another, or absent) is left out.  An
-        engine that serves it declares the ``policy_fingerprint`` feature; the worker's policy refresher compares
-        the result with the published fingerprint before it serves a version (:mod:`daskgen.worker.refresh`).
+        ``dtypes`` as the running engine holds it, read from the engine's own tensors (not from the files it loaded);
+        ``dtypes`` gives each name's published dtype (a safetensors code), for an engine that must convert back.  A
+        name the engine does not hold as one tensor of its own is left out.  An engine serving it declares
+        ``policy_fingerprint``; the refresher compares it with the published one (:mod:`daskgen.worker.refresh`).
 
         Raises
         ------

@@ -112,7 +112,7 @@ def canonical_json(settings: Mapping[str, Any]) -> str:
 class RowSamplingCheck:
     """The input scan's check of each row's ``sampling`` column; it also records which keys the rows set.
 
-    ``engine_ranges`` (``{key: Range}``, :meth:`~daskgen.engines.base.Engine.sampling_ranges`) are the narrower
+    ``engine_ranges`` (``{key: Range}``, :meth:`~daskgen.engines.base.Engine.ranges_with`) are the narrower
     ranges the run's engine, named ``engine``, takes; a row's value outside one is refused like a value outside
     the table's."""
 

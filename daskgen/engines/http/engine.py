@@ -61,7 +61,7 @@ from daskgen.engines.http.server import ManagedServer, update_server_weights
 from daskgen.engines.http.vllm_protocol import VLLMProtocol, is_vllm_version
 from daskgen.engines.inprocess import cuda_available
 from daskgen.engines.request_check import request_error
-from daskgen.engines.sglang.args import lora_refusal, prefix_admission
+from daskgen.engines.sglang.args import SAMPLING_RANGES, lora_refusal, prefix_admission
 from daskgen.engines.sglang.mapping import max_running_requests
 from daskgen.errors import EngineError, RefreshError
 from daskgen.redaction import redact_url
@@ -80,16 +80,19 @@ class OpenAIEngine(ServerFingerprint, Engine):
     features = frozenset({"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs", "lora"})
     #: Policy refresh: only the servers the engine starts itself (someone else's server is not daskgen's to change).
     features_by_arg = {"refresh": ("managed", True), "policy_fingerprint": ("managed", True)}
-    #: The server's context length and the tokenizer's size, known after :meth:`start`.
-    max_total_tokens: int | None = None
-    vocab_size: int | None = None
+    max_total_tokens: int | None = None  # the server's context length, known after start
+    vocab_size: int | None = None  # the tokenizer's size, known after start
 
     @classmethod
     def refused_features(cls, engine_args: dict[str, Any]) -> dict[str, str]:
         """A managed sglang server on a CPU device: no LoRA (:data:`~daskgen.engines.sglang.args.LORA_ON_CPU`)."""
-        if engine_args.get("managed") is not True:
-            return {}
-        return lora_refusal(engine_args.get("server_args") or {}, cuda_available)
+        managed = engine_args.get("managed") is True
+        return lora_refusal(engine_args.get("server_args") or {}, cuda_available) if managed else {}
+
+    @classmethod
+    def ranges_with(cls, engine_args: dict[str, Any]) -> dict[str, Any]:
+        """A managed (sglang) server refuses what sglang refuses; someone else's server is not known here."""
+        return SAMPLING_RANGES if engine_args.get("managed") is True else {}
 
     @classmethod
     def prefix_admission(cls, engine_args: dict[str, Any]) -> tuple[dict[str, Any], bool]:
