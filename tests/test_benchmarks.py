@@ -699,3 +699,22 @@ def test_worker_path(tmp_path):
         assert len(values) == 3 and all(v > 0 for v in values), row
     assert "daskgen's own work per sample on a worker besides its engine" in record
     assert "equals every region handed over: True." in record
+
+
+@pytest.mark.timeout(480)
+def test_images(tmp_path):
+    """One run per side at a tiny size: the engine worker preprocesses every image itself, or a CPU worker does
+    them all; the store holds each distinct image once; the samples of a prompt reference one pixel array."""
+    args = ("--prompts", "4", "--sides", "0:1,1:1", "--distinct", "2", "--prompts-shared", "4", "--n-samples", "2")
+    _, record = run_script("images.py", tmp_path, *args, timeout=450)
+    engine_side, cpu_side = table_rows(record, "preprocessed on", "run")
+    assert (engine_side["images, engine worker"], engine_side["images, CPU workers"]) == ("4", "0"), engine_side
+    assert (cpu_side["images, engine worker"], cpu_side["images, CPU workers"]) == ("0", "4"), cpu_side
+    assert engine_side["prompts"] == cpu_side["prompts"] == "4"
+    stored, once, per_sample, _ = table_rows(record, "what", "objects")
+    assert stored["objects"] == once["objects"] == "2" and stored["bytes"] == once["bytes"], (stored, once)
+    assert per_sample["objects"] == "8" and "Deduplication ratio" in record
+    shared, copies, _ = table_rows(record, "side", "held (tracemalloc) bytes")
+    referenced = [int(row["bytes of the pixel arrays referenced"].replace(",", "")) for row in (shared, copies)]
+    assert referenced[1] == 4 * referenced[0], referenced  # 4 prompts x 2 samples over 2 distinct images
+    assert "A node of 8 GPUs and 100 cores, on paper" in record
