@@ -119,6 +119,22 @@ def test_a_resumed_run_with_images_continues_prompt_plus_prefix_with_the_same_im
     check_continuation(tmp_path, str(build_tiny_vl_model()), pause=pause, extra=extra, prompts=prompts)
 
 
+def test_a_resumed_run_continues_rows_with_their_lora_adapter(tmp_path, tiny_model):
+    """Rows generating with a LoRA adapter, stopped part-way: the resumed run continues prompt + prefix with the
+    row's adapter and equals an uninterrupted run (a continuation without the adapter would not)."""
+    from daskgen.testing.lora import make_adapter
+
+    adapter = make_adapter(tiny_model, tmp_path / "lora", seed=1)
+    prompts = write_prompts(tmp_path / "p.jsonl", 6)
+    rows = [json.loads(line) for line in prompts.read_text().splitlines()]
+    prompts.write_text(
+        "".join(json.dumps({**r, **({"adapter": "a"} if i % 2 else {})}) + "\n" for i, r in enumerate(rows))
+    )
+    pause = Pause(rows=(1, 3), after=8, prompts=6, new_tokens=24)  # rows 4 and 5 finish: the stop comes then
+    extra = ("--adapter-path", f"a={adapter}", "--min-new-tokens", "20")
+    check_continuation(tmp_path, str(tiny_model), pause=pause, extra=extra, prompts=prompts)
+
+
 @pytest.mark.vllm
 @pytest.mark.timeout(2400)
 def test_vllm_continues_token_exactly(tmp_path):

@@ -87,7 +87,8 @@ def test_the_trainer_example_takes_every_sample_once_with_its_ground_truth(disti
 
 @pytest.mark.timeout(300)
 def test_the_vision_example_runs_and_stores_each_image_once(tmp_path):
-    """``examples/vision.yaml`` as its header says (the tiny Qwen2-VL), then ``verify --deep``: every row done,
+    """``examples/vision.yaml`` as its header says (the tiny Qwen2-VL; 8 new tokens for the test's time), then
+    ``verify --deep``: every row done,
     three distinct images stored once though rows share them, two samples per row."""
     from daskgen.models import build_tiny_vl_model
     from daskgen.store.generation_store import GenerationStore
@@ -96,7 +97,7 @@ def test_the_vision_example_runs_and_stores_each_image_once(tmp_path):
     store = tmp_path / "vision.zarr"
     config, prompts = EXAMPLES / "vision.yaml", EXAMPLES / "vision.jsonl"
     args = ["--config", config, "--prompts", prompts, "--store", store, "--model", build_tiny_vl_model()]
-    result = run_cli("run", *args, "--n-workers", "1", "--no-progress", timeout=280)
+    result = run_cli("run", *args, "--n-workers", "1", "--max-new-tokens", "8", "--no-progress", timeout=280)
     assert result.returncode == 0, result.stdout + result.stderr
     ds = open_store(store)
     assert ds.daskgen.counts()["done"] == 4 and ds.sizes["sample"] == 2
