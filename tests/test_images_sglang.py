@@ -17,6 +17,7 @@ import pytest
 
 from daskgen.client.plan import prepare
 from daskgen.config import RunConfig
+from daskgen.engines.features import engines_serving
 from daskgen.engines.media import ImageInput
 from daskgen.engines.sglang import SGLangEngine
 from daskgen.engines.sglang.images import image_data
@@ -155,6 +156,7 @@ def test_an_image_run_with_engine_args_that_turn_sglangs_images_off_is_refused_a
     tmp_path, vl_model, images, arg, value
 ) -> None:
     assert "images" in SGLangEngine.features_with({}) and "images" not in SGLangEngine.features_with({arg: value})
+    assert "sglang" in engines_serving("images")  # named when an engine without images is refused
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "x", "images": [str(images["noise"])]}) + "\n")
     config = RunConfig(
