@@ -5,7 +5,7 @@ of ``--seeds`` (the trainer's torch seed and the run's), ``--versions`` versions
 ``--prompts`` prompts: a ``daskgen run --refresh continue`` beside a GRPO trainer that publishes a version (the
 first in full, then deltas) after every step.  The record gives, per run and per policy version (of the sample's
 first token), the samples generated on it and their mean reward (a complete answer within the run's 4 new
-tokens), the reward of version 0 against that of the versions >= ``--versions``, the steps' staleness and
+tokens), the reward of version 0 against that of the versions >= ``--after``, the steps' staleness and
 deltas, and the plot of the first run, drawn by the example (``rewards.png``).
 
     python benchmarks/grpo.py                          # 4 runs: seeds 0,0,1,2
@@ -34,6 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__)
     p.add_argument("--seeds", default="0,0,1,2", help="comma-separated seeds, one run each")
     p.add_argument("--versions", type=int, default=6, help="versions each run trains and publishes")
+    p.add_argument("--after", type=int, default=4, help="the reward of the versions from this one on is compared")
     cli.add_flags(p, prompts=64)
     return cli.parse(p, argv)
 
@@ -74,7 +75,7 @@ def part_grpo(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     for i, seed in enumerate(int(s) for s in a.seeds.split(",") if s.strip()):
         versions, steps, took = one_run(a, model, work / f"run{i}", seed)
         per_version += [[i, seed, r["version"], r["samples"], r["mean_reward"]] for r in versions]
-        before, after = mean_of(versions, lambda v: v == 0), mean_of(versions, lambda v: v >= a.versions)
+        before, after = mean_of(versions, lambda v: v == 0), mean_of(versions, lambda v: v >= a.after)
         staleness = [int(s["max_staleness"]) for s in steps]
         deltas = [int(s["delta_bytes"]) for s in steps if int(s["delta_bytes"])]
         sizes = [min(deltas), max(deltas)] if deltas else ["—", "—"]
@@ -85,7 +86,7 @@ def part_grpo(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
             shutil.copyfile(work / f"run{i}" / "rewards.png", picture)
             rec.plot(picture)
     rec.table(
-        ["run", "seed", "reward, version 0", f"reward, versions >= {a.versions}", "rise", "max staleness",
+        ["run", "seed", "reward, version 0", f"reward, versions >= {a.after}", "rise", "max staleness",
          "smallest delta bytes", "largest delta bytes", "wall s"],
         summary,
         f"{a.prompts} prompts x 16 samples, 4 new tokens, {a.versions} versions (a GRPO step of 4 prompt groups "

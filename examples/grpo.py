@@ -201,7 +201,7 @@ def write_results(out: Path, per_version: dict[int, list[float]], steps: list[di
     ax.fill_between(versions, [r["low95"] for r in rows], [r["high95"] for r in rows], alpha=0.25, label="95 %")
     ax.plot(versions, [r["mean_reward"] for r in rows], marker="o", label="mean reward")
     ax.set_xlabel("policy version (of the sample's first token)")
-    ax.set_ylabel("reward: complete answer")
+    ax.set_ylabel("reward (a complete answer)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
