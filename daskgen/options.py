@@ -9,7 +9,7 @@ the field's, its help text, ``--help`` group and command-line spelling are in th
 
 * the options of a ``daskgen`` command (:mod:`daskgen.cli_options`);
 * the keyword arguments and docstring of a Python entry point (:func:`takes_options`);
-* the option table of the README (:func:`markdown_table`);
+* the option table of docs/usage.md (:func:`markdown_table`);
 * the settings that form a store's identity (:func:`identity_keys`), those a row may set in its
   ``sampling`` column with their ranges (:func:`row_ranges`), and the values that leave a sampling
   setting off (:func:`off_values`).
@@ -45,9 +45,9 @@ class OptionSpec:
     Attributes
     ----------
     help:
-        One text for ``--help``, the docstring of the Python entry point and the README.
+        One text for ``--help``, the docstring of the Python entry point and docs/usage.md.
     group:
-        The ``--help`` panel (and README section) the option is listed in.
+        The ``--help`` panel (and docs/usage.md section) the option is listed in.
     flags:
         Command-line spelling: ``()`` derives ``--name-with-dashes`` (``--x/--no-x`` for a bool);
         ``None`` means the option has no flag (YAML and Python only, e.g. a mapping).
@@ -249,7 +249,7 @@ def takes_options(table: type, *, after: str = "Returns") -> Callable[[F], F]:
 
 
 def markdown_table(settings: type, flag_only: type) -> str:
-    """The README's option table: the ``settings`` options, then the ``flag_only`` ones, grouped as in ``--help``."""
+    """The option table of docs/usage.md: the ``settings`` options, then the ``flag_only`` ones, as in ``--help``."""
     rows: dict[str, list[str]] = {}
     for table in (settings, flag_only):
         for opt in declared(table):

@@ -3,7 +3,7 @@
 :class:`RunOptions` holds every run setting: a key of the ``--config`` YAML file, a keyword of
 :func:`daskgen.generate`, a field of :class:`daskgen.config.RunConfig` (which adds loading and
 validation) and, unless it is a mapping, a flag of ``daskgen run``.  :class:`RunCommand` holds the
-flags of ``daskgen run`` that are not run settings.  The README's option table is rendered from both.
+flags of ``daskgen run`` that are not run settings.  The option table of docs/usage.md is rendered from both.
 
 A declaration also says whether the setting is part of the store's identity (``identity``), whether a
 row may set it in its ``sampling`` column and to what (``row``, a :class:`daskgen.ranges.Range`), and
