@@ -24,7 +24,7 @@ from tests.test_sampling import EDGES
 OPTIONS = {opt.name: opt for opt in declared(RunOptions)}
 FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
 #: SamplingParams fields that are no run option: set per request by the worker.
-REQUEST_ONLY = {"continued"}
+REQUEST_ONLY = {"continued", "images"}  # set per request: a continuation's tokens so far, the row's images
 #: How a table type reads as a SamplingParams annotation (lists travel as tuples).
 AS_FIELD = {"float": "float", "int": "int", "bool": "bool", "list[str]": "tuple[str, ...]",
             "list[int]": "tuple[int, ...]"}  # fmt: skip
