@@ -17,7 +17,7 @@ ratio of the trainer's policy against the log-probabilities the run stored (the 
 or under ``continue`` the versions, that generated each token).  After each step the weights (float32 in the
 trainer) are saved in bfloat16 and published as the next policy version: the first in full, the others as
 deltas (``publish_policy(..., delta=True)``).  After ``--versions`` versions the trainer stops learning and
-takes the rest of the run's samples, generated on the last version, as they come.
+takes the rest of the run's samples, generated on the newest versions, as they come.
 
 At the end it writes ``rewards.csv`` (per policy version: the samples generated on it, their mean reward and
 the 95 % interval of that mean), ``steps.csv`` (per step: its batch, mean reward, staleness, loss and the
@@ -172,7 +172,7 @@ def start_run(args: argparse.Namespace) -> subprocess.Popen:
 
 
 def mean_interval(values: list[float]) -> tuple[float, float, float]:
-    """The mean of ``values`` and the bounds of its 95 % interval (normal approximation)."""
+    """The mean of ``values`` (rewards of 0 or 1) and the bounds of its 95 % interval (normal approximation)."""
     mean = sum(values) / len(values)
     half = 1.96 * math.sqrt(mean * (1 - mean) / len(values)) if len(values) > 1 else 0.0
     return mean, max(0.0, mean - half), min(1.0, mean + half)
@@ -180,6 +180,8 @@ def mean_interval(values: list[float]) -> tuple[float, float, float]:
 
 def write_results(out: Path, per_version: dict[int, list[float]], steps: list[dict[str, Any]]) -> list[dict]:
     """``rewards.csv``, ``steps.csv`` and ``rewards.png`` in ``out``; the rows of ``rewards.csv``."""
+    if not steps:
+        raise SystemExit("the follower delivered no batch: nothing was trained (is the run writing the store?)")
     rows = []
     for version in sorted(per_version):
         mean, low, high = mean_interval(per_version[version])
