@@ -40,9 +40,16 @@ def vl_model() -> Path:
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory) -> dict[str, Path]:
+    """Generated images, and the gradient mirrored: as large, so its prompt ids are the gradient's."""
+    from PIL import Image
+
     from daskgen.testing.images import write_generated_images
 
-    return write_generated_images(tmp_path_factory.mktemp("images"), ["gradient", "noise", "checkerboard"])
+    folder = tmp_path_factory.mktemp("images")
+    paths = write_generated_images(folder, ["gradient", "noise", "checkerboard"])
+    paths["mirrored"] = folder / "mirrored.png"
+    Image.open(paths["gradient"]).transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(paths["mirrored"])
+    return paths
 
 
 def model_generate(model_path: Path, expanded: list[int], image_paths: list[Path]) -> list[int]:
@@ -69,7 +76,7 @@ def model_generate(model_path: Path, expanded: list[int], image_paths: list[Path
 
 @pytest.fixture(scope="module")
 def sglang_image_run(tmp_path_factory, vl_model, images):
-    """A run on the sglang engine over rows with one image each (three different images, one as a content part of
+    """A run on the sglang engine over rows with one image each (four different images, one as a content part of
     a ``messages`` row), a row with two images and a text-only row; returns the rows and the store."""
     folder = tmp_path_factory.mktemp("sglang-run")
     part = {"type": "image_url", "image_url": {"url": str(images["checkerboard"])}}
@@ -79,6 +86,7 @@ def sglang_image_run(tmp_path_factory, vl_model, images):
         {"id": "message", "messages": [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}]},
         {"id": "two", "prompt": QUESTION, "images": [str(images["noise"]), str(images["gradient"])]},
         {"id": "text", "prompt": QUESTION},
+        {"id": "mirrored", "prompt": QUESTION, "images": [str(images["mirrored"])]},
     ]
     prompts = folder / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -90,7 +98,7 @@ def sglang_image_run(tmp_path_factory, vl_model, images):
         timeout=900,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    assert "5 done, 0 failed" in result.stdout, result.stdout
+    assert "6 done, 0 failed" in result.stdout, result.stdout
     return rows, GenerationStore.open(store)
 
 
@@ -106,13 +114,14 @@ def test_sglang_greedy_answers_equal_the_models_own_generate_with_the_same_pixel
     from tests.test_images import reference_generate
 
     rows, store = sglang_image_run
-    data = store.read_region(0, 5, ("prompt_ids", "prompt_length", "response_ids", "response_length"))
+    data = store.read_region(0, 6, ("prompt_ids", "prompt_length", "response_ids", "response_length"))
     cases = {
         0: (QUESTION, [images["gradient"]]),
         1: (QUESTION, [images["noise"]]),
         2: (template_messages(rows[2]["messages"]), [images["checkerboard"]]),
         3: (QUESTION, [images["noise"], images["gradient"]]),
         4: (QUESTION, []),
+        5: (QUESTION, [images["mirrored"]]),
     }
     for row, (prompt, paths) in cases.items():
         stored = data["prompt_ids"][row, : data["prompt_length"][row]].tolist()
@@ -128,11 +137,13 @@ def test_sglang_greedy_answers_equal_the_models_own_generate_with_the_same_pixel
 @pytest.mark.timeout(1200)
 @pytest.mark.skipif(not HAVE_SGLANG, reason="sglang is not installed (run the sglang lane: .ci/sglang-lane)")
 def test_sglang_sees_the_image_and_its_store_verifies(sglang_image_run) -> None:
-    """The same question about different images gets different answers; ``verify`` finds the spans and images."""
+    """The same question about different images gets different answers, also when only the pixels differ (the
+    gradient and its mirror image: equal prompt ids); ``verify`` finds the spans and images."""
     _, store = sglang_image_run
-    data = store.read_region(0, 3, ("response_ids",))
-    answers = [tuple(data["response_ids"][row, 0].tolist()) for row in range(3)]
-    assert len(set(answers)) == 3, answers
+    data = store.read_region(0, 6, ("prompt_ids", "response_ids"))
+    answers = [tuple(data["response_ids"][row, 0].tolist()) for row in (0, 1, 2, 5)]
+    assert len(set(answers)) == 4, answers
+    assert data["prompt_ids"][0].tolist() == data["prompt_ids"][5].tolist()
     report = verify(store.url, progress=False)
     assert report.sound, report.lines()
 
