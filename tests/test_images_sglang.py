@@ -1,5 +1,7 @@
-"""Images on the sglang engine: the worker's pixel values and expanded prompt go to sglang as they are stored
-(one ``processor_output`` item), and its greedy answers equal the model's own ``generate`` with the same pixels.
+"""Images on sglang: the ``sglang`` engine hands sglang the worker's pixel values and expanded prompt as they are
+stored (one ``processor_output`` item); the ``openai`` engine's managed sglang server gets the stored image bytes and
+one placeholder per image, and its expansion is checked against the stored prompt.  Greedy answers of both equal the
+model's own ``generate`` with the same pixels.
 
 The run tests need the real sglang (the sglang lane: ``.ci/sglang-lane``, whose ``sgl_kernel`` shim provides the
 placeholder torch ops sglang's Qwen-VL image processor looks up at import); the plan-time refusals run in every
@@ -74,13 +76,22 @@ def model_generate(model_path: Path, expanded: list[int], image_paths: list[Path
     return generated[0, len(expanded) :].tolist()
 
 
-@pytest.fixture(scope="module")
-def sglang_image_run(tmp_path_factory, vl_model, images):
-    """A run on the sglang engine over rows with one image each (four different images, one as a content part of
-    a ``messages`` row), a row with two images and a text-only row; returns the rows and the store."""
-    folder = tmp_path_factory.mktemp("sglang-run")
+#: How each engine under test is asked for: in process, and a managed sglang server through the openai engine.
+ENGINES = {"sglang": ("--engine", "sglang"), "openai": ("--engine", "openai", "--engine-arg", "managed=true")}
+ON_ENGINES = pytest.mark.parametrize(
+    "engine",
+    [
+        pytest.param("sglang", marks=pytest.mark.proves("sglang", "images")),
+        pytest.param("openai", marks=pytest.mark.proves("openai", "images")),  # managed=true
+    ],
+)
+
+
+def image_rows(images: dict[str, Path]) -> list[dict]:
+    """Rows with one image each (four different images, one as a content part of a ``messages`` row), a row with
+    two images and a text-only row."""
     part = {"type": "image_url", "image_url": {"url": str(images["checkerboard"])}}
-    rows = [
+    return [
         {"id": "gradient", "prompt": QUESTION, "images": [str(images["gradient"])]},
         {"id": "noise", "prompt": QUESTION, "images": [str(images["noise"])]},
         {"id": "message", "messages": [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}]},
@@ -88,32 +99,45 @@ def sglang_image_run(tmp_path_factory, vl_model, images):
         {"id": "text", "prompt": QUESTION},
         {"id": "mirrored", "prompt": QUESTION, "images": [str(images["mirrored"])]},
     ]
-    prompts = folder / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    store = folder / "out.zarr"
-    result = run_cli(
-        *("run", "--prompts", prompts, "--store", store, "--model", vl_model, "--engine", "sglang"),
-        *("--max-new-tokens", NEW_TOKENS, "--temperature", "0", "--partition-size", "3", "--n-workers", "1"),
-        "--no-progress",
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    assert "6 done, 0 failed" in result.stdout, result.stdout
-    return rows, GenerationStore.open(store)
+
+
+@pytest.fixture(scope="module")
+def image_runs(tmp_path_factory, vl_model, images):
+    """``run(engine)``: the store of a run of :func:`image_rows` on ``engine`` (one run per engine and module)."""
+    rows, stores = image_rows(images), {}
+
+    def run(engine: str) -> GenerationStore:
+        if engine not in stores:
+            folder = tmp_path_factory.mktemp(f"{engine}-run")
+            prompts = folder / "prompts.jsonl"
+            prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            result = run_cli(
+                *("run", "--prompts", prompts, "--store", folder / "out.zarr", "--model", vl_model, *ENGINES[engine]),
+                *("--max-new-tokens", NEW_TOKENS, "--temperature", "0", "--partition-size", "3", "--n-workers", "1"),
+                "--no-progress",
+                timeout=900,
+            )
+            assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+            assert "6 done, 0 failed" in result.stdout, result.stdout
+            stores[engine] = GenerationStore.open(folder / "out.zarr")
+        return stores[engine]
+
+    return rows, run
 
 
 @pytest.mark.sglang
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.skipif(not HAVE_SGLANG, reason="sglang is not installed (run the sglang lane: .ci/sglang-lane)")
-@pytest.mark.proves("sglang", "images")
-def test_sglang_greedy_answers_equal_the_models_own_generate_with_the_same_pixels(
-    sglang_image_run, vl_model, images
+@ON_ENGINES
+def test_greedy_answers_equal_the_models_own_generate_with_the_same_pixels(
+    engine, image_runs, vl_model, images
 ) -> None:
     from daskgen.input.image_refs import template_messages
     from tests.test_images import reference_generate
 
-    rows, store = sglang_image_run
+    rows, run = image_runs
+    store = run(engine)
     data = store.read_region(0, 6, ("prompt_ids", "prompt_length", "response_ids", "response_length"))
     cases = {
         0: (QUESTION, [images["gradient"]]),
@@ -129,17 +153,18 @@ def test_sglang_greedy_answers_equal_the_models_own_generate_with_the_same_pixel
             expanded, _, _ = reference_generate(vl_model, prompt, paths, NEW_TOKENS)
             assert stored == expanded, f"row {row}: the stored prompt is not the one the model saw"
         answer = data["response_ids"][row, 0, : data["response_length"][row, 0]].tolist()
-        assert answer == model_generate(vl_model, stored, paths), f"row {row}: sglang's answer is not the model's"
+        assert answer == model_generate(vl_model, stored, paths), f"row {row}: {engine}'s answer is not the model's"
 
 
 @pytest.mark.sglang
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.skipif(not HAVE_SGLANG, reason="sglang is not installed (run the sglang lane: .ci/sglang-lane)")
-def test_sglang_sees_the_image_and_its_store_verifies(sglang_image_run) -> None:
+@ON_ENGINES
+def test_the_model_sees_the_image_and_the_store_verifies(engine, image_runs) -> None:
     """The same question about different images gets different answers, also when only the pixels differ (the
     gradient and its mirror image: equal prompt ids); ``verify`` finds the spans and images."""
-    _, store = sglang_image_run
+    store = image_runs[1](engine)
     data = store.read_region(0, 6, ("prompt_ids", "response_ids"))
     answers = [tuple(data["response_ids"][row, 0].tolist()) for row in (0, 1, 2, 5)]
     assert len(set(answers)) == 4, answers
@@ -178,3 +203,32 @@ def test_an_image_run_with_engine_args_that_turn_sglangs_images_off_is_refused_a
         prepare(config)
     assert f"engine arg {arg}={value!r}" in str(refused.value) and "remove it" in str(refused.value)
     assert not (tmp_path / "s.zarr").exists()
+
+
+def test_a_managed_server_gets_one_placeholder_per_image_and_a_different_expansion_fails_the_request() -> None:
+    import numpy as np
+
+    from daskgen.engines.base import GenerationRequest, SamplingParams
+    from daskgen.engines.http.native_images import expansion_problem, image_fields
+
+    a = ImageInput("a", b"A", np.ones((16, 4), dtype=np.float32), (1, 4, 4), (1, 4))
+    b = ImageInput("b", b"B", np.ones((8, 4), dtype=np.float32), (1, 2, 4), (7, 2))
+    ids = [5, 9, 9, 9, 9, 6, 5, 9, 9, 6, 7]
+    request = GenerationRequest("r", ids, SamplingParams(images=(a, b)))
+    fields = image_fields(request)
+    assert fields["input_ids"] == [5, 9, 6, 5, 9, 6, 7]
+    assert fields["image_data"] == ["data:image;base64,QQ==", "data:image;base64,Qg=="]
+    assert image_fields(GenerationRequest("t", ids, SamplingParams())) == {}
+    assert expansion_problem(request, {"meta_info": {"prompt_tokens": 11}}) is None
+    assert "expanded the prompt to 12 tokens" in expansion_problem(request, {"meta_info": {"prompt_tokens": 12}})
+
+
+def test_images_on_the_openai_engine_only_through_a_managed_servers_native_api() -> None:
+    from daskgen.engines.http.engine import OpenAIEngine
+
+    assert "images" in OpenAIEngine.features_with({"managed": True})
+    assert "images" not in OpenAIEngine.features_with({"base_url": "http://127.0.0.1:1"})
+    refused = OpenAIEngine.refused_features({"managed": True, "api": "chat"})
+    assert "images" in refused and "native /generate" in refused["images"]
+    off = {"managed": True, "server_args": {"language_model_only": True}}
+    assert "images" not in OpenAIEngine.features_with(off)

@@ -56,12 +56,13 @@ from daskgen.engines.continuation import request_limit
 from daskgen.engines.http.args import OpenAIArgs
 from daskgen.engines.http.client import HTTPClient, NoAnswer, RequestFailed
 from daskgen.engines.http.fingerprint import ServerFingerprint
+from daskgen.engines.http.native_images import managed_refusals
 from daskgen.engines.http.protocol import Flight, OpenAITextProtocol, SGLangNativeProtocol, WireProtocol
 from daskgen.engines.http.server import ManagedServer, update_server_weights
 from daskgen.engines.http.vllm_protocol import VLLMProtocol, is_vllm_version
 from daskgen.engines.inprocess import cuda_available
 from daskgen.engines.request_check import request_error
-from daskgen.engines.sglang.args import SAMPLING_RANGES, lora_refusal, prefix_admission
+from daskgen.engines.sglang.args import SAMPLING_RANGES, prefix_admission
 from daskgen.engines.sglang.mapping import max_running_requests
 from daskgen.errors import EngineError, RefreshError
 from daskgen.redaction import redact_url
@@ -78,16 +79,15 @@ class OpenAIEngine(ServerFingerprint, Engine):
 
     name = "openai"
     features = frozenset({"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs", "lora"})
-    #: Policy refresh: only the servers the engine starts itself (someone else's server is not daskgen's to change).
-    features_by_arg = {"refresh": ("managed", True), "policy_fingerprint": ("managed", True)}
+    #: Refresh, fingerprints and images: only the (sglang) servers the engine starts itself, not someone else's.
+    features_by_arg = dict.fromkeys(("refresh", "policy_fingerprint", "images"), ("managed", True))
     max_total_tokens: int | None = None  # the server's context length, known after start
     vocab_size: int | None = None  # the tokenizer's size, known after start
 
     @classmethod
     def refused_features(cls, engine_args: dict[str, Any]) -> dict[str, str]:
-        """A managed sglang server on a CPU device: no LoRA (:data:`~daskgen.engines.sglang.args.LORA_ON_CPU`)."""
-        managed = engine_args.get("managed") is True
-        return lora_refusal(engine_args.get("server_args") or {}, cuda_available) if managed else {}
+        """What a managed sglang server cannot serve (:func:`~daskgen.engines.http.native_images.managed_refusals`)."""
+        return managed_refusals(engine_args, cuda_available)
 
     @classmethod
     def ranges_with(cls, engine_args: dict[str, Any]) -> dict[str, Any]:

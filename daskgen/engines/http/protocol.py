@@ -32,6 +32,7 @@ from daskgen.engines.base import (
     finish_from_name,
     shaping_kwargs,
 )
+from daskgen.engines.http.native_images import expansion_problem, image_fields
 from daskgen.engines.http.top_logprobs import ServerTop, retokenized_top, server_top
 from daskgen.engines.sglang.mapping import logprob_request, result_from_output, sampling_params_for
 from daskgen.engines.vllm.mapping import vllm_structured_outputs
@@ -210,6 +211,7 @@ def native_payload(request: GenerationRequest, rid: str, extra_body: dict[str, A
         **logprob_request(request.params),
         **({"lora_path": request.params.adapter} if request.params.adapter else {}),
         "stream": False,
+        **image_fields(request),
         **extra,
     }
 
@@ -218,6 +220,8 @@ def native_result(request: GenerationRequest, out: Any) -> GenerationResult:
     """Map SGLang's ``/generate`` answer to a :class:`GenerationResult` (token-exact)."""
     if not isinstance(out, dict) or not isinstance(out.get("output_ids"), list):
         return error_result(request, f"unexpected answer from /generate: {str(out)[:300]}")
+    if (problem := expansion_problem(request, out)) is not None:
+        return error_result(request, problem)
     result = result_from_output(request, out, source="server")
     for name, values in (("logprobs", result.logprobs), ("top_logprobs", result.top_logprobs)):
         if values is not None and len(values) != len(result.output_ids):
