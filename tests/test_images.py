@@ -125,12 +125,13 @@ def reference_generate(
         else:
             expanded.append(token)
     input_ids = torch.tensor([expanded])
+    types = (input_ids == pad).int()  # 1: an image token (without them generate's positions stay 1-D)
     with torch.no_grad():
         generated = model.generate(
             input_ids, attention_mask=torch.ones_like(input_ids), pixel_values=out["pixel_values"],
-            image_grid_thw=out["image_grid_thw"], max_new_tokens=max_new_tokens, do_sample=False,
+            image_grid_thw=out["image_grid_thw"], mm_token_type_ids=types, max_new_tokens=max_new_tokens,
+            do_sample=False,
         )  # fmt: skip
-        types = (input_ids == pad).int()  # 1: an image token
         _, deltas = model.model.get_rope_index(input_ids, types, image_grid_thw=out["image_grid_thw"])
     return expanded, generated[0, len(expanded) :].tolist(), int(deltas[0])
 

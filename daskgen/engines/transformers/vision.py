@@ -95,6 +95,9 @@ class GenerateManager:
 
     def __init__(self, model: Any, table: SamplerTable, pad_token_id: int) -> None:
         self.model, self.table, self.pad = model, table, pad_token_id
+        #: The image token, for a model whose generate needs the token types (``mm_token_type_ids``: without them
+        #: Qwen2-VL's positions silently stay 1-D); ``None`` for a model that takes none.
+        self._typed = image_token_for_types(model)
         self.input_queue: queue.Queue[_Request | None] = queue.Queue()
         self.cancel_queue: queue.Queue[str] = queue.Queue()  # cancellations act at once; kept empty
         self.output_router = type("Router", (), {"output_queue": queue.Queue()})()
@@ -169,6 +172,8 @@ class GenerateManager:
             max_new_tokens=request.max_new_tokens, do_sample=False, eos_token_id=request.eos, pad_token_id=self.pad
         )
         images = image_inputs(request.images, device, self.model.dtype)
+        if images and self._typed is not None:  # the model computes its mRoPE positions from the token types
+            images["mm_token_type_ids"] = (ids == self._typed).int()
         try:
             with torch.no_grad():
                 out = self.model.generate(
@@ -178,6 +183,16 @@ class GenerateManager:
         except Exception as exc:  # this request fails alone
             return _Output(rid, [], f"{type(exc).__name__}: {exc}")
         return _Output(rid, out[0, len(request.ids) :].tolist())
+
+
+def image_token_for_types(model: Any) -> int | None:
+    """The image token of a model whose forward takes ``mm_token_type_ids`` (1 at image tokens), else ``None``."""
+    import inspect
+
+    if "mm_token_type_ids" not in inspect.signature(model.forward).parameters:
+        return None
+    token = getattr(model.config, "image_token_id", None)
+    return None if token is None else int(token)
 
 
 def image_inputs(images: tuple[ImageInput, ...], device: Any, dtype: Any = None) -> dict[str, Any]:
