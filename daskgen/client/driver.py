@@ -368,8 +368,9 @@ def submit(client: Any, keys: list[str], tasks: list[PartitionTask], retries: in
     where = {} if worker is None else {"workers": [worker], "allow_other_workers": True}
     keyed = [dataclasses.replace(task, key=key) for key, task in zip(keys, tasks, strict=True)]
     images = preprocessing(client, keyed, retries)  # None for each partition its engine worker prepares itself
+    given = [images] if any(image is not None for image in images) else []
     return client.map(
-        run_partition, keyed, images, key=keys, pure=False, retries=retries, resources={RESOURCE: 1}, **where
+        run_partition, keyed, *given, key=keys, pure=False, retries=retries, resources={RESOURCE: 1}, **where
     )
 
 
