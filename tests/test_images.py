@@ -245,6 +245,10 @@ def test_an_engine_or_model_without_vision_is_refused_before_any_engine_starts(t
     with pytest.raises(ConfigError) as no_images:
         prepare(RunConfig(**settings, model=str(vl_model), engine="openai", engine_args={"base_url": "http://x:1"}))
     assert "images in prompts" in str(no_images.value) and "transformers" in str(no_images.value)
+    from daskgen.engines.features import engines_serving
+
+    served = engines_serving("images")  # what the refusal names (docs/engines.md's images row)
+    assert {"transformers", "simulated"} <= set(served) and not any(name.startswith("vllm") for name in served)
     with pytest.raises(ConfigError, match="has no image processor"):
         prepare(RunConfig(**settings, model=str(build_tiny_model(tmp_path / "tiny")), engine="transformers"))
 
