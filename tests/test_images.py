@@ -72,6 +72,9 @@ def image_run(tmp_path_factory, vl_model, images):
     text-only row; returns the folder, the rows and the store."""
     folder = tmp_path_factory.mktemp("run")
     shutil.copy(images["gradient"], folder / "gradient.png")
+    from PIL import Image, ImageOps
+
+    ImageOps.mirror(Image.open(images["gradient"])).save(folder / "mirrored.png")  # same size, other pixels
     photo = images["grace_hopper"].read_bytes()
     data_url = "data:image/jpeg;base64," + base64.b64encode(photo).decode()
     rows = [
@@ -82,6 +85,7 @@ def image_run(tmp_path_factory, vl_model, images):
         {"id": "turn2", "messages": [
             {"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi. Show me."},
             *user(image_part(images["checkerboard"]), {"type": "text", "text": QUESTION})]},
+        {"id": "mirrored", "messages": user(image_part("mirrored.png"), {"type": "text", "text": QUESTION})},
     ]  # fmt: skip
     prompts = write_rows(folder / "prompts.jsonl", rows)
     store = folder / "out.zarr"
@@ -139,12 +143,13 @@ def reference_generate(
 @pytest.mark.proves("transformers", "images")
 def test_greedy_answers_equal_the_models_own_generate_with_the_same_pixels(image_run, vl_model, images) -> None:
     folder, rows, store = image_run
-    data = store.read_region(0, 5, ("prompt_ids", "prompt_length", "response_ids", "response_length", "rope_delta"))
+    data = store.read_region(0, 6, ("prompt_ids", "prompt_length", "response_ids", "response_length", "rope_delta"))
     cases = {
         0: (rows[0]["messages"], [images["grace_hopper"]]),
         1: (rows[1]["messages"], [folder / "gradient.png"]),
         2: (QUESTION, [images["noise"], images["grace_hopper"]]),
         4: (rows[4]["messages"], [images["checkerboard"]]),  # the image in the conversation's second user turn
+        5: (rows[5]["messages"], [folder / "mirrored.png"]),
     }
     for row, (prompt, paths) in cases.items():
         template_view = template_messages(prompt) if isinstance(prompt, list) else prompt
@@ -157,15 +162,18 @@ def test_greedy_answers_equal_the_models_own_generate_with_the_same_pixels(image
 
 
 def test_the_model_sees_the_image(image_run) -> None:
-    """Rows 0 and 1 ask the same question of different images: their answers differ."""
+    """Rows 1 and 5 ask the same question of an image and its mirror image: the same prompt ids (the same size,
+    so the same placeholders), other pixels, and their answers differ."""
     _, _, store = image_run
-    data = store.read_region(0, 2, ("response_ids",))
-    assert data["response_ids"][0, 0].tolist() != data["response_ids"][1, 0].tolist()
+    data = store.read_region(0, 6, ("response_ids", "prompt_ids", "prompt_length", "image_hash"))
+    assert data["prompt_ids"][1].tolist() == data["prompt_ids"][5].tolist()
+    assert data["prompt_length"][1] == data["prompt_length"][5] and data["image_hash"][1, 0] != data["image_hash"][5, 0]
+    assert data["response_ids"][1, 0].tolist() != data["response_ids"][5, 0].tolist()
 
 
 def test_each_distinct_image_is_stored_once_and_spans_cover_exactly_the_placeholders(image_run, images) -> None:
     folder, _, store = image_run
-    arrays = store.read_region(0, 5, ("image_hash", "image_offset", "image_length", "image_grid", "prompt_ids"))
+    arrays = store.read_region(0, 6, ("image_hash", "image_offset", "image_length", "image_grid", "prompt_ids"))
     hashes = arrays["image_hash"]
     photo = hashlib.sha256(images["grace_hopper"].read_bytes()).hexdigest()
     expected = [
@@ -174,6 +182,7 @@ def test_each_distinct_image_is_stored_once_and_spans_cover_exactly_the_placehol
         [hashlib.sha256(images["noise"].read_bytes()).hexdigest(), photo],
         ["", ""],
         [hashlib.sha256(images["checkerboard"].read_bytes()).hexdigest(), ""],
+        [hashlib.sha256((folder / "mirrored.png").read_bytes()).hexdigest(), ""],
     ]
     assert hashes.tolist() == expected
     assert stored_hashes(store.location) == {h for row in expected for h in row if h}  # the photo once, for 2 rows
@@ -411,7 +420,7 @@ def test_verify_deep_runs_the_processor_again_and_finds_other_preprocessing(imag
     config["max_pixels"] = config["size"]["longest_edge"] = 112 * 112
     (other / "preprocessor_config.json").write_text(json.dumps(config))
     problems, notes = deep_image_problems(store, str(other))
-    assert {p.start for p in problems} == {0, 1, 2, 4} and "the processor gives" in problems[0].detail
+    assert {p.start for p in problems} == {0, 1, 2, 4, 5} and "the processor gives" in problems[0].detail
     assert notes and "not the one the store recorded" in notes[0]
 
 
