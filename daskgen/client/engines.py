@@ -105,8 +105,13 @@ def _drain_before_retire(client: Any, timeout: float) -> None:
         )
 
 
+def with_engines(states: dict[str, Any]) -> dict[str, Any]:
+    """The workers' plugin states but the preprocessing workers' (they run no engine)."""
+    return {w: s for w, s in states.items() if s["state"] != PluginState.PREPROCESS.value}
+
+
 def _raise_if_all_failed(config: RunConfig, states: dict[str, Any], deadline: float) -> None:
-    states = {w: s for w, s in states.items() if s["state"] != PluginState.PREPROCESS.value}  # no engine there
+    states = with_engines(states)
     failed = {w: s["error"] for w, s in states.items() if s["state"] == PluginState.FAILED.value}
     if states and len(failed) == len(states):
         details = "\n  ".join(f"{w}: {e}" for w, e in failed.items())
@@ -121,7 +126,7 @@ def _raise_if_all_failed(config: RunConfig, states: dict[str, Any], deadline: fl
 
 def check_engines(client: Any, config: RunConfig) -> None:
     """Raise :class:`EngineError` when every worker's engine has failed (nothing can progress)."""
-    states = {w: s for w, s in client.run(plugin_status).items() if s["state"] != PluginState.PREPROCESS.value}
+    states = with_engines(client.run(plugin_status))
     failed = {w: s["error"] for w, s in states.items() if s["state"] in DEAD_STATES}
     if states and len(failed) == len(states):
         details = "\n  ".join(f"{w}: {e}" for w, e in failed.items())
