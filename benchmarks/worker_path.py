@@ -159,7 +159,7 @@ def part_path(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     """``--repeats`` passes over every partition; a row per stage: µs per sample in each pass and the median."""
     from common.pipeline_floor import tune_collector
 
-    from daskgen.worker.writers import WriterPool
+    from daskgen.worker.writers.pool import WriterPool
 
     config, tasks, requests = workload(a, work)
     samples = len(requests)

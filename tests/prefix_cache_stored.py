@@ -8,7 +8,7 @@ from typing import Any
 from daskgen.agents import Trajectory
 from daskgen.engines.base import GenerationRequest, SamplingParams
 from daskgen.store.layout import Layout, empty_region
-from daskgen.worker.region import place_samples
+from daskgen.worker.samples.region import place_samples
 
 PREFIX_TOKENS = 300
 

@@ -127,7 +127,7 @@ def test_slurm_job_script_line_by_line():
     assert arg(cmd, "--local-directory") == "$TMPDIR"
     assert arg(cmd, "--memory-limit") == "111.76GiB"  # job memory split between the 4 workers
     assert "--nanny" in cmd
-    assert arg(cmd, "--preload-nanny") == "daskgen.worker.nanny_preload"  # keeps glibc's malloc defaults
+    assert arg(cmd, "--preload-nanny") == "daskgen.worker.nanny"  # keeps glibc's malloc defaults
     assert "--lifetime-stagger" not in cmd  # stagger is drawn once per job, in the prologue
 
 
@@ -717,7 +717,7 @@ def test_nanny_preload_keeps_glibc_malloc_defaults_in_a_real_worker():
         async with Scheduler(dashboard_address=":0") as scheduler:
             address = scheduler.address
             async with (
-                Nanny(address, nthreads=1, preload_nanny=["daskgen.worker.nanny_preload"]),
+                Nanny(address, nthreads=1, preload_nanny=["daskgen.worker.nanny"]),
                 Nanny(address, nthreads=1) as plain,
                 Client(address, asynchronous=True) as client,
             ):

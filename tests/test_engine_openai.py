@@ -462,7 +462,7 @@ def test_top_logprobs_a_server_does_not_give_leave_a_store_that_verifies(tmp_pat
     """``transformers serve`` gives no top-k alternatives (flagged ``top_logprobs: unavailable``): a run asking for
     them completes, its store verifies sound, and a follow reads every row."""
     from daskgen.analysis.accessor import open_store
-    from daskgen.worker.top_logprobs import TOP_UNAVAILABLE
+    from daskgen.worker.samples.top_logprobs import TOP_UNAVAILABLE
     from tests.conftest import run_cli, write_prompts
 
     out = tmp_path / "out.zarr"

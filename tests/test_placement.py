@@ -1,4 +1,4 @@
-"""Placement of partitions that ask for the engine resource (``daskgen/worker/placement.py``), on a real
+"""Placement of partitions that ask for the engine resource (``daskgen/worker/scheduler.py``), on a real
 in-process Dask cluster (``gen_cluster``) with daskgen's scheduler plugin installed."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from distributed import get_worker
 from distributed.utils_test import gen_cluster
 
-from daskgen.worker.drain import DrainBeforeRetire
 from daskgen.worker.plugin import RESOURCE
+from daskgen.worker.scheduler import DrainBeforeRetire
 
 TWO_WORKERS = [("127.0.0.1", 1), ("127.0.0.1", 1)]
 

@@ -22,8 +22,9 @@ from daskgen.engines.simulated import SimulatedEngine
 from daskgen.errors import EngineError, EngineUnavailable
 from daskgen.store import GenerationStore, Layout, StoreAttrs
 from daskgen.store.location import locate
-from daskgen.worker.partition import PartitionTask, run_partition
+from daskgen.worker.partition import run_partition
 from daskgen.worker.plugin import PLUGIN_NAME, RESOURCE, EnginePlugin
+from daskgen.worker.task import PartitionTask
 
 SIM = {"time_scale": 0.0, "length_mean": 4, "length_dist": "fixed"}
 ONE_WORKER = [("127.0.0.1", 4)]

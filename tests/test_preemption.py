@@ -464,7 +464,7 @@ def _dask_worker(address: str, name: str, log: Path) -> subprocess.Popen:
             "4",
             "--nanny",
             "--preload-nanny",
-            "daskgen.worker.nanny_preload",
+            "daskgen.worker.nanny",
         ],
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
@@ -542,7 +542,7 @@ def test_drain_before_retire_keeps_every_way_of_choosing_workers():
     """The scheduler wrapper resolves targets as the scheduler does: addresses, names, or workers_to_close."""
     from distributed import Client, LocalCluster
 
-    from daskgen.worker.drain import DrainBeforeRetire
+    from daskgen.worker.scheduler import DrainBeforeRetire
 
     with (
         LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=":0") as lc,

@@ -21,8 +21,8 @@ from daskgen.input.rows import InputScan, tokenize_rows
 from daskgen.input.tokenizer import ByteTokenizer
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import DONE
-from daskgen.worker.partition import PartitionTask
 from daskgen.worker.prefix_order import AlternatingOrder, gather_in_prompt_order, prompt_order
+from daskgen.worker.task import PartitionTask
 
 SYSTEMS = [f"System {k}: " + "you answer briefly and exactly. " * 6 for k in range(2)]
 

@@ -7,7 +7,7 @@ import numpy as np
 from daskgen.agents import Trajectory
 from daskgen.engines.base import FinishReason, GenerationResult, SamplingParams
 from daskgen.store.layout import Layout, empty_region
-from daskgen.worker.region import place_prompts, place_samples
+from daskgen.worker.samples.region import place_prompts, place_samples
 
 PAD = 7
 

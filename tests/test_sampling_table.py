@@ -18,7 +18,7 @@ from daskgen.errors import ConfigError
 from daskgen.input.sampling import KEYS, OFF, run_settings
 from daskgen.options import LATER, declared
 from daskgen.run_options import RunOptions
-from daskgen.worker.row_sampling import row_params
+from daskgen.worker.samples.row_sampling import row_params
 from tests.test_sampling import EDGES
 
 OPTIONS = {opt.name: opt for opt in declared(RunOptions)}

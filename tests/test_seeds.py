@@ -5,8 +5,8 @@ import dataclasses
 import random
 
 from daskgen.engines.base import SamplingParams
-from daskgen.worker.row_sampling import sample_seed
-from daskgen.worker.seeds import sample_seeds, with_seed
+from daskgen.worker.samples.row_sampling import sample_seed
+from daskgen.worker.samples.seeds import sample_seeds, with_seed
 
 
 def test_partition_seeds_equal_the_per_sample_derivation():

@@ -1,4 +1,4 @@
-"""Regions handed to writer processes through shared memory (:mod:`daskgen.worker.shared_regions`).
+"""Regions handed to writer processes through shared memory (:mod:`daskgen.worker.writers.shared_regions`).
 
 In one process: a region's arrays come back equal from their block (text arrays pickled beside it), blocks are
 reused and removed on close, a block read by a write is not reused before the write ends, and a shared-memory
@@ -15,8 +15,8 @@ from collections import namedtuple
 import numpy as np
 import pytest
 
-from daskgen.worker import shared_regions
-from daskgen.worker.shared_regions import Handover, SharedBlocks, arrays_of
+from daskgen.worker.writers import shared_regions
+from daskgen.worker.writers.shared_regions import Handover, SharedBlocks, arrays_of
 
 
 def region(rows: int = 4, seed: int = 0) -> dict[str, np.ndarray]:
@@ -148,7 +148,7 @@ class FileStore:
 @pytest.mark.parametrize("room", [True, False])
 def test_a_writer_process_writes_the_region_in_shared_memory_or_pickled(tmp_path, monkeypatch, room):
     """Through a real writer process: the same arrays arrive whichever way the region went."""
-    from daskgen.worker.writers import WriterPool
+    from daskgen.worker.writers.pool import WriterPool
 
     if not room:
         Usage = namedtuple("Usage", "total used free")

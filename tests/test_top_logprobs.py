@@ -21,7 +21,7 @@ from daskgen.engines.base import FinishReason, GenerationResult
 from daskgen.engines.http.top_logprobs import retokenized_top, server_top, token_id_top
 from daskgen.store.layout import Layout, empty_region
 from daskgen.store.verify import verify
-from daskgen.worker.top_logprobs import place_top_logprobs, stored_top_logprobs
+from daskgen.worker.samples.top_logprobs import place_top_logprobs, stored_top_logprobs
 from tests.conftest import run_cli, simulated_run, write_prompts
 
 pytestmark = pytest.mark.timeout(300)

@@ -288,6 +288,6 @@ def test_one_partition_stays_submitted_when_no_worker_admits_any():
 def _bare_task(start: int) -> Any:
     """A partition task with only what the submit step reads (a real ``PartitionTask``, no store)."""
     from daskgen.engines.base import SamplingParams
-    from daskgen.worker.partition import PartitionTask
+    from daskgen.worker.task import PartitionTask
 
     return PartitionTask(None, start, start + 4, [start], None, 1, SamplingParams(), 0)  # type: ignore[arg-type]

@@ -24,7 +24,7 @@ from daskgen.config import RunConfig
 from daskgen.engines.base import FinishReason
 from daskgen.errors import ConfigError
 from daskgen.store.generation_store import GenerationStore
-from daskgen.worker.writers import writer_processes
+from daskgen.worker.writers.pool import writer_processes
 from tests.conftest import runs_cluster
 
 pytestmark = pytest.mark.timeout(240)
@@ -91,7 +91,7 @@ def test_writer_processes_store_what_the_worker_thread_stores(tmp_path):
     (worker,) = seen.values()
     assert worker["processes"] == 1 and len(worker["children"]) == 1
     assert worker["written"] == ROWS // 4  # every partition went through the writer process
-    assert worker["shared"] == ROWS // 4  # its arrays in shared memory (daskgen.worker.shared_regions)
+    assert worker["shared"] == ROWS // 4  # its arrays in shared memory (daskgen.worker.writers.shared_regions)
     a = GenerationStore.open(str(tmp_path / "thread.zarr")).read_region(0, ROWS, COMPARED)
     b = GenerationStore.open(str(tmp_path / "process.zarr")).read_region(0, ROWS, COMPARED)
     for name in COMPARED:
@@ -136,7 +136,7 @@ def test_a_writer_process_that_died_is_replaced_and_nothing_is_lost(tmp_path):
 
 WORKER_SCRIPT = """
 import asyncio, os, pathlib, signal, sys, time
-from daskgen.worker.writers import WriterPool
+from daskgen.worker.writers.pool import WriterPool
 
 def busy(marker):  # a long write: the writer process is not waiting for work when its worker dies
     pathlib.Path(marker, str(os.getpid())).touch()
@@ -191,7 +191,7 @@ def test_writer_processes_default_is_zero():
 BLOCK_SCRIPT = """
 import asyncio, os, signal, sys, time
 import numpy as np
-from daskgen.worker.writers import WriterPool
+from daskgen.worker.writers.pool import WriterPool
 
 class Slow:  # a store whose region write takes long: the writer process reads the block when its worker dies
     def write_region(self, start, arrays):

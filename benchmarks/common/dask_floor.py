@@ -38,7 +38,7 @@ async def _trivial_partition(start: int, rows: list[int], seconds: float) -> dic
 async def _instant_partition(task: Any) -> Any:
     """Benchmark stand-in for ``daskgen.worker.partition.run_partition``: the result of a partition whose rows all
     finished (8 tokens per sample), handed back at once without generating or writing anything."""
-    from daskgen.worker.partition import PartitionResult
+    from daskgen.worker.task import PartitionResult
 
     return PartitionResult(task.start, task.stop, list(task.rows), response_tokens=8 * task.n_samples * len(task.rows))
 

@@ -6,8 +6,8 @@ per worker by :class:`FloorWorker`, with the model's tokenizer) generates the pa
 their tokens, logprobs, lengths and finish reasons are placed into a padded region of the store's data arrays (the
 other arrays keep their fill values) and written the way the direct writer writes (:func:`write_region`: every array
 of the region side by side on Zarr's event loop), in a worker thread; or, with writer processes, handed to daskgen's
-own writer processes (:class:`daskgen.worker.writers.WriterPool`) that write it as daskgen's workers do (the store's
-region write). The task returns the partition's start. The client submits every partition at
+own writer processes (:class:`~daskgen.worker.writers.pool.WriterPool`) that write it as daskgen's workers do (the
+store's region write). The task returns the partition's start. The client submits every partition at
 once and waits for them with ``as_completed``. Its workers' garbage collector is set as the daskgen under test sets
 a worker's. Nothing is checkpointed, resumed, validated, counted or reported: besides Dask, Zarr and the engine,
 this pipeline does only what must happen to store a sample: its rate is what a pipeline with one process per worker
@@ -62,7 +62,7 @@ class FloorWorker(WorkerPlugin):
         from daskgen.engines.tokenizer import load_tokenizer
 
         if self.writer_processes:
-            from daskgen.worker.writers import WriterPool
+            from daskgen.worker.writers.pool import WriterPool
 
             self.writers = WriterPool(self.writer_processes)
             self.opened = store.GenerationStore.open(self.store)
@@ -103,7 +103,7 @@ def _region(layout: Any, prompts: list[list[int]], results: list[Any], n_samples
     """The padded region of a partition: its prompts, and its samples' tokens, mask, logprobs, length and finish
     reason (row-major ``results``), placed with daskgen's array scatter; every other array at its fill values."""
     from daskgen.store.layout import empty_region
-    from daskgen.worker.region import place_prompts, scatter
+    from daskgen.worker.samples.region import place_prompts, scatter
 
     region = empty_region(layout, len(prompts))
     place_prompts(region, range(len(prompts)), prompts, layout.pad_token_id)
@@ -131,7 +131,7 @@ async def floor_partition(start: int, texts: list[str], seeds: list[int], params
     from zarr.core.sync import sync
 
     from daskgen.engines.base import GenerationRequest
-    from daskgen.worker.seeds import with_seed
+    from daskgen.worker.samples.seeds import with_seed
 
     plugin = get_worker().plugins[PLUGIN]
     prompts = await asyncio.to_thread(lambda: [list(plugin.tokenizer(text)["input_ids"]) for text in texts])

@@ -21,7 +21,7 @@ from typing import Any
 
 #: A function named by the end of its file's path and its name.
 Root = tuple[str, str]
-_SIM, _CONT = "engines/simulated/engine.py", "worker/continuation.py"
+_SIM, _CONT = "engines/simulated/engine.py", "worker/samples/continuation.py"
 _PART = "worker/partition.py"
 _AGENT = "agents/base.py"  # the single-turn loop's ``run``: one sample, the continuation of a stored one too
 

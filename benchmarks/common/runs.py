@@ -71,7 +71,7 @@ def run_requests(config: Any, prompts: Any) -> list[Any]:
     from daskgen.client.plan import pending_tasks, prepare
     from daskgen.engines.base import GenerationRequest
     from daskgen.input.rows import tokenize_rows
-    from daskgen.worker.row_sampling import sample_seed
+    from daskgen.worker.samples.row_sampling import sample_seed
 
     plan = prepare(config, prompts)
     out = []

@@ -91,8 +91,9 @@ from daskgen.client.windows import WindowBoard
 from daskgen.errors import EngineUnavailable, StoreError
 from daskgen.redaction import redact
 from daskgen.store.commit_log import COMMIT_TOPIC
-from daskgen.worker.partition import PartitionResult, PartitionTask, run_partition
+from daskgen.worker.partition import run_partition
 from daskgen.worker.plugin import RESOURCE
+from daskgen.worker.task import PartitionResult, PartitionTask
 
 logger = logging.getLogger(__name__)
 

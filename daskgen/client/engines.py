@@ -91,8 +91,8 @@ def _ready_bar(progress: bool) -> Any:
 
 
 def _drain_before_retire(client: Any, timeout: float) -> None:
-    """Make the scheduler drain daskgen workers before retiring them (:mod:`daskgen.worker.drain`)."""
-    from daskgen.worker.drain import DrainBeforeRetire
+    """Make the scheduler drain daskgen workers before retiring them (:mod:`daskgen.worker.scheduler`)."""
+    from daskgen.worker.scheduler import DrainBeforeRetire
 
     try:
         client.register_plugin(DrainBeforeRetire(timeout), name=DrainBeforeRetire.name)

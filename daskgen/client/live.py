@@ -18,7 +18,7 @@ import numpy as np
 if TYPE_CHECKING:
     from daskgen.client.interrupt import Interrupt
     from daskgen.client.plan import Plan
-    from daskgen.worker.partition import PartitionResult
+    from daskgen.worker.task import PartitionResult
 
 
 @dataclass

@@ -43,8 +43,8 @@ from daskgen.settings import Prompts, RunSettings, resolve
 from daskgen.store.attrs import StoreAttrs
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import FAILED, PENDING, Layout
-from daskgen.worker.partition import PartitionTask
-from daskgen.worker.row_sampling import row_params
+from daskgen.worker.samples.row_sampling import row_params
+from daskgen.worker.task import PartitionTask
 
 if TYPE_CHECKING:
     from daskgen.images.processor import ImageProcessing

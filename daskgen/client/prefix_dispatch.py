@@ -35,7 +35,7 @@ import numpy as np
 
 from daskgen.input.prefix import NO_KEY, PrefixKeys, PrefixScan
 from daskgen.input.rows import InputScan, iter_token_ids
-from daskgen.worker.partition import PartitionTask
+from daskgen.worker.task import PartitionTask
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 For each entry ``(row, seq)`` of the record: a row still done by commit ``seq`` is committed back to pending
 (the client's commit path, :func:`~daskgen.client.commit.reset_rows`); its stored samples are then cleared
-(fill values, so the new attempt keeps none of them, :mod:`daskgen.worker.continuation`); then the entries
+(fill values, so the new attempt keeps none of them, :mod:`daskgen.worker.samples.continuation`); then the entries
 leave the record.  An entry whose row was generated again since, or failed, is dropped.  Each step is safe to
 repeat, so a crash anywhere in between loses nothing and regenerates nothing twice.  The new attempt's commit
 has a newer sequence number than any cursor's position, so every follower receives the regenerated prompt once.
@@ -41,7 +41,7 @@ from daskgen.store.requeue import Entry, drop_requeue, read_requeue
 
 if TYPE_CHECKING:
     from daskgen.client.live import LiveRun
-    from daskgen.worker.partition import PartitionTask
+    from daskgen.worker.task import PartitionTask
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from daskgen.store.layout import DONE
 
 if TYPE_CHECKING:
     from daskgen.client.live import LiveRun
-    from daskgen.worker.partition import PartitionTask
+    from daskgen.worker.task import PartitionTask
 
 logger = logging.getLogger(__name__)
 

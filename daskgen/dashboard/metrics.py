@@ -65,7 +65,7 @@ class WorkerMeter:
 
     def record_turns(self, results: Iterable[Any]) -> None:
         """Count finished plain samples at once, each one engine result that finished normally with the base
-        policy's tokens (:func:`daskgen.worker.plain_turns.is_plain`): what :meth:`record` counts of their
+        policy's tokens (:func:`daskgen.worker.samples.fast_path.is_plain`): what :meth:`record` counts of their
         trajectories."""
         lengths, samples, tokens, first = self._lengths, 0, 0, 0
         for result in results:

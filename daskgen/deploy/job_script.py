@@ -21,7 +21,7 @@ DAEMON_ENV = "DASK_DISTRIBUTED__WORKER__DAEMON"
 #: Shell variable holding the job's drawn worker lifetime in seconds.
 LIFETIME_VAR = "DASKGEN_WORKER_LIFETIME"
 #: Nanny preload that keeps glibc's malloc defaults and drains workers on SIGTERM.
-NANNY_PRELOAD = "daskgen.worker.nanny_preload"
+NANNY_PRELOAD = "daskgen.worker.nanny"
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def worker_arguments(layout: JobLayout, lifetime: tuple[int, int] | None, given:
     if layout.gpus_per_node and not has_flag(args, "--resources"):
         args += ["--resources", f"GPU={layout.gpus_per_worker}"]
     if NANNY_PRELOAD not in args:
-        args += ["--preload-nanny", NANNY_PRELOAD]  # see daskgen/worker/nanny_preload.py
+        args += ["--preload-nanny", NANNY_PRELOAD]  # see daskgen/worker/nanny.py
     if lifetime is not None and not has_flag(args, "--lifetime"):
         value = f"${{{LIFETIME_VAR}}}s" if lifetime[1] > 0 else f"{lifetime[0]}s"
         args += ["--lifetime", value]

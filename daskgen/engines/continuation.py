@@ -1,8 +1,8 @@
 """Continuing an interrupted sample from its tokens so far: one rule for every engine and every caller.
 
 Two callers continue samples: a policy refresh under ``continue`` (:mod:`daskgen.worker.refresh`) and a rerun that
-finds an aborted sample's tokens in the store (:mod:`daskgen.worker.continuation`).  Both send the prompt followed by
-the tokens so far, with the params of :func:`continued_params`:
+finds an aborted sample's tokens in the store (:mod:`daskgen.worker.samples.continuation`).  Both send the prompt
+followed by the tokens so far, with the params of :func:`continued_params`:
 
 * ``max_new_tokens``: the tokens the sample had left;
 * ``min_new_tokens``: the tokens it still had to make before a stop (0 once it made them);

@@ -5,7 +5,7 @@
 a row's ``sampling: {...}`` overrides them for that row.
 :func:`setting_errors` checks a mapping against the table (at input scan for rows, at config load for
 the run, before any engine starts); :class:`RowSamplingCheck` is the per-row check the input scan
-calls; :func:`daskgen.worker.row_sampling.row_params` turns a row's settings into the params of its samples.
+calls; :func:`daskgen.worker.samples.row_sampling.row_params` turns a row's settings into the params of its samples.
 """
 
 from __future__ import annotations

@@ -167,7 +167,7 @@ def _generated_tokens(rows: PartitionRows) -> np.ndarray:
 
 def _top_first(rows: PartitionRows) -> np.ndarray:
     """The first top-k entry (``top_rank`` 0) of every generated token, except in rows with a note: the worker notes
-    a row whose engine gave no top-k entries for a token (``daskgen.worker.top_logprobs.TOP_UNAVAILABLE``)."""
+    a row whose engine gave no top-k entries for a token (``daskgen.worker.samples.top_logprobs.TOP_UNAVAILABLE``)."""
     must = np.zeros(rows.region["top_logprobs"].shape, dtype=bool)
     must[..., 0] = _generated_tokens(rows) & _per_row(~rows.noted, _generated_tokens(rows))
     return must

@@ -251,7 +251,7 @@ class GenerationStore:
         """Worker side: overwrite one chunk-aligned row region of each given data array.
 
         The arrays are written side by side, ``finish_reason`` after all the others have landed: a later attempt
-        keeps a stored sample on the strength of its finish reason (:mod:`daskgen.worker.continuation`), so a
+        keeps a stored sample on the strength of its finish reason (:mod:`daskgen.worker.samples.continuation`), so a
         writer killed part-way through the region must not leave a finish reason beside arrays it never wrote.
         """
         for name in arrays:

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -23,99 +23,24 @@ import numpy as np
 from daskgen.agents import AgentLoop, EngineHandle, SingleTurn, Trajectory, create_agent
 from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
 from daskgen.errors import EngineError, EngineUnavailable
-from daskgen.input.chat_template import ChatTemplate
-from daskgen.store.generation_store import GenerationStore
-from daskgen.store.layout import Layout, empty_region
-from daskgen.worker.continuation import sample_with_prefix, stored_samples
-from daskgen.worker.images import RowImages, place_images
-from daskgen.worker.plain_turns import PlainTurns, Samples, TurnBatch, as_trajectories
+from daskgen.store.layout import empty_region
+from daskgen.worker.images import place_images
 from daskgen.worker.prefix_order import gather_in_prompt_order
-from daskgen.worker.region import place_prompts, place_samples
 from daskgen.worker.rounds import RowOutcome, sample_in_rounds
-from daskgen.worker.row_inputs import input_format, place_row_texts, tokenize_inputs
-from daskgen.worker.row_sampling import apply_stops, place_row_settings, sample_params
-from daskgen.worker.seeds import sample_seeds, with_seed
+from daskgen.worker.samples.continuation import sample_with_prefix, stored_samples
+from daskgen.worker.samples.fast_path import PlainTurns, Samples, TurnBatch, as_trajectories
+from daskgen.worker.samples.region import place_prompts, place_samples
+from daskgen.worker.samples.row_inputs import input_format, place_row_texts, tokenize_inputs
+from daskgen.worker.samples.row_sampling import apply_stops, place_row_settings, sample_params
+from daskgen.worker.samples.seeds import sample_seeds, with_seed
 from daskgen.worker.slot import PartitionSlot
+from daskgen.worker.task import PartitionResult, PartitionTask
 from daskgen.worker.thread_slots import leave_thread_slot
 
 if TYPE_CHECKING:
     from daskgen.worker.plugin import EnginePlugin
-    from daskgen.worker.shared_regions import Handover
-    from daskgen.worker.writers import WriterPool
-
-
-@dataclass
-class PartitionTask:
-    """Everything a worker needs for one partition (small: the pending rows only).
-
-    ``inputs`` are the pending rows as read from the input (``messages`` or ``prompt``); the worker
-    tokenizes them (chat template included) into ``prompts``, so the client — one process for the
-    whole cluster — never spends its CPU on tokenizing.  ``prompts`` may also be given directly.
-    """
-
-    store: GenerationStore  # pickled as its location: each worker opens it once
-    start: int
-    stop: int
-    rows: list[int]
-    prompts: list[list[int]] | None
-    n_samples: int
-    params: SamplingParams
-    seed: int
-    plugin_name: str = "daskgen-engine"
-    timeout_s: float | None = None
-    isolate: bool = False
-    #: Client side only: a one-row task run while no other such task runs, because its worker died too often
-    #: while generating its partition (:mod:`daskgen.client.driver`); the worker runs it like ``isolate``.
-    alone: bool = False
-    agent: str = "single_turn"
-    agent_args: dict[str, Any] = field(default_factory=dict)
-    model: str = ""
-    continue_partial: bool = False
-    verify: Any = None
-    rows_meta: list[dict[str, Any]] | None = None
-    inputs: list[dict[str, Any]] | None = None
-    chat_template: ChatTemplate | None = None  # the run's chat-template options (None: the tokenizer's own)
-    #: The Dask key it runs under (set at submission), by which the running task gives back its thread slot.
-    key: str = ""
-    #: The tokenizer's end ids (added to each row's stop ids), the run's sampling settings (``None`` in a run
-    #: with neither per-row settings nor stops) and each pending row's (``None`` when no row has its own).
-    eos_ids: tuple[int, ...] = ()
-    run_settings: dict[str, Any] | None = None
-    row_settings: list[dict[str, Any]] | None = None
-    #: Send the requests in prompt order (shared prefixes together: :mod:`daskgen.worker.prefix_order`).
-    prefix_order: bool = False
-    #: Client side only: the partition's shared-prefix key (-1: none; :mod:`daskgen.client.prefix_dispatch`).
-    prefix_key: int = -1
-    #: Worker side only: each pending row's images, placed in its prompt (``None``: a run without images), and as a
-    #: preprocessing worker gave them (``None``: prepared on this worker).
-    images: list[RowImages | None] | None = None
-    preprocessed: Any = None
-
-    @property
-    def layout(self) -> Layout:
-        """The store's layout."""
-        return self.store.layout
-
-
-@dataclass
-class PartitionResult:
-    """What the client commits: per-row outcome plus counters."""
-
-    start: int
-    stop: int
-    rows: list[int]
-    failed: dict[int, str] = field(default_factory=dict)
-    aborted: list[int] = field(default_factory=list)
-    notes: dict[int, str] = field(default_factory=dict)
-    prompt_tokens: int = 0
-    response_tokens: int = 0
-    #: Aborted samples whose tokens so far were stored (continued by the next attempt), and those tokens.
-    partial_samples: int = 0
-    partial_tokens: int = 0
-    #: Response tokens of this partition's samples that earlier attempts generated (kept, not regenerated).
-    carried_tokens: int = 0
-    seconds: float = 0.0
-    worker: str = ""
+    from daskgen.worker.writers.pool import WriterPool
+    from daskgen.worker.writers.shared_regions import Handover
 
 
 def fill_region(
@@ -126,7 +51,7 @@ def fill_region(
 ) -> PartitionResult:
     """Place prompts and trajectories (and verifier scores) into the region; collect per-row failures.
 
-    Every sample of the partition is placed at once (:mod:`daskgen.worker.region`)."""
+    Every sample of the partition is placed at once (:mod:`daskgen.worker.samples.region`)."""
     out = PartitionResult(task.start, task.stop, list(task.rows))
     _record_rounds(region, task, rounds or [], out)
     place_row_settings(region, task.start, task.rows, task.row_settings)
@@ -181,7 +106,7 @@ async def run_partition(task: PartitionTask, preprocessed: Any = None) -> Partit
         samples = [t for o in rounds for t in o.samples] if rounds is not None else results
         if plugin.writers is None:  # placed and written in a thread of the worker
             outcome = await asyncio.to_thread(write_partition, task, region, samples, rounds)
-        else:  # placed and handed over in a thread, written by a writer process (daskgen.worker.writers)
+        else:  # placed and handed over in a thread, written by a writer process (daskgen.worker.writers.pool)
             handover, outcome = await asyncio.to_thread(place_for_writer, plugin.writers, task, region, samples, rounds)
             await plugin.writers.write(task.store, task.start, handover)
     outcome.seconds, outcome.worker = time.perf_counter() - t0, worker.address
@@ -312,7 +237,7 @@ class PartitionGeneration:
     def one(self, i: int, s: int, seed: int | None = None) -> Any:
         """Sample ``s`` of the partition's ``i``-th row, seeded per sample, counted on the slot.
 
-        ``seed``: the sample's seed under the run's settings (:func:`~daskgen.worker.seeds.sample_seeds`),
+        ``seed``: the sample's seed under the run's settings (:func:`~daskgen.worker.samples.seeds.sample_seeds`),
         when the caller computed it with its neighbours'."""
         task, row = self.task, self.task.rows[i]
         assert task.prompts is not None
@@ -357,7 +282,7 @@ class PartitionGeneration:
     async def batch(self, indices: range) -> PlainTurns | list[list[Trajectory]]:
         """Every sample of the given rows as one batch of requests (:meth:`EngineHandle.generate_batch`), each
         finished group counted on the slot at once: kept as the engine's plain results while they all are
-        (:mod:`daskgen.worker.plain_turns`), else made into trajectories and cut at their stops."""
+        (:mod:`daskgen.worker.samples.fast_path`), else made into trajectories and cut at their stops."""
         task, n = self.task, self.task.n_samples
         assert task.prompts is not None
         seeds = sample_seeds(task.seed, [task.rows[i] for i in indices], n)
@@ -383,7 +308,7 @@ class PartitionGeneration:
         return GenerationRequest(f"p{self.task.rows[i]}-s{s}", list(self.task.prompts[i]), self.params(i, s, seed))
 
     async def stopped(self, sample: Awaitable[list[Trajectory]], settings: dict[str, Any]) -> list[Trajectory]:
-        """``sample``'s trajectories under the stop rule (:func:`~daskgen.worker.row_sampling.apply_stops`)."""
+        """``sample``'s trajectories under the stop rule (:func:`~daskgen.worker.samples.row_sampling.apply_stops`)."""
         trajectories = await sample
         apply_stops(trajectories, settings, self.plugin.tokenizer().decode)
         return trajectories

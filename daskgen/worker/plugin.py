@@ -31,7 +31,7 @@ from daskgen.worker.images import PREPROCESS_RESOURCE, image_metrics
 from daskgen.worker.prefix_order import AlternatingOrder
 from daskgen.worker.slot import PartitionSlot
 from daskgen.worker.thread_slots import offer_no_slot_yet, partitions_hold_threads, start_admitted_tasks
-from daskgen.worker.writers import WriterPool, start_writers, stop_writers
+from daskgen.worker.writers.pool import WriterPool, start_writers, stop_writers
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class EnginePlugin(WorkerPlugin):
         self.refresh, self.policy_store = refresh, policy_store  # ``refresh`` runs: daskgen.worker.refresh
         self.refresher: Any = None
         self._policy_follower: asyncio.Task | None = None
-        self.writers: WriterPool | None = None  # daskgen.writer-processes: started in setup (daskgen.worker.writers)
+        self.writers: WriterPool | None = None  # daskgen.writer-processes: started in setup (worker/writers/)
 
     @property
     def ready_event(self) -> asyncio.Event:

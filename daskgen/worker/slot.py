@@ -72,7 +72,7 @@ class PartitionSlot:
 
     def count(self, samples: list[list[Trajectory]], turns: Sequence[GenerationResult] = ()) -> None:
         """Count finished ``samples`` (each a sample's trajectories) and plain ``turns`` (each a sample's one engine
-        result, :mod:`daskgen.worker.plain_turns`) at once: their tokens go to the meter."""
+        result, :mod:`daskgen.worker.samples.fast_path`) at once: their tokens go to the meter."""
         for trajectories in samples:
             self.plugin.meter.record(trajectories)
         if turns:

@@ -5,7 +5,7 @@ samples are placed into its padded region in a thread of the worker, and writing
 (Zarr's codecs, checksums and I/O, much of it Python) is the larger part of the CPU a sample costs after
 the engine.  In a thread of the worker it competes with the loop for the interpreter lock.  With
 ``daskgen.writer-processes`` set to N > 0, each worker starts N processes that write: the partition's
-region goes to one of them through shared memory (:mod:`daskgen.worker.shared_regions`: one copy of its
+region goes to one of them through shared memory (:mod:`daskgen.worker.writers.shared_regions`: one copy of its
 arrays' bytes, no pipe), and the task ends when that process answered, so a partition still finishes only
 after its data landed.  Worth it where a worker has cores to spare (GPU nodes usually have many cores per
 GPU); where every core already runs a worker, it only adds the hand-over.
@@ -34,7 +34,7 @@ import numpy as np
 
 from daskgen import tunables
 from daskgen.errors import ConfigError, StoreWriteError
-from daskgen.worker.shared_regions import Block, Handover, SharedBlocks, write_shared
+from daskgen.worker.writers.shared_regions import Block, Handover, SharedBlocks, write_shared
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class WriterPool:
 
     def hand_over(self, arrays: dict[str, np.ndarray]) -> Handover:
         """Any thread: the region made ready for a writer process (copied into shared memory,
-        :mod:`daskgen.worker.shared_regions`, or kept to be pickled where there is no room there)."""
+        :mod:`daskgen.worker.writers.shared_regions`, or kept to be pickled where there is no room there)."""
         return Handover(self.blocks, arrays)
 
     async def write(self, store: Any, start: int, handover: Handover) -> None:

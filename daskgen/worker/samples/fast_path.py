@@ -6,8 +6,8 @@ or ``length``, no error, its tokens from the base policy).  For them a :class:`~
 sample (its token, mask and logprob lists copied, then read back column by column when the region is placed,
 then counted and freed) is pure overhead: the worker keeps the engine's results instead, counts them for the
 dashboard from their lengths (:meth:`daskgen.dashboard.metrics.WorkerMeter.record_turns`) and places them
-straight into the region (:func:`daskgen.worker.region.place_turns`).  What is stored is the same, array for
-array, as the trajectories would store (``tests/test_plain_turns.py`` checks it); a partition with any other
+straight into the region (:func:`daskgen.worker.samples.region.place_turns`).  What is stored is the same, array for
+array, as the trajectories would store (``tests/test_fast_path.py`` checks it); a partition with any other
 result goes the trajectory way as a whole (:meth:`PlainTurns.trajectories`).
 """
 

@@ -22,8 +22,8 @@ from daskgen.agents import Trajectory
 from daskgen.engines.base import BASE_POLICY_VERSION, FinishReason, GenerationResult
 from daskgen.store.fingerprint import NO_FINGERPRINT
 from daskgen.store.layout import FINGERPRINT_ARRAYS, VERSION_ARRAYS, Layout, clear_response
-from daskgen.worker.plain_turns import PlainTurns
-from daskgen.worker.top_logprobs import TOP_UNAVAILABLE, lacks_top, place_top_logprobs
+from daskgen.worker.samples.fast_path import PlainTurns
+from daskgen.worker.samples.top_logprobs import TOP_UNAVAILABLE, lacks_top, place_top_logprobs
 
 
 @dataclass
@@ -36,7 +36,7 @@ class SampleCounts:
     partial_samples: int = 0
     partial_tokens: int = 0
     carried_tokens: int = 0
-    #: Notes of rows that stay done (:data:`~daskgen.worker.top_logprobs.TOP_UNAVAILABLE`), by store row.
+    #: Notes of rows that stay done (:data:`~daskgen.worker.samples.top_logprobs.TOP_UNAVAILABLE`), by store row.
     notes: dict[int, str] = field(default_factory=dict)
 
 
@@ -249,7 +249,7 @@ def place_turns(
     layout: Layout,
 ) -> SampleCounts:
     """Store every sample of the pending rows (region rows ``offsets``; ``turns`` row-major) from the engine's
-    plain results (:mod:`daskgen.worker.plain_turns`): what :func:`place_samples` stores of their trajectories."""
+    plain results (:mod:`daskgen.worker.samples.fast_path`): what :func:`place_samples` stores of their trajectories."""
     assert layout.n_trajectories == 1 and "top_logprobs" not in region, "plain turns: one trajectory, no top-k"
     slots = (np.asarray(offsets, dtype=np.int64)[:, None] * n_samples + np.arange(n_samples)).reshape(-1)
     _mask, length = _store_columns(region, slots, _Columns.of_turns(turns, layout.max_new_tokens), layout)

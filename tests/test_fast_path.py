@@ -11,8 +11,8 @@ from daskgen.agents import Trajectory
 from daskgen.dashboard.metrics import WorkerMeter
 from daskgen.engines.base import FinishReason, GenerationResult, SamplingParams
 from daskgen.store.layout import Layout, empty_region
-from daskgen.worker.plain_turns import PlainTurns, TurnBatch, as_trajectories, is_plain
-from daskgen.worker.region import place_samples
+from daskgen.worker.samples.fast_path import PlainTurns, TurnBatch, as_trajectories, is_plain
+from daskgen.worker.samples.region import place_samples
 
 PAD = 3
 

@@ -1,6 +1,6 @@
 """Per-sample seeds of a whole partition at once, and sampling params that differ only in their seed.
 
-:func:`~daskgen.worker.row_sampling.sample_seed` derives one sample's seed from ``(run seed, row, sample)``
+:func:`~daskgen.worker.samples.row_sampling.sample_seed` derives one sample's seed from ``(run seed, row, sample)``
 through ``numpy.random.SeedSequence``; constructing one costs about 10-20 µs.  :func:`sample_seeds` computes
 the very same numbers for every sample of a partition with a handful of array operations: it runs
 ``SeedSequence``'s entropy mixing (a fixed sequence of 32-bit hash steps, the same for every input of three
@@ -66,7 +66,7 @@ def _first_words(words: list[np.ndarray]) -> np.ndarray:
 
 def sample_seeds(seed: int, rows: Sequence[int], n_samples: int) -> list[int]:
     """``sample_seed(seed, row, s)`` for every row and sample, row-major (``rows[0]``'s samples first)."""
-    from daskgen.worker.row_sampling import sample_seed
+    from daskgen.worker.samples.row_sampling import sample_seed
 
     if not rows or n_samples < 1:
         return []

@@ -10,7 +10,7 @@ import numpy as np
 from daskgen.agents import AgentLoop, EngineHandle, Trajectory
 from daskgen.engines.base import FinishReason, GenerationRequest, GenerationResult, SamplingParams
 from daskgen.engines.continuation import continuation_of
-from daskgen.worker.top_logprobs import stored_top_logprobs
+from daskgen.worker.samples.top_logprobs import stored_top_logprobs
 
 
 def stored_samples(
