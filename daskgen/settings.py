@@ -36,17 +36,20 @@ class RunSettings:
     ----------
     options:
         The options as checked (:class:`RunConfig`): plain values such as ``n_samples`` are read there.
-    source:
-        The prompts to run (``None`` only where a caller plans no input).
+    source, folder:
+        The prompts to run (``None`` only where a caller plans no input); the folder of their file, which relative
+        image paths are read from (``None``: rows given in memory, read from the current folder).
     location, length_hints:
         Where the store lives (:class:`~daskgen.store.location.StoreLocation`, reachable); the ``length_hints``
         store's location (``None``: unset).
     max_trajectories:
         The most trajectories the run's agent loop makes of one sample (the store's width; the agent is created,
         and so its arguments checked, here).
-    engine_cls, simulated, prefix_engine_args, prefix_admits:
+    engine_cls, simulated, prefix_engine_args, prefix_admits, engine_ranges:
         The engine class ``engine`` names, and whether it generates without a model (engine args included); the
-        engine args of a run dispatched by prefix, and whether the engine then admits requests by prefix itself.
+        engine args of a run dispatched by prefix, and whether the engine then admits requests by prefix itself;
+        the engine's narrower sampling ranges with the run's engine args
+        (:meth:`~daskgen.engines.base.Engine.ranges_with`).
     tokenizer, stop_ids, tokenizer_identity:
         The model's tokenizer (a byte tokenizer for simulated engines), its end-of-sequence id, and what a resume
         must match of it and of the chat-template options.
@@ -69,6 +72,7 @@ class RunSettings:
 
     options: RunConfig
     source: Prompts | None
+    folder: Path | None
     location: StoreLocation
     length_hints: StoreLocation | None
     max_trajectories: int
@@ -76,6 +80,7 @@ class RunSettings:
     simulated: bool
     prefix_engine_args: dict[str, Any]
     prefix_admits: bool
+    engine_ranges: dict[str, Any]
     tokenizer: Any
     stop_ids: tuple[int, ...]
     tokenizer_identity: dict[str, Any]
@@ -107,6 +112,7 @@ def resolve(config: RunConfig, prompts: Prompts | None = None, *, command: RunCo
     from daskgen.input.chat_template import ChatTemplate
     from daskgen.input.columns import normalize
     from daskgen.input.response_format import from_setting
+    from daskgen.input.rows import input_folder
     from daskgen.input.tokenizer import model_tokenizer, tokenizer_identity
     from daskgen.redaction import redact
     from daskgen.reserved import reserved_names
@@ -127,15 +133,18 @@ def resolve(config: RunConfig, prompts: Prompts | None = None, *, command: RunCo
     engine_cls = resolve_engine_class(config.engine)
     simulated = engine_cls.is_simulated(config.engine_args)
     prefix_engine_args, prefix_admits = engine_cls.prefix_admission(dict(config.engine_args))
+    engine_ranges = engine_cls.ranges_with(config.engine_args)
     tokenizer = model_tokenizer(str(config.model), config.engine, simulated=simulated)
     eos = tokenizer.eos_token_id
     template = ChatTemplate.from_settings(config.chat_template, config.chat_template_kwargs)
+    source = prompts if prompts is not None else config.prompts
     adapters = options["adapters"]  # checked, absolute folders (the options' canonical form)
     if adapters:  # the content of each adapter, not where it lies
         identity["adapters"] = adapter_identity(adapters)
     return RunSettings(
         options=config,
-        source=prompts if prompts is not None else config.prompts,
+        source=source,
+        folder=input_folder(source),
         location=location,
         length_hints=hints,
         max_trajectories=agent.max_trajectories,
@@ -143,6 +152,7 @@ def resolve(config: RunConfig, prompts: Prompts | None = None, *, command: RunCo
         simulated=simulated,
         prefix_engine_args=prefix_engine_args,
         prefix_admits=prefix_admits,
+        engine_ranges=engine_ranges,
         tokenizer=tokenizer,
         stop_ids=() if eos is None else (int(eos),),
         tokenizer_identity=tokenizer_identity(tokenizer, template),

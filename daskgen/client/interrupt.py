@@ -38,7 +38,8 @@ class Interrupt:
     Parameters
     ----------
     grace_s:
-        Seconds from the request until the process should have exited.
+        Seconds from the request until the process should have exited (a run sets it once its settings are
+        resolved).
     install:
         Install signal handlers (only possible, and only done, in the main thread).
     ignore_sigterm_after:
@@ -47,7 +48,7 @@ class Interrupt:
         ``daskgen run`` command), which then ends with the run's status whenever a SIGTERM comes.
     """
 
-    def __init__(self, grace_s: float, install: bool = True, ignore_sigterm_after: bool = False) -> None:
+    def __init__(self, grace_s: float = 0.0, install: bool = True, ignore_sigterm_after: bool = False) -> None:
         self.grace_s = float(grace_s)
         self.reason: str | None = None
         self.requested_at: float | None = None

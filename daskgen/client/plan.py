@@ -11,11 +11,11 @@ drives them.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from daskgen.client.prefix_dispatch import resolve_prefix, with_prefix
 from daskgen.config import RunConfig
 from daskgen.engines.base import SamplingParams
 from daskgen.errors import ConfigError
+from daskgen.images.processor import ImageProcessing
 from daskgen.images.scan import ImageCheck
 from daskgen.input import adapters
 from daskgen.input.chat_template import ChatTemplate
@@ -45,9 +46,6 @@ from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import FAILED, PENDING, Layout
 from daskgen.worker.samples.row_sampling import row_params
 from daskgen.worker.task import PartitionTask
-
-if TYPE_CHECKING:
-    from daskgen.images.processor import ImageProcessing
 
 logger = logging.getLogger(__name__)
 
@@ -153,8 +151,7 @@ def _check_features(settings: RunSettings, keys: frozenset[str], structured: boo
     features, refused = cls.features_with(config.engine_args), cls.refused_features(config.engine_args)
     check_features(config.engine, features, wanted, refused)
     check_top_logprobs(config.engine, cls, config.top_logprobs, config.engine_args)
-    ranges = cls.ranges_with(config.engine_args)
-    if wrong := engine_range_errors(run, ranges, config.engine, "the run's settings"):
+    if wrong := engine_range_errors(run, settings.engine_ranges, config.engine, "the run's settings"):
         raise ConfigError("; ".join(wrong))
 
 
@@ -167,17 +164,19 @@ def _scan_input(
     Returns the existing store (``None``: none yet), the scan, for a fresh scan the record to keep in the attrs
     (``None`` when reused), and the sampling keys the rows set (those of the store's layout for a reused scan).
     """
-    existing = GenerationStore.open_if_exists(settings.location)
     config, source, tokenizer = settings.options, settings.source, settings.tokenizer
+    # rows with images need a model folder with an image processor: made once the first image is checked
+    trust = bool(config.engine_args.get("trust_remote_code", False))
+    processing = functools.partial(ImageProcessing, str(config.model), trust_remote_code=trust)
+    images = ImageCheck(processing, config.storage_options, settings.folder)
+    existing = GenerationStore.open_if_exists(settings.location)
     assert source is not None  # resolve() requires prompts unless given
     key = scan_key(source, settings.tokenizer_identity, config.max_prompt_tokens, config.skip_overlong)
     scan = load_scan(existing.attrs.input_scan if existing else None, key, source)
     if scan is not None:  # the store exists and was checked when created: its layout holds
         return existing, scan, None, frozenset()
-    ranges = settings.engine_cls.ranges_with(config.engine_args)
-    check = RowSamplingCheck(config.max_new_tokens, ranges, config.engine)
+    check = RowSamplingCheck(config.max_new_tokens, settings.engine_ranges, config.engine)
     adapter_check = adapters.AdapterCheck(settings.adapters)
-    images = ImageCheck(lambda: _image_processing(settings), config.storage_options, input_folder(source))
     scan = scan_prompts(
         source,
         tokenizer,
@@ -250,20 +249,6 @@ def _layout(settings: RunSettings, scan: InputScan, keys: frozenset[str]) -> Lay
     )
 
 
-def _image_processing(settings: RunSettings) -> ImageProcessing:
-    """The image processing of the run's model (rows with images need a model folder with an image processor)."""
-    from daskgen.images.processor import ImageProcessing
-
-    trust = bool(settings.options.engine_args.get("trust_remote_code", False))
-    return ImageProcessing(str(settings.options.model), trust_remote_code=trust)
-
-
-def input_folder(source: Any) -> Path | None:
-    """The folder of the prompt file ``source`` (relative image paths are read from it); ``None`` for rows given
-    in memory (read from the current folder)."""
-    return Path(source).resolve().parent if isinstance(source, (str, Path)) else None
-
-
 def pending_rows(plan: Plan, status: np.ndarray) -> np.ndarray:
     """Mask of rows this run generates, given the checkpoint ``status``."""
     todo = status == PENDING
@@ -313,7 +298,7 @@ def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[Part
         return
 
     shared = _shared_task_fields(plan)
-    layout, params, base = plan.layout, shared["params"], input_folder(plan.prompts.source)
+    layout, params, base = plan.layout, shared["params"], plan.settings.folder
     ranges = [(start, min(start + layout.partition_size, layout.n_prompts)) for start in starts]
     wanted = (int(i) for start, stop in ranges for i in np.flatnonzero(todo[start:stop]) + start)
     selected = iter_selected_rows(plan.prompts.source, wanted)

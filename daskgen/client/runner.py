@@ -56,8 +56,9 @@ def run(
     are no settings (its cluster kind and ``--insecure`` are merged into the cluster section).
     """
     t0 = time.perf_counter()
-    with Interrupt(config.grace_seconds(), install=handle_signals, ignore_sigterm_after=then_exit) as interrupt:
+    with Interrupt(install=handle_signals, ignore_sigterm_after=then_exit) as interrupt:
         settings = resolve(config, prompts, command=command)
+        interrupt.grace_s = settings.grace_s  # a stop asked for while planning has nothing in flight to wait for
         plan = make_plan(settings)
         stop = StopControl(interrupt, allocation_end() if handle_signals else None)
         return _run_locked(plan, stop, t0)

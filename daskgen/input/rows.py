@@ -385,3 +385,9 @@ def worker_input(
     if adapter is not None:
         out["adapter"] = adapter
     return out
+
+
+def input_folder(source: Any) -> Path | None:
+    """The folder of the prompt file ``source`` (relative image paths are read from it); ``None`` for rows given
+    in memory (read from the current folder)."""
+    return Path(source).resolve().parent if isinstance(source, (str, Path)) else None
