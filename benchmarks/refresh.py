@@ -18,7 +18,15 @@ is stopped (SIGTERM) and read:
   opens (in tokens and in seconds of steady generation), and finer bins of ``--bin`` seconds around each
   publish show where the loss falls.
 
-Workers read the record once per ``daskgen.policy.poll-interval`` (1 s by default), which bounds the notice.
+Workers read the record once per ``daskgen.policy.poll-interval`` (``--poll``, 1 s by default), which bounds the
+notice.
+
+``--publish full,delta`` runs each policy twice: versions published in full (each worker's engine reads the
+checkpoint folder), then as deltas (``publish_policy(..., delta=True)`` after a first full version: the workers of
+the node rebuild each version once in their cache).  ``--changed`` makes each checkpoint change that share of the
+values only (as an optimizer step leaves most bfloat16 values unchanged; ``benchmarks/delta.py``).  Per version, a
+table gives what the refresh cost the workers as they recorded it (``refresh_costs.py``): bytes read from shared
+storage, the rebuild, the serving pause next to the engine's own load-from-memory time.
 
 ``--engine sglang`` or ``vllm`` runs the in-process engine of that name (in its lane's virtualenv, as
 ``overhead_engine.py`` does; one worker: each of those engines keeps a 2-core machine busy) and refreshes it
@@ -27,6 +35,7 @@ through its own weight-update call.
     python benchmarks/refresh.py                             # the tiny model, ~5 minutes on 2 cores
     python benchmarks/refresh.py --model "$(python -m daskgen.models smollm2)" --interval 30
     <vllm lane venv>/bin/python benchmarks/refresh.py --engine vllm --workers 1 --model <tiny model, 32-wide heads>
+    python benchmarks/refresh.py --publish full,delta --changed 0.02 --policies continue
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from common.prompts import builtin_prompts
 from follow import launch
 from overhead_engine import ENGINE_ARGS
 from refresh_check import checkpoints
+from refresh_costs import COST_HEADER, cost_rows, fill_baseline, memory_load_seconds, read_bandwidth, weight_bytes
 
 TITLE = "Policy refresh: publish to every worker on the new version, and throughput lost per refresh"
 
@@ -65,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bin", type=float, default=2.0, help="seconds per tokens/s bin around each publish")
     p.add_argument("--noise", type=float, default=0.02, help="relative weight perturbation of each checkpoint")
     p.add_argument("--window", default="auto", help="partitions in flight per worker (daskgen run --window)")
+    p.add_argument("--publish", default="full", help="comma-separated: full, delta (one run each per policy)")
+    p.add_argument("--changed", type=float, default=1.0, help="share of each tensor's values a checkpoint changes")
+    p.add_argument("--poll", default="1s", help="daskgen.policy.poll-interval of the workers")
     return cli.parse(p, argv)
 
 
@@ -91,6 +104,7 @@ class StatePoller(threading.Thread):
         from daskgen import store as stores
 
         self.location, self.seen, self.halt = stores.locate(store), {}, threading.Event()
+        self.records: dict[tuple[str, str, int], Any] = {}
 
     def run(self) -> None:
         from daskgen.store.policy import read_worker_policies
@@ -99,6 +113,7 @@ class StatePoller(threading.Thread):
             for w in read_worker_policies(self.location):
                 version = w.asked if w.state == "loading" else w.version
                 self.seen.setdefault((w.worker, w.state, version), epoch(w.time))
+                self.records.setdefault((w.worker, w.state, version), w)
 
 
 def epoch(iso: str) -> float:
@@ -140,11 +155,16 @@ def wait_first_commit(store: Path, proc: Any, timeout: float = 900) -> None:
         time.sleep(0.1)
 
 
-def run_policy(a: argparse.Namespace, model: str, ckpts: list[Path], work: Path, policy: str) -> dict[str, Any]:
-    """One run under ``policy``: publish each checkpoint at its interval's start; what the store recorded."""
+def run_policy(
+    a: argparse.Namespace, model: str, ckpts: list[Path], work: Path, policy: str, mode: str = "full"
+) -> dict[str, Any]:
+    """One run under ``policy``: publish each checkpoint at its interval's start (``mode`` delta: each after the
+    first as a delta); what the store recorded."""
     import daskgen
 
-    prompts, store = work / "prompts.jsonl", work / f"{policy}.zarr"
+    prompts, store = work / "prompts.jsonl", work / f"{policy}-{mode}.zarr"
+    os.environ["DASK_DASKGEN__POLICY__CACHE_DIR"] = str(work / f"cache-{policy}-{mode}")
+    os.environ["DASK_DASKGEN__POLICY__POLL_INTERVAL"] = a.poll
     prompts.write_text("".join(json.dumps(r) + "\n" for r in builtin_prompts(a.prompts, 0)))
     proc = launch(run_args(a, model, prompts, store, policy))
     try:
@@ -155,7 +175,7 @@ def run_policy(a: argparse.Namespace, model: str, ckpts: list[Path], work: Path,
         bounds = [start + i * a.interval for i in range(a.steady + a.versions + 1)]
         for version, path in enumerate(ckpts, 1):
             time.sleep(max(0.0, bounds[a.steady + version - 1] - time.time()))
-            daskgen.publish_policy(store, str(path), version)
+            daskgen.publish_policy(store, str(path), version, delta=mode == "delta" and version > 1)
         time.sleep(max(0.0, bounds[-1] - time.time()))
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=600)
@@ -164,7 +184,10 @@ def run_policy(a: argparse.Namespace, model: str, ckpts: list[Path], work: Path,
     finally:
         if proc.poll() is None:
             proc.kill()
-    return {"bounds": bounds, "states": poller.seen, **read_run(store), "exit": proc.returncode, "out": out}
+    return {
+        **{"bounds": bounds, "states": poller.seen, "records": poller.records, **read_run(store)},
+        **{"exit": proc.returncode, "out": out},
+    }
 
 
 def read_run(store: Path) -> dict[str, Any]:
@@ -173,7 +196,7 @@ def read_run(store: Path) -> dict[str, Any]:
     from daskgen.store.policy import read_versions
 
     made = stores.GenerationStore.open(store)
-    n = made.layout.n_prompts
+    n, deltas = made.layout.n_prompts, [v for v in read_versions(stores.locate(store)) if v.delta]
     names = ("status", "committed_at", "response_length", "policy_version", "policy_version_end", "version_changed_at")
     got = made.read_region(0, n, names)
     done = np.isfinite(got["committed_at"])
@@ -184,6 +207,8 @@ def read_run(store: Path) -> dict[str, Any]:
         "last": got["policy_version_end"][done],
         "changed": got["version_changed_at"][done],
         "published": {v.version: epoch(v.time) for v in read_versions(stores.locate(store))},
+        "kinds": {v.version: "full" if v.delta is None else "delta" for v in read_versions(stores.locate(store))},
+        "deltas": {v.version: len(stores.locate(store).read_bytes(v.delta) or b"") for v in deltas},
     }
 
 
@@ -279,18 +304,50 @@ def record_policy(rec: records.Record, a: argparse.Namespace, policy: str, r: di
 
 
 def part_refresh(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
-    """Build the checkpoints once; one run per policy."""
+    """Build the checkpoints once; one run per publish mode and policy; the cost of each refresh."""
     model = base_model(a, work)
-    ckpts = checkpoints(model, work / "ckpt", a.versions, a.noise)
+    ckpts = checkpoints(model, work / "ckpt", a.versions, a.noise, a.changed)
+    baseline = memory_load_seconds(a.engine, ckpts[-1])
     rec.note(
         f"Engine `{a.engine}` ({engine_args(a)}); model {model}; {a.workers} workers (LocalCluster) on a machine of "
         f"{os.cpu_count()} cores shared with other jobs; {a.versions} checkpoints (weights × (1 + "
-        f"{a.noise:g} N(0, 1))); publishes every {a.interval:g} s after {a.steady} steady intervals; "
-        f"{a.max_new_tokens} new tokens at most, temperature 1, partitions of {a.partition_size} prompts, "
-        f"window {a.window}."
+        f"{a.noise:g} N(0, 1)), {a.changed:g} of each tensor's values changed); publishes every {a.interval:g} s "
+        f"after {a.steady} steady intervals, workers polling every {a.poll}; {a.max_new_tokens} new tokens at "
+        f"most, temperature 1, partitions of {a.partition_size} prompts, window {a.window}."
     )
-    for policy in a.policies.split(","):
-        record_policy(rec, a, policy, run_policy(a, model, ckpts, work, policy.strip()))
+    costs = []
+    for mode in [m.strip() for m in a.publish.split(",") if m.strip()]:
+        for policy in a.policies.split(","):
+            run = run_policy(a, model, ckpts, work, policy.strip(), mode)
+            rec.note(f"#### Versions published {'in full' if mode == 'full' else 'as deltas'}")
+            record_policy(rec, a, policy, run)
+            costs += cost_rows(mode, policy.strip(), run, version_sizes(run, ckpts), baseline)
+    record_costs(rec, a, ckpts[-1], costs, baseline)
+
+
+def version_sizes(run: dict[str, Any], ckpts: list[Path]) -> dict[int, int]:
+    """Each published version's bytes: a full version's weights, a delta version's delta object."""
+    return {v: run["deltas"][v] if kind == "delta" else weight_bytes(ckpts[v - 1]) for v, kind in run["kinds"].items()}
+
+
+def record_costs(
+    rec: records.Record, a: argparse.Namespace, ckpt: Path, rows: list[list[Any]], baseline: float | None
+) -> None:
+    """The per-version cost table, the version's bytes and the page cache's read rate."""
+    source = (
+        f"`model.load_state_dict` of the version's tensors in memory (one torch thread): {baseline:.3g} s"
+        if baseline is not None
+        else f"the fastest `update_weights` of the runs (files in the page cache): {fill_baseline(rows)} s"
+    )
+    rec.table(
+        COST_HEADER,
+        rows,
+        f"### What each refresh cost ({a.workers} workers, one node). The engine's own load from memory: {source}. "
+        f"Weights per version: {weight_bytes(ckpt):,} bytes, every file of its folder "
+        f"{sum(f.stat().st_size for f in ckpt.iterdir() if f.is_file()):,} bytes; page-cache read rate of them: "
+        f"{read_bandwidth(ckpt):,.0f} bytes/s. Reads and times as each worker recorded them in its policy state "
+        "(`daskgen.policy.workers/`); pause: from the engine holding no request to admitting again.",
+    )
 
 
 if __name__ == "__main__":

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 
-def checkpoints(base: str, folder: Path, k: int, noise: float) -> list[Path]:
-    """``k`` checkpoints of ``base`` in ``folder/v1 ...``: each multiplies every weight of the one before by
-    ``1 + noise × N(0, 1)`` (seeded by its version) and is saved with ``save_pretrained`` (with the tokenizer)."""
+def checkpoints(base: str, folder: Path, k: int, noise: float, share: float = 1.0) -> list[Path]:
+    """``k`` checkpoints of ``base`` in ``folder/v1 ...``: each multiplies every weight of the one before (with
+    ``share`` < 1, a random ``share`` of each tensor's values) by ``1 + noise × N(0, 1)`` (seeded by its version)
+    and is saved with ``save_pretrained`` (with the tokenizer)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -28,7 +29,10 @@ def checkpoints(base: str, folder: Path, k: int, noise: float) -> list[Path]:
         generator = torch.Generator().manual_seed(version)
         with torch.no_grad():
             for param in model.parameters():
-                param.mul_(1 + noise * torch.randn(param.shape, generator=generator, dtype=param.dtype))
+                factor = 1 + noise * torch.randn(param.shape, generator=generator, dtype=param.dtype)
+                if share < 1:
+                    factor[torch.rand(param.shape, generator=generator) >= share] = 1
+                param.mul_(factor)
         path = folder / f"v{version}"
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)

@@ -5,7 +5,8 @@ and float32, for unchanged, sparsely and fully changed tensors; checkpoints whos
 refused with an error saying to publish in full.  With the tiny model: version 1 is published in full and later
 versions as deltas; a worker that starts late rebuilds the newest version from version 1 plus every delta (or
 from its own cached rebuild plus the deltas after it), the rebuild has the published fingerprint, and the
-workers of a node sharing a cache rebuild once.  A labelled test double flips one value of a stored delta: the
+workers of a node sharing a cache rebuild once, reading what the version needs from shared storage once
+(``shared_bytes``).  A labelled test double flips one value of a stored delta: the
 rebuild is refused by the fingerprint check and leaves nothing in the cache.
 """
 
@@ -175,6 +176,33 @@ def test_the_workers_of_a_node_rebuild_once(published, tmp_path):
             t.join(timeout=120)
     assert len(found) == 4 and len({f.path for f in found}) == 1
     assert sorted(f.rebuilt for f in found) == [False, False, False, True]
+
+
+def test_the_workers_of_a_node_read_a_versions_bytes_from_shared_storage_once(published, tmp_path):
+    out, (v1, v2, v3) = published
+    location = store.locate(out)
+    sizes = dict(location.files("daskgen.policy.deltas"))
+    weights = sum(f.stat().st_size for f in Path(v1.path).glob("*.safetensors"))
+    every_file = sum(f.stat().st_size for f in Path(v1.path).iterdir() if f.is_file())
+
+    def two_workers(entry):
+        found, start = [], threading.Barrier(2)
+
+        def worker():
+            start.wait()
+            found.append(checkpoint_for(location, entry).shared_bytes)
+
+        threads = [threading.Thread(target=worker) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        return sorted(found)
+
+    with dask.config.set({"daskgen.policy.cache-dir": str(tmp_path / "node")}):
+        assert two_workers(v1) == [weights, weights]  # a full version: each engine reads its weights
+        assert two_workers(v2) == [0, every_file + sizes[v2.delta]]  # the full base once, then its delta
+        assert two_workers(v3) == [0, sizes[v3.delta]]  # from the node's rebuild of version 2: one delta
 
 
 def flip_one_value(location, entry) -> str:

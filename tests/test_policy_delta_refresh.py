@@ -4,9 +4,11 @@ A ``daskgen run --refresh drain`` of the tiny model (the ``transformers`` engine
 holds chosen rows at gates): version 1 is published in full while row 1 is held, version 2 as a delta
 (``daskgen policy publish --delta``) while row 3 is held.  Every sample equals the greedy answer of the version
 it records, token for token, and carries that version's published digest; the worker rebuilt version 2 in the
-cache folder set by ``daskgen.policy.cache-dir``.  In process: a worker that starts after three versions were
-published (one full, two deltas) rebuilds and serves the newest; a delta with one value flipped (a labelled test
-double) is refused before the engine loads anything, and the engine goes on serving the version it had.
+cache folder set by ``daskgen.policy.cache-dir``, reading version 1's files and the delta from shared storage,
+as its state record and ``daskgen status`` say, with the seconds its engine paused.  In process: a worker that
+starts after three versions were published (one full, two deltas) rebuilds and serves the newest; a delta with
+one value flipped (a labelled test double) is refused before the engine loads anything, and the engine goes on
+serving the version it had.
 """
 
 from __future__ import annotations
@@ -112,7 +114,11 @@ def test_a_run_serves_delta_versions_with_their_published_fingerprints(tiny_mode
     assert rebuilt == [f"v2-{record[1].digest[:16]}"]  # the worker's rebuild, checked and renamed into place
     (state,) = read_worker_policies(location)
     assert (state.state, state.version, state.error) == ("running", 2, None)
+    base_files = sum(f.stat().st_size for f in Path(versions[0]).iterdir() if f.is_file())
+    assert state.shared_bytes == base_files + dict(location.files("daskgen.policy.deltas"))[record[1].delta]
+    assert 0 < state.load_seconds < state.paused_seconds and 0 < state.check_seconds < state.paused_seconds
     status = daskgen_status(out)
+    assert f"; its refresh read {state.shared_bytes:,} bytes from shared storage, paused the engine " in status
     assert f"  2: {versions[1]} (published " in status, status
     assert f"tensors, a delta on version 1 ({record[1].delta})" in status, status
 

@@ -10,7 +10,7 @@ from daskgen.store.cursors import not_acknowledged
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import DONE, FAILED, PENDING
 from daskgen.store.location import StoreRef
-from daskgen.store.policy import PolicyVersion, read_versions, read_worker_policies
+from daskgen.store.policy import PolicyVersion, WorkerPolicy, read_versions, read_worker_policies
 
 
 def status_report(path: StoreRef) -> str:
@@ -51,8 +51,16 @@ def _policy_lines(store: GenerationStore, done: np.ndarray) -> list[str]:
     lines = ["policy versions:", *(f"  {v.version}: {v.path} (published {v.time}{_digest(v)})" for v in versions)]
     for w in read_worker_policies(store.location):
         note = {"loading": f", loading version {w.asked}", "failed": f", loading version {w.asked} failed: {w.error}"}
-        lines.append(f"  worker {w.worker}: version {w.version}{note.get(w.state, '')} ({w.time})")
+        lines.append(f"  worker {w.worker}: version {w.version}{note.get(w.state, '')} ({w.time}){_cost(w)}")
     return [*lines, *_samples_per_version(store, done)] if len(lines) > 1 else []
+
+
+def _cost(w: WorkerPolicy) -> str:
+    """What a worker's refresh to its running version cost, as status shows it (nothing before a refresh)."""
+    if w.state != "running" or w.paused_seconds is None:
+        return ""
+    read = "" if w.shared_bytes is None else f"read {w.shared_bytes:,} bytes from shared storage, "
+    return f"; its refresh {read}paused the engine {w.paused_seconds:.3g} s (load {w.load_seconds:.3g} s)"
 
 
 def _digest(version: PolicyVersion) -> str:

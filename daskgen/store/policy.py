@@ -176,7 +176,14 @@ def _stored_delta(location: StoreLocation, path: str, version: int, fingerprint:
 
 @dataclass(frozen=True)
 class WorkerPolicy:
-    """Where one worker's engine is: the version it runs, and a refresh loading or failed (``state``)."""
+    """Where one worker's engine is: the version it runs, and a refresh loading or failed (``state``).
+
+    What the refresh to ``asked`` cost the worker (``None`` when unknown: before a refresh, or a URL checkpoint):
+    ``shared_bytes`` read from shared storage for it (:class:`~daskgen.store.policy_cache.LocalCheckpoint`) and
+    ``fetch_seconds`` getting its folder (a delta version's rebuild, or the wait for another worker's), while the
+    engine goes on generating; once running, ``paused_seconds`` from the engine holding no request of the run
+    (drained or aborted) to admitting again, of which ``load_seconds`` in ``Engine.update_weights`` and
+    ``check_seconds`` comparing the loaded tensors with the published fingerprint."""
 
     worker: str
     version: int
@@ -184,6 +191,11 @@ class WorkerPolicy:
     asked: int  # the version being loaded or that failed (== ``version`` when running)
     error: str | None
     time: str
+    shared_bytes: int | None = None
+    fetch_seconds: float | None = None
+    paused_seconds: float | None = None
+    load_seconds: float | None = None
+    check_seconds: float | None = None
 
 
 def write_worker_policy(location: StoreLocation, state: WorkerPolicy) -> None:

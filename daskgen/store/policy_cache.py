@@ -11,6 +11,12 @@ into place (``v<version>-<digest>``), so a folder in the cache always holds its 
 take a file lock (``fcntl.flock`` on ``.lock``): the workers of a node sharing the cache read the deltas and
 rebuild once, the others wait and load the same folder.  Once a version is rebuilt, rebuilds more than
 ``daskgen.policy.cache-keep`` versions older are deleted.
+
+Each :class:`LocalCheckpoint` counts the bytes its worker reads from shared storage for the version
+(``shared_bytes``, recorded with the worker's policy state): a full version's safetensors files, which the engine
+loads from the published folder; for a rebuild, the deltas read from the store plus every file of the published
+full version it starts from (none when it starts from a rebuild in this cache); 0 when another worker of the node
+rebuilt it.
 """
 
 from __future__ import annotations
@@ -40,11 +46,14 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class LocalCheckpoint:
     """A folder holding a version's full weights; ``rebuilt``: this call rebuilt it, reading ``delta_bytes``
-    bytes of deltas from the store (0 when the folder was published in full or found in the cache)."""
+    bytes of deltas from the store (0 when the folder was published in full or found in the cache);
+    ``shared_bytes``: what the worker reads from shared storage to load it (``None`` for a URL checkpoint, which
+    daskgen does not read)."""
 
     path: str
     rebuilt: bool = False
     delta_bytes: int = 0
+    shared_bytes: int | None = 0
 
 
 def cache_folder(location: StoreLocation) -> Path:
@@ -58,7 +67,7 @@ def checkpoint_for(location: StoreLocation, entry: PolicyVersion) -> LocalCheckp
     """A folder holding ``entry``'s full weights: its published folder, or its checked rebuild in this node's
     cache (rebuilt now when absent)."""
     if entry.delta is None:
-        return LocalCheckpoint(entry.path)
+        return LocalCheckpoint(entry.path, shared_bytes=weight_bytes(entry.path))
     folder = cache_folder(location)
     if (folder / _name(entry)).is_dir():
         return LocalCheckpoint(str(folder / _name(entry)))
@@ -67,6 +76,16 @@ def checkpoint_for(location: StoreLocation, entry: PolicyVersion) -> LocalCheckp
         if (folder / _name(entry)).is_dir():  # another worker of the node rebuilt it while this one waited
             return LocalCheckpoint(str(folder / _name(entry)))
         return _rebuild(location, entry, folder)
+
+
+def weight_bytes(path: str) -> int | None:
+    """The bytes of the safetensors files in the checkpoint folder ``path`` (``None`` when it is no folder)."""
+    folder = Path(path)
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder.is_dir() else None
+
+
+def _folder_bytes(path: str) -> int:
+    return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
 
 
 def _name(entry: PolicyVersion) -> str:
@@ -96,6 +115,7 @@ def _rebuild(location: StoreLocation, entry: PolicyVersion, folder: Path) -> Loc
     start, deltas = _chain(location, entry, folder)
     logger.info("daskgen: rebuilding policy version %d from %s and %d deltas", entry.version, start, len(deltas))
     current, made, read = start, [], 0
+    shared = 0 if Path(start).parent == folder else _folder_bytes(start)  # a published full version's files
     try:
         for step in deltas:
             raw = location.read_bytes(step.delta or "")
@@ -121,7 +141,7 @@ def _rebuild(location: StoreLocation, entry: PolicyVersion, folder: Path) -> Loc
         for path in made:
             shutil.rmtree(path.parent, ignore_errors=True)
     _evict(folder, entry.version)
-    return LocalCheckpoint(str(target), True, read)
+    return LocalCheckpoint(str(target), True, read, shared + read)
 
 
 def _check(rebuilt: Path, entry: PolicyVersion) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, NoReturn, get_args
 
@@ -129,36 +130,42 @@ class PolicyRefresher:
     async def refresh(self, engine: Engine, entry: PolicyVersion, on_error: Callable[[str], None]) -> None:
         """Rebuild ``entry`` when it is a delta version (while the engine goes on), then stop admitting, empty the
         engine (``drain`` or ``continue``), load it, admit again."""
+        asked = time.monotonic()
         try:
-            path = (await asyncio.to_thread(checkpoint_for, self.location, entry)).path
+            local = await asyncio.to_thread(checkpoint_for, self.location, entry)
         except Exception as exc:  # a delta that cannot be rebuilt or whose rebuild is not the published weights
             self.refused.add(entry.version)
             self._report(on_error, f"loading policy version {entry.version} failed: {type(exc).__name__}: {exc}")
             await self._record("failed", entry.version)
             return
+        cost: dict[str, Any] = {"shared_bytes": local.shared_bytes, "fetch_seconds": time.monotonic() - asked}
         async with self.changed:
             self.loading = True
-        await self._record("loading", entry.version)
+        await self._record("loading", entry.version, **cost)
         try:
             if self.policy == "continue":
                 await self._interrupt(engine)
             async with self.changed:
                 await self.changed.wait_for(lambda: not self.in_flight)
-            await engine.update_weights(path)
+            idle = time.monotonic()  # the engine holds no request of the run from here until the gate opens
+            await engine.update_weights(local.path)
+            loaded = time.monotonic()
             checked = await self._checked(engine, entry)
+            cost.update(load_seconds=loaded - idle, check_seconds=time.monotonic() - loaded)
         except Exception as exc:
             self.refused.add(entry.version)
             self._report(on_error, f"loading policy version {entry.version} failed: {type(exc).__name__}: {exc}")
-            await self._record("failed", entry.version)
+            await self._record("failed", entry.version, **cost)
         else:
             self.version, self.error, self.refreshes = entry.version, None, self.refreshes + 1
-            self.path, self.fingerprints[entry.version] = path, digest_number(entry.digest) if checked else 0
-            logger.info("daskgen: engine now runs policy version %d (%s)", entry.version, path)
-            await self._record("running", entry.version)
+            self.path, self.fingerprints[entry.version] = local.path, digest_number(entry.digest) if checked else 0
+            logger.info("daskgen: engine now runs policy version %d (%s)", entry.version, local.path)
         finally:
             async with self.changed:
                 self.loading = False
                 self.changed.notify_all()
+        if self.version == entry.version:  # recorded once the engine admits requests on it again
+            await self._record("running", entry.version, **cost, paused_seconds=time.monotonic() - idle)
 
     async def _checked(self, engine: Engine, entry: PolicyVersion) -> bool:
         """Whether the engine's loaded tensors were checked against ``entry``'s published fingerprint (``False``:
@@ -202,9 +209,10 @@ class PolicyRefresher:
             self.interrupted.add(request_id)
             await engine.abort(request_id)
 
-    async def _record(self, state: str, asked: int) -> None:
-        """Record this worker's state in the store (a failed write is logged: the refresh goes on)."""
-        record = WorkerPolicy(self.worker, self.version, state, asked, self.error, utc_now())
+    async def _record(self, state: str, asked: int, **cost: Any) -> None:
+        """Record this worker's state in the store, with what the refresh to ``asked`` cost (``WorkerPolicy``'s
+        fields); a failed write is logged: the refresh goes on."""
+        record = WorkerPolicy(self.worker, self.version, state, asked, self.error, utc_now(), **cost)
         try:
             await asyncio.to_thread(write_worker_policy, self.location, record)
         except Exception:

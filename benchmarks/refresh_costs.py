@@ -1,0 +1,130 @@
+"""What each refresh of ``benchmarks/refresh.py`` cost the workers: shared-storage reads and the serving pause.
+
+Every worker records, with its policy state (``daskgen.policy.workers/<worker>.json``,
+:class:`daskgen.store.policy.WorkerPolicy`), what the refresh to a version cost it: the bytes it read from shared
+storage (the store's policy area and published checkpoint folders), the seconds getting the version's folder (a
+delta version's rebuild in the node's cache, while the engine goes on generating), the seconds its engine paused
+(from holding no request of the run to admitting again) and, of those, the seconds in ``Engine.update_weights``
+and in the fingerprint check.  :func:`cost_rows` reads the first such record of each worker and version.
+
+The engine's own load-from-memory time (:func:`memory_load_seconds`) is, for ``transformers``,
+``model.load_state_dict`` of a checkpoint's tensors already in memory into a model of the same checkpoint in
+this process (one torch thread, the fastest of 3); ``vllm`` and ``sglang`` load only from files, so for them it
+is the fastest ``update_weights`` of the run, whose checkpoint files the page cache held (written just before the
+run): the engine's load with no storage read.  :func:`read_bandwidth` is the page cache's read rate of a
+checkpoint's weights, the "shared storage" of a one-machine run (``benchmarks/refresh_scaling.py`` uses it).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: The header of the per-version cost table (``benchmarks/refresh_scaling.py`` reads the table by it).
+COST_HEADER = [
+    "publish",
+    "policy",
+    "version",
+    "kind",
+    "version bytes",
+    "loaded on every worker (s)",
+    "shared-storage bytes read, all workers",
+    "fetch s, slowest worker",
+    "pause s, slowest worker",
+    "load s, slowest worker",
+    "check s, slowest worker",
+    "engine load from memory (s)",
+    "pause / load from memory",
+]
+
+
+def weight_bytes(folder: Path) -> int:
+    """The bytes of the safetensors files of the checkpoint folder ``folder``."""
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def read_bandwidth(folder: Path, rounds: int = 3) -> float:
+    """Bytes per second reading the safetensors files of ``folder`` (the fastest of ``rounds`` reads)."""
+    files, best = sorted(folder.glob("*.safetensors")), float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for file in files:
+            with open(file, "rb") as handle:
+                while handle.read(1 << 24):
+                    pass
+        best = min(best, time.perf_counter() - started)
+    return weight_bytes(folder) / best
+
+
+def memory_load_seconds(engine: str, checkpoint: Path, rounds: int = 3) -> float | None:
+    """``transformers``: the fastest of ``rounds`` ``load_state_dict`` of ``checkpoint``'s tensors, already in
+    memory, into a model of it (one torch thread); ``None`` for the other engines (taken from their runs)."""
+    if engine != "transformers":
+        return None
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint))
+    tensors = {}
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(rounds):
+            started = time.perf_counter()
+            model.load_state_dict(tensors, strict=False)
+            best = min(best, time.perf_counter() - started)
+    return best
+
+
+def first_records(seen: dict[tuple[str, str, int], Any]) -> dict[tuple[str, int], Any]:
+    """Each worker's first ``running`` record of each version that carries a refresh's cost."""
+    return {(w, v): rec for (w, state, v), rec in seen.items() if state == "running" and rec.paused_seconds is not None}
+
+
+def cost_rows(
+    mode: str, policy: str, run: dict[str, Any], sizes: dict[int, int], baseline: float | None
+) -> list[list[Any]]:
+    """One row per published version of a run: its kind and bytes (``sizes``: a full version's weights, a delta
+    version's delta), reads over every worker, the slowest worker's costs.  Without
+    ``baseline`` (vllm, sglang) the rows' load-from-memory column is filled in later (:func:`fill_baseline`)."""
+    costs, rows = first_records(run["records"]), []
+    for version, published in sorted(run["published"].items()):
+        mine = [rec for (_, v), rec in costs.items() if v == version]
+        loaded = [published_to(r, published) for r in mine]
+        pause = max((r.paused_seconds for r in mine), default=None)
+        rows.append(
+            [mode, policy, version, run["kinds"][version], sizes[version], max(loaded, default=None),
+             sum(r.shared_bytes or 0 for r in mine) if mine else None,
+             max((r.fetch_seconds for r in mine), default=None), pause,
+             max((r.load_seconds for r in mine), default=None), max((r.check_seconds for r in mine), default=None),
+             baseline, None if pause is None or not baseline else pause / baseline]
+        )  # fmt: skip
+    return rows
+
+
+def published_to(record: Any, published: float) -> float:
+    """Seconds from the publish to the worker's ``running`` record."""
+    import datetime as dt
+
+    return dt.datetime.fromisoformat(record.time).timestamp() - published
+
+
+def fill_baseline(rows: list[list[Any]]) -> float | None:
+    """For engines loading only from files: the fastest ``update_weights`` of the rows as every row's
+    load-from-memory time, and each row's pause over it."""
+    at = {name: COST_HEADER.index(name) for name in COST_HEADER}
+    loads = [row[at["load s, slowest worker"]] for row in rows if row[at["load s, slowest worker"]]]
+    if not loads:
+        return None
+    best = float(np.min(loads))
+    for row in rows:
+        pause = row[at["pause s, slowest worker"]]
+        row[at["engine load from memory (s)"]] = best
+        row[at["pause / load from memory"]] = None if pause is None else pause / best
+    return best
