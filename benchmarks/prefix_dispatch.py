@@ -60,7 +60,7 @@ from typing import Any
 from common import cli, runs, workers
 from overhead_engine import ENGINE_ARGS
 
-from daskgen.cli_options import key_values
+from daskgen.cli_flags import key_values
 
 TITLE = "Prefix-aware dispatch: prompt tokens computed and makespan, prefix vs order"
 WORDS = "the of model data token engine cache batch prompt system answer short long write read store".split()  # noqa: SIM905

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from daskgen.cli_options import given, options_command
+from daskgen.cli_flags import given, options_command
 from daskgen.errors import DaskgenError
 from daskgen.exit_codes import ExitCode
 from daskgen.run_options import RunCommand, RunOptions

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from daskgen.declare import Declared, declared, identity_keys, later_identity
 from daskgen.errors import ConfigError
-from daskgen.options import Declared, declared, identity_keys, later_identity
 from daskgen.run_options import RunOptions
 
 if TYPE_CHECKING:

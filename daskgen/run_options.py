@@ -1,4 +1,4 @@
-"""The options of a run, each declared once (see :mod:`daskgen.options`).
+"""The options of a run, each declared once (see :mod:`daskgen.declare`).
 
 :class:`RunOptions` holds every run setting: a key of the ``--config`` YAML file, a keyword of
 :func:`daskgen.generate`, a field of :class:`daskgen.config.RunConfig` (which adds loading and
@@ -8,7 +8,7 @@ flags of ``daskgen run`` that are not run settings.  The option table of docs/us
 A declaration also says whether the setting is part of the store's identity (``identity``), whether a
 row may set it in its ``sampling`` column and to what (``row``, a :class:`daskgen.ranges.Range`), and
 which value leaves a sampling setting off (``off``); the identity list, the per-row keys and the off
-values are derived from here (:mod:`daskgen.options`).
+values are derived from here (:mod:`daskgen.declare`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from daskgen.options import LATER, option
+from daskgen.declare import LATER, option
 from daskgen.ranges import distinct, integer, is_integer, number
 
 IO, ENGINE, SAMPLING, ROUNDS, CLUSTER, TASKS, STOPPING = (

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import daskgen
 from daskgen.cli import app
-from daskgen.options import declared, markdown_table, names
+from daskgen.declare import declared, markdown_table, names
 from daskgen.run_options import RunCommand, RunOptions
 from daskgen.settings import cluster_section
 from daskgen.stream.options import FollowOptions, SinkOptions

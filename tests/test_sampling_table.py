@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 
 from daskgen.cli import app
 from daskgen.config import IDENTITY_KEYS, LATER_IDENTITY_KEYS, RunConfig
+from daskgen.declare import LATER, declared
 from daskgen.engines.base import SHAPING_OFF, SamplingParams
 from daskgen.errors import ConfigError
 from daskgen.input.sampling import KEYS, OFF, run_settings
-from daskgen.options import LATER, declared
 from daskgen.run_options import RunOptions
 from daskgen.worker.samples.row_sampling import row_params
 from tests.test_sampling import EDGES

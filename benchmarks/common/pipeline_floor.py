@@ -83,12 +83,12 @@ class FloorWorker(WorkerPlugin):
 
 def tune_collector() -> None:
     """The garbage collector as the daskgen under test sets a worker's once its engine started
-    (:func:`daskgen.collector.tune_collector`); with a daskgen that has no such setting, frozen and collected
+    (:func:`daskgen.gc_tuning.tune_collector`); with a daskgen that has no such setting, frozen and collected
     every 10,000 allocations."""
     import gc
     import importlib
 
-    for module in ("daskgen.collector", "daskgen.worker.collector"):  # the latter: where older versions had it
+    for module in ("daskgen.gc_tuning", "daskgen.worker.collector"):  # the latter: where older versions had it
         try:
             daskgens = importlib.import_module(module).tune_collector
         except ImportError:

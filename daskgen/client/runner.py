@@ -26,10 +26,10 @@ from daskgen.client.live import LiveRun, StopControl
 from daskgen.client.plan import Plan, make_plan, pending_rows, pending_tasks
 from daskgen.client.requeue import take_requeued
 from daskgen.client.run_summary import RunSummary, summarize
-from daskgen.collector import CLIENT, collector_tuned
 from daskgen.config import RunConfig
+from daskgen.declare import takes_options
 from daskgen.errors import RunInterrupted
-from daskgen.options import takes_options
+from daskgen.gc_tuning import CLIENT, collector_tuned
 from daskgen.run_options import RunCommand, RunOptions
 from daskgen.settings import resolve
 from daskgen.store.commit_log import read_head

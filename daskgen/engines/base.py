@@ -20,8 +20,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from daskgen.declare import off_values
 from daskgen.errors import EngineError, RefreshError
-from daskgen.options import off_values
 from daskgen.run_options import RunOptions
 
 if TYPE_CHECKING:

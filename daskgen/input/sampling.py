@@ -16,7 +16,7 @@ import reprlib
 from collections.abc import Mapping
 from typing import Any
 
-from daskgen.options import off_values, row_ranges
+from daskgen.declare import off_values, row_ranges
 from daskgen.ranges import MAX_STOPS, Range, is_integer
 from daskgen.run_options import RunOptions
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from daskgen.options import takes_options
+from daskgen.declare import takes_options
 from daskgen.stream.options import FollowOptions
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""The options of following a store, each declared once (see :mod:`daskgen.options`).
+"""The options of following a store, each declared once (see :mod:`daskgen.declare`).
 
 :class:`FollowOptions` are the keywords of :func:`daskgen.follow` and the settings of a
 :class:`~daskgen.stream.batches.Follower`; those with a flag are options of ``daskgen follow`` too.
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from daskgen.declare import option
 from daskgen.errors import FollowError
-from daskgen.options import option
 
 if TYPE_CHECKING:
     from daskgen.store.location import StoreRef

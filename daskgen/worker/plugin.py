@@ -21,10 +21,10 @@ from typing import Any
 from distributed import WorkerPlugin
 
 from daskgen import tunables
-from daskgen.collector import collector_settings, thaw_collector, tune_collector
 from daskgen.dashboard.metrics import WORKER_TOPIC, WorkerMeter
 from daskgen.engines.cpus import export_memory_limit
 from daskgen.errors import EngineError, EngineUnavailable
+from daskgen.gc_tuning import collector_settings, thaw_collector, tune_collector
 from daskgen.worker.admission import AUTO_DEFAULT_CAPACITY, WINDOW_TOPIC, Admission, resolve_window, wanted_window
 from daskgen.worker.gpu import export_local_rank
 from daskgen.worker.images import PREPROCESS_RESOURCE, image_metrics

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from daskgen.client.runner import run
-from daskgen.collector import CLIENT, collector_settings, collector_tuned, thaw_collector, tune_collector
 from daskgen.engines.base import FinishReason
 from daskgen.errors import ConfigError
+from daskgen.gc_tuning import CLIENT, collector_settings, collector_tuned, thaw_collector, tune_collector
 from daskgen.store.generation_store import GenerationStore
 from tests.conftest import runs_cluster
 from tests.test_writers import ROWS, config, prompts

@@ -1,4 +1,4 @@
-"""The options of a ``daskgen`` command, derived from declared options (:mod:`daskgen.options`).
+"""The options of a ``daskgen`` command, derived from declared options (:mod:`daskgen.declare`).
 
 :func:`options_command` registers ``func(arguments..., **values)`` as a typer command whose options
 are the flags of the given options tables, with their declared defaults; only the flags given on the
@@ -16,8 +16,8 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
+from daskgen.declare import Declared, declared, own_parameters
 from daskgen.errors import DaskgenError
-from daskgen.options import Declared, declared, own_parameters
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -7,7 +7,7 @@ the field's, its help text, ``--help`` group and command-line spelling are in th
 ``daskgen run`` only), :class:`daskgen.stream.options.FollowOptions` (``daskgen follow`` and
 :func:`daskgen.follow`).  Derived from them:
 
-* the options of a ``daskgen`` command (:mod:`daskgen.cli_options`);
+* the options of a ``daskgen`` command (:mod:`daskgen.cli_flags`);
 * the keyword arguments and docstring of a Python entry point (:func:`takes_options`);
 * the option table of docs/usage.md (:func:`markdown_table`);
 * the settings that form a store's identity (:func:`identity_keys`), those a row may set in its
