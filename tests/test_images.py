@@ -424,28 +424,72 @@ def test_verify_deep_runs_the_processor_again_and_finds_other_preprocessing(imag
     assert notes and "not the one the store recorded" in notes[0]
 
 
-def test_cpu_workers_preprocess_the_images_for_the_engine_worker(tmp_path, vl_model, images) -> None:
-    """A cluster with a preprocessing worker (the ``daskgen-preprocess`` resource, no engine): the images are read,
-    stored and preprocessed there, the engine worker preprocesses none, and the answers equal the model's own."""
+def images_by_role(prompts: Path, store: Path, model: Path, *extra: str) -> dict[str, dict[str, float]]:
+    """A run of ``prompts`` on a cluster with one engine worker and one preprocessing worker (the
+    ``daskgen-preprocess`` resource, no engine); each worker's image metrics, by its state (``ready``: the engine
+    worker, ``preprocess``)."""
     from daskgen.deploy.local import add_preprocess_workers
     from daskgen.worker.images import image_metrics
     from daskgen.worker.plugin import plugin_status
     from tests.conftest import runs_cluster
 
-    photo = [image_part(images["grace_hopper"]), {"type": "text", "text": QUESTION}]
-    rows = [{"messages": user(*photo)}, {"prompt": QUESTION, "images": [str(images["noise"])]}]
-    prompts = write_rows(tmp_path / "p.jsonl", rows)
     with runs_cluster() as (cluster, client):
         add_preprocess_workers(cluster, 1)
         client.wait_for_workers(2)
-        result = run_cli(*run_args(prompts, tmp_path / "out.zarr", vl_model)[:-3], "--no-progress",
+        result = run_cli(*run_args(prompts, store, model)[:-3], "--no-progress", *extra,
                          "--scheduler-address", cluster.scheduler_address)  # fmt: skip
         assert result.returncode == 0, result.stdout + result.stderr
         done = {name: metrics for name, metrics in client.run(image_metrics).items()}
         states = {address: status["state"] for address, status in client.run(plugin_status).items()}
-    by_role = {states[address]: metrics for address, metrics in done.items()}
+    return {states[address]: metrics for address, metrics in done.items()}
+
+
+def first_answer(store: Path) -> list[int]:
+    data = GenerationStore.open(store).read_region(0, 1, ("response_ids", "response_length"))
+    return data["response_ids"][0, 0, : data["response_length"][0, 0]].tolist()
+
+
+def test_cpu_workers_preprocess_the_images_for_the_engine_worker(tmp_path, vl_model, images) -> None:
+    """A cluster with a preprocessing worker: the images are read, stored and preprocessed there, the engine
+    worker preprocesses none, and the answers equal the model's own."""
+    photo = [image_part(images["grace_hopper"]), {"type": "text", "text": QUESTION}]
+    rows = [{"messages": user(*photo)}, {"prompt": QUESTION, "images": [str(images["noise"])]}]
+    prompts = write_rows(tmp_path / "p.jsonl", rows)
+    by_role = images_by_role(prompts, tmp_path / "out.zarr", vl_model)
     assert by_role["preprocess"]["images"] == 2, by_role
     assert by_role["ready"].get("images", 0) == 0, "the engine worker preprocessed nothing itself"
-    data = GenerationStore.open(tmp_path / "out.zarr").read_region(0, 2, ("response_ids", "response_length"))
-    got = data["response_ids"][0, 0, : data["response_length"][0, 0]].tolist()
-    assert got == reference_generate(vl_model, template_messages(user(*photo)), [images["grace_hopper"]], 6)[1]
+    expected = reference_generate(vl_model, template_messages(user(*photo)), [images["grace_hopper"]], 6)[1]
+    assert first_answer(tmp_path / "out.zarr") == expected
+
+
+def remote_code_processor(model: Path, out: Path) -> Path:
+    """A copy of ``model`` whose image processor is the folder's own code (``auto_map``; a subclass of the
+    model's processor that changes nothing): transformers loads it only with ``trust_remote_code``."""
+    shutil.copytree(model, out)
+    (out / "tiny_processor.py").write_text(
+        "from transformers import Qwen2VLImageProcessorPil\n\n\n"
+        "class RemoteTinyProcessor(Qwen2VLImageProcessorPil):\n    pass\n"
+    )
+    config = json.loads((out / "preprocessor_config.json").read_text())
+    config["image_processor_type"] = "RemoteTinyProcessor"
+    config["auto_map"] = {"AutoImageProcessor": "tiny_processor.RemoteTinyProcessor"}
+    (out / "preprocessor_config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_cpu_workers_load_a_remote_code_processor_when_the_engine_args_trust_it(tmp_path, vl_model, images) -> None:
+    """With ``--engine-arg trust_remote_code=true``, the preprocessing worker loads a model's own image processor
+    as the client and the engine worker do: it preprocesses the images, the store records that processor, and the
+    answer equals the model's own (the processor changes nothing)."""
+    model = remote_code_processor(vl_model, tmp_path / "remote-vl")
+    from transformers import AutoImageProcessor
+
+    with pytest.raises(ValueError, match="trust_remote_code"):  # the folder's processor is its own code
+        AutoImageProcessor.from_pretrained(model)
+    prompts = write_rows(tmp_path / "p.jsonl", [{"prompt": QUESTION, "images": [str(images["noise"])]}])
+    by_role = images_by_role(prompts, tmp_path / "out.zarr", model, "--engine-arg", "trust_remote_code=true")
+    assert by_role["preprocess"]["images"] == 1, by_role
+    assert by_role["ready"].get("images", 0) == 0, "the engine worker preprocessed nothing itself"
+    recorded = GenerationStore.open(tmp_path / "out.zarr").attrs.input["image_processor"]
+    assert recorded["class"] == "RemoteTinyProcessor", recorded
+    assert first_answer(tmp_path / "out.zarr") == reference_generate(vl_model, QUESTION, [images["noise"]], 6)[1]

@@ -324,6 +324,7 @@ def _tasks_for(plan: Plan, starts: list[int], todo: np.ndarray) -> Iterator[Part
 def _shared_task_fields(plan: Plan) -> dict[str, Any]:
     """The :class:`PartitionTask` fields every partition shares (the verify policy is built once per run)."""
     cfg = plan.config
+    engine_args = cfg.engine_args if plan.engine_args is None else plan.engine_args  # those the engines start with
     return {
         "n_samples": cfg.n_samples,
         "params": _sampling_params(plan),
@@ -336,6 +337,7 @@ def _shared_task_fields(plan: Plan) -> dict[str, Any]:
         "chat_template": None if plan.template.is_default else plan.template,
         "eos_ids": plan.stop_ids,
         "run_settings": run_settings(cfg) if plan.layout.stops or plan.layout.row_sampling else None,
+        "trust_remote_code": bool(engine_args.get("trust_remote_code", False)),
     }
 
 

@@ -1,8 +1,9 @@
 """Image preprocessing on CPU workers: when the cluster has workers with the ``daskgen-preprocess`` resource
 (:data:`~daskgen.worker.images.PREPROCESS_RESOURCE`; they run no engine), each partition whose rows name images
 first becomes a preprocessing task there (:func:`~daskgen.worker.images.preprocess_images`: read, store once,
-run the model's image processor), whose result Dask hands to the engine worker that generates the partition.
-Without such workers, each engine worker prepares its partitions' images itself, in its own thread pool.
+run the model's image processor, loaded with the engine args' ``trust_remote_code`` as on the engine worker,
+which the task carries), whose result Dask hands to the engine worker that generates the partition.  Without
+such workers, each engine worker prepares its partitions' images itself, in its own thread pool.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ def preprocessing(client: Any, tasks: list[Any], retries: int) -> list[Any]:
         if not any(rows):
             out.append(None)
             continue
-        trust = False  # the processor of a model folder without remote code
         out.append(client.submit(
-            preprocess_images, task.store, task.model, trust, rows, key=f"daskgen-images-{task.start}-{time.time_ns()}",
-            pure=False, retries=retries, resources={PREPROCESS_RESOURCE: 1},
+            preprocess_images, task.store, task.model, task.trust_remote_code, rows,
+            key=f"daskgen-images-{task.start}-{time.time_ns()}", pure=False, retries=retries,
+            resources={PREPROCESS_RESOURCE: 1},
         ))  # fmt: skip
     return out

@@ -62,6 +62,9 @@ class PartitionTask:
     prefix_order: bool = False
     #: Client side only: the partition's shared-prefix key (-1: none; :mod:`daskgen.client.prefix_dispatch`).
     prefix_key: int = -1
+    #: Whether the model folder's own code may run when its image processor loads (the engine args'
+    #: ``trust_remote_code``): a preprocessing worker, which has no engine args, loads it as the engine worker does.
+    trust_remote_code: bool = False
     #: Worker side only: each pending row's images, placed in its prompt (``None``: a run without images), and as a
     #: preprocessing worker gave them (``None``: prepared on this worker).
     images: list[RowImages | None] | None = None
