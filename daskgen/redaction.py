@@ -7,7 +7,7 @@
 * :func:`redact_url`: user info dropped from a URL (``http://user:pw@host`` -> ``http://host``).
 
 The HTTP client also replaces the API key's *value* in server messages
-(:meth:`daskgen.engines.http.client.HTTPClient.redact`), since a server may echo it back.
+(:meth:`daskgen.engines.openai.client.HTTPClient.redact`), since a server may echo it back.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from daskgen.engines.http.server import free_port
+from daskgen.engines.openai.server import free_port
 
 
 @functools.lru_cache(maxsize=1)

@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 
 from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
-from daskgen.engines.http import OpenAIEngine
+from daskgen.engines.openai import OpenAIEngine
 from daskgen.errors import EngineError
 from daskgen.testing.conformance import EngineConformance, EventLoopThread, longest_running
 from tests.conftest import tiny_model_once
@@ -104,7 +104,7 @@ def _stop_managed_engine():
 
 
 def engine_on(runner: EventLoopThread, **engine_args: Any) -> Any:
-    from daskgen.engines.http import OpenAIEngine
+    from daskgen.engines.openai import OpenAIEngine
 
     engine = OpenAIEngine(tiny_model(), **engine_args)
     runner.run(engine.start(), 900)
@@ -417,7 +417,7 @@ def assert_greedy_answer_of(model: Path, prompt: list[int], result: Any) -> None
 
 
 def test_managed_launch_failure_quotes_the_server_log() -> None:
-    from daskgen.engines.http import OpenAIEngine
+    from daskgen.engines.openai import OpenAIEngine
 
     engine = OpenAIEngine("/nonexistent/daskgen-model", managed=True, server_start_timeout_s=300)
     with pytest.raises(EngineError) as info:

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
-from daskgen.engines.http import OpenAIEngine
+from daskgen.engines.openai import OpenAIEngine
 from daskgen.testing.conformance import EngineConformance, EventLoopThread
 from tests.test_engine_vllm import tiny_model_path
 

@@ -32,10 +32,10 @@ import pytest
 
 from daskgen.engines import create_engine
 from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
-from daskgen.engines.http import OpenAIEngine
-from daskgen.engines.http.client import split_base_url
-from daskgen.engines.http.protocol import apply_limits, native_payload, native_result, openai_payload
-from daskgen.engines.http.server import free_port, server_flags
+from daskgen.engines.openai import OpenAIEngine
+from daskgen.engines.openai.client import split_base_url
+from daskgen.engines.openai.protocol import apply_limits, native_payload, native_result, openai_payload
+from daskgen.engines.openai.server import free_port, server_flags
 from daskgen.errors import ConfigError, EngineError
 from daskgen.redaction import redact_url
 from daskgen.testing.conformance import EngineConformance, EventLoopThread

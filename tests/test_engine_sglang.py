@@ -513,7 +513,7 @@ def test_structured_outputs_of_smollm2_conform_to_their_formats() -> None:
 
 
 def test_runs_dispatched_by_prefix_start_sglang_under_lpm_unless_another_policy_is_set() -> None:
-    from daskgen.engines.http.engine import OpenAIEngine
+    from daskgen.engines.openai.engine import OpenAIEngine
 
     assert SGLangEngine.prefix_admission({"tp_size": 2}) == ({"tp_size": 2, "schedule_policy": "lpm"}, True)
     assert SGLangEngine.prefix_admission({"schedule_policy": "dfs-weight"}) == ({"schedule_policy": "dfs-weight"}, True)

@@ -194,7 +194,7 @@ def test_result_from_deltas(kind: str, finish: FinishReason) -> None:
 
 def test_openai_vllm_protocol_mapping() -> None:
     """The openai engine's token-exact vLLM protocol: request body and streamed chunks."""
-    from daskgen.engines.http.vllm_protocol import (
+    from daskgen.engines.openai.vllm_protocol import (
         is_vllm_version,
         take_vllm_event,
         vllm_completions_payload,

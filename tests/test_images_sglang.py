@@ -209,7 +209,7 @@ def test_a_managed_server_gets_one_placeholder_per_image_and_a_different_expansi
     import numpy as np
 
     from daskgen.engines.base import GenerationRequest, SamplingParams
-    from daskgen.engines.http.native_images import expansion_problem, image_fields
+    from daskgen.engines.openai.native_images import expansion_problem, image_fields
 
     a = ImageInput("a", b"A", np.ones((16, 4), dtype=np.float32), (1, 4, 4), (1, 4))
     b = ImageInput("b", b"B", np.ones((8, 4), dtype=np.float32), (1, 2, 4), (7, 2))
@@ -224,7 +224,7 @@ def test_a_managed_server_gets_one_placeholder_per_image_and_a_different_expansi
 
 
 def test_images_on_the_openai_engine_only_through_a_managed_servers_native_api() -> None:
-    from daskgen.engines.http.engine import OpenAIEngine
+    from daskgen.engines.openai.engine import OpenAIEngine
 
     assert "images" in OpenAIEngine.features_with({"managed": True})
     assert "images" not in OpenAIEngine.features_with({"base_url": "http://127.0.0.1:1"})

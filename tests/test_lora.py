@@ -15,7 +15,7 @@ import pytest
 from daskgen.analysis.accessor import open_store
 from daskgen.client.plan import prepare
 from daskgen.config import RunConfig
-from daskgen.engines.http import OpenAIEngine
+from daskgen.engines.openai import OpenAIEngine
 from daskgen.engines.transformers import TransformersEngine
 from daskgen.errors import ConfigError, InputError, StoreMismatchError
 from daskgen.input.adapters import adapter_digest
@@ -206,9 +206,9 @@ def test_each_engine_maps_adapters_to_its_own_settings(adapters):
     the CPU LoRA backend; engine args set by the user win; HTTP bodies name the adapter as the model (OpenAI,
     vLLM) or its lora_path (SGLang)."""
     from daskgen.engines.base import GenerationRequest, SamplingParams
-    from daskgen.engines.http.protocol import native_payload, openai_payload
-    from daskgen.engines.http.server import ManagedServer
-    from daskgen.engines.http.vllm_protocol import vllm_completions_payload
+    from daskgen.engines.openai.protocol import native_payload, openai_payload
+    from daskgen.engines.openai.server import ManagedServer
+    from daskgen.engines.openai.vllm_protocol import vllm_completions_payload
     from daskgen.engines.sglang.args import launch_kwargs as sglang_kwargs
     from daskgen.engines.vllm.args import launch_kwargs as vllm_kwargs
 

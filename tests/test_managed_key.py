@@ -1,4 +1,4 @@
-"""The random API key of managed sglang servers (daskgen/engines/http/server.py), without sglang.
+"""The random API key of managed sglang servers (daskgen/engines/openai/server.py), without sglang.
 
 :class:`ManagedServer` is pointed (``python=``) at a **test double**: a small stdlib HTTP server
 script that reads ``--port`` and ``--config`` the way ``sglang.launch_server`` does, requires the
@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from daskgen.engines.http.client import HTTPClient
-from daskgen.engines.http.server import ManagedServer, new_api_key
+from daskgen.engines.openai.client import HTTPClient
+from daskgen.engines.openai.server import ManagedServer, new_api_key
 from daskgen.errors import ConfigError
 
 DOUBLE = """#!{python}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from daskgen.engines.http.server import check_server_args
+from daskgen.engines.openai.server import check_server_args
 from daskgen.engines.sglang import SGLangEngine
 from daskgen.errors import ConfigError
 from daskgen.redaction import is_secret_key, redact, redact_url

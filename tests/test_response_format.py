@@ -148,8 +148,8 @@ def test_violation_checks_each_kind():
 
 def test_each_engine_maps_every_kind_to_its_own_fields():
     from daskgen.engines.base import GenerationRequest, SamplingParams
-    from daskgen.engines.http.protocol import openai_payload
-    from daskgen.engines.http.vllm_protocol import vllm_completions_payload
+    from daskgen.engines.openai.protocol import openai_payload
+    from daskgen.engines.openai.vllm_protocol import vllm_completions_payload
     from daskgen.engines.sglang.mapping import sampling_params_for
     from daskgen.engines.vllm.mapping import vllm_sampling_kwargs
 

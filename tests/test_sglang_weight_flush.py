@@ -12,8 +12,8 @@ import threading
 
 import pytest
 
-from daskgen.engines.http.client import RequestFailed
-from daskgen.engines.http.server import update_server_weights
+from daskgen.engines.openai.client import RequestFailed
+from daskgen.engines.openai.server import update_server_weights
 from daskgen.engines.sglang.engine import SGLangEngine
 from daskgen.errors import RefreshError
 

@@ -18,7 +18,7 @@ from daskgen.agents.base import Trajectory
 from daskgen.analysis.accessor import open_store
 from daskgen.analysis.export import export, load_tensordict
 from daskgen.engines.base import FinishReason, GenerationResult
-from daskgen.engines.http.top_logprobs import retokenized_top, server_top, token_id_top
+from daskgen.engines.openai.top_logprobs import retokenized_top, server_top, token_id_top
 from daskgen.store.layout import Layout, empty_region
 from daskgen.store.verify import verify
 from daskgen.worker.samples.top_logprobs import place_top_logprobs, stored_top_logprobs

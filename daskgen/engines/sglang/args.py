@@ -1,7 +1,7 @@
 """The ``sglang.Engine`` / ``launch_server`` arguments: daskgen's defaults and their validation.
 
 Shared by the in-process engine (:mod:`daskgen.engines.sglang.engine`) and the managed HTTP server
-(:mod:`daskgen.engines.http.server`): :func:`launch_kwargs` fills in the model, the device and,
+(:mod:`daskgen.engines.openai.server`): :func:`launch_kwargs` fills in the model, the device and,
 on CPU, :data:`CPU_DEFAULTS`; :func:`check_engine_args` refuses names sglang's ``ServerArgs``
 does not know, suggesting close matches.  Importing this module does not import sglang.
 """

@@ -1,7 +1,7 @@
 """SGLang's request and output format, written once for both SGLang engines.
 
 The in-process engine (:mod:`daskgen.engines.sglang.engine`, ``sglang.Engine.async_generate``) and the
-HTTP engine's native protocol (:mod:`daskgen.engines.http.protocol`, ``POST /generate``) speak the same
+HTTP engine's native protocol (:mod:`daskgen.engines.openai.protocol`, ``POST /generate``) speak the same
 dialect: ``input_ids`` plus a ``sampling_params`` dict in, ``output_ids`` plus ``meta_info``
 (``finish_reason.type``, ``output_token_logprobs``, ``output_top_logprobs``, ``prompt_tokens``,
 ``cached_tokens``) out.

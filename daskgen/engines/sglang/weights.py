@@ -2,7 +2,7 @@
 
 sglang (0.5.23) answers ``update_weights_from_disk`` with ``success: false`` and a message saying the cache was
 not flushed when requests were running or queued; the new weights are in place.  The in-process engine
-(:mod:`daskgen.engines.sglang.engine`) and the managed HTTP server (:mod:`daskgen.engines.http.server`) both
+(:mod:`daskgen.engines.sglang.engine`) and the managed HTTP server (:mod:`daskgen.engines.openai.server`) both
 count that as loaded and drop the cache once the requests have finished (:func:`flush_when_idle`).
 """
 

@@ -16,7 +16,7 @@ key of its own (``--api-key``), which the engine's client sends.  The key travel
 
 A server subprocess (unlike an in-process ``sglang.Engine``) also starts from a daemonic Dask
 worker process: ``subprocess`` is allowed where ``multiprocessing`` children are not.  The HTTP
-client that talks to it lives in :mod:`daskgen.engines.http.client`.
+client that talks to it lives in :mod:`daskgen.engines.openai.client`.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from daskgen import tunables
-from daskgen.engines.http.client import HTTPClient, NoAnswer, RequestFailed, httpx, require_http
 from daskgen.engines.inprocess import cuda_available
 from daskgen.engines.leftovers import SGLANG_LOADS, SHARED_MEMORY, held_files, remove_files
+from daskgen.engines.openai.client import HTTPClient, NoAnswer, RequestFailed, httpx, require_http
 from daskgen.engines.sglang.args import launch_kwargs
 from daskgen.engines.sglang.weights import flush_when_idle, loaded_but_not_flushed
 from daskgen.errors import ConfigError, EngineError, RefreshError

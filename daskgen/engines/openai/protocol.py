@@ -1,7 +1,7 @@
 """The ``openai`` engine's wire protocols: one object per HTTP API, chosen once at start.
 
 Each protocol knows how to send one request, read the answer, abort a request in flight and
-build the result of an aborted one; :class:`~daskgen.engines.http.engine.OpenAIEngine` only holds
+build the result of an aborted one; :class:`~daskgen.engines.openai.engine.OpenAIEngine` only holds
 the connection, the concurrency limit and the requests in flight (:class:`Flight`).
 
 * :class:`SGLangNativeProtocol`: SGLang's ``POST /generate``, token ids in and out
@@ -10,7 +10,7 @@ the connection, the concurrency limit and the requests in flight (:class:`Flight
 * :class:`OpenAITextProtocol`: OpenAI ``/v1/completions`` and ``/v1/chat/completions`` (streamed
   text, re-tokenized): :func:`openai_payload`, :func:`take_event`, and the limits (stop tokens,
   ``max_new_tokens``) applied to re-tokenized output (:func:`apply_limits`);
-* ``VLLMProtocol`` (token ids through vLLM's completions) lives in :mod:`daskgen.engines.http.vllm_protocol`.
+* ``VLLMProtocol`` (token ids through vLLM's completions) lives in :mod:`daskgen.engines.openai.vllm_protocol`.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from daskgen.engines.base import (
     finish_from_name,
     shaping_kwargs,
 )
-from daskgen.engines.http.native_images import expansion_problem, image_fields
-from daskgen.engines.http.top_logprobs import ServerTop, retokenized_top, server_top
+from daskgen.engines.openai.native_images import expansion_problem, image_fields
+from daskgen.engines.openai.top_logprobs import ServerTop, retokenized_top, server_top
 from daskgen.engines.sglang.mapping import logprob_request, result_from_output, sampling_params_for
 from daskgen.engines.vllm.mapping import vllm_structured_outputs
 
 if TYPE_CHECKING:
-    from daskgen.engines.http.client import HTTPClient
+    from daskgen.engines.openai.client import HTTPClient
     from daskgen.input.response_format import ResponseFormat
 
 __all__ = [
@@ -136,7 +136,7 @@ class SGLangNativeProtocol(WireProtocol):
 
     async def forget(self, http: HTTPClient, flight: Flight) -> None:
         """Post ``/abort_request`` for the flight's rid, ignoring failures."""
-        from daskgen.engines.http.client import RequestFailed
+        from daskgen.engines.openai.client import RequestFailed
 
         if flight.rid is not None:
             with contextlib.suppress(RequestFailed):

@@ -24,12 +24,12 @@ from daskgen.engines.base import (
     finish_from_name,
     shaping_kwargs,
 )
-from daskgen.engines.http.protocol import Flight, WireProtocol
-from daskgen.engines.http.top_logprobs import ServerTop, server_top, token_id_top
+from daskgen.engines.openai.protocol import Flight, WireProtocol
+from daskgen.engines.openai.top_logprobs import ServerTop, server_top, token_id_top
 from daskgen.engines.vllm.mapping import vllm_structured_outputs
 
 if TYPE_CHECKING:
-    from daskgen.engines.http.client import HTTPClient
+    from daskgen.engines.openai.client import HTTPClient
 
 __all__ = ["VLLMProtocol", "is_vllm_version", "take_vllm_event", "vllm_completions_payload", "vllm_result"]
 

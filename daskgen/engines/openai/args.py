@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daskgen.engines.args import check_number
-from daskgen.engines.http.server import check_server_args
+from daskgen.engines.openai.server import check_server_args
 from daskgen.errors import ConfigError
 
 __all__ = ["APIS", "OpenAIArgs"]

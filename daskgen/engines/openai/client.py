@@ -3,7 +3,7 @@
 :class:`HTTPClient` sends JSON and streaming requests with retries on 429, 408, 5xx and
 connection errors (``tenacity``: exponential backoff with jitter, ``Retry-After`` honoured) and
 turns failures into :class:`RequestFailed` messages that never contain the API key.  The managed
-server process lives in :mod:`daskgen.engines.http.server`.
+server process lives in :mod:`daskgen.engines.openai.server`.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class HTTPClient:
         Name of the environment variable holding the API key (sent as a bearer token).
     api_key:
         The key itself, for servers daskgen started
-        (:attr:`daskgen.engines.http.server.ManagedServer.api_key`); wins over ``api_key_env``.
+        (:attr:`daskgen.engines.openai.server.ManagedServer.api_key`); wins over ``api_key_env``.
     timeout_s, max_connections, max_retries, backoff_s:
         Read timeout, connection pool size, retries per request and the first backoff.
     on_retry:

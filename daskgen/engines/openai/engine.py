@@ -9,7 +9,7 @@
   token ids and ``max_new_tokens`` are applied to the re-tokenized output; logprobs are the
   server's where its tokens line up, else NaN (``meta["logprobs"] = "unavailable"``).
 * ``api="vllm"``: vLLM's ``/v1/completions`` with the prompt as token ids and
-  ``return_token_ids`` (token-exact, seeds honoured; :mod:`daskgen.engines.http.vllm_protocol`).
+  ``return_token_ids`` (token-exact, seeds honoured; :mod:`daskgen.engines.openai.vllm_protocol`).
 * ``api="auto"`` takes the native path when ``GET /get_model_info`` answers like SGLang, the
   vLLM path when ``GET /version`` answers like vLLM, else ``completions``.
 * :meth:`~OpenAIEngine.start` fails fast (:class:`~daskgen.errors.EngineError`) when the server
@@ -19,7 +19,7 @@
   or hung), :meth:`~OpenAIEngine.crash` reports the server down, so the partition fails as a whole
   and the worker restarts the engine instead of marking the prompt failed.
 * ``managed=True`` starts one sglang server subprocess per engine
-  (:class:`~daskgen.engines.http.server.ManagedServer`) with a random API key of its own; when it
+  (:class:`~daskgen.engines.openai.server.ManagedServer`) with a random API key of its own; when it
   dies, ``generate`` raises (the partition is retried after the plugin restarts the engine) and
   ``health`` fails.  Only a managed server loads published policy versions in place
   (:meth:`~OpenAIEngine.update_weights`: the ``refresh`` feature with ``managed=true``).
@@ -27,10 +27,10 @@
   logs, ``describe()`` or messages.
 
 Wire formats (payloads, answers, streamed events, limits on re-tokenized output) live in
-:mod:`daskgen.engines.http.protocol`; the HTTP client and the managed server in
-:mod:`daskgen.engines.http.client` and :mod:`daskgen.engines.http.server`.
+:mod:`daskgen.engines.openai.protocol`; the HTTP client and the managed server in
+:mod:`daskgen.engines.openai.client` and :mod:`daskgen.engines.openai.server`.
 Details, limits and the tested servers: ``docs/engines.md`` (HTTP engines).  Engine args:
-:class:`~daskgen.engines.http.args.OpenAIArgs`.  Needs ``httpx`` and ``tenacity`` (``pip install 'daskgen[http]'``).
+:class:`~daskgen.engines.openai.args.OpenAIArgs`.  Needs ``httpx`` and ``tenacity`` (``pip install 'daskgen[http]'``).
 """
 
 from __future__ import annotations
@@ -53,14 +53,14 @@ from daskgen.engines.base import (
     started,
 )
 from daskgen.engines.continuation import request_limit
-from daskgen.engines.http.args import OpenAIArgs
-from daskgen.engines.http.client import HTTPClient, NoAnswer, RequestFailed
-from daskgen.engines.http.fingerprint import ServerFingerprint
-from daskgen.engines.http.native_images import managed_refusals
-from daskgen.engines.http.protocol import Flight, OpenAITextProtocol, SGLangNativeProtocol, WireProtocol
-from daskgen.engines.http.server import ManagedServer, update_server_weights
-from daskgen.engines.http.vllm_protocol import VLLMProtocol, is_vllm_version
 from daskgen.engines.inprocess import cuda_available
+from daskgen.engines.openai.args import OpenAIArgs
+from daskgen.engines.openai.client import HTTPClient, NoAnswer, RequestFailed
+from daskgen.engines.openai.fingerprint import ServerFingerprint
+from daskgen.engines.openai.native_images import managed_refusals
+from daskgen.engines.openai.protocol import Flight, OpenAITextProtocol, SGLangNativeProtocol, WireProtocol
+from daskgen.engines.openai.server import ManagedServer, update_server_weights
+from daskgen.engines.openai.vllm_protocol import VLLMProtocol, is_vllm_version
 from daskgen.engines.request_check import request_error
 from daskgen.engines.sglang.args import SAMPLING_RANGES, prefix_admission
 from daskgen.engines.sglang.mapping import max_running_requests
@@ -86,7 +86,7 @@ class OpenAIEngine(ServerFingerprint, Engine):
 
     @classmethod
     def refused_features(cls, engine_args: dict[str, Any]) -> dict[str, str]:
-        """What a managed sglang server cannot serve (:func:`~daskgen.engines.http.native_images.managed_refusals`)."""
+        """What a managed sglang server cannot serve (:func:`.native_images.managed_refusals`)."""
         return managed_refusals(engine_args, cuda_available)
 
     @classmethod
@@ -393,7 +393,7 @@ class OpenAIEngine(ServerFingerprint, Engine):
 
     async def update_weights(self, path: str) -> None:
         """Load the checkpoint in the folder ``path`` into the managed server in place
-        (:func:`~daskgen.engines.http.server.update_server_weights`); called with no request of the run in flight.
+        (:func:`~daskgen.engines.openai.server.update_server_weights`); called with no request of the run in flight.
 
         Raises
         ------
