@@ -1,0 +1,72 @@
+"""Images over SGLang's native ``POST /generate`` (the ``openai`` engine's managed sglang server).
+
+JSON carries no tensors, so a server gets each image as its stored bytes (a base64 ``data:`` URL in ``image_data``)
+and runs the model's image processor itself.  The prompt goes with one placeholder token per image, each image's
+expanded span collapsed back (:func:`compact_ids`): sglang 0.5.23 expands placeholders itself and does not take
+expanded ones beside raw images (such a request never returns).  sglang's expansion must give the prompt the store
+records: :func:`expansion_problem` compares the server's prompt length with the stored prompt's and fails the
+request when they differ.  Only a managed server takes images (:func:`managed_refusals` refuses them for a managed
+server spoken to by another protocol than the native one).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from daskgen.engines.base import GenerationRequest
+from daskgen.engines.sglang.args import lora_refusal
+from daskgen.engines.sglang.images import images_refusal
+
+__all__ = ["compact_ids", "expansion_problem", "image_fields", "managed_refusals"]
+
+#: The ``api`` values that reach a managed server's native ``/generate`` (the only protocol that sends images).
+NATIVE_APIS = ("auto", "sglang")
+
+
+def compact_ids(request: GenerationRequest) -> list[int]:
+    """The request's prompt ids with each image's span (its expanded placeholders) collapsed to its first token."""
+    ids = list(request.prompt_ids)
+    for image in sorted(request.params.images, key=lambda image: image.span[0], reverse=True):
+        start, length = image.span
+        del ids[start + 1 : start + length]
+    return ids
+
+
+def image_fields(request: GenerationRequest) -> dict[str, Any]:
+    """``input_ids`` and ``image_data`` of a ``/generate`` body for a request with images (``{}`` without)."""
+    if not request.params.images:
+        return {}
+    urls = ["data:image;base64," + base64.b64encode(image.data).decode() for image in request.params.images]
+    return {"input_ids": compact_ids(request), "image_data": urls}
+
+
+def expansion_problem(request: GenerationRequest, out: Mapping[str, Any]) -> str | None:
+    """Why the server's answer to a request with images does not hold (it expanded the images to another prompt
+    length than the stored one), or ``None``."""
+    if not request.params.images:
+        return None
+    seen = (out.get("meta_info") or {}).get("prompt_tokens")
+    if seen == len(request.prompt_ids):
+        return None
+    return (
+        f"the server's image processor expanded the prompt to {seen} tokens, the stored prompt (the worker's "
+        f"processor) has {len(request.prompt_ids)}: the server preprocesses images otherwise than the model folder's "
+        "image processor; give the server the folder's processor settings"
+    )
+
+
+def managed_refusals(engine_args: Mapping[str, Any], cuda_available: Callable[[], bool]) -> dict[str, str]:
+    """What a managed sglang server (``managed: true``) cannot serve with ``engine_args``: LoRA on a CPU device,
+    images under server args that turn them off or through another protocol than the native one; ``{}`` for
+    someone else's server."""
+    if engine_args.get("managed") is not True:
+        return {}
+    server_args = engine_args.get("server_args") or {}
+    refused = {**lora_refusal(server_args, cuda_available), **images_refusal(server_args)}
+    api = engine_args.get("api", "auto")
+    if api not in NATIVE_APIS:
+        refused.setdefault("images", f"api={api!r} sends text; images go only through sglang's native /generate "
+                           "(api: sglang or auto)")  # fmt: skip
+    return refused
