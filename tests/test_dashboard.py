@@ -26,7 +26,7 @@ from distributed import Client, LocalCluster
 
 from daskgen.analysis.palette import FINISH_COLORS
 from daskgen.dashboard import PLUGIN_NAME, DashboardPlugin, page_link
-from daskgen.dashboard.metrics import FINISH_NAMES, RUN_TOPIC, WORKER_TOPIC
+from daskgen.dashboard.metrics import REASON_LABELS, RUN_TOPIC, WORKER_TOPIC
 from daskgen.dashboard.page import (
     COMMITTED_COLOR,
     ENGINE_COLOR,
@@ -308,7 +308,7 @@ def test_the_page_in_a_browser_during_and_after_a_run(tmp_path, browser):
     bars = sources[LENGTHS_SOURCE]
     assert sum(map(sum, hist["counts"].values())) == truth["samples"]  # every done sample is in a bar
     assert bars["left"] == hist["edges"][:-1] and bars["right"] == hist["edges"][1:]
-    for reason in FINISH_NAMES:
+    for reason in REASON_LABELS:
         assert bars[reason] == hist["counts"].get(reason, [0] * len(bars["left"])), reason
     versions = sources[VERSIONS_SOURCE]
     assert {k: versions[k] for k in ("version", "samples", "continued")} == _store_versions(store)

@@ -33,8 +33,8 @@ RUN_TOPIC = "daskgen-dashboard-run"
 ERRORS_PER_REPORT = 5
 #: Longest error message sent (characters).
 ERROR_CHARS = 300
-#: Finish-reason names by code (``daskgen.engines.base.FinishReason``), in the order the page lists them.
-FINISH_NAMES = tuple(reason.label for reason in FinishReason)
+#: Finish-reason labels by code (``daskgen.engines.base.FinishReason.label``), in the order the page lists them.
+REASON_LABELS = tuple(reason.label for reason in FinishReason)
 #: Finished samples a worker keeps before counting them (at the latest, they are counted once per report).
 FOLD_EVERY = 4096
 
@@ -70,7 +70,7 @@ class WorkerMeter:
         lengths, samples, tokens, first = self._lengths, 0, 0, 0
         for result in results:
             n = len(result.output_ids)
-            lengths[FINISH_NAMES[result.finish_reason]].append(n)
+            lengths[REASON_LABELS[result.finish_reason]].append(n)
             tokens += n
             samples += 1
             first += n > 0
@@ -90,7 +90,7 @@ class WorkerMeter:
                     lengths["error"].append(len(traj.response_ids))
                     self.last_error = str(traj.error)[:ERROR_CHARS]
                 else:
-                    lengths[FINISH_NAMES[traj.finish_reason]].append(len(traj.response_ids))
+                    lengths[REASON_LABELS[traj.finish_reason]].append(len(traj.response_ids))
                 if traj.policy_version >= 0:
                     counts = self._versions[traj.policy_version]
                     counts[0] += 1

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from daskgen.analysis.palette import FINISH_COLORS
-from daskgen.dashboard.metrics import FINISH_NAMES
+from daskgen.dashboard.metrics import REASON_LABELS
 from daskgen.dashboard.state import RATE_WINDOW_S
 
 #: Colours by finish reason (as in ``daskgen report``) and of the two throughputs.
@@ -80,7 +80,7 @@ class Page:
         series = ("time", "engine", "committed", "gap", "engine_tokens", "committed_tokens", "committed_prompts")
         self.rates = ColumnDataSource({k: [] for k in series}, name=THROUGHPUT_SOURCE)
         self.workers = ColumnDataSource(_worker_columns([]), name=WORKERS_SOURCE)
-        lengths: dict[str, list[Any]] = {"left": [], "right": [], **{r: [] for r in FINISH_NAMES}}
+        lengths: dict[str, list[Any]] = {"left": [], "right": [], **{r: [] for r in REASON_LABELS}}
         self.lengths = ColumnDataSource(lengths, name=LENGTHS_SOURCE)
         self.versions = ColumnDataSource(_version_columns({}), name=VERSIONS_SOURCE)
         self.worker_figure = _worker_figure(self.workers)
@@ -296,7 +296,7 @@ def _length_columns(hist: dict[str, Any]) -> dict[str, list[Any]]:
     edges = hist["edges"]
     n = max(0, len(edges) - 1)
     data: dict[str, list[Any]] = {"left": edges[:-1], "right": edges[1:]}
-    for reason in FINISH_NAMES:
+    for reason in REASON_LABELS:
         data[reason] = hist["counts"].get(reason, [0] * n)
     return data
 
@@ -305,13 +305,13 @@ def _length_figure(source: Any) -> Any:
     fig = _figure("Response length of finished samples by finish reason")
     from bokeh.transform import stack
 
-    for i, reason in enumerate(FINISH_NAMES):
-        below = stack(*FINISH_NAMES[:i]) if i else 0
+    for i, reason in enumerate(REASON_LABELS):
+        below = stack(*REASON_LABELS[:i]) if i else 0
         fig.quad(
             left="left",
             right="right",
             bottom=below,
-            top=stack(*FINISH_NAMES[: i + 1]),
+            top=stack(*REASON_LABELS[: i + 1]),
             source=source,
             color=FINISH_COLORS[reason],
             line_color="white",

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from daskgen.dashboard.metrics import FINISH_NAMES, RUN_TOPIC, WORKER_TOPIC
+from daskgen.dashboard.metrics import REASON_LABELS, RUN_TOPIC, WORKER_TOPIC
 from daskgen.tail import series_tail_share
 
 #: Seconds over which the page's rates are measured.
@@ -312,7 +312,7 @@ def bin_lengths(counts: Mapping[str, np.ndarray], max_new_tokens: int) -> dict[s
     width = max(1, math.ceil((top + 1) / LENGTH_BINS))
     n_bins = math.ceil((top + 1) / width)
     bars = {}
-    for reason in FINISH_NAMES:
+    for reason in REASON_LABELS:
         c = counts.get(reason)
         if c is not None and c.sum():
             padded = np.zeros(n_bins * width, dtype=np.int64)

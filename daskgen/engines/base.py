@@ -71,7 +71,7 @@ FINISH_FLAG_MEANINGS = " ".join(r.label for r in FinishReason)
 
 #: Finish-reason names the backends report (sglang's ``meta_info.finish_reason.type``, vLLM's
 #: ``finish_reason``, OpenAI-compatible servers' ``finish_reason``) and daskgen's reasons.
-FINISH_NAMES: dict[str, FinishReason] = {
+BACKEND_FINISH_NAMES: dict[str, FinishReason] = {
     "stop": FinishReason.STOP,
     "eos": FinishReason.STOP,
     "tool_calls": FinishReason.STOP,
@@ -82,9 +82,9 @@ FINISH_NAMES: dict[str, FinishReason] = {
 
 
 def finish_from_name(name: Any, source: str) -> tuple[FinishReason, str | None]:
-    """``(reason, error)`` for a backend's finish-reason ``name``: a name outside :data:`FINISH_NAMES` (``None``
+    """``(reason, error)`` for a backend's finish-reason ``name``: a name outside :data:`BACKEND_FINISH_NAMES` (``None``
     included) is ``ERROR`` with the message ``f"{source} finished with {name!r}"``; a known one has no error."""
-    reason = FINISH_NAMES.get(name, FinishReason.ERROR) if isinstance(name, str) else FinishReason.ERROR
+    reason = BACKEND_FINISH_NAMES.get(name, FinishReason.ERROR) if isinstance(name, str) else FinishReason.ERROR
     return reason, None if reason != FinishReason.ERROR else f"{source} finished with {name!r}"
 
 
