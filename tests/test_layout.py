@@ -7,7 +7,10 @@
   the CLI);
 - no module imports another module's private (underscore) names or reaches them as ``module._name`` (attribute,
   ``getattr``/``setattr``, ``monkeypatch.setattr``), and tests do neither with daskgen's;
-- no module over 450 lines, in ``daskgen/`` or ``benchmarks/``.
+- no module over 450 lines, in ``daskgen/`` or ``benchmarks/``;
+- ``worker/`` names the process that runs each part: the scheduler's part (``worker/scheduler.py``) and the nanny's
+  (``worker/nanny.py``) import nothing of the worker's code but the drain RPC (``worker/drain.py``, which imports no
+  other worker module), and the rest of daskgen takes the messages of a partition task from ``worker/task.py``.
 """
 
 from __future__ import annotations
@@ -152,6 +155,24 @@ def test_the_folder_graph_sees_a_folder_circle() -> None:
     """The folder check can fail: two modules of two folders importing each other make a circle of folders."""
     graph = {"daskgen.store.layout": {"daskgen.input.rows"}, "daskgen.input.rows": {"daskgen.store.layout"}}
     assert _cycles(_folder_graph(graph)) == [["input", "store"]]
+
+
+@pytest.mark.parametrize("module", ["daskgen.worker.scheduler", "daskgen.worker.nanny"])
+def test_the_scheduler_and_nanny_parts_import_no_worker_code_but_the_drain_rpc(module: str) -> None:
+    graph = _graph()
+    assert {t for t in graph[module] if t.startswith("daskgen.worker")} <= {"daskgen.worker.drain"}
+    assert {t for t in graph["daskgen.worker.drain"] if t.startswith("daskgen.")} == set()
+
+
+def test_the_partition_task_messages_are_taken_from_their_own_module() -> None:
+    known = _modules()
+    found = sorted(
+        f"{module} imports {name} from {source}"
+        for module, path in known.items()
+        for source, name in _imports(module, path, known)
+        if name in {"PartitionTask", "PartitionResult"} and source != "daskgen.worker.task"
+    )
+    assert found == []
 
 
 @pytest.mark.parametrize("layer", ["formats", "stream", "analysis", "client", "worker"])

@@ -97,7 +97,7 @@ def reset_rows(run: LiveRun, rows: Sequence[int]) -> None:
         mine = [r for r in rows if start <= r < stop]
         new = run.status[start:stop].copy()
         new[[r - start for r in mine]] = PENDING
-        run.committed_at[mine] = np.nan
+        run.clear_commit_times(mine)
         seq, head = _new_commit_seq(run, start, new)
         run.plan.store.commit(start, new, None, run.committed_at[start:stop].copy(), seq, head)
         run.record_commit(start, new, [], time.time(), seq)

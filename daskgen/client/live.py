@@ -96,6 +96,10 @@ class LiveRun:
         """The sequence number of the next commit (one more than the newest)."""
         return self.last_seq + 1
 
+    def clear_commit_times(self, rows: list[int]) -> None:
+        """``rows`` go back to pending: they lose their commit time."""
+        self.committed_at[rows] = np.nan
+
     def record_commit(self, start: int, status: np.ndarray, rows: list[int], when: float, seq: np.ndarray) -> None:
         """Rows ``[start, start + len(status))`` now hold ``status`` and commit sequence numbers ``seq``;
         ``rows`` were committed at ``when``."""
