@@ -1,12 +1,12 @@
-"""The GRPO example's reward per policy version, over several runs: what ``examples/grpo.py`` learns.
+"""The GRPO example's reward per policy version, over several runs: what ``examples/async-grpo/trainer.py`` learns.
 
-Each run is ``python examples/grpo.py --start-run`` on the tiny test model (built in the scratch folder) with one
-of ``--seeds`` (the trainer's torch seed and the run's), ``--versions`` versions trained and published and
-``--prompts`` prompts: a ``daskgen run --refresh continue`` beside a GRPO trainer that publishes a version (the
-first in full, then deltas) after every step.  The record gives, per run and per policy version (of the sample's
-first token), the samples generated on it and their mean reward (a complete answer within the run's 4 new
-tokens), the reward of version 0 against that of the versions >= ``--after``, the steps' staleness and
-deltas, and the plot of the first run, drawn by the example (``rewards.png``).
+Each run is ``python examples/async-grpo/reward_curve.py --start-run`` on the tiny test model (built in the scratch
+folder) with one of ``--seeds`` (the run's seed), ``--versions`` versions trained and published and ``--prompts``
+prompts: a ``daskgen run --refresh continue`` beside the guide's GRPO trainer, which publishes a version (the first
+in full, then deltas) after every step.  The record gives, per run and per policy version (of the sample's first
+token), the samples generated on it and their mean reward (a complete answer within the run's 4 new tokens), the
+reward of version 0 against that of the versions >= ``--after``, the steps' staleness and deltas, and the plot of
+the first run, drawn by the example (``rewards.png``).
 
     python benchmarks/grpo.py                          # 4 runs: seeds 0,0,1,2
     python benchmarks/grpo.py --seeds 0 --no-record
@@ -26,6 +26,7 @@ from typing import Any
 from common import cli, records
 from common.records import REPO
 
+EXAMPLE = REPO / "examples" / "async-grpo" / "reward_curve.py"
 TITLE = "GRPO example: reward per policy version on the tiny model (refresh continue, delta versions)"
 
 
@@ -47,15 +48,15 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 def one_run(a: argparse.Namespace, model: Path, out: Path, seed: int) -> tuple[list[dict], list[dict], float]:
     """The example's per-version rows and per-step rows, and its wall time."""
     command = [
-        *(sys.executable, str(REPO / "examples" / "grpo.py"), "--model", str(model), "--start-run"),
-        *("--store", str(out / "grpo.zarr"), "--out", str(out), "--seed", str(seed)),
+        *(sys.executable, str(EXAMPLE), str(out / "grpo.zarr"), "--model", str(model), "--start-run"),
+        *("--out", str(out), "--seed", str(seed)),
         *("--versions", str(a.versions), "--prompts", str(a.prompts)),
     ]
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, timeout=1200)
     took = time.perf_counter() - started
     if done.returncode != 0:
-        raise SystemExit(f"examples/grpo.py failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
+        raise SystemExit(f"{EXAMPLE.name} failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
     return read_csv(out / "rewards.csv"), read_csv(out / "steps.csv"), took
 
 

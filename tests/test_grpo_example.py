@@ -1,6 +1,7 @@
-"""The GRPO example learns: ``examples/grpo.py --start-run`` trains the tiny model beside a ``daskgen run --refresh
-continue`` of it, publishing a version (the first in full, then deltas) after every step, and the reward of what the
-run generates rises; every sample carries the published fingerprint of the version it records.
+"""The GRPO example learns: ``examples/async-grpo/reward_curve.py --start-run`` trains the tiny model with the
+async GRPO guide's trainer beside a ``daskgen run --refresh continue`` of it, publishing a version (the first in
+full, then deltas) after every step, and the reward of what the run generates rises; every sample carries the
+published fingerprint of the version it records.
 
 The example runs once, as ``benchmarks/grpo.py --seeds 0`` runs it (so the benchmark that records its curve runs
 too).  The reward is recomputed here from the stored tokens (the response ends with the model's end-of-sequence
