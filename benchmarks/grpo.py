@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import shutil
 import subprocess
 import sys
@@ -52,8 +53,10 @@ def one_run(a: argparse.Namespace, model: Path, out: Path, seed: int) -> tuple[l
         *("--out", str(out), "--seed", str(seed)),
         *("--versions", str(a.versions), "--prompts", str(a.prompts)),
     ]
+    # the example and the run it starts import daskgen from $DASKGEN_SRC
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(records.DASKGEN_SRC), os.environ.get("PYTHONPATH", "")])}
     started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=env)
     took = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"{EXAMPLE.name} failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
