@@ -34,10 +34,11 @@ VERSIONS = 6
 #: last version loads, so the samples of version 6 alone can be few).
 K = 4
 #: The reward after K versions minus that of version 0 (the run's model), at least.  Measured with seed 0 on 2
-#: shared CPU cores (benchmarks/results/2026-11-28T1949-grpo.md, 3 runs): version 0 gave 0.0296-0.0352, versions
-#: >= 4 gave 0.76-0.964, rises of 0.725-0.934 (6 earlier runs, not recorded: about 0.93-0.95); the
-#: margin stays well below the smallest rise, and far above seed 1's 0.0303, where the model did not learn.
-MARGIN = 0.5
+#: CPU cores shared with other jobs, a load average of 6.58-10.11 (benchmarks/results/2026-11-28T2243-grpo.md, 3
+#: runs): version 0 gave 0.042-0.0469, versions >= 4 gave 0.264-0.716, rises of 0.217-0.674 (the later the
+#: trainer's versions reach the run, the smaller); the margin stays below the smallest rise and above what samples
+#: of a model that did not learn give (seed 1's versions 1 to 3: 0.0451-0.0952, from 0.0469).
+MARGIN = 0.15
 PROMPTS = 64
 
 
