@@ -1,9 +1,10 @@
 """The task guides' commands and files run as the guides show them (docs/guides/).
 
-The distillation guide's "Try it on a CPU first" block runs as written in the vLLM lane (the real pinned vLLM on
-the CPU, the project's tiny model), and its job, submitted with those values to a real single-node SLURM and
-sent SIGTERM as SLURM's warning signal, exits with status 3, requeues itself, and its second run finishes the
-store; the loader then yields every finished sample with the teacher's top-20 tokens.  The guide's store sizes are
+The distillation guide's "Try it on a CPU first" block runs in the vLLM lane (the real pinned vLLM on the CPU, the
+project's tiny model): its model and loader commands as written, its job line with the same values submitted to a
+real single-node SLURM, where SIGTERM as SLURM's warning signal makes the run exit with status 3, the job requeue
+itself and its second run finish the store; the loader then yields every finished sample with the teacher's top-20
+tokens.  The guide's store sizes are
 the arithmetic of the figures of the records it cites.  The async GRPO guide's blocks run as written in the main
 lane: the trainer trains on every sample once and publishes a version per step, also when it is killed at each
 point of its crash table and started again.
@@ -116,18 +117,6 @@ def vllm_env() -> dict[str, str]:
     return {**shell_env(), "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_the_distill_guide_cpu_block_runs_as_written(tmp_path):
-    shutil.copytree(REPO / "examples", tmp_path / "examples")
-    done = run_block(fenced_block(DISTILL, "Try it on a CPU first"), tmp_path, timeout=800, env=vllm_env())
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
-    assert "daskgen run exited with status 0" in done.stdout, done.stdout[-6000:]
-    finished = check_distill_store(tmp_path / "examples" / "slurm-distill" / "try.zarr")
-    assert f"{finished} finished samples in 1 partitions" in done.stdout, done.stdout[-3000:]
-
-
 def slurm_problem() -> str | None:
     """Why no SLURM job can run here, or None (a node idle, mixed or allocated)."""
     if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
@@ -157,9 +146,10 @@ def job_field(job: str, field: str) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_the_distill_guide_job_is_stopped_with_status_3_requeued_and_resumed_by_slurm(tmp_path):
-    """The guide's job submitted to a real SLURM (the single-node one of .ci/slurm-setup.sh, which .ci/run keeps up
-    for the engine lanes), with the CPU block's arguments and the CI node's size; SIGTERM to the job script as its
-    warning signal sends it; the job requeues itself and its second run finishes the store."""
+    """The guide's CPU block, its job submitted to a real SLURM (the single-node one of .ci/slurm-setup.sh, which
+    .ci/run keeps up for the engine lanes) with the block's values and the CI node's size: SIGTERM to the job script
+    as its warning signal sends it; the job requeues itself and its second run finishes the store, which the block's
+    loader command then reads as written."""
     problem = slurm_problem()
     if problem:
         if os.environ.get("CI", "").lower() == "true":
@@ -196,7 +186,11 @@ def test_the_distill_guide_job_is_stopped_with_status_3_requeued_and_resumed_by_
     first, second = text.find("daskgen run exited with status 3"), text.find("daskgen run exited with status 0")
     assert "interrupted (SIGTERM received)" in text and 0 <= first < second, text[-6000:]  # then the requeued one
     assert job_field(job, "JobState") in ("COMPLETED", ""), job_field(job, "JobState")
-    check_distill_store(store)
+    finished = check_distill_store(store)
+    loader = [cpu[0], next(line for line in cpu if line.startswith("python loader.py"))]  # cd, then the loader
+    done = run_block("\n".join(loader), tmp_path, timeout=300, env=vllm_env())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"{finished} finished samples in 1 partitions" in done.stdout, done.stdout[-3000:]
 
 
 GRPO = GUIDES / "async-grpo.md"
