@@ -32,6 +32,11 @@ class StoreMismatchError(StoreError):
     """A rerun's settings or input differ from the store's."""
 
 
+class ImageReferenceError(StoreError):
+    """An image the store keeps as a reference (``image_storage: reference``) cannot be read where it points, or
+    its bytes there no longer hash to the image's name."""
+
+
 class StoreLockedError(StoreError):
     """Another live client is running against the store."""
 

@@ -35,6 +35,8 @@ IO, ENGINE, SAMPLING, ROUNDS, CLUSTER, TASKS, STOPPING = (
 RefreshPolicy = Literal["drain", "continue"]
 #: The order in which partitions and their prompts reach the engines.
 Dispatch = Literal["auto", "prefix", "order"]
+#: How the store keeps each distinct image of the prompts: its bytes, or a reference to where it was read.
+ImageStorage = Literal["copy", "reference"]
 
 
 def key_values(what: str, flag: str, *, identity: bool = False) -> Any:
@@ -84,6 +86,14 @@ class RunOptions:
         "line comma-separated) or '*' (every column of the first row but the prompt and daskgen's own keys).",
         group=IO,
         cli_type=str,
+    )
+    image_storage: ImageStorage = option(
+        "copy",
+        "How the store keeps each distinct image of the prompts: copy stores its bytes (the store holds everything "
+        "it needs); reference stores only the absolute URL it was read from and its size (a data: URL's image "
+        "is stored as bytes), so the store stays small but reads the files where they lie, which must stay there "
+        "unchanged (docs/images.md). A resume may switch: the store then holds both.",
+        group=IO,
     )
     engine: str = option(
         "transformers",

@@ -17,10 +17,10 @@ import pytest
 from daskgen.client.plan import prepare
 from daskgen.config import RunConfig
 from daskgen.errors import ConfigError, InputError, StoreMismatchError
-from daskgen.images.fetch import read_image_bytes
 from daskgen.input.image_refs import template_messages
 from daskgen.input.image_tokens import expand, mrope_delta
 from daskgen.store.generation_store import GenerationStore
+from daskgen.store.image_urls import read_image_bytes
 from daskgen.store.images import blob_key, stored_hashes
 from daskgen.store.verify import verify
 from tests.conftest import run_cli

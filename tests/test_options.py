@@ -106,7 +106,7 @@ def captured(monkeypatch):
 #: Values that pass validation where the type's generic sample would not.
 SAMPLES = {"window": ("3", 3), "deadline": ("90m", "90m"), "grace": ("30s", "30s"), "top_p": ("0.5", 0.5),
            "response_format": ('{"regex": "x"}', {"regex": "x"}), "refresh": ("drain", "drain"),
-           "dispatch": ("order", "order")}  # fmt: skip
+           "dispatch": ("order", "order"), "image_storage": ("reference", "reference")}  # fmt: skip
 
 
 def sample(opt, samples=SAMPLES):

@@ -44,7 +44,7 @@ from daskgen.formats.tensordict import to_tensordict as parts_tensordict
 from daskgen.formats.verl import VERL_KEYS, VerlParts, to_verl
 from daskgen.store.attrs import StoreAttrs
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.images import checked_blob
+from daskgen.store.images import image_bytes
 from daskgen.store.layout import DONE
 from daskgen.store.location import StoreRef, locate
 
@@ -242,7 +242,7 @@ def export(
     if side is not None:
         location = locate(path)
         with staged_output(side, overwrite=overwrite, protect=path) as tmp:
-            written = write_image_table(seen, lambda digest: checked_blob(location, digest), tmp)
+            written = write_image_table(seen, lambda digest: image_bytes(location, digest), tmp)
     result = ExportResult(Path(out), fmt, rows, time.perf_counter() - t0, output_size(Path(out)), written)
     if wandb_project:
         upload_wandb(out, wandb_project, attrs)

@@ -8,6 +8,7 @@ import numpy as np
 
 from daskgen.store.cursors import not_acknowledged
 from daskgen.store.generation_store import GenerationStore
+from daskgen.store.images import storage_summary, stored_images
 from daskgen.store.layout import DONE, FAILED, PENDING
 from daskgen.store.location import StoreRef
 from daskgen.store.policy import PolicyVersion, WorkerPolicy, read_versions, read_worker_policies
@@ -30,12 +31,18 @@ def status_report(path: StoreRef) -> str:
         "settings: " + json.dumps(attrs.identity, sort_keys=True),
         "input:    " + json.dumps(attrs.input, sort_keys=True),
         "checksums: " + _checksum_summary(store),
+        *_image_line(store),
         *_thread_slots_line(attrs),
         *_cursor_lines(store, status),
         *_policy_lines(store, done),
         *_first_errors(store, status),
     ]
     return "\n".join(lines)
+
+
+def _image_line(store: GenerationStore) -> list[str]:
+    """How a store with images keeps them: as bytes, or as references to files outside it (nothing without)."""
+    return [f"images:   {storage_summary(stored_images(store.location))}"] if store.layout.max_images else []
 
 
 def _thread_slots_line(attrs: object) -> list[str]:

@@ -338,6 +338,7 @@ def _shared_task_fields(plan: Plan) -> dict[str, Any]:
         "eos_ids": plan.stop_ids,
         "run_settings": run_settings(cfg) if plan.layout.stops or plan.layout.row_sampling else None,
         "trust_remote_code": bool(engine_args.get("trust_remote_code", False)),
+        "image_storage": cfg.image_storage,
     }
 
 

@@ -1,9 +1,10 @@
 """Image preprocessing on CPU workers: when the cluster has workers with the ``daskgen-preprocess`` resource
 (:data:`~daskgen.worker.images.PREPROCESS_RESOURCE`; they run no engine), each partition whose rows name images
-first becomes a preprocessing task there (:func:`~daskgen.worker.images.preprocess_images`: read, store once,
-run the model's image processor, loaded with the engine args' ``trust_remote_code`` as on the engine worker,
-which the task carries), whose result Dask hands to the engine worker that generates the partition.  Without
-such workers, each engine worker prepares its partitions' images itself, in its own thread pool.
+first becomes a preprocessing task there (:func:`~daskgen.worker.images.preprocess_images`: read, kept once in
+the store as the run's ``image_storage`` asks, run through the model's image processor, loaded with the engine
+args' ``trust_remote_code`` as on the engine worker, which the task carries), whose result Dask hands to the
+engine worker that generates the partition.  Without such workers, each engine worker prepares its partitions'
+images itself, in its own thread pool.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def preprocessing(client: Any, tasks: list[Any], retries: int) -> list[Any]:
             out.append(None)
             continue
         out.append(client.submit(
-            preprocess_images, task.store, task.model, task.trust_remote_code, rows,
+            preprocess_images, task.store, task.model, task.trust_remote_code, rows, task.image_storage,
             key=f"daskgen-images-{task.start}-{time.time_ns()}", pure=False, retries=retries,
             resources={PREPROCESS_RESOURCE: 1},
         ))  # fmt: skip

@@ -22,7 +22,7 @@ from daskgen import tunables
 from daskgen.errors import StoreMismatchError
 from daskgen.formats.images import MULTI_MODAL_FIELDS
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.images import checked_blob
+from daskgen.store.images import image_bytes
 
 
 class StoreImages:
@@ -90,7 +90,7 @@ class StoreImages:
         from daskgen.images.processor import decoded_rgb
 
         processing = self.processing  # loaded (and checked) before any image is read
-        data = checked_blob(self.location, digest)
+        data = image_bytes(self.location, digest)
         out = processing.process(data)
         self.processed += 1
         return decoded_rgb(data), torch.from_numpy(np.ascontiguousarray(out.pixel_values)), out.grid

@@ -1,6 +1,7 @@
 """``daskgen verify --deep``: run the model's image processor again on each stored image and compare.
 
-For every distinct image of the store's finished rows, the stored bytes go through the image processor of the
+For every distinct image of the store's finished rows, its bytes (stored, or read where a reference points and
+checked against its hash: a file that changed since the run read it is found) go through the image processor of the
 store's model (:class:`~daskgen.images.processor.ImageProcessing`) once; each row's stored grid and placeholder
 count must equal what it gives.  A store whose images were preprocessed with other settings than its model's
 processor now has (a different resize, patch or merge size: the mismatches that leave a model seeing other pixels
@@ -13,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from daskgen.errors import ImageReferenceError, StoreError
 from daskgen.images.processor import ImageProcessing
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.images import blob_key, read_blob
+from daskgen.store.images import blob_key, image_bytes, reference_key
 from daskgen.store.layout import DONE
 from daskgen.store.verify import Problem, VerifyReport
 
@@ -36,18 +38,17 @@ def deep_image_problems(store: GenerationStore, model: str | None = None) -> tup
         return [], notes
     arrays = store.read_region(0, store.layout.n_prompts, ("image_hash", "image_grid", "image_length"))
     expected: dict[str, Any] = {}
-    problems = []
+    problems: list[Problem] = []
     for row in done.tolist():
         for k, digest in enumerate(arrays["image_hash"][row]):
             if not digest:
                 continue
             digest = str(digest)
             if digest not in expected:
-                data = read_blob(store.location, digest)
-                expected[digest] = None if data is None else processing.process(data)
+                expected[digest] = _processed(store, digest, processing, problems)
             again = expected[digest]
             if again is None:
-                continue  # a missing image is the plain verify's finding
+                continue
             grid, length = tuple(int(v) for v in arrays["image_grid"][row, k]), int(arrays["image_length"][row, k])
             if grid != again.grid or length != again.tokens:
                 problems.append(Problem(
@@ -56,6 +57,18 @@ def deep_image_problems(store: GenerationStore, model: str | None = None) -> tup
                     f"{again.tokens}",
                 ))  # fmt: skip
     return problems, notes
+
+
+def _processed(store: GenerationStore, digest: str, processing: ImageProcessing, problems: list[Problem]) -> Any:
+    """The image ``digest`` processed again, or ``None``: a reference whose file vanished or no longer hashes to
+    ``digest`` (a problem added to ``problems``), or stored bytes missing or damaged (the plain verify's finding)."""
+    try:
+        return processing.process(image_bytes(store.location, digest))
+    except ImageReferenceError as exc:
+        problems.append(Problem("image", "images", reference_key(digest), 0, 0, str(exc)))
+    except StoreError:
+        pass
+    return None
 
 
 def verify_deeply(report: VerifyReport, store: GenerationStore, model: str | None = None) -> VerifyReport:

@@ -1,12 +1,12 @@
 """The input scan's checks of every image, before any engine starts.
 
-:class:`ImageCheck` reads each image a row names once on the client (:func:`~daskgen.images.fetch.read_image_bytes`),
-hashes it, reads its size from its header and checks it against the limits (``daskgen.images.max-per-prompt`` and
-``daskgen.images.max-pixels``): a missing file, bytes that are no image, too many images or too many pixels is an
-error naming the row and the image.  Decoding, resizing and the model's processor run on the workers.  The
-check also gives the placeholder tokens each image adds to its prompt's length (from the model's processor) and
-a digest of every image's hash in input order, which the store's identity records, so a resume whose images
-changed is refused.
+:class:`ImageCheck` reads each image a row names once on the client
+(:func:`~daskgen.store.image_urls.read_image_bytes`), hashes it, reads its size from its header and checks it
+against the limits (``daskgen.images.max-per-prompt`` and ``daskgen.images.max-pixels``): a missing file, bytes
+that are no image, too many images or too many pixels is an error naming the row and the image.  Decoding,
+resizing and the model's processor run on the workers.  The check also gives the placeholder tokens each image
+adds to its prompt's length (from the model's processor) and a digest of every image's hash in input order, which
+the store's identity records, so a resume whose images changed is refused.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 
 from daskgen import tunables
 from daskgen.errors import InputError
-from daskgen.images.fetch import read_image_bytes
 from daskgen.images.processor import ImageProcessing, open_image
 from daskgen.input.image_refs import image_refs, resolved
+from daskgen.store.image_urls import read_image_bytes
 from daskgen.store.images import image_hash
 
 

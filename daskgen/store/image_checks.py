@@ -3,18 +3,30 @@
 Per finished row (:func:`image_rows`, one of the row rules of :mod:`daskgen.store.invariants`): each image's span
 lies inside the prompt and holds only the model's image placeholder token, as many as its grid asks for
 (``t*h*w / merge²``); the prompt holds no placeholder outside the spans; an image slot without a hash has no span;
-its hash is stored.  Per stored image (:func:`blob_problems`): its bytes hash to its name.
+its hash is stored.  Per stored image (:func:`stored_image_problems`): stored bytes hash to their name; a
+reference's file exists and has the size the run read (``--deep`` reads it and checks its hash:
+:mod:`daskgen.images.deep_check`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from daskgen.store.images import blob_key, image_hash, stored_hashes
+from daskgen.errors import InputError, StoreError
+from daskgen.store.images import (
+    COPY,
+    REFERENCE,
+    blob_key,
+    image_hash,
+    read_reference,
+    reference_key,
+    storage_summary,
+    stored_hashes,
+    stored_images,
+)
 
 
 @dataclass(frozen=True)
@@ -74,9 +86,49 @@ def _row_problem(region: dict[str, np.ndarray], r: int, rules: ImageRules) -> st
     return ""
 
 
-def blob_problems(location: Any) -> Iterator[tuple[str, str]]:
-    """``(key, what is wrong)`` for each stored image whose bytes do not hash to its name."""
-    for digest in sorted(stored_hashes(location)):
+def stored_image_problems(
+    location: Any, storage_options: dict[str, Any] | None = None
+) -> tuple[list[tuple[str, str]], list[str]]:
+    """``(key, what is wrong)`` for each stored image whose bytes do not hash to its name, and each reference whose
+    file is missing or has another size than the run read (read with ``storage_options``, default: the store's);
+    and, when some images are references, a note saying how the store keeps its images."""
+    kinds = stored_images(location)
+    problems = []
+    for digest, kind in sorted(kinds.items()):
+        found = _image_problem(location, digest, kind, storage_options)
+        if found is not None:
+            problems.append(found)
+    notes = [f"images: {storage_summary(kinds)}"] if REFERENCE in kinds.values() else []
+    return problems, notes
+
+
+def _image_problem(
+    location: Any, digest: str, kind: str, storage_options: dict[str, Any] | None
+) -> tuple[str, str] | None:
+    """``(key, what is wrong)`` of one stored image, or ``None`` when nothing is."""
+    if kind == COPY:
         data = location.read_bytes(blob_key(digest))
         if data is not None and image_hash(data) != digest:
-            yield blob_key(digest), f"its bytes hash to {image_hash(data)}, not to its name"
+            return blob_key(digest), f"its bytes hash to {image_hash(data)}, not to its name"
+        return None
+    from daskgen.store.image_urls import image_size
+
+    try:
+        reference = read_reference(location, digest)
+    except StoreError as exc:
+        return reference_key(digest), str(exc)
+    if reference is None:  # replaced by the bytes since the listing
+        return None
+    options = storage_options if storage_options is not None else getattr(location, "storage_options", None)
+    try:
+        size = image_size(reference.url, options)
+    except InputError as exc:
+        return reference_key(digest), (
+            f"image {digest}: the file it refers to, {reference.url!r}, cannot be found ({exc}); put it back there"
+        )
+    if size != reference.size:
+        return reference_key(digest), (
+            f"image {digest}: the file it refers to, {reference.url!r}, changed: {size} bytes, the run read "
+            f"{reference.size}; restore the file the run read"
+        )
+    return None

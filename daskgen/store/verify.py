@@ -23,7 +23,7 @@ import numpy as np
 from daskgen.store.expected_chunks import ExpectedChunk, PartitionRows, expected_chunks, known_texts
 from daskgen.store.fingerprint import digest_number
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.image_checks import ImageRules, blob_problems
+from daskgen.store.image_checks import ImageRules, stored_image_problems
 from daskgen.store.invariants import RowRules, broken_rows
 from daskgen.store.layout import DONE
 from daskgen.store.location import StoreRef
@@ -53,7 +53,7 @@ class VerifyReport:
     done_rows: int = 0
     problems: list[Problem] = field(default_factory=list)
     ids: dict[int, str] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)  # what could not be checked, and why
+    notes: list[str] = field(default_factory=list)  # what could not be checked and why; images kept as references
 
     @property
     def sound(self) -> bool:
@@ -241,8 +241,10 @@ def verify(
         expected += found.expected
     report.chunks += len(starts) * len(store.layout.data_arrays())
     report.problems += missing_chunks(store, expected)
-    if rules.images is not None:  # every stored image read back and hashed
-        report.problems += [Problem("image", "images", key, 0, 0, why) for key, why in blob_problems(store.location)]
+    if rules.images is not None:  # every stored image read back and hashed, every reference's file found
+        found, notes = stored_image_problems(store.location, storage_options)
+        report.problems += [Problem("image", "images", key, 0, 0, why) for key, why in found]
+        report.notes += notes
     report.ids = _ids(store, report.rows())
     return report
 

@@ -1,7 +1,8 @@
 """Images on a worker: each image of a partition's rows read, stored once, preprocessed, and placed in its prompt.
 
-For each image URL a row names (checked by the client's scan), the worker reads the bytes, stores them in the
-store under their hash unless this process or another already did (:mod:`daskgen.store.images`), and runs the
+For each image URL a row names (checked by the client's scan), the worker reads the bytes and keeps the image in
+the store under their hash, as its bytes or as a reference to the URL (the run's ``image_storage``), unless this
+process or another already did (:mod:`daskgen.store.images`), and runs the
 model's image processor on them (:class:`~daskgen.images.processor.ImageProcessing`) in a small thread pool
 (``daskgen.images.preprocess-threads``), never on the worker's event loop.  Processed images are kept by hash
 (``daskgen.images.cache-items``), so a prompt's samples, prompts sharing an image and retried partitions
@@ -26,10 +27,10 @@ import numpy as np
 from daskgen import tunables
 from daskgen.engines.media import IMAGE, ImageInput
 from daskgen.errors import InputError
-from daskgen.images.fetch import read_image_bytes
 from daskgen.images.processor import ImageProcessing, ProcessedImage
 from daskgen.input.image_tokens import VisionTokens, expand, mrope_delta
-from daskgen.store.images import image_hash, write_blob
+from daskgen.store.image_urls import read_image_bytes
+from daskgen.store.images import COPY, image_hash, keep_image
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class ImagePreparer:
         self._lock, self._store_lock = threading.Lock(), threading.Lock()
         self._cache: OrderedDict[str, ProcessedImage] = OrderedDict()
         self._running: dict[str, threading.Event] = {}  # images being processed, by hash
-        self._stored: set[tuple[str, str]] = set()  # (store, image) pairs this process stored or found stored
+        self._stored: set[tuple[str, str, str]] = set()  # (store, image, form) this process stored or found stored
         self._pool = ThreadPoolExecutor(int(tunables.get("images.preprocess-threads")), "daskgen-images")
         self.counters = ImageCounters()
         _PREPARERS.append(self)
@@ -86,18 +87,25 @@ class ImagePreparer:
         return self.processing.tokens
 
     async def prepare(
-        self, inputs: Sequence[dict[str, Any]], prompts: list[list[int]], location: Any, given: Any = None
+        self,
+        inputs: Sequence[dict[str, Any]],
+        prompts: list[list[int]],
+        location: Any,
+        given: Any = None,
+        storage: str = COPY,
     ) -> tuple[list[list[int]], list[RowImages | None]]:
         """The rows' prompts with their images' placeholders expanded, and each row's images (``None``: none);
-        ``location`` is the store's (images are stored there); ``given``: each row's images as a preprocessing
-        worker returned them (:func:`preprocess_images`), instead of preparing them here."""
+        ``location`` is the store's (images are kept there, as ``storage`` asks: ``"copy"`` or ``"reference"``);
+        ``given``: each row's images as a preprocessing worker returned them (:func:`preprocess_images`), instead
+        of preparing them here."""
         loop, t0 = asyncio.get_running_loop(), time.perf_counter()
         if given is not None:
             jobs = [[_done(loop, image) for image in row] for row in given]
         else:
             options = dict(getattr(location, "storage_options", {}) or {})
             urls = [row.get("image_urls", ()) for row in inputs]
-            jobs = [[loop.run_in_executor(self._pool, self._image, url, location, options) for url in u] for u in urls]
+            image = functools.partial(self._image, location=location, options=options, storage=storage)
+            jobs = [[loop.run_in_executor(self._pool, image, url) for url in u] for u in urls]
         out_prompts: list[list[int]] = []
         out_images: list[RowImages | None] = []
         for number, (ids, row_jobs) in enumerate(zip(prompts, jobs, strict=True)):
@@ -124,15 +132,17 @@ class ImagePreparer:
         )
         return expanded, RowImages(inputs, mrope_delta([p.grid for _, _, p in images], self.processing.merge))
 
-    def _image(self, url: str, location: Any, options: dict[str, Any]) -> tuple[str, bytes, ProcessedImage]:
-        """Read, store and preprocess one image (blocking; in the pool)."""
+    def _image(
+        self, url: str, location: Any, options: dict[str, Any], storage: str = COPY
+    ) -> tuple[str, bytes, ProcessedImage]:
+        """Read, keep in the store (as ``storage`` asks) and preprocess one image (blocking; in the pool)."""
         data = read_image_bytes(url, options)
         digest = image_hash(data)
         with self._store_lock:  # one writer per process (its temporary file is named by the process)
-            if (location.url, digest) not in self._stored:
-                if write_blob(location, digest, data):
+            if (location.url, digest, storage) not in self._stored:
+                if keep_image(location, digest, data, url, storage):
                     self.counters.stored += 1
-                self._stored.add((location.url, digest))
+                self._stored.add((location.url, digest, storage))
         processed = self._processed(digest, data, url)
         return digest, data, processed
 
@@ -167,11 +177,14 @@ class ImagePreparer:
             with self._lock:
                 self._running.pop(digest).set()
 
-    def preprocess(self, urls: Sequence[Sequence[str]], location: Any) -> list[list[tuple[str, bytes, ProcessedImage]]]:
-        """Each row's images read, stored and preprocessed (blocking; the images of all rows at once in the pool)."""
+    def preprocess(
+        self, urls: Sequence[Sequence[str]], location: Any, storage: str = COPY
+    ) -> list[list[tuple[str, bytes, ProcessedImage]]]:
+        """Each row's images read, kept in the store (as ``storage`` asks) and preprocessed (blocking; the images
+        of all rows at once in the pool)."""
         options = dict(getattr(location, "storage_options", {}) or {})
         t0 = time.perf_counter()
-        jobs = [[self._pool.submit(self._image, url, location, options) for url in row] for row in urls]
+        jobs = [[self._pool.submit(self._image, url, location, options, storage) for url in row] for row in urls]
         out = [[job.result() for job in row] for row in jobs]
         self.counters.wait_s += time.perf_counter() - t0
         return out
@@ -184,11 +197,12 @@ def _done(loop: asyncio.AbstractEventLoop, value: Any) -> asyncio.Future:
 
 
 def preprocess_images(
-    store: Any, model: str, trust_remote_code: bool, urls: list[list[str]]
+    store: Any, model: str, trust_remote_code: bool, urls: list[list[str]], storage: str = COPY
 ) -> list[list[tuple[str, bytes, ProcessedImage]]]:
     """Dask task of a preprocessing worker (one with the :data:`PREPROCESS_RESOURCE`): each row's images of one
-    partition read, stored in ``store`` and preprocessed, for the engine worker that generates the partition."""
-    return preparer(model, trust_remote_code).preprocess(urls, store.location)
+    partition read, kept in ``store`` (as ``storage`` asks) and preprocessed, for the engine worker that generates
+    the partition."""
+    return preparer(model, trust_remote_code).preprocess(urls, store.location, storage)
 
 
 @functools.cache

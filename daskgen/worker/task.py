@@ -65,6 +65,8 @@ class PartitionTask:
     #: Whether the model folder's own code may run when its image processor loads (the engine args'
     #: ``trust_remote_code``): a preprocessing worker, which has no engine args, loads it as the engine worker does.
     trust_remote_code: bool = False
+    #: How the store keeps the images the rows name: ``"copy"`` (their bytes) or ``"reference"`` (where they lie).
+    image_storage: str = "copy"
     #: Worker side only: each pending row's images, placed in its prompt (``None``: a run without images), and as a
     #: preprocessing worker gave them (``None``: prepared on this worker).
     images: list[RowImages | None] | None = None

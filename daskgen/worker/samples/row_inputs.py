@@ -29,6 +29,7 @@ class PartitionTask(Protocol):
     preprocessed: Any
     params: SamplingParams
     chat_template: ChatTemplate | None
+    image_storage: str
 
     @property
     def layout(self) -> Layout: ...
@@ -50,7 +51,9 @@ async def tokenize_inputs(task: PartitionTask, plugin: Any) -> None:
         lambda: tokenize_rows(inputs, plugin.tokenizer(), task.chat_template, vision=vision)
     )
     if images is not None:
-        prompts, task.images = await images.prepare(inputs, prompts, task.store.location, task.preprocessed)
+        prompts, task.images = await images.prepare(
+            inputs, prompts, task.store.location, task.preprocessed, storage=task.image_storage
+        )
     task.prompts = prompts
 
 
