@@ -2,8 +2,9 @@
 
 The publisher hashes every tensor of the checkpoint's safetensors files; the ``transformers`` engine hashes the
 tensors its model holds, and the two agree tensor for tensor (float32 and bfloat16).  A labelled test double of
-the engine's loader (:class:`StaleLoadEngine`: it loads the checkpoint, then silently puts one tensor's old
-values back) is caught by the worker's refresher: the version is refused, the engine loads its previous version
+the engine's staged load (:class:`StaleLoadEngine`: it copies the staged checkpoint in, then silently puts one
+tensor's old values back) is caught by the worker's refresher, whose check proves the engine holds the staged
+bytes instead of hashing them: the version is refused, the engine loads its previous version
 again and generates exactly what it did before, and the refusal shows in the refresher's status (the dashboard's
 worker data), in the worker's record and in ``daskgen status``.  A good load is accepted and its results carry
 the version's digest.
@@ -32,19 +33,22 @@ STALE = "model.layers.1.mlp.down_proj.weight"
 
 
 class StaleLoadEngine(TransformersEngine):
-    """TEST DOUBLE of the transformers engine's loader: it loads a checkpoint as the engine does, then silently
-    puts the values :data:`STALE` held before back (a partial load that raises nothing)."""
+    """TEST DOUBLE of the transformers engine's staged load: it copies a staged checkpoint in as the engine does,
+    then silently puts the values :data:`STALE` held before back (a partial load that raises nothing)."""
 
-    async def update_weights(self, path: str) -> None:
+    applied = 0
+
+    async def apply_staged(self, staged) -> None:
         import torch
 
         from daskgen.engines.transformers.weights import checkpoint_tensors
 
         tensor = checkpoint_tensors(self._model)[STALE]
         before = tensor.detach().clone()
-        await super().update_weights(path)
+        await super().apply_staged(staged)
         with torch.no_grad():
             tensor.copy_(before)
+        self.applied += 1
 
 
 @pytest.fixture(scope="module")
@@ -128,12 +132,13 @@ def test_a_load_that_keeps_a_stale_tensor_is_refused_and_the_old_version_kept(ti
             healthy = PolicyRefresher(location, "drain", lambda: good, "w1")
             await healthy.check(errors.append)
             loaded = await answer(good, healthy, "loaded")
-            return before, after, refused, loaded, healthy.status()
+            return before, after, refused, loaded, healthy.status(), stale.applied
         finally:
             await stale.shutdown()
             await good.shutdown()
 
-    before, after, (version, status, states), loaded, healthy = asyncio.run(scenario())
+    before, after, (version, status, states), loaded, healthy, applied = asyncio.run(scenario())
+    assert applied == 1  # the refresher took the staged path
     assert version == 0 and after.meta["policy_versions"] == [(0, 0)] and after.meta["policy_fingerprints"] == {0: 0}
     assert after.output_ids == before.output_ids  # the previous version was loaded again, every tensor of it
     why = f"differ from its published fingerprint in 1 of {len(read_versions(location)[0].tensors)} tensors ({STALE})"
@@ -147,6 +152,8 @@ def test_a_load_that_keeps_a_stale_tensor_is_refused_and_the_old_version_kept(ti
     digest = digest_number(read_versions(location)[0].digest)
     assert loaded.meta["policy_versions"] == [(0, 1)] and loaded.meta["policy_fingerprints"] == {1: digest}
     assert healthy["policy_fingerprint"] == digest and healthy["refresh_error"] is None
+    (good,) = [s for s in read_worker_policies(location) if s.worker == "w1"]
+    assert good.state == "running" and good.stage_seconds > 0 and good.load_seconds < good.paused_seconds
     assert loaded.output_ids != before.output_ids  # the accepted version generates with its own weights
 
 

@@ -408,17 +408,24 @@ class Engine(abc.ABC):
 
         Called by the worker's policy refresher (:mod:`daskgen.worker.refresh`) while no request of the run is in
         the engine.  An engine that serves it declares the ``refresh`` feature; when the load fails the engine must
-        still serve its previous weights, or raise :class:`~daskgen.errors.EngineError` to be restarted.
-
-        Raises
-        ------
-        RefreshError
-            This engine cannot load new weights in place (the default), or the checkpoint does not fit the model.
+        still serve its previous weights, or raise :class:`~daskgen.errors.EngineError` to be restarted.  Raises
+        :class:`~daskgen.errors.RefreshError` when this engine cannot load new weights in place (the default), or
+        the checkpoint does not fit the model.
         """
         raise RefreshError(
             f"engine {self.name!r} cannot load new weights in place; use an engine that serves 'refresh' "
             "(transformers, sglang, vllm, openai with managed=true) or run without `refresh`."
         )
+
+    async def stage_weights(self, path: str) -> Any:
+        """Prepare the folder ``path`` for :meth:`apply_staged` while the engine generates (before the refresher stops
+        admitting).  The default stages nothing and returns ``path`` (the ``vllm`` and ``sglang`` engines)."""
+        return path
+
+    async def apply_staged(self, staged: Any) -> None:
+        """Load what :meth:`stage_weights` returned, as :meth:`update_weights` does; the default is
+        ``update_weights(staged)``."""
+        await self.update_weights(staged)
 
     async def loaded_fingerprint(self, dtypes: dict[str, str]) -> dict[str, str]:
         """The fingerprint (:func:`daskgen.engines.fingerprint.tensor_fingerprint`) of each checkpoint tensor named in
@@ -426,11 +433,7 @@ class Engine(abc.ABC):
         ``dtypes`` gives each name's published dtype (a safetensors code), for an engine that must convert back.  A
         name the engine does not hold as one tensor of its own is left out.  An engine serving it declares
         ``policy_fingerprint``; the refresher compares it with the published one (:mod:`daskgen.worker.refresh`).
-
-        Raises
-        ------
-        RefreshError
-            This engine cannot read its loaded tensors (the default).
+        Raises :class:`~daskgen.errors.RefreshError` when this engine cannot read its loaded tensors (the default).
         """
         raise RefreshError(f"engine {self.name!r} cannot fingerprint the weights it holds")
 

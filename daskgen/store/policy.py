@@ -180,10 +180,11 @@ class WorkerPolicy:
 
     What the refresh to ``asked`` cost the worker (``None`` when unknown: before a refresh, or a URL checkpoint):
     ``shared_bytes`` read from shared storage for it (:class:`~daskgen.store.policy_cache.LocalCheckpoint`) and
-    ``fetch_seconds`` getting its folder (a delta version's rebuild, or the wait for another worker's), while the
-    engine goes on generating; once running, ``paused_seconds`` from the engine holding no request of the run
-    (drained or aborted) to admitting again, of which ``load_seconds`` in ``Engine.update_weights`` and
-    ``check_seconds`` comparing the loaded tensors with the published fingerprint."""
+    ``fetch_seconds`` getting its folder (a delta version's rebuild, or the wait for another worker's) and
+    ``stage_seconds`` in ``Engine.stage_weights`` (the ``transformers`` engine reading and fingerprinting the
+    tensors), while the engine goes on generating; once running, ``paused_seconds`` from the engine holding no
+    request of the run (drained or aborted) to admitting again, of which ``load_seconds`` in
+    ``Engine.apply_staged`` and ``check_seconds`` comparing what the engine holds with the published fingerprint."""
 
     worker: str
     version: int
@@ -196,6 +197,7 @@ class WorkerPolicy:
     paused_seconds: float | None = None
     load_seconds: float | None = None
     check_seconds: float | None = None
+    stage_seconds: float | None = None
 
 
 def write_worker_policy(location: StoreLocation, state: WorkerPolicy) -> None:

@@ -6,11 +6,14 @@ A run with ``refresh`` set gives each worker's :class:`~daskgen.worker.plugin.En
 store (:func:`listen_for_versions`: a Dask event on :data:`~daskgen.store.commit_log.POLICY_TOPIC`); when the
 newest version is above the one its engine runs, it gets a folder holding its full weights (the published one,
 or for a delta version its rebuild in the node's cache, :mod:`daskgen.store.policy_cache`, made while the engine
-goes on generating and checked against the version's fingerprint), stops admitting
-the run's requests, empties the engine as the ``refresh`` policy says, loads the version
-(:meth:`~daskgen.engines.base.Engine.update_weights`), checks what the engine loaded against the version's
-published fingerprint (:meth:`~daskgen.engines.base.Engine.loaded_fingerprint`, on engines that declare
-``policy_fingerprint``) and admits again:
+goes on generating and checked against the version's fingerprint), stages it while the engine still generates
+(:meth:`~daskgen.engines.base.Engine.stage_weights`: the ``transformers`` engine reads its tensors into host memory
+and fingerprints them; other engines stage nothing), stops admitting the run's requests, empties the engine as the
+``refresh`` policy says, loads the version (:meth:`~daskgen.engines.base.Engine.apply_staged`: the staged tensors
+copied in place, or :meth:`~daskgen.engines.base.Engine.update_weights` from the folder), checks what the engine
+holds against the version's published fingerprint (:meth:`~daskgen.engines.base.Engine.loaded_fingerprint`, on
+engines that declare ``policy_fingerprint``; after a staged load the engine proves it holds the staged bytes
+instead of hashing them again) and admits again:
 
 * ``drain``: the requests in flight finish on the old weights first;
 * ``continue``: they are aborted keeping their tokens, and each goes on from its prefix on the new weights (the
@@ -128,17 +131,20 @@ class PolicyRefresher:
             self.changed.notify_all()
 
     async def refresh(self, engine: Engine, entry: PolicyVersion, on_error: Callable[[str], None]) -> None:
-        """Rebuild ``entry`` when it is a delta version (while the engine goes on), then stop admitting, empty the
-        engine (``drain`` or ``continue``), load it, admit again."""
+        """Rebuild ``entry`` when it is a delta version and stage it (while the engine goes on), then stop admitting,
+        empty the engine (``drain`` or ``continue``), load it, admit again."""
         asked = time.monotonic()
         try:
             local = await asyncio.to_thread(checkpoint_for, self.location, entry)
-        except Exception as exc:  # a delta that cannot be rebuilt or whose rebuild is not the published weights
+            fetched = time.monotonic()
+            staged = await engine.stage_weights(local.path)
+        except Exception as exc:  # a delta not rebuilt as published, or a checkpoint that does not fit the model
             self.refused.add(entry.version)
             self._report(on_error, f"loading policy version {entry.version} failed: {type(exc).__name__}: {exc}")
             await self._record("failed", entry.version)
             return
-        cost: dict[str, Any] = {"shared_bytes": local.shared_bytes, "fetch_seconds": time.monotonic() - asked}
+        cost: dict[str, Any] = {"shared_bytes": local.shared_bytes, "fetch_seconds": fetched - asked}
+        cost["stage_seconds"] = time.monotonic() - fetched
         async with self.changed:
             self.loading = True
         await self._record("loading", entry.version, **cost)
@@ -148,7 +154,7 @@ class PolicyRefresher:
             async with self.changed:
                 await self.changed.wait_for(lambda: not self.in_flight)
             idle = time.monotonic()  # the engine holds no request of the run from here until the gate opens
-            await engine.update_weights(local.path)
+            await engine.apply_staged(staged)
             loaded = time.monotonic()
             checked = await self._checked(engine, entry)
             cost.update(load_seconds=loaded - idle, check_seconds=time.monotonic() - loaded)

@@ -159,6 +159,7 @@ class TransformersEngine(InProcessEngine):
         self.args = parse_engine_args(self.name, TransformersArgs, engine_args)
         self._model: Any = None
         self._manager: Any = None
+        self._applied: Any = None  # the staged checkpoint last applied, until its check
         self._table = SamplerTable()
         self._table.on_error = self._fail_one
         self._jobs: dict[str, _Job] = {}
@@ -207,16 +208,34 @@ class TransformersEngine(InProcessEngine):
         from daskgen.engines.transformers.weights import refresh_weights
 
         model, manager = started(self.name, self._model), started(self.name, self._manager)
+        self._applied = None
         await asyncio.to_thread(refresh_weights, model, manager, path)
+
+    async def stage_weights(self, path: str) -> Any:
+        """The checkpoint in ``path`` read into host memory and fingerprinted
+        (:func:`~daskgen.engines.transformers.weights.stage`)."""
+        from daskgen.engines.transformers.weights import stage
+
+        return await asyncio.to_thread(stage, started(self.name, self._model), path)
+
+    async def apply_staged(self, staged: Any) -> None:
+        """Copy a staged checkpoint into the running model in place; the next :meth:`loaded_fingerprint` proves
+        the model holds it."""
+        from daskgen.engines.transformers.weights import apply_staged
+
+        model, manager = started(self.name, self._model), started(self.name, self._manager)
+        self._applied = None
+        await asyncio.to_thread(apply_staged, model, manager, staged)
+        self._applied = staged
 
     async def loaded_fingerprint(self, dtypes: dict[str, str]) -> dict[str, str]:
         """The fingerprint of each tensor named in ``dtypes`` in the running model's state dict (under a plain
-        checkpoint's names: :func:`~daskgen.engines.transformers.weights.checkpoint_tensors`)."""
-        from daskgen.engines.fingerprint import fingerprint_tensors
-        from daskgen.engines.transformers.weights import checkpoint_tensors
+        checkpoint's names): after :meth:`apply_staged`, the staged fingerprint of each tensor proved to hold the
+        staged bytes, the hash of any other (:func:`~daskgen.engines.transformers.weights.held_fingerprint`)."""
+        from daskgen.engines.transformers.weights import held_fingerprint
 
-        model = started(self.name, self._model)
-        return await asyncio.to_thread(lambda: fingerprint_tensors(checkpoint_tensors(model), dtypes))
+        model, staged, self._applied = started(self.name, self._model), self._applied, None
+        return await asyncio.to_thread(held_fingerprint, model, staged, dtypes)
 
     async def unload(self) -> None:
         """Fail pending requests, stop the backend thread and free the model."""

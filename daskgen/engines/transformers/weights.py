@@ -8,7 +8,15 @@ manager keeps cached for prefix sharing (computed with the old weights).  A chec
 :class:`~daskgen.errors.RefreshError` with the model untouched.  A model that holds LoRA adapters (peft injected
 them into its linear layers: the base weight of ``x.q_proj`` is then ``x.q_proj.base_layer.weight``, beside the
 adapters' ``lora_A``/``lora_B``) loads the base checkpoint under peft's names and keeps its adapters, which apply
-to the new base weights.  Heavy imports happen inside functions only.
+to the new base weights.
+
+A refresh can also stage the checkpoint first (:func:`stage`, while the engine generates): every tensor read into
+host memory in its parameter's dtype, fingerprinted there (:func:`~daskgen.engines.fingerprint.fingerprint_tensors`,
+the function the engine's own check uses).  :func:`apply_staged` then only copies the staged tensors into the
+parameters, and :func:`held_fingerprint` proves the model holds exactly them (the bytes compared, a tensor at a
+time): a tensor holding the staged bytes has the staged fingerprint, any other is hashed as it is held.  Staging
+holds a second copy of the weights in host memory until the check.  Both loads run while the continuous-batching
+loop is parked (the manager's ``pause``) holding no request.  Heavy imports happen inside functions only.
 """
 
 from __future__ import annotations
@@ -16,12 +24,15 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from daskgen.errors import RefreshError
 
-__all__ = ["checkpoint_tensors", "refresh_weights"]
+__all__ = ["StagedCheckpoint", "apply_staged", "checkpoint_tensors", "held_fingerprint", "refresh_weights", "stage"]
 
 #: The prefix of a ``PeftModel``'s own names for the model it wraps.
 PEFT_PREFIX = "base_model.model."
@@ -29,17 +40,128 @@ PEFT_PREFIX = "base_model.model."
 IDLE_TIMEOUT = 60.0
 
 
+@dataclass(frozen=True)
+class StagedCheckpoint:
+    """A checkpoint read into host memory (:func:`stage`): its tensors by checkpoint name in their parameters'
+    dtypes, each tensor's safetensors dtype code in the files, and their fingerprint in those dtypes."""
+
+    path: str
+    tensors: dict[str, Any]
+    dtypes: dict[str, str]
+    fingerprint: dict[str, str]
+
+
 def refresh_weights(model: Any, manager: Any, path: str) -> None:
     """Load the safetensors checkpoint in the folder ``path`` into ``model`` (blocking; no request in flight)."""
     files = _checkpoint_files(Path(path))
     params = _base_parameters(model)
-    saved = _saved_shapes(files)
-    _check_fits(params, saved, path)
-    _wait_idle(manager)
-    _copy(files, params)
+    _check_fits(params, _saved_shapes(files), path)
+    _while_parked(manager, lambda: _copy(files, params))
+
+
+def stage(model: Any, path: str) -> StagedCheckpoint:
+    """Read the checkpoint in the folder ``path`` into host memory in ``model``'s dtypes, and fingerprint it; a
+    checkpoint that does not fit the model raises :class:`~daskgen.errors.RefreshError` (the model untouched)."""
+    from safetensors import safe_open
+
+    from daskgen.engines.fingerprint import fingerprint_tensors
+
+    files = _checkpoint_files(Path(path))
+    params = _base_parameters(model)
+    _check_fits(params, _saved_shapes(files), path)
+    tensors, dtypes = {}, {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118
+                dtypes[name] = handle.get_slice(name).get_dtype()
+                # a copy: the tensor safetensors returns maps the file, whose bytes may change after the hash
+                tensors[name] = handle.get_tensor(name).to(params[name].dtype, copy=True).contiguous()
+    return StagedCheckpoint(path, tensors, dtypes, fingerprint_tensors(tensors, dtypes))
+
+
+def apply_staged(model: Any, manager: Any, staged: StagedCheckpoint) -> None:
+    """Copy the staged tensors into ``model``'s parameters, in place (blocking; no request in flight)."""
+    import torch
+
+    params = _base_parameters(model)
+
+    def copy() -> None:
+        with torch.no_grad():
+            for name, tensor in staged.tensors.items():
+                params[name].copy_(tensor)
+
+    _while_parked(manager, copy)
+
+
+def held_fingerprint(model: Any, staged: StagedCheckpoint | None, dtypes: dict[str, str]) -> dict[str, str]:
+    """The fingerprint of each tensor named in ``dtypes`` that ``model`` holds: the staged one where the model's
+    tensor holds exactly the staged bytes in the same dtype and shape (``staged`` fingerprinted in the same
+    published dtype), the hash of the model's tensor otherwise."""
+    from daskgen.engines.fingerprint import fingerprint_tensor
+
+    params, out = _base_parameters(model), {}
+    for name, dtype in dtypes.items():
+        if name not in params:
+            continue
+        proved = staged is not None and staged.dtypes.get(name) == dtype
+        if proved and _same_bytes(params[name], staged.tensors.get(name)):  # type: ignore[union-attr]
+            out[name] = staged.fingerprint[name]  # type: ignore[union-attr]
+        else:
+            out[name] = fingerprint_tensor(params[name], dtype)
+    return out
+
+
+def _same_bytes(held: Any, staged: Any) -> bool:
+    """Whether two tensors have the same dtype, shape and bytes (compared as whole machine words where they
+    divide: ``-0.0`` differs from ``0.0`` and a NaN equals itself)."""
+    import torch
+
+    if staged is None or held.dtype != staged.dtype or held.shape != staged.shape:
+        return False
+    a, b = (t.detach().reshape(-1).view(torch.uint8) for t in (held, staged.to(held.device)))
+    for word in (torch.int64, torch.int32, torch.int16):
+        try:
+            return bool(torch.equal(a.view(word), b.view(word)))
+        except RuntimeError:  # the byte count or the offset does not divide into these words
+            continue
+    return bool(torch.equal(a, b))
+
+
+def _while_parked(manager: Any, work: Callable[[], None]) -> None:
+    """Run ``work`` while the manager's generation loop is parked holding no request, then drop the KV blocks it
+    keeps cached for prefix sharing (computed with the old weights).
+
+    The loop takes the queued requests and cancellations at its pause point and applies them after it: a first
+    pause waits until it took them, a second until it applied them (the cancelled requests' blocks freed).  A
+    manager without ``pause`` is waited for until it looks idle (:func:`_wait_idle`)."""
+    pause = getattr(manager, "pause", None)
+    if pause is None:
+        _wait_idle(manager)
+        work()
+        return _evict(manager)
+    deadline = time.monotonic() + IDLE_TIMEOUT
+    while time.monotonic() < deadline:
+        with pause():
+            pass
+        with pause():
+            if not _busy(manager):
+                work()
+                return _evict(manager)
+        time.sleep(0.01)
+    raise RefreshError(f"the transformers engine still held requests after {IDLE_TIMEOUT:g} s; weights not loaded")
+
+
+def _evict(manager: Any) -> None:
     cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
     if cache is not None:
         cache.evict_cached_blocks()
+
+
+def _busy(manager: Any) -> bool:
+    """Whether the manager holds a request, scheduled or queued."""
+    processor = getattr(manager, "batch_processor", None)
+    pending = processor is not None and processor.has_pending_requests()
+    return bool(pending or not (_empty(manager.cancel_queue) and _empty(manager.input_queue)))
 
 
 def checkpoint_tensors(model: Any) -> dict[str, Any]:
@@ -105,9 +227,7 @@ def _wait_idle(manager: Any) -> None:
     queue's items into its scheduler in one step and gives no signal when it becomes idle."""
     pause, idle = threading.Event(), 0
     for _ in range(int(IDLE_TIMEOUT / 0.01)):
-        processor = getattr(manager, "batch_processor", None)
-        pending = processor is not None and processor.has_pending_requests()
-        idle = 0 if pending or not (_empty(manager.cancel_queue) and _empty(manager.input_queue)) else idle + 1
+        idle = 0 if _busy(manager) else idle + 1
         if idle >= 3:
             return
         pause.wait(0.01)
