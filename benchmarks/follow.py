@@ -66,11 +66,12 @@ def write_prompts(path: Path, n: int) -> Path:
     return path
 
 
-def launch(args: list[str]) -> subprocess.Popen:
-    """``python -m daskgen ARGS`` importing daskgen from ``DASKGEN_SRC``."""
+def launch(args: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``python -m daskgen ARGS`` importing daskgen from ``DASKGEN_SRC``, with ``extra_env`` set for it only."""
     import os
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(records.DASKGEN_SRC), os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([str(records.DASKGEN_SRC), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, **(extra_env or {}), "PYTHONPATH": path}
     return subprocess.Popen(
         [sys.executable, "-m", "daskgen", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )

@@ -163,10 +163,12 @@ def run_policy(
     import daskgen
 
     prompts, store = work / "prompts.jsonl", work / f"{policy}-{mode}.zarr"
-    os.environ["DASK_DASKGEN__POLICY__CACHE_DIR"] = str(work / f"cache-{policy}-{mode}")
-    os.environ["DASK_DASKGEN__POLICY__POLL_INTERVAL"] = a.poll
+    settings = {  # the run's only: the record's command line shows what the benchmark was started with
+        "DASK_DASKGEN__POLICY__CACHE_DIR": str(work / f"cache-{policy}-{mode}"),
+        "DASK_DASKGEN__POLICY__POLL_INTERVAL": a.poll,
+    }
     prompts.write_text("".join(json.dumps(r) + "\n" for r in builtin_prompts(a.prompts, 0)))
-    proc = launch(run_args(a, model, prompts, store, policy))
+    proc = launch(run_args(a, model, prompts, store, policy), settings)
     try:
         wait_first_commit(store, proc)
         poller = StatePoller(store)

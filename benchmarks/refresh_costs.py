@@ -3,9 +3,11 @@
 Every worker records, with its policy state (``daskgen.policy.workers/<worker>.json``,
 :class:`daskgen.store.policy.WorkerPolicy`), what the refresh to a version cost it: the bytes it read from shared
 storage (the store's policy area and published checkpoint folders), the seconds getting the version's folder (a
-delta version's rebuild in the node's cache, while the engine goes on generating), the seconds its engine paused
-(from holding no request of the run to admitting again) and, of those, the seconds in ``Engine.update_weights``
-and in the fingerprint check.  :func:`cost_rows` reads the first such record of each worker and version.
+delta version's rebuild in the node's cache) and staging it (``Engine.stage_weights``: the ``transformers`` engine
+reads and fingerprints the tensors), both while the engine goes on generating, the seconds its engine paused
+(from holding no request of the run to admitting again) and, of those, the seconds loading
+(``Engine.apply_staged``) and checking what the engine holds against the published fingerprint.
+:func:`cost_rows` reads the first such record of each worker and version.
 
 The engine's own load-from-memory time (:func:`memory_load_seconds`) is, for ``transformers``,
 ``model.load_state_dict`` of a checkpoint's tensors already in memory into a model of the same checkpoint in
@@ -33,6 +35,7 @@ COST_HEADER = [
     "loaded on every worker (s)",
     "shared-storage bytes read, all workers",
     "fetch s, slowest worker",
+    "stage s, slowest worker",
     "pause s, slowest worker",
     "load s, slowest worker",
     "check s, slowest worker",
@@ -101,7 +104,8 @@ def cost_rows(
         rows.append(
             [mode, policy, version, run["kinds"][version], sizes[version], max(loaded, default=None),
              sum(r.shared_bytes or 0 for r in mine) if mine else None,
-             max((r.fetch_seconds for r in mine), default=None), pause,
+             max((r.fetch_seconds for r in mine), default=None),
+             max((r.stage_seconds for r in mine if r.stage_seconds is not None), default=None), pause,
              max((r.load_seconds for r in mine), default=None), max((r.check_seconds for r in mine), default=None),
              baseline, None if pause is None or not baseline else pause / baseline]
         )  # fmt: skip

@@ -8,15 +8,19 @@ folder) and a delta of ``D`` bytes:
 * reads from shared storage per version: full ``N·S`` (each engine reads the published folder); delta ``M·D`` (each
   node's first worker rebuilds it once from the node's rebuild of the version before; the first delta after a
   full version reads that version's folder too: ``M·(F + D)``);
-* the serving pause per worker: ``t_mem + t_check + t_read``, with ``t_mem`` the engine's own load-from-memory
-  time, ``t_check`` the fingerprint check, and ``t_read`` the time to read the weights: for a full version from
-  the shared file system, every worker at once, ``max(N·S / B, min(N, W)·S / L)``; for a delta version from the
-  node's cache, ``S / R`` (``R``: the page cache's read rate);
-* publish to every worker serving: ``o + t_fetch + pause``, with ``o`` the notice and the drain (measured: the
-  time to every worker serving minus fetch and pause), and ``t_fetch`` 0 for a full version (its read is in the
-  pause) and ``max(M·D / B, D / L) + t_rebuild`` for a delta version, made while the engines generate.
+* ``t_read``, the time to read a version's weights: for a full version from the shared file system, every worker
+  at once, ``max(N·S / B, min(N, W)·S / L)``; for a delta version from the node's cache, ``S / R`` (``R``: the
+  page cache's read rate);
+* the serving pause per worker: ``t_mem + t_check``, with ``t_mem`` the engine's own load-from-memory time and
+  ``t_check`` the check of what it holds, for an engine that stages a version before pausing (``transformers``:
+  ``t_stage = t_read + t_hash`` while the engine generates, ``t_hash`` its fingerprint); ``t_mem + t_check +
+  t_read`` for an engine that loads from the files in the pause (``vllm``, ``sglang``);
+* publish to every worker serving: ``o + t_fetch + t_stage + pause``, with ``o`` the notice and the drain
+  (measured: the time to every worker serving minus fetch, stage and pause), and ``t_fetch`` 0 for a full version
+  and ``max(M·D / B, D / L) + t_rebuild`` for a delta version, made while the engines generate.
 
-The measured inputs (``S``, ``F``, ``D``, ``t_mem``, ``R``, the median ``t_check``, ``o`` and ``t_rebuild``) are
+The measured inputs (``S``, ``F``, ``D``, ``t_mem``, ``R``, the medians of ``t_check``, ``t_hash`` (a version's
+stage time minus ``S / R``), ``o`` and ``t_rebuild``) are
 read from the cost tables of the records named by ``--measured``; a first table puts the model, with ``B = L = R``
 and ``N = W`` = the record's workers (one machine, whose page cache is its shared storage), beside each measured
 version: reads and pause.  The scaled tables give the shared reads, the pause and the time to every worker serving
@@ -67,6 +71,8 @@ class Measured:
     overhead: float  # o
     t_rebuild: float
     rows: list[dict[str, Any]]
+    t_hash: float = 0.0
+    staged: bool = False  # the engine stages a version before pausing (its records' stage times)
 
 
 def number(text: str) -> float | None:
@@ -102,6 +108,8 @@ def read_measured(path: Path) -> Measured:
     deltas = [r for r in rows if r["kind"] == "delta"]
     timed = [r for r in rows if isinstance(r["pause s, slowest worker"], float)]
     later = [r for r in deltas if r["shared-storage bytes read, all workers"] < figures["weights"]] or deltas
+    staged = re.search(r"Engine `(\w+)`", text)
+    stages = [r["stage s, slowest worker"] for r in timed if isinstance(r["stage s, slowest worker"], float)]
     return Measured(
         f"{path.stem} ({Path(model.group(1)).name if model else '?'})",
         workers,
@@ -111,12 +119,18 @@ def read_measured(path: Path) -> Measured:
         float(rows[0]["engine load from memory (s)"]),
         figures["rate"],
         median(r["check s, slowest worker"] for r in timed),
-        median(
-            r["loaded on every worker (s)"] - r["fetch s, slowest worker"] - r["pause s, slowest worker"] for r in timed
-        ),
+        median(r["loaded on every worker (s)"] - sum(_spent(r)) for r in timed),
         median(r["fetch s, slowest worker"] for r in later) if later else 0.0,
         rows,
+        median(max(0.0, t - figures["weights"] / figures["rate"]) for t in stages) if stages else 0.0,
+        bool(staged and staged.group(1) == "transformers" and stages),
     )
+
+
+def _spent(row: dict[str, Any]) -> list[float]:
+    """A version's measured fetch, stage (``-``: none) and pause of its slowest worker."""
+    stage = row["stage s, slowest worker"]
+    return [row["fetch s, slowest worker"], stage if isinstance(stage, float) else 0.0, row["pause s, slowest worker"]]
 
 
 # --------------------------------------------------------------------------- the model
@@ -128,18 +142,32 @@ def shared_reads(kind: str, n: int, per_node: int, weights: int, files: int, del
     return n * weights if kind == "full" else nodes * (delta + (files if first else 0))
 
 
-def pause(m: Measured, kind: str, n: int, per_node: int, bandwidth: float, link: float) -> float:
-    """The serving pause per worker: load from memory, fingerprint check, the weights' read."""
+def read_time(m: Measured, kind: str, n: int, per_node: int, bandwidth: float, link: float) -> float:
+    """Each worker's read of a version's weights: a full one from shared storage, a delta's rebuild locally."""
     on_node = min(n, per_node)
-    read = max(n * m.weights / bandwidth, on_node * m.weights / link) if kind == "full" else m.weights / m.read_rate
-    return m.t_mem + m.t_check + read
+    return max(n * m.weights / bandwidth, on_node * m.weights / link) if kind == "full" else m.weights / m.read_rate
+
+
+def stage_time(m: Measured, kind: str, n: int, per_node: int, bandwidth: float, link: float) -> float:
+    """Staging a version while the engine generates: its read and fingerprint (0 for an engine without staging)."""
+    return read_time(m, kind, n, per_node, bandwidth, link) + m.t_hash if m.staged else 0.0
+
+
+def pause(m: Measured, kind: str, n: int, per_node: int, bandwidth: float, link: float) -> float:
+    """The serving pause per worker: load from memory and check, plus the weights' read unless staged."""
+    return m.t_mem + m.t_check + (0.0 if m.staged else read_time(m, kind, n, per_node, bandwidth, link))
 
 
 def refresh_time(m: Measured, kind: str, n: int, per_node: int, bandwidth: float, link: float) -> float:
     """From the publish to every worker serving the version."""
     nodes = math.ceil(n / per_node)
     fetch = 0.0 if kind == "full" else max(nodes * m.delta / bandwidth, m.delta / link) + m.t_rebuild
-    return m.overhead + fetch + pause(m, kind, n, per_node, bandwidth, link)
+    return (
+        m.overhead
+        + fetch
+        + stage_time(m, kind, n, per_node, bandwidth, link)
+        + pause(m, kind, n, per_node, bandwidth, link)
+    )
 
 
 # --------------------------------------------------------------------------- records
@@ -171,6 +199,7 @@ def scaled_rows(m: Measured, a: argparse.Namespace) -> list[list[Any]]:
             [m.name, n, math.ceil(n / w),
              shared_reads("full", n, w, m.weights, m.files, m.delta, False),
              shared_reads("delta", n, w, m.weights, m.files, m.delta, False),
+             stage_time(m, "full", n, w, b, link), stage_time(m, "delta", n, w, b, link),
              full_pause, delta_pause, refresh_time(m, "full", n, w, b, link), refresh_time(m, "delta", n, w, b, link),
              full_pause / m.t_mem, delta_pause / m.t_mem]
         )  # fmt: skip
@@ -182,9 +211,9 @@ def part_scaling(a: argparse.Namespace, work: Path, rec: records.Record) -> None
     measured = [read_measured(Path(p.strip())) for p in a.measured.split(",") if p.strip()]
     rec.table(
         ["measured run", "S bytes", "F bytes", "D bytes (median)", "t_mem s", "R bytes/s", "t_check s",
-         "o s", "t_rebuild s"],
-        [[m.name, m.weights, m.files, m.delta, m.t_mem, m.read_rate, m.t_check, m.overhead, m.t_rebuild]
-         for m in measured],
+         "o s", "t_rebuild s", "staged", "t_hash s"],
+        [[m.name, m.weights, m.files, m.delta, m.t_mem, m.read_rate, m.t_check, m.overhead, m.t_rebuild,
+          "yes" if m.staged else "no", m.t_hash] for m in measured],
         "Inputs read from the measured records (medians over their versions).",
     )  # fmt: skip
     rec.table(
@@ -195,7 +224,8 @@ def part_scaling(a: argparse.Namespace, work: Path, rec: records.Record) -> None
     )  # fmt: skip
     rec.table(
         ["measured run", "workers N", "nodes", "shared reads per version, full", "per delta version",
-         "pause s, full", "pause s, delta", "publish to all serving s, full", "delta",
+         "stage s, full", "stage s, delta", "pause s, full", "pause s, delta", "publish to all serving s, full",
+         "delta",
          "pause / load from memory, full", "delta"],
         [row for m in measured for row in scaled_rows(m, a)],
         f"### At scale: {a.per_node} workers per node, shared file system B = {a.bandwidth:,.0f} bytes/s, node link "

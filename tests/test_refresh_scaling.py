@@ -56,6 +56,17 @@ def test_a_full_versions_pause_grows_with_the_workers_a_deltas_does_not(scaling)
     assert scaling.refresh_time(m, "delta", 256, 8, bandwidth, link) == pytest.approx(1.0 + 64 / 2_000 + 3.0 + delta[1])
 
 
+def test_an_engine_that_stages_reads_and_hashes_outside_its_pause(scaling):
+    m, bandwidth, link = measured(scaling, staged=True, t_hash=0.4), 2_000 * MB, 12_500 * MB
+    assert scaling.pause(m, "full", 256, 8, bandwidth, link) == scaling.pause(m, "delta", 2, 8, bandwidth, link)
+    assert scaling.pause(m, "full", 256, 8, bandwidth, link) == pytest.approx(0.5 + 0.25)  # load and check only
+    assert scaling.stage_time(m, "full", 256, 8, bandwidth, link) == pytest.approx(256 * 100 / 2_000 + 0.4)
+    assert scaling.stage_time(m, "delta", 256, 8, bandwidth, link) == pytest.approx(100 / 10_000 + 0.4)
+    assert scaling.refresh_time(m, "full", 256, 8, bandwidth, link) == pytest.approx(1.0 + 12.8 + 0.4 + 0.75)
+    unstaged = measured(scaling)
+    assert scaling.stage_time(unstaged, "full", 256, 8, bandwidth, link) == 0.0
+
+
 def test_a_records_cost_table_is_read_back(scaling, tmp_path):
     import refresh_costs
     from common.records import markdown_table
@@ -79,6 +90,7 @@ def test_a_records_cost_table_is_read_back(scaling, tmp_path):
     )
     m = scaling.read_measured(record)
     assert (m.workers, m.weights, m.files, m.read_rate, m.t_mem) == (2, 100 * MB, 101 * MB, 10_000 * MB, 0.5)
+    assert m.staged and m.t_hash == 0.0  # stage times of 0 s: less than a read of the weights
     assert m.delta == 2.5 * MB and m.t_rebuild == 0.5  # the later delta's fetch (it did not read the full base)
     assert m.t_check == 0.25 and m.overhead == pytest.approx(0.75)  # median of 1.25, 0.25, 0.75
     checked = scaling.check_rows(m)
