@@ -20,7 +20,9 @@ from daskgen.analysis.summary import status_report
 from daskgen.errors import ImageReferenceError
 from daskgen.formats.multimodal import StoreImages
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.images import COPY, REFERENCE, blob_key, reference_key, stored_images
+from daskgen.store.image_checks import stored_image_problems
+from daskgen.store.images import COPY, REFERENCE, blob_key, keep_image, reference_key, stored_images
+from daskgen.store.location import locate
 from daskgen.store.requeue import add_requeue
 from daskgen.store.verify import verify
 from tests.conftest import run_cli
@@ -33,6 +35,7 @@ from tests.test_images import (  # images, vl_model: fixtures (sample images, th
     vl_model,  # noqa: F401
     write_rows,
 )
+from tests.test_object_store import s3, s3_server  # noqa: F401 - fixtures (moto's S3 server)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -182,3 +185,25 @@ def test_a_resume_may_switch_how_images_are_kept(runs, vl_model, tmp_path) -> No
     mixed = GenerationStore.open(store).read_region(0, 3, ("response_ids", "status"))
     copied = GenerationStore.open(stores[COPY]).read_region(0, 3, ("response_ids",))
     assert (mixed["status"] == 1).all() and np.array_equal(mixed["response_ids"], copied["response_ids"])
+
+
+def test_a_reference_to_object_storage_is_read_and_checked_there(s3, s3_server, tmp_path) -> None:  # noqa: F811
+    """An image on S3 (moto's server on loopback) kept as a reference: read back with the reader's storage options,
+    its size checked with a HEAD request; overwritten with other bytes, the reader and verify name it."""
+    import boto3
+
+    bucket, _ = s3
+    client, data = boto3.client("s3", endpoint_url=s3_server), b"the image's bytes"
+    client.put_object(Bucket=bucket, Key="pics/a.png", Body=data)
+    url, options, location = f"s3://{bucket}/pics/a.png", {"endpoint": s3_server}, locate(tmp_path / "store")
+    assert keep_image(location, sha(data), data, url, REFERENCE)
+    assert not keep_image(location, sha(data), data, url, REFERENCE), "kept once"
+    assert json.loads(location.read_bytes(reference_key(sha(data)))) == {"url": url, "size": len(data)}
+    assert daskgen.read_image(tmp_path / "store", sha(data), options) == data
+    assert stored_image_problems(location, options)[0] == []
+    client.put_object(Bucket=bucket, Key="pics/a.png", Body=b"other bytes")
+    with pytest.raises(ImageReferenceError, match="changed since the run read it") as changed:
+        daskgen.read_image(tmp_path / "store", sha(data), options)
+    assert url in str(changed.value)
+    ((key, why),) = stored_image_problems(location, options)[0]
+    assert key == reference_key(sha(data)) and url in why and "11 bytes, the run read 17" in why, why

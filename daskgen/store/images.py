@@ -185,7 +185,8 @@ def referenced_bytes(
 def read_image(store: StoreRef, digest: str, storage_options: dict[str, Any] | None = None) -> bytes:
     """The bytes of the image with SHA-256 ``digest`` (hex) of ``store`` (a folder, URL or location), as they were
     read from the input, checked against the hash (``daskgen.read_image``): the stored copy, or the file a reference
-    points at (read with ``storage_options`` too).
+    points at.  ``storage_options`` open an object-storage store and read referenced images on object storage (for
+    a local store, only the latter).
 
     Raises
     ------
@@ -193,9 +194,10 @@ def read_image(store: StoreRef, digest: str, storage_options: dict[str, Any] | N
         When the store does not hold the image, or its stored bytes do not hash to ``digest``;
         :class:`~daskgen.errors.ImageReferenceError` when it is a reference to a file that vanished or changed.
     """
-    from daskgen.store.location import locate
+    from daskgen.store.location import StoreLocation, is_url, locate
 
-    return image_bytes(locate(store, storage_options), str(digest), storage_options)
+    remote = isinstance(store, StoreLocation) or is_url(store)
+    return image_bytes(locate(store, storage_options if remote else None), str(digest), storage_options)
 
 
 def stored_images(location: StoreLocation) -> dict[str, str]:
