@@ -431,25 +431,31 @@ class TestVLLMConformanceCUDA(TestVLLMConformance):
         assert self.run(self.one(request("after-wake", max_new_tokens=2))).error is None
 
 
-def _cli_stores(tmp_path: Path, n: int, extra: list[str]) -> dict[str, Any]:
-    """Run ``daskgen run`` with the vllm and transformers engines on the same prompts."""
+#: Rows of the two engines' CLI runs: the first GREEDY_ROWS greedy (their own ``sampling``), the rest sampled at
+#: the run's temperature 1, four samples each.
+GREEDY_ROWS, SAMPLED_ROWS = 12, 16
+
+
+@pytest.fixture(scope="module")
+def cli_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``daskgen run`` with the vllm and transformers engines on the same prompts: greedy rows and rows sampled at
+    temperature 1 (``--n-samples 4 --seed 1``), one run per engine."""
+    import json
+
     import xarray as xr
 
+    if not HAVE_VLLM:
+        pytest.skip("vllm is not installed (run the vllm lane: .ci/vllm-lane)")
+    tmp_path = tmp_path_factory.mktemp("cli")
+    n = GREEDY_ROWS + SAMPLED_ROWS
     prompts = write_prompts(tmp_path / "p.jsonl", n)
+    rows = [json.loads(line) for line in prompts.read_text().splitlines()]
+    greedy = [{**row, "sampling": {"temperature": 0}} for row in rows[:GREEDY_ROWS]]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in greedy + rows[GREEDY_ROWS:]))
     common = [
-        "--prompts",
-        prompts,
-        "--model",
-        tiny_model_path(),
-        "--n-workers",
-        "1",
-        "--max-new-tokens",
-        "24",
-        "--partition-size",
-        "4",
-        "--logprobs",
-        "--no-progress",
-        *extra,
+        *("--prompts", prompts, "--model", tiny_model_path(), "--n-workers", "1", "--max-new-tokens", "24"),
+        *("--partition-size", "4", "--logprobs", "--no-progress"),
+        *("--temperature", "1", "--n-samples", "4", "--seed", "1"),
     ]
     stores = {}
     for engine, args in (
@@ -510,12 +516,15 @@ def test_validate_gpu_script_runs(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
 @NEEDS_VLLM
-def test_cli_run_vllm_agrees_with_transformers_under_greedy(tmp_path: Path) -> None:
+def test_cli_run_vllm_agrees_with_transformers_under_greedy(cli_stores: dict[str, Any]) -> None:
+    """The greedy rows (per-row ``temperature: 0`` in a run at temperature 1): the same answers and logprobs."""
     import numpy as np
 
-    n = 12
-    stores = _cli_stores(tmp_path, n, ["--temperature", "0"])
-    vl, tf = stores["vllm"], stores["transformers"]
+    n = GREEDY_ROWS
+    vl, tf = cli_stores["vllm"], cli_stores["transformers"]
+    for ds in (vl, tf):  # a greedy row's samples are one answer
+        ids = ds.response_ids.values[:n]
+        assert (ids == ids[:, :1]).all(), "a greedy row's samples differ"
     same = 0
     for i in range(n):
         a_len, b_len = int(vl.response_length.values[i, 0]), int(tf.response_length.values[i, 0])
@@ -532,7 +541,7 @@ def test_cli_run_vllm_agrees_with_transformers_under_greedy(tmp_path: Path) -> N
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
 @NEEDS_VLLM
-def test_cli_sampled_logprobs_agree_in_distribution(tmp_path: Path) -> None:
+def test_cli_sampled_logprobs_agree_in_distribution(cli_stores: dict[str, Any]) -> None:
     """Sampling at temperature 1: the sampled tokens' logprobs of both engines come from one distribution.
 
     Under the model, E[log p(sampled token)] is minus the entropy; two engines sampling the same
@@ -541,10 +550,9 @@ def test_cli_sampled_logprobs_agree_in_distribution(tmp_path: Path) -> None:
     import numpy as np
     from scipy.stats import ks_2samp
 
-    stores = _cli_stores(tmp_path, 16, ["--temperature", "1", "--n-samples", "4", "--seed", "1"])
     values = {}
-    for engine, ds in stores.items():
-        lp = ds.logprobs.values.ravel()
+    for engine, ds in cli_stores.items():
+        lp = ds.logprobs.values[GREEDY_ROWS:].ravel()  # the sampled rows
         values[engine] = lp[np.isfinite(lp)]
         assert values[engine].size > 500, values[engine].size
     vl, tf = values["vllm"], values["transformers"]
