@@ -103,6 +103,36 @@ def test_staging_copies_the_files_and_refuses_a_checkpoint_that_does_not_fit(tin
         stage(model, str(folder))
 
 
+def test_the_other_engines_stage_nothing_and_load_the_folder_in_the_pause(tmp_path):
+    """``vllm``, ``sglang``, ``openai`` and ``simulated`` keep the defaults: ``stage_weights`` returns the folder
+    and ``apply_staged`` is ``update_weights`` of it (run on the simulated engine)."""
+    from daskgen.engines.base import Engine
+    from daskgen.engines.openai import OpenAIEngine
+    from daskgen.engines.sglang import SGLangEngine
+    from daskgen.engines.simulated import SimulatedEngine
+    from daskgen.engines.vllm import VLLMEngine
+
+    for cls in (VLLMEngine, SGLangEngine, OpenAIEngine, SimulatedEngine):
+        assert (cls.stage_weights, cls.apply_staged) == (Engine.stage_weights, Engine.apply_staged), cls
+    loaded = []
+
+    class Recording(SimulatedEngine):  # TEST DOUBLE: records the folder update_weights is given
+        async def update_weights(self, path: str) -> None:
+            loaded.append(path)
+
+    async def refreshed():
+        engine = Recording("sim", time_scale=0)
+        await engine.start()
+        try:
+            staged = await engine.stage_weights(str(tmp_path))
+            await engine.apply_staged(staged)
+            return staged
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(refreshed()) == str(tmp_path) and loaded == [str(tmp_path)]
+
+
 def _float32():
     import torch
 
