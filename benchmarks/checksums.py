@@ -3,7 +3,7 @@
 Both sides in one invocation, interleaved (A, B, A, B, ...), medians of ``--repeats``:
 
 * **A, checksummed**: a store made the way daskgen makes every store (Zstandard, then CRC32C on each
-  chunk, :mod:`daskgen.store.codecs`);
+  chunk, :mod:`daskgen.store.chunks.codecs`);
 * **B, no checksum**: the same run into a store whose arrays are created with Zstandard only, as daskgen
   made them before checksums (the codec chain of the store's creation is the only difference: the
   client picks it when it creates the store; workers and readers follow what the array metadata says).
@@ -41,7 +41,8 @@ def codec_chain(checksummed: bool) -> Iterator[None]:
     """Stores created inside the block get daskgen's codec chain, or (side B) Zstandard only."""
     from zarr.codecs import ZstdCodec
 
-    from daskgen.store import codecs, generation_store
+    from daskgen.store import generation_store
+    from daskgen.store.chunks import codecs
 
     original = generation_store.compressors
     if not checksummed:

@@ -7,7 +7,7 @@ done for ``--done-fraction`` of the partitions (the rest stay pending and unwrit
 finished run).  Writing the arrays directly instead of running generation is what makes a 1M-prompt
 store take minutes; the files are the same ones workers write (one per partition per array).
 
-Then ``daskgen.store.pack.pack`` rewrites it in place on a LocalCluster of ``--workers`` workers.  Before and
+Then ``daskgen.store.tools.pack.pack`` rewrites it in place on a LocalCluster of ``--workers`` workers.  Before and
 after: file count, bytes, and read times (medians of ``--repeats``, warm page cache):
 
 * ``open_store`` + count of done rows (``status``);
@@ -84,7 +84,7 @@ def read_times(a: argparse.Namespace, path: Path) -> dict[str, float]:
 def part_pack(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     """Build, measure, pack, measure again, check the values are unchanged."""
     from daskgen import store
-    from daskgen.store.pack import pack
+    from daskgen.store.tools.pack import pack
 
     path = work / "big.zarr"
     built = build_store(a, path)

@@ -35,7 +35,7 @@ def __getattr__(name: str) -> Any:
 
         return read_image
     if name == "verify":
-        from daskgen.store.verify import verify
+        from daskgen.store.tools.verify import verify
 
         return verify
     if name == "RunConfig":

@@ -161,7 +161,7 @@ def pack(
     n_workers: Annotated[int | None, Opt(help="LocalCluster workers when no scheduler is given.")] = None,
 ) -> None:
     """Rewrite a store into few files (Zarr sharding, ~64k prompts per shard); rerun to resume an interrupted pack."""
-    from daskgen.store.pack import pack as run_pack
+    from daskgen.store.tools.pack import pack as run_pack
 
     typer.echo(run_pack(store, out, scheduler_address=scheduler_address, n_workers=n_workers).line())
 
@@ -174,7 +174,7 @@ def unpack(
     n_workers: Annotated[int | None, Opt(help="LocalCluster workers when no scheduler is given.")] = None,
 ) -> None:
     """Rewrite a packed store back to one file per partition, so that a run can resume it."""
-    from daskgen.store.pack import pack as run_pack
+    from daskgen.store.tools.pack import pack as run_pack
 
     typer.echo(run_pack(store, out, unpack=True, scheduler_address=scheduler_address, n_workers=n_workers).line())
 
@@ -192,7 +192,7 @@ def verify(
     ] = False,
 ) -> None:
     """Read every chunk (checksums, decoding) and check every finished row; exit 1 when anything is wrong."""
-    from daskgen.store.verify import verify as run_verify
+    from daskgen.store.tools.verify import verify as run_verify
 
     report = run_verify(store, scheduler_address=scheduler_address, progress=progress)
     if deep:
@@ -204,7 +204,7 @@ def verify(
         typer.echo(line)
     if repair and not report.sound:
         from daskgen.store.generation_store import GenerationStore
-        from daskgen.store.repair import repair as run_repair
+        from daskgen.store.tools.repair import repair as run_repair
 
         done = run_repair(GenerationStore.open(store), report)
         typer.echo(

@@ -6,7 +6,7 @@ import zarr
 
 from daskgen import store
 from daskgen.errors import StoreError
-from daskgen.store.chunk_reads import plain_array
+from daskgen.store.chunks.chunk_reads import plain_array
 
 LAYOUT = store.Layout(
     n_prompts=10, n_samples=2, max_prompt_tokens=8, max_new_tokens=6, partition_size=4, pad_token_id=0

@@ -98,7 +98,7 @@ def test_every_extra_is_on_its_page_and_the_api_page_has_the_entry_points(site: 
     for path in (
         "client.runner.generate",
         "stream.follow",
-        "store.verify.verify",
+        "store.tools.verify.verify",
         "analysis.accessor.open_store",
         "store.policy.publish_policy",
         "analysis.export.export",

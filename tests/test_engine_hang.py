@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from daskgen import store
-from daskgen.store.lock import LOCK_NAME
+from daskgen.store.records.lock import LOCK_NAME
 from tests.conftest import popen_cli, run_cli, write_prompts
 from tests.fault_tally import Tally, record
 from tests.openai_server import ServeProcess, tiny_model

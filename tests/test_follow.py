@@ -27,7 +27,7 @@ from daskgen.errors import FollowError, FollowTimeout
 from daskgen.settings import resolve
 from daskgen.store.commit_log import HEAD_KEY, read_head
 from daskgen.store.layout import empty_region
-from daskgen.store.lock import StoreLock
+from daskgen.store.records.lock import StoreLock
 from daskgen.stream import Position
 from tests.conftest import run_cli, simulated_run, write_prompts
 
@@ -249,7 +249,7 @@ def test_bad_requests_name_the_fix(tmp_path):
 def test_a_cursor_acknowledged_while_pack_swaps_the_store_in_is_kept(tmp_path, monkeypatch):
     """An ack that lands in the old store after pack copied the cursors (the last moment: right before the
     swap) is carried over: the follower goes on after it."""
-    from daskgen.store import pack as pack_module
+    from daskgen.store.tools import pack as pack_module
 
     prompts = write_prompts(tmp_path / "p.jsonl", 24)
     out = tmp_path / "out.zarr"
@@ -365,7 +365,7 @@ def test_an_ack_while_pack_swaps_the_store_is_refused_and_the_follower_goes_on(t
     acknowledged.  Acknowledged again after the swap, the same follower goes on through the packed layout."""
     from pathlib import Path
 
-    from daskgen.store import pack as pack_module
+    from daskgen.store.tools import pack as pack_module
 
     _, out = copy_of(run_store, tmp_path)
     follower = daskgen.follow(out, batch_prompts=10, wait=False, auto_ack=False, format="rows")

@@ -24,7 +24,7 @@ from daskgen.client.live import LiveRun
 from daskgen.client.requeue import take_requeued
 from daskgen.errors import FollowError, StoreError
 from daskgen.store.layout import DONE, PENDING
-from daskgen.store.requeue import read_requeue
+from daskgen.store.records.requeue import read_requeue
 from tests.conftest import run_cli, simulated_run, write_prompts
 from tests.test_follow import PART, SAMPLES, N, finish, new_run
 
@@ -131,7 +131,7 @@ def regenerate(run: LiveRun, start: int, version: int) -> None:
 
 
 def test_a_requeue_entry_for_a_row_generated_again_since_is_dropped(written):
-    from daskgen.store.requeue import add_requeue
+    from daskgen.store.records.requeue import add_requeue
 
     add_requeue(written.plan.store.location, [(0, 999), (1, 1)])  # row 0: another commit; row 1: its own
     seq1 = int(written.plan.store.read_region(0, N, ("commit_seq",))["commit_seq"][1])

@@ -15,7 +15,7 @@ import pytest
 
 import daskgen
 from daskgen.errors import FollowError, FollowTimeout
-from daskgen.store.lock import StoreLock
+from daskgen.store.records.lock import StoreLock
 from daskgen.stream import Position
 from tests.conftest import run_cli
 from tests.test_follow import finish, new_run, rows_of
@@ -131,7 +131,7 @@ def test_prompts_never_generated_do_not_block_the_window_once_the_run_stopped(tm
 
 
 def test_a_window_cursor_survives_packing_and_a_torn_one_is_a_clear_error(tmp_path):
-    from daskgen.store import pack as pack_module
+    from daskgen.store.tools import pack as pack_module
 
     run = new_run(tmp_path)
     path = run.plan.config.store

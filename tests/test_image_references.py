@@ -20,11 +20,11 @@ from daskgen.analysis.summary import status_report
 from daskgen.errors import ImageReferenceError
 from daskgen.formats.multimodal import StoreImages
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.image_checks import stored_image_problems
 from daskgen.store.images import COPY, REFERENCE, blob_key, keep_image, reference_key, stored_images
 from daskgen.store.location import locate
-from daskgen.store.requeue import add_requeue
-from daskgen.store.verify import verify
+from daskgen.store.records.requeue import add_requeue
+from daskgen.store.tools.image_checks import stored_image_problems
+from daskgen.store.tools.verify import verify
 from tests.conftest import run_cli
 from tests.test_images import (  # images, vl_model: fixtures (sample images, the tiny Qwen2-VL)
     QUESTION,

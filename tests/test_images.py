@@ -20,9 +20,9 @@ from daskgen.errors import ConfigError, InputError, StoreMismatchError
 from daskgen.input.image_refs import template_messages
 from daskgen.input.image_tokens import expand, mrope_delta
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.image_urls import read_image_bytes
 from daskgen.store.images import blob_key, stored_hashes
-from daskgen.store.verify import verify
+from daskgen.store.objects.image_urls import read_image_bytes
+from daskgen.store.tools.verify import verify
 from tests.conftest import run_cli
 from tests.test_object_store import s3, s3_server  # noqa: F401 - fixtures (moto's S3 server)
 

@@ -25,7 +25,7 @@ from daskgen.engines.sglang import SGLangEngine
 from daskgen.engines.sglang.images import image_data
 from daskgen.errors import ConfigError
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.verify import verify
+from daskgen.store.tools.verify import verify
 from tests.conftest import run_cli
 
 HAVE_SGLANG = find_spec("sglang") is not None

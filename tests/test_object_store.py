@@ -22,7 +22,7 @@ from daskgen import store
 from daskgen.analysis.accessor import open_store
 from daskgen.errors import StoreLockedError
 from daskgen.store.location import LocalLocation, ObjectLocation, locate
-from daskgen.store.lock import LOCK_NAME, StoreLock
+from daskgen.store.records.lock import LOCK_NAME, StoreLock
 from tests.conftest import popen_cli, run_cli, write_prompts
 from tests.probing import gate_args, probe_args, wait_for_arrival
 from tests.test_reliability import COMPARED
@@ -288,7 +288,7 @@ def _wait_done(url: str, proc, minimum: int, timeout: float = 120.0) -> None:
 
 def test_pack_on_object_storage_needs_out_and_reads_the_same(tmp_path, s3):
     from daskgen.errors import PackError
-    from daskgen.store.pack import pack
+    from daskgen.store.tools.pack import pack
 
     bucket, env = s3
     prompts = write_prompts(tmp_path / "p.jsonl", 24)

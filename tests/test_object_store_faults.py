@@ -121,7 +121,7 @@ def test_the_lock_heartbeat_survives_a_failed_write_and_beats_again(s3, s3_serve
     import dask
 
     from daskgen.store.location import ObjectLocation
-    from daskgen.store.lock import LOCK_NAME, StoreLock
+    from daskgen.store.records.lock import LOCK_NAME, StoreLock
 
     bucket, _ = s3
     with (
@@ -139,7 +139,7 @@ def test_the_lock_heartbeat_survives_a_failed_write_and_beats_again(s3, s3_serve
         first = _json.loads(where.read_bytes(LOCK_NAME))
         lock.heartbeat_interval = 0.0  # every call beats (the interval is what the tunable bounds)
         proxy.outage = True
-        with caplog.at_level(logging.WARNING, logger="daskgen.store.lock"):
+        with caplog.at_level(logging.WARNING, logger="daskgen.store.records.lock"):
             lock.heartbeat()  # must not raise
         assert proxy.injected["outage"] > 0 and "could not refresh the lock" in caplog.text
         proxy.outage = False

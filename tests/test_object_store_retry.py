@@ -15,7 +15,7 @@ import dask
 import pytest
 
 from daskgen.store.location import ObjectLocation
-from daskgen.store.lock import LOCK_NAME, StoreLock
+from daskgen.store.records.lock import LOCK_NAME, StoreLock
 from tests.conftest import run_cli, write_prompts
 from tests.s3_proxy import FaultProxy
 from tests.test_object_store import _same, s3, s3_server  # noqa: F401 - the moto server and bucket fixtures

@@ -11,8 +11,8 @@ import zarr
 
 from daskgen import store
 from daskgen.errors import PackError
-from daskgen.store import pack as packing
 from daskgen.store.location import locate
+from daskgen.store.tools import pack as packing
 from tests.conftest import run_cli, write_prompts
 from tests.test_run import sim_args
 

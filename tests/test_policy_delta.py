@@ -276,7 +276,7 @@ def test_rebuilds_older_than_cache_keep_versions_are_deleted(published, tmp_path
 
 
 def test_pack_keeps_the_deltas(published, tmp_path):
-    from daskgen.store.pack import pack
+    from daskgen.store.tools.pack import pack
     from tests.test_run import sim_args
 
     out, (_, _, v3) = published

@@ -161,7 +161,7 @@ def test_verify_names_a_sample_whose_fingerprint_is_not_its_versions_digest(tiny
     """A finished store whose samples claim version 1: the ones with its digest (or 0: unchecked) are sound, one
     labelled with other weights' fingerprint is a problem naming its row, array and version."""
     from daskgen.analysis.summary import status_report
-    from daskgen.store.verify import verify
+    from daskgen.store.tools.verify import verify
     from tests.conftest import run_cli, simulated_run, write_prompts
 
     out = tmp_path / "out.zarr"

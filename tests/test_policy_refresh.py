@@ -23,7 +23,7 @@ from daskgen.engines.base import GenerationRequest, SamplingParams
 from daskgen.engines.transformers import TransformersEngine
 from daskgen.store.fingerprint import digest_number
 from daskgen.store.policy import read_versions, read_worker_policies
-from daskgen.store.verify import verify
+from daskgen.store.tools.verify import verify
 from daskgen.testing.probes import read_events, row_of
 from daskgen.worker.refresh import PolicyRefresher
 from tests.conftest import popen_cli, write_prompts

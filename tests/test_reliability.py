@@ -16,7 +16,7 @@ from daskgen import store
 from daskgen.analysis.accessor import open_store
 from daskgen.engines.base import FinishReason
 from daskgen.errors import StoreLockedError
-from daskgen.store.lock import LOCK_NAME, StoreLock
+from daskgen.store.records.lock import LOCK_NAME, StoreLock
 from daskgen.testing.probes import row_of
 from tests.conftest import popen_cli, run_cli, write_prompts
 from tests.fault_tally import count, logged_requests, probed_requests, record

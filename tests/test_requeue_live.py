@@ -32,7 +32,7 @@ from daskgen.input.rows import InputScan
 from daskgen.store.commit_log import REQUEUE_TOPIC
 from daskgen.store.layout import DONE, PENDING
 from daskgen.store.policy import read_worker_policies
-from daskgen.store.requeue import add_requeue, read_requeue
+from daskgen.store.records.requeue import add_requeue, read_requeue
 from tests.conftest import popen_cli, runs_cluster, write_prompts
 from tests.probing import probe_args, wait_for_arrival
 from tests.test_follow import PART, N, finish, new_run

@@ -19,7 +19,7 @@ import pytest
 
 from daskgen import store
 from daskgen.engines.base import FinishReason
-from daskgen.store.lock import LOCK_NAME
+from daskgen.store.records.lock import LOCK_NAME
 from tests.conftest import cli_env, popen_cli, run_cli, write_prompts
 from tests.fault_tally import Tally, count, logged_requests, record
 from tests.probing import OutputLines

@@ -20,7 +20,7 @@ from daskgen.analysis.export import export, load_tensordict
 from daskgen.engines.base import FinishReason, GenerationResult
 from daskgen.engines.openai.top_logprobs import retokenized_top, server_top, token_id_top
 from daskgen.store.layout import Layout, empty_region
-from daskgen.store.verify import verify
+from daskgen.store.tools.verify import verify
 from daskgen.worker.samples.top_logprobs import place_top_logprobs, stored_top_logprobs
 from tests.conftest import run_cli, simulated_run, write_prompts
 

@@ -13,7 +13,7 @@ import yaml
 
 import daskgen
 from daskgen import store, tunables
-from daskgen.store.lock import StoreLock
+from daskgen.store.records.lock import StoreLock
 
 
 def test_shipped_defaults_are_in_dask_config() -> None:

@@ -7,7 +7,7 @@ import pytest
 import zarr
 
 from daskgen import store
-from daskgen.store.verify import verify
+from daskgen.store.tools.verify import verify
 from tests.conftest import run_cli, simulated_run, write_prompts
 from tests.fault_tally import count, logged_requests, record, recorded
 

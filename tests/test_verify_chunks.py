@@ -19,10 +19,10 @@ import pytest
 from daskgen import store
 from daskgen.engines.base import GenerationRequest, GenerationResult
 from daskgen.engines.simulated import SimulatedEngine
-from daskgen.store.expected_chunks import UNDERIVABLE
 from daskgen.store.images import image_hash, write_blob
 from daskgen.store.layout import empty_region, every_array_layout
-from daskgen.store.verify import chunk_key, verify
+from daskgen.store.tools.expected_chunks import UNDERIVABLE
+from daskgen.store.tools.verify import chunk_key, verify
 from tests.conftest import run_cli, simulated_run, write_prompts
 
 pytestmark = pytest.mark.timeout(300)

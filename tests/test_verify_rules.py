@@ -1,6 +1,6 @@
 """The rules ``daskgen verify`` checks, one at a time, on regions built in memory: each invariant of
-:mod:`daskgen.store.invariants` (a row breaking exactly that rule) and the chunk expectations of
-:mod:`daskgen.store.expected_chunks`."""
+:mod:`daskgen.store.tools.invariants` (a row breaking exactly that rule) and the chunk expectations of
+:mod:`daskgen.store.tools.expected_chunks`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 
 from daskgen import store
 from daskgen.input.rows import fingerprint
-from daskgen.store.expected_chunks import (
+from daskgen.store.layout import WORKER_ARRAYS, Layout, empty_region, every_array_layout
+from daskgen.store.tools.expected_chunks import (
     FAMILY_RULES,
     NEEDS_INPUT,
     RULES,
@@ -22,8 +23,7 @@ from daskgen.store.expected_chunks import (
     known_texts,
     rule_of,
 )
-from daskgen.store.invariants import RowRules, broken_rows
-from daskgen.store.layout import WORKER_ARRAYS, Layout, empty_region, every_array_layout
+from daskgen.store.tools.invariants import RowRules, broken_rows
 
 LAYOUT = store.Layout(4, 2, 6, 5, 4, 0)
 VOCAB = 100

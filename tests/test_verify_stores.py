@@ -14,9 +14,9 @@ import zarr
 
 from daskgen import store
 from daskgen.errors import StoreError
-from daskgen.store.repair import repair
-from daskgen.store.shard_index import ABSENT, read_index, shard_of
-from daskgen.store.verify import row_rules, verify
+from daskgen.store.chunks.shard_index import ABSENT, read_index, shard_of
+from daskgen.store.tools.repair import repair
+from daskgen.store.tools.verify import row_rules, verify
 from tests.conftest import run_cli, write_prompts
 from tests.fault_tally import count, logged_requests, record
 from tests.test_object_store import s3, s3_server  # noqa: F401 - the moto server and bucket fixtures
@@ -171,8 +171,8 @@ def test_a_shard_index_is_read_from_object_storage_too():
     """The index read (only the shard's last bytes) through an object store's range request: ``memory://``."""
     import uuid
 
+    from daskgen.store.chunks.shard_index import inner_chunk_bytes, inner_present
     from daskgen.store.location import locate
-    from daskgen.store.shard_index import inner_chunk_bytes, inner_present
 
     where = locate(f"memory:///{uuid.uuid4().hex}")
     arr = zarr.create_array(where.zarr_store(), name="a", shape=(12, 3), chunks=(4, 3), shards=(12, 3), dtype="int32")

@@ -12,7 +12,7 @@ from typing import Any
 STAGES = (
     ("daskgen.stream.batches", "read_rows", "read the arrays"),
     ("daskgen.stream.batches", "batch_data", "assemble the format"),
-    ("daskgen.store.cursors", "Cursor.save", "acknowledge: write and flush the cursor"),
+    ("daskgen.store.records.cursors", "Cursor.save", "acknowledge: write and flush the cursor"),
     ("daskgen.stream.batches", "read_snapshot", "read the commit log"),
     ("daskgen.formats.read", "PromptIds.__call__", "prompt ids"),
 )

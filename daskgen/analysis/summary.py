@@ -6,12 +6,12 @@ import json
 
 import numpy as np
 
-from daskgen.store.cursors import not_acknowledged
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.images import storage_summary, stored_images
 from daskgen.store.layout import DONE, FAILED, PENDING
 from daskgen.store.location import StoreRef
 from daskgen.store.policy import PolicyVersion, WorkerPolicy, read_versions, read_worker_policies
+from daskgen.store.records.cursors import not_acknowledged
 
 
 def status_report(path: StoreRef) -> str:

@@ -1,4 +1,4 @@
-"""Taking the requeue record (:mod:`daskgen.store.requeue`): prompts a follower sent back are generated again.
+"""Taking the requeue record (:mod:`daskgen.store.records.requeue`): prompts a follower sent back are generated again.
 
 For each entry ``(row, seq)`` of the record: a row still done by commit ``seq`` is committed back to pending
 (the client's commit path, :func:`~daskgen.client.commit.reset_rows`); its stored samples are then cleared
@@ -37,7 +37,7 @@ from daskgen.errors import StoreError
 from daskgen.store.commit_log import REQUEUE_KEY, REQUEUE_TOPIC
 from daskgen.store.layout import DONE, PENDING, empty_region
 from daskgen.store.location import announced_for
-from daskgen.store.requeue import Entry, drop_requeue, read_requeue
+from daskgen.store.records.requeue import Entry, drop_requeue, read_requeue
 
 if TYPE_CHECKING:
     from daskgen.client.live import LiveRun

@@ -87,7 +87,7 @@ def _run_locked(plan: Plan, stop: StopControl, t0: float) -> RunSummary:
 def _live(plan: Plan, stop: StopControl) -> Iterator[LiveRun]:
     """The live run, while this client holds the store's lock: the store re-read and brought up to date, a fresh
     input scan kept in its attrs, the overlong prompts committed and the rows followers sent back taken."""
-    from daskgen.store.lock import StoreLock
+    from daskgen.store.records.lock import StoreLock
 
     store = plan.store
     with StoreLock(store.location) as lock:

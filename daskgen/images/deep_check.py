@@ -19,7 +19,7 @@ from daskgen.images.processor import ImageProcessing
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.images import blob_key, image_bytes, reference_key
 from daskgen.store.layout import DONE
-from daskgen.store.verify import Problem, VerifyReport
+from daskgen.store.tools.verify import Problem, VerifyReport
 
 
 def deep_image_problems(store: GenerationStore, model: str | None = None) -> tuple[list[Problem], list[str]]:
@@ -72,7 +72,7 @@ def _processed(store: GenerationStore, digest: str, processing: ImageProcessing,
 
 
 def verify_deeply(report: VerifyReport, store: GenerationStore, model: str | None = None) -> VerifyReport:
-    """``report`` (of :func:`daskgen.store.verify.verify` on ``store``) with the deep image check added."""
+    """``report`` (of :func:`daskgen.store.tools.verify.verify` on ``store``) with the deep image check added."""
     problems, notes = deep_image_problems(store, model)
     report.problems += problems
     report.notes += notes

@@ -1,7 +1,7 @@
 """The input scan's checks of every image, before any engine starts.
 
 :class:`ImageCheck` reads each image a row names once on the client
-(:func:`~daskgen.store.image_urls.read_image_bytes`), hashes it, reads its size from its header and checks it
+(:func:`~daskgen.store.objects.image_urls.read_image_bytes`), hashes it, reads its size from its header and checks it
 against the limits (``daskgen.images.max-per-prompt`` and ``daskgen.images.max-pixels``): a missing file, bytes
 that are no image, too many images or too many pixels is an error naming the row and the image.  Decoding,
 resizing and the model's processor run on the workers.  The check also gives the placeholder tokens each image
@@ -20,8 +20,8 @@ from daskgen import tunables
 from daskgen.errors import InputError
 from daskgen.images.processor import ImageProcessing, open_image
 from daskgen.input.image_refs import image_refs, resolved
-from daskgen.store.image_urls import read_image_bytes
 from daskgen.store.images import image_hash
+from daskgen.store.objects.image_urls import read_image_bytes
 
 
 class ImageCheck:

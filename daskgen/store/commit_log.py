@@ -5,7 +5,7 @@ Each client commit gives the rows whose status it changes the next commit sequen
 ``daskgen.commits`` (JSON: ``seq``, ``time``) in one atomic write.  A reader that reads the head first
 and the arrays after it sees every row of every commit up to the head's ``seq`` complete, whatever
 commits come later (:mod:`daskgen.stream` delivers in this order).  Per-cursor consumer positions
-live under :data:`CURSORS_PREFIX` (:mod:`daskgen.store.cursors`).
+live under :data:`CURSORS_PREFIX` (:mod:`daskgen.store.records.cursors`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ POLICY_KEY = "daskgen.policy"
 POLICY_WORKERS_PREFIX = "daskgen.policy.workers"
 #: Folder (key prefix) of the deltas of delta policy versions, one object per version (:mod:`daskgen.store.policy`).
 POLICY_DELTAS_PREFIX = "daskgen.policy.deltas"
-#: The requeue record: committed prompts a follower sent back for generation (:mod:`daskgen.store.requeue`).
+#: The requeue record: committed prompts a follower sent back for generation (:mod:`daskgen.store.records.requeue`).
 REQUEUE_KEY = "daskgen.requeue"
 #: The Dask event topic on which a run announces each commit (``{"store": url, "seq": n}``) and, when it stops
 #: streaming, its end (``{"store": url, "seq": n, "ending": True}``): hints to followers.

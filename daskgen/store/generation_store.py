@@ -23,10 +23,9 @@ import numpy as np
 
 from daskgen.errors import StoreError, StoreMismatchError, StoreWriteError
 from daskgen.store.attrs import ATTRS_KEY, StoreAttrs, jsonable, utc_now
-from daskgen.store.chunk_reads import PlainArray, plain_array
-from daskgen.store.codecs import chunks_checksummed, compressors
+from daskgen.store.chunks.chunk_reads import PlainArray, plain_array
+from daskgen.store.chunks.codecs import chunks_checksummed, compressors
 from daskgen.store.commit_log import write_head
-from daskgen.store.cursors import CursorState, stored_cursors
 from daskgen.store.layout import (
     COORDS,
     DATA_ARRAYS,
@@ -38,7 +37,8 @@ from daskgen.store.layout import (
     variable_attrs,
 )
 from daskgen.store.location import LocalLocation, StoreLocation, StoreRef, describe_failure, locate, write_failures
-from daskgen.store.lock import LOCK_NAME
+from daskgen.store.records.cursors import CursorState, stored_cursors
+from daskgen.store.records.lock import LOCK_NAME
 
 #: The client-written arrays of the commit record, in the order a commit writes them (``status`` last).
 COMMIT_ARRAYS = ("committed_at", "error", "commit_seq", "status")
@@ -178,7 +178,7 @@ class GenerationStore:
     def read_spans(self, spans: list[tuple[int, int]], names: tuple[str, ...]) -> dict[str, list[np.ndarray]]:
         """Rows ``[start, stop)`` of each span of the named arrays: name -> one array per span.
 
-        The plain arrays of a local store are read chunk file by chunk file (:mod:`daskgen.store.chunk_reads`);
+        The plain arrays of a local store are read chunk file by chunk file (:mod:`daskgen.store.chunks.chunk_reads`);
         every other (array, span) read is issued at once on Zarr's event loop, so their chunks are fetched and
         decoded side by side (decoding releases the GIL) in one hand-over, not one per array and span.
         """
@@ -235,7 +235,7 @@ class GenerationStore:
         return self.location.read_bytes(key)
 
     def cursors(self) -> list[tuple[str, CursorState]]:
-        """The followers' cursors kept inside the store, by name (:mod:`daskgen.store.cursors`)."""
+        """The followers' cursors kept inside the store, by name (:mod:`daskgen.store.records.cursors`)."""
         return stored_cursors(self.location)
 
     def refresh_attrs(self) -> StoreAttrs:

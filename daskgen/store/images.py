@@ -160,7 +160,7 @@ def referenced_bytes(
 ) -> bytes:
     """The bytes ``reference`` points at, checked against ``digest``; :class:`ImageReferenceError` naming the image
     and the file when they cannot be read or hash to something else."""
-    from daskgen.store.image_urls import read_image_bytes
+    from daskgen.store.objects.image_urls import read_image_bytes
 
     what = f"the image {digest} of the store {location.url!r} is kept as a reference to {reference.url!r}"
     options = storage_options if storage_options is not None else getattr(location, "storage_options", None)

@@ -6,7 +6,7 @@ daskgen needs outside zarr (read ``zarr.json``, the run lock's conditional write
 
 Object storage goes through :class:`zarr.storage.ObjectStore` on top of ``obstore`` (chosen over
 fsspec/s3fs because obstore exposes *conditional writes* — create-if-absent and replace-if-ETag-matches
-— the same way on S3, GCS and Azure, which the one-client lock (:mod:`daskgen.store.lock`) needs; s3fs
+— the same way on S3, GCS and Azure, which the one-client lock (:mod:`daskgen.store.records.lock`) needs; s3fs
 has no public API for them).  Credentials and endpoint come from the standard environment
 (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_ENDPOINT_URL``,
 ``AWS_REGION``, ``AWS_ALLOW_HTTP``; ``GOOGLE_*``; ``AZURE_*``) or from ``storage_options`` (the run
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from daskgen.errors import StoreError
-from daskgen.store.object_client import endpoint_of, object_store_for
+from daskgen.store.objects.object_client import endpoint_of, object_store_for
 
 #: URL schemes served by object storage (``file://`` is a local folder).
 OBJECT_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "azure", "abfs", "abfss", "memory", "http", "https")
@@ -263,7 +263,7 @@ class ObjectLocation(StoreLocation):
 
     def zarr_store(self, read_only: bool = False) -> Any:
         if read_only not in self._zarr:
-            from daskgen.store.object_retry import RetryingObjectStore
+            from daskgen.store.objects.object_retry import RetryingObjectStore
 
             self._zarr[read_only] = RetryingObjectStore(self.store, read_only=read_only)
         return self._zarr[read_only]
@@ -301,7 +301,7 @@ class ObjectLocation(StoreLocation):
         import obstore
         from obstore.exceptions import AlreadyExistsError
 
-        from daskgen.store.object_retry import retry_write
+        from daskgen.store.objects.object_retry import retry_write
 
         try:
             retry_write(lambda: obstore.put(self.store, key, data, mode="create"))
@@ -323,7 +323,7 @@ class ObjectLocation(StoreLocation):
         import obstore
         from obstore.exceptions import PreconditionError
 
-        from daskgen.store.object_retry import retry_write
+        from daskgen.store.objects.object_retry import retry_write
 
         try:
             result = retry_write(lambda: obstore.put(self.store, key, data, mode=version))
@@ -336,14 +336,14 @@ class ObjectLocation(StoreLocation):
         """One PUT: object stores replace a whole object atomically."""
         import obstore
 
-        from daskgen.store.object_retry import retry_write
+        from daskgen.store.objects.object_retry import retry_write
 
         retry_write(lambda: obstore.put(self.store, key, data))
 
     def delete_object(self, key: str) -> None:
         import obstore
 
-        from daskgen.store.object_retry import retry_write
+        from daskgen.store.objects.object_retry import retry_write
 
         retry_write(lambda: obstore.delete(self.store, key))
 

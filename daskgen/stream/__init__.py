@@ -2,7 +2,7 @@
 
 * :mod:`~daskgen.stream.batches`: the :class:`Follower` iterator and its :class:`Batch` es;
 * :mod:`~daskgen.stream.log`: reading the store's commit log (order, completeness);
-* :mod:`~daskgen.store.cursors`: durable, atomic per-name consumer positions (kept with the store);
+* :mod:`~daskgen.store.records.cursors`: durable, atomic per-name consumer positions (kept with the store);
 * :mod:`~daskgen.stream.formats`: the arrays a batch reads for its format, built by :mod:`daskgen.formats`
   (xarray, TensorDict, verl ``DataProto``, rows, Arrow: the fields of the export of each);
 * :mod:`~daskgen.stream.staleness`: ``max_staleness``: too-stale samples flagged or sent back for generation;
@@ -51,7 +51,7 @@ def follow(store: StoreRef, **options: Any) -> Follower:
 LAZY = {
     "Batch": "daskgen.stream.batches",
     "Follower": "daskgen.stream.batches",
-    "Position": "daskgen.store.cursors",
+    "Position": "daskgen.store.records.cursors",
     "FORMATS": "daskgen.stream.formats",
 }
 

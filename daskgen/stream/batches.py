@@ -4,7 +4,7 @@
 groups (all samples of a prompt together) not delivered before, plus the failed prompts among them
 (reported with their errors, never dropped), in commit order or in input order within a sliding window
 (:mod:`daskgen.stream.order`).  Acknowledging a batch
-(:meth:`Batch.ack`, or the next iteration with ``auto_ack``) saves the cursor (:mod:`daskgen.store.cursors`):
+(:meth:`Batch.ack`, or the next iteration with ``auto_ack``) saves the cursor (:mod:`daskgen.store.records.cursors`):
 a follower started again with the same cursor name resumes after the last acknowledged batch, so after
 an ack nothing is delivered twice and nothing is skipped (order and completeness: :mod:`daskgen.stream.log`).
 A batch that was delivered but not acknowledged is delivered again, with the same :attr:`Batch.number`.
@@ -29,11 +29,11 @@ from daskgen import tunables
 from daskgen.errors import FollowTimeout, StoreError
 from daskgen.formats.read import PromptIds, read_rows
 from daskgen.store.commit_log import read_head
-from daskgen.store.cursors import Ahead, Cursor, CursorState, Position
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import DONE, FAILED, STALE_FIELD
 from daskgen.store.location import StoreRef, locate
-from daskgen.store.requeue import add_requeue, read_requeue
+from daskgen.store.records.cursors import Ahead, Cursor, CursorState, Position
+from daskgen.store.records.requeue import add_requeue, read_requeue
 from daskgen.stream.events import CommitEvents
 from daskgen.stream.formats import BatchImages, batch_data, fields_to_read
 from daskgen.stream.log import Snapshot, read_snapshot, writer_live

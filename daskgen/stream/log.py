@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from daskgen.store.commit_log import read_head
-from daskgen.store.cursors import Ahead, CursorState, Position, not_acknowledged
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import DONE, FAILED, PENDING
-from daskgen.store.lock import live_holder
+from daskgen.store.records.cursors import Ahead, CursorState, Position, not_acknowledged
+from daskgen.store.records.lock import live_holder
 
 
 @dataclass

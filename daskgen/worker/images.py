@@ -29,8 +29,8 @@ from daskgen.engines.media import IMAGE, ImageInput
 from daskgen.errors import InputError
 from daskgen.images.processor import ImageProcessing, ProcessedImage
 from daskgen.input.image_tokens import VisionTokens, expand, mrope_delta
-from daskgen.store.image_urls import read_image_bytes
 from daskgen.store.images import COPY, image_hash, keep_image
+from daskgen.store.objects.image_urls import read_image_bytes
 
 
 @dataclass(frozen=True)

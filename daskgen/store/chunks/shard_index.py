@@ -1,6 +1,6 @@
 """Where an inner chunk of a packed (sharded) array lives: its shard's key and the shard's index.
 
-A packed store (:mod:`daskgen.store.pack`) keeps each array's partition-sized chunks as *inner chunks* of
+A packed store (:mod:`daskgen.store.tools.pack`) keeps each array's partition-sized chunks as *inner chunks* of
 few shard files (Zarr v3 sharding).  A shard ends with an index: per inner chunk its byte offset and
 length, both ``2**64 - 1`` for an inner chunk that is not there, which reads back as fill values without an
 error, as a missing chunk file does in an unpacked store.  This module reads that index (only the shard's

@@ -29,7 +29,7 @@ file; a chunk of that array covering any marked element must exist.
 * ``adapter`` and ``response_format`` of every done row when the run set one for every row (the run's ``adapter``
   or ``response_format``, in the store's identity); else of every done row whose own input row names one;
 * ``image_hash``, ``image_modality``, ``image_offset``, ``image_length`` and ``image_grid``: the first image slot
-  of every done row whose prompt holds the image placeholder token (:mod:`daskgen.store.image_checks`);
+  of every done row whose prompt holds the image placeholder token (:mod:`daskgen.store.tools.image_checks`);
 * each kept input column (``column_<name>``, the :data:`~daskgen.store.layout.COLUMN_PREFIX` family) of every
   done row whose input value is not the empty string (strings are stored as they are, every other value as JSON
   text, never empty).
@@ -57,8 +57,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from daskgen.engines.base import FinishReason
-from daskgen.store.invariants import RowRules, expected_samples
 from daskgen.store.layout import COLUMN_PREFIX, column_array
+from daskgen.store.tools.invariants import RowRules, expected_samples
 
 if TYPE_CHECKING:
     from daskgen.store.attrs import StoreAttrs

@@ -20,7 +20,7 @@ How it stays safe:
 * **resumable**: the shards already copied are recorded (``daskgen_pack`` attrs of the copy); an
   interrupted pack rewrites only the rest (and any recorded shard that no longer equals the source,
   e.g. after a run on the source in between), and a swap interrupted between its renames is finished;
-* the store's lock (:mod:`daskgen.store.lock`) is held throughout: no run can write the store meanwhile;
+* the store's lock (:mod:`daskgen.store.records.lock`) is held throughout: no run can write the store meanwhile;
 * **damage stays visible**: unpacking copies an inner chunk that does not read back (checksum, decoding)
   as it is stored, so ``daskgen verify`` finds it in the unpacked store and ``--repair`` resets it.
 
@@ -47,14 +47,14 @@ import numpy as np
 
 from daskgen.errors import PackError
 from daskgen.store.attrs import ATTRS_KEY, utc_now
-from daskgen.store.codecs import with_checksum
+from daskgen.store.chunks.codecs import with_checksum
+from daskgen.store.chunks.shard_index import inner_chunk_bytes, sharding
 from daskgen.store.commit_log import LOG_KEYS
-from daskgen.store.cursors import Cursor, stored_cursors
 from daskgen.store.generation_store import GenerationStore, import_zarr
 from daskgen.store.layout import client_written_arrays
 from daskgen.store.location import LocalLocation, StoreLocation, StoreRef, locate
-from daskgen.store.lock import LOCK_NAME, StoreLock
-from daskgen.store.shard_index import inner_chunk_bytes, sharding
+from daskgen.store.records.cursors import Cursor, stored_cursors
+from daskgen.store.records.lock import LOCK_NAME, StoreLock
 
 logger = logging.getLogger(__name__)
 

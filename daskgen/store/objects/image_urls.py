@@ -1,7 +1,7 @@
 """Reading an image's bytes (or only its size) from its URL: a file path, ``file://``, ``data:`` (base64), object
 storage (``s3://``, ``gs://``, ``az://``, ``memory://``, with the run's ``storage_options``) or ``http(s)://``.
 
-Object storage and HTTP go through the same obstore clients as the store (:mod:`daskgen.store.object_client`),
+Object storage and HTTP go through the same obstore clients as the store (:mod:`daskgen.store.objects.object_client`),
 with its timeouts and retries.  The input scan, the workers and the store's readers of images kept as references
 (:mod:`daskgen.store.images`) read images through here.  Every failure is an :class:`~daskgen.errors.InputError`
 naming the URL.
@@ -102,7 +102,7 @@ def _object_bytes(url: str, scheme: str, storage_options: dict[str, Any]) -> byt
 
 def _object_store(url: str, scheme: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
     """The obstore client of ``url``'s bucket (or server) and the object's path in it."""
-    from daskgen.store.object_client import object_store_for
+    from daskgen.store.objects.object_client import object_store_for
 
     parts = urlsplit(url)
     root = f"{scheme}://{parts.netloc}"

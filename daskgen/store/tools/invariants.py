@@ -1,7 +1,7 @@
 """What must hold for a finished (``done``) row of a store, checked on one partition's region.
 
 Each rule returns the rows (store indices) that break it, with one line saying how; ``daskgen verify``
-(:mod:`daskgen.store.verify`) reports them.  The rules follow from the layout (:mod:`daskgen.store.layout`):
+(:mod:`daskgen.store.tools.verify`) reports them.  The rules follow from the layout (:mod:`daskgen.store.layout`):
 
 * every generated sample has a finish reason (``-1`` only for samples a verifier did not need), and
   every code is a known one;
@@ -13,7 +13,8 @@ Each rule returns the rows (store indices) that break it, with one line saying h
 * a sample's ``policy_fingerprint`` (``policy_fingerprint_end``) is 0 (unchecked) or the digest the policy record
   holds for its ``policy_version`` (``policy_version_end``): a sample labelled with other weights than its
   version's published ones is found;
-* each image's span holds exactly its placeholder tokens and its bytes are stored (:mod:`daskgen.store.image_checks`).
+* each image's span holds exactly its placeholder tokens and its bytes are stored
+  (:mod:`daskgen.store.tools.image_checks`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from daskgen.store.image_checks import ImageRules, image_rows
 from daskgen.store.layout import NO_TOKEN, NOT_GENERATED, Layout
+from daskgen.store.tools.image_checks import ImageRules, image_rows
 
 #: Finish-reason codes a stored sample may carry.
 KNOWN_FINISH = (NOT_GENERATED, 0, 1, 2, 3)
@@ -41,7 +42,7 @@ class RowRules:
     model_tokens_only: bool
     logprobs: bool = False
     digests: Mapping[int, int] = field(default_factory=dict)
-    images: ImageRules | None = None  # a store with images (:mod:`daskgen.store.image_checks`)
+    images: ImageRules | None = None  # a store with images (:mod:`daskgen.store.tools.image_checks`)
 
 
 def broken_rows(region: dict[str, np.ndarray], done: np.ndarray, rules: RowRules) -> dict[int, str]:

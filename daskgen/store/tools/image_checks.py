@@ -1,6 +1,6 @@
 """What ``daskgen verify`` checks of a store's images (:mod:`daskgen.images`).
 
-Per finished row (:func:`image_rows`, one of the row rules of :mod:`daskgen.store.invariants`): each image's span
+Per finished row (:func:`image_rows`, one of the row rules of :mod:`daskgen.store.tools.invariants`): each image's span
 lies inside the prompt and holds only the model's image placeholder token, as many as its grid asks for
 (``t*h*w / merge²``); the prompt holds no placeholder outside the spans; an image slot without a hash has no span;
 its hash is stored.  Per stored image (:func:`stored_image_problems`): stored bytes hash to their name; a
@@ -111,7 +111,7 @@ def _image_problem(
         if data is not None and image_hash(data) != digest:
             return blob_key(digest), f"its bytes hash to {image_hash(data)}, not to its name"
         return None
-    from daskgen.store.image_urls import image_size
+    from daskgen.store.objects.image_urls import image_size
 
     try:
         reference = read_reference(location, digest)

@@ -22,8 +22,8 @@ import numpy as np
 from daskgen.errors import StoreError
 from daskgen.store.generation_store import COMMIT_ARRAYS, GenerationStore
 from daskgen.store.layout import PENDING, empty_region
-from daskgen.store.lock import StoreLock
-from daskgen.store.verify import VerifyReport
+from daskgen.store.records.lock import StoreLock
+from daskgen.store.tools.verify import VerifyReport
 
 #: The coordinates, rewritten from what they must hold rather than reset.
 COORDINATE_ARRAYS = ("prompt_index", "prompt_id")

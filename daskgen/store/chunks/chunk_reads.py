@@ -3,7 +3,7 @@
 A batch of a follower reads a few chunks of each of a dozen arrays; through Zarr each chunk costs several
 asyncio tasks and thread hand-overs, far more CPU than its bytes (a chunk of 64 rows decodes in tens of µs).
 For an array daskgen wrote unpacked in a local folder (a regular grid chunked along the rows only, codecs
-``bytes`` (little-endian), ``zstd`` and optionally ``crc32c``: :mod:`daskgen.store.codecs`) the chunk files are
+``bytes`` (little-endian), ``zstd`` and optionally ``crc32c``: :mod:`daskgen.store.chunks.codecs`) the chunk files are
 read and decoded here in one pass, straight into the result where a chunk lies wholly inside the span.  A
 missing chunk file reads as the fill value, as in Zarr; a chunk whose checksum fails raises
 :class:`~daskgen.errors.StoreError` naming it.  Any other array (sharded, other codecs, object storage) is read

@@ -2,12 +2,12 @@
 
 Every chunk of every array is read (in parallel: tasks on a Dask cluster when given, else local
 threads), so a chunk whose checksum fails or that does not decode is found; the rows of finished
-(``done``) partitions are checked against :mod:`daskgen.store.invariants`; the data chunks that each
+(``done``) partitions are checked against :mod:`daskgen.store.tools.invariants`; the data chunks that each
 finished partition must have written, derived per array from its rows and the run's settings (a row's own
-adapter, format and kept input columns from the run's input file: :mod:`daskgen.store.expected_chunks`), are
+adapter, format and kept input columns from the run's input file: :mod:`daskgen.store.tools.expected_chunks`), are
 checked to exist (a chunk that is not there reads back as fill values without an error): a chunk file, or in a
-packed store an entry in its shard's index (:mod:`daskgen.store.shard_index`).  The result names the affected
-rows (index and ``id``), arrays and chunk keys, and what could not be checked; :func:`daskgen.store.repair.repair`
+packed store an entry in its shard's index (:mod:`daskgen.store.chunks.shard_index`).  The result names the affected
+rows (index and ``id``), arrays and chunk keys, and what could not be checked; :func:`daskgen.store.tools.repair.repair`
 resets exactly the affected partitions to pending.
 """
 
@@ -20,15 +20,15 @@ from typing import Any
 
 import numpy as np
 
-from daskgen.store.expected_chunks import ExpectedChunk, PartitionRows, expected_chunks, known_texts
+from daskgen.store.chunks.shard_index import inner_present, read_index, shard_key, shard_of, sharding
 from daskgen.store.fingerprint import digest_number
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.image_checks import ImageRules, stored_image_problems
-from daskgen.store.invariants import RowRules, broken_rows
 from daskgen.store.layout import DONE
 from daskgen.store.location import StoreRef
 from daskgen.store.policy import read_versions
-from daskgen.store.shard_index import inner_present, read_index, shard_key, shard_of, sharding
+from daskgen.store.tools.expected_chunks import ExpectedChunk, PartitionRows, expected_chunks, known_texts
+from daskgen.store.tools.image_checks import ImageRules, stored_image_problems
+from daskgen.store.tools.invariants import RowRules, broken_rows
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ def check_partition(
 ) -> PartitionCheck:
     """Read each of one partition's data arrays once; check the invariants of its ``done`` rows and derive the
     chunks they must have written (``noted``: rows whose ``error`` holds a note; ``texts``: the partition's rows
-    of each text array known to hold a value, :func:`daskgen.store.expected_chunks.known_texts`)."""
+    of each text array known to hold a value, :func:`daskgen.store.tools.expected_chunks.known_texts`)."""
     stop = min(start + store.layout.partition_size, store.layout.n_prompts)
     region: dict[str, np.ndarray] = {}
     problems: list[Problem] = []
