@@ -5,6 +5,9 @@
 - ``store/`` imports nothing that reads stores or runs a run (``formats/``, ``stream/``, ``analysis/``, ``client/``,
   ``worker/``), and ``formats/`` nothing of the entry points that write through it (``stream/``, ``analysis/``,
   the CLI);
+- within ``store/``, imports go one way: ``store/objects/`` imports nothing else of ``store/``; ``store/chunks/`` and
+  ``store/records/`` import of ``store/`` only where a store lives, its layout, attrs and the commit log's keys (no
+  store object, nothing of each other); nothing of ``store/`` but ``store/tools/`` imports ``store/tools/``;
 - no module imports another module's private (underscore) names or reaches them as ``module._name`` (attribute,
   ``getattr``/``setattr``, ``monkeypatch.setattr``), and tests do neither with daskgen's;
 - no module over 450 lines, in ``daskgen/`` or ``benchmarks/``;
@@ -180,6 +183,48 @@ def test_the_store_imports_nothing_from_the_layers_above_it(layer: str) -> None:
     graph = _graph()
     upward = {(m, t) for m, targets in graph.items() if m.startswith("daskgen.store") for t in targets}
     assert {(m, t) for m, t in upward if t.startswith(f"daskgen.{layer}")} == set()
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+#: What the store's parts below the store object may import of the rest of ``store/``.
+_UNDER_THE_STORE_OBJECT = {
+    "daskgen.store.location",
+    "daskgen.store.layout",
+    "daskgen.store.attrs",
+    "daskgen.store.commit_log",
+}
+
+
+@pytest.mark.parametrize(
+    ("part", "allowed"),
+    [("objects", set()), ("chunks", _UNDER_THE_STORE_OBJECT), ("records", _UNDER_THE_STORE_OBJECT)],
+)
+def test_the_store_parts_under_the_store_object_import_only_what_lies_under_them(part: str, allowed: set[str]) -> None:
+    graph = _graph()
+    package = f"daskgen.store.{part}"
+    found = {
+        (m, t)
+        for m, targets in graph.items()
+        if _inside(m, package)
+        for t in targets
+        if _inside(t, "daskgen.store") and not _inside(t, package) and t not in allowed
+    }
+    assert found == set()
+
+
+def test_no_part_of_the_store_but_its_tools_imports_the_tools() -> None:
+    graph = _graph()
+    found = {
+        (m, t)
+        for m, targets in graph.items()
+        if _inside(m, "daskgen.store") and not _inside(m, "daskgen.store.tools")
+        for t in targets
+        if _inside(t, "daskgen.store.tools")
+    }
+    assert found == set()
 
 
 @pytest.mark.parametrize("caller", ["stream", "analysis", "cli"])

@@ -1,8 +1,11 @@
-"""The Zarr store: its layout, typed attrs, the store object, where it lives, its lock, cursors, packing.
+"""The Zarr store: the store object, its layout and typed attrs, where it lives, and what works beside it.
 
 :class:`GenerationStore` is the one object through which a run reads and writes a store; its layout
 (:class:`Layout`) and attrs (:class:`StoreAttrs`) are defined once, in :mod:`daskgen.store.layout` and
-:mod:`daskgen.store.attrs`.
+:mod:`daskgen.store.attrs`.  The rest is grouped by what it is for: :mod:`daskgen.store.chunks` (a chunk's
+bytes), :mod:`daskgen.store.objects` (object storage and URLs), :mod:`daskgen.store.records` (the lock, cursors
+and the requeue record beside the arrays), :mod:`daskgen.store.tools` (``verify``, ``repair``, ``pack``); the
+policy record's modules (``policy*``, ``delta_codec``, ``fingerprint``) sit at the top.
 """
 
 from daskgen.store.attrs import StoreAttrs
