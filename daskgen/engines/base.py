@@ -418,13 +418,11 @@ class Engine(abc.ABC):
         )
 
     async def stage_weights(self, path: str) -> Any:
-        """Prepare the folder ``path`` for :meth:`apply_staged` while the engine generates (before the refresher stops
-        admitting).  The default stages nothing and returns ``path`` (the ``vllm`` and ``sglang`` engines)."""
+        """Prepare the folder ``path`` for :meth:`apply_staged` while the engine generates; the default returns it."""
         return path
 
     async def apply_staged(self, staged: Any) -> None:
-        """Load what :meth:`stage_weights` returned, as :meth:`update_weights` does; the default is
-        ``update_weights(staged)``."""
+        """Load what :meth:`stage_weights` returned; the default is ``update_weights(staged)``."""
         await self.update_weights(staged)
 
     async def loaded_fingerprint(self, dtypes: dict[str, str]) -> dict[str, str]:
@@ -433,8 +431,7 @@ class Engine(abc.ABC):
         ``dtypes`` gives each name's published dtype (a safetensors code), for an engine that must convert back.  A
         name the engine does not hold as one tensor of its own is left out.  An engine serving it declares
         ``policy_fingerprint``; the refresher compares it with the published one (:mod:`daskgen.worker.refresh`).
-        Raises :class:`~daskgen.errors.RefreshError` when this engine cannot read its loaded tensors (the default).
-        """
+        Raises :class:`~daskgen.errors.RefreshError` when this engine cannot read its loaded tensors (the default)."""
         raise RefreshError(f"engine {self.name!r} cannot fingerprint the weights it holds")
 
     async def sleep(self) -> None:  # noqa: B027 - optional hook
