@@ -1,10 +1,10 @@
 """The plan of a run: what the client knows before any engine starts, and the tasks it will submit.
 
-:func:`make_plan` takes the run's settings, resolved once (:func:`daskgen.config.resolve`; :func:`prepare`
+:func:`make_plan` takes the run's settings, resolved once (:func:`daskgen.settings.resolve`; :func:`prepare`
 resolves them from the options), validates the input
 (tokenizing every prompt once, or reusing the input scan kept in the store, :mod:`daskgen.input.scan_cache`),
 creates the store or checks that it matches;
-:func:`pending_tasks` then yields one :class:`~daskgen.worker.partition.PartitionTask` per partition that
+:func:`pending_tasks` then yields one :class:`~daskgen.worker.task.PartitionTask` per partition that
 still has rows to generate, in dispatch order (:mod:`daskgen.client.dispatch`).  :mod:`daskgen.client.runner`
 drives them.
 """

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 class PartitionTask(Protocol):
-    """What these functions read of a :class:`daskgen.worker.partition.PartitionTask` (and set: prompts, images)."""
+    """What these functions read of a :class:`daskgen.worker.task.PartitionTask` (and set: prompts, images)."""
 
     store: GenerationStore
     inputs: list[dict[str, Any]] | None
