@@ -207,7 +207,8 @@ def check_continuation(
     # an abort that raced the last token leaves no budget: the resumed run finishes it from the store, sends nothing
     spent = {key for key, ids in unfinished.items() if len(ids) >= new_tokens}
     continued = {key: ids for key, ids in unfinished.items() if key not in spent}
-    assert continued, "the interruption must leave some response partial (the precondition of this test)"
+    precondition = "the interruption must leave some response partial (the precondition of this test)"
+    assert continued, f"{precondition}; stored partial responses: {saved}; the run said: {output[-3000:]}"
     res = run_cli(*args(out, "second.jsonl"), timeout=600 + start_s)
     assert res.returncode == 0 and f"{n} done" in res.stdout, res.stdout + res.stderr[-4000:]
     sent = _sent(tmp_path / "second.jsonl")
