@@ -91,8 +91,6 @@ SelectTypeParameters=CR_CPU
 GresTypes=gpu
 ReturnToService=2
 SchedulerType=sched/backfill
-# Pending jobs are looked at every 2 s (60 s by default): a job that requeues itself starts again at once.
-SchedulerParameters=sched_interval=2,bf_interval=2
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
