@@ -75,19 +75,13 @@ class ImageReference:
             ) from exc
 
 
-def absolute_url(url: str) -> str:
-    """``url`` as a reference keeps it: a relative file path made absolute (against the current folder; the input
-    scan and the worker resolve a path relative to the prompt file before it gets here), a URL as it is."""
-    if "://" in url or url.startswith("data:"):
-        return url
-    return str(Path(url).expanduser().resolve())
-
-
 def keep_image(location: StoreLocation, digest: str, data: bytes, url: str, storage: str = COPY) -> bool:
     """Keep the image ``data`` read from ``url`` in the store as ``storage`` (:data:`COPY` or :data:`REFERENCE`)
     asks, unless it is there already; True when this call wrote something."""
     if storage == REFERENCE and not url.startswith("data:"):
-        return write_reference(location, digest, ImageReference(absolute_url(url), len(data)))
+        from daskgen.input.image_refs import resolved  # the input's rule: a relative path made absolute
+
+        return write_reference(location, digest, ImageReference(resolved(url, Path.cwd()), len(data)))
     return write_blob(location, digest, data)
 
 
