@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -167,15 +168,20 @@ def test_the_scheduler_and_nanny_parts_import_no_worker_code_but_the_drain_rpc(m
     assert {t for t in graph["daskgen.worker.drain"] if t.startswith("daskgen.")} == set()
 
 
-def test_the_partition_task_messages_are_taken_from_their_own_module() -> None:
+def _named_imports(keep: Callable[[str, str, str], bool]) -> list[str]:
+    """Every ``from source import name`` of daskgen's modules that ``keep(module, source, name)`` selects."""
     known = _modules()
-    found = sorted(
+    return sorted(
         f"{module} imports {name} from {source}"
         for module, path in known.items()
         for source, name in _imports(module, path, known)
-        if name in {"PartitionTask", "PartitionResult"} and source != "daskgen.worker.task"
+        if name and keep(module, source, name)
     )
-    assert found == []
+
+
+def test_the_partition_task_messages_are_taken_from_their_own_module() -> None:
+    messages = {"PartitionTask", "PartitionResult"}
+    assert _named_imports(lambda _, source, name: name in messages and source != "daskgen.worker.task") == []
 
 
 @pytest.mark.parametrize("layer", ["formats", "stream", "analysis", "client", "worker"])
@@ -235,14 +241,10 @@ def test_the_formats_import_nothing_of_the_entry_points_that_call_them(caller: s
 
 
 def test_no_module_imports_another_modules_private_names() -> None:
-    known = _modules()
-    private = sorted(
-        f"{module} imports {name} from {source}"
-        for module, path in known.items()
-        for source, name in _imports(module, path, known)
-        if name and name.startswith("_") and not name.startswith("__") and source != module
-    )
-    assert private == []
+    def private(module: str, source: str, name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__") and source != module
+
+    assert _named_imports(private) == []
 
 
 def _module_aliases(tree: ast.AST, module: str, path: Path | None, known: dict[str, Path]) -> dict[str, str]:
