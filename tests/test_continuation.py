@@ -208,7 +208,11 @@ def check_continuation(
     spent = {key for key, ids in unfinished.items() if len(ids) >= new_tokens}
     continued = {key: ids for key, ids in unfinished.items() if key not in spent}
     precondition = "the interruption must leave some response partial (the precondition of this test)"
-    assert continued, f"{precondition}; stored partial responses: {saved}; the run said: {output[-3000:]}"
+    events = (tmp_path / "events.log").read_text() if (tmp_path / "events.log").exists() else "(no probe events)"
+    assert continued, (
+        f"{precondition}; stored partial responses: {saved}; the probe's events:\n{events[-2000:]}\n"
+        f"the run said: {output[-3000:]}"
+    )
     res = run_cli(*args(out, "second.jsonl"), timeout=600 + start_s)
     assert res.returncode == 0 and f"{n} done" in res.stdout, res.stdout + res.stderr[-4000:]
     sent = _sent(tmp_path / "second.jsonl")

@@ -91,6 +91,7 @@ def image_run(tmp_path_factory, vl_model, images):
     store = folder / "out.zarr"
     result = run_cli(*run_args(prompts, store, vl_model))
     assert result.returncode == 0, result.stdout + result.stderr
+    assert "is not recognized as a component" not in result.stderr, result.stderr  # the image objects are the store's
     return folder, rows, GenerationStore.open(store)
 
 

@@ -20,7 +20,7 @@ import zarr
 
 from daskgen import store
 from daskgen.analysis.accessor import open_store
-from daskgen.errors import StoreLockedError
+from daskgen.errors import StoreError, StoreLockedError
 from daskgen.store.location import LocalLocation, ObjectLocation, locate
 from daskgen.store.records.lock import LOCK_NAME, StoreLock
 from tests.conftest import popen_cli, run_cli, write_prompts
@@ -90,6 +90,28 @@ def test_locate_tells_urls_from_paths(tmp_path):
     assert isinstance(locate(f"file://{tmp_path}/run.zarr"), LocalLocation)
     with pytest.raises(Exception, match="storage_options apply to object storage"):
         locate(tmp_path / "run.zarr", {"endpoint": "http://x"})
+
+
+@pytest.mark.parametrize(
+    ("answer", "meaning"),
+    [
+        ("Error performing GET http://h:1/b in 30.240316ms - HTTP error: error sending request", "could not be reached"),
+        ("Error performing GET http://h:1/b: status 403 Forbidden", "access was refused"),
+        ("<Code>InvalidAccessKeyId</Code>", "access was refused"),
+        ("<Code>NoSuchBucket</Code>", "the bucket does not exist"),
+        ("status 500: the service fell over", "did not answer as expected"),
+    ],
+)
+def test_an_object_store_failure_is_named_by_its_cause(answer, meaning, monkeypatch):
+    """Each failure names its own cause; digits inside a duration never read as an HTTP status."""
+    where = ObjectLocation("s3://bucket/run.zarr", {"endpoint": "http://h:1"})
+
+    def refuse(self):
+        raise RuntimeError(answer)
+
+    monkeypatch.setattr(ObjectLocation, "is_empty", refuse)
+    with pytest.raises(StoreError, match=meaning):
+        where.check_reachable()
 
 
 def test_a_local_listing_never_shows_or_trips_on_writes_in_progress(tmp_path):

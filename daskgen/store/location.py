@@ -358,21 +358,25 @@ class ObjectLocation(StoreLocation):
         return ObjectLocation(self.url + suffix, self.storage_options)
 
 
+#: Words an object store's answer uses when it refuses the credentials (whole words: a duration such as
+#: "30.240316ms" must not read as HTTP 403).
+_AUTH_REFUSAL = re.compile(r"\b(InvalidAccessKeyId|SignatureDoesNotMatch|AccessDenied|Forbidden|403|Unauthenticated)\b")
+
+
 def _object_store_problem(exc: BaseException, endpoint: str) -> str:
     """What an object-store error at ``endpoint`` means for the user, and the fix."""
     text = describe_failure(exc)
     if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
         return f"the bucket does not exist at {endpoint}. Create it, or fix the URL. ({text})"
-    auth = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "Forbidden", "403", "Unauthenticated")
-    if any(word in text for word in auth) or "PermissionDenied" in type(exc).__name__:
-        return (
-            f"access was refused at {endpoint}: check the credentials (AWS_ACCESS_KEY_ID / "
-            f"AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or storage_options) and their permissions. ({text})"
-        )
     if any(sign in str(exc).lower() for sign in ("error sending request", "connect", "dns error")):
         return (
             f"{endpoint} could not be reached (after retries): check the endpoint (AWS_ENDPOINT_URL or "
             f"storage_options' endpoint) and that the service is up. ({text})"
+        )
+    if _AUTH_REFUSAL.search(text) or "PermissionDenied" in type(exc).__name__:
+        return (
+            f"access was refused at {endpoint}: check the credentials (AWS_ACCESS_KEY_ID / "
+            f"AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or storage_options) and their permissions. ({text})"
         )
     return f"it did not answer as expected at {endpoint} (after retries): {text}"
 
