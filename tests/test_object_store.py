@@ -95,7 +95,7 @@ def test_locate_tells_urls_from_paths(tmp_path):
 @pytest.mark.parametrize(
     ("answer", "meaning"),
     [
-        ("Error performing GET http://h:1/b in 30.240316ms - HTTP error: error sending request", "could not be reached"),
+        ("GET http://h:1/b in 30.240316ms - HTTP error: error sending request", "could not be reached"),
         ("Error performing GET http://h:1/b: status 403 Forbidden", "access was refused"),
         ("<Code>InvalidAccessKeyId</Code>", "access was refused"),
         ("<Code>NoSuchBucket</Code>", "the bucket does not exist"),
