@@ -10,6 +10,10 @@
 # down, drained, failing or not responding (`idle*`, `down*`, ...) fails CI here with the state,
 # SLURM's reason and the daemons' last log lines, instead of letting tests/test_slurm_e2e.py skip.
 # `.ci/slurm-setup.sh check` runs only that check (no install, no restart, no resume).
+#
+# AuthInfo=cred_expire=10: SLURM 22.05 holds a requeued job for the launch credentials' lifetime plus
+# one second before it may start again (120 s by default; newer releases read
+# SchedulerParameters=requeue_delay); ten seconds is plenty on loopback.
 set -euo pipefail
 
 RUN=/run/daskgen-slurm
@@ -78,6 +82,7 @@ SlurmctldHost=$NODE(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+AuthInfo=cred_expire=10
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd
 SlurmctldPidFile=$RUN/slurmctld.pid
