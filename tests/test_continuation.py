@@ -92,13 +92,6 @@ def test_a_resumed_greedy_run_sends_prompt_plus_prefix_and_equals_an_uninterrupt
     check_continuation(tmp_path, str(tiny_model))
 
 
-def test_a_resumed_run_continues_min_new_tokens_with_what_is_left(tmp_path, tiny_model):
-    """Samples stopped part-way below their ``min_new_tokens`` continue with the tokens they still had to make
-    (a continuation that kept the whole minimum above its remaining budget would fail every such row)."""
-    pause = Pause(rows=(1, 4, 6), after=16, prompts=8, new_tokens=64)
-    check_continuation(tmp_path, str(tiny_model), pause=pause, extra=("--min-new-tokens", "56"))
-
-
 def test_a_resumed_run_with_images_continues_prompt_plus_prefix_with_the_same_images(tmp_path):
     """Rows naming images (the tiny Qwen2-VL), stopped part-way: the resumed run sends the expanded prompt and the
     stored prefix, with the row's images, and equals an uninterrupted run."""
@@ -119,9 +112,11 @@ def test_a_resumed_run_with_images_continues_prompt_plus_prefix_with_the_same_im
     check_continuation(tmp_path, str(build_tiny_vl_model()), pause=pause, extra=extra, prompts=prompts)
 
 
-def test_a_resumed_run_continues_rows_with_their_lora_adapter(tmp_path, tiny_model):
-    """Rows generating with a LoRA adapter, stopped part-way: the resumed run continues prompt + prefix with the
-    row's adapter and equals an uninterrupted run (a continuation without the adapter would not)."""
+def test_a_resumed_run_continues_rows_with_their_adapter_and_what_is_left_of_min_new_tokens(tmp_path, tiny_model):
+    """Rows with and without a LoRA adapter, stopped part-way below their ``min_new_tokens``: the resumed run
+    continues prompt + prefix with the row's adapter and with the tokens the row still had to make, and equals an
+    uninterrupted run (a continuation without the adapter would not; one that kept the whole minimum, above the
+    budget left, would fail every such row)."""
     from daskgen.testing.lora import make_adapter
 
     adapter = make_adapter(tiny_model, tmp_path / "lora", seed=1)
@@ -130,7 +125,7 @@ def test_a_resumed_run_continues_rows_with_their_lora_adapter(tmp_path, tiny_mod
     prompts.write_text(
         "".join(json.dumps({**r, **({"adapter": "a"} if i % 2 else {})}) + "\n" for i, r in enumerate(rows))
     )
-    pause = Pause(rows=(1, 3), after=8, prompts=6, new_tokens=24)  # rows 4 and 5 finish: the stop comes then
+    pause = Pause(rows=(1, 2, 3), after=8, prompts=6, new_tokens=24)  # rows 4 and 5 finish: the stop comes then
     extra = ("--adapter-path", f"a={adapter}", "--min-new-tokens", "20")
     check_continuation(tmp_path, str(tiny_model), pause=pause, extra=extra, prompts=prompts)
 
