@@ -6,7 +6,8 @@ storage (the store's policy area and published checkpoint folders), the seconds 
 delta version's rebuild in the node's cache) and staging it (``Engine.stage_weights``: the ``transformers`` engine
 reads and fingerprints the tensors), both while the engine goes on generating, the seconds its engine paused
 (from holding no request of the run to admitting again) and, of those, the seconds loading
-(``Engine.apply_staged``) and checking what the engine holds against the published fingerprint.
+(``Engine.apply_staged``; of them, the wait for the generation step in progress to end, where the engine tells it:
+a forward pass cannot be interrupted) and checking what the engine holds against the published fingerprint.
 :func:`cost_rows` reads the first such record of each worker and version.
 
 The engine's own load-from-memory time (:func:`memory_load_seconds`) is, for ``transformers``,
@@ -39,8 +40,10 @@ COST_HEADER = [
     "pause s, slowest worker",
     "load s, slowest worker",
     "check s, slowest worker",
+    "step wait s, slowest worker",
     "engine load from memory (s)",
     "pause / load from memory",
+    "pause without the step wait / load from memory",
 ]
 
 
@@ -101,13 +104,16 @@ def cost_rows(
         mine = [rec for (_, v), rec in costs.items() if v == version]
         loaded = [published_to(r, published) for r in mine]
         pause = max((r.paused_seconds for r in mine), default=None)
+        waits = [r.step_wait_seconds for r in mine if r.step_wait_seconds is not None]
+        rest = max((r.paused_seconds - (r.step_wait_seconds or 0) for r in mine), default=None)
         rows.append(
             [mode, policy, version, run["kinds"][version], sizes[version], max(loaded, default=None),
              sum(r.shared_bytes or 0 for r in mine) if mine else None,
              max((r.fetch_seconds for r in mine), default=None),
              max((r.stage_seconds for r in mine if r.stage_seconds is not None), default=None), pause,
              max((r.load_seconds for r in mine), default=None), max((r.check_seconds for r in mine), default=None),
-             baseline, None if pause is None or not baseline else pause / baseline]
+             max(waits, default=None), baseline, None if pause is None or not baseline else pause / baseline,
+             None if rest is None or not baseline else rest / baseline]
         )  # fmt: skip
     return rows
 
@@ -128,7 +134,9 @@ def fill_baseline(rows: list[list[Any]]) -> float | None:
         return None
     best = float(np.min(loads))
     for row in rows:
-        pause = row[at["pause s, slowest worker"]]
+        pause, wait = row[at["pause s, slowest worker"]], row[at["step wait s, slowest worker"]]
         row[at["engine load from memory (s)"]] = best
         row[at["pause / load from memory"]] = None if pause is None else pause / best
+        rest = None if pause is None else pause - (wait or 0)
+        row[at["pause without the step wait / load from memory"]] = None if rest is None else rest / best
     return best

@@ -86,14 +86,13 @@ def read_measured(path: Path) -> Measured:
     text = path.read_text()
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| " + " | ".join(COST_HEADER[:3])))
+    header = [c.strip() for c in lines[start].strip("|").split("|")]  # the record's own columns (older ones lack some)
     rows = []
     for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
         cells = [c.strip() for c in line.strip("|").split("|")]
-        rows.append(
-            {name: number(c) if number(c) is not None else c for name, c in zip(COST_HEADER, cells, strict=True)}
-        )
+        rows.append({name: number(c) if number(c) is not None else c for name, c in zip(header, cells, strict=True)})
     caption = lines[start - 2]
     workers = int(re.search(r"What each refresh cost \((\d+) workers", caption).group(1))  # type: ignore[union-attr]
     figures = {

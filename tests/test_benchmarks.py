@@ -639,6 +639,14 @@ def test_refresh(tmp_path, tiny_model):
     assert "### `refresh: continue`" in out and "| steady 1 |" in out and "| after publish 1 |" in out
     (version_row,) = table_rows(record, "version")
     assert (version_row["version"], version_row["workers loaded"]) == ("1", "1")  # the worker loaded version 1
+    (cost,) = table_rows(record, "publish", "policy", "version")  # the pause, of it the wait for the step in progress
+    pause, wait = (float(cost[k]) for k in ("pause s, slowest worker", "step wait s, slowest worker"))
+    assert 0 <= wait < pause, cost
+    ratios = (
+        float(cost[k].replace(",", ""))
+        for k in ("pause without the step wait / load from memory", "pause / load from memory")
+    )
+    assert 0 < next(ratios) <= next(ratios), cost
 
 
 @pytest.mark.timeout(300)

@@ -117,6 +117,7 @@ def test_a_run_serves_delta_versions_with_their_published_fingerprints(tiny_mode
     base_files = sum(f.stat().st_size for f in Path(versions[0]).iterdir() if f.is_file())
     assert state.shared_bytes == base_files + dict(location.files("daskgen.policy.deltas"))[record[1].delta]
     assert 0 < state.load_seconds < state.paused_seconds and 0 < state.check_seconds < state.paused_seconds
+    assert 0 <= state.step_wait_seconds < state.load_seconds  # the wait for the step in progress, then the copy
     status = daskgen_status(out)
     assert f"; its refresh read {state.shared_bytes:,} bytes from shared storage, paused the engine " in status
     assert f"  2: {versions[1]} (published " in status, status

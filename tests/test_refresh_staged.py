@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import shutil
+import time
 
 import pytest
 
@@ -47,14 +48,17 @@ def test_a_staged_load_holds_the_published_fingerprint_proved_without_hashing(ti
         try:
             staged = await engine.stage_weights(str(other))
             before = await engine.loaded_fingerprint(dtypes)  # nothing applied: hashed as held
-            await engine.apply_staged(staged)
+            started = time.monotonic()
+            waited = await engine.apply_staged(staged)
+            took = time.monotonic() - started
             held = await engine.loaded_fingerprint(dtypes)
             hashed = fingerprint_tensors(checkpoint_tensors(engine._model), dtypes)
-            return staged, before, held, hashed
+            return staged, before, held, hashed, (waited, took)
         finally:
             await engine.shutdown()
 
-    staged, before, held, hashed = asyncio.run(refreshed())
+    staged, before, held, hashed, (waited, took) = asyncio.run(refreshed())
+    assert isinstance(waited, float) and 0 <= waited <= took  # the wait for the step in progress, part of the load
     assert set(dtypes.values()) == {"BF16"} and {t.dtype for t in staged.tensors.values()} == {_float32()}
     assert staged.fingerprint == held == hashed  # the model's float32 tensors, hashed in the published bfloat16
     assert mismatched(published.tensors, held) == ([], len(published.tensors))
@@ -125,7 +129,7 @@ def test_the_other_engines_stage_nothing_and_load_the_folder_in_the_pause(tmp_pa
         await engine.start()
         try:
             staged = await engine.stage_weights(str(tmp_path))
-            await engine.apply_staged(staged)
+            assert await engine.apply_staged(staged) is None  # the default cannot tell its wait apart
             return staged
         finally:
             await engine.shutdown()

@@ -1,14 +1,12 @@
 """The engine contract: token ids in, token ids out.
 
-An engine is created once per Dask worker by :class:`daskgen.worker.plugin.EnginePlugin` and
-driven from the worker's event loop.  All methods are ``async``; engines that wrap a
-blocking backend run it in their own thread.
+An engine is created once per Dask worker by :class:`daskgen.worker.plugin.EnginePlugin` and driven from the
+worker's event loop.  All methods are ``async``; engines that wrap a blocking backend run it in their own thread.
 
-Lifecycle (one for every engine): :attr:`Engine.status` is an :class:`EngineStatus`.
-:meth:`Engine.start` runs once (``NEW`` -> ``STARTING`` -> ``RUNNING``, or ``FAILED`` after
-releasing what the failed start acquired); :meth:`Engine.shutdown` runs once and may be called
-in any state (-> ``CLOSED``).  An engine implements the two hooks :meth:`Engine.load` and
-:meth:`Engine.unload`; callers only ever call ``start``/``shutdown``.
+Lifecycle (one for every engine): :attr:`Engine.status` is an :class:`EngineStatus`.  :meth:`Engine.start` runs
+once (``NEW`` -> ``STARTING`` -> ``RUNNING``, or ``FAILED`` after releasing what the failed start acquired);
+:meth:`Engine.shutdown` runs once and may be called in any state (-> ``CLOSED``).  An engine implements the two
+hooks :meth:`Engine.load` and :meth:`Engine.unload`; callers only ever call ``start``/``shutdown``.
 """
 
 from __future__ import annotations
@@ -421,9 +419,11 @@ class Engine(abc.ABC):
         """Prepare the folder ``path`` for :meth:`apply_staged` while the engine generates; the default returns it."""
         return path
 
-    async def apply_staged(self, staged: Any) -> None:
-        """Load what :meth:`stage_weights` returned; the default is ``update_weights(staged)``."""
+    async def apply_staged(self, staged: Any) -> float | None:
+        """Load what :meth:`stage_weights` returned (the default: ``update_weights(staged)``); returns the seconds of
+        it spent waiting for the generation step in progress to end, or ``None`` when the engine cannot tell."""
         await self.update_weights(staged)
+        return None
 
     async def loaded_fingerprint(self, dtypes: dict[str, str]) -> dict[str, str]:
         """The fingerprint (:func:`daskgen.engines.fingerprint.tensor_fingerprint`) of each checkpoint tensor named in

@@ -184,7 +184,8 @@ class WorkerPolicy:
     ``stage_seconds`` in ``Engine.stage_weights`` (the ``transformers`` engine reading and fingerprinting the
     tensors), while the engine goes on generating; once running, ``paused_seconds`` from the engine holding no
     request of the run (drained or aborted) to admitting again, of which ``load_seconds`` in
-    ``Engine.apply_staged`` and ``check_seconds`` comparing what the engine holds with the published fingerprint."""
+    ``Engine.apply_staged`` (of them ``step_wait_seconds`` waiting for the generation step in progress to end, when
+    the engine tells) and ``check_seconds`` comparing what the engine holds with the published fingerprint."""
 
     worker: str
     version: int
@@ -198,6 +199,7 @@ class WorkerPolicy:
     load_seconds: float | None = None
     check_seconds: float | None = None
     stage_seconds: float | None = None
+    step_wait_seconds: float | None = None
 
 
 def write_worker_policy(location: StoreLocation, state: WorkerPolicy) -> None:

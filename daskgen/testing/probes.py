@@ -191,6 +191,12 @@ class ProbeEngine(Engine):
     async def update_weights(self, path: str) -> None:
         await self.inner.update_weights(path)
 
+    async def stage_weights(self, path: str) -> Any:
+        return await self.inner.stage_weights(path)
+
+    async def apply_staged(self, staged: Any) -> float | None:
+        return await self.inner.apply_staged(staged)
+
     async def loaded_fingerprint(self, dtypes: dict[str, str]) -> dict[str, str]:
         return await self.inner.loaded_fingerprint(dtypes)
 

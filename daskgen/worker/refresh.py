@@ -154,10 +154,11 @@ class PolicyRefresher:
             async with self.changed:
                 await self.changed.wait_for(lambda: not self.in_flight)
             idle = time.monotonic()  # the engine holds no request of the run from here until the gate opens
-            await engine.apply_staged(staged)
+            step_wait = await engine.apply_staged(staged)
             loaded = time.monotonic()
             checked = await self._checked(engine, entry)
             cost.update(load_seconds=loaded - idle, check_seconds=time.monotonic() - loaded)
+            cost["step_wait_seconds"] = step_wait
         except Exception as exc:
             self.refused.add(entry.version)
             self._report(on_error, f"loading policy version {entry.version} failed: {type(exc).__name__}: {exc}")

@@ -218,15 +218,16 @@ class TransformersEngine(InProcessEngine):
 
         return await asyncio.to_thread(stage, started(self.name, self._model), path)
 
-    async def apply_staged(self, staged: Any) -> None:
+    async def apply_staged(self, staged: Any) -> float:
         """Copy a staged checkpoint into the running model in place; the next :meth:`loaded_fingerprint` proves
-        the model holds it."""
+        the model holds it.  Returns the seconds waited for the generation step in progress to end."""
         from daskgen.engines.transformers.weights import apply_staged
 
         model, manager = started(self.name, self._model), started(self.name, self._manager)
         self._applied = None
-        await asyncio.to_thread(apply_staged, model, manager, staged)
+        waited = await asyncio.to_thread(apply_staged, model, manager, staged)
         self._applied = staged
+        return waited
 
     async def loaded_fingerprint(self, dtypes: dict[str, str]) -> dict[str, str]:
         """The fingerprint of each tensor named in ``dtypes`` in the running model's state dict (under a plain

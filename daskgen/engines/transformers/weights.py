@@ -79,8 +79,9 @@ def stage(model: Any, path: str) -> StagedCheckpoint:
     return StagedCheckpoint(path, tensors, dtypes, fingerprint_tensors(tensors, dtypes))
 
 
-def apply_staged(model: Any, manager: Any, staged: StagedCheckpoint) -> None:
-    """Copy the staged tensors into ``model``'s parameters, in place (blocking; no request in flight)."""
+def apply_staged(model: Any, manager: Any, staged: StagedCheckpoint) -> float:
+    """Copy the staged tensors into ``model``'s parameters, in place (blocking; no request in flight); returns the
+    seconds spent waiting for the generation loop to park (:func:`_while_parked`)."""
     import torch
 
     params = _base_parameters(model)
@@ -90,7 +91,7 @@ def apply_staged(model: Any, manager: Any, staged: StagedCheckpoint) -> None:
             for name, tensor in staged.tensors.items():
                 params[name].copy_(tensor)
 
-    _while_parked(manager, copy)
+    return _while_parked(manager, copy)
 
 
 def held_fingerprint(model: Any, staged: StagedCheckpoint | None, dtypes: dict[str, str]) -> dict[str, str]:
@@ -127,26 +128,30 @@ def _same_bytes(held: Any, staged: Any) -> bool:
     return bool(torch.equal(a, b))
 
 
-def _while_parked(manager: Any, work: Callable[[], None]) -> None:
+def _while_parked(manager: Any, work: Callable[[], None]) -> float:
     """Run ``work`` while the manager's generation loop is parked holding no request, then drop the KV blocks it
-    keeps cached for prefix sharing (computed with the old weights).
+    keeps cached for prefix sharing (computed with the old weights).  Returns the seconds waited before ``work``:
+    mostly the generation step in progress running to its end (a forward pass cannot be interrupted).
 
     The loop takes the queued requests and cancellations at its pause point and applies them after it: a first
     pause waits until it took them, a second until it applied them (the cancelled requests' blocks freed).  A
     manager without ``pause`` is waited for until it looks idle (:func:`_wait_idle`)."""
-    pause = getattr(manager, "pause", None)
+    pause, asked = getattr(manager, "pause", None), time.monotonic()
     if pause is None:
         _wait_idle(manager)
+        waited = time.monotonic() - asked
         work()
-        return _evict(manager)
-    deadline = time.monotonic() + IDLE_TIMEOUT
-    while time.monotonic() < deadline:
+        _evict(manager)
+        return waited
+    while time.monotonic() < asked + IDLE_TIMEOUT:
         with pause():
             pass
         with pause():
             if not _busy(manager):
+                waited = time.monotonic() - asked
                 work()
-                return _evict(manager)
+                _evict(manager)
+                return waited
         time.sleep(0.01)
     raise RefreshError(f"the transformers engine still held requests after {IDLE_TIMEOUT:g} s; weights not loaded")
 
