@@ -120,6 +120,7 @@ def test_a_run_serves_delta_versions_with_their_published_fingerprints(tiny_mode
     assert 0 <= state.step_wait_seconds < state.load_seconds  # the wait for the step in progress, then the copy
     status = daskgen_status(out)
     assert f"; its refresh read {state.shared_bytes:,} bytes from shared storage, paused the engine " in status
+    assert f", of it {state.step_wait_seconds:.3g} s for the step in progress to end)" in status, status
     assert f"  2: {versions[1]} (published " in status, status
     assert f"tensors, a delta on version 1 ({record[1].delta})" in status, status
 

@@ -67,7 +67,8 @@ def _cost(w: WorkerPolicy) -> str:
     if w.state != "running" or w.paused_seconds is None:
         return ""
     read = "" if w.shared_bytes is None else f"read {w.shared_bytes:,} bytes from shared storage, "
-    return f"; its refresh {read}paused the engine {w.paused_seconds:.3g} s (load {w.load_seconds:.3g} s)"
+    wait = "" if w.step_wait_seconds is None else f", of it {w.step_wait_seconds:.3g} s for the step in progress to end"
+    return f"; its refresh {read}paused the engine {w.paused_seconds:.3g} s (load {w.load_seconds:.3g} s{wait})"
 
 
 def _digest(version: PolicyVersion) -> str:
