@@ -66,13 +66,16 @@ class Pause:
         )
 
     def wait(self, tmp_path, proc, timeout) -> None:
-        """Wait until every paused row's request waits part-way (or ended within its first tokens)."""
+        """Wait until every paused row's request waits part-way (or finished within its first tokens: an attempt
+        that failed or was aborted there is retried, and pauses)."""
         deadline = time.monotonic() + timeout
-        while {row_of(e.request_id) for e in read_events(tmp_path / "events.log") if e.kind != "arrive"} < set(
+        settled = ("pause", "early-stop", "early-length")
+        while {row_of(e.request_id) for e in read_events(tmp_path / "events.log") if e.kind in settled} < set(
             self.rows
         ):
             assert proc.poll() is None, f"run ended before the stop: {proc.stdout.read()}"
-            assert time.monotonic() < deadline, f"rows {self.rows} did not all pause within {timeout} s"
+            events = (tmp_path / "events.log").read_text() if (tmp_path / "events.log").exists() else ""
+            assert time.monotonic() < deadline, f"rows {self.rows} did not all pause within {timeout} s: {events}"
             time.sleep(0.05)
 
 

@@ -7,14 +7,17 @@ event to a file that the test reads with :func:`read_events`:
 
 * ``arrive`` -- the request reached the engine (it is now in flight: running or queued),
 * ``pause`` -- a held request stopped part-way (``pause_after``, below) and waits at its gate,
+* ``early-<finish reason>`` -- a held request's first ``pause_after`` tokens ended it before the pause (``stop``,
+  ``length``: it finished; ``error``, ``abort``: it failed or was aborted, and pauses on its next attempt),
 * ``end`` -- its ``generate`` returned (however it ended: finished, aborted, failed).
 
 It can also hold chosen requests at a **gate** (``gate_path``): they arrive, then wait until that
 file exists before they reach the inner engine, so a test can freeze the engine's occupancy, look
 at it, and release it.  With ``pause_after=k`` a held request (of ``pause_rows``) whose gate is closed
-on its first arrival first gets ``k`` tokens from the inner engine, then waits at the gate part-way: an
-abort then ends it with those tokens (a request stopped mid-way, for as long as the test wants), an
-opened gate lets it go on from them.  The same request arriving again (continued) waits before the inner
+on its first arrival (or on every arrival until it paused once) first gets ``k`` tokens from the inner engine,
+then waits at the gate part-way: an abort then ends it with those tokens (a request stopped mid-way, for as long
+as the test wants), an opened gate lets it go on from them.  The same request arriving again after its pause
+(continued) waits before the inner
 engine like any held request, an abort does not end that wait.  Health checks (request id
 ``daskgen-health``) are neither recorded nor held.  Never use these for real runs.
 
@@ -50,7 +53,7 @@ class Event:
 
     time: float
     pid: int
-    kind: str  # "arrive", "pause" or "end"
+    kind: str  # "arrive", "pause", "early-<finish reason>" or "end"
     request_id: str
 
 
@@ -97,7 +100,7 @@ class ProbeEngine(Engine):
         self.pause_after = int(pause_after)
         self.pause_rows = None if pause_rows is None else {int(r) for r in pause_rows}
         self.prompts_log = prompts_log
-        self.seen: set[str] = set()  # request ids that arrived before (a continued request)
+        self.seen: set[str] = set()  # request ids that paused before (arriving again: a continued request)
         self.pausing: set[str] = set()  # request ids waiting part-way
         self.aborted: set[str] = set()  # of those, the ones an abort ended
 
@@ -140,7 +143,6 @@ class ProbeEngine(Engine):
         if self.prompts_log:
             append_prompt(self.prompts_log, request)
         first = request.request_id not in self.seen
-        self.seen.add(request.request_id)
         try:
             if not self._held(request.request_id) or os.path.exists(self._gate_of(request.request_id)):
                 return await self.inner.generate(request)
@@ -161,8 +163,10 @@ class ProbeEngine(Engine):
         )
         head = await self.inner.generate(GenerationRequest(request.request_id, request.prompt_ids, first))
         if head.finish_reason != FinishReason.LENGTH or len(head.output_ids) >= params.max_new_tokens:
-            return head  # it ended (or was aborted) within its first tokens
+            self._record(f"early-{head.finish_reason.name.lower()}", request.request_id)
+            return head  # it ended (or failed, or was aborted) within its first tokens
         head.finish_reason = FinishReason.ABORT
+        self.seen.add(request.request_id)
         self.pausing.add(request.request_id)
         self._record("pause", request.request_id)
         try:
@@ -266,7 +270,7 @@ def peak_in_flight(events: list[Event]) -> int:
     flying: dict[int, int] = {}  # row -> its requests in flight
     peak = 0
     for event in events:
-        if event.kind == "pause":
+        if event.kind not in ("arrive", "end"):
             continue
         row = row_of(event.request_id)
         flying[row] = flying.get(row, 0) + (1 if event.kind == "arrive" else -1)
