@@ -65,13 +65,10 @@ ENGINES = {
         ["inner=openai", "managed=true", "server_start_timeout_s=600"],
     ),
 }
-#: the refresh policies each engine runs under: both for vLLM; the two SGLang engines one each, so that each policy
-#: meets each engine family (what a policy does besides the engine's weight load is the worker's, engine-agnostic)
-POLICIES = {"vllm": ("drain", "continue"), "sglang": ("continue",), "sglang-server": ("drain",)}
 CASES = [
     pytest.param(engine, refresh, marks=[*marks, pytest.mark.timeout(900)], id=f"{engine}-{refresh}")
     for engine, (marks, _) in ENGINES.items()
-    for refresh in POLICIES[engine]
+    for refresh in ("drain", "continue")
 ]
 
 
