@@ -41,6 +41,7 @@ COST_HEADER = [
     "load s, slowest worker",
     "check s, slowest worker",
     "step wait s, slowest worker",
+    "pause without the step wait s, slowest worker",
     "engine load from memory (s)",
     "pause / load from memory",
     "pause without the step wait / load from memory",
@@ -103,19 +104,38 @@ def cost_rows(
     for version, published in sorted(run["published"].items()):
         mine = [rec for (_, v), rec in costs.items() if v == version]
         loaded = [published_to(r, published) for r in mine]
-        pause = max((r.paused_seconds for r in mine), default=None)
         waits = [r.step_wait_seconds for r in mine if r.step_wait_seconds is not None]
-        rest = max((r.paused_seconds - (r.step_wait_seconds or 0) for r in mine), default=None)
-        rows.append(
-            [mode, policy, version, run["kinds"][version], sizes[version], max(loaded, default=None),
-             sum(r.shared_bytes or 0 for r in mine) if mine else None,
-             max((r.fetch_seconds for r in mine), default=None),
-             max((r.stage_seconds for r in mine if r.stage_seconds is not None), default=None), pause,
-             max((r.load_seconds for r in mine), default=None), max((r.check_seconds for r in mine), default=None),
-             max(waits, default=None), baseline, None if pause is None or not baseline else pause / baseline,
-             None if rest is None or not baseline else rest / baseline]
-        )  # fmt: skip
+        row = [mode, policy, version, run["kinds"][version], sizes[version], max(loaded, default=None),
+               sum(r.shared_bytes or 0 for r in mine) if mine else None,
+               max((r.fetch_seconds for r in mine), default=None),
+               max((r.stage_seconds for r in mine if r.stage_seconds is not None), default=None),
+               max((r.paused_seconds for r in mine), default=None),
+               max((r.load_seconds for r in mine), default=None), max((r.check_seconds for r in mine), default=None),
+               max(waits, default=None), max((pause_past_the_step(r) for r in mine), default=None),
+               None, None, None]  # fmt: skip
+        rows.append(set_baseline(row, baseline))
     return rows
+
+
+def pause_past_the_step(record: Any) -> float:
+    """A worker's pause less its wait for the generation step in progress to end (0 where the engine cannot tell):
+    the part of the pause the refresh itself costs.  The slowest worker's is the table's column."""
+    return float(record.paused_seconds - (record.step_wait_seconds or 0))
+
+
+def set_baseline(row: list[Any], baseline: float | None) -> list[Any]:
+    """``row`` with ``baseline`` as its load-from-memory time and its pauses over it (the one rule for both ratios)."""
+    at = {name: COST_HEADER.index(name) for name in COST_HEADER}
+    pause, rest = row[at["pause s, slowest worker"]], row[at["pause without the step wait s, slowest worker"]]
+    row[at["engine load from memory (s)"]] = baseline
+    row[at["pause / load from memory"]] = over(pause, baseline)
+    row[at["pause without the step wait / load from memory"]] = over(rest, baseline)
+    return row
+
+
+def over(seconds: float | None, baseline: float | None) -> float | None:
+    """``seconds / baseline``, or ``None`` where either is missing."""
+    return None if seconds is None or not baseline else seconds / baseline
 
 
 def published_to(record: Any, published: float) -> float:
@@ -134,9 +154,5 @@ def fill_baseline(rows: list[list[Any]]) -> float | None:
         return None
     best = float(np.min(loads))
     for row in rows:
-        pause, wait = row[at["pause s, slowest worker"]], row[at["step wait s, slowest worker"]]
-        row[at["engine load from memory (s)"]] = best
-        row[at["pause / load from memory"]] = None if pause is None else pause / best
-        rest = None if pause is None else pause - (wait or 0)
-        row[at["pause without the step wait / load from memory"]] = None if rest is None else rest / best
+        set_baseline(row, best)
     return best

@@ -14,13 +14,14 @@ from pathlib import Path
 import dask
 import pytest
 
+import daskgen
 from daskgen.client.plan import prepare
 from daskgen.config import RunConfig
 from daskgen.errors import ConfigError, InputError, StoreMismatchError
 from daskgen.input.image_refs import template_messages
 from daskgen.input.image_tokens import expand, mrope_delta
 from daskgen.store.generation_store import GenerationStore
-from daskgen.store.images import blob_key, stored_hashes
+from daskgen.store.images import REFERENCE, blob_key, stored_hashes, stored_images
 from daskgen.store.objects.image_urls import read_image_bytes
 from daskgen.store.tools.verify import verify
 from tests.conftest import run_cli
@@ -451,16 +452,24 @@ def first_answer(store: Path) -> list[int]:
 
 
 def test_cpu_workers_preprocess_the_images_for_the_engine_worker(tmp_path, vl_model, images) -> None:
-    """A cluster with a preprocessing worker: the images are read, stored and preprocessed there, the engine
-    worker preprocesses none, and the answers equal the model's own."""
+    """A cluster with a preprocessing worker, images kept as references: the images are read, recorded and
+    preprocessed there, the engine worker preprocesses none, the store holds a reference to each file (no bytes)
+    that reads back as the file, it verifies sound, and the answers equal the model's own."""
     photo = [image_part(images["grace_hopper"]), {"type": "text", "text": QUESTION}]
     rows = [{"messages": user(*photo)}, {"prompt": QUESTION, "images": [str(images["noise"])]}]
     prompts = write_rows(tmp_path / "p.jsonl", rows)
-    by_role = images_by_role(prompts, tmp_path / "out.zarr", vl_model)
+    out = tmp_path / "out.zarr"
+    by_role = images_by_role(prompts, out, vl_model, "--image-storage", REFERENCE)
     assert by_role["preprocess"]["images"] == 2, by_role
     assert by_role["ready"].get("images", 0) == 0, "the engine worker preprocessed nothing itself"
+    files = [images["grace_hopper"], images["noise"]]
+    digests = [hashlib.sha256(f.read_bytes()).hexdigest() for f in files]
+    assert stored_images(GenerationStore.open(out).location) == dict.fromkeys(digests, REFERENCE)
+    assert not any((out / blob_key(d)).exists() for d in digests), "a reference store keeps no image bytes"
+    assert [daskgen.read_image(out, d) for d in digests] == [f.read_bytes() for f in files]
+    assert verify(str(out), progress=False).sound
     expected = reference_generate(vl_model, template_messages(user(*photo)), [images["grace_hopper"]], 6)[1]
-    assert first_answer(tmp_path / "out.zarr") == expected
+    assert first_answer(out) == expected
 
 
 def remote_code_processor(model: Path, out: Path) -> Path:

@@ -54,6 +54,10 @@ CASES = [
 
 @pytest.mark.parametrize("engine_name", CASES)
 def test_after_a_refresh_the_engine_holds_the_published_tensors(engine_name, tmp_path):
+    """In process, sglang loads the staged tensors from host memory (no fallback to the folder was logged), and
+    its start leaves the root logger's level and handlers as they were (sglang's launch reconfigures them)."""
+    import logging.handlers
+
     from daskgen.models import build_tiny_model
     from tests.test_policy_refresh import greedy
 
@@ -80,7 +84,14 @@ def test_after_a_refresh_the_engine_holds_the_published_tensors(engine_name, tmp
         finally:
             await engine.shutdown()
 
-    published, loaded, result, version = asyncio.run(scenario())
+    logged, root = logging.handlers.BufferingHandler(capacity=1000), logging.getLogger()
+    logging.getLogger("daskgen").addHandler(logged)
+    level, handlers = root.level, list(root.handlers)
+    try:
+        published, loaded, result, version = asyncio.run(scenario())
+    finally:
+        logging.getLogger("daskgen").removeHandler(logged)
+    assert (root.level, root.handlers) == (level, handlers), "the engine's start left the root logger as it was"
     assert errors == [] and version == 1
     expected = {n: f for n, f in published.tensors.items() if any(part in n for part in compared)}
     assert loaded.keys() == expected.keys(), sorted(set(loaded) ^ set(expected))
@@ -89,3 +100,4 @@ def test_after_a_refresh_the_engine_holds_the_published_tensors(engine_name, tmp
     assert result.meta["policy_versions"] == [(0, 1)]
     assert result.meta["policy_fingerprints"] == {1: digest_number(published.digest)} != {1: 0}
     assert result.output_ids == greedy(step1, [prompt], params)[0]
+    assert not [r.getMessage() for r in logged.buffer if "from memory" in r.getMessage()]

@@ -277,3 +277,52 @@ def test_slurm_run_serves_the_daskgen_dashboard_page(tmp_path):
     record = read_store_attrs(store).runs[-1]["engines"]
     assert record["engine_tokens"] == record["committed_tokens"] == _store_truth(store)["tokens"]
     assert len(record["workers"]) == 2 and record["series"]["committed_prompts"][-1] == N_PROMPTS
+
+
+@pytest.mark.timeout(420)
+def test_a_slurm_cpu_job_preprocesses_the_images_for_the_engine_worker(tmp_path, monkeypatch):
+    """docs/hpc.md's layout for image runs: CPU-only SLURM jobs rendered with ``render_job_script`` and
+    ``--resources daskgen-preprocess=1`` beside the engine workers, on a scheduler started by hand.  The images are
+    read, stored and preprocessed in the SLURM job's worker, the engine worker preprocesses none, and the answer
+    equals the model's own."""
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)  # see test_slurm_job_runs_one_pinned_worker_per_gpu
+    from daskgen.deploy import render_job_script
+    from daskgen.input.image_refs import template_messages
+    from daskgen.models import build_tiny_vl_model
+    from daskgen.testing.images import sample_image_paths
+    from daskgen.worker.images import image_metrics
+    from daskgen.worker.plugin import plugin_status
+    from tests.conftest import run_cli, runs_cluster
+    from tests.test_images import QUESTION, first_answer, image_part, reference_generate, run_args, user, write_rows
+
+    model, photo = build_tiny_vl_model(), sample_image_paths(tmp_path / "images")["grace_hopper"]
+    cpu_job = {
+        "kind": "slurm",
+        "cores": 1,
+        "memory": "2GB",
+        "walltime": "00:10:00",
+        "python": sys.executable,
+        "log_directory": str(tmp_path / "logs"),
+        "worker_extra_args": ["--resources", "daskgen-preprocess=1"],
+    }
+    rows = [{"messages": user(image_part(photo), {"type": "text", "text": QUESTION})}]
+    prompts, out = write_rows(tmp_path / "p.jsonl", rows), tmp_path / "out.zarr"
+    with runs_cluster() as (cluster, client):
+        script = tmp_path / "cpu-job.sh"
+        script.write_text(render_job_script(cpu_job, cluster.scheduler_address))
+        submitted = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True)
+        job = submitted.stdout.strip().split(";")[0]
+        try:
+            client.wait_for_workers(2, timeout=180)
+            result = run_cli(*run_args(prompts, out, model)[:-3], "--no-progress",
+                             "--scheduler-address", cluster.scheduler_address)  # fmt: skip
+            assert result.returncode == 0, result.stdout + result.stderr
+            metrics, states = client.run(image_metrics), client.run(plugin_status)
+            names = {a: w["name"] for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+        finally:
+            subprocess.run(["scancel", job], check=False)
+    (slurm_worker,) = [a for a, name in names.items() if str(name) == f"daskgen-{job}"]
+    assert states[slurm_worker]["state"] == "preprocess" and metrics[slurm_worker]["images"] == 1, (states, metrics)
+    (engine_worker,) = set(names) - {slurm_worker}
+    assert metrics[engine_worker].get("images", 0) == 0, "the engine worker preprocessed nothing itself"
+    assert first_answer(out) == reference_generate(model, template_messages(rows[0]["messages"]), [photo], 6)[1]

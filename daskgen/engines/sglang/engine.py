@@ -102,7 +102,13 @@ from daskgen.engines.sglang.backend import BackendClosed, BackendCrashed, SGLang
 from daskgen.engines.sglang.images import image_data, images_refusal
 from daskgen.engines.sglang.mapping import logprob_request, result_from_output, sampling_params_for
 from daskgen.engines.sglang.sigquit import install_sigquit_handler, restore_sigquit_handler
-from daskgen.engines.sglang.weights import flush_when_idle, loaded_but_not_flushed
+from daskgen.engines.sglang.weights import (
+    StagedTensors,
+    flush_when_idle,
+    load_tensors,
+    loaded_but_not_flushed,
+    read_tensors,
+)
 from daskgen.errors import RefreshError
 from daskgen.redaction import redact
 
@@ -267,13 +273,38 @@ class SGLangEngine(InProcessEngine):
         backend = started(self.name, self._backend)
         ok, message = await asyncio.wrap_future(backend.submit(backend.update_weights(path)))
         if not ok and loaded_but_not_flushed(message):  # loaded while requests ran: the old weights' cache stays
-
-            async def flush(timeout_s: float) -> bool:
-                return await asyncio.wrap_future(backend.submit(backend.flush_cache(timeout_s)))
-
-            await flush_when_idle(flush, path, "sglang")
+            await self._flush_when_idle(backend, path)
         elif not ok:
             raise RefreshError(f"sglang could not load policy checkpoint {path!r} (it keeps its weights): {message}")
+
+    async def stage_weights(self, path: str) -> StagedTensors:
+        """Read the tensors of the folder ``path`` into host memory while the engine generates."""
+        return await asyncio.to_thread(read_tensors, path)
+
+    async def apply_staged(self, staged: Any) -> None:
+        """Load staged tensors in place from host memory (sglang's ``update_weights_from_tensor``: the pause reads
+        no file); where sglang refuses them, load their folder with :meth:`update_weights` instead."""
+        if not isinstance(staged, StagedTensors):
+            return await self.update_weights(staged)
+        backend = started(self.name, self._backend)
+        tp_size = int(self._kwargs.get("tp_size") or 1)
+        manager = backend.engine.tokenizer_manager
+        ok, message = await asyncio.wrap_future(backend.submit(load_tensors(manager, staged, tp_size)))
+        if not ok and loaded_but_not_flushed(message):
+            await self._flush_when_idle(backend, staged.path)
+        elif not ok:
+            logger.warning("daskgen: sglang refused %s from memory (%s); loading its folder", staged.path, message)
+            await self.update_weights(staged.path)
+        return None
+
+    @staticmethod
+    async def _flush_when_idle(backend: SGLangBackend, path: str) -> None:
+        """Drop sglang's prefix cache of the old weights once its requests have ended (:func:`flush_when_idle`)."""
+
+        async def flush(timeout_s: float) -> bool:
+            return await asyncio.wrap_future(backend.submit(backend.flush_cache(timeout_s)))
+
+        await flush_when_idle(flush, path, "sglang")
 
     async def loaded_fingerprint(self, dtypes: dict[str, str]) -> dict[str, str]:
         """The fingerprint of each tensor named in ``dtypes`` as sglang holds it, read back with its

@@ -1,4 +1,9 @@
-"""sglang's weight update when requests still ran: the weights loaded, the old weights' prefix cache kept.
+"""sglang's weight updates: from host memory (staged tensors), and when requests still ran.
+
+The in-process engine reads a policy version's tensors into host memory while it generates (:func:`read_tensors`)
+and, in the pause, hands them to sglang's ``update_weights_from_tensor`` (:func:`load_tensors`), so the pause reads
+no file; where that load fails it loads the folder with ``update_weights_from_disk``, which keeps the old weights
+when it fails.
 
 sglang (0.5.23) answers ``update_weights_from_disk`` with ``success: false`` and a message saying the cache was
 not flushed when requests were running or queued; the new weights are in place.  The in-process engine
@@ -9,10 +14,21 @@ count that as loaded and drop the cache once the requests have finished (:func:`
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from daskgen.errors import RefreshError
 
-__all__ = ["FLUSH_CALL_S", "FLUSH_WAIT_S", "flush_when_idle", "loaded_but_not_flushed"]
+__all__ = [
+    "FLUSH_CALL_S",
+    "FLUSH_WAIT_S",
+    "StagedTensors",
+    "flush_when_idle",
+    "load_tensors",
+    "loaded_but_not_flushed",
+    "read_tensors",
+]
 
 #: The part of sglang's answer that says the weights loaded but the cache stayed.
 _NOT_FLUSHED = "cache was not flushed"
@@ -36,3 +52,55 @@ async def flush_when_idle(flush: Callable[[float], Awaitable[bool]], path: str, 
         f"{server} loaded {path!r} but kept serving requests for {FLUSH_WAIT_S} s, so its prefix cache of the old "
         "weights could not be dropped"
     )
+
+
+@dataclass(frozen=True)
+class StagedTensors:
+    """A checkpoint folder's tensors read into host memory while the engine generates (``stage_weights``): one
+    flat byte tensor in shared memory and where each named tensor lies in it (sglang's flattened bucket)."""
+
+    path: str
+    flat: Any
+    metadata: list[Any]
+
+
+def read_tensors(path: str) -> StagedTensors:
+    """Every tensor of the safetensors files in the folder ``path``, packed into one tensor in shared memory, so
+    that handing them to sglang's scheduler process passes one handle (blocking)."""
+    from safetensors import safe_open
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    tensors = []
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            tensors += [(name, handle.get_tensor(name)) for name in handle.keys()]  # noqa: SIM118
+    if not tensors:
+        raise RefreshError(f"policy checkpoint {path!r} holds no *.safetensors tensors for sglang to load")
+    bucket = FlattenedTensorBucket(named_tensors=tensors)
+    return StagedTensors(path, bucket.get_flattened_tensor().share_memory_(), bucket.get_metadata())
+
+
+async def load_tensors(manager: Any, staged: StagedTensors, tp_size: int) -> tuple[bool, str]:
+    """Load ``staged`` into the running model with sglang's ``update_weights_from_tensor`` (one payload per
+    tensor-parallel rank, each a handle to the shared tensor), inside the weight-update session sglang asks for;
+    ``(success, message)``.  ``manager``: the engine's ``tokenizer_manager``."""
+    from sglang.srt.managers.io_struct import (
+        BeginWeightUpdateReqInput,
+        EndWeightUpdateReqInput,
+        UpdateWeightsFromTensorReqInput,
+    )
+    from sglang.srt.utils.common import MultiprocessingSerializer
+
+    began, message = await manager.begin_weight_update(BeginWeightUpdateReqInput(), None)
+    if not began:
+        return False, message
+    try:
+        bucket = {"flattened_tensor": staged.flat, "metadata": staged.metadata}
+        payload = [MultiprocessingSerializer.serialize(bucket) for _ in range(tp_size)]
+        request = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=payload, load_format="flattened_bucket", flush_cache=True
+        )
+        loaded, message = await manager.update_weights_from_tensor(request, None)
+    finally:
+        ended, end_message = await manager.end_weight_update(EndWeightUpdateReqInput(), None)
+    return bool(loaded and ended), str(message if not loaded else end_message if not ended else message)
