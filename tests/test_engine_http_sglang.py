@@ -296,6 +296,16 @@ class TestManagedServer:
         assert result.error is None and len(result.logprobs) == len(result.output_ids) > 0
         self.runner.run(self.engine.health(), 120)
 
+    def test_an_idle_server_leaves_the_cores_idle(self) -> None:
+        """The managed server gets the CPU defaults, ``--sleep-on-idle`` among them: idle, it leaves the cores idle."""
+        import psutil
+
+        from tests.test_engine_sglang import idle_cpu_seconds
+
+        self.runner.run(self.engine.generate(request("wake", max_new_tokens=2)), 120)
+        assert "--sleep-on-idle" in self.engine.managed_server.process.args
+        assert idle_cpu_seconds([psutil.Process(self.engine.managed_server.process.pid)]) < 0.3 * 3.0
+
     def test_capacity_is_the_servers_and_its_queue_is_kept_fed(self) -> None:
         """The server's max_running_requests sizes ``window: auto``; the client keeps twice that in flight,
         so the server holds a queue: seen in its own load report (``/v1/loads``) while requests run."""

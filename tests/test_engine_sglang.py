@@ -10,6 +10,7 @@ CPU, so each class shares one engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -156,6 +157,25 @@ def test_generate_before_start_is_an_error() -> None:
 # --------------------------------------------------------------------------- the real sglang
 
 
+def idle_cpu_seconds(processes: list[Any], seconds: float = 3.0) -> float:
+    """CPU seconds ``processes`` (``psutil.Process``, with their descendants) used over ``seconds`` of idling: an
+    sglang scheduler polling without pause uses about one per second."""
+    import psutil
+
+    def used() -> float:
+        total = 0.0
+        for proc in processes:
+            for each in (proc, *proc.children(recursive=True)):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    times = each.cpu_times()
+                    total += times.user + times.system
+        return total
+
+    before = used()
+    time.sleep(seconds)
+    return used() - before
+
+
 def shim_events(kind: str) -> list[dict[str, Any]]:
     """Events of ``kind`` the sgl_kernel shim logged (all processes), if a log is configured."""
     path = os.environ.get(SHIM_LOG_ENV)
@@ -218,6 +238,12 @@ class TestSGLangConformance(_SharedSGLang, EngineConformance):
             import sgl_kernel
 
             assert getattr(sgl_kernel, "IS_DASKGEN_SHIM", False), sgl_kernel.__file__
+
+    def test_an_idle_engine_leaves_the_cores_idle(self) -> None:
+        """On CPU ``sleep_on_idle`` is on: sglang's processes use well under a tenth of a core while no request
+        runs (without it the scheduler polls for requests and holds a whole core)."""
+        self.run(self.one(request("wake", max_new_tokens=2)))
+        assert idle_cpu_seconds(self.engine.backend.children) < 0.3 * 3.0
 
     def test_capacity_is_the_schedulers_max_running_requests(self) -> None:
         """sglang sizes max_running_requests itself; the engine reads it back for ``window: auto``."""

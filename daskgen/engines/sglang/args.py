@@ -38,8 +38,15 @@ PREFIX_ARGS: dict[str, Any] = {"schedule_policy": "lpm"}
 PREFIX_POLICIES = frozenset({"lpm", "dfs-weight"})
 
 #: ``sglang.Engine`` options filled in on CPU when ``engine_args`` does not set them.  float32
-#: matches the ``transformers`` engine's CPU default (sglang's ``auto`` would pick float16).
-CPU_DEFAULTS: dict[str, Any] = {"attention_backend": "torch_native", "dtype": "float32", "max_total_tokens": 16384}
+#: matches the ``transformers`` engine's CPU default (sglang's ``auto`` would pick float16).  ``sleep_on_idle``: an
+#: idle sglang scheduler otherwise polls for requests without pause, holding a whole core the machine's other work
+#: (the worker, preprocessing, other engines) needs.
+CPU_DEFAULTS: dict[str, Any] = {
+    "attention_backend": "torch_native",
+    "dtype": "float32",
+    "max_total_tokens": 16384,
+    "sleep_on_idle": True,
+}
 
 _MODEL_PATH_ERROR = "sglang engine: give the model as daskgen's `model`, not as engine_args['model_path']"
 
