@@ -503,3 +503,33 @@ def test_cpu_workers_load_a_remote_code_processor_when_the_engine_args_trust_it(
     recorded = GenerationStore.open(tmp_path / "out.zarr").attrs.input["image_processor"]
     assert recorded["class"] == "RemoteTinyProcessor", recorded
     assert first_answer(tmp_path / "out.zarr") == reference_generate(vl_model, QUESTION, [images["noise"]], 6)[1]
+
+
+def test_a_vision_request_that_cannot_be_prepared_fails_alone(vl_model) -> None:
+    """An image without pixels (never preprocessed) fails its own request with the cause; the engine's generation
+    thread goes on, serves the next request and stays healthy (a failure before ``model.generate`` once ended the
+    thread and with it every request queued behind)."""
+    import asyncio
+
+    from daskgen.engines import create_engine
+    from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
+    from daskgen.engines.media import ImageInput
+
+    unprepared = (ImageInput("h", b"", None, (1, 4, 4), (1, 4)),)
+
+    async def scenario():
+        engine = create_engine("transformers", str(vl_model))
+        await engine.start()
+        try:
+            bad = SamplingParams(max_new_tokens=4, temperature=0.0, images=unprepared)
+            failed = await engine.generate(GenerationRequest("bad", [1, 2, 3, 4, 5, 6], bad))
+            good = SamplingParams(max_new_tokens=4, temperature=0.0, min_new_tokens=4)
+            served = await engine.generate(GenerationRequest("good", [1, 2, 3], good))
+            await engine.health()
+            return failed, served
+        finally:
+            await engine.shutdown()
+
+    failed, served = asyncio.run(scenario())
+    assert failed.finish_reason == FinishReason.ERROR and "cannot be concatenated" in (failed.error or ""), failed
+    assert served.error is None and len(served.output_ids) == 4, served

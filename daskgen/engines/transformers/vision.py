@@ -164,23 +164,24 @@ class GenerateManager:
             def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
                 return torch.tensor([rid in cancelled], device=input_ids.device)
 
-        if table.on_batch is not None:  # LoRA routing: every position of every pass is this request's
-            table.on_batch([_Pass(_State(rid))])
-        device = self.model.device
-        ids = torch.tensor([request.ids], device=device)
-        config = GenerationConfig(
-            max_new_tokens=request.max_new_tokens, do_sample=False, eos_token_id=request.eos, pad_token_id=self.pad
-        )
-        images = image_inputs(request.images, device, self.model.dtype)
-        if images and self._typed is not None:  # the model computes its mRoPE positions from the token types
-            images["mm_token_type_ids"] = (ids == self._typed).int()
-        try:
+        try:  # whatever fails here fails this request alone: the thread goes on with the next one
+            if table.on_batch is not None:  # LoRA routing: every position of every pass is this request's
+                table.on_batch([_Pass(_State(rid))])
+            device = self.model.device
+            ids = torch.tensor([request.ids], device=device)
+            config = GenerationConfig(
+                max_new_tokens=request.max_new_tokens, do_sample=False, eos_token_id=request.eos, pad_token_id=self.pad
+            )
+            images = image_inputs(request.images, device, self.model.dtype)
+            if images and self._typed is not None:  # the model computes its mRoPE positions from the token types
+                images["mm_token_type_ids"] = (ids == self._typed).int()
             with torch.no_grad():
                 out = self.model.generate(
                     ids, attention_mask=torch.ones_like(ids), generation_config=config,
                     logits_processor=[Pick()], stopping_criteria=[Cancelled()], **images,
                 )  # fmt: skip
         except Exception as exc:  # this request fails alone
+            logger.warning("vision request %s failed: %s: %s", rid, type(exc).__name__, exc)
             return _Output(rid, [], f"{type(exc).__name__}: {exc}")
         return _Output(rid, out[0, len(request.ids) :].tolist())
 
