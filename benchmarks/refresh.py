@@ -332,6 +332,13 @@ def version_sizes(run: dict[str, Any], ckpts: list[Path]) -> dict[int, int]:
     return {v: run["deltas"][v] if kind == "delta" else weight_bytes(ckpts[v - 1]) for v, kind in run["kinds"].items()}
 
 
+#: How each engine without a separate load-from-memory baseline loads a version in the pause.
+LOADS = {
+    "sglang": "staged tensors from host memory, `update_weights_from_tensor`",
+    "vllm": "`reload_weights` from the files, in the page cache",
+}
+
+
 def record_costs(
     rec: records.Record, a: argparse.Namespace, ckpt: Path, rows: list[list[Any]], baseline: float | None
 ) -> None:
@@ -339,7 +346,7 @@ def record_costs(
     source = (
         f"`model.load_state_dict` of the version's tensors in memory (one torch thread): {baseline:.3g} s"
         if baseline is not None
-        else f"the fastest `update_weights` of the runs (files in the page cache): {fill_baseline(rows)} s"
+        else f"the fastest load of the runs ({LOADS.get(a.engine, 'update_weights')}): {fill_baseline(rows)} s"
     )
     rec.table(
         COST_HEADER,

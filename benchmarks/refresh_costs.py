@@ -12,9 +12,10 @@ a forward pass cannot be interrupted) and checking what the engine holds against
 
 The engine's own load-from-memory time (:func:`memory_load_seconds`) is, for ``transformers``,
 ``model.load_state_dict`` of a checkpoint's tensors already in memory into a model of the same checkpoint in
-this process (one torch thread, the fastest of 3); ``vllm`` and ``sglang`` load only from files, so for them it
-is the fastest ``update_weights`` of the run, whose checkpoint files the page cache held (written just before the
-run): the engine's load with no storage read.  :func:`read_bandwidth` is the page cache's read rate of a
+this process (one torch thread, the fastest of 3); for ``sglang`` and ``vllm`` it is the fastest load of the run
+(:func:`fill_baseline`): ``sglang`` loads staged tensors from host memory (``update_weights_from_tensor``), ``vllm``
+reloads from the checkpoint files, which the page cache held (written just before the run): its load with no
+storage read.  :func:`read_bandwidth` is the page cache's read rate of a
 checkpoint's weights, the "shared storage" of a one-machine run (``benchmarks/refresh_scaling.py`` uses it).
 """
 
@@ -146,8 +147,8 @@ def published_to(record: Any, published: float) -> float:
 
 
 def fill_baseline(rows: list[list[Any]]) -> float | None:
-    """For engines loading only from files: the fastest ``update_weights`` of the rows as every row's
-    load-from-memory time, and each row's pause over it."""
+    """For ``sglang`` and ``vllm``: the fastest load of the rows as every row's load-from-memory time, and each
+    row's pauses over it."""
     at = {name: COST_HEADER.index(name) for name in COST_HEADER}
     loads = [row[at["load s, slowest worker"]] for row in rows if row[at["load s, slowest worker"]]]
     if not loads:
