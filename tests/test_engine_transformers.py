@@ -362,3 +362,24 @@ def test_a_failing_pick_fails_its_request_alone(loop) -> None:
         loop.run(engine.health(), 60)
     finally:
         loop.run(engine.shutdown(), 60)
+
+
+def test_root_logging_kept_restores_what_a_backends_launch_reconfigured() -> None:
+    """sglang's launch calls ``logging.basicConfig(force=True)`` at its ERROR level: around it, the process's root
+    logger keeps its level and handlers, so the worker's own warnings still reach its log."""
+    import logging
+
+    from daskgen.engines.inprocess import root_logging_kept
+
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    mine = logging.Handler()
+    root.addHandler(mine)
+    try:
+        with root_logging_kept():
+            logging.basicConfig(level=logging.ERROR, force=True)  # what sglang's configure_logger does
+            assert mine not in root.handlers and root.level == logging.ERROR
+        assert mine in root.handlers and root.level == level
+    finally:
+        root.removeHandler(mine)
+    assert root.handlers == handlers

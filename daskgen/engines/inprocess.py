@@ -11,6 +11,7 @@
   that must not run on (or stall) the Dask worker's loop; callers submit coroutines to it and
   await them with :func:`asyncio.wrap_future`.
 * :func:`cuda_available`: whether torch sees a CUDA device, which picks the backends' device defaults.
+* :func:`root_logging_kept`: the process's root logger as it was, around a backend's launch.
 """
 
 from __future__ import annotations
@@ -18,16 +19,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import multiprocessing
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, Protocol, TypeVar
 
 from daskgen.engines.base import Engine, EngineStatus, GenerationRequest
 from daskgen.engines.request_check import request_error
 from daskgen.errors import ConfigError, EngineError
 
-__all__ = ["DAEMON_FIX", "InProcessEngine", "LoopClosed", "LoopThread", "cuda_available"]
+__all__ = ["DAEMON_FIX", "InProcessEngine", "LoopClosed", "LoopThread", "cuda_available", "root_logging_kept"]
 
 _T = TypeVar("_T")
 
@@ -281,3 +283,20 @@ class InProcessEngine(Engine):
     def described_args(self) -> dict[str, Any]:
         """The engine options recorded by :meth:`describe` (no secrets)."""
         return dict(self.engine_args)
+
+
+@contextlib.contextmanager
+def root_logging_kept() -> Iterator[None]:
+    """Restore the root logger's level and handlers after a backend's launch that reconfigures them (sglang's
+    calls ``logging.basicConfig(force=True)`` at its log level, ERROR by default): else the worker's own records
+    below that level, daskgen's warnings among them, never reach the worker's log again."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    try:
+        yield
+    finally:
+        for handler in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(handler)
+        for handler in [h for h in handlers if h not in root.handlers]:
+            root.addHandler(handler)
+        root.setLevel(level)

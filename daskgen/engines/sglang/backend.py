@@ -27,12 +27,12 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
 from daskgen import tunables
-from daskgen.engines.inprocess import LoopThread
+from daskgen.engines.inprocess import LoopThread, root_logging_kept
 from daskgen.engines.leftovers import SGLANG_LOADS, SHARED_MEMORY, held_files, remove_files
 from daskgen.engines.sglang.args import check_engine_args, is_cpu_device
 from daskgen.engines.sglang.mapping import max_running_requests
@@ -150,7 +150,7 @@ class SGLangBackend:
         check_engine_args({k: v for k, v in self.kwargs.items() if k != "model_path"})
         before = {p.pid for p in psutil.Process().children()}
         try:
-            with _root_logging_kept():
+            with root_logging_kept():
                 self.engine = sglang.Engine(**self.kwargs)
         except BaseException:
             _kill(_new_sglang_children(before, []))
@@ -312,23 +312,6 @@ def _dead_child(children: list[Any]) -> str | None:
         if not alive:
             return f"sglang subprocess {proc.pid} exited"
     return None
-
-
-@contextlib.contextmanager
-def _root_logging_kept() -> Iterator[None]:
-    """Restore the root logger's level and handlers after sglang's launch, which reconfigures them
-    (``logging.basicConfig(force=True)`` at its log level, ERROR by default): else the worker's own records
-    below that level, daskgen's warnings among them, never reach the worker's log again."""
-    root = logging.getLogger()
-    level, handlers = root.level, list(root.handlers)
-    try:
-        yield
-    finally:
-        for handler in [h for h in root.handlers if h not in handlers]:
-            root.removeHandler(handler)
-        for handler in [h for h in handlers if h not in root.handlers]:
-            root.addHandler(handler)
-        root.setLevel(level)
 
 
 def _kill(children: list[Any]) -> None:
