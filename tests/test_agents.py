@@ -45,6 +45,12 @@ def test_tools_errors_and_timeouts_become_messages():
     assert run(ToolCall("slow")) == "Error: tool 'slow' timed out after 0.5 s"
     assert "unknown tool 'nope'" in run(ToolCall("nope"))
     assert run(ToolCall(None, error="malformed")) == "Error: malformed"
+    shot = {"content": [{"type": "text", "text": "the page"}, {"type": "image_url", "image_url": {"url": "a.png"}}]}
+    tools["screenshot"] = lambda: shot
+    refused = "Error: tool 'screenshot' returned an image; this tool loop passes text results only"
+    assert run(ToolCall("screenshot")) == refused
+    tools["page"] = lambda: {"content": [{"type": "text", "text": "the page"}]}
+    assert run(ToolCall("page")) == json.dumps(tools["page"]())
     with pytest.raises(ConfigError, match="cannot import tool"):
         load_tools(["tests.agent_tools:missing"])
 

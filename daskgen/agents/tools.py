@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from daskgen.agents.parsers import ToolCall
 from daskgen.errors import ConfigError
 from daskgen.importing import import_object
+
+logger = logging.getLogger(__name__)
 
 _REGISTRY: dict[str, Callable[..., Any]] = {}
 
@@ -67,4 +70,17 @@ async def call_tool(tools: Mapping[str, Callable[..., Any]], call: ToolCall, tim
         return f"Error: tool {call.name!r} timed out after {timeout_s:g} s"
     except Exception as exc:
         return f"Error: tool {call.name!r} raised {type(exc).__name__}: {exc}"
+    if has_image(result):
+        logger.warning("tool %r returned an image, which the tool loop does not take: the model is told so", call.name)
+        return f"Error: tool {call.name!r} returned an image; this tool loop passes text results only"
     return result if isinstance(result, str) else json.dumps(result, default=str)
+
+
+def has_image(result: Any) -> bool:
+    """Whether a tool's result holds an image content part (``{"type": "image_url" | "image", ...}``), which the
+    tool loop cannot place in the model's context: sent as JSON text, the model would see a URL, not the image."""
+    if isinstance(result, Mapping):
+        return result.get("type") in ("image_url", "image", "input_image") or any(map(has_image, result.values()))
+    if isinstance(result, (list, tuple)):
+        return any(map(has_image, result))
+    return False
