@@ -76,11 +76,17 @@ async def call_tool(tools: Mapping[str, Callable[..., Any]], call: ToolCall, tim
     return result if isinstance(result, str) else json.dumps(result, default=str)
 
 
+#: Image content parts a tool may return, by their ``type``: the key that holds the image.
+_IMAGE_PARTS = {"image_url": "image_url", "image": "image", "input_image": "image_url"}
+
+
 def has_image(result: Any) -> bool:
-    """Whether a tool's result holds an image content part (``{"type": "image_url" | "image", ...}``), which the
-    tool loop cannot place in the model's context: sent as JSON text, the model would see a URL, not the image."""
+    """Whether a tool's result holds an image content part (``{"type": "image_url", "image_url": ...}`` and the
+    like), which the tool loop cannot place in the model's context: sent as JSON text, the model would see a URL,
+    not the image."""
     if isinstance(result, Mapping):
-        return result.get("type") in ("image_url", "image", "input_image") or any(map(has_image, result.values()))
+        kind = result.get("type")
+        return (kind in _IMAGE_PARTS and _IMAGE_PARTS[kind] in result) or any(map(has_image, result.values()))
     if isinstance(result, (list, tuple)):
         return any(map(has_image, result))
     return False
