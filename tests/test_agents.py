@@ -49,7 +49,8 @@ def test_tools_errors_and_timeouts_become_messages():
     tools["screenshot"] = lambda: shot
     refused = "Error: tool 'screenshot' returned an image; this tool loop passes text results only"
     assert run(ToolCall("screenshot")) == refused
-    tools["page"] = lambda: {"content": [{"type": "text", "text": "the page"}], "kind": {"type": "image", "n": 2}}
+    page = {"content": [{"type": "text", "text": "the page"}], "kind": {"type": "image", "n": 2}, "x": {"type": []}}
+    tools["page"] = lambda: page
     assert run(ToolCall("page")) == json.dumps(tools["page"]())  # no image part: a "type" alone is not one
     with pytest.raises(ConfigError, match="cannot import tool"):
         load_tools(["tests.agent_tools:missing"])

@@ -86,7 +86,8 @@ def has_image(result: Any) -> bool:
     not the image."""
     if isinstance(result, Mapping):
         kind = result.get("type")
-        return (kind in _IMAGE_PARTS and _IMAGE_PARTS[kind] in result) or any(map(has_image, result.values()))
+        named = isinstance(kind, str) and kind in _IMAGE_PARTS and _IMAGE_PARTS[kind] in result
+        return named or any(map(has_image, result.values()))
     if isinstance(result, (list, tuple)):
         return any(map(has_image, result))
     return False
