@@ -118,6 +118,8 @@ def test_the_other_engines_stage_nothing_and_load_the_folder_in_the_pause(tmp_pa
     from daskgen.engines.vllm import VLLMEngine
 
     assert SGLangEngine.stage_weights is not Engine.stage_weights
+    (tmp_path / "bin").mkdir()  # weights in another format (or no folder): sglang loads them from disk in the pause
+    assert asyncio.run(SGLangEngine("/m").stage_weights(str(tmp_path / "bin"))) == str(tmp_path / "bin")
     for cls in (VLLMEngine, OpenAIEngine, SimulatedEngine):
         assert (cls.stage_weights, cls.apply_staged) == (Engine.stage_weights, Engine.apply_staged), cls
     loaded = []

@@ -277,9 +277,11 @@ class SGLangEngine(InProcessEngine):
         elif not ok:
             raise RefreshError(f"sglang could not load policy checkpoint {path!r} (it keeps its weights): {message}")
 
-    async def stage_weights(self, path: str) -> StagedTensors:
-        """Read the tensors of the folder ``path`` into host memory while the engine generates."""
-        return await asyncio.to_thread(read_tensors, path)
+    async def stage_weights(self, path: str) -> StagedTensors | str:
+        """Read the tensors of the folder ``path`` into host memory while the engine generates; a folder without
+        safetensors files stays a folder, loaded from disk in the pause."""
+        staged = await asyncio.to_thread(read_tensors, path)
+        return path if staged is None else staged
 
     async def apply_staged(self, staged: Any) -> None:
         """Load staged tensors in place from host memory (sglang's ``update_weights_from_tensor``: the pause reads

@@ -64,18 +64,20 @@ class StagedTensors:
     metadata: list[Any]
 
 
-def read_tensors(path: str) -> StagedTensors:
+def read_tensors(path: str) -> StagedTensors | None:
     """Every tensor of the safetensors files in the folder ``path``, packed into one tensor in shared memory, so
-    that handing them to sglang's scheduler process passes one handle (blocking)."""
+    that handing them to sglang's scheduler process passes one handle (blocking); ``None`` when ``path`` holds no
+    safetensors file (no folder, or weights in another format: sglang loads those from disk in the pause)."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        return None
     from safetensors import safe_open
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     tensors = []
-    for file in sorted(Path(path).glob("*.safetensors")):
+    for file in files:
         with safe_open(str(file), framework="pt") as handle:
             tensors += [(name, handle.get_tensor(name)) for name in handle.keys()]  # noqa: SIM118
-    if not tensors:
-        raise RefreshError(f"policy checkpoint {path!r} holds no *.safetensors tensors for sglang to load")
     bucket = FlattenedTensorBucket(named_tensors=tensors)
     return StagedTensors(path, bucket.get_flattened_tensor().share_memory_(), bucket.get_metadata())
 
