@@ -47,6 +47,8 @@ COST_HEADER = [
     "pause / load from memory",
     "pause without the step wait / load from memory",
 ]
+#: Each column's index in a cost row.
+AT = {name: i for i, name in enumerate(COST_HEADER)}
 
 
 def weight_bytes(folder: Path) -> int:
@@ -126,11 +128,10 @@ def pause_past_the_step(record: Any) -> float:
 
 def set_baseline(row: list[Any], baseline: float | None) -> list[Any]:
     """``row`` with ``baseline`` as its load-from-memory time and its pauses over it (the one rule for both ratios)."""
-    at = {name: COST_HEADER.index(name) for name in COST_HEADER}
-    pause, rest = row[at["pause s, slowest worker"]], row[at["pause without the step wait s, slowest worker"]]
-    row[at["engine load from memory (s)"]] = baseline
-    row[at["pause / load from memory"]] = over(pause, baseline)
-    row[at["pause without the step wait / load from memory"]] = over(rest, baseline)
+    pause, rest = row[AT["pause s, slowest worker"]], row[AT["pause without the step wait s, slowest worker"]]
+    row[AT["engine load from memory (s)"]] = baseline
+    row[AT["pause / load from memory"]] = over(pause, baseline)
+    row[AT["pause without the step wait / load from memory"]] = over(rest, baseline)
     return row
 
 
@@ -149,8 +150,7 @@ def published_to(record: Any, published: float) -> float:
 def fill_baseline(rows: list[list[Any]]) -> float | None:
     """For ``sglang`` and ``vllm``: the fastest load of the rows as every row's load-from-memory time, and each
     row's pauses over it."""
-    at = {name: COST_HEADER.index(name) for name in COST_HEADER}
-    loads = [row[at["load s, slowest worker"]] for row in rows if row[at["load s, slowest worker"]]]
+    loads = [row[AT["load s, slowest worker"]] for row in rows if row[AT["load s, slowest worker"]]]
     if not loads:
         return None
     best = float(np.min(loads))
