@@ -10,9 +10,10 @@ A ``response_format`` is an object with exactly one of four keys:
 
 The run's ``response_format`` setting applies to every row; a row's own ``response_format`` column replaces it.
 Input scanning checks every row's value (:func:`row_errors`) and the setting (:func:`from_setting`) before any
-engine starts: the schema must be a valid JSON Schema, the regex must compile, the choices must be non-empty
-strings.  Each row's format is stored per prompt as JSON text (:meth:`ResponseFormat.text`) and is part of the
-input fingerprint (a row's) or of the store's identity (the run's), so a resume with another one is refused.
+engine starts: the schema must be a valid JSON Schema that the engines' constrained decoding enforces whole
+(:mod:`daskgen.input.schema_support`), the regex must compile, the choices must be non-empty strings.  Each row's
+format is stored per prompt as JSON text (:meth:`ResponseFormat.text`) and is part of the input fingerprint (a
+row's) or of the store's identity (the run's), so a resume with another one is refused.
 :meth:`ResponseFormat.violation` checks a finished response against its format.
 """
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from daskgen.errors import ConfigError
+from daskgen.input.schema_support import compile_problem, unenforced
 
 #: The row column (and run setting) this module reads.
 ROW_KEY = "response_format"
@@ -154,6 +156,14 @@ def _schema_problem(schema: Any) -> str:
     except jsonschema.SchemaError as exc:
         where = "/".join(map(str, exc.absolute_path)) or "(top level)"
         return f"'json_schema' is not a valid JSON Schema at {where}: {exc.message}; fix the schema"
+    if found := unenforced(schema):
+        return (
+            f"'json_schema' uses what the engines' constrained decoding (xgrammar) would not enforce, so responses "
+            f"could break it: {'; '.join(found)}; remove or rewrite these constraints (enum, anyOf, pattern and "
+            "bounds are enforced) and check the rest on the stored responses"
+        )
+    if reason := compile_problem(schema):
+        return f"'json_schema' cannot be compiled into a grammar ({reason}); fix the schema"
     return ""
 
 
