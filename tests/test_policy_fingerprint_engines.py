@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from importlib.util import find_spec
+from pathlib import Path
 
 import pytest
 
@@ -55,8 +56,12 @@ CASES = [
 @pytest.mark.parametrize("engine_name", CASES)
 def test_after_a_refresh_the_engine_holds_the_published_tensors(engine_name, tmp_path):
     """In process, sglang loads the staged tensors from host memory (no fallback to the folder was logged), and
-    its start leaves the root logger's level and handlers as they were (sglang's launch reconfigures them)."""
+    its start leaves the root logger's level and handlers as they were (sglang's launch reconfigures them); vLLM
+    reloads from the copy it staged in ``daskgen.policy.stage-dir``, removed after; the managed server loads the
+    published folder.  (``update_weights`` is watched, and runs as it is.)"""
     import logging.handlers
+
+    import dask.config
 
     from daskgen.models import build_tiny_model
     from tests.test_policy_refresh import greedy
@@ -69,8 +74,18 @@ def test_after_a_refresh_the_engine_holds_the_published_tensors(engine_name, tmp
     location, errors = store.locate(out), []
     prompt, params = [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=8, temperature=0.0)
 
+    stage_dir, reloads = tmp_path / "shm", []
+    stage_dir.mkdir()
+
     async def scenario():
         engine = get_engine_class(engine_name)(str(base), **engine_args)
+        reload = engine.update_weights
+
+        async def watched(path: str) -> None:
+            reloads.append(path)
+            await reload(path)
+
+        engine.update_weights = watched
         await engine.start()
         try:
             refresher = PolicyRefresher(location, "drain", lambda: engine, "w0")
@@ -88,9 +103,13 @@ def test_after_a_refresh_the_engine_holds_the_published_tensors(engine_name, tmp
     logging.getLogger("daskgen").addHandler(logged)
     level, handlers = root.level, list(root.handlers)
     try:
-        published, loaded, result, version = asyncio.run(scenario())
+        with dask.config.set({"daskgen.policy.stage-dir": str(stage_dir)}):
+            published, loaded, result, version = asyncio.run(scenario())
     finally:
         logging.getLogger("daskgen").removeHandler(logged)
+    reloaded = {"vllm": [stage_dir], "sglang": [], "openai": [step1]}[engine_name]
+    assert [p.parent if engine_name == "vllm" else p for p in map(Path, reloads)] == reloaded, reloads
+    assert list(stage_dir.iterdir()) == [], "the staged copy is removed once loaded"
     assert (root.level, root.handlers) == (level, handlers), "the engine's start left the root logger as it was"
     assert errors == [] and version == 1
     expected = {n: f for n, f in published.tensors.items() if any(part in n for part in compared)}

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -108,19 +109,19 @@ def test_staging_copies_the_files_and_refuses_a_checkpoint_that_does_not_fit(tin
 
 
 def test_the_other_engines_stage_nothing_and_load_the_folder_in_the_pause(tmp_path):
-    """``vllm``, ``openai`` and ``simulated`` keep the defaults: ``stage_weights`` returns the folder and
-    ``apply_staged`` is ``update_weights`` of it (run on the simulated engine).  ``transformers`` and the in-process
-    ``sglang`` stage the tensors in host memory (sglang's: ``tests/test_policy_fingerprint_engines.py``)."""
+    """``openai`` and ``simulated`` keep the defaults: ``stage_weights`` returns the folder and ``apply_staged`` is
+    ``update_weights`` of it (run on the simulated engine).  ``transformers`` and the in-process ``sglang`` stage the
+    tensors in host memory (sglang's: ``tests/test_policy_fingerprint_engines.py``), ``vllm`` a copy of the folder
+    (below)."""
     from daskgen.engines.base import Engine
     from daskgen.engines.openai import OpenAIEngine
     from daskgen.engines.sglang import SGLangEngine
     from daskgen.engines.simulated import SimulatedEngine
-    from daskgen.engines.vllm import VLLMEngine
 
     assert SGLangEngine.stage_weights is not Engine.stage_weights
     (tmp_path / "bin").mkdir()  # weights in another format (or no folder): sglang loads them from disk in the pause
     assert asyncio.run(SGLangEngine("/m").stage_weights(str(tmp_path / "bin"))) == str(tmp_path / "bin")
-    for cls in (VLLMEngine, OpenAIEngine, SimulatedEngine):
+    for cls in (OpenAIEngine, SimulatedEngine):
         assert (cls.stage_weights, cls.apply_staged) == (Engine.stage_weights, Engine.apply_staged), cls
     loaded = []
 
@@ -139,6 +140,51 @@ def test_the_other_engines_stage_nothing_and_load_the_folder_in_the_pause(tmp_pa
             await engine.shutdown()
 
     assert asyncio.run(refreshed()) == str(tmp_path) and loaded == [str(tmp_path)]
+
+
+def test_vllm_stages_a_copy_of_the_folder_in_host_memory_and_removes_it_once_loaded(tiny_model, tmp_path):
+    """``vllm`` copies the version's folder into ``daskgen.policy.stage-dir`` while it generates and reloads from the
+    copy in the pause, which is removed after, loaded or not; a folder that does not fit is loaded as it lies.  The
+    reload itself is a test double here; the vllm lane's refresh tests load through the real one
+    (``tests/test_policy_fingerprint_engines.py``)."""
+    import dask.config
+
+    from daskgen.engines.staged_folder import PREFIX, StagedFolder
+    from daskgen.engines.vllm import VLLMEngine
+
+    loaded: list[tuple[str, list[str]]] = []
+    shm = tmp_path / "shm"
+    shm.mkdir()
+
+    class Recording(VLLMEngine):  # TEST DOUBLE: records what the reload is given (and what it would read)
+        async def update_weights(self, path: str) -> None:
+            loaded.append((path, sorted(f.name for f in Path(path).iterdir())))
+            if "fail" in path:
+                raise RefreshError(f"vLLM could not load policy checkpoint {path!r}")
+
+    source = sorted(f.name for f in tiny_model.iterdir() if f.is_file())
+    orphan = shm / f"{PREFIX}999999999-x"  # a staging process that is gone (no such pid)
+    orphan.mkdir()
+    with dask.config.set({"daskgen.policy.stage-dir": str(shm)}):
+        engine = Recording(str(tiny_model))
+        staged = asyncio.run(engine.stage_weights(str(tiny_model)))
+        assert isinstance(staged, StagedFolder) and Path(staged.path).parent == shm and not orphan.exists()
+        for name in source:
+            assert (Path(staged.path) / name).read_bytes() == (tiny_model / name).read_bytes()
+        asyncio.run(engine.apply_staged(staged))
+        assert loaded == [(staged.path, source)] and not Path(staged.path).exists()
+
+        failing = StagedFolder(str(tiny_model), str(shm / f"{PREFIX}fail"))
+        shutil.copytree(tiny_model, failing.path)
+        with pytest.raises(RefreshError, match=f"the copy of '{tiny_model}' in host memory"):
+            asyncio.run(engine.apply_staged(failing))
+        assert not Path(failing.path).exists()
+
+        with dask.config.set({"daskgen.policy.stage-reserve": 1e12}):  # no file system keeps that much free
+            assert asyncio.run(engine.stage_weights(str(tiny_model))) == str(tiny_model)
+    with dask.config.set({"daskgen.policy.stage-dir": None}):
+        assert asyncio.run(engine.stage_weights(str(tiny_model))) == str(tiny_model)
+    assert list(shm.iterdir()) == []
 
 
 def _float32():

@@ -8,7 +8,8 @@ newest version is above the one its engine runs, it gets a folder holding its fu
 or for a delta version its rebuild in the node's cache, :mod:`daskgen.store.policy_cache`, made while the engine
 goes on generating and checked against the version's fingerprint), stages it while the engine still generates
 (:meth:`~daskgen.engines.base.Engine.stage_weights`: the ``transformers`` engine reads its tensors into host memory
-and fingerprints them; other engines stage nothing), stops admitting the run's requests, empties the engine as the
+and fingerprints them, ``sglang`` reads them into shared memory, ``vllm`` copies the folder into host memory
+(:mod:`daskgen.engines.staged_folder`); other engines stage nothing), stops admitting the run's requests, empties the engine as the
 ``refresh`` policy says, loads the version (:meth:`~daskgen.engines.base.Engine.apply_staged`: the staged tensors
 copied in place, or :meth:`~daskgen.engines.base.Engine.update_weights` from the folder), checks what the engine
 holds against the version's published fingerprint (:meth:`~daskgen.engines.base.Engine.loaded_fingerprint`, on

@@ -71,6 +71,7 @@ from typing import Any
 from daskgen.engines.base import GenerationRequest, GenerationResult, aborted_result, error_result, started
 from daskgen.engines.inprocess import InProcessEngine, LoopThread, cuda_available
 from daskgen.engines.leftovers import remove_folder, remove_when_gone, temp_folder_for_children
+from daskgen.engines.staged_folder import StagedFolder, stage_folder
 from daskgen.engines.vllm.args import check_engine_args, launch_kwargs, max_logprobs, vllm_thread_environment
 from daskgen.engines.vllm.fingerprint import EXTENSION, agreed, with_extension
 from daskgen.engines.vllm.mapping import CollectedOutput, collect_output, result_from_collected, vllm_sampling_kwargs
@@ -325,6 +326,23 @@ class VLLMEngine(InProcessEngine):
             await asyncio.wrap_future(thread.submit(reload()))
         except Exception as exc:
             raise RefreshError(f"vLLM could not load policy checkpoint {path!r}: {type(exc).__name__}: {exc}") from exc
+
+    async def stage_weights(self, path: str) -> StagedFolder | str:
+        """Copy the folder ``path`` into host memory while the engine generates (:mod:`daskgen.engines.staged_folder`),
+        so the pause's reload reads no shared storage; where it does not fit, the folder is loaded as it lies."""
+        return await asyncio.to_thread(stage_folder, path) or path
+
+    async def apply_staged(self, staged: Any) -> None:
+        """Reload from the staged copy (then removed) or from the folder itself (:meth:`update_weights`)."""
+        if not isinstance(staged, StagedFolder):
+            return await self.update_weights(staged)
+        try:
+            await self.update_weights(staged.path)
+        except RefreshError as exc:
+            raise RefreshError(f"{exc} (the copy of {staged.source!r} in host memory)") from exc
+        finally:
+            await asyncio.to_thread(staged.remove)
+        return None
 
     async def loaded_fingerprint(self, dtypes: dict[str, str]) -> dict[str, str]:
         """The fingerprint of each tensor named in ``dtypes`` as every vLLM worker's model holds it
