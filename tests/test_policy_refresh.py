@@ -22,7 +22,7 @@ from daskgen import store
 from daskgen.engines.base import GenerationRequest, SamplingParams
 from daskgen.engines.transformers import TransformersEngine
 from daskgen.store.fingerprint import digest_number
-from daskgen.store.policy import read_versions, read_worker_policies
+from daskgen.store.policy import read_versions, read_worker_policies, write_worker_policy
 from daskgen.store.tools.verify import verify
 from daskgen.testing.probes import read_events, row_of
 from daskgen.worker.refresh import PolicyRefresher
@@ -136,6 +136,7 @@ def test_continue_carries_a_request_onto_the_new_weights(tiny_model, new_policy,
         while not any(len(s.tokens) >= 4 for s in engine.sampler_table.sequences.values()):
             await asyncio.sleep(0.005)
         await refresher.check(errors.append)
+        (loaded,) = read_worker_policies(store.locate(out))  # the refresh's record, once running on version 1
         result = await running
         empty = tmp_path / "not-a-checkpoint"
         empty.mkdir()
@@ -143,12 +144,13 @@ def test_continue_carries_a_request_onto_the_new_weights(tiny_model, new_policy,
         await refresher.check(errors.append)
         after = await refresher.generate(engine, GenerationRequest("s", prompt, params), lambda: False)
         await engine.shutdown()
-        return result, after, refresher
+        return result, after, refresher, loaded
 
-    result, after, refresher = asyncio.run(scenario())
+    result, after, refresher, loaded = asyncio.run(scenario())
     (first, second) = result.meta["policy_versions"]
     k = second[0]
     assert first == (0, 0) and second[1] == 1 and 4 <= k < n and len(result.output_ids) == n
+    assert (loaded.state, loaded.interrupted, loaded.interrupted_tokens) == ("running", 1, len(prompt) + k)
     assert result.output_ids[:k] == greedy(tiny_model, [prompt], params)[0][:k]
     rest = SamplingParams(max_new_tokens=n - k, temperature=0.0, min_new_tokens=n - k)
     assert result.output_ids[k:] == greedy(new_policy, [prompt + result.output_ids[:k]], rest)[0]
@@ -156,6 +158,8 @@ def test_continue_carries_a_request_onto_the_new_weights(tiny_model, new_policy,
     assert after.meta["policy_versions"] == [(0, 1)]
     assert after.output_ids == greedy(new_policy, [prompt], params)[0]  # still on version 1
     assert read_worker_policies(store.locate(out))[0].state == "failed"
+    write_worker_policy(store.locate(out), loaded)  # status shows it (the failed load of version 2 replaced it)
+    assert f" to end); 1 requests continued, {len(prompt) + k:,} tokens to prefill again" in daskgen_status(out)
 
 
 def test_a_version_announced_on_the_runs_cluster_loads_without_waiting_for_the_poll(tmp_path):

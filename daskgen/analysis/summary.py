@@ -68,7 +68,10 @@ def _cost(w: WorkerPolicy) -> str:
         return ""
     read = "" if w.shared_bytes is None else f"read {w.shared_bytes:,} bytes from shared storage, "
     wait = "" if w.step_wait_seconds is None else f", of it {w.step_wait_seconds:.3g} s for the step in progress to end"
-    return f"; its refresh {read}paused the engine {w.paused_seconds:.3g} s (load {w.load_seconds:.3g} s{wait})"
+    paused = f"paused the engine {w.paused_seconds:.3g} s (load {w.load_seconds:.3g} s{wait})"
+    if w.interrupted is not None:
+        paused += f"; {w.interrupted} requests continued, {w.interrupted_tokens or 0:,} tokens to prefill again"
+    return f"; its refresh {read}{paused}"
 
 
 def _digest(version: PolicyVersion) -> str:

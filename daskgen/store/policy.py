@@ -185,7 +185,9 @@ class WorkerPolicy:
     tensors), while the engine goes on generating; once running, ``paused_seconds`` from the engine holding no
     request of the run (drained or aborted) to admitting again, of which ``load_seconds`` in
     ``Engine.apply_staged`` (of them ``step_wait_seconds`` waiting for the generation step in progress to end, when
-    the engine tells) and ``check_seconds`` comparing what the engine holds with the published fingerprint."""
+    the engine tells) and ``check_seconds`` comparing what the engine holds with the published fingerprint; under
+    ``continue``, the ``interrupted`` requests and their ``interrupted_tokens`` (prompt and tokens so far), which
+    the engine prefills again on the new weights before they generate on."""
 
     worker: str
     version: int
@@ -200,6 +202,8 @@ class WorkerPolicy:
     check_seconds: float | None = None
     stage_seconds: float | None = None
     step_wait_seconds: float | None = None
+    interrupted: int | None = None
+    interrupted_tokens: int | None = None
 
 
 def write_worker_policy(location: StoreLocation, state: WorkerPolicy) -> None:

@@ -9,16 +9,18 @@ or for a delta version its rebuild in the node's cache, :mod:`daskgen.store.poli
 goes on generating and checked against the version's fingerprint), stages it while the engine still generates
 (:meth:`~daskgen.engines.base.Engine.stage_weights`: the ``transformers`` engine reads its tensors into host memory
 and fingerprints them, ``sglang`` reads them into shared memory, ``vllm`` copies the folder into host memory
-(:mod:`daskgen.engines.staged_folder`); other engines stage nothing), stops admitting the run's requests, empties the engine as the
-``refresh`` policy says, loads the version (:meth:`~daskgen.engines.base.Engine.apply_staged`: the staged tensors
-copied in place, or :meth:`~daskgen.engines.base.Engine.update_weights` from the folder), checks what the engine
-holds against the version's published fingerprint (:meth:`~daskgen.engines.base.Engine.loaded_fingerprint`, on
-engines that declare ``policy_fingerprint``; after a staged load the engine proves it holds the staged bytes
-instead of hashing them again) and admits again:
+(:mod:`daskgen.engines.staged_folder`); other engines stage nothing), stops admitting the run's requests, empties
+the engine as the ``refresh`` policy says, loads the version (:meth:`~daskgen.engines.base.Engine.apply_staged`:
+the staged tensors copied in place, or :meth:`~daskgen.engines.base.Engine.update_weights` from the folder), checks
+what the engine holds against the version's published fingerprint
+(:meth:`~daskgen.engines.base.Engine.loaded_fingerprint`, on engines that declare ``policy_fingerprint``; after a
+staged load the engine proves it holds the staged bytes instead of hashing them again) and admits again:
 
 * ``drain``: the requests in flight finish on the old weights first;
 * ``continue``: they are aborted keeping their tokens, and each goes on from its prefix on the new weights (the
-  same request, ``prompt + tokens so far`` with the budget left: a partial rollout).
+  same request, ``prompt + tokens so far`` with the budget left: a partial rollout).  The engine prefills each of
+  those contexts again (their cache was computed by the old weights): the refresh records how many requests and
+  tokens that is (``interrupted``, ``interrupted_tokens``).
 
 Every request goes through :meth:`PolicyRefresher.generate`, which stamps its result with the versions of its
 tokens (``meta["policy_versions"]``: ``[(response position, version), ...]``, read by
@@ -96,6 +98,7 @@ class PolicyRefresher:
         self.changed = asyncio.Condition()
         self.in_flight: dict[str, Engine] = {}
         self.interrupted: set[str] = set()  # requests aborted by a ``continue`` refresh
+        self.interrupted_tokens = 0  # their prompt + generated tokens, which go back to the engine to prefill
         self.announced = asyncio.Event()  # a publisher announced a version: look now
 
     # ------------------------------------------------------------------ the loop
@@ -151,9 +154,11 @@ class PolicyRefresher:
         await self._record("loading", entry.version, **cost)
         try:
             if self.policy == "continue":
-                await self._interrupt(engine)
+                cost["interrupted"] = await self._interrupt(engine)
             async with self.changed:
                 await self.changed.wait_for(lambda: not self.in_flight)
+            if self.policy == "continue":
+                cost["interrupted_tokens"] = self.interrupted_tokens
             idle = time.monotonic()  # the engine holds no request of the run from here until the gate opens
             step_wait = await engine.apply_staged(staged)
             loaded = time.monotonic()
@@ -211,11 +216,13 @@ class PolicyRefresher:
             ) from exc
         raise RefreshError(f"{problem}; refused, version {self.version} loaded again")
 
-    async def _interrupt(self, engine: Engine) -> None:
-        """``continue``: abort every request in flight; each goes on from its prefix after the load."""
-        for request_id in list(self.in_flight):
+    async def _interrupt(self, engine: Engine) -> int:
+        """``continue``: abort every request in flight (how many); each goes on from its prefix after the load."""
+        self.interrupted_tokens, aborted = 0, list(self.in_flight)
+        for request_id in aborted:
             self.interrupted.add(request_id)
             await engine.abort(request_id)
+        return len(aborted)
 
     async def _record(self, state: str, asked: int, **cost: Any) -> None:
         """Record this worker's state in the store, with what the refresh to ``asked`` cost (``WorkerPolicy``'s
@@ -268,7 +275,10 @@ class PolicyRefresher:
     async def _tracked(self, engine: Engine, request: GenerationRequest) -> GenerationResult:
         self.in_flight[request.request_id] = engine
         try:
-            return await engine.generate(request)
+            result = await engine.generate(request)
+            if request.request_id in self.interrupted:  # counted before the refresh sees it out of flight
+                self.interrupted_tokens += len(request.prompt_ids) + len(result.output_ids)
+            return result
         finally:
             self.in_flight.pop(request.request_id, None)
             async with self.changed:
