@@ -56,7 +56,17 @@ from common.prompts import builtin_prompts
 from follow import launch
 from overhead_engine import ENGINE_ARGS
 from refresh_check import checkpoints
-from refresh_costs import COST_HEADER, cost_rows, fill_baseline, memory_load_seconds, read_bandwidth, weight_bytes
+from refresh_costs import (
+    CARRIED_HEADER,
+    COST_HEADER,
+    carried_rows,
+    cost_rows,
+    fill_baseline,
+    memory_load_seconds,
+    prefill_rate,
+    read_bandwidth,
+    weight_bytes,
+)
 
 TITLE = "Policy refresh: publish to every worker on the new version, and throughput lost per refresh"
 
@@ -309,7 +319,7 @@ def part_refresh(a: argparse.Namespace, work: Path, rec: records.Record) -> None
     """Build the checkpoints once; one run per publish mode and policy; the cost of each refresh."""
     model = base_model(a, work)
     ckpts = checkpoints(model, work / "ckpt", a.versions, a.noise, a.changed)
-    baseline = memory_load_seconds(a.engine, ckpts[-1])
+    baseline, rate = memory_load_seconds(a.engine, ckpts[-1]), prefill_rate(a.engine, Path(model))
     rec.note(
         f"Engine `{a.engine}` ({engine_args(a)}); model {model}; {a.workers} workers (LocalCluster) on a machine of "
         f"{os.cpu_count()} cores shared with other jobs; {a.versions} checkpoints (weights × (1 + "
@@ -323,8 +333,22 @@ def part_refresh(a: argparse.Namespace, work: Path, rec: records.Record) -> None
             run = run_policy(a, model, ckpts, work, policy.strip(), mode)
             rec.note(f"#### Versions published {'in full' if mode == 'full' else 'as deltas'}")
             record_policy(rec, a, policy, run)
+            if policy.strip() == "continue":
+                record_carried(rec, run, rate)
             costs += cost_rows(mode, policy.strip(), run, version_sizes(run, ckpts), baseline)
     record_costs(rec, a, ckpts[-1], costs, baseline)
+
+
+def record_carried(rec: records.Record, run: dict[str, Any], rate: float | None) -> None:
+    """What each ``continue`` refresh carried onto the new version, beside the engine's prefill rate."""
+    shown = "not measured for this engine" if rate is None else f"{rate:,.0f} prompt tokens/s"
+    rec.table(
+        CARRIED_HEADER,
+        carried_rows(run, rate),
+        "What each refresh interrupted: requests continued from their tokens so far, whose prompt and tokens the "
+        "engine prefills again on the new weights before they generate on (each worker's policy state). The "
+        f"engine's prefill rate, one forward pass of 512 tokens on one torch thread: {shown}.",
+    )
 
 
 def version_sizes(run: dict[str, Any], ckpts: list[Path]) -> dict[int, int]:
@@ -335,7 +359,7 @@ def version_sizes(run: dict[str, Any], ckpts: list[Path]) -> dict[int, int]:
 #: How each engine without a separate load-from-memory baseline loads a version in the pause.
 LOADS = {
     "sglang": "staged tensors from host memory, `update_weights_from_tensor`",
-    "vllm": "`reload_weights` from the files, in the page cache",
+    "vllm": "`reload_weights` from the copy staged in host memory",
 }
 
 

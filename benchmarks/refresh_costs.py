@@ -14,9 +14,11 @@ The engine's own load-from-memory time (:func:`memory_load_seconds`) is, for ``t
 ``model.load_state_dict`` of a checkpoint's tensors already in memory into a model of the same checkpoint in
 this process (one torch thread, the fastest of 3); for ``sglang`` and ``vllm`` it is the fastest load of the run
 (:func:`fill_baseline`): ``sglang`` loads staged tensors from host memory (``update_weights_from_tensor``), ``vllm``
-reloads from the checkpoint files, which the page cache held (written just before the run): its load with no
-storage read.  :func:`read_bandwidth` is the page cache's read rate of a
-checkpoint's weights, the "shared storage" of a one-machine run (``benchmarks/refresh_scaling.py`` uses it).
+reloads from the copy of the version's folder it staged in host memory (``/dev/shm``).  Under ``continue``, each
+worker also records the requests its refresh interrupted and their tokens, which its engine prefills again on the
+new weights (:func:`carried_rows`, beside :func:`prefill_rate`, the engine's prefill rate).  :func:`read_bandwidth`
+is the page cache's read rate of a checkpoint's weights, the "shared storage" of a one-machine run
+(``benchmarks/refresh_scaling.py`` uses it).
 """
 
 from __future__ import annotations
@@ -90,6 +92,51 @@ def memory_load_seconds(engine: str, checkpoint: Path, rounds: int = 3) -> float
             model.load_state_dict(tensors, strict=False)
             best = min(best, time.perf_counter() - started)
     return best
+
+
+def prefill_rate(engine: str, checkpoint: Path, tokens: int = 512, rounds: int = 3) -> float | None:
+    """``transformers``: prompt tokens per second the model prefills, one forward pass over ``tokens`` tokens (the
+    CPU default of its ``max_batch_tokens`` per step) with one torch thread, the fastest of ``rounds``; ``None``
+    for the other engines."""
+    if engine != "transformers":
+        return None
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint)).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens))
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(rounds):
+            started = time.perf_counter()
+            model(input_ids=ids, use_cache=False)
+            best = min(best, time.perf_counter() - started)
+    return tokens / best
+
+
+#: The header of the table of what a ``continue`` refresh carried onto the new version.
+CARRIED_HEADER = [
+    "version",
+    "requests continued, all workers",
+    "tokens to prefill again, all workers",
+    "tokens to prefill again, most on one worker",
+    "their prefill at the engine's rate (s)",
+]
+
+
+def carried_rows(run: dict[str, Any], rate: float | None) -> list[list[Any]]:
+    """Per published version of a ``continue`` run: the requests its refresh interrupted on every worker, the
+    prompt and generated tokens they carried (which each engine prefills again on the new weights), and the
+    most-loaded worker's prefill of them at ``rate`` tokens/s (:func:`prefill_rate`)."""
+    costs, rows = first_records(run["records"]), []
+    for version in sorted(run["published"]):
+        mine = [rec for (_, v), rec in costs.items() if v == version and rec.interrupted is not None]
+        tokens = [rec.interrupted_tokens or 0 for rec in mine]
+        most = max(tokens, default=None)
+        seconds = None if most is None or not rate else most / rate
+        rows.append([version, sum(r.interrupted for r in mine) if mine else None, sum(tokens), most, seconds])
+    return rows
 
 
 def first_records(seen: dict[tuple[str, str, int], Any]) -> dict[tuple[str, int], Any]:

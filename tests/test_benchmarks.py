@@ -648,6 +648,14 @@ def test_refresh(tmp_path, tiny_model):
         for k in ("pause without the step wait / load from memory", "pause / load from memory")
     )
     assert 0 < next(ratios) <= next(ratios), cost
+    (carried,) = table_rows(record, "version", "requests continued, all workers")  # what the refresh interrupted
+    requests, tokens = (
+        int(carried["requests continued, all workers"]),
+        int(carried["tokens to prefill again, all workers"].replace(",", "")),
+    )
+    assert requests >= 1 and tokens > requests, carried  # each request carries at least its prompt
+    rate = float(re.search(r"one torch thread: ([0-9,]+) prompt tokens/s", record).group(1).replace(",", ""))
+    assert float(carried["their prefill at the engine's rate (s)"]) == pytest.approx(tokens / rate, rel=0.01), carried
 
 
 @pytest.mark.timeout(300)
