@@ -373,11 +373,13 @@ def test_sigterm_after_the_summary_line_lets_the_shutdown_finish_with_the_runs_s
 def test_a_finished_runs_interrupt_leaves_sigterm_ignored_only_when_asked():
     """``daskgen run`` asks (the process only shuts down after the run): SIGTERM is then ignored, SIGINT restored;
     a library call leaves both as they were; a run that raised restores both."""
+    sigint = signal.getsignal(signal.SIGINT)  # as this process has it (a test worker's may be ignored)
     try:
         with Interrupt(10.0, ignore_sigterm_after=True):
             assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+            assert signal.getsignal(signal.SIGINT) is not sigint
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is sigint
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         with pytest.raises(RuntimeError), Interrupt(10.0, ignore_sigterm_after=True):
             raise RuntimeError("the run failed")
