@@ -345,8 +345,9 @@ def record_carried(rec: records.Record, run: dict[str, Any], rate: float | None)
     rec.table(
         CARRIED_HEADER,
         carried_rows(run, rate),
-        "What each refresh interrupted: requests continued from their tokens so far, whose prompt and tokens the "
-        "engine prefills again on the new weights before they generate on (each worker's policy state). The "
+        "What each refresh interrupted: requests continued from their tokens so far; the prompt and tokens of those "
+        "that had begun to generate, which the engine prefills again on the new weights before they generate on "
+        "(each worker's policy state). The "
         f"engine's prefill rate, one forward pass of 512 tokens on one torch thread: {shown}.",
     )
 

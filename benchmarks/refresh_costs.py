@@ -127,7 +127,7 @@ CARRIED_HEADER = [
 
 def carried_rows(run: dict[str, Any], rate: float | None) -> list[list[Any]]:
     """Per published version of a ``continue`` run: the requests its refresh interrupted on every worker, the
-    prompt and generated tokens they carried (which each engine prefills again on the new weights), and the
+    prompt and generated tokens of those that had begun (which each engine prefills again on the new weights), the
     most-loaded worker's prefill of them at ``rate`` tokens/s (:func:`prefill_rate`)."""
     costs, rows = first_records(run["records"]), []
     for version in sorted(run["published"]):

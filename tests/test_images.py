@@ -102,7 +102,6 @@ def reference_generate(
     """The expanded prompt and greedy tokens of the model's own ``generate`` on ``image_paths``, built with
     transformers alone (processor, tokenizer, placeholder expansion by hand); ``adapter``: a LoRA adapter merged
     into the weights first."""
-    import torch
     from PIL import Image
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
@@ -130,16 +129,25 @@ def reference_generate(
             k += 1
         else:
             expanded.append(token)
+    new, delta = generate_with_pixels(model, out, expanded, pad, max_new_tokens)
+    return expanded, new, delta
+
+
+def generate_with_pixels(model, processed, expanded: list[int], pad: int, max_new_tokens: int) -> tuple[list[int], int]:
+    """Greedy tokens of ``model.generate`` after the expanded ids ``expanded`` with the processor's output
+    ``processed`` (its pixel values and grids), and the rope delta of those ids."""
+    import torch
+
     input_ids = torch.tensor([expanded])
     types = (input_ids == pad).int()  # 1: an image token (without them generate's positions stay 1-D)
     with torch.no_grad():
         generated = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), pixel_values=out["pixel_values"],
-            image_grid_thw=out["image_grid_thw"], mm_token_type_ids=types, max_new_tokens=max_new_tokens,
+            input_ids, attention_mask=torch.ones_like(input_ids), pixel_values=processed["pixel_values"],
+            image_grid_thw=processed["image_grid_thw"], mm_token_type_ids=types, max_new_tokens=max_new_tokens,
             do_sample=False,
         )  # fmt: skip
-        _, deltas = model.model.get_rope_index(input_ids, types, image_grid_thw=out["image_grid_thw"])
-    return expanded, generated[0, len(expanded) :].tolist(), int(deltas[0])
+        _, deltas = model.model.get_rope_index(input_ids, types, image_grid_thw=processed["image_grid_thw"])
+    return generated[0, len(expanded) :].tolist(), int(deltas[0])
 
 
 @pytest.mark.proves("transformers", "images")

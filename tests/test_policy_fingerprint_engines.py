@@ -58,7 +58,8 @@ def test_after_a_refresh_the_engine_holds_the_published_tensors(engine_name, tmp
     """In process, sglang loads the staged tensors from host memory (no fallback to the folder was logged), and
     its start leaves the root logger's level and handlers as they were (sglang's launch reconfigures them); vLLM
     reloads from the copy it staged in ``daskgen.policy.stage-dir``, removed after; the managed server loads the
-    published folder.  (``update_weights`` is watched, and runs as it is.)"""
+    published folder.  (``update_weights`` is watched, and runs as it is.)  A second version, published as a delta
+    on the first, is rebuilt in the node's cache and loaded the same way, and holds its own published tensors."""
     import logging.handlers
 
     import dask.config
@@ -69,6 +70,7 @@ def test_after_a_refresh_the_engine_holds_the_published_tensors(engine_name, tmp
     _, engine_args, compared = ENGINES[engine_name]
     base = build_tiny_model(tmp_path / "base", seed=0, head_dim=32)  # vLLM's CPU attention needs head_dim 32
     step1 = build_tiny_model(tmp_path / "step1", seed=1, head_dim=32)
+    step2 = build_tiny_model(tmp_path / "step2", seed=2, head_dim=32)  # published as a delta on version 1
     out = tmp_path / "out.zarr"
     store.GenerationStore.create(out, store.StoreAttrs(store.Layout(1, 1, 4, 4, 1, 0)), ["q0"])
     location, errors = store.locate(out), []
@@ -95,7 +97,12 @@ def test_after_a_refresh_the_engine_holds_the_published_tensors(engine_name, tmp
             published = read_versions(location)[0]
             loaded = await engine.loaded_fingerprint(dict.fromkeys(published.tensors, "F32"))
             result = await refresher.generate(engine, GenerationRequest("r", prompt, params), lambda: False)
-            return published, loaded, result, refresher.version
+            daskgen.publish_policy(out, str(step2), 2, delta=True)  # rebuilt in the node's cache, then loaded
+            await refresher.check(errors.append)
+            delta = read_versions(location)[1]
+            after = await refresher.generate(engine, GenerationRequest("s", prompt, params), lambda: False)
+            held = await engine.loaded_fingerprint(dict.fromkeys(delta.tensors, "F32"))
+            return published, loaded, result, (delta, held, after, refresher.version)
         finally:
             await engine.shutdown()
 
@@ -103,15 +110,18 @@ def test_after_a_refresh_the_engine_holds_the_published_tensors(engine_name, tmp
     logging.getLogger("daskgen").addHandler(logged)
     level, handlers = root.level, list(root.handlers)
     try:
-        with dask.config.set({"daskgen.policy.stage-dir": str(stage_dir)}):
-            published, loaded, result, version = asyncio.run(scenario())
+        settings = {"daskgen.policy.stage-dir": str(stage_dir), "daskgen.policy.cache-dir": str(tmp_path / "cache")}
+        with dask.config.set(settings):
+            published, loaded, result, (delta, held, after, version) = asyncio.run(scenario())
     finally:
         logging.getLogger("daskgen").removeHandler(logged)
-    reloaded = {"vllm": [stage_dir], "sglang": [], "openai": [step1]}[engine_name]
-    assert [p.parent if engine_name == "vllm" else p for p in map(Path, reloads)] == reloaded, reloads
+    rebuilt = tmp_path / "cache"
+    reloaded = {"vllm": [stage_dir, stage_dir], "sglang": [], "openai": [step1, rebuilt]}[engine_name]
+    shown = [p.parent if engine_name == "vllm" else p for p in map(Path, reloads)]
+    assert [rebuilt if rebuilt in p.parents else p for p in shown] == reloaded, reloads
     assert list(stage_dir.iterdir()) == [], "the staged copy is removed once loaded"
     assert (root.level, root.handlers) == (level, handlers), "the engine's start left the root logger as it was"
-    assert errors == [] and version == 1
+    assert errors == [] and version == 2 and delta.delta is not None and delta.base == 1
     expected = {n: f for n, f in published.tensors.items() if any(part in n for part in compared)}
     assert loaded.keys() == expected.keys(), sorted(set(loaded) ^ set(expected))
     assert mismatched(expected, loaded) == ([], len(expected))  # each the published float32 hash (listed first)
@@ -120,3 +130,8 @@ def test_after_a_refresh_the_engine_holds_the_published_tensors(engine_name, tmp
     assert result.meta["policy_fingerprints"] == {1: digest_number(published.digest)} != {1: 0}
     assert result.output_ids == greedy(step1, [prompt], params)[0]
     assert not [r.getMessage() for r in logged.buffer if "from memory" in r.getMessage()]
+    # the delta version, rebuilt from version 1 and its delta, is what the engine holds and answers with
+    expected = {n: f for n, f in delta.tensors.items() if any(part in n for part in compared)}
+    assert held.keys() == expected.keys() and mismatched(expected, held) == ([], len(expected))
+    assert after.meta["policy_fingerprints"] == {2: digest_number(delta.digest)}
+    assert after.output_ids == greedy(step2, [prompt], params)[0] != result.output_ids

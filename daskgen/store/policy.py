@@ -186,8 +186,8 @@ class WorkerPolicy:
     request of the run (drained or aborted) to admitting again, of which ``load_seconds`` in
     ``Engine.apply_staged`` (of them ``step_wait_seconds`` waiting for the generation step in progress to end, when
     the engine tells) and ``check_seconds`` comparing what the engine holds with the published fingerprint; under
-    ``continue``, the ``interrupted`` requests and their ``interrupted_tokens`` (prompt and tokens so far), which
-    the engine prefills again on the new weights before they generate on."""
+    ``continue``, the ``interrupted`` requests and the ``interrupted_tokens`` (prompt and tokens so far) of those
+    that had begun to generate, which the engine prefills again on the new weights before they generate on."""
 
     worker: str
     version: int

@@ -129,6 +129,11 @@ class ScriptedToolEngine(_Wrapper):
 
     name = "scripted-tool"
 
+    @classmethod
+    def features_with(cls, engine_args: dict[str, Any]) -> frozenset[str]:
+        """The inner engine's features: every turn not scripted is its own (images, for one)."""
+        return cls.features | resolve_engine_class(engine_args.get("inner", "transformers")).features_with(engine_args)
+
     def __init__(
         self, model: str, inner: str = "transformers", script: dict[str, str] | None = None, **inner_args: Any
     ) -> None:

@@ -18,9 +18,9 @@ staged load the engine proves it holds the staged bytes instead of hashing them 
 
 * ``drain``: the requests in flight finish on the old weights first;
 * ``continue``: they are aborted keeping their tokens, and each goes on from its prefix on the new weights (the
-  same request, ``prompt + tokens so far`` with the budget left: a partial rollout).  The engine prefills each of
-  those contexts again (their cache was computed by the old weights): the refresh records how many requests and
-  tokens that is (``interrupted``, ``interrupted_tokens``).
+  same request, ``prompt + tokens so far`` with the budget left: a partial rollout).  The engine prefills the
+  context of each one that had begun to generate again (its cache was computed by the old weights): the refresh
+  records the requests it interrupted and those contexts' tokens (``interrupted``, ``interrupted_tokens``).
 
 Every request goes through :meth:`PolicyRefresher.generate`, which stamps its result with the versions of its
 tokens (``meta["policy_versions"]``: ``[(response position, version), ...]``, read by
@@ -98,7 +98,7 @@ class PolicyRefresher:
         self.changed = asyncio.Condition()
         self.in_flight: dict[str, Engine] = {}
         self.interrupted: set[str] = set()  # requests aborted by a ``continue`` refresh
-        self.interrupted_tokens = 0  # their prompt + generated tokens, which go back to the engine to prefill
+        self.interrupted_tokens = 0  # prompt + generated tokens of those that had begun: prefilled again
         self.announced = asyncio.Event()  # a publisher announced a version: look now
 
     # ------------------------------------------------------------------ the loop
@@ -276,7 +276,7 @@ class PolicyRefresher:
         self.in_flight[request.request_id] = engine
         try:
             result = await engine.generate(request)
-            if request.request_id in self.interrupted:  # counted before the refresh sees it out of flight
+            if request.request_id in self.interrupted and result.output_ids:  # counted before the refresh goes on
                 self.interrupted_tokens += len(request.prompt_ids) + len(result.output_ids)
             return result
         finally:
