@@ -31,6 +31,7 @@ NEW_TOKENS = 64
 
 def tool_run(tmp_path, model, image) -> GenerationStore:
     """A greedy tool-loop run of one row asking about ``image``: turn 0 scripted (a call of ``add``), turn 1 real."""
+    tmp_path.mkdir()
     rows = write_rows(tmp_path / "p.jsonl", [{"messages": user(image_part(image), {"type": "text", "text": QUESTION})}])
     config = tmp_path / "run.yaml"
     config.write_text(
