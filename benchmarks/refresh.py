@@ -371,7 +371,7 @@ def record_costs(
     source = (
         f"`model.load_state_dict` of the version's tensors in memory (one torch thread): {baseline:.3g} s"
         if baseline is not None
-        else f"the fastest load of the runs ({LOADS.get(a.engine, 'update_weights')}): {fill_baseline(rows)} s"
+        else f"the fastest load of the runs ({LOADS.get(a.engine, 'update_weights')}): {fill_baseline(rows) or 0:.3g} s"
     )
     rec.table(
         COST_HEADER,
