@@ -47,8 +47,10 @@ UNENFORCED_KEYWORDS = frozenset(
 #: Constraints on a string of which xgrammar enforces one only.
 _STRING_GROUPS = {"format": ("format",), "pattern": ("pattern",), "minLength/maxLength": ("minLength", "maxLength")}
 #: Keywords whose value is one schema, a list of schemas, or a map of names to schemas.
-_ONE = ("items", "additionalItems", "additionalProperties", "contains", "not", "if", "then", "else")
-_ONE += ("propertyNames", "unevaluatedItems", "unevaluatedProperties", "contentSchema")
+_ONE = (
+    *("items", "additionalItems", "additionalProperties", "contains", "not", "if", "then", "else"),
+    *("propertyNames", "unevaluatedItems", "unevaluatedProperties", "contentSchema"),
+)
 _LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
 
