@@ -4,8 +4,10 @@ An engine that loads a checkpoint only from a folder (vLLM's ``reload_weights``)
 pause.  Staged here, the files are read from where the version lies (shared storage, or the node's delta cache)
 while the engine still generates, into a fresh folder on the shared-memory file system
 (``daskgen.policy.stage-dir``, ``/dev/shm`` by default); the pause then reads memory, never the shared storage.
-The copy is removed once loaded.  It is made only where it fits: a folder larger than the file system's free space
-less ``daskgen.policy.stage-reserve`` of its size is loaded from where it lies, as it would be without staging.
+The copy is removed once loaded.  Each worker copies the version for its own engine, so the workers of a node hold
+one copy each while they refresh; a copy is made only where it fits: when the file system's free space is less
+than the folder's size and ``daskgen.policy.stage-reserve`` of it, the folder is loaded from where it lies, as it
+would be without staging.
 A worker killed between staging and loading leaves its copy: its folder name holds the worker's process id, and
 the next staging on the node removes the copies of processes that are gone (:func:`remove_orphans`).
 """

@@ -19,6 +19,7 @@ row's) or of the store's identity (the run's), so a resume with another one is r
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -149,8 +150,16 @@ def for_row(row: dict[str, Any], run: ResponseFormat | None) -> ResponseFormat |
 def _schema_problem(schema: Any) -> str:
     if not isinstance(schema, dict):
         return f"'json_schema' must be a JSON Schema object, found {type(schema).__name__}"
+    return _schema_text_problem(json.dumps(schema, sort_keys=True, ensure_ascii=False))
+
+
+@functools.lru_cache(maxsize=1024)
+def _schema_text_problem(text: str) -> str:
+    """:func:`_schema_problem` of the schema whose canonical JSON is ``text`` (rows mostly share a few schemas:
+    each is checked, and compiled, once)."""
     import jsonschema
 
+    schema = json.loads(text)
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
