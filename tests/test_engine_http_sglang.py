@@ -318,7 +318,12 @@ class TestManagedServer:
         assert self.engine.capacity == running == MANAGED_RUNNING
         assert self.engine.concurrency == max(128, 2 * running)
         assert self.engine.describe()["server_max_running_requests"] == running
-        requests = [request(f"fed-{i}", [1, 700 + i, 3458, 282], max_new_tokens=48) for i in range(3 * running)]
+        # each answer held to 64 tokens (none ends early), six per slot: the queue lasts while several load reports
+        # are made, however fast the engine generates or the client sends
+        requests = [
+            request(f"fed-{i}", [1, 700 + i, 3458, 282], max_new_tokens=64, min_new_tokens=64)
+            for i in range(6 * running)
+        ]
         loads = self.runner.run(_loads_while_generating(self.engine, url, requests, headers), 600)
         assert max(load["num_running_reqs"] for load in loads) == running, loads
         assert max(load["num_waiting_reqs"] for load in loads) > 0, f"the server never held a queue: {loads}"

@@ -49,10 +49,12 @@ from daskgen.errors import ConfigError, EngineError, RefreshError
 from daskgen.redaction import is_secret_key
 
 __all__ = [
+    "PORT_ATTEMPTS",
     "ManagedServer",
     "check_server_args",
     "free_port",
     "new_api_key",
+    "port_taken",
     "server_env",
     "server_flags",
     "update_server_weights",
@@ -62,6 +64,15 @@ logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 _TAIL_LINES = 30
+
+
+#: Launches of a managed server whose port another process took before it bound it (see ``ManagedServer.start``).
+PORT_ATTEMPTS = 3
+
+
+def port_taken(message: str) -> bool:
+    """Whether a server's failure ``message`` (with its log's last lines) says its port was in use."""
+    return "address already in use" in message.lower()
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -189,8 +200,28 @@ class ManagedServer:
         return self.process is not None and self.process.poll() is None
 
     async def start(self) -> None:
-        """Launch the server and wait until it generates; raise :class:`EngineError` otherwise."""
+        """Launch the server and wait until it generates; raise :class:`EngineError` otherwise.
+
+        The port is chosen free before the launch, but sglang binds it only once its model is loaded: a server that
+        exits because another process took the port meanwhile is started again on another one, up to
+        :data:`PORT_ATTEMPTS` launches in all."""
         require_http()
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                return await self._launch()
+            except EngineError as exc:
+                if attempt == PORT_ATTEMPTS or not port_taken(str(exc)):
+                    raise
+                logger.warning(
+                    "the managed sglang server's port %s was taken before it bound it: starting it "
+                    "again on another port (launch %d of %d)",
+                    self.port,
+                    attempt + 1,
+                    PORT_ATTEMPTS,
+                )
+
+    async def _launch(self) -> None:
+        """One launch on a free port, waited for until it generates."""
         self.port, self.healthy = free_port(), False
         self._write_key_file()
         command = self.command(self.port, await asyncio.to_thread(cuda_available))
