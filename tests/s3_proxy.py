@@ -63,6 +63,8 @@ class FaultProxy:
         self.slow_after_forward = False
         self.refused_key: str | None = None
         self.injected: collections.Counter[str] = collections.Counter()
+        self.puts: collections.Counter[str] = collections.Counter()  # PUT requests per path, faulted or not
+        self.slowed: list[str] = []  # paths of the PUTs answered late (``slow``)
         self.forwarded = 0
         self._lock = threading.Lock()
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -113,6 +115,8 @@ class FaultProxy:
                 self.forwarded += 1
                 return None
             self.injected[fault] += 1
+            if fault == "slow" and method == "PUT":
+                self.slowed.append(path)
             return fault
 
     def _handler(self) -> type[http.server.BaseHTTPRequestHandler]:
@@ -126,6 +130,9 @@ class FaultProxy:
 
             def _relay(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.command == "PUT":
+                    with proxy._lock:
+                        proxy.puts[self.path] += 1
                 fault = proxy.pick_fault(self.command, self.headers.get("Authorization", ""), self.path)
                 if fault in ("reset-after-put", "lost-answer"):
                     self._forward(body, answer=False)
