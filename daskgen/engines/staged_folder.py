@@ -21,6 +21,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from daskgen import tunables
 
 __all__ = ["PREFIX", "StagedFolder", "remove_orphans", "stage_folder"]
@@ -47,8 +49,10 @@ def stage_folder(source: str) -> StagedFolder | None:
     """Copy the files of the folder ``source`` into a new folder under ``daskgen.policy.stage-dir`` (blocking);
     ``None`` when staging is off (the setting is empty), the folder is not there, or the copy would not fit."""
     root = tunables.get("policy.stage-dir")
-    files = [f for f in Path(source).iterdir() if f.is_file()] if Path(source).is_dir() else []
-    if not root or not files or not Path(root).is_dir():
+    if not root or not Path(root).is_dir() or not Path(source).is_dir():
+        return None
+    files = [f for f in Path(source).iterdir() if f.is_file()]
+    if not files:
         return None
     remove_orphans(Path(root))
     size = sum(f.stat().st_size for f in files)
@@ -72,17 +76,7 @@ def remove_orphans(root: Path) -> list[Path]:
     removed = []
     for folder in root.glob(f"{PREFIX}*"):
         pid = folder.name[len(PREFIX) :].partition("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
