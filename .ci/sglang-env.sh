@@ -83,7 +83,7 @@ pip_install \
 # (tenacity: the openai engine's retries, tested against sglang's HTTP server in the same lane; peft: the LoRA
 # adapters the tests make.)
 pip_install 'dask[distributed]' zarr numcodecs xarray numpy pyarrow pyyaml tqdm typer accelerate httpx \
-  tenacity peft pytest pytest-timeout pytest-xdist
+  tenacity peft pytest pytest-timeout
 pip_install --no-deps -e "$REPO"
 
 smoke_test

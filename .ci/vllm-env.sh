@@ -90,7 +90,7 @@ pip_install "${requirements[@]}"
 # (gguf, dask-jobqueue: daskgen's models/hpc extras, imported by test modules that pytest collects here too;
 # peft: LoRA on the transformers engine and the adapters the tests make.)
 pip_install 'dask[distributed]' zarr numcodecs xarray numpy pyarrow pyyaml tqdm typer accelerate httpx \
-  tenacity scipy psutil gguf dask-jobqueue peft pytest pytest-timeout pytest-xdist
+  tenacity scipy psutil gguf dask-jobqueue peft pytest pytest-timeout
 pip_install --no-deps -e "$REPO"
 
 smoke_test
