@@ -103,7 +103,8 @@ def _stopped_in_time(client: subprocess.Popen, lines: OutputLines, lost_at: floa
     output = lines.join()
     assert client.returncode == 3 and "lost the Dask scheduler" in output, output
     low, high = (0.75 * LIMIT_S - 0.25, LIMIT_S + MARGIN_S) if hung else (0.0, MARGIN_S)
-    assert low <= noticed <= high, f"noticed {noticed:.2f} s after the loss, not within [{low:g}, {high:g}] s"
+    late = f"noticed {noticed:.2f} s after the loss, not within [{low:g}, {high:g}] s"
+    assert low <= noticed <= high, f"{late}; the client printed:\n{output[-3000:]}"
     return output
 
 
