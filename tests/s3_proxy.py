@@ -18,6 +18,7 @@ injected is counted per kind, so a test can show that each fault really happened
 from __future__ import annotations
 
 import collections
+import hashlib
 import http.client
 import http.server
 import random
@@ -63,8 +64,10 @@ class FaultProxy:
         self.slow_after_forward = False
         self.refused_key: str | None = None
         self.injected: collections.Counter[str] = collections.Counter()
-        self.puts: collections.Counter[str] = collections.Counter()  # PUT requests per path, faulted or not
-        self.slowed: list[str] = []  # paths of the PUTs answered late (``slow``)
+        #: PUT requests per (path, digest of the body), faulted or not: a write sent again has the same key, a later
+        #: write of other bytes to the same path does not
+        self.puts: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.slowed: list[tuple[str, str]] = []  # the keys of the PUTs answered late (``slow``)
         self.forwarded = 0
         self._lock = threading.Lock()
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -115,8 +118,6 @@ class FaultProxy:
                 self.forwarded += 1
                 return None
             self.injected[fault] += 1
-            if fault == "slow" and method == "PUT":
-                self.slowed.append(path)
             return fault
 
     def _handler(self) -> type[http.server.BaseHTTPRequestHandler]:
@@ -130,10 +131,13 @@ class FaultProxy:
 
             def _relay(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if self.command == "PUT":
-                    with proxy._lock:
-                        proxy.puts[self.path] += 1
                 fault = proxy.pick_fault(self.command, self.headers.get("Authorization", ""), self.path)
+                if self.command == "PUT":
+                    key = (self.path, hashlib.sha256(body).hexdigest())
+                    with proxy._lock:
+                        proxy.puts[key] += 1
+                        if fault == "slow":
+                            proxy.slowed.append(key)
                 if fault in ("reset-after-put", "lost-answer"):
                     self._forward(body, answer=False)
                 if fault in ("reset", "reset-put", "reset-after-put", "lost-answer"):
