@@ -25,15 +25,14 @@ from daskgen.agents.parsers import ToolCall, resolve_parser
 from daskgen.agents.tools import call_tool, load_tools
 from daskgen.engines.base import FinishReason, GenerationResult, SamplingParams
 from daskgen.errors import ConfigError
+from daskgen.input.tokenizer import load_hf_tokenizer
 
 _ARGS = {"tools", "max_turns", "tool_timeout_s", "parser", "max_trajectories", "context_reset_tool"}
 
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer(model: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)
+    return load_hf_tokenizer(model)
 
 
 def _ids(encoded: Any) -> list[int]:

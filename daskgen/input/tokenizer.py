@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +42,50 @@ def has_tokenizer(model: str) -> bool:
     return Path(model).is_dir() and any(Path(model).glob("tokenizer*"))
 
 
+#: Model types (``config.json``'s ``model_type``) for which ``AutoTokenizer`` loads a folder whose
+#: ``tokenizer_config.json`` names ``TokenizersBackend`` (and no ``auto_map``) as exactly that class: transformers'
+#: tokenizer tables neither register a model-specific class for them that overrides the folder's, nor route them
+#: to Mistral's backend.  tests/test_tokenizer_loading.py checks every entry against the installed transformers.
+DIRECT_BACKEND_MODEL_TYPES = frozenset({"gemma", "gemma2", "gemma3_text", "granite", "llama", "mistral", "olmo2"})
+
+
+def direct_backend(folder: Path) -> bool:
+    """Whether ``folder``'s tokenizer is certainly ``TokenizersBackend`` under ``AutoTokenizer``'s rules, so it can be
+    loaded without ``AutoTokenizer`` (which imports torch through ``AutoConfig``: seconds of CPU on each client)."""
+    try:
+        tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (
+        isinstance(tok_config, dict)
+        and tok_config.get("tokenizer_class") == "TokenizersBackend"
+        and "auto_map" not in tok_config
+        and model_type in DIRECT_BACKEND_MODEL_TYPES
+        and (folder / "tokenizer.json").is_file()
+    )
+
+
+def load_hf_tokenizer(model: str | Path) -> Any:
+    """The Hugging Face tokenizer of the local model folder ``model``, as ``AutoTokenizer.from_pretrained`` loads it.
+
+    Folders :func:`direct_backend` accepts load through ``TokenizersBackend`` directly (the same class, without
+    importing torch); every other folder goes through ``AutoTokenizer``.
+    """
+    if direct_backend(Path(model)):
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(model))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model))
+
+
 def model_tokenizer(model: str, engine: str, *, simulated: bool) -> Any:
     """The tokenizer of ``model`` for engine ``engine``: the folder's Hugging Face tokenizer (offline), else a byte
     tokenizer when the engine is ``simulated`` (the engine class says so)."""
     if has_tokenizer(model):
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(model)
+        tok = load_hf_tokenizer(model)
         if tok.pad_token_id is None:
             tok.pad_token = tok.eos_token
         return tok

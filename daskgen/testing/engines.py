@@ -21,6 +21,7 @@ from typing import Any
 
 from daskgen.engines import resolve_engine_class
 from daskgen.engines.base import Engine, GenerationRequest, GenerationResult
+from daskgen.input.tokenizer import load_hf_tokenizer
 from daskgen.testing.probes import append_prompt
 
 
@@ -145,9 +146,7 @@ class ScriptedToolEngine(_Wrapper):
         self.tokenizer: Any = None
 
     async def load(self) -> None:
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model)
+        self.tokenizer = load_hf_tokenizer(self.model)
         await self.inner.start()
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:

@@ -65,6 +65,7 @@ from daskgen.engines.request_check import request_error
 from daskgen.engines.sglang.args import SAMPLING_RANGES, prefix_admission
 from daskgen.engines.sglang.mapping import max_running_requests
 from daskgen.errors import EngineError, RefreshError
+from daskgen.input.tokenizer import load_hf_tokenizer
 from daskgen.redaction import redact_url
 
 __all__ = ["OpenAIEngine"]
@@ -439,9 +440,7 @@ def _log_retry(what: str, attempt: int, wait: float) -> None:
 
 
 def _load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
+    return load_hf_tokenizer(path)
 
 
 def _server_running_requests(info: dict[str, Any]) -> int | None:
