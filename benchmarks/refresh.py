@@ -266,8 +266,14 @@ def throughput_rows(r: dict[str, Any], a: argparse.Namespace) -> tuple[list[list
     for i, count in enumerate(counts):
         lost = steady - count if i >= a.steady else None
         label = f"steady {i + 1}" if i < a.steady else f"after publish {i - a.steady + 1}"
-        rows.append([label, count / a.interval, lost, None if lost is None else lost / (steady / a.interval)])
+        rows.append([label, count / a.interval, lost, None if lost is None else share(lost, steady / a.interval)])
     return rows, steady / a.interval
+
+
+def share(value: float, steady_rate: float) -> float | None:
+    """``value / steady_rate``; ``None`` (shown as "-") when no tokens were committed in the steady intervals, as
+    when partitions commit less often than ``--interval`` on a loaded machine (the record's note says so)."""
+    return value / steady_rate if steady_rate > 0 else None
 
 
 def bin_rows(r: dict[str, Any], a: argparse.Namespace, steady_rate: float) -> list[list[Any]]:
@@ -277,7 +283,7 @@ def bin_rows(r: dict[str, Any], a: argparse.Namespace, steady_rate: float) -> li
     for lo in edges:
         rates = [tokens_between(r, t + lo, t + lo + a.bin) / a.bin for t in r["published"].values()]
         rows.append(
-            [f"{lo:+.0f} to {lo + a.bin:+.0f} s", float(np.median(rates)), float(np.median(rates)) / steady_rate]
+            [f"{lo:+.0f} to {lo + a.bin:+.0f} s", float(np.median(rates)), share(float(np.median(rates)), steady_rate)]
         )
     return rows
 
@@ -297,6 +303,12 @@ def record_policy(rec: records.Record, a: argparse.Namespace, policy: str, r: di
         f"### `refresh: {policy}`: from the publish (policy record time) to ({len(workers)} workers)",
     )
     rows, rate = throughput_rows(r, a)
+    if rate == 0:
+        rec.note(
+            f"No tokens were committed in the steady interval{'s' if a.steady > 1 else ''} of {a.interval:g} s: its "
+            "partitions commit less often than that here, so the shares of the steady rate are not given. Raise "
+            "`--interval` (or lower `--partition-size`) for them."
+        )
     rec.table(
         ["interval", "tokens/s", "tokens lost vs steady", "seconds of steady generation lost"],
         rows,

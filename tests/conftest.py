@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import module_order
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -165,9 +167,15 @@ NOT_APPLICABLE = "not_applicable"
 _NOT_APPLICABLE_KEY = pytest.StashKey[list]()
 _LANE_PROBLEMS_KEY = pytest.StashKey[list]()
 _XDIST_SELECTED_KEY = pytest.StashKey[list]()
+_MODULE_SECONDS: dict[str, float] = {}  # module -> seconds of its tests' setup, call and teardown (this session)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--store-module-seconds",
+        action="store_true",
+        help="write each module's measured seconds into tests/module_seconds.json (the main lane's order)",
+    )
     parser.addoption(
         "--lane-expects",
         type=int,
@@ -190,14 +198,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         config.stash[_NOT_APPLICABLE_KEY] = [(i.nodeid, i.get_closest_marker(NOT_APPLICABLE).args[0]) for i in dropped]
-    # modules marked slow as a whole go first (order otherwise kept): under `-n 2 --dist loadscope` the
-    # longest modules then start early instead of ending the lane on one process while the other idles
-    items[:] = sorted(keep, key=lambda item: not _module_is_slow(item))
+    # the longest modules first (tests/module_order.py): each xdist process then ends near the same time
+    order = module_order.longest_first([item.nodeid for item in keep], module_order.read_seconds())
+    items[:] = [keep[i] for i in order]
 
 
-def _module_is_slow(item: pytest.Item) -> bool:
-    marks = getattr(getattr(item, "module", None), "pytestmark", [])
-    return any(mark.name == "slow" for mark in (marks if isinstance(marks, list) else [marks]))
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``--store-module-seconds``, in the controller (or a run without xdist): sum each module's seconds."""
+    module = module_order.module_of(report.nodeid)
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -220,6 +229,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if workeroutput is not None:  # an xdist worker: the controller checks the lane
         workeroutput[NOT_APPLICABLE] = session.config.stash.get(_NOT_APPLICABLE_KEY, [])
         return
+    if session.config.getoption("--store-module-seconds") and _MODULE_SECONDS:
+        module_order.store_seconds(_MODULE_SECONDS)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if (
         expected is None

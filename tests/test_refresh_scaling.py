@@ -95,3 +95,21 @@ def test_a_records_cost_table_is_read_back(scaling, tmp_path):
     assert m.t_check == 0.25 and m.overhead == pytest.approx(0.75)  # median of 1.25, 0.25, 0.75
     checked = scaling.check_rows(m)
     assert [r[4] for r in checked] == [200 * MB, 103 * MB, 3 * MB]  # the model's reads: the measured ones
+
+
+def test_a_steady_interval_without_commits_gives_no_shares_instead_of_dividing_by_zero(monkeypatch):
+    """On a loaded machine a steady interval can end before any partition commits: the record leaves the shares
+    of the steady rate out ("-") and the run still writes its record."""
+    import argparse
+
+    import numpy as np
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import refresh
+
+    run = {"bounds": [0.0, 3.0, 6.0], "committed_at": np.array([4.0, 5.0]), "tokens": np.array([10, 20])}
+    rows, rate = refresh.throughput_rows(run, argparse.Namespace(interval=3.0, steady=1))
+    assert rate == 0 and rows == [["steady 1", 0.0, None, None], ["after publish 1", 10.0, -30.0, None]]
+    run["committed_at"] = np.array([1.0, 4.0])
+    rows, rate = refresh.throughput_rows(run, argparse.Namespace(interval=3.0, steady=1))
+    assert rate == pytest.approx(10 / 3) and rows[1][3] == pytest.approx(-10 / (10 / 3))
