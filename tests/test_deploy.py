@@ -703,10 +703,15 @@ def test_workers_join_and_retire_mid_run_without_losing_prompts(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_nanny_preload_keeps_glibc_malloc_defaults_in_a_real_worker():
+def test_nanny_preload_keeps_glibc_malloc_defaults_in_a_real_worker(monkeypatch):
     """A real nanny started with the preload spawns a worker without ``MALLOC_TRIM_THRESHOLD_``
     (Dask's default exports it) and with the rest of ``pre-spawn-environ``."""
     import asyncio
+
+    # A nanny started in a process exports Dask's pre-spawn variables into that process's os.environ (an earlier
+    # test's in-process cluster may have): the workers spawned here would inherit the variable from this process,
+    # which is not what the nanny exports.  A `dask worker` command starts from its own environment.
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
 
     from distributed import Client, Nanny, Scheduler
 
