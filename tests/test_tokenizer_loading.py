@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from daskgen.input.tokenizer import DIRECT_BACKEND_MODEL_TYPES, direct_backend, load_hf_tokenizer, model_tokenizer
+from daskgen.input.tokenizer import (
+    DIRECT_BACKEND_MODEL_TYPES,
+    direct_backend,
+    load_hf_tokenizer,
+    model_tokenizer,
+    tokenizer_identity,
+)
 
 TEXTS = ["Hello world", "  spaces\tand\nlines  ", "émigré naïve 東京 🙂", "<|im_start|>user\nhi<|im_end|>", ""]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
@@ -40,6 +46,7 @@ def _assert_same_tokenizer(folder: Path) -> None:
     assert ours.apply_chat_template(MESSAGES, add_generation_prompt=True) == auto.apply_chat_template(
         MESSAGES, add_generation_prompt=True
     )
+    assert tokenizer_identity(ours) == tokenizer_identity(auto)  # what a resume compares (name, sizes, ids, template)
     assert (len(ours), ours.eos_token_id, ours.pad_token_id, ours.bos_token_id, ours.chat_template) == (
         len(auto),
         auto.eos_token_id,
