@@ -167,7 +167,7 @@ NOT_APPLICABLE = "not_applicable"
 _NOT_APPLICABLE_KEY = pytest.StashKey[list]()
 _LANE_PROBLEMS_KEY = pytest.StashKey[list]()
 _XDIST_SELECTED_KEY = pytest.StashKey[list]()
-_MODULE_SECONDS: dict[str, float] = {}  # module -> seconds of its tests' setup, call and teardown (this session)
+_MODULE_SECONDS: dict[str, float] = {}  # module -> seconds of its tests' setup, call and teardown in this pytest run
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

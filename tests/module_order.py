@@ -4,7 +4,7 @@ Under ``--dist loadscope --no-loadscope-reorder`` each process takes the next mo
 is free, so starting with the modules that took longest (longest-processing-time-first) keeps a long module from
 starting last and ending the lane on one process while the others idle.  The seconds per module come from a
 measured run, kept in ``tests/module_seconds.json``; ``pytest --store-module-seconds`` writes the modules of
-that session back into it (setup, call and teardown of each test, summed per module).  A module not in the file
+that run back into it (setup, call and teardown of each test, summed per module).  A module not in the file
 counts as 0 s and keeps its collection order after the measured ones.
 """
 
@@ -40,6 +40,6 @@ def longest_first(nodeids: Iterable[str], seconds: dict[str, float]) -> list[int
 
 
 def store_seconds(durations: dict[str, float], path: Path = SECONDS_FILE) -> None:
-    """Write the per-module ``durations`` of a session into ``path``, keeping the modules it did not run."""
+    """Write the per-module ``durations`` of a pytest run into ``path``, keeping the modules it did not run."""
     merged = {**read_seconds(path), **{module: round(s, 1) for module, s in durations.items()}}
     path.write_text(json.dumps(dict(sorted(merged.items())), indent=1) + "\n")

@@ -237,7 +237,7 @@ class OpenAIEngine(ServerFingerprint, Engine):
     async def _load_tokenizer(self) -> None:
         path = self.args.tokenizer or self.model
         try:
-            self._tokenizer = await asyncio.to_thread(_load_tokenizer, path)
+            self._tokenizer = await asyncio.to_thread(load_hf_tokenizer, path)
         except Exception as exc:
             if self.retokenized:
                 raise EngineError(
@@ -437,10 +437,6 @@ class OpenAIEngine(ServerFingerprint, Engine):
 
 def _log_retry(what: str, attempt: int, wait: float) -> None:
     logger.warning("openai engine: %s; retry %d in %.1f s", what, attempt, wait)
-
-
-def _load_tokenizer(path: str) -> Any:
-    return load_hf_tokenizer(path)
 
 
 def _server_running_requests(info: dict[str, Any]) -> int | None:
