@@ -5,7 +5,8 @@
   :class:`~daskgen.engines.inprocess.LoopThread`);
 * :func:`check_result`: the shape checks every successful result passes;
 * :func:`longest_running`: of greedy requests run together, the one that ran longest;
-* :func:`run_checks`: run a suite's ``test_*`` methods outside pytest and report each.
+* :func:`run_checks`: run a suite's ``test_*`` methods outside pytest and report each;
+* :func:`check_description`: ``describe()`` names the engine in plain builtin values.
 
 Imports neither pytest nor torch.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import traceback
 import unittest
 from collections.abc import Awaitable, Coroutine, Sequence
@@ -23,7 +25,7 @@ from typing import Any, TypeVar
 from daskgen.engines.base import Engine, GenerationRequest, GenerationResult
 from daskgen.engines.inprocess import LoopThread
 
-__all__ = ["EventLoopThread", "check_result", "gather", "longest_running", "run_checks"]
+__all__ = ["EventLoopThread", "check_description", "check_result", "gather", "longest_running", "run_checks"]
 
 _T = TypeVar("_T")
 
@@ -133,3 +135,25 @@ def _run_one(instance: Any, name: str, not_applicable: dict[str, str]) -> str:
     except Exception as exc:  # a report, not a crash: every check runs
         return f"failed: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
     return "passed"
+
+
+def non_builtin_values(value: Any, where: str = "info") -> list[str]:
+    """Paths in ``value`` (nested dicts and lists) whose type is not exactly a builtin scalar or container."""
+    if type(value) is dict:
+        return [odd for key, item in value.items() for odd in non_builtin_values(item, f"{where}[{key!r}]")]
+    if type(value) in (list, tuple):
+        return [odd for i, item in enumerate(value) for odd in non_builtin_values(item, f"{where}[{i}]")]
+    if value is None or type(value) in (str, int, float, bool):
+        return []
+    return [f"{where}: {type(value).__module__}.{type(value).__qualname__}"]
+
+
+def check_description(engine: Engine) -> None:
+    """``engine.describe()`` names the engine, says whether it is simulated, is JSON-serialisable and holds
+    builtin types exactly: it travels to the client, where a subclass (torch's version string, say) would make
+    unpickling import the subclass's package."""
+    info = engine.describe()
+    assert info["engine"] == engine.name, info
+    assert info["simulated"] is engine.simulated, info
+    json.dumps(info)
+    assert not (odd := non_builtin_values(info)), f"describe() holds values of non-builtin types: {odd}"

@@ -414,7 +414,7 @@ def _engine_info(engine: Any, version: str) -> dict[str, Any]:
         "bos_token_id": getattr(getattr(config, "hf_text_config", None), "bos_token_id", None),
         "dtype": str(config.dtype).removeprefix("torch."),
         "sglang_version": version,
-        "torch_version": torch.__version__,
+        "torch_version": str(torch.__version__),
     }
 
 

@@ -196,8 +196,8 @@ def _identity(model: Any, args: TransformersArgs, device: str, dtype: Any, eos: 
         "dtype": str(dtype).removeprefix("torch."),
         "device": device,
         "sampler": "daskgen-gumbel-v1",
-        "transformers_version": transformers.__version__,
-        "torch_version": torch.__version__,
+        "transformers_version": str(transformers.__version__),
+        "torch_version": str(torch.__version__),
     }
 
 
