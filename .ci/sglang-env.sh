@@ -36,9 +36,10 @@ stamp="$VENV/.daskgen-sglang-env"
 want="$(cat "${BASH_SOURCE[0]}" "$CONSTRAINTS" | sha256sum | cut -d' ' -f1)"
 
 pip_install() {
+  # --no-compile: modules are compiled when first imported (the lane writes bytecode), not all ~25,000 now.
   # Hide two expected kinds of noise: the local index's missing folders, and pip's report that
   # sglang's CUDA-only requirements (skipped on purpose, see above) are not installed.
-  "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" "$@" 2>&1 | {
+  "$VENV/bin/python" -m pip install -q --no-compile -c "$CONSTRAINTS" "$@" 2>&1 | {
     grep -v -e "is ignored: it is neither a file nor a directory" -e "^sglang $SGLANG_VERSION requires " \
       -e "^ERROR: pip's dependency resolver does not currently take into account" || true
   }

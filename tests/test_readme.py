@@ -56,6 +56,21 @@ def test_the_test_command_is_what_ci_runs():
     assert f"`python -m pytest {main_lane[1]}`" in testing, "docs/testing.md names the main lane's command"
 
 
+def test_every_lane_writes_bytecode_and_the_engine_lanes_run_on_one_process_each():
+    """What docs/testing.md says of the lanes' processes and of bytecode is what the CI scripts do."""
+    testing = " ".join((REPO / "docs" / "testing.md").read_text().split())
+    assert "lanes run side by side, each on one process" in testing
+    assert "`PYTHONDONTWRITEBYTECODE=1`" in testing and "installed without compiling" in testing
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "\nunset PYTHONDONTWRITEBYTECODE\n" in ci and ci.count("pip install -q --no-compile") == 3, ci
+    for lane in ("sglang", "vllm"):
+        script = (REPO / ".ci" / f"{lane}-lane").read_text()
+        assert "\nunset PYTHONDONTWRITEBYTECODE\n" in script, lane
+        runs = re.findall(r"-m pytest (?:.*\\\n)*.*", script)  # each command with its continued lines
+        assert runs and not any(re.search(r" (-n|--numprocesses)[ =]", run) for run in runs), (lane, runs)
+        assert "-m pip install -q --no-compile" in (REPO / ".ci" / f"{lane}-env.sh").read_text(), lane
+
+
 def test_the_engine_versions_the_front_page_names_are_the_pinned_ones():
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["vllm"] == ["vllm==0.32.0"] and "`pip install -e '.[vllm]'` (vLLM 0.32.0)" in FLAT
