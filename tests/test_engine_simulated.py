@@ -13,6 +13,7 @@ from daskgen.engines.base import FinishReason, GenerationRequest, SamplingParams
 from daskgen.engines.simulated import SimulatedEngine
 from daskgen.engines.simulated.plan import plan_output, plan_outputs
 from daskgen.errors import ConfigError
+from daskgen.testing import harness
 from daskgen.testing.conformance import EngineConformance
 
 
@@ -70,6 +71,20 @@ def test_the_arrival_check_fails_an_engine_with_a_batch_barrier() -> None:
             _OneAtATime().test_results_arrive_as_each_finishes()
     finally:
         _OneAtATime.teardown_class()
+
+
+class _VersionString(str):
+    """A ``str`` subclass, as torch's ``TorchVersion`` is: unpickling it imports the module defining it."""
+
+
+def test_the_description_check_names_a_value_of_a_str_subclass() -> None:
+    engine = SimulatedEngine("sim", time_scale=0)
+    describe = engine.describe
+    engine.describe = lambda: {**describe(), "extra": [1, {"torch_version": _VersionString("2.13.0")}]}
+    with pytest.raises(AssertionError, match=r"info\['extra'\]\[1\]\['torch_version'\]: .*_VersionString"):
+        harness.check_description(engine)
+    engine.describe = describe
+    harness.check_description(engine)
 
 
 def run(coro, timeout: float = 60.0):
