@@ -196,7 +196,7 @@ def _identity(model: Any, args: TransformersArgs, device: str, dtype: Any, eos: 
         "dtype": str(dtype).removeprefix("torch."),
         "device": device,
         "sampler": "daskgen-gumbel-v1",
-        "transformers_version": str(transformers.__version__),
+        "transformers_version": transformers.__version__,
         "torch_version": str(torch.__version__),
     }
 
