@@ -29,7 +29,18 @@ from pathlib import Path
 
 import pytest
 
-from tests import module_order
+# One torch CPU thread per process: the lanes run two or three test processes on two cores, each starting Dask
+# workers and engines, and models this small gain little from a second thread, which spins between operations, CPU
+# taken from the other processes.  Set before anything imports torch; the CLI runs, their workers and servers
+# inherit it.  tests/test_deploy.py checks the default (the cores shared out) with the tunable unset.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("DASK_DASKGEN__LOCAL_CPU_THREADS", "1")
+if "dask" in sys.modules:  # Dask read its environment variables when it was imported
+    import dask.config
+
+    dask.config.refresh()
+
+from tests import module_order  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -576,7 +576,8 @@ def _worker_env() -> dict[str, str | None]:
 def test_local_cluster_workers_can_start_subprocesses():
     from distributed import Client
 
-    cluster, info = make_cluster({"kind": "local", "n_workers": 1, "threads_per_worker": 2})
+    with dask.config.set({"daskgen.local-cpu-threads": None}):  # the default (the test session sets 1)
+        cluster, info = make_cluster({"kind": "local", "n_workers": 1, "threads_per_worker": 2})
     try:
         assert (info.kind, info.max_workers, info.threads_per_worker) == ("local", 1, 2)
         with Client(cluster) as client:
@@ -588,6 +589,18 @@ def test_local_cluster_workers_can_start_subprocesses():
             assert int(env["OMP_NUM_THREADS"]) == max(1, os.cpu_count() or 1)
     finally:
         cluster.close()
+
+
+def test_local_cpu_threads_share_the_cores_unless_the_tunable_sets_them():
+    from daskgen.deploy.local import cpu_threads_per_worker
+
+    cores = os.cpu_count() or 1
+    with dask.config.set({"daskgen.local-cpu-threads": None}):
+        assert [cpu_threads_per_worker(n) for n in (1, 2, cores + 1)] == [cores, max(1, cores // 2), 1]
+    with dask.config.set({"daskgen.local-cpu-threads": 3}):
+        assert cpu_threads_per_worker(1) == cpu_threads_per_worker(4) == 3
+        kwargs = LocalDeployment(n_workers=2).cluster_kwargs()
+        assert kwargs["env"]["OMP_NUM_THREADS"] == kwargs["env"]["MKL_NUM_THREADS"] == "3"
 
 
 @pytest.mark.timeout(60)

@@ -8,6 +8,7 @@ the pinned engines' own metadata.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -69,6 +70,18 @@ def test_every_lane_writes_bytecode_and_the_engine_lanes_run_on_one_process_each
         runs = re.findall(r"-m pytest (?:.*\\\n)*.*", script)  # each command with its continued lines
         assert runs and not any(re.search(r" (-n|--numprocesses)[ =]", run) for run in runs), (lane, runs)
         assert "-m pip install -q --no-compile" in (REPO / ".ci" / f"{lane}-env.sh").read_text(), lane
+
+
+def test_the_tests_run_one_torch_thread_per_process_and_their_local_clusters_too():
+    """docs/testing.md: the session sets OMP_NUM_THREADS and daskgen.local-cpu-threads to 1 unless they are set."""
+    from daskgen import tunables
+    from daskgen.deploy.local import cpu_threads_per_worker
+
+    testing = " ".join((REPO / "docs" / "testing.md").read_text().split())
+    assert "sets `OMP_NUM_THREADS=1` and the [`local-cpu-threads`](architecture.md) tunable to 1" in testing
+    assert os.environ["OMP_NUM_THREADS"] and os.environ["DASK_DASKGEN__LOCAL_CPU_THREADS"]
+    assert tunables.get("local-cpu-threads") == int(os.environ["DASK_DASKGEN__LOCAL_CPU_THREADS"])
+    assert cpu_threads_per_worker(1) == tunables.get("local-cpu-threads")
 
 
 def test_the_engine_versions_the_front_page_names_are_the_pinned_ones():

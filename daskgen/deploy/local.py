@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import dask
 
+from daskgen import tunables
 from daskgen.deploy.assembly import adaptive_bounds, dashboard_link, declare_partition_duration
 from daskgen.deploy.deployment import DEFAULT_THREADS_PER_WORKER, ClusterInfo, Deployment
 from daskgen.deploy.keys import AtLeast
@@ -23,7 +24,15 @@ from daskgen.errors import ConfigError
 from daskgen.node import ENV_GPUS_PER_WORKER, ENV_LOCAL_RANK, ENV_WORKERS_PER_NODE
 from daskgen.worker.gpu import count_visible_gpus
 
-__all__ = ["LocalDeployment", "keep_glibc_malloc_defaults"]
+__all__ = ["LocalDeployment", "cpu_threads_per_worker", "keep_glibc_malloc_defaults"]
+
+
+def cpu_threads_per_worker(n_workers: int) -> int:
+    """OMP/MKL threads of each of ``n_workers`` local workers (torch's CPU threads).
+
+    The ``daskgen.local-cpu-threads`` tunable when set, else the machine's cores shared out among the workers.
+    """
+    return int(tunables.get("local-cpu-threads") or max(1, (os.cpu_count() or 1) // n_workers))
 
 
 def keep_glibc_malloc_defaults() -> None:
@@ -119,7 +128,7 @@ class LocalDeployment(Deployment):
     def cluster_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``LocalCluster`` (without security)."""
         n = self.n_workers
-        intra_op = str(max(1, (os.cpu_count() or 1) // n))  # undo the nanny's OMP_NUM_THREADS=1 for CPU engines
+        intra_op = str(cpu_threads_per_worker(n))  # undo the nanny's OMP_NUM_THREADS=1 for CPU engines
         env = {
             "OMP_NUM_THREADS": intra_op,
             "MKL_NUM_THREADS": intra_op,
