@@ -476,6 +476,16 @@ def test_delta(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_cpu_threads(tmp_path):
+    """Both thread counts generate the whole job (every sample its full length); ratios are over the first side."""
+    out, text = run_script("cpu_threads.py", tmp_path, "--prompts", "2", "--max-new-tokens", "8", "--repeats", "2")
+    rows = table_rows(text, "threads")
+    assert [(row["threads"], row["tokens"]) for row in rows] == [("1", "32"), ("2", "32")], rows
+    assert rows[0]["tokens/s / first side's"] == rows[0]["CPU per token / first side's"] == "1", rows
+    assert float(rows[1]["CPU s"]) > 0 and "the order alternating" in out, out
+
+
+@pytest.mark.timeout(300)
 def test_object_store(tmp_path):
     out, _ = run_script(
         "object_store.py",
