@@ -29,18 +29,7 @@ from pathlib import Path
 
 import pytest
 
-# One torch CPU thread per process: the lanes run two or three test processes on two cores, each starting Dask
-# workers and engines, and models this small gain little from a second thread, which spins between operations, CPU
-# taken from the other processes.  Set before anything imports torch; the CLI runs, their workers and servers
-# inherit it.  tests/test_deploy.py checks the default (the cores shared out) with the tunable unset.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("DASK_DASKGEN__LOCAL_CPU_THREADS", "1")
-if "dask" in sys.modules:  # Dask read its environment variables when it was imported
-    import dask.config
-
-    dask.config.refresh()
-
-from tests import module_order  # noqa: E402
+from tests import module_order
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -179,6 +168,22 @@ _NOT_APPLICABLE_KEY = pytest.StashKey[list]()
 _LANE_PROBLEMS_KEY = pytest.StashKey[list]()
 _XDIST_SELECTED_KEY = pytest.StashKey[list]()
 _MODULE_SECONDS: dict[str, float] = {}  # module -> seconds of its tests' setup, call and teardown in this pytest run
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One torch CPU thread per test process, and per worker of the local clusters the tests start.
+
+    The lanes run two or three test processes on two cores, each starting Dask workers and engines, and models this
+    small gain little from a second thread, which spins between operations, CPU taken from the other processes.
+    Set here, before collection imports torch, and only in pytest's own processes (worker processes that import
+    this module keep the config their nanny gave them); the CLI runs, their workers and servers inherit the
+    variables.  tests/test_deploy.py checks the default (the cores shared out) with the tunable unset.
+    """
+    import dask.config
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    threads = os.environ.setdefault("DASK_DASKGEN__LOCAL_CPU_THREADS", "1")
+    dask.config.set({"daskgen.local-cpu-threads": int(threads)})
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -37,5 +37,7 @@ def test_tail_control_benchmark_runs(tmp_path):
     (record,) = (tmp_path / "results").glob("*-tail_control*.md")  # one record, a file of its own
     text = record.read_text()
     assert text.startswith("# Tail control: full run vs target / deadline stop (simulated engine) — ")
-    assert "Command: `python benchmarks/tail_control.py --prompts 16 " in text and "Commit: benchmarks/ at " in text
+    shown = "DASK_DASKGEN__LOCAL_CPU_THREADS=1 "  # the test session's setting (tests/conftest.py), named as it ran
+    assert f"Command: `{shown}python benchmarks/tail_control.py --prompts 16 " in text, text[:400]
+    assert "Commit: benchmarks/ at " in text
     assert "| full |" in text and list((tmp_path / "results").iterdir()) == [record]

@@ -576,6 +576,7 @@ def test_a_records_command_names_the_settings_that_change_daskgen(monkeypatch):
     monkeypatch.setenv("DASK_DASKGEN__WORKER_GC__THRESHOLD", "10000")
     monkeypatch.setenv("DASKGEN_SRC", "/tmp/some checkout")
     monkeypatch.setenv("DASK_DISTRIBUTED__WORKER__DAEMON", "False")  # not daskgen's: not shown
+    monkeypatch.delenv("DASK_DASKGEN__LOCAL_CPU_THREADS")  # the test session's own (tests/conftest.py)
     monkeypatch.setattr(sys, "argv", [str(BENCH / "overhead.py"), "--repeats", "2"])
     line = records.command_line()
     env = "DASKGEN_SRC='/tmp/some checkout' DASK_DASKGEN__WORKER_GC__THRESHOLD=10000"

@@ -82,6 +82,9 @@ def test_the_tests_run_one_torch_thread_per_process_and_their_local_clusters_too
     assert os.environ["OMP_NUM_THREADS"] and os.environ["DASK_DASKGEN__LOCAL_CPU_THREADS"]
     assert tunables.get("local-cpu-threads") == int(os.environ["DASK_DASKGEN__LOCAL_CPU_THREADS"])
     assert cpu_threads_per_worker(1) == tunables.get("local-cpu-threads")
+    import torch  # imported after the variable was set: its thread pool has that size
+
+    assert torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"])
 
 
 def test_the_engine_versions_the_front_page_names_are_the_pinned_ones():
