@@ -3,10 +3,10 @@
 The ``transformers`` engine in this process generates the same greedy job (every sample exactly
 ``--max-new-tokens`` long) with ``num_threads`` = each of ``--threads`` in turn, the order alternating between
 repeats; a local cluster's worker gets the same thread count from ``daskgen.local-cpu-threads`` (its
-``OMP_NUM_THREADS``).  Measured around generation only (the engine started, the model loaded): wall seconds and this
-process's CPU seconds, all of its threads.  Reported per side: tokens/s and CPU seconds per 1,000 tokens, and each
-side over the first one.  Where a second thread has nothing to do between operations it spins: the CPU per token
-rises while the tokens/s do not.
+``OMP_NUM_THREADS``).  Each side is ``overhead_engine.direct_engine``: the engine started and checked, then the job
+timed: wall seconds and the CPU seconds of this process and its children.  Reported per side: tokens/s and CPU
+seconds per 1,000 tokens, and each side over the first one.  Where a second thread has nothing to do between
+operations it spins: the CPU per token rises while the tokens/s do not.
 
     python benchmarks/cpu_threads.py                         # the tiny test model (built here)
     python benchmarks/cpu_threads.py --model <SmolLM2-135M-Instruct folder> --max-new-tokens 64
@@ -15,22 +15,15 @@ rises while the tokens/s do not.
 from __future__ import annotations
 
 import asyncio
-import resource
-import time
 from pathlib import Path
 from typing import Any
 
 from common import cli, records
+from overhead_engine import direct_engine
 
 TINY = "the tiny test model (daskgen.models)"
 HEADER = ["threads", "tokens", "wall s", "tokens/s", "CPU s", "CPU s per 1,000 tokens", "tokens/s / first side's",
           "CPU per token / first side's"]  # fmt: skip
-
-
-def cpu_seconds() -> float:
-    """CPU seconds of this process so far, every thread's."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def prompt_ids(model: str, n: int) -> list[list[int]]:
@@ -41,26 +34,14 @@ def prompt_ids(model: str, n: int) -> list[list[int]]:
     return [tokenizer(f"Question {i}: list {i + 3} facts about the number {7 * i + 1}.")["input_ids"] for i in range(n)]
 
 
-async def generate_side(model: str, threads: int, prompts: list[list[int]], max_new: int) -> dict[str, Any]:
-    """One side: start the engine with ``threads``, time the job, shut it down."""
-    from daskgen.engines import get_engine_class
+def generate_side(model: str, threads: int, prompts: list[list[int]], max_new: int) -> dict[str, Any]:
+    """One side: the engine with ``threads`` driven directly (:func:`overhead_engine.direct_engine`)."""
     from daskgen.engines.base import GenerationRequest, SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new, min_new_tokens=max_new, temperature=0.0)
-    engine = get_engine_class("transformers")(model, num_threads=threads)
-    await engine.start()
-    try:
-        requests = [GenerationRequest(f"t{threads}-{i}", p, params) for i, p in enumerate(prompts)]
-        cpu0, wall0 = cpu_seconds(), time.monotonic()
-        results = await asyncio.gather(*(engine.generate(r) for r in requests))
-        wall, cpu = time.monotonic() - wall0, cpu_seconds() - cpu0
-    finally:
-        await engine.shutdown()
-    errors = [r.error for r in results if r.error]
-    if errors:
-        raise SystemExit(f"{len(errors)} requests failed with {threads} threads, e.g. {errors[0]}")
-    tokens = sum(len(r.output_ids) for r in results)
-    return {"threads": threads, "tokens": tokens, "wall": wall, "cpu": cpu, "outputs": [r.output_ids for r in results]}
+    requests = [GenerationRequest(f"t{threads}-{i}", p, params) for i, p in enumerate(prompts)]
+    side = asyncio.run(direct_engine("transformers", model, {"num_threads": threads}, requests))
+    return {**side, "threads": threads, "wall": side["seconds"], "cpu": sum(side["cpu"].values())}
 
 
 def model_folder(a: Any, work: Path) -> str:
@@ -87,7 +68,7 @@ def main() -> int:
         runs: list[dict[str, Any]] = []
         for repeat in range(a.repeats):
             order = threads if repeat % 2 == 0 else threads[::-1]
-            runs += [asyncio.run(generate_side(model, n, prompts, a.max_new_tokens)) for n in order]
+            runs += [generate_side(model, n, prompts, a.max_new_tokens) for n in order]
     equal = sum(run["outputs"] == runs[0]["outputs"] for run in runs)
     rows, first = [], None
     for n in threads:

@@ -99,7 +99,8 @@ async def direct_engine(engine: str, model: str, engine_args: dict[str, Any], re
     if errors:
         raise RuntimeError(f"direct engine run failed: {errors[0]}")
     tokens = sum(len(r.output_ids) for r in results)
-    return {"seconds": seconds, "tokens": tokens, "window": (wall0, wall0 + seconds), "cpu": used}
+    outputs = [r.output_ids for r in results]
+    return {"seconds": seconds, "tokens": tokens, "window": (wall0, wall0 + seconds), "cpu": used, "outputs": outputs}
 
 
 def worker_pid(client: Any) -> int:
