@@ -30,6 +30,9 @@ pytestmark = pytest.mark.timeout(300)
 #: ``daskgen.scheduler-lost-after`` in these runs, and how late past it the client may notice (one
 #: housekeeping round of the client, the pipe to the test, a loaded machine).
 LIMIT_S, MARGIN_S = 3.0, 1.5
+#: Rows whose requests wait, once sent, until the test releases them (after the loss): one partition is then
+#: surely in flight on the worker when the scheduler goes.
+HELD = frozenset(range(40, 44))
 #: What the client prints at the moment it notices (daskgen.client.scheduler_watch).
 NOTICED = "is lost ("
 
@@ -83,6 +86,15 @@ def _wait_for_commits(out, client: subprocess.Popen, lines: OutputLines) -> None
         assert time.monotonic() < deadline, "no commits within 120 s"
         time.sleep(0.2)
     assert client.poll() is None and _done(out).sum() < 120, "the run must still be going"
+
+
+def _wait_for_held(tmp_path, client: subprocess.Popen, lines: OutputLines) -> None:
+    """Until the worker holds a partition in flight: a request of the held rows reached the engine."""
+    deadline = time.monotonic() + 120
+    while not HELD & set(sent_rows(tmp_path)):
+        assert client.poll() is None, lines.join()
+        assert time.monotonic() < deadline, f"no request of rows {sorted(HELD)} within 120 s"
+        time.sleep(0.1)
 
 
 def _finished_not_committed(out) -> np.ndarray:
@@ -154,17 +166,20 @@ def test_scheduler_lost_mid_run_exits_3_and_the_rerun_keeps_earlier_rows(tmp_pat
         client = popen_cli(
             "run",
             *("--prompts", prompts, "--store", out, "--scheduler-address", address, *run_args(tmp_path)),
+            *("--engine-arg", f"hold_rows={list(HELD)}", "--engine-arg", f"hold_until={tmp_path / 'release'}"),
             env={"DASK_DASKGEN__SCHEDULER_LOST_AFTER": f"{LIMIT_S:g}s"},
         )
         lines = OutputLines(client)
         _wait_for_commits(out, client, lines)
+        _wait_for_held(tmp_path, client, lines)
         lost_at = time.monotonic()  # before the signal: the client may read the closed connection before kill returns
         os.kill(scheduler.pid, how)
         output = _stopped_in_time(client, lines, lost_at, hung=how == signal.SIGSTOP)
         assert f"lost the Dask scheduler {address}" in output and why in output, output
         assert "Traceback" not in output, output[-6000:]
-        # beside a hung scheduler the worker goes on with the partitions it holds: one of them finishes with
+        # beside a hung scheduler the worker goes on with the partitions it holds: the held one finishes with
         # nobody to commit it (beside a dead one it may, or may cancel them)
+        (tmp_path / "release").touch()
         deadline = time.monotonic() + 60
         while how == signal.SIGSTOP and not _finished_not_committed(out).any():
             assert time.monotonic() < deadline, "the orphaned worker finished no partition"

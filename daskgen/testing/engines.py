@@ -56,8 +56,9 @@ class RecordingEngine(_Wrapper):
     ``timing_log`` (file to append ``id start end output_tokens`` to as each request finishes, wall-clock
     seconds: where a benchmark sees the engine's own span),
     ``poison_rows`` (rows whose requests raise, simulating an engine crash), ``kill_rows`` (rows whose
-    requests SIGKILL the process the engine runs in, after logging the call), and every other key is
-    passed to the inner engine.
+    requests SIGKILL the process the engine runs in, after logging the call), ``hold_rows`` and ``hold_until``
+    (rows whose requests, once logged, wait until the file ``hold_until`` exists: a test then knows a partition
+    is in flight on the worker), and every other key is passed to the inner engine.
     """
 
     name = "recording"
@@ -75,6 +76,8 @@ class RecordingEngine(_Wrapper):
         api_key: str | None = None,
         prompts_log: str | None = None,
         timing_log: str | None = None,
+        hold_rows: list[int] | None = None,
+        hold_until: str | None = None,
         **inner_args: Any,
     ) -> None:
         super().__init__(model, inner=inner, log_path=log_path, poison_rows=poison_rows, **inner_args)
@@ -87,6 +90,7 @@ class RecordingEngine(_Wrapper):
         self.poison = {f"p{r}-" for r in (poison_rows or [])}
         self.hang = {f"p{r}-" for r in (hang_rows or [])}
         self.kill = {f"p{r}-" for r in (kill_rows or [])}
+        self.hold, self.hold_until = {f"p{r}-" for r in (hold_rows or [])}, hold_until
         self.hang_all = False
         self.hang_once_flag, self.hang_after, self.calls = hang_once_flag, hang_after, 0
 
@@ -111,6 +115,9 @@ class RecordingEngine(_Wrapper):
             raise RuntimeError(f"poison prompt crashed the engine ({request.request_id})")
         if self.hang_all or any(request.request_id.startswith(p) for p in self.hang):
             await asyncio.Event().wait()  # never answers
+        if self.hold_until and any(request.request_id.startswith(p) for p in self.hold):
+            while not os.path.exists(self.hold_until):
+                await asyncio.sleep(0.05)
         start = time.time()
         result = await self.inner.generate(request)
         if self.timing_log and request.request_id != "daskgen-health":
