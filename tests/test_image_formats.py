@@ -172,6 +172,14 @@ def test_multi_modal_can_be_left_out_and_a_different_processor_is_refused(image_
     (other / "preprocessor_config.json").write_text(json.dumps(config))
     with pytest.raises(StoreMismatchError, match="not the one the run used"):
         followed(store, "tensordict", image_model=str(other))
+    from daskgen.formats.multimodal import StoreImages
+
+    recorded = store.attrs.input["image_processor"]
+    assert recorded["decoding"] == "exif-orientation; alpha over white", recorded
+    earlier = StoreImages(store)
+    earlier.recorded.pop("decoding")  # as a store written before images were decoded by the recorded rule
+    with pytest.raises(StoreMismatchError, match="decoded its images by 'an earlier rule'"):
+        earlier.processing  # noqa: B018 - the check runs when the processing is first needed
 
 
 def test_parquet_export_names_images_by_reference_or_writes_each_once(image_run, tmp_path) -> None:  # noqa: F811

@@ -240,6 +240,7 @@ def test_bad_images_are_refused_at_the_scan_naming_the_row_and_the_image(tmp_pat
         {"prompt": "d", "images": [str(images["large"])]},
         {"prompt": "e", "images": [str(images["tiny"])] * 3},
         {"messages": user({"type": "video", "video": "x.mp4"})},
+        {"prompt": "g", "images": [str(_wide_image(tmp_path / "wide.png"))]},
     ]
     prompts = write_rows(tmp_path / "p.jsonl", rows)
     config = RunConfig(prompts=str(prompts), store=str(tmp_path / "s.zarr"), model=str(vl_model), engine="transformers")
@@ -253,7 +254,80 @@ def test_bad_images_are_refused_at_the_scan_naming_the_row_and_the_image(tmp_pat
     assert "row 4: column 'images'[0]: image" in text and "2000x1500 = 3000000 pixels" in text
     assert "row 5: 3 images, more than daskgen.images.max-per-prompt=2" in text
     assert "row 6: column 'messages'[0].content[0]: expected a content part" in text
+    assert "row 7: column 'images'[0]: image" in text and "wide.png' is 5000x20 pixels, which the model's image" in text
+    assert "aspect ratio must be smaller than 200" in text and "crop, pad or resize the image" in text
     assert not (tmp_path / "s.zarr").exists()
+
+
+def _wide_image(path: Path) -> Path:
+    """An image the Qwen2-VL processor refuses (aspect ratio over 200)."""
+    from PIL import Image
+
+    Image.new("RGB", (5000, 20), (200, 30, 30)).save(path)
+    return path
+
+
+def test_an_image_the_processor_refuses_stops_the_cli_before_any_engine_naming_the_row(tmp_path, vl_model) -> None:
+    prompts = write_rows(tmp_path / "p.jsonl", [{"prompt": "g", "images": [str(_wide_image(tmp_path / "w.png"))]}])
+    res = run_cli(*run_args(prompts, tmp_path / "s.zarr", vl_model))
+    output = res.stdout + res.stderr
+    assert res.returncode == 2 and "row 1: column 'images'[0]: image" in output and "aspect ratio" in output, output
+    assert "Traceback" not in output and not (tmp_path / "s.zarr").exists(), output
+
+
+def _encoded(image, fmt: str, **save) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **save)
+    return buffer.getvalue()
+
+
+def test_images_decode_as_shown_and_blend_transparency_onto_white_as_the_processor_does(vl_model) -> None:
+    """Each image's pixels equal the model's own processor given the file as a viewer shows it: transparency
+    blended onto white (the processor's own rule for an image with alpha, not Pillow's drop of the alpha band),
+    EXIF orientation applied, and the scan's token count from the turned size."""
+    import io
+
+    import numpy as np
+    from PIL import Image, ImageOps
+
+    from daskgen.images.processor import DECODING, ImageProcessing, oriented_size
+
+    processing = ImageProcessing(str(vl_model))
+    own = processing.processor
+    rng = np.random.default_rng(7)
+    rgba = Image.fromarray(rng.integers(0, 256, (40, 56, 4), dtype=np.uint8), "RGBA")
+    rgba.putpixel((0, 0), (0, 0, 0, 0))  # a transparent black pixel: white once blended, black with the alpha dropped
+    files = {
+        "RGBA png": _encoded(rgba, "PNG"),
+        "LA png": _encoded(rgba.convert("LA"), "PNG"),
+        "RGBA webp": _encoded(rgba, "WEBP", lossless=True),
+        "P png with a transparent index": _encoded(rgba.convert("RGB").convert("P"), "PNG", transparency=0),
+        "CMYK jpeg": _encoded(rgba.convert("CMYK"), "JPEG"),
+        "16-bit grey png": _encoded(Image.fromarray(rng.integers(0, 65535, (40, 56), dtype=np.uint16)), "PNG"),
+    }
+    for name, data in files.items():
+        expected = np.asarray(own(images=[Image.open(io.BytesIO(data))], return_tensors="np")["pixel_values"])
+        np.testing.assert_allclose(processing.process(data).pixel_values, expected, err_msg=name)
+    dropped = np.asarray(
+        own(images=[Image.open(io.BytesIO(files["RGBA png"])).convert("RGB")], return_tensors="np")["pixel_values"]
+    )
+    assert not np.allclose(processing.process(files["RGBA png"]).pixel_values, dropped)
+
+    stored = Image.fromarray(rng.integers(0, 256, (112, 56, 3), dtype=np.uint8), "RGB")  # 56 wide, 112 high
+    exif = stored.getexif()
+    exif[0x0112] = 6  # shown turned a quarter: 112 wide, 56 high
+    turned = _encoded(stored, "JPEG", exif=exif)
+    shown = ImageOps.exif_transpose(Image.open(io.BytesIO(turned)))
+    assert oriented_size(Image.open(io.BytesIO(turned))) == shown.size == (112, 56)
+    processed = processing.process(turned)
+    expected = own(images=[shown], return_tensors="np")
+    np.testing.assert_allclose(processed.pixel_values, np.asarray(expected["pixel_values"]))
+    assert processed.grid == tuple(int(v) for v in expected["image_grid_thw"][0])
+    assert processed.grid != tuple(int(v) for v in own(images=[stored], return_tensors="np")["image_grid_thw"][0])
+    assert processing.tokens_for(*oriented_size(Image.open(io.BytesIO(turned)))) == processed.tokens
+    assert processing.identity()["decoding"] == DECODING
 
 
 def test_an_engine_or_model_without_vision_is_refused_before_any_engine_starts(tmp_path, vl_model, images) -> None:

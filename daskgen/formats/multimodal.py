@@ -69,6 +69,12 @@ class StoreImages:
 
             processing = ImageProcessing(self.model, trust_remote_code=self.trust_remote_code)
             found, recorded = processing.identity(), self.recorded
+            if recorded and found.get("decoding") != recorded.get("decoding", "an earlier rule"):
+                raise StoreMismatchError(
+                    f"the run decoded its images by {recorded.get('decoding', 'an earlier rule')!r}, this daskgen "
+                    f"by {found.get('decoding')!r}: pixel values made here would not be what the model saw. Read "
+                    "the store with the daskgen version that wrote it."
+                )
             if recorded and [found.get(k) for k in ("class", "settings")] != [
                 recorded.get(k) for k in ("class", "settings")
             ]:

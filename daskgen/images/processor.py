@@ -3,8 +3,9 @@
 :class:`ImageProcessing` loads the processor from the model folder (transformers' ``AutoImageProcessor``) and
 answers for the client's scan (:meth:`~ImageProcessing.tokens_for`: the placeholder count from the image's size,
 without decoding it) and for the workers (:meth:`~ImageProcessing.process`: decode, resize, normalize).  Its
-:meth:`~ImageProcessing.identity` (class, settings, transformers version) is part of the store's identity, so a
-resume with other preprocessing is refused.  Importing this module imports neither Pillow nor transformers.
+:meth:`~ImageProcessing.identity` (class, settings, transformers version, :data:`DECODING`) is part of the store's
+identity, so a resume with other preprocessing is refused.  Importing this module imports neither Pillow nor
+transformers.
 """
 
 from __future__ import annotations
@@ -40,11 +41,39 @@ def open_image(data: bytes) -> Any:
         raise InputError(f"not an image Pillow can read ({type(exc).__name__}: {exc})") from exc
 
 
-def decoded_rgb(data: bytes) -> Any:
-    """``data`` decoded into an RGB Pillow image; :class:`InputError` when it cannot be decoded."""
-    image = open_image(data)
+#: How daskgen turns an image file into the RGB pixels the processor gets; part of the processor's identity, so a
+#: store made under another rule is not resumed with this one.
+DECODING = "exif-orientation; alpha over white"
+
+
+def oriented_size(image: Any) -> tuple[int, int]:
+    """``(width, height)`` of a Pillow image as it is shown: swapped when its EXIF orientation turns it a quarter
+    (read from the header, without decoding)."""
+    width, height = image.size
     try:
-        return image.convert("RGB")
+        orientation = image.getexif().get(0x0112, 1)
+    except Exception:  # a damaged EXIF block: the image is shown as stored
+        orientation = 1
+    return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
+
+
+def decoded_rgb(data: bytes) -> Any:
+    """``data`` decoded into an RGB Pillow image (:data:`DECODING`); :class:`InputError` when it cannot be decoded.
+
+    The image is turned as its EXIF orientation says (as a viewer shows it, and as transformers' ``load_image``
+    loads it), and an image with transparency is blended onto white, as transformers' image processors blend one
+    they are given (text drawn on a transparent background stays readable).
+    """
+    from PIL import Image, ImageOps
+
+    try:
+        image = ImageOps.exif_transpose(open_image(data))
+        if image.mode == "RGB":
+            return image
+        rgba = np.asarray(image.convert("RGBA"), dtype=np.float64)
+        alpha = rgba[..., 3:4] / 255.0
+        blended = np.round(alpha * rgba[..., :3] + (1.0 - alpha) * 255.0).astype(np.uint8)
+        return Image.fromarray(blended, "RGB")
     except (OSError, ValueError, SyntaxError) as exc:
         raise InputError(f"the image cannot be decoded ({type(exc).__name__}: {exc})") from exc
 
@@ -77,13 +106,22 @@ class ImageProcessing:
     def identity(self) -> dict[str, Any]:
         """What a resume must share: the processor's class, settings and the transformers version."""
         settings = json.loads(json.dumps(self.processor.to_dict(), sort_keys=True, default=str))
-        return {"class": type(self.processor).__name__, "settings": settings, "transformers": self._version}
+        return {
+            "class": type(self.processor).__name__,
+            "settings": settings,
+            "transformers": self._version,
+            "decoding": DECODING,
+        }
 
     def tokens_for(self, width: int, height: int) -> int:
-        """Placeholder tokens of an image of ``width`` x ``height`` pixels (after the processor's resizing)."""
+        """Placeholder tokens of an image of ``width`` x ``height`` pixels (after the processor's resizing);
+        :class:`InputError` naming the processor's reason when it refuses such an image."""
         counter = getattr(self.processor, "get_number_of_image_patches", None)
-        if counter is not None:
-            return int(counter(height, width, {})) // (self.merge * self.merge)
+        try:
+            if counter is not None:
+                return int(counter(height, width, {})) // (self.merge * self.merge)
+        except ValueError as exc:
+            raise self._refused(width, height, exc) from exc
         from PIL import Image
 
         return self._processed(Image.new("RGB", (width, height))).tokens
@@ -92,8 +130,18 @@ class ImageProcessing:
         """Decode ``data`` and run the processor on it (CPU; blocking)."""
         return self._processed(decoded_rgb(data))
 
+    def _refused(self, width: int, height: int, exc: Exception) -> InputError:
+        return InputError(
+            f"is {width}x{height} pixels, which the model's image processor ({type(self.processor).__name__}) "
+            f"refuses: {exc}; crop, pad or resize the image"
+        )
+
     def _processed(self, image: Any) -> ProcessedImage:
-        out = self.processor(images=[image], return_tensors="np")
+        try:
+            out = self.processor(images=[image], return_tensors="np")
+        except ValueError as exc:
+            width, height = image.size
+            raise self._refused(width, height, exc) from exc
         grid = tuple(int(v) for v in np.asarray(out["image_grid_thw"])[0])
         pixels = np.asarray(out["pixel_values"], dtype=np.float32)
         t, h, w = grid

@@ -18,7 +18,7 @@ from typing import Any
 
 from daskgen import tunables
 from daskgen.errors import InputError
-from daskgen.images.processor import ImageProcessing, open_image
+from daskgen.images.processor import ImageProcessing, open_image, oriented_size
 from daskgen.input.image_refs import image_refs, resolved
 from daskgen.store.images import image_hash
 from daskgen.store.objects.image_urls import read_image_bytes
@@ -85,18 +85,22 @@ class ImageCheck:
         data = read_image_bytes(url, self.storage_options)
         self._digest.update(image_hash(data).encode())
         self.n_images += 1
-        image = open_image(data)
-        width, height = image.size
+        try:
+            open_image(data).verify()  # first after opening, as Pillow requires
+        except InputError:
+            raise
+        except Exception as exc:  # Pillow raises several types for a broken file
+            raise InputError(f"image {url!r:.100} is damaged ({type(exc).__name__}: {exc})") from exc
+        width, height = oriented_size(open_image(data))
         if width * height > self.max_pixels:
             raise InputError(
                 f"image {url!r:.100} is {width}x{height} = {width * height} pixels, more than "
                 f"daskgen.images.max-pixels={self.max_pixels}; resize it or raise the setting"
             )
         try:
-            image.verify()
-        except Exception as exc:  # Pillow raises several types for a broken file
-            raise InputError(f"image {url!r:.100} is damaged ({type(exc).__name__}: {exc})") from exc
-        return self.processing.tokens_for(width, height)
+            return self.processing.tokens_for(width, height)
+        except InputError as exc:
+            raise InputError(f"image {url!r:.100} {exc}") from exc
 
     def digest(self) -> str:
         """The digest of every image's hash in input order ("" when the input has no images)."""
