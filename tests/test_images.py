@@ -241,6 +241,7 @@ def test_bad_images_are_refused_at_the_scan_naming_the_row_and_the_image(tmp_pat
         {"prompt": "e", "images": [str(images["tiny"])] * 3},
         {"messages": user({"type": "video", "video": "x.mp4"})},
         {"prompt": "g", "images": [str(_wide_image(tmp_path / "wide.png"))]},
+        {"prompt": "h", "images": [str(_png_header_only(tmp_path / "huge.png", 20_000, 10_000))]},
     ]
     prompts = write_rows(tmp_path / "p.jsonl", rows)
     config = RunConfig(prompts=str(prompts), store=str(tmp_path / "s.zarr"), model=str(vl_model), engine="transformers")
@@ -256,6 +257,7 @@ def test_bad_images_are_refused_at_the_scan_naming_the_row_and_the_image(tmp_pat
     assert "row 6: column 'messages'[0].content[0]: expected a content part" in text
     assert "row 7: column 'images'[0]: image" in text and "wide.png' is 5000x20 pixels, which the model's image" in text
     assert "aspect ratio must be smaller than 200" in text and "crop, pad or resize the image" in text
+    assert "row 8: column 'images'[0]: too large for Pillow to open (Image size (200000000 pixels)" in text
     assert not (tmp_path / "s.zarr").exists()
 
 
@@ -264,6 +266,20 @@ def _wide_image(path: Path) -> Path:
     from PIL import Image
 
     Image.new("RGB", (5000, 20), (200, 30, 30)).save(path)
+    return path
+
+
+def _png_header_only(path: Path, width: int, height: int) -> Path:
+    """A PNG whose header names ``width`` x ``height`` pixels (its data is not that image)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    body = chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + body)
     return path
 
 

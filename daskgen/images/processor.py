@@ -37,6 +37,8 @@ def open_image(data: bytes) -> Any:
 
     try:
         return Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:  # its header names more pixels than Pillow opens
+        raise InputError(f"too large for Pillow to open ({exc}); resize it") from exc
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise InputError(f"not an image Pillow can read ({type(exc).__name__}: {exc})") from exc
 
