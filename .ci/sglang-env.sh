@@ -5,7 +5,7 @@
 #   .ci/sglang-env.sh VENV [CACHE_DIR]
 #
 # VENV       the virtualenv to create or update (e.g. .venv-sglang)
-# CACHE_DIR  pip's download cache (default: $DASKGEN_CI_CACHE or ~/.cache/daskgen-ci); reused
+# CACHE_DIR  the download caches (pip's, uv's) (default: $DASKGEN_CI_CACHE or ~/.cache/daskgen-ci); reused
 #            across runs so that a rebuild downloads nothing
 #
 # Idempotent: a stamp in VENV records a hash of this script and the constraints file; when it
@@ -29,20 +29,15 @@ CONSTRAINTS="$HERE/sglang-constraints.txt"
 PYTHON="${PYTHON:-python3.11}"
 SGLANG_VERSION="0.5.23"
 
-export PIP_CACHE_DIR="$CACHE/pip" PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
+export PIP_CACHE_DIR="$CACHE/pip" UV_CACHE_DIR="$CACHE/uv" PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 mkdir -p "$PIP_CACHE_DIR"
+. "$HERE/install.sh"
 
 stamp="$VENV/.daskgen-sglang-env"
 want="$(cat "${BASH_SOURCE[0]}" "$CONSTRAINTS" | sha256sum | cut -d' ' -f1)"
 
-pip_install() {
-  # --no-compile: modules are compiled when first imported (the lane writes bytecode), not all ~25,000 now.
-  # Hide two expected kinds of noise: the local index's missing folders, and pip's report that
-  # sglang's CUDA-only requirements (skipped on purpose, see above) are not installed.
-  "$VENV/bin/python" -m pip install -q --no-compile -c "$CONSTRAINTS" "$@" 2>&1 | {
-    grep -v -e "is ignored: it is neither a file nor a directory" -e "^sglang $SGLANG_VERSION requires " \
-      -e "^ERROR: pip's dependency resolver does not currently take into account" || true
-  }
+pip_install() {  # with uv (.ci/install.sh), sglang's pins kept through the constraints file
+  venv_install "$VENV" -c "$CONSTRAINTS" "$@"
 }
 
 smoke_test() {

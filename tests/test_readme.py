@@ -63,13 +63,15 @@ def test_every_lane_writes_bytecode_and_the_engine_lanes_run_on_one_process_each
     assert "lanes run side by side, each on one process" in testing
     assert "`PYTHONDONTWRITEBYTECODE=1`" in testing and "installed without compiling" in testing
     ci = (REPO / ".ci" / "run").read_text()
-    assert "\nunset PYTHONDONTWRITEBYTECODE\n" in ci and ci.count("pip install -q --no-compile") == 3, ci
+    assert "\nunset PYTHONDONTWRITEBYTECODE\n" in ci and ci.count("\nvenv_install .venv ") == 3, ci
+    installer = (REPO / ".ci" / "install.sh").read_text()
+    assert '"$venv/bin/uv" pip install' in installer and "--compile-bytecode" not in installer
     for lane in ("sglang", "vllm"):
         script = (REPO / ".ci" / f"{lane}-lane").read_text()
         assert "\nunset PYTHONDONTWRITEBYTECODE\n" in script, lane
         runs = re.findall(r"-m pytest (?:.*\\\n)*.*", script)  # each command with its continued lines
         assert runs and not any(re.search(r" (-n|--numprocesses)[ =]", run) for run in runs), (lane, runs)
-        assert "-m pip install -q --no-compile" in (REPO / ".ci" / f"{lane}-env.sh").read_text(), lane
+        assert '  venv_install "$VENV"' in (REPO / ".ci" / f"{lane}-env.sh").read_text(), lane
 
 
 def test_the_tests_run_one_torch_thread_per_process_and_their_local_clusters_too():
