@@ -360,6 +360,25 @@ def test_an_engine_or_model_without_vision_is_refused_before_any_engine_starts(t
     assert {"transformers", "simulated"} <= set(served) and not any(name.startswith("vllm") for name in served)
     with pytest.raises(ConfigError, match="has no image processor"):
         prepare(RunConfig(**settings, model=str(build_tiny_model(tmp_path / "tiny")), engine="transformers"))
+    llava = _llava_like_folder(build_tiny_model(tmp_path / "tiny"), tmp_path / "llava")
+    with pytest.raises(ConfigError, match=r"\(CLIPImageProcessor\w*\) that gives no patch grid per image"):
+        prepare(RunConfig(**settings, model=str(llava), engine="transformers"))
+
+
+def _llava_like_folder(text_model: Path, out: Path) -> Path:
+    """A LLaVA configuration with a CLIP image processor beside a tiny model's tokenizer (no weights: the plan
+    refuses it before any engine would load them)."""
+    from transformers import AutoTokenizer, CLIPImageProcessor, CLIPVisionConfig, LlavaConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(text_model)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.save_pretrained(out)
+    text = json.loads((text_model / "config.json").read_text())
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    image = tokenizer.convert_tokens_to_ids("<image>")
+    LlavaConfig(text_config=text, vision_config=vision.to_dict(), image_token_index=image).save_pretrained(out)
+    CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}).save_pretrained(out)
+    return out
 
 
 def test_placeholders_expand_to_each_images_tokens_and_the_delta_follows_the_grid() -> None:

@@ -95,6 +95,13 @@ class ImageProcessing:
                 "vision-language model folder (with preprocessor_config.json), such as Qwen2-VL's, or "
                 "`daskgen models tiny-vl` for tests."
             ) from exc
+        if "image_grid_thw" not in (getattr(self.processor, "model_input_names", None) or ()):
+            raise ConfigError(
+                f"model {model!r} has an image processor ({type(self.processor).__name__}) that gives no patch grid "
+                "per image (image_grid_thw): daskgen places images for vision-language models whose processor "
+                "gives one, as Qwen2-VL's does; run this model's image rows with another tool, or its text-only "
+                "rows here."
+            )
         self.merge = int(getattr(self.processor, "merge_size", 1) or 1)
         self._version = transformers.__version__
         tokens = VisionTokens.of(transformers.AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code))
