@@ -28,7 +28,7 @@ for flag, part in seen:
 venv_install() {  # VENV ARGS...
   local venv="$1"
   shift
-  [ -x "$venv/bin/uv" ] || "$venv/bin/python" -m pip install -q --disable-pip-version-check "uv==$UV_VERSION"
+  [ -x "$venv/bin/uv" ] || "$venv/bin/python" -m pip install -qq --disable-pip-version-check "uv==$UV_VERSION"
   local sources=()
   mapfile -t sources < <(pip_sources)
   # UV_NATIVE_TLS: the system's certificates, which this machine's pip is configured with

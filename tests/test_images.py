@@ -343,6 +343,13 @@ def test_images_decode_as_shown_and_blend_transparency_onto_white_as_the_process
     assert processed.grid == tuple(int(v) for v in expected["image_grid_thw"][0])
     assert processed.grid != tuple(int(v) for v in own(images=[stored], return_tensors="np")["image_grid_thw"][0])
     assert processing.tokens_for(*oriented_size(Image.open(io.BytesIO(turned)))) == processed.tokens
+    for orientation in range(1, 9):  # each way a camera records a turn or a mirror: as Pillow's exif_transpose shows it
+        exif[0x0112] = orientation
+        data = _encoded(stored, "PNG", exif=exif)
+        shown = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
+        expected = own(images=[shown], return_tensors="np")["pixel_values"]
+        np.testing.assert_allclose(processing.process(data).pixel_values, np.asarray(expected), err_msg=orientation)
+        assert oriented_size(Image.open(io.BytesIO(data))) == shown.size, orientation
     assert processing.identity()["decoding"] == DECODING
 
 

@@ -48,15 +48,20 @@ def open_image(data: bytes) -> Any:
 DECODING = "exif-orientation; alpha over white"
 
 
+def _orientation(image: Any) -> int:
+    """The EXIF orientation of a Pillow image (1, as stored, when it has none or its EXIF block is damaged)."""
+    try:
+        value = image.getexif().get(0x0112, 1)
+    except Exception:  # a damaged EXIF block: the image is shown as stored
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
 def oriented_size(image: Any) -> tuple[int, int]:
     """``(width, height)`` of a Pillow image as it is shown: swapped when its EXIF orientation turns it a quarter
     (read from the header, without decoding)."""
     width, height = image.size
-    try:
-        orientation = image.getexif().get(0x0112, 1)
-    except Exception:  # a damaged EXIF block: the image is shown as stored
-        orientation = 1
-    return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
+    return (height, width) if _orientation(image) >= 5 else (width, height)
 
 
 def decoded_rgb(data: bytes) -> Any:
@@ -66,10 +71,23 @@ def decoded_rgb(data: bytes) -> Any:
     loads it), and an image with transparency is blended onto white, as transformers' image processors blend one
     they are given (text drawn on a transparent background stays readable).
     """
-    from PIL import Image, ImageOps
+    from PIL import Image
 
+    turns = {
+        2: Image.Transpose.FLIP_LEFT_RIGHT,
+        3: Image.Transpose.ROTATE_180,
+        4: Image.Transpose.FLIP_TOP_BOTTOM,
+        5: Image.Transpose.TRANSPOSE,
+        6: Image.Transpose.ROTATE_270,
+        7: Image.Transpose.TRANSVERSE,
+        8: Image.Transpose.ROTATE_90,
+    }
     try:
-        image = ImageOps.exif_transpose(open_image(data))
+        image = open_image(data)
+        turn = turns.get(_orientation(image))
+        image.load()
+        if turn is not None:
+            image = image.transpose(turn)
         if image.mode == "RGB":
             return image
         rgba = np.asarray(image.convert("RGBA"), dtype=np.float64)
