@@ -413,6 +413,19 @@ def test_text_parts_only_become_one_string_and_image_parts_the_templates_image()
     assert template_messages(messages) == [{"role": "user", "content": "ab"}]
     with_image = [{"role": "user", "content": [image_part("x.png"), {"type": "text", "text": "a"}]}]
     assert template_messages(with_image)[0]["content"] == [{"type": "image"}, {"type": "text", "text": "a"}]
+    from daskgen.input.image_refs import content_errors, image_refs
+
+    parts = [{"type": "image", key: f"{key}.png"} for key in ("image", "url", "path")]  # transformers' spellings too
+    assert [ref.url for ref in image_refs({"messages": user(*parts, image_part("last.png"))})] == [
+        "image.png",
+        "url.png",
+        "path.png",
+        "last.png",
+    ]
+    assert template_messages(user(*parts))[0]["content"] == [{"type": "image"}] * 3
+    assert content_errors([{"type": "image", "link": "x.png"}], "m") == [
+        "m.content[0]: expected an image URL or file path (a non-empty string), found None"
+    ]
 
 
 def test_image_urls_read_from_object_storage_and_http(s3, s3_server) -> None:  # noqa: F811

@@ -5,7 +5,8 @@ A ``messages`` row names images with OpenAI-style content parts, in any turn::
     {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "photos/cat.jpg"}},
                                  {"type": "text", "text": "What is in the picture?"}]}
 
-(``{"type": "image", "image": URL}`` is taken too); a ``prompt`` row names them in an ``images`` column (a list of
+(``{"type": "image", "image": URL}`` is taken too, and ``"url"`` or ``"path"`` in place of ``"image"``, as
+transformers' chat templates take them); a ``prompt`` row names them in an ``images`` column (a list of
 URLs), and they come before its text.  A URL is a file path (relative: to the prompt file's folder), ``file://``,
 an object-storage URL (``s3://``, ``gs://``, ``az://``: read with the run's ``storage_options``), ``http(s)://``
 or a ``data:`` URL (base64).  A message whose content parts hold only text is joined into one string.
@@ -33,9 +34,17 @@ class ImageRef:
     where: str
 
 
+#: Where an ``image`` content part may hold its URL: under its type (``{"type": "image", "image": URL}``), or as
+#: transformers' chat templates take it (``"url"``, ``"path"``).
+IMAGE_PART_KEYS = ("image", "url", "path")
+
+
 def part_url(part: dict[str, Any]) -> Any:
     """The URL of an image content part (``None`` when the part holds none)."""
-    value = part.get(part.get("type", ""))
+    if part.get("type") == "image":
+        value = next((part[key] for key in IMAGE_PART_KEYS if part.get(key) is not None), None)
+    else:
+        value = part.get(part.get("type", ""))
     if isinstance(value, dict):
         value = value.get("url")
     return value
