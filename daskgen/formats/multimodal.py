@@ -65,15 +65,15 @@ class StoreImages:
     def processing(self) -> Any:
         """The model's image processing, checked against the one the run recorded."""
         if self._processing is None:
-            from daskgen.images.processor import ImageProcessing
+            from daskgen.images.processor import DECODING, ImageProcessing
 
             processing = ImageProcessing(self.model, trust_remote_code=self.trust_remote_code)
             found, recorded = processing.identity(), self.recorded
-            if recorded and found.get("decoding") != recorded.get("decoding", "an earlier rule"):
+            if recorded and recorded.get("decoding") != DECODING:
                 raise StoreMismatchError(
                     f"the run decoded its images by {recorded.get('decoding', 'an earlier rule')!r}, this daskgen "
-                    f"by {found.get('decoding')!r}: pixel values made here would not be what the model saw. Read "
-                    "the store with the daskgen version that wrote it."
+                    f"by {DECODING!r}: pixel values made here would not be what the model saw. Read the store "
+                    "with the daskgen version that wrote it."
                 )
             if recorded and [found.get(k) for k in ("class", "settings")] != [
                 recorded.get(k) for k in ("class", "settings")

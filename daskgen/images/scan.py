@@ -85,10 +85,9 @@ class ImageCheck:
         data = read_image_bytes(url, self.storage_options)
         self._digest.update(image_hash(data).encode())
         self.n_images += 1
+        image = open_image(data)
         try:
-            open_image(data).verify()  # first after opening, as Pillow requires
-        except InputError:
-            raise
+            image.verify()  # first after opening, as Pillow requires; it leaves the image unusable
         except Exception as exc:  # Pillow raises several types for a broken file
             raise InputError(f"image {url!r:.100} is damaged ({type(exc).__name__}: {exc})") from exc
         width, height = oriented_size(open_image(data))
