@@ -66,6 +66,7 @@ def test_every_lane_writes_bytecode_and_the_engine_lanes_run_on_one_process_each
     assert "\nunset PYTHONDONTWRITEBYTECODE\n" in ci and ci.count("\nvenv_install .venv ") == 3, ci
     installer = (REPO / ".ci" / "install.sh").read_text()
     assert '"$venv/bin/uv" pip install' in installer and "--compile-bytecode" not in installer
+    assert "pip's own configuration" in testing and "-m pip config list" in installer and '"${sources[@]}"' in installer
     for lane in ("sglang", "vllm"):
         script = (REPO / ".ci" / f"{lane}-lane").read_text()
         assert "\nunset PYTHONDONTWRITEBYTECODE\n" in script, lane
