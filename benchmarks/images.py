@@ -275,7 +275,7 @@ def part_storage(a: argparse.Namespace, work: Path, rec: records.Record) -> None
     """One run of the shared rows; the store's images/ folder against one copy per sample."""
     import numpy as np
 
-    from daskgen.images.processor import decoded_rgb
+    from daskgen.input.image_decoding import decoded_rgb
 
     model = image_workload.vision_model(work / "storage-model", a.max_pixels)
     distinct, rows = shared_rows(a, work)
@@ -311,7 +311,7 @@ def part_memory(a: argparse.Namespace, work: Path, rec: records.Record) -> None:
     import numpy as np
 
     from daskgen.engines.base import SamplingParams
-    from daskgen.images.processor import decoded_rgb
+    from daskgen.input.image_decoding import decoded_rgb
     from daskgen.store.location import locate
     from daskgen.worker.images import ImagePreparer
 

@@ -308,7 +308,8 @@ def test_images_decode_as_shown_and_blend_transparency_onto_white_as_the_process
     import numpy as np
     from PIL import Image, ImageOps
 
-    from daskgen.images.processor import DECODING, ImageProcessing, oriented_size
+    from daskgen.images.processor import ImageProcessing
+    from daskgen.input.image_decoding import DECODING, oriented_size
 
     processing = ImageProcessing(str(vl_model))
     own = processing.processor
@@ -364,7 +365,7 @@ def test_an_engine_or_model_without_vision_is_refused_before_any_engine_starts(t
     from daskgen.engines.features import engines_serving
 
     served = engines_serving("images")  # what the refusal names (docs/engines.md's images row)
-    assert {"transformers", "simulated"} <= set(served) and not any(name.startswith("vllm") for name in served)
+    assert {"transformers", "simulated", "vllm", "sglang"} <= set(served)
     with pytest.raises(ConfigError, match="has no image processor"):
         prepare(RunConfig(**settings, model=str(build_tiny_model(tmp_path / "tiny")), engine="transformers"))
     llava = _llava_like_folder(build_tiny_model(tmp_path / "tiny"), tmp_path / "llava")

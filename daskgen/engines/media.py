@@ -3,11 +3,13 @@
 The worker preprocesses each image once (:mod:`daskgen.worker.images`) and every sample of its prompt shares the
 one :class:`ImageInput` (no copy per sample).  An engine that takes pixel values reads :attr:`ImageInput.pixel_values`
 and :attr:`ImageInput.grid`; one that preprocesses itself reads :attr:`ImageInput.data`, the image's bytes.  Either
-way the prompt ids already hold each image's placeholder tokens, expanded (``span``).
+way the prompt ids already hold each image's placeholder tokens, expanded (``span``); an engine that expands
+placeholders itself gets them collapsed back to one per image (:func:`collapsed_ids`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,3 +41,13 @@ class ImageInput:
     grid: tuple[int, int, int]
     span: tuple[int, int]
     modality: str = IMAGE
+
+
+def collapsed_ids(prompt_ids: Sequence[int], images: Sequence[ImageInput]) -> list[int]:
+    """``prompt_ids`` with each image's span (its expanded placeholders) collapsed to its first token: the prompt an
+    engine that expands placeholders itself takes beside the raw images."""
+    ids = list(prompt_ids)
+    for image in sorted(images, key=lambda image: image.span[0], reverse=True):
+        start, length = image.span
+        del ids[start + 1 : start + length]
+    return ids

@@ -65,7 +65,8 @@ class StoreImages:
     def processing(self) -> Any:
         """The model's image processing, checked against the one the run recorded."""
         if self._processing is None:
-            from daskgen.images.processor import DECODING, ImageProcessing
+            from daskgen.images.processor import ImageProcessing
+            from daskgen.input.image_decoding import DECODING
 
             processing = ImageProcessing(self.model, trust_remote_code=self.trust_remote_code)
             found, recorded = processing.identity(), self.recorded
@@ -93,7 +94,7 @@ class StoreImages:
     def _made(self, digest: str) -> tuple[Any, Any, tuple[int, int, int]]:
         import torch
 
-        from daskgen.images.processor import decoded_rgb
+        from daskgen.input.image_decoding import decoded_rgb
 
         processing = self.processing  # loaded (and checked) before any image is read
         data = image_bytes(self.location, digest)

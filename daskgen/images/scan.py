@@ -18,7 +18,8 @@ from typing import Any
 
 from daskgen import tunables
 from daskgen.errors import InputError
-from daskgen.images.processor import ImageProcessing, open_image, oriented_size
+from daskgen.images.processor import ImageProcessing
+from daskgen.input.image_decoding import open_image, oriented_size
 from daskgen.input.image_refs import image_refs, resolved
 from daskgen.store.images import image_hash
 from daskgen.store.objects.image_urls import read_image_bytes

@@ -1,12 +1,12 @@
 """Images over SGLang's native ``POST /generate`` (the ``openai`` engine's managed sglang server).
 
 JSON carries no tensors, so a server gets each image as its stored bytes (a base64 ``data:`` URL in ``image_data``)
-and runs the model's image processor itself.  The prompt goes with one placeholder token per image, each image's
-expanded span collapsed back (:func:`compact_ids`): sglang 0.5.23 expands placeholders itself and does not take
-expanded ones beside raw images (such a request never returns).  sglang's expansion must give the prompt the store
-records: :func:`expansion_problem` compares the server's prompt length with the stored prompt's and fails the
-request when they differ.  Only a managed server takes images (:func:`managed_refusals` refuses them for a managed
-server spoken to by another protocol than the native one).
+and runs the model's image processor itself. The prompt goes with one placeholder token per image, each image's
+expanded span collapsed back (:func:`~daskgen.engines.media.collapsed_ids`): sglang 0.5.23 expands placeholders
+itself and does not take expanded ones beside raw images (such a request never returns). sglang's expansion must
+give the prompt the store records: :func:`expansion_problem` compares the server's prompt length with the stored
+prompt's and fails the request when they differ. Only a managed server takes images (:func:`managed_refusals`
+refuses them for a managed server spoken to by another protocol than the native one).
 """
 
 from __future__ import annotations
@@ -16,22 +16,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from daskgen.engines.base import GenerationRequest
+from daskgen.engines.media import collapsed_ids
 from daskgen.engines.sglang.args import lora_refusal
 from daskgen.engines.sglang.images import images_refusal
 
-__all__ = ["compact_ids", "expansion_problem", "image_fields", "managed_refusals"]
+__all__ = ["expansion_problem", "image_fields", "managed_refusals"]
 
 #: The ``api`` values that reach a managed server's native ``/generate`` (the only protocol that sends images).
 NATIVE_APIS = ("auto", "sglang")
-
-
-def compact_ids(request: GenerationRequest) -> list[int]:
-    """The request's prompt ids with each image's span (its expanded placeholders) collapsed to its first token."""
-    ids = list(request.prompt_ids)
-    for image in sorted(request.params.images, key=lambda image: image.span[0], reverse=True):
-        start, length = image.span
-        del ids[start + 1 : start + length]
-    return ids
 
 
 def image_fields(request: GenerationRequest) -> dict[str, Any]:
@@ -39,7 +31,7 @@ def image_fields(request: GenerationRequest) -> dict[str, Any]:
     if not request.params.images:
         return {}
     urls = ["data:image;base64," + base64.b64encode(image.data).decode() for image in request.params.images]
-    return {"input_ids": compact_ids(request), "image_data": urls}
+    return {"input_ids": collapsed_ids(request.prompt_ids, request.params.images), "image_data": urls}
 
 
 def expansion_problem(request: GenerationRequest, out: Mapping[str, Any]) -> str | None:

@@ -14,6 +14,9 @@ How it works
   ``finish_reason`` (``stop``/``length``/``abort``) and, when asked, the logprob of each sampled
   token (``logprobs=0``).  vLLM's default ``logprobs_mode="raw_logprobs"`` gives the
   untempered log-softmax, as :class:`~daskgen.engines.base.SamplingParams` specifies.
+* **Images.**  A request's images go in as ``multi_modal_data`` beside its prompt with one placeholder per image:
+  vLLM runs the model's processor itself and expands the placeholders; the prompt it reports must be the stored
+  one, or the request fails (:mod:`daskgen.engines.vllm.images`).
 * **Seeds.**  vLLM samples a request with a ``seed`` from its own generator, so
   :attr:`VLLMEngine.supports_seed` is true.
 * **n samples.**  daskgen sends each sample as its own request; vLLM's automatic prefix
@@ -74,6 +77,7 @@ from daskgen.engines.leftovers import remove_folder, remove_when_gone, temp_fold
 from daskgen.engines.staged_folder import StagedFolder, stage_folder
 from daskgen.engines.vllm.args import check_engine_args, launch_kwargs, max_logprobs, vllm_thread_environment
 from daskgen.engines.vllm.fingerprint import EXTENSION, agreed, with_extension
+from daskgen.engines.vllm.images import expansion_problem, images_refusal, multimodal_prompt
 from daskgen.engines.vllm.mapping import CollectedOutput, collect_output, result_from_collected, vllm_sampling_kwargs
 from daskgen.engines.vllm.memory import cpu_kv_cache, start_hint
 from daskgen.errors import ConfigError, EngineError, RefreshError
@@ -139,7 +143,7 @@ class VLLMEngine(InProcessEngine):
     features = frozenset(
         {
             *("per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs"),
-            *("refresh", "lora", "refresh_with_lora", "policy_fingerprint"),
+            *("refresh", "lora", "refresh_with_lora", "policy_fingerprint", "images"),
         }
     )
     starts_subprocesses = True
@@ -157,9 +161,13 @@ class VLLMEngine(InProcessEngine):
 
     @classmethod
     def refused_features(cls, engine_args: dict[str, Any]) -> dict[str, str]:
-        """``policy_fingerprint`` needs daskgen's worker extension: not with another ``worker_extension_cls``."""
+        """``policy_fingerprint`` needs daskgen's worker extension: not with another ``worker_extension_cls``;
+        images not under engine args that turn them off (:func:`~daskgen.engines.vllm.images.images_refusal`)."""
         other = engine_args.get("worker_extension_cls")
-        return {"policy_fingerprint": f"engine arg worker_extension_cls={other!r} replaces daskgen's"} if other else {}
+        refused = (
+            {"policy_fingerprint": f"engine arg worker_extension_cls={other!r} replaces daskgen's"} if other else {}
+        )
+        return {**refused, **images_refusal(engine_args)}
 
     @classmethod
     def top_logprobs_limit(cls, engine_args: dict[str, Any]) -> tuple[int, str] | None:
@@ -228,14 +236,16 @@ class VLLMEngine(InProcessEngine):
             return error_result(request, problem)
         try:
             thread = started(self.name, self._thread)
-            return await asyncio.wrap_future(thread.submit(self._collect(request)))
+            prompt = await asyncio.to_thread(multimodal_prompt, request) if request.params.images else None
+            return await asyncio.wrap_future(thread.submit(self._collect(request, prompt)))
         except asyncio.CancelledError:
             raise  # the collecting coroutine is cancelled too; vLLM aborts the request
         except Exception as exc:
             return self._failed(request, exc)
 
-    async def _collect(self, request: GenerationRequest) -> GenerationResult:
-        """Runs on the engine's loop: stream one request and collect its deltas."""
+    async def _collect(self, request: GenerationRequest, fields: dict[str, Any] | None = None) -> GenerationResult:
+        """Runs on the engine's loop: stream one request (its ``TokensPrompt`` ``fields``, default: its prompt ids)
+        and collect its deltas."""
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -252,9 +262,13 @@ class VLLMEngine(InProcessEngine):
         try:
             if rid in self._aborting:
                 return aborted_result(request)
-            prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
+            prompt = TokensPrompt(**(fields or multimodal_prompt(request)))
             stream = self._llm.generate(prompt, params, rid, lora_request=self._lora_request(request.params.adapter))
             async for output in stream:
+                problem = expansion_problem(request, output.prompt_token_ids) if not acc.tokens else None
+                if problem is not None:
+                    await self._llm.abort(rid)
+                    return error_result(request, problem)
                 collect_output(acc, output, request.params.top_logprobs)
                 if rid in self._aborting and acc.finish is None:
                     await self._llm.abort(rid)

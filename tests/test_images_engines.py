@@ -1,12 +1,13 @@
-"""Images on sglang: the ``sglang`` engine hands sglang the worker's pixel values and expanded prompt as they are
-stored (one ``processor_output`` item); the ``openai`` engine's managed sglang server gets the stored image bytes and
-one placeholder per image, and its expansion is checked against the stored prompt.  Greedy answers of both equal the
-model's own ``generate`` with the same pixels.
+"""Images on the engines that run elsewhere than the main lane: the ``sglang`` engine hands sglang the worker's pixel
+values and expanded prompt as they are stored (one ``processor_output`` item); the ``openai`` engine's managed sglang
+server and the ``vllm`` engine get the images and one placeholder per image, and their expansion is checked against
+the stored prompt.  Greedy answers of each equal the model's own ``generate`` with the same pixels.
 
-The run tests need the real sglang (the sglang lane: ``.ci/sglang-lane``, whose ``sgl_kernel`` shim provides the
-placeholder torch ops sglang's Qwen-VL image processor looks up at import); the plan-time refusals run in every
-lane.  The model is the tiny seeded Qwen2-VL (:func:`daskgen.models.build_tiny_vl_model`), the images are generated
-(:func:`daskgen.testing.images.write_generated_images`).
+The run tests need the real engine: sglang in the sglang lane (``.ci/sglang-lane``, whose ``sgl_kernel`` shim
+provides the placeholder torch ops sglang's Qwen-VL image processor looks up at import), vLLM in the vllm lane
+(``.ci/vllm-lane``, whose startup hook lets torchvision import beside the CPU torch); the plan-time refusals run in
+every lane.  The model is the tiny seeded Qwen2-VL (:func:`daskgen.models.build_tiny_vl_model`), the images are
+generated (:func:`daskgen.testing.images.write_generated_images`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from daskgen.store.generation_store import GenerationStore
 from daskgen.store.tools.verify import verify
 from tests.conftest import run_cli
 
-HAVE_SGLANG = find_spec("sglang") is not None
+HAVE_SGLANG, HAVE_VLLM = find_spec("sglang") is not None, find_spec("vllm") is not None
 QUESTION = "What is in the picture?"
 NEW_TOKENS = 6
 
@@ -77,12 +78,25 @@ def model_generate(model_path: Path, expanded: list[int], image_paths: list[Path
 
 
 #: How each engine under test is asked for: in process, and a managed sglang server through the openai engine.
-ENGINES = {"sglang": ("--engine", "sglang"), "openai": ("--engine", "openai", "--engine-arg", "managed=true")}
+ENGINES = {
+    "sglang": ("--engine", "sglang"),
+    "openai": ("--engine", "openai", "--engine-arg", "managed=true"),
+    "vllm": ("--engine", "vllm", "--engine-arg", "dtype=float32", "--engine-arg", "max_model_len=2048"),
+}
+SGLANG_LANE = (
+    pytest.mark.sglang,
+    pytest.mark.skipif(not HAVE_SGLANG, reason="sglang is not installed (run the sglang lane: .ci/sglang-lane)"),
+)
+VLLM_LANE = (
+    pytest.mark.vllm,
+    pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed (run the vllm lane: .ci/vllm-lane)"),
+)
 ON_ENGINES = pytest.mark.parametrize(
     "engine",
     [
-        pytest.param("sglang", marks=pytest.mark.proves("sglang", "images")),
-        pytest.param("openai", marks=pytest.mark.proves("openai", "images")),  # managed=true
+        pytest.param("sglang", marks=[*SGLANG_LANE, pytest.mark.proves("sglang", "images")]),
+        pytest.param("openai", marks=[*SGLANG_LANE, pytest.mark.proves("openai", "images")]),  # managed=true
+        pytest.param("vllm", marks=[*VLLM_LANE, pytest.mark.proves("vllm", "images")]),
     ],
 )
 
@@ -125,10 +139,8 @@ def image_runs(tmp_path_factory, vl_model, images):
     return rows, run
 
 
-@pytest.mark.sglang
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.skipif(not HAVE_SGLANG, reason="sglang is not installed (run the sglang lane: .ci/sglang-lane)")
 @ON_ENGINES
 def test_greedy_answers_equal_the_models_own_generate_with_the_same_pixels(
     engine, image_runs, vl_model, images
@@ -156,10 +168,8 @@ def test_greedy_answers_equal_the_models_own_generate_with_the_same_pixels(
         assert answer == model_generate(vl_model, stored, paths), f"row {row}: {engine}'s answer is not the model's"
 
 
-@pytest.mark.sglang
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.skipif(not HAVE_SGLANG, reason="sglang is not installed (run the sglang lane: .ci/sglang-lane)")
 @ON_ENGINES
 def test_the_model_sees_the_image_and_the_store_verifies(engine, image_runs) -> None:
     """The same question about different images gets different answers, also when only the pixels differ (the
@@ -232,3 +242,60 @@ def test_images_on_the_openai_engine_only_through_a_managed_servers_native_api()
     assert "images" in refused and "native /generate" in refused["images"]
     off = {"managed": True, "server_args": {"language_model_only": True}}
     assert "images" not in OpenAIEngine.features_with(off)
+
+
+@pytest.mark.parametrize(
+    ("arg", "value", "said"),
+    [
+        ("language_model_only", True, "engine arg language_model_only=True"),
+        ("limit_mm_per_prompt", {"image": 0}, "allows 0 images per prompt"),
+        ("limit_mm_per_prompt", {"image": {"count": 0}}, "allows 0 images per prompt"),
+    ],
+)
+def test_an_image_run_with_engine_args_that_turn_vllms_images_off_is_refused_at_plan_time(
+    tmp_path, vl_model, images, arg, value, said
+) -> None:
+    from daskgen.engines.vllm import VLLMEngine
+
+    assert "images" in VLLMEngine.features_with({}) and "images" not in VLLMEngine.features_with({arg: value})
+    assert "images" in VLLMEngine.features_with({"limit_mm_per_prompt": {"image": 2}})
+    assert "vllm" in engines_serving("images")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "x", "images": [str(images["noise"])]}) + "\n")
+    config = RunConfig(
+        prompts=str(prompts), store=str(tmp_path / "s.zarr"), model=str(vl_model), engine="vllm",
+        engine_args={arg: value},
+    )  # fmt: skip
+    with pytest.raises(ConfigError) as refused:
+        prepare(config)
+    assert said in str(refused.value) and "remove it" in str(refused.value)
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_vllm_gets_one_placeholder_per_image_and_the_pixels_the_worker_decoded(images) -> None:
+    """The prompt vLLM gets: each image's span collapsed to one placeholder, the images decoded by daskgen's rule
+    (an RGBA image blended onto white, as the worker's processor saw it); a request whose prompt vLLM expanded
+    otherwise than the stored one fails, naming both lengths."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from daskgen.engines.base import GenerationRequest, SamplingParams
+    from daskgen.engines.vllm.images import expansion_problem, multimodal_prompt
+
+    clear = io.BytesIO()
+    Image.new("RGBA", (6, 4), (0, 0, 0, 0)).save(clear, "PNG")  # transparent black: white once decoded
+    a = ImageInput("a", images["noise"].read_bytes(), None, (1, 4, 4), (1, 4))
+    b = ImageInput("b", clear.getvalue(), None, (1, 2, 4), (7, 2))
+    ids = [5, 9, 9, 9, 9, 6, 5, 9, 9, 6, 7]
+    request = GenerationRequest("r", ids, SamplingParams(images=(a, b)))
+    fields = multimodal_prompt(request)
+    assert fields["prompt_token_ids"] == [5, 9, 6, 5, 9, 6, 7]
+    noise, white = fields["multi_modal_data"]["image"]
+    assert noise.mode == "RGB" and np.array_equal(np.asarray(noise), np.asarray(Image.open(images["noise"])))
+    assert white.mode == "RGB" and (np.asarray(white) == 255).all()
+    assert multimodal_prompt(GenerationRequest("t", ids, SamplingParams())) == {"prompt_token_ids": ids}
+    assert expansion_problem(request, ids) is None and expansion_problem(request, None) is None
+    assert "expanded the prompt to 12 tokens" in expansion_problem(request, [*ids, 9])
+    assert "with other ids" in expansion_problem(request, [*ids[:-1], 8])
