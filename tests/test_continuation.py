@@ -2,7 +2,8 @@
 stored prefix, and equals an uninterrupted run token for token (real tiny model, CLI, LocalCluster).  A
 continuation that re-sent only the prompt fails both checks.  What is engine-specific in it (an abort keeps a
 prefix of the answer; prompt + prefix continues to the uninterrupted answer, per request feature) is proven on
-every engine by the conformance suite (``test_abort``, :mod:`daskgen.testing.continuation`)."""
+every engine by the conformance suite (``test_abort``, :mod:`daskgen.testing.continuation`); with images, which the
+conformance suite's text models do not have, on each engine that takes them in process (``vllm`` in the vllm lane)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from importlib.util import find_spec
 
 import numpy as np
 import pytest
@@ -92,7 +94,23 @@ def test_a_resumed_greedy_run_sends_prompt_plus_prefix_and_equals_an_uninterrupt
     check_continuation(tmp_path, str(tiny_model))
 
 
-def test_a_resumed_run_with_images_continues_prompt_plus_prefix_with_the_same_images(tmp_path):
+#: The engines an image run is continued on, with their engine args: transformers here, vLLM in the vllm lane.
+IMAGE_ENGINES = [
+    pytest.param("transformers", (), id="transformers"),
+    pytest.param(
+        "vllm",
+        ("dtype=float32", "max_model_len=2048"),
+        id="vllm",
+        marks=[
+            pytest.mark.vllm,
+            pytest.mark.skipif(find_spec("vllm") is None, reason="vllm is not installed (the vllm lane)"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(("inner", "inner_args"), IMAGE_ENGINES)
+def test_a_resumed_run_with_images_continues_prompt_plus_prefix_with_the_same_images(tmp_path, inner, inner_args):
     """Rows naming images (the tiny Qwen2-VL), stopped part-way: the resumed run sends the expanded prompt and the
     stored prefix, with the row's images, and equals an uninterrupted run."""
     from daskgen.models import build_tiny_vl_model
@@ -109,7 +127,8 @@ def test_a_resumed_run_with_images_continues_prompt_plus_prefix_with_the_same_im
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     pause = Pause(rows=(2, 3), after=8, prompts=4, new_tokens=24)
     extra = ("--min-new-tokens", "20")
-    check_continuation(tmp_path, str(build_tiny_vl_model()), pause=pause, extra=extra, prompts=prompts)
+    model = str(build_tiny_vl_model())
+    check_continuation(tmp_path, model, inner, inner_args, pause=pause, extra=extra, prompts=prompts)
 
 
 def test_a_resumed_run_continues_rows_with_their_adapter_and_what_is_left_of_min_new_tokens(tmp_path, tiny_model):
