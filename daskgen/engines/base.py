@@ -232,16 +232,16 @@ class Engine(abc.ABC):
     #: Features whose state a sample's tokens so far carry that the engine continues exactly (names of
     #: :data:`daskgen.engines.continuation.CONTINUABLE`); a sample using another restarts from its prompt.
     continues: frozenset[str] = frozenset()
-    #: Features served only when an engine arg has a value: ``{feature: (engine arg, value)}``.  Read on the class.
-    features_by_arg: dict[str, tuple[str, Any]] = {}
+    #: Features served only when an engine arg has a value: ``{feature: ((engine arg, value), ...)}`` (one enough).
+    features_by_arg: dict[str, tuple[tuple[str, Any], ...]] = {}
     #: Sampling values the engine refuses per request that the table allows (``{key: Range}``): refused at plan time.
     sampling_ranges: dict[str, Any] = {}
 
     @classmethod
     def features_with(cls, engine_args: dict[str, Any]) -> frozenset[str]:
         """The features an engine built with ``engine_args`` serves: :attr:`features`, and those of
-        :attr:`features_by_arg` whose engine arg has its value.  Read on the class: the plan checks a run with it."""
-        by_arg = {name for name, (arg, value) in cls.features_by_arg.items() if engine_args.get(arg) == value}
+        :attr:`features_by_arg` one of whose engine args has its value.  Read on the class by the plan."""
+        by_arg = {name for name, pairs in cls.features_by_arg.items() if any(engine_args.get(a) == v for a, v in pairs)}
         return (cls.features | by_arg) - cls.refused_features(engine_args).keys()
 
     @classmethod

@@ -52,8 +52,8 @@ def engines_serving(feature: str) -> list[str]:
         if feature in cls.features:
             out.append(name)
         elif feature in cls.features_by_arg:
-            arg, value = cls.features_by_arg[feature]
-            out.append(f"{name} (with engine arg {arg}={json.dumps(value)})")
+            pairs = " or ".join(f"{arg}={json.dumps(value)}" for arg, value in cls.features_by_arg[feature])
+            out.append(f"{name} (with engine arg {pairs})")
     return out
 
 

@@ -9,6 +9,7 @@ placeholders itself gets them collapsed back to one per image (:func:`collapsed_
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,3 +52,11 @@ def collapsed_ids(prompt_ids: Sequence[int], images: Sequence[ImageInput]) -> li
         start, length = image.span
         del ids[start + 1 : start + length]
     return ids
+
+
+def png_data_url(data: bytes) -> str:
+    """A ``data:`` URL of the image file ``data`` as the worker decoded it (EXIF orientation, alpha over white),
+    encoded as PNG: a server that decodes files its own way reads exactly the pixels the worker's processor got."""
+    from daskgen.input.image_decoding import rgb_png
+
+    return "data:image/png;base64," + base64.b64encode(rgb_png(data)).decode()

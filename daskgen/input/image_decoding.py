@@ -14,7 +14,7 @@ import numpy as np
 
 from daskgen.errors import InputError
 
-__all__ = ["DECODING", "decoded_rgb", "open_image", "oriented_size"]
+__all__ = ["DECODING", "decoded_rgb", "open_image", "oriented_size", "rgb_png"]
 
 
 def open_image(data: bytes) -> Any:
@@ -82,3 +82,11 @@ def decoded_rgb(data: bytes) -> Any:
         return Image.fromarray(blended, "RGB")
     except (OSError, ValueError, SyntaxError) as exc:
         raise InputError(f"the image cannot be decoded ({type(exc).__name__}: {exc})") from exc
+
+
+def rgb_png(data: bytes) -> bytes:
+    """``data`` decoded by :data:`DECODING` and encoded as PNG (lossless): an image a server that decodes files its
+    own way reads as exactly the pixels the worker's processor got."""
+    out = io.BytesIO()
+    decoded_rgb(data).save(out, "PNG")
+    return out.getvalue()

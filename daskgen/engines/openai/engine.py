@@ -80,8 +80,12 @@ class OpenAIEngine(ServerFingerprint, Engine):
 
     name = "openai"
     features = frozenset({"per_row_sampling", "stop", "stop_token_ids", "structured_outputs", "top_logprobs", "lora"})
-    #: Refresh, fingerprints and images: only the (sglang) servers the engine starts itself, not someone else's.
-    features_by_arg = dict.fromkeys(("refresh", "policy_fingerprint", "images"), ("managed", True))
+    #: Refresh and fingerprints: only the (sglang) servers the engine starts itself, not someone else's; images also
+    #: on a vLLM server (``api="vllm"``: :mod:`daskgen.engines.openai.vllm_images`).
+    features_by_arg = {
+        **dict.fromkeys(("refresh", "policy_fingerprint"), (("managed", True),)),
+        "images": (("managed", True), ("api", "vllm")),
+    }
     max_total_tokens: int | None = None  # the server's context length, known after start
     vocab_size: int | None = None  # the tokenizer's size, known after start
 

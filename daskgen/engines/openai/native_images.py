@@ -1,22 +1,23 @@
 """Images over SGLang's native ``POST /generate`` (the ``openai`` engine's managed sglang server).
 
-JSON carries no tensors, so a server gets each image as its stored bytes (a base64 ``data:`` URL in ``image_data``)
-and runs the model's image processor itself. The prompt goes with one placeholder token per image, each image's
-expanded span collapsed back (:func:`~daskgen.engines.media.collapsed_ids`): sglang 0.5.23 expands placeholders
-itself and does not take expanded ones beside raw images (such a request never returns). sglang's expansion must
-give the prompt the store records: :func:`expansion_problem` compares the server's prompt length with the stored
-prompt's and fails the request when they differ. Only a managed server takes images (:func:`managed_refusals`
-refuses them for a managed server spoken to by another protocol than the native one).
+JSON carries no tensors, so a server gets each image as the pixels the worker decoded (a PNG ``data:`` URL in
+``image_data``, :func:`~daskgen.engines.media.png_data_url`: whatever the server's own decoding does with EXIF
+orientation or transparency, it reads those pixels) and runs the model's image processor itself. The prompt goes
+with one placeholder token per image, each image's expanded span collapsed back
+(:func:`~daskgen.engines.media.collapsed_ids`): sglang 0.5.23 expands placeholders itself and does not take expanded
+ones beside raw images (such a request never returns). sglang's expansion must give the prompt the store records:
+:func:`expansion_problem` compares the server's prompt length with the stored prompt's and fails the request when
+they differ. Only a managed server takes images (:func:`managed_refusals` refuses them for a managed server spoken
+to by another protocol than the native one).
 """
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from daskgen.engines.base import GenerationRequest
-from daskgen.engines.media import collapsed_ids
+from daskgen.engines.media import collapsed_ids, png_data_url
 from daskgen.engines.sglang.args import lora_refusal
 from daskgen.engines.sglang.images import images_refusal
 
@@ -30,7 +31,7 @@ def image_fields(request: GenerationRequest) -> dict[str, Any]:
     """``input_ids`` and ``image_data`` of a ``/generate`` body for a request with images (``{}`` without)."""
     if not request.params.images:
         return {}
-    urls = ["data:image;base64," + base64.b64encode(image.data).decode() for image in request.params.images]
+    urls = [png_data_url(image.data) for image in request.params.images]
     return {"input_ids": collapsed_ids(request.prompt_ids, request.params.images), "image_data": urls}
 
 

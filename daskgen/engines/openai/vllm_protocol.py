@@ -6,7 +6,8 @@ per chunk) next to the text; with ``logprobs: 1`` each chunk's ``token_logprobs`
 its ``token_ids``, and with ``logprobs: k`` plus ``return_tokens_as_token_ids`` its ``top_logprobs``
 name their tokens ``token_id:<id>``.  vLLM-specific sampling fields (``top_k``, ``seed``, ``stop_token_ids``,
 ``min_tokens``, ``min_p``, ``repetition_penalty``, ``include_stop_str_in_output``) are accepted in the same body.
-Nothing is re-tokenized.  Tested against ``vllm serve`` 0.32.0.
+Nothing is re-tokenized.  A request with images goes through vLLM's tokens-in API instead
+(:mod:`daskgen.engines.openai.vllm_images`).  Tested against ``vllm serve`` 0.32.0.
 
 A server is recognised as vLLM by ``GET /version`` answering ``{"version": ...}``.
 """
@@ -26,6 +27,13 @@ from daskgen.engines.base import (
 )
 from daskgen.engines.openai.protocol import Flight, WireProtocol
 from daskgen.engines.openai.top_logprobs import ServerTop, server_top, token_id_top
+from daskgen.engines.openai.vllm_images import (
+    GENERATE_PATH,
+    SCALE_OUT_HINT,
+    ExpansionMismatch,
+    generate_payload,
+    take_generate_event,
+)
 from daskgen.engines.vllm.mapping import vllm_structured_outputs
 
 if TYPE_CHECKING:
@@ -41,12 +49,32 @@ class VLLMProtocol(WireProtocol):
 
     async def send(self, http: HTTPClient, request: GenerationRequest, flight: Flight) -> GenerationResult:
         """Stream one request's token ids (and logprobs) into ``flight``."""
+        if request.params.images:
+            return await self._send_with_images(http, request, flight)
         finish = await http.stream(
             "/v1/completions",
             vllm_completions_payload(self.model_name, request, self.extra_body),
             lambda event: take_vllm_event(event, flight.ids, flight.logprobs, flight.top),
             on_attempt=flight.reset,
         )
+        return vllm_result(request, flight.ids, flight.logprobs, finish, top=flight.top)
+
+    async def _send_with_images(self, http: HTTPClient, request: GenerationRequest, flight: Flight) -> GenerationResult:
+        from daskgen.engines.openai.client import StatusFailure
+
+        try:
+            finish = await http.stream(
+                GENERATE_PATH,
+                generate_payload(self.model_name, request, self.extra_body),
+                lambda event: take_generate_event(request, event, flight.ids, flight.logprobs, flight.top),
+                on_attempt=flight.reset,
+            )
+        except ExpansionMismatch as exc:
+            return error_result(request, str(exc))
+        except StatusFailure as exc:
+            if exc.status in (403, 404):  # not served: started without --enable-scale-out
+                return error_result(request, f"{exc}; {SCALE_OUT_HINT}")
+            raise
         return vllm_result(request, flight.ids, flight.logprobs, finish, top=flight.top)
 
     def aborted(self, request: GenerationRequest, flight: Flight) -> GenerationResult:
