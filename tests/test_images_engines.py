@@ -430,3 +430,35 @@ def test_vllm_gets_one_placeholder_per_image_and_the_pixels_the_worker_decoded(i
     assert expansion_problem(request, ids) is None and expansion_problem(request, None) is None
     assert "expanded the prompt to 12 tokens" in expansion_problem(request, [*ids, 9])
     assert "with other ids" in expansion_problem(request, [*ids[:-1], 8])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("engine", [pytest.param("vllm", marks=[*VLLM_LANE])])
+def test_rows_with_images_generate_with_their_lora_adapter_equal_to_the_merged_model(
+    engine, tmp_path, vl_model, images
+) -> None:
+    """An image row with a LoRA adapter (on the language model's attention) and the same row without: each equals
+    the model's own ``generate`` with the same pixels, the adapter merged into the weights for the first."""
+    from tests.test_images import make_vl_adapter, reference_generate
+
+    adapter = make_vl_adapter(vl_model, tmp_path / "lora")
+    image = images["noise"]
+    rows = [
+        {"id": "styled", "prompt": QUESTION, "images": [str(image)], "adapter": "style"},
+        {"id": "plain", "prompt": QUESTION, "images": [str(image)]},
+    ]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = run_cli(
+        *("run", "--prompts", prompts, "--store", tmp_path / "out.zarr", "--model", vl_model, *ENGINES[engine]),
+        *("--adapter-path", f"style={adapter}", "--max-new-tokens", NEW_TOKENS, "--temperature", "0"),
+        *("--n-workers", "1", "--no-progress"),
+        timeout=900,
+    )
+    assert result.returncode == 0 and "2 done, 0 failed" in result.stdout, result.stdout + result.stderr[-4000:]
+    data = GenerationStore.open(tmp_path / "out.zarr").read_region(0, 2, ("response_ids", "response_length"))
+    got = [data["response_ids"][r, 0, : data["response_length"][r, 0]].tolist() for r in range(2)]
+    assert got[0] == reference_generate(vl_model, QUESTION, [image], NEW_TOKENS, adapter)[1]
+    assert got[1] == reference_generate(vl_model, QUESTION, [image], NEW_TOKENS)[1]
+    assert got[0] != got[1], "the adapter changes the answer"
