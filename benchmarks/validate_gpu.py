@@ -21,7 +21,12 @@ in place (timed), and its greedy answers are compared with a fresh engine starte
 
 ``--lora --refresh`` adds a step of a refresh under adapters (`benchmarks/refresh_lora_check.py`): the engine
 holding an adapter loads new weights in place, and its adapter answers are compared with the adapter merged into
-those weights.  :data:`FEATURE_FLAGS` names the options that check each request feature.
+those weights.
+
+``--images`` (with a vision-language model folder, e.g. Qwen2-VL's) adds an images step (`benchmarks/images_check.py`):
+daskgen's engine on image prompts prepared as its workers prepare them, against the raw engine given the same
+images its own way; the outputs must agree token for token and the prompts expand to the same length.
+:data:`FEATURE_FLAGS` names the options that check each request feature.
 
 ``--device cpu`` runs the same comparison on a CPU (for a smoke test of the script only; the
 numbers mean nothing for GPUs).  Exit code 2 when no CUDA GPU is visible and ``--device cuda``.
@@ -49,6 +54,7 @@ FEATURE_FLAGS: dict[str, tuple[str, ...]] = {
     "lora": ("--lora",),
     "refresh": ("--refresh",),
     "refresh_with_lora": ("--lora", "--refresh"),
+    "images": ("--images",),
 }
 
 
@@ -83,6 +89,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--lora", action="store_true", help="also check LoRA adapters against the merged model")
     parser.add_argument("--refresh", action="store_true", help="also check loading new weights in place")
+    parser.add_argument(
+        "--images",
+        action="store_true",
+        help="also check image prompts (a vision-language model) against the raw engine",
+    )
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     return parser.parse_args(argv)
 
@@ -251,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
 
         result["refresh_with_lora"] = refresh_lora_check(
             a.engine, a.model, args, prompts[:32], min(a.max_new_tokens, 32)
+        )
+    if a.images:
+        from images_check import images_check
+
+        result["images"] = images_check(
+            a.engine, a.model, args, min(a.n_prompts, 16), min(a.max_new_tokens, 32), a.device == "cuda"
         )
     if a.json:
         a.json.write_text(json.dumps(result, indent=2))

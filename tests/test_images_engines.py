@@ -462,3 +462,25 @@ def test_rows_with_images_generate_with_their_lora_adapter_equal_to_the_merged_m
     assert got[0] == reference_generate(vl_model, QUESTION, [image], NEW_TOKENS, adapter)[1]
     assert got[1] == reference_generate(vl_model, QUESTION, [image], NEW_TOKENS)[1]
     assert got[0] != got[1], "the adapter changes the answer"
+
+
+#: The engine args of the images step of ``benchmarks/validate_gpu.py`` on this CPU, per engine.
+STEP_ARGS = {"sglang": {"device": "cpu"}, "vllm": {"dtype": "float32", "max_model_len": 2048}}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize(
+    "engine", [pytest.param("sglang", marks=[*SGLANG_LANE]), pytest.param("vllm", marks=[*VLLM_LANE])]
+)
+def test_the_gpu_validation_images_step_agrees_with_the_raw_engine(engine, vl_model, monkeypatch) -> None:
+    """``validate_gpu.py --images`` (its step, on the CPU here): daskgen's engine on image prompts prepared as its
+    workers prepare them gives the raw engine's greedy outputs, and the raw engine expands every prompt to daskgen's
+    length."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from images_check import images_check
+
+    if engine == "sglang":
+        monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")  # as validate_gpu.py --device cpu sets it
+    result = images_check(engine, str(vl_model), dict(STEP_ARGS[engine]), n=4, max_new=6, cuda=False)
+    assert result == {"prompts": 4, "identical_outputs": 4, "same_prompt_length": 4}, result

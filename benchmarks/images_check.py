@@ -1,0 +1,140 @@
+"""The images step of ``benchmarks/validate_gpu.py``: daskgen's engine on image prompts prepared as its workers
+prepare them, against the raw engine given the same images its own way.
+
+Each prompt asks about one generated image (:func:`daskgen.testing.images.write_generated_images`, several kinds,
+deterministic) through the model's chat template, which renders an image content part as one placeholder.
+daskgen's side preprocesses each image with :class:`daskgen.images.processor.ImageProcessing` (the model folder's
+image processor), expands its placeholder (:func:`daskgen.input.image_tokens.expand`) and sends every request to
+daskgen's engine at once, as a worker does.  The raw side is ``vllm.LLM`` (a ``TokensPrompt`` with one placeholder
+per image and the image in ``multi_modal_data``) or ``sglang.Engine`` (``input_ids`` with one placeholder per image
+and the image file in ``image_data``): each runs the model's processor itself.  Greedy decoding on both sides.
+Reported: how many outputs agree token for token, and how many prompts the raw engine expanded to the length of
+daskgen's expanded prompt (a wrong placeholder count, or another processor setting, shows there first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Case:
+    """One image prompt: the image file, and the prompt ids with one placeholder for it."""
+
+    path: Path
+    ids: list[int]
+
+
+def image_cases(model: str, folder: Path, n: int) -> list[Case]:
+    """``n`` prompts, each about one generated image (the kinds in turn, each question its own)."""
+    from transformers import AutoTokenizer
+
+    from daskgen.testing.images import write_generated_images
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    paths = list(write_generated_images(folder).values())
+    cases = []
+    for i in range(n):
+        content = [{"type": "image"}, {"type": "text", "text": f"Question {i}: what is in this picture?"}]
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        cases.append(Case(paths[i % len(paths)], [int(t) for t in ids]))
+    return cases
+
+
+async def daskgen_side(
+    engine_name: str, model: str, args: dict[str, Any], cases: list[Case], max_new: int
+) -> tuple[list[list[int]], list[int]]:
+    """Greedy outputs of daskgen's engine and the length of each expanded prompt."""
+    import hashlib
+
+    from daskgen.engines import get_engine_class
+    from daskgen.engines.base import GenerationRequest, SamplingParams
+    from daskgen.engines.media import IMAGE, ImageInput
+    from daskgen.images.processor import ImageProcessing
+    from daskgen.input.image_tokens import expand
+
+    processing = ImageProcessing(model)
+    requests = []
+    for i, case in enumerate(cases):
+        data = case.path.read_bytes()
+        processed = processing.process(data)
+        ids, (span,) = expand(case.ids, processing.tokens.image, [processed.tokens])
+        image = ImageInput(hashlib.sha256(data).hexdigest(), data, processed.pixel_values, processed.grid, span, IMAGE)
+        params = SamplingParams(max_new_tokens=max_new, temperature=0.0, images=(image,))
+        requests.append(GenerationRequest(f"image-{i}", ids, params))
+    engine = get_engine_class(engine_name)(model, **args)
+    await engine.start()
+    try:
+        results = await asyncio.gather(*(engine.generate(r) for r in requests))
+    finally:
+        await engine.shutdown()
+    errors = [r.error for r in results if r.error]
+    if errors:
+        raise SystemExit(f"images step: {len(errors)} requests failed, e.g. {errors[0]}")
+    return [r.output_ids for r in results], [len(r.prompt_ids) for r in requests]
+
+
+def raw_vllm(
+    model: str, args: dict[str, Any], cases: list[Case], max_new: int, cuda: bool
+) -> tuple[list[list[int]], list[int]]:
+    """Raw ``vllm.LLM`` with each image in ``multi_modal_data``: outputs and expanded prompt lengths."""
+    from PIL import Image
+    from vllm import LLM
+    from vllm import SamplingParams as VLLMSamplingParams
+
+    from daskgen.engines.vllm.args import launch_kwargs
+
+    llm = LLM(**launch_kwargs(model, args, cuda_available=cuda))
+    try:
+        prompts = [
+            {"prompt_token_ids": case.ids, "multi_modal_data": {"image": Image.open(case.path).convert("RGB")}}
+            for case in cases
+        ]
+        params = VLLMSamplingParams(max_tokens=max_new, temperature=0.0, detokenize=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outputs], [len(o.prompt_token_ids) for o in outputs]
+
+
+def raw_sglang(model: str, args: dict[str, Any], cases: list[Case], max_new: int) -> tuple[list[list[int]], list[int]]:
+    """Raw ``sglang.Engine`` with each image file in ``image_data``: outputs and expanded prompt lengths."""
+    import sglang
+
+    from daskgen.engines.sglang.args import check_engine_args, launch_kwargs
+
+    kwargs = launch_kwargs(model, args, cuda_available=args.get("device") == "cuda")
+    check_engine_args({k: v for k, v in kwargs.items() if k != "model_path"})
+    engine = sglang.Engine(**kwargs)
+    try:
+        outputs = engine.generate(
+            input_ids=[case.ids for case in cases],
+            image_data=[[str(case.path)] for case in cases],
+            sampling_params={"max_new_tokens": max_new, "temperature": 0.0},
+        )
+    finally:
+        engine.shutdown()
+    return [list(o["output_ids"]) for o in outputs], [int(o["meta_info"]["prompt_tokens"]) for o in outputs]
+
+
+def images_check(
+    engine_name: str, model: str, args: dict[str, Any], n: int, max_new: int, cuda: bool = True
+) -> dict[str, Any]:
+    """Run the comparison (see the module docstring), print it and return the counts."""
+    with tempfile.TemporaryDirectory(prefix="daskgen-images-check-") as folder:
+        cases = image_cases(model, Path(folder), n)
+        if engine_name == "vllm":
+            raw, raw_lengths = raw_vllm(model, args, cases, max_new, cuda)
+        else:
+            raw, raw_lengths = raw_sglang(model, args, cases, max_new)
+        ours, our_lengths = asyncio.run(daskgen_side(engine_name, model, args, cases, max_new))
+    agree = sum(a == b for a, b in zip(raw, ours, strict=True))
+    same_length = sum(a == b for a, b in zip(raw_lengths, our_lengths, strict=True))
+    print(f"images: greedy outputs identical on both sides: {agree}/{n}")
+    print(f"images: prompts the raw engine expanded to daskgen's length: {same_length}/{n}")
+    return {"prompts": n, "identical_outputs": agree, "same_prompt_length": same_length}
