@@ -174,9 +174,14 @@ def image_rows(images: dict[str, Path]) -> list[dict]:
     ]
 
 
+#: The engines whose image run also has a row with a LoRA adapter (those serving LoRA on a CPU).
+WITH_ADAPTER = ("vllm",)
+
+
 @pytest.fixture(scope="module")
 def image_runs(tmp_path_factory, vl_model, images, vllm_server):
-    """``run(engine)``: the store of a run of :func:`image_rows` on ``engine`` (one run per engine and module)."""
+    """``run(engine)``: the store of a run of :func:`image_rows` on ``engine`` (one run per engine and module); on an
+    engine that serves LoRA here (:data:`WITH_ADAPTER`) the run has one row more, row 1's with an adapter."""
     rows, stores = image_rows(images), {}
 
     def run(engine: str) -> GenerationStore:
@@ -185,8 +190,13 @@ def image_runs(tmp_path_factory, vl_model, images, vllm_server):
             if engine == "openai-vllm":
                 args = tuple(a.format(url=vllm_server()) for a in args)
             folder = tmp_path_factory.mktemp(f"{engine}-run")
-            prompts = folder / "prompts.jsonl"
-            prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            prompts, own = folder / "prompts.jsonl", list(rows)
+            if engine in WITH_ADAPTER:
+                from tests.test_images import make_vl_adapter
+
+                own.append({**rows[1], "id": "styled", "adapter": "style"})
+                args = (*args, "--adapter-path", f"style={make_vl_adapter(vl_model, folder / 'lora')}")
+            prompts.write_text("".join(json.dumps(r) + "\n" for r in own))
             result = run_cli(
                 *("run", "--prompts", prompts, "--store", folder / "out.zarr", "--model", vl_model, *args),
                 *("--max-new-tokens", NEW_TOKENS, "--temperature", "0", "--partition-size", "3", "--n-workers", "1"),
@@ -194,7 +204,7 @@ def image_runs(tmp_path_factory, vl_model, images, vllm_server):
                 timeout=900,
             )
             assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-            assert "6 done, 0 failed" in result.stdout, result.stdout
+            assert f"{len(own)} done, 0 failed" in result.stdout, result.stdout
             stores[engine] = GenerationStore.open(folder / "out.zarr")
         return stores[engine]
 
@@ -434,34 +444,21 @@ def test_vllm_gets_one_placeholder_per_image_and_the_pixels_the_worker_decoded(i
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("engine", [pytest.param("vllm", marks=[*VLLM_LANE])])
+@pytest.mark.parametrize("engine", [pytest.param(name, marks=[*VLLM_LANE]) for name in WITH_ADAPTER])
 def test_rows_with_images_generate_with_their_lora_adapter_equal_to_the_merged_model(
-    engine, tmp_path, vl_model, images
+    engine, image_runs, vl_model, images
 ) -> None:
-    """An image row with a LoRA adapter (on the language model's attention) and the same row without: each equals
-    the model's own ``generate`` with the same pixels, the adapter merged into the weights for the first."""
-    from tests.test_images import make_vl_adapter, reference_generate
+    """An image row with a LoRA adapter (on the language model's attention; row 6 of the engine's image run) equals
+    the model's own ``generate`` with the same pixels and the adapter merged into the weights; the same row without
+    it (row 1) answers otherwise."""
+    from tests.test_images import reference_generate
 
-    adapter = make_vl_adapter(vl_model, tmp_path / "lora")
-    image = images["noise"]
-    rows = [
-        {"id": "styled", "prompt": QUESTION, "images": [str(image)], "adapter": "style"},
-        {"id": "plain", "prompt": QUESTION, "images": [str(image)]},
-    ]
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    result = run_cli(
-        *("run", "--prompts", prompts, "--store", tmp_path / "out.zarr", "--model", vl_model, *ENGINES[engine]),
-        *("--adapter-path", f"style={adapter}", "--max-new-tokens", NEW_TOKENS, "--temperature", "0"),
-        *("--n-workers", "1", "--no-progress"),
-        timeout=900,
-    )
-    assert result.returncode == 0 and "2 done, 0 failed" in result.stdout, result.stdout + result.stderr[-4000:]
-    data = GenerationStore.open(tmp_path / "out.zarr").read_region(0, 2, ("response_ids", "response_length"))
-    got = [data["response_ids"][r, 0, : data["response_length"][r, 0]].tolist() for r in range(2)]
-    assert got[0] == reference_generate(vl_model, QUESTION, [image], NEW_TOKENS, adapter)[1]
-    assert got[1] == reference_generate(vl_model, QUESTION, [image], NEW_TOKENS)[1]
-    assert got[0] != got[1], "the adapter changes the answer"
+    store = image_runs[1](engine)
+    data = store.read_region(0, 7, ("response_ids", "response_length"))
+    got = {r: data["response_ids"][r, 0, : data["response_length"][r, 0]].tolist() for r in (1, 6)}
+    adapter = Path(store.url).parent / "lora"
+    assert got[6] == reference_generate(vl_model, QUESTION, [images["noise"]], NEW_TOKENS, adapter)[1]
+    assert got[6] != got[1], "the adapter changes the answer"
 
 
 #: The engine args of the images step of ``benchmarks/validate_gpu.py`` on this CPU, per engine.
