@@ -4,7 +4,10 @@ The worker preprocesses each image once (:mod:`daskgen.worker.images`) and every
 one :class:`ImageInput` (no copy per sample).  An engine that takes pixel values reads :attr:`ImageInput.pixel_values`
 and :attr:`ImageInput.grid`; one that preprocesses itself reads :attr:`ImageInput.data`, the image's bytes.  Either
 way the prompt ids already hold each image's placeholder tokens, expanded (``span``); an engine that expands
-placeholders itself gets them collapsed back to one per image (:func:`collapsed_ids`).
+placeholders itself gets them collapsed back to one per image (:func:`collapsed_ids`), and the image as the worker
+decoded it (:attr:`ImageInput.decoded`, or :attr:`ImageInput.png_data_url` over HTTP), decoded once per image and
+shared by every sample and turn of its prompt.  Both are blocking (:func:`data_urls` for a request's images): an
+engine computes them off the worker's event loop.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 #: The modality of every :class:`ImageInput` (stored per item, so other modalities can follow).
@@ -43,6 +47,21 @@ class ImageInput:
     span: tuple[int, int]
     modality: str = IMAGE
 
+    @cached_property
+    def decoded(self) -> Any:
+        """The RGB Pillow image as the worker's processor got it (:mod:`daskgen.input.image_decoding`); blocking."""
+        from daskgen.input.image_decoding import decoded_rgb
+
+        return decoded_rgb(self.data)
+
+    @cached_property
+    def png_data_url(self) -> str:
+        """A ``data:`` URL of :attr:`decoded` encoded as PNG: a server that decodes files its own way (EXIF
+        orientation, transparency) reads exactly the pixels the worker's processor got; blocking."""
+        from daskgen.input.image_decoding import rgb_png
+
+        return "data:image/png;base64," + base64.b64encode(rgb_png(self.data)).decode()
+
 
 def collapsed_ids(prompt_ids: Sequence[int], images: Sequence[ImageInput]) -> list[int]:
     """``prompt_ids`` with each image's span (its expanded placeholders) collapsed to its first token: the prompt an
@@ -54,9 +73,6 @@ def collapsed_ids(prompt_ids: Sequence[int], images: Sequence[ImageInput]) -> li
     return ids
 
 
-def png_data_url(data: bytes) -> str:
-    """A ``data:`` URL of the image file ``data`` as the worker decoded it (EXIF orientation, alpha over white),
-    encoded as PNG: a server that decodes files its own way reads exactly the pixels the worker's processor got."""
-    from daskgen.input.image_decoding import rgb_png
-
-    return "data:image/png;base64," + base64.b64encode(rgb_png(data)).decode()
+def data_urls(images: Sequence[ImageInput]) -> list[str]:
+    """Each image's :attr:`~ImageInput.png_data_url` (blocking: run it off the event loop)."""
+    return [image.png_data_url for image in images]

@@ -1,9 +1,9 @@
 """Images over SGLang's native ``POST /generate`` (the ``openai`` engine's managed sglang server).
 
 JSON carries no tensors, so a server gets each image as the pixels the worker decoded (a PNG ``data:`` URL in
-``image_data``, :func:`~daskgen.engines.media.png_data_url`: whatever the server's own decoding does with EXIF
-orientation or transparency, it reads those pixels) and runs the model's image processor itself. The prompt goes
-with one placeholder token per image, each image's expanded span collapsed back
+``image_data``, :attr:`~daskgen.engines.media.ImageInput.png_data_url`: whatever the server's own decoding does with
+EXIF orientation or transparency, it reads those pixels) and runs the model's image processor itself. The prompt
+goes with one placeholder token per image, each image's expanded span collapsed back
 (:func:`~daskgen.engines.media.collapsed_ids`): sglang 0.5.23 expands placeholders itself and does not take expanded
 ones beside raw images (such a request never returns). sglang's expansion must give the prompt the store records:
 :func:`expansion_problem` compares the server's prompt length with the stored prompt's and fails the request when
@@ -13,11 +13,11 @@ to by another protocol than the native one).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from daskgen.engines.base import GenerationRequest
-from daskgen.engines.media import collapsed_ids, png_data_url
+from daskgen.engines.media import collapsed_ids
 from daskgen.engines.sglang.args import lora_refusal
 from daskgen.engines.sglang.images import images_refusal
 
@@ -27,12 +27,12 @@ __all__ = ["expansion_problem", "image_fields", "managed_refusals"]
 NATIVE_APIS = ("auto", "sglang")
 
 
-def image_fields(request: GenerationRequest) -> dict[str, Any]:
-    """``input_ids`` and ``image_data`` of a ``/generate`` body for a request with images (``{}`` without)."""
+def image_fields(request: GenerationRequest, urls: Sequence[str]) -> dict[str, Any]:
+    """``input_ids`` and ``image_data`` of a ``/generate`` body for a request with images, ``urls`` their
+    :func:`~daskgen.engines.media.data_urls` (``{}`` without images)."""
     if not request.params.images:
         return {}
-    urls = [png_data_url(image.data) for image in request.params.images]
-    return {"input_ids": collapsed_ids(request.prompt_ids, request.params.images), "image_data": urls}
+    return {"input_ids": collapsed_ids(request.prompt_ids, request.params.images), "image_data": list(urls)}
 
 
 def expansion_problem(request: GenerationRequest, out: Mapping[str, Any]) -> str | None:

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import math
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ from daskgen.engines.base import (
     finish_from_name,
     shaping_kwargs,
 )
+from daskgen.engines.media import data_urls
 from daskgen.engines.openai.native_images import expansion_problem, image_fields
 from daskgen.engines.openai.top_logprobs import ServerTop, retokenized_top, server_top
 from daskgen.engines.sglang.mapping import logprob_request, result_from_output, sampling_params_for
@@ -123,7 +125,9 @@ class SGLangNativeProtocol(WireProtocol):
     async def send(self, http: HTTPClient, request: GenerationRequest, flight: Flight) -> GenerationResult:
         """Post one request with ``rid = "<request_id>#<random>"`` (what :meth:`abort` names)."""
         flight.rid = f"{request.request_id}#{uuid.uuid4().hex[:12]}"
-        out = await http.post_json("/generate", native_payload(request, flight.rid, self.extra_body))
+        images = request.params.images
+        urls = await asyncio.to_thread(data_urls, images) if images else []
+        out = await http.post_json("/generate", native_payload(request, flight.rid, self.extra_body, urls))
         return native_result(request, out)
 
     async def abort(self, http: HTTPClient, flight: Flight) -> None:
@@ -199,8 +203,10 @@ class OpenAITextProtocol(WireProtocol):
 # --------------------------------------------------------------------------- payloads and answers
 
 
-def native_payload(request: GenerationRequest, rid: str, extra_body: dict[str, Any]) -> dict[str, Any]:
-    """The body of SGLang's ``POST /generate`` for ``request``."""
+def native_payload(
+    request: GenerationRequest, rid: str, extra_body: dict[str, Any], image_urls: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The body of SGLang's ``POST /generate`` for ``request`` (``image_urls``: its images' data URLs)."""
     sampling = sampling_params_for(request.params)
     extra = dict(extra_body)
     sampling.update(extra.pop("sampling_params", None) or {})
@@ -211,7 +217,7 @@ def native_payload(request: GenerationRequest, rid: str, extra_body: dict[str, A
         **logprob_request(request.params),
         **({"lora_path": request.params.adapter} if request.params.adapter else {}),
         "stream": False,
-        **image_fields(request),
+        **image_fields(request, image_urls),
         **extra,
     }
 

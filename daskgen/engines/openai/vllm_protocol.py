@@ -14,6 +14,7 @@ A server is recognised as vLLM by ``GET /version`` answering ``{"version": ...}`
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -25,12 +26,14 @@ from daskgen.engines.base import (
     finish_from_name,
     shaping_kwargs,
 )
+from daskgen.engines.media import data_urls
 from daskgen.engines.openai.protocol import Flight, WireProtocol
 from daskgen.engines.openai.top_logprobs import ServerTop, server_top, token_id_top
 from daskgen.engines.openai.vllm_images import (
     GENERATE_PATH,
     SCALE_OUT_HINT,
     ExpansionMismatch,
+    first_choice,
     generate_payload,
     take_generate_event,
 )
@@ -62,10 +65,11 @@ class VLLMProtocol(WireProtocol):
     async def _send_with_images(self, http: HTTPClient, request: GenerationRequest, flight: Flight) -> GenerationResult:
         from daskgen.engines.openai.client import StatusFailure
 
+        urls = await asyncio.to_thread(data_urls, request.params.images)  # decoded once per image, off the loop
         try:
             finish = await http.stream(
                 GENERATE_PATH,
-                generate_payload(self.model_name, request, self.extra_body),
+                generate_payload(self.model_name, request, self.extra_body, urls),
                 lambda event: take_generate_event(request, event, flight.ids, flight.logprobs, flight.top),
                 on_attempt=flight.reset,
             )
@@ -125,11 +129,9 @@ def take_vllm_event(
 ) -> str | None:
     """Append one streamed chunk's token ids (and logprobs, top logprobs) to ``ids``/``logprobs``/``top``;
     return its finish reason."""
-    choices = event.get("choices") or []
-    if not choices:
+    choice, new = first_choice(event)
+    if choice is None:
         return None
-    choice = choices[0]
-    new = [int(t) for t in choice.get("token_ids") or []]
     ids += new
     values = (choice.get("logprobs") or {}).get("token_logprobs")
     if isinstance(values, list):

@@ -236,16 +236,17 @@ class VLLMEngine(InProcessEngine):
             return error_result(request, problem)
         try:
             thread = started(self.name, self._thread)
-            prompt = await asyncio.to_thread(multimodal_prompt, request) if request.params.images else None
-            return await asyncio.wrap_future(thread.submit(self._collect(request, prompt)))
+            # images are decoded off the event loop (once per image, shared by the prompt's samples)
+            images = request.params.images
+            fields = await asyncio.to_thread(multimodal_prompt, request) if images else multimodal_prompt(request)
+            return await asyncio.wrap_future(thread.submit(self._collect(request, fields)))
         except asyncio.CancelledError:
             raise  # the collecting coroutine is cancelled too; vLLM aborts the request
         except Exception as exc:
             return self._failed(request, exc)
 
-    async def _collect(self, request: GenerationRequest, fields: dict[str, Any] | None = None) -> GenerationResult:
-        """Runs on the engine's loop: stream one request (its ``TokensPrompt`` ``fields``, default: its prompt ids)
-        and collect its deltas."""
+    async def _collect(self, request: GenerationRequest, fields: dict[str, Any]) -> GenerationResult:
+        """Runs on the engine's loop: stream one request (its ``TokensPrompt`` ``fields``) and collect its deltas."""
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -262,7 +263,7 @@ class VLLMEngine(InProcessEngine):
         try:
             if rid in self._aborting:
                 return aborted_result(request)
-            prompt = TokensPrompt(**(fields or multimodal_prompt(request)))
+            prompt = TokensPrompt(**fields)
             stream = self._llm.generate(prompt, params, rid, lora_request=self._lora_request(request.params.adapter))
             async for output in stream:
                 problem = expansion_problem(request, output.prompt_token_ids) if not acc.tokens else None

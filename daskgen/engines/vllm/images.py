@@ -2,12 +2,13 @@
 
 vLLM's ``TokensPrompt`` takes raw images (``multi_modal_data``) and runs the model's own processor on them in the
 engine; for Qwen2-VL it takes no processed pixel values (only vision-tower embeddings), and it expands each image's
-placeholder itself, so a prompt whose placeholders are already expanded would be expanded again.  The request
+placeholder itself, so a prompt whose placeholders are already expanded would be expanded again. The request
 therefore goes with its stored prompt's spans collapsed back (:func:`~daskgen.engines.media.collapsed_ids`) and each
-image decoded by daskgen's rule (:func:`~daskgen.input.image_decoding.decoded_rgb`: EXIF orientation, alpha over white),
-the pixels the worker's processor saw.  vLLM's expansion must give the stored prompt: :func:`expansion_problem`
-compares the prompt vLLM reports with the stored one, and a request whose images vLLM expanded otherwise (another
-processor setting, e.g. an engine arg ``mm_processor_kwargs``) fails, naming both lengths.
+image decoded by daskgen's rule (:attr:`~daskgen.engines.media.ImageInput.decoded`: EXIF orientation, alpha over
+white, once per image for every sample of its prompt), the pixels the worker's processor saw. vLLM's expansion must
+give the stored prompt: :func:`expansion_problem` compares the prompt vLLM reports with the stored one, and a
+request whose images vLLM expanded otherwise (another processor setting, e.g. an engine arg ``mm_processor_kwargs``)
+fails, naming both lengths.
 
 Some engine args leave vLLM without images; :func:`images_refusal` names them, so the plan refuses an image run
 with such args before any engine starts.  Heavy imports (Pillow) happen inside functions.
@@ -47,15 +48,8 @@ def multimodal_prompt(request: GenerationRequest) -> dict[str, Any]:
         return {"prompt_token_ids": list(request.prompt_ids)}
     return {
         "prompt_token_ids": collapsed_ids(request.prompt_ids, images),
-        "multi_modal_data": {"image": decoded_images([image.data for image in images])},
+        "multi_modal_data": {"image": [image.decoded for image in images]},
     }
-
-
-def decoded_images(blobs: Sequence[bytes]) -> list[Any]:
-    """Each image file's RGB Pillow image, decoded as the worker's processor decoded it."""
-    from daskgen.input.image_decoding import decoded_rgb
-
-    return [decoded_rgb(data) for data in blobs]
 
 
 def expansion_problem(request: GenerationRequest, seen: Sequence[int] | None) -> str | None:
