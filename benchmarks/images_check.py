@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common.engine_batch import generate_all
+
 
 @dataclass(frozen=True)
 class Case:
@@ -67,15 +69,7 @@ async def daskgen_side(
         image = ImageInput(hashlib.sha256(data).hexdigest(), data, processed.pixel_values, processed.grid, span, IMAGE)
         params = SamplingParams(max_new_tokens=max_new, temperature=0.0, images=(image,))
         requests.append(GenerationRequest(f"image-{i}", ids, params))
-    engine = get_engine_class(engine_name)(model, **args)
-    await engine.start()
-    try:
-        results = await asyncio.gather(*(engine.generate(r) for r in requests))
-    finally:
-        await engine.shutdown()
-    errors = [r.error for r in results if r.error]
-    if errors:
-        raise SystemExit(f"images step: {len(errors)} requests failed, e.g. {errors[0]}")
+    results = await generate_all(get_engine_class(engine_name)(model, **args), requests, "images step")
     return [r.output_ids for r in results], [len(r.prompt_ids) for r in requests]
 
 

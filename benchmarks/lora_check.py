@@ -16,6 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common.engine_batch import generate_all
+
 
 def merged_copy(model: str, adapter: Path, dest: Path) -> Path:
     """Save ``model`` with ``adapter`` merged into its weights (and the model's tokenizer) to ``dest``."""
@@ -45,15 +47,7 @@ async def greedy(
         for name in names
         for i, p in enumerate(prompts)
     ]
-    await engine.start()
-    try:
-        results = await asyncio.gather(*(engine.generate(r) for r in requests))
-    finally:
-        await engine.shutdown()
-    errors = [r.error for r in results if r.error]
-    if errors:
-        raise SystemExit(f"LoRA step: {len(errors)} requests failed, e.g. {errors[0]}")
-    return [r.output_ids for r in results]
+    return [r.output_ids for r in await generate_all(engine, requests, "LoRA step")]
 
 
 def lora_check(engine_name: str, model: str, args: dict[str, Any], prompts: list[list[int]], max_new: int) -> dict:

@@ -7,7 +7,8 @@
 * :mod:`.simulation` — the simulated long-tail workload, computed sync batches, emulated streaming;
 * :mod:`.stats` — intervals of side-by-side ratios over repeats;
 * :mod:`.prompts`, :mod:`.synthetic_store`, :mod:`.plots` — inputs, a store made without generating, plots;
-* :mod:`.cpu`, :mod:`.processes`, :mod:`.dask_floor` — where the client's CPU goes, and Dask's own floor.
+* :mod:`.cpu`, :mod:`.processes`, :mod:`.dask_floor` — where the client's CPU goes, and Dask's own floor;
+* :mod:`.engine_batch` — one batch of requests through a daskgen engine (the GPU validation steps).
 
 Importing it puts ``$DASKGEN_SRC`` (else this repository) first on ``sys.path``, so scripts run as
 ``python benchmarks/x.py`` from anywhere import that daskgen.  The package is pickled by value, so Dask
