@@ -19,7 +19,9 @@ import dask.config
 import yaml
 from dask.utils import parse_timedelta
 
-__all__ = ["DEFAULTS", "get", "seconds"]
+from daskgen.errors import ConfigError
+
+__all__ = ["DEFAULTS", "check_durations", "duration_keys", "get", "seconds"]
 
 _PATH = Path(__file__).with_name("daskgen.yaml")
 #: The shipped defaults (the parsed ``daskgen.yaml``).
@@ -65,5 +67,38 @@ def get(key: str) -> Any:
 
 
 def seconds(key: str) -> float:
-    """A duration tunable in seconds (``"90s"``, ``"15m"`` or a number of seconds)."""
-    return float(parse_timedelta(get(key), default="seconds"))
+    """A duration tunable in seconds (``"90s"``, ``"15m"`` or a number of seconds).
+
+    Raises :class:`~daskgen.errors.ConfigError` naming the key and where it is set when the value is no duration.
+    """
+    value = get(key)
+    try:
+        return float(parse_timedelta(value, default="seconds"))
+    except (TypeError, ValueError, KeyError):
+        env = "DASK_DASKGEN__" + key.upper().replace("-", "_").replace(".", "__")
+        raise ConfigError(
+            f"daskgen.{key} must be a duration such as '90s', '15m' or a number of seconds, found {value!r}; "
+            f"fix it where it is set (the environment variable {env} or a Dask YAML file)"
+        ) from None
+
+
+def duration_keys(section: dict[str, Any], prefix: str = "") -> list[str]:
+    """The keys under ``section`` whose shipped default is a duration string (``"30s"``)."""
+    keys = []
+    for name, value in section.items():
+        if isinstance(value, dict):
+            keys += duration_keys(value, f"{prefix}{name}.")
+        elif isinstance(value, str):
+            try:
+                parse_timedelta(value)
+            except (TypeError, ValueError, KeyError):
+                continue
+            keys.append(prefix + name)
+    return keys
+
+
+def check_durations() -> None:
+    """Read every duration tunable once, so that a value that is no duration fails before a run starts
+    (:class:`~daskgen.errors.ConfigError` naming it), not later on a worker."""
+    for key in duration_keys(DEFAULTS["daskgen"]):
+        seconds(key)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import module_order
+from tests import cli_zygote, module_order
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -102,24 +102,28 @@ def cli_env() -> dict[str, str]:
 
 
 def run_cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``python -m daskgen ARGS`` (extra environment in ``env``) and capture its output."""
-    return subprocess.run(
-        [sys.executable, "-m", "daskgen", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**cli_env(), **(env or {})},
-    )
+    """Run ``python -m daskgen ARGS`` (extra environment in ``env``) and capture its output (tests/cli_zygote.py)."""
+    command = [sys.executable, "-m", "daskgen", *map(str, args)]
+    with cli_zygote.popen(
+        command, {**cli_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def popen_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start ``python -m daskgen ARGS`` in its own process group (so a test can kill the whole tree)."""
-    return subprocess.Popen(
+    return cli_zygote.popen(
         [sys.executable, "-m", "daskgen", *map(str, args)],
+        {**cli_env(), **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**cli_env(), **(env or {})},
         start_new_session=True,
     )
 

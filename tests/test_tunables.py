@@ -13,6 +13,7 @@ import yaml
 
 import daskgen
 from daskgen import store, tunables
+from daskgen.errors import ConfigError
 from daskgen.store.records.lock import StoreLock
 
 
@@ -69,3 +70,17 @@ def test_worker_processes_of_a_run_start_with_the_profiler_setting(tmp_path) -> 
         client.wait_for_workers(1)
         seen = client.run(lambda: dask.config.get("distributed.worker.profile.enabled"))
     assert list(seen.values()) == [False]
+
+
+def test_a_duration_setting_that_is_no_duration_is_refused_naming_it() -> None:
+    """Every duration tunable is read by ``check_durations`` (which a run's plan calls first); a bad value names the
+    key, what it found and the environment variable to fix."""
+    assert {"health-timeout", "policy.poll-interval", "object-store.init-backoff"} <= set(
+        tunables.duration_keys(tunables.DEFAULTS["daskgen"])
+    )
+    tunables.check_durations()
+    for key, env in (("health-timeout", "HEALTH_TIMEOUT"), ("policy.poll-interval", "POLICY__POLL_INTERVAL")):
+        with dask.config.set({f"daskgen.{key}": "soon"}), pytest.raises(ConfigError) as info:
+            tunables.check_durations()
+        assert f"daskgen.{key} must be a duration" in str(info.value) and "found 'soon'" in str(info.value)
+        assert f"DASK_DASKGEN__{env}" in str(info.value)

@@ -1,0 +1,274 @@
+"""Start ``python -m daskgen`` processes forked from one that has already imported the CLI (the tests' launcher).
+
+About half of a short ``daskgen run`` process's CPU is importing the command line, Dask, Zarr and the tokenizer
+code; the suite starts several hundred of them.  Each pytest process therefore starts one *zygote* on first use:
+a Python process that imports those modules once and then forks a child per command.  The child is a real,
+separate process running the real CLI (``runpy``, as ``python -m`` does) with the test's standard streams,
+environment, working directory and session; the test gets a :class:`subprocess.Popen` whose ``pid`` is the
+child's, so signals, ``killpg``, timeouts and ``communicate`` behave as with any subprocess.  The zygote reaps
+the child and sends its exit status back over the connection that started it.
+
+Only environments that differ from the zygote's in settings read at run time go through it (``DASK_*``, which the
+child reloads into Dask's config, ``AWS_*``, ``SLURM_*``, ``TMPDIR``); any other difference starts a plain
+subprocess, so nothing the interpreter or a library reads at import time can be stale.  The README's commands,
+the examples and the guides still start fresh interpreters (tests/test_readme.py, tests/test_examples.py).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import re
+import selectors
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+#: Environment variables whose value the child may set differently from the zygote's: read when used, not at import.
+RUNTIME_ENV = re.compile(r"^(DASK_|AWS_|SLURM_|PYTEST_)|^TMPDIR$")
+#: What the zygote imports before forking: the command line and what a run's client process imports.
+PRELOAD = (
+    "daskgen.cli",
+    "daskgen.client.runner",
+    "distributed.dashboard.scheduler",
+    "zarr",
+    "transformers.tokenization_utils_tokenizers",
+    "jinja2",
+)
+
+
+class Zygote:
+    """The pytest process's zygote: started on first use with ``env``, stopped when pytest exits."""
+
+    _instance: Zygote | None = None
+    _lock = threading.Lock()
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = dict(env)
+        self.path = Path(tempfile.mkdtemp(prefix="daskgen-zygote-")) / "sock"
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, str(self.path)],
+            stdin=subprocess.PIPE,  # the zygote ends when this pipe closes (pytest exited)
+            stdout=subprocess.PIPE,
+            env=self.env,
+            start_new_session=True,  # a test's killpg of its own process group never reaches it
+        )
+        atexit.register(shutil.rmtree, self.path.parent, ignore_errors=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().decode()
+        if line.strip() != "ready":
+            raise RuntimeError(f"the CLI zygote did not start: {line!r} (exit {self.proc.poll()})")
+
+    @classmethod
+    def get(cls, env: dict[str, str]) -> Zygote:
+        with cls._lock:
+            if cls._instance is None or cls._instance.proc.poll() is not None:
+                cls._instance = cls(env)
+            return cls._instance
+
+    def accepts(self, env: dict[str, str]) -> bool:
+        """Whether a child with ``env`` can be forked from this zygote (it differs only in run-time settings)."""
+        keys = set(env) | set(self.env)
+        return all(RUNTIME_ENV.match(k) for k in keys if env.get(k) != self.env.get(k))
+
+
+class ZygotePopen(subprocess.Popen):
+    """A :class:`subprocess.Popen` of ``python -m daskgen ...`` whose child the zygote forks (see the module)."""
+
+    def __init__(self, args: list[str], *, zygote: Zygote, **kwargs: Any) -> None:
+        self._zygote = zygote
+        self._status: socket.socket | None = None
+        super().__init__(args, **kwargs)
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+                       creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
+                       restore_signals, gid, gids, uid, umask, start_new_session, process_group=-1):  # fmt: skip
+        request = {
+            "argv": list(args[3:]),  # after ``python -m daskgen``
+            "env": dict(env if env is not None else os.environ),
+            "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
+            "new_session": bool(start_new_session),
+        }
+        fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2]
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(str(self._zygote.path))
+            socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], fds)
+            self.pid = int(_read_line(conn, None))
+        except BaseException:
+            conn.close()
+            raise
+        finally:  # the child's ends of the pipes, as Popen closes them after a fork
+            devnull = getattr(self, "_devnull", None)
+            for child_end, parent_end in ((p2cread, p2cwrite), (c2pwrite, c2pread), (errwrite, errread)):
+                if child_end != -1 and parent_end != -1 and child_end != devnull:
+                    os.close(child_end)
+            if devnull is not None:
+                os.close(devnull)
+            self._closed_child_pipe_fds = True
+        self._status = conn
+
+    def _internal_poll(self, _deadstate=None, _waitpid=None, _WNOHANG=None, _ECHILD=None):  # noqa: N803
+        if self.returncode is None and self._status is not None:
+            self._read_status(0)
+        return self.returncode
+
+    def _wait(self, timeout):
+        if self.returncode is None:
+            self._read_status(timeout)
+        return self.returncode
+
+    def _read_status(self, timeout: float | None) -> None:
+        """Take the exit status the zygote sends when the child ends; TimeoutExpired if not within ``timeout``."""
+        assert self._status is not None
+        try:
+            line = _read_line(self._status, timeout)
+        except (TimeoutError, BlockingIOError):
+            if timeout == 0:
+                return
+            raise subprocess.TimeoutExpired(self.args, timeout) from None
+        self._status.close()
+        self._status = None
+        self.returncode = int(line)
+
+
+def _read_line(conn: socket.socket, timeout: float | None) -> str:
+    conn.settimeout(timeout)
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(64, socket.MSG_PEEK)
+        if not chunk:
+            raise RuntimeError("the CLI zygote closed the connection without an exit status")
+        take = chunk.index(b"\n") + 1 if b"\n" in chunk else len(chunk)
+        data += conn.recv(take)
+    return data.decode()
+
+
+def popen(args: list[str], env: dict[str, str], **kwargs: Any) -> subprocess.Popen:
+    """``subprocess.Popen(args, env=env, ...)`` of ``[python, -m, daskgen, ...]``, forked by the zygote if it can be."""
+    if os.environ.get("DASKGEN_TESTS_FORK_CLI") == "0":  # every CLI in a fresh interpreter (to compare)
+        return subprocess.Popen(args, env=env, **kwargs)
+    zygote = Zygote.get(env)
+    if zygote.accepts(env):
+        return ZygotePopen(args, zygote=zygote, env=env, **kwargs)
+    return subprocess.Popen(args, env=env, **kwargs)
+
+
+# --- the zygote process -------------------------------------------------------------------------------------
+
+
+def _child(request: dict[str, Any], fds: list[int], inherited: list[int]) -> None:
+    """In the forked child: take the test's streams, environment, directory and session; run the CLI; exit.
+
+    ``inherited``: the zygote's descriptors the child must not keep (its socket, its other children's)."""
+    import runpy
+    import signal
+
+    for fd in inherited:
+        os.close(fd)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds):
+        if fd > 2:
+            os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    sys.path[0] = request["cwd"]  # as ``python -m`` puts its working directory first
+    tempfile.tempdir = None  # TMPDIR may differ
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    import dask
+
+    dask.config.refresh()  # DASK_* settings of the request
+    sys.argv = ["daskgen", *request["argv"]]
+    code: Any = 0
+    try:
+        runpy.run_module("daskgen", run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def serve(path: str) -> None:
+    """Import the CLI, then fork a child per connection and send back its pid, then its exit status."""
+    import importlib
+
+    sys.path[0] = os.getcwd()  # not this file's folder: the children run as ``python -m daskgen`` would
+    for name in PRELOAD:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    if threading.active_count() != 1:  # a fork would copy a process whose other threads may hold locks
+        raise SystemExit(f"the CLI zygote has threads after its imports: {threading.enumerate()}")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(64)
+    selector = selectors.DefaultSelector()
+    selector.register(server, selectors.EVENT_READ, "accept")
+    selector.register(sys.stdin, selectors.EVENT_READ, "parent")
+    print("ready", flush=True)
+    while True:
+        for key, _ in selector.select():
+            if key.data == "parent":  # pytest closed the pipe: it has exited
+                return
+            if key.data == "accept":
+                _start_child(server, selector)
+            else:
+                pid, conn = key.data
+                _, status = os.waitpid(pid, 0)
+                selector.unregister(key.fd)
+                os.close(key.fd)
+                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                conn.close()
+
+
+def _start_child(server: socket.socket, selector: selectors.BaseSelector) -> None:
+    conn, _ = server.accept()
+    msg, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+    while not msg.endswith(b"\n"):
+        msg += conn.recv(1 << 16)
+    request = json.loads(msg)
+    children = [key for key in selector.get_map().values() if isinstance(key.data, tuple)]
+    inherited = [server.fileno(), conn.fileno(), *(k.fd for k in children), *(k.data[1].fileno() for k in children)]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    started, signal_started = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        selector.close()
+        os.close(started)
+        if request["new_session"]:
+            os.setsid()
+        os.close(signal_started)  # the session exists before the test learns the pid, as with Popen
+        _child(request, fds, inherited)
+    os.close(signal_started)
+    os.read(started, 1)  # returns at the child's close
+    os.close(started)
+    for fd in fds:
+        os.close(fd)
+    conn.sendall(f"{pid}\n".encode())
+    selector.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, conn))
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

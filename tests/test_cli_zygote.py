@@ -1,0 +1,63 @@
+"""The tests' launcher of ``daskgen`` commands (tests/cli_zygote.py) behaves as a fresh ``python -m daskgen``.
+
+Every CLI test relies on it: a command forked from the zygote must see the test's environment (Dask settings
+included), working directory and streams, report its own exit status, and be a process of its own that signals
+reach (and, with a new session, its own process group).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests import cli_zygote
+from tests.conftest import cli_env, popen_cli, run_cli, write_prompts
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_a_forked_command_gets_the_tests_dask_settings_and_exit_status(tmp_path):
+    """A health timeout given as a DASK_ variable reaches the forked command's config: a fresh interpreter and
+    the fork refuse the same bad value the same way, naming it, before any store is made."""
+    assert cli_zygote.Zygote.get(cli_env()).accepts({**cli_env(), "DASK_DASKGEN__HEALTH_TIMEOUT": "x"})
+    prompts = write_prompts(tmp_path / "p.jsonl", 2)
+    args = ("run", "--prompts", prompts, "--store", tmp_path / "o.zarr", "--engine", "simulated", "--model", "sim")
+    env = {"DASK_DASKGEN__HEALTH_TIMEOUT": "not-a-duration"}
+    forked = run_cli(*args, env=env)
+    fresh = subprocess.run(
+        [sys.executable, "-m", "daskgen", *map(str, args)],
+        capture_output=True, text=True, timeout=120, env={**cli_env(), **env},
+    )  # fmt: skip
+    assert forked.returncode == fresh.returncode != 0
+    assert "found 'not-a-duration'" in forked.stderr and forked.stderr == fresh.stderr
+    assert not (tmp_path / "o.zarr").exists()
+
+
+def test_a_forked_command_runs_in_the_tests_directory_as_its_own_process_group(tmp_path, monkeypatch):
+    """Relative paths resolve in the test's working directory; the command leads a session of its own, which a
+    SIGKILL to its group ends (status -9, seen by poll and wait)."""
+    monkeypatch.chdir(tmp_path)
+    write_prompts(tmp_path / "p.jsonl", 2)
+    done = run_cli("run", "--prompts", "p.jsonl", "--store", "o.zarr", "--engine", "simulated", "--model", "sim",
+                   "--max-new-tokens", "4", "--n-workers", "1", "--no-progress")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "o.zarr").is_dir()
+    proc = popen_cli("follow", "o.zarr", "--wait")
+    assert isinstance(proc, cli_zygote.ZygotePopen) and proc.pid != os.getpid()
+    assert os.getpgid(proc.pid) == proc.pid and proc.poll() is None
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL and proc.poll() == -signal.SIGKILL
+    proc.stdout.close()
+
+
+def test_an_environment_read_at_import_time_starts_a_fresh_interpreter():
+    """A difference the interpreter or a library reads at import (here PYTHONHASHSEED) is never forked."""
+    proc = cli_zygote.popen(
+        [sys.executable, "-m", "daskgen", "--help"], {**cli_env(), "PYTHONHASHSEED": "7"}, stdout=subprocess.DEVNULL
+    )
+    assert not isinstance(proc, cli_zygote.ZygotePopen)
+    assert proc.wait(timeout=60) == 0
