@@ -17,11 +17,11 @@ from typing import Any
 
 import dask.config
 import yaml
-from dask.utils import parse_timedelta
+from dask.utils import parse_bytes, parse_timedelta
 
 from daskgen.errors import ConfigError
 
-__all__ = ["DEFAULTS", "check_durations", "duration_keys", "get", "seconds"]
+__all__ = ["DEFAULTS", "check_settings", "env_name", "get", "seconds", "settings"]
 
 _PATH = Path(__file__).with_name("daskgen.yaml")
 #: The shipped defaults (the parsed ``daskgen.yaml``).
@@ -66,6 +66,11 @@ def get(key: str) -> Any:
     return dask.config.get(name, default=dask.config.get(name, config=DEFAULTS))
 
 
+def env_name(key: str) -> str:
+    """The environment variable that sets ``daskgen.<key>`` (``health-timeout``: ``DASK_DASKGEN__HEALTH_TIMEOUT``)."""
+    return "DASK_DASKGEN__" + key.upper().replace("-", "_").replace(".", "__")
+
+
 def seconds(key: str) -> float:
     """A duration tunable in seconds (``"90s"``, ``"15m"`` or a number of seconds).
 
@@ -75,30 +80,79 @@ def seconds(key: str) -> float:
     try:
         return float(parse_timedelta(value, default="seconds"))
     except (TypeError, ValueError, KeyError):
-        env = "DASK_DASKGEN__" + key.upper().replace("-", "_").replace(".", "__")
-        raise ConfigError(
-            f"daskgen.{key} must be a duration such as '90s', '15m' or a number of seconds, found {value!r}; "
-            f"fix it where it is set (the environment variable {env} or a Dask YAML file)"
-        ) from None
+        raise _invalid(key, "a duration such as '90s', '15m' or a number of seconds", value) from None
 
 
-def duration_keys(section: dict[str, Any], prefix: str = "") -> list[str]:
-    """The keys under ``section`` whose shipped default is a duration string (``"30s"``)."""
-    keys = []
+def _invalid(key: str, expected: str, value: Any) -> ConfigError:
+    return ConfigError(
+        f"daskgen.{key} must be {expected}, found {value!r}; fix it where it is set (the environment variable "
+        f"{env_name(key)} or a Dask YAML file)"
+    )
+
+
+def _is_duration(value: str) -> bool:
+    try:
+        parse_timedelta(value)
+    except (TypeError, ValueError, KeyError):
+        return False
+    return True
+
+
+def _is_size(value: str) -> bool:
+    try:
+        parse_bytes(value)
+    except (TypeError, ValueError):
+        return False
+    return not value.strip().isdigit()
+
+
+#: What a setting must be, by the kind of its shipped default: a description and a check of a value.
+_KINDS: dict[str, tuple[str, Any]] = {
+    "duration": ("a duration such as '90s', '15m' or a number of seconds", lambda v: _is_duration(v)),
+    "size": ("a size such as '16MiB' or a number of bytes", lambda v: isinstance(v, int) or _is_size(str(v))),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "int": ("a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "float": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+}
+
+
+def _kind(default: Any) -> str | None:
+    """The kind of a setting whose shipped default is ``default`` (``None``: any value, e.g. an unset option)."""
+    if isinstance(default, str):
+        return "duration" if _is_duration(default) else "size" if _is_size(default) else "str"
+    return next((kind for kind in ("bool", "int", "float") if type(default).__name__ == kind), None)
+
+
+def settings(section: dict[str, Any] | None = None, prefix: str = "") -> dict[str, Any]:
+    """Every setting under ``section`` (default: the shipped ``daskgen:`` section) by its dotted key, with its
+    value there."""
+    section = DEFAULTS["daskgen"] if section is None else section
+    out: dict[str, Any] = {}
     for name, value in section.items():
         if isinstance(value, dict):
-            keys += duration_keys(value, f"{prefix}{name}.")
-        elif isinstance(value, str):
-            try:
-                parse_timedelta(value)
-            except (TypeError, ValueError, KeyError):
-                continue
-            keys.append(prefix + name)
-    return keys
+            out.update(settings(value, f"{prefix}{name}."))
+        else:
+            out[prefix + name] = value
+    return out
 
 
-def check_durations() -> None:
-    """Read every duration tunable once, so that a value that is no duration fails before a run starts
-    (:class:`~daskgen.errors.ConfigError` naming it), not later on a worker."""
-    for key in duration_keys(DEFAULTS["daskgen"]):
-        seconds(key)
+def check_settings() -> None:
+    """Check every ``daskgen.*`` setting against the kind of its shipped default, and that each set key is one
+    daskgen has: a typo or a bad value fails before a run starts (:class:`~daskgen.errors.ConfigError` naming the
+    key, what it must be, what was found and where to fix it), not later on a worker or silently."""
+    import difflib
+
+    known = settings()
+    given = dask.config.get("daskgen", default={})
+    for key, value in settings(given if isinstance(given, dict) else {}).items():
+        key = key.replace("_", "-")  # Dask takes either (DASK_DASKGEN__HEALTH_TIMEOUT sets health_timeout)
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean daskgen.{close[0]}?" if close else "; the settings are in daskgen/daskgen.yaml"
+            raise ConfigError(
+                f"daskgen.{key} (set by {env_name(key)} or a Dask YAML file) is not a daskgen setting{hint}"
+            )
+        kind = _kind(known[key])
+        if kind is not None and value is not None and not _KINDS[kind][1](value):
+            raise _invalid(key, _KINDS[kind][0], value)

@@ -72,15 +72,40 @@ def test_worker_processes_of_a_run_start_with_the_profiler_setting(tmp_path) -> 
     assert list(seen.values()) == [False]
 
 
-def test_a_duration_setting_that_is_no_duration_is_refused_naming_it() -> None:
-    """Every duration tunable is read by ``check_durations`` (which a run's plan calls first); a bad value names the
-    key, what it found and the environment variable to fix."""
-    assert {"health-timeout", "policy.poll-interval", "object-store.init-backoff"} <= set(
-        tunables.duration_keys(tunables.DEFAULTS["daskgen"])
-    )
-    tunables.check_durations()
-    for key, env in (("health-timeout", "HEALTH_TIMEOUT"), ("policy.poll-interval", "POLICY__POLL_INTERVAL")):
-        with dask.config.set({f"daskgen.{key}": "soon"}), pytest.raises(ConfigError) as info:
-            tunables.check_durations()
-        assert f"daskgen.{key} must be a duration" in str(info.value) and "found 'soon'" in str(info.value)
-        assert f"DASK_DASKGEN__{env}" in str(info.value)
+def test_a_setting_of_the_wrong_kind_or_unknown_is_refused_naming_it() -> None:
+    """``check_settings`` (a run's plan calls it first) holds every set ``daskgen.*`` key against the kind of its
+    shipped default, and refuses keys daskgen does not have, suggesting the closest one; the message names the
+    key, what it must be, what was found and the environment variable that sets it."""
+    tunables.check_settings()
+    bad = {
+        "health-timeout": ("soon", "a duration", "HEALTH_TIMEOUT"),
+        "policy.poll-interval": ("[1]", "a duration", "POLICY__POLL_INTERVAL"),
+        "abort-requeue-limit": ("ten", "a whole number", "ABORT_REQUEUE_LIMIT"),
+        "worker-profile": ("yes", "true or false", "WORKER_PROFILE"),
+        "prefix.min-saving": ("half", "a number", "PREFIX__MIN_SAVING"),
+        "export.block-bytes": ("big", "a size", "EXPORT__BLOCK_BYTES"),
+    }
+    for key, (value, expected, env) in bad.items():
+        with dask.config.set({f"daskgen.{key}": value}), pytest.raises(ConfigError) as info:
+            tunables.check_settings()
+        message = str(info.value)
+        assert f"daskgen.{key} must be {expected}" in message and f"found {value!r}" in message, message
+        assert f"DASK_DASKGEN__{env}" in message
+    for key, value in {
+        "health-timeout": 30,
+        "abort-requeue-limit": 3,
+        "prefix.min-saving": 1,
+        "local-cpu-threads": 2,
+    }.items():
+        with dask.config.set({f"daskgen.{key}": value}):
+            tunables.check_settings()  # a number of seconds; an int where a float goes; any value of a null default
+    with (
+        dask.config.set({"daskgen.health-timout": "5s"}),
+        pytest.raises(ConfigError, match="did you mean daskgen.health-timeout"),
+    ):
+        tunables.check_settings()
+    with (
+        dask.config.set({"daskgen.policy.poll-intervall": "5s"}),
+        pytest.raises(ConfigError, match="policy.poll-interval"),
+    ):
+        tunables.check_settings()

@@ -108,9 +108,10 @@ def make_plan(settings: RunSettings) -> Plan:
     """Plan a run with ``settings`` (:func:`daskgen.settings.resolve`), one step after the other and each on what
     the step before found: the input scanned (or its scan reused from the store), the length hints read, the engine
     checked for every feature the run and its rows ask for, the store created or checked, the prefix keys resolved.
-    A ``daskgen.*`` duration setting that is no duration fails first (:func:`daskgen.tunables.check_durations`).
+    A ``daskgen.*`` setting that daskgen does not have, or of the wrong kind, fails first
+    (:func:`daskgen.tunables.check_settings`).
     """
-    tunables.check_durations()
+    tunables.check_settings()
     existing, scan, record, keys = _scan_input(settings)
     hints = settings.length_hints
     predicted = None if hints is None else read_length_hints(hints, scan.ids, scan.fingerprint, len(scan))
