@@ -2,7 +2,8 @@
 values and expanded prompt as they are stored (one ``processor_output`` item); the ``openai`` engine's managed
 sglang server, the ``openai`` engine against a ``vllm serve`` (``api=vllm``, vLLM's tokens-in API) and the ``vllm``
 engine get the images and one placeholder per image, and their expansion is checked against the stored prompt.
-Greedy answers of each equal the model's own ``generate`` with the same pixels.
+Greedy answers of each equal the model's own ``generate`` with the same pixels, for an image in a conversation's
+later turn too.
 
 The run tests need the real engine: sglang in the sglang lane (``.ci/sglang-lane``, whose ``sgl_kernel`` shim
 provides the placeholder torch ops sglang's Qwen-VL image processor looks up at import), vLLM in the vllm lane
@@ -160,13 +161,18 @@ def _start_vllm_server(model: Path, log_path: Path) -> dict:
 
 
 def image_rows(images: dict[str, Path]) -> list[dict]:
-    """Rows with one image each (four different images, one as a content part of a ``messages`` row), a row with
-    two images and a text-only row."""
+    """Rows with one image each (four different images, one as a content part in the second user turn of a
+    ``messages`` row), a row with two images and a text-only row."""
     part = {"type": "image_url", "image_url": {"url": str(images["checkerboard"])}}
+    conversation = [
+        {"role": "user", "content": "Hello."},
+        {"role": "assistant", "content": "Hello! Send me a picture."},
+        {"role": "user", "content": [part, {"type": "text", "text": QUESTION}]},
+    ]
     return [
         {"id": "gradient", "prompt": QUESTION, "images": [str(images["gradient"])]},
         {"id": "noise", "prompt": QUESTION, "images": [str(images["noise"])]},
-        {"id": "message", "messages": [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}]},
+        {"id": "message", "messages": conversation},
         {"id": "two", "prompt": QUESTION, "images": [str(images["noise"]), str(images["gradient"])]},
         {"id": "text", "prompt": QUESTION},
         {"id": "mirrored", "prompt": QUESTION, "images": [str(images["mirrored"])]},
