@@ -12,13 +12,13 @@ import functools
 
 from daskgen.formats import output_names
 from daskgen.input.columns import DASKGEN_KEYS
-from daskgen.store.layout import Layout
+from daskgen.store.layout import every_array_layout
 
 
 @functools.cache
 def reserved_names() -> frozenset[str]:
     """Names a kept column may not have: daskgen's row keys, the store's arrays and dimensions, and the fields of
     its exports and ``daskgen.follow`` formats (a kept column appears there under its own name)."""
-    layout = Layout(1, 1, 1, 1, 1, 0, n_trajectories=2, scored=True, top_logprobs=1)
+    layout = every_array_layout()
     dims = {d for spec in layout.array_specs().values() for d in spec.dims}
     return frozenset({*DASKGEN_KEYS, *layout.array_specs(), *dims, *output_names()})

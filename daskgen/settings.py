@@ -42,9 +42,9 @@ class RunSettings:
     location, length_hints:
         Where the store lives (:class:`~daskgen.store.location.StoreLocation`, reachable); the ``length_hints``
         store's location (``None``: unset).
-    max_trajectories:
+    max_trajectories, tool_images:
         The most trajectories the run's agent loop makes of one sample (the store's width; the agent is created,
-        and so its arguments checked, here).
+        and so its arguments checked, here), and the most images its tools may return per sample (0: none).
     engine_cls, simulated, prefix_engine_args, prefix_admits, engine_ranges:
         The engine class ``engine`` names, and whether it generates without a model (engine args included); the
         engine args of a run dispatched by prefix, and whether the engine then admits requests by prefix itself;
@@ -76,6 +76,7 @@ class RunSettings:
     location: StoreLocation
     length_hints: StoreLocation | None
     max_trajectories: int
+    tool_images: int
     engine_cls: type[Engine]
     simulated: bool
     prefix_engine_args: dict[str, Any]
@@ -148,6 +149,7 @@ def resolve(config: RunConfig, prompts: Prompts | None = None, *, command: RunCo
         location=location,
         length_hints=hints,
         max_trajectories=agent.max_trajectories,
+        tool_images=int(getattr(agent, "max_tool_images", 0)),
         engine_cls=engine_cls,
         simulated=simulated,
         prefix_engine_args=prefix_engine_args,

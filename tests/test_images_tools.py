@@ -8,10 +8,12 @@ result, with the same pixels.  The same rows with another image answer otherwise
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
 
+import daskgen
 from daskgen.store.generation_store import GenerationStore
 from tests.conftest import run_cli
 from tests.test_agents import TOOLS, call
@@ -80,3 +82,266 @@ def test_the_second_turn_after_a_tool_result_sees_the_prompts_image(tmp_path, vl
 
     other = tool_run(tmp_path / "noise", vl_model, images["noise"])
     assert turns(other)[2] != second, "another image changes the second turn: the model sees it"
+
+
+def followed(store, fmt: str) -> list:
+    batches = daskgen.follow(store.url, batch_prompts=10, wait=False, format=fmt, auto_ack=False)
+    return [b.data for b in batches]
+
+
+def image_tool_run(tmp_path, model, prompt_image, tool_image, tool="show", **extra) -> GenerationStore:
+    """A greedy tool-loop run of one row asking about ``prompt_image``: turn 0 scripted (a call of the image tool
+    ``tool`` with ``tool_image``), turn 1 real, after the tool's image."""
+    tmp_path.mkdir()
+    rows = write_rows(
+        tmp_path / "p.jsonl", [{"messages": user(image_part(prompt_image), {"type": "text", "text": QUESTION})}]
+    )
+    config = tmp_path / "run.yaml"
+    tools = {**TOOLS, "show": "tests.agent_tools:show", "show_pillow": "tests.agent_tools:show_pillow"}
+    config.write_text(
+        json.dumps(
+            {
+                "engine": "daskgen.testing.engines:ScriptedToolEngine",
+                "engine_args": {"inner": "transformers", "script": {"0": call(tool, path=str(tool_image))}},
+                "agent": "tool",
+                "agent_args": {"tools": tools, "max_turns": 2, "max_tool_images": 2},
+                "max_new_tokens": NEW_TOKENS + 200,
+                "temperature": 0.0,
+                **extra,
+            }
+        )
+    )
+    out = tmp_path / "out.zarr"
+    args = ["run", "--config", config, "--prompts", rows, "--model", model, "--store", out, "--n-workers", "1"]
+    result = run_cli(*args, "--no-progress")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return GenerationStore.open(out)
+
+
+def test_an_image_a_tool_returns_is_stored_once_placed_in_the_context_and_seen(tmp_path, vl_model, images):  # noqa: F811
+    """A tool returns an image (a content part naming a file): the worker keeps it under its hash, expands its
+    placeholder in the tool message, records its span in ``response_ids``, and the model's next turn gets both
+    images: it equals the model's own ``generate`` with the prompt's and the tool's pixels, and not with the tool
+    image mirrored (the same tokens, other pixels).  ``verify`` checks the span and the stored image, and finds a
+    span moved off its placeholders; the formats hand both images to a trainer."""
+    import hashlib
+
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from daskgen.store.images import stored_hashes
+    from daskgen.store.tools.verify import verify
+
+    made = image_tool_run(tmp_path / "run", vl_model, images["grace_hopper"], images["noise"])
+    prompt, before, second = turns(made)
+    got = made.read_region(0, 1, ("tool_image_hash", "tool_image_offset", "tool_image_length", "tool_image_grid",
+                                  "response_mask"))  # fmt: skip
+    digest = hashlib.sha256(images["noise"].read_bytes()).hexdigest()
+    assert got["tool_image_hash"][0, 0].tolist() == [digest, ""]
+    offset, length = int(got["tool_image_offset"][0, 0, 0]), int(got["tool_image_length"][0, 0, 0])
+    pad = AutoTokenizer.from_pretrained(vl_model).convert_tokens_to_ids("<|image_pad|>")
+    t, h, w = got["tool_image_grid"][0, 0, 0].tolist()
+    assert length == t * h * w // 4 and before[offset : offset + length] == [pad] * length
+    assert before.count(pad) == length and not got["response_mask"][0, 0, offset : offset + length].any()
+    assert digest in stored_hashes(made.location), "the tool's image is kept in the store"
+
+    processor = AutoImageProcessor.from_pretrained(vl_model)
+    model = AutoModelForImageTextToText.from_pretrained(vl_model).eval()
+    photo = Image.open(images["grace_hopper"]).convert("RGB")
+    board = Image.open(images["noise"]).convert("RGB")
+    both = processor(images=[photo, board], return_tensors="pt")
+    expected, _ = generate_with_pixels(model, both, prompt + before, pad, len(second))
+    assert second == expected, "the second turn is the model's own with both images"
+    mirrored = processor(images=[photo, board.transpose(Image.Transpose.FLIP_LEFT_RIGHT)], return_tensors="pt")
+    assert generate_with_pixels(model, mirrored, prompt + before, pad, len(second))[0] != second, (
+        "the tool image is seen"
+    )
+
+    report = verify(made.url, progress=False)
+    assert report.sound, report.lines()
+    (records,) = followed(made, "rows")
+    assert records[0]["tool_image_hash"] == [digest] and records[0]["tool_image_offset"] == [offset]
+    assert records[0]["tool_image_key"] == [f"images/{digest[:2]}/{digest}"]
+    assert records[0]["tool_image_grid"] == [[t, h, w]] and records[0]["tool_image_length"] == [length]
+
+    copy = tmp_path / "copy.zarr"
+    shutil.copytree(made.url, copy)
+    offsets = GenerationStore.open(copy).array("tool_image_offset", writable=True)
+    offsets[0, 0, 0] = offset - 1
+    broken = verify(str(copy), progress=False)
+    assert not broken.sound and "tool image 0: span" in " ".join(broken.lines()), broken.lines()
+
+
+def test_a_tool_image_as_a_pillow_image_and_the_verl_fields_of_both_images(tmp_path, vl_model, images):  # noqa: F811
+    """A tool returning a Pillow image: kept as PNG bytes under their hash; verl's multi_modal_data and
+    multi_modal_inputs of the sample hold the prompt's image then the tool's."""
+    import io
+
+    from PIL import Image
+
+    from daskgen.store.images import image_hash, stored_hashes
+
+    made = image_tool_run(tmp_path / "run", vl_model, images["grace_hopper"], images["present"], tool="show_pillow")
+    png = io.BytesIO()
+    Image.open(images["present"]).convert("RGB").save(png, format="PNG")
+    digest = image_hash(png.getvalue())
+    assert str(made.read_region(0, 1, ("tool_image_hash",))["tool_image_hash"][0, 0, 0]) == digest
+    assert digest in stored_hashes(made.location)
+    (proto,) = followed(made, "dataproto")
+    (data,), (inputs,) = proto.non_tensor_batch["multi_modal_data"], proto.non_tensor_batch["multi_modal_inputs"]
+    assert [image.size for image in data["images"]] == [Image.open(images[n]).size for n in ("grace_hopper", "present")]
+    grids = made.read_region(0, 1, ("tool_image_grid",))["tool_image_grid"][0, 0, :1].tolist()
+    assert inputs["image_grid_thw"].tolist()[1:] == grids, "the tool's image follows the prompt's, with its grid"
+    extra = proto.non_tensor_batch  # verl's layout: the tool image's hash and span, one column per slot
+    stored = made.read_region(0, 1, ("tool_image_offset",))["tool_image_offset"][0, 0].tolist()
+    assert extra["tool_image_hash"][0].tolist() == [digest, ""] and extra["tool_image_offset"][0].tolist() == stored
+
+
+def test_a_run_whose_tools_may_return_images_is_refused_where_they_cannot_be_placed(tmp_path, vl_model):  # noqa: F811
+    """``max_tool_images`` needs an engine that takes images (the refusal names them), a model with an image
+    processor, and a chat template that renders an image of a tool message as one placeholder."""
+    from daskgen.client.plan import prepare
+    from daskgen.config import RunConfig
+    from daskgen.errors import ConfigError
+    from daskgen.models import build_tiny_model
+
+    prompts = write_rows(tmp_path / "p.jsonl", [{"prompt": "x"}])
+    settings = {"prompts": str(prompts), "agent": "tool", "agent_args": {"tools": TOOLS, "max_tool_images": 1}}
+    with pytest.raises(ConfigError) as no_images:
+        prepare(RunConfig(**settings, store=str(tmp_path / "a.zarr"), model=str(vl_model), engine="openai",
+                          engine_args={"base_url": "http://x:1"}))  # fmt: skip
+    assert "images in prompts" in str(no_images.value) and "transformers" in str(no_images.value)
+    text_model = str(build_tiny_model(tmp_path / "tiny"))
+    with pytest.raises(ConfigError, match="has no image processor"):
+        prepare(RunConfig(**settings, store=str(tmp_path / "b.zarr"), model=text_model, engine="transformers"))
+    plain = tmp_path / "plain-template"  # the model with a chat template that renders content as text only
+    shutil.copytree(vl_model, plain)
+    (plain / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] if m['content'] is string else '' }}\n{% endfor %}"
+    )
+    with pytest.raises(ConfigError, match=r"renders an image in a tool message as 0 image placeholder"):
+        prepare(RunConfig(**settings, store=str(tmp_path / "c.zarr"), model=str(plain), engine="transformers"))
+    with pytest.raises(ConfigError, match="max_tool_images must be >= 0"):
+        prepare(RunConfig(**{**settings, "agent_args": {"max_tool_images": -1}}, store=str(tmp_path / "d.zarr"),
+                          model=str(vl_model), engine="transformers"))  # fmt: skip
+
+
+def test_tool_results_with_images_become_content_parts_or_an_error_for_the_model() -> None:
+    import asyncio
+
+    from daskgen.agents.parsers import ToolCall
+    from daskgen.agents.tools import call_tool, content_parts
+
+    part = {"type": "image_url", "image_url": {"url": "a.png"}}
+    assert content_parts(part) == [{"type": "image", "image": "a.png"}]
+    assert content_parts([{"type": "text", "text": "t"}, {"type": "image", "image": b"x"}]) == [
+        {"type": "text", "text": "t"},
+        {"type": "image", "image": b"x"},
+    ]
+    for bad in ({"result": part}, [part, {"type": "audio", "audio": "x"}]):
+        with pytest.raises(ValueError, match="content part"):
+            content_parts(bad)
+    tools = {"pic": lambda: [part], "nested": lambda: {"result": part}}
+    text = asyncio.run(call_tool(tools, ToolCall("pic", {}), 5))
+    assert text.startswith("Error:") and "text results only" in text
+    assert asyncio.run(call_tool(tools, ToolCall("pic", {}), 5, images=True)) == [{"type": "image", "image": "a.png"}]
+    nested = asyncio.run(call_tool(tools, ToolCall("nested", {}), 5, images=True))
+    assert nested.startswith("Error: tool 'nested' returned a content part that is neither text nor an image")
+    assert "return images as content parts" in nested
+
+
+class _Media:
+    """Test double of the worker's ToolImages (daskgen.worker.tool_images, exercised by the runs above): each image
+    takes ``tokens`` placeholders; a source named "bad" cannot be read."""
+
+    def __init__(self, image_token: int, tokens: int = 4) -> None:
+        self.image_token, self.tokens, self.prepared = image_token, tokens, 0
+
+    async def prepare(self, source):
+        from daskgen.engines.media import ImageInput
+
+        if source == "bad":
+            raise OSError("cannot read 'bad'")
+        self.prepared += 1
+        return ImageInput(f"h-{source}", b"", None, (1, 4, 4), (0, self.tokens))
+
+
+class _Scripted:
+    """Test double of an EngineHandle: turn 0 answers ``first``, later turns end at once; records each request."""
+
+    def __init__(self, first: list[int], eos: int, media) -> None:
+        self.first, self.eos, self.media, self.requests = first, eos, media, []
+
+    async def generate(self, request_id, prompt_ids, params):
+        from daskgen.engines.base import FinishReason, GenerationResult
+
+        self.requests.append((list(prompt_ids), params.images))
+        ids = self.first if request_id.endswith("-t0") else [self.eos]
+        return GenerationResult(request_id, list(ids), FinishReason.STOP, None)
+
+
+@pytest.mark.parametrize(
+    ("paths", "budget", "expected"),
+    [
+        (["a"], 400, "placed"),
+        (["a", "b", "c"], 400, "too many"),  # max_tool_images 2
+        (["bad"], 400, "unreadable"),
+        (["a"], 10, "no room"),  # the image's 4 placeholders and the template's tokens do not fit: left out whole
+    ],
+)
+def test_the_tool_loop_places_at_most_its_images_never_cut_inside_one(vl_model, paths, budget, expected):  # noqa: F811
+    import asyncio
+
+    from daskgen.agents.tool import ToolLoop
+    from daskgen.engines.base import FinishReason, SamplingParams
+    from daskgen.input.tokenizer import load_hf_tokenizer
+
+    tok = load_hf_tokenizer(str(vl_model))
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    loop = ToolLoop(str(vl_model), tools={"pics": "tests.agent_tools:show"}, max_turns=2, max_tool_images=2)
+    loop.tools = {"pics": lambda: [{"type": "image_url", "image_url": {"url": p}} for p in paths]}
+    first = tok(call("pics"), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    media = _Media(pad)
+    engine = _Scripted(first, tok.eos_token_id, media)
+    prompt = tok("Question", add_special_tokens=False)["input_ids"]
+    (traj,) = asyncio.run(loop.run(engine, "r", prompt, SamplingParams(max_new_tokens=len(first) + budget)))
+    observed = traj.response_ids[len(first) :]
+    text = tok.decode(observed)
+    if expected == "placed":
+        (image,) = traj.images
+        offset, length = image.span
+        assert traj.response_ids[offset : offset + length] == [pad] * 4 and observed.count(pad) == 4
+        context, last = engine.requests[1][0], engine.requests[1][1][-1]
+        assert last.span == (len(prompt) + offset, 4) and context[last.span[0] : last.span[0] + 4] == [pad] * 4
+    elif expected == "too many":
+        assert not traj.images and media.prepared == 0 and "returned 3 image(s), but this sample can take 2" in text
+    elif expected == "unreadable":
+        assert not traj.images and "cannot be used: cannot read 'bad'" in text
+    else:
+        assert not traj.images and observed == [] and traj.finish_reason == FinishReason.LENGTH
+        assert len(engine.requests) == 1
+
+
+def test_sample_image_spans_put_a_samples_tool_images_after_its_prompt() -> None:
+    """The prompt's images, then the tool images shifted by the prompt's length, empty slots last: what the mRoPE
+    position rule takes."""
+    from daskgen.formats.images import sample_image_spans
+    from daskgen.formats.mrope import mrope_positions
+
+    block = {
+        "prompt_length": np.array([10]),
+        "image_hash": np.array([["p", ""]], dtype=object),
+        "image_offset": np.array([[2, -1]]),
+        "image_length": np.array([[4, 0]]),
+        "image_grid": np.array([[[1, 4, 4], [0, 0, 0]]]),
+        "tool_image_hash": np.array([["t"]], dtype=object),
+        "tool_image_offset": np.array([[3]]),
+        "tool_image_length": np.array([[4]]),
+        "tool_image_grid": np.array([[[1, 4, 4]]]),
+    }
+    offsets, lengths, grids = sample_image_spans(block)
+    assert offsets.tolist() == [[2, 13, -1]] and lengths.tolist() == [[4, 4, 0]]
+    assert grids.tolist() == [[[1, 4, 4], [1, 4, 4], [0, 0, 0]]]
+    positions = mrope_positions(20, offsets[0], lengths[0], grids[0])
+    # 2 text positions, the prompt image's 2x2 grid (advancing 2), 7 text positions up to 10, the tool image's grid
+    assert positions[:, 13:17].tolist() == [[11, 11, 11, 11], [11, 11, 12, 12], [11, 12, 11, 12]]

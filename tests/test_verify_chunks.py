@@ -88,11 +88,11 @@ def run_store(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trajectory_store(tmp_path_factory):
     """A finished store with a trajectory axis (two per sample; the second used by sample 0 only), each prompt
-    holding one image."""
+    holding one image and each trajectory one image a tool returned (between its two model tokens)."""
     out = tmp_path_factory.mktemp("traj") / "out.zarr"
-    layout = store.Layout(12, 2, 6, 5, 4, 0, n_trajectories=2, max_images=1)
+    layout = store.Layout(12, 2, 6, 5, 4, 0, n_trajectories=2, max_images=1, tool_images=1)
     image = {"image_token_id": 6, "image_processor": {"settings": {"merge_size": 2}}, "images": "one"}
-    attrs = store.StoreAttrs(layout, input=image)
+    attrs = store.StoreAttrs(layout, input=image, config={"agent": "tool"})  # tool tokens in its responses
     made = store.GenerationStore.create(out, attrs, [f"q{i}" for i in range(12)])
     region = empty_region(layout, 12)
     region["prompt_ids"][:, :3], region["prompt_length"][:] = [5, 6, 7], 3  # 6: one image of one token
@@ -102,9 +102,13 @@ def trajectory_store(tmp_path_factory):
     region["image_offset"][:, 0], region["image_length"][:, 0], region["image_grid"][:, 0] = 1, 1, (1, 2, 2)
     region["num_trajectories"][:] = [2, 1]
     for t in (0, 1):
-        region["response_ids"][:, : 2 - t, t, :2] = [8, 9]
-        region["response_length"][:, : 2 - t, t] = 2
-        region["response_mask"][:, : 2 - t, t, :2] = 1
+        region["response_ids"][:, : 2 - t, t, :3] = [8, 6, 9]  # 6: the tool's image, one token
+        region["response_length"][:, : 2 - t, t] = 3
+        region["response_mask"][:, : 2 - t, t, :3] = [1, 0, 1]
+        region["tool_image_hash"][:, : 2 - t, t, 0] = digest
+        region["tool_image_modality"][:, : 2 - t, t, 0] = "image"
+        region["tool_image_offset"][:, : 2 - t, t, 0], region["tool_image_length"][:, : 2 - t, t, 0] = 1, 1
+        region["tool_image_grid"][:, : 2 - t, t, 0] = (1, 2, 2)
         region["finish_reason"][:, : 2 - t, t] = 0
         region["num_turns"][:, : 2 - t, t] = 1
         region["policy_version"][:, : 2 - t, t] = region["policy_version_end"][:, : 2 - t, t] = 0

@@ -25,6 +25,7 @@ from daskgen.engines.base import (
     TopLogprobs,
 )
 from daskgen.engines.batch import Finished, each_as_finished
+from daskgen.engines.media import ImageInput
 from daskgen.errors import EngineError
 
 
@@ -58,6 +59,8 @@ class Trajectory:
     fingerprints: dict[int, int] = field(default_factory=dict)
     #: Prompt tokens the engine served from its prefix cache, summed over the turns (-1: the engine does not say).
     cached_prompt_tokens: int = -1
+    #: Images its tools returned, in order, each ``span`` its placeholder tokens' (offset, length) in ``response_ids``.
+    images: list[ImageInput] = field(default_factory=list)
 
     @property
     def policy_version(self) -> int:
@@ -145,6 +148,18 @@ class PolicyGate(Protocol):
     ) -> GenerationResult: ...
 
 
+class ToolMedia(Protocol):
+    """What a tool loop uses to place the images its tools return (the worker's
+    :class:`daskgen.worker.tool_images.ToolImages`): the model's image placeholder token, and each image read, kept
+    in the store and preprocessed."""
+
+    image_token: int
+
+    async def prepare(self, source: Any) -> ImageInput:
+        """The image ``source`` (a URL, the image file's bytes or a Pillow image), its ``span`` ``(0, tokens)``."""
+        ...
+
+
 class EngineHandle:
     """What a loop sees of the engine: ``generate`` with in-flight tracking, so a hung partition
     can abort every request of its loops.
@@ -157,7 +172,8 @@ class EngineHandle:
     e.g. vLLM's ``EngineCore`` process was killed) raises :class:`~daskgen.errors.EngineError`: its
     partition fails, the worker restarts the engine and Dask retries the partition.  ``policy`` (the worker's
     :class:`~daskgen.worker.refresh.PolicyRefresher` in runs with ``refresh``) runs each request: it waits while a
-    policy refresh loads and stamps the result with its tokens' policy versions.
+    policy refresh loads and stamps the result with its tokens' policy versions.  ``media`` (a :class:`ToolMedia`,
+    in runs whose tool loop places images its tools return) prepares those images.
     """
 
     def __init__(
@@ -168,6 +184,7 @@ class EngineHandle:
         self.policy = policy
         self.in_flight: set[str] = set()
         self.stopped = False
+        self.media: ToolMedia | None = None
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
         """Generate one turn (after :meth:`abort_all`, returns ``abort`` without calling the engine)."""

@@ -54,8 +54,13 @@ def _resolve(target: str) -> Callable[..., Any]:
     return fn
 
 
-async def call_tool(tools: Mapping[str, Callable[..., Any]], call: ToolCall, timeout_s: float) -> str:
-    """Run one call; failures (unknown tool, bad JSON, exception, timeout) become an error text for the model."""
+async def call_tool(
+    tools: Mapping[str, Callable[..., Any]], call: ToolCall, timeout_s: float, *, images: bool = False
+) -> str | list[dict[str, Any]]:
+    """Run one call; failures (unknown tool, bad JSON, exception, timeout) become an error text for the model.
+
+    A result holding images is, with ``images`` (the loop places tool images: ``max_tool_images``), its content
+    parts (:func:`content_parts`); without, an error text telling the model the loop passes text only."""
     if call.error is not None:
         return f"Error: {call.error}"
     fn = tools.get(call.name or "")
@@ -71,8 +76,17 @@ async def call_tool(tools: Mapping[str, Callable[..., Any]], call: ToolCall, tim
     except Exception as exc:
         return f"Error: tool {call.name!r} raised {type(exc).__name__}: {exc}"
     if has_image(result):
-        logger.warning("tool %r returned an image, which the tool loop does not take: the model is told so", call.name)
-        return f"Error: tool {call.name!r} returned an image; this tool loop passes text results only"
+        if not images:
+            logger.warning(
+                "tool %r returned an image, which this tool loop does not take (agent_args max_tool_images: 0): "
+                "the model is told so",
+                call.name,
+            )
+            return f"Error: tool {call.name!r} returned an image; this tool loop passes text results only"
+        try:
+            return content_parts(result)
+        except ValueError as exc:
+            return f"Error: tool {call.name!r} returned {exc}"
     return result if isinstance(result, str) else json.dumps(result, default=str)
 
 
@@ -82,8 +96,7 @@ _IMAGE_PARTS = {"image_url": "image_url", "image": "image", "input_image": "imag
 
 def has_image(result: Any) -> bool:
     """Whether a tool's result holds an image content part (``{"type": "image_url", "image_url": ...}`` and the
-    like), which the tool loop cannot place in the model's context: sent as JSON text, the model would see a URL,
-    not the image."""
+    like); sent as JSON text, the model would see a URL, not the image."""
     if isinstance(result, Mapping):
         kind = result.get("type")
         named = isinstance(kind, str) and kind in _IMAGE_PARTS and _IMAGE_PARTS[kind] in result
@@ -91,3 +104,30 @@ def has_image(result: Any) -> bool:
     if isinstance(result, (list, tuple)):
         return any(map(has_image, result))
     return False
+
+
+def content_parts(result: Any) -> list[dict[str, Any]]:
+    """A tool's result with images as the content of its ``tool`` message: text parts ``{"type": "text", "text":
+    ...}`` and image parts ``{"type": "image", "image": SOURCE}``, where SOURCE is a URL (a file path, ``file://``,
+    object storage, ``http(s)://``, ``data:``), the image file's bytes or a Pillow image.
+
+    The result is one content part or a list of them (``image_url`` parts as in a prompt's messages); anything
+    else holding an image is a :class:`ValueError` naming what was expected."""
+    expected = (
+        "return images as content parts: {'type': 'image_url', 'image_url': {'url': ...}} (or {'type': 'image', "
+        "'image': bytes or a Pillow image}), alone or in a list with {'type': 'text', 'text': ...} parts"
+    )
+    parts = [result] if isinstance(result, Mapping) else result
+    if not isinstance(parts, (list, tuple)) or not all(isinstance(p, Mapping) for p in parts):
+        raise ValueError(f"an image inside a {type(result).__name__}; {expected}")
+    out = []
+    for part in parts:
+        kind = part.get("type")
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        elif kind in _IMAGE_PARTS and part.get(_IMAGE_PARTS[kind]) is not None:
+            source = part[_IMAGE_PARTS[kind]]
+            out.append({"type": "image", "image": source.get("url") if isinstance(source, Mapping) else source})
+        else:
+            raise ValueError(f"a content part that is neither text nor an image, {dict(part)!r:.100}; {expected}")
+    return out

@@ -42,7 +42,12 @@ def status_report(path: StoreRef) -> str:
 
 def _image_line(store: GenerationStore) -> list[str]:
     """How a store with images keeps them: as bytes, or as references to files outside it (nothing without)."""
-    return [f"images:   {storage_summary(stored_images(store.location))}"] if store.layout.max_images else []
+    layout = store.layout
+    return (
+        [f"images:   {storage_summary(stored_images(store.location))}"]
+        if layout.max_images or layout.tool_images
+        else []
+    )
 
 
 def _thread_slots_line(attrs: object) -> list[str]:

@@ -116,7 +116,7 @@ def make_plan(settings: RunSettings) -> Plan:
     hints = settings.length_hints
     predicted = None if hints is None else read_length_hints(hints, scan.ids, scan.fingerprint, len(scan))
     structured = scan.structured or settings.structured is not None
-    _check_features(settings, keys, structured, images=bool(scan.max_images))
+    _check_features(settings, keys, structured, images=bool(scan.max_images or settings.tool_images))
     store, record = _open_store(settings, scan, keys, existing, record)
     prefix = resolve_prefix(
         settings.options.dispatch, scan, store.attrs.input_scan, settings.tokenizer, settings.template
@@ -219,6 +219,7 @@ def _open_store(
             "n_prompts": len(scan),
             **({"keep_columns": keep} if keep else {}),
             **(scan.image_identity() if scan.images else {}),
+            **(_tool_image_identity(settings) if settings.tool_images else {}),
         },
         tokenizer=settings.tokenizer_identity,
         config=settings.record,
@@ -250,7 +251,20 @@ def _layout(settings: RunSettings, scan: InputScan, keys: frozenset[str]) -> Lay
         top_logprobs=config.top_logprobs,
         adapters=bool(settings.adapters),
         max_images=scan.max_images,
+        tool_images=settings.tool_images,
     )
+
+
+def _tool_image_identity(settings: RunSettings) -> dict[str, Any]:
+    """What the store's input identity records of a run whose tools return images: the model's image processor and
+    placeholder token (a resume with other preprocessing is refused).  Refuses (:class:`ConfigError`) a model
+    without an image processor, and a chat template that cannot render an image in a tool message."""
+    from daskgen.agents.tool import check_tool_image_template
+
+    config = settings.options
+    processing = ImageProcessing(str(config.model), trust_remote_code=bool(config.engine_args.get("trust_remote_code")))
+    check_tool_image_template(settings.tokenizer, processing.tokens.image)
+    return {"image_processor": processing.identity(), "image_token_id": processing.tokens.image}
 
 
 def pending_rows(plan: Plan, status: np.ndarray) -> np.ndarray:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from daskgen.formats.block import EXTERNAL_FIELDS, Block
-from daskgen.formats.images import IMAGE_ARRAYS, IMAGE_KEY, MULTI_MODAL_FIELDS
+from daskgen.formats.images import IMAGE_ARRAYS, IMAGE_KEY, MULTI_MODAL_FIELDS, ROW_TOOL_IMAGE_FIELDS
 from daskgen.formats.verl import ID_KEYS, VERL_KEYS, VERL_META, to_verl, widths
 
 if TYPE_CHECKING:
@@ -64,5 +64,5 @@ def build(fmt: str, block: Block, width: tuple[int, int] | str = "store", images
 
 def output_names() -> frozenset[str]:
     """Field names the formats write beyond the store's arrays (a kept input column may not take one)."""
-    images = (*IMAGE_ARRAYS, IMAGE_KEY, *MULTI_MODAL_FIELDS)
+    images = (*IMAGE_ARRAYS, IMAGE_KEY, *ROW_TOOL_IMAGE_FIELDS, *MULTI_MODAL_FIELDS)
     return frozenset({*EXTERNAL_FIELDS, "finish_label", *ID_KEYS, *VERL_KEYS, *VERL_META, *images})

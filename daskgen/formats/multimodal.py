@@ -20,7 +20,7 @@ import numpy as np
 
 from daskgen import tunables
 from daskgen.errors import StoreMismatchError
-from daskgen.formats.images import MULTI_MODAL_FIELDS
+from daskgen.formats.images import MULTI_MODAL_FIELDS, sample_images
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.images import image_bytes
 
@@ -135,11 +135,12 @@ class StoreImages:
         return {"images": images}, {"pixel_values": pixels, "image_grid_thw": grid, "images_seqlens": seqlens}
 
     def fields(self, block: Any) -> dict[str, np.ndarray]:
-        """:meth:`multi_modal` of a block's samples (its ``image_hash`` and ``image_grid``); ``{}`` without
-        images."""
-        if "image_hash" not in block:
+        """:meth:`multi_modal` of a block's samples: every image of each, the prompt's then its tools'
+        (:func:`~daskgen.formats.images.sample_images`); ``{}`` without images."""
+        found = sample_images(block)
+        if found is None:
             return {}
-        return self.multi_modal(block["image_hash"], block["image_grid"])
+        return self.multi_modal(*found)
 
 
 def _kept(cache: OrderedDict[Any, Any], key: Any, keep: int, make: Any) -> Any:

@@ -129,6 +129,9 @@ class Layout:
     top_logprobs: int = 0
     adapters: bool = False  # the run declares LoRA adapters: each row's adapter name is stored per prompt
     max_images: int = 0  # the most images a prompt has: the width of the per-image arrays (0: none)
+    #: The most images a sample's tools may return (the tool loop's ``max_tool_images``): the width of the per-sample
+    #: tool-image arrays (0: none).
+    tool_images: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "columns", tuple(self.columns))  # a list when read from the attrs
@@ -214,6 +217,8 @@ class Layout:
             specs.update(self._top_logprob_specs())
         if self.max_images:
             specs.update(self._image_specs())
+        if self.tool_images:
+            specs.update(self._tool_image_specs())
         if self.scored:
             specs["score"] = ArraySpec((n, s), (rows, s), "float32", float("nan"), per_sample, "sample")
             specs["samples_used"] = ArraySpec((n,), (rows,), "int16", 0, per_prompt, "sample")
@@ -239,6 +244,19 @@ class Layout:
             "image_length": ArraySpec((n, m), (rows, m), "int32", 0, per_image, "prompt"),
             "image_grid": ArraySpec((n, m, 3), (rows, m, 3), "int32", 0, (*per_image, "grid_axis"), "prompt"),
             "rope_delta": ArraySpec((n,), (rows,), "int32", 0, ("prompt",), "prompt"),
+        }
+
+    def _tool_image_specs(self) -> dict[str, ArraySpec]:
+        """Each sample's images returned by its tools (:mod:`daskgen.agents.tool`): hash, modality, placeholder span
+        in ``response_ids``, grid (:data:`TOOL_IMAGE_ARRAYS`)."""
+        n, s, k, rows = self.n_prompts, self.n_samples, self.tool_images, self.partition_size
+        dims = ("prompt", "sample", "tool_image")
+        return {
+            "tool_image_hash": ArraySpec((n, s, k), (rows, s, k), "str", "", dims, "response"),
+            "tool_image_modality": ArraySpec((n, s, k), (rows, s, k), "str", "", dims, "response"),
+            "tool_image_offset": ArraySpec((n, s, k), (rows, s, k), "int32", -1, dims, "response"),
+            "tool_image_length": ArraySpec((n, s, k), (rows, s, k), "int32", 0, dims, "response"),
+            "tool_image_grid": ArraySpec((n, s, k, 3), (rows, s, k, 3), "int32", 0, (*dims, "grid_axis"), "response"),
         }
 
     def _with_trajectories(self, specs: dict[str, ArraySpec]) -> dict[str, ArraySpec]:
@@ -279,6 +297,17 @@ def every_array_layout(columns: tuple[str, ...] = ()) -> Layout:
 DATA_ARRAYS = Layout(1, 1, 1, 1, 1, 0).data_arrays()
 #: Every array a worker may write, in any layout, but the kept input columns (``column_<name>``: named per store).
 WORKER_ARRAYS = every_array_layout().data_arrays()
+
+
+#: Each sample's tool-returned images (stores of tool-loop runs with ``max_tool_images``), by what they hold: the
+#: per-image arrays of a prompt's images with ``tool_`` before their names, spans into ``response_ids``.
+TOOL_IMAGE_ARRAYS = (
+    "tool_image_hash",
+    "tool_image_modality",
+    "tool_image_offset",
+    "tool_image_length",
+    "tool_image_grid",
+)
 
 
 #: The arrays of the top-k logprobs (in stores of runs with ``top_logprobs``).
@@ -352,6 +381,11 @@ LONG_NAMES: dict[str, str] = {
     "image_grid": "each image's grid of patches (t, h, w) as the model's image processor made it",
     "rope_delta": "mRoPE position offset of the tokens after the prompt's images (position = index + rope_delta; "
     "0 without images)",
+    "tool_image_hash": "SHA-256 of each image the sample's tools returned (hex; stored as image_hash's are; '': none)",
+    "tool_image_modality": "the modality of each tool-returned item ('image'; '': none)",
+    "tool_image_offset": "where each tool-returned image's placeholder tokens start in response_ids (-1: none)",
+    "tool_image_length": "how many placeholder tokens each tool-returned image has in response_ids (0: none)",
+    "tool_image_grid": "each tool-returned image's grid of patches (t, h, w) as the model's image processor made it",
     "score": "verifier score of the sample (NaN: not generated, or the verifier raised)",
     "samples_used": "samples generated for the prompt before it was satisfied",
     "num_trajectories": "trajectories of the sample (the rest of the trajectory axis is padding)",

@@ -43,7 +43,11 @@ class BatchImages:
 
     def of(self, fmt: str, store: GenerationStore) -> Any:
         """The store's image reader for a batch of format ``fmt`` (``None``: the batch carries no pixels)."""
-        if not self.enabled or fmt not in MULTI_MODAL_FORMATS or not store.layout.max_images:
+        if (
+            not self.enabled
+            or fmt not in MULTI_MODAL_FORMATS
+            or not (store.layout.max_images or store.layout.tool_images)
+        ):
             return None
         if store not in self.readers:
             from daskgen.formats.multimodal import StoreImages

@@ -136,7 +136,14 @@ class ImagePreparer:
         self, url: str, location: Any, options: dict[str, Any], storage: str = COPY
     ) -> tuple[str, bytes, ProcessedImage]:
         """Read, keep in the store (as ``storage`` asks) and preprocess one image (blocking; in the pool)."""
-        data = read_image_bytes(url, options)
+        return self.kept_and_processed(read_image_bytes(url, options), url, location, storage)
+
+    def kept_and_processed(
+        self, data: bytes, url: str, location: Any, storage: str = COPY
+    ) -> tuple[str, bytes, ProcessedImage]:
+        """Keep the image ``data`` (read from ``url``; ``data:`` for bytes without one) in the store as ``storage``
+        asks, unless this process did, and preprocess it (cached by hash); blocking.  Returns its hash, bytes and
+        processed form."""
         digest = image_hash(data)
         with self._store_lock:  # one writer per process (its temporary file is named by the process)
             if (location.url, digest, storage) not in self._stored:
@@ -145,6 +152,10 @@ class ImagePreparer:
                 self._stored.add((location.url, digest, storage))
         processed = self._processed(digest, data, url)
         return digest, data, processed
+
+    async def in_pool(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` in this preparer's thread pool (never on the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def _processed(self, digest: str, data: bytes, url: str) -> ProcessedImage:
         """The image ``digest`` preprocessed: from the cache, or by the one thread processing it (single flight)."""

@@ -100,7 +100,10 @@ async def run_partition(task: PartitionTask, preprocessed: Any = None) -> Partit
     agent = create_agent(task.agent, task.model, task.agent_args)
     async with plugin.partition(len(task.rows) * task.n_samples) as slot:
         region, prefixes = await _prepare_inputs(task, plugin)
-        generation = PartitionGeneration(plugin, await slot.engine_handle(), agent, task, prefixes, slot)
+        handle = await slot.engine_handle()
+        if getattr(agent, "max_tool_images", 0):
+            handle.media = _tool_images(task, plugin)
+        generation = PartitionGeneration(plugin, handle, agent, task, prefixes, slot)
         results = await generation.run()
         rounds = results if task.verify is not None and isinstance(results, list) else None  # RowOutcomes
         samples = [t for o in rounds for t in o.samples] if rounds is not None else results
@@ -357,3 +360,12 @@ def _initial_region(task: PartitionTask) -> dict[str, np.ndarray]:
     if len(task.rows) == task.stop - task.start:
         return empty_region(task.layout, task.stop - task.start)
     return task.store.read_region(task.start, task.stop, task.layout.data_arrays())
+
+
+def _tool_images(task: PartitionTask, plugin: EnginePlugin) -> Any:
+    """How the partition's tool loop places the images its tools return (:mod:`daskgen.worker.tool_images`)."""
+    from daskgen.worker.images import preparer
+    from daskgen.worker.tool_images import ToolImages
+
+    trust = bool(plugin.engine_args.get("trust_remote_code", False))
+    return ToolImages(preparer(str(plugin.model), trust), task.store.location, task.image_storage)

@@ -29,7 +29,9 @@ file; a chunk of that array covering any marked element must exist.
 * ``adapter`` and ``response_format`` of every done row when the run set one for every row (the run's ``adapter``
   or ``response_format``, in the store's identity); else of every done row whose own input row names one;
 * ``image_hash``, ``image_modality``, ``image_offset``, ``image_length`` and ``image_grid``: the first image slot
-  of every done row whose prompt holds the image placeholder token (:mod:`daskgen.store.tools.image_checks`);
+  of every done row whose prompt holds the image placeholder token (:mod:`daskgen.store.tools.image_checks`); the
+  ``tool_image_*`` arrays likewise: the first slot of every generated sample whose response holds the placeholder
+  among its tool tokens (mask 0);
 * each kept input column (``column_<name>``, the :data:`~daskgen.store.layout.COLUMN_PREFIX` family) of every
   done row whose input value is not the empty string (strings are stored as they are, every other value as JSON
   text, never empty).
@@ -202,6 +204,20 @@ def _image_grid(rows: PartitionRows) -> np.ndarray:
     return np.repeat(_images(rows)[..., None], 3, axis=-1)
 
 
+def _tool_images(rows: PartitionRows) -> np.ndarray:
+    """The first tool-image slot of every generated sample whose response's tool tokens hold the placeholder."""
+    region, images = rows.region, rows.rules.images
+    must = np.zeros(region["tool_image_offset"].shape, dtype=bool)
+    if images is not None:
+        placeholders = (region["response_ids"] == images.token) & (region["response_mask"] == 0)
+        must[..., 0] = _generated(rows) & (_inside(rows) & placeholders).any(axis=-1)
+    return must
+
+
+def _tool_image_grid(rows: PartitionRows) -> np.ndarray:
+    return np.repeat(_tool_images(rows)[..., None], 3, axis=-1)
+
+
 def _known_text(name: str) -> Rule:
     """The rule of the text array ``name``: the done rows :attr:`PartitionRows.texts` knows to hold a value."""
 
@@ -235,6 +251,8 @@ RULES: dict[str, Rule] = {
     "response_format": _known_text("response_format"),
     **{name: _images for name in ("image_hash", "image_modality", "image_offset", "image_length")},
     "image_grid": _image_grid,
+    **{f"tool_{name}": _tool_images for name in ("image_hash", "image_modality", "image_offset", "image_length")},
+    "tool_image_grid": _tool_image_grid,
 }
 #: Per family of data arrays named per store (a name prefix): the rule of each member, made from its name.
 FAMILY_RULES: dict[str, Callable[[str], Rule]] = {COLUMN_PREFIX: _known_text}

@@ -3,7 +3,10 @@
 Per finished row (:func:`image_rows`, one of the row rules of :mod:`daskgen.store.tools.invariants`): each image's span
 lies inside the prompt and holds only the model's image placeholder token, as many as its grid asks for
 (``t*h*w / merge²``); the prompt holds no placeholder outside the spans; an image slot without a hash has no span;
-its hash is stored.  Per stored image (:func:`stored_image_problems`): stored bytes hash to their name; a
+its hash is stored.  The images a sample's tools returned (``tool_image_*``) likewise, in its response: each span
+lies inside the response, on tool tokens (mask 0) that are all placeholders, as many as its grid asks for; the
+response's tool tokens hold no placeholder outside the spans; each hash is stored.  Per stored image
+(:func:`stored_image_problems`): stored bytes hash to their name; a
 reference's file exists and has the size the run read (``--deep`` reads it and checks its hash:
 :mod:`daskgen.images.deep_check`).
 """
@@ -49,10 +52,13 @@ class ImageRules:
 
 
 def image_rows(region: dict[str, np.ndarray], rules: ImageRules) -> dict[int, str]:
-    """Local row -> how its images break the rules (the module docstring), for every row of ``region``."""
+    """Local row -> how its images (its prompt's, its samples' tool images) break the rules (the module
+    docstring), for every row of ``region``."""
     found: dict[int, str] = {}
     for r in range(len(region["prompt_length"])):
-        why = _row_problem(region, r, rules)
+        why = _row_problem(region, r, rules) if "image_hash" in region else ""
+        if not why and "tool_image_hash" in region:
+            why = _tool_problem(region, r, rules)
         if why:
             found[r] = why
     return found
@@ -60,29 +66,49 @@ def image_rows(region: dict[str, np.ndarray], rules: ImageRules) -> dict[int, st
 
 def _row_problem(region: dict[str, np.ndarray], r: int, rules: ImageRules) -> str:
     ids = np.asarray(region["prompt_ids"][r, : int(region["prompt_length"][r])])
+    return _spans_problem(ids, np.zeros(len(ids), dtype=bool), region, "image_", (r,), rules, "the prompt")
+
+
+def _tool_problem(region: dict[str, np.ndarray], r: int, rules: ImageRules) -> str:
+    """The first sample (or trajectory) of row ``r`` whose tool images break the rules, said."""
+    for index in np.ndindex(region["tool_image_hash"].shape[1:-1]):
+        at = (r, *index)
+        n = int(region["response_length"][at])
+        ids, mask = np.asarray(region["response_ids"][at][:n]), np.asarray(region["response_mask"][at][:n])
+        why = _spans_problem(ids, mask != 0, region, "tool_image_", at, rules, "the response's tool tokens")
+        if why:
+            return f"sample {'/'.join(map(str, index))}: tool {why}"
+    return ""
+
+
+def _spans_problem(
+    ids: np.ndarray, model: np.ndarray, region: dict[str, np.ndarray], prefix: str, at: tuple[int, ...],
+    rules: ImageRules, where: str,
+) -> str:  # fmt: skip
+    """How the images of slot ``at`` (arrays ``<prefix>hash`` ...) break the rules in ``ids`` (``model``: positions
+    of model tokens, which no image may cover and whose placeholders are not counted), or ``""``."""
     covered = 0
-    for k, digest in enumerate(region["image_hash"][r]):
-        offset, length = int(region["image_offset"][r, k]), int(region["image_length"][r, k])
+    for k, digest in enumerate(region[prefix + "hash"][at]):
+        slot = at + (k,)
+        offset, length = int(region[prefix + "offset"][slot]), int(region[prefix + "length"][slot])
         if not digest:
             if offset != -1 or length != 0:
                 return f"image slot {k} has a span ({offset}, {length}) but no hash"
             continue
-        t, h, w = (int(v) for v in region["image_grid"][r, k])
+        t, h, w = (int(v) for v in region[prefix + "grid"][slot])
         if length != t * h * w // (rules.merge * rules.merge) or length < 1:
             return (
                 f"image {k}: {length} placeholder tokens, its grid {(t, h, w)} asks for {t * h * w // rules.merge**2}"
             )
-        if offset < 0 or offset + length > len(ids) or (ids[offset : offset + length] != rules.token).any():
-            return (
-                f"image {k}: span ({offset}, {length}) is not {length} placeholder tokens {rules.token} in the prompt"
-            )
+        span = slice(offset, offset + length)
+        if offset < 0 or offset + length > len(ids) or (ids[span] != rules.token).any() or model[span].any():
+            return f"image {k}: span ({offset}, {length}) is not {length} placeholder tokens {rules.token} in {where}"
         if str(digest) not in rules.stored:
             return f"image {k}: {digest} is not stored ({blob_key(str(digest))} missing)"
         covered += length
-    if int((ids == rules.token).sum()) != covered:
-        return (
-            f"the prompt holds {int((ids == rules.token).sum())} image placeholder tokens, its images' spans {covered}"
-        )
+    placeholders = int(((ids == rules.token) & ~model).sum())
+    if placeholders != covered:
+        return f"{where} hold {placeholders} image placeholder tokens, the images' spans {covered}"
     return ""
 
 

@@ -24,6 +24,7 @@ from daskgen.store.fingerprint import NO_FINGERPRINT
 from daskgen.store.layout import FINGERPRINT_ARRAYS, VERSION_ARRAYS, Layout, clear_response
 from daskgen.worker.samples.fast_path import PlainTurns
 from daskgen.worker.samples.top_logprobs import TOP_UNAVAILABLE, lacks_top, place_top_logprobs
+from daskgen.worker.tool_images import place_tool_images
 
 
 @dataclass
@@ -237,6 +238,9 @@ def place_samples(
             place_top_logprobs(region, _index(slot, layout.n_samples, layout.n_trajectories), traj.top_logprobs, n)
             if lacks_top(traj):
                 counts.notes[row] = TOP_UNAVAILABLE
+    if layout.tool_images:
+        for slot, traj in zip(placed.slots, placed.trajectories, strict=True):
+            place_tool_images(region, _index(slot, layout.n_samples, layout.n_trajectories), traj.images, layout)
     _count(counts, placed, _segment_sums(mask, length), columns.scalars["finish_reason"])
     return counts
 
