@@ -32,7 +32,10 @@ from pathlib import Path
 from typing import Any
 
 #: Environment variables whose value the child may set differently from the zygote's: read when used, not at import.
-RUNTIME_ENV = re.compile(r"^(DASK_|AWS_|SLURM_|PYTEST_)|^TMPDIR$")
+RUNTIME_ENV = re.compile(r"^(DASK_|AWS_|SLURM_|PYTEST_|__DASK_)|^TMPDIR$")
+#: The environment the zygote starts with: the session's (tests/conftest.py sets it before any test runs), so
+#: that a test's own changes (a PATH with stand-in commands, a variable it sets) never become the zygote's.
+BASE_ENV: dict[str, str] = {}
 #: What the zygote imports before forking: the command line and what a run's client process imports.
 PRELOAD = (
     "daskgen.cli",
@@ -68,9 +71,10 @@ class Zygote:
 
     @classmethod
     def get(cls, env: dict[str, str]) -> Zygote:
+        """The running zygote, started with :data:`BASE_ENV` (``env`` when the session set none)."""
         with cls._lock:
             if cls._instance is None or cls._instance.proc.poll() is not None:
-                cls._instance = cls(env)
+                cls._instance = cls(BASE_ENV or env)
             return cls._instance
 
     def accepts(self, env: dict[str, str]) -> bool:

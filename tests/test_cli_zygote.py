@@ -23,7 +23,9 @@ pytestmark = pytest.mark.timeout(120)
 def test_a_forked_command_gets_the_tests_dask_settings_and_exit_status(tmp_path):
     """A health timeout given as a DASK_ variable reaches the forked command's config: a fresh interpreter and
     the fork refuse the same bad value the same way, naming it, before any store is made."""
-    assert cli_zygote.Zygote.get(cli_env()).accepts({**cli_env(), "DASK_DASKGEN__HEALTH_TIMEOUT": "x"})
+    assert cli_zygote.Zygote.get(cli_env()).accepts({**cli_env(), "DASK_DASKGEN__HEALTH_TIMEOUT": "x"}), (
+        "the session's environment changed since it started (tests/conftest.py sets what clusters set)"
+    )
     prompts = write_prompts(tmp_path / "p.jsonl", 2)
     args = ("run", "--prompts", prompts, "--store", tmp_path / "o.zarr", "--engine", "simulated", "--model", "sim")
     env = {"DASK_DASKGEN__HEALTH_TIMEOUT": "not-a-duration"}

@@ -95,8 +95,10 @@ class ToolLoop(AgentLoop):
         done: list[Trajectory] = []
         context = list(prompt_ids)
         traj = self._new(params)
+        placed: list[ImageInput] = []  # the tools' images at their places in the context (shared by later turns)
         for turn in range(self.max_turns):
-            result = await self._model_turn(engine, f"{request_id}-t{turn}", context, traj, params, turn)
+            images = (*params.images, *placed)
+            result = await self._model_turn(engine, f"{request_id}-t{turn}", context, traj, params, turn, images)
             calls = self._tool_calls(result)
             if not calls or turn == self.max_turns - 1:
                 break
@@ -104,28 +106,37 @@ class ToolLoop(AgentLoop):
             if reset is not None and len(done) + 1 < self.max_trajectories:
                 done.append(traj)
                 traj, fits = self._restart(reset, params)
+                placed = []
             else:
                 results = await self._results(calls, self.max_tool_images - len(traj.images))
+                before = len(traj.images)
                 fits = await self._append_results(traj, results, params.max_new_tokens, engine.media)
+                placed += _in_context(traj.images[before:], len(context))
             if not fits:
                 break
         return [*done, traj]
 
     @staticmethod
     async def _model_turn(
-        engine: EngineHandle, request_id: str, context: list[int], traj: Trajectory, params: SamplingParams, turn: int
+        engine: EngineHandle,
+        request_id: str,
+        context: list[int],
+        traj: Trajectory,
+        params: SamplingParams,
+        turn: int,
+        images: tuple[ImageInput, ...],
     ) -> GenerationResult:
         """Generate the model's next turn after ``context`` and ``traj`` within the budget left; add it to ``traj``.
 
-        The turn's request carries the prompt's images and every image the tools returned so far, each at its
-        place in ``context`` + the response."""
+        ``images``: the request's images (the prompt's and every one the tools returned so far, each at its place
+        in ``context`` + the response)."""
         budget = params.max_new_tokens - len(traj.response_ids)
         turn_params = dataclasses.replace(  # a continuation's tokens so far precede its first turn only
             params,
             max_new_tokens=budget,
             seed=None if params.seed is None else params.seed + turn,
             continued=params.continued if turn == 0 else 0,
-            images=(*params.images, *_in_context(traj, len(context))),
+            images=images,
         )
         result = await engine.generate(request_id, context + traj.response_ids, turn_params)
         traj.add_model_tokens(result)
@@ -271,7 +282,7 @@ async def _prepared(results: list[ToolResult], media: ToolMedia) -> tuple[list[T
     return out, images
 
 
-def _in_context(traj: Trajectory, offset: int) -> list[ImageInput]:
-    """The images ``traj``'s tools returned, each span moved from the response into the request's prompt (the
+def _in_context(images: list[ImageInput], offset: int) -> list[ImageInput]:
+    """Images a trajectory's tools returned, each span moved from the response into the request's prompt (the
     prompt's ``offset`` tokens, then the response)."""
-    return [dataclasses.replace(i, span=(offset + i.span[0], i.span[1])) for i in traj.images]
+    return [dataclasses.replace(i, span=(offset + i.span[0], i.span[1])) for i in images]

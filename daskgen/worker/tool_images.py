@@ -60,14 +60,16 @@ def _image_bytes(source: Any) -> bytes:
 
 
 def place_tool_images(
-    region: dict[str, np.ndarray], index: tuple[int, ...], images: Sequence[ImageInput], layout: Layout
+    region: dict[str, np.ndarray], at: Sequence[tuple[int, ...]], images: Sequence[Sequence[ImageInput]], layout: Layout
 ) -> None:
-    """Write a sample's (or trajectory's) tool images into region slot ``index``, its other slots reset."""
-    specs = layout.array_specs()
-    for name in TOOL_IMAGE_ARRAYS:
-        region[name][index] = specs[name].fill
-    for k, image in enumerate(images):
-        at = (*index, k)
-        region["tool_image_hash"][at], region["tool_image_modality"][at] = image.digest, image.modality
-        region["tool_image_offset"][at], region["tool_image_length"][at] = image.span
-        region["tool_image_grid"][at] = image.grid
+    """Write each sample's (or trajectory's) tool images ``images[i]`` into region slot ``at[i]``, the slot's other
+    entries reset to their fill values."""
+    fills = {name: spec.fill for name, spec in layout.array_specs().items() if name in TOOL_IMAGE_ARRAYS}
+    for index, placed in zip(at, images, strict=True):
+        for name, fill in fills.items():
+            region[name][index] = fill
+        for k, image in enumerate(placed):
+            slot = (*index, k)
+            region["tool_image_hash"][slot], region["tool_image_modality"][slot] = image.digest, image.modality
+            region["tool_image_offset"][slot], region["tool_image_length"][slot] = image.span
+            region["tool_image_grid"][slot] = image.grid

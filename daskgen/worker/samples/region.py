@@ -239,8 +239,8 @@ def place_samples(
             if lacks_top(traj):
                 counts.notes[row] = TOP_UNAVAILABLE
     if layout.tool_images:
-        for slot, traj in zip(placed.slots, placed.trajectories, strict=True):
-            place_tool_images(region, _index(slot, layout.n_samples, layout.n_trajectories), traj.images, layout)
+        at = [_index(slot, layout.n_samples, layout.n_trajectories) for slot in placed.slots]
+        place_tool_images(region, at, [t.images for t in placed.trajectories], layout)
     _count(counts, placed, _segment_sums(mask, length), columns.scalars["finish_reason"])
     return counts
 
