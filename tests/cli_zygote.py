@@ -8,9 +8,12 @@ environment, working directory and session; the test gets a :class:`subprocess.P
 child's, so signals, ``killpg``, timeouts and ``communicate`` behave as with any subprocess.  The zygote reaps
 the child and sends its exit status back over the connection that started it.
 
-Only environments that differ from the zygote's in settings read at run time go through it (``DASK_*``, which the
-child reloads into Dask's config, ``AWS_*``, ``SLURM_*``, ``TMPDIR``); any other difference starts a plain
-subprocess, so nothing the interpreter or a library reads at import time can be stale.  The README's commands,
+The zygote starts with the session's environment (:data:`BASE_ENV`).  Only environments that differ from it in
+settings read at run time go through it (:data:`RUNTIME_ENV`: ``DASK_*``, which the child reloads into Dask's config,
+``AWS_*``, ``SLURM_*``, ``TMPDIR``, pytest's ``PYTEST_*``, Dask's process-title marker, and the pre-spawn variables a
+nanny started in the test process exports into it, which tune the command's own threads and memory trimming, not
+what it computes); any other difference starts a plain subprocess, so nothing the interpreter or a library reads at
+import time can be stale.  The README's commands,
 the examples and the guides still start fresh interpreters (tests/test_readme.py, tests/test_examples.py).
 """
 
@@ -32,7 +35,12 @@ from pathlib import Path
 from typing import Any
 
 #: Environment variables whose value the child may set differently from the zygote's: read when used, not at import.
-RUNTIME_ENV = re.compile(r"^(DASK_|AWS_|SLURM_|PYTEST_|__DASK_)|^TMPDIR$")
+RUNTIME_ENV = re.compile(
+    r"^(DASK_|AWS_|SLURM_|PYTEST_|__DASK_)|^TMPDIR$"
+    # Dask's pre-spawn variables, which a nanny exports into the process that starts it: they tune the command's own
+    # threads and memory trimming, not what it computes, and the workers it starts inherit them from the environment
+    r"|^(MALLOC_TRIM_THRESHOLD_|OMP_NUM_THREADS|MKL_NUM_THREADS|OPENBLAS_NUM_THREADS)$"
+)
 #: The environment the zygote starts with: the session's (tests/conftest.py sets it before any test runs), so
 #: that a test's own changes (a PATH with stand-in commands, a variable it sets) never become the zygote's.
 BASE_ENV: dict[str, str] = {}

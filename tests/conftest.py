@@ -188,13 +188,9 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     threads = os.environ.setdefault("DASK_DASKGEN__LOCAL_CPU_THREADS", "1")
     dask.config.set({"daskgen.local-cpu-threads": int(threads)})
-    # A cluster started in this process sets Dask's pre-spawn variables here (MALLOC_TRIM_THRESHOLD_, ...): set from
-    # the start, the process's environment stays the same all session, and so the CLI zygote's (tests/cli_zygote.py).
-    import distributed  # noqa: F401 - its config defaults, the pre-spawn variables among them
-
-    for key, value in dask.config.get("distributed.nanny.pre-spawn-environ").items():
-        os.environ.setdefault(key, str(value))
-    os.environ.setdefault("PYTHONHASHSEED", "6640")  # the seed a nanny sets when none is (distributed.nanny)
+    # A nanny started in this process sets the hash seed here when none is (distributed.nanny): set from the start,
+    # the seed of every process the tests start is the same all session, the CLI zygote's too (tests/cli_zygote.py).
+    os.environ.setdefault("PYTHONHASHSEED", "6640")
     cli_zygote.BASE_ENV.update(cli_env())  # the CLI zygote's environment: the session's, before any test's changes
 
 
