@@ -31,19 +31,23 @@ pytestmark = pytest.mark.timeout(600)
 NEW_TOKENS = 64
 
 
-def tool_run(tmp_path, model, image) -> GenerationStore:
-    """A greedy tool-loop run of one row asking about ``image``: turn 0 scripted (a call of ``add``), turn 1 real."""
+def tool_run(tmp_path, model, image, first=None, new_tokens=NEW_TOKENS, **agent_args) -> GenerationStore:
+    """A greedy tool-loop run of one row asking about ``image``: turn 0 scripted (the tool call ``first``), turn 1
+    real (default: a call of ``add``); ``agent_args`` added to the tool loop's (the image tools ``show`` and
+    ``show_pillow`` are there too)."""
+    first = call("add", a=2, b=3) if first is None else first
     tmp_path.mkdir()
     rows = write_rows(tmp_path / "p.jsonl", [{"messages": user(image_part(image), {"type": "text", "text": QUESTION})}])
     config = tmp_path / "run.yaml"
+    tools = {**TOOLS, "show": "tests.agent_tools:show", "show_pillow": "tests.agent_tools:show_pillow"}
     config.write_text(
         json.dumps(
             {
                 "engine": "daskgen.testing.engines:ScriptedToolEngine",
-                "engine_args": {"inner": "transformers", "script": {"0": call("add", a=2, b=3)}},
+                "engine_args": {"inner": "transformers", "script": {"0": first}},
                 "agent": "tool",
-                "agent_args": {"tools": TOOLS, "max_turns": 2},
-                "max_new_tokens": NEW_TOKENS,
+                "agent_args": {"tools": tools, "max_turns": 2, **agent_args},
+                "max_new_tokens": new_tokens,
                 "temperature": 0.0,
             }
         )
@@ -89,33 +93,10 @@ def followed(store, fmt: str) -> list:
     return [b.data for b in batches]
 
 
-def image_tool_run(tmp_path, model, prompt_image, tool_image, tool="show", **extra) -> GenerationStore:
-    """A greedy tool-loop run of one row asking about ``prompt_image``: turn 0 scripted (a call of the image tool
-    ``tool`` with ``tool_image``), turn 1 real, after the tool's image."""
-    tmp_path.mkdir()
-    rows = write_rows(
-        tmp_path / "p.jsonl", [{"messages": user(image_part(prompt_image), {"type": "text", "text": QUESTION})}]
-    )
-    config = tmp_path / "run.yaml"
-    tools = {**TOOLS, "show": "tests.agent_tools:show", "show_pillow": "tests.agent_tools:show_pillow"}
-    config.write_text(
-        json.dumps(
-            {
-                "engine": "daskgen.testing.engines:ScriptedToolEngine",
-                "engine_args": {"inner": "transformers", "script": {"0": call(tool, path=str(tool_image))}},
-                "agent": "tool",
-                "agent_args": {"tools": tools, "max_turns": 2, "max_tool_images": 2},
-                "max_new_tokens": NEW_TOKENS + 200,
-                "temperature": 0.0,
-                **extra,
-            }
-        )
-    )
-    out = tmp_path / "out.zarr"
-    args = ["run", "--config", config, "--prompts", rows, "--model", model, "--store", out, "--n-workers", "1"]
-    result = run_cli(*args, "--no-progress")
-    assert result.returncode == 0, result.stdout + result.stderr
-    return GenerationStore.open(out)
+def image_tool_run(tmp_path, model, prompt_image, tool_image, tool="show") -> GenerationStore:
+    """:func:`tool_run` whose turn 0 calls the image tool ``tool`` with ``tool_image`` (two tool images at most)."""
+    first = call(tool, path=str(tool_image))
+    return tool_run(tmp_path, model, prompt_image, first, NEW_TOKENS + 200, max_tool_images=2)
 
 
 def test_an_image_a_tool_returns_is_stored_once_placed_in_the_context_and_seen(tmp_path, vl_model, images):  # noqa: F811
