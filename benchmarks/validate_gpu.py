@@ -20,8 +20,8 @@ model, in one batch with base requests, against the same engine on the merged mo
 in place (timed), and its greedy answers are compared with a fresh engine started on those weights.
 
 ``--lora --refresh`` adds a step of a refresh under adapters (`benchmarks/refresh_lora_check.py`): the engine
-holding an adapter loads new weights in place, and its adapter answers are compared with the adapter merged into
-those weights.
+holding an adapter loads new weights in place, and its answers with and without the adapter are compared with a
+fresh engine's on those weights with the same adapter (``--lora`` checks an adapter against it merged).
 
 ``--images`` (with a vision-language model folder, e.g. Qwen2-VL's) adds an images step (`benchmarks/images_check.py`):
 daskgen's engine on image prompts prepared as its workers prepare them, against the raw engine given the same

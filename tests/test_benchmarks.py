@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common import records
+from daskgen.errors import ConfigError
 from tests.conftest import REPO, cli_env
 
 BENCH = REPO / "benchmarks"
@@ -245,29 +246,38 @@ def assert_same_tokens_in_each_repeat(text: str, sides: int, repeats: int = 2) -
     assert "95 % bootstrap interval" in text and f"equal on every side in {len(by_repeat)} of" in text
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "engine", [pytest.param("sglang", marks=pytest.mark.sglang), pytest.param("vllm", marks=pytest.mark.vllm)]
 )
-def test_overhead_engine_part_with_sglang_and_vllm(tmp_path, engine):
-    """``--part engine --engine sglang|vllm`` in its lane: both sides run on the real engine, generate the same
-    tokens, and the ratio is printed (one repeat: the order's alternation is checked with transformers in
-    test_overhead)."""
-    if engine == "vllm":
-        from tests.test_engine_vllm import tiny_model_path
+def test_the_engine_parts_settings_for_sglang_and_vllm_are_the_engines_own(engine, monkeypatch):
+    """``overhead.py --part engine --engine sglang|vllm``: what the script gives these engines beyond what it gives
+    transformers is their engine arguments, checked here against the engine's own (sglang's ``ServerArgs``, vLLM's
+    ``AsyncEngineArgs``), as the engine checks them at start.  The rest of the part, both drivers and the record,
+    is the same code for every engine and runs in ``test_overhead`` (the records of these engines name their
+    commands in benchmarks/README.md)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import overhead_engine
+
+    args = overhead_engine.parse_args(["--engine", engine])
+    config = overhead_engine.engine_config(args, "model", Path("x.zarr"))
+    assert config.engine == engine and config.engine_args == overhead_engine.ENGINE_ARGS[engine](args)
+    if engine == "sglang":
+        monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+        from daskgen.engines.sglang.args import check_engine_args, server_arg_names
+
+        valid = server_arg_names()
     else:
-        from tests.test_engine_sglang import tiny_model_path
-    out, text = run_script(
-        "overhead.py",
-        tmp_path,
-        *("--part", "engine", "--engine", engine, "--engine-repeats", "1", "--model", tiny_model_path()),
-        *("--engine-prompts", "4", "--engine-samples", "1", "--engine-max-new-tokens", "8"),
-        *("--max-requests", "4", "--engine-partition-size", "2"),
-        timeout=1400,
-    )
-    assert f"daskgen / direct tokens/s, `{engine}` engine" in out and "load avg (1 min) at start" in text
-    assert_same_tokens_in_each_repeat(text, sides=2, repeats=1)
+        import dataclasses
+
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        from daskgen.engines.vllm.args import check_engine_args
+
+        valid = [field.name for field in dataclasses.fields(AsyncEngineArgs)]
+    check_engine_args(config.engine_args, valid)
+    with pytest.raises(ConfigError, match="not_an_arg"):  # the check can fail
+        check_engine_args({**config.engine_args, "not_an_arg": 1}, valid)
 
 
 @pytest.mark.timeout(450)
@@ -688,7 +698,8 @@ def test_refresh_check_loads_weights_in_place(tiny_model):
 )
 def test_a_refresh_under_adapters_applies_them_to_the_new_weights(tiny_model, engine):
     """``validate_gpu.py --lora --refresh``'s step on a CPU: after the engine holding an adapter loads new weights in
-    place, its adapter answers equal the adapter merged into the new weights, its base answers the new weights'."""
+    place, its adapter and base answers equal a fresh engine's on the new weights with the same adapter (that an
+    adapter's answers equal it merged into its weights is the conformance suite's ``test_feature_lora``)."""
     from benchmarks.refresh_lora_check import refresh_lora_check
 
     if engine == "vllm":
@@ -699,7 +710,7 @@ def test_a_refresh_under_adapters_applies_them_to_the_new_weights(tiny_model, en
         model, args = str(tiny_model), {"device": "cpu"}
     prompts = [[1, 2, 3, 4, 5], [17, 230, 4051, 88], [900, 12, 7], [3000, 3001, 3002, 3003, 3004, 3005]]
     result = refresh_lora_check(engine, model, args, prompts, 12)
-    assert result["lora_equal_merged_new"] == result["base_equal_new"] == len(prompts), result
+    assert result["lora_equal_fresh_new"] == result["base_equal_new"] == len(prompts), result
     assert result["lora_changed_by_refresh"] >= 1, result
 
 

@@ -32,7 +32,7 @@ from tests.test_reliability import assert_same_store
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
-N = 24
+N = 12
 PARTITION = 2
 KEPT = ("status", "committed_at", "response_ids", "response_length", "finish_reason")
 

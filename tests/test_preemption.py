@@ -2,7 +2,8 @@
 in-flight partial responses, and the next run continues each partial response token-exactly.
 
 Real parts throughout: the CLI in a subprocess, LocalCluster worker processes, real Zarr stores,
-the simulated engine (long, varied lengths so a stop lands mid-generation) and the real tiny model.
+the simulated engine (long, varied lengths so a stop lands mid-generation).  The same stop on the real tiny model,
+resumed to the uninterrupted answers, is in tests/test_continuation.py.
 """
 
 from __future__ import annotations
@@ -256,55 +257,6 @@ def test_rows_aborted_more_often_than_the_limit_fail_and_retry_failed_continues_
     )
     assert res.returncode == 0 and "0 failed, 0 pending" in res.stdout, res.stdout + res.stderr
     assert (xr.open_zarr(out).continued_tokens.values[failed] > 0).any(), "continued, not regenerated"
-
-
-@pytest.mark.slow
-def test_sigterm_on_the_real_tiny_model_continues_exactly(tmp_path, tiny_model):
-    prompts = write_prompts(tmp_path / "p.jsonl", 12)
-    out = tmp_path / "out.zarr"
-    common = [
-        "run",
-        "--prompts",
-        prompts,
-        "--model",
-        tiny_model,
-        "--store",
-        out,
-        "--partition-size",
-        "2",
-        "--max-new-tokens",
-        "160",
-        "--temperature",
-        "0",
-        "--logprobs",
-        "--no-progress",
-        "--n-workers",
-        "1",
-        "--grace",
-        "60s",
-    ]
-    proc = popen_cli(*common)
-    done_before = _wait_for_some_done(out, proc, minimum=2, timeout=240)
-    os.kill(proc.pid, signal.SIGTERM)
-    output, _ = proc.communicate(timeout=180)
-    assert proc.returncode == EXIT_INTERRUPTED, output
-    assert (store.GenerationStore.open(out).read_status()[done_before] == store.DONE).all()
-    saved = _partials(out)
-    assert _group_gone(proc.pid)
-    res = run_cli(*common, timeout=600)
-    assert res.returncode == 0 and "12 done" in res.stdout, res.stdout + res.stderr
-    ds = xr.open_zarr(out)
-    from transformers import AutoTokenizer
-
-    eos = AutoTokenizer.from_pretrained(tiny_model).eos_token_id
-    for (r, s), (ids, logprobs) in saved.items():
-        np.testing.assert_array_equal(ds.response_ids.values[r, s, : len(ids)], ids)
-        np.testing.assert_array_equal(ds.logprobs.values[r, s, : len(ids)], logprobs)
-        if ids[-1] == eos:  # aborted right after its stop token: already finished, kept as it is
-            assert ds.continued_tokens.values[r, s] == 0 and ds.finish_reason.values[r, s] == FinishReason.STOP
-            assert ds.response_length.values[r, s] == len(ids)
-        else:
-            assert ds.continued_tokens.values[r, s] == len(ids)
 
 
 def test_interrupt_turns_the_first_signal_into_a_request_and_the_second_into_an_exit():

@@ -1,9 +1,10 @@
 """Policy refresh in a real run on every lane engine that declares it: vLLM, in-process sglang, the managed sglang
 server (the ``openai`` engine with ``managed=true``).
 
-One ``daskgen run --refresh drain`` and one ``--refresh continue`` per engine, greedy, on a LocalCluster of one
-worker, with the probe engine (:mod:`daskgen.testing.probes`) around the engine under test: row 0 generates on the
-run's model (version 0); row 1 is held at a gate while a checkpoint with other weights (version 1) is published:
+One ``daskgen run --refresh continue`` per engine (and one ``--refresh drain`` on in-process sglang), greedy, on a
+LocalCluster of one worker, with the probe engine (:mod:`daskgen.testing.probes`) around the engine under test:
+row 0 generates on the run's model (version 0); row 1 is held at a gate while a checkpoint with other weights
+(version 1) is published:
 
 * ``drain``: row 1 waits before the engine; once the worker records that it is loading, row 1 is released, ends on
   version 0, and only then does the worker load version 1; row 2 generates on version 1;
@@ -23,6 +24,12 @@ Each run is also a start and stop of its engine on a real worker: the files the 
 (sglang's load-report file in the shared-memory folder, vLLM's rendezvous file and ZeroMQ sockets in the folder
 daskgen gives its processes) are seen during the run and are all gone after it (:mod:`daskgen.engines.leftovers`).
 Each lane runs its tests one at a time, so no other engine adds such files meanwhile.
+
+Why ``continue`` on every engine and ``drain`` on one: the two policies differ in the worker
+(:mod:`daskgen.worker.refresh`), not in the engine.  Under either the engine loads a version with no request in
+flight; ``continue`` also aborts requests part-way and continues them on the new weights, so its engine calls are
+``drain``'s and more.  ``drain`` is run end to end on transformers in the main lane (``tests/test_policy_refresh.py``)
+and here once, on in-process sglang.
 """
 
 from __future__ import annotations
@@ -66,9 +73,13 @@ ENGINES = {
     ),
 }
 CASES = [
-    pytest.param(engine, refresh, marks=[*marks, pytest.mark.timeout(900)], id=f"{engine}-{refresh}")
-    for engine, (marks, _) in ENGINES.items()
-    for refresh in ("drain", "continue")
+    pytest.param(engine, refresh, marks=[*ENGINES[engine][0], pytest.mark.timeout(900)], id=f"{engine}-{refresh}")
+    for engine, refresh in (
+        ("vllm", "continue"),
+        ("sglang", "continue"),
+        ("sglang", "drain"),
+        ("sglang-server", "continue"),
+    )
 ]
 
 
