@@ -118,11 +118,11 @@ def test_overhead(tmp_path, tiny_model):
         "1",
         "--no-profile",
         "--engine-repeats",
-        "2",
+        "1",
         "--engine-drivers",
         "direct,worker,daskgen",
         "--prompts",
-        "128",
+        "32",
         "--n-samples",
         "2",
         "--max-new-tokens",
@@ -168,7 +168,16 @@ def test_overhead(tmp_path, tiny_model):
         assert_floor_stores_what_daskgen_stores(tmp_path / "work", writers)
     assert "same engine on a Dask worker" in out
     assert "engine's host process" in out and "Median cores, the engine's own processes" in out  # where CPU went
-    assert_same_tokens_in_each_repeat(text, sides=3)
+    assert_same_tokens_in_each_repeat(text, sides=3, repeats=1)
+
+
+def test_the_engine_parts_sides_alternate_from_one_repeat_to_the_next(monkeypatch):
+    """The order of the engine part's sides in each repeat (its ``order`` column): as given, then reversed."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    from overhead_engine import abba
+
+    sides = ["direct", "worker", "daskgen"]
+    assert [abba(sides, rep) for rep in range(3)] == [sides, sides[::-1], sides]
 
 
 @pytest.mark.timeout(300)
@@ -374,7 +383,7 @@ def test_scaleout(tmp_path):
         "scaleout.py",
         tmp_path,
         "--workers",
-        "1,2",
+        "1",
         "--prompts-per-worker",
         "16",
         "--n-samples",
@@ -390,13 +399,13 @@ def test_scaleout(tmp_path):
         "--partition-size",
         "8",
         "--client-prompts",
-        "128",
+        "64",
         "--commit-rows",
-        "10000",
+        "2000",
         "--commit-samples",
         "5",
         "--full-speed-prompts",
-        "256",
+        "128",
     )
     assert "scaling efficiency" in out and "Client saturation estimate" in out
     # the client part ran with the scheduler in the client process, in daskgen's scheduler process and in
