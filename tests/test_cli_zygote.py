@@ -15,9 +15,16 @@ import sys
 import pytest
 
 from tests import cli_zygote
-from tests.conftest import cli_env, write_prompts
+from tests.conftest import cli_env, popen_cli, run_cli, write_prompts
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def session_env(monkeypatch):
+    """``run_cli`` and ``popen_cli`` with the session's environment (the zygote's), whatever earlier tests of this
+    process left in ``os.environ``: their commands are forked."""
+    monkeypatch.setattr("tests.conftest.cli_env", lambda: dict(cli_zygote.BASE_ENV))
 
 
 def test_a_forked_command_gets_the_tests_dask_settings_and_exit_status(tmp_path):
@@ -27,7 +34,7 @@ def test_a_forked_command_gets_the_tests_dask_settings_and_exit_status(tmp_path)
     prompts = write_prompts(tmp_path / "p.jsonl", 2)
     args = ("run", "--prompts", prompts, "--store", tmp_path / "o.zarr", "--engine", "simulated", "--model", "sim")
     env = {"DASK_DASKGEN__HEALTH_TIMEOUT": "not-a-duration"}
-    forked = _forked(*args, env=env)
+    forked = run_cli(*args, env=env)
     fresh = subprocess.run(
         [sys.executable, "-m", "daskgen", *map(str, args)],
         capture_output=True, text=True, timeout=120, env={**cli_env(), **env},
@@ -42,31 +49,16 @@ def test_a_forked_command_runs_in_the_tests_directory_as_its_own_process_group(t
     SIGKILL to its group ends (status -9, seen by poll and wait)."""
     monkeypatch.chdir(tmp_path)
     write_prompts(tmp_path / "p.jsonl", 2)
-    done = _forked("run", "--prompts", "p.jsonl", "--store", "o.zarr", "--engine", "simulated", "--model", "sim",
+    done = run_cli("run", "--prompts", "p.jsonl", "--store", "o.zarr", "--engine", "simulated", "--model", "sim",
                    "--max-new-tokens", "4", "--n-workers", "1", "--no-progress")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "o.zarr").is_dir()
-    follow = [sys.executable, "-m", "daskgen", "follow", "o.zarr", "--wait"]
-    proc = cli_zygote.popen(
-        follow, dict(cli_zygote.BASE_ENV), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
+    proc = popen_cli("follow", "o.zarr", "--wait")
     assert isinstance(proc, cli_zygote.ZygotePopen) and proc.pid != os.getpid()
     assert os.getpgid(proc.pid) == proc.pid and proc.poll() is None
     os.killpg(proc.pid, signal.SIGKILL)
     assert proc.wait(timeout=30) == -signal.SIGKILL and proc.poll() == -signal.SIGKILL
     proc.stdout.close()
-
-
-def _forked(*args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``run_cli`` with the session's environment (the zygote's): forked whatever earlier tests of this process
-    left in ``os.environ``."""
-    command = [sys.executable, "-m", "daskgen", *map(str, args)]
-    with cli_zygote.popen(command, {**cli_zygote.BASE_ENV, **(env or {})}, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) as proc:  # fmt: skip
-        assert isinstance(proc, cli_zygote.ZygotePopen)
-        out, err = proc.communicate(timeout=120)
-    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def test_an_environment_read_at_import_time_starts_a_fresh_interpreter():

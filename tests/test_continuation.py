@@ -244,34 +244,34 @@ def check_continuation(
         prompt = prompt_ids[r, : prompt_length[r]].tolist()
         assert sent[f"p{r}-s{s}"] == [prompt + ids.tolist()], f"row {r} sample {s}: not prompt + stored prefix"
     resumed = store.GenerationStore.open(out)
+    got = resumed.read_region(0, n, COMPARED)
     if pause is not None:  # each continued row equals its copy, which the first run generated without a stop
         assert {r for r, _ in continued} <= set(copies), (sorted(continued), copies)
         for name in COMPARED:
-            got = resumed.read_region(0, n, (name,))[name]
             for row, copy in copies.items():
-                np.testing.assert_array_equal(got[row], got[copy], err_msg=f"{name} of row {row} and its copy {copy}")
+                np.testing.assert_array_equal(
+                    got[name][row], got[name][copy], err_msg=f"{name}: row {row}, copy {copy}"
+                )
     else:
         res = run_cli(*args(whole, "whole.jsonl"), timeout=600 + start_s)
         assert res.returncode == 0, res.stdout + res.stderr[-4000:]
-        uninterrupted = store.GenerationStore.open(whole)
+        uninterrupted = store.GenerationStore.open(whole).read_region(0, n, COMPARED)
         for name in COMPARED:
-            np.testing.assert_array_equal(
-                resumed.read_region(0, n, (name,))[name], uninterrupted.read_region(0, n, (name,))[name], err_msg=name
-            )
-    check_kept(resumed, n, done_before, saved, eos, "--logprobs" in extra)
+            np.testing.assert_array_equal(got[name], uninterrupted[name], err_msg=name)
+    check_kept(resumed, n, done_before, saved, eos)
 
 
-def check_kept(resumed, n, done_before, saved, eos, logprobs) -> None:
-    """After the resume: rows done before the stop still done, each stored partial response's tokens (and
-    logprobs) kept, counted as continued unless it had ended with its stop token; no sample left aborted."""
-    got = resumed.read_region(0, n, ("finish_reason", "response_ids", "continued_tokens", "response_length"))
+def check_kept(resumed, n, done_before, saved, eos) -> None:
+    """After the resume: rows done before the stop still done, each stored partial response's tokens and logprobs
+    (NaN where the run keeps none) kept, counted as continued unless it had ended with its stop token; no sample
+    left aborted."""
+    names = ("finish_reason", "response_ids", "logprobs", "continued_tokens", "response_length")
+    got = resumed.read_region(0, n, names)
     assert (resumed.read_status()[done_before] == store.DONE).all()
     assert not (got["finish_reason"] == FinishReason.ABORT).any()
-    kept_logprobs = resumed.read_region(0, n, ("logprobs",))["logprobs"] if logprobs else None
-    for (r, s), (ids, stored_logprobs) in saved.items():
+    for (r, s), (ids, logprobs) in saved.items():
         np.testing.assert_array_equal(got["response_ids"][r, s, : len(ids)], ids)
-        if logprobs:
-            np.testing.assert_array_equal(kept_logprobs[r, s, : len(ids)], stored_logprobs)
+        np.testing.assert_array_equal(got["logprobs"][r, s, : len(ids)], logprobs)  # NaN equals NaN here
         if ids[-1] == eos:  # aborted right after its stop token: already finished, kept as it is
             assert got["continued_tokens"][r, s] == 0 and got["finish_reason"][r, s] == FinishReason.STOP
             assert got["response_length"][r, s] == len(ids)

@@ -26,6 +26,7 @@ __all__ = [
     "MAX_LOGPROBS_DEFAULT",
     "THREAD_VARIABLES",
     "check_engine_args",
+    "engine_arg_names",
     "launch_kwargs",
     "max_logprobs",
     "omp_threads_bind",
@@ -57,9 +58,22 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
 
 
-def check_engine_args(args: Mapping[str, Any], valid: list[str]) -> None:
-    """Raise :class:`ConfigError` for keys of ``args`` not in ``valid`` (with close matches)."""
-    check_known_args("vllm", args, valid, "vllm.AsyncEngineArgs fields")
+def engine_arg_names() -> list[str]:
+    """Names of the engine arguments vLLM takes (its ``AsyncEngineArgs`` fields but ``model``, which daskgen sets).
+
+    Imports vllm.
+    """
+    import dataclasses
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return [f.name for f in dataclasses.fields(AsyncEngineArgs) if f.name != "model"]
+
+
+def check_engine_args(args: Mapping[str, Any], valid: list[str] | None = None) -> None:
+    """Raise :class:`ConfigError` for keys of ``args`` not in ``valid`` (with close matches); ``valid`` defaults to
+    :func:`engine_arg_names` (which imports vllm)."""
+    check_known_args("vllm", args, engine_arg_names() if valid is None else valid, "vllm.AsyncEngineArgs fields")
 
 
 #: The LoRA ranks vLLM's ``max_lora_rank`` accepts (vllm.config.lora.MaxLoRARanks).

@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import subprocess
 from pathlib import Path
@@ -99,10 +98,7 @@ def _create_async_llm(kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    check_engine_args(
-        {k: v for k, v in kwargs.items() if k != "model"},
-        [f.name for f in dataclasses.fields(AsyncEngineArgs) if f.name != "model"],
-    )
+    check_engine_args({k: v for k, v in kwargs.items() if k != "model"})
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
     config = llm.vllm_config
     model_config = config.model_config
