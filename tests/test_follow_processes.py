@@ -37,6 +37,7 @@ LIVE_RUN = [
     *("--max-new-tokens", "32", "--max-prompt-tokens", "128", "--partition-size", "4", "--n-samples", "2"),
     *("--n-workers", "1", "--no-progress"),
 ]
+SLOW_STEPS = ("--engine-arg", "step_time_base_s=0.06")
 
 
 def events(log: Path) -> list[dict]:
@@ -153,17 +154,19 @@ def test_a_trainer_follows_an_interrupted_and_resumed_run_exactly_once(tmp_path)
     prompts = write_prompts(tmp_path / "p.jsonl", 120)
     store = str(tmp_path / "out.zarr")
     out, log = tmp_path / "batches", tmp_path / "consumer.log"
-    run = popen_cli("run", "--prompts", prompts, "--store", store, *LIVE_RUN)
+    # steps three times slower than LIVE_RUN's: the run must outlast the consumer's start on a loaded machine
+    run = popen_cli("run", "--prompts", prompts, "--store", store, *LIVE_RUN, *SLOW_STEPS)
     consumer = start_consumer(store, out, log)
     try:
         wait_until(lambda: count(log, "acked") >= 2, "two acknowledged batches")
+        assert run.poll() is None, "the run finished before the test could stop it"
         os.kill(run.pid, signal.SIGTERM)
         output, _ = run.communicate(timeout=200)
         assert run.returncode == EXIT_INTERRUPTED, output
         assert consumer.wait(timeout=200) == 0
         stopped = events(log)[-1]
         assert stopped["event"] == "end" and stopped["pending"] > 0, stopped
-        rerun = run_cli("run", "--prompts", prompts, "--store", store, *LIVE_RUN, timeout=200)
+        rerun = run_cli("run", "--prompts", prompts, "--store", store, *LIVE_RUN, *SLOW_STEPS, timeout=200)
         assert rerun.returncode == 0, rerun.stdout + rerun.stderr
         consumer = start_consumer(store, out, log)
         assert consumer.wait(timeout=200) == 0
