@@ -171,6 +171,52 @@ def test_greedy_answers_equal_the_models_own_generate_with_the_same_pixels(image
         assert int(data["rope_delta"][row]) == delta, f"row {row}: rope_delta is not the model's own"
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_qwen2_5_vl_and_qwen3_vl_answer_as_their_own_generate(tmp_path, images, family) -> None:
+    """The family's other classes (Qwen2.5-VL's windowed vision tower; Qwen3-VL's 16-pixel patches, deepstack and
+    interleaved mRoPE): the stored prompts, greedy answers and rope deltas are the model's own, and the mRoPE
+    positions computed from the stored spans equal its get_rope_index."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from daskgen.formats.mrope import mrope_positions
+    from daskgen.models import build_tiny_vl_model
+
+    model_path = build_tiny_vl_model(family=family)
+    photo = user(image_part(images["grace_hopper"]), {"type": "text", "text": QUESTION})
+    rows = [{"messages": photo}, {"prompt": QUESTION, "images": [str(images["noise"]), str(images["checkerboard"])]}]
+    store = tmp_path / "out.zarr"
+    result = run_cli(*run_args(write_rows(tmp_path / "p.jsonl", rows), store, model_path, "--n-samples", "1"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    names = ("prompt_ids", "prompt_length", "response_ids", "response_length", "rope_delta", "image_offset")
+    data = GenerationStore.open(store).read_region(0, 2, (*names, "image_length", "image_grid"))
+    cases = [
+        (template_messages(photo), [images["grace_hopper"]]),
+        (QUESTION, [images["noise"], images["checkerboard"]]),
+    ]
+    model = AutoModelForImageTextToText.from_pretrained(model_path).eval()
+    processor = AutoImageProcessor.from_pretrained(model_path)
+    for row, (prompt, paths) in enumerate(cases):
+        expanded, tokens, delta = reference_generate(model_path, prompt, paths, 6)
+        assert data["prompt_ids"][row, : data["prompt_length"][row]].tolist() == expanded, row
+        assert data["response_ids"][row, 0, : data["response_length"][row, 0]].tolist() == tokens, row
+        assert int(data["rope_delta"][row]) == delta, row
+        used = data["image_length"][row] > 0
+        ours = mrope_positions(
+            len(expanded),
+            data["image_offset"][row][used],
+            data["image_length"][row][used],
+            data["image_grid"][row][used],
+        )
+        ids = torch.tensor([expanded])
+        types = (ids == model.config.image_token_id).int()
+        grids = processor(images=[Image.open(p).convert("RGB") for p in paths], return_tensors="pt")["image_grid_thw"]
+        theirs, _ = model.model.get_rope_index(ids, types, image_grid_thw=grids)
+        np.testing.assert_array_equal(ours, theirs[:, 0].numpy())
+
+
 def test_the_model_sees_the_image(image_run) -> None:
     """Rows 1 and 5 ask the same question of an image and its mirror image: the same prompt ids (the same size,
     so the same placeholders), other pixels, and their answers differ."""

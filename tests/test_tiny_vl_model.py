@@ -213,6 +213,9 @@ def test_the_build_is_cached_deterministic_and_a_function_of_the_seed(
 
     other = build_tiny_vl_model(tmp_path / "seed1", seed=1, tokenizer_from=vl_path)
     assert _sha256(other / "model.safetensors") != _sha256(weights)
+    families = r"\['qwen2_5_vl', 'qwen2_vl', 'qwen3_vl'\]"
+    with pytest.raises(ValueError, match=rf"family must be one of {families}, got 'llava'"):
+        build_tiny_vl_model(tmp_path / "llava", family="llava")
 
 
 def test_generated_images_are_deterministic_and_of_the_documented_sizes(

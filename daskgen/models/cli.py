@@ -11,12 +11,12 @@ from daskgen.errors import DaskgenError
 from daskgen.models.cache import CACHE_ENV
 from daskgen.models.smollm2 import smollm2_instruct
 from daskgen.models.tiny import build_tiny_model
-from daskgen.models.tiny_vl import build_tiny_vl_model
+from daskgen.models.tiny_vl import FAMILIES, build_tiny_vl_model
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: ``smollm2 [--cache-dir DIR]``, ``tiny PATH [--seed N] [--tokenizer-from DIR] [--head-dim N]``
-    or ``tiny-vl [PATH] [--seed N] [--tokenizer-from DIR] [--cache-dir DIR]``."""
+    or ``tiny-vl [PATH] [--seed N] [--tokenizer-from DIR] [--cache-dir DIR] [--family NAME]``."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
@@ -25,7 +25,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "tiny-vl":
             print(
                 build_tiny_vl_model(
-                    args.path, seed=args.seed, tokenizer_from=args.tokenizer_from, cache_dir=args.cache_dir
+                    args.path,
+                    seed=args.seed,
+                    tokenizer_from=args.tokenizer_from,
+                    cache_dir=args.cache_dir,
+                    family=args.family,
                 )
             )
         else:
@@ -55,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     vl.add_argument("path", type=Path, nargs="?", default=None)
     vl.add_argument("--seed", type=int, default=0)
     vl.add_argument("--tokenizer-from", type=Path, default=None)
+    vl.add_argument("--family", choices=sorted(FAMILIES), default="qwen2_vl", help="the model class (default qwen2_vl)")
     vl.add_argument(
         "--cache-dir", type=Path, default=None, help=f"without PATH; default: ${CACHE_ENV} or ~/.cache/daskgen"
     )

