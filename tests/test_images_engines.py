@@ -457,16 +457,21 @@ STEP_ARGS = {"sglang": {"device": "cpu"}, "vllm": {"dtype": "float32", "max_mode
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize(
-    "engine", [pytest.param("sglang", marks=[*SGLANG_LANE]), pytest.param("vllm", marks=[*VLLM_LANE])]
+    ("engine", "family"),
+    [pytest.param("sglang", "qwen3_vl", marks=[*SGLANG_LANE]), pytest.param("vllm", "qwen2_5_vl", marks=[*VLLM_LANE])],
 )
-def test_the_gpu_validation_images_step_agrees_with_the_raw_engine(engine, vl_model, monkeypatch) -> None:
+def test_the_gpu_validation_images_step_agrees_with_the_raw_engine(engine, family, monkeypatch) -> None:
     """``validate_gpu.py --images`` (its step, on the CPU here): daskgen's engine on image prompts prepared as its
     workers prepare them gives the raw engine's greedy outputs, and the raw engine expands every prompt to daskgen's
-    length."""
+    length.  On the family's other classes (the tiny Qwen3-VL on sglang, the tiny Qwen2.5-VL on vLLM: their own
+    vision towers and patch sizes), while the lane's other image tests run the tiny Qwen2-VL."""
+    from daskgen.models import build_tiny_vl_model
+
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from images_check import images_check
 
     if engine == "sglang":
         monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")  # as validate_gpu.py --device cpu sets it
-    result = images_check(engine, str(vl_model), dict(STEP_ARGS[engine]), n=4, max_new=6, cuda=False)
+    model = str(build_tiny_vl_model(family=family))
+    result = images_check(engine, model, dict(STEP_ARGS[engine]), n=4, max_new=6, cuda=False)
     assert result == {"prompts": 4, "identical_outputs": 4, "same_prompt_length": 4}, result
