@@ -10,8 +10,10 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import dask
+import numpy as np
 import pytest
 
 import daskgen
@@ -96,12 +98,21 @@ def image_run(tmp_path_factory, vl_model, images):
     return folder, rows, GenerationStore.open(store)
 
 
+class Reference(NamedTuple):
+    """What the model itself makes of a prompt with images: the expanded prompt ids, the greedy tokens after them,
+    and its mRoPE rope delta and ``(3, len(expanded))`` positions of the prompt."""
+
+    expanded: list[int]
+    tokens: list[int]
+    delta: int
+    positions: np.ndarray
+
+
 def reference_generate(
     model_path: Path, messages_or_prompt, image_paths: list[Path], max_new_tokens: int, adapter=None
-):
-    """The expanded prompt and greedy tokens of the model's own ``generate`` on ``image_paths``, built with
-    transformers alone (processor, tokenizer, placeholder expansion by hand); ``adapter``: a LoRA adapter merged
-    into the weights first."""
+) -> Reference:
+    """The model's own ``generate`` on ``image_paths``, built with transformers alone (processor, tokenizer,
+    placeholder expansion by hand); ``adapter``: a LoRA adapter merged into the weights first."""
     from PIL import Image
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
@@ -129,13 +140,16 @@ def reference_generate(
             k += 1
         else:
             expanded.append(token)
-    new, delta = generate_with_pixels(model, out, expanded, pad, max_new_tokens)
-    return expanded, new, delta
+    new, (positions, delta) = generate_with_pixels(model, out, expanded, pad, max_new_tokens)
+    return Reference(expanded, new, delta, positions)
 
 
-def generate_with_pixels(model, processed, expanded: list[int], pad: int, max_new_tokens: int) -> tuple[list[int], int]:
+def generate_with_pixels(
+    model, processed, expanded: list[int], pad: int, max_new_tokens: int
+) -> tuple[list[int], tuple[np.ndarray, int]]:
     """Greedy tokens of ``model.generate`` after the expanded ids ``expanded`` with the processor's output
-    ``processed`` (its pixel values and grids), and the rope delta of those ids."""
+    ``processed`` (its pixel values and grids), and the model's ``get_rope_index`` of those ids: their
+    ``(3, len(expanded))`` mRoPE positions and rope delta."""
     import torch
 
     input_ids = torch.tensor([expanded])
@@ -146,8 +160,8 @@ def generate_with_pixels(model, processed, expanded: list[int], pad: int, max_ne
             image_grid_thw=processed["image_grid_thw"], mm_token_type_ids=types, max_new_tokens=max_new_tokens,
             do_sample=False,
         )  # fmt: skip
-        _, deltas = model.model.get_rope_index(input_ids, types, image_grid_thw=processed["image_grid_thw"])
-    return generated[0, len(expanded) :].tolist(), int(deltas[0])
+        positions, deltas = model.model.get_rope_index(input_ids, types, image_grid_thw=processed["image_grid_thw"])
+    return generated[0, len(expanded) :].tolist(), (positions[:, 0].numpy(), int(deltas[0]))
 
 
 @pytest.mark.proves("transformers", "images")
@@ -163,7 +177,7 @@ def test_greedy_answers_equal_the_models_own_generate_with_the_same_pixels(image
     }
     for row, (prompt, paths) in cases.items():
         template_view = template_messages(prompt) if isinstance(prompt, list) else prompt
-        expanded, tokens, delta = reference_generate(vl_model, template_view, paths, 6)
+        expanded, tokens, delta, _ = reference_generate(vl_model, template_view, paths, 6)
         stored = data["prompt_ids"][row, : data["prompt_length"][row]].tolist()
         assert stored == expanded, f"row {row}: the stored prompt is not the one the model saw"
         for s in range(2):
@@ -176,11 +190,6 @@ def test_qwen2_5_vl_and_qwen3_vl_answer_as_their_own_generate(tmp_path, images, 
     """The family's other classes (Qwen2.5-VL's windowed vision tower; Qwen3-VL's 16-pixel patches, deepstack and
     interleaved mRoPE): the stored prompts, greedy answers and rope deltas are the model's own, and the mRoPE
     positions computed from the stored spans equal its get_rope_index."""
-    import numpy as np
-    import torch
-    from PIL import Image
-    from transformers import AutoImageProcessor, AutoModelForImageTextToText
-
     from daskgen.formats.mrope import mrope_positions
     from daskgen.models import build_tiny_vl_model
 
@@ -190,31 +199,21 @@ def test_qwen2_5_vl_and_qwen3_vl_answer_as_their_own_generate(tmp_path, images, 
     store = tmp_path / "out.zarr"
     result = run_cli(*run_args(write_rows(tmp_path / "p.jsonl", rows), store, model_path, "--n-samples", "1"))
     assert result.returncode == 0, result.stdout + result.stderr
-    names = ("prompt_ids", "prompt_length", "response_ids", "response_length", "rope_delta", "image_offset")
-    data = GenerationStore.open(store).read_region(0, 2, (*names, "image_length", "image_grid"))
+    spans = ("image_offset", "image_length", "image_grid")
+    names = ("prompt_ids", "prompt_length", "response_ids", "response_length", "rope_delta", *spans)
+    data = GenerationStore.open(store).read_region(0, 2, names)
     cases = [
         (template_messages(photo), [images["grace_hopper"]]),
         (QUESTION, [images["noise"], images["checkerboard"]]),
     ]
-    model = AutoModelForImageTextToText.from_pretrained(model_path).eval()
-    processor = AutoImageProcessor.from_pretrained(model_path)
     for row, (prompt, paths) in enumerate(cases):
-        expanded, tokens, delta = reference_generate(model_path, prompt, paths, 6)
-        assert data["prompt_ids"][row, : data["prompt_length"][row]].tolist() == expanded, row
-        assert data["response_ids"][row, 0, : data["response_length"][row, 0]].tolist() == tokens, row
-        assert int(data["rope_delta"][row]) == delta, row
+        reference = reference_generate(model_path, prompt, paths, 6)
+        assert data["prompt_ids"][row, : data["prompt_length"][row]].tolist() == reference.expanded, row
+        assert data["response_ids"][row, 0, : data["response_length"][row, 0]].tolist() == reference.tokens, row
+        assert int(data["rope_delta"][row]) == reference.delta, row
         used = data["image_length"][row] > 0
-        ours = mrope_positions(
-            len(expanded),
-            data["image_offset"][row][used],
-            data["image_length"][row][used],
-            data["image_grid"][row][used],
-        )
-        ids = torch.tensor([expanded])
-        types = (ids == model.config.image_token_id).int()
-        grids = processor(images=[Image.open(p).convert("RGB") for p in paths], return_tensors="pt")["image_grid_thw"]
-        theirs, _ = model.model.get_rope_index(ids, types, image_grid_thw=grids)
-        np.testing.assert_array_equal(ours, theirs[:, 0].numpy())
+        ours = mrope_positions(len(reference.expanded), *(data[name][row][used] for name in spans))
+        np.testing.assert_array_equal(ours, reference.positions)
 
 
 def test_the_model_sees_the_image(image_run) -> None:
@@ -351,7 +350,6 @@ def test_images_decode_as_shown_and_blend_transparency_onto_white_as_the_process
     EXIF orientation applied, and the scan's token count from the turned size."""
     import io
 
-    import numpy as np
     from PIL import Image, ImageOps
 
     from daskgen.images.processor import ImageProcessing

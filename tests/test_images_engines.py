@@ -239,7 +239,7 @@ def test_greedy_answers_equal_the_models_own_generate_with_the_same_pixels(
     for row, (prompt, paths) in cases.items():
         stored = data["prompt_ids"][row, : data["prompt_length"][row]].tolist()
         if paths:  # the expansion transformers alone makes
-            expanded, _, _ = reference_generate(vl_model, prompt, paths, NEW_TOKENS)
+            expanded = reference_generate(vl_model, prompt, paths, NEW_TOKENS).expanded
             assert stored == expanded, f"row {row}: the stored prompt is not the one the model saw"
         answer = data["response_ids"][row, 0, : data["response_length"][row, 0]].tolist()
         assert answer == model_generate(vl_model, stored, paths), f"row {row}: {engine}'s answer is not the model's"

@@ -11,7 +11,7 @@ from daskgen.errors import DaskgenError
 from daskgen.models.cache import CACHE_ENV
 from daskgen.models.smollm2 import smollm2_instruct
 from daskgen.models.tiny import build_tiny_model
-from daskgen.models.tiny_vl import FAMILIES, build_tiny_vl_model
+from daskgen.models.tiny_vl import DEFAULT_FAMILY, FAMILIES, build_tiny_vl_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     vl.add_argument("path", type=Path, nargs="?", default=None)
     vl.add_argument("--seed", type=int, default=0)
     vl.add_argument("--tokenizer-from", type=Path, default=None)
-    vl.add_argument("--family", choices=sorted(FAMILIES), default="qwen2_vl", help="the model class (default qwen2_vl)")
+    vl.add_argument("--family", choices=sorted(FAMILIES), default=DEFAULT_FAMILY, help=f"default {DEFAULT_FAMILY}")
     vl.add_argument(
         "--cache-dir", type=Path, default=None, help=f"without PATH; default: ${CACHE_ENV} or ~/.cache/daskgen"
     )

@@ -41,16 +41,20 @@ TINY_VL_MAX_PIXELS = 448 * 448
 
 @dataclass(frozen=True)
 class Family:
-    """One model class of the Qwen2-VL family: its transformers config and model classes, and what its vision
-    tower, text part and rotary settings need beyond the shared tiny sizes."""
+    """One model class of the Qwen2-VL family: its transformers config and model classes, what its vision
+    tower, text part and rotary settings need beyond the shared tiny sizes, and the vision setting that names
+    the width the merger writes (the text model's)."""
 
     config_class: str
     model_class: str
     vision: dict[str, Any]
     text: dict[str, Any]
     rope: dict[str, Any]
+    merger_width: str = "out_hidden_size"
 
 
+#: The model class :func:`build_tiny_vl_model` builds unless told otherwise.
+DEFAULT_FAMILY = "qwen2_vl"
 #: The model classes :func:`build_tiny_vl_model` builds, by ``model_type``.
 FAMILIES = {
     "qwen2_vl": Family(
@@ -60,6 +64,7 @@ FAMILIES = {
         {"depth": 1, "embed_dim": 64, "num_heads": 2, "mlp_ratio": 2, "patch_size": 14, "in_chans": 3},
         {},
         {},
+        merger_width="hidden_size",
     ),
     "qwen2_5_vl": Family(
         "Qwen2_5_VLConfig",
@@ -182,9 +187,7 @@ def _config(tokenizer: PreTrainedTokenizerBase, family: Family) -> Any:
         "dtype": "float32",
         **special,
     }
-    vision = {**_VISION, **family.vision}
-    # the merger writes into the text model's width
-    vision["out_hidden_size" if "embed_dim" not in vision else "hidden_size"] = _TEXT["hidden_size"]
+    vision = {**_VISION, **family.vision, family.merger_width: _TEXT["hidden_size"]}
     ids: dict[str, Any] = _token_ids(tokenizer)
     return getattr(transformers, family.config_class)(  # the special ids also at the top, where engines look
         **special,
@@ -262,7 +265,7 @@ def _set_processor_type(path: Path) -> None:
     path.chmod(0o644)
 
 
-def tiny_vl_name(seed: int = 0, family: str = "qwen2_vl") -> str:
+def tiny_vl_name(seed: int = 0, family: str = DEFAULT_FAMILY) -> str:
     """Folder name of the cached tiny vision model of ``seed`` and ``family`` under ``<cache>/models/``."""
     return f"tiny-{family.replace('_', '-')}-seed{seed}-v{TINY_VL_VERSION}"
 
@@ -273,7 +276,7 @@ def build_tiny_vl_model(
     seed: int = 0,
     tokenizer_from: str | Path | None = None,
     cache_dir: str | Path | None = None,
-    family: str = "qwen2_vl",
+    family: str = DEFAULT_FAMILY,
 ) -> Path:
     """Build a tiny seeded Qwen2-VL (``Qwen2VLForConditionalGeneration``) with the SmolLM2 tokenizer.
 
