@@ -474,7 +474,8 @@ def test_keywords_fall_back_to_the_jobqueue_config():
         SLURMDeployment(memory="4GB", queue="a", partition="b")
 
 
-def test_deployment_builds_the_class_of_the_kind_from_its_keys_only():
+def test_deployment_builds_the_class_of_the_kind_from_its_keys_only(monkeypatch):
+    monkeypatch.setenv("TMPDIR", "/scratch")  # SLURM's local_directory, expanded by a local deployment
     built = deployment({**SLURM, "kind": "pbs", "partition": None, "resource_spec": "select=1:ncpus=8"})
     assert isinstance(built, PBSDeployment) and built.resource_spec == "select=1:ncpus=8"
     local = deployment({**SLURM, "kind": "local", "n_workers": 2})
@@ -604,13 +605,35 @@ def test_local_cpu_threads_share_the_cores_unless_the_tunable_sets_them():
 
 
 @pytest.mark.timeout(60)
-def test_local_cluster_adaptive_and_ignored_keys():
+def test_local_cluster_adaptive_and_ignored_keys(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # SLURM's local_directory, $TMPDIR, is this folder here
     cluster, info = make_cluster({**SLURM, "kind": "local", "min_workers": 0, "max_workers": 2})
     try:
         assert info.adaptive and info.max_workers == 2
         assert "ignored for kind local" in str(info) and "walltime" in str(info)
+        assert cluster.new_spec["options"]["local_directory"] == str(tmp_path)
     finally:
         cluster.close()
+
+
+def test_a_local_clusters_folder_expands_variables_and_names_an_unset_one(tmp_path, monkeypatch):
+    """``local_directory: $TMPDIR`` is the folder a job's shell would give, never a folder named ``$TMPDIR``."""
+    monkeypatch.setenv("DASKGEN_TEST_SCRATCH", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cases = {
+        "$DASKGEN_TEST_SCRATCH/w": tmp_path / "w",
+        "${DASKGEN_TEST_SCRATCH}": tmp_path,
+        "~/scratch": tmp_path / "home" / "scratch",
+        "/plain/path": Path("/plain/path"),
+    }
+    for given, folder in cases.items():
+        assert LocalDeployment(local_directory=given).options["local_directory"] == str(folder), given
+    assert LocalDeployment().options["local_directory"] is None  # Dask's default
+    monkeypatch.delenv("DASKGEN_UNSET_SCRATCH", raising=False)
+    with pytest.raises(
+        ConfigError, match=r"'\$DASKGEN_UNSET_SCRATCH/x': the environment variable DASKGEN_UNSET_SCRATCH is not set"
+    ):
+        LocalDeployment(local_directory="$DASKGEN_UNSET_SCRATCH/x")
 
 
 def wait_until(predicate, what: str, timeout: float = 180.0):

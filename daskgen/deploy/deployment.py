@@ -44,7 +44,8 @@ class Deployment:
     max_workers
         Adaptive upper bound, in workers (`--max-workers`).
     local_directory
-        Node-local scratch for workers, e.g. `$TMPDIR`.
+        Node-local scratch for workers, e.g. `$TMPDIR` (expanded by the job's shell; for a local cluster, by
+        daskgen, and an unset variable is an error).
     dashboard_address
         Scheduler dashboard, e.g. `:8787`; `:0` for any free port (the local default).
     tls

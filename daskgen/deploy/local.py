@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Annotated, Any
@@ -62,6 +63,22 @@ def add_preprocess_workers(cluster: Any, n: int) -> None:
         cluster.sync(cluster._correct_state)
 
 
+def expanded_folder(path: str | None) -> str | None:
+    """``path`` with ``~`` and environment variables expanded here, as a batch job's shell expands them in its
+    script: ``local_directory: $TMPDIR`` means the same folder in a local run as in a job.  A variable that is not
+    set is a :class:`ConfigError`, never a folder named after it."""
+    if path is None:
+        return None
+    expanded = os.path.expandvars(os.path.expanduser(path))
+    unset = re.findall(r"\$\{?(\w+)", expanded)
+    if unset:
+        raise ConfigError(
+            f"cluster.local_directory {path!r}: the environment variable {', '.join(unset)} is not set here "
+            "(daskgen expands a local cluster's folder as a batch job's shell does); set it, or give the folder"
+        )
+    return expanded
+
+
 class LocalDeployment(Deployment):
     """A ``distributed.LocalCluster`` on this machine: one worker process per ``gpus_per_worker`` visible GPUs.
 
@@ -102,7 +119,7 @@ class LocalDeployment(Deployment):
         if self.gpus and self.elastic:
             raise ConfigError("min_workers/max_workers (adaptive scaling) are not supported on a local GPU machine")
         self.bounds = adaptive_bounds(self.min_workers, self.max_workers, self.n_workers)[:2]
-        self.options = {"memory_limit": memory_limit, "local_directory": self.local_directory}
+        self.options = {"memory_limit": memory_limit, "local_directory": expanded_folder(self.local_directory)}
         self.preprocess_workers = preprocess_workers
         if preprocess_workers and self.elastic:
             raise ConfigError("cluster.preprocess_workers cannot be combined with min_workers/max_workers")
