@@ -42,6 +42,24 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model") / "model", seed=0)
 
 
+@pytest.fixture(autouse=True)
+def dask_default_scheduler_as_it_was() -> Iterator[None]:
+    """Each test leaves Dask's default scheduler setting as it found it.
+
+    A ``distributed.Client`` made the default sets ``scheduler`` (and ``shuffle``) in Dask's config and restores the
+    previous values when it closes; two clients closed in the other order than they were made leave the setting
+    pointing at a client that is gone, and every later test of the same pytest process that computes a Dask
+    collection fails with "Requested dask.distributed scheduler but no Client active"."""
+    import dask.config
+
+    keys = ("scheduler", "shuffle")
+    before = {key: dask.config.config[key] for key in keys if key in dask.config.config}
+    yield
+    for key in keys:
+        dask.config.config.pop(key, None)
+    dask.config.config.update(before)
+
+
 @functools.cache
 def tiny_model_once(prefix: str) -> str:
     """The same tiny Llama, built once per ``prefix`` into a temporary folder removed at exit.
