@@ -43,21 +43,27 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def dask_default_scheduler_as_it_was() -> Iterator[None]:
-    """Each test leaves Dask's default scheduler setting as it found it.
+def dask_default_scheduler_as_it_was(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each test leaves Dask's default scheduler setting as it found it, and a test that changed it is named.
 
-    A ``distributed.Client`` made the default sets ``scheduler`` (and ``shuffle``) in Dask's config and restores the
-    previous values when it closes; two clients closed in the other order than they were made leave the setting
+    A ``distributed.Client`` made the default sets ``scheduler`` (and ``shuffle``) in Dask's config and puts back what
+    it found when it closes; clients closed in the other order than they were made (one way) leave the setting
     pointing at a client that is gone, and every later test of the same pytest process that computes a Dask
-    collection fails with "Requested dask.distributed scheduler but no Client active"."""
+    collection would fail with "Requested dask.distributed scheduler but no Client active".  The setting is put
+    back, with a warning that names the test (shown in the lane's summary)."""
+    import warnings
+
     import dask.config
 
     keys = ("scheduler", "shuffle")
     before = {key: dask.config.config[key] for key in keys if key in dask.config.config}
     yield
-    for key in keys:
-        dask.config.config.pop(key, None)
-    dask.config.config.update(before)
+    after = {key: dask.config.config[key] for key in keys if key in dask.config.config}
+    if after != before:
+        warnings.warn(f"{request.node.nodeid} left Dask's settings {after} (were {before}); put back", stacklevel=1)
+        for key in keys:
+            dask.config.config.pop(key, None)
+        dask.config.config.update(before)
 
 
 @functools.cache
