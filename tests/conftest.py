@@ -246,8 +246,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         config.stash[_NOT_APPLICABLE_KEY] = [(i.nodeid, i.get_closest_marker(NOT_APPLICABLE).args[0]) for i in dropped]
-    # the longest modules first (tests/module_order.py): each xdist process then ends near the same time
+    # the longest modules first (tests/module_order.py): each xdist process then ends near the same time; in a
+    # conformance class, the checks that shut its shared engine down last (``runs_last``), so it starts once
     order = module_order.longest_first([item.nodeid for item in keep], module_order.read_seconds())
+    last = [getattr(getattr(item, "cls", None), "runs_last", ()) for item in keep]
+    order = module_order.named_last(order, [item.name in last[i] for i, item in enumerate(keep)],
+                                    [item.parent.nodeid for item in keep])  # fmt: skip
     items[:] = [keep[i] for i in order]
 
 

@@ -39,6 +39,14 @@ def longest_first(nodeids: Iterable[str], seconds: dict[str, float]) -> list[int
     )
 
 
+def named_last(order: list[int], last: list[bool], groups: list[str]) -> list[int]:
+    """``order`` with the items marked ``last`` moved behind the other items of their group (e.g. a test class); the
+    groups and the other items keep their places."""
+    position = {i: place for place, i in enumerate(order)}
+    ends = {groups[i]: place for place, i in enumerate(order)}
+    return sorted(order, key=lambda i: (ends[groups[i]] if last[i] else position[i], last[i]))
+
+
 def store_seconds(durations: dict[str, float], path: Path = SECONDS_FILE) -> None:
     """Write the per-module ``durations`` of a pytest run into ``path``, keeping the modules it did not run."""
     merged = {**read_seconds(path), **{module: round(s, 1) for module, s in durations.items()}}

@@ -73,6 +73,29 @@ def test_the_arrival_check_fails_an_engine_with_a_batch_barrier() -> None:
         _OneAtATime.teardown_class()
 
 
+@pytest.mark.timeout(300)
+def test_run_conformance_runs_every_check_outside_pytest_on_one_engine(monkeypatch) -> None:
+    """``run_conformance`` reports every check; the shared engine starts once, as the shutdown check runs last."""
+    from daskgen.testing.conformance import run_conformance
+
+    starts = []
+    start = SimulatedEngine.start
+
+    async def counted_start(self):
+        await start(self)
+        starts.append(self)  # started (a start refused after shutdown, or for an unknown option, is not counted)
+
+    monkeypatch.setattr(SimulatedEngine, "start", counted_start)
+    tunables = {k: getattr(TestSimulatedConformance, k) for k in ("not_applicable", "timeout_s")}
+    report = run_conformance(SimulatedEngine, "sim", TestSimulatedConformance.engine_args, **tunables)
+    checks = sorted(n for n in dir(TestSimulatedConformance) if n.startswith("test_"))
+    assert sorted(report) == checks and list(report)[-1] == "test_shutdown_is_idempotent", list(report)
+    failed = {name: outcome for name, outcome in report.items() if outcome.startswith(("failed", "skipped"))}
+    assert not failed, failed
+    assert sum(outcome.startswith("not applicable") for outcome in report.values()) >= 3, report
+    assert len(starts) == 1, starts
+
+
 class _VersionString(str):
     """A ``str`` subclass, as torch's ``TorchVersion`` is: unpickling it imports the module defining it."""
 

@@ -380,17 +380,18 @@ class TestVLLMConformance(_SharedVLLM, EngineConformance):
         assert result.finish_reason == FinishReason.ERROR and "2048" in result.error, result
 
     def test_shutdown_is_idempotent(self) -> None:
-        """The suite's check, plus: the engine it starts and stops leaves no process behind, and a
-        process vLLM did not start survives."""
+        """The suite's check, plus: shutting the shared engine down ends vLLM's processes (``VLLM::*`` and theirs),
+        and a process vLLM did not start survives."""
         import psutil
 
         bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(900)"])
         try:
-            before = {p.pid for p in psutil.Process().children(recursive=True)}
+            vllms = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")]
+            assert vllms, "the shared engine runs no VLLM:: process"
+            engine_processes = {p for v in vllms for p in [v, *v.children(recursive=True)]}
             super().test_shutdown_is_idempotent()
-            left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-            psutil.wait_procs(left, timeout=30)
-            assert not [p for p in left if p.is_running()], left
+            _, alive = psutil.wait_procs(engine_processes, timeout=30)
+            assert not alive, alive
             assert bystander.poll() is None, "shutdown killed a process vllm did not start"
         finally:
             bystander.kill()

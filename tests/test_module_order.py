@@ -24,6 +24,25 @@ def test_modules_go_longest_first_and_keep_their_tests_and_ties_in_order() -> No
     ]
 
 
+def test_checks_named_last_go_behind_the_rest_of_their_class_and_nothing_else_moves() -> None:
+    groups = ["a.py::K", "a.py::K", "a.py::K", "a.py", "b.py::L", "b.py::L"]
+    last = [False, True, False, False, True, False]
+    assert module_order.named_last([0, 1, 2, 3, 4, 5], last, groups) == [0, 2, 1, 3, 5, 4]
+    assert module_order.named_last([3, 2, 1, 0, 5, 4], last, groups) == [3, 2, 0, 1, 5, 4]
+    assert module_order.named_last([0, 2, 3], [False] * 6, groups) == [0, 2, 3]
+
+
+def test_a_conformance_class_shuts_its_engine_down_in_its_last_check() -> None:
+    """Collected in the project's order, a conformance class's shutdown check comes after its other checks."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "tests/test_engine_vllm.py::TestVLLMConformance"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    names = [ln.rsplit("::", 1)[1] for ln in out.stdout.splitlines() if "::" in ln and ": " not in ln]
+    assert len(names) > 20 and names[-1] == "test_shutdown_is_idempotent", out.stdout[-3000:] + out.stderr[-2000:]
+
+
 def test_stored_seconds_replace_the_modules_run_and_keep_the_others(tmp_path) -> None:
     path = tmp_path / "seconds.json"
     path.write_text(json.dumps({"tests/a.py": 1.0, "tests/b.py": 2.0}))

@@ -11,7 +11,9 @@ Use it from pytest by subclassing :class:`EngineConformance` in a ``test_*.py`` 
 
 pytest collects the ``test_*`` methods.  One engine is started per class (``setup_class``) on
 a background event loop that lives as long as the class, as an engine lives on a Dask
-worker's loop, and is shut down in ``teardown_class``.  Every engine call runs under a timeout,
+worker's loop, and is shut down in ``teardown_class``; a check that shuts it down (``runs_last``) runs after
+the others in :func:`run_conformance` (and, ordered by its conftest, in the project's tests), and under another order
+the check after it starts a new engine.  Every engine call runs under a timeout,
 so a hung engine fails instead of hanging.  Tunables (class attributes) let an engine adapt
 prompts, lengths and timeouts; see :class:`EngineConformance`.
 
@@ -73,6 +75,8 @@ class EngineConformance(FeatureChecks, EffectChecks, TopLogprobsCheck, Continuat
         Tries of the arrival-order check (one short-first order passes it).
     ``not_applicable``
         ``{check name: reason}`` for checks that do not apply to this engine (deselected, reported).
+    ``runs_last``
+        Checks that shut the shared engine down; they run after the others.
     """
 
     engine_class: ClassVar[type[Engine]]
@@ -90,6 +94,9 @@ class EngineConformance(FeatureChecks, EffectChecks, TopLogprobsCheck, Continuat
     concurrency: ClassVar[int] = 32
     arrival_attempts: ClassVar[int] = 3
     not_applicable: ClassVar[dict[str, str]] = {}
+    #: Checks that shut the shared engine down: run after the others (``run_checks``; the project's conftest orders
+    #: pytest's items so), or the next check starts the engine again.
+    runs_last: ClassVar[tuple[str, ...]] = ("test_shutdown_is_idempotent",)
 
     runner: ClassVar[EventLoopThread]
     engine: ClassVar[Engine]
@@ -111,6 +118,13 @@ class EngineConformance(FeatureChecks, EffectChecks, TopLogprobsCheck, Continuat
         except BaseException:
             cls.teardown_class()
             raise
+
+    def setup_method(self, method: Any = None) -> None:
+        """Before each check: a new shared engine when an earlier check (one of ``runs_last``) shut it down."""
+        cls = type(self)
+        if cls.engine.status is EngineStatus.CLOSED:
+            cls.engine = cls.make_engine()
+            self.run(cls._start_and_check(cls.engine), cls.start_timeout_s)
 
     @staticmethod
     async def _start_and_check(engine: Engine) -> None:
@@ -407,7 +421,9 @@ class EngineConformance(FeatureChecks, EffectChecks, TopLogprobsCheck, Continuat
             self.run(engine.shutdown())
 
     def test_shutdown_is_idempotent(self) -> None:
-        """shutdown() works unstarted, twice, and generate() afterwards fails cleanly; start() runs once."""
+        """shutdown() works unstarted and twice, start() after it raises, and generate() afterwards fails cleanly.
+
+        Shuts the shared engine down (one of ``runs_last``); a check that runs after it gets a new one."""
         unstarted = self.make_engine()
         self.run(unstarted.shutdown())
         assert unstarted.status is EngineStatus.CLOSED, unstarted.status
@@ -417,8 +433,7 @@ class EngineConformance(FeatureChecks, EffectChecks, TopLogprobsCheck, Continuat
             pass
         else:
             raise AssertionError("start() after shutdown() did not raise EngineError")
-        engine = self.make_engine()
-        self.run(engine.start(), self.start_timeout_s)
+        engine = self.engine
         assert engine.status is EngineStatus.RUNNING, engine.status
         request = self.request("before-shutdown", 1, max_new_tokens=2)
         assert self.run(engine.generate(request)).error is None

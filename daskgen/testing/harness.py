@@ -111,14 +111,18 @@ async def gather(*aws: Awaitable[Any]) -> list[Any]:
 def run_checks(suite: Any) -> dict[str, str]:
     """Run every ``test_*`` method of the suite class ``suite`` between its ``setup_class`` and ``teardown_class``.
 
+    Each check runs after the suite's ``setup_method`` (where it has one); the checks the suite names in ``runs_last``
+    run after the others.
+
     Returns ``{check: "passed" | "not applicable: ..." | "skipped: ..." | "failed: ..."}``; the
     suite's ``not_applicable`` mapping names the checks that do not apply, with the reason.
     """
     report: dict[str, str] = {}
+    last = getattr(suite, "runs_last", ())
     suite.setup_class()
     try:
         instance = suite()
-        for name in sorted(n for n in dir(suite) if n.startswith("test_")):
+        for name in sorted((n for n in dir(suite) if n.startswith("test_")), key=lambda n: (n in last, n)):
             report[name] = _run_one(instance, name, suite.not_applicable)
     finally:
         suite.teardown_class()
@@ -129,6 +133,7 @@ def _run_one(instance: Any, name: str, not_applicable: dict[str, str]) -> str:
     if name in not_applicable:
         return f"not applicable: {not_applicable[name]}"
     try:
+        getattr(instance, "setup_method", lambda: None)()
         getattr(instance, name)()
     except unittest.SkipTest as exc:
         return f"skipped: {exc}"
