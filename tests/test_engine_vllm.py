@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import shutil
 import subprocess
 import sys
@@ -29,7 +30,8 @@ from daskgen.engines.vllm.args import CPU_DEFAULTS, check_engine_args, launch_kw
 from daskgen.engines.vllm.mapping import CollectedOutput, collect_output, result_from_collected, vllm_sampling_kwargs
 from daskgen.errors import ConfigError, EngineError
 from daskgen.testing.conformance import EngineConformance
-from tests.conftest import run_cli, write_prompts
+from tests import cli_zygote
+from tests.conftest import cli_env, run_cli, write_prompts
 from tests.prefix_cache_stored import stored_cached_prompt_tokens
 
 HAVE_VLLM = find_spec("vllm") is not None
@@ -440,7 +442,9 @@ GREEDY_ROWS, SAMPLED_ROWS = 12, 16
 @pytest.fixture(scope="module")
 def cli_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """``daskgen run`` with the vllm and transformers engines on the same prompts: greedy rows and rows sampled at
-    temperature 1 (``--n-samples 4 --seed 1``), one run per engine."""
+    temperature 1 (``--n-samples 4 --seed 1``), one run per engine.  The vllm run has two workers, each with its
+    engine; while it runs, the cores each of vLLM's model worker processes binds its threads to are recorded
+    (``"cores"``: the last seen, per process)."""
     import json
 
     import xarray as xr
@@ -454,23 +458,50 @@ def cli_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     greedy = [{**row, "sampling": {"temperature": 0}} for row in rows[:GREEDY_ROWS]]
     prompts.write_text("".join(json.dumps(row) + "\n" for row in greedy + rows[GREEDY_ROWS:]))
     common = [
-        *("--prompts", prompts, "--model", tiny_model_path(), "--n-workers", "1", "--max-new-tokens", "24"),
+        *("--prompts", prompts, "--model", tiny_model_path(), "--max-new-tokens", "24"),
         *("--partition-size", "4", "--logprobs", "--no-progress"),
         *("--temperature", "1", "--n-samples", "4", "--seed", "1"),
     ]
-    stores = {}
-    for engine, args in (
-        ("vllm", ["--engine-arg", "dtype=float32", "--engine-arg", "max_model_len=2048"]),
-        ("transformers", []),
-    ):
-        path = tmp_path / f"{engine}.zarr"
-        res = run_cli("run", *common, "--engine", engine, *args, "--store", path, timeout=1500)
-        assert res.returncode == 0, res.stdout + res.stderr[-4000:]
-        assert f"{n} done, 0 failed, 0 pending of {n} prompts" in res.stdout, res.stdout
-        stores[engine] = xr.open_zarr(path)
+    stores: dict[str, Any] = {}
+    vllm_args = ["--n-workers", "2", "--engine-arg", "dtype=float32", "--engine-arg", "max_model_len=2048"]
+    command = [sys.executable, "-m", "daskgen", "run", *map(str, common), "--engine", "vllm", *vllm_args]
+    log = tmp_path / "vllm.log"  # a file, not a pipe: nothing blocks the run while the cores are read
+    with log.open("w") as sink, cli_zygote.popen([*command, "--store", str(tmp_path / "vllm.zarr")], cli_env(),
+                                                 stdout=sink, stderr=subprocess.STDOUT) as proc:  # fmt: skip
+        stores["cores"] = _model_workers_cores_while(proc, timeout=1500)
+    out = log.read_text()
+    assert proc.returncode == 0, out[-6000:]
+    transformers = run_cli("run", *common, "--n-workers", "1", "--engine", "transformers",
+                           "--store", tmp_path / "transformers.zarr", timeout=1500)  # fmt: skip
+    assert transformers.returncode == 0, transformers.stdout + transformers.stderr[-4000:]
+    for engine, stdout in (("vllm", out), ("transformers", transformers.stdout)):
+        assert f"{n} done, 0 failed, 0 pending of {n} prompts" in stdout, stdout[-6000:]
+        stores[engine] = xr.open_zarr(tmp_path / f"{engine}.zarr")
     assert stores["vllm"].attrs["daskgen"]["identity"]["engine"] == "vllm"
     assert (stores["vllm"].prompt_ids.values == stores["transformers"].prompt_ids.values).all()
     return stores
+
+
+def _model_workers_cores_while(proc: subprocess.Popen, timeout: float) -> dict[int, list[int]]:
+    """Until ``proc`` ends: every half second, the cores the threads of each of vLLM's model worker processes below
+    it (``VLLM::Worker``) may use, by process id (the last seen)."""
+    import os
+    import time
+
+    import psutil
+
+    cores: dict[int, list[int]] = {}
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        assert time.monotonic() < deadline, f"the run did not end within {timeout} s"
+        with contextlib.suppress(psutil.Error, OSError):
+            for process in psutil.Process(proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error, OSError):
+                    if process.name().startswith("VLLM::Worker"):
+                        seen = set().union(*(os.sched_getaffinity(t.id) for t in process.threads()))
+                        cores[process.pid] = sorted(seen)
+        time.sleep(0.5)
+    return cores
 
 
 @pytest.mark.vllm
@@ -577,44 +608,16 @@ def test_structured_outputs_of_smollm2_conform_to_their_formats() -> None:
     assert valid == sent == 8, (valid, sent)
 
 
-def _model_worker_cores(dask_worker: Any) -> list[int]:
-    """Run on a worker: the cores the threads of vLLM's model worker processes below it (``VLLM::Worker``) may use."""
-    import os
-
-    import psutil
-
-    cores: set[int] = set()
-    for process in psutil.Process().children(recursive=True):
-        if process.name().startswith("VLLM::Worker"):
-            for thread in process.threads():
-                cores |= os.sched_getaffinity(thread.id)
-    return sorted(cores)
-
-
 @pytest.mark.vllm
-@pytest.mark.timeout(1500)
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
 @NEEDS_VLLM
-def test_two_workers_engines_bind_their_threads_to_disjoint_cores() -> None:
-    """Two workers of daskgen's local cluster, each with its engine: their model workers' threads share no core."""
+def test_two_workers_engines_bind_their_threads_to_disjoint_cores(cli_stores: dict[str, Any]) -> None:
+    """The two workers of the vllm CLI run, each with its engine: their model workers' threads share no core."""
     import os
-    import time
-
-    from distributed import Client
-
-    from daskgen.deploy.local import LocalDeployment
-    from daskgen.worker.plugin import EnginePlugin, plugin_status
 
     assert len(os.sched_getaffinity(0)) >= 2, "two engines need two cores to bind apart"
-    cluster, _ = LocalDeployment(n_workers=2, threads_per_worker=1).start()
-    with cluster, Client(cluster) as client:
-        plugin = EnginePlugin("vllm", tiny_model_path(), _SharedVLLM.engine_args, window=1)
-        client.register_plugin(plugin, name=plugin.name)
-        deadline = time.monotonic() + 1200
-        while {s["state"] for s in client.run(plugin_status).values()} != {"ready"}:
-            states = client.run(plugin_status)
-            assert time.monotonic() < deadline and "failed" not in {s["state"] for s in states.values()}, states
-            time.sleep(2)
-        cores = list(client.run(_model_worker_cores).values())
+    cores = list(cli_stores["cores"].values())
     print(f"model workers' cores: {cores}")
     assert len(cores) == 2 and all(cores), cores
     assert not set(cores[0]) & set(cores[1]), cores

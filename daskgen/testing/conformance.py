@@ -11,9 +11,8 @@ Use it from pytest by subclassing :class:`EngineConformance` in a ``test_*.py`` 
 
 pytest collects the ``test_*`` methods.  One engine is started per class (``setup_class``) on
 a background event loop that lives as long as the class, as an engine lives on a Dask
-worker's loop, and is shut down in ``teardown_class``; a check that shuts it down (``runs_last``) runs after
-the others in :func:`run_conformance` (and, ordered by its conftest, in the project's tests), and under another order
-the check after it starts a new engine.  Every engine call runs under a timeout,
+worker's loop, and is shut down in ``teardown_class`` (or by the checks of :mod:`daskgen.testing.lifecycle`, which run
+last).  Every engine call runs under a timeout,
 so a hung engine fails instead of hanging.  Tunables (class attributes) let an engine adapt
 prompts, lengths and timeouts; see :class:`EngineConformance`.
 
@@ -36,12 +35,12 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, ClassVar, TypeVar
 
 from daskgen.engines.base import Engine, EngineStatus, FinishReason, GenerationRequest, GenerationResult, SamplingParams
-from daskgen.errors import ConfigError, EngineError
 from daskgen.testing import harness
 from daskgen.testing.continuation import ContinuationChecks
 from daskgen.testing.effects import EffectChecks
 from daskgen.testing.features import FeatureChecks
 from daskgen.testing.harness import EventLoopThread, batch_results, check_result, gather, longest_running, run_checks
+from daskgen.testing.lifecycle import LifecycleChecks
 from daskgen.testing.long_context import LongContextChecks
 from daskgen.testing.top_logprobs import TopLogprobsCheck
 
@@ -50,7 +49,9 @@ __all__ = ["EngineConformance", "EventLoopThread", "longest_running", "run_confo
 _T = TypeVar("_T")
 
 
-class EngineConformance(FeatureChecks, EffectChecks, TopLogprobsCheck, ContinuationChecks, LongContextChecks):
+class EngineConformance(
+    FeatureChecks, EffectChecks, TopLogprobsCheck, ContinuationChecks, LongContextChecks, LifecycleChecks
+):
     """Base class of the conformance tests; subclasses set the engine to test.
 
     Required class attributes: ``engine_class``, ``model`` (and ``engine_args``).  Tunables:
@@ -94,9 +95,6 @@ class EngineConformance(FeatureChecks, EffectChecks, TopLogprobsCheck, Continuat
     concurrency: ClassVar[int] = 32
     arrival_attempts: ClassVar[int] = 3
     not_applicable: ClassVar[dict[str, str]] = {}
-    #: Checks that shut the shared engine down: run after the others (``run_checks``; the project's conftest orders
-    #: pytest's items so), or the next check starts the engine again.
-    runs_last: ClassVar[tuple[str, ...]] = ("test_shutdown_is_idempotent",)
 
     runner: ClassVar[EventLoopThread]
     engine: ClassVar[Engine]
@@ -402,49 +400,6 @@ class EngineConformance(FeatureChecks, EffectChecks, TopLogprobsCheck, Continuat
             assert result.finish_reason == FinishReason.ERROR, result
         self.run(self.engine.health())
         assert self.run(self.one(self.request("after-errors", 6, max_new_tokens=4))).error is None
-
-    def test_unknown_engine_arg(self) -> None:
-        """An unknown engine option raises ConfigError naming it."""
-        key = "no_such_option_xyz"
-        try:
-            engine = self.make_engine(**{key: 1})
-        except ConfigError as exc:
-            assert key in str(exc), exc
-            return
-        try:
-            self.run(engine.start())
-        except ConfigError as exc:
-            assert key in str(exc), exc
-        else:
-            raise AssertionError(f"{self.engine_class.__name__} accepted the unknown option {key!r}")
-        finally:
-            self.run(engine.shutdown())
-
-    def test_shutdown_is_idempotent(self) -> None:
-        """shutdown() works unstarted and twice, start() after it raises, and generate() afterwards fails cleanly.
-
-        Shuts the shared engine down (one of ``runs_last``); a check that runs after it gets a new one."""
-        unstarted = self.make_engine()
-        self.run(unstarted.shutdown())
-        assert unstarted.status is EngineStatus.CLOSED, unstarted.status
-        try:
-            self.run(unstarted.start())
-        except EngineError:
-            pass
-        else:
-            raise AssertionError("start() after shutdown() did not raise EngineError")
-        engine = self.engine
-        assert engine.status is EngineStatus.RUNNING, engine.status
-        request = self.request("before-shutdown", 1, max_new_tokens=2)
-        assert self.run(engine.generate(request)).error is None
-        self.run(engine.shutdown())
-        self.run(engine.shutdown())
-        assert engine.status is EngineStatus.CLOSED, engine.status
-        try:
-            late = self.run(engine.generate(request))
-        except EngineError:
-            return
-        assert late.error is not None and late.finish_reason == FinishReason.ERROR, late
 
 
 def run_conformance(
