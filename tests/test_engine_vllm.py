@@ -583,7 +583,8 @@ def test_cli_sampled_logprobs_agree_in_distribution(cli_stores: dict[str, Any]) 
     from scipy.stats import ks_2samp
 
     values = {}
-    for engine, ds in cli_stores.items():
+    for engine in ("vllm", "transformers"):
+        ds = cli_stores[engine]
         lp = ds.logprobs.values[GREEDY_ROWS:].ravel()  # the sampled rows
         values[engine] = lp[np.isfinite(lp)]
         assert values[engine].size > 500, values[engine].size
