@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -465,10 +467,17 @@ def cli_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     stores: dict[str, Any] = {}
     vllm_args = ["--n-workers", "2", "--engine-arg", "dtype=float32", "--engine-arg", "max_model_len=2048"]
     command = [sys.executable, "-m", "daskgen", "run", *map(str, common), "--engine", "vllm", *vllm_args]
+    command += ["--store", str(tmp_path / "vllm.zarr")]
     log = tmp_path / "vllm.log"  # a file, not a pipe: nothing blocks the run while the cores are read
-    with log.open("w") as sink, cli_zygote.popen([*command, "--store", str(tmp_path / "vllm.zarr")], cli_env(),
-                                                 stdout=sink, stderr=subprocess.STDOUT) as proc:  # fmt: skip
-        stores["cores"] = _model_workers_cores_while(proc, timeout=1500)
+    with (
+        log.open("w") as sink,
+        cli_zygote.popen(command, cli_env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True) as proc,
+    ):
+        try:
+            stores["cores"] = _model_workers_cores_while(proc, timeout=1500)
+        finally:  # a run that outlived the timeout: its whole process group goes, so the test fails instead of hanging
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
     out = log.read_text()
     assert proc.returncode == 0, out[-6000:]
     transformers = run_cli("run", *common, "--n-workers", "1", "--engine", "transformers",
@@ -485,7 +494,6 @@ def cli_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def _model_workers_cores_while(proc: subprocess.Popen, timeout: float) -> dict[int, list[int]]:
     """Until ``proc`` ends: every half second, the cores the threads of each of vLLM's model worker processes below
     it (``VLLM::Worker``) may use, by process id (the last seen)."""
-    import os
     import time
 
     import psutil
