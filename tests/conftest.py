@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO, Any
 
 import pytest
 
@@ -140,12 +141,15 @@ def run_cli(*args: str, timeout: float = 300, env: dict[str, str] | None = None)
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
-def popen_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start ``python -m daskgen ARGS`` in its own process group (so a test can kill the whole tree)."""
+def popen_cli(
+    *args: str, env: dict[str, str] | None = None, stdout: int | IO[Any] = subprocess.PIPE
+) -> subprocess.Popen:
+    """Start ``python -m daskgen ARGS`` in its own process group (so a test can kill the whole tree); its output and
+    errors go to ``stdout`` (a pipe unless given, e.g. an open file a long run cannot fill)."""
     return cli_zygote.popen(
         [sys.executable, "-m", "daskgen", *map(str, args)],
         {**cli_env(), **(env or {})},
-        stdout=subprocess.PIPE,
+        stdout=stdout,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
@@ -249,9 +253,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # the longest modules first (tests/module_order.py): each xdist process then ends near the same time; in a
     # conformance class, the checks that shut its shared engine down last (``runs_last``), so it starts once
     order = module_order.longest_first([item.nodeid for item in keep], module_order.read_seconds())
-    last = [getattr(getattr(item, "cls", None), "runs_last", ()) for item in keep]
-    order = module_order.named_last(order, [item.name in last[i] for i, item in enumerate(keep)],
-                                    [item.parent.nodeid for item in keep])  # fmt: skip
+    last = [item.name in getattr(getattr(item, "cls", None), "runs_last", ()) for item in keep]
+    order = module_order.named_last(order, last, [item.parent.nodeid for item in keep])
     items[:] = [keep[i] for i in order]
 
 

@@ -21,7 +21,7 @@ import tempfile
 from importlib.util import find_spec
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -32,8 +32,7 @@ from daskgen.engines.vllm.args import CPU_DEFAULTS, check_engine_args, launch_kw
 from daskgen.engines.vllm.mapping import CollectedOutput, collect_output, result_from_collected, vllm_sampling_kwargs
 from daskgen.errors import ConfigError, EngineError
 from daskgen.testing.conformance import EngineConformance
-from tests import cli_zygote
-from tests.conftest import cli_env, run_cli, write_prompts
+from tests.conftest import popen_cli, run_cli, write_prompts
 from tests.prefix_cache_stored import stored_cached_prompt_tokens
 
 HAVE_VLLM = find_spec("vllm") is not None
@@ -441,12 +440,19 @@ class TestVLLMConformanceCUDA(TestVLLMConformance):
 GREEDY_ROWS, SAMPLED_ROWS = 12, 16
 
 
+class CliRuns(NamedTuple):
+    """The two engines' CLI runs: their stores by engine, and the cores of the vllm run's model workers."""
+
+    stores: dict[str, Any]
+    cores: dict[int, list[int]]
+
+
 @pytest.fixture(scope="module")
-def cli_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def cli_runs(tmp_path_factory: pytest.TempPathFactory) -> CliRuns:
     """``daskgen run`` with the vllm and transformers engines on the same prompts: greedy rows and rows sampled at
     temperature 1 (``--n-samples 4 --seed 1``), one run per engine.  The vllm run has two workers, each with its
-    engine; while it runs, the cores each of vLLM's model worker processes binds its threads to are recorded
-    (``"cores"``: the last seen, per process)."""
+    engine; while it runs, the cores each of vLLM's model worker processes binds its threads to are recorded (the
+    last seen, per process)."""
     import json
 
     import xarray as xr
@@ -464,31 +470,28 @@ def cli_stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         *("--partition-size", "4", "--logprobs", "--no-progress"),
         *("--temperature", "1", "--n-samples", "4", "--seed", "1"),
     ]
-    stores: dict[str, Any] = {}
     vllm_args = ["--n-workers", "2", "--engine-arg", "dtype=float32", "--engine-arg", "max_model_len=2048"]
-    command = [sys.executable, "-m", "daskgen", "run", *map(str, common), "--engine", "vllm", *vllm_args]
-    command += ["--store", str(tmp_path / "vllm.zarr")]
     log = tmp_path / "vllm.log"  # a file, not a pipe: nothing blocks the run while the cores are read
-    with (
-        log.open("w") as sink,
-        cli_zygote.popen(command, cli_env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True) as proc,
-    ):
+    with log.open("w") as sink:
+        proc = popen_cli("run", *common, "--engine", "vllm", *vllm_args, "--store", tmp_path / "vllm.zarr", stdout=sink)
         try:
-            stores["cores"] = _model_workers_cores_while(proc, timeout=1500)
+            cores = _model_workers_cores_while(proc, timeout=1500)
         finally:  # a run that outlived the timeout: its whole process group goes, so the test fails instead of hanging
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     out = log.read_text()
     assert proc.returncode == 0, out[-6000:]
     transformers = run_cli("run", *common, "--n-workers", "1", "--engine", "transformers",
                            "--store", tmp_path / "transformers.zarr", timeout=1500)  # fmt: skip
     assert transformers.returncode == 0, transformers.stdout + transformers.stderr[-4000:]
+    stores = {}
     for engine, stdout in (("vllm", out), ("transformers", transformers.stdout)):
         assert f"{n} done, 0 failed, 0 pending of {n} prompts" in stdout, stdout[-6000:]
         stores[engine] = xr.open_zarr(tmp_path / f"{engine}.zarr")
     assert stores["vllm"].attrs["daskgen"]["identity"]["engine"] == "vllm"
     assert (stores["vllm"].prompt_ids.values == stores["transformers"].prompt_ids.values).all()
-    return stores
+    return CliRuns(stores, cores)
 
 
 def _model_workers_cores_while(proc: subprocess.Popen, timeout: float) -> dict[int, list[int]]:
@@ -556,12 +559,12 @@ def test_validate_gpu_script_runs(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
 @NEEDS_VLLM
-def test_cli_run_vllm_agrees_with_transformers_under_greedy(cli_stores: dict[str, Any]) -> None:
+def test_cli_run_vllm_agrees_with_transformers_under_greedy(cli_runs: CliRuns) -> None:
     """The greedy rows (per-row ``temperature: 0`` in a run at temperature 1): the same answers and logprobs."""
     import numpy as np
 
     n = GREEDY_ROWS
-    vl, tf = cli_stores["vllm"], cli_stores["transformers"]
+    vl, tf = cli_runs.stores["vllm"], cli_runs.stores["transformers"]
     for ds in (vl, tf):  # a greedy row's samples are one answer
         ids = ds.response_ids.values[:n]
         assert (ids == ids[:, :1]).all(), "a greedy row's samples differ"
@@ -581,7 +584,7 @@ def test_cli_run_vllm_agrees_with_transformers_under_greedy(cli_stores: dict[str
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
 @NEEDS_VLLM
-def test_cli_sampled_logprobs_agree_in_distribution(cli_stores: dict[str, Any]) -> None:
+def test_cli_sampled_logprobs_agree_in_distribution(cli_runs: CliRuns) -> None:
     """Sampling at temperature 1: the sampled tokens' logprobs of both engines come from one distribution.
 
     Under the model, E[log p(sampled token)] is minus the entropy; two engines sampling the same
@@ -591,8 +594,7 @@ def test_cli_sampled_logprobs_agree_in_distribution(cli_stores: dict[str, Any]) 
     from scipy.stats import ks_2samp
 
     values = {}
-    for engine in ("vllm", "transformers"):
-        ds = cli_stores[engine]
+    for engine, ds in cli_runs.stores.items():
         lp = ds.logprobs.values[GREEDY_ROWS:].ravel()  # the sampled rows
         values[engine] = lp[np.isfinite(lp)]
         assert values[engine].size > 500, values[engine].size
@@ -621,12 +623,12 @@ def test_structured_outputs_of_smollm2_conform_to_their_formats() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
 @NEEDS_VLLM
-def test_two_workers_engines_bind_their_threads_to_disjoint_cores(cli_stores: dict[str, Any]) -> None:
+def test_two_workers_engines_bind_their_threads_to_disjoint_cores(cli_runs: CliRuns) -> None:
     """The two workers of the vllm CLI run, each with its engine: their model workers' threads share no core."""
     import os
 
     assert len(os.sched_getaffinity(0)) >= 2, "two engines need two cores to bind apart"
-    cores = list(cli_stores["cores"].values())
+    cores = list(cli_runs.cores.values())
     print(f"model workers' cores: {cores}")
     assert len(cores) == 2 and all(cores), cores
     assert not set(cores[0]) & set(cores[1]), cores
