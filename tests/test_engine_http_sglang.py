@@ -349,6 +349,22 @@ class TestManagedServer:
         assert server.api_key not in cmdline and server.config_dir is None  # not in `ps`; key file removed
         assert server.api_key not in json.dumps(self.engine.describe())
 
+    @pytest.mark.proves("openai", "policy_fingerprint")  # a managed server
+    def test_after_a_refresh_the_server_holds_the_published_tensors(self, tmp_path: Path) -> None:
+        """The server loads the published folder, then the version rebuilt from its delta in the node's cache; each
+        tensor read back through ``POST /get_weights_by_name`` as in-process sglang reads it
+        (``tests/refresh_fingerprint.py``)."""
+        from tests.refresh_fingerprint import COMPARED, check_a_refresh_holds_the_published_tensors
+
+        check_a_refresh_holds_the_published_tensors(
+            self.runner.run,
+            self.engine,
+            tiny_model(),
+            tmp_path,
+            compared=COMPARED["sglang"],
+            reloads=lambda _stage_dir, step1, rebuilt: [step1, rebuilt],
+        )
+
     @pytest.mark.proves("openai", "refresh")  # a managed server (engine arg managed=true)
     def test_update_weights_refreshes_the_server_in_place(self, tmp_path: Path) -> None:
         """A new policy checkpoint (the tiny model with other weights, saved locally) loaded through the server's

@@ -34,6 +34,7 @@ from daskgen.errors import ConfigError, EngineError
 from daskgen.testing.conformance import EngineConformance, EventLoopThread
 from tests.conftest import run_cli, tiny_model_once, write_prompts
 from tests.prefix_cache_stored import stored_cached_prompt_tokens
+from tests.refresh_fingerprint import COMPARED, check_a_refresh_holds_the_published_tensors
 
 HAVE_SGLANG = find_spec("sglang") is not None
 HAVE_CUDA = HAVE_SGLANG and find_spec("torch") is not None and __import__("torch").cuda.is_available()
@@ -196,9 +197,14 @@ class _SharedSGLang:
 
     @classmethod
     def setup_class(cls) -> None:
+        import logging
+
         install_sigquit_handler()  # the suite starts engines on a background thread
         cls.model = tiny_model_path()
+        root = logging.getLogger()
+        before = (root.level, list(root.handlers))
         super().setup_class()  # type: ignore[misc]
+        cls.root_logging = (before, (root.level, list(root.handlers)))  # around the start (sglang reconfigures it)
 
 
 @pytest.mark.sglang
@@ -270,6 +276,20 @@ class TestSGLangConformance(_SharedSGLang, EngineConformance):
         assert self.run(self.one(greedy)).output_ids == after != before
         self.run(self.engine.update_weights(tiny_model_path()))
         assert self.run(self.one(greedy)).output_ids == before
+
+    def test_the_engines_start_left_the_root_logger_as_it_was(self) -> None:
+        """sglang's launch reconfigures the root logger; the engine puts its level and handlers back."""
+        before, after = self.root_logging
+        assert after == before
+
+    @pytest.mark.proves("sglang", "policy_fingerprint")
+    def test_after_a_refresh_the_engine_holds_the_published_tensors(self, tmp_path) -> None:
+        """Loaded from the staged tensors in host memory (``update_weights`` is never given a folder, and no
+        fallback to the folder is logged): every tensor compared, q/k/v among them
+        (``tests/refresh_fingerprint.py``)."""
+        check_a_refresh_holds_the_published_tensors(
+            self.run, self.engine, self.model, tmp_path, compared=COMPARED["sglang"], reloads=lambda *_: []
+        )
 
     def test_eos_is_kept_and_reported_as_stop(self) -> None:
         results = self.run(

@@ -310,6 +310,22 @@ class TestVLLMConformance(_SharedVLLM, EngineConformance):
         self.run(self.engine.update_weights(tiny_model_path()))
         assert self.run(self.one(greedy)).output_ids == before != after
 
+    @pytest.mark.proves("vllm", "policy_fingerprint")
+    def test_after_a_refresh_the_engine_holds_the_published_tensors(self, tmp_path) -> None:
+        """Reloaded from the copy the engine staged in ``daskgen.policy.stage-dir``, removed after; on a CPU the
+        embeddings, norms and ``lm_head`` are compared (``tests/refresh_fingerprint.py``)."""
+        from tests.refresh_fingerprint import COMPARED, check_a_refresh_holds_the_published_tensors
+
+        check_a_refresh_holds_the_published_tensors(
+            self.run,
+            self.engine,
+            self.model,
+            tmp_path,
+            compared=COMPARED["vllm"],
+            reloads=lambda stage_dir, _step1, _rebuilt: [stage_dir, stage_dir],
+            head_dim=32,
+        )
+
     def test_eos_is_kept_and_reported_as_stop(self) -> None:
         results = self.run(
             self.generate_all(

@@ -260,3 +260,22 @@ def test_a_float32_checkpoint_served_in_fewer_bits_is_checked_against_its_cast(t
     assert mismatched(published, loaded(changed)) == (["w"], 2)
     wider = {name: fingerprint_tensor(t.to(torch.float64), "F32") for name, t in weights.items()}
     assert mismatched(published, wider) == ([], 2), "a wider copy converts back to the published float32 exactly"
+
+
+def test_sglang_compares_q_k_v_only_where_it_can_cut_them_out_of_its_fused_tensor(tmp_path):
+    """sglang cuts ``q_proj``, ``k_proj`` and ``v_proj`` out of ``qkv_proj`` with ``hidden_size / heads`` as the
+    width: a config with another ``head_dim`` leaves them out of the comparison; the lanes' shared engines (the
+    tiny model, no other ``head_dim``) compare them."""
+    import json
+
+    from daskgen.engines.sglang.fingerprint import QKV_PARTS, unsliceable
+
+    def folder(name: str, **config: int) -> str:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4, **config}))
+        return str(path)
+
+    assert unsliceable(folder("wider", head_dim=32)) == QKV_PARTS
+    assert unsliceable(folder("same", head_dim=16)) == unsliceable(folder("unset")) == ()
+    assert unsliceable(str(tmp_path / "missing")) == ()

@@ -111,8 +111,8 @@ def test_staging_copies_the_files_and_refuses_a_checkpoint_that_does_not_fit(tin
 def test_the_other_engines_stage_nothing_and_load_the_folder_in_the_pause(tmp_path):
     """``openai`` and ``simulated`` keep the defaults: ``stage_weights`` returns the folder and ``apply_staged`` is
     ``update_weights`` of it (run on the simulated engine).  ``transformers`` and the in-process ``sglang`` stage the
-    tensors in host memory (sglang's: ``tests/test_policy_fingerprint_engines.py``), ``vllm`` a copy of the folder
-    (below)."""
+    tensors in host memory (sglang's: ``tests/refresh_fingerprint.py``, run in the sglang lane), ``vllm`` a copy of
+    the folder (below)."""
     from daskgen.engines.base import Engine
     from daskgen.engines.openai import OpenAIEngine
     from daskgen.engines.sglang import SGLangEngine
@@ -146,7 +146,7 @@ def test_vllm_stages_a_copy_of_the_folder_in_host_memory_and_removes_it_once_loa
     """``vllm`` copies the version's folder into ``daskgen.policy.stage-dir`` while it generates and reloads from the
     copy in the pause, which is removed after, loaded or not; a folder that does not fit is loaded as it lies.  The
     reload itself is a test double here; the vllm lane's refresh tests load through the real one
-    (``tests/test_policy_fingerprint_engines.py``)."""
+    (``tests/refresh_fingerprint.py``, run on its conformance suite's engine)."""
     import dask.config
 
     from daskgen.engines.staged_folder import PREFIX, StagedFolder
