@@ -241,18 +241,24 @@ def test_the_grpo_guide_runs_and_trains_every_sample_once_publishing_a_version_p
     assert re.search(r"batch 0: 8 samples of versions \[0\], loss -?[\d.]+, published version 1\n", output), output
 
 
+#: The crashes of the crash table's run: the block's own (``checkpoint`` of batch 1), then one trainer more per point.
+CRASHES = (("checkpoint", 1), ("step", 2), ("ack", 3))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("point", ["checkpoint", "step", "ack"])
-def test_the_grpo_guide_crash_table_each_crash_point_trains_every_sample_once(grpo_run, point):
+def test_the_grpo_guide_crash_table_each_crash_point_trains_every_sample_once(grpo_run):
+    """The guide's crash-table block, with a trainer more for each of the other two crash points (``step`` of batch 2,
+    ``ack`` of batch 3) after its crashing one: each resumes from what the one before left, in one run."""
     root, _ = grpo_run
     block = fenced_block(GRPO, "Try the crash table")
-    assert "--crash-at checkpoint" in block
-    block = block.replace("--crash-at checkpoint", f"--crash-at {point}")
-    done = run_block(block, root, timeout=600)
+    crashing = next(line for line in block.splitlines() if "--crash-at checkpoint --crash-batch 1" in line)
+    more = [crashing.replace("checkpoint --crash-batch 1", f"{point} --crash-batch {n}") for point, n in CRASHES[1:]]
+    done = run_block(block.replace(crashing, "\n".join([crashing, *more])), root, timeout=600)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
-    assert f"crashing at {point} of batch 1" in done.stdout and "trainer killed (exit status 137)" in done.stdout
-    assert "resumed from step-" in done.stdout, done.stdout[-3000:]
-    if point == "checkpoint":
-        assert "batch 1: already trained, acknowledged again" in done.stdout, done.stdout[-3000:]
+    for point, n in CRASHES:
+        assert f"crashing at {point} of batch {n}" in done.stdout, done.stdout[-3000:]
+    assert done.stdout.count("trainer killed (exit status 137)") == len(CRASHES), done.stdout[-3000:]
+    assert done.stdout.count("resumed from step-") == len(CRASHES), done.stdout[-3000:]
+    assert "batch 1: already trained, acknowledged again" in done.stdout, done.stdout[-3000:]  # the checkpoint crash
     check_exactly_once(root / "examples" / "async-grpo")
