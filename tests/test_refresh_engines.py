@@ -1,15 +1,11 @@
 """Policy refresh in a real run on every lane engine that declares it: vLLM, in-process sglang, the managed sglang
 server (the ``openai`` engine with ``managed=true``).
 
-One ``daskgen run --refresh continue`` per engine (and one ``--refresh drain`` on in-process sglang), greedy, on a
+One ``daskgen run --refresh continue`` per engine, greedy, on a
 LocalCluster of one worker, with the probe engine (:mod:`daskgen.testing.probes`) around the engine under test:
-row 0 generates on the run's model (version 0); row 1 is held at a gate while a checkpoint with other weights
-(version 1) is published:
-
-* ``drain``: row 1 waits before the engine; once the worker records that it is loading, row 1 is released, ends on
-  version 0, and only then does the worker load version 1; row 2 generates on version 1;
-* ``continue``: row 1 gets :data:`PAUSE` tokens from the engine and waits part-way; the refresh aborts it, loads
-  version 1, and row 1 goes on from its tokens on the new weights; row 2 generates on version 1.
+row 0 generates on the run's model (version 0); row 1 gets :data:`PAUSE` tokens from the engine and waits part-way
+at a gate while a checkpoint with other weights (version 1) is published; the refresh aborts it, loads version 1,
+and row 1 goes on from its tokens on the new weights; row 2 generates on version 1.
 
 Each sample is checked against its recorded versions' checkpoints with one forward pass (transformers, float32):
 every token is the most likely one (end-of-sequence excluded: ``--min-new-tokens`` is the budget), a continued
@@ -25,11 +21,10 @@ Each run is also a start and stop of its engine on a real worker: the files the 
 daskgen gives its processes) are seen during the run and are all gone after it (:mod:`daskgen.engines.leftovers`).
 Each lane runs its tests one at a time, so no other engine adds such files meanwhile.
 
-Why ``continue`` on every engine and ``drain`` on one: the two policies differ in the worker
-(:mod:`daskgen.worker.refresh`), not in the engine.  Under either the engine loads a version with no request in
-flight; ``continue`` also aborts requests part-way and continues them on the new weights, so its engine calls are
-``drain``'s and more.  ``drain`` is run end to end on transformers in the main lane (``tests/test_policy_refresh.py``)
-and here once, on in-process sglang.
+Why ``continue`` and not ``drain``: the two policies differ in the worker (:mod:`daskgen.worker.refresh`), not in
+the engine.  Under either the engine loads a version with no request in flight; ``continue`` also aborts requests
+part-way and continues them on the new weights, so its engine calls are ``drain``'s and more.  ``drain`` is run end
+to end on transformers in the main lane (``tests/test_policy_refresh.py``, ``tests/test_rl_loop.py``).
 """
 
 from __future__ import annotations
@@ -73,13 +68,8 @@ ENGINES = {
     ),
 }
 CASES = [
-    pytest.param(engine, refresh, marks=[*ENGINES[engine][0], pytest.mark.timeout(900)], id=f"{engine}-{refresh}")
-    for engine, refresh in (
-        ("vllm", "continue"),
-        ("sglang", "continue"),
-        ("sglang", "drain"),
-        ("sglang-server", "continue"),
-    )
+    pytest.param(engine, marks=[*ENGINES[engine][0], pytest.mark.timeout(900)], id=f"{engine}-continue")
+    for engine in ENGINES
 ]
 
 
@@ -108,19 +98,18 @@ def checkpoints(tmp_path_factory) -> dict[int, Path]:
     return {v: build_tiny_model(folder / f"v{v}", seed=v, head_dim=32) for v in (0, 1)}
 
 
-def worker_state(out: Path, state: str, version: int):
-    """The worker's recorded policy state when it is ``state`` for ``version`` (asked, for ``loading``)."""
-    found = read_worker_policies(store.locate(out))
-    return [w for w in found if w.state == state and (w.asked if state == "loading" else w.version) == version]
+def workers_running(out: Path, version: int):
+    """The workers whose recorded policy state is running ``version``."""
+    return [w for w in read_worker_policies(store.locate(out)) if w.state == "running" and w.version == version]
 
 
 def event_of(events: Path, kind: str, row: int) -> bool:
     return any(e.kind == kind and row_of(e.request_id) == row for e in read_events(events))
 
 
-@pytest.mark.parametrize(("engine", "refresh"), CASES)
+@pytest.mark.parametrize("engine", CASES)
 def test_a_run_refreshes_mid_run_and_every_sample_is_its_versions_greedy_answer(
-    engine: str, refresh: str, checkpoints: dict[int, Path], tmp_path: Path
+    engine: str, checkpoints: dict[int, Path], tmp_path: Path
 ) -> None:
     out, events, gate = tmp_path / "out.zarr", tmp_path / "events.log", tmp_path / "gate"
     prompts = tmp_path / "p.jsonl"
@@ -129,30 +118,26 @@ def test_a_run_refreshes_mid_run_and_every_sample_is_its_versions_greedy_answer(
     paused = ["--engine-arg", f"pause_after={PAUSE}", "--engine-arg", f"pause_rows={[HELD]}"]
     before = engine_files(engine)
     proc = popen_cli(
-        *("run", "--prompts", prompts, "--store", out, "--model", checkpoints[0], "--refresh", refresh),
+        *("run", "--prompts", prompts, "--store", out, "--model", checkpoints[0], "--refresh", "continue"),
         *("--engine", "daskgen.testing.probes:ProbeEngine", *inner, "--engine-arg", f"events_path={events}"),
-        *gate_args(gate, [HELD]), *(paused if refresh == "continue" else ()),
+        *gate_args(gate, [HELD]), *paused,
         *("--temperature", "0", "--max-new-tokens", str(NEW_TOKENS), "--min-new-tokens", str(NEW_TOKENS)),
         *("--max-prompt-tokens", "512", "--partition-size", "1", "--window", "1", "--n-workers", "1"),
         "--no-progress",
         env={"DASK_DASKGEN__POLICY__POLL_INTERVAL": "0.1s"},
     )  # fmt: skip
     try:
-        # drain: row 1 waits before the engine; continue: it got its first tokens and waits part-way
-        wait_until(lambda: event_of(events, "pause" if refresh == "continue" else "arrive", HELD), proc, "row 1", 600)
+        wait_until(lambda: event_of(events, "pause", HELD), proc, "row 1", 600)  # its first tokens, then it waits
         assert engine_files(engine) - before, f"{engine} made none of its files while it ran (the check below is void)"
         daskgen.publish_policy(out, str(checkpoints[1]), 1)
-        if refresh == "drain":
-            (loading,) = wait_until(lambda: worker_state(out, "loading", 1), proc, "the refresh", 600)
-            assert loading.version == 0  # the held row keeps the load waiting
-        else:  # the held row was aborted with its tokens; it waits at its gate again until the load is done
-            wait_until(lambda: worker_state(out, "running", 1), proc, "the load", 600)
+        # the held row was aborted with its tokens; it waits at its gate again until the load is done
+        wait_until(lambda: workers_running(out, 1), proc, "the load", 600)
         gate.touch()
         assert proc.wait(timeout=600) == 0, proc.stdout.read()[-6000:]
     finally:
         if proc.poll() is None:
             proc.kill()
-    check_samples(out, checkpoints, refresh)
+    check_samples(out, checkpoints)
     # a worker the nanny killed while its engine shut down leaves vLLM's folder to a watcher that removes it once the
     # worker process has exited: wait for that, within a bound
     deadline = time.monotonic() + 60
@@ -161,16 +146,15 @@ def test_a_run_refreshes_mid_run_and_every_sample_is_its_versions_greedy_answer(
     assert not left, f"{engine} left files behind: {left}"
 
 
-def check_samples(out: Path, checkpoints: dict[int, Path], refresh: str) -> None:
+def check_samples(out: Path, checkpoints: dict[int, Path]) -> None:
     """Versions as the scenario made them; each sample its versions' greedy answer (see the module doc)."""
     made = store.GenerationStore.open(out)
     got = made.read_region(0, ROWS, made.layout.data_arrays())
     first, last, changed = (
         got[k][:, 0].tolist() for k in ("policy_version", "policy_version_end", "version_changed_at")
     )
-    continued = refresh == "continue"
-    assert first == [0, 0, 1] and last == [0, 1 if continued else 0, 1], (first, last)
-    assert changed == [-1, PAUSE if continued else -1, -1], changed
+    assert first == [0, 0, 1] and last == [0, 1, 1], (first, last)
+    assert changed == [-1, PAUSE, -1], changed
     digest = digest_number(read_versions(made.location)[0].digest)  # version 1's, checked on the engine's tensors
     for name, versions in (("policy_fingerprint", first), ("policy_fingerprint_end", last)):
         assert got[name][:, 0].tolist() == [digest if v == 1 else 0 for v in versions], (name, got[name])
