@@ -1,5 +1,5 @@
 """The engine lanes' schedule in CI (.ci/lanes.sh, sourced by .ci/run), run with stand-in lanes: the vLLM lane's
-transformers part starts once the first lane has ended, every part runs to the end, and a failed part is named."""
+late part starts once the first lane has ended, every part runs to the end, and a failed part is named."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ exit "$status"
 
 def run_lanes(tmp_path, **parts: str) -> tuple[subprocess.CompletedProcess, list[str]]:
     """The schedule with stand-ins; ``parts``: "SECONDS STATUS" of ``sglang_lane``, ``vllm_lane_engines`` and
-    ``vllm_lane_transformers``.  Returns the shell's output and the events in the order they happened."""
+    ``vllm_lane_late``.  Returns the shell's output and the events in the order they happened."""
     (tmp_path / ".ci").mkdir()
     (tmp_path / "logs").mkdir()
     for name in ("sglang-lane", "vllm-lane"):
@@ -37,20 +37,20 @@ def run_lanes(tmp_path, **parts: str) -> tuple[subprocess.CompletedProcess, list
     return done, (tmp_path / "events").read_text().splitlines()
 
 
-def test_the_transformers_part_starts_when_the_first_lane_ends_and_a_failed_part_is_named(tmp_path) -> None:
+def test_the_late_part_starts_when_the_first_lane_ends_and_a_failed_part_is_named(tmp_path) -> None:
     done, events = run_lanes(
-        tmp_path, sglang_lane="0.5 0", vllm_lane_engines="2 0", vllm_lane_transformers="0.2 3"
+        tmp_path, sglang_lane="0.5 0", vllm_lane_engines="2 0", vllm_lane_late="0.2 3"
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     order = events.index
-    assert order("end sglang-lane") < order("start vllm-lane-transformers") < order("end vllm-lane-engines"), events
-    assert len(events) == 6 and "failed: vllm-transformers (exit 3)" in done.stdout, (events, done.stdout)
-    assert "[vllm-transformers] " not in done.stdout.split("::: vllm-transformers ended")[0]  # its log shown at its end
+    assert order("end sglang-lane") < order("start vllm-lane-late") < order("end vllm-lane-engines"), events
+    assert len(events) == 6 and "failed: vllm-late (exit 3)" in done.stdout, (events, done.stdout)
+    assert "[vllm-late] " not in done.stdout.split("::: vllm-late ended")[0]  # its log shown at its end
 
 
 def test_every_part_runs_to_the_end_when_the_vllm_engines_part_ends_first(tmp_path) -> None:
     done, events = run_lanes(
-        tmp_path, sglang_lane="3 0", vllm_lane_engines="0.2 1", vllm_lane_transformers="0.2 0"
+        tmp_path, sglang_lane="3 0", vllm_lane_engines="0.2 1", vllm_lane_late="0.2 0"
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert events[-1] == "end sglang-lane" and len(events) == 6, events
@@ -59,7 +59,7 @@ def test_every_part_runs_to_the_end_when_the_vllm_engines_part_ends_first(tmp_pa
 
 def test_parts_that_end_at_once_are_still_waited_for_and_named(tmp_path) -> None:
     """A part that fails as it starts (a broken virtualenv, a wrong setting) has ended before it is waited for."""
-    done, events = run_lanes(tmp_path, sglang_lane="0 2", vllm_lane_engines="0 0", vllm_lane_transformers="0 4")
+    done, events = run_lanes(tmp_path, sglang_lane="0 2", vllm_lane_engines="0 0", vllm_lane_late="0 4")
     assert done.returncode == 0, done.stdout + done.stderr
     assert len(events) == 6, events
-    assert "sglang-lane (exit 2)" in done.stdout and "vllm-transformers (exit 4)" in done.stdout, done.stdout
+    assert "sglang-lane (exit 2)" in done.stdout and "vllm-late (exit 4)" in done.stdout, done.stdout
