@@ -79,7 +79,7 @@ def check_a_refresh_holds_the_published_tensors(
     settings = {"daskgen.policy.stage-dir": str(stage_dir), "daskgen.policy.cache-dir": str(rebuilt)}
     try:
         with dask.config.set(settings):
-            seen = run(_scenario(engine, base, tmp_path / "out.zarr", calls), 900)
+            seen = run(_scenario(engine, base, (step1, step2), tmp_path / "out.zarr", calls), 900)
     finally:
         logging.getLogger("daskgen").removeHandler(logged)
     loads = [Path(p) for p in calls[:-1]]  # the last is the suite's model, loaded back
@@ -102,9 +102,10 @@ def check_a_refresh_holds_the_published_tensors(
     assert seen.after.output_ids == greedy(step2, [PROMPT], PARAMS)[0] != seen.result.output_ids
 
 
-async def _scenario(engine: Engine, base: str, out: Path, calls: list[str]) -> Refreshed:
-    """The refresher's steps on ``engine``: version 1 (full), version 2 (a delta), then ``base`` loaded again; each
-    folder ``update_weights`` is given is appended to ``calls``."""
+async def _scenario(engine: Engine, base: str, steps: tuple[Path, Path], out: Path, calls: list[str]) -> Refreshed:
+    """The refresher's steps on ``engine`` with a new store ``out``: ``steps`` published as version 1 (in full) and
+    version 2 (a delta), then ``base`` loaded again; each folder ``update_weights`` is given is appended to
+    ``calls``."""
     store.GenerationStore.create(out, store.StoreAttrs(store.Layout(1, 1, 4, 4, 1, 0)), ["q0"])
     location, errors = store.locate(out), []
     reload = engine.update_weights
@@ -117,12 +118,12 @@ async def _scenario(engine: Engine, base: str, out: Path, calls: list[str]) -> R
     try:
         refresher = PolicyRefresher(location, "drain", lambda: engine, "w0")
         await refresher.check(errors.append)
-        await asyncio.to_thread(daskgen.publish_policy, out, str(out.parent / "step1"), 1)
+        await asyncio.to_thread(daskgen.publish_policy, out, str(steps[0]), 1)
         await refresher.check(errors.append)
         published = read_versions(location)[0]
         loaded = await engine.loaded_fingerprint(dict.fromkeys(published.tensors, "F32"))
         result = await refresher.generate(engine, GenerationRequest("r", PROMPT, PARAMS), lambda: False)
-        await asyncio.to_thread(daskgen.publish_policy, out, str(out.parent / "step2"), 2, delta=True)
+        await asyncio.to_thread(daskgen.publish_policy, out, str(steps[1]), 2, delta=True)
         await refresher.check(errors.append)
         delta = read_versions(location)[1]
         after = await refresher.generate(engine, GenerationRequest("s", PROMPT, PARAMS), lambda: False)

@@ -457,7 +457,8 @@ GREEDY_ROWS, SAMPLED_ROWS = 12, 16
 
 
 class CliRuns(NamedTuple):
-    """The two engines' CLI runs: their stores by engine, and the cores of the vllm run's model workers."""
+    """The two engines' CLI runs: their stores by engine, and the cores of the vllm run's model workers by the Dask
+    worker they run under."""
 
     stores: dict[str, Any]
     cores: dict[int, list[int]]
@@ -467,8 +468,8 @@ class CliRuns(NamedTuple):
 def cli_runs(tmp_path_factory: pytest.TempPathFactory) -> CliRuns:
     """``daskgen run`` with the vllm and transformers engines on the same prompts: greedy rows and rows sampled at
     temperature 1 (``--n-samples 4 --seed 1``), one run per engine.  The vllm run has two workers, each with its
-    engine; while it runs, the cores each of vLLM's model worker processes binds its threads to are recorded (the
-    last seen, per process)."""
+    engine; while it runs, the cores the threads of vLLM's model worker processes may use are recorded, by the Dask
+    worker each runs under."""
     import json
 
     import xarray as xr
@@ -511,8 +512,10 @@ def cli_runs(tmp_path_factory: pytest.TempPathFactory) -> CliRuns:
 
 
 def _model_workers_cores_while(proc: subprocess.Popen, timeout: float) -> dict[int, list[int]]:
-    """Until ``proc`` ends: every half second, the cores the threads of each of vLLM's model worker processes below
-    it (``VLLM::Worker``) may use, by process id (the last seen)."""
+    """Until ``proc`` ends: every half second, the cores the threads of vLLM's model worker processes below it
+    (``VLLM::Worker``) may use, by the Dask worker process (``proc``'s child) each runs under: every core seen, so a
+    worker's engine started again, or a short-lived child of a model worker (which carries its name), counts with
+    that worker."""
     import time
 
     import psutil
@@ -525,8 +528,11 @@ def _model_workers_cores_while(proc: subprocess.Popen, timeout: float) -> dict[i
             for process in psutil.Process(proc.pid).children(recursive=True):
                 with contextlib.suppress(psutil.Error, OSError):
                     if process.name().startswith("VLLM::Worker"):
+                        worker = next((p.pid for p in process.parents() if p.ppid() == proc.pid), None)
+                        if worker is None:  # it ended, or was not below a worker of the run
+                            continue
                         seen = set().union(*(os.sched_getaffinity(t.id) for t in process.threads()))
-                        cores[process.pid] = sorted(seen)
+                        cores[worker] = sorted(seen.union(cores.get(worker, ())))
         time.sleep(0.5)
     return cores
 
@@ -640,7 +646,8 @@ def test_structured_outputs_of_smollm2_conform_to_their_formats() -> None:
 @pytest.mark.timeout(3000)
 @NEEDS_VLLM
 def test_two_workers_engines_bind_their_threads_to_disjoint_cores(cli_runs: CliRuns) -> None:
-    """The two workers of the vllm CLI run, each with its engine: their model workers' threads share no core."""
+    """The two workers of the vllm CLI run, each with its engine: the threads of the model workers under one share no
+    core with those under the other."""
     import os
 
     assert len(os.sched_getaffinity(0)) >= 2, "two engines need two cores to bind apart"
