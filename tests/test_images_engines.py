@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -217,17 +218,23 @@ def image_runs(tmp_path_factory, vl_model, images, vllm_server):
 
 
 @pytest.fixture(scope="module")
-def references() -> dict:
-    """The model's own expansions and greedy answers, computed on first use and kept for the module's other engines
-    (the same model, images and prompts)."""
+def expansions() -> dict[int, list[int]]:
+    """Per row, the model's own expansion of its prompt, computed on first use and kept for the module's other
+    engines (the same model, images and prompts)."""
     return {}
+
+
+@functools.cache
+def model_answer(model_path: Path, expanded: tuple[int, ...], image_paths: tuple[Path, ...]) -> list[int]:
+    """:func:`model_generate`, once per model, prompt and images in the module (each engine's run asks the same)."""
+    return model_generate(model_path, list(expanded), list(image_paths))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 @ON_ENGINES
 def test_greedy_answers_equal_the_models_own_generate_with_the_same_pixels(
-    engine, image_runs, vl_model, images, references
+    engine, image_runs, vl_model, images, expansions
 ) -> None:
     from daskgen.input.image_refs import template_messages
     from tests.test_images import reference_generate
@@ -246,14 +253,12 @@ def test_greedy_answers_equal_the_models_own_generate_with_the_same_pixels(
     for row, (prompt, paths) in cases.items():
         stored = data["prompt_ids"][row, : data["prompt_length"][row]].tolist()
         if paths:  # the expansion transformers alone makes
-            if row not in references:
-                references[row] = reference_generate(vl_model, prompt, paths, NEW_TOKENS).expanded
-            assert stored == references[row], f"row {row}: the stored prompt is not the one the model saw"
-        key = (tuple(stored), tuple(paths))
-        if key not in references:
-            references[key] = model_generate(vl_model, stored, paths)
+            if row not in expansions:
+                expansions[row] = reference_generate(vl_model, prompt, paths, NEW_TOKENS).expanded
+            assert stored == expansions[row], f"row {row}: the stored prompt is not the one the model saw"
         answer = data["response_ids"][row, 0, : data["response_length"][row, 0]].tolist()
-        assert answer == references[key], f"row {row}: {engine}'s answer is not the model's"
+        expected = model_answer(vl_model, tuple(stored), tuple(paths))
+        assert answer == expected, f"row {row}: {engine}'s answer is not the model's"
 
 
 @pytest.mark.slow
