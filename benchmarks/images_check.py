@@ -6,8 +6,10 @@ deterministic) through the model's chat template, which renders an image content
 daskgen's side preprocesses each image with :class:`daskgen.images.processor.ImageProcessing` (the model folder's
 image processor), expands its placeholder (:func:`daskgen.input.image_tokens.expand`) and sends every request to
 daskgen's engine at once, as a worker does.  The raw side is ``vllm.LLM`` (a ``TokensPrompt`` with one placeholder
-per image and the image in ``multi_modal_data``) or ``sglang.Engine`` (``input_ids`` with one placeholder per image
-and the image file in ``image_data``): each runs the model's processor itself.  Greedy decoding on both sides.
+per image and the image in ``multi_modal_data``) or sglang's ``Engine.async_generate`` (``input_ids`` with one
+placeholder per image and the image file in ``image_data``): each runs the model's processor itself.  sglang's raw
+side runs on the ``sglang.Engine`` daskgen's engine started, its prefix cache dropped before daskgen's requests (one
+engine start instead of two); vLLM's is an engine of its own.  Greedy decoding on both sides.
 Reported: how many outputs agree token for token, and how many prompts the raw engine expanded to the length of
 daskgen's expanded prompt (a wrong placeholder count, or another processor setting, shows there first).
 """
@@ -48,13 +50,10 @@ def image_cases(model: str, folder: Path, n: int) -> list[Case]:
     return cases
 
 
-async def daskgen_side(
-    engine_name: str, model: str, args: dict[str, Any], cases: list[Case], max_new: int
-) -> tuple[list[list[int]], list[int]]:
-    """Greedy outputs of daskgen's engine and the length of each expanded prompt."""
+def daskgen_requests(model: str, cases: list[Case], max_new: int) -> list[Any]:
+    """daskgen's requests for ``cases``: each image preprocessed and its placeholder expanded, as a worker does."""
     import hashlib
 
-    from daskgen.engines import get_engine_class
     from daskgen.engines.base import GenerationRequest, SamplingParams
     from daskgen.engines.media import IMAGE, ImageInput
     from daskgen.images.processor import ImageProcessing
@@ -69,6 +68,16 @@ async def daskgen_side(
         image = ImageInput(hashlib.sha256(data).hexdigest(), data, processed.pixel_values, processed.grid, span, IMAGE)
         params = SamplingParams(max_new_tokens=max_new, temperature=0.0, images=(image,))
         requests.append(GenerationRequest(f"image-{i}", ids, params))
+    return requests
+
+
+async def daskgen_side(
+    engine_name: str, model: str, args: dict[str, Any], cases: list[Case], max_new: int
+) -> tuple[list[list[int]], list[int]]:
+    """Greedy outputs of daskgen's engine and the length of each expanded prompt."""
+    from daskgen.engines import get_engine_class
+
+    requests = daskgen_requests(model, cases, max_new)
     results = await generate_all(get_engine_class(engine_name)(model, **args), requests, "images step")
     return [r.output_ids for r in results], [len(r.prompt_ids) for r in requests]
 
@@ -96,24 +105,43 @@ def raw_vllm(
     return [list(o.outputs[0].token_ids) for o in outputs], [len(o.prompt_token_ids) for o in outputs]
 
 
-def raw_sglang(model: str, args: dict[str, Any], cases: list[Case], max_new: int) -> tuple[list[list[int]], list[int]]:
-    """Raw ``sglang.Engine`` with each image file in ``image_data``: outputs and expanded prompt lengths."""
-    import sglang
+async def sglang_sides(
+    model: str, args: dict[str, Any], cases: list[Case], max_new: int
+) -> tuple[tuple[list[list[int]], list[int]], tuple[list[list[int]], list[int]]]:
+    """Both sides on one sglang engine: the raw side (``image_data`` files through ``async_generate``) on the
+    ``sglang.Engine`` daskgen's engine started, then, with the prefix cache dropped, daskgen's requests; each side's
+    outputs and expanded prompt lengths."""
+    from daskgen.engines import get_engine_class
 
-    from daskgen.engines.sglang.args import check_engine_args, launch_kwargs
-
-    kwargs = launch_kwargs(model, args, cuda_available=args.get("device") == "cuda")
-    check_engine_args({k: v for k, v in kwargs.items() if k != "model_path"})
-    engine = sglang.Engine(**kwargs)
+    requests = daskgen_requests(model, cases, max_new)
+    engine = get_engine_class("sglang")(model, **args)
+    await engine.start()
     try:
-        outputs = engine.generate(
-            input_ids=[case.ids for case in cases],
-            image_data=[[str(case.path)] for case in cases],
-            sampling_params={"max_new_tokens": max_new, "temperature": 0.0},
+        backend = engine.backend
+        sampling = {"max_new_tokens": max_new, "temperature": 0.0}
+        raw = await asyncio.gather(
+            *(
+                asyncio.wrap_future(
+                    backend.submit(
+                        backend.generate(
+                            f"raw-{i}",
+                            {"input_ids": case.ids, "image_data": [str(case.path)], "sampling_params": sampling},
+                        )
+                    )
+                )
+                for i, case in enumerate(cases)
+            )
         )
+        if not await asyncio.wrap_future(backend.submit(backend.flush_cache(120.0))):
+            raise SystemExit("images step: sglang did not drop its prefix cache between the two sides")
+        ours = await asyncio.gather(*(engine.generate(r) for r in requests))
     finally:
-        engine.shutdown()
-    return [list(o["output_ids"]) for o in outputs], [int(o["meta_info"]["prompt_tokens"]) for o in outputs]
+        await engine.shutdown()
+    errors = [r.error for r in ours if r.error]
+    if errors:
+        raise SystemExit(f"images step: {len(errors)} requests failed, e.g. {errors[0]}")
+    raw_side = ([list(o["output_ids"]) for o in raw], [int(o["meta_info"]["prompt_tokens"]) for o in raw])
+    return raw_side, ([r.output_ids for r in ours], [len(r.prompt_ids) for r in requests])
 
 
 def images_check(
@@ -124,9 +152,9 @@ def images_check(
         cases = image_cases(model, Path(folder), n)
         if engine_name == "vllm":
             raw, raw_lengths = raw_vllm(model, args, cases, max_new, cuda)
+            ours, our_lengths = asyncio.run(daskgen_side(engine_name, model, args, cases, max_new))
         else:
-            raw, raw_lengths = raw_sglang(model, args, cases, max_new)
-        ours, our_lengths = asyncio.run(daskgen_side(engine_name, model, args, cases, max_new))
+            (raw, raw_lengths), (ours, our_lengths) = asyncio.run(sglang_sides(model, args, cases, max_new))
     agree = sum(a == b for a, b in zip(raw, ours, strict=True))
     same_length = sum(a == b for a, b in zip(raw_lengths, our_lengths, strict=True))
     print(f"images: greedy outputs identical on both sides: {agree}/{n}")

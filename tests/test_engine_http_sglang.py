@@ -507,6 +507,10 @@ def _wait_for_requests_in_flight(log_dir: Path, timeout: float = 600) -> set[str
     return flying
 
 
+#: Two partitions of four prompts, two samples each: the server is killed with some of them in flight.
+N_DEATH_PROMPTS = 8
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_run_with_managed_server_survives_its_death(tmp_path: Path) -> None:
@@ -521,7 +525,7 @@ def test_run_with_managed_server_survives_its_death(tmp_path: Path) -> None:
     from tests.conftest import popen_cli, write_prompts
 
     model = str(shutil.copytree(tiny_model(), tmp_path / "model"))  # its own path: other servers here use tiny_model()
-    prompts = write_prompts(tmp_path / "p.jsonl", 16)
+    prompts = write_prompts(tmp_path / "p.jsonl", N_DEATH_PROMPTS)
     out, log_dir = tmp_path / "out.zarr", tmp_path / "server-requests"
     requests_log = {
         "log_requests": True,
@@ -544,7 +548,7 @@ def test_run_with_managed_server_survives_its_death(tmp_path: Path) -> None:
         "--n-samples",
         "2",
         "--max-new-tokens",
-        "192",
+        "128",
         "--min-new-tokens",
         "64",
         "--temperature",
@@ -573,7 +577,7 @@ def test_run_with_managed_server_survives_its_death(tmp_path: Path) -> None:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
     assert run.returncode == 0, output[-5000:]
-    assert "16 done, 0 failed, 0 pending of 16 prompts" in output, output[-5000:]
+    assert f"{N_DEATH_PROMPTS} done, 0 failed, 0 pending of {N_DEATH_PROMPTS} prompts" in output, output[-5000:]
     assert (xr.open_zarr(out).status.values == 1).all()
     assert second.pid != first.pid
     assert _ends(second), f"the restarted server outlived the run: {second}"

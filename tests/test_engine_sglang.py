@@ -372,14 +372,18 @@ class TestSGLangConformance(_SharedSGLang, EngineConformance):
 
 @pytest.mark.sglang
 @pytest.mark.skipif(not HAVE_SGLANG, reason="sglang is not installed (run the sglang lane: .ci/sglang-lane)")
-class TestSGLangCrashAndShutdown:
-    """A crashing sglang subprocess does not take the process down; shutdown kills only sglang's."""
+class TestSGLangOnSmolLM2:
+    """Checks on one engine of the real SmolLM2-135M-Instruct, in this order: structured outputs (a model that ends
+    its answers, which a random one does not), then a crashing sglang subprocess, which does not take the process
+    down, and a shutdown that kills only sglang's processes (last: it ends the engine)."""
 
     @classmethod
     def setup_class(cls) -> None:
+        from daskgen.models import smollm2_instruct
+
         install_sigquit_handler()
         cls.runner = EventLoopThread()
-        cls.engine = SGLangEngine(tiny_model_path())
+        cls.engine = SGLangEngine(str(smollm2_instruct()))
         cls.runner.run(cls.engine.start(), 600)
 
     @classmethod
@@ -388,6 +392,16 @@ class TestSGLangCrashAndShutdown:
             cls.runner.run(cls.engine.shutdown(), 120)
         finally:
             cls.runner.close()
+
+    def test_structured_outputs_of_smollm2_conform_to_their_formats(self) -> None:
+        """Every kind of response_format through sglang's own fields: every response ends by stop and conforms."""
+        from transformers import AutoTokenizer
+
+        from daskgen.testing.structured import structured_run
+
+        tokenizer = AutoTokenizer.from_pretrained(self.engine.model)
+        valid, sent = self.runner.run(structured_run(self.engine, tokenizer), 900)
+        assert valid == sent == 8, (valid, sent)
 
     def test_scheduler_crash_is_reported_and_shutdown_is_targeted(self) -> None:
         bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -539,18 +553,6 @@ def test_zz_no_sgl_kernel_shim_function_was_called() -> None:
     module = sys.modules.get("sgl_kernel")
     if module is not None and getattr(module, "IS_DASKGEN_SHIM", False):
         assert module.CALLS == [], module.CALLS
-
-
-@pytest.mark.sglang
-@pytest.mark.skipif(not HAVE_SGLANG, reason="sglang is not installed (run the sglang lane: .ci/sglang-lane)")
-def test_structured_outputs_of_smollm2_conform_to_their_formats() -> None:
-    """Every kind of response_format through sglang's own fields: every response ends by stop and conforms."""
-    from daskgen.models import smollm2_instruct
-    from daskgen.testing.structured import check_engine
-
-    install_sigquit_handler()
-    valid, sent = check_engine(SGLangEngine(str(smollm2_instruct())))
-    assert valid == sent == 8, (valid, sent)
 
 
 def test_runs_dispatched_by_prefix_start_sglang_under_lpm_unless_another_policy_is_set() -> None:

@@ -628,30 +628,10 @@ def images_by_role(prompts: Path, store: Path, model: Path, *extra: str) -> dict
     return {states[address]: metrics for address, metrics in done.items()}
 
 
-def first_answer(store: Path) -> list[int]:
-    data = GenerationStore.open(store).read_region(0, 1, ("response_ids", "response_length"))
-    return data["response_ids"][0, 0, : data["response_length"][0, 0]].tolist()
-
-
-def test_cpu_workers_preprocess_the_images_for_the_engine_worker(tmp_path, vl_model, images) -> None:
-    """A cluster with a preprocessing worker, images kept as references: the images are read, recorded and
-    preprocessed there, the engine worker preprocesses none, the store holds a reference to each file (no bytes)
-    that reads back as the file, it verifies sound, and the answers equal the model's own."""
-    photo = [image_part(images["grace_hopper"]), {"type": "text", "text": QUESTION}]
-    rows = [{"messages": user(*photo)}, {"prompt": QUESTION, "images": [str(images["noise"])]}]
-    prompts = write_rows(tmp_path / "p.jsonl", rows)
-    out = tmp_path / "out.zarr"
-    by_role = images_by_role(prompts, out, vl_model, "--image-storage", REFERENCE)
-    assert by_role["preprocess"]["images"] == 2, by_role
-    assert by_role["ready"].get("images", 0) == 0, "the engine worker preprocessed nothing itself"
-    files = [images["grace_hopper"], images["noise"]]
-    digests = [hashlib.sha256(f.read_bytes()).hexdigest() for f in files]
-    assert stored_images(GenerationStore.open(out).location) == dict.fromkeys(digests, REFERENCE)
-    assert not any((out / blob_key(d)).exists() for d in digests), "a reference store keeps no image bytes"
-    assert [daskgen.read_image(out, d) for d in digests] == [f.read_bytes() for f in files]
-    assert verify(str(out), progress=False).sound
-    expected = reference_generate(vl_model, template_messages(user(*photo)), [images["grace_hopper"]], 6)[1]
-    assert first_answer(out) == expected
+def answers(store: Path, rows: int) -> list[list[int]]:
+    """The first sample's answer of each of the first ``rows`` rows."""
+    data = GenerationStore.open(store).read_region(0, rows, ("response_ids", "response_length"))
+    return [data["response_ids"][r, 0, : data["response_length"][r, 0]].tolist() for r in range(rows)]
 
 
 def remote_code_processor(model: Path, out: Path) -> Path:
@@ -669,22 +649,40 @@ def remote_code_processor(model: Path, out: Path) -> Path:
     return out
 
 
-def test_cpu_workers_load_a_remote_code_processor_when_the_engine_args_trust_it(tmp_path, vl_model, images) -> None:
-    """With ``--engine-arg trust_remote_code=true``, the preprocessing worker loads a model's own image processor
-    as the client and the engine worker do: it preprocesses the images, the store records that processor, and the
-    answer equals the model's own (the processor changes nothing)."""
-    model = remote_code_processor(vl_model, tmp_path / "remote-vl")
+def test_cpu_workers_preprocess_the_images_for_the_engine_worker_with_the_models_own_processor(
+    tmp_path, vl_model, images
+) -> None:
+    """A cluster with a preprocessing worker, images kept as references, a model whose image processor is its own
+    code (loaded with ``--engine-arg trust_remote_code=true``, as the client and the engine worker load it): the
+    images are read, recorded and preprocessed on the preprocessing worker with that processor, the engine worker
+    preprocesses none, the store records the processor and holds a reference to each file (no bytes) that reads
+    back as the file, it verifies sound, and the answers equal the model's own (the processor changes nothing)."""
     from transformers import AutoImageProcessor
 
+    model = remote_code_processor(vl_model, tmp_path / "remote-vl")
     with pytest.raises(ValueError, match="trust_remote_code"):  # the folder's processor is its own code
         AutoImageProcessor.from_pretrained(model)
-    prompts = write_rows(tmp_path / "p.jsonl", [{"prompt": QUESTION, "images": [str(images["noise"])]}])
-    by_role = images_by_role(prompts, tmp_path / "out.zarr", model, "--engine-arg", "trust_remote_code=true")
-    assert by_role["preprocess"]["images"] == 1, by_role
+    photo = [image_part(images["grace_hopper"]), {"type": "text", "text": QUESTION}]
+    rows = [{"messages": user(*photo)}, {"prompt": QUESTION, "images": [str(images["noise"])]}]
+    prompts = write_rows(tmp_path / "p.jsonl", rows)
+    out = tmp_path / "out.zarr"
+    trust = ("--engine-arg", "trust_remote_code=true")
+    by_role = images_by_role(prompts, out, model, "--image-storage", REFERENCE, *trust)
+    assert by_role["preprocess"]["images"] == 2, by_role
     assert by_role["ready"].get("images", 0) == 0, "the engine worker preprocessed nothing itself"
-    recorded = GenerationStore.open(tmp_path / "out.zarr").attrs.input["image_processor"]
+    recorded = GenerationStore.open(out).attrs.input["image_processor"]
     assert recorded["class"] == "RemoteTinyProcessor", recorded
-    assert first_answer(tmp_path / "out.zarr") == reference_generate(vl_model, QUESTION, [images["noise"]], 6)[1]
+    files = [images["grace_hopper"], images["noise"]]
+    digests = [hashlib.sha256(f.read_bytes()).hexdigest() for f in files]
+    assert stored_images(GenerationStore.open(out).location) == dict.fromkeys(digests, REFERENCE)
+    assert not any((out / blob_key(d)).exists() for d in digests), "a reference store keeps no image bytes"
+    assert [daskgen.read_image(out, d) for d in digests] == [f.read_bytes() for f in files]
+    assert verify(str(out), progress=False).sound
+    expected = [
+        reference_generate(vl_model, template_messages(user(*photo)), [images["grace_hopper"]], 6)[1],
+        reference_generate(vl_model, QUESTION, [images["noise"]], 6)[1],
+    ]
+    assert answers(out, 2) == expected
 
 
 def test_a_vision_request_that_cannot_be_prepared_fails_alone(vl_model) -> None:

@@ -31,13 +31,14 @@ pytestmark = pytest.mark.timeout(600)
 NEW_TOKENS = 64
 
 
-def tool_run(tmp_path, model, image, first=None, new_tokens=NEW_TOKENS, **agent_args) -> GenerationStore:
-    """A greedy tool-loop run of one row asking about ``image``: turn 0 scripted (the tool call ``first``), turn 1
-    real (default: a call of ``add``); ``agent_args`` added to the tool loop's (the image tools ``show`` and
-    ``show_pillow`` are there too)."""
+def tool_run(tmp_path, model, *asked_about, first=None, new_tokens=NEW_TOKENS, **agent_args) -> GenerationStore:
+    """A greedy tool-loop run of a row per image, each asking about its image: turn 0 scripted (the tool call
+    ``first``), turn 1 real (default: a call of ``add``); ``agent_args`` added to the tool loop's (the image tools
+    ``show`` and ``show_pillow`` are there too)."""
     first = call("add", a=2, b=3) if first is None else first
     tmp_path.mkdir()
-    rows = write_rows(tmp_path / "p.jsonl", [{"messages": user(image_part(image), {"type": "text", "text": QUESTION})}])
+    asked = [{"messages": user(image_part(image), {"type": "text", "text": QUESTION})} for image in asked_about]
+    rows = write_rows(tmp_path / "p.jsonl", asked)
     config = tmp_path / "run.yaml"
     tools = {**TOOLS, "show": "tests.agent_tools:show", "show_pillow": "tests.agent_tools:show_pillow"}
     config.write_text(
@@ -59,9 +60,11 @@ def tool_run(tmp_path, model, image, first=None, new_tokens=NEW_TOKENS, **agent_
     return GenerationStore.open(out)
 
 
-def turns(made: GenerationStore) -> tuple[list[int], list[int], list[int]]:
-    """The stored prompt ids, the response before the model's second turn, and that turn's tokens."""
-    got = made.read_region(0, 1, ("prompt_ids", "prompt_length", "response_ids", "response_mask", "response_length"))
+def turns(made: GenerationStore, row: int = 0) -> tuple[list[int], list[int], list[int]]:
+    """The stored prompt ids of ``row``, its (first sample's) response before the model's second turn, and that
+    turn's tokens."""
+    names = ("prompt_ids", "prompt_length", "response_ids", "response_mask", "response_length")
+    got = made.read_region(row, row + 1, names)
     prompt = got["prompt_ids"][0, : got["prompt_length"][0]].tolist()
     n = int(np.asarray(got["response_length"]).reshape(-1)[0])
     ids = np.asarray(got["response_ids"]).reshape(-1)[:n].tolist()
@@ -74,8 +77,8 @@ def test_the_second_turn_after_a_tool_result_sees_the_prompts_image(tmp_path, vl
     from PIL import Image
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
-    photo = tool_run(tmp_path / "photo", vl_model, images["grace_hopper"])
-    prompt, before, second = turns(photo)
+    made = tool_run(tmp_path / "run", vl_model, images["grace_hopper"], images["noise"])
+    prompt, before, second = turns(made)
     assert second, "the model generated its second turn"
     processor = AutoImageProcessor.from_pretrained(vl_model)
     model = AutoModelForImageTextToText.from_pretrained(vl_model).eval()
@@ -84,8 +87,7 @@ def test_the_second_turn_after_a_tool_result_sees_the_prompts_image(tmp_path, vl
     expected, _ = generate_with_pixels(model, pixels, prompt + before, pad, len(second))
     assert second == expected
 
-    other = tool_run(tmp_path / "noise", vl_model, images["noise"])
-    assert turns(other)[2] != second, "another image changes the second turn: the model sees it"
+    assert turns(made, row=1)[2] != second, "another image changes the second turn: the model sees it"
 
 
 def followed(store, fmt: str) -> list:
@@ -96,7 +98,7 @@ def followed(store, fmt: str) -> list:
 def image_tool_run(tmp_path, model, prompt_image, tool_image, tool="show") -> GenerationStore:
     """:func:`tool_run` whose turn 0 calls the image tool ``tool`` with ``tool_image`` (two tool images at most)."""
     first = call(tool, path=str(tool_image))
-    return tool_run(tmp_path, model, prompt_image, first, NEW_TOKENS + 200, max_tool_images=2)
+    return tool_run(tmp_path, model, prompt_image, first=first, new_tokens=NEW_TOKENS + 200, max_tool_images=2)
 
 
 def test_an_image_a_tool_returns_is_stored_once_placed_in_the_context_and_seen(tmp_path, vl_model, images):  # noqa: F811

@@ -293,7 +293,7 @@ def test_a_slurm_cpu_job_preprocesses_the_images_for_the_engine_worker(tmp_path,
     from daskgen.worker.images import image_metrics
     from daskgen.worker.plugin import plugin_status
     from tests.conftest import run_cli, runs_cluster
-    from tests.test_images import QUESTION, first_answer, image_part, reference_generate, run_args, user, write_rows
+    from tests.test_images import QUESTION, answers, image_part, reference_generate, run_args, user, write_rows
 
     model, photo = build_tiny_vl_model(), sample_image_paths(tmp_path / "images")["grace_hopper"]
     cpu_job = {
@@ -325,4 +325,4 @@ def test_a_slurm_cpu_job_preprocesses_the_images_for_the_engine_worker(tmp_path,
     assert states[slurm_worker]["state"] == "preprocess" and metrics[slurm_worker]["images"] == 1, (states, metrics)
     (engine_worker,) = set(names) - {slurm_worker}
     assert metrics[engine_worker].get("images", 0) == 0, "the engine worker preprocessed nothing itself"
-    assert first_answer(out) == reference_generate(model, template_messages(rows[0]["messages"]), [photo], 6)[1]
+    assert answers(out, 1) == [reference_generate(model, template_messages(rows[0]["messages"]), [photo], 6)[1]]

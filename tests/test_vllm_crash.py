@@ -27,7 +27,7 @@ from tests.test_run import _wait_for_some_done, calls
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
-N = 40  # prompts: 10 partitions of 4, one at a time, so work is in flight whenever the kill lands
+N = 16  # prompts: 4 partitions of 4, one at a time: the kill lands once two are committed, with the third in flight
 CORE_NAME = "VLLM::EngineCor"  # vLLM's EngineCore process title, as the kernel truncates it
 
 
@@ -74,7 +74,7 @@ def test_engine_core_killed_mid_run_is_restarted_and_the_run_completes(tmp_path:
         *("--prompts", prompts, "--model", tiny_model_path(), "--store", out),
         *("--engine", "daskgen.testing.engines:RecordingEngine", "--engine-arg", "inner=vllm"),
         *("--engine-arg", f"log_path={log}", "--engine-arg", "dtype=float32", "--engine-arg", "max_model_len=2048"),
-        *("--n-samples", "2", "--max-new-tokens", "128", "--temperature", "1", "--seed", "3"),
+        *("--n-samples", "2", "--max-new-tokens", "64", "--temperature", "1", "--seed", "3"),
         *("--partition-size", "4", "--window", "1", "--max-retries", "3", "--n-workers", "1", "--no-progress"),
     )
     try:
