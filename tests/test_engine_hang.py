@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -49,25 +50,29 @@ def run_args(prompts: Path, out: Path, server: ServeProcess, *extra: str) -> lis
 
 
 @pytest.fixture(scope="module")
-def fault_free(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def served() -> Iterator[ServeProcess]:
+    """The module's ``transformers serve`` of the tiny model: the fault-free run's, then each test's (which freezes
+    it and wakes it again)."""
+    server = ServeProcess(tiny_model()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory: pytest.TempPathFactory, served: ServeProcess) -> tuple[Path, Path]:
     """The prompts and the store of a run that nothing interrupted."""
     folder = tmp_path_factory.mktemp("hang-reference")
     prompts, ref = write_prompts(folder / "p.jsonl", N), folder / "ref.zarr"
-    server = ServeProcess(tiny_model()).start()
-    try:
-        res = run_cli("run", *run_args(prompts, ref, server), timeout=300)
-    finally:
-        server.stop()
+    res = run_cli("run", *run_args(prompts, ref, served), timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     return prompts, ref
 
 
 @pytest.fixture
-def server():
-    """A ``transformers serve`` of this test's own (it gets frozen); stopped, woken first, at the end."""
-    served = ServeProcess(tiny_model()).start()
+def server(served: ServeProcess) -> Iterator[ServeProcess]:
+    """The module's server for a test that freezes it; woken at the end whatever the test did."""
     yield served
-    served.stop()
+    served.send(signal.SIGCONT)
 
 
 def freeze_once_some_are_done(server: ServeProcess, out: Path, proc: subprocess.Popen) -> dict[str, np.ndarray]:
