@@ -24,6 +24,7 @@ from daskgen.engines.transformers import TransformersEngine
 from daskgen.store.fingerprint import digest_number
 from daskgen.store.policy import read_versions, read_worker_policies, write_worker_policy
 from daskgen.store.tools.verify import verify
+from daskgen.testing.harness import EventLoopThread
 from daskgen.testing.probes import read_events, row_of
 from daskgen.worker.refresh import PolicyRefresher
 from tests.conftest import popen_cli, write_prompts
@@ -45,18 +46,41 @@ def new_policy(tmp_path_factory):
 
 def greedy(model, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
     """Each prompt's greedy answer from the checkpoint ``model``, loaded in this process."""
+    with GreedyReference() as reference:
+        return reference.answers(model, prompts, params)
 
-    async def answers():
-        engine = TransformersEngine(str(model))
-        await engine.start()
+
+class GreedyReference:
+    """Greedy answers from checkpoints loaded in this process, each loaded once (when first asked) and kept until the
+    ``with`` block ends: one engine start per checkpoint however many prompts are asked of it, and when."""
+
+    def __init__(self) -> None:
+        self.runner = EventLoopThread()
+        self.engines: dict[str, TransformersEngine] = {}
+
+    def __enter__(self) -> GreedyReference:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         try:
-            return [
-                (await engine.generate(GenerationRequest(f"g{i}", p, params))).output_ids for i, p in enumerate(prompts)
-            ]
+            for engine in self.engines.values():
+                self.runner.run(engine.shutdown(), 120)
         finally:
-            await engine.shutdown()
+            self.runner.close()
 
-    return asyncio.run(answers())
+    def answers(self, model, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Each prompt's greedy answer from the checkpoint ``model``, one request after the other."""
+        return self.runner.run(self._answers(str(model), prompts, params), 600)
+
+    async def _answers(self, model: str, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        if model not in self.engines:
+            engine = TransformersEngine(model)
+            await engine.start()
+            self.engines[model] = engine
+        engine = self.engines[model]
+        return [
+            (await engine.generate(GenerationRequest(f"g{i}", p, params))).output_ids for i, p in enumerate(prompts)
+        ]
 
 
 @pytest.mark.proves("transformers", "refresh")  # the probe engine passes the refresh to its inner engine

@@ -31,7 +31,7 @@ from daskgen.testing.probes import in_flight_after, read_events, row_of
 from tests.conftest import REPO, cli_env, popen_cli, run_cli, write_prompts
 from tests.probing import wait_for_arrival
 from tests.test_follow_processes import events, wait_until
-from tests.test_policy_refresh import greedy
+from tests.test_policy_refresh import GreedyReference
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -186,14 +186,15 @@ def check_versions_exact(out: Path, base: Path, refresh: str, stopped_rows: set[
         assert continued.size, "no request was carried across a refresh"
     prompts = [got["prompt_ids"][r, : got["prompt_length"][r]].tolist() for r in range(N_PROMPTS)]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
-    answers = {v: greedy(paths[v], prompts, params) for v in used}
-    for r in range(N_PROMPTS):
-        response, k = got["response_ids"][r, 0, : length[r]].tolist(), int(changed[r])
-        expected = answers[first[r]][r]
-        if k > 0:
-            rest = SamplingParams(max_new_tokens=NEW_TOKENS - k, temperature=0.0)
-            expected = expected[:k] + greedy(paths[last[r]], [prompts[r] + expected[:k]], rest)[0]
-        assert response == expected, (r, first[r], last[r], k)
+    with GreedyReference() as reference:
+        answers = {v: reference.answers(paths[v], prompts, params) for v in used}
+        for r in range(N_PROMPTS):
+            response, k = got["response_ids"][r, 0, : length[r]].tolist(), int(changed[r])
+            expected = answers[first[r]][r]
+            if k > 0:
+                rest = SamplingParams(max_new_tokens=NEW_TOKENS - k, temperature=0.0)
+                expected = expected[:k] + reference.answers(paths[last[r]], [prompts[r] + expected[:k]], rest)[0]
+            assert response == expected, (r, first[r], last[r], k)
     assert len({json.dumps(a) for a in answers.values()}) == len(used), "the probe tells every version apart"
     return set(used)
 
