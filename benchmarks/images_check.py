@@ -113,35 +113,24 @@ async def sglang_sides(
     outputs and expanded prompt lengths."""
     from daskgen.engines import get_engine_class
 
-    requests = daskgen_requests(model, cases, max_new)
-    engine = get_engine_class("sglang")(model, **args)
-    await engine.start()
-    try:
+    raw: list[dict[str, Any]] = []
+
+    async def raw_side(engine: Any) -> None:
         backend = engine.backend
         sampling = {"max_new_tokens": max_new, "temperature": 0.0}
-        raw = await asyncio.gather(
-            *(
-                asyncio.wrap_future(
-                    backend.submit(
-                        backend.generate(
-                            f"raw-{i}",
-                            {"input_ids": case.ids, "image_data": [str(case.path)], "sampling_params": sampling},
-                        )
-                    )
-                )
-                for i, case in enumerate(cases)
-            )
-        )
+
+        async def one(i: int, case: Case) -> dict[str, Any]:
+            fields = {"input_ids": case.ids, "image_data": [str(case.path)], "sampling_params": sampling}
+            return await asyncio.wrap_future(backend.submit(backend.generate(f"raw-{i}", fields)))
+
+        raw.extend(await asyncio.gather(*(one(i, case) for i, case in enumerate(cases))))
         if not await asyncio.wrap_future(backend.submit(backend.flush_cache(120.0))):
             raise SystemExit("images step: sglang did not drop its prefix cache between the two sides")
-        ours = await asyncio.gather(*(engine.generate(r) for r in requests))
-    finally:
-        await engine.shutdown()
-    errors = [r.error for r in ours if r.error]
-    if errors:
-        raise SystemExit(f"images step: {len(errors)} requests failed, e.g. {errors[0]}")
-    raw_side = ([list(o["output_ids"]) for o in raw], [int(o["meta_info"]["prompt_tokens"]) for o in raw])
-    return raw_side, ([r.output_ids for r in ours], [len(r.prompt_ids) for r in requests])
+
+    requests = daskgen_requests(model, cases, max_new)
+    ours = await generate_all(get_engine_class("sglang")(model, **args), requests, "images step", first=raw_side)
+    raw_side_out = ([list(o["output_ids"]) for o in raw], [int(o["meta_info"]["prompt_tokens"]) for o in raw])
+    return raw_side_out, ([r.output_ids for r in ours], [len(r.prompt_ids) for r in requests])
 
 
 def images_check(

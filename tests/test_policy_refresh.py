@@ -177,12 +177,13 @@ def test_continue_carries_a_request_onto_the_new_weights(tiny_model, new_policy,
     k = second[0]
     assert first == (0, 0) and second[1] == 1 and 4 <= k < n and len(result.output_ids) == n
     assert (loaded.state, loaded.interrupted, loaded.interrupted_tokens) == ("running", 1, len(prompt) + k)
-    assert result.output_ids[:k] == greedy(tiny_model, [prompt], params)[0][:k]
     rest = SamplingParams(max_new_tokens=n - k, temperature=0.0, min_new_tokens=n - k)
-    assert result.output_ids[k:] == greedy(new_policy, [prompt + result.output_ids[:k]], rest)[0]
+    with GreedyReference() as reference:
+        assert result.output_ids[:k] == reference.answers(tiny_model, [prompt], params)[0][:k]
+        assert result.output_ids[k:] == reference.answers(new_policy, [prompt + result.output_ids[:k]], rest)[0]
+        assert after.output_ids == reference.answers(new_policy, [prompt], params)[0]  # still on version 1
     assert refresher.version == 1 and "loading policy version 2 failed" in errors[-1] and "RefreshError" in errors[-1]
     assert after.meta["policy_versions"] == [(0, 1)]
-    assert after.output_ids == greedy(new_policy, [prompt], params)[0]  # still on version 1
     assert read_worker_policies(store.locate(out))[0].state == "failed"
     write_worker_policy(store.locate(out), loaded)  # status shows it (the failed load of version 2 replaced it)
     assert f" to end); 1 requests continued, {len(prompt) + k:,} tokens to prefill again" in daskgen_status(out)
