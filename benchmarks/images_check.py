@@ -5,11 +5,12 @@ Each prompt asks about one generated image (:func:`daskgen.testing.images.write_
 deterministic) through the model's chat template, which renders an image content part as one placeholder.
 daskgen's side preprocesses each image with :class:`daskgen.images.processor.ImageProcessing` (the model folder's
 image processor), expands its placeholder (:func:`daskgen.input.image_tokens.expand`) and sends every request to
-daskgen's engine at once, as a worker does.  The raw side is ``vllm.LLM`` (a ``TokensPrompt`` with one placeholder
-per image and the image in ``multi_modal_data``) or sglang's ``Engine.async_generate`` (``input_ids`` with one
-placeholder per image and the image file in ``image_data``): each runs the model's processor itself.  sglang's raw
-side runs on the ``sglang.Engine`` daskgen's engine started, its prefix cache dropped before daskgen's requests (one
-engine start instead of two); vLLM's is an engine of its own.  Greedy decoding on both sides.
+daskgen's engine at once, as a worker does.  The raw side runs first, on the ``sglang.Engine`` or vLLM ``AsyncLLM``
+daskgen's engine started, given the same images its own way: vLLM's ``AsyncLLM.generate`` (the prompt ids with one
+placeholder per image and the image in ``multi_modal_data``) or sglang's ``Engine.async_generate`` (the ids with one
+placeholder per image and the image file in ``image_data``); each runs the model's processor itself.  The engine's
+caches (prefix, and vLLM's processed-image and encoder caches) are dropped between the sides, so no answer of
+daskgen's side can come from the raw side's work.  Greedy decoding on both sides.
 Reported: how many outputs agree token for token, and how many prompts the raw engine expanded to the length of
 daskgen's expanded prompt (a wrong placeholder count, or another processor setting, shows there first).
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common.engine_batch import generate_all
+from benchmarks.common.engine_batch import drop_caches, generate_all, on_native, vllm_outputs
 
 
 @dataclass(frozen=True)
@@ -71,79 +72,54 @@ def daskgen_requests(model: str, cases: list[Case], max_new: int) -> list[Any]:
     return requests
 
 
-async def daskgen_side(
-    engine_name: str, model: str, args: dict[str, Any], cases: list[Case], max_new: int
-) -> tuple[list[list[int]], list[int]]:
-    """Greedy outputs of daskgen's engine and the length of each expanded prompt."""
-    from daskgen.engines import get_engine_class
-
-    requests = daskgen_requests(model, cases, max_new)
-    results = await generate_all(get_engine_class(engine_name)(model, **args), requests, "images step")
-    return [r.output_ids for r in results], [len(r.prompt_ids) for r in requests]
+async def raw_sglang(native: Any, cases: list[Case], max_new: int) -> tuple[list[list[int]], list[int]]:
+    """sglang's ``Engine.async_generate`` with each image file in ``image_data``: outputs and expanded lengths."""
+    sampling = {"max_new_tokens": max_new, "temperature": 0.0}
+    outputs = await asyncio.gather(
+        *(native.async_generate(input_ids=c.ids, image_data=[str(c.path)], sampling_params=sampling) for c in cases)
+    )
+    return [list(o["output_ids"]) for o in outputs], [int(o["meta_info"]["prompt_tokens"]) for o in outputs]
 
 
-def raw_vllm(
-    model: str, args: dict[str, Any], cases: list[Case], max_new: int, cuda: bool
-) -> tuple[list[list[int]], list[int]]:
-    """Raw ``vllm.LLM`` with each image in ``multi_modal_data``: outputs and expanded prompt lengths."""
+async def raw_vllm(native: Any, cases: list[Case], max_new: int) -> tuple[list[list[int]], list[int]]:
+    """vLLM's ``AsyncLLM.generate`` with each image in ``multi_modal_data``: outputs and expanded prompt lengths."""
     from PIL import Image
-    from vllm import LLM
     from vllm import SamplingParams as VLLMSamplingParams
 
-    from daskgen.engines.vllm.args import launch_kwargs
-
-    llm = LLM(**launch_kwargs(model, args, cuda_available=cuda))
-    try:
-        prompts = [
-            {"prompt_token_ids": case.ids, "multi_modal_data": {"image": Image.open(case.path).convert("RGB")}}
-            for case in cases
-        ]
-        params = VLLMSamplingParams(max_tokens=max_new, temperature=0.0, detokenize=False)
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    prompts = [
+        {"prompt_token_ids": case.ids, "multi_modal_data": {"image": Image.open(case.path).convert("RGB")}}
+        for case in cases
+    ]
+    params = VLLMSamplingParams(max_tokens=max_new, temperature=0.0, detokenize=False)
+    outputs = await vllm_outputs(native, prompts, params)
     return [list(o.outputs[0].token_ids) for o in outputs], [len(o.prompt_token_ids) for o in outputs]
 
 
-async def sglang_sides(
-    model: str, args: dict[str, Any], cases: list[Case], max_new: int
+async def both_sides(
+    engine_name: str, model: str, args: dict[str, Any], cases: list[Case], max_new: int
 ) -> tuple[tuple[list[list[int]], list[int]], tuple[list[list[int]], list[int]]]:
-    """Both sides on one sglang engine: the raw side (``image_data`` files through ``async_generate``) on the
-    ``sglang.Engine`` daskgen's engine started, then, with the prefix cache dropped, daskgen's requests; each side's
-    outputs and expanded prompt lengths."""
+    """Both sides on one engine: the raw side on the ``sglang.Engine``/``AsyncLLM`` daskgen's engine started, then,
+    with the engine's caches dropped, daskgen's requests; each side's outputs and expanded prompt lengths."""
     from daskgen.engines import get_engine_class
 
-    raw: list[dict[str, Any]] = []
+    raw_call = raw_sglang if engine_name == "sglang" else raw_vllm
+    raw: list[tuple[list[list[int]], list[int]]] = []
 
     async def raw_side(engine: Any) -> None:
-        backend = engine.backend
-        sampling = {"max_new_tokens": max_new, "temperature": 0.0}
-
-        async def one(i: int, case: Case) -> dict[str, Any]:
-            fields = {"input_ids": case.ids, "image_data": [str(case.path)], "sampling_params": sampling}
-            return await asyncio.wrap_future(backend.submit(backend.generate(f"raw-{i}", fields)))
-
-        raw.extend(await asyncio.gather(*(one(i, case) for i, case in enumerate(cases))))
-        if not await asyncio.wrap_future(backend.submit(backend.flush_cache(120.0))):
-            raise SystemExit("images step: sglang did not drop its prefix cache between the two sides")
+        raw.append(await on_native(engine, lambda native: raw_call(native, cases, max_new)))
+        await drop_caches(engine, "images step")
 
     requests = daskgen_requests(model, cases, max_new)
-    ours = await generate_all(get_engine_class("sglang")(model, **args), requests, "images step", first=raw_side)
-    raw_side_out = ([list(o["output_ids"]) for o in raw], [int(o["meta_info"]["prompt_tokens"]) for o in raw])
-    return raw_side_out, ([r.output_ids for r in ours], [len(r.prompt_ids) for r in requests])
+    engine = get_engine_class(engine_name)(model, **args)
+    ours = await generate_all(engine, requests, "images step", first=raw_side)
+    return raw[0], ([r.output_ids for r in ours], [len(r.prompt_ids) for r in requests])
 
 
-def images_check(
-    engine_name: str, model: str, args: dict[str, Any], n: int, max_new: int, cuda: bool = True
-) -> dict[str, Any]:
+def images_check(engine_name: str, model: str, args: dict[str, Any], n: int, max_new: int) -> dict[str, Any]:
     """Run the comparison (see the module docstring), print it and return the counts."""
     with tempfile.TemporaryDirectory(prefix="daskgen-images-check-") as folder:
         cases = image_cases(model, Path(folder), n)
-        if engine_name == "vllm":
-            raw, raw_lengths = raw_vllm(model, args, cases, max_new, cuda)
-            ours, our_lengths = asyncio.run(daskgen_side(engine_name, model, args, cases, max_new))
-        else:
-            (raw, raw_lengths), (ours, our_lengths) = asyncio.run(sglang_sides(model, args, cases, max_new))
+        (raw, raw_lengths), (ours, our_lengths) = asyncio.run(both_sides(engine_name, model, args, cases, max_new))
     agree = sum(a == b for a, b in zip(raw, ours, strict=True))
     same_length = sum(a == b for a, b in zip(raw_lengths, our_lengths, strict=True))
     print(f"images: greedy outputs identical on both sides: {agree}/{n}")

@@ -1,12 +1,14 @@
-"""Validate an in-process engine on a GPU: raw ``sglang.Engine``/``vllm.LLM`` vs daskgen's engine.
+"""Validate an in-process engine on a GPU: the raw ``sglang.Engine``/vLLM ``AsyncLLM`` vs daskgen's engine.
 
 Both sides get the same token-id prompts and greedy decoding; each side's generated tokens per
 second (model load and a warm-up batch excluded) and their ratio are printed, plus how many
-outputs agree token for token.  The raw side submits all prompts in one ``generate`` call
-(sglang's or vLLM's offline best case); the daskgen side submits each prompt as its own request
-through :class:`daskgen.engines.sglang.SGLangEngine` or :class:`daskgen.engines.vllm.VLLMEngine`
-(the path a Dask worker uses), all at once.  The engines run one after the other in this
-process, so they never share the GPU.
+outputs agree token for token.  Both sides run on one engine: daskgen's
+:class:`daskgen.engines.sglang.SGLangEngine` or :class:`daskgen.engines.vllm.VLLMEngine` is started,
+and the raw side drives the ``sglang.Engine`` or ``AsyncLLM`` it holds with the engine's own API: sglang's one
+batched ``async_generate`` call (its offline best case), vLLM's ``AsyncLLM.generate`` with every prompt submitted
+at once.  The engine's caches are then dropped (prefix, and vLLM's processed-image and encoder caches), and
+daskgen's side submits each prompt as its own request (the path a Dask worker uses), all at once.  So both sides
+have exactly the same engine settings, and the sides run one after the other, never sharing the GPU.
 
     python benchmarks/validate_gpu.py --model /path/to/hf-model                  # sglang
     python benchmarks/validate_gpu.py --engine vllm --model /path/to/hf-model
@@ -40,6 +42,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Awaitable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -120,90 +123,71 @@ def make_prompts(model: str, n: int, length: int) -> list[list[int]]:
     return [[low + (i * 7919 + j * 104729) % span for j in range(length)] for i in range(n)]
 
 
-def full_launch_args(model: str, args: dict[str, Any]) -> dict[str, Any]:
-    """The raw side's ``sglang.Engine`` kwargs: exactly what daskgen would pass."""
-    from daskgen.engines.sglang.args import check_engine_args, launch_kwargs
-
-    kwargs = launch_kwargs(model, args, cuda_available=args["device"] == "cuda")
-    check_engine_args({k: v for k, v in kwargs.items() if k != "model_path"})
-    return kwargs
+async def raw_sglang(native: Any, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """sglang's own offline path: one batched ``async_generate`` call on the ``sglang.Engine``."""
+    params = {"max_new_tokens": max_new, "temperature": 0.0}
+    outputs = await native.async_generate(input_ids=prompts, sampling_params=params)
+    return [list(o["output_ids"]) for o in outputs]
 
 
-def run_raw(
-    model: str, args: dict[str, Any], prompts: list[list[int]], warmup: list[list[int]], max_new: int
-) -> tuple[Side, list[list[int]]]:
-    """Raw ``sglang.Engine``: one batched ``generate`` call."""
-    import sglang
-
-    engine = sglang.Engine(**full_launch_args(model, args))
-    try:
-        params = {"max_new_tokens": max_new, "temperature": 0.0}
-        engine.generate(input_ids=warmup, sampling_params=params)
-        start = time.perf_counter()
-        outputs = engine.generate(input_ids=prompts, sampling_params=params)
-        seconds = time.perf_counter() - start
-    finally:
-        engine.shutdown()
-    tokens = [list(o["output_ids"]) for o in outputs]
-    return Side("raw sglang.Engine", len(prompts), sum(map(len, tokens)), seconds), tokens
-
-
-def run_raw_vllm(
-    model: str, args: dict[str, Any], prompts: list[list[int]], warmup: list[list[int]], max_new: int, cuda: bool
-) -> tuple[Side, list[list[int]]]:
-    """Raw ``vllm.LLM`` (offline, batched): one ``generate`` call with exactly daskgen's engine args."""
-    from vllm import LLM
+async def raw_vllm(native: Any, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """vLLM's own ``AsyncLLM.generate``, every prompt submitted at once."""
     from vllm import SamplingParams as VLLMSamplingParams
-    from vllm.inputs import TokensPrompt
 
-    from daskgen.engines.vllm.args import launch_kwargs
+    from benchmarks.common.engine_batch import vllm_outputs
 
-    llm = LLM(**launch_kwargs(model, args, cuda_available=cuda))
-    try:
-        params = VLLMSamplingParams(max_tokens=max_new, temperature=0.0, detokenize=False)
-        llm.generate([TokensPrompt(prompt_token_ids=p) for p in warmup], params, use_tqdm=False)
-        start = time.perf_counter()
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    return Side("raw vllm.LLM", len(prompts), sum(map(len, tokens)), seconds), tokens
+    params = VLLMSamplingParams(max_tokens=max_new, temperature=0.0, detokenize=False)
+    outputs = await vllm_outputs(native, [{"prompt_token_ids": p} for p in prompts], params)
+    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-async def run_daskgen(
-    model: str,
-    args: dict[str, Any],
-    prompts: list[list[int]],
-    warmup: list[list[int]],
-    max_new: int,
-    engine_name: str = "sglang",
-) -> tuple[Side, list[list[int]]]:
-    """daskgen's engine (``SGLangEngine`` or ``VLLMEngine``): one request per prompt, all submitted at once."""
+RAW_SIDES = {"sglang": ("raw sglang.Engine", raw_sglang), "vllm": ("raw vllm AsyncLLM", raw_vllm)}
+
+
+async def timed(batch: Awaitable[list[list[int]]]) -> tuple[list[list[int]], float]:
+    """``batch``'s outputs and the seconds it took."""
+    start = time.perf_counter()
+    tokens = await batch
+    return tokens, time.perf_counter() - start
+
+
+async def run_sides(
+    engine_name: str, model: str, args: dict[str, Any], prompts: list[list[int]], warmup: list[list[int]], max_new: int
+) -> tuple[tuple[Side, list[list[int]]], tuple[Side, list[list[int]]]]:
+    """Both sides on one engine: daskgen's (``SGLangEngine`` or ``VLLMEngine``) is started, the raw side runs on the
+    ``sglang.Engine``/``AsyncLLM`` it holds, the engine's caches are dropped, then daskgen's side sends one request
+    per prompt, all at once.  Each side warms up first; the model load is not timed."""
+    from benchmarks.common.engine_batch import drop_caches, on_native
     from daskgen.engines import get_engine_class
     from daskgen.engines.base import GenerationRequest, SamplingParams
 
-    engine_class = get_engine_class(engine_name)
-    engine = engine_class(model, **args)
+    engine = get_engine_class(engine_name)(model, **args)
+    raw_name, raw_call = RAW_SIDES[engine_name]
     params = SamplingParams(max_new_tokens=max_new, temperature=0.0)
 
-    async def batch(tag: str, batch_prompts: list[list[int]]) -> list[Any]:
-        requests = [GenerationRequest(f"{tag}-{i}", p, params) for i, p in enumerate(batch_prompts)]
-        return list(await asyncio.gather(*(engine.generate(r) for r in requests)))
+    async def raw(batch: list[list[int]]) -> list[list[int]]:
+        return await on_native(engine, lambda native: raw_call(native, batch, max_new))
+
+    async def ours(tag: str, batch: list[list[int]]) -> list[list[int]]:
+        requests = [GenerationRequest(f"{tag}-{i}", p, params) for i, p in enumerate(batch)]
+        results = await asyncio.gather(*(engine.generate(r) for r in requests))
+        errors = [r.error for r in results if r.error]
+        if errors:
+            raise SystemExit(f"daskgen side: {len(errors)} requests failed, e.g. {errors[0]}")
+        return [r.output_ids for r in results]
 
     await engine.start()
     try:
-        await batch("warmup", warmup)
-        start = time.perf_counter()
-        results = await batch("p", prompts)
-        seconds = time.perf_counter() - start
+        await raw(warmup)
+        raw_tokens, raw_seconds = await timed(raw(prompts))
+        await drop_caches(engine, "validate_gpu")
+        await ours("warmup", warmup)
+        our_tokens, our_seconds = await timed(ours("p", prompts))
     finally:
         await engine.shutdown()
-    errors = [r.error for r in results if r.error]
-    if errors:
-        raise SystemExit(f"daskgen side: {len(errors)} requests failed, e.g. {errors[0]}")
-    tokens = [r.output_ids for r in results]
-    return Side(f"daskgen {engine_class.__name__}", len(prompts), sum(map(len, tokens)), seconds), tokens
+    raw_side = Side(raw_name, len(prompts), sum(map(len, raw_tokens)), raw_seconds)
+    our_side = Side(f"daskgen {type(engine).__name__}", len(prompts), sum(map(len, our_tokens)), our_seconds)
+    return (raw_side, raw_tokens), (our_side, our_tokens)
 
 
 def report(raw: Side, ours: Side, agree: int, n: int) -> dict[str, Any]:
@@ -239,11 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     args = engine_args(a.engine_arg, a.device if a.engine == "sglang" else None)  # vLLM picks its device
     prompts = make_prompts(a.model, a.n_prompts, a.prompt_len)
     warmup = make_prompts(a.model, a.n_prompts + 8, a.prompt_len)[-8:]
-    if a.engine == "vllm":
-        raw, raw_tokens = run_raw_vllm(a.model, args, prompts, warmup, a.max_new_tokens, a.device == "cuda")
-    else:
-        raw, raw_tokens = run_raw(a.model, args, prompts, warmup, a.max_new_tokens)
-    ours, our_tokens = asyncio.run(run_daskgen(a.model, args, prompts, warmup, a.max_new_tokens, a.engine))
+    (raw, raw_tokens), (ours, our_tokens) = asyncio.run(
+        run_sides(a.engine, a.model, args, prompts, warmup, a.max_new_tokens)
+    )
     agree = sum(x == y for x, y in zip(raw_tokens, our_tokens, strict=True))
     result = report(raw, ours, agree, len(prompts))
     result.update(
@@ -266,9 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.images:
         from images_check import images_check
 
-        result["images"] = images_check(
-            a.engine, a.model, args, min(a.n_prompts, 16), min(a.max_new_tokens, 32), a.device == "cuda"
-        )
+        result["images"] = images_check(a.engine, a.model, args, min(a.n_prompts, 16), min(a.max_new_tokens, 32))
     if a.json:
         a.json.write_text(json.dumps(result, indent=2))
     return 0

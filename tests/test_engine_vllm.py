@@ -400,9 +400,15 @@ class TestVLLMConformance(_SharedVLLM, EngineConformance):
 
     def test_shutdown_is_idempotent(self) -> None:
         """The suite's check, plus: shutting the shared engine down ends vLLM's processes (``VLLM::*`` and theirs),
-        and a process vLLM did not start survives."""
+        a process vLLM did not start survives, and nothing keeps the shut-down ``AsyncLLM`` alive (reading its
+        tokenizer's ids at start can import a module for the first time, and an import can keep the frames that ran
+        it)."""
+        import gc
+        import weakref
+
         import psutil
 
+        llm = weakref.ref(self.engine.async_llm)
         bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(900)"])
         try:
             vllms = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")]
@@ -412,6 +418,8 @@ class TestVLLMConformance(_SharedVLLM, EngineConformance):
             _, alive = psutil.wait_procs(engine_processes, timeout=30)
             assert not alive, alive
             assert bystander.poll() is None, "shutdown killed a process vllm did not start"
+            gc.collect()
+            assert llm() is None, [type(r) for r in gc.get_referrers(llm())]
         finally:
             bystander.kill()
             bystander.wait()
@@ -572,7 +580,7 @@ def test_validate_gpu_script_runs(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]
     result = json.loads(out.read_text())
     print(res.stdout)
-    assert result["engine"] == "vllm" and result["raw"]["name"] == "raw vllm.LLM"
+    assert result["engine"] == "vllm" and result["raw"]["name"] == "raw vllm AsyncLLM"
     assert result["raw"]["output_tokens"] > 0 and result["daskgen"]["output_tokens"] > 0
     assert result["ratio"] > 0 and result["identical_outputs"] >= 15, result
 

@@ -489,5 +489,5 @@ def test_the_gpu_validation_images_step_agrees_with_the_raw_engine(engine, famil
     if engine == "sglang":
         monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")  # as validate_gpu.py --device cpu sets it
     model = str(build_tiny_vl_model(family=family))
-    result = images_check(engine, model, dict(STEP_ARGS[engine]), n=4, max_new=6, cuda=False)
+    result = images_check(engine, model, dict(STEP_ARGS[engine]), n=4, max_new=6)
     assert result == {"prompts": 4, "identical_outputs": 4, "same_prompt_length": 4}, result

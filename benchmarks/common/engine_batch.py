@@ -1,12 +1,16 @@
-"""One batch of requests through a daskgen engine, as the GPU validation steps run them.
+"""One batch of requests through a daskgen engine, as the GPU validation steps run them, and the raw engine
+beneath it.
 
 The engine is started, every request submitted at once (as a worker submits a partition's), and shut down; a
-failed request stops the step, naming it.
+failed request stops the step, naming it.  A step that compares daskgen with the raw engine runs the raw side on
+the engine daskgen started (:func:`on_native`: the ``sglang.Engine`` or vLLM ``AsyncLLM`` it holds), then drops
+the engine's caches (:func:`drop_caches`) so that no answer of daskgen's side can come from the raw side's work.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -28,3 +32,41 @@ async def generate_all(
     if errors:
         raise SystemExit(f"{step}: {len(errors)} requests failed, e.g. {errors[0]}")
     return list(results)
+
+
+async def on_native(engine: Any, work: Callable[[Any], Awaitable[Any]]) -> Any:
+    """Await ``work(native)`` on the loop of daskgen's started in-process ``engine`` (``sglang`` or ``vllm``), where
+    ``native`` lives: the ``sglang.Engine`` or the vLLM ``AsyncLLM`` it started."""
+    if engine.name == "sglang":
+        backend = engine.backend
+        return await asyncio.wrap_future(backend.submit(work(backend.engine)))
+    return await engine.on_engine_loop(work)
+
+
+async def drop_caches(engine: Any, step: str) -> None:
+    """Drop what ``engine`` (``sglang`` or ``vllm``) keeps from earlier requests: its prefix cache, and vLLM's
+    processed-image and encoder caches; ``SystemExit`` naming ``step`` when sglang would not."""
+
+    async def drop(native: Any) -> bool:
+        if engine.name == "sglang":
+            return bool((await native.tokenizer_manager.flush_cache(timeout_s=120.0)).success)
+        await native.reset_mm_cache()
+        await native.reset_encoder_cache()
+        return bool(await native.reset_prefix_cache())
+
+    if not await on_native(engine, drop):
+        raise SystemExit(f"{step}: the engine did not drop its prefix cache between the two sides")
+
+
+_RAW_IDS = itertools.count()
+
+
+async def vllm_outputs(native: Any, prompts: Sequence[Any], params: Any) -> list[Any]:
+    """The final ``RequestOutput`` of each of ``prompts`` (vLLM prompt dicts) on the vLLM ``AsyncLLM`` ``native``,
+    every prompt submitted at once through its own ``generate`` (run it on the engine's loop: :func:`on_native`)."""
+
+    async def one(prompt: Any) -> Any:
+        outputs = [out async for out in native.generate(prompt, params, f"raw-{next(_RAW_IDS)}")]
+        return outputs[-1]
+
+    return list(await asyncio.gather(*(one(p) for p in prompts)))

@@ -67,8 +67,9 @@ import asyncio
 import contextlib
 import logging
 import subprocess
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from daskgen.engines.base import GenerationRequest, GenerationResult, aborted_result, error_result, started
 from daskgen.engines.inprocess import InProcessEngine, LoopThread, cuda_available
@@ -84,6 +85,7 @@ from daskgen.errors import ConfigError, EngineError, RefreshError
 __all__ = ["TESTED_VLLM_VERSION", "VLLMEngine"]
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 #: The vllm release this engine is tested against (CPU lane, ``.ci/vllm-env.sh``).
 TESTED_VLLM_VERSION = "0.32.0"
@@ -100,12 +102,20 @@ def _create_async_llm(kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
 
     check_engine_args({k: v for k, v in kwargs.items() if k != "model"})
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-    config = llm.vllm_config
+    try:
+        return llm, _engine_info(vllm.__version__, llm.vllm_config, llm.tokenizer)
+    finally:
+        # Reading the tokenizer's ids can import a module for the first time in the process, and an import can keep
+        # the frames that ran it (and their locals) alive: this frame must not keep the engine after its shutdown.
+        del llm
+
+
+def _engine_info(version: str, config: Any, tokenizer: Any) -> dict[str, Any]:
+    """What daskgen needs from a started engine's config and tokenizer (see :attr:`VLLMEngine.info`)."""
     model_config = config.model_config
-    tokenizer = llm.tokenizer
     eos = getattr(tokenizer, "eos_token_id", None)
-    info = {
-        "vllm_version": vllm.__version__,
+    return {
+        "vllm_version": version,
         "dtype": str(model_config.dtype).removeprefix("torch."),
         "max_model_len": int(model_config.max_model_len),
         "vocab_size": int(model_config.get_vocab_size()),
@@ -115,7 +125,6 @@ def _create_async_llm(kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         "eos_token_ids": [int(eos)] if isinstance(eos, int) else [],
         "bos_token_id": getattr(tokenizer, "bos_token_id", None),
     }
-    return llm, info
 
 
 # --------------------------------------------------------------------------- the engine
@@ -313,6 +322,12 @@ class VLLMEngine(InProcessEngine):
     def async_llm(self) -> Any:
         """The running ``vllm.AsyncLLM`` (``None`` before start and after shutdown)."""
         return self._llm
+
+    async def on_engine_loop(self, work: Callable[[Any], Coroutine[Any, Any, _T]]) -> _T:
+        """Await ``work(async_llm)`` on the engine's own loop, where the ``AsyncLLM`` lives: for code that drives
+        vLLM itself beside daskgen's requests (the GPU validation's raw side runs on the engine daskgen started)."""
+        thread, llm = started(self.name, self._thread), started(self.name, self._llm)
+        return await asyncio.wrap_future(thread.submit(work(llm)))
 
     @property
     def sleep_supported(self) -> bool:
