@@ -157,7 +157,7 @@ async def run_sides(
     """Both sides on one engine: daskgen's (``SGLangEngine`` or ``VLLMEngine``) is started, the raw side runs on the
     ``sglang.Engine``/``AsyncLLM`` it holds, the engine's caches are dropped, then daskgen's side sends one request
     per prompt, all at once.  Each side warms up first; the model load is not timed."""
-    from benchmarks.common.engine_batch import drop_caches, on_native
+    from benchmarks.common.engine_batch import drop_caches, on_native, succeeded
     from daskgen.engines import get_engine_class
     from daskgen.engines.base import GenerationRequest, SamplingParams
 
@@ -171,10 +171,7 @@ async def run_sides(
     async def ours(tag: str, batch: list[list[int]]) -> list[list[int]]:
         requests = [GenerationRequest(f"{tag}-{i}", p, params) for i, p in enumerate(batch)]
         results = await asyncio.gather(*(engine.generate(r) for r in requests))
-        errors = [r.error for r in results if r.error]
-        if errors:
-            raise SystemExit(f"daskgen side: {len(errors)} requests failed, e.g. {errors[0]}")
-        return [r.output_ids for r in results]
+        return [r.output_ids for r in succeeded(results, "daskgen side")]
 
     await engine.start()
     try:

@@ -28,6 +28,11 @@ async def generate_all(
         results = await asyncio.gather(*(engine.generate(r) for r in requests))
     finally:
         await engine.shutdown()
+    return succeeded(results, step)
+
+
+def succeeded(results: Sequence[Any], step: str) -> list[Any]:
+    """``results`` when none failed; else ``SystemExit`` naming ``step`` and the first error."""
     errors = [r.error for r in results if r.error]
     if errors:
         raise SystemExit(f"{step}: {len(errors)} requests failed, e.g. {errors[0]}")
