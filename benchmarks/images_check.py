@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common.engine_batch import drop_caches, generate_all, on_native, vllm_outputs
+from benchmarks.common.engine_batch import drop_caches, generate_all, vllm_outputs
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ async def both_sides(
     raw: list[tuple[list[list[int]], list[int]]] = []
 
     async def raw_side(engine: Any) -> None:
-        raw.append(await on_native(engine, lambda native: raw_call(native, cases, max_new)))
+        raw.append(await engine.on_engine_loop(lambda native: raw_call(native, cases, max_new)))
         await drop_caches(engine, "images step")
 
     requests = daskgen_requests(model, cases, max_new)

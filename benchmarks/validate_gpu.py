@@ -157,7 +157,7 @@ async def run_sides(
     """Both sides on one engine: daskgen's (``SGLangEngine`` or ``VLLMEngine``) is started, the raw side runs on the
     ``sglang.Engine``/``AsyncLLM`` it holds, the engine's caches are dropped, then daskgen's side sends one request
     per prompt, all at once.  Each side warms up first; the model load is not timed."""
-    from benchmarks.common.engine_batch import drop_caches, on_native, succeeded
+    from benchmarks.common.engine_batch import drop_caches, succeeded
     from daskgen.engines import get_engine_class
     from daskgen.engines.base import GenerationRequest, SamplingParams
 
@@ -166,7 +166,7 @@ async def run_sides(
     params = SamplingParams(max_new_tokens=max_new, temperature=0.0)
 
     async def raw(batch: list[list[int]]) -> list[list[int]]:
-        return await on_native(engine, lambda native: raw_call(native, batch, max_new))
+        return await engine.on_engine_loop(lambda native: raw_call(native, batch, max_new))
 
     async def ours(tag: str, batch: list[list[int]]) -> list[list[int]]:
         requests = [GenerationRequest(f"{tag}-{i}", p, params) for i, p in enumerate(batch)]

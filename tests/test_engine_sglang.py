@@ -404,10 +404,17 @@ class TestSGLangOnSmolLM2:
         assert valid == sent == 8, (valid, sent)
 
     def test_scheduler_crash_is_reported_and_shutdown_is_targeted(self) -> None:
+        """The crash fails what runs on the engine, daskgen's requests and a caller's own ``sglang.Engine`` calls
+        (``on_engine_loop``) alike, and takes nothing else down."""
         bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        native = self._native_call_in_flight()
         try:
             self._crash_the_scheduler()
             self._check_crash_is_reported()
+            with pytest.raises(Exception):  # noqa: B017 - sglang's own error or the engine's: the point is it ends
+                native.result(timeout=60)
+            with pytest.raises(EngineError, match="crashed"):
+                self.runner.run(self.engine.on_engine_loop(lambda _: asyncio.sleep(0)), 60)
             children = list(self.engine.backend.children)
             assert children
             self.runner.run(self.engine.shutdown(), 120)
@@ -416,6 +423,16 @@ class TestSGLangOnSmolLM2:
         finally:
             bystander.kill()
             bystander.wait()
+
+    def _native_call_in_flight(self) -> Any:
+        """A long ``async_generate`` of the caller's own on the engine's ``sglang.Engine``, running (its future)."""
+        fields = {"input_ids": [1, 504, 3458], "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+        future = self.runner.submit(self.engine.on_engine_loop(lambda engine: engine.async_generate(**fields)))
+        deadline = time.monotonic() + 60
+        while self.engine.requests_in_flight() == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.engine.requests_in_flight() == 1 and not future.done(), "the caller's own call is not running"
+        return future
 
     def _crash_the_scheduler(self) -> None:
         """An out-of-vocabulary token (which generate() refuses) kills sglang's scheduler."""

@@ -3,8 +3,9 @@ beneath it.
 
 The engine is started, every request submitted at once (as a worker submits a partition's), and shut down; a
 failed request stops the step, naming it.  A step that compares daskgen with the raw engine runs the raw side on
-the engine daskgen started (:func:`on_native`: the ``sglang.Engine`` or vLLM ``AsyncLLM`` it holds), then drops
-the engine's caches (:func:`drop_caches`) so that no answer of daskgen's side can come from the raw side's work.
+the engine daskgen started (the engine's ``on_engine_loop`` hands it the ``sglang.Engine`` or vLLM ``AsyncLLM`` it
+holds), then drops the engine's caches (:func:`drop_caches`) so that no answer of daskgen's side can come from the
+raw side's work.
 """
 
 from __future__ import annotations
@@ -39,15 +40,6 @@ def succeeded(results: Sequence[Any], step: str) -> list[Any]:
     return list(results)
 
 
-async def on_native(engine: Any, work: Callable[[Any], Awaitable[Any]]) -> Any:
-    """Await ``work(native)`` on the loop of daskgen's started in-process ``engine`` (``sglang`` or ``vllm``), where
-    ``native`` lives: the ``sglang.Engine`` or the vLLM ``AsyncLLM`` it started."""
-    if engine.name == "sglang":
-        backend = engine.backend
-        return await asyncio.wrap_future(backend.submit(work(backend.engine)))
-    return await engine.on_engine_loop(work)
-
-
 async def drop_caches(engine: Any, step: str) -> None:
     """Drop what ``engine`` (``sglang`` or ``vllm``) keeps from earlier requests: its prefix cache, and vLLM's
     processed-image and encoder caches; ``SystemExit`` naming ``step`` when sglang would not."""
@@ -59,7 +51,7 @@ async def drop_caches(engine: Any, step: str) -> None:
         await native.reset_encoder_cache()
         return bool(await native.reset_prefix_cache())
 
-    if not await on_native(engine, drop):
+    if not await engine.on_engine_loop(drop):
         raise SystemExit(f"{step}: the engine did not drop its prefix cache between the two sides")
 
 
@@ -68,7 +60,7 @@ _RAW_IDS = itertools.count()
 
 async def vllm_outputs(native: Any, prompts: Sequence[Any], params: Any) -> list[Any]:
     """The final ``RequestOutput`` of each of ``prompts`` (vLLM prompt dicts) on the vLLM ``AsyncLLM`` ``native``,
-    every prompt submitted at once through its own ``generate`` (run it on the engine's loop: :func:`on_native`)."""
+    every prompt submitted at once through its own ``generate`` (run it on the engine's loop: ``on_engine_loop``)."""
 
     async def one(prompt: Any) -> Any:
         outputs = [out async for out in native.generate(prompt, params, f"raw-{next(_RAW_IDS)}")]

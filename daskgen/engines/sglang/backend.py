@@ -27,7 +27,7 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -204,6 +204,20 @@ class SGLangBackend:
         finally:
             self.tasks.pop(rid, None)
             self._forget_rid(request_id, rid)
+
+    async def run_native(self, work: Callable[[Any], Coroutine[Any, Any, _T]]) -> _T:
+        """``work(engine)``: a caller's own calls on the ``sglang.Engine``, tracked as requests are (a crash or
+        shutdown ends it with the same errors)."""
+        self._raise_if_unusable()
+        key = f"native#{next(self._ids)}"
+        self.tasks[key] = task = asyncio.ensure_future(work(self.engine))
+        try:
+            return await task
+        except asyncio.CancelledError:
+            self._raise_if_unusable()
+            raise
+        finally:
+            self.tasks.pop(key, None)
 
     def _forget_rid(self, request_id: str, rid: str) -> None:
         rids = self.rids.get(request_id)

@@ -85,7 +85,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 from daskgen.engines.base import GenerationRequest, GenerationResult, aborted_result, error_result, started
 from daskgen.engines.continuation import request_limit
@@ -109,12 +110,13 @@ from daskgen.engines.sglang.weights import (
     loaded_but_not_flushed,
     read_tensors,
 )
-from daskgen.errors import RefreshError
+from daskgen.errors import EngineError, RefreshError
 from daskgen.redaction import redact
 
 __all__ = ["TESTED_SGLANG_VERSION", "SGLangEngine"]
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 #: The sglang release this engine is tested against (CPU lane, ``.ci/sglang-env.sh``).
 TESTED_SGLANG_VERSION = "0.5.23"
@@ -251,6 +253,18 @@ class SGLangEngine(InProcessEngine):
     def backend(self) -> SGLangBackend | None:
         """The running backend (its thread, ``sglang.Engine`` and subprocesses); ``None`` when not started."""
         return self._backend
+
+    async def on_engine_loop(self, work: Callable[[Any], Coroutine[Any, Any, _T]]) -> _T:
+        """Await ``work(sglang_engine)`` on the engine's own loop, where the ``sglang.Engine`` lives: for code that
+        drives sglang itself beside daskgen's requests (the GPU validation's raw side runs on the engine daskgen
+        started).  A crash or shutdown ends it as it ends daskgen's requests, with :class:`EngineError`."""
+        backend = started(self.name, self._backend)
+        try:
+            return await asyncio.wrap_future(backend.submit(backend.run_native(work)))
+        except BackendCrashed as exc:
+            raise EngineError(f"sglang engine crashed: {exc}") from exc
+        except BackendClosed as exc:
+            raise EngineError(str(exc)) from exc
 
     @property
     def supports_seed(self) -> bool:
