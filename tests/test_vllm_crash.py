@@ -27,7 +27,7 @@ from tests.test_run import _wait_for_some_done, calls
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
-N = 16  # prompts: 4 partitions of 4, one at a time: the kill lands once two are committed, with the third in flight
+N = 24  # prompts: 6 partitions of 4, one at a time: the kill lands once two are committed, with four still to run
 CORE_NAME = "VLLM::EngineCor"  # vLLM's EngineCore process title, as the kernel truncates it
 
 
@@ -78,9 +78,9 @@ def test_engine_core_killed_mid_run_is_restarted_and_the_run_completes(tmp_path:
         *("--partition-size", "4", "--window", "1", "--max-retries", "3", "--n-workers", "1", "--no-progress"),
     )
     try:
-        first = _wait_for_core(run, set())
         _wait_for_some_done(out, run, minimum=8, timeout=900)
         before = _done_rows(out)
+        first = _wait_for_core(run, set())  # the EngineCore serving now (not one seen earlier)
         first.kill()
         second = _wait_for_core(run, {first.pid})
         output, _ = run.communicate(timeout=1200)
