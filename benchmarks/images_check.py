@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common.engine_batch import drop_caches, generate_all, vllm_outputs
+from benchmarks.common.engine_batch import drop_caches, results_of, running, vllm_outputs
 
 
 @dataclass(frozen=True)
@@ -103,16 +103,12 @@ async def both_sides(
     from daskgen.engines import get_engine_class
 
     raw_call = raw_sglang if engine_name == "sglang" else raw_vllm
-    raw: list[tuple[list[list[int]], list[int]]] = []
-
-    async def raw_side(engine: Any) -> None:
-        raw.append(await engine.on_engine_loop(lambda native: raw_call(native, cases, max_new)))
-        await drop_caches(engine, "images step")
-
     requests = daskgen_requests(model, cases, max_new)
-    engine = get_engine_class(engine_name)(model, **args)
-    ours = await generate_all(engine, requests, "images step", first=raw_side)
-    return raw[0], ([r.output_ids for r in ours], [len(r.prompt_ids) for r in requests])
+    async with running(get_engine_class(engine_name)(model, **args)) as engine:
+        raw = await engine.on_engine_loop(lambda native: raw_call(native, cases, max_new))
+        await drop_caches(engine, "images step")
+        ours = await results_of(engine, requests, "images step")
+    return raw, ([r.output_ids for r in ours], [len(r.prompt_ids) for r in requests])
 
 
 def images_check(engine_name: str, model: str, args: dict[str, Any], n: int, max_new: int) -> dict[str, Any]:

@@ -157,7 +157,7 @@ async def run_sides(
     """Both sides on one engine: daskgen's (``SGLangEngine`` or ``VLLMEngine``) is started, the raw side runs on the
     ``sglang.Engine``/``AsyncLLM`` it holds, the engine's caches are dropped, then daskgen's side sends one request
     per prompt, all at once.  Each side warms up first; the model load is not timed."""
-    from benchmarks.common.engine_batch import drop_caches, succeeded
+    from benchmarks.common.engine_batch import drop_caches, results_of, running
     from daskgen.engines import get_engine_class
     from daskgen.engines.base import GenerationRequest, SamplingParams
 
@@ -170,18 +170,14 @@ async def run_sides(
 
     async def ours(tag: str, batch: list[list[int]]) -> list[list[int]]:
         requests = [GenerationRequest(f"{tag}-{i}", p, params) for i, p in enumerate(batch)]
-        results = await asyncio.gather(*(engine.generate(r) for r in requests))
-        return [r.output_ids for r in succeeded(results, "daskgen side")]
+        return [r.output_ids for r in await results_of(engine, requests, "daskgen side")]
 
-    await engine.start()
-    try:
+    async with running(engine):
         await raw(warmup)
         raw_tokens, raw_seconds = await timed(raw(prompts))
         await drop_caches(engine, "validate_gpu")
         await ours("warmup", warmup)
         our_tokens, our_seconds = await timed(ours("p", prompts))
-    finally:
-        await engine.shutdown()
     raw_side = Side(raw_name, len(prompts), sum(map(len, raw_tokens)), raw_seconds)
     our_side = Side(f"daskgen {type(engine).__name__}", len(prompts), sum(map(len, our_tokens)), our_seconds)
     return (raw_side, raw_tokens), (our_side, our_tokens)

@@ -11,33 +11,36 @@ raw side's work.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 
-async def generate_all(
-    engine: Any, requests: Sequence[Any], step: str, first: Callable[[Any], Awaitable[None]] | None = None
-) -> list[Any]:
-    """The results of ``requests`` on ``engine`` (started here and shut down); ``SystemExit`` naming ``step`` and the
-    first error when any request failed.  ``first``: awaited with the started engine before the requests (another
-    side of a comparison run on the same engine)."""
+@contextlib.asynccontextmanager
+async def running(engine: Any) -> AsyncIterator[Any]:
+    """``engine``, started here and shut down on leaving."""
     await engine.start()
     try:
-        if first is not None:
-            await first(engine)
-        results = await asyncio.gather(*(engine.generate(r) for r in requests))
+        yield engine
     finally:
         await engine.shutdown()
-    return succeeded(results, step)
 
 
-def succeeded(results: Sequence[Any], step: str) -> list[Any]:
-    """``results`` when none failed; else ``SystemExit`` naming ``step`` and the first error."""
+async def results_of(engine: Any, requests: Sequence[Any], step: str) -> list[Any]:
+    """The results of ``requests`` on the started ``engine``, all submitted at once; ``SystemExit`` naming ``step``
+    and the first error when any request failed."""
+    results = await asyncio.gather(*(engine.generate(r) for r in requests))
     errors = [r.error for r in results if r.error]
     if errors:
         raise SystemExit(f"{step}: {len(errors)} requests failed, e.g. {errors[0]}")
     return list(results)
+
+
+async def generate_all(engine: Any, requests: Sequence[Any], step: str) -> list[Any]:
+    """:func:`results_of` on ``engine``, started here and shut down."""
+    async with running(engine):
+        return await results_of(engine, requests, step)
 
 
 async def drop_caches(engine: Any, step: str) -> None:
@@ -45,13 +48,15 @@ async def drop_caches(engine: Any, step: str) -> None:
     processed-image and encoder caches; ``SystemExit`` naming ``step`` when sglang would not."""
 
     async def drop(native: Any) -> bool:
-        if engine.name == "sglang":
-            return bool((await native.tokenizer_manager.flush_cache(timeout_s=120.0)).success)
         await native.reset_mm_cache()
         await native.reset_encoder_cache()
         return bool(await native.reset_prefix_cache())
 
-    if not await engine.on_engine_loop(drop):
+    if engine.name == "sglang":  # the engine's own flush (it waits up to the timeout for running requests)
+        dropped = await asyncio.wrap_future(engine.backend.submit(engine.backend.flush_cache(120.0)))
+    else:
+        dropped = await engine.on_engine_loop(drop)
+    if not dropped:
         raise SystemExit(f"{step}: the engine did not drop its prefix cache between the two sides")
 
 
