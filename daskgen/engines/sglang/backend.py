@@ -23,6 +23,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -190,31 +191,32 @@ class SGLangBackend:
         sglang's ``rid`` is ``request_id`` plus a counter: the same daskgen request id may be in
         flight twice (e.g. two concurrent health checks), and sglang refuses duplicate rids.
         """
-        self._raise_if_unusable()
         rid = f"{request_id}#{next(self._ids)}"
-        task = asyncio.ensure_future(self.engine.async_generate(rid=rid, **kwargs))
-        self.tasks[rid] = task
         self.rids.setdefault(request_id, set()).add(rid)
-        try:
-            return await task
-        except asyncio.CancelledError:
-            self._raise_if_unusable()
-            self._abort_now(rid)  # the caller gave up: stop the request inside sglang too
-            raise
+        try:  # a caller that gives up stops the request inside sglang too
+            abort = functools.partial(self._abort_now, rid)
+            return await self._tracked(rid, lambda engine: engine.async_generate(rid=rid, **kwargs), abort)
         finally:
-            self.tasks.pop(rid, None)
             self._forget_rid(request_id, rid)
 
     async def run_native(self, work: Callable[[Any], Coroutine[Any, Any, _T]]) -> _T:
         """``work(engine)``: a caller's own calls on the ``sglang.Engine``, tracked as requests are (a crash or
         shutdown ends it with the same errors)."""
+        return await self._tracked(f"native#{next(self._ids)}", work)
+
+    async def _tracked(
+        self, key: str, work: Callable[[Any], Coroutine[Any, Any, _T]], on_cancel: Callable[[], None] | None = None
+    ) -> _T:
+        """``work(engine)`` as a task in :attr:`tasks` under ``key``, which a crash or shutdown cancels; a caller's
+        cancellation runs ``on_cancel`` (when the engine is still usable) and propagates."""
         self._raise_if_unusable()
-        key = f"native#{next(self._ids)}"
         self.tasks[key] = task = asyncio.ensure_future(work(self.engine))
         try:
             return await task
         except asyncio.CancelledError:
             self._raise_if_unusable()
+            if on_cancel is not None:
+                on_cancel()
             raise
         finally:
             self.tasks.pop(key, None)
