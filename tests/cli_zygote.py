@@ -52,6 +52,9 @@ PRELOAD = (
     "zarr",
     "transformers.tokenization_utils_tokenizers",
     "jinja2",
+    # the tokenizer and image processor classes a vision-language model's client loads (both import torch)
+    "transformers.models.auto.tokenization_auto",
+    "transformers.models.auto.image_processing_auto",
 )
 
 

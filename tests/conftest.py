@@ -207,6 +207,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
     The lanes run two or three test processes on two cores, each starting Dask workers and engines, and models this
     small gain little from a second thread, which spins between operations, CPU taken from the other processes.
+    The OpenMP threads an engine sizes for itself (vLLM's CPU worker takes one per core it binds) wait passively
+    (``OMP_WAIT_POLICY=PASSIVE``): they sleep between operations instead of spinning on a core the other lane needs.
     Set here, before collection imports torch, and only in pytest's own processes (worker processes that import
     this module keep the config their nanny gave them); the CLI runs, their workers and servers inherit the
     variables.  tests/test_deploy.py checks the default (the cores shared out) with the tunable unset.
@@ -214,6 +216,7 @@ def pytest_configure(config: pytest.Config) -> None:
     import dask.config
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     threads = os.environ.setdefault("DASK_DASKGEN__LOCAL_CPU_THREADS", "1")
     dask.config.set({"daskgen.local-cpu-threads": int(threads)})
     # A nanny started in this process sets the hash seed here when none is (distributed.nanny): set from the start,

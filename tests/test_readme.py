@@ -83,6 +83,7 @@ def test_the_tests_run_one_torch_thread_per_process_and_their_local_clusters_too
     testing = " ".join((REPO / "docs" / "testing.md").read_text().split())
     assert "sets `OMP_NUM_THREADS=1` and the [`local-cpu-threads`](architecture.md) tunable to 1" in testing
     assert os.environ["OMP_NUM_THREADS"] and os.environ["DASK_DASKGEN__LOCAL_CPU_THREADS"]
+    assert "sets `OMP_WAIT_POLICY=PASSIVE` unless set" in testing and os.environ["OMP_WAIT_POLICY"]
     assert tunables.get("local-cpu-threads") == int(os.environ["DASK_DASKGEN__LOCAL_CPU_THREADS"])
     assert cpu_threads_per_worker(1) == tunables.get("local-cpu-threads")
     import torch  # imported after the variable was set: its thread pool has that size
