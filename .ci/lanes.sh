@@ -1,6 +1,6 @@
 # Sourced by .ci/run: runs the engine lanes in the background and waits for them (tests/test_ci_lanes.py).
 # The SGLang lane and the vLLM lane's engines part start at once; the vLLM lane's late part (its benchmark scripts'
-# tests and the transformers engine's suite with the lane's transformers, about two minutes) starts once the first
+# tests, its refused KV-cache start and the transformers engine's suite with the lane's transformers, about two minutes) starts once the first
 # of the two has ended, on the core it leaves idle.  Each part logs to $DASKGEN_CI_CACHE/logs/LOG.log, shown when it ends.  Needs: the associative
 # array lane_pid (the cleanup trap kills what is in it), $start (the run's start, for the times shown).  Sets
 # lanes_failed: "LOG (exit N)" for each part that failed.
