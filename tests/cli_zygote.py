@@ -1,12 +1,13 @@
 """Start ``python -m daskgen`` processes forked from one that has already imported the CLI (the tests' launcher).
 
-About half of a short ``daskgen run`` process's CPU is importing the command line, Dask, Zarr and the tokenizer
-code; the suite starts several hundred of them.  Each pytest process therefore starts one *zygote* on first use:
-a Python process that imports those modules once and then forks a child per command.  The child is a real,
-separate process running the real CLI (``runpy``, as ``python -m`` does) with the test's standard streams,
-environment, working directory and session; the test gets a :class:`subprocess.Popen` whose ``pid`` is the
-child's, so signals, ``killpg``, timeouts and ``communicate`` behave as with any subprocess.  The zygote reaps
-the child and sends its exit status back over the connection that started it.
+About half of a short ``daskgen run`` process's CPU is importing the command line, Dask, Zarr and the tokenizer code
+(for a vision-language model also the image processor's, with torch); the suite starts several hundred of them. Each
+pytest process therefore starts one *zygote* on first use: a Python process that imports those modules once and then
+forks a child per command. The child is a real, separate process running the real CLI (``runpy``, as ``python -m``
+does) with the test's standard streams, environment, working directory and session; the test gets a
+:class:`subprocess.Popen` whose ``pid`` is the child's, so signals, ``killpg``, timeouts and ``communicate`` behave
+as with any subprocess. The zygote reaps the child and sends its exit status back over the connection that started
+it.
 
 The zygote starts with the session's environment (:data:`BASE_ENV`).  Only environments that differ from it in
 settings read at run time go through it (:data:`RUNTIME_ENV`: ``DASK_*``, which the child reloads into Dask's config,
