@@ -52,10 +52,7 @@ async def drop_caches(engine: Any, step: str) -> None:
         await native.reset_encoder_cache()
         return bool(await native.reset_prefix_cache())
 
-    if engine.name == "sglang":  # the engine's own flush (it waits up to the timeout for running requests)
-        dropped = await asyncio.wrap_future(engine.backend.submit(engine.backend.flush_cache(120.0)))
-    else:
-        dropped = await engine.on_engine_loop(drop)
+    dropped = await (engine.flush_cache(120.0) if engine.name == "sglang" else engine.on_engine_loop(drop))
     if not dropped:
         raise SystemExit(f"{step}: the engine did not drop its prefix cache between the two sides")
 

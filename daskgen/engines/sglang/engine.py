@@ -287,7 +287,7 @@ class SGLangEngine(InProcessEngine):
         backend = started(self.name, self._backend)
         ok, message = await asyncio.wrap_future(backend.submit(backend.update_weights(path)))
         if not ok and loaded_but_not_flushed(message):  # loaded while requests ran: the old weights' cache stays
-            await self._flush_when_idle(backend, path)
+            await flush_when_idle(self.flush_cache, path, "sglang")
         elif not ok:
             raise RefreshError(f"sglang could not load policy checkpoint {path!r} (it keeps its weights): {message}")
 
@@ -307,20 +307,18 @@ class SGLangEngine(InProcessEngine):
         manager = backend.engine.tokenizer_manager
         ok, message = await asyncio.wrap_future(backend.submit(load_tensors(manager, staged, tp_size)))
         if not ok and loaded_but_not_flushed(message):
-            await self._flush_when_idle(backend, staged.path)
+            await flush_when_idle(self.flush_cache, staged.path, "sglang")
         elif not ok:
             logger.warning("daskgen: sglang refused %s from memory (%s); loading its folder", staged.path, message)
             await self.update_weights(staged.path)
         return None
 
-    @staticmethod
-    async def _flush_when_idle(backend: SGLangBackend, path: str) -> None:
-        """Drop sglang's prefix cache of the old weights once its requests have ended (:func:`flush_when_idle`)."""
-
-        async def flush(timeout_s: float) -> bool:
-            return await asyncio.wrap_future(backend.submit(backend.flush_cache(timeout_s)))
-
-        await flush_when_idle(flush, path, "sglang")
+    async def flush_cache(self, timeout_s: float) -> bool:
+        """Drop sglang's prefix cache; ``True`` once dropped (sglang waits up to ``timeout_s`` for the requests in
+        flight).  Used after a refresh that loaded while requests ran (:func:`flush_when_idle`), and between the
+        two sides of a comparison on one engine (the GPU validation)."""
+        backend = started(self.name, self._backend)
+        return await asyncio.wrap_future(backend.submit(backend.flush_cache(timeout_s)))
 
     async def loaded_fingerprint(self, dtypes: dict[str, str]) -> dict[str, str]:
         """The fingerprint of each tensor named in ``dtypes`` as sglang holds it, read back with its
