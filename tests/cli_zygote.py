@@ -11,16 +11,19 @@ it.
 
 The zygote starts with the session's environment (:data:`BASE_ENV`).  Only environments that differ from it in
 settings read at run time go through it (:data:`RUNTIME_ENV`: ``DASK_*``, which the child reloads into Dask's config,
-``AWS_*``, ``SLURM_*``, ``TMPDIR``, pytest's ``PYTEST_*``, Dask's process-title marker, and the pre-spawn variables a
+``AWS_*``, ``SLURM_*``, ``TMPDIR``, pytest's ``PYTEST_*``, Dask's process-title marker, the pre-spawn variables a
 nanny started in the test process exports into it, which tune the command's own threads and memory trimming, not
-what it computes); any other difference starts a plain subprocess, so nothing the interpreter or a library reads at
-import time can be stale.  The README's commands,
+what it computes, and the folder torch's compiler caches into, which torch writes into the environment of a test
+process that compiled something); any other difference starts a plain subprocess, so nothing the interpreter or a
+library reads at import time can be stale.  :data:`STARTS` counts both kinds of start and why a command was not
+forked; the lane check fails when most were not (tests/conftest.py).  The README's commands,
 the examples and the guides still start fresh interpreters (tests/test_readme.py, tests/test_examples.py).
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import json
 import os
@@ -41,7 +44,12 @@ RUNTIME_ENV = re.compile(
     # Dask's pre-spawn variables, which a nanny exports into the process that starts it: they tune the command's own
     # threads and memory trimming, not what it computes, and the workers it starts inherit them from the environment
     r"|^(MALLOC_TRIM_THRESHOLD_|OMP_NUM_THREADS|MKL_NUM_THREADS|OPENBLAS_NUM_THREADS)$"
+    # torch's compiler cache folder: torch sets it in os.environ the first time a process needs the folder (its
+    # default, under TMPDIR) and reads it each time it needs it, never at import
+    r"|^TORCHINDUCTOR_CACHE_DIR$"
 )
+#: This process's ``daskgen`` commands: ``"forked"``, or the variables whose difference started a fresh interpreter.
+STARTS: collections.Counter[str] = collections.Counter()
 #: The environment the zygote starts with: the session's (tests/conftest.py sets it before any test runs), so
 #: that a test's own changes (a PATH with stand-in commands, a variable it sets) never become the zygote's.
 BASE_ENV: dict[str, str] = {}
@@ -91,8 +99,12 @@ class Zygote:
 
     def accepts(self, env: dict[str, str]) -> bool:
         """Whether a child with ``env`` can be forked from this zygote (it differs only in run-time settings)."""
+        return not self.blocking(env)
+
+    def blocking(self, env: dict[str, str]) -> list[str]:
+        """The variables of ``env`` that differ from the zygote's and are read at import time (none: it forks)."""
         keys = set(env) | set(self.env)
-        return all(RUNTIME_ENV.match(k) for k in keys if env.get(k) != self.env.get(k))
+        return sorted(k for k in keys if env.get(k) != self.env.get(k) and not RUNTIME_ENV.match(k))
 
 
 class ZygotePopen(subprocess.Popen):
@@ -172,7 +184,9 @@ def popen(args: list[str], env: dict[str, str], **kwargs: Any) -> subprocess.Pop
     if os.environ.get("DASKGEN_TESTS_FORK_CLI") == "0":  # every CLI in a fresh interpreter (to compare)
         return subprocess.Popen(args, env=env, **kwargs)
     zygote = Zygote.get(env)
-    if zygote.accepts(env):
+    blocking = zygote.blocking(env)
+    STARTS[", ".join(blocking) or "forked"] += 1
+    if not blocking:
         return ZygotePopen(args, zygote=zygote, env=env, **kwargs)
     return subprocess.Popen(args, env=env, **kwargs)
 

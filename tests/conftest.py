@@ -14,6 +14,7 @@ some tests need (dask-jobqueue, gguf) is imported inside the code under test, so
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import functools
 import json
@@ -199,6 +200,7 @@ NOT_APPLICABLE = "not_applicable"
 _NOT_APPLICABLE_KEY = pytest.StashKey[list]()
 _LANE_PROBLEMS_KEY = pytest.StashKey[list]()
 _XDIST_SELECTED_KEY = pytest.StashKey[list]()
+_CLI_STARTS_KEY = pytest.StashKey[collections.Counter]()  # the lane's daskgen commands (tests/cli_zygote.py)
 _MODULE_SECONDS: dict[str, float] = {}  # module -> seconds of its tests' setup, call and teardown in this pytest run
 
 
@@ -279,6 +281,23 @@ def pytest_testnodedown(node, error) -> None:
     reported = getattr(node, "workeroutput", {}).get(NOT_APPLICABLE, [])
     known = node.config.stash.setdefault(_NOT_APPLICABLE_KEY, [])
     known.extend(tuple(entry) for entry in reported if tuple(entry) not in known)
+    starts = node.config.stash.setdefault(_CLI_STARTS_KEY, collections.Counter())
+    starts.update(getattr(node, "workeroutput", {}).get("cli_starts", {}))
+
+
+def cli_start_problems(starts: collections.Counter) -> list[str]:
+    """The lane check's finding when most ``daskgen`` commands started a fresh interpreter instead of being forked
+    from the CLI zygote: a variable the session's processes set after it started (each is named) would otherwise
+    silently multiply the suite's CPU time."""
+    fresh = sum(n for key, n in starts.items() if key != "forked")
+    if fresh <= starts["forked"]:
+        return []
+    reasons = ", ".join(f"{key} ({n})" for key, n in starts.most_common() if key != "forked")
+    return [
+        f"{fresh} of {fresh + starts['forked']} daskgen commands started a fresh interpreter instead of being forked "
+        f"from the CLI zygote; the variables that differed from the zygote's environment: {reasons}. Add a variable "
+        "read only when used to RUNTIME_ENV in tests/cli_zygote.py, or keep the test processes from setting it"
+    ]
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -286,6 +305,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker: the controller checks the lane
         workeroutput[NOT_APPLICABLE] = session.config.stash.get(_NOT_APPLICABLE_KEY, [])
+        workeroutput["cli_starts"] = dict(cli_zygote.STARTS)
         return
     if session.config.getoption("--store-module-seconds") and _MODULE_SECONDS:
         module_order.store_seconds(_MODULE_SECONDS)
@@ -311,8 +331,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     missing = [nodeid for nodeid in selected if nodeid not in ran]
     if missing:
         problems.append(f"{len(missing)} selected test(s) did not run: {', '.join(missing[:20])}")
+    starts = session.config.stash.get(_CLI_STARTS_KEY, None) or cli_zygote.STARTS
+    problems.extend(cli_start_problems(starts))
+    fresh = ", ".join(f"{key} ({n})" for key, n in starts.most_common() if key != "forked") or "none"
     session.config.stash[_LANE_PROBLEMS_KEY] = [
         f"lane check: {len(selected)} selected, {len(ran)} ran (at least {expected} expected)",
+        f"daskgen commands: {starts['forked']} forked from the CLI zygote; fresh interpreters, by what differed: "
+        f"{fresh}",
         *problems,
     ]
     if problems and session.exitstatus == pytest.ExitCode.OK:
@@ -327,8 +352,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
             terminalreporter.line(f"{nodeid}: {reason}")
     lines = config.stash.get(_LANE_PROBLEMS_KEY, [])
     if lines:
-        terminalreporter.section("lane check", red=len(lines) > 1, green=len(lines) == 1)
+        terminalreporter.section("lane check", red=len(lines) > 2, green=len(lines) == 2)
         for line in lines:
             terminalreporter.line(line)
-        if len(lines) > 1:
+        if len(lines) > 2:
             terminalreporter.line("lane check FAILED", red=True)

@@ -68,3 +68,31 @@ def test_an_environment_read_at_import_time_starts_a_fresh_interpreter():
     )
     assert not isinstance(proc, cli_zygote.ZygotePopen)
     assert proc.wait(timeout=60) == 0
+
+
+def test_torchs_compiler_cache_folder_in_the_environment_is_still_forked(monkeypatch):
+    """torch writes its compiler cache folder into ``os.environ`` the first time a test process needs it; the
+    commands the process starts after that are still forked (torch reads the variable when it uses the folder)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # restored (or removed) after the test
+    cache_dir()
+    env = cli_env()  # this module's name for it is not the session_env fixture's stand-in: os.environ as it is now
+    assert env["TORCHINDUCTOR_CACHE_DIR"] and cli_zygote.Zygote.get(env).blocking(env) == []
+    proc = cli_zygote.popen([sys.executable, "-m", "daskgen", "--help"], env, stdout=subprocess.DEVNULL)
+    assert isinstance(proc, cli_zygote.ZygotePopen)
+    assert proc.wait(timeout=60) == 0
+
+
+def test_the_lane_check_fails_when_most_commands_start_fresh_interpreters_and_names_why():
+    """The session counts its commands' starts (tests/conftest.py): most forked passes, most fresh is a finding that
+    names the variables that differed."""
+    from collections import Counter
+
+    from tests.conftest import cli_start_problems
+
+    assert cli_start_problems(Counter({"forked": 30, "PATH": 4})) == []
+    assert cli_start_problems(Counter()) == []
+    (problem,) = cli_start_problems(Counter({"forked": 2, "TORCHINDUCTOR_CACHE_DIR": 40, "PATH": 3}))
+    assert "43 of 45 daskgen commands started a fresh interpreter" in problem
+    assert "TORCHINDUCTOR_CACHE_DIR (40), PATH (3)" in problem and "RUNTIME_ENV" in problem
