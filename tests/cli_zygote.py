@@ -13,8 +13,8 @@ The zygote starts with the session's environment (:data:`BASE_ENV`).  Only envir
 settings read at run time go through it (:data:`RUNTIME_ENV`: ``DASK_*``, which the child reloads into Dask's config,
 ``AWS_*``, ``SLURM_*``, ``TMPDIR``, pytest's ``PYTEST_*``, Dask's process-title marker, the pre-spawn variables a
 nanny started in the test process exports into it, which tune the command's own threads and memory trimming, not
-what it computes, and the folder torch's compiler caches into, which torch writes into the environment of a test
-process that compiled something); any other difference starts a plain subprocess, so nothing the interpreter or a
+what it computes, and the folder torch's compiler caches into, which torch writes into the environment of any
+process that imports its compiler); any other difference starts a plain subprocess, so nothing the interpreter or a
 library reads at import time can be stale.  :data:`STARTS` counts both kinds of start and why a command was not
 forked; the lane check fails when most were not (tests/conftest.py).  The README's commands,
 the examples and the guides still start fresh interpreters (tests/test_readme.py, tests/test_examples.py).
@@ -44,8 +44,8 @@ RUNTIME_ENV = re.compile(
     # Dask's pre-spawn variables, which a nanny exports into the process that starts it: they tune the command's own
     # threads and memory trimming, not what it computes, and the workers it starts inherit them from the environment
     r"|^(MALLOC_TRIM_THRESHOLD_|OMP_NUM_THREADS|MKL_NUM_THREADS|OPENBLAS_NUM_THREADS)$"
-    # torch's compiler cache folder: torch sets it in os.environ the first time a process needs the folder (its
-    # default, under TMPDIR) and reads it each time it needs it, never at import
+    # torch's compiler cache folder: torch sets its default (under TMPDIR) in os.environ when its compiler is first
+    # imported; a command compiles nothing in its own process, and the workers it starts read the request's value
     r"|^TORCHINDUCTOR_CACHE_DIR$"
 )
 #: This process's ``daskgen`` commands: ``"forked"``, or the variables whose difference started a fresh interpreter.

@@ -71,8 +71,8 @@ def test_an_environment_read_at_import_time_starts_a_fresh_interpreter():
 
 
 def test_torchs_compiler_cache_folder_in_the_environment_is_still_forked(monkeypatch):
-    """torch writes its compiler cache folder into ``os.environ`` the first time a test process needs it; the
-    commands the process starts after that are still forked (torch reads the variable when it uses the folder)."""
+    """torch writes its compiler cache folder into ``os.environ`` when a test process imports its compiler; the
+    commands the process starts after that are still forked."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # restored (or removed) after the test
