@@ -13,11 +13,12 @@ The zygote starts with the session's environment (:data:`BASE_ENV`).  Only envir
 settings read at run time go through it (:data:`RUNTIME_ENV`: ``DASK_*``, which the child reloads into Dask's config,
 ``AWS_*``, ``SLURM_*``, ``TMPDIR``, pytest's ``PYTEST_*``, Dask's process-title marker, the pre-spawn variables a
 nanny started in the test process exports into it, which tune the command's own threads and memory trimming, not
-what it computes, and the folder torch's compiler caches into, which torch writes into the environment of any
-process that imports its compiler); any other difference starts a plain subprocess, so nothing the interpreter or a
-library reads at import time can be stale.  :data:`STARTS` counts both kinds of start and why a command was not
-forked; the lane check fails when most were not (tests/conftest.py).  The README's commands,
-the examples and the guides still start fresh interpreters (tests/test_readme.py, tests/test_examples.py).
+what it computes, the folder torch's compiler caches into, which torch writes into the environment of any process
+that imports its compiler, and the variables verl, ray and tensordict set when imported); any other difference
+starts a plain subprocess, so nothing the interpreter or a library reads at import time can be stale.
+:data:`STARTS` counts both kinds of start and why a command was not forked; the lane check fails when most were not
+(tests/conftest.py).  The README's commands, the examples and the guides still start fresh interpreters
+(tests/test_readme.py, tests/test_examples.py).
 """
 
 from __future__ import annotations
@@ -47,7 +48,12 @@ RUNTIME_ENV = re.compile(
     # torch's compiler cache folder: torch sets its default (under TMPDIR) in os.environ when its compiler is first
     # imported; a command compiles nothing in its own process, and the workers it starts read the request's value
     r"|^TORCHINDUCTOR_CACHE_DIR$"
+    # set by verl, ray and tensordict in a process that imports them (the DataProto tests): the zygote imports none of
+    # them (NOT_PRELOADED), so a forked command reads them when it imports them, as a fresh interpreter does
+    r"|^(RAY_ENABLE_UV_RUN_RUNTIME_ENV|RAY_CLIENT_MODE|LAZY_LEGACY_OP)$"
 )
+#: Packages whose variables RUNTIME_ENV lets differ: the zygote refuses to serve once its imports include one.
+NOT_PRELOADED = ("verl", "ray", "tensordict")
 #: This process's ``daskgen`` commands: ``"forked"``, or the variables whose difference started a fresh interpreter.
 STARTS: collections.Counter[str] = collections.Counter()
 #: The environment the zygote starts with: the session's (tests/conftest.py sets it before any test runs), so
@@ -248,6 +254,9 @@ def serve(path: str) -> None:
     for name in PRELOAD:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
+    preloaded = [name for name in NOT_PRELOADED if name in sys.modules]
+    if preloaded:  # their variables would be stale in a forked command
+        raise SystemExit(f"the CLI zygote imported {preloaded}: take their variables out of RUNTIME_ENV")
     if threading.active_count() != 1:  # a fork would copy a process whose other threads may hold locks
         raise SystemExit(f"the CLI zygote has threads after its imports: {threading.enumerate()}")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

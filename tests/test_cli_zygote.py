@@ -70,15 +70,28 @@ def test_an_environment_read_at_import_time_starts_a_fresh_interpreter():
     assert proc.wait(timeout=60) == 0
 
 
-def test_torchs_compiler_cache_folder_in_the_environment_is_still_forked(monkeypatch):
-    """torch writes its compiler cache folder into ``os.environ`` when a test process imports its compiler; the
-    commands the process starts after that are still forked."""
+def import_torchs_compiler() -> None:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # restored (or removed) after the test
     cache_dir()
-    env = cli_env()  # this module's name for it is not the session_env fixture's stand-in: os.environ as it is now
-    assert env["TORCHINDUCTOR_CACHE_DIR"] and cli_zygote.Zygote.get(env).blocking(env) == []
+
+
+def import_verls_dataproto() -> None:
+    import verl.protocol  # noqa: F401
+
+
+@pytest.mark.parametrize("imports", [import_torchs_compiler, import_verls_dataproto])
+def test_variables_libraries_set_when_a_test_imports_them_do_not_stop_the_fork(imports, monkeypatch):
+    """torch sets its compiler cache folder in ``os.environ`` when its compiler is imported, verl and ray set theirs
+    when they are: the commands a test process starts after such an import are still forked."""
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "RAY_ENABLE_UV_RUN_RUNTIME_ENV", "RAY_CLIENT_MODE", "LAZY_LEGACY_OP"):
+        monkeypatch.delenv(name, raising=False)  # restored (or removed) after the test
+    before = dict(os.environ)
+    imports()
+    set_by_import = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    assert set_by_import, "the import set no variable: nothing to check"
+    env = {**cli_zygote.BASE_ENV, **set_by_import}
+    assert cli_zygote.Zygote.get(env).blocking(env) == [], set_by_import
     proc = cli_zygote.popen([sys.executable, "-m", "daskgen", "--help"], env, stdout=subprocess.DEVNULL)
     assert isinstance(proc, cli_zygote.ZygotePopen)
     assert proc.wait(timeout=60) == 0
