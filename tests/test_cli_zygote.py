@@ -7,7 +7,9 @@ reach (and, with a new session, its own process group).
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -70,25 +72,28 @@ def test_an_environment_read_at_import_time_starts_a_fresh_interpreter():
     assert proc.wait(timeout=60) == 0
 
 
-def import_torchs_compiler() -> None:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+#: What a test process may import, each run in a fresh interpreter that prints the variables the import set.
+IMPORTS = {
+    "torchs_compiler": "from torch._inductor.runtime.cache_dir_utils import cache_dir\ncache_dir()",
+    "verls_dataproto": "import verl.protocol",
+}
+#: The variables those libraries are known to set (left out of the environment the import runs in).
+LIBRARY_SET = re.compile(r"^(TORCHINDUCTOR_CACHE_DIR|RAY_.*|LAZY_LEGACY_OP)$")
+SETS = (
+    "import json, os\nbefore = dict(os.environ)\n{}\n"
+    "print(json.dumps({{k: v for k, v in os.environ.items() if before.get(k) != v}}))"
+)
 
-    cache_dir()
 
-
-def import_verls_dataproto() -> None:
-    import verl.protocol  # noqa: F401
-
-
-@pytest.mark.parametrize("imports", [import_torchs_compiler, import_verls_dataproto])
-def test_variables_libraries_set_when_a_test_imports_them_do_not_stop_the_fork(imports, monkeypatch):
+@pytest.mark.parametrize("imports", list(IMPORTS))
+def test_variables_libraries_set_when_a_test_imports_them_do_not_stop_the_fork(imports):
     """torch sets its compiler cache folder in ``os.environ`` when its compiler is imported, verl and ray set theirs
     when they are: the commands a test process starts after such an import are still forked."""
-    for name in ("TORCHINDUCTOR_CACHE_DIR", "RAY_ENABLE_UV_RUN_RUNTIME_ENV", "RAY_CLIENT_MODE", "LAZY_LEGACY_OP"):
-        monkeypatch.delenv(name, raising=False)  # restored (or removed) after the test
-    before = dict(os.environ)
-    imports()
-    set_by_import = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    code = SETS.format(IMPORTS[imports])
+    unset = {k: v for k, v in cli_zygote.BASE_ENV.items() if not LIBRARY_SET.match(k)}  # as before any such import
+    done = subprocess.run([sys.executable, "-c", code], env=unset, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    set_by_import = json.loads(done.stdout.splitlines()[-1])
     assert set_by_import, "the import set no variable: nothing to check"
     env = {**cli_zygote.BASE_ENV, **set_by_import}
     assert cli_zygote.Zygote.get(env).blocking(env) == [], set_by_import
