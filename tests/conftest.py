@@ -285,12 +285,17 @@ def pytest_testnodedown(node, error) -> None:
     starts.update(getattr(node, "workeroutput", {}).get("cli_starts", {}))
 
 
+#: The fewest ``daskgen`` commands a lane starts for the lane check to judge how they started (the main lane starts
+#: about 280; an engine lane about ten, whose in-process engines set their libraries' variables in the test process).
+CLI_STARTS_CHECKED = 50
+
+
 def cli_start_problems(starts: collections.Counter) -> list[str]:
-    """The lane check's finding when most ``daskgen`` commands started a fresh interpreter instead of being forked
-    from the CLI zygote: a variable the session's processes set after it started (each is named) would otherwise
-    silently multiply the suite's CPU time."""
+    """The lane check's finding when most of a lane's ``daskgen`` commands (at least :data:`CLI_STARTS_CHECKED`)
+    started a fresh interpreter instead of being forked from the CLI zygote: a variable the session's processes set
+    after it started (each is named) would otherwise silently multiply the suite's CPU time."""
     fresh = sum(n for key, n in starts.items() if key != "forked")
-    if fresh <= starts["forked"]:
+    if fresh <= starts["forked"] or fresh + starts["forked"] < CLI_STARTS_CHECKED:
         return []
     reasons = ", ".join(f"{key} ({n})" for key, n in starts.most_common() if key != "forked")
     return [
