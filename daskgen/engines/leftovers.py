@@ -13,8 +13,7 @@ processes hold open (:func:`held_files`, read and unlinked before they are stopp
 open until it exits, and a worker killed while its engine stops then leaves nothing) or the one named after its
 instance; vLLM's
 processes start with a temporary folder of their own (:func:`temp_folder_for_children`), removed with everything
-in it once they are gone (torch's compiler cache stays where it would be without that folder), or, when the worker
-is killed first (a nanny kills a worker that takes more than a
+in it once they are gone, or, when the worker is killed first (a nanny kills a worker that takes more than a
 few seconds to close), by a small watcher process once the worker has exited (:func:`remove_when_gone`).  Linux
 only (``/proc``); elsewhere nothing is found and nothing removed.
 """
@@ -38,9 +37,7 @@ __all__ = [
     "remove_files",
     "remove_folder",
     "remove_when_gone",
-    "TORCH_CACHE",
     "temp_folder_for_children",
-    "torch_cache_folder",
 ]
 
 logger = logging.getLogger(__name__)
@@ -84,50 +81,26 @@ def remove_folder(folder: Path | None, owner: str) -> None:
             logger.warning("daskgen: could not remove %s, the temporary folder of %s", folder, owner)
 
 
-#: torch's compiler cache (compiled kernels, and the precompiled header vLLM's CPU worker builds at each start, about
-#: 7 CPU-s when it is not found): by default a folder under the temporary folder.
-TORCH_CACHE = "TORCHINDUCTOR_CACHE_DIR"
-
-
 @contextlib.contextmanager
 def temp_folder_for_children(prefix: str) -> Iterator[Path]:
     """A new temporary folder that processes started inside the block take as theirs; the folder (its owner
     removes it with :func:`remove_folder` once those processes are gone).
 
     Inside the block ``TMPDIR`` (read by a spawned process) and :data:`tempfile.tempdir` (inherited by a forked
-    one) name the folder, and ``TORCHINDUCTOR_CACHE_DIR`` names the compiler cache folder of this process
-    (:func:`torch_cache_folder`), so the next start finds what this one compiles; the environment is restored when
-    the block ends.  Temporary files this process makes meanwhile go there too, so keep the block to the start of
-    the processes.
+    one) name the folder; both are restored when the block ends.  Temporary files this process makes meanwhile go
+    there too, so keep the block to the start of the processes.
     """
-    saved_cache = os.environ.get(TORCH_CACHE)
-    cache = torch_cache_folder()
     folder = Path(tempfile.mkdtemp(prefix=prefix))
     saved_env, saved_dir = os.environ.get("TMPDIR"), tempfile.tempdir
     os.environ["TMPDIR"], tempfile.tempdir = str(folder), str(folder)
-    if cache is not None:
-        os.environ[TORCH_CACHE] = cache
     try:
         yield folder
     finally:
         tempfile.tempdir = saved_dir
-        for name, value in (("TMPDIR", saved_env), (TORCH_CACHE, saved_cache)):
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def torch_cache_folder() -> str | None:
-    """The folder of torch's compiler cache for a process started now: ``TORCHINDUCTOR_CACHE_DIR`` when set, else
-    torch's default (under the temporary folder); ``None`` without torch."""
-    if TORCH_CACHE in os.environ:
-        return os.environ[TORCH_CACHE]
-    try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    except ImportError:
-        return None
-    return default_cache_dir()
+        if saved_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved_env
 
 
 #: The watcher of :func:`remove_when_gone`: removes the folder once the process has exited (or ends when the folder
