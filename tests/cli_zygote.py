@@ -103,12 +103,9 @@ class Zygote:
                 cls._instance = cls(BASE_ENV or env)
             return cls._instance
 
-    def accepts(self, env: dict[str, str]) -> bool:
-        """Whether a child with ``env`` can be forked from this zygote (it differs only in run-time settings)."""
-        return not self.blocking(env)
-
     def blocking(self, env: dict[str, str]) -> list[str]:
-        """The variables of ``env`` that differ from the zygote's and are read at import time (none: it forks)."""
+        """The variables of ``env`` that differ from the zygote's and may be read at import time: none when a child
+        with ``env`` can be forked from this zygote (it differs only in run-time settings)."""
         keys = set(env) | set(self.env)
         return sorted(k for k in keys if env.get(k) != self.env.get(k) and not RUNTIME_ENV.match(k))
 

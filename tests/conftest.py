@@ -198,7 +198,8 @@ def wait_for_jobs(spool: Path, n: int, timeout: float = 30) -> list[str]:
 
 NOT_APPLICABLE = "not_applicable"
 _NOT_APPLICABLE_KEY = pytest.StashKey[list]()
-_LANE_PROBLEMS_KEY = pytest.StashKey[list]()
+_LANE_SUMMARY_KEY = pytest.StashKey[list]()  # what the lane check counted
+_LANE_PROBLEMS_KEY = pytest.StashKey[list]()  # what it found wrong (the lane fails)
 _XDIST_SELECTED_KEY = pytest.StashKey[list]()
 _CLI_STARTS_KEY = pytest.StashKey[collections.Counter]()  # the lane's daskgen commands (tests/cli_zygote.py)
 _MODULE_SECONDS: dict[str, float] = {}  # module -> seconds of its tests' setup, call and teardown in this pytest run
@@ -297,12 +298,17 @@ def cli_start_problems(starts: collections.Counter) -> list[str]:
     fresh = sum(n for key, n in starts.items() if key != "forked")
     if fresh <= starts["forked"] or fresh + starts["forked"] < CLI_STARTS_CHECKED:
         return []
-    reasons = ", ".join(f"{key} ({n})" for key, n in starts.most_common() if key != "forked")
     return [
         f"{fresh} of {fresh + starts['forked']} daskgen commands started a fresh interpreter instead of being forked "
-        f"from the CLI zygote; the variables that differed from the zygote's environment: {reasons}. Add a variable "
-        "read only when used to RUNTIME_ENV in tests/cli_zygote.py, or keep the test processes from setting it"
+        f"from the CLI zygote; the variables that differed from the zygote's environment: {fresh_reasons(starts)}. "
+        "Add a variable read only when used to RUNTIME_ENV in tests/cli_zygote.py, or keep the test processes from "
+        "setting it"
     ]
+
+
+def fresh_reasons(starts: collections.Counter) -> str:
+    """``VARIABLES (count), ...``: what differed for the commands that started a fresh interpreter, most first."""
+    return ", ".join(f"{key} ({n})" for key, n in starts.most_common() if key != "forked") or "none"
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -338,13 +344,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         problems.append(f"{len(missing)} selected test(s) did not run: {', '.join(missing[:20])}")
     starts = session.config.stash.get(_CLI_STARTS_KEY, None) or cli_zygote.STARTS
     problems.extend(cli_start_problems(starts))
-    fresh = ", ".join(f"{key} ({n})" for key, n in starts.most_common() if key != "forked") or "none"
-    session.config.stash[_LANE_PROBLEMS_KEY] = [
+    session.config.stash[_LANE_SUMMARY_KEY] = [
         f"lane check: {len(selected)} selected, {len(ran)} ran (at least {expected} expected)",
         f"daskgen commands: {starts['forked']} forked from the CLI zygote; fresh interpreters, by what differed: "
-        f"{fresh}",
-        *problems,
+        f"{fresh_reasons(starts)}",
     ]
+    session.config.stash[_LANE_PROBLEMS_KEY] = problems
     if problems and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -355,10 +360,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.section("deselected: not applicable")
         for nodeid, reason in not_applicable:
             terminalreporter.line(f"{nodeid}: {reason}")
-    lines = config.stash.get(_LANE_PROBLEMS_KEY, [])
-    if lines:
-        terminalreporter.section("lane check", red=len(lines) > 2, green=len(lines) == 2)
-        for line in lines:
+    summary, problems = config.stash.get(_LANE_SUMMARY_KEY, []), config.stash.get(_LANE_PROBLEMS_KEY, [])
+    if summary:
+        terminalreporter.section("lane check", red=bool(problems), green=not problems)
+        for line in [*summary, *problems]:
             terminalreporter.line(line)
-        if len(lines) > 2:
+        if problems:
             terminalreporter.line("lane check FAILED", red=True)

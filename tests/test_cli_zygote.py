@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -32,7 +31,7 @@ def session_env(monkeypatch):
 def test_a_forked_command_gets_the_tests_dask_settings_and_exit_status(tmp_path):
     """A health timeout given as a DASK_ variable reaches the forked command's config: a fresh interpreter and
     the fork refuse the same bad value the same way, naming it, before any store is made."""
-    assert cli_zygote.Zygote.get(cli_env()).accepts({**cli_zygote.BASE_ENV, "DASK_DASKGEN__HEALTH_TIMEOUT": "x"})
+    assert not cli_zygote.Zygote.get(cli_env()).blocking({**cli_zygote.BASE_ENV, "DASK_DASKGEN__HEALTH_TIMEOUT": "x"})
     prompts = write_prompts(tmp_path / "p.jsonl", 2)
     args = ("run", "--prompts", prompts, "--store", tmp_path / "o.zarr", "--engine", "simulated", "--model", "sim")
     env = {"DASK_DASKGEN__HEALTH_TIMEOUT": "not-a-duration"}
@@ -77,8 +76,6 @@ IMPORTS = {
     "torchs_compiler": "from torch._inductor.runtime.cache_dir_utils import cache_dir\ncache_dir()",
     "verls_dataproto": "import verl.protocol",
 }
-#: The variables those libraries are known to set (left out of the environment the import runs in).
-LIBRARY_SET = re.compile(r"^(TORCHINDUCTOR_CACHE_DIR|RAY_.*|LAZY_LEGACY_OP)$")
 SETS = (
     "import json, os\nbefore = dict(os.environ)\n{}\n"
     "print(json.dumps({{k: v for k, v in os.environ.items() if before.get(k) != v}}))"
@@ -90,7 +87,8 @@ def test_variables_libraries_set_when_a_test_imports_them_do_not_stop_the_fork(i
     """torch sets its compiler cache folder in ``os.environ`` when its compiler is imported, verl and ray set theirs
     when they are: the commands a test process starts after such an import are still forked."""
     code = SETS.format(IMPORTS[imports])
-    unset = {k: v for k, v in cli_zygote.BASE_ENV.items() if not LIBRARY_SET.match(k)}  # as before any such import
+    # the session's environment without its run-time settings, those libraries' variables among them
+    unset = {k: v for k, v in cli_zygote.BASE_ENV.items() if not cli_zygote.RUNTIME_ENV.match(k)}
     done = subprocess.run([sys.executable, "-c", code], env=unset, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     set_by_import = json.loads(done.stdout.splitlines()[-1])
