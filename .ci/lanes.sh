@@ -1,7 +1,9 @@
 # Sourced by .ci/run: runs the engine lanes in the background and waits for them (tests/test_ci_lanes.py).
-# The SGLang lane and the vLLM lane's engines part start at once; the vLLM lane's late part (its benchmark scripts'
-# tests, its refused KV-cache start and the transformers engine's suite with the lane's transformers, about two minutes) starts once the first
-# of the two has ended, on the core it leaves idle.  Each part logs to $DASKGEN_CI_CACHE/logs/LOG.log, shown when it ends.  Needs: the associative
+# The SGLang lane, the vLLM lane's engines part and its late part (its benchmark scripts' tests, its refused KV-cache
+# start and the transformers engine's suite with the lane's transformers, about two minutes) all start at once: much
+# of each lane is waiting on its engines' processes, and three parts side by side keep the two cores busier, to the
+# end, than two.
+# Each part logs to $DASKGEN_CI_CACHE/logs/LOG.log, shown when it ends.  Needs: the associative
 # array lane_pid (the cleanup trap kills what is in it), $start (the run's start, for the times shown).  Sets
 # lanes_failed: "LOG (exit N)" for each part that failed.
 declare -A lane_rc=()
@@ -36,7 +38,6 @@ run_engine_lanes() {  # every lane of .ci/ that exists, to the end
   [ ! -x .ci/sglang-lane ] || start_lane sglang-lane sglang
   if [ -x .ci/vllm-lane ]; then
     start_lane vllm-lane vllm DASKGEN_VLLM_PART=engines
-    [ -z "${lane_pid[sglang-lane]:-}" ] || lane_ended
     start_lane vllm-late vllm DASKGEN_VLLM_PART=late
   fi
   while [ "${#lane_pid[@]}" -gt 0 ]; do lane_ended; done
