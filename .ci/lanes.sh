@@ -1,8 +1,8 @@
 # Sourced by .ci/run: runs the engine lanes in the background and waits for them (tests/test_ci_lanes.py).
 # The SGLang lane, the vLLM lane's engines part and its late part (its benchmark scripts' tests, its refused KV-cache
 # start, the distillation guide's SLURM job and the transformers engine's suite with the lane's transformers, about
-# six minutes) all start at once: much of each lane is waiting on its engines' processes, and three parts side by
-# side keep the two cores busier, to the end, than two.
+# eight minutes beside the others) all start at once: much of each lane is waiting on its engines' processes, and
+# three parts side by side keep the two cores busier, to the end, than two.
 # Each part logs to $DASKGEN_CI_CACHE/logs/LOG.log, shown when it ends.  Needs: the associative
 # array lane_pid (the cleanup trap kills what is in it), $start (the run's start, for the times shown).  Sets
 # lanes_failed: "LOG (exit N)" for each part that failed.
