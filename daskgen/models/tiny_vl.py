@@ -163,7 +163,7 @@ def _tokenizer(source: Path) -> PreTrainedTokenizerBase:
 
 def _token_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
     """The config's ids of the vision tokens (each a single new token of ``tokenizer``)."""
-    ids = [int(tokenizer.convert_tokens_to_ids(token)) for token in VISION_TOKENS]  # type: ignore[arg-type]
+    ids = [int(tokenizer.convert_tokens_to_ids(token)) for token in VISION_TOKENS]
     if len(set(ids)) != len(VISION_TOKENS) or min(ids) < len(tokenizer) - len(VISION_TOKENS):
         raise DaskgenError(f"the vision tokens {VISION_TOKENS} got ids {ids}, expected {len(VISION_TOKENS)} new ids")
     names = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")

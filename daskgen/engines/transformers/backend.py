@@ -120,7 +120,7 @@ def _load_model(path: str, args: TransformersArgs, device: str, dtype: torch.dty
     except (OSError, ValueError) as exc:
         raise EngineError(f"transformers engine could not load model {path!r}: {exc}") from exc
     # PreTrainedModel.to is decorated with functools.wraps, whose typing leaves `self` unbound.
-    return model.to(device).eval()  # type: ignore[arg-type]
+    return model.to(device).eval()
 
 
 def _eos_ids(model: Any) -> frozenset[int]:
