@@ -129,6 +129,8 @@ def test_a_run_refreshes_mid_run_and_every_sample_is_its_versions_greedy_answer(
     try:
         wait_until(lambda: event_of(events, "pause", HELD), proc, "row 1", 600)  # its first tokens, then it waits
         assert engine_files(engine) - before, f"{engine} made none of its files while it ran (the check below is void)"
+        if engine == "vllm":
+            check_compiler_cache_is_shared(engine_files(engine) - before)
         daskgen.publish_policy(out, str(checkpoints[1]), 1)
         # the held row was aborted with its tokens; it waits at its gate again until the load is done
         wait_until(lambda: workers_running(out, 1), proc, "the load", 600)
@@ -144,6 +146,19 @@ def test_a_run_refreshes_mid_run_and_every_sample_is_its_versions_greedy_answer(
     while (left := engine_files(engine) - before) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"{engine} left files behind: {left}"
+
+
+def check_compiler_cache_is_shared(names: set[str]) -> None:
+    """The temporary folder daskgen gave vLLM's processes links torch's compiler cache of the machine (where torch
+    keeps its precompiled headers), so no engine start compiles them again."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    shared = Path(default_cache_dir())
+    folders = [Path(tempfile.gettempdir()) / name for name in names if name.startswith("daskgen-vllm-tmp-")]
+    assert folders, names
+    for folder in folders:
+        link = folder / shared.name
+        assert link.is_symlink() and link.resolve() == shared.resolve(), (link, shared)
 
 
 def check_samples(out: Path, checkpoints: dict[int, Path]) -> None:

@@ -82,15 +82,22 @@ def remove_folder(folder: Path | None, owner: str) -> None:
 
 
 @contextlib.contextmanager
-def temp_folder_for_children(prefix: str) -> Iterator[Path]:
+def temp_folder_for_children(prefix: str, keep: Iterable[Path] = ()) -> Iterator[Path]:
     """A new temporary folder that processes started inside the block take as theirs; the folder (its owner
     removes it with :func:`remove_folder` once those processes are gone).
 
     Inside the block ``TMPDIR`` (read by a spawned process) and :data:`tempfile.tempdir` (inherited by a forked
     one) name the folder; both are restored when the block ends.  Temporary files this process makes meanwhile go
-    there too, so keep the block to the start of the processes.
+    there too, so keep the block to the start of the processes.  ``keep``: folders of the machine's temporary
+    folder the processes go on sharing with every other (caches): each is linked into the new folder under its
+    own name, so a process that finds it under ``TMPDIR`` uses the shared one; removing the folder removes the
+    link, never what it points to.
     """
     folder = Path(tempfile.mkdtemp(prefix=prefix))
+    for shared in keep:
+        with contextlib.suppress(OSError):  # without the link the processes make their own copy, as before
+            shared.mkdir(parents=True, exist_ok=True)
+            (folder / shared.name).symlink_to(shared, target_is_directory=True)
     saved_env, saved_dir = os.environ.get("TMPDIR"), tempfile.tempdir
     os.environ["TMPDIR"], tempfile.tempdir = str(folder), str(folder)
     try:

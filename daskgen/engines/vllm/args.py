@@ -3,7 +3,8 @@
 :func:`check_engine_args` refuses names ``AsyncEngineArgs`` does not know (with close matches);
 :func:`launch_kwargs` adds the model and, without CUDA, :data:`CPU_DEFAULTS`;
 :func:`vllm_thread_environment` keeps the worker's thread counts from vLLM's processes on a CPU and
-gives each worker's engine its own cores (:func:`omp_threads_bind`).
+gives each worker's engine its own cores (:func:`omp_threads_bind`); :func:`shared_caches` names the
+machine's caches vLLM's processes keep using from their own temporary folder.
 Importing this module does not import vllm.
 """
 
@@ -13,6 +14,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from daskgen.engines.args import check_known_args
@@ -30,6 +32,7 @@ __all__ = [
     "launch_kwargs",
     "max_logprobs",
     "omp_threads_bind",
+    "shared_caches",
     "vllm_thread_environment",
 ]
 
@@ -184,3 +187,16 @@ def vllm_thread_environment(cuda: bool) -> Iterator[None]:
         if bind is not None:
             os.environ.pop(BIND_VARIABLE, None)
         os.environ.update(saved)
+
+
+def shared_caches() -> tuple[Path, ...]:
+    """The machine's caches vLLM's processes keep using although they start with a temporary folder of their own
+    (:func:`~daskgen.engines.leftovers.temp_folder_for_children`): torch's compiler cache in the machine's
+    temporary folder, where torch's C++ compiler keeps its precompiled headers (placed by the temporary folder torch
+    sees at import, whatever ``TORCHINDUCTOR_CACHE_DIR`` says).  Without it every engine start on a CPU compiles
+    them again before its first sampled token.  Empty when torch does not say where (another torch release)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:
+        return ()
+    return (Path(default_cache_dir()),)

@@ -49,7 +49,8 @@ How it works
 * **Shutdown.**  ``AsyncLLM.shutdown()`` stops the ``EngineCore`` process (and its workers);
   then the engine's thread stops.  vLLM's processes start with a temporary folder of their own
   (:func:`~daskgen.engines.leftovers.temp_folder_for_children`), removed at shutdown with what they left
-  there (the ``vllm_dist_*`` rendezvous file of their ``torch.distributed`` store, their ZeroMQ sockets).
+  there (the ``vllm_dist_*`` rendezvous file of their ``torch.distributed`` store, their ZeroMQ sockets);
+  torch's compiler cache stays the machine's (:func:`~daskgen.engines.vllm.args.shared_caches`).
 
 Engine args (``engine_args``) are ``vllm.AsyncEngineArgs`` fields passed through unchanged
 (``tensor_parallel_size``, ``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``,
@@ -75,7 +76,13 @@ from daskgen.engines.base import GenerationRequest, GenerationResult, aborted_re
 from daskgen.engines.inprocess import InProcessEngine, LoopThread, cuda_available
 from daskgen.engines.leftovers import remove_folder, remove_when_gone, temp_folder_for_children
 from daskgen.engines.staged_folder import StagedFolder, stage_folder
-from daskgen.engines.vllm.args import check_engine_args, launch_kwargs, max_logprobs, vllm_thread_environment
+from daskgen.engines.vllm.args import (
+    check_engine_args,
+    launch_kwargs,
+    max_logprobs,
+    shared_caches,
+    vllm_thread_environment,
+)
 from daskgen.engines.vllm.fingerprint import EXTENSION, agreed, with_extension
 from daskgen.engines.vllm.images import expansion_problem, images_refusal, multimodal_prompt
 from daskgen.engines.vllm.mapping import CollectedOutput, collect_output, result_from_collected, vllm_sampling_kwargs
@@ -205,7 +212,8 @@ class VLLMEngine(InProcessEngine):
         return f"vllm AsyncLLM({self._kwargs})"
 
     async def _create(self, cuda: bool) -> tuple[Any, dict[str, Any]]:
-        with vllm_thread_environment(cuda), temp_folder_for_children("daskgen-vllm-tmp-") as folder:
+        keep = shared_caches()
+        with vllm_thread_environment(cuda), temp_folder_for_children("daskgen-vllm-tmp-", keep) as folder:
             self._temp_folder = folder  # its file-store rendezvous file and sockets: removed at shutdown
             self._watcher = remove_when_gone(folder)  # or after this process, if it is killed first
             return _create_async_llm(self._kwargs)
