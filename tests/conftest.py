@@ -52,13 +52,19 @@ def dask_default_scheduler_as_it_was(request: pytest.FixtureRequest) -> Iterator
     it found when it closes; clients closed in the other order than they were made (one way) leave the setting
     pointing at a client that is gone, and every later test of the same pytest process that computes a Dask
     collection would fail with "Requested dask.distributed scheduler but no Client active".  The setting is put
-    back, with a warning that names the test (shown in the lane's summary)."""
+    back, with a warning that names the test (shown in the lane's summary).
+
+    A client whose start failed with other than an ``OSError`` (a ``tls://`` address without a certificate raises
+    ``TypeError``) stays the process's default client, connected to nothing: every later computation of a Dask
+    collection in the process would wait for it forever.  A test that leaves a default client it did not find fails,
+    and the client is closed."""
     import warnings
 
     import dask.config
 
     keys = ("scheduler", "shuffle")
     before = {key: dask.config.config[key] for key in keys if key in dask.config.config}
+    client_before = default_client_or_none()
     yield
     after = {key: dask.config.config[key] for key in keys if key in dask.config.config}
     if after != before:
@@ -66,6 +72,21 @@ def dask_default_scheduler_as_it_was(request: pytest.FixtureRequest) -> Iterator
         for key in keys:
             dask.config.config.pop(key, None)
         dask.config.config.update(before)
+    left = default_client_or_none()
+    if left is not None and left is not client_before:
+        with contextlib.suppress(Exception):
+            left.close(timeout=5)
+        pytest.fail(f"{request.node.nodeid} left a default Dask client ({left.status}); later computations use it")
+
+
+def default_client_or_none() -> object | None:
+    """The process's default ``distributed.Client``, if there is one."""
+    from distributed import default_client
+
+    try:
+        return default_client()
+    except ValueError:
+        return None
 
 
 @functools.cache

@@ -159,7 +159,7 @@ def test_local_tls_cluster_with_a_scheduler_process_uses_certificate_files():
         with Client(cluster, timeout="20s") as client:
             assert client.submit(sum, [1, 2], pure=False).result(timeout=30) == 3
         with pytest.raises(OSError):
-            Client(cluster.scheduler_address.replace("tls://", "tcp://"), timeout="5s")
+            Client(cluster.scheduler_address.replace("tls://", "tcp://"), timeout="5s", set_as_default=False)
     finally:
         cluster.close()
     assert not files.exists()  # the certificate goes with the cluster

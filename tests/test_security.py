@@ -98,11 +98,11 @@ def test_tls_cluster_refuses_clients_without_its_certificate(tmp_path):
             assert client.submit(sum, [1, 2], pure=False).result(timeout=30) == 3
             assert all(w.startswith("tls://") for w in client.scheduler_info()["workers"])
         with pytest.raises(OSError):  # plain TCP to the TLS port (Dask's comm errors are OSErrors)
-            Client(address.replace("tls://", "tcp://"), timeout="5s")
+            Client(address.replace("tls://", "tcp://"), timeout="5s", set_as_default=False)
         with pytest.raises(OSError, match="TLS certificate does not match"):  # a certificate of another run
-            Client(address, security=Security.temporary(), timeout="5s")
+            Client(address, security=Security.temporary(), timeout="5s", set_as_default=False)
         with pytest.raises(TypeError, match="ssl_context"):  # no certificate configured: Dask will not even try
-            Client(address, timeout="5s")
+            Client(address, timeout="5s", set_as_default=False)
         # Server side: a TLS client presenting no certificate is cut off; presenting the run's is not.
         files = TLSFiles(cluster.security, tmp_path / "tls")
         ca, key = Path(files.security.tls_ca_file), Path(files.security.tls_client_key)

@@ -124,9 +124,9 @@ def test_slurm_job_runs_one_pinned_worker_per_gpu(tmp_path, monkeypatch):
             from distributed.security import Security
 
             with pytest.raises(OSError, match="TLS certificate does not match"):  # another run's certificate
-                Client(cluster.scheduler_address, security=Security.temporary(), timeout="10s")
+                Client(cluster.scheduler_address, security=Security.temporary(), timeout="10s", set_as_default=False)
             with pytest.raises(OSError):  # plain TCP
-                Client(cluster.scheduler_address.replace("tls://", "tcp://"), timeout="10s")
+                Client(cluster.scheduler_address.replace("tls://", "tcp://"), timeout="10s", set_as_default=False)
             workers = client.scheduler_info(n_workers=-1)["workers"].values()
             assert sorted(str(w["name"]) for w in workers) == [f"SLURMCluster-0-{i}" for i in range(4)]
             assert all(w["resources"] == {"GPU": 1} for w in workers)
