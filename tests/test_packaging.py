@@ -1,4 +1,5 @@
-"""The package's metadata: its license, and the same dependencies in pyproject.toml and environment.yml."""
+"""The package's metadata: its license, the same dependencies in pyproject.toml and environment.yml, and what mypy
+checks."""
 
 from __future__ import annotations
 
@@ -58,3 +59,14 @@ def test_every_dependency_is_in_environment_yml_with_the_same_bounds() -> None:
             differing.append((spec, conda[name]))
     assert not missing, f"in pyproject.toml but not in environment.yml: {missing}"
     assert not differing, f"bounds differ between pyproject.toml and environment.yml: {differing}"
+
+
+def test_mypy_checks_daskgen_and_skips_the_large_libraries_docs_architecture_names() -> None:
+    """docs/architecture.md: mypy checks ``daskgen/`` and does not analyse torch, transformers or peft (their names
+    are ``Any``)."""
+    mypy = _pyproject()["tool"]["mypy"]
+    assert mypy["files"] == ["daskgen"]
+    skipped = {m for o in mypy["overrides"] if o.get("follow_imports") == "skip" for m in o["module"]}
+    assert {"torch.*", "transformers.*", "peft.*"} <= skipped, skipped
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert 'follow_imports = "skip"' in text and "torch, transformers, peft" in text
