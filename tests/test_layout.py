@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,6 +35,12 @@ def _module_name(path: Path) -> str:
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """The parsed file, once per test process: the checks below walk every module's tree, none changes it."""
+    return ast.parse(path.read_text())
 
 
 def _modules() -> dict[str, Path]:
@@ -53,7 +60,7 @@ def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
 def _imports(module: str, path: Path, known: dict[str, Path]) -> list[tuple[str, str | None]]:
     """(imported daskgen module, imported name or None) for every import statement in the file."""
     found: list[tuple[str, str | None]] = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             found += [(alias.name, None) for alias in node.names if alias.name.startswith("daskgen")]
         elif isinstance(node, ast.ImportFrom):
@@ -293,7 +300,7 @@ def test_no_module_reaches_another_modules_private_names_as_attributes() -> None
     found = sorted(
         f"{module}: {reach}"
         for module, path in known.items()
-        for tree in [ast.parse(path.read_text())]
+        for tree in [_tree(path)]
         for reach in _private_reaches(tree, _module_aliases(tree, module, path, known), own=module)
     )
     assert found == []
@@ -305,7 +312,7 @@ def test_tests_reach_no_private_names_of_daskgen_modules() -> None:
     found = sorted(
         f"{path.name}: {reach}"
         for path in (REPO / "tests").rglob("*.py")
-        for tree in [ast.parse(path.read_text())]
+        for tree in [_tree(path)]
         for reach in _private_reaches(tree, _module_aliases(tree, "tests", None, known))
     )
     assert found == []
@@ -331,7 +338,7 @@ def test_tests_import_no_private_names_of_daskgen() -> None:
     private = sorted(
         f"{path.name} imports {alias.name} from {node.module}"
         for path in (REPO / "tests").rglob("*.py")
-        for node in ast.walk(ast.parse(path.read_text()))
+        for node in ast.walk(_tree(path))
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("daskgen")
         for alias in node.names
         if alias.name.startswith("_") and not alias.name.startswith("__")
