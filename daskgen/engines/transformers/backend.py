@@ -119,7 +119,6 @@ def _load_model(path: str, args: TransformersArgs, device: str, dtype: torch.dty
         model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(path, **kwargs)
     except (OSError, ValueError) as exc:
         raise EngineError(f"transformers engine could not load model {path!r}: {exc}") from exc
-    # PreTrainedModel.to is decorated with functools.wraps, whose typing leaves `self` unbound.
     return model.to(device).eval()
 
 
