@@ -40,6 +40,7 @@ server.serve_forever()
 class StandIn(managed.ManagedServer):  # TEST DOUBLE: an HTTP server that only answers health checks
     def command(self, port: int, cuda_available: bool) -> list[str]:
         self.ports = [*getattr(self, "ports", []), port]
+        self.logs = [*getattr(self, "logs", []), *([self.log_path] if self.log_path else [])]  # earlier launches'
         return [sys.executable, "-c", STAND_IN, str(port)]
 
 
@@ -70,13 +71,17 @@ def test_a_taken_port_is_retried_on_another_and_the_last_failure_names_it(monkey
 
     port = asyncio.run(started())
     assert server.ports == [taken[0].getsockname()[1], port] and port != taken[0].getsockname()[1]
+    assert not [log for log in [*server.logs, server.log_path] if log.exists()], "a launch's log was left behind"
 
     every = iter([s.getsockname()[1] for s in taken])  # every launch finds its port taken: the error names it
     monkeypatch.setattr(managed, "free_port", lambda host=managed.LOOPBACK: next(every))
     again = StandIn("model", start_timeout_s=60)
-    with pytest.raises(EngineError, match="address already in use"):
+    with pytest.raises(EngineError, match="address already in use") as failed:
         asyncio.run(again.start())
-    assert len(again.ports) == managed.PORT_ATTEMPTS and not again.alive
+    assert len(again.ports) == managed.PORT_ATTEMPTS == 3 and not again.alive  # docs/engines.md: three launches
+    assert not [log for log in again.logs if log.exists()], "an earlier launch's log was left behind"
+    assert str(again.log_path) in str(failed.value) and again.log_path.exists()  # the error names the last one's log
+    again.log_path.unlink()
     for sock in taken:
         sock.close()
 
@@ -88,7 +93,9 @@ def test_another_start_failure_is_not_retried(monkeypatch):
             return [sys.executable, "-c", "import sys; print('model not found'); sys.exit(2)"]
 
     server = Failing("model", start_timeout_s=60)
-    with pytest.raises(EngineError, match="model not found"):
+    with pytest.raises(EngineError, match="model not found") as failed:
         asyncio.run(server.start())
     assert len(server.ports) == 1
+    assert str(server.log_path) in str(failed.value)  # kept for the user to read; this test removes it
+    server.log_path.unlink()
     assert managed.port_taken("[Errno 98] error while attempting to bind: Address already in use")

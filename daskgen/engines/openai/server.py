@@ -219,6 +219,8 @@ class ManagedServer:
                     attempt + 1,
                     PORT_ATTEMPTS,
                 )
+                if self.log_path is not None:  # the failed launch's log: its error is handled here, nothing names it
+                    self.log_path.unlink(missing_ok=True)
 
     async def _launch(self) -> None:
         """One launch on a free port, waited for until it generates."""
