@@ -75,6 +75,28 @@ def test_every_lane_writes_bytecode_and_the_engine_lanes_run_on_one_process_each
         assert '  venv_install "$VENV"' in (REPO / ".ci" / f"{lane}-env.sh").read_text(), lane
 
 
+def test_every_pytest_run_of_ci_keeps_each_tests_time_in_a_file_of_its_own():
+    """docs/testing.md: each lane writes every test's time to a JUnit XML file in the cache's logs folder, and
+    ``.ci/run`` prints the CPU-seconds and the host's steal of each part."""
+    testing = " ".join((REPO / "docs" / "testing.md").read_text().split())
+    assert "writes every test's time to a JUnit XML file in `$DASKGEN_CI_CACHE/logs/`" in testing
+    files = []
+    scripts = {"run": "$DASKGEN_CI_CACHE/logs/", "sglang-lane": "$CACHE/logs/", "vllm-lane": "$CACHE/logs/"}
+    for script, logs in scripts.items():
+        text = (REPO / ".ci" / script).read_text()
+        runs = re.findall(r"-m pytest (?:.*\\\n)*.*", text)  # each command with its continued lines
+        assert runs, script
+        for run in runs:
+            found = re.search(r'--junitxml "([^"]+\.xml)"', run)
+            assert found and found[1].startswith(logs), (script, run)
+            files.append(found[1].rsplit("/", 1)[1])
+    assert len(files) == len(set(files)) == 5, files
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "CPU-s)," in ci and "$5, $6, $9}' /proc/stat" in ci  # /proc/stat's fields: idle, iowait, steal
+    assert "waiting on the disk" in ci and "taken by the host" in ci
+    assert "or were taken by the host (steal)" in testing and "waited on the disk (iowait)" in testing
+
+
 def test_the_tests_run_one_torch_thread_per_process_and_their_local_clusters_too():
     """docs/testing.md: the session sets OMP_NUM_THREADS and daskgen.local-cpu-threads to 1 unless they are set."""
     from daskgen import tunables
