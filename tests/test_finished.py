@@ -28,7 +28,7 @@ def _boom() -> None:
 @pytest.mark.timeout(60)
 def test_results_and_failures_come_back_with_their_futures(client):
     ticks = []
-    done = FinishedPartitions(on_wait=lambda: ticks.append(1))
+    done = FinishedPartitions(client, on_wait=lambda: ticks.append(1))
     futures = [
         client.submit(time.sleep, 0.3, pure=False),
         client.submit(_boom, pure=False),
@@ -49,7 +49,7 @@ def test_results_and_failures_come_back_with_their_futures(client):
 def test_nothing_ready_returns_empty_after_the_wait_and_checks_engines(client, monkeypatch):
     monkeypatch.setitem(dask.config.config["daskgen"], "engine-check-interval", 0.0)
     checks = []
-    done = FinishedPartitions(check_engines=lambda: checks.append(1))
+    done = FinishedPartitions(client, check_engines=lambda: checks.append(1))
     slow = client.submit(time.sleep, 5, pure=False)
     done.add(slow)
     assert done.wait([slow], 0.3) == []
@@ -61,7 +61,7 @@ def test_nothing_ready_returns_empty_after_the_wait_and_checks_engines(client, m
 def test_a_finished_future_never_delivered_is_fetched_directly(client, monkeypatch):
     """As when as_completed's background fetch failed: the future is done but never queued."""
     monkeypatch.setitem(dask.config.config["daskgen"], "undelivered-after", 0.0)
-    done = FinishedPartitions()
+    done = FinishedPartitions(client)
     lost = client.submit(sum, [2, 3], pure=False)  # not added: as_completed will never deliver it
     lost.result()
     assert done.wait([lost], 0.05) == []  # first seen finished now
@@ -76,7 +76,7 @@ def test_a_result_ends_the_wait_at_once_without_polling(client, monkeypatch):
 
     monkeypatch.setattr(completions, "WAIT_S", 30.0)
     ticks = []
-    done = FinishedPartitions(on_wait=lambda: ticks.append(1))
+    done = FinishedPartitions(client, on_wait=lambda: ticks.append(1))
     fut = client.submit(time.sleep, 0.2, pure=False)
     done.add(fut)
     t0 = time.monotonic()
@@ -102,7 +102,7 @@ def test_wake_and_a_window_announcement_end_the_wait(client, monkeypatch):
     from daskgen.worker.admission import WINDOW_TOPIC
 
     monkeypatch.setattr(completions, "WAIT_S", 30.0)
-    done = FinishedPartitions()
+    done = FinishedPartitions(client)
     board = WindowBoard(client, "daskgen-engine", on_change=done.wake)
     slow = client.submit(time.sleep, 20, pure=False)
     done.add(slow)
@@ -120,3 +120,23 @@ def test_wake_and_a_window_announcement_end_the_wait(client, monkeypatch):
         timer.cancel()
         board.close()
         slow.cancel()
+
+
+@pytest.mark.timeout(60)
+def test_results_arrive_on_the_runs_client_whatever_client_is_the_processs_current_one(client):
+    """``as_completed`` tracks futures on the loop of the process's current client unless told which: a closed
+    client made current (as a failed or finished client can be left) would never deliver the run's results."""
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as lc:
+        other = Client(lc, set_as_default=False)
+        other.close()
+    with other.as_current():
+        done = FinishedPartitions(client)
+        fut = client.submit(sum, [1, 2], pure=False)
+        done.add(fut)
+        got: list = []
+        deadline = time.monotonic() + 20
+        while not got and time.monotonic() < deadline:
+            got = done.wait([fut], 1.0)
+    assert got == [(fut, 3)]

@@ -164,3 +164,27 @@ def test_output_in_the_way_is_refused(tmp_path):
         packing.pack(out, out=other, n_workers=1)
     with pytest.raises(PackError, match="not a daskgen store"):
         packing.pack(other, n_workers=1)
+
+
+def test_a_pack_whose_copies_never_finish_stops_naming_the_blocks_left_and_a_rerun_completes(tmp_path, small_shards):
+    """No copy task finishes (a cluster without workers stands for workers lost or stuck on their storage): the pack
+    stops after ``daskgen.pack.stall-timeout`` instead of waiting for ever, leaves the source as it was, and the
+    same pack run again copies everything."""
+    import dask
+    from distributed import LocalCluster
+
+    out = tmp_path / "out.zarr"
+    _run(tmp_path, out)
+    before = _values(out)
+    with (
+        LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as idle,
+        dask.config.set({"daskgen.pack.stall-timeout": "2s"}),
+        pytest.raises(PackError, match=r"no copy task finished in 2 s .*blocks left \(.* on 0 worker") as err,
+    ):
+        packing.pack(out, scheduler_address=idle.scheduler_address)
+    assert "rerun the same command to copy the rest" in str(err.value)
+    assert store.read_store_attrs(out).packed is None
+    _assert_same(before, _values(out))
+    packing.pack(out, n_workers=1)
+    assert store.read_store_attrs(out).packed
+    _assert_same(before, _values(out))

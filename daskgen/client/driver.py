@@ -129,7 +129,7 @@ class Driver:
         self.futures: dict[Any, PartitionTask] = {}
         self.watch = SchedulerWatch(client)
         self.done = FinishedPartitions(
-            on_wait=self.housekeeping, check_engines=lambda: check_engines(client, run.plan.config)
+            client, on_wait=self.housekeeping, check_engines=lambda: check_engines(client, run.plan.config)
         )
         self.board = WindowBoard(client, RESOURCE, on_change=self.done.wake)  # more admitted: submit at once
         self.batch = CommitBatch(run, on_commit=self.announce)

@@ -32,6 +32,10 @@ class FinishedPartitions:
 
     Parameters
     ----------
+    client:
+        The run's client: its futures are tracked on its event loop (``as_completed`` would otherwise take the
+        process's default client's loop, and a default client that is not this one, e.g. one that failed to
+        connect, would never deliver them).
     on_wait:
         Called every :data:`WAIT_S` while waiting (heartbeat, deadline, signals); a true return
         value ends the wait at once.
@@ -40,11 +44,14 @@ class FinishedPartitions:
     """
 
     def __init__(
-        self, on_wait: Callable[[], bool | None] | None = None, check_engines: Callable[[], None] | None = None
+        self,
+        client: Any,
+        on_wait: Callable[[], bool | None] | None = None,
+        check_engines: Callable[[], None] | None = None,
     ) -> None:
         from distributed import as_completed
 
-        self._ac = as_completed(with_results=True, raise_errors=False)
+        self._ac = as_completed(loop=client.loop, with_results=True, raise_errors=False)
         self._on_wait = on_wait
         self._check_engines = check_engines
         self._checked = time.monotonic()

@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from daskgen import tunables
 from daskgen.errors import PackError
 from daskgen.store.attrs import ATTRS_KEY, utc_now
 from daskgen.store.chunks.codecs import with_checksum
@@ -258,6 +259,8 @@ def record_progress(dst: StoreLocation, done: set[str], src: StoreLocation, mode
 def _copy_all(
     client: Any, src: GenerationStore, dst: StoreLocation, tasks: list[tuple[str, int, int]], done: set[str], mode: str
 ) -> None:
+    """Run a copy task per block, recording the blocks copied as they finish; raise :class:`PackError` when none
+    finishes for ``daskgen.pack.stall-timeout`` (the blocks copied stay recorded: a rerun copies the rest)."""
     from distributed import as_completed
 
     futures = {
@@ -266,14 +269,43 @@ def _copy_all(
         ): t
         for t in tasks
     }
-    last = time.monotonic()
-    for future in as_completed(futures):
+    finished = as_completed(futures, loop=client.loop)  # this client's loop, whatever the default client is
+    stall, last = tunables.seconds("pack.stall-timeout"), time.monotonic()
+    progressed = last
+    while futures:
+        if not _ready_within(finished, 1.0):
+            if time.monotonic() - progressed > stall:
+                record_progress(dst, done, src.location, mode)
+                raise _stalled(client, dst, futures.values(), len(done), stall, mode)
+            continue
+        future = next(finished)
         future.result()
         name, start, _ = futures.pop(future)
         done.add(f"{name}/{start}")
-        if time.monotonic() - last > 2.0 or not futures:
+        progressed = time.monotonic()
+        if progressed - last > 2.0 or not futures:
             record_progress(dst, done, src.location, mode)
             last = time.monotonic()
+
+
+def _ready_within(finished: Any, seconds: float) -> bool:
+    """Whether ``as_completed`` has a finished future, waiting up to ``seconds`` for one."""
+    with finished.thread_condition:  # checked under the lock: a future queued after the check notifies the wait
+        if not finished.has_ready():
+            finished.thread_condition.wait(seconds)
+    return bool(finished.has_ready())
+
+
+def _stalled(client: Any, dst: StoreLocation, left: Any, copied: int, stall: float, mode: str) -> PackError:
+    """The error for a copy in which no task finished for ``stall`` seconds."""
+    blocks = sorted(f"{name}[{start}:{stop}]" for name, start, stop in left)
+    workers = len(client.scheduler_info().get("workers", {}))
+    return PackError(
+        f"the {mode} into {dst.url!r} stopped: no copy task finished in {stall:.0f} s "
+        f"(daskgen.pack.stall-timeout), {len(blocks)} blocks left ({', '.join(blocks[:5])}"
+        f"{', ...' if len(blocks) > 5 else ''}) on {workers} worker(s). The {copied} blocks copied are recorded; "
+        f"rerun the same command to copy the rest (raise daskgen.pack.stall-timeout if the storage is that slow)."
+    )
 
 
 def _finish(src: GenerationStore, dst: StoreLocation, plans: dict[str, dict[str, Any]], mode: str) -> None:

@@ -288,7 +288,7 @@ def _run(jobs: list[tuple[Callable[..., Any], tuple]], address: str | None, prog
 
         with Client(address) as client:
             futures = [client.submit(fn, *args, pure=False) for fn, args in jobs]
-            for _ in as_completed(futures):
+            for _ in as_completed(futures, loop=client.loop):  # this client's, whatever the default client is
                 bar.update(1)
             return client.gather(futures)
 
