@@ -80,6 +80,14 @@ class PackError(StoreError):
     """A store cannot be packed or unpacked (not a store, already packed, output in the way, verify failed)."""
 
 
+class PackStalled(PackError):
+    """No copy task of a pack or unpack finished for ``daskgen.pack.stall-timeout`` (workers lost or stuck)."""
+
+    def __init__(self, message: str, stall_s: float) -> None:
+        super().__init__(message)
+        self.stall_s = stall_s
+
+
 class SchedulerLost(RunInterrupted):
     """The Dask scheduler stopped answering (killed, its node lost) while the run was going.
 

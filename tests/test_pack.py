@@ -10,9 +10,10 @@ import pytest
 import zarr
 
 from daskgen import store
-from daskgen.errors import PackError
+from daskgen.errors import PackError, PackStalled
 from daskgen.store.location import locate
 from daskgen.store.tools import pack as packing
+from daskgen.store.tools import pack_cluster
 from tests.conftest import run_cli, write_prompts
 from tests.test_run import sim_args
 
@@ -187,4 +188,69 @@ def test_a_pack_whose_copies_never_finish_stops_naming_the_blocks_left_and_a_rer
     _assert_same(before, _values(out))
     packing.pack(out, n_workers=1)
     assert store.read_store_attrs(out).packed
+    _assert_same(before, _values(out))
+
+
+def _stalling_clusters(monkeypatch, idle, stalls: int) -> list:
+    """A test double of the pack's cluster start (the real one starts the cluster of every other pack here): its first
+    ``stalls`` clusters are ``idle`` (no workers: no copy ever finishes), later ones real local clusters.  Returns the
+    list of the scheduler addresses asked for, one per start."""
+    import contextlib
+
+    from distributed import Client
+
+    real, starts = pack_cluster.cluster_client, []
+
+    @contextlib.contextmanager
+    def start(address, n_workers):
+        starts.append(address)
+        with Client(idle) if len(starts) <= stalls else real(address, n_workers) as client:
+            yield client
+
+    monkeypatch.setattr(pack_cluster, "cluster_client", start)
+    return starts
+
+
+def test_a_copy_stalled_on_the_packs_own_cluster_goes_on_on_a_new_one(tmp_path, small_shards, monkeypatch, caplog):
+    """The pack's own local cluster stops finishing copies: after ``daskgen.pack.stall-timeout`` the pack closes it,
+    says so, and a new local cluster copies every block (a user's cluster stops the pack instead: the test above)."""
+    import logging
+
+    import dask
+    from distributed import LocalCluster
+
+    out = tmp_path / "out.zarr"
+    _run(tmp_path, out)
+    before = _values(out)
+    with (
+        LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as idle,
+        dask.config.set({"daskgen.pack.stall-timeout": "2s"}),
+        caplog.at_level(logging.WARNING, logger=pack_cluster.__name__),
+    ):
+        starts = _stalling_clusters(monkeypatch, idle, stalls=1)
+        packing.pack(out, n_workers=1)
+    assert starts == [None, None]
+    assert "no copy task finished in 2 s; closing the local cluster and copying the" in caplog.text
+    assert store.read_store_attrs(out).packed
+    _assert_same(before, _values(out))
+
+
+def test_a_copy_that_stalls_on_its_new_cluster_too_stops_and_leaves_the_store_as_it_was(
+    tmp_path, small_shards, monkeypatch
+):
+    import dask
+    from distributed import LocalCluster
+
+    out = tmp_path / "out.zarr"
+    _run(tmp_path, out)
+    before = _values(out)
+    with (
+        LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as idle,
+        dask.config.set({"daskgen.pack.stall-timeout": "2s"}),
+        pytest.raises(PackStalled, match="rerun the same command to copy the rest"),
+    ):
+        starts = _stalling_clusters(monkeypatch, idle, stalls=2)
+        packing.pack(out, n_workers=1)
+    assert starts == [None] * (1 + pack_cluster.LOCAL_RESTARTS)
+    assert store.read_store_attrs(out).packed is None
     _assert_same(before, _values(out))

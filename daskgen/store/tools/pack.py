@@ -36,6 +36,7 @@ share shards): runs refuse it and name the fix, ``daskgen unpack STORE`` (see
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import logging
 import shutil
@@ -45,7 +46,6 @@ from typing import Any
 
 import numpy as np
 
-from daskgen import tunables
 from daskgen.errors import PackError
 from daskgen.store.attrs import ATTRS_KEY, utc_now
 from daskgen.store.chunks.codecs import with_checksum
@@ -56,6 +56,7 @@ from daskgen.store.layout import client_written_arrays
 from daskgen.store.location import LocalLocation, StoreLocation, StoreRef, locate
 from daskgen.store.records.cursors import Cursor, stored_cursors
 from daskgen.store.records.lock import LOCK_NAME, StoreLock
+from daskgen.store.tools.pack_cluster import copy_on_clusters
 
 logger = logging.getLogger(__name__)
 
@@ -256,58 +257,6 @@ def record_progress(dst: StoreLocation, done: set[str], src: StoreLocation, mode
     group.attrs[PROGRESS_KEY] = {"source": src.url, "mode": mode, "done": sorted(done)}
 
 
-def _copy_all(
-    client: Any, src: GenerationStore, dst: StoreLocation, tasks: list[tuple[str, int, int]], done: set[str], mode: str
-) -> None:
-    """Run a copy task per block, recording the blocks copied as they finish; raise :class:`PackError` when none
-    finishes for ``daskgen.pack.stall-timeout`` (the blocks copied stay recorded: a rerun copies the rest)."""
-    from distributed import as_completed
-
-    futures = {
-        client.submit(
-            copy_block, src, dst, *t, f"{t[0]}/{t[1]}" in done, pure=False, key=f"daskgen-{mode}-{t[0]}-{t[1]}"
-        ): t
-        for t in tasks
-    }
-    finished = as_completed(futures, loop=client.loop)  # this client's loop, whatever the default client is
-    stall, last = tunables.seconds("pack.stall-timeout"), time.monotonic()
-    progressed = last
-    while futures:
-        if not _ready_within(finished, 1.0):
-            if time.monotonic() - progressed > stall:
-                record_progress(dst, done, src.location, mode)
-                raise _stalled(client, dst, futures.values(), len(done), stall, mode)
-            continue
-        future = next(finished)
-        future.result()
-        name, start, _ = futures.pop(future)
-        done.add(f"{name}/{start}")
-        progressed = time.monotonic()
-        if progressed - last > 2.0 or not futures:
-            record_progress(dst, done, src.location, mode)
-            last = time.monotonic()
-
-
-def _ready_within(finished: Any, seconds: float) -> bool:
-    """Whether ``as_completed`` has a finished future, waiting up to ``seconds`` for one."""
-    with finished.thread_condition:  # checked under the lock: a future queued after the check notifies the wait
-        if not finished.has_ready():
-            finished.thread_condition.wait(seconds)
-    return bool(finished.has_ready())
-
-
-def _stalled(client: Any, dst: StoreLocation, left: Any, copied: int, stall: float, mode: str) -> PackError:
-    """The error for a copy in which no task finished for ``stall`` seconds."""
-    blocks = sorted(f"{name}[{start}:{stop}]" for name, start, stop in left)
-    workers = len(client.scheduler_info().get("workers", {}))
-    return PackError(
-        f"the {mode} into {dst.url!r} stopped: no copy task finished in {stall:.0f} s "
-        f"(daskgen.pack.stall-timeout), {len(blocks)} blocks left ({', '.join(blocks[:5])}"
-        f"{', ...' if len(blocks) > 5 else ''}) on {workers} worker(s). The {copied} blocks copied are recorded; "
-        f"rerun the same command to copy the rest (raise daskgen.pack.stall-timeout if the storage is that slow)."
-    )
-
-
 def _finish(src: GenerationStore, dst: StoreLocation, plans: dict[str, dict[str, Any]], mode: str) -> None:
     """Check the copy as a whole, then make it a daskgen store (its attrs are written last)."""
     zarr, attrs = import_zarr(), copy.copy(src.attrs)  # the source keeps its own
@@ -392,7 +341,8 @@ def pack(
 ) -> PackResult:
     """Pack (or with ``unpack`` unpack) the store at ``path``, in place or into ``out``.
 
-    Copies run as Dask tasks on ``scheduler_address`` or on a LocalCluster of ``n_workers``.
+    Copies run as Dask tasks on ``scheduler_address`` or on a LocalCluster of ``n_workers``
+    (:mod:`daskgen.store.tools.pack_cluster`: a copy that stalls there gets a new local cluster once).
     """
     mode = "unpack" if unpack else "pack"
     t0 = time.perf_counter()
@@ -416,32 +366,12 @@ def pack(
     with StoreLock(src):
         plans = plan_arrays(source, packing=not unpack)
         done = prepare_target(src, dst, plans, mode)
-        with _client(scheduler_address, n_workers) as client:
-            _copy_all(client, source, dst, copy_tasks(plans), done, mode)
+        copy = functools.partial(copy_block, source, dst)
+        record = functools.partial(record_progress, dst, done, src, mode)
+        copy_on_clusters(copy, copy_tasks(plans), done, record, mode, dst.url, scheduler_address, n_workers)
         _finish(source, dst, plans, mode)
         if out is None:
             swap_in(src, dst)  # type: ignore[arg-type]
     final = src if out is None else dst
     files_after, bytes_after = _size(final)
     return PackResult(final.url, mode, files_before, bytes_before, files_after, bytes_after, time.perf_counter() - t0)
-
-
-def _client(scheduler_address: str | None, n_workers: int | None) -> Any:
-    import contextlib
-    import os
-
-    from distributed import Client, LocalCluster
-
-    if scheduler_address:
-        return Client(scheduler_address)
-
-    @contextlib.contextmanager
-    def local() -> Any:
-        workers = n_workers or max(1, min(4, os.cpu_count() or 1))
-        with (
-            LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=":0") as lc,
-            Client(lc) as client,
-        ):
-            yield client
-
-    return local()
