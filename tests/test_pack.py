@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 
@@ -167,19 +168,27 @@ def test_output_in_the_way_is_refused(tmp_path):
         packing.pack(other, n_workers=1)
 
 
-def test_a_pack_whose_copies_never_finish_stops_naming_the_blocks_left_and_a_rerun_completes(tmp_path, small_shards):
-    """No copy task finishes (a cluster without workers stands for workers lost or stuck on their storage): the pack
-    stops after ``daskgen.pack.stall-timeout`` instead of waiting for ever, leaves the source as it was, and the
-    same pack run again copies everything."""
+@contextlib.contextmanager
+def _stalling(tmp_path):
+    """A store of a run to pack, its values, and a cluster without workers (no copy task on it ever finishes: it
+    stands for workers lost or stuck on their storage), with ``daskgen.pack.stall-timeout`` at 2 s."""
     import dask
     from distributed import LocalCluster
 
     out = tmp_path / "out.zarr"
     _run(tmp_path, out)
-    before = _values(out)
     with (
         LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as idle,
         dask.config.set({"daskgen.pack.stall-timeout": "2s"}),
+    ):
+        yield out, _values(out), idle
+
+
+def test_a_pack_whose_copies_never_finish_stops_naming_the_blocks_left_and_a_rerun_completes(tmp_path, small_shards):
+    """On the user's cluster no copy task finishes: the pack stops after ``daskgen.pack.stall-timeout`` instead of
+    waiting for ever, leaves the source as it was, and the same pack run again copies everything."""
+    with (
+        _stalling(tmp_path) as (out, before, idle),
         pytest.raises(PackError, match=r"no copy task finished in 2 s .*blocks left \(.* on 0 worker") as err,
     ):
         packing.pack(out, scheduler_address=idle.scheduler_address)
@@ -195,8 +204,6 @@ def _stalling_clusters(monkeypatch, idle, stalls: int) -> list:
     """A test double of the pack's cluster start (the real one starts the cluster of every other pack here): its first
     ``stalls`` clusters are ``idle`` (no workers: no copy ever finishes), later ones real local clusters.  Returns the
     list of the scheduler addresses asked for, one per start."""
-    import contextlib
-
     from distributed import Client
 
     real, starts = pack_cluster.cluster_client, []
@@ -216,17 +223,7 @@ def test_a_copy_stalled_on_the_packs_own_cluster_goes_on_on_a_new_one(tmp_path, 
     says so, and a new local cluster copies every block (a user's cluster stops the pack instead: the test above)."""
     import logging
 
-    import dask
-    from distributed import LocalCluster
-
-    out = tmp_path / "out.zarr"
-    _run(tmp_path, out)
-    before = _values(out)
-    with (
-        LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as idle,
-        dask.config.set({"daskgen.pack.stall-timeout": "2s"}),
-        caplog.at_level(logging.WARNING, logger=pack_cluster.__name__),
-    ):
+    with _stalling(tmp_path) as (out, before, idle), caplog.at_level(logging.WARNING, logger=pack_cluster.__name__):
         starts = _stalling_clusters(monkeypatch, idle, stalls=1)
         packing.pack(out, n_workers=1)
     assert starts == [None, None]
@@ -238,15 +235,10 @@ def test_a_copy_stalled_on_the_packs_own_cluster_goes_on_on_a_new_one(tmp_path, 
 def test_a_copy_that_stalls_on_its_new_cluster_too_stops_and_leaves_the_store_as_it_was(
     tmp_path, small_shards, monkeypatch
 ):
-    import dask
-    from distributed import LocalCluster
-
-    out = tmp_path / "out.zarr"
-    _run(tmp_path, out)
-    before = _values(out)
+    """Stalled on the pack's own cluster and again on the new one: the pack stops with the error naming the fix (the
+    same command again), after one new cluster, the source as it was."""
     with (
-        LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as idle,
-        dask.config.set({"daskgen.pack.stall-timeout": "2s"}),
+        _stalling(tmp_path) as (out, before, idle),
         pytest.raises(PackStalled, match="rerun the same command to copy the rest"),
     ):
         starts = _stalling_clusters(monkeypatch, idle, stalls=2)

@@ -56,7 +56,7 @@ from daskgen.store.layout import client_written_arrays
 from daskgen.store.location import LocalLocation, StoreLocation, StoreRef, locate
 from daskgen.store.records.cursors import Cursor, stored_cursors
 from daskgen.store.records.lock import LOCK_NAME, StoreLock
-from daskgen.store.tools.pack_cluster import copy_on_clusters
+from daskgen.store.tools.pack_cluster import CopyJob, copy_on_clusters
 
 logger = logging.getLogger(__name__)
 
@@ -366,9 +366,9 @@ def pack(
     with StoreLock(src):
         plans = plan_arrays(source, packing=not unpack)
         done = prepare_target(src, dst, plans, mode)
-        copy = functools.partial(copy_block, source, dst)
         record = functools.partial(record_progress, dst, done, src, mode)
-        copy_on_clusters(copy, copy_tasks(plans), done, record, mode, dst.url, scheduler_address, n_workers)
+        job = CopyJob(functools.partial(copy_block, source, dst), copy_tasks(plans), done, record, mode, dst.url)
+        copy_on_clusters(job, scheduler_address, n_workers)
         _finish(source, dst, plans, mode)
         if out is None:
             swap_in(src, dst)  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from daskgen import tunables
@@ -25,19 +26,26 @@ Block = tuple[str, int, int]
 LOCAL_RESTARTS = 1
 
 
-def copy_on_clusters(
-    copy: Callable[..., Any],
-    blocks: list[Block],
-    done: set[str],
-    record: Callable[[], None],
-    mode: str,
-    target: str,
-    scheduler_address: str | None,
-    n_workers: int | None,
-) -> None:
-    """Run ``copy(name, start, stop, recorded)`` for every block, on ``scheduler_address`` or on a local cluster of
-    ``n_workers`` started here, adding each finished block to ``done`` and calling ``record`` as they finish
-    (``mode``: ``pack`` or ``unpack``; ``target``: the copy's URL, for messages).
+@dataclass
+class CopyJob:
+    """The blocks of one pack or unpack: ``copy(name, start, stop, recorded)`` runs as a Dask task per block, each
+    finished block is added to ``done`` and ``record()`` saves ``done`` as they finish (``mode``: ``pack`` or
+    ``unpack``; ``target``: the copy's URL, for messages)."""
+
+    copy: Callable[..., Any]
+    blocks: list[Block]
+    done: set[str]
+    record: Callable[[], None]
+    mode: str
+    target: str
+
+    def left(self) -> list[Block]:
+        """The blocks not yet copied."""
+        return [block for block in self.blocks if f"{block[0]}/{block[1]}" not in self.done]
+
+
+def copy_on_clusters(job: CopyJob, scheduler_address: str | None, n_workers: int | None) -> None:
+    """Copy every block of ``job`` on ``scheduler_address``, or on a local cluster of ``n_workers`` started here.
 
     With no copy finished for ``daskgen.pack.stall-timeout``, a local cluster is closed and a new one copies the
     blocks left (:data:`LOCAL_RESTARTS` times); on the user's cluster, or after that, :class:`PackStalled`.
@@ -46,59 +54,46 @@ def copy_on_clusters(
     for attempt in range(1, attempts + 1):
         try:
             with cluster_client(scheduler_address, n_workers) as client:
-                copy_all(client, copy, blocks, done, record, mode, target)
+                copy_all(client, job)
             return
         except PackStalled as exc:
             if attempt == attempts:
                 raise
-            left = sum(f"{name}/{start}" not in done for name, start, _ in blocks)
             logger.warning(
                 "%s into %s: no copy task finished in %.0f s; closing the local cluster and copying the %d blocks "
                 "left on a new one",
-                mode,
-                target,
+                job.mode,
+                job.target,
                 exc.stall_s,
-                left,
+                len(job.left()),
             )
 
 
-def copy_all(
-    client: Any,
-    copy: Callable[..., Any],
-    blocks: list[Block],
-    done: set[str],
-    record: Callable[[], None],
-    mode: str,
-    target: str,
-) -> None:
-    """One copy task per block on ``client``'s cluster; :class:`PackStalled` when none finishes for
+def copy_all(client: Any, job: CopyJob) -> None:
+    """One copy task per block of ``job`` on ``client``'s cluster; :class:`PackStalled` when none finishes for
     ``daskgen.pack.stall-timeout`` (the blocks copied are recorded first)."""
     from distributed import as_completed
 
     futures = {}
-    for name, start, stop in blocks:
-        key = f"daskgen-{mode}-{name}-{start}"
-        futures[client.submit(copy, name, start, stop, f"{name}/{start}" in done, pure=False, key=key)] = (
-            name,
-            start,
-            stop,
-        )
+    for name, start, stop in job.blocks:
+        key, recorded = f"daskgen-{job.mode}-{name}-{start}", f"{name}/{start}" in job.done
+        futures[client.submit(job.copy, name, start, stop, recorded, pure=False, key=key)] = (name, start, stop)
     finished = as_completed(futures, loop=client.loop)  # this client's loop, whatever the default client is
     stall, last = tunables.seconds("pack.stall-timeout"), time.monotonic()
     progressed = last
     while futures:
         if not ready_within(finished, 1.0):
             if time.monotonic() - progressed > stall:
-                record()
-                raise stalled(client, futures.values(), len(done), stall, f"{mode} into {target!r}")
+                job.record()
+                raise stalled(client, futures.values(), len(job.done), stall, f"{job.mode} into {job.target!r}")
             continue
         future = next(finished)
         future.result()
         name, start, _ = futures.pop(future)
-        done.add(f"{name}/{start}")
+        job.done.add(f"{name}/{start}")
         progressed = time.monotonic()
         if progressed - last > 2.0 or not futures:
-            record()
+            job.record()
             last = time.monotonic()
 
 
