@@ -12,7 +12,9 @@ UV_VERSION="0.13.9"
 # profile-guided or link-time optimisation and with the interpreter in a shared library; Debian builds its python3.11
 # with both and links the interpreter in.  Measured on a 2-core machine of this kind (A/B pairs, median CPU ratios,
 # pyenv / Debian): a module of pure-Python tests 1.28x, importing vLLM's engine 1.18x, importing Dask, daskgen's CLI,
-# Zarr and xarray 1.05x; four of the main lane's end-to-end modules 1.03x-1.14x.
+# Zarr and xarray 1.05x; four of the main lane's end-to-end modules 1.03x-1.14x; the whole of .ci/run, the same tree
+# run twice one after the other, 1,924 s against 1,763 s (main lane 2,056 against 1,786 CPU-s, engine lanes 1,628
+# against 1,561).
 ci_python() {
   if [ -n "${DASKGEN_CI_PYTHON:-}" ]; then
     echo "$DASKGEN_CI_PYTHON"
