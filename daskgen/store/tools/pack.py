@@ -366,7 +366,7 @@ def pack(
     with StoreLock(src):
         plans = plan_arrays(source, packing=not unpack)
         done = prepare_target(src, dst, plans, mode)
-        record = functools.partial(record_progress, dst, done, src, mode)
+        record = functools.partial(record_progress, dst, src=src, mode=mode)
         job = CopyJob(functools.partial(copy_block, source, dst), copy_tasks(plans), done, record, mode, dst.url)
         copy_on_clusters(job, scheduler_address, n_workers)
         _finish(source, dst, plans, mode)

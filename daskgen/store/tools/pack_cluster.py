@@ -29,13 +29,13 @@ LOCAL_RESTARTS = 1
 @dataclass
 class CopyJob:
     """The blocks of one pack or unpack: ``copy(name, start, stop, recorded)`` runs as a Dask task per block, each
-    finished block is added to ``done`` and ``record()`` saves ``done`` as they finish (``mode``: ``pack`` or
+    finished block is added to ``done`` and ``record(done)`` saves it as they finish (``mode``: ``pack`` or
     ``unpack``; ``target``: the copy's URL, for messages)."""
 
     copy: Callable[..., Any]
     blocks: list[Block]
     done: set[str]
-    record: Callable[[], None]
+    record: Callable[[set[str]], None]
     mode: str
     target: str
 
@@ -84,7 +84,7 @@ def copy_all(client: Any, job: CopyJob) -> None:
     while futures:
         if not ready_within(finished, 1.0):
             if time.monotonic() - progressed > stall:
-                job.record()
+                job.record(job.done)
                 raise stalled(client, futures.values(), len(job.done), stall, f"{job.mode} into {job.target!r}")
             continue
         future = next(finished)
@@ -93,7 +93,7 @@ def copy_all(client: Any, job: CopyJob) -> None:
         job.done.add(f"{name}/{start}")
         progressed = time.monotonic()
         if progressed - last > 2.0 or not futures:
-            job.record()
+            job.record(job.done)
             last = time.monotonic()
 
 
