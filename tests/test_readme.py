@@ -63,7 +63,8 @@ def test_every_lane_writes_bytecode_and_the_engine_lanes_run_on_one_process_each
     assert "lanes run side by side, each on one process" in testing
     assert "`PYTHONDONTWRITEBYTECODE=1`" in testing and "installed without compiling" in testing
     ci = (REPO / ".ci" / "run").read_text()
-    assert "\nunset PYTHONDONTWRITEBYTECODE\n" in ci and ci.count("\nvenv_install .venv ") == 3, ci
+    assert "\nunset PYTHONDONTWRITEBYTECODE\n" in ci and '\n.ci/main-env.sh "$MAIN_VENV"\n' in ci, ci
+    assert (REPO / ".ci" / "main-env.sh").read_text().count('venv_install "$VENV" ') == 4
     installer = (REPO / ".ci" / "install.sh").read_text()
     assert '"$venv/bin/uv" pip install' in installer and "--compile-bytecode" not in installer
     assert "pip's own configuration" in testing and "-m pip config list" in installer and '"${sources[@]}"' in installer
@@ -83,9 +84,8 @@ def test_every_virtualenv_of_ci_is_made_from_the_interpreter_ci_chooses():
     installer = (REPO / ".ci" / "install.sh").read_text()
     assert "/usr/bin/python3.11 -c 'import ensurepip, venv'" in installer and '"$DASKGEN_CI_PYTHON"' in installer
     assert 'rm -rf "$venv"' in installer  # a venv of another interpreter
-    scripts = {"run": 'venv_create .venv "$(ci_python)"', "sglang-env.sh": 'venv_create "$VENV" "$(ci_python)"',
-               "vllm-env.sh": 'venv_create "$VENV" "$(ci_python)"'}  # fmt: skip
-    for script, line in scripts.items():
+    line = 'venv_create "$VENV" "$(ci_python)"'
+    for script in ("main-env.sh", "sglang-env.sh", "vllm-env.sh"):
         text = (REPO / ".ci" / script).read_text()
         assert line in text and " -m venv " not in text, script
 
