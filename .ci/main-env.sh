@@ -26,8 +26,10 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c '
   exit 0
 fi
 
-rm -rf "$VENV"
-venv_create "$VENV" "$(ci_python)"
+if [ -e "$stamp" ] || [ -x "$VENV/bin/uv" ]; then  # installed for another pyproject.toml, or left half-built: start over
+  rm -rf "$VENV"
+  venv_create "$VENV" "$(ci_python)"
+fi
 venv_install "$VENV" torch==2.13.0           # the CPU wheel on local disk
 venv_install "$VENV" -e "$REPO[dev]"
 # verl, for DataProto in tests/test_follow*.py: without its dependencies (it pins tensordict<=0.10 and
