@@ -666,7 +666,9 @@ def test_refresh(tmp_path, tiny_model):
         int(carried["requests continued, all workers"]),
         int(carried["tokens to prefill again, all workers"].replace(",", "")),
     )
-    assert requests >= 1 and tokens > requests, carried  # each request carries at least its prompt
+    # each request carries at least its prompt; at this size the worker may load the version between two of its
+    # partitions, with nothing in flight to interrupt (the refresh tests check what a refresh interrupts)
+    assert tokens > requests if requests else tokens == 0, carried
     rate = float(re.search(r"one torch thread: ([0-9,]+) prompt tokens/s", record).group(1).replace(",", ""))
     assert float(carried["their prefill at the engine's rate (s)"]) == pytest.approx(tokens / rate, rel=0.01), carried
 
