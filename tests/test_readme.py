@@ -110,6 +110,7 @@ def test_every_pytest_run_of_ci_keeps_each_tests_time_in_a_file_of_its_own():
     assert "CPU-s)," in ci and "$5, $6, $9}' /proc/stat" in ci  # /proc/stat's fields: idle, iowait, steal
     assert "waiting on the disk" in ci and "taken by the host" in ci
     assert "$(cut -d' ' -f1-3 /proc/loadavg)" in ci and "prints the machine's load averages" in testing
+    assert "the CPU-seconds they were busy (the whole machine's, from `/proc/stat`" in testing  # not only the run's
     assert 'exec > >(tee "$DASKGEN_CI_CACHE/logs/run.log") 2>&1' in ci and "logs/run.log`" in testing
     assert "or were taken by the host (steal)" in testing and "waited on the disk (iowait)" in testing
 
