@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import functools
 import http.server
 import json
 import logging
@@ -55,20 +54,27 @@ def request(rid: str, prompt: list[int] | None = None, **params: Any) -> Generat
 # --------------------------------------------------------------------------- servers
 
 
-@functools.lru_cache(maxsize=1)
+_SHARED: list[ServeProcess] = []  # the running shared server, if any
+
+
 def shared_server() -> ServeProcess:
-    """The module's ``transformers serve`` (stopped by the module fixture below, or at exit)."""
-    server = ServeProcess(tiny_model()).start()
-    atexit.register(server.stop)
-    return server
+    """The module's ``transformers serve`` (stopped by the module fixture below, or at exit), started again when a
+    test stopped it: ``test_zz_server_killed_mid_run`` kills it, and under ``--dist loadscope`` the module's
+    functions and its conformance class are separate scopes that one process may run in either order."""
+    if _SHARED and (_SHARED[0].process is None or _SHARED[0].process.poll() is not None):
+        _SHARED.clear()
+    if not _SHARED:
+        server = ServeProcess(tiny_model()).start()
+        atexit.register(server.stop)
+        _SHARED.append(server)
+    return _SHARED[0]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _stop_shared_server():
     yield
-    if shared_server.cache_info().currsize:
-        shared_server().stop()
-        shared_server.cache_clear()
+    if _SHARED:
+        _SHARED.pop().stop()
 
 
 class FlakyProxy:
