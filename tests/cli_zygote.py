@@ -7,7 +7,8 @@ forks a child per command. The child is a real, separate process running the rea
 does) with the test's standard streams, environment, working directory and session; the test gets a
 :class:`subprocess.Popen` whose ``pid`` is the child's, so signals, ``killpg``, timeouts and ``communicate`` behave
 as with any subprocess. The zygote reaps the child and sends its exit status back over the connection that started
-it.
+it.  The benchmark scripts' tests start them the same way (``python SCRIPT``, run with ``runpy`` as ``python`` runs a
+script): each is a ``daskgen`` run's client.
 
 The zygote starts with the session's environment (:data:`BASE_ENV`).  Only environments that differ from it in
 settings read at run time go through it (:data:`RUNTIME_ENV`: ``DASK_*``, which the child reloads into Dask's config,
@@ -19,6 +20,19 @@ starts a plain subprocess, so nothing the interpreter or a library reads at impo
 :data:`STARTS` counts both kinds of start and why a command was not forked; the lane check fails when most were not
 (tests/conftest.py).  The README's commands, the examples and the guides still start fresh interpreters
 (tests/test_readme.py, tests/test_examples.py).
+
+A command's Dask workers come from the same imports: a worker of a local cluster is otherwise a fresh interpreter
+(multiprocessing's *spawn*) that imports Dask, Zarr, daskgen's worker side and, for the transformers engine, torch and
+transformers again -- most of the CPU of a short run on the tiny model.  Before it runs, the child
+forks itself once more, still single-threaded, into multiprocessing's fork server, and sets Dask's
+``distributed.worker.multiprocessing-method`` to ``forkserver`` for itself, so each worker its nannies start is forked
+from that copy (:func:`start_worker_forkserver`).  The server is the command's child, in its session and process
+group; it ignores SIGTERM (a worker's status reaches the nanny through it, so it must outlive a SIGTERM to the group)
+while the workers it forks get SIGTERM's default back, and it exits when the command and all its workers have.  A
+worker still gets everything its nanny passes (environment, Dask config); it differs from a spawned one only in what
+it inherits, the modules imported with the zygote's environment.  Of the variables those imports read, a test may
+change only the workers' OpenMP thread count (torch's runtime reads it when loaded): a command whose workers get
+another than the zygote's ``OMP_NUM_THREADS`` spawns them.  ``DASKGEN_TESTS_FORK_WORKERS=0`` spawns every worker.
 """
 
 from __future__ import annotations
@@ -26,6 +40,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import functools
 import json
 import os
 import re
@@ -54,7 +69,8 @@ RUNTIME_ENV = re.compile(
 )
 #: Packages whose variables RUNTIME_ENV lets differ: the zygote refuses to serve once its imports include one.
 NOT_PRELOADED = ("verl", "ray", "tensordict")
-#: This process's ``daskgen`` commands: ``"forked"``, or the variables whose difference started a fresh interpreter.
+#: This process's ``daskgen`` commands (and benchmark scripts): ``"forked"``, or the variables whose difference started
+#: a fresh interpreter.
 STARTS: collections.Counter[str] = collections.Counter()
 #: The environment the zygote starts with: the session's (tests/conftest.py sets it before any test runs), so
 #: that a test's own changes (a PATH with stand-in commands, a variable it sets) never become the zygote's.
@@ -122,7 +138,7 @@ class ZygotePopen(subprocess.Popen):
                        creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
                        restore_signals, gid, gids, uid, umask, start_new_session, process_group=-1):  # fmt: skip
         request = {
-            "argv": list(args[3:]),  # after ``python -m daskgen``
+            **_program(args),
             "env": dict(env if env is not None else os.environ),
             "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
             "new_session": bool(start_new_session),
@@ -182,8 +198,17 @@ def _read_line(conn: socket.socket, timeout: float | None) -> str:
     return data.decode()
 
 
+def _program(args: list[str]) -> dict[str, Any]:
+    """What the child runs: ``{"module": "daskgen", "argv": [...]}`` for ``[python, -m, daskgen, ...]``,
+    ``{"script": path, "argv": [...]}`` for ``[python, path, ...]``."""
+    if args[1] == "-m":
+        return {"module": args[2], "argv": list(args[3:])}
+    return {"script": os.fspath(args[1]), "argv": list(args[2:])}
+
+
 def popen(args: list[str], env: dict[str, str], **kwargs: Any) -> subprocess.Popen:
-    """``subprocess.Popen(args, env=env, ...)`` of ``[python, -m, daskgen, ...]``, forked by the zygote if it can be."""
+    """``subprocess.Popen(args, env=env, ...)`` of ``[python, -m, daskgen, ...]`` or ``[python, script.py, ...]`` (a
+    benchmark script), forked by the zygote if it can be."""
     if os.environ.get("DASKGEN_TESTS_FORK_CLI") == "0":  # every CLI in a fresh interpreter (to compare)
         return subprocess.Popen(args, env=env, **kwargs)
     zygote = Zygote.get(env)
@@ -214,17 +239,23 @@ def _child(request: dict[str, Any], fds: list[int], inherited: list[int]) -> Non
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    sys.path[0] = request["cwd"]  # as ``python -m`` puts its working directory first
     tempfile.tempdir = None  # TMPDIR may differ
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     import dask
 
     dask.config.refresh()  # DASK_* settings of the request
-    sys.argv = ["daskgen", *request["argv"]]
+    if worker_forkserver_fits(IMPORT_ENV):
+        start_worker_forkserver()
     code: Any = 0
     try:
-        runpy.run_module("daskgen", run_name="__main__", alter_sys=True)
+        if "script" in request:  # as ``python path``: the script's folder first on the path
+            script = os.path.abspath(request["script"])
+            sys.argv, sys.path[0] = [request["script"], *request["argv"]], os.path.dirname(script)
+            runpy.run_path(script, run_name="__main__")
+        else:  # as ``python -m``: the working directory first
+            sys.argv, sys.path[0] = [request["module"], *request["argv"]], request["cwd"]
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     except SystemExit as exc:
         code = exc.code
     except BaseException:
@@ -243,11 +274,69 @@ def _child(request: dict[str, Any], fds: list[int], inherited: list[int]) -> Non
     os._exit(code)
 
 
+def worker_forkserver_fits(import_env: dict[str, str]) -> bool:
+    """Whether this command's workers may be forked from it: the switch is on and they would run torch's OpenMP with
+    the thread count the zygote loaded it with (``daskgen.local-cpu-threads`` is their ``OMP_NUM_THREADS``)."""
+    import dask
+
+    if os.environ.get("DASKGEN_TESTS_FORK_WORKERS") == "0":
+        return False
+    return str(dask.config.get("daskgen.local-cpu-threads", None)) == import_env.get("OMP_NUM_THREADS")
+
+
+def start_worker_forkserver() -> int:
+    """Fork this single-threaded process into multiprocessing's fork server and make it the one this process's Dask
+    nannies start workers from (see the module); returns the server's pid."""
+    import signal
+    from multiprocessing import connection, forkserver
+
+    import dask
+
+    assert threading.active_count() == 1, "the fork server must be forked from a single-threaded process"
+    listener = socket.socket(socket.AF_UNIX)
+    address = connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()  # the server exits when every holder of alive_w (this process, its workers) has
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(alive_w)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            forkserver._serve_one = functools.partial(_serve_worker, forkserver._serve_one)  # in this process only
+            forkserver.main(listener.fileno(), alive_r, [])
+        except SystemExit:
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(alive_r)
+    listener.close()
+    server = forkserver._forkserver
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
+    return pid
+
+
+def _serve_worker(serve_one: Any, child_r: int, fds: list[int], unused_fds: list[int], handlers: dict) -> int:
+    """multiprocessing's ``forkserver._serve_one`` (``serve_one``) in a worker just forked, with SIGTERM's default
+    restored (the server ignores it)."""
+    import signal
+
+    return serve_one(child_r, fds, unused_fds, {**handlers, signal.SIGTERM: signal.SIG_DFL})
+
+
+#: The zygote's environment when it imported :data:`PRELOAD` (set in the zygote process).
+IMPORT_ENV: dict[str, str] = {}
+
+
 def serve(path: str) -> None:
     """Import the CLI, then fork a child per connection and send back its pid, then its exit status."""
     import importlib
 
     sys.path[0] = os.getcwd()  # not this file's folder: the children run as ``python -m daskgen`` would
+    IMPORT_ENV.update(os.environ)
     for name in PRELOAD:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)

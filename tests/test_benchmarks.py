@@ -9,7 +9,9 @@ scratch git repository, and that every figure quoted in the docs links to a reco
 from __future__ import annotations
 
 import importlib
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,7 @@ import pytest
 
 from benchmarks.common import records
 from daskgen.errors import ConfigError
+from tests import cli_zygote
 from tests.conftest import REPO, cli_env
 
 BENCH = REPO / "benchmarks"
@@ -39,11 +42,26 @@ def tree_has_changes() -> bool:
     return bool(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip())
 
 
+def run_forked(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` in the repository with the CLI's environment, forked from the CLI zygote when it can be
+    (tests/cli_zygote.py): a benchmark script is a ``daskgen`` run's client and its local clusters' workers."""
+    with cli_zygote.popen(
+        cmd, cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run_script(name: str, tmp_path: Path, *args: str, timeout: float = 480) -> tuple[str, str]:
     """Run ``benchmarks/<name>`` with a scratch results folder and workdir; return (stdout, the record's text)."""
     results = tmp_path / "results"
     cmd = [sys.executable, str(BENCH / name), "--results", str(results), "--workdir", str(tmp_path / "work"), *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cli_env(), cwd=REPO)
+    res = run_forked(cmd, timeout)
     assert res.returncode == 0, f"{name} failed:\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}"
     (record,) = results.glob("*.md")
     stem = Path(name).stem
@@ -193,7 +211,7 @@ def test_a_used_workdir_is_refused_before_any_run(tmp_path):
         (work / name / "zarr.json").write_text("{}")
     left = {path: path.stat().st_mtime_ns for path in work.rglob("*")}
     cmd = [sys.executable, str(BENCH / "overhead.py"), "--results", str(results), "--workdir", str(work), *tiny.split()]
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=cli_env(), cwd=REPO)
+    again = run_forked(cmd, 240)
     assert again.returncode == 1, again.stdout + again.stderr
     message = again.stderr.strip().splitlines()[-1]
     assert message == (

@@ -7,16 +7,20 @@ reach (and, with a new session, its own process group).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
+from daskgen.client.interrupt import EXIT_INTERRUPTED
 from tests import cli_zygote
 from tests.conftest import cli_env, popen_cli, run_cli, write_prompts
+from tests.test_run import _wait_for_some_done
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,6 +73,75 @@ def test_an_environment_read_at_import_time_starts_a_fresh_interpreter():
     )
     assert not isinstance(proc, cli_zygote.ZygotePopen)
     assert proc.wait(timeout=60) == 0
+
+
+def _workers_of(proc: subprocess.Popen, n: int, timeout: float = 90) -> tuple[list, list, list]:
+    """``(spawned, servers, forked)`` once a running command has ``n`` Dask workers: its children spawned by
+    multiprocessing, its children forked from the zygote (a fork server), and theirs (workers forked from one)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        with contextlib.suppress(psutil.Error):
+            children = psutil.Process(proc.pid).children()
+            spawned = [c for c in children if "multiprocessing.spawn" in " ".join(c.cmdline())]
+            servers = [c for c in children if "cli_zygote.py" in " ".join(c.cmdline())]
+            forked = [g for c in servers for g in c.children() if "cli_zygote.py" in " ".join(g.cmdline())]
+            if len(spawned) + len(forked) >= n:
+                return spawned, servers, forked
+        time.sleep(0.2)
+    raise AssertionError(f"{n} workers of the command did not start within {timeout} s")
+
+
+def _slow_run(tmp_path, *env: str) -> subprocess.Popen:
+    prompts = write_prompts(tmp_path / "p.jsonl", 64)
+    return popen_cli(
+        "run", "--prompts", prompts, "--store", tmp_path / "o.zarr", "--engine", "simulated", "--model", "sim",
+        "--engine-arg", "time_scale=1", "--max-new-tokens", "16", "--partition-size", "4", "--n-workers", "2",
+        "--no-progress", env=dict(kv.split("=", 1) for kv in env),
+    )  # fmt: skip
+
+
+def test_a_forked_commands_workers_are_forked_from_its_fork_server_in_its_process_group(tmp_path):
+    """A forked command's Dask workers are forked (not spawned) from its fork server, its one forked child; all are in
+    the command's process group, and a SIGTERM to the group drains the run (the server outlives it until the workers
+    have left) and leaves no process behind."""
+    import psutil
+
+    proc = _slow_run(tmp_path)
+    assert isinstance(proc, cli_zygote.ZygotePopen)
+    try:
+        spawned, servers, workers = _workers_of(proc, 2)
+        assert not spawned and len(servers) == 1 and len(workers) == 2
+        assert all(os.getpgid(p.pid) == proc.pid for p in [*servers, *workers])
+        _wait_for_some_done(tmp_path / "o.zarr", proc, minimum=4)
+        os.killpg(proc.pid, signal.SIGTERM)
+        output, _ = proc.communicate(timeout=90)
+        assert proc.returncode == EXIT_INTERRUPTED, output[-3000:]
+        assert not [p for p in (*servers, *workers) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_workers_that_need_another_openmp_thread_count_than_the_zygotes_are_spawned(tmp_path, monkeypatch):
+    """torch's OpenMP runtime reads its thread count once, when loaded (in the zygote): a command whose workers get
+    another (the ``local-cpu-threads`` tunable) is forked, but its workers are fresh interpreters."""
+    assert cli_zygote.IMPORT_ENV == {} and cli_zygote.BASE_ENV["OMP_NUM_THREADS"] == "1"  # the zygote's
+    assert cli_zygote.worker_forkserver_fits({"OMP_NUM_THREADS": "1"})
+    assert not cli_zygote.worker_forkserver_fits({"OMP_NUM_THREADS": "2"})
+    with monkeypatch.context() as switch:
+        switch.setenv("DASKGEN_TESTS_FORK_WORKERS", "0")  # every worker spawned
+        assert not cli_zygote.worker_forkserver_fits({"OMP_NUM_THREADS": "1"})
+    proc = _slow_run(tmp_path, "DASK_DASKGEN__LOCAL_CPU_THREADS=2")
+    assert isinstance(proc, cli_zygote.ZygotePopen)
+    try:
+        spawned, servers, forked = _workers_of(proc, 2)
+        assert len(spawned) == 2 and not forked and not servers
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
 
 
 #: What a test process may import, each run in a fresh interpreter that prints the variables the import set.
