@@ -287,16 +287,16 @@ def worker_forkserver_fits(import_env: dict[str, str]) -> bool:
 def start_worker_forkserver() -> int:
     """Fork this single-threaded process into multiprocessing's fork server and make it the one this process's Dask
     nannies start workers from (see the module); returns the server's pid."""
+    import secrets
     import signal
-    from multiprocessing import connection, forkserver
+    from multiprocessing import forkserver
 
     import dask
 
     assert threading.active_count() == 1, "the fork server must be forked from a single-threaded process"
     listener = socket.socket(socket.AF_UNIX)
-    address = connection.arbitrary_address("AF_UNIX")
+    address = f"\0daskgen-forkserver-{os.getpid()}-{secrets.token_hex(8)}"  # abstract: no file left in TMPDIR
     listener.bind(address)
-    os.chmod(address, 0o600)
     listener.listen()
     alive_r, alive_w = os.pipe()  # the server exits when every holder of alive_w (this process, its workers) has
     pid = os.fork()

@@ -119,7 +119,8 @@ def test_a_forked_commands_workers_are_forked_from_its_fork_server_in_its_proces
         os.killpg(proc.pid, signal.SIGTERM)
         output, _ = proc.communicate(timeout=90)
         assert proc.returncode == EXIT_INTERRUPTED, output[-3000:]
-        assert not [p for p in (*servers, *workers) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        _, alive = psutil.wait_procs([*servers, *workers], timeout=30)  # their streams closed: they are exiting
+        assert not alive, alive
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
