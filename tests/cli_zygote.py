@@ -29,8 +29,9 @@ forks itself once more, still single-threaded, into multiprocessing's fork serve
 from that copy (:func:`start_worker_forkserver`).  The server is the command's child, in its session and process
 group; it ignores SIGTERM (a worker's status reaches the nanny through it, so it must outlive a SIGTERM to the group)
 while the workers it forks get SIGTERM's default back, and it exits when the command and all its workers have.  A
-worker still gets everything its nanny passes (environment, Dask config); it differs from a spawned one only in what
-it inherits, the modules imported with the zygote's environment.  Of the variables those imports read, a test may
+worker gets the command's environment of the moment it is started, as a spawned one inherits it, and everything its
+nanny passes (environment, Dask config); it differs from a spawned one only in what it inherits, the modules imported
+with the zygote's environment.  Of the variables those imports read, a test may
 change only the workers' OpenMP thread count (torch's runtime reads it when loaded): a command whose workers get
 another than the zygote's ``OMP_NUM_THREADS`` spawns them.  ``DASKGEN_TESTS_FORK_WORKERS=0`` spawns every worker.
 """
@@ -289,7 +290,7 @@ def start_worker_forkserver() -> int:
     nannies start workers from (see the module); returns the server's pid."""
     import secrets
     import signal
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, spawn
 
     import dask
 
@@ -306,6 +307,7 @@ def start_worker_forkserver() -> int:
             os.close(alive_w)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             forkserver._serve_one = functools.partial(_serve_worker, forkserver._serve_one)  # in this process only
+            spawn.prepare = functools.partial(_prepare_worker, spawn.prepare)
             forkserver.main(listener.fileno(), alive_r, [])
         except SystemExit:
             code = 0
@@ -313,6 +315,7 @@ def start_worker_forkserver() -> int:
             os._exit(code)
     os.close(alive_r)
     listener.close()
+    spawn.get_preparation_data = functools.partial(_with_environment, spawn.get_preparation_data)
     server = forkserver._forkserver
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
     dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
@@ -327,6 +330,24 @@ def _serve_worker(serve_one: Any, child_r: int, fds: list[int], unused_fds: list
     return serve_one(child_r, fds, unused_fds, {**handlers, signal.SIGTERM: signal.SIG_DFL})
 
 
+def _with_environment(get_preparation_data: Any, name: str) -> dict[str, Any]:
+    """multiprocessing's ``spawn.get_preparation_data`` (``get_preparation_data``) in the command, with its environment
+    now: a spawned worker would inherit it, a forked one gets it from :func:`_prepare_worker`."""
+    return {**get_preparation_data(name), ENVIRONMENT: dict(os.environ)}
+
+
+def _prepare_worker(prepare: Any, data: dict[str, Any]) -> None:
+    """multiprocessing's ``spawn.prepare`` (``prepare``) in a worker just forked: first the command's environment of
+    the moment it started the worker (a run may set variables between two clusters, e.g. its object store's)."""
+    environ = data.pop(ENVIRONMENT, None)
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
+    prepare(data)
+
+
+#: The key of the command's environment in the data a forked worker is prepared with.
+ENVIRONMENT = "daskgen_tests_environment"
 #: The zygote's environment when it imported :data:`PRELOAD` (set in the zygote process).
 IMPORT_ENV: dict[str, str] = {}
 

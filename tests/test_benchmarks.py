@@ -45,15 +45,15 @@ def tree_has_changes() -> bool:
 def run_forked(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     """``python SCRIPT ARGS`` in the repository with the CLI's environment, forked from the CLI zygote when it can be
     (tests/cli_zygote.py): a benchmark script is a ``daskgen`` run's client and its local clusters' workers."""
-    with cli_zygote.popen(
+    proc = cli_zygote.popen(
         cmd, cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True
-    ) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:  # a timeout, or the test's own: the script's whole process group goes
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

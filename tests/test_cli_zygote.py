@@ -95,10 +95,10 @@ def _workers_of(proc: subprocess.Popen, n: int, timeout: float = 90) -> tuple[li
 
 
 def _slow_run(tmp_path, *env: str) -> subprocess.Popen:
-    prompts = write_prompts(tmp_path / "p.jsonl", 64)
+    prompts = write_prompts(tmp_path / "p.jsonl", 256)  # minutes of simulated time: still going when a test stops it
     return popen_cli(
         "run", "--prompts", prompts, "--store", tmp_path / "o.zarr", "--engine", "simulated", "--model", "sim",
-        "--engine-arg", "time_scale=1", "--max-new-tokens", "16", "--partition-size", "4", "--n-workers", "2",
+        "--engine-arg", "time_scale=1", "--max-new-tokens", "64", "--partition-size", "4", "--n-workers", "2",
         "--no-progress", env=dict(kv.split("=", 1) for kv in env),
     )  # fmt: skip
 
@@ -143,6 +143,38 @@ def test_workers_that_need_another_openmp_thread_count_than_the_zygotes_are_spaw
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=60)
+
+
+#: A script that sets a variable, then starts a cluster and prints what its worker sees.
+ENV_OF_A_WORKER = """
+import json, os
+import dask
+from distributed import Client, LocalCluster
+if __name__ == "__main__":
+    os.environ["DASKGEN_TEST_MARK"] = "set after start"
+    with (
+        dask.config.set({"distributed.worker.daemon": False}),
+        LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+    ):
+        ((mark, parent),) = client.run(lambda: (os.environ.get("DASKGEN_TEST_MARK"), os.getppid())).values()
+    print(json.dumps({"mark": mark, "forked": parent != os.getpid()}))
+"""
+
+
+def test_a_forked_worker_gets_the_environment_its_command_has_when_it_starts_it(tmp_path):
+    """A command that sets a variable before it starts a cluster (a benchmark's object-store endpoint) gives it to
+    the cluster's workers, forked from a server that started before the variable was set, as a spawned one
+    inherits it."""
+    script = tmp_path / "env_of_a_worker.py"
+    script.write_text(ENV_OF_A_WORKER)
+    proc = cli_zygote.popen(
+        [sys.executable, str(script)], cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert isinstance(proc, cli_zygote.ZygotePopen)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads(out.splitlines()[-1]) == {"mark": "set after start", "forked": True}
 
 
 #: What a test process may import, each run in a fresh interpreter that prints the variables the import set.
