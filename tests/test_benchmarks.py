@@ -200,6 +200,16 @@ def test_the_engine_parts_sides_alternate_from_one_repeat_to_the_next(monkeypatc
 
 
 @pytest.mark.timeout(300)
+def test_a_benchmark_script_is_forked_from_the_cli_zygote(monkeypatch):
+    """:func:`run_forked` starts a script through the CLI zygote (docs/testing.md): with the session's environment,
+    a script's ``--help`` is forked, not started in a fresh interpreter."""
+    monkeypatch.setattr("tests.test_benchmarks.cli_env", lambda: dict(cli_zygote.BASE_ENV))
+    before = cli_zygote.STARTS["forked"]
+    done = run_forked([sys.executable, str(BENCH / "storage.py"), "--help"], 120)
+    assert done.returncode == 0 and "usage" in done.stdout.lower(), done.stderr[-2000:]
+    assert cli_zygote.STARTS["forked"] == before + 1, dict(cli_zygote.STARTS)
+
+
 def test_a_used_workdir_is_refused_before_any_run(tmp_path):
     """overhead.py in a ``--workdir`` an earlier run left stores in (they would be resumed, generating nothing to
     time): refused before any run, naming the folder, what it holds and the fix, and leaving the stores as they were."""
