@@ -285,9 +285,9 @@ def worker_forkserver_fits(import_env: dict[str, str]) -> bool:
     return str(dask.config.get("daskgen.local-cpu-threads", None)) == import_env.get("OMP_NUM_THREADS")
 
 
-def start_worker_forkserver() -> int:
+def start_worker_forkserver() -> None:
     """Fork this single-threaded process into multiprocessing's fork server and make it the one this process's Dask
-    nannies start workers from (see the module); returns the server's pid."""
+    nannies start workers from (see the module)."""
     import secrets
     import signal
     from multiprocessing import forkserver, spawn
@@ -319,7 +319,6 @@ def start_worker_forkserver() -> int:
     server = forkserver._forkserver
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
     dask.config.set({"distributed.worker.multiprocessing-method": "forkserver"})
-    return pid
 
 
 def _serve_worker(serve_one: Any, child_r: int, fds: list[int], unused_fds: list[int], handlers: dict) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import http.server
 import json
 import logging
@@ -54,27 +55,27 @@ def request(rid: str, prompt: list[int] | None = None, **params: Any) -> Generat
 # --------------------------------------------------------------------------- servers
 
 
-_SHARED: list[ServeProcess] = []  # the running shared server, if any
+@functools.lru_cache(maxsize=1)
+def _server() -> ServeProcess:
+    server = ServeProcess(tiny_model())
+    atexit.register(server.stop)
+    return server
 
 
 def shared_server() -> ServeProcess:
-    """The module's ``transformers serve`` (stopped by the module fixture below, or at exit), started again when a
-    test stopped it: ``test_zz_server_killed_mid_run`` kills it, and under ``--dist loadscope`` the module's
-    functions and its conformance class are separate scopes that one process may run in either order."""
-    if _SHARED and (_SHARED[0].process is None or _SHARED[0].process.poll() is not None):
-        _SHARED.clear()
-    if not _SHARED:
-        server = ServeProcess(tiny_model()).start()
-        atexit.register(server.stop)
-        _SHARED.append(server)
-    return _SHARED[0]
+    """The module's ``transformers serve`` (stopped by the module fixture below, or at exit), started again on its
+    port when a test stopped it: ``test_zz_server_killed_mid_run`` kills it, and under ``--dist loadscope`` the
+    module's functions and its conformance class are separate scopes that one process may run in either order."""
+    server = _server()
+    if server.process is None or server.process.poll() is not None:
+        server.start()
+    return server
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _stop_shared_server():
     yield
-    if _SHARED:
-        _SHARED.pop().stop()
+    _server().stop()
 
 
 class FlakyProxy:
