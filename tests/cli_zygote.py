@@ -64,9 +64,22 @@ RUNTIME_ENV = re.compile(
     # torch's compiler cache folder: torch sets its default (under TMPDIR) in os.environ when its compiler is first
     # imported; a command compiles nothing in its own process, and the workers it starts read the request's value
     r"|^TORCHINDUCTOR_CACHE_DIR$"
+    # a test's own settings for the engines it starts (an API key's variable), read when used
+    r"|^DASKGEN_TEST_"
     # set by verl, ray and tensordict in a process that imports them (the DataProto tests): the zygote imports none of
     # them (NOT_PRELOADED), so a forked command reads them when it imports them, as a fresh interpreter does
     r"|^(RAY_ENABLE_UV_RUN_RUNTIME_ENV|RAY_CLIENT_MODE|LAZY_LEGACY_OP)$"
+)
+#: Variables an engine sets in ``os.environ`` of the process it runs in: sglang and vLLM when imported (daskgen's
+#: engine modules too, before importing them), daskgen's engine plugin for the worker it starts in (its resolved local
+#: rank and memory limit).  A test process that ran an engine or a worker in-process has them; the commands it starts
+#: get the session's values of them instead (tests/conftest.py ``cli_env``), as from the shell that started the tests:
+#: a command's workers set them for themselves.
+ENGINE_SET_ENV = re.compile(
+    r"^(SGLANG_|VLLM_|CUTE_DSL_|DG_JIT_|FLASHINFER_|NCCL_|TILELANG_|TLLM_|TRTLLM_|TRITON_|AITER_|TORCHINDUCTOR_)"
+    r"|^(CUDA_CACHE_PATH|CUDA_DEVICE_MAX_CONNECTIONS|PYTORCH_NVML_BASED_CUDA_CHECK|LOCAL_WORLD_SIZE)$"
+    r"|^(NUMEXPR_MAX_THREADS|TOKENIZERS_PARALLELISM|LD_PRELOAD|LD_LIBRARY_PATH)$"
+    r"|^(DASKGEN_RESOLVED_LOCAL_RANK|DASKGEN_WORKER_MEMORY_LIMIT)$"
 )
 #: Packages whose variables RUNTIME_ENV lets differ: the zygote refuses to serve once its imports include one.
 NOT_PRELOADED = ("verl", "ray", "tensordict")

@@ -141,8 +141,15 @@ def write_prompts(path: Path, n: int, *, chat: bool = True, words: int = 0) -> P
     return path
 
 
+#: This process's environment before any test ran (or imported an engine).
+SESSION_ENV = dict(os.environ)
+
+
 def cli_env() -> dict[str, str]:
-    env = dict(os.environ)
+    """The environment of a command a test starts: this process's, except the variables an engine run here set
+    (``cli_zygote.ENGINE_SET_ENV``), which keep the session's values."""
+    env = {k: v for k, v in os.environ.items() if not cli_zygote.ENGINE_SET_ENV.match(k)}
+    env.update((k, v) for k, v in SESSION_ENV.items() if cli_zygote.ENGINE_SET_ENV.match(k))
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1", TQDM_DISABLE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     return env

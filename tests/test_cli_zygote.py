@@ -206,6 +206,28 @@ def test_variables_libraries_set_when_a_test_imports_them_do_not_stop_the_fork(i
     assert proc.wait(timeout=60) == 0
 
 
+def test_variables_an_engine_set_in_the_test_process_are_not_a_commands(monkeypatch):
+    """A test process that ran an engine or a worker in-process (sglang's and vLLM's imports set variables, daskgen's
+    engine plugin the worker's rank and memory limit) starts its commands with the session's values of them: the
+    command is forked as from the shell that started the tests, and its workers set them for themselves."""
+    from tests.conftest import SESSION_ENV
+
+    set_here = {"SGLANG_RUN_ID": "x", "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "DASKGEN_WORKER_MEMORY_LIMIT": "7",
+                "LD_PRELOAD": "/nonexistent/libx.so", "DASKGEN_TEST_SGLANG_KEY": "k"}  # fmt: skip
+    for name, value in set_here.items():
+        monkeypatch.setenv(name, value)
+    env = cli_env()  # the function itself (this module's autouse fixture patches the one run_cli calls)
+    for name in set_here:
+        if name.startswith("DASKGEN_TEST_"):  # a test's own setting for the engines it starts: passed on
+            assert env[name] == set_here[name]
+        else:
+            assert env.get(name) == SESSION_ENV.get(name), name
+    assert cli_zygote.Zygote.get(env).blocking(env) == []
+    proc = cli_zygote.popen([sys.executable, "-m", "daskgen", "--help"], env, stdout=subprocess.DEVNULL)
+    assert isinstance(proc, cli_zygote.ZygotePopen)
+    assert proc.wait(timeout=60) == 0
+
+
 def test_the_lane_check_fails_when_most_commands_start_fresh_interpreters_and_names_why():
     """The session counts its commands' starts (tests/conftest.py): most forked passes, most fresh (of enough
     commands) is a finding that names the variables that differed."""
