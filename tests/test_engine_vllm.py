@@ -521,9 +521,9 @@ def cli_runs(tmp_path_factory: pytest.TempPathFactory) -> CliRuns:
 
 def _model_workers_cores_while(proc: subprocess.Popen, timeout: float) -> dict[int, list[int]]:
     """Until ``proc`` ends: every half second, the cores the threads of vLLM's model worker processes below it
-    (``VLLM::Worker``) may use, by the Dask worker process (``proc``'s child) each runs under: every core seen, so a
-    worker's engine started again, or a short-lived child of a model worker (which carries its name), counts with
-    that worker."""
+    (``VLLM::Worker``) may use, by the Dask worker process each runs under (:func:`_dask_worker_of`): every core
+    seen, so a worker's engine started again, or a short-lived child of a model worker (which carries its name),
+    counts with that worker."""
     import time
 
     import psutil
@@ -536,13 +536,33 @@ def _model_workers_cores_while(proc: subprocess.Popen, timeout: float) -> dict[i
             for process in psutil.Process(proc.pid).children(recursive=True):
                 with contextlib.suppress(psutil.Error, OSError):
                     if process.name().startswith("VLLM::Worker"):
-                        worker = next((p.pid for p in process.parents() if p.ppid() == proc.pid), None)
+                        worker = _dask_worker_of(process, proc.pid)
                         if worker is None:  # it ended, or was not below a worker of the run
                             continue
                         seen = set().union(*(os.sched_getaffinity(t.id) for t in process.threads()))
                         cores[worker] = sorted(seen.union(cores.get(worker, ())))
         time.sleep(0.5)
     return cores
+
+
+def _dask_worker_of(process: Any, command: int) -> int | None:
+    """The pid of the Dask worker of the run ``command`` that ``process`` runs under: the command's child, or, when
+    the command forks its workers from a fork server of its own (tests/cli_zygote.py: the server and the workers are
+    forked copies of the command, with its command line), the server's child.  ``None`` when not below the command."""
+    import psutil
+
+    below = []  # the ancestors of ``process`` below the command, the command's child first
+    for ancestor in process.parents():
+        if ancestor.pid == command:
+            break
+        below.insert(0, ancestor)
+    else:
+        return None
+    if not below:
+        return None
+    cmdline = psutil.Process(command).cmdline()
+    forked = len(below) > 1 and below[0].cmdline() == cmdline == below[1].cmdline()
+    return below[1].pid if forked else below[0].pid
 
 
 @pytest.mark.vllm
