@@ -114,15 +114,16 @@ def simulated_run(*, max_new_tokens: int = 16, partition_size: int = 4, n_sample
 
 
 @contextlib.contextmanager
-def runs_cluster(**config: object) -> Iterator[tuple[object, object]]:
+def runs_cluster(env: dict[str, str] | None = None, **config: object) -> Iterator[tuple[object, object]]:
     """A LocalCluster of one worker process (4 threads) and a client of it, for ``daskgen run --scheduler-address``;
-    ``config``: Dask settings the worker starts with (e.g. ``{"daskgen.policy.poll-interval": "600s"}``)."""
+    ``config``: Dask settings the worker starts with (e.g. ``{"daskgen.policy.poll-interval": "600s"}``); ``env``:
+    environment variables its worker process gets on top of this process's."""
     import dask
     from distributed import Client, LocalCluster
 
     with (
         dask.config.set({"distributed.worker.daemon": False, **config}),
-        LocalCluster(n_workers=1, threads_per_worker=4, processes=True, dashboard_address=":0") as cluster,
+        LocalCluster(n_workers=1, threads_per_worker=4, processes=True, dashboard_address=":0", env=env) as cluster,
         Client(cluster) as client,
     ):
         client.wait_for_workers(1)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from daskgen.store.generation_store import GenerationStore
-from tests.conftest import popen_cli, run_cli, simulated_run, write_prompts
+from tests.conftest import popen_cli, run_cli, runs_cluster, simulated_run, write_prompts
 from tests.fault_tally import Tally, count, logged_requests, record, recorded
 from tests.s3_proxy import FAULTS, FaultProxy
 from tests.test_object_store import _same, s3, s3_server  # noqa: F401 - the moto server and bucket fixtures
@@ -110,6 +110,34 @@ def test_refused_credentials_and_a_missing_bucket_are_clear_errors_before_any_en
     res = _run(prompts, f"s3://{bucket}-missing/out.zarr", s3_server)
     assert res.returncode == 2 and "the bucket does not exist" in res.stderr, res.stderr
     assert "engines ready" not in res.stdout + res.stderr
+
+
+def _worker_env(endpoint: str) -> dict[str, str]:
+    return {"AWS_ACCESS_KEY_ID": "worker-key", "AWS_ENDPOINT_URL": endpoint}
+
+
+def test_workers_that_cannot_reach_the_store_stop_the_run_naming_the_worker(tmp_path, s3, s3_server):  # noqa: F811
+    """The client reaches the store, its worker does not (credentials set where the client runs only): the run stops
+    at once with an error naming the worker and the store (exit 2), no row failed, the worker still connected (a
+    store opened while Dask unpickled the task would have broken the worker's connection and left the run waiting
+    for a worker for ever)."""
+    bucket, _ = s3
+    prompts = write_prompts(tmp_path / "p.jsonl", 8)
+    url = f"s3://{bucket}/out.zarr"
+    with FaultProxy(s3_server) as proxy, runs_cluster(env=_worker_env(proxy.url)) as (cluster, client):
+        proxy.refused_key = "worker-key"
+        env = {"AWS_ENDPOINT_URL": proxy.url, **FAST_RETRIES}
+        at = RUN.index("--n-workers")  # the run's own cluster's size: not with a scheduler address
+        run = [*RUN[:at], *RUN[at + 2 :], "--scheduler-address", cluster.scheduler_address]
+        res = run_cli("run", "--prompts", prompts, "--store", url, *run, env=env)
+        worker = next(iter(client.scheduler_info()["workers"]))
+        assert proxy.injected["bad-key"] > 0
+    assert res.returncode == 2, res.stdout + res.stderr
+    error = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+    assert error and f"on worker {worker}" in error[-1] and repr(url) in error[-1], res.stderr[-3000:]
+    assert "rerun the same command" in error[-1] and "Debug source" not in error[-1]
+    status = GenerationStore.open(url, {"endpoint": s3_server}).read_status()
+    assert not (status == 2).any() and not (status == 1).any(), "no row may be failed (or done) by the workers' storage"
 
 
 def test_the_lock_heartbeat_survives_a_failed_write_and_beats_again(s3, s3_server, caplog):  # noqa: F811

@@ -7,6 +7,7 @@ import xarray as xr
 from daskgen import store
 from daskgen.analysis.accessor import open_store
 from daskgen.errors import StoreError, StoreMismatchError
+from daskgen.store.resumable import check_resumable
 
 LAYOUT = store.Layout(
     n_prompts=10, n_samples=2, max_prompt_tokens=8, max_new_tokens=6, partition_size=4, pad_token_id=0
@@ -49,14 +50,36 @@ def test_region_write_then_commit(path):
         store.GenerationStore.open(path).write_region(0, {"status": np.ones(4, dtype="int8")})
 
 
+def test_a_pickled_store_reads_nothing_until_used_and_refuses_a_replaced_one(path):
+    """Dask unpickles tasks in its connections: unpickling a store reads nothing (a store that cannot be reached
+    fails the task that uses it, not the connection); its first use refuses a store replaced at its location."""
+    import pickle
+    import shutil
+
+    replaced = pickle.dumps(store.GenerationStore.open(path))
+    shutil.rmtree(path)
+    store.GenerationStore.create(path, store.StoreAttrs(LAYOUT, **ATTRS), [f"id{i}" for i in range(10)])
+    with pytest.raises(StoreError, match=r"changed while this run used it .*Rerun to resume"):
+        pickle.loads(replaced).layout  # noqa: B018 - the first use
+    pickled = pickle.dumps(store.GenerationStore.open(path))
+    moved = path.with_name("moved.zarr")
+    path.rename(moved)
+    unpickled = pickle.loads(pickled)  # nothing there: no error yet
+    with pytest.raises(StoreError, match=r"no longer holds a daskgen store"):
+        unpickled.read_status()
+    moved.rename(path)
+    assert (pickle.loads(pickled).read_status() == store.PENDING).all()  # found again: the next use reads it
+    assert pickle.loads(pickled).layout == LAYOUT
+
+
 def test_resume_mismatch_names_both_values(path):
     wanted = json.loads(json.dumps(ATTRS))
     wanted["identity"]["temperature"] = 0.5
     with pytest.raises(StoreMismatchError) as err:
-        store.GenerationStore.open(path).check_resumable(store.StoreAttrs(LAYOUT, **wanted))
+        check_resumable(store.GenerationStore.open(path), store.StoreAttrs(LAYOUT, **wanted))
     assert "temperature: store has 1.0, this run has 0.5" in str(err.value)
     assert "new --store" in str(err.value)
-    store.GenerationStore.open(path).check_resumable(store.StoreAttrs(LAYOUT, **ATTRS))
+    check_resumable(store.GenerationStore.open(path), store.StoreAttrs(LAYOUT, **ATTRS))
 
 
 def test_refuses_file_and_foreign_directory(tmp_path):

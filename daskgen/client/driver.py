@@ -38,7 +38,9 @@ from the first response to a failure to the last:
    restarts the engine in place: after an engine exception (``mark_broken``), or after a timeout
    when a one-token health check fails (``check_health``).  A worker whose restart fails withdraws
    its ``daskgen-engine`` resource and takes no more partitions; when every worker's engine has
-   failed the run stops with each worker's error (:func:`daskgen.client.engines.check_engines`).
+   failed the run stops with each worker's error (:class:`daskgen.client.engines.EngineWatch`), and
+   when no worker is left: at once on a fixed-size cluster the run started whose workers have all closed,
+   else after ``daskgen.engine-start-timeout`` without any.
    A partition that failed because its worker's engine could not be restarted (e.g. its server
    stopped answering: :class:`~daskgen.errors.EngineUnavailable`, also raised in ``isolate`` mode
    instead of failing a row) is not held against its prompts: it is requeued as it was, for a
@@ -121,7 +123,7 @@ class Driver:
     def __init__(
         self, client: Any, run: LiveRun, tasks: Iterator[PartitionTask], info: Any = None, link: Any = None
     ) -> None:
-        from daskgen.client.engines import check_engines
+        from daskgen.client.engines import EngineWatch
 
         self.client, self.run, self.tasks, self.info, self.link = client, run, tasks, info, link
         self.retry: list[PartitionTask] = []
@@ -129,7 +131,7 @@ class Driver:
         self.futures: dict[Any, PartitionTask] = {}
         self.watch = SchedulerWatch(client)
         self.done = FinishedPartitions(
-            client, on_wait=self.housekeeping, check_engines=lambda: check_engines(client, run.plan.config)
+            client, on_wait=self.housekeeping, check_engines=EngineWatch(client, run.plan.config, info).check
         )
         self.board = WindowBoard(client, RESOURCE, on_change=self.done.wake)  # more admitted: submit at once
         self.batch = CommitBatch(run, on_commit=self.announce)

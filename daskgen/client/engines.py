@@ -2,8 +2,8 @@
 
 :func:`start_engines` registers :class:`~daskgen.worker.plugin.EnginePlugin` on every worker (each
 loads and health-checks its engine in the background) and the scheduler plugin that drains workers
-before they retire, then waits until some engine is ready; :func:`check_engines` stops a run whose
-engines have all failed.  What happens on the worker is :mod:`daskgen.worker.plugin`.
+before they retire, then waits until some engine is ready; :class:`EngineWatch` stops a run whose
+engines have all failed or whose workers are all gone.  What happens on the worker is :mod:`daskgen.worker.plugin`.
 """
 
 from __future__ import annotations
@@ -124,16 +124,77 @@ def _raise_if_all_failed(config: RunConfig, states: dict[str, Any], deadline: fl
         )
 
 
-def check_engines(client: Any, config: RunConfig) -> None:
-    """Raise :class:`EngineError` when every worker's engine has failed (nothing can progress)."""
-    states = with_engines(client.run(plugin_status))
-    failed = {w: s["error"] for w, s in states.items() if s["state"] in DEAD_STATES}
-    if states and len(failed) == len(states):
-        details = "\n  ".join(f"{w}: {e}" for w, e in failed.items())
-        raise EngineError(
-            f"the {config.engine!r} engine has failed on every worker; finished work is saved, "
-            f"rerun the same command to resume once fixed:\n  {details}"
-        )
+class EngineWatch:
+    """Stops a run that can no longer generate: every worker's engine failed, or no worker is left.
+
+    Parameters
+    ----------
+    client:
+        The run's client.
+    config:
+        The run's options (the engine's name for messages).
+    info:
+        The :class:`daskgen.deploy.ClusterInfo` of a cluster the run started (``None``: an existing scheduler).
+
+    With no worker at all the run waits ``daskgen.engine-start-timeout`` for one to join (jobs of a batch cluster
+    may wait in its queue), saying so once; it stops at once when the run's own cluster is fixed-size and every
+    worker process it started has closed (nothing would start another).
+    """
+
+    def __init__(self, client: Any, config: RunConfig, info: Any = None) -> None:
+        self.client, self.config, self.info = client, config, info
+        self._empty_since: float | None = None
+
+    def check(self) -> None:
+        """Raise :class:`EngineError` when nothing can progress (finished work is saved either way)."""
+        states = with_engines(self.client.run(plugin_status))
+        if not states:
+            self._no_worker()
+            return
+        self._empty_since = None
+        failed = {w: s["error"] for w, s in states.items() if s["state"] in DEAD_STATES}
+        if len(failed) == len(states):
+            details = "\n  ".join(f"{w}: {e}" for w, e in failed.items())
+            raise EngineError(
+                f"the {self.config.engine!r} engine has failed on every worker; finished work is saved, "
+                f"rerun the same command to resume once fixed:\n  {details}"
+            )
+
+    def _no_worker(self) -> None:
+        timeout = tunables.seconds("engine-start-timeout")
+        now = time.monotonic()
+        if self._empty_since is None:
+            self._empty_since = now
+            logger.warning(
+                "no worker is connected to the scheduler: the run waits up to %.0f s (daskgen.engine-start-timeout) "
+                "for one to join; see the worker logs for why they left",
+                timeout,
+            )
+        if workers_closed_for_good(self.client, self.info):
+            raise EngineError(
+                "every worker of the run's cluster has closed and none will start again (a fixed-size cluster): "
+                "see the messages above and the worker logs for why. Finished work is saved; rerun the same "
+                "command to resume once fixed."
+            )
+        if now - self._empty_since > timeout:
+            raise EngineError(
+                f"no worker has been connected to the scheduler for {now - self._empty_since:.0f} s "
+                f"(daskgen.engine-start-timeout: {timeout:.0f} s): finished work is saved; start workers (or raise "
+                "the timeout, e.g. DASK_DASKGEN__ENGINE_START_TIMEOUT=2h) and rerun the same command to resume."
+            )
+
+
+def workers_closed_for_good(client: Any, info: Any) -> bool:
+    """True when ``client`` runs on a fixed-size cluster the run started (``info``) whose every worker process
+    (a LocalCluster's nannies, a batch cluster's jobs) has closed: a non-adaptive cluster starts no other."""
+    from distributed.core import Status
+
+    cluster = getattr(client, "cluster", None)
+    if info is None or info.adaptive or cluster is None:
+        return False
+    workers = list(getattr(cluster, "workers", {}).values())
+    gone = (Status.closing, Status.closed, Status.failed, Status.closing_gracefully)
+    return bool(workers) and all(getattr(w, "status", None) in gone for w in workers)
 
 
 def thread_slots_note(client: Any) -> str | None:

@@ -45,6 +45,7 @@ from daskgen.settings import Prompts, RunSettings, resolve
 from daskgen.store.attrs import StoreAttrs
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.layout import FAILED, PENDING, Layout
+from daskgen.store.resumable import check_resumable
 from daskgen.worker.samples.row_sampling import row_params
 from daskgen.worker.task import PartitionTask
 
@@ -229,7 +230,7 @@ def _open_store(
     )
     if existing is None:
         return GenerationStore.create(settings.location, wanted, scan.ids), None
-    existing.check_resumable(wanted)
+    check_resumable(existing, wanted)
     return existing, record
 
 

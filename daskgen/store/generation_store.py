@@ -15,13 +15,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
+import socket
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from daskgen.errors import StoreError, StoreMismatchError, StoreWriteError
+from daskgen.errors import StoreError, StoreWriteError
 from daskgen.store.attrs import ATTRS_KEY, StoreAttrs, jsonable, utc_now
 from daskgen.store.chunks.chunk_reads import PlainArray, plain_array
 from daskgen.store.chunks.codecs import chunks_checksummed, compressors
@@ -30,8 +32,6 @@ from daskgen.store.images import IMAGES_FOLDER
 from daskgen.store.layout import (
     COORDS,
     DATA_ARRAYS,
-    DONE,
-    SCHEMA_VERSIONS,
     WORKER_ARRAYS,
     ArraySpec,
     Layout,
@@ -86,14 +86,44 @@ class GenerationStore:
     location:
         Where the store lives (:func:`daskgen.store.location.locate`).
     attrs:
-        Its ``daskgen`` attrs, as read when it was opened.
+        Its ``daskgen`` attrs, as read when it was opened; ``None``: read at their first use, and refused unless
+        the store there has ``version`` (a store unpickled in a worker, :meth:`__reduce__`).
+    version:
+        With ``attrs=None``: the :attr:`version` the store must still have.
     """
 
-    def __init__(self, location: StoreLocation, attrs: StoreAttrs) -> None:
+    def __init__(self, location: StoreLocation, attrs: StoreAttrs | None, version: str = "") -> None:
         self.location = location
-        self.attrs = attrs
+        self._attrs = attrs
+        self._expected_version = version
         self._arrays: dict[tuple[str, bool], Any] = {}
         self._plain_arrays: dict[str, PlainArray | None] = {}
+
+    @property
+    def attrs(self) -> StoreAttrs:
+        """The typed attrs (:class:`StoreAttrs`); a store unpickled without them reads them here, once."""
+        if self._attrs is None:
+            self._attrs = self._read_unpickled_attrs()
+        return self._attrs
+
+    @attrs.setter
+    def attrs(self, value: StoreAttrs) -> None:
+        self._attrs = value
+
+    def _read_unpickled_attrs(self) -> StoreAttrs:
+        """The attrs of the store at this location, refused unless it is still the store that was pickled."""
+        with self.read_errors(f"reading the attrs (zarr.json) {_where_this_runs()}"):
+            found = read_store_attrs(self.location)
+        if found is None:
+            raise StoreError(f"{self.url!r} no longer holds a daskgen store (its zarr.json lost the attrs)")
+        reopened = GenerationStore(self.location, found)
+        if self._expected_version and reopened.version != self._expected_version:
+            raise StoreError(
+                f"store {self.url!r} changed while this run used it (expected {self._expected_version!r}, found "
+                f"{reopened.version!r}): another process replaced, packed or unpacked it. Rerun to resume from what "
+                "it holds now."
+            )
+        return found
 
     # --- opening ------------------------------------------------------------------------------
     @classmethod
@@ -117,6 +147,8 @@ class GenerationStore:
     @property
     def version(self) -> str:
         """What identifies this store's arrays at its location: creation time and packing state."""
+        if self._attrs is None and self._expected_version:
+            return self._expected_version
         return f"{self.attrs.created}|{json.dumps(self.attrs.packed, sort_keys=True)}"
 
     @classmethod
@@ -150,9 +182,12 @@ class GenerationStore:
         return f"GenerationStore({self.url!r})"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled as its location and :attr:`version`: a worker process opens each store once; a store replaced
-        at the same location (a new run into a deleted folder, ``daskgen pack``/``unpack``) is opened again."""
-        return (_opened_once, (self.location, self.version))
+        """Pickled as its location and :attr:`version`, and unpickled without reading anything: Dask unpickles
+        tasks in its connections (scheduler and workers), where a store that cannot be reached would break the
+        connection instead of failing the task.  A process keeps one such store per location and version, which
+        reads its attrs at their first use (refused if the store there was replaced meanwhile: a new run into a
+        deleted folder, ``daskgen pack``/``unpack``); a failed read is tried again at the next use."""
+        return (_unpickled, (self.location, self.version))
 
     @property
     def checksummed(self) -> bool:
@@ -164,6 +199,7 @@ class GenerationStore:
         """The Zarr array ``name``, opened once for this store object."""
         key = (name, writable)
         if key not in self._arrays:
+            _ = self.attrs  # an unpickled store checks it is still the pickled one before its first array
             target = self.location.zarr_store(read_only=not writable)
             self._arrays[key] = import_zarr().open_array(target, path=name, mode="r+" if writable else "r")
         return self._arrays[key]
@@ -375,52 +411,20 @@ class GenerationStore:
             zarr.consolidate_metadata(target)
         return missing
 
-    # --- resuming ------------------------------------------------------------------------------
-    def check_resumable(self, wanted: StoreAttrs) -> None:
-        """Refuse a resume whose identity (settings, input, tokenizer) differs, or of a packed store with rows left."""
-        stored = self.attrs
-        if stored.schema_version not in SCHEMA_VERSIONS:
-            raise StoreMismatchError(
-                f"store {self.url!r} has schema_version {stored.schema_version!r}; this daskgen reads "
-                f"{list(SCHEMA_VERSIONS)}. Use a new --store path (or the daskgen version that wrote it)."
-            )
-        diffs = []
-        for section, old in stored.identity_sections().items():
-            new = jsonable(wanted.identity_sections()[section])
-            diffs += [
-                f"{key}: store has {old.get(key)!r}, this run has {new.get(key)!r}"
-                for key in sorted(set(old) | set(new))
-                if old.get(key) != new.get(key)
-            ]
-        if diffs:
-            raise StoreMismatchError(
-                f"cannot resume {self.url!r}: this run differs from the one that created the store:\n  "
-                + "\n  ".join(diffs)
-                + "\nRerun with the store's settings and input to resume, or pass a new --store path to start a "
-                "new run."
-            )
-        self._check_not_packed()
 
-    def _check_not_packed(self) -> None:
-        """Refuse to resume a packed store with rows left: partitions share its shards (writers would lose data)."""
-        left = int((self.read_status() != DONE).sum()) if self.attrs.packed else 0
-        if left:
-            raise StoreMismatchError(
-                f"cannot resume {self.url!r}: it is packed (daskgen pack: many partitions share each shard file, "
-                f"and workers writing one shard at once lose data), and {left} row(s) are not done. Run `daskgen "
-                f"unpack {self.url}` first (then rerun; pack again when it is finished), or rerun into a new --store."
-            )
+def _where_this_runs() -> str:
+    """``on worker ADDRESS`` in a Dask worker's task, else ``on host NAME (pid N)``: where a store was unpickled."""
+    try:
+        from distributed import get_worker
+
+        return f"on worker {get_worker().address}"
+    except (ImportError, ValueError):
+        return f"on host {socket.gethostname()} (pid {os.getpid()})"
 
 
 @functools.lru_cache(maxsize=16)
-def _opened_once(location: StoreLocation, version: str) -> GenerationStore:
-    store = GenerationStore.open(location)
-    if version and store.version != version:
-        raise StoreError(
-            f"store {store.url!r} changed while this run used it (expected {version!r}, found {store.version!r}): "
-            "another process replaced, packed or unpacked it. Rerun to resume from what it holds now."
-        )
-    return store
+def _unpickled(location: StoreLocation, version: str) -> GenerationStore:
+    return GenerationStore(location, None, version)
 
 
 def _create_array(group: Any, name: str, spec: ArraySpec) -> None:

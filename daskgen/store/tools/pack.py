@@ -30,7 +30,7 @@ its attrs are written.
 
 A packed store that still has pending or failed rows cannot be resumed as it is (partitions
 share shards): runs refuse it and name the fix, ``daskgen unpack STORE`` (see
-:meth:`daskgen.store.generation_store.GenerationStore.check_resumable`).
+:func:`daskgen.store.resumable.check_resumable`).
 """
 
 from __future__ import annotations
