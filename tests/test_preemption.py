@@ -143,6 +143,31 @@ def test_sigterm_keeps_finished_and_partial_work_and_the_rerun_continues_it_toke
     record("SIGTERM to the run (preemption), rerun continues partial samples", rows=24, tally=tally)
 
 
+def test_sigterm_to_the_run_while_its_cluster_starts_is_an_interruption(tmp_path):
+    """SIGTERM to the run's process group (a batch system's cancel) while its LocalCluster starts: the starting
+    worker dies of it too, and the run ends interrupted (exit 3, resumable), not with the cluster's start-up error."""
+    prompts = write_prompts(tmp_path / "p.jsonl", 8)
+    out = tmp_path / "out.zarr"
+    env = {"DASK_DISTRIBUTED__WORKER__PRELOAD": '["tests.slow_worker_start"]'}
+    proc = popen_cli("run", "--prompts", prompts, "--store", out, *simulated_run(), env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "daskgen.lock").exists():  # the lock is taken just before the cluster starts
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.05)
+        time.sleep(1.5)  # the worker process is in its 30 s start
+        os.killpg(proc.pid, signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == EXIT_INTERRUPTED, output
+    assert "the cluster did not start after the stop was asked for" in output, output
+    assert "Traceback" not in output and "interrupted (SIGTERM received)" in output, output
+    assert (store.GenerationStore.open(out).read_status() == store.PENDING).all()
+    assert not (out / "daskgen.lock").exists(), "the lock is released"
+
+
 def test_a_second_signal_stops_at_once_and_keeps_what_was_committed(tmp_path):
     """The probe engine (daskgen.testing.probes) holds the last partition at a gate that never opens, so
     after the first SIGINT the graceful stop waits for it (up to the 120 s grace): the second SIGINT,

@@ -12,18 +12,20 @@ from typing import Any
 
 from daskgen import tunables
 from daskgen.config import RunConfig
-from daskgen.errors import SchedulerLost
+from daskgen.errors import RunInterrupted, SchedulerLost
 from daskgen.settings import RunSettings, cluster_section
 
 logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def connect(settings: RunSettings | RunConfig) -> Iterator[tuple[Any, Any]]:
+def connect(settings: RunSettings | RunConfig, interrupt: Any = None) -> Iterator[tuple[Any, Any]]:
     """Yield ``(client, info)``: an existing scheduler (``info`` None), an HPC cluster or a LocalCluster.
 
     ``info`` is the :class:`daskgen.deploy.ClusterInfo` of a cluster daskgen started; its section is the
-    settings' (or, given options only, theirs with the run's flags merged).
+    settings' (or, given options only, theirs with the run's flags merged).  A cluster that fails to start after
+    a stop was asked for (``interrupt``, a :class:`daskgen.client.interrupt.Interrupt`: e.g. a SIGTERM to the
+    process group, which its starting workers got too) raises :class:`RunInterrupted`.
     """
     import dask
     from distributed import Client
@@ -40,7 +42,7 @@ def connect(settings: RunSettings | RunConfig) -> Iterator[tuple[Any, Any]]:
             with Client(config.scheduler_address, security=security) as client, _closing_quietly(client):
                 yield client, None
             return
-        cluster, info = _make_cluster(section)
+        cluster, info = _make_cluster(section, interrupt)
         lost = False
         try:
             with Client(cluster) as client, _closing_quietly(client):
@@ -123,9 +125,15 @@ def worker_settings() -> dict[str, Any]:
     return settings
 
 
-def _make_cluster(section: dict[str, Any]) -> tuple[Any, Any]:
+def _make_cluster(section: dict[str, Any], interrupt: Any = None) -> tuple[Any, Any]:
     from daskgen.deploy import make_cluster
 
-    cluster, info = make_cluster(dict(section))
+    try:
+        cluster, info = make_cluster(dict(section))
+    except Exception as exc:
+        if interrupt is None or not interrupt.requested:
+            raise
+        logger.warning("the cluster did not start after the stop was asked for: %s: %s", type(exc).__name__, exc)
+        raise RunInterrupted(f"{interrupt.reason} while the cluster was starting") from exc
     logger.info("started %s", info)
     return cluster, info

@@ -71,10 +71,10 @@ def _run_locked(plan: Plan, stop: StopControl, t0: float) -> RunSummary:
         n_pending = int(pending_rows(plan, run.status).sum())
         try:
             if n_pending and stop.interrupted() is None:
-                with connect(plan.settings) as (client, info), collector_tuned(CLIENT):
+                with connect(plan.settings, stop.interrupt) as (client, info), collector_tuned(CLIENT):
                     tasks = pending_tasks(plan, run.status)
                     driver.drive(client, run, tasks, info, n_pending)
-        except RunInterrupted as exc:  # stopped while the engines started, or the scheduler was lost
+        except RunInterrupted as exc:  # stopped while the cluster or the engines started, or the scheduler was lost
             if stop.interrupt is not None:
                 stop.interrupt.request(str(exc))  # the first reason wins: a signal's, if one came first
         _record_partial_partitions(run)
