@@ -53,6 +53,10 @@ class EngineUnavailable(EngineError):
     """
 
 
+class ClusterError(DaskgenError):
+    """The Dask cluster cannot run daskgen's tasks (e.g. its scheduler lacks daskgen); no prompt's fault."""
+
+
 class GpuPinningError(ConfigError):
     """This worker cannot be given its own GPU (too few GPUs, or its local rank is unknown)."""
 

@@ -113,6 +113,13 @@ def simulated_run(*, max_new_tokens: int = 16, partition_size: int = 4, n_sample
     ]
 
 
+def on_scheduler(run: list[str], address: str) -> list[str]:
+    """The ``daskgen run`` options ``run`` (e.g. :func:`simulated_run`'s) against the scheduler at ``address``: without
+    the size of a cluster of the run's own (``--n-workers``)."""
+    at = run.index("--n-workers") if "--n-workers" in run else len(run)
+    return [*run[:at], *run[at + 2 :], "--scheduler-address", address]
+
+
 @contextlib.contextmanager
 def runs_cluster(env: dict[str, str] | None = None, **config: object) -> Iterator[tuple[object, object]]:
     """A LocalCluster of one worker process (4 threads) and a client of it, for ``daskgen run --scheduler-address``;

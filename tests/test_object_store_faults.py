@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from daskgen.store.generation_store import GenerationStore
-from tests.conftest import popen_cli, run_cli, runs_cluster, simulated_run, write_prompts
+from tests.conftest import on_scheduler, popen_cli, run_cli, runs_cluster, simulated_run, write_prompts
 from tests.fault_tally import Tally, count, logged_requests, record, recorded
 from tests.s3_proxy import FAULTS, FaultProxy
 from tests.test_object_store import _same, s3, s3_server  # noqa: F401 - the moto server and bucket fixtures
@@ -127,8 +127,7 @@ def test_workers_that_cannot_reach_the_store_stop_the_run_naming_the_worker(tmp_
     with FaultProxy(s3_server) as proxy, runs_cluster(env=_worker_env(proxy.url)) as (cluster, client):
         proxy.refused_key = "worker-key"
         env = {"AWS_ENDPOINT_URL": proxy.url, **FAST_RETRIES}
-        at = RUN.index("--n-workers")  # the run's own cluster's size: not with a scheduler address
-        run = [*RUN[:at], *RUN[at + 2 :], "--scheduler-address", cluster.scheduler_address]
+        run = on_scheduler(RUN, cluster.scheduler_address)
         res = run_cli("run", "--prompts", prompts, "--store", url, *run, env=env)
         worker = next(iter(client.scheduler_info()["workers"]))
         assert proxy.injected["bad-key"] > 0

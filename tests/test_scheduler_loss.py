@@ -20,7 +20,7 @@ import pytest
 from daskgen import store
 from daskgen.engines.base import FinishReason
 from daskgen.store.records.lock import LOCK_NAME
-from tests.conftest import cli_env, popen_cli, run_cli, write_prompts
+from tests.conftest import cli_env, on_scheduler, popen_cli, run_cli, simulated_run, write_prompts
 from tests.fault_tally import Tally, count, logged_requests, record
 from tests.probing import OutputLines
 from tests.test_run import calls
@@ -52,14 +52,15 @@ def sent_rows(tmp_path) -> Counter:
     return Counter(int(rid.split("-")[0][1:]) for rid, n in calls(tmp_path / "calls.log").items() for _ in range(n))
 
 
-def _dask(kind: str, *args: str) -> subprocess.Popen:
-    """``dask scheduler`` or ``dask worker`` as its own process (started by hand, as a user would)."""
+def _dask(kind: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``dask scheduler`` or ``dask worker`` as its own process (started by hand, as a user would), in the
+    environment of a command (or ``env``)."""
     module = {"scheduler": "distributed.cli.dask_scheduler", "worker": "distributed.cli.dask_worker"}[kind]
     return subprocess.Popen(
         [sys.executable, "-m", module, *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env=cli_env(),
+        env=cli_env() if env is None else env,
         start_new_session=True,
     )
 
@@ -254,3 +255,45 @@ def test_connection_loss_tracebacks_of_the_client_are_not_printed_while_a_run_is
     assert [r.getMessage() for r in kept] == [f"kept: {name}" for name in names]
     logging.getLogger(names[0]).info("after the run", exc_info=closed())
     assert caplog.records[-1].getMessage() == "after the run", "the filter outlived the run"
+
+
+#: Test double: a ``sitecustomize`` module that makes ``import daskgen`` fail in the process that loads it, as in a
+#: scheduler started from an environment without daskgen.
+HIDE_DASKGEN = """
+import sys
+
+
+class HideDaskgen:
+    def find_spec(self, name, path=None, target=None):
+        if name == "daskgen" or name.startswith("daskgen."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+sys.meta_path.insert(0, HideDaskgen())
+"""
+
+
+def test_a_scheduler_without_daskgen_stops_the_run_and_fails_no_prompt(tmp_path):
+    """The scheduler cannot unpickle the partition tasks (distributed's "Error during deserialization of the task
+    graph"): the run stops at once with an error saying why and what to do (exit 2), every prompt still pending."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(HIDE_DASKGEN)
+    env = cli_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hide), env.get("PYTHONPATH")]))
+    prompts, out, scheduler_file = write_prompts(tmp_path / "p.jsonl", 16), tmp_path / "out.zarr", tmp_path / "s.json"
+    scheduler = _dask("scheduler", "--scheduler-file", str(scheduler_file), "--port", "0", "--no-dashboard", env=env)
+    worker = None
+    try:
+        address = _address(scheduler_file)
+        worker = _dask("worker", address, "--nthreads", "2", "--no-dashboard", "--no-nanny")
+        res = run_cli("run", "--prompts", prompts, "--store", out, *on_scheduler(simulated_run(), address), timeout=120)
+    finally:
+        for proc in (scheduler, worker):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert res.returncode == 2, res.stdout + res.stderr
+    error = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+    assert error and "the Dask scheduler could not unpickle daskgen's partition tasks" in error[-1], res.stderr
+    assert "it lacks daskgen" in error[-1] and "no prompt was marked failed" in error[-1]
+    assert (store.GenerationStore.open(out).read_status() == store.PENDING).all()

@@ -15,7 +15,7 @@ import pytest
 from daskgen import store
 from daskgen.engines.base import GenerationRequest, GenerationResult
 from daskgen.engines.simulated import SimulatedEngine
-from tests.conftest import popen_cli, run_cli, runs_cluster, simulated_run, write_prompts
+from tests.conftest import on_scheduler, popen_cli, run_cli, runs_cluster, simulated_run, write_prompts
 from tests.test_run import _wait_for_some_done
 
 pytestmark = pytest.mark.timeout(180)
@@ -68,9 +68,8 @@ def test_a_run_whose_only_worker_left_an_external_scheduler_stops_after_the_engi
     slow = simulated_run(partition_size=2, n_samples=1)
     slow[slow.index("time_scale=0")] = "time_scale=1"  # with one request at a time: 20 partitions of ~0.3 s
     slow += ["--engine-arg", "max_batch=1"]
-    at = slow.index("--n-workers")
     with runs_cluster() as (cluster, client):
-        run = [*slow[:at], *slow[at + 2 :], "--scheduler-address", cluster.scheduler_address]
+        run = on_scheduler(slow, cluster.scheduler_address)
         env = {**QUICK_CHECKS, "DASK_DASKGEN__ENGINE_START_TIMEOUT": "3s"}
         proc = popen_cli("run", "--prompts", prompts, "--store", out, *run, env=env)
         try:

@@ -18,12 +18,13 @@ from the first response to a failure to the last:
    once, without a retry.
 2. **Row isolation.**  A partition that still fails is resubmitted once in ``isolate`` mode (no
    Dask retries): row by row, and a row that fails alone is committed ``failed`` with its error,
-   so one poison prompt cannot sink its partition (:func:`collect`).
+   so one poison prompt cannot sink its partition (:func:`~daskgen.client.outcomes.collect`).
 3. **Worker deaths.**  When the worker process dies under a task (a segfault, an OOM kill), Dask
    reschedules the task; after ``distributed.scheduler.allowed-failures`` + 1 such deaths (the option is
    3 by default) the task ends :class:`~distributed.scheduler.KilledWorker`.  In-process isolation cannot help then (the
    row that kills the process takes the whole task with it), so each of its rows becomes a one-row
-   ``alone`` task (:func:`split_alone`), and only one ``alone`` task is in flight at a time in the run
+   ``alone`` task (:func:`~daskgen.client.outcomes.split_alone`), and only one ``alone`` task is in flight at a
+   time in the run
    (:meth:`Driver.next_task`; other partitions keep going).  Every other task on a dying worker is
    rescheduled with it, so running these rows one at a time is what tells the killer from its
    neighbours: a one-row ``alone`` task that ends ``KilledWorker`` again is the only row committed
@@ -47,7 +48,7 @@ from the first response to a failure to the last:
    worker whose engine runs.
 5. **Requeue of aborted rows.**  Rows that came back ``abort`` while the run is not stopping
    (their engine was restarted under them, or their worker was drained before leaving) are
-   requeued at once, restricted to those rows (:func:`only_rows`); the stored tokens of their
+   requeued at once, restricted to those rows (:func:`~daskgen.client.outcomes.only_rows`); the stored tokens of their
    aborted samples are kept and continued.  A row aborted more than ``daskgen.abort-requeue-limit``
    times (default 10) in one run is committed ``failed`` with a message saying so
    (:meth:`Driver.requeue_aborted`); its stored tokens stay, and ``--retry-failed`` continues it.
@@ -62,7 +63,9 @@ and queued like retries while the run streams, and once more before it ends (:mo
 A partition that still fails with a storage error (:class:`~daskgen.errors.StoreError`: a disk
 that is full, an object store that stays unreachable after the client's own retries and Dask's task
 retries) is not held against its prompts: the run stops, keeping every partition committed before it.
-Nor is the loss of the Dask scheduler (:class:`~daskgen.errors.SchedulerLost`,
+Nor is a scheduler that cannot unpickle the tasks (:class:`~daskgen.errors.ClusterError`: it lacks daskgen or
+runs other versions of its packages): the run stops at the first such task.  Nor is the loss of the Dask
+scheduler (:class:`~daskgen.errors.SchedulerLost`,
 :mod:`daskgen.client.scheduler_watch`): partitions cancelled with the connection are not failures; the
 run stops as interrupted.  The tested cases: ``docs/reliability.md``.
 """
@@ -76,12 +79,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from distributed.scheduler import KilledWorker
-
 from daskgen import tunables
 from daskgen.client.commit import CommitBatch, Outcome
 from daskgen.client.finished import FinishedPartitions
 from daskgen.client.live import LiveRun
+from daskgen.client.outcomes import collect, engine_unavailable, only_rows
 from daskgen.client.plan import Plan, row_tasks
 from daskgen.client.prefix_dispatch import TaskPool
 from daskgen.client.preprocess import preprocessing
@@ -90,7 +92,6 @@ from daskgen.client.requeue import LiveRequeue
 from daskgen.client.scheduler_watch import SchedulerWatch
 from daskgen.client.stopping import abandon, begin_stop, check_interrupt, housekeeping, stop_reason, wait_s
 from daskgen.client.windows import WindowBoard
-from daskgen.errors import EngineUnavailable, StoreError
 from daskgen.redaction import redact
 from daskgen.store.commit_log import COMMIT_TOPIC
 from daskgen.worker.partition import run_partition
@@ -340,15 +341,6 @@ def in_flight_target(plan: Plan, board: WindowBoard, info: Any = None) -> int:
     return max(1, min(cap, plan.config.max_prompts_in_memory // plan.layout.partition_size))
 
 
-def only_rows(task: PartitionTask, rows: list[int]) -> PartitionTask:
-    """The same partition restricted to ``rows`` (the other rows' stored data is kept)."""
-    keep = [i for i, r in enumerate(task.rows) if r in set(rows)]
-    meta = None if task.rows_meta is None else [task.rows_meta[i] for i in keep]
-    prompts = None if task.prompts is None else [task.prompts[i] for i in keep]
-    inputs = None if task.inputs is None else [task.inputs[i] for i in keep]
-    return dataclasses.replace(task, rows=[task.rows[i] for i in keep], prompts=prompts, rows_meta=meta, inputs=inputs)
-
-
 def record_engine(client: Any, plan: Plan, slots_note: str | None = None) -> None:
     """Store what the engine says about itself (e.g. ``retokenized`` for chat/completions servers), with
     ``slots_note`` (:func:`~daskgen.client.engines.thread_slots_note`) as its ``thread_slots`` when given."""
@@ -375,64 +367,3 @@ def submit(client: Any, keys: list[str], tasks: list[PartitionTask], retries: in
     return client.map(
         run_partition, keyed, *given, key=keys, pure=False, retries=retries, resources={RESOURCE: 1}, **where
     )
-
-
-def engine_unavailable(fut: Any, value: Any) -> EngineUnavailable | None:
-    """The :class:`~daskgen.errors.EngineUnavailable` a failed partition task raised, else ``None``."""
-    exc = value[1] if fut.status == "error" and isinstance(value, tuple) else value
-    return exc if isinstance(exc, EngineUnavailable) else None
-
-
-def collect(fut: Any, value: Any, task: PartitionTask) -> PartitionResult | list[PartitionTask]:
-    """The partition's result, or the tasks to run in its place; all its rows failed if nothing is left to try.
-
-    ``value`` is what ``as_completed(with_results=True, raise_errors=False)`` gave: the result, the
-    ``(type, exception, traceback)`` of a failed task, or the exception of a cancelled one.  A task that
-    failed after its retries is run again row by row in one ``isolate`` task; one whose worker died too
-    often (``KilledWorker``), as one-row ``alone`` tasks (:func:`split_alone`).
-    """
-    try:
-        if fut.status == "error" and isinstance(value, tuple):
-            raise value[1]
-        if isinstance(value, Exception):
-            raise value
-        if not isinstance(value, PartitionResult):
-            raise RuntimeError(f"task ended {fut.status!r}: {value!r}")
-        return value
-    except StoreError:
-        raise  # the storage is the problem, not the prompts: stop the run, keep what is committed
-    except KilledWorker as exc:
-        if task.alone:
-            return failed_alone(task, exc)
-        logger.error(
-            "the worker died %d times while generating rows %d..%d: they are run again one at a time",
-            exc.allowed_failures + 1,
-            task.rows[0],
-            task.rows[-1],
-        )
-        return split_alone(task)
-    except Exception as exc:
-        mode = " in isolated mode" if task.isolate else " after retries"
-        logger.error("partition %d-%d failed%s: %s", task.start, task.stop, mode, exc)
-        if not task.isolate and len(task.rows) > 1:
-            return [dataclasses.replace(task, isolate=True)]
-        msg = f"partition failed after retries: {type(exc).__name__}: {exc}"
-        return PartitionResult(task.start, task.stop, list(task.rows), failed={r: msg for r in task.rows})
-
-
-def split_alone(task: PartitionTask) -> list[PartitionTask]:
-    """One ``alone`` task per row of ``task`` (whose worker died too often), in row order."""
-    return [dataclasses.replace(only_rows(task, [r]), isolate=True, alone=True) for r in task.rows]
-
-
-def failed_alone(task: PartitionTask, exc: KilledWorker) -> PartitionResult:
-    """A one-row ``alone`` task whose worker died too often again: its row is committed failed, saying so."""
-    (row,) = task.rows
-    deaths = exc.allowed_failures + 1
-    logger.error("row %d failed: the worker died %d times while generating it alone", row, deaths)
-    msg = (
-        f"the worker process died while generating this row ({deaths} times, with no other such row in flight; "
-        f"distributed.scheduler.allowed-failures is {exc.allowed_failures}): it appears to kill the process the engine "
-        "runs in (a crash or an out-of-memory kill: see the worker logs); rerun with --retry-failed to try it again"
-    )
-    return PartitionResult(task.start, task.stop, [row], failed={row: msg})
