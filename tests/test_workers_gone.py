@@ -80,7 +80,7 @@ def test_a_run_whose_only_worker_left_an_external_scheduler_stops_after_the_engi
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 2, output
-    assert "no worker has been connected to the scheduler for" in output, output[-2000:]
-    assert "no worker is connected to the scheduler: the run waits up to 3 s" in output
+    assert "no worker with an engine has been connected to the scheduler for" in output, output[-2000:]
+    assert "no worker with an engine is connected to the scheduler: the run waits up to 3 s" in output
     status = _not_failed(out)
     assert done.sum() <= (status == store.DONE).sum() < 40, "what was committed before the worker left stays done"

@@ -166,8 +166,8 @@ class EngineWatch:
         if self._empty_since is None:
             self._empty_since = now
             logger.warning(
-                "no worker is connected to the scheduler: the run waits up to %.0f s (daskgen.engine-start-timeout) "
-                "for one to join; see the worker logs for why they left",
+                "no worker with an engine is connected to the scheduler: the run waits up to %.0f s "
+                "(daskgen.engine-start-timeout) for one to join; see the worker logs for why they left",
                 timeout,
             )
         if workers_closed_for_good(self.client, self.info):
@@ -178,7 +178,7 @@ class EngineWatch:
             )
         if now - self._empty_since > timeout:
             raise EngineError(
-                f"no worker has been connected to the scheduler for {now - self._empty_since:.0f} s "
+                f"no worker with an engine has been connected to the scheduler for {now - self._empty_since:.0f} s "
                 f"(daskgen.engine-start-timeout: {timeout:.0f} s): finished work is saved; start workers (or raise "
                 "the timeout, e.g. DASK_DASKGEN__ENGINE_START_TIMEOUT=2h) and rerun the same command to resume."
             )
