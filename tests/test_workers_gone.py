@@ -22,6 +22,8 @@ pytestmark = pytest.mark.timeout(180)
 
 #: Engine checks every second instead of every 30 s, so that a stop comes within seconds.
 QUICK_CHECKS = {"DASK_DASKGEN__ENGINE_CHECK_INTERVAL": "1s"}
+#: A local cluster forgets a closed worker process this soon after it left (15 s by default): the check sees none.
+FORGET_SOON = {"DASK_DISTRIBUTED__DEPLOY__LOST_WORKER_TIMEOUT": "0.1s"}
 
 
 class ClosesItsWorker(SimulatedEngine):
@@ -48,11 +50,15 @@ def _not_failed(path) -> store.GenerationStore:
     return status
 
 
-def test_a_fixed_local_cluster_whose_workers_closed_stops_the_run_at_once(tmp_path):
+@pytest.mark.parametrize("forgotten", [False, True], ids=["closed", "forgotten"])
+def test_a_fixed_local_cluster_whose_workers_closed_stops_the_run_at_once(tmp_path, forgotten):
+    """The worker process closes with its nanny; the next engine check finds the nanny closed, or (after
+    ``distributed.deploy.lost-worker-timeout``) no longer in the cluster: the run stops (exit 2)."""
     prompts = write_prompts(tmp_path / "p.jsonl", 16)
     out = tmp_path / "out.zarr"
     run = [a.replace("simulated", "tests.test_workers_gone:ClosesItsWorker", 1) for a in simulated_run()]
-    res = run_cli("run", "--prompts", prompts, "--store", out, *run, env=QUICK_CHECKS, timeout=120)
+    env = {**QUICK_CHECKS, **(FORGET_SOON if forgotten else {})}
+    res = run_cli("run", "--prompts", prompts, "--store", out, *run, env=env, timeout=120)
     assert res.returncode == 2, res.stdout + res.stderr
     assert "every worker of the run's cluster has closed and none will start again" in res.stderr, res.stderr[-2000:]
     assert "rerun the same command to resume" in res.stderr

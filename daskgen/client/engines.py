@@ -137,8 +137,8 @@ class EngineWatch:
         The :class:`daskgen.deploy.ClusterInfo` of a cluster the run started (``None``: an existing scheduler).
 
     With no worker at all the run waits ``daskgen.engine-start-timeout`` for one to join (jobs of a batch cluster
-    may wait in its queue), saying so once; it stops at once when the run's own cluster is fixed-size and every
-    worker process it started has closed (nothing would start another).
+    may wait in its queue), saying so once; it stops at once when the run's own local cluster is fixed-size and
+    every worker process it started has closed (nothing would start another).
     """
 
     def __init__(self, client: Any, config: RunConfig, info: Any = None) -> None:
@@ -185,16 +185,16 @@ class EngineWatch:
 
 
 def workers_closed_for_good(client: Any, info: Any) -> bool:
-    """True when ``client`` runs on a fixed-size cluster the run started (``info``) whose every worker process
-    (a LocalCluster's nannies, a batch cluster's jobs) has closed: a non-adaptive cluster starts no other."""
+    """True when ``client`` runs on a fixed-size local cluster the run started (``info``) whose every worker process
+    has closed: its nannies are closed, or already forgotten (``distributed.deploy.lost-worker-timeout`` after their
+    workers left), and nothing starts others.  Batch clusters are always adaptive (they resubmit expired jobs)."""
     from distributed.core import Status
 
     cluster = getattr(client, "cluster", None)
-    if info is None or info.adaptive or cluster is None:
+    if info is None or info.kind != "local" or info.adaptive or cluster is None:
         return False
-    workers = list(getattr(cluster, "workers", {}).values())
     gone = (Status.closing, Status.closed, Status.failed, Status.closing_gracefully)
-    return bool(workers) and all(getattr(w, "status", None) in gone for w in workers)
+    return all(getattr(w, "status", None) in gone for w in getattr(cluster, "workers", {}).values())
 
 
 def thread_slots_note(client: Any) -> str | None:
