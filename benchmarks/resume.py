@@ -92,9 +92,10 @@ def mark_done(store_path: Path, n: int, partition: int, fraction: float, seed: i
 def store_level_pending(store_path: Path, wanted: Any) -> tuple[int, int]:
     """Attrs check + status read + pending rows and partitions: (pending rows, partitions to run)."""
     from daskgen import store
+    from daskgen.store.resumable import check_resumable
 
     opened = store.GenerationStore.open(store_path)
-    opened.check_resumable(wanted)
+    check_resumable(opened, wanted)
     layout = opened.layout
     status = opened.read_status()
     pending = np.flatnonzero(status == store.PENDING)

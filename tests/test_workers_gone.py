@@ -66,21 +66,26 @@ def test_a_fixed_local_cluster_whose_workers_closed_stops_the_run_at_once(tmp_pa
     assert (status == store.DONE).sum() < 16
 
 
+def _slow_run() -> list[str]:
+    """A run of 20 partitions of ~0.3 s each (one request at a time)."""
+    slow = simulated_run(partition_size=2, n_samples=1)
+    slow[slow.index("time_scale=0")] = "time_scale=1"
+    return [*slow, "--engine-arg", "max_batch=1"]
+
+
 def test_a_run_whose_only_worker_left_an_external_scheduler_stops_after_the_engine_start_timeout(tmp_path):
-    """The worker is retired by an operator mid-run: the run waits ``daskgen.engine-start-timeout`` (here 3 s) for
-    another to join, then stops (exit 2) keeping what was committed."""
+    """The operator shrinks the cluster to no worker mid-run: the run waits ``daskgen.engine-start-timeout`` (here
+    3 s) for another to join, then stops (exit 2) keeping what was committed."""
     prompts = write_prompts(tmp_path / "p.jsonl", 40)
     out = tmp_path / "out.zarr"
-    slow = simulated_run(partition_size=2, n_samples=1)
-    slow[slow.index("time_scale=0")] = "time_scale=1"  # with one request at a time: 20 partitions of ~0.3 s
-    slow += ["--engine-arg", "max_batch=1"]
     with runs_cluster() as (cluster, client):
-        run = on_scheduler(slow, cluster.scheduler_address)
         env = {**QUICK_CHECKS, "DASK_DASKGEN__ENGINE_START_TIMEOUT": "3s"}
-        proc = popen_cli("run", "--prompts", prompts, "--store", out, *run, env=env)
+        proc = popen_cli(
+            "run", "--prompts", prompts, "--store", out, *on_scheduler(_slow_run(), cluster.scheduler_address), env=env
+        )
         try:
             done = _wait_for_some_done(out, proc, minimum=2)
-            client.retire_workers(list(client.scheduler_info()["workers"]), close_workers=True)
+            cluster.scale(0)
             output, _ = proc.communicate(timeout=120)
         finally:
             if proc.poll() is None:
@@ -90,3 +95,28 @@ def test_a_run_whose_only_worker_left_an_external_scheduler_stops_after_the_engi
     assert "no worker with an engine is connected to the scheduler: the run waits up to 3 s" in output
     status = _not_failed(out)
     assert done.sum() <= (status == store.DONE).sum() < 40, "what was committed before the worker left stays done"
+
+
+def test_a_worker_whose_retirement_the_scheduler_refuses_takes_partitions_again(tmp_path):
+    """The worker is drained before its retirement, but the scheduler refuses to retire it (it holds the only copy
+    of a result): the worker takes partitions again and the run completes (a drained worker that stayed would leave
+    the run waiting for ever)."""
+    prompts = write_prompts(tmp_path / "p.jsonl", 40)
+    out = tmp_path / "out.zarr"
+    with runs_cluster() as (cluster, client):
+        (worker,) = client.scheduler_info()["workers"]
+        proc = popen_cli(
+            "run", "--prompts", prompts, "--store", out, *on_scheduler(_slow_run(), cluster.scheduler_address)
+        )
+        try:
+            _wait_for_some_done(out, proc, minimum=2)
+            held = client.submit(int, 1, workers=[worker], pure=False)  # data no other worker has
+            held.result()
+            assert client.retire_workers([worker]) == {}, "the scheduler refuses to retire the worker"
+            output, _ = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        assert list(client.scheduler_info()["workers"]) == [worker]
+    assert proc.returncode == 0, output
+    assert (store.GenerationStore.open(out).read_status() == store.DONE).all()

@@ -26,6 +26,7 @@ from daskgen.engines.cpus import export_memory_limit
 from daskgen.errors import EngineError, EngineUnavailable
 from daskgen.gc_tuning import collector_settings, thaw_collector, tune_collector
 from daskgen.worker.admission import AUTO_DEFAULT_CAPACITY, WINDOW_TOPIC, Admission, resolve_window, wanted_window
+from daskgen.worker.drain import Draining
 from daskgen.worker.gpu import export_local_rank
 from daskgen.worker.images import PREPROCESS_RESOURCE, image_metrics
 from daskgen.worker.prefix_order import AlternatingOrder
@@ -53,7 +54,7 @@ class PluginState(str, enum.Enum):
     PREPROCESS = "preprocess"
 
 
-class EnginePlugin(WorkerPlugin):
+class EnginePlugin(Draining, WorkerPlugin):
     """Hold one engine per worker for the whole run.
 
     Parameters
@@ -194,10 +195,8 @@ class EnginePlugin(WorkerPlugin):
             "daskgen engine ready on %s: %d partitions in flight (window %s, engine capacity %s, %d requests each)",
             *(self._worker.address, self.resolved_window, self.window, capacity, self.requests_per_partition),
         )
-        await self._worker.set_resources(**{RESOURCE: float(self.resolved_window)})
-        start_admitted_tasks(self._worker)
+        await self._set_window(self.resolved_window)
         self._advertised = True
-        self._announce_window()
         if self.window == "auto":
             admission = Admission.for_engine(capacity, self.requests_per_partition, self.slots)
             self._admitter = asyncio.create_task(self._follow_occupancy(admission))
@@ -215,10 +214,15 @@ class EnginePlugin(WorkerPlugin):
             self.admission_ticks += 1
             window = admission.capped(self.wanted_window)
             if window != self.resolved_window:
-                self.resolved_window = window
-                await self._worker.set_resources(**{RESOURCE: float(window)})
-                start_admitted_tasks(self._worker)
-                self._announce_window()
+                await self._set_window(window)
+
+    async def _set_window(self, window: int) -> None:
+        """Offer ``window`` partition slots (the ``daskgen-engine`` resource) and tell the client."""
+        self.resolved_window = window
+        await self._worker.set_resources(**{RESOURCE: float(window)})
+        if window:
+            start_admitted_tasks(self._worker)
+        self._announce_window()
 
     def _refresh_failed(self, message: str) -> None:
         """A policy refresh failed: the engine keeps its version; the dashboard shows the error."""
@@ -327,19 +331,6 @@ class EnginePlugin(WorkerPlugin):
             self.running -= 1
             self.meter.partitions += 1
 
-    def leave_on_sigterm(self, worker: Any) -> None:
-        """SIGTERM to this worker's process: hand back in-flight work, then leave; a second SIGTERM closes now."""
-        if self._leaving is None:
-            logger.warning("daskgen: worker %s got SIGTERM: handing back in-flight work, then leaving", worker.address)
-            self._leaving = asyncio.ensure_future(self._drain_and_leave(worker))
-        else:
-            logger.warning("daskgen: worker %s got SIGTERM again: closing now", worker.address)
-            asyncio.ensure_future(worker.close(nanny=True, reason="daskgen: SIGTERM twice"))
-
-    async def _drain_and_leave(self, worker: Any) -> None:
-        await self.drain()
-        await worker.close_gracefully(reason="daskgen: SIGTERM")
-
     async def stop_run(self) -> int:
         """Run-level stop (target/budget/deadline reached): abort every request in flight.  Partitions already
         running finish at once with ``abort`` samples; later ones generate nothing.  Returns the requests aborted."""
@@ -349,37 +340,6 @@ class EnginePlugin(WorkerPlugin):
             aborted += len(handle.in_flight)
             await handle.abort_all()
         return aborted
-
-    async def drain(self, timeout: float | None = None) -> dict[str, int]:
-        """Hand back this worker's work before it goes away (retirement, SIGTERM, allocation end).
-
-        Takes no new partitions (the resource drops to 0), aborts every in-flight request keeping
-        the tokens generated so far, and waits up to ``timeout`` seconds until the running
-        partitions have written their regions (finished samples and partial responses) and
-        returned; the client commits the finished rows and continues the partial ones elsewhere.
-        Idempotent.  Returns ``{"aborted": requests aborted, "running": partitions still running}``.
-        """
-        timeout = self.drain_timeout_s if timeout is None else timeout
-        if not self.draining:
-            await self._stop_taking_partitions()
-        aborted = await self.stop_run()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while self.running and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        return {"aborted": aborted, "running": self.running}
-
-    async def _stop_taking_partitions(self) -> None:
-        """Mark the worker draining and drop its partition slots to 0, so the scheduler sends it nothing new."""
-        self.draining = True
-        logger.warning(
-            "daskgen: draining worker %s: aborting in-flight requests (partial responses are kept)",
-            getattr(self._worker, "address", "?"),
-        )
-        if self._advertised and self._worker is not None:
-            await self._worker.set_resources(**{RESOURCE: 0.0})
-            self.resolved_window = 0
-            self._announce_window()
 
     def status(self) -> dict[str, Any]:
         """Small summary for the client."""

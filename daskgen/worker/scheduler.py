@@ -24,7 +24,7 @@ from typing import Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from daskgen.worker.drain import RPC_SLACK_S, drain_rpc
+from daskgen.worker.drain import RPC_SLACK_S, drain_rpc, resume_rpc
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,11 @@ class DrainBeforeRetire(SchedulerPlugin):
         ) -> dict[str, Any]:
             targets = _targets(scheduler, workers, names, kwargs)
             await self.drain(scheduler, targets)
-            return await original(workers=targets, close_workers=close_workers, remove=remove, stimulus_id=stimulus_id)
+            retired = await original(
+                workers=targets, close_workers=close_workers, remove=remove, stimulus_id=stimulus_id
+            )
+            await self.resume(scheduler, [a for a in targets if a not in retired and a in scheduler.workers])
+            return retired
 
         scheduler.retire_workers = retire_workers
         scheduler.handlers["retire_workers"] = retire_workers
@@ -105,6 +109,21 @@ class DrainBeforeRetire(SchedulerPlugin):
                 logger.info("daskgen: drained %s before retiring it: %s", address, result)
             except Exception as exc:
                 logger.info("daskgen: %s not drained before retiring it: %s", address, exc)
+
+        await asyncio.gather(*(one(a) for a in addresses))
+
+    async def resume(self, scheduler: Any, addresses: list[str]) -> None:
+        """Let drained workers that the scheduler did not retire take partitions again (e.g. results only they hold
+        could not move elsewhere): a drained worker that stays would otherwise hold its engine idle for good."""
+
+        async def one(address: str) -> None:
+            try:
+                resumed = await asyncio.wait_for(resume_rpc(scheduler.rpc, address), RPC_SLACK_S)
+                logger.warning(
+                    "daskgen: %s was not retired after its drain; it takes partitions again: %s", address, resumed
+                )
+            except Exception as exc:
+                logger.info("daskgen: %s not resumed after a retirement that did not happen: %s", address, exc)
 
         await asyncio.gather(*(one(a) for a in addresses))
 
