@@ -78,6 +78,12 @@ def read_store_attrs(where: StoreRef) -> StoreAttrs | None:
     return None if found is None else StoreAttrs.from_json(found)
 
 
+def version_of(attrs: StoreAttrs) -> str:
+    """What identifies a store's arrays at its location (:attr:`GenerationStore.version`): creation time and
+    packing state."""
+    return f"{attrs.created}|{json.dumps(attrs.packed, sort_keys=True)}"
+
+
 class GenerationStore:
     """One daskgen store: its location, typed attrs and layout, and every read and write of its arrays.
 
@@ -116,11 +122,10 @@ class GenerationStore:
             found = read_store_attrs(self.location)
         if found is None:
             raise StoreError(f"{self.url!r} no longer holds a daskgen store (its zarr.json lost the attrs)")
-        reopened = GenerationStore(self.location, found)
-        if self._expected_version and reopened.version != self._expected_version:
+        if self._expected_version and version_of(found) != self._expected_version:
             raise StoreError(
                 f"store {self.url!r} changed while this run used it (expected {self._expected_version!r}, found "
-                f"{reopened.version!r}): another process replaced, packed or unpacked it. Rerun to resume from what "
+                f"{version_of(found)!r}): another process replaced, packed or unpacked it. Rerun to resume from what "
                 "it holds now."
             )
         return found
@@ -149,7 +154,7 @@ class GenerationStore:
         """What identifies this store's arrays at its location: creation time and packing state."""
         if self._attrs is None and self._expected_version:
             return self._expected_version
-        return f"{self.attrs.created}|{json.dumps(self.attrs.packed, sort_keys=True)}"
+        return version_of(self.attrs)
 
     @classmethod
     def create(cls, where: StoreRef, attrs: StoreAttrs, prompt_ids: list[str]) -> GenerationStore:
