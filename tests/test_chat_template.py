@@ -73,11 +73,11 @@ def test_bad_values_name_the_row_the_key_and_the_fix(tokenizer, tmp_path):
     with pytest.raises(InputError) as err:
         scan_prompts(rows, tokenizer, max_prompt_tokens=100)
     text = str(err.value)
-    assert "row 1: column 'chat_template_kwargs': expected an object of template variables" in text
-    assert "row 2: column 'tools': expected a list of JSON-schema objects (one per tool), found dict" in text
-    assert "row 3: column 'tools': expected a list of JSON-schema objects (one per tool), found a list holding" in text
-    assert "row 4: columns 'chat_template_kwargs'/'tools' apply to 'messages' rows only" in text
-    assert "row 5: column 'chat_template_kwargs': ['tokenize'] are not template variables" in text
+    assert "row 0: column 'chat_template_kwargs': expected an object of template variables" in text
+    assert "row 1: column 'tools': expected a list of JSON-schema objects (one per tool), found dict" in text
+    assert "row 2: column 'tools': expected a list of JSON-schema objects (one per tool), found a list holding" in text
+    assert "row 3: columns 'chat_template_kwargs'/'tools' apply to 'messages' rows only" in text
+    assert "row 4: column 'chat_template_kwargs': ['tokenize'] are not template variables" in text
     with pytest.raises(ConfigError, match=r"setting 'chat_template': cannot read .*nope.jinja.* UTF-8 text file"):
         ChatTemplate.from_settings(tmp_path / "nope.jinja", None)
     broken = tmp_path / "broken.jinja"
@@ -88,7 +88,7 @@ def test_bad_values_name_the_row_the_key_and_the_fix(tokenizer, tmp_path):
         RunConfig(model="m", store="s", chat_template_kwargs=["x"])  # type: ignore[arg-type]
     failing = tmp_path / "raise.jinja"
     failing.write_text("{{ raise_exception('no tools here') if tools else 'ok' }}")
-    with pytest.raises(InputError, match=r"row 1: the chat template failed on this row .*no tools here"):
+    with pytest.raises(InputError, match=r"row 0: the chat template failed on this row .*no tools here"):
         scan_prompts([{"messages": HI, "tools": TOOLS}], tokenizer, max_prompt_tokens=100,
                      template=ChatTemplate.from_settings(failing, None))  # fmt: skip
 
@@ -100,11 +100,11 @@ def test_the_simulated_engines_byte_tokenizer_refuses_chat_template_options(temp
     byte_tokenizer = load_tokenizer("sim", "simulated")
     assert tokenize_rows([{"messages": HI}], byte_tokenizer) == [byte_tokenizer("user: Hi\nassistant: ")["input_ids"]]
     cases = [
-        ([{"messages": HI}, {"messages": HI, "chat_template_kwargs": {"enable_thinking": False}}], None, 2,
+        ([{"messages": HI}, {"messages": HI, "chat_template_kwargs": {"enable_thinking": False}}], None, 1,
          "['enable_thinking']"),
-        ([{"messages": HI, "tools": TOOLS}], None, 1, "['tools']"),
-        ([{"messages": HI}], ChatTemplate.from_settings(template_file, None), 1, "['chat_template']"),
-        ([{"messages": HI}], ChatTemplate(None, {"enable_thinking": False}), 1, "['enable_thinking']"),
+        ([{"messages": HI, "tools": TOOLS}], None, 0, "['tools']"),
+        ([{"messages": HI}], ChatTemplate.from_settings(template_file, None), 0, "['chat_template']"),
+        ([{"messages": HI}], ChatTemplate(None, {"enable_thinking": False}), 0, "['enable_thinking']"),
     ]  # fmt: skip
     for rows, template, number, options in cases:
         with pytest.raises(InputError) as err:
@@ -120,7 +120,7 @@ def test_the_simulated_engines_byte_tokenizer_refuses_chat_template_options(temp
     res = run_cli("run", "--prompts", prompts, "--store", out, "--model", "sim", "--engine", "simulated",
                   "--chat-template-kwarg", "enable_thinking=false", "--n-workers", "1", "--no-progress")  # fmt: skip
     assert res.returncode == 2, res.stdout + res.stderr
-    assert "error: row 1: chat-template options ['enable_thinking'] need the model's Hugging Face tokenizer" in (
+    assert "error: row 0: chat-template options ['enable_thinking'] need the model's Hugging Face tokenizer" in (
         res.stderr
     )
     assert not out.exists(), "refused before any store is made"

@@ -120,12 +120,12 @@ def test_every_follow_format_holds_the_kept_columns(followed, fmt):
 def test_missing_columns_and_bad_settings_name_the_row_the_column_and_the_fix(tmp_path):
     rows = [{"prompt": "a", "answer": 1, "x": 2}, {"prompt": "b", "x": 3}, {"prompt": "c", "answer": 2, "y": 1}]
     tok = ByteTokenizer()
-    with pytest.raises(InputError, match="row 2: column 'answer' is missing .*add it to every row or leave it out"):
+    with pytest.raises(InputError, match="row 1: column 'answer' is missing .*add it to every row or leave it out"):
         scan_prompts(rows, tok, max_prompt_tokens=50, keep_columns=("answer",))
     with pytest.raises(InputError) as every:
         scan_prompts(rows, tok, max_prompt_tokens=50, keep_columns="*")
-    assert "row 2: column 'answer' is missing" in str(every.value)
-    assert "row 3: column 'y' is not in the first row (keep_columns '*' keeps row 1's columns)" in str(every.value)
+    assert "row 1: column 'answer' is missing" in str(every.value)
+    assert "row 2: column 'y' is not in the first row (keep_columns '*' keeps row 0's columns)" in str(every.value)
     scan = scan_prompts([{**r, "answer": 0, "x": 0, "tools": None} for r in rows[:2]], tok, max_prompt_tokens=50,
                         keep_columns="*")  # fmt: skip
     assert scan.columns == ("answer", "x"), "'*' keeps the first row's columns but daskgen's own keys"

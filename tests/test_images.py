@@ -294,15 +294,15 @@ def test_bad_images_are_refused_at_the_scan_naming_the_row_and_the_image(tmp_pat
     with dask.config.set(limits), pytest.raises(InputError) as refused:
         prepare(config)
     text = str(refused.value)
-    assert "row 1: column 'messages'[0].content[0]: image" in text and "not found" in text
-    assert "row 2: column 'images'[0]: not an image Pillow can read" in text
-    assert "row 3: column 'messages'[0].content[0]: expected an image URL" in text
-    assert "row 4: column 'images'[0]: image" in text and "2000x1500 = 3000000 pixels" in text
-    assert "row 5: 3 images, more than daskgen.images.max-per-prompt=2" in text
-    assert "row 6: column 'messages'[0].content[0]: expected a content part" in text
-    assert "row 7: column 'images'[0]: image" in text and "wide.png' is 5000x20 pixels, which the model's image" in text
+    assert "row 0: column 'messages'[0].content[0]: image" in text and "not found" in text
+    assert "row 1: column 'images'[0]: not an image Pillow can read" in text
+    assert "row 2: column 'messages'[0].content[0]: expected an image URL" in text
+    assert "row 3: column 'images'[0]: image" in text and "2000x1500 = 3000000 pixels" in text
+    assert "row 4: 3 images, more than daskgen.images.max-per-prompt=2" in text
+    assert "row 5: column 'messages'[0].content[0]: expected a content part" in text
+    assert "row 6: column 'images'[0]: image" in text and "wide.png' is 5000x20 pixels, which the model's image" in text
     assert "aspect ratio must be smaller than 200" in text and "crop, pad or resize the image" in text
-    assert "row 8: column 'images'[0]: too large for Pillow to open (Image size (200000000 pixels)" in text
+    assert "row 7: column 'images'[0]: too large for Pillow to open (Image size (200000000 pixels)" in text
     assert not (tmp_path / "s.zarr").exists()
 
 
@@ -332,7 +332,7 @@ def test_an_image_the_processor_refuses_stops_the_cli_before_any_engine_naming_t
     prompts = write_rows(tmp_path / "p.jsonl", [{"prompt": "g", "images": [str(_wide_image(tmp_path / "w.png"))]}])
     res = run_cli(*run_args(prompts, tmp_path / "s.zarr", vl_model))
     output = res.stdout + res.stderr
-    assert res.returncode == 2 and "row 1: column 'images'[0]: image" in output and "aspect ratio" in output, output
+    assert res.returncode == 2 and "row 0: column 'images'[0]: image" in output and "aspect ratio" in output, output
     assert "Traceback" not in output and not (tmp_path / "s.zarr").exists(), output
 
 

@@ -136,10 +136,10 @@ def test_an_unknown_row_adapter_fails_at_input_scan_naming_row_name_and_known(ti
     config = RunConfig(model=str(tiny_model), store=str(tmp_path / "s.zarr"), adapters=adapters, max_prompt_tokens=64)
     with pytest.raises(InputError) as info:
         prepare(config, bad)
-    assert "row 2: column 'adapter': 'math' is not an adapter of this run; the adapters known are ['a', 'b']" in str(
+    assert "row 1: column 'adapter': 'math' is not an adapter of this run; the adapters known are ['a', 'b']" in str(
         info.value
     )
-    assert "row 1" not in str(info.value) and not (tmp_path / "s.zarr").exists()
+    assert "row 0" not in str(info.value) and not (tmp_path / "s.zarr").exists()
 
 
 def test_an_engine_without_lora_is_refused_at_plan_time(adapters, tmp_path):

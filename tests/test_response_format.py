@@ -100,11 +100,11 @@ def test_bad_formats_fail_at_input_scan_naming_row_key_and_fix():
     message = str(info.value)
     assert "5 problem(s)" in message
     for needle in (
-        "row 1: column 'response_format': 'json_schema' is not a valid JSON Schema at type",
-        "row 2: column 'response_format': 'regex' '([0-9]' does not compile",
-        "row 3: column 'response_format': 'choice' must be a non-empty list of non-empty strings",
-        "row 4: column 'response_format': expected an object with exactly one of the keys",
-        "row 5: column 'response_format': 'grammar' is not valid EBNF",
+        "row 0: column 'response_format': 'json_schema' is not a valid JSON Schema at type",
+        "row 1: column 'response_format': 'regex' '([0-9]' does not compile",
+        "row 2: column 'response_format': 'choice' must be a non-empty list of non-empty strings",
+        "row 3: column 'response_format': expected an object with exactly one of the keys",
+        "row 4: column 'response_format': 'grammar' is not valid EBNF",
     ):
         assert needle in message
     assert "fix" in message.lower() and "row 6" not in message

@@ -228,9 +228,9 @@ def test_rerun_with_other_settings_or_input_is_refused(tmp_path):
 @pytest.mark.parametrize(
     ("content", "fragment"),
     [
-        ('{"prompt": "ok"}\n{"prompt": \n', "row 2: not valid JSON"),
-        ('{"messages": []}\n', "row 1: column 'messages': empty conversation"),
-        ('{"text": "hi"}\n', "row 1: missing column 'messages' or 'prompt'"),
+        ('{"prompt": "ok"}\n{"prompt": \n', "line 2: not valid JSON"),
+        ('{"messages": []}\n', "row 0: column 'messages': empty conversation"),
+        ('{"text": "hi"}\n', "row 0: missing column 'messages' or 'prompt'"),
         ("", "is empty"),
     ],
 )
@@ -246,7 +246,7 @@ def test_overlong_prompts_error_or_are_recorded_failed(tmp_path):
     (tmp_path / "p.jsonl").write_text('{"prompt": "short"}\n{"prompt": "' + "long " * 100 + '"}\n')
     args = ["--prompts", tmp_path / "p.jsonl", *sim_args(tmp_path, tmp_path / "out.zarr", "--no-progress")]
     res = run_cli("run", *args)
-    assert res.returncode == 2 and "row 2" in res.stderr and "--skip-overlong" in res.stderr
+    assert res.returncode == 2 and "row 1: column" in res.stderr and "--skip-overlong" in res.stderr
     res = run_cli("run", *args, "--skip-overlong")
     assert res.returncode == 1 and "1 done, 1 failed" in res.stdout
     ds = open_store(tmp_path / "out.zarr")

@@ -197,14 +197,14 @@ def test_bad_row_settings_are_named_with_row_key_range_and_fix(tiny_model):
         scan_prompts(rows, load_tokenizer(str(tiny_model), "transformers"), max_prompt_tokens=64, check_row=check)
     text = str(info.value)
     assert (
-        "row 1: column 'sampling' (id 'a'): key 'top_p' is 1.5; it must be a number in (0, 1] (1 = off). Give" in text
+        "row 0: column 'sampling' (id 'a'): key 'top_p' is 1.5; it must be a number in (0, 1] (1 = off). Give" in text
     )
-    assert "row 2: column 'sampling': unknown sampling key 'temprature'; valid keys are [" in text
+    assert "row 1: column 'sampling': unknown sampling key 'temprature'; valid keys are [" in text
     assert "]. Rename or remove it" in text
-    assert "row 3: column 'sampling' (id 7): key 'max_new_tokens' is 99, more than the run's max_new_tokens=16" in text
+    assert "row 2: column 'sampling' (id 7): key 'max_new_tokens' is 99, more than the run's max_new_tokens=16" in text
     assert "key 'stop' is ['ok', '']; it must be a list of at most 32 distinct non-empty strings" in text
-    assert "row 4: column 'sampling': key 'seed' is -1; it must be an integer >= 0. Give a value in that range" in text
-    assert "row 5: column 'sampling': expected a mapping of sampling settings such as {\"temperature\": 0.7}, " in text
+    assert "row 3: column 'sampling': key 'seed' is -1; it must be an integer >= 0. Give a value in that range" in text
+    assert "row 4: column 'sampling': expected a mapping of sampling settings such as {\"temperature\": 0.7}, " in text
     assert "found str 'greedy'; give an object of keys ['frequency_penalty', " in text
     assert "or leave it out (null) for the run's settings" in text
 
@@ -326,9 +326,9 @@ def test_bad_row_settings_are_refused_before_any_store_or_engine(tmp_path):
     with pytest.raises(InputError) as info:
         daskgen.generate(rows, **options, max_new_tokens=8)
     text = str(info.value)
-    assert "row 1: column 'sampling': key 'temperature' is nan (not a finite number); it must be a number >= 0" in text
-    assert "row 2: column 'sampling': key 'top_k' is True (a boolean, not a number); it must be an integer >= 0" in text
-    assert "row 3: column 'sampling': key 'min_new_tokens' is 3, more than max_new_tokens=2" in text
+    assert "row 0: column 'sampling': key 'temperature' is nan (not a finite number); it must be a number >= 0" in text
+    assert "row 1: column 'sampling': key 'top_k' is True (a boolean, not a number); it must be an integer >= 0" in text
+    assert "row 2: column 'sampling': key 'min_new_tokens' is 3, more than max_new_tokens=2" in text
     assert not (tmp_path / "s").exists()
 
 
@@ -396,7 +396,7 @@ def test_values_an_engine_refuses_per_request_are_refused_at_plan_time(tiny_mode
     with pytest.raises(InputError) as info:
         prepare(RunConfig(**options, store=str(tmp_path / "rows.zarr")), rows)
     text = str(info.value)
-    assert "row 2: column 'sampling' (id 'b'): key 'repetition_penalty' is 2.5; engine 'sglang' takes" in text, text
+    assert "row 1: column 'sampling' (id 'b'): key 'repetition_penalty' is 2.5; engine 'sglang' takes" in text, text
     assert "(0, 2]" in text and not (tmp_path / "rows.zarr").exists()
     with pytest.raises(ConfigError, match=r"the run's settings: key 'repetition_penalty' is 3.0; engine 'sglang'"):
         prepare(RunConfig(**options, repetition_penalty=3.0, store=str(tmp_path / "run.zarr")), rows[:1])

@@ -136,6 +136,6 @@ def test_the_scan_names_the_row_and_the_keyword_and_keeps_the_other_rows_checked
     with pytest.raises(InputError) as info:
         scan_prompts(rows, ByteTokenizer(), max_prompt_tokens=64)
     message = str(info.value)
-    assert "2 problem(s)" in message and "row 1" not in message
-    assert "row 2: column 'response_format': 'json_schema' uses what" in message and "'uniqueItems' at #" in message
-    assert "row 3:" in message and "'$ref' 'https://example.com/s.json' outside the schema at #" in message
+    assert "2 problem(s)" in message and "row 0" not in message
+    assert "row 1: column 'response_format': 'json_schema' uses what" in message and "'uniqueItems' at #" in message
+    assert "row 2:" in message and "'$ref' 'https://example.com/s.json' outside the schema at #" in message

@@ -26,7 +26,7 @@ def iter_raw_prompts(path: str | Path, rows: Iterable[int]) -> Iterator[str]:
     wanted = iter(rows)
     target = next(wanted, None)
     for number, row in iter_rows(Path(path)):
-        while target is not None and target == number - 1:
+        while target is not None and target == number:
             yield json.dumps(row["messages"] if row.get("messages") is not None else row["prompt"], ensure_ascii=False)
             target = next(wanted, None)
         if target is None:

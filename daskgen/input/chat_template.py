@@ -67,7 +67,7 @@ class ChatTemplate:
         return out
 
     def ids(self, tokenizer: Any, row: dict[str, Any], number: int) -> list[int]:
-        """Token ids of a ``messages`` row (``number``: its 1-based row number, for errors)."""
+        """Token ids of a ``messages`` row (``number``: its index in the input, for errors)."""
         if self.text is None and getattr(tokenizer, "chat_template", None) is None:
             raise InputError(
                 f"row {number}: column 'messages' needs a chat template, but the model's tokenizer has none; "

@@ -72,11 +72,11 @@ class ColumnCheck:
     def __init__(self, keep: tuple[str, ...] | str, reserved: Collection[str]) -> None:
         self.every, self.reserved = keep == "*", reserved
         self.names: tuple[str, ...] = () if self.every else tuple(keep)
-        self.first = 0
+        self.first: int | None = None
 
     def row_errors(self, row: dict[str, Any], number: int) -> list[str]:
         """What ``row`` (row ``number``) lacks of the kept columns (or, with ``"*"``, has beyond them)."""
-        if self.every and not self.first:
+        if self.every and self.first is None:
             self.first, self.names = number, tuple(k for k in row if k not in DASKGEN_KEYS)
             check_names(self.names, self.reserved)
             return []

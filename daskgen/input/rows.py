@@ -1,7 +1,8 @@
 """Prompt input: read JSONL/Parquet, validate every row, tokenize, fingerprint.
 
 Validation runs on the client before any engine starts, and reports every bad row with
-its row number (1-based, the line number for JSONL) and column.
+its row number and column.  Rows are numbered from 0, as the store's ``prompt_index`` numbers them (row N
+is line N + 1 of a JSONL file); a line that is not a JSON object is named by its line number.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_REPORTED = 20
+#: How the errors number rows, said under every list of them.
+ROW_NUMBERING = "Rows count from 0, as the store's prompt_index does (row N is line N + 1 of a JSONL file).\n"
 
 
 def read_rows(source: str | Path | Sequence[Any]) -> list[dict[str, Any]]:
@@ -34,13 +37,13 @@ def read_rows(source: str | Path | Sequence[Any]) -> list[dict[str, Any]]:
 
 
 def iter_rows(source: str | Path | Sequence[Any]) -> Iterator[tuple[int, Any]]:
-    """Stream ``(row_number, row)`` (1-based) without holding the input in memory.
+    """Stream ``(index, row)`` (0-based, the store's ``prompt_index``) without holding the input in memory.
 
     Strings in a Python sequence become ``{"prompt": s}``.  Unparseable JSONL lines raise
     :class:`InputError` naming every bad line.
     """
     if not isinstance(source, (str, Path)):
-        yield from ((i, {"prompt": r} if isinstance(r, str) else r) for i, r in enumerate(source, start=1))
+        yield from ((i, {"prompt": r} if isinstance(r, str) else r) for i, r in enumerate(source))
         return
     path = _check_path(Path(source))
     reader = _iter_parquet if path.suffix.lower() in (".parquet", ".pq") else _iter_jsonl
@@ -70,15 +73,15 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
     with path.open("r", encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
-                errors.append(f"row {lineno}: empty line (expected one JSON object per line)")
+                errors.append(f"line {lineno}: empty line (expected one JSON object per line)")
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                errors.append(f"row {lineno}: not valid JSON ({exc.msg} at column {exc.colno})")
+                errors.append(f"line {lineno}: not valid JSON ({exc.msg} at column {exc.colno})")
                 continue
             if not errors:
-                yield lineno, row
+                yield lineno - 1, row
     _raise_if(errors, path)
 
 
@@ -92,8 +95,8 @@ def _iter_parquet(path: Path) -> Iterator[tuple[int, Any]]:
     number = 0
     for batch in parquet.iter_batches(batch_size=4096):
         for row in batch.to_pylist():
-            number += 1
             yield number, row
+            number += 1
 
 
 def _row_errors(row: Any) -> list[str]:
@@ -142,7 +145,9 @@ def _raise_if(errors: list[str], source: Any) -> None:
         return
     shown = "\n  ".join(errors[:MAX_REPORTED])
     more = f"\n  ... and {len(errors) - MAX_REPORTED} more" if len(errors) > MAX_REPORTED else ""
-    raise InputError(f"{len(errors)} problem(s) in {source}:\n  {shown}{more}\nFix these rows and rerun.")
+    raise InputError(
+        f"{len(errors)} problem(s) in {source}:\n  {shown}{more}\n{ROW_NUMBERING}Fix these rows and rerun."
+    )
 
 
 class _Fingerprint:
@@ -190,16 +195,16 @@ def tokenize_rows(
     rows: Sequence[dict[str, Any]],
     tokenizer: Any,
     template: ChatTemplate | None = None,
-    first: int = 1,
+    numbers: Iterable[int] | None = None,
     vision: VisionTokens | None = None,
 ) -> list[list[int]]:
     """Token ids per row: ``messages`` through the chat template (with the run's ``template`` options and the
     row's own), ``prompt`` as plain text after one image block per image (``vision``: the model's image tokens).
-    Each image is one placeholder token here (:func:`daskgen.input.image_tokens.expand` expands them).  ``first`` is
-    the row number of ``rows[0]`` (for errors)."""
+    Each image is one placeholder token here (:func:`daskgen.input.image_tokens.expand` expands them).  ``numbers``
+    are the rows' indices in the input, for errors (default: from 0)."""
     template = template or ChatTemplate()
     out = []
-    for number, row in enumerate(rows, start=first):
+    for number, row in zip(range(len(rows)) if numbers is None else numbers, rows, strict=True):
         if row.get("messages") is not None:
             out.append(template.ids(tokenizer, row, number))
             continue
@@ -220,7 +225,7 @@ def check_lengths(lengths: dict[int, int], limit: int, *, skip: bool) -> dict[in
         i: f"prompt has {n} tokens, more than max_prompt_tokens={limit}" for i, n in lengths.items() if n > limit
     }
     if overlong and not skip:
-        errors = [f"row {i + 1}: column 'messages'/'prompt': {why}" for i, why in overlong.items()]
+        errors = [f"row {i}: column 'messages'/'prompt': {why}" for i, why in overlong.items()]
         errors.append(
             "raise --max-prompt-tokens, shorten these prompts, or pass --skip-overlong to record them as failed"
         )
@@ -325,7 +330,7 @@ def _scan_rows(
                 vision = images.processing.tokens if not found else None
         errors += [f"row {number}: {msg}" for msg in found]
         if not errors:
-            tokens = tokenize_rows([row], tokenizer, template, number, vision)[0]
+            tokens = tokenize_rows([row], tokenizer, template, [number], vision)[0]
             prefixes.add(tokens)
             if (n_tokens := len(tokens) + extra) > max_prompt_tokens:
                 lengths[len(ids) - 1] = n_tokens
@@ -358,7 +363,7 @@ def iter_token_ids(
 ) -> Iterator[tuple[int, list[int], dict[str, Any]]]:
     """``(index, token ids, row)`` of the rows whose 0-based indices ``wanted`` yields (ascending), streaming."""
     for index, row in iter_selected_rows(source, wanted):
-        yield index, tokenize_rows([row], tokenizer, template, index + 1)[0], row
+        yield index, tokenize_rows([row], tokenizer, template, [index])[0], row
 
 
 def worker_input(

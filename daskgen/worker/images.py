@@ -93,11 +93,12 @@ class ImagePreparer:
         location: Any,
         given: Any = None,
         storage: str = COPY,
+        numbers: Sequence[int] | None = None,
     ) -> tuple[list[list[int]], list[RowImages | None]]:
         """The rows' prompts with their images' placeholders expanded, and each row's images (``None``: none);
         ``location`` is the store's (images are kept there, as ``storage`` asks: ``"copy"`` or ``"reference"``);
         ``given``: each row's images as a preprocessing worker returned them (:func:`preprocess_images`), instead
-        of preparing them here."""
+        of preparing them here; ``numbers``: the rows' indices in the input, for errors (default: from 0)."""
         loop, t0 = asyncio.get_running_loop(), time.perf_counter()
         if given is not None:
             jobs = [[_done(loop, image) for image in row] for row in given]
@@ -108,7 +109,8 @@ class ImagePreparer:
             jobs = [[loop.run_in_executor(self._pool, image, url) for url in u] for u in urls]
         out_prompts: list[list[int]] = []
         out_images: list[RowImages | None] = []
-        for number, (ids, row_jobs) in enumerate(zip(prompts, jobs, strict=True)):
+        numbers = range(len(prompts)) if numbers is None else numbers
+        for number, ids, row_jobs in zip(numbers, prompts, jobs, strict=True):
             if not row_jobs:
                 out_prompts.append(ids)
                 out_images.append(None)
@@ -125,7 +127,7 @@ class ImagePreparer:
         try:
             expanded, spans = expand(ids, self.vision.image, [p.tokens for _, _, p in images])
         except ValueError as exc:
-            raise InputError(f"row {number + 1} of the partition: {exc}") from exc
+            raise InputError(f"row {number}: {exc}") from exc
         inputs = tuple(
             ImageInput(digest, data, p.pixel_values, p.grid, span, IMAGE)
             for (digest, data, p), span in zip(images, spans, strict=True)

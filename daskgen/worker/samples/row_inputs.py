@@ -23,6 +23,7 @@ class PartitionTask(Protocol):
     """What these functions read of a :class:`daskgen.worker.task.PartitionTask` (and set: prompts, images)."""
 
     store: GenerationStore
+    rows: list[int]
     inputs: list[dict[str, Any]] | None
     prompts: list[list[int]] | None
     images: Any
@@ -48,11 +49,11 @@ async def tokenize_inputs(task: PartitionTask, plugin: Any) -> None:
         images = preparer(str(plugin.model), bool(plugin.engine_args.get("trust_remote_code", False)))
     vision = None if images is None else await asyncio.to_thread(lambda: images.vision)
     prompts = await asyncio.to_thread(
-        lambda: tokenize_rows(inputs, plugin.tokenizer(), task.chat_template, vision=vision)
+        lambda: tokenize_rows(inputs, plugin.tokenizer(), task.chat_template, task.rows, vision)
     )
     if images is not None:
         prompts, task.images = await images.prepare(
-            inputs, prompts, task.store.location, task.preprocessed, storage=task.image_storage
+            inputs, prompts, task.store.location, task.preprocessed, storage=task.image_storage, numbers=task.rows
         )
     task.prompts = prompts
 
