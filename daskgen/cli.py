@@ -41,8 +41,9 @@ def run(**values: Any) -> None:
 
 
 def exit_status(summary: Any) -> int:
-    """OK all done (or stopped early by a stop condition), FAILED some prompt failed, INTERRUPTED (resumable)."""
-    if summary.interrupted:
+    """OK all done (or stopped early by a stop condition), FAILED some prompt failed, INTERRUPTED (resumable:
+    prompts are left pending; an interruption that came after every prompt ended counts as none)."""
+    if summary.interrupted and summary.pending:
         return ExitCode.INTERRUPTED
     return ExitCode.OK if summary.failed == 0 else ExitCode.FAILED
 

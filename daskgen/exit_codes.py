@@ -34,8 +34,9 @@ MEANINGS: dict[ExitCode, str] = {
     ),
     ExitCode.INTERRUPTED: (
         "`run` was stopped from outside (SIGTERM, SIGINT, the end of its SLURM allocation minus `--grace`, or a "
-        "lost Dask scheduler): finished partitions are committed and partial responses stored. Rerun the same "
-        "command to resume (a SLURM job may requeue itself on this status)."
+        "lost Dask scheduler) with prompts still pending: finished partitions are committed and partial responses "
+        "stored. Rerun the same command to resume (a SLURM job may requeue itself on this status). A stop that "
+        "comes after every prompt ended gives the status of a run that was not stopped."
     ),
     ExitCode.STOPPED_AT_ONCE: (
         "A second signal stopped the process at once; what was committed is kept. Rerun the same command."

@@ -403,6 +403,19 @@ def test_exit_status_mapping():
     assert exit_status(RunSummary("s", 4, 2, 1, 1, interrupted="SIGTERM received")) == EXIT_INTERRUPTED
 
 
+def test_an_interruption_after_every_prompt_ended_exits_with_the_runs_own_status():
+    """A stop that arrives once nothing is pending (the last partition committed as the signal came) leaves
+    nothing to resume: the status is the run's own, and the summary does not ask for a rerun."""
+    from daskgen.cli import exit_status
+    from daskgen.client.runner import RunSummary
+
+    finished = RunSummary("s", 4, 4, 0, 0, interrupted="SIGTERM received")
+    assert exit_status(finished) == 0
+    assert "after every prompt had ended: nothing is left to resume" in finished.line()
+    assert "rerun the same command" not in finished.line()
+    assert exit_status(RunSummary("s", 4, 3, 1, 0, interrupted="SIGTERM received")) == 1
+
+
 def test_grace_is_validated():
     from daskgen.config import RunConfig
     from daskgen.errors import ConfigError

@@ -56,7 +56,9 @@ class RunSummary:
             text += f"\n{self.requeued} prompts requeued by followers, regenerated"
         if self.carried_tokens:
             text += f"\nkept {self.carried_tokens} tokens stored by interrupted attempts instead of regenerating them"
-        if self.interrupted:
+        if self.interrupted and not self.pending:
+            text += f"\ninterrupted ({self.interrupted}) after every prompt had ended: nothing is left to resume."
+        elif self.interrupted:
             text += (
                 f"\ninterrupted ({self.interrupted}): kept {self.done} done prompts and saved "
                 f"{self.partial_samples} partial responses ({self.partial_tokens} tokens); rerun the same "
