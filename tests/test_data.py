@@ -86,6 +86,10 @@ def test_rows_are_numbered_as_the_store_numbers_prompts(tmp_path):
     assert list(scan.overlong) == [2]
     with pytest.raises(InputError, match=r"(?s)row 2: column 'messages'/'prompt': prompt has 51 tokens"):
         scan_prompts(tmp_path / "p.jsonl", ByteTokenizer(), max_prompt_tokens=30)
+    (tmp_path / "bom.jsonl").write_bytes(
+        b'\xef\xbb\xbf{"prompt": "a"}\r\n{"prompt": "b"}\r\n'
+    )  # as Windows tools write
+    assert read_rows(tmp_path / "bom.jsonl") == [{"prompt": "a"}, {"prompt": "b"}]
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n\n')
     with pytest.raises(InputError, match="line 2: empty line"):
         read_rows(tmp_path / "bad.jsonl")

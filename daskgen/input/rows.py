@@ -70,7 +70,7 @@ def _check_path(path: Path) -> Path:
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
     errors = []
-    with path.open("r", encoding="utf-8") as fh:
+    with path.open("r", encoding="utf-8-sig") as fh:  # a byte-order mark some editors write is not data
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
                 errors.append(f"line {lineno}: empty line (expected one JSON object per line)")
