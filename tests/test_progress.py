@@ -15,3 +15,13 @@ def test_progress_counts_and_shows_the_postfix_only_when_enabled(capsys):
         assert (hidden.tokens, hidden.failed, hidden.prompts) == (150, 1, 6)  # --no-progress still counts
         assert "in_flight=2/4" in shown.postfix and "failed=1" in shown.postfix
         assert hidden.postfix == ""  # nothing formatted for a bar nobody sees
+
+
+def test_the_postfix_shows_the_in_flight_target_until_a_stop_began():
+    with Progress(10, enabled=True) as bar:
+        bar.in_flight_now(14, 16, stopping=False)
+        bar.update(1, 10)
+        assert "in_flight=14/16" in bar.postfix
+        bar.in_flight_now(9, 1, stopping=True)  # a drained worker's target: nothing more goes out
+        bar.update(1, 10)
+        assert "in_flight=9," in bar.postfix + "," and "/1" not in bar.postfix

@@ -219,7 +219,7 @@ class Driver:
         if run.stop.grace_over():
             abandon(self.client, self.futures)
             return False
-        bar.in_flight = f"{len(self.futures)}/{cap}"
+        bar.in_flight_now(len(self.futures), cap, stopping=run.stop.stopping)
         run.note_in_flight(sum(len(t.rows) for t in self.futures.values()))
         self.collect_ready(bar)
         self.batch.flush(force=run.stop.stopping or not self.futures)

@@ -79,7 +79,7 @@ class Interrupt:
                 flush=True,
             )
             raise KeyboardInterrupt(f"{name} received twice")
-        self.request(f"{name} received")
+        self.request(f"{name} received", announce=False)
         print(
             f"daskgen: {name} received: stopping — aborting in-flight requests, committing finished work and "
             f"saving partial responses (up to {self.grace_s:.0f} s; send it again to stop at once)",
@@ -87,11 +87,13 @@ class Interrupt:
             flush=True,
         )
 
-    def request(self, reason: str) -> None:
-        """Ask the run to stop gracefully (the first request wins)."""
+    def request(self, reason: str, announce: bool = True) -> None:
+        """Ask the run to stop gracefully (the first request wins); ``announce``: log the reason (a signal's
+        handler prints its own line instead)."""
         if self.reason is None:
             self.reason, self.requested_at = reason, time.monotonic()
-            logger.warning("stopping: %s", reason)
+            if announce:
+                logger.warning("stopping: %s", reason)
 
     @property
     def requested(self) -> bool:

@@ -29,6 +29,11 @@ class Progress:
         #: Partitions in flight after the last top-up, against the target (e.g. ``"16/16"``).
         self.in_flight: str | None = None
 
+    def in_flight_now(self, partitions: int, target: int, *, stopping: bool) -> None:
+        """Partitions in flight against the target (``"14/16"``); once a stop began nothing more goes out and the
+        target means nothing: the count alone."""
+        self.in_flight = str(partitions) if stopping else f"{partitions}/{target}"
+
     def update(self, prompts: int, tokens: int, failed: int = 0) -> None:
         """Record a committed partition (the postfix also shows :attr:`in_flight` when set)."""
         self.prompts += prompts

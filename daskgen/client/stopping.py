@@ -72,7 +72,7 @@ def check_interrupt(client: Any, run: LiveRun, tasks: Iterator[PartitionTask], r
     if not interrupt.requested:
         return False
     reason = interrupt.reason or "interrupted"
-    begin_stop(client, run, reason, tasks, retry, collect_until=interrupt.collect_until())
+    begin_stop(client, run, reason, tasks, retry, collect_until=interrupt.collect_until(), announce=False)
     return True
 
 
@@ -96,11 +96,14 @@ def begin_stop(
     tasks: Iterator[PartitionTask],
     retry: list,
     collect_until: float | None = None,
+    announce: bool = True,
 ) -> None:
-    """Submit nothing more and abort every request in flight on every worker."""
+    """Submit nothing more and abort every request in flight on every worker (``announce``: log the reason; an
+    interruption announced itself when it came)."""
     from daskgen.worker.plugin import stop_run_on_worker
 
-    logger.warning("stopping early: %s", reason)
+    if announce:
+        logger.warning("stopping early: %s", reason)
     run.stop.begin(reason, run.plan.settings.grace_s, collect_until)
     retry.clear()  # and the lazy task stream is no longer pulled (see drive)
     client.run(stop_run_on_worker)
