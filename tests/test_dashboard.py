@@ -345,7 +345,7 @@ def test_the_page_of_daskgens_own_scheduler_process_over_tls(tmp_path, browser):
     finally:
         if proc.poll() is None:
             proc.kill()
-    from daskgen.store.generation_store import read_store_attrs
+    from daskgen.store import read_store_attrs
 
     record = read_store_attrs(store).runs[-1]["engines"]
     truth = _store_truth(store)

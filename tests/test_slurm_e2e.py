@@ -272,7 +272,7 @@ def test_slurm_run_serves_the_daskgen_dashboard_page(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    from daskgen.store.generation_store import read_store_attrs
+    from daskgen.store import read_store_attrs
 
     record = read_store_attrs(store).runs[-1]["engines"]
     assert record["engine_tokens"] == record["committed_tokens"] == _store_truth(store)["tokens"]

@@ -146,3 +146,17 @@ def test_store_module_does_not_import_analysis():
         "assert 'daskgen.analysis.accessor' not in sys.modules and 'xarray' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_opening_where_no_store_is_says_what_is_there(tmp_path):
+    (tmp_path / "file.zarr").write_text("x")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "data.txt").write_text("x")
+    (tmp_path / "empty").mkdir()
+    cases = {"missing.zarr": "nothing is there", "empty": "nothing is there", "file.zarr": "it is a file",
+             "other": "what is there has no zarr.json with daskgen attrs"}  # fmt: skip
+    for name, found in cases.items():
+        with pytest.raises(StoreError, match=f"is not a daskgen store: {found}. Check the path"):
+            store.GenerationStore.open(tmp_path / name)
+        with pytest.raises(StoreError, match=f"is not a daskgen store: {found}"):
+            open_store(tmp_path / name)

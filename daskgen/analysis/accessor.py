@@ -47,7 +47,7 @@ from daskgen.store.attrs import ATTRS_KEY, StoreAttrs
 from daskgen.store.generation_store import GenerationStore
 from daskgen.store.images import read_image
 from daskgen.store.layout import DONE, FAILED, NUMBER_RECORDS, PENDING
-from daskgen.store.location import StoreLocation, StoreRef, locate
+from daskgen.store.location import StoreLocation, StoreRef
 
 __all__ = [
     "FINISH_LABELS",
@@ -77,12 +77,7 @@ def open_store(path: str | Path | StoreLocation) -> xr.Dataset:
     and adds a lazy ``finish_label`` variable (``finish_reason`` decoded to
     ``stop``/``length``/``abort``/``error``/``not_generated``).
     """
-    store = GenerationStore.open_if_exists(path)
-    if store is None:
-        raise StoreError(
-            f"{locate(path).url!r} is not a daskgen store (no {ATTRS_KEY!r} attrs in its zarr.json); "
-            "pass the --store path of a daskgen run."
-        )
+    store = GenerationStore.open(path)
     ds = store.dataset().daskgen.labelled()
     ds.encoding[LOCATION_KEY] = store.location  # where ds.daskgen.image reads the images
     return ds

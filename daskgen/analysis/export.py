@@ -33,7 +33,7 @@ from daskgen import tunables
 from daskgen.analysis.accessor import decode_many, iter_raw_prompts, open_store
 from daskgen.analysis.archive import require_wandb, upload_wandb, zip_store
 from daskgen.analysis.output import check_output, output_size, staged_output
-from daskgen.errors import ExportError, StoreError
+from daskgen.errors import ExportError
 from daskgen.formats.arrow import write_image_table, write_parquet
 from daskgen.formats.block import Block
 from daskgen.formats.dataproto import dataproto_parts as verl_parts
@@ -267,10 +267,4 @@ def _checked_request(path: StoreRef, fmt: str, wandb_project: str | None) -> Sto
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}.")
     if wandb_project and fmt != "zip":
         raise ExportError("--wandb-project uploads the whole store as a zip; use it with --format zip.")
-    store = GenerationStore.open_if_exists(path)
-    if store is None:
-        raise StoreError(
-            f"{str(locate(path))!r} is not a daskgen store (no zarr.json with daskgen attrs); "
-            "pass the --store path of a daskgen run."
-        )
-    return store.attrs
+    return GenerationStore.open(path).attrs

@@ -23,7 +23,7 @@ import numpy as np
 
 from daskgen.analysis.palette import FINISH_COLORS
 from daskgen.analysis.report_engines import ENGINE_PANELS, draw_balance, draw_engine_throughput, latest_record
-from daskgen.errors import ExportError, StoreError
+from daskgen.errors import ExportError
 from daskgen.store.attrs import StoreAttrs
 from daskgen.store.generation_store import GenerationStore
 
@@ -316,8 +316,7 @@ def write_report(path: str | Path, out: str | Path, *, overwrite: bool = False) 
     kind = out.suffix.lower()
     if kind not in (".html", ".htm", ".png"):
         raise ExportError(f"report output {str(out)!r} must end in .html or .png")
-    if GenerationStore.open_if_exists(path) is None:
-        raise StoreError(f"{str(path)!r} is not a daskgen store; pass the --store path of a daskgen run.")
+    GenerationStore.open(path)  # a clear error when no store is there, before anything is written
     check_output(out, overwrite=overwrite, protect=path)
     _pyplot()
     data = collect(path)

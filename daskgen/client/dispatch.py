@@ -47,12 +47,13 @@ def read_length_hints(where: Any, ids: list[str], fingerprint: str, n_rows: int)
     not a daskgen store, or the inputs differ and the rows have no ids to match by.
     """
     from daskgen.store.generation_store import GenerationStore
+    from daskgen.store.identity import not_a_store
 
     hints = GenerationStore.open_if_exists(where)
     if hints is None:
         raise ConfigError(
-            f"length_hints: {where.url!r} is not a daskgen store (no daskgen attrs); expected the "
-            "--store of an earlier run over the same prompts, or leave --length-hints out."
+            f"length_hints: {not_a_store(where)} Expected the --store of an earlier run over the same prompts, "
+            "or leave --length-hints out."
         )
     longest, stored_ids = _longest_per_row(hints)
     if hints.attrs.input.get("fingerprint") == fingerprint and len(longest) == n_rows:

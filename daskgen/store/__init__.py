@@ -9,7 +9,8 @@ policy record's modules (``policy*``, ``delta_codec``, ``fingerprint``) sit at t
 """
 
 from daskgen.store.attrs import StoreAttrs
-from daskgen.store.generation_store import GenerationStore, read_store_attrs
+from daskgen.store.generation_store import GenerationStore
+from daskgen.store.identity import read_store_attrs
 from daskgen.store.layout import DONE, FAILED, PENDING, ArraySpec, Layout
 from daskgen.store.location import StoreLocation, StoreRef, locate
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import socket
 import warnings
@@ -28,6 +27,7 @@ from daskgen.store.attrs import ATTRS_KEY, StoreAttrs, jsonable, utc_now
 from daskgen.store.chunks.chunk_reads import PlainArray, plain_array
 from daskgen.store.chunks.codecs import chunks_checksummed, compressors
 from daskgen.store.commit_log import write_head
+from daskgen.store.identity import not_a_store, read_store_attrs, version_of
 from daskgen.store.images import IMAGES_FOLDER
 from daskgen.store.layout import (
     COORDS,
@@ -64,24 +64,6 @@ def import_zarr() -> Any:
     known = rf"daskgen\.(lock|commits|cursors|policy[.a-z]*)|{IMAGES_FOLDER}"
     warnings.filterwarnings("ignore", message=rf".*Object at ({known}) is not recognized.*")
     return zarr
-
-
-def read_store_attrs(where: StoreRef) -> StoreAttrs | None:
-    """The typed attrs of the store at ``where``, or ``None`` when it is not a daskgen store."""
-    loc = locate(where)
-    try:
-        raw = loc.read_bytes("zarr.json")
-        doc = None if raw is None else json.loads(raw)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise StoreError(f"{loc.url + '/zarr.json'!r} is not readable Zarr metadata: {exc}") from exc
-    found = None if doc is None else (doc.get("attributes") or {}).get(ATTRS_KEY)
-    return None if found is None else StoreAttrs.from_json(found)
-
-
-def version_of(attrs: StoreAttrs) -> str:
-    """What identifies a store's arrays at its location (:attr:`GenerationStore.version`): creation time and
-    packing state."""
-    return f"{attrs.created}|{json.dumps(attrs.packed, sort_keys=True)}"
 
 
 class GenerationStore:
@@ -137,8 +119,8 @@ class GenerationStore:
         store = cls.open_if_exists(where, storage_options)
         if store is None:
             raise StoreError(
-                f"{str(locate(where, storage_options))!r} is not a daskgen store (no 'daskgen' attrs in its "
-                "zarr.json). Check the path, or run `daskgen run --store PATH` to create one."
+                f"{not_a_store(locate(where, storage_options))} Check the path (the --store of a daskgen run), or run "
+                "`daskgen run --store PATH` to create one."
             )
         return store
 

@@ -29,7 +29,7 @@ from daskgen.errors import PolicyDeltaError, PolicyError, PolicyVersionError
 from daskgen.store.attrs import utc_now
 from daskgen.store.commit_log import POLICY_DELTAS_PREFIX, POLICY_KEY, POLICY_TOPIC, POLICY_WORKERS_PREFIX
 from daskgen.store.fingerprint import checkpoint_fingerprint
-from daskgen.store.generation_store import read_store_attrs
+from daskgen.store.identity import read_store_attrs
 from daskgen.store.location import StoreLocation, StoreRef, locate
 from daskgen.store.policy_cache import checkpoint_for
 from daskgen.store.policy_delta import StaleBase, make_delta

@@ -52,6 +52,7 @@ from daskgen.store.chunks.codecs import with_checksum
 from daskgen.store.chunks.shard_index import inner_chunk_bytes, sharding
 from daskgen.store.commit_log import LOG_KEYS
 from daskgen.store.generation_store import GenerationStore, import_zarr
+from daskgen.store.identity import not_a_store
 from daskgen.store.layout import client_written_arrays
 from daskgen.store.location import LocalLocation, StoreLocation, StoreRef, locate
 from daskgen.store.records.cursors import Cursor, stored_cursors
@@ -352,7 +353,7 @@ def pack(
         return PackResult(src.url, mode, files, size, files, size, time.perf_counter() - t0)
     source = GenerationStore.open_if_exists(src)
     if source is None:
-        raise PackError(f"{src.url!r} is not a daskgen store; pass the --store path of a daskgen run.")
+        raise PackError(f"{not_a_store(src)} Pass the --store path of a daskgen run.")
     if bool(source.attrs.packed) != unpack:
         state = "already packed" if not unpack else "not packed"
         raise PackError(f"{src.url!r} is {state}; nothing to {mode}.")
