@@ -551,3 +551,26 @@ def test_drain_before_retire_keeps_every_way_of_choosing_workers():
         assert len(client.scheduler_info()["workers"]) == 1
         with pytest.raises(TypeError, match="mutually exclusive"):
             client.retire_workers(workers=[first], names=[name])
+
+
+def test_a_leaving_worker_drops_only_distributeds_races_of_its_own_retirement():
+    """A worker that retires itself on SIGTERM while its nanny or cluster closes it (the whole job got SIGTERM)
+    makes distributed log two benign races; the leaving worker drops exactly those records, which distributed
+    still words as :data:`LEAVING_RACES` says (this fails when it words them otherwise)."""
+    import inspect
+    import logging
+
+    import distributed.worker
+
+    from daskgen.worker.drain import LEAVING_RACES, LeavingRaces
+
+    source = inspect.getsource(distributed.worker)
+    assert all(f'"{race}' in source for race in LEAVING_RACES), "distributed words these races otherwise now"
+
+    def record(msg: str, *args: object) -> logging.LogRecord:
+        return logging.LogRecord("distributed.worker", logging.ERROR, __file__, 1, msg, args, None)
+
+    races = LeavingRaces()
+    assert not races.filter(record("Invalid Worker.status transition: %s -> %s", "closing", "closing_gracefully"))
+    assert not races.filter(record("Scheduler was unaware of this worker; shutting down."))
+    assert races.filter(record("Compute Failed\nKey: %s", "x")), "every other record of the worker is kept"

@@ -37,6 +37,19 @@ logger = logging.getLogger(__name__)
 #: that was not followed by the worker's retirement.
 HANDLER = "daskgen_drain"
 RESUME_HANDLER = "daskgen_resume"
+#: What distributed logs when a worker that retires itself is closed by its nanny or cluster meanwhile (the whole
+#: job got SIGTERM): the scheduler's answer to the retirement finds the worker closing, or forgot it already.
+#: Both are benign races of a worker that is leaving anyway, so a leaving worker does not log them.
+LEAVING_RACES = ("Invalid Worker.status transition", "Scheduler was unaware of this worker")
+
+
+class LeavingRaces(logging.Filter):
+    """Drops :data:`LEAVING_RACES` records of a worker that is leaving."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(LEAVING_RACES)
+
+
 #: Extra seconds an RPC waits for a worker's drain beyond the drain's own timeout.
 RPC_SLACK_S = 5.0
 
@@ -103,6 +116,7 @@ class Draining:
 
     async def _drain_and_leave(self, worker: Any) -> None:
         await self.drain()
+        logging.getLogger("distributed.worker").addFilter(LeavingRaces())
         await worker.close_gracefully(reason="daskgen: SIGTERM")
 
     async def drain(self, timeout: float | None = None) -> dict[str, int]:
